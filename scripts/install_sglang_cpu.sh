@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Install the real SGLang 0.5.23 into the current Python environment, CPU only (tests).
+#
+#   scripts/install_sglang_cpu.sh            # uses `python` on PATH (e.g. an activated venv)
+#   PYTHON=/path/to/venv/bin/python scripts/install_sglang_cpu.sh
+#
+# Idempotent: re-running only checks that everything is already satisfied.
+# Order matters: torch (CPU build) first, then the deps under constraints that keep torch
+# pinned, then sglang itself without its (CUDA) dependency set.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+req="$(cd "$here/../requirements" && pwd)"
+PY="${PYTHON:-python}"
+pip=("$PY" -m pip install --disable-pip-version-check)
+[[ "${VERBOSE:-0}" == 1 ]] || pip+=(-q)
+
+start=$SECONDS
+echo "[install_sglang_cpu] python: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
+
+# 1. torch, CPU build. Never unpinned: plain `torch` resolves to a multi-GB CUDA build.
+"${pip[@]}" "torch==2.13.0"
+
+# 2. Everything SGLang needs on CPU, with torch & friends held by the constraints.
+"${pip[@]}" -c "$req/constraints.txt" -r "$req/sglang-cpu.txt"
+
+# 3. SGLang itself, without its declared dependencies (they would pull CUDA wheels).
+"${pip[@]}" --no-deps -r "$req/sglang-nodeps.txt"
+
+# Sanity: CPU torch still in place, the HiCache modules import (with the test shims).
+PYTHONPATH="$here/../tests/sglang_cpu${PYTHONPATH:+:$PYTHONPATH}" SGLANG_USE_CPU_ENGINE=1 "$PY" - <<'PYEOF'
+import torch
+assert not torch.version.cuda, f"expected a CPU torch, got CUDA {torch.version.cuda}"
+import sglang
+import sglang.srt.mem_cache.hicache_storage
+import sglang.srt.mem_cache.storage.backend_factory
+import sglang.srt.mem_cache.pool_host.mha
+import sglang.srt.mem_cache.pool_host.mla
+import sglang.srt.managers.cache_controller
+print(f"[install_sglang_cpu] ok: torch {torch.__version__}, sglang {sglang.__version__}")
+PYEOF
+echo "[install_sglang_cpu] done in $((SECONDS - start)) s"

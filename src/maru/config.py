@@ -1,0 +1,159 @@
+"""Client configuration: the one place where sizes, booleans and `maru_*` keys are parsed.
+
+The SGLang adapter, the CLI and the tests all go through `MaruConfig.from_mapping` so that a
+bad value produces the same error, naming the key, wherever it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(i?B?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the offending key."""
+
+
+def parse_size(value: int | float | str, *, name: str = "size") -> int:
+    """Parse "4G", "500M", "1MiB", "4096" or an int into a byte count (binary units)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a size like '4G' or a byte count, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float):
+        if not value.is_integer():
+            raise ConfigError(f"{name}: a byte count must be whole, got {value!r}")
+        n = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if not m:
+            raise ConfigError(f"{name}: expected a size like '4G', '500M' or '1048576', got {value!r}")
+        n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+    else:
+        raise ConfigError(f"{name}: expected a size like '4G' or a byte count, got {value!r}")
+    if n <= 0:
+        raise ConfigError(f"{name}: must be positive, got {value!r}")
+    return n
+
+
+def parse_bool(value: Any, *, name: str = "flag") -> bool:
+    """Accept JSON booleans, 0/1 and the usual strings ("true", "off", ...)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        low = value.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+    raise ConfigError(f"{name}: expected a boolean (true/false), got {value!r}")
+
+
+def parse_positive_int(value: Any, *, name: str) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a positive integer, got {value!r}")
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected a positive integer, got {value!r}") from None
+    if isinstance(value, float) and not value.is_integer():
+        raise ConfigError(f"{name}: expected a positive integer, got {value!r}")
+    if n <= 0:
+        raise ConfigError(f"{name}: expected a positive integer, got {value!r}")
+    return n
+
+
+@dataclass
+class MaruConfig:
+    """How a `MaruHandler` reaches the server and how much shared memory it owns.
+
+    `pool_size` is the size of the first region this instance requests from the server's pool;
+    `auto_expand` requests further regions of `expand_size` (default: `pool_size`) when full.
+    """
+
+    server_url: str = "tcp://localhost:5555"
+    instance_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    pool_size: int = 1 << 30
+    chunk_size_bytes: int = 1 << 20
+    auto_connect: bool = True
+    timeout_ms: int = 2000
+    use_async_rpc: bool = True
+    max_inflight: int = 64
+    eager_map: bool = True
+    auto_expand: bool = True
+    expand_size: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.server_url, str) or not re.match(
+            r"^(tcp|ipc|inproc)://.+", self.server_url
+        ):
+            raise ConfigError(
+                f"server_url: expected 'tcp://host:port' (or ipc://path), got {self.server_url!r}"
+            )
+        if not isinstance(self.instance_id, str) or not self.instance_id.strip():
+            raise ConfigError(f"instance_id: expected a non-empty string, got {self.instance_id!r}")
+        if len(self.instance_id.encode()) > 128:
+            raise ConfigError("instance_id: at most 128 bytes")
+        self.pool_size = parse_size(self.pool_size, name="pool_size")
+        self.chunk_size_bytes = parse_size(self.chunk_size_bytes, name="chunk_size_bytes")
+        if self.chunk_size_bytes % 4096:
+            raise ConfigError(
+                f"chunk_size_bytes: must be a multiple of 4096, got {self.chunk_size_bytes}"
+            )
+        if self.chunk_size_bytes > self.pool_size:
+            raise ConfigError(
+                f"chunk_size_bytes: {self.chunk_size_bytes} is larger than pool_size "
+                f"{self.pool_size}"
+            )
+        self.timeout_ms = parse_positive_int(self.timeout_ms, name="timeout_ms")
+        self.max_inflight = parse_positive_int(self.max_inflight, name="max_inflight")
+        for name in ("auto_connect", "use_async_rpc", "eager_map", "auto_expand"):
+            setattr(self, name, parse_bool(getattr(self, name), name=name))
+        if self.expand_size is not None:
+            self.expand_size = parse_size(self.expand_size, name="expand_size")
+
+    @property
+    def region_expand_size(self) -> int:
+        return self.expand_size or self.pool_size
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, prefix: str = "") -> MaruConfig:
+        """Build a config from a dict such as SGLang's extra_config.
+
+        With `prefix="maru_"`, keys `maru_server_url`, `maru_pool_size`, ... are read; other keys
+        without the prefix are ignored (they belong to SGLang), but an unknown key *with* the
+        prefix is an error, because it is almost always a typo of ours.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for raw_key, value in values.items():
+            if prefix:
+                if not raw_key.startswith(prefix):
+                    continue
+                key = raw_key[len(prefix) :]
+            else:
+                key = raw_key
+            if key not in known:
+                valid = ", ".join(sorted(prefix + k for k in known))
+                raise ConfigError(f"{raw_key}: unknown Maru option (valid keys: {valid})")
+            kwargs[key] = value
+        try:
+            return cls(**kwargs)
+        except ConfigError as exc:
+            if prefix:
+                raise ConfigError(f"{prefix}{exc}") from None
+            raise

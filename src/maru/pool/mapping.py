@@ -1,0 +1,83 @@
+"""Client-side mapping of regions: mmap on first use, cached for the handler's lifetime."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from maru.pool.region import RegionHandle
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MappedRegion:
+    handle: RegionHandle
+    mm: mmap.mmap
+    view: memoryview  # whole region; writable only for regions this instance owns
+    address: int  # virtual address of the region's first byte in this process
+    writable: bool
+
+
+class RegionMapper:
+    """Maps region handles into this process. Regions owned by others are mapped read-only,
+    so a bug in one instance cannot scribble over another instance's pages."""
+
+    def __init__(self) -> None:
+        self._regions: dict[int, MappedRegion] = {}
+        self._lock = threading.Lock()
+
+    def get(self, region_id: int) -> MappedRegion | None:
+        return self._regions.get(region_id)
+
+    def __contains__(self, region_id: int) -> bool:
+        return region_id in self._regions
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    def map(self, handle: RegionHandle, *, writable: bool) -> MappedRegion:
+        with self._lock:
+            mapped = self._regions.get(handle.region_id)
+            if mapped is not None and mapped.handle == handle and (mapped.writable or not writable):
+                return mapped
+            if mapped is not None:
+                self._unmap_locked(handle.region_id)
+            flags = os.O_RDWR if writable else os.O_RDONLY
+            fd = os.open(handle.path, flags)
+            try:
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+                mm = mmap.mmap(fd, handle.length, mmap.MAP_SHARED, prot, offset=handle.offset)
+            finally:
+                os.close(fd)
+            address = int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
+            view = memoryview(mm) if writable else memoryview(mm).toreadonly()
+            mapped = MappedRegion(handle, mm, view, address, writable)
+            self._regions[handle.region_id] = mapped
+            return mapped
+
+    def unmap(self, region_id: int) -> None:
+        with self._lock:
+            self._unmap_locked(region_id)
+
+    def _unmap_locked(self, region_id: int) -> None:
+        mapped = self._regions.pop(region_id, None)
+        if mapped is None:
+            return
+        try:
+            mapped.view.release()
+            mapped.mm.close()
+        except BufferError:
+            # A caller still holds a view into the region; the mapping is closed when the
+            # last view is garbage collected.
+            log.debug("region %d still has live views; deferring unmap", region_id)
+
+    def close(self) -> None:
+        with self._lock:
+            for region_id in list(self._regions):
+                self._unmap_locked(region_id)

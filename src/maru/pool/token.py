@@ -1,0 +1,48 @@
+"""Region tokens: an HMAC over a region handle's fields with a secret only the server knows.
+
+A client can only present a token the server gave it, so a region can be freed or re-opened only
+by someone the server handed it to. The secret lives in the server's state dir (mode 0600) so
+tokens stay valid across a server restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+SECRET_FILE = "secret.key"
+
+
+def load_or_create_secret(state_dir: Path) -> bytes:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = state_dir / SECRET_FILE
+    try:
+        secret = path.read_bytes()
+        if len(secret) >= 32:
+            return secret
+    except FileNotFoundError:
+        pass
+    secret = secrets.token_bytes(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret)
+        f.flush()
+        os.fsync(f.fileno())
+    return secret
+
+
+class TokenSigner:
+    def __init__(self, secret: bytes):
+        self._secret = secret
+
+    def sign(self, region_id: int, path: str, offset: int, length: int) -> str:
+        msg = f"{region_id}|{path}|{offset}|{length}".encode()
+        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()[:32]
+
+    def verify(self, token: object, region_id: int, path: str, offset: int, length: int) -> bool:
+        if not isinstance(token, str):
+            return False
+        return hmac.compare_digest(token, self.sign(region_id, path, offset, length))

@@ -1,0 +1,140 @@
+"""Wire format shared by client and server.
+
+One ZMQ frame per message: a fixed 16-byte header followed by a msgpack map.
+
+    magic  b"MARU"   4 bytes
+    version          1 byte   (PROTOCOL_VERSION)
+    msg_type         1 byte   (MsgType)
+    flags            2 bytes  (FLAG_REPLY on replies)
+    request_id       8 bytes  (echoed in the reply; lets many requests be in flight)
+
+A reply body is `{"ok": True, ...fields}` or `{"ok": False, "code": ErrorCode, "error": str}`.
+Only metadata crosses this socket: keys and (region, offset, length) triples, never page bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+
+MAGIC = b"MARU"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("!4sBBHQ")
+FLAG_REPLY = 0x1
+
+MAX_KEY_BYTES = 1024
+MAX_BATCH = 65536
+MAX_FRAME_BYTES = 64 << 20
+
+
+class MsgType(IntEnum):
+    HANDSHAKE = 1
+    REQUEST_REGION = 2
+    RETURN_REGION = 3
+    REGION_ACCESS = 4
+    REGISTER_KV = 5
+    LOOKUP_KV = 6
+    EXISTS = 7
+    PIN = 8
+    UNPIN = 9
+    DELETE_KV = 10
+    LIST_ALLOCATIONS = 11
+    STATS = 12
+    HEARTBEAT = 13
+
+
+class ErrorCode(IntEnum):
+    BAD_FRAME = 1
+    BAD_VERSION = 2
+    UNKNOWN_TYPE = 3
+    BAD_REQUEST = 4
+    UNKNOWN_INSTANCE = 5
+    UNKNOWN_REGION = 6
+    BAD_TOKEN = 7
+    NOT_OWNER = 8
+    POOL_FULL = 9
+    KEY_TOO_LONG = 10
+    INTERNAL = 11
+
+
+class RegisterStatus(IntEnum):
+    """Per-key outcome of REGISTER_KV."""
+
+    REGISTERED = 0
+    EXISTS = 1  # first writer won; the caller's bytes are not referenced and may be reused
+    REJECTED = 2  # location invalid (outside the caller's region, unknown region, bad key)
+
+
+class DeleteStatus(IntEnum):
+    DELETED = 0
+    NOT_FOUND = 1
+    PINNED = 2
+
+
+class ProtocolError(Exception):
+    """A frame could not be decoded or a request is invalid; carries the wire error code."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Header:
+    version: int
+    msg_type: int
+    flags: int
+    request_id: int
+
+
+def encode(msg_type: int, request_id: int, body: dict[str, Any], *, reply: bool = False) -> bytes:
+    flags = FLAG_REPLY if reply else 0
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, int(msg_type), flags, request_id) + msgpack.packb(
+        body, use_bin_type=True
+    )
+
+
+def encode_error(msg_type: int, request_id: int, code: ErrorCode, message: str) -> bytes:
+    return encode(
+        msg_type, request_id, {"ok": False, "code": int(code), "error": message}, reply=True
+    )
+
+
+def decode_header(frame: bytes) -> Header:
+    if len(frame) < HEADER.size:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"frame of {len(frame)} bytes is shorter than the header")
+    magic, version, msg_type, flags, request_id = HEADER.unpack_from(frame)
+    if magic != MAGIC:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "bad magic: not a Maru frame")
+    return Header(version, msg_type, flags, request_id)
+
+
+def decode(frame: bytes) -> tuple[Header, dict[str, Any]]:
+    """Decode a whole frame; raises ProtocolError with the code the peer should see."""
+    header = decode_header(frame)
+    if header.version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.BAD_VERSION,
+            f"protocol version {header.version} not supported (this side speaks {PROTOCOL_VERSION})",
+        )
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"frame of {len(frame)} bytes exceeds the limit")
+    try:
+        body = msgpack.unpackb(
+            memoryview(frame)[HEADER.size :],
+            raw=False,
+            strict_map_key=False,
+            max_bin_len=MAX_FRAME_BYTES,
+            max_str_len=MAX_FRAME_BYTES,
+            max_array_len=4 * MAX_BATCH,
+            max_map_len=4 * MAX_BATCH,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"body is not valid msgpack: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(ErrorCode.BAD_FRAME, "body must be a msgpack map")
+    return header, body

@@ -1,0 +1,1 @@
+"""maru-server: pool owner, region allocator and key registry (metadata only)."""

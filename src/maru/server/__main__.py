@@ -1,0 +1,5 @@
+import sys
+
+from maru.server.cli import main
+
+sys.exit(main())
