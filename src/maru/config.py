@@ -36,7 +36,9 @@ def parse_size(value: int | float | str, *, name: str = "size") -> int:
     elif isinstance(value, str):
         m = _SIZE_RE.match(value)
         if not m:
-            raise ConfigError(f"{name}: expected a size like '4G', '500M' or '1048576', got {value!r}")
+            raise ConfigError(
+                f"{name}: expected a size like '4G', '500M' or '1048576', got {value!r}"
+            )
         n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
     else:
         raise ConfigError(f"{name}: expected a size like '4G' or a byte count, got {value!r}")

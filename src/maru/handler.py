@@ -119,9 +119,10 @@ class MaruHandler:
             for owned in list(self._owned.values()):
                 h = owned.mapped.handle
                 try:
-                    self._rpc.call(MsgType.RETURN_REGION,
-                                   {"iid": self.instance_id, "region_id": h.region_id,
-                                    "token": h.token})
+                    self._rpc.call(
+                        MsgType.RETURN_REGION,
+                        {"iid": self.instance_id, "region_id": h.region_id, "token": h.token},
+                    )
                 except MaruError as exc:
                     log.warning("returning region %d failed: %s", h.region_id, exc)
         self._connected = False
@@ -194,8 +195,9 @@ class MaruHandler:
         mapped = self._mapper.get(handle.region_id)
         if mapped is not None and mapped.handle == handle:
             return mapped
-        return self._mapper.map(handle, writable=handle.owner == self.instance_id
-                                and handle.region_id in self._owned)
+        return self._mapper.map(
+            handle, writable=handle.owner == self.instance_id and handle.region_id in self._owned
+        )
 
     # -- alloc / store -----------------------------------------------------------------------
 
@@ -206,9 +208,13 @@ class MaruHandler:
                 if first is not None:
                     offset = first * self._chunk
                     mapped = owned.mapped
-                    return AllocHandle(mapped.view[offset : offset + pages * self._chunk],
-                                       region_id, offset, pages * self._chunk,
-                                       mapped.address + offset)
+                    return AllocHandle(
+                        mapped.view[offset : offset + pages * self._chunk],
+                        region_id,
+                        offset,
+                        pages * self._chunk,
+                        mapped.address + offset,
+                    )
         return None
 
     def alloc(self, size: int) -> AllocHandle | None:
@@ -219,8 +225,9 @@ class MaruHandler:
         handle = self._try_alloc(pages)
         if handle is not None or not self.config.auto_expand:
             if handle is None:
-                log.warning("instance %s: owned regions are full (auto_expand off)",
-                            self.instance_id)
+                log.warning(
+                    "instance %s: owned regions are full (auto_expand off)", self.instance_id
+                )
             return handle
         with self._expand_lock:
             handle = self._try_alloc(pages)  # another thread may have expanded meanwhile
@@ -239,9 +246,13 @@ class MaruHandler:
             if first is None:
                 return None
             offset = first * self._chunk
-            return AllocHandle(owned.mapped.view[offset : offset + pages * self._chunk],
-                               owned.mapped.handle.region_id, offset, pages * self._chunk,
-                               owned.mapped.address + offset)
+            return AllocHandle(
+                owned.mapped.view[offset : offset + pages * self._chunk],
+                owned.mapped.handle.region_id,
+                offset,
+                pages * self._chunk,
+                owned.mapped.address + offset,
+            )
 
     def free(self, handle: AllocHandle) -> None:
         """Give back pages that were allocated but will not be registered."""
@@ -250,16 +261,23 @@ class MaruHandler:
             if owned is not None:
                 owned.pages.free_extent(handle.offset // self._chunk)
 
-    def store(self, key: Key, data: Buffer | None = None, *,
-              handle: AllocHandle | None = None, length: int | None = None) -> bool:
+    def store(
+        self,
+        key: Key,
+        data: Buffer | None = None,
+        *,
+        handle: AllocHandle | None = None,
+        length: int | None = None,
+    ) -> bool:
         """Store one value: either copy `data` in, or publish a `handle` already written."""
         if (data is None) == (handle is None):
             raise ValueError("store() takes exactly one of data= or handle=")
         if data is not None:
             return self.batch_store([key], [data])[0]
         assert handle is not None
-        return self.batch_store([key], handles=[handle],
-                                lengths=None if length is None else [length])[0]
+        return self.batch_store(
+            [key], handles=[handle], lengths=None if length is None else [length]
+        )[0]
 
     def batch_store(
         self,
@@ -345,8 +363,11 @@ class MaruHandler:
             view = region.view[offset : offset + length]
             if not view.readonly:
                 view = view.toreadonly()
-            out.append(MemoryInfo(view, region_id, offset // chunk, offset, length,
-                                  region.address + offset))
+            out.append(
+                MemoryInfo(
+                    view, region_id, offset // chunk, offset, length, region.address + offset
+                )
+            )
         return out
 
     # -- existence, pinning, deletion --------------------------------------------------------
@@ -407,8 +428,9 @@ class MaruHandler:
 
     def list_allocations(self, *, all_instances: bool = False) -> list[RegionHandle]:
         body: dict[str, Any] = {} if all_instances else {"owner": self.instance_id}
-        return [RegionHandle.from_wire(f)
-                for f in self._call(MsgType.LIST_ALLOCATIONS, body)["regions"]]
+        return [
+            RegionHandle.from_wire(f) for f in self._call(MsgType.LIST_ALLOCATIONS, body)["regions"]
+        ]
 
     def owned_region_ids(self) -> list[int]:
         with self._lock:

@@ -106,7 +106,9 @@ def encode_error(msg_type: int, request_id: int, code: ErrorCode, message: str) 
 
 def decode_header(frame: bytes) -> Header:
     if len(frame) < HEADER.size:
-        raise ProtocolError(ErrorCode.BAD_FRAME, f"frame of {len(frame)} bytes is shorter than the header")
+        raise ProtocolError(
+            ErrorCode.BAD_FRAME, f"frame of {len(frame)} bytes is shorter than the header"
+        )
     magic, version, msg_type, flags, request_id = HEADER.unpack_from(frame)
     if magic != MAGIC:
         raise ProtocolError(ErrorCode.BAD_FRAME, "bad magic: not a Maru frame")
@@ -119,7 +121,7 @@ def decode(frame: bytes) -> tuple[Header, dict[str, Any]]:
     if header.version != PROTOCOL_VERSION:
         raise ProtocolError(
             ErrorCode.BAD_VERSION,
-            f"protocol version {header.version} not supported (this side speaks {PROTOCOL_VERSION})",
+            f"protocol version {header.version} unsupported (server speaks {PROTOCOL_VERSION})",
         )
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"frame of {len(frame)} bytes exceeds the limit")

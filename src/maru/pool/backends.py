@@ -8,6 +8,7 @@ The kind is told by the path given to `maru-server --pool`:
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import logging
 import os
@@ -196,10 +197,8 @@ class FsDaxPool(Pool):
 
     def release(self, path: str, offset: int) -> None:
         self._files.pop(path)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
 
     def reserve(self, path: str, offset: int, length: int) -> None:
         self._files[path] = length

@@ -26,30 +26,53 @@ def build_parser() -> argparse.ArgumentParser:
         "keeps the key -> (region, offset, length) registry. Page bytes never pass through it.",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT,
-                   help=f"TCP port to bind; 0 picks a free one (default: {DEFAULT_PORT})")
-    p.add_argument("--pool", default=None,
-                   help="pool location: a file (shm, default /dev/shm/maru-<port>.pool), a "
-                   "/dev/dax* device (devdax) or a directory (fsdax)")
-    p.add_argument("--pool-size", default="8G",
-                   help="pool capacity, e.g. 8G or 500M (devdax: defaults to the device size) "
-                   "(default: 8G)")
-    p.add_argument("--pool-group", default=None,
-                   help="group that may map the pool (mode 0660); default: owner only (0600)")
-    p.add_argument("--state-dir", default=None,
-                   help="directory for the token secret and persisted state "
-                   "(default: ~/.local/state/maru/<port>)")
-    p.add_argument("--log-level", default="INFO",
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default: INFO)")
-    p.add_argument("--ready-file", default=None,
-                   help="write the bound endpoint to this file once serving (for scripts/tests)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"TCP port to bind; 0 picks a free one (default: {DEFAULT_PORT})",
+    )
+    p.add_argument(
+        "--pool",
+        default=None,
+        help="pool location: a file (shm, default /dev/shm/maru-<port>.pool), a "
+        "/dev/dax* device (devdax) or a directory (fsdax)",
+    )
+    p.add_argument(
+        "--pool-size",
+        default="8G",
+        help="pool capacity, e.g. 8G or 500M (devdax: defaults to the device size) (default: 8G)",
+    )
+    p.add_argument(
+        "--pool-group",
+        default=None,
+        help="group that may map the pool (mode 0660); default: owner only (0600)",
+    )
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        help="directory for the token secret and persisted state "
+        "(default: ~/.local/state/maru/<port>)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="(default: INFO)",
+    )
+    p.add_argument(
+        "--ready-file",
+        default=None,
+        help="write the bound endpoint to this file once serving (for scripts/tests)",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=args.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     try:

@@ -40,8 +40,9 @@ class Region:
     live_keys: int = 0
 
     def handle(self) -> RegionHandle:
-        return RegionHandle(self.region_id, self.path, self.offset, self.length, self.token,
-                            self.owner)
+        return RegionHandle(
+            self.region_id, self.path, self.offset, self.length, self.token, self.owner
+        )
 
 
 class KeyEntry:
@@ -76,7 +77,9 @@ def check_key(key: Any) -> Key:
         if len(key) > MAX_KEY_BYTES:
             raise ProtocolError(ErrorCode.KEY_TOO_LONG, f"key longer than {MAX_KEY_BYTES} bytes")
         return key
-    raise ProtocolError(ErrorCode.BAD_REQUEST, f"a key must be str or bytes, got {type(key).__name__}")
+    raise ProtocolError(
+        ErrorCode.BAD_REQUEST, f"a key must be str or bytes, got {type(key).__name__}"
+    )
 
 
 class Registry:
@@ -144,7 +147,9 @@ class Registry:
     def request_region(self, instance_id: str, size: int) -> RegionHandle:
         inst = self.instance(instance_id)
         if not isinstance(size, int) or size <= 0:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"region size must be positive, got {size!r}")
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"region size must be positive, got {size!r}"
+            )
         length = self.pool.round_up(size)
         region_id = self._next_region_id
         try:
@@ -158,16 +163,23 @@ class Registry:
         self.regions[region_id] = region
         inst.regions.add(region_id)
         self.counters["regions_allocated"] += 1
-        log.info("region %d (%d bytes at %s+%d) allocated to %s", region_id, length, path,
-                 offset, instance_id)
+        log.info(
+            "region %d (%d bytes at %s+%d) allocated to %s",
+            region_id,
+            length,
+            path,
+            offset,
+            instance_id,
+        )
         return region.handle()
 
     def _verified_region(self, region_id: Any, token: Any) -> Region:
         region = self.regions.get(region_id) if isinstance(region_id, int) else None
         if region is None:
             raise ProtocolError(ErrorCode.UNKNOWN_REGION, f"unknown region {region_id!r}")
-        if not self.signer.verify(token, region.region_id, region.path, region.offset,
-                                  region.length):
+        if not self.signer.verify(
+            token, region.region_id, region.path, region.offset, region.length
+        ):
             raise ProtocolError(ErrorCode.BAD_TOKEN, f"wrong token for region {region_id}")
         return region
 
@@ -178,8 +190,9 @@ class Registry:
         inst = self.instance(instance_id)
         region = self._verified_region(region_id, token)
         if region.owner != instance_id or region.returned:
-            raise ProtocolError(ErrorCode.NOT_OWNER,
-                                f"region {region_id} is not owned by {instance_id}")
+            raise ProtocolError(
+                ErrorCode.NOT_OWNER, f"region {region_id} is not owned by {instance_id}"
+            )
         inst.regions.discard(region.region_id)
         self._release_region(region)
 
@@ -188,8 +201,12 @@ class Registry:
         if region.live_keys == 0:
             self._free_region(region)
         else:
-            log.info("region %d returned by %s; freeing deferred until its %d keys go",
-                     region.region_id, region.owner, region.live_keys)
+            log.info(
+                "region %d returned by %s; freeing deferred until its %d keys go",
+                region.region_id,
+                region.owner,
+                region.live_keys,
+            )
 
     def _free_region(self, region: Region) -> None:
         self.pool.release(region.path, region.offset)
@@ -242,8 +259,9 @@ class Registry:
         self.counters["keys_registered"] += statuses.count(RegisterStatus.REGISTERED)
         return statuses
 
-    def lookup(self, keys: list[Any], instance_id: str | None = None
-               ) -> tuple[list[list[int] | None], list[RegionHandle]]:
+    def lookup(
+        self, keys: list[Any], instance_id: str | None = None
+    ) -> tuple[list[list[int] | None], list[RegionHandle]]:
         """Locations of `keys` (None for a miss) and the handles of the regions they live in."""
         locations: list[list[int] | None] = []
         region_ids: set[int] = set()

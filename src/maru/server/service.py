@@ -25,7 +25,7 @@ Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
 def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
     value = body.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"field {name!r} missing or of the wrong type")
     return value
 
@@ -54,7 +54,9 @@ class MaruService:
             MsgType.EXISTS: self._exists,
             MsgType.PIN: lambda b: {"results": self.registry.pin(_keys(b))},
             MsgType.UNPIN: lambda b: {"results": self.registry.unpin(_keys(b))},
-            MsgType.DELETE_KV: lambda b: {"results": [int(s) for s in self.registry.delete(_keys(b))]},
+            MsgType.DELETE_KV: lambda b: {
+                "results": [int(s) for s in self.registry.delete(_keys(b))]
+            },
             MsgType.LIST_ALLOCATIONS: self._list_allocations,
             MsgType.STATS: self._stats,
             MsgType.HEARTBEAT: lambda b: {},
@@ -83,8 +85,9 @@ class MaruService:
         return {"region": handle.to_wire()}
 
     def _return_region(self, body: dict[str, Any]) -> dict[str, Any]:
-        self.registry.return_region(_field(body, "iid", str), body.get("region_id"),
-                                    body.get("token"))
+        self.registry.return_region(
+            _field(body, "iid", str), body.get("region_id"), body.get("token")
+        )
         return {}
 
     def _region_access(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -144,12 +147,17 @@ class MaruService:
             return protocol.encode_error(msg_type, request_id, exc.code, str(exc))
         except Exception as exc:
             log.exception("internal error handling message type %s", msg_type)
-            return protocol.encode_error(msg_type, request_id, ErrorCode.INTERNAL,
-                                         f"internal server error: {exc}")
+            return protocol.encode_error(
+                msg_type, request_id, ErrorCode.INTERNAL, f"internal server error: {exc}"
+            )
 
     def serve_forever(self, poll_ms: int = 200) -> None:
-        log.info("maru-server listening on %s (pool %s, %d bytes)", self.endpoint,
-                 self.registry.pool.name, self.registry.pool.capacity)
+        log.info(
+            "maru-server listening on %s (pool %s, %d bytes)",
+            self.endpoint,
+            self.registry.pool.name,
+            self.registry.pool.capacity,
+        )
         sock = self.socket
         while not self._stop.is_set():
             if not sock.poll(poll_ms, zmq.POLLIN):
@@ -161,8 +169,9 @@ class MaruService:
                     break
                 if len(parts) != 2:
                     # A DEALER sends exactly one frame; anything else is not ours to parse.
-                    reply = protocol.encode_error(0, 0, ErrorCode.BAD_FRAME,
-                                                  f"expected 1 frame, got {len(parts) - 1}")
+                    reply = protocol.encode_error(
+                        0, 0, ErrorCode.BAD_FRAME, f"expected 1 frame, got {len(parts) - 1}"
+                    )
                 else:
                     reply = self.handle_frame(parts[1])
                 try:
