@@ -79,7 +79,7 @@ class MaruHandler:
         self._rpc = RpcClient(
             config.server_url,
             timeout_ms=config.timeout_ms,
-            max_inflight=config.max_inflight,
+            max_inflight=config.max_inflight if config.use_async_rpc else 1,
             reply_hook=self._on_reply,
         )
         self._mapper = RegionMapper()
@@ -410,6 +410,10 @@ class MaruHandler:
             log.warning("delete of %d keys failed: %s", len(keys), exc)
             return [False] * len(keys)
         return [s == DeleteStatus.DELETED for s in reply["results"]]
+
+    def delete_prefix(self, prefix: Key) -> int:
+        """Delete every unpinned key that starts with `prefix`; returns how many went."""
+        return int(self._call(MsgType.DELETE_PREFIX, {"prefix": prefix})["deleted"])
 
     def _batch_bool(self, msg_type: MsgType, keys: Sequence[Key]) -> list[bool]:
         if not keys:

@@ -45,6 +45,7 @@ class MsgType(IntEnum):
     LIST_ALLOCATIONS = 11
     STATS = 12
     HEARTBEAT = 13
+    DELETE_PREFIX = 14
 
 
 class ErrorCode(IntEnum):

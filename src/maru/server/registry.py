@@ -319,6 +319,21 @@ class Registry:
                 out.append(DeleteStatus.DELETED)
         return out
 
+    def delete_prefix(self, prefix: Any) -> tuple[int, int]:
+        """Delete every unpinned key starting with `prefix` (an operator or `clear()` action).
+        Returns (deleted, skipped because pinned). Walks the whole registry: not a hot path."""
+        if not isinstance(prefix, (str, bytes)) or not prefix:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "prefix must be a non-empty str or bytes")
+        deleted = skipped = 0
+        for key in [k for k in self.keys if type(k) is type(prefix) and k.startswith(prefix)]:
+            entry = self.keys[key]
+            if entry.pins:
+                skipped += 1
+            else:
+                self._drop_key(key, entry)
+                deleted += 1
+        return deleted, skipped
+
     def _drop_key(self, key: Key, entry: KeyEntry) -> None:
         del self.keys[key]
         self.counters["keys_deleted"] += 1

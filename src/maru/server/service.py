@@ -15,8 +15,8 @@ from typing import Any
 import zmq
 
 from maru import protocol
-from maru.protocol import MAX_BATCH, ErrorCode, MsgType, ProtocolError
-from maru.server.registry import Registry
+from maru.protocol import MAX_BATCH, MAX_KEY_BYTES, ErrorCode, MsgType, ProtocolError
+from maru.server.registry import Registry, check_key
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,12 @@ def _keys(body: dict[str, Any], name: str = "keys") -> list[Any]:
     keys = _field(body, name, list)
     if len(keys) > MAX_BATCH:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"batch of {len(keys)} exceeds {MAX_BATCH}")
+    if name == "keys":
+        # An oversized or mistyped key is a client bug: answer KEY_TOO_LONG / BAD_REQUEST
+        # rather than a silent miss. (Fast path: a short str/bytes cannot be too long.)
+        for key in keys:
+            if not (isinstance(key, (str, bytes)) and len(key) <= MAX_KEY_BYTES // 4):
+                check_key(key)
     return keys
 
 
@@ -60,6 +66,7 @@ class MaruService:
             MsgType.LIST_ALLOCATIONS: self._list_allocations,
             MsgType.STATS: self._stats,
             MsgType.HEARTBEAT: lambda b: {},
+            MsgType.DELETE_PREFIX: self._delete_prefix,
         }
         self.context = zmq.Context.instance()
         self.socket = self.context.socket(zmq.ROUTER)
@@ -102,6 +109,10 @@ class MaruService:
     def _lookup_kv(self, body: dict[str, Any]) -> dict[str, Any]:
         locations, regions = self.registry.lookup(_keys(body), body.get("iid"))
         return {"locations": locations, "regions": [h.to_wire() for h in regions]}
+
+    def _delete_prefix(self, body: dict[str, Any]) -> dict[str, Any]:
+        deleted, pinned = self.registry.delete_prefix(body.get("prefix"))
+        return {"deleted": deleted, "pinned": pinned}
 
     def _exists(self, body: dict[str, Any]) -> dict[str, Any]:
         return {"results": self.registry.exists(_keys(body))}

@@ -1,0 +1,39 @@
+# Developer entry points. `make test` is what CI runs (.ci/run) and what the README tells you.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.maru-installed
+
+.PHONY: install test test-fast lint format check bench clean
+
+install: $(STAMP)
+
+# A venv with Maru (editable), the dev tools, and the real SGLang for CPU-only test runs.
+$(STAMP): pyproject.toml requirements/constraints.txt requirements/sglang-cpu.txt requirements/sglang-nodeps.txt scripts/install_sglang_cpu.sh
+	test -x $(PY) || python3 -m venv $(VENV)
+	PYTHON=$(PY) bash scripts/install_sglang_cpu.sh
+	$(PY) -m pip install -q --disable-pip-version-check -c requirements/constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest
+
+# Store tests only (no SGLang servers): quick feedback while editing src/maru.
+test-fast: install
+	$(PY) -m pytest tests/unit tests/integration
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+# What to run before every commit.
+check: lint test
+
+bench: install
+	$(PY) benchmarks/bench_store.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

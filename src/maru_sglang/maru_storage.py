@@ -1,0 +1,344 @@
+"""SGLang HiCache L3 backend: `MaruStorage`.
+
+Loaded by SGLang's dynamic backend factory (`cls(storage_config, {})`, then
+`register_mem_pool_host(pool)`) with `--hicache-storage-backend dynamic` and the extra config
+`{"backend_name": "maru", "module_path": "maru_sglang.maru_storage", "class_name": "MaruStorage",
+"interface_v1": 1, "maru_server_url": ..., "maru_pool_size": ...}`.
+
+Zero-copy v1 path: a page's K and V buffers in the host pool are copied (one memmove each) straight
+into one shared-memory allocation, K then V, and back again on a hit. One metadata RPC per batch
+each way; no intermediate buffer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from maru import MaruConfig, MaruHandler
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_LAYOUTS = ("page_first_direct", "page_first")
+KV_POOL_NAME = "kv"
+
+_memmove = ctypes.memmove
+
+
+def _storage_metrics_cls() -> Any:
+    try:
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+    except ImportError:  # older/newer SGLang moved it; stats then come back as a dict
+        return None
+    return StorageMetrics
+
+
+def page_namespace(storage_config: HiCacheStorageConfig, pool: Any) -> str:
+    """A short hash of everything that must match for two instances to share a page.
+
+    Model, page geometry, dtype and the byte order of a page (which differs between
+    `page_first` and `page_first_direct`), and for MHA the TP shard (MLA pages are the same on
+    every rank). A mismatch in any field gives a different namespace: a miss, never garbage.
+    """
+    is_mla = bool(storage_config.is_mla_model)
+    fields: list[str] = [
+        f"model={storage_config.model_name or ''}",
+        f"dtype={pool.dtype}",
+        f"layers={pool.layer_num}",
+        f"page={pool.page_size}",
+        f"layout={pool.layout}",
+    ]
+    if is_mla:
+        fields += [
+            "attn=mla",
+            f"lora={getattr(pool, 'kv_lora_rank', '')}",
+            f"rope={getattr(pool, 'qk_rope_head_dim', '')}",
+            f"dim={getattr(pool, 'kv_cache_dim', '')}",
+            f"dcp={storage_config.dcp_rank}/{storage_config.dcp_size}",
+        ]
+    else:
+        fields += [
+            "attn=mha",
+            f"heads={pool.head_num}",
+            f"head_dim={pool.head_dim}",
+            f"v_head_dim={getattr(pool, 'v_head_dim', pool.head_dim)}",
+            f"tp={storage_config.tp_rank}/{storage_config.tp_size}",
+        ]
+    fields += [
+        f"pp={storage_config.pp_rank}/{storage_config.pp_size}",
+        f"cp={storage_config.attn_cp_rank}/{storage_config.attn_cp_size}",
+        f"dp={storage_config.dp_rank}",
+    ]
+    return hashlib.sha256("|".join(fields).encode()).hexdigest()[:16]
+
+
+class MaruStorage(HiCacheStorage):
+    def __init__(self, storage_config: HiCacheStorageConfig, args: Any = None):
+        self.storage_config = storage_config
+        extra = dict(storage_config.extra_config or {})
+        self.config = MaruConfig.from_mapping(extra, prefix="maru_")
+        self.enable_metrics = bool(storage_config.enable_storage_metrics)
+        self.handler = MaruHandler(self.config)
+        if not self.handler.connected:
+            self.handler.close()
+            raise RuntimeError(f"Failed to connect MaruHandler to {self.config.server_url}")
+        self.mem_pool_host: Any = None
+        self.namespace = ""
+        self._page_bytes = 0
+        self._parts_per_page = 0
+        self._stats_lock = threading.Lock()
+        self._reset_metrics()
+        self.counters = {
+            "hits": 0,
+            "misses": 0,
+            "bytes_read": 0,
+            "bytes_written": 0,
+            "pages_written": 0,
+            "get_seconds": 0.0,
+            "set_seconds": 0.0,
+        }
+        log.info(
+            "MaruStorage connected to %s as instance %s",
+            self.config.server_url,
+            self.config.instance_id,
+        )
+
+    # -- registration ------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        layout = getattr(mem_pool_host, "layout", None)
+        if layout not in SUPPORTED_LAYOUTS:
+            raise ValueError(
+                f"MaruStorage does not support host memory layout {layout!r}: "
+                "use --hicache-mem-layout page_first_direct (or page_first)"
+            )
+        super().register_mem_pool_host(mem_pool_host)
+        self.namespace = page_namespace(self.storage_config, mem_pool_host)
+        probe = torch.arange(mem_pool_host.page_size, dtype=torch.int64)
+        ptrs, sizes = mem_pool_host.get_page_buffer_meta(probe)
+        self._parts_per_page = len(ptrs)
+        self._part_sizes = list(sizes)
+        self._page_bytes = sum(sizes)
+        log.info(
+            "MaruStorage: namespace %s, %d-byte pages in %d part(s), layout %s",
+            self.namespace,
+            self._page_bytes,
+            self._parts_per_page,
+            layout,
+        )
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        if str(host_pool_name) == KV_POOL_NAME:
+            return super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        raise NotImplementedError(
+            f"MaruStorage does not store sidecar pool {str(host_pool_name)!r} (Mamba/SWA/"
+            "indexer state of hybrid models) yet; storing KV alone would restore half a state"
+        )
+
+    def _keys(self, keys: list[str]) -> list[str]:
+        ns = self.namespace
+        return [f"{ns}:{k}" for k in keys]
+
+    def _require_pool(self) -> None:
+        if self.mem_pool_host is None:
+            raise RuntimeError("MaruStorage: register_mem_pool_host() was not called")
+
+    # -- v1 zero-copy path -------------------------------------------------------------------
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Copy each page's parts from the host pool into one shared allocation, then register
+        the whole batch with one RPC."""
+        self._require_pool()
+        if not keys:
+            return []
+        start = time.perf_counter()
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        parts = self._parts_per_page
+        if len(ptrs) != parts * len(keys):
+            log.error("batch_set_v1: %d buffers for %d keys", len(ptrs), len(keys))
+            return [False] * len(keys)
+        page_bytes = self._page_bytes
+        handles = []
+        for i in range(len(keys)):
+            handle = self.handler.alloc(page_bytes)
+            if handle is not None:
+                dst = handle.address
+                for j in range(i * parts, (i + 1) * parts):
+                    _memmove(dst, ptrs[j], sizes[j])
+                    dst += sizes[j]
+            handles.append(handle)
+        results = self.handler.batch_store(
+            self._keys(keys), handles=handles, lengths=[page_bytes] * len(keys)
+        )
+        elapsed = time.perf_counter() - start
+        ok = sum(results)
+        with self._stats_lock:
+            self.counters["bytes_written"] += ok * page_bytes
+            self.counters["pages_written"] += ok
+            self.counters["set_seconds"] += elapsed
+            if self.enable_metrics:
+                self._backup_pgs.append(len(keys))
+                self._backup_bw.append(ok * page_bytes / max(elapsed, 1e-9) / 1e9)
+        return results
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """One lookup RPC, then one memmove per page part from the shared mapping into the
+        host pool. A page stored with another length is a miss."""
+        self._require_pool()
+        if not keys:
+            return []
+        start = time.perf_counter()
+        infos = self.handler.batch_retrieve(self._keys(keys))
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        parts = self._parts_per_page
+        page_bytes = self._page_bytes
+        results = []
+        for i, info in enumerate(infos):
+            if info is None or info.length != page_bytes:
+                if info is not None:
+                    log.warning(
+                        "page %s has %d bytes, expected %d: treated as a miss",
+                        keys[i],
+                        info.length,
+                        page_bytes,
+                    )
+                results.append(False)
+                continue
+            src = info.address
+            for j in range(i * parts, (i + 1) * parts):
+                _memmove(ptrs[j], src, sizes[j])
+                src += sizes[j]
+            results.append(True)
+        elapsed = time.perf_counter() - start
+        hits = sum(results)
+        with self._stats_lock:
+            self.counters["hits"] += hits
+            self.counters["misses"] += len(keys) - hits
+            self.counters["bytes_read"] += hits * page_bytes
+            self.counters["get_seconds"] += elapsed
+            if self.enable_metrics:
+                self._prefetch_pgs.append(len(keys))
+                self._prefetch_bw.append(hits * page_bytes / max(elapsed, 1e-9) / 1e9)
+        return results
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        """Number of consecutive stored pages from the start, with one RPC."""
+        found = self.handler.batch_exists(self._keys(keys))
+        for i, hit in enumerate(found):
+            if not hit:
+                return i
+        return len(found)
+
+    # -- legacy path (interface_v1 off) ------------------------------------------------------
+
+    def get(
+        self, key: str, target_location: Any = None, target_sizes: Any = None
+    ) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
+        self._require_pool()
+        if target_locations is None:
+            target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        infos = self.handler.batch_retrieve(self._keys(keys))
+        out: list[torch.Tensor | None] = []
+        for info, target in zip(infos, target_locations):
+            nbytes = target.numel() * target.element_size()
+            if info is None or info.length != nbytes or not target.is_contiguous():
+                out.append(None)
+                continue
+            _memmove(target.data_ptr(), info.address, nbytes)
+            out.append(target)
+        hits = sum(t is not None for t in out)
+        with self._stats_lock:
+            self.counters["hits"] += hits
+            self.counters["misses"] += len(keys) - hits
+        return out
+
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        self._require_pool()
+        if values is None or len(values) != len(keys):
+            return False
+        handles, lengths = [], []
+        for value in values:
+            value = value.contiguous()
+            nbytes = value.numel() * value.element_size()
+            handle = self.handler.alloc(nbytes)
+            if handle is not None:
+                _memmove(handle.address, value.data_ptr(), nbytes)
+            handles.append(handle)
+            lengths.append(nbytes)
+        return all(self.handler.batch_store(self._keys(keys), handles=handles, lengths=lengths))
+
+    def exists(self, key: str) -> bool:
+        return self.handler.exists(self._keys([key])[0])
+
+    # -- housekeeping ------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Remove every page of this instance's namespace (other models are untouched)."""
+        if self.namespace:
+            removed = self.handler.delete_prefix(self.namespace + ":")
+            log.info("MaruStorage: cleared %d pages of namespace %s", removed, self.namespace)
+
+    def _reset_metrics(self) -> None:
+        self._prefetch_pgs: list[int] = []
+        self._backup_pgs: list[int] = []
+        self._prefetch_bw: list[float] = []
+        self._backup_bw: list[float] = []
+
+    def get_stats(self) -> Any:
+        """SGLang's StorageMetrics (pages per batch and GB/s, drained on each call), with our
+        cumulative counters attached as `.maru`."""
+        with self._stats_lock:
+            cls = _storage_metrics_cls()
+            counters = dict(self.counters)
+            if cls is None:
+                return counters
+            metrics = cls()
+            metrics.prefetch_pgs.extend(self._prefetch_pgs)
+            metrics.backup_pgs.extend(self._backup_pgs)
+            metrics.prefetch_bandwidth.extend(self._prefetch_bw)
+            metrics.backup_bandwidth.extend(self._backup_bw)
+            self._reset_metrics()
+        metrics.maru = counters
+        return metrics
+
+    def close(self) -> None:
+        self.handler.close()

@@ -1,0 +1,270 @@
+"""MaruStorage against the real SGLang 0.5.23 classes on CPU (host pools, factory, config).
+
+Needs SGLang (`make install` puts it in .venv); skipped without it. The CPU shims in
+tests/sglang_cpu replace CUDA-only pieces of SGLang, never anything of ours.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+TESTS = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(TESTS))
+
+pytest.importorskip("torch")
+import sglang_cpu  # noqa: E402
+
+sglang_cpu.apply()  # before SGLang is first imported
+pytest.importorskip("sglang")
+
+import torch  # noqa: E402
+
+from maru import MaruHandler  # noqa: E402
+from maru.config import ConfigError  # noqa: E402
+from maru_sglang.maru_storage import MaruStorage  # noqa: E402
+from sglang_cpu.host_pools import (  # noqa: E402
+    Geometry,
+    expected_pages,
+    fill,
+    make_host_pool,
+    page_indices,
+    read,
+    storage_config,
+)
+
+PAGES = 40
+
+
+def _extra(url: str, **more) -> dict:
+    return {
+        "backend_name": "maru",
+        "module_path": "maru_sglang.maru_storage",
+        "class_name": "MaruStorage",
+        "interface_v1": 1,
+        "maru_server_url": url,
+        "maru_pool_size": "32M",
+        **more,
+    }
+
+
+def _storage(url: str, g: Geometry, pool=None, **cfg) -> MaruStorage:
+    storage = MaruStorage(storage_config(is_mla=g.attn == "mla", extra=_extra(url), **cfg), {})
+    storage.register_mem_pool_host(pool if pool is not None else make_host_pool(g))
+    return storage
+
+
+def _run_peer(role: str, url: str, seed: int) -> dict:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(TESTS / "sglang_cpu" / "storage_peer.py"),
+            role,
+            url,
+            str(PAGES),
+            str(seed),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=sglang_cpu.sglang_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_two_processes_share_pages_for_every_layout(maru_server):
+    """Process 1 stores with batch_set_v1; process 2, with its own host pool and its own
+    MaruStorage, sees all pages with batch_exists and loads identical bytes."""
+    written = _run_peer("writer", maru_server.url, seed=11)
+    assert all(v["stored"] == PAGES for v in written.values()), written
+    loaded = _run_peer("reader", maru_server.url, seed=11)
+    assert set(loaded) == {
+        "mha/page_first_direct",
+        "mha/page_first",
+        "mla/page_first_direct",
+        "mla/page_first",
+    }
+    for name, outcome in loaded.items():
+        assert outcome == {"exists": PAGES, "loaded": PAGES, "identical": PAGES}, name
+
+
+def test_geometry_mismatch_is_a_miss(maru_server):
+    g = Geometry()
+    writer = _storage(maru_server.url, g)
+    idx = page_indices(0, 4, g.page_size)
+    fill(writer.mem_pool_host, idx, expected_pages(writer.mem_pool_host, 4, seed=1))
+    keys = [f"k{i}" for i in range(4)]
+    assert writer.batch_set_v1(keys, idx) == [True] * 4
+    assert writer.batch_exists(keys) == 4
+    for other in (
+        Geometry(head_dim=32),
+        Geometry(layout="page_first"),
+        Geometry(layers=4),
+        Geometry(dtype=torch.float16),
+        Geometry(page_size=8),
+    ):
+        reader = _storage(maru_server.url, other)
+        assert reader.batch_exists(keys) == 0, other
+        assert reader.batch_get_v1(keys, page_indices(0, 4, other.page_size)) == [False] * 4
+        reader.close()
+    tp_other = _storage(maru_server.url, g, tp_rank=1, tp_size=2)
+    assert tp_other.batch_exists(keys) == 0
+    for s in (tp_other, writer):
+        s.close()
+
+
+def test_mla_pages_are_shared_across_tp_ranks(maru_server):
+    g = Geometry(attn="mla")
+    rank0 = _storage(maru_server.url, g, tp_rank=0, tp_size=2)
+    idx = page_indices(0, 3, g.page_size)
+    pages = expected_pages(rank0.mem_pool_host, 3, seed=5)
+    fill(rank0.mem_pool_host, idx, pages)
+    assert rank0.batch_set_v1(["a", "b", "c"], idx) == [True] * 3
+    rank1 = _storage(maru_server.url, g, tp_rank=1, tp_size=2)
+    dst = page_indices(9, 3, g.page_size)
+    assert rank1.batch_get_v1(["a", "b", "c"], dst) == [True] * 3
+    got = read(rank1.mem_pool_host, dst, 3)
+    assert all(torch.equal(x, y) for x, y in zip(got, pages))
+    rank0.close()
+    rank1.close()
+
+
+def test_wrong_length_page_is_a_miss_not_a_partial_copy(maru_server):
+    g = Geometry()
+    storage = _storage(maru_server.url, g)
+    pool = storage.mem_pool_host
+    key = f"{storage.namespace}:short"
+    with MaruHandler(server_url=maru_server.url, pool_size="8M") as other:
+        assert other.store(key, b"\x7f" * 100)
+    dst = page_indices(2, 1, g.page_size)
+    before = read(pool, dst, 1)[0]
+    assert storage.batch_exists(["short"]) == 1
+    assert storage.batch_get_v1(["short"], dst) == [False]
+    assert torch.equal(read(pool, dst, 1)[0], before)
+    storage.close()
+
+
+def test_partial_prefix_counts_consecutive_hits(maru_server):
+    g = Geometry()
+    storage = _storage(maru_server.url, g)
+    idx = page_indices(0, 3, g.page_size)
+    assert storage.batch_set_v1(["p0", "p1", "p2"], idx) == [True] * 3
+    assert storage.batch_exists(["p0", "p1", "x", "p2"]) == 2
+    assert storage.batch_exists(["x", "p0"]) == 0
+    assert storage.batch_get_v1(["p0", "x"], page_indices(5, 2, g.page_size)) == [True, False]
+    storage.close()
+
+
+def test_layer_first_is_rejected_with_advice(maru_server):
+    storage = MaruStorage(storage_config(extra=_extra(maru_server.url)), {})
+    with pytest.raises(ValueError, match="page_first_direct"):
+        storage.register_mem_pool_host(make_host_pool(Geometry(layout="layer_first")))
+    storage.close()
+
+
+def test_sidecar_pools_are_refused(maru_server):
+    storage = _storage(maru_server.url, Geometry())
+    storage.register_mem_host_pool_v2(storage.mem_pool_host, "kv")  # the KV anchor is fine
+    with pytest.raises(NotImplementedError, match="mamba"):
+        storage.register_mem_host_pool_v2(storage.mem_pool_host, "mamba")
+    storage.close()
+
+
+def test_config_errors_name_the_key(maru_server):
+    with pytest.raises(ConfigError, match="maru_pool_sise"):
+        MaruStorage(storage_config(extra=_extra(maru_server.url, maru_pool_sise="1G")), {})
+    with pytest.raises(ConfigError, match="maru_timeout_ms"):
+        MaruStorage(storage_config(extra=_extra(maru_server.url, maru_timeout_ms="soon")), {})
+    with pytest.raises(ConfigError, match="maru_eager_map"):
+        MaruStorage(storage_config(extra=_extra(maru_server.url, maru_eager_map="maybe")), {})
+    # strings and JSON values both work
+    ok = MaruStorage(
+        storage_config(
+            extra=_extra(maru_server.url, maru_eager_map="false", maru_chunk_size_bytes="2M")
+        ),
+        {},
+    )
+    assert ok.config.eager_map is False and ok.config.chunk_size_bytes == 2 << 20
+    ok.close()
+
+
+def test_server_down_raises_the_documented_error(tmp_path):
+    url = "tcp://127.0.0.1:9"  # discard port: nothing answers
+    with pytest.raises(
+        RuntimeError, match=r"Failed to connect MaruHandler to tcp://127\.0\.0\.1:9"
+    ):
+        MaruStorage(storage_config(extra=_extra(url, maru_timeout_ms=300)), {})
+
+
+def test_legacy_interface_round_trip(maru_server):
+    g = Geometry()
+    storage = _storage(maru_server.url, g)
+    pool = storage.mem_pool_host
+    pages = expected_pages(pool, 3, seed=9)
+    assert storage.set("L0", pages[0])
+    assert storage.batch_set(["L1", "L2"], pages[1:])
+    assert storage.exists("L1") and not storage.exists("nope")
+    got = storage.batch_get(
+        ["L0", "L1", "L2", "nope"], [pool.get_dummy_flat_data_page() for _ in range(4)]
+    )
+    assert all(torch.equal(got[i], pages[i]) for i in range(3))
+    assert got[3] is None
+    single = storage.get("L2", pool.get_dummy_flat_data_page())
+    assert torch.equal(single, pages[2])
+    storage.close()
+
+
+def test_clear_removes_only_this_namespace(maru_server):
+    a = _storage(maru_server.url, Geometry())
+    b = _storage(maru_server.url, Geometry(head_dim=32))
+    idx = page_indices(0, 2, 4)
+    assert a.batch_set_v1(["x", "y"], idx) == [True, True]
+    assert b.batch_set_v1(["x", "y"], idx) == [True, True]
+    a.clear()
+    assert a.batch_exists(["x", "y"]) == 0
+    assert b.batch_exists(["x", "y"]) == 2
+    a.close()
+    b.close()
+
+
+def test_stats_detach_and_attach_again(maru_server):
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+
+    g = Geometry()
+    storage = _storage(maru_server.url, g)
+    idx = page_indices(0, 2, g.page_size)
+    assert storage.batch_set_v1(["s0", "s1"], idx) == [True, True]
+    assert storage.batch_get_v1(["s0", "s1", "zz"], page_indices(4, 3, g.page_size)) == [
+        True,
+        True,
+        False,
+    ]
+    stats = storage.get_stats()
+    assert isinstance(stats, StorageMetrics)
+    assert stats.backup_pgs == [2] and stats.prefetch_pgs == [3]
+    assert stats.maru["hits"] == 2 and stats.maru["misses"] == 1
+    assert stats.maru["bytes_written"] == 2 * storage._page_bytes
+    assert storage.get_stats().backup_pgs == []  # drained on each call, as SGLang expects
+    storage.close()
+    again = _storage(maru_server.url, g)  # runtime re-attach: new handler, same pages
+    assert again.batch_exists(["s0", "s1"]) == 2
+    again.close()
+
+
+def test_dynamic_factory_loads_maru(maru_server):
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    g = Geometry()
+    pool = make_host_pool(g)
+    cfg = storage_config(extra=_extra(maru_server.url))
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    assert isinstance(backend, MaruStorage)
+    backend.register_mem_pool_host(pool)
+    assert backend.batch_set_v1(["f"], page_indices(0, 1, g.page_size)) == [True]
+    backend.close()

@@ -1,0 +1,311 @@
+"""Launch and stop a real ``python -m sglang.launch_server`` on CPU (tests only).
+
+Typical use (pytest)::
+
+    from sglang_cpu.server import running_server, generate, flush_cache
+
+    with running_server(model_dir, extra_args=[...], env={...}) as srv:
+        out = generate(srv.base_url, "some prompt", max_new_tokens=8)
+
+Everything is bounded in time. The server runs in its own session / process group, so
+:func:`stop_server` can end the launcher and every process it spawned (scheduler, detokenizer,
+multiprocessing resource tracker) by that group id. It then removes the ``/dev/shm`` files
+SGLang leaves behind (``sglang_loads_*``, ``sem.mp-*``) that appeared while the server ran.
+The server's output goes to a log file (:attr:`SGLangServer.log_path`), whose tail is put into
+every error raised here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import sglang_env
+
+SHM_DIR = Path("/dev/shm")
+# Files SGLang / multiprocessing leave in /dev/shm when a server is stopped.
+SHM_LEFTOVER_PREFIXES = ("sglang_loads_", "sem.mp-")
+
+DEFAULT_START_TIMEOUT = 300.0  # measured ~30 s on an idle 2-core box; leave room for load
+DEFAULT_STOP_TIMEOUT = 30.0
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+@dataclass
+class SGLangServer:
+    process: subprocess.Popen
+    host: str
+    port: int
+    log_path: Path
+    startup_seconds: float = 0.0
+    shm_before: frozenset[str] = field(default_factory=frozenset, repr=False)
+    _log_file: object = field(default=None, repr=False)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "<no log>"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """An ephemeral TCP port that is free right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _shm_snapshot() -> frozenset[str]:
+    try:
+        return frozenset(p.name for p in SHM_DIR.iterdir())
+    except OSError:
+        return frozenset()
+
+
+def http_request(
+    url: str, *, method: str = "GET", payload: dict | None = None, timeout: float = 30.0
+) -> tuple[int, bytes]:
+    """One HTTP request (stdlib only). Returns (status, body); never raises on HTTP errors."""
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def start_server(
+    model_path: str | os.PathLike,
+    *,
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    timeout: float = DEFAULT_START_TIMEOUT,
+    log_path: str | os.PathLike | None = None,
+    python: str = sys.executable,
+    page_size: int | None = 4,
+    max_total_tokens: int | None = 4096,
+    dtype: str = "bfloat16",
+) -> SGLangServer:
+    """Start ``python -m sglang.launch_server`` on CPU and wait until ``/health`` is 200.
+
+    ``extra_args`` are appended to the command line (e.g. the HiCache flags); ``env`` entries
+    are added on top of :func:`sglang_cpu.sglang_env` (which puts the CPU shims on PYTHONPATH).
+    ``page_size`` / ``max_total_tokens`` are left out of the command when ``None``.
+    Raises :class:`ServerError` (with the log tail) if the server exits or is not healthy within
+    ``timeout`` seconds; the processes are stopped in that case.
+    """
+    port = port or free_port(host)
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix=f"sglang-server-{port}-", suffix=".log")
+        os.close(fd)
+        log_path = name
+    log_path = Path(log_path)
+    cmd = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model_path),
+        "--device",
+        "cpu",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+    ]
+    if page_size is not None:
+        cmd += ["--page-size", str(page_size)]
+    if max_total_tokens is not None:
+        cmd += ["--max-total-tokens", str(max_total_tokens)]
+    cmd += list(extra_args)
+
+    shm_before = _shm_snapshot()
+    log_file = open(log_path, "ab")  # noqa: SIM115 - closed in stop_server
+    log_file.write(("$ " + " ".join(cmd) + "\n").encode())
+    log_file.flush()
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        env=sglang_env(env),
+        stdin=subprocess.DEVNULL,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # own process group: stop_server ends all of it by id
+    )
+    server = SGLangServer(
+        process=proc,
+        host=host,
+        port=port,
+        log_path=log_path,
+        shm_before=shm_before,
+        _log_file=log_file,
+    )
+    try:
+        _wait_healthy(server, t0 + timeout)
+    except BaseException:
+        stop_server(server)
+        raise
+    server.startup_seconds = time.monotonic() - t0
+    return server
+
+
+def _wait_healthy(server: SGLangServer, deadline: float) -> None:
+    while True:
+        code = server.process.poll()
+        if code is not None:
+            raise ServerError(
+                f"sglang server exited with code {code} during start-up; log "
+                f"{server.log_path}:\n{server.log_tail()}"
+            )
+        try:
+            status, _ = http_request(server.base_url + "/health", timeout=5)
+            if status == 200:
+                return
+        except OSError:
+            pass  # not listening yet
+        if time.monotonic() > deadline:
+            raise ServerError(
+                f"sglang server not healthy in time; log {server.log_path}:\n{server.log_tail()}"
+            )
+        time.sleep(0.5)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def stop_server(server: SGLangServer, timeout: float = DEFAULT_STOP_TIMEOUT) -> None:
+    """Stop the server and all its processes (SIGTERM, then SIGKILL), then clean /dev/shm."""
+    proc = server.process
+    pgid = proc.pid  # start_new_session=True: the launcher leads its own group
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)  # SGLang's launcher tears down its children
+    deadline = time.monotonic() + timeout
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if proc.poll() is None or _group_alive(pgid):
+        _signal_group(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        end = time.monotonic() + 10
+        while _group_alive(pgid) and time.monotonic() < end:
+            time.sleep(0.1)
+    if server._log_file is not None:
+        server._log_file.close()
+        server._log_file = None
+    cleanup_shm(server.shm_before)
+
+
+def cleanup_shm(before: frozenset[str]) -> list[str]:
+    """Remove SGLang's /dev/shm leftovers that were not there in the ``before`` snapshot."""
+    removed = []
+    for name in _shm_snapshot() - before:
+        if name.startswith(SHM_LEFTOVER_PREFIXES):
+            with contextlib.suppress(OSError):
+                (SHM_DIR / name).unlink()
+                removed.append(name)
+    return removed
+
+
+@contextlib.contextmanager
+def running_server(model_path: str | os.PathLike, **kwargs) -> Iterator[SGLangServer]:
+    """Context manager around :func:`start_server` / :func:`stop_server`."""
+    server = start_server(model_path, **kwargs)
+    try:
+        yield server
+    finally:
+        stop_server(server)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small client helpers for the native SGLang API
+# ---------------------------------------------------------------------------------------------
+def generate(
+    base_url: str,
+    text: str | None = None,
+    *,
+    input_ids: list[int] | None = None,
+    max_new_tokens: int = 8,
+    timeout: float = 120.0,
+    **sampling_params,
+) -> dict:
+    """POST /generate, greedy (temperature 0) unless overridden. Returns the JSON response.
+
+    The response has ``text``, ``output_ids`` and ``meta_info`` (``prompt_tokens``,
+    ``cached_tokens``, ``cached_tokens_details`` = ``{"device", "host", "storage",
+    "storage_backend"}`` or ``None`` when nothing was cached, ...).
+    """
+    payload: dict = {
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}
+        | sampling_params
+    }
+    if input_ids is not None:
+        payload["input_ids"] = input_ids
+    else:
+        payload["text"] = text
+    status, body = http_request(
+        base_url + "/generate", method="POST", payload=payload, timeout=timeout
+    )
+    if status != 200:
+        raise ServerError(f"/generate returned {status}: {body[:2000]!r}")
+    return json.loads(body)
+
+
+def flush_cache(base_url: str, *, timeout: float = 60.0) -> None:
+    """POST /flush_cache (device + host tiers; L3 storage is kept), retrying until it succeeds.
+
+    SGLang refuses to flush while requests run; ``?timeout=`` lets it wait for idle.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        status, body = http_request(
+            base_url + "/flush_cache?timeout=5", method="POST", timeout=30
+        )
+        if status == 200:
+            return
+        if time.monotonic() > deadline:
+            raise ServerError(f"/flush_cache kept failing ({status}): {body[:500]!r}")
+        time.sleep(0.5)

@@ -1,0 +1,90 @@
+"""One SGLang "instance" for the cross-process MaruStorage tests (run as a subprocess).
+
+    python storage_peer.py writer|reader <maru_url> <pages> <seed>
+
+For each geometry in GEOMETRIES it builds a real host pool, creates `MaruStorage` through
+SGLang's real dynamic backend factory, and as the writer fills pages and calls `batch_set_v1`;
+as the reader it calls `batch_exists` and `batch_get_v1` into *other* host indices and compares
+with the reproducible expected bytes. Prints one JSON line with the outcome per geometry.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import sglang_cpu
+
+sglang_cpu.apply()
+
+import torch  # noqa: E402
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+from sglang_cpu.host_pools import (  # noqa: E402
+    Geometry,
+    expected_pages,
+    fill,
+    make_host_pool,
+    page_indices,
+    read,
+    storage_config,
+)
+
+GEOMETRIES = [
+    Geometry(attn="mha", layout="page_first_direct"),
+    Geometry(attn="mha", layout="page_first"),
+    Geometry(attn="mla", layout="page_first_direct"),
+    Geometry(attn="mla", layout="page_first"),
+]
+
+
+def backend_for(url: str, g: Geometry, pool):
+    extra = {
+        "backend_name": "maru",
+        "module_path": "maru_sglang.maru_storage",
+        "class_name": "MaruStorage",
+        "interface_v1": 1,
+        "maru_server_url": url,
+        "maru_pool_size": "64M",
+    }
+    cfg = storage_config(is_mla=g.attn == "mla", extra=extra)
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    backend.register_mem_pool_host(pool)
+    return backend
+
+
+def main() -> None:
+    role, url, pages, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    out = {}
+    for n, g in enumerate(GEOMETRIES):
+        pool = make_host_pool(g)
+        backend = backend_for(url, g, pool)
+        keys = [f"{seed:x}-page-{i}" for i in range(pages)]
+        expected = expected_pages(pool, pages, seed + n)
+        if role == "writer":
+            indices = page_indices(1, pages, g.page_size)
+            fill(pool, indices, expected)
+            results = backend.batch_set_v1(keys, indices)
+            out[f"{g.attn}/{g.layout}"] = {"stored": sum(results)}
+        else:
+            indices = page_indices(7, pages, g.page_size)  # other host slots than the writer's
+            hits = backend.batch_exists(keys)
+            results = backend.batch_get_v1(keys, indices)
+            got = read(pool, indices, pages)
+            same = sum(
+                torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, expected)
+            )
+            out[f"{g.attn}/{g.layout}"] = {
+                "exists": hits,
+                "loaded": sum(results),
+                "identical": int(same),
+            }
+        backend.close()
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
