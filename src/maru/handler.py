@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,11 @@ class AllocHandle:
     address: int
 
 
+class _RegionsLost(MaruError):
+    """The server restarted and forgot regions we had written into; their region ids may
+    already name other memory, so a registration into them must not be sent again."""
+
+
 class _OwnedRegion:
     __slots__ = ("mapped", "pages")
 
@@ -87,6 +93,9 @@ class MaruHandler:
         self._lock = threading.RLock()  # guards _owned and the page allocators
         self._expand_lock = threading.Lock()
         self._connected = False
+        self._heartbeat_interval = 5.0
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
         if config.auto_connect and not self.connect():
             log.warning("could not connect to maru-server at %s", config.server_url)
 
@@ -111,7 +120,26 @@ class MaruHandler:
             self._connected = False
             return False
         self._connected = True
+        self._start_heartbeat()
         return True
+
+    def _start_heartbeat(self) -> None:
+        """Tell the server we are alive even when idle; a silent instance is reaped (its pins,
+        leases and regions released) after the server's --heartbeat-timeout."""
+        if self._heartbeat_thread is not None and self._heartbeat_thread.is_alive():
+            return
+        self._heartbeat_stop.clear()
+        self._heartbeat_thread = threading.Thread(
+            target=self._heartbeat_loop, name=f"maru-heartbeat-{self.instance_id[:8]}", daemon=True
+        )
+        self._heartbeat_thread.start()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._heartbeat_stop.wait(self._heartbeat_interval):
+            try:
+                self._call(MsgType.HEARTBEAT, {})
+            except MaruError as exc:
+                log.debug("heartbeat failed: %s", exc)
 
     def close(self) -> None:
         """Return owned regions to the server (keys in them stay readable) and unmap."""
@@ -126,6 +154,9 @@ class MaruHandler:
                 except MaruError as exc:
                     log.warning("returning region %d failed: %s", h.region_id, exc)
         self._connected = False
+        self._heartbeat_stop.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=self.config.timeout_ms / 1000 + 1)
         with self._lock:
             self._owned.clear()
         self._mapper.close()
@@ -144,18 +175,23 @@ class MaruHandler:
 
     # -- RPC plumbing ------------------------------------------------------------------------
 
-    def _handshake(self) -> None:
+    def _handshake(self) -> int:
+        """(Re)attach to the server; returns how many of our regions it no longer knows."""
         reply = self._rpc.call(MsgType.HANDSHAKE, {"iid": self.instance_id, "pid": os.getpid()})
+        self._heartbeat_interval = float(reply.get("heartbeat_interval", 5.0))
         still_owned = {h.region_id: h for h in map(RegionHandle.from_wire, reply["regions"])}
+        lost = 0
         with self._lock:
             for region_id in list(self._owned):
                 if region_id not in still_owned:
                     log.warning("server no longer knows region %d; dropping it", region_id)
                     del self._owned[region_id]
                     self._mapper.unmap(region_id)
+                    lost += 1
             for handle in still_owned.values():
                 if handle.region_id not in self._owned:
                     self._adopt(handle)
+        return lost
 
     def _call(self, msg_type: MsgType, body: dict[str, Any]) -> dict[str, Any]:
         """One RPC; re-handshakes once if the server restarted and forgot us."""
@@ -166,7 +202,14 @@ class MaruHandler:
             if exc.code != ErrorCode.UNKNOWN_INSTANCE:
                 raise
             log.info("maru-server does not know us (restarted?); handshaking again")
-            self._handshake()
+            lost = self._handshake()
+            if not self._owned and msg_type != MsgType.REQUEST_REGION:
+                self._expand(self.config.pool_size)  # stay usable even with auto_expand off
+            if lost and msg_type == MsgType.REGISTER_KV:
+                raise _RegionsLost(
+                    f"maru-server at {self.config.server_url} restarted and forgot {lost} of "
+                    "our regions"
+                ) from None
             return self._rpc.call(msg_type, body)
 
     def _on_reply(self, body: dict[str, Any]) -> None:
@@ -176,7 +219,7 @@ class MaruHandler:
         with self._lock:
             for region_id, offset, _length in freed:
                 owned = self._owned.get(region_id)
-                if owned is not None:
+                if owned is not None and owned.pages.is_allocated(offset // self._chunk):
                     owned.pages.free_extent(offset // self._chunk)
 
     # -- regions -----------------------------------------------------------------------------
@@ -217,47 +260,87 @@ class MaruHandler:
                     )
         return None
 
+    def _handle_at(self, owned: _OwnedRegion, first_page: int, pages: int) -> AllocHandle:
+        offset = first_page * self._chunk
+        mapped = owned.mapped
+        return AllocHandle(
+            mapped.view[offset : offset + pages * self._chunk],
+            mapped.handle.region_id,
+            offset,
+            pages * self._chunk,
+            mapped.address + offset,
+        )
+
     def alloc(self, size: int) -> AllocHandle | None:
-        """Reserve pages for a value of `size` bytes; None when the pool cannot supply them."""
+        """Reserve pages for a value of `size` bytes; None when the pool cannot supply them.
+
+        Order of resort: free pages in owned regions; a new region (`auto_expand`); evicting
+        the least-recently-used idle keys in our own regions (the server picks them and tells
+        us which pages came free). So a store does not fail just because memory is full of
+        old pages."""
         if size <= 0:
             raise ValueError(f"alloc size must be positive, got {size}")
         pages = -(-size // self._chunk)
         handle = self._try_alloc(pages)
-        if handle is not None or not self.config.auto_expand:
-            if handle is None:
-                log.warning(
-                    "instance %s: owned regions are full (auto_expand off)", self.instance_id
-                )
+        if handle is not None:
             return handle
         with self._expand_lock:
-            handle = self._try_alloc(pages)  # another thread may have expanded meanwhile
+            handle = self._try_alloc(pages)  # another thread may have made room meanwhile
             if handle is not None:
                 return handle
+            if self.config.auto_expand:
+                try:
+                    owned = self._expand(max(self.config.region_expand_size, pages * self._chunk))
+                    with self._lock:
+                        first = owned.pages.allocate(pages)
+                    if first is not None:
+                        return self._handle_at(owned, first, pages)
+                except MaruServerError as exc:
+                    if exc.code != ErrorCode.POOL_FULL:
+                        log.warning("instance %s: cannot expand: %s", self.instance_id, exc)
+                        return None
+                    log.info("instance %s: %s; evicting in own regions", self.instance_id, exc)
+                except MaruConnectionError as exc:
+                    log.warning("instance %s: cannot expand: %s", self.instance_id, exc)
+                    return None
+            return self._alloc_by_evicting(size, pages)
+
+    def _alloc_by_evicting(self, size: int, pages: int) -> AllocHandle | None:
+        want = pages * self._chunk
+        for _ in range(6):  # evicted pages may not be contiguous: ask for more each round
             try:
-                owned = self._expand(max(self.config.region_expand_size, pages * self._chunk))
-            except MaruServerError as exc:
-                log.warning("instance %s: cannot store %d bytes: %s", self.instance_id, size, exc)
+                freed = self._call(MsgType.EVICT_FOR, {"bytes": want})["freed_bytes"]
+            except MaruError as exc:
+                log.warning("instance %s: eviction request failed: %s", self.instance_id, exc)
                 return None
-            except MaruConnectionError as exc:
-                log.warning("instance %s: cannot expand: %s", self.instance_id, exc)
-                return None
-            with self._lock:
-                first = owned.pages.allocate(pages)
-            if first is None:
-                return None
-            offset = first * self._chunk
-            return AllocHandle(
-                owned.mapped.view[offset : offset + pages * self._chunk],
-                owned.mapped.handle.region_id,
-                offset,
-                pages * self._chunk,
-                owned.mapped.address + offset,
-            )
+            handle = self._try_alloc(pages)  # the reply's `freed` list was applied already
+            if handle is not None:
+                return handle
+            if not freed:
+                break
+            want *= 2
+        log.warning(
+            "instance %s: no room for %d bytes in pool (all pages pinned, leased or fragmented)",
+            self.instance_id,
+            size,
+        )
+        return None
+
+    def _region_of(self, handle: AllocHandle) -> _OwnedRegion | None:
+        """The owned region `handle` was allocated in, or None if that region is gone. The
+        address check matters after a server restart: a new region may reuse the old id."""
+        owned = self._owned.get(handle.region_id)
+        if owned is None:
+            return None
+        mapped = owned.mapped
+        if not mapped.address <= handle.address < mapped.address + mapped.handle.length:
+            return None
+        return owned
 
     def free(self, handle: AllocHandle) -> None:
         """Give back pages that were allocated but will not be registered."""
         with self._lock:
-            owned = self._owned.get(handle.region_id)
+            owned = self._region_of(handle)
             if owned is not None:
                 owned.pages.free_extent(handle.offset // self._chunk)
 
@@ -312,7 +395,7 @@ class MaruHandler:
 
         entries, positions = [], []
         for i, (key, h, size) in enumerate(zip(keys, handles, lengths)):
-            if h is not None:
+            if h is not None and self._region_of(h) is not None:
                 entries.append([key, h.region_id, h.offset, size])
                 positions.append(i)
         results = [False] * n
@@ -320,6 +403,12 @@ class MaruHandler:
             return results
         try:
             reply = self._call(MsgType.REGISTER_KV, {"entries": entries})
+        except _RegionsLost as exc:
+            if datas is None:  # the caller's bytes are in memory the server forgot
+                log.warning("register of %d keys failed: %s", len(entries), exc)
+                return results
+            log.info("%s; writing the %d values again", exc, len(entries))
+            return self.batch_store(keys, datas)
         except MaruError as exc:
             # Outcome unknown: the server may have registered some keys, so their pages must
             # not be reused. They stay allocated until the region is returned.
@@ -340,14 +429,48 @@ class MaruHandler:
         return self.batch_retrieve([key])[0]
 
     def batch_retrieve(self, keys: Sequence[Key]) -> list[MemoryInfo | None]:
-        """Locate many keys with one lookup RPC; views point into shared memory (no copy)."""
-        if not keys:
-            return []
+        """Locate many keys with one lookup RPC; views point into shared memory (no copy).
+
+        The bytes stay valid while the key is registered; to copy them out safely while other
+        instances may delete or evict, use `leased(keys)`."""
+        return self._lookup(keys, lease=False)[0]
+
+    @contextmanager
+    def leased(self, keys: Sequence[Key]) -> Iterator[list[MemoryInfo | None]]:
+        """Like `batch_retrieve`, but the found keys cannot be evicted or deleted until the
+        block ends (or the server's lease timeout passes, if this process dies)::
+
+            with handler.leased(keys) as infos:
+                ...copy out of info.view / info.address...
+        """
+        infos, lease_id = self._lookup(keys, lease=True)
         try:
-            reply = self._call(MsgType.LOOKUP_KV, {"keys": list(keys)})
+            yield infos
+        finally:
+            if lease_id:
+                self._release(lease_id)
+
+    def _release(self, lease_id: int) -> None:
+        body = {"iid": self.instance_id, "leases": [lease_id]}
+        try:
+            if self.config.use_async_rpc:
+                self._rpc.submit(MsgType.RELEASE, body)  # reply collected by a later call
+            else:
+                self._rpc.call(MsgType.RELEASE, body)
+        except MaruError as exc:  # the lease expires by itself on the server
+            log.debug("releasing lease %d failed: %s", lease_id, exc)
+
+    def _lookup(self, keys: Sequence[Key], *, lease: bool) -> tuple[list[MemoryInfo | None], int]:
+        if not keys:
+            return [], 0
+        body: dict[str, Any] = {"keys": list(keys)}
+        if lease:
+            body["lease"] = True
+        try:
+            reply = self._call(MsgType.LOOKUP_KV, body)
         except MaruError as exc:
             log.warning("lookup of %d keys failed: %s", len(keys), exc)
-            return [None] * len(keys)
+            return [None] * len(keys), 0
         mapped: dict[int, MappedRegion] = {}
         for fields in reply["regions"]:
             handle = RegionHandle.from_wire(fields)
@@ -368,7 +491,7 @@ class MaruHandler:
                     view, region_id, offset // chunk, offset, length, region.address + offset
                 )
             )
-        return out
+        return out, int(reply.get("lease_id", 0))
 
     # -- existence, pinning, deletion --------------------------------------------------------
 

@@ -46,6 +46,8 @@ class MsgType(IntEnum):
     STATS = 12
     HEARTBEAT = 13
     DELETE_PREFIX = 14
+    RELEASE = 15  # end read leases
+    EVICT_FOR = 16  # make room in the caller's own regions
 
 
 class ErrorCode(IntEnum):

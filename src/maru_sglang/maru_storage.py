@@ -203,33 +203,34 @@ class MaruStorage(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """One lookup RPC, then one memmove per page part from the shared mapping into the
-        host pool. A page stored with another length is a miss."""
+        """One lookup RPC (leasing the pages so no instance evicts or deletes them mid-copy),
+        then one memmove per page part from the shared mapping into the host pool. A page
+        stored with another length is a miss."""
         self._require_pool()
         if not keys:
             return []
         start = time.perf_counter()
-        infos = self.handler.batch_retrieve(self._keys(keys))
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         parts = self._parts_per_page
         page_bytes = self._page_bytes
         results = []
-        for i, info in enumerate(infos):
-            if info is None or info.length != page_bytes:
-                if info is not None:
-                    log.warning(
-                        "page %s has %d bytes, expected %d: treated as a miss",
-                        keys[i],
-                        info.length,
-                        page_bytes,
-                    )
-                results.append(False)
-                continue
-            src = info.address
-            for j in range(i * parts, (i + 1) * parts):
-                _memmove(ptrs[j], src, sizes[j])
-                src += sizes[j]
-            results.append(True)
+        with self.handler.leased(self._keys(keys)) as infos:
+            for i, info in enumerate(infos):
+                if info is None or info.length != page_bytes:
+                    if info is not None:
+                        log.warning(
+                            "page %s has %d bytes, expected %d: treated as a miss",
+                            keys[i],
+                            info.length,
+                            page_bytes,
+                        )
+                    results.append(False)
+                    continue
+                src = info.address
+                for j in range(i * parts, (i + 1) * parts):
+                    _memmove(ptrs[j], src, sizes[j])
+                    src += sizes[j]
+                results.append(True)
         elapsed = time.perf_counter() - start
         hits = sum(results)
         with self._stats_lock:
@@ -265,15 +266,15 @@ class MaruStorage(HiCacheStorage):
         self._require_pool()
         if target_locations is None:
             target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
-        infos = self.handler.batch_retrieve(self._keys(keys))
         out: list[torch.Tensor | None] = []
-        for info, target in zip(infos, target_locations):
-            nbytes = target.numel() * target.element_size()
-            if info is None or info.length != nbytes or not target.is_contiguous():
-                out.append(None)
-                continue
-            _memmove(target.data_ptr(), info.address, nbytes)
-            out.append(target)
+        with self.handler.leased(self._keys(keys)) as infos:
+            for info, target in zip(infos, target_locations):
+                nbytes = target.numel() * target.element_size()
+                if info is None or info.length != nbytes or not target.is_contiguous():
+                    out.append(None)
+                    continue
+                _memmove(target.data_ptr(), info.address, nbytes)
+                out.append(target)
         hits = sum(t is not None for t in out)
         with self._stats_lock:
             self.counters["hits"] += hits

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
 
 from maru.config import ConfigError, parse_size
-from maru.pool.backends import open_pool
+from maru.pool.backends import Pool, open_pool
 from maru.pool.token import TokenSigner, load_or_create_secret
+from maru.server.journal import SNAPSHOT_NAME, Journal
 from maru.server.registry import Registry
 from maru.server.service import MaruService
 
 log = logging.getLogger("maru.server")
 
 DEFAULT_PORT = 5555
+POOL_IDENTITY = "pool-identity.json"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,11 +65,89 @@ def build_parser() -> argparse.ArgumentParser:
         help="(default: INFO)",
     )
     p.add_argument(
+        "--eviction-high-watermark",
+        type=float,
+        default=0.95,
+        help="evict LRU keys when registered bytes exceed this fraction of the pool "
+        "(default: 0.95)",
+    )
+    p.add_argument(
+        "--eviction-low-watermark",
+        type=float,
+        default=0.85,
+        help="evict down to this fraction of the pool (default: 0.85)",
+    )
+    p.add_argument(
+        "--lease-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a read lease protects a page if its reader never releases it (default: 10)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=15.0,
+        help="seconds without any message after which a client is considered dead: its pins "
+        "and leases are released and its regions returned (default: 15)",
+    )
+    p.add_argument(
+        "--journal-fsync-ms",
+        type=float,
+        default=50.0,
+        help="fsync the registry journal at most this often; records are written before each "
+        "reply, so a killed server loses nothing, a machine crash at most this window "
+        "(default: 50)",
+    )
+    p.add_argument(
+        "--snapshot-mb",
+        type=float,
+        default=64.0,
+        help="write a snapshot and start a new journal when the journal exceeds this size "
+        "(default: 64)",
+    )
+    p.add_argument(
+        "--no-restore",
+        action="store_true",
+        help="start with an empty registry, discarding the state in --state-dir",
+    )
+    p.add_argument(
         "--ready-file",
         default=None,
         help="write the bound endpoint to this file once serving (for scripts/tests)",
     )
     return p
+
+
+def same_pool_as_before(state_dir: Path, pool: Pool) -> bool:
+    """Persisted keys point into the pool's memory: they are only valid for the very same pool
+    file or device. A recreated /dev/shm file (e.g. after a reboot) has another inode."""
+    identity_file = state_dir / POOL_IDENTITY
+    st = os.stat(pool.path)
+    identity = {
+        "kind": pool.kind,
+        "path": pool.path,
+        "dev": st.st_dev,
+        "ino": st.st_ino,
+        "capacity": pool.capacity,
+    }
+    try:
+        previous = json.loads(identity_file.read_text())
+    except (FileNotFoundError, ValueError):
+        previous = None
+    identity_file.write_text(json.dumps(identity))
+    if previous is not None and previous != identity:
+        log.warning(
+            "pool changed since the registry was saved (%s -> %s): starting empty",
+            previous,
+            identity,
+        )
+        return False
+    return True
+
+
+def discard_state(state_dir: Path) -> None:
+    for path in [state_dir / SNAPSHOT_NAME, *state_dir.glob("journal-*.log")]:
+        path.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,8 +168,31 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pool = open_pool(pool_path, pool_size, args.pool_group)
         signer = TokenSigner(load_or_create_secret(state_dir))
-        service = MaruService(Registry(pool, signer), f"tcp://{args.host}:{args.port}")
-    except (OSError, ValueError, KeyError) as exc:
+        journal = Journal(
+            state_dir,
+            fsync_interval=args.journal_fsync_ms / 1000.0,
+            snapshot_bytes=int(args.snapshot_mb * (1 << 20)),
+        )
+        if args.no_restore or not same_pool_as_before(state_dir, pool):
+            discard_state(state_dir)
+        snapshot, records = journal.load()
+        registry = Registry(
+            pool,
+            signer,
+            journal=journal,
+            high_watermark=args.eviction_high_watermark,
+            low_watermark=args.eviction_low_watermark,
+            lease_seconds=args.lease_timeout,
+        )
+        registry.restore(snapshot, records)
+        journal.write_snapshot(registry.snapshot_state())  # compact what was replayed
+        service = MaruService(
+            registry,
+            f"tcp://{args.host}:{args.port}",
+            journal=journal,
+            heartbeat_timeout=args.heartbeat_timeout,
+        )
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
         print(f"maru-server: cannot start: {exc}", file=sys.stderr)
         return 1
 

@@ -7,16 +7,23 @@ Pure bookkeeping, no sockets and no page bytes, so every rule can be tested dire
 - deferred free: a region goes back to the pool only when its owner returned it (or is gone)
   *and* no registered key still points into it;
 - page reuse: when a key in instance X's region disappears, X is told (the `freed` list
-  piggy-backed on its next reply) so it can reuse those pages.
+  piggy-backed on its next reply) so it can reuse those pages;
+- eviction: least-recently-used first (lookups and exists count as use), never a pinned key
+  and never a key under a read lease;
+- crash safety: an instance that stops heart-beating is reaped (pins and leases released,
+  regions returned); every change is written to the journal (if any) before it is answered.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import os
 import time
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from maru.pool.backends import Pool, PoolFullError
 from maru.pool.region import RegionHandle
@@ -26,6 +33,10 @@ from maru.protocol import MAX_KEY_BYTES, DeleteStatus, ErrorCode, ProtocolError,
 log = logging.getLogger(__name__)
 
 Key = str | bytes
+
+
+class JournalSink(Protocol):
+    def append(self, record: Any) -> None: ...
 
 
 @dataclass
@@ -46,13 +57,25 @@ class Region:
 
 
 class KeyEntry:
-    __slots__ = ("length", "offset", "pins", "region_id")
+    __slots__ = ("leases", "length", "offset", "pins", "region_id")
 
     def __init__(self, region_id: int, offset: int, length: int):
         self.region_id = region_id
         self.offset = offset
         self.length = length
         self.pins = 0
+        self.leases = 0  # readers copying these bytes right now: not evictable or deletable
+
+    @property
+    def busy(self) -> bool:
+        return self.pins > 0 or self.leases > 0
+
+
+@dataclass
+class Lease:
+    owner: str | None
+    keys: list[Key]
+    expires: float
 
 
 @dataclass
@@ -61,11 +84,14 @@ class Instance:
     pid: int = 0
     regions: set[int] = field(default_factory=set)
     freed: list[list[int]] = field(default_factory=list)  # [region_id, offset, length] to reuse
+    pins: Counter = field(default_factory=Counter)  # key -> pins this instance holds
+    leases: set[int] = field(default_factory=set)
     last_seen: float = field(default_factory=time.monotonic)
     keys_registered: int = 0
     bytes_registered: int = 0
     hits: int = 0
     misses: int = 0
+    evicted: int = 0  # keys evicted out of this instance's regions
 
 
 def check_key(key: Any) -> Key:
@@ -83,14 +109,37 @@ def check_key(key: Any) -> Key:
 
 
 class Registry:
-    def __init__(self, pool: Pool, signer: TokenSigner):
+    def __init__(
+        self,
+        pool: Pool,
+        signer: TokenSigner,
+        *,
+        journal: JournalSink | None = None,
+        high_watermark: float = 0.95,
+        low_watermark: float = 0.85,
+        lease_seconds: float = 10.0,
+    ):
+        if not 0 < low_watermark <= high_watermark <= 1:
+            raise ValueError("watermarks must satisfy 0 < low <= high <= 1")
         self.pool = pool
         self.signer = signer
+        self.journal = journal
+        self.high_watermark = high_watermark
+        self.low_watermark = low_watermark
+        self.lease_seconds = lease_seconds
         self.instances: dict[str, Instance] = {}
         self.regions: dict[int, Region] = {}
-        self.keys: dict[Key, KeyEntry] = {}
+        self.keys: OrderedDict[Key, KeyEntry] = OrderedDict()  # LRU order: oldest first
+        self.live_bytes = 0  # sum of registered key lengths
+        self.leases: dict[int, Lease] = {}
+        self._lease_expiry: list[tuple[float, int]] = []  # heap of (expires, lease_id)
+        self._lease_ids = itertools.count(1)
         self._next_region_id = 1
         self.counters: dict[str, int] = {
+            "evictions": 0,
+            "bytes_evicted": 0,
+            "leases_expired": 0,
+            "instances_reaped": 0,
             "regions_allocated": 0,
             "regions_freed": 0,
             "keys_registered": 0,
@@ -100,6 +149,12 @@ class Registry:
             "hits": 0,
             "misses": 0,
         }
+
+    # -- journal -----------------------------------------------------------------------------
+
+    def _log(self, *record: Any) -> None:
+        if self.journal is not None:
+            self.journal.append(list(record))
 
     # -- instances ---------------------------------------------------------------------------
 
@@ -126,14 +181,37 @@ class Registry:
         inst.last_seen = time.monotonic()
         return [self.regions[r].handle() for r in sorted(inst.regions)]
 
-    def disconnect(self, instance_id: str) -> None:
-        """Forget an instance: its regions become owner-less and are freed once keyless."""
+    def disconnect(self, instance_id: str, reason: str = "disconnected") -> None:
+        """Forget an instance: drop its pins and leases; its regions become owner-less and are
+        freed once no key points into them (its keys stay readable until evicted)."""
         inst = self.instances.pop(instance_id, None)
         if inst is None:
             return
-        for region_id in list(inst.regions):
+        for key, count in inst.pins.items():
+            entry = self.keys.get(key)
+            if entry is not None:
+                entry.pins = max(0, entry.pins - count)
+        for lease_id in list(inst.leases):
+            self._end_lease(lease_id)
+        for region_id in sorted(inst.regions):
             self._release_region(self.regions[region_id])
-        log.info("instance %s disconnected", instance_id)
+        log.info(
+            "instance %s %s: %d pins and %d leases released, %d regions returned",
+            instance_id,
+            reason,
+            sum(inst.pins.values()),
+            len(inst.leases),
+            len(inst.regions),
+        )
+
+    def reap(self, timeout: float, now: float | None = None) -> list[str]:
+        """Disconnect instances not heard from for `timeout` seconds (crashed clients)."""
+        now = time.monotonic() if now is None else now
+        dead = [i.instance_id for i in self.instances.values() if now - i.last_seen > timeout]
+        for instance_id in dead:
+            self.disconnect(instance_id, reason=f"reaped after {timeout:g}s without a heartbeat")
+            self.counters["instances_reaped"] += 1
+        return dead
 
     def take_freed(self, instance_id: Any) -> list[list[int]]:
         inst = self.instances.get(instance_id) if isinstance(instance_id, str) else None
@@ -146,23 +224,28 @@ class Registry:
 
     def request_region(self, instance_id: str, size: int) -> RegionHandle:
         inst = self.instance(instance_id)
-        if not isinstance(size, int) or size <= 0:
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST, f"region size must be positive, got {size!r}"
             )
         length = self.pool.round_up(size)
         region_id = self._next_region_id
-        try:
-            path, offset = self.pool.allocate(region_id, length)
-        except PoolFullError as exc:
-            log.warning("region request of %d bytes by %s refused: %s", size, instance_id, exc)
-            raise ProtocolError(ErrorCode.POOL_FULL, str(exc)) from None
+        while True:
+            try:
+                path, offset = self.pool.allocate(region_id, length)
+                break
+            except PoolFullError as exc:
+                # Reclaim: evict keys of regions whose owner is gone, so the region frees.
+                if self._evict_orphans(length):
+                    continue
+                log.warning("region request of %d bytes by %s refused: %s", size, instance_id, exc)
+                raise ProtocolError(ErrorCode.POOL_FULL, str(exc)) from None
         self._next_region_id += 1
         token = self.signer.sign(region_id, path, offset, length)
-        region = Region(region_id, instance_id, path, offset, length, token)
-        self.regions[region_id] = region
+        self._add_region(Region(region_id, instance_id, path, offset, length, token))
         inst.regions.add(region_id)
         self.counters["regions_allocated"] += 1
+        self._log("R", region_id, instance_id, path, offset, length, token)
         log.info(
             "region %d (%d bytes at %s+%d) allocated to %s",
             region_id,
@@ -171,7 +254,10 @@ class Registry:
             offset,
             instance_id,
         )
-        return region.handle()
+        return self.regions[region_id].handle()
+
+    def _add_region(self, region: Region) -> None:
+        self.regions[region.region_id] = region
 
     def _verified_region(self, region_id: Any, token: Any) -> Region:
         region = self.regions.get(region_id) if isinstance(region_id, int) else None
@@ -198,6 +284,7 @@ class Registry:
 
     def _release_region(self, region: Region) -> None:
         region.returned = True
+        self._log("T", region.region_id)
         if region.live_keys == 0:
             self._free_region(region)
         else:
@@ -212,6 +299,7 @@ class Registry:
         self.pool.release(region.path, region.offset)
         del self.regions[region.region_id]
         self.counters["regions_freed"] += 1
+        self._log("F", region.region_id)
         log.info("region %d freed", region.region_id)
 
     def list_allocations(self, instance_id: str | None = None) -> list[RegionHandle]:
@@ -227,6 +315,7 @@ class Registry:
         """Publish written pages. Each entry is [key, region_id, offset, length]."""
         inst = self.instance(instance_id)
         statuses: list[int] = []
+        registered: list[list[Any]] = []
         for entry in entries:
             try:
                 key, region_id, offset, length = entry
@@ -251,26 +340,36 @@ class Registry:
             ):
                 statuses.append(RegisterStatus.REJECTED)
                 continue
-            self.keys[key] = KeyEntry(region.region_id, offset, length)
-            region.live_keys += 1
+            self._insert_key(key, KeyEntry(region.region_id, offset, length))
             inst.keys_registered += 1
             inst.bytes_registered += length
+            registered.append([key, region.region_id, offset, length])
             statuses.append(RegisterStatus.REGISTERED)
-        self.counters["keys_registered"] += statuses.count(RegisterStatus.REGISTERED)
+        if registered:
+            self._log("K", registered)
+            self.counters["keys_registered"] += len(registered)
+            self.evict_to_watermark()
         return statuses
+
+    def _insert_key(self, key: Key, entry: KeyEntry) -> None:
+        self.keys[key] = entry
+        self.regions[entry.region_id].live_keys += 1
+        self.live_bytes += entry.length
 
     def lookup(
         self, keys: list[Any], instance_id: str | None = None
     ) -> tuple[list[list[int] | None], list[RegionHandle]]:
-        """Locations of `keys` (None for a miss) and the handles of the regions they live in."""
+        """Locations of `keys` (None for a miss) and the handles of the regions they live in.
+        A hit counts as use for LRU."""
         locations: list[list[int] | None] = []
         region_ids: set[int] = set()
-        get = self.keys.get
+        get, touch = self.keys.get, self.keys.move_to_end
         for key in keys:
             entry = get(key) if isinstance(key, (str, bytes)) else None
             if entry is None:
                 locations.append(None)
             else:
+                touch(key)
                 locations.append([entry.region_id, entry.offset, entry.length])
                 region_ids.add(entry.region_id)
         hits = len(keys) - locations.count(None)
@@ -283,24 +382,86 @@ class Registry:
             inst.misses += len(keys) - hits
         return locations, [self.regions[r].handle() for r in region_ids]
 
-    def exists(self, keys: list[Any]) -> list[bool]:
-        contains = self.keys.__contains__
-        return [isinstance(k, (str, bytes)) and contains(k) for k in keys]
+    def lease(self, keys: list[Any], owner: str | None, seconds: float | None = None) -> int:
+        """Hold the keys that exist against eviction and deletion until `release` or expiry
+        (so a crashed reader cannot hold them forever). Returns the lease id (0: nothing)."""
+        held = [k for k in keys if isinstance(k, (str, bytes)) and k in self.keys]
+        if not held:
+            return 0
+        for key in held:
+            self.keys[key].leases += 1
+        lease_id = next(self._lease_ids)
+        expires = time.monotonic() + (self.lease_seconds if seconds is None else seconds)
+        self.leases[lease_id] = Lease(owner, held, expires)
+        heapq.heappush(self._lease_expiry, (expires, lease_id))
+        inst = self.instances.get(owner) if owner else None
+        if inst is not None:
+            inst.leases.add(lease_id)
+        return lease_id
 
-    def pin(self, keys: list[Any]) -> list[bool]:
+    def release(self, lease_ids: list[Any]) -> int:
+        return sum(self._end_lease(i) for i in lease_ids if isinstance(i, int))
+
+    def _end_lease(self, lease_id: int) -> bool:
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        for key in lease.keys:
+            entry = self.keys.get(key)
+            if entry is not None and entry.leases > 0:
+                entry.leases -= 1
+        inst = self.instances.get(lease.owner) if lease.owner else None
+        if inst is not None:
+            inst.leases.discard(lease_id)
+        return True
+
+    def expire_leases(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        expired = 0
+        while self._lease_expiry and self._lease_expiry[0][0] <= now:
+            _, lease_id = heapq.heappop(self._lease_expiry)
+            if self._end_lease(lease_id):
+                expired += 1
+        self.counters["leases_expired"] += expired
+        return expired
+
+    def exists(self, keys: list[Any]) -> list[bool]:
+        """Membership; a hit counts as use for LRU (SGLang asks before it prefetches)."""
+        out = []
+        keys_map, touch = self.keys, self.keys.move_to_end
+        for k in keys:
+            hit = isinstance(k, (str, bytes)) and k in keys_map
+            if hit:
+                touch(k)
+            out.append(hit)
+        return out
+
+    def pin(self, keys: list[Any], owner: str | None = None) -> list[bool]:
+        """Pinned keys are neither deleted nor evicted. Pins held by an instance are released
+        when it disconnects or is reaped."""
+        inst = self.instances.get(owner) if owner else None
         out = []
         for key in keys:
             entry = self.keys.get(key) if isinstance(key, (str, bytes)) else None
             if entry is not None:
                 entry.pins += 1
+                if inst is not None:
+                    inst.pins[key] += 1
             out.append(entry is not None)
         return out
 
-    def unpin(self, keys: list[Any]) -> list[bool]:
+    def unpin(self, keys: list[Any], owner: str | None = None) -> list[bool]:
+        inst = self.instances.get(owner) if owner else None
         out = []
         for key in keys:
             entry = self.keys.get(key) if isinstance(key, (str, bytes)) else None
             ok = entry is not None and entry.pins > 0
+            if ok and inst is not None:
+                ok = inst.pins[key] > 0  # an instance can only drop pins it holds
+                if ok:
+                    inst.pins[key] -= 1
+                    if not inst.pins[key]:
+                        del inst.pins[key]
             if ok:
                 entry.pins -= 1
             out.append(ok)
@@ -308,35 +469,42 @@ class Registry:
 
     def delete(self, keys: list[Any]) -> list[int]:
         out = []
+        victims: dict[Key, KeyEntry] = {}
         for key in keys:
             entry = self.keys.get(key) if isinstance(key, (str, bytes)) else None
-            if entry is None:
+            if entry is None or key in victims:
                 out.append(DeleteStatus.NOT_FOUND)
-            elif entry.pins > 0:
+            elif entry.busy:
                 out.append(DeleteStatus.PINNED)
             else:
-                self._drop_key(key, entry)
+                victims[key] = entry
                 out.append(DeleteStatus.DELETED)
+        self._drop_keys(victims)
+        self.counters["keys_deleted"] += len(victims)
         return out
 
     def delete_prefix(self, prefix: Any) -> tuple[int, int]:
-        """Delete every unpinned key starting with `prefix` (an operator or `clear()` action).
-        Returns (deleted, skipped because pinned). Walks the whole registry: not a hot path."""
+        """Delete every key starting with `prefix` that is not pinned or leased (an operator or
+        `clear()` action). Returns (deleted, skipped). Walks the whole registry: not hot."""
         if not isinstance(prefix, (str, bytes)) or not prefix:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "prefix must be a non-empty str or bytes")
-        deleted = skipped = 0
-        for key in [k for k in self.keys if type(k) is type(prefix) and k.startswith(prefix)]:
-            entry = self.keys[key]
-            if entry.pins:
-                skipped += 1
-            else:
-                self._drop_key(key, entry)
-                deleted += 1
-        return deleted, skipped
+        matching = [k for k in self.keys if type(k) is type(prefix) and k.startswith(prefix)]
+        statuses = self.delete(matching)
+        deleted = statuses.count(DeleteStatus.DELETED)
+        return deleted, len(matching) - deleted
+
+    def _drop_keys(self, victims: dict[Key, KeyEntry]) -> None:
+        """Remove keys: journal first (so a replay never sees a region freed before its keys
+        are gone), then free pages / regions and tell the owners."""
+        if not victims:
+            return
+        self._log("D", list(victims))
+        for key, entry in victims.items():
+            self._drop_key(key, entry)
 
     def _drop_key(self, key: Key, entry: KeyEntry) -> None:
         del self.keys[key]
-        self.counters["keys_deleted"] += 1
+        self.live_bytes -= entry.length
         region = self.regions[entry.region_id]
         region.live_keys -= 1
         if region.returned:
@@ -347,13 +515,145 @@ class Registry:
             if owner is not None:
                 owner.freed.append([entry.region_id, entry.offset, entry.length])
 
+    # -- eviction ----------------------------------------------------------------------------
+
+    def _evict(self, want_bytes: int, accept: Any = None) -> int:
+        """Evict least-recently-used idle keys (optionally only those `accept(entry)` likes)
+        until `want_bytes` are freed; returns the bytes freed."""
+        freed = 0
+        victims: dict[Key, KeyEntry] = {}
+        for key, entry in self.keys.items():
+            if freed >= want_bytes:
+                break
+            if entry.busy or (accept is not None and not accept(entry)):
+                continue
+            victims[key] = entry
+            freed += entry.length
+        for entry in victims.values():
+            owner = self.instances.get(self.regions[entry.region_id].owner)
+            if owner is not None:
+                owner.evicted += 1
+        self._drop_keys(victims)
+        if victims:
+            self.counters["evictions"] += len(victims)
+            self.counters["bytes_evicted"] += freed
+            log.info("evicted %d keys (%d bytes)", len(victims), freed)
+        return freed
+
+    def evict_to_watermark(self) -> int:
+        """When registered bytes exceed the high watermark of the pool, evict down to low."""
+        capacity = self.pool.capacity
+        if self.live_bytes <= self.high_watermark * capacity:
+            return 0
+        return self._evict(self.live_bytes - int(self.low_watermark * capacity))
+
+    def evict_for(self, instance_id: str, want_bytes: int) -> int:
+        """Make room in the caller's own regions (its store found no free pages and the pool
+        has no region to give): evict the LRU idle keys that live there."""
+        inst = self.instance(instance_id)
+        if not isinstance(want_bytes, int) or want_bytes <= 0:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "bytes must be a positive integer")
+        mine = inst.regions
+        return self._evict(want_bytes, lambda e: e.region_id in mine)
+
+    def _evict_orphans(self, want_region_bytes: int) -> bool:
+        """Evict keys of returned regions (owner gone) until one such region is freed."""
+        orphans = {r.region_id for r in self.regions.values() if r.returned}
+        if not orphans:
+            return False
+        before = len(self.regions)
+        self._evict(want_region_bytes, lambda e: e.region_id in orphans)
+        return len(self.regions) < before
+
+    # -- persistence -------------------------------------------------------------------------
+
+    def snapshot_state(self) -> dict[str, Any]:
+        return {
+            "next_region_id": self._next_region_id,
+            "regions": [
+                [r.region_id, r.owner, r.path, r.offset, r.length, r.token, r.returned]
+                for r in self.regions.values()
+            ],
+            "keys": [[k, e.region_id, e.offset, e.length] for k, e in self.keys.items()],
+        }
+
+    def restore(self, snapshot: dict[str, Any] | None, records: list[Any]) -> None:
+        """Rebuild regions and keys from a snapshot plus the journal records after it.
+
+        Owners of restored regions are re-created as instances that must handshake again
+        within the heartbeat timeout, or be reaped like any silent client."""
+        journal, self.journal = self.journal, None  # replay must not write the journal again
+        try:
+            if snapshot:
+                self._next_region_id = int(snapshot["next_region_id"])
+                for rid, owner, path, offset, length, token, returned in snapshot["regions"]:
+                    self._restore_region(rid, owner, path, offset, length, token, returned)
+                for key, rid, offset, length in snapshot["keys"]:
+                    self._insert_key(key, KeyEntry(rid, offset, length))
+            for record in records:
+                self._replay(record)
+            for region in list(self.regions.values()):
+                if region.returned and region.live_keys == 0:
+                    self._free_region(region)
+        finally:
+            self.journal = journal
+        now = time.monotonic()
+        for region in self.regions.values():
+            if not region.returned:
+                inst = self.instances.setdefault(region.owner, Instance(region.owner))
+                inst.regions.add(region.region_id)
+                inst.last_seen = now
+        log.info(
+            "restored %d regions and %d keys (%d bytes)",
+            len(self.regions),
+            len(self.keys),
+            self.live_bytes,
+        )
+
+    def _restore_region(
+        self, rid: int, owner: str, path: str, offset: int, length: int, token: str, returned: bool
+    ) -> None:
+        self.pool.reserve(path, offset, length)
+        self._add_region(Region(rid, owner, path, offset, length, token, returned))
+        self._next_region_id = max(self._next_region_id, rid + 1)
+
+    def _replay(self, record: list[Any]) -> None:
+        kind = record[0]
+        if kind == "R":
+            self._restore_region(*record[1:], False)
+        elif kind == "T":
+            region = self.regions.get(record[1])
+            if region is not None:
+                region.returned = True
+        elif kind == "F":
+            region = self.regions.pop(record[1], None)
+            if region is not None:
+                self.pool.release(region.path, region.offset)
+        elif kind == "K":
+            for key, rid, offset, length in record[1]:
+                if key not in self.keys and rid in self.regions:
+                    self._insert_key(key, KeyEntry(rid, offset, length))
+        elif kind == "D":
+            for key in record[1]:
+                entry = self.keys.pop(key, None)
+                region = self.regions.get(entry.region_id) if entry is not None else None
+                if entry is not None:
+                    self.live_bytes -= entry.length
+                if region is not None:
+                    region.live_keys -= 1
+        else:
+            log.warning("ignoring unknown journal record %r", kind)
+
     # -- stats -------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         return {
             "pool": self.pool.stats(),
             "keys": len(self.keys),
+            "live_bytes": self.live_bytes,
             "regions": len(self.regions),
+            "leases": len(self.leases),
+            "watermarks": {"high": self.high_watermark, "low": self.low_watermark},
             "instances": {
                 i.instance_id: {
                     "pid": i.pid,
@@ -362,6 +662,8 @@ class Registry:
                     "bytes_registered": i.bytes_registered,
                     "hits": i.hits,
                     "misses": i.misses,
+                    "evicted": i.evicted,
+                    "pins": sum(i.pins.values()),
                 }
                 for i in self.instances.values()
             },

@@ -16,6 +16,7 @@ import zmq
 
 from maru import protocol
 from maru.protocol import MAX_BATCH, MAX_KEY_BYTES, ErrorCode, MsgType, ProtocolError
+from maru.server.journal import Journal
 from maru.server.registry import Registry, check_key
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,19 @@ def _keys(body: dict[str, Any], name: str = "keys") -> list[Any]:
 
 
 class MaruService:
-    def __init__(self, registry: Registry, bind_url: str):
+    def __init__(
+        self,
+        registry: Registry,
+        bind_url: str,
+        *,
+        journal: Journal | None = None,
+        heartbeat_timeout: float = 15.0,
+    ):
         self.registry = registry
         self.bind_url = bind_url
+        self.journal = journal
+        self.heartbeat_timeout = heartbeat_timeout
+        self._next_reap = 0.0
         self.epoch = f"{time.time_ns():x}"  # changes on every start: clients notice restarts
         self._stop = threading.Event()
         self.op_stats: dict[str, list[float]] = {}  # name -> [count, total seconds]
@@ -58,8 +69,10 @@ class MaruService:
             MsgType.REGISTER_KV: self._register_kv,
             MsgType.LOOKUP_KV: self._lookup_kv,
             MsgType.EXISTS: self._exists,
-            MsgType.PIN: lambda b: {"results": self.registry.pin(_keys(b))},
-            MsgType.UNPIN: lambda b: {"results": self.registry.unpin(_keys(b))},
+            MsgType.PIN: lambda b: {"results": self.registry.pin(_keys(b), b.get("iid"))},
+            MsgType.UNPIN: lambda b: {"results": self.registry.unpin(_keys(b), b.get("iid"))},
+            MsgType.RELEASE: lambda b: {"released": self.registry.release(_keys(b, "leases"))},
+            MsgType.EVICT_FOR: self._evict_for,
             MsgType.DELETE_KV: lambda b: {
                 "results": [int(s) for s in self.registry.delete(_keys(b))]
             },
@@ -85,6 +98,7 @@ class MaruService:
             "version": protocol.PROTOCOL_VERSION,
             "pool": self.registry.pool.stats(),
             "regions": [h.to_wire() for h in regions],
+            "heartbeat_interval": self.heartbeat_timeout / 3,
         }
 
     def _request_region(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -107,8 +121,16 @@ class MaruService:
         return {"results": [int(s) for s in statuses]}
 
     def _lookup_kv(self, body: dict[str, Any]) -> dict[str, Any]:
-        locations, regions = self.registry.lookup(_keys(body), body.get("iid"))
-        return {"locations": locations, "regions": [h.to_wire() for h in regions]}
+        keys = _keys(body)
+        locations, regions = self.registry.lookup(keys, body.get("iid"))
+        reply = {"locations": locations, "regions": [h.to_wire() for h in regions]}
+        if body.get("lease"):
+            reply["lease_id"] = self.registry.lease(keys, body.get("iid"))
+        return reply
+
+    def _evict_for(self, body: dict[str, Any]) -> dict[str, Any]:
+        freed = self.registry.evict_for(_field(body, "iid", str), _field(body, "bytes", int))
+        return {"freed_bytes": freed}
 
     def _delete_prefix(self, body: dict[str, Any]) -> dict[str, Any]:
         deleted, pinned = self.registry.delete_prefix(body.get("prefix"))
@@ -171,7 +193,9 @@ class MaruService:
         )
         sock = self.socket
         while not self._stop.is_set():
-            if not sock.poll(poll_ms, zmq.POLLIN):
+            ready = sock.poll(poll_ms, zmq.POLLIN)
+            self.housekeeping()
+            if not ready:
                 continue
             while True:
                 try:
@@ -191,8 +215,23 @@ class MaruService:
                     log.debug("reply dropped: %s", exc)
         log.info("maru-server stopping")
 
+    def housekeeping(self, now: float | None = None) -> None:
+        """Between requests: expire read leases, reap silent instances, fsync the journal
+        (batched), and snapshot it when it has grown."""
+        now = time.monotonic() if now is None else now
+        self.registry.expire_leases(now)
+        if now >= self._next_reap:
+            self.registry.reap(self.heartbeat_timeout, now)
+            self._next_reap = now + min(1.0, self.heartbeat_timeout / 4)
+        if self.journal is not None:
+            self.journal.sync()
+            if self.journal.needs_snapshot:
+                self.journal.write_snapshot(self.registry.snapshot_state())
+
     def stop(self) -> None:
         self._stop.set()
 
     def close(self) -> None:
         self.socket.close(linger=0)
+        if self.journal is not None:
+            self.journal.close()
