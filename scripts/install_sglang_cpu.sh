@@ -18,8 +18,9 @@ pip=("$PY" -m pip install --disable-pip-version-check)
 start=$SECONDS
 echo "[install_sglang_cpu] python: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
 
-# 1. torch, CPU build. Never unpinned: plain `torch` resolves to a multi-GB CUDA build.
-"${pip[@]}" "torch==2.13.0"
+# 1. torch, CPU build (local wheel; `+cpu` never matches the CUDA wheel on the index).
+#    Never unpinned: plain `torch` resolves to a multi-GB CUDA build.
+"${pip[@]}" "torch==2.13.0+cpu"
 
 # 2. Everything SGLang needs on CPU, with torch & friends held by the constraints.
 "${pip[@]}" -c "$req/constraints.txt" -r "$req/sglang-cpu.txt"

@@ -29,11 +29,9 @@ def sglang_env(extra: dict[str, str] | None = None, *, base: dict[str, str] | No
 
     Starts from ``base`` (default: ``os.environ``), puts this directory first on ``PYTHONPATH``
     (so ``sitecustomize`` loads in the server and all its subprocesses), selects SGLang's CPU
-    engine, and applies ``extra`` last.
+    engine, and applies ``extra`` last (an ``extra["PYTHONPATH"]`` keeps the shim dir first).
     """
     env = dict(os.environ if base is None else base)
-    paths = [str(SHIM_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env.update(
         {
             # Else the rotary embedding imports vllm, and CUDA-only kernels are chosen.
@@ -47,4 +45,7 @@ def sglang_env(extra: dict[str, str] | None = None, *, base: dict[str, str] | No
     )
     if extra:
         env.update(extra)
+    # The shim dir goes first even when ``extra`` sets its own PYTHONPATH.
+    paths = [str(SHIM_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env

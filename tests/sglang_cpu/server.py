@@ -11,8 +11,10 @@ Everything is bounded in time. The server runs in its own session / process grou
 :func:`stop_server` can end the launcher and every process it spawned (scheduler, detokenizer,
 multiprocessing resource tracker) by that group id. It then removes the ``/dev/shm`` files
 SGLang leaves behind (``sglang_loads_*``, ``sem.mp-*``) that appeared while the server ran.
-The server's output goes to a log file (:attr:`SGLangServer.log_path`), whose tail is put into
-every error raised here.
+SGLang also creates its ZMQ IPC sockets with ``tempfile`` and never removes them, so each server
+gets a private ``TMPDIR`` that is deleted when it stops.
+The server's output goes to a log file (:attr:`SGLangServer.log_path`, kept after the stop),
+whose tail is put into every error raised here.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -53,6 +56,7 @@ class SGLangServer:
     port: int
     log_path: Path
     startup_seconds: float = 0.0
+    tmp_dir: Path | None = None
     shm_before: frozenset[str] = field(default_factory=frozenset, repr=False)
     _log_file: object = field(default=None, repr=False)
 
@@ -124,11 +128,10 @@ def start_server(
     ``timeout`` seconds; the processes are stopped in that case.
     """
     port = port or free_port(host)
-    if log_path is None:
-        fd, name = tempfile.mkstemp(prefix=f"sglang-server-{port}-", suffix=".log")
-        os.close(fd)
-        log_path = name
-    log_path = Path(log_path)
+    run_dir = Path(tempfile.mkdtemp(prefix=f"sglang-server-{port}-"))
+    tmp_dir = run_dir / "tmp"
+    tmp_dir.mkdir()
+    log_path = Path(log_path) if log_path is not None else run_dir / "server.log"
     cmd = [
         python,
         "-m",
@@ -157,7 +160,7 @@ def start_server(
     t0 = time.monotonic()
     proc = subprocess.Popen(
         cmd,
-        env=sglang_env(env),
+        env=sglang_env({"TMPDIR": str(tmp_dir), **(env or {})}),
         stdin=subprocess.DEVNULL,
         stdout=log_file,
         stderr=subprocess.STDOUT,
@@ -168,6 +171,7 @@ def start_server(
         host=host,
         port=port,
         log_path=log_path,
+        tmp_dir=tmp_dir,
         shm_before=shm_before,
         _log_file=log_file,
     )
@@ -237,6 +241,10 @@ def stop_server(server: SGLangServer, timeout: float = DEFAULT_STOP_TIMEOUT) -> 
         server._log_file.close()
         server._log_file = None
     cleanup_shm(server.shm_before)
+    if server.tmp_dir is not None:
+        shutil.rmtree(server.tmp_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            server.tmp_dir.parent.rmdir()  # only if empty (the log lives elsewhere)
 
 
 def cleanup_shm(before: frozenset[str]) -> list[str]:
@@ -279,8 +287,7 @@ def generate(
     "storage_backend"}`` or ``None`` when nothing was cached, ...).
     """
     payload: dict = {
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}
-        | sampling_params
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0} | sampling_params
     }
     if input_ids is not None:
         payload["input_ids"] = input_ids
@@ -301,9 +308,7 @@ def flush_cache(base_url: str, *, timeout: float = 60.0) -> None:
     """
     deadline = time.monotonic() + timeout
     while True:
-        status, body = http_request(
-            base_url + "/flush_cache?timeout=5", method="POST", timeout=30
-        )
+        status, body = http_request(base_url + "/flush_cache?timeout=5", method="POST", timeout=30)
         if status == 200:
             return
         if time.monotonic() > deadline:
