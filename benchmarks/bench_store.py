@@ -1,0 +1,252 @@
+"""Store benchmark: MaruHandler batch_store / batch_retrieve throughput beside plain memcpy.
+
+    python benchmarks/bench_store.py            # ~30 s on 2 cores
+    python benchmarks/bench_store.py --quick    # a few seconds
+    python benchmarks/bench_store.py --server-url tcp://127.0.0.1:5555   # an existing server
+
+Starts its own `maru-server` (1 GiB pool in /dev/shm, removed afterwards) unless given a URL.
+For each value size (64 KiB, 1 MiB, 4 MiB) it moves the same bytes four ways, in this run:
+
+- memcpy:         memoryview slice assignment of each value into a warm private buffer;
+- memcpy to shm:  the same, into a warm MAP_SHARED mapping of a /dev/shm file (the kind of
+                  memory the pool is), to separate the cost of the memory from Maru's own;
+- batch_store:    one writer handler copies each value into its shared pages and registers the
+                  batch with one RPC (keys are deleted between repetitions, so pages are warm);
+- batch_retrieve: a second handler (its own read-only mapping) looks the batch up with one
+                  RPC and copies every value out into a warm private buffer, which is what a
+                  consumer does with the bytes.
+
+Then it times batch lookups of 128 keys (`batch_retrieve` without touching the bytes) and
+reports microseconds per key. Figures are medians over repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from maru import MaruHandler
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+SIZES = [64 * KiB, 1 * MiB, 4 * MiB]
+
+
+@contextmanager
+def maru_server(pool_size: str):
+    """A `maru-server` subprocess on a free port; yields its URL; stops it and removes the pool."""
+    exe = Path(sys.executable).parent / "maru-server"
+    cmd = [str(exe)] if exe.exists() else [shutil.which("maru-server") or "maru-server"]
+    tmp = Path(tempfile.mkdtemp(prefix="maru-bench-"))
+    pool = f"/dev/shm/maru-bench-{uuid.uuid4().hex}.pool"
+    ready = tmp / "ready"
+    log = open(tmp / "server.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [
+            *cmd,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--pool",
+            pool,
+            "--pool-size",
+            pool_size,
+            "--state-dir",
+            str(tmp / "state"),
+            "--ready-file",
+            str(ready),
+            "--log-level",
+            "WARNING",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 15
+        while not (ready.exists() and ready.read_text().startswith("tcp://")):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("maru-server did not start: " + (tmp / "server.log").read_text())
+            time.sleep(0.02)
+        yield ready.read_text().strip()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+        Path(pool).unlink(missing_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def bench_size(writer, reader, size: int, total: int, batch_bytes: int, reps: int, tag: str):
+    count = max(1, total // size)
+    per_batch = max(1, min(count, batch_bytes // size))
+    nbytes = count * size
+    src = np.random.default_rng(size).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    dst[:] = 1  # fault the destination in: every mode copies into warm memory
+    src_v, dst_v = memoryview(src), memoryview(dst)
+    shm_path = f"/dev/shm/maru-bench-memcpy-{uuid.uuid4().hex}"
+    fd = os.open(shm_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        shm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+        os.unlink(shm_path)  # the mapping keeps the memory until it is closed
+    shm_v = memoryview(shm)
+    shm_v[:] = dst_v  # fault it in
+    values = [src_v[i * size : (i + 1) * size] for i in range(count)]
+    keys = [f"bench/{tag}/{size}/{i}" for i in range(count)]
+    batches = [range(s, min(s + per_batch, count)) for s in range(0, count, per_batch)]
+
+    memcpy_s, shm_s, store_s, retrieve_s = [], [], [], []
+    for rep in range(reps + 1):  # the first round warms pages and mappings; not counted
+        t0 = time.perf_counter()
+        for i in range(count):
+            dst_v[i * size : (i + 1) * size] = values[i]
+        t1 = time.perf_counter()
+        for i in range(count):
+            shm_v[i * size : (i + 1) * size] = values[i]
+        t1b = time.perf_counter()
+        for b in batches:
+            ok = writer.batch_store([keys[i] for i in b], [values[i] for i in b])
+            if not all(ok):
+                raise RuntimeError(f"batch_store failed for {size}-byte values")
+        t2 = time.perf_counter()
+        for b in batches:
+            infos = reader.batch_retrieve([keys[i] for i in b])
+            for i, info in zip(b, infos):
+                dst_v[i * size : (i + 1) * size] = info.view
+        t3 = time.perf_counter()
+        if rep == 0 and bytes(dst_v[-size:]) != bytes(values[-1]):
+            raise RuntimeError("retrieved bytes differ")
+        del infos
+        if rep:
+            memcpy_s.append(t1 - t0)
+            shm_s.append(t1b - t1)
+            store_s.append(t2 - t1b)
+            retrieve_s.append(t3 - t2)
+        for b in batches:
+            writer.batch_delete([keys[i] for i in b])
+    shm_v.release()
+    shm.close()
+    return {
+        "size": size,
+        "count": count,
+        "batch": per_batch,
+        "memcpy": gbps(nbytes, statistics.median(memcpy_s)),
+        "memcpy_shm": gbps(nbytes, statistics.median(shm_s)),
+        "store": gbps(nbytes, statistics.median(store_s)),
+        "retrieve": gbps(nbytes, statistics.median(retrieve_s)),
+    }
+
+
+def bench_lookup(writer, reader, batch: int, rounds: int) -> dict:
+    keys = [f"bench/lookup/{i}" for i in range(batch)]
+    assert all(writer.batch_store(keys, [b"x" * 4096] * batch))
+    misses = [f"bench/missing/{i}" for i in range(batch)]
+    out = {}
+    for name, ks in (("hit", keys), ("miss", misses)):
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            infos = reader.batch_retrieve(ks)
+            times.append(time.perf_counter() - t0)
+        assert (infos[0] is not None) == (name == "hit")
+        out[name] = statistics.median(times) / batch * 1e6
+    writer.batch_delete(keys)
+    return out
+
+
+def size_label(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="less data and fewer repetitions")
+    ap.add_argument("--server-url", help="use a running maru-server instead of starting one")
+    ap.add_argument("--chunk", default="64K", help="handler page size (default: 64K)")
+    args = ap.parse_args()
+    total = 64 * MiB if args.quick else 256 * MiB
+    reps = 3 if args.quick else 9
+    rounds = 50 if args.quick else 300
+
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"{_cpu_model()}; Python {platform.python_version()}, numpy {np.__version__}"
+    )
+    print(
+        f"data per size: {total // MiB} MiB, batches of up to 16 MiB, median of {reps} runs, "
+        f"handler page size {args.chunk}"
+    )
+
+    def run(url: str) -> None:
+        common = {"server_url": url, "chunk_size_bytes": args.chunk, "timeout_ms": 30_000}
+        with (
+            MaruHandler(pool_size=total + 32 * MiB, **common) as writer,
+            MaruHandler(pool_size="2M", **common) as reader,
+        ):
+            rows = [bench_size(writer, reader, size, total, 16 * MiB, reps, "t") for size in SIZES]
+            lookup = bench_lookup(writer, reader, 128, rounds)
+        print()
+        print(
+            f"{'value size':>10} {'values':>7} {'batch':>6} {'memcpy GB/s':>12} "
+            f"{'memcpy->shm GB/s':>17} {'batch_store GB/s':>17} {'batch_retrieve GB/s':>20}"
+            f" {'store/memcpy':>12} {'retrieve/memcpy':>15}"
+        )
+        for r in rows:
+            print(
+                f"{size_label(r['size']):>10} {r['count']:>7} {r['batch']:>6} "
+                f"{r['memcpy']:>12.2f} {r['memcpy_shm']:>17.2f} {r['store']:>17.2f} "
+                f"{r['retrieve']:>20.2f} {r['store'] / r['memcpy']:>12.0%}"
+                f" {r['retrieve'] / r['memcpy']:>15.0%}"
+            )
+        print()
+        print(
+            f"batch lookup of 128 keys (batch_retrieve, no copy), median of {rounds}: "
+            f"{lookup['hit']:.2f} us/key (hits), {lookup['miss']:.2f} us/key (misses)"
+        )
+
+    if args.server_url:
+        run(args.server_url)
+    else:
+        with maru_server("1G") as url:
+            run(url)
+    return 0
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

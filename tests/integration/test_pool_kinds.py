@@ -1,0 +1,114 @@
+"""End to end on each pool kind, and two servers side by side."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from maru import MaruHandler
+from maru.pool.backends import REGION_ALIGNMENT, DevDaxPool
+from maru.pool.token import TokenSigner
+from maru.server.registry import Registry
+from maru.server.service import MaruService
+
+from .workers import MiB, digest, make_value, retrieve_keys, run_processes, store_keys
+
+
+@pytest.fixture
+def devdax_stand_in_server(tmp_path):
+    """A MaruService (in a thread of this process) over a DevDaxPool whose "device" is a
+    regular 64 MiB file: there is no devdax device on this machine."""
+    dev = tmp_path / "dax0.0"
+    with open(dev, "wb") as f:
+        f.truncate(64 * MiB)
+    pool = DevDaxPool(str(dev))
+    service = MaruService(Registry(pool, TokenSigner(os.urandom(32))), "tcp://127.0.0.1:0")
+    thread = threading.Thread(target=service.serve_forever, kwargs={"poll_ms": 50}, daemon=True)
+    thread.start()
+    try:
+        yield service, dev
+    finally:
+        service.stop()
+        thread.join(10)
+        service.close()
+        pool.close()
+
+
+def test_devdax_pool_with_a_regular_file_standing_in_for_the_device(devdax_stand_in_server):
+    """devdax, with a regular file standing in for /dev/daxX.Y (no device here): this process
+    stores through its mapping of the "device", another process reads through its own."""
+    service, dev = devdax_stand_in_server
+    with MaruHandler(server_url=service.endpoint, pool_size="16M") as h:
+        stats = h.stats()["pool"]
+        assert stats["kind"] == "devdax" and stats["path"] == str(dev)
+        assert stats["capacity"] == 64 * MiB
+        keys = [f"dax/{i}" for i in range(40)]
+        sizes = [4096 + 9_999 * i for i in range(40)]
+        values = [make_value(500 + i, size) for i, size in enumerate(sizes)]
+        assert h.batch_store(keys, values) == [True] * 40
+        regions = h.list_allocations()
+        assert all(r.path == str(dev) and r.offset % REGION_ALIGNMENT == 0 for r in regions)
+        (b,) = run_processes([(retrieve_keys, (service.endpoint, keys, 16))], 60)
+        assert b["digests"] == [digest(v) for v in values]
+        assert b["lengths"] == sizes and b["readonly"] and b["foreign"]
+    # the bytes really are in the stand-in file, at the registered offsets
+    with MaruHandler(server_url=service.endpoint, pool_size="2M") as h:
+        info = h.retrieve(keys[7])
+        region = next(
+            r for r in h.list_allocations(all_instances=True) if r.region_id == info.region_id
+        )
+        with open(dev, "rb") as f:
+            f.seek(region.offset + info.offset)
+            assert f.read(info.length) == bytes(values[7])
+
+
+def test_fsdax_pool_one_file_per_region(maru_server_factory, tmp_path):
+    root = tmp_path / "fsdax"
+    server = maru_server_factory(pool_size="256M", pool=str(root) + "/")
+    keys = [f"fs/{i}" for i in range(30)]
+    sizes = [1000 + 77_777 * i for i in range(30)]
+    kw = {"pool_size": "8M", "auto_expand": True}
+    (a,) = run_processes([(store_keys, (server.url, keys, sizes, 77, 8, kw))], 60)
+    assert a["ok"] == [True] * 30 and len(a["regions"]) >= 2  # needed more than one region
+    files = sorted(p.name for p in root.iterdir())
+    assert files == sorted(f"region-{r}.mem" for r in a["regions"])
+    (b,) = run_processes([(retrieve_keys, (server.url, keys, 10))], 60)
+    assert b["digests"] == a["digests"] and b["lengths"] == sizes
+    with MaruHandler(server_url=server.url, pool_size="2M") as h:
+        stats = h.stats()["pool"]
+        assert stats["kind"] == "fsdax" and stats["used"] >= 16 * MiB
+        for r in h.list_allocations(all_instances=True):
+            assert r.offset == 0 and Path(r.path).parent == root
+            assert os.path.getsize(r.path) == r.length
+        # the writer has exited and closed: once its keys go, its region files go too
+        assert h.batch_delete(keys) == [True] * 30
+        assert sorted(p.name for p in root.iterdir()) == [
+            f"region-{r}.mem" for r in h.owned_region_ids()
+        ]
+
+
+def test_two_servers_side_by_side(maru_server_factory):
+    one = maru_server_factory(pool_size="128M")
+    two = maru_server_factory(pool_size="64M")
+    assert one.port != two.port and one.pool_path != two.pool_path
+    with (
+        MaruHandler(server_url=one.url, pool_size="8M", timeout_ms=300) as h1,
+        MaruHandler(server_url=two.url, pool_size="8M") as h2,
+    ):
+        assert h1.store("same-key", b"one" * 1000)
+        assert h2.store("same-key", b"two" * 1000)
+        assert h1.store("only-one", b"1")
+        assert bytes(h1.retrieve("same-key").view) == b"one" * 1000
+        assert bytes(h2.retrieve("same-key").view) == b"two" * 1000
+        assert h2.retrieve("only-one") is None
+        s1, s2 = h1.stats(), h2.stats()
+        assert s1["pool"]["path"] == one.pool_path and s1["pool"]["capacity"] == 128 * MiB
+        assert s2["pool"]["path"] == two.pool_path and s2["pool"]["capacity"] == 64 * MiB
+        assert (s1["keys"], s2["keys"]) == (2, 1)
+        assert {r.path for r in h1.list_allocations(all_instances=True)} == {one.pool_path}
+        one.stop()  # stopping one leaves the other serving
+        assert bytes(h2.retrieve("same-key").view) == b"two" * 1000
+        assert h2.store("after", b"a")

@@ -1,0 +1,244 @@
+"""The real `maru-server` answers every bad request with an error reply and keeps serving; a
+dead, stopped or restarted server gives clear errors on the client, never a hang."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+
+import msgpack
+import pytest
+import zmq
+
+from maru import MaruConnectionError, MaruHandler, MaruServerError, protocol
+from maru.protocol import HEADER, MAGIC, MAX_KEY_BYTES, ErrorCode, MsgType
+
+KiB = 1 << 10
+
+
+class RawClient:
+    """A bare DEALER socket, to send what MaruHandler never would."""
+
+    def __init__(self, url: str):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(url)
+        self.next_id = 100
+
+    def send_parts(self, parts: list[bytes]) -> tuple[protocol.Header, dict]:
+        self.sock.send_multipart(parts)
+        assert self.sock.poll(10_000), "no reply from maru-server"
+        reply = self.sock.recv_multipart()
+        assert len(reply) == 1
+        return protocol.decode(reply[0])
+
+    def request(self, msg_type: int, body: dict) -> dict:
+        self.next_id += 1
+        header, reply = self.send_parts([protocol.encode(msg_type, self.next_id, body)])
+        assert header.request_id == self.next_id
+        assert header.flags & protocol.FLAG_REPLY
+        return reply
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+@pytest.fixture
+def raw(maru_server):
+    client = RawClient(maru_server.url)
+    yield client
+    client.close()
+
+
+def assert_still_serving(server) -> None:
+    assert server.alive()
+    with MaruHandler(server_url=server.url, pool_size="4M") as h:
+        value = os.urandom(10 * KiB)
+        assert h.store("still-serving", value)
+        info = h.retrieve("still-serving")
+        assert info is not None and bytes(info.view) == value
+        assert h.delete("still-serving")
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        [b""],
+        [b"garbage"],
+        [b"\xff" * 64],
+        [HEADER.pack(b"HTTP", 1, 1, 0, 1) + b"/ 1.1"],
+        [HEADER.pack(MAGIC, 1, MsgType.STATS, 0, 1) + b"\xc1\xc1"],  # bad msgpack
+        [HEADER.pack(MAGIC, 1, MsgType.STATS, 0, 1) + msgpack.packb([1, 2])],  # not a map
+        [protocol.encode(MsgType.STATS, 1, {}), b"second frame"],  # multipart
+    ],
+    ids=["empty", "short", "noise", "bad-magic", "bad-msgpack", "not-a-map", "multipart"],
+)
+def test_malformed_frames_get_bad_frame_and_server_keeps_serving(maru_server, raw, parts):
+    _, reply = raw.send_parts(parts)
+    assert reply["ok"] is False and reply["code"] == ErrorCode.BAD_FRAME
+    assert reply["error"]
+    assert_still_serving(maru_server)
+
+
+def test_bad_version_unknown_type_wrong_token_oversized_key(maru_server, raw):
+    _, reply = raw.send_parts([HEADER.pack(MAGIC, 9, MsgType.STATS, 0, 5) + msgpack.packb({})])
+    assert reply["code"] == ErrorCode.BAD_VERSION
+
+    for msg_type in (0, 99, 255):
+        reply = raw.request(msg_type, {"iid": "x"})
+        assert reply["ok"] is False and reply["code"] == ErrorCode.UNKNOWN_TYPE
+
+    assert raw.request(MsgType.HANDSHAKE, {"iid": "raw", "pid": 1})["ok"]
+    region = raw.request(MsgType.REQUEST_REGION, {"iid": "raw", "size": 2 << 20})["region"]
+    rid, token = region[0], region[4]
+    bad_token = ("0" if token[0] != "0" else "1") + token[1:]
+    reply = raw.request(MsgType.RETURN_REGION, {"iid": "raw", "region_id": rid, "token": bad_token})
+    assert reply["code"] == ErrorCode.BAD_TOKEN
+    reply = raw.request(MsgType.REGION_ACCESS, {"region_id": rid, "token": bad_token})
+    assert reply["code"] == ErrorCode.BAD_TOKEN
+    assert raw.request(MsgType.REGION_ACCESS, {"region_id": rid, "token": token})["ok"]
+
+    long_key = "k" * (MAX_KEY_BYTES + 1)
+    for msg_type in (MsgType.LOOKUP_KV, MsgType.EXISTS, MsgType.DELETE_KV, MsgType.PIN):
+        reply = raw.request(msg_type, {"iid": "raw", "keys": ["fine", long_key]})
+        assert reply["ok"] is False and reply["code"] == ErrorCode.KEY_TOO_LONG
+    reply = raw.request(MsgType.REGISTER_KV, {"iid": "raw", "entries": [[long_key, rid, 0, 10]]})
+    assert reply["results"] == [protocol.RegisterStatus.REJECTED]
+
+    # the region is still ours and returnable with the right token
+    assert raw.request(MsgType.RETURN_REGION, {"iid": "raw", "region_id": rid, "token": token})[
+        "ok"
+    ]
+    assert_still_serving(maru_server)
+
+
+def test_oversized_key_through_the_handler_leaks_nothing(maru_server):
+    with MaruHandler(server_url=maru_server.url, pool_size="4M") as h:
+        free = h.free_pages()
+        long_key = "k" * (MAX_KEY_BYTES + 1)
+        assert h.store(long_key, b"x" * 5000) is False
+        assert h.free_pages() == free  # the page was given back
+        assert h.retrieve(long_key) is None
+        assert h.batch_exists(["k", long_key]) == [False, False]
+        assert h.store("k" * MAX_KEY_BYTES, b"y" * 5000) is True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+def test_no_server_gives_a_clear_error(caplog):
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    with caplog.at_level(logging.WARNING, logger="maru"):
+        h = MaruHandler(server_url=url, timeout_ms=300)
+    try:
+        assert not h.connected
+        assert any(url in r.getMessage() for r in caplog.records)
+        with pytest.raises(MaruConnectionError, match=url):
+            h.stats()
+        assert h.store("k", b"v") is False
+        assert h.retrieve("k") is None
+        assert h.batch_exists(["a", "b"]) == [False, False]
+        assert h.connect() is False
+    finally:
+        h.close()
+    unconnected = MaruHandler(server_url=url, timeout_ms=300, auto_connect=False)
+    with pytest.raises(RuntimeError, match=f"Failed to connect MaruHandler to {url}"):
+        unconnected.__enter__()
+    unconnected.close()
+
+
+@pytest.mark.timeout(60)
+def test_server_stopped_under_a_connected_handler(maru_server):
+    h = MaruHandler(server_url=maru_server.url, pool_size="4M", timeout_ms=300)
+    try:
+        assert h.store("k", b"v" * 100)
+        maru_server.stop()
+        with pytest.raises(MaruConnectionError, match=maru_server.url):
+            h.stats()
+        assert h.store("k2", b"v" * 100) is False
+        assert h.retrieve("k") is None
+    finally:
+        h.close()
+
+
+@pytest.mark.timeout(60)
+def test_rpc_timeout_when_the_server_hangs(maru_server):
+    """SIGSTOP the server: requests are accepted by the kernel but never answered. Every call
+    must end with MaruConnectionError at its deadline; after SIGCONT the late replies are
+    dropped (matched by request id) and the handler works again."""
+    h = MaruHandler(server_url=maru_server.url, pool_size="4M", timeout_ms=400)
+    try:
+        value = os.urandom(3000)
+        assert h.store("k", value)
+        os.kill(maru_server.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(MaruConnectionError, match="no reply from maru-server"):
+                h.stats()
+            assert h.batch_retrieve(["k", "x"]) == [None, None]
+            assert h.store("k2", b"z" * 100) is False
+        finally:
+            os.kill(maru_server.pid, signal.SIGCONT)
+        info = h.retrieve("k")
+        assert info is not None and bytes(info.view) == value
+        assert h.batch_exists(["k", "x"]) == [True, False]
+        assert h.stats()["keys"] >= 1
+    finally:
+        h.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("auto_expand", "fresh"),
+    [(True, False), (False, False), (True, True), (False, True)],
+    ids=["expand-restored", "noexpand-restored", "expand-fresh", "noexpand-fresh"],
+)
+def test_handler_keeps_working_after_server_restart(maru_server, auto_expand, fresh):
+    """Restart the server on the same port, with its state (restored) or with `--no-restore`
+    (fresh: the server has forgotten every instance, region and key). The handlers connected
+    before keep working: on UNKNOWN_INSTANCE the writer re-handshakes and gets a region again
+    (even with auto_expand off), the first store after the restart succeeds, and a reader
+    connected before the restart reads it."""
+    writer = MaruHandler(server_url=maru_server.url, pool_size="8M", auto_expand=auto_expand)
+    reader = MaruHandler(server_url=maru_server.url, pool_size="2M")
+    try:
+        before = os.urandom(5000)
+        assert writer.store("before", before)
+        old_port = maru_server.port
+        maru_server.restart(["--no-restore"] if fresh else [])
+        assert maru_server.port == old_port
+
+        values = {f"after/{i}": os.urandom(1000 + 7 * i) for i in range(5)}
+        assert writer.batch_store(list(values), list(values.values())) == [True] * 5
+        assert writer.owned_region_ids()
+        for infos in (writer.batch_retrieve(list(values)), reader.batch_retrieve(list(values))):
+            assert [bytes(i.view) if i else None for i in infos] == list(values.values())
+        assert writer.store("later", b"L" * 100)
+        info = reader.retrieve("later")
+        assert info is not None and bytes(info.view) == b"L" * 100
+
+        info = reader.retrieve("before")
+        if fresh:
+            assert info is None
+        else:
+            assert info is not None and bytes(info.view) == before
+        # page bookkeeping is consistent: pages in use == our keys the server knows
+        chunk = writer.get_chunk_size()
+        total = sum(r.length for r in writer.list_allocations()) // chunk
+        ours = ["before", *values, "later"]
+        assert total - writer.free_pages() == sum(writer.batch_exists(ours))
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_server_error_carries_the_code(maru_server):
+    with MaruHandler(server_url=maru_server.url, pool_size="2M") as h:
+        with pytest.raises(MaruServerError) as exc:
+            h._call(MsgType.REQUEST_REGION, {"size": "huge"})
+        assert exc.value.code == ErrorCode.BAD_REQUEST

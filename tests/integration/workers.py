@@ -1,0 +1,143 @@
+"""Code that runs in separate processes (multiprocessing "spawn": a fresh interpreter, its own
+MaruHandler, its own mmap of the pool). Each worker puts one result dict on a queue."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import multiprocessing as mp
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+KiB, MiB = 1 << 10, 1 << 20
+SPAWN = mp.get_context("spawn")
+
+
+def mixed_sizes(n: int, seed: int, lo: int = 4 * KiB, hi: int = 8 * MiB) -> list[int]:
+    """Log-uniform sizes in [lo, hi], both ends included, most of them not page multiples."""
+    rng = np.random.default_rng(seed)
+    sizes = np.exp(rng.uniform(math.log(lo), math.log(hi), n)).astype(np.int64).tolist()
+    sizes[0], sizes[-1] = lo, hi
+    return [min(max(int(s), lo), hi) for s in sizes]
+
+
+def make_value(seed: int, size: int) -> memoryview:
+    """`size` random bytes, reproducible from `seed`."""
+    raw = np.random.Philox(seed).random_raw(-(-size // 8))
+    return memoryview(raw).cast("B")[:size]
+
+
+def digest(buf: Any) -> str:
+    return hashlib.sha1(buf).hexdigest()
+
+
+def _run(fn: Callable[..., dict], out_q: Any, idx: int, args: tuple) -> None:
+    try:
+        result = fn(*args)
+    except BaseException:
+        result = {"error": traceback.format_exc()}
+    out_q.put((idx, result))
+
+
+def run_processes(jobs: Sequence[tuple[Callable[..., dict], tuple]], timeout: float) -> list[dict]:
+    """Run each (fn, args) in its own spawned process; return their result dicts in order.
+    Raises (after killing stragglers) if one fails or the deadline passes."""
+    out_q = SPAWN.Queue()
+    procs = [
+        SPAWN.Process(target=_run, args=(fn, out_q, i, args), daemon=True)
+        for i, (fn, args) in enumerate(jobs)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, dict] = {}
+    try:
+        for _ in procs:
+            idx, result = out_q.get(timeout=timeout)
+            if "error" in result:
+                raise AssertionError(f"worker {idx} failed:\n{result['error']}")
+            results[idx] = result
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return [results[i] for i in range(len(procs))]
+
+
+# -- workers -----------------------------------------------------------------------------------
+
+
+def _handler(url: str, **kw: Any):
+    from maru import MaruHandler
+
+    h = MaruHandler(server_url=url, timeout_ms=10_000, **kw)
+    if not h.connected:
+        raise RuntimeError(f"cannot connect to {url}")
+    return h
+
+
+def store_keys(
+    url: str,
+    keys: list[str],
+    sizes: list[int],
+    seed: int,
+    batch: int,
+    handler_kw: dict[str, Any],
+    barrier: Any = None,
+    done: Any = None,
+) -> dict:
+    """Store keys[i] = make_value(seed + i, sizes[i]) in batches; report digests and pages.
+    With `done`, keep the handler (and its regions) until the parent sets it."""
+    h = _handler(url, **handler_kw)
+    try:
+        total_pages = h.free_pages()
+        if barrier is not None:
+            barrier.wait(30)
+        ok: list[bool] = []
+        digests: list[str] = []
+        for start in range(0, len(keys), batch):
+            idx = range(start, min(start + batch, len(keys)))
+            values = [make_value(seed + i, sizes[i]) for i in idx]
+            digests.extend(digest(v) for v in values)
+            ok.extend(h.batch_store([keys[i] for i in idx], values))
+        result = {
+            "ok": ok,
+            "digests": digests,
+            "total_pages": total_pages,
+            "free_pages": h.free_pages(),
+            "regions": h.owned_region_ids(),
+            "chunk": h.get_chunk_size(),
+        }
+        if done is not None:
+            done.wait(60)
+        return result
+    finally:
+        h.close()
+
+
+def retrieve_keys(url: str, keys: list[str], batch: int) -> dict:
+    """Look keys up in batches and digest the bytes straight from this process's mapping."""
+    h = _handler(url, pool_size="4M")
+    try:
+        own = set(h.owned_region_ids())
+        digests: list[str | None] = []
+        lengths: list[int] = []
+        readonly = True
+        foreign = True
+        for start in range(0, len(keys), batch):
+            for info in h.batch_retrieve(keys[start : start + batch]):
+                if info is None:
+                    digests.append(None)
+                    lengths.append(-1)
+                    continue
+                readonly &= info.view.readonly
+                foreign &= info.region_id not in own
+                digests.append(digest(info.view))
+                lengths.append(info.length)
+        return {"digests": digests, "lengths": lengths, "readonly": readonly, "foreign": foreign}
+    finally:
+        h.close()

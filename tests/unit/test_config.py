@@ -1,0 +1,130 @@
+"""MaruConfig validation and the size/bool parsers: every error names the offending field."""
+
+from __future__ import annotations
+
+import pytest
+
+from maru.config import ConfigError, MaruConfig, parse_bool, parse_positive_int, parse_size
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (4096, 4096),
+        ("4096", 4096),
+        (4096.0, 4096),
+        ("4K", 4 << 10),
+        ("4k", 4 << 10),
+        ("4KiB", 4 << 10),
+        ("4KB", 4 << 10),
+        ("500M", 500 << 20),
+        ("1MiB", 1 << 20),
+        ("4G", 4 << 30),
+        (" 2 G ", 2 << 30),
+        ("1T", 1 << 40),
+        ("1P", 1 << 50),
+        ("1.5K", 1536),
+        ("0.5G", 512 << 20),
+        ("10B", 10),
+    ],
+)
+def test_parse_size_accepts(value, expected):
+    assert parse_size(value) == expected
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["", "abc", "4X", "-1", "-4G", "1e3", "4 G B", "G", "0", "0K", 0, -5, 1.5, True, None, [4]],
+)
+def test_parse_size_rejects_and_names_the_field(value):
+    with pytest.raises(ConfigError, match=r"^my_field: "):
+        parse_size(value, name="my_field")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(True, True), (False, False), (1, True), (0, False), ("yes", True), (" OFF ", False)],
+)
+def test_parse_bool(value, expected):
+    assert parse_bool(value, name="flag") is expected
+
+
+@pytest.mark.parametrize("value", ["maybe", 2, None, 1.0, ""])
+def test_parse_bool_rejects(value):
+    with pytest.raises(ConfigError, match=r"^flag: expected a boolean"):
+        parse_bool(value, name="flag")
+
+
+@pytest.mark.parametrize("value", [0, -1, "x", None, True, 1.5])
+def test_parse_positive_int_rejects(value):
+    with pytest.raises(ConfigError, match=r"^timeout_ms: "):
+        parse_positive_int(value, name="timeout_ms")
+
+
+def test_defaults_and_normalisation():
+    cfg = MaruConfig(pool_size="64M", chunk_size_bytes="64K", timeout_ms="500", auto_expand="off")
+    assert cfg.pool_size == 64 << 20
+    assert cfg.chunk_size_bytes == 64 << 10
+    assert cfg.timeout_ms == 500
+    assert cfg.auto_expand is False
+    assert cfg.region_expand_size == 64 << 20
+    assert MaruConfig(pool_size="64M", expand_size="8M").region_expand_size == 8 << 20
+    # every config gets its own instance id
+    assert MaruConfig().instance_id != MaruConfig().instance_id
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"server_url": "localhost:5555"}, "server_url"),
+        ({"server_url": 5555}, "server_url"),
+        ({"instance_id": ""}, "instance_id"),
+        ({"instance_id": "   "}, "instance_id"),
+        ({"instance_id": "x" * 129}, "instance_id"),
+        ({"pool_size": "lots"}, "pool_size"),
+        ({"pool_size": 0}, "pool_size"),
+        ({"chunk_size_bytes": 1000}, "chunk_size_bytes"),
+        ({"chunk_size_bytes": "2G", "pool_size": "1G"}, "chunk_size_bytes"),
+        ({"timeout_ms": 0}, "timeout_ms"),
+        ({"max_inflight": -3}, "max_inflight"),
+        ({"auto_connect": "perhaps"}, "auto_connect"),
+        ({"use_async_rpc": 7}, "use_async_rpc"),
+        ({"eager_map": None}, "eager_map"),
+        ({"auto_expand": "sure"}, "auto_expand"),
+        ({"expand_size": "-1"}, "expand_size"),
+    ],
+)
+def test_validation_error_names_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=rf"^{field}: "):
+        MaruConfig(**kwargs)
+
+
+def test_from_mapping_with_prefix():
+    cfg = MaruConfig.from_mapping(
+        {
+            "maru_server_url": "tcp://10.0.0.1:6000",
+            "maru_pool_size": "2G",
+            "maru_auto_expand": "false",
+            "backend_name": "maru",  # not ours: ignored
+            "page_size": 64,
+        },
+        prefix="maru_",
+    )
+    assert cfg.server_url == "tcp://10.0.0.1:6000"
+    assert cfg.pool_size == 2 << 30
+    assert cfg.auto_expand is False
+
+
+def test_from_mapping_unknown_prefixed_key_is_an_error():
+    with pytest.raises(ConfigError, match=r"^maru_pool_sise: unknown Maru option") as exc:
+        MaruConfig.from_mapping({"maru_pool_sise": "1G"}, prefix="maru_")
+    assert "maru_pool_size" in str(exc.value)  # the valid keys are listed
+
+
+def test_from_mapping_error_carries_the_prefixed_name():
+    with pytest.raises(ConfigError, match=r"^maru_chunk_size_bytes: must be a multiple of 4096"):
+        MaruConfig.from_mapping({"maru_chunk_size_bytes": 5000}, prefix="maru_")
+    with pytest.raises(ConfigError, match=r"^timeout_ms: "):
+        MaruConfig.from_mapping({"timeout_ms": "soon"})
+    with pytest.raises(ConfigError, match=r"^bogus: unknown Maru option"):
+        MaruConfig.from_mapping({"bogus": 1})

@@ -1,0 +1,106 @@
+"""Wire format: round trips, error replies, and garbage that must raise ProtocolError."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+
+from maru import protocol
+from maru.protocol import (
+    FLAG_REPLY,
+    HEADER,
+    MAGIC,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    MsgType,
+    ProtocolError,
+)
+
+
+def test_round_trip_request():
+    body = {"iid": "inst", "keys": ["a", b"\x00\xff", "ü" * 10], "n": 2**40, "none": None}
+    frame = protocol.encode(MsgType.LOOKUP_KV, 123456789012, body)
+    assert frame[:4] == MAGIC
+    header, decoded = protocol.decode(frame)
+    assert header.version == PROTOCOL_VERSION
+    assert header.msg_type == MsgType.LOOKUP_KV
+    assert header.flags == 0
+    assert header.request_id == 123456789012
+    assert decoded == body
+    assert isinstance(decoded["keys"][1], bytes)  # bin stays bin, str stays str
+
+
+def test_round_trip_reply_flag_and_int_keys():
+    frame = protocol.encode(MsgType.STATS, 7, {"ok": True, 5: "int key"}, reply=True)
+    header, body = protocol.decode(frame)
+    assert header.flags & FLAG_REPLY
+    assert body == {"ok": True, 5: "int key"}
+
+
+def test_error_reply():
+    frame = protocol.encode_error(MsgType.REGISTER_KV, 9, ErrorCode.BAD_TOKEN, "nope")
+    header, body = protocol.decode(frame)
+    assert header.request_id == 9 and header.flags & FLAG_REPLY
+    assert body == {"ok": False, "code": int(ErrorCode.BAD_TOKEN), "error": "nope"}
+
+
+def test_max_request_id():
+    frame = protocol.encode(MsgType.HEARTBEAT, 2**64 - 1, {})
+    assert protocol.decode(frame)[0].request_id == 2**64 - 1
+
+
+def _frame(magic=MAGIC, version=PROTOCOL_VERSION, msg_type=1, body=b"\x80"):
+    return HEADER.pack(magic, version, msg_type, 0, 1) + body
+
+
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [
+        (b"", ErrorCode.BAD_FRAME),
+        (b"MARU", ErrorCode.BAD_FRAME),
+        (b"x" * 15, ErrorCode.BAD_FRAME),
+        (_frame(magic=b"XXXX"), ErrorCode.BAD_FRAME),
+        (_frame(version=PROTOCOL_VERSION + 1), ErrorCode.BAD_VERSION),
+        (_frame(version=0), ErrorCode.BAD_VERSION),
+        (_frame(body=b""), ErrorCode.BAD_FRAME),  # no body at all
+        (_frame(body=b"\xc1"), ErrorCode.BAD_FRAME),  # reserved msgpack byte
+        (_frame(body=b"\x81\xa1a"), ErrorCode.BAD_FRAME),  # truncated map
+        (_frame(body=msgpack.packb([1, 2, 3])), ErrorCode.BAD_FRAME),  # not a map
+        (_frame(body=msgpack.packb("str")), ErrorCode.BAD_FRAME),
+        (_frame(body=msgpack.packb({}) + b"trailing"), ErrorCode.BAD_FRAME),
+    ],
+)
+def test_garbage_raises_protocol_error(frame, code):
+    with pytest.raises(ProtocolError) as exc:
+        protocol.decode(frame)
+    assert exc.value.code == code
+
+
+def test_decode_header_survives_a_bad_body():
+    """The server needs msg_type and request_id to address its error reply."""
+    header = protocol.decode_header(_frame(msg_type=77, body=b"\xc1"))
+    assert header.msg_type == 77 and header.request_id == 1
+
+
+def test_oversized_frame_rejected():
+    frame = _frame(body=b"\x80" + b"\x00" * (protocol.MAX_FRAME_BYTES - HEADER.size))
+    assert len(frame) > protocol.MAX_FRAME_BYTES
+    with pytest.raises(ProtocolError) as exc:
+        protocol.decode(frame)
+    assert exc.value.code == ErrorCode.BAD_FRAME
+
+
+def test_random_garbage_only_ever_raises_protocol_error():
+    rng = random.Random(42)
+    for _ in range(2000):
+        n = rng.randint(0, 64)
+        tail = bytes(rng.getrandbits(8) for _ in range(n))
+        frame = HEADER.pack(MAGIC, PROTOCOL_VERSION, rng.randint(0, 255), 0, 0) + tail
+        try:
+            _, body = protocol.decode(frame)
+        except ProtocolError as exc:
+            assert exc.code == ErrorCode.BAD_FRAME
+        else:
+            assert isinstance(body, dict)

@@ -1,0 +1,251 @@
+"""Registry rules, tested directly (no sockets): first writer wins, pinned delete refused,
+deferred free, freed-page notification, token and ownership checks."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from maru.pool.backends import REGION_ALIGNMENT, ShmPool
+from maru.pool.token import TokenSigner
+from maru.protocol import MAX_KEY_BYTES, DeleteStatus, ErrorCode, ProtocolError, RegisterStatus
+from maru.server.registry import Registry
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def registry(tmp_path):
+    pool = ShmPool(str(tmp_path / "pool"), 16 * MiB)
+    reg = Registry(pool, TokenSigner(b"k" * 32))
+    reg.handshake("A", 100)
+    reg.handshake("B", 200)
+    return reg
+
+
+def codes(excinfo) -> ErrorCode:
+    return excinfo.value.code
+
+
+def test_unknown_instance_must_handshake(registry):
+    with pytest.raises(ProtocolError) as exc:
+        registry.request_region("nobody", MiB)
+    assert codes(exc) == ErrorCode.UNKNOWN_INSTANCE
+    with pytest.raises(ProtocolError) as exc:
+        registry.register("nobody", [["k", 1, 0, 10]])
+    assert codes(exc) == ErrorCode.UNKNOWN_INSTANCE
+
+
+@pytest.mark.parametrize("iid", ["", None, 5, "x" * 129])
+def test_handshake_rejects_bad_instance_ids(registry, iid):
+    with pytest.raises(ProtocolError) as exc:
+        registry.handshake(iid, 1)
+    assert codes(exc) == ErrorCode.BAD_REQUEST
+
+
+def test_region_is_rounded_signed_and_returned_on_rehandshake(registry):
+    h = registry.request_region("A", 3 * MiB)
+    assert h.length == 2 * REGION_ALIGNMENT
+    assert h.offset % REGION_ALIGNMENT == 0
+    assert h.owner == "A"
+    assert registry.signer.verify(h.token, h.region_id, h.path, h.offset, h.length)
+    assert not registry.signer.verify(h.token, h.region_id, h.path, h.offset + 1, h.length)
+    # a reconnecting instance is told which regions it still owns
+    assert registry.handshake("A", 101) == [h]
+    assert registry.handshake("B", 201) == []
+    assert registry.region_access(h.region_id, h.token) == h
+
+
+def test_pool_full_is_an_error_naming_the_pool(registry, caplog):
+    registry.request_region("A", 10 * MiB)
+    with (
+        caplog.at_level(logging.WARNING, logger="maru.server.registry"),
+        pytest.raises(ProtocolError) as exc,
+    ):
+        registry.request_region("B", 8 * MiB)
+    assert codes(exc) == ErrorCode.POOL_FULL
+    assert registry.pool.name in str(exc.value)
+    assert any(registry.pool.name in r.getMessage() for r in caplog.records)
+    # a smaller region still fits
+    assert registry.request_region("B", 6 * MiB).length == 6 * MiB
+
+
+@pytest.mark.parametrize("size", [0, -1, "1M", None, 1.5])
+def test_bad_region_size(registry, size):
+    with pytest.raises(ProtocolError) as exc:
+        registry.request_region("A", size)
+    assert codes(exc) == ErrorCode.BAD_REQUEST
+
+
+def test_first_writer_wins(registry):
+    ra = registry.request_region("A", 2 * MiB)
+    rb = registry.request_region("B", 2 * MiB)
+    assert registry.register("A", [["k", ra.region_id, 0, 100]]) == [RegisterStatus.REGISTERED]
+    assert registry.register("B", [["k", rb.region_id, 0, 100]]) == [RegisterStatus.EXISTS]
+    assert registry.register("A", [["k", ra.region_id, 4096, 100]]) == [RegisterStatus.EXISTS]
+    locations, regions = registry.lookup(["k"])
+    assert locations == [[ra.region_id, 0, 100]]
+    assert regions == [ra]
+    assert len(registry.keys) == 1
+    assert registry.regions[rb.region_id].live_keys == 0
+    assert registry.counters["keys_duplicate"] == 2
+
+
+def test_duplicate_within_one_batch(registry):
+    r = registry.request_region("A", 2 * MiB)
+    statuses = registry.register("A", [["k", r.region_id, 0, 10], ["k", r.region_id, 4096, 10]])
+    assert statuses == [RegisterStatus.REGISTERED, RegisterStatus.EXISTS]
+    assert registry.regions[r.region_id].live_keys == 1
+
+
+def test_register_rejects_invalid_locations(registry):
+    ra = registry.request_region("A", 2 * MiB)
+    rb = registry.request_region("B", 2 * MiB)
+    rid = ra.region_id
+    entries = [
+        ["other-region", rb.region_id, 0, 10],  # not the caller's region
+        ["no-region", 999, 0, 10],
+        ["past-end", rid, 2 * MiB - 5, 10],
+        ["neg-offset", rid, -1, 10],
+        ["zero-len", rid, 0, 0],
+        ["str-offset", rid, "0", 10],
+        [123, rid, 0, 10],  # key of the wrong type
+        ["k" * (MAX_KEY_BYTES + 1), rid, 0, 10],  # oversized key
+        ["short-entry", rid, 0],
+        "not-a-list",
+        ["ok", rid, 2 * MiB - 10, 10],  # exactly at the end: fine
+    ]
+    statuses = registry.register("A", entries)
+    assert statuses[:-1] == [RegisterStatus.REJECTED] * (len(entries) - 1)
+    assert statuses[-1] == RegisterStatus.REGISTERED
+    assert list(registry.keys) == ["ok"]
+
+
+def test_lookup_misses_and_counters(registry):
+    r = registry.request_region("A", 2 * MiB)
+    registry.register("A", [["a", r.region_id, 0, 1], [b"b", r.region_id, 4096, 2]])
+    locations, regions = registry.lookup(["a", "missing", b"b", b"a", 42, None], "B")
+    assert locations == [[r.region_id, 0, 1], None, [r.region_id, 4096, 2], None, None, None]
+    assert regions == [r]
+    assert registry.counters["hits"] == 2 and registry.counters["misses"] == 4
+    assert registry.instances["B"].hits == 2
+    assert registry.exists(["a", "b", b"b", 1]) == [True, False, True, False]
+
+
+def test_pinned_delete_refused_until_unpinned(registry):
+    r = registry.request_region("A", 2 * MiB)
+    registry.register("A", [["k", r.region_id, 0, 10]])
+    assert registry.pin(["k", "k", "missing"]) == [True, True, False]
+    assert registry.delete(["k"]) == [DeleteStatus.PINNED]
+    assert registry.unpin(["k"]) == [True]
+    assert registry.delete(["k"]) == [DeleteStatus.PINNED]  # still pinned once
+    assert registry.unpin(["k", "k"]) == [True, False]  # unpin below zero refused
+    assert registry.delete(["k", "k", "missing"]) == [
+        DeleteStatus.DELETED,
+        DeleteStatus.NOT_FOUND,
+        DeleteStatus.NOT_FOUND,
+    ]
+    assert registry.lookup(["k"])[0] == [None]
+
+
+def test_freed_page_notification_goes_to_the_owner(registry):
+    r = registry.request_region("A", 2 * MiB)
+    registry.register("A", [["k1", r.region_id, 0, 10], ["k2", r.region_id, 65536, 20]])
+    assert registry.take_freed("A") == []
+    registry.delete(["k2"])  # whoever deletes, the owner is told
+    assert registry.take_freed("B") == []
+    assert registry.take_freed("A") == [[r.region_id, 65536, 20]]
+    assert registry.take_freed("A") == []  # delivered once
+    assert registry.regions[r.region_id].live_keys == 1
+    assert registry.take_freed("nobody") == [] and registry.take_freed(None) == []
+
+
+def test_deferred_free(registry):
+    pool = registry.pool
+    r = registry.request_region("A", 2 * MiB)
+    registry.register("A", [["k1", r.region_id, 0, 10], ["k2", r.region_id, 4096, 10]])
+    used = pool.used
+    registry.return_region("A", r.region_id, r.token)
+    # keys in a returned region stay readable; the region is not freed yet
+    assert registry.lookup(["k1"])[0] == [[r.region_id, 0, 10]]
+    assert r.region_id in registry.regions and pool.used == used
+    assert registry.handshake("A", 1) == []  # but A no longer owns it
+    # ... and nobody may register into it any more
+    assert registry.register("A", [["k3", r.region_id, 8192, 10]]) == [RegisterStatus.REJECTED]
+    registry.delete(["k1"])
+    assert r.region_id in registry.regions and pool.used == used
+    assert registry.take_freed("A") == []  # returned region: pages are not handed back
+    registry.delete(["k2"])  # last key: region goes back to the pool
+    assert r.region_id not in registry.regions
+    assert pool.used == used - r.length
+    assert registry.counters["regions_freed"] == 1
+
+
+def test_return_of_keyless_region_frees_at_once(registry):
+    r = registry.request_region("A", 4 * MiB)
+    assert registry.pool.used == 4 * MiB
+    registry.return_region("A", r.region_id, r.token)
+    assert registry.pool.used == 0 and not registry.regions
+    # the space is reusable
+    assert registry.request_region("B", 16 * MiB).offset == 0
+
+
+def test_return_region_checks(registry):
+    r = registry.request_region("A", 2 * MiB)
+    with pytest.raises(ProtocolError) as exc:
+        registry.return_region("A", r.region_id, "0" * 32)
+    assert codes(exc) == ErrorCode.BAD_TOKEN
+    with pytest.raises(ProtocolError) as exc:
+        registry.return_region("A", r.region_id, None)
+    assert codes(exc) == ErrorCode.BAD_TOKEN
+    with pytest.raises(ProtocolError) as exc:
+        registry.return_region("A", 999, r.token)
+    assert codes(exc) == ErrorCode.UNKNOWN_REGION
+    with pytest.raises(ProtocolError) as exc:
+        registry.return_region("B", r.region_id, r.token)
+    assert codes(exc) == ErrorCode.NOT_OWNER
+    registry.register("A", [["k", r.region_id, 0, 1]])
+    registry.return_region("A", r.region_id, r.token)
+    with pytest.raises(ProtocolError) as exc:  # twice
+        registry.return_region("A", r.region_id, r.token)
+    assert codes(exc) == ErrorCode.NOT_OWNER
+    assert r.region_id in registry.regions  # still deferred
+
+
+def test_region_access_needs_the_right_token(registry):
+    r = registry.request_region("A", 2 * MiB)
+    other = registry.request_region("B", 2 * MiB)
+    with pytest.raises(ProtocolError) as exc:
+        registry.region_access(r.region_id, other.token)
+    assert codes(exc) == ErrorCode.BAD_TOKEN
+    with pytest.raises(ProtocolError) as exc:
+        registry.region_access("1", r.token)
+    assert codes(exc) == ErrorCode.UNKNOWN_REGION
+
+
+def test_disconnect_releases_regions_deferred(registry):
+    r1 = registry.request_region("A", 2 * MiB)
+    r2 = registry.request_region("A", 2 * MiB)
+    registry.register("A", [["k", r1.region_id, 0, 1]])
+    registry.disconnect("A")
+    assert "A" not in registry.instances
+    assert r2.region_id not in registry.regions  # keyless: freed now
+    assert r1.region_id in registry.regions  # holds a key: deferred
+    registry.delete(["k"])  # owner is gone: no notification, region freed
+    assert not registry.regions and registry.pool.used == 0
+
+
+def test_list_allocations_and_stats(registry):
+    ra = registry.request_region("A", 2 * MiB)
+    rb = registry.request_region("B", 2 * MiB)
+    registry.register("A", [["k", ra.region_id, 0, 100]])
+    assert registry.list_allocations("A") == [ra]
+    assert sorted(h.region_id for h in registry.list_allocations()) == [
+        ra.region_id,
+        rb.region_id,
+    ]
+    stats = registry.stats()
+    assert stats["keys"] == 1 and stats["regions"] == 2
+    assert stats["pool"]["used"] == 4 * MiB and stats["pool"]["kind"] == "shm"
+    assert stats["instances"]["A"]["bytes_registered"] == 100
