@@ -177,7 +177,10 @@ class MaruHandler:
 
     def _handshake(self) -> int:
         """(Re)attach to the server; returns how many of our regions it no longer knows."""
-        reply = self._rpc.call(MsgType.HANDSHAKE, {"iid": self.instance_id, "pid": os.getpid()})
+        reply = self._rpc.call(
+            MsgType.HANDSHAKE,
+            {"iid": self.instance_id, "pid": os.getpid(), "page_size": self._chunk},
+        )
         self._heartbeat_interval = float(reply.get("heartbeat_interval", 5.0))
         still_owned = {h.region_id: h for h in map(RegionHandle.from_wire, reply["regions"])}
         lost = 0
@@ -246,19 +249,26 @@ class MaruHandler:
 
     def _try_alloc(self, pages: int) -> AllocHandle | None:
         with self._lock:
-            for region_id, owned in self._owned.items():
+            for owned in self._owned.values():
                 first = owned.pages.allocate(pages)
                 if first is not None:
-                    offset = first * self._chunk
-                    mapped = owned.mapped
-                    return AllocHandle(
-                        mapped.view[offset : offset + pages * self._chunk],
-                        region_id,
-                        offset,
-                        pages * self._chunk,
-                        mapped.address + offset,
-                    )
+                    return self._handle_at(owned, first, pages)
         return None
+
+    def batch_alloc(self, sizes: Sequence[int]) -> list[AllocHandle | None]:
+        """Pages for many values. A batch of equal sizes (SGLang's pages) is carved as one
+        contiguous run with a single search; otherwise, or if no run fits, value by value."""
+        if not sizes:
+            return []
+        size = sizes[0]
+        if size > 0 and all(s == size for s in sizes):
+            pages = -(-size // self._chunk)
+            with self._lock:
+                for owned in self._owned.values():
+                    firsts = owned.pages.allocate_run(pages, len(sizes))
+                    if firsts is not None:
+                        return [self._handle_at(owned, f, pages) for f in firsts]
+        return [self.alloc(s) for s in sizes]
 
     def _handle_at(self, owned: _OwnedRegion, first_page: int, pages: int) -> AllocHandle:
         offset = first_page * self._chunk
@@ -382,12 +392,13 @@ class MaruHandler:
             if handles is not None or len(datas) != n:
                 raise ValueError("batch_store needs one data per key and no handles")
             lengths = [memoryview(d).nbytes for d in datas]
-            handles = []
-            for data, size in zip(datas, lengths):
-                h = self.alloc(size) if size > 0 else None
+            if min(lengths, default=1) > 0:
+                handles = self.batch_alloc(lengths)
+            else:  # an empty value cannot be stored: that key reports False
+                handles = [self.alloc(s) if s > 0 else None for s in lengths]
+            for data, size, h in zip(datas, lengths, handles):
                 if h is not None:
                     h.buf[:size] = memoryview(data).cast("B")
-                handles.append(h)
         elif handles is None or len(handles) != n:
             raise ValueError("batch_store needs datas or one handle per key")
         if lengths is None:

@@ -64,6 +64,17 @@ class ExtentAllocator:
             return aligned
         return None
 
+    def allocate_run(self, length: int, count: int) -> list[int] | None:
+        """Allocate `count` adjacent extents of `length` with one search (a batch of equal
+        pages); each can be freed on its own. None when no free extent holds them all."""
+        first = self.allocate(length * count)
+        if first is None:
+            return None
+        del self._allocated[first]
+        starts = list(range(first, first + length * count, length))
+        self._allocated.update(dict.fromkeys(starts, length))
+        return starts
+
     def free_extent(self, start: int) -> int:
         """Free the extent that begins at `start`; returns its length."""
         length = self._allocated.pop(start, None)

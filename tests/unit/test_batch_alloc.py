@@ -1,0 +1,43 @@
+"""Batch allocation: one search for a batch of equal pages, each page freed on its own."""
+
+from __future__ import annotations
+
+from maru.pool.extents import ExtentAllocator
+
+
+def test_allocate_run_gives_adjacent_extents_freed_one_by_one():
+    alloc = ExtentAllocator(100)
+    assert alloc.allocate(3) == 0
+    starts = alloc.allocate_run(4, 5)
+    assert starts == [3, 7, 11, 15, 19]
+    assert alloc.used == 23
+    for s in (7, 15, 3):
+        assert alloc.free_extent(s) == 4
+    assert alloc.used == 11
+    assert alloc.allocate(4) == 3  # first fit reuses a freed page of the run
+    for s in (11, 19, 3, 0):
+        alloc.free_extent(s)
+    assert alloc.used == 0 and alloc.free_extents == 1  # everything coalesced again
+
+
+def test_allocate_run_that_does_not_fit_changes_nothing():
+    alloc = ExtentAllocator(10)
+    assert alloc.allocate_run(3, 4) is None
+    assert alloc.used == 0
+    assert alloc.allocate_run(2, 5) == [0, 2, 4, 6, 8]
+    assert alloc.allocate(1) is None
+
+
+def test_handler_batch_alloc_uses_one_run_and_falls_back(maru_server):
+    from maru import MaruHandler
+
+    with MaruHandler(
+        server_url=maru_server.url, pool_size="4M", chunk_size_bytes="64K", auto_expand=False
+    ) as h:
+        handles = h.batch_alloc([65536] * 8)
+        assert [x.offset for x in handles] == [i * 65536 for i in range(8)]
+        h.free(handles[3])
+        mixed = h.batch_alloc([100, 70000])  # unequal sizes: value by value, first fit
+        assert mixed[0].offset == 3 * 65536 and mixed[1].length == 2 * 65536
+        too_many = h.batch_alloc([65536] * 64)  # 64 pages: no run left; per value until full
+        assert sum(x is not None for x in too_many) == 64 - 8 - 2
