@@ -29,6 +29,7 @@ FLAG_REPLY = 0x1
 MAX_KEY_BYTES = 1024
 MAX_BATCH = 65536
 MAX_FRAME_BYTES = 64 << 20
+MAX_LIST_KEYS = 10000  # most keys one KEYS request returns
 
 
 class MsgType(IntEnum):
@@ -48,6 +49,7 @@ class MsgType(IntEnum):
     DELETE_PREFIX = 14
     RELEASE = 15  # end read leases
     EVICT_FOR = 16  # make room in the caller's own regions
+    KEYS = 17  # list keys by prefix (operators: `maru keys`), at most MAX_LIST_KEYS
 
 
 class ErrorCode(IntEnum):

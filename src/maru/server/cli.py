@@ -10,10 +10,14 @@ import signal
 import sys
 from pathlib import Path
 
+import zmq
+
 from maru.config import ConfigError, parse_size
 from maru.pool.backends import Pool, open_pool
 from maru.pool.token import TokenSigner, load_or_create_secret
 from maru.server.journal import SNAPSHOT_NAME, Journal
+from maru.server.logs import configure_logging
+from maru.server.metrics import MetricsUnavailable, require_prometheus, start_metrics_server
 from maru.server.registry import Registry
 from maru.server.service import MaruService
 
@@ -61,8 +65,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-level",
         default="INFO",
+        type=str.upper,
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="(default: INFO)",
+    )
+    p.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="one line per event: text, or one JSON object (ts, level, logger, msg, instance) "
+        "(default: text)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://<host>:<port>/metrics (needs prometheus_client: "
+        "pip install 'maru[metrics]'); 0 picks a free port (shown by `maru status`) "
+        "(default: off)",
     )
     p.add_argument(
         "--eviction-high-watermark",
@@ -120,7 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def same_pool_as_before(state_dir: Path, pool: Pool) -> bool:
     """Persisted keys point into the pool's memory: they are only valid for the very same pool
-    file or device. A recreated /dev/shm file (e.g. after a reboot) has another inode."""
+    file or device. A recreated /dev/shm file (e.g. after a reboot) has another inode.
+
+    The identity is recorded when there is none yet. On a mismatch (or an unreadable record)
+    the old identity is kept, so a server that dies before `discard_state` still refuses the
+    old state next time; `discard_state` removes it, and the next call records the new one."""
     identity_file = state_dir / POOL_IDENTITY
     st = os.stat(pool.path)
     identity = {
@@ -132,10 +156,14 @@ def same_pool_as_before(state_dir: Path, pool: Pool) -> bool:
     }
     try:
         previous = json.loads(identity_file.read_text())
-    except (FileNotFoundError, ValueError):
-        previous = None
-    identity_file.write_text(json.dumps(identity))
-    if previous is not None and previous != identity:
+    except FileNotFoundError:
+        tmp = identity_file.with_name(POOL_IDENTITY + ".tmp")
+        tmp.write_text(json.dumps(identity))
+        os.replace(tmp, identity_file)
+        return True
+    except ValueError:
+        previous = "unreadable"
+    if previous != identity:
         log.warning(
             "pool changed since the registry was saved (%s -> %s): starting empty",
             previous,
@@ -148,15 +176,18 @@ def same_pool_as_before(state_dir: Path, pool: Pool) -> bool:
 def discard_state(state_dir: Path) -> None:
     for path in [state_dir / SNAPSHOT_NAME, *state_dir.glob("journal-*.log")]:
         path.unlink(missing_ok=True)
+    (state_dir / POOL_IDENTITY).unlink(missing_ok=True)  # last: see same_pool_as_before
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    if args.metrics_port is not None:
+        try:
+            require_prometheus()
+        except MetricsUnavailable as exc:
+            print(f"maru-server: {exc}", file=sys.stderr)
+            return 2
+    configure_logging(args.log_level, args.log_format)
     try:
         pool_size = parse_size(args.pool_size, name="--pool-size")
     except ConfigError as exc:
@@ -175,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.no_restore or not same_pool_as_before(state_dir, pool):
             discard_state(state_dir)
+            same_pool_as_before(state_dir, pool)  # record this pool before any new state
         snapshot, records = journal.load()
         registry = Registry(
             pool,
@@ -192,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             journal=journal,
             heartbeat_timeout=args.heartbeat_timeout,
         )
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+    except (OSError, ValueError, KeyError, RuntimeError, zmq.ZMQError) as exc:
         print(f"maru-server: cannot start: {exc}", file=sys.stderr)
         return 1
 
@@ -202,11 +234,27 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    metrics_httpd = None
+    if args.metrics_port is not None:
+        try:
+            metrics_httpd, service.metrics_url = start_metrics_server(
+                service.stats, args.host, args.metrics_port
+            )
+        except OSError as exc:
+            print(
+                f"maru-server: cannot serve metrics on {args.host}:{args.metrics_port}: {exc}",
+                file=sys.stderr,
+            )
+            service.close()
+            pool.close()
+            return 1
     if args.ready_file:
         Path(args.ready_file).write_text(service.endpoint)
     try:
         service.serve_forever()
     finally:
+        if metrics_httpd is not None:
+            metrics_httpd.shutdown()
         service.close()
         pool.close()
     return 0

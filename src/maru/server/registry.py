@@ -29,6 +29,7 @@ from maru.pool.backends import Pool, PoolFullError
 from maru.pool.region import RegionHandle
 from maru.pool.token import TokenSigner
 from maru.protocol import MAX_KEY_BYTES, DeleteStatus, ErrorCode, ProtocolError, RegisterStatus
+from maru.server.logs import Throttle
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,12 @@ class Region:
     token: str
     returned: bool = False  # owner gave it back (or disconnected); free once live_keys == 0
     live_keys: int = 0
+    page_size: int = 0  # the owner's page size (from its handshake); 0: unknown
+    live_bytes: int = 0  # stats: bytes of the keys that live here
+    live_pages: int = 0  # stats: pages they occupy (one per key when page_size is unknown)
+
+    def pages_for(self, length: int) -> int:
+        return -(-length // self.page_size) if self.page_size else 1
 
     def handle(self) -> RegionHandle:
         return RegionHandle(
@@ -82,6 +89,7 @@ class Lease:
 class Instance:
     instance_id: str
     pid: int = 0
+    page_size: int = 0  # reported at handshake; informs per-instance page stats
     regions: set[int] = field(default_factory=set)
     freed: list[list[int]] = field(default_factory=list)  # [region_id, offset, length] to reuse
     pins: Counter = field(default_factory=Counter)  # key -> pins this instance holds
@@ -91,6 +99,8 @@ class Instance:
     bytes_registered: int = 0
     hits: int = 0
     misses: int = 0
+    exists_hits: int = 0  # EXISTS checks (what SGLang asks before it prefetches)
+    exists_misses: int = 0
     evicted: int = 0  # keys evicted out of this instance's regions
 
 
@@ -135,19 +145,25 @@ class Registry:
         self._lease_expiry: list[tuple[float, int]] = []  # heap of (expires, lease_id)
         self._lease_ids = itertools.count(1)
         self._next_region_id = 1
+        self.log_throttle = Throttle(10.0)  # per-store events under memory pressure
         self.counters: dict[str, int] = {
             "evictions": 0,
             "bytes_evicted": 0,
+            "eviction_rounds": 0,
             "leases_expired": 0,
             "instances_reaped": 0,
             "regions_allocated": 0,
             "regions_freed": 0,
             "keys_registered": 0,
+            "bytes_registered": 0,
             "keys_duplicate": 0,
             "keys_deleted": 0,
             "lookups": 0,
             "hits": 0,
             "misses": 0,
+            "exists": 0,
+            "exists_hits": 0,
+            "exists_misses": 0,
         }
 
     # -- journal -----------------------------------------------------------------------------
@@ -167,17 +183,33 @@ class Registry:
         inst.last_seen = time.monotonic()
         return inst
 
-    def handshake(self, instance_id: str, pid: int) -> list[RegionHandle]:
-        """(Re)attach an instance; returns the regions it still owns (after a reconnect)."""
+    def touch(self, instance_id: Any) -> None:
+        """Any message naming a known instance is a sign of life (heartbeats, and the lookups
+        of a read-only client, do not go through `instance()`)."""
+        inst = self.instances.get(instance_id) if isinstance(instance_id, str) else None
+        if inst is not None:
+            inst.last_seen = time.monotonic()
+
+    def handshake(self, instance_id: str, pid: int, page_size: int = 0) -> list[RegionHandle]:
+        """(Re)attach an instance; returns the regions it still owns (after a reconnect).
+        `page_size` (the client's page size, 0 if unknown) only feeds the page statistics."""
         if not isinstance(instance_id, str) or not instance_id or len(instance_id) > 128:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "instance_id must be a non-empty string")
         inst = self.instances.get(instance_id)
         if inst is None:
             inst = self.instances[instance_id] = Instance(instance_id, pid)
-            log.info("instance %s connected (pid %d)", instance_id, pid)
+            log.info(
+                "instance %s connected (pid %d)", instance_id, pid, extra={"instance": instance_id}
+            )
         else:
-            log.info("instance %s reconnected (pid %d)", instance_id, pid)
+            log.info(
+                "instance %s reconnected (pid %d)",
+                instance_id,
+                pid,
+                extra={"instance": instance_id},
+            )
             inst.pid = pid
+        inst.page_size = page_size
         inst.last_seen = time.monotonic()
         return [self.regions[r].handle() for r in sorted(inst.regions)]
 
@@ -202,6 +234,7 @@ class Registry:
             sum(inst.pins.values()),
             len(inst.leases),
             len(inst.regions),
+            extra={"instance": instance_id},
         )
 
     def reap(self, timeout: float, now: float | None = None) -> list[str]:
@@ -238,11 +271,22 @@ class Registry:
                 # Reclaim: evict keys of regions whose owner is gone, so the region frees.
                 if self._evict_orphans(length):
                     continue
-                log.warning("region request of %d bytes by %s refused: %s", size, instance_id, exc)
+                held = self.log_throttle.allow(("refused", instance_id))
+                if held is not None:
+                    log.warning(
+                        "region request of %d bytes by %s refused: %s%s",
+                        size,
+                        instance_id,
+                        exc,
+                        self.log_throttle.note(held),
+                        extra={"instance": instance_id},
+                    )
                 raise ProtocolError(ErrorCode.POOL_FULL, str(exc)) from None
         self._next_region_id += 1
         token = self.signer.sign(region_id, path, offset, length)
-        self._add_region(Region(region_id, instance_id, path, offset, length, token))
+        self._add_region(
+            Region(region_id, instance_id, path, offset, length, token, page_size=inst.page_size)
+        )
         inst.regions.add(region_id)
         self.counters["regions_allocated"] += 1
         self._log("R", region_id, instance_id, path, offset, length, token)
@@ -253,6 +297,7 @@ class Registry:
             path,
             offset,
             instance_id,
+            extra={"instance": instance_id, "region": region_id},
         )
         return self.regions[region_id].handle()
 
@@ -293,6 +338,7 @@ class Registry:
                 region.region_id,
                 region.owner,
                 region.live_keys,
+                extra={"instance": region.owner, "region": region.region_id},
             )
 
     def _free_region(self, region: Region) -> None:
@@ -300,7 +346,13 @@ class Registry:
         del self.regions[region.region_id]
         self.counters["regions_freed"] += 1
         self._log("F", region.region_id)
-        log.info("region %d freed", region.region_id)
+        log.info(
+            "region %d (%d bytes) of %s freed",
+            region.region_id,
+            region.length,
+            region.owner,
+            extra={"instance": region.owner, "region": region.region_id},
+        )
 
     def list_allocations(self, instance_id: str | None = None) -> list[RegionHandle]:
         return [
@@ -348,12 +400,16 @@ class Registry:
         if registered:
             self._log("K", registered)
             self.counters["keys_registered"] += len(registered)
+            self.counters["bytes_registered"] += sum(e[3] for e in registered)
             self.evict_to_watermark()
         return statuses
 
     def _insert_key(self, key: Key, entry: KeyEntry) -> None:
         self.keys[key] = entry
-        self.regions[entry.region_id].live_keys += 1
+        region = self.regions[entry.region_id]
+        region.live_keys += 1
+        region.live_bytes += entry.length
+        region.live_pages += region.pages_for(entry.length)
         self.live_bytes += entry.length
 
     def lookup(
@@ -425,7 +481,7 @@ class Registry:
         self.counters["leases_expired"] += expired
         return expired
 
-    def exists(self, keys: list[Any]) -> list[bool]:
+    def exists(self, keys: list[Any], instance_id: str | None = None) -> list[bool]:
         """Membership; a hit counts as use for LRU (SGLang asks before it prefetches)."""
         out = []
         keys_map, touch = self.keys, self.keys.move_to_end
@@ -434,6 +490,15 @@ class Registry:
             if hit:
                 touch(k)
             out.append(hit)
+        hits = out.count(True)
+        counters = self.counters
+        counters["exists"] += len(out)
+        counters["exists_hits"] += hits
+        counters["exists_misses"] += len(out) - hits
+        inst = self.instances.get(instance_id) if instance_id else None
+        if inst is not None:
+            inst.exists_hits += hits
+            inst.exists_misses += len(out) - hits
         return out
 
     def pin(self, keys: list[Any], owner: str | None = None) -> list[bool]:
@@ -493,6 +558,31 @@ class Registry:
         deleted = statuses.count(DeleteStatus.DELETED)
         return deleted, len(matching) - deleted
 
+    def clear(self) -> tuple[int, int]:
+        """Delete every key that is not pinned or leased (an operator's `maru clear`).
+        Returns (deleted, skipped)."""
+        statuses = self.delete(list(self.keys))
+        deleted = statuses.count(DeleteStatus.DELETED)
+        return deleted, len(statuses) - deleted
+
+    def list_keys(self, prefix: Any = None, limit: int = 100) -> tuple[list[list[Any]], bool]:
+        """Up to `limit` keys starting with `prefix` (every key when it is None or empty), most
+        recently used first, as [key, length, owner instance]; and whether more keys matched.
+        Walks the registry until limit + 1 matches: an operator action (`maru keys`), not hot."""
+        if prefix is not None and not isinstance(prefix, (str, bytes)):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "prefix must be a str or bytes")
+        out: list[list[Any]] = []
+        keys, regions = self.keys, self.regions
+        for key in reversed(keys):
+            if prefix and not (type(key) is type(prefix) and key.startswith(prefix)):
+                continue
+            if len(out) >= limit:
+                return out, True
+            entry = keys[key]
+            region = regions.get(entry.region_id)
+            out.append([key, entry.length, region.owner if region is not None else ""])
+        return out, False
+
     def _drop_keys(self, victims: dict[Key, KeyEntry]) -> None:
         """Remove keys: journal first (so a replay never sees a region freed before its keys
         are gone), then free pages / regions and tell the owners."""
@@ -507,6 +597,8 @@ class Registry:
         self.live_bytes -= entry.length
         region = self.regions[entry.region_id]
         region.live_keys -= 1
+        region.live_bytes -= entry.length
+        region.live_pages -= region.pages_for(entry.length)
         if region.returned:
             if region.live_keys == 0:
                 self._free_region(region)
@@ -517,9 +609,9 @@ class Registry:
 
     # -- eviction ----------------------------------------------------------------------------
 
-    def _evict(self, want_bytes: int, accept: Any = None) -> int:
+    def _evict(self, want_bytes: int, accept: Any = None, reason: str = "") -> int:
         """Evict least-recently-used idle keys (optionally only those `accept(entry)` likes)
-        until `want_bytes` are freed; returns the bytes freed."""
+        until `want_bytes` are freed; returns the bytes freed. One log line per round."""
         freed = 0
         victims: dict[Key, KeyEntry] = {}
         for key, entry in self.keys.items():
@@ -529,15 +621,29 @@ class Registry:
                 continue
             victims[key] = entry
             freed += entry.length
+        per_owner: Counter = Counter()
         for entry in victims.values():
-            owner = self.instances.get(self.regions[entry.region_id].owner)
+            per_owner[self.regions[entry.region_id].owner] += 1
+        for owner_id, count in per_owner.items():
+            owner = self.instances.get(owner_id)
             if owner is not None:
-                owner.evicted += 1
+                owner.evicted += count
         self._drop_keys(victims)
         if victims:
             self.counters["evictions"] += len(victims)
             self.counters["bytes_evicted"] += freed
-            log.info("evicted %d keys (%d bytes)", len(victims), freed)
+            self.counters["eviction_rounds"] += 1
+            held = self.log_throttle.allow(("evict", reason))
+            if held is not None:
+                log.info(
+                    "eviction round (%s): %d keys, %d bytes evicted from %s%s",
+                    reason or "requested",
+                    len(victims),
+                    freed,
+                    ", ".join(f"{o} ({n} keys)" for o, n in per_owner.most_common()),
+                    self.log_throttle.note(held),
+                    extra={"instance": sorted(per_owner)},
+                )
         return freed
 
     def evict_to_watermark(self) -> int:
@@ -545,7 +651,10 @@ class Registry:
         capacity = self.pool.capacity
         if self.live_bytes <= self.high_watermark * capacity:
             return 0
-        return self._evict(self.live_bytes - int(self.low_watermark * capacity))
+        return self._evict(
+            self.live_bytes - int(self.low_watermark * capacity),
+            reason=f"above the high watermark {self.high_watermark:g}",
+        )
 
     def evict_for(self, instance_id: str, want_bytes: int) -> int:
         """Make room in the caller's own regions (its store found no free pages and the pool
@@ -554,16 +663,34 @@ class Registry:
         if not isinstance(want_bytes, int) or want_bytes <= 0:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "bytes must be a positive integer")
         mine = inst.regions
-        return self._evict(want_bytes, lambda e: e.region_id in mine)
+        return self._evict(
+            want_bytes, lambda e: e.region_id in mine, reason=f"room for {instance_id}"
+        )
 
     def _evict_orphans(self, want_region_bytes: int) -> bool:
-        """Evict keys of returned regions (owner gone) until one such region is freed."""
+        """Free one returned region (owner gone) by evicting all of its keys; True if one was
+        freed. Regions are tried in the LRU order of their keys; a region holding a pinned or
+        leased key cannot be freed and is left alone. (Evicting `want_region_bytes` in plain
+        LRU order over all orphans is not enough: when their keys interleave, it frees none.)
+        The caller retries its allocation after each freed region."""
         orphans = {r.region_id for r in self.regions.values() if r.returned}
-        if not orphans:
-            return False
-        before = len(self.regions)
-        self._evict(want_region_bytes, lambda e: e.region_id in orphans)
-        return len(self.regions) < before
+        order: dict[int, None] = {}  # orphan regions, by their least recently used key
+        busy: set[int] = set()
+        for entry in self.keys.values():
+            if entry.region_id in orphans:
+                order.setdefault(entry.region_id, None)
+                if entry.busy:
+                    busy.add(entry.region_id)
+        for region_id in order:
+            if region_id not in busy:
+                self._evict(
+                    1 << 62,
+                    lambda e, rid=region_id: e.region_id == rid,
+                    reason=f"reclaiming orphaned region {region_id}",
+                )
+                if region_id not in self.regions:
+                    return True
+        return False
 
     # -- persistence -------------------------------------------------------------------------
 
@@ -641,31 +768,58 @@ class Registry:
                     self.live_bytes -= entry.length
                 if region is not None:
                     region.live_keys -= 1
+                    region.live_bytes -= entry.length
+                    region.live_pages -= region.pages_for(entry.length)
         else:
             log.warning("ignoring unknown journal record %r", kind)
 
     # -- stats -------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
+        """Pool, registry, per-instance and counter statistics, O(instances + regions).
+
+        Also read by the metrics thread while the RPC thread mutates the registry: it works on
+        copies (`list(...)` of a dict is atomic under the GIL) and looks regions up with `.get`;
+        a caller on another thread retries on RuntimeError (a dict resized mid-iteration)."""
+        now = time.monotonic()
+        regions = self.regions
+        instances = {}
+        for i in list(self.instances.values()):
+            owned = [r for r in map(regions.get, list(i.regions)) if r is not None]
+            instances[i.instance_id] = {
+                "pid": i.pid,
+                "regions": len(owned),
+                "region_bytes": sum(r.length for r in owned),
+                "keys": sum(r.live_keys for r in owned),
+                "bytes_stored": sum(r.live_bytes for r in owned),
+                "pages": sum(r.live_pages for r in owned),
+                "pages_total": sum(r.length // r.page_size for r in owned if r.page_size),
+                "page_size": i.page_size,
+                "keys_registered": i.keys_registered,
+                "bytes_registered": i.bytes_registered,
+                "hits": i.hits,
+                "misses": i.misses,
+                "exists_hits": i.exists_hits,
+                "exists_misses": i.exists_misses,
+                "evicted": i.evicted,
+                "pins": sum(i.pins.values()),
+                "leases": len(i.leases),
+                "idle_seconds": round(max(0.0, now - i.last_seen), 3),
+            }
+        orphaned = [r for r in list(regions.values()) if r.returned]
         return {
             "pool": self.pool.stats(),
             "keys": len(self.keys),
             "live_bytes": self.live_bytes,
-            "regions": len(self.regions),
+            "regions": len(regions),
             "leases": len(self.leases),
             "watermarks": {"high": self.high_watermark, "low": self.low_watermark},
-            "instances": {
-                i.instance_id: {
-                    "pid": i.pid,
-                    "regions": len(i.regions),
-                    "keys_registered": i.keys_registered,
-                    "bytes_registered": i.bytes_registered,
-                    "hits": i.hits,
-                    "misses": i.misses,
-                    "evicted": i.evicted,
-                    "pins": sum(i.pins.values()),
-                }
-                for i in self.instances.values()
+            "instances": instances,
+            "orphaned": {  # returned regions (owner gone) kept alive by keys still in them
+                "regions": len(orphaned),
+                "region_bytes": sum(r.length for r in orphaned),
+                "keys": sum(r.live_keys for r in orphaned),
+                "bytes_stored": sum(r.live_bytes for r in orphaned),
             },
             "counters": dict(self.counters),
             "server_pid": os.getpid(),

@@ -9,19 +9,35 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from bisect import bisect_left
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any
 
 import zmq
 
-from maru import protocol
-from maru.protocol import MAX_BATCH, MAX_KEY_BYTES, ErrorCode, MsgType, ProtocolError
+from maru import __version__, protocol
+from maru.protocol import (
+    MAX_BATCH,
+    MAX_KEY_BYTES,
+    MAX_LIST_KEYS,
+    ErrorCode,
+    MsgType,
+    ProtocolError,
+)
 from maru.server.journal import Journal
 from maru.server.registry import Registry, check_key
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
+
+# Upper bounds (seconds) of the per-operation latency histogram buckets; one more bucket counts
+# everything slower. Fixed, so recording a request is one bisect and three increments.
+LATENCY_BUCKETS = (
+    10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6,
+    1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1.0,
+)  # fmt: skip
 
 
 def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -44,6 +60,12 @@ def _keys(body: dict[str, Any], name: str = "keys") -> list[Any]:
     return keys
 
 
+def _iid(body: dict[str, Any]) -> str | None:
+    """The optional instance id of a request: a str, or None (never an unhashable value)."""
+    iid = body.get("iid")
+    return iid if isinstance(iid, str) else None
+
+
 class MaruService:
     def __init__(
         self,
@@ -60,7 +82,6 @@ class MaruService:
         self._next_reap = 0.0
         self.epoch = f"{time.time_ns():x}"  # changes on every start: clients notice restarts
         self._stop = threading.Event()
-        self.op_stats: dict[str, list[float]] = {}  # name -> [count, total seconds]
         self._handlers: dict[int, Handler] = {
             MsgType.HANDSHAKE: self._handshake,
             MsgType.REQUEST_REGION: self._request_region,
@@ -69,8 +90,8 @@ class MaruService:
             MsgType.REGISTER_KV: self._register_kv,
             MsgType.LOOKUP_KV: self._lookup_kv,
             MsgType.EXISTS: self._exists,
-            MsgType.PIN: lambda b: {"results": self.registry.pin(_keys(b), b.get("iid"))},
-            MsgType.UNPIN: lambda b: {"results": self.registry.unpin(_keys(b), b.get("iid"))},
+            MsgType.PIN: lambda b: {"results": self.registry.pin(_keys(b), _iid(b))},
+            MsgType.UNPIN: lambda b: {"results": self.registry.unpin(_keys(b), _iid(b))},
             MsgType.RELEASE: lambda b: {"released": self.registry.release(_keys(b, "leases"))},
             MsgType.EVICT_FOR: self._evict_for,
             MsgType.DELETE_KV: lambda b: {
@@ -80,7 +101,18 @@ class MaruService:
             MsgType.STATS: self._stats,
             MsgType.HEARTBEAT: lambda b: {},
             MsgType.DELETE_PREFIX: self._delete_prefix,
+            MsgType.KEYS: self._list_keys,
         }
+        # Per operation: [count, total seconds, histogram bucket counts, errors]. Created up
+        # front for every type, so the metrics thread can iterate while the loop records.
+        self.op_stats: dict[int, list[Any]] = {
+            int(t): [0, 0.0, [0] * (len(LATENCY_BUCKETS) + 1), 0] for t in self._handlers
+        }
+        self._op_names = {int(t): MsgType(t).name.lower() for t in self._handlers}
+        self.invalid_requests = 0  # undecodable frames and unknown message types
+        self.started_at = time.time()
+        self._started_monotonic = time.monotonic()
+        self.metrics_url: str | None = None  # set when `--metrics-port` serves Prometheus
         self.context = zmq.Context.instance()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -92,7 +124,13 @@ class MaruService:
 
     def _handshake(self, body: dict[str, Any]) -> dict[str, Any]:
         iid = _field(body, "iid", str)
-        regions = self.registry.handshake(iid, int(body.get("pid") or 0))
+        pid = body.get("pid")
+        if not isinstance(pid, int) or isinstance(pid, bool) or not 0 <= pid < 2**63:
+            pid = 0  # informational only; must stay encodable in STATS replies
+        page_size = body.get("page_size")
+        if not isinstance(page_size, int) or isinstance(page_size, bool):
+            page_size = 0
+        regions = self.registry.handshake(iid, pid, page_size if 0 < page_size < 2**40 else 0)
         return {
             "epoch": self.epoch,
             "version": protocol.PROTOCOL_VERSION,
@@ -122,10 +160,10 @@ class MaruService:
 
     def _lookup_kv(self, body: dict[str, Any]) -> dict[str, Any]:
         keys = _keys(body)
-        locations, regions = self.registry.lookup(keys, body.get("iid"))
+        locations, regions = self.registry.lookup(keys, _iid(body))
         reply = {"locations": locations, "regions": [h.to_wire() for h in regions]}
         if body.get("lease"):
-            reply["lease_id"] = self.registry.lease(keys, body.get("iid"))
+            reply["lease_id"] = self.registry.lease(keys, _iid(body))
         return reply
 
     def _evict_for(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -133,11 +171,35 @@ class MaruService:
         return {"freed_bytes": freed}
 
     def _delete_prefix(self, body: dict[str, Any]) -> dict[str, Any]:
-        deleted, pinned = self.registry.delete_prefix(body.get("prefix"))
+        if body.get("all") is True:  # `maru clear`
+            deleted, pinned = self.registry.clear()
+            what = "every key"
+        else:
+            prefix = body.get("prefix")
+            deleted, pinned = self.registry.delete_prefix(prefix)
+            what = f"prefix {prefix!r:.200}"
+        iid = _iid(body)
+        log.info(
+            "%d keys deleted (%s, by %s); %d pinned or leased kept",
+            deleted,
+            what,
+            f"instance {iid}" if iid else "an operator",
+            pinned,
+            extra={"instance": iid} if iid else None,
+        )
         return {"deleted": deleted, "pinned": pinned}
 
+    def _list_keys(self, body: dict[str, Any]) -> dict[str, Any]:
+        limit = body.get("limit", 100)
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "limit must be a positive integer")
+        limit = min(limit, MAX_LIST_KEYS)
+        keys, truncated = self.registry.list_keys(body.get("prefix"), limit)
+        return {"keys": keys, "truncated": truncated, "limit": limit}
+
     def _exists(self, body: dict[str, Any]) -> dict[str, Any]:
-        return {"results": self.registry.exists(_keys(body))}
+        keys, iid = _keys(body), _iid(body)
+        return {"results": self.registry.exists(keys, iid) if iid else self.registry.exists(keys)}
 
     def _list_allocations(self, body: dict[str, Any]) -> dict[str, Any]:
         owner = body.get("owner")
@@ -145,44 +207,82 @@ class MaruService:
         return {"regions": [h.to_wire() for h in handles]}
 
     def _stats(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"stats": self.stats()}
+
+    def stats(self) -> dict[str, Any]:
+        """What STATS returns, and what the metrics endpoint exports (read at scrape time from
+        another thread: see `Registry.stats`). Per operation: request count, total seconds,
+        errors, and `buckets`, the non-cumulative counts of the histogram whose upper bounds
+        are `latency_buckets` (one more bucket at the end counts the slower ones)."""
         stats = self.registry.stats()
         stats["epoch"] = self.epoch
+        stats["version"] = __version__
+        stats["started_at"] = self.started_at
+        stats["uptime_seconds"] = round(time.monotonic() - self._started_monotonic, 3)
+        stats["metrics_url"] = self.metrics_url
+        stats["latency_buckets"] = list(LATENCY_BUCKETS)
         stats["operations"] = {
-            name: {"count": int(c), "total_seconds": t} for name, (c, t) in self.op_stats.items()
+            self._op_names[t]: {
+                "count": count,
+                "total_seconds": seconds,
+                "errors": errors,
+                "buckets": list(buckets),
+            }
+            for t, (count, seconds, buckets, errors) in list(self.op_stats.items())
+            if count or errors
         }
-        return {"stats": stats}
+        stats["invalid_requests"] = self.invalid_requests
+        return stats
 
     # -- loop --------------------------------------------------------------------------------
 
     def handle_frame(self, frame: bytes) -> bytes:
-        """Turn one request frame into one reply frame. Never raises."""
+        """Turn one request frame into one reply frame. Never raises.
+
+        A successful request's time, from decoding its frame to its encoded reply, goes into
+        its operation's histogram; a failed one counts as an error of its operation (or as an
+        invalid request when the frame or type was bad)."""
         msg_type, request_id = 0, 0
+        stat = None
+        start = perf_counter()
         try:
             header = protocol.decode_header(frame)
             msg_type, request_id = header.msg_type, header.request_id
             _, body = protocol.decode(frame)
+            self.registry.touch(_iid(body))  # any message is a sign of life
             handler = self._handlers.get(msg_type)
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg_type}")
-            start = time.perf_counter()
+            stat = self.op_stats[msg_type]
             reply = handler(body)
-            name = MsgType(msg_type).name.lower()
-            stat = self.op_stats.setdefault(name, [0, 0.0])
-            stat[0] += 1
-            stat[1] += time.perf_counter() - start
             reply["ok"] = True
-            freed = self.registry.take_freed(body.get("iid"))
+            # Freed pages are handed out once; not on a RELEASE reply, which the client sends
+            # without waiting and may never read.
+            freed = self.registry.take_freed(_iid(body)) if msg_type != MsgType.RELEASE else None
             if freed:
                 reply["freed"] = freed
-            return protocol.encode(msg_type, request_id, reply, reply=True)
+            out = protocol.encode(msg_type, request_id, reply, reply=True)
+            elapsed = perf_counter() - start
+            stat[0] += 1
+            stat[1] += elapsed
+            stat[2][bisect_left(LATENCY_BUCKETS, elapsed)] += 1
+            return out
         except ProtocolError as exc:
+            self._count_error(stat)
             log.debug("request error (%s): %s", exc.code.name, exc)
             return protocol.encode_error(msg_type, request_id, exc.code, str(exc))
         except Exception as exc:
+            self._count_error(stat)
             log.exception("internal error handling message type %s", msg_type)
             return protocol.encode_error(
                 msg_type, request_id, ErrorCode.INTERNAL, f"internal server error: {exc}"
             )
+
+    def _count_error(self, stat: list[Any] | None) -> None:
+        if stat is None:
+            self.invalid_requests += 1
+        else:
+            stat[3] += 1
 
     def serve_forever(self, poll_ms: int = 200) -> None:
         log.info(
@@ -193,11 +293,13 @@ class MaruService:
         )
         sock = self.socket
         while not self._stop.is_set():
+            before = time.monotonic()
             ready = sock.poll(poll_ms, zmq.POLLIN)
-            self.housekeeping()
-            if not ready:
-                continue
-            while True:
+            self._forgive_stall(time.monotonic() - before - poll_ms / 1000)
+            # Requests first, then housekeeping, so that the heartbeats queued during a stall
+            # count before the reaper judges who is silent. A burst is bounded so that
+            # housekeeping still runs under constant load.
+            for _ in range(1024 if ready else 0):
                 try:
                     parts = sock.recv_multipart(zmq.NOBLOCK, copy=True)
                 except zmq.Again:
@@ -213,7 +315,17 @@ class MaruService:
                     sock.send_multipart([parts[0], reply], zmq.NOBLOCK)
                 except zmq.ZMQError as exc:  # peer vanished; nothing to do
                     log.debug("reply dropped: %s", exc)
+            self.housekeeping()
         log.info("maru-server stopping")
+
+    def _forgive_stall(self, stalled: float) -> None:
+        """Time this process did not run (SIGSTOP, a paused VM or container, a long snapshot)
+        is not the clients' silence: move their last-heard-of times forward by it, or every
+        live client would be reaped (pins, leases and regions gone) when the server resumes."""
+        if stalled > 1.0:
+            log.warning("server stalled for %.1f s; not counting it against clients", stalled)
+            for inst in self.registry.instances.values():
+                inst.last_seen += stalled
 
     def housekeeping(self, now: float | None = None) -> None:
         """Between requests: expire read leases, reap silent instances, fsync the journal
@@ -226,7 +338,9 @@ class MaruService:
         if self.journal is not None:
             self.journal.sync()
             if self.journal.needs_snapshot:
+                start = time.monotonic()
                 self.journal.write_snapshot(self.registry.snapshot_state())
+                self._forgive_stall(time.monotonic() - start)
 
     def stop(self) -> None:
         self._stop.set()

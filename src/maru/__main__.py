@@ -1,0 +1,5 @@
+import sys
+
+from maru.cli import main
+
+sys.exit(main())

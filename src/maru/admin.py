@@ -1,0 +1,75 @@
+"""`MaruAdmin`: an operator's connection to `maru-server` (what the `maru` CLI uses).
+
+Unlike `MaruHandler` it never handshakes: it is not an instance, owns no region, maps no
+memory and allocates nothing. It only asks for statistics, lists keys and deletes them, over
+the one RPC client (`maru.rpc.RpcClient`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from maru.protocol import MAX_LIST_KEYS, MsgType
+from maru.rpc import RpcClient
+
+DEFAULT_SERVER_URL = "tcp://localhost:5555"
+SERVER_URL_ENV = "MARU_SERVER_URL"
+
+Key = str | bytes
+
+
+def server_url(url: str | None = None) -> str:
+    """`url`, else $MARU_SERVER_URL, else tcp://localhost:5555; "host:port" means tcp://."""
+    url = url or os.environ.get(SERVER_URL_ENV) or DEFAULT_SERVER_URL
+    return url if "://" in url else f"tcp://{url}"
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    key: Key
+    length: int
+    owner: str  # instance whose region holds the bytes
+
+
+class MaruAdmin:
+    def __init__(self, url: str | None = None, *, timeout_ms: int = 2000):
+        self.url = server_url(url)
+        self._rpc = RpcClient(self.url, timeout_ms=timeout_ms, max_inflight=1)
+
+    def stats(self) -> dict[str, Any]:
+        """What STATS returns: pool, keys, instances, counters, per-operation histograms.
+        Raises `MaruConnectionError` when the server does not answer in time."""
+        return self._rpc.call(MsgType.STATS, {})["stats"]
+
+    def keys(self, prefix: Key | None = None, limit: int = 100) -> tuple[list[KeyInfo], bool]:
+        """Up to `limit` (at most MAX_LIST_KEYS) keys starting with `prefix`, most recently
+        used first, and whether more matched."""
+        body: dict[str, Any] = {"limit": min(int(limit), MAX_LIST_KEYS)}
+        if prefix:
+            body["prefix"] = prefix
+        reply = self._rpc.call(MsgType.KEYS, body)
+        return [KeyInfo(k, int(n), str(o)) for k, n, o in reply["keys"]], bool(reply["truncated"])
+
+    def delete_prefix(self, prefix: Key) -> tuple[int, int]:
+        """Delete every key starting with `prefix` that is not pinned or leased; returns
+        (deleted, kept because pinned or leased)."""
+        if not prefix:
+            raise ValueError("prefix must not be empty (use clear() to delete every key)")
+        reply = self._rpc.call(MsgType.DELETE_PREFIX, {"prefix": prefix})
+        return int(reply["deleted"]), int(reply["pinned"])
+
+    def clear(self) -> tuple[int, int]:
+        """Delete every key that is not pinned or leased; returns (deleted, kept)."""
+        reply = self._rpc.call(MsgType.DELETE_PREFIX, {"all": True})
+        return int(reply["deleted"]), int(reply["pinned"])
+
+    def close(self) -> None:
+        self._rpc.close()
+
+    def __enter__(self) -> MaruAdmin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,507 @@
+"""`maru`: the operator's command line for a running `maru-server`.
+
+    maru status                     is the server up? pool and usage
+    maru stats [--json]             pool, instances, counters, per-operation latency
+    maru keys [--prefix P] [--limit N] [--json]
+    maru monitor [--interval S] [--once]   live view: pool usage, hit rate, throughput
+    maru evict --prefix P           delete a namespace (pinned and leased keys are kept)
+    maru clear [--yes]              delete every key
+
+`--server tcp://host:port` (or $MARU_SERVER_URL; default tcp://localhost:5555) works before or
+after the subcommand. Exit status: 0 ok, 1 server unreachable or error, 2 usage.
+It talks to the server through `MaruAdmin`, which never allocates: safe on a full pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Collection, Sequence
+from datetime import datetime
+from typing import Any, TextIO
+
+from maru import __version__
+from maru.admin import DEFAULT_SERVER_URL, SERVER_URL_ENV, MaruAdmin
+from maru.errors import MaruConnectionError, MaruError
+from maru.protocol import MAX_LIST_KEYS
+
+Stats = dict[str, Any]
+
+# -- formatting ------------------------------------------------------------------------------
+
+
+def fmt_bytes(n: float) -> str:
+    """Binary units: 512 B, 1.5 KiB, 4.0 GiB."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_duration(seconds: float) -> str:
+    s = int(seconds)
+    if s < 60:
+        return f"{seconds:.1f}s" if seconds < 10 else f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def fmt_latency(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if math.isinf(seconds):
+        return "inf"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f}us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f}ms"
+    return f"{seconds:.2f}s"
+
+
+def fmt_pct(part: float, whole: float) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+def fmt_key(key: str | bytes) -> str:
+    return key if isinstance(key, str) else repr(key)
+
+
+def bar(fraction: float, width: int = 30) -> str:
+    filled = max(0, min(width, round(fraction * width)))
+    return "[" + "#" * filled + "-" * (width - filled) + "]"
+
+
+def quantile(bounds: Sequence[float], buckets: Sequence[int], q: float) -> float | None:
+    """Upper bound of the histogram bucket holding the q-quantile (inf: above the last)."""
+    total = sum(buckets)
+    if not total:
+        return None
+    rank, seen = q * total, 0
+    for i, n in enumerate(buckets):
+        seen += n
+        if seen >= rank:
+            return bounds[i] if i < len(bounds) else math.inf
+    return math.inf
+
+
+def fmt_quantile(bounds: Sequence[float], buckets: Sequence[int], q: float) -> str:
+    value = quantile(bounds, buckets, q)
+    if value is None:
+        return "-"
+    if math.isinf(value):
+        return f">{fmt_latency(bounds[-1])}"
+    return f"<={fmt_latency(value)}"
+
+
+def table(rows: list[list[str]], right: Collection[int] = ()) -> list[str]:
+    """Left-aligned columns (right-aligned for the indexes in `right`), two spaces apart."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for r in rows:
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+        ]
+        out.append("  ".join(cells).rstrip())
+    return out
+
+
+def hit_rate(hits: int, misses: int) -> str:
+    return fmt_pct(hits, hits + misses)
+
+
+# -- status / stats --------------------------------------------------------------------------
+
+
+def render_status(url: str, s: Stats) -> str:
+    pool, counters = s["pool"], s["counters"]
+    cap = pool["capacity"]
+    orphaned = s.get("orphaned", {})
+    lines = [
+        f"maru-server {url} is up: version {s.get('version', '?')}, pid {s['server_pid']}, "
+        f"up {fmt_duration(s.get('uptime_seconds', 0))}, epoch {s['epoch']}",
+        f"pool:      {pool['kind']}:{pool['path']}",
+        f"capacity:  {fmt_bytes(cap)} ({cap} bytes)",
+        f"regions:   {fmt_bytes(pool['used'])} in {s['regions']} regions "
+        f"({fmt_pct(pool['used'], cap)} of the pool), {fmt_bytes(pool['free'])} free, "
+        f"fragmentation {pool['fragmentation']:.2f}",
+        f"stored:    {fmt_bytes(s['live_bytes'])} in {s['keys']} keys "
+        f"({fmt_pct(s['live_bytes'], cap)} of the pool; evicts above "
+        f"{s['watermarks']['high']:.0%} down to {s['watermarks']['low']:.0%})",
+        f"instances: {len(s['instances'])} connected, {orphaned.get('regions', 0)} orphaned "
+        f"regions, {s['leases']} leases",
+        f"lookups:   {counters.get('lookups', 0)} keys, hit rate "
+        f"{hit_rate(counters.get('hits', 0), counters.get('misses', 0))}, "
+        f"{counters.get('evictions', 0)} keys evicted",
+        f"exists:    {counters.get('exists', 0)} keys, hit rate "
+        f"{hit_rate(counters.get('exists_hits', 0), counters.get('exists_misses', 0))}",
+        f"metrics:   {s.get('metrics_url') or 'off (maru-server --metrics-port)'}",
+    ]
+    return "\n".join(lines)
+
+
+def render_instances(s: Stats, limit: int | None = None) -> list[str]:
+    instances = sorted(s["instances"].items(), key=lambda kv: -kv[1].get("bytes_stored", 0))
+    if not instances:
+        return ["(no instances connected)"]
+    header = "INSTANCE PID REGIONS KEYS STORED PAGES HIT% EXIST% EVICTED IDLE"
+    rows = [header.split()]
+    for iid, i in instances[:limit]:
+        pages = str(i.get("pages", 0))
+        if i.get("pages_total"):
+            pages += f"/{i['pages_total']}"
+        rows.append(
+            [
+                iid,
+                str(i["pid"]),
+                str(i["regions"]),
+                str(i.get("keys", 0)),
+                fmt_bytes(i.get("bytes_stored", 0)),
+                pages,
+                hit_rate(i["hits"], i["misses"]),
+                hit_rate(i.get("exists_hits", 0), i.get("exists_misses", 0)),
+                str(i["evicted"]),
+                fmt_duration(i.get("idle_seconds", 0)),
+            ]
+        )
+    out = table(rows, right=set(range(1, len(rows[0]))))
+    if limit is not None and len(instances) > limit:
+        out.append(f"... and {len(instances) - limit} more")
+    return out
+
+
+def render_operations(s: Stats, prev: Stats | None = None, dt: float = 0.0) -> list[str]:
+    ops = s.get("operations", {})
+    if not ops:
+        return ["(no requests yet)"]
+    bounds = s.get("latency_buckets", [])
+    prev_ops = prev.get("operations", {}) if prev else {}
+    rate_col = prev is not None and dt > 0
+    head = ["OP", "REQ/S"] if rate_col else ["OP"]
+    rows = [[*head, "COUNT", "ERRORS", "MEAN", "P50", "P99"]]
+    for name, o in sorted(ops.items(), key=lambda kv: -kv[1]["count"]):
+        cells = [name]
+        if rate_col:
+            before = prev_ops.get(name, {}).get("count", 0)
+            cells.append(f"{max(0, o['count'] - before) / dt:.1f}")
+        mean = o["total_seconds"] / o["count"] if o["count"] else None
+        buckets = o.get("buckets", [])
+        cells += [
+            str(o["count"]),
+            str(o.get("errors", 0)),
+            fmt_latency(mean),
+            fmt_quantile(bounds, buckets, 0.5),
+            fmt_quantile(bounds, buckets, 0.99),
+        ]
+        rows.append(cells)
+    return table(rows, right=set(range(1, len(rows[0]))))
+
+
+def render_stats(url: str, s: Stats) -> str:
+    lines = [render_status(url, s), "", "INSTANCES", *render_instances(s), ""]
+    lines += ["OPERATIONS (server time per request)", *render_operations(s), ""]
+    counters = s["counters"]
+    lines.append("COUNTERS")
+    lines += table([[k, str(v)] for k, v in sorted(counters.items())], right={1})
+    return "\n".join(lines)
+
+
+# -- monitor ---------------------------------------------------------------------------------
+
+
+def _delta(cur: Stats, prev: Stats | None, name: str) -> int | None:
+    if prev is None:
+        return None
+    return max(0, cur["counters"].get(name, 0) - prev["counters"].get(name, 0))
+
+
+def render_monitor(
+    url: str, cur: Stats, prev: Stats | None, dt: float, interval: float, now: datetime
+) -> str:
+    """One frame of `maru monitor`: rates are over the `dt` seconds since `prev` (none when
+    there is no previous sample or the server restarted in between)."""
+    if prev is not None and prev.get("epoch") != cur.get("epoch"):
+        prev = None  # restarted: counters started again from zero
+    pool, counters = cur["pool"], cur["counters"]
+    cap = pool["capacity"] or 1
+
+    def rate(name: str, unit: str, as_bytes: bool = False) -> str:
+        d = _delta(cur, prev, name)
+        if d is None or dt <= 0:
+            return f"- {unit}"
+        return f"{fmt_bytes(d / dt)}/s" if as_bytes else f"{d / dt:.1f} {unit}"
+
+    def ratio(hit_name: str, miss_name: str, what: str) -> str:
+        hits, misses = _delta(cur, prev, hit_name), _delta(cur, prev, miss_name)
+        if hits is None or misses is None or dt <= 0:
+            recent = "- (first sample)"
+        elif hits + misses == 0:
+            recent = f"no {what} in the last {dt:.1f}s"
+        else:
+            recent = (
+                f"{hit_rate(hits, misses)} in the last {dt:.1f}s ({hits} of {hits + misses} keys)"
+            )
+        all_hits, all_misses = counters.get(hit_name, 0), counters.get(miss_name, 0)
+        return f"{recent}; overall {hit_rate(all_hits, all_misses)} of {all_hits + all_misses} keys"
+
+    requests = "-"
+    if prev is not None and dt > 0:
+        total = sum(o["count"] for o in cur.get("operations", {}).values())
+        before = sum(o["count"] for o in prev.get("operations", {}).values())
+        requests = f"{max(0, total - before) / dt:.1f}/s"
+    high, low = cur["watermarks"]["high"], cur["watermarks"]["low"]
+    lines = [
+        f"maru monitor  {url}  up {fmt_duration(cur.get('uptime_seconds', 0))}  "
+        f"pid {cur['server_pid']}  {now:%H:%M:%S}  (every {interval:g}s; Ctrl-C quits)",
+        "",
+        f"POOL    {bar(pool['used'] / cap)} {fmt_pct(pool['used'], cap):>6} in regions: "
+        f"{fmt_bytes(pool['used'])} of {fmt_bytes(pool['capacity'])}, "
+        f"{fmt_bytes(pool['free'])} free, frag {pool['fragmentation']:.2f}",
+        f"STORED  {bar(cur['live_bytes'] / cap)} {fmt_pct(cur['live_bytes'], cap):>6} of pool: "
+        f"{fmt_bytes(cur['live_bytes'])} in {cur['keys']} keys "
+        f"(evict above {high:.0%} down to {low:.0%})",
+        f"HITS    {ratio('hits', 'misses', 'lookups')}",
+        f"EXISTS  {ratio('exists_hits', 'exists_misses', 'checks')}",
+        f"RATE    lookups {rate('lookups', 'keys/s')}  stores {rate('keys_registered', 'keys/s')}"
+        f" ({rate('bytes_registered', '', as_bytes=True)})  evictions "
+        f"{rate('evictions', 'keys/s')}  requests {requests}",
+        f"STATE   {len(cur['instances'])} instances, {cur['regions']} regions, "
+        f"{cur['leases']} leases, {cur.get('orphaned', {}).get('regions', 0)} orphaned regions",
+        "",
+        *render_instances(cur, limit=10),
+        "",
+        *render_operations(cur, prev, dt),
+    ]
+    return "\n".join(lines)
+
+
+# -- commands --------------------------------------------------------------------------------
+
+
+def _connect(args: argparse.Namespace) -> MaruAdmin:
+    return MaruAdmin(args.server, timeout_ms=args.timeout_ms)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "backslashreplace")
+    raise TypeError(f"cannot serialise {type(value).__name__}")
+
+
+def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
+    with _connect(args) as admin:
+        s = admin.stats()
+        print(render_status(admin.url, s), file=out)
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace, out: TextIO) -> int:
+    with _connect(args) as admin:
+        s = admin.stats()
+        if args.json:
+            json.dump(s, out, indent=2, sort_keys=True, default=_json_default)
+            out.write("\n")
+        else:
+            print(render_stats(admin.url, s), file=out)
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace, out: TextIO) -> int:
+    if not 1 <= args.limit <= MAX_LIST_KEYS:
+        print(f"maru keys: --limit must be between 1 and {MAX_LIST_KEYS}", file=sys.stderr)
+        return 2
+    with _connect(args) as admin:
+        keys, truncated = admin.keys(args.prefix, args.limit)
+    if args.json:
+        doc = {
+            "keys": [{"key": k.key, "bytes": k.length, "owner": k.owner} for k in keys],
+            "truncated": truncated,
+        }
+        json.dump(doc, out, indent=2, default=_json_default)
+        out.write("\n")
+        return 0
+    if keys:
+        rows = [["BYTES", "OWNER", "KEY"]] + [
+            [str(k.length), k.owner, fmt_key(k.key)] for k in keys
+        ]
+        print("\n".join(table(rows, right={0})), file=out)
+    if truncated:
+        print(
+            f"(first {len(keys)} keys shown, most recently used first; more match: "
+            f"raise --limit, at most {MAX_LIST_KEYS})",
+            file=sys.stderr,
+        )
+    elif not keys:
+        print(
+            "(no keys" + (f" with prefix {args.prefix!r})" if args.prefix else ")"), file=sys.stderr
+        )
+    return 0
+
+
+def cmd_evict(args: argparse.Namespace, out: TextIO) -> int:
+    with _connect(args) as admin:
+        deleted, kept = admin.delete_prefix(args.prefix)
+    print(
+        f"deleted {deleted} keys with prefix {args.prefix!r} ({kept} pinned or leased, kept)",
+        file=out,
+    )
+    return 0
+
+
+def cmd_clear(args: argparse.Namespace, out: TextIO) -> int:
+    with _connect(args) as admin:
+        if not args.yes:
+            if not sys.stdin.isatty():
+                print("maru clear: deletes every key; pass --yes to confirm", file=sys.stderr)
+                return 2
+            count = admin.stats()["keys"]
+            answer = input(f"delete all {count} keys on {admin.url}? [y/N] ")
+            if answer.strip().lower() not in ("y", "yes"):
+                print("nothing deleted", file=out)
+                return 1
+        deleted, kept = admin.clear()
+    print(f"deleted {deleted} keys ({kept} pinned or leased, kept)", file=out)
+    return 0
+
+
+def cmd_monitor(
+    args: argparse.Namespace,
+    out: TextIO,
+    *,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    interval = max(0.0, args.interval)
+    with _connect(args) as admin:
+        if args.once:
+            prev = admin.stats() if interval > 0 else None
+            t0 = time.monotonic()
+            if prev is not None:
+                sleep(interval)
+            cur = admin.stats()
+            dt = time.monotonic() - t0
+            print(render_monitor(admin.url, cur, prev, dt, interval, datetime.now()), file=out)
+            return 0
+        live = out.isatty()
+        prev, t_prev = None, 0.0
+        try:
+            while True:
+                try:
+                    cur, now = admin.stats(), time.monotonic()
+                    frame = render_monitor(
+                        admin.url, cur, prev, now - t_prev, interval, datetime.now()
+                    )
+                    prev, t_prev = cur, now
+                except MaruConnectionError as exc:
+                    frame = f"maru monitor  {admin.url}  {datetime.now():%H:%M:%S}\n\n{exc}"
+                    prev = None
+                out.write(("\x1b[H\x1b[J" + frame) if live else frame + "\n\n")
+                out.flush()
+                sleep(max(interval, 0.1))
+        except KeyboardInterrupt:
+            out.write("\n")
+            return 0
+
+
+# -- parser ----------------------------------------------------------------------------------
+
+
+def _common(p: argparse.ArgumentParser, *, top: bool) -> None:
+    # On subcommands the defaults are SUPPRESSed, so `maru --server X status` is not undone.
+    default: Any = argparse.SUPPRESS
+    p.add_argument(
+        "--server",
+        metavar="URL",
+        default=None if top else default,
+        help=f"maru-server to talk to: tcp://host:port (default: ${SERVER_URL_ENV} or "
+        f"{DEFAULT_SERVER_URL})",
+    )
+    p.add_argument(
+        "--timeout-ms",
+        type=int,
+        metavar="MS",
+        default=2000 if top else default,
+        help="RPC deadline; a server that does not answer in time counts as down (default: 2000)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="maru",
+        description="Inspect and operate a running maru-server.",
+        epilog="Exit status: 0 ok, 1 server unreachable or error, 2 usage. "
+        "`maru COMMAND --help` for a command's options.",
+    )
+    p.add_argument("--version", action="version", version=f"maru {__version__}")
+    _common(p, top=True)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    def add(name: str, help_text: str, func: Any) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        _common(sp, top=False)
+        sp.set_defaults(func=func)
+        return sp
+
+    add("status", "is the server up? pool, usage, instances (exit 1 when down)", cmd_status)
+    sp = add("stats", "all statistics: pool, instances, operations (latency), counters", cmd_stats)
+    sp.add_argument("--json", action="store_true", help="the raw STATS document as JSON")
+    sp = add("keys", "list keys (most recently used first) with their size and owner", cmd_keys)
+    sp.add_argument("--prefix", default=None, help="only keys starting with this")
+    sp.add_argument(
+        "--limit",
+        type=int,
+        default=100,
+        help=f"at most this many keys (default: 100, at most {MAX_LIST_KEYS})",
+    )
+    sp.add_argument("--json", action="store_true", help="JSON instead of a table")
+    sp = add(
+        "monitor",
+        "live view: pool usage, hit rate, throughput, instances, operations",
+        cmd_monitor,
+    )
+    sp.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between refreshes (default: 1)"
+    )
+    sp.add_argument(
+        "--once",
+        action="store_true",
+        help="print one frame and exit (rates measured over one --interval)",
+    )
+    sp = add(
+        "evict",
+        "delete every key with a prefix, e.g. one SGLang namespace (pinned and leased keys stay)",
+        cmd_evict,
+    )
+    sp.add_argument("--prefix", required=True, help="delete the keys starting with this")
+    sp = add("clear", "delete every key (pinned and leased keys stay)", cmd_clear)
+    sp.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    out = out or sys.stdout
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.func(args, out))
+    except MaruConnectionError as exc:
+        print(f"maru: maru-server is down or unreachable: {exc}", file=sys.stderr)
+        return 1
+    except MaruError as exc:
+        print(f"maru: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `maru keys | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""Prometheus metrics for `maru-server --metrics-port`.
+
+A custom collector reads the service's statistics (the same dict the STATS RPC returns) at
+scrape time, so nothing is counted twice. The HTTP server runs on a background thread while the
+RPC thread keeps mutating the registry: the statistics are built from copies and the read is
+retried when a dict changed size under it (see `Registry.stats`).
+
+`prometheus_client` is optional (`pip install 'maru[metrics]'`); nothing here imports it at
+module level, so `maru-server` without `--metrics-port` does not need it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+STATS_RETRIES = 20
+
+# registry counter -> (metric name without _total, help)
+COUNTERS: dict[str, tuple[str, str]] = {
+    "lookups": ("maru_lookup_keys", "Keys looked up (LOOKUP_KV)."),
+    "hits": ("maru_lookup_hits", "Looked-up keys that were found."),
+    "misses": ("maru_lookup_misses", "Looked-up keys that were not found."),
+    "exists": ("maru_exists_keys", "Keys checked with EXISTS (SGLang asks before prefetching)."),
+    "exists_hits": ("maru_exists_hits", "Keys checked with EXISTS that were found."),
+    "exists_misses": ("maru_exists_misses", "Keys checked with EXISTS that were not found."),
+    "keys_registered": ("maru_keys_registered", "Keys registered (stored)."),
+    "bytes_registered": ("maru_registered_bytes", "Bytes of the keys registered."),
+    "keys_duplicate": (
+        "maru_keys_duplicate",
+        "Registrations refused because the key existed (first writer wins).",
+    ),
+    "keys_deleted": ("maru_keys_deleted", "Keys deleted (DELETE_KV, DELETE_PREFIX, clear)."),
+    "evictions": ("maru_evicted_keys", "Keys evicted (watermark, room for a writer, orphans)."),
+    "bytes_evicted": ("maru_evicted_bytes", "Bytes of the keys evicted."),
+    "eviction_rounds": ("maru_eviction_rounds", "Eviction rounds that evicted at least one key."),
+    "leases_expired": ("maru_leases_expired", "Read leases that expired instead of released."),
+    "instances_reaped": (
+        "maru_instances_reaped",
+        "Instances disconnected after the heartbeat timeout.",
+    ),
+    "regions_allocated": ("maru_regions_allocated", "Regions carved out of the pool."),
+    "regions_freed": ("maru_regions_freed", "Regions given back to the pool."),
+}
+
+# per-instance gauge field -> (metric name, help)
+INSTANCE_GAUGES: dict[str, tuple[str, str]] = {
+    "regions": ("maru_instance_regions", "Regions the instance owns."),
+    "region_bytes": ("maru_instance_region_bytes", "Bytes of the regions the instance owns."),
+    "keys": ("maru_instance_keys", "Keys stored in the instance's regions."),
+    "bytes_stored": ("maru_instance_stored_bytes", "Bytes of the keys in the instance's regions."),
+    "pages": ("maru_instance_pages", "Pages used by stored keys in the instance's regions."),
+    "pages_total": (
+        "maru_instance_pages_capacity",
+        "Pages in the instance's regions (0 when its page size is unknown).",
+    ),
+    "pins": ("maru_instance_pins", "Pins the instance holds."),
+    "leases": ("maru_instance_leases", "Read leases the instance holds."),
+    "idle_seconds": (
+        "maru_instance_idle_seconds",
+        "Seconds since the instance's last message (reaped after the heartbeat timeout).",
+    ),
+}
+
+# per-instance counter field -> (metric name without _total, help)
+INSTANCE_COUNTERS: dict[str, tuple[str, str]] = {
+    "hits": ("maru_instance_lookup_hits", "Keys the instance looked up and found."),
+    "misses": ("maru_instance_lookup_misses", "Keys the instance looked up and did not find."),
+    "exists_hits": ("maru_instance_exists_hits", "Keys the instance checked and found."),
+    "exists_misses": ("maru_instance_exists_misses", "Keys the instance checked, not found."),
+    "evicted": ("maru_instance_evicted_keys", "Keys evicted out of the instance's regions."),
+    "keys_registered": ("maru_instance_keys_registered", "Keys the instance registered."),
+    "bytes_registered": (
+        "maru_instance_registered_bytes",
+        "Bytes of the keys the instance registered.",
+    ),
+}
+
+
+class MetricsUnavailable(RuntimeError):
+    """`--metrics-port` was given but prometheus_client is not installed."""
+
+
+def require_prometheus() -> None:
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise MetricsUnavailable(
+            "--metrics-port needs the prometheus_client package, which is not installed: "
+            "pip install 'maru[metrics]' (or pip install prometheus-client)"
+        ) from None
+
+
+def read_stats(source: Callable[[], dict[str, Any]], retries: int = STATS_RETRIES) -> dict:
+    """Call `source` (e.g. `MaruService.stats`) from a thread other than the RPC loop's,
+    retrying while the registry changes under it."""
+    for attempt in range(retries):
+        try:
+            return source()
+        except RuntimeError:  # "dictionary changed size during iteration"
+            if attempt == retries - 1:
+                raise
+            time.sleep(0.001 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+class MaruCollector:
+    """A prometheus_client collector over `stats_source()` (the STATS dict)."""
+
+    def __init__(self, stats_source: Callable[[], dict[str, Any]]):
+        self.stats_source = stats_source
+
+    def describe(self) -> list:
+        return []  # unchecked collector: families are produced at scrape time
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        s = read_stats(self.stats_source)
+        pool = s["pool"]
+        name = f"{pool['kind']}:{pool['path']}"
+
+        info = GaugeMetricFamily(
+            "maru_server_info",
+            "Constant 1, labelled with the server's version, epoch (changes on every start) and "
+            "pool.",
+            labels=["version", "epoch", "pool", "kind"],
+        )
+        info.add_metric([str(s["version"]), str(s["epoch"]), name, str(pool["kind"])], 1)
+        yield info
+        yield GaugeMetricFamily(
+            "maru_server_start_time_seconds",
+            "Unix time the server started.",
+            value=float(s["started_at"]),
+        )
+
+        for field, metric, doc in (
+            ("capacity", "maru_pool_capacity_bytes", "Pool capacity."),
+            ("used", "maru_pool_used_bytes", "Pool bytes carved into regions."),
+            ("free", "maru_pool_free_bytes", "Pool bytes not in any region."),
+            (
+                "fragmentation",
+                "maru_pool_fragmentation_ratio",
+                "1 - largest free extent / free bytes (0: all free space is contiguous).",
+            ),
+        ):
+            g = GaugeMetricFamily(metric, doc, labels=["pool"])
+            g.add_metric([name], float(pool[field]))
+            yield g
+
+        yield GaugeMetricFamily("maru_keys", "Keys registered now.", value=s["keys"])
+        yield GaugeMetricFamily(
+            "maru_stored_bytes", "Bytes of the keys registered now.", value=s["live_bytes"]
+        )
+        yield GaugeMetricFamily("maru_regions", "Regions allocated now.", value=s["regions"])
+        yield GaugeMetricFamily(
+            "maru_instances", "Instances connected now.", value=len(s["instances"])
+        )
+        yield GaugeMetricFamily("maru_leases", "Read leases held now.", value=s["leases"])
+        marks = GaugeMetricFamily(
+            "maru_eviction_watermark_ratio",
+            "Eviction starts above the high watermark (fraction of the pool) and stops at the "
+            "low one.",
+            labels=["level"],
+        )
+        for level in ("high", "low"):
+            marks.add_metric([level], float(s["watermarks"][level]))
+        yield marks
+        orphaned = s.get("orphaned", {})
+        for field, metric, doc in (
+            ("regions", "maru_orphaned_regions", "Returned regions kept alive by their keys."),
+            ("region_bytes", "maru_orphaned_region_bytes", "Bytes of those regions."),
+            ("keys", "maru_orphaned_keys", "Keys in those regions."),
+        ):
+            yield GaugeMetricFamily(metric, doc, value=orphaned.get(field, 0))
+
+        counters = s["counters"]
+        for key, value in counters.items():
+            metric, doc = COUNTERS.get(key, (f"maru_{key}", f"Registry counter {key}."))
+            yield CounterMetricFamily(metric, doc, value=value)
+
+        instances = s["instances"]
+        for field, (metric, doc) in INSTANCE_GAUGES.items():
+            g = GaugeMetricFamily(metric, doc, labels=["instance"])
+            for iid, inst in instances.items():
+                g.add_metric([iid], float(inst.get(field, 0)))
+            yield g
+        for field, (metric, doc) in INSTANCE_COUNTERS.items():
+            c = CounterMetricFamily(metric, doc, labels=["instance"])
+            for iid, inst in instances.items():
+                c.add_metric([iid], float(inst.get(field, 0)))
+            yield c
+
+        bounds = s["latency_buckets"]
+        hist = HistogramMetricFamily(
+            "maru_rpc_request_duration_seconds",
+            "Server time per request (decode, handle, encode), by operation.",
+            labels=["op"],
+        )
+        errors = CounterMetricFamily(
+            "maru_rpc_errors",
+            "Requests answered with an error, by operation (op=invalid: bad frame or type).",
+            labels=["op"],
+        )
+        for op, o in sorted(s["operations"].items()):
+            cumulative, buckets = 0, []
+            for bound, n in zip(bounds, o["buckets"]):
+                cumulative += n
+                buckets.append((_le(bound), cumulative))
+            buckets.append(("+Inf", o["count"]))
+            hist.add_metric([op], buckets, float(o["total_seconds"]))
+            errors.add_metric([op], o["errors"])
+        errors.add_metric(["invalid"], s.get("invalid_requests", 0))
+        yield hist
+        yield errors
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+def start_metrics_server(
+    stats_source: Callable[[], dict[str, Any]], host: str, port: int
+) -> tuple[Any, str]:
+    """Serve /metrics on `host:port` (0: a free port) from a daemon thread. Returns the
+    server (call `.shutdown()`) and the URL it serves. Raises MetricsUnavailable or OSError."""
+    require_prometheus()
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.process_collector import ProcessCollector
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(MaruCollector(stats_source))
+    ProcessCollector(registry=registry)
+    httpd, _thread = start_http_server(port, addr=host, registry=registry)
+    bound_port = httpd.server_address[1]
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{bound_port}/metrics"
+    log.info("Prometheus metrics on %s", url)
+    return httpd, url
