@@ -60,17 +60,33 @@ class AllocHandle:
     address: int
 
 
+class PageRun:
+    """`count` equal allocations back to back in one owned region, not yet registered (what
+    `alloc_run` returns): value i is at `address + i * stride` (offset `offset + i * stride`).
+    The lean form of a list of `AllocHandle`s, for integrations that write by address."""
+
+    __slots__ = ("address", "count", "offset", "region_id", "stride")
+
+    def __init__(self, region_id: int, offset: int, address: int, stride: int, count: int):
+        self.region_id = region_id
+        self.offset = offset
+        self.address = address
+        self.stride = stride
+        self.count = count
+
+
 class _RegionsLost(MaruError):
     """The server restarted and forgot regions we had written into; their region ids may
     already name other memory, so a registration into them must not be sent again."""
 
 
 class _OwnedRegion:
-    __slots__ = ("mapped", "pages")
+    __slots__ = ("mapped", "pages", "sticky")
 
     def __init__(self, mapped: MappedRegion, chunk: int):
         self.mapped = mapped
         self.pages = ExtentAllocator(mapped.handle.length // chunk)
+        self.sticky: set[int] = set()  # first pages of merged runs that must not be freed
 
 
 class MaruHandler:
@@ -177,10 +193,18 @@ class MaruHandler:
 
     def _handshake(self) -> int:
         """(Re)attach to the server; returns how many of our regions it no longer knows."""
+        with self._lock:
+            known = sorted(self._owned)
         reply = self._rpc.call(
             MsgType.HANDSHAKE,
-            {"iid": self.instance_id, "pid": os.getpid(), "page_size": self._chunk},
+            {
+                "iid": self.instance_id,
+                "pid": os.getpid(),
+                "page_size": self._chunk,
+                "known_regions": known,
+            },
         )
+        used = {rid: extents for rid, extents in reply.get("used", ())}
         self._heartbeat_interval = float(reply.get("heartbeat_interval", 5.0))
         still_owned = {h.region_id: h for h in map(RegionHandle.from_wire, reply["regions"])}
         lost = 0
@@ -193,8 +217,27 @@ class MaruHandler:
                     lost += 1
             for handle in still_owned.values():
                 if handle.region_id not in self._owned:
-                    self._adopt(handle)
+                    self._reserve_used(self._adopt(handle), used.get(handle.region_id, ()))
         return lost
+
+    def _reserve_used(self, owned: _OwnedRegion, extents: Any) -> None:
+        """Mark the pages of keys still registered in an adopted region as taken, one extent
+        per key so that the key's deletion frees exactly its pages. Keys sharing a page (the
+        predecessor used smaller pages) are merged into a run that is never freed piecemeal:
+        it comes back only with the region."""
+        chunk = self._chunk
+        runs: list[list[int]] = []  # [first page, end page, keys in run]
+        for offset, length in sorted(extents):
+            first, end = offset // chunk, -(-(offset + length) // chunk)
+            if runs and first < runs[-1][1]:
+                runs[-1][1] = max(runs[-1][1], end)
+                runs[-1][2] += 1
+            else:
+                runs.append([first, end, 1])
+        for first, end, keys in runs:
+            owned.pages.reserve(first, end - first)
+            if keys > 1:
+                owned.sticky.add(first)
 
     def _call(self, msg_type: MsgType, body: dict[str, Any]) -> dict[str, Any]:
         """One RPC; re-handshakes once if the server restarted and forgot us."""
@@ -222,8 +265,13 @@ class MaruHandler:
         with self._lock:
             for region_id, offset, _length in freed:
                 owned = self._owned.get(region_id)
-                if owned is not None and owned.pages.is_allocated(offset // self._chunk):
-                    owned.pages.free_extent(offset // self._chunk)
+                page = offset // self._chunk
+                if (
+                    owned is not None
+                    and page not in owned.sticky
+                    and owned.pages.is_allocated(page)
+                ):
+                    owned.pages.free_extent(page)
 
     # -- regions -----------------------------------------------------------------------------
 
@@ -269,6 +317,44 @@ class MaruHandler:
                     if firsts is not None:
                         return [self._handle_at(owned, f, pages) for f in firsts]
         return [self.alloc(s) for s in sizes]
+
+    def alloc_run(self, size: int, count: int) -> PageRun | None:
+        """`count` values of `size` bytes as one contiguous run of pages in an owned region,
+        with one search and no per-value objects. None when no owned region has such a run
+        free: `batch_alloc` then has every resort (new regions, eviction)."""
+        if size <= 0 or count <= 0:
+            raise ValueError(f"alloc_run needs a positive size and count, got {size}, {count}")
+        pages = -(-size // self._chunk)
+        with self._lock:
+            for owned in self._owned.values():
+                firsts = owned.pages.allocate_run(pages, count)
+                if firsts is not None:
+                    offset = firsts[0] * self._chunk
+                    mapped = owned.mapped
+                    return PageRun(
+                        mapped.handle.region_id,
+                        offset,
+                        mapped.address + offset,
+                        pages * self._chunk,
+                        count,
+                    )
+        return None
+
+    def free_run(self, run: PageRun, indices: Sequence[int] | None = None) -> None:
+        """Give back the values of `run` (all, or those at `indices`) that will not be
+        registered."""
+        chunk = self._chunk
+        with self._lock:
+            owned = self._owned.get(run.region_id)
+            mapped = owned.mapped if owned is not None else None
+            if mapped is None or not (
+                mapped.address <= run.address < mapped.address + mapped.handle.length
+            ):
+                return  # the region is gone (server restart): nothing of ours to free
+            for i in range(run.count) if indices is None else indices:
+                first = (run.offset + i * run.stride) // chunk
+                if owned.pages.is_allocated(first):
+                    owned.pages.free_extent(first)
 
     def _handle_at(self, owned: _OwnedRegion, first_page: int, pages: int) -> AllocHandle:
         offset = first_page * self._chunk
@@ -434,6 +520,43 @@ class MaruHandler:
                 results[i] = status == RegisterStatus.EXISTS
         return results
 
+    def register_run(self, keys: Sequence[Key], run: PageRun, length: int) -> list[bool]:
+        """Publish the values of `run` (already written; value i under `keys[i]`, `length`
+        bytes each) with one REGISTER_KV in columnar form. Same outcomes as `batch_store`: an
+        existing key reports True (first writer won) and its pages come back to us."""
+        n = len(keys)
+        if n != run.count:
+            raise ValueError(f"register_run: {n} keys for a run of {run.count}")
+        if not n:
+            return []
+        offsets = list(range(run.offset, run.offset + n * run.stride, run.stride))
+        body = {"keys": list(keys), "region_id": run.region_id, "offsets": offsets}
+        body["length"] = length
+        try:
+            reply = self._call(MsgType.REGISTER_KV, body)
+        except MaruServerError as exc:
+            if exc.code != ErrorCode.BAD_REQUEST or "entries" not in str(exc):
+                log.warning("register of %d keys failed: %s", n, exc)
+                return [False] * n
+            # A server without the columnar form: the same registration as entries.
+            entries = [[k, run.region_id, o, length] for k, o in zip(keys, offsets)]
+            try:
+                reply = self._call(MsgType.REGISTER_KV, {"entries": entries})
+            except MaruError as exc2:
+                log.warning("register of %d keys failed: %s", n, exc2)
+                return [False] * n
+        except MaruError as exc:
+            # _RegionsLost: the bytes are in memory the server forgot. Otherwise the outcome
+            # is unknown (some keys may be registered), so the pages stay allocated until the
+            # region is returned.
+            log.warning("register of %d keys failed: %s", n, exc)
+            return [False] * n
+        statuses = reply["results"]
+        if statuses.count(RegisterStatus.REGISTERED) == n:
+            return [True] * n
+        self.free_run(run, [i for i, st in enumerate(statuses) if st != RegisterStatus.REGISTERED])
+        return [st in (RegisterStatus.REGISTERED, RegisterStatus.EXISTS) for st in statuses]
+
     # -- retrieve ----------------------------------------------------------------------------
 
     def retrieve(self, key: Key) -> MemoryInfo | None:
@@ -503,6 +626,40 @@ class MaruHandler:
                 )
             )
         return out, int(reply.get("lease_id", 0))
+
+    @contextmanager
+    def leased_addresses(self, keys: Sequence[Key]) -> Iterator[tuple[list[int], list[int]]]:
+        """The lean form of `leased` for integrations that copy by address: yields
+        `(addresses, lengths)`, one of each per key (0 and 0 for a miss), valid in this
+        process; the found keys cannot be evicted or deleted until the block ends. One lookup
+        RPC with a columnar reply, no view or `MemoryInfo` per key."""
+        addresses, lengths, lease_id = self._lookup_addresses(keys)
+        try:
+            yield addresses, lengths
+        finally:
+            if lease_id:
+                self._release(lease_id)
+
+    def _lookup_addresses(self, keys: Sequence[Key]) -> tuple[list[int], list[int], int]:
+        n = len(keys)
+        if not n:
+            return [], [], 0
+        body = {"keys": list(keys), "lease": True, "columnar": True}
+        try:
+            reply = self._call(MsgType.LOOKUP_KV, body)
+        except MaruError as exc:
+            log.warning("lookup of %d keys failed: %s", n, exc)
+            return [0] * n, [0] * n, 0
+        bases = {0: 0}  # region id 0 is never used: it marks a miss
+        for fields in reply["regions"]:
+            handle = RegionHandle.from_wire(fields)
+            bases[handle.region_id] = self._map(handle).address
+        lease_id = int(reply.get("lease_id", 0))
+        if "region_ids" not in reply:  # a server without the columnar form
+            locs = [loc or (0, 0, 0) for loc in reply["locations"]]
+            return [bases[r] + o for r, o, _ in locs], [ln for *_, ln in locs], lease_id
+        addresses = [bases[r] + o for r, o in zip(reply["region_ids"], reply["offsets"])]
+        return addresses, reply["lengths"], lease_id
 
     # -- existence, pinning, deletion --------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
 import os
@@ -179,6 +180,22 @@ def discard_state(state_dir: Path) -> None:
     (state_dir / POOL_IDENTITY).unlink(missing_ok=True)  # last: see same_pool_as_before
 
 
+def lock_state_dir(state_dir: Path) -> int:
+    """One server per state dir: a second one (same port by mistake, or a restart while the
+    old process still runs) must not replay or rewrite the journal the first one is writing."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(state_dir / "server.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise RuntimeError(f"state dir {state_dir} is in use by maru-server pid {holder}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.metrics_port is not None:
@@ -197,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     pool_path = args.pool or f"/dev/shm/maru-{port_tag}.pool"
     state_dir = Path(args.state_dir or Path.home() / ".local/state/maru" / port_tag)
     try:
+        lock_state_dir(state_dir)  # the lock fd stays open for the life of the process
         pool = open_pool(pool_path, pool_size, args.pool_group)
         signer = TokenSigner(load_or_create_secret(state_dir))
         journal = Journal(

@@ -131,13 +131,19 @@ class MaruService:
         if not isinstance(page_size, int) or isinstance(page_size, bool):
             page_size = 0
         regions = self.registry.handshake(iid, pid, page_size if 0 < page_size < 2**40 else 0)
-        return {
+        reply = {
             "epoch": self.epoch,
             "version": protocol.PROTOCOL_VERSION,
             "pool": self.registry.pool.stats(),
             "regions": [h.to_wire() for h in regions],
             "heartbeat_interval": self.heartbeat_timeout / 3,
         }
+        if regions and body.get("known_regions") != [h.region_id for h in regions]:
+            # The caller does not hold the page map of these regions (a new process reusing
+            # an instance id): tell it which bytes registered keys occupy.
+            used = self.registry.used_extents({h.region_id for h in regions})
+            reply["used"] = [[rid, extents] for rid, extents in used.items()]
+        return reply
 
     def _request_region(self, body: dict[str, Any]) -> dict[str, Any]:
         handle = self.registry.request_region(_field(body, "iid", str), _field(body, "size", int))
@@ -154,12 +160,42 @@ class MaruService:
         return {"region": handle.to_wire()}
 
     def _register_kv(self, body: dict[str, Any]) -> dict[str, Any]:
+        if "entries" not in body and "keys" in body:
+            # Columnar form, one region and one length per batch: {"keys": [...],
+            # "region_id": r, "offsets": [...], "length": n}. A bad key is REJECTED, as in
+            # the entries form.
+            keys = _field(body, "keys", list)
+            offsets = _field(body, "offsets", list)
+            if len(keys) > MAX_BATCH or len(offsets) != len(keys):
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST, "need as many offsets as keys, at most MAX_BATCH"
+                )
+            statuses = self.registry.register_columnar(
+                _field(body, "iid", str), keys, body.get("region_id"), offsets, body.get("length")
+            )
+            return {"results": statuses}
         entries = _keys(body, "entries")
         statuses = self.registry.register(_field(body, "iid", str), entries)
         return {"results": [int(s) for s in statuses]}
 
     def _lookup_kv(self, body: dict[str, Any]) -> dict[str, Any]:
         keys = _keys(body)
+        if body.get("columnar") is True:
+            # Three parallel lists instead of one [region, offset, length] per key (0 0 0 for
+            # a miss), and the lease taken in the same pass.
+            lease = body.get("lease") is True
+            region_ids, offsets, lengths, regions, lease_id = self.registry.lookup_columnar(
+                keys, _iid(body), lease
+            )
+            reply = {
+                "region_ids": region_ids,
+                "offsets": offsets,
+                "lengths": lengths,
+                "regions": [h.to_wire() for h in regions],
+            }
+            if lease:
+                reply["lease_id"] = lease_id
+            return reply
         locations, regions = self.registry.lookup(keys, _iid(body))
         reply = {"locations": locations, "regions": [h.to_wire() for h in regions]}
         if body.get("lease"):
