@@ -43,6 +43,6 @@ class TokenSigner:
         return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()[:32]
 
     def verify(self, token: object, region_id: int, path: str, offset: int, length: int) -> bool:
-        if not isinstance(token, str):
-            return False
+        if not isinstance(token, str) or not token.isascii():
+            return False  # (compare_digest raises TypeError on non-ASCII str)
         return hmac.compare_digest(token, self.sign(region_id, path, offset, length))

@@ -1,0 +1,550 @@
+"""Eviction, read leases, pins and the crash reaper, tested on the Registry directly (plus the
+few rules that live in MaruService.handle_frame): LRU order, what counts as use, what may never
+be evicted, watermark arithmetic, evict-for-room in the caller's own regions, reclaiming the
+regions of departed owners, and the counters that report all of it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from maru import protocol
+from maru.pool.backends import REGION_ALIGNMENT, ShmPool
+from maru.pool.token import TokenSigner
+from maru.protocol import DeleteStatus, ErrorCode, MsgType, ProtocolError, RegisterStatus
+from maru.server.registry import Registry
+from maru.server.service import MaruService
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def make_registry(tmp_path, pool_mib=16, high=0.5, low=0.25, lease_seconds=10.0) -> Registry:
+    pool = ShmPool(str(tmp_path / "pool"), pool_mib * MiB)
+    reg = Registry(
+        pool,
+        TokenSigner(b"e" * 32),
+        high_watermark=high,
+        low_watermark=low,
+        lease_seconds=lease_seconds,
+    )
+    for iid in ("A", "B"):
+        reg.handshake(iid, 1)
+    return reg
+
+
+def fill(reg: Registry, iid: str, region_id: int, names: list[str], size: int = MiB) -> None:
+    """Register `names` back to back in `region_id`, size bytes each, one batch per key (so
+    LRU order is registration order and each register may trigger eviction)."""
+    base = sum(1 for e in reg.keys.values() if e.region_id == region_id) * size
+    for i, name in enumerate(names):
+        status = reg.register(iid, [[name, region_id, base + i * size, size]])
+        assert status == [RegisterStatus.REGISTERED], name
+
+
+def consistent(reg: Registry) -> None:
+    """Registry bookkeeping invariants: nothing leaked, nothing counted twice."""
+    assert reg.live_bytes == sum(e.length for e in reg.keys.values())
+    for rid, region in reg.regions.items():
+        assert region.live_keys == sum(1 for e in reg.keys.values() if e.region_id == rid)
+    assert reg.pool.used == sum(r.length for r in reg.regions.values())
+    for key, entry in reg.keys.items():
+        leased = sum(lease.keys.count(key) for lease in reg.leases.values())
+        assert entry.leases == leased, key
+
+
+@pytest.fixture
+def reg(tmp_path):
+    return make_registry(tmp_path)
+
+
+# -- LRU order and what counts as use ---------------------------------------------------------
+
+
+def test_lru_evicts_oldest_first_down_to_low_watermark(reg):
+    rid = reg.request_region("A", 16 * MiB).region_id
+    names = [f"k{i}" for i in range(9)]
+    fill(reg, "A", rid, names[:8])  # 8 MiB == high watermark of 16 MiB: nothing evicted
+    assert reg.counters["evictions"] == 0 and len(reg.keys) == 8
+    fill(reg, "A", rid, names[8:])  # 9 MiB > 8 MiB: evict down to 4 MiB (the oldest five)
+    assert list(reg.keys) == ["k5", "k6", "k7", "k8"]
+    assert reg.live_bytes == 4 * MiB
+    assert reg.counters["evictions"] == 5 and reg.counters["bytes_evicted"] == 5 * MiB
+    assert reg.instances["A"].evicted == 5
+    # the owner is told which pages came free, so its allocator can reuse them
+    assert reg.take_freed("A") == [[rid, i * MiB, MiB] for i in range(5)]
+    assert reg.lookup(["k0", "k4"])[0] == [None, None]
+    consistent(reg)
+
+
+def test_lookup_and_exists_count_as_use(reg):
+    rid = reg.request_region("A", 16 * MiB).region_id
+    fill(reg, "A", rid, [f"k{i}" for i in range(8)])
+    assert reg.lookup(["k0"])[0][0] is not None  # touch by lookup
+    assert reg.exists(["k1", "nope"]) == [True, False]  # touch by exists
+    assert reg.exists([b"k2"]) == [False]  # bytes and str are different keys
+    fill(reg, "A", rid, ["k8"])
+    # evicted: five oldest *by use*: k2..k6; k0 and k1 were used after k7
+    assert sorted(reg.keys) == ["k0", "k1", "k7", "k8"]
+    assert list(reg.keys)[:2] == ["k7", "k0"]
+
+
+def test_a_miss_and_a_pin_do_not_reorder(reg):
+    rid = reg.request_region("A", 16 * MiB).region_id
+    fill(reg, "A", rid, [f"k{i}" for i in range(8)])
+    reg.lookup(["missing"])
+    reg.pin(["k0"])
+    reg.unpin(["k0"])
+    assert next(iter(reg.keys)) == "k0"  # pin/unpin are not reads: still the LRU candidate
+
+
+# -- never evicted: pinned, leased --------------------------------------------------------------
+
+
+def test_pinned_and_leased_keys_are_never_evicted(reg):
+    rid = reg.request_region("A", 16 * MiB).region_id
+    fill(reg, "A", rid, [f"k{i}" for i in range(8)])
+    assert reg.pin(["k0"], "B") == [True]
+    lease_id = reg.lease(["k1"], "B")
+    assert lease_id > 0
+    fill(reg, "A", rid, ["k8"])
+    assert {"k0", "k1"} <= set(reg.keys)
+    assert "k2" not in reg.keys and "k6" not in reg.keys  # the next oldest went instead
+    assert reg.live_bytes <= 0.25 * reg.pool.capacity  # still reached the low watermark
+    consistent(reg)
+
+
+def test_when_everything_is_busy_nothing_is_evicted(reg):
+    rid = reg.request_region("A", 16 * MiB).region_id
+    fill(reg, "A", rid, [f"k{i}" for i in range(8)])
+    reg.pin([f"k{i}" for i in range(4)], "A")
+    lease_id = reg.lease([f"k{i}" for i in range(4, 8)], "B")
+    fill(reg, "A", rid, ["k8"])  # the newest key is the only idle one: it is evicted itself
+    assert sorted(reg.keys) == [f"k{i}" for i in range(8)]
+    assert reg.counters["evictions"] == 1
+    assert reg.evict_to_watermark() == 0  # 8 MiB == high: nothing to do
+    assert reg.release([lease_id]) == 1
+    fill(reg, "A", rid, ["k9"])  # now the leased keys are idle again and go first
+    assert sorted(reg.keys) == ["k0", "k1", "k2", "k3"]
+    consistent(reg)
+
+
+def test_leased_or_pinned_key_cannot_be_deleted(reg):
+    rid = reg.request_region("A", 4 * MiB).region_id
+    fill(reg, "A", rid, ["a", "b"])
+    lease_id = reg.lease(["a"], "B")
+    reg.pin(["b"], "B")
+    assert reg.delete(["a", "b"]) == [DeleteStatus.PINNED, DeleteStatus.PINNED]
+    assert reg.delete_prefix("a") == (0, 1)  # (deleted, skipped)
+    reg.release([lease_id])
+    reg.unpin(["b"], "B")
+    assert reg.delete(["a", "b"]) == [DeleteStatus.DELETED, DeleteStatus.DELETED]
+    consistent(reg)
+
+
+# -- leases -------------------------------------------------------------------------------------
+
+
+def test_lease_of_nothing_is_lease_zero(reg):
+    assert reg.lease(["missing", 5, None], "B") == 0
+    assert not reg.leases
+
+
+def test_leases_nest_and_release_is_idempotent(reg):
+    rid = reg.request_region("A", 4 * MiB).region_id
+    fill(reg, "A", rid, ["k"])
+    first = reg.lease(["k", "missing"], "B")
+    second = reg.lease(["k", "k"], None)  # a key twice in one batch is held twice
+    assert first != second and reg.keys["k"].leases == 3
+    assert reg.leases[first].keys == ["k"]  # only keys that exist are held
+    assert reg.release([first, first, 999, "x", None]) == 1
+    assert reg.keys["k"].busy and reg.delete(["k"]) == [DeleteStatus.PINNED]
+    assert reg.release([second]) == 1
+    assert reg.keys["k"].leases == 0 and not reg.keys["k"].busy
+    assert reg.instances["B"].leases == set()
+    consistent(reg)
+
+
+def test_lease_expires(tmp_path):
+    reg = make_registry(tmp_path, lease_seconds=5.0)
+    rid = reg.request_region("A", 4 * MiB).region_id
+    fill(reg, "A", rid, ["k", "j"])
+    now = time.monotonic()
+    short = reg.lease(["k"], "B", seconds=1.0)
+    default = reg.lease(["j"], "B")  # --lease-timeout: 5 s
+    assert reg.expire_leases(now) == 0
+    assert reg.expire_leases(now + 2.0) == 1 and short not in reg.leases
+    assert reg.delete(["k"]) == [DeleteStatus.DELETED]
+    assert reg.delete(["j"]) == [DeleteStatus.PINNED]
+    assert reg.expire_leases(now + 6.0) == 1 and default not in reg.leases
+    assert reg.counters["leases_expired"] == 2
+    assert reg.instances["B"].leases == set()
+    assert reg.delete(["j"]) == [DeleteStatus.DELETED]
+    # releasing an expired lease is harmless and not double-counted
+    assert reg.release([short, default]) == 0
+    consistent(reg)
+
+
+def test_lease_on_key_deleted_meanwhile_is_harmless(reg):
+    rid = reg.request_region("A", 4 * MiB).region_id
+    fill(reg, "A", rid, ["k"])
+    lease_id = reg.lease(["k"], "B")
+    reg.keys["k"].leases = 0  # simulate the key going (e.g. reaped owner + forced delete)
+    assert reg.delete(["k"]) == [DeleteStatus.DELETED]
+    fill(reg, "A", rid, ["k"])  # re-registered under the same name
+    assert reg.release([lease_id]) == 1
+    assert reg.keys["k"].leases == 0  # never negative
+
+
+# -- the reaper ---------------------------------------------------------------------------------
+
+
+def test_reap_releases_pins_leases_and_regions(reg):
+    pool = reg.pool
+    used0 = pool.used
+    ra = reg.request_region("A", 4 * MiB)
+    empty = reg.request_region("A", 2 * MiB)
+    rb = reg.request_region("B", 2 * MiB)
+    fill(reg, "A", ra.region_id, ["a0", "a1"])
+    reg.pin(["a0"], "B")
+    reg.pin(["a0"], "A")  # A's own pin: stays after B goes
+    lease_id = reg.lease(["a1"], "B")
+    now = time.monotonic()
+    reg.instances["A"].last_seen = now  # A is alive
+    reg.instances["B"].last_seen = now - 100  # B went silent
+    assert reg.reap(10.0, now) == ["B"]
+    assert "B" not in reg.instances and reg.counters["instances_reaped"] == 1
+    assert lease_id not in reg.leases and reg.keys["a1"].leases == 0
+    assert reg.keys["a0"].pins == 1  # B's pin released, A's kept
+    assert rb.region_id not in reg.regions  # B's keyless region went back to the pool
+    assert reg.delete(["a1"]) == [DeleteStatus.DELETED]
+    assert reg.delete(["a0"]) == [DeleteStatus.PINNED]
+    # now A dies too: its keys stay readable, its regions are owner-disconnected
+    assert reg.reap(10.0, now + 100) == ["A"]
+    assert reg.lookup(["a0"])[0] == [[ra.region_id, 0, MiB]]
+    assert reg.regions[ra.region_id].returned
+    assert empty.region_id not in reg.regions
+    with pytest.raises(ProtocolError) as exc:  # a dead instance cannot write any more
+        reg.register("A", [["x", ra.region_id, 2 * MiB, 1]])
+    assert exc.value.code == ErrorCode.UNKNOWN_INSTANCE
+    assert reg.delete(["a0"]) == [DeleteStatus.DELETED]  # A's pin died with A
+    assert ra.region_id not in reg.regions  # last key gone: region freed
+    assert pool.used == used0 and not reg.regions
+    consistent(reg)
+
+
+def test_reap_spares_instances_heard_from(reg):
+    now = time.monotonic()
+    reg.instances["A"].last_seen = now - 5
+    reg.instances["B"].last_seen = now - 20
+    assert reg.reap(10.0, now) == ["B"]
+    assert reg.reap(10.0, now) == []  # idempotent
+    reg.instance("A")  # any request naming the instance refreshes it
+    assert reg.reap(10.0, time.monotonic() + 9.0) == []
+
+
+def test_recycled_pid_inherits_nothing(reg):
+    r = reg.request_region("A", 2 * MiB)
+    fill(reg, "A", r.region_id, ["k"])
+    reg.pin(["k"], "A")
+    reg.instances["A"].last_seen -= 100
+    reg.reap(10.0)
+    # a new process with the same PID is a new instance: no regions, no pins, no leases
+    assert reg.handshake("C", 1) == []
+    assert reg.list_allocations("C") == []
+    assert reg.stats()["instances"]["C"]["pins"] == 0
+    with pytest.raises(ProtocolError) as exc:
+        reg.return_region("C", r.region_id, r.token)
+    assert exc.value.code == ErrorCode.NOT_OWNER
+    # even the same instance id coming back does not get its old regions or pins back
+    assert reg.handshake("A", 1) == []
+    assert reg.keys["k"].pins == 0
+
+
+# -- watermark arithmetic ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("high", "low"), [(0.95, 0.85), (0.5, 0.25), (0.8, 0.8), (1.0, 0.5)])
+def test_watermark_math(tmp_path, high, low):
+    reg = make_registry(tmp_path, pool_mib=16, high=high, low=low)
+    cap = reg.pool.capacity
+    rid = reg.request_region("A", 16 * MiB).region_id
+    # one byte-exact key up to the high watermark: no eviction
+    at_high = int(high * cap)
+    unit = 4 * KiB
+    n = at_high // unit
+    reg.register("A", [[f"k{i}", rid, i * unit, unit] for i in range(n)])
+    rest = at_high - n * unit
+    if rest:
+        reg.register("A", [["rest", rid, n * unit, rest]])
+    assert reg.live_bytes == at_high and reg.counters["evictions"] == 0
+    if at_high + 1 <= cap:
+        # one byte more crosses it: evict down to the low watermark (and no further than one
+        # key's worth below it)
+        reg.register("A", [["over", rid, at_high, 1]])
+        assert reg.counters["evictions"] > 0
+        assert reg.live_bytes <= low * cap
+        assert reg.live_bytes > low * cap - unit
+        assert "over" in reg.keys  # the newest key is the last candidate
+    consistent(reg)
+
+
+@pytest.mark.parametrize(("high", "low"), [(0.5, 0.6), (0.0, 0.0), (1.1, 0.5), (0.5, 0.0)])
+def test_watermarks_are_validated(tmp_path, high, low):
+    with pytest.raises(ValueError):
+        make_registry(tmp_path, high=high, low=low)
+
+
+# -- evict_for: only in the caller's own regions -------------------------------------------
+
+
+def test_evict_for_only_evicts_in_own_regions(tmp_path):
+    reg = make_registry(tmp_path, high=1.0, low=1.0)
+    rb = reg.request_region("B", 4 * MiB).region_id
+    ra = reg.request_region("A", 4 * MiB).region_id
+    fill(reg, "B", rb, ["b0", "b1", "b2"])  # B's keys are the oldest
+    fill(reg, "A", ra, ["a0", "a1", "a2"])
+    reg.lease(["a0"], "B")
+    assert reg.evict_for("A", MiB + 1) == 2 * MiB  # a1, a2 (a0 is leased; B's untouched)
+    assert sorted(reg.keys) == ["a0", "b0", "b1", "b2"]
+    assert reg.take_freed("A") == [[ra, MiB, MiB], [ra, 2 * MiB, MiB]]
+    assert reg.take_freed("B") == []
+    assert reg.evict_for("A", MiB) == 0  # only a leased key left: nothing to give
+    assert reg.counters["evictions"] == 2 and reg.counters["bytes_evicted"] == 2 * MiB
+    for bad in (0, -1, "1M", None):
+        with pytest.raises(ProtocolError) as exc:
+            reg.evict_for("A", bad)
+        assert exc.value.code == ErrorCode.BAD_REQUEST
+    with pytest.raises(ProtocolError) as exc:
+        reg.evict_for("nobody", MiB)
+    assert exc.value.code == ErrorCode.UNKNOWN_INSTANCE
+    consistent(reg)
+
+
+# -- reclaiming the regions of departed owners on POOL_FULL ----------------------------------
+
+
+def test_pool_full_reclaims_an_orphan_region(tmp_path):
+    reg = make_registry(tmp_path, pool_mib=8, high=1.0, low=1.0)
+    ra = reg.request_region("A", 4 * MiB).region_id
+    rb = reg.request_region("B", 4 * MiB).region_id
+    fill(reg, "A", ra, ["a0", "a1"])
+    fill(reg, "B", rb, ["b0"])
+    with pytest.raises(ProtocolError) as exc:  # everyone is alive: nothing to reclaim
+        reg.request_region("B", 2 * MiB)
+    assert exc.value.code == ErrorCode.POOL_FULL
+    reg.disconnect("A")  # A is gone; its keys stay readable...
+    assert reg.exists(["a0", "a1"]) == [True, True]
+    # ...until a live instance needs the room: A's keys are evicted, its region freed
+    h = reg.request_region("B", 4 * MiB)
+    assert h.offset == 0 and ra not in reg.regions
+    assert reg.exists(["a0", "a1", "b0"]) == [False, False, True]
+    assert reg.counters["evictions"] == 2
+    consistent(reg)
+
+
+def test_orphan_reclaim_when_keys_of_orphans_interleave(tmp_path):
+    """Keys of two orphan regions in alternating LRU order: evicting one region's worth of
+    bytes in plain LRU order empties neither region, yet one region must be reclaimed."""
+    reg = make_registry(tmp_path, pool_mib=8, high=1.0, low=1.0)
+    r1 = reg.request_region("A", 2 * MiB).region_id
+    r2 = reg.request_region("A", 2 * MiB).region_id
+    reg.request_region("B", 4 * MiB)
+    half = 512 * KiB
+    for i in range(4):
+        reg.register("A", [[f"x{i}", r1, i * half, half]])
+        reg.register("A", [[f"y{i}", r2, i * half, half]])
+    reg.disconnect("A")
+    h = reg.request_region("B", 2 * MiB)
+    assert h.length == 2 * MiB
+    assert (r1 in reg.regions) != (r2 in reg.regions)  # exactly one orphan reclaimed
+    survivors = sorted(reg.keys)
+    assert survivors in (["x0", "x1", "x2", "x3"], ["y0", "y1", "y2", "y3"])
+    consistent(reg)
+
+
+def test_orphan_reclaim_skips_busy_keys_and_live_owners(tmp_path):
+    reg = make_registry(tmp_path, pool_mib=8, high=1.0, low=1.0)
+    ra = reg.request_region("A", 4 * MiB).region_id
+    rb = reg.request_region("B", 4 * MiB).region_id
+    fill(reg, "A", ra, ["a0"])
+    fill(reg, "B", rb, ["b0"])
+    reg.handshake("C", 3)
+    reg.pin(["a0"], "C")  # a live reader pinned the orphan's key
+    reg.disconnect("A")
+    with pytest.raises(ProtocolError) as exc:
+        reg.request_region("C", 2 * MiB)
+    assert exc.value.code == ErrorCode.POOL_FULL
+    assert reg.exists(["a0", "b0"]) == [True, True]  # neither pinned nor live keys evicted
+    reg.unpin(["a0"], "C")
+    assert reg.request_region("C", 2 * MiB).length == 2 * MiB
+    assert reg.exists(["a0", "b0"]) == [False, True]
+    consistent(reg)
+
+
+# -- stats --------------------------------------------------------------------------------------
+
+
+def test_stats_report_evictions_and_bytes(reg):
+    rid = reg.request_region("A", 16 * MiB).region_id
+    reg.register("A", [[f"k{i}", rid, i * MiB, MiB - 100] for i in range(10)])
+    stats = reg.stats()
+    evicted = stats["counters"]["evictions"]
+    assert evicted == 6  # 10 * (1 MiB - 100) > 8 MiB: down to <= 4 MiB
+    assert stats["counters"]["bytes_evicted"] == evicted * (MiB - 100)
+    assert stats["live_bytes"] == (10 - evicted) * (MiB - 100) == reg.live_bytes
+    assert stats["instances"]["A"]["evicted"] == evicted
+    assert stats["watermarks"] == {"high": 0.5, "low": 0.25}
+    assert stats["keys"] == 10 - evicted
+    # the whole thing crosses the wire
+    protocol.encode(MsgType.STATS, 1, {"stats": stats}, reply=True)
+
+
+# -- the same rules through the service ---------------------------------------------------------
+
+
+@pytest.fixture
+def service(tmp_path):
+    svc = MaruService(make_registry(tmp_path, high=0.95, low=0.85), "tcp://127.0.0.1:0")
+    try:
+        yield svc
+    finally:
+        svc.close()
+
+
+def call(svc, msg_type, body):
+    _, reply = protocol.decode(svc.handle_frame(protocol.encode(msg_type, 7, body)))
+    assert reply["ok"], reply
+    return reply
+
+
+def test_lookup_with_lease_holds_until_release(service):
+    reg = service.registry
+    rid = call(service, MsgType.REQUEST_REGION, {"iid": "A", "size": MiB})["region"][0]
+    call(service, MsgType.REGISTER_KV, {"iid": "A", "entries": [["k", rid, 0, 10]]})
+    reply = call(service, MsgType.LOOKUP_KV, {"iid": "B", "keys": ["k", "x"], "lease": True})
+    lease_id = reply["lease_id"]
+    assert lease_id > 0 and reply["locations"][0] == [rid, 0, 10]
+    assert call(service, MsgType.DELETE_KV, {"keys": ["k"]})["results"] == [DeleteStatus.PINNED]
+    assert call(service, MsgType.EVICT_FOR, {"iid": "A", "bytes": MiB})["freed_bytes"] == 0
+    assert call(service, MsgType.RELEASE, {"leases": [lease_id]})["released"] == 1
+    assert call(service, MsgType.EVICT_FOR, {"iid": "A", "bytes": 1})["freed_bytes"] == 10
+    assert not reg.keys
+    # a lookup without `lease` takes none; a lease on misses is lease 0
+    assert "lease_id" not in call(service, MsgType.LOOKUP_KV, {"keys": ["k"]})
+    assert call(service, MsgType.LOOKUP_KV, {"keys": ["k"], "lease": True})["lease_id"] == 0
+
+
+def test_freed_pages_are_not_handed_out_on_a_fire_and_forget_release(service):
+    """The handler sends RELEASE without waiting for its reply (and may never read it): the
+    one-time `freed` notification must wait for a reply the client does read."""
+    rid = call(service, MsgType.REQUEST_REGION, {"iid": "A", "size": MiB})["region"][0]
+    call(service, MsgType.REGISTER_KV, {"iid": "A", "entries": [["k", rid, 0, 10]]})
+    lease_id = call(service, MsgType.LOOKUP_KV, {"iid": "A", "keys": ["k"], "lease": True})[
+        "lease_id"
+    ]
+    service.registry.release([lease_id])
+    call(service, MsgType.DELETE_KV, {"iid": "B", "keys": ["k"]})
+    assert "freed" not in call(service, MsgType.RELEASE, {"iid": "A", "leases": [lease_id]})
+    assert call(service, MsgType.HEARTBEAT, {"iid": "A"})["freed"] == [[rid, 0, 10]]
+
+
+def test_housekeeping_expires_leases_and_reaps(service):
+    reg = service.registry
+    service.heartbeat_timeout = 10.0
+    rid = call(service, MsgType.REQUEST_REGION, {"iid": "A", "size": MiB})["region"][0]
+    call(service, MsgType.REGISTER_KV, {"iid": "A", "entries": [["k", rid, 0, 10]]})
+    call(service, MsgType.LOOKUP_KV, {"iid": "A", "keys": ["k"], "lease": True})
+    now = time.monotonic()
+    service.housekeeping(now + reg.lease_seconds + 1)
+    assert not reg.leases and reg.counters["leases_expired"] == 1
+    service._next_reap = 0.0
+    service.housekeeping(now + 100)
+    assert "A" not in reg.instances and "B" not in reg.instances
+    assert reg.regions[rid].returned and reg.exists(["k"]) == [True]
+
+
+@pytest.mark.parametrize(
+    ("msg_type", "body"),
+    [
+        (MsgType.HEARTBEAT, {}),
+        (MsgType.LOOKUP_KV, {"keys": ["x"]}),
+        (MsgType.EXISTS, {"keys": ["x"]}),
+        (MsgType.PIN, {"keys": ["x"]}),
+        (MsgType.RELEASE, {"leases": [1]}),
+        (MsgType.STATS, {}),
+    ],
+)
+def test_any_message_naming_an_instance_keeps_it_alive(service, msg_type, body):
+    """The handler's heartbeat thread sends HEARTBEAT; a reader only sends lookups. Either must
+    count as a sign of life, or idle and read-only clients are reaped while alive."""
+    reg = service.registry
+    service.heartbeat_timeout = 10.0
+    reg.instances["A"].last_seen = time.monotonic() - 100
+    reg.instances["B"].last_seen = time.monotonic() - 100
+    call(service, msg_type, dict(body, iid="A"))
+    assert reg.reap(10.0) == ["B"]  # B said nothing (its handshake is old)
+    assert "A" in reg.instances
+
+
+def test_region_alignment_assumption():
+    assert 2 * MiB == REGION_ALIGNMENT  # the pool arithmetic in this file relies on it
+
+
+def test_freed_pages_in_a_late_reply_still_reach_the_owner():
+    """Eviction tells the owner which pages came free on its next reply, once. If that reply
+    arrives after the caller gave up (timeout), the pages must still be handed back, or they
+    stay allocated in the client for good."""
+    import zmq
+
+    from maru.errors import MaruConnectionError
+    from maru.rpc import RpcClient
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    seen: list[list] = []
+    client = RpcClient(f"tcp://127.0.0.1:{port}", timeout_ms=2000, reply_hook=seen.append)
+    try:
+        late = client.submit(MsgType.HEARTBEAT, {"iid": "A"})
+        assert router.poll(5000)
+        ident, frame = router.recv_multipart()
+        with pytest.raises(MaruConnectionError):
+            late.result(timeout_ms=50)  # the caller gives up
+        head, _ = protocol.decode(frame)
+        router.send_multipart(
+            [
+                ident,
+                protocol.encode(
+                    head.msg_type, head.request_id, {"ok": True, "freed": [[1, 0, 5]]}, reply=True
+                ),
+            ]
+        )
+        nxt = client.submit(MsgType.HEARTBEAT, {"iid": "A"})
+        assert router.poll(5000)
+        ident, frame = router.recv_multipart()
+        head, _ = protocol.decode(frame)
+        router.send_multipart(
+            [ident, protocol.encode(head.msg_type, head.request_id, {"ok": True}, reply=True)]
+        )
+        assert nxt.result()["ok"] is True
+        assert [body.get("freed") for body in seen] == [[[1, 0, 5]], None]
+    finally:
+        client.close()
+        router.close(linger=0)
+
+
+def test_a_stall_of_the_server_is_not_counted_as_client_silence(service):
+    reg = service.registry
+    now = time.monotonic()
+    reg.instances["A"].last_seen = now - 3.0
+    reg.instances["B"].last_seen = now - 3.0
+    service._forgive_stall(0.5)  # ordinary jitter: no change
+    assert reg.reap(2.0, now) == ["A", "B"]
+    reg.handshake("A", 1)
+    reg.handshake("B", 1)
+    reg.instances["A"].last_seen = now - 3.0
+    reg.instances["B"].last_seen = now - 3.0
+    service._forgive_stall(2.5)  # the server did not run for 2.5 s
+    assert reg.reap(2.0, now) == []
+    assert reg.reap(2.0, now + 2.0) == ["A", "B"]  # afterwards silence counts again

@@ -1,0 +1,415 @@
+"""Registry persistence: the checksummed journal, snapshot generations, `Registry.restore`, and
+the pool identity check that keeps persisted locations from pointing into another pool."""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from maru.pool.backends import ShmPool
+from maru.pool.token import TokenSigner
+from maru.server import cli
+from maru.server.journal import FRAME, SNAPSHOT_NAME, Journal, _frame, _read_records
+from maru.server.registry import Registry
+
+KiB, MiB = 1 << 10, 1 << 20
+SIGNER = TokenSigner(b"j" * 32)
+
+
+class Env:
+    """A state dir and a pool file, opened again (as a restarted server would) by `open()`."""
+
+    def __init__(self, tmp_path, pool_mib: int = 32, **journal_kw):
+        self.state_dir = tmp_path / "state"
+        self.pool_path = str(tmp_path / "pool")
+        self.pool_mib = pool_mib
+        self.journal_kw = dict(fsync_interval=0.0, **journal_kw)
+        self.journal: Journal | None = None
+        self.generation = 0
+
+    def open(self) -> Registry:
+        if self.journal is not None:
+            self.journal.close()
+        self.journal = Journal(self.state_dir, **self.journal_kw)
+        snapshot, records = self.journal.load()
+        reg = Registry(ShmPool(self.pool_path, self.pool_mib * MiB), SIGNER, journal=self.journal)
+        reg.restore(snapshot, records)
+        return reg
+
+    def journal_path(self) -> Path:
+        generation = self.generation if self.journal is None else self.journal.generation
+        return self.state_dir / f"journal-{generation}.log"
+
+    def close(self) -> None:
+        if self.journal is not None:
+            self.generation = self.journal.generation
+            self.journal.close()
+            self.journal = None
+
+
+@pytest.fixture
+def env(tmp_path):
+    e = Env(tmp_path)
+    yield e
+    e.close()
+
+
+def state(reg: Registry) -> dict:
+    """Everything a restart must preserve (pins, leases and instances are not persisted)."""
+    return {
+        "regions": {
+            rid: (r.owner, r.path, r.offset, r.length, r.token, r.returned, r.live_keys)
+            for rid, r in reg.regions.items()
+        },
+        "keys": {k: (e.region_id, e.offset, e.length) for k, e in reg.keys.items()},
+        "live_bytes": reg.live_bytes,
+        "pool_used": reg.pool.used,
+    }
+
+
+def populate(reg: Registry) -> dict:
+    """A bit of everything that is journaled: R, K, D, T, F, and evictions."""
+    for iid in ("A", "B", "C"):
+        reg.handshake(iid, 1)
+    r1 = reg.request_region("A", 4 * MiB)
+    r2 = reg.request_region("A", 2 * MiB)
+    r3 = reg.request_region("B", 2 * MiB)
+    r4 = reg.request_region("C", 2 * MiB)
+    reg.register("A", [[f"a{i}", r1.region_id, i * 64 * KiB, 1000 + i] for i in range(5)])
+    reg.register("B", [[b"b0", r3.region_id, 0, 10], ["b1", r3.region_id, 4096, 20]])
+    reg.register("C", [["c0", r4.region_id, 0, 30]])
+    reg.delete(["a1"])
+    reg.return_region("B", r3.region_id, r3.token)  # T, keys remain: deferred
+    reg.return_region("A", r2.region_id, r2.token)  # T + F: keyless
+    reg.delete([b"b0"])
+    reg.disconnect("C")  # like a reap: T
+    reg.evict_for("A", 1)  # D of the LRU key in A's regions (a0)
+    return {"r1": r1, "r2": r2, "r3": r3, "r4": r4}
+
+
+# -- round trip -------------------------------------------------------------------------------
+
+
+def test_round_trip_restores_regions_keys_and_pool_usage(env):
+    reg = env.open()
+    regions = populate(reg)
+    before = state(reg)
+    order_before = list(reg.keys)
+    assert sorted(before["keys"]) == sorted(["a2", "a3", "a4", "b1", "c0"], key=str)
+    env.close()
+
+    restored = env.open()
+    assert state(restored) == before
+    assert list(restored.keys) == order_before  # registration order survives (LRU seed)
+    # owners of live regions come back as instances (and must heartbeat or be reaped);
+    # owners of returned regions do not
+    assert set(restored.instances) == {"A"}
+    assert restored.instances["A"].regions == {regions["r1"].region_id}
+    # region ids are never reused after a restart, even those of freed regions
+    new = restored.request_region("A", 2 * MiB)
+    assert new.region_id > max(h.region_id for h in regions.values())
+    # the restored registry keeps journaling: a second restart sees the new change too
+    restored.register("A", [["late", new.region_id, 0, 7]])
+    expected = state(restored)
+    env.close()
+    assert state(env.open()) == expected
+
+
+def test_restored_deferred_free_still_frees(env):
+    reg = env.open()
+    regions = populate(reg)
+    env.close()
+    reg = env.open()
+    used = reg.pool.used
+    r3 = regions["r3"]
+    assert reg.regions[r3.region_id].returned
+    assert reg.delete(["b1"]) == [0]  # the last key of a returned region...
+    assert r3.region_id not in reg.regions  # ...frees it, as before the restart
+    assert reg.pool.used == used - r3.length
+
+
+def test_records_are_in_the_file_before_sync(env):
+    """`append` is an os.write: once a request is answered its record is in the kernel, so a
+    SIGKILLed server loses nothing even before the batched fsync."""
+    reg = env.open()
+    env.journal.fsync_interval = 3600
+    reg.handshake("A", 1)
+    r = reg.request_region("A", 2 * MiB)
+    reg.register("A", [["k", r.region_id, 0, 5]])
+    records, _ = _read_records(env.journal_path().read_bytes())
+    assert [rec[0] for rec in records] == ["R", "K"]
+    assert records[1][1] == [["k", r.region_id, 0, 5]]
+
+
+def test_restart_without_changes_is_stable(env):
+    reg = env.open()
+    populate(reg)
+    before = state(reg)
+    env.close()
+    for _ in range(3):
+        assert state(env.open()) == before
+        env.close()
+
+
+# -- snapshots ---------------------------------------------------------------------------------
+
+
+def test_snapshot_generations(tmp_path):
+    env = Env(tmp_path, snapshot_bytes=256)
+    reg = env.open()
+    assert env.journal.generation == 0
+    populate(reg)
+    assert env.journal.needs_snapshot
+    env.journal.write_snapshot(reg.snapshot_state())
+    assert env.journal.generation == 1 and not env.journal.needs_snapshot
+    files = sorted(p.name for p in env.state_dir.iterdir())
+    assert files == ["journal-1.log", SNAPSHOT_NAME]
+    assert os.path.getsize(env.journal_path()) == 0
+    # changes after the snapshot go to the new generation's journal
+    h = reg.request_region("A", 2 * MiB)
+    reg.register("A", [["after-snap", h.region_id, 0, 3]])
+    reg.delete(["a2"])
+    env.journal.write_snapshot(reg.snapshot_state())
+    reg.register("A", [["after-snap-2", h.region_id, 4096, 4]])
+    assert env.journal.generation == 2
+    before = state(reg)
+    env.close()
+
+    # a stale journal of an older generation (crash between snapshot and unlink) and a
+    # half-written snapshot temp file (crash before the rename) are both ignored
+    (env.state_dir / "journal-1.log").write_bytes(_frame(["K", [["ghost", 999, 0, 1]]]))
+    (env.state_dir / (SNAPSHOT_NAME + ".tmp")).write_bytes(b"\x00\x01garbage")
+    restored = env.open()
+    assert state(restored) == before
+    assert "ghost" not in restored.keys
+    assert not (env.state_dir / "journal-1.log").exists()
+    env.close()
+
+
+def test_damaged_snapshot_refuses_to_start(env):
+    reg = env.open()
+    populate(reg)
+    env.journal.write_snapshot(reg.snapshot_state())
+    env.close()
+    snap = env.state_dir / SNAPSHOT_NAME
+    data = bytearray(snap.read_bytes())
+    data[-1] ^= 0xFF
+    snap.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match="damaged"):
+        env.open()
+
+
+# -- torn and corrupt tails --------------------------------------------------------------------
+
+
+def _journal_with_tail(env) -> tuple[Registry, dict, bytes]:
+    """Populate, then register one last key; return the state before that last record and
+    the journal bytes."""
+    reg = env.open()
+    populate(reg)
+    before_last = state(reg)
+    rid = next(iter(reg.instances["A"].regions))
+    reg.register("A", [["last", rid, 2 * MiB, 99]])
+    env.close()
+    return reg, before_last, env.journal_path().read_bytes()
+
+
+def _last_frame_start(data: bytes) -> int:
+    pos, last = 0, 0
+    while pos < len(data):
+        last = pos
+        length, _ = FRAME.unpack_from(data, pos)
+        pos += FRAME.size + length
+    return last
+
+
+@pytest.mark.parametrize("keep", [1, 4, FRAME.size - 1, FRAME.size, FRAME.size + 3, -1])
+def test_torn_tail_is_ignored_and_truncated(env, keep):
+    _, before_last, data = _journal_with_tail(env)
+    start = _last_frame_start(data)
+    cut = start + (keep if keep >= 0 else len(data) - start - 1)
+    assert start < cut < len(data)
+    with open(env.journal_path(), "r+b") as f:
+        f.truncate(cut)
+    reg = env.open()
+    assert "last" not in reg.keys  # never replayed
+    assert state(reg) == before_last
+    assert env.journal.damaged_bytes_dropped == cut - start
+    assert os.path.getsize(env.journal_path()) == start  # truncated away
+    # records appended after the truncation are not hidden behind the damage
+    rid = next(iter(reg.instances["A"].regions))
+    reg.register("A", [["after", rid, 3 * MiB, 5]])
+    env.close()
+    assert "after" in env.open().keys
+
+
+def _flip(data: bytes, pos: int) -> bytes:
+    out = bytearray(data)
+    out[pos] ^= 0x40
+    return bytes(out)
+
+
+@pytest.mark.parametrize("where", ["payload", "crc", "length-huge", "length-small"])
+def test_corrupt_tail_record_is_detected_and_not_replayed(env, where):
+    _, before_last, data = _journal_with_tail(env)
+    start = _last_frame_start(data)
+    length, crc = FRAME.unpack_from(data, start)
+    if where == "payload":
+        bad = _flip(data, len(data) - 2)
+    elif where == "crc":
+        bad = data[: start + 4] + struct.pack("!I", crc ^ 1) + data[start + 8 :]
+    elif where == "length-huge":
+        bad = data[:start] + struct.pack("!I", 0xFFFFFFF0) + data[start + 4 :]
+    else:
+        bad = data[:start] + struct.pack("!I", length - 1) + data[start + 4 :]
+    env.journal_path().write_bytes(bad)
+    reg = env.open()
+    assert "last" not in reg.keys
+    assert state(reg) == before_last
+    assert os.path.getsize(env.journal_path()) == start
+    assert env.journal.damaged_bytes_dropped == len(bad) - start
+
+
+def test_garbage_after_the_last_record_is_ignored(env):
+    _, _, data = _journal_with_tail(env)
+    with open(env.journal_path(), "ab") as f:
+        f.write(os.urandom(1000))
+    reg = env.open()
+    assert "last" in reg.keys
+    assert os.path.getsize(env.journal_path()) == len(data)
+
+
+def test_checksummed_but_undecodable_record_is_damage(env):
+    _, before_last, data = _journal_with_tail(env)
+    start = _last_frame_start(data)
+    junk = b"\xc1\xc1\xc1"  # 0xc1 is never valid msgpack
+    bad = data[:start] + FRAME.pack(len(junk), zlib.crc32(junk)) + junk
+    env.journal_path().write_bytes(bad)
+    reg = env.open()
+    assert state(reg) == before_last
+
+
+def test_corruption_in_the_middle_drops_everything_after_it(env):
+    """Framing cannot be trusted past a damaged record: replay stops there (documented)."""
+    reg = env.open()
+    reg.handshake("A", 1)
+    r = reg.request_region("A", 2 * MiB)
+    for i in range(5):
+        reg.register("A", [[f"k{i}", r.region_id, i * 4096, 10]])
+    env.close()
+    data = env.journal_path().read_bytes()
+    records, _ = _read_records(data)
+    assert len(records) == 6  # R + 5 K
+    # damage the third K record's payload
+    pos = 0
+    for _ in range(3):
+        length, _ = FRAME.unpack_from(data, pos)
+        pos += FRAME.size + length
+    env.journal_path().write_bytes(_flip(data, pos + FRAME.size + 2))
+    reg = env.open()
+    assert sorted(reg.keys) == ["k0", "k1"]
+    assert os.path.getsize(env.journal_path()) == pos
+
+
+# -- replay idempotence ------------------------------------------------------------------------
+
+
+def test_replaying_a_record_twice_changes_nothing(tmp_path):
+    env = Env(tmp_path)
+    reg = env.open()
+    populate(reg)
+    expected = state(reg)
+    env.close()
+    _, records = Journal(env.state_dir).load()
+    kinds = {r[0] for r in records}
+    assert kinds == {"R", "K", "D", "T", "F"}
+    doubled = []
+    for record in records:
+        doubled.append(record)
+        if record[0] != "R":  # a region is reserved once; every other record may repeat
+            doubled.append(record)
+    fresh = Registry(ShmPool(str(tmp_path / "pool"), 32 * MiB), SIGNER)
+    fresh.restore(None, doubled)
+    assert state(fresh) == expected
+
+
+def test_replay_tolerates_records_about_unknown_regions_and_keys(tmp_path):
+    fresh = Registry(ShmPool(str(tmp_path / "pool"), 8 * MiB), SIGNER)
+    fresh.restore(
+        None,
+        [["K", [["k", 42, 0, 1]]], ["D", ["nope"]], ["T", 7], ["F", 7], ["?", 1]],
+    )
+    assert not fresh.keys and not fresh.regions and fresh.live_bytes == 0
+
+
+# -- pool identity -----------------------------------------------------------------------------
+
+
+def test_pool_identity_check(tmp_path):
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    path = str(tmp_path / "pool")
+    pool = ShmPool(path, 8 * MiB)
+    assert cli.same_pool_as_before(state_dir, pool)  # first start: nothing to compare
+    assert cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))  # same file
+    # a recreated file (e.g. /dev/shm after a reboot) is another pool, even at the same path
+    tmp = tmp_path / "pool.new"
+    ShmPool(str(tmp), 8 * MiB)
+    os.replace(tmp, path)
+    assert not cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
+    cli.discard_state(state_dir)
+    assert cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))  # recorded anew
+    # a different capacity is a different pool too
+    assert not cli.same_pool_as_before(state_dir, ShmPool(path, 16 * MiB))
+
+
+def test_mismatch_is_remembered_until_the_state_is_discarded(tmp_path):
+    """If the server dies between noticing another pool and discarding the old state, the
+    next start must still refuse that state (it points into memory that is not there)."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    path = str(tmp_path / "pool")
+    assert cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
+    ShmPool(str(tmp_path / "pool.new"), 8 * MiB)
+    os.replace(tmp_path / "pool.new", path)
+    assert not cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
+    # (crash here: discard_state never ran)
+    assert not cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
+
+
+def test_unreadable_identity_is_a_mismatch(tmp_path):
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    path = str(tmp_path / "pool")
+    assert cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
+    (state_dir / cli.POOL_IDENTITY).write_text('{"kind": "shm", "pa')  # torn
+    assert not cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
+
+
+def test_identity_mismatch_discards_state_but_keeps_the_secret(tmp_path):
+    env = Env(tmp_path)
+    reg = env.open()
+    populate(reg)
+    env.journal.write_snapshot(reg.snapshot_state())
+    reg.register("A", [["x", next(iter(reg.instances["A"].regions)), 3 * MiB, 1]])
+    env.close()
+    (env.state_dir / "secret.key").write_bytes(b"s" * 32)
+    cli.discard_state(env.state_dir)
+    left = sorted(p.name for p in env.state_dir.iterdir())
+    assert "secret.key" in left
+    assert not any(n.startswith("journal-") or n == SNAPSHOT_NAME for n in left)
+    reg = env.open()
+    assert not reg.keys and not reg.regions and reg.pool.used == 0
+
+
+def test_frame_layout():
+    frame = _frame(["K", [["k", 1, 0, 1]]])
+    length, crc = FRAME.unpack_from(frame)
+    payload = frame[FRAME.size :]
+    assert length == len(payload) and crc == zlib.crc32(payload)
+    assert msgpack.unpackb(payload) == ["K", [["k", 1, 0, 1]]]
