@@ -412,7 +412,7 @@ class Registry:
             self._log("K", registered)
             self.counters["keys_registered"] += len(registered)
             self.counters["bytes_registered"] += sum(e[3] for e in registered)
-            self.evict_to_watermark()
+            self.evict_to_watermark(registered)
         return statuses
 
     def register_columnar(
@@ -467,7 +467,7 @@ class Registry:
             self._log("K", added)
             self.counters["keys_registered"] += n
             self.counters["bytes_registered"] += n * length
-            self.evict_to_watermark()
+            self.evict_to_watermark(added)
         return statuses
 
     def _insert_key(self, key: Key, entry: KeyEntry) -> None:
@@ -718,15 +718,18 @@ class Registry:
 
     # -- eviction ----------------------------------------------------------------------------
 
-    def _evict(self, want_bytes: int, accept: Any = None, reason: str = "") -> int:
-        """Evict least-recently-used idle keys (optionally only those `accept(entry)` likes)
-        until `want_bytes` are freed; returns the bytes freed. One log line per round."""
+    def _evict(
+        self, want_bytes: int, accept: Any = None, reason: str = "", protect: Any = ()
+    ) -> int:
+        """Evict least-recently-used idle keys (optionally only those `accept(entry)` likes,
+        never those in `protect`) until `want_bytes` are freed; returns the bytes freed. One
+        log line per round."""
         freed = 0
         victims: dict[Key, KeyEntry] = {}
         for key, entry in self.keys.items():
             if freed >= want_bytes:
                 break
-            if entry.busy or (accept is not None and not accept(entry)):
+            if entry.busy or (accept is not None and not accept(entry)) or key in protect:
                 continue
             victims[key] = entry
             freed += entry.length
@@ -755,14 +758,17 @@ class Registry:
                 )
         return freed
 
-    def evict_to_watermark(self) -> int:
-        """When registered bytes exceed the high watermark of the pool, evict down to low."""
+    def evict_to_watermark(self, just_registered: list[list[Any]] = ()) -> int:
+        """When registered bytes exceed the high watermark of the pool, evict down to low.
+        `just_registered`: entries of the request being answered (reported REGISTERED, so
+        they must survive it even if every older key is busy)."""
         capacity = self.pool.capacity
         if self.live_bytes <= self.high_watermark * capacity:
             return 0
         return self._evict(
             self.live_bytes - int(self.low_watermark * capacity),
             reason=f"above the high watermark {self.high_watermark:g}",
+            protect={entry[0] for entry in just_registered},
         )
 
     def evict_for(self, instance_id: str, want_bytes: int) -> int:

@@ -117,6 +117,8 @@ class MaruService:
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # A frame over the limit makes ZMQ drop the peer's connection before buffering it.
+        self.socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES + protocol.HEADER.size)
         self.socket.bind(bind_url)
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
