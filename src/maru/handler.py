@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +73,13 @@ class PageRun:
         self.address = address
         self.stride = stride
         self.count = count
+
+    def slice(self, start: int, stop: int) -> PageRun:
+        """Values [start, stop) of this run, as a run of their own."""
+        skip = start * self.stride
+        return PageRun(
+            self.region_id, self.offset + skip, self.address + skip, self.stride, stop - start
+        )
 
 
 class _RegionsLost(MaruError):
@@ -529,9 +536,7 @@ class MaruHandler:
             raise ValueError(f"register_run: {n} keys for a run of {run.count}")
         if not n:
             return []
-        offsets = list(range(run.offset, run.offset + n * run.stride, run.stride))
-        body = {"keys": list(keys), "region_id": run.region_id, "offsets": offsets}
-        body["length"] = length
+        body = self._run_body(keys, run, length)
         try:
             reply = self._call(MsgType.REGISTER_KV, body)
         except MaruServerError as exc:
@@ -539,7 +544,7 @@ class MaruHandler:
                 log.warning("register of %d keys failed: %s", n, exc)
                 return [False] * n
             # A server without the columnar form: the same registration as entries.
-            entries = [[k, run.region_id, o, length] for k, o in zip(keys, offsets)]
+            entries = [[k, run.region_id, o, length] for k, o in zip(keys, body["offsets"])]
             try:
                 reply = self._call(MsgType.REGISTER_KV, {"entries": entries})
             except MaruError as exc2:
@@ -551,9 +556,52 @@ class MaruHandler:
             # region is returned.
             log.warning("register of %d keys failed: %s", n, exc)
             return [False] * n
-        statuses = reply["results"]
-        if statuses.count(RegisterStatus.REGISTERED) == n:
-            return [True] * n
+        return self._run_outcome(run, reply["results"])
+
+    def submit_register_run(
+        self, keys: Sequence[Key], run: PageRun, length: int
+    ) -> Callable[[], list[bool]]:
+        """`register_run` without waiting for the reply, so that the caller can write the next
+        values meanwhile. Returns a function giving the outcome (call it from this thread)."""
+        n = len(keys)
+        if n != run.count:
+            raise ValueError(f"register_run: {n} keys for a run of {run.count}")
+        if not n or not self.config.use_async_rpc:
+            results = self.register_run(keys, run, length)
+            return lambda: results
+        body = self._run_body(keys, run, length)
+        body["iid"] = self.instance_id
+        try:
+            pending = self._rpc.submit(MsgType.REGISTER_KV, body)
+        except MaruError:
+            return lambda: self.register_run(keys, run, length)
+
+        def outcome() -> list[bool]:
+            try:
+                reply = pending.result()
+            except MaruServerError as exc:
+                if exc.code in (ErrorCode.UNKNOWN_INSTANCE, ErrorCode.BAD_REQUEST):
+                    # The server restarted (re-handshake) or lacks the columnar form.
+                    return self.register_run(keys, run, length)
+                log.warning("register of %d keys failed: %s", n, exc)
+                return [False] * n
+            except MaruError as exc:  # outcome unknown: the pages stay allocated
+                log.warning("register of %d keys failed: %s", n, exc)
+                return [False] * n
+            return self._run_outcome(run, reply["results"])
+
+        return outcome
+
+    @staticmethod
+    def _run_body(keys: Sequence[Key], run: PageRun, length: int) -> dict[str, Any]:
+        offsets = list(range(run.offset, run.offset + run.count * run.stride, run.stride))
+        body = {"keys": list(keys), "region_id": run.region_id, "offsets": offsets}
+        body["length"] = length
+        return body
+
+    def _run_outcome(self, run: PageRun, statuses: list[int]) -> list[bool]:
+        if statuses.count(RegisterStatus.REGISTERED) == run.count:
+            return [True] * run.count
         self.free_run(run, [i for i, st in enumerate(statuses) if st != RegisterStatus.REGISTERED])
         return [st in (RegisterStatus.REGISTERED, RegisterStatus.EXISTS) for st in statuses]
 

@@ -62,8 +62,10 @@ class _Channel:
         sock.setsockopt(zmq.SNDTIMEO, client.timeout_ms)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.setsockopt(zmq.RCVTIMEO, client.timeout_ms)
         sock.connect(client.url)
         self.sock = sock
+        self._rcvtimeo = client.timeout_ms  # the socket's current RCVTIMEO
         self.pending: dict[int, PendingReply] = {}
 
     def submit(self, msg_type: int, body: dict[str, Any]) -> PendingReply:
@@ -84,37 +86,42 @@ class _Channel:
         return pending
 
     def wait_for(self, target: PendingReply, timeout_ms: int | None) -> None:
+        # One blocking recv per reply, bounded by RCVTIMEO (a poll, then non-blocking recvs
+        # until zmq.Again, cost three calls and an exception per reply).
         timeout = self.client.timeout_ms if timeout_ms is None else timeout_ms
         deadline = time.monotonic() + timeout / 1000.0
+        sock = self.sock
         while target.body is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self.sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
-                if target.body is not None:
-                    break
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
                 self.pending.pop(target.request_id, None)
                 raise MaruConnectionError(
                     f"no reply from maru-server at {self.client.url} within {timeout} ms "
                     f"({protocol.MsgType(target._msg_type).name})"
                 )
-            self._receive_available()
-
-    def _receive_available(self) -> None:
-        while True:
+            if abs(self._rcvtimeo - remaining_ms) > 5 + remaining_ms // 20:
+                sock.setsockopt(zmq.RCVTIMEO, remaining_ms)
+                self._rcvtimeo = remaining_ms
             try:
-                frame = self.sock.recv(zmq.NOBLOCK, copy=True)
+                frame = sock.recv(copy=True)
             except zmq.Again:
-                return
-            try:
-                header, body = protocol.decode(frame)
-            except protocol.ProtocolError as exc:
-                log.warning("dropping undecodable reply from %s: %s", self.client.url, exc)
-                continue
-            pending = self.pending.pop(header.request_id, None)
-            if pending is None:
-                continue  # reply to a request whose caller already timed out
+                continue  # RCVTIMEO passed: the deadline check above decides
+            self._accept(frame)
+
+    def _accept(self, frame: bytes) -> None:
+        try:
+            header, body = protocol.decode(frame)
+        except protocol.ProtocolError as exc:
+            log.warning("dropping undecodable reply from %s: %s", self.client.url, exc)
+            return
+        # The hook runs even for a reply whose caller already timed out: it may carry
+        # `freed` pages that the server hands out only once (lost, they would stay
+        # allocated in the client for good).
+        if body.get("ok") and self.client.reply_hook is not None:
+            self.client.reply_hook(body)
+        pending = self.pending.pop(header.request_id, None)
+        if pending is not None:  # else: a reply whose caller already timed out
             pending.body = body
-            if body.get("ok") and self.client.reply_hook is not None:
-                self.client.reply_hook(body)
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -13,6 +13,7 @@ each way; no intermediate buffer.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -34,6 +35,17 @@ SUPPORTED_LAYOUTS = ("page_first_direct", "page_first")
 KV_POOL_NAME = "kv"
 
 _memmove = ctypes.memmove
+# batch_set_v1 registers a batch in up to PIPELINE_PIECES pieces of at least PIPELINE_MIN_PAGES
+# pages, each sent while the next piece is copied (smaller batches: one registration).
+PIPELINE_PIECES = 2
+PIPELINE_MIN_PAGES = 32
+_ALLOC_ALIGN = 4096  # MaruConfig.chunk_size_bytes must be a multiple of this
+
+
+def chunk_size_for(page_bytes: int) -> int:
+    """The allocation granularity that wastes nothing on `page_bytes`-sized values: every value
+    MaruStorage stores is one whole SGLang page, so one chunk per page (rounded up to 4 KiB)."""
+    return max(_ALLOC_ALIGN, -(-page_bytes // _ALLOC_ALIGN) * _ALLOC_ALIGN)
 
 
 def _storage_metrics_cls() -> Any:
@@ -83,11 +95,46 @@ def page_namespace(storage_config: HiCacheStorageConfig, pool: Any) -> str:
     return hashlib.sha256("|".join(fields).encode()).hexdigest()[:16]
 
 
+def _affine_page_pointers(pool: Any, parts: int) -> list[tuple[int, int]] | None:
+    """In the page_first layouts each page part's pointer is affine in the page's first token
+    index t: `ptr = base + t * stride`. Learn (base, stride) per part from `get_page_buffer_meta`
+    on three pages and check it on a fourth; None (keep calling `get_page_buffer_meta`, a Python
+    loop per page) if the pool does not follow it."""
+    page = pool.page_size
+    pages = int(getattr(pool, "size", 0)) // page
+    if pages < 4:
+        return None
+
+    def meta(first_page: int) -> tuple[list[int], list[int]]:
+        t = first_page * page
+        ptrs, sizes = pool.get_page_buffer_meta(torch.arange(t, t + page, dtype=torch.int64))
+        return list(ptrs), list(sizes)
+
+    p0, s0 = meta(0)
+    p1, _ = meta(1)
+    if len(p0) != parts or len(p1) != parts:
+        return None
+    model = []
+    for j in range(parts):
+        stride, rem = divmod(p1[j] - p0[j], page)
+        if rem:
+            return None
+        model.append((p0[j], stride))
+    for probe in (pages // 2, pages - 1):
+        ptrs, sizes = meta(probe)
+        if sizes != s0 or ptrs != [b + probe * page * st for b, st in model]:
+            return None
+    return model
+
+
 class MaruStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, args: Any = None):
         self.storage_config = storage_config
         extra = dict(storage_config.extra_config or {})
         self.config = MaruConfig.from_mapping(extra, prefix="maru_")
+        # Unless the user chose one, the chunk size follows the page size (known only at
+        # register_mem_pool_host): with the 1 MiB default a 16 KiB page would hold 1 MiB.
+        self._chunk_from_page = "maru_chunk_size_bytes" not in extra
         self.enable_metrics = bool(storage_config.enable_storage_metrics)
         self.handler = MaruHandler(self.config)
         if not self.handler.connected:
@@ -130,13 +177,30 @@ class MaruStorage(HiCacheStorage):
         self._parts_per_page = len(ptrs)
         self._part_sizes = list(sizes)
         self._page_bytes = sum(sizes)
+        self._affine = _affine_page_pointers(mem_pool_host, len(ptrs))
+        if self._chunk_from_page:
+            self._use_chunk_size(chunk_size_for(self._page_bytes))
         log.info(
-            "MaruStorage: namespace %s, %d-byte pages in %d part(s), layout %s",
+            "MaruStorage: namespace %s, %d-byte pages in %d part(s), layout %s, chunk %d bytes",
             self.namespace,
             self._page_bytes,
             self._parts_per_page,
             layout,
+            self.handler.get_chunk_size(),
         )
+
+    def _use_chunk_size(self, chunk: int) -> None:
+        """Reconnect with another chunk size (before anything is stored: the handler's regions
+        are carved into chunks of one size). Same instance id; the old region goes back."""
+        if chunk == self.config.chunk_size_bytes or chunk > self.config.pool_size:
+            return
+        config = dataclasses.replace(self.config, chunk_size_bytes=chunk)
+        self.handler.close()
+        self.handler = MaruHandler(config)
+        self.config = config
+        if not self.handler.connected:
+            self.handler.close()
+            raise RuntimeError(f"Failed to connect MaruHandler to {config.server_url}")
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         if str(host_pool_name) == KV_POOL_NAME:
@@ -149,6 +213,37 @@ class MaruStorage(HiCacheStorage):
     def _keys(self, keys: list[str]) -> list[str]:
         ns = self.namespace
         return [f"{ns}:{k}" for k in keys]
+
+    def _copy_in(self, dst: int, stride: int, columns: list[list[int]], first: int, last: int):
+        """Copy pages [first, last) of the batch from the host pool to `dst`, `stride` apart."""
+        sizes = self._part_sizes
+        if len(columns) == 2:  # MHA: K and V
+            (k_size, v_size), (k_ptrs, v_ptrs) = sizes, columns
+            for k, v in zip(k_ptrs[first:last], v_ptrs[first:last]):
+                _memmove(dst, k, k_size)
+                _memmove(dst + k_size, v, v_size)
+                dst += stride
+            return
+        for page_ptrs in zip(*(c[first:last] for c in columns)):
+            at = dst
+            for ptr, size in zip(page_ptrs, sizes):
+                _memmove(at, ptr, size)
+                at += size
+            dst += stride
+
+    def _part_pointers(self, host_indices: torch.Tensor, pages: int) -> list[list[int]] | None:
+        """Per page part, the pointer of that part of each page of `host_indices` in the host
+        pool (None if the indices do not cover `pages` pages). Computed from the first token of
+        each page (`_affine_page_pointers`); else through `get_page_buffer_meta`."""
+        page = self.mem_pool_host.page_size
+        if host_indices.numel() != pages * page:
+            return None
+        if self._affine is not None:
+            firsts = host_indices[::page].tolist()
+            return [[base + t * stride for t in firsts] for base, stride in self._affine]
+        ptrs, _ = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        parts = self._parts_per_page
+        return [list(ptrs[j::parts]) for j in range(parts)]
 
     def _require_pool(self) -> None:
         if self.mem_pool_host is None:
@@ -168,22 +263,40 @@ class MaruStorage(HiCacheStorage):
         if not keys:
             return []
         start = time.perf_counter()
-        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        parts = self._parts_per_page
-        if len(ptrs) != parts * len(keys):
-            log.error("batch_set_v1: %d buffers for %d keys", len(ptrs), len(keys))
-            return [False] * len(keys)
+        n = len(keys)
+        columns = self._part_pointers(host_indices, n)
+        if columns is None:
+            log.error("batch_set_v1: %d host indices for %d keys", host_indices.numel(), n)
+            return [False] * n
         page_bytes = self._page_bytes
-        handles = self.handler.batch_alloc([page_bytes] * len(keys))
-        for i, handle in enumerate(handles):
-            if handle is not None:
-                dst = handle.address
-                for j in range(i * parts, (i + 1) * parts):
-                    _memmove(dst, ptrs[j], sizes[j])
-                    dst += sizes[j]
-        results = self.handler.batch_store(
-            self._keys(keys), handles=handles, lengths=[page_bytes] * len(keys)
-        )
+        sizes = self._part_sizes
+        # The common case: one contiguous run of pages, registered in columnar form, piece
+        # by piece: each piece's registration is in flight while the next piece is copied.
+        run = self.handler.alloc_run(page_bytes, n)
+        if run is not None:
+            ns_keys = self._keys(keys)
+            step = max(PIPELINE_MIN_PAGES, -(-n // PIPELINE_PIECES))
+            outcomes = []
+            for first in range(0, n, step):
+                last = min(n, first + step)
+                self._copy_in(run.address + first * run.stride, run.stride, columns, first, last)
+                outcomes.append(
+                    self.handler.submit_register_run(
+                        ns_keys[first:last], run.slice(first, last), page_bytes
+                    )
+                )
+            results = [ok for outcome in outcomes for ok in outcome()]
+        else:  # no free run: page by page (new regions, eviction)
+            handles = self.handler.batch_alloc([page_bytes] * n)
+            for handle, page_ptrs in zip(handles, zip(*columns)):
+                if handle is not None:
+                    dst = handle.address
+                    for ptr, size in zip(page_ptrs, sizes):
+                        _memmove(dst, ptr, size)
+                        dst += size
+            results = self.handler.batch_store(
+                self._keys(keys), handles=handles, lengths=[page_bytes] * n
+            )
         elapsed = time.perf_counter() - start
         ok = sum(results)
         with self._stats_lock:
@@ -208,27 +321,32 @@ class MaruStorage(HiCacheStorage):
         if not keys:
             return []
         start = time.perf_counter()
-        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        parts = self._parts_per_page
+        n = len(keys)
+        columns = self._part_pointers(host_indices, n)
+        if columns is None:
+            log.error("batch_get_v1: %d host indices for %d keys", host_indices.numel(), n)
+            return [False] * n
         page_bytes = self._page_bytes
-        results = []
-        with self.handler.leased(self._keys(keys)) as infos:
-            for i, info in enumerate(infos):
-                if info is None or info.length != page_bytes:
-                    if info is not None:
-                        log.warning(
-                            "page %s has %d bytes, expected %d: treated as a miss",
-                            keys[i],
-                            info.length,
-                            page_bytes,
-                        )
-                    results.append(False)
-                    continue
-                src = info.address
-                for j in range(i * parts, (i + 1) * parts):
-                    _memmove(ptrs[j], src, sizes[j])
-                    src += sizes[j]
-                results.append(True)
+        sizes = self._part_sizes
+        with self.handler.leased_addresses(self._keys(keys)) as (addresses, lengths):
+            results = [length == page_bytes for length in lengths]
+            if len(columns) == 2:  # MHA: K and V
+                (k_size, v_size), (k_ptrs, v_ptrs) = sizes, columns
+                for ok, src, k, v in zip(results, addresses, k_ptrs, v_ptrs):
+                    if ok:
+                        _memmove(k, src, k_size)
+                        _memmove(v, src + k_size, v_size)
+            else:
+                for ok, src, page_ptrs in zip(results, addresses, zip(*columns)):
+                    if ok:
+                        for ptr, size in zip(page_ptrs, sizes):
+                            _memmove(ptr, src, size)
+                            src += size
+        for key, length in zip(keys, lengths):
+            if length and length != page_bytes:
+                log.warning(
+                    "page %s has %d bytes, expected %d: treated as a miss", key, length, page_bytes
+                )
         elapsed = time.perf_counter() - start
         hits = sum(results)
         # One line per prefetch batch (at most 128 pages): the examples and the P2P test look

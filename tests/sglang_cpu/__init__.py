@@ -12,6 +12,7 @@ Install SGLang first: ``scripts/install_sglang_cpu.sh``.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 SHIM_DIR = Path(__file__).resolve().parent
@@ -43,6 +44,11 @@ def sglang_env(extra: dict[str, str] | None = None, *, base: dict[str, str] | No
             "PYTHONUNBUFFERED": "1",
         }
     )
+    # SGLang JIT-compiles a C++ hash extension (hicache_hash_cpp) on first use, into one
+    # directory shared by every Python environment of the user: two venvs with different torch
+    # builds then rebuild it in turn (10-20 s each, inside the first request that hashes). One
+    # directory per environment keeps each build.
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     if extra:
         env.update(extra)
     # The shim dir goes first even when ``extra`` sets its own PYTHONPATH.
