@@ -413,3 +413,36 @@ def test_frame_layout():
     payload = frame[FRAME.size :]
     assert length == len(payload) and crc == zlib.crc32(payload)
     assert msgpack.unpackb(payload) == ["K", [["k", 1, 0, 1]]]
+
+
+@pytest.mark.parametrize("snapshot_first", [False, True])
+def test_pins_survive_a_restart_until_their_holder_is_reaped(env, snapshot_first):
+    from maru.protocol import DeleteStatus
+
+    reg = env.open()
+    reg.handshake("A", 1)
+    reg.handshake("B", 2)
+    rid = reg.request_region("A", 2 * MiB).region_id
+    reg.register("A", [[f"k{i}", rid, i * 4096, 100] for i in range(4)])
+    assert reg.pin(["k0", "k1"], "A") == [True, True]
+    assert reg.pin(["k1", "k2"], "B") == [True, True]
+    assert reg.pin(["k3"]) == [True]  # a pin without an instance: kept until unpinned
+    assert reg.unpin(["k2"], "B") == [True]
+    if snapshot_first:
+        env.journal.write_snapshot(reg.snapshot_state())
+    env.close()
+
+    reg = env.open()
+    pins = {k: reg.keys[k].pins for k in ("k0", "k1", "k2", "k3")}
+    assert pins == {"k0": 1, "k1": 2, "k2": 0, "k3": 1}
+    assert reg.delete(["k0", "k2"]) == [DeleteStatus.PINNED, DeleteStatus.DELETED]
+    assert reg.instances["B"].pins == {"k1": 1}
+    # B never comes back: reaped, its pin goes; A's stays while A heart-beats.
+    reg.instance("A")
+    reg.reap(timeout=0.0, now=reg.instances["A"].last_seen + 0.0)
+    assert "B" not in reg.instances and reg.keys["k1"].pins == 1
+    env.close()
+
+    reg = env.open()  # the reaping was journaled too
+    assert {k: reg.keys[k].pins for k in ("k0", "k1", "k3")} == {"k0": 1, "k1": 1, "k3": 1}
+    assert "B" not in reg.instances

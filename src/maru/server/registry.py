@@ -230,6 +230,8 @@ class Registry:
         inst = self.instances.pop(instance_id, None)
         if inst is None:
             return
+        if inst.pins:
+            self._log("X", instance_id)  # its pins are gone
         for key, count in inst.pins.items():
             entry = self.keys.get(key)
             if entry is not None:
@@ -615,18 +617,23 @@ class Registry:
         when it disconnects or is reaped."""
         inst = self.instances.get(owner) if owner else None
         out = []
+        pinned: list[Key] = []
         for key in keys:
             entry = self.keys.get(key) if isinstance(key, (str, bytes)) else None
             if entry is not None:
                 entry.pins += 1
+                pinned.append(key)
                 if inst is not None:
                     inst.pins[key] += 1
             out.append(entry is not None)
+        if pinned:  # pins outlive a server restart (until their holder is reaped)
+            self._log("P", owner if inst is not None else "", pinned)
         return out
 
     def unpin(self, keys: list[Any], owner: str | None = None) -> list[bool]:
         inst = self.instances.get(owner) if owner else None
         out = []
+        unpinned: list[Key] = []
         for key in keys:
             entry = self.keys.get(key) if isinstance(key, (str, bytes)) else None
             ok = entry is not None and entry.pins > 0
@@ -638,7 +645,10 @@ class Registry:
                         del inst.pins[key]
             if ok:
                 entry.pins -= 1
+                unpinned.append(key)
             out.append(ok)
+        if unpinned:
+            self._log("U", owner if inst is not None else "", unpinned)
         return out
 
     def delete(self, keys: list[Any]) -> list[int]:
@@ -817,7 +827,35 @@ class Registry:
                 for r in self.regions.values()
             ],
             "keys": [[k, e.region_id, e.offset, e.length] for k, e in self.keys.items()],
+            "pins": self._pin_records(),
         }
+
+    def _pin_records(self) -> list[list[Any]]:
+        """[holder, key, count] for every pin; holder "" for pins taken without an instance."""
+        held: Counter = Counter()
+        records = []
+        for inst in self.instances.values():
+            for key, count in inst.pins.items():
+                records.append([inst.instance_id, key, count])
+                held[key] += count
+        for key, entry in self.keys.items():
+            if entry.pins > held[key]:
+                records.append(["", key, entry.pins - held[key]])
+        return records
+
+    def _restore_pins(self, holder: str, keys: list[Any], delta: int) -> None:
+        inst = self.instances.setdefault(holder, Instance(holder)) if holder else None
+        for key in keys:
+            entry = self.keys.get(key)
+            if entry is None:
+                continue
+            if delta < 0 and (entry.pins <= 0 or (inst is not None and inst.pins[key] <= 0)):
+                continue
+            entry.pins += delta
+            if inst is not None:
+                inst.pins[key] += delta
+                if not inst.pins[key]:
+                    del inst.pins[key]
 
     def restore(self, snapshot: dict[str, Any] | None, records: list[Any]) -> None:
         """Rebuild regions and keys from a snapshot plus the journal records after it.
@@ -832,6 +870,9 @@ class Registry:
                     self._restore_region(rid, owner, path, offset, length, token, returned)
                 for key, rid, offset, length in snapshot["keys"]:
                     self._insert_key(key, KeyEntry(rid, offset, length))
+                for holder, key, count in snapshot.get("pins", ()):
+                    for _ in range(count):
+                        self._restore_pins(holder, [key], +1)
             for record in records:
                 self._replay(record)
             for region in list(self.regions.values()):
@@ -839,12 +880,13 @@ class Registry:
                     self._free_region(region)
         finally:
             self.journal = journal
-        now = time.monotonic()
         for region in self.regions.values():
             if not region.returned:
                 inst = self.instances.setdefault(region.owner, Instance(region.owner))
                 inst.regions.add(region.region_id)
-                inst.last_seen = now
+        now = time.monotonic()
+        for inst in self.instances.values():  # all must handshake again within the timeout
+            inst.last_seen = now
         log.info(
             "restored %d regions and %d keys (%d bytes)",
             len(self.regions),
@@ -885,6 +927,18 @@ class Registry:
                     region.live_keys -= 1
                     region.live_bytes -= entry.length
                     region.live_pages -= region.pages_for(entry.length)
+        elif kind == "P":
+            self._restore_pins(record[1], record[2], +1)
+        elif kind == "U":
+            self._restore_pins(record[1], record[2], -1)
+        elif kind == "X":  # the instance disconnected or was reaped
+            inst = self.instances.pop(record[1], None)
+            if inst is not None:
+                for key, count in inst.pins.items():
+                    entry = self.keys.get(key)
+                    if entry is not None:
+                        entry.pins = max(0, entry.pins - count)
+                inst.pins.clear()
         else:
             log.warning("ignoring unknown journal record %r", kind)
 
