@@ -937,7 +937,10 @@ def build_rows(results: list[dict]) -> list[dict]:
         for op in ("set", "get"):
             # Ratios per repetition (the methods of one repetition ran seconds apart), then
             # their median: steadier than a ratio of medians on a machine whose speed drifts.
-            base = res["gbps"][f"memcpy_{op}"]
+            # The limit is the faster of the two plain copies (private or /dev/shm memory).
+            base = [
+                max(a, b) for a, b in zip(res["gbps"][f"memcpy_{op}"], res["gbps"][f"shm_{op}"])
+            ]
             file = res["gbps"][f"file_{op}"]
             for b in BACKENDS:
                 g = res["gbps"][f"{b}_{op}"]
@@ -971,7 +974,7 @@ def evaluate(rows, meta, keys) -> list[tuple[str, float, str, bool]]:
         goal = TARGETS["big"] if big else TARGETS["small"]
         out.append(
             (
-                f"{r['case']} batch_{r['op']}_v1 / memcpy",
+                f"{r['case']} batch_{r['op']}_v1 / memcpy limit",
                 r["vs_memcpy"],
                 f">= {goal:.0%}",
                 r["vs_memcpy"] >= goal,
@@ -1032,7 +1035,7 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
     lines.append("")
     head = (
         f"| {'case':8} | {'page':9} | op  | {'backend':7} | {'GB/s':>6} | {'min-max':>11} "
-        f"| {'/memcpy':>7} | {'1-page med us':>13} | {'p99 us':>8} |"
+        f"| {'/limit':>7} | {'1-page med us':>13} | {'p99 us':>8} |"
     )
     lines.append(head)
     lines.append("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
@@ -1046,6 +1049,8 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
     lines.append("")
     lines.append("memcpy: ctypes.memmove of each page part to/from a warm private buffer; shm: the")
     lines.append("same into a warm /dev/shm mapping; file: HiCacheFile on /dev/shm (legacy path).")
+    lines.append("/limit: median over repetitions of GB/s / the faster of memcpy and shm in the")
+    lines.append("same repetition.")
     lines.append("1-page: latency of one call moving one page (file: batch_set/get of one page).")
     lines.append("")
     lines.append(
@@ -1273,7 +1278,16 @@ def main() -> int:
     write_csv(base.with_suffix(".csv"), rows, meta, inst, keys)
     base.with_suffix(".md").write_text(text + "\n")
     (base.parent / (base.name + ".json")).write_text(
-        json.dumps({"machine": machine, "rows": rows, "instances": inst, "keys": keys}, indent=1)
+        json.dumps(
+            {
+                "machine": machine,
+                "rows": rows,
+                "per_rep_gbps": {r["case"].name: r["gbps"] for r in results},
+                "instances": inst,
+                "keys": keys,
+            },
+            indent=1,
+        )
     )
     plotted = plot(base.with_suffix(".png"), rows, inst, keys)
     print(f"\nwrote {base}.csv, .md, .json" + (", .png" if plotted else " (no matplotlib: no PNG)"))
