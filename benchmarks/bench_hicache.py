@@ -1,7 +1,7 @@
 """HiCache data-path benchmark (issue 5): Maru through SGLang's real storage interface.
 
-    /work/venv-sglang/bin/python benchmarks/bench_hicache.py --quick   # about a minute
-    /work/venv-sglang/bin/python benchmarks/bench_hicache.py           # full, under ~10 minutes
+    .venv/bin/python benchmarks/bench_hicache.py --quick              # about a minute
+    .venv/bin/python benchmarks/bench_hicache.py --wait-load 1.0      # full, a few minutes
 
 Needs the real SGLang (the venv `scripts/install_sglang_cpu.sh` / `make install` builds) and runs
 on CPU through the shims in tests/sglang_cpu. One command does everything in one run, so every
@@ -13,13 +13,15 @@ figure saw the same machine state:
   with its own host pool, calls `batch_get_v1` for the same keys and checks every page's CRC.
 - Baselines in the same run on the same page bytes (the pointers `get_page_buffer_meta`
   gives): a plain single-thread memcpy (`ctypes.memmove` of each page part to / from a warm
-  private buffer: the limit), the same into a warm /dev/shm mapping, and SGLang's built-in file
-  backend (`HiCacheFile`) on a /dev/shm directory driven the way the controller drives it
-  without `interface_v1` (`get_data_page` + `batch_set`; `batch_get` into dummy pages +
-  `set_from_flat_data_page`). Methods alternate within each repetition.
+  private buffer), the same into a warm /dev/shm mapping (the limit of a repetition is the
+  faster of the two), and SGLang's built-in file backend (`HiCacheFile`) on a /dev/shm
+  directory driven the way the controller drives it without `interface_v1` (`get_data_page` +
+  `batch_set`; `batch_get` into dummy pages + `set_from_flat_data_page`). Methods alternate
+  within each repetition; ratios are medians of per-repetition ratios.
 - Per-page latency: many one-page `batch_set_v1` / `batch_get_v1` calls, median and p99.
 - Metadata: `batch_exists` and the leased lookup of 128 keys, per key; one single-key lookup
-  round trip (`retrieve`), over the real socket.
+  round trip (`retrieve`), over the real socket; and the transport alone (a 200-byte echo to
+  another process over pyzmq and over a plain TCP socket).
 - Scaling: 1, 2 and 4 concurrent writer/reader pairs (aggregate GB/s, lookup latency under
   load), and lookups with 10^3 .. 10^6 keys registered (one dedicated server per count, the
   keys registered in batches of 16384 tiny values; lookups over the socket, round robin over
