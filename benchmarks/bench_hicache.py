@@ -183,6 +183,7 @@ class Instance:
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
         import sglang_cpu.host_pools as hp
+        from sglang_cpu.p2p import MARU_BACKEND
 
         torch.set_num_threads(1)
         g = case.geometry()
@@ -198,10 +199,7 @@ class Instance:
         chunk = -(-self.page_bytes // 4096) * 4096
         region = chunk * (pages + 2) if role == "writer" else chunk
         extra = {
-            "backend_name": "maru",
-            "module_path": "maru_sglang.maru_storage",
-            "class_name": "MaruStorage",
-            "interface_v1": 1,
+            **MARU_BACKEND,
             "maru_server_url": url,
             "maru_pool_size": str(region),
             "maru_chunk_size_bytes": str(chunk),

@@ -40,7 +40,7 @@ pytest.importorskip("sglang")
 import torch  # noqa: E402
 
 from maru_sglang.maru_storage import chunk_size_for  # noqa: E402
-from sglang_cpu.p2p import l3_keys  # noqa: E402
+from sglang_cpu.p2p import MARU_BACKEND, l3_keys  # noqa: E402
 from sglang_cpu.tiny_model import build_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(180)]
@@ -119,10 +119,7 @@ class Instance:
         # Exactly what `--hicache-storage-backend-extra-config` carries (the server pops
         # prefetch_threshold into the constructor argument, as done here).
         extra = {
-            "backend_name": "maru",
-            "module_path": "maru_sglang.maru_storage",
-            "class_name": "MaruStorage",
-            "interface_v1": 1,
+            **MARU_BACKEND,
             "maru_server_url": url,
             "maru_pool_size": "32M",
             "maru_instance_id": name,

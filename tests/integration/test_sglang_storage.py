@@ -37,20 +37,13 @@ from sglang_cpu.host_pools import (  # noqa: E402
     read,
     storage_config,
 )
+from sglang_cpu.p2p import MARU_BACKEND  # noqa: E402
 
 PAGES = 40
 
 
 def _extra(url: str, **more) -> dict:
-    return {
-        "backend_name": "maru",
-        "module_path": "maru_sglang.maru_storage",
-        "class_name": "MaruStorage",
-        "interface_v1": 1,
-        "maru_server_url": url,
-        "maru_pool_size": "32M",
-        **more,
-    }
+    return {**MARU_BACKEND, "maru_server_url": url, "maru_pool_size": "32M", **more}
 
 
 def _storage(url: str, g: Geometry, pool=None, **cfg) -> MaruStorage:

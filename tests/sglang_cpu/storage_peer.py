@@ -32,6 +32,7 @@ from sglang_cpu.host_pools import (  # noqa: E402
     read,
     storage_config,
 )
+from sglang_cpu.p2p import MARU_BACKEND  # noqa: E402
 
 GEOMETRIES = [
     Geometry(attn="mha", layout="page_first_direct"),
@@ -43,10 +44,7 @@ GEOMETRIES = [
 
 def backend_for(url: str, g: Geometry, pool):
     extra = {
-        "backend_name": "maru",
-        "module_path": "maru_sglang.maru_storage",
-        "class_name": "MaruStorage",
-        "interface_v1": 1,
+        **MARU_BACKEND,
         "maru_server_url": url,
         "maru_pool_size": "64M",
     }
