@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from maru import protocol
-from maru.pool.backends import ShmPool
-from maru.pool.token import TokenSigner
 from maru.protocol import MAX_KEY_BYTES, ErrorCode, MsgType, RegisterStatus
-from maru.server.registry import Registry
-from maru.server.service import MaruService
+
+from .service_calls import call, make_service, ok
 
 MiB = 1 << 20
 REG, EXISTS, REJ = (int(s) for s in RegisterStatus)
@@ -18,23 +15,9 @@ REG, EXISTS, REJ = (int(s) for s in RegisterStatus)
 
 @pytest.fixture
 def service(tmp_path):
-    registry = Registry(ShmPool(str(tmp_path / "pool"), 16 * MiB), TokenSigner(b"s" * 32))
-    svc = MaruService(registry, "tcp://127.0.0.1:0")
-    try:
-        yield svc
-    finally:
-        svc.close()
-
-
-def call(svc, msg_type, body):
-    _, reply = protocol.decode(svc.handle_frame(protocol.encode(msg_type, 7, body)))
-    return reply
-
-
-def ok(svc, msg_type, body):
-    reply = call(svc, msg_type, body)
-    assert reply["ok"], reply
-    return reply
+    svc = make_service(tmp_path, pool_mib=16)
+    yield svc
+    svc.close()
 
 
 def region(svc, iid="A"):

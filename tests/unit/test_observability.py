@@ -12,38 +12,22 @@ from datetime import datetime
 
 import pytest
 
-from maru import protocol
 from maru.cli import fmt_bytes, fmt_quantile, quantile, render_monitor
-from maru.pool.backends import ShmPool
-from maru.pool.token import TokenSigner
 from maru.protocol import MAX_LIST_KEYS, ErrorCode, MsgType
 from maru.server.logs import JsonFormatter, Throttle, configure_logging
 from maru.server.metrics import MaruCollector, read_stats
-from maru.server.registry import Registry
-from maru.server.service import LATENCY_BUCKETS, MaruService
+from maru.server.service import LATENCY_BUCKETS
+
+from .service_calls import call, make_service, ok
 
 MiB = 1 << 20
 
 
 @pytest.fixture
 def service(tmp_path):
-    registry = Registry(ShmPool(str(tmp_path / "pool"), 64 * MiB), TokenSigner(b"s" * 32))
-    svc = MaruService(registry, "tcp://127.0.0.1:0")
-    try:
-        yield svc
-    finally:
-        svc.close()
-
-
-def call(svc, msg_type, body):
-    _, reply = protocol.decode(svc.handle_frame(protocol.encode(msg_type, 7, body)))
-    return reply
-
-
-def ok(svc, msg_type, body):
-    reply = call(svc, msg_type, body)
-    assert reply["ok"], reply
-    return reply
+    svc = make_service(tmp_path, pool_mib=64)
+    yield svc
+    svc.close()
 
 
 def setup_instance(svc, iid="A", page_size=64 << 10, size=4 * MiB) -> int:

@@ -7,36 +7,18 @@ import msgpack
 import pytest
 
 from maru import protocol
-from maru.pool.backends import ShmPool
-from maru.pool.token import TokenSigner
 from maru.protocol import HEADER, MAGIC, MAX_KEY_BYTES, ErrorCode, MsgType
-from maru.server.registry import Registry
-from maru.server.service import MaruService
+
+from .service_calls import call, make_service, ok
 
 MiB = 1 << 20
 
 
 @pytest.fixture
 def service(tmp_path):
-    registry = Registry(ShmPool(str(tmp_path / "pool"), 16 * MiB), TokenSigner(b"s" * 32))
-    svc = MaruService(registry, "tcp://127.0.0.1:0")
-    try:
-        yield svc
-    finally:
-        svc.close()
-
-
-def call(svc, msg_type, body, request_id=1):
-    header, reply = protocol.decode(svc.handle_frame(protocol.encode(msg_type, request_id, body)))
-    assert header.request_id == request_id
-    assert header.flags & protocol.FLAG_REPLY
-    return reply
-
-
-def ok(svc, msg_type, body):
-    reply = call(svc, msg_type, body)
-    assert reply["ok"], reply
-    return reply
+    svc = make_service(tmp_path, pool_mib=16)
+    yield svc
+    svc.close()
 
 
 def err(svc, msg_type, body) -> ErrorCode:

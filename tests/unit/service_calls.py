@@ -1,0 +1,33 @@
+"""In-process `MaruService` for unit tests: frames go through `handle_frame`, no socket."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from maru import protocol
+from maru.pool.backends import ShmPool
+from maru.pool.token import TokenSigner
+from maru.server.registry import Registry
+from maru.server.service import MaruService
+
+MiB = 1 << 20
+
+
+def make_service(tmp_path, pool_mib: int = 16, registry: Registry | None = None) -> MaruService:
+    if registry is None:
+        registry = Registry(ShmPool(str(tmp_path / "pool"), pool_mib * MiB), TokenSigner(b"s" * 32))
+    return MaruService(registry, "tcp://127.0.0.1:0")
+
+
+def call(svc: MaruService, msg_type: int, body: dict[str, Any], request_id: int = 7) -> dict:
+    """One request frame in, its reply out; the reply must echo the id and carry the flag."""
+    header, reply = protocol.decode(svc.handle_frame(protocol.encode(msg_type, request_id, body)))
+    assert header.request_id == request_id
+    assert header.flags & protocol.FLAG_REPLY
+    return reply
+
+
+def ok(svc: MaruService, msg_type: int, body: dict[str, Any]) -> dict:
+    reply = call(svc, msg_type, body)
+    assert reply["ok"], reply
+    return reply
