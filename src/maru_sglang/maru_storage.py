@@ -269,7 +269,6 @@ class MaruStorage(HiCacheStorage):
             log.error("batch_set_v1: %d host indices for %d keys", host_indices.numel(), n)
             return [False] * n
         page_bytes = self._page_bytes
-        sizes = self._part_sizes
         # The common case: one contiguous run of pages, registered in columnar form, piece
         # by piece: each piece's registration is in flight while the next piece is copied.
         run = self.handler.alloc_run(page_bytes, n)
@@ -288,12 +287,9 @@ class MaruStorage(HiCacheStorage):
             results = [ok for outcome in outcomes for ok in outcome()]
         else:  # no free run: page by page (new regions, eviction)
             handles = self.handler.batch_alloc([page_bytes] * n)
-            for handle, page_ptrs in zip(handles, zip(*columns)):
+            for i, handle in enumerate(handles):
                 if handle is not None:
-                    dst = handle.address
-                    for ptr, size in zip(page_ptrs, sizes):
-                        _memmove(dst, ptr, size)
-                        dst += size
+                    self._copy_in(handle.address, page_bytes, columns, i, i + 1)
             results = self.handler.batch_store(
                 self._keys(keys), handles=handles, lengths=[page_bytes] * n
             )
