@@ -1,5 +1,5 @@
 """Eviction, read leases, pins and the crash reaper, tested on the Registry directly (plus the
-few rules that live in MaruService.handle_frame): LRU order, what counts as use, what may never
+few rules that live in MaruService.handle_frame): eviction order, what counts as use, what may never
 be evicted, watermark arithmetic, evict-for-room in the caller's own regions, reclaiming the
 regions of departed owners, and the counters that report all of it."""
 
@@ -35,7 +35,7 @@ def make_registry(tmp_path, pool_mib=16, high=0.5, low=0.25, lease_seconds=10.0)
 
 def fill(reg: Registry, iid: str, region_id: int, names: list[str], size: int = MiB) -> None:
     """Register `names` back to back in `region_id`, size bytes each, one batch per key (so
-    LRU order is registration order and each register may trigger eviction)."""
+    eviction order is registration order and each register may trigger eviction)."""
     base = sum(1 for e in reg.keys.values() if e.region_id == region_id) * size
     for i, name in enumerate(names):
         status = reg.register(iid, [[name, region_id, base + i * size, size]])
@@ -49,7 +49,7 @@ def consistent(reg: Registry) -> None:
         assert region.live_keys == sum(1 for e in reg.keys.values() if e.region_id == rid)
     assert reg.pool.used == sum(r.length for r in reg.regions.values())
     for key, entry in reg.keys.items():
-        leased = sum(lease.keys.count(key) for lease in reg.leases.values())
+        leased = sum(lease.entries.count(entry) for lease in reg.leases.values())
         assert entry.leases == leased, key
 
 
@@ -58,7 +58,7 @@ def reg(tmp_path):
     return make_registry(tmp_path)
 
 
-# -- LRU order and what counts as use ---------------------------------------------------------
+# -- eviction order (CLOCK) and what counts as use --------------------------------------------
 
 
 def test_lru_evicts_oldest_first_down_to_low_watermark(reg):
@@ -84,9 +84,10 @@ def test_lookup_and_exists_count_as_use(reg):
     assert reg.exists(["k1", "nope"]) == [True, False]  # touch by exists
     assert reg.exists([b"k2"]) == [False]  # bytes and str are different keys
     fill(reg, "A", rid, ["k8"])
-    # evicted: five oldest *by use*: k2..k6; k0 and k1 were used after k7
-    assert sorted(reg.keys) == ["k0", "k1", "k7", "k8"]
-    assert list(reg.keys)[:2] == ["k7", "k0"]
+    # evicted: the five oldest not used since: k2..k6; k0 and k1 got a second chance (their
+    # CLOCK bits cleared, moved behind the newest key)
+    assert list(reg.keys) == ["k7", "k8", "k0", "k1"]
+    assert not any(e.referenced for e in reg.keys.values())
 
 
 def test_a_miss_and_a_pin_do_not_reorder(reg):
@@ -95,7 +96,8 @@ def test_a_miss_and_a_pin_do_not_reorder(reg):
     reg.lookup(["missing"])
     reg.pin(["k0"])
     reg.unpin(["k0"])
-    assert next(iter(reg.keys)) == "k0"  # pin/unpin are not reads: still the LRU candidate
+    assert next(iter(reg.keys)) == "k0"
+    assert not any(e.referenced for e in reg.keys.values())  # still the first candidate
 
 
 # -- never evicted: pinned, leased --------------------------------------------------------------
@@ -157,7 +159,7 @@ def test_leases_nest_and_release_is_idempotent(reg):
     first = reg.lease(["k", "missing"], "B")
     second = reg.lease(["k", "k"], None)  # a key twice in one batch is held twice
     assert first != second and reg.keys["k"].leases == 3
-    assert reg.leases[first].keys == ["k"]  # only keys that exist are held
+    assert reg.leases[first].entries == [reg.keys["k"]]  # only keys that exist are held
     assert reg.release([first, first, 999, "x", None]) == 1
     assert reg.keys["k"].busy and reg.delete(["k"]) == [DeleteStatus.PINNED]
     assert reg.release([second]) == 1
@@ -192,8 +194,12 @@ def test_lease_on_key_deleted_meanwhile_is_harmless(reg):
     lease_id = reg.lease(["k"], "B")
     reg.keys["k"].leases = 0  # simulate the key going (e.g. reaped owner + forced delete)
     assert reg.delete(["k"]) == [DeleteStatus.DELETED]
-    fill(reg, "A", rid, ["k"])  # re-registered under the same name
+    fill(reg, "A", rid, ["k"])  # re-registered under the same name: a new entry
+    new_lease = reg.lease(["k"], "B")
     assert reg.release([lease_id]) == 1
+    # the old lease held the old entry: the new entry's lease count is untouched
+    assert reg.keys["k"].leases == 1
+    assert reg.release([new_lease]) == 1
     assert reg.keys["k"].leases == 0  # never negative
 
 

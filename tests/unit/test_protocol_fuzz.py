@@ -146,8 +146,8 @@ def consistent(reg: Registry) -> None:
     for rid, region in reg.regions.items():
         assert region.live_keys == sum(1 for e in reg.keys.values() if e.region_id == rid)
     assert reg.pool.used == sum(r.length for r in reg.regions.values())
-    for key, entry in reg.keys.items():
-        assert entry.leases == sum(lease.keys.count(key) for lease in reg.leases.values())
+    for entry in reg.keys.values():
+        assert entry.leases == sum(lease.entries.count(entry) for lease in reg.leases.values())
         assert entry.pins >= 0
     for lease_id in (lid for inst in reg.instances.values() for lid in inst.leases):
         assert lease_id in reg.leases

@@ -8,8 +8,9 @@ Pure bookkeeping, no sockets and no page bytes, so every rule can be tested dire
   *and* no registered key still points into it;
 - page reuse: when a key in instance X's region disappears, X is told (the `freed` list
   piggy-backed on its next reply) so it can reuse those pages;
-- eviction: least-recently-used first (lookups and exists count as use), never a pinned key
-  and never a key under a read lease;
+- eviction: a CLOCK (second-chance) approximation of least-recently-used (a lookup or exists
+  hit sets a bit; eviction walks oldest first and gives a key with the bit set a second
+  chance), never a pinned key and never a key under a read lease;
 - crash safety: an instance that stops heart-beating is reaped (pins and leases released,
   regions returned); every change is written to the journal (if any) before it is answered.
 """
@@ -64,7 +65,7 @@ class Region:
 
 
 class KeyEntry:
-    __slots__ = ("leases", "length", "offset", "pins", "region_id")
+    __slots__ = ("leases", "length", "offset", "pins", "referenced", "region_id")
 
     def __init__(self, region_id: int, offset: int, length: int):
         self.region_id = region_id
@@ -72,6 +73,9 @@ class KeyEntry:
         self.length = length
         self.pins = 0
         self.leases = 0  # readers copying these bytes right now: not evictable or deletable
+        # CLOCK bit: set by a lookup / exists hit, cleared when eviction spares the key. A hit
+        # only sets it (no reordering of the key index: that costs cache misses at 10^6 keys).
+        self.referenced = False
 
     @property
     def busy(self) -> bool:
@@ -81,7 +85,7 @@ class KeyEntry:
 @dataclass
 class Lease:
     owner: str | None
-    keys: list[Key]
+    entries: list[KeyEntry]  # the entries held (not their keys: ending it needs no lookup)
     expires: float
 
 
@@ -139,7 +143,9 @@ class Registry:
         self.lease_seconds = lease_seconds
         self.instances: dict[str, Instance] = {}
         self.regions: dict[int, Region] = {}
-        self.keys: OrderedDict[Key, KeyEntry] = OrderedDict()  # LRU order: oldest first
+        # Oldest first: insertion order, except that a key eviction spared (its CLOCK bit
+        # was set) moves to the end. Lookups do not reorder it.
+        self.keys: OrderedDict[Key, KeyEntry] = OrderedDict()
         self.live_bytes = 0  # sum of registered key lengths
         self.leases: dict[int, Lease] = {}
         self._lease_expiry: list[tuple[float, int]] = []  # heap of (expires, lease_id)
@@ -484,16 +490,16 @@ class Registry:
         self, keys: list[Any], instance_id: str | None = None
     ) -> tuple[list[list[int] | None], list[RegionHandle]]:
         """Locations of `keys` (None for a miss) and the handles of the regions they live in.
-        A hit counts as use for LRU."""
+        A hit counts as use (sets the key's CLOCK bit)."""
         locations: list[list[int] | None] = []
         region_ids: set[int] = set()
-        get, touch = self.keys.get, self.keys.move_to_end
+        get = self.keys.get
         for key in keys:
             entry = get(key) if isinstance(key, (str, bytes)) else None
             if entry is None:
                 locations.append(None)
             else:
-                touch(key)
+                entry.referenced = True
                 locations.append([entry.region_id, entry.offset, entry.length])
                 region_ids.add(entry.region_id)
         hits = len(keys) - locations.count(None)
@@ -512,11 +518,11 @@ class Registry:
         """`lookup` (and, with `lease`, `lease`) in one pass over str/bytes keys, for LOOKUP_KV
         in columnar form: region ids, offsets and lengths (0, 0, 0 for a miss; region ids
         start at 1), the handles of those regions, and the lease id (0: none)."""
-        get, touch = self.keys.get, self.keys.move_to_end
+        get = self.keys.get
         region_ids: list[int] = []
         offsets: list[int] = []
         lengths: list[int] = []
-        held: list[Key] = []
+        held: list[KeyEntry] = []
         for key in keys:
             entry = get(key)
             if entry is None:
@@ -524,13 +530,13 @@ class Registry:
                 offsets.append(0)
                 lengths.append(0)
             else:
-                touch(key)
+                entry.referenced = True
                 region_ids.append(entry.region_id)
                 offsets.append(entry.offset)
                 lengths.append(entry.length)
                 if lease:
                     entry.leases += 1
-                    held.append(key)
+                    held.append(entry)
         misses = region_ids.count(0)
         hits = len(keys) - misses
         self.counters["lookups"] += len(keys)
@@ -548,14 +554,21 @@ class Registry:
     def lease(self, keys: list[Any], owner: str | None, seconds: float | None = None) -> int:
         """Hold the keys that exist against eviction and deletion until `release` or expiry
         (so a crashed reader cannot hold them forever). Returns the lease id (0: nothing)."""
-        held = [k for k in keys if isinstance(k, (str, bytes)) and k in self.keys]
+        get = self.keys.get
+        held = [
+            entry
+            for entry in (get(k) if isinstance(k, (str, bytes)) else None for k in keys)
+            if entry is not None
+        ]
         if not held:
             return 0
-        for key in held:
-            self.keys[key].leases += 1
+        for entry in held:
+            entry.leases += 1
         return self._add_lease(held, owner, seconds)
 
-    def _add_lease(self, held: list[Key], owner: str | None, seconds: float | None = None) -> int:
+    def _add_lease(
+        self, held: list[KeyEntry], owner: str | None, seconds: float | None = None
+    ) -> int:
         """Record a lease on `held`, whose `leases` counts the caller already raised."""
         lease_id = next(self._lease_ids)
         expires = time.monotonic() + (self.lease_seconds if seconds is None else seconds)
@@ -573,9 +586,10 @@ class Registry:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return False
-        for key in lease.keys:
-            entry = self.keys.get(key)
-            if entry is not None and entry.leases > 0:
+        # The entries themselves, not a lookup by key: no dict probe per key, and a key
+        # dropped and registered again (a new entry) is not touched by the old entry's lease.
+        for entry in lease.entries:
+            if entry.leases > 0:
                 entry.leases -= 1
         inst = self.instances.get(lease.owner) if lease.owner else None
         if inst is not None:
@@ -593,14 +607,16 @@ class Registry:
         return expired
 
     def exists(self, keys: list[Any], instance_id: str | None = None) -> list[bool]:
-        """Membership; a hit counts as use for LRU (SGLang asks before it prefetches)."""
+        """Membership; a hit counts as use, like a lookup (SGLang asks before it prefetches)."""
         out = []
-        keys_map, touch = self.keys, self.keys.move_to_end
+        get = self.keys.get
         for k in keys:
-            hit = isinstance(k, (str, bytes)) and k in keys_map
-            if hit:
-                touch(k)
-            out.append(hit)
+            entry = get(k) if isinstance(k, (str, bytes)) else None
+            if entry is None:
+                out.append(False)
+            else:
+                entry.referenced = True
+                out.append(True)
         hits = out.count(True)
         counters = self.counters
         counters["exists"] += len(out)
@@ -686,20 +702,24 @@ class Registry:
 
     def list_keys(self, prefix: Any = None, limit: int = 100) -> tuple[list[list[Any]], bool]:
         """Up to `limit` keys starting with `prefix` (every key when it is None or empty), most
-        recently used first, as [key, length, owner instance]; and whether more keys matched.
-        Walks the registry until limit + 1 matches: an operator action (`maru keys`), not hot."""
+        recently used first as far as CLOCK knows (the reverse of eviction order: keys used
+        since eviction last looked at them, then the others, each newest first), as
+        [key, length, owner instance]; and whether more keys matched. Walks the registry (at
+        most twice) until limit + 1 matches: an operator action (`maru keys`), not hot."""
         if prefix is not None and not isinstance(prefix, (str, bytes)):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "prefix must be a str or bytes")
         out: list[list[Any]] = []
         keys, regions = self.keys, self.regions
-        for key in reversed(keys):
-            if prefix and not (type(key) is type(prefix) and key.startswith(prefix)):
-                continue
-            if len(out) >= limit:
-                return out, True
-            entry = keys[key]
-            region = regions.get(entry.region_id)
-            out.append([key, entry.length, region.owner if region is not None else ""])
+        for referenced in (True, False):
+            for key, entry in reversed(keys.items()):
+                if entry.referenced is not referenced:
+                    continue
+                if prefix and not (type(key) is type(prefix) and key.startswith(prefix)):
+                    continue
+                if len(out) >= limit:
+                    return out, True
+                region = regions.get(entry.region_id)
+                out.append([key, entry.length, region.owner if region is not None else ""])
         return out, False
 
     def _drop_keys(self, victims: dict[Key, KeyEntry]) -> None:
@@ -729,20 +749,49 @@ class Registry:
     # -- eviction ----------------------------------------------------------------------------
 
     def _evict(
-        self, want_bytes: int, accept: Any = None, reason: str = "", protect: Any = ()
+        self,
+        want_bytes: int,
+        accept: Any = None,
+        reason: str = "",
+        protect: Any = (),
+        second_chance: bool = True,
     ) -> int:
-        """Evict least-recently-used idle keys (optionally only those `accept(entry)` likes,
-        never those in `protect`) until `want_bytes` are freed; returns the bytes freed. One
-        log line per round."""
+        """Evict idle keys (optionally only those `accept(entry)` likes, never those in
+        `protect`), oldest first, until `want_bytes` are freed; returns the bytes freed. One
+        log line per round.
+
+        CLOCK, an approximation of least-recently-used: a candidate whose `referenced` bit is
+        set (a lookup or exists hit since eviction last looked at it) gets a second chance
+        instead: its bit is cleared and it moves to the newest end of the index. When a pass
+        frees too little and spared some keys, a second pass goes on (those keys now have
+        their bits cleared), so eviction makes progress even when every candidate was used;
+        at most two passes. `second_chance=False`: evict in index order, ignoring the bits."""
         freed = 0
         victims: dict[Key, KeyEntry] = {}
-        for key, entry in self.keys.items():
-            if freed >= want_bytes:
+        keys = self.keys
+        for _ in range(2):
+            spared: list[Key] = []
+            for key, entry in keys.items():
+                if freed >= want_bytes:
+                    break
+                if (
+                    entry.busy
+                    or (accept is not None and not accept(entry))
+                    or key in protect
+                    or key in victims
+                ):
+                    continue
+                if entry.referenced and second_chance:
+                    entry.referenced = False
+                    spared.append(key)
+                    continue
+                victims[key] = entry
+                freed += entry.length
+            move_to_end = keys.move_to_end
+            for key in spared:  # after the walk: an OrderedDict must not change under it
+                move_to_end(key)
+            if freed >= want_bytes or not spared:
                 break
-            if entry.busy or (accept is not None and not accept(entry)) or key in protect:
-                continue
-            victims[key] = entry
-            freed += entry.length
         per_owner: Counter = Counter()
         for entry in victims.values():
             per_owner[self.regions[entry.region_id].owner] += 1
@@ -783,7 +832,7 @@ class Registry:
 
     def evict_for(self, instance_id: str, want_bytes: int) -> int:
         """Make room in the caller's own regions (its store found no free pages and the pool
-        has no region to give): evict the LRU idle keys that live there."""
+        has no region to give): evict the idle keys that live there, in CLOCK order."""
         inst = self.instance(instance_id)
         if not isinstance(want_bytes, int) or want_bytes <= 0:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "bytes must be a positive integer")
@@ -794,24 +843,29 @@ class Registry:
 
     def _evict_orphans(self, want_region_bytes: int) -> bool:
         """Free one returned region (owner gone) by evicting all of its keys; True if one was
-        freed. Regions are tried in the LRU order of their keys; a region holding a pinned or
-        leased key cannot be freed and is left alone. (Evicting `want_region_bytes` in plain
-        LRU order over all orphans is not enough: when their keys interleave, it frees none.)
-        The caller retries its allocation after each freed region."""
+        freed. Regions are tried in the order eviction would reach their keys (by their oldest
+        key without the CLOCK bit; regions whose keys all have it set last); a region holding
+        a pinned or leased key cannot be freed and is left alone. (Evicting
+        `want_region_bytes` in eviction order over all orphans is not enough: when their keys
+        interleave, it frees none.) The caller retries its allocation after each freed region."""
         orphans = {r.region_id for r in self.regions.values() if r.returned}
-        order: dict[int, None] = {}  # orphan regions, by their least recently used key
+        order: dict[int, None] = {}  # orphan regions, by their oldest key without the bit
+        used: dict[int, None] = {}  # ... and by their oldest key with it
         busy: set[int] = set()
         for entry in self.keys.values():
             if entry.region_id in orphans:
-                order.setdefault(entry.region_id, None)
+                (used if entry.referenced else order).setdefault(entry.region_id, None)
                 if entry.busy:
                     busy.add(entry.region_id)
+        for region_id in used:
+            order.setdefault(region_id, None)
         for region_id in order:
             if region_id not in busy:
-                self._evict(
+                self._evict(  # the whole region goes: no second chances
                     1 << 62,
                     lambda e, rid=region_id: e.region_id == rid,
                     reason=f"reclaiming orphaned region {region_id}",
+                    second_chance=False,
                 )
                 if region_id not in self.regions:
                     return True
