@@ -95,6 +95,7 @@ class MaruConfig:
     eager_map: bool = True
     auto_expand: bool = True
     expand_size: int | None = None
+    local_socket: bool = True  # RPCs over the server's Unix socket when it offers one
 
     def __post_init__(self) -> None:
         self.validate()
@@ -123,7 +124,7 @@ class MaruConfig:
             )
         self.timeout_ms = parse_positive_int(self.timeout_ms, name="timeout_ms")
         self.max_inflight = parse_positive_int(self.max_inflight, name="max_inflight")
-        for name in ("auto_connect", "use_async_rpc", "eager_map", "auto_expand"):
+        for name in ("auto_connect", "use_async_rpc", "eager_map", "auto_expand", "local_socket"):
             setattr(self, name, parse_bool(getattr(self, name), name=name))
         if self.expand_size is not None:
             self.expand_size = parse_size(self.expand_size, name="expand_size")

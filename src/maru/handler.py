@@ -211,6 +211,8 @@ class MaruHandler:
                 "known_regions": known,
             },
         )
+        if self.config.local_socket:
+            self._rpc.use_local_socket(reply.get("local_socket"))
         used = {rid: extents for rid, extents in reply.get("used", ())}
         self._heartbeat_interval = float(reply.get("heartbeat_interval", 5.0))
         still_owned = {h.region_id: h for h in map(RegionHandle.from_wire, reply["regions"])}

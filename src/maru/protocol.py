@@ -1,6 +1,8 @@
 """Wire format shared by client and server.
 
-One ZMQ frame per message: a fixed 16-byte header followed by a msgpack map.
+One ZMQ frame per message: a fixed 16-byte header followed by a msgpack map. On the server's
+local Unix socket (same messages, a byte stream) each frame is preceded by its length as a
+4-byte big-endian integer (`stream_prefix`, `StreamReader`).
 
     magic  b"MARU"   4 bytes
     version          1 byte   (PROTOCOL_VERSION)
@@ -24,6 +26,7 @@ import msgpack
 MAGIC = b"MARU"
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("!4sBBHQ")
+STREAM_LENGTH = struct.Struct("!I")  # frame length on a stream transport
 FLAG_REPLY = 0x1
 
 MAX_KEY_BYTES = 1024
@@ -145,3 +148,56 @@ def decode(frame: bytes) -> tuple[Header, dict[str, Any]]:
     if not isinstance(body, dict):
         raise ProtocolError(ErrorCode.BAD_FRAME, "body must be a msgpack map")
     return header, body
+
+
+def stream_prefix(frame: bytes) -> bytes:
+    """The length prefix that precedes `frame` on a stream transport."""
+    return STREAM_LENGTH.pack(len(frame))
+
+
+class StreamReader:
+    """Cuts a byte stream into frames. `feed` bytes as they arrive, then take the complete
+    frames from `frames()`. A length above MAX_FRAME_BYTES is a ProtocolError: the stream
+    cannot be resynchronised after it, so the caller closes the connection."""
+
+    __slots__ = ("_buffer",)
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self._buffer += data
+
+    def frames(self, limit: int | None = None) -> list[bytes]:
+        """The complete frames buffered (at most `limit`; the rest stay for the next call)."""
+        out: list[bytes] = []
+        buffer = self._buffer
+        start, size = 0, len(buffer)
+        prefix = STREAM_LENGTH.size
+        while size - start >= prefix and (limit is None or len(out) < limit):
+            (length,) = STREAM_LENGTH.unpack_from(buffer, start)
+            if length > MAX_FRAME_BYTES + HEADER.size:
+                raise ProtocolError(
+                    ErrorCode.BAD_FRAME, f"frame of {length} bytes exceeds the limit"
+                )
+            end = start + prefix + length
+            if end > size:
+                break
+            out.append(bytes(buffer[start + prefix : end]))
+            start = end
+        if start:
+            del buffer[:start]
+        return out
+
+    def has_frame(self) -> bool:
+        """Whether a complete frame is buffered."""
+        buffer = self._buffer
+        if len(buffer) < STREAM_LENGTH.size:
+            return False
+        (length,) = STREAM_LENGTH.unpack_from(buffer)
+        return len(buffer) >= STREAM_LENGTH.size + length
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet returned as frames."""
+        return len(self._buffer)

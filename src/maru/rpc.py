@@ -1,17 +1,25 @@
-"""The one RPC client: DEALER sockets speaking `maru.protocol` to the server's ROUTER.
+"""The one RPC client: requests in `maru.protocol` frames to the server, replies matched by id.
 
-Each thread gets its own DEALER socket (ZMQ sockets are not thread-safe), so SGLang's backup,
-prefetch and scheduler threads never serialise on a lock. On a socket, requests carry ids:
+Two transports carry the same frames. ZMQ (a DEALER socket to the server's ROUTER, the
+`server_url`) always works and bootstraps the connection. The server also listens on a Unix
+socket and names it in the HANDSHAKE reply; once told, each thread sends its requests there
+instead: a round trip on a plain Unix socket costs a fraction of one through ZMQ's I/O threads
+(see docs/performance.md). If that socket cannot be reached (another network namespace, say),
+requests keep going over ZMQ.
+
+Each thread gets its own channel (ZMQ sockets are not thread-safe), so SGLang's backup,
+prefetch and scheduler threads never serialise on a lock. On a channel, requests carry ids:
 `submit` sends without waiting (at most `max_inflight` outstanding), `call` is submit + wait.
 Every wait has a deadline: a dead server yields `MaruConnectionError`, never a hang. ZMQ
-reconnects by itself after a server restart; replies that arrive after their caller gave up are
-recognised by id and dropped.
+reconnects by itself after a server restart, a Unix socket channel on the next request;
+replies that arrive after their caller gave up are recognised by id and dropped.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +33,7 @@ from maru.errors import MaruConnectionError, MaruServerError
 log = logging.getLogger(__name__)
 
 ReplyHook = Callable[[dict[str, Any]], None]
+RECV_BYTES = 1 << 18  # one recv on the Unix socket; replies are metadata, rarely larger
 
 
 class PendingReply:
@@ -52,67 +61,54 @@ class PendingReply:
 
 
 class _Channel:
-    """One thread's socket and its outstanding requests."""
+    """One thread's connection and its outstanding requests; subclasses move the frames."""
 
-    def __init__(self, client: RpcClient):
+    def __init__(self, client: RpcClient, where: str):
         self.client = client
-        sock = client.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # don't queue requests for a server that isn't there
-        sock.setsockopt(zmq.SNDTIMEO, client.timeout_ms)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        sock.setsockopt(zmq.RCVTIMEO, client.timeout_ms)
-        sock.connect(client.url)
-        self.sock = sock
-        self._rcvtimeo = client.timeout_ms  # the socket's current RCVTIMEO
+        self.where = where  # for error messages
         self.pending: dict[int, PendingReply] = {}
+
+    def _send(self, frame: bytes) -> None:
+        raise NotImplementedError
+
+    def _receive(self, timeout_ms: int) -> list[bytes]:
+        """The frames that arrive within `timeout_ms` (possibly none)."""
+        raise NotImplementedError
 
     def submit(self, msg_type: int, body: dict[str, Any]) -> PendingReply:
         while len(self.pending) >= self.client.max_inflight:
             oldest = next(iter(self.pending.values()))
             self.wait_for(oldest, None)
         request_id = next(self.client.request_ids)
-        frame = protocol.encode(msg_type, request_id, body)
-        try:
-            self.sock.send(frame, copy=len(frame) < 65536)
-        except zmq.Again:
-            raise MaruConnectionError(
-                f"maru-server at {self.client.url} is not reachable (send timed out after "
-                f"{self.client.timeout_ms} ms)"
-            ) from None
+        self._send(protocol.encode(msg_type, request_id, body))
         pending = PendingReply(self, request_id, msg_type)
         self.pending[request_id] = pending
         return pending
 
     def wait_for(self, target: PendingReply, timeout_ms: int | None) -> None:
-        # One blocking recv per reply, bounded by RCVTIMEO (a poll, then non-blocking recvs
-        # until zmq.Again, cost three calls and an exception per reply).
         timeout = self.client.timeout_ms if timeout_ms is None else timeout_ms
         deadline = time.monotonic() + timeout / 1000.0
-        sock = self.sock
         while target.body is None:
+            if target.request_id not in self.pending:  # the connection was lost under it
+                raise MaruConnectionError(
+                    f"connection to maru-server at {self.where} lost before the reply "
+                    f"({protocol.MsgType(target._msg_type).name})"
+                )
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
                 self.pending.pop(target.request_id, None)
                 raise MaruConnectionError(
-                    f"no reply from maru-server at {self.client.url} within {timeout} ms "
+                    f"no reply from maru-server at {self.where} within {timeout} ms "
                     f"({protocol.MsgType(target._msg_type).name})"
                 )
-            if abs(self._rcvtimeo - remaining_ms) > 5 + remaining_ms // 20:
-                sock.setsockopt(zmq.RCVTIMEO, remaining_ms)
-                self._rcvtimeo = remaining_ms
-            try:
-                frame = sock.recv(copy=True)
-            except zmq.Again:
-                continue  # RCVTIMEO passed: the deadline check above decides
-            self._accept(frame)
+            for frame in self._receive(remaining_ms):
+                self._accept(frame)
 
     def _accept(self, frame: bytes) -> None:
         try:
             header, body = protocol.decode(frame)
         except protocol.ProtocolError as exc:
-            log.warning("dropping undecodable reply from %s: %s", self.client.url, exc)
+            log.warning("dropping undecodable reply from %s: %s", self.where, exc)
             return
         # The hook runs even for a reply whose caller already timed out: it may carry
         # `freed` pages that the server hands out only once (lost, they would stay
@@ -124,7 +120,146 @@ class _Channel:
             pending.body = body
 
     def close(self) -> None:
+        raise NotImplementedError
+
+
+class _ZmqChannel(_Channel):
+    def __init__(self, client: RpcClient):
+        super().__init__(client, client.url)
+        sock = client.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # don't queue requests for a server that isn't there
+        sock.setsockopt(zmq.SNDTIMEO, client.timeout_ms)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.setsockopt(zmq.RCVTIMEO, client.timeout_ms)
+        sock.connect(client.url)
+        self.sock = sock
+        self._rcvtimeo = client.timeout_ms  # the socket's current RCVTIMEO
+
+    def _send(self, frame: bytes) -> None:
+        try:
+            self.sock.send(frame, copy=len(frame) < 65536)
+        except zmq.Again:
+            raise MaruConnectionError(
+                f"maru-server at {self.where} is not reachable (send timed out after "
+                f"{self.client.timeout_ms} ms)"
+            ) from None
+
+    def _receive(self, timeout_ms: int) -> list[bytes]:
+        # One blocking recv bounded by RCVTIMEO (a poll, then non-blocking recvs until
+        # zmq.Again, cost three calls and an exception per reply).
+        if abs(self._rcvtimeo - timeout_ms) > 5 + timeout_ms // 20:
+            self.sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+            self._rcvtimeo = timeout_ms
+        try:
+            return [self.sock.recv(copy=True)]
+        except zmq.Again:
+            return []
+
+    def close(self) -> None:
         self.sock.close(linger=0)
+
+
+class _LocalChannel(_Channel):
+    """The server's Unix socket: length-prefixed frames on a byte stream. When the connection
+    breaks (server restart), the requests in flight fail at once and the next request
+    reconnects; while that fails, the client falls back to ZMQ."""
+
+    def __init__(self, client: RpcClient, address: str):
+        super().__init__(client, address)
+        self.address = address
+        self.sock: socket.socket | None = None
+        self.reader = protocol.StreamReader()
+        self._timeout_ms = 0  # the socket's current timeout (settimeout costs a syscall)
+
+    def _set_timeout(self, sock: socket.socket, timeout_ms: int) -> None:
+        if abs(self._timeout_ms - timeout_ms) > 5 + timeout_ms // 20:
+            sock.settimeout(timeout_ms / 1000)
+            self._timeout_ms = timeout_ms
+
+    def connected(self) -> bool:
+        """True if connected, after one connection attempt if not (immediate on a Unix
+        socket: refused or not)."""
+        if self.sock is not None:
+            return True
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.client.timeout_ms / 1000)
+            self._timeout_ms = self.client.timeout_ms
+            sock.connect(unix_address(self.address))
+        except OSError as exc:
+            sock.close()
+            self.client.local_unreachable(self.address, exc)
+            return False
+        self.sock = sock
+        self.reader = protocol.StreamReader()
+        return True
+
+    def _lost(self, why: str) -> None:
+        log.info("local socket %s to maru-server closed (%s)", self.address, why)
+        if self.sock is not None:
+            self.sock.close()
+        self.sock = None
+        self.pending.clear()  # their waiters raise MaruConnectionError
+
+    def _send(self, frame: bytes) -> None:
+        # A connection the server closed (it restarted) fails on send, before delivering
+        # anything: reconnect once and resend. If that fails too, the caller uses ZMQ.
+        data = protocol.stream_prefix(frame) + frame
+        for _attempt in range(2):
+            if not self.connected():
+                break
+            assert self.sock is not None
+            try:
+                self._set_timeout(self.sock, self.client.timeout_ms)
+                self.sock.sendall(data)
+                return
+            except TimeoutError:  # a partial frame would desynchronise the stream: drop it
+                self._lost("send timed out")
+                raise MaruConnectionError(
+                    f"maru-server at {self.where} did not take a request within "
+                    f"{self.client.timeout_ms} ms"
+                ) from None
+            except OSError as exc:
+                self._lost(f"send failed: {exc}")
+        raise LocalSocketUnavailable(self.address)
+
+    def _receive(self, timeout_ms: int) -> list[bytes]:
+        if self.sock is None:
+            self.pending.clear()
+            return []
+        try:
+            self._set_timeout(self.sock, timeout_ms)
+            data = self.sock.recv(RECV_BYTES)
+        except TimeoutError:
+            return []
+        except OSError as exc:
+            self._lost(f"receive failed: {exc}")
+            return []
+        if not data:
+            self._lost("closed by the server")
+            return []
+        self.reader.feed(data)
+        try:
+            return self.reader.frames()
+        except protocol.ProtocolError as exc:
+            self._lost(str(exc))
+            return []
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+class LocalSocketUnavailable(Exception):
+    """The Unix socket cannot take a request now; `RpcClient` sends it over ZMQ instead."""
+
+
+def unix_address(address: str) -> str:
+    """A Unix socket address as `socket` takes it: "@name" is Linux's abstract namespace."""
+    return "\0" + address[1:] if address.startswith("@") else address
 
 
 class RpcClient:
@@ -142,24 +277,66 @@ class RpcClient:
         self.reply_hook = reply_hook
         self.context = zmq.Context.instance()
         self.request_ids = itertools.count(1)
+        self.local_address: str | None = None  # the server's Unix socket, once it named one
+        self._unreachable_logged: set[str] = set()
         self._local = threading.local()
         self._channels: list[_Channel] = []
         self._channels_lock = threading.Lock()
         self._closed = False
 
-    def _channel(self) -> _Channel:
-        channel = getattr(self._local, "channel", None)
+    def use_local_socket(self, address: str | None) -> None:
+        """Send later requests over the server's Unix socket at `address` (None: ZMQ only)."""
+        if address != self.local_address:
+            log.debug("maru-server local socket: %s", address)
+        self.local_address = address
+
+    def local_unreachable(self, address: str, exc: OSError) -> None:
+        if address not in self._unreachable_logged:
+            self._unreachable_logged.add(address)
+            log.info(
+                "maru-server's local socket %s is not reachable from here (%s); "
+                "using %s (slower round trips)",
+                address,
+                exc,
+                self.url,
+            )
+
+    def _register(self, channel: _Channel) -> None:
+        if self._closed:
+            channel.close()
+            raise MaruConnectionError("RPC client is closed")
+        with self._channels_lock:
+            self._channels.append(channel)
+
+    def _zmq_channel(self) -> _Channel:
+        channel = getattr(self._local, "zmq", None)
         if channel is None:
-            if self._closed:
-                raise MaruConnectionError("RPC client is closed")
-            channel = _Channel(self)
-            self._local.channel = channel
-            with self._channels_lock:
-                self._channels.append(channel)
+            channel = _ZmqChannel(self)
+            self._register(channel)
+            self._local.zmq = channel
         return channel
 
+    def _channel(self) -> _Channel:
+        """This thread's channel: the Unix socket if the server named one and it connects."""
+        address = self.local_address
+        if address is not None:
+            local = getattr(self._local, "local", None)
+            if local is None or local.address != address:
+                if local is not None:
+                    local.close()
+                local = _LocalChannel(self, address)
+                self._register(local)
+                self._local.local = local
+            if local.connected():
+                return local
+        return self._zmq_channel()
+
     def submit(self, msg_type: int, body: dict[str, Any]) -> PendingReply:
-        return self._channel().submit(msg_type, body)
+        channel = self._channel()
+        try:
+            return channel.submit(msg_type, body)
+        except LocalSocketUnavailable:
+            return self._zmq_channel().submit(msg_type, body)
 
     def call(
         self, msg_type: int, body: dict[str, Any], timeout_ms: int | None = None

@@ -104,3 +104,31 @@ def test_random_garbage_only_ever_raises_protocol_error():
             assert exc.code == ErrorCode.BAD_FRAME
         else:
             assert isinstance(body, dict)
+
+
+def test_stream_reader_cuts_frames_across_arbitrary_reads():
+    frames = [protocol.encode(MsgType.EXISTS, i, {"keys": ["k" * i]}) for i in range(1, 6)]
+    stream = b"".join(protocol.stream_prefix(f) + f for f in frames)
+    reader = protocol.StreamReader()
+    got = []
+    for i in range(0, len(stream), 7):  # 7-byte reads split prefixes and bodies
+        reader.feed(stream[i : i + 7])
+        got += reader.frames()
+    assert got == frames and reader.buffered == 0 and not reader.has_frame()
+
+
+def test_stream_reader_limit_leaves_the_rest_buffered():
+    frame = protocol.encode(MsgType.HEARTBEAT, 1, {})
+    reader = protocol.StreamReader()
+    reader.feed((protocol.stream_prefix(frame) + frame) * 3)
+    assert reader.frames(2) == [frame, frame]
+    assert reader.has_frame()
+    assert reader.frames() == [frame] and not reader.has_frame()
+
+
+def test_stream_reader_refuses_an_impossible_length():
+    reader = protocol.StreamReader()
+    reader.feed(protocol.STREAM_LENGTH.pack(protocol.MAX_FRAME_BYTES + protocol.HEADER.size + 1))
+    with pytest.raises(protocol.ProtocolError) as exc:
+        reader.frames()
+    assert exc.value.code == protocol.ErrorCode.BAD_FRAME

@@ -78,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: text)",
     )
     p.add_argument(
+        "--local-socket",
+        default="auto",
+        help="Unix socket for clients on this node, beside the TCP port (faster round trips; "
+        "clients learn it at handshake and fall back to TCP if they cannot reach it): 'auto' "
+        "(an abstract socket named after the endpoint), '@name' (abstract), a file path "
+        "(e.g. in a directory shared with containers), or 'none' (default: auto)",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -241,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             f"tcp://{args.host}:{args.port}",
             journal=journal,
             heartbeat_timeout=args.heartbeat_timeout,
+            local_socket=args.local_socket,
         )
     except (OSError, ValueError, KeyError, RuntimeError, zmq.ZMQError) as exc:
         print(f"maru-server: cannot start: {exc}", file=sys.stderr)

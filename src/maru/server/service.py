@@ -26,6 +26,7 @@ from maru.protocol import (
     ProtocolError,
 )
 from maru.server.journal import Journal
+from maru.server.local_socket import LocalSocketServer, local_address
 from maru.server.registry import Registry, check_key
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,12 @@ class MaruService:
         *,
         journal: Journal | None = None,
         heartbeat_timeout: float = 15.0,
+        local_socket: str | None = "auto",
     ):
+        """`local_socket`: where to listen for clients on this node besides `bind_url`
+        (`maru.server.local_socket.local_address`: "auto", "none", "@name" or a path). With
+        "auto", a name already taken only costs the speed-up (logged); an explicit address
+        that cannot be bound is an error."""
         self.registry = registry
         self.bind_url = bind_url
         self.journal = journal
@@ -121,6 +127,16 @@ class MaruService:
         self.socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES + protocol.HEADER.size)
         self.socket.bind(bind_url)
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.local: LocalSocketServer | None = None
+        address = local_address(local_socket, self.endpoint)
+        if address is not None:
+            try:
+                self.local = LocalSocketServer(address)
+            except OSError as exc:
+                if local_socket != "auto":
+                    self.socket.close(linger=0)
+                    raise OSError(f"cannot listen on --local-socket {address}: {exc}") from exc
+                log.warning("no local socket (%s): clients use %s only", exc, self.endpoint)
 
     # -- handlers ----------------------------------------------------------------------------
 
@@ -140,6 +156,8 @@ class MaruService:
             "regions": [h.to_wire() for h in regions],
             "heartbeat_interval": self.heartbeat_timeout / 3,
         }
+        if self.local is not None:
+            reply["local_socket"] = self.local.address
         if regions and body.get("known_regions") != [h.region_id for h in regions]:
             # The caller does not hold the page map of these regions (a new process reusing
             # an instance id): tell it which bytes registered keys occupy.
@@ -258,6 +276,9 @@ class MaruService:
         stats["started_at"] = self.started_at
         stats["uptime_seconds"] = round(time.monotonic() - self._started_monotonic, 3)
         stats["metrics_url"] = self.metrics_url
+        local = self.local
+        stats["local_socket"] = local.address if local is not None else None
+        stats["local_connections"] = len(local.connections) if local is not None else 0
         stats["latency_buckets"] = list(LATENCY_BUCKETS)
         stats["operations"] = {
             self._op_names[t]: {
@@ -324,20 +345,25 @@ class MaruService:
 
     def serve_forever(self, poll_ms: int = 200) -> None:
         log.info(
-            "maru-server listening on %s (pool %s, %d bytes)",
+            "maru-server listening on %s%s (pool %s, %d bytes)",
             self.endpoint,
+            f" and {self.local.address}" if self.local is not None else "",
             self.registry.pool.name,
             self.registry.pool.capacity,
         )
         sock = self.socket
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if self.local is not None:
+            self.local.attach(poller)
         while not self._stop.is_set():
             before = time.monotonic()
-            ready = sock.poll(poll_ms, zmq.POLLIN)
+            events = dict(poller.poll(poll_ms))
             self._forgive_stall(time.monotonic() - before - poll_ms / 1000)
             # Requests first, then housekeeping, so that the heartbeats queued during a stall
             # count before the reaper judges who is silent. A burst is bounded so that
             # housekeeping still runs under constant load.
-            for _ in range(1024 if ready else 0):
+            for _ in range(1024 if events.get(sock) else 0):
                 try:
                     parts = sock.recv_multipart(zmq.NOBLOCK, copy=True)
                 except zmq.Again:
@@ -353,6 +379,8 @@ class MaruService:
                     sock.send_multipart([parts[0], reply], zmq.NOBLOCK)
                 except zmq.ZMQError as exc:  # peer vanished; nothing to do
                     log.debug("reply dropped: %s", exc)
+            if self.local is not None and events:
+                self.local.serve(events, self.handle_frame)
             self.housekeeping()
         log.info("maru-server stopping")
 
@@ -385,5 +413,7 @@ class MaruService:
 
     def close(self) -> None:
         self.socket.close(linger=0)
+        if self.local is not None:
+            self.local.close()
         if self.journal is not None:
             self.journal.close()

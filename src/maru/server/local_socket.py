@@ -1,0 +1,208 @@
+"""The server's Unix socket: the same request frames as the ROUTER socket, for clients on this
+node, without ZMQ's I/O threads in the round trip.
+
+Every Maru client runs on the server's node (it maps the pool), so a Unix socket reaches it.
+A request round trip over ZMQ wakes four threads (each side's I/O thread and caller); over a
+plain socket, two. The HANDSHAKE reply names this socket; clients that cannot reach it (another
+network namespace, no shared directory) stay on ZMQ.
+
+Frames are length-prefixed on the stream (`maru.protocol.StreamReader`). Sockets are
+non-blocking and replies are buffered per connection, so a client that stops reading stalls
+only itself: past `OUT_LIMIT` buffered bytes its requests are not read until it catches up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from maru import protocol
+from maru.rpc import unix_address
+
+log = logging.getLogger(__name__)
+
+RECV_BYTES = 1 << 18
+FRAMES_PER_WAKEUP = 256  # requests served from one connection before the others get a turn
+OUT_LIMIT = 64 << 20  # buffered reply bytes past which a connection's requests wait
+
+
+def local_address(spec: str | None, endpoint: str) -> str | None:
+    """The address to listen on for `--local-socket spec`: "auto" names an abstract socket
+    after the ZMQ endpoint (unique on this node, like the TCP port), "none" disables it,
+    "@name" is an abstract name, anything else a filesystem path."""
+    if spec is None or spec.lower() in ("", "none", "off"):
+        return None
+    if spec == "auto":
+        return f"@maru:{endpoint}"
+    return spec
+
+
+class _Connection:
+    __slots__ = ("fd", "out", "reader", "sock", "want")
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.reader = protocol.StreamReader()
+        self.out = bytearray()
+        self.want = zmq.POLLIN  # what the poller watches for
+
+
+class LocalSocketServer:
+    """Listens on `address`; `attach` its sockets to the RPC loop's poller and hand each
+    poll's events to `serve`."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self._path = None if address.startswith("@") else address
+        if self._path is not None:
+            _remove_stale_socket(self._path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(unix_address(address))
+            listener.listen(128)
+        except OSError:
+            listener.close()
+            raise
+        listener.setblocking(False)
+        self.listener = listener
+        self.connections: dict[int, _Connection] = {}  # by file descriptor
+        self._poller: zmq.Poller | None = None
+
+    def attach(self, poller: zmq.Poller) -> None:
+        self._poller = poller
+        poller.register(self.listener, zmq.POLLIN)
+        for conn in self.connections.values():
+            poller.register(conn.sock, conn.want)
+
+    def serve(self, events: dict[Any, int], handle: Callable[[bytes], bytes]) -> None:
+        """Accept, read, answer and flush whatever `events` (one poll's result; zmq.Poller
+        reports plain sockets by file descriptor) says is ready. Never raises for a client's
+        misbehaviour: the connection is closed instead."""
+        if events.get(self.listener.fileno()):
+            # A new connection may already hold requests (sent while this process was
+            # stopped, say): read it now, before housekeeping judges who is silent.
+            events = {**events, **dict.fromkeys(self._accept(), zmq.POLLIN)}
+        for fd, conn in list(self.connections.items()):
+            flags = events.get(fd)
+            if not flags:
+                continue
+            if flags & zmq.POLLIN and not self._receive(conn):
+                continue
+            try:
+                backlogged = len(conn.out) > OUT_LIMIT
+                frames = [] if backlogged else conn.reader.frames(FRAMES_PER_WAKEUP)
+            except protocol.ProtocolError as exc:
+                # The stream cannot be resynchronised: answer once, then hang up.
+                reply = protocol.encode_error(0, 0, exc.code, str(exc))
+                conn.out += protocol.stream_prefix(reply) + reply
+                self._flush(conn)
+                self._close(conn, str(exc))
+                continue
+            for frame in frames:
+                reply = handle(frame)
+                conn.out += protocol.stream_prefix(reply)
+                conn.out += reply
+            if fd in self.connections:
+                self._flush(conn)
+
+    def _accept(self) -> list[int]:
+        """Accept waiting connections; returns their file descriptors."""
+        accepted: list[int] = []
+        for _ in range(64):
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:  # e.g. EMFILE: leave it queued, say why
+                log.warning("local socket: accept failed: %s", exc)
+                break
+            sock.setblocking(False)
+            conn = _Connection(sock)
+            self.connections[conn.fd] = conn
+            accepted.append(conn.fd)
+            if self._poller is not None:
+                self._poller.register(sock, conn.want)
+        return accepted
+
+    def _receive(self, conn: _Connection) -> bool:
+        """Read what the socket has into the connection's buffer; False if it closed."""
+        try:
+            data = conn.sock.recv(RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError as exc:
+            self._close(conn, f"receive failed: {exc}")
+            return False
+        if not data:
+            self._close(conn, None)
+            return False
+        conn.reader.feed(data)
+        return True
+
+    def _flush(self, conn: _Connection) -> None:
+        """Send buffered replies, then choose what to poll for: requests (POLLIN); POLLOUT
+        while replies are left to send, or while complete requests wait in the buffer (the
+        socket is writable, so poll returns at once and they get their turn)."""
+        out = conn.out
+        while out:
+            try:
+                sent = conn.sock.send(out)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self._close(conn, f"send failed: {exc}")
+                return
+            del out[:sent]
+        if len(out) > OUT_LIMIT:
+            self._want(conn, zmq.POLLOUT)  # stop reading its requests until it reads replies
+        elif out or conn.reader.has_frame():
+            self._want(conn, zmq.POLLIN | zmq.POLLOUT)
+        else:
+            self._want(conn, zmq.POLLIN)
+
+    def _want(self, conn: _Connection, flags: int) -> None:
+        if flags != conn.want:
+            conn.want = flags
+            if self._poller is not None:
+                self._poller.modify(conn.sock, flags)
+
+    def _close(self, conn: _Connection, why: str | None) -> None:
+        if why:
+            log.debug("local socket: closing a connection: %s", why)
+        if self.connections.pop(conn.fd, None) is not None and self._poller is not None:
+            self._poller.unregister(conn.sock)
+        conn.sock.close()
+
+    def close(self) -> None:
+        for conn in list(self.connections.values()):
+            self._close(conn, None)
+        self.listener.close()
+        if self._path is not None:
+            Path(self._path).unlink(missing_ok=True)
+
+
+def _remove_stale_socket(path: str) -> None:
+    """A socket file left by a server that died can be replaced; a live server's cannot."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise OSError(f"--local-socket {path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listens: stale
+        return
+    finally:
+        probe.close()
+    raise OSError(f"--local-socket {path} is in use by a running server")

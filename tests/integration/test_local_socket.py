@@ -1,0 +1,180 @@
+"""The server's Unix socket: clients on the node send their requests there once the handshake
+names it, fall back to ZMQ when they cannot reach it, and a misbehaving peer on it never stalls
+or crashes the server."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import pytest
+
+from maru import MaruHandler, protocol
+from maru.protocol import MsgType
+from maru.rpc import unix_address
+
+KiB = 1 << 10
+
+
+def server_stats(url: str) -> dict:
+    from maru.admin import MaruAdmin
+
+    admin = MaruAdmin(url)
+    try:
+        return admin.stats()
+    finally:
+        admin.close()
+
+
+def store_and_read(h: MaruHandler, key: str) -> None:
+    value = os.urandom(20 * KiB)
+    assert h.store(key, value)
+    info = h.retrieve(key)
+    assert info is not None and bytes(info.view) == value
+
+
+def test_handler_moves_to_the_local_socket_after_the_handshake(maru_server):
+    with MaruHandler(server_url=maru_server.url, pool_size="4M") as h:
+        address = h._rpc.local_address
+        assert address is not None and address.startswith("@maru:")
+        store_and_read(h, "over-unix")
+        stats = server_stats(maru_server.url)
+        assert stats["local_socket"] == address
+        assert stats["local_connections"] >= 1  # this thread's (and the heartbeat's)
+
+
+def test_local_socket_off_in_the_client_config_keeps_zmq(maru_server):
+    with MaruHandler(server_url=maru_server.url, pool_size="4M", local_socket=False) as h:
+        store_and_read(h, "over-zmq")
+        assert h._rpc.local_address is None
+        assert server_stats(maru_server.url)["local_connections"] == 0
+
+
+def test_server_without_local_socket(maru_server_factory, tmp_path):
+    server = maru_server_factory(
+        tmp_path / "srv", pool_size="64M", extra_args=["--local-socket", "none"]
+    )
+    with MaruHandler(server_url=server.url, pool_size="4M") as h:
+        store_and_read(h, "no-local")
+        assert h._rpc.local_address is None
+    stats = server_stats(server.url)
+    assert stats["local_socket"] is None and stats["local_connections"] == 0
+
+
+def test_socket_file_is_created_replaced_when_stale_and_removed(maru_server_factory, tmp_path):
+    path = tmp_path / "maru.sock"
+    server = maru_server_factory(
+        tmp_path / "srv", pool_size="64M", extra_args=["--local-socket", str(path)]
+    )
+    assert path.is_socket()
+    with MaruHandler(server_url=server.url, pool_size="4M") as h:
+        assert h._rpc.local_address == str(path)
+        store_and_read(h, "via-path")
+    os.kill(server.pid, 9)  # a killed server leaves its socket file behind
+    server.proc.wait(10)
+    assert path.is_socket()
+    server.restart()  # the stale file is replaced, not an error
+    with MaruHandler(server_url=server.url, pool_size="4M") as h:
+        assert h.retrieve("via-path") is not None
+    server.stop()
+    assert not path.exists()
+
+
+def test_a_path_that_is_not_a_socket_is_refused(maru_server_factory, tmp_path):
+    path = tmp_path / "not-a-socket"
+    path.write_text("keep me")
+    with pytest.raises(RuntimeError, match="not a socket"):
+        maru_server_factory(
+            tmp_path / "srv", pool_size="64M", extra_args=["--local-socket", str(path)]
+        )
+    assert path.read_text() == "keep me"
+
+
+def test_unreachable_local_socket_falls_back_to_zmq(maru_server_factory, tmp_path, caplog):
+    """The server names a socket this client cannot reach (here: its file was removed; in
+    production, a container without the shared directory): requests go over ZMQ."""
+    path = tmp_path / "gone.sock"
+    server = maru_server_factory(
+        tmp_path / "srv", pool_size="64M", extra_args=["--local-socket", str(path)]
+    )
+    path.unlink()
+    caplog.set_level(logging.INFO, logger="maru.rpc")
+    with MaruHandler(server_url=server.url, pool_size="4M") as h:
+        store_and_read(h, "fallback")
+    assert "not reachable from here" in caplog.text
+    assert server_stats(server.url)["local_connections"] == 0
+
+
+def raw_connect(address: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(unix_address(address))
+    return sock
+
+
+def read_frame(sock: socket.socket) -> tuple[protocol.Header, dict]:
+    reader = protocol.StreamReader()
+    while True:
+        data = sock.recv(65536)
+        assert data, "connection closed without a reply"
+        reader.feed(data)
+        frames = reader.frames(1)
+        if frames:
+            return protocol.decode(frames[0])
+
+
+def local_address_of(url: str) -> str:
+    address = server_stats(url)["local_socket"]
+    assert address
+    return address
+
+
+def test_garbage_and_oversized_frames_get_an_error_and_the_server_keeps_serving(maru_server):
+    address = local_address_of(maru_server.url)
+    sock = raw_connect(address)
+    bad = b"not a maru frame at all"
+    sock.sendall(protocol.stream_prefix(bad) + bad)
+    _, body = read_frame(sock)
+    assert body["ok"] is False and body["code"] == protocol.ErrorCode.BAD_FRAME
+    # An impossible length: answered, then the connection is closed (no resynchronising).
+    sock.sendall(protocol.STREAM_LENGTH.pack(protocol.MAX_FRAME_BYTES + 1000))
+    _, body = read_frame(sock)
+    assert body["code"] == protocol.ErrorCode.BAD_FRAME
+    assert sock.recv(10) == b""
+    sock.close()
+    with MaruHandler(server_url=maru_server.url, pool_size="4M") as h:
+        store_and_read(h, "after-garbage")
+
+
+def test_a_client_that_never_reads_its_replies_stalls_only_itself(maru_server):
+    address = local_address_of(maru_server.url)
+    hog = raw_connect(address)
+    hog.setblocking(False)
+    frame = protocol.encode(MsgType.KEYS, 1, {"prefix": "", "limit": 10000})
+    data = protocol.stream_prefix(frame) + frame
+    sent = 0
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # until the kernel buffers are full
+        try:
+            sent += hog.send(data)
+        except BlockingIOError:
+            time.sleep(0.05)
+            try:
+                sent += hog.send(data)
+            except BlockingIOError:
+                break
+    assert sent > 0
+    with MaruHandler(server_url=maru_server.url, pool_size="4M", timeout_ms=5000) as h:
+        store_and_read(h, "not-stalled")
+    hog.close()
+    assert maru_server.alive()
+
+
+def test_requests_in_flight_when_the_server_dies_fail_fast_then_recover(maru_server):
+    with MaruHandler(server_url=maru_server.url, pool_size="4M", timeout_ms=3000) as h:
+        store_and_read(h, "before-restart")
+        maru_server.restart()
+        store_and_read(h, "after-restart")  # reconnects (and re-handshakes) by itself
+        assert server_stats(maru_server.url)["local_connections"] >= 1
