@@ -126,6 +126,12 @@ def decode_header(frame: bytes) -> Header:
 def decode(frame: bytes) -> tuple[Header, dict[str, Any]]:
     """Decode a whole frame; raises ProtocolError with the code the peer should see."""
     header = decode_header(frame)
+    return header, decode_body(frame, header)
+
+
+def decode_body(frame: bytes, header: Header) -> dict[str, Any]:
+    """The body of a frame whose header `decode_header` already read (the server reads the
+    header first, so that even a bad body gets an error reply with the right request id)."""
     if header.version != PROTOCOL_VERSION:
         raise ProtocolError(
             ErrorCode.BAD_VERSION,
@@ -147,7 +153,7 @@ def decode(frame: bytes) -> tuple[Header, dict[str, Any]]:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"body is not valid msgpack: {exc}") from None
     if not isinstance(body, dict):
         raise ProtocolError(ErrorCode.BAD_FRAME, "body must be a msgpack map")
-    return header, body
+    return body
 
 
 def stream_prefix(frame: bytes) -> bytes:

@@ -307,8 +307,9 @@ class MaruService:
         try:
             header = protocol.decode_header(frame)
             msg_type, request_id = header.msg_type, header.request_id
-            _, body = protocol.decode(frame)
-            self.registry.touch(_iid(body))  # any message is a sign of life
+            body = protocol.decode_body(frame, header)
+            iid = _iid(body)
+            self.registry.touch(iid)  # any message is a sign of life
             handler = self._handlers.get(msg_type)
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg_type}")
@@ -317,7 +318,7 @@ class MaruService:
             reply["ok"] = True
             # Freed pages are handed out once; not on a RELEASE reply, which the client sends
             # without waiting and may never read.
-            freed = self.registry.take_freed(_iid(body)) if msg_type != MsgType.RELEASE else None
+            freed = self.registry.take_freed(iid) if msg_type != MsgType.RELEASE else None
             if freed:
                 reply["freed"] = freed
             out = protocol.encode(msg_type, request_id, reply, reply=True)
