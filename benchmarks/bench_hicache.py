@@ -12,12 +12,14 @@ figure saw the same machine state:
   pool and calls `MaruStorage.batch_set_v1` in batches of up to 128 pages; a *second process*,
   with its own host pool, calls `batch_get_v1` for the same keys and checks every page's CRC.
 - Baselines in the same run on the same page bytes (the pointers `get_page_buffer_meta`
-  gives): a plain single-thread memcpy (`ctypes.memmove` of each page part to / from a warm
-  private buffer), the same into a warm /dev/shm mapping (the limit of a repetition is the
-  faster of the two), and SGLang's built-in file backend (`HiCacheFile`) on a /dev/shm
-  directory driven the way the controller drives it without `interface_v1` (`get_data_page` +
-  `batch_set`; `batch_get` into dummy pages + `set_from_flat_data_page`). Methods alternate
-  within each repetition; ratios are medians of per-repetition ratios.
+  gives): a plain single-thread memcpy (one memmove per page part to / from a warm private
+  buffer, all of a batch's parts in one `maru.memcopy.copy_many` call: the C loop Maru's own
+  copies use, so the baseline carries no Python per part either), the same into a warm
+  /dev/shm mapping (the limit of a repetition is the faster of the two), and SGLang's
+  built-in file backend (`HiCacheFile`) on a /dev/shm directory driven the way the
+  controller drives it without `interface_v1` (`get_data_page` + `batch_set`; `batch_get`
+  into dummy pages + `set_from_flat_data_page`). Methods alternate within each repetition;
+  ratios are medians of per-repetition ratios.
 - Per-page latency: many one-page `batch_set_v1` / `batch_get_v1` calls, median and p99.
 - Metadata: `batch_exists` and the leased lookup of 128 keys, per key; one single-key lookup
   round trip (`retrieve`), over the real socket; and the transport alone (a 200-byte echo to
@@ -195,6 +197,7 @@ class Instance:
         ptrs, sizes = pool.get_page_buffer_meta(self.idx)
         self.parts = len(ptrs) // pages
         self.ptrs, self.sizes = ptrs, sizes
+        self.part_ptrs = [np.array(ptrs[j :: self.parts], np.int64) for j in range(self.parts)]
         self.page_bytes = sum(sizes[: self.parts])
         chunk = -(-self.page_bytes // 4096) * 4096
         region = chunk * (pages + 2) if role == "writer" else chunk
@@ -291,14 +294,16 @@ class Instance:
         return count
 
     def _copy(self, base: int, to_pool: bool, s: int, n: int) -> int:
-        ptrs, sizes, parts = self.ptrs, self.sizes, self.parts
-        off = s * self.page_bytes
-        for j in range(s * parts, (s + n) * parts):
-            if to_pool:
-                _memmove(ptrs[j], base + off, sizes[j])
-            else:
-                _memmove(base + off, ptrs[j], sizes[j])
-            off += sizes[j]
+        """Pages [s, s + n) between the host pool and `base` (pages back to back, each page's
+        parts back to back): one `copy_many` per part, like MaruStorage."""
+        from maru.memcopy import copy_many
+
+        starts = base + np.arange(s, s + n, dtype=np.int64) * self.page_bytes
+        off = 0
+        for j in range(self.parts):
+            pool, here, size = self.part_ptrs[j][s : s + n], starts + off, self.sizes[j]
+            copy_many(pool, here, size) if to_pool else copy_many(here, pool, size)
+            off += size
         return n
 
     def _memcpy_set(self, keys, idx, s, n) -> int:
@@ -1047,8 +1052,9 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
             f"{fmt(r['lat_p99_us'], 1):>8} |"
         )
     lines.append("")
-    lines.append("memcpy: ctypes.memmove of each page part to/from a warm private buffer; shm: the")
-    lines.append("same into a warm /dev/shm mapping; file: HiCacheFile on /dev/shm (legacy path).")
+    lines.append("memcpy: one memmove per page part (copy_many, in C) to/from a warm private")
+    lines.append("buffer; shm: the same into a warm /dev/shm mapping; file: HiCacheFile on")
+    lines.append("/dev/shm (legacy path).")
     lines.append("/limit: median over repetitions of GB/s / the faster of memcpy and shm in the")
     lines.append("same repetition.")
     lines.append("1-page: latency of one call moving one page (file: batch_set/get of one page).")

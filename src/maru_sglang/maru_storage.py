@@ -5,9 +5,10 @@ Loaded by SGLang's dynamic backend factory (`cls(storage_config, {})`, then
 `{"backend_name": "maru", "module_path": "maru_sglang.maru_storage", "class_name": "MaruStorage",
 "interface_v1": 1, "maru_server_url": ..., "maru_pool_size": ...}`.
 
-Zero-copy v1 path: a page's K and V buffers in the host pool are copied (one memmove each) straight
-into one shared-memory allocation, K then V, and back again on a hit. One metadata RPC per batch
-each way; no intermediate buffer.
+Zero-copy v1 path: a page's K and V buffers in the host pool are copied straight into one
+shared-memory allocation, K then V, and back again on a hit: one memmove per part, all of a
+batch's parts in one call (`maru.memcopy.copy_many`). One metadata RPC per batch each way; no
+intermediate buffer.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
@@ -28,6 +30,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from maru import MaruConfig, MaruHandler
+from maru.memcopy import copy_many
 
 log = logging.getLogger(__name__)
 
@@ -214,36 +217,35 @@ class MaruStorage(HiCacheStorage):
         ns = self.namespace
         return [f"{ns}:{k}" for k in keys]
 
-    def _copy_in(self, dst: int, stride: int, columns: list[list[int]], first: int, last: int):
-        """Copy pages [first, last) of the batch from the host pool to `dst`, `stride` apart."""
-        sizes = self._part_sizes
-        if len(columns) == 2:  # MHA: K and V
-            (k_size, v_size), (k_ptrs, v_ptrs) = sizes, columns
-            for k, v in zip(k_ptrs[first:last], v_ptrs[first:last]):
-                _memmove(dst, k, k_size)
-                _memmove(dst + k_size, v, v_size)
-                dst += stride
-            return
-        for page_ptrs in zip(*(c[first:last] for c in columns)):
-            at = dst
-            for ptr, size in zip(page_ptrs, sizes):
-                _memmove(at, ptr, size)
-                at += size
-            dst += stride
+    def _copy_in(self, dst: int, stride: int, columns: list[np.ndarray], first: int, last: int):
+        """Copy pages [first, last) of the batch from the host pool to `dst`, `stride` apart,
+        each page's parts back to back."""
+        starts = dst + np.arange(last - first, dtype=np.int64) * stride
+        offset = 0
+        for ptrs, size in zip(columns, self._part_sizes):
+            copy_many(starts + offset, ptrs[first:last], size)
+            offset += size
 
-    def _part_pointers(self, host_indices: torch.Tensor, pages: int) -> list[list[int]] | None:
-        """Per page part, the pointer of that part of each page of `host_indices` in the host
-        pool (None if the indices do not cover `pages` pages). Computed from the first token of
-        each page (`_affine_page_pointers`); else through `get_page_buffer_meta`."""
+    def _copy_out(self, addresses: np.ndarray, columns: list[np.ndarray]) -> None:
+        """Copy pages from `addresses` (each page's parts back to back) into the host pool."""
+        offset = 0
+        for ptrs, size in zip(columns, self._part_sizes):
+            copy_many(ptrs, addresses + offset, size)
+            offset += size
+
+    def _part_pointers(self, host_indices: torch.Tensor, pages: int) -> list[np.ndarray] | None:
+        """Per page part, the int64 pointers of that part of each page of `host_indices` in
+        the host pool (None if the indices do not cover `pages` pages). Computed from the first
+        token of each page (`_affine_page_pointers`); else through `get_page_buffer_meta`."""
         page = self.mem_pool_host.page_size
         if host_indices.numel() != pages * page:
             return None
         if self._affine is not None:
-            firsts = host_indices.numpy()[::page]  # numpy: no Python loop over the pages
-            return [(firsts * stride + base).tolist() for base, stride in self._affine]
+            firsts = host_indices.numpy()[::page].astype(np.int64)  # no Python loop per page
+            return [firsts * stride + base for base, stride in self._affine]
         ptrs, _ = self.mem_pool_host.get_page_buffer_meta(host_indices)
         parts = self._parts_per_page
-        return [list(ptrs[j::parts]) for j in range(parts)]
+        return [np.array(ptrs[j::parts], dtype=np.int64) for j in range(parts)]
 
     def _require_pool(self) -> None:
         if self.mem_pool_host is None:
@@ -323,21 +325,14 @@ class MaruStorage(HiCacheStorage):
             log.error("batch_get_v1: %d host indices for %d keys", host_indices.numel(), n)
             return [False] * n
         page_bytes = self._page_bytes
-        sizes = self._part_sizes
         with self.handler.leased_addresses(self._keys(keys)) as (addresses, lengths):
-            results = [length == page_bytes for length in lengths]
-            if len(columns) == 2:  # MHA: K and V
-                (k_size, v_size), (k_ptrs, v_ptrs) = sizes, columns
-                for ok, src, k, v in zip(results, addresses, k_ptrs, v_ptrs):
-                    if ok:
-                        _memmove(k, src, k_size)
-                        _memmove(v, src + k_size, v_size)
-            else:
-                for ok, src, page_ptrs in zip(results, addresses, zip(*columns)):
-                    if ok:
-                        for ptr, size in zip(page_ptrs, sizes):
-                            _memmove(ptr, src, size)
-                            src += size
+            hit = np.array(lengths, dtype=np.int64) == page_bytes
+            results = hit.tolist()
+            sources = np.array(addresses, dtype=np.int64)
+            if not hit.all():  # copy the hits only
+                sources = sources[hit]
+                columns = [ptrs[hit] for ptrs in columns]
+            self._copy_out(sources, columns)
         for key, length in zip(keys, lengths):
             if length and length != page_bytes:
                 log.warning(
