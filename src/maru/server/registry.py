@@ -25,8 +25,8 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import attrgetter, is_not
+from itertools import compress, repeat
+from operator import is_
 from typing import Any, Protocol
 
 from maru.pool.backends import Pool, PoolFullError
@@ -85,13 +85,6 @@ class KeyEntry:
         return self.pins > 0 or self.leases > 0
 
 
-# Field getters for the batch paths: `map(_OFFSET, entries)` reads a field of every entry in C
-# rather than in a Python loop.
-_REGION_ID = attrgetter("region_id")
-_OFFSET = attrgetter("offset")
-_LENGTH = attrgetter("length")
-_PINS = attrgetter("pins")
-_LEASES = attrgetter("leases")
 # What `lookup_columnar` reads for a miss: region 0 (region ids start at 1), offset 0, length 0.
 _MISS = KeyEntry(0, 0, 0)
 _KEY_TYPES = frozenset((str, bytes))
@@ -459,11 +452,11 @@ class Registry:
         registered, exists = int(RegisterStatus.REGISTERED), int(RegisterStatus.EXISTS)
         max_key, short = MAX_KEY_BYTES, MAX_KEY_BYTES // 4
         n = len(keys)
-        # The usual batch (128 new pages from SGLang) passes every check of the loop below at
-        # once: each check is one pass in C over the batch, and the entries go in with one
-        # `update`, instead of a Python iteration per key (~1.8 us a key). Anything unusual
-        # (a bad or long key, a bad offset, a key registered already or twice in the batch)
-        # takes the loop, which decides key by key with the same outcome.
+        # The usual batch (SGLang's 128 pages) has only valid keys and offsets: checked with
+        # one pass in C per condition instead of a Python iteration per key. Then
+        # `setdefault` inserts in C with the loop's first-writer-wins rule (a key registered
+        # before, or earlier in the batch, keeps its entry: EXISTS). Anything else (a bad or
+        # long key, a bad offset) takes the loop below, which decides key by key.
         if (
             n
             and len(offsets) == n
@@ -472,12 +465,24 @@ class Registry:
             and set(map(type, offsets)) == {int}  # not bool, a subclass
             and min(offsets) >= 0
             and max(offsets) <= last
-            and len(set(keys)) == n
-            and table.keys().isdisjoint(keys)
         ):
-            table.update(zip(keys, map(KeyEntry, repeat(rid), offsets, repeat(length))))
-            self._registered(inst, region, keys, offsets, length)
-            return [registered] * n
+            entries = list(map(KeyEntry, repeat(rid), offsets, repeat(length)))
+            stored = list(map(table.setdefault, keys, entries))
+            if stored == entries:  # an identity check per key: all of them are new
+                self._registered(inst, region, keys, offsets, length)
+                return [registered] * n
+            new = list(map(is_, stored, entries))
+            statuses = [registered if s else exists for s in new]
+            self.counters["keys_duplicate"] += n - sum(new)
+            if any(new):
+                self._registered(
+                    inst,
+                    region,
+                    list(compress(keys, new)),
+                    list(compress(offsets, new)),
+                    length,
+                )
+            return statuses
         statuses: list[int] = []
         added_keys: list[Key] = []
         added_offsets: list[int] = []
@@ -562,27 +567,23 @@ class Registry:
         """`lookup` (and, with `lease`, `lease`) in one pass over str/bytes keys, for LOOKUP_KV
         in columnar form: region ids, offsets and lengths (0, 0, 0 for a miss; region ids
         start at 1), the handles of those regions, and the lease id (0: none)."""
-        get = self.keys.get
-        region_ids: list[int] = []
-        offsets: list[int] = []
-        lengths: list[int] = []
-        held: list[KeyEntry] = []
-        for key in keys:
-            entry = get(key)
-            if entry is None:
-                region_ids.append(0)
-                offsets.append(0)
-                lengths.append(0)
-            else:
-                entry.referenced = True
-                region_ids.append(entry.region_id)
-                offsets.append(entry.offset)
-                lengths.append(entry.length)
-                if lease:
-                    entry.leases += 1
-                    held.append(entry)
+        # The lookups in C (a miss reads as _MISS: 0, 0, 0), then a comprehension per field
+        # and a loop over the hits for what changes (CLOCK bit, lease count): each is a tight
+        # specialized loop, cheaper than one loop doing all of it per key.
+        entries = list(map(self.keys.get, keys, repeat(_MISS)))
+        region_ids = [e.region_id for e in entries]
+        offsets = [e.offset for e in entries]
+        lengths = [e.length for e in entries]
         misses = region_ids.count(0)
         hits = len(keys) - misses
+        held = [e for e in entries if e is not _MISS] if misses else entries
+        if lease:
+            for entry in held:
+                entry.referenced = True
+                entry.leases += 1
+        else:
+            for entry in held:
+                entry.referenced = True
         self.counters["lookups"] += len(keys)
         self.counters["hits"] += hits
         self.counters["misses"] += misses
@@ -590,7 +591,7 @@ class Registry:
         if inst is not None:
             inst.hits += hits
             inst.misses += misses
-        lease_id = self._add_lease(held, instance_id) if held else 0
+        lease_id = self._add_lease(held, instance_id) if lease and held else 0
         regions = self.regions
         handles = [regions[r].handle() for r in set(region_ids) if r]
         return region_ids, offsets, lengths, handles, lease_id
@@ -651,7 +652,9 @@ class Registry:
         return expired
 
     def exists(self, keys: list[Any], instance_id: str | None = None) -> list[bool]:
-        """Membership; a hit counts as use, like a lookup (SGLang asks before it prefetches)."""
+        """Membership; a hit counts as use, like a lookup (SGLang asks before it prefetches).
+        (Kept a plain loop: a C-level `map(get, keys)` measured no faster here, the hashing and
+        probes of the keys dominate.)"""
         out = []
         get = self.keys.get
         for k in keys:
@@ -712,19 +715,32 @@ class Registry:
         return out
 
     def delete(self, keys: list[Any]) -> list[int]:
-        out = []
-        victims: dict[Key, KeyEntry] = {}
-        for key in keys:
-            entry = self.keys.get(key) if isinstance(key, (str, bytes)) else None
-            if entry is None or key in victims:
-                out.append(DeleteStatus.NOT_FOUND)
-            elif entry.busy:
-                out.append(DeleteStatus.PINNED)
-            else:
-                victims[key] = entry
-                out.append(DeleteStatus.DELETED)
-        self._drop_keys(victims)
-        self.counters["keys_deleted"] += len(victims)
+        table = self.keys
+        # The usual batch (str or bytes keys, every one registered, none twice, none pinned
+        # or leased) is checked in C, a pass per condition; otherwise the loop below decides
+        # key by key, the same way.
+        entries = list(map(table.get, keys)) if set(map(type, keys)) <= _KEY_TYPES else [None]
+        if (
+            None not in entries
+            and len(set(keys)) == len(keys)
+            and not any([e.pins or e.leases for e in entries])  # none busy
+        ):
+            out = [DeleteStatus.DELETED] * len(keys)
+        else:
+            out = []
+            victims: dict[Key, KeyEntry] = {}
+            for key in keys:
+                entry = table.get(key) if isinstance(key, (str, bytes)) else None
+                if entry is None or key in victims:
+                    out.append(DeleteStatus.NOT_FOUND)
+                elif entry.busy:
+                    out.append(DeleteStatus.PINNED)
+                else:
+                    victims[key] = entry
+                    out.append(DeleteStatus.DELETED)
+            keys, entries = list(victims), list(victims.values())
+        self._drop_keys(keys, entries)
+        self.counters["keys_deleted"] += len(keys)
         return out
 
     def delete_prefix(self, prefix: Any) -> tuple[int, int]:
@@ -766,29 +782,60 @@ class Registry:
                 out.append([key, entry.length, region.owner if region is not None else ""])
         return out, False
 
-    def _drop_keys(self, victims: dict[Key, KeyEntry]) -> None:
+    def _drop_keys(self, keys: list[Key], entries: list[KeyEntry]) -> None:
         """Remove keys: journal first (so a replay never sees a region freed before its keys
-        are gone), then free pages / regions and tell the owners."""
-        if not victims:
-            return
-        self._log("D", list(victims))
-        for key, entry in victims.items():
-            self._drop_key(key, entry)
+        are gone), then free pages / regions and tell the owners.
 
-    def _drop_key(self, key: Key, entry: KeyEntry) -> None:
-        del self.keys[key]
-        self.live_bytes -= entry.length
-        region = self.regions[entry.region_id]
-        region.live_keys -= 1
-        region.live_bytes -= entry.length
-        region.live_pages -= region.pages_for(entry.length)
-        if region.returned:
-            if region.live_keys == 0:
-                self._free_region(region)
+        Per region rather than per key (a delete or an eviction round is a batch, mostly in
+        one region): its live_* counters change once, a returned region is freed once its
+        last key is gone, and the owners' freed-page notices are appended in key order. The
+        outcome, the order of "F" records and of notices included, is that of dropping the
+        keys one by one. `keys[i]` (all different) is registered with `entries[i]`."""
+        if not keys:
+            return
+        self._log("D", keys)
+        table = self.keys
+        for key in keys:
+            del table[key]
+        region_ids = [e.region_id for e in entries]
+        lengths = [e.length for e in entries]
+        self.live_bytes -= sum(lengths)
+        # Each region's key lengths; regions in the order of their last key (when dropping
+        # one by one would free a returned region).
+        groups: dict[int, list[int]]
+        if region_ids.count(region_ids[0]) == len(region_ids):
+            groups = {region_ids[0]: lengths}
         else:
-            owner = self.instances.get(region.owner)
-            if owner is not None:
-                owner.freed.append([entry.region_id, entry.offset, entry.length])
+            groups = {rid: [] for rid in reversed(dict.fromkeys(reversed(region_ids)))}
+            for rid, length in zip(region_ids, lengths):
+                groups[rid].append(length)
+        notify: dict[int, list[list[int]]] = {}  # region id -> its owner's freed list
+        regions, instances = self.regions, self.instances
+        for rid, group in groups.items():
+            region = regions[rid]
+            region.live_keys -= len(group)
+            region.live_bytes -= sum(group)
+            region.live_pages -= sum(  # per distinct length: mostly one
+                region.pages_for(length) * group.count(length) for length in set(group)
+            )
+            if region.returned:
+                if region.live_keys == 0:
+                    self._free_region(region)
+            else:
+                owner = instances.get(region.owner)
+                if owner is not None:
+                    notify[rid] = owner.freed
+        if not notify:
+            return
+        notices = [[e.region_id, e.offset, e.length] for e in entries]
+        lists = list({id(freed): freed for freed in notify.values()}.values())
+        if len(notify) == len(groups) and len(lists) == 1:  # one owner, told of every key
+            lists[0].extend(notices)
+        else:
+            for rid, notice in zip(region_ids, notices):
+                freed = notify.get(rid)
+                if freed is not None:
+                    freed.append(notice)
 
     # -- eviction ----------------------------------------------------------------------------
 
@@ -813,16 +860,18 @@ class Registry:
         freed = 0
         victims: dict[Key, KeyEntry] = {}
         keys = self.keys
-        for _ in range(2):
+        for second_pass in (False, True):
             spared: list[Key] = []
+            taken = victims if second_pass else ()  # the first pass meets each key once
             for key, entry in keys.items():
                 if freed >= want_bytes:
                     break
                 if (
-                    entry.busy
+                    entry.pins > 0  # `entry.busy`, without a property call per candidate
+                    or entry.leases > 0
                     or (accept is not None and not accept(entry))
                     or key in protect
-                    or key in victims
+                    or key in taken
                 ):
                     continue
                 if entry.referenced and second_chance:
@@ -836,14 +885,14 @@ class Registry:
                 move_to_end(key)
             if freed >= want_bytes or not spared:
                 break
-        per_owner: Counter = Counter()
-        for entry in victims.values():
-            per_owner[self.regions[entry.region_id].owner] += 1
+        per_owner: Counter = Counter()  # counted per region first: a round is mostly one
+        for region_id, count in Counter([e.region_id for e in victims.values()]).items():
+            per_owner[self.regions[region_id].owner] += count
         for owner_id, count in per_owner.items():
             owner = self.instances.get(owner_id)
             if owner is not None:
                 owner.evicted += count
-        self._drop_keys(victims)
+        self._drop_keys(list(victims), list(victims.values()))
         if victims:
             self.counters["evictions"] += len(victims)
             self.counters["bytes_evicted"] += freed
@@ -861,17 +910,17 @@ class Registry:
                 )
         return freed
 
-    def evict_to_watermark(self, just_registered: list[list[Any]] = ()) -> int:
+    def evict_to_watermark(self, just_registered: Iterable[Key] = ()) -> int:
         """When registered bytes exceed the high watermark of the pool, evict down to low.
-        `just_registered`: entries of the request being answered (reported REGISTERED, so
-        they must survive it even if every older key is busy)."""
+        `just_registered`: keys of the request being answered (reported REGISTERED, so they
+        must survive it even if every older key is busy)."""
         capacity = self.pool.capacity
         if self.live_bytes <= self.high_watermark * capacity:
             return 0
         return self._evict(
             self.live_bytes - int(self.low_watermark * capacity),
             reason=f"above the high watermark {self.high_watermark:g}",
-            protect={entry[0] for entry in just_registered},
+            protect=set(just_registered),
         )
 
     def evict_for(self, instance_id: str, want_bytes: int) -> int:
@@ -1015,6 +1064,12 @@ class Registry:
             for key, rid, offset, length in record[1]:
                 if key not in self.keys and rid in self.regions:
                     self._insert_key(key, KeyEntry(rid, offset, length))
+        elif kind == "C":  # "K" in columnar form: keys, their region, offsets, their length
+            _, keys, rid, offsets, length = record
+            if rid in self.regions:
+                for key, offset in zip(keys, offsets):
+                    if key not in self.keys:
+                        self._insert_key(key, KeyEntry(rid, offset, length))
         elif kind == "D":
             for key in record[1]:
                 entry = self.keys.pop(key, None)
