@@ -357,10 +357,9 @@ class MaruService:
         poller.register(sock, zmq.POLLIN)
         if self.local is not None:
             self.local.attach(poller)
+        looked = time.monotonic()  # when the loop last looked at its sockets
         while not self._stop.is_set():
-            before = time.monotonic()
             events = dict(poller.poll(poll_ms))
-            self._forgive_stall(time.monotonic() - before - poll_ms / 1000)
             # Requests first, then housekeeping, so that the heartbeats queued during a stall
             # count before the reaper judges who is silent. A burst is bounded so that
             # housekeeping still runs under constant load.
@@ -382,7 +381,13 @@ class MaruService:
                     log.debug("reply dropped: %s", exc)
             if self.local is not None and events:
                 self.local.serve(events, self.handle_frame)
-            self.housekeeping()
+            # The loop was away from its sockets for longer than a poll (stopped between a
+            # reply and this point, a long snapshot, a paused VM): the heartbeats sent
+            # meanwhile are still queued, so that time is not the clients' silence.
+            now = time.monotonic()
+            self._forgive_stall(now - looked - poll_ms / 1000)
+            looked = now
+            self.housekeeping(now)
         log.info("maru-server stopping")
 
     def _forgive_stall(self, stalled: float) -> None:
@@ -404,10 +409,8 @@ class MaruService:
             self._next_reap = now + min(1.0, self.heartbeat_timeout / 4)
         if self.journal is not None:
             self.journal.sync()
-            if self.journal.needs_snapshot:
-                start = time.monotonic()
+            if self.journal.needs_snapshot:  # its time is forgiven by the loop's next turn
                 self.journal.write_snapshot(self.registry.snapshot_state())
-                self._forgive_stall(time.monotonic() - start)
 
     def stop(self) -> None:
         self._stop.set()
