@@ -743,15 +743,28 @@ def _echo_tcp(conn) -> None:
         peer.sendall(data)
 
 
+def _echo_unix(conn) -> None:
+    import socket
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(f"\0maru-bench-echo-{os.getpid()}")
+    listener.listen()
+    conn.send(listener.getsockname())
+    peer, _ = listener.accept()
+    while (data := peer.recv(65536)) and data != b"stop":
+        peer.sendall(data)
+
+
 def _transport_floor(count: int) -> dict[str, list[float]]:
     """Round trips of a 200-byte message to an echo process, with pyzmq DEALER/ROUTER (Maru's
-    transport) and with a plain TCP socket: what the transport alone costs here."""
+    TCP transport), a plain TCP socket and a plain Unix socket (what Maru's local socket
+    rides on): what the transports alone cost here."""
     import socket
 
     import zmq
 
     out: dict[str, list[float]] = {}
-    for name, target in (("zmq", _echo_zmq), ("tcp", _echo_tcp)):
+    for name, target in (("zmq", _echo_zmq), ("tcp", _echo_tcp), ("unix", _echo_unix)):
         parent, child = mp.Pipe()
         pid = os.fork()  # (a daemonic worker may not start multiprocessing children)
         if pid == 0:
@@ -770,8 +783,12 @@ def _transport_floor(count: int) -> dict[str, list[float]]:
             def recv(zsock=zsock):
                 return zsock.recv()
         else:
-            tsock = socket.create_connection(("127.0.0.1", port))
-            tsock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if name == "unix":
+                tsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                tsock.connect(port)  # the echo's address
+            else:
+                tsock = socket.create_connection(("127.0.0.1", port))
+                tsock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             send, recv = tsock.sendall, (lambda tsock=tsock: tsock.recv(65536))
         msg, times = b"x" * 200, []
         for i in range(count + 20):
@@ -814,6 +831,7 @@ def bench_meta(url, plan, prog) -> dict:
         finally:
             floor.close()
         out["floor_zmq"], out["floor_tcp"] = floors["zmq"], floors["tcp"]
+        out["floor_unix"] = floors["unix"]
         prog.step("metadata")
         return out
     finally:
@@ -1077,7 +1095,8 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
         f"  transport alone (200-byte echo to another process): pyzmq DEALER/ROUTER "
         f"{med(meta['floor_zmq']) * 1e6:.1f} / {pct(meta['floor_zmq'], 0.99) * 1e6:.1f} us, "
         f"plain TCP socket {med(meta['floor_tcp']) * 1e6:.1f} / "
-        f"{pct(meta['floor_tcp'], 0.99) * 1e6:.1f} us"
+        f"{pct(meta['floor_tcp'], 0.99) * 1e6:.1f} us, plain Unix socket "
+        f"{med(meta['floor_unix']) * 1e6:.1f} / {pct(meta['floor_unix'], 0.99) * 1e6:.1f} us"
     )
     if inst:
         lines.append("")
@@ -1135,7 +1154,7 @@ def write_csv(path, rows, meta, inst, keys) -> None:
                 w.writerow(["workload", r["case"], r["op"], r["backend"], metric, r[metric], unit])
         for key in ("exists", "lookup", "file_exists"):
             w.writerow(["metadata", "128 keys", key, "", "us_per_key", med(meta[key]) * 1e6, "us"])
-        for key in ("rtt", "rtt_exists", "floor_zmq", "floor_tcp"):
+        for key in ("rtt", "rtt_exists", "floor_zmq", "floor_tcp", "floor_unix"):
             for q, name in ((0.5, "med"), (0.99, "p99")):
                 w.writerow(["metadata", "1 key", key, "", name, pct(meta[key], q) * 1e6, "us"])
         for r in inst:
