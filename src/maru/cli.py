@@ -120,6 +120,13 @@ def hit_rate(hits: int, misses: int) -> str:
 # -- status / stats --------------------------------------------------------------------------
 
 
+def _local_socket_line(s: Stats) -> str:
+    address = s.get("local_socket")
+    if not address:
+        return "off (clients use TCP only; maru-server --local-socket)"
+    return f"{address}, {s.get('local_connections', 0)} connections"
+
+
 def render_status(url: str, s: Stats) -> str:
     pool, counters = s["pool"], s["counters"]
     cap = pool["capacity"]
@@ -142,6 +149,7 @@ def render_status(url: str, s: Stats) -> str:
         f"{counters.get('evictions', 0)} keys evicted",
         f"exists:    {counters.get('exists', 0)} keys, hit rate "
         f"{hit_rate(counters.get('exists_hits', 0), counters.get('exists_misses', 0))}",
+        f"local:     {_local_socket_line(s)}",
         f"metrics:   {s.get('metrics_url') or 'off (maru-server --metrics-port)'}",
     ]
     return "\n".join(lines)
