@@ -123,9 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--journal-fsync-ms",
         type=float,
         default=50.0,
-        help="fsync the registry journal at most this often; records are written before each "
-        "reply, so a killed server loses nothing, a machine crash at most this window "
-        "(default: 50)",
+        help="fsync the registry journal at most this often (on a background thread); records "
+        "are written before each reply, so a killed server loses nothing, a machine crash at "
+        "most this window (default: 50)",
     )
     p.add_argument(
         "--snapshot-mb",
@@ -250,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             journal=journal,
             heartbeat_timeout=args.heartbeat_timeout,
             local_socket=args.local_socket,
+            gc_freeze=True,  # see maru.server.service.freeze_heap
         )
     except (OSError, ValueError, KeyError, RuntimeError, zmq.ZMQError) as exc:
         print(f"maru-server: cannot start: {exc}", file=sys.stderr)

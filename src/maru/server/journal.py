@@ -6,9 +6,17 @@ The journal records every change to regions and keys; a restart loads the newest
 replays the journal of the same generation.
 
 Durability: each record is written with `os.write` before the request is answered, so a killed
-*process* loses nothing (the kernel has the bytes). `fsync` runs at most every
-`fsync_interval` seconds (batching), which bounds what a *machine* crash can lose; on a machine
-crash a /dev/shm pool is gone anyway, a devdax/fsdax pool is not.
+*process* loses nothing (the kernel has the bytes). `fsync` runs on a background thread (the
+syncer, started by `load`) at most every `fsync_interval` seconds (batching), which bounds what
+a *machine* crash can lose; on a machine crash a /dev/shm pool is gone anyway, a devdax/fsdax
+pool is not. The request thread never waits for an fsync, except when a snapshot rotates the
+journal (it fsyncs the old file's tail itself) and at `close`.
+
+A failed fsync (EIO, ENOSPC) means the kernel may have dropped the journal's unwritten pages:
+retrying the fsync can report success without the data on disk. The syncer logs it at ERROR and
+sets `sync_error`; `needs_snapshot` then asks the server loop to write a fresh snapshot of the
+in-memory registry (which is complete) and start a new journal file. If that snapshot fails as
+well, its exception stops the server, as any failed snapshot does.
 
 Framing: `[length u32][crc32 u32][msgpack record]`. Replay stops at the first record that is
 short or fails its checksum (a torn write at the moment of the crash) and truncates it away.
@@ -19,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -73,16 +82,27 @@ class Journal:
         self.generation = 0
         self._fd = -1
         self._size = 0
-        self._dirty = False
-        self._last_sync = time.monotonic()
         self.records_written = 0
         self.damaged_bytes_dropped = 0
+        self.fsyncs = 0  # successful fsyncs of the journal (syncer, rotation, close)
+        self.fsync_errors = 0
+        self.sync_error: OSError | None = None  # set by a failed fsync until the next snapshot
+        # Appends run on the request thread and take no lock: they only set `_dirty` (and wake
+        # the syncer when it was clear). `_lock` is held while the fd is fsynced and while it is
+        # replaced or closed, so the syncer never fsyncs a closed (or reused) fd number.
+        self._lock = threading.Lock()
+        self._dirty = False
+        self._wake = threading.Event()  # set when the journal became dirty, or to stop
+        self._closing = threading.Event()
+        self._last_sync = time.monotonic()
+        self._syncer: threading.Thread | None = None
 
     def _journal_path(self, generation: int) -> Path:
         return self.state_dir / f"journal-{generation}.log"
 
     def load(self) -> tuple[dict[str, Any] | None, list[Any]]:
-        """Read the snapshot and the journal records after it; open the journal for appends."""
+        """Read the snapshot and the journal records after it; open the journal for appends
+        and start the syncer thread."""
         snapshot = None
         snap_path = self.state_dir / SNAPSHOT_NAME
         if snap_path.exists():
@@ -105,36 +125,85 @@ class Journal:
                     f.truncate(good)
                     f.flush()
                     os.fsync(f.fileno())
-        self._open(path)
+        self._fd, self._size = self._open(path)
         for stale in self.state_dir.glob("journal-*.log"):
             if stale != path:
                 stale.unlink(missing_ok=True)
+        if self._syncer is None:
+            self._syncer = threading.Thread(
+                target=self._sync_loop, name="maru-journal-fsync", daemon=True
+            )
+            self._syncer.start()
         return snapshot, records
 
-    def _open(self, path: Path) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self._size = os.fstat(self._fd).st_size
+    @staticmethod
+    def _open(path: Path) -> tuple[int, int]:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        return fd, os.fstat(fd).st_size
 
     def append(self, record: Any) -> None:
         frame = _frame(record)
         os.write(self._fd, frame)
         self._size += len(frame)
-        self._dirty = True
         self.records_written += 1
+        # After the write: a syncer that clears `_dirty` after this point fsyncs after the
+        # write; one that cleared it before will see it set again and come back.
+        if not self._dirty:
+            self._dirty = True
+            self._wake.set()
 
-    def sync(self, force: bool = False) -> None:
-        """fsync if there is unsynced data and the batching window has passed (or `force`)."""
-        if not self._dirty or self._fd < 0:
-            return
-        now = time.monotonic()
-        if force or now - self._last_sync >= self.fsync_interval:
-            os.fsync(self._fd)
-            self._dirty = False
-            self._last_sync = now
+    # -- fsync -----------------------------------------------------------------------------
+
+    def _sync_loop(self) -> None:
+        """The syncer: fsync the current journal file when it is dirty, at most every
+        `fsync_interval` seconds (start to start). `os.fsync` releases the GIL, so the request
+        thread carries on meanwhile."""
+        while True:
+            self._wake.wait()
+            if self._closing.is_set():
+                return
+            delay = self._last_sync + self.fsync_interval - time.monotonic()
+            if delay > 0 and self._closing.wait(delay):
+                return  # close() does the final fsync
+            self._fsync_locked(clear_wake=True)
+
+    def _fsync_locked(self, clear_wake: bool = False) -> bool:
+        """fsync the current fd if dirty. Never raises: a failure is logged and recorded in
+        `sync_error` (see the module docstring). Returns False on failure."""
+        with self._lock:
+            if clear_wake:
+                self._wake.clear()
+            if self._fd < 0 or not self._dirty:
+                return True
+            self._dirty = False  # before the fsync: a write during it sets it again
+            start = time.monotonic()
+            try:
+                os.fsync(self._fd)
+            except OSError as exc:
+                self.fsync_errors += 1
+                self.sync_error = exc
+                log.error(
+                    "journal fsync of %s failed: %s; recent changes may not be on disk, "
+                    "writing a new snapshot",
+                    self._journal_path(self.generation),
+                    exc,
+                )
+                return False
+            finally:
+                self._last_sync = start
+            self.fsyncs += 1
+            return True
+
+    def sync(self) -> bool:
+        """fsync now, on the calling thread, if there is unsynced data (the syncer does this by
+        itself at most every `fsync_interval`). False if the fsync failed (logged)."""
+        return self._fsync_locked()
 
     @property
     def needs_snapshot(self) -> bool:
-        return self._size >= self.snapshot_bytes
+        """The journal has grown past `snapshot_bytes`, or an fsync failed (a fresh snapshot
+        makes the state on disk whole again)."""
+        return self._size >= self.snapshot_bytes or self.sync_error is not None
 
     def write_snapshot(self, state: dict[str, Any]) -> None:
         """Persist the full state as generation N+1 and start an empty journal for it."""
@@ -142,23 +211,42 @@ class Journal:
         state = dict(state, generation=generation)
         tmp = self.state_dir / (SNAPSHOT_NAME + ".tmp")
         new_journal = self._journal_path(generation)
+        # The old journal's tail first: until the new snapshot's rename is on disk, a machine
+        # crash restarts from the old snapshot and this journal. (A failure is logged; the
+        # snapshot below covers those records anyway.)
+        self._fsync_locked()
         new_journal.unlink(missing_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(_frame(state))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.state_dir / SNAPSHOT_NAME)
-        _fsync_dir(self.state_dir)
-        old_fd, old_path = self._fd, self._journal_path(self.generation)
-        self.generation = generation
-        self._open(new_journal)
-        os.close(old_fd)
+        new_fd, new_size = self._open(new_journal)  # before the directory fsync below
+        try:
+            with open(tmp, "wb") as f:
+                f.write(_frame(state))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.state_dir / SNAPSHOT_NAME)
+            _fsync_dir(self.state_dir)
+        except BaseException:
+            os.close(new_fd)
+            raise
+        with self._lock:  # not while the syncer fsyncs the old fd
+            old_fd, old_path = self._fd, self._journal_path(self.generation)
+            self.generation = generation
+            self._fd, self._size = new_fd, new_size
+            self._dirty = False
+            self.sync_error = None
+            if old_fd >= 0:
+                os.close(old_fd)
         old_path.unlink(missing_ok=True)
-        self._dirty = False
         log.info("snapshot generation %d written (%d keys)", generation, len(state.get("keys", ())))
 
     def close(self) -> None:
+        """Stop the syncer, fsync what is left and close the file."""
+        self._closing.set()
+        self._wake.set()
+        if self._syncer is not None:
+            self._syncer.join()
+            self._syncer = None
         if self._fd >= 0:
-            self.sync(force=True)
-            os.close(self._fd)
-            self._fd = -1
+            self._fsync_locked()
+            with self._lock:
+                os.close(self._fd)
+                self._fd = -1

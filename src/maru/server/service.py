@@ -6,6 +6,7 @@ handler bug produces an error reply and the loop carries on. The loop never touc
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -32,6 +33,34 @@ from maru.server.registry import Registry, check_key
 log = logging.getLogger(__name__)
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def freeze_heap(full: bool = False) -> None:
+    """Collect the young generations, then move every object the cyclic GC tracks into its
+    permanent generation (`gc.freeze`), where no collection scans it. `maru-server` does this
+    once at start-up (`full`: with the restored registry) and after every loop turn.
+
+    Why: each registry entry (`KeyEntry`, regions, instances, leases) is a GC-tracked object.
+    At 10^6 keys a full collection walks all of them (about 150 ms here) on the server's only
+    thread; CPython runs one each time the long-lived objects grew by 25 % (while a cache fills
+    up). Under churn (each batch registers 128 keys and evicts 128) it is the young
+    generations: every freed old entry lowers the allocation count that triggers a young
+    collection, so they are rarely collected and grow to 10^5 objects, and one young
+    collection then takes up to 115 ms. Raising the thresholds would make those stalls rarer
+    and longer. Freezing after each turn keeps the young generations to what one turn made:
+    collecting them costs about 0.1 us per new object (measured: 11 us per turn of a register
+    evicting 128 keys + lookup + release; no GC pause above 0.15 ms), and `gc.freeze()` only
+    splices lists.
+
+    Cost: a reference cycle among frozen objects is never collected. Reference counting still
+    frees everything else, frozen or not, so evicted and deleted entries go away as before. The
+    registry's objects never form cycles, and the request path makes no cyclic garbage (after
+    10^6 keys and 20000 churn batches, `gc.unfreeze(); gc.collect()` found 0 unreachable
+    objects). The young collection before each freeze bounds the rest: only a cycle that was
+    still alive at the end of the turn that made it, and became garbage later, is kept."""
+    gc.collect() if full else gc.collect(1)
+    gc.freeze()
+
 
 # Upper bounds (seconds) of the per-operation latency histogram buckets; one more bucket counts
 # everything slower. Fixed, so recording a request is one bisect and three increments.
@@ -76,16 +105,23 @@ class MaruService:
         journal: Journal | None = None,
         heartbeat_timeout: float = 15.0,
         local_socket: str | None = "auto",
+        gc_freeze: bool = False,
     ):
         """`local_socket`: where to listen for clients on this node besides `bind_url`
         (`maru.server.local_socket.local_address`: "auto", "none", "@name" or a path). With
         "auto", a name already taken only costs the speed-up (logged); an explicit address
-        that cannot be bound is an error."""
+        that cannot be bound is an error.
+
+        `gc_freeze`: freeze the heap (`freeze_heap`) now, with the registry restored, and then
+        in every `housekeeping`, so that the GC never walks the registry. `maru-server` sets
+        it; the default (for tests and embedders) leaves the process's GC alone: freezing is
+        process-wide."""
         self.registry = registry
         self.bind_url = bind_url
         self.journal = journal
         self.heartbeat_timeout = heartbeat_timeout
         self._next_reap = 0.0
+        self.gc_freeze = gc_freeze
         self.epoch = f"{time.time_ns():x}"  # changes on every start: clients notice restarts
         self._stop = threading.Event()
         self._handlers: dict[int, Handler] = {
@@ -137,6 +173,8 @@ class MaruService:
                     self.socket.close(linger=0)
                     raise OSError(f"cannot listen on --local-socket {address}: {exc}") from exc
                 log.warning("no local socket (%s): clients use %s only", exc, self.endpoint)
+        if gc_freeze:
+            freeze_heap(full=True)  # the restored registry: one full collection, at start-up
 
     # -- handlers ----------------------------------------------------------------------------
 
@@ -400,17 +438,19 @@ class MaruService:
                 inst.last_seen += stalled
 
     def housekeeping(self, now: float | None = None) -> None:
-        """Between requests: expire read leases, reap silent instances, fsync the journal
-        (batched), and snapshot it when it has grown."""
+        """Between requests: expire read leases, reap silent instances, snapshot the journal
+        when it has grown (or an fsync failed), and freeze what the turn left on the heap.
+        (The journal is fsynced by its own thread, not here.)"""
         now = time.monotonic() if now is None else now
         self.registry.expire_leases(now)
         if now >= self._next_reap:
             self.registry.reap(self.heartbeat_timeout, now)
             self._next_reap = now + min(1.0, self.heartbeat_timeout / 4)
-        if self.journal is not None:
-            self.journal.sync()
-            if self.journal.needs_snapshot:  # its time is forgiven by the loop's next turn
-                self.journal.write_snapshot(self.registry.snapshot_state())
+        if self.journal is not None and self.journal.needs_snapshot:
+            # its time is forgiven by the loop's next turn
+            self.journal.write_snapshot(self.registry.snapshot_state())
+        if self.gc_freeze:
+            freeze_heap()  # what this turn left behind: keys registered, regions, leases
 
     def stop(self) -> None:
         self._stop.set()
