@@ -165,6 +165,11 @@ class MaruCollector:
             "maru_instances", "Instances connected now.", value=len(s["instances"])
         )
         yield GaugeMetricFamily("maru_leases", "Read leases held now.", value=s["leases"])
+        yield GaugeMetricFamily(
+            "maru_local_connections",
+            "Client connections on the Unix socket now (the rest use TCP).",
+            value=s.get("local_connections", 0),
+        )
         marks = GaugeMetricFamily(
             "maru_eviction_watermark_ratio",
             "Eviction starts above the high watermark (fraction of the pool) and stops at the "
