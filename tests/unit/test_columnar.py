@@ -62,7 +62,12 @@ def test_columnar_lookup_lease_blocks_delete_until_release(service):
     lease_id = ok(service, MsgType.LOOKUP_KV, body)["lease_id"]
     assert lease_id
     assert ok(service, MsgType.DELETE_KV, {"keys": ["a"]})["results"] == [2]  # leased
-    assert ok(service, MsgType.RELEASE, {"leases": [lease_id]})["released"] == 1
+    # Only the instance that took a lease ends it (lease ids are guessable).
+    assert ok(service, MsgType.RELEASE, {"iid": "B", "leases": [lease_id]})["released"] == 0
+    assert ok(service, MsgType.RELEASE, {"leases": [lease_id]})["released"] == 0
+    assert service.registry.counters["releases_refused"] == 2
+    assert ok(service, MsgType.DELETE_KV, {"keys": ["a"]})["results"] == [2]  # still leased
+    assert ok(service, MsgType.RELEASE, {"iid": "A", "leases": [lease_id]})["released"] == 1
     assert ok(service, MsgType.DELETE_KV, {"keys": ["a", "b"]})["results"] == [0, 0]
     reply = ok(service, MsgType.LOOKUP_KV, {"keys": ["a"], "columnar": True, "lease": True})
     assert reply["lease_id"] == 0 and reply["region_ids"] == [0]

@@ -435,7 +435,8 @@ def test_lookup_with_lease_holds_until_release(service):
     assert lease_id > 0 and reply["locations"][0] == [rid, 0, 10]
     assert call(service, MsgType.DELETE_KV, {"keys": ["k"]})["results"] == [DeleteStatus.PINNED]
     assert call(service, MsgType.EVICT_FOR, {"iid": "A", "bytes": MiB})["freed_bytes"] == 0
-    assert call(service, MsgType.RELEASE, {"leases": [lease_id]})["released"] == 1
+    assert call(service, MsgType.RELEASE, {"iid": "A", "leases": [lease_id]})["released"] == 0
+    assert call(service, MsgType.RELEASE, {"iid": "B", "leases": [lease_id]})["released"] == 1
     assert call(service, MsgType.EVICT_FOR, {"iid": "A", "bytes": 1})["freed_bytes"] == 10
     assert not reg.keys
     # a lookup without `lease` takes none; a lease on misses is lease 0

@@ -39,6 +39,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "bytes_evicted": ("maru_evicted_bytes", "Bytes of the keys evicted."),
     "eviction_rounds": ("maru_eviction_rounds", "Eviction rounds that evicted at least one key."),
     "leases_expired": ("maru_leases_expired", "Read leases that expired instead of released."),
+    "releases_refused": (
+        "maru_releases_refused",
+        "RELEASE requests for a lease another instance holds (ignored).",
+    ),
     "instances_reaped": (
         "maru_instances_reaped",
         "Instances disconnected after the heartbeat timeout.",

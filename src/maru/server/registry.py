@@ -165,6 +165,7 @@ class Registry:
             "bytes_evicted": 0,
             "eviction_rounds": 0,
             "leases_expired": 0,
+            "releases_refused": 0,  # RELEASE of a lease another instance holds
             "instances_reaped": 0,
             "regions_allocated": 0,
             "regions_freed": 0,

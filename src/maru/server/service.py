@@ -134,7 +134,7 @@ class MaruService:
             MsgType.EXISTS: self._exists,
             MsgType.PIN: lambda b: {"results": self.registry.pin(_keys(b), _iid(b))},
             MsgType.UNPIN: lambda b: {"results": self.registry.unpin(_keys(b), _iid(b))},
-            MsgType.RELEASE: lambda b: {"released": self.registry.release(_keys(b, "leases"))},
+            MsgType.RELEASE: self._release,
             MsgType.EVICT_FOR: self._evict_for,
             MsgType.DELETE_KV: lambda b: {
                 "results": [int(s) for s in self.registry.delete(_keys(b))]
@@ -259,6 +259,20 @@ class MaruService:
         if body.get("lease"):
             reply["lease_id"] = self.registry.lease(keys, _iid(body))
         return reply
+
+    def _release(self, body: dict[str, Any]) -> dict[str, Any]:
+        """End read leases. A lease taken by an instance is ended only by that instance: lease
+        ids are sequential, and a stray or buggy RELEASE must not let another reader's pages
+        be evicted mid-copy. (A lease taken without an instance id can be ended by anyone.)"""
+        iid, leases = _iid(body), self.registry.leases
+        allowed = []
+        for lease_id in _keys(body, "leases"):
+            lease = leases.get(lease_id) if type(lease_id) is int else None
+            if lease is not None and lease.owner is not None and lease.owner != iid:
+                self.registry.counters["releases_refused"] += 1
+            else:
+                allowed.append(lease_id)
+        return {"released": self.registry.release(allowed)}
 
     def _evict_for(self, body: dict[str, Any]) -> dict[str, Any]:
         freed = self.registry.evict_for(_field(body, "iid", str), _field(body, "bytes", int))
