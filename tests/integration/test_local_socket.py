@@ -178,3 +178,32 @@ def test_requests_in_flight_when_the_server_dies_fail_fast_then_recover(maru_ser
         maru_server.restart()
         store_and_read(h, "after-restart")  # reconnects (and re-handshakes) by itself
         assert server_stats(maru_server.url)["local_connections"] >= 1
+
+
+def test_threads_of_one_handler_each_get_a_connection_and_their_own_replies(maru_server):
+    """SGLang calls one backend from its backup, prefetch and scheduler threads at once: each
+    thread has its own Unix connection, and no reply reaches the wrong thread."""
+    import threading
+
+    errors: list[BaseException] = []
+    with MaruHandler(server_url=maru_server.url, pool_size="16M", chunk_size_bytes="4K") as h:
+
+        def worker(t: int) -> None:
+            try:
+                for i in range(40):
+                    key = f"thread-{t}-{i}"
+                    value = f"{key}:".encode() * 50
+                    assert h.store(key, value)
+                    info = h.retrieve(key)
+                    assert info is not None and bytes(info.view) == value
+                    assert h.batch_exists([key, f"missing-{t}-{i}"]) == [True, False]
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not errors, errors[0]
+        assert server_stats(maru_server.url)["local_connections"] >= 8
