@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ RECV_BYTES = 1 << 18
 POLLIN, POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 FRAMES_PER_WAKEUP = 256  # requests served from one connection before the others get a turn
 OUT_LIMIT = 64 << 20  # buffered reply bytes past which a connection's requests wait
+ACCEPT_PAUSE_S = 1.0  # after a failed accept (out of file descriptors), stop watching that long
 
 
 def local_address(spec: str | None, endpoint: str) -> str | None:
@@ -77,10 +79,12 @@ class LocalSocketServer:
         self.listener = listener
         self.connections: dict[int, _Connection] = {}  # by file descriptor
         self._poller: zmq.Poller | None = None
+        self.accept_paused_until = 0.0  # monotonic time; 0: accepting
 
     def attach(self, poller: zmq.Poller) -> None:
         self._poller = poller
-        poller.register(self.listener, POLLIN)
+        if not self.accept_paused_until:
+            poller.register(self.listener, POLLIN)
         for conn in self.connections.values():
             poller.register(conn.sock, conn.want)
 
@@ -123,8 +127,16 @@ class LocalSocketServer:
                 sock, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 break
-            except OSError as exc:  # e.g. EMFILE: leave it queued, say why
-                log.warning("local socket: accept failed: %s", exc)
+            except OSError as exc:
+                # Out of file descriptors (EMFILE, ENFILE), say: the connection stays queued
+                # and the listener stays readable, so polling it would spin. Stop watching it
+                # for a while (one log line per pause); TCP clients are still served.
+                log.warning(
+                    "local socket: accept failed (%s); not accepting for %.0f s",
+                    exc,
+                    ACCEPT_PAUSE_S,
+                )
+                self._pause_accepting()
                 break
             sock.setblocking(False)
             conn = _Connection(sock)
@@ -133,6 +145,18 @@ class LocalSocketServer:
             if self._poller is not None:
                 self._poller.register(sock, conn.want)
         return accepted
+
+    def _pause_accepting(self) -> None:
+        if not self.accept_paused_until and self._poller is not None:
+            self._poller.unregister(self.listener)
+        self.accept_paused_until = time.monotonic() + ACCEPT_PAUSE_S
+
+    def resume_accepting_if_due(self, now: float) -> None:
+        """Called every loop turn: watch the listener again once a pause has passed."""
+        if self.accept_paused_until and now >= self.accept_paused_until:
+            self.accept_paused_until = 0.0
+            if self._poller is not None:
+                self._poller.register(self.listener, POLLIN)
 
     def _receive(self, conn: _Connection) -> bool:
         """Read what the socket has into the connection's buffer; False if it closed."""

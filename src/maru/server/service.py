@@ -437,6 +437,8 @@ class MaruService:
             # reply and this point, a long snapshot, a paused VM): the heartbeats sent
             # meanwhile are still queued, so that time is not the clients' silence.
             now = time.monotonic()
+            if self.local is not None:
+                self.local.resume_accepting_if_due(now)
             self._forgive_stall(now - looked - poll_ms / 1000)
             looked = now
             self.housekeeping(now)
