@@ -108,7 +108,8 @@ def test_status_reports_the_pool_and_usage(maru_server, writer):
     assert f["lookups"] == "4 keys, hit rate 75.0%, 0 keys evicted"
     assert f["exists"] == "3 keys, hit rate 66.7%"
     assert f["metrics"].startswith("off")
-    assert re.fullmatch(r"@maru:tcp://127\.0\.0\.1:\d+, [1-9]\d* connections", f["local"])
+    local = r"@maru:tcp://127\.0\.0\.1:\d+:[0-9a-f]{12}, [1-9]\d* connections"
+    assert re.fullmatch(local, f["local"])
 
 
 def test_status_when_the_server_is_down_exits_nonzero(tmp_path):

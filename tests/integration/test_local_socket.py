@@ -175,9 +175,12 @@ def test_a_client_that_never_reads_its_replies_stalls_only_itself(maru_server):
 def test_requests_in_flight_when_the_server_dies_fail_fast_then_recover(maru_server):
     with MaruHandler(server_url=maru_server.url, pool_size="4M", timeout_ms=3000) as h:
         store_and_read(h, "before-restart")
+        address = h._rpc.local_address
         maru_server.restart()
         store_and_read(h, "after-restart")  # reconnects (and re-handshakes) by itself
-        assert server_stats(maru_server.url)["local_connections"] >= 1
+        stats = server_stats(maru_server.url)
+        assert stats["local_socket"] == address  # same state dir: same name
+        assert stats["local_connections"] >= 1
 
 
 def test_threads_of_one_handler_each_get_a_connection_and_their_own_replies(maru_server):

@@ -67,3 +67,21 @@ def test_out_of_file_descriptors_pauses_accepting_instead_of_spinning():
     finally:
         client.close()
         server.close()
+
+
+def test_auto_names_differ_between_servers_and_survive_restarts(tmp_path):
+    """Two servers in different network namespaces can both be `tcp://0.0.0.0:5555`; a client
+    told the name of one must never reach the other under the same name. The tag comes from
+    the state dir's secret: stable across restarts, different between servers."""
+    from maru.pool.token import TokenSigner, load_or_create_secret
+    from maru.server.local_socket import local_address
+
+    endpoint = "tcp://0.0.0.0:5555"
+    first = TokenSigner(load_or_create_secret(tmp_path / "a")).server_tag()
+    again = TokenSigner(load_or_create_secret(tmp_path / "a")).server_tag()
+    other = TokenSigner(load_or_create_secret(tmp_path / "b")).server_tag()
+    assert first == again != other
+    assert local_address("auto", endpoint, first) == f"@maru:{endpoint}:{first}"
+    assert local_address("auto", endpoint, first) != local_address("auto", endpoint, other)
+    assert local_address("none", endpoint, first) is None
+    assert local_address("/run/maru.sock", endpoint, first) == "/run/maru.sock"

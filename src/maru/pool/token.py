@@ -42,6 +42,11 @@ class TokenSigner:
         msg = f"{region_id}|{path}|{offset}|{length}".encode()
         return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()[:32]
 
+    def server_tag(self) -> str:
+        """A short name for this server: the same across its restarts (same secret, same state
+        dir), different for any other server. Reveals nothing about the secret."""
+        return hmac.new(self._secret, b"maru-server-tag", hashlib.sha256).hexdigest()[:12]
+
     def verify(self, token: object, region_id: int, path: str, offset: int, length: int) -> bool:
         if not isinstance(token, str) or not token.isascii():
             return False  # (compare_digest raises TypeError on non-ASCII str)

@@ -37,14 +37,17 @@ OUT_LIMIT = 64 << 20  # buffered reply bytes past which a connection's requests 
 ACCEPT_PAUSE_S = 1.0  # after a failed accept (out of file descriptors), stop watching that long
 
 
-def local_address(spec: str | None, endpoint: str) -> str | None:
-    """The address to listen on for `--local-socket spec`: "auto" names an abstract socket
-    after the ZMQ endpoint (unique on this node, like the TCP port), "none" disables it,
-    "@name" is an abstract name, anything else a filesystem path."""
+def local_address(spec: str | None, endpoint: str, tag: str = "") -> str | None:
+    """The address to listen on for `--local-socket spec`: "none" disables it, "@name" is an
+    abstract name, a path a socket file, and "auto" an abstract socket named after the ZMQ
+    endpoint and `tag` (the server's `TokenSigner.server_tag`). The endpoint makes the name
+    unique in this network namespace, like the TCP port; the tag keeps a client in another
+    namespace, which another server's `tcp://0.0.0.0:5555` also names, from reaching that
+    one, and stays the same across restarts so that clients reconnect."""
     if spec is None or spec.lower() in ("", "none", "off"):
         return None
     if spec == "auto":
-        return f"@maru:{endpoint}"
+        return f"@maru:{endpoint}:{tag}" if tag else f"@maru:{endpoint}"
     return spec
 
 

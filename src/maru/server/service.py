@@ -164,7 +164,7 @@ class MaruService:
         self.socket.bind(bind_url)
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.local: LocalSocketServer | None = None
-        address = local_address(local_socket, self.endpoint)
+        address = local_address(local_socket, self.endpoint, registry.signer.server_tag())
         if address is not None:
             try:
                 self.local = LocalSocketServer(address)
