@@ -79,6 +79,8 @@ def test_metrics_endpoint_exports_pool_keys_instances_and_histograms(server, met
         assert value(fam, "maru_stored_bytes") == 5 * 70000
         assert value(fam, "maru_regions") == 1 and value(fam, "maru_instances") == 1
         assert value(fam, "maru_local_connections") >= 1  # the handler talks over the socket
+        assert value(fam, "maru_journal_fsync_errors") == 0
+        assert value(fam, "maru_journal_fsyncs") >= 0  # exported (the thread may not have run)
         assert value(fam, "maru_eviction_watermark_ratio", level="high") == 0.95
         assert value(fam, "maru_lookup_keys") == 3
         assert value(fam, "maru_lookup_hits") == 2

@@ -39,6 +39,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "bytes_evicted": ("maru_evicted_bytes", "Bytes of the keys evicted."),
     "eviction_rounds": ("maru_eviction_rounds", "Eviction rounds that evicted at least one key."),
     "leases_expired": ("maru_leases_expired", "Read leases that expired instead of released."),
+    "journal_fsyncs": ("maru_journal_fsyncs", "Successful fsyncs of the registry journal."),
+    "journal_fsync_errors": (
+        "maru_journal_fsync_errors",
+        "Failed fsyncs of the registry journal (each answered by a fresh snapshot).",
+    ),
     "releases_refused": (
         "maru_releases_refused",
         "RELEASE requests for a lease another instance holds (ignored).",

@@ -331,6 +331,11 @@ class MaruService:
         local = self.local
         stats["local_socket"] = local.address if local is not None else None
         stats["local_connections"] = len(local.connections) if local is not None else 0
+        journal = self.journal
+        stats["counters"]["journal_fsyncs"] = journal.fsyncs if journal is not None else 0
+        stats["counters"]["journal_fsync_errors"] = (
+            journal.fsync_errors if journal is not None else 0
+        )
         stats["latency_buckets"] = list(LATENCY_BUCKETS)
         stats["operations"] = {
             self._op_names[t]: {
