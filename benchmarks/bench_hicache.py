@@ -46,7 +46,6 @@ import os
 import platform
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -55,7 +54,7 @@ import time
 import traceback
 import uuid
 import zlib
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -555,34 +554,16 @@ def call_all(workers: list[Worker], name: str, *args_per) -> list[Any]:
 # -- server ------------------------------------------------------------------------------------
 
 
-@contextmanager
-def maru_server(pool_size: str, tmp: Path, name: str):
-    """A `maru-server` subprocess (`python -m maru.server`, so PYTHONPATH picks the code)."""
-    pool = f"/dev/shm/maru-bench-{uuid.uuid4().hex}.pool"
-    ready = tmp / f"{name}.ready"
-    log_path = tmp / f"{name}.log"
-    log = open(log_path, "wb")  # noqa: SIM115 - closed below
-    cmd = [sys.executable, "-m", "maru.server", "--host", "127.0.0.1", "--port", "0"]
-    cmd += ["--pool", pool, "--pool-size", pool_size, "--state-dir", str(tmp / f"{name}-state")]
-    cmd += ["--ready-file", str(ready), "--log-level", "WARNING", "--heartbeat-timeout", "120"]
-    cmd += ["--lease-timeout", "120"]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while not (ready.exists() and ready.read_text().startswith("tcp://")):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("maru-server did not start: " + log_path.read_text())
-            time.sleep(0.02)
-        yield ready.read_text().strip()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        log.close()
-        Path(pool).unlink(missing_ok=True)
+def maru_server(pool_size: str):
+    """A `maru-server` subprocess (`tests/sglang_cpu/p2p.py`'s launcher), run as
+    `python -m maru.server` so that PYTHONPATH picks the code (before/after comparisons)."""
+    from sglang_cpu.p2p import maru_server as launch
+
+    return launch(
+        pool_size,
+        command=[sys.executable, "-m", "maru.server"],
+        extra_args=["--heartbeat-timeout", "120", "--lease-timeout", "120"],
+    )
 
 
 # -- progress ----------------------------------------------------------------------------------
@@ -888,13 +869,13 @@ def bench_instances(url, plan, prog) -> list[dict]:
     return rows
 
 
-def bench_keys(tmp, plan, prog) -> list[dict]:
+def bench_keys(plan, prog) -> list[dict]:
     """One dedicated server per key count, probed in turn (see `KeyFiller.probe`)."""
     counts = list(plan.key_counts)
     rounds = 10 if plan.quick else 20
     with ExitStack() as stack:
         # 256M: 10^6 keys of 64 bytes stay far below the eviction watermark.
-        urls = [stack.enter_context(maru_server("256M", tmp, f"keys{n}")) for n in counts]
+        urls = [stack.enter_context(maru_server("256M")) for _ in counts]
         filler = Worker(KeyFiller, urls)
         try:
             reg_s = []
@@ -1278,11 +1259,11 @@ def main() -> int:
     machine = machine_info()
     tmp = Path(tempfile.mkdtemp(prefix="maru-bench-hicache-"))
     try:
-        with maru_server("2G", tmp, "main") as url:
+        with maru_server("2G") as url:
             results = [bench_case(url, c, plan, tmp, prog) for c in cases]
             meta = bench_meta(url, plan, prog)
             inst = [] if args.skip_scaling else bench_instances(url, plan, prog)
-        keys = [] if args.skip_scaling else bench_keys(tmp, plan, prog)
+        keys = [] if args.skip_scaling else bench_keys(plan, prog)
     finally:
         prog.close()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -26,73 +26,21 @@ import argparse
 import mmap
 import os
 import platform
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from maru import MaruHandler
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from sglang_cpu.p2p import maru_server
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = [64 * KiB, 1 * MiB, 4 * MiB]
-
-
-@contextmanager
-def maru_server(pool_size: str):
-    """A `maru-server` subprocess on a free port; yields its URL; stops it and removes the pool."""
-    exe = Path(sys.executable).parent / "maru-server"
-    cmd = [str(exe)] if exe.exists() else [shutil.which("maru-server") or "maru-server"]
-    tmp = Path(tempfile.mkdtemp(prefix="maru-bench-"))
-    pool = f"/dev/shm/maru-bench-{uuid.uuid4().hex}.pool"
-    ready = tmp / "ready"
-    log = open(tmp / "server.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [
-            *cmd,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--pool",
-            pool,
-            "--pool-size",
-            pool_size,
-            "--state-dir",
-            str(tmp / "state"),
-            "--ready-file",
-            str(ready),
-            "--log-level",
-            "WARNING",
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 15
-        while not (ready.exists() and ready.read_text().startswith("tcp://")):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("maru-server did not start: " + (tmp / "server.log").read_text())
-            time.sleep(0.02)
-        yield ready.read_text().strip()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        log.close()
-        Path(pool).unlink(missing_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def gbps(nbytes: int, seconds: float) -> float:

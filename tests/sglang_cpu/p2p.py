@@ -86,16 +86,24 @@ def maru_server_command(python: str = sys.executable) -> list[str]:
 
 @contextlib.contextmanager
 def maru_server(
-    pool_size: str = "1G", *, python: str = sys.executable, log_level: str = "WARNING"
+    pool_size: str = "1G",
+    *,
+    python: str = sys.executable,
+    log_level: str = "WARNING",
+    extra_args: Sequence[str] = (),
+    command: Sequence[str] | None = None,
 ) -> Iterator[str]:
     """Run ``maru-server`` on 127.0.0.1 (free port, private /dev/shm pool and state dir) and
-    yield its URL; SIGTERM (then SIGKILL) on exit, and the pool file is removed."""
+    yield its URL; SIGTERM (then SIGKILL) on exit, and the pool file is removed. The tests, the
+    CPU example and every benchmark start their servers here. `extra_args`: more flags;
+    `command`: what to run instead of `maru_server_command(python)` (e.g. ``python -m
+    maru.server``, so that ``PYTHONPATH`` picks which code runs)."""
     work = Path(tempfile.mkdtemp(prefix="maru-server-"))
     pool = Path(f"/dev/shm/maru-p2p-{uuid.uuid4().hex}.pool")
     ready = work / "ready"
     log = open(work / "maru-server.log", "wb")  # noqa: SIM115 - closed below
     cmd = [
-        *maru_server_command(python),
+        *(command or maru_server_command(python)),
         "--host",
         "127.0.0.1",
         "--port",
@@ -110,6 +118,7 @@ def maru_server(
         str(ready),
         "--log-level",
         log_level,
+        *extra_args,
     ]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     try:
