@@ -27,6 +27,7 @@ MAGIC = b"MARU"
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("!4sBBHQ")
 STREAM_LENGTH = struct.Struct("!I")  # frame length on a stream transport
+STREAM_RECV_BYTES = 1 << 18  # one read from a stream socket (frames are metadata: rarely more)
 FLAG_REPLY = 0x1
 
 MAX_KEY_BYTES = 1024

@@ -33,7 +33,6 @@ from maru.errors import MaruConnectionError, MaruServerError
 log = logging.getLogger(__name__)
 
 ReplyHook = Callable[[dict[str, Any]], None]
-RECV_BYTES = 1 << 18  # one recv on the Unix socket; replies are metadata, rarely larger
 
 
 class PendingReply:
@@ -231,7 +230,7 @@ class _LocalChannel(_Channel):
             return []
         try:
             self._set_timeout(self.sock, timeout_ms)
-            data = self.sock.recv(RECV_BYTES)
+            data = self.sock.recv(protocol.STREAM_RECV_BYTES)
         except TimeoutError:
             return []
         except OSError as exc:

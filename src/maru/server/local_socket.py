@@ -29,7 +29,6 @@ from maru.rpc import unix_address
 
 log = logging.getLogger(__name__)
 
-RECV_BYTES = 1 << 18
 # Plain ints: zmq.POLLIN is an enum, and enum arithmetic costs microseconds per request.
 POLLIN, POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 FRAMES_PER_WAKEUP = 256  # requests served from one connection before the others get a turn
@@ -164,7 +163,7 @@ class LocalSocketServer:
     def _receive(self, conn: _Connection) -> bool:
         """Read what the socket has into the connection's buffer; False if it closed."""
         try:
-            data = conn.sock.recv(RECV_BYTES)
+            data = conn.sock.recv(protocol.STREAM_RECV_BYTES)
         except (BlockingIOError, InterruptedError):
             return True
         except OSError as exc:
