@@ -62,17 +62,17 @@ def parse_bool(value: Any, *, name: str = "flag") -> bool:
     raise ConfigError(f"{name}: expected a boolean (true/false), got {value!r}")
 
 
-def parse_positive_int(value: Any, *, name: str) -> int:
-    if isinstance(value, bool):
-        raise ConfigError(f"{name}: expected a positive integer, got {value!r}")
+def parse_positive_int(value: Any, *, name: str, minimum: int = 1) -> int:
+    """An integer >= `minimum` (1 unless told), from an int or a string of digits."""
+    kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ConfigError(f"{name}: expected {kind}, got {value!r}")
     try:
         n = int(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{name}: expected a positive integer, got {value!r}") from None
-    if isinstance(value, float) and not value.is_integer():
-        raise ConfigError(f"{name}: expected a positive integer, got {value!r}")
-    if n <= 0:
-        raise ConfigError(f"{name}: expected a positive integer, got {value!r}")
+        raise ConfigError(f"{name}: expected {kind}, got {value!r}") from None
+    if n < minimum:
+        raise ConfigError(f"{name}: expected {kind}, got {value!r}")
     return n
 
 
@@ -96,6 +96,7 @@ class MaruConfig:
     auto_expand: bool = True
     expand_size: int | None = None
     local_socket: bool = True  # RPCs over the server's Unix socket when it offers one
+    busy_poll_us: int = 200  # spin this long for a reply on the Unix socket before sleeping
 
     def __post_init__(self) -> None:
         self.validate()
@@ -124,6 +125,7 @@ class MaruConfig:
             )
         self.timeout_ms = parse_positive_int(self.timeout_ms, name="timeout_ms")
         self.max_inflight = parse_positive_int(self.max_inflight, name="max_inflight")
+        self.busy_poll_us = parse_positive_int(self.busy_poll_us, name="busy_poll_us", minimum=0)
         for name in ("auto_connect", "use_async_rpc", "eager_map", "auto_expand", "local_socket"):
             setattr(self, name, parse_bool(getattr(self, name), name=name))
         if self.expand_size is not None:

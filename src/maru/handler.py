@@ -110,6 +110,7 @@ class MaruHandler:
             timeout_ms=config.timeout_ms,
             max_inflight=config.max_inflight if config.use_async_rpc else 1,
             reply_hook=self._on_reply,
+            busy_poll_us=config.busy_poll_us,
         )
         self._mapper = RegionMapper()
         self._owned: dict[int, _OwnedRegion] = {}

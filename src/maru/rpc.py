@@ -17,8 +17,10 @@ replies that arrive after their caller gave up are recognised by id and dropped.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import select
 import socket
 import threading
 import time
@@ -29,6 +31,11 @@ import zmq
 
 from maru import protocol
 from maru.errors import MaruConnectionError, MaruServerError
+
+try:
+    from maru._busypoll import recv_spin
+except ImportError:  # built without a C compiler: replies are awaited in poll() only
+    recv_spin = None
 
 log = logging.getLogger(__name__)
 
@@ -163,19 +170,20 @@ class _ZmqChannel(_Channel):
 class _LocalChannel(_Channel):
     """The server's Unix socket: length-prefixed frames on a byte stream. When the connection
     breaks (server restart), the requests in flight fail at once and the next request
-    reconnects; while that fails, the client falls back to ZMQ."""
+    reconnects; while that fails, the client falls back to ZMQ.
+
+    The socket is non-blocking. A wait for a reply first retries the read for up to
+    `busy_poll_us` (the server usually answers within that; `maru._busypoll`, without the
+    GIL), and only then sleeps in poll(): a thread that sleeps must be woken by the server's
+    reply, which on a virtual machine costs about as much again as the whole round trip
+    (docs/performance.md)."""
 
     def __init__(self, client: RpcClient, address: str):
         super().__init__(client, address)
         self.address = address
         self.sock: socket.socket | None = None
+        self.poller = select.poll()
         self.reader = protocol.StreamReader()
-        self._timeout_ms = 0  # the socket's current timeout (settimeout costs a syscall)
-
-    def _set_timeout(self, sock: socket.socket, timeout_ms: int) -> None:
-        if abs(self._timeout_ms - timeout_ms) > 5 + timeout_ms // 20:
-            sock.settimeout(timeout_ms / 1000)
-            self._timeout_ms = timeout_ms
 
     def connected(self) -> bool:
         """True if connected, after one connection attempt if not (immediate on a Unix
@@ -185,13 +193,15 @@ class _LocalChannel(_Channel):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(self.client.timeout_ms / 1000)
-            self._timeout_ms = self.client.timeout_ms
             sock.connect(unix_address(self.address))
         except OSError as exc:
             sock.close()
             self.client.local_unreachable(self.address, exc)
             return False
+        sock.setblocking(False)
         self.sock = sock
+        self.poller = select.poll()
+        self.poller.register(sock, select.POLLIN)
         self.reader = protocol.StreamReader()
         return True
 
@@ -211,8 +221,7 @@ class _LocalChannel(_Channel):
                 break
             assert self.sock is not None
             try:
-                self._set_timeout(self.sock, self.client.timeout_ms)
-                self.sock.sendall(data)
+                self._send_all(self.sock, data)
                 return
             except TimeoutError:  # a partial frame would desynchronise the stream: drop it
                 self._lost("send timed out")
@@ -224,17 +233,37 @@ class _LocalChannel(_Channel):
                 self._lost(f"send failed: {exc}")
         raise LocalSocketUnavailable(self.address)
 
+    def _send_all(self, sock: socket.socket, data: bytes) -> None:
+        """All of `data`, waiting (up to the timeout) while the socket buffer is full."""
+        try:
+            sent = sock.send(data)  # a request usually fits the socket buffer: one call
+        except BlockingIOError:
+            sent = 0
+        if sent == len(data):
+            return
+        view = memoryview(data)[sent:]
+        deadline = time.monotonic() + self.client.timeout_ms / 1000
+        writable = select.poll()
+        writable.register(sock, select.POLLOUT)
+        while view:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                raise TimeoutError
+            writable.poll(remaining_ms)
+            with contextlib.suppress(BlockingIOError):
+                view = view[sock.send(view) :]
+
     def _receive(self, timeout_ms: int) -> list[bytes]:
-        if self.sock is None:
+        sock = self.sock
+        if sock is None:
             self.pending.clear()
             return []
         try:
-            self._set_timeout(self.sock, timeout_ms)
-            data = self.sock.recv(protocol.STREAM_RECV_BYTES)
-        except TimeoutError:
-            return []
+            data = self._read(sock, timeout_ms)
         except OSError as exc:
             self._lost(f"receive failed: {exc}")
+            return []
+        if data is None:
             return []
         if not data:
             self._lost("closed by the server")
@@ -245,6 +274,21 @@ class _LocalChannel(_Channel):
         except protocol.ProtocolError as exc:
             self._lost(str(exc))
             return []
+
+    def _read(self, sock: socket.socket, timeout_ms: int) -> bytes | None:
+        """What the socket has (b"" if the server closed it): spinning up to `busy_poll_us`
+        (without the GIL), then sleeping in poll() up to `timeout_ms`; None if nothing came."""
+        spin_ns = self.client.busy_poll_ns
+        if spin_ns and recv_spin is not None:
+            data = recv_spin(sock.fileno(), protocol.STREAM_RECV_BYTES, spin_ns)
+            if data is not None:
+                return data
+        if not self.poller.poll(timeout_ms):
+            return None
+        try:
+            return sock.recv(protocol.STREAM_RECV_BYTES)
+        except BlockingIOError:  # woken without data
+            return None
 
     def close(self) -> None:
         if self.sock is not None:
@@ -269,8 +313,10 @@ class RpcClient:
         timeout_ms: int = 2000,
         max_inflight: int = 64,
         reply_hook: ReplyHook | None = None,
+        busy_poll_us: int = 0,
     ):
         self.url = url
+        self.busy_poll_ns = busy_poll_us * 1000  # see _LocalChannel._read
         self.timeout_ms = timeout_ms
         self.max_inflight = max_inflight
         self.reply_hook = reply_hook

@@ -7,13 +7,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 
 import pytest
 
 from maru import MaruHandler, protocol
 from maru.protocol import MsgType
-from maru.rpc import unix_address
+from maru.rpc import _LocalChannel, unix_address
 
 KiB = 1 << 10
 
@@ -186,8 +187,6 @@ def test_requests_in_flight_when_the_server_dies_fail_fast_then_recover(maru_ser
 def test_threads_of_one_handler_each_get_a_connection_and_their_own_replies(maru_server):
     """SGLang calls one backend from its backup, prefetch and scheduler threads at once: each
     thread has its own Unix connection, and no reply reaches the wrong thread."""
-    import threading
-
     errors: list[BaseException] = []
     with MaruHandler(server_url=maru_server.url, pool_size="16M", chunk_size_bytes="4K") as h:
 
@@ -210,3 +209,55 @@ def test_threads_of_one_handler_each_get_a_connection_and_their_own_replies(maru
             thread.join(60)
         assert not errors, errors[0]
         assert server_stats(maru_server.url)["local_connections"] >= 8
+
+
+@pytest.mark.parametrize("busy_poll_us", [0, 1, 200])
+def test_replies_arrive_whether_they_come_within_the_spin_or_after_it(maru_server, busy_poll_us):
+    """A reply slower than the client's spin (the server stopped for 0.3 s here) is still
+    awaited in poll(), up to the timeout; one within it never sleeps. Either way the same
+    bytes come back."""
+    import signal
+
+    with MaruHandler(
+        server_url=maru_server.url, pool_size="4M", busy_poll_us=busy_poll_us, timeout_ms=5000
+    ) as h:
+        store_and_read(h, "spin")
+        assert h._rpc.busy_poll_ns == busy_poll_us * 1000
+        os.kill(maru_server.pid, signal.SIGSTOP)
+        try:
+            threading.Timer(0.3, os.kill, args=(maru_server.pid, signal.SIGCONT)).start()
+            t0 = time.monotonic()
+            assert h.batch_exists(["spin", "absent"]) == [True, False]
+            assert time.monotonic() - t0 >= 0.25  # it did wait for the stopped server
+        finally:
+            os.kill(maru_server.pid, signal.SIGCONT)
+        store_and_read(h, "spin-after")
+
+
+def test_a_request_larger_than_the_socket_buffer_goes_whole(maru_server):
+    """The client's socket is non-blocking: a request that does not fit the kernel buffer at
+    once (tens of thousands of keys) is sent in pieces as the server drains it."""
+    keys = [f"bulk-key-{i:08d}-{'x' * 40}" for i in range(40_000)]  # ~2.4 MB of keys
+    with MaruHandler(server_url=maru_server.url, pool_size="4M") as h:
+        store_and_read(h, keys[7])
+        found = h.batch_exists(keys)
+        assert found[7] is True and sum(found) == 1
+        assert isinstance(h._rpc._channel(), _LocalChannel)  # not ZMQ
+        assert server_stats(maru_server.url)["local_connections"] >= 1
+
+
+def test_server_busy_poll_serves_the_same_and_rejects_a_negative_window(
+    maru_server_factory, tmp_path
+):
+    server = maru_server_factory(
+        tmp_path / "spin", pool_size="64M", extra_args=["--busy-poll-us", "500"]
+    )
+    with MaruHandler(server_url=server.url, pool_size="4M") as h:
+        for i in range(50):
+            store_and_read(h, f"busy-{i}")
+        assert h.batch_exists([f"busy-{i}" for i in range(50)]) == [True] * 50
+
+    from maru.server.service import MaruService
+
+    with pytest.raises(ValueError, match="busy_poll_us"):
+        MaruService(None, "tcp://127.0.0.1:0", busy_poll_us=-1)  # type: ignore[arg-type]

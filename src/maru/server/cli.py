@@ -135,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 64)",
     )
     p.add_argument(
+        "--busy-poll-us",
+        type=int,
+        default=0,
+        help="after serving a request, keep polling for the next one this many microseconds "
+        "before sleeping: lower round trips when the server has a CPU of its own "
+        "(default: 0, sleep at once)",
+    )
+    p.add_argument(
         "--no-restore",
         action="store_true",
         help="start with an empty registry, discarding the state in --state-dir",
@@ -251,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat_timeout=args.heartbeat_timeout,
             local_socket=args.local_socket,
             gc_freeze=True,  # see maru.server.service.freeze_heap
+            busy_poll_us=args.busy_poll_us,
         )
     except (OSError, ValueError, KeyError, RuntimeError, zmq.ZMQError) as exc:
         print(f"maru-server: cannot start: {exc}", file=sys.stderr)

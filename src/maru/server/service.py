@@ -106,6 +106,7 @@ class MaruService:
         heartbeat_timeout: float = 15.0,
         local_socket: str | None = "auto",
         gc_freeze: bool = False,
+        busy_poll_us: int = 0,
     ):
         """`local_socket`: where to listen for clients on this node besides `bind_url`
         (`maru.server.local_socket.local_address`: "auto", "none", "@name" or a path). With
@@ -115,13 +116,19 @@ class MaruService:
         `gc_freeze`: freeze the heap (`freeze_heap`) now, with the registry restored, and then
         in every `housekeeping`, so that the GC never walks the registry. `maru-server` sets
         it; the default (for tests and embedders) leaves the process's GC alone: freezing is
-        process-wide."""
+        process-wide.
+
+        `busy_poll_us`: after serving requests, poll the sockets without sleeping for this
+        long before blocking (`_wait_for_requests`)."""
         self.registry = registry
         self.bind_url = bind_url
         self.journal = journal
         self.heartbeat_timeout = heartbeat_timeout
         self._next_reap = 0.0
         self.gc_freeze = gc_freeze
+        if busy_poll_us < 0:
+            raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
+        self.busy_poll_s = busy_poll_us / 1e6
         self.epoch = f"{time.time_ns():x}"  # changes on every start: clients notice restarts
         self._stop = threading.Event()
         self._handlers: dict[int, Handler] = {
@@ -415,8 +422,11 @@ class MaruService:
         if self.local is not None:
             self.local.attach(poller)
         looked = time.monotonic()  # when the loop last looked at its sockets
+        served = 0.0  # when the loop last served a request (perf_counter)
         while not self._stop.is_set():
-            events = dict(poller.poll(poll_ms))
+            events = self._wait_for_requests(poller, poll_ms, served)
+            if events:
+                served = perf_counter()
             # Requests first, then housekeeping, so that the heartbeats queued during a stall
             # count before the reaper judges who is silent. A burst is bounded so that
             # housekeeping still runs under constant load.
@@ -448,6 +458,17 @@ class MaruService:
             looked = now
             self.housekeeping(now)
         log.info("maru-server stopping")
+
+    def _wait_for_requests(self, poller: zmq.Poller, poll_ms: int, served: float) -> dict:
+        """The sockets that are ready. Within `busy_poll_s` of the last request, poll without
+        sleeping: a request that finds the loop asleep must first wake it, and on a virtual
+        machine a sleeping CPU takes tens of microseconds to wake (docs/performance.md)."""
+        until = served + self.busy_poll_s
+        while perf_counter() < until:
+            events = poller.poll(0)
+            if events:
+                return dict(events)
+        return dict(poller.poll(poll_ms))
 
     def _forgive_stall(self, stalled: float) -> None:
         """Time this process did not run (SIGSTOP, a paused VM or container, a long snapshot)
