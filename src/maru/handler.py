@@ -21,13 +21,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from maru.config import MaruConfig
 from maru.errors import MaruConnectionError, MaruError, MaruServerError
 from maru.pool.extents import ExtentAllocator
 from maru.pool.mapping import MappedRegion, RegionMapper
 from maru.pool.region import RegionHandle
 from maru.protocol import DeleteStatus, ErrorCode, MsgType, RegisterStatus
-from maru.rpc import RpcClient
+from maru.rpc import PendingReply, RpcClient
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,31 @@ class _OwnedRegion:
         self.mapped = mapped
         self.pages = ExtentAllocator(mapped.handle.length // chunk)
         self.sticky: set[int] = set()  # first pages of merged runs that must not be freed
+
+
+class LeasedAddresses:
+    """A leased lookup in flight (`MaruHandler.leased_addresses`): sent when created, waited
+    for on entering, its lease released on leaving."""
+
+    __slots__ = ("_handler", "_keys", "_pending", "lease_id")
+
+    def __init__(self, handler: MaruHandler, keys: Sequence[Key]):
+        self._handler = handler
+        self._keys = keys
+        self._pending = handler._submit_lookup_addresses(keys)
+        self.lease_id = 0
+
+    def __enter__(self) -> tuple[np.ndarray, np.ndarray]:
+        addresses, lengths, self.lease_id = self._handler._lookup_addresses(
+            self._keys, self._pending
+        )
+        self._pending = None
+        return addresses, lengths
+
+    def __exit__(self, *exc: object) -> None:
+        if self.lease_id:
+            self._handler._release(self.lease_id)
+            self.lease_id = 0
 
 
 class MaruHandler:
@@ -678,39 +705,75 @@ class MaruHandler:
             )
         return out, int(reply.get("lease_id", 0))
 
-    @contextmanager
-    def leased_addresses(self, keys: Sequence[Key]) -> Iterator[tuple[list[int], list[int]]]:
-        """The lean form of `leased` for integrations that copy by address: yields
-        `(addresses, lengths)`, one of each per key (0 and 0 for a miss), valid in this
-        process; the found keys cannot be evicted or deleted until the block ends. One lookup
-        RPC with a columnar reply, no view or `MemoryInfo` per key."""
-        addresses, lengths, lease_id = self._lookup_addresses(keys)
-        try:
-            yield addresses, lengths
-        finally:
-            if lease_id:
-                self._release(lease_id)
+    def leased_addresses(self, keys: Sequence[Key]) -> LeasedAddresses:
+        """The lean form of `leased` for integrations that copy by address::
 
-    def _lookup_addresses(self, keys: Sequence[Key]) -> tuple[list[int], list[int], int]:
+            lookup = handler.leased_addresses(keys)  # the request is on its way
+            ...prepare the copy while the server looks the keys up...
+            with lookup as (addresses, lengths):  # int64 arrays, 0 and 0 for a miss
+                ...copy...                        # the found keys cannot be evicted or deleted
+
+        One lookup RPC with a columnar reply, no view or `MemoryInfo` per key. Use it from one
+        thread, and always enter it (leaving it releases the lease)."""
+        return LeasedAddresses(self, keys)
+
+    def _lookup_addresses_body(self, keys: Sequence[Key]) -> dict[str, Any]:
+        return {"keys": list(keys), "lease": True, "columnar": True, "packed": True}
+
+    def _submit_lookup_addresses(self, keys: Sequence[Key]) -> PendingReply | None:
+        if not keys:
+            return None
+        body = self._lookup_addresses_body(keys)
+        body["iid"] = self.instance_id
+        try:
+            return self._rpc.submit(MsgType.LOOKUP_KV, body)
+        except MaruError:
+            return None  # `_lookup_addresses` tries again (and reports)
+
+    def _lookup_addresses(
+        self, keys: Sequence[Key], pending: PendingReply | None
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """The outcome of a leased columnar lookup sent as `pending` (None: send it now):
+        int64 arrays of addresses and lengths (0 and 0 for a miss), and the lease id."""
         n = len(keys)
         if not n:
-            return [], [], 0
-        body = {"keys": list(keys), "lease": True, "columnar": True}
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), 0
         try:
-            reply = self._call(MsgType.LOOKUP_KV, body)
+            if pending is None:  # submitting failed: one more try, as a plain call
+                reply = self._call(MsgType.LOOKUP_KV, self._lookup_addresses_body(keys))
+            else:
+                try:
+                    reply = pending.result()
+                except MaruServerError as exc:
+                    if exc.code != ErrorCode.UNKNOWN_INSTANCE:
+                        raise
+                    # The server restarted: `_call` handshakes again and asks once more.
+                    reply = self._call(MsgType.LOOKUP_KV, self._lookup_addresses_body(keys))
         except MaruError as exc:
             log.warning("lookup of %d keys failed: %s", n, exc)
-            return [0] * n, [0] * n, 0
-        bases = {0: 0}  # region id 0 is never used: it marks a miss
+            return np.zeros(n, np.int64), np.zeros(n, np.int64), 0
+        lease_id = int(reply.get("lease_id", 0))
+        try:
+            if "region_ids" not in reply:  # a server without the columnar form
+                locs = [loc or (0, 0, 0) for loc in reply["locations"]]
+                region_ids, offsets, lengths = (np.array(c, np.int64) for c in zip(*locs))
+            else:  # packed (bytes of int64s), or lists from a server without the packed form
+                region_ids, offsets, lengths = (
+                    np.frombuffer(c, np.int64) if isinstance(c, bytes) else np.array(c, np.int64)
+                    for c in (reply["region_ids"], reply["offsets"], reply["lengths"])
+                )
+            if not len(region_ids) == len(offsets) == len(lengths) == n:
+                raise ValueError(f"{len(region_ids)} locations")
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("lookup of %d keys: malformed reply (%s); treated as misses", n, exc)
+            return np.zeros(n, np.int64), np.zeros(n, np.int64), lease_id
+        # Region id 0 is never used: it marks a miss (address 0).
+        addresses = np.zeros(n, np.int64)
         for fields in reply["regions"]:
             handle = RegionHandle.from_wire(fields)
-            bases[handle.region_id] = self._map(handle).address
-        lease_id = int(reply.get("lease_id", 0))
-        if "region_ids" not in reply:  # a server without the columnar form
-            locs = [loc or (0, 0, 0) for loc in reply["locations"]]
-            return [bases[r] + o for r, o, _ in locs], [ln for *_, ln in locs], lease_id
-        addresses = [bases[r] + o for r, o in zip(reply["region_ids"], reply["offsets"])]
-        return addresses, reply["lengths"], lease_id
+            in_region = region_ids == handle.region_id
+            addresses[in_region] = offsets[in_region] + self._map(handle).address
+        return addresses, lengths, lease_id
 
     # -- existence, pinning, deletion --------------------------------------------------------
 

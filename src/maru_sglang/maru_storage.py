@@ -312,31 +312,42 @@ class MaruStorage(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """One lookup RPC (leasing the pages so no instance evicts or deletes them mid-copy),
-        then one memmove per page part from the shared mapping into the host pool. A page
-        stored with another length is a miss."""
+        """One lookup RPC (leasing the pages so no instance evicts or deletes them mid-copy;
+        the host pointers are computed while it is in flight), then one memmove per page part
+        from the shared mapping into the host pool. A page stored with another length is a
+        miss."""
         self._require_pool()
         if not keys:
             return []
         start = time.perf_counter()
         n = len(keys)
-        columns = self._part_pointers(host_indices, n)
-        if columns is None:
-            log.error("batch_get_v1: %d host indices for %d keys", host_indices.numel(), n)
-            return [False] * n
+        lookup = self.handler.leased_addresses(self._keys(keys))  # sent now: the server
+        try:
+            columns = self._part_pointers(host_indices, n)  # looks up while we compute these
+        except BaseException:
+            with lookup:  # collect the reply and release the lease
+                pass
+            raise
         page_bytes = self._page_bytes
-        with self.handler.leased_addresses(self._keys(keys)) as (addresses, lengths):
-            hit = np.array(lengths, dtype=np.int64) == page_bytes
+        with lookup as (addresses, lengths):
+            if columns is None:
+                log.error("batch_get_v1: %d host indices for %d keys", host_indices.numel(), n)
+                return [False] * n
+            hit = lengths == page_bytes
             results = hit.tolist()
-            sources = np.array(addresses, dtype=np.int64)
+            sources = addresses
             if not hit.all():  # copy the hits only
                 sources = sources[hit]
                 columns = [ptrs[hit] for ptrs in columns]
             self._copy_out(sources, columns)
-        for key, length in zip(keys, lengths):
-            if length and length != page_bytes:
+        wrong_length = (lengths != 0) & ~hit
+        if wrong_length.any():
+            for i in np.flatnonzero(wrong_length):
                 log.warning(
-                    "page %s has %d bytes, expected %d: treated as a miss", key, length, page_bytes
+                    "page %s has %d bytes, expected %d: treated as a miss",
+                    keys[i],
+                    lengths[i],
+                    page_bytes,
                 )
         elapsed = time.perf_counter() - start
         hits = sum(results)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 
 from maru import MaruHandler
 from maru.handler import PageRun
@@ -35,8 +36,8 @@ def test_run_register_and_leased_addresses(maru_server):
         assert w.register_run(keys[5:], run.slice(5, 12), PAGE - 7) == [True] * 7
         assert first() == [True] * 5
         with r.leased_addresses([*keys, "missing"]) as (addresses, lengths):
-            assert lengths == [PAGE - 7] * 12 + [0] and addresses[-1] == 0
-            got = [ctypes.string_at(a, n) for a, n in zip(addresses[:-1], lengths[:-1])]
+            assert lengths.tolist() == [PAGE - 7] * 12 + [0] and addresses[-1] == 0
+            got = [ctypes.string_at(a, n) for a, n in zip(addresses[:-1].tolist(), lengths[:-1])]
             assert got == values
             assert w.batch_delete(keys[:1]) == [False]  # leased while the block runs
         assert r.batch_retrieve(keys[:1])[0] is not None
@@ -68,3 +69,30 @@ def test_alloc_run_none_when_no_run_fits(maru_server):
         assert run is not None
         h.free_run(run, [3])
         assert h.free_pages() == 1
+
+
+def test_leased_addresses_is_sent_before_it_is_entered(maru_server):
+    """`MaruStorage.batch_get_v1` prepares its copy while the lookup is in flight: the server
+    has taken the lease by the time the caller enters, so a delete in between cannot free the
+    page under the copy; leaving releases it."""
+    value = os.urandom(PAGE)
+    with (
+        MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes="64K") as w,
+        MaruHandler(server_url=maru_server.url, pool_size="1M", chunk_size_bytes="64K") as r,
+    ):
+        assert w.store("early/0", value)
+        lookup = r.leased_addresses(["early/0", "early/missing"])
+        deadline = time.monotonic() + 5
+        while w.stats()["leases"] == 0:  # the lookup reached the server, unprompted
+            assert time.monotonic() < deadline, "the lookup was not sent before entering"
+            time.sleep(0.01)
+        assert w.batch_delete(["early/0"]) == [False]  # leased
+        with lookup as (addresses, lengths):
+            assert lengths.tolist() == [PAGE, 0]
+            assert ctypes.string_at(int(addresses[0]), PAGE) == value
+        # Released on leaving (sent without waiting: a request on the same connection after
+        # it is answered after it).
+        assert r.batch_exists(["early/0"]) == [True]
+        assert w.batch_delete(["early/0"]) == [True]
+        with r.leased_addresses([]) as (addresses, lengths):
+            assert len(addresses) == 0 and len(lengths) == 0

@@ -143,6 +143,20 @@ def test_wrong_length_page_is_a_miss_not_a_partial_copy(maru_server):
     storage.close()
 
 
+def test_bad_host_indices_fail_the_batch_and_leave_no_lease(maru_server):
+    """batch_get_v1 sends its lookup before it checks the host indices (it prepares the copy
+    while the server works): on bad indices the lease it took must still end."""
+    g = Geometry()
+    storage = _storage(maru_server.url, g)
+    assert storage.batch_set_v1(["a", "b"], page_indices(0, 2, g.page_size)) == [True, True]
+    short = page_indices(4, 1, g.page_size)  # one page of indices for two keys
+    assert storage.batch_get_v1(["a", "b"], short) == [False, False]
+    stats = storage.handler.stats()  # answered after the (unawaited) release
+    assert stats["leases"] == 0
+    assert storage.batch_get_v1(["a", "b"], page_indices(4, 2, g.page_size)) == [True, True]
+    storage.close()
+
+
 def test_partial_prefix_counts_consecutive_hits(maru_server):
     g = Geometry()
     storage = _storage(maru_server.url, g)

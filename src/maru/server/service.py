@@ -10,6 +10,7 @@ import gc
 import logging
 import threading
 import time
+from array import array
 from bisect import bisect_left
 from collections.abc import Callable
 from time import perf_counter
@@ -261,6 +262,12 @@ class MaruService:
             region_ids, offsets, lengths, regions, lease_id = self.registry.lookup_columnar(
                 keys, _iid(body), lease
             )
+            if body.get("packed") is True:
+                # Each column as one bytes value of native int64s (client and server share
+                # the node): the client reads it with numpy, no Python int per key.
+                region_ids, offsets, lengths = (
+                    array("q", column).tobytes() for column in (region_ids, offsets, lengths)
+                )
             reply = {
                 "region_ids": region_ids,
                 "offsets": offsets,
