@@ -4,11 +4,13 @@
  * virtual machine that wake-up costs about as much again as the whole round trip. Retrying a
  * non-blocking recv() for a few hundred microseconds avoids it. Done in Python, the spinning
  * thread would hold the GIL between retries and delay the caller's other threads (SGLang's
- * scheduler); here the whole spin runs with the GIL released.
+ * scheduler); here the whole spin runs with the GIL released, and yields the CPU between
+ * retries.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <time.h>
 
@@ -47,6 +49,11 @@ static PyObject *recv_spin(PyObject *self, PyObject *args)
             break;
         if (now_ns() >= until)
             break;
+        /* Let any other runnable thread have this CPU: where more threads spin than there
+         * are idle cores, one of them may be the server that owes us the reply. With 4 readers
+         * and a server on 2 vCPUs, spinning without this doubled the round trip (163 us ->
+         * 312 us); with it, 55 us. */
+        sched_yield();
     }
     Py_END_ALLOW_THREADS
     if (n < 0) {
@@ -64,8 +71,9 @@ static PyObject *recv_spin(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"recv_spin", recv_spin, METH_VARARGS,
      "recv_spin(fd, size, spin_ns): retry a non-blocking recv of up to `size` bytes for up to "
-     "`spin_ns` nanoseconds with the GIL released. Returns the bytes (b\"\" if the peer "
-     "closed), or None if nothing came; raises OSError on a socket error."},
+     "`spin_ns` nanoseconds with the GIL released, yielding the CPU between tries. Returns "
+     "the bytes (b\"\" if the peer closed), or None if nothing came; raises OSError on a "
+     "socket error."},
     {NULL, NULL, 0, NULL},
 };
 

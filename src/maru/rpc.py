@@ -277,7 +277,8 @@ class _LocalChannel(_Channel):
 
     def _read(self, sock: socket.socket, timeout_ms: int) -> bytes | None:
         """What the socket has (b"" if the server closed it): spinning up to `busy_poll_us`
-        (without the GIL), then sleeping in poll() up to `timeout_ms`; None if nothing came."""
+        (without the GIL, yielding the CPU between tries), then sleeping in poll() up to
+        `timeout_ms`; None if nothing came."""
         spin_ns = self.client.busy_poll_ns
         if spin_ns and recv_spin is not None:
             data = recv_spin(sock.fileno(), protocol.STREAM_RECV_BYTES, spin_ns)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import time
 from array import array
@@ -484,6 +485,7 @@ class MaruService:
             events = poller.poll(0)
             if events:
                 return dict(events)
+            os.sched_yield()  # a client that owes us a request may be waiting for this CPU
         return dict(poller.poll(poll_ms))
 
     def _forgive_stall(self, stalled: float) -> None:
