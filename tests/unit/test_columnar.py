@@ -66,6 +66,8 @@ def test_columnar_lookup_lease_blocks_delete_until_release(service):
     assert ok(service, MsgType.RELEASE, {"iid": "B", "leases": [lease_id]})["released"] == 0
     assert ok(service, MsgType.RELEASE, {"leases": [lease_id]})["released"] == 0
     assert service.registry.counters["releases_refused"] == 2
+    if lease_id == 1:  # `true` is not lease 1, and must not get past the owner check as it
+        assert ok(service, MsgType.RELEASE, {"iid": "B", "leases": [True]})["released"] == 0
     assert ok(service, MsgType.DELETE_KV, {"keys": ["a"]})["results"] == [2]  # still leased
     assert ok(service, MsgType.RELEASE, {"iid": "A", "leases": [lease_id]})["released"] == 1
     assert ok(service, MsgType.DELETE_KV, {"keys": ["a", "b"]})["results"] == [0, 0]
@@ -94,4 +96,21 @@ def test_columnar_register_wrong_region_or_length(service):
     assert register(service, ["a"], 999, [0], 10) == [REJ]
     assert register(service, ["a", "b"], rid, [0, 0], 0) == [REJ, REJ]
     assert register(service, ["a"], rid, [0], True) == [REJ]
+    assert service.registry.stats()["keys"] == 0
+
+
+def test_both_register_forms_reject_a_bool_for_a_number(service):
+    """msgpack has a boolean type, and Python counts True as the int 1: a client bug sending
+    `true` for an offset, length or region id must be REJECTED in either form, not stored at
+    offset 1."""
+    rid = region(service)
+    for form in ("columnar", "entries"):
+        for region_id, offset, length in ((rid, True, 10), (rid, 0, True), (True, 0, 10)):
+            key = f"{form}-{region_id}-{offset}-{length}"
+            if form == "columnar":
+                got = register(service, [key], region_id, [offset], length)
+            else:
+                body = {"iid": "A", "entries": [[key, region_id, offset, length]]}
+                got = ok(service, MsgType.REGISTER_KV, body)["results"]
+            assert got == [REJ], (form, region_id, offset, length)
     assert service.registry.stats()["keys"] == 0

@@ -333,7 +333,7 @@ class Registry:
         self.regions[region.region_id] = region
 
     def _verified_region(self, region_id: Any, token: Any) -> Region:
-        region = self.regions.get(region_id) if isinstance(region_id, int) else None
+        region = self.regions.get(region_id) if type(region_id) is int else None
         if region is None:
             raise ProtocolError(ErrorCode.UNKNOWN_REGION, f"unknown region {region_id!r}")
         if not self.signer.verify(
@@ -407,13 +407,14 @@ class Registry:
                 statuses.append(RegisterStatus.EXISTS)
                 self.counters["keys_duplicate"] += 1
                 continue
-            region = self.regions.get(region_id) if isinstance(region_id, int) else None
+            # `type(...) is int`: a bool is an int to isinstance, and True would be offset 1.
+            region = self.regions.get(region_id) if type(region_id) is int else None
             if (
                 region is None
                 or region.owner != instance_id
                 or region.returned
-                or not isinstance(offset, int)
-                or not isinstance(length, int)
+                or type(offset) is not int
+                or type(length) is not int
                 or offset < 0
                 or length <= 0
                 or offset + length > region.length
@@ -626,7 +627,7 @@ class Registry:
         return lease_id
 
     def release(self, lease_ids: list[Any]) -> int:
-        return sum(self._end_lease(i) for i in lease_ids if isinstance(i, int))
+        return sum(self._end_lease(i) for i in lease_ids if type(i) is int)  # not a bool
 
     def _end_lease(self, lease_id: int) -> bool:
         lease = self.leases.pop(lease_id, None)
@@ -928,7 +929,7 @@ class Registry:
         """Make room in the caller's own regions (its store found no free pages and the pool
         has no region to give): evict the idle keys that live there, in CLOCK order."""
         inst = self.instance(instance_id)
-        if not isinstance(want_bytes, int) or want_bytes <= 0:
+        if type(want_bytes) is not int or want_bytes <= 0:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "bytes must be a positive integer")
         mine = inst.regions
         return self._evict(
