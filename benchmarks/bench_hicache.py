@@ -363,6 +363,22 @@ class Instance:
             assert info is not None
             out["rtt"].append(t1 - t0)
             out["rtt_exists"].append(t2 - t1)
+        # Baseline: the same lookups with the client sleeping for each reply (busy_poll_us 0),
+        # alternating with the default in runs of 100.
+        out["rtt_sleep"] = []
+        spin = h._rpc.busy_poll_ns
+        try:
+            for start in range(0, singles, 100):
+                for busy in (0, spin):
+                    h._rpc.busy_poll_ns = busy
+                    for i in range(start, min(singles, start + 100)):
+                        t0 = time.perf_counter()
+                        h.retrieve(ns_keys[i % 128])
+                        (out["rtt_sleep"] if busy == 0 else out["rtt"]).append(
+                            time.perf_counter() - t0
+                        )
+        finally:
+            h._rpc.busy_poll_ns = spin
         return out
 
     def file_exists(self, tag: str, rounds: int) -> list[float]:
@@ -1072,6 +1088,12 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
         f"{pct(meta['rtt'], 0.99) * 1e6:.1f} us; single-key exists RTT "
         f"{med(meta['rtt_exists']) * 1e6:.1f} / {pct(meta['rtt_exists'], 0.99) * 1e6:.1f} us"
     )
+    if meta.get("rtt_sleep"):
+        lines.append(
+            f"  single-key lookup RTT with the client sleeping for replies (maru_busy_poll_us "
+            f"0), alternating with the default: {med(meta['rtt_sleep']) * 1e6:.1f} / "
+            f"{pct(meta['rtt_sleep'], 0.99) * 1e6:.1f} us"
+        )
     lines.append(
         f"  transport alone (200-byte echo to another process): pyzmq DEALER/ROUTER "
         f"{med(meta['floor_zmq']) * 1e6:.1f} / {pct(meta['floor_zmq'], 0.99) * 1e6:.1f} us, "
@@ -1135,7 +1157,9 @@ def write_csv(path, rows, meta, inst, keys) -> None:
                 w.writerow(["workload", r["case"], r["op"], r["backend"], metric, r[metric], unit])
         for key in ("exists", "lookup", "file_exists"):
             w.writerow(["metadata", "128 keys", key, "", "us_per_key", med(meta[key]) * 1e6, "us"])
-        for key in ("rtt", "rtt_exists", "floor_zmq", "floor_tcp", "floor_unix"):
+        for key in ("rtt", "rtt_exists", "rtt_sleep", "floor_zmq", "floor_tcp", "floor_unix"):
+            if not meta.get(key):
+                continue
             for q, name in ((0.5, "med"), (0.99, "p99")):
                 w.writerow(["metadata", "1 key", key, "", name, pct(meta[key], q) * 1e6, "us"])
         for r in inst:
