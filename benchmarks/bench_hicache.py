@@ -13,9 +13,11 @@ figure saw the same machine state:
   with its own host pool, calls `batch_get_v1` for the same keys and checks every page's CRC.
 - Baselines in the same run on the same page bytes (the pointers `get_page_buffer_meta`
   gives): a plain single-thread memcpy (one memmove per page part to / from a warm private
-  buffer, all of a batch's parts in one `maru.memcopy.copy_many` call: the C loop Maru's own
-  copies use, so the baseline carries no Python per part either), the same into a warm
-  /dev/shm mapping (the limit of a repetition is the faster of the two), and SGLang's
+  buffer, all of a batch's parts in one `maru.memcopy.copy_many(..., streaming=False)` call,
+  so the baseline carries no Python per part either), the same into a warm /dev/shm mapping
+  (the limit of a repetition is the faster of the two), Maru's own copy loop alone
+  (`copy_many` with its default non-temporal stores, into the /dev/shm mapping: the floor
+  under Maru, whose copies can beat a plain memcpy), and SGLang's
   built-in file backend (`HiCacheFile`) on a /dev/shm directory driven the way the
   controller drives it without `interface_v1` (`get_data_page` + `batch_set`; `batch_get`
   into dummy pages + `set_from_flat_data_page`). Methods alternate within each repetition;
@@ -292,16 +294,18 @@ class Instance:
             count += 1
         return count
 
-    def _copy(self, base: int, to_pool: bool, s: int, n: int) -> int:
+    def _copy(self, base: int, to_pool: bool, s: int, n: int, streaming: bool = False) -> int:
         """Pages [s, s + n) between the host pool and `base` (pages back to back, each page's
-        parts back to back): one `copy_many` per part, like MaruStorage."""
+        parts back to back): one `copy_many` per part, like MaruStorage. Plain memmove unless
+        `streaming` (the non-temporal stores MaruStorage's copies use)."""
         from maru.memcopy import copy_many
 
         starts = base + np.arange(s, s + n, dtype=np.int64) * self.page_bytes
         off = 0
         for j in range(self.parts):
             pool, here, size = self.part_ptrs[j][s : s + n], starts + off, self.sizes[j]
-            copy_many(pool, here, size) if to_pool else copy_many(here, pool, size)
+            dst, src = (pool, here) if to_pool else (here, pool)
+            copy_many(dst, src, size, streaming=streaming)
             off += size
         return n
 
@@ -316,6 +320,12 @@ class Instance:
 
     def _shm_get(self, keys, idx, s, n) -> int:
         return self._copy(self.shm_addr, True, s, n)
+
+    def _stream_set(self, keys, idx, s, n) -> int:
+        return self._copy(self.shm_addr, False, s, n, streaming=True)
+
+    def _stream_get(self, keys, idx, s, n) -> int:
+        return self._copy(self.shm_addr, True, s, n, streaming=True)
 
     def maru_delete(self, tag: str, count: int | None = None) -> int:
         """Delete the pages of `tag` (not timed). The reader releases its lease without
@@ -644,7 +654,9 @@ def size_label(n: int) -> str:
 
 # -- phases ------------------------------------------------------------------------------------
 
-BACKENDS = ["memcpy", "shm", "maru", "file"]  # memcpy: private buffer; shm: /dev/shm mapping
+# memcpy: plain copies to a private buffer; shm: the same to a /dev/shm mapping (the limit is
+# the faster of these two); stream: Maru's own copy loop alone (streaming stores) to /dev/shm.
+BACKENDS = ["memcpy", "shm", "stream", "maru", "file"]
 
 
 def bench_case(url, case, plan, tmp, prog) -> dict:
@@ -1068,8 +1080,9 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
         )
     lines.append("")
     lines.append("memcpy: one memmove per page part (copy_many, in C) to/from a warm private")
-    lines.append("buffer; shm: the same into a warm /dev/shm mapping; file: HiCacheFile on")
-    lines.append("/dev/shm (legacy path).")
+    lines.append("buffer; shm: the same into a warm /dev/shm mapping; stream: Maru's copy loop")
+    lines.append("alone (non-temporal stores) into that mapping, the floor under Maru; file:")
+    lines.append("HiCacheFile on /dev/shm (legacy path).")
     lines.append("/limit: median over repetitions of GB/s / the faster of memcpy and shm in the")
     lines.append("same repetition.")
     lines.append("1-page: latency of one call moving one page (file: batch_set/get of one page).")
@@ -1180,7 +1193,13 @@ def plot(path, rows, inst, keys) -> bool:
         return False
     fig, axes = plt.subplots(2, 2, figsize=(14, 9))
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    colors = {"memcpy": "#888888", "shm": "#bbbbbb", "maru": "#1f77b4", "file": "#d62728"}
+    colors = {
+        "memcpy": "#888888",
+        "shm": "#bbbbbb",
+        "stream": "#2ca02c",
+        "maru": "#1f77b4",
+        "file": "#d62728",
+    }
     by = {(r["case"], r["op"], r["backend"]): r for r in rows}
     ax = axes[0][0]
     for k, (op, b) in enumerate((op, b) for op in ("set", "get") for b in BACKENDS):

@@ -5,11 +5,58 @@
  * microsecond of interpreter overhead per part on a small VM, which at 64 KiB pages is a
  * fifth of the batch. `copy_many` takes the addresses as int64 arrays and runs the loop in C,
  * without the GIL. maru.memcopy falls back to ctypes when this module was not built.
+ *
+ * Streaming: a page part copied into the pool is read next by another process (from memory),
+ * and one copied into SGLang's host pool goes next to the GPU by DMA (from memory): neither
+ * needs the destination in this core's cache. Ordinary stores first read every destination
+ * line into the cache and then push out whatever was there (the server's and the client's
+ * own working set, here); non-temporal stores write whole lines straight to memory. On the
+ * test VM that copied 8 MiB in 32 KiB parts at 19.6 GB/s against 14.1, and 128 MiB at 16.6
+ * against 9.6. The stores are weakly ordered, so the loop ends with a store fence: whatever
+ * the caller does next (the REGISTER_KV that publishes the pages) comes after them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define HAVE_STREAMING 1
+#else
+#define HAVE_STREAMING 0
+#endif
+
+/* Below this a part is copied with memmove: small copies gain nothing from streaming. */
+#define STREAMING_MIN_BYTES 4096
+
+#if HAVE_STREAMING
+/* memmove for non-overlapping ranges, with non-temporal stores for the 16-byte aligned
+ * whole 64-byte lines of the destination and memmove for the edges. */
+static void copy_streaming(char *d, const char *s, size_t n)
+{
+    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+    if (n < STREAMING_MIN_BYTES || (d < s + n && s < d + n)) {
+        memmove(d, s, n);
+        return;
+    }
+    memcpy(d, s, head);
+    d += head;
+    s += head;
+    n -= head;
+    size_t body = n & ~(size_t)63;
+    for (size_t i = 0; i < body; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), a);
+        _mm_stream_si128((__m128i *)(d + i + 16), b);
+        _mm_stream_si128((__m128i *)(d + i + 32), c);
+        _mm_stream_si128((__m128i *)(d + i + 48), e);
+    }
+    memcpy(d + body, s + body, n - body);
+}
+#endif
 
 static int get_addresses(PyObject *obj, Py_buffer *view, const char *name)
 {
@@ -30,7 +77,8 @@ static PyObject *copy_many(PyObject *self, PyObject *args)
 {
     PyObject *dst_obj, *src_obj;
     Py_ssize_t size;
-    if (!PyArg_ParseTuple(args, "OOn:copy_many", &dst_obj, &src_obj, &size))
+    int streaming = 1;
+    if (!PyArg_ParseTuple(args, "OOn|p:copy_many", &dst_obj, &src_obj, &size, &streaming))
         return NULL;
     if (size < 0) {
         PyErr_SetString(PyExc_ValueError, "copy_many: size must not be negative");
@@ -52,8 +100,17 @@ static PyObject *copy_many(PyObject *self, PyObject *args)
     }
     const int64_t *d = (const int64_t *)dst.buf, *s = (const int64_t *)src.buf;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++)
-        memmove((void *)(intptr_t)d[i], (const void *)(intptr_t)s[i], (size_t)size);
+#if HAVE_STREAMING
+    if (streaming) {
+        for (Py_ssize_t i = 0; i < n; i++)
+            copy_streaming((char *)(intptr_t)d[i], (const char *)(intptr_t)s[i], (size_t)size);
+        _mm_sfence();
+    } else
+#endif
+    {
+        for (Py_ssize_t i = 0; i < n; i++)
+            memmove((void *)(intptr_t)d[i], (const void *)(intptr_t)s[i], (size_t)size);
+    }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
@@ -62,8 +119,10 @@ static PyObject *copy_many(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"copy_many", copy_many, METH_VARARGS,
-     "copy_many(dst, src, size): memmove(dst[i], src[i], size) for every i; dst and src are "
-     "equally long contiguous int64 arrays of addresses. Releases the GIL."},
+     "copy_many(dst, src, size, streaming=True): memmove(dst[i], src[i], size) for every i; "
+     "dst and src are equally long contiguous int64 arrays of addresses. With streaming (on "
+     "x86), parts of 4 KiB or more that do not overlap are written with non-temporal stores "
+     "and a store fence ends the call. Releases the GIL."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -71,4 +130,12 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "maru._memcopy", "Many memcpy calls for one Python call.", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__memcopy(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__memcopy(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "STREAMING", HAVE_STREAMING) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -56,3 +56,56 @@ def test_the_c_helper_is_built_where_a_compiler_exists():
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler here: the ctypes fallback is expected")
     assert memcopy.COMPILED, "maru._memcopy was not built: reinstall with `pip install -e .`"
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "memmove"])
+@pytest.mark.parametrize(
+    ("dst_shift", "src_shift", "size"),
+    [
+        (0, 0, 32 * 1024),  # SGLang's case: aligned parts, whole lines
+        (3, 0, 32 * 1024 + 5),  # unaligned destination: a head and a tail around the lines
+        (0, 7, 4096),  # unaligned source, the smallest streamed part
+        (9, 13, 70_001),
+        (1, 1, 4095),  # below the streaming size: plain memmove
+        (0, 0, 0),
+    ],
+)
+def test_copy_many_is_exact_at_any_alignment_and_size(streaming, dst_shift, src_shift, size):
+    if not memcopy.COMPILED:
+        pytest.skip("maru._memcopy not built")
+    rng = np.random.default_rng(size)
+    parts = 3
+    src = rng.integers(0, 256, parts * (size + 64) + 64, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    stride = size + 64
+    memcopy.copy_many(
+        _addresses(dst, [dst_shift + i * stride for i in range(parts)]),
+        _addresses(src, [src_shift + i * stride for i in range(parts)]),
+        size,
+        streaming=streaming,
+    )
+    expected = np.zeros_like(src)
+    for i in range(parts):
+        d, s = dst_shift + i * stride, src_shift + i * stride
+        expected[d : d + size] = src[s : s + size]
+    assert np.array_equal(dst, expected)  # every byte in place, nothing around it touched
+
+
+def test_overlapping_ranges_keep_memmove_semantics():
+    """Streaming stores would read bytes already overwritten; an overlapping part falls back
+    to memmove."""
+    if not memcopy.COMPILED:
+        pytest.skip("maru._memcopy not built")
+    buf = np.arange(64 * 1024, dtype=np.uint8)
+    reference = buf.copy()
+    reference[100 : 100 + 40_000] = buf[0:40_000].copy()
+    memcopy.copy_many(_addresses(buf, [100]), _addresses(buf, [0]), 40_000)
+    assert np.array_equal(buf, reference)
+
+
+def test_streaming_is_built_on_x86():
+    import platform
+
+    if not memcopy.COMPILED or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("no C helper, or not x86: plain memmove")
+    assert memcopy.STREAMING == 1
