@@ -6,9 +6,9 @@ Loaded by SGLang's dynamic backend factory (`cls(storage_config, {})`, then
 "interface_v1": 1, "maru_server_url": ..., "maru_pool_size": ...}`.
 
 Zero-copy v1 path: a page's K and V buffers in the host pool are copied straight into one
-shared-memory allocation, K then V, and back again on a hit: one memmove per part, all of a
-batch's parts in one call (`maru.memcopy.copy_many`). One metadata RPC per batch each way; no
-intermediate buffer.
+shared-memory allocation, K then V, and back again on a hit: one copy per part, all of a
+batch's parts in one call (`maru.memcopy.copy_many`, streaming stores). One metadata RPC per
+batch each way; no intermediate buffer.
 """
 
 from __future__ import annotations
@@ -313,7 +313,7 @@ class MaruStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """One lookup RPC (leasing the pages so no instance evicts or deletes them mid-copy;
-        the host pointers are computed while it is in flight), then one memmove per page part
+        the host pointers are computed while it is in flight), then one copy per page part
         from the shared mapping into the host pool. A page stored with another length is a
         miss."""
         self._require_pool()
