@@ -739,16 +739,17 @@ class MaruHandler:
         if not n:
             return np.zeros(0, np.int64), np.zeros(0, np.int64), 0
         try:
-            if pending is None:  # submitting failed: one more try, as a plain call
-                reply = self._call(MsgType.LOOKUP_KV, self._lookup_addresses_body(keys))
-            else:
+            reply = None
+            if pending is not None:
                 try:
                     reply = pending.result()
                 except MaruServerError as exc:
                     if exc.code != ErrorCode.UNKNOWN_INSTANCE:
                         raise
-                    # The server restarted: `_call` handshakes again and asks once more.
-                    reply = self._call(MsgType.LOOKUP_KV, self._lookup_addresses_body(keys))
+            if reply is None:
+                # Submitting failed, or the server restarted and forgot us: one more try as a
+                # plain call (`_call` handshakes again if need be).
+                reply = self._call(MsgType.LOOKUP_KV, self._lookup_addresses_body(keys))
         except MaruError as exc:
             log.warning("lookup of %d keys failed: %s", n, exc)
             return np.zeros(n, np.int64), np.zeros(n, np.int64), 0

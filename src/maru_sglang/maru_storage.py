@@ -340,15 +340,13 @@ class MaruStorage(HiCacheStorage):
                 sources = sources[hit]
                 columns = [ptrs[hit] for ptrs in columns]
             self._copy_out(sources, columns)
-        wrong_length = (lengths != 0) & ~hit
-        if wrong_length.any():
-            for i in np.flatnonzero(wrong_length):
-                log.warning(
-                    "page %s has %d bytes, expected %d: treated as a miss",
-                    keys[i],
-                    lengths[i],
-                    page_bytes,
-                )
+        for i in np.flatnonzero((lengths != 0) & ~hit):  # stored with another page size
+            log.warning(
+                "page %s has %d bytes, expected %d: treated as a miss",
+                keys[i],
+                lengths[i],
+                page_bytes,
+            )
         elapsed = time.perf_counter() - start
         hits = sum(results)
         # One line per prefetch batch (at most 128 pages): the examples and the P2P test look
