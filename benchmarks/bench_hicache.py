@@ -353,7 +353,8 @@ class Instance:
         keys = [page_key(tag, i) for i in range(128)]
         ns_keys = [f"{self.maru.namespace}:{k}" for k in keys]
         lookup = _batch_lookup(h)
-        out: dict[str, list[float]] = {k: [] for k in ("exists", "lookup", "rtt", "rtt_exists")}
+        names = ("exists", "lookup", "rtt", "rtt_exists", "rtt_sleep")
+        out: dict[str, list[float]] = {k: [] for k in names}
         assert self.maru.batch_exists(keys) == 128, "metadata keys are missing"
         for _ in range(rounds):
             t0 = time.perf_counter()
@@ -363,30 +364,26 @@ class Instance:
             t2 = time.perf_counter()
             out["exists"].append((t1 - t0) / 128)
             out["lookup"].append((t2 - t1) / 128)
-        for i in range(singles):
-            k = ns_keys[i % 128]
-            t0 = time.perf_counter()
-            info = h.retrieve(k)
-            t1 = time.perf_counter()
-            h.batch_exists([k])
-            t2 = time.perf_counter()
-            assert info is not None
-            out["rtt"].append(t1 - t0)
-            out["rtt_exists"].append(t2 - t1)
-        # Baseline: the same lookups with the client sleeping for each reply (busy_poll_us 0),
-        # alternating with the default in runs of 100.
-        out["rtt_sleep"] = []
+        # Single-key round trips with the default busy polling, alternating in runs of 100
+        # with the baseline of the client sleeping for each reply (busy_poll_us 0).
         spin = h._rpc.busy_poll_ns
         try:
             for start in range(0, singles, 100):
-                for busy in (0, spin):
-                    h._rpc.busy_poll_ns = busy
+                for sleeping in (False, True):
+                    h._rpc.busy_poll_ns = 0 if sleeping else spin
                     for i in range(start, min(singles, start + 100)):
+                        k = ns_keys[i % 128]
                         t0 = time.perf_counter()
-                        h.retrieve(ns_keys[i % 128])
-                        (out["rtt_sleep"] if busy == 0 else out["rtt"]).append(
-                            time.perf_counter() - t0
-                        )
+                        info = h.retrieve(k)
+                        t1 = time.perf_counter()
+                        assert info is not None
+                        if sleeping:
+                            out["rtt_sleep"].append(t1 - t0)
+                            continue
+                        h.batch_exists([k])
+                        t2 = time.perf_counter()
+                        out["rtt"].append(t1 - t0)
+                        out["rtt_exists"].append(t2 - t1)
         finally:
             h._rpc.busy_poll_ns = spin
         return out
@@ -1101,12 +1098,11 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
         f"{pct(meta['rtt'], 0.99) * 1e6:.1f} us; single-key exists RTT "
         f"{med(meta['rtt_exists']) * 1e6:.1f} / {pct(meta['rtt_exists'], 0.99) * 1e6:.1f} us"
     )
-    if meta.get("rtt_sleep"):
-        lines.append(
-            f"  single-key lookup RTT with the client sleeping for replies (maru_busy_poll_us "
-            f"0), alternating with the default: {med(meta['rtt_sleep']) * 1e6:.1f} / "
-            f"{pct(meta['rtt_sleep'], 0.99) * 1e6:.1f} us"
-        )
+    lines.append(
+        f"  single-key lookup RTT with the client sleeping for replies (maru_busy_poll_us "
+        f"0), alternating with the default: {med(meta['rtt_sleep']) * 1e6:.1f} / "
+        f"{pct(meta['rtt_sleep'], 0.99) * 1e6:.1f} us"
+    )
     lines.append(
         f"  transport alone (200-byte echo to another process): pyzmq DEALER/ROUTER "
         f"{med(meta['floor_zmq']) * 1e6:.1f} / {pct(meta['floor_zmq'], 0.99) * 1e6:.1f} us, "
@@ -1171,8 +1167,6 @@ def write_csv(path, rows, meta, inst, keys) -> None:
         for key in ("exists", "lookup", "file_exists"):
             w.writerow(["metadata", "128 keys", key, "", "us_per_key", med(meta[key]) * 1e6, "us"])
         for key in ("rtt", "rtt_exists", "rtt_sleep", "floor_zmq", "floor_tcp", "floor_unix"):
-            if not meta.get(key):
-                continue
             for q, name in ((0.5, "med"), (0.99, "p99")):
                 w.writerow(["metadata", "1 key", key, "", name, pct(meta[key], q) * 1e6, "us"])
         for r in inst:
