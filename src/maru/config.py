@@ -62,7 +62,7 @@ def parse_bool(value: Any, *, name: str = "flag") -> bool:
     raise ConfigError(f"{name}: expected a boolean (true/false), got {value!r}")
 
 
-def parse_positive_int(value: Any, *, name: str, minimum: int = 1) -> int:
+def parse_int(value: Any, *, name: str, minimum: int = 1) -> int:
     """An integer >= `minimum` (1 unless told), from an int or a string of digits."""
     kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
     if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
@@ -123,9 +123,9 @@ class MaruConfig:
                 f"chunk_size_bytes: {self.chunk_size_bytes} is larger than pool_size "
                 f"{self.pool_size}"
             )
-        self.timeout_ms = parse_positive_int(self.timeout_ms, name="timeout_ms")
-        self.max_inflight = parse_positive_int(self.max_inflight, name="max_inflight")
-        self.busy_poll_us = parse_positive_int(self.busy_poll_us, name="busy_poll_us", minimum=0)
+        self.timeout_ms = parse_int(self.timeout_ms, name="timeout_ms")
+        self.max_inflight = parse_int(self.max_inflight, name="max_inflight")
+        self.busy_poll_us = parse_int(self.busy_poll_us, name="busy_poll_us", minimum=0)
         for name in ("auto_connect", "use_async_rpc", "eager_map", "auto_expand", "local_socket"):
             setattr(self, name, parse_bool(getattr(self, name), name=name))
         if self.expand_size is not None:

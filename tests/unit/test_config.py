@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from maru.config import ConfigError, MaruConfig, parse_bool, parse_positive_int, parse_size
+from maru.config import ConfigError, MaruConfig, parse_bool, parse_int, parse_size
 
 
 @pytest.mark.parametrize(
@@ -56,9 +56,9 @@ def test_parse_bool_rejects(value):
 
 
 @pytest.mark.parametrize("value", [0, -1, "x", None, True, 1.5])
-def test_parse_positive_int_rejects(value):
+def test_parse_int_rejects(value):
     with pytest.raises(ConfigError, match=r"^timeout_ms: "):
-        parse_positive_int(value, name="timeout_ms")
+        parse_int(value, name="timeout_ms")
 
 
 def test_defaults_and_normalisation():
@@ -92,6 +92,9 @@ def test_defaults_and_normalisation():
         ({"eager_map": None}, "eager_map"),
         ({"auto_expand": "sure"}, "auto_expand"),
         ({"expand_size": "-1"}, "expand_size"),
+        ({"busy_poll_us": -1}, "busy_poll_us"),
+        ({"busy_poll_us": "soon"}, "busy_poll_us"),
+        ({"local_socket": "maybe"}, "local_socket"),
     ],
 )
 def test_validation_error_names_the_field(kwargs, field):
@@ -113,6 +116,13 @@ def test_from_mapping_with_prefix():
     assert cfg.server_url == "tcp://10.0.0.1:6000"
     assert cfg.pool_size == 2 << 30
     assert cfg.auto_expand is False
+
+
+def test_busy_poll_zero_turns_spinning_off_and_strings_parse():
+    assert MaruConfig().busy_poll_us == 200
+    assert MaruConfig(busy_poll_us=0).busy_poll_us == 0
+    cfg = MaruConfig.from_mapping({"maru_busy_poll_us": "50"}, prefix="maru_")
+    assert cfg.busy_poll_us == 50
 
 
 def test_from_mapping_unknown_prefixed_key_is_an_error():
