@@ -13,6 +13,7 @@ import time
 import pytest
 
 from maru import MaruHandler, protocol
+from maru.admin import MaruAdmin
 from maru.protocol import MsgType
 from maru.rpc import _LocalChannel, unix_address
 
@@ -20,13 +21,8 @@ KiB = 1 << 10
 
 
 def server_stats(url: str) -> dict:
-    from maru.admin import MaruAdmin
-
-    admin = MaruAdmin(url)
-    try:
+    with MaruAdmin(url) as admin:
         return admin.stats()
-    finally:
-        admin.close()
 
 
 def store_and_read(h: MaruHandler, key: str) -> None:
