@@ -30,8 +30,8 @@
 #define STREAMING_MIN_BYTES 4096
 
 #if HAVE_STREAMING
-/* memmove for non-overlapping ranges, with non-temporal stores for the 16-byte aligned
- * whole 64-byte lines of the destination and memmove for the edges. */
+/* memmove for non-overlapping ranges: non-temporal stores in 64-byte steps from the first
+ * 16-byte aligned destination address, memcpy for the edges before and after. */
 static void copy_streaming(char *d, const char *s, size_t n)
 {
     size_t head = (16 - ((uintptr_t)d & 15)) & 15;
