@@ -22,7 +22,7 @@ import itertools
 import logging
 import os
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import compress, repeat
@@ -33,6 +33,7 @@ from maru.pool.backends import Pool, PoolFullError
 from maru.pool.region import RegionHandle
 from maru.pool.token import TokenSigner
 from maru.protocol import MAX_KEY_BYTES, DeleteStatus, ErrorCode, ProtocolError, RegisterStatus
+from maru.server.keyindex import KeyIndex
 from maru.server.logs import Throttle
 
 log = logging.getLogger(__name__)
@@ -117,11 +118,11 @@ class Instance:
 
 
 def check_key(key: Any) -> Key:
-    if isinstance(key, str):
+    if type(key) is str:  # exact types: what msgpack decodes and the key index holds
         if len(key) > MAX_KEY_BYTES // 4 and len(key.encode()) > MAX_KEY_BYTES:
             raise ProtocolError(ErrorCode.KEY_TOO_LONG, f"key longer than {MAX_KEY_BYTES} bytes")
         return key
-    if isinstance(key, bytes):
+    if type(key) is bytes:
         if len(key) > MAX_KEY_BYTES:
             raise ProtocolError(ErrorCode.KEY_TOO_LONG, f"key longer than {MAX_KEY_BYTES} bytes")
         return key
@@ -152,8 +153,9 @@ class Registry:
         self.instances: dict[str, Instance] = {}
         self.regions: dict[int, Region] = {}
         # Oldest first: insertion order, except that a key eviction spared (its CLOCK bit
-        # was set) moves to the end. Lookups do not reorder it.
-        self.keys: OrderedDict[Key, KeyEntry] = OrderedDict()
+        # was set) moves to the end. Lookups do not reorder it. Batches probe it with
+        # `get_many` / `setdefault_many`, which overlap their keys' cache misses.
+        self.keys: KeyIndex = KeyIndex()
         self.live_bytes = 0  # sum of registered key lengths
         self.leases: dict[int, Lease] = {}
         self._lease_expiry: list[tuple[float, int]] = []  # heap of (expires, lease_id)
@@ -469,7 +471,7 @@ class Registry:
             and max(offsets) <= last
         ):
             entries = list(map(KeyEntry, repeat(rid), offsets, repeat(length)))
-            stored = list(map(table.setdefault, keys, entries))
+            stored = table.setdefault_many(keys, entries)
             if stored == entries:  # an identity check per key: all of them are new
                 self._registered(inst, region, keys, offsets, length)
                 return [registered] * n
@@ -544,9 +546,7 @@ class Registry:
         A hit counts as use (sets the key's CLOCK bit)."""
         locations: list[list[int] | None] = []
         region_ids: set[int] = set()
-        get = self.keys.get
-        for key in keys:
-            entry = get(key) if isinstance(key, (str, bytes)) else None
+        for entry in self.keys.get_many(keys):
             if entry is None:
                 locations.append(None)
             else:
@@ -569,10 +569,10 @@ class Registry:
         """`lookup` (and, with `lease`, `lease`) in one pass over str/bytes keys, for LOOKUP_KV
         in columnar form: region ids, offsets and lengths (0, 0, 0 for a miss; region ids
         start at 1), the handles of those regions, and the lease id (0: none)."""
-        # The lookups in C (a miss reads as _MISS: 0, 0, 0), then a comprehension per field
-        # and a loop over the hits for what changes (CLOCK bit, lease count): each is a tight
-        # specialized loop, cheaper than one loop doing all of it per key.
-        entries = list(map(self.keys.get, keys, repeat(_MISS)))
+        # The lookups in C, prefetched (a miss reads as _MISS: 0, 0, 0), then a comprehension
+        # per field and a loop over the hits for what changes (CLOCK bit, lease count): each
+        # is a tight specialized loop, cheaper than one loop doing all of it per key.
+        entries = self.keys.get_many(keys, _MISS)
         region_ids = [e.region_id for e in entries]
         offsets = [e.offset for e in entries]
         lengths = [e.length for e in entries]
@@ -601,12 +601,7 @@ class Registry:
     def lease(self, keys: list[Any], owner: str | None, seconds: float | None = None) -> int:
         """Hold the keys that exist against eviction and deletion until `release` or expiry
         (so a crashed reader cannot hold them forever). Returns the lease id (0: nothing)."""
-        get = self.keys.get
-        held = [
-            entry
-            for entry in (get(k) if isinstance(k, (str, bytes)) else None for k in keys)
-            if entry is not None
-        ]
+        held = [entry for entry in self.keys.get_many(keys) if entry is not None]
         if not held:
             return 0
         for entry in held:
@@ -654,18 +649,12 @@ class Registry:
         return expired
 
     def exists(self, keys: list[Any], instance_id: str | None = None) -> list[bool]:
-        """Membership; a hit counts as use, like a lookup (SGLang asks before it prefetches).
-        (Kept a plain loop: a C-level `map(get, keys)` measured no faster here, the hashing and
-        probes of the keys dominate.)"""
-        out = []
-        get = self.keys.get
-        for k in keys:
-            entry = get(k) if isinstance(k, (str, bytes)) else None
-            if entry is None:
-                out.append(False)
-            else:
+        """Membership; a hit counts as use, like a lookup (SGLang asks before it prefetches)."""
+        entries = self.keys.get_many(keys)
+        out = [entry is not None for entry in entries]
+        for entry in entries:
+            if entry is not None:
                 entry.referenced = True
-                out.append(True)
         hits = out.count(True)
         counters = self.counters
         counters["exists"] += len(out)
@@ -684,7 +673,7 @@ class Registry:
         out = []
         pinned: list[Key] = []
         for key in keys:
-            entry = self.keys.get(key) if isinstance(key, (str, bytes)) else None
+            entry = self.keys.get(key)  # None for a miss, or a key that is not str or bytes
             if entry is not None:
                 entry.pins += 1
                 pinned.append(key)
@@ -700,7 +689,7 @@ class Registry:
         out = []
         unpinned: list[Key] = []
         for key in keys:
-            entry = self.keys.get(key) if isinstance(key, (str, bytes)) else None
+            entry = self.keys.get(key)  # None for a miss, or a key that is not str or bytes
             ok = entry is not None and entry.pins > 0
             if ok and inst is not None:
                 ok = inst.pins[key] > 0  # an instance can only drop pins it holds
@@ -721,7 +710,7 @@ class Registry:
         # The usual batch (str or bytes keys, every one registered, none twice, none pinned
         # or leased) is checked in C, a pass per condition; otherwise the loop below decides
         # key by key, the same way.
-        entries = list(map(table.get, keys)) if set(map(type, keys)) <= _KEY_TYPES else [None]
+        entries = table.get_many(keys)
         if (
             None not in entries
             and len(set(keys)) == len(keys)
@@ -732,7 +721,7 @@ class Registry:
             out = []
             victims: dict[Key, KeyEntry] = {}
             for key in keys:
-                entry = table.get(key) if isinstance(key, (str, bytes)) else None
+                entry = table.get(key)
                 if entry is None or key in victims:
                     out.append(DeleteStatus.NOT_FOUND)
                 elif entry.busy:
@@ -773,7 +762,7 @@ class Registry:
         out: list[list[Any]] = []
         keys, regions = self.keys, self.regions
         for referenced in (True, False):
-            for key, entry in reversed(keys.items()):
+            for key, entry in keys.items(reverse=True):
                 if entry.referenced is not referenced:
                     continue
                 if prefix and not (type(key) is type(prefix) and key.startswith(prefix)):
@@ -883,7 +872,7 @@ class Registry:
                 victims[key] = entry
                 freed += entry.length
             move_to_end = keys.move_to_end
-            for key in spared:  # after the walk: an OrderedDict must not change under it
+            for key in spared:  # after the walk: the index must not change under its iterator
                 move_to_end(key)
             if freed >= want_bytes or not spared:
                 break

@@ -1,0 +1,739 @@
+/* maru._keyindex: the server's key index, key -> KeyEntry in insertion order.
+ *
+ * Why not an OrderedDict: at 10^6 registered keys a 128-key lookup misses the cache about
+ * four times per key (the dict's index, its entry, the stored key, the value), and a Python
+ * loop of dict probes waits for each miss before starting the next: the batch took 2-3x as
+ * long as at 10^3 keys. `get_many` and `setdefault_many` probe a batch in stages instead and
+ * prefetch what the next stage reads for every key of a window, so the misses of different
+ * keys overlap.
+ *
+ * The layout is that of CPython's compact dict: `entries` in insertion order (a deleted entry
+ * keeps its place with key NULL until the next rebuild) and `slots`, an open-addressing table
+ * (linear probing, at most half full) of indexes into `entries`. `move_to_end` appends the
+ * entry again, so the index order is the order of eviction (oldest first). Keys are exact str
+ * or bytes only: comparing them runs no Python code, so nothing can change the table during a
+ * probe. Iterators raise RuntimeError if a key is added, removed or moved under them.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(p) __builtin_prefetch((const void *)(p))
+#else
+#define PREFETCH(p) ((void)(p))
+#endif
+
+#define EMPTY (-1)
+#define DUMMY (-2)
+#define WINDOW 32            /* keys whose misses overlap in one batch stage */
+#define MAX_CAPACITY ((Py_ssize_t)1 << 29) /* slots are int32 and at least 2x capacity */
+
+typedef struct {
+    Py_hash_t hash;
+    PyObject *key; /* NULL: deleted (or moved to the end) */
+    PyObject *value;
+} Entry;
+
+typedef struct {
+    PyObject_HEAD
+    Entry *entries;
+    Py_ssize_t used;     /* entries[0:used] were filled, deleted ones included */
+    Py_ssize_t capacity; /* entries allocated */
+    Py_ssize_t live;     /* keys present */
+    Py_ssize_t head;     /* no live entry before this one: iteration and eviction start here */
+    int32_t *slots;      /* index into entries, EMPTY or DUMMY; mask + 1 of them */
+    size_t mask;
+    uint64_t version; /* bumped by every insertion, deletion and move */
+} KeyIndex;
+
+static PyTypeObject KeyIndexType;
+static PyTypeObject KeyIndexIterType;
+
+static inline int key_type_ok(PyObject *key)
+{
+    return PyUnicode_CheckExact(key) || PyBytes_CheckExact(key);
+}
+
+static inline int keys_equal(PyObject *a, PyObject *b)
+{
+    if (a == b)
+        return 1;
+    if (Py_TYPE(a) != Py_TYPE(b))
+        return 0;
+    if (PyUnicode_CheckExact(a)) {
+        /* CPython stores a str in the narrowest kind that holds it: equal strings have equal
+         * kinds and identical bytes. */
+        Py_ssize_t n = PyUnicode_GET_LENGTH(a);
+        int kind = PyUnicode_KIND(a);
+        return n == PyUnicode_GET_LENGTH(b) && kind == (int)PyUnicode_KIND(b) &&
+               memcmp(PyUnicode_DATA(a), PyUnicode_DATA(b), (size_t)n * kind) == 0;
+    }
+    Py_ssize_t n = PyBytes_GET_SIZE(a);
+    return n == PyBytes_GET_SIZE(b) && memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), n) == 0;
+}
+
+/* The entry holding `key` (or -1), and in *slot_out the slot that points at it, or (absent)
+ * the slot an insertion should use: the first DUMMY on the probe path, else its EMPTY end. */
+static Py_ssize_t find(const KeyIndex *self, PyObject *key, Py_hash_t hash, size_t *slot_out)
+{
+    size_t mask = self->mask, i = (size_t)hash & mask, free_slot = (size_t)-1;
+    for (;;) {
+        int32_t ix = self->slots[i];
+        if (ix == EMPTY) {
+            *slot_out = free_slot != (size_t)-1 ? free_slot : i;
+            return -1;
+        }
+        if (ix == DUMMY) {
+            if (free_slot == (size_t)-1)
+                free_slot = i;
+        }
+        else {
+            const Entry *e = &self->entries[ix];
+            if (e->hash == hash && keys_equal(e->key, key)) {
+                *slot_out = i;
+                return ix;
+            }
+        }
+        i = (i + 1) & mask;
+    }
+}
+
+/* Reallocate for `live` keys plus room to grow: copy the live entries in order to the front
+ * of a new array and index them afresh (dropping DUMMY slots). */
+static int rebuild(KeyIndex *self)
+{
+    Py_ssize_t capacity = self->live * 2 > 8 ? self->live * 2 : 8;
+    if (capacity > MAX_CAPACITY) {
+        PyErr_SetString(PyExc_OverflowError, "KeyIndex: too many keys");
+        return -1;
+    }
+    size_t nslots = 16;
+    while (nslots < (size_t)capacity * 2)
+        nslots <<= 1;
+    Entry *entries = PyMem_Malloc(sizeof(Entry) * (size_t)capacity);
+    int32_t *slots = PyMem_Malloc(sizeof(int32_t) * nslots);
+    if (entries == NULL || slots == NULL) {
+        PyMem_Free(entries);
+        PyMem_Free(slots);
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(slots, 0xff, sizeof(int32_t) * nslots); /* all EMPTY (-1) */
+    size_t mask = nslots - 1;
+    Py_ssize_t n = 0;
+    for (Py_ssize_t j = self->head; j < self->used; j++) {
+        if (self->entries[j].key == NULL)
+            continue;
+        entries[n] = self->entries[j];
+        size_t i = (size_t)entries[n].hash & mask;
+        while (slots[i] != EMPTY)
+            i = (i + 1) & mask;
+        slots[i] = (int32_t)n;
+        n++;
+    }
+    PyMem_Free(self->entries);
+    PyMem_Free(self->slots);
+    self->entries = entries;
+    self->slots = slots;
+    self->mask = mask;
+    self->capacity = capacity;
+    self->used = n;
+    self->head = 0;
+    self->version++;
+    return 0;
+}
+
+/* Append (key, value) at a free slot found by `find`; steals nothing (new references). */
+static int insert_new(KeyIndex *self, PyObject *key, Py_hash_t hash, PyObject *value, size_t slot)
+{
+    if (self->used == self->capacity) {
+        if (rebuild(self) < 0)
+            return -1;
+        (void)find(self, key, hash, &slot);
+    }
+    Entry *e = &self->entries[self->used];
+    e->hash = hash;
+    Py_INCREF(key);
+    e->key = key;
+    Py_INCREF(value);
+    e->value = value;
+    self->slots[slot] = (int32_t)self->used;
+    self->used++;
+    self->live++;
+    self->version++;
+    return 0;
+}
+
+static void skip_deleted_head(KeyIndex *self)
+{
+    while (self->head < self->used && self->entries[self->head].key == NULL)
+        self->head++;
+}
+
+/* Remove entry `ix` (at `slot`); returns the value's reference (the caller owns it). */
+static PyObject *remove_entry(KeyIndex *self, Py_ssize_t ix, size_t slot)
+{
+    Entry *e = &self->entries[ix];
+    PyObject *key = e->key, *value = e->value;
+    e->key = NULL;
+    e->value = NULL;
+    self->slots[slot] = DUMMY;
+    self->live--;
+    self->version++;
+    if (ix == self->head)
+        skip_deleted_head(self);
+    if (self->live == 0) { /* start over at the front */
+        self->used = self->head = 0;
+        memset(self->slots, 0xff, sizeof(int32_t) * (self->mask + 1));
+    }
+    Py_DECREF(key);
+    return value;
+}
+
+/* The hash of a key the index can hold; -1 without an error set for any other object. */
+static inline Py_hash_t key_hash(PyObject *key)
+{
+    if (!key_type_ok(key))
+        return -1;
+    return PyObject_Hash(key); /* str and bytes: cannot fail, never -1 */
+}
+
+static Py_hash_t require_key(PyObject *key)
+{
+    if (!key_type_ok(key)) {
+        PyErr_Format(PyExc_TypeError, "KeyIndex keys are str or bytes, not %.100s",
+                     Py_TYPE(key)->tp_name);
+        return -1;
+    }
+    return PyObject_Hash(key);
+}
+
+/* Stage the probes of keys[0:n] (n <= WINDOW): prefetch every key's first slot, then the
+ * entries those slots name, then the stored keys and values whose hashes match, so that the
+ * probes that follow find their lines in the cache. A hint only: `find` decides. */
+static void prefetch_window(const KeyIndex *self, PyObject *const *keys, Py_hash_t *hashes,
+                            Py_ssize_t n)
+{
+    int32_t first[WINDOW];
+    size_t mask = self->mask;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        hashes[i] = key_hash(keys[i]);
+        if (hashes[i] != -1)
+            PREFETCH(&self->slots[(size_t)hashes[i] & mask]);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        first[i] = hashes[i] != -1 ? self->slots[(size_t)hashes[i] & mask] : EMPTY;
+        if (first[i] >= 0)
+            PREFETCH(&self->entries[first[i]]);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (first[i] < 0)
+            continue;
+        const Entry *e = &self->entries[first[i]];
+        if (e->hash == hashes[i] && e->key != NULL) {
+            PREFETCH(e->key); /* a str's header, then its first bytes */
+            PREFETCH((const char *)e->key + 64);
+            PREFETCH(e->value);
+            PREFETCH((const char *)e->value + 48);
+        }
+    }
+}
+
+/* -- the type ------------------------------------------------------------------------------ */
+
+static PyObject *KeyIndex_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "KeyIndex() takes no arguments");
+        return NULL;
+    }
+    KeyIndex *self = (KeyIndex *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    if (rebuild(self) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static int KeyIndex_traverse(KeyIndex *self, visitproc visit, void *arg)
+{
+    for (Py_ssize_t j = self->head; j < self->used; j++)
+        Py_VISIT(self->entries[j].value); /* keys are str or bytes: no cycles */
+    return 0;
+}
+
+static void clear_entries(KeyIndex *self)
+{
+    Entry *entries = self->entries;
+    Py_ssize_t used = self->used;
+    self->entries = NULL;
+    PyMem_Free(self->slots);
+    self->slots = NULL;
+    self->used = self->live = self->head = self->capacity = 0;
+    self->version++;
+    for (Py_ssize_t j = 0; j < used; j++) {
+        Py_XDECREF(entries[j].key);
+        Py_XDECREF(entries[j].value);
+    }
+    PyMem_Free(entries);
+}
+
+static int KeyIndex_tp_clear(KeyIndex *self)
+{
+    clear_entries(self);
+    return 0;
+}
+
+static void KeyIndex_dealloc(KeyIndex *self)
+{
+    PyObject_GC_UnTrack(self);
+    clear_entries(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static Py_ssize_t KeyIndex_len(KeyIndex *self)
+{
+    return self->live;
+}
+
+static int KeyIndex_contains(KeyIndex *self, PyObject *key)
+{
+    Py_hash_t hash = key_hash(key);
+    size_t slot;
+    if (hash == -1 || self->slots == NULL)
+        return 0;
+    return find(self, key, hash, &slot) >= 0;
+}
+
+static PyObject *KeyIndex_subscript(KeyIndex *self, PyObject *key)
+{
+    Py_hash_t hash = key_hash(key);
+    size_t slot;
+    Py_ssize_t ix = hash == -1 || self->slots == NULL ? -1 : find(self, key, hash, &slot);
+    if (ix < 0) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    PyObject *value = self->entries[ix].value;
+    Py_INCREF(value);
+    return value;
+}
+
+static int ensure_table(KeyIndex *self)
+{
+    return self->slots == NULL ? rebuild(self) : 0; /* after a GC clear */
+}
+
+static int KeyIndex_ass_subscript(KeyIndex *self, PyObject *key, PyObject *value)
+{
+    Py_hash_t hash = require_key(key);
+    size_t slot;
+    if (hash == -1 || ensure_table(self) < 0)
+        return -1;
+    Py_ssize_t ix = find(self, key, hash, &slot);
+    if (value == NULL) { /* del index[key] */
+        if (ix < 0) {
+            PyErr_SetObject(PyExc_KeyError, key);
+            return -1;
+        }
+        Py_DECREF(remove_entry(self, ix, slot));
+        return 0;
+    }
+    if (ix >= 0) { /* a new value in place, like a dict: the key keeps its position */
+        PyObject *old = self->entries[ix].value;
+        Py_INCREF(value);
+        self->entries[ix].value = value;
+        Py_DECREF(old);
+        return 0;
+    }
+    return insert_new(self, key, hash, value, slot);
+}
+
+static PyObject *KeyIndex_get(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
+        return NULL;
+    }
+    PyObject *dflt = nargs == 2 ? args[1] : Py_None;
+    Py_hash_t hash = key_hash(args[0]);
+    size_t slot;
+    Py_ssize_t ix = hash == -1 || self->slots == NULL ? -1 : find(self, args[0], hash, &slot);
+    PyObject *out = ix >= 0 ? self->entries[ix].value : dflt;
+    Py_INCREF(out);
+    return out;
+}
+
+static PyObject *KeyIndex_setdefault(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "setdefault(key, default=None)");
+        return NULL;
+    }
+    PyObject *dflt = nargs == 2 ? args[1] : Py_None;
+    Py_hash_t hash = require_key(args[0]);
+    size_t slot;
+    if (hash == -1 || ensure_table(self) < 0)
+        return NULL;
+    Py_ssize_t ix = find(self, args[0], hash, &slot);
+    if (ix >= 0) {
+        Py_INCREF(self->entries[ix].value);
+        return self->entries[ix].value;
+    }
+    if (insert_new(self, args[0], hash, dflt, slot) < 0)
+        return NULL;
+    Py_INCREF(dflt);
+    return dflt;
+}
+
+static PyObject *KeyIndex_pop(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
+        return NULL;
+    }
+    Py_hash_t hash = key_hash(args[0]);
+    size_t slot;
+    Py_ssize_t ix = hash == -1 || self->slots == NULL ? -1 : find(self, args[0], hash, &slot);
+    if (ix >= 0)
+        return remove_entry(self, ix, slot);
+    if (nargs == 2) {
+        Py_INCREF(args[1]);
+        return args[1];
+    }
+    PyErr_SetObject(PyExc_KeyError, args[0]);
+    return NULL;
+}
+
+static PyObject *KeyIndex_move_to_end(KeyIndex *self, PyObject *key)
+{
+    Py_hash_t hash = key_hash(key);
+    size_t slot;
+    Py_ssize_t ix = hash == -1 || self->slots == NULL ? -1 : find(self, key, hash, &slot);
+    if (ix < 0) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    if (ix == self->used - 1)
+        Py_RETURN_NONE;
+    if (self->used == self->capacity) {
+        if (rebuild(self) < 0)
+            return NULL;
+        ix = find(self, key, hash, &slot);
+        if (ix == self->used - 1)
+            Py_RETURN_NONE;
+    }
+    self->entries[self->used] = self->entries[ix];
+    self->entries[ix].key = NULL;
+    self->entries[ix].value = NULL;
+    self->slots[slot] = (int32_t)self->used;
+    self->used++;
+    self->version++;
+    if (ix == self->head)
+        skip_deleted_head(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *KeyIndex_clear(KeyIndex *self, PyObject *unused)
+{
+    clear_entries(self);
+    if (rebuild(self) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *KeyIndex_get_many(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get_many(keys, default=None)");
+        return NULL;
+    }
+    PyObject *dflt = nargs == 2 ? args[1] : Py_None;
+    PyObject *seq = PySequence_Fast(args[0], "get_many: keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *const *keys = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(n);
+    if (out == NULL || self->slots == NULL) {
+        if (out != NULL)
+            for (Py_ssize_t i = 0; i < n; i++) {
+                Py_INCREF(dflt);
+                PyList_SET_ITEM(out, i, dflt);
+            }
+        Py_DECREF(seq);
+        return out;
+    }
+    Py_hash_t hashes[WINDOW];
+    for (Py_ssize_t start = 0; start < n; start += WINDOW) {
+        Py_ssize_t m = n - start < WINDOW ? n - start : WINDOW;
+        prefetch_window(self, keys + start, hashes, m);
+        for (Py_ssize_t i = 0; i < m; i++) {
+            size_t slot;
+            Py_ssize_t ix = hashes[i] == -1 ? -1 : find(self, keys[start + i], hashes[i], &slot);
+            PyObject *value = ix >= 0 ? self->entries[ix].value : dflt;
+            Py_INCREF(value);
+            PyList_SET_ITEM(out, start + i, value);
+        }
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyObject *KeyIndex_setdefault_many(KeyIndex *self, PyObject *const *args,
+                                          Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "setdefault_many(keys, values)");
+        return NULL;
+    }
+    PyObject *kseq = PySequence_Fast(args[0], "setdefault_many: keys must be a sequence");
+    if (kseq == NULL)
+        return NULL;
+    PyObject *vseq = PySequence_Fast(args[1], "setdefault_many: values must be a sequence");
+    if (vseq == NULL) {
+        Py_DECREF(kseq);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(kseq);
+    PyObject *const *keys = PySequence_Fast_ITEMS(kseq);
+    PyObject *const *values = PySequence_Fast_ITEMS(vseq);
+    if (PySequence_Fast_GET_SIZE(vseq) != n) {
+        PyErr_SetString(PyExc_ValueError, "setdefault_many: keys and values differ in length");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) /* all or nothing: check every key first */
+        if (require_key(keys[i]) == -1)
+            goto done;
+    if (ensure_table(self) < 0 || (out = PyList_New(n)) == NULL)
+        goto done;
+    Py_hash_t hashes[WINDOW];
+    for (Py_ssize_t start = 0; start < n; start += WINDOW) {
+        Py_ssize_t m = n - start < WINDOW ? n - start : WINDOW;
+        prefetch_window(self, keys + start, hashes, m);
+        for (Py_ssize_t i = 0; i < m; i++) {
+            PyObject *key = keys[start + i], *value;
+            size_t slot;
+            Py_ssize_t ix = find(self, key, hashes[i], &slot);
+            if (ix >= 0)
+                value = self->entries[ix].value;
+            else {
+                value = values[start + i];
+                if (insert_new(self, key, hashes[i], value, slot) < 0) {
+                    /* earlier keys are in: their values stand in for the rest */
+                    for (Py_ssize_t k = start + i; k < n; k++) {
+                        Py_INCREF(Py_None);
+                        PyList_SET_ITEM(out, k, Py_None);
+                    }
+                    Py_CLEAR(out);
+                    goto done;
+                }
+            }
+            Py_INCREF(value);
+            PyList_SET_ITEM(out, start + i, value);
+        }
+    }
+done:
+    Py_DECREF(kseq);
+    Py_DECREF(vseq);
+    return out;
+}
+
+/* -- iteration ----------------------------------------------------------------------------- */
+
+enum { ITER_KEYS, ITER_VALUES, ITER_ITEMS };
+
+typedef struct {
+    PyObject_HEAD
+    KeyIndex *index;
+    Py_ssize_t pos; /* next entry to look at */
+    uint64_t version;
+    int kind;
+    int reverse;
+} KeyIndexIter;
+
+static PyObject *make_iter(KeyIndex *self, int kind, int reverse)
+{
+    KeyIndexIter *it = PyObject_GC_New(KeyIndexIter, &KeyIndexIterType);
+    if (it == NULL)
+        return NULL;
+    Py_INCREF(self);
+    it->index = self;
+    it->pos = reverse ? self->used - 1 : self->head;
+    it->version = self->version;
+    it->kind = kind;
+    it->reverse = reverse;
+    PyObject_GC_Track(it);
+    return (PyObject *)it;
+}
+
+static PyObject *KeyIndexIter_next(KeyIndexIter *it)
+{
+    KeyIndex *index = it->index;
+    if (index == NULL)
+        return NULL;
+    if (index->version != it->version) {
+        PyErr_SetString(PyExc_RuntimeError, "KeyIndex changed during iteration");
+        return NULL;
+    }
+    for (; it->reverse ? it->pos >= index->head : it->pos < index->used;
+         it->pos += it->reverse ? -1 : 1) {
+        Entry *e = &index->entries[it->pos];
+        if (e->key == NULL)
+            continue;
+        it->pos += it->reverse ? -1 : 1;
+        if (it->kind == ITER_KEYS) {
+            Py_INCREF(e->key);
+            return e->key;
+        }
+        if (it->kind == ITER_VALUES) {
+            Py_INCREF(e->value);
+            return e->value;
+        }
+        return PyTuple_Pack(2, e->key, e->value);
+    }
+    Py_CLEAR(it->index);
+    return NULL;
+}
+
+static int KeyIndexIter_traverse(KeyIndexIter *it, visitproc visit, void *arg)
+{
+    Py_VISIT(it->index);
+    return 0;
+}
+
+static void KeyIndexIter_dealloc(KeyIndexIter *it)
+{
+    PyObject_GC_UnTrack(it);
+    Py_XDECREF(it->index);
+    PyObject_GC_Del(it);
+}
+
+static PyObject *KeyIndex_iter(KeyIndex *self)
+{
+    return make_iter(self, ITER_KEYS, 0);
+}
+
+static int parse_reverse(PyObject *args, PyObject *kwds, const char *fmt, int *reverse)
+{
+    static char *kwlist[] = {"reverse", NULL};
+    *reverse = 0;
+    return PyArg_ParseTupleAndKeywords(args, kwds, fmt, kwlist, reverse);
+}
+
+static PyObject *KeyIndex_keys(KeyIndex *self, PyObject *args, PyObject *kwds)
+{
+    int reverse;
+    return parse_reverse(args, kwds, "|$p:keys", &reverse) ? make_iter(self, ITER_KEYS, reverse)
+                                                            : NULL;
+}
+
+static PyObject *KeyIndex_values(KeyIndex *self, PyObject *args, PyObject *kwds)
+{
+    int reverse;
+    return parse_reverse(args, kwds, "|$p:values", &reverse)
+               ? make_iter(self, ITER_VALUES, reverse)
+               : NULL;
+}
+
+static PyObject *KeyIndex_items(KeyIndex *self, PyObject *args, PyObject *kwds)
+{
+    int reverse;
+    return parse_reverse(args, kwds, "|$p:items", &reverse) ? make_iter(self, ITER_ITEMS, reverse)
+                                                             : NULL;
+}
+
+static PyObject *KeyIndex_sizeof(KeyIndex *self, PyObject *unused)
+{
+    return PyLong_FromSsize_t((Py_ssize_t)sizeof(KeyIndex) + self->capacity * sizeof(Entry) +
+                              (Py_ssize_t)((self->slots ? self->mask + 1 : 0) * sizeof(int32_t)));
+}
+
+static PyMethodDef KeyIndex_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))KeyIndex_get, METH_FASTCALL,
+     "get(key, default=None): the value of key, or default."},
+    {"setdefault", (PyCFunction)(void (*)(void))KeyIndex_setdefault, METH_FASTCALL,
+     "setdefault(key, default=None): the value of key; absent, insert default (at the end)."},
+    {"pop", (PyCFunction)(void (*)(void))KeyIndex_pop, METH_FASTCALL,
+     "pop(key[, default]): remove key and return its value."},
+    {"move_to_end", (PyCFunction)KeyIndex_move_to_end, METH_O,
+     "move_to_end(key): make key the newest (KeyError if absent)."},
+    {"clear", (PyCFunction)KeyIndex_clear, METH_NOARGS, "Remove every key."},
+    {"get_many", (PyCFunction)(void (*)(void))KeyIndex_get_many, METH_FASTCALL,
+     "get_many(keys, default=None): [get(k, default) for k in keys], with the probes of a\n"
+     "batch prefetched so their cache misses overlap."},
+    {"setdefault_many", (PyCFunction)(void (*)(void))KeyIndex_setdefault_many, METH_FASTCALL,
+     "setdefault_many(keys, values): [setdefault(k, v) for k, v in zip(keys, values)], with\n"
+     "prefetched probes; TypeError before any change if a key is not str or bytes."},
+    {"keys", (PyCFunction)(void (*)(void))KeyIndex_keys, METH_VARARGS | METH_KEYWORDS,
+     "keys(*, reverse=False): an iterator over the keys, oldest first."},
+    {"values", (PyCFunction)(void (*)(void))KeyIndex_values, METH_VARARGS | METH_KEYWORDS,
+     "values(*, reverse=False): an iterator over the values, oldest first."},
+    {"items", (PyCFunction)(void (*)(void))KeyIndex_items, METH_VARARGS | METH_KEYWORDS,
+     "items(*, reverse=False): an iterator over (key, value), oldest first."},
+    {"__sizeof__", (PyCFunction)KeyIndex_sizeof, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods KeyIndex_as_sequence = {
+    .sq_contains = (objobjproc)KeyIndex_contains,
+};
+
+static PyMappingMethods KeyIndex_as_mapping = {
+    .mp_length = (lenfunc)KeyIndex_len,
+    .mp_subscript = (binaryfunc)KeyIndex_subscript,
+    .mp_ass_subscript = (objobjargproc)KeyIndex_ass_subscript,
+};
+
+static PyTypeObject KeyIndexType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru._keyindex.KeyIndex",
+    .tp_doc = "An insertion-ordered map from str/bytes keys to objects, with batched lookups.",
+    .tp_basicsize = sizeof(KeyIndex),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = KeyIndex_new,
+    .tp_dealloc = (destructor)KeyIndex_dealloc,
+    .tp_traverse = (traverseproc)KeyIndex_traverse,
+    .tp_clear = (inquiry)KeyIndex_tp_clear,
+    .tp_iter = (getiterfunc)KeyIndex_iter,
+    .tp_methods = KeyIndex_methods,
+    .tp_as_sequence = &KeyIndex_as_sequence,
+    .tp_as_mapping = &KeyIndex_as_mapping,
+};
+
+static PyTypeObject KeyIndexIterType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru._keyindex.KeyIndexIterator",
+    .tp_basicsize = sizeof(KeyIndexIter),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_dealloc = (destructor)KeyIndexIter_dealloc,
+    .tp_traverse = (traverseproc)KeyIndexIter_traverse,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)KeyIndexIter_next,
+};
+
+static struct PyModuleDef keyindex_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "maru._keyindex",
+    .m_doc = "The registry's key index (see KeyIndex).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__keyindex(void)
+{
+    if (PyType_Ready(&KeyIndexType) < 0 || PyType_Ready(&KeyIndexIterType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&keyindex_module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&KeyIndexType);
+    if (PyModule_AddObject(m, "KeyIndex", (PyObject *)&KeyIndexType) < 0) {
+        Py_DECREF(&KeyIndexType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,177 @@
+"""The C key index (`maru._keyindex.KeyIndex`) against its pure-Python model
+(`OrderedKeyIndex`, an OrderedDict): random operations, batch calls included, leave both with
+the same keys, values and order; plus what a dict would not check for us (iteration under
+change, rebuilds, str and bytes keys of every width)."""
+
+from __future__ import annotations
+
+import gc
+import random
+import sys
+
+import pytest
+
+from maru.server.keyindex import OrderedKeyIndex
+
+keyindex = pytest.importorskip("maru._keyindex", reason="C extension not built")
+KeyIndex = keyindex.KeyIndex
+
+
+def random_key(rng: random.Random, universe: int) -> str | bytes:
+    """Keys that collide in a small table: few of them, str and bytes of the same text, and
+    str of each internal width (1, 2 and 4 bytes per character)."""
+    i = rng.randrange(universe)
+    return rng.choice([f"k{i}", f"k{i}".encode(), f"ключ{i}", f"\U0001f511{i}"])
+
+
+def same(index, model) -> None:
+    assert len(index) == len(model)
+    assert list(index) == list(model)
+    assert list(index.items()) == list(model.items())
+    assert list(index.values(reverse=True)) == list(model.values(reverse=True))
+    assert list(index.keys(reverse=True)) == list(model.keys(reverse=True))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_operations_match_the_ordered_dict_model(seed: int) -> None:
+    rng = random.Random(seed)
+    index, model = KeyIndex(), OrderedKeyIndex()
+    universe = rng.choice([8, 50, 3000])
+    for _ in range(6000):
+        op = rng.random()
+        key = random_key(rng, universe)
+        if op < 0.30:
+            value = object()
+            index[key] = value
+            model[key] = value
+        elif op < 0.45:
+            value = object()
+            assert index.setdefault(key, value) is model.setdefault(key, value)
+        elif op < 0.60:
+            assert index.pop(key, None) is model.pop(key, None)
+        elif op < 0.70:
+            if key in model:
+                index.move_to_end(key)
+                model.move_to_end(key)
+            else:
+                with pytest.raises(KeyError):
+                    index.move_to_end(key)
+        elif op < 0.80:
+            keys = [random_key(rng, universe) for _ in range(rng.randrange(0, 100))]
+            assert index.get_many(keys, 0) == model.get_many(keys, 0)
+        elif op < 0.90:
+            keys = [random_key(rng, universe) for _ in range(rng.randrange(0, 100))]
+            values = [object() for _ in keys]
+            got = index.setdefault_many(keys, values)
+            assert got == model.setdefault_many(keys, values)
+        elif op < 0.97:
+            assert (key in index) == (key in model)
+            assert index.get(key) is model.get(key)
+        elif op < 0.99:  # delete the oldest keys, as eviction does
+            for old in list(model)[: rng.randrange(1, 20)]:
+                del index[old]
+                del model[old]
+        else:
+            same(index, model)
+    same(index, model)
+    index.clear()
+    assert len(index) == 0 and list(index) == [] and index.get_many(["k1"], 5) == [5]
+    index["again"] = 1
+    assert list(index.items()) == [("again", 1)]
+
+
+def test_misses_and_bad_keys() -> None:
+    index = KeyIndex()
+    index["a"] = 1
+    assert (
+        index.get(1) is None
+        and 1 not in index
+        and index.get_many([1, None, "a"])
+        == [
+            None,
+            None,
+            1,
+        ]
+    )
+    assert index.pop(["unhashable"], "d") == "d"
+    for bad in (1, ("a",), bytearray(b"a")):
+        with pytest.raises(TypeError):
+            index[bad] = 1
+        with pytest.raises(TypeError):
+            index.setdefault(bad, 1)
+    with pytest.raises(TypeError):  # all or nothing: the good key before the bad one stays out
+        index.setdefault_many(["b", 2], [1, 2])
+    assert "b" not in index
+    with pytest.raises(ValueError):
+        index.setdefault_many(["b"], [])
+    with pytest.raises(KeyError):
+        index["missing"]
+    with pytest.raises(KeyError):
+        del index["missing"]
+    with pytest.raises(KeyError):
+        index.pop("missing")
+    with pytest.raises(TypeError):
+        KeyIndex({"a": 1})
+
+
+def test_duplicate_keys_in_one_batch_keep_the_first_value() -> None:
+    index = KeyIndex()
+    first, second = object(), object()
+    assert index.setdefault_many(["x", "x"], [first, second]) == [first, first]
+    assert index["x"] is first and len(index) == 1
+
+
+def test_iteration_under_change_raises() -> None:
+    index = KeyIndex()
+    for i in range(10):
+        index[f"k{i}"] = i
+    for change in (
+        lambda: index.__setitem__("new", 1),
+        lambda: index.pop("k5"),
+        lambda: index.move_to_end("k0"),
+    ):
+        it = index.items()
+        next(it)
+        change()
+        with pytest.raises(RuntimeError):
+            next(it)
+    it = iter(index)
+    next(it)
+    index["k1"] = "replaced"  # a new value for a key is not a change of the index
+    assert next(it) == "k2"
+
+
+def test_growth_churn_and_order_at_scale() -> None:
+    """Rebuilds (growth, compaction after churn) keep order and every key."""
+    index, model = KeyIndex(), OrderedKeyIndex()
+    for i in range(50_000):
+        index[f"k{i}"] = i
+        model[f"k{i}"] = i
+    for i in range(0, 50_000, 2):  # churn: delete half, move a tenth, add as many again
+        del index[f"k{i}"]
+        del model[f"k{i}"]
+    for i in range(1, 50_000, 10):
+        index.move_to_end(f"k{i}")
+        model.move_to_end(f"k{i}")
+    keys = [f"n{i}" for i in range(30_000)]
+    index.setdefault_many(keys, range(30_000))
+    model.setdefault_many(keys, range(30_000))
+    same(index, model)
+    assert sys.getsizeof(index) < 64 * len(index)  # no more than a few words per key
+
+
+def test_values_are_released() -> None:
+    class Value:
+        pass
+
+    index = KeyIndex()
+    probe = Value()
+    index["a"] = probe
+    refs = sys.getrefcount(probe)
+    index.get_many(["a"] * 10)  # the results list was dropped
+    assert sys.getrefcount(probe) == refs
+    del index["a"]
+    assert sys.getrefcount(probe) == refs - 1
+    index["cycle"] = index  # the garbage collector can break a cycle through the index
+    del index
+    gc.collect()
