@@ -16,6 +16,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -50,6 +51,77 @@ typedef struct {
 
 static PyTypeObject KeyIndexType;
 static PyTypeObject KeyIndexIterType;
+
+/* -- KeyEntry: what the registry knows of one key -------------------------------------------
+ * A C struct rather than a Python object with __slots__: no attribute dictionary, no GC header
+ * (it references nothing, so the cyclic GC never scans the 10^6 of them), and the batch calls
+ * below read and update it without a Python attribute access per key. */
+typedef struct {
+    PyObject_HEAD
+    long long region_id; /* where the bytes are: fixed once registered */
+    long long offset;
+    long long length;
+    Py_ssize_t pins;   /* pinned keys are neither deleted nor evicted */
+    Py_ssize_t leases; /* readers copying these bytes right now: likewise */
+    char referenced;   /* CLOCK bit: set by a lookup or exists hit, cleared by eviction */
+} KeyEntry;
+
+static PyTypeObject KeyEntryType;
+
+static PyObject *KeyEntry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"region_id", "offset", "length", NULL};
+    long long region_id, offset, length;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LLL:KeyEntry", kwlist, &region_id, &offset,
+                                     &length))
+        return NULL;
+    KeyEntry *self = (KeyEntry *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->region_id = region_id;
+    self->offset = offset;
+    self->length = length;
+    return (PyObject *)self;
+}
+
+static PyObject *KeyEntry_busy(KeyEntry *self, void *closure)
+{
+    return PyBool_FromLong(self->pins > 0 || self->leases > 0);
+}
+
+static PyObject *KeyEntry_repr(KeyEntry *self)
+{
+    return PyUnicode_FromFormat("KeyEntry(region_id=%lld, offset=%lld, length=%lld, pins=%zd, "
+                                "leases=%zd, referenced=%s)",
+                                self->region_id, self->offset, self->length, self->pins,
+                                self->leases, self->referenced ? "True" : "False");
+}
+
+static PyMemberDef KeyEntry_members[] = {
+    {"region_id", T_LONGLONG, offsetof(KeyEntry, region_id), READONLY, NULL},
+    {"offset", T_LONGLONG, offsetof(KeyEntry, offset), READONLY, NULL},
+    {"length", T_LONGLONG, offsetof(KeyEntry, length), READONLY, NULL},
+    {"pins", T_PYSSIZET, offsetof(KeyEntry, pins), 0, NULL},
+    {"leases", T_PYSSIZET, offsetof(KeyEntry, leases), 0, NULL},
+    {"referenced", T_BOOL, offsetof(KeyEntry, referenced), 0, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef KeyEntry_getset[] = {
+    {"busy", (getter)KeyEntry_busy, NULL, "pinned or leased: not deletable or evictable", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject KeyEntryType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru._keyindex.KeyEntry",
+    .tp_doc = "KeyEntry(region_id, offset, length): a registered key's location and state.",
+    .tp_basicsize = sizeof(KeyEntry),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = KeyEntry_new,
+    .tp_repr = (reprfunc)KeyEntry_repr,
+    .tp_members = KeyEntry_members,
+    .tp_getset = KeyEntry_getset,
+};
 
 static inline int key_type_ok(PyObject *key)
 {
@@ -544,6 +616,98 @@ done:
     return out;
 }
 
+static PyObject *KeyIndex_lookup_columns(KeyIndex *self, PyObject *const *args,
+                                         Py_ssize_t nargs)
+{
+    int lease = 0;
+    if (nargs < 1 || nargs > 2 || (nargs == 2 && (lease = PyObject_IsTrue(args[1])) < 0)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "lookup_columns(keys, lease=False)");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "lookup_columns: keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *const *keys = PySequence_Fast_ITEMS(seq);
+    PyObject *held = PyList_New(0);
+    PyObject *cols[3] = {NULL, NULL, NULL};
+    PyObject *out = NULL;
+    if (held == NULL)
+        goto done;
+    for (int c = 0; c < 3; c++)
+        if ((cols[c] = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(long long))) == NULL)
+            goto done;
+    long long *region_ids = (long long *)PyBytes_AS_STRING(cols[0]);
+    long long *offsets = (long long *)PyBytes_AS_STRING(cols[1]);
+    long long *lengths = (long long *)PyBytes_AS_STRING(cols[2]);
+    Py_hash_t hashes[WINDOW];
+    for (Py_ssize_t start = 0; start < n; start += WINDOW) {
+        Py_ssize_t m = n - start < WINDOW ? n - start : WINDOW;
+        if (self->slots != NULL)
+            prefetch_window(self, keys + start, hashes, m);
+        for (Py_ssize_t i = 0; i < m; i++) {
+            size_t slot;
+            Py_ssize_t ix = self->slots == NULL || hashes[i] == -1
+                                ? -1
+                                : find(self, keys[start + i], hashes[i], &slot);
+            Py_ssize_t k = start + i;
+            if (ix < 0) {
+                region_ids[k] = offsets[k] = lengths[k] = 0;
+                continue;
+            }
+            PyObject *value = self->entries[ix].value;
+            if (!PyObject_TypeCheck(value, &KeyEntryType)) {
+                PyErr_SetString(PyExc_TypeError, "lookup_columns: a value is not a KeyEntry");
+                goto undo;
+            }
+            KeyEntry *e = (KeyEntry *)value;
+            if (PyList_Append(held, value) < 0)
+                goto undo;
+            e->referenced = 1;
+            if (lease)
+                e->leases++;
+            region_ids[k] = e->region_id;
+            offsets[k] = e->offset;
+            lengths[k] = e->length;
+        }
+    }
+    out = PyTuple_Pack(4, held, cols[0], cols[1], cols[2]);
+    goto done;
+undo: /* no lease half taken */
+    if (lease)
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(held); j++)
+            ((KeyEntry *)PyList_GET_ITEM(held, j))->leases--;
+done:
+    Py_XDECREF(held);
+    for (int c = 0; c < 3; c++)
+        Py_XDECREF(cols[c]);
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyObject *release_entries(PyObject *module, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "release_entries: expected a sequence of KeyEntry");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *const *items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyObject_TypeCheck(items[i], &KeyEntryType)) {
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_TypeError, "release_entries: expected KeyEntry objects");
+            return NULL;
+        }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        KeyEntry *e = (KeyEntry *)items[i];
+        if (e->leases > 0)
+            e->leases--;
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
 /* -- iteration ----------------------------------------------------------------------------- */
 
 enum { ITER_KEYS, ITER_VALUES, ITER_ITEMS };
@@ -670,6 +834,11 @@ static PyMethodDef KeyIndex_methods[] = {
     {"setdefault_many", (PyCFunction)(void (*)(void))KeyIndex_setdefault_many, METH_FASTCALL,
      "setdefault_many(keys, values): [setdefault(k, v) for k, v in zip(keys, values)], with\n"
      "prefetched probes; TypeError before any change if a key is not str or bytes."},
+    {"lookup_columns", (PyCFunction)(void (*)(void))KeyIndex_lookup_columns, METH_FASTCALL,
+     "lookup_columns(keys, lease=False) -> (hits, region_ids, offsets, lengths): a batch\n"
+     "lookup of KeyEntry values, prefetched. Each hit gets its CLOCK bit set (and, with\n"
+     "lease, one more lease); `hits` lists their entries in key order, and the columns are\n"
+     "bytes of native int64s, 0 0 0 for a miss."},
     {"keys", (PyCFunction)(void (*)(void))KeyIndex_keys, METH_VARARGS | METH_KEYWORDS,
      "keys(*, reverse=False): an iterator over the keys, oldest first."},
     {"values", (PyCFunction)(void (*)(void))KeyIndex_values, METH_VARARGS | METH_KEYWORDS,
@@ -715,16 +884,24 @@ static PyTypeObject KeyIndexIterType = {
     .tp_iternext = (iternextfunc)KeyIndexIter_next,
 };
 
+static PyMethodDef module_methods[] = {
+    {"release_entries", release_entries, METH_O,
+     "release_entries(entries): end one lease on each KeyEntry (never below zero)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef keyindex_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "maru._keyindex",
-    .m_doc = "The registry's key index (see KeyIndex).",
+    .m_doc = "The registry's key index (see KeyIndex) and its entries (KeyEntry).",
     .m_size = -1,
+    .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC PyInit__keyindex(void)
 {
-    if (PyType_Ready(&KeyIndexType) < 0 || PyType_Ready(&KeyIndexIterType) < 0)
+    if (PyType_Ready(&KeyIndexType) < 0 || PyType_Ready(&KeyIndexIterType) < 0 ||
+        PyType_Ready(&KeyEntryType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&keyindex_module);
     if (m == NULL)
@@ -732,6 +909,12 @@ PyMODINIT_FUNC PyInit__keyindex(void)
     Py_INCREF(&KeyIndexType);
     if (PyModule_AddObject(m, "KeyIndex", (PyObject *)&KeyIndexType) < 0) {
         Py_DECREF(&KeyIndexType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&KeyEntryType);
+    if (PyModule_AddObject(m, "KeyEntry", (PyObject *)&KeyEntryType) < 0) {
+        Py_DECREF(&KeyEntryType);
         Py_DECREF(m);
         return NULL;
     }

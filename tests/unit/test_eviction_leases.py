@@ -16,6 +16,8 @@ from maru.protocol import DeleteStatus, ErrorCode, MsgType, ProtocolError, Regis
 from maru.server.registry import Registry
 from maru.server.service import MaruService
 
+from .keyindex_impls import key_index_impl  # noqa: F401 (autouse: C and Python)
+
 KiB, MiB = 1 << 10, 1 << 20
 
 

@@ -1,6 +1,9 @@
 """`maru-server` keeps the registry out of the cyclic GC's reach (`gc.freeze`): at start-up
 after restoring it, and after every loop turn (`MaruService.housekeeping`), so that no
-collection walks 10^6 registry entries on the server's only thread."""
+collection walks 10^6 registry entries on the server's only thread.
+
+The C key entries (`maru._keyindex.KeyEntry`) are not GC-tracked at all; the freezing tests
+run with the pure-Python registry, whose entries are, as on a machine without a compiler."""
 
 from __future__ import annotations
 
@@ -12,17 +15,21 @@ from maru import protocol
 from maru.pool.backends import ShmPool
 from maru.pool.token import TokenSigner
 from maru.protocol import MsgType
-from maru.server import cli
+from maru.server import cli, keyindex
 from maru.server.journal import Journal
-from maru.server.registry import KeyEntry, Registry
+from maru.server.registry import Registry
 from maru.server.service import MaruService
+
+from .keyindex_impls import use_python_key_index
 
 MiB = 1 << 20
 
 
 @pytest.fixture(autouse=True)
-def unfreeze():
-    """Freezing is process-wide: give the test process its GC back afterwards."""
+def unfreeze(monkeypatch):
+    """Freezing is process-wide: give the test process its GC back afterwards. And use the
+    pure-Python key entries, which the GC tracks."""
+    use_python_key_index(monkeypatch)
     gc.unfreeze()
     yield
     gc.unfreeze()
@@ -30,7 +37,7 @@ def unfreeze():
 
 def young_key_entries(reg: Registry) -> int:
     """How many of `reg`'s entries a collection would scan (frozen ones are not listed)."""
-    scanned = {id(o) for o in gc.get_objects() if type(o) is KeyEntry}
+    scanned = {id(o) for o in gc.get_objects() if type(o) is keyindex.PyKeyEntry}
     return sum(id(entry) in scanned for entry in reg.keys.values())
 
 
@@ -100,3 +107,16 @@ def test_without_gc_freeze_the_service_leaves_the_gc_alone(tmp_path):
         assert young_key_entries(reg) == 100
     finally:
         svc.close()
+
+
+def test_c_key_entries_are_not_tracked_by_the_gc():
+    c = pytest.importorskip("maru._keyindex", reason="C extension not built")
+    entry = c.KeyEntry(1, 4096, 64)
+    assert not gc.is_tracked(entry)  # no collection ever scans 10^6 of them
+    assert (entry.region_id, entry.offset, entry.length, entry.pins, entry.leases) == (
+        1,
+        4096,
+        64,
+        0,
+        0,
+    )

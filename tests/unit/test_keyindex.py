@@ -175,3 +175,52 @@ def test_values_are_released() -> None:
     index["cycle"] = index  # the garbage collector can break a cycle through the index
     del index
     gc.collect()
+
+
+def test_lookup_columns_and_release_match_the_python_model() -> None:
+    from maru.server.keyindex import PyKeyEntry, py_release_entries
+
+    rng = random.Random(3)
+    index, model = KeyIndex(), OrderedKeyIndex()
+    for _ in range(300):
+        key = random_key(rng, 200)
+        where = (rng.randrange(1, 4), rng.randrange(1 << 40), rng.randrange(1, 1 << 20))
+        index.setdefault(key, keyindex.KeyEntry(*where))
+        model.setdefault(key, PyKeyEntry(*where))
+    leases: list[tuple[list, list]] = []
+    for i in range(200):
+        keys = [random_key(rng, 250) for _ in range(rng.randrange(0, 140))]
+        lease = i % 2 == 0
+        got, want = index.lookup_columns(keys, lease), model.lookup_columns(keys, lease)
+        assert got[1:] == want[1:]  # the columns, byte for byte
+        assert [(e.region_id, e.offset, e.length) for e in got[0]] == [
+            (e.region_id, e.offset, e.length) for e in want[0]
+        ]
+        if lease:
+            leases.append((got[0], want[0]))
+        if leases and rng.random() < 0.4:
+            held, held_model = leases.pop(rng.randrange(len(leases)))
+            keyindex.release_entries(held)
+            py_release_entries(held_model)
+        state = [(e.leases, e.referenced) for e in index.values()]
+        assert state == [(e.leases, e.referenced) for e in model.values()]
+    for held, held_model in leases:
+        keyindex.release_entries(held)
+        keyindex.release_entries(held)  # never below zero
+        py_release_entries(held_model)
+    assert not any(e.busy for e in index.values())
+
+
+def test_lookup_columns_refuses_foreign_values_without_taking_leases() -> None:
+    index = KeyIndex()
+    entry = keyindex.KeyEntry(1, 0, 8)
+    index.setdefault_many(["a", "b"], [entry, object()])
+    with pytest.raises(TypeError):
+        index.lookup_columns(["a", "b"], True)
+    assert entry.leases == 0
+    with pytest.raises(TypeError):
+        keyindex.release_entries([entry, object()])
+    with pytest.raises(AttributeError):
+        entry.offset = 5  # where a key's bytes are is fixed
+    with pytest.raises(TypeError):
+        keyindex.KeyEntry(1, 2)

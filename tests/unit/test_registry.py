@@ -12,6 +12,8 @@ from maru.pool.token import TokenSigner
 from maru.protocol import MAX_KEY_BYTES, DeleteStatus, ErrorCode, ProtocolError, RegisterStatus
 from maru.server.registry import Registry
 
+from .keyindex_impls import key_index_impl  # noqa: F401 (autouse: C and Python)
+
 MiB = 1 << 20
 
 

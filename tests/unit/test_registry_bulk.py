@@ -15,6 +15,7 @@ from maru.protocol import MAX_KEY_BYTES, DeleteStatus, RegisterStatus
 from maru.server.journal import Journal
 from maru.server.registry import Registry
 
+from .keyindex_impls import key_index_impl  # noqa: F401 (autouse: C and Python)
 from .test_eviction_leases import MiB, consistent, make_registry
 from .test_journal import SIGNER, Env, state
 
@@ -325,7 +326,8 @@ def test_lookup_columnar_and_exists_match_the_per_key_lookup(tmp_path, seed):
     for i in range(30):
         keys = [rnd.choice(pool) for _ in range(rnd.randint(0, 20))]
         lease = i % 2 == 0
-        rids, offsets, lengths, handles, lease_id = bulk.lookup_columnar(keys, "B", lease)
+        *columns, handles, lease_id = bulk.lookup_columnar(keys, "B", lease)
+        rids, offsets, lengths = (memoryview(c).cast("q").tolist() for c in columns)
         locations, ref_handles = ref.lookup(keys, "B")
         ref_lease = ref.lease(keys, "B") if lease else 0
         assert [[r, o, n] if r else None for r, o, n in zip(rids, offsets, lengths)] == locations

@@ -9,6 +9,7 @@ import pytest
 
 from maru.server.registry import Registry
 
+from .keyindex_impls import key_index_impl  # noqa: F401 (autouse: C and Python)
 from .test_eviction_leases import MiB, consistent, fill, make_registry
 
 
@@ -22,7 +23,7 @@ def _lookup(reg: Registry, keys: list[str]) -> None:
 
 
 def _lookup_columnar(reg: Registry, keys: list[str]) -> None:
-    assert 0 not in reg.lookup_columnar(keys, "B")[0]
+    assert 0 not in memoryview(reg.lookup_columnar(keys, "B")[0]).cast("q").tolist()
 
 
 def _lookup_leased(reg: Registry, keys: list[str]) -> None:

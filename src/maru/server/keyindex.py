@@ -1,23 +1,57 @@
 """The registry's key index: key -> KeyEntry, oldest first (the order eviction walks).
 
-`KeyIndex` is the C type from `maru._keyindex` (built by `pip install -e .` when a compiler
-is present): its batch calls `get_many` and `setdefault_many` overlap the cache misses of a
-batch's probes, which at 10^6 keys are most of a lookup's cost. Without the extension it is
-`OrderedKeyIndex`, the same interface over an OrderedDict (correct, with one miss after
-another). Both take only str and bytes keys; a lookup of anything else is a miss.
+`KeyIndex` and `KeyEntry` are the C types from `maru._keyindex` (built by `pip install -e .`
+when a compiler is present): the index's batch calls (`get_many`, `setdefault_many`,
+`lookup_columns`) overlap the cache misses of a batch's probes, which at 10^6 keys are most of
+a lookup's cost, and `lookup_columns` / `release_entries` do a LOOKUP_KV's and a RELEASE's
+per-key work without a Python attribute access per key. Without the extension they are
+`OrderedKeyIndex` (an OrderedDict), `PyKeyEntry` and `py_release_entries`: the same
+interface and outcomes, slower. Both indexes take only str and bytes keys; a lookup of anything
+else is a miss.
 """
 
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 _KEY_TYPES = frozenset((str, bytes))
+
+
+class PyKeyEntry:
+    """What the registry knows of one key (the C `KeyEntry` without the extension)."""
+
+    __slots__ = ("leases", "length", "offset", "pins", "referenced", "region_id")
+
+    def __init__(self, region_id: int, offset: int, length: int):
+        self.region_id = region_id  # where the bytes are: fixed once registered
+        self.offset = offset
+        self.length = length
+        self.pins = 0  # pinned keys are neither deleted nor evicted
+        self.leases = 0  # readers copying these bytes right now: likewise
+        # CLOCK bit: set by a lookup / exists hit, cleared when eviction spares the key. A hit
+        # only sets it (no reordering of the key index: that costs cache misses at 10^6 keys).
+        self.referenced = False
+
+    @property
+    def busy(self) -> bool:
+        return self.pins > 0 or self.leases > 0
+
+
+_MISS = PyKeyEntry(0, 0, 0)  # what a miss reads as: region 0 (ids start at 1), offset 0, length 0
+
+
+def py_release_entries(entries: Iterable[Any]) -> None:
+    """End one lease on each entry (never below zero)."""
+    for entry in entries:
+        if entry.leases > 0:
+            entry.leases -= 1
 
 
 class OrderedKeyIndex(OrderedDict):
@@ -56,6 +90,25 @@ class OrderedKeyIndex(OrderedDict):
             raise TypeError("KeyIndex keys are str or bytes")
         return list(map(super().setdefault, keys, values))
 
+    def lookup_columns(
+        self, keys: Sequence[Any], lease: bool = False
+    ) -> tuple[list[Any], bytes, bytes, bytes]:
+        """A batch lookup: each hit's CLOCK bit set (and, with `lease`, one more lease); the
+        hits' entries in key order, and region ids, offsets and lengths as bytes of native
+        int64s (0 0 0 for a miss)."""
+        entries = self.get_many(keys, _MISS)
+        held = [e for e in entries if e is not _MISS]
+        for entry in held:
+            entry.referenced = True
+            if lease:
+                entry.leases += 1
+        return (
+            held,
+            array("q", [e.region_id for e in entries]).tobytes(),
+            array("q", [e.offset for e in entries]).tobytes(),
+            array("q", [e.length for e in entries]).tobytes(),
+        )
+
     def keys(self, *, reverse: bool = False) -> Iterator[Any]:  # type: ignore[override]
         return reversed(self) if reverse else iter(self)
 
@@ -67,9 +120,18 @@ class OrderedKeyIndex(OrderedDict):
 
 
 try:
-    from maru._keyindex import KeyIndex
+    from maru._keyindex import KeyEntry, KeyIndex, release_entries
 except ImportError:  # built without a C compiler
     KeyIndex = OrderedKeyIndex  # type: ignore[misc,assignment]
+    KeyEntry = PyKeyEntry  # type: ignore[misc,assignment]
+    release_entries = py_release_entries
     log.debug("maru._keyindex not built: the key index is an OrderedDict")
 
-__all__ = ["KeyIndex", "OrderedKeyIndex"]
+__all__ = [
+    "KeyEntry",
+    "KeyIndex",
+    "OrderedKeyIndex",
+    "PyKeyEntry",
+    "py_release_entries",
+    "release_entries",
+]

@@ -33,7 +33,7 @@ from maru.pool.backends import Pool, PoolFullError
 from maru.pool.region import RegionHandle
 from maru.pool.token import TokenSigner
 from maru.protocol import MAX_KEY_BYTES, DeleteStatus, ErrorCode, ProtocolError, RegisterStatus
-from maru.server.keyindex import KeyIndex
+from maru.server.keyindex import KeyEntry, KeyIndex, release_entries
 from maru.server.logs import Throttle
 
 log = logging.getLogger(__name__)
@@ -68,26 +68,6 @@ class Region:
         )
 
 
-class KeyEntry:
-    __slots__ = ("leases", "length", "offset", "pins", "referenced", "region_id")
-
-    def __init__(self, region_id: int, offset: int, length: int):
-        self.region_id = region_id
-        self.offset = offset
-        self.length = length
-        self.pins = 0
-        self.leases = 0  # readers copying these bytes right now: not evictable or deletable
-        # CLOCK bit: set by a lookup / exists hit, cleared when eviction spares the key. A hit
-        # only sets it (no reordering of the key index: that costs cache misses at 10^6 keys).
-        self.referenced = False
-
-    @property
-    def busy(self) -> bool:
-        return self.pins > 0 or self.leases > 0
-
-
-# What `lookup_columnar` reads for a miss: region 0 (region ids start at 1), offset 0, length 0.
-_MISS = KeyEntry(0, 0, 0)
 _KEY_TYPES = frozenset((str, bytes))
 
 
@@ -565,27 +545,14 @@ class Registry:
 
     def lookup_columnar(
         self, keys: list[Key], instance_id: str | None = None, lease: bool = False
-    ) -> tuple[list[int], list[int], list[int], list[RegionHandle], int]:
+    ) -> tuple[bytes, bytes, bytes, list[RegionHandle], int]:
         """`lookup` (and, with `lease`, `lease`) in one pass over str/bytes keys, for LOOKUP_KV
-        in columnar form: region ids, offsets and lengths (0, 0, 0 for a miss; region ids
-        start at 1), the handles of those regions, and the lease id (0: none)."""
-        # The lookups in C, prefetched (a miss reads as _MISS: 0, 0, 0), then a comprehension
-        # per field and a loop over the hits for what changes (CLOCK bit, lease count): each
-        # is a tight specialized loop, cheaper than one loop doing all of it per key.
-        entries = self.keys.get_many(keys, _MISS)
-        region_ids = [e.region_id for e in entries]
-        offsets = [e.offset for e in entries]
-        lengths = [e.length for e in entries]
-        misses = region_ids.count(0)
-        hits = len(keys) - misses
-        held = [e for e in entries if e is not _MISS] if misses else entries
-        if lease:
-            for entry in held:
-                entry.referenced = True
-                entry.leases += 1
-        else:
-            for entry in held:
-                entry.referenced = True
+        in columnar form: region ids, offsets and lengths as bytes of native int64s (0, 0, 0
+        for a miss; region ids start at 1), the handles of those regions, and the lease id
+        (0: none). The per-key work (probe, CLOCK bit, lease count, columns) is one C call."""
+        held, region_ids, offsets, lengths = self.keys.lookup_columns(keys, lease)
+        hits = len(held)
+        misses = len(keys) - hits
         self.counters["lookups"] += len(keys)
         self.counters["hits"] += hits
         self.counters["misses"] += misses
@@ -595,7 +562,9 @@ class Registry:
             inst.misses += misses
         lease_id = self._add_lease(held, instance_id) if lease and held else 0
         regions = self.regions
-        handles = [regions[r].handle() for r in set(region_ids) if r]
+        ids = set(memoryview(region_ids).cast("q"))
+        ids.discard(0)
+        handles = [regions[r].handle() for r in ids]
         return region_ids, offsets, lengths, handles, lease_id
 
     def lease(self, keys: list[Any], owner: str | None, seconds: float | None = None) -> int:
@@ -628,11 +597,9 @@ class Registry:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return False
-        # The entries themselves, not a lookup by key: no dict probe per key, and a key
-        # dropped and registered again (a new entry) is not touched by the old entry's lease.
-        for entry in lease.entries:
-            if entry.leases > 0:
-                entry.leases -= 1
+        # The entries themselves, not a lookup by key: no probe per key, and a key dropped
+        # and registered again (a new entry) is not touched by the old entry's lease.
+        release_entries(lease.entries)
         inst = self.instances.get(lease.owner) if lease.owner else None
         if inst is not None:
             inst.leases.discard(lease_id)

@@ -11,7 +11,6 @@ import logging
 import os
 import threading
 import time
-from array import array
 from bisect import bisect_left
 from collections.abc import Callable
 from time import perf_counter
@@ -42,17 +41,17 @@ def freeze_heap(full: bool = False) -> None:
     permanent generation (`gc.freeze`), where no collection scans it. `maru-server` does this
     once at start-up (`full`: with the restored registry) and after every loop turn.
 
-    Why: each registry entry (`KeyEntry`, regions, instances, leases) is a GC-tracked object.
-    At 10^6 keys a full collection walks all of them (about 150 ms here) on the server's only
-    thread; CPython runs one each time the long-lived objects grew by 25 % (while a cache fills
-    up). Under churn (each batch registers 128 keys and evicts 128) it is the young
-    generations: every freed old entry lowers the allocation count that triggers a young
-    collection, so they are rarely collected and grow to 10^5 objects, and one young
-    collection then takes up to 115 ms. Raising the thresholds would make those stalls rarer
-    and longer. Freezing after each turn keeps the young generations to what one turn made:
-    collecting them costs about 0.1 us per new object (measured: 11 us per turn of a register
-    evicting 128 keys + lookup + release; no GC pause above 0.15 ms), and `gc.freeze()` only
-    splices lists.
+    Why: the registry's objects (regions, instances, leases; and, without the C extension, each
+    key's `KeyEntry`) are GC-tracked. At 10^6 Python key entries a full collection walks all of
+    them (about 150 ms here) on the server's only thread; CPython runs one each time the
+    long-lived objects grew by 25 % (while a cache fills up). Under churn (each batch registers 128
+    keys and evicts 128) it is the young generations: every freed old entry lowers the
+    allocation count that triggers a young collection, so they are rarely collected and grow to
+    10^5 objects, and one young collection then takes up to 115 ms. Raising the thresholds would
+    make those stalls rarer and longer. Freezing after each turn keeps the young generations to
+    what one turn made: collecting them costs about 0.1 us per new object (measured: 11 us per
+    turn of a register evicting 128 keys + lookup + release; no GC pause above 0.15 ms), and
+    `gc.freeze()` only splices lists.
 
     Cost: a reference cycle among frozen objects is never collected. Reference counting still
     frees everything else, frozen or not, so evicted and deleted entries go away as before. The
@@ -263,12 +262,13 @@ class MaruService:
             region_ids, offsets, lengths, regions, lease_id = self.registry.lookup_columnar(
                 keys, _iid(body), lease
             )
-            if body.get("packed") is True:
-                # Each column as one bytes value of native int64s (client and server share
-                # the node): the client reads it with numpy, no Python int per key.
+            if body.get("packed") is not True:  # a client from before the packed form
                 region_ids, offsets, lengths = (
-                    array("q", column).tobytes() for column in (region_ids, offsets, lengths)
+                    memoryview(column).cast("q").tolist()
+                    for column in (region_ids, offsets, lengths)
                 )
+            # Packed: each column one bytes value of native int64s (client and server share
+            # the node), read by the client with numpy, no Python int per key.
             reply = {
                 "region_ids": region_ids,
                 "offsets": offsets,
