@@ -137,10 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--busy-poll-us",
         type=int,
-        default=0,
+        default=1000,
         help="after serving a request, keep polling for the next one this many microseconds "
-        "before sleeping: lower round trips when the server has a CPU of its own "
-        "(default: 0, sleep at once)",
+        "(yielding the CPU between polls) before sleeping: a request that finds the server "
+        "asleep waits for a wake-up, tens of microseconds on a VM. 0: sleep at once (for a "
+        "server under a CPU quota) (default: 1000)",
     )
     p.add_argument(
         "--no-restore",
