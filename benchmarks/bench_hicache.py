@@ -453,8 +453,11 @@ class KeyFiller:
     """Plain MaruHandlers, one per server, that register many tiny values and probe lookups
     (keys scaling)."""
 
-    def __init__(self, urls: list[str]):
+    def __init__(self, urls: list[str], cpu: int | None = None):
         from maru import MaruHandler
+
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
 
         self.hs = [
             MaruHandler(server_url=u, pool_size="8M", chunk_size_bytes="4K", timeout_ms=60000)
@@ -488,7 +491,7 @@ class KeyFiller:
         for _ in range(rounds):
             for h, lookup, n, res in zip(self.hs, lookups, counts, out):
                 # Let the server probed last stop polling (`--busy-poll-us`, 1 ms) first: one
-                # server per node is what is measured, not four competing for the 2 vCPUs.
+                # server per node is what is measured, not four competing for their CPU.
                 time.sleep(0.003)
                 for _ in range(singles):
                     key = page_key("scale", rng.randrange(n))
@@ -581,16 +584,26 @@ def call_all(workers: list[Worker], name: str, *args_per) -> list[Any]:
 # -- server ------------------------------------------------------------------------------------
 
 
-def maru_server(pool_size: str):
+def maru_server(pool_size: str, cpu: int | None = None):
     """A `maru-server` subprocess (`tests/sglang_cpu/p2p.py`'s launcher), run as
-    `python -m maru.server` so that PYTHONPATH picks the code (before/after comparisons)."""
+    `python -m maru.server` so that PYTHONPATH picks the code (before/after comparisons);
+    on CPU `cpu` alone if given (`taskset`)."""
     from sglang_cpu.p2p import maru_server as launch
 
+    pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
     return launch(
         pool_size,
-        command=[sys.executable, "-m", "maru.server"],
+        command=[*pin, sys.executable, "-m", "maru.server"],
         extra_args=["--heartbeat-timeout", "120", "--lease-timeout", "120"],
     )
+
+
+def split_cpus() -> tuple[int, int] | None:
+    """(a CPU for a client, another for the servers), when there are two and `taskset`."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2 or shutil.which("taskset") is None:
+        return None
+    return cpus[0], cpus[-1]
 
 
 # -- progress ----------------------------------------------------------------------------------
@@ -899,13 +912,18 @@ def bench_instances(url, plan, prog) -> list[dict]:
 
 
 def bench_keys(plan, prog) -> list[dict]:
-    """One dedicated server per key count, probed in turn (see `KeyFiller.probe`)."""
+    """One dedicated server per key count, probed in turn (see `KeyFiller.probe`). The
+    servers share one CPU and the prober has the other: where the scheduler put a server
+    that polls after each request (`--busy-poll-us`) beside its client, a round trip took
+    ~60 us instead of ~30, at random, which drowned what the key count changes."""
     counts = list(plan.key_counts)
     rounds = 10 if plan.quick else 20
+    cpus = split_cpus()
+    client_cpu, server_cpu = cpus if cpus is not None else (None, None)
     with ExitStack() as stack:
         # 256M: 10^6 keys of 64 bytes stay far below the eviction watermark.
-        urls = [stack.enter_context(maru_server("256M")) for _ in counts]
-        filler = Worker(KeyFiller, urls)
+        urls = [stack.enter_context(maru_server("256M", server_cpu)) for _ in counts]
+        filler = Worker(KeyFiller, urls, client_cpu)
         try:
             reg_s = []
             for i, n in enumerate(counts):
