@@ -410,24 +410,47 @@ static Py_ssize_t KeyIndex_len(KeyIndex *self)
     return self->live;
 }
 
-static int KeyIndex_contains(KeyIndex *self, PyObject *key)
+/* The entry of `key` (and its slot), or -1: also for an object that cannot be a key, and for
+ * a table cleared by the GC. */
+static Py_ssize_t find_any(const KeyIndex *self, PyObject *key, size_t *slot)
 {
     Py_hash_t hash = key_hash(key);
+    return hash == -1 || self->slots == NULL ? -1 : find(self, key, hash, slot);
+}
+
+/* `find_any`, with KeyError set when the key is absent. */
+static Py_ssize_t find_or_raise(const KeyIndex *self, PyObject *key, size_t *slot)
+{
+    Py_ssize_t ix = find_any(self, key, slot);
+    if (ix < 0)
+        PyErr_SetObject(PyExc_KeyError, key);
+    return ix;
+}
+
+/* METH_FASTCALL arguments (x[, default]): *dflt is the default, or `absent` without one. */
+static int one_or_two(PyObject *const *args, Py_ssize_t nargs, const char *usage,
+                      PyObject *absent, PyObject **dflt)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "expected %s", usage);
+        return -1;
+    }
+    *dflt = nargs == 2 ? args[1] : absent;
+    return 0;
+}
+
+static int KeyIndex_contains(KeyIndex *self, PyObject *key)
+{
     size_t slot;
-    if (hash == -1 || self->slots == NULL)
-        return 0;
-    return find(self, key, hash, &slot) >= 0;
+    return find_any(self, key, &slot) >= 0;
 }
 
 static PyObject *KeyIndex_subscript(KeyIndex *self, PyObject *key)
 {
-    Py_hash_t hash = key_hash(key);
     size_t slot;
-    Py_ssize_t ix = hash == -1 || self->slots == NULL ? -1 : find(self, key, hash, &slot);
-    if (ix < 0) {
-        PyErr_SetObject(PyExc_KeyError, key);
+    Py_ssize_t ix = find_or_raise(self, key, &slot);
+    if (ix < 0)
         return NULL;
-    }
     PyObject *value = self->entries[ix].value;
     Py_INCREF(value);
     return value;
@@ -465,14 +488,11 @@ static int KeyIndex_ass_subscript(KeyIndex *self, PyObject *key, PyObject *value
 
 static PyObject *KeyIndex_get(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
-        return NULL;
-    }
-    PyObject *dflt = nargs == 2 ? args[1] : Py_None;
-    Py_hash_t hash = key_hash(args[0]);
+    PyObject *dflt;
     size_t slot;
-    Py_ssize_t ix = hash == -1 || self->slots == NULL ? -1 : find(self, args[0], hash, &slot);
+    if (one_or_two(args, nargs, "get(key, default=None)", Py_None, &dflt) < 0)
+        return NULL;
+    Py_ssize_t ix = find_any(self, args[0], &slot);
     PyObject *out = ix >= 0 ? self->entries[ix].value : dflt;
     Py_INCREF(out);
     return out;
@@ -480,11 +500,9 @@ static PyObject *KeyIndex_get(KeyIndex *self, PyObject *const *args, Py_ssize_t 
 
 static PyObject *KeyIndex_setdefault(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "setdefault(key, default=None)");
+    PyObject *dflt;
+    if (one_or_two(args, nargs, "setdefault(key, default=None)", Py_None, &dflt) < 0)
         return NULL;
-    }
-    PyObject *dflt = nargs == 2 ? args[1] : Py_None;
     Py_hash_t hash = require_key(args[0]);
     size_t slot;
     if (hash == -1 || ensure_table(self) < 0)
@@ -502,18 +520,16 @@ static PyObject *KeyIndex_setdefault(KeyIndex *self, PyObject *const *args, Py_s
 
 static PyObject *KeyIndex_pop(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
-        return NULL;
-    }
-    Py_hash_t hash = key_hash(args[0]);
+    PyObject *dflt;
     size_t slot;
-    Py_ssize_t ix = hash == -1 || self->slots == NULL ? -1 : find(self, args[0], hash, &slot);
+    if (one_or_two(args, nargs, "pop(key[, default])", NULL, &dflt) < 0)
+        return NULL;
+    Py_ssize_t ix = find_any(self, args[0], &slot);
     if (ix >= 0)
         return remove_entry(self, ix, slot);
-    if (nargs == 2) {
-        Py_INCREF(args[1]);
-        return args[1];
+    if (dflt != NULL) {
+        Py_INCREF(dflt);
+        return dflt;
     }
     PyErr_SetObject(PyExc_KeyError, args[0]);
     return NULL;
@@ -521,19 +537,16 @@ static PyObject *KeyIndex_pop(KeyIndex *self, PyObject *const *args, Py_ssize_t 
 
 static PyObject *KeyIndex_move_to_end(KeyIndex *self, PyObject *key)
 {
-    Py_hash_t hash = key_hash(key);
     size_t slot;
-    Py_ssize_t ix = hash == -1 || self->slots == NULL ? -1 : find(self, key, hash, &slot);
-    if (ix < 0) {
-        PyErr_SetObject(PyExc_KeyError, key);
+    Py_ssize_t ix = find_or_raise(self, key, &slot);
+    if (ix < 0)
         return NULL;
-    }
     if (ix == self->used - 1)
         Py_RETURN_NONE;
     if (self->used == self->capacity) {
         if (rebuild(self) < 0)
             return NULL;
-        ix = find(self, key, hash, &slot);
+        ix = find_any(self, key, &slot);
         if (ix == self->used - 1)
             Py_RETURN_NONE;
     }
@@ -558,11 +571,9 @@ static PyObject *KeyIndex_clear(KeyIndex *self, PyObject *unused)
 
 static PyObject *KeyIndex_get_many(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "get_many(keys, default=None)");
+    PyObject *dflt;
+    if (one_or_two(args, nargs, "get_many(keys, default=None)", Py_None, &dflt) < 0)
         return NULL;
-    }
-    PyObject *dflt = nargs == 2 ? args[1] : Py_None;
     PyObject *seq = PySequence_Fast(args[0], "get_many: keys must be a sequence");
     if (seq == NULL)
         return NULL;
@@ -657,12 +668,12 @@ done:
 static PyObject *KeyIndex_lookup_columns(KeyIndex *self, PyObject *const *args,
                                          Py_ssize_t nargs)
 {
-    int lease = 0;
-    if (nargs < 1 || nargs > 2 || (nargs == 2 && (lease = PyObject_IsTrue(args[1])) < 0)) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "lookup_columns(keys, lease=False)");
+    PyObject *lease_arg;
+    if (one_or_two(args, nargs, "lookup_columns(keys, lease=False)", Py_False, &lease_arg) < 0)
         return NULL;
-    }
+    int lease = PyObject_IsTrue(lease_arg);
+    if (lease < 0)
+        return NULL;
     PyObject *seq = PySequence_Fast(args[0], "lookup_columns: keys must be a sequence");
     if (seq == NULL)
         return NULL;
