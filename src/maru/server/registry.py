@@ -133,8 +133,9 @@ class Registry:
         self.instances: dict[str, Instance] = {}
         self.regions: dict[int, Region] = {}
         # Oldest first: insertion order, except that a key eviction spared (its CLOCK bit
-        # was set) moves to the end. Lookups do not reorder it. Batches probe it with
-        # `get_many` / `setdefault_many`, which overlap their keys' cache misses.
+        # was set) moves to the end. Lookups do not reorder it. Batches probe it with its
+        # batch calls (`get_many`, `setdefault_many`, `lookup_columns`), which overlap their
+        # keys' cache misses.
         self.keys: KeyIndex = KeyIndex()
         self.live_bytes = 0  # sum of registered key lengths
         self.leases: dict[int, Lease] = {}
@@ -549,7 +550,8 @@ class Registry:
         """`lookup` (and, with `lease`, `lease`) in one pass over str/bytes keys, for LOOKUP_KV
         in columnar form: region ids, offsets and lengths as bytes of native int64s (0, 0, 0
         for a miss; region ids start at 1), the handles of those regions, and the lease id
-        (0: none). The per-key work (probe, CLOCK bit, lease count, columns) is one C call."""
+        (0: none). The per-key work (probe, CLOCK bit, lease count, columns) is one call
+        into the key index (in C with the extension)."""
         held, region_ids, offsets, lengths = self.keys.lookup_columns(keys, lease)
         hits = len(held)
         misses = len(keys) - hits
