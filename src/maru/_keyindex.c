@@ -808,7 +808,20 @@ static PyObject *KeyIndexIter_next(KeyIndexIter *it)
             Py_INCREF(e->value);
             return e->value;
         }
-        return PyTuple_Pack(2, e->key, e->value);
+        /* Own both before allocating: an allocation can run the GC, and a finalizer could
+         * change the index under us. */
+        PyObject *key = e->key, *value = e->value;
+        Py_INCREF(key);
+        Py_INCREF(value);
+        PyObject *item = PyTuple_New(2);
+        if (item == NULL) {
+            Py_DECREF(key);
+            Py_DECREF(value);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(item, 0, key);
+        PyTuple_SET_ITEM(item, 1, value);
+        return item;
     }
     Py_CLEAR(it->index);
     return NULL;
