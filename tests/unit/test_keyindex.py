@@ -224,3 +224,14 @@ def test_lookup_columns_refuses_foreign_values_without_taking_leases() -> None:
         entry.offset = 5  # where a key's bytes are is fixed
     with pytest.raises(TypeError):
         keyindex.KeyEntry(1, 2)
+
+
+def test_a_server_without_the_c_index_says_so(monkeypatch, caplog) -> None:
+    from maru.server import keyindex as module
+
+    with caplog.at_level("WARNING", logger="maru.server.keyindex"):
+        assert not module.warn_if_pure_python()  # the C index is built here
+        assert not caplog.records
+        monkeypatch.setattr(module, "KeyIndex", module.OrderedKeyIndex)
+        assert module.warn_if_pure_python()
+    assert "not built" in caplog.text and "pip install -e ." in caplog.text

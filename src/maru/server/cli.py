@@ -17,6 +17,7 @@ from maru.config import ConfigError, parse_size
 from maru.pool.backends import Pool, open_pool
 from maru.pool.token import TokenSigner, load_or_create_secret
 from maru.server.journal import SNAPSHOT_NAME, Journal
+from maru.server.keyindex import warn_if_pure_python
 from maru.server.logs import configure_logging
 from maru.server.metrics import MetricsUnavailable, require_prometheus, start_metrics_server
 from maru.server.registry import Registry
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             low_watermark=args.eviction_low_watermark,
             lease_seconds=args.lease_timeout,
         )
+        warn_if_pure_python()
         registry.restore(snapshot, records)
         journal.write_snapshot(registry.snapshot_state())  # compact what was replayed
         service = MaruService(

@@ -125,7 +125,21 @@ except ImportError:  # built without a C compiler
     KeyIndex = OrderedKeyIndex  # type: ignore[misc,assignment]
     KeyEntry = PyKeyEntry  # type: ignore[misc,assignment]
     release_entries = py_release_entries
-    log.debug("maru._keyindex not built: the key index is an OrderedDict")
+
+
+def warn_if_pure_python() -> bool:
+    """Say so (a WARNING) when the key index is the pure-Python stand-in: a server built
+    without a C compiler works, but its batch lookups at 10^6 keys take about twice as long.
+    Returns whether it warned. `maru-server` calls it at start."""
+    if KeyIndex is not OrderedKeyIndex:
+        return False
+    log.warning(
+        "maru._keyindex is not built: the key index is an OrderedDict (batch lookups about 2x "
+        "slower at 10^6 keys). Install a C compiler and the Python headers, then "
+        "`pip install -e .` again."
+    )
+    return True
+
 
 __all__ = [
     "KeyEntry",
@@ -134,4 +148,5 @@ __all__ = [
     "PyKeyEntry",
     "py_release_entries",
     "release_entries",
+    "warn_if_pure_python",
 ]
