@@ -34,6 +34,7 @@ STREAM_RECV_BYTES = 1 << 16
 FLAG_REPLY = 0x1
 
 MAX_KEY_BYTES = 1024
+KEY_TYPES = frozenset((str, bytes))  # exactly these: what msgpack decodes a key to
 MAX_BATCH = 65536
 MAX_FRAME_BYTES = 64 << 20
 MAX_LIST_KEYS = 10000  # most keys one KEYS request returns

@@ -19,9 +19,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 from typing import Any
 
-log = logging.getLogger(__name__)
+from maru.protocol import KEY_TYPES
 
-_KEY_TYPES = frozenset((str, bytes))
+log = logging.getLogger(__name__)
 
 
 class PyKeyEntry:
@@ -54,31 +54,34 @@ def py_release_entries(entries: Iterable[Any]) -> None:
             entry.leases -= 1
 
 
+def _checked(key: Any) -> Any:
+    """`key`, if the index can hold it (exactly str or bytes); else TypeError."""
+    if type(key) not in KEY_TYPES:
+        raise TypeError(f"KeyIndex keys are str or bytes, not {type(key).__name__}")
+    return key
+
+
 class OrderedKeyIndex(OrderedDict):
     """The pure-Python `KeyIndex` (and the model the C type is tested against)."""
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        if type(key) not in _KEY_TYPES:
-            raise TypeError(f"KeyIndex keys are str or bytes, not {type(key).__name__}")
-        super().__setitem__(key, value)
+        super().__setitem__(_checked(key), value)
 
     def __contains__(self, key: object) -> bool:
-        return type(key) in _KEY_TYPES and super().__contains__(key)
+        return type(key) in KEY_TYPES and super().__contains__(key)
 
     def get(self, key: Any, default: Any = None) -> Any:
-        return super().get(key, default) if type(key) in _KEY_TYPES else default
+        return super().get(key, default) if type(key) in KEY_TYPES else default
 
     def pop(self, key: Any, *default: Any) -> Any:
-        if type(key) not in _KEY_TYPES:
+        if type(key) not in KEY_TYPES:
             if default:
                 return default[0]
             raise KeyError(key)
         return super().pop(key, *default)
 
     def setdefault(self, key: Any, default: Any = None) -> Any:
-        if type(key) not in _KEY_TYPES:
-            raise TypeError(f"KeyIndex keys are str or bytes, not {type(key).__name__}")
-        return super().setdefault(key, default)
+        return super().setdefault(_checked(key), default)
 
     def get_many(self, keys: Sequence[Any], default: Any = None) -> list[Any]:
         return list(map(self.get, keys, repeat(default)))
@@ -86,7 +89,7 @@ class OrderedKeyIndex(OrderedDict):
     def setdefault_many(self, keys: Sequence[Any], values: Sequence[Any]) -> list[Any]:
         if len(keys) != len(values):
             raise ValueError("setdefault_many: keys and values differ in length")
-        if not set(map(type, keys)) <= _KEY_TYPES:
+        if not set(map(type, keys)) <= KEY_TYPES:
             raise TypeError("KeyIndex keys are str or bytes")
         return list(map(super().setdefault, keys, values))
 

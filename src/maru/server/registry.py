@@ -32,7 +32,14 @@ from typing import Any, Protocol
 from maru.pool.backends import Pool, PoolFullError
 from maru.pool.region import RegionHandle
 from maru.pool.token import TokenSigner
-from maru.protocol import MAX_KEY_BYTES, DeleteStatus, ErrorCode, ProtocolError, RegisterStatus
+from maru.protocol import (
+    KEY_TYPES,
+    MAX_KEY_BYTES,
+    DeleteStatus,
+    ErrorCode,
+    ProtocolError,
+    RegisterStatus,
+)
 from maru.server.keyindex import KeyEntry, KeyIndex, release_entries
 from maru.server.logs import Throttle
 
@@ -66,9 +73,6 @@ class Region:
         return RegionHandle(
             self.region_id, self.path, self.offset, self.length, self.token, self.owner
         )
-
-
-_KEY_TYPES = frozenset((str, bytes))
 
 
 @dataclass
@@ -445,7 +449,7 @@ class Registry:
         if (
             n
             and len(offsets) == n
-            and set(map(type, keys)) <= _KEY_TYPES
+            and set(map(type, keys)) <= KEY_TYPES
             and max(map(len, keys)) <= short  # so no str key needs encoding to be measured
             and set(map(type, offsets)) == {int}  # not bool, a subclass
             and min(offsets) >= 0

@@ -20,6 +20,7 @@ import zmq
 
 from maru import __version__, protocol
 from maru.protocol import (
+    KEY_TYPES,
     MAX_BATCH,
     MAX_KEY_BYTES,
     MAX_LIST_KEYS,
@@ -89,15 +90,12 @@ def _keys(body: dict[str, Any], name: str = "keys") -> list[Any]:
         name == "keys"
         and keys
         and not (
-            _KEY_TYPES.issuperset(map(type, keys)) and max(map(len, keys)) <= MAX_KEY_BYTES // 4
+            KEY_TYPES.issuperset(map(type, keys)) and max(map(len, keys)) <= MAX_KEY_BYTES // 4
         )
     ):
         for key in keys:
             check_key(key)
     return keys
-
-
-_KEY_TYPES = frozenset((str, bytes))
 
 
 def _iid(body: dict[str, Any]) -> str | None:
