@@ -3,9 +3,9 @@
  * Why not an OrderedDict: at 10^6 registered keys a 128-key lookup misses the cache about
  * four times per key (the dict's index, its entry, the stored key, the value), and a Python
  * loop of dict probes waits for each miss before starting the next: the batch took 2-3x as
- * long as at 10^3 keys. `get_many` and `setdefault_many` probe a batch in stages instead and
- * prefetch what the next stage reads for every key of a window, so the misses of different
- * keys overlap.
+ * long as at 10^3 keys. The batch calls (`get_many`, `setdefault_many`, `lookup_columns`)
+ * probe a batch in stages instead and prefetch what the next stage reads for every key of a
+ * window, so the misses of different keys overlap.
  *
  * The layout is that of CPython's compact dict: `entries` in insertion order (a deleted entry
  * keeps its place with key NULL until the next rebuild) and `slots`, an open-addressing table
@@ -350,6 +350,23 @@ static void prefetch_window(const KeyIndex *self, PyObject *const *keys, Py_hash
     }
 }
 
+/* The entries of keys[0:m] (m <= WINDOW) in ix[0:m], -1 for a miss (or an object that cannot
+ * be a key, or a table cleared by the GC), probed with `prefetch_window`. */
+static void probe_window(const KeyIndex *self, PyObject *const *keys, Py_ssize_t m,
+                         Py_ssize_t *ix)
+{
+    Py_hash_t hashes[WINDOW];
+    size_t slot;
+    if (self->slots == NULL) {
+        for (Py_ssize_t i = 0; i < m; i++)
+            ix[i] = -1;
+        return;
+    }
+    prefetch_window(self, keys, hashes, m);
+    for (Py_ssize_t i = 0; i < m; i++)
+        ix[i] = hashes[i] == -1 ? -1 : find(self, keys[i], hashes[i], &slot);
+}
+
 /* -- the type ------------------------------------------------------------------------------ */
 
 static PyObject *KeyIndex_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -580,23 +597,12 @@ static PyObject *KeyIndex_get_many(KeyIndex *self, PyObject *const *args, Py_ssi
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject *const *keys = PySequence_Fast_ITEMS(seq);
     PyObject *out = PyList_New(n);
-    if (out == NULL || self->slots == NULL) {
-        if (out != NULL)
-            for (Py_ssize_t i = 0; i < n; i++) {
-                Py_INCREF(dflt);
-                PyList_SET_ITEM(out, i, dflt);
-            }
-        Py_DECREF(seq);
-        return out;
-    }
-    Py_hash_t hashes[WINDOW];
-    for (Py_ssize_t start = 0; start < n; start += WINDOW) {
+    Py_ssize_t ix[WINDOW];
+    for (Py_ssize_t start = 0; out != NULL && start < n; start += WINDOW) {
         Py_ssize_t m = n - start < WINDOW ? n - start : WINDOW;
-        prefetch_window(self, keys + start, hashes, m);
+        probe_window(self, keys + start, m, ix);
         for (Py_ssize_t i = 0; i < m; i++) {
-            size_t slot;
-            Py_ssize_t ix = hashes[i] == -1 ? -1 : find(self, keys[start + i], hashes[i], &slot);
-            PyObject *value = ix >= 0 ? self->entries[ix].value : dflt;
+            PyObject *value = ix[i] >= 0 ? self->entries[ix[i]].value : dflt;
             Py_INCREF(value);
             PyList_SET_ITEM(out, start + i, value);
         }
@@ -690,22 +696,17 @@ static PyObject *KeyIndex_lookup_columns(KeyIndex *self, PyObject *const *args,
     long long *region_ids = (long long *)PyBytes_AS_STRING(cols[0]);
     long long *offsets = (long long *)PyBytes_AS_STRING(cols[1]);
     long long *lengths = (long long *)PyBytes_AS_STRING(cols[2]);
-    Py_hash_t hashes[WINDOW];
+    Py_ssize_t ix[WINDOW];
     for (Py_ssize_t start = 0; start < n; start += WINDOW) {
         Py_ssize_t m = n - start < WINDOW ? n - start : WINDOW;
-        if (self->slots != NULL)
-            prefetch_window(self, keys + start, hashes, m);
+        probe_window(self, keys + start, m, ix);
         for (Py_ssize_t i = 0; i < m; i++) {
-            size_t slot;
-            Py_ssize_t ix = self->slots == NULL || hashes[i] == -1
-                                ? -1
-                                : find(self, keys[start + i], hashes[i], &slot);
             Py_ssize_t k = start + i;
-            if (ix < 0) {
+            if (ix[i] < 0) {
                 region_ids[k] = offsets[k] = lengths[k] = 0;
                 continue;
             }
-            PyObject *value = self->entries[ix].value;
+            PyObject *value = self->entries[ix[i]].value;
             if (!PyObject_TypeCheck(value, &KeyEntryType)) {
                 PyErr_SetString(PyExc_TypeError, "lookup_columns: a value is not a KeyEntry");
                 goto undo;
