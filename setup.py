@@ -1,17 +1,18 @@
 """Only the optional C helpers live here; everything else is in pyproject.toml.
 
-`maru._memcopy`, `maru._busypoll` and `maru._keyindex` are built by `pip install -e .` when a
-C compiler is present; without one the install still succeeds (`optional=True`): `maru.memcopy`
-copies with ctypes instead, RPC replies are awaited in poll() without spinning (`maru.rpc`),
-and the server's key index is an OrderedDict (`maru.server.keyindex`).
+`maru.client._memcopy`, `maru.client._busypoll` and `maru.server._keyindex` are built by
+`pip install -e .` when a C compiler is present; without one the install still succeeds
+(`optional=True`). Each sits behind one wrapper module with a `COMPILED` flag and a pure-Python
+fallback: `maru.client.memcopy` (ctypes copies), `maru.client.busypoll` (replies awaited in
+poll() only) and `maru.server.keyindex` (an OrderedDict key index).
 """
 
 from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("maru._memcopy", ["src/maru/_memcopy.c"], optional=True),
-        Extension("maru._busypoll", ["src/maru/_busypoll.c"], optional=True),
-        Extension("maru._keyindex", ["src/maru/_keyindex.c"], optional=True),
+        Extension("maru.client._memcopy", ["src/maru/client/_memcopy.c"], optional=True),
+        Extension("maru.client._busypoll", ["src/maru/client/_busypoll.c"], optional=True),
+        Extension("maru.server._keyindex", ["src/maru/server/_keyindex.c"], optional=True),
     ]
 )

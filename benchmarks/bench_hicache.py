@@ -13,7 +13,7 @@ figure saw the same machine state:
   with its own host pool, calls `batch_get_v1` for the same keys and checks every page's CRC.
 - Baselines in the same run on the same page bytes (the pointers `get_page_buffer_meta`
   gives): a plain single-thread memcpy (one memmove per page part to / from a warm private
-  buffer, all of a batch's parts in one `maru.memcopy.copy_many(..., streaming=False)` call,
+  buffer, all of a batch's parts in one `maru.client.memcopy.copy_many(..., streaming=False)` call,
   so the baseline carries no Python per part either), the same into a warm /dev/shm mapping
   (the limit of a repetition is the faster of the two), Maru's own copy loop alone
   (`copy_many` with its default non-temporal stores, into the /dev/shm mapping: the floor
@@ -298,7 +298,7 @@ class Instance:
         """Pages [s, s + n) between the host pool and `base` (pages back to back, each page's
         parts back to back): one `copy_many` per part, like MaruStorage. Plain memmove unless
         `streaming` (the non-temporal stores MaruStorage's copies use)."""
-        from maru.memcopy import copy_many
+        from maru.client.memcopy import copy_many
 
         starts = base + np.arange(s, s + n, dtype=np.int64) * self.page_bytes
         off = 0
@@ -334,10 +334,10 @@ class Instance:
         keys = [f"{ns}:{page_key(tag, i)}" for i in range(self.pages if count is None else count)]
         deleted = 0
         for _ in range(200):
-            ok = self.maru.handler.batch_delete(keys)
+            ok = self.maru.client.handler.batch_delete(keys)
             deleted += sum(ok)
             keys = [k for k, gone in zip(keys, ok) if not gone]
-            if not keys or not self.maru.handler.batch_exists(keys[:1])[0]:
+            if not keys or not self.maru.client.handler.batch_exists(keys[:1])[0]:
                 return deleted
             time.sleep(0.005)
         raise RuntimeError(f"{len(keys)} keys of {tag} could not be deleted")
@@ -349,7 +349,7 @@ class Instance:
 
     def meta(self, tag: str, rounds: int, singles: int) -> dict[str, list[float]]:
         """Per-key cost of 128-key batch_exists and lookups, and single-key round trips."""
-        h = self.maru.handler
+        h = self.maru.client.handler
         keys = [page_key(tag, i) for i in range(128)]
         ns_keys = [f"{self.maru.namespace}:{k}" for k in keys]
         lookup = _batch_lookup(h)
@@ -400,7 +400,9 @@ class Instance:
 
     def lookup_load(self, tag: str, n_keys: int, count: int) -> dict[str, list[float]]:
         """Single-key lookups and 128-key lookups of present keys, as fast as possible."""
-        return _lookup_probe(self.maru.handler, f"{self.maru.namespace}:", tag, n_keys, count)
+        return _lookup_probe(
+            self.maru.client.handler, f"{self.maru.namespace}:", tag, n_keys, count
+        )
 
     def close(self) -> None:
         try:

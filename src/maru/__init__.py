@@ -1,20 +1,40 @@
-"""Maru: a KV-cache store on shared memory. Clients map the pool; only metadata crosses a socket."""
+"""Maru: a KV-cache store on shared memory. Clients map the pool; only metadata crosses a socket.
 
-from maru.admin import MaruAdmin
-from maru.config import ConfigError, MaruConfig, parse_size
-from maru.errors import MaruConnectionError, MaruError, MaruServerError
-from maru.handler import AllocHandle, MaruHandler, MemoryInfo
+Three areas, one folder each: `maru.client` (what an inference process links: the handler, its
+request path, its page bookkeeping), `maru.server` (`maru-server`: the registry, the pool, the
+RPC loop) and `maru.common` (what both speak: protocol, errors, config parsing, extents).
 
-__all__ = [
-    "AllocHandle",
-    "ConfigError",
-    "MaruAdmin",
-    "MaruConfig",
-    "MaruConnectionError",
-    "MaruError",
-    "MaruHandler",
-    "MaruServerError",
-    "MemoryInfo",
-    "parse_size",
-]
+The public names below load on first use, so that `import maru.server...` never pulls in the
+client (or numpy) through this package's import.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "AllocHandle": "maru.client.handler",
+    "MaruHandler": "maru.client.handler",
+    "MemoryInfo": "maru.client.handler",
+    "MaruAdmin": "maru.client.admin",
+    "ConfigError": "maru.common.config",
+    "MaruConfig": "maru.common.config",
+    "parse_size": "maru.common.config",
+    "MaruConnectionError": "maru.common.errors",
+    "MaruError": "maru.common.errors",
+    "MaruServerError": "maru.common.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'maru' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,5 +1,5 @@
 import sys
 
-from maru.cli import main
+from maru.client.cli import main
 
 sys.exit(main())

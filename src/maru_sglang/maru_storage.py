@@ -7,7 +7,7 @@ Loaded by SGLang's dynamic backend factory (`cls(storage_config, {})`, then
 
 Zero-copy v1 path: a page's K and V buffers in the host pool are copied straight into one
 shared-memory allocation, K then V, and back again on a hit: one copy per part, all of a
-batch's parts in one call (`maru.memcopy.copy_many`, streaming stores). One metadata RPC per
+batch's parts in one call (`maru.client.memcopy.copy_many`, streaming stores). One metadata RPC per
 batch each way; no intermediate buffer.
 """
 
@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from maru import MaruConfig, MaruHandler
-from maru.memcopy import copy_many
+from maru.client.memcopy import copy_many
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The `maru` CLI against a real maru-server: every command's output parsed and checked.
 
-Most commands run in-process (`maru.cli.main`, same code as the console script, quicker);
+Most commands run in-process (`maru.client.cli.main`, same code as the console script, quicker);
 a few run the installed `maru` console script to cover the entry point, exit codes and
 $MARU_SERVER_URL.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from maru import MaruAdmin, MaruHandler
-from maru.cli import build_parser, cmd_monitor, main
+from maru.client.cli import build_parser, cmd_monitor, main
 
 WRITER = "cli-writer"
 NS1 = [f"ns1:{i}" for i in range(10)]  # 100000 bytes each: 2 pages of 64 KiB

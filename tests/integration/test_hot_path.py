@@ -8,7 +8,7 @@ import os
 import time
 
 from maru import MaruHandler
-from maru.handler import PageRun
+from maru.client.handler import PageRun
 
 KiB = 1 << 10
 PAGE = 64 * KiB

@@ -12,10 +12,11 @@ import time
 
 import pytest
 
-from maru import MaruHandler, protocol
-from maru.admin import MaruAdmin
-from maru.protocol import MsgType
-from maru.rpc import _LocalChannel, unix_address
+from maru import MaruHandler
+from maru.client.admin import MaruAdmin
+from maru.client.rpc import _LocalChannel
+from maru.common import protocol
+from maru.common.protocol import MsgType, unix_address
 
 KiB = 1 << 10
 
@@ -97,7 +98,7 @@ def test_unreachable_local_socket_falls_back_to_zmq(maru_server_factory, tmp_pat
         tmp_path / "srv", pool_size="64M", extra_args=["--local-socket", str(path)]
     )
     path.unlink()
-    caplog.set_level(logging.INFO, logger="maru.rpc")
+    caplog.set_level(logging.INFO, logger="maru.client.rpc")
     with MaruHandler(server_url=server.url, pool_size="4M") as h:
         store_and_read(h, "fallback")
     assert "not reachable from here" in caplog.text

@@ -16,8 +16,8 @@ from urllib.parse import urlparse
 import pytest
 
 from maru import MaruAdmin, MaruHandler, __version__
-from maru.errors import MaruServerError
-from maru.rpc import RpcClient
+from maru.client.rpc import RpcClient
+from maru.common.errors import MaruServerError
 
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from maru import MaruHandler
-from maru.pool.backends import REGION_ALIGNMENT, DevDaxPool
-from maru.pool.token import TokenSigner
+from maru.server.pool import REGION_ALIGNMENT, DevDaxPool
 from maru.server.registry import Registry
 from maru.server.service import MaruService
+from maru.server.token import TokenSigner
 
 from .workers import MiB, digest, make_value, retrieve_keys, run_processes, store_keys
 

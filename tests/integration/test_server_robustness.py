@@ -12,8 +12,9 @@ import msgpack
 import pytest
 import zmq
 
-from maru import MaruConnectionError, MaruHandler, MaruServerError, protocol
-from maru.protocol import HEADER, MAGIC, MAX_KEY_BYTES, ErrorCode, MsgType
+from maru import MaruConnectionError, MaruHandler, MaruServerError
+from maru.common import protocol
+from maru.common.protocol import HEADER, MAGIC, MAX_KEY_BYTES, ErrorCode, MsgType
 
 KiB = 1 << 10
 

@@ -26,7 +26,7 @@ pytest.importorskip("sglang")
 import torch  # noqa: E402
 
 from maru import MaruHandler  # noqa: E402
-from maru.config import ConfigError  # noqa: E402
+from maru.common.config import ConfigError  # noqa: E402
 from maru_sglang.maru_storage import MaruStorage  # noqa: E402
 from sglang_cpu.host_pools import (  # noqa: E402
     Geometry,

@@ -1,4 +1,4 @@
-"""Run registry tests against both key index implementations: the C one (`maru._keyindex`,
+"""Run registry tests against both key index implementations: the C one (`maru.server._keyindex`,
 what `pip install -e .` builds) and the pure-Python fallback (what a machine without a C
 compiler runs). A test module opts in with
 
@@ -23,7 +23,7 @@ def use_python_key_index(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(autouse=True, params=["c", "python"])
 def key_index_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "c" and keyindex.KeyIndex is keyindex.OrderedKeyIndex:
-        pytest.skip("maru._keyindex not built")
+        pytest.skip("maru.server._keyindex not built")
     if request.param == "python":
         use_python_key_index(monkeypatch)
     return request.param

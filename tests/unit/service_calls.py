@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from maru import protocol
-from maru.pool.backends import ShmPool
-from maru.pool.token import TokenSigner
+from maru.common import protocol
+from maru.server.pool import ShmPool
 from maru.server.registry import Registry
 from maru.server.service import MaruService
+from maru.server.token import TokenSigner
 
 MiB = 1 << 20
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from maru.pool.extents import ExtentAllocator
+from maru.common.extents import ExtentAllocator
 
 
 def test_allocate_run_gives_adjacent_extents_freed_one_by_one():

@@ -1,4 +1,4 @@
-"""`maru._busypoll.recv_spin`: how an RPC client waits for a reply on the Unix socket before
+"""`maru.client._busypoll.recv_spin`: how an RPC client waits for a reply on the Unix socket before
 it falls back to sleeping in poll()."""
 
 from __future__ import annotations
@@ -10,12 +10,9 @@ import time
 
 import pytest
 
-try:
-    from maru._busypoll import recv_spin
-except ImportError:  # built without a compiler
-    recv_spin = None
+from maru.client.busypoll import recv_spin
 
-needs_c = pytest.mark.skipif(recv_spin is None, reason="maru._busypoll not built")
+needs_c = pytest.mark.skipif(recv_spin is None, reason="maru.client._busypoll not built")
 
 MS = 1_000_000  # ns
 
@@ -104,6 +101,6 @@ def test_the_c_helper_is_built_where_a_compiler_exists():
     """Without it, every reply costs a sleeping thread's wake-up (docs/performance.md)."""
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler here")
-    from maru import rpc
+    from maru.client import rpc
 
     assert rpc.recv_spin is not None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from maru.protocol import MAX_KEY_BYTES, ErrorCode, MsgType, RegisterStatus
+from maru.common.protocol import MAX_KEY_BYTES, ErrorCode, MsgType, RegisterStatus
 
 from .service_calls import call, make_service, ok
 

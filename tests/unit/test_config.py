@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from maru.config import ConfigError, MaruConfig, parse_bool, parse_int, parse_size
+from maru.common.config import ConfigError, MaruConfig, parse_bool, parse_int, parse_size
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from maru import protocol
-from maru.cli import build_parser as maru_parser
-from maru.config import MaruConfig
+from maru.client.cli import build_parser as maru_parser
+from maru.common import protocol
+from maru.common.config import MaruConfig
 from maru.server.cli import build_parser as server_parser
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -60,12 +60,12 @@ def test_every_metric_is_in_the_operations_guide(tmp_path):
     prometheus_client = pytest.importorskip("prometheus_client")
     from prometheus_client.parser import text_string_to_metric_families
 
-    from maru.pool.backends import ShmPool
-    from maru.pool.token import TokenSigner
-    from maru.protocol import MsgType
+    from maru.common.protocol import MsgType
     from maru.server.metrics import MaruCollector
+    from maru.server.pool import ShmPool
     from maru.server.registry import Registry
     from maru.server.service import MaruService
+    from maru.server.token import TokenSigner
 
     svc = MaruService(
         Registry(ShmPool(str(tmp_path / "pool"), 16 << 20), TokenSigner(b"s" * 32)),

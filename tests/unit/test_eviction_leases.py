@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from maru import protocol
-from maru.pool.backends import REGION_ALIGNMENT, ShmPool
-from maru.pool.token import TokenSigner
-from maru.protocol import DeleteStatus, ErrorCode, MsgType, ProtocolError, RegisterStatus
+from maru.common import protocol
+from maru.common.protocol import DeleteStatus, ErrorCode, MsgType, ProtocolError, RegisterStatus
+from maru.server.pool import REGION_ALIGNMENT, ShmPool
 from maru.server.registry import Registry
 from maru.server.service import MaruService
+from maru.server.token import TokenSigner
 
 from .keyindex_impls import key_index_impl  # noqa: F401 (autouse: C and Python)
 
@@ -508,8 +508,8 @@ def test_freed_pages_in_a_late_reply_still_reach_the_owner():
     stay allocated in the client for good."""
     import zmq
 
-    from maru.errors import MaruConnectionError
-    from maru.rpc import RpcClient
+    from maru.client.rpc import RpcClient
+    from maru.common.errors import MaruConnectionError
 
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)

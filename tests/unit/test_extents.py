@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from maru.pool.extents import ExtentAllocator
+from maru.common.extents import ExtentAllocator
 
 
 def test_first_fit_in_address_order():

@@ -2,7 +2,7 @@
 after restoring it, and after every loop turn (`MaruService.housekeeping`), so that no
 collection walks 10^6 registry entries on the server's only thread.
 
-The C key entries (`maru._keyindex.KeyEntry`) are not GC-tracked at all; the freezing tests
+The C key entries (`maru.server._keyindex.KeyEntry`) are not GC-tracked at all; the freezing tests
 run with the pure-Python registry, whose entries are, as on a machine without a compiler."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import gc
 
 import pytest
 
-from maru import protocol
-from maru.pool.backends import ShmPool
-from maru.pool.token import TokenSigner
-from maru.protocol import MsgType
+from maru.common import protocol
+from maru.common.protocol import MsgType
 from maru.server import cli, keyindex
 from maru.server.journal import Journal
+from maru.server.pool import ShmPool
 from maru.server.registry import Registry
 from maru.server.service import MaruService
+from maru.server.token import TokenSigner
 
 from .keyindex_impls import use_python_key_index
 
@@ -110,7 +110,7 @@ def test_without_gc_freeze_the_service_leaves_the_gc_alone(tmp_path):
 
 
 def test_c_key_entries_are_not_tracked_by_the_gc():
-    c = pytest.importorskip("maru._keyindex", reason="C extension not built")
+    c = pytest.importorskip("maru.server._keyindex", reason="C extension not built")
     entry = c.KeyEntry(1, 4096, 64)
     assert not gc.is_tracked(entry)  # no collection ever scans 10^6 of them
     assert (entry.region_id, entry.offset, entry.length, entry.pins, entry.leases) == (

@@ -11,11 +11,11 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from maru.pool.backends import ShmPool
-from maru.pool.token import TokenSigner
 from maru.server import cli
 from maru.server.journal import FRAME, SNAPSHOT_NAME, Journal, _frame, _read_records
+from maru.server.pool import ShmPool
 from maru.server.registry import Registry
+from maru.server.token import TokenSigner
 
 KiB, MiB = 1 << 10, 1 << 20
 SIGNER = TokenSigner(b"j" * 32)
@@ -417,7 +417,7 @@ def test_frame_layout():
 
 @pytest.mark.parametrize("snapshot_first", [False, True])
 def test_pins_survive_a_restart_until_their_holder_is_reaped(env, snapshot_first):
-    from maru.protocol import DeleteStatus
+    from maru.common.protocol import DeleteStatus
 
     reg = env.open()
     reg.handshake("A", 1)

@@ -15,11 +15,11 @@ import time
 
 import pytest
 
-from maru.pool.backends import ShmPool
-from maru.pool.token import TokenSigner
 from maru.server.journal import Journal
+from maru.server.pool import ShmPool
 from maru.server.registry import Registry
 from maru.server.service import MaruService
+from maru.server.token import TokenSigner
 
 MiB = 1 << 20
 SYNCER = "maru-journal-fsync"

@@ -10,9 +10,8 @@ import uuid
 
 import zmq
 
-from maru import protocol
-from maru.protocol import MsgType
-from maru.rpc import unix_address
+from maru.common import protocol
+from maru.common.protocol import MsgType, unix_address
 from maru.server.local_socket import LocalSocketServer
 
 
@@ -73,8 +72,8 @@ def test_auto_names_differ_between_servers_and_survive_restarts(tmp_path):
     """Two servers in different network namespaces can both be `tcp://0.0.0.0:5555`; a client
     told the name of one must never reach the other under the same name. The tag comes from
     the state dir's secret: stable across restarts, different between servers."""
-    from maru.pool.token import TokenSigner, load_or_create_secret
     from maru.server.local_socket import local_address
+    from maru.server.token import TokenSigner, load_or_create_secret
 
     endpoint = "tcp://0.0.0.0:5555"
     first = TokenSigner(load_or_create_secret(tmp_path / "a")).server_tag()

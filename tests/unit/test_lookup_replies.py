@@ -9,7 +9,7 @@ from array import array
 import pytest
 
 from maru import MaruHandler
-from maru.rpc import PendingReply
+from maru.client.rpc import PendingReply
 
 REGION = 4096 * 4
 

@@ -1,4 +1,4 @@
-"""`maru.memcopy.copy_many`: the one loop over page parts on the data path."""
+"""`maru.client.memcopy.copy_many`: the one loop over page parts on the data path."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from maru import memcopy
+from maru.client import memcopy
 
 
 def _addresses(buf: np.ndarray, offsets: list[int]) -> np.ndarray:
@@ -17,7 +17,7 @@ def _addresses(buf: np.ndarray, offsets: list[int]) -> np.ndarray:
 @pytest.mark.parametrize("compiled", [True, False], ids=["C", "ctypes"])
 def test_copy_many_moves_each_part_to_its_own_place(monkeypatch, compiled):
     if compiled and not memcopy.COMPILED:
-        pytest.skip("maru._memcopy not built")
+        pytest.skip("maru.client._memcopy not built")
     if not compiled:
         monkeypatch.setattr(memcopy, "_c_copy_many", None)
     rng = np.random.default_rng(7)
@@ -42,7 +42,7 @@ def test_copy_many_refuses_mismatched_or_mistyped_addresses():
     with pytest.raises(ValueError, match="destinations"):
         memcopy.copy_many(_addresses(buf, [0, 16]), _addresses(buf, [32]), 8)
     if memcopy.COMPILED:
-        from maru._memcopy import copy_many
+        from maru.client._memcopy import copy_many
 
         with pytest.raises(TypeError, match="int64"):
             copy_many(np.zeros(2, dtype=np.int32), np.zeros(2, dtype=np.int32), 8)
@@ -51,11 +51,11 @@ def test_copy_many_refuses_mismatched_or_mistyped_addresses():
 
 
 def test_the_c_helper_is_built_where_a_compiler_exists():
-    """`pip install -e .` builds maru._memcopy when it can; a silent fallback to ctypes would
+    """`pip install -e .` builds maru.client._memcopy when it can; a silent fallback to ctypes would
     cost ~1 us per page part on every batch."""
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler here: the ctypes fallback is expected")
-    assert memcopy.COMPILED, "maru._memcopy was not built: reinstall with `pip install -e .`"
+    assert memcopy.COMPILED, "maru.client._memcopy was not built: reinstall with `pip install -e .`"
 
 
 @pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "memmove"])
@@ -72,7 +72,7 @@ def test_the_c_helper_is_built_where_a_compiler_exists():
 )
 def test_copy_many_is_exact_at_any_alignment_and_size(streaming, dst_shift, src_shift, size):
     if not memcopy.COMPILED:
-        pytest.skip("maru._memcopy not built")
+        pytest.skip("maru.client._memcopy not built")
     rng = np.random.default_rng(size)
     parts = 3
     src = rng.integers(0, 256, parts * (size + 64) + 64, dtype=np.uint8)
@@ -95,7 +95,7 @@ def test_overlapping_ranges_keep_memmove_semantics():
     """Streaming stores would read bytes already overwritten; an overlapping part falls back
     to memmove."""
     if not memcopy.COMPILED:
-        pytest.skip("maru._memcopy not built")
+        pytest.skip("maru.client._memcopy not built")
     buf = np.arange(64 * 1024, dtype=np.uint8)
     reference = buf.copy()
     reference[100 : 100 + 40_000] = buf[0:40_000].copy()

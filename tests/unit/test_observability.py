@@ -12,8 +12,8 @@ from datetime import datetime
 
 import pytest
 
-from maru.cli import fmt_bytes, fmt_quantile, quantile, render_monitor
-from maru.protocol import MAX_LIST_KEYS, ErrorCode, MsgType
+from maru.client.cli import fmt_bytes, fmt_quantile, quantile, render_monitor
+from maru.common.protocol import MAX_LIST_KEYS, ErrorCode, MsgType
 from maru.server.logs import JsonFormatter, Throttle, configure_logging
 from maru.server.metrics import MaruCollector, read_stats
 from maru.server.service import LATENCY_BUCKETS

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from maru.pool.backends import (
+from maru.server.pool import (
     REGION_ALIGNMENT,
     DevDaxPool,
     FsDaxPool,
@@ -65,7 +65,7 @@ def test_devdax_pool_on_a_regular_file_standing_in_for_the_device(tmp_path, capl
     dev = tmp_path / "dax0.0"
     with open(dev, "wb") as f:
         f.truncate(16 * MiB)
-    with caplog.at_level(logging.WARNING, logger="maru.pool.backends"):
+    with caplog.at_level(logging.WARNING, logger="maru.server.pool"):
         pool = DevDaxPool(str(dev), 1 << 40)
     assert pool.capacity == 16 * MiB
     assert any("exceeds device size" in r.getMessage() for r in caplog.records)

@@ -7,8 +7,8 @@ import random
 import msgpack
 import pytest
 
-from maru import protocol
-from maru.protocol import (
+from maru.common import protocol
+from maru.common.protocol import (
     FLAG_REPLY,
     HEADER,
     MAGIC,

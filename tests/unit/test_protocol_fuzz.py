@@ -18,12 +18,13 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from maru import MaruHandler, protocol
-from maru.pool.backends import ShmPool
-from maru.pool.token import TokenSigner
-from maru.protocol import FLAG_REPLY, HEADER, MAGIC, PROTOCOL_VERSION, ErrorCode, MsgType
+from maru import MaruHandler
+from maru.common import protocol
+from maru.common.protocol import FLAG_REPLY, HEADER, MAGIC, PROTOCOL_VERSION, ErrorCode, MsgType
+from maru.server.pool import ShmPool
 from maru.server.registry import Registry
 from maru.server.service import MaruService
+from maru.server.token import TokenSigner
 
 MiB = 1 << 20
 KNOWN_IIDS = ["fz", "fz-2"]

@@ -7,10 +7,16 @@ import logging
 
 import pytest
 
-from maru.pool.backends import REGION_ALIGNMENT, ShmPool
-from maru.pool.token import TokenSigner
-from maru.protocol import MAX_KEY_BYTES, DeleteStatus, ErrorCode, ProtocolError, RegisterStatus
+from maru.common.protocol import (
+    MAX_KEY_BYTES,
+    DeleteStatus,
+    ErrorCode,
+    ProtocolError,
+    RegisterStatus,
+)
+from maru.server.pool import REGION_ALIGNMENT, ShmPool
 from maru.server.registry import Registry
+from maru.server.token import TokenSigner
 
 from .keyindex_impls import key_index_impl  # noqa: F401 (autouse: C and Python)
 

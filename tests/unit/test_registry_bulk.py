@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from maru.pool.backends import ShmPool
-from maru.protocol import MAX_KEY_BYTES, DeleteStatus, RegisterStatus
+from maru.common.protocol import MAX_KEY_BYTES, DeleteStatus, RegisterStatus
 from maru.server.journal import Journal
+from maru.server.pool import ShmPool
 from maru.server.registry import Registry
 
 from .keyindex_impls import key_index_impl  # noqa: F401 (autouse: C and Python)

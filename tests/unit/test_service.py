@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from maru import protocol
-from maru.protocol import HEADER, MAGIC, MAX_KEY_BYTES, ErrorCode, MsgType
+from maru.common import protocol
+from maru.common.protocol import HEADER, MAGIC, MAX_KEY_BYTES, ErrorCode, MsgType
 
 from .service_calls import call, make_service, ok
 

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import zmq
 
-from maru.config import ConfigError, parse_size
-from maru.pool.backends import Pool, open_pool
-from maru.pool.token import TokenSigner, load_or_create_secret
+from maru.common.config import ConfigError, parse_size
 from maru.server.journal import SNAPSHOT_NAME, Journal
 from maru.server.keyindex import warn_if_pure_python
 from maru.server.logs import configure_logging
 from maru.server.metrics import MetricsUnavailable, require_prometheus, start_metrics_server
+from maru.server.pool import Pool, open_pool
 from maru.server.registry import Registry
 from maru.server.service import MaruService
+from maru.server.token import TokenSigner, load_or_create_secret
 
 log = logging.getLogger("maru.server")
 

@@ -1,6 +1,6 @@
 """The registry's key index: key -> KeyEntry, oldest first (the order eviction walks).
 
-`KeyIndex` and `KeyEntry` are the C types from `maru._keyindex` (built by `pip install -e .`
+`KeyIndex` and `KeyEntry` are the C types from `maru.server._keyindex` (built by `pip install -e .`
 when a compiler is present): the index's batch calls (`get_many`, `setdefault_many`,
 `lookup_columns`) overlap the cache misses of a batch's probes, which at 10^6 keys are most of
 a lookup's cost, and `lookup_columns` / `release_entries` do a LOOKUP_KV's and a RELEASE's
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 from typing import Any
 
-from maru.protocol import KEY_TYPES
+from maru.common.protocol import KEY_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -123,28 +123,31 @@ class OrderedKeyIndex(OrderedDict):
 
 
 try:
-    from maru._keyindex import KeyEntry, KeyIndex, release_entries
+    from maru.server._keyindex import KeyEntry, KeyIndex, release_entries
 except ImportError:  # built without a C compiler
     KeyIndex = OrderedKeyIndex  # type: ignore[misc,assignment]
     KeyEntry = PyKeyEntry  # type: ignore[misc,assignment]
     release_entries = py_release_entries
+
+COMPILED = KeyIndex is not OrderedKeyIndex
 
 
 def warn_if_pure_python() -> bool:
     """Say so (a WARNING) when the key index is the pure-Python stand-in: a server built
     without a C compiler works, but its batch lookups at 10^6 keys take about twice as long.
     Returns whether it warned. `maru-server` calls it at start."""
-    if KeyIndex is not OrderedKeyIndex:
+    if COMPILED:
         return False
     log.warning(
-        "maru._keyindex is not built: the key index is an OrderedDict (batch lookups about 2x "
-        "slower at 10^6 keys). Install a C compiler and the Python headers, then "
+        "maru.server._keyindex is not built: the key index is an OrderedDict (batch lookups "
+        "about 2x slower at 10^6 keys). Install a C compiler and the Python headers, then "
         "`pip install -e .` again."
     )
     return True
 
 
 __all__ = [
+    "COMPILED",
     "KeyEntry",
     "KeyIndex",
     "OrderedKeyIndex",

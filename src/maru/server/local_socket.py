@@ -6,7 +6,7 @@ A request round trip over ZMQ wakes four threads (each side's I/O thread and cal
 plain socket, two. The HANDSHAKE reply names this socket; clients that cannot reach it (another
 network namespace, no shared directory) stay on ZMQ.
 
-Frames are length-prefixed on the stream (`maru.protocol.StreamReader`). Sockets are
+Frames are length-prefixed on the stream (`maru.common.protocol.StreamReader`). Sockets are
 non-blocking and replies are buffered per connection, so a client that stops reading stalls
 only itself: past `OUT_LIMIT` buffered bytes its requests are not read until it catches up.
 """
@@ -24,8 +24,8 @@ from typing import Any
 
 import zmq
 
-from maru import protocol
-from maru.rpc import unix_address
+from maru.common import protocol
+from maru.common.protocol import unix_address
 
 log = logging.getLogger(__name__)
 

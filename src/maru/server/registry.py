@@ -29,10 +29,7 @@ from itertools import compress, repeat
 from operator import is_
 from typing import Any, Protocol
 
-from maru.pool.backends import Pool, PoolFullError
-from maru.pool.region import RegionHandle
-from maru.pool.token import TokenSigner
-from maru.protocol import (
+from maru.common.protocol import (
     KEY_TYPES,
     MAX_KEY_BYTES,
     DeleteStatus,
@@ -40,8 +37,11 @@ from maru.protocol import (
     ProtocolError,
     RegisterStatus,
 )
+from maru.common.region import RegionHandle
 from maru.server.keyindex import KeyEntry, KeyIndex, release_entries
 from maru.server.logs import Throttle
+from maru.server.pool import Pool, PoolFullError
+from maru.server.token import TokenSigner
 
 log = logging.getLogger(__name__)
 

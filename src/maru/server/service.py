@@ -18,8 +18,9 @@ from typing import Any
 
 import zmq
 
-from maru import __version__, protocol
-from maru.protocol import (
+from maru import __version__
+from maru.common import protocol
+from maru.common.protocol import (
     KEY_TYPES,
     MAX_BATCH,
     MAX_KEY_BYTES,

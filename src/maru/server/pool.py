@@ -16,7 +16,7 @@ import stat
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-from maru.pool.extents import ExtentAllocator
+from maru.common.extents import ExtentAllocator
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-/* maru._keyindex: the server's key index, key -> KeyEntry in insertion order.
+/* maru.server._keyindex: the server's key index, key -> KeyEntry in insertion order.
  *
  * Why not an OrderedDict: at 10^6 registered keys a 128-key lookup misses the cache about
  * four times per key (the dict's index, its entry, the stored key, the value), and a Python
@@ -116,7 +116,7 @@ static PyGetSetDef KeyEntry_getset[] = {
 };
 
 static PyTypeObject KeyEntryType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru._keyindex.KeyEntry",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru.server._keyindex.KeyEntry",
     .tp_doc = "KeyEntry(region_id, offset, length): a registered key's location and state.",
     .tp_basicsize = sizeof(KeyEntry),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -923,7 +923,7 @@ static PyMappingMethods KeyIndex_as_mapping = {
 };
 
 static PyTypeObject KeyIndexType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru._keyindex.KeyIndex",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru.server._keyindex.KeyIndex",
     .tp_doc = "An insertion-ordered map from str/bytes keys to objects, with batched lookups.",
     .tp_basicsize = sizeof(KeyIndex),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
@@ -938,7 +938,7 @@ static PyTypeObject KeyIndexType = {
 };
 
 static PyTypeObject KeyIndexIterType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru._keyindex.KeyIndexIterator",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru.server._keyindex.KeyIndexIterator",
     .tp_basicsize = sizeof(KeyIndexIter),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_dealloc = (destructor)KeyIndexIter_dealloc,
@@ -955,7 +955,7 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef keyindex_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "maru._keyindex",
+    .m_name = "maru.server._keyindex",
     .m_doc = "The registry's key index (see KeyIndex) and its entries (KeyEntry).",
     .m_size = -1,
     .m_methods = module_methods,

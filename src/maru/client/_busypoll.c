@@ -1,4 +1,4 @@
-/* maru._busypoll: wait for a reply on a non-blocking socket by spinning, without the GIL.
+/* maru.client._busypoll: wait for a reply on a non-blocking socket by spinning, without the GIL.
  *
  * A thread that sleeps in poll() for a reply must be woken by the kernel when it comes; on a
  * virtual machine that wake-up costs about as much again as the whole round trip. Retrying a
@@ -78,7 +78,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "maru._busypoll", "Spin-wait for socket data without the GIL.", -1,
+    PyModuleDef_HEAD_INIT, "maru.client._busypoll", "Spin-wait for socket data without the GIL.", -1,
     methods,
 };
 

@@ -1,10 +1,10 @@
-/* maru._memcopy: many memcpy calls for one Python call.
+/* maru.client._memcopy: many memcpy calls for one Python call.
  *
  * A batch of KV pages is hundreds of separate page parts (the K and V halves of every page
  * live apart in SGLang's host pool). Copying them with one ctypes.memmove each costs about a
  * microsecond of interpreter overhead per part on a small VM, which at 64 KiB pages is a
  * fifth of the batch. `copy_many` takes the addresses as int64 arrays and runs the loop in C,
- * without the GIL. maru.memcopy falls back to ctypes when this module was not built.
+ * without the GIL. maru.client.memcopy falls back to ctypes when this module was not built.
  *
  * Streaming: a page part copied into the pool is read next by another process (from memory),
  * and one copied into SGLang's host pool goes next to the GPU by DMA (from memory): neither
@@ -127,7 +127,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "maru._memcopy", "Many memcpy calls for one Python call.", -1, methods,
+    PyModuleDef_HEAD_INIT, "maru.client._memcopy", "Many memcpy calls for one Python call.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__memcopy(void)

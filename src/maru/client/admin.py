@@ -2,7 +2,7 @@
 
 Unlike `MaruHandler` it never handshakes: it is not an instance, owns no region, maps no
 memory and allocates nothing. It only asks for statistics, lists keys and deletes them, over
-the one RPC client (`maru.rpc.RpcClient`).
+the one RPC client (`maru.client.rpc.RpcClient`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from maru.protocol import MAX_LIST_KEYS, MsgType
-from maru.rpc import RpcClient
+from maru.client.rpc import RpcClient
+from maru.common.protocol import MAX_LIST_KEYS, MsgType
 
 DEFAULT_SERVER_URL = "tcp://localhost:5555"
 SERVER_URL_ENV = "MARU_SERVER_URL"

@@ -24,9 +24,9 @@ from datetime import datetime
 from typing import Any, TextIO
 
 from maru import __version__
-from maru.admin import DEFAULT_SERVER_URL, SERVER_URL_ENV, MaruAdmin
-from maru.errors import MaruConnectionError, MaruError
-from maru.protocol import MAX_LIST_KEYS
+from maru.client.admin import DEFAULT_SERVER_URL, SERVER_URL_ENV, MaruAdmin
+from maru.common.errors import MaruConnectionError, MaruError
+from maru.common.protocol import MAX_LIST_KEYS
 
 Stats = dict[str, Any]
 

@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from maru.config import MaruConfig
-from maru.errors import MaruConnectionError, MaruError, MaruServerError
-from maru.pool.extents import ExtentAllocator
-from maru.pool.mapping import MappedRegion, RegionMapper
-from maru.pool.region import RegionHandle
-from maru.protocol import DeleteStatus, ErrorCode, MsgType, RegisterStatus
-from maru.rpc import PendingReply, RpcClient
+from maru.client.mapping import MappedRegion, RegionMapper
+from maru.client.rpc import PendingReply, RpcClient
+from maru.common.config import MaruConfig
+from maru.common.errors import MaruConnectionError, MaruError, MaruServerError
+from maru.common.extents import ExtentAllocator
+from maru.common.protocol import DeleteStatus, ErrorCode, MsgType, RegisterStatus
+from maru.common.region import RegionHandle
 
 log = logging.getLogger(__name__)
 

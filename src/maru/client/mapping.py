@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from maru.pool.region import RegionHandle
+from maru.common.region import RegionHandle
 
 log = logging.getLogger(__name__)
 

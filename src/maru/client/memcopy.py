@@ -1,7 +1,7 @@
 """Copying many page parts at once: the data path's only loop over pages.
 
 `copy_many(dst, src, size)` does `memmove(dst[i], src[i], size)` for every i, with the
-addresses in int64 numpy arrays. The loop runs in C (`maru._memcopy`, built by
+addresses in int64 numpy arrays. The loop runs in C (`maru.client._memcopy`, built by
 `pip install -e .` when a compiler is present) without the GIL; without the extension it is a
 ctypes loop, correct but about a microsecond slower per part.
 
@@ -21,12 +21,12 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 try:
-    from maru._memcopy import STREAMING
-    from maru._memcopy import copy_many as _c_copy_many
+    from maru.client._memcopy import STREAMING
+    from maru.client._memcopy import copy_many as _c_copy_many
 except ImportError:  # built without a C compiler
     _c_copy_many = None
     STREAMING = 0
-    log.debug("maru._memcopy not built: page copies use a ctypes loop")
+    log.debug("maru.client._memcopy not built: page copies use a ctypes loop")
 
 COMPILED = _c_copy_many is not None
 

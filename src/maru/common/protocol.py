@@ -212,3 +212,8 @@ class StreamReader:
     def buffered(self) -> int:
         """Bytes received but not yet returned as frames."""
         return len(self._buffer)
+
+
+def unix_address(address: str) -> str:
+    """A Unix socket address as `socket` takes it: "@name" is Linux's abstract namespace."""
+    return "\0" + address[1:] if address.startswith("@") else address

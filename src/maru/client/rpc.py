@@ -1,4 +1,4 @@
-"""The one RPC client: requests in `maru.protocol` frames to the server, replies matched by id.
+"""The one RPC client: `maru.common.protocol` frames to the server, replies matched by id.
 
 Two transports carry the same frames. ZMQ (a DEALER socket to the server's ROUTER, the
 `server_url`) always works and bootstraps the connection. The server also listens on a Unix
@@ -29,13 +29,10 @@ from typing import Any
 
 import zmq
 
-from maru import protocol
-from maru.errors import MaruConnectionError, MaruServerError
-
-try:
-    from maru._busypoll import recv_spin
-except ImportError:  # built without a C compiler: replies are awaited in poll() only
-    recv_spin = None
+from maru.client.busypoll import recv_spin
+from maru.common import protocol
+from maru.common.errors import MaruConnectionError, MaruServerError
+from maru.common.protocol import unix_address
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +170,7 @@ class _LocalChannel(_Channel):
     reconnects; while that fails, the client falls back to ZMQ.
 
     The socket is non-blocking. A wait for a reply first retries the read for up to
-    `busy_poll_us` (the server usually answers within that; `maru._busypoll`, without the
+    `busy_poll_us` (the server usually answers within that; `maru.client._busypoll`, without the
     GIL), and only then sleeps in poll(): a thread that sleeps must be woken by the server's
     reply, which on a virtual machine costs about as much again as the whole round trip
     (docs/performance.md)."""
@@ -299,11 +296,6 @@ class _LocalChannel(_Channel):
 
 class LocalSocketUnavailable(Exception):
     """The Unix socket cannot take a request now; `RpcClient` sends it over ZMQ instead."""
-
-
-def unix_address(address: str) -> str:
-    """A Unix socket address as `socket` takes it: "@name" is Linux's abstract namespace."""
-    return "\0" + address[1:] if address.startswith("@") else address
 
 
 class RpcClient:

@@ -1,0 +1,1 @@
+"""The client: what an inference process links (handler, request path, pages, mapping)."""

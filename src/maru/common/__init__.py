@@ -1,0 +1,1 @@
+"""What client and server share: protocol, errors, config parsing, extents, region handles."""
