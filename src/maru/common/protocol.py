@@ -12,11 +12,17 @@ local Unix socket (same messages, a byte stream) each frame is preceded by its l
 
 A reply body is `{"ok": True, ...fields}` or `{"ok": False, "code": ErrorCode, "error": str}`.
 Only metadata crosses this socket: keys and (region, offset, length) triples, never page bytes.
+
+Each message has exactly one request form and one reply form, listed in `MESSAGES` (rendered
+as docs/protocol.md by `python -m maru.common.protocol`). Per-key numbers of a batch travel as
+packed columns: one bytes value of native int64s per column (`pack_int64`), since client and
+server always share the node.
 """
 
 from __future__ import annotations
 
 import struct
+from array import array
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -24,7 +30,7 @@ from typing import Any
 import msgpack
 
 MAGIC = b"MARU"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER = struct.Struct("!4sBBHQ")
 STREAM_LENGTH = struct.Struct("!I")  # frame length on a stream transport
 # One read from a stream socket (a longer frame takes several). Below glibc's mmap threshold
@@ -104,16 +110,47 @@ class Header:
     request_id: int
 
 
-def encode(msg_type: int, request_id: int, body: dict[str, Any], *, reply: bool = False) -> bytes:
+def encode(
+    msg_type: int,
+    request_id: int,
+    body: dict[str, Any],
+    *,
+    reply: bool = False,
+    version: int = PROTOCOL_VERSION,
+) -> bytes:
     flags = FLAG_REPLY if reply else 0
-    return HEADER.pack(MAGIC, PROTOCOL_VERSION, int(msg_type), flags, request_id) + msgpack.packb(
+    return HEADER.pack(MAGIC, version, int(msg_type), flags, request_id) + msgpack.packb(
         body, use_bin_type=True
     )
 
 
-def encode_error(msg_type: int, request_id: int, code: ErrorCode, message: str) -> bytes:
+def encode_error(
+    msg_type: int,
+    request_id: int,
+    code: ErrorCode,
+    message: str,
+    *,
+    version: int = PROTOCOL_VERSION,
+) -> bytes:
+    """An error reply. `version`: the header version the peer reads; the server answers a
+    request of another protocol version in that version, so that the peer can decode the
+    error (the error body has the same form in every version) and show it."""
     return encode(
-        msg_type, request_id, {"ok": False, "code": int(code), "error": message}, reply=True
+        msg_type,
+        request_id,
+        {"ok": False, "code": int(code), "error": message},
+        reply=True,
+        version=version,
+    )
+
+
+def version_mismatch(peer_version: int, *, peer: str) -> str:
+    """The one message for a peer of another protocol version (`peer`: "client" or "server",
+    what the other side is)."""
+    me = "server" if peer == "client" else "client"
+    return (
+        f"protocol version mismatch: this {me} speaks version {PROTOCOL_VERSION}, the {peer} "
+        f"speaks version {peer_version}; install the same Maru release on both"
     )
 
 
@@ -138,10 +175,8 @@ def decode_body(frame: bytes, header: Header) -> dict[str, Any]:
     """The body of a frame whose header `decode_header` already read (the server reads the
     header first, so that even a bad body gets an error reply with the right request id)."""
     if header.version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            ErrorCode.BAD_VERSION,
-            f"protocol version {header.version} unsupported (server speaks {PROTOCOL_VERSION})",
-        )
+        peer = "server" if header.flags & FLAG_REPLY else "client"
+        raise ProtocolError(ErrorCode.BAD_VERSION, version_mismatch(header.version, peer=peer))
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"frame of {len(frame)} bytes exceeds the limit")
     try:
@@ -217,3 +252,220 @@ class StreamReader:
 def unix_address(address: str) -> str:
     """A Unix socket address as `socket` takes it: "@name" is Linux's abstract namespace."""
     return "\0" + address[1:] if address.startswith("@") else address
+
+
+# -- keys and packed columns ----------------------------------------------------------------
+
+
+def check_key(key: Any) -> str | bytes:
+    """`key` if it is a valid key (exactly str or bytes, at most MAX_KEY_BYTES encoded), else
+    ProtocolError (KEY_TOO_LONG or BAD_REQUEST). The one key check of the project."""
+    if type(key) is str:  # exact types: what msgpack decodes and the key index holds
+        if len(key) > MAX_KEY_BYTES // 4 and len(key.encode()) > MAX_KEY_BYTES:
+            raise ProtocolError(ErrorCode.KEY_TOO_LONG, f"key longer than {MAX_KEY_BYTES} bytes")
+        return key
+    if type(key) is bytes:
+        if len(key) > MAX_KEY_BYTES:
+            raise ProtocolError(ErrorCode.KEY_TOO_LONG, f"key longer than {MAX_KEY_BYTES} bytes")
+        return key
+    raise ProtocolError(
+        ErrorCode.BAD_REQUEST, f"a key must be str or bytes, got {type(key).__name__}"
+    )
+
+
+def all_keys_valid(keys: list[Any]) -> bool:
+    """True if every key passes `check_key`: two C-level passes for the usual batch (only str
+    and bytes, none long enough to need encoding), `check_key` per key otherwise."""
+    if not keys:
+        return True
+    if KEY_TYPES.issuperset(map(type, keys)) and max(map(len, keys)) <= MAX_KEY_BYTES // 4:
+        return True
+    try:
+        for key in keys:
+            check_key(key)
+    except ProtocolError:
+        return False
+    return True
+
+
+INT64 = struct.Struct("=q")
+
+
+def pack_int64(values: Any) -> bytes:
+    """A packed column: native int64s, one per key (`array('q', values).tobytes()`)."""
+    return array("q", values).tobytes()
+
+
+def unpack_int64(column: Any, count: int, name: str) -> memoryview:
+    """A packed column read back (a memoryview of int64s), checked to hold `count` values."""
+    if not isinstance(column, bytes) or len(column) != count * INT64.size:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"field {name!r}: expected {count} packed int64 values"
+        )
+    return memoryview(column).cast("q")
+
+
+# -- the messages ---------------------------------------------------------------------------
+# One request form and one reply form per message: (field, type, meaning). Every reply also has
+# "ok"; a reply to an instance's request may carry "freed" (see REPLY_EXTRAS).
+
+I64S = "bytes: packed int64 per key"
+HANDLE = "[region_id, path, offset, length, token, owner]"
+
+MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, str]]]] = {
+    MsgType.HANDSHAKE: (
+        [
+            ("iid", "str", "instance id (at most 128 bytes)"),
+            ("pid", "int", "the client's process id (informational)"),
+            ("page_size", "int", "the client's allocation unit in bytes (statistics)"),
+            ("known_regions", "[int]", "region ids whose page map the client still holds"),
+        ],
+        [
+            ("epoch", "str", "changes on every server start"),
+            ("version", "int", "PROTOCOL_VERSION"),
+            ("pool", "map", "pool kind, path, capacity, used, free"),
+            ("regions", f"[{HANDLE}]", "regions the instance owns"),
+            (
+                "used",
+                "[[region_id, [[offset, length]]]]",
+                "extents of registered keys in "
+                "owned regions the client did not list as known (empty otherwise)",
+            ),
+            ("heartbeat_interval", "float", "seconds between heartbeats"),
+            ("local_socket", "str | nil", "the server's Unix socket, if any"),
+        ],
+    ),
+    MsgType.REQUEST_REGION: (
+        [("iid", "str", "owner"), ("size", "int", "bytes (rounded up to the pool's alignment)")],
+        [("region", HANDLE, "the new region, writable by its owner")],
+    ),
+    MsgType.RETURN_REGION: (
+        [("iid", "str", "owner"), ("region_id", "int", ""), ("token", "str", "its HMAC token")],
+        [],
+    ),
+    MsgType.REGION_ACCESS: (
+        [("region_id", "int", ""), ("token", "str", "its HMAC token")],
+        [("region", HANDLE, "")],
+    ),
+    MsgType.REGISTER_KV: (
+        [
+            ("iid", "str", "owner of the regions"),
+            ("keys", "[str | bytes]", "keys to seal"),
+            ("region_ids", I64S, "where each key's bytes are"),
+            ("offsets", I64S, "byte offset in the region"),
+            ("lengths", I64S, "byte length (> 0)"),
+        ],
+        [("results", "[int]", "RegisterStatus per key")],
+    ),
+    MsgType.LOOKUP_KV: (
+        [
+            ("iid", "str", "optional: counts hits per instance, owns the lease"),
+            ("keys", "[str | bytes]", ""),
+            ("lease", "bool", "hold the hits against eviction and deletion until RELEASE"),
+        ],
+        [
+            ("region_ids", I64S, "0 for a miss (region ids start at 1)"),
+            ("offsets", I64S, "0 for a miss"),
+            ("lengths", I64S, "0 for a miss"),
+            ("regions", f"[{HANDLE}]", "handles of the regions the hits live in"),
+            ("lease_id", "int", "0: no lease taken"),
+        ],
+    ),
+    MsgType.EXISTS: (
+        [("iid", "str", "optional"), ("keys", "[str | bytes]", "")],
+        [("results", "[bool]", "per key")],
+    ),
+    MsgType.PIN: (
+        [("iid", "str", "optional: the pin holder"), ("keys", "[str | bytes]", "")],
+        [("results", "[bool]", "pinned, per key")],
+    ),
+    MsgType.UNPIN: (
+        [("iid", "str", "optional: the pin holder"), ("keys", "[str | bytes]", "")],
+        [("results", "[bool]", "unpinned, per key")],
+    ),
+    MsgType.DELETE_KV: (
+        [("iid", "str", "optional"), ("keys", "[str | bytes]", "")],
+        [("results", "[int]", "DeleteStatus per key")],
+    ),
+    MsgType.LIST_ALLOCATIONS: (
+        [("owner", "str", "optional: only this instance's regions")],
+        [("regions", f"[{HANDLE}]", "")],
+    ),
+    MsgType.STATS: ([], [("stats", "map", "see docs/operations.md")]),
+    MsgType.HEARTBEAT: ([("iid", "str", "")], []),
+    MsgType.DELETE_PREFIX: (
+        [
+            ("iid", "str", "optional"),
+            ("prefix", "str | bytes", "non-empty; ignored with all"),
+            ("all", "bool", "optional: every key (`maru clear`)"),
+        ],
+        [("deleted", "int", ""), ("pinned", "int", "matching keys kept (pinned or leased)")],
+    ),
+    MsgType.RELEASE: (
+        [("iid", "str", "optional: only the lease's owner ends it"), ("leases", "[int]", "")],
+        [("released", "int", "leases ended")],
+    ),
+    MsgType.EVICT_FOR: (
+        [("iid", "str", "the caller"), ("bytes", "int", "to free in the caller's own regions")],
+        [("freed_bytes", "int", "")],
+    ),
+    MsgType.KEYS: (
+        [
+            ("prefix", "str | bytes", "optional"),
+            ("limit", "int", f"optional, default 100, at most {MAX_LIST_KEYS}"),
+        ],
+        [
+            ("keys", "[[key, length, owner]]", "most recently used first"),
+            ("truncated", "bool", "more keys matched"),
+            ("limit", "int", "the limit applied"),
+        ],
+    ),
+}
+
+REPLY_EXTRAS = [
+    ("ok", "bool", "every reply"),
+    (
+        "freed",
+        "[[region_id, offset, length]]",
+        "pages of the caller's regions whose keys went "
+        "away since its last reply (not on RELEASE replies): the client may reuse them",
+    ),
+    ("code", "int", "error replies: ErrorCode"),
+    ("error", "str", "error replies: what went wrong"),
+]
+
+
+def _row(field: tuple[str, str, str]) -> str:
+    name, kind, meaning = (part.replace("|", "\\|") for part in field)
+    return f"| `{name}` | {kind} | {meaning} |"
+
+
+def render_schema() -> str:
+    """docs/protocol.md: every message's request and reply fields, and the codes."""
+    lines = [
+        f"# Wire protocol (version {PROTOCOL_VERSION})",
+        "",
+        "Generated from `maru.common.protocol.MESSAGES` by `python -m maru.common.protocol`;",
+        "a test checks that this file matches the code. Framing: see the module docstring and",
+        "docs/architecture.md. Each message has one request form and one reply form.",
+        "",
+    ]
+    for msg_type, (request, reply) in MESSAGES.items():
+        lines += [f"## {msg_type.name} ({int(msg_type)})", ""]
+        for title, fields in (("request", request), ("reply", reply)):
+            if not fields:
+                lines += [f"{title}: no fields", ""]
+                continue
+            lines += [f"{title}:", "", "| field | type | meaning |", "|---|---|---|"]
+            lines += [_row(field) for field in fields]
+            lines.append("")
+    lines += ["## Fields any reply may carry", "", "| field | type | meaning |", "|---|---|---|"]
+    lines += [_row(field) for field in REPLY_EXTRAS]
+    for enum in (ErrorCode, RegisterStatus, DeleteStatus):
+        lines += ["", f"## {enum.__name__}", "", "| value | name |", "|---|---|"]
+        lines += [f"| {int(v)} | `{v.name}` |" for v in enum]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render_schema(), end="")
