@@ -334,10 +334,10 @@ class Instance:
         keys = [f"{ns}:{page_key(tag, i)}" for i in range(self.pages if count is None else count)]
         deleted = 0
         for _ in range(200):
-            ok = self.maru.client.handler.batch_delete(keys)
+            ok = self.maru.handler.batch_delete(keys)
             deleted += sum(ok)
             keys = [k for k, gone in zip(keys, ok) if not gone]
-            if not keys or not self.maru.client.handler.batch_exists(keys[:1])[0]:
+            if not keys or not self.maru.handler.batch_exists(keys[:1])[0]:
                 return deleted
             time.sleep(0.005)
         raise RuntimeError(f"{len(keys)} keys of {tag} could not be deleted")
@@ -349,7 +349,7 @@ class Instance:
 
     def meta(self, tag: str, rounds: int, singles: int) -> dict[str, list[float]]:
         """Per-key cost of 128-key batch_exists and lookups, and single-key round trips."""
-        h = self.maru.client.handler
+        h = self.maru.handler
         keys = [page_key(tag, i) for i in range(128)]
         ns_keys = [f"{self.maru.namespace}:{k}" for k in keys]
         lookup = _batch_lookup(h)
@@ -400,9 +400,7 @@ class Instance:
 
     def lookup_load(self, tag: str, n_keys: int, count: int) -> dict[str, list[float]]:
         """Single-key lookups and 128-key lookups of present keys, as fast as possible."""
-        return _lookup_probe(
-            self.maru.client.handler, f"{self.maru.namespace}:", tag, n_keys, count
-        )
+        return _lookup_probe(self.maru.handler, f"{self.maru.namespace}:", tag, n_keys, count)
 
     def close(self) -> None:
         try:
@@ -413,17 +411,10 @@ class Instance:
 
 def _batch_lookup(h):
     """The metadata RPC of `batch_get_v1`: a leased lookup (and its release)."""
-    if hasattr(h, "leased_addresses"):
-
-        def lookup(keys):
-            with h.leased_addresses(keys) as found:
-                return found
-
-        return lookup
 
     def lookup(keys):
-        with h.leased(keys) as infos:
-            return infos
+        with h.lookup(keys, lease=True) as found:
+            return found.addresses
 
     return lookup
 

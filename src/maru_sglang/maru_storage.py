@@ -14,7 +14,6 @@ batch each way; no intermediate buffer.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import hashlib
 import logging
 import threading
@@ -136,7 +135,8 @@ class MaruStorage(HiCacheStorage):
         extra = dict(storage_config.extra_config or {})
         self.config = MaruConfig.from_mapping(extra, prefix="maru_")
         # Unless the user chose one, the chunk size follows the page size (known only at
-        # register_mem_pool_host): with the 1 MiB default a 16 KiB page would hold 1 MiB.
+        # register_mem_pool_host, when the handler's chunk size is set before any chunk is
+        # reserved): with the 1 MiB default a 16 KiB page would hold 1 MiB.
         self._chunk_from_page = "maru_chunk_size_bytes" not in extra
         self.enable_metrics = bool(storage_config.enable_storage_metrics)
         self.handler = MaruHandler(self.config)
@@ -181,8 +181,10 @@ class MaruStorage(HiCacheStorage):
         self._part_sizes = list(sizes)
         self._page_bytes = sum(sizes)
         self._affine = _affine_page_pointers(mem_pool_host, len(ptrs))
-        if self._chunk_from_page:
-            self._use_chunk_size(chunk_size_for(self._page_bytes))
+        chunk = chunk_size_for(self._page_bytes)
+        if self._chunk_from_page and chunk <= self.config.pool_size:
+            self.handler.set_chunk_size(chunk)
+            self.config = self.handler.config
         log.info(
             "MaruStorage: namespace %s, %d-byte pages in %d part(s), layout %s, chunk %d bytes",
             self.namespace,
@@ -191,19 +193,6 @@ class MaruStorage(HiCacheStorage):
             layout,
             self.handler.get_chunk_size(),
         )
-
-    def _use_chunk_size(self, chunk: int) -> None:
-        """Reconnect with another chunk size (before anything is stored: the handler's regions
-        are carved into chunks of one size). Same instance id; the old region goes back."""
-        if chunk == self.config.chunk_size_bytes or chunk > self.config.pool_size:
-            return
-        config = dataclasses.replace(self.config, chunk_size_bytes=chunk)
-        self.handler.close()
-        self.handler = MaruHandler(config)
-        self.config = config
-        if not self.handler.connected:
-            self.handler.close()
-            raise RuntimeError(f"Failed to connect MaruHandler to {config.server_url}")
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         if str(host_pool_name) == KV_POOL_NAME:
@@ -271,30 +260,25 @@ class MaruStorage(HiCacheStorage):
             log.error("batch_set_v1: %d host indices for %d keys", host_indices.numel(), n)
             return [False] * n
         page_bytes = self._page_bytes
-        # The common case: one contiguous run of pages, registered in columnar form, piece
-        # by piece: each piece's registration is in flight while the next piece is copied.
-        run = self.handler.alloc_run(page_bytes, n)
+        ns_keys = self._keys(keys)
+        # The common case: one contiguous run of chunks, sealed piece by piece: each piece's
+        # registration is in flight while the next piece is copied.
+        run = self.handler.alloc(page_bytes, n)
         if run is not None:
-            ns_keys = self._keys(keys)
             step = max(PIPELINE_MIN_PAGES, -(-n // PIPELINE_PIECES))
-            outcomes = []
+            sealings = []
             for first in range(0, n, step):
                 last = min(n, first + step)
-                self._copy_in(run.address + first * run.stride, run.stride, columns, first, last)
-                outcomes.append(
-                    self.handler.submit_register_run(
-                        ns_keys[first:last], run.slice(first, last), page_bytes
-                    )
-                )
-            results = [ok for outcome in outcomes for ok in outcome()]
-        else:  # no free run: page by page (new regions, eviction)
-            handles = self.handler.batch_alloc([page_bytes] * n)
+                piece = run.slice(first, last)
+                self._copy_in(piece.address, piece.stride, columns, first, last)
+                sealings.append(self.handler.seal(ns_keys[first:last], piece, page_bytes))
+            results = [ok for sealing in sealings for ok in sealing.wait()]
+        else:  # no free run: page by page (each may evict in our own regions)
+            handles = [self.handler.alloc(page_bytes) for _ in range(n)]
             for i, handle in enumerate(handles):
                 if handle is not None:
                     self._copy_in(handle.address, page_bytes, columns, i, i + 1)
-            results = self.handler.batch_store(
-                self._keys(keys), handles=handles, lengths=[page_bytes] * n
-            )
+            results = self.handler.seal(ns_keys, handles, page_bytes).wait()
         elapsed = time.perf_counter() - start
         ok = sum(results)
         with self._stats_lock:
@@ -321,15 +305,15 @@ class MaruStorage(HiCacheStorage):
             return []
         start = time.perf_counter()
         n = len(keys)
-        lookup = self.handler.leased_addresses(self._keys(keys))  # sent now: the server
+        lookup = self.handler.lookup(self._keys(keys), lease=True)  # sent now: the server
         try:
             columns = self._part_pointers(host_indices, n)  # looks up while we compute these
         except BaseException:
-            with lookup:  # collect the reply and release the lease
-                pass
+            lookup.release()
             raise
         page_bytes = self._page_bytes
-        with lookup as (addresses, lengths):
+        with lookup as found:
+            addresses, lengths = found.addresses, found.lengths
             if columns is None:
                 log.error("batch_get_v1: %d host indices for %d keys", host_indices.numel(), n)
                 return [False] * n
@@ -424,7 +408,7 @@ class MaruStorage(HiCacheStorage):
                 _memmove(handle.address, value.data_ptr(), nbytes)
             handles.append(handle)
             lengths.append(nbytes)
-        return all(self.handler.batch_store(self._keys(keys), handles=handles, lengths=lengths))
+        return all(self.handler.seal(self._keys(keys), handles, lengths).wait())
 
     def exists(self, key: str) -> bool:
         return self.handler.exists(self._keys([key])[0])

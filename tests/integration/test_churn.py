@@ -193,7 +193,7 @@ def test_a_lease_keeps_bytes_stable_while_eviction_reuses_pages(maru_server):
         big = iter([j for j in range(2000) if size_of(j) > 15 * CHUNK])  # 16-page values
         first = [next(big) for _ in range(4)]
         assert writer.batch_store([key_of(j) for j in first], [make_value(j) for j in first])
-        assert writer.free_pages() == 0  # 4 values of 16 pages fill the 64-page region
+        assert writer.free_chunks() == 0  # 4 values of 16 pages fill the 64-page region
         leased_key = first[0]
         with reader.leased([key_of(leased_key)]) as (info,):
             assert info is not None and intact(leased_key, info.view)

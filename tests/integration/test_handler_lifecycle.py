@@ -90,13 +90,13 @@ def test_value_larger_than_a_chunk_takes_contiguous_pages(maru_server):
     with MaruHandler(
         server_url=maru_server.url, pool_size="2M", chunk_size_bytes=chunk, auto_expand=False
     ) as h:
-        total = h.free_pages()
+        total = h.free_chunks()
         assert total == 32
         handle = h.alloc(3 * chunk + chunk // 2)
         assert handle is not None
         assert handle.length == 4 * chunk and handle.offset % chunk == 0
         assert len(handle.buf) == 4 * chunk
-        assert h.free_pages() == total - 4
+        assert h.free_chunks() == total - 4
         payload = os.urandom(3 * chunk + chunk // 2)
         handle.buf[: len(payload)] = payload
         assert h.store("multi", handle=handle, length=len(payload))
@@ -108,9 +108,9 @@ def test_value_larger_than_a_chunk_takes_contiguous_pages(maru_server):
         # fragment the rest: 28 single pages, then delete every other one
         singles = [f"p{i}" for i in range(28)]
         assert h.batch_store(singles, [bytes([i]) * 100 for i in range(28)]) == [True] * 28
-        assert h.free_pages() == 0
+        assert h.free_chunks() == 0
         assert h.batch_delete(singles[::2]) == [True] * 14
-        assert h.free_pages() == 14  # the delete reply handed our pages back
+        assert h.free_chunks() == 14  # the delete reply handed our pages back
         # 14 free pages, but no two adjacent: a 2-page value cannot be placed (the rest is
         # pinned, so nothing may be evicted to make room)
         assert h.batch_pin(["multi", *singles[1::2]]) == [True] * 15
@@ -126,15 +126,15 @@ def test_deleted_pages_return_to_their_owner(maru_server):
         MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes="256K") as a,
         MaruHandler(server_url=maru_server.url, pool_size="2M") as b,
     ):
-        total = a.free_pages()
+        total = a.free_chunks()
         assert a.batch_store(["x", "y", "z"], [b"1" * 300 * KiB, b"2" * 10, b"3" * 10])
-        assert a.free_pages() == total - 4
+        assert a.free_chunks() == total - 4
         assert b.batch_delete(["x", "y"]) == [True, True]  # deleted by someone else
         assert a.exists("z")  # any reply to `a` carries the freed locations
-        assert a.free_pages() == total - 1
+        assert a.free_chunks() == total - 1
         # and the freed pages are really reusable
         assert a.batch_store(["p", "q"], [b"p" * 512 * KiB, b"q" * 256 * KiB]) == [True, True]
-        assert a.free_pages() == total - 4
+        assert a.free_chunks() == total - 4
 
 
 def test_pinned_key_cannot_be_deleted(maru_server):

@@ -1,5 +1,5 @@
-"""The lean handler API MaruStorage uses (alloc_run, register_run / submit_register_run,
-leased_addresses) against a real `maru-server`, read back by a second handler."""
+"""The object lifecycle MaruStorage uses (alloc a run, seal it piece by piece, lookup with a
+lease) against a real `maru-server`, read back by a second handler."""
 
 from __future__ import annotations
 
@@ -8,70 +8,71 @@ import os
 import time
 
 from maru import MaruHandler
-from maru.client.handler import PageRun
+from maru.client.chunks import AllocHandle
 
 KiB = 1 << 10
 PAGE = 64 * KiB
 
 
-def write(run: PageRun, values: list[bytes]) -> None:
+def write(run: AllocHandle, values: list[bytes]) -> None:
     for i, value in enumerate(values):
         ctypes.memmove(run.address + i * run.stride, value, len(value))
 
 
-def test_run_register_and_leased_addresses(maru_server):
+def test_a_run_sealed_in_pieces_and_read_with_a_lease(maru_server):
     values = [os.urandom(PAGE - 7) for _ in range(12)]
     keys = [f"hot/{i}" for i in range(12)]
     with (
         MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes="64K") as w,
         MaruHandler(server_url=maru_server.url, pool_size="1M", chunk_size_bytes="64K") as r,
     ):
-        free = w.free_pages()
-        run = w.alloc_run(PAGE - 7, 12)
+        free = w.free_chunks()
+        run = w.alloc(PAGE - 7, 12)
         assert run is not None and run.stride == PAGE and run.count == 12
-        assert w.free_pages() == free - 12
+        assert w.free_chunks() == free - 12
         write(run, values)
-        # Two pieces, the first in flight while the second is registered.
-        first = w.submit_register_run(keys[:5], run.slice(0, 5), PAGE - 7)
-        assert w.register_run(keys[5:], run.slice(5, 12), PAGE - 7) == [True] * 7
-        assert first() == [True] * 5
-        with r.leased_addresses([*keys, "missing"]) as (addresses, lengths):
+        # Two pieces, the first in flight while the second is sealed.
+        first = w.seal(keys[:5], run.slice(0, 5), PAGE - 7)
+        assert w.seal(keys[5:], run.slice(5, 12), PAGE - 7).wait() == [True] * 7
+        assert first.wait() == [True] * 5
+        with r.lookup([*keys, "missing"], lease=True) as found:
+            addresses, lengths = found.addresses, found.lengths
             assert lengths.tolist() == [PAGE - 7] * 12 + [0] and addresses[-1] == 0
             got = [ctypes.string_at(a, n) for a, n in zip(addresses[:-1].tolist(), lengths[:-1])]
             assert got == values
             assert w.batch_delete(keys[:1]) == [False]  # leased while the block runs
         assert r.batch_retrieve(keys[:1])[0] is not None
         assert w.batch_delete(keys) == [True] * 12
-        assert w.free_pages() == free  # the deletes gave every page back
+        assert w.free_chunks() == free  # the deletes gave every page back
 
 
-def test_register_run_existing_keys_give_their_pages_back(maru_server):
+def test_sealing_existing_keys_gives_their_chunks_back(maru_server):
     with MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes="64K") as h:
-        free = h.free_pages()
+        free = h.free_chunks()
         assert h.store("dup/1", b"first")
-        run = h.alloc_run(100, 3)
+        run = h.alloc(100, 3)
         write(run, [b"a" * 100, b"b" * 100, b"c" * 100])
-        assert h.register_run(["dup/0", "dup/1", "dup/2"], run, 100) == [True] * 3
-        assert h.free_pages() == free - 3  # dup/1's new page went back; 2 + the first store
+        assert h.seal(["dup/0", "dup/1", "dup/2"], run, 100).wait() == [True] * 3
+        assert h.free_chunks() == free - 3  # dup/1's new page went back; 2 + the first store
         info = h.retrieve("dup/1")
         assert info is not None and bytes(info.view) == b"first"  # first writer won
-        spare = h.alloc_run(100, 2)
-        h.free_run(spare)
-        assert h.free_pages() == free - 3
+        spare = h.alloc(100, 2)
+        h.free(spare)
+        assert h.free_chunks() == free - 3
 
 
-def test_alloc_run_none_when_no_run_fits(maru_server):
+def test_alloc_of_a_run_is_none_when_no_run_fits(maru_server):
     with MaruHandler(
         server_url=maru_server.url, pool_size="2M", chunk_size_bytes="64K", auto_expand=False
     ) as h:
-        assert h.alloc_run(PAGE, 33) is None  # 32 pages in the region
-        run = h.alloc_run(PAGE, 32)
+        assert h.alloc(PAGE, 33) is None  # 32 chunks in the region
+        run = h.alloc(PAGE, 32)
         assert run is not None
-        h.free_run(run, [3])
-        assert h.free_pages() == 1
+        h.free(run.slice(3, 4))
+        assert h.free_chunks() == 1
 
 
-def test_leased_addresses_is_sent_before_it_is_entered(maru_server):
+def test_a_lookup_is_sent_before_it_is_entered(maru_server):
     """`MaruStorage.batch_get_v1` prepares its copy while the lookup is in flight: the server
     has taken the lease by the time the caller enters, so a delete in between cannot free the
     page under the copy; leaving releases it."""
@@ -81,18 +82,19 @@ def test_leased_addresses_is_sent_before_it_is_entered(maru_server):
         MaruHandler(server_url=maru_server.url, pool_size="1M", chunk_size_bytes="64K") as r,
     ):
         assert w.store("early/0", value)
-        lookup = r.leased_addresses(["early/0", "early/missing"])
+        lookup = r.lookup(["early/0", "early/missing"], lease=True)
         deadline = time.monotonic() + 5
         while w.stats()["leases"] == 0:  # the lookup reached the server, unprompted
             assert time.monotonic() < deadline, "the lookup was not sent before entering"
             time.sleep(0.01)
         assert w.batch_delete(["early/0"]) == [False]  # leased
-        with lookup as (addresses, lengths):
+        with lookup as found:
+            addresses, lengths = found.addresses, found.lengths
             assert lengths.tolist() == [PAGE, 0]
             assert ctypes.string_at(int(addresses[0]), PAGE) == value
         # Released on leaving (sent without waiting: a request on the same connection after
         # it is answered after it).
         assert r.batch_exists(["early/0"]) == [True]
         assert w.batch_delete(["early/0"]) == [True]
-        with r.leased_addresses([]) as (addresses, lengths):
-            assert len(addresses) == 0 and len(lengths) == 0
+        with r.lookup([], lease=True) as found:
+            assert len(found.addresses) == 0 and len(found.lengths) == 0

@@ -22,7 +22,7 @@ def test_takeover_of_an_instance_id_keeps_registered_pages_intact(maru_server):
     # `first` "crashes": it never returns its regions. A new process takes the same id.
     second = MaruHandler(instance_id=iid, **kw)
     assert second.owned_region_ids() == first.owned_region_ids()
-    assert second.free_pages() == 64 - 20  # the 20 registered pages are not free
+    assert second.free_chunks() == 64 - 20  # the 20 registered pages are not free
     new = [os.urandom(65536) for _ in range(44)]
     assert second.batch_store([f"new/{i}" for i in range(44)], new) == [True] * 44
     with MaruHandler(server_url=maru_server.url, pool_size="1M") as reader:
@@ -34,7 +34,7 @@ def test_takeover_of_an_instance_id_keeps_registered_pages_intact(maru_server):
     assert second.delete("old/3")
     assert second.exists("old/4")
     assert second.store("again", os.urandom(1000))
-    assert second.free_pages() == 0
+    assert second.free_chunks() == 0
     second.close()
     first._rpc.close()  # the crashed process' socket (no return: it is gone)
 
@@ -58,9 +58,9 @@ def test_takeover_with_smaller_pages_merges_shared_pages(maru_server):
         chunk_size_bytes="1M",
         auto_expand=False,
     )
-    assert second.free_pages() == 3
+    assert second.free_chunks() == 3
     assert second.delete("k0")  # freeing one key of a merged run must not free the run
-    assert second.free_pages() == 3
+    assert second.free_chunks() == 3
     assert second.store("big", os.urandom(3 << 20))
     with MaruHandler(server_url=maru_server.url, pool_size="1M") as reader:
         assert [

@@ -67,7 +67,7 @@ def test_metrics_endpoint_exports_pool_keys_instances_and_histograms(server, met
         assert [x is not None for x in h.batch_retrieve(["k0", "k1", "zz"])] == [1, 1, 0]
         assert h.batch_exists(["k4", "zz", "yy", "k3"]) == [True, False, False, True]
         with pytest.raises(MaruServerError):
-            RpcClient(server.url).call(99, {})  # unknown type: an invalid request
+            RpcClient(server.url).request(99, {}).result()  # unknown type: an invalid request
 
         fam = scrape(metrics_url)
         pool = f"shm:{server.pool_path}"

@@ -117,10 +117,10 @@ def test_bad_version_unknown_type_wrong_token_oversized_key(maru_server, raw):
 
 def test_oversized_key_through_the_handler_leaks_nothing(maru_server):
     with MaruHandler(server_url=maru_server.url, pool_size="4M") as h:
-        free = h.free_pages()
+        free = h.free_chunks()
         long_key = "k" * (MAX_KEY_BYTES + 1)
         assert h.store(long_key, b"x" * 5000) is False
-        assert h.free_pages() == free  # the page was given back
+        assert h.free_chunks() == free  # the page was given back
         assert h.retrieve(long_key) is None
         assert h.batch_exists(["k", long_key]) == [False, False]
         assert h.store("k" * MAX_KEY_BYTES, b"y" * 5000) is True
@@ -232,7 +232,7 @@ def test_handler_keeps_working_after_server_restart(maru_server, auto_expand, fr
         chunk = writer.get_chunk_size()
         total = sum(r.length for r in writer.list_allocations()) // chunk
         ours = ["before", *values, "later"]
-        assert total - writer.free_pages() == sum(writer.batch_exists(ours))
+        assert total - writer.free_chunks() == sum(writer.batch_exists(ours))
     finally:
         writer.close()
         reader.close()
@@ -241,5 +241,5 @@ def test_handler_keeps_working_after_server_restart(maru_server, auto_expand, fr
 def test_server_error_carries_the_code(maru_server):
     with MaruHandler(server_url=maru_server.url, pool_size="2M") as h:
         with pytest.raises(MaruServerError) as exc:
-            h._call(MsgType.REQUEST_REGION, {"size": "huge"})
+            h._request(MsgType.REQUEST_REGION, {"size": "huge"}).result()
         assert exc.value.code == ErrorCode.BAD_REQUEST

@@ -94,7 +94,7 @@ def store_keys(
     With `done`, keep the handler (and its regions) until the parent sets it."""
     h = _handler(url, **handler_kw)
     try:
-        total_pages = h.free_pages()
+        total_pages = h.free_chunks()
         if barrier is not None:
             barrier.wait(30)
         ok: list[bool] = []
@@ -108,7 +108,7 @@ def store_keys(
             "ok": ok,
             "digests": digests,
             "total_pages": total_pages,
-            "free_pages": h.free_pages(),
+            "free_pages": h.free_chunks(),
             "regions": h.owned_region_ids(),
             "chunk": h.get_chunk_size(),
         }

@@ -28,16 +28,20 @@ def test_allocate_run_that_does_not_fit_changes_nothing():
     assert alloc.allocate(1) is None
 
 
-def test_handler_batch_alloc_uses_one_run_and_falls_back(maru_server):
+def test_handler_alloc_takes_one_run_and_a_value_at_a_time_after(maru_server):
     from maru import MaruHandler
 
     with MaruHandler(
         server_url=maru_server.url, pool_size="4M", chunk_size_bytes="64K", auto_expand=False
     ) as h:
-        handles = h.batch_alloc([65536] * 8)
+        run = h.alloc(65536, 8)
+        assert run.count == 8 and run.offset == 0 and run.stride == 65536
+        handles = run.split()
         assert [x.offset for x in handles] == [i * 65536 for i in range(8)]
+        assert [x.page_index for x in handles] == list(range(8))
         h.free(handles[3])
-        mixed = h.batch_alloc([100, 70000])  # unequal sizes: value by value, first fit
-        assert mixed[0].offset == 3 * 65536 and mixed[1].length == 2 * 65536
-        too_many = h.batch_alloc([65536] * 64)  # 64 pages: no run left; per value until full
-        assert sum(x is not None for x in too_many) == 64 - 8 - 2
+        one, two = h.alloc(100), h.alloc(70000)  # first fit
+        assert one.offset == 3 * 65536 and two.length == 2 * 65536
+        assert h.alloc(65536, 64) is None  # 64 chunks: no run left, and a run never evicts
+        singles = [h.alloc(65536) for _ in range(64)]
+        assert sum(x is not None for x in singles) == 64 - 8 - 2

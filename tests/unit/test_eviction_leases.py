@@ -517,7 +517,7 @@ def test_freed_pages_in_a_late_reply_still_reach_the_owner():
     seen: list[list] = []
     client = RpcClient(f"tcp://127.0.0.1:{port}", timeout_ms=2000, reply_hook=seen.append)
     try:
-        late = client.submit(MsgType.HEARTBEAT, {"iid": "A"})
+        late = client.request(MsgType.HEARTBEAT, {"iid": "A"})
         assert router.poll(5000)
         ident, frame = router.recv_multipart()
         with pytest.raises(MaruConnectionError):
@@ -531,7 +531,7 @@ def test_freed_pages_in_a_late_reply_still_reach_the_owner():
                 ),
             ]
         )
-        nxt = client.submit(MsgType.HEARTBEAT, {"iid": "A"})
+        nxt = client.request(MsgType.HEARTBEAT, {"iid": "A"})
         assert router.poll(5000)
         ident, frame = router.recv_multipart()
         head, _ = protocol.decode(frame)

@@ -1,6 +1,6 @@
-"""How `MaruHandler` reads a leased lookup's reply: the packed form (bytes of int64 columns),
-the list forms of older servers, and malformed replies, which are misses and never an
-exception in the middle of SGLang's prefetch."""
+"""How a `Lookup` reads its reply: packed int64 columns, and malformed replies or locations
+outside their region, which are misses and never an exception (or a read past a mapping) in
+the middle of SGLang's prefetch."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from array import array
 import pytest
 
 from maru import MaruHandler
+from maru.client.requests import Lookup
 from maru.client.rpc import PendingReply
+from maru.common.protocol import MsgType
 
 REGION = 4096 * 4
 
@@ -29,32 +31,40 @@ def region_fields(tmp_path) -> list:
 
 
 def outcome(h: MaruHandler, n: int, body: dict):
-    pending = PendingReply(None, 1, 5)  # type: ignore[arg-type]
+    """A Lookup of n keys whose reply is `body` (no server: the reply is put in place)."""
+    lookup = Lookup(h, [], lease=True)  # sends nothing
+    lookup.n = n
+    pending = PendingReply(None, 1, MsgType.LOOKUP_KV, {})  # type: ignore[arg-type]
     pending.body = {"ok": True, **body}
-    return h._lookup_addresses([f"k{i}" for i in range(n)], pending)
+    lookup._pending = pending
+    addresses, lengths = lookup.wait()
+    return addresses, lengths, lookup.lease_id
 
 
 def packed(*columns: list[int]) -> tuple[bytes, ...]:
     return tuple(array("q", c).tobytes() for c in columns)
 
 
-def test_packed_and_list_replies_give_the_same_addresses(handler, tmp_path):
+def test_packed_reply_gives_addresses_in_the_mapping(handler, tmp_path):
     ids, offsets, lengths = [3, 0, 3], [4096, 0, 8192], [100, 0, 200]
-    forms = {
-        "packed": dict(zip(("region_ids", "offsets", "lengths"), packed(ids, offsets, lengths))),
-        "lists": {"region_ids": ids, "offsets": offsets, "lengths": lengths},
-        "entries": {"locations": [[3, 4096, 100], None, [3, 8192, 200]]},
-    }
-    seen = []
-    for body in forms.values():
-        addresses, got_lengths, lease = outcome(
-            handler, 3, {**body, "regions": [region_fields(tmp_path)], "lease_id": 9}
-        )
-        assert lease == 9 and got_lengths.tolist() == lengths
-        base = handler._mapper.get(3).address
-        assert addresses.tolist() == [base + 4096, 0, base + 8192]
-        seen.append(addresses.tolist())
-    assert seen[0] == seen[1] == seen[2]
+    body = dict(zip(("region_ids", "offsets", "lengths"), packed(ids, offsets, lengths)))
+    addresses, got_lengths, lease = outcome(
+        handler, 3, {**body, "regions": [region_fields(tmp_path)], "lease_id": 9}
+    )
+    assert lease == 9 and got_lengths.tolist() == lengths
+    base = handler._mapper.get(3).address
+    assert addresses.tolist() == [base + 4096, 0, base + 8192]
+
+
+def test_a_location_outside_its_region_is_a_miss(handler, tmp_path):
+    """The first rule, on the client: a location that does not fit the region it names is
+    never read (a malformed or stale reply), whatever the server said."""
+    ids, offsets, lengths = [3, 3, 3, 7], [REGION - 100, -4096, 0, 0], [200, 100, 100, 100]
+    body = dict(zip(("region_ids", "offsets", "lengths"), packed(ids, offsets, lengths)))
+    addresses, got_lengths, _ = outcome(handler, 4, {**body, "regions": [region_fields(tmp_path)]})
+    base = handler._mapper.get(3).address
+    assert addresses.tolist() == [0, 0, base, 0]  # region 7: no handle in the reply
+    assert got_lengths.tolist() == [0, 0, 100, 0]
 
 
 @pytest.mark.parametrize(
@@ -62,10 +72,10 @@ def test_packed_and_list_replies_give_the_same_addresses(handler, tmp_path):
     [
         {"region_ids": b"\x01" * 12, "offsets": b"", "lengths": b""},  # not whole int64s
         dict(zip(("region_ids", "offsets", "lengths"), packed([3], [0], [1]))),  # 1 for 2 keys
-        {"region_ids": [3, 3], "offsets": ["x", 0], "lengths": [1, 1]},
+        {"region_ids": [3, 3], "offsets": [0, 0], "lengths": [1, 1]},  # lists: not v2
         {"nothing": True},
     ],
-    ids=["ragged-bytes", "too-few", "not-ints", "no-columns"],
+    ids=["ragged-bytes", "too-few", "lists", "no-columns"],
 )
 def test_a_malformed_reply_is_all_misses(handler, body):
     addresses, lengths, _ = outcome(handler, 2, {**body, "regions": []})

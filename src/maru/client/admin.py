@@ -41,7 +41,7 @@ class MaruAdmin:
     def stats(self) -> dict[str, Any]:
         """What STATS returns: pool, keys, instances, counters, per-operation histograms.
         Raises `MaruConnectionError` when the server does not answer in time."""
-        return self._rpc.call(MsgType.STATS, {})["stats"]
+        return self._rpc.request(MsgType.STATS, {}).result()["stats"]
 
     def keys(self, prefix: Key | None = None, limit: int = 100) -> tuple[list[KeyInfo], bool]:
         """Up to `limit` (at most MAX_LIST_KEYS) keys starting with `prefix`, most recently
@@ -49,7 +49,7 @@ class MaruAdmin:
         body: dict[str, Any] = {"limit": min(int(limit), MAX_LIST_KEYS)}
         if prefix:
             body["prefix"] = prefix
-        reply = self._rpc.call(MsgType.KEYS, body)
+        reply = self._rpc.request(MsgType.KEYS, body).result()
         return [KeyInfo(k, int(n), str(o)) for k, n, o in reply["keys"]], bool(reply["truncated"])
 
     def delete_prefix(self, prefix: Key) -> tuple[int, int]:
@@ -57,12 +57,12 @@ class MaruAdmin:
         (deleted, kept because pinned or leased)."""
         if not prefix:
             raise ValueError("prefix must not be empty (use clear() to delete every key)")
-        reply = self._rpc.call(MsgType.DELETE_PREFIX, {"prefix": prefix})
+        reply = self._rpc.request(MsgType.DELETE_PREFIX, {"prefix": prefix}).result()
         return int(reply["deleted"]), int(reply["pinned"])
 
     def clear(self) -> tuple[int, int]:
         """Delete every key that is not pinned or leased; returns (deleted, kept)."""
-        reply = self._rpc.call(MsgType.DELETE_PREFIX, {"all": True})
+        reply = self._rpc.request(MsgType.DELETE_PREFIX, {"all": True}).result()
         return int(reply["deleted"]), int(reply["pinned"])
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,22 @@ class RegionMapper:
     def __init__(self) -> None:
         self._regions: dict[int, MappedRegion] = {}
         self._lock = threading.Lock()
+        self._listeners: list[Callable[[int], None]] = []
+
+    def add_listener(self, listener: Callable[[int], None]) -> None:
+        """Call `listener(region_id)` for every region mapped from now on, and now for those
+        mapped already."""
+        self._listeners.append(listener)
+        for region_id in self.region_ids():
+            listener(region_id)
+
+    def view(self, region_id: int, offset: int, size: int) -> memoryview | None:
+        """Bytes [offset, offset + size) of a mapped region; None if it is not mapped or the
+        range is outside it."""
+        mapped = self._regions.get(region_id)
+        if mapped is None or offset < 0 or size < 0 or offset + size > mapped.handle.length:
+            return None
+        return mapped.view[offset : offset + size]
 
     def get(self, region_id: int) -> MappedRegion | None:
         return self._regions.get(region_id)
@@ -40,6 +57,9 @@ class RegionMapper:
 
     def __len__(self) -> int:
         return len(self._regions)
+
+    def region_ids(self) -> list[int]:
+        return list(self._regions)
 
     def map(self, handle: RegionHandle, *, writable: bool) -> MappedRegion:
         with self._lock:
@@ -59,7 +79,12 @@ class RegionMapper:
             view = memoryview(mm) if writable else memoryview(mm).toreadonly()
             mapped = MappedRegion(handle, mm, view, address, writable)
             self._regions[handle.region_id] = mapped
-            return mapped
+        for listener in self._listeners:
+            try:
+                listener(handle.region_id)
+            except Exception:
+                log.exception("region listener failed for region %d", handle.region_id)
+        return mapped
 
     def unmap(self, region_id: int) -> None:
         with self._lock:

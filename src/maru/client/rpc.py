@@ -8,11 +8,16 @@ instead: a round trip on a plain Unix socket costs a fraction of one through ZMQ
 requests keep going over ZMQ.
 
 Each thread gets its own channel (ZMQ sockets are not thread-safe), so SGLang's backup,
-prefetch and scheduler threads never serialise on a lock. On a channel, requests carry ids:
-`submit` sends without waiting (at most `max_inflight` outstanding), `call` is submit + wait.
-Every wait has a deadline: a dead server yields `MaruConnectionError`, never a hang. ZMQ
-reconnects by itself after a server restart, a Unix socket channel on the next request;
-replies that arrive after their caller gave up are recognised by id and dropped.
+prefetch and scheduler threads never serialise on a lock. There is one way to send:
+`request(msg_type, body)` sends at once and returns a `PendingReply` (at most `max_inflight`
+outstanding per thread: `maru_use_async_rpc=false` sets it to 1, so each request waits for the
+one before); `PendingReply.result()` waits for it. Everything that can go wrong with a reply is
+handled in that one place: the deadline (a dead server yields `MaruConnectionError`, never a
+hang), an error reply (`MaruServerError`), a server of another protocol version (an error
+naming both), and a server that restarted and forgot the caller (`on_unknown_instance`, the
+handler's re-handshake, then the request once more). ZMQ reconnects by itself after a server
+restart, a Unix socket channel on the next request; replies that arrive after their caller
+gave up are recognised by id and dropped.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import zmq
 from maru.client.busypoll import recv_spin
 from maru.common import protocol
 from maru.common.errors import MaruConnectionError, MaruServerError
-from maru.common.protocol import unix_address
+from maru.common.protocol import ErrorCode, unix_address
 
 log = logging.getLogger(__name__)
 
@@ -40,27 +45,39 @@ ReplyHook = Callable[[dict[str, Any]], None]
 
 
 class PendingReply:
-    """A request in flight. `result()` must be called from the thread that submitted it."""
+    """A request in flight. `result()` must be called from the thread that sent it."""
 
-    __slots__ = ("_channel", "_msg_type", "body", "request_id")
+    __slots__ = ("_channel", "_msg_type", "_request", "body", "request_id", "retry")
 
-    def __init__(self, channel: _Channel, request_id: int, msg_type: int):
+    def __init__(self, channel: _Channel, request_id: int, msg_type: int, request: dict[str, Any]):
         self._channel = channel
         self.request_id = request_id
         self._msg_type = msg_type
+        self._request = request
+        self.retry = True  # re-send once after a re-handshake
         self.body: dict[str, Any] | None = None
 
     def done(self) -> bool:
         return self.body is not None
 
     def result(self, timeout_ms: int | None = None) -> dict[str, Any]:
+        """The reply's body; raises `MaruConnectionError` (no reply in time) or
+        `MaruServerError` (an error reply)."""
         if self.body is None:
             self._channel.wait_for(self, timeout_ms)
         body = self.body
         assert body is not None
-        if not body.get("ok", False):
-            raise MaruServerError(int(body.get("code", 0)), str(body.get("error", "server error")))
-        return body
+        if body.get("ok", False):
+            return body
+        code = int(body.get("code", 0))
+        client = self._channel.client
+        if code == ErrorCode.UNKNOWN_INSTANCE and self.retry and client.on_unknown_instance:
+            log.info("maru-server does not know us (restarted?); handshaking again")
+            client.on_unknown_instance(self._msg_type)  # may raise: then the request failed
+            again = client.request(self._msg_type, self._request)
+            again.retry = False
+            return again.result(timeout_ms)
+        raise MaruServerError(code, str(body.get("error", "server error")))
 
 
 class _Channel:
@@ -78,13 +95,13 @@ class _Channel:
         """The frames that arrive within `timeout_ms` (possibly none)."""
         raise NotImplementedError
 
-    def submit(self, msg_type: int, body: dict[str, Any]) -> PendingReply:
+    def request(self, msg_type: int, body: dict[str, Any]) -> PendingReply:
         while len(self.pending) >= self.client.max_inflight:
             oldest = next(iter(self.pending.values()))
             self.wait_for(oldest, None)
         request_id = next(self.client.request_ids)
         self._send(protocol.encode(msg_type, request_id, body))
-        pending = PendingReply(self, request_id, msg_type)
+        pending = PendingReply(self, request_id, msg_type, body)
         self.pending[request_id] = pending
         return pending
 
@@ -111,10 +128,14 @@ class _Channel:
         try:
             header, body = protocol.decode(frame)
         except protocol.ProtocolError as exc:
-            log.warning("dropping undecodable reply from %s: %s", self.where, exc)
-            return
+            if exc.code != ErrorCode.BAD_VERSION:
+                log.warning("dropping undecodable reply from %s: %s", self.where, exc)
+                return
+            # A server of another protocol version: its reply fails the request, naming both.
+            header = protocol.decode_header(frame)
+            body = {"ok": False, "code": int(exc.code), "error": str(exc)}
         # The hook runs even for a reply whose caller already timed out: it may carry
-        # `freed` pages that the server hands out only once (lost, they would stay
+        # `freed` chunks that the server hands out only once (lost, they would stay
         # allocated in the client for good).
         if body.get("ok") and self.client.reply_hook is not None:
             self.client.reply_hook(body)
@@ -306,13 +327,18 @@ class RpcClient:
         timeout_ms: int = 2000,
         max_inflight: int = 64,
         reply_hook: ReplyHook | None = None,
+        on_unknown_instance: Callable[[int], None] | None = None,
         busy_poll_us: int = 0,
     ):
+        """`reply_hook(body)` sees every successful reply (the handler takes `freed` from it);
+        `on_unknown_instance(msg_type)` re-handshakes when the server answers UNKNOWN_INSTANCE,
+        before the request is sent once more (it raises to fail the request instead)."""
         self.url = url
         self.busy_poll_ns = busy_poll_us * 1000  # see _LocalChannel._read
         self.timeout_ms = timeout_ms
         self.max_inflight = max_inflight
         self.reply_hook = reply_hook
+        self.on_unknown_instance = on_unknown_instance
         self.context = zmq.Context.instance()
         self.request_ids = itertools.count(1)
         self.local_address: str | None = None  # the server's Unix socket, once it named one
@@ -369,18 +395,13 @@ class RpcClient:
                 return local
         return self._zmq_channel()
 
-    def submit(self, msg_type: int, body: dict[str, Any]) -> PendingReply:
+    def request(self, msg_type: int, body: dict[str, Any]) -> PendingReply:
+        """Send one request now; its reply comes from `.result()` (on this thread)."""
         channel = self._channel()
         try:
-            return channel.submit(msg_type, body)
+            return channel.request(msg_type, body)
         except LocalSocketUnavailable:
-            return self._zmq_channel().submit(msg_type, body)
-
-    def call(
-        self, msg_type: int, body: dict[str, Any], timeout_ms: int | None = None
-    ) -> dict[str, Any]:
-        """Send one request and wait for its reply; raises on timeout or error reply."""
-        return self.submit(msg_type, body).result(timeout_ms)
+            return self._zmq_channel().request(msg_type, body)
 
     def close(self) -> None:
         self._closed = True

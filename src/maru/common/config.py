@@ -10,7 +10,7 @@ import dataclasses
 import re
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(i?B?)?\s*$", re.IGNORECASE)
@@ -85,13 +85,13 @@ class MaruConfig:
     """
 
     server_url: str = "tcp://localhost:5555"
-    instance_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    instance_id: str | None = None  # None: a new UUID (each process its own instance)
     pool_size: int = 1 << 30
     chunk_size_bytes: int = 1 << 20
     auto_connect: bool = True
     timeout_ms: int = 2000
-    use_async_rpc: bool = True
-    max_inflight: int = 64
+    use_async_rpc: bool = True  # false: each request waits for the one before (max_inflight 1)
+    max_inflight: int = 64  # requests one thread may have in flight (pipelined seals, releases)
     eager_map: bool = True
     auto_expand: bool = True
     expand_size: int | None = None
@@ -102,6 +102,8 @@ class MaruConfig:
         self.validate()
 
     def validate(self) -> None:
+        if self.instance_id is None:
+            self.instance_id = str(uuid.uuid4())
         if not isinstance(self.server_url, str) or not re.match(
             r"^(tcp|ipc|inproc)://.+", self.server_url
         ):

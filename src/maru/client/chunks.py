@@ -1,0 +1,187 @@
+"""A client's chunk bookkeeping: which chunks of its own regions are free.
+
+Each region an instance owns is cut into chunks of `chunk_size_bytes` (the allocation unit); a
+value takes a contiguous run of chunks (an extent, `maru.common.extents.ExtentAllocator`).
+This lives in the client, not the server, so that reserving chunks costs no request: the server
+learns of them only when their keys are sealed, and tells the owner (`freed` on its next reply)
+when a key in its regions goes away, so the chunks come back here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from maru.client.mapping import MappedRegion
+from maru.common.extents import ExtentAllocator
+
+
+class AllocHandle:
+    """Chunks reserved in an owned region and not sealed yet: `count` values of `stride` bytes
+    back to back, value i at `address + i * stride` (region offset `offset + i * stride`).
+    Write into `buf` (or at `address`), then seal the handle's keys (`MaruHandler.seal`,
+    `store`, `batch_store`), or give it back with `MaruHandler.free`."""
+
+    __slots__ = ("_chunk", "_mapped", "address", "count", "offset", "region_id", "stride")
+
+    def __init__(self, mapped: MappedRegion, chunk: int, offset: int, stride: int, count: int):
+        self._mapped = mapped
+        self._chunk = chunk
+        self.region_id = mapped.handle.region_id
+        self.offset = offset
+        self.address = mapped.address + offset
+        self.stride = stride
+        self.count = count
+
+    @property
+    def length(self) -> int:
+        """Bytes reserved (every value's chunks)."""
+        return self.stride * self.count
+
+    @property
+    def buf(self) -> memoryview:
+        """The reserved bytes, writable, in the shared mapping."""
+        return self._mapped.view[self.offset : self.offset + self.length]
+
+    @property
+    def page_index(self) -> int:
+        """The first chunk's index in its region (LMCache's name for it)."""
+        return self.offset // self._chunk
+
+    def slice(self, start: int, stop: int) -> AllocHandle:
+        """Values [start, stop) of this handle, as a handle of their own."""
+        offset = self.offset + start * self.stride
+        return AllocHandle(self._mapped, self._chunk, offset, self.stride, stop - start)
+
+    def split(self) -> list[AllocHandle]:
+        """One handle per value."""
+        return [self.slice(i, i + 1) for i in range(self.count)]
+
+    def __repr__(self) -> str:
+        return (
+            f"AllocHandle(region={self.region_id}, offset={self.offset}, stride={self.stride}, "
+            f"count={self.count})"
+        )
+
+
+class _OwnedRegion:
+    __slots__ = ("chunks", "mapped", "sticky")
+
+    def __init__(self, mapped: MappedRegion, chunk: int):
+        self.mapped = mapped
+        self.chunks = ExtentAllocator(mapped.handle.length // chunk)
+        self.sticky: set[int] = set()  # first chunks of merged runs that must not be freed
+
+
+class ChunkBook:
+    """The owned regions and their free chunks; thread-safe."""
+
+    def __init__(self, chunk_size: int):
+        self.chunk_size = chunk_size
+        self._owned: dict[int, _OwnedRegion] = {}
+        self._lock = threading.Lock()
+
+    def __contains__(self, region_id: int) -> bool:
+        return region_id in self._owned
+
+    def region_ids(self) -> list[int]:
+        with self._lock:
+            return sorted(self._owned)
+
+    def free_chunks(self) -> int:
+        with self._lock:
+            return sum(o.chunks.free for o in self._owned.values())
+
+    def untouched(self) -> bool:
+        """No chunk of any owned region is reserved (the chunk size may still change)."""
+        with self._lock:
+            return all(o.chunks.used == 0 for o in self._owned.values())
+
+    def set_chunk_size(self, chunk_size: int, mapped: Iterable[MappedRegion]) -> None:
+        """Re-cut the (untouched) owned regions into chunks of another size."""
+        with self._lock:
+            self.chunk_size = chunk_size
+            self._owned = {m.handle.region_id: _OwnedRegion(m, chunk_size) for m in mapped}
+
+    def adopt(self, mapped: MappedRegion, used: Iterable[Sequence[int]] = ()) -> None:
+        """Own `mapped`; `used`: [offset, length] of keys still registered in it (a process
+        taking over an instance id must not hand out their chunks). Keys sharing a chunk (the
+        predecessor used smaller chunks) are merged into a run that is never freed piecemeal:
+        it comes back only with the region."""
+        chunk = self.chunk_size
+        owned = _OwnedRegion(mapped, chunk)
+        runs: list[list[int]] = []  # [first chunk, end chunk, keys in run]
+        for offset, length in sorted(used):
+            first, end = offset // chunk, -(-(offset + length) // chunk)
+            if runs and first < runs[-1][1]:
+                runs[-1][1] = max(runs[-1][1], end)
+                runs[-1][2] += 1
+            else:
+                runs.append([first, end, 1])
+        for first, end, keys in runs:
+            owned.chunks.reserve(first, end - first)
+            if keys > 1:
+                owned.sticky.add(first)
+        with self._lock:
+            self._owned[mapped.handle.region_id] = owned
+
+    def drop(self, region_id: int) -> MappedRegion | None:
+        with self._lock:
+            owned = self._owned.pop(region_id, None)
+        return owned.mapped if owned is not None else None
+
+    def clear(self) -> list[MappedRegion]:
+        with self._lock:
+            owned, self._owned = self._owned, {}
+        return [o.mapped for o in owned.values()]
+
+    def take(self, size: int, count: int = 1) -> AllocHandle | None:
+        """`count` values of `size` bytes as one contiguous run of chunks in an owned region
+        (one search), or None when no owned region has such a run free."""
+        chunks = -(-size // self.chunk_size)
+        with self._lock:
+            for owned in self._owned.values():
+                first = owned.chunks.allocate_run(chunks, count)
+                if first is not None:
+                    chunk = self.chunk_size
+                    offset, stride = first[0] * chunk, chunks * chunk
+                    return AllocHandle(owned.mapped, chunk, offset, stride, count)
+        return None
+
+    def give_back(self, handle: AllocHandle, indices: Iterable[int] | None = None) -> None:
+        """Free the values of `handle` (all, or those at `indices`) that will not be sealed.
+        A handle of a region that is gone (server restart) has nothing of ours to free."""
+        chunk = self.chunk_size
+        with self._lock:
+            owned = self._region_of(handle)
+            if owned is None:
+                return
+            for i in range(handle.count) if indices is None else indices:
+                first = (handle.offset + i * handle.stride) // chunk
+                if owned.chunks.is_allocated(first):
+                    owned.chunks.free_extent(first)
+
+    def holds(self, handle: AllocHandle) -> bool:
+        """Whether `handle` is still in a region we own (not one the server forgot)."""
+        with self._lock:
+            return self._region_of(handle) is not None
+
+    def _region_of(self, handle: AllocHandle) -> _OwnedRegion | None:
+        # The mapping check matters after a server restart: a new region may reuse the id.
+        owned = self._owned.get(handle.region_id)
+        return owned if owned is not None and owned.mapped is handle._mapped else None
+
+    def apply_freed(self, freed: Iterable[Sequence[Any]]) -> None:
+        """The server's notice that keys in our regions went away: their chunks are free."""
+        chunk = self.chunk_size
+        with self._lock:
+            for region_id, offset, _length in freed:
+                owned = self._owned.get(region_id)
+                first = offset // chunk
+                if (
+                    owned is not None
+                    and first not in owned.sticky
+                    and owned.chunks.is_allocated(first)
+                ):
+                    owned.chunks.free_extent(first)

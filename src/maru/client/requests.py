@@ -1,0 +1,251 @@
+"""The two batch requests of the data path, each one request in flight: `Sealing` (REGISTER_KV,
+the store side) and `Lookup` (LOOKUP_KV, the retrieve side). Both are sent when made, so the
+caller can do other work (copy the next pages, compute host pointers) while the server answers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from maru.client.chunks import AllocHandle
+from maru.common.errors import MaruError
+from maru.common.protocol import MsgType, RegisterStatus, pack_int64
+from maru.common.region import RegionHandle
+
+if TYPE_CHECKING:
+    from maru.client.handler import MaruHandler
+    from maru.client.rpc import PendingReply
+
+log = logging.getLogger(__name__)
+
+Key = str | bytes
+_REGISTERED, _EXISTS = int(RegisterStatus.REGISTERED), int(RegisterStatus.EXISTS)
+
+
+class RegionsLost(MaruError):
+    """The server restarted and forgot regions we had written into; their region ids may
+    already name other memory, so a registration into them must not be sent again."""
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """Where a stored value lives. `view` is a read-only memoryview over the shared bytes
+    (no copy was made); `address` is the same bytes' virtual address in this process;
+    `page_index` is the index of its first chunk in the region (LMCache's name)."""
+
+    view: memoryview
+    region_id: int
+    page_index: int
+    offset: int
+    length: int
+    address: int
+
+
+class Sealing:
+    """A REGISTER_KV in flight: seals `keys[i]` onto value i of `handles` (one run, or one
+    handle per key, None where nothing was reserved). `wait()` gives one bool per key: True
+    when the key is stored (ours, or another writer's that came first: then our chunks come
+    back); False when it was rejected or nothing was reserved for it. When the outcome is
+    unknown (no reply) the chunks stay reserved: the server may have sealed some keys."""
+
+    def __init__(
+        self,
+        handler: MaruHandler,
+        keys: Sequence[Key],
+        handles: AllocHandle | Sequence[AllocHandle | None],
+        lengths: int | Sequence[int] | None,
+    ):
+        self._handler = handler
+        self._n = n = len(keys)
+        self._handles = handles
+        self.regions_lost = False  # the server forgot the regions the bytes are in
+        self._pending: PendingReply | None = None
+        self._results: list[bool] | None = None
+        if isinstance(handles, AllocHandle):
+            if handles.count != n:
+                raise ValueError(f"seal: {n} keys for a handle of {handles.count} values")
+            self._positions: list[int] | None = None  # every key is sent
+            size = handles.stride if lengths is None else lengths
+            stride, offset = handles.stride, handles.offset
+            sent_keys = list(keys)
+            region_ids = [handles.region_id] * n
+            offsets = range(offset, offset + n * stride, stride)
+            sizes = [size] * n if isinstance(size, int) else list(size)
+        else:
+            if len(handles) != n:
+                raise ValueError(f"seal: {n} keys for {len(handles)} handles")
+            sizes_in = [h.stride if h else 0 for h in handles] if lengths is None else lengths
+            if isinstance(sizes_in, int):
+                sizes_in = [sizes_in] * n
+            chunks = handler._chunks
+            self._positions = [i for i, h in enumerate(handles) if h and chunks.holds(h)]
+            sent_keys = [keys[i] for i in self._positions]
+            region_ids = [handles[i].region_id for i in self._positions]  # type: ignore[union-attr]
+            offsets = [handles[i].offset for i in self._positions]  # type: ignore[union-attr]
+            sizes = [sizes_in[i] for i in self._positions]
+        if not n or not sent_keys:
+            self._results = [False] * n
+            return
+        body = {
+            "keys": sent_keys,
+            "region_ids": pack_int64(region_ids),
+            "offsets": pack_int64(offsets),
+            "lengths": pack_int64(sizes),
+        }
+        try:
+            self._pending = handler._request(MsgType.REGISTER_KV, body)
+        except MaruError as exc:
+            log.warning("register of %d keys failed: %s", len(sent_keys), exc)
+            self._results = [False] * n
+
+    def wait(self) -> list[bool]:
+        if self._results is not None:
+            return self._results
+        assert self._pending is not None
+        try:
+            statuses = self._pending.result()["results"]
+        except RegionsLost as exc:
+            log.warning("register of %d keys failed: %s", self._n, exc)
+            self.regions_lost = True
+            self._results = [False] * self._n
+            return self._results
+        except MaruError as exc:  # outcome unknown: the chunks stay reserved
+            log.warning("register of %d keys failed: %s", self._n, exc)
+            self._results = [False] * self._n
+            return self._results
+        self._results = self._outcome(statuses)
+        return self._results
+
+    def _outcome(self, statuses: list[int]) -> list[bool]:
+        handles, chunks = self._handles, self._handler._chunks
+        if self._positions is None:  # one run, every key sent
+            if statuses.count(_REGISTERED) == self._n:
+                return [True] * self._n
+            assert isinstance(handles, AllocHandle)
+            chunks.give_back(handles, [i for i, st in enumerate(statuses) if st != _REGISTERED])
+            return [st in (_REGISTERED, _EXISTS) for st in statuses]
+        results = [False] * self._n
+        for i, status in zip(self._positions, statuses):
+            if status != _REGISTERED:
+                chunks.give_back(handles[i])  # type: ignore[index,arg-type]
+            results[i] = status in (_REGISTERED, _EXISTS)
+        return results
+
+
+class Lookup:
+    """A LOOKUP_KV in flight. `wait()` (or entering it) gives `addresses` and `lengths`, int64
+    arrays (0 and 0 for a miss), and `infos()` a `MemoryInfo` per key; with `lease`, the hits
+    cannot be evicted or deleted until `release()` (leaving the `with` block) or the server's
+    lease timeout. A failed or malformed lookup reads as misses, never as an exception in the
+    middle of a prefetch."""
+
+    def __init__(self, handler: MaruHandler, keys: Sequence[Key], lease: bool):
+        self._handler = handler
+        self.n = len(keys)
+        self.lease_id = 0
+        self.addresses: np.ndarray | None = None
+        self.lengths: np.ndarray | None = None
+        self._offsets: np.ndarray | None = None
+        self._region_ids: np.ndarray | None = None
+        self._pending: PendingReply | None = None
+        if self.n:
+            try:
+                body = {"keys": list(keys), "lease": lease}
+                self._pending = handler._request(MsgType.LOOKUP_KV, body)
+            except MaruError as exc:
+                log.warning("lookup of %d keys failed: %s", self.n, exc)
+
+    def __enter__(self) -> Lookup:
+        self.wait()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def wait(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.addresses is None:
+            self._read_reply()
+        assert self.addresses is not None and self.lengths is not None
+        return self.addresses, self.lengths
+
+    def _read_reply(self) -> None:
+        n = self.n
+        zeros = np.zeros(n, np.int64)
+        self.addresses, self.lengths, self._offsets, self._region_ids = zeros, zeros, zeros, zeros
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        try:
+            reply = pending.result()
+        except MaruError as exc:
+            log.warning("lookup of %d keys failed: %s", n, exc)
+            return
+        self.lease_id = int(reply.get("lease_id") or 0)
+        try:
+            region_ids, offsets, lengths = (
+                np.frombuffer(reply[name], np.int64)
+                for name in ("region_ids", "offsets", "lengths")
+            )
+            if not len(region_ids) == len(offsets) == len(lengths) == n:
+                raise ValueError(f"{len(region_ids)} locations for {n} keys")
+            handles = [RegionHandle.from_wire(fields) for fields in reply["regions"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("lookup of %d keys: malformed reply (%s); treated as misses", n, exc)
+            return
+        # Region id 0 is never used: it marks a miss (address 0). A location outside its
+        # region's mapping is a miss too (never a read past the mapping).
+        addresses = np.zeros(n, np.int64)
+        found = np.zeros(n, bool)
+        for handle in handles:
+            mapped = self._handler._map(handle)
+            here = (region_ids == handle.region_id) & (offsets >= 0) & (lengths > 0)
+            here &= offsets + lengths <= handle.length
+            addresses[here] = offsets[here] + mapped.address
+            found |= here
+        if not found.all():
+            lengths = np.where(found, lengths, 0)
+            offsets = np.where(found, offsets, 0)
+            region_ids = np.where(found, region_ids, 0)
+        self.addresses, self.lengths, self._offsets, self._region_ids = (
+            addresses,
+            lengths,
+            offsets,
+            region_ids,
+        )
+
+    def infos(self) -> list[MemoryInfo | None]:
+        """A `MemoryInfo` per key (None for a miss): read-only views into the shared memory."""
+        addresses, lengths = self.wait()
+        assert self._offsets is not None and self._region_ids is not None
+        chunk = self._handler.get_chunk_size()
+        out: list[MemoryInfo | None] = []
+        mapper = self._handler._mapper
+        for address, length, offset, region_id in zip(
+            addresses.tolist(), lengths.tolist(), self._offsets.tolist(), self._region_ids.tolist()
+        ):
+            mapped = mapper.get(region_id) if address else None
+            if mapped is None:
+                out.append(None)
+                continue
+            view = mapped.view[offset : offset + length]
+            if not view.readonly:
+                view = view.toreadonly()
+            out.append(MemoryInfo(view, region_id, offset // chunk, offset, length, address))
+        return out
+
+    def release(self) -> None:
+        """End the lease (fire and forget: the reply is collected by a later request; if it
+        never arrives the lease expires on the server)."""
+        if self.addresses is None and self._pending is not None:
+            self.wait()  # a lease may be held even if the caller never looked
+        lease_id, self.lease_id = self.lease_id, 0
+        if lease_id:
+            try:
+                self._handler._request(MsgType.RELEASE, {"leases": [lease_id]})
+            except MaruError as exc:
+                log.debug("releasing lease %d failed: %s", lease_id, exc)

@@ -1,0 +1,121 @@
+"""The original Maru client API, called the way LMCache 0.5.6's shipped `MaruBackend` calls it
+(`lmcache/v1/storage_backend/maru_backend.py`): positional handles, `MaruConfig` with
+`instance_id=None` and `auto_connect=False`, and reads by region id and page index through
+`get_buffer_view`, across two real processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from maru import AllocHandle, MaruConfig, MaruHandler
+
+from .workers import digest, make_value, run_processes
+
+CHUNK = 64 << 10
+
+
+def _connect(url: str) -> MaruHandler:
+    # As MaruBackend._create_handler builds it: every keyword, instance_id None, connect().
+    config = MaruConfig(
+        server_url=url,
+        instance_id=None,
+        pool_size=8 << 20,
+        chunk_size_bytes=CHUNK,
+        auto_connect=False,
+        timeout_ms=5000,
+        use_async_rpc=True,
+        max_inflight=64,
+        eager_map=True,
+    )
+    handler = MaruHandler(config)
+    if not handler.connect():
+        raise RuntimeError(f"Failed to connect MaruHandler to {url}")
+    return handler
+
+
+def writer(url: str, keys: list[str], sizes: list[int]) -> dict:
+    """Allocates, writes into `handle.buf`, stores by handle positionally: the first key with
+    `store(key, handle)`, the rest with `batch_store(keys, handles)`."""
+    h = _connect(url)
+    try:
+        assert h.get_chunk_size() == CHUNK
+        handles = [h.alloc(size) for size in sizes]
+        for i, (handle, size) in enumerate(zip(handles, sizes)):
+            assert isinstance(handle, AllocHandle)
+            handle.buf[:size] = make_value(i, size)
+        first = h.store(keys[0], handles[0])
+        rest = h.batch_store(keys[1:], handles[1:])
+        spare = h.alloc(CHUNK)
+        free_before = h.free_chunks()
+        h.free(spare)
+        return {
+            "instance_id": h.instance_id,
+            "ok": [first, *rest],
+            "where": [(x.region_id, x.page_index) for x in handles],
+            "freed_one": h.free_chunks() == free_before + 1,
+            "digests": [digest(make_value(i, s)) for i, s in enumerate(sizes)],
+        }
+    finally:
+        h.close()
+
+
+def reader(url: str, keys: list[str]) -> dict:
+    """Retrieves as `MaruBackend.get_blocking` does, then reads each value again through
+    `get_buffer_view(region_id, page_index * chunk_size, len(view))`."""
+    h = _connect(url)
+    added: list[int] = []
+    h.on_region_added(added.append)
+    try:
+        infos = [h.retrieve(keys[0]), *h.batch_retrieve(keys[1:])]
+        out = {"where": [], "digests": [], "again": [], "pages": [], "lengths": []}
+        for info in infos:
+            chunk = h.get_chunk_size()
+            view = h.get_buffer_view(info.region_id, info.page_index * chunk, len(info.view))
+            out["where"].append((info.region_id, info.page_index))
+            out["digests"].append(digest(info.view))
+            out["again"].append(digest(view))
+            out["pages"].append(h.get_region_page_count(info.region_id))
+            out["lengths"].append(len(info.view))
+        out["exists"] = [h.exists(keys[0]), h.batch_exists([*keys, "nope"])]
+        out["pinned"] = [h.pin(keys[0]), h.batch_pin(keys[1:]), h.unpin(keys[0])]
+        out["unpinned"] = h.batch_unpin(keys[1:])
+        out["added"] = sorted(set(added))
+        out["missing_view"] = h.get_buffer_view(10**6, 0, 1) is None
+        return out
+    finally:
+        h.close()
+
+
+def test_store_by_handle_in_one_process_read_by_location_in_another(maru_server_factory):
+    server = maru_server_factory(pool_size="64M")
+    sizes = [CHUNK, 1000, 3 * CHUNK - 5, 100_000]  # full and partial chunks
+    keys = [f"lmcache@{i}" for i in range(len(sizes))]
+    (a,) = run_processes([(writer, (server.url, keys, sizes))], 60)
+    assert a["ok"] == [True] * len(keys)
+    assert a["freed_one"]
+    (b,) = run_processes([(reader, (server.url, keys))], 60)
+    assert b["where"] == [tuple(w) for w in a["where"]]
+    assert b["lengths"] == sizes  # partial chunks come back with their true size
+    assert b["digests"] == a["digests"] and b["again"] == a["digests"]
+    region_pages = (8 << 20) // CHUNK
+    assert b["pages"] == [region_pages] * len(keys)
+    assert b["exists"] == [True, [True] * len(keys) + [False]]
+    assert b["pinned"] == [True, [True] * (len(keys) - 1), True]
+    assert b["unpinned"] == [True] * (len(keys) - 1)
+    assert {rid for rid, _ in b["where"]} <= set(b["added"])  # the writer's region was added
+    assert b["missing_view"]
+    assert a["instance_id"]  # instance_id=None: a generated one
+
+
+def test_store_keeps_data_as_a_keyword_and_rejects_both(maru_server):
+    with MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes=CHUNK) as h:
+        assert h.store("kw", data=b"bytes by keyword")
+        assert h.store("pos", b"bytes by position")
+        assert bytes(h.retrieve("kw").view) == b"bytes by keyword"
+        assert h.batch_store(["p1", "p2"], [b"one", b"two"]) == [True, True]
+        assert bytes(h.retrieve("p2").view) == b"two"
+        handle = h.alloc(10)
+        with pytest.raises(ValueError):
+            h.store("both", b"x", handle=handle)
+        with pytest.raises(ValueError):
+            h.store("neither")
