@@ -31,3 +31,23 @@ def ok(svc: MaruService, msg_type: int, body: dict[str, Any]) -> dict:
     reply = call(svc, msg_type, body)
     assert reply["ok"], reply
     return reply
+
+
+def register_body(iid: str, rows: list[list[Any]]) -> dict[str, Any]:
+    """A REGISTER_KV request of one [key, region_id, offset, length] row per key."""
+    keys, region_ids, offsets, lengths = (list(c) for c in zip(*rows)) if rows else ([],) * 4
+    return {
+        "iid": iid,
+        "keys": keys,
+        "region_ids": protocol.pack_int64(region_ids),
+        "offsets": protocol.pack_int64(offsets),
+        "lengths": protocol.pack_int64(lengths),
+    }
+
+
+def locations(reply: dict[str, Any]) -> list[list[int] | None]:
+    """A LOOKUP_KV reply's columns as one [region_id, offset, length] per key, None for a miss."""
+    columns = (
+        memoryview(reply[name]).cast("q").tolist() for name in ("region_ids", "offsets", "lengths")
+    )
+    return [[r, o, n] if r else None for r, o, n in zip(*columns)]

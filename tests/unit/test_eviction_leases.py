@@ -17,6 +17,8 @@ from maru.server.service import MaruService
 from maru.server.token import TokenSigner
 
 from .keyindex_impls import key_index_impl  # noqa: F401 (autouse: C and Python)
+from .registry_calls import lease, locate, register
+from .service_calls import locations, register_body
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -40,7 +42,7 @@ def fill(reg: Registry, iid: str, region_id: int, names: list[str], size: int = 
     eviction order is registration order and each register may trigger eviction)."""
     base = sum(1 for e in reg.keys.values() if e.region_id == region_id) * size
     for i, name in enumerate(names):
-        status = reg.register(iid, [[name, region_id, base + i * size, size]])
+        status = register(reg, iid, [[name, region_id, base + i * size, size]])
         assert status == [RegisterStatus.REGISTERED], name
 
 
@@ -75,14 +77,14 @@ def test_lru_evicts_oldest_first_down_to_low_watermark(reg):
     assert reg.instances["A"].evicted == 5
     # the owner is told which pages came free, so its allocator can reuse them
     assert reg.take_freed("A") == [[rid, i * MiB, MiB] for i in range(5)]
-    assert reg.lookup(["k0", "k4"])[0] == [None, None]
+    assert locate(reg, ["k0", "k4"])[0] == [None, None]
     consistent(reg)
 
 
 def test_lookup_and_exists_count_as_use(reg):
     rid = reg.request_region("A", 16 * MiB).region_id
     fill(reg, "A", rid, [f"k{i}" for i in range(8)])
-    assert reg.lookup(["k0"])[0][0] is not None  # touch by lookup
+    assert locate(reg, ["k0"])[0][0] is not None  # touch by lookup
     assert reg.exists(["k1", "nope"]) == [True, False]  # touch by exists
     assert reg.exists([b"k2"]) == [False]  # bytes and str are different keys
     fill(reg, "A", rid, ["k8"])
@@ -95,7 +97,7 @@ def test_lookup_and_exists_count_as_use(reg):
 def test_a_miss_and_a_pin_do_not_reorder(reg):
     rid = reg.request_region("A", 16 * MiB).region_id
     fill(reg, "A", rid, [f"k{i}" for i in range(8)])
-    reg.lookup(["missing"])
+    locate(reg, ["missing"])
     reg.pin(["k0"])
     reg.unpin(["k0"])
     assert next(iter(reg.keys)) == "k0"
@@ -109,7 +111,7 @@ def test_pinned_and_leased_keys_are_never_evicted(reg):
     rid = reg.request_region("A", 16 * MiB).region_id
     fill(reg, "A", rid, [f"k{i}" for i in range(8)])
     assert reg.pin(["k0"], "B") == [True]
-    lease_id = reg.lease(["k1"], "B")
+    lease_id = lease(reg, ["k1"], "B")
     assert lease_id > 0
     fill(reg, "A", rid, ["k8"])
     assert {"k0", "k1"} <= set(reg.keys)
@@ -122,7 +124,7 @@ def test_when_everything_is_busy_nothing_is_evicted(reg):
     rid = reg.request_region("A", 16 * MiB).region_id
     fill(reg, "A", rid, [f"k{i}" for i in range(8)])
     reg.pin([f"k{i}" for i in range(4)], "A")
-    lease_id = reg.lease([f"k{i}" for i in range(4, 8)], "B")
+    lease_id = lease(reg, [f"k{i}" for i in range(4, 8)], "B")
     # The newest key is the only idle one, but it was just reported REGISTERED: it stays,
     # and usage stays above the high watermark until something becomes idle.
     fill(reg, "A", rid, ["k8"])
@@ -137,7 +139,7 @@ def test_when_everything_is_busy_nothing_is_evicted(reg):
 def test_leased_or_pinned_key_cannot_be_deleted(reg):
     rid = reg.request_region("A", 4 * MiB).region_id
     fill(reg, "A", rid, ["a", "b"])
-    lease_id = reg.lease(["a"], "B")
+    lease_id = lease(reg, ["a"], "B")
     reg.pin(["b"], "B")
     assert reg.delete(["a", "b"]) == [DeleteStatus.PINNED, DeleteStatus.PINNED]
     assert reg.delete_prefix("a") == (0, 1)  # (deleted, skipped)
@@ -151,15 +153,15 @@ def test_leased_or_pinned_key_cannot_be_deleted(reg):
 
 
 def test_lease_of_nothing_is_lease_zero(reg):
-    assert reg.lease(["missing", 5, None], "B") == 0
+    assert lease(reg, ["missing", 5, None], "B") == 0
     assert not reg.leases
 
 
 def test_leases_nest_and_release_is_idempotent(reg):
     rid = reg.request_region("A", 4 * MiB).region_id
     fill(reg, "A", rid, ["k"])
-    first = reg.lease(["k", "missing"], "B")
-    second = reg.lease(["k", "k"], None)  # a key twice in one batch is held twice
+    first = lease(reg, ["k", "missing"], "B")
+    second = lease(reg, ["k", "k"], None)  # a key twice in one batch is held twice
     assert first != second and reg.keys["k"].leases == 3
     assert reg.leases[first].entries == [reg.keys["k"]]  # only keys that exist are held
     assert reg.release([first, first, 999, "x", None]) == 1
@@ -175,8 +177,10 @@ def test_lease_expires(tmp_path):
     rid = reg.request_region("A", 4 * MiB).region_id
     fill(reg, "A", rid, ["k", "j"])
     now = time.monotonic()
-    short = reg.lease(["k"], "B", seconds=1.0)
-    default = reg.lease(["j"], "B")  # --lease-timeout: 5 s
+    reg.lease_seconds = 1.0
+    short = lease(reg, ["k"], "B")
+    reg.lease_seconds = 5.0
+    default = lease(reg, ["j"], "B")  # --lease-timeout: 5 s
     assert reg.expire_leases(now) == 0
     assert reg.expire_leases(now + 2.0) == 1 and short not in reg.leases
     assert reg.delete(["k"]) == [DeleteStatus.DELETED]
@@ -193,11 +197,11 @@ def test_lease_expires(tmp_path):
 def test_lease_on_key_deleted_meanwhile_is_harmless(reg):
     rid = reg.request_region("A", 4 * MiB).region_id
     fill(reg, "A", rid, ["k"])
-    lease_id = reg.lease(["k"], "B")
+    lease_id = lease(reg, ["k"], "B")
     reg.keys["k"].leases = 0  # simulate the key going (e.g. reaped owner + forced delete)
     assert reg.delete(["k"]) == [DeleteStatus.DELETED]
     fill(reg, "A", rid, ["k"])  # re-registered under the same name: a new entry
-    new_lease = reg.lease(["k"], "B")
+    new_lease = lease(reg, ["k"], "B")
     assert reg.release([lease_id]) == 1
     # the old lease held the old entry: the new entry's lease count is untouched
     assert reg.keys["k"].leases == 1
@@ -217,7 +221,7 @@ def test_reap_releases_pins_leases_and_regions(reg):
     fill(reg, "A", ra.region_id, ["a0", "a1"])
     reg.pin(["a0"], "B")
     reg.pin(["a0"], "A")  # A's own pin: stays after B goes
-    lease_id = reg.lease(["a1"], "B")
+    lease_id = lease(reg, ["a1"], "B")
     now = time.monotonic()
     reg.instances["A"].last_seen = now  # A is alive
     reg.instances["B"].last_seen = now - 100  # B went silent
@@ -230,11 +234,11 @@ def test_reap_releases_pins_leases_and_regions(reg):
     assert reg.delete(["a0"]) == [DeleteStatus.PINNED]
     # now A dies too: its keys stay readable, its regions are owner-disconnected
     assert reg.reap(10.0, now + 100) == ["A"]
-    assert reg.lookup(["a0"])[0] == [[ra.region_id, 0, MiB]]
+    assert locate(reg, ["a0"])[0] == [[ra.region_id, 0, MiB]]
     assert reg.regions[ra.region_id].returned
     assert empty.region_id not in reg.regions
     with pytest.raises(ProtocolError) as exc:  # a dead instance cannot write any more
-        reg.register("A", [["x", ra.region_id, 2 * MiB, 1]])
+        register(reg, "A", [["x", ra.region_id, 2 * MiB, 1]])
     assert exc.value.code == ErrorCode.UNKNOWN_INSTANCE
     assert reg.delete(["a0"]) == [DeleteStatus.DELETED]  # A's pin died with A
     assert ra.region_id not in reg.regions  # last key gone: region freed
@@ -260,7 +264,7 @@ def test_recycled_pid_inherits_nothing(reg):
     reg.reap(10.0)
     # a new process with the same PID is a new instance: no regions, no pins, no leases
     assert reg.handshake("C", 1) == []
-    assert reg.list_allocations("C") == []
+    assert reg.regions.handles("C") == []
     assert reg.stats()["instances"]["C"]["pins"] == 0
     with pytest.raises(ProtocolError) as exc:
         reg.return_region("C", r.region_id, r.token)
@@ -282,15 +286,15 @@ def test_watermark_math(tmp_path, high, low):
     at_high = int(high * cap)
     unit = 4 * KiB
     n = at_high // unit
-    reg.register("A", [[f"k{i}", rid, i * unit, unit] for i in range(n)])
+    register(reg, "A", [[f"k{i}", rid, i * unit, unit] for i in range(n)])
     rest = at_high - n * unit
     if rest:
-        reg.register("A", [["rest", rid, n * unit, rest]])
+        register(reg, "A", [["rest", rid, n * unit, rest]])
     assert reg.live_bytes == at_high and reg.counters["evictions"] == 0
     if at_high + 1 <= cap:
         # one byte more crosses it: evict down to the low watermark (and no further than one
         # key's worth below it)
-        reg.register("A", [["over", rid, at_high, 1]])
+        register(reg, "A", [["over", rid, at_high, 1]])
         assert reg.counters["evictions"] > 0
         assert reg.live_bytes <= low * cap
         assert reg.live_bytes > low * cap - unit
@@ -313,19 +317,19 @@ def test_evict_for_only_evicts_in_own_regions(tmp_path):
     ra = reg.request_region("A", 4 * MiB).region_id
     fill(reg, "B", rb, ["b0", "b1", "b2"])  # B's keys are the oldest
     fill(reg, "A", ra, ["a0", "a1", "a2"])
-    reg.lease(["a0"], "B")
-    assert reg.evict_for("A", MiB + 1) == 2 * MiB  # a1, a2 (a0 is leased; B's untouched)
+    lease(reg, ["a0"], "B")
+    assert reg.eviction.evict_for("A", MiB + 1) == 2 * MiB  # a1, a2 (a0 is leased; B's untouched)
     assert sorted(reg.keys) == ["a0", "b0", "b1", "b2"]
     assert reg.take_freed("A") == [[ra, MiB, MiB], [ra, 2 * MiB, MiB]]
     assert reg.take_freed("B") == []
-    assert reg.evict_for("A", MiB) == 0  # only a leased key left: nothing to give
+    assert reg.eviction.evict_for("A", MiB) == 0  # only a leased key left: nothing to give
     assert reg.counters["evictions"] == 2 and reg.counters["bytes_evicted"] == 2 * MiB
     for bad in (0, -1, "1M", None):
         with pytest.raises(ProtocolError) as exc:
-            reg.evict_for("A", bad)
+            reg.eviction.evict_for("A", bad)
         assert exc.value.code == ErrorCode.BAD_REQUEST
     with pytest.raises(ProtocolError) as exc:
-        reg.evict_for("nobody", MiB)
+        reg.eviction.evict_for("nobody", MiB)
     assert exc.value.code == ErrorCode.UNKNOWN_INSTANCE
     consistent(reg)
 
@@ -361,8 +365,8 @@ def test_orphan_reclaim_when_keys_of_orphans_interleave(tmp_path):
     reg.request_region("B", 4 * MiB)
     half = 512 * KiB
     for i in range(4):
-        reg.register("A", [[f"x{i}", r1, i * half, half]])
-        reg.register("A", [[f"y{i}", r2, i * half, half]])
+        register(reg, "A", [[f"x{i}", r1, i * half, half]])
+        register(reg, "A", [[f"y{i}", r2, i * half, half]])
     reg.disconnect("A")
     h = reg.request_region("B", 2 * MiB)
     assert h.length == 2 * MiB
@@ -396,8 +400,8 @@ def test_orphan_reclaim_skips_busy_keys_and_live_owners(tmp_path):
 
 def test_stats_report_evictions_and_bytes(reg):
     rid = reg.request_region("A", 16 * MiB).region_id
-    reg.register("A", [[f"k{i}", rid, i * MiB, MiB - 100] for i in range(6)])
-    reg.register("A", [[f"k{i}", rid, i * MiB, MiB - 100] for i in range(6, 10)])
+    register(reg, "A", [[f"k{i}", rid, i * MiB, MiB - 100] for i in range(6)])
+    register(reg, "A", [[f"k{i}", rid, i * MiB, MiB - 100] for i in range(6, 10)])
     stats = reg.stats()
     evicted = stats["counters"]["evictions"]
     assert evicted == 6  # 10 * (1 MiB - 100) > 8 MiB: down to <= 4 MiB (k6..k9 are new)
@@ -431,10 +435,10 @@ def call(svc, msg_type, body):
 def test_lookup_with_lease_holds_until_release(service):
     reg = service.registry
     rid = call(service, MsgType.REQUEST_REGION, {"iid": "A", "size": MiB})["region"][0]
-    call(service, MsgType.REGISTER_KV, {"iid": "A", "entries": [["k", rid, 0, 10]]})
+    call(service, MsgType.REGISTER_KV, register_body("A", [["k", rid, 0, 10]]))
     reply = call(service, MsgType.LOOKUP_KV, {"iid": "B", "keys": ["k", "x"], "lease": True})
     lease_id = reply["lease_id"]
-    assert lease_id > 0 and reply["locations"][0] == [rid, 0, 10]
+    assert lease_id > 0 and locations(reply)[0] == [rid, 0, 10]
     assert call(service, MsgType.DELETE_KV, {"keys": ["k"]})["results"] == [DeleteStatus.PINNED]
     assert call(service, MsgType.EVICT_FOR, {"iid": "A", "bytes": MiB})["freed_bytes"] == 0
     assert call(service, MsgType.RELEASE, {"iid": "A", "leases": [lease_id]})["released"] == 0
@@ -442,7 +446,7 @@ def test_lookup_with_lease_holds_until_release(service):
     assert call(service, MsgType.EVICT_FOR, {"iid": "A", "bytes": 1})["freed_bytes"] == 10
     assert not reg.keys
     # a lookup without `lease` takes none; a lease on misses is lease 0
-    assert "lease_id" not in call(service, MsgType.LOOKUP_KV, {"keys": ["k"]})
+    assert call(service, MsgType.LOOKUP_KV, {"keys": ["k"]})["lease_id"] == 0
     assert call(service, MsgType.LOOKUP_KV, {"keys": ["k"], "lease": True})["lease_id"] == 0
 
 
@@ -450,7 +454,7 @@ def test_freed_pages_are_not_handed_out_on_a_fire_and_forget_release(service):
     """The handler sends RELEASE without waiting for its reply (and may never read it): the
     one-time `freed` notification must wait for a reply the client does read."""
     rid = call(service, MsgType.REQUEST_REGION, {"iid": "A", "size": MiB})["region"][0]
-    call(service, MsgType.REGISTER_KV, {"iid": "A", "entries": [["k", rid, 0, 10]]})
+    call(service, MsgType.REGISTER_KV, register_body("A", [["k", rid, 0, 10]]))
     lease_id = call(service, MsgType.LOOKUP_KV, {"iid": "A", "keys": ["k"], "lease": True})[
         "lease_id"
     ]
@@ -464,7 +468,7 @@ def test_housekeeping_expires_leases_and_reaps(service):
     reg = service.registry
     service.heartbeat_timeout = 10.0
     rid = call(service, MsgType.REQUEST_REGION, {"iid": "A", "size": MiB})["region"][0]
-    call(service, MsgType.REGISTER_KV, {"iid": "A", "entries": [["k", rid, 0, 10]]})
+    call(service, MsgType.REGISTER_KV, register_body("A", [["k", rid, 0, 10]]))
     call(service, MsgType.LOOKUP_KV, {"iid": "A", "keys": ["k"], "lease": True})
     now = time.monotonic()
     service.housekeeping(now + reg.lease_seconds + 1)

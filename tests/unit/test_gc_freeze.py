@@ -21,6 +21,8 @@ from maru.server.service import MaruService
 from maru.server.token import TokenSigner
 
 from .keyindex_impls import use_python_key_index
+from .registry_calls import register
+from .service_calls import register_body
 
 MiB = 1 << 20
 
@@ -41,10 +43,9 @@ def young_key_entries(reg: Registry) -> int:
     return sum(id(entry) in scanned for entry in reg.keys.values())
 
 
-def register(svc: MaruService, rid: int, first: int, count: int) -> None:
-    keys = [f"k{first + i}" for i in range(count)]
-    body = {"iid": "w", "keys": keys, "region_id": rid, "length": 64}
-    body["offsets"] = [(first + i) * 64 for i in range(count)]
+def register_frame(svc: MaruService, rid: int, first: int, count: int) -> None:
+    rows = [[f"k{first + i}", rid, (first + i) * 64, 64] for i in range(count)]
+    body = register_body("w", rows)
     _, reply = protocol.decode(svc.handle_frame(protocol.encode(MsgType.REGISTER_KV, 1, body)))
     assert reply["results"] == [0] * count
 
@@ -56,7 +57,7 @@ def test_server_start_up_freezes_the_restored_registry(tmp_path, monkeypatch):
     reg = Registry(ShmPool(str(pool_path), 32 * MiB), TokenSigner(b"g" * 32), journal=journal)
     reg.handshake("w", 1)
     region = reg.request_region("w", 16 * MiB)
-    reg.register("w", [[f"k{i}", region.region_id, i * 64, 64] for i in range(5000)])
+    register(reg, "w", [[f"k{i}", region.region_id, i * 64, 64] for i in range(5000)])
     journal.close()
     del reg, region
 
@@ -86,7 +87,7 @@ def test_housekeeping_freezes_what_each_turn_registered(tmp_path):
         reg.handshake("w", 1)
         rid = reg.request_region("w", 16 * MiB).region_id
         for turn in range(3):
-            register(svc, rid, turn * 1000, 1000)
+            register_frame(svc, rid, turn * 1000, 1000)
             assert young_key_entries(reg) == 1000  # this turn's keys, not yet frozen
             frozen = gc.get_freeze_count()
             svc.housekeeping()
@@ -101,7 +102,7 @@ def test_without_gc_freeze_the_service_leaves_the_gc_alone(tmp_path):
     svc = MaruService(reg, "tcp://127.0.0.1:0", local_socket="none")
     try:
         reg.handshake("w", 1)
-        register(svc, reg.request_region("w", 16 * MiB).region_id, 0, 100)
+        register_frame(svc, reg.request_region("w", 16 * MiB).region_id, 0, 100)
         svc.housekeeping()
         assert gc.get_freeze_count() == 0
         assert young_key_entries(reg) == 100

@@ -17,6 +17,8 @@ from maru.server.pool import ShmPool
 from maru.server.registry import Registry
 from maru.server.token import TokenSigner
 
+from .registry_calls import register
+
 KiB, MiB = 1 << 10, 1 << 20
 SIGNER = TokenSigner(b"j" * 32)
 
@@ -80,15 +82,15 @@ def populate(reg: Registry) -> dict:
     r2 = reg.request_region("A", 2 * MiB)
     r3 = reg.request_region("B", 2 * MiB)
     r4 = reg.request_region("C", 2 * MiB)
-    reg.register("A", [[f"a{i}", r1.region_id, i * 64 * KiB, 1000 + i] for i in range(5)])
-    reg.register("B", [[b"b0", r3.region_id, 0, 10], ["b1", r3.region_id, 4096, 20]])
-    reg.register("C", [["c0", r4.region_id, 0, 30]])
+    register(reg, "A", [[f"a{i}", r1.region_id, i * 64 * KiB, 1000 + i] for i in range(5)])
+    register(reg, "B", [[b"b0", r3.region_id, 0, 10], ["b1", r3.region_id, 4096, 20]])
+    register(reg, "C", [["c0", r4.region_id, 0, 30]])
     reg.delete(["a1"])
     reg.return_region("B", r3.region_id, r3.token)  # T, keys remain: deferred
     reg.return_region("A", r2.region_id, r2.token)  # T + F: keyless
     reg.delete([b"b0"])
     reg.disconnect("C")  # like a reap: T
-    reg.evict_for("A", 1)  # D of the LRU key in A's regions (a0)
+    reg.eviction.evict_for("A", 1)  # D of the LRU key in A's regions (a0)
     return {"r1": r1, "r2": r2, "r3": r3, "r4": r4}
 
 
@@ -114,7 +116,7 @@ def test_round_trip_restores_regions_keys_and_pool_usage(env):
     new = restored.request_region("A", 2 * MiB)
     assert new.region_id > max(h.region_id for h in regions.values())
     # the restored registry keeps journaling: a second restart sees the new change too
-    restored.register("A", [["late", new.region_id, 0, 7]])
+    register(restored, "A", [["late", new.region_id, 0, 7]])
     expected = state(restored)
     env.close()
     assert state(env.open()) == expected
@@ -140,10 +142,10 @@ def test_records_are_in_the_file_before_sync(env):
     env.journal.fsync_interval = 3600
     reg.handshake("A", 1)
     r = reg.request_region("A", 2 * MiB)
-    reg.register("A", [["k", r.region_id, 0, 5]])
+    register(reg, "A", [["k", r.region_id, 0, 5]])
     records, _ = _read_records(env.journal_path().read_bytes())
     assert [rec[0] for rec in records] == ["R", "K"]
-    assert records[1][1] == [["k", r.region_id, 0, 5]]
+    assert records[1] == ["K", ["k"], [r.region_id], [0], [5]]
 
 
 def test_restart_without_changes_is_stable(env):
@@ -172,10 +174,10 @@ def test_snapshot_generations(tmp_path):
     assert os.path.getsize(env.journal_path()) == 0
     # changes after the snapshot go to the new generation's journal
     h = reg.request_region("A", 2 * MiB)
-    reg.register("A", [["after-snap", h.region_id, 0, 3]])
+    register(reg, "A", [["after-snap", h.region_id, 0, 3]])
     reg.delete(["a2"])
     env.journal.write_snapshot(reg.snapshot_state())
-    reg.register("A", [["after-snap-2", h.region_id, 4096, 4]])
+    register(reg, "A", [["after-snap-2", h.region_id, 4096, 4]])
     assert env.journal.generation == 2
     before = state(reg)
     env.close()
@@ -214,7 +216,7 @@ def _journal_with_tail(env) -> tuple[Registry, dict, bytes]:
     populate(reg)
     before_last = state(reg)
     rid = next(iter(reg.instances["A"].regions))
-    reg.register("A", [["last", rid, 2 * MiB, 99]])
+    register(reg, "A", [["last", rid, 2 * MiB, 99]])
     env.close()
     return reg, before_last, env.journal_path().read_bytes()
 
@@ -243,7 +245,7 @@ def test_torn_tail_is_ignored_and_truncated(env, keep):
     assert os.path.getsize(env.journal_path()) == start  # truncated away
     # records appended after the truncation are not hidden behind the damage
     rid = next(iter(reg.instances["A"].regions))
-    reg.register("A", [["after", rid, 3 * MiB, 5]])
+    register(reg, "A", [["after", rid, 3 * MiB, 5]])
     env.close()
     assert "after" in env.open().keys
 
@@ -300,7 +302,7 @@ def test_corruption_in_the_middle_drops_everything_after_it(env):
     reg.handshake("A", 1)
     r = reg.request_region("A", 2 * MiB)
     for i in range(5):
-        reg.register("A", [[f"k{i}", r.region_id, i * 4096, 10]])
+        register(reg, "A", [[f"k{i}", r.region_id, i * 4096, 10]])
     env.close()
     data = env.journal_path().read_bytes()
     records, _ = _read_records(data)
@@ -396,7 +398,7 @@ def test_identity_mismatch_discards_state_but_keeps_the_secret(tmp_path):
     reg = env.open()
     populate(reg)
     env.journal.write_snapshot(reg.snapshot_state())
-    reg.register("A", [["x", next(iter(reg.instances["A"].regions)), 3 * MiB, 1]])
+    register(reg, "A", [["x", next(iter(reg.instances["A"].regions)), 3 * MiB, 1]])
     env.close()
     (env.state_dir / "secret.key").write_bytes(b"s" * 32)
     cli.discard_state(env.state_dir)
@@ -423,7 +425,7 @@ def test_pins_survive_a_restart_until_their_holder_is_reaped(env, snapshot_first
     reg.handshake("A", 1)
     reg.handshake("B", 2)
     rid = reg.request_region("A", 2 * MiB).region_id
-    reg.register("A", [[f"k{i}", rid, i * 4096, 100] for i in range(4)])
+    register(reg, "A", [[f"k{i}", rid, i * 4096, 100] for i in range(4)])
     assert reg.pin(["k0", "k1"], "A") == [True, True]
     assert reg.pin(["k1", "k2"], "B") == [True, True]
     assert reg.pin(["k3"]) == [True]  # a pin without an instance: kept until unpinned

@@ -21,6 +21,8 @@ from maru.server.registry import Registry
 from maru.server.service import MaruService
 from maru.server.token import TokenSigner
 
+from .registry_calls import register
+
 MiB = 1 << 20
 SYNCER = "maru-journal-fsync"
 JOURNAL_FILE = re.compile(r"/journal-\d+\.log$")
@@ -137,8 +139,8 @@ def test_rotation_under_concurrent_fsyncs_loses_no_record(tmp_path, monkeypatch)
     for rotation in range(150):
         for _ in range(4):
             batch = [f"k{n + i}" for i in range(16)]
-            reg.register(
-                "A", [[k, region.region_id, (n + i) * 128, 100] for i, k in enumerate(batch)]
+            register(
+                reg, "A", [[k, region.region_id, (n + i) * 128, 100] for i, k in enumerate(batch)]
             )
             n += 16
             expected.update(batch)
@@ -148,7 +150,7 @@ def test_rotation_under_concurrent_fsyncs_loses_no_record(tmp_path, monkeypatch)
         expected.difference_update(gone)
         journal.write_snapshot(reg.snapshot_state())
         assert journal.generation == rotation + 1
-    reg.register("A", [["tail", region.region_id, n * 128, 100]])  # only in the journal
+    register(reg, "A", [["tail", region.region_id, n * 128, 100]])  # only in the journal
     expected.add("tail")
     journal.close()
 
@@ -173,7 +175,7 @@ def test_a_failed_fsync_is_logged_and_healed_by_a_snapshot(tmp_path, monkeypatch
         region = reg.request_region("A", 4 * MiB)
         spy.fail = OSError(errno.EIO, "Input/output error")
         with caplog.at_level(logging.ERROR, logger="maru.server.journal"):
-            reg.register("A", [["k1", region.region_id, 0, 10]])
+            register(reg, "A", [["k1", region.region_id, 0, 10]])
             wait_for(lambda: journal.sync_error is not None)
         assert "journal fsync of" in caplog.text and "Input/output error" in caplog.text
         assert journal.fsync_errors >= 1 and journal.needs_snapshot
@@ -181,7 +183,7 @@ def test_a_failed_fsync_is_logged_and_healed_by_a_snapshot(tmp_path, monkeypatch
         svc.housekeeping()  # the loop's next turn: a fresh snapshot of the whole registry
         assert journal.generation == 1 and journal.sync_error is None
         assert not journal.needs_snapshot
-        reg.register("A", [["k2", region.region_id, 4096, 10]])
+        register(reg, "A", [["k2", region.region_id, 4096, 10]])
     finally:
         svc.close()  # closes the journal
     reg, journal = open_registry(state_dir, pool)

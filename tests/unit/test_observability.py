@@ -18,7 +18,7 @@ from maru.server.logs import JsonFormatter, Throttle, configure_logging
 from maru.server.metrics import MaruCollector, read_stats
 from maru.server.service import LATENCY_BUCKETS
 
-from .service_calls import call, make_service, ok
+from .service_calls import call, make_service, ok, register_body
 
 MiB = 1 << 20
 
@@ -36,7 +36,7 @@ def setup_instance(svc, iid="A", page_size=64 << 10, size=4 * MiB) -> int:
 
 
 def register(svc, iid, rid, entries):
-    return ok(svc, MsgType.REGISTER_KV, {"iid": iid, "entries": entries})["results"]
+    return ok(svc, MsgType.REGISTER_KV, register_body(iid, entries))["results"]
 
 
 # -- latency histograms and error counts -----------------------------------------------------
@@ -251,7 +251,7 @@ def test_throttle_logs_one_line_per_key_per_interval_and_counts_the_rest():
 def test_write_path_evictions_do_not_flood_the_log(service, caplog):
     rid = setup_instance(service, "A", size=4 * MiB)
     register(service, "A", rid, [[f"k{i}", rid, i * 65536, 65536] for i in range(40)])
-    with caplog.at_level(logging.INFO, logger="maru.server.registry"):
+    with caplog.at_level(logging.INFO, logger="maru.server.eviction"):
         for _ in range(30):  # a store under pressure evicts for room every time
             ok(service, MsgType.EVICT_FOR, {"iid": "A", "bytes": 1})
     lines = [r.getMessage() for r in caplog.records if "eviction round" in r.getMessage()]

@@ -26,6 +26,8 @@ from maru.server.registry import Registry
 from maru.server.service import MaruService
 from maru.server.token import TokenSigner
 
+from .registry_calls import register
+
 MiB = 1 << 20
 KNOWN_IIDS = ["fz", "fz-2"]
 KNOWN_KEYS = ["k0", "k1", b"k2", "k3"]
@@ -57,14 +59,19 @@ def field_strategies(region_ids: list[int], tokens: list[str]) -> dict:
     """Per field: mostly plausible values (known ids, tokens, keys), sometimes anything."""
     region_id = st.sampled_from(region_ids) | small_ints | values
     token = st.sampled_from(tokens) | st.text(max_size=40) | values
-    entry = st.lists(st.one_of(keys, region_id, small_ints, st.integers(0, 4 * MiB)), max_size=5)
+
+    def column(ints):  # mostly packed int64s (of any count: it must match the keys'), or anything
+        return st.lists(ints, max_size=6).map(protocol.pack_int64) | st.binary(max_size=24) | values
+
     return {
         "iid": st.sampled_from(KNOWN_IIDS) | st.text(max_size=12) | values,
         "pid": st.integers(-(2**63), 2**64 - 1) | values,
         "size": st.integers(-1, 1 << 40) | values,
         "region_id": region_id,
         "token": token,
-        "entries": st.lists(entry | values, max_size=6) | values,
+        "region_ids": column(st.sampled_from(region_ids) | small_ints),
+        "offsets": column(st.integers(-1, 4 * MiB) | st.sampled_from([0, 4096, 2 * MiB - 100])),
+        "lengths": column(small_ints | st.integers(-1, 3 * MiB) | st.sampled_from([100, 4096])),
         "keys": st.lists(plain_keys, max_size=6) | st.lists(keys, max_size=6) | values,
         "lease": st.booleans() | values,
         "leases": st.lists(small_ints | values, max_size=4) | values,
@@ -90,7 +97,7 @@ HUGE_LENGTH_BODIES = [
     b"\xdf\xff\xff\xff\xff\x01",  # map32
     b"\x81\xa4keys\xdd\x7f\xff\xff\xff",  # {"keys": array of 2**31 - 1 (absent) items}
     b"\x81\xa4keys\xdc\xff\xff" + b"\xa1k" * 10,  # array16 of 65535 with 10 present
-    b"\x82\xa3iid\xa2fz\xa7entries\xdd\x00\x01\x00\x00",  # 65536 entries, none present
+    b"\x82\xa3iid\xa2fz\xa4keys\xdd\x00\x01\x00\x00",  # 65536 keys, none present
     b"\xc7\xff\x05",  # ext8 longer than the frame
 ]
 
@@ -129,11 +136,16 @@ def frames(region_ids: list[int], tokens: list[str]):
 
 
 def check_reply(frame: bytes, reply: bytes) -> dict:
-    """One well-formed reply; an error carries a known, non-INTERNAL code."""
-    head, body = protocol.decode(reply)
+    """One well-formed reply, in the request's protocol version (a request of another version
+    gets a BAD_VERSION error it can read); an error carries a known, non-INTERNAL code."""
+    head = protocol.decode_header(reply)
+    body = msgpack.unpackb(reply[HEADER.size :])
     assert head.flags & FLAG_REPLY
     if len(frame) >= HEADER.size and frame[:4] == MAGIC:
         assert head.request_id == HEADER.unpack_from(frame)[4]
+        assert head.version == HEADER.unpack_from(frame)[1]
+    if head.version != PROTOCOL_VERSION:
+        assert body["code"] == ErrorCode.BAD_VERSION
     if body.get("ok") is not True:
         assert body["ok"] is False
         assert isinstance(body["error"], str) and body["error"]
@@ -164,7 +176,8 @@ class Target:
         for iid in KNOWN_IIDS:
             reg.handshake(iid, 1)
         handle = reg.request_region("fz", 2 * MiB)
-        reg.register("fz", [[k, handle.region_id, i * 4096, 100] for i, k in enumerate(KNOWN_KEYS)])
+        rows = [[k, handle.region_id, i * 4096, 100] for i, k in enumerate(KNOWN_KEYS)]
+        register(reg, "fz", rows)
         self.region_ids = [handle.region_id]
         self.tokens = [handle.token]
         self.replies = {"ok": 0, "error": 0}

@@ -19,6 +19,7 @@ from maru.server.registry import Registry
 from maru.server.token import TokenSigner
 
 from .keyindex_impls import key_index_impl  # noqa: F401 (autouse: C and Python)
+from .registry_calls import locate, register
 
 MiB = 1 << 20
 
@@ -41,7 +42,7 @@ def test_unknown_instance_must_handshake(registry):
         registry.request_region("nobody", MiB)
     assert codes(exc) == ErrorCode.UNKNOWN_INSTANCE
     with pytest.raises(ProtocolError) as exc:
-        registry.register("nobody", [["k", 1, 0, 10]])
+        register(registry, "nobody", [["k", 1, 0, 10]])
     assert codes(exc) == ErrorCode.UNKNOWN_INSTANCE
 
 
@@ -62,7 +63,7 @@ def test_region_is_rounded_signed_and_returned_on_rehandshake(registry):
     # a reconnecting instance is told which regions it still owns
     assert registry.handshake("A", 101) == [h]
     assert registry.handshake("B", 201) == []
-    assert registry.region_access(h.region_id, h.token) == h
+    assert registry.regions.verified(h.region_id, h.token).handle() == h
 
 
 def test_pool_full_is_an_error_naming_the_pool(registry, caplog):
@@ -89,10 +90,10 @@ def test_bad_region_size(registry, size):
 def test_first_writer_wins(registry):
     ra = registry.request_region("A", 2 * MiB)
     rb = registry.request_region("B", 2 * MiB)
-    assert registry.register("A", [["k", ra.region_id, 0, 100]]) == [RegisterStatus.REGISTERED]
-    assert registry.register("B", [["k", rb.region_id, 0, 100]]) == [RegisterStatus.EXISTS]
-    assert registry.register("A", [["k", ra.region_id, 4096, 100]]) == [RegisterStatus.EXISTS]
-    locations, regions = registry.lookup(["k"])
+    assert register(registry, "A", [["k", ra.region_id, 0, 100]]) == [RegisterStatus.REGISTERED]
+    assert register(registry, "B", [["k", rb.region_id, 0, 100]]) == [RegisterStatus.EXISTS]
+    assert register(registry, "A", [["k", ra.region_id, 4096, 100]]) == [RegisterStatus.EXISTS]
+    locations, regions = locate(registry, ["k"])
     assert locations == [[ra.region_id, 0, 100]]
     assert regions == [ra]
     assert len(registry.keys) == 1
@@ -102,7 +103,7 @@ def test_first_writer_wins(registry):
 
 def test_duplicate_within_one_batch(registry):
     r = registry.request_region("A", 2 * MiB)
-    statuses = registry.register("A", [["k", r.region_id, 0, 10], ["k", r.region_id, 4096, 10]])
+    statuses = register(registry, "A", [["k", r.region_id, 0, 10], ["k", r.region_id, 4096, 10]])
     assert statuses == [RegisterStatus.REGISTERED, RegisterStatus.EXISTS]
     assert registry.regions[r.region_id].live_keys == 1
 
@@ -117,23 +118,50 @@ def test_register_rejects_invalid_locations(registry):
         ["past-end", rid, 2 * MiB - 5, 10],
         ["neg-offset", rid, -1, 10],
         ["zero-len", rid, 0, 0],
-        ["str-offset", rid, "0", 10],
+        ["neg-len", rid, 0, -10],
         [123, rid, 0, 10],  # key of the wrong type
         ["k" * (MAX_KEY_BYTES + 1), rid, 0, 10],  # oversized key
-        ["short-entry", rid, 0],
-        "not-a-list",
         ["ok", rid, 2 * MiB - 10, 10],  # exactly at the end: fine
     ]
-    statuses = registry.register("A", entries)
+    statuses = register(registry, "A", entries)
     assert statuses[:-1] == [RegisterStatus.REJECTED] * (len(entries) - 1)
     assert statuses[-1] == RegisterStatus.REGISTERED
     assert list(registry.keys) == ["ok"]
 
 
+def test_register_decides_per_key_in_a_mixed_batch(registry):
+    """Several regions and lengths in one batch: each key by the same rules, each region
+    checked for itself; a key registered before is EXISTS even at an invalid location."""
+    ra = registry.request_region("A", 2 * MiB)
+    ra2 = registry.request_region("A", 2 * MiB)
+    rb = registry.request_region("B", 2 * MiB)
+    register(registry, "A", [["old", ra.region_id, 0, 10]])
+    rows = [
+        ["a", ra.region_id, 4096, 10],
+        ["b", ra2.region_id, 0, 4096],
+        ["old", rb.region_id, 0, 10],  # registered before: EXISTS, wherever it claims to be
+        ["c", rb.region_id, 4096, 10],  # B's region
+        ["a", ra2.region_id, 4096, 20],  # earlier in the batch
+        ["d", ra2.region_id, 2 * MiB - 4096, 4097],  # past the end
+        ["e", ra2.region_id, 8192, 100],
+    ]
+    R, E, X = RegisterStatus.REGISTERED, RegisterStatus.EXISTS, RegisterStatus.REJECTED
+    assert register(registry, "A", rows) == [R, R, E, X, E, X, R]
+    assert locate(registry, ["a", "b", "e"])[0] == [
+        [ra.region_id, 4096, 10],
+        [ra2.region_id, 0, 4096],
+        [ra2.region_id, 8192, 100],
+    ]
+    assert registry.regions[ra2.region_id].live_keys == 2
+    assert registry.live_bytes == 10 + 10 + 4096 + 100
+    assert registry.instances["A"].keys_registered == 4
+    assert registry.counters["keys_duplicate"] == 2
+
+
 def test_lookup_misses_and_counters(registry):
     r = registry.request_region("A", 2 * MiB)
-    registry.register("A", [["a", r.region_id, 0, 1], [b"b", r.region_id, 4096, 2]])
-    locations, regions = registry.lookup(["a", "missing", b"b", b"a", 42, None], "B")
+    register(registry, "A", [["a", r.region_id, 0, 1], [b"b", r.region_id, 4096, 2]])
+    locations, regions = locate(registry, ["a", "missing", b"b", b"a", 42, None], "B")
     assert locations == [[r.region_id, 0, 1], None, [r.region_id, 4096, 2], None, None, None]
     assert regions == [r]
     assert registry.counters["hits"] == 2 and registry.counters["misses"] == 4
@@ -143,7 +171,7 @@ def test_lookup_misses_and_counters(registry):
 
 def test_pinned_delete_refused_until_unpinned(registry):
     r = registry.request_region("A", 2 * MiB)
-    registry.register("A", [["k", r.region_id, 0, 10]])
+    register(registry, "A", [["k", r.region_id, 0, 10]])
     assert registry.pin(["k", "k", "missing"]) == [True, True, False]
     assert registry.delete(["k"]) == [DeleteStatus.PINNED]
     assert registry.unpin(["k"]) == [True]
@@ -154,12 +182,12 @@ def test_pinned_delete_refused_until_unpinned(registry):
         DeleteStatus.NOT_FOUND,
         DeleteStatus.NOT_FOUND,
     ]
-    assert registry.lookup(["k"])[0] == [None]
+    assert locate(registry, ["k"])[0] == [None]
 
 
 def test_freed_page_notification_goes_to_the_owner(registry):
     r = registry.request_region("A", 2 * MiB)
-    registry.register("A", [["k1", r.region_id, 0, 10], ["k2", r.region_id, 65536, 20]])
+    register(registry, "A", [["k1", r.region_id, 0, 10], ["k2", r.region_id, 65536, 20]])
     assert registry.take_freed("A") == []
     registry.delete(["k2"])  # whoever deletes, the owner is told
     assert registry.take_freed("B") == []
@@ -172,15 +200,15 @@ def test_freed_page_notification_goes_to_the_owner(registry):
 def test_deferred_free(registry):
     pool = registry.pool
     r = registry.request_region("A", 2 * MiB)
-    registry.register("A", [["k1", r.region_id, 0, 10], ["k2", r.region_id, 4096, 10]])
+    register(registry, "A", [["k1", r.region_id, 0, 10], ["k2", r.region_id, 4096, 10]])
     used = pool.used
     registry.return_region("A", r.region_id, r.token)
     # keys in a returned region stay readable; the region is not freed yet
-    assert registry.lookup(["k1"])[0] == [[r.region_id, 0, 10]]
+    assert locate(registry, ["k1"])[0] == [[r.region_id, 0, 10]]
     assert r.region_id in registry.regions and pool.used == used
     assert registry.handshake("A", 1) == []  # but A no longer owns it
     # ... and nobody may register into it any more
-    assert registry.register("A", [["k3", r.region_id, 8192, 10]]) == [RegisterStatus.REJECTED]
+    assert register(registry, "A", [["k3", r.region_id, 8192, 10]]) == [RegisterStatus.REJECTED]
     registry.delete(["k1"])
     assert r.region_id in registry.regions and pool.used == used
     assert registry.take_freed("A") == []  # returned region: pages are not handed back
@@ -213,7 +241,7 @@ def test_return_region_checks(registry):
     with pytest.raises(ProtocolError) as exc:
         registry.return_region("B", r.region_id, r.token)
     assert codes(exc) == ErrorCode.NOT_OWNER
-    registry.register("A", [["k", r.region_id, 0, 1]])
+    register(registry, "A", [["k", r.region_id, 0, 1]])
     registry.return_region("A", r.region_id, r.token)
     with pytest.raises(ProtocolError) as exc:  # twice
         registry.return_region("A", r.region_id, r.token)
@@ -225,17 +253,17 @@ def test_region_access_needs_the_right_token(registry):
     r = registry.request_region("A", 2 * MiB)
     other = registry.request_region("B", 2 * MiB)
     with pytest.raises(ProtocolError) as exc:
-        registry.region_access(r.region_id, other.token)
+        registry.regions.verified(r.region_id, other.token)
     assert codes(exc) == ErrorCode.BAD_TOKEN
     with pytest.raises(ProtocolError) as exc:
-        registry.region_access("1", r.token)
+        registry.regions.verified("1", r.token)
     assert codes(exc) == ErrorCode.UNKNOWN_REGION
 
 
 def test_disconnect_releases_regions_deferred(registry):
     r1 = registry.request_region("A", 2 * MiB)
     r2 = registry.request_region("A", 2 * MiB)
-    registry.register("A", [["k", r1.region_id, 0, 1]])
+    register(registry, "A", [["k", r1.region_id, 0, 1]])
     registry.disconnect("A")
     assert "A" not in registry.instances
     assert r2.region_id not in registry.regions  # keyless: freed now
@@ -247,9 +275,9 @@ def test_disconnect_releases_regions_deferred(registry):
 def test_list_allocations_and_stats(registry):
     ra = registry.request_region("A", 2 * MiB)
     rb = registry.request_region("B", 2 * MiB)
-    registry.register("A", [["k", ra.region_id, 0, 100]])
-    assert registry.list_allocations("A") == [ra]
-    assert sorted(h.region_id for h in registry.list_allocations()) == [
+    register(registry, "A", [["k", ra.region_id, 0, 100]])
+    assert registry.regions.handles("A") == [ra]
+    assert sorted(h.region_id for h in registry.regions.handles()) == [
         ra.region_id,
         rb.region_id,
     ]

@@ -10,6 +10,7 @@ import pytest
 from maru.server.registry import Registry
 
 from .keyindex_impls import key_index_impl  # noqa: F401 (autouse: C and Python)
+from .registry_calls import lease, locate
 from .test_eviction_leases import MiB, consistent, fill, make_registry
 
 
@@ -19,19 +20,14 @@ def reg(tmp_path) -> Registry:
 
 
 def _lookup(reg: Registry, keys: list[str]) -> None:
-    assert None not in reg.lookup(keys, "B")[0]
-
-
-def _lookup_columnar(reg: Registry, keys: list[str]) -> None:
-    assert 0 not in memoryview(reg.lookup_columnar(keys, "B")[0]).cast("q").tolist()
+    assert None not in locate(reg, keys, "B")[0]
 
 
 def _lookup_leased(reg: Registry, keys: list[str]) -> None:
-    lease_id = reg.lookup_columnar(keys, "B", lease=True)[4]
-    assert reg.release([lease_id]) == 1
+    assert reg.release([lease(reg, keys, "B")]) == 1
 
 
-HITS = [_lookup, _lookup_columnar, _lookup_leased]
+HITS = [_lookup, _lookup_leased]
 
 
 @pytest.mark.parametrize("hit", HITS, ids=lambda f: f.__name__.strip("_"))
@@ -50,7 +46,7 @@ def test_a_hit_key_survives_eviction_of_younger_keys_never_hit(reg, hit):
     assert reg.counters["evictions"] == 5
     consistent(reg)
     # without another hit, k0 is now just another key, evicted in its new place
-    assert reg.evict_for("A", 4 * MiB) == 4 * MiB
+    assert reg.eviction.evict_for("A", 4 * MiB) == 4 * MiB
     assert list(reg.keys) == []
 
 
@@ -72,11 +68,11 @@ def test_when_every_candidate_was_hit_a_second_pass_still_frees_enough(reg):
     names = [f"k{i}" for i in range(8)]
     fill(reg, "A", rid, names)
     reg.pin(["k0"], "A")
-    lease_id = reg.lookup_columnar(["k1"], "B", lease=True)[4]
+    lease_id = lease(reg, ["k1"], "B")
     _lookup(reg, names)  # every key is referenced, busy ones included
     fill(reg, "A", rid, ["k8"])  # 9 MiB: 5 MiB must go, only k2..k7 may
     assert reg.counters["evictions"] == 5 and reg.counters["eviction_rounds"] == 1
-    assert reg.live_bytes == 4 * MiB <= reg.low_watermark * reg.pool.capacity
+    assert reg.live_bytes == 4 * MiB <= reg.eviction.low_watermark * reg.pool.capacity
     # busy keys stay (pinned k0, leased k1), the just-registered k8 stays, and of the spared
     # k2..k7 the second pass took the oldest five
     assert sorted(reg.keys) == ["k0", "k1", "k7", "k8"]
@@ -87,12 +83,12 @@ def test_when_every_candidate_was_hit_a_second_pass_still_frees_enough(reg):
     # k0, k1, k8, k7 (the second pass kept the order of the keys it had spared)
     assert list(reg.keys) == ["k0", "k1", "k8", "k7"]
     _lookup(reg, ["k7", "k8"])
-    assert reg.evict_for("A", MiB) == MiB
+    assert reg.eviction.evict_for("A", MiB) == MiB
     assert sorted(reg.keys) == ["k0", "k1", "k7"]
     # only busy keys left (and k7): once k7 is gone nothing more can be freed, however wanted
-    assert reg.evict_for("A", 10 * MiB) == MiB
+    assert reg.eviction.evict_for("A", 10 * MiB) == MiB
     assert sorted(reg.keys) == ["k0", "k1"]
-    assert reg.evict_for("A", MiB) == 0
+    assert reg.eviction.evict_for("A", MiB) == 0
     assert reg.release([lease_id]) == 1
     consistent(reg)
 
@@ -109,7 +105,7 @@ def test_keys_are_listed_in_the_reverse_of_eviction_order(tmp_path):
     evicted = []
     while reg.keys:
         before = set(reg.keys)
-        assert reg.evict_for("A", 1) == MiB
+        assert reg.eviction.evict_for("A", 1) == MiB
         evicted += before - set(reg.keys)
     assert evicted == listed[::-1]
 
@@ -117,8 +113,8 @@ def test_keys_are_listed_in_the_reverse_of_eviction_order(tmp_path):
 def test_release_decrements_the_entries_of_that_lease_only(reg):
     rid = reg.request_region("A", 16 * MiB).region_id
     fill(reg, "A", rid, ["a", "b", "c"])
-    first = reg.lookup_columnar(["a", "b", "missing", "b"], "B", lease=True)[4]
-    second = reg.lease(["b", "c", "missing"], None)
+    first = lease(reg, ["a", "b", "missing", "b"], "B")
+    second = lease(reg, ["b", "c", "missing"], None)
     assert [e.leases for e in reg.leases[first].entries] == [1, 3, 3]  # a, b, b: b held 3x
     assert reg.leases[first].entries == [reg.keys[k] for k in ("a", "b", "b")]
     assert {k: e.leases for k, e in reg.keys.items()} == {"a": 1, "b": 3, "c": 1}
@@ -128,7 +124,7 @@ def test_release_decrements_the_entries_of_that_lease_only(reg):
     assert reg.release([first]) == 0  # idempotent: nothing decremented twice
     assert {k: e.leases for k, e in reg.keys.items()} == {"a": 0, "b": 1, "c": 1}
     consistent(reg)
-    assert reg.evict_for("A", 3 * MiB) == MiB  # only a is idle
+    assert reg.eviction.evict_for("A", 3 * MiB) == MiB  # only a is idle
     assert sorted(reg.keys) == ["b", "c"]
     assert reg.release([second]) == 1
     assert not any(e.busy for e in reg.keys.values())

@@ -9,9 +9,10 @@ import pytest
 from maru.common import protocol
 from maru.common.protocol import HEADER, MAGIC, MAX_KEY_BYTES, ErrorCode, MsgType
 
-from .service_calls import call, make_service, ok
+from .service_calls import call, locations, make_service, ok, register_body
 
 MiB = 1 << 20
+BAD = ErrorCode.BAD_REQUEST
 
 
 @pytest.fixture
@@ -37,10 +38,10 @@ def test_handshake_region_register_lookup(service):
     assert hs["regions"] == [] and hs["version"] == protocol.PROTOCOL_VERSION
     region = ok(service, MsgType.REQUEST_REGION, {"iid": "A", "size": MiB})["region"]
     rid = region[0]
-    reply = ok(service, MsgType.REGISTER_KV, {"iid": "A", "entries": [["k", rid, 0, 5]]})
+    reply = ok(service, MsgType.REGISTER_KV, register_body("A", [["k", rid, 0, 5]]))
     assert reply["results"] == [0]
     reply = ok(service, MsgType.LOOKUP_KV, {"keys": ["k", "x"]})
-    assert reply["locations"] == [[rid, 0, 5], None]
+    assert locations(reply) == [[rid, 0, 5], None]
     assert reply["regions"] == [region]
     assert ok(service, MsgType.EXISTS, {"keys": ["k", "x"]})["results"] == [True, False]
     assert ok(service, MsgType.HEARTBEAT, {})["ok"] is True
@@ -64,15 +65,26 @@ def test_garbage_gets_bad_frame(service, frame):
 
 
 def test_bad_body_keeps_request_id(service):
-    header, body = raw(service, HEADER.pack(MAGIC, 1, MsgType.STATS, 0, 77) + b"\xc1")
+    frame = HEADER.pack(MAGIC, protocol.PROTOCOL_VERSION, MsgType.STATS, 0, 77) + b"\xc1"
+    header, body = raw(service, frame)
     assert header.request_id == 77 and header.msg_type == MsgType.STATS
     assert body["code"] == ErrorCode.BAD_FRAME
 
 
-def test_bad_version(service):
-    _, body = raw(service, HEADER.pack(MAGIC, 99, MsgType.STATS, 0, 3) + msgpack.packb({}))
-    assert body["code"] == ErrorCode.BAD_VERSION
-    assert "99" in body["error"]
+@pytest.mark.parametrize("version", [1, 99])
+def test_a_request_of_another_version_gets_an_error_it_can_read(service, version):
+    """Answered in the request's own version (the error body has one form in every version),
+    naming both versions; a version-1 client shows it instead of failing to decode."""
+    request = protocol.encode(MsgType.HANDSHAKE, 3, {"iid": "old"}, version=version)
+    reply = service.handle_frame(request)
+    header = protocol.decode_header(reply)
+    assert (header.version, header.request_id, header.msg_type) == (version, 3, MsgType.HANDSHAKE)
+    assert header.flags & protocol.FLAG_REPLY
+    body = msgpack.unpackb(reply[HEADER.size :])
+    assert body["ok"] is False and body["code"] == ErrorCode.BAD_VERSION
+    assert f"version {protocol.PROTOCOL_VERSION}" in body["error"]
+    assert f"version {version}" in body["error"]
+    assert "old" not in service.registry.instances
 
 
 @pytest.mark.parametrize("msg_type", [0, 200, 255])
@@ -90,8 +102,12 @@ def test_unknown_message_type(service, msg_type):
         (MsgType.REQUEST_REGION, {"iid": "A", "size": "big"}, ErrorCode.BAD_REQUEST),
         (MsgType.REQUEST_REGION, {"iid": "A", "size": 1 << 40}, ErrorCode.POOL_FULL),
         (MsgType.REGISTER_KV, {"iid": "A"}, ErrorCode.BAD_REQUEST),
-        (MsgType.REGISTER_KV, {"iid": "A", "entries": "nope"}, ErrorCode.BAD_REQUEST),
-        (MsgType.REGISTER_KV, {"iid": "ghost", "entries": []}, ErrorCode.UNKNOWN_INSTANCE),
+        (MsgType.REGISTER_KV, {"iid": "A", "keys": "nope"}, ErrorCode.BAD_REQUEST),
+        (MsgType.REGISTER_KV, register_body("ghost", []), ErrorCode.UNKNOWN_INSTANCE),
+        (MsgType.REGISTER_KV, {**register_body("A", [["k", 1, 0, 1]]), "offsets": [0]}, BAD),
+        (MsgType.REGISTER_KV, {**register_body("A", [["k", 1, 0, 1]]), "lengths": b"\1"}, BAD),
+        (MsgType.REGISTER_KV, {**register_body("A", [["k", 1, 0, 1]]), "keys": []}, BAD),
+        (MsgType.REGISTER_KV, {"iid": "A", "keys": ["k"]}, BAD),
         (MsgType.LOOKUP_KV, {"keys": "k"}, ErrorCode.BAD_REQUEST),
         (MsgType.LOOKUP_KV, {"keys": [None]}, ErrorCode.BAD_REQUEST),
         (MsgType.LOOKUP_KV, {"keys": ["k" * (MAX_KEY_BYTES + 1)]}, ErrorCode.KEY_TOO_LONG),
@@ -117,7 +133,7 @@ def test_bad_requests_get_error_replies(service, msg_type, body, code):
 
 def test_key_of_maximum_length_is_fine(service):
     reply = ok(service, MsgType.LOOKUP_KV, {"keys": ["k" * MAX_KEY_BYTES, b"k" * MAX_KEY_BYTES]})
-    assert reply["locations"] == [None, None]
+    assert locations(reply) == [None, None]
 
 
 def test_handler_bug_becomes_internal_error(service, monkeypatch):
@@ -136,8 +152,54 @@ def test_freed_locations_piggyback_on_the_owners_next_reply(service):
     ok(service, MsgType.HANDSHAKE, {"iid": "A"})
     ok(service, MsgType.HANDSHAKE, {"iid": "B"})
     rid = ok(service, MsgType.REQUEST_REGION, {"iid": "A", "size": MiB})["region"][0]
-    ok(service, MsgType.REGISTER_KV, {"iid": "A", "entries": [["k", rid, 4096, 10]]})
+    ok(service, MsgType.REGISTER_KV, register_body("A", [["k", rid, 4096, 10]]))
     # B deletes A's key: B's reply carries nothing, A's next reply carries the location
     assert "freed" not in ok(service, MsgType.DELETE_KV, {"iid": "B", "keys": ["k"]})
     assert ok(service, MsgType.HEARTBEAT, {"iid": "A"})["freed"] == [[rid, 4096, 10]]
     assert "freed" not in ok(service, MsgType.HEARTBEAT, {"iid": "A"})
+
+
+def test_every_message_replies_with_exactly_its_schema_fields(service):
+    """Each message type, sent as its one request form, answers with the fields MESSAGES lists
+    for its reply (all of them), plus "ok" and maybe "freed"; no other field."""
+    hs = ok(service, MsgType.HANDSHAKE, {"iid": "A", "pid": 1, "page_size": 4096})
+    region = ok(service, MsgType.REQUEST_REGION, {"iid": "A", "size": MiB})["region"]
+    spare = ok(service, MsgType.REQUEST_REGION, {"iid": "A", "size": MiB})["region"]
+    rid, token = region[0], region[4]
+    rows = [["k", rid, 0, 10], ["j", rid, 4096, 10], ["p/1", rid, 8192, 10]]
+    lease_id = 0
+    requests = {
+        MsgType.HANDSHAKE: {"iid": "A", "pid": 1, "page_size": 4096, "known_regions": []},
+        MsgType.REQUEST_REGION: {"iid": "A", "size": MiB},
+        MsgType.RETURN_REGION: {"iid": "A", "region_id": spare[0], "token": spare[4]},
+        MsgType.REGION_ACCESS: {"region_id": rid, "token": token},
+        MsgType.REGISTER_KV: register_body("A", rows),
+        MsgType.LOOKUP_KV: {"iid": "A", "keys": ["k", "x"], "lease": True},
+        MsgType.EXISTS: {"iid": "A", "keys": ["k", "x"]},
+        MsgType.PIN: {"iid": "A", "keys": ["j"]},
+        MsgType.UNPIN: {"iid": "A", "keys": ["j"]},
+        MsgType.DELETE_KV: {"iid": "A", "keys": ["j"]},
+        MsgType.LIST_ALLOCATIONS: {"owner": "A"},
+        MsgType.STATS: {},
+        MsgType.HEARTBEAT: {"iid": "A"},
+        MsgType.DELETE_PREFIX: {"iid": "A", "prefix": "p/"},
+        MsgType.RELEASE: {"iid": "A", "leases": []},
+        MsgType.EVICT_FOR: {"iid": "A", "bytes": 1},
+        MsgType.KEYS: {"prefix": "", "limit": 10},
+    }
+    assert set(requests) == set(MsgType) == set(protocol.MESSAGES)
+    assert hs["used"] == [] and "local_socket" in hs
+    for msg_type, body in requests.items():
+        if msg_type == MsgType.RELEASE:
+            body = {**body, "leases": [lease_id]}
+        request_fields = {name for name, _, _ in protocol.MESSAGES[msg_type][0]}
+        assert set(body) <= request_fields, msg_type
+        reply = ok(service, msg_type, body)
+        fields = {name for name, _, _ in protocol.MESSAGES[msg_type][1]}
+        assert fields <= set(reply) <= fields | {"ok", "freed"}, (msg_type, sorted(reply))
+        if msg_type == MsgType.LOOKUP_KV:
+            lease_id = reply["lease_id"]
+            assert lease_id > 0 and locations(reply) == [[rid, 0, 10], None]
+    used = ok(service, MsgType.HANDSHAKE, {"iid": "A"})["used"]  # no known_regions: all
+    owned = ok(service, MsgType.LIST_ALLOCATIONS, {"owner": "A"})["regions"]
+    assert [r for r, _ in used] == [h[0] for h in owned] and rid in [r for r, _ in used]

@@ -21,17 +21,18 @@ import zmq
 from maru import __version__
 from maru.common import protocol
 from maru.common.protocol import (
-    KEY_TYPES,
     MAX_BATCH,
-    MAX_KEY_BYTES,
     MAX_LIST_KEYS,
     ErrorCode,
     MsgType,
     ProtocolError,
+    all_keys_valid,
+    check_key,
+    unpack_int64,
 )
 from maru.server.journal import Journal
 from maru.server.local_socket import LocalSocketServer, local_address
-from maru.server.registry import Registry, check_key
+from maru.server.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -80,20 +81,20 @@ def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> An
     return value
 
 
-def _keys(body: dict[str, Any], name: str = "keys") -> list[Any]:
-    keys = _field(body, name, list)
-    if len(keys) > MAX_BATCH:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"batch of {len(keys)} exceeds {MAX_BATCH}")
-    # An oversized or mistyped key is a client bug: answer KEY_TOO_LONG / BAD_REQUEST rather
-    # than a silent miss. Fast path, in two C-level passes: only str and bytes, none long
-    # enough (a quarter of the byte limit in characters) to need a closer look.
-    if (
-        name == "keys"
-        and keys
-        and not (
-            KEY_TYPES.issuperset(map(type, keys)) and max(map(len, keys)) <= MAX_KEY_BYTES // 4
-        )
-    ):
+def _batch(body: dict[str, Any], name: str) -> list[Any]:
+    """A list field of at most MAX_BATCH items."""
+    items = _field(body, name, list)
+    if len(items) > MAX_BATCH:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"batch of {len(items)} exceeds {MAX_BATCH}")
+    return items
+
+
+def _keys(body: dict[str, Any]) -> list[Any]:
+    """The "keys" of a request that reads or changes existing keys. An oversized or mistyped
+    key is a client bug: KEY_TOO_LONG / BAD_REQUEST (that of the first bad key) rather than a
+    silent miss."""
+    keys = _batch(body, "keys")
+    if not all_keys_valid(keys):
         for key in keys:
             check_key(key)
     return keys
@@ -203,21 +204,20 @@ class MaruService:
         if not isinstance(page_size, int) or isinstance(page_size, bool):
             page_size = 0
         regions = self.registry.handshake(iid, pid, page_size if 0 < page_size < 2**40 else 0)
-        reply = {
-            "epoch": self.epoch,
-            "version": protocol.PROTOCOL_VERSION,
-            "pool": self.registry.pool.stats(),
-            "regions": [h.to_wire() for h in regions],
-            "heartbeat_interval": self.heartbeat_timeout / 3,
-        }
-        if self.local is not None:
-            reply["local_socket"] = self.local.address
+        used: dict[int, list[list[int]]] = {}
         if regions and body.get("known_regions") != [h.region_id for h in regions]:
             # The caller does not hold the page map of these regions (a new process reusing
             # an instance id): tell it which bytes registered keys occupy.
             used = self.registry.used_extents({h.region_id for h in regions})
-            reply["used"] = [[rid, extents] for rid, extents in used.items()]
-        return reply
+        return {
+            "epoch": self.epoch,
+            "version": protocol.PROTOCOL_VERSION,
+            "pool": self.registry.pool.stats(),
+            "regions": [h.to_wire() for h in regions],
+            "used": [[rid, extents] for rid, extents in used.items()],
+            "heartbeat_interval": self.heartbeat_timeout / 3,
+            "local_socket": self.local.address if self.local is not None else None,
+        }
 
     def _request_region(self, body: dict[str, Any]) -> dict[str, Any]:
         handle = self.registry.request_region(_field(body, "iid", str), _field(body, "size", int))
@@ -230,58 +230,32 @@ class MaruService:
         return {}
 
     def _region_access(self, body: dict[str, Any]) -> dict[str, Any]:
-        handle = self.registry.region_access(body.get("region_id"), body.get("token"))
-        return {"region": handle.to_wire()}
+        region = self.registry.regions.verified(body.get("region_id"), body.get("token"))
+        return {"region": region.handle().to_wire()}
 
     def _register_kv(self, body: dict[str, Any]) -> dict[str, Any]:
-        if "entries" not in body and "keys" in body:
-            # Columnar form, one region and one length per batch: {"keys": [...],
-            # "region_id": r, "offsets": [...], "length": n}. A bad key is REJECTED, as in
-            # the entries form.
-            keys = _field(body, "keys", list)
-            offsets = _field(body, "offsets", list)
-            if len(keys) > MAX_BATCH or len(offsets) != len(keys):
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST, "need as many offsets as keys, at most MAX_BATCH"
-                )
-            statuses = self.registry.register_columnar(
-                _field(body, "iid", str), keys, body.get("region_id"), offsets, body.get("length")
-            )
-            return {"results": statuses}
-        entries = _keys(body, "entries")
-        statuses = self.registry.register(_field(body, "iid", str), entries)
-        return {"results": [int(s) for s in statuses]}
+        """A bad key is REJECTED (not an error): the rest of the batch is registered."""
+        iid = _field(body, "iid", str)
+        keys = _batch(body, "keys")
+        region_ids, offsets, lengths = (
+            unpack_int64(body.get(name), len(keys), name).tolist()
+            for name in ("region_ids", "offsets", "lengths")
+        )
+        return {"results": self.registry.register(iid, keys, region_ids, offsets, lengths)}
 
     def _lookup_kv(self, body: dict[str, Any]) -> dict[str, Any]:
-        keys = _keys(body)
-        if body.get("columnar") is True:
-            # Three parallel lists instead of one [region, offset, length] per key (0 0 0 for
-            # a miss), and the lease taken in the same pass.
-            lease = body.get("lease") is True
-            region_ids, offsets, lengths, regions, lease_id = self.registry.lookup_columnar(
-                keys, _iid(body), lease
-            )
-            if body.get("packed") is not True:  # a client from before the packed form
-                region_ids, offsets, lengths = (
-                    memoryview(column).cast("q").tolist()
-                    for column in (region_ids, offsets, lengths)
-                )
-            # Packed: each column one bytes value of native int64s (client and server share
-            # the node), read by the client with numpy, no Python int per key.
-            reply = {
-                "region_ids": region_ids,
-                "offsets": offsets,
-                "lengths": lengths,
-                "regions": [h.to_wire() for h in regions],
-            }
-            if lease:
-                reply["lease_id"] = lease_id
-            return reply
-        locations, regions = self.registry.lookup(keys, _iid(body))
-        reply = {"locations": locations, "regions": [h.to_wire() for h in regions]}
-        if body.get("lease"):
-            reply["lease_id"] = self.registry.lease(keys, _iid(body))
-        return reply
+        """The columns are bytes of native int64s (client and server share the node), read by
+        the client with numpy, no Python int per key; the lease is taken in the same pass."""
+        region_ids, offsets, lengths, regions, lease_id = self.registry.lookup(
+            _keys(body), _iid(body), body.get("lease") is True
+        )
+        return {
+            "region_ids": region_ids,
+            "offsets": offsets,
+            "lengths": lengths,
+            "regions": [h.to_wire() for h in regions],
+            "lease_id": lease_id,
+        }
 
     def _release(self, body: dict[str, Any]) -> dict[str, Any]:
         """End read leases. A lease taken by an instance is ended only by that instance: lease
@@ -289,7 +263,7 @@ class MaruService:
         be evicted mid-copy. (A lease taken without an instance id can be ended by anyone.)"""
         iid, leases = _iid(body), self.registry.leases
         allowed = []
-        for lease_id in _keys(body, "leases"):
+        for lease_id in _batch(body, "leases"):
             lease = leases.get(lease_id) if type(lease_id) is int else None
             if lease is not None and lease.owner is not None and lease.owner != iid:
                 self.registry.counters["releases_refused"] += 1
@@ -298,7 +272,9 @@ class MaruService:
         return {"released": self.registry.release(allowed)}
 
     def _evict_for(self, body: dict[str, Any]) -> dict[str, Any]:
-        freed = self.registry.evict_for(_field(body, "iid", str), _field(body, "bytes", int))
+        freed = self.registry.eviction.evict_for(
+            _field(body, "iid", str), _field(body, "bytes", int)
+        )
         return {"freed_bytes": freed}
 
     def _delete_prefix(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -334,7 +310,7 @@ class MaruService:
 
     def _list_allocations(self, body: dict[str, Any]) -> dict[str, Any]:
         owner = body.get("owner")
-        handles = self.registry.list_allocations(owner if isinstance(owner, str) else None)
+        handles = self.registry.regions.handles(owner if isinstance(owner, str) else None)
         return {"regions": [h.to_wire() for h in handles]}
 
     def _stats(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -382,11 +358,14 @@ class MaruService:
         its operation's histogram; a failed one counts as an error of its operation (or as an
         invalid request when the frame or type was bad)."""
         msg_type, request_id = 0, 0
+        # A request of another protocol version (BAD_VERSION) is answered in that version: the
+        # error body has the same form in every version, so its client can show why.
+        version = protocol.PROTOCOL_VERSION
         stat = None
         start = perf_counter()
         try:
             header = protocol.decode_header(frame)
-            msg_type, request_id = header.msg_type, header.request_id
+            msg_type, request_id, version = header.msg_type, header.request_id, header.version
             body = protocol.decode_body(frame, header)
             iid = _iid(body)
             self.registry.touch(iid)  # any message is a sign of life
@@ -410,7 +389,7 @@ class MaruService:
         except ProtocolError as exc:
             self._count_error(stat)
             log.debug("request error (%s): %s", exc.code.name, exc)
-            return protocol.encode_error(msg_type, request_id, exc.code, str(exc))
+            return protocol.encode_error(msg_type, request_id, exc.code, str(exc), version=version)
         except Exception as exc:
             self._count_error(stat)
             log.exception("internal error handling message type %s", msg_type)

@@ -1,0 +1,166 @@
+"""The eviction policy: which registered keys go when memory runs short (in the manner of Arrow
+Plasma's eviction_policy.h or Redis's evict.c, a separate object the registry calls).
+
+- CLOCK (second chance) rather than exact LRU: a lookup or exists hit only sets the key's
+  `referenced` bit. Moving the key to the newest end on every hit would cost a cache miss per
+  key of every batch at 10^6 keys; eviction walks the key index oldest first and gives a key
+  with the bit set a second chance (bit cleared, moved to the newest end) instead.
+- Never a pinned key (the caller asked for it to stay) and never a leased one (a reader is
+  copying its bytes right now; evicting would let its pages be rewritten mid-copy).
+- Orphans first when the pool itself is full: a region whose owner is gone frees only when its
+  last key goes, so a region request reclaims whole orphaned regions before it is refused.
+
+Victims are dropped through the registry's one key-dropping mutator (`Registry._drop_keys`),
+which journals them and tells the pages' owners.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from maru.common.protocol import ErrorCode, ProtocolError
+
+if TYPE_CHECKING:
+    from maru.server.keyindex import KeyEntry
+    from maru.server.registry import Key, Registry
+
+log = logging.getLogger(__name__)
+
+
+class Eviction:
+    def __init__(self, registry: Registry, high_watermark: float, low_watermark: float):
+        if not 0 < low_watermark <= high_watermark <= 1:
+            raise ValueError("watermarks must satisfy 0 < low <= high <= 1")
+        self.registry = registry
+        self.high_watermark = high_watermark  # of the pool's capacity, in registered bytes
+        self.low_watermark = low_watermark
+
+    def evict(
+        self,
+        want_bytes: int,
+        accept: Callable[[KeyEntry], bool] | None = None,
+        reason: str = "",
+        protect: Any = (),
+        second_chance: bool = True,
+    ) -> int:
+        """Evict idle keys (optionally only those `accept(entry)` likes, never those in
+        `protect`), oldest first, until `want_bytes` are freed; returns the bytes freed. One
+        log line per round.
+
+        A candidate whose `referenced` bit is set gets a second chance instead: its bit is
+        cleared and it moves to the newest end of the index. When a pass frees too little and
+        spared some keys, a second pass goes on (those keys now have their bits cleared), so
+        eviction makes progress even when every candidate was used; at most two passes.
+        `second_chance=False`: evict in index order, ignoring the bits."""
+        reg = self.registry
+        freed = 0
+        victims: dict[Key, KeyEntry] = {}
+        keys = reg.keys
+        for second_pass in (False, True):
+            spared: list[Key] = []
+            taken = victims if second_pass else ()  # the first pass meets each key once
+            for key, entry in keys.items():
+                if freed >= want_bytes:
+                    break
+                if (
+                    entry.pins > 0  # `entry.busy`, without a property call per candidate
+                    or entry.leases > 0
+                    or (accept is not None and not accept(entry))
+                    or key in protect
+                    or key in taken
+                ):
+                    continue
+                if entry.referenced and second_chance:
+                    entry.referenced = False
+                    spared.append(key)
+                    continue
+                victims[key] = entry
+                freed += entry.length
+            move_to_end = keys.move_to_end
+            for key in spared:  # after the walk: the index must not change under its iterator
+                move_to_end(key)
+            if freed >= want_bytes or not spared:
+                break
+        per_owner: Counter = Counter()  # counted per region first: a round is mostly one
+        for region_id, count in Counter([e.region_id for e in victims.values()]).items():
+            per_owner[reg.regions[region_id].owner] += count
+        for owner_id, count in per_owner.items():
+            owner = reg.instances.get(owner_id)
+            if owner is not None:
+                owner.evicted += count
+        reg._drop_keys(list(victims), list(victims.values()))
+        if victims:
+            reg.counters["evictions"] += len(victims)
+            reg.counters["bytes_evicted"] += freed
+            reg.counters["eviction_rounds"] += 1
+            held = reg.log_throttle.allow(("evict", reason))
+            if held is not None:
+                log.info(
+                    "eviction round (%s): %d keys, %d bytes evicted from %s%s",
+                    reason or "requested",
+                    len(victims),
+                    freed,
+                    ", ".join(f"{o} ({n} keys)" for o, n in per_owner.most_common()),
+                    reg.log_throttle.note(held),
+                    extra={"instance": sorted(per_owner)},
+                )
+        return freed
+
+    def to_watermark(self, just_registered: Iterable[Key] = ()) -> int:
+        """When registered bytes exceed the high watermark of the pool, evict down to low.
+        `just_registered`: keys of the request being answered (reported REGISTERED, so they
+        must survive it even if every older key is busy)."""
+        reg = self.registry
+        capacity = reg.pool.capacity
+        if reg.live_bytes <= self.high_watermark * capacity:
+            return 0
+        return self.evict(
+            reg.live_bytes - int(self.low_watermark * capacity),
+            reason=f"above the high watermark {self.high_watermark:g}",
+            protect=set(just_registered),
+        )
+
+    def evict_for(self, instance_id: str, want_bytes: int) -> int:
+        """Make room in the caller's own regions (its store found no free pages and the pool
+        has no region to give): evict the idle keys that live there, in CLOCK order."""
+        inst = self.registry.instance(instance_id)
+        if type(want_bytes) is not int or want_bytes <= 0:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "bytes must be a positive integer")
+        mine = inst.regions
+        return self.evict(
+            want_bytes, lambda e: e.region_id in mine, reason=f"room for {instance_id}"
+        )
+
+    def orphans(self) -> bool:
+        """Free one returned region (owner gone) by evicting all of its keys; True if one was
+        freed. Regions are tried in the order eviction would reach their keys (by their oldest
+        key without the CLOCK bit; regions whose keys all have it set last); a region holding
+        a pinned or leased key cannot be freed and is left alone. (Evicting the bytes wanted
+        in eviction order over all orphans is not enough: when their keys interleave, it frees
+        none.) The caller retries its allocation after each freed region."""
+        regions = self.registry.regions
+        orphans = {r.region_id for r in regions.values() if r.returned}
+        order: dict[int, None] = {}  # orphan regions, by their oldest key without the bit
+        used: dict[int, None] = {}  # ... and by their oldest key with it
+        busy: set[int] = set()
+        for entry in self.registry.keys.values():
+            if entry.region_id in orphans:
+                (used if entry.referenced else order).setdefault(entry.region_id, None)
+                if entry.busy:
+                    busy.add(entry.region_id)
+        for region_id in used:
+            order.setdefault(region_id, None)
+        for region_id in order:
+            if region_id not in busy:
+                self.evict(  # the whole region goes: no second chances
+                    1 << 62,
+                    lambda e, rid=region_id: e.region_id == rid,
+                    reason=f"reclaiming orphaned region {region_id}",
+                    second_chance=False,
+                )
+                if region_id not in regions:
+                    return True
+        return False

@@ -1,0 +1,158 @@
+"""Regions: the slices of the pool the server hands to instances, and the rules of their life.
+
+A region is allocated to one owner, which alone writes into it (its HMAC token lets readers map
+it). Deferred free: it goes back to the pool only when its owner returned it (or is gone) *and*
+no registered key still points into it, so a reader never maps bytes that were handed out
+again. The registry tells the table how many keys live where (`Region.count`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from maru.common.protocol import ErrorCode, ProtocolError
+from maru.common.region import RegionHandle
+from maru.server.pool import Pool
+from maru.server.token import TokenSigner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Region:
+    region_id: int
+    owner: str
+    path: str
+    offset: int
+    length: int
+    token: str
+    returned: bool = False  # owner gave it back (or disconnected); free once live_keys == 0
+    live_keys: int = 0
+    page_size: int = 0  # the owner's page size (from its handshake); 0: unknown
+    live_bytes: int = 0  # stats: bytes of the keys that live here
+    live_pages: int = 0  # stats: pages they occupy (one per key when page_size is unknown)
+
+    def pages_for(self, length: int) -> int:
+        return -(-length // self.page_size) if self.page_size else 1
+
+    def count(self, lengths: list[int], sign: int) -> None:
+        """Keys of these lengths came (sign 1) or went (-1): the live counters follow."""
+        self.live_keys += sign * len(lengths)
+        self.live_bytes += sign * sum(lengths)
+        self.live_pages += sign * sum(  # per distinct length: mostly one
+            self.pages_for(length) * lengths.count(length) for length in set(lengths)
+        )
+
+    def handle(self) -> RegionHandle:
+        return RegionHandle(
+            self.region_id, self.path, self.offset, self.length, self.token, self.owner
+        )
+
+
+class RegionTable(dict[int, Region]):
+    """Region id -> Region, with the operations that allocate, verify and free them. Changes
+    are journaled through `journal` (the registry's, which it silences during a replay)."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        signer: TokenSigner,
+        journal: Callable[..., None],
+        counters: dict[str, int],
+    ):
+        super().__init__()
+        self.pool = pool
+        self.signer = signer
+        self._log = journal
+        self.counters = counters
+        self.next_id = 1
+
+    def allocate(self, owner: str, length: int, page_size: int) -> Region:
+        """A new region of `length` bytes (already rounded up); PoolFullError if none fits."""
+        region_id = self.next_id
+        path, offset = self.pool.allocate(region_id, length)
+        self.next_id += 1
+        token = self.signer.sign(region_id, path, offset, length)
+        region = self[region_id] = Region(
+            region_id, owner, path, offset, length, token, page_size=page_size
+        )
+        self.counters["regions_allocated"] += 1
+        self._log("R", region_id, owner, path, offset, length, token)
+        log.info(
+            "region %d (%d bytes at %s+%d) allocated to %s",
+            region_id,
+            length,
+            path,
+            offset,
+            owner,
+            extra={"instance": owner, "region": region_id},
+        )
+        return region
+
+    def restore(
+        self, rid: int, owner: str, path: str, offset: int, length: int, token: str, returned: bool
+    ) -> None:
+        """A region of a snapshot or journal: its pool bytes are taken again, as they were."""
+        self.pool.reserve(path, offset, length)
+        self[rid] = Region(rid, owner, path, offset, length, token, returned)
+        self.next_id = max(self.next_id, rid + 1)
+
+    def verified(self, region_id: Any, token: Any) -> Region:
+        """The region, if `token` is its token; else UNKNOWN_REGION or BAD_TOKEN."""
+        region = self.get(region_id) if type(region_id) is int else None
+        if region is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_REGION, f"unknown region {region_id!r}")
+        if not self.signer.verify(
+            token, region.region_id, region.path, region.offset, region.length
+        ):
+            raise ProtocolError(ErrorCode.BAD_TOKEN, f"wrong token for region {region_id}")
+        return region
+
+    def writable(self, region_id: int, owner: str) -> Region | None:
+        """The region if `owner` may register keys in it (owns it, has not returned it)."""
+        region = self.get(region_id)
+        if region is None or region.owner != owner or region.returned:
+            return None
+        return region
+
+    def release(self, region: Region) -> None:
+        """Its owner is done with it: freed now if no key points into it, else by the drop of
+        its last key."""
+        region.returned = True
+        self._log("T", region.region_id)
+        if region.live_keys == 0:
+            self.free(region)
+        else:
+            log.info(
+                "region %d returned by %s; freeing deferred until its %d keys go",
+                region.region_id,
+                region.owner,
+                region.live_keys,
+                extra={"instance": region.owner, "region": region.region_id},
+            )
+
+    def free(self, region: Region) -> None:
+        self.pool.release(region.path, region.offset)
+        del self[region.region_id]
+        self.counters["regions_freed"] += 1
+        self._log("F", region.region_id)
+        log.info(
+            "region %d (%d bytes) of %s freed",
+            region.region_id,
+            region.length,
+            region.owner,
+            extra={"instance": region.owner, "region": region.region_id},
+        )
+
+    def handles(self, owner: str | None = None) -> list[RegionHandle]:
+        """Every region's handle (LIST_ALLOCATIONS), or only those of `owner`'s."""
+        return [r.handle() for r in self.values() if owner is None or r.owner == owner]
+
+    def snapshot(self) -> list[list[Any]]:
+        return [
+            [r.region_id, r.owner, r.path, r.offset, r.length, r.token, r.returned]
+            for r in self.values()
+        ]
