@@ -306,8 +306,8 @@ class Registry:
         length = lengths[0] if n else 0
         if (
             region is not None
-            and len(set(region_ids)) == 1
-            and len(set(lengths)) == 1
+            and region_ids.count(region_ids[0]) == n  # one region: a count, no set, in C
+            and lengths.count(length) == n
             and length > 0
             and min(offsets) >= 0
             and max(offsets) <= region.length - length
@@ -323,7 +323,7 @@ class Registry:
             self._add_keys(*(list(compress(c, new)) for c in (keys, region_ids, offsets, lengths)))
         if new is not None:
             keys, lengths = list(compress(keys, new)), list(compress(lengths, new))
-        self.counters["keys_duplicate"] += statuses.count(EXISTS)
+            self.counters["keys_duplicate"] += statuses.count(EXISTS)
         if keys:
             nbytes = sum(lengths)
             inst.keys_registered += len(keys)
@@ -376,10 +376,10 @@ class Registry:
                 list(compress(c, new)) for c in (keys, region_ids, offsets, lengths)
             )
         if keys:
-            self._log("K", keys, region_ids, offsets, lengths)
             for region_id, group in _by_region(region_ids, lengths).items():
                 self.regions[region_id].count(group, +1)
-            self.live_bytes += sum(lengths)
+            self.live_bytes += sum(lengths)  # before the journal's write lets the metrics run
+            self._log("K", keys, region_ids, offsets, lengths)
         return new
 
     def lookup(
