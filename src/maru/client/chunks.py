@@ -18,14 +18,17 @@ from maru.common.extents import ExtentAllocator
 
 
 class AllocHandle:
-    """Chunks reserved in an owned region and not sealed yet: `count` values of `stride` bytes
-    back to back, value i at `address + i * stride` (region offset `offset + i * stride`).
-    Write into `buf` (or at `address`), then seal the handle's keys (`MaruHandler.seal`,
-    `store`, `batch_store`), or give it back with `MaruHandler.free`."""
+    """Chunks reserved in an owned region and not sealed yet: `count` values of `size` bytes,
+    each in its own run of chunks, `stride` bytes apart: value i at `address + i * stride`
+    (region offset `offset + i * stride`). Write into `buf` (or at `address`), then seal the
+    handle's keys (`MaruHandler.seal`, `store`, `batch_store`), or give it back with
+    `MaruHandler.free`. Sealed, a value is `size` bytes long unless told otherwise."""
 
-    __slots__ = ("_chunk", "_mapped", "address", "count", "offset", "region_id", "stride")
+    __slots__ = ("_chunk", "_mapped", "address", "count", "offset", "region_id", "size", "stride")
 
-    def __init__(self, mapped: MappedRegion, chunk: int, offset: int, stride: int, count: int):
+    def __init__(
+        self, mapped: MappedRegion, chunk: int, offset: int, stride: int, count: int, size: int
+    ):
         self._mapped = mapped
         self._chunk = chunk
         self.region_id = mapped.handle.region_id
@@ -33,6 +36,7 @@ class AllocHandle:
         self.address = mapped.address + offset
         self.stride = stride
         self.count = count
+        self.size = size
 
     @property
     def length(self) -> int:
@@ -41,8 +45,10 @@ class AllocHandle:
 
     @property
     def buf(self) -> memoryview:
-        """The reserved bytes, writable, in the shared mapping."""
-        return self._mapped.view[self.offset : self.offset + self.length]
+        """The values' bytes (from the first value's start to the last value's end), writable,
+        in the shared mapping."""
+        end = self.offset + self.stride * (self.count - 1) + self.size
+        return self._mapped.view[self.offset : end]
 
     @property
     def page_index(self) -> int:
@@ -52,7 +58,9 @@ class AllocHandle:
     def slice(self, start: int, stop: int) -> AllocHandle:
         """Values [start, stop) of this handle, as a handle of their own."""
         offset = self.offset + start * self.stride
-        return AllocHandle(self._mapped, self._chunk, offset, self.stride, stop - start)
+        return AllocHandle(
+            self._mapped, self._chunk, offset, self.stride, stop - start, self.size
+        )
 
     def split(self) -> list[AllocHandle]:
         """One handle per value."""
@@ -60,8 +68,8 @@ class AllocHandle:
 
     def __repr__(self) -> str:
         return (
-            f"AllocHandle(region={self.region_id}, offset={self.offset}, stride={self.stride}, "
-            f"count={self.count})"
+            f"AllocHandle(region={self.region_id}, offset={self.offset}, size={self.size}, "
+            f"stride={self.stride}, count={self.count})"
         )
 
 
@@ -146,7 +154,7 @@ class ChunkBook:
                 if first is not None:
                     chunk = self.chunk_size
                     offset, stride = first[0] * chunk, chunks * chunk
-                    return AllocHandle(owned.mapped, chunk, offset, stride, count)
+                    return AllocHandle(owned.mapped, chunk, offset, stride, count, size)
         return None
 
     def give_back(self, handle: AllocHandle, indices: Iterable[int] | None = None) -> None:

@@ -303,7 +303,7 @@ class MaruHandler:
         """Publish written values under `keys` with one REGISTER_KV, sent now; `.wait()` gives
         a bool per key. `handles`: one run holding every value (value i under `keys[i]`) or
         one handle per key (None: nothing reserved, that key fails); `lengths`: the values'
-        byte lengths (one for all, or per key; default the reserved size)."""
+        byte lengths (one for all, or per key; default the size they were reserved for)."""
         return Sealing(self, keys, handles, lengths)
 
     def store(
@@ -337,7 +337,7 @@ class MaruHandler:
         lengths: Sequence[int] | None = None,
     ) -> list[bool]:
         """Store many values with one REGISTER_KV. `batch_store(keys, handles)` publishes
-        handles already written (`lengths`: each value's length, default the reserved size);
+        handles already written (`lengths`: each value's length, default its `alloc` size);
         `batch_store(keys, datas)` reserves chunks and copies each value in. A key that
         already exists reports True (first writer won; our chunks come back)."""
         if values is not None:

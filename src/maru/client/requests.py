@@ -70,7 +70,7 @@ class Sealing:
             if handles.count != n:
                 raise ValueError(f"seal: {n} keys for a handle of {handles.count} values")
             self._positions: list[int] | None = None  # every key is sent
-            size = handles.stride if lengths is None else lengths
+            size = handles.size if lengths is None else lengths
             stride, offset = handles.stride, handles.offset
             sent_keys = list(keys)
             region_ids = [handles.region_id] * n
@@ -79,7 +79,7 @@ class Sealing:
         else:
             if len(handles) != n:
                 raise ValueError(f"seal: {n} keys for {len(handles)} handles")
-            sizes_in = [h.stride if h else 0 for h in handles] if lengths is None else lengths
+            sizes_in = [h.size if h else 0 for h in handles] if lengths is None else lengths
             if isinstance(sizes_in, int):
                 sizes_in = [sizes_in] * n
             chunks = handler._chunks
