@@ -58,9 +58,7 @@ class AllocHandle:
     def slice(self, start: int, stop: int) -> AllocHandle:
         """Values [start, stop) of this handle, as a handle of their own."""
         offset = self.offset + start * self.stride
-        return AllocHandle(
-            self._mapped, self._chunk, offset, self.stride, stop - start, self.size
-        )
+        return AllocHandle(self._mapped, self._chunk, offset, self.stride, stop - start, self.size)
 
     def split(self) -> list[AllocHandle]:
         """One handle per value."""
