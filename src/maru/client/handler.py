@@ -41,6 +41,35 @@ Buffer = bytes | bytearray | memoryview
 __all__ = ["AllocHandle", "MaruHandler", "MemoryInfo"]
 
 
+class _Heartbeat:
+    """Tells the server we are alive even when idle: a silent instance is reaped (its pins,
+    leases and regions released) after the server's --heartbeat-timeout."""
+
+    def __init__(self, send: Callable[[], Any], name: str):
+        self.interval = 5.0  # the server says how often, at handshake
+        self._send, self._name = send, name
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._send()
+            except MaruError as exc:
+                log.debug("heartbeat failed: %s", exc)
+
+    def stop(self, timeout: float) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
 class MaruHandler:
     def __init__(self, config: MaruConfig | None = None, **overrides: Any):
         if config is None:
@@ -61,9 +90,10 @@ class MaruHandler:
         self._chunks = ChunkBook(config.chunk_size_bytes)
         self._expand_lock = threading.Lock()
         self._connected = False
-        self._heartbeat_interval = 5.0
-        self._heartbeat_stop = threading.Event()
-        self._heartbeat_thread: threading.Thread | None = None
+        self._heartbeat = _Heartbeat(
+            lambda: self._request(MsgType.HEARTBEAT, {}).result(),
+            f"maru-heartbeat-{self.instance_id[:8]}",
+        )
         if config.auto_connect and not self.connect():
             log.warning("could not connect to maru-server at %s", config.server_url)
 
@@ -87,23 +117,8 @@ class MaruHandler:
             self._connected = False
             return False
         self._connected = True
-        if self._heartbeat_thread is None or not self._heartbeat_thread.is_alive():
-            self._heartbeat_stop.clear()
-            self._heartbeat_thread = threading.Thread(
-                target=self._heartbeat_loop, name=f"maru-heartbeat-{self.instance_id[:8]}"
-            )
-            self._heartbeat_thread.daemon = True
-            self._heartbeat_thread.start()
+        self._heartbeat.start()
         return True
-
-    def _heartbeat_loop(self) -> None:
-        """Tell the server we are alive even when idle; a silent instance is reaped (its pins,
-        leases and regions released) after the server's --heartbeat-timeout."""
-        while not self._heartbeat_stop.wait(self._heartbeat_interval):
-            try:
-                self._request(MsgType.HEARTBEAT, {}).result()
-            except MaruError as exc:
-                log.debug("heartbeat failed: %s", exc)
 
     def close(self) -> None:
         """Return owned regions to the server (keys in them stay readable) and unmap."""
@@ -118,9 +133,7 @@ class MaruHandler:
                 except MaruError as exc:
                     log.warning("returning region %d failed: %s", region_id, exc)
         self._connected = False
-        self._heartbeat_stop.set()
-        if self._heartbeat_thread is not None:
-            self._heartbeat_thread.join(timeout=self.config.timeout_ms / 1000 + 1)
+        self._heartbeat.stop(timeout=self.config.timeout_ms / 1000 + 1)
         self._chunks.clear()
         self._mapper.close()
         self._rpc.close()
@@ -148,7 +161,7 @@ class MaruHandler:
         reply = self._request(MsgType.HANDSHAKE, body).result()
         if self.config.local_socket:
             self._rpc.use_local_socket(reply.get("local_socket"))
-        self._heartbeat_interval = float(reply.get("heartbeat_interval", 5.0))
+        self._heartbeat.interval = float(reply.get("heartbeat_interval", 5.0))
         used = {rid: extents for rid, extents in reply.get("used") or ()}
         still_owned = {h.region_id: h for h in map(RegionHandle.from_wire, reply["regions"])}
         lost = 0
