@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 
+import pytest
+
 from maru import MaruHandler
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -186,3 +188,21 @@ def test_close_returns_regions_and_deferred_free_releases_them(maru_server):
         a.close()
         empty.close()
         observer.close()
+
+
+def test_chunk_size_changes_only_before_the_first_reservation(maru_server):
+    """MaruStorage learns SGLang's page size after connecting: the chunk size is set then,
+    on the same connection, and the region is cut again; once a chunk is reserved it cannot
+    change (the free lists would no longer describe the region)."""
+    with MaruHandler(server_url=maru_server.url, pool_size="2M") as h:
+        regions = h.owned_region_ids()
+        assert h.get_chunk_size() == MiB and h.free_chunks() == 2
+        h.set_chunk_size("64K")
+        assert h.get_chunk_size() == 64 * KiB == h.config.chunk_size_bytes
+        assert h.free_chunks() == 32 and h.owned_region_ids() == regions  # no reconnect
+        assert h.store("k", b"v" * 100) and h.retrieve("k").page_index == 0
+        with pytest.raises(RuntimeError, match="already reserved"):
+            h.set_chunk_size("128K")
+        with pytest.raises(ValueError, match="chunk_size_bytes"):
+            h.set_chunk_size(1000)  # not a multiple of 4096: the config's own check
+        assert h.get_chunk_size() == 64 * KiB
