@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from maru.server import keyindex, registry
+from maru.server import holds, keyindex, registry
 
 
 def use_python_key_index(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -17,7 +17,7 @@ def use_python_key_index(monkeypatch: pytest.MonkeyPatch) -> None:
     extension."""
     monkeypatch.setattr(registry, "KeyIndex", keyindex.OrderedKeyIndex)
     monkeypatch.setattr(registry, "KeyEntry", keyindex.PyKeyEntry)
-    monkeypatch.setattr(registry, "release_entries", keyindex.py_release_entries)
+    monkeypatch.setattr(holds, "release_entries", keyindex.py_release_entries)
 
 
 @pytest.fixture(autouse=True, params=["c", "python"])

@@ -98,8 +98,8 @@ def test_a_miss_and_a_pin_do_not_reorder(reg):
     rid = reg.request_region("A", 16 * MiB).region_id
     fill(reg, "A", rid, [f"k{i}" for i in range(8)])
     locate(reg, ["missing"])
-    reg.pin(["k0"])
-    reg.unpin(["k0"])
+    reg.pins.pin(["k0"])
+    reg.pins.unpin(["k0"])
     assert next(iter(reg.keys)) == "k0"
     assert not any(e.referenced for e in reg.keys.values())  # still the first candidate
 
@@ -110,7 +110,7 @@ def test_a_miss_and_a_pin_do_not_reorder(reg):
 def test_pinned_and_leased_keys_are_never_evicted(reg):
     rid = reg.request_region("A", 16 * MiB).region_id
     fill(reg, "A", rid, [f"k{i}" for i in range(8)])
-    assert reg.pin(["k0"], "B") == [True]
+    assert reg.pins.pin(["k0"], "B") == [True]
     lease_id = lease(reg, ["k1"], "B")
     assert lease_id > 0
     fill(reg, "A", rid, ["k8"])
@@ -123,14 +123,14 @@ def test_pinned_and_leased_keys_are_never_evicted(reg):
 def test_when_everything_is_busy_nothing_is_evicted(reg):
     rid = reg.request_region("A", 16 * MiB).region_id
     fill(reg, "A", rid, [f"k{i}" for i in range(8)])
-    reg.pin([f"k{i}" for i in range(4)], "A")
+    reg.pins.pin([f"k{i}" for i in range(4)], "A")
     lease_id = lease(reg, [f"k{i}" for i in range(4, 8)], "B")
     # The newest key is the only idle one, but it was just reported REGISTERED: it stays,
     # and usage stays above the high watermark until something becomes idle.
     fill(reg, "A", rid, ["k8"])
     assert sorted(reg.keys) == [f"k{i}" for i in range(9)]
     assert reg.counters["evictions"] == 0
-    assert reg.release([lease_id]) == 1
+    assert reg.leases.release([lease_id], "B") == 1
     fill(reg, "A", rid, ["k9"])  # now the leased keys are idle again and go first, then k8
     assert sorted(reg.keys) == ["k0", "k1", "k2", "k3", "k9"]
     consistent(reg)
@@ -140,11 +140,11 @@ def test_leased_or_pinned_key_cannot_be_deleted(reg):
     rid = reg.request_region("A", 4 * MiB).region_id
     fill(reg, "A", rid, ["a", "b"])
     lease_id = lease(reg, ["a"], "B")
-    reg.pin(["b"], "B")
+    reg.pins.pin(["b"], "B")
     assert reg.delete(["a", "b"]) == [DeleteStatus.PINNED, DeleteStatus.PINNED]
     assert reg.delete_prefix("a") == (0, 1)  # (deleted, skipped)
-    reg.release([lease_id])
-    reg.unpin(["b"], "B")
+    reg.leases.release([lease_id], "B")
+    reg.pins.unpin(["b"], "B")
     assert reg.delete(["a", "b"]) == [DeleteStatus.DELETED, DeleteStatus.DELETED]
     consistent(reg)
 
@@ -164,9 +164,9 @@ def test_leases_nest_and_release_is_idempotent(reg):
     second = lease(reg, ["k", "k"], None)  # a key twice in one batch is held twice
     assert first != second and reg.keys["k"].leases == 3
     assert reg.leases[first].entries == [reg.keys["k"]]  # only keys that exist are held
-    assert reg.release([first, first, 999, "x", None]) == 1
+    assert reg.leases.release([first, first, 999, "x", None], "B") == 1
     assert reg.keys["k"].busy and reg.delete(["k"]) == [DeleteStatus.PINNED]
-    assert reg.release([second]) == 1
+    assert reg.leases.release([second], None) == 1
     assert reg.keys["k"].leases == 0 and not reg.keys["k"].busy
     assert reg.instances["B"].leases == set()
     consistent(reg)
@@ -177,20 +177,20 @@ def test_lease_expires(tmp_path):
     rid = reg.request_region("A", 4 * MiB).region_id
     fill(reg, "A", rid, ["k", "j"])
     now = time.monotonic()
-    reg.lease_seconds = 1.0
+    reg.leases.seconds = 1.0
     short = lease(reg, ["k"], "B")
-    reg.lease_seconds = 5.0
+    reg.leases.seconds = 5.0
     default = lease(reg, ["j"], "B")  # --lease-timeout: 5 s
-    assert reg.expire_leases(now) == 0
-    assert reg.expire_leases(now + 2.0) == 1 and short not in reg.leases
+    assert reg.leases.expire(now) == 0
+    assert reg.leases.expire(now + 2.0) == 1 and short not in reg.leases
     assert reg.delete(["k"]) == [DeleteStatus.DELETED]
     assert reg.delete(["j"]) == [DeleteStatus.PINNED]
-    assert reg.expire_leases(now + 6.0) == 1 and default not in reg.leases
+    assert reg.leases.expire(now + 6.0) == 1 and default not in reg.leases
     assert reg.counters["leases_expired"] == 2
     assert reg.instances["B"].leases == set()
     assert reg.delete(["j"]) == [DeleteStatus.DELETED]
     # releasing an expired lease is harmless and not double-counted
-    assert reg.release([short, default]) == 0
+    assert reg.leases.release([short, default], "B") == 0
     consistent(reg)
 
 
@@ -202,10 +202,10 @@ def test_lease_on_key_deleted_meanwhile_is_harmless(reg):
     assert reg.delete(["k"]) == [DeleteStatus.DELETED]
     fill(reg, "A", rid, ["k"])  # re-registered under the same name: a new entry
     new_lease = lease(reg, ["k"], "B")
-    assert reg.release([lease_id]) == 1
+    assert reg.leases.release([lease_id], "B") == 1
     # the old lease held the old entry: the new entry's lease count is untouched
     assert reg.keys["k"].leases == 1
-    assert reg.release([new_lease]) == 1
+    assert reg.leases.release([new_lease], "B") == 1
     assert reg.keys["k"].leases == 0  # never negative
 
 
@@ -219,8 +219,8 @@ def test_reap_releases_pins_leases_and_regions(reg):
     empty = reg.request_region("A", 2 * MiB)
     rb = reg.request_region("B", 2 * MiB)
     fill(reg, "A", ra.region_id, ["a0", "a1"])
-    reg.pin(["a0"], "B")
-    reg.pin(["a0"], "A")  # A's own pin: stays after B goes
+    reg.pins.pin(["a0"], "B")
+    reg.pins.pin(["a0"], "A")  # A's own pin: stays after B goes
     lease_id = lease(reg, ["a1"], "B")
     now = time.monotonic()
     reg.instances["A"].last_seen = now  # A is alive
@@ -259,7 +259,7 @@ def test_reap_spares_instances_heard_from(reg):
 def test_recycled_pid_inherits_nothing(reg):
     r = reg.request_region("A", 2 * MiB)
     fill(reg, "A", r.region_id, ["k"])
-    reg.pin(["k"], "A")
+    reg.pins.pin(["k"], "A")
     reg.instances["A"].last_seen -= 100
     reg.reap(10.0)
     # a new process with the same PID is a new instance: no regions, no pins, no leases
@@ -383,13 +383,13 @@ def test_orphan_reclaim_skips_busy_keys_and_live_owners(tmp_path):
     fill(reg, "A", ra, ["a0"])
     fill(reg, "B", rb, ["b0"])
     reg.handshake("C", 3)
-    reg.pin(["a0"], "C")  # a live reader pinned the orphan's key
+    reg.pins.pin(["a0"], "C")  # a live reader pinned the orphan's key
     reg.disconnect("A")
     with pytest.raises(ProtocolError) as exc:
         reg.request_region("C", 2 * MiB)
     assert exc.value.code == ErrorCode.POOL_FULL
     assert reg.exists(["a0", "b0"]) == [True, True]  # neither pinned nor live keys evicted
-    reg.unpin(["a0"], "C")
+    reg.pins.unpin(["a0"], "C")
     assert reg.request_region("C", 2 * MiB).length == 2 * MiB
     assert reg.exists(["a0", "b0"]) == [False, True]
     consistent(reg)
@@ -458,7 +458,7 @@ def test_freed_pages_are_not_handed_out_on_a_fire_and_forget_release(service):
     lease_id = call(service, MsgType.LOOKUP_KV, {"iid": "A", "keys": ["k"], "lease": True})[
         "lease_id"
     ]
-    service.registry.release([lease_id])
+    service.registry.leases.release([lease_id], "A")
     call(service, MsgType.DELETE_KV, {"iid": "B", "keys": ["k"]})
     assert "freed" not in call(service, MsgType.RELEASE, {"iid": "A", "leases": [lease_id]})
     assert call(service, MsgType.HEARTBEAT, {"iid": "A"})["freed"] == [[rid, 0, 10]]
@@ -471,7 +471,7 @@ def test_housekeeping_expires_leases_and_reaps(service):
     call(service, MsgType.REGISTER_KV, register_body("A", [["k", rid, 0, 10]]))
     call(service, MsgType.LOOKUP_KV, {"iid": "A", "keys": ["k"], "lease": True})
     now = time.monotonic()
-    service.housekeeping(now + reg.lease_seconds + 1)
+    service.housekeeping(now + reg.leases.seconds + 1)
     assert not reg.leases and reg.counters["leases_expired"] == 1
     service._next_reap = 0.0
     service.housekeeping(now + 100)

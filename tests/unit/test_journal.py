@@ -1,4 +1,4 @@
-"""Registry persistence: the checksummed journal, snapshot generations, `Registry.restore`, and
+"""Registry persistence: the checksummed journal, snapshot generations, `persistence.restore`, and
 the pool identity check that keeps persisted locations from pointing into another pool."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from maru.server import cli
+from maru.server import cli, persistence
 from maru.server.journal import FRAME, SNAPSHOT_NAME, Journal, _frame, _read_records
 from maru.server.pool import ShmPool
 from maru.server.registry import Registry
@@ -40,7 +40,7 @@ class Env:
         self.journal = Journal(self.state_dir, **self.journal_kw)
         snapshot, records = self.journal.load()
         reg = Registry(ShmPool(self.pool_path, self.pool_mib * MiB), SIGNER, journal=self.journal)
-        reg.restore(snapshot, records)
+        persistence.restore(reg, snapshot, records)
         return reg
 
     def journal_path(self) -> Path:
@@ -167,7 +167,7 @@ def test_snapshot_generations(tmp_path):
     assert env.journal.generation == 0
     populate(reg)
     assert env.journal.needs_snapshot
-    env.journal.write_snapshot(reg.snapshot_state())
+    env.journal.write_snapshot(persistence.snapshot(reg))
     assert env.journal.generation == 1 and not env.journal.needs_snapshot
     files = sorted(p.name for p in env.state_dir.iterdir())
     assert files == ["journal-1.log", SNAPSHOT_NAME]
@@ -176,7 +176,7 @@ def test_snapshot_generations(tmp_path):
     h = reg.request_region("A", 2 * MiB)
     register(reg, "A", [["after-snap", h.region_id, 0, 3]])
     reg.delete(["a2"])
-    env.journal.write_snapshot(reg.snapshot_state())
+    env.journal.write_snapshot(persistence.snapshot(reg))
     register(reg, "A", [["after-snap-2", h.region_id, 4096, 4]])
     assert env.journal.generation == 2
     before = state(reg)
@@ -196,7 +196,7 @@ def test_snapshot_generations(tmp_path):
 def test_damaged_snapshot_refuses_to_start(env):
     reg = env.open()
     populate(reg)
-    env.journal.write_snapshot(reg.snapshot_state())
+    env.journal.write_snapshot(persistence.snapshot(reg))
     env.close()
     snap = env.state_dir / SNAPSHOT_NAME
     data = bytearray(snap.read_bytes())
@@ -336,13 +336,14 @@ def test_replaying_a_record_twice_changes_nothing(tmp_path):
         if record[0] != "R":  # a region is reserved once; every other record may repeat
             doubled.append(record)
     fresh = Registry(ShmPool(str(tmp_path / "pool"), 32 * MiB), SIGNER)
-    fresh.restore(None, doubled)
+    persistence.restore(fresh, None, doubled)
     assert state(fresh) == expected
 
 
 def test_replay_tolerates_records_about_unknown_regions_and_keys(tmp_path):
     fresh = Registry(ShmPool(str(tmp_path / "pool"), 8 * MiB), SIGNER)
-    fresh.restore(
+    persistence.restore(
+        fresh,
         None,
         [["K", [["k", 42, 0, 1]]], ["D", ["nope"]], ["T", 7], ["F", 7], ["?", 1]],
     )
@@ -397,7 +398,7 @@ def test_identity_mismatch_discards_state_but_keeps_the_secret(tmp_path):
     env = Env(tmp_path)
     reg = env.open()
     populate(reg)
-    env.journal.write_snapshot(reg.snapshot_state())
+    env.journal.write_snapshot(persistence.snapshot(reg))
     register(reg, "A", [["x", next(iter(reg.instances["A"].regions)), 3 * MiB, 1]])
     env.close()
     (env.state_dir / "secret.key").write_bytes(b"s" * 32)
@@ -426,12 +427,12 @@ def test_pins_survive_a_restart_until_their_holder_is_reaped(env, snapshot_first
     reg.handshake("B", 2)
     rid = reg.request_region("A", 2 * MiB).region_id
     register(reg, "A", [[f"k{i}", rid, i * 4096, 100] for i in range(4)])
-    assert reg.pin(["k0", "k1"], "A") == [True, True]
-    assert reg.pin(["k1", "k2"], "B") == [True, True]
-    assert reg.pin(["k3"]) == [True]  # a pin without an instance: kept until unpinned
-    assert reg.unpin(["k2"], "B") == [True]
+    assert reg.pins.pin(["k0", "k1"], "A") == [True, True]
+    assert reg.pins.pin(["k1", "k2"], "B") == [True, True]
+    assert reg.pins.pin(["k3"]) == [True]  # a pin without an instance: kept until unpinned
+    assert reg.pins.unpin(["k2"], "B") == [True]
     if snapshot_first:
-        env.journal.write_snapshot(reg.snapshot_state())
+        env.journal.write_snapshot(persistence.snapshot(reg))
     env.close()
 
     reg = env.open()

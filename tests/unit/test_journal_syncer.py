@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from maru.server import persistence
 from maru.server.journal import Journal
 from maru.server.pool import ShmPool
 from maru.server.registry import Registry
@@ -59,7 +60,7 @@ def open_registry(state_dir, pool_path, **journal_kw) -> tuple[Registry, Journal
     journal = Journal(state_dir, **journal_kw)
     snapshot, records = journal.load()
     reg = Registry(ShmPool(str(pool_path), 64 * MiB), TokenSigner(b"y" * 32), journal=journal)
-    reg.restore(snapshot, records)
+    persistence.restore(reg, snapshot, records)
     return reg, journal
 
 
@@ -148,7 +149,7 @@ def test_rotation_under_concurrent_fsyncs_loses_no_record(tmp_path, monkeypatch)
         gone = sorted(expected)[:8]
         reg.delete(gone)
         expected.difference_update(gone)
-        journal.write_snapshot(reg.snapshot_state())
+        journal.write_snapshot(persistence.snapshot(reg))
         assert journal.generation == rotation + 1
     register(reg, "A", [["tail", region.region_id, n * 128, 100]])  # only in the journal
     expected.add("tail")

@@ -270,7 +270,7 @@ def test_unhashable_or_odd_iid_is_not_an_internal_error(target, msg_type, iid):
     frame = protocol.encode(msg_type, 3, {"iid": iid, "keys": ["k0"], "lease": True})
     body = check_reply(frame, target.service.handle_frame(frame))
     if body["ok"] and "lease_id" in body:
-        target.service.registry.release([body["lease_id"]])
+        target.service.registry.leases.release([body["lease_id"]], None)
 
 
 # -- against a live server -----------------------------------------------------------------------

@@ -172,11 +172,11 @@ def test_lookup_misses_and_counters(registry):
 def test_pinned_delete_refused_until_unpinned(registry):
     r = registry.request_region("A", 2 * MiB)
     register(registry, "A", [["k", r.region_id, 0, 10]])
-    assert registry.pin(["k", "k", "missing"]) == [True, True, False]
+    assert registry.pins.pin(["k", "k", "missing"]) == [True, True, False]
     assert registry.delete(["k"]) == [DeleteStatus.PINNED]
-    assert registry.unpin(["k"]) == [True]
+    assert registry.pins.unpin(["k"]) == [True]
     assert registry.delete(["k"]) == [DeleteStatus.PINNED]  # still pinned once
-    assert registry.unpin(["k", "k"]) == [True, False]  # unpin below zero refused
+    assert registry.pins.unpin(["k", "k"]) == [True, False]  # unpin below zero refused
     assert registry.delete(["k", "k", "missing"]) == [
         DeleteStatus.DELETED,
         DeleteStatus.NOT_FOUND,

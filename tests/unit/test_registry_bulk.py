@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from maru.common.protocol import MAX_KEY_BYTES, DeleteStatus, RegisterStatus
+from maru.server import persistence
 from maru.server.journal import Journal
 from maru.server.pool import ShmPool
 from maru.server.registry import Registry
@@ -166,7 +167,7 @@ def exercise(rnd: random.Random, reg: Registry, register) -> list[Any]:
         if i % 3 == 0:
             leases.append(max(reg.leases, default=0))
         if len(leases) > 4:
-            out.append(reg.release([leases.pop(0)]))
+            out.append(reg.leases.release([leases.pop(0)], "B"))
         if i % 7 == 0:
             out.append(reg.delete([f"k{rnd.randrange(300)}" for _ in range(15)]))
         if i % 11 == 0:
@@ -270,7 +271,7 @@ def test_delete_over_several_regions_matches_one_by_one(tmp_path, clean):
     keys: list[Any] = random.Random(1).sample(names, len(names))
     if not clean:
         for reg in (bulk, ref):
-            reg.pin([keys[3]], "A")
+            reg.pins.pin([keys[3]], "A")
             lease(reg, [keys[5]], "B")
         keys += ["missing", keys[0], 42]
     got = bulk.delete(keys)
@@ -360,13 +361,13 @@ def test_lookup_and_exists_match_the_per_key_rules(tmp_path, seed):
         ref.counters["misses"] += len(keys) - len(held)
         ref.instances["B"].hits += len(held)
         ref.instances["B"].misses += len(keys) - len(held)
-        ref_lease = ref._add_lease(held, "B") if lease and held else 0
+        ref_lease = ref.leases.add(held, "B") if lease and held else 0
         ref_handles = {e.region_id for e in held}
         assert [[r, o, n] if r else None for r, o, n in zip(rids, offsets, lengths)] == locations
         assert sorted(h.region_id for h in handles) == sorted(ref_handles)
         assert lease_id == ref_lease
         if lease_id and i % 4 == 0:
-            assert bulk.release([lease_id]) == ref.release([ref_lease]) == 1
+            assert bulk.leases.release([lease_id], "B") == ref.leases.release([ref_lease], "B") == 1
         probe = [rnd.choice(pool) for _ in range(10)]
         assert bulk.exists(probe, "B") == [k in ref.keys for k in probe]
         for k in probe:  # what exists does, one key at a time
@@ -445,12 +446,12 @@ def test_records_replay_twice_and_the_records_before_protocol_2_still_replay(tmp
     assert "K" in {r[0] for r in records}
     doubled = [x for r in records for x in ([r] if r[0] == "R" else [r, r])]
     fresh = Registry(ShmPool(str(tmp_path / "pool"), 32 * MiB), SIGNER)
-    fresh.restore(None, doubled)
+    persistence.restore(fresh, None, doubled)
     assert state(fresh) == expected
     # A state dir written before protocol 2 (registrations as rows, or as "C" records of one
     # region and one length) replays the same.
     for old_form in (as_rows, as_old_columnar):
         old = Registry(ShmPool(str(tmp_path / "pool"), 32 * MiB), SIGNER)
-        old.restore(None, old_form(records))
+        persistence.restore(old, None, old_form(records))
         assert state(old) == expected, old_form.__name__
     assert "C" in {r[0] for r in as_old_columnar(records)}

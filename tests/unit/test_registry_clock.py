@@ -24,7 +24,7 @@ def _lookup(reg: Registry, keys: list[str]) -> None:
 
 
 def _lookup_leased(reg: Registry, keys: list[str]) -> None:
-    assert reg.release([lease(reg, keys, "B")]) == 1
+    assert reg.leases.release([lease(reg, keys, "B")], "B") == 1
 
 
 HITS = [_lookup, _lookup_leased]
@@ -67,7 +67,7 @@ def test_when_every_candidate_was_hit_a_second_pass_still_frees_enough(reg):
     rid = reg.request_region("A", 16 * MiB).region_id
     names = [f"k{i}" for i in range(8)]
     fill(reg, "A", rid, names)
-    reg.pin(["k0"], "A")
+    reg.pins.pin(["k0"], "A")
     lease_id = lease(reg, ["k1"], "B")
     _lookup(reg, names)  # every key is referenced, busy ones included
     fill(reg, "A", rid, ["k8"])  # 9 MiB: 5 MiB must go, only k2..k7 may
@@ -89,7 +89,7 @@ def test_when_every_candidate_was_hit_a_second_pass_still_frees_enough(reg):
     assert reg.eviction.evict_for("A", 10 * MiB) == MiB
     assert sorted(reg.keys) == ["k0", "k1"]
     assert reg.eviction.evict_for("A", MiB) == 0
-    assert reg.release([lease_id]) == 1
+    assert reg.leases.release([lease_id], "B") == 1
     consistent(reg)
 
 
@@ -119,13 +119,13 @@ def test_release_decrements_the_entries_of_that_lease_only(reg):
     assert reg.leases[first].entries == [reg.keys[k] for k in ("a", "b", "b")]
     assert {k: e.leases for k, e in reg.keys.items()} == {"a": 1, "b": 3, "c": 1}
     consistent(reg)
-    assert reg.release([first]) == 1
+    assert reg.leases.release([first], "B") == 1
     assert {k: e.leases for k, e in reg.keys.items()} == {"a": 0, "b": 1, "c": 1}
-    assert reg.release([first]) == 0  # idempotent: nothing decremented twice
+    assert reg.leases.release([first], "B") == 0  # idempotent: nothing decremented twice
     assert {k: e.leases for k, e in reg.keys.items()} == {"a": 0, "b": 1, "c": 1}
     consistent(reg)
     assert reg.eviction.evict_for("A", 3 * MiB) == MiB  # only a is idle
     assert sorted(reg.keys) == ["b", "c"]
-    assert reg.release([second]) == 1
+    assert reg.leases.release([second], None) == 1
     assert not any(e.busy for e in reg.keys.values())
     consistent(reg)

@@ -137,7 +137,7 @@ def test_key_of_maximum_length_is_fine(service):
 
 
 def test_handler_bug_becomes_internal_error(service, monkeypatch):
-    def boom(keys):
+    def boom(keys, iid):
         raise RuntimeError("kaboom")
 
     monkeypatch.setattr(service.registry, "exists", boom)

@@ -14,6 +14,7 @@ from pathlib import Path
 import zmq
 
 from maru.common.config import ConfigError, parse_size
+from maru.server import persistence
 from maru.server.journal import SNAPSHOT_NAME, Journal
 from maru.server.keyindex import warn_if_pure_python
 from maru.server.logs import configure_logging
@@ -253,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             lease_seconds=args.lease_timeout,
         )
         warn_if_pure_python()
-        registry.restore(snapshot, records)
-        journal.write_snapshot(registry.snapshot_state())  # compact what was replayed
+        persistence.restore(registry, snapshot, records)
+        journal.write_snapshot(persistence.snapshot(registry))  # compact what was replayed
         service = MaruService(
             registry,
             f"tcp://{args.host}:{args.port}",

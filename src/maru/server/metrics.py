@@ -1,9 +1,12 @@
-"""Prometheus metrics for `maru-server --metrics-port`.
+"""The server's statistics: the dict STATS returns, and its export as Prometheus metrics for
+`maru-server --metrics-port`.
 
-A custom collector reads the service's statistics (the same dict the STATS RPC returns) at
-scrape time, so nothing is counted twice. The HTTP server runs on a background thread while the
-RPC thread keeps mutating the registry: the statistics are built from copies and the read is
-retried when a dict changed size under it (see `Registry.stats`).
+The registry's part (`registry_stats`) is built on demand, O(instances + regions), from the
+bookkeeping the registry keeps anyway; a custom collector reads the whole dict at scrape time,
+so nothing is counted twice. The HTTP server runs on a background thread while the RPC thread
+keeps mutating the registry: the statistics are built from copies (`list(...)` of a dict is
+atomic under the GIL; regions are looked up with `.get`) and the read is retried when a dict
+changed size under it (`read_stats`).
 
 `prometheus_client` is optional (`pip install 'maru[metrics]'`); nothing here imports it at
 module level, so `maru-server` without `--metrics-port` does not need it.
@@ -12,9 +15,13 @@ module level, so `maru-server` without `--metrics-port` does not need it.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from maru.server.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +95,48 @@ INSTANCE_COUNTERS: dict[str, tuple[str, str]] = {
         "Bytes of the keys the instance registered.",
     ),
 }
+
+
+def registry_stats(registry: Registry) -> dict[str, Any]:
+    """Pool, registry, per-instance and counter statistics."""
+    now = time.monotonic()
+    regions = registry.regions
+    instances = {}
+    for i in list(registry.instances.values()):
+        owned = [r for r in map(regions.get, list(i.regions)) if r is not None]
+        instances[i.instance_id] = {
+            "pid": i.pid,
+            "regions": len(owned),
+            "region_bytes": sum(r.length for r in owned),
+            "keys": sum(r.live_keys for r in owned),
+            "bytes_stored": sum(r.live_bytes for r in owned),
+            "pages": sum(r.live_pages for r in owned),
+            "pages_total": sum(r.length // r.page_size for r in owned if r.page_size),
+            "page_size": i.page_size,
+            **{field: getattr(i, field) for field in INSTANCE_COUNTERS},
+            "pins": sum(i.pins.values()),
+            "leases": len(i.leases),
+            "idle_seconds": round(max(0.0, now - i.last_seen), 3),
+        }
+    orphaned = [r for r in list(regions.values()) if r.returned]
+    eviction = registry.eviction
+    return {
+        "pool": registry.pool.stats(),
+        "keys": len(registry.keys),
+        "live_bytes": registry.live_bytes,
+        "regions": len(regions),
+        "leases": len(registry.leases),
+        "watermarks": {"high": eviction.high_watermark, "low": eviction.low_watermark},
+        "instances": instances,
+        "orphaned": {  # returned regions (owner gone) kept alive by keys still in them
+            "regions": len(orphaned),
+            "region_bytes": sum(r.length for r in orphaned),
+            "keys": sum(r.live_keys for r in orphaned),
+            "bytes_stored": sum(r.live_bytes for r in orphaned),
+        },
+        "counters": dict(registry.counters),
+        "server_pid": os.getpid(),
+    }
 
 
 class MetricsUnavailable(RuntimeError):
@@ -202,16 +251,15 @@ class MaruCollector:
             yield CounterMetricFamily(metric, doc, value=value)
 
         instances = s["instances"]
-        for field, (metric, doc) in INSTANCE_GAUGES.items():
-            g = GaugeMetricFamily(metric, doc, labels=["instance"])
-            for iid, inst in instances.items():
-                g.add_metric([iid], float(inst.get(field, 0)))
-            yield g
-        for field, (metric, doc) in INSTANCE_COUNTERS.items():
-            c = CounterMetricFamily(metric, doc, labels=["instance"])
-            for iid, inst in instances.items():
-                c.add_metric([iid], float(inst.get(field, 0)))
-            yield c
+        for family, fields in (
+            (GaugeMetricFamily, INSTANCE_GAUGES),
+            (CounterMetricFamily, INSTANCE_COUNTERS),
+        ):
+            for field, (metric, doc) in fields.items():
+                m = family(metric, doc, labels=["instance"])
+                for iid, inst in instances.items():
+                    m.add_metric([iid], float(inst.get(field, 0)))
+                yield m
 
         bounds = s["latency_buckets"]
         hist = HistogramMetricFamily(

@@ -11,15 +11,13 @@ Pure bookkeeping, no sockets and no page bytes, so every rule can be tested dire
   and a restart replays the journal through the same mutators that wrote it.
 
 Regions and their deferred free are in `maru.server.regions`; which keys go when memory runs
-short, in `maru.server.eviction`.
+short, in `maru.server.eviction`; pins and read leases, in `maru.server.holds`; the snapshot
+and the replay, in `maru.server.persistence`; the statistics, in `maru.server.metrics`.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -36,8 +34,10 @@ from maru.common.protocol import (
 )
 from maru.common.region import RegionHandle
 from maru.server.eviction import Eviction
-from maru.server.keyindex import KeyEntry, KeyIndex, release_entries
+from maru.server.holds import LeaseTable, Pins
+from maru.server.keyindex import KeyEntry, KeyIndex
 from maru.server.logs import Throttle
+from maru.server.metrics import COUNTERS, registry_stats
 from maru.server.pool import Pool, PoolFullError
 from maru.server.regions import RegionTable
 from maru.server.token import TokenSigner
@@ -50,13 +50,6 @@ REGISTERED, EXISTS, REJECTED = (int(s) for s in RegisterStatus)
 
 class JournalSink(Protocol):
     def append(self, record: Any) -> None: ...
-
-
-@dataclass
-class Lease:
-    owner: str | None
-    entries: list[KeyEntry]  # the entries held (not their keys: ending it needs no lookup)
-    expires: float
 
 
 @dataclass
@@ -103,47 +96,26 @@ class Registry:
         self.pool = pool
         self.signer = signer
         self.journal = journal
-        self.lease_seconds = lease_seconds
         self.instances: dict[str, Instance] = {}
-        # Oldest first: insertion order, except that a key eviction spared (its CLOCK bit
-        # was set) moves to the end. Lookups do not reorder it. Batches probe it with its
-        # batch calls (`get_many`, `setdefault_many`, `lookup_columns`), which overlap their
-        # keys' cache misses.
+        # Oldest first, the order eviction walks (a key it spares moves to the end); batches
+        # go through its batch calls (`maru.server.keyindex`).
         self.keys: KeyIndex = KeyIndex()
         self.live_bytes = 0  # sum of registered key lengths
-        self.leases: dict[int, Lease] = {}
-        self._lease_expiry: list[tuple[float, int]] = []  # heap of (expires, lease_id)
-        self._lease_ids = itertools.count(1)
         self.log_throttle = Throttle(10.0)  # per-store events under memory pressure
-        self.counters: dict[str, int] = dict.fromkeys(
-            (
-                "evictions",
-                "bytes_evicted",
-                "eviction_rounds",
-                "leases_expired",
-                "releases_refused",  # RELEASE of a lease another instance holds
-                "instances_reaped",
-                "regions_allocated",
-                "regions_freed",
-                "keys_registered",
-                "bytes_registered",
-                "keys_duplicate",
-                "keys_deleted",
-                "lookups",
-                "hits",
-                "misses",
-                "exists",
-                "exists_hits",
-                "exists_misses",
-            ),
-            0,
+        self.counters: dict[str, int] = dict.fromkeys(  # journal_* are the service's
+            [c for c in COUNTERS if not c.startswith("journal_")], 0
         )
         self.regions = RegionTable(pool, signer, self._log, self.counters)
         self.eviction = Eviction(self, high_watermark, low_watermark)
+        self.pins = Pins(self.keys, self.instances, self._log)
+        self.leases = LeaseTable(self.instances, lease_seconds, self.counters)
 
     def _log(self, *record: Any) -> None:
         if self.journal is not None:
             self.journal.append(list(record))
+
+    def stats(self) -> dict[str, Any]:
+        return registry_stats(self)
 
     # -- instances ---------------------------------------------------------------------------
 
@@ -169,21 +141,11 @@ class Registry:
         if not isinstance(instance_id, str) or not instance_id or len(instance_id) > 128:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "instance_id must be a non-empty string")
         inst = self.instances.get(instance_id)
+        how = "connected" if inst is None else "reconnected"
+        log.info("instance %s %s (pid %d)", instance_id, how, pid, extra={"instance": instance_id})
         if inst is None:
-            inst = self.instances[instance_id] = Instance(instance_id, pid)
-            log.info(
-                "instance %s connected (pid %d)", instance_id, pid, extra={"instance": instance_id}
-            )
-        else:
-            log.info(
-                "instance %s reconnected (pid %d)",
-                instance_id,
-                pid,
-                extra={"instance": instance_id},
-            )
-            inst.pid = pid
-        inst.page_size = page_size
-        inst.last_seen = time.monotonic()
+            inst = self.instances[instance_id] = Instance(instance_id)
+        inst.pid, inst.page_size, inst.last_seen = pid, page_size, time.monotonic()
         return [self.regions[r].handle() for r in sorted(inst.regions)]
 
     def used_extents(self, region_ids: set[int]) -> dict[int, list[list[int]]]:
@@ -203,11 +165,9 @@ class Registry:
         inst = self.instances.pop(instance_id, None)
         if inst is None:
             return
-        if inst.pins:
-            self._log("X", instance_id)  # its pins are gone
-        self._drop_pins(inst)
+        self.pins.drop(inst)
         for lease_id in list(inst.leases):
-            self._end_lease(lease_id)
+            self.leases.end(lease_id)
         for region_id in sorted(inst.regions):
             self.regions.release(self.regions[region_id])
         log.info(
@@ -219,13 +179,6 @@ class Registry:
             len(inst.regions),
             extra={"instance": instance_id},
         )
-
-    def _drop_pins(self, inst: Instance) -> None:
-        """Release every pin of an instance that is gone (disconnected or reaped)."""
-        for key, count in inst.pins.items():
-            entry = self.keys.get(key)
-            if entry is not None:
-                entry.pins = max(0, entry.pins - count)
 
     def reap(self, timeout: float, now: float | None = None) -> list[str]:
         """Disconnect instances not heard from for `timeout` seconds (crashed clients)."""
@@ -400,11 +353,8 @@ class Registry:
         if inst is not None:
             inst.hits += hits
             inst.misses += misses
-        lease_id = self._add_lease(held, instance_id) if lease and held else 0
-        regions = self.regions
-        ids = set(memoryview(region_ids).cast("q"))
-        ids.discard(0)
-        handles = [regions[r].handle() for r in ids]
+        lease_id = self.leases.add(held, instance_id) if lease and held else 0
+        handles = [self.regions[r].handle() for r in set(memoryview(region_ids).cast("q")) - {0}]
         return region_ids, offsets, lengths, handles, lease_id
 
     def exists(self, keys: list[Any], instance_id: str | None = None) -> list[bool]:
@@ -536,244 +486,3 @@ class Registry:
                 freed = notify.get(rid)
                 if freed is not None:
                     freed.append(notice)
-
-    # -- pins and leases ---------------------------------------------------------------------
-
-    def pin(self, keys: list[Any], owner: str | None = None) -> list[bool]:
-        """Pinned keys are neither deleted nor evicted. Pins held by an instance are released
-        when it disconnects or is reaped."""
-        inst = self.instances.get(owner) if owner else None
-        out = []
-        pinned: list[Key] = []
-        for key in keys:
-            entry = self.keys.get(key)  # None for a miss, or a key that is not str or bytes
-            if entry is not None:
-                entry.pins += 1
-                pinned.append(key)
-                if inst is not None:
-                    inst.pins[key] += 1
-            out.append(entry is not None)
-        if pinned:  # pins outlive a server restart (until their holder is reaped)
-            self._log("P", owner if inst is not None else "", pinned)
-        return out
-
-    def unpin(self, keys: list[Any], owner: str | None = None) -> list[bool]:
-        inst = self.instances.get(owner) if owner else None
-        out = []
-        unpinned: list[Key] = []
-        for key in keys:
-            entry = self.keys.get(key)  # None for a miss, or a key that is not str or bytes
-            ok = entry is not None and entry.pins > 0
-            if ok and inst is not None:
-                ok = inst.pins[key] > 0  # an instance can only drop pins it holds
-                if ok:
-                    inst.pins[key] -= 1
-                    if not inst.pins[key]:
-                        del inst.pins[key]
-            if ok:
-                entry.pins -= 1
-                unpinned.append(key)
-            out.append(ok)
-        if unpinned:
-            self._log("U", owner if inst is not None else "", unpinned)
-        return out
-
-    def _add_lease(self, held: list[KeyEntry], owner: str | None) -> int:
-        """Record a lease on `held`, whose `leases` counts the caller already raised: they are
-        held against eviction and deletion until `release` or expiry (so a crashed reader
-        cannot hold them forever)."""
-        lease_id = next(self._lease_ids)
-        expires = time.monotonic() + self.lease_seconds
-        self.leases[lease_id] = Lease(owner, held, expires)
-        heapq.heappush(self._lease_expiry, (expires, lease_id))
-        inst = self.instances.get(owner) if owner else None
-        if inst is not None:
-            inst.leases.add(lease_id)
-        return lease_id
-
-    def release(self, lease_ids: list[Any]) -> int:
-        return sum(self._end_lease(i) for i in lease_ids if type(i) is int)  # not a bool
-
-    def _end_lease(self, lease_id: int) -> bool:
-        lease = self.leases.pop(lease_id, None)
-        if lease is None:
-            return False
-        # The entries themselves, not a lookup by key: no probe per key, and a key dropped
-        # and registered again (a new entry) is not touched by the old entry's lease.
-        release_entries(lease.entries)
-        inst = self.instances.get(lease.owner) if lease.owner else None
-        if inst is not None:
-            inst.leases.discard(lease_id)
-        return True
-
-    def expire_leases(self, now: float | None = None) -> int:
-        now = time.monotonic() if now is None else now
-        expired = 0
-        while self._lease_expiry and self._lease_expiry[0][0] <= now:
-            _, lease_id = heapq.heappop(self._lease_expiry)
-            if self._end_lease(lease_id):
-                expired += 1
-        self.counters["leases_expired"] += expired
-        return expired
-
-    # -- persistence -------------------------------------------------------------------------
-
-    def snapshot_state(self) -> dict[str, Any]:
-        return {
-            "next_region_id": self.regions.next_id,
-            "regions": self.regions.snapshot(),
-            "keys": [[k, e.region_id, e.offset, e.length] for k, e in self.keys.items()],
-            "pins": self._pin_records(),
-        }
-
-    def _pin_records(self) -> list[list[Any]]:
-        """[holder, key, count] for every pin; holder "" for pins taken without an instance."""
-        held: Counter = Counter()
-        records = []
-        for inst in self.instances.values():
-            for key, count in inst.pins.items():
-                records.append([inst.instance_id, key, count])
-                held[key] += count
-        for key, entry in self.keys.items():
-            if entry.pins > held[key]:
-                records.append(["", key, entry.pins - held[key]])
-        return records
-
-    def restore(self, snapshot: dict[str, Any] | None, records: list[Any]) -> None:
-        """Rebuild regions, keys and pins from a snapshot plus the journal records after it.
-
-        Owners of restored regions are re-created as instances that must handshake again
-        within the heartbeat timeout, or be reaped like any silent client."""
-        journal, self.journal = self.journal, None  # replay must not write the journal again
-        try:
-            if snapshot:
-                self.regions.next_id = int(snapshot["next_region_id"])
-                for row in snapshot["regions"]:
-                    self.regions.restore(*row)
-                self._replay(["K", snapshot["keys"]])  # the rows of a "K" record's old form
-                for holder, key, count in snapshot.get("pins", ()):
-                    self._replay(["P", holder, [key] * count])
-            for record in records:
-                self._replay(record)
-            for region in list(self.regions.values()):
-                if region.returned and region.live_keys == 0:
-                    self.regions.free(region)
-        finally:
-            self.journal = journal
-        for region in self.regions.values():
-            if not region.returned:
-                inst = self.instances.setdefault(region.owner, Instance(region.owner))
-                inst.regions.add(region.region_id)
-        now = time.monotonic()
-        for inst in self.instances.values():  # all must handshake again within the timeout
-            inst.last_seen = now
-            inst.freed.clear()  # notices of the replayed drops: told before the restart, or lost
-        log.info(
-            "restored %d regions and %d keys (%d bytes)",
-            len(self.regions),
-            len(self.keys),
-            self.live_bytes,
-        )
-
-    def _replay(self, record: list[Any]) -> None:
-        """Apply one journal record through the mutator that wrote it."""
-        kind = record[0]
-        if kind == "R":
-            self.regions.restore(*record[1:], False)
-        elif kind == "T":
-            region = self.regions.get(record[1])
-            if region is not None:
-                self.regions.release(region)
-        elif kind == "F":  # already freed by the "T" or "D" before it, as when it was written
-            region = self.regions.get(record[1])
-            if region is not None and region.live_keys == 0:
-                self.regions.free(region)
-        elif kind == "K" and len(record) == 5:  # keys, region_ids, offsets, lengths
-            self._restore_keys(*record[1:])
-        elif kind == "K":  # before protocol 2: [[key, region_id, offset, length], ...]
-            if record[1]:
-                self._restore_keys(*map(list, zip(*record[1])))
-        elif kind == "C":  # before protocol 2: keys, their region, offsets, their length
-            _, keys, region_id, offsets, length = record
-            self._restore_keys(keys, [region_id] * len(keys), offsets, [length] * len(keys))
-        elif kind == "D":
-            keys = [key for key in record[1] if key in self.keys]
-            self._drop_keys(keys, self.keys.get_many(keys))
-        elif kind in ("P", "U"):
-            holder = record[1]
-            if holder:
-                self.instances.setdefault(holder, Instance(holder))
-            (self.pin if kind == "P" else self.unpin)(record[2], holder or None)
-        elif kind == "X":  # the instance disconnected or was reaped
-            inst = self.instances.pop(record[1], None)
-            if inst is not None:
-                self._drop_pins(inst)
-        else:
-            log.warning("ignoring unknown journal record %r", kind)
-
-    def _restore_keys(
-        self, keys: list[Key], region_ids: list[int], offsets: list[int], lengths: list[int]
-    ) -> None:
-        """`_add_keys` for the keys of a snapshot or journal whose region still exists."""
-        regions = self.regions
-        if not all(r in regions for r in set(region_ids)):
-            present = [r in regions for r in region_ids]
-            keys, region_ids, offsets, lengths = (
-                list(compress(c, present)) for c in (keys, region_ids, offsets, lengths)
-            )
-        self._add_keys(keys, region_ids, offsets, lengths)
-
-    # -- stats -------------------------------------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        """Pool, registry, per-instance and counter statistics, O(instances + regions).
-
-        Also read by the metrics thread while the RPC thread mutates the registry: it works on
-        copies (`list(...)` of a dict is atomic under the GIL) and looks regions up with `.get`;
-        a caller on another thread retries on RuntimeError (a dict resized mid-iteration)."""
-        now = time.monotonic()
-        regions = self.regions
-        instances = {}
-        for i in list(self.instances.values()):
-            owned = [r for r in map(regions.get, list(i.regions)) if r is not None]
-            instances[i.instance_id] = {
-                "pid": i.pid,
-                "regions": len(owned),
-                "region_bytes": sum(r.length for r in owned),
-                "keys": sum(r.live_keys for r in owned),
-                "bytes_stored": sum(r.live_bytes for r in owned),
-                "pages": sum(r.live_pages for r in owned),
-                "pages_total": sum(r.length // r.page_size for r in owned if r.page_size),
-                "page_size": i.page_size,
-                "keys_registered": i.keys_registered,
-                "bytes_registered": i.bytes_registered,
-                "hits": i.hits,
-                "misses": i.misses,
-                "exists_hits": i.exists_hits,
-                "exists_misses": i.exists_misses,
-                "evicted": i.evicted,
-                "pins": sum(i.pins.values()),
-                "leases": len(i.leases),
-                "idle_seconds": round(max(0.0, now - i.last_seen), 3),
-            }
-        orphaned = [r for r in list(regions.values()) if r.returned]
-        return {
-            "pool": self.pool.stats(),
-            "keys": len(self.keys),
-            "live_bytes": self.live_bytes,
-            "regions": len(regions),
-            "leases": len(self.leases),
-            "watermarks": {
-                "high": self.eviction.high_watermark,
-                "low": self.eviction.low_watermark,
-            },
-            "instances": instances,
-            "orphaned": {  # returned regions (owner gone) kept alive by keys still in them
-                "regions": len(orphaned),
-                "region_bytes": sum(r.length for r in orphaned),
-                "keys": sum(r.live_keys for r in orphaned),
-                "bytes_stored": sum(r.live_bytes for r in orphaned),
-            },
-            "counters": dict(self.counters),
-            "server_pid": os.getpid(),
-        }

@@ -30,6 +30,7 @@ from maru.common.protocol import (
     check_key,
     unpack_int64,
 )
+from maru.server import persistence
 from maru.server.journal import Journal
 from maru.server.local_socket import LocalSocketServer, local_address
 from maru.server.registry import Registry
@@ -148,16 +149,18 @@ class MaruService:
             MsgType.REGION_ACCESS: self._region_access,
             MsgType.REGISTER_KV: self._register_kv,
             MsgType.LOOKUP_KV: self._lookup_kv,
-            MsgType.EXISTS: self._exists,
-            MsgType.PIN: lambda b: {"results": self.registry.pin(_keys(b), _iid(b))},
-            MsgType.UNPIN: lambda b: {"results": self.registry.unpin(_keys(b), _iid(b))},
-            MsgType.RELEASE: self._release,
+            MsgType.EXISTS: lambda b: {"results": self.registry.exists(_keys(b), _iid(b))},
+            MsgType.PIN: lambda b: {"results": self.registry.pins.pin(_keys(b), _iid(b))},
+            MsgType.UNPIN: lambda b: {"results": self.registry.pins.unpin(_keys(b), _iid(b))},
+            MsgType.RELEASE: lambda b: {
+                "released": self.registry.leases.release(_batch(b, "leases"), _iid(b))
+            },
             MsgType.EVICT_FOR: self._evict_for,
             MsgType.DELETE_KV: lambda b: {
                 "results": [int(s) for s in self.registry.delete(_keys(b))]
             },
             MsgType.LIST_ALLOCATIONS: self._list_allocations,
-            MsgType.STATS: self._stats,
+            MsgType.STATS: lambda b: {"stats": self.stats()},
             MsgType.HEARTBEAT: lambda b: {},
             MsgType.DELETE_PREFIX: self._delete_prefix,
             MsgType.KEYS: self._list_keys,
@@ -224,9 +227,8 @@ class MaruService:
         return {"region": handle.to_wire()}
 
     def _return_region(self, body: dict[str, Any]) -> dict[str, Any]:
-        self.registry.return_region(
-            _field(body, "iid", str), body.get("region_id"), body.get("token")
-        )
+        iid = _field(body, "iid", str)
+        self.registry.return_region(iid, body.get("region_id"), body.get("token"))
         return {}
 
     def _region_access(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -257,25 +259,9 @@ class MaruService:
             "lease_id": lease_id,
         }
 
-    def _release(self, body: dict[str, Any]) -> dict[str, Any]:
-        """End read leases. A lease taken by an instance is ended only by that instance: lease
-        ids are sequential, and a stray or buggy RELEASE must not let another reader's pages
-        be evicted mid-copy. (A lease taken without an instance id can be ended by anyone.)"""
-        iid, leases = _iid(body), self.registry.leases
-        allowed = []
-        for lease_id in _batch(body, "leases"):
-            lease = leases.get(lease_id) if type(lease_id) is int else None
-            if lease is not None and lease.owner is not None and lease.owner != iid:
-                self.registry.counters["releases_refused"] += 1
-            else:
-                allowed.append(lease_id)
-        return {"released": self.registry.release(allowed)}
-
     def _evict_for(self, body: dict[str, Any]) -> dict[str, Any]:
-        freed = self.registry.eviction.evict_for(
-            _field(body, "iid", str), _field(body, "bytes", int)
-        )
-        return {"freed_bytes": freed}
+        iid, want = _field(body, "iid", str), _field(body, "bytes", int)
+        return {"freed_bytes": self.registry.eviction.evict_for(iid, want)}
 
     def _delete_prefix(self, body: dict[str, Any]) -> dict[str, Any]:
         if body.get("all") is True:  # `maru clear`
@@ -304,21 +290,14 @@ class MaruService:
         keys, truncated = self.registry.list_keys(body.get("prefix"), limit)
         return {"keys": keys, "truncated": truncated, "limit": limit}
 
-    def _exists(self, body: dict[str, Any]) -> dict[str, Any]:
-        keys, iid = _keys(body), _iid(body)
-        return {"results": self.registry.exists(keys, iid) if iid else self.registry.exists(keys)}
-
     def _list_allocations(self, body: dict[str, Any]) -> dict[str, Any]:
         owner = body.get("owner")
         handles = self.registry.regions.handles(owner if isinstance(owner, str) else None)
         return {"regions": [h.to_wire() for h in handles]}
 
-    def _stats(self, body: dict[str, Any]) -> dict[str, Any]:
-        return {"stats": self.stats()}
-
     def stats(self) -> dict[str, Any]:
         """What STATS returns, and what the metrics endpoint exports (read at scrape time from
-        another thread: see `Registry.stats`). Per operation: request count, total seconds,
+        another thread: see `maru.server.metrics`). Per operation: request count, total seconds,
         errors, and `buckets`, the non-cumulative counts of the histogram whose upper bounds
         are `latency_buckets` (one more bucket at the end counts the slower ones)."""
         stats = self.registry.stats()
@@ -331,10 +310,8 @@ class MaruService:
         stats["local_socket"] = local.address if local is not None else None
         stats["local_connections"] = len(local.connections) if local is not None else 0
         journal = self.journal
-        stats["counters"]["journal_fsyncs"] = journal.fsyncs if journal is not None else 0
-        stats["counters"]["journal_fsync_errors"] = (
-            journal.fsync_errors if journal is not None else 0
-        )
+        for name in ("fsyncs", "fsync_errors"):  # the journal_* counters (metrics.COUNTERS)
+            stats["counters"][f"journal_{name}"] = getattr(journal, name) if journal else 0
         stats["latency_buckets"] = list(LATENCY_BUCKETS)
         stats["operations"] = {
             self._op_names[t]: {
@@ -480,13 +457,13 @@ class MaruService:
         when it has grown (or an fsync failed), and freeze what the turn left on the heap.
         (The journal is fsynced by its own thread, not here.)"""
         now = time.monotonic() if now is None else now
-        self.registry.expire_leases(now)
+        self.registry.leases.expire(now)
         if now >= self._next_reap:
             self.registry.reap(self.heartbeat_timeout, now)
             self._next_reap = now + min(1.0, self.heartbeat_timeout / 4)
         if self.journal is not None and self.journal.needs_snapshot:
             # its time is forgiven by the loop's next turn
-            self.journal.write_snapshot(self.registry.snapshot_state())
+            self.journal.write_snapshot(persistence.snapshot(self.registry))
         if self.gc_freeze:
             freeze_heap()  # what this turn left behind: keys registered, regions, leases
 

@@ -1,0 +1,154 @@
+"""Holds on keys: pins and read leases, what keeps a key from eviction and deletion.
+
+Both are counted on the key's entry (`KeyEntry.busy`: all that eviction and delete look at) and
+by holder, so that an instance's holds go with it when it disconnects or is reaped. A pin is a
+client's request that a key stay: until unpinned, journaled, so it outlives a restart. A lease
+holds the keys a LOOKUP_KV reader is copying right now, by their entries (ending it needs no
+lookup, and a key dropped and registered again, a new entry, is not touched by the old entry's
+lease); it ends by RELEASE or expiry (a crashed reader cannot hold keys forever), and is not
+journaled: no read outlives a restart.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from maru.server.keyindex import KeyEntry, KeyIndex, release_entries
+
+if TYPE_CHECKING:
+    from maru.server.registry import Instance, Key
+
+
+class Pins:
+    """Pin counts on entries, and per instance (`Instance.pins`); changes journaled "P"/"U"/"X"."""
+
+    def __init__(self, keys: KeyIndex, instances: dict[str, Instance], log: Callable[..., None]):
+        self.keys = keys
+        self.instances = instances
+        self._log = log  # the registry's journal writer
+
+    def pin(self, keys: list[Any], owner: str | None = None) -> list[bool]:
+        inst = self.instances.get(owner) if owner else None
+        out = []
+        pinned: list[Key] = []
+        for key in keys:
+            entry = self.keys.get(key)  # None for a miss, or a key that is not str or bytes
+            if entry is not None:
+                entry.pins += 1
+                pinned.append(key)
+                if inst is not None:
+                    inst.pins[key] += 1
+            out.append(entry is not None)
+        if pinned:
+            self._log("P", owner if inst is not None else "", pinned)
+        return out
+
+    def unpin(self, keys: list[Any], owner: str | None = None) -> list[bool]:
+        inst = self.instances.get(owner) if owner else None
+        out = []
+        unpinned: list[Key] = []
+        for key in keys:
+            entry = self.keys.get(key)  # None for a miss, or a key that is not str or bytes
+            ok = entry is not None and entry.pins > 0
+            if ok and inst is not None:
+                ok = inst.pins[key] > 0  # an instance can only drop pins it holds
+                if ok:
+                    inst.pins[key] -= 1
+                    if not inst.pins[key]:
+                        del inst.pins[key]
+            if ok:
+                entry.pins -= 1
+                unpinned.append(key)
+            out.append(ok)
+        if unpinned:
+            self._log("U", owner if inst is not None else "", unpinned)
+        return out
+
+    def drop(self, inst: Instance) -> None:
+        """Release every pin of an instance that is gone (disconnected or reaped)."""
+        if inst.pins:
+            self._log("X", inst.instance_id)
+        for key, count in inst.pins.items():
+            entry = self.keys.get(key)
+            if entry is not None:
+                entry.pins = max(0, entry.pins - count)
+
+    def records(self) -> list[list[Any]]:
+        """[holder, key, count] per pin, for a snapshot (holder "": taken without an instance)."""
+        held: Counter = Counter()
+        records = []
+        for inst in self.instances.values():
+            for key, count in inst.pins.items():
+                records.append([inst.instance_id, key, count])
+                held[key] += count
+        for key, entry in self.keys.items():
+            if entry.pins > held[key]:
+                records.append(["", key, entry.pins - held[key]])
+        return records
+
+
+@dataclass
+class Lease:
+    owner: str | None
+    entries: list[KeyEntry]
+
+
+class LeaseTable(dict[int, Lease]):
+    """Lease id -> Lease, with the expiry heap; the owner's `Instance.leases` (the ids to end
+    when it goes) is kept in step."""
+
+    def __init__(self, instances: dict[str, Instance], seconds: float, counters: dict[str, int]):
+        super().__init__()
+        self.instances = instances
+        self.seconds = seconds  # a lease's life (--lease-timeout)
+        self.counters = counters
+        self._expiry: list[tuple[float, int]] = []  # heap of (expires, lease_id)
+        self._ids = itertools.count(1)
+
+    def add(self, held: list[KeyEntry], owner: str | None) -> int:
+        """A lease on `held`, whose `leases` counts the caller already raised."""
+        lease_id = next(self._ids)
+        self[lease_id] = Lease(owner, held)
+        heapq.heappush(self._expiry, (time.monotonic() + self.seconds, lease_id))
+        inst = self.instances.get(owner) if owner else None
+        if inst is not None:
+            inst.leases.add(lease_id)
+        return lease_id
+
+    def end(self, lease_id: int) -> bool:
+        lease = self.pop(lease_id, None)
+        if lease is None:
+            return False
+        release_entries(lease.entries)
+        inst = self.instances.get(lease.owner) if lease.owner else None
+        if inst is not None:
+            inst.leases.discard(lease_id)
+        return True
+
+    def release(self, lease_ids: list[Any], owner: str | None) -> int:
+        """RELEASE by `owner`: how many leases it ended. A lease taken by an instance is ended
+        only by that instance: lease ids are sequential, and a stray or buggy RELEASE must not
+        let another reader's pages be evicted mid-copy. (A lease taken without an instance id
+        can be ended by anyone.)"""
+        ended = 0
+        for lease_id in lease_ids:
+            lease = self.get(lease_id) if type(lease_id) is int else None  # not a bool
+            if lease is not None and lease.owner is not None and lease.owner != owner:
+                self.counters["releases_refused"] += 1
+            elif lease is not None:
+                ended += self.end(lease_id)
+        return ended
+
+    def expire(self, now: float) -> int:
+        expired = 0
+        while self._expiry and self._expiry[0][0] <= now:
+            _, lease_id = heapq.heappop(self._expiry)
+            expired += self.end(lease_id)
+        self.counters["leases_expired"] += expired
+        return expired
