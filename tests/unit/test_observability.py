@@ -31,7 +31,7 @@ def service(tmp_path):
 
 
 def setup_instance(svc, iid="A", page_size=64 << 10, size=4 * MiB) -> int:
-    ok(svc, MsgType.HANDSHAKE, {"iid": iid, "pid": 1, "page_size": page_size})
+    ok(svc, MsgType.HANDSHAKE, {"iid": iid, "pid": 1, "chunk_size": page_size})
     return ok(svc, MsgType.REQUEST_REGION, {"iid": iid, "size": size})["region"][0]
 
 
@@ -297,3 +297,13 @@ def test_monitor_frame_rates_reset_when_the_server_restarted(service):
     restarted = dict(after, epoch="other")
     frame = render_monitor("tcp://x:1", restarted, before, 2.0, 1.0, datetime(2025, 1, 1))
     assert "HITS    - (first sample)" in frame and "lookups - keys/s" in frame
+
+
+def test_a_chunk_size_changed_before_storing_counts_in_the_new_unit(service):
+    """MaruStorage sets its chunk size (one SGLang page) after connecting and handshakes
+    again: the page statistics of its still empty region use the new unit."""
+    setup_instance(service, "A", page_size=1 << 20, size=4 * MiB)
+    ok(service, MsgType.HANDSHAKE, {"iid": "A", "pid": 1, "chunk_size": 64 << 10})
+    inst = service.registry.stats()["instances"]["A"]
+    assert inst["page_size"] == 64 << 10
+    assert inst["pages_total"] == 4 * MiB // (64 << 10)

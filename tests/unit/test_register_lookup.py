@@ -21,7 +21,7 @@ def service(tmp_path):
 
 
 def region(svc, iid="A"):
-    ok(svc, MsgType.HANDSHAKE, {"iid": iid, "pid": 1, "page_size": 4096})
+    ok(svc, MsgType.HANDSHAKE, {"iid": iid, "pid": 1, "chunk_size": 4096})
     handle = ok(svc, MsgType.REQUEST_REGION, {"iid": iid, "size": MiB})["region"]
     assert handle[3] == 2 * MiB  # regions are 2 MiB aligned
     return handle[0]

@@ -39,7 +39,7 @@ def setup(tmp_path, name: str, **kw) -> tuple[Registry, Recorder, list[int]]:
     size); every change recorded."""
     (tmp_path / name).mkdir()
     reg = make_registry(tmp_path / name, **kw)
-    reg.handshake("A", 1, page_size=4096)
+    reg.handshake("A", 1, chunk_size=4096)
     rids = [reg.request_region("A", 2 * MiB).region_id for _ in range(2)]
     rids.append(reg.request_region("B", 2 * MiB).region_id)
     reg.journal = journal = Recorder()
@@ -402,7 +402,7 @@ def bulk_traffic(reg: Registry) -> None:
     """Registrations (clean, repeated, partly bad, over several regions), batch deletes (clean and
     not), evictions across regions, a returned region freed by deleting its keys."""
     for iid in ("A", "B"):
-        reg.handshake(iid, 1, page_size=4096)
+        reg.handshake(iid, 1, chunk_size=4096)
     rids = [reg.request_region("A", 2 * MiB).region_id for _ in range(2)]
     rid_b = reg.request_region("B", 2 * MiB).region_id
     rnd = random.Random(5)

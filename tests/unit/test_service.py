@@ -162,14 +162,14 @@ def test_freed_locations_piggyback_on_the_owners_next_reply(service):
 def test_every_message_replies_with_exactly_its_schema_fields(service):
     """Each message type, sent as its one request form, answers with the fields MESSAGES lists
     for its reply (all of them), plus "ok" and maybe "freed"; no other field."""
-    hs = ok(service, MsgType.HANDSHAKE, {"iid": "A", "pid": 1, "page_size": 4096})
+    hs = ok(service, MsgType.HANDSHAKE, {"iid": "A", "pid": 1, "chunk_size": 4096})
     region = ok(service, MsgType.REQUEST_REGION, {"iid": "A", "size": MiB})["region"]
     spare = ok(service, MsgType.REQUEST_REGION, {"iid": "A", "size": MiB})["region"]
     rid, token = region[0], region[4]
     rows = [["k", rid, 0, 10], ["j", rid, 4096, 10], ["p/1", rid, 8192, 10]]
     lease_id = 0
     requests = {
-        MsgType.HANDSHAKE: {"iid": "A", "pid": 1, "page_size": 4096, "known_regions": []},
+        MsgType.HANDSHAKE: {"iid": "A", "pid": 1, "chunk_size": 4096, "known_regions": []},
         MsgType.REQUEST_REGION: {"iid": "A", "size": MiB},
         MsgType.RETURN_REGION: {"iid": "A", "region_id": spare[0], "token": spare[4]},
         MsgType.REGION_ACCESS: {"region_id": rid, "token": token},

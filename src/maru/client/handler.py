@@ -155,7 +155,7 @@ class MaruHandler:
         """(Re)attach to the server; returns how many of our regions it no longer knows."""
         body = {
             "pid": os.getpid(),
-            "page_size": self._chunks.chunk_size,
+            "chunk_size": self._chunks.chunk_size,
             "known_regions": self._chunks.region_ids(),
         }
         reply = self._request(MsgType.HANDSHAKE, body).result()
@@ -244,6 +244,8 @@ class MaruHandler:
         owned = [m for m in map(self._mapper.get, self._chunks.region_ids()) if m is not None]
         self._chunks.set_chunk_size(config.chunk_size_bytes, owned)
         self.config = config
+        if self._connected:  # the server counts our chunks in its page statistics
+            self._handshake()
 
     # -- reserve, write, seal ----------------------------------------------------------------
 

@@ -317,7 +317,7 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
         [
             ("iid", "str", "instance id (at most 128 bytes)"),
             ("pid", "int", "the client's process id (informational)"),
-            ("page_size", "int", "the client's allocation unit in bytes (statistics)"),
+            ("chunk_size", "int", "the client's allocation unit in bytes (statistics)"),
             ("known_regions", "[int]", "region ids whose page map the client still holds"),
         ],
         [

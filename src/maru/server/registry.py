@@ -135,9 +135,11 @@ class Registry:
         if inst is not None:
             inst.last_seen = time.monotonic()
 
-    def handshake(self, instance_id: str, pid: int, page_size: int = 0) -> list[RegionHandle]:
+    def handshake(self, instance_id: str, pid: int, chunk_size: int = 0) -> list[RegionHandle]:
         """(Re)attach an instance; returns the regions it still owns (after a reconnect).
-        `page_size` (the client's page size, 0 if unknown) only feeds the page statistics."""
+        `chunk_size` (the client's allocation unit, 0 if unknown) only feeds the page
+        statistics; a client that changed it before storing anything (MaruStorage, once it
+        knows SGLang's page size) re-handshakes, and its empty regions count in the new unit."""
         if not isinstance(instance_id, str) or not instance_id or len(instance_id) > 128:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "instance_id must be a non-empty string")
         inst = self.instances.get(instance_id)
@@ -145,8 +147,12 @@ class Registry:
         log.info("instance %s %s (pid %d)", instance_id, how, pid, extra={"instance": instance_id})
         if inst is None:
             inst = self.instances[instance_id] = Instance(instance_id)
-        inst.pid, inst.page_size, inst.last_seen = pid, page_size, time.monotonic()
-        return [self.regions[r].handle() for r in sorted(inst.regions)]
+        inst.pid, inst.page_size, inst.last_seen = pid, chunk_size, time.monotonic()
+        owned = [self.regions[r] for r in sorted(inst.regions)]
+        for region in owned:
+            if not region.live_keys:
+                region.page_size = chunk_size
+        return [region.handle() for region in owned]
 
     def used_extents(self, region_ids: set[int]) -> dict[int, list[list[int]]]:
         """[offset, length] of every key in these regions. A process that takes over an

@@ -203,10 +203,10 @@ class MaruService:
         pid = body.get("pid")
         if not isinstance(pid, int) or isinstance(pid, bool) or not 0 <= pid < 2**63:
             pid = 0  # informational only; must stay encodable in STATS replies
-        page_size = body.get("page_size")
-        if not isinstance(page_size, int) or isinstance(page_size, bool):
-            page_size = 0
-        regions = self.registry.handshake(iid, pid, page_size if 0 < page_size < 2**40 else 0)
+        chunk = body.get("chunk_size")
+        if not isinstance(chunk, int) or isinstance(chunk, bool):
+            chunk = 0
+        regions = self.registry.handshake(iid, pid, chunk if 0 < chunk < 2**40 else 0)
         used: dict[int, list[list[int]]] = {}
         if regions and body.get("known_regions") != [h.region_id for h in regions]:
             # The caller does not hold the page map of these regions (a new process reusing
