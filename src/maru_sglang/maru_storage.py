@@ -14,6 +14,7 @@ batch each way; no intermediate buffer.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -133,7 +134,14 @@ class MaruStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, args: Any = None):
         self.storage_config = storage_config
         extra = dict(storage_config.extra_config or {})
-        self.config = MaruConfig.from_mapping(extra, prefix="maru_")
+        config = MaruConfig.from_mapping(extra, prefix="maru_")
+        # Each rank is an instance of its own (the server names it, the name only reads
+        # well): a configured name gets the rank, so ranks stay apart in `maru stats`.
+        if "maru_instance_id" in extra and storage_config.tp_size > 1:
+            config = dataclasses.replace(
+                config, instance_id=f"{config.instance_id}/tp{storage_config.tp_rank}"
+            )
+        self.config = config
         # Unless the user chose one, the chunk size follows the page size (known only at
         # register_mem_pool_host, when the handler's chunk size is set before any chunk is
         # reserved): with the 1 MiB default a 16 KiB page would hold 1 MiB.
@@ -161,7 +169,7 @@ class MaruStorage(HiCacheStorage):
         log.info(
             "MaruStorage connected to %s as instance %s",
             self.config.server_url,
-            self.config.instance_id,
+            self.handler.instance_id,
         )
 
     # -- registration ------------------------------------------------------------------------

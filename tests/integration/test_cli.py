@@ -156,7 +156,7 @@ def test_stats_json_has_pool_instances_and_histograms(maru_server, writer):
     assert s["pool"]["capacity"] == GiB and s["pool"]["used"] == 16 << 20
     assert s["pool"]["free"] == GiB - (16 << 20) and s["pool"]["fragmentation"] == 0
     assert s["keys"] == 13 and s["live_bytes"] == STORED
-    inst = s["instances"][WRITER]
+    inst = s["instances"][writer.instance_id]
     assert inst["regions"] == 1 and inst["region_bytes"] == 16 << 20
     assert inst["keys"] == 13 and inst["bytes_stored"] == STORED
     assert inst["page_size"] == 64 << 10
@@ -181,7 +181,7 @@ def test_stats_text_tables(maru_server, writer):
     rc, text = run(maru_server.url, "stats")
     assert rc == 0
     rows = {r[0]: r for r in table_rows(text, "INSTANCE")}
-    pid, regions, keys, stored, pages, hit, exist, evicted = rows[WRITER][1:9]
+    pid, regions, keys, stored, pages, hit, exist, evicted = rows[writer.instance_id][1:9]
     assert (pid, regions, keys, pages, hit, exist, evicted) == (
         str(os.getpid()),
         "1",
@@ -214,7 +214,7 @@ def test_keys_by_prefix_with_sizes_and_owner(maru_server, writer, capsys):
     lines = text.splitlines()
     assert lines[0].split() == ["BYTES", "OWNER", "KEY"]
     rows = [line.split() for line in lines[1:]]
-    assert sorted(rows) == [["5000", WRITER, k] for k in NS2]
+    assert sorted(rows) == [["5000", writer.instance_id, k] for k in NS2]
 
     rc, text = run(maru_server.url, "keys", "--prefix", "ns1:", "--json")
     doc = json.loads(text)
@@ -222,7 +222,7 @@ def test_keys_by_prefix_with_sizes_and_owner(maru_server, writer, capsys):
     assert {k["key"]: k["bytes"] for k in doc["keys"]} == dict.fromkeys(NS1, 100000)
     # most recently used first: lookups touched ns1:0, ns1:1, ns1:2, then exists ns1:9
     assert [k["key"] for k in doc["keys"][:4]] == ["ns1:9", "ns1:2", "ns1:1", "ns1:0"]
-    assert {k["owner"] for k in doc["keys"]} == {WRITER}
+    assert {k["owner"] for k in doc["keys"]} == {writer.instance_id}
 
 
 def test_keys_limit_is_applied_and_reported(maru_server, writer, capsys):
@@ -253,7 +253,7 @@ def test_evict_prefix_drops_one_namespace_and_keeps_pinned(maru_server, writer):
     assert sorted(k["key"] for k in json.loads(text)["keys"]) == ["ns1:5", *NS2]
     assert writer.batch_exists(["ns1:0", "ns1:5", "ns2:0"]) == [False, True, True]
     with MaruAdmin(maru_server.url) as admin:
-        inst = admin.stats()["instances"][WRITER]
+        inst = admin.stats()["instances"][writer.instance_id]
     assert (inst["keys"], inst["pages"]) == (4, 2 + 3)
 
 
@@ -317,7 +317,7 @@ def test_monitor_once_renders_pool_hit_rate_and_throughput(maru_server, writer):
     assert "stores 0.0 keys/s" in lines["RATE"]
     assert lines["STATE"].startswith("STATE   1 instances, 1 regions")
     instances = {r[0]: r for r in table_rows(frame, "INSTANCE")}
-    assert instances[WRITER][3] == "13"
+    assert instances[writer.instance_id][3] == "13"
     ops = {r[0]: r for r in table_rows(frame, "OP")}
     assert float(ops["lookup_kv"][1]) > 0  # REQ/S
     assert int(ops["lookup_kv"][2]) > 1  # COUNT: the writer's first lookup and the traffic

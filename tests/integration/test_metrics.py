@@ -95,16 +95,16 @@ def test_metrics_endpoint_exports_pool_keys_instances_and_histograms(server, met
         assert info.labels["pool"] == pool and info.labels["kind"] == "shm"
 
         # per instance
-        assert value(fam, "maru_instance_keys", instance=INSTANCE) == 5
-        assert value(fam, "maru_instance_stored_bytes", instance=INSTANCE) == 350000
-        assert value(fam, "maru_instance_pages", instance=INSTANCE) == 5 * 2
-        assert value(fam, "maru_instance_pages_capacity", instance=INSTANCE) == 256
-        assert value(fam, "maru_instance_regions", instance=INSTANCE) == 1
-        assert value(fam, "maru_instance_region_bytes", instance=INSTANCE) == 16 << 20
-        assert value(fam, "maru_instance_lookup_hits", instance=INSTANCE) == 2
-        assert value(fam, "maru_instance_lookup_misses", instance=INSTANCE) == 1
-        assert value(fam, "maru_instance_exists_hits", instance=INSTANCE) == 2
-        assert value(fam, "maru_instance_evicted_keys", instance=INSTANCE) == 0
+        assert value(fam, "maru_instance_keys", instance=h.instance_id) == 5
+        assert value(fam, "maru_instance_stored_bytes", instance=h.instance_id) == 350000
+        assert value(fam, "maru_instance_pages", instance=h.instance_id) == 5 * 2
+        assert value(fam, "maru_instance_pages_capacity", instance=h.instance_id) == 256
+        assert value(fam, "maru_instance_regions", instance=h.instance_id) == 1
+        assert value(fam, "maru_instance_region_bytes", instance=h.instance_id) == 16 << 20
+        assert value(fam, "maru_instance_lookup_hits", instance=h.instance_id) == 2
+        assert value(fam, "maru_instance_lookup_misses", instance=h.instance_id) == 1
+        assert value(fam, "maru_instance_exists_hits", instance=h.instance_id) == 2
+        assert value(fam, "maru_instance_evicted_keys", instance=h.instance_id) == 0
 
         # per operation: a histogram with cumulative buckets ending in +Inf == count
         hist = fam["maru_rpc_request_duration_seconds"]
@@ -270,13 +270,15 @@ def test_json_logs_one_object_per_event_with_instance_ids(maru_server_factory):
 
     assert find("restored 0 regions")  # recovery
     assert find("listening on")
-    assert find("instance json-logger connected")["instance"] == "json-logger"
-    allocated = find("allocated to json-logger")
-    assert allocated["instance"] == "json-logger" and allocated["region"] == 1
+    iid = h.instance_id  # the server's id for it: the name and a random suffix
+    assert iid.startswith("json-logger.")
+    assert find(f"instance {iid} connected")["instance"] == iid
+    allocated = find(f"allocated to {iid}")
+    assert allocated["instance"] == iid and allocated["region"] == 1
     eviction = find("eviction round (above the high watermark 0.1)")
-    assert eviction["instance"] == ["json-logger"]
-    assert find("returned by json-logger")["region"] == 1
+    assert eviction["instance"] == [iid]
+    assert find(f"returned by {iid}")["region"] == 1
     assert "by an operator" in find("keys deleted (every key")["msg"]
-    assert find("region 1 (16777216 bytes) of json-logger freed")["instance"] == "json-logger"
-    reaped = find("instance json-logger reaped after 1s without a heartbeat")
-    assert reaped["instance"] == "json-logger"
+    assert find(f"region 1 (16777216 bytes) of {iid} freed")["instance"] == iid
+    reaped = find(f"instance {iid} reaped after 1s without a heartbeat")
+    assert reaped["instance"] == iid

@@ -97,14 +97,16 @@ def test_bad_version_unknown_type_wrong_token_oversized_key(maru_server, raw):
     assert reply["code"] == ErrorCode.BAD_VERSION and header.version == 9
 
     for msg_type in (0, 99, 255):
-        reply = raw.request(msg_type, {"iid": "x"})
+        reply = raw.request(msg_type, {"session": "x"})
         assert reply["ok"] is False and reply["code"] == ErrorCode.UNKNOWN_TYPE
 
-    assert raw.request(MsgType.HANDSHAKE, {"iid": "raw", "pid": 1})["ok"]
-    region = raw.request(MsgType.REQUEST_REGION, {"iid": "raw", "size": 2 << 20})["region"]
+    session = raw.request(MsgType.HANDSHAKE, {"name": "raw", "pid": 1})["session"]
+    region = raw.request(MsgType.REQUEST_REGION, {"session": session, "size": 2 << 20})["region"]
     rid, token = region[0], region[4]
     bad_token = ("0" if token[0] != "0" else "1") + token[1:]
-    reply = raw.request(MsgType.RETURN_REGION, {"iid": "raw", "region_id": rid, "token": bad_token})
+    reply = raw.request(
+        MsgType.RETURN_REGION, {"session": session, "region_id": rid, "token": bad_token}
+    )
     assert reply["code"] == ErrorCode.BAD_TOKEN
     reply = raw.request(MsgType.REGION_ACCESS, {"region_id": rid, "token": bad_token})
     assert reply["code"] == ErrorCode.BAD_TOKEN
@@ -112,16 +114,16 @@ def test_bad_version_unknown_type_wrong_token_oversized_key(maru_server, raw):
 
     long_key = "k" * (MAX_KEY_BYTES + 1)
     for msg_type in (MsgType.LOOKUP_KV, MsgType.EXISTS, MsgType.DELETE_KV, MsgType.PIN):
-        reply = raw.request(msg_type, {"iid": "raw", "keys": ["fine", long_key]})
+        reply = raw.request(msg_type, {"session": session, "keys": ["fine", long_key]})
         assert reply["ok"] is False and reply["code"] == ErrorCode.KEY_TOO_LONG
     columns = {name: protocol.pack_int64([v]) for name, v in zip(COLUMNS, (rid, 0, 10))}
-    reply = raw.request(MsgType.REGISTER_KV, {"iid": "raw", "keys": [long_key], **columns})
+    reply = raw.request(MsgType.REGISTER_KV, {"session": session, "keys": [long_key], **columns})
     assert reply["results"] == [protocol.RegisterStatus.REJECTED]
 
     # the region is still ours and returnable with the right token
-    assert raw.request(MsgType.RETURN_REGION, {"iid": "raw", "region_id": rid, "token": token})[
-        "ok"
-    ]
+    assert raw.request(
+        MsgType.RETURN_REGION, {"session": session, "region_id": rid, "token": token}
+    )["ok"]
     assert_still_serving(maru_server)
 
 

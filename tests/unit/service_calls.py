@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from maru.common import protocol
@@ -14,16 +15,43 @@ MiB = 1 << 20
 
 
 def make_service(tmp_path, pool_mib: int = 16, registry: Registry | None = None) -> MaruService:
+    """A service whose instance ids are the names tests give them (a real server appends a
+    random suffix to each)."""
     if registry is None:
         registry = Registry(ShmPool(str(tmp_path / "pool"), pool_mib * MiB), TokenSigner(b"s" * 32))
-    return MaruService(registry, "tcp://127.0.0.1:0")
+    svc = MaruService(registry, "tcp://127.0.0.1:0")
+    svc.new_instance_id = str
+    return svc
+
+
+# Tests name instances ("iid": "A"); the server names them itself and authenticates each
+# request by its session credential. `call` keeps, per service, the session of each name's
+# last HANDSHAKE and sends it in the name's place (a name never handshaken: no session, an
+# anonymous request).
+_sessions: weakref.WeakKeyDictionary[MaruService, dict[Any, str]] = weakref.WeakKeyDictionary()
+
+
+def wire_body(svc: MaruService, msg_type: int, body: dict[str, Any]) -> dict[str, Any]:
+    """`body` as the client sends it: "iid" (a test's name for an instance) replaced by the
+    name (HANDSHAKE) and the session credential of that name's last handshake, if any."""
+    body = dict(body)
+    name = body.pop("iid", None)
+    if msg_type == protocol.MsgType.HANDSHAKE:
+        body["name"] = name
+    session = _sessions.setdefault(svc, {}).get(name)
+    if session is not None:
+        body["session"] = session
+    return body
 
 
 def call(svc: MaruService, msg_type: int, body: dict[str, Any], request_id: int = 7) -> dict:
     """One request frame in, its reply out; the reply must echo the id and carry the flag."""
-    header, reply = protocol.decode(svc.handle_frame(protocol.encode(msg_type, request_id, body)))
+    wire = wire_body(svc, msg_type, body)
+    header, reply = protocol.decode(svc.handle_frame(protocol.encode(msg_type, request_id, wire)))
     assert header.request_id == request_id
     assert header.flags & protocol.FLAG_REPLY
+    if msg_type == protocol.MsgType.HANDSHAKE and reply.get("ok"):
+        _sessions[svc][body.get("iid")] = reply["session"]
     return reply
 
 

@@ -161,12 +161,14 @@ def test_leases_nest_and_release_is_idempotent(reg):
     rid = reg.request_region("A", 4 * MiB).region_id
     fill(reg, "A", rid, ["k"])
     first = lease(reg, ["k", "missing"], "B")
-    second = lease(reg, ["k", "k"], None)  # a key twice in one batch is held twice
+    second = lease(reg, ["k", "k"], "A")  # a key twice in one batch is held twice
+    assert lease(reg, ["k"], None) == 0  # no instance, no lease: nobody could end it
     assert first != second and reg.keys["k"].leases == 3
     assert reg.leases[first].entries == [reg.keys["k"]]  # only keys that exist are held
     assert reg.leases.release([first, first, 999, "x", None], "B") == 1
     assert reg.keys["k"].busy and reg.delete(["k"]) == [DeleteStatus.PINNED]
-    assert reg.leases.release([second], None) == 1
+    assert reg.leases.release([second], None) == 0  # only its owner ends it
+    assert reg.leases.release([second], "A") == 1
     assert reg.keys["k"].leases == 0 and not reg.keys["k"].busy
     assert reg.instances["B"].leases == set()
     consistent(reg)
@@ -427,6 +429,11 @@ def service(tmp_path):
 
 
 def call(svc, msg_type, body):
+    """A request of the instance `body["iid"]` (created by `make_registry`), sent with its
+    session credential; without "iid", an anonymous request."""
+    body = dict(body)
+    if "iid" in body:
+        body["session"] = svc.registry.open_session(body.pop("iid"))
     _, reply = protocol.decode(svc.handle_frame(protocol.encode(msg_type, 7, body)))
     assert reply["ok"], reply
     return reply

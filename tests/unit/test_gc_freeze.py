@@ -46,6 +46,7 @@ def young_key_entries(reg: Registry) -> int:
 def register_frame(svc: MaruService, rid: int, first: int, count: int) -> None:
     rows = [[f"k{first + i}", rid, (first + i) * 64, 64] for i in range(count)]
     body = register_body("w", rows)
+    body["session"] = svc.registry.open_session(body.pop("iid"))
     _, reply = protocol.decode(svc.handle_frame(protocol.encode(MsgType.REGISTER_KV, 1, body)))
     assert reply["results"] == [0] * count
 

@@ -55,8 +55,8 @@ plain_keys = st.sampled_from(KNOWN_KEYS) | st.text(max_size=8) | st.binary(max_s
 keys = plain_keys | plain_keys | values
 
 
-def field_strategies(region_ids: list[int], tokens: list[str]) -> dict:
-    """Per field: mostly plausible values (known ids, tokens, keys), sometimes anything."""
+def field_strategies(region_ids: list[int], tokens: list[str], sessions: list[str]) -> dict:
+    """Per field: mostly plausible values (known sessions, tokens, keys), sometimes anything."""
     region_id = st.sampled_from(region_ids) | small_ints | values
     token = st.sampled_from(tokens) | st.text(max_size=40) | values
 
@@ -64,7 +64,8 @@ def field_strategies(region_ids: list[int], tokens: list[str]) -> dict:
         return st.lists(ints, max_size=6).map(protocol.pack_int64) | st.binary(max_size=24) | values
 
     return {
-        "iid": st.sampled_from(KNOWN_IIDS) | st.text(max_size=12) | values,
+        "name": st.sampled_from(KNOWN_IIDS) | st.text(max_size=12) | values,
+        "session": st.sampled_from(sessions) | st.text(max_size=12) | values,
         "pid": st.integers(-(2**63), 2**64 - 1) | values,
         "size": st.integers(-1, 1 << 40) | values,
         "region_id": region_id,
@@ -102,8 +103,8 @@ HUGE_LENGTH_BODIES = [
 ]
 
 
-def frames(region_ids: list[int], tokens: list[str]):
-    fields = field_strategies(region_ids, tokens)
+def frames(region_ids: list[int], tokens: list[str], sessions: list[str]):
+    fields = field_strategies(region_ids, tokens, sessions)
     structured = st.builds(
         lambda t, rid, body: header(t, rid) + msgpack.packb(body, use_bin_type=True),
         known_types,  # (unknown types are covered by the other shapes)
@@ -173,8 +174,10 @@ class Target:
     def __init__(self, tmp_path):
         reg = Registry(ShmPool(str(tmp_path / "pool"), 64 * MiB), TokenSigner(b"f" * 32))
         self.service = MaruService(reg, "tcp://127.0.0.1:0", heartbeat_timeout=3600)
+        self.sessions = []
         for iid in KNOWN_IIDS:
             reg.handshake(iid, 1)
+            self.sessions.append(reg.open_session(iid))
         handle = reg.request_region("fz", 2 * MiB)
         rows = [[k, handle.region_id, i * 4096, 100] for i, k in enumerate(KNOWN_KEYS)]
         register(reg, "fz", rows)
@@ -197,7 +200,7 @@ def _fuzz_in_process(target: Target, which: int, max_examples: int):
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
-    @given(frame=frames(target.region_ids, target.tokens)[which])
+    @given(frame=frames(target.region_ids, target.tokens, target.sessions)[which])
     def run(frame):
         body = check_reply(frame, target.service.handle_frame(frame))
         target.replies["ok" if body.get("ok") else "error"] += 1
@@ -217,7 +220,7 @@ def test_fuzz_handle_frame_well_formed_frames_with_odd_fields(target):
     # both paths were exercised, and the service still does real work
     assert target.replies["ok"] > 0 and target.replies["error"] > 0
     svc = target.service
-    reply = protocol.decode(svc.handle_frame(protocol.encode(MsgType.HANDSHAKE, 5, {"iid": "z"})))
+    reply = protocol.decode(svc.handle_frame(protocol.encode(MsgType.HANDSHAKE, 5, {"name": "z"})))
     assert reply[1]["ok"] is True
 
 
@@ -229,7 +232,7 @@ def test_fuzz_handle_frame_malformed_frames(target):
     print(f"\nin-process fuzz (malformed): {target.replies}")
     assert target.replies["error"] > 0
     svc = target.service
-    reply = protocol.decode(svc.handle_frame(protocol.encode(MsgType.HANDSHAKE, 5, {"iid": "z"})))
+    reply = protocol.decode(svc.handle_frame(protocol.encode(MsgType.HANDSHAKE, 5, {"name": "z"})))
     assert reply[1]["ok"] is True
 
 
@@ -245,12 +248,12 @@ def test_huge_declared_lengths_are_bad_frames(target, msg_type, body):
 @pytest.mark.parametrize(
     "body",
     [
-        {"iid": "p", "pid": 1e300},  # would be int(1e300): not encodable in a STATS reply
-        {"iid": "p", "pid": float("inf")},
-        {"iid": "p", "pid": float("nan")},
-        {"iid": "p", "pid": "123"},
-        {"iid": "p", "pid": [1]},
-        {"iid": "p", "pid": -5},
+        {"name": "p", "pid": 1e300},  # would be int(1e300): not encodable in a STATS reply
+        {"name": "p", "pid": float("inf")},
+        {"name": "p", "pid": float("nan")},
+        {"name": "p", "pid": "123"},
+        {"name": "p", "pid": [1]},
+        {"name": "p", "pid": -5},
     ],
 )
 def test_handshake_with_a_strange_pid_does_not_poison_stats(target, body):
@@ -258,16 +261,17 @@ def test_handshake_with_a_strange_pid_does_not_poison_stats(target, body):
     check_reply(frame, target.service.handle_frame(frame))
     stats = protocol.decode(target.service.handle_frame(protocol.encode(MsgType.STATS, 4, {})))
     assert stats[1]["ok"] is True
-    pid = stats[1]["stats"]["instances"].get("p", {}).get("pid", 0)
-    assert isinstance(pid, int) and 0 <= pid < 2**63
+    instances = stats[1]["stats"]["instances"]
+    pids = [inst["pid"] for iid, inst in instances.items() if iid.startswith("p.")]
+    assert pids and all(isinstance(pid, int) and 0 <= pid < 2**63 for pid in pids)
 
 
-@pytest.mark.parametrize("iid", [["a"], {"x": 1}, {"": None}, [[]], 1.5])
+@pytest.mark.parametrize("session", [["a"], {"x": 1}, {"": None}, [[]], 1.5, "fz~00"])
 @pytest.mark.parametrize(
     "msg_type", [MsgType.LOOKUP_KV, MsgType.PIN, MsgType.UNPIN, MsgType.HEARTBEAT]
 )
-def test_unhashable_or_odd_iid_is_not_an_internal_error(target, msg_type, iid):
-    frame = protocol.encode(msg_type, 3, {"iid": iid, "keys": ["k0"], "lease": True})
+def test_unhashable_or_odd_session_is_not_an_internal_error(target, msg_type, session):
+    frame = protocol.encode(msg_type, 3, {"session": session, "keys": ["k0"], "lease": True})
     body = check_reply(frame, target.service.handle_frame(frame))
     if body["ok"] and "lease_id" in body:
         target.service.registry.leases.release([body["lease_id"]], None)
@@ -312,10 +316,12 @@ def test_fuzz_live_server(maru_server_factory, tmp_path):
         mine = victim.list_allocations()
         region_ids, tokens = [h.region_id for h in mine], [h.token for h in mine]
         counts = {"ok": 0, "error": 0, "frames": 0}
+        sessions = []
         for iid in KNOWN_IIDS:  # so that some fuzzed requests act as a real instance
-            dealer.exchange([protocol.encode(MsgType.HANDSHAKE, 1, {"iid": iid})])
+            reply = dealer.exchange([protocol.encode(MsgType.HANDSHAKE, 1, {"name": iid})])
+            sessions.append(protocol.decode(reply)[1]["session"])
 
-        structured, malformed = frames(region_ids, tokens)
+        structured, malformed = frames(region_ids, tokens, sessions)
 
         @settings(
             max_examples=150,

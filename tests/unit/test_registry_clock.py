@@ -114,7 +114,7 @@ def test_release_decrements_the_entries_of_that_lease_only(reg):
     rid = reg.request_region("A", 16 * MiB).region_id
     fill(reg, "A", rid, ["a", "b", "c"])
     first = lease(reg, ["a", "b", "missing", "b"], "B")
-    second = lease(reg, ["b", "c", "missing"], None)
+    second = lease(reg, ["b", "c", "missing"], "A")
     assert [e.leases for e in reg.leases[first].entries] == [1, 3, 3]  # a, b, b: b held 3x
     assert reg.leases[first].entries == [reg.keys[k] for k in ("a", "b", "b")]
     assert {k: e.leases for k, e in reg.keys.items()} == {"a": 1, "b": 3, "c": 1}
@@ -126,6 +126,6 @@ def test_release_decrements_the_entries_of_that_lease_only(reg):
     consistent(reg)
     assert reg.eviction.evict_for("A", 3 * MiB) == MiB  # only a is idle
     assert sorted(reg.keys) == ["b", "c"]
-    assert reg.leases.release([second], None) == 1
+    assert reg.leases.release([second], "A") == 1
     assert not any(e.busy for e in reg.keys.values())
     consistent(reg)

@@ -9,7 +9,7 @@ import pytest
 from maru.common import protocol
 from maru.common.protocol import HEADER, MAGIC, MAX_KEY_BYTES, ErrorCode, MsgType
 
-from .service_calls import call, locations, make_service, ok, register_body
+from .service_calls import call, locations, make_service, ok, register_body, wire_body
 
 MiB = 1 << 20
 BAD = ErrorCode.BAD_REQUEST
@@ -169,7 +169,7 @@ def test_every_message_replies_with_exactly_its_schema_fields(service):
     rows = [["k", rid, 0, 10], ["j", rid, 4096, 10], ["p/1", rid, 8192, 10]]
     lease_id = 0
     requests = {
-        MsgType.HANDSHAKE: {"iid": "A", "pid": 1, "chunk_size": 4096, "known_regions": []},
+        MsgType.HANDSHAKE: {"iid": "A", "pid": 1, "chunk_size": 4096},
         MsgType.REQUEST_REGION: {"iid": "A", "size": MiB},
         MsgType.RETURN_REGION: {"iid": "A", "region_id": spare[0], "token": spare[4]},
         MsgType.REGION_ACCESS: {"region_id": rid, "token": token},
@@ -188,18 +188,19 @@ def test_every_message_replies_with_exactly_its_schema_fields(service):
         MsgType.KEYS: {"prefix": "", "limit": 10},
     }
     assert set(requests) == set(MsgType) == set(protocol.MESSAGES)
-    assert hs["used"] == [] and "local_socket" in hs
+    assert hs["iid"] == "A" and "local_socket" in hs
     for msg_type, body in requests.items():
         if msg_type == MsgType.RELEASE:
             body = {**body, "leases": [lease_id]}
         request_fields = {name for name, _, _ in protocol.MESSAGES[msg_type][0]}
-        assert set(body) <= request_fields, msg_type
+        assert set(wire_body(service, msg_type, body)) <= request_fields, msg_type
         reply = ok(service, msg_type, body)
         fields = {name for name, _, _ in protocol.MESSAGES[msg_type][1]}
         assert fields <= set(reply) <= fields | {"ok", "freed"}, (msg_type, sorted(reply))
         if msg_type == MsgType.LOOKUP_KV:
             lease_id = reply["lease_id"]
             assert lease_id > 0 and locations(reply) == [[rid, 0, 10], None]
-    used = ok(service, MsgType.HANDSHAKE, {"iid": "A"})["used"]  # no known_regions: all
+    # a handshake with the session resumes the instance, with its regions
+    again = ok(service, MsgType.HANDSHAKE, {"iid": "A"})
     owned = ok(service, MsgType.LIST_ALLOCATIONS, {"owner": "A"})["regions"]
-    assert [r for r, _ in used] == [h[0] for h in owned] and rid in [r for r, _ in used]
+    assert again["iid"] == "A" and again["regions"] == owned and rid in [h[0] for h in owned]

@@ -72,12 +72,11 @@ class AllocHandle:
 
 
 class _OwnedRegion:
-    __slots__ = ("chunks", "mapped", "sticky")
+    __slots__ = ("chunks", "mapped")
 
     def __init__(self, mapped: MappedRegion, chunk: int):
         self.mapped = mapped
         self.chunks = ExtentAllocator(mapped.handle.length // chunk)
-        self.sticky: set[int] = set()  # first chunks of merged runs that must not be freed
 
 
 class ChunkBook:
@@ -110,27 +109,10 @@ class ChunkBook:
             self.chunk_size = chunk_size
             self._owned = {m.handle.region_id: _OwnedRegion(m, chunk_size) for m in mapped}
 
-    def adopt(self, mapped: MappedRegion, used: Iterable[Sequence[int]] = ()) -> None:
-        """Own `mapped`; `used`: [offset, length] of keys still registered in it (a process
-        taking over an instance id must not hand out their chunks). Keys sharing a chunk (the
-        predecessor used smaller chunks) are merged into a run that is never freed piecemeal:
-        it comes back only with the region."""
-        chunk = self.chunk_size
-        owned = _OwnedRegion(mapped, chunk)
-        runs: list[list[int]] = []  # [first chunk, end chunk, keys in run]
-        for offset, length in sorted(used):
-            first, end = offset // chunk, -(-(offset + length) // chunk)
-            if runs and first < runs[-1][1]:
-                runs[-1][1] = max(runs[-1][1], end)
-                runs[-1][2] += 1
-            else:
-                runs.append([first, end, 1])
-        for first, end, keys in runs:
-            owned.chunks.reserve(first, end - first)
-            if keys > 1:
-                owned.sticky.add(first)
+    def adopt(self, mapped: MappedRegion) -> None:
+        """Own `mapped`, a region the server just gave us: every chunk free."""
         with self._lock:
-            self._owned[mapped.handle.region_id] = owned
+            self._owned[mapped.handle.region_id] = _OwnedRegion(mapped, self.chunk_size)
 
     def drop(self, region_id: int) -> MappedRegion | None:
         with self._lock:
@@ -185,9 +167,5 @@ class ChunkBook:
             for region_id, offset, _length in freed:
                 owned = self._owned.get(region_id)
                 first = offset // chunk
-                if (
-                    owned is not None
-                    and first not in owned.sticky
-                    and owned.chunks.is_allocated(first)
-                ):
+                if owned is not None and owned.chunks.is_allocated(first):
                     owned.chunks.free_extent(first)

@@ -77,7 +77,10 @@ class MaruHandler:
         elif overrides:
             raise TypeError("pass either a MaruConfig or keyword overrides, not both")
         self.config = config
+        # The server names the instance at handshake (config.instance_id is the name it
+        # starts with) and gives it a session credential that every request carries.
         self.instance_id = config.instance_id
+        self._session: str | None = None
         self._rpc = RpcClient(
             config.server_url,
             timeout_ms=config.timeout_ms,
@@ -148,21 +151,19 @@ class MaruHandler:
 
     def _request(self, msg_type: MsgType, body: dict[str, Any]) -> PendingReply:
         """The handler's one way to send: as this instance, through the one RPC client."""
-        body["iid"] = self.instance_id
+        if self._session is not None:
+            body["session"] = self._session
         return self._rpc.request(msg_type, body)
 
     def _handshake(self) -> int:
         """(Re)attach to the server; returns how many of our regions it no longer knows."""
-        body = {
-            "pid": os.getpid(),
-            "chunk_size": self._chunks.chunk_size,
-            "known_regions": self._chunks.region_ids(),
-        }
+        body = {"name": self.config.instance_id, "pid": os.getpid()}
+        body["chunk_size"] = self._chunks.chunk_size
         reply = self._request(MsgType.HANDSHAKE, body).result()
+        self.instance_id, self._session = reply["iid"], reply["session"]
         if self.config.local_socket:
             self._rpc.use_local_socket(reply.get("local_socket"))
         self._heartbeat.interval = float(reply.get("heartbeat_interval", 5.0))
-        used = {rid: extents for rid, extents in reply.get("used") or ()}
         still_owned = {h.region_id: h for h in map(RegionHandle.from_wire, reply["regions"])}
         lost = 0
         for region_id in self._chunks.region_ids():
@@ -172,8 +173,8 @@ class MaruHandler:
                 self._mapper.unmap(region_id)
                 lost += 1
         for handle in still_owned.values():
-            if handle.region_id not in self._chunks:
-                self._adopt(handle, used.get(handle.region_id, ()))
+            if handle.region_id not in self._chunks:  # (a session only owns what it took)
+                self._adopt(handle)
         return lost
 
     def _on_unknown_instance(self, msg_type: int) -> None:
@@ -194,8 +195,8 @@ class MaruHandler:
 
     # -- regions -----------------------------------------------------------------------------
 
-    def _adopt(self, handle: RegionHandle, used: Any = ()) -> None:
-        self._chunks.adopt(self._mapper.map(handle, writable=True), used)
+    def _adopt(self, handle: RegionHandle) -> None:
+        self._chunks.adopt(self._mapper.map(handle, writable=True))
 
     def _expand(self, size: int) -> None:
         reply = self._request(MsgType.REQUEST_REGION, {"size": size}).result()

@@ -12,6 +12,8 @@ local Unix socket (same messages, a byte stream) each frame is preceded by its l
 
 A reply body is `{"ok": True, ...fields}` or `{"ok": False, "code": ErrorCode, "error": str}`.
 Only metadata crosses this socket: keys and (region, offset, length) triples, never page bytes.
+An instance's requests carry the `session` credential its HANDSHAKE reply gave; a request
+without a valid one is anonymous (reads and operator actions only).
 
 Each message has exactly one request form and one reply form, listed in `MESSAGES` (rendered
 as docs/protocol.md by `python -m maru.common.protocol`). Per-key numbers of a batch travel as
@@ -318,32 +320,35 @@ HANDLE = "[region_id, path, offset, length, token, owner]"
 MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, str]]]] = {
     MsgType.HANDSHAKE: (
         [
-            ("iid", "str", "instance id (at most 128 bytes)"),
+            ("name", "str", "the client's name for itself (maru_instance_id); any string"),
+            ("session", "str", "optional: the credential of an earlier handshake, to resume"),
             ("pid", "int", "the client's process id (informational)"),
             ("chunk_size", "int", "the client's allocation unit in bytes (statistics)"),
-            ("known_regions", "[int]", "region ids whose page map the client still holds"),
         ],
         [
+            ("iid", "str", "the instance id the server gave: the name, '.', 8 hex digits"),
+            ("session", "str", "the credential every later request of the instance carries"),
             ("epoch", "str", "changes on every server start"),
             ("version", "int", "PROTOCOL_VERSION"),
             ("pool", "map", "pool kind, path, capacity, used, free"),
             ("regions", f"[{HANDLE}]", "regions the instance owns"),
-            (
-                "used",
-                "[[region_id, [[offset, length]]]]",
-                "extents of registered keys in "
-                "owned regions the client did not list as known (empty otherwise)",
-            ),
             ("heartbeat_interval", "float", "seconds between heartbeats"),
             ("local_socket", "str | nil", "the server's Unix socket, if any"),
         ],
     ),
     MsgType.REQUEST_REGION: (
-        [("iid", "str", "owner"), ("size", "int", "bytes (rounded up to the pool's alignment)")],
+        [
+            ("session", "str", "the owner"),
+            ("size", "int", "bytes (rounded up to the pool's alignment)"),
+        ],
         [("region", HANDLE, "the new region, writable by its owner")],
     ),
     MsgType.RETURN_REGION: (
-        [("iid", "str", "owner"), ("region_id", "int", ""), ("token", "str", "its HMAC token")],
+        [
+            ("session", "str", "the owner"),
+            ("region_id", "int", ""),
+            ("token", "str", "its HMAC token"),
+        ],
         [],
     ),
     MsgType.REGION_ACCESS: (
@@ -352,7 +357,7 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
     ),
     MsgType.REGISTER_KV: (
         [
-            ("iid", "str", "owner of the regions"),
+            ("session", "str", "the owner of the regions"),
             ("keys", "[str | bytes]", "keys to seal"),
             ("region_ids", I64S, "where each key's bytes are"),
             ("offsets", I64S, "byte offset in the region"),
@@ -362,7 +367,7 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
     ),
     MsgType.LOOKUP_KV: (
         [
-            ("iid", "str", "optional: counts hits per instance, owns the lease"),
+            ("session", "str", "optional: counts hits per instance; a lease needs it"),
             ("keys", "[str | bytes]", ""),
             ("lease", "bool", "hold the hits against eviction and deletion until RELEASE"),
         ],
@@ -375,19 +380,19 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
         ],
     ),
     MsgType.EXISTS: (
-        [("iid", "str", "optional"), ("keys", "[str | bytes]", "")],
+        [("session", "str", "optional"), ("keys", "[str | bytes]", "")],
         [("results", "[bool]", "per key")],
     ),
     MsgType.PIN: (
-        [("iid", "str", "optional: the pin holder"), ("keys", "[str | bytes]", "")],
+        [("session", "str", "the pin holder"), ("keys", "[str | bytes]", "")],
         [("results", "[bool]", "pinned, per key")],
     ),
     MsgType.UNPIN: (
-        [("iid", "str", "optional: the pin holder"), ("keys", "[str | bytes]", "")],
+        [("session", "str", "the pin holder"), ("keys", "[str | bytes]", "")],
         [("results", "[bool]", "unpinned, per key")],
     ),
     MsgType.DELETE_KV: (
-        [("iid", "str", "optional"), ("keys", "[str | bytes]", "")],
+        [("session", "str", "optional"), ("keys", "[str | bytes]", "")],
         [("results", "[int]", "DeleteStatus per key")],
     ),
     MsgType.LIST_ALLOCATIONS: (
@@ -395,21 +400,21 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
         [("regions", f"[{HANDLE}]", "")],
     ),
     MsgType.STATS: ([], [("stats", "map", "see docs/operations.md")]),
-    MsgType.HEARTBEAT: ([("iid", "str", "")], []),
+    MsgType.HEARTBEAT: ([("session", "str", "")], []),
     MsgType.DELETE_PREFIX: (
         [
-            ("iid", "str", "optional"),
+            ("session", "str", "optional"),
             ("prefix", "str | bytes", "non-empty; ignored with all"),
             ("all", "bool", "optional: every key (`maru clear`)"),
         ],
         [("deleted", "int", ""), ("pinned", "int", "matching keys kept (pinned or leased)")],
     ),
     MsgType.RELEASE: (
-        [("iid", "str", "optional: only the lease's owner ends it"), ("leases", "[int]", "")],
+        [("session", "str", "only the lease's owner ends it"), ("leases", "[int]", "")],
         [("released", "int", "leases ended")],
     ),
     MsgType.EVICT_FOR: (
-        [("iid", "str", "the caller"), ("bytes", "int", "to free in the caller's own regions")],
+        [("session", "str", "the caller"), ("bytes", "int", "to free in the caller's own regions")],
         [("freed_bytes", "int", "")],
     ),
     MsgType.KEYS: (

@@ -97,6 +97,7 @@ class Registry:
         self.signer = signer
         self.journal = journal
         self.instances: dict[str, Instance] = {}
+        self.sessions: dict[str, str] = {}  # credential -> instance id (`open_session`)
         # Oldest first, the order eviction walks (a key it spares moves to the end); batches
         # go through its batch calls (`maru.server.keyindex`).
         self.keys: KeyIndex = KeyIndex()
@@ -154,16 +155,12 @@ class Registry:
                 region.page_size = chunk_size
         return [region.handle() for region in owned]
 
-    def used_extents(self, region_ids: set[int]) -> dict[int, list[list[int]]]:
-        """[offset, length] of every key in these regions. A process that takes over an
-        instance id (its predecessor crashed before being reaped) must not hand out pages that
-        registered keys still occupy. Walks all keys: only on such a handshake."""
-        used: dict[int, list[list[int]]] = {r: [] for r in region_ids}
-        for entry in list(self.keys.values()):
-            extents = used.get(entry.region_id)
-            if extents is not None:
-                extents.append([entry.offset, entry.length])
-        return used
+    def open_session(self, instance_id: str) -> str:
+        """The credential of a handshaken instance (`TokenSigner.session`), from now on the
+        only thing that makes a request this instance's."""
+        session = self.signer.session(instance_id)
+        self.sessions[session] = instance_id
+        return session
 
     def disconnect(self, instance_id: str, reason: str = "disconnected") -> None:
         """Forget an instance: drop its pins and leases; its regions become owner-less and are
@@ -171,6 +168,7 @@ class Registry:
         inst = self.instances.pop(instance_id, None)
         if inst is None:
             return
+        self.sessions.pop(self.signer.session(instance_id), None)
         self.pins.drop(inst)
         for lease_id in list(inst.leases):
             self.leases.end(lease_id)
@@ -349,13 +347,15 @@ class Registry:
         with `lease` the id of a lease on the hits (0: none). A hit counts as use (sets the
         key's CLOCK bit). The per-key work (probe, CLOCK bit, lease count, columns) is one
         call into the key index (in C with the extension)."""
+        inst = self.instances.get(instance_id) if instance_id else None
+        # Only an instance holds leases: it alone can end them (RELEASE) or lose them (reap).
+        lease = lease and inst is not None
         held, region_ids, offsets, lengths = self.keys.lookup_columns(keys, lease)
         hits = len(held)
         misses = len(keys) - hits
         self.counters["lookups"] += len(keys)
         self.counters["hits"] += hits
         self.counters["misses"] += misses
-        inst = self.instances.get(instance_id) if instance_id else None
         if inst is not None:
             inst.hits += hits
             inst.misses += misses

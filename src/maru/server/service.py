@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import secrets
 import threading
 import time
 from bisect import bisect_left
@@ -102,9 +103,25 @@ def _keys(body: dict[str, Any]) -> list[Any]:
 
 
 def _iid(body: dict[str, Any]) -> str | None:
-    """The optional instance id of a request: a str, or None (never an unhashable value)."""
-    iid = body.get("iid")
-    return iid if isinstance(iid, str) else None
+    """The instance a request comes from, as `handle_frame` authenticated it (its session
+    credential), or None: an anonymous request (an operator's, or an unknown session)."""
+    return body["iid"]
+
+
+def _owner(body: dict[str, Any]) -> str:
+    """The instance of a request that only an instance may make (pins)."""
+    iid = body["iid"]
+    if iid is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_INSTANCE, "unknown session: handshake first")
+    return iid
+
+
+def _instance_name(name: Any) -> str:
+    """A client's chosen name, as the start of its instance id: printable ASCII (ids go into
+    credentials and log lines), at most 100 characters."""
+    if not isinstance(name, str) or not name:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "field 'name' missing or not a string")
+    return "".join(c if c.isascii() and c.isprintable() and c != "~" else "_" for c in name[:100])
 
 
 class MaruService:
@@ -140,6 +157,9 @@ class MaruService:
         if busy_poll_us < 0:
             raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
         self.busy_poll_s = busy_poll_us / 1e6
+        # A new instance's id: its name and a random suffix, never the id of an earlier
+        # instance (whose credential a paused or stray process may still hold).
+        self.new_instance_id: Callable[[str], str] = lambda name: f"{name}.{secrets.token_hex(4)}"
         self.epoch = f"{time.time_ns():x}"  # changes on every start: clients notice restarts
         self._stop = threading.Event()
         self._handlers: dict[int, Handler] = {
@@ -150,8 +170,8 @@ class MaruService:
             MsgType.REGISTER_KV: self._register_kv,
             MsgType.LOOKUP_KV: self._lookup_kv,
             MsgType.EXISTS: lambda b: {"results": self.registry.exists(_keys(b), _iid(b))},
-            MsgType.PIN: lambda b: {"results": self.registry.pins.pin(_keys(b), _iid(b))},
-            MsgType.UNPIN: lambda b: {"results": self.registry.pins.unpin(_keys(b), _iid(b))},
+            MsgType.PIN: lambda b: {"results": self.registry.pins.pin(_keys(b), _owner(b))},
+            MsgType.UNPIN: lambda b: {"results": self.registry.pins.unpin(_keys(b), _owner(b))},
             MsgType.RELEASE: lambda b: {
                 "released": self.registry.leases.release(_batch(b, "leases"), _iid(b))
             },
@@ -199,7 +219,12 @@ class MaruService:
     # -- handlers ----------------------------------------------------------------------------
 
     def _handshake(self, body: dict[str, Any]) -> dict[str, Any]:
-        iid = _field(body, "iid", str)
+        """Attach a process as an instance: the one its session credential names (a
+        reconnect, or the first contact after a server restart), else a new one whose id this
+        server picks. A process never gets another's instance by choosing its name."""
+        iid = self.registry.signer.session_owner(body.get("session"))
+        if iid is None:
+            iid = self.new_instance_id(_instance_name(body.get("name")))
         pid = body.get("pid")
         if not isinstance(pid, int) or isinstance(pid, bool) or not 0 <= pid < 2**63:
             pid = 0  # informational only; must stay encodable in STATS replies
@@ -207,28 +232,23 @@ class MaruService:
         if not isinstance(chunk, int) or isinstance(chunk, bool):
             chunk = 0
         regions = self.registry.handshake(iid, pid, chunk if 0 < chunk < 2**40 else 0)
-        used: dict[int, list[list[int]]] = {}
-        if regions and body.get("known_regions") != [h.region_id for h in regions]:
-            # The caller does not hold the page map of these regions (a new process reusing
-            # an instance id): tell it which bytes registered keys occupy.
-            used = self.registry.used_extents({h.region_id for h in regions})
         return {
+            "iid": iid,
+            "session": self.registry.open_session(iid),
             "epoch": self.epoch,
             "version": protocol.PROTOCOL_VERSION,
             "pool": self.registry.pool.stats(),
             "regions": [h.to_wire() for h in regions],
-            "used": [[rid, extents] for rid, extents in used.items()],
             "heartbeat_interval": self.heartbeat_timeout / 3,
             "local_socket": self.local.address if self.local is not None else None,
         }
 
     def _request_region(self, body: dict[str, Any]) -> dict[str, Any]:
-        handle = self.registry.request_region(_field(body, "iid", str), _field(body, "size", int))
+        handle = self.registry.request_region(_iid(body), _field(body, "size", int))
         return {"region": handle.to_wire()}
 
     def _return_region(self, body: dict[str, Any]) -> dict[str, Any]:
-        iid = _field(body, "iid", str)
-        self.registry.return_region(iid, body.get("region_id"), body.get("token"))
+        self.registry.return_region(_iid(body), body.get("region_id"), body.get("token"))
         return {}
 
     def _region_access(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -237,7 +257,7 @@ class MaruService:
 
     def _register_kv(self, body: dict[str, Any]) -> dict[str, Any]:
         """A bad key is REJECTED (not an error): the rest of the batch is registered."""
-        iid = _field(body, "iid", str)
+        iid = _iid(body)
         keys = _batch(body, "keys")
         region_ids, offsets, lengths = (
             unpack_int64(body.get(name), len(keys), name).tolist()
@@ -260,7 +280,7 @@ class MaruService:
         }
 
     def _evict_for(self, body: dict[str, Any]) -> dict[str, Any]:
-        iid, want = _field(body, "iid", str), _field(body, "bytes", int)
+        iid, want = _iid(body), _field(body, "bytes", int)
         return {"freed_bytes": self.registry.eviction.evict_for(iid, want)}
 
     def _delete_prefix(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -344,7 +364,11 @@ class MaruService:
             header = protocol.decode_header(frame)
             msg_type, request_id, version = header.msg_type, header.request_id, header.version
             body = protocol.decode_body(frame, header)
-            iid = _iid(body)
+            # Who is asking: the instance whose session credential the request carries, else
+            # nobody (handlers that need an instance answer UNKNOWN_INSTANCE: handshake).
+            session = body.get("session")
+            sessions = self.registry.sessions
+            iid = body["iid"] = sessions.get(session) if type(session) is str else None
             self.registry.touch(iid)  # any message is a sign of life
             handler = self._handlers.get(msg_type)
             if handler is None:

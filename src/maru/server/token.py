@@ -1,8 +1,14 @@
-"""Region tokens: an HMAC over a region handle's fields with a secret only the server knows.
+"""Tokens the server signs with a secret only it knows (in its state dir, mode 0600, so they
+stay valid across a server restart).
 
-A client can only present a token the server gave it, so a region can be freed or re-opened only
-by someone the server handed it to. The secret lives in the server's state dir (mode 0600) so
-tokens stay valid across a server restart.
+- Region tokens: an HMAC over a region handle's fields; a client can only present a token the
+  server gave it.
+- Session credentials: what makes a client an instance. The server picks each instance's id
+  at handshake (the client's name plus a random suffix) and hands the process
+  `session(instance_id)`; every later request carries it, and only the instance's own process
+  has it. Another process choosing the same name gets an instance of its own: identity is never
+  a string a client picks. The credential embeds the id, so after a restart the server can
+  verify it (`session_owner`) without having kept it.
 """
 
 from __future__ import annotations
@@ -41,6 +47,20 @@ class TokenSigner:
     def sign(self, region_id: int, path: str, offset: int, length: int) -> str:
         msg = f"{region_id}|{path}|{offset}|{length}".encode()
         return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()[:32]
+
+    def session(self, instance_id: str) -> str:
+        """The credential of `instance_id`: the id, "~", and an HMAC of it."""
+        mac = hmac.new(self._secret, b"session|" + instance_id.encode(), hashlib.sha256)
+        return f"{instance_id}~{mac.hexdigest()[:32]}"
+
+    def session_owner(self, credential: object) -> str | None:
+        """The instance id a credential was issued to, or None if this server did not issue it."""
+        if not isinstance(credential, str) or not credential.isascii():
+            return None
+        instance_id, _, _ = credential.rpartition("~")
+        if not instance_id or not hmac.compare_digest(credential, self.session(instance_id)):
+            return None
+        return instance_id
 
     def server_tag(self) -> str:
         """A short name for this server: the same across its restarts (same secret, same state
