@@ -18,11 +18,14 @@ import sys
 from pathlib import Path
 
 import maru
+from maru.client.cli import render_status
 from maru.server import persistence
 from maru.server.journal import Journal, _frame
 from maru.server.pool import ShmPool
 from maru.server.registry import Registry
 from maru.server.token import TokenSigner
+
+from .service_calls import make_service
 
 MiB = 1 << 20
 CHILD_TIMEOUT_S = 60
@@ -157,6 +160,9 @@ out["owned"] = sorted(reg.instances["A"].regions)
 out["freed_pending"] = list(reg.instances["A"].freed)
 stats = call(MsgType.STATS, {})["stats"]
 out["stats"] = [stats["journal_writable"], stats["counters"]["journal_write_errors"]]
+# a reap now would journal "X" and "T": it does nothing, and does not raise
+out["reaped"] = reg.reap(0.0, time.monotonic() + 100)
+out["instances"] = sorted(reg.instances)
 
 limit_files_to(16)  # no snapshot fits either: the server carries on, refusing changes
 svc.housekeeping()
@@ -234,6 +240,7 @@ def test_refused_requests_have_no_side_effect_and_changes_resume(tmp_path):
         "keys": None,
     }
     assert out["stats"] == [False, 1]
+    assert out["reaped"] == [] and out["instances"] == ["A"]
     # a failed snapshot did not stop the service, and left no partial file behind
     writable, names = out["after_failed_snapshot"]
     assert writable is False
@@ -254,3 +261,18 @@ def test_refused_requests_have_no_side_effect_and_changes_resume(tmp_path):
         assert reg.keys.get("k9").pins == 1
     finally:
         journal.close()
+
+
+def test_maru_status_says_when_the_journal_is_not_writable(tmp_path):
+    svc = make_service(tmp_path)
+    try:
+        stats = svc.stats()
+    finally:
+        svc.close()
+    assert stats["journal_writable"] is True and stats["journal_error"] is None
+    assert "journal:" not in render_status("tcp://x:1", stats)
+    stats.update(journal_writable=False, journal_error="[Errno 28] No space left on device")
+    stats["counters"]["journal_write_errors"] = 2
+    line = render_status("tcp://x:1", stats).splitlines()[-1]
+    assert line.startswith("journal:   NOT WRITABLE ([Errno 28] No space left on device)")
+    assert "(2 write errors)" in line

@@ -200,8 +200,13 @@ class Registry:
         """Disconnect instances not heard from for `timeout` seconds (crashed clients)."""
         now = time.monotonic() if now is None else now
         dead = [i.instance_id for i in self.instances.values() if now - i.last_seen > timeout]
-        for instance_id in dead:
-            self.disconnect(instance_id, reason=f"reaped after {timeout:g}s without a heartbeat")
+        for n, instance_id in enumerate(dead):
+            try:
+                self.disconnect(
+                    instance_id, reason=f"reaped after {timeout:g}s without a heartbeat"
+                )
+            except JournalWriteError:  # logged by the journal; the rest wait until it works
+                return dead[:n]
             self.counters["instances_reaped"] += 1
         return dead
 
