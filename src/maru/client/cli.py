@@ -152,6 +152,12 @@ def render_status(url: str, s: Stats) -> str:
         f"local:     {_local_socket_line(s)}",
         f"metrics:   {s.get('metrics_url') or 'off (maru-server --metrics-port)'}",
     ]
+    if not s.get("journal_writable", True):
+        lines.append(
+            f"journal:   NOT WRITABLE ({s.get('journal_error') or 'write failed'}): stores, "
+            f"deletes and pins are refused until space is freed; reads go on "
+            f"({counters.get('journal_write_errors', 0)} write errors)"
+        )
     return "\n".join(lines)
 
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from maru.client.chunks import AllocHandle
-from maru.common.errors import MaruError
-from maru.common.protocol import MsgType, RegisterStatus, pack_int64
+from maru.common.errors import MaruError, MaruServerError
+from maru.common.protocol import ErrorCode, MsgType, RegisterStatus, pack_int64
 from maru.common.region import RegionHandle
 
 if TYPE_CHECKING:
@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 Key = str | bytes
 _REGISTERED, _EXISTS = int(RegisterStatus.REGISTERED), int(RegisterStatus.EXISTS)
+_REJECTED = int(RegisterStatus.REJECTED)
 
 
 class RegionsLost(MaruError):
@@ -51,7 +52,8 @@ class Sealing:
     handle per key, None where nothing was reserved). `wait()` gives one bool per key: True
     when the key is stored (ours, or another writer's that came first: then our chunks come
     back); False when it was rejected or nothing was reserved for it. When the outcome is
-    unknown (no reply) the chunks stay reserved: the server may have sealed some keys."""
+    unknown (no reply, an error) the chunks stay reserved: the server may have sealed some
+    keys. A STATE_UNAVAILABLE refusal (the server cannot journal) seals nothing: they return."""
 
     def __init__(
         self,
@@ -114,9 +116,15 @@ class Sealing:
             self.regions_lost = True
             self._results = [False] * self._n
             return self._results
-        except MaruError as exc:  # outcome unknown: the chunks stay reserved
+        except MaruError as exc:
             log.warning("register of %d keys failed: %s", self._n, exc)
-            self._results = [False] * self._n
+            if isinstance(exc, MaruServerError) and exc.code == ErrorCode.STATE_UNAVAILABLE:
+                # refused before any side effect (the server cannot journal): nothing was
+                # sealed, so the chunks come back
+                sent = self._n if self._positions is None else len(self._positions)
+                self._results = self._outcome([_REJECTED] * sent)
+            else:  # outcome unknown: the chunks stay reserved
+                self._results = [False] * self._n
             return self._results
         self._results = self._outcome(statuses)
         return self._results

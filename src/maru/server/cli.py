@@ -217,6 +217,9 @@ def lock_state_dir(state_dir: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # A journal write past a file size limit (RLIMIT_FSIZE) must fail with EFBIG, which the
+    # journal handles (changes refused until a snapshot succeeds), not kill the server.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     if args.metrics_port is not None:
         try:
             require_prometheus()

@@ -87,11 +87,12 @@ class Eviction:
         per_owner: Counter = Counter()  # counted per region first: a round is mostly one
         for region_id, count in Counter([e.region_id for e in victims.values()]).items():
             per_owner[reg.regions[region_id].owner] += count
+        # journal first: on a JournalWriteError nothing was evicted, and nothing is counted
+        reg._drop_keys(list(victims), list(victims.values()))
         for owner_id, count in per_owner.items():
             owner = reg.instances.get(owner_id)
             if owner is not None:
                 owner.evicted += count
-        reg._drop_keys(list(victims), list(victims.values()))
         if victims:
             reg.counters["evictions"] += len(victims)
             reg.counters["bytes_evicted"] += freed

@@ -34,50 +34,67 @@ class Pins:
         self._log = log  # the registry's journal writer
 
     def pin(self, keys: list[Any], owner: str | None = None) -> list[bool]:
+        """Pin the keys that exist. Journal first: if the "P" record cannot be written
+        (`JournalWriteError`), no pin is taken."""
         inst = self.instances.get(owner) if owner else None
         out = []
         pinned: list[Key] = []
+        entries: list[KeyEntry] = []
         for key in keys:
             entry = self.keys.get(key)  # None for a miss, or a key that is not str or bytes
             if entry is not None:
-                entry.pins += 1
                 pinned.append(key)
-                if inst is not None:
-                    inst.pins[key] += 1
+                entries.append(entry)
             out.append(entry is not None)
         if pinned:
             self._log("P", owner if inst is not None else "", pinned)
+        for key, entry in zip(pinned, entries):
+            entry.pins += 1
+            if inst is not None:
+                inst.pins[key] += 1
         return out
 
     def unpin(self, keys: list[Any], owner: str | None = None) -> list[bool]:
+        """Drop one pin per key (an instance only its own). Journal first, as `pin`: the
+        outcome is decided (`taken`: this batch's earlier unpins of a key), logged, applied."""
         inst = self.instances.get(owner) if owner else None
         out = []
         unpinned: list[Key] = []
+        entries: list[KeyEntry] = []
+        taken: Counter = Counter()
         for key in keys:
             entry = self.keys.get(key)  # None for a miss, or a key that is not str or bytes
-            ok = entry is not None and entry.pins > 0
+            ok = entry is not None and entry.pins > taken[key]
             if ok and inst is not None:
-                ok = inst.pins[key] > 0  # an instance can only drop pins it holds
-                if ok:
-                    inst.pins[key] -= 1
-                    if not inst.pins[key]:
-                        del inst.pins[key]
+                ok = inst.pins[key] > taken[key]  # an instance can only drop pins it holds
             if ok:
-                entry.pins -= 1
+                taken[key] += 1
                 unpinned.append(key)
+                entries.append(entry)
             out.append(ok)
         if unpinned:
             self._log("U", owner if inst is not None else "", unpinned)
+        for key, entry in zip(unpinned, entries):
+            entry.pins -= 1
+            if inst is not None:
+                inst.pins[key] -= 1
+                if not inst.pins[key]:
+                    del inst.pins[key]
         return out
 
-    def drop(self, inst: Instance) -> None:
-        """Release every pin of an instance that is gone (disconnected or reaped)."""
-        if inst.pins:
-            self._log("X", inst.instance_id)
+    def drop(self, inst: Instance) -> int:
+        """Release every pin of an instance that is gone (disconnected or reaped); how many.
+        Journal first ("X"); its pins are cleared, so a second call changes nothing."""
+        if not inst.pins:
+            return 0
+        self._log("X", inst.instance_id)
         for key, count in inst.pins.items():
             entry = self.keys.get(key)
             if entry is not None:
                 entry.pins = max(0, entry.pins - count)
+        dropped = sum(inst.pins.values())
+        inst.pins.clear()
+        return dropped
 
     def records(self) -> list[list[Any]]:
         """[holder, key, count] per pin, for a snapshot (holder "": taken without an instance)."""

@@ -16,7 +16,16 @@ A failed fsync (EIO, ENOSPC) means the kernel may have dropped the journal's unw
 retrying the fsync can report success without the data on disk. The syncer logs it at ERROR and
 sets `sync_error`; `needs_snapshot` then asks the server loop to write a fresh snapshot of the
 in-memory registry (which is complete) and start a new journal file. If that snapshot fails as
-well, its exception stops the server, as any failed snapshot does.
+well, the server loop retries it (see `maru.server.service.MaruService.housekeeping`).
+
+A failed or short write (ENOSPC or EFBIG when the state dir is full, EIO) must not leave a torn
+record with good ones after it: replay stops at the first damaged record, so every later record,
+acknowledged stores and deletes among them, would be lost on restart. `append` therefore writes
+the whole frame or nothing: on failure it truncates the file back to the last good record,
+records the error in `write_error`, and raises `JournalWriteError`; the request is not
+acknowledged. Until a snapshot succeeds, every later `append` raises at once (no record may
+follow a gap), and `needs_snapshot` asks the server loop for that snapshot: the in-memory
+registry is complete, so the snapshot plus its fresh journal make the state on disk whole.
 
 Framing: `[length u32][crc32 u32][msgpack record]`. Replay stops at the first record that is
 short or fails its checksum (a torn write at the moment of the crash) and truncates it away.
@@ -24,6 +33,7 @@ short or fails its checksum (a torn write at the moment of the crash) and trunca
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -39,6 +49,19 @@ log = logging.getLogger(__name__)
 
 FRAME = struct.Struct("!II")
 SNAPSHOT_NAME = "snapshot.msgpack"
+
+
+class JournalWriteError(RuntimeError):
+    """A journal record could not be written completely: the change it records must not be
+    acknowledged (nor, where it would be dangerous, applied). Raised by `Journal.append`."""
+
+    def __init__(self, state_dir: Path, cause: OSError):
+        self.state_dir = state_dir
+        self.cause = cause
+        super().__init__(
+            f"maru-server cannot write its journal in {state_dir} ({cause.strerror or cause}): "
+            "changes are refused until it can; reads go on"
+        )
 
 
 def _frame(record: Any) -> bytes:
@@ -87,6 +110,9 @@ class Journal:
         self.fsyncs = 0  # successful fsyncs of the journal (syncer, rotation, close)
         self.fsync_errors = 0
         self.sync_error: OSError | None = None  # set by a failed fsync until the next snapshot
+        self.write_errors = 0  # appends that failed (each refused its request)
+        # set by a failed append until the next snapshot; appends raise while it is set
+        self.write_error: OSError | None = None
         # Appends run on the request thread and take no lock: they only set `_dirty` (and wake
         # the syncer when it was clear). `_lock` is held while the fd is fsynced and while it is
         # replaced or closed, so the syncer never fsyncs a closed (or reused) fd number.
@@ -142,8 +168,17 @@ class Journal:
         return fd, os.fstat(fd).st_size
 
     def append(self, record: Any) -> None:
+        """Write one record, whole, or raise `JournalWriteError` (see the module docstring)."""
+        if self.write_error is not None:
+            raise JournalWriteError(self.state_dir, self.write_error)
         frame = _frame(record)
-        os.write(self._fd, frame)
+        try:
+            written = os.write(self._fd, frame)
+            if written != len(frame):  # short: the file system is full or at its size limit
+                self._write_rest(frame, written)
+        except OSError as exc:
+            self._write_failed(exc)
+            raise JournalWriteError(self.state_dir, exc) from exc
         self._size += len(frame)
         self.records_written += 1
         # After the write: a syncer that clears `_dirty` after this point fsyncs after the
@@ -151,6 +186,35 @@ class Journal:
         if not self._dirty:
             self._dirty = True
             self._wake.set()
+
+    def _write_rest(self, frame: bytes, written: int) -> None:
+        """Finish a short write; OSError when it cannot (the next write usually says why)."""
+        view = memoryview(frame)
+        while written < len(frame):
+            n = os.write(self._fd, view[written:])
+            if n <= 0:
+                raise OSError(errno.EIO, "journal write made no progress")
+            written += n
+
+    def _write_failed(self, exc: OSError) -> None:
+        """Cut the torn record away (best effort: replay would stop there anyway, and no record
+        follows it while `write_error` is set) and refuse appends until the next snapshot."""
+        self.write_errors += 1
+        self.write_error = exc
+        try:
+            os.ftruncate(self._fd, self._size)
+        except OSError as trunc_exc:
+            log.error("journal: cannot truncate the torn record away: %s", trunc_exc)
+        log.error(
+            "journal write to %s failed: %s; changes are refused until a snapshot can be written",
+            self._journal_path(self.generation),
+            exc,
+        )
+
+    @property
+    def writable(self) -> bool:
+        """False while appends are refused (a write failed and no snapshot has succeeded)."""
+        return self.write_error is None
 
     # -- fsync -----------------------------------------------------------------------------
 
@@ -201,9 +265,13 @@ class Journal:
 
     @property
     def needs_snapshot(self) -> bool:
-        """The journal has grown past `snapshot_bytes`, or an fsync failed (a fresh snapshot
-        makes the state on disk whole again)."""
-        return self._size >= self.snapshot_bytes or self.sync_error is not None
+        """The journal has grown past `snapshot_bytes`, or an fsync or a write failed (a fresh
+        snapshot makes the state on disk whole again)."""
+        return (
+            self._size >= self.snapshot_bytes
+            or self.sync_error is not None
+            or self.write_error is not None
+        )
 
     def write_snapshot(self, state: dict[str, Any]) -> None:
         """Persist the full state as generation N+1 and start an empty journal for it."""
@@ -223,19 +291,37 @@ class Journal:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.state_dir / SNAPSHOT_NAME)
-            _fsync_dir(self.state_dir)
         except BaseException:
+            # Nothing changed: the old snapshot and journal stay current. Give the space back.
             os.close(new_fd)
+            tmp.unlink(missing_ok=True)
+            new_journal.unlink(missing_ok=True)
             raise
+        # The new snapshot is in place: from here on a restart reads it and the new journal,
+        # so appends must go there even if the directory fsync below fails.
         with self._lock:  # not while the syncer fsyncs the old fd
             old_fd, old_path = self._fd, self._journal_path(self.generation)
             self.generation = generation
             self._fd, self._size = new_fd, new_size
             self._dirty = False
             self.sync_error = None
+            resumed, self.write_error = self.write_error, None
             if old_fd >= 0:
                 os.close(old_fd)
-        old_path.unlink(missing_ok=True)
+        try:
+            _fsync_dir(self.state_dir)
+        except OSError as exc:  # the rename may not survive a machine crash: snapshot again
+            self.fsync_errors += 1
+            self.sync_error = exc
+            log.error("fsync of %s failed: %s; writing a new snapshot", self.state_dir, exc)
+        else:  # (a journal left behind is removed by the next `load`)
+            old_path.unlink(missing_ok=True)
+        if resumed is not None:
+            log.warning(
+                "journal in %s writable again (after: %s): changes are accepted",
+                self.state_dir,
+                resumed,
+            )
         log.info("snapshot generation %d written (%d keys)", generation, len(state.get("keys", ())))
 
     def close(self) -> None:

@@ -51,6 +51,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "maru_journal_fsync_errors",
         "Failed fsyncs of the registry journal (each answered by a fresh snapshot).",
     ),
+    "journal_write_errors": (
+        "maru_journal_write_errors",
+        "Failed journal writes (state dir full, I/O error): each refused its request, and "
+        "changes are refused until a snapshot succeeds.",
+    ),
     "releases_refused": (
         "maru_releases_refused",
         "RELEASE requests for a lease another instance holds (ignored).",
@@ -223,6 +228,12 @@ class MaruCollector:
             "maru_instances", "Instances connected now.", value=len(s["instances"])
         )
         yield GaugeMetricFamily("maru_leases", "Read leases held now.", value=s["leases"])
+        yield GaugeMetricFamily(
+            "maru_journal_writable",
+            "1 while the registry journal can be written; 0 while changes are refused "
+            "(the state dir is full or failing; reads go on).",
+            value=1 if s.get("journal_writable", True) else 0,
+        )
         yield GaugeMetricFamily(
             "maru_local_connections",
             "Client connections on the Unix socket now (the rest use TCP).",

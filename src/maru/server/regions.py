@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
 from maru.common.protocol import ErrorCode, ProtocolError
 from maru.common.region import RegionHandle
+from maru.server.journal import JournalWriteError
 from maru.server.pool import Pool
 from maru.server.token import TokenSigner
 
@@ -74,13 +76,17 @@ class RegionTable(dict[int, Region]):
         """A new region of `length` bytes (already rounded up); PoolFullError if none fits."""
         region_id = self.next_id
         path, offset = self.pool.allocate(region_id, length)
-        self.next_id += 1
         token = self.signer.sign(region_id, path, offset, length)
+        try:  # journal first: a region nobody can find after a restart must not be handed out
+            self._log("R", region_id, owner, path, offset, length, token)
+        except BaseException:
+            self.pool.release(path, offset)
+            raise
+        self.next_id += 1
         region = self[region_id] = Region(
             region_id, owner, path, offset, length, token, page_size=page_size
         )
         self.counters["regions_allocated"] += 1
-        self._log("R", region_id, owner, path, offset, length, token)
         log.info(
             "region %d (%d bytes at %s+%d) allocated to %s",
             region_id,
@@ -120,9 +126,10 @@ class RegionTable(dict[int, Region]):
 
     def release(self, region: Region) -> None:
         """Its owner is done with it: freed now if no key points into it, else by the drop of
-        its last key."""
-        region.returned = True
+        its last key. Journal first: when the record cannot be written (`JournalWriteError`),
+        the owner keeps the region, as its error reply tells it."""
         self._log("T", region.region_id)
+        region.returned = True
         if region.live_keys == 0:
             self.free(region)
         else:
@@ -135,10 +142,15 @@ class RegionTable(dict[int, Region]):
             )
 
     def free(self, region: Region) -> None:
+        """Give a returned region with no keys back to the pool. Its "F" record only repeats
+        what the "T" or "D" record written just before implies (their replay frees it too), so
+        a failure to write it (`JournalWriteError`, logged by the journal) is not the caller's:
+        the change that caused the free is on disk, and later records are refused anyway."""
         self.pool.release(region.path, region.offset)
         del self[region.region_id]
         self.counters["regions_freed"] += 1
-        self._log("F", region.region_id)
+        with suppress(JournalWriteError):
+            self._log("F", region.region_id)
         log.info(
             "region %d (%d bytes) of %s freed",
             region.region_id,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from contextlib import suppress
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import is_
@@ -35,6 +36,7 @@ from maru.common.protocol import (
 from maru.common.region import RegionHandle
 from maru.server.eviction import Eviction
 from maru.server.holds import LeaseTable, Pins
+from maru.server.journal import JournalWriteError
 from maru.server.keyindex import KeyEntry, KeyIndex
 from maru.server.logs import Throttle
 from maru.server.metrics import COUNTERS, registry_stats
@@ -164,23 +166,31 @@ class Registry:
 
     def disconnect(self, instance_id: str, reason: str = "disconnected") -> None:
         """Forget an instance: drop its pins and leases; its regions become owner-less and are
-        freed once no key points into them (its keys stay readable until evicted)."""
-        inst = self.instances.pop(instance_id, None)
+        freed once no key points into them (its keys stay readable until evicted).
+
+        Journal first, step by step ("X", then a "T" per region): if a record cannot be written
+        (`JournalWriteError`), what was journaled is done, the rest is not, and the instance
+        stays, with the regions it still owns, for a later attempt."""
+        inst = self.instances.get(instance_id)
         if inst is None:
             return
-        self.sessions.pop(self.signer.session(instance_id), None)
-        self.pins.drop(inst)
+        pins = self.pins.drop(inst)
+        leases = len(inst.leases)
         for lease_id in list(inst.leases):
             self.leases.end(lease_id)
+        regions = len(inst.regions)
         for region_id in sorted(inst.regions):
             self.regions.release(self.regions[region_id])
+            inst.regions.discard(region_id)
+        del self.instances[instance_id]
+        self.sessions.pop(self.signer.session(instance_id), None)
         log.info(
             "instance %s %s: %d pins and %d leases released, %d regions returned",
             instance_id,
             reason,
-            sum(inst.pins.values()),
-            len(inst.leases),
-            len(inst.regions),
+            pins,
+            leases,
+            regions,
             extra={"instance": instance_id},
         )
 
@@ -188,8 +198,13 @@ class Registry:
         """Disconnect instances not heard from for `timeout` seconds (crashed clients)."""
         now = time.monotonic() if now is None else now
         dead = [i.instance_id for i in self.instances.values() if now - i.last_seen > timeout]
-        for instance_id in dead:
-            self.disconnect(instance_id, reason=f"reaped after {timeout:g}s without a heartbeat")
+        for n, instance_id in enumerate(dead):
+            try:
+                self.disconnect(
+                    instance_id, reason=f"reaped after {timeout:g}s without a heartbeat"
+                )
+            except JournalWriteError:  # logged by the journal; the rest wait until it works
+                return dead[:n]
             self.counters["instances_reaped"] += 1
         return dead
 
@@ -238,8 +253,8 @@ class Registry:
             raise ProtocolError(
                 ErrorCode.NOT_OWNER, f"region {region_id} is not owned by {instance_id}"
             )
+        self.regions.release(region)  # journal first: on failure the caller still owns it
         inst.regions.discard(region.region_id)
-        self.regions.release(region)
 
     # -- keys --------------------------------------------------------------------------------
 
@@ -287,7 +302,11 @@ class Registry:
             inst.bytes_registered += nbytes
             self.counters["keys_registered"] += len(keys)
             self.counters["bytes_registered"] += nbytes
-            self.eviction.to_watermark(keys)
+            # The keys are registered and journaled: the reply must say so (an error would let
+            # the writer reuse their pages). An eviction that cannot be journaled changed
+            # nothing (journal first) and comes with a later store.
+            with suppress(JournalWriteError):
+                self.eviction.to_watermark(keys)
         return statuses
 
     def _statuses(
@@ -336,8 +355,23 @@ class Registry:
             for region_id, group in _by_region(region_ids, lengths).items():
                 self.regions[region_id].count(group, +1)
             self.live_bytes += sum(lengths)  # before the journal's write lets the metrics run
-            self._log("K", keys, region_ids, offsets, lengths)
+            try:
+                self._log("K", keys, region_ids, offsets, lengths)
+            except JournalWriteError:
+                self._undo_add(keys, region_ids, lengths)
+                raise
         return new
+
+    def _undo_add(self, keys: list[Key], region_ids: list[int], lengths: list[int]) -> None:
+        """Take back the keys `_add_keys` just inserted when their "K" record could not be
+        written: the request is answered with an error, and a writer told so may reuse the
+        pages (not known to the index: nobody read them in between, one thread serves all)."""
+        table = self.keys
+        for key in keys:
+            del table[key]
+        for region_id, group in _by_region(region_ids, lengths).items():
+            self.regions[region_id].count(group, -1)
+        self.live_bytes -= sum(lengths)
 
     def lookup(
         self, keys: list[Key], instance_id: str | None = None, lease: bool = False

@@ -32,8 +32,9 @@ from maru.common.protocol import (
     unpack_int64,
 )
 from maru.server import persistence
-from maru.server.journal import Journal
+from maru.server.journal import Journal, JournalWriteError
 from maru.server.local_socket import LocalSocketServer, local_address
+from maru.server.logs import Throttle
 from maru.server.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,23 @@ LATENCY_BUCKETS = (
     10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6,
     1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1.0,
 )  # fmt: skip
+
+
+# Requests that change what the journal keeps: refused (STATE_UNAVAILABLE, before any side
+# effect) while the journal cannot be written. Reads, leases and heartbeats go on.
+CHANGES = frozenset(
+    {
+        MsgType.REGISTER_KV,
+        MsgType.DELETE_KV,
+        MsgType.DELETE_PREFIX,
+        MsgType.PIN,
+        MsgType.UNPIN,
+        MsgType.REQUEST_REGION,
+        MsgType.RETURN_REGION,
+        MsgType.EVICT_FOR,
+    }
+)
+SNAPSHOT_RETRY_S = 1.0  # while a snapshot is needed and failing, try again this often
 
 
 def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -153,6 +171,8 @@ class MaruService:
         self.journal = journal
         self.heartbeat_timeout = heartbeat_timeout
         self._next_reap = 0.0
+        self._next_snapshot = 0.0  # after a failed snapshot: not before this time
+        self._snapshot_log = Throttle(60.0)  # failed snapshots, retried every second
         self.gc_freeze = gc_freeze
         if busy_poll_us < 0:
             raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
@@ -330,8 +350,11 @@ class MaruService:
         stats["local_socket"] = local.address if local is not None else None
         stats["local_connections"] = len(local.connections) if local is not None else 0
         journal = self.journal
-        for name in ("fsyncs", "fsync_errors"):  # the journal_* counters (metrics.COUNTERS)
+        for name in ("fsyncs", "fsync_errors", "write_errors"):  # metrics.COUNTERS journal_*
             stats["counters"][f"journal_{name}"] = getattr(journal, name) if journal else 0
+        error = journal.write_error if journal is not None else None
+        stats["journal_writable"] = error is None
+        stats["journal_error"] = None if error is None else str(error)
         stats["latency_buckets"] = list(LATENCY_BUCKETS)
         stats["operations"] = {
             self._op_names[t]: {
@@ -374,6 +397,10 @@ class MaruService:
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg_type}")
             stat = self.op_stats[msg_type]
+            if msg_type in CHANGES:
+                journal = self.journal
+                if journal is not None and journal.write_error is not None:
+                    raise JournalWriteError(journal.state_dir, journal.write_error)
             reply = handler(body)
             reply["ok"] = True
             # Freed pages are handed out once; not on a RELEASE reply, which the client sends
@@ -391,6 +418,12 @@ class MaruService:
             self._count_error(stat)
             log.debug("request error (%s): %s", exc.code.name, exc)
             return protocol.encode_error(msg_type, request_id, exc.code, str(exc), version=version)
+        except JournalWriteError as exc:  # refused, or failed before its change was made
+            self._count_error(stat)
+            log.debug("request refused: %s", exc)
+            return protocol.encode_error(
+                msg_type, request_id, ErrorCode.STATE_UNAVAILABLE, str(exc), version=version
+            )
         except Exception as exc:
             self._count_error(stat)
             log.exception("internal error handling message type %s", msg_type)
@@ -478,18 +511,40 @@ class MaruService:
 
     def housekeeping(self, now: float | None = None) -> None:
         """Between requests: expire read leases, reap silent instances, snapshot the journal
-        when it has grown (or an fsync failed), and freeze what the turn left on the heap.
-        (The journal is fsynced by its own thread, not here.)"""
+        when it has grown (or an fsync or a write failed), and freeze what the turn left on
+        the heap. (The journal is fsynced by its own thread, not here.)
+
+        While the journal cannot be written, reaping waits (it would journal "X" and "T"
+        records) and the snapshot, the way back, is retried every `SNAPSHOT_RETRY_S`."""
         now = time.monotonic() if now is None else now
         self.registry.leases.expire(now)
-        if now >= self._next_reap:
+        journal = self.journal
+        if now >= self._next_reap and (journal is None or journal.writable):
             self.registry.reap(self.heartbeat_timeout, now)
             self._next_reap = now + min(1.0, self.heartbeat_timeout / 4)
-        if self.journal is not None and self.journal.needs_snapshot:
-            # its time is forgiven by the loop's next turn
-            self.journal.write_snapshot(persistence.snapshot(self.registry))
+        if journal is not None and journal.needs_snapshot and now >= self._next_snapshot:
+            self._snapshot(journal, now)  # its time is forgiven by the loop's next turn
         if self.gc_freeze:
             freeze_heap()  # what this turn left behind: keys registered, regions, leases
+
+    def _snapshot(self, journal: Journal, now: float) -> None:
+        """Write a snapshot; a failure (the state dir is full) is logged and retried later."""
+        try:
+            journal.write_snapshot(persistence.snapshot(self.registry))
+        except OSError as exc:
+            self._next_snapshot = now + SNAPSHOT_RETRY_S
+            held = self._snapshot_log.allow("snapshot")
+            if held is not None:
+                log.error(
+                    "cannot write a snapshot in %s: %s; %s; retrying every %g s%s",
+                    journal.state_dir,
+                    exc,
+                    "changes are refused until it succeeds"
+                    if not journal.writable
+                    else "the journal goes on",
+                    SNAPSHOT_RETRY_S,
+                    self._snapshot_log.note(held),
+                )
 
     def stop(self) -> None:
         self._stop.set()
