@@ -136,6 +136,8 @@ class MaruService:
         self.journal = journal
         self.heartbeat_timeout = heartbeat_timeout
         self._next_reap = 0.0
+        self._next_pool_check = 0.0
+        self.pool_lost: str | None = None  # why the loop stopped: the pool changed under it
         self.gc_freeze = gc_freeze
         if busy_poll_us < 0:
             raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
@@ -453,19 +455,43 @@ class MaruService:
                 inst.last_seen += stalled
 
     def housekeeping(self, now: float | None = None) -> None:
-        """Between requests: expire read leases, reap silent instances, snapshot the journal
-        when it has grown (or an fsync failed), and freeze what the turn left on the heap.
+        """Between requests: expire read leases, reap silent instances, check the pool file
+        (at most once a second), snapshot the journal when it has grown (or an fsync failed),
+        and freeze what the turn left on the heap.
         (The journal is fsynced by its own thread, not here.)"""
         now = time.monotonic() if now is None else now
         self.registry.leases.expire(now)
         if now >= self._next_reap:
             self.registry.reap(self.heartbeat_timeout, now)
             self._next_reap = now + min(1.0, self.heartbeat_timeout / 4)
+        if now >= self._next_pool_check:
+            self._next_pool_check = now + 1.0
+            self._check_pool()
         if self.journal is not None and self.journal.needs_snapshot:
             # its time is forgiven by the loop's next turn
             self.journal.write_snapshot(persistence.snapshot(self.registry))
         if self.gc_freeze:
             freeze_heap()  # what this turn left behind: keys registered, regions, leases
+
+    def _check_pool(self) -> None:
+        """The pool file deleted, replaced or shrunk under the server: the registered keys
+        point at bytes that are gone (or at zeros). Stop serving at once, before the next
+        request, so no stale location is handed out; `maru-server` then exits with status 3
+        and marks its saved state unusable, and a restart (by hand or a supervisor) starts a
+        new generation on a fresh pool. (Simpler and as safe as resetting in place.)"""
+        pool = self.registry.pool
+        reason = pool.changed()
+        if reason is None:
+            return
+        log.critical(
+            "pool %s %s while serving: its bytes are gone; its %d keys will never be served "
+            "again; stopping",
+            pool.path,
+            reason,
+            len(self.registry.keys),
+        )
+        self.pool_lost = reason
+        self.stop()
 
     def stop(self) -> None:
         self._stop.set()

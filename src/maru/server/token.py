@@ -2,7 +2,9 @@
 
 A client can only present a token the server gave it, so a region can be freed or re-opened only
 by someone the server handed it to. The secret lives in the server's state dir (mode 0600) so
-tokens stay valid across a server restart.
+tokens stay valid across a server restart. The pool's generation is signed too: a region of a
+recreated pool never has the token (so the handle) of an earlier region with the same fields,
+and a client that mapped the old one maps again.
 """
 
 from __future__ import annotations
@@ -35,12 +37,17 @@ def load_or_create_secret(state_dir: Path) -> bytes:
 
 
 class TokenSigner:
-    def __init__(self, secret: bytes):
+    def __init__(self, secret: bytes, generation: str = ""):
+        """`generation`: the pool's (`maru.server.cli.pool_generation`); "" for a pool recorded
+        before generations existed, whose tokens are signed as they were then."""
         self._secret = secret
+        self.generation = generation
 
     def sign(self, region_id: int, path: str, offset: int, length: int) -> str:
-        msg = f"{region_id}|{path}|{offset}|{length}".encode()
-        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()[:32]
+        msg = f"{region_id}|{path}|{offset}|{length}"
+        if self.generation:
+            msg += f"|{self.generation}"
+        return hmac.new(self._secret, msg.encode(), hashlib.sha256).hexdigest()[:32]
 
     def server_tag(self) -> str:
         """A short name for this server: the same across its restarts (same secret, same state
