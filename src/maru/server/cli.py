@@ -269,6 +269,13 @@ def pool_generation(state_dir: Path, pool: Pool, *, no_restore: bool = False) ->
             pool.capacity,
         )
         same = False
+    elif getattr(pool, "created", False):
+        # (its inode number may be an old one's, reused: only we know the file is new)
+        if _has_state(state_dir):
+            log.warning(
+                "pool changed: %s was created anew (the old one is gone): starting empty", pool.path
+            )
+        same = False
     else:
         same = not no_restore and same_pool_as_before(state_dir, pool)
     previous = _read_identity(state_dir)
@@ -278,7 +285,9 @@ def pool_generation(state_dir: Path, pool: Pool, *, no_restore: bool = False) ->
     pool.start_fresh()
     discard_state(state_dir)
     generation = new_generation()
-    _write_identity(state_dir, {**_identity(pool), "generation": generation, "next_region_id": floor})
+    _write_identity(
+        state_dir, {**_identity(pool), "generation": generation, "next_region_id": floor}
+    )
     log.info("pool %s: new generation %s (region ids from %d)", pool.path, generation, floor)
     return generation, floor
 
