@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import MaruServerProcess  # tests/conftest.py (on sys.path for pytest)
 from maru import MaruHandler
 
-from conftest import MaruServerProcess  # tests/conftest.py (on sys.path for pytest)
 from .test_crash_safety import KiB, handler, intact, make_value, sigkill_server, wait_until
 
 
