@@ -97,3 +97,12 @@ def _frames(records: list) -> list[bytes]:
     from maru.server.journal import _frame
 
     return [_frame(r) for r in records]
+
+
+def test_saved_state_without_a_pool_identity_is_not_restored(tmp_path):
+    """Nothing says which pool it points into: a miss is safer than a guess."""
+    state, path = tmp_path / "state", str(tmp_path / "pool")
+    state.mkdir()
+    ShmPool(path, 8 * MiB)
+    (state / "journal-0.log").write_bytes(b"".join(_frames([["D", ["k"]]])))
+    assert not cli.same_pool_as_before(state, ShmPool(path, 8 * MiB))

@@ -326,7 +326,7 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
         [
             ("epoch", "str", "changes on every server start"),
             ("version", "int", "PROTOCOL_VERSION"),
-            ("pool", "map", "pool kind, path, capacity, used, free"),
+            ("pool", "map", "pool kind, path, capacity, used, free, generation"),
             ("regions", f"[{HANDLE}]", "regions the instance owns"),
             (
                 "used",

@@ -196,7 +196,9 @@ def _write_identity(state_dir: Path, record: dict[str, Any]) -> None:
 
 
 def _has_state(state_dir: Path) -> bool:
-    return (state_dir / SNAPSHOT_NAME).exists() or any(state_dir.glob("journal-*.log"))
+    """Whether there is a saved registry to restore (an empty journal is none)."""
+    journals = state_dir.glob("journal-*.log")
+    return (state_dir / SNAPSHOT_NAME).exists() or any(j.stat().st_size for j in journals)
 
 
 def same_pool_as_before(state_dir: Path, pool: Pool) -> bool:
