@@ -100,6 +100,7 @@ def test_status_reports_the_pool_and_usage(maru_server, writer):
     assert f"pid {maru_server.pid}" in first
     f = fields(text)
     assert f["pool"] == f"shm:{maru_server.pool_path}"
+    assert re.fullmatch(r"[0-9a-f]{16}", f["generation"])  # this life of the pool
     assert f["capacity"] == f"1.0 GiB ({GiB} bytes)"
     assert f["regions"].startswith("16.0 MiB in 1 regions (1.6% of the pool), 1008.0 MiB free")
     assert f["stored"].startswith(f"{STORED / 1024:.1f} KiB in 13 keys")

@@ -55,12 +55,15 @@ def test_server_start_up_freezes_the_restored_registry(tmp_path, monkeypatch):
     state_dir, pool_path = tmp_path / "state", tmp_path / "pool"
     journal = Journal(state_dir)
     journal.load()
-    reg = Registry(ShmPool(str(pool_path), 32 * MiB), TokenSigner(b"g" * 32), journal=journal)
+    pool = ShmPool(str(pool_path), 32 * MiB)
+    # the pool's identity, as maru-server records it (state without one is not restored)
+    assert cli.same_pool_as_before(state_dir, pool)
+    reg = Registry(pool, TokenSigner(b"g" * 32), journal=journal)
     reg.handshake("w", 1)
     region = reg.request_region("w", 16 * MiB)
     register(reg, "w", [[f"k{i}", region.region_id, i * 64, 64] for i in range(5000)])
     journal.close()
-    del reg, region
+    del reg, region, pool
 
     seen = {}
 

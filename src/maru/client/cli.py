@@ -135,6 +135,7 @@ def render_status(url: str, s: Stats) -> str:
         f"maru-server {url} is up: version {s.get('version', '?')}, pid {s['server_pid']}, "
         f"up {fmt_duration(s.get('uptime_seconds', 0))}, epoch {s['epoch']}",
         f"pool:      {pool['kind']}:{pool['path']}",
+        f"generation: {pool.get('generation') or '-'}",
         f"capacity:  {fmt_bytes(cap)} ({cap} bytes)",
         f"regions:   {fmt_bytes(pool['used'])} in {s['regions']} regions "
         f"({fmt_pct(pool['used'], cap)} of the pool), {fmt_bytes(pool['free'])} free, "

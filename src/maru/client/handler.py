@@ -93,6 +93,7 @@ class MaruHandler:
         self._chunks = ChunkBook(config.chunk_size_bytes)
         self._expand_lock = threading.Lock()
         self._connected = False
+        self._pool_generation: str | None = None  # the pool's, as of our last handshake
         self._heartbeat = _Heartbeat(
             lambda: self._request(MsgType.HEARTBEAT, {}).result(),
             f"maru-heartbeat-{self.instance_id[:8]}",
@@ -165,9 +166,25 @@ class MaruHandler:
             self._rpc.use_local_socket(reply.get("local_socket"))
         self._heartbeat.interval = float(reply.get("heartbeat_interval", 5.0))
         still_owned = {h.region_id: h for h in map(RegionHandle.from_wire, reply["regions"])}
+        generation = str((reply.get("pool") or {}).get("generation", ""))
+        if self._pool_generation is not None and generation != self._pool_generation:
+            # The server restarted on a recreated or truncated pool: what we mapped of other
+            # instances is gone (a later lookup maps their new regions afresh).
+            log.warning(
+                "maru-server's pool is new (generation %s, was %s): dropping its old mappings",
+                generation,
+                self._pool_generation,
+            )
+            for region_id in self._mapper.region_ids():
+                if region_id not in self._chunks:
+                    self._mapper.unmap(region_id)
+        self._pool_generation = generation
         lost = 0
         for region_id in self._chunks.region_ids():
-            if region_id not in still_owned:
+            mapped = self._mapper.get(region_id)
+            if region_id not in still_owned or (
+                mapped is not None and mapped.handle != still_owned[region_id]
+            ):
                 log.warning("server no longer knows region %d; dropping it", region_id)
                 self._chunks.drop(region_id)
                 self._mapper.unmap(region_id)

@@ -330,7 +330,7 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
             ("session", "str", "the credential every later request of the instance carries"),
             ("epoch", "str", "changes on every server start"),
             ("version", "int", "PROTOCOL_VERSION"),
-            ("pool", "map", "pool kind, path, capacity, used, free"),
+            ("pool", "map", "pool kind, path, capacity, used, free, generation"),
             ("regions", f"[{HANDLE}]", "regions the instance owns"),
             ("heartbeat_interval", "float", "seconds between heartbeats"),
             ("local_socket", "str | nil", "the server's Unix socket, if any"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import logging
@@ -10,16 +11,17 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import zmq
 
 from maru.common.config import ConfigError, parse_size
 from maru.server import persistence
-from maru.server.journal import SNAPSHOT_NAME, Journal
+from maru.server.journal import SNAPSHOT_NAME, Journal, read_records
 from maru.server.keyindex import warn_if_pure_python
 from maru.server.logs import configure_logging
 from maru.server.metrics import MetricsUnavailable, require_prometheus, start_metrics_server
-from maru.server.pool import Pool, open_pool
+from maru.server.pool import Pool, new_generation, open_pool
 from maru.server.registry import Registry
 from maru.server.service import MaruService
 from maru.server.token import TokenSigner, load_or_create_secret
@@ -53,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--pool-size",
         default="8G",
         help="pool capacity, e.g. 8G or 500M (devdax: defaults to the device size) (default: 8G)",
+    )
+    p.add_argument(
+        "--preallocate",
+        action="store_true",
+        help="allocate the whole shm pool file at start (posix_fallocate), refusing to start "
+        "if its filesystem cannot hold it, so that nothing else can take the memory later "
+        "(default: off: the free space is only checked at start)",
     )
     p.add_argument(
         "--pool-group",
@@ -158,39 +167,138 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def same_pool_as_before(state_dir: Path, pool: Pool) -> bool:
-    """Persisted keys point into the pool's memory: they are only valid for the very same pool
-    file or device. A recreated /dev/shm file (e.g. after a reboot) has another inode.
-
-    The identity is recorded when there is none yet. On a mismatch (or an unreadable record)
-    the old identity is kept, so a server that dies before `discard_state` still refuses the
-    old state next time; `discard_state` removes it, and the next call records the new one."""
-    identity_file = state_dir / POOL_IDENTITY
+def _identity(pool: Pool) -> dict[str, Any]:
     st = os.stat(pool.path)
-    identity = {
+    return {
         "kind": pool.kind,
         "path": pool.path,
         "dev": st.st_dev,
         "ino": st.st_ino,
         "capacity": pool.capacity,
     }
+
+
+def _read_identity(state_dir: Path) -> dict[str, Any] | str | None:
+    """The pool identity record; None if there is none, "unreadable" if it is damaged."""
     try:
-        previous = json.loads(identity_file.read_text())
+        record = json.loads((state_dir / POOL_IDENTITY).read_text())
     except FileNotFoundError:
-        tmp = identity_file.with_name(POOL_IDENTITY + ".tmp")
-        tmp.write_text(json.dumps(identity))
-        os.replace(tmp, identity_file)
-        return True
+        return None
     except ValueError:
-        previous = "unreadable"
-    if previous != identity:
+        return "unreadable"
+    return record if isinstance(record, dict) else "unreadable"
+
+
+def _write_identity(state_dir: Path, record: dict[str, Any]) -> None:
+    tmp = state_dir / (POOL_IDENTITY + ".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, state_dir / POOL_IDENTITY)
+
+
+def _has_state(state_dir: Path) -> bool:
+    """Whether there is a saved registry to restore (an empty journal is none)."""
+    journals = state_dir.glob("journal-*.log")
+    return (state_dir / SNAPSHOT_NAME).exists() or any(j.stat().st_size for j in journals)
+
+
+def same_pool_as_before(state_dir: Path, pool: Pool) -> bool:
+    """Persisted keys point into the pool's memory: they are only valid for the very same pool
+    file or device. A recreated /dev/shm file (e.g. after a reboot) has another inode.
+
+    The identity is recorded (with a new generation) when there is none yet; state without
+    one cannot be placed and does not count as the same pool. On a mismatch (or an unreadable
+    or retired record) the old identity is kept, so a server that dies before `discard_state`
+    still refuses the old state next time; `discard_state` removes it."""
+    previous, current = _read_identity(state_dir), _identity(pool)
+    if previous is None:
+        if _has_state(state_dir):
+            log.warning("registry state without a pool identity: starting empty")
+            return False
+        _write_identity(state_dir, {**current, "generation": new_generation()})
+        return True
+    if (
+        not isinstance(previous, dict)
+        or previous.get("retired")
+        or any(previous.get(k) != v for k, v in current.items())
+    ):
         log.warning(
             "pool changed since the registry was saved (%s -> %s): starting empty",
             previous,
-            identity,
+            current,
         )
         return False
     return True
+
+
+def region_id_floor(state_dir: Path) -> int:
+    """The first region id a new generation may use: above every id the saved state (and the
+    identity record) ever named, so that a client that outlived the old pool never confuses
+    one of its regions with a new one of the same id."""
+    floor = 1
+    identity = _read_identity(state_dir)
+    if isinstance(identity, dict):
+        with contextlib.suppress(TypeError, ValueError):
+            floor = max(floor, int(identity.get("next_region_id", 1)))
+    files = [state_dir / SNAPSHOT_NAME, *state_dir.glob("journal-*.log")]
+    for path in files:
+        try:
+            records, _ = read_records(path.read_bytes())
+        except OSError:
+            continue
+        for record in records:
+            with contextlib.suppress(TypeError, ValueError, KeyError, IndexError):
+                if isinstance(record, dict):  # a snapshot
+                    floor = max(floor, int(record["next_region_id"]))
+                    floor = max(floor, *(int(r[0]) + 1 for r in record["regions"]))
+                elif record[0] == "R":
+                    floor = max(floor, int(record[1]) + 1)
+    return floor
+
+
+def pool_generation(state_dir: Path, pool: Pool, *, no_restore: bool = False) -> tuple[str, int]:
+    """Which life of the pool this start serves: (generation, lowest region id to hand out).
+
+    The same pool as the saved state keeps its generation (tokens stay valid). Anything else
+    (a new, recreated or truncated file, another device or capacity, `--no-restore`) starts
+    a new generation: the saved state is discarded, the pool made fresh (`Pool.start_fresh`)
+    and region ids continue above all earlier ones."""
+    if pool.truncated_from is not None:
+        log.warning(
+            "pool %s is %d bytes, shorter than its capacity %d (truncated: its bytes are "
+            "gone): starting empty",
+            pool.path,
+            pool.truncated_from,
+            pool.capacity,
+        )
+        same = False
+    elif getattr(pool, "created", False):
+        # (its inode number may be an old one's, reused: only we know the file is new)
+        if _has_state(state_dir):
+            log.warning(
+                "pool changed: %s was created anew (the old one is gone): starting empty", pool.path
+            )
+        same = False
+    else:
+        same = not no_restore and same_pool_as_before(state_dir, pool)
+    previous = _read_identity(state_dir)
+    if same and isinstance(previous, dict):
+        return str(previous.get("generation", "")), int(previous.get("next_region_id", 1))
+    floor = region_id_floor(state_dir)
+    pool.start_fresh()
+    discard_state(state_dir)
+    generation = new_generation()
+    _write_identity(
+        state_dir, {**_identity(pool), "generation": generation, "next_region_id": floor}
+    )
+    log.info("pool %s: new generation %s (region ids from %d)", pool.path, generation, floor)
+    return generation, floor
+
+
+def retire_pool_identity(state_dir: Path, reason: str) -> None:
+    """The pool's bytes were lost while serving: the saved state must never be restored."""
+    record = _read_identity(state_dir)
+    if isinstance(record, dict):
+        _write_identity(state_dir, {**record, "retired": reason})
 
 
 def discard_state(state_dir: Path) -> None:
@@ -237,16 +345,20 @@ def main(argv: list[str] | None = None) -> int:
     state_dir = Path(args.state_dir or Path.home() / ".local/state/maru" / port_tag)
     try:
         lock_state_dir(state_dir)  # the lock fd stays open for the life of the process
-        pool = open_pool(pool_path, pool_size, args.pool_group)
-        signer = TokenSigner(load_or_create_secret(state_dir))
+        # locked for the life of the process too (the pool object holds the fd)
+        pool = open_pool(
+            pool_path, pool_size, args.pool_group, lock=True, preallocate=args.preallocate
+        )
+        secret = load_or_create_secret(state_dir)
         journal = Journal(
             state_dir,
             fsync_interval=args.journal_fsync_ms / 1000.0,
             snapshot_bytes=int(args.snapshot_mb * (1 << 20)),
         )
-        if args.no_restore or not same_pool_as_before(state_dir, pool):
-            discard_state(state_dir)
-            same_pool_as_before(state_dir, pool)  # record this pool before any new state
+        pool.generation, first_region_id = pool_generation(
+            state_dir, pool, no_restore=args.no_restore
+        )
+        signer = TokenSigner(secret, pool.generation)
         snapshot, records = journal.load()
         registry = Registry(
             pool,
@@ -258,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         warn_if_pure_python()
         persistence.restore(registry, snapshot, records)
+        registry.regions.next_id = max(registry.regions.next_id, first_region_id)
         journal.write_snapshot(persistence.snapshot(registry))  # compact what was replayed
         service = MaruService(
             registry,
@@ -301,6 +414,14 @@ def main(argv: list[str] | None = None) -> int:
             metrics_httpd.shutdown()
         service.close()
         pool.close()
+    if service.pool_lost is not None:
+        retire_pool_identity(state_dir, service.pool_lost)
+        print(
+            f"maru-server: pool {pool.path} {service.pool_lost} while serving: its keys are "
+            "dropped; start maru-server again to serve a fresh pool",
+            file=sys.stderr,
+        )
+        return 3
     return 0
 
 

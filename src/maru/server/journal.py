@@ -86,6 +86,9 @@ def _read_records(data: bytes) -> tuple[list[Any], int]:
     return records, pos
 
 
+read_records = _read_records  # for readers of a state dir that must not open its journal
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -9,9 +9,11 @@ The kind is told by the path given to `maru-server --pool`:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import grp
 import logging
 import os
+import secrets
 import stat
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -27,6 +29,67 @@ class PoolFullError(Exception):
     """No free extent in the pool is large enough for the requested region."""
 
 
+class PoolError(RuntimeError):
+    """The pool cannot be used: in use by another server, or not enough memory behind it."""
+
+
+def new_generation() -> str:
+    """A random 64-bit name for one life of a pool's bytes (see `maru.server.cli`)."""
+    return secrets.token_hex(8)
+
+
+def human_size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} bytes"
+
+
+def check_free_space(pool_path: str, directory: str, need: int) -> None:
+    """A pool must not promise more than backs it: a tmpfs that runs out of room while a
+    client touches a page kills that client with SIGBUS. `need`: bytes the pool may still
+    allocate on `directory`'s filesystem."""
+    if need <= 0:
+        return
+    vfs = os.statvfs(directory)
+    free = vfs.f_bavail * vfs.f_frsize
+    if need > free:
+        raise PoolError(
+            f"pool {pool_path} needs {human_size(need)} but {directory} has {human_size(free)} "
+            "free; use a smaller --pool-size or free space there (--preallocate then reserves "
+            "the whole pool at start, so nothing else can take it later)"
+        )
+
+
+def filesystem_type(path: str) -> str | None:
+    """The type of the filesystem `path` is on (from /proc/mounts), None if unknown."""
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best, kind = "", None
+    for fields in mounts:
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
+def _flock(fd: int, what: str, holder: str = "") -> None:
+    """Hold an exclusive lock on `fd` for the server's life: one server per pool."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise PoolError(
+            f"pool {what} is in use by another maru-server{f' (pid {holder})' if holder else ''}"
+        ) from None
+
+
 class Pool(ABC):
     kind: str
 
@@ -34,6 +97,11 @@ class Pool(ABC):
         self.path = path
         self.capacity = capacity
         self.alignment = alignment
+        self.generation = ""  # set by the server once it knows which life of the pool this is
+        # bytes the pool file had when opened, if fewer than its capacity (shm): bytes lost
+        self.truncated_from: int | None = None
+        self._lock_fd: int | None = None
+        self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) when opened
 
     @property
     def name(self) -> str:
@@ -72,10 +140,33 @@ class Pool(ABC):
             "used": self.used,
             "free": self.free,
             "fragmentation": round(self.fragmentation(), 4),
+            "generation": self.generation,
         }
 
-    def close(self) -> None:  # noqa: B027 - optional hook
-        pass
+    def start_fresh(self) -> None:  # noqa: B027 - optional hook
+        """The server starts a new generation: make sure no earlier mapping sees its bytes."""
+
+    def changed(self) -> str | None:
+        """Why the pool is no longer the one opened (deleted, replaced, shrunk), or None.
+        One stat of the path: cheap enough for the server's housekeeping once a second."""
+        if self._identity is None:
+            return None
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return "was deleted"
+        except OSError as exc:
+            return f"cannot be checked ({exc})"
+        if (st.st_dev, st.st_ino) != self._identity:
+            return "was replaced by another file"
+        if stat.S_ISREG(st.st_mode) and self.kind != "fsdax" and st.st_size < self.capacity:
+            return f"shrank to {st.st_size} bytes (capacity {self.capacity})"
+        return None
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 def _apply_group(path: str, group: str | None) -> None:
@@ -118,21 +209,85 @@ class FilePool(Pool):
 class ShmPool(FilePool):
     """A sparse file (tmpfs under /dev/shm): the embedded default, no hardware needed.
 
-    An existing file is reused, never truncated, so pages outlive a server restart.
+    An existing file is reused, never truncated, so pages outlive a server restart. A file
+    shorter than the capacity lost bytes (someone truncated it): `truncated_from` says so and
+    the server starts a new generation. With `lock` (the server) the file is flocked for the
+    pool's life; the free space of its filesystem must cover what the file may still allocate,
+    and `preallocate` allocates all of it now (`posix_fallocate`).
     """
 
     kind = "shm"
 
-    def __init__(self, path: str, capacity: int, group: str | None = None):
+    def __init__(
+        self,
+        path: str,
+        capacity: int,
+        group: str | None = None,
+        *,
+        lock: bool = False,
+        preallocate: bool = False,
+    ):
         super().__init__(path, capacity, REGION_ALIGNMENT)
+        self._group, self._lock, self._preallocate = group, lock, preallocate
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.created = self._open(exclusive=False)
+        fs = filesystem_type(os.path.dirname(os.path.abspath(path)))
+        if lock and fs is not None and fs != "tmpfs":
+            log.warning(
+                "pool %s is on %s, not tmpfs: its pages may be written back to storage", path, fs
+            )
+
+    def _open(self, exclusive: bool) -> bool:
+        """Open (or create) the file, lock it, check it and size it; True if it was created."""
         try:
-            if os.fstat(fd).st_size < capacity:
-                os.ftruncate(fd, capacity)
-        finally:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            created = True
+        except FileExistsError:
+            if exclusive:
+                raise
+            fd, created = os.open(self.path, os.O_RDWR), False
+        try:
+            if self._lock:
+                _flock(fd, self.path)
+            st = os.fstat(fd)
+            if not created and st.st_size < self.capacity:
+                self.truncated_from = st.st_size
+            directory = os.path.dirname(os.path.abspath(self.path))
+            check_free_space(self.path, directory, self.capacity - st.st_blocks * 512)
+            if st.st_size < self.capacity:
+                os.ftruncate(fd, self.capacity)
+            if self._preallocate:
+                try:
+                    os.posix_fallocate(fd, 0, self.capacity)
+                except OSError as exc:
+                    raise PoolError(
+                        f"cannot preallocate pool {self.path} ({human_size(self.capacity)}): "
+                        f"{exc.strerror}; use a smaller --pool-size or free space"
+                    ) from None
+        except BaseException:
             os.close(fd)
-        _apply_group(path, group)
+            if created:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+            raise
+        if self._lock:
+            self._lock_fd = fd
+        else:
+            os.close(fd)
+        self._identity = (st.st_dev, st.st_ino)
+        _apply_group(self.path, self._group)
+        return created
+
+    def start_fresh(self) -> None:
+        """A new generation is a new file: clients still mapping the old one (they outlived a
+        server restart) read and write the old inode, never the pages handed out now."""
+        if self.created:
+            return
+        self.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        self.truncated_from = None
+        self.created = self._open(exclusive=True)
 
 
 class DevDaxPool(FilePool):
@@ -144,13 +299,23 @@ class DevDaxPool(FilePool):
 
     kind = "devdax"
 
-    def __init__(self, path: str, capacity: int | None = None):
+    def __init__(self, path: str, capacity: int | None = None, *, lock: bool = False):
         size, align = self._probe(path)
         if capacity is None or capacity > size:
             if capacity is not None:
                 log.warning("pool %s: --pool-size %d exceeds device size %d", path, capacity, size)
             capacity = size
         super().__init__(path, capacity, max(align, REGION_ALIGNMENT))
+        if lock:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                _flock(fd, path)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._lock_fd = fd
+            st = os.fstat(fd)
+            self._identity = (st.st_dev, st.st_ino)
 
     @staticmethod
     def _probe(path: str) -> tuple[int, int]:
@@ -173,11 +338,50 @@ class FsDaxPool(Pool):
 
     kind = "fsdax"
 
-    def __init__(self, path: str, capacity: int, group: str | None = None):
+    LOCK_FILE = ".maru-server.lock"
+
+    def __init__(
+        self,
+        path: str,
+        capacity: int,
+        group: str | None = None,
+        *,
+        lock: bool = False,
+    ):
         super().__init__(path, capacity, REGION_ALIGNMENT)
         self._group = group
         Path(path).mkdir(parents=True, exist_ok=True)
         self._files: dict[str, int] = {}
+        if lock:
+            fd = os.open(os.path.join(path, self.LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                _flock(fd, path, os.pread(fd, 32, 0).decode(errors="replace").strip())
+            except BaseException:
+                os.close(fd)
+                raise
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            self._lock_fd = fd
+            st = os.stat(path)
+            self._identity = (st.st_dev, st.st_ino)
+            check_free_space(path, path, capacity - self._allocated())
+
+    def _region_files(self) -> list[Path]:
+        return list(Path(self.path).glob("region-*.mem"))
+
+    def _allocated(self) -> int:
+        total = 0
+        for file in self._region_files():
+            with contextlib.suppress(FileNotFoundError):
+                total += file.stat().st_blocks * 512
+        return total
+
+    def start_fresh(self) -> None:
+        """Region files of an earlier generation are nobody's now: remove them (a client that
+        still maps one keeps its inode, never a new region's)."""
+        for file in self._region_files():
+            with contextlib.suppress(FileNotFoundError):
+                file.unlink()
 
     def allocate(self, region_id: int, length: int) -> tuple[str, int]:
         if self.used + length > self.capacity:
@@ -208,15 +412,23 @@ class FsDaxPool(Pool):
         return sum(self._files.values())
 
 
-def open_pool(path: str, capacity: int | None, group: str | None = None) -> Pool:
-    """Pick the pool kind from the path (see module docstring)."""
+def open_pool(
+    path: str,
+    capacity: int | None,
+    group: str | None = None,
+    *,
+    lock: bool = False,
+    preallocate: bool = False,
+) -> Pool:
+    """Pick the pool kind from the path (see module docstring). `lock`: hold it for this
+    process's life (the server), refusing a pool another server holds."""
     p = Path(path)
     if path.endswith("/") or p.is_dir():
         if capacity is None:
             raise ValueError("--pool-size is required for an fsdax directory pool")
-        return FsDaxPool(path.rstrip("/") or "/", capacity, group)
+        return FsDaxPool(path.rstrip("/") or "/", capacity, group, lock=lock)
     if path.startswith("/dev/dax") or (p.exists() and stat.S_ISCHR(p.stat().st_mode)):
-        return DevDaxPool(path, capacity)
+        return DevDaxPool(path, capacity, lock=lock)
     if capacity is None:
         raise ValueError("--pool-size is required for a shm pool")
-    return ShmPool(path, capacity, group)
+    return ShmPool(path, capacity, group, lock=lock, preallocate=preallocate)

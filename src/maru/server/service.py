@@ -173,6 +173,8 @@ class MaruService:
         self._next_reap = 0.0
         self._next_snapshot = 0.0  # after a failed snapshot: not before this time
         self._snapshot_log = Throttle(60.0)  # failed snapshots, retried every second
+        self._next_pool_check = 0.0
+        self.pool_lost: str | None = None  # why the loop stopped: the pool changed under it
         self.gc_freeze = gc_freeze
         if busy_poll_us < 0:
             raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
@@ -510,9 +512,10 @@ class MaruService:
                 inst.last_seen += stalled
 
     def housekeeping(self, now: float | None = None) -> None:
-        """Between requests: expire read leases, reap silent instances, snapshot the journal
-        when it has grown (or an fsync or a write failed), and freeze what the turn left on
-        the heap. (The journal is fsynced by its own thread, not here.)
+        """Between requests: expire read leases, reap silent instances, check the pool file
+        (at most once a second), snapshot the journal when it has grown (or an fsync or a
+        write failed), and freeze what the turn left on the heap. (The journal is fsynced by
+        its own thread, not here.)
 
         While the journal cannot be written, reaping waits (it would journal "X" and "T"
         records) and the snapshot, the way back, is retried every `SNAPSHOT_RETRY_S`."""
@@ -522,6 +525,9 @@ class MaruService:
         if now >= self._next_reap and (journal is None or journal.writable):
             self.registry.reap(self.heartbeat_timeout, now)
             self._next_reap = now + min(1.0, self.heartbeat_timeout / 4)
+        if now >= self._next_pool_check:
+            self._next_pool_check = now + 1.0
+            self._check_pool()
         if journal is not None and journal.needs_snapshot and now >= self._next_snapshot:
             self._snapshot(journal, now)  # its time is forgiven by the loop's next turn
         if self.gc_freeze:
@@ -545,6 +551,26 @@ class MaruService:
                     SNAPSHOT_RETRY_S,
                     self._snapshot_log.note(held),
                 )
+
+    def _check_pool(self) -> None:
+        """The pool file deleted, replaced or shrunk under the server: the registered keys
+        point at bytes that are gone (or at zeros). Stop serving at once, before the next
+        request, so no stale location is handed out; `maru-server` then exits with status 3
+        and marks its saved state unusable, and a restart (by hand or a supervisor) starts a
+        new generation on a fresh pool. (Simpler and as safe as resetting in place.)"""
+        pool = self.registry.pool
+        reason = pool.changed()
+        if reason is None:
+            return
+        log.critical(
+            "pool %s %s while serving: its bytes are gone; its %d keys will never be served "
+            "again; stopping",
+            pool.path,
+            reason,
+            len(self.registry.keys),
+        )
+        self.pool_lost = reason
+        self.stop()
 
     def stop(self) -> None:
         self._stop.set()

@@ -9,6 +9,10 @@ stay valid across a server restart).
   has it. Another process choosing the same name gets an instance of its own: identity is never
   a string a client picks. The credential embeds the id, so after a restart the server can
   verify it (`session_owner`) without having kept it.
+
+The pool's generation is signed into region tokens too: a region of a recreated pool never has
+the token (so the handle) of an earlier region with the same fields, and a client that mapped
+the old one maps again.
 """
 
 from __future__ import annotations
@@ -41,12 +45,17 @@ def load_or_create_secret(state_dir: Path) -> bytes:
 
 
 class TokenSigner:
-    def __init__(self, secret: bytes):
+    def __init__(self, secret: bytes, generation: str = ""):
+        """`generation`: the pool's (`maru.server.cli.pool_generation`); "" for a pool recorded
+        before generations existed, whose tokens are signed as they were then."""
         self._secret = secret
+        self.generation = generation
 
     def sign(self, region_id: int, path: str, offset: int, length: int) -> str:
-        msg = f"{region_id}|{path}|{offset}|{length}".encode()
-        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()[:32]
+        msg = f"{region_id}|{path}|{offset}|{length}"
+        if self.generation:
+            msg += f"|{self.generation}"
+        return hmac.new(self._secret, msg.encode(), hashlib.sha256).hexdigest()[:32]
 
     def session(self, instance_id: str) -> str:
         """The credential of `instance_id`: the id, "~", and an HMAC of it."""

@@ -1,0 +1,208 @@
+"""P7, the pool: a hit never comes from a recreated, truncated, over-committed or shared pool.
+
+Real `maru-server` processes and real handlers. Values carry a checksum bound to their key
+(`make_value`), and keys name their writer, so a read of another key's bytes, of a reused page
+or of zeros is counted as wrong bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import MaruServerProcess  # tests/conftest.py (on sys.path for pytest)
+from maru import MaruHandler
+
+from .test_crash_safety import KiB, handler, intact, make_value, sigkill_server, wait_until
+
+
+def store(h: MaruHandler, keys: list[str], size: int = 60 * KiB) -> None:
+    assert h.batch_store(keys, [make_value(k, size) for k in keys]) == [True] * len(keys)
+
+
+def read_counts(reader: MaruHandler, keys: list[str]) -> tuple[int, int, int]:
+    """(right bytes, misses, wrong bytes) of `keys` read by `reader` under leases."""
+    right = missing = wrong = 0
+    with reader.leased(keys) as infos:
+        for key, info in zip(keys, infos):
+            if info is None:
+                missing += 1
+            elif intact(key, info.view):
+                right += 1
+            else:
+                wrong += 1
+    return right, missing, wrong
+
+
+def store_until_stored(h: MaruHandler, key: str) -> None:
+    """The first store after the server forgot `h` fails (RegionsLost); the next one works."""
+    stored = False
+    for _ in range(3):
+        stored = h.store(key, make_value(key, 60 * KiB))
+        if stored:
+            break
+    assert stored
+
+
+@pytest.mark.parametrize("how", ["pool-deleted", "no-restore"])
+def test_long_lived_clients_never_read_a_recreated_pools_bytes_as_a_hit(
+    maru_server_factory, tmp_path, how
+):
+    """Before P7, region ids restarted at 1 with the same tokens on a recreated pool: reader C
+    kept its mapping of A's old region 1 (an equal handle) and read A's new keys from the
+    deleted file; with the file kept (--no-restore), writer W wrote into the chunks it still
+    held, which the server had handed to B. Every client here lives through the restart."""
+    server = maru_server_factory(tmp_path / "srv", pool_size="64M")
+    a = handler(server.url, pool_size="4M", timeout_ms=1000)
+    w = handler(server.url, pool_size="4M", timeout_ms=1000)
+    c = handler(server.url, pool_size="2M", timeout_ms=1000)
+    a_keys = [f"A/old-{i}" for i in range(24)]
+    w_keys = [f"W/old-{i}" for i in range(24)]
+    store(a, a_keys)
+    store(w, w_keys)
+    assert w.batch_delete(w_keys) == [True] * 24  # W's first chunks are free (to W) again
+    assert read_counts(c, a_keys) == (24, 0, 0)  # C maps A's region
+    generation = c.stats()["pool"]["generation"]
+    assert len(generation) == 16
+    old_ids = a.owned_region_ids() + w.owned_region_ids() + c.owned_region_ids()
+
+    sigkill_server(server)
+    if how == "pool-deleted":
+        os.unlink(server.pool_path)  # an operator, or a reboot clearing /dev/shm
+        server.start(server.port)
+    else:
+        server.start(server.port, once_args=["--no-restore"])
+    a_new = [f"A/new-{i}" for i in range(8)]
+    for key in a_new:
+        store_until_stored(a, key)
+    b = handler(server.url, pool_size="4M")
+    b_keys = [f"B/new-{i}" for i in range(24)]
+    store(b, b_keys)
+    store_until_stored(w, "W/again")  # its first try writes into the chunks it still held
+    assert b.stats()["pool"]["generation"] not in ("", generation)
+    new_ids = a.owned_region_ids() + b.owned_region_ids() + w.owned_region_ids()
+    assert min(new_ids) > max(old_ids)  # region ids went on upward
+
+    everything = a_keys + a_new + b_keys + ["W/again"]
+    for reader in (a, b, c, w):
+        right, missing, wrong = read_counts(reader, everything)
+        assert wrong == 0
+        assert (right, missing) == (len(everything) - len(a_keys), len(a_keys))
+    for h in (a, b, c, w):
+        h.close()
+
+
+@pytest.mark.parametrize("keep", [1 << 20, 0])
+def test_a_pool_truncated_while_the_server_was_down_serves_no_restored_key(
+    maru_server_factory, tmp_path, keep
+):
+    server = maru_server_factory(tmp_path / "srv", pool_size="64M")
+    writer = handler(server.url, pool_size="8M")
+    keys = [f"trunc-{i}" for i in range(40)]
+    store(writer, keys)
+    writer.close()  # (this process must not touch a mapping of the truncated file)
+    sigkill_server(server)
+    capacity = 64 << 20
+    os.truncate(server.pool_path, keep)  # (the keys lie in the first 8 MiB)
+    server.restart()
+    log = server.read_log()
+    assert f"is {keep} bytes, shorter than its capacity {capacity}" in log
+    reader = handler(server.url)
+    assert read_counts(reader, keys) == (0, len(keys), 0)  # never a hit on zeros
+    assert reader.stats()["keys"] == 0
+    store(reader, ["fresh"])
+    assert read_counts(reader, ["fresh"]) == (1, 0, 0)
+    reader.close()
+
+
+@pytest.mark.parametrize("how", ["truncated", "deleted"])
+def test_a_pool_lost_while_running_stops_the_server_and_a_restart_starts_fresh(
+    maru_server_factory, tmp_path, how
+):
+    server = maru_server_factory(tmp_path / "srv", pool_size="64M")
+    writer = handler(server.url, pool_size="8M")
+    keys = [f"live-{i}" for i in range(40)]
+    store(writer, keys)
+    writer.close()
+    if how == "truncated":
+        os.truncate(server.pool_path, 16 << 20)
+    else:
+        os.unlink(server.pool_path)
+    proc = server.proc
+    assert wait_until(lambda: proc.poll() is not None, 15), "the server did not react"
+    assert proc.returncode == 3
+    log = server.read_log()
+    assert "CRITICAL" in log and "while serving" in log
+    assert ("shrank to" if how == "truncated" else "was deleted") in log
+    server.restart()
+    reader = handler(server.url)
+    assert read_counts(reader, keys) == (0, len(keys), 0)
+    store(reader, ["after"])
+    assert read_counts(reader, ["after"]) == (1, 0, 0)
+    reader.close()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 4 MiB tmpfs (needs root); unmounted after the test."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_pool_larger_than_its_tmpfs_refuses_to_start(small_tmpfs, tmp_path):
+    pool = small_tmpfs / "x.pool"
+    big = MaruServerProcess(tmp_path / "big", pool_size="64M", pool=str(pool))
+    with pytest.raises(RuntimeError) as refused:
+        big.start()
+    message = [line for line in str(refused.value).splitlines() if "cannot start" in line]
+    assert message == [
+        f"maru-server: cannot start: pool {pool} needs 64.0 MiB but {small_tmpfs} has 4.0 MiB "
+        "free; use a smaller --pool-size or free space there (--preallocate then reserves the "
+        "whole pool at start, so nothing else can take it later)"
+    ]
+    assert not pool.exists()  # nothing left behind
+    fits = MaruServerProcess(
+        tmp_path / "fits", pool_size="2M", pool=str(pool), extra_args=["--preallocate"]
+    )
+    try:
+        fits.start()
+        assert os.stat(pool).st_blocks * 512 >= 2 << 20  # the whole pool is allocated
+        with MaruHandler(server_url=fits.url, pool_size="2M") as h:
+            store(h, ["small"], 100 * KiB)
+            assert read_counts(h, ["small"]) == (1, 0, 0)
+    finally:
+        fits.stop()
+
+
+@pytest.mark.parametrize("kind", ["shm", "fsdax"])
+def test_a_second_server_cannot_open_a_pool_in_use(maru_server_factory, tmp_path, kind):
+    path = f"/dev/shm/maru-test-{uuid.uuid4().hex}.pool" if kind == "shm" else f"{tmp_path}/fsdax/"
+    first = maru_server_factory(tmp_path / "first", pool_size="64M", pool=path)
+    writer = handler(first.url, pool_size="4M")
+    store(writer, ["first/0"])
+    second = MaruServerProcess(tmp_path / "second", pool_size="64M", pool=path)
+    with pytest.raises(RuntimeError) as refused:
+        second.start()
+    shown = path.rstrip("/")
+    expected = f"maru-server: cannot start: pool {shown} is in use by another maru-server"
+    if kind == "fsdax":
+        expected += f" (pid {first.pid})"
+    assert expected + "\n" in str(refused.value)
+    assert Path(path).exists()  # (the refused server removed nothing)
+    assert first.alive()
+    store(writer, ["first/1"])
+    assert read_counts(writer, ["first/0", "first/1"]) == (2, 0, 0)
+    writer.close()
