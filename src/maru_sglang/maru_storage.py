@@ -332,6 +332,9 @@ class MaruStorage(HiCacheStorage):
                 sources = sources[hit]
                 columns = [ptrs[hit] for ptrs in columns]
             self._copy_out(sources, columns)
+            if not found.release(confirm=True):  # the lease ended mid-copy: not proven
+                log.warning("batch_get_v1: the lease on %d pages ended during the copy", n)
+                results = [False] * n
         for i in np.flatnonzero((lengths != 0) & ~hit):  # stored with another page size
             log.warning(
                 "page %s has %d bytes, expected %d: treated as a miss",
@@ -378,14 +381,16 @@ class MaruStorage(HiCacheStorage):
         if target_locations is None:
             target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
         out: list[torch.Tensor | None] = []
-        with self.handler.leased(self._keys(keys)) as infos:
-            for info, target in zip(infos, target_locations):
+        with self.handler.lookup(self._keys(keys), lease=True) as found:
+            for info, target in zip(found.infos(), target_locations):
                 nbytes = target.numel() * target.element_size()
                 if info is None or info.length != nbytes or not target.is_contiguous():
                     out.append(None)
                     continue
                 _memmove(target.data_ptr(), info.address, nbytes)
                 out.append(target)
+            if not found.release(confirm=True):  # the lease ended mid-copy: not proven
+                out = [None] * len(keys)
         hits = sum(t is not None for t in out)
         with self._stats_lock:
             self.counters["hits"] += hits

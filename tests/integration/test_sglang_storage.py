@@ -275,3 +275,42 @@ def test_dynamic_factory_loads_maru(maru_server):
     backend.register_mem_pool_host(pool)
     assert backend.batch_set_v1(["f"], page_indices(0, 1, g.page_size)) == [True]
     backend.close()
+
+
+def _wait_for_no_leases(handler: MaruHandler, bound_s: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + bound_s
+    while handler.stats()["leases"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert handler.stats()["leases"] == 0
+
+
+def test_a_copy_that_outlives_its_lease_is_a_miss(maru_server_factory, tmp_path):
+    """Issue 13, scenario 6: a copy that takes longer than --lease-timeout (the reader was
+    descheduled, say) may read pages that were freed and written again meanwhile. The lease is
+    confirmed after the copy, so the batch reads as misses, never as hits on those bytes."""
+    server = maru_server_factory(tmp_path / "s", extra_args=["--lease-timeout", "0.3"])
+    g = Geometry()
+    writer, reader = _storage(server.url, g), _storage(server.url, g)
+    src = page_indices(0, 2, g.page_size)
+    fill(writer.mem_pool_host, src, expected_pages(writer.mem_pool_host, 2, seed=5))
+    assert writer.batch_set_v1(["a", "b"], src) == [True, True]
+    original = reader._copy_out
+    slow = {"copies": 0}
+
+    def slow_copy(sources, columns):
+        slow["copies"] += 1
+        _wait_for_no_leases(reader.handler)  # the server expired the lease mid-copy
+        original(sources, columns)
+
+    reader._copy_out = slow_copy
+    dst = page_indices(4, 2, g.page_size)
+    assert reader.batch_get_v1(["a", "b"], dst) == [False, False]
+    reader._copy_out = original  # a copy within the lease is a hit, as before
+    assert reader.batch_get_v1(["a", "b"], dst) == [True, True]
+    got, want = read(reader.mem_pool_host, dst, 2), read(writer.mem_pool_host, src, 2)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert slow["copies"] == 1
+    writer.close()
+    reader.close()

@@ -430,7 +430,8 @@ class MaruHandler:
 
     @contextmanager
     def leased(self, keys: Sequence[Key]) -> Iterator[list[MemoryInfo | None]]:
-        """`batch_retrieve` whose hits cannot be evicted or deleted until the block ends."""
+        """`batch_retrieve` whose hits cannot be evicted or deleted until the block ends (or
+        the lease times out: to know it held, use `lookup` and `release(confirm=True)`)."""
         with self.lookup(keys, lease=True) as found:
             yield found.infos()
 

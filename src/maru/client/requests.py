@@ -246,14 +246,26 @@ class Lookup:
             out.append(MemoryInfo(view, region_id, offset // chunk, offset, length, address))
         return out
 
-    def release(self) -> None:
-        """End the lease (fire and forget: the reply is collected by a later request; if it
-        never arrives the lease expires on the server)."""
+    def release(self, confirm: bool = False) -> bool:
+        """End the lease. Fire and forget by default (the reply is collected by a later
+        request; if it never arrives the lease expires on the server). With `confirm`, wait
+        for the server's answer: True if the lease still held until now, so that what was read
+        under it is the keys' bytes; False if it had ended before (expired during a copy
+        longer than --lease-timeout, or the server restarted and forgot it): the pages may
+        have been reused meanwhile, and what was read must be taken as misses."""
         if self.addresses is None and self._pending is not None:
             self.wait()  # a lease may be held even if the caller never looked
         lease_id, self.lease_id = self.lease_id, 0
-        if lease_id:
-            try:
-                self._handler._request(MsgType.RELEASE, {"leases": [lease_id]})
-            except MaruError as exc:
-                log.debug("releasing lease %d failed: %s", lease_id, exc)
+        if not lease_id:
+            return True  # nothing was leased: nothing was read under a lease
+        try:
+            pending = self._handler._request(MsgType.RELEASE, {"leases": [lease_id]})
+            return not confirm or pending.result()["released"] == 1
+        except MaruError as exc:
+            log.log(
+                logging.WARNING if confirm else logging.DEBUG,
+                "releasing lease %d failed: %s",
+                lease_id,
+                exc,
+            )
+            return False

@@ -81,8 +81,6 @@ class ErrorCode(IntEnum):
     KEY_TOO_LONG = 10
     INTERNAL = 11
     STATE_UNAVAILABLE = 12  # the journal cannot be written: changes refused, reads go on
-    INSTANCE_IN_USE = 13  # another live process holds this instance id
-    POOL_CHANGED = 14  # the pool was recreated or truncated since the handle was issued
 
 
 class RegisterStatus(IntEnum):

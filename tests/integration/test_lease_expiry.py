@@ -1,0 +1,40 @@
+"""Issue 13, scenario 6: a reader whose lease ended before its copy finished must not take
+what it copied as a hit. Real server, real page reuse: the key is deleted and its page
+written again by its owner while the reader's lease has expired."""
+
+from __future__ import annotations
+
+import time
+
+from maru import MaruHandler
+
+
+def test_a_lease_that_ended_mid_copy_is_reported_and_the_page_reuse_is_real(maru_server_factory):
+    server = maru_server_factory(extra_args=["--lease-timeout", "0.3"])
+    owner = MaruHandler(
+        server_url=server.url, pool_size="2M", chunk_size_bytes="1M", auto_expand=False
+    )
+    reader = MaruHandler(server_url=server.url, pool_size="2M")
+    a, b = b"A" * 100_000, b"B" * 100_000
+    assert owner.batch_store(["k", "filler"], [a, b"f" * 100]) == [True, True]
+
+    # Within its lease, a read is confirmed.
+    quick = reader.lookup(["k"], lease=True)
+    assert bytes(quick.infos()[0].view) == a
+    assert quick.release(confirm=True) is True
+
+    # The reader stalls past --lease-timeout between its lookup and its copy.
+    slow = reader.lookup(["k"], lease=True)
+    view = slow.infos()[0].view
+    deadline = time.monotonic() + 10
+    while reader.stats()["leases"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert owner.delete("k")  # no lease protects it any more
+    assert owner.store("k2", b)  # the owner's only free chunk is k's: reused
+    copied = bytes(view)
+    assert copied == b  # the fault is real: without a check, B's bytes would pass as k's
+    confirmed = slow.release(confirm=True)
+    wrong_hits = int(confirmed and copied != a)
+    assert (confirmed, wrong_hits) == (False, 0)
+    owner.close()
+    reader.close()
