@@ -358,6 +358,21 @@ def test_pool_full_reclaims_an_orphan_region(tmp_path):
     consistent(reg)
 
 
+def test_an_absurd_region_size_is_refused_before_any_orphan_is_evicted(tmp_path):
+    """Issue 13, scenario 9: a REQUEST_REGION of 2^62 bytes used to evict every orphaned key
+    on its way to POOL_FULL."""
+    reg = make_registry(tmp_path, pool_mib=8, high=1.0, low=1.0)
+    ra = reg.request_region("A", 4 * MiB).region_id
+    fill(reg, "A", ra, ["a0", "a1"])
+    reg.disconnect("A")  # an orphan region: reclaimable, but only for a request that fits
+    for size in (2**62, 8 * MiB + 1):
+        with pytest.raises(ProtocolError) as exc:
+            reg.request_region("B", size)
+        assert exc.value.code == ErrorCode.POOL_FULL
+    assert reg.exists(["a0", "a1"]) == [True, True] and reg.counters["evictions"] == 0
+    consistent(reg)
+
+
 def test_orphan_reclaim_when_keys_of_orphans_interleave(tmp_path):
     """Keys of two orphan regions in alternating LRU order: evicting one region's worth of
     bytes in plain LRU order empties neither region, yet one region must be reclaimed."""

@@ -224,6 +224,11 @@ class Registry:
                 ErrorCode.BAD_REQUEST, f"region size must be positive, got {size!r}"
             )
         length = self.pool.round_up(size)
+        if length > self.pool.capacity:  # refused before reclaiming (evicting) anything
+            raise ProtocolError(
+                ErrorCode.POOL_FULL,
+                f"a region of {size} bytes cannot fit a pool of {self.pool.capacity} bytes",
+            )
         while True:
             try:
                 region = self.regions.allocate(instance_id, length, inst.page_size)
