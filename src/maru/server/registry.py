@@ -227,7 +227,8 @@ class Registry:
         if length > self.pool.capacity:  # refused before reclaiming (evicting) anything
             raise ProtocolError(
                 ErrorCode.POOL_FULL,
-                f"a region of {size} bytes cannot fit a pool of {self.pool.capacity} bytes",
+                f"pool {self.pool.name} cannot hold a region of {size} bytes: its capacity "
+                f"is {self.pool.capacity} bytes",
             )
         while True:
             try:
