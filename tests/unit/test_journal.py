@@ -12,7 +12,7 @@ import msgpack
 import pytest
 
 from maru.server import cli, persistence
-from maru.server.journal import FRAME, SNAPSHOT_NAME, Journal, _frame, _read_records
+from maru.server.journal import FRAME, SNAPSHOT_NAME, Journal, _frame, read_records
 from maru.server.pool import ShmPool
 from maru.server.registry import Registry
 from maru.server.token import TokenSigner
@@ -143,7 +143,7 @@ def test_records_are_in_the_file_before_sync(env):
     reg.handshake("A", 1)
     r = reg.request_region("A", 2 * MiB)
     register(reg, "A", [["k", r.region_id, 0, 5]])
-    records, _ = _read_records(env.journal_path().read_bytes())
+    records, _ = read_records(env.journal_path().read_bytes())
     assert [rec[0] for rec in records] == ["R", "K"]
     assert records[1] == ["K", ["k"], [r.region_id], [0], [5]]
 
@@ -305,7 +305,7 @@ def test_corruption_in_the_middle_drops_everything_after_it(env):
         register(reg, "A", [[f"k{i}", r.region_id, i * 4096, 10]])
     env.close()
     data = env.journal_path().read_bytes()
-    records, _ = _read_records(data)
+    records, _ = read_records(data)
     assert len(records) == 6  # R + 5 K
     # damage the third K record's payload
     pos = 0

@@ -44,7 +44,7 @@ def unlimit_files():
 """
 
 JOURNAL_CHILD = """
-from maru.server.journal import Journal, JournalWriteError, _read_records
+from maru.server.journal import Journal, JournalWriteError, read_records
 
 state_dir, limit = Path(sys.argv[1]), int(sys.argv[2])
 j = Journal(state_dir, fsync_interval=0.0)
@@ -62,7 +62,7 @@ while True:
     good.append(record)
     i += 1
 data = path.read_bytes()
-records, good_bytes = _read_records(data)
+records, good_bytes = read_records(data)
 refused = 0
 for k in range(5):
     try:

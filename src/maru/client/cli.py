@@ -25,22 +25,13 @@ from typing import Any, TextIO
 
 from maru import __version__
 from maru.client.admin import DEFAULT_SERVER_URL, SERVER_URL_ENV, MaruAdmin
+from maru.common.config import fmt_bytes
 from maru.common.errors import MaruConnectionError, MaruError
 from maru.common.protocol import MAX_LIST_KEYS
 
 Stats = dict[str, Any]
 
 # -- formatting ------------------------------------------------------------------------------
-
-
-def fmt_bytes(n: float) -> str:
-    """Binary units: 512 B, 1.5 KiB, 4.0 GiB."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def fmt_duration(seconds: float) -> str:

@@ -23,6 +23,16 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the offending key."""
 
 
+def fmt_bytes(n: float) -> str:
+    """Binary units: 512 B, 1.5 KiB, 4.0 GiB (what `parse_size` reads back)."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def parse_size(value: int | float | str, *, name: str = "size") -> int:
     """Parse "4G", "500M", "1MiB", "4096" or an int into a byte count (binary units)."""
     if isinstance(value, bool):

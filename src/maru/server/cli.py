@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -21,7 +20,7 @@ from maru.server.journal import SNAPSHOT_NAME, Journal, read_records
 from maru.server.keyindex import warn_if_pure_python
 from maru.server.logs import configure_logging
 from maru.server.metrics import MetricsUnavailable, require_prometheus, start_metrics_server
-from maru.server.pool import Pool, new_generation, open_pool
+from maru.server.pool import Pool, lock_with_pid, new_generation, open_pool
 from maru.server.registry import Registry
 from maru.server.service import MaruService
 from maru.server.token import TokenSigner, load_or_create_secret
@@ -311,16 +310,7 @@ def lock_state_dir(state_dir: Path) -> int:
     """One server per state dir: a second one (same port by mistake, or a restart while the
     old process still runs) must not replay or rewrite the journal the first one is writing."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(state_dir / "server.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise RuntimeError(f"state dir {state_dir} is in use by maru-server pid {holder}") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
+    return lock_with_pid(state_dir / "server.lock", f"state dir {state_dir}")
 
 
 def main(argv: list[str] | None = None) -> int:

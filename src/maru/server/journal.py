@@ -69,7 +69,7 @@ def _frame(record: Any) -> bytes:
     return FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 
-def _read_records(data: bytes) -> tuple[list[Any], int]:
+def read_records(data: bytes) -> tuple[list[Any], int]:
     """Decode records until the end or the first damaged one; returns (records, good bytes)."""
     records: list[Any] = []
     pos = 0
@@ -84,9 +84,6 @@ def _read_records(data: bytes) -> tuple[list[Any], int]:
             break
         pos = end
     return records, pos
-
-
-read_records = _read_records  # for readers of a state dir that must not open its journal
 
 
 def _fsync_dir(path: Path) -> None:
@@ -135,7 +132,7 @@ class Journal:
         snapshot = None
         snap_path = self.state_dir / SNAPSHOT_NAME
         if snap_path.exists():
-            records, _ = _read_records(snap_path.read_bytes())
+            records, _ = read_records(snap_path.read_bytes())
             if not records:
                 raise RuntimeError(f"snapshot {snap_path} is damaged; refusing to start")
             snapshot = records[0]
@@ -144,7 +141,7 @@ class Journal:
         records: list[Any] = []
         if path.exists():
             data = path.read_bytes()
-            records, good = _read_records(data)
+            records, good = read_records(data)
             if good < len(data):
                 self.damaged_bytes_dropped = len(data) - good
                 log.warning(

@@ -18,6 +18,7 @@ import stat
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+from maru.common.config import fmt_bytes
 from maru.common.extents import ExtentAllocator
 
 log = logging.getLogger(__name__)
@@ -38,13 +39,6 @@ def new_generation() -> str:
     return secrets.token_hex(8)
 
 
-def human_size(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.1f} {unit}"
-    return f"{n} bytes"
-
-
 def check_free_space(pool_path: str, directory: str, need: int) -> None:
     """A pool must not promise more than backs it: a tmpfs that runs out of room while a
     client touches a page kills that client with SIGBUS. `need`: bytes the pool may still
@@ -55,7 +49,7 @@ def check_free_space(pool_path: str, directory: str, need: int) -> None:
     free = vfs.f_bavail * vfs.f_frsize
     if need > free:
         raise PoolError(
-            f"pool {pool_path} needs {human_size(need)} but {directory} has {human_size(free)} "
+            f"pool {pool_path} needs {fmt_bytes(need)} but {directory} has {fmt_bytes(free)} "
             "free; use a smaller --pool-size or free space there (--preallocate then reserves "
             "the whole pool at start, so nothing else can take it later)"
         )
@@ -81,13 +75,28 @@ def filesystem_type(path: str) -> str | None:
 
 
 def _flock(fd: int, what: str, holder: str = "") -> None:
-    """Hold an exclusive lock on `fd` for the server's life: one server per pool."""
+    """Hold an exclusive lock on `fd` for the server's life: one server per pool (or state
+    dir). `what` names the thing locked ("pool X") in the refusal."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise PoolError(
-            f"pool {what} is in use by another maru-server{f' (pid {holder})' if holder else ''}"
+            f"{what} is in use by another maru-server{f' (pid {holder})' if holder else ''}"
         ) from None
+
+
+def lock_with_pid(lock_path: str | Path, what: str) -> int:
+    """`_flock` a lock file (made 0600 if missing) that holds the holder's pid: ours once we
+    have it, the other server's in the refusal. The fd stays open for the process's life."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        _flock(fd, what, os.pread(fd, 32, 0).decode(errors="replace").strip())
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
 
 class Pool(ABC):
@@ -248,7 +257,7 @@ class ShmPool(FilePool):
             fd, created = os.open(self.path, os.O_RDWR), False
         try:
             if self._lock:
-                _flock(fd, self.path)
+                _flock(fd, f"pool {self.path}")
             st = os.fstat(fd)
             if not created and st.st_size < self.capacity:
                 self.truncated_from = st.st_size
@@ -261,7 +270,7 @@ class ShmPool(FilePool):
                     os.posix_fallocate(fd, 0, self.capacity)
                 except OSError as exc:
                     raise PoolError(
-                        f"cannot preallocate pool {self.path} ({human_size(self.capacity)}): "
+                        f"cannot preallocate pool {self.path} ({fmt_bytes(self.capacity)}): "
                         f"{exc.strerror}; use a smaller --pool-size or free space"
                     ) from None
         except BaseException:
@@ -309,7 +318,7 @@ class DevDaxPool(FilePool):
         if lock:
             fd = os.open(path, os.O_RDONLY)
             try:
-                _flock(fd, path)
+                _flock(fd, f"pool {path}")
             except BaseException:
                 os.close(fd)
                 raise
@@ -353,15 +362,7 @@ class FsDaxPool(Pool):
         Path(path).mkdir(parents=True, exist_ok=True)
         self._files: dict[str, int] = {}
         if lock:
-            fd = os.open(os.path.join(path, self.LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                _flock(fd, path, os.pread(fd, 32, 0).decode(errors="replace").strip())
-            except BaseException:
-                os.close(fd)
-                raise
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
-            self._lock_fd = fd
+            self._lock_fd = lock_with_pid(os.path.join(path, self.LOCK_FILE), f"pool {path}")
             st = os.stat(path)
             self._identity = (st.st_dev, st.st_ino)
             check_free_space(path, path, capacity - self._allocated())
