@@ -151,3 +151,27 @@ def test_a_reconnect_resumes_the_same_instance(maru_server, victim):
     before = (victim.instance_id, victim.owned_region_ids())
     victim._handshake()
     assert (victim.instance_id, victim.owned_region_ids()) == before
+
+
+def test_close_ends_the_instance_its_pins_leases_and_regions(maru_server):
+    """close() sends DISCONNECT: pins and leases end at once (not at the reaper's timeout), the
+    regions go back, the keys stay readable, and the old credential is void."""
+    h = MaruHandler(server_url=maru_server.url, pool_size="1M", chunk_size_bytes="64K")
+    assert h.batch_store(["p", "l"], [b"p" * 5000, b"l" * 5000]) == [True, True]
+    assert h.pin("p")
+    lease = h.lookup(["l"], lease=True)
+    lease.wait()
+    assert lease.lease_id > 0
+    session = h._session
+    h.close()
+
+    with MaruHandler(server_url=maru_server.url, pool_size="1M") as other:
+        assert bytes(other.retrieve("l").view) == b"l" * 5000  # keys outlive their writer
+        assert other.delete("p") and other.delete("l")  # no pin, no lease holds them now
+        owners = {r.owner for r in other.list_allocations()}
+        assert h.instance_id not in owners
+    rpc = RpcClient(maru_server.url, timeout_ms=5000)
+    with pytest.raises(MaruServerError) as err:
+        rpc.request(MsgType.PIN, {"keys": ["x"], "session": session}).result()
+    rpc.close()
+    assert err.value.code == ErrorCode.UNKNOWN_INSTANCE

@@ -18,6 +18,7 @@ import pytest
 from maru import MaruAdmin, MaruHandler, __version__
 from maru.client.rpc import RpcClient
 from maru.common.errors import MaruServerError
+from maru.common.protocol import MsgType
 
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
@@ -241,10 +242,12 @@ def test_json_logs_one_object_per_event_with_instance_ids(maru_server_factory):
         # (of the first batch's keys: a batch never evicts the keys it just registered)
         assert all(h.batch_store([f"j{i}" for i in range(4)], [b"q" * (1 << 20)] * 4))
         assert all(h.batch_store([f"j{i}" for i in range(4, 8)], [b"q" * (1 << 20)] * 4))
+    silent = RpcClient(server.url, timeout_ms=5000)  # handshakes, then never heart-beats
+    silent_iid = silent.request(MsgType.HANDSHAKE, {"name": "silent"}).result()["iid"]
     with MaruAdmin(server.url) as admin:
         admin.clear()
         assert admin.stats()["counters"]["eviction_rounds"] >= 1
-        for _ in range(200):  # the closed handler stops heart-beating: reaped after 1 s
+        for _ in range(200):  # reaped after 1 s
             if not admin.stats()["instances"]:
                 break
             time.sleep(0.05)
@@ -277,8 +280,9 @@ def test_json_logs_one_object_per_event_with_instance_ids(maru_server_factory):
     assert allocated["instance"] == iid and allocated["region"] == 1
     eviction = find("eviction round (above the high watermark 0.1)")
     assert eviction["instance"] == [iid]
-    assert find(f"returned by {iid}")["region"] == 1
+    assert find(f"instance {iid} disconnected by its client")["instance"] == iid
     assert "by an operator" in find("keys deleted (every key")["msg"]
     assert find(f"region 1 (16777216 bytes) of {iid} freed")["instance"] == iid
-    reaped = find(f"instance {iid} reaped after 1s without a heartbeat")
-    assert reaped["instance"] == iid
+    reaped = find(f"instance {silent_iid} reaped after 1s without a heartbeat")
+    assert reaped["instance"] == silent_iid
+    silent.close()

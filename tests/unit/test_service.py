@@ -186,6 +186,7 @@ def test_every_message_replies_with_exactly_its_schema_fields(service):
         MsgType.RELEASE: {"iid": "A", "leases": []},
         MsgType.EVICT_FOR: {"iid": "A", "bytes": 1},
         MsgType.KEYS: {"prefix": "", "limit": 10},
+        MsgType.DISCONNECT: {"iid": "A"},  # last: A is gone afterwards
     }
     assert set(requests) == set(MsgType) == set(protocol.MESSAGES)
     assert hs["iid"] == "A" and "local_socket" in hs
@@ -200,7 +201,10 @@ def test_every_message_replies_with_exactly_its_schema_fields(service):
         if msg_type == MsgType.LOOKUP_KV:
             lease_id = reply["lease_id"]
             assert lease_id > 0 and locations(reply) == [[rid, 0, 10], None]
-    # a handshake with the session resumes the instance, with its regions
-    again = ok(service, MsgType.HANDSHAKE, {"iid": "A"})
-    owned = ok(service, MsgType.LIST_ALLOCATIONS, {"owner": "A"})["regions"]
-    assert again["iid"] == "A" and again["regions"] == owned and rid in [h[0] for h in owned]
+        if msg_type == MsgType.DISCONNECT:
+            assert reply == {"ok": True, "pins": 0, "leases": 0, "regions": 2}
+    # A is gone: it owns nothing, and a request of its old session is refused
+    assert ok(service, MsgType.LIST_ALLOCATIONS, {"owner": "A"})["regions"] == []
+    assert call(service, MsgType.PIN, {"iid": "A", "keys": ["k"]})["code"] == (
+        ErrorCode.UNKNOWN_INSTANCE
+    )

@@ -125,19 +125,21 @@ class MaruHandler:
         return True
 
     def close(self) -> None:
-        """Return owned regions to the server (keys in them stay readable) and unmap."""
-        if self._connected:
-            for region_id in self._chunks.region_ids():
-                mapped = self._mapper.get(region_id)
-                if mapped is None:
-                    continue
-                body = {"region_id": region_id, "token": mapped.handle.token}
-                try:
-                    self._request(MsgType.RETURN_REGION, body).result()
-                except MaruError as exc:
-                    log.warning("returning region %d failed: %s", region_id, exc)
-        self._connected = False
+        """End this instance on the server (DISCONNECT: its pins and leases end, its regions
+        go back; keys stay readable by others until evicted) and unmap. A server that cannot
+        be reached reaps the instance after its heartbeat timeout instead."""
         self._heartbeat.stop(timeout=self.config.timeout_ms / 1000 + 1)
+        if self._connected:
+            self._connected = False
+            try:
+                pending = self._request(MsgType.DISCONNECT, {})
+                pending.retry = False  # a server that forgot us has nothing of ours to end
+                pending.result()
+            except MaruServerError as exc:
+                if exc.code != ErrorCode.UNKNOWN_INSTANCE:
+                    log.warning("disconnect from %s failed: %s", self.config.server_url, exc)
+            except MaruError as exc:
+                log.warning("disconnect from %s failed: %s", self.config.server_url, exc)
         self._chunks.clear()
         self._mapper.close()
         self._rpc.close()

@@ -66,6 +66,7 @@ class MsgType(IntEnum):
     RELEASE = 15  # end read leases
     EVICT_FOR = 16  # make room in the caller's own regions
     KEYS = 17  # list keys by prefix (operators: `maru keys`), at most MAX_LIST_KEYS
+    DISCONNECT = 18  # end the caller's instance now: pins, leases and regions let go
 
 
 class ErrorCode(IntEnum):
@@ -399,6 +400,14 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
     ),
     MsgType.STATS: ([], [("stats", "map", "see docs/operations.md")]),
     MsgType.HEARTBEAT: ([("session", "str", "")], []),
+    MsgType.DISCONNECT: (
+        [("session", "str", "the instance to end; its credential is void afterwards")],
+        [
+            ("pins", "int", "pins dropped"),
+            ("leases", "int", "leases ended"),
+            ("regions", "int", "regions given back (their keys stay readable)"),
+        ],
+    ),
     MsgType.DELETE_PREFIX: (
         [
             ("session", "str", "optional"),

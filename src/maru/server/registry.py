@@ -164,16 +164,17 @@ class Registry:
         self.sessions[session] = instance_id
         return session
 
-    def disconnect(self, instance_id: str, reason: str = "disconnected") -> None:
+    def disconnect(self, instance_id: str, reason: str = "disconnected") -> tuple[int, int, int]:
         """Forget an instance: drop its pins and leases; its regions become owner-less and are
-        freed once no key points into them (its keys stay readable until evicted).
+        freed once no key points into them (its keys stay readable until evicted). Returns
+        the counts of pins, leases and regions let go.
 
         Journal first, step by step ("X", then a "T" per region): if a record cannot be written
         (`JournalWriteError`), what was journaled is done, the rest is not, and the instance
         stays, with the regions it still owns, for a later attempt."""
         inst = self.instances.get(instance_id)
         if inst is None:
-            return
+            return 0, 0, 0
         pins = self.pins.drop(inst)
         leases = len(inst.leases)
         for lease_id in list(inst.leases):
@@ -193,6 +194,7 @@ class Registry:
             regions,
             extra={"instance": instance_id},
         )
+        return pins, leases, regions
 
     def reap(self, timeout: float, now: float | None = None) -> list[str]:
         """Disconnect instances not heard from for `timeout` seconds (crashed clients)."""

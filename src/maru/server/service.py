@@ -89,6 +89,7 @@ CHANGES = frozenset(
         MsgType.REQUEST_REGION,
         MsgType.RETURN_REGION,
         MsgType.EVICT_FOR,
+        MsgType.DISCONNECT,
     }
 )
 SNAPSHOT_RETRY_S = 1.0  # while a snapshot is needed and failing, try again this often
@@ -206,6 +207,7 @@ class MaruService:
             MsgType.HEARTBEAT: lambda b: {},
             MsgType.DELETE_PREFIX: self._delete_prefix,
             MsgType.KEYS: self._list_keys,
+            MsgType.DISCONNECT: self._disconnect,
         }
         # Per operation: [count, total seconds, histogram bucket counts, errors]. Created up
         # front for every type, so the metrics thread can iterate while the loop records.
@@ -272,6 +274,10 @@ class MaruService:
     def _return_region(self, body: dict[str, Any]) -> dict[str, Any]:
         self.registry.return_region(_iid(body), body.get("region_id"), body.get("token"))
         return {}
+
+    def _disconnect(self, body: dict[str, Any]) -> dict[str, Any]:
+        pins, leases, regions = self.registry.disconnect(_owner(body), "disconnected by its client")
+        return {"pins": pins, "leases": leases, "regions": regions}
 
     def _region_access(self, body: dict[str, Any]) -> dict[str, Any]:
         region = self.registry.regions.verified(body.get("region_id"), body.get("token"))
