@@ -2,17 +2,20 @@
  *
  * Why not an OrderedDict: at 10^6 registered keys a 128-key lookup misses the cache about
  * four times per key (the dict's index, its entry, the stored key, the value), and a Python
- * loop of dict probes waits for each miss before starting the next: the batch took 2-3x as
- * long as at 10^3 keys. The batch calls (`get_many`, `setdefault_many`, `lookup_columns`)
- * probe a batch in stages instead and prefetch what the next stage reads for every key of a
- * window, so the misses of different keys overlap.
+ * loop of dict probes waits for each miss before starting the next. The batch calls
+ * (`get_many`, `setdefault_many`, `lookup_columns`) probe a batch in stages instead and
+ * prefetch what the next stage reads for every key of a window, so the misses of different
+ * keys overlap.
  *
  * The layout is that of CPython's compact dict: `entries` in insertion order (a deleted entry
  * keeps its place with key NULL until the next rebuild) and `slots`, an open-addressing table
  * (linear probing, at most half full) of indexes into `entries`. `move_to_end` appends the
  * entry again, so the index order is the order of eviction (oldest first). Keys are exact str
  * or bytes only: comparing them runs no Python code, so nothing can change the table during a
- * probe. Iterators raise RuntimeError if a key is added, removed or moved under them.
+ * probe. Values are KeyEntry only, which reference nothing: the index cannot be part of a
+ * reference cycle, so the cyclic GC neither tracks nor scans it. Keys are added only by
+ * `setdefault_many` (the first writer wins). Iterators raise RuntimeError if a key is added,
+ * removed or moved under them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -125,11 +128,6 @@ static PyTypeObject KeyEntryType = {
     .tp_members = KeyEntry_members,
     .tp_getset = KeyEntry_getset,
 };
-
-static inline int key_type_ok(PyObject *key)
-{
-    return PyUnicode_CheckExact(key) || PyBytes_CheckExact(key);
-}
 
 static inline int keys_equal(PyObject *a, PyObject *b)
 {
@@ -280,42 +278,28 @@ static void skip_deleted_head(KeyIndex *self)
         self->head++;
 }
 
-/* Remove entry `ix` (at `slot`); returns the value's reference (the caller owns it). */
-static PyObject *remove_entry(KeyIndex *self, Py_ssize_t ix, size_t slot)
-{
-    Entry *e = &self->entries[ix];
-    PyObject *key = e->key, *value = e->value;
-    e->key = NULL;
-    e->value = NULL;
-    self->slots[slot] = DUMMY;
-    self->live--;
-    self->version++;
-    if (ix == self->head)
-        skip_deleted_head(self);
-    if (self->live == 0) { /* start over at the front */
-        self->used = self->head = 0;
-        memset(self->slots, 0xff, sizeof(int32_t) * (self->mask + 1));
-    }
-    Py_DECREF(key);
-    return value;
-}
-
 /* The hash of a key the index can hold; -1 without an error set for any other object. */
 static inline Py_hash_t key_hash(PyObject *key)
 {
-    if (!key_type_ok(key))
+    if (!PyUnicode_CheckExact(key) && !PyBytes_CheckExact(key))
         return -1;
     return PyObject_Hash(key); /* str and bytes: cannot fail, never -1 */
 }
 
-static Py_hash_t require_key(PyObject *key)
+/* The entry of `key` (and its slot), or -1: also for an object that cannot be a key. */
+static Py_ssize_t find_any(const KeyIndex *self, PyObject *key, size_t *slot)
 {
-    if (!key_type_ok(key)) {
-        PyErr_Format(PyExc_TypeError, "KeyIndex keys are str or bytes, not %.100s",
-                     Py_TYPE(key)->tp_name);
-        return -1;
-    }
-    return PyObject_Hash(key);
+    Py_hash_t hash = key_hash(key);
+    return hash == -1 ? -1 : find(self, key, hash, slot);
+}
+
+/* `find_any`, with KeyError set when the key is absent. */
+static Py_ssize_t find_or_raise(const KeyIndex *self, PyObject *key, size_t *slot)
+{
+    Py_ssize_t ix = find_any(self, key, slot);
+    if (ix < 0)
+        PyErr_SetObject(PyExc_KeyError, key);
+    return ix;
 }
 
 /* Stage the probes of keys[0:n] (n <= WINDOW): prefetch every key's first slot, then the
@@ -351,17 +335,12 @@ static void prefetch_window(const KeyIndex *self, PyObject *const *keys, Py_hash
 }
 
 /* The entries of keys[0:m] (m <= WINDOW) in ix[0:m], -1 for a miss (or an object that cannot
- * be a key, or a table cleared by the GC), probed with `prefetch_window`. */
+ * be a key), probed with `prefetch_window`. */
 static void probe_window(const KeyIndex *self, PyObject *const *keys, Py_ssize_t m,
                          Py_ssize_t *ix)
 {
     Py_hash_t hashes[WINDOW];
     size_t slot;
-    if (self->slots == NULL) {
-        for (Py_ssize_t i = 0; i < m; i++)
-            ix[i] = -1;
-        return;
-    }
     prefetch_window(self, keys, hashes, m);
     for (Py_ssize_t i = 0; i < m; i++)
         ix[i] = hashes[i] == -1 ? -1 : find(self, keys[i], hashes[i], &slot);
@@ -376,84 +355,25 @@ static PyObject *KeyIndex_new(PyTypeObject *type, PyObject *args, PyObject *kwds
         return NULL;
     }
     KeyIndex *self = (KeyIndex *)type->tp_alloc(type, 0);
-    if (self == NULL)
-        return NULL;
-    if (rebuild(self) < 0) {
-        Py_DECREF(self);
-        return NULL;
-    }
+    if (self != NULL && rebuild(self) < 0)
+        Py_CLEAR(self);
     return (PyObject *)self;
-}
-
-static int KeyIndex_traverse(KeyIndex *self, visitproc visit, void *arg)
-{
-    for (Py_ssize_t j = self->head; j < self->used; j++)
-        Py_VISIT(self->entries[j].value); /* keys are str or bytes: no cycles */
-    return 0;
-}
-
-static void clear_entries(KeyIndex *self)
-{
-    Entry *entries = self->entries;
-    Py_ssize_t used = self->used;
-    size_t entries_bytes = sizeof(Entry) * (size_t)self->capacity;
-    self->entries = NULL;
-    table_free(self->slots, self->slots ? sizeof(int32_t) * (self->mask + 1) : 0);
-    self->slots = NULL;
-    self->used = self->live = self->head = self->capacity = 0;
-    self->version++;
-    for (Py_ssize_t j = 0; j < used; j++) {
-        Py_XDECREF(entries[j].key);
-        Py_XDECREF(entries[j].value);
-    }
-    table_free(entries, entries_bytes);
-}
-
-static int KeyIndex_tp_clear(KeyIndex *self)
-{
-    clear_entries(self);
-    return 0;
 }
 
 static void KeyIndex_dealloc(KeyIndex *self)
 {
-    PyObject_GC_UnTrack(self);
-    clear_entries(self);
+    for (Py_ssize_t j = 0; j < self->used; j++) {
+        Py_XDECREF(self->entries[j].key);
+        Py_XDECREF(self->entries[j].value);
+    }
+    table_free(self->entries, sizeof(Entry) * (size_t)self->capacity);
+    table_free(self->slots, self->slots ? sizeof(int32_t) * (self->mask + 1) : 0);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static Py_ssize_t KeyIndex_len(KeyIndex *self)
 {
     return self->live;
-}
-
-/* The entry of `key` (and its slot), or -1: also for an object that cannot be a key, and for
- * a table cleared by the GC. */
-static Py_ssize_t find_any(const KeyIndex *self, PyObject *key, size_t *slot)
-{
-    Py_hash_t hash = key_hash(key);
-    return hash == -1 || self->slots == NULL ? -1 : find(self, key, hash, slot);
-}
-
-/* `find_any`, with KeyError set when the key is absent. */
-static Py_ssize_t find_or_raise(const KeyIndex *self, PyObject *key, size_t *slot)
-{
-    Py_ssize_t ix = find_any(self, key, slot);
-    if (ix < 0)
-        PyErr_SetObject(PyExc_KeyError, key);
-    return ix;
-}
-
-/* METH_FASTCALL arguments (x[, default]): *dflt is the default, or `absent` without one. */
-static int one_or_two(PyObject *const *args, Py_ssize_t nargs, const char *usage,
-                      PyObject *absent, PyObject **dflt)
-{
-    if (nargs < 1 || nargs > 2) {
-        PyErr_Format(PyExc_TypeError, "expected %s", usage);
-        return -1;
-    }
-    *dflt = nargs == 2 ? args[1] : absent;
-    return 0;
 }
 
 static int KeyIndex_contains(KeyIndex *self, PyObject *key)
@@ -468,88 +388,42 @@ static PyObject *KeyIndex_subscript(KeyIndex *self, PyObject *key)
     Py_ssize_t ix = find_or_raise(self, key, &slot);
     if (ix < 0)
         return NULL;
-    PyObject *value = self->entries[ix].value;
-    Py_INCREF(value);
-    return value;
+    return Py_NewRef(self->entries[ix].value);
 }
 
-static int ensure_table(KeyIndex *self)
-{
-    return self->slots == NULL ? rebuild(self) : 0; /* after a GC clear */
-}
-
+/* `del index[key]`; `index[key] = value` is refused: keys are added by setdefault_many. */
 static int KeyIndex_ass_subscript(KeyIndex *self, PyObject *key, PyObject *value)
 {
-    Py_hash_t hash = require_key(key);
-    size_t slot;
-    if (hash == -1 || ensure_table(self) < 0)
+    if (value != NULL) {
+        PyErr_SetString(PyExc_TypeError, "KeyIndex: keys are added with setdefault_many");
         return -1;
-    Py_ssize_t ix = find(self, key, hash, &slot);
-    if (value == NULL) { /* del index[key] */
-        if (ix < 0) {
-            PyErr_SetObject(PyExc_KeyError, key);
-            return -1;
-        }
-        Py_DECREF(remove_entry(self, ix, slot));
-        return 0;
     }
-    if (ix >= 0) { /* a new value in place, like a dict: the key keeps its position */
-        PyObject *old = self->entries[ix].value;
-        Py_INCREF(value);
-        self->entries[ix].value = value;
-        Py_DECREF(old);
-        return 0;
+    size_t slot;
+    Py_ssize_t ix = find_or_raise(self, key, &slot);
+    if (ix < 0)
+        return -1;
+    Entry *e = &self->entries[ix];
+    PyObject *old_key = e->key, *old_value = e->value;
+    e->key = e->value = NULL;
+    self->slots[slot] = DUMMY;
+    self->live--;
+    self->version++;
+    if (ix == self->head)
+        skip_deleted_head(self);
+    if (self->live == 0) { /* start over at the front */
+        self->used = self->head = 0;
+        memset(self->slots, 0xff, sizeof(int32_t) * (self->mask + 1));
     }
-    return insert_new(self, key, hash, value, slot);
+    Py_DECREF(old_key);
+    Py_DECREF(old_value);
+    return 0;
 }
 
-static PyObject *KeyIndex_get(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *KeyIndex_get(KeyIndex *self, PyObject *key)
 {
-    PyObject *dflt;
     size_t slot;
-    if (one_or_two(args, nargs, "get(key, default=None)", Py_None, &dflt) < 0)
-        return NULL;
-    Py_ssize_t ix = find_any(self, args[0], &slot);
-    PyObject *out = ix >= 0 ? self->entries[ix].value : dflt;
-    Py_INCREF(out);
-    return out;
-}
-
-static PyObject *KeyIndex_setdefault(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    PyObject *dflt;
-    if (one_or_two(args, nargs, "setdefault(key, default=None)", Py_None, &dflt) < 0)
-        return NULL;
-    Py_hash_t hash = require_key(args[0]);
-    size_t slot;
-    if (hash == -1 || ensure_table(self) < 0)
-        return NULL;
-    Py_ssize_t ix = find(self, args[0], hash, &slot);
-    if (ix >= 0) {
-        Py_INCREF(self->entries[ix].value);
-        return self->entries[ix].value;
-    }
-    if (insert_new(self, args[0], hash, dflt, slot) < 0)
-        return NULL;
-    Py_INCREF(dflt);
-    return dflt;
-}
-
-static PyObject *KeyIndex_pop(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    PyObject *dflt;
-    size_t slot;
-    if (one_or_two(args, nargs, "pop(key[, default])", NULL, &dflt) < 0)
-        return NULL;
-    Py_ssize_t ix = find_any(self, args[0], &slot);
-    if (ix >= 0)
-        return remove_entry(self, ix, slot);
-    if (dflt != NULL) {
-        Py_INCREF(dflt);
-        return dflt;
-    }
-    PyErr_SetObject(PyExc_KeyError, args[0]);
-    return NULL;
+    Py_ssize_t ix = find_any(self, key, &slot);
+    return Py_NewRef(ix >= 0 ? self->entries[ix].value : Py_None);
 }
 
 static PyObject *KeyIndex_move_to_end(KeyIndex *self, PyObject *key)
@@ -578,20 +452,9 @@ static PyObject *KeyIndex_move_to_end(KeyIndex *self, PyObject *key)
     Py_RETURN_NONE;
 }
 
-static PyObject *KeyIndex_clear(KeyIndex *self, PyObject *unused)
+static PyObject *KeyIndex_get_many(KeyIndex *self, PyObject *arg)
 {
-    clear_entries(self);
-    if (rebuild(self) < 0)
-        return NULL;
-    Py_RETURN_NONE;
-}
-
-static PyObject *KeyIndex_get_many(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    PyObject *dflt;
-    if (one_or_two(args, nargs, "get_many(keys, default=None)", Py_None, &dflt) < 0)
-        return NULL;
-    PyObject *seq = PySequence_Fast(args[0], "get_many: keys must be a sequence");
+    PyObject *seq = PySequence_Fast(arg, "get_many: keys must be a sequence");
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -601,11 +464,9 @@ static PyObject *KeyIndex_get_many(KeyIndex *self, PyObject *const *args, Py_ssi
     for (Py_ssize_t start = 0; out != NULL && start < n; start += WINDOW) {
         Py_ssize_t m = n - start < WINDOW ? n - start : WINDOW;
         probe_window(self, keys + start, m, ix);
-        for (Py_ssize_t i = 0; i < m; i++) {
-            PyObject *value = ix[i] >= 0 ? self->entries[ix[i]].value : dflt;
-            Py_INCREF(value);
-            PyList_SET_ITEM(out, start + i, value);
-        }
+        for (Py_ssize_t i = 0; i < m; i++)
+            PyList_SET_ITEM(out, start + i,
+                            Py_NewRef(ix[i] >= 0 ? self->entries[ix[i]].value : Py_None));
     }
     Py_DECREF(seq);
     return out;
@@ -634,10 +495,16 @@ static PyObject *KeyIndex_setdefault_many(KeyIndex *self, PyObject *const *args,
         PyErr_SetString(PyExc_ValueError, "setdefault_many: keys and values differ in length");
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) /* all or nothing: check every key first */
-        if (require_key(keys[i]) == -1)
+    for (Py_ssize_t i = 0; i < n; i++) { /* all or nothing: check every pair first */
+        if (key_hash(keys[i]) == -1 || !PyObject_TypeCheck(values[i], &KeyEntryType)) {
+            PyErr_Format(PyExc_TypeError,
+                         "KeyIndex maps str or bytes keys to KeyEntry values, not %.100s to "
+                         "%.100s",
+                         Py_TYPE(keys[i])->tp_name, Py_TYPE(values[i])->tp_name);
             goto done;
-    if (ensure_table(self) < 0 || (out = PyList_New(n)) == NULL)
+        }
+    }
+    if ((out = PyList_New(n)) == NULL)
         goto done;
     Py_hash_t hashes[WINDOW];
     for (Py_ssize_t start = 0; start < n; start += WINDOW) {
@@ -653,16 +520,13 @@ static PyObject *KeyIndex_setdefault_many(KeyIndex *self, PyObject *const *args,
                 value = values[start + i];
                 if (insert_new(self, key, hashes[i], value, slot) < 0) {
                     /* earlier keys are in: their values stand in for the rest */
-                    for (Py_ssize_t k = start + i; k < n; k++) {
-                        Py_INCREF(Py_None);
-                        PyList_SET_ITEM(out, k, Py_None);
-                    }
+                    for (Py_ssize_t k = start + i; k < n; k++)
+                        PyList_SET_ITEM(out, k, Py_NewRef(Py_None));
                     Py_CLEAR(out);
                     goto done;
                 }
             }
-            Py_INCREF(value);
-            PyList_SET_ITEM(out, start + i, value);
+            PyList_SET_ITEM(out, start + i, Py_NewRef(value));
         }
     }
 done:
@@ -674,10 +538,11 @@ done:
 static PyObject *KeyIndex_lookup_columns(KeyIndex *self, PyObject *const *args,
                                          Py_ssize_t nargs)
 {
-    PyObject *lease_arg;
-    if (one_or_two(args, nargs, "lookup_columns(keys, lease=False)", Py_False, &lease_arg) < 0)
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "lookup_columns(keys, lease)");
         return NULL;
-    int lease = PyObject_IsTrue(lease_arg);
+    }
+    int lease = PyObject_IsTrue(args[1]);
     if (lease < 0)
         return NULL;
     PyObject *seq = PySequence_Fast(args[0], "lookup_columns: keys must be a sequence");
@@ -706,28 +571,21 @@ static PyObject *KeyIndex_lookup_columns(KeyIndex *self, PyObject *const *args,
                 region_ids[k] = offsets[k] = lengths[k] = 0;
                 continue;
             }
-            PyObject *value = self->entries[ix[i]].value;
-            if (!PyObject_TypeCheck(value, &KeyEntryType)) {
-                PyErr_SetString(PyExc_TypeError, "lookup_columns: a value is not a KeyEntry");
-                goto undo;
+            KeyEntry *e = (KeyEntry *)self->entries[ix[i]].value;
+            if (PyList_Append(held, (PyObject *)e) < 0) {
+                if (lease) /* no lease half taken */
+                    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(held); j++)
+                        ((KeyEntry *)PyList_GET_ITEM(held, j))->leases--;
+                goto done;
             }
-            KeyEntry *e = (KeyEntry *)value;
-            if (PyList_Append(held, value) < 0)
-                goto undo;
             e->referenced = 1;
-            if (lease)
-                e->leases++;
+            e->leases += lease;
             region_ids[k] = e->region_id;
             offsets[k] = e->offset;
             lengths[k] = e->length;
         }
     }
     out = PyTuple_Pack(4, held, cols[0], cols[1], cols[2]);
-    goto done;
-undo: /* no lease half taken */
-    if (lease)
-        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(held); j++)
-            ((KeyEntry *)PyList_GET_ITEM(held, j))->leases--;
 done:
     Py_XDECREF(held);
     for (int c = 0; c < 3; c++)
@@ -764,8 +622,8 @@ enum { ITER_KEYS, ITER_VALUES, ITER_ITEMS };
 
 typedef struct {
     PyObject_HEAD
-    KeyIndex *index;
-    Py_ssize_t pos; /* next entry to look at */
+    KeyIndex *index; /* NULL once exhausted */
+    Py_ssize_t pos;  /* next entry to look at */
     uint64_t version;
     int kind;
     int reverse;
@@ -773,16 +631,14 @@ typedef struct {
 
 static PyObject *make_iter(KeyIndex *self, int kind, int reverse)
 {
-    KeyIndexIter *it = PyObject_GC_New(KeyIndexIter, &KeyIndexIterType);
+    KeyIndexIter *it = PyObject_New(KeyIndexIter, &KeyIndexIterType);
     if (it == NULL)
         return NULL;
-    Py_INCREF(self);
-    it->index = self;
+    it->index = (KeyIndex *)Py_NewRef(self);
     it->pos = reverse ? self->used - 1 : self->head;
     it->version = self->version;
     it->kind = kind;
     it->reverse = reverse;
-    PyObject_GC_Track(it);
     return (PyObject *)it;
 }
 
@@ -795,50 +651,32 @@ static PyObject *KeyIndexIter_next(KeyIndexIter *it)
         PyErr_SetString(PyExc_RuntimeError, "KeyIndex changed during iteration");
         return NULL;
     }
-    for (; it->reverse ? it->pos >= index->head : it->pos < index->used;
-         it->pos += it->reverse ? -1 : 1) {
+    int step = it->reverse ? -1 : 1;
+    for (; it->reverse ? it->pos >= index->head : it->pos < index->used; it->pos += step) {
         Entry *e = &index->entries[it->pos];
         if (e->key == NULL)
             continue;
-        it->pos += it->reverse ? -1 : 1;
-        if (it->kind == ITER_KEYS) {
-            Py_INCREF(e->key);
-            return e->key;
-        }
-        if (it->kind == ITER_VALUES) {
-            Py_INCREF(e->value);
-            return e->value;
-        }
+        it->pos += step;
+        if (it->kind == ITER_KEYS)
+            return Py_NewRef(e->key);
+        if (it->kind == ITER_VALUES)
+            return Py_NewRef(e->value);
         /* Own both before allocating: an allocation can run the GC, and a finalizer could
          * change the index under us. */
-        PyObject *key = e->key, *value = e->value;
-        Py_INCREF(key);
-        Py_INCREF(value);
-        PyObject *item = PyTuple_New(2);
-        if (item == NULL) {
-            Py_DECREF(key);
-            Py_DECREF(value);
-            return NULL;
-        }
-        PyTuple_SET_ITEM(item, 0, key);
-        PyTuple_SET_ITEM(item, 1, value);
+        PyObject *key = Py_NewRef(e->key), *value = Py_NewRef(e->value);
+        PyObject *item = PyTuple_Pack(2, key, value);
+        Py_DECREF(key);
+        Py_DECREF(value);
         return item;
     }
     Py_CLEAR(it->index);
     return NULL;
 }
 
-static int KeyIndexIter_traverse(KeyIndexIter *it, visitproc visit, void *arg)
-{
-    Py_VISIT(it->index);
-    return 0;
-}
-
 static void KeyIndexIter_dealloc(KeyIndexIter *it)
 {
-    PyObject_GC_UnTrack(it);
     Py_XDECREF(it->index);
-    PyObject_GC_Del(it);
+    PyObject_Free(it);
 }
 
 static PyObject *KeyIndex_iter(KeyIndex *self)
@@ -846,68 +684,46 @@ static PyObject *KeyIndex_iter(KeyIndex *self)
     return make_iter(self, ITER_KEYS, 0);
 }
 
-static int parse_reverse(PyObject *args, PyObject *kwds, const char *fmt, int *reverse)
+static PyObject *KeyIndex_values(KeyIndex *self, PyObject *unused)
 {
-    static char *kwlist[] = {"reverse", NULL};
-    *reverse = 0;
-    return PyArg_ParseTupleAndKeywords(args, kwds, fmt, kwlist, reverse);
-}
-
-static PyObject *KeyIndex_keys(KeyIndex *self, PyObject *args, PyObject *kwds)
-{
-    int reverse;
-    return parse_reverse(args, kwds, "|$p:keys", &reverse) ? make_iter(self, ITER_KEYS, reverse)
-                                                            : NULL;
-}
-
-static PyObject *KeyIndex_values(KeyIndex *self, PyObject *args, PyObject *kwds)
-{
-    int reverse;
-    return parse_reverse(args, kwds, "|$p:values", &reverse)
-               ? make_iter(self, ITER_VALUES, reverse)
-               : NULL;
+    return make_iter(self, ITER_VALUES, 0);
 }
 
 static PyObject *KeyIndex_items(KeyIndex *self, PyObject *args, PyObject *kwds)
 {
-    int reverse;
-    return parse_reverse(args, kwds, "|$p:items", &reverse) ? make_iter(self, ITER_ITEMS, reverse)
-                                                             : NULL;
+    static char *kwlist[] = {"reverse", NULL};
+    int reverse = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$p:items", kwlist, &reverse))
+        return NULL;
+    return make_iter(self, ITER_ITEMS, reverse);
 }
 
 static PyObject *KeyIndex_sizeof(KeyIndex *self, PyObject *unused)
 {
     return PyLong_FromSsize_t((Py_ssize_t)sizeof(KeyIndex) + self->capacity * sizeof(Entry) +
-                              (Py_ssize_t)((self->slots ? self->mask + 1 : 0) * sizeof(int32_t)));
+                              (Py_ssize_t)((self->mask + 1) * sizeof(int32_t)));
 }
 
 static PyMethodDef KeyIndex_methods[] = {
-    {"get", (PyCFunction)(void (*)(void))KeyIndex_get, METH_FASTCALL,
-     "get(key, default=None): the value of key, or default."},
-    {"setdefault", (PyCFunction)(void (*)(void))KeyIndex_setdefault, METH_FASTCALL,
-     "setdefault(key, default=None): the value of key; absent, insert default (at the end)."},
-    {"pop", (PyCFunction)(void (*)(void))KeyIndex_pop, METH_FASTCALL,
-     "pop(key[, default]): remove key and return its value."},
+    {"get", (PyCFunction)KeyIndex_get, METH_O, "get(key): the entry of key, or None."},
     {"move_to_end", (PyCFunction)KeyIndex_move_to_end, METH_O,
      "move_to_end(key): make key the newest (KeyError if absent)."},
-    {"clear", (PyCFunction)KeyIndex_clear, METH_NOARGS, "Remove every key."},
-    {"get_many", (PyCFunction)(void (*)(void))KeyIndex_get_many, METH_FASTCALL,
-     "get_many(keys, default=None): [get(k, default) for k in keys], with the probes of a\n"
-     "batch prefetched so their cache misses overlap."},
+    {"get_many", (PyCFunction)KeyIndex_get_many, METH_O,
+     "get_many(keys): [get(k) for k in keys], with the probes of a batch prefetched so their\n"
+     "cache misses overlap."},
     {"setdefault_many", (PyCFunction)(void (*)(void))KeyIndex_setdefault_many, METH_FASTCALL,
-     "setdefault_many(keys, values): [setdefault(k, v) for k, v in zip(keys, values)], with\n"
-     "prefetched probes; TypeError before any change if a key is not str or bytes."},
+     "setdefault_many(keys, entries): the entry of each key, inserting entries[i] for an\n"
+     "absent keys[i] (the first of a batch wins); prefetched probes; TypeError before any\n"
+     "change if a key is not str or bytes or an entry not a KeyEntry."},
     {"lookup_columns", (PyCFunction)(void (*)(void))KeyIndex_lookup_columns, METH_FASTCALL,
-     "lookup_columns(keys, lease=False) -> (hits, region_ids, offsets, lengths): a batch\n"
-     "lookup of KeyEntry values, prefetched. Each hit gets its CLOCK bit set (and, with\n"
-     "lease, one more lease); `hits` lists their entries in key order, and the columns are\n"
-     "bytes of native int64s, 0 0 0 for a miss."},
-    {"keys", (PyCFunction)(void (*)(void))KeyIndex_keys, METH_VARARGS | METH_KEYWORDS,
-     "keys(*, reverse=False): an iterator over the keys, oldest first."},
-    {"values", (PyCFunction)(void (*)(void))KeyIndex_values, METH_VARARGS | METH_KEYWORDS,
-     "values(*, reverse=False): an iterator over the values, oldest first."},
+     "lookup_columns(keys, lease) -> (hits, region_ids, offsets, lengths): a batch lookup,\n"
+     "prefetched. Each hit gets its CLOCK bit set (and, with lease, one more lease); `hits`\n"
+     "lists their entries in key order, and the columns are bytes of native int64s, 0 0 0\n"
+     "for a miss."},
+    {"values", (PyCFunction)KeyIndex_values, METH_NOARGS,
+     "values(): an iterator over the entries, oldest first."},
     {"items", (PyCFunction)(void (*)(void))KeyIndex_items, METH_VARARGS | METH_KEYWORDS,
-     "items(*, reverse=False): an iterator over (key, value), oldest first."},
+     "items(*, reverse=False): an iterator over (key, entry), oldest first."},
     {"__sizeof__", (PyCFunction)KeyIndex_sizeof, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
@@ -924,13 +740,11 @@ static PyMappingMethods KeyIndex_as_mapping = {
 
 static PyTypeObject KeyIndexType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru.server._keyindex.KeyIndex",
-    .tp_doc = "An insertion-ordered map from str/bytes keys to objects, with batched lookups.",
+    .tp_doc = "An insertion-ordered map from str/bytes keys to KeyEntry, with batched lookups.",
     .tp_basicsize = sizeof(KeyIndex),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = KeyIndex_new,
     .tp_dealloc = (destructor)KeyIndex_dealloc,
-    .tp_traverse = (traverseproc)KeyIndex_traverse,
-    .tp_clear = (inquiry)KeyIndex_tp_clear,
     .tp_iter = (getiterfunc)KeyIndex_iter,
     .tp_methods = KeyIndex_methods,
     .tp_as_sequence = &KeyIndex_as_sequence,
@@ -940,9 +754,8 @@ static PyTypeObject KeyIndexType = {
 static PyTypeObject KeyIndexIterType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru.server._keyindex.KeyIndexIterator",
     .tp_basicsize = sizeof(KeyIndexIter),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_dealloc = (destructor)KeyIndexIter_dealloc,
-    .tp_traverse = (traverseproc)KeyIndexIter_traverse,
     .tp_iter = PyObject_SelfIter,
     .tp_iternext = (iternextfunc)KeyIndexIter_next,
 };
@@ -963,23 +776,11 @@ static struct PyModuleDef keyindex_module = {
 
 PyMODINIT_FUNC PyInit__keyindex(void)
 {
-    if (PyType_Ready(&KeyIndexType) < 0 || PyType_Ready(&KeyIndexIterType) < 0 ||
-        PyType_Ready(&KeyEntryType) < 0)
+    if (PyType_Ready(&KeyIndexIterType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&keyindex_module);
-    if (m == NULL)
-        return NULL;
-    Py_INCREF(&KeyIndexType);
-    if (PyModule_AddObject(m, "KeyIndex", (PyObject *)&KeyIndexType) < 0) {
-        Py_DECREF(&KeyIndexType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&KeyEntryType);
-    if (PyModule_AddObject(m, "KeyEntry", (PyObject *)&KeyEntryType) < 0) {
-        Py_DECREF(&KeyEntryType);
-        Py_DECREF(m);
-        return NULL;
-    }
+    if (m != NULL && (PyModule_AddType(m, &KeyIndexType) < 0 ||
+                      PyModule_AddType(m, &KeyEntryType) < 0))
+        Py_CLEAR(m);
     return m;
 }

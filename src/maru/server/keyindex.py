@@ -5,9 +5,9 @@ when a compiler is present): the index's batch calls (`get_many`, `setdefault_ma
 `lookup_columns`) overlap the cache misses of a batch's probes, which at 10^6 keys are most of
 a lookup's cost, and `lookup_columns` / `release_entries` do a LOOKUP_KV's and a RELEASE's
 per-key work without a Python attribute access per key. Without the extension they are
-`OrderedKeyIndex` (an OrderedDict), `PyKeyEntry` and `py_release_entries`: the same
-interface and outcomes, slower. Both indexes take only str and bytes keys; a lookup of anything
-else is a miss.
+`OrderedKeyIndex` (an OrderedDict), `PyKeyEntry` and `py_release_entries`: the same calls and
+outcomes, slower. Both indexes take only str and bytes keys (a lookup of anything else is a
+miss) and add keys only with `setdefault_many` (the first writer of a key wins).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import logging
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import repeat
 from typing import Any
 
 from maru.common.protocol import KEY_TYPES
@@ -54,18 +53,11 @@ def py_release_entries(entries: Iterable[Any]) -> None:
             entry.leases -= 1
 
 
-def _checked(key: Any) -> Any:
-    """`key`, if the index can hold it (exactly str or bytes); else TypeError."""
-    if type(key) not in KEY_TYPES:
-        raise TypeError(f"KeyIndex keys are str or bytes, not {type(key).__name__}")
-    return key
-
-
 class OrderedKeyIndex(OrderedDict):
     """The pure-Python `KeyIndex` (and the model the C type is tested against)."""
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        super().__setitem__(_checked(key), value)
+        raise TypeError("KeyIndex: keys are added with setdefault_many")
 
     def __contains__(self, key: object) -> bool:
         return type(key) in KEY_TYPES and super().__contains__(key)
@@ -73,50 +65,36 @@ class OrderedKeyIndex(OrderedDict):
     def get(self, key: Any, default: Any = None) -> Any:
         return super().get(key, default) if type(key) in KEY_TYPES else default
 
-    def pop(self, key: Any, *default: Any) -> Any:
-        if type(key) not in KEY_TYPES:
-            if default:
-                return default[0]
-            raise KeyError(key)
-        return super().pop(key, *default)
-
-    def setdefault(self, key: Any, default: Any = None) -> Any:
-        return super().setdefault(_checked(key), default)
-
-    def get_many(self, keys: Sequence[Any], default: Any = None) -> list[Any]:
-        return list(map(self.get, keys, repeat(default)))
+    def get_many(self, keys: Sequence[Any]) -> list[Any]:
+        return list(map(self.get, keys))
 
     def setdefault_many(self, keys: Sequence[Any], values: Sequence[Any]) -> list[Any]:
         if len(keys) != len(values):
             raise ValueError("setdefault_many: keys and values differ in length")
         if not set(map(type, keys)) <= KEY_TYPES:
             raise TypeError("KeyIndex keys are str or bytes")
-        return list(map(super().setdefault, keys, values))
+        for key, value in zip(keys, values):
+            if key not in self:
+                OrderedDict.__setitem__(self, key, value)
+        return list(map(super().__getitem__, keys))
 
     def lookup_columns(
-        self, keys: Sequence[Any], lease: bool = False
+        self, keys: Sequence[Any], lease: bool
     ) -> tuple[list[Any], bytes, bytes, bytes]:
         """A batch lookup: each hit's CLOCK bit set (and, with `lease`, one more lease); the
         hits' entries in key order, and region ids, offsets and lengths as bytes of native
         int64s (0 0 0 for a miss)."""
-        entries = self.get_many(keys, _MISS)
+        entries = [self.get(key, _MISS) for key in keys]
         held = [e for e in entries if e is not _MISS]
         for entry in held:
             entry.referenced = True
-            if lease:
-                entry.leases += 1
+            entry.leases += lease
         return (
             held,
             array("q", [e.region_id for e in entries]).tobytes(),
             array("q", [e.offset for e in entries]).tobytes(),
             array("q", [e.length for e in entries]).tobytes(),
         )
-
-    def keys(self, *, reverse: bool = False) -> Iterator[Any]:  # type: ignore[override]
-        return reversed(self) if reverse else iter(self)
-
-    def values(self, *, reverse: bool = False) -> Iterator[Any]:  # type: ignore[override]
-        return reversed(super().values()) if reverse else iter(super().values())
 
     def items(self, *, reverse: bool = False) -> Iterator[tuple[Any, Any]]:  # type: ignore[override]
         return reversed(super().items()) if reverse else iter(super().items())
