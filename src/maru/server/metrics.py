@@ -102,6 +102,49 @@ INSTANCE_COUNTERS: dict[str, tuple[str, str]] = {
 }
 
 
+# pool field -> (gauge name, help), labelled with the pool
+POOL_GAUGES: dict[str, tuple[str, str]] = {
+    "capacity": ("maru_pool_capacity_bytes", "Pool capacity."),
+    "used": ("maru_pool_used_bytes", "Pool bytes carved into regions."),
+    "free": ("maru_pool_free_bytes", "Pool bytes not in any region."),
+    "fragmentation": (
+        "maru_pool_fragmentation_ratio",
+        "1 - largest free extent / free bytes (0: all free space is contiguous).",
+    ),
+}
+
+
+def _server_gauges(s: dict[str, Any]) -> list[tuple[str, str, float]]:
+    """(gauge name, help, value) of the server-wide gauges, from the STATS dict `s`."""
+    orphaned = s.get("orphaned", {})
+    return [
+        ("maru_server_start_time_seconds", "Unix time the server started.", s["started_at"]),
+        ("maru_keys", "Keys registered now.", s["keys"]),
+        ("maru_stored_bytes", "Bytes of the keys registered now.", s["live_bytes"]),
+        ("maru_regions", "Regions allocated now.", s["regions"]),
+        ("maru_instances", "Instances connected now.", len(s["instances"])),
+        ("maru_leases", "Read leases held now.", s["leases"]),
+        (
+            "maru_journal_writable",
+            "1 while the registry journal can be written; 0 while changes are refused "
+            "(the state dir is full or failing; reads go on).",
+            1 if s.get("journal_writable", True) else 0,
+        ),
+        (
+            "maru_local_connections",
+            "Client connections on the Unix socket now (the rest use TCP).",
+            s.get("local_connections", 0),
+        ),
+        (
+            "maru_orphaned_regions",
+            "Returned regions kept alive by their keys.",
+            orphaned.get("regions", 0),
+        ),
+        ("maru_orphaned_region_bytes", "Bytes of those regions.", orphaned.get("region_bytes", 0)),
+        ("maru_orphaned_keys", "Keys in those regions.", orphaned.get("keys", 0)),
+    ]
+
+
 def registry_stats(registry: Registry) -> dict[str, Any]:
     """Pool, registry, per-instance and counter statistics."""
     now = time.monotonic()
@@ -161,14 +204,12 @@ def require_prometheus() -> None:
 def read_stats(source: Callable[[], dict[str, Any]], retries: int = STATS_RETRIES) -> dict:
     """Call `source` (e.g. `MaruService.stats`) from a thread other than the RPC loop's,
     retrying while the registry changes under it."""
-    for attempt in range(retries):
+    for attempt in range(1, retries):
         try:
             return source()
         except RuntimeError:  # "dictionary changed size during iteration"
-            if attempt == retries - 1:
-                raise
-            time.sleep(0.001 * (attempt + 1))
-    raise AssertionError("unreachable")
+            time.sleep(0.001 * attempt)
+    return source()
 
 
 class MaruCollector:
@@ -190,7 +231,6 @@ class MaruCollector:
         s = read_stats(self.stats_source)
         pool = s["pool"]
         name = f"{pool['kind']}:{pool['path']}"
-
         info = GaugeMetricFamily(
             "maru_server_info",
             "Constant 1, labelled with the server's version, epoch (changes on every start) and "
@@ -199,46 +239,12 @@ class MaruCollector:
         )
         info.add_metric([str(s["version"]), str(s["epoch"]), name, str(pool["kind"])], 1)
         yield info
-        yield GaugeMetricFamily(
-            "maru_server_start_time_seconds",
-            "Unix time the server started.",
-            value=float(s["started_at"]),
-        )
-
-        for field, metric, doc in (
-            ("capacity", "maru_pool_capacity_bytes", "Pool capacity."),
-            ("used", "maru_pool_used_bytes", "Pool bytes carved into regions."),
-            ("free", "maru_pool_free_bytes", "Pool bytes not in any region."),
-            (
-                "fragmentation",
-                "maru_pool_fragmentation_ratio",
-                "1 - largest free extent / free bytes (0: all free space is contiguous).",
-            ),
-        ):
+        for field, (metric, doc) in POOL_GAUGES.items():
             g = GaugeMetricFamily(metric, doc, labels=["pool"])
             g.add_metric([name], float(pool[field]))
             yield g
-
-        yield GaugeMetricFamily("maru_keys", "Keys registered now.", value=s["keys"])
-        yield GaugeMetricFamily(
-            "maru_stored_bytes", "Bytes of the keys registered now.", value=s["live_bytes"]
-        )
-        yield GaugeMetricFamily("maru_regions", "Regions allocated now.", value=s["regions"])
-        yield GaugeMetricFamily(
-            "maru_instances", "Instances connected now.", value=len(s["instances"])
-        )
-        yield GaugeMetricFamily("maru_leases", "Read leases held now.", value=s["leases"])
-        yield GaugeMetricFamily(
-            "maru_journal_writable",
-            "1 while the registry journal can be written; 0 while changes are refused "
-            "(the state dir is full or failing; reads go on).",
-            value=1 if s.get("journal_writable", True) else 0,
-        )
-        yield GaugeMetricFamily(
-            "maru_local_connections",
-            "Client connections on the Unix socket now (the rest use TCP).",
-            value=s.get("local_connections", 0),
-        )
+        for metric, doc, value in _server_gauges(s):
+            yield GaugeMetricFamily(metric, doc, value=value)
         marks = GaugeMetricFamily(
             "maru_eviction_watermark_ratio",
             "Eviction starts above the high watermark (fraction of the pool) and stops at the "
@@ -248,13 +254,6 @@ class MaruCollector:
         for level in ("high", "low"):
             marks.add_metric([level], float(s["watermarks"][level]))
         yield marks
-        orphaned = s.get("orphaned", {})
-        for field, metric, doc in (
-            ("regions", "maru_orphaned_regions", "Returned regions kept alive by their keys."),
-            ("region_bytes", "maru_orphaned_region_bytes", "Bytes of those regions."),
-            ("keys", "maru_orphaned_keys", "Keys in those regions."),
-        ):
-            yield GaugeMetricFamily(metric, doc, value=orphaned.get(field, 0))
 
         counters = s["counters"]
         for key, value in counters.items():
@@ -287,17 +286,13 @@ class MaruCollector:
             cumulative, buckets = 0, []
             for bound, n in zip(bounds, o["buckets"]):
                 cumulative += n
-                buckets.append((_le(bound), cumulative))
+                buckets.append((repr(float(bound)), cumulative))
             buckets.append(("+Inf", o["count"]))
             hist.add_metric([op], buckets, float(o["total_seconds"]))
             errors.add_metric([op], o["errors"])
         errors.add_metric(["invalid"], s.get("invalid_requests", 0))
         yield hist
         yield errors
-
-
-def _le(bound: float) -> str:
-    return repr(float(bound))
 
 
 def start_metrics_server(
