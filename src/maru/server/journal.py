@@ -1,34 +1,19 @@
 """Registry persistence: a checksummed append-only journal plus generation-numbered snapshots.
 
-Why: the pool memory (a /dev/shm file, a devdax device) outlives a `maru-server` process, so
-after a crash the pages are still there; only the registry that says where they are is lost.
-The journal records every change to regions and keys; a restart loads the newest snapshot and
-replays the journal of the same generation.
+The pool memory (a /dev/shm file, a devdax device) outlives a `maru-server` process; only the
+registry that says where the pages are would be lost. The journal records every change to
+regions and keys; a restart loads the newest snapshot and replays the journal of the same
+generation. Framing: `[length u32][crc32 u32][msgpack record]`; replay stops at the first
+short or damaged record (a torn write) and truncates it away.
 
-Durability: each record is written with `os.write` before the request is answered, so a killed
-*process* loses nothing (the kernel has the bytes). `fsync` runs on a background thread (the
-syncer, started by `load`) at most every `fsync_interval` seconds (batching), which bounds what
-a *machine* crash can lose; on a machine crash a /dev/shm pool is gone anyway, a devdax/fsdax
-pool is not. The request thread never waits for an fsync, except when a snapshot rotates the
-journal (it fsyncs the old file's tail itself) and at `close`.
-
-A failed fsync (EIO, ENOSPC) means the kernel may have dropped the journal's unwritten pages:
-retrying the fsync can report success without the data on disk. The syncer logs it at ERROR and
-sets `sync_error`; `needs_snapshot` then asks the server loop to write a fresh snapshot of the
-in-memory registry (which is complete) and start a new journal file. If that snapshot fails as
-well, the server loop retries it (see `maru.server.service.MaruService.housekeeping`).
-
-A failed or short write (ENOSPC or EFBIG when the state dir is full, EIO) must not leave a torn
-record with good ones after it: replay stops at the first damaged record, so every later record,
-acknowledged stores and deletes among them, would be lost on restart. `append` therefore writes
-the whole frame or nothing: on failure it truncates the file back to the last good record,
-records the error in `write_error`, and raises `JournalWriteError`; the request is not
-acknowledged. Until a snapshot succeeds, every later `append` raises at once (no record may
-follow a gap), and `needs_snapshot` asks the server loop for that snapshot: the in-memory
-registry is complete, so the snapshot plus its fresh journal make the state on disk whole.
-
-Framing: `[length u32][crc32 u32][msgpack record]`. Replay stops at the first record that is
-short or fails its checksum (a torn write at the moment of the crash) and truncates it away.
+Each record is written with `os.write` before the request is answered (a killed process loses
+nothing); `fsync` runs on a background thread (the syncer) at most every `fsync_interval`.
+`append` writes a whole frame or nothing: a failed or short write is cut back to the last good
+record and raises `JournalWriteError` (the request is not acknowledged), and every later append
+raises until a snapshot succeeds, since no record may follow a gap. A failed fsync (the kernel
+may have dropped the unwritten pages) sets `sync_error`. Either way `needs_snapshot` asks the
+server loop for a fresh snapshot of the in-memory registry, which is complete. The guarantees
+and the tests that prove them: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -105,7 +90,6 @@ class Journal:
         self.generation = 0
         self._fd = -1
         self._size = 0
-        self.records_written = 0
         self.damaged_bytes_dropped = 0
         self.fsyncs = 0  # successful fsyncs of the journal (syncer, rotation, close)
         self.fsync_errors = 0
@@ -180,7 +164,6 @@ class Journal:
             self._write_failed(exc)
             raise JournalWriteError(self.state_dir, exc) from exc
         self._size += len(frame)
-        self.records_written += 1
         # After the write: a syncer that clears `_dirty` after this point fsyncs after the
         # write; one that cleared it before will see it set again and come back.
         if not self._dirty:
@@ -229,11 +212,12 @@ class Journal:
             delay = self._last_sync + self.fsync_interval - time.monotonic()
             if delay > 0 and self._closing.wait(delay):
                 return  # close() does the final fsync
-            self._fsync_locked(clear_wake=True)
+            self.sync(clear_wake=True)
 
-    def _fsync_locked(self, clear_wake: bool = False) -> bool:
-        """fsync the current fd if dirty. Never raises: a failure is logged and recorded in
-        `sync_error` (see the module docstring). Returns False on failure."""
+    def sync(self, clear_wake: bool = False) -> bool:
+        """fsync now, on the calling thread, if there is unsynced data (the syncer does this by
+        itself at most every `fsync_interval`). Never raises: a failure is logged and recorded
+        in `sync_error`. False if the fsync failed."""
         with self._lock:
             if clear_wake:
                 self._wake.clear()
@@ -258,11 +242,6 @@ class Journal:
             self.fsyncs += 1
             return True
 
-    def sync(self) -> bool:
-        """fsync now, on the calling thread, if there is unsynced data (the syncer does this by
-        itself at most every `fsync_interval`). False if the fsync failed (logged)."""
-        return self._fsync_locked()
-
     @property
     def needs_snapshot(self) -> bool:
         """The journal has grown past `snapshot_bytes`, or an fsync or a write failed (a fresh
@@ -282,7 +261,7 @@ class Journal:
         # The old journal's tail first: until the new snapshot's rename is on disk, a machine
         # crash restarts from the old snapshot and this journal. (A failure is logged; the
         # snapshot below covers those records anyway.)
-        self._fsync_locked()
+        self.sync()
         new_journal.unlink(missing_ok=True)
         new_fd, new_size = self._open(new_journal)  # before the directory fsync below
         try:
@@ -332,7 +311,7 @@ class Journal:
             self._syncer.join()
             self._syncer = None
         if self._fd >= 0:
-            self._fsync_locked()
+            self.sync()
             with self._lock:
                 os.close(self._fd)
                 self._fd = -1
