@@ -50,9 +50,8 @@ static PyObject *recv_spin(PyObject *self, PyObject *args)
         if (now_ns() >= until)
             break;
         /* Let any other runnable thread have this CPU: where more threads spin than there
-         * are idle cores, one of them may be the server that owes us the reply. With 4 readers
-         * and a server on 2 vCPUs, spinning without this doubled the round trip (163 us ->
-         * 312 us); with it, 55 us. */
+         * are idle cores, one of them may be the server that owes us the reply (measured in
+         * docs/operations.md, busy polling). */
         sched_yield();
     }
     Py_END_ALLOW_THREADS

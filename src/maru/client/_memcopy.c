@@ -10,10 +10,10 @@
  * and one copied into SGLang's host pool goes next to the GPU by DMA (from memory): neither
  * needs the destination in this core's cache. Ordinary stores first read every destination
  * line into the cache and then push out whatever was there (the server's and the client's
- * own working set, here); non-temporal stores write whole lines straight to memory. On the
- * test VM that copied 8 MiB in 32 KiB parts at 19.6 GB/s against 14.1, and 128 MiB at 16.6
- * against 9.6. The stores are weakly ordered, so the loop ends with a store fence: whatever
- * the caller does next (the REGISTER_KV that publishes the pages) comes after them.
+ * own working set, here); non-temporal stores write whole lines straight to memory
+ * (docs/performance.md, session 3). The stores are weakly ordered, so the loop ends with a
+ * store fence: whatever the caller does next (the REGISTER_KV that publishes the pages) comes
+ * after them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -119,10 +119,8 @@ static PyObject *copy_many(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"copy_many", copy_many, METH_VARARGS,
-     "copy_many(dst, src, size, streaming=True): memmove(dst[i], src[i], size) for every i; "
-     "dst and src are equally long contiguous int64 arrays of addresses. With streaming (on "
-     "x86), parts of 4 KiB or more that do not overlap are written with non-temporal stores "
-     "and a store fence ends the call. Releases the GIL."},
+     "copy_many(dst, src, size, streaming=True): memmove(dst[i], src[i], size) for the int64\n"
+     "addresses of dst and src, without the GIL; see maru.client.memcopy."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -5,10 +5,10 @@ addresses in int64 numpy arrays. The loop runs in C (`maru.client._memcopy`, bui
 `pip install -e .` when a compiler is present) without the GIL; without the extension it is a
 ctypes loop, correct but about a microsecond slower per part.
 
-By default the C loop writes with non-temporal (streaming) stores on x86 and ends with a store
-fence: the bytes go to memory without first pulling every destination line into the cache
-(see `_memcopy.c`; on the test VM 1.4-1.7x the bandwidth of memmove). `streaming=False` is
-plain memmove (the benchmark's baseline).
+By default the C loop writes parts of 4 KiB or more that do not overlap with non-temporal
+(streaming) stores on x86 and ends with a store fence: the bytes go to memory without first
+pulling every destination line into the cache (why: `_memcopy.c`). `streaming=False` is plain
+memmove (the benchmark's baseline).
 """
 
 from __future__ import annotations
