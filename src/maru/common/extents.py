@@ -40,29 +40,26 @@ class ExtentAllocator:
             raise ValueError("length must be positive")
         align = self.alignment
         for i, (start, free_len) in enumerate(zip(self._starts, self._lengths)):
-            if free_len < length:
-                continue
             aligned = -(-start // align) * align
-            pad = aligned - start
-            if pad + length > free_len:
-                continue
-            tail = free_len - pad - length
-            if pad and tail:
-                self._lengths[i] = pad
-                self._starts.insert(i + 1, aligned + length)
-                self._lengths.insert(i + 1, tail)
-            elif pad:
-                self._lengths[i] = pad
-            elif tail:
-                self._starts[i] = aligned + length
-                self._lengths[i] = tail
-            else:
-                del self._starts[i]
-                del self._lengths[i]
-            self._allocated[aligned] = length
-            self.used += length
-            return aligned
+            if aligned - start + length <= free_len:
+                self._take(i, aligned, length)
+                return aligned
         return None
+
+    def _take(self, i: int, start: int, length: int) -> None:
+        """Allocate [start, start + length), which lies in free extent i."""
+        head = start - self._starts[i]
+        tail = self._lengths[i] - head - length
+        if tail:
+            self._starts.insert(i + 1, start + length)
+            self._lengths.insert(i + 1, tail)
+        if head:
+            self._lengths[i] = head
+        else:
+            del self._starts[i]
+            del self._lengths[i]
+        self._allocated[start] = length
+        self.used += length
 
     def allocate_run(self, length: int, count: int) -> list[int] | None:
         """Allocate `count` adjacent extents of `length` with one search (a batch of equal
@@ -103,18 +100,7 @@ class ExtentAllocator:
         i = bisect.bisect_right(self._starts, start) - 1
         if i < 0 or start + length > self._starts[i] + self._lengths[i]:
             raise ValueError(f"extent [{start}, {start + length}) is not free")
-        fs, fl = self._starts[i], self._lengths[i]
-        head, tail = start - fs, fs + fl - (start + length)
-        del self._starts[i]
-        del self._lengths[i]
-        if tail:
-            self._starts.insert(i, start + length)
-            self._lengths.insert(i, tail)
-        if head:
-            self._starts.insert(i, fs)
-            self._lengths.insert(i, head)
-        self._allocated[start] = length
-        self.used += length
+        self._take(i, start, length)
 
     def is_allocated(self, start: int) -> bool:
         return start in self._allocated
