@@ -52,12 +52,6 @@ class RegionMapper:
     def get(self, region_id: int) -> MappedRegion | None:
         return self._regions.get(region_id)
 
-    def __contains__(self, region_id: int) -> bool:
-        return region_id in self._regions
-
-    def __len__(self) -> int:
-        return len(self._regions)
-
     def region_ids(self) -> list[int]:
         return list(self._regions)
 

@@ -219,12 +219,8 @@ class Lookup:
             lengths = np.where(found, lengths, 0)
             offsets = np.where(found, offsets, 0)
             region_ids = np.where(found, region_ids, 0)
-        self.addresses, self.lengths, self._offsets, self._region_ids = (
-            addresses,
-            lengths,
-            offsets,
-            region_ids,
-        )
+        self.addresses, self.lengths = addresses, lengths
+        self._offsets, self._region_ids = offsets, region_ids
 
     def infos(self) -> list[MemoryInfo | None]:
         """A `MemoryInfo` per key (None for a miss): read-only views into the shared memory."""
