@@ -111,13 +111,9 @@ class Sealing:
         assert self._pending is not None
         try:
             statuses = self._pending.result()["results"]
-        except RegionsLost as exc:
-            log.warning("register of %d keys failed: %s", self._n, exc)
-            self.regions_lost = True
-            self._results = [False] * self._n
-            return self._results
         except MaruError as exc:
             log.warning("register of %d keys failed: %s", self._n, exc)
+            self.regions_lost = isinstance(exc, RegionsLost)
             if isinstance(exc, MaruServerError) and exc.code == ErrorCode.STATE_UNAVAILABLE:
                 # refused before any side effect (the server cannot journal): nothing was
                 # sealed, so the chunks come back
