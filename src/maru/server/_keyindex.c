@@ -519,10 +519,7 @@ static PyObject *KeyIndex_setdefault_many(KeyIndex *self, PyObject *const *args,
             else {
                 value = values[start + i];
                 if (insert_new(self, key, hashes[i], value, slot) < 0) {
-                    /* earlier keys are in: their values stand in for the rest */
-                    for (Py_ssize_t k = start + i; k < n; k++)
-                        PyList_SET_ITEM(out, k, Py_NewRef(Py_None));
-                    Py_CLEAR(out);
+                    Py_CLEAR(out); /* (its unset items are NULL: a list frees those too) */
                     goto done;
                 }
             }
