@@ -25,11 +25,12 @@ from contextlib import contextmanager
 from typing import Any
 
 from maru.client.chunks import AllocHandle, ChunkBook
+from maru.client.connecting import connect_failure, probe
 from maru.client.mapping import MappedRegion, RegionMapper
 from maru.client.requests import Lookup, MemoryInfo, RegionsLost, Sealing
 from maru.client.rpc import PendingReply, RpcClient
 from maru.common.config import MaruConfig
-from maru.common.errors import MaruConnectionError, MaruError, MaruServerError
+from maru.common.errors import MaruConnectError, MaruConnectionError, MaruError, MaruServerError
 from maru.common.protocol import DeleteStatus, ErrorCode, MsgType
 from maru.common.region import RegionHandle
 
@@ -93,13 +94,14 @@ class MaruHandler:
         self._chunks = ChunkBook(config.chunk_size_bytes)
         self._expand_lock = threading.Lock()
         self._connected = False
+        self.connect_error: MaruConnectError | None = None  # why the last connect() failed
         self._pool_generation: str | None = None  # the pool's, as of our last handshake
         self._heartbeat = _Heartbeat(
             lambda: self._request(MsgType.HEARTBEAT, {}).result(),
             f"maru-heartbeat-{self.instance_id[:8]}",
         )
-        if config.auto_connect and not self.connect():
-            log.warning("could not connect to maru-server at %s", config.server_url)
+        if config.auto_connect:
+            self.connect()
 
     # -- connection --------------------------------------------------------------------------
 
@@ -108,8 +110,12 @@ class MaruHandler:
         return self._connected
 
     def connect(self) -> bool:
-        """Handshake with the server and map our first region. False if it is unreachable."""
+        """Handshake with the server and map our first region. False if that fails: then
+        `connect_error` says why (`MaruServerDown`, `MaruConnectRefused`, `MaruPoolFull`,
+        `MaruVersionMismatch`) and one WARNING says it too. A refused TCP connection fails
+        at once, not after `timeout_ms`."""
         try:
+            probe(self.config.server_url, self.config.timeout_ms)
             self._handshake()
             if not self._chunks.region_ids():
                 self._expand(self.config.pool_size)
@@ -117,9 +123,11 @@ class MaruHandler:
                 for fields in self._request(MsgType.LIST_ALLOCATIONS, {}).result()["regions"]:
                     self._map(RegionHandle.from_wire(fields))
         except MaruError as exc:
-            log.warning("connect to %s failed: %s", self.config.server_url, exc)
+            self.connect_error = connect_failure(self.config.server_url, exc)
+            log.warning("%s", self.connect_error)
             self._connected = False
             return False
+        self.connect_error = None
         self._connected = True
         self._heartbeat.start()
         return True
@@ -145,8 +153,13 @@ class MaruHandler:
         self._rpc.close()
 
     def __enter__(self) -> MaruHandler:
-        if not self._connected and not self.connect():
-            raise RuntimeError(f"Failed to connect MaruHandler to {self.config.server_url}")
+        """Raises the `MaruConnectError` of the constructor's connect (no second attempt: the
+        cause is said once), or of a first connect when `auto_connect` was off."""
+        if not self._connected and (self.connect_error is not None or not self.connect()):
+            error = self.connect_error
+            self.close()
+            assert error is not None
+            raise error
         return self
 
     def __exit__(self, *exc: object) -> None:
