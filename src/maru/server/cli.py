@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_port,
         default=None,
         help="serve Prometheus metrics at http://<host>:<port>/metrics (needs prometheus_client: "
-        "pip install 'maru[metrics]'); 0 picks a free port (shown by `maru status`) "
+        "a dependency of maru-kvcache); 0 picks a free port (shown by `maru status`) "
         "(default: off)",
     )
     p.add_argument(
