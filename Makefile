@@ -3,12 +3,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.maru-installed
 
-.PHONY: install test test-fast lint format check bench clean
+.PHONY: install test test-fast lint format check bench dist-check clean
 
 install: $(STAMP)
 
 # A venv with Maru (editable), the dev tools, and the real SGLang for CPU-only test runs.
-$(STAMP): pyproject.toml requirements/constraints.txt requirements/sglang-cpu.txt requirements/sglang-nodeps.txt scripts/install_sglang_cpu.sh
+$(STAMP): pyproject.toml requirements/constraints.txt requirements/sglang-cpu.txt requirements/sglang-nodeps.txt scripts/install_sglang_cpu.sh scripts/install_torch_cpu.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	PYTHON=$(PY) bash scripts/install_sglang_cpu.sh
 	$(PY) -m pip install -q --disable-pip-version-check -c requirements/constraints.txt -e '.[dev]'
@@ -31,6 +31,10 @@ format: install
 
 # What to run before every commit.
 check: lint test
+
+# The wheel and the sdist, each installed into a fresh venv and smoke-tested (CI runs it).
+dist-check:
+	bash scripts/check_dist.sh
 
 bench: install
 	$(PY) benchmarks/bench_store.py

@@ -18,9 +18,10 @@ pip=("$PY" -m pip install --disable-pip-version-check)
 start=$SECONDS
 echo "[install_sglang_cpu] python: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
 
-# 1. torch, CPU build (local wheel; `+cpu` never matches the CUDA wheel on the index).
-#    Never unpinned: plain `torch` resolves to a multi-GB CUDA build.
-"${pip[@]}" "torch==2.13.0+cpu"
+# 1. torch, CPU build: already installed, found by pip, or from the PyTorch CPU index
+#    ($MARU_TORCH_INDEX_URL overrides it; see install_torch_cpu.sh). `+cpu` never matches
+#    the CUDA wheel; never unpinned: plain `torch` resolves to a multi-GB CUDA build.
+PYTHON="$PY" bash "$here/install_torch_cpu.sh"
 
 # 2. Everything SGLang needs on CPU, with torch & friends held by the constraints.
 "${pip[@]}" -c "$req/constraints.txt" -r "$req/sglang-cpu.txt"

@@ -23,7 +23,12 @@ _EXPORTS = {
     "ConfigError": "maru.common.config",
     "MaruConfig": "maru.common.config",
     "parse_size": "maru.common.config",
+    "MaruConnectError": "maru.common.errors",
+    "MaruConnectRefused": "maru.common.errors",
     "MaruConnectionError": "maru.common.errors",
+    "MaruPoolFull": "maru.common.errors",
+    "MaruServerDown": "maru.common.errors",
+    "MaruVersionMismatch": "maru.common.errors",
     "MaruError": "maru.common.errors",
     "MaruServerError": "maru.common.errors",
 }

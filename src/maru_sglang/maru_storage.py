@@ -149,8 +149,14 @@ class MaruStorage(HiCacheStorage):
         self.enable_metrics = bool(storage_config.enable_storage_metrics)
         self.handler = MaruHandler(self.config)
         if not self.handler.connected:
+            # The seed's text first (`RuntimeError: Failed to connect MaruHandler to <url>`),
+            # then why (down, refused, pool full, another version), once.
+            error = self.handler.connect_error
             self.handler.close()
-            raise RuntimeError(f"Failed to connect MaruHandler to {self.config.server_url}")
+            reason = f": {error.reason}" if error is not None else ""
+            raise RuntimeError(
+                f"Failed to connect MaruHandler to {self.config.server_url}{reason}"
+            ) from None
         self.mem_pool_host: Any = None
         self.namespace = ""
         self._page_bytes = 0

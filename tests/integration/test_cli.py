@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from maru import MaruAdmin, MaruHandler
-from maru.client.cli import build_parser, cmd_monitor, main
+from maru.client.cli import build_parser, cmd_monitor, main, render_instances, render_status
 
 WRITER = "cli-writer"
 NS1 = [f"ns1:{i}" for i in range(10)]  # 100000 bytes each: 2 pages of 64 KiB
@@ -215,7 +215,7 @@ def test_keys_by_prefix_with_sizes_and_owner(maru_server, writer, capsys):
     lines = text.splitlines()
     assert lines[0].split() == ["BYTES", "OWNER", "KEY"]
     rows = [line.split() for line in lines[1:]]
-    assert sorted(rows) == [["5000", writer.instance_id, k] for k in NS2]
+    assert sorted(rows) == [["5000", writer.instance_id, repr(k)] for k in NS2]
 
     rc, text = run(maru_server.url, "keys", "--prefix", "ns1:", "--json")
     doc = json.loads(text)
@@ -240,6 +240,91 @@ def test_keys_limit_is_applied_and_reported(maru_server, writer, capsys):
     rc, text = run(maru_server.url, "keys", "--prefix", "nothing-here")
     assert rc == 0 and text == ""
     assert "no keys with prefix 'nothing-here'" in capsys.readouterr().err
+
+
+def test_keys_tells_a_str_key_from_the_same_bytes(maru_server, writer):
+    assert writer.store("bk", b"1") and writer.store(b"bk", b"22")
+    rc, text = run(maru_server.url, "keys", "--prefix", "bk")
+    assert rc == 0
+    rows = [re.split(r"\s{2,}", line.strip()) for line in text.splitlines()[1:]]
+    assert sorted((r[0], r[2]) for r in rows) == [("1", "'bk'")]  # --prefix is a str prefix
+    rc, text = run(maru_server.url, "keys")
+    shown = {re.split(r"\s{2,}", line.strip())[2] for line in text.splitlines()[1:]}
+    assert {"'bk'", "b'bk'"} <= shown
+    rc, text = run(maru_server.url, "keys", "--json")
+    docs = [k for k in json.loads(text)["keys"] if k["key"] == "bk"]
+    assert sorted((d["type"], d["bytes"], d.get("key_hex")) for d in docs) == [
+        ("bytes", 2, "626b"),
+        ("str", 1, None),
+    ]
+
+
+def test_status_shows_an_instance_that_stopped_sending_as_gone(maru_server):
+    """A process that exits without close() stops its heartbeats: `maru status` says so and
+    when the server will reap it (a clean close() ends the instance at once: see
+    tests/integration/test_handler_lifecycle.py)."""
+    with MaruAdmin(maru_server.url) as admin:
+        stats = admin.stats()
+    assert stats["heartbeat_timeout"] == 15.0  # the fixture's server runs with the default
+    iid = "dead-instance"
+    stats["instances"] = {iid: {**_instance_row(), "idle_seconds": 12.2}}
+    text = render_status(maru_server.url, stats)
+    assert fields(text)["instances"].startswith("1 connected (1 gone, reaping in 3 s)")
+    row = render_instances(stats)[1]
+    assert row.endswith("12s (gone, reaping in 3 s)")
+    stats["instances"][iid]["idle_seconds"] = 4.0  # heartbeats every 5 s: alive
+    assert fields(render_status(maru_server.url, stats))["instances"].startswith("1 connected,")
+
+
+def test_status_counts_a_closed_handler_out_at_once(maru_server):
+    h = MaruHandler(server_url=maru_server.url, pool_size="1M")
+    assert h.store("k", b"v")
+    _, text = run(maru_server.url, "status")
+    assert fields(text)["instances"].startswith("1 connected,")
+    h.close()  # DISCONNECT: no wait for the heartbeat timeout
+    rc, text = run(maru_server.url, "status")
+    assert rc == 0 and fields(text)["instances"].startswith("0 connected,")
+
+
+def _instance_row() -> dict:
+    keys = ["regions", "keys", "bytes_stored", "pages", "hits", "misses", "evicted"]
+    return {"pid": 1, **dict.fromkeys(keys, 0)}
+
+
+# -- bad input: one line and an exit code, never a traceback ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "rc", "message"),
+    [
+        (["--server", "http://localhost:5555", "status"], 2, "--server: expected 'tcp://"),
+        (["--server", "tcp://localhost:99999", "status"], 2, "port from 1 to 65535"),
+        (["--timeout-ms", "-5", "status"], 2, "--timeout-ms: must be at least 1, got -5"),
+        (["status", "--timeout-ms", "0"], 2, "--timeout-ms: must be at least 1, got 0"),
+        (["--timeout-ms", "soon", "status"], 2, "--timeout-ms: expected milliseconds"),
+        (["evict", "--prefix", ""], 2, "maru clear --yes"),
+    ],
+)
+def test_bad_input_is_one_line_and_an_exit_code(args, rc, message):
+    proc = subprocess.run(
+        [*maru_command(), *args],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == rc, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_bad_server_url_in_the_environment_names_the_variable():
+    env = {**os.environ, "MARU_SERVER_URL": "http://x:1"}
+    proc = subprocess.run(
+        [*maru_command(), "status"], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("maru: $MARU_SERVER_URL: expected")
 
 
 # -- evict / clear ---------------------------------------------------------------------------

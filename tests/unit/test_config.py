@@ -76,8 +76,12 @@ def test_defaults_and_normalisation():
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"server_url": "localhost:5555"}, "server_url"),
         ({"server_url": 5555}, "server_url"),
+        ({"server_url": "http://localhost:5555"}, "server_url"),
+        ({"server_url": "tcp://localhost:70000"}, "server_url"),
+        ({"server_url": "tcp://localhost"}, "server_url"),
+        ({"server_url": "localhost"}, "server_url"),
+        ({"pool_size": "1.5K"}, "pool_size"),  # smaller than the default 1 MiB chunk
         ({"instance_id": ""}, "instance_id"),
         ({"instance_id": "   "}, "instance_id"),
         ({"instance_id": "x" * 129}, "instance_id"),
@@ -138,3 +142,32 @@ def test_from_mapping_error_carries_the_prefixed_name():
         MaruConfig.from_mapping({"timeout_ms": "soon"})
     with pytest.raises(ConfigError, match=r"^bogus: unknown Maru option"):
         MaruConfig.from_mapping({"bogus": 1})
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("localhost:5555", "tcp://localhost:5555"),  # what the `maru` CLI accepts too
+        (" tcp://10.0.0.1:6000 ", "tcp://10.0.0.1:6000"),
+        ("[::1]:5555", "tcp://[::1]:5555"),
+        ("ipc:///tmp/maru.sock", "ipc:///tmp/maru.sock"),
+    ],
+)
+def test_server_url_host_port_is_tcp(url, expected):
+    assert MaruConfig(server_url=url).server_url == expected
+
+
+def test_unknown_keyword_is_a_config_error_naming_it_and_the_nearest_field():
+    with pytest.raises(ConfigError, match=r"^poolsize: unknown Maru option") as exc:
+        MaruConfig(poolsize="1G")
+    assert "did you mean pool_size?" in str(exc.value)
+    with pytest.raises(ConfigError, match=r"^maru_pool_sise: .*did you mean maru_pool_size\?"):
+        MaruConfig.from_mapping({"maru_pool_sise": "1G"}, prefix="maru_")
+
+
+def test_small_pool_size_with_default_chunk_blames_pool_size():
+    with pytest.raises(ConfigError, match=r"^pool_size: 1536 bytes is smaller than one chunk"):
+        MaruConfig(pool_size="1.5K")
+    # an explicit chunk that does not fit is the chunk's fault
+    with pytest.raises(ConfigError, match=r"^chunk_size_bytes: "):
+        MaruConfig(pool_size="4M", chunk_size_bytes="8M")

@@ -85,3 +85,32 @@ def test_every_metric_is_in_the_operations_guide(tmp_path):
     assert len(names) >= 40
     missing = [n for n in names if n not in documented]
     assert not missing, f"metrics missing from docs/operations.md: {missing}"
+
+
+def test_performance_keeps_one_current_table_per_benchmark():
+    """docs/performance.md: a targets table, then per benchmark script one section with its
+    command, one dated table and how to read it; the run-by-run log is the history file."""
+    text = doc("performance.md")
+    assert len(text.splitlines()) < 200
+    assert "## Targets" in text and "**Machine**" in text
+    sections = re.split(r"^## ", text, flags=re.MULTILINE)[1:]
+    benchmarks = sorted(p.name for p in (DOCS.parent / "benchmarks").glob("bench_*.py"))
+    for name in benchmarks:
+        (section,) = [s for s in sections if f"benchmarks/{name}" in s.split("```")[0]]
+        assert len(re.findall(r"^\*\*\d{4}-\d{2}-\d{2}\*\*", section, re.MULTILINE)) == 1, name
+        assert "```bash" in section and name in section.split("```bash")[1], name
+        assert "How to read it" in section, name
+    history = doc("performance-history.md")
+    assert "(performance-history.md" in text and "### Session 1 figures" in history
+
+
+def test_links_between_docs_point_at_files_and_headings_that_exist():
+    def anchors(md: str) -> set[str]:
+        heads = re.findall(r"^#+ (.+)$", md, re.MULTILINE)
+        return {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in heads}
+
+    for page in DOCS.glob("*.md"):
+        for target, anchor in re.findall(r"\]\(([\w\-]+\.md)(?:#([\w\-]+))?\)", page.read_text()):
+            assert (DOCS / target).exists(), f"{page.name} links to missing {target}"
+            if anchor:
+                assert anchor in anchors(doc(target)), f"{page.name} -> {target}#{anchor}"

@@ -132,3 +132,21 @@ def test_stream_reader_refuses_an_impossible_length():
     with pytest.raises(protocol.ProtocolError) as exc:
         reader.frames()
     assert exc.value.code == protocol.ErrorCode.BAD_FRAME
+
+
+@pytest.mark.parametrize(
+    ("key", "code"),
+    [
+        ("", ErrorCode.BAD_REQUEST),
+        (b"", ErrorCode.BAD_REQUEST),
+        (5, ErrorCode.BAD_REQUEST),
+        ("x" * (protocol.MAX_KEY_BYTES + 1), ErrorCode.KEY_TOO_LONG),
+        ("é" * (protocol.MAX_KEY_BYTES // 2 + 1), ErrorCode.KEY_TOO_LONG),  # 2 bytes each
+    ],
+)
+def test_the_key_check_refuses_empty_mistyped_and_long_keys(key, code):
+    with pytest.raises(ProtocolError) as exc:
+        protocol.check_key(key)
+    assert exc.value.code == code
+    assert protocol.all_keys_valid(["fine", key]) is False
+    assert protocol.all_keys_valid(["fine", "x" * protocol.MAX_KEY_BYTES, b"k"]) is True

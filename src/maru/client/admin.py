@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from maru.client.rpc import RpcClient
+from maru.common.config import parse_server_url
 from maru.common.protocol import MAX_LIST_KEYS, MsgType
 
 DEFAULT_SERVER_URL = "tcp://localhost:5555"
@@ -21,9 +22,13 @@ Key = str | bytes
 
 
 def server_url(url: str | None = None) -> str:
-    """`url`, else $MARU_SERVER_URL, else tcp://localhost:5555; "host:port" means tcp://."""
-    url = url or os.environ.get(SERVER_URL_ENV) or DEFAULT_SERVER_URL
-    return url if "://" in url else f"tcp://{url}"
+    """`url`, else $MARU_SERVER_URL, else tcp://localhost:5555; "host:port" means tcp://.
+    A malformed one raises `ConfigError` naming where it came from."""
+    if url:
+        return parse_server_url(url, name="--server")
+    if os.environ.get(SERVER_URL_ENV):
+        return parse_server_url(os.environ[SERVER_URL_ENV], name=f"${SERVER_URL_ENV}")
+    return DEFAULT_SERVER_URL
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 from maru import __version__
 from maru.client.admin import DEFAULT_SERVER_URL, SERVER_URL_ENV, MaruAdmin
-from maru.common.config import fmt_bytes
+from maru.common.config import ConfigError, fmt_bytes
 from maru.common.errors import MaruConnectionError, MaruError
 from maru.common.protocol import MAX_LIST_KEYS
 
@@ -62,7 +62,8 @@ def fmt_pct(part: float, whole: float) -> str:
 
 
 def fmt_key(key: str | bytes) -> str:
-    return key if isinstance(key, str) else repr(key)
+    """A key as a Python literal: 'bk' and b'bk' are two keys and must not print alike."""
+    return repr(key)
 
 
 def bar(fraction: float, width: int = 30) -> str:
@@ -118,6 +119,24 @@ def _local_socket_line(s: Stats) -> str:
     return f"{address}, {s.get('local_connections', 0)} connections"
 
 
+def reaping_in(s: Stats, instance: Stats) -> float | None:
+    """Seconds until the server reaps an instance that stopped sending (it missed two
+    heartbeats: a live one sends every third of the timeout), else None (alive, or a server
+    that does not say its timeout)."""
+    timeout = s.get("heartbeat_timeout")
+    idle = instance.get("idle_seconds", 0)
+    if not timeout or idle < timeout * 2 / 3:
+        return None
+    return max(0.0, timeout - idle)
+
+
+def _gone_summary(s: Stats) -> str:
+    gone = [r for r in (reaping_in(s, i) for i in s["instances"].values()) if r is not None]
+    if not gone:
+        return ""
+    return f" ({len(gone)} gone, reaping in {math.ceil(min(gone))} s)"
+
+
 def render_status(url: str, s: Stats) -> str:
     pool, counters = s["pool"], s["counters"]
     cap = pool["capacity"]
@@ -134,8 +153,8 @@ def render_status(url: str, s: Stats) -> str:
         f"stored:    {fmt_bytes(s['live_bytes'])} in {s['keys']} keys "
         f"({fmt_pct(s['live_bytes'], cap)} of the pool; evicts above "
         f"{s['watermarks']['high']:.0%} down to {s['watermarks']['low']:.0%})",
-        f"instances: {len(s['instances'])} connected, {orphaned.get('regions', 0)} orphaned "
-        f"regions, {s['leases']} leases",
+        f"instances: {len(s['instances'])} connected{_gone_summary(s)}, "
+        f"{orphaned.get('regions', 0)} orphaned regions, {s['leases']} leases",
         f"lookups:   {counters.get('lookups', 0)} keys, hit rate "
         f"{hit_rate(counters.get('hits', 0), counters.get('misses', 0))}, "
         f"{counters.get('evictions', 0)} keys evicted",
@@ -151,6 +170,12 @@ def render_status(url: str, s: Stats) -> str:
             f"({counters.get('journal_write_errors', 0)} write errors)"
         )
     return "\n".join(lines)
+
+
+def _idle(s: Stats, instance: Stats) -> str:
+    left = reaping_in(s, instance)
+    idle = fmt_duration(instance.get("idle_seconds", 0))
+    return idle if left is None else f"{idle} (gone, reaping in {math.ceil(left)} s)"
 
 
 def render_instances(s: Stats, limit: int | None = None) -> list[str]:
@@ -174,7 +199,7 @@ def render_instances(s: Stats, limit: int | None = None) -> list[str]:
                 hit_rate(i["hits"], i["misses"]),
                 hit_rate(i.get("exists_hits", 0), i.get("exists_misses", 0)),
                 str(i["evicted"]),
-                fmt_duration(i.get("idle_seconds", 0)),
+                _idle(s, i),
             ]
         )
     out = table(rows, right=set(range(1, len(rows[0]))))
@@ -319,6 +344,15 @@ def cmd_stats(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _key_doc(key: str | bytes, length: int, owner: str) -> dict[str, Any]:
+    """A key in `maru keys --json`: `type` tells a str key from a bytes key with the same
+    text; a bytes key also comes exactly, as hex."""
+    doc: dict[str, Any] = {"key": key, "type": type(key).__name__, "bytes": length, "owner": owner}
+    if isinstance(key, bytes):
+        doc["key_hex"] = key.hex()
+    return doc
+
+
 def cmd_keys(args: argparse.Namespace, out: TextIO) -> int:
     if not 1 <= args.limit <= MAX_LIST_KEYS:
         print(f"maru keys: --limit must be between 1 and {MAX_LIST_KEYS}", file=sys.stderr)
@@ -326,10 +360,7 @@ def cmd_keys(args: argparse.Namespace, out: TextIO) -> int:
     with _connect(args) as admin:
         keys, truncated = admin.keys(args.prefix, args.limit)
     if args.json:
-        doc = {
-            "keys": [{"key": k.key, "bytes": k.length, "owner": k.owner} for k in keys],
-            "truncated": truncated,
-        }
+        doc = {"keys": [_key_doc(k.key, k.length, k.owner) for k in keys], "truncated": truncated}
         json.dump(doc, out, indent=2, default=_json_default)
         out.write("\n")
         return 0
@@ -352,6 +383,12 @@ def cmd_keys(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_evict(args: argparse.Namespace, out: TextIO) -> int:
+    if not args.prefix:
+        print(
+            "maru evict: --prefix must not be empty; to delete every key: maru clear --yes",
+            file=sys.stderr,
+        )
+        return 2
     with _connect(args) as admin:
         deleted, kept = admin.delete_prefix(args.prefix)
     print(
@@ -418,6 +455,17 @@ def cmd_monitor(
 # -- parser ----------------------------------------------------------------------------------
 
 
+def _positive_ms(text: str) -> int:
+    """--timeout-ms: 0 would make every request time out at once (an up server reported down)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _common(p: argparse.ArgumentParser, *, top: bool) -> None:
     # On subcommands the defaults are SUPPRESSed, so `maru --server X status` is not undone.
     default: Any = argparse.SUPPRESS
@@ -430,7 +478,7 @@ def _common(p: argparse.ArgumentParser, *, top: bool) -> None:
     )
     p.add_argument(
         "--timeout-ms",
-        type=int,
+        type=_positive_ms,
         metavar="MS",
         default=2000 if top else default,
         help="RPC deadline; a server that does not answer in time counts as down (default: 2000)",
@@ -499,6 +547,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return 2
     try:
         return int(args.func(args, out))
+    except ConfigError as exc:  # a malformed --server or $MARU_SERVER_URL
+        print(f"maru: {exc}", file=sys.stderr)
+        return 2
     except MaruConnectionError as exc:
         print(f"maru: maru-server is down or unreachable: {exc}", file=sys.stderr)
         return 1

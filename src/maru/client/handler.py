@@ -20,17 +20,26 @@ import dataclasses
 import logging
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from maru.client.chunks import AllocHandle, ChunkBook
+from maru.client.connecting import connect_failure, probe
 from maru.client.mapping import MappedRegion, RegionMapper
-from maru.client.requests import Lookup, MemoryInfo, RegionsLost, Sealing
+from maru.client.requests import Lookup, MemoryInfo, RegionsLost, Sealing, StoreOutcome
 from maru.client.rpc import PendingReply, RpcClient
-from maru.common.config import MaruConfig
-from maru.common.errors import MaruConnectionError, MaruError, MaruServerError
-from maru.common.protocol import DeleteStatus, ErrorCode, MsgType
+from maru.common.config import MaruConfig, fmt_bytes
+from maru.common.errors import MaruConnectError, MaruConnectionError, MaruError, MaruServerError
+from maru.common.protocol import (
+    DeleteStatus,
+    ErrorCode,
+    MsgType,
+    ProtocolError,
+    all_keys_valid,
+    check_key,
+)
 from maru.common.region import RegionHandle
 
 log = logging.getLogger(__name__)
@@ -38,7 +47,7 @@ log = logging.getLogger(__name__)
 Key = str | bytes
 Buffer = bytes | bytearray | memoryview
 
-__all__ = ["AllocHandle", "MaruHandler", "MemoryInfo"]
+__all__ = ["AllocHandle", "MaruHandler", "MemoryInfo", "StoreOutcome"]
 
 
 class _Heartbeat:
@@ -93,13 +102,17 @@ class MaruHandler:
         self._chunks = ChunkBook(config.chunk_size_bytes)
         self._expand_lock = threading.Lock()
         self._connected = False
+        self.connect_error: MaruConnectError | None = None  # why the last connect() failed
+        # stores refused before anything was sent, by reason (see `_refuse_bad_stores`)
+        self.refused_stores: Counter[str] = Counter()
+        self._pool_capacity = 0  # the pool's, as of our last handshake (0: not known yet)
         self._pool_generation: str | None = None  # the pool's, as of our last handshake
         self._heartbeat = _Heartbeat(
             lambda: self._request(MsgType.HEARTBEAT, {}).result(),
             f"maru-heartbeat-{self.instance_id[:8]}",
         )
-        if config.auto_connect and not self.connect():
-            log.warning("could not connect to maru-server at %s", config.server_url)
+        if config.auto_connect:
+            self.connect()
 
     # -- connection --------------------------------------------------------------------------
 
@@ -108,8 +121,12 @@ class MaruHandler:
         return self._connected
 
     def connect(self) -> bool:
-        """Handshake with the server and map our first region. False if it is unreachable."""
+        """Handshake with the server and map our first region. False if that fails: then
+        `connect_error` says why (`MaruServerDown`, `MaruConnectRefused`, `MaruPoolFull`,
+        `MaruVersionMismatch`) and one WARNING says it too. A refused TCP connection fails
+        at once, not after `timeout_ms`."""
         try:
+            probe(self.config.server_url, self.config.timeout_ms)
             self._handshake()
             if not self._chunks.region_ids():
                 self._expand(self.config.pool_size)
@@ -117,9 +134,11 @@ class MaruHandler:
                 for fields in self._request(MsgType.LIST_ALLOCATIONS, {}).result()["regions"]:
                     self._map(RegionHandle.from_wire(fields))
         except MaruError as exc:
-            log.warning("connect to %s failed: %s", self.config.server_url, exc)
+            self.connect_error = connect_failure(self.config.server_url, exc)
+            log.warning("%s", self.connect_error)
             self._connected = False
             return False
+        self.connect_error = None
         self._connected = True
         self._heartbeat.start()
         return True
@@ -145,8 +164,13 @@ class MaruHandler:
         self._rpc.close()
 
     def __enter__(self) -> MaruHandler:
-        if not self._connected and not self.connect():
-            raise RuntimeError(f"Failed to connect MaruHandler to {self.config.server_url}")
+        """Raises the `MaruConnectError` of the constructor's connect (no second attempt: the
+        cause is said once), or of a first connect when `auto_connect` was off."""
+        if not self._connected and (self.connect_error is not None or not self.connect()):
+            error = self.connect_error
+            self.close()
+            assert error is not None
+            raise error
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -168,7 +192,9 @@ class MaruHandler:
             self._rpc.use_local_socket(reply.get("local_socket"))
         self._heartbeat.interval = float(reply.get("heartbeat_interval", 5.0))
         still_owned = {h.region_id: h for h in map(RegionHandle.from_wire, reply["regions"])}
-        generation = str((reply.get("pool") or {}).get("generation", ""))
+        pool = reply.get("pool") or {}
+        self._pool_capacity = int(pool.get("capacity") or 0)
+        generation = str(pool.get("generation", ""))
         if self._pool_generation is not None and generation != self._pool_generation:
             # The server restarted on a recreated or truncated pool: what we mapped of other
             # instances is gone (a later lookup maps their new regions afresh).
@@ -282,6 +308,17 @@ class MaruHandler:
         handle = self._chunks.take(size, count)
         if handle is not None:
             return handle
+        chunk = self._chunks.chunk_size
+        if self._pool_capacity and -(-size // chunk) * chunk * count > self._pool_capacity:
+            if count == 1:  # (a run that does not fit may still go value by value)
+                self.refused_stores["larger_than_pool"] += 1
+                log.warning(
+                    "instance %s: a value of %s is larger than the whole pool (%s): not stored",
+                    self.instance_id,
+                    fmt_bytes(size),
+                    fmt_bytes(self._pool_capacity),
+                )
+            return None
         with self._expand_lock:
             handle = self._chunks.take(size, count)  # another thread may have made room
             if handle is not None:
@@ -338,8 +375,40 @@ class MaruHandler:
         """Publish written values under `keys` with one REGISTER_KV, sent now; `.wait()` gives
         a bool per key. `handles`: one run holding every value (value i under `keys[i]`) or
         one handle per key (None: nothing reserved, that key fails); `lengths`: the values'
-        byte lengths (one for all, or per key; default the size they were reserved for)."""
+        byte lengths (one for all, or per key; default the size they were reserved for).
+        `.outcomes()` tells a key STORED now from one that EXISTED (first writer won)."""
+        self._refuse_bad_stores(keys)  # (said here; the server rejects them)
         return Sealing(self, keys, handles, lengths)
+
+    def _refuse_bad_stores(self, keys: Sequence[Key], sizes: Sequence[int] = ()) -> set[int]:
+        """Positions of stores that cannot succeed: a key that is not str or bytes, empty or
+        longer than MAX_KEY_BYTES, or an empty value. A batch with any logs one WARNING naming
+        the first such key and why; `refused_stores` counts them by reason."""
+        if all_keys_valid(list(keys)) and (not sizes or min(sizes) > 0):
+            return set()
+        reasons: dict[int, tuple[str, str]] = {}
+        for i, key in enumerate(keys):
+            try:
+                check_key(key)
+            except ProtocolError as exc:
+                kind = "key_too_long" if exc.code == ErrorCode.KEY_TOO_LONG else "bad_key"
+                if kind == "bad_key":
+                    kind = "empty_key" if isinstance(key, (str, bytes)) else "key_type"
+                reasons[i] = (kind, str(exc))
+                continue
+            if sizes and sizes[i] <= 0:
+                reasons[i] = ("empty_value", "an empty value cannot be stored")
+        self.refused_stores.update(kind for kind, _ in reasons.values())
+        first = min(reasons)
+        more = f" (and {len(reasons) - 1} more in the batch)" if len(reasons) > 1 else ""
+        log.warning(
+            "instance %s: store of key %.80r refused: %s%s",
+            self.instance_id,
+            keys[first],
+            reasons[first][1],
+            more,
+        )
+        return set(reasons)
 
     def store(
         self,
@@ -351,7 +420,11 @@ class MaruHandler:
         length: int | None = None,
     ) -> bool:
         """Store one value: `store(key, handle)` publishes a handle already written,
-        `store(key, data)` (or `data=`) copies bytes in."""
+        `store(key, data)` (or `data=`) copies bytes in. True when the key is stored, also
+        when it already was: keys are content hashes, the first writer wins and the key keeps
+        its first value (`store_outcomes` tells the two apart). False, with a WARNING saying
+        why, for a bad key (not str/bytes, empty, too long), an empty value, a value larger
+        than the pool, or no room."""
         if isinstance(value, AllocHandle):
             handle = value
         elif value is not None:
@@ -386,13 +459,27 @@ class MaruHandler:
             return self.seal(keys, handles, lengths).wait()
         if datas is None or len(datas) != len(keys):
             raise ValueError("batch_store needs one data or one handle per key")
+        return self._store_datas(keys, datas).wait()
+
+    def store_outcomes(self, keys: Sequence[Key], datas: Sequence[Buffer]) -> list[StoreOutcome]:
+        """`batch_store(keys, datas)` that tells, per key, STORED (now), EXISTED (the key was
+        there: it keeps its first value, ours was not used) or FAILED."""
+        if len(datas) != len(keys):
+            raise ValueError("store_outcomes needs one data per key")
+        return self._store_datas(keys, datas).outcomes()
+
+    def _store_datas(self, keys: Sequence[Key], datas: Sequence[Buffer]) -> Sealing:
+        """Reserve, copy, seal: the one store path for bytes (refused ones get no chunks)."""
         sizes = [memoryview(d).nbytes for d in datas]
-        sealing = self.seal(keys, self._write(datas, sizes), sizes)
-        results = sealing.wait()
+        refused = self._refuse_bad_stores(keys, sizes)
+        if refused:  # no chunks for them: they fail, the rest goes on
+            sizes = [0 if i in refused else n for i, n in enumerate(sizes)]
+        sealing = Sealing(self, keys, self._write(datas, sizes), sizes)
+        sealing.wait()
         if sealing.regions_lost:  # the bytes went to memory the server forgot: once more
             log.info("writing the %d values again", len(keys))
-            results = self.seal(keys, self._write(datas, sizes), sizes).wait()
-        return results
+            sealing = Sealing(self, keys, self._write(datas, sizes), sizes)
+        return sealing
 
     def _write(
         self, datas: Sequence[Buffer], sizes: list[int]
@@ -400,7 +487,7 @@ class MaruHandler:
         """Reserve chunks for `datas` and copy them in: one run when the sizes are equal and
         a run is free, else value by value (an empty value gets nothing: it fails)."""
         run = None
-        if sizes and min(sizes) > 0 and sizes.count(sizes[0]) == len(sizes):
+        if len(sizes) > 1 and min(sizes) > 0 and sizes.count(sizes[0]) == len(sizes):
             run = self.alloc(sizes[0], len(sizes))
         handles = run.split() if run is not None else [self.alloc(s) if s else None for s in sizes]
         for data, size, handle in zip(datas, sizes, handles):

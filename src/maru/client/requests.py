@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,6 +27,17 @@ log = logging.getLogger(__name__)
 Key = str | bytes
 _REGISTERED, _EXISTS = int(RegisterStatus.REGISTERED), int(RegisterStatus.EXISTS)
 _REJECTED = int(RegisterStatus.REJECTED)
+
+
+class StoreOutcome(Enum):
+    """What a store did for one key. Keys are content hashes, so the first writer wins: a key
+    already there keeps its first value, and the store reports EXISTED (our bytes were not
+    used). The seed-compatible calls (`store`, `batch_store`, `Sealing.wait`) say True for
+    both STORED and EXISTED."""
+
+    STORED = "stored"
+    EXISTED = "existed"
+    FAILED = "failed"
 
 
 class RegionsLost(MaruError):
@@ -68,6 +80,7 @@ class Sealing:
         self.regions_lost = False  # the server forgot the regions the bytes are in
         self._pending: PendingReply | None = None
         self._results: list[bool] | None = None
+        self._outcomes: list[StoreOutcome] | None = None
         if isinstance(handles, AllocHandle):
             if handles.count != n:
                 raise ValueError(f"seal: {n} keys for a handle of {handles.count} values")
@@ -125,20 +138,35 @@ class Sealing:
         self._results = self._outcome(statuses)
         return self._results
 
+    def outcomes(self) -> list[StoreOutcome]:
+        """Per key, whether it was STORED now, EXISTED already (first writer won) or FAILED
+        (waits for the reply like `wait`)."""
+        results = self.wait()
+        if self._outcomes is None:  # no reply to tell: a failure, or nothing was sent
+            self._outcomes = [StoreOutcome.FAILED] * len(results)
+        return self._outcomes
+
     def _outcome(self, statuses: list[int]) -> list[bool]:
         handles, chunks = self._handles, self._handler._chunks
         if self._positions is None:  # one run, every key sent
             if statuses.count(_REGISTERED) == self._n:
+                self._outcomes = [StoreOutcome.STORED] * self._n
                 return [True] * self._n
             assert isinstance(handles, AllocHandle)
             chunks.give_back(handles, [i for i, st in enumerate(statuses) if st != _REGISTERED])
+            self._outcomes = [_OUTCOMES.get(st, StoreOutcome.FAILED) for st in statuses]
             return [st in (_REGISTERED, _EXISTS) for st in statuses]
         results = [False] * self._n
+        self._outcomes = [StoreOutcome.FAILED] * self._n
         for i, status in zip(self._positions, statuses):
             if status != _REGISTERED:
                 chunks.give_back(handles[i])  # type: ignore[index,arg-type]
             results[i] = status in (_REGISTERED, _EXISTS)
+            self._outcomes[i] = _OUTCOMES.get(status, StoreOutcome.FAILED)
         return results
+
+
+_OUTCOMES = {_REGISTERED: StoreOutcome.STORED, _EXISTS: StoreOutcome.EXISTED}
 
 
 class Lookup:

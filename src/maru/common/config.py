@@ -7,6 +7,7 @@ bad value produces the same error, naming the key, wherever it came from.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 import uuid
 from collections.abc import Mapping
@@ -15,6 +16,7 @@ from typing import Any
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(i?B?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+_DEFAULT_CHUNK = 1 << 20
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -57,6 +59,33 @@ def parse_size(value: int | float | str, *, name: str = "size") -> int:
     return n
 
 
+_URL_RE = re.compile(r"^(tcp|ipc|inproc)://(.+)$")
+_TCP_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[^:\[\]/\s]+):(\d{1,5})$")
+
+
+def parse_server_url(value: Any, *, name: str = "server_url") -> str:
+    """'tcp://host:port', 'ipc://path' or a bare 'host:port' (which means tcp://), checked
+    here so that a typo ('http://...', a port out of range) is one clear error, not a ZMQ
+    traceback at the first request."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{name}: expected 'tcp://host:port' (or host:port), got {value!r}")
+    url = value.strip()
+    if "://" not in url:
+        url = f"tcp://{url}"
+    m = _URL_RE.match(url)
+    if m is None:
+        raise ConfigError(
+            f"{name}: expected 'tcp://host:port', 'host:port' or 'ipc://path', got {value!r}"
+        )
+    if m.group(1) == "tcp":
+        tcp = _TCP_RE.match(m.group(2))
+        if tcp is None or not 1 <= int(tcp.group(2)) <= 65535:
+            raise ConfigError(
+                f"{name}: expected 'tcp://host:port' with a port from 1 to 65535, got {value!r}"
+            )
+    return url
+
+
 def parse_bool(value: Any, *, name: str = "flag") -> bool:
     """Accept JSON booleans, 0/1 and the usual strings ("true", "off", ...)."""
     if isinstance(value, bool):
@@ -86,6 +115,15 @@ def parse_int(value: Any, *, name: str, minimum: int = 1) -> int:
     return n
 
 
+def unknown_option(key: str, known: set[str], *, prefix: str = "") -> ConfigError:
+    """The error for a key that is not a MaruConfig field: names it, the nearest valid key and
+    all of them."""
+    valid = sorted(prefix + k for k in known)
+    near = difflib.get_close_matches(key, valid, n=1)
+    hint = f"did you mean {near[0]}? " if near else ""
+    return ConfigError(f"{key}: unknown Maru option ({hint}valid keys: {', '.join(valid)})")
+
+
 @dataclass
 class MaruConfig:
     """How a `MaruHandler` reaches the server and how much shared memory it owns.
@@ -97,7 +135,7 @@ class MaruConfig:
     server_url: str = "tcp://localhost:5555"
     instance_id: str | None = None  # None: a new UUID (each process its own instance)
     pool_size: int = 1 << 30
-    chunk_size_bytes: int = 1 << 20
+    chunk_size_bytes: int = _DEFAULT_CHUNK
     auto_connect: bool = True
     timeout_ms: int = 2000
     use_async_rpc: bool = True  # false: each request waits for the one before (max_inflight 1)
@@ -108,18 +146,22 @@ class MaruConfig:
     local_socket: bool = True  # RPCs over the server's Unix socket when it offers one
     busy_poll_us: int = 200  # spin this long for a reply on the Unix socket before sleeping
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> MaruConfig:
+        # An unknown keyword is a ConfigError naming it (the dataclass __init__ would raise
+        # a TypeError), like an unknown maru_* key in `from_mapping`.
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in kwargs:
+            if key not in known:
+                raise unknown_option(key, known)
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         if self.instance_id is None:
             self.instance_id = str(uuid.uuid4())
-        if not isinstance(self.server_url, str) or not re.match(
-            r"^(tcp|ipc|inproc)://.+", self.server_url
-        ):
-            raise ConfigError(
-                f"server_url: expected 'tcp://host:port' (or ipc://path), got {self.server_url!r}"
-            )
+        self.server_url = parse_server_url(self.server_url)
         if not isinstance(self.instance_id, str) or not self.instance_id.strip():
             raise ConfigError(f"instance_id: expected a non-empty string, got {self.instance_id!r}")
         if len(self.instance_id.encode()) > 128:
@@ -131,6 +173,12 @@ class MaruConfig:
                 f"chunk_size_bytes: must be a multiple of 4096, got {self.chunk_size_bytes}"
             )
         if self.chunk_size_bytes > self.pool_size:
+            # Blame the one that was changed: with the default chunk size it is pool_size.
+            if self.chunk_size_bytes == _DEFAULT_CHUNK:
+                raise ConfigError(
+                    f"pool_size: {self.pool_size} bytes is smaller than one chunk "
+                    f"(chunk_size_bytes {self.chunk_size_bytes}); use at least '1M'"
+                )
             raise ConfigError(
                 f"chunk_size_bytes: {self.chunk_size_bytes} is larger than pool_size "
                 f"{self.pool_size}"
@@ -165,8 +213,7 @@ class MaruConfig:
             else:
                 key = raw_key
             if key not in known:
-                valid = ", ".join(sorted(prefix + k for k in known))
-                raise ConfigError(f"{raw_key}: unknown Maru option (valid keys: {valid})")
+                raise unknown_option(raw_key, known, prefix=prefix)
             kwargs[key] = value
         try:
             return cls(**kwargs)

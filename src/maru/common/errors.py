@@ -17,3 +17,29 @@ class MaruServerError(MaruError):
     def __init__(self, code: int, message: str):
         super().__init__(message)
         self.code = code
+
+
+class MaruConnectError(MaruError, RuntimeError):
+    """`MaruHandler` could not connect; the subclass says why. The message starts with the
+    seed's `Failed to connect MaruHandler to <url>` (and it is a RuntimeError, as that was), then
+    the reason, once."""
+
+    def __init__(self, url: str, reason: str):
+        super().__init__(f"Failed to connect MaruHandler to {url}: {reason}")
+        self.url, self.reason = url, reason
+
+
+class MaruServerDown(MaruConnectError):
+    """Nothing answers at the URL: no server running, another port, host unreachable."""
+
+
+class MaruConnectRefused(MaruConnectError):
+    """A server answered but refused this instance (a bad request, an error reply)."""
+
+
+class MaruPoolFull(MaruConnectError):
+    """The pool has no room for the instance's first region."""
+
+
+class MaruVersionMismatch(MaruConnectError):
+    """The server speaks another protocol version (upgrade client and server together)."""

@@ -262,28 +262,33 @@ def unix_address(address: str) -> str:
 
 
 def check_key(key: Any) -> str | bytes:
-    """`key` if it is a valid key (exactly str or bytes, at most MAX_KEY_BYTES encoded), else
-    ProtocolError (KEY_TOO_LONG or BAD_REQUEST). The one key check of the project."""
+    """`key` if it is a valid key (exactly str or bytes, not empty, at most MAX_KEY_BYTES
+    encoded), else ProtocolError (KEY_TOO_LONG or BAD_REQUEST). The one key check of the
+    project."""
     if type(key) is str:  # exact types: what msgpack decodes and the key index holds
         if len(key) > MAX_KEY_BYTES // 4 and len(key.encode()) > MAX_KEY_BYTES:
             raise ProtocolError(ErrorCode.KEY_TOO_LONG, f"key longer than {MAX_KEY_BYTES} bytes")
-        return key
-    if type(key) is bytes:
+    elif type(key) is bytes:
         if len(key) > MAX_KEY_BYTES:
             raise ProtocolError(ErrorCode.KEY_TOO_LONG, f"key longer than {MAX_KEY_BYTES} bytes")
-        return key
-    raise ProtocolError(
-        ErrorCode.BAD_REQUEST, f"a key must be str or bytes, got {type(key).__name__}"
-    )
+    else:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"a key must be str or bytes, got {type(key).__name__}"
+        )
+    if not key:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "a key must not be empty")
+    return key
 
 
 def all_keys_valid(keys: list[Any]) -> bool:
-    """True if every key passes `check_key`: two C-level passes for the usual batch (only str
-    and bytes, none long enough to need encoding), `check_key` per key otherwise."""
+    """True if every key passes `check_key`: C-level passes for the usual batch (only str and
+    bytes, none empty, none long enough to need encoding), `check_key` per key otherwise."""
     if not keys:
         return True
-    if KEY_TYPES.issuperset(map(type, keys)) and max(map(len, keys)) <= MAX_KEY_BYTES // 4:
-        return True
+    if KEY_TYPES.issuperset(map(type, keys)):
+        lengths = list(map(len, keys))
+        if min(lengths) > 0 and max(lengths) <= MAX_KEY_BYTES // 4:
+            return True
     try:
         for key in keys:
             check_key(key)

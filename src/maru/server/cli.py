@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import grp
 import json
 import logging
 import os
@@ -14,21 +15,55 @@ from typing import Any
 
 import zmq
 
-from maru.common.config import ConfigError, parse_size
+from maru.common.config import ConfigError, fmt_bytes, parse_size
 from maru.server import persistence
 from maru.server.journal import SNAPSHOT_NAME, Journal, read_records
 from maru.server.keyindex import warn_if_pure_python
 from maru.server.logs import configure_logging
 from maru.server.metrics import MetricsUnavailable, require_prometheus, start_metrics_server
-from maru.server.pool import Pool, lock_with_pid, new_generation, open_pool
+from maru.server.pool import (
+    REGION_ALIGNMENT,
+    FsDaxPool,
+    Pool,
+    _flock,
+    lock_with_pid,
+    new_generation,
+    open_pool,
+)
 from maru.server.registry import Registry
 from maru.server.service import MaruService
-from maru.server.token import TokenSigner, load_or_create_secret
+from maru.server.token import SECRET_FILE, TokenSigner, load_or_create_secret
 
 log = logging.getLogger("maru.server")
 
 DEFAULT_PORT = 5555
 POOL_IDENTITY = "pool-identity.json"
+
+
+def _number(kind: type, *, minimum: float, above: bool, top: float | None = None):
+    """An argparse type: a `kind` number >= `minimum` (> when `above`), <= `top`; its error
+    is one line naming the flag (argparse adds the flag's name)."""
+    rule = f"greater than {minimum:g}" if above else f"at least {minimum:g}"
+    if top is not None:
+        rule = f"above {minimum:g} and at most {top:g}" if above else f"from {minimum:g} to {top:g}"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number {rule}, got {text!r}") from None
+        low_ok = value > minimum if above else value >= minimum
+        if not low_ok or (top is not None and value > top) or value != value:  # NaN
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    return parse
+
+
+_port = _number(int, minimum=0, above=False, top=65535)
+_positive = _number(float, minimum=0, above=True)
+_non_negative = _number(float, minimum=0, above=False)
+_fraction = _number(float, minimum=0, above=True, top=1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument(
         "--port",
-        type=int,
+        type=_port,
         default=DEFAULT_PORT,
         help=f"TCP port to bind; 0 picks a free one (default: {DEFAULT_PORT})",
     )
@@ -97,41 +132,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=_port,
         default=None,
         help="serve Prometheus metrics at http://<host>:<port>/metrics (needs prometheus_client: "
-        "pip install 'maru[metrics]'); 0 picks a free port (shown by `maru status`) "
+        "a dependency of maru-kvcache); 0 picks a free port (shown by `maru status`) "
         "(default: off)",
     )
     p.add_argument(
         "--eviction-high-watermark",
-        type=float,
+        type=_fraction,
         default=0.95,
         help="evict LRU keys when registered bytes exceed this fraction of the pool "
         "(default: 0.95)",
     )
     p.add_argument(
         "--eviction-low-watermark",
-        type=float,
+        type=_fraction,
         default=0.85,
         help="evict down to this fraction of the pool (default: 0.85)",
     )
     p.add_argument(
         "--lease-timeout",
-        type=float,
+        type=_positive,
         default=10.0,
         help="seconds a read lease protects a page if its reader never releases it (default: 10)",
     )
     p.add_argument(
         "--heartbeat-timeout",
-        type=float,
+        type=_positive,
         default=15.0,
         help="seconds without any message after which a client is considered dead: its pins "
         "and leases are released and its regions returned (default: 15)",
     )
     p.add_argument(
         "--journal-fsync-ms",
-        type=float,
+        type=_non_negative,
         default=50.0,
         help="fsync the registry journal at most this often (on a background thread); records "
         "are written before each reply, so a killed server loses nothing, a machine crash at "
@@ -139,14 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--snapshot-mb",
-        type=float,
+        type=_positive,
         default=64.0,
         help="write a snapshot and start a new journal when the journal exceeds this size "
         "(default: 64)",
     )
     p.add_argument(
         "--busy-poll-us",
-        type=int,
+        type=_number(int, minimum=0, above=False),
         default=1000,
         help="after serving a request, keep polling for the next one this many microseconds "
         "(yielding the CPU between polls) before sleeping: a request that finds the server "
@@ -163,7 +198,142 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="write the bound endpoint to this file once serving (for scripts/tests)",
     )
+    p.add_argument(
+        "--purge",
+        action="store_true",
+        help="do not serve: delete the pool file (shm) or region files (fsdax) and the state "
+        "in --state-dir of the server these flags name (it must be stopped), then exit",
+    )
     return p
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """What the flags' types cannot check alone (paths, relations between flags): the first
+    problem as one line naming the flag, or None. Sets `args.pool_bytes`."""
+    try:
+        args.pool_bytes = parse_size(args.pool_size, name="--pool-size")
+    except ConfigError as exc:
+        return str(exc)
+    if args.pool_bytes < REGION_ALIGNMENT:
+        return (
+            f"--pool-size: {args.pool_size} is smaller than one region "
+            f"({fmt_bytes(REGION_ALIGNMENT)}, the pool's allocation unit)"
+        )
+    if args.eviction_low_watermark > args.eviction_high_watermark:
+        return (
+            f"--eviction-low-watermark {args.eviction_low_watermark:g} is above "
+            f"--eviction-high-watermark {args.eviction_high_watermark:g}"
+        )
+    if args.pool and not (args.pool.startswith("/dev/dax") or Path(args.pool).exists()):
+        # (a pool file is created, an fsdax directory too, but not the directories above:
+        # a typo must not put a RAM-sized pool on the root disk)
+        parent = Path(args.pool.rstrip("/") or "/").parent
+        if not parent.is_dir():
+            return f"--pool: directory {parent} does not exist (create it, or pick another path)"
+    if args.pool_group is not None:
+        try:
+            grp.getgrnam(args.pool_group)
+        except KeyError:
+            return f"--pool-group: no group named {args.pool_group!r}"
+    if args.state_dir is not None and Path(args.state_dir).is_file():
+        return f"--state-dir: {args.state_dir} is not a directory"
+    for flag, path in (("--ready-file", args.ready_file), ("--local-socket", args.local_socket)):
+        named_file = path and path not in ("auto", "none") and not path.startswith("@")
+        if named_file and not Path(path).parent.is_dir():
+            return f"{flag}: directory {Path(path).parent} does not exist"
+    return None
+
+
+def pool_size_change(args: argparse.Namespace, pool_path: str, state_dir: Path) -> str | None:
+    """Why this start must not go on: the saved keys of this very pool were written with
+    another --pool-size (serving them would need the old size; starting empty would drop them
+    silently). None when there is nothing to lose or --no-restore says to drop it."""
+    previous = _read_identity(state_dir)
+    if args.no_restore or not isinstance(previous, dict) or previous.get("retired"):
+        return None
+    old = previous.get("capacity")
+    if (
+        previous.get("kind") not in ("shm", "fsdax")
+        or previous.get("path") != pool_path
+        or old == args.pool_bytes
+        or not isinstance(old, int)
+        or not os.path.exists(pool_path)
+        or not _has_state(state_dir)
+    ):
+        return None
+    return (
+        f"pool {pool_path} holds keys saved (in {state_dir}) with --pool-size {fmt_bytes(old)} "
+        f"({old} bytes), not {fmt_bytes(args.pool_bytes)}: start with --pool-size {old} to "
+        "serve them, or add --no-restore to start empty with the new size"
+    )
+
+
+def purge_pool(pool_path: str) -> str | None:
+    """Delete a stopped server's pool (a shm file, or an fsdax directory's region files and
+    lock); a devdax device stays. What was removed, or None if nothing was there. Raises
+    `PoolError` while a server holds it."""
+    path = Path(pool_path)
+    if path.is_dir():
+        files = [*path.glob("region-*.mem")]
+        lock_fd = lock_with_pid(path / FsDaxPool.LOCK_FILE, f"pool {pool_path}")
+        try:
+            size = sum(f.stat().st_size for f in files)
+            for f in files:
+                f.unlink()
+            (path / FsDaxPool.LOCK_FILE).unlink(missing_ok=True)
+        finally:
+            os.close(lock_fd)
+        with contextlib.suppress(OSError):
+            path.rmdir()  # only if nothing else is in it
+        return f"pool {pool_path} ({len(files)} region files, {fmt_bytes(size)})"
+    if not path.is_file():
+        return None
+    fd = os.open(path, os.O_RDWR)
+    try:
+        _flock(fd, f"pool {pool_path}")
+        size = os.fstat(fd).st_size
+        path.unlink()
+    finally:
+        os.close(fd)
+    return f"pool {pool_path} ({fmt_bytes(size)})"
+
+
+STATE_FILES = (SECRET_FILE, SNAPSHOT_NAME, SNAPSHOT_NAME + ".tmp", POOL_IDENTITY)
+
+
+def purge_state(state_dir: Path) -> str | None:
+    """Delete the server's files in `state_dir` (secret, journal, snapshot, pool identity,
+    lock) and the directory if that empties it; other files are left alone. Raises
+    `PoolError` while a server runs on it."""
+    if not state_dir.is_dir():
+        return None
+    lock = state_dir / "server.lock"
+    lock_fd = lock_with_pid(lock, f"state dir {state_dir}")
+    try:
+        names = [*STATE_FILES, POOL_IDENTITY + ".tmp"]
+        files = [state_dir / n for n in names] + [*state_dir.glob("journal-*.log")]
+        removed = 0
+        for f in files:
+            with contextlib.suppress(FileNotFoundError):
+                f.unlink()
+                removed += 1
+        lock.unlink(missing_ok=True)
+    finally:
+        os.close(lock_fd)
+    with contextlib.suppress(OSError):
+        state_dir.rmdir()
+    return f"state dir {state_dir} ({removed} files)"
+
+
+def purge(pool_path: str, state_dir: Path) -> int:
+    """`maru-server --purge`: the one command that removes a stopped server's pool and state."""
+    try:
+        removed = [r for r in (purge_state(state_dir), purge_pool(pool_path)) if r]
+    except (OSError, RuntimeError) as exc:
+        print(f"maru-server: cannot purge: {exc}", file=sys.stderr)
+        return 1
+    print(f"removed {' and '.join(removed)}" if removed else "nothing to purge", file=sys.stdout)
+    return 0
 
 
 def _identity(pool: Pool) -> dict[str, Any]:
@@ -314,7 +484,16 @@ def lock_state_dir(state_dir: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        parser.error(problem)  # usage and one line, exit status 2
+    port_tag = str(args.port) if args.port else "auto"
+    pool_path = args.pool or f"/dev/shm/maru-{port_tag}.pool"
+    state_dir = Path(args.state_dir or Path.home() / ".local/state/maru" / port_tag)
+    if args.purge:
+        return purge(pool_path, state_dir)
     # A journal write past a file size limit (RLIMIT_FSIZE) must fail with EFBIG, which the
     # journal handles (changes refused until a snapshot succeeds), not kill the server.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -325,19 +504,32 @@ def main(argv: list[str] | None = None) -> int:
             print(f"maru-server: {exc}", file=sys.stderr)
             return 2
     configure_logging(args.log_level, args.log_format)
+    # What this start creates, it removes again if it fails: no pool or state left behind.
+    pool_existed, state_existed = os.path.lexists(pool_path), state_dir.exists()
+
+    pool: Pool | None = None
+    state_lock: int | None = None
+
+    def _undo_start() -> None:
+        if pool is not None:
+            pool.close()
+        if state_lock is not None:
+            os.close(state_lock)  # (purge_state takes the lock itself)
+        with contextlib.suppress(OSError, RuntimeError):
+            if not state_existed:
+                purge_state(state_dir)
+            if not pool_existed:
+                purge_pool(pool_path)
+
     try:
-        pool_size = parse_size(args.pool_size, name="--pool-size")
-    except ConfigError as exc:
-        print(f"maru-server: {exc}", file=sys.stderr)
-        return 2
-    port_tag = str(args.port) if args.port else "auto"
-    pool_path = args.pool or f"/dev/shm/maru-{port_tag}.pool"
-    state_dir = Path(args.state_dir or Path.home() / ".local/state/maru" / port_tag)
-    try:
-        lock_state_dir(state_dir)  # the lock fd stays open for the life of the process
+        state_lock = lock_state_dir(state_dir)  # held (fd open) for the life of the process
+        refusal = pool_size_change(args, pool_path, state_dir)
+        if refusal:
+            print(f"maru-server: cannot start: {refusal}", file=sys.stderr)
+            return 2
         # locked for the life of the process too (the pool object holds the fd)
         pool = open_pool(
-            pool_path, pool_size, args.pool_group, lock=True, preallocate=args.preallocate
+            pool_path, args.pool_bytes, args.pool_group, lock=True, preallocate=args.preallocate
         )
         secret = load_or_create_secret(state_dir)
         journal = Journal(
@@ -373,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (OSError, ValueError, KeyError, RuntimeError, zmq.ZMQError) as exc:
         print(f"maru-server: cannot start: {exc}", file=sys.stderr)
+        _undo_start()
         return 1
 
     def _stop(signum: int, _frame: object) -> None:
@@ -393,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             service.close()
-            pool.close()
+            _undo_start()
             return 1
     if args.ready_file:
         Path(args.ready_file).write_text(service.endpoint)

@@ -8,8 +8,8 @@ keeps mutating the registry: the statistics are built from copies (`list(...)` o
 atomic under the GIL; regions are looked up with `.get`) and the read is retried when a dict
 changed size under it (`read_stats`).
 
-`prometheus_client` is optional (`pip install 'maru[metrics]'`); nothing here imports it at
-module level, so `maru-server` without `--metrics-port` does not need it.
+`prometheus_client` is a dependency of the distribution, but may be missing (`--no-deps`):
+nothing here imports it at module level, so `maru-server` without `--metrics-port` runs anyway.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def require_prometheus() -> None:
     except ImportError:
         raise MetricsUnavailable(
             "--metrics-port needs the prometheus_client package, which is not installed: "
-            "pip install 'maru[metrics]' (or pip install prometheus-client)"
+            "pip install prometheus-client (a dependency of maru-kvcache: reinstall it)"
         ) from None
 
 

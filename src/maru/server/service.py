@@ -354,6 +354,7 @@ class MaruService:
         stats["started_at"] = self.started_at
         stats["uptime_seconds"] = round(time.monotonic() - self._started_monotonic, 3)
         stats["metrics_url"] = self.metrics_url
+        stats["heartbeat_timeout"] = self.heartbeat_timeout  # `maru status`: "reaping in N s"
         local = self.local
         stats["local_socket"] = local.address if local is not None else None
         stats["local_connections"] = len(local.connections) if local is not None else 0

@@ -1,0 +1,153 @@
+"""`maru-server` as an operator meets it: every flag checked up front (one line, exit 2, never a
+traceback), a restart with another --pool-size refused with the way out, `--purge`, and
+nothing left behind by a start that fails."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import MaruServerProcess, maru_server_command  # tests/conftest.py
+from maru import MaruHandler
+from maru.server.cli import main
+
+
+def run_server(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*maru_server_command(), *args],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def shm_pool() -> str:
+    return f"/dev/shm/maru-test-{uuid.uuid4().hex}.pool"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--port", "70000"], "argument --port: must be from 0 to 65535, got 70000"),
+        (["--port", "-5"], "argument --port: must be from 0 to 65535, got -5"),
+        (["--metrics-port", "65536"], "argument --metrics-port: must be from 0 to 65535"),
+        (["--pool", "/nonexistent/dir/x.pool"], "--pool: directory /nonexistent/dir does not"),
+        (["--heartbeat-timeout", "0"], "argument --heartbeat-timeout: must be greater than 0"),
+        (["--lease-timeout", "-1"], "argument --lease-timeout: must be greater than 0, got -1"),
+        (["--snapshot-mb", "0"], "argument --snapshot-mb: must be greater than 0"),
+        (["--journal-fsync-ms", "-1"], "argument --journal-fsync-ms: must be at least 0"),
+        (["--busy-poll-us", "-1"], "argument --busy-poll-us: must be at least 0"),
+        (["--busy-poll-us", "1.5"], "argument --busy-poll-us: expected a number at least 0"),
+        (["--eviction-high-watermark", "1.5"], "must be above 0 and at most 1, got 1.5"),
+        (["--eviction-low-watermark", "0"], "--eviction-low-watermark: must be above 0 and at"),
+        (
+            ["--eviction-low-watermark", "0.9", "--eviction-high-watermark", "0.8"],
+            "--eviction-low-watermark 0.9 is above --eviction-high-watermark 0.8",
+        ),
+        (["--pool-size", "512"], "--pool-size: 512 is smaller than one region (2.0 MiB"),
+        (["--pool-size", "lots"], "--pool-size: expected a size like"),
+        (["--pool-group", "no-such-group-here"], "--pool-group: no group named"),
+        (["--ready-file", "/nonexistent/dir/ready"], "--ready-file: directory /nonexistent/dir"),
+        (["--local-socket", "/nonexistent/dir/s.sock"], "--local-socket: directory /nonexistent"),
+    ],
+)
+def test_every_bad_flag_is_one_line_and_exit_2(args, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--state-dir", str(tmp_path / "state")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]
+    assert last.startswith("maru-server: error: ") and message in last
+    assert "Traceback" not in err
+    assert not (tmp_path / "state").exists()  # refused before anything was created
+
+
+def test_bad_flag_from_the_console_script_has_no_traceback(tmp_path):
+    proc = run_server("--port", "70000", "--state-dir", str(tmp_path / "state"))
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == (
+        "maru-server: error: argument --port: must be from 0 to 65535, got 70000"
+    )
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_pool_outside_tmpfs_gets_a_warning(maru_server_factory, tmp_path):
+    on_disk = tmp_path / "disk.pool"  # tmp_path is on the root disk here, not tmpfs
+    server = maru_server_factory(tmp_path / "srv", pool_size="16M", pool=str(on_disk))
+    log = server.read_log()
+    if "tmpfs" not in Path("/proc/mounts").read_text() or "is on tmpfs" in log:
+        pytest.skip("tmp_path is on tmpfs here")
+    assert f"pool {on_disk} is on " in log and "not tmpfs" in log
+
+
+def _server_with_a_key(tmp_path: Path, pool: str) -> MaruServerProcess:
+    server = MaruServerProcess(tmp_path, pool_size="64M", pool=pool).start()
+    with MaruHandler(server_url=server.url, pool_size="4M") as h:
+        assert h.store("kept", b"x" * 1000)
+    server._terminate()  # stopped, the pool file and state stay
+    return server
+
+
+def test_restart_with_another_pool_size_is_refused_with_the_way_out(tmp_path):
+    pool = shm_pool()
+    server = _server_with_a_key(tmp_path, pool)
+    try:
+        state = str(server.state_dir)
+        args = ["--port", "0", "--pool", pool, "--pool-size", "128M", "--state-dir", state]
+        proc = run_server(*args)
+        assert proc.returncode == 2
+        line = proc.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"maru-server: cannot start: pool {pool} holds keys saved")
+        assert f"--pool-size {64 << 20} to serve them" in line and "--no-restore" in line
+        # nothing was changed: the old size still serves the key
+        server.start()
+        with MaruHandler(server_url=server.url, pool_size="4M") as h:
+            assert bytes(h.retrieve("kept").view) == b"x" * 1000
+        # --no-restore forces a fresh start with the new size
+        server._terminate()
+        server.pool_size = "128M"
+        server.start(once_args=["--no-restore"])
+        with MaruHandler(server_url=server.url, pool_size="4M") as h:
+            assert h.stats()["pool"]["capacity"] == 128 << 20
+            assert not h.exists("kept")
+    finally:
+        server.stop()
+
+
+def test_purge_removes_the_pool_and_the_state(tmp_path):
+    pool = shm_pool()
+    server = _server_with_a_key(tmp_path, pool)
+    state = server.state_dir
+    try:
+        assert Path(pool).exists() and (state / "secret.key").exists()
+        server.start()
+        running = run_server("--purge", "--pool", pool, "--state-dir", str(state))
+        assert running.returncode == 1
+        assert "cannot purge: state dir" in running.stderr and "in use by another" in running.stderr
+        server._terminate()
+        proc = run_server("--purge", "--pool", pool, "--state-dir", str(state))
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith(f"removed state dir {state} (")
+        assert f"pool {pool} (64.0 MiB)" in proc.stdout
+        assert not Path(pool).exists() and not state.exists()
+        again = run_server("--purge", "--pool", pool, "--state-dir", str(state))
+        assert (again.returncode, again.stdout.strip()) == (0, "nothing to purge")
+    finally:
+        server.stop()
+
+
+def test_a_failed_start_leaves_no_pool_and_no_state(tmp_path):
+    pool, state = shm_pool(), tmp_path / "state"
+    # everything is created, then binding the port fails (not an address of this machine)
+    proc = run_server(
+        "--host", "192.0.2.1", "--port", "0", "--pool", pool, "--pool-size", "16M",
+        "--state-dir", str(state),
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "maru-server: cannot start:" in proc.stderr
+    assert not Path(pool).exists()
+    assert not state.exists()
