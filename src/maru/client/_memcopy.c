@@ -11,7 +11,7 @@
  * needs the destination in this core's cache. Ordinary stores first read every destination
  * line into the cache and then push out whatever was there (the server's and the client's
  * own working set, here); non-temporal stores write whole lines straight to memory
- * (docs/performance.md, session 3). The stores are weakly ordered, so the loop ends with a
+ * (docs/performance-history.md, session 3). The stores are weakly ordered, so the loop ends with a
  * store fence: whatever the caller does next (the REGISTER_KV that publishes the pages) comes
  * after them.
  */
