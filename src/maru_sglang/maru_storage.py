@@ -5,20 +5,28 @@ Loaded by SGLang's dynamic backend factory (`cls(storage_config, {})`, then
 `{"backend_name": "maru", "module_path": "maru_sglang.maru_storage", "class_name": "MaruStorage",
 "interface_v1": 1, "maru_server_url": ..., "maru_pool_size": ...}`.
 
-Zero-copy v1 path: a page's K and V buffers in the host pool are copied straight into one
-shared-memory allocation, K then V, and back again on a hit: one copy per part, all of a
-batch's parts in one call (`maru.client.memcopy.copy_many`, streaming stores). One metadata RPC per
-batch each way; no intermediate buffer.
+Zero-copy: a page's parts in the host pool (K and V buffers, a Mamba state's temporal and conv
+tensors, an indexer page...) are copied straight into one shared-memory allocation, back to
+back, and back again on a hit: one copy per part, all of a batch's parts of one pool in one
+call (`maru.client.memcopy.copy_many`, streaming stores). One metadata RPC per batch each way,
+across every pool of the batch; no intermediate buffer.
+
+Two interfaces, one data path (`_write` / `_read`):
+- v1 (`batch_set_v1` / `batch_get_v1` / `batch_exists`): the KV pool, for every model;
+- v2 (`register_mem_host_pool_v2`, `batch_exists_v2`, `batch_get_v2`, `batch_set_v2`): the
+  sidecar pools of hybrid models (Mamba, SWA, DSA indexer, DeepSeek-V4 compressed pools, draft
+  pools), which SGLang's `HybridCacheController` drives; see `pools.py` for how each pool's
+  keys are scoped.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
-import hashlib
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -27,28 +35,36 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolTransfer,
+    PoolTransferResult,
 )
 
 from maru import MaruConfig, MaruHandler
-from maru.client.memcopy import copy_many
+from maru_sglang.pools import (
+    KV_POOL_NAME,
+    PoolIO,
+    chunk_size_for,
+    is_rank_replicated,
+    page_namespace,
+    sidecar_namespace,
+)
+
+__all__ = ["KV_POOL_NAME", "MaruStorage", "chunk_size_for", "page_namespace"]
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_LAYOUTS = ("page_first_direct", "page_first")
-KV_POOL_NAME = "kv"
 
 _memmove = ctypes.memmove
 # batch_set_v1 registers a batch in up to PIPELINE_PIECES pieces of at least PIPELINE_MIN_PAGES
 # pages, each sent while the next piece is copied (smaller batches: one registration).
 PIPELINE_PIECES = 2
 PIPELINE_MIN_PAGES = 32
-_ALLOC_ALIGN = 4096  # MaruConfig.chunk_size_bytes must be a multiple of this
 
-
-def chunk_size_for(page_bytes: int) -> int:
-    """The allocation granularity that wastes nothing on `page_bytes`-sized values: every value
-    MaruStorage stores is one whole SGLang page, so one chunk per page (rounded up to 4 KiB)."""
-    return max(_ALLOC_ALIGN, -(-page_bytes // _ALLOC_ALIGN) * _ALLOC_ALIGN)
+# Counted per pool; the seconds spent in reads and writes are counted per call (one call
+# serves several pools).
+_COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "pages_written")
 
 
 def _storage_metrics_cls() -> Any:
@@ -59,75 +75,21 @@ def _storage_metrics_cls() -> Any:
     return StorageMetrics
 
 
-def page_namespace(storage_config: HiCacheStorageConfig, pool: Any) -> str:
-    """A short hash of everything that must match for two instances to share a page.
+@dataclasses.dataclass
+class _Batch:
+    """One pool's share of a storage call: its pages' keys and where they are in the host
+    pool (`columns`: per page part, one pointer per page); `results` is filled in."""
 
-    Model, page geometry, dtype and the byte order of a page (which differs between
-    `page_first` and `page_first_direct`), and for MHA the TP shard (MLA pages are the same on
-    every rank). A mismatch in any field gives a different namespace: a miss, never garbage.
-    """
-    is_mla = bool(storage_config.is_mla_model)
-    fields: list[str] = [
-        f"model={storage_config.model_name or ''}",
-        f"dtype={pool.dtype}",
-        f"layers={pool.layer_num}",
-        f"page={pool.page_size}",
-        f"layout={pool.layout}",
-    ]
-    if is_mla:
-        fields += [
-            "attn=mla",
-            f"lora={getattr(pool, 'kv_lora_rank', '')}",
-            f"rope={getattr(pool, 'qk_rope_head_dim', '')}",
-            f"dim={getattr(pool, 'kv_cache_dim', '')}",
-            f"dcp={storage_config.dcp_rank}/{storage_config.dcp_size}",
-        ]
-    else:
-        fields += [
-            "attn=mha",
-            f"heads={pool.head_num}",
-            f"head_dim={pool.head_dim}",
-            f"v_head_dim={getattr(pool, 'v_head_dim', pool.head_dim)}",
-            f"tp={storage_config.tp_rank}/{storage_config.tp_size}",
-        ]
-    fields += [
-        f"pp={storage_config.pp_rank}/{storage_config.pp_size}",
-        f"cp={storage_config.attn_cp_rank}/{storage_config.attn_cp_size}",
-        f"dp={storage_config.dp_rank}",
-    ]
-    return hashlib.sha256("|".join(fields).encode()).hexdigest()[:16]
+    pool: PoolIO
+    keys: list[str]
+    columns: list[np.ndarray] | None = None
+    results: list[bool] = dataclasses.field(default_factory=list)
 
 
-def _affine_page_pointers(pool: Any, parts: int) -> list[tuple[int, int]] | None:
-    """In the page_first layouts each page part's pointer is affine in the page's first token
-    index t: `ptr = base + t * stride`. Learn (base, stride) per part from `get_page_buffer_meta`
-    on three pages and check it on a fourth; None (keep calling `get_page_buffer_meta`, a Python
-    loop per page) if the pool does not follow it."""
-    page = pool.page_size
-    pages = int(getattr(pool, "size", 0)) // page
-    if pages < 4:
-        return None
-
-    def meta(first_page: int) -> tuple[list[int], list[int]]:
-        t = first_page * page
-        ptrs, sizes = pool.get_page_buffer_meta(torch.arange(t, t + page, dtype=torch.int64))
-        return list(ptrs), list(sizes)
-
-    p0, s0 = meta(0)
-    p1, _ = meta(1)
-    if len(p0) != parts or len(p1) != parts:
-        return None
-    model = []
-    for j in range(parts):
-        stride, rem = divmod(p1[j] - p0[j], page)
-        if rem:
-            return None
-        model.append((p0[j], stride))
-    for probe in (pages // 2, pages - 1):
-        ptrs, sizes = meta(probe)
-        if sizes != s0 or ptrs != [b + probe * page * st for b, st in model]:
-            return None
-    return model
+def _leading_run(present: np.ndarray) -> int:
+    """Number of True from the start."""
+    missing = np.flatnonzero(~present)
+    return int(missing[0]) if missing.size else int(present.size)
 
 
 class MaruStorage(HiCacheStorage):
@@ -142,9 +104,9 @@ class MaruStorage(HiCacheStorage):
                 config, instance_id=f"{config.instance_id}/tp{storage_config.tp_rank}"
             )
         self.config = config
-        # Unless the user chose one, the chunk size follows the page size (known only at
-        # register_mem_pool_host, when the handler's chunk size is set before any chunk is
-        # reserved): with the 1 MiB default a 16 KiB page would hold 1 MiB.
+        # Unless the user chose one, the chunk size follows the page sizes (known only when
+        # the pools register, before any chunk is reserved): with the 1 MiB default a 16 KiB
+        # page would hold 1 MiB.
         self._chunk_from_page = "maru_chunk_size_bytes" not in extra
         self.enable_metrics = bool(storage_config.enable_storage_metrics)
         self.handler = MaruHandler(self.config)
@@ -158,20 +120,13 @@ class MaruStorage(HiCacheStorage):
                 f"Failed to connect MaruHandler to {self.config.server_url}{reason}"
             ) from None
         self.mem_pool_host: Any = None
-        self.namespace = ""
-        self._page_bytes = 0
-        self._parts_per_page = 0
+        self.namespace = ""  # the KV pool's
+        self._kv: PoolIO | None = None
+        self.pools: dict[str, PoolIO] = {}
         self._stats_lock = threading.Lock()
         self._reset_metrics()
-        self.counters = {
-            "hits": 0,
-            "misses": 0,
-            "bytes_read": 0,
-            "bytes_written": 0,
-            "pages_written": 0,
-            "get_seconds": 0.0,
-            "set_seconds": 0.0,
-        }
+        self._pool_counters: dict[str, dict[str, int]] = {}
+        self._seconds = {"get_seconds": 0.0, "set_seconds": 0.0}
         log.info(
             "MaruStorage connected to %s as instance %s",
             self.config.server_url,
@@ -181,80 +136,205 @@ class MaruStorage(HiCacheStorage):
     # -- registration ------------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """The KV pool (the anchor of a hybrid model's pool group)."""
         layout = getattr(mem_pool_host, "layout", None)
-        if layout not in SUPPORTED_LAYOUTS:
+        logical = getattr(mem_pool_host, "kv_buffer", True) is None
+        if layout not in SUPPORTED_LAYOUTS and not logical:
             raise ValueError(
                 f"MaruStorage does not support host memory layout {layout!r}: "
                 "use --hicache-mem-layout page_first_direct (or page_first)"
             )
         super().register_mem_pool_host(mem_pool_host)
-        self.namespace = page_namespace(self.storage_config, mem_pool_host)
-        probe = torch.arange(mem_pool_host.page_size, dtype=torch.int64)
-        ptrs, sizes = mem_pool_host.get_page_buffer_meta(probe)
-        self._parts_per_page = len(ptrs)
-        self._part_sizes = list(sizes)
-        self._page_bytes = sum(sizes)
-        self._affine = _affine_page_pointers(mem_pool_host, len(ptrs))
-        chunk = chunk_size_for(self._page_bytes)
-        if self._chunk_from_page and chunk <= self.config.pool_size:
-            self.handler.set_chunk_size(chunk)
-            self.config = self.handler.config
+        replicated = bool(self.storage_config.is_mla_model)
+        namespace = "" if logical else page_namespace(self.storage_config, mem_pool_host)
+        self._kv = PoolIO(KV_POOL_NAME, mem_pool_host, namespace, replicated)
+        self.pools[KV_POOL_NAME] = self._kv
+        self.namespace = namespace
+        self._fit_chunk_size()
         log.info(
-            "MaruStorage: namespace %s, %d-byte pages in %d part(s), layout %s, chunk %d bytes",
-            self.namespace,
-            self._page_bytes,
-            self._parts_per_page,
+            "MaruStorage: KV namespace %s, %d-byte pages in %d part(s), layout %s",
+            namespace or "(logical pool: nothing stored)",
+            self._kv.page_bytes,
+            self._kv.parts,
             layout,
-            self.handler.get_chunk_size(),
         )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        if str(host_pool_name) == KV_POOL_NAME:
-            return super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        raise NotImplementedError(
-            f"MaruStorage does not store sidecar pool {str(host_pool_name)!r} (Mamba/SWA/"
-            "indexer state of hybrid models) yet; storing KV alone would restore half a state"
+        """A hybrid model's host pool (SGLang registers the KV anchor here too). Each pool's
+        pages get a namespace of their own (`pools.sidecar_namespace`)."""
+        name = str(host_pool_name)
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if name == KV_POOL_NAME:
+            if host_pool is not self.mem_pool_host:
+                self.register_mem_pool_host(host_pool)
+            return
+        replicated = is_rank_replicated(self.storage_config, host_pool)
+        probe = PoolIO(name, host_pool, "", replicated)
+        namespace = sidecar_namespace(
+            self.storage_config, name, host_pool, probe.part_sizes, replicated
+        )
+        probe.namespace = namespace
+        self.pools[name] = probe
+        log.info(
+            "MaruStorage: pool %s namespace %s, %d-byte pages in %d part(s)%s%s",
+            name,
+            namespace,
+            probe.page_bytes,
+            probe.parts,
+            ", rank-replicated" if replicated else "",
+            ", whole-page copies" if probe.whole_page else "",
         )
 
-    def _keys(self, keys: list[str]) -> list[str]:
-        ns = self.namespace
-        return [f"{ns}:{k}" for k in keys]
+    def on_host_pools_registered(self) -> None:
+        """Every pool of this attach is known: size the chunks for all of them."""
+        self._fit_chunk_size()
+        log.info("MaruStorage: pools %s", ", ".join(sorted(self.pools)))
 
-    def _copy_in(self, dst: int, stride: int, columns: list[np.ndarray], first: int, last: int):
-        """Copy pages [first, last) of the batch from the host pool to `dst`, `stride` apart,
-        each page's parts back to back."""
-        starts = dst + np.arange(last - first, dtype=np.int64) * stride
-        offset = 0
-        for ptrs, size in zip(columns, self._part_sizes):
-            copy_many(starts + offset, ptrs[first:last], size)
-            offset += size
+    def _fit_chunk_size(self) -> None:
+        """One chunk per page of the smallest pool (rounded up to 4 KiB): a larger pool's page
+        takes a run of chunks, wasting less than one chunk; only before any chunk is used."""
+        sizes = [p.page_bytes for p in self.pools.values() if p.page_bytes]
+        if not self._chunk_from_page or not sizes:
+            return
+        chunk = min(chunk_size_for(size) for size in sizes)
+        if chunk > self.config.pool_size or chunk == self.handler.get_chunk_size():
+            return
+        try:
+            self.handler.set_chunk_size(chunk)
+        except RuntimeError as exc:  # chunks in use (a pool registered after the first write)
+            log.info("MaruStorage: chunk size stays %d: %s", self.handler.get_chunk_size(), exc)
+            return
+        self.config = self.handler.config
+        log.info("MaruStorage: chunk size %d bytes", chunk)
 
-    def _copy_out(self, addresses: np.ndarray, columns: list[np.ndarray]) -> None:
-        """Copy pages from `addresses` (each page's parts back to back) into the host pool."""
-        offset = 0
-        for ptrs, size in zip(columns, self._part_sizes):
-            copy_many(ptrs, addresses + offset, size)
-            offset += size
+    @property
+    def _page_bytes(self) -> int:
+        """Bytes of one KV page."""
+        return self._kv.page_bytes if self._kv is not None else 0
 
-    def _part_pointers(self, host_indices: torch.Tensor, pages: int) -> list[np.ndarray] | None:
-        """Per page part, the int64 pointers of that part of each page of `host_indices` in
-        the host pool (None if the indices do not cover `pages` pages). Computed from the first
-        token of each page (`_affine_page_pointers`); else through `get_page_buffer_meta`."""
-        page = self.mem_pool_host.page_size
-        if host_indices.numel() != pages * page:
-            return None
-        if self._affine is not None:
-            firsts = host_indices.numpy()[::page].astype(np.int64)  # no Python loop per page
-            return [firsts * stride + base for base, stride in self._affine]
-        ptrs, _ = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        parts = self._parts_per_page
-        return [np.array(ptrs[j::parts], dtype=np.int64) for j in range(parts)]
-
-    def _require_pool(self) -> None:
-        if self.mem_pool_host is None:
+    def _require_pool(self) -> PoolIO:
+        if self._kv is None:
             raise RuntimeError("MaruStorage: register_mem_pool_host() was not called")
+        return self._kv
 
-    # -- v1 zero-copy path -------------------------------------------------------------------
+    # -- the data path, shared by v1 and v2 --------------------------------------------------
+
+    def _prepare(self, batch: _Batch, host_indices: torch.Tensor | None, op: str) -> bool:
+        """Host pointers for `batch`; False (the batch fails) when the indices do not cover
+        its pages."""
+        batch.columns = batch.pool.pointers(host_indices, len(batch.keys))
+        if batch.columns is None:
+            got = host_indices.numel() if host_indices is not None else 0
+            log.error(
+                "%s: pool %s: %d host indices for %d keys (page size %d)",
+                op,
+                batch.pool.name,
+                got,
+                len(batch.keys),
+                batch.pool.page_size,
+            )
+            batch.results = [False] * len(batch.keys)
+            return False
+        return True
+
+    def _write(self, batches: list[_Batch], pipelined: bool = False) -> None:
+        """Copy every batch's pages into shared allocations and register them all with one
+        RPC (`pipelined`, a single pool's large batch: in pieces, each sent while the next
+        is copied). Fills each batch's `results`."""
+        start = time.perf_counter()
+        handler = self.handler
+        sealings = []  # (batch, first page, Sealing)
+        keys: list[str] = []
+        handles: list[Any] = []
+        lengths: list[int] = []
+        owners: list[tuple[_Batch, int]] = []
+        for batch in batches:
+            pool, n, columns = batch.pool, len(batch.keys), batch.columns
+            assert columns is not None
+            batch.results = [False] * n
+            ns_keys = pool.keys(batch.keys)
+            run = handler.alloc(pool.page_bytes, n)
+            if run is not None and pipelined:
+                step = max(PIPELINE_MIN_PAGES, -(-n // PIPELINE_PIECES))
+                for first in range(0, n, step):
+                    last = min(n, first + step)
+                    piece = run.slice(first, last)
+                    pool.copy_in(piece.address, piece.stride, columns, first, last)
+                    sealing = handler.seal(ns_keys[first:last], piece, pool.page_bytes)
+                    sealings.append((batch, first, sealing))
+                continue
+            if run is not None:
+                pool.copy_in(run.address, run.stride, columns, 0, n)
+                page_handles = run.split()
+            else:  # no free run: page by page (each may evict in our own regions)
+                page_handles = [handler.alloc(pool.page_bytes) for _ in range(n)]
+                for i, handle in enumerate(page_handles):
+                    if handle is not None:
+                        pool.copy_in(handle.address, pool.page_bytes, columns, i, i + 1)
+            keys += ns_keys
+            handles += page_handles
+            lengths += [pool.page_bytes] * n
+            owners += [(batch, i) for i in range(n)]
+        if keys:
+            sealing = handler.seal(keys, handles, lengths)
+            sealings.append((None, 0, sealing))
+        for batch, first, sealing in sealings:
+            results = sealing.wait()
+            if batch is not None:
+                batch.results[first : first + len(results)] = results
+            else:
+                for (owner, i), ok in zip(owners, results):
+                    owner.results[i] = ok
+        self._account_write(batches, time.perf_counter() - start)
+
+    def _read(self, batches: list[_Batch], host_indices: list[torch.Tensor | None]) -> None:
+        """One leased lookup for every batch's pages (the host pointers are computed while it
+        is in flight), then one copy per page part of each hit into the host pool. A page
+        stored with another length is a miss; a lease that ended mid-copy makes every page a
+        miss (not proven). Fills each batch's `results`."""
+        start = time.perf_counter()
+        all_keys = [k for b in batches for k in b.pool.keys(b.keys)]
+        lookup = self.handler.lookup(all_keys, lease=True)  # sent now
+        try:
+            ready = [self._prepare(b, idx, "read") for b, idx in zip(batches, host_indices)]
+        except BaseException:
+            lookup.release()
+            raise
+        with lookup as found:
+            addresses, lengths = found.addresses, found.lengths
+            offset = 0
+            for batch, ok in zip(batches, ready):
+                n, pool = len(batch.keys), batch.pool
+                seg = slice(offset, offset + n)
+                offset += n
+                if not ok:
+                    continue
+                hit = lengths[seg] == pool.page_bytes
+                batch.results = hit.tolist()
+                columns, sources = batch.columns, addresses[seg]
+                if not hit.all():  # copy the hits only
+                    sources = sources[hit]
+                    columns = [ptrs[hit] for ptrs in columns]
+                if sources.size:
+                    self._copy_out(pool, sources, columns)
+                for i in np.flatnonzero((lengths[seg] != 0) & ~hit):  # another geometry
+                    log.warning(
+                        "pool %s: page %s has %d bytes, expected %d: treated as a miss",
+                        pool.name,
+                        batch.keys[i],
+                        lengths[seg][i],
+                        pool.page_bytes,
+                    )
+            if not found.release(confirm=True):  # the lease ended mid-copy: not proven
+                log.warning("read: the lease on %d pages ended during the copy", len(all_keys))
+                for batch in batches:
+                    batch.results = [False] * len(batch.keys)
+        self._account_read(batches, time.perf_counter() - start)
+
+    def _copy_out(self, pool: PoolIO, addresses: np.ndarray, columns: list[np.ndarray]) -> None:
+        pool.copy_out(addresses, columns)
+
+    # -- v1: the KV pool ---------------------------------------------------------------------
 
     def batch_set_v1(
         self,
@@ -262,47 +342,18 @@ class MaruStorage(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """Copy each page's parts from the host pool into one shared allocation, then register
-        the whole batch with one RPC."""
-        self._require_pool()
+        """Copy each KV page's parts from the host pool into one shared allocation, then
+        register the batch (in two pieces when large: the first in flight while the second
+        is copied)."""
+        kv = self._require_pool()
         if not keys:
             return []
-        start = time.perf_counter()
-        n = len(keys)
-        columns = self._part_pointers(host_indices, n)
-        if columns is None:
-            log.error("batch_set_v1: %d host indices for %d keys", host_indices.numel(), n)
-            return [False] * n
-        page_bytes = self._page_bytes
-        ns_keys = self._keys(keys)
-        # The common case: one contiguous run of chunks, sealed piece by piece: each piece's
-        # registration is in flight while the next piece is copied.
-        run = self.handler.alloc(page_bytes, n)
-        if run is not None:
-            step = max(PIPELINE_MIN_PAGES, -(-n // PIPELINE_PIECES))
-            sealings = []
-            for first in range(0, n, step):
-                last = min(n, first + step)
-                piece = run.slice(first, last)
-                self._copy_in(piece.address, piece.stride, columns, first, last)
-                sealings.append(self.handler.seal(ns_keys[first:last], piece, page_bytes))
-            results = [ok for sealing in sealings for ok in sealing.wait()]
-        else:  # no free run: page by page (each may evict in our own regions)
-            handles = [self.handler.alloc(page_bytes) for _ in range(n)]
-            for i, handle in enumerate(handles):
-                if handle is not None:
-                    self._copy_in(handle.address, page_bytes, columns, i, i + 1)
-            results = self.handler.seal(ns_keys, handles, page_bytes).wait()
-        elapsed = time.perf_counter() - start
-        ok = sum(results)
-        with self._stats_lock:
-            self.counters["bytes_written"] += ok * page_bytes
-            self.counters["pages_written"] += ok
-            self.counters["set_seconds"] += elapsed
-            if self.enable_metrics:
-                self._backup_pgs.append(len(keys))
-                self._backup_bw.append(ok * page_bytes / max(elapsed, 1e-9) / 1e9)
-        return results
+        if kv.logical:
+            return [True] * len(keys)
+        batch = _Batch(kv, list(keys))
+        if self._prepare(batch, host_indices, "batch_set_v1"):
+            self._write([batch], pipelined=True)
+        return batch.results
 
     def batch_get_v1(
         self,
@@ -310,68 +361,185 @@ class MaruStorage(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """One lookup RPC (leasing the pages so no instance evicts or deletes them mid-copy;
-        the host pointers are computed while it is in flight), then one copy per page part
-        from the shared mapping into the host pool. A page stored with another length is a
-        miss."""
-        self._require_pool()
+        """One lookup RPC (leasing the pages so no instance evicts or deletes them mid-copy),
+        then one copy per page part from the shared mapping into the host pool."""
+        kv = self._require_pool()
         if not keys:
             return []
-        start = time.perf_counter()
-        n = len(keys)
-        lookup = self.handler.lookup(self._keys(keys), lease=True)  # sent now: the server
-        try:
-            columns = self._part_pointers(host_indices, n)  # looks up while we compute these
-        except BaseException:
-            lookup.release()
-            raise
-        page_bytes = self._page_bytes
-        with lookup as found:
-            addresses, lengths = found.addresses, found.lengths
-            if columns is None:
-                log.error("batch_get_v1: %d host indices for %d keys", host_indices.numel(), n)
-                return [False] * n
-            hit = lengths == page_bytes
-            results = hit.tolist()
-            sources = addresses
-            if not hit.all():  # copy the hits only
-                sources = sources[hit]
-                columns = [ptrs[hit] for ptrs in columns]
-            self._copy_out(sources, columns)
-            if not found.release(confirm=True):  # the lease ended mid-copy: not proven
-                log.warning("batch_get_v1: the lease on %d pages ended during the copy", n)
-                results = [False] * n
-        for i in np.flatnonzero((lengths != 0) & ~hit):  # stored with another page size
-            log.warning(
-                "page %s has %d bytes, expected %d: treated as a miss",
-                keys[i],
-                lengths[i],
-                page_bytes,
-            )
-        elapsed = time.perf_counter() - start
-        hits = sum(results)
+        if kv.logical:
+            return [True] * len(keys)
+        batch = _Batch(kv, list(keys))
+        self._read([batch], [host_indices])
         # One line per prefetch batch (at most 128 pages): the examples and the P2P test look
         # for it in the second instance's log.
-        log.info("batch_get_v1 result: %d/%d hits", hits, len(keys))
-        with self._stats_lock:
-            self.counters["hits"] += hits
-            self.counters["misses"] += len(keys) - hits
-            self.counters["bytes_read"] += hits * page_bytes
-            self.counters["get_seconds"] += elapsed
-            if self.enable_metrics:
-                self._prefetch_pgs.append(len(keys))
-                self._prefetch_bw.append(hits * page_bytes / max(elapsed, 1e-9) / 1e9)
-        return results
+        log.info("batch_get_v1 result: %d/%d hits", sum(batch.results), len(keys))
+        return batch.results
 
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        """Number of consecutive stored pages from the start, with one RPC."""
-        found = self.handler.batch_exists(self._keys(keys))
-        for i, hit in enumerate(found):
-            if not hit:
-                return i
-        return len(found)
+        """Number of consecutive stored KV pages from the start, with one RPC."""
+        kv = self._require_pool()
+        if kv.logical:
+            return len(keys)
+        return _leading_run(np.array(self.handler.batch_exists(kv.keys(keys)), dtype=bool))
+
+    # -- v2: every pool ----------------------------------------------------------------------
+
+    def _pool_for(self, transfer: PoolTransfer) -> PoolIO | None:
+        pool = self.pools.get(str(transfer.name))
+        if pool is None:
+            log.error("pool %s was never registered: its pages are misses", transfer.name)
+        return pool
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """The usable prefix of `keys` (KV page hashes) given every pool's hit policy, with one
+        RPC for the KV pages and every pool's pages together.
+
+        Sidecar pages are stored under the hash of the KV page they belong to. ALL_PAGES: a
+        pool page for every KV page of the prefix. TRAILING_PAGES: the `len(transfer.keys)`
+        pages ending at the prefix's last page (a Mamba state, an SWA window), so a prefix is
+        restorable only where such a window is complete: `restorable_prefix_pages` lists every
+        such length. BLOCK_GROUPS: the transfer's own keys in groups of `group_pages`; the
+        leading complete groups cover `block_pages` KV pages each; reported as the pool's own
+        verdict, it never shortens the KV hit. An unregistered pool restores nothing."""
+        kv = self._require_pool()
+        n = len(keys)
+        transfers = list(pool_transfers or [])
+        own_keys: list[list[str]] = []  # per transfer: the page hashes to look up
+        for t in transfers:
+            block = t.hit_policy == PoolHitPolicy.BLOCK_GROUPS
+            own_keys.append(list(t.keys or []) if block else list(keys))
+        query: list[str] = [] if kv.logical else kv.keys(keys)
+        pools = [self.pools.get(str(t.name)) for t in transfers]
+        for pool, hashes in zip(pools, own_keys):
+            if pool is not None and not pool.logical:
+                query += pool.keys(hashes)
+        present = np.array(self.handler.batch_exists(query) if query else [], dtype=bool)
+        offset = 0 if kv.logical else n
+        kv_pages = n if kv.logical else _leading_run(present[:n])
+        hit_pages: dict[str, int] = {KV_POOL_NAME: kv_pages} if kv_pages else {}
+        restorable = np.zeros(n + 1, dtype=bool)  # restorable[p]: a prefix of p pages works
+        restorable[1 : kv_pages + 1] = True
+        for t, pool, hashes in zip(transfers, pools, own_keys):
+            name = str(t.name)
+            if pool is None:
+                log.error("batch_exists_v2: pool %s was never registered", name)
+                restorable[:] = False
+                continue
+            if pool.logical:
+                mine = np.ones(len(hashes), dtype=bool)
+            else:
+                mine = present[offset : offset + len(hashes)]
+                offset += len(hashes)
+            if t.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
+                covered = self._block_group_pages(t, mine)
+                if covered:
+                    hit_pages[name] = covered
+                continue
+            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                ok = np.zeros(n + 1, dtype=bool)
+                ok[1 : _leading_run(mine[:kv_pages]) + 1] = True
+            elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                window = max(1, len(t.keys or ()))
+                missing = np.concatenate(([0], np.cumsum(~mine[:kv_pages])))
+                lengths = np.arange(kv_pages + 1)
+                ok = np.zeros(n + 1, dtype=bool)
+                starts = np.maximum(0, lengths - window)
+                ok[: kv_pages + 1] = (missing[lengths] - missing[starts]) == 0
+                ok[0] = False
+            else:
+                log.error("batch_exists_v2: pool %s has unknown hit policy %s", name, t.hit_policy)
+                ok = np.zeros(n + 1, dtype=bool)
+            own = np.flatnonzero(ok)
+            if own.size:
+                hit_pages[name] = int(own[-1])
+            restorable &= ok
+        lengths = np.flatnonzero(restorable)
+        final = int(lengths[-1]) if lengths.size else 0
+        return PoolTransferResult(final, hit_pages, lengths.tolist())
+
+    @staticmethod
+    def _block_group_pages(transfer: PoolTransfer, present: np.ndarray) -> int:
+        """KV pages covered by the leading complete groups of a BLOCK_GROUPS pool."""
+        group, block = int(transfer.group_pages), int(transfer.block_pages)
+        if group <= 0 or block <= 0:
+            log.error(
+                "pool %s: BLOCK_GROUPS needs group_pages and block_pages > 0 (got %d, %d)",
+                transfer.name,
+                group,
+                block,
+            )
+            return 0
+        whole = present.size // group
+        groups = present[: whole * group].reshape(whole, group).all(axis=1)
+        return _leading_run(groups) * block
+
+    def _v2_batches(self, transfers: list[PoolTransfer], op: str, writing: bool):
+        """Split a v2 call into per-pool batches; the results of pools that need no IO (not
+        registered, logical, bad indices, or rank-replicated on a rank that does not write)
+        are settled here."""
+        results: dict[str, list[bool]] = {}
+        batches: list[_Batch] = []
+        indices: list[torch.Tensor | None] = []
+        for t in transfers:
+            name, keys = str(t.name), list(t.keys or [])
+            pool = self._pool_for(t)
+            if pool is None:
+                results[name] = [False] * len(keys)
+            elif not keys:
+                results[name] = []
+            elif pool.logical:
+                results[name] = [True] * len(keys)
+            elif writing and pool.replicated and not self.storage_config.is_storage_writer:
+                # The same bytes on every rank: the writer rank stores them (SGLang's
+                # controllers count a non-writer's backup as done, as here).
+                results[name] = [True] * len(keys)
+            else:
+                batch = _Batch(pool, keys)
+                if writing and not self._prepare(batch, t.host_indices, op):
+                    results[name] = batch.results
+                    continue
+                batches.append(batch)
+                indices.append(t.host_indices)
+        return results, batches, indices
+
+    def batch_get_v2(
+        self,
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> dict[str, list[bool]]:
+        """Read every transfer's pages into its host pool: one leased lookup for all pools,
+        one copy per page part. A pool's result list is per key."""
+        results, batches, indices = self._v2_batches(transfers, "batch_get_v2", writing=False)
+        if batches:
+            self._read(batches, indices)
+        for batch in batches:
+            results[batch.pool.name] = batch.results
+        log.info(
+            "batch_get_v2 result: %s",
+            ", ".join(f"{name} {sum(r)}/{len(r)}" for name, r in results.items()),
+        )
+        return results
+
+    def batch_set_v2(
+        self,
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> dict[str, list[bool]]:
+        """Write every transfer's pages from its host pool: one allocation run and one copy
+        per page part per pool, one registration RPC for all pools."""
+        results, batches, _ = self._v2_batches(transfers, "batch_set_v2", writing=True)
+        if batches:
+            self._write(batches)
+        for batch in batches:
+            results[batch.pool.name] = batch.results
+        return results
 
     # -- legacy path (interface_v1 off) ------------------------------------------------------
 
@@ -383,11 +551,11 @@ class MaruStorage(HiCacheStorage):
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
-        self._require_pool()
+        kv = self._require_pool()
         if target_locations is None:
             target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
         out: list[torch.Tensor | None] = []
-        with self.handler.lookup(self._keys(keys), lease=True) as found:
+        with self.handler.lookup(kv.keys(keys), lease=True) as found:
             for info, target in zip(found.infos(), target_locations):
                 nbytes = target.numel() * target.element_size()
                 if info is None or info.length != nbytes or not target.is_contiguous():
@@ -399,8 +567,9 @@ class MaruStorage(HiCacheStorage):
                 out = [None] * len(keys)
         hits = sum(t is not None for t in out)
         with self._stats_lock:
-            self.counters["hits"] += hits
-            self.counters["misses"] += len(keys) - hits
+            counters = self._counters(KV_POOL_NAME)
+            counters["hits"] += hits
+            counters["misses"] += len(keys) - hits
         return out
 
     def set(
@@ -415,7 +584,7 @@ class MaruStorage(HiCacheStorage):
         target_locations: Any = None,
         target_sizes: Any = None,
     ) -> bool:
-        self._require_pool()
+        kv = self._require_pool()
         if values is None or len(values) != len(keys):
             return False
         handles, lengths = [], []
@@ -427,18 +596,54 @@ class MaruStorage(HiCacheStorage):
                 _memmove(handle.address, value.data_ptr(), nbytes)
             handles.append(handle)
             lengths.append(nbytes)
-        return all(self.handler.seal(self._keys(keys), handles, lengths).wait())
+        return all(self.handler.seal(kv.keys(keys), handles, lengths).wait())
 
     def exists(self, key: str) -> bool:
-        return self.handler.exists(self._keys([key])[0])
+        return self.handler.exists(self._require_pool().keys([key])[0])
 
     # -- housekeeping ------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Remove every page of this instance's namespace (other models are untouched)."""
-        if self.namespace:
-            removed = self.handler.delete_prefix(self.namespace + ":")
-            log.info("MaruStorage: cleared %d pages of namespace %s", removed, self.namespace)
+        """Remove every page of this instance's namespaces (each registered pool's; other
+        models, ranks and geometries are untouched)."""
+        for namespace in sorted({p.namespace for p in self.pools.values() if p.namespace}):
+            removed = self.handler.delete_prefix(namespace + ":")
+            log.info("MaruStorage: cleared %d pages of namespace %s", removed, namespace)
+
+    def _counters(self, pool: str) -> dict[str, int]:
+        counters = self._pool_counters.get(pool)
+        if counters is None:
+            counters = self._pool_counters[pool] = dict.fromkeys(_COUNTERS, 0)
+        return counters
+
+    def _account_write(self, batches: Sequence[_Batch], elapsed: float) -> None:
+        written = 0
+        with self._stats_lock:
+            for batch in batches:
+                ok = sum(batch.results)
+                counters = self._counters(batch.pool.name)
+                counters["bytes_written"] += ok * batch.pool.page_bytes
+                counters["pages_written"] += ok
+                written += ok * batch.pool.page_bytes
+            self._seconds["set_seconds"] += elapsed
+            if self.enable_metrics:
+                self._backup_pgs.append(sum(len(b.keys) for b in batches))
+                self._backup_bw.append(written / max(elapsed, 1e-9) / 1e9)
+
+    def _account_read(self, batches: Sequence[_Batch], elapsed: float) -> None:
+        read = 0
+        with self._stats_lock:
+            for batch in batches:
+                hits = sum(batch.results)
+                counters = self._counters(batch.pool.name)
+                counters["hits"] += hits
+                counters["misses"] += len(batch.keys) - hits
+                counters["bytes_read"] += hits * batch.pool.page_bytes
+                read += hits * batch.pool.page_bytes
+            self._seconds["get_seconds"] += elapsed
+            if self.enable_metrics:
+                self._prefetch_pgs.append(sum(len(b.keys) for b in batches))
+                self._prefetch_bw.append(read / max(elapsed, 1e-9) / 1e9)
 
     def _reset_metrics(self) -> None:
         self._prefetch_pgs: list[int] = []
@@ -446,14 +651,25 @@ class MaruStorage(HiCacheStorage):
         self._prefetch_bw: list[float] = []
         self._backup_bw: list[float] = []
 
+    @property
+    def counters(self) -> dict[str, Any]:
+        """Cumulative counters over every pool, and per pool under `pools`."""
+        with self._stats_lock:
+            pools = {name: dict(c) for name, c in self._pool_counters.items()}
+            seconds = dict(self._seconds)
+        totals: dict[str, Any] = {key: sum(c[key] for c in pools.values()) for key in _COUNTERS}
+        totals.update(seconds)
+        totals["pools"] = pools
+        return totals
+
     def get_stats(self) -> Any:
         """SGLang's StorageMetrics (pages per batch and GB/s, drained on each call), with our
-        cumulative counters attached as `.maru`."""
+        cumulative counters (totals, and per pool under `pools`) attached as `.maru`."""
+        counters = self.counters
+        cls = _storage_metrics_cls()
+        if cls is None:
+            return counters
         with self._stats_lock:
-            cls = _storage_metrics_cls()
-            counters = dict(self.counters)
-            if cls is None:
-                return counters
             metrics = cls()
             metrics.prefetch_pgs.extend(self._prefetch_pgs)
             metrics.backup_pgs.extend(self._backup_pgs)
@@ -464,4 +680,6 @@ class MaruStorage(HiCacheStorage):
         return metrics
 
     def close(self) -> None:
+        """Detach: end this instance on the server (its leases, pins and regions go at once;
+        the pages it stored stay readable by others until evicted)."""
         self.handler.close()

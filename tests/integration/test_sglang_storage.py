@@ -175,14 +175,6 @@ def test_layer_first_is_rejected_with_advice(maru_server):
     storage.close()
 
 
-def test_sidecar_pools_are_refused(maru_server):
-    storage = _storage(maru_server.url, Geometry())
-    storage.register_mem_host_pool_v2(storage.mem_pool_host, "kv")  # the KV anchor is fine
-    with pytest.raises(NotImplementedError, match="mamba"):
-        storage.register_mem_host_pool_v2(storage.mem_pool_host, "mamba")
-    storage.close()
-
-
 def test_config_errors_name_the_key(maru_server):
     with pytest.raises(ConfigError, match="maru_pool_sise"):
         MaruStorage(storage_config(extra=_extra(maru_server.url, maru_pool_sise="1G")), {})
@@ -303,10 +295,10 @@ def test_a_copy_that_outlives_its_lease_is_a_miss(maru_server_factory, tmp_path)
     original = reader._copy_out
     slow = {"copies": 0}
 
-    def slow_copy(sources, columns):
+    def slow_copy(pool, sources, columns):
         slow["copies"] += 1
         _wait_for_no_leases(reader.handler)  # the server expired the lease mid-copy
-        original(sources, columns)
+        original(pool, sources, columns)
 
     reader._copy_out = slow_copy
     dst = page_indices(4, 2, g.page_size)

@@ -1,0 +1,259 @@
+"""One SGLang host pool as `MaruStorage` stores it: its key namespace, the byte geometry of
+one page, and the copies between the host pool and shared memory.
+
+SGLang's HiCache registers the KV pool (`register_mem_pool_host`) and, for hybrid models, one
+more host pool per kind of state (`register_mem_host_pool_v2(pool, name)`: Mamba state, SWA KV,
+DSA indexer, DeepSeek-V4 compressed pools, draft pools). Every pool describes a page with
+`get_page_buffer_meta(indices)`: one pointer and size per part of each page. A page is stored
+as one shared allocation holding its parts back to back (one copy per part each way).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+from maru.client.memcopy import copy_many
+
+log = logging.getLogger(__name__)
+
+KV_POOL_NAME = "kv"
+_ALLOC_ALIGN = 4096  # MaruConfig.chunk_size_bytes must be a multiple of this
+
+# Host pool classes whose pages are the same on every TP rank of an MLA model (Mooncake and
+# the file backend key them without the TP rank too). Only these are shared across ranks: a
+# pool not listed keeps the rank in its namespace, which can cost hits but never mixes two
+# ranks' different bytes under one key. Mamba state is TP-sharded even in MLA models.
+RANK_REPLICATED_POOLS = frozenset(
+    {
+        "MLATokenToKVPoolHost",
+        "DSAIndexerPoolHost",
+        "DeepSeekV4PagedHostPool",
+        "DeepSeekV4StateHostPool",
+        "LogicalHostPool",
+    }
+)
+
+
+def chunk_size_for(page_bytes: int) -> int:
+    """The allocation granularity that wastes nothing on `page_bytes`-sized values: every value
+    MaruStorage stores is one whole page of one pool, so one chunk per page (rounded up to
+    4 KiB)."""
+    return max(_ALLOC_ALIGN, -(-page_bytes // _ALLOC_ALIGN) * _ALLOC_ALIGN)
+
+
+def _digest(fields: Sequence[str]) -> str:
+    return hashlib.sha256("|".join(fields).encode()).hexdigest()[:16]
+
+
+def _scope_fields(storage_config: HiCacheStorageConfig) -> list[str]:
+    """What every pool's namespace shares: PP stage, attention-CP and DP ranks."""
+    return [
+        f"pp={storage_config.pp_rank}/{storage_config.pp_size}",
+        f"cp={storage_config.attn_cp_rank}/{storage_config.attn_cp_size}",
+        f"dp={storage_config.dp_rank}",
+    ]
+
+
+def page_namespace(storage_config: HiCacheStorageConfig, pool: Any) -> str:
+    """The KV pool's namespace: a short hash of everything that must match for two instances
+    to share a KV page.
+
+    Model, page geometry, dtype and the byte order of a page (which differs between
+    `page_first` and `page_first_direct`), and for MHA the TP shard (MLA pages are the same on
+    every rank). A mismatch in any field gives a different namespace: a miss, never garbage.
+    """
+    is_mla = bool(storage_config.is_mla_model)
+    fields: list[str] = [
+        f"model={storage_config.model_name or ''}",
+        f"dtype={pool.dtype}",
+        f"layers={pool.layer_num}",
+        f"page={pool.page_size}",
+        f"layout={pool.layout}",
+    ]
+    if is_mla:
+        fields += [
+            "attn=mla",
+            f"lora={getattr(pool, 'kv_lora_rank', '')}",
+            f"rope={getattr(pool, 'qk_rope_head_dim', '')}",
+            f"dim={getattr(pool, 'kv_cache_dim', '')}",
+            f"dcp={storage_config.dcp_rank}/{storage_config.dcp_size}",
+        ]
+    else:
+        fields += [
+            "attn=mha",
+            f"heads={pool.head_num}",
+            f"head_dim={pool.head_dim}",
+            f"v_head_dim={getattr(pool, 'v_head_dim', pool.head_dim)}",
+            f"tp={storage_config.tp_rank}/{storage_config.tp_size}",
+        ]
+    return _digest(fields + _scope_fields(storage_config))
+
+
+def is_rank_replicated(storage_config: HiCacheStorageConfig, pool: Any) -> bool:
+    """Whether `pool`'s pages are identical on every TP rank (so one rank writes them and
+    every rank reads them)."""
+    if not storage_config.is_mla_model:
+        return False
+    return any(cls.__name__ in RANK_REPLICATED_POOLS for cls in type(pool).__mro__)
+
+
+def sidecar_namespace(
+    storage_config: HiCacheStorageConfig,
+    name: str,
+    pool: Any,
+    part_sizes: Sequence[int],
+    replicated: bool,
+) -> str:
+    """A sidecar pool's namespace: the pool's name and class, its page geometry (the byte size
+    of each part of a page: heads, state shapes and dims all show there) and dtype, layout,
+    page size and layer count, the model, and the rank scope (the TP shard unless the pool is
+    rank-replicated; then the DCP shard). No two pools, and no two geometries, share keys."""
+    fields = [
+        f"pool={name}",
+        f"class={type(pool).__name__}",
+        f"model={storage_config.model_name or ''}",
+        f"dtype={getattr(pool, 'dtype', '')}",
+        f"layers={getattr(pool, 'layer_num', '')}",
+        f"page={getattr(pool, 'page_size', '')}",
+        f"layout={getattr(pool, 'layout', '')}",
+        f"parts={','.join(map(str, part_sizes))}",
+    ]
+    if replicated:
+        fields.append(f"dcp={storage_config.dcp_rank}/{storage_config.dcp_size}")
+    else:
+        fields.append(f"tp={storage_config.tp_rank}/{storage_config.tp_size}")
+    return _digest(fields + _scope_fields(storage_config))
+
+
+def _affine_page_pointers(pool: Any, parts: int) -> list[tuple[int, int]] | None:
+    """In page-first layouts each page part's pointer is affine in the page's first index t:
+    `ptr = base + t * stride`. Learn (base, stride) per part from `get_page_buffer_meta` on two
+    pages and check it on two more; None (keep calling `get_page_buffer_meta`, a Python loop
+    per page) if the pool does not follow it."""
+    page = pool.page_size
+    pages = int(getattr(pool, "size", 0)) // page
+    if pages < 4:
+        return None
+
+    def meta(first_page: int) -> tuple[list[int], list[int]]:
+        t = first_page * page
+        ptrs, sizes = pool.get_page_buffer_meta(torch.arange(t, t + page, dtype=torch.int64))
+        return list(ptrs), list(sizes)
+
+    p0, s0 = meta(0)
+    p1, _ = meta(1)
+    if len(p0) != parts or len(p1) != parts:
+        return None
+    model = []
+    for j in range(parts):
+        stride, rem = divmod(p1[j] - p0[j], page)
+        if rem:
+            return None
+        model.append((p0[j], stride))
+    for probe in (pages // 2, pages - 1):
+        ptrs, sizes = meta(probe)
+        if sizes != s0 or ptrs != [b + probe * page * st for b, st in model]:
+            return None
+    return model
+
+
+class PoolIO:
+    """How one registered host pool's pages are keyed and copied.
+
+    `page_bytes == 0` marks a logical pool (DeepSeek-V4's KV anchor holds no bytes): its pages
+    are never stored, always "present", and the sidecars decide the hit. A pool whose
+    `get_page_buffer_meta` cannot describe its pages (a Mamba pool with registered slot side
+    states) is copied whole-page through `get_data_page` / `set_from_flat_data_page` instead:
+    one more copy each way, but still one metadata RPC per batch.
+    """
+
+    def __init__(self, name: str, pool: Any, namespace: str, replicated: bool):
+        self.name = name
+        self.pool = pool
+        self.namespace = namespace
+        self.replicated = replicated
+        self.page_size = int(getattr(pool, "page_size", 1) or 1)
+        self.whole_page = False
+        self.affine: list[tuple[int, int]] | None = None
+        probe = torch.arange(self.page_size, dtype=torch.int64)
+        meta = None
+        try:
+            meta = pool.get_page_buffer_meta(probe)  # None: a logical pool
+        except NotImplementedError as exc:
+            log.info("pool %s: %s; stored whole-page", name, exc)
+            self.whole_page = True
+        if self.whole_page:
+            dummy = pool.get_dummy_flat_data_page()
+            self.part_sizes = [dummy.numel() * dummy.element_size()]
+        elif meta is None:  # a logical pool: no bytes behind its pages
+            self.part_sizes = []
+        else:
+            ptrs, sizes = meta
+            self.part_sizes = [int(s) for s in sizes]
+            if len(ptrs) != len(self.part_sizes):
+                raise ValueError(f"pool {name}: get_page_buffer_meta gave unpaired lists")
+            self.affine = _affine_page_pointers(pool, len(ptrs))
+        self.parts = len(self.part_sizes)
+        self.page_bytes = sum(self.part_sizes)
+
+    @property
+    def logical(self) -> bool:
+        return self.page_bytes == 0
+
+    def keys(self, keys: Sequence[str]) -> list[str]:
+        ns = self.namespace
+        return [f"{ns}:{k}" for k in keys]
+
+    def pointers(self, host_indices: torch.Tensor | None, pages: int) -> list[np.ndarray] | None:
+        """Per page part, the int64 pointers of that part of each page of `host_indices` (None
+        if the indices do not cover exactly `pages` pages). Computed from the first index of
+        each page (`_affine_page_pointers`), else through `get_page_buffer_meta`. A whole-page
+        pool gets the pages' first indices instead (its copies go through the pool)."""
+        page = self.page_size
+        if host_indices is None or host_indices.numel() != pages * page:
+            return None
+        firsts = host_indices.cpu().numpy()[::page].astype(np.int64)  # no Python loop per page
+        if self.whole_page:
+            return [firsts]
+        if self.affine is not None:
+            return [firsts * stride + base for base, stride in self.affine]
+        ptrs, _ = self.pool.get_page_buffer_meta(host_indices.cpu())
+        parts = self.parts
+        return [np.array(ptrs[j::parts], dtype=np.int64) for j in range(parts)]
+
+    def copy_in(
+        self, dst: int, stride: int, columns: list[np.ndarray], first: int, last: int
+    ) -> None:
+        """Copy pages [first, last) of a batch from the host pool to `dst`, `stride` apart,
+        each page's parts back to back."""
+        if self.whole_page:
+            for i, index in enumerate(columns[0][first:last].tolist()):
+                data = self.pool.get_data_page(index, flat=True).contiguous()
+                ctypes.memmove(dst + i * stride, data.data_ptr(), self.page_bytes)
+            return
+        starts = dst + np.arange(last - first, dtype=np.int64) * stride
+        offset = 0
+        for ptrs, size in zip(columns, self.part_sizes):
+            copy_many(starts + offset, ptrs[first:last], size)
+            offset += size
+
+    def copy_out(self, addresses: np.ndarray, columns: list[np.ndarray]) -> None:
+        """Copy pages from `addresses` (each page's parts back to back) into the host pool."""
+        if self.whole_page:
+            page = self.pool.get_dummy_flat_data_page()
+            for address, index in zip(addresses.tolist(), columns[0].tolist()):
+                ctypes.memmove(page.data_ptr(), address, self.page_bytes)
+                self.pool.set_from_flat_data_page(index, page)
+            return
+        offset = 0
+        for ptrs, size in zip(columns, self.part_sizes):
+            copy_many(ptrs, addresses + offset, size)
+            offset += size
