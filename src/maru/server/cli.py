@@ -126,8 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--heartbeat-timeout",
         type=float,
         default=15.0,
-        help="seconds without any message after which a client is considered dead: its pins "
-        "and leases are released and its regions returned (default: 15)",
+        help="seconds without any message after which a client whose process the server "
+        "cannot watch (it uses TCP, not the local socket) is considered dead: its pins and "
+        "leases are released and its regions returned. A client on the local socket is "
+        "reaped when its process exits, and never while it lives (default: 15)",
+    )
+    p.add_argument(
+        "--reap-hold",
+        type=float,
+        default=300.0,
+        help="seconds the regions of a client reaped for its silence are kept from other "
+        "clients, in case its process was only paused (SIGSTOP, a long GC pause) and resumes "
+        "writing into them (default: 300)",
     )
     p.add_argument(
         "--journal-fsync-ms",
@@ -357,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             high_watermark=args.eviction_high_watermark,
             low_watermark=args.eviction_low_watermark,
             lease_seconds=args.lease_timeout,
+            reap_hold=args.reap_hold,
         )
         warn_if_pure_python()
         persistence.restore(registry, snapshot, records)

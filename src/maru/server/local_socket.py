@@ -50,11 +50,22 @@ def local_address(spec: str | None, endpoint: str, tag: str = "") -> str | None:
     return spec
 
 
-class _Connection:
-    __slots__ = ("fd", "out", "reader", "sock", "want")
+class Peer:
+    """A client connection as the request handler sees it: `sock` (whose peer process the
+    server can watch) and the instance it was last seen to speak for."""
+
+    __slots__ = ("instance", "sock")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
+        self.instance: str | None = None
+
+
+class _Connection(Peer):
+    __slots__ = ("fd", "out", "reader", "want")
+
+    def __init__(self, sock: socket.socket):
+        super().__init__(sock)
         self.fd = sock.fileno()
         self.reader = protocol.StreamReader()
         self.out = bytearray()
@@ -90,7 +101,7 @@ class LocalSocketServer:
         for conn in self.connections.values():
             poller.register(conn.sock, conn.want)
 
-    def serve(self, events: dict[Any, int], handle: Callable[[bytes], bytes]) -> None:
+    def serve(self, events: dict[Any, int], handle: Callable[[bytes, Peer], bytes]) -> None:
         """Accept, read, answer and flush whatever `events` (one poll's result; zmq.Poller
         reports plain sockets by file descriptor) says is ready. Never raises for a client's
         misbehaviour: the connection is closed instead."""
@@ -115,7 +126,7 @@ class LocalSocketServer:
                 self._close(conn, str(exc))
                 continue
             for frame in frames:
-                reply = handle(frame)
+                reply = handle(frame, conn)
                 conn.out += protocol.stream_prefix(reply)
                 conn.out += reply
             if fd in self.connections:

@@ -122,6 +122,7 @@ def registry_stats(registry: Registry) -> dict[str, Any]:
             "pins": sum(i.pins.values()),
             "leases": len(i.leases),
             "idle_seconds": round(max(0.0, now - i.last_seen), 3),
+            "watched_pids": registry.processes.pids(i.instance_id),  # see maru.server.processes
         }
     orphaned = [r for r in list(regions.values()) if r.returned]
     eviction = registry.eviction
@@ -138,6 +139,7 @@ def registry_stats(registry: Registry) -> dict[str, Any]:
             "region_bytes": sum(r.length for r in orphaned),
             "keys": sum(r.live_keys for r in orphaned),
             "bytes_stored": sum(r.live_bytes for r in orphaned),
+            "held": len(regions.held),  # of them, kept from reuse after a reap for silence
         },
         "counters": dict(registry.counters),
         "server_pid": os.getpid(),
@@ -253,6 +255,7 @@ class MaruCollector:
             ("regions", "maru_orphaned_regions", "Returned regions kept alive by their keys."),
             ("region_bytes", "maru_orphaned_region_bytes", "Bytes of those regions."),
             ("keys", "maru_orphaned_keys", "Keys in those regions."),
+            ("held", "maru_held_regions", "Of them, regions kept from reuse (--reap-hold)."),
         ):
             yield GaugeMetricFamily(metric, doc, value=orphaned.get(field, 0))
 

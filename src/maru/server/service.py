@@ -33,7 +33,7 @@ from maru.common.protocol import (
 )
 from maru.server import persistence
 from maru.server.journal import Journal, JournalWriteError
-from maru.server.local_socket import LocalSocketServer, local_address
+from maru.server.local_socket import LocalSocketServer, Peer, local_address
 from maru.server.logs import Throttle
 from maru.server.registry import Registry
 
@@ -379,8 +379,9 @@ class MaruService:
 
     # -- loop --------------------------------------------------------------------------------
 
-    def handle_frame(self, frame: bytes) -> bytes:
-        """Turn one request frame into one reply frame. Never raises.
+    def handle_frame(self, frame: bytes, peer: Peer | None = None) -> bytes:
+        """Turn one request frame into one reply frame. Never raises. `peer`: the Unix
+        connection it came on (its process is watched for the instance it speaks for).
 
         A successful request's time, from decoding its frame to its encoded reply, goes into
         its operation's histogram; a failed one counts as an error of its operation (or as an
@@ -401,6 +402,9 @@ class MaruService:
             sessions = self.registry.sessions
             iid = body["iid"] = sessions.get(session) if type(session) is str else None
             self.registry.touch(iid)  # any message is a sign of life
+            if peer is not None and iid is not None and peer.instance != iid:
+                peer.instance = iid  # once per connection and instance: a process to watch
+                self.registry.processes.watch(iid, peer.sock)
             handler = self._handlers.get(msg_type)
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg_type}")
@@ -527,6 +531,7 @@ class MaruService:
         records) and the snapshot, the way back, is retried every `SNAPSHOT_RETRY_S`."""
         now = time.monotonic() if now is None else now
         self.registry.leases.expire(now)
+        self.registry.regions.end_holds(now)
         journal = self.journal
         if now >= self._next_reap and (journal is None or journal.writable):
             self.registry.reap(self.heartbeat_timeout, now)
@@ -585,5 +590,6 @@ class MaruService:
         self.socket.close(linger=0)
         if self.local is not None:
             self.local.close()
+        self.registry.processes.close()
         if self.journal is not None:
             self.journal.close()
