@@ -37,6 +37,7 @@ import zmq
 from maru.client.busypoll import recv_spin
 from maru.common import protocol
 from maru.common.errors import MaruConnectionError, MaruServerError
+from maru.common.peer import peer_credentials
 from maru.common.protocol import ErrorCode, unix_address
 
 log = logging.getLogger(__name__)
@@ -216,6 +217,11 @@ class _LocalChannel(_Channel):
             sock.close()
             self.client.local_unreachable(self.address, exc)
             return False
+        uid = peer_credentials(sock)[1]
+        if uid != self.client.server_uid:  # not the server's: maybe an impostor (P5)
+            sock.close()
+            self.client.local_refused(self.address, uid)
+            return False
         sock.setblocking(False)
         self.sock = sock
         self.poller = select.poll()
@@ -342,17 +348,38 @@ class RpcClient:
         self.context = zmq.Context.instance()
         self.request_ids = itertools.count(1)
         self.local_address: str | None = None  # the server's Unix socket, once it named one
+        self.server_uid: int | None = None  # the user it must run as (the HANDSHAKE says)
         self._unreachable_logged: set[str] = set()
         self._local = threading.local()
         self._channels: list[_Channel] = []
         self._channels_lock = threading.Lock()
         self._closed = False
 
-    def use_local_socket(self, address: str | None) -> None:
-        """Send later requests over the server's Unix socket at `address` (None: ZMQ only)."""
+    def use_local_socket(self, address: str | None, uid: int | None) -> None:
+        """Send later requests over the server's Unix socket at `address` (None: ZMQ only),
+        if the process listening there runs as `uid`, the server's user (the server's
+        HANDSHAKE reply says both). Any other user's process at that address (a name is
+        public: another user can take it while the server restarts) is refused."""
+        if not isinstance(uid, int) or isinstance(uid, bool):
+            address = None
         if address != self.local_address:
-            log.debug("maru-server local socket: %s", address)
-        self.local_address = address
+            log.debug("maru-server local socket: %s (uid %s)", address, uid)
+        self.local_address, self.server_uid = address, uid
+
+    def local_refused(self, address: str, uid: int) -> None:
+        """A connection to the local socket found another user's process there: stop using
+        that address (until a handshake names one again) and say so, once."""
+        log.error(
+            "maru-server's local socket %s is served by uid %d, not by the server's uid %s: "
+            "another user's process may be impersonating maru-server; not using it (%s "
+            "instead)",
+            address,
+            uid,
+            self.server_uid,
+            self.url,
+        )
+        if self.local_address == address:
+            self.local_address = None
 
     def local_unreachable(self, address: str, exc: OSError) -> None:
         if address not in self._unreachable_logged:

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -200,7 +201,8 @@ def _read_identity(state_dir: Path) -> dict[str, Any] | str | None:
 
 def _write_identity(state_dir: Path, record: dict[str, Any]) -> None:
     tmp = state_dir / (POOL_IDENTITY + ".tmp")
-    tmp.write_text(json.dumps(record))
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(json.dumps(record))
     os.replace(tmp, state_dir / POOL_IDENTITY)
 
 
@@ -319,8 +321,26 @@ def discard_state(state_dir: Path) -> None:
 def lock_state_dir(state_dir: Path) -> int:
     """One server per state dir: a second one (same port by mistake, or a restart while the
     old process still runs) must not replay or rewrite the journal the first one is writing."""
-    state_dir.mkdir(parents=True, exist_ok=True)
+    secure_state_dir(state_dir)
     return lock_with_pid(state_dir / "server.lock", f"state dir {state_dir}")
+
+
+def secure_state_dir(state_dir: Path) -> None:
+    """The state dir holds the secret that signs tokens and sessions, and the registry: only
+    the server's user may read it (issue 13, P5). Created 0700; an existing one, and the files
+    in it, lose their group and other permissions (logged). The server creates its files
+    0600."""
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for path in [state_dir, *state_dir.iterdir()]:
+        st = path.lstat()
+        if (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)) and st.st_mode & 0o077:
+            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+            log.warning(
+                "%s was mode %o: now %o (state files are for maru-server's user only)",
+                path,
+                stat.S_IMODE(st.st_mode),
+                stat.S_IMODE(st.st_mode) & 0o700,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

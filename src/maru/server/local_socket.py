@@ -25,6 +25,7 @@ from typing import Any
 import zmq
 
 from maru.common import protocol
+from maru.common.peer import peer_credentials
 from maru.common.protocol import unix_address
 
 log = logging.getLogger(__name__)
@@ -226,6 +227,20 @@ class LocalSocketServer:
         self.listener.close()
         if self._path is not None:
             Path(self._path).unlink(missing_ok=True)
+
+
+def holder_of(address: str) -> str:
+    """Who listens at a Unix socket address, for an error message: "pid P (uid U)"."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(unix_address(address))
+        pid, uid, _ = peer_credentials(probe)
+        return f"pid {pid} (uid {uid})"
+    except OSError as exc:
+        return f"a process that cannot be asked ({exc})"
+    finally:
+        probe.close()
 
 
 def _remove_stale_socket(path: str) -> None:

@@ -6,6 +6,7 @@ handler bug produces an error reply and the loop carries on. The loop never touc
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import os
@@ -33,7 +34,7 @@ from maru.common.protocol import (
 )
 from maru.server import persistence
 from maru.server.journal import Journal, JournalWriteError
-from maru.server.local_socket import LocalSocketServer, Peer, local_address
+from maru.server.local_socket import LocalSocketServer, Peer, holder_of, local_address
 from maru.server.logs import Throttle
 from maru.server.registry import Registry
 
@@ -231,14 +232,37 @@ class MaruService:
         address = local_address(local_socket, self.endpoint, registry.signer.server_tag())
         if address is not None:
             try:
-                self.local = LocalSocketServer(address)
+                self.local = self._listen_locally(address, local_socket == "auto")
             except OSError as exc:
                 if local_socket != "auto":
                     self.socket.close(linger=0)
                     raise OSError(f"cannot listen on --local-socket {address}: {exc}") from exc
-                log.warning("no local socket (%s): clients use %s only", exc, self.endpoint)
+                log.error("no local socket (%s): clients use %s only", exc, self.endpoint)
         if gc_freeze:
             freeze_heap(full=True)  # the restored registry: one full collection, at start-up
+
+    @staticmethod
+    def _listen_locally(address: str, auto: bool) -> LocalSocketServer:
+        """The local socket at `address`. With "auto", a name someone else holds (the TCP port
+        is ours, so it is not another maru-server of this state dir: a process squatting the
+        name, say while this server restarted) is an ERROR naming that process, and the
+        server listens under a new name instead, which the handshake tells clients; clients
+        refuse a socket whose peer is not this server's user (`maru.client.rpc`)."""
+        try:
+            return LocalSocketServer(address)
+        except OSError as exc:
+            if not auto or exc.errno != errno.EADDRINUSE:
+                raise
+        fallback = f"{address}:{secrets.token_hex(4)}"
+        log.error(
+            "local socket %s is taken by %s, not by this server: another process squats "
+            "maru-server's name; listening on %s instead (clients refuse a socket of another "
+            "user, and learn the new name at their next handshake)",
+            address,
+            holder_of(address),
+            fallback,
+        )
+        return LocalSocketServer(fallback)
 
     # -- handlers ----------------------------------------------------------------------------
 
@@ -265,6 +289,7 @@ class MaruService:
             "regions": [h.to_wire() for h in regions],
             "heartbeat_interval": self.heartbeat_timeout / 3,
             "local_socket": self.local.address if self.local is not None else None,
+            "uid": os.getuid(),
         }
 
     def _request_region(self, body: dict[str, Any]) -> dict[str, Any]:
