@@ -43,6 +43,7 @@ from maru.common.protocol import ErrorCode, unix_address
 log = logging.getLogger(__name__)
 
 ReplyHook = Callable[[dict[str, Any]], None]
+LOCAL_RETRY_S = 5.0  # after the server closed a new local connection unanswered: ZMQ meanwhile
 
 
 class PendingReply:
@@ -65,7 +66,16 @@ class PendingReply:
         """The reply's body; raises `MaruConnectionError` (no reply in time) or
         `MaruServerError` (an error reply)."""
         if self.body is None:
-            self._channel.wait_for(self, timeout_ms)
+            try:
+                self._channel.wait_for(self, timeout_ms)
+            except MaruConnectionError:
+                if self.request_id not in self._channel.refused:
+                    raise
+                # The server closed a new local connection without reading it (out of file
+                # descriptors): the request was not served; send it over ZMQ instead.
+                again = self._channel.client._zmq_channel().request(self._msg_type, self._request)
+                again.retry = self.retry
+                return again.result(timeout_ms)
         body = self.body
         assert body is not None
         if body.get("ok", False):
@@ -88,6 +98,7 @@ class _Channel:
         self.client = client
         self.where = where  # for error messages
         self.pending: dict[int, PendingReply] = {}
+        self.refused: set[int] = set()  # requests on a connection the server refused
 
     def _send(self, frame: bytes) -> None:
         raise NotImplementedError
@@ -201,6 +212,8 @@ class _LocalChannel(_Channel):
         super().__init__(client, address)
         self.address = address
         self.sock: socket.socket | None = None
+        self.answered = False  # whether the server has replied on this connection
+        self.refused_until = 0.0  # time.monotonic(): use ZMQ until then
         self.poller = select.poll()
         self.reader = protocol.StreamReader()
 
@@ -209,6 +222,8 @@ class _LocalChannel(_Channel):
         socket: refused or not)."""
         if self.sock is not None:
             return True
+        if self.refused_until and time.monotonic() < self.refused_until:
+            return False
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(self.client.timeout_ms / 1000)
@@ -224,6 +239,7 @@ class _LocalChannel(_Channel):
             return False
         sock.setblocking(False)
         self.sock = sock
+        self.answered = False
         self.poller = select.poll()
         self.poller.register(sock, select.POLLIN)
         self.reader = protocol.StreamReader()
@@ -231,6 +247,12 @@ class _LocalChannel(_Channel):
 
     def _lost(self, why: str) -> None:
         log.info("local socket %s to maru-server closed (%s)", self.address, why)
+        if self.sock is not None and not self.answered:
+            # Closed before any reply: refused (the server is out of file descriptors), not
+            # served. Its requests go over ZMQ (`PendingReply.result`), and so does the
+            # next while the server recovers.
+            self.refused_until = time.monotonic() + LOCAL_RETRY_S
+            self.refused = set(self.pending)
         if self.sock is not None:
             self.sock.close()
         self.sock = None
@@ -292,6 +314,7 @@ class _LocalChannel(_Channel):
         if not data:
             self._lost("closed by the server")
             return []
+        self.answered = True
         self.reader.feed(data)
         try:
             return self.reader.frames()

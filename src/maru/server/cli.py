@@ -19,6 +19,7 @@ from maru.common.config import ConfigError, parse_size
 from maru.server import persistence
 from maru.server.journal import SNAPSHOT_NAME, Journal, read_records
 from maru.server.keyindex import warn_if_pure_python
+from maru.server.local_socket import raise_fd_limit
 from maru.server.logs import configure_logging
 from maru.server.metrics import MetricsUnavailable, require_prometheus, start_metrics_server
 from maru.server.pool import Pool, lock_with_pid, new_generation, open_pool
@@ -355,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"maru-server: {exc}", file=sys.stderr)
             return 2
     configure_logging(args.log_level, args.log_format)
+    before, after = raise_fd_limit()
+    if after != before:
+        log.info("open file limit raised from %d to %d (each connection is one)", before, after)
     try:
         pool_size = parse_size(args.pool_size, name="--pool-size")
     except ConfigError as exc:

@@ -56,6 +56,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "Failed journal writes (state dir full, I/O error): each refused its request, and "
         "changes are refused until a snapshot succeeds.",
     ),
+    "replies_dropped": (
+        "maru_replies_dropped",
+        "ZMQ replies dropped: the client had gone, or left more than 16 replies unread.",
+    ),
     "releases_refused": (
         "maru_releases_refused",
         "RELEASE requests for a lease another instance holds (ignored).",

@@ -94,6 +94,8 @@ CHANGES = frozenset(
     }
 )
 SNAPSHOT_RETRY_S = 1.0  # while a snapshot is needed and failing, try again this often
+SNDHWM = 16  # replies queued per ZMQ peer (each at most a few MiB) before more are dropped
+RCVHWM = 64  # requests queued per ZMQ peer (a client has at most max_inflight in flight)
 
 
 def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -226,6 +228,14 @@ class MaruService:
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # A frame over the limit makes ZMQ drop the peer's connection before buffering it.
         self.socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES + protocol.HEADER.size)
+        # Bounded queues per peer, so that a client that stops reading its replies stalls only
+        # itself: past SNDHWM unsent replies to one peer the next is dropped (and counted:
+        # ROUTER_MANDATORY makes the send fail instead of dropping silently); past RCVHWM
+        # requests ZMQ stops reading that peer's connection. A live client's own I/O thread
+        # drains its replies as they come, so it never meets the limit.
+        self.socket.setsockopt(zmq.SNDHWM, SNDHWM)
+        self.socket.setsockopt(zmq.RCVHWM, RCVHWM)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.bind(bind_url)
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.local: LocalSocketServer | None = None
@@ -510,7 +520,8 @@ class MaruService:
                     reply = self.handle_frame(parts[1])
                 try:
                     sock.send_multipart([parts[0], reply], zmq.NOBLOCK)
-                except zmq.ZMQError as exc:  # peer vanished; nothing to do
+                except zmq.ZMQError as exc:  # the peer vanished, or does not read (SNDHWM)
+                    self.registry.counters["replies_dropped"] += 1
                     log.debug("reply dropped: %s", exc)
             if self.local is not None and events:
                 self.local.serve(events, self.handle_frame)
