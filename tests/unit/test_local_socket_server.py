@@ -31,7 +31,7 @@ def test_out_of_file_descriptors_pauses_accepting_instead_of_spinning():
     client.settimeout(10)
     answered: list[bytes] = []
 
-    def handle(frame: bytes) -> bytes:
+    def handle(frame: bytes, peer: object = None) -> bytes:
         answered.append(frame)
         return protocol.encode(MsgType.HEARTBEAT, 1, {"ok": True}, reply=True)
 

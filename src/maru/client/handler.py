@@ -189,7 +189,7 @@ class MaruHandler:
         reply = self._request(MsgType.HANDSHAKE, body).result()
         self.instance_id, self._session = reply["iid"], reply["session"]
         if self.config.local_socket:
-            self._rpc.use_local_socket(reply.get("local_socket"))
+            self._rpc.use_local_socket(reply.get("local_socket"), reply.get("uid"))
         self._heartbeat.interval = float(reply.get("heartbeat_interval", 5.0))
         still_owned = {h.region_id: h for h in map(RegionHandle.from_wire, reply["regions"])}
         pool = reply.get("pool") or {}

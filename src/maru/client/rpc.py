@@ -37,11 +37,13 @@ import zmq
 from maru.client.busypoll import recv_spin
 from maru.common import protocol
 from maru.common.errors import MaruConnectionError, MaruServerError
+from maru.common.peer import peer_credentials
 from maru.common.protocol import ErrorCode, unix_address
 
 log = logging.getLogger(__name__)
 
 ReplyHook = Callable[[dict[str, Any]], None]
+LOCAL_RETRY_S = 5.0  # after the server closed a new local connection unanswered: ZMQ meanwhile
 
 
 class PendingReply:
@@ -64,7 +66,16 @@ class PendingReply:
         """The reply's body; raises `MaruConnectionError` (no reply in time) or
         `MaruServerError` (an error reply)."""
         if self.body is None:
-            self._channel.wait_for(self, timeout_ms)
+            try:
+                self._channel.wait_for(self, timeout_ms)
+            except MaruConnectionError:
+                if self.request_id not in self._channel.refused:
+                    raise
+                # The server closed a new local connection without reading it (out of file
+                # descriptors): the request was not served; send it over ZMQ instead.
+                again = self._channel.client._zmq_channel().request(self._msg_type, self._request)
+                again.retry = self.retry
+                return again.result(timeout_ms)
         body = self.body
         assert body is not None
         if body.get("ok", False):
@@ -87,6 +98,7 @@ class _Channel:
         self.client = client
         self.where = where  # for error messages
         self.pending: dict[int, PendingReply] = {}
+        self.refused: set[int] = set()  # requests on a connection the server refused
 
     def _send(self, frame: bytes) -> None:
         raise NotImplementedError
@@ -200,6 +212,8 @@ class _LocalChannel(_Channel):
         super().__init__(client, address)
         self.address = address
         self.sock: socket.socket | None = None
+        self.answered = False  # whether the server has replied on this connection
+        self.refused_until = 0.0  # time.monotonic(): use ZMQ until then
         self.poller = select.poll()
         self.reader = protocol.StreamReader()
 
@@ -208,6 +222,8 @@ class _LocalChannel(_Channel):
         socket: refused or not)."""
         if self.sock is not None:
             return True
+        if self.refused_until and time.monotonic() < self.refused_until:
+            return False
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(self.client.timeout_ms / 1000)
@@ -216,8 +232,14 @@ class _LocalChannel(_Channel):
             sock.close()
             self.client.local_unreachable(self.address, exc)
             return False
+        uid = peer_credentials(sock)[1]
+        if uid != self.client.server_uid:  # not the server's: maybe an impostor (P5)
+            sock.close()
+            self.client.local_refused(self.address, uid)
+            return False
         sock.setblocking(False)
         self.sock = sock
+        self.answered = False
         self.poller = select.poll()
         self.poller.register(sock, select.POLLIN)
         self.reader = protocol.StreamReader()
@@ -225,6 +247,12 @@ class _LocalChannel(_Channel):
 
     def _lost(self, why: str) -> None:
         log.info("local socket %s to maru-server closed (%s)", self.address, why)
+        if self.sock is not None and not self.answered:
+            # Closed before any reply: refused (the server is out of file descriptors), not
+            # served. Its requests go over ZMQ (`PendingReply.result`), and so does the
+            # next while the server recovers.
+            self.refused_until = time.monotonic() + LOCAL_RETRY_S
+            self.refused = set(self.pending)
         if self.sock is not None:
             self.sock.close()
         self.sock = None
@@ -286,6 +314,7 @@ class _LocalChannel(_Channel):
         if not data:
             self._lost("closed by the server")
             return []
+        self.answered = True
         self.reader.feed(data)
         try:
             return self.reader.frames()
@@ -342,17 +371,38 @@ class RpcClient:
         self.context = zmq.Context.instance()
         self.request_ids = itertools.count(1)
         self.local_address: str | None = None  # the server's Unix socket, once it named one
+        self.server_uid: int | None = None  # the user it must run as (the HANDSHAKE says)
         self._unreachable_logged: set[str] = set()
         self._local = threading.local()
         self._channels: list[_Channel] = []
         self._channels_lock = threading.Lock()
         self._closed = False
 
-    def use_local_socket(self, address: str | None) -> None:
-        """Send later requests over the server's Unix socket at `address` (None: ZMQ only)."""
+    def use_local_socket(self, address: str | None, uid: int | None) -> None:
+        """Send later requests over the server's Unix socket at `address` (None: ZMQ only),
+        if the process listening there runs as `uid`, the server's user (the server's
+        HANDSHAKE reply says both). Any other user's process at that address (a name is
+        public: another user can take it while the server restarts) is refused."""
+        if not isinstance(uid, int) or isinstance(uid, bool):
+            address = None
         if address != self.local_address:
-            log.debug("maru-server local socket: %s", address)
-        self.local_address = address
+            log.debug("maru-server local socket: %s (uid %s)", address, uid)
+        self.local_address, self.server_uid = address, uid
+
+    def local_refused(self, address: str, uid: int) -> None:
+        """A connection to the local socket found another user's process there: stop using
+        that address (until a handshake names one again) and say so, once."""
+        log.error(
+            "maru-server's local socket %s is served by uid %d, not by the server's uid %s: "
+            "another user's process may be impersonating maru-server; not using it (%s "
+            "instead)",
+            address,
+            uid,
+            self.server_uid,
+            self.url,
+        )
+        if self.local_address == address:
+            self.local_address = None
 
     def local_unreachable(self, address: str, exc: OSError) -> None:
         if address not in self._unreachable_logged:

@@ -338,6 +338,7 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
             ("regions", f"[{HANDLE}]", "regions the instance owns"),
             ("heartbeat_interval", "float", "seconds between heartbeats"),
             ("local_socket", "str | nil", "the server's Unix socket, if any"),
+            ("uid", "int", "the server's user id: clients use the Unix socket only if it is its"),
         ],
     ),
     MsgType.REQUEST_REGION: (

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from maru.common.config import ConfigError, fmt_bytes, parse_size
 from maru.server import persistence
 from maru.server.journal import SNAPSHOT_NAME, Journal, read_records
 from maru.server.keyindex import warn_if_pure_python
+from maru.server.local_socket import raise_fd_limit
 from maru.server.logs import configure_logging
 from maru.server.metrics import MetricsUnavailable, require_prometheus, start_metrics_server
 from maru.server.pool import (
@@ -161,8 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--heartbeat-timeout",
         type=_positive,
         default=15.0,
-        help="seconds without any message after which a client is considered dead: its pins "
-        "and leases are released and its regions returned (default: 15)",
+        help="seconds without any message after which a client whose process the server "
+        "cannot watch (it uses TCP, not the local socket) is considered dead: its pins and "
+        "leases are released and its regions returned. A client on the local socket is "
+        "reaped when its process exits, and never while it lives (default: 15)",
+    )
+    p.add_argument(
+        "--reap-hold",
+        type=_non_negative,
+        default=300.0,
+        help="seconds the regions of a client reaped for its silence are kept from other "
+        "clients, in case its process was only paused (SIGSTOP, a long GC pause) and resumes "
+        "writing into them (default: 300)",
     )
     p.add_argument(
         "--journal-fsync-ms",
@@ -360,7 +372,8 @@ def _read_identity(state_dir: Path) -> dict[str, Any] | str | None:
 
 def _write_identity(state_dir: Path, record: dict[str, Any]) -> None:
     tmp = state_dir / (POOL_IDENTITY + ".tmp")
-    tmp.write_text(json.dumps(record))
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(json.dumps(record))
     os.replace(tmp, state_dir / POOL_IDENTITY)
 
 
@@ -479,8 +492,26 @@ def discard_state(state_dir: Path) -> None:
 def lock_state_dir(state_dir: Path) -> int:
     """One server per state dir: a second one (same port by mistake, or a restart while the
     old process still runs) must not replay or rewrite the journal the first one is writing."""
-    state_dir.mkdir(parents=True, exist_ok=True)
+    secure_state_dir(state_dir)
     return lock_with_pid(state_dir / "server.lock", f"state dir {state_dir}")
+
+
+def secure_state_dir(state_dir: Path) -> None:
+    """The state dir holds the secret that signs tokens and sessions, and the registry: only
+    the server's user may read it (issue 13, P5). Created 0700; an existing one, and the files
+    in it, lose their group and other permissions (logged). The server creates its files
+    0600."""
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for path in [state_dir, *state_dir.iterdir()]:
+        st = path.lstat()
+        if (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)) and st.st_mode & 0o077:
+            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+            log.warning(
+                "%s was mode %o: now %o (state files are for maru-server's user only)",
+                path,
+                stat.S_IMODE(st.st_mode),
+                stat.S_IMODE(st.st_mode) & 0o700,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -521,6 +552,9 @@ def main(argv: list[str] | None = None) -> int:
             if not pool_existed:
                 purge_pool(pool_path)
 
+    before, after = raise_fd_limit()
+    if after != before:
+        log.info("open file limit raised from %d to %d (each connection is one)", before, after)
     try:
         state_lock = lock_state_dir(state_dir)  # held (fd open) for the life of the process
         refusal = pool_size_change(args, pool_path, state_dir)
@@ -549,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
             high_watermark=args.eviction_high_watermark,
             low_watermark=args.eviction_low_watermark,
             lease_seconds=args.lease_timeout,
+            reap_hold=args.reap_hold,
         )
         warn_if_pure_python()
         persistence.restore(registry, snapshot, records)

@@ -143,7 +143,8 @@ class Eviction:
         in eviction order over all orphans is not enough: when their keys interleave, it frees
         none.) The caller retries its allocation after each freed region."""
         regions = self.registry.regions
-        orphans = {r.region_id for r in regions.values() if r.returned}
+        # (a held region stays out of use however many keys go: they are left alone)
+        orphans = {r.region_id for r in regions.values() if r.returned and not r.held_until}
         order: dict[int, None] = {}  # orphan regions, by their oldest key without the bit
         used: dict[int, None] = {}  # ... and by their oldest key with it
         busy: set[int] = set()

@@ -265,7 +265,7 @@ class Journal:
         new_journal.unlink(missing_ok=True)
         new_fd, new_size = self._open(new_journal)  # before the directory fsync below
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
                 f.write(_frame(state))
                 f.flush()
                 os.fsync(f.fileno())

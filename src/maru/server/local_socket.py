@@ -8,13 +8,21 @@ network namespace, no shared directory) stay on ZMQ.
 
 Frames are length-prefixed on the stream (`maru.common.protocol.StreamReader`). Sockets are
 non-blocking and replies are buffered per connection, so a client that stops reading stalls
-only itself: past `OUT_LIMIT` buffered bytes its requests are not read until it catches up.
+only itself: past `OUT_LIMIT` buffered bytes its requests are not answered, nor read, until
+it catches up (so a connection holds at most `OUT_LIMIT` plus one reply, one request being
+read and the kernel's buffers).
+
+File descriptors: a connection is refused (accepted and closed at once) when its descriptor
+number comes within `FD_RESERVE` of the process's limit, so the journal, snapshots and new
+TCP clients always find descriptors (the kernel hands out the lowest free number, so a high
+number means that many are open).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import resource
 import socket
 import stat
 import time
@@ -25,15 +33,18 @@ from typing import Any
 import zmq
 
 from maru.common import protocol
+from maru.common.peer import peer_credentials
 from maru.common.protocol import unix_address
+from maru.server.logs import Throttle
 
 log = logging.getLogger(__name__)
 
 # Plain ints: zmq.POLLIN is an enum, and enum arithmetic costs microseconds per request.
 POLLIN, POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 FRAMES_PER_WAKEUP = 256  # requests served from one connection before the others get a turn
-OUT_LIMIT = 64 << 20  # buffered reply bytes past which a connection's requests wait
+OUT_LIMIT = 16 << 20  # buffered reply bytes past which a connection's requests wait
 ACCEPT_PAUSE_S = 1.0  # after a failed accept (out of file descriptors), stop watching that long
+FD_RESERVE = 64  # descriptors below the limit that connections never take
 
 
 def local_address(spec: str | None, endpoint: str, tag: str = "") -> str | None:
@@ -50,14 +61,26 @@ def local_address(spec: str | None, endpoint: str, tag: str = "") -> str | None:
     return spec
 
 
-class _Connection:
-    __slots__ = ("fd", "out", "reader", "sock", "want")
+class Peer:
+    """A client connection as the request handler sees it: `sock` (whose peer process the
+    server can watch) and the instance it was last seen to speak for."""
+
+    __slots__ = ("instance", "sock")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
+        self.instance: str | None = None
+
+
+class _Connection(Peer):
+    __slots__ = ("fd", "held", "out", "reader", "want")
+
+    def __init__(self, sock: socket.socket):
+        super().__init__(sock)
         self.fd = sock.fileno()
         self.reader = protocol.StreamReader()
         self.out = bytearray()
+        self.held: list[bytes] = []  # requests read but not answered: `out` was full
         self.want = POLLIN  # what the poller watches for
 
 
@@ -82,6 +105,7 @@ class LocalSocketServer:
         self.connections: dict[int, _Connection] = {}  # by file descriptor
         self._poller: zmq.Poller | None = None
         self.accept_paused_until = 0.0  # monotonic time; 0: accepting
+        self._refusals = Throttle(10.0)
 
     def attach(self, poller: zmq.Poller) -> None:
         self._poller = poller
@@ -90,7 +114,7 @@ class LocalSocketServer:
         for conn in self.connections.values():
             poller.register(conn.sock, conn.want)
 
-    def serve(self, events: dict[Any, int], handle: Callable[[bytes], bytes]) -> None:
+    def serve(self, events: dict[Any, int], handle: Callable[[bytes, Peer], bytes]) -> None:
         """Accept, read, answer and flush whatever `events` (one poll's result; zmq.Poller
         reports plain sockets by file descriptor) says is ready. Never raises for a client's
         misbehaviour: the connection is closed instead."""
@@ -105,8 +129,7 @@ class LocalSocketServer:
             if flags & POLLIN and not self._receive(conn):
                 continue
             try:
-                backlogged = len(conn.out) > OUT_LIMIT
-                frames = [] if backlogged else conn.reader.frames(FRAMES_PER_WAKEUP)
+                frames = conn.held or conn.reader.frames(FRAMES_PER_WAKEUP)
             except protocol.ProtocolError as exc:
                 # The stream cannot be resynchronised: answer once, then hang up.
                 reply = protocol.encode_error(0, 0, exc.code, str(exc))
@@ -114,8 +137,12 @@ class LocalSocketServer:
                 self._flush(conn)
                 self._close(conn, str(exc))
                 continue
-            for frame in frames:
-                reply = handle(frame)
+            conn.held = []
+            for n, frame in enumerate(frames):
+                if len(conn.out) > OUT_LIMIT:  # it does not read its replies: wait for it
+                    conn.held = frames[n:]
+                    break
+                reply = handle(frame, conn)
                 conn.out += protocol.stream_prefix(reply)
                 conn.out += reply
             if fd in self.connections:
@@ -140,6 +167,17 @@ class LocalSocketServer:
                 )
                 self._pause_accepting()
                 break
+            if sock.fileno() >= _fd_limit() - FD_RESERVE:
+                sock.close()  # refused: the client goes on over TCP
+                held = self._refusals.allow("fds")
+                if held is not None:
+                    log.warning(
+                        "local socket: refusing connections: %d of %d file descriptors open%s",
+                        _fd_limit() - FD_RESERVE,
+                        _fd_limit(),
+                        self._refusals.note(held),
+                    )
+                continue
             sock.setblocking(False)
             conn = _Connection(sock)
             self.connections[conn.fd] = conn
@@ -191,7 +229,7 @@ class LocalSocketServer:
             del out[:sent]
         if len(out) > OUT_LIMIT:
             self._want(conn, POLLOUT)  # stop reading its requests until it reads replies
-        elif out or conn.reader.has_frame():
+        elif out or conn.held or conn.reader.has_frame():
             self._want(conn, POLLIN | POLLOUT)
         else:
             self._want(conn, POLLIN)
@@ -215,6 +253,36 @@ class LocalSocketServer:
         self.listener.close()
         if self._path is not None:
             Path(self._path).unlink(missing_ok=True)
+
+
+def _fd_limit() -> int:
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise this process's soft limit of open files to its hard limit (a server's
+    connections are file descriptors); returns (before, after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard != resource.RLIM_INFINITY:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError):
+            return soft, soft
+    return soft, max(soft, hard)
+
+
+def holder_of(address: str) -> str:
+    """Who listens at a Unix socket address, for an error message: "pid P (uid U)"."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(unix_address(address))
+        pid, uid, _ = peer_credentials(probe)
+        return f"pid {pid} (uid {uid})"
+    except OSError as exc:
+        return f"a process that cannot be asked ({exc})"
+    finally:
+        probe.close()
 
 
 def _remove_stale_socket(path: str) -> None:

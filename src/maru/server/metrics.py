@@ -56,6 +56,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "Failed journal writes (state dir full, I/O error): each refused its request, and "
         "changes are refused until a snapshot succeeds.",
     ),
+    "replies_dropped": (
+        "maru_replies_dropped",
+        "ZMQ replies dropped: the client had gone, or left more than 16 replies unread.",
+    ),
     "releases_refused": (
         "maru_releases_refused",
         "RELEASE requests for a lease another instance holds (ignored).",
@@ -142,6 +146,11 @@ def _server_gauges(s: dict[str, Any]) -> list[tuple[str, str, float]]:
         ),
         ("maru_orphaned_region_bytes", "Bytes of those regions.", orphaned.get("region_bytes", 0)),
         ("maru_orphaned_keys", "Keys in those regions.", orphaned.get("keys", 0)),
+        (
+            "maru_held_regions",
+            "Of them, regions kept from reuse (--reap-hold).",
+            orphaned.get("held", 0),
+        ),
     ]
 
 
@@ -165,6 +174,7 @@ def registry_stats(registry: Registry) -> dict[str, Any]:
             "pins": sum(i.pins.values()),
             "leases": len(i.leases),
             "idle_seconds": round(max(0.0, now - i.last_seen), 3),
+            "watched_pids": registry.processes.pids(i.instance_id),  # see maru.server.processes
         }
     orphaned = [r for r in list(regions.values()) if r.returned]
     eviction = registry.eviction
@@ -181,6 +191,7 @@ def registry_stats(registry: Registry) -> dict[str, Any]:
             "region_bytes": sum(r.length for r in orphaned),
             "keys": sum(r.live_keys for r in orphaned),
             "bytes_stored": sum(r.live_bytes for r in orphaned),
+            "held": len(regions.held),  # of them, kept from reuse after a reap for silence
         },
         "counters": dict(registry.counters),
         "server_pid": os.getpid(),

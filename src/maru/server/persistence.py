@@ -65,10 +65,10 @@ def _replay(registry: Registry, record: list[Any]) -> None:
     kind, regions, keys = record[0], registry.regions, registry.keys
     if kind == "R":
         regions.restore(*record[1:], False)
-    elif kind == "T":
+    elif kind == "T":  # [, the wall-clock time its hold ends]
         region = regions.get(record[1])
         if region is not None:
-            regions.release(region)
+            regions.release(region, record[2] - time.time() if len(record) > 2 else 0.0)
     elif kind == "F":  # already freed by the "T" or "D" before it, as when it was written
         region = regions.get(record[1])
         if region is not None and region.live_keys == 0:

@@ -4,11 +4,16 @@ A region is allocated to one owner, which alone writes into it (its HMAC token l
 it). Deferred free: it goes back to the pool only when its owner returned it (or is gone) *and*
 no registered key still points into it, so a reader never maps bytes that were handed out
 again. The registry tells the table how many keys live where (`Region.count`).
+
+Held: the regions of an instance reaped for its silence, whose process the server could not
+watch (`maru.server.processes`), are not handed to anyone else for `--reap-hold` seconds even
+once they are empty: that process may only be paused and resume writing into them.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
@@ -36,6 +41,7 @@ class Region:
     page_size: int = 0  # the owner's page size (from its handshake); 0: unknown
     live_bytes: int = 0  # stats: bytes of the keys that live here
     live_pages: int = 0  # stats: pages they occupy (one per key when page_size is unknown)
+    held_until: float = 0.0  # time.monotonic(): not freed before (`RegionTable.release`)
 
     def pages_for(self, length: int) -> int:
         return -(-length // self.page_size) if self.page_size else 1
@@ -71,6 +77,7 @@ class RegionTable(dict[int, Region]):
         self._log = journal
         self.counters = counters
         self.next_id = 1
+        self.held: dict[int, Region] = {}  # returned regions not to be freed before held_until
 
     def allocate(self, owner: str, length: int, page_size: int) -> Region:
         """A new region of `length` bytes (already rounded up); PoolFullError if none fits."""
@@ -99,12 +106,22 @@ class RegionTable(dict[int, Region]):
         return region
 
     def restore(
-        self, rid: int, owner: str, path: str, offset: int, length: int, token: str, returned: bool
+        self,
+        rid: int,
+        owner: str,
+        path: str,
+        offset: int,
+        length: int,
+        token: str,
+        returned: bool,
+        held_until: float = 0.0,
     ) -> None:
-        """A region of a snapshot or journal: its pool bytes are taken again, as they were."""
+        """A region of a snapshot or journal: its pool bytes are taken again, as they were.
+        `held_until`: the wall-clock time (`time.time()`) its hold ends, 0 if none."""
         self.pool.reserve(path, offset, length)
-        self[rid] = Region(rid, owner, path, offset, length, token, returned)
+        region = self[rid] = Region(rid, owner, path, offset, length, token, returned)
         self.next_id = max(self.next_id, rid + 1)
+        self._hold(region, held_until - time.time() if held_until else 0.0)
 
     def verified(self, region_id: Any, token: Any) -> Region:
         """The region, if `token` is its token; else UNKNOWN_REGION or BAD_TOKEN."""
@@ -124,13 +141,27 @@ class RegionTable(dict[int, Region]):
             return None
         return region
 
-    def release(self, region: Region) -> None:
+    def release(self, region: Region, hold: float = 0.0) -> None:
         """Its owner is done with it: freed now if no key points into it, else by the drop of
-        its last key. Journal first: when the record cannot be written (`JournalWriteError`),
-        the owner keeps the region, as its error reply tells it."""
-        self._log("T", region.region_id)
+        its last key; with `hold` (seconds), not before that time has passed either. Journal
+        first: when the record cannot be written (`JournalWriteError`), the owner keeps the
+        region, as its error reply tells it. The hold is journaled as the wall-clock time it
+        ends, so that a restart keeps it."""
+        if hold > 0:
+            self._log("T", region.region_id, time.time() + hold)
+        else:
+            self._log("T", region.region_id)
         region.returned = True
-        if region.live_keys == 0:
+        self._hold(region, hold)
+        if region.held_until:
+            log.info(
+                "region %d of %s held for %g s (its process may only be paused)",
+                region.region_id,
+                region.owner,
+                hold,
+                extra={"instance": region.owner, "region": region.region_id},
+            )
+        elif region.live_keys == 0:
             self.free(region)
         else:
             log.info(
@@ -141,11 +172,28 @@ class RegionTable(dict[int, Region]):
                 extra={"instance": region.owner, "region": region.region_id},
             )
 
+    def _hold(self, region: Region, seconds: float) -> None:
+        if seconds > 0:
+            region.held_until = time.monotonic() + seconds
+            self.held[region.region_id] = region
+
+    def end_holds(self, now: float) -> None:
+        """Free the held regions whose hold has passed and that no key points into (a held
+        region whose last key went earlier waited for this)."""
+        for region in [r for r in self.held.values() if r.held_until <= now]:
+            del self.held[region.region_id]
+            region.held_until = 0.0
+            if region.returned and region.live_keys == 0:
+                self.free(region)
+
     def free(self, region: Region) -> None:
-        """Give a returned region with no keys back to the pool. Its "F" record only repeats
-        what the "T" or "D" record written just before implies (their replay frees it too), so
-        a failure to write it (`JournalWriteError`, logged by the journal) is not the caller's:
-        the change that caused the free is on disk, and later records are refused anyway."""
+        """Give a returned region with no keys back to the pool, unless it is held (then
+        `end_holds` does, later). Its "F" record only repeats what the "T" or "D" record
+        written just before implies (their replay frees it too), so a failure to write it
+        (`JournalWriteError`, logged by the journal) is not the caller's: the change that
+        caused the free is on disk, and later records are refused anyway."""
+        if region.held_until:
+            return
         self.pool.release(region.path, region.offset)
         del self[region.region_id]
         self.counters["regions_freed"] += 1
@@ -164,7 +212,10 @@ class RegionTable(dict[int, Region]):
         return [r.handle() for r in self.values() if owner is None or r.owner == owner]
 
     def snapshot(self) -> list[list[Any]]:
+        """A row per region, as `restore` takes it (a hold as the wall-clock time it ends)."""
+        now, wall = time.monotonic(), time.time()
         return [
             [r.region_id, r.owner, r.path, r.offset, r.length, r.token, r.returned]
+            + ([wall + r.held_until - now] if r.held_until else [])
             for r in self.values()
         ]

@@ -6,9 +6,11 @@ Pure bookkeeping, no sockets and no page bytes, so every rule can be tested dire
 - a pinned key cannot be deleted;
 - page reuse: when a key in instance X's region disappears, X is told (the `freed` list
   piggy-backed on its next reply) so it can reuse those pages;
-- crash safety: an instance that stops heart-beating is reaped (pins and leases released,
-  regions returned); every change is written to the journal (if any) before it is answered,
-  and a restart replays the journal through the same mutators that wrote it.
+- crash safety: an instance whose process exited, or (when the server cannot watch its
+  process) that stopped heart-beating, is reaped (pins and leases released, regions returned;
+  after silence, held back for `reap_hold` seconds); every change is written to the journal
+  (if any) before it is answered, and a restart replays the journal through the same
+  mutators that wrote it.
 
 Regions and their deferred free are in `maru.server.regions`; which keys go when memory runs
 short, in `maru.server.eviction`; pins and read leases, in `maru.server.holds`; the snapshot
@@ -41,6 +43,7 @@ from maru.server.keyindex import KeyEntry, KeyIndex
 from maru.server.logs import Throttle
 from maru.server.metrics import COUNTERS, registry_stats
 from maru.server.pool import Pool, PoolFullError
+from maru.server.processes import ProcessWatch
 from maru.server.regions import RegionTable
 from maru.server.token import TokenSigner
 
@@ -94,12 +97,17 @@ class Registry:
         high_watermark: float = 0.95,
         low_watermark: float = 0.85,
         lease_seconds: float = 10.0,
+        reap_hold: float = 0.0,
     ):
+        """`reap_hold`: seconds the regions of an instance reaped for its silence, whose
+        process is not watched (`maru.server.processes`), stay out of use (`--reap-hold`)."""
         self.pool = pool
         self.signer = signer
         self.journal = journal
         self.instances: dict[str, Instance] = {}
         self.sessions: dict[str, str] = {}  # credential -> instance id (`open_session`)
+        self.processes = ProcessWatch()  # the processes behind instances, where known
+        self.reap_hold = reap_hold
         # Oldest first, the order eviction walks (a key it spares moves to the end); batches
         # go through its batch calls (`maru.server.keyindex`).
         self.keys: KeyIndex = KeyIndex()
@@ -164,10 +172,12 @@ class Registry:
         self.sessions[session] = instance_id
         return session
 
-    def disconnect(self, instance_id: str, reason: str = "disconnected") -> tuple[int, int, int]:
+    def disconnect(
+        self, instance_id: str, reason: str = "disconnected", hold: float = 0.0
+    ) -> tuple[int, int, int]:
         """Forget an instance: drop its pins and leases; its regions become owner-less and are
-        freed once no key points into them (its keys stay readable until evicted). Returns
-        the counts of pins, leases and regions let go.
+        freed once no key points into them (its keys stay readable until evicted) and `hold`
+        seconds have passed. Returns the counts of pins, leases and regions let go.
 
         Journal first, step by step ("X", then a "T" per region): if a record cannot be written
         (`JournalWriteError`), what was journaled is done, the rest is not, and the instance
@@ -181,10 +191,11 @@ class Registry:
             self.leases.end(lease_id)
         regions = len(inst.regions)
         for region_id in sorted(inst.regions):
-            self.regions.release(self.regions[region_id])
+            self.regions.release(self.regions[region_id], hold)
             inst.regions.discard(region_id)
         del self.instances[instance_id]
         self.sessions.pop(self.signer.session(instance_id), None)
+        self.processes.forget(instance_id)
         log.info(
             "instance %s %s: %d pins and %d leases released, %d regions returned",
             instance_id,
@@ -197,18 +208,41 @@ class Registry:
         return pins, leases, regions
 
     def reap(self, timeout: float, now: float | None = None) -> list[str]:
-        """Disconnect instances not heard from for `timeout` seconds (crashed clients)."""
+        """Disconnect dead instances: at once those whose watched processes all exited; after
+        `timeout` seconds of silence those whose process is not watched, their regions then
+        held for `reap_hold` seconds (the process may only be paused). An instance whose
+        process is watched and alive is never reaped for silence: stopped or paused, it may
+        resume and write into its regions at any moment (`maru.server.processes`)."""
         now = time.monotonic() if now is None else now
-        dead = [i.instance_id for i in self.instances.values() if now - i.last_seen > timeout]
-        for n, instance_id in enumerate(dead):
+        exited = set(self.processes.exited())
+        dead: list[tuple[str, str, float]] = []
+        for inst in self.instances.values():
+            iid = inst.instance_id
+            if iid in exited:
+                dead.append((iid, "reaped: its process exited", 0.0))
+            elif now - inst.last_seen > timeout:
+                pids = self.processes.pids(iid)
+                if not pids:
+                    why = f"reaped after {timeout:g}s without a heartbeat"
+                    dead.append((iid, why, self.reap_hold))
+                elif self.log_throttle.allow(("silent", iid)) is not None:
+                    log.warning(
+                        "instance %s silent for %.0f s, but its process %s is alive (stopped?):"
+                        " not reaped",
+                        iid,
+                        now - inst.last_seen,
+                        ", ".join(map(str, pids)),
+                        extra={"instance": iid},
+                    )
+        for iid in exited - {d[0] for d in dead}:  # exited, already gone from the registry
+            self.processes.forget(iid)
+        for n, (instance_id, reason, hold) in enumerate(dead):
             try:
-                self.disconnect(
-                    instance_id, reason=f"reaped after {timeout:g}s without a heartbeat"
-                )
+                self.disconnect(instance_id, reason=reason, hold=hold)
             except JournalWriteError:  # logged by the journal; the rest wait until it works
-                return dead[:n]
+                return [d[0] for d in dead[:n]]
             self.counters["instances_reaped"] += 1
-        return dead
+        return [d[0] for d in dead]
 
     def take_freed(self, instance_id: Any) -> list[list[int]]:
         inst = self.instances.get(instance_id) if isinstance(instance_id, str) else None

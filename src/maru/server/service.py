@@ -6,6 +6,7 @@ handler bug produces an error reply and the loop carries on. The loop never touc
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import os
@@ -33,7 +34,7 @@ from maru.common.protocol import (
 )
 from maru.server import persistence
 from maru.server.journal import Journal, JournalWriteError
-from maru.server.local_socket import LocalSocketServer, local_address
+from maru.server.local_socket import LocalSocketServer, Peer, holder_of, local_address
 from maru.server.logs import Throttle
 from maru.server.registry import Registry
 
@@ -93,6 +94,8 @@ CHANGES = frozenset(
     }
 )
 SNAPSHOT_RETRY_S = 1.0  # while a snapshot is needed and failing, try again this often
+SNDHWM = 16  # replies queued per ZMQ peer (each at most a few MiB) before more are dropped
+RCVHWM = 64  # requests queued per ZMQ peer (a client has at most max_inflight in flight)
 
 
 def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -225,20 +228,51 @@ class MaruService:
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # A frame over the limit makes ZMQ drop the peer's connection before buffering it.
         self.socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES + protocol.HEADER.size)
+        # Bounded queues per peer, so that a client that stops reading its replies stalls only
+        # itself: past SNDHWM unsent replies to one peer the next is dropped (and counted:
+        # ROUTER_MANDATORY makes the send fail instead of dropping silently); past RCVHWM
+        # requests ZMQ stops reading that peer's connection. A live client's own I/O thread
+        # drains its replies as they come, so it never meets the limit.
+        self.socket.setsockopt(zmq.SNDHWM, SNDHWM)
+        self.socket.setsockopt(zmq.RCVHWM, RCVHWM)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.bind(bind_url)
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.local: LocalSocketServer | None = None
         address = local_address(local_socket, self.endpoint, registry.signer.server_tag())
         if address is not None:
             try:
-                self.local = LocalSocketServer(address)
+                self.local = self._listen_locally(address, local_socket == "auto")
             except OSError as exc:
                 if local_socket != "auto":
                     self.socket.close(linger=0)
                     raise OSError(f"cannot listen on --local-socket {address}: {exc}") from exc
-                log.warning("no local socket (%s): clients use %s only", exc, self.endpoint)
+                log.error("no local socket (%s): clients use %s only", exc, self.endpoint)
         if gc_freeze:
             freeze_heap(full=True)  # the restored registry: one full collection, at start-up
+
+    @staticmethod
+    def _listen_locally(address: str, auto: bool) -> LocalSocketServer:
+        """The local socket at `address`. With "auto", a name someone else holds (the TCP port
+        is ours, so it is not another maru-server of this state dir: a process squatting the
+        name, say while this server restarted) is an ERROR naming that process, and the
+        server listens under a new name instead, which the handshake tells clients; clients
+        refuse a socket whose peer is not this server's user (`maru.client.rpc`)."""
+        try:
+            return LocalSocketServer(address)
+        except OSError as exc:
+            if not auto or exc.errno != errno.EADDRINUSE:
+                raise
+        fallback = f"{address}:{secrets.token_hex(4)}"
+        log.error(
+            "local socket %s is taken by %s, not by this server: another process squats "
+            "maru-server's name; listening on %s instead (clients refuse a socket of another "
+            "user, and learn the new name at their next handshake)",
+            address,
+            holder_of(address),
+            fallback,
+        )
+        return LocalSocketServer(fallback)
 
     # -- handlers ----------------------------------------------------------------------------
 
@@ -265,6 +299,7 @@ class MaruService:
             "regions": [h.to_wire() for h in regions],
             "heartbeat_interval": self.heartbeat_timeout / 3,
             "local_socket": self.local.address if self.local is not None else None,
+            "uid": os.getuid(),
         }
 
     def _request_region(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -380,8 +415,9 @@ class MaruService:
 
     # -- loop --------------------------------------------------------------------------------
 
-    def handle_frame(self, frame: bytes) -> bytes:
-        """Turn one request frame into one reply frame. Never raises.
+    def handle_frame(self, frame: bytes, peer: Peer | None = None) -> bytes:
+        """Turn one request frame into one reply frame. Never raises. `peer`: the Unix
+        connection it came on (its process is watched for the instance it speaks for).
 
         A successful request's time, from decoding its frame to its encoded reply, goes into
         its operation's histogram; a failed one counts as an error of its operation (or as an
@@ -402,6 +438,9 @@ class MaruService:
             sessions = self.registry.sessions
             iid = body["iid"] = sessions.get(session) if type(session) is str else None
             self.registry.touch(iid)  # any message is a sign of life
+            if peer is not None and iid is not None and peer.instance != iid:
+                peer.instance = iid  # once per connection and instance: a process to watch
+                self.registry.processes.watch(iid, peer.sock)
             handler = self._handlers.get(msg_type)
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg_type}")
@@ -482,7 +521,8 @@ class MaruService:
                     reply = self.handle_frame(parts[1])
                 try:
                     sock.send_multipart([parts[0], reply], zmq.NOBLOCK)
-                except zmq.ZMQError as exc:  # peer vanished; nothing to do
+                except zmq.ZMQError as exc:  # the peer vanished, or does not read (SNDHWM)
+                    self.registry.counters["replies_dropped"] += 1
                     log.debug("reply dropped: %s", exc)
             if self.local is not None and events:
                 self.local.serve(events, self.handle_frame)
@@ -528,6 +568,7 @@ class MaruService:
         records) and the snapshot, the way back, is retried every `SNAPSHOT_RETRY_S`."""
         now = time.monotonic() if now is None else now
         self.registry.leases.expire(now)
+        self.registry.regions.end_holds(now)
         journal = self.journal
         if now >= self._next_reap and (journal is None or journal.writable):
             self.registry.reap(self.heartbeat_timeout, now)
@@ -586,5 +627,6 @@ class MaruService:
         self.socket.close(linger=0)
         if self.local is not None:
             self.local.close()
+        self.registry.processes.close()
         if self.journal is not None:
             self.journal.close()

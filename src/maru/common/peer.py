@@ -1,0 +1,44 @@
+"""Who is at the other end of a Unix socket, as the kernel says (not as the peer claims).
+
+Both sides use it: the server to watch its clients' processes (`maru.server.processes`), the
+client to make sure the socket it reached is the server's (issue 13, P5).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5; not named by Python 3.11
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process that made the connection (for a listening socket's
+    client: when it connected; for a client: the server's when it listened). The pid is 0
+    when that process is in a pid namespace this one cannot see."""
+    pid, uid, gid = _UCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    )
+    return pid, uid, gid
+
+
+def peer_pidfd(sock: socket.socket) -> tuple[int, int] | None:
+    """(pid, pidfd) of the peer process, or None when it cannot be had (pid 0: another pid
+    namespace; a kernel before 5.3). The caller closes the pidfd.
+
+    SO_PEERPIDFD (Linux 6.5) names the very process that connected, even if it has exited and
+    its pid was reused since; before 6.5, `pidfd_open` of SO_PEERCRED's pid can, in that rare
+    case, name the newcomer instead."""
+    pid = peer_credentials(sock)[0]
+    if pid <= 0:
+        return None
+    try:
+        return pid, sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError:
+        pass
+    try:
+        return pid, os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
