@@ -66,6 +66,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
     ),
     "regions_allocated": ("maru_regions_allocated", "Regions carved out of the pool."),
     "regions_freed": ("maru_regions_freed", "Regions given back to the pool."),
+    "regions_reclaimed": (
+        "maru_regions_reclaimed",
+        "Parked regions taken back from idle instances for another's region request.",
+    ),
 }
 
 # per-instance gauge field -> (metric name, help)
