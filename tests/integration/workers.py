@@ -141,3 +141,43 @@ def retrieve_keys(url: str, keys: list[str], batch: int) -> dict:
         return {"digests": digests, "lengths": lengths, "readonly": readonly, "foreign": foreign}
     finally:
         h.close()
+
+
+def share_pool(
+    url: str, me: int, n: int, count: int, handler_kw: dict[str, Any], stored: Any, checked: Any
+) -> dict:
+    """Instance `me` of `n`: store `count` values, wait until every instance stored (all
+    still connected), then read every instance's values in place under a lease and digest
+    them; stay connected until every instance checked. Values are reproducible from their key,
+    so each instance knows what the others wrote."""
+
+    def key(owner: int, i: int) -> str:
+        return f"share/{owner}/{i}"
+
+    def value(owner: int, i: int) -> memoryview:
+        return make_value(1000 * owner + i, 3000 + (owner * 7919 + i * 104729) % (200 * KiB))
+
+    h = _handler(url, **handler_kw)
+    try:
+        regions_at_connect = len(h.owned_region_ids())
+        ok = h.batch_store([key(me, i) for i in range(count)], [value(me, i) for i in range(count)])
+        held = h.stats()["instances"][h.instance_id]["region_bytes"]
+        stored.wait(120)
+        hits = wrong = 0
+        for owner in range(n):
+            keys = [key(owner, i) for i in range(count)]
+            with h.leased(keys) as infos:
+                for i, info in enumerate(infos):
+                    if info is not None:
+                        hits += 1
+                        wrong += digest(info.view) != digest(value(owner, i))
+        checked.wait(120)
+        return {
+            "ok": ok,
+            "hits": hits,
+            "wrong": wrong,
+            "held": held,
+            "regions_at_connect": regions_at_connect,
+        }
+    finally:
+        h.close()

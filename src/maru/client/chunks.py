@@ -147,6 +147,10 @@ class ChunkBook:
                 if not owned.touched and not owned.reserved:
                     owned.parked = True
                 owned.touched = False
+        return self.parked_regions()
+
+    def parked_regions(self) -> list[int]:
+        with self._lock:
             return sorted(r for r, o in self._owned.items() if o.parked)
 
     def parked_with_room(self, size: int, count: int = 1) -> list[int]:

@@ -240,7 +240,7 @@ class MaruHandler:
         parked regions, a plain heartbeat."""
         with self._expand_lock:
             parked = self._chunks.park_idle()
-            if parked and self._park(parked, []) is not None:
+            if parked and self._park(parked, []) is not None:  # also a sign of life
                 return
         self._request(MsgType.HEARTBEAT, {}).result()
 
@@ -264,11 +264,14 @@ class MaruHandler:
         return reply["unparked"]
 
     def _take_or_unpark(self, size: int, count: int) -> AllocHandle | None:
-        """`ChunkBook.take`, else unpark the parked regions with room and take again."""
+        """`ChunkBook.take`, else unpark the parked regions with room and take again. The
+        others are named as parked again (no change), so that the reply also says which of
+        them were taken back: they no longer count against `pool_size`."""
         handle = self._chunks.take(size, count)
         if handle is None:
-            parked = self._chunks.parked_with_room(size, count)
-            if parked and self._park([], parked):
+            parked = self._chunks.parked_regions()
+            room = self._chunks.parked_with_room(size, count)
+            if parked and self._park([r for r in parked if r not in room], room):
                 handle = self._chunks.take(size, count)
         return handle
 
