@@ -34,6 +34,11 @@ def digest(buf: Any) -> str:
     return hashlib.sha1(buf).hexdigest()
 
 
+def owned_pages(h: Any) -> int:
+    """Chunks in the regions `h` owns (regions are taken as data arrives: count after)."""
+    return sum(r.length for r in h.list_allocations()) // h.get_chunk_size()
+
+
 def _run(fn: Callable[..., dict], out_q: Any, idx: int, args: tuple) -> None:
     try:
         result = fn(*args)
@@ -94,7 +99,6 @@ def store_keys(
     With `done`, keep the handler (and its regions) until the parent sets it."""
     h = _handler(url, **handler_kw)
     try:
-        total_pages = h.free_chunks()
         if barrier is not None:
             barrier.wait(30)
         ok: list[bool] = []
@@ -107,7 +111,7 @@ def store_keys(
         result = {
             "ok": ok,
             "digests": digests,
-            "total_pages": total_pages,
+            "total_pages": owned_pages(h),
             "free_pages": h.free_chunks(),
             "regions": h.owned_region_ids(),
             "chunk": h.get_chunk_size(),

@@ -97,6 +97,7 @@ class MaruHandler:
         self._park_seq = itertools.count(1)
         self._connected = False
         self._pool_generation: str | None = None  # the pool's, as of our last handshake
+        self._pool_capacity = 0  # bytes, as of our last handshake (0: unknown)
         self._heartbeat = _Heartbeat(self._tick, f"maru-heartbeat-{self.instance_id[:8]}")
         if config.auto_connect and not self.connect():
             log.warning("could not connect to maru-server at %s", config.server_url)
@@ -168,6 +169,7 @@ class MaruHandler:
         self._heartbeat.interval = float(reply.get("heartbeat_interval", 5.0))
         still_owned = {h.region_id: h for h in map(RegionHandle.from_wire, reply["regions"])}
         generation = str((reply.get("pool") or {}).get("generation", ""))
+        self._pool_capacity = int((reply.get("pool") or {}).get("capacity") or 0)
         if self._pool_generation is not None and generation != self._pool_generation:
             # The server restarted on a recreated or truncated pool: what we mapped of other
             # instances is gone (a later lookup maps their new regions afresh).
@@ -339,13 +341,19 @@ class MaruHandler:
         if handle is not None:
             return handle
         need = -(-size // self._chunks.chunk_size) * count * self._chunks.chunk_size
-        if need > self.config.pool_size:
+        limit, what = min(
+            (self.config.pool_size, "this instance's pool_size"),
+            (self._pool_capacity or need, "the server's whole pool"),
+        )
+        if need > limit:  # never fits: evicting anything for it would be in vain
             log.warning(
-                "instance %s: %d values of %d bytes are larger than pool_size (%d bytes)",
+                "instance %s: %d value(s) of %d bytes need %d bytes, more than %s (%d bytes)",
                 self.instance_id,
                 count,
                 size,
-                self.config.pool_size,
+                need,
+                what,
+                limit,
             )
             return None
         with self._expand_lock:
@@ -463,13 +471,24 @@ class MaruHandler:
         self, datas: Sequence[Buffer], sizes: list[int]
     ) -> AllocHandle | list[AllocHandle | None]:
         """Reserve chunks for `datas` and copy them in: one run when the sizes are equal and
-        a run is free, else value by value (an empty value gets nothing: it fails)."""
-        run = None
-        if sizes and min(sizes) > 0 and sizes.count(sizes[0]) == len(sizes):
-            run = self.alloc(sizes[0], len(sizes))
-        handles = run.split() if run is not None else [self.alloc(s) if s else None for s in sizes]
+        a run is free, else value by value (an empty value gets nothing: it fails). Value by
+        value, a later reservation may re-handshake with a restarted server that forgot the
+        region of an earlier one (now unmapped): then all are reserved once more."""
+        equal = bool(sizes) and min(sizes) > 0 and sizes.count(sizes[0]) == len(sizes)
+        for _ in range(2):
+            run = self.alloc(sizes[0], len(sizes)) if equal else None
+            if run is not None or (equal and len(sizes) == 1):  # (one value: asked already)
+                handles = run.split() if run is not None else [None]
+                break
+            handles = [self.alloc(s) if s else None for s in sizes]
+            lost = [h for h in handles if h is not None and not self._chunks.holds(h)]
+            if not lost:
+                break
+            for handle in handles:
+                if handle is not None:
+                    self._chunks.give_back(handle)
         for data, size, handle in zip(datas, sizes, handles):
-            if handle is not None:
+            if handle is not None and self._chunks.holds(handle):
                 handle.buf[:size] = memoryview(data).cast("B")
         return run if run is not None else handles
 
