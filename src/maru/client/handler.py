@@ -266,14 +266,13 @@ class MaruHandler:
         return reply["unparked"]
 
     def _take_or_unpark(self, size: int, count: int) -> AllocHandle | None:
-        """`ChunkBook.take`, else unpark the parked regions with room and take again. The
-        others are named as parked again (no change), so that the reply also says which of
-        them were taken back: they no longer count against `pool_size`."""
+        """`ChunkBook.take`, else unpark the parked regions with room and take again. (Which
+        parked regions were taken back, and so no longer count against `pool_size`, the
+        client learns at its next tick.)"""
         handle = self._chunks.take(size, count)
         if handle is None:
-            parked = self._chunks.parked_regions()
             room = self._chunks.parked_with_room(size, count)
-            if parked and self._park([r for r in parked if r not in room], room):
+            if room and self._park([], room):
                 handle = self._chunks.take(size, count)
         return handle
 
@@ -346,7 +345,8 @@ class MaruHandler:
             (self._pool_capacity or need, "the server's whole pool"),
         )
         if need > limit:  # never fits: evicting anything for it would be in vain
-            log.warning(
+            log.log(
+                logging.WARNING if count == 1 else logging.DEBUG,  # a run: value by value next
                 "instance %s: %d value(s) of %d bytes need %d bytes, more than %s (%d bytes)",
                 self.instance_id,
                 count,
