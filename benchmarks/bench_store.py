@@ -154,7 +154,10 @@ def main() -> int:
     def run(url: str) -> None:
         common = {"server_url": url, "chunk_size_bytes": args.chunk, "timeout_ms": 30_000}
         with (
-            MaruHandler(pool_size=total + 32 * MiB, **common) as writer,
+            # one region for all of it, taken by the first store (as before regions grew)
+            MaruHandler(
+                pool_size=total + 32 * MiB, expand_size=total + 32 * MiB, **common
+            ) as writer,
             MaruHandler(pool_size="2M", **common) as reader,
         ):
             rows = [bench_size(writer, reader, size, total, 16 * MiB, reps, "t") for size in SIZES]

@@ -26,7 +26,6 @@ _EXPORTS = {
     "MaruConnectError": "maru.common.errors",
     "MaruConnectRefused": "maru.common.errors",
     "MaruConnectionError": "maru.common.errors",
-    "MaruPoolFull": "maru.common.errors",
     "MaruServerDown": "maru.common.errors",
     "MaruVersionMismatch": "maru.common.errors",
     "MaruError": "maru.common.errors",

@@ -112,7 +112,7 @@ class MaruStorage(HiCacheStorage):
         self.handler = MaruHandler(self.config)
         if not self.handler.connected:
             # The seed's text first (`RuntimeError: Failed to connect MaruHandler to <url>`),
-            # then why (down, refused, pool full, another version), once.
+            # then why (down, refused, another version), once.
             error = self.handler.connect_error
             self.handler.close()
             reason = f": {error.reason}" if error is not None else ""

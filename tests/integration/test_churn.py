@@ -114,12 +114,12 @@ def test_churn_three_times_the_pool(maru_server_factory, tmp_path):
         p.start()
     results: list[dict] = []
     try:
-        for ev in readies:  # readers take their (small) regions before the pool fills up
+        for ev in readies:
             assert ev.wait(60), "a reader did not start"
-        # the writer: small regions, so that its regions can cover the whole pool
+        # the writer: small regions at first, growing up to the whole pool
         writer = MaruHandler(
             server_url=server.url,
-            pool_size="4M",
+            pool_size="256M",
             expand_size="4M",
             chunk_size_bytes=CHUNK,
             timeout_ms=10_000,

@@ -56,7 +56,11 @@ def writer(maru_server):
     """An instance that stored NS1 and NS2, looked up 4 keys (3 hits, 1 miss) and checked 3
     (2 found)."""
     h = MaruHandler(
-        server_url=maru_server.url, instance_id=WRITER, pool_size="16M", chunk_size_bytes="64K"
+        server_url=maru_server.url,
+        instance_id=WRITER,
+        pool_size="16M",
+        expand_size="16M",  # one region of the whole cap: the numbers below
+        chunk_size_bytes="64K",
     )
     try:
         assert all(h.batch_store(NS1, [b"a" * 100000] * len(NS1)))

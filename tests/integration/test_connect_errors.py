@@ -1,4 +1,4 @@
-"""A failed connect says which failure it was (down, refused, pool full, another version), as
+"""A failed connect says which failure it was (down, refused, another version), as
 a `MaruConnectError` subclass whose message starts with the seed's `Failed to connect
 MaruHandler to <url>`; it is said once (one WARNING, no second attempt in `with`), and a port
 where nothing listens fails at once rather than after the RPC deadline."""
@@ -19,7 +19,6 @@ from maru import (
     MaruConnectRefused,
     MaruError,
     MaruHandler,
-    MaruPoolFull,
     MaruServerDown,
     MaruVersionMismatch,
 )
@@ -116,13 +115,3 @@ def test_a_server_that_refuses_the_handshake():
         f"Failed to connect MaruHandler to {url}: the server refused the connection (no thanks)"
     )
     h.close()
-
-
-@pytest.mark.timeout(60)
-def test_a_full_pool(maru_server_factory, tmp_path):
-    server = maru_server_factory(tmp_path, pool_size="8M")
-    with MaruHandler(server_url=server.url, pool_size="6M"), pytest.raises(MaruPoolFull) as raised:
-        MaruHandler(server_url=server.url, pool_size="4M").__enter__()
-    assert str(raised.value).startswith(
-        f"Failed to connect MaruHandler to {server.url}: no room for this instance's first region"
-    )

@@ -107,7 +107,7 @@ def batch_sizes(prefix: str, batch: int, n: int, lo: int, hi: int) -> list[int]:
 def batch_writer(url: str, prefix: str, per_batch: int, info_q: Any, progress: Any) -> None:
     """Store batches forever (bounded); pin batch 0, hold a read lease on batch 1, and count
     completed batches in `progress` (-1 if a store ever fails). Waits to be killed."""
-    h = handler(url, pool_size="16M")
+    h = handler(url, pool_size="256M")  # up to the whole pool: no eviction before the kill
     info_q.put(h.instance_id)
     lease_cm = None
     for b in range(400):
@@ -145,7 +145,7 @@ def write_without_register(url: str, keys: list[str], info_q: Any) -> None:
 def streaming_writer(url: str, prefix: str, per_batch: int, out_q: Any, stop: Any) -> None:
     """Store batches until `stop`; report (batch, results) for each. Failures are expected
     while the server is down; nothing is retried, the stream just goes on."""
-    h = handler(url, pool_size="64M", timeout_ms=500)
+    h = handler(url, pool_size="256M", timeout_ms=500)  # the whole pool: nothing evicted
     try:
         for b in range(2000):
             if stop.is_set():
@@ -329,7 +329,7 @@ def test_sigkill_server_restart_keeps_every_key(maru_server_factory, tmp_path):
     server = maru_server_factory(
         tmp_path / "srv", pool_size="256M", extra_args=["--heartbeat-timeout", "3"]
     )
-    writer = handler(server.url, pool_size="64M", timeout_ms=1000)
+    writer = handler(server.url, pool_size="256M", timeout_ms=1000)  # the whole pool
     keys = [f"persist-{i}" for i in range(240)]
     sizes = batch_sizes("persist", 0, len(keys), 1 * KiB, 512 * KiB)
     for start in range(0, len(keys), 16):

@@ -35,7 +35,7 @@ def test_thousand_mixed_keys_stored_by_one_process_read_by_another(maru_server_f
         assert stats["keys"] == n
         # A closed: its regions were returned but stay allocated while they hold keys
         assert set(a["regions"]) <= {r.region_id for r in h.list_allocations(all_instances=True)}
-        assert stats["pool"]["used"] >= 3 << 30
+        assert stats["pool"]["used"] >= sum(sizes)  # regions taken as the data arrived
 
 
 def test_same_key_race_between_two_writer_processes(maru_server_factory):

@@ -1,5 +1,6 @@
-"""MaruHandler against a real `maru-server`: pool exhaustion, auto_expand, multi-page values,
-page reuse after deletes, pinning, close() returning regions and the deferred free."""
+"""MaruHandler against a real `maru-server`: pool exhaustion, regions growing in steps up to
+pool_size, multi-page values, page reuse after deletes, pinning, close() returning regions and
+the deferred free."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import pytest
 
 from maru import MaruHandler
+
+from .workers import owned_pages
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -23,12 +26,15 @@ def region_ids(h: MaruHandler) -> set[int]:
 
 def test_pool_exhaustion_returns_false_and_logs_the_pool(maru_server_factory, caplog):
     server = maru_server_factory(pool_size="64M")
-    hog = MaruHandler(server_url=server.url, pool_size="56M")
-    h = MaruHandler(server_url=server.url, pool_size="8M")
+    hog = MaruHandler(server_url=server.url, pool_size="56M", expand_size="56M")
+    h = MaruHandler(server_url=server.url, pool_size="32M", expand_size="8M")
     try:
-        assert pool_used(h) == 64 * MiB
+        # the hog reserves a value and never seals it: its region is never parked, so the
+        # server cannot take it back
+        assert hog.alloc(100) is not None
         keep = os.urandom(MiB)
         assert h.store("keep", keep) and h.pin("keep")
+        assert pool_used(h) == 64 * MiB
         with caplog.at_level(logging.INFO, logger="maru"):
             assert h.store("too-big", os.urandom(9 * MiB)) is False
         assert any(server.pool_path in r.getMessage() for r in caplog.records), [
@@ -46,32 +52,40 @@ def test_pool_exhaustion_returns_false_and_logs_the_pool(maru_server_factory, ca
         h.close()
 
 
-def test_first_region_larger_than_the_pool(maru_server_factory, caplog):
+def test_pool_size_larger_than_the_pool_connects_and_stores(maru_server_factory, caplog):
+    """pool_size is a cap, not a region taken at connect: larger than the whole pool, the
+    instance still connects and stores; a value larger than the pool is refused, naming it."""
     server = maru_server_factory(pool_size="32M")
-    with caplog.at_level(logging.WARNING, logger="maru"):
-        h = MaruHandler(server_url=server.url, pool_size="64M")
-    try:
-        assert not h.connected
-        assert any(server.pool_path in r.getMessage() for r in caplog.records)
-    finally:
-        h.close()
+    with MaruHandler(server_url=server.url, pool_size="64M") as h:
+        assert h.connected and h.owned_region_ids() == []
+        value = os.urandom(MiB)
+        assert h.store("fits", value)
+        assert sum(r.length for r in h.list_allocations()) == 4 * MiB  # its first step
+        with caplog.at_level(logging.WARNING, logger="maru"):
+            assert h.store("too-big", os.urandom(40 * MiB)) is False
+        assert any("larger than the whole pool" in r.getMessage() for r in caplog.records)
+        info = h.retrieve("fits")  # nothing was evicted in vain
+        assert info is not None and bytes(info.view) == value
 
 
-def test_auto_expand_requests_another_region(maru_server):
-    with MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes="1M") as h:
+def test_regions_grow_in_steps_up_to_pool_size(maru_server):
+    with MaruHandler(server_url=maru_server.url, pool_size="16M", chunk_size_bytes="1M") as h:
+        assert h.owned_region_ids() == []  # none taken at connect
         values = {f"v{i}": os.urandom(MiB - 7 * i) for i in range(6)}
         assert h.batch_store(list(values), list(values.values())) == [True] * 6
-        regions = h.list_allocations()
-        assert len(regions) == 2 and [r.length for r in regions] == [4 * MiB, 4 * MiB]
-        assert len(h.owned_region_ids()) == 2
-        # a value larger than expand_size gets a region of its own size
-        big = os.urandom(10 * MiB + 3)
+        # the first step (2 MiB: a sixteenth of pool_size, at least 2 MiB), then twice that
+        assert [r.length for r in h.list_allocations()] == [2 * MiB, 4 * MiB]
+        # a value larger than the next step gets a region of its own size, within the cap
+        big = os.urandom(9 * MiB + 3)
         assert h.store("big", big)
-        lengths = sorted(r.length for r in h.list_allocations())
-        assert lengths == [4 * MiB, 4 * MiB, 12 * MiB]  # 11 pages, rounded to 2 MiB
+        assert [r.length for r in h.list_allocations()] == [2 * MiB, 4 * MiB, 10 * MiB]
         for key, value in [*values.items(), ("big", big)]:
             info = h.retrieve(key)
             assert info is not None and bytes(info.view) == value
+        # at the cap (16 MiB held): the next value evicts our least recently used one
+        assert h.store("more", b"m" * MiB)
+        assert len(h.list_allocations()) == 3
+        assert h.batch_exists(["v0", "more"]) == [False, True]
 
 
 def test_auto_expand_off_stays_in_its_region(maru_server, caplog):
@@ -92,10 +106,9 @@ def test_value_larger_than_a_chunk_takes_contiguous_pages(maru_server):
     with MaruHandler(
         server_url=maru_server.url, pool_size="2M", chunk_size_bytes=chunk, auto_expand=False
     ) as h:
-        total = h.free_chunks()
-        assert total == 32
+        total = 32  # one region of pool_size, taken by the first reservation
         handle = h.alloc(3 * chunk + chunk // 2)
-        assert handle is not None
+        assert handle is not None and len(h.owned_region_ids()) == 1
         assert handle.length == 4 * chunk and handle.offset % chunk == 0
         assert len(handle.buf) == handle.size == 3 * chunk + chunk // 2  # the bytes asked for
         assert h.free_chunks() == total - 4
@@ -128,8 +141,8 @@ def test_deleted_pages_return_to_their_owner(maru_server):
         MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes="256K") as a,
         MaruHandler(server_url=maru_server.url, pool_size="2M") as b,
     ):
-        total = a.free_chunks()
         assert a.batch_store(["x", "y", "z"], [b"1" * 300 * KiB, b"2" * 10, b"3" * 10])
+        total = owned_pages(a)
         assert a.free_chunks() == total - 4
         assert b.batch_delete(["x", "y"]) == [True, True]  # deleted by someone else
         assert a.exists("z")  # any reply to `a` carries the freed locations
@@ -152,16 +165,17 @@ def test_pinned_key_cannot_be_deleted(maru_server):
 
 
 def test_close_returns_regions_and_deferred_free_releases_them(maru_server):
-    observer = MaruHandler(server_url=maru_server.url, pool_size="2M")
-    a = MaruHandler(server_url=maru_server.url, pool_size="32M")
-    empty = MaruHandler(server_url=maru_server.url, pool_size="16M")
+    observer = MaruHandler(server_url=maru_server.url, pool_size="2M")  # stores nothing
+    a = MaruHandler(server_url=maru_server.url, pool_size="32M", expand_size="32M")
+    empty = MaruHandler(server_url=maru_server.url, pool_size="16M", expand_size="16M")
     try:
-        used = pool_used(observer)
-        assert used == (2 + 32 + 16) * MiB
-        a_regions = set(a.owned_region_ids())
-        empty_regions = set(empty.owned_region_ids())
         v1, v2 = os.urandom(100 * KiB), os.urandom(3 * MiB)
         assert a.batch_store(["k1", "k2"], [v1, v2]) == [True, True]
+        assert empty.store("gone", b"g") and empty.delete("gone")  # a region, now keyless
+        used = pool_used(observer)
+        assert used == (32 + 16) * MiB
+        a_regions = set(a.owned_region_ids())
+        empty_regions = set(empty.owned_region_ids())
 
         empty.close()  # no keys in its region: freed at once
         assert pool_used(observer) == used - 16 * MiB
@@ -180,10 +194,10 @@ def test_close_returns_regions_and_deferred_free_releases_them(maru_server):
         assert a_regions <= region_ids(observer)
         assert observer.delete("k2")  # last key: the region goes back to the pool
         assert not a_regions & region_ids(observer)
-        assert pool_used(observer) == used - 48 * MiB
+        assert pool_used(observer) == used - 48 * MiB == 0
         # and the space is reusable
-        with MaruHandler(server_url=maru_server.url, pool_size="48M") as again:
-            assert again.connected and pool_used(again) == used
+        with MaruHandler(server_url=maru_server.url, pool_size="48M", expand_size="48M") as again:
+            assert again.store("again", b"a") and pool_used(again) == used
     finally:
         a.close()
         empty.close()
@@ -192,15 +206,15 @@ def test_close_returns_regions_and_deferred_free_releases_them(maru_server):
 
 def test_chunk_size_changes_only_before_the_first_reservation(maru_server):
     """MaruStorage learns SGLang's page size after connecting: the chunk size is set then,
-    on the same connection, and the region is cut again; once a chunk is reserved it cannot
-    change (the free lists would no longer describe the region)."""
+    on the same connection (before its first store takes a region, or with its regions cut
+    again); once a chunk is reserved it cannot change (the free lists would no longer
+    describe the region)."""
     with MaruHandler(server_url=maru_server.url, pool_size="2M") as h:
-        regions = h.owned_region_ids()
-        assert h.get_chunk_size() == MiB and h.free_chunks() == 2
+        assert h.get_chunk_size() == MiB and h.free_chunks() == 0 and not h.owned_region_ids()
         h.set_chunk_size("64K")
         assert h.get_chunk_size() == 64 * KiB == h.config.chunk_size_bytes
-        assert h.free_chunks() == 32 and h.owned_region_ids() == regions  # no reconnect
         assert h.store("k", b"v" * 100) and h.retrieve("k").page_index == 0
+        assert h.free_chunks() == 31 and len(h.owned_region_ids()) == 1
         with pytest.raises(RuntimeError, match="already reserved"):
             h.set_chunk_size("128K")
         with pytest.raises(ValueError, match="chunk_size_bytes"):

@@ -254,7 +254,7 @@ def test_server_busy_poll_serves_the_same_and_rejects_a_negative_window(
     server = maru_server_factory(
         tmp_path / "spin", pool_size="64M", extra_args=["--busy-poll-us", "500"]
     )
-    with MaruHandler(server_url=server.url, pool_size="4M") as h:
+    with MaruHandler(server_url=server.url, pool_size="64M") as h:  # 50 one-chunk values
         for i in range(50):
             store_and_read(h, f"busy-{i}")
         assert h.batch_exists([f"busy-{i}" for i in range(50)]) == [True] * 50

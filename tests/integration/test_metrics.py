@@ -62,7 +62,11 @@ def metrics_url(server) -> str:
 
 def test_metrics_endpoint_exports_pool_keys_instances_and_histograms(server, metrics_url):
     with MaruHandler(
-        server_url=server.url, instance_id=INSTANCE, pool_size="16M", chunk_size_bytes="64K"
+        server_url=server.url,
+        instance_id=INSTANCE,
+        pool_size="16M",
+        expand_size="16M",  # its first region: the whole cap
+        chunk_size_bytes="64K",
     ) as h:
         assert all(h.batch_store([f"k{i}" for i in range(5)], [b"x" * 70000] * 5))
         assert [x is not None for x in h.batch_retrieve(["k0", "k1", "zz"])] == [1, 1, 0]
@@ -102,6 +106,7 @@ def test_metrics_endpoint_exports_pool_keys_instances_and_histograms(server, met
         assert value(fam, "maru_instance_pages_capacity", instance=h.instance_id) == 256
         assert value(fam, "maru_instance_regions", instance=h.instance_id) == 1
         assert value(fam, "maru_instance_region_bytes", instance=h.instance_id) == 16 << 20
+        assert value(fam, "maru_instance_parked_regions", instance=h.instance_id) == 0
         assert value(fam, "maru_instance_lookup_hits", instance=h.instance_id) == 2
         assert value(fam, "maru_instance_lookup_misses", instance=h.instance_id) == 1
         assert value(fam, "maru_instance_exists_hits", instance=h.instance_id) == 2
@@ -236,7 +241,11 @@ def test_json_logs_one_object_per_event_with_instance_ids(maru_server_factory):
         ],
     )
     with MaruHandler(
-        server_url=server.url, instance_id="json-logger", pool_size="16M", chunk_size_bytes="1M"
+        server_url=server.url,
+        instance_id="json-logger",
+        pool_size="16M",
+        expand_size="16M",
+        chunk_size_bytes="1M",
     ) as h:
         # 8 MiB registered > 10% of 64 MiB: the second batch triggers an eviction round
         # (of the first batch's keys: a batch never evicts the keys it just registered)

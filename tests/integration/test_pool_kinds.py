@@ -41,7 +41,7 @@ def test_devdax_pool_with_a_regular_file_standing_in_for_the_device(devdax_stand
     """devdax, with a regular file standing in for /dev/daxX.Y (no device here): this process
     stores through its mapping of the "device", another process reads through its own."""
     service, dev = devdax_stand_in_server
-    with MaruHandler(server_url=service.endpoint, pool_size="16M") as h:
+    with MaruHandler(server_url=service.endpoint, pool_size="64M") as h:  # up to all of it
         stats = h.stats()["pool"]
         assert stats["kind"] == "devdax" and stats["path"] == str(dev)
         assert stats["capacity"] == 64 * MiB
@@ -70,7 +70,7 @@ def test_fsdax_pool_one_file_per_region(maru_server_factory, tmp_path):
     server = maru_server_factory(pool_size="256M", pool=str(root) + "/")
     keys = [f"fs/{i}" for i in range(30)]
     sizes = [1000 + 77_777 * i for i in range(30)]
-    kw = {"pool_size": "8M", "auto_expand": True}
+    kw = {"pool_size": "64M", "auto_expand": True}  # regions of 4, 8, 16... MiB
     (a,) = run_processes([(store_keys, (server.url, keys, sizes, 77, 8, kw))], 60)
     assert a["ok"] == [True] * 30 and len(a["regions"]) >= 2  # needed more than one region
     files = sorted(p.name for p in root.glob("region-*.mem"))  # (and the server's lock file)

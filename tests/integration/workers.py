@@ -34,6 +34,11 @@ def digest(buf: Any) -> str:
     return hashlib.sha1(buf).hexdigest()
 
 
+def owned_pages(h: Any) -> int:
+    """Chunks in the regions `h` owns (regions are taken as data arrives: count after)."""
+    return sum(r.length for r in h.list_allocations()) // h.get_chunk_size()
+
+
 def _run(fn: Callable[..., dict], out_q: Any, idx: int, args: tuple) -> None:
     try:
         result = fn(*args)
@@ -94,7 +99,6 @@ def store_keys(
     With `done`, keep the handler (and its regions) until the parent sets it."""
     h = _handler(url, **handler_kw)
     try:
-        total_pages = h.free_chunks()
         if barrier is not None:
             barrier.wait(30)
         ok: list[bool] = []
@@ -107,7 +111,7 @@ def store_keys(
         result = {
             "ok": ok,
             "digests": digests,
-            "total_pages": total_pages,
+            "total_pages": owned_pages(h),
             "free_pages": h.free_chunks(),
             "regions": h.owned_region_ids(),
             "chunk": h.get_chunk_size(),
@@ -139,5 +143,45 @@ def retrieve_keys(url: str, keys: list[str], batch: int) -> dict:
                 digests.append(digest(info.view))
                 lengths.append(info.length)
         return {"digests": digests, "lengths": lengths, "readonly": readonly, "foreign": foreign}
+    finally:
+        h.close()
+
+
+def share_pool(
+    url: str, me: int, n: int, count: int, handler_kw: dict[str, Any], stored: Any, checked: Any
+) -> dict:
+    """Instance `me` of `n`: store `count` values, wait until every instance stored (all
+    still connected), then read every instance's values in place under a lease and digest
+    them; stay connected until every instance checked. Values are reproducible from their key,
+    so each instance knows what the others wrote."""
+
+    def key(owner: int, i: int) -> str:
+        return f"share/{owner}/{i}"
+
+    def value(owner: int, i: int) -> memoryview:
+        return make_value(1000 * owner + i, 3000 + (owner * 7919 + i * 104729) % (200 * KiB))
+
+    h = _handler(url, **handler_kw)
+    try:
+        regions_at_connect = len(h.owned_region_ids())
+        ok = h.batch_store([key(me, i) for i in range(count)], [value(me, i) for i in range(count)])
+        held = h.stats()["instances"][h.instance_id]["region_bytes"]
+        stored.wait(120)
+        hits = wrong = 0
+        for owner in range(n):
+            keys = [key(owner, i) for i in range(count)]
+            with h.leased(keys) as infos:
+                for i, info in enumerate(infos):
+                    if info is not None:
+                        hits += 1
+                        wrong += digest(info.view) != digest(value(owner, i))
+        checked.wait(120)
+        return {
+            "ok": ok,
+            "hits": hits,
+            "wrong": wrong,
+            "held": held,
+            "regions_at_connect": regions_at_connect,
+        }
     finally:
         h.close()

@@ -67,7 +67,10 @@ def test_defaults_and_normalisation():
     assert cfg.chunk_size_bytes == 64 << 10
     assert cfg.timeout_ms == 500
     assert cfg.auto_expand is False
-    assert cfg.region_expand_size == 64 << 20
+    # the first region: a sixteenth of the per-instance cap, at least 2 MiB, at most the cap
+    assert cfg.region_expand_size == 4 << 20
+    assert MaruConfig(pool_size="8M").region_expand_size == 2 << 20
+    assert MaruConfig(pool_size="1M", chunk_size_bytes="64K").region_expand_size == 1 << 20
     assert MaruConfig(pool_size="64M", expand_size="8M").region_expand_size == 8 << 20
     # every config gets its own instance id
     assert MaruConfig().instance_id != MaruConfig().instance_id

@@ -412,6 +412,99 @@ def test_orphan_reclaim_skips_busy_keys_and_live_owners(tmp_path):
     consistent(reg)
 
 
+# -- taking parked regions back from idle live owners (issue 15) -----------------------------
+
+
+def test_an_empty_parked_region_is_taken_back_without_evicting(tmp_path):
+    reg = make_registry(tmp_path, pool_mib=8, high=1.0, low=1.0)
+    ra = reg.request_region("A", 2 * MiB).region_id
+    spare = reg.request_region("A", 2 * MiB).region_id
+    rb = reg.request_region("B", 4 * MiB).region_id
+    fill(reg, "A", ra, ["a0"])
+    fill(reg, "B", rb, ["b0"])
+    reg.handshake("C", 3)
+    with pytest.raises(ProtocolError) as exc:  # nothing parked: every region is in use
+        reg.request_region("C", 2 * MiB)
+    assert exc.value.code == ErrorCode.POOL_FULL
+    assert reg.park("A", 1, [spare], []) == ([], [])
+    h = reg.request_region("C", 2 * MiB)
+    assert spare not in reg.regions and spare not in reg.instances["A"].regions
+    assert reg.exists(["a0", "b0"]) == [True, True] and reg.counters["evictions"] == 0
+    assert reg.counters["regions_reclaimed"] == 1 and h.owner == "C"
+    # A learns it at its next park request (or handshake): the region is gone
+    assert reg.park("A", 2, [spare], []) == ([], [spare])
+    assert [r.region_id for r in map(reg.regions.get, [ra]) if r] == [ra]
+    consistent(reg)
+
+
+def test_a_parked_region_with_keys_is_emptied_and_its_owner_not_told_of_pages(tmp_path):
+    """The keys of a parked region are evicted (CLOCK order among idle regions) and it frees;
+    its owner gets no `freed` notice for them: the pages are no longer its own."""
+    reg = make_registry(tmp_path, pool_mib=8, high=1.0, low=1.0)
+    ra = reg.request_region("A", 4 * MiB).region_id
+    rb = reg.request_region("B", 4 * MiB).region_id
+    fill(reg, "A", ra, ["a0", "a1"])
+    fill(reg, "B", rb, ["b0"])
+    reg.park("A", 1, [ra], [])
+    reg.handshake("C", 3)
+    h = reg.request_region("C", 4 * MiB)
+    assert h.offset == 0 and ra not in reg.regions
+    assert reg.exists(["a0", "a1", "b0"]) == [False, False, True]
+    assert reg.take_freed("A") == [] and reg.instances["A"].regions == set()
+    consistent(reg)
+
+
+def test_an_unparked_region_is_never_taken_back_even_by_a_late_park(tmp_path):
+    """`seq` orders park requests: a park older than the unpark after which the owner writes
+    again (a late copy, a retry) changes nothing."""
+    reg = make_registry(tmp_path, pool_mib=4, high=1.0, low=1.0)
+    ra = reg.request_region("A", 4 * MiB).region_id
+    reg.handshake("C", 3)
+    assert reg.park("A", 5, [ra], []) == ([], [])
+    assert reg.park("A", 6, [], [ra]) == ([ra], [])  # the owner may write there again
+    assert reg.park("A", 5, [ra], []) == ([], [])  # the late copy of the park: ignored
+    assert reg.park("A", 6, [], [ra]) == ([], [])  # a stale unpark unparks nothing either
+    with pytest.raises(ProtocolError) as exc:
+        reg.request_region("C", 2 * MiB)
+    assert exc.value.code == ErrorCode.POOL_FULL and ra in reg.instances["A"].regions
+    for bad in [(-1, [ra], []), (True, [], []), (7, ["1"], [])]:
+        with pytest.raises(ProtocolError) as exc:
+            reg.park("A", *bad)
+        assert exc.value.code == ErrorCode.BAD_REQUEST
+    consistent(reg)
+
+
+def test_a_parked_region_with_a_busy_key_is_not_taken_back(tmp_path):
+    reg = make_registry(tmp_path, pool_mib=4, high=1.0, low=1.0)
+    ra = reg.request_region("A", 4 * MiB).region_id
+    fill(reg, "A", ra, ["a0"])
+    reg.handshake("C", 3)
+    lease_id = lease(reg, ["a0"], "C")
+    reg.park("A", 1, [ra], [])
+    with pytest.raises(ProtocolError) as exc:
+        reg.request_region("C", 2 * MiB)
+    assert exc.value.code == ErrorCode.POOL_FULL
+    assert ra in reg.instances["A"].regions and reg.exists(["a0"]) == [True]
+    reg.leases.release([lease_id], "C")
+    assert reg.request_region("C", 2 * MiB).length == 2 * MiB
+    consistent(reg)
+
+
+def test_min_size_takes_what_is_free_before_reclaiming(tmp_path):
+    reg = make_registry(tmp_path, pool_mib=8, high=1.0, low=1.0)
+    ra = reg.request_region("A", 4 * MiB).region_id
+    fill(reg, "A", ra, ["a0"])
+    reg.park("A", 1, [ra], [])
+    # 8 MiB wanted, 2 MiB needed: the free 4 MiB are enough, A's parked region stays
+    assert reg.request_region("B", 8 * MiB, 2 * MiB).length == 2 * MiB
+    assert ra in reg.regions and reg.exists(["a0"]) == [True]
+    for bad in (0, -1, "2M"):
+        with pytest.raises(ProtocolError) as exc:
+            reg.request_region("B", 8 * MiB, bad)
+        assert exc.value.code == ErrorCode.BAD_REQUEST
+    consistent(reg)
+
+
 # -- stats --------------------------------------------------------------------------------------
 
 

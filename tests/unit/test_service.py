@@ -186,6 +186,7 @@ def test_every_message_replies_with_exactly_its_schema_fields(service):
         MsgType.RELEASE: {"iid": "A", "leases": []},
         MsgType.EVICT_FOR: {"iid": "A", "bytes": 1},
         MsgType.KEYS: {"prefix": "", "limit": 10},
+        MsgType.PARK_REGIONS: {"iid": "A", "seq": 1, "park": [spare[0]], "unpark": [rid]},
         MsgType.DISCONNECT: {"iid": "A"},  # last: A is gone afterwards
     }
     assert set(requests) == set(MsgType) == set(protocol.MESSAGES)

@@ -72,15 +72,30 @@ class AllocHandle:
 
 
 class _OwnedRegion:
-    __slots__ = ("chunks", "mapped")
+    """An owned region's free chunks, and what parking needs to know: whether a chunk was
+    taken since the last `park_idle` (`touched`), which values are reserved and not yet
+    written and sealed (`reserved`: their first chunks), and whether it is `parked` (no take
+    until `unpark`: the server may take it back)."""
 
-    def __init__(self, mapped: MappedRegion, chunk: int):
+    __slots__ = ("chunks", "mapped", "parked", "reserved", "touched")
+
+    def __init__(self, mapped: MappedRegion, chunk: int, parked: bool = False):
         self.mapped = mapped
         self.chunks = ExtentAllocator(mapped.handle.length // chunk)
+        self.parked = parked
+        self.touched = True  # a new region is not idle before the next tick
+        self.reserved: set[int] = set()
 
 
 class ChunkBook:
-    """The owned regions and their free chunks; thread-safe."""
+    """The owned regions and their free chunks; thread-safe.
+
+    Parking (the rule that lets the server take a region back from a live instance): a region
+    is parked only while no value in it is reserved and not yet sealed, and `take` never
+    reserves in a parked region; the handler tells the server only after parking here, and
+    unparks here only after the server said the region is still ours (`MaruHandler._tick`,
+    `MaruHandler._unpark`). So a page this instance may still write is never in a region the
+    server may hand to another instance."""
 
     def __init__(self, chunk_size: int):
         self.chunk_size = chunk_size
@@ -104,10 +119,53 @@ class ChunkBook:
             return all(o.chunks.used == 0 for o in self._owned.values())
 
     def set_chunk_size(self, chunk_size: int, mapped: Iterable[MappedRegion]) -> None:
-        """Re-cut the (untouched) owned regions into chunks of another size."""
+        """Re-cut the (untouched) owned regions into chunks of another size (parked stay
+        parked)."""
         with self._lock:
             self.chunk_size = chunk_size
-            self._owned = {m.handle.region_id: _OwnedRegion(m, chunk_size) for m in mapped}
+            parked = {r for r, o in self._owned.items() if o.parked}
+            self._owned = {
+                m.handle.region_id: _OwnedRegion(m, chunk_size, m.handle.region_id in parked)
+                for m in mapped
+            }
+
+    def owned_bytes(self) -> int:
+        """Bytes of the owned regions, parked included (what `pool_size` caps)."""
+        with self._lock:
+            return sum(o.mapped.handle.length for o in self._owned.values())
+
+    def largest_region(self) -> int:
+        """The length of the largest owned region (0: none); the next region doubles it."""
+        with self._lock:
+            return max((o.mapped.handle.length for o in self._owned.values()), default=0)
+
+    def park_idle(self) -> list[int]:
+        """Park every region that had no take since the last call and holds no reserved
+        value; returns every parked region (for the server, which may take them back)."""
+        with self._lock:
+            for owned in self._owned.values():
+                if not owned.touched and not owned.reserved:
+                    owned.parked = True
+                owned.touched = False
+        return self.parked_regions()
+
+    def parked_regions(self) -> list[int]:
+        with self._lock:
+            return sorted(r for r, o in self._owned.items() if o.parked)
+
+    def parked_with_room(self, size: int, count: int = 1) -> list[int]:
+        """Parked regions with a free run for `count` values of `size` bytes."""
+        run = -(-size // self.chunk_size) * count
+        with self._lock:
+            return [r for r, o in self._owned.items() if o.parked and o.chunks.largest_free >= run]
+
+    def unpark(self, region_ids: Iterable[int]) -> None:
+        """The server confirmed these regions are still ours to write in."""
+        with self._lock:
+            for region_id in region_ids:
+                owned = self._owned.get(region_id)
+                if owned is not None:
+                    owned.parked, owned.touched = False, True
 
     def adopt(self, mapped: MappedRegion) -> None:
         """Own `mapped`, a region the server just gave us: every chunk free."""
@@ -130,23 +188,43 @@ class ChunkBook:
         chunks = -(-size // self.chunk_size)
         with self._lock:
             for owned in self._owned.values():
+                if owned.parked:
+                    continue
                 first = owned.chunks.allocate_run(chunks, count)
                 if first is not None:
+                    owned.touched = True
+                    owned.reserved.update(first)
                     chunk = self.chunk_size
                     offset, stride = first[0] * chunk, chunks * chunk
                     return AllocHandle(owned.mapped, chunk, offset, stride, count, size)
         return None
 
+    def written(self, handle: AllocHandle) -> None:
+        """The values of `handle` are written and being sealed: no longer reserved (the region
+        may be parked once idle; a seal that comes too late for it is refused)."""
+        with self._lock:
+            owned = self._region_of(handle)
+            if owned is not None:
+                owned.reserved.difference_update(self._firsts(handle))
+
+    def _firsts(self, handle: AllocHandle, indices: Iterable[int] | None = None) -> Iterable[int]:
+        """The first chunks of the values of `handle` (all, or those at `indices`)."""
+        chunk = self.chunk_size
+        if indices is None:
+            first, step = handle.offset // chunk, handle.stride // chunk
+            return range(first, first + step * handle.count, step)
+        return [(handle.offset + i * handle.stride) // chunk for i in indices]
+
     def give_back(self, handle: AllocHandle, indices: Iterable[int] | None = None) -> None:
         """Free the values of `handle` (all, or those at `indices`) that will not be sealed.
         A handle of a region that is gone (server restart) has nothing of ours to free."""
-        chunk = self.chunk_size
         with self._lock:
             owned = self._region_of(handle)
             if owned is None:
                 return
-            for i in range(handle.count) if indices is None else indices:
-                first = (handle.offset + i * handle.stride) // chunk
+            firsts = self._firsts(handle, indices)
+            owned.reserved.difference_update(firsts)
+            for first in firsts:
                 if owned.chunks.is_allocated(first):
                     owned.chunks.free_extent(first)
 

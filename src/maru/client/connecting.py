@@ -12,7 +12,6 @@ from maru.common.errors import (
     MaruConnectionError,
     MaruConnectRefused,
     MaruError,
-    MaruPoolFull,
     MaruServerDown,
     MaruServerError,
     MaruVersionMismatch,
@@ -48,8 +47,6 @@ def connect_failure(url: str, exc: MaruError) -> MaruConnectError:
     if isinstance(exc, MaruConnectionError):
         return MaruServerDown(url, f"maru-server is down or unreachable ({exc})")
     if isinstance(exc, MaruServerError):
-        if exc.code == ErrorCode.POOL_FULL:
-            return MaruPoolFull(url, f"no room for this instance's first region ({exc})")
         if exc.code == ErrorCode.BAD_VERSION:
             return MaruVersionMismatch(url, str(exc))
         return MaruConnectRefused(url, f"the server refused the connection ({exc})")

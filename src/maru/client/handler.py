@@ -17,6 +17,7 @@ verbs put together. Only metadata crosses the socket; a reader maps the writer's
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -51,8 +52,9 @@ __all__ = ["AllocHandle", "MaruHandler", "MemoryInfo", "StoreOutcome"]
 
 
 class _Heartbeat:
-    """Tells the server we are alive even when idle: a silent instance is reaped (its pins,
-    leases and regions released) after the server's --heartbeat-timeout."""
+    """Tells the server we are alive even when idle (a silent instance is reaped: its pins,
+    leases and regions released after the server's --heartbeat-timeout), and parks the
+    regions we stopped writing in (`MaruHandler._tick`)."""
 
     def __init__(self, send: Callable[[], Any], name: str):
         self.interval = 5.0  # the server says how often, at handshake
@@ -100,17 +102,15 @@ class MaruHandler:
         )
         self._mapper = RegionMapper()
         self._chunks = ChunkBook(config.chunk_size_bytes)
-        self._expand_lock = threading.Lock()
+        self._expand_lock = threading.Lock()  # one region change at a time: grow, park, unpark
+        self._park_seq = itertools.count(1)
         self._connected = False
         self.connect_error: MaruConnectError | None = None  # why the last connect() failed
         # stores refused before anything was sent, by reason (see `_refuse_bad_stores`)
         self.refused_stores: Counter[str] = Counter()
         self._pool_capacity = 0  # the pool's, as of our last handshake (0: not known yet)
         self._pool_generation: str | None = None  # the pool's, as of our last handshake
-        self._heartbeat = _Heartbeat(
-            lambda: self._request(MsgType.HEARTBEAT, {}).result(),
-            f"maru-heartbeat-{self.instance_id[:8]}",
-        )
+        self._heartbeat = _Heartbeat(self._tick, f"maru-heartbeat-{self.instance_id[:8]}")
         if config.auto_connect:
             self.connect()
 
@@ -121,15 +121,13 @@ class MaruHandler:
         return self._connected
 
     def connect(self) -> bool:
-        """Handshake with the server and map our first region. False if that fails: then
-        `connect_error` says why (`MaruServerDown`, `MaruConnectRefused`, `MaruPoolFull`,
-        `MaruVersionMismatch`) and one WARNING says it too. A refused TCP connection fails
-        at once, not after `timeout_ms`."""
+        """Handshake with the server. No region is taken: the first store takes one, so a
+        connect succeeds even when the pool is full. False if that fails: then `connect_error`
+        says why (`MaruServerDown`, `MaruConnectRefused`, `MaruVersionMismatch`) and one
+        WARNING says it too. A refused TCP connection fails at once, not after `timeout_ms`."""
         try:
             probe(self.config.server_url, self.config.timeout_ms)
             self._handshake()
-            if not self._chunks.region_ids():
-                self._expand(self.config.pool_size)
             if self.config.eager_map:
                 for fields in self._request(MsgType.LIST_ALLOCATIONS, {}).result()["regions"]:
                     self._map(RegionHandle.from_wire(fields))
@@ -225,8 +223,6 @@ class MaruHandler:
     def _on_unknown_instance(self, msg_type: int) -> None:
         """The server restarted and forgot us (`RpcClient` calls this, then re-sends)."""
         lost = self._handshake()
-        if not self._chunks.region_ids() and msg_type != MsgType.REQUEST_REGION:
-            self._expand(self.config.pool_size)  # stay usable even with auto_expand off
         if lost and msg_type == MsgType.REGISTER_KV:
             raise RegionsLost(
                 f"maru-server at {self.config.server_url} restarted and forgot {lost} of "
@@ -243,9 +239,65 @@ class MaruHandler:
     def _adopt(self, handle: RegionHandle) -> None:
         self._chunks.adopt(self._mapper.map(handle, writable=True))
 
-    def _expand(self, size: int) -> None:
-        reply = self._request(MsgType.REQUEST_REGION, {"size": size}).result()
+    def _expand(self, size: int, min_size: int) -> None:
+        """A new region of `size` bytes, or at least `min_size` when the pool is short (the
+        server reclaims idle regions to find it)."""
+        body = {"size": size, "min_size": min_size}
+        reply = self._request(MsgType.REQUEST_REGION, body).result()
         self._adopt(RegionHandle.from_wire(reply["region"]))
+
+    def _next_region_size(self, need: int) -> int | None:
+        """How big our next region is: the first `region_expand_size`, each later one twice
+        the largest we hold, never past `pool_size` in all (None: that cap leaves no room for
+        `need` bytes). Without `auto_expand`, one region of `pool_size`."""
+        held, cap = self._chunks.owned_bytes(), self.config.pool_size
+        if not self.config.auto_expand:
+            return None if held or need > cap else cap
+        if need > cap - held:
+            return None
+        step = max(self.config.region_expand_size, 2 * self._chunks.largest_region())
+        return max(need, min(step, cap - held))
+
+    def _tick(self) -> None:
+        """Every heartbeat interval: park the regions we took nothing from since the last tick
+        and hold no unsealed value in (`ChunkBook.park_idle`), and tell the server, which may
+        then take them back for another instance; the reply says which it took. Without
+        parked regions, a plain heartbeat."""
+        with self._expand_lock:
+            parked = self._chunks.park_idle()
+            if parked and self._park(parked, []) is not None:  # also a sign of life
+                return
+        self._request(MsgType.HEARTBEAT, {}).result()
+
+    def _park(self, park: list[int], unpark: list[int]) -> list[int] | None:
+        """One PARK_REGIONS exchange (the caller holds `_expand_lock`, so a park and an unpark
+        are never in flight together; `seq` makes a late copy of either harmless): drops the
+        regions the server took back; returns the regions unparked, None if it failed."""
+        body = {"seq": next(self._park_seq), "park": park, "unpark": unpark}
+        try:
+            reply = self._request(MsgType.PARK_REGIONS, body).result()
+        except MaruError as exc:
+            log.debug("instance %s: park request failed: %s", self.instance_id, exc)
+            return None
+        for region_id in reply["gone"]:
+            # Taken back for another instance (nothing of ours was being written there).
+            # The mapping stays, as for other instances' freed regions: a reader may still
+            # hold an address in it.
+            log.info("instance %s: region %d was taken back", self.instance_id, region_id)
+            self._chunks.drop(region_id)
+        self._chunks.unpark(reply["unparked"])
+        return reply["unparked"]
+
+    def _take_or_unpark(self, size: int, count: int) -> AllocHandle | None:
+        """`ChunkBook.take`, else unpark the parked regions with room and take again. (Which
+        parked regions were taken back, and so no longer count against `pool_size`, the
+        client learns at its next tick.)"""
+        handle = self._chunks.take(size, count)
+        if handle is None:
+            room = self._chunks.parked_with_room(size, count)
+            if room and self._park([], room):
+                handle = self._chunks.take(size, count)
+        return handle
 
     def _map(self, handle: RegionHandle) -> MappedRegion:
         mapped = self._mapper.get(handle.region_id)
@@ -299,35 +351,45 @@ class MaruHandler:
         """Reserve `count` values of `size` bytes as one contiguous run of chunks; None when
         the pool cannot supply them.
 
-        Order of resort: free chunks in owned regions; a new region (`auto_expand`); for a
-        single value, evicting the least-recently-used idle keys in our own regions (the
-        server picks them and tells us which chunks came free). A run (count > 1) is not
-        evicted for, since eviction frees scattered chunks: reserve value by value then."""
+        Order of resort: free chunks in owned regions (parked ones unparked); a new region
+        while we hold less than `pool_size` (the server reclaims other instances' idle regions
+        for it when the pool is full); for a single value, evicting the least-recently-used
+        idle keys in our own regions (the server picks them and tells us which chunks came
+        free). A run (count > 1) is not evicted for, since eviction frees scattered chunks:
+        reserve value by value then."""
         if size <= 0 or count <= 0:
             raise ValueError(f"alloc needs a positive size and count, got {size}, {count}")
         handle = self._chunks.take(size, count)
         if handle is not None:
             return handle
         chunk = self._chunks.chunk_size
-        if self._pool_capacity and -(-size // chunk) * chunk * count > self._pool_capacity:
+        need = -(-size // chunk) * count * chunk
+        # (the whole pool first: it says that no setting of this client would help)
+        for limit, what, reason in (
+            (self._pool_capacity or need, "the whole pool", "larger_than_pool"),
+            (self.config.pool_size, "this instance's pool_size", "larger_than_pool_size"),
+        ):
+            if need <= limit:
+                continue
+            # never fits: evicting anything for it would be in vain
             if count == 1:  # (a run that does not fit may still go value by value)
-                self.refused_stores["larger_than_pool"] += 1
+                self.refused_stores[reason] += 1
                 log.warning(
-                    "instance %s: a value of %s is larger than the whole pool (%s): not stored",
+                    "instance %s: a value of %s is larger than %s (%s): not stored",
                     self.instance_id,
                     fmt_bytes(size),
-                    fmt_bytes(self._pool_capacity),
+                    what,
+                    fmt_bytes(limit),
                 )
             return None
         with self._expand_lock:
-            handle = self._chunks.take(size, count)  # another thread may have made room
+            handle = self._take_or_unpark(size, count)  # another thread may have made room
             if handle is not None:
                 return handle
-            if self.config.auto_expand:
+            region_size = self._next_region_size(need)
+            if region_size is not None:
                 try:
-                    chunks = -(-size // self._chunks.chunk_size) * count
-                    need = chunks * self._chunks.chunk_size
-                    self._expand(max(self.config.region_expand_size, need))
+                    self._expand(region_size, need)
                     handle = self._chunks.take(size, count)
                     if handle is not None:
                         return handle
@@ -349,7 +411,7 @@ class MaruHandler:
             except MaruError as exc:
                 log.warning("instance %s: eviction request failed: %s", self.instance_id, exc)
                 return None
-            handle = self._chunks.take(size)  # the reply's `freed` list was applied already
+            handle = self._take_or_unpark(size, 1)  # the reply's `freed` was applied already
             if handle is not None:
                 return handle
             if not reply["freed_bytes"]:
@@ -485,13 +547,24 @@ class MaruHandler:
         self, datas: Sequence[Buffer], sizes: list[int]
     ) -> AllocHandle | list[AllocHandle | None]:
         """Reserve chunks for `datas` and copy them in: one run when the sizes are equal and
-        a run is free, else value by value (an empty value gets nothing: it fails)."""
-        run = None
-        if len(sizes) > 1 and min(sizes) > 0 and sizes.count(sizes[0]) == len(sizes):
-            run = self.alloc(sizes[0], len(sizes))
-        handles = run.split() if run is not None else [self.alloc(s) if s else None for s in sizes]
+        a run is free, else value by value (an empty value gets nothing: it fails). Value by
+        value, a later reservation may re-handshake with a restarted server that forgot the
+        region of an earlier one (now unmapped): then all are reserved once more."""
+        equal = bool(sizes) and min(sizes) > 0 and sizes.count(sizes[0]) == len(sizes)
+        for _ in range(2):
+            run = self.alloc(sizes[0], len(sizes)) if equal else None
+            if run is not None or (equal and len(sizes) == 1):  # (one value: asked already)
+                handles = run.split() if run is not None else [None]
+                break
+            handles = [self.alloc(s) if s else None for s in sizes]
+            lost = [h for h in handles if h is not None and not self._chunks.holds(h)]
+            if not lost:
+                break
+            for handle in handles:
+                if handle is not None:
+                    self._chunks.give_back(handle)
         for data, size, handle in zip(datas, sizes, handles):
-            if handle is not None:
+            if handle is not None and self._chunks.holds(handle):
                 handle.buf[:size] = memoryview(data).cast("B")
         return run if run is not None else handles
 

@@ -103,6 +103,11 @@ class Sealing:
             region_ids = [handles[i].region_id for i in self._positions]  # type: ignore[union-attr]
             offsets = [handles[i].offset for i in self._positions]  # type: ignore[union-attr]
             sizes = [sizes_in[i] for i in self._positions]
+        # The values are written: their region may be parked from now on (a seal that reaches
+        # the server after the region was taken back is refused, never misplaced).
+        for handle in [handles] if isinstance(handles, AllocHandle) else handles:
+            if handle is not None:
+                handler._chunks.written(handle)
         if not n or not sent_keys:
             self._results = [False] * n
             return

@@ -126,10 +126,13 @@ def unknown_option(key: str, known: set[str], *, prefix: str = "") -> ConfigErro
 
 @dataclass
 class MaruConfig:
-    """How a `MaruHandler` reaches the server and how much shared memory it owns.
+    """How a `MaruHandler` reaches the server and how much shared memory it may hold.
 
-    `pool_size` is the size of the first region this instance requests from the server's pool;
-    `auto_expand` requests further regions of `expand_size` (default: `pool_size`) when full.
+    `pool_size` caps the bytes of the regions this instance holds in the server's pool. None is
+    taken at connect: regions are requested as data arrives, the first of `expand_size`
+    (default: a sixteenth of `pool_size`, at least 2 MiB) and each later one twice the largest
+    held, up to the cap; regions left idle are parked, and the server may take them back for
+    another instance. `auto_expand` off: one region of `pool_size`, taken by the first store.
     """
 
     server_url: str = "tcp://localhost:5555"
@@ -193,7 +196,8 @@ class MaruConfig:
 
     @property
     def region_expand_size(self) -> int:
-        return self.expand_size or self.pool_size
+        """The size of the first region (see the class docstring)."""
+        return min(self.pool_size, self.expand_size or max(self.pool_size // 16, 2 << 20))
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, prefix: str = "") -> MaruConfig:

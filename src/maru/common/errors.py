@@ -37,9 +37,5 @@ class MaruConnectRefused(MaruConnectError):
     """A server answered but refused this instance (a bad request, an error reply)."""
 
 
-class MaruPoolFull(MaruConnectError):
-    """The pool has no room for the instance's first region."""
-
-
 class MaruVersionMismatch(MaruConnectError):
     """The server speaks another protocol version (upgrade client and server together)."""

@@ -67,6 +67,7 @@ class MsgType(IntEnum):
     EVICT_FOR = 16  # make room in the caller's own regions
     KEYS = 17  # list keys by prefix (operators: `maru keys`), at most MAX_LIST_KEYS
     DISCONNECT = 18  # end the caller's instance now: pins, leases and regions let go
+    PARK_REGIONS = 19  # an idle owner lets the server take regions back (or takes them again)
 
 
 class ErrorCode(IntEnum):
@@ -344,7 +345,12 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
     MsgType.REQUEST_REGION: (
         [
             ("session", "str", "the owner"),
-            ("size", "int", "bytes (rounded up to the pool's alignment)"),
+            ("size", "int", "bytes wanted (rounded up to the pool's alignment)"),
+            (
+                "min_size",
+                "int",
+                "optional, default size: the least accepted, reclaiming idle regions to make room",
+            ),
         ],
         [("region", HANDLE, "the new region, writable by its owner")],
     ),
@@ -412,6 +418,27 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
             ("pins", "int", "pins dropped"),
             ("leases", "int", "leases ended"),
             ("regions", "int", "regions given back (their keys stay readable)"),
+        ],
+    ),
+    MsgType.PARK_REGIONS: (
+        [
+            ("session", "str", "the owner"),
+            (
+                "seq",
+                "int",
+                "increases with every request: an older one than the last applied changes nothing",
+            ),
+            (
+                "park",
+                "[int]",
+                "regions the owner will not write in before it unparks them: the "
+                "server may take them back (their keys evicted) when the pool has no room",
+            ),
+            ("unpark", "[int]", "regions the owner wants to write in again"),
+        ],
+        [
+            ("unparked", "[int]", "the regions of unpark that are the owner's to write in again"),
+            ("gone", "[int]", "regions named that the owner no longer owns (taken back)"),
         ],
     ),
     MsgType.DELETE_PREFIX: (

@@ -7,8 +7,9 @@ Plasma's eviction_policy.h or Redis's evict.c, a separate object the registry ca
   with the bit set a second chance (bit cleared, moved to the newest end) instead.
 - Never a pinned key (the caller asked for it to stay) and never a leased one (a reader is
   copying its bytes right now; evicting would let its pages be rewritten mid-copy).
-- Orphans first when the pool itself is full: a region whose owner is gone frees only when its
-  last key goes, so a region request reclaims whole orphaned regions before it is refused.
+- Whole regions when the pool itself is full: a region whose owner is gone frees only when its
+  last key goes, so a region request reclaims whole idle regions (orphaned, or parked by an
+  idle owner) before it is refused (`reclaim`).
 
 Victims are dropped through the registry's one key-dropping mutator (`Registry._drop_keys`),
 which journals them and tells the pages' owners.
@@ -135,34 +136,57 @@ class Eviction:
             want_bytes, lambda e: e.region_id in mine, reason=f"room for {instance_id}"
         )
 
-    def orphans(self) -> bool:
-        """Free one returned region (owner gone) by evicting all of its keys; True if one was
-        freed. Regions are tried in the order eviction would reach their keys (by their oldest
-        key without the CLOCK bit; regions whose keys all have it set last); a region holding
-        a pinned or leased key cannot be freed and is left alone. (Evicting the bytes wanted
-        in eviction order over all orphans is not enough: when their keys interleave, it frees
-        none.) The caller retries its allocation after each freed region."""
-        regions = self.registry.regions
-        # (a held region stays out of use however many keys go: they are left alone)
-        orphans = {r.region_id for r in regions.values() if r.returned and not r.held_until}
-        order: dict[int, None] = {}  # orphan regions, by their oldest key without the bit
+    def reclaim(self) -> bool:
+        """Free one region for a region request that found no room; True if one was freed.
+        Candidates, cheapest first: a parked region without keys (its idle owner said it will
+        not write there without asking first, `Registry.park`); then, by CLOCK, a region whose
+        owner is gone (returned) or parked, by evicting all of its keys. A region holding a
+        pinned or leased key cannot be freed and is left alone. The caller retries its
+        allocation after each freed region."""
+        reg = self.registry
+        regions = reg.regions
+        for region in regions.values():
+            if region.parked and not region.returned and region.live_keys == 0:
+                reg.take_back(region)  # freed at once: no key points into it
+                return True
+        # (a held region, --reap-hold, stays out of use however many keys go: left alone)
+        candidates = {
+            r.region_id
+            for r in regions.values()
+            if (r.returned and not r.held_until) or (r.parked and not r.returned)
+        }
+        return self._free_one(candidates)
+
+    def _free_one(self, candidates: set[int]) -> bool:
+        """Free one of `candidates` by evicting all of its keys (a parked one is taken back
+        from its owner first, so that it frees with its last key). Regions are tried in the
+        order eviction would reach their keys (by their oldest key without the CLOCK bit;
+        regions whose keys all have it set last). (Evicting the bytes wanted in eviction order
+        over all candidates is not enough: when their keys interleave, it frees none.)"""
+        reg = self.registry
+        regions = reg.regions
+        order: dict[int, None] = {}  # candidate regions, by their oldest key without the bit
         used: dict[int, None] = {}  # ... and by their oldest key with it
         busy: set[int] = set()
-        for entry in self.registry.keys.values():
-            if entry.region_id in orphans:
+        for entry in reg.keys.values():
+            if entry.region_id in candidates:
                 (used if entry.referenced else order).setdefault(entry.region_id, None)
                 if entry.busy:
                     busy.add(entry.region_id)
         for region_id in used:
             order.setdefault(region_id, None)
         for region_id in order:
-            if region_id not in busy:
-                self.evict(  # the whole region goes: no second chances
-                    1 << 62,
-                    lambda e, rid=region_id: e.region_id == rid,
-                    reason=f"reclaiming orphaned region {region_id}",
-                    second_chance=False,
-                )
-                if region_id not in regions:
-                    return True
+            if region_id in busy:
+                continue
+            region = regions[region_id]
+            if not region.returned:
+                reg.take_back(region)
+            self.evict(  # the whole region goes: no second chances
+                1 << 62,
+                lambda e, rid=region_id: e.region_id == rid,
+                reason=f"reclaiming idle region {region_id} of {region.owner}",
+                second_chance=False,
+            )
+            if region_id not in regions:
+                return True
         return False

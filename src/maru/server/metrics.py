@@ -70,12 +70,20 @@ COUNTERS: dict[str, tuple[str, str]] = {
     ),
     "regions_allocated": ("maru_regions_allocated", "Regions carved out of the pool."),
     "regions_freed": ("maru_regions_freed", "Regions given back to the pool."),
+    "regions_reclaimed": (
+        "maru_regions_reclaimed",
+        "Parked regions taken back from idle instances for another's region request.",
+    ),
 }
 
 # per-instance gauge field -> (metric name, help)
 INSTANCE_GAUGES: dict[str, tuple[str, str]] = {
     "regions": ("maru_instance_regions", "Regions the instance owns."),
     "region_bytes": ("maru_instance_region_bytes", "Bytes of the regions the instance owns."),
+    "parked_regions": (
+        "maru_instance_parked_regions",
+        "Regions the instance parked (idle): the server may take them back for another.",
+    ),
     "keys": ("maru_instance_keys", "Keys stored in the instance's regions."),
     "bytes_stored": ("maru_instance_stored_bytes", "Bytes of the keys in the instance's regions."),
     "pages": ("maru_instance_pages", "Pages used by stored keys in the instance's regions."),
@@ -165,6 +173,7 @@ def registry_stats(registry: Registry) -> dict[str, Any]:
             "pid": i.pid,
             "regions": len(owned),
             "region_bytes": sum(r.length for r in owned),
+            "parked_regions": sum(r.parked for r in owned),
             "keys": sum(r.live_keys for r in owned),
             "bytes_stored": sum(r.live_bytes for r in owned),
             "pages": sum(r.live_pages for r in owned),

@@ -37,6 +37,10 @@ class Region:
     length: int
     token: str
     returned: bool = False  # owner gave it back (or disconnected); free once live_keys == 0
+    # The owner, idle, will not write here before it unparks it (`Registry.park`): the server
+    # may take it back when the pool has no room. Not journaled: a restart forgets it, which
+    # only makes the region not reclaimable until the owner parks it again.
+    parked: bool = False
     live_keys: int = 0
     page_size: int = 0  # the owner's page size (from its handshake); 0: unknown
     live_bytes: int = 0  # stats: bytes of the keys that live here

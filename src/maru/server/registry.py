@@ -44,7 +44,7 @@ from maru.server.logs import Throttle
 from maru.server.metrics import COUNTERS, registry_stats
 from maru.server.pool import Pool, PoolFullError
 from maru.server.processes import ProcessWatch
-from maru.server.regions import RegionTable
+from maru.server.regions import Region, RegionTable
 from maru.server.token import TokenSigner
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class Instance:
     exists_hits: int = 0  # EXISTS checks (what SGLang asks before it prefetches)
     exists_misses: int = 0
     evicted: int = 0  # keys evicted out of this instance's regions
+    park_seq: int = 0  # the sequence number of the last PARK_REGIONS applied
 
 
 def _by_region(region_ids: list[int], lengths: list[int]) -> dict[int, list[int]]:
@@ -253,40 +254,94 @@ class Registry:
 
     # -- an instance's regions ---------------------------------------------------------------
 
-    def request_region(self, instance_id: str, size: int) -> RegionHandle:
+    def request_region(
+        self, instance_id: str, size: int, min_size: int | None = None
+    ) -> RegionHandle:
+        """A new region for `instance_id`: `size` bytes if the pool has them free, else at
+        least `min_size` (default `size`), reclaiming idle regions (`Eviction.reclaim`: parked
+        by their idle owners, or orphaned) until it fits; POOL_FULL when nothing more can be
+        reclaimed."""
         inst = self.instance(instance_id)
-        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"region size must be positive, got {size!r}"
-            )
+        for value in (size, size if min_size is None else min_size):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST, f"region size must be positive, got {value!r}"
+                )
         length = self.pool.round_up(size)
-        if length > self.pool.capacity:  # refused before reclaiming (evicting) anything
+        least = min(length, self.pool.round_up(size if min_size is None else min_size))
+        if least > self.pool.capacity:  # refused before reclaiming (evicting) anything
             raise ProtocolError(
                 ErrorCode.POOL_FULL,
                 f"pool {self.pool.name} cannot hold a region of {size} bytes: its capacity "
                 f"is {self.pool.capacity} bytes",
             )
+        try:
+            region = self.regions.allocate(instance_id, length, inst.page_size)
+        except PoolFullError:
+            region = self._allocate_reclaiming(instance_id, least, inst.page_size)
+        inst.regions.add(region.region_id)
+        return region.handle()
+
+    def _allocate_reclaiming(self, instance_id: str, length: int, page_size: int) -> Region:
         while True:
             try:
-                region = self.regions.allocate(instance_id, length, inst.page_size)
-                break
+                return self.regions.allocate(instance_id, length, page_size)
             except PoolFullError as exc:
-                # Reclaim: evict keys of regions whose owner is gone, so the region frees.
-                if self.eviction.orphans():
+                if self.eviction.reclaim():
                     continue
                 held = self.log_throttle.allow(("refused", instance_id))
                 if held is not None:
                     log.warning(
                         "region request of %d bytes by %s refused: %s%s",
-                        size,
+                        length,
                         instance_id,
                         exc,
                         self.log_throttle.note(held),
                         extra={"instance": instance_id},
                     )
                 raise ProtocolError(ErrorCode.POOL_FULL, str(exc)) from None
-        inst.regions.add(region.region_id)
-        return region.handle()
+
+    def park(
+        self, instance_id: str, seq: Any, park: list[Any], unpark: list[Any]
+    ) -> tuple[list[int], list[int]]:
+        """An idle owner parks regions (it will not write in them before it unparks them, so
+        the server may take them back when the pool has no room) or unparks them (before it
+        writes there again). Returns (the regions unparked, the regions named that the
+        instance no longer owns: taken back). `seq` orders an instance's park requests: one
+        not newer than the last applied is stale (a retry or a late copy) and changes nothing,
+        so a late park can never undo the unpark after which the owner writes again."""
+        inst = self.instance(instance_id)
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "seq must be a non-negative integer")
+        if not all(type(r) is int for r in [*park, *unpark]):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "region ids must be integers")
+        gone = [r for r in [*park, *unpark] if r not in inst.regions]
+        if seq <= inst.park_seq:
+            return [], gone
+        inst.park_seq = seq
+        for region_id in park:
+            if region_id in inst.regions:
+                self.regions[region_id].parked = True
+        unparked = [r for r in unpark if r in inst.regions]
+        for region_id in unparked:
+            self.regions[region_id].parked = False
+        return unparked, gone
+
+    def take_back(self, region: Region) -> None:
+        """Reclaim a parked region from its live owner (`Eviction.reclaim`): it is released as
+        if returned (journaled "T"), so it frees with its last key; the owner learns it at its
+        next park request or handshake."""
+        self.regions.release(region)
+        owner = self.instances.get(region.owner)
+        if owner is not None:
+            owner.regions.discard(region.region_id)
+        self.counters["regions_reclaimed"] += 1
+        log.info(
+            "region %d taken back from idle %s",
+            region.region_id,
+            region.owner,
+            extra={"instance": region.owner, "region": region.region_id},
+        )
 
     def return_region(self, instance_id: str, region_id: Any, token: Any) -> None:
         inst = self.instance(instance_id)

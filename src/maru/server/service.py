@@ -211,6 +211,7 @@ class MaruService:
             MsgType.DELETE_PREFIX: self._delete_prefix,
             MsgType.KEYS: self._list_keys,
             MsgType.DISCONNECT: self._disconnect,
+            MsgType.PARK_REGIONS: self._park_regions,
         }
         # Per operation: [count, total seconds, histogram bucket counts, errors]. Created up
         # front for every type, so the metrics thread can iterate while the loop records.
@@ -303,8 +304,15 @@ class MaruService:
         }
 
     def _request_region(self, body: dict[str, Any]) -> dict[str, Any]:
-        handle = self.registry.request_region(_iid(body), _field(body, "size", int))
+        least = body.get("min_size")
+        handle = self.registry.request_region(_iid(body), _field(body, "size", int), least)
         return {"region": handle.to_wire()}
+
+    def _park_regions(self, body: dict[str, Any]) -> dict[str, Any]:
+        unparked, gone = self.registry.park(
+            _iid(body), body.get("seq"), _batch(body, "park"), _batch(body, "unpark")
+        )
+        return {"unparked": unparked, "gone": gone}
 
     def _return_region(self, body: dict[str, Any]) -> dict[str, Any]:
         self.registry.return_region(_iid(body), body.get("region_id"), body.get("token"))
