@@ -581,14 +581,14 @@ def test_freed_pages_are_not_handed_out_on_a_fire_and_forget_release(service):
 
 def test_housekeeping_expires_leases_and_reaps(service):
     reg = service.registry
-    service.heartbeat_timeout = 10.0
+    service.housekeeper.heartbeat_timeout = 10.0
     rid = call(service, MsgType.REQUEST_REGION, {"iid": "A", "size": MiB})["region"][0]
     call(service, MsgType.REGISTER_KV, register_body("A", [["k", rid, 0, 10]]))
     call(service, MsgType.LOOKUP_KV, {"iid": "A", "keys": ["k"], "lease": True})
     now = time.monotonic()
     service.housekeeping(now + reg.leases.seconds + 1)
     assert not reg.leases and reg.counters["leases_expired"] == 1
-    service._next_reap = 0.0
+    service.housekeeper.next_reap = 0.0
     service.housekeeping(now + 100)
     assert "A" not in reg.instances and "B" not in reg.instances
     assert reg.regions[rid].returned and reg.exists(["k"]) == [True]
@@ -609,7 +609,7 @@ def test_any_message_naming_an_instance_keeps_it_alive(service, msg_type, body):
     """The handler's heartbeat thread sends HEARTBEAT; a reader only sends lookups. Either must
     count as a sign of life, or idle and read-only clients are reaped while alive."""
     reg = service.registry
-    service.heartbeat_timeout = 10.0
+    service.housekeeper.heartbeat_timeout = 10.0
     reg.instances["A"].last_seen = time.monotonic() - 100
     reg.instances["B"].last_seen = time.monotonic() - 100
     call(service, msg_type, dict(body, iid="A"))

@@ -595,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
             journal=journal,
             heartbeat_timeout=args.heartbeat_timeout,
             local_socket=args.local_socket,
-            gc_freeze=True,  # see maru.server.service.freeze_heap
+            gc_freeze=True,  # see maru.server.housekeeping.freeze_heap
             busy_poll_us=args.busy_poll_us,
         )
     except (OSError, ValueError, KeyError, RuntimeError, zmq.ZMQError) as exc:

@@ -17,13 +17,71 @@ from __future__ import annotations
 import logging
 import os
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
+
+from maru.common.protocol import MsgType
 
 if TYPE_CHECKING:
     from maru.server.registry import Registry
 
 log = logging.getLogger(__name__)
+
+# Upper bounds (seconds) of the per-operation latency histogram buckets; one more bucket counts
+# everything slower. Fixed, so recording a request is one bisect and three increments.
+LATENCY_BUCKETS = (
+    10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6,
+    1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1.0,
+)  # fmt: skip
+
+
+class RequestStats:
+    """Per message type served: request count, total seconds, errors, and the non-cumulative
+    counts of the histogram whose upper bounds are LATENCY_BUCKETS (one more bucket counts the
+    slower ones); plus requests that were not a message we serve (`invalid`). The loop thread
+    records; the metrics thread reads: every entry exists from the start, so the reader never
+    meets a dict that changes size."""
+
+    def __init__(self, msg_types: list[int]):
+        # per type: [count, total seconds, bucket counts, errors]
+        self.ops: dict[int, list[Any]] = {
+            int(t): [0, 0.0, [0] * (len(LATENCY_BUCKETS) + 1), 0] for t in msg_types
+        }
+        self.names = {int(t): MsgType(t).name.lower() for t in msg_types}
+        self.invalid = 0  # undecodable frames and unknown message types
+
+    def served(self, msg_type: int, seconds: float) -> None:
+        op = self.ops[msg_type]
+        op[0] += 1
+        op[1] += seconds
+        op[2][bisect_left(LATENCY_BUCKETS, seconds)] += 1
+
+    def failed(self, msg_type: int | None) -> None:
+        """An error reply to a request of `msg_type`, or (None) to a request that was none."""
+        if msg_type is None:
+            self.invalid += 1
+        else:
+            self.ops[msg_type][3] += 1
+
+    def report(self) -> dict[str, Any]:
+        """The STATS fields `latency_buckets`, `operations` and `invalid_requests`."""
+        operations = {
+            self.names[t]: {
+                "count": count,
+                "total_seconds": seconds,
+                "errors": errors,
+                "buckets": list(buckets),
+            }
+            for t, (count, seconds, buckets, errors) in list(self.ops.items())
+            if count or errors
+        }
+        return {
+            "latency_buckets": list(LATENCY_BUCKETS),
+            "operations": operations,
+            "invalid_requests": self.invalid,
+        }
+
 
 STATS_RETRIES = 20
 

@@ -7,13 +7,11 @@ handler bug produces an error reply and the loop carries on. The loop never touc
 from __future__ import annotations
 
 import errno
-import gc
 import logging
 import os
 import secrets
 import threading
 import time
-from bisect import bisect_left
 from collections.abc import Callable
 from time import perf_counter
 from typing import Any
@@ -32,50 +30,15 @@ from maru.common.protocol import (
     check_key,
     unpack_int64,
 )
-from maru.server import persistence
+from maru.server.housekeeping import Housekeeping, freeze_heap
 from maru.server.journal import Journal, JournalWriteError
 from maru.server.local_socket import LocalSocketServer, Peer, holder_of, local_address
-from maru.server.logs import Throttle
+from maru.server.metrics import RequestStats
 from maru.server.registry import Registry
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
-
-
-def freeze_heap(full: bool = False) -> None:
-    """Collect the young generations, then move every object the cyclic GC tracks into its
-    permanent generation (`gc.freeze`), where no collection scans it. `maru-server` does this
-    once at start-up (`full`: with the restored registry) and after every loop turn.
-
-    Why: the registry's objects (regions, instances, leases; and, without the C extension, each
-    key's `KeyEntry`) are GC-tracked. At 10^6 Python key entries a full collection walks all of
-    them (about 150 ms here) on the server's only thread; CPython runs one each time the
-    long-lived objects grew by 25 % (while a cache fills up). Under churn (each batch registers 128
-    keys and evicts 128) it is the young generations: every freed old entry lowers the
-    allocation count that triggers a young collection, so they are rarely collected and grow to
-    10^5 objects, and one young collection then takes up to 115 ms. Raising the thresholds would
-    make those stalls rarer and longer. Freezing after each turn keeps the young generations to
-    what one turn made: collecting them costs about 0.1 us per new object (measured: 11 us per
-    turn of a register evicting 128 keys + lookup + release; no GC pause above 0.15 ms), and
-    `gc.freeze()` only splices lists.
-
-    Cost: a reference cycle among frozen objects is never collected. Reference counting still
-    frees everything else, frozen or not, so evicted and deleted entries go away as before. The
-    registry's objects never form cycles, and the request path makes no cyclic garbage (after
-    10^6 keys and 20000 churn batches, `gc.unfreeze(); gc.collect()` found 0 unreachable
-    objects). The young collection before each freeze bounds the rest: only a cycle that was
-    still alive at the end of the turn that made it, and became garbage later, is kept."""
-    gc.collect() if full else gc.collect(1)
-    gc.freeze()
-
-
-# Upper bounds (seconds) of the per-operation latency histogram buckets; one more bucket counts
-# everything slower. Fixed, so recording a request is one bisect and three increments.
-LATENCY_BUCKETS = (
-    10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6,
-    1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1.0,
-)  # fmt: skip
 
 
 # Requests that change what the journal keeps: refused (STATE_UNAVAILABLE, before any side
@@ -93,7 +56,6 @@ CHANGES = frozenset(
         MsgType.DISCONNECT,
     }
 )
-SNAPSHOT_RETRY_S = 1.0  # while a snapshot is needed and failing, try again this often
 SNDHWM = 16  # replies queued per ZMQ peer (each at most a few MiB) before more are dropped
 RCVHWM = 64  # requests queued per ZMQ peer (a client has at most max_inflight in flight)
 
@@ -173,13 +135,10 @@ class MaruService:
         self.registry = registry
         self.bind_url = bind_url
         self.journal = journal
-        self.heartbeat_timeout = heartbeat_timeout
-        self._next_reap = 0.0
-        self._next_snapshot = 0.0  # after a failed snapshot: not before this time
-        self._snapshot_log = Throttle(60.0)  # failed snapshots, retried every second
-        self._next_pool_check = 0.0
+        self.housekeeper = Housekeeping(
+            registry, journal, heartbeat_timeout, gc_freeze, on_pool_lost=self._pool_lost
+        )
         self.pool_lost: str | None = None  # why the loop stopped: the pool changed under it
-        self.gc_freeze = gc_freeze
         if busy_poll_us < 0:
             raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
         self.busy_poll_s = busy_poll_us / 1e6
@@ -213,13 +172,7 @@ class MaruService:
             MsgType.DISCONNECT: self._disconnect,
             MsgType.PARK_REGIONS: self._park_regions,
         }
-        # Per operation: [count, total seconds, histogram bucket counts, errors]. Created up
-        # front for every type, so the metrics thread can iterate while the loop records.
-        self.op_stats: dict[int, list[Any]] = {
-            int(t): [0, 0.0, [0] * (len(LATENCY_BUCKETS) + 1), 0] for t in self._handlers
-        }
-        self._op_names = {int(t): MsgType(t).name.lower() for t in self._handlers}
-        self.invalid_requests = 0  # undecodable frames and unknown message types
+        self.requests = RequestStats(list(self._handlers))
         self.started_at = time.time()
         self._started_monotonic = time.monotonic()
         self.metrics_url: str | None = None  # set when `--metrics-port` serves Prometheus
@@ -298,7 +251,7 @@ class MaruService:
             "version": protocol.PROTOCOL_VERSION,
             "pool": self.registry.pool.stats(),
             "regions": [h.to_wire() for h in regions],
-            "heartbeat_interval": self.heartbeat_timeout / 3,
+            "heartbeat_interval": self.housekeeper.heartbeat_timeout / 3,
             "local_socket": self.local.address if self.local is not None else None,
             "uid": os.getuid(),
         }
@@ -397,7 +350,8 @@ class MaruService:
         stats["started_at"] = self.started_at
         stats["uptime_seconds"] = round(time.monotonic() - self._started_monotonic, 3)
         stats["metrics_url"] = self.metrics_url
-        stats["heartbeat_timeout"] = self.heartbeat_timeout  # `maru status`: "reaping in N s"
+        # `maru status`: "reaping in N s"
+        stats["heartbeat_timeout"] = self.housekeeper.heartbeat_timeout
         local = self.local
         stats["local_socket"] = local.address if local is not None else None
         stats["local_connections"] = len(local.connections) if local is not None else 0
@@ -407,18 +361,7 @@ class MaruService:
         error = journal.write_error if journal is not None else None
         stats["journal_writable"] = error is None
         stats["journal_error"] = None if error is None else str(error)
-        stats["latency_buckets"] = list(LATENCY_BUCKETS)
-        stats["operations"] = {
-            self._op_names[t]: {
-                "count": count,
-                "total_seconds": seconds,
-                "errors": errors,
-                "buckets": list(buckets),
-            }
-            for t, (count, seconds, buckets, errors) in list(self.op_stats.items())
-            if count or errors
-        }
-        stats["invalid_requests"] = self.invalid_requests
+        stats.update(self.requests.report())
         return stats
 
     # -- loop --------------------------------------------------------------------------------
@@ -434,7 +377,7 @@ class MaruService:
         # A request of another protocol version (BAD_VERSION) is answered in that version: the
         # error body has the same form in every version, so its client can show why.
         version = protocol.PROTOCOL_VERSION
-        stat = None
+        served: int | None = None  # the message type, once it is known to be one we serve
         start = perf_counter()
         try:
             header = protocol.decode_header(frame)
@@ -452,7 +395,7 @@ class MaruService:
             handler = self._handlers.get(msg_type)
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg_type}")
-            stat = self.op_stats[msg_type]
+            served = msg_type
             if msg_type in CHANGES:
                 journal = self.journal
                 if journal is not None and journal.write_error is not None:
@@ -465,33 +408,24 @@ class MaruService:
             if freed:
                 reply["freed"] = freed
             out = protocol.encode(msg_type, request_id, reply, reply=True)
-            elapsed = perf_counter() - start
-            stat[0] += 1
-            stat[1] += elapsed
-            stat[2][bisect_left(LATENCY_BUCKETS, elapsed)] += 1
+            self.requests.served(msg_type, perf_counter() - start)
             return out
         except ProtocolError as exc:
-            self._count_error(stat)
+            self.requests.failed(served)
             log.debug("request error (%s): %s", exc.code.name, exc)
             return protocol.encode_error(msg_type, request_id, exc.code, str(exc), version=version)
         except JournalWriteError as exc:  # refused, or failed before its change was made
-            self._count_error(stat)
+            self.requests.failed(served)
             log.debug("request refused: %s", exc)
             return protocol.encode_error(
                 msg_type, request_id, ErrorCode.STATE_UNAVAILABLE, str(exc), version=version
             )
         except Exception as exc:
-            self._count_error(stat)
+            self.requests.failed(served)
             log.exception("internal error handling message type %s", msg_type)
             return protocol.encode_error(
                 msg_type, request_id, ErrorCode.INTERNAL, f"internal server error: {exc}"
             )
-
-    def _count_error(self, stat: list[Any] | None) -> None:
-        if stat is None:
-            self.invalid_requests += 1
-        else:
-            stat[3] += 1
 
     def serve_forever(self, poll_ms: int = 200) -> None:
         log.info(
@@ -567,64 +501,9 @@ class MaruService:
                 inst.last_seen += stalled
 
     def housekeeping(self, now: float | None = None) -> None:
-        """Between requests: expire read leases, reap silent instances, check the pool file
-        (at most once a second), snapshot the journal when it has grown (or an fsync or a
-        write failed), and freeze what the turn left on the heap. (The journal is fsynced by
-        its own thread, not here.)
+        self.housekeeper.run(now)
 
-        While the journal cannot be written, reaping waits (it would journal "X" and "T"
-        records) and the snapshot, the way back, is retried every `SNAPSHOT_RETRY_S`."""
-        now = time.monotonic() if now is None else now
-        self.registry.leases.expire(now)
-        self.registry.regions.end_holds(now)
-        journal = self.journal
-        if now >= self._next_reap and (journal is None or journal.writable):
-            self.registry.reap(self.heartbeat_timeout, now)
-            self._next_reap = now + min(1.0, self.heartbeat_timeout / 4)
-        if now >= self._next_pool_check:
-            self._next_pool_check = now + 1.0
-            self._check_pool()
-        if journal is not None and journal.needs_snapshot and now >= self._next_snapshot:
-            self._snapshot(journal, now)  # its time is forgiven by the loop's next turn
-        if self.gc_freeze:
-            freeze_heap()  # what this turn left behind: keys registered, regions, leases
-
-    def _snapshot(self, journal: Journal, now: float) -> None:
-        """Write a snapshot; a failure (the state dir is full) is logged and retried later."""
-        try:
-            journal.write_snapshot(persistence.snapshot(self.registry))
-        except OSError as exc:
-            self._next_snapshot = now + SNAPSHOT_RETRY_S
-            held = self._snapshot_log.allow("snapshot")
-            if held is not None:
-                log.error(
-                    "cannot write a snapshot in %s: %s; %s; retrying every %g s%s",
-                    journal.state_dir,
-                    exc,
-                    "changes are refused until it succeeds"
-                    if not journal.writable
-                    else "the journal goes on",
-                    SNAPSHOT_RETRY_S,
-                    self._snapshot_log.note(held),
-                )
-
-    def _check_pool(self) -> None:
-        """The pool file deleted, replaced or shrunk under the server: the registered keys
-        point at bytes that are gone (or at zeros). Stop serving at once, before the next
-        request, so no stale location is handed out; `maru-server` then exits with status 3
-        and marks its saved state unusable, and a restart (by hand or a supervisor) starts a
-        new generation on a fresh pool. (Simpler and as safe as resetting in place.)"""
-        pool = self.registry.pool
-        reason = pool.changed()
-        if reason is None:
-            return
-        log.critical(
-            "pool %s %s while serving: its bytes are gone; its %d keys will never be served "
-            "again; stopping",
-            pool.path,
-            reason,
-            len(self.registry.keys),
-        )
+    def _pool_lost(self, reason: str) -> None:
         self.pool_lost = reason
         self.stop()
 
