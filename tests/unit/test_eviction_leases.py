@@ -33,7 +33,7 @@ def make_registry(tmp_path, pool_mib=16, high=0.5, low=0.25, lease_seconds=10.0)
         lease_seconds=lease_seconds,
     )
     for iid in ("A", "B"):
-        reg.handshake(iid, 1)
+        reg.instances.handshake(iid, 1)
     return reg
 
 
@@ -76,7 +76,7 @@ def test_lru_evicts_oldest_first_down_to_low_watermark(reg):
     assert reg.counters["evictions"] == 5 and reg.counters["bytes_evicted"] == 5 * MiB
     assert reg.instances["A"].evicted == 5
     # the owner is told which pages came free, so its allocator can reuse them
-    assert reg.take_freed("A") == [[rid, i * MiB, MiB] for i in range(5)]
+    assert reg.instances.take_freed("A") == [[rid, i * MiB, MiB] for i in range(5)]
     assert locate(reg, ["k0", "k4"])[0] == [None, None]
     consistent(reg)
 
@@ -227,7 +227,7 @@ def test_reap_releases_pins_leases_and_regions(reg):
     now = time.monotonic()
     reg.instances["A"].last_seen = now  # A is alive
     reg.instances["B"].last_seen = now - 100  # B went silent
-    assert reg.reap(10.0, now) == ["B"]
+    assert reg.instances.reap(10.0, now) == ["B"]
     assert "B" not in reg.instances and reg.counters["instances_reaped"] == 1
     assert lease_id not in reg.leases and reg.keys["a1"].leases == 0
     assert reg.keys["a0"].pins == 1  # B's pin released, A's kept
@@ -235,7 +235,7 @@ def test_reap_releases_pins_leases_and_regions(reg):
     assert reg.delete(["a1"]) == [DeleteStatus.DELETED]
     assert reg.delete(["a0"]) == [DeleteStatus.PINNED]
     # now A dies too: its keys stay readable, its regions are owner-disconnected
-    assert reg.reap(10.0, now + 100) == ["A"]
+    assert reg.instances.reap(10.0, now + 100) == ["A"]
     assert locate(reg, ["a0"])[0] == [[ra.region_id, 0, MiB]]
     assert reg.regions[ra.region_id].returned
     assert empty.region_id not in reg.regions
@@ -252,10 +252,10 @@ def test_reap_spares_instances_heard_from(reg):
     now = time.monotonic()
     reg.instances["A"].last_seen = now - 5
     reg.instances["B"].last_seen = now - 20
-    assert reg.reap(10.0, now) == ["B"]
-    assert reg.reap(10.0, now) == []  # idempotent
-    reg.instance("A")  # any request naming the instance refreshes it
-    assert reg.reap(10.0, time.monotonic() + 9.0) == []
+    assert reg.instances.reap(10.0, now) == ["B"]
+    assert reg.instances.reap(10.0, now) == []  # idempotent
+    reg.instances.require("A")  # any request naming the instance refreshes it
+    assert reg.instances.reap(10.0, time.monotonic() + 9.0) == []
 
 
 def test_recycled_pid_inherits_nothing(reg):
@@ -263,16 +263,16 @@ def test_recycled_pid_inherits_nothing(reg):
     fill(reg, "A", r.region_id, ["k"])
     reg.pins.pin(["k"], "A")
     reg.instances["A"].last_seen -= 100
-    reg.reap(10.0)
+    reg.instances.reap(10.0)
     # a new process with the same PID is a new instance: no regions, no pins, no leases
-    assert reg.handshake("C", 1) == []
+    assert reg.instances.handshake("C", 1) == []
     assert reg.regions.handles("C") == []
     assert reg.stats()["instances"]["C"]["pins"] == 0
     with pytest.raises(ProtocolError) as exc:
         reg.return_region("C", r.region_id, r.token)
     assert exc.value.code == ErrorCode.NOT_OWNER
     # even the same instance id coming back does not get its old regions or pins back
-    assert reg.handshake("A", 1) == []
+    assert reg.instances.handshake("A", 1) == []
     assert reg.keys["k"].pins == 0
 
 
@@ -322,8 +322,8 @@ def test_evict_for_only_evicts_in_own_regions(tmp_path):
     lease(reg, ["a0"], "B")
     assert reg.eviction.evict_for("A", MiB + 1) == 2 * MiB  # a1, a2 (a0 is leased; B's untouched)
     assert sorted(reg.keys) == ["a0", "b0", "b1", "b2"]
-    assert reg.take_freed("A") == [[ra, MiB, MiB], [ra, 2 * MiB, MiB]]
-    assert reg.take_freed("B") == []
+    assert reg.instances.take_freed("A") == [[ra, MiB, MiB], [ra, 2 * MiB, MiB]]
+    assert reg.instances.take_freed("B") == []
     assert reg.eviction.evict_for("A", MiB) == 0  # only a leased key left: nothing to give
     assert reg.counters["evictions"] == 2 and reg.counters["bytes_evicted"] == 2 * MiB
     for bad in (0, -1, "1M", None):
@@ -348,7 +348,7 @@ def test_pool_full_reclaims_an_orphan_region(tmp_path):
     with pytest.raises(ProtocolError) as exc:  # everyone is alive: nothing to reclaim
         reg.request_region("B", 2 * MiB)
     assert exc.value.code == ErrorCode.POOL_FULL
-    reg.disconnect("A")  # A is gone; its keys stay readable...
+    reg.instances.disconnect("A")  # A is gone; its keys stay readable...
     assert reg.exists(["a0", "a1"]) == [True, True]
     # ...until a live instance needs the room: A's keys are evicted, its region freed
     h = reg.request_region("B", 4 * MiB)
@@ -364,7 +364,7 @@ def test_an_absurd_region_size_is_refused_before_any_orphan_is_evicted(tmp_path)
     reg = make_registry(tmp_path, pool_mib=8, high=1.0, low=1.0)
     ra = reg.request_region("A", 4 * MiB).region_id
     fill(reg, "A", ra, ["a0", "a1"])
-    reg.disconnect("A")  # an orphan region: reclaimable, but only for a request that fits
+    reg.instances.disconnect("A")  # an orphan region: reclaimable, but only for a request that fits
     for size in (2**62, 8 * MiB + 1):
         with pytest.raises(ProtocolError) as exc:
             reg.request_region("B", size)
@@ -384,7 +384,7 @@ def test_orphan_reclaim_when_keys_of_orphans_interleave(tmp_path):
     for i in range(4):
         register(reg, "A", [[f"x{i}", r1, i * half, half]])
         register(reg, "A", [[f"y{i}", r2, i * half, half]])
-    reg.disconnect("A")
+    reg.instances.disconnect("A")
     h = reg.request_region("B", 2 * MiB)
     assert h.length == 2 * MiB
     assert (r1 in reg.regions) != (r2 in reg.regions)  # exactly one orphan reclaimed
@@ -399,9 +399,9 @@ def test_orphan_reclaim_skips_busy_keys_and_live_owners(tmp_path):
     rb = reg.request_region("B", 4 * MiB).region_id
     fill(reg, "A", ra, ["a0"])
     fill(reg, "B", rb, ["b0"])
-    reg.handshake("C", 3)
+    reg.instances.handshake("C", 3)
     reg.pins.pin(["a0"], "C")  # a live reader pinned the orphan's key
-    reg.disconnect("A")
+    reg.instances.disconnect("A")
     with pytest.raises(ProtocolError) as exc:
         reg.request_region("C", 2 * MiB)
     assert exc.value.code == ErrorCode.POOL_FULL
@@ -422,7 +422,7 @@ def test_an_empty_parked_region_is_taken_back_without_evicting(tmp_path):
     rb = reg.request_region("B", 4 * MiB).region_id
     fill(reg, "A", ra, ["a0"])
     fill(reg, "B", rb, ["b0"])
-    reg.handshake("C", 3)
+    reg.instances.handshake("C", 3)
     with pytest.raises(ProtocolError) as exc:  # nothing parked: every region is in use
         reg.request_region("C", 2 * MiB)
     assert exc.value.code == ErrorCode.POOL_FULL
@@ -446,11 +446,11 @@ def test_a_parked_region_with_keys_is_emptied_and_its_owner_not_told_of_pages(tm
     fill(reg, "A", ra, ["a0", "a1"])
     fill(reg, "B", rb, ["b0"])
     reg.park("A", 1, [ra], [])
-    reg.handshake("C", 3)
+    reg.instances.handshake("C", 3)
     h = reg.request_region("C", 4 * MiB)
     assert h.offset == 0 and ra not in reg.regions
     assert reg.exists(["a0", "a1", "b0"]) == [False, False, True]
-    assert reg.take_freed("A") == [] and reg.instances["A"].regions == set()
+    assert reg.instances.take_freed("A") == [] and reg.instances["A"].regions == set()
     consistent(reg)
 
 
@@ -459,7 +459,7 @@ def test_an_unparked_region_is_never_taken_back_even_by_a_late_park(tmp_path):
     again (a late copy, a retry) changes nothing."""
     reg = make_registry(tmp_path, pool_mib=4, high=1.0, low=1.0)
     ra = reg.request_region("A", 4 * MiB).region_id
-    reg.handshake("C", 3)
+    reg.instances.handshake("C", 3)
     assert reg.park("A", 5, [ra], []) == ([], [])
     assert reg.park("A", 6, [], [ra]) == ([ra], [])  # the owner may write there again
     assert reg.park("A", 5, [ra], []) == ([], [])  # the late copy of the park: ignored
@@ -478,7 +478,7 @@ def test_a_parked_region_with_a_busy_key_is_not_taken_back(tmp_path):
     reg = make_registry(tmp_path, pool_mib=4, high=1.0, low=1.0)
     ra = reg.request_region("A", 4 * MiB).region_id
     fill(reg, "A", ra, ["a0"])
-    reg.handshake("C", 3)
+    reg.instances.handshake("C", 3)
     lease_id = lease(reg, ["a0"], "C")
     reg.park("A", 1, [ra], [])
     with pytest.raises(ProtocolError) as exc:
@@ -541,7 +541,7 @@ def call(svc, msg_type, body):
     session credential; without "iid", an anonymous request."""
     body = dict(body)
     if "iid" in body:
-        body["session"] = svc.registry.open_session(body.pop("iid"))
+        body["session"] = svc.registry.instances.open_session(body.pop("iid"))
     _, reply = protocol.decode(svc.handle_frame(protocol.encode(msg_type, 7, body)))
     assert reply["ok"], reply
     return reply
@@ -613,7 +613,7 @@ def test_any_message_naming_an_instance_keeps_it_alive(service, msg_type, body):
     reg.instances["A"].last_seen = time.monotonic() - 100
     reg.instances["B"].last_seen = time.monotonic() - 100
     call(service, msg_type, dict(body, iid="A"))
-    assert reg.reap(10.0) == ["B"]  # B said nothing (its handshake is old)
+    assert reg.instances.reap(10.0) == ["B"]  # B said nothing (its handshake is old)
     assert "A" in reg.instances
 
 
@@ -670,11 +670,11 @@ def test_a_stall_of_the_server_is_not_counted_as_client_silence(service):
     reg.instances["A"].last_seen = now - 3.0
     reg.instances["B"].last_seen = now - 3.0
     service._forgive_stall(0.5)  # ordinary jitter: no change
-    assert reg.reap(2.0, now) == ["A", "B"]
-    reg.handshake("A", 1)
-    reg.handshake("B", 1)
+    assert reg.instances.reap(2.0, now) == ["A", "B"]
+    reg.instances.handshake("A", 1)
+    reg.instances.handshake("B", 1)
     reg.instances["A"].last_seen = now - 3.0
     reg.instances["B"].last_seen = now - 3.0
     service._forgive_stall(2.5)  # the server did not run for 2.5 s
-    assert reg.reap(2.0, now) == []
-    assert reg.reap(2.0, now + 2.0) == ["A", "B"]  # afterwards silence counts again
+    assert reg.instances.reap(2.0, now) == []
+    assert reg.instances.reap(2.0, now + 2.0) == ["A", "B"]  # afterwards silence counts again

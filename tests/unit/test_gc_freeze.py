@@ -46,7 +46,7 @@ def young_key_entries(reg: Registry) -> int:
 def register_frame(svc: MaruService, rid: int, first: int, count: int) -> None:
     rows = [[f"k{first + i}", rid, (first + i) * 64, 64] for i in range(count)]
     body = register_body("w", rows)
-    body["session"] = svc.registry.open_session(body.pop("iid"))
+    body["session"] = svc.registry.instances.open_session(body.pop("iid"))
     _, reply = protocol.decode(svc.handle_frame(protocol.encode(MsgType.REGISTER_KV, 1, body)))
     assert reply["results"] == [0] * count
 
@@ -59,7 +59,7 @@ def test_server_start_up_freezes_the_restored_registry(tmp_path, monkeypatch):
     # the pool's identity, as maru-server records it (state without one is not restored)
     assert cli.same_pool_as_before(state_dir, pool)
     reg = Registry(pool, TokenSigner(b"g" * 32), journal=journal)
-    reg.handshake("w", 1)
+    reg.instances.handshake("w", 1)
     region = reg.request_region("w", 16 * MiB)
     register(reg, "w", [[f"k{i}", region.region_id, i * 64, 64] for i in range(5000)])
     journal.close()
@@ -88,7 +88,7 @@ def test_housekeeping_freezes_what_each_turn_registered(tmp_path):
     reg = Registry(ShmPool(str(tmp_path / "pool"), 32 * MiB), TokenSigner(b"g" * 32))
     svc = MaruService(reg, "tcp://127.0.0.1:0", local_socket="none", gc_freeze=True)
     try:
-        reg.handshake("w", 1)
+        reg.instances.handshake("w", 1)
         rid = reg.request_region("w", 16 * MiB).region_id
         for turn in range(3):
             register_frame(svc, rid, turn * 1000, 1000)
@@ -105,7 +105,7 @@ def test_without_gc_freeze_the_service_leaves_the_gc_alone(tmp_path):
     reg = Registry(ShmPool(str(tmp_path / "pool"), 32 * MiB), TokenSigner(b"g" * 32))
     svc = MaruService(reg, "tcp://127.0.0.1:0", local_socket="none")
     try:
-        reg.handshake("w", 1)
+        reg.instances.handshake("w", 1)
         register_frame(svc, reg.request_region("w", 16 * MiB).region_id, 0, 100)
         svc.housekeeping()
         assert gc.get_freeze_count() == 0

@@ -77,7 +77,7 @@ def state(reg: Registry) -> dict:
 def populate(reg: Registry) -> dict:
     """A bit of everything that is journaled: R, K, D, T, F, and evictions."""
     for iid in ("A", "B", "C"):
-        reg.handshake(iid, 1)
+        reg.instances.handshake(iid, 1)
     r1 = reg.request_region("A", 4 * MiB)
     r2 = reg.request_region("A", 2 * MiB)
     r3 = reg.request_region("B", 2 * MiB)
@@ -89,7 +89,7 @@ def populate(reg: Registry) -> dict:
     reg.return_region("B", r3.region_id, r3.token)  # T, keys remain: deferred
     reg.return_region("A", r2.region_id, r2.token)  # T + F: keyless
     reg.delete([b"b0"])
-    reg.disconnect("C")  # like a reap: T
+    reg.instances.disconnect("C")  # like a reap: T
     reg.eviction.evict_for("A", 1)  # D of the LRU key in A's regions (a0)
     return {"r1": r1, "r2": r2, "r3": r3, "r4": r4}
 
@@ -140,7 +140,7 @@ def test_records_are_in_the_file_before_sync(env):
     SIGKILLed server loses nothing even before the batched fsync."""
     reg = env.open()
     env.journal.fsync_interval = 3600
-    reg.handshake("A", 1)
+    reg.instances.handshake("A", 1)
     r = reg.request_region("A", 2 * MiB)
     register(reg, "A", [["k", r.region_id, 0, 5]])
     records, _ = read_records(env.journal_path().read_bytes())
@@ -299,7 +299,7 @@ def test_checksummed_but_undecodable_record_is_damage(env):
 def test_corruption_in_the_middle_drops_everything_after_it(env):
     """Framing cannot be trusted past a damaged record: replay stops there (documented)."""
     reg = env.open()
-    reg.handshake("A", 1)
+    reg.instances.handshake("A", 1)
     r = reg.request_region("A", 2 * MiB)
     for i in range(5):
         register(reg, "A", [[f"k{i}", r.region_id, i * 4096, 10]])
@@ -423,8 +423,8 @@ def test_pins_survive_a_restart_until_their_holder_is_reaped(env, snapshot_first
     from maru.common.protocol import DeleteStatus
 
     reg = env.open()
-    reg.handshake("A", 1)
-    reg.handshake("B", 2)
+    reg.instances.handshake("A", 1)
+    reg.instances.handshake("B", 2)
     rid = reg.request_region("A", 2 * MiB).region_id
     register(reg, "A", [[f"k{i}", rid, i * 4096, 100] for i in range(4)])
     assert reg.pins.pin(["k0", "k1"], "A") == [True, True]
@@ -441,8 +441,8 @@ def test_pins_survive_a_restart_until_their_holder_is_reaped(env, snapshot_first
     assert reg.delete(["k0", "k2"]) == [DeleteStatus.PINNED, DeleteStatus.DELETED]
     assert reg.instances["B"].pins == {"k1": 1}
     # B never comes back: reaped, its pin goes; A's stays while A heart-beats.
-    reg.instance("A")
-    reg.reap(timeout=0.0, now=reg.instances["A"].last_seen + 0.0)
+    reg.instances.require("A")
+    reg.instances.reap(timeout=0.0, now=reg.instances["A"].last_seen + 0.0)
     assert "B" not in reg.instances and reg.keys["k1"].pins == 1
     env.close()
 

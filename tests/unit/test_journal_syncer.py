@@ -133,7 +133,7 @@ def test_rotation_under_concurrent_fsyncs_loses_no_record(tmp_path, monkeypatch)
     spy = FsyncSpy(monkeypatch)
     state_dir, pool = tmp_path / "state", tmp_path / "pool"
     reg, journal = open_registry(state_dir, pool, fsync_interval=0.0)
-    reg.handshake("A", 1)
+    reg.instances.handshake("A", 1)
     region = reg.request_region("A", 32 * MiB)
     expected: set[str] = set()
     n = 0
@@ -172,7 +172,7 @@ def test_a_failed_fsync_is_logged_and_healed_by_a_snapshot(tmp_path, monkeypatch
     reg, journal = open_registry(state_dir, pool, fsync_interval=0.0)
     svc = MaruService(reg, "tcp://127.0.0.1:0", journal=journal, local_socket="none")
     try:
-        reg.handshake("A", 1)
+        reg.instances.handshake("A", 1)
         region = reg.request_region("A", 4 * MiB)
         spy.fail = OSError(errno.EIO, "Input/output error")
         with caplog.at_level(logging.ERROR, logger="maru.server.journal"):

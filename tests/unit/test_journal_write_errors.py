@@ -169,7 +169,7 @@ out["freed_pending"] = list(reg.instances["A"].freed)
 stats = call(MsgType.STATS, {})["stats"]
 out["stats"] = [stats["journal_writable"], stats["counters"]["journal_write_errors"]]
 # a reap now would journal "X" and "T": it does nothing, and does not raise
-out["reaped"] = reg.reap(0.0, time.monotonic() + 100)
+out["reaped"] = reg.instances.reap(0.0, time.monotonic() + 100)
 out["instances"] = sorted(reg.instances)
 
 limit_files_to(16)  # no snapshot fits either: the server carries on, refusing changes

@@ -178,7 +178,7 @@ def test_stats_read_from_another_thread_while_the_registry_changes(service):
                 register(service, f"i{n}", rid, [[f"k{n}", rid, 0, 4096]])
                 if n >= 10:  # at most 10 instances and regions at a time
                     ok(service, MsgType.DELETE_KV, {"keys": [f"k{n - 10}"]})
-                    service.registry.disconnect(f"i{n - 10}")
+                    service.registry.instances.disconnect(f"i{n - 10}")
         except BaseException as exc:  # pragma: no cover - reported below
             failures.append(exc)
 

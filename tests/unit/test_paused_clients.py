@@ -45,34 +45,34 @@ def child():
 
 def test_a_watched_process_is_reaped_when_it_exits_never_while_it_is_stopped(tmp_path, child):
     reg = open_registry(tmp_path)
-    reg.handshake("A", child.pid)
+    reg.instances.handshake("A", child.pid)
     region = reg.request_region("A", 4 * MiB)  # the whole pool
-    reg.processes.add("A", child.pid, os.pidfd_open(child.pid))
+    reg.instances.processes.add("A", child.pid, os.pidfd_open(child.pid))
     os.kill(child.pid, signal.SIGSTOP)
     now = time.monotonic()
     reg.instances["A"].last_seen = now - 1000  # silent for far longer than the timeout
-    assert reg.reap(10.0, now) == []
+    assert reg.instances.reap(10.0, now) == []
     assert reg.stats()["instances"]["A"]["watched_pids"] == [child.pid]
     assert region.region_id in reg.regions and not reg.regions[region.region_id].returned
 
     child.kill()
     child.wait(5)
     reg.instances["A"].last_seen = time.monotonic()  # not silent: it exited
-    assert reg.reap(10.0) == ["A"]
+    assert reg.instances.reap(10.0) == ["A"]
     # a process that exited cannot write: its empty region goes back at once, unheld
     assert region.region_id not in reg.regions and reg.pool.used == 0
-    assert reg.processes.pids("A") == []
+    assert reg.instances.processes.pids("A") == []
 
 
 def test_an_unwatched_silent_instance_is_reaped_and_its_regions_held(tmp_path):
     reg = open_registry(tmp_path)
-    reg.handshake("A", 1)  # a TCP client: no process to watch
-    reg.handshake("B", 2)
+    reg.instances.handshake("A", 1)  # a TCP client: no process to watch
+    reg.instances.handshake("B", 2)
     region = reg.request_region("A", 4 * MiB)
     assert register(reg, "A", [["a", region.region_id, 0, 1000]]) == [RegisterStatus.REGISTERED]
     now = time.monotonic()
     reg.instances["A"].last_seen = now - 1000
-    assert reg.reap(10.0, now) == ["A"]
+    assert reg.instances.reap(10.0, now) == ["A"]
     held = reg.regions[region.region_id]
     assert held.returned and held.held_until > now
     assert reg.stats()["orphaned"]["held"] == 1
@@ -95,10 +95,10 @@ def test_an_unwatched_silent_instance_is_reaped_and_its_regions_held(tmp_path):
 def test_a_hold_outlives_a_server_restart(tmp_path, snapshot_first):
     journal = Journal(tmp_path / "state", fsync_interval=0.0)
     reg = open_registry(tmp_path, journal)
-    reg.handshake("A", 1)
+    reg.instances.handshake("A", 1)
     region = reg.request_region("A", 4 * MiB)
     reg.instances["A"].last_seen -= 1000
-    assert reg.reap(10.0) == ["A"]
+    assert reg.instances.reap(10.0) == ["A"]
     if snapshot_first:
         journal.write_snapshot(persistence.snapshot(reg))
     journal.close()
@@ -108,7 +108,7 @@ def test_a_hold_outlives_a_server_restart(tmp_path, snapshot_first):
     restored = reg.regions[region.region_id]
     assert restored.returned
     assert HOLD - 5 < restored.held_until - time.monotonic() <= HOLD
-    reg.handshake("B", 2)
+    reg.instances.handshake("B", 2)
     with pytest.raises(ProtocolError):
         reg.request_region("B", 2 * MiB)
     journal.close()

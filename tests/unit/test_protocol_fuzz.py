@@ -176,8 +176,8 @@ class Target:
         self.service = MaruService(reg, "tcp://127.0.0.1:0", heartbeat_timeout=3600)
         self.sessions = []
         for iid in KNOWN_IIDS:
-            reg.handshake(iid, 1)
-            self.sessions.append(reg.open_session(iid))
+            reg.instances.handshake(iid, 1)
+            self.sessions.append(reg.instances.open_session(iid))
         handle = reg.request_region("fz", 2 * MiB)
         rows = [[k, handle.region_id, i * 4096, 100] for i, k in enumerate(KNOWN_KEYS)]
         register(reg, "fz", rows)

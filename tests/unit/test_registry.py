@@ -28,8 +28,8 @@ MiB = 1 << 20
 def registry(tmp_path):
     pool = ShmPool(str(tmp_path / "pool"), 16 * MiB)
     reg = Registry(pool, TokenSigner(b"k" * 32))
-    reg.handshake("A", 100)
-    reg.handshake("B", 200)
+    reg.instances.handshake("A", 100)
+    reg.instances.handshake("B", 200)
     return reg
 
 
@@ -49,7 +49,7 @@ def test_unknown_instance_must_handshake(registry):
 @pytest.mark.parametrize("iid", ["", None, 5, "x" * 129])
 def test_handshake_rejects_bad_instance_ids(registry, iid):
     with pytest.raises(ProtocolError) as exc:
-        registry.handshake(iid, 1)
+        registry.instances.handshake(iid, 1)
     assert codes(exc) == ErrorCode.BAD_REQUEST
 
 
@@ -61,8 +61,8 @@ def test_region_is_rounded_signed_and_returned_on_rehandshake(registry):
     assert registry.signer.verify(h.token, h.region_id, h.path, h.offset, h.length)
     assert not registry.signer.verify(h.token, h.region_id, h.path, h.offset + 1, h.length)
     # a reconnecting instance is told which regions it still owns
-    assert registry.handshake("A", 101) == [h]
-    assert registry.handshake("B", 201) == []
+    assert registry.instances.handshake("A", 101) == [h]
+    assert registry.instances.handshake("B", 201) == []
     assert registry.regions.verified(h.region_id, h.token).handle() == h
 
 
@@ -188,13 +188,15 @@ def test_pinned_delete_refused_until_unpinned(registry):
 def test_freed_page_notification_goes_to_the_owner(registry):
     r = registry.request_region("A", 2 * MiB)
     register(registry, "A", [["k1", r.region_id, 0, 10], ["k2", r.region_id, 65536, 20]])
-    assert registry.take_freed("A") == []
+    assert registry.instances.take_freed("A") == []
     registry.delete(["k2"])  # whoever deletes, the owner is told
-    assert registry.take_freed("B") == []
-    assert registry.take_freed("A") == [[r.region_id, 65536, 20]]
-    assert registry.take_freed("A") == []  # delivered once
+    assert registry.instances.take_freed("B") == []
+    assert registry.instances.take_freed("A") == [[r.region_id, 65536, 20]]
+    assert registry.instances.take_freed("A") == []  # delivered once
     assert registry.regions[r.region_id].live_keys == 1
-    assert registry.take_freed("nobody") == [] and registry.take_freed(None) == []
+    assert (
+        registry.instances.take_freed("nobody") == [] and registry.instances.take_freed(None) == []
+    )
 
 
 def test_deferred_free(registry):
@@ -206,12 +208,12 @@ def test_deferred_free(registry):
     # keys in a returned region stay readable; the region is not freed yet
     assert locate(registry, ["k1"])[0] == [[r.region_id, 0, 10]]
     assert r.region_id in registry.regions and pool.used == used
-    assert registry.handshake("A", 1) == []  # but A no longer owns it
+    assert registry.instances.handshake("A", 1) == []  # but A no longer owns it
     # ... and nobody may register into it any more
     assert register(registry, "A", [["k3", r.region_id, 8192, 10]]) == [RegisterStatus.REJECTED]
     registry.delete(["k1"])
     assert r.region_id in registry.regions and pool.used == used
-    assert registry.take_freed("A") == []  # returned region: pages are not handed back
+    assert registry.instances.take_freed("A") == []  # returned region: pages are not handed back
     registry.delete(["k2"])  # last key: region goes back to the pool
     assert r.region_id not in registry.regions
     assert pool.used == used - r.length
@@ -264,7 +266,7 @@ def test_disconnect_releases_regions_deferred(registry):
     r1 = registry.request_region("A", 2 * MiB)
     r2 = registry.request_region("A", 2 * MiB)
     register(registry, "A", [["k", r1.region_id, 0, 1]])
-    registry.disconnect("A")
+    registry.instances.disconnect("A")
     assert "A" not in registry.instances
     assert r2.region_id not in registry.regions  # keyless: freed now
     assert r1.region_id in registry.regions  # holds a key: deferred

@@ -39,7 +39,7 @@ def setup(tmp_path, name: str, **kw) -> tuple[Registry, Recorder, list[int]]:
     size); every change recorded."""
     (tmp_path / name).mkdir()
     reg = make_registry(tmp_path / name, **kw)
-    reg.handshake("A", 1, chunk_size=4096)
+    reg.instances.handshake("A", 1, chunk_size=4096)
     rids = [reg.request_region("A", 2 * MiB).region_id for _ in range(2)]
     rids.append(reg.request_region("B", 2 * MiB).region_id)
     reg.journal = journal = Recorder()
@@ -171,7 +171,7 @@ def exercise(rnd: random.Random, reg: Registry, register) -> list[Any]:
         if i % 7 == 0:
             out.append(reg.delete([f"k{rnd.randrange(300)}" for _ in range(15)]))
         if i % 11 == 0:
-            out.append(reg.take_freed("A"))
+            out.append(reg.instances.take_freed("A"))
     return out
 
 
@@ -246,7 +246,7 @@ def populated(tmp_path, name: str) -> tuple[Registry, Recorder, list[str]]:
     reg.exists(names[::4])
     handle = reg.regions[rids[1]].handle()
     reg.return_region("A", handle.region_id, handle.token)
-    reg.take_freed("A"), reg.take_freed("B")
+    reg.instances.take_freed("A"), reg.instances.take_freed("B")
     journal.records.clear()
     return reg, journal, names
 
@@ -293,7 +293,7 @@ def test_delete_that_frees_several_returned_regions_frees_them_in_key_order(tmp_
     ref, ref_journal, _ = populated(tmp_path, "ref")
     rids = sorted(bulk.regions)  # A's live region, A's returned one, B's
     for reg, journal in ((bulk, bulk_journal), (ref, ref_journal)):
-        reg.disconnect("B")  # B's region returned too: two regions wait for their keys
+        reg.instances.disconnect("B")  # B's region returned too: two regions wait for their keys
         journal.records.clear()
     # B's keys but two, A's returned region's, some of A's live region's, B's last two: B's
     # region is emptied last although its keys come first.
@@ -402,7 +402,7 @@ def bulk_traffic(reg: Registry) -> None:
     """Registrations (clean, repeated, partly bad, over several regions), batch deletes (clean and
     not), evictions across regions, a returned region freed by deleting its keys."""
     for iid in ("A", "B"):
-        reg.handshake(iid, 1, chunk_size=4096)
+        reg.instances.handshake(iid, 1, chunk_size=4096)
     rids = [reg.request_region("A", 2 * MiB).region_id for _ in range(2)]
     rid_b = reg.request_region("B", 2 * MiB).region_id
     rnd = random.Random(5)

@@ -128,7 +128,7 @@ class Eviction:
     def evict_for(self, instance_id: str, want_bytes: int) -> int:
         """Make room in the caller's own regions (its store found no free pages and the pool
         has no region to give): evict the idle keys that live there, in CLOCK order."""
-        inst = self.registry.instance(instance_id)
+        inst = self.registry.instances.require(instance_id)
         if type(want_bytes) is not int or want_bytes <= 0:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "bytes must be a positive integer")
         mine = inst.regions

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 from maru.server.keyindex import KeyEntry, KeyIndex, release_entries
 
 if TYPE_CHECKING:
-    from maru.server.registry import Instance, Key
+    from maru.server.instances import Instance
+    from maru.server.registry import Key
 
 
 class Pins:

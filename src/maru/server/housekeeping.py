@@ -64,7 +64,7 @@ class Housekeeping:
         self.registry.regions.end_holds(now)
         journal = self.journal
         if now >= self.next_reap and (journal is None or journal.writable):
-            self.registry.reap(self.heartbeat_timeout, now)
+            self.registry.instances.reap(self.heartbeat_timeout, now)
             self.next_reap = now + min(1.0, self.heartbeat_timeout / 4)
         if now >= self.next_pool_check:
             self.next_pool_check = now + 1.0

@@ -241,7 +241,7 @@ def registry_stats(registry: Registry) -> dict[str, Any]:
             "pins": sum(i.pins.values()),
             "leases": len(i.leases),
             "idle_seconds": round(max(0.0, now - i.last_seen), 3),
-            "watched_pids": registry.processes.pids(i.instance_id),  # see maru.server.processes
+            "watched_pids": registry.instances.processes.pids(i.instance_id),
         }
     orphaned = [r for r in list(regions.values()) if r.returned]
     eviction = registry.eviction

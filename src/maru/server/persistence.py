@@ -13,7 +13,8 @@ import time
 from itertools import compress
 from typing import Any
 
-from maru.server.registry import Instance, Registry
+from maru.server.instances import Instance
+from maru.server.registry import Registry
 
 log = logging.getLogger(__name__)
 

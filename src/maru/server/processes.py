@@ -13,7 +13,7 @@ judged by it: alive (running, stopped, paused), it keeps everything however long
 silent; exited, it is reaped at once. An instance without a watched process (TCP clients, a
 client in another pid namespace, every instance after a server restart until it speaks on the
 Unix socket again) is judged by its silence, and its regions are held back after a reap
-(`Registry.reap`).
+(`InstanceTable.reap`).
 """
 
 from __future__ import annotations

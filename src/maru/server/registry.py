@@ -20,10 +20,7 @@ and the replay, in `maru.server.persistence`; the statistics, in `maru.server.me
 from __future__ import annotations
 
 import logging
-import time
-from collections import Counter
 from contextlib import suppress
-from dataclasses import dataclass, field
 from itertools import compress
 from operator import is_
 from typing import Any, Protocol
@@ -38,12 +35,12 @@ from maru.common.protocol import (
 from maru.common.region import RegionHandle
 from maru.server.eviction import Eviction
 from maru.server.holds import LeaseTable, Pins
+from maru.server.instances import InstanceTable
 from maru.server.journal import JournalWriteError
 from maru.server.keyindex import KeyEntry, KeyIndex
 from maru.server.logs import Throttle
 from maru.server.metrics import COUNTERS, registry_stats
 from maru.server.pool import Pool, PoolFullError
-from maru.server.processes import ProcessWatch
 from maru.server.regions import Region, RegionTable
 from maru.server.token import TokenSigner
 
@@ -55,26 +52,6 @@ REGISTERED, EXISTS, REJECTED = (int(s) for s in RegisterStatus)
 
 class JournalSink(Protocol):
     def append(self, record: Any) -> None: ...
-
-
-@dataclass
-class Instance:
-    instance_id: str
-    pid: int = 0
-    page_size: int = 0  # reported at handshake; informs per-instance page stats
-    regions: set[int] = field(default_factory=set)
-    freed: list[list[int]] = field(default_factory=list)  # [region_id, offset, length] to reuse
-    pins: Counter = field(default_factory=Counter)  # key -> pins this instance holds
-    leases: set[int] = field(default_factory=set)
-    last_seen: float = field(default_factory=time.monotonic)
-    keys_registered: int = 0
-    bytes_registered: int = 0
-    hits: int = 0
-    misses: int = 0
-    exists_hits: int = 0  # EXISTS checks (what SGLang asks before it prefetches)
-    exists_misses: int = 0
-    evicted: int = 0  # keys evicted out of this instance's regions
-    park_seq: int = 0  # the sequence number of the last PARK_REGIONS applied
 
 
 def _by_region(region_ids: list[int], lengths: list[int]) -> dict[int, list[int]]:
@@ -105,10 +82,7 @@ class Registry:
         self.pool = pool
         self.signer = signer
         self.journal = journal
-        self.instances: dict[str, Instance] = {}
-        self.sessions: dict[str, str] = {}  # credential -> instance id (`open_session`)
-        self.processes = ProcessWatch()  # the processes behind instances, where known
-        self.reap_hold = reap_hold
+        self.instances = InstanceTable(self, reap_hold)
         # Oldest first, the order eviction walks (a key it spares moves to the end); batches
         # go through its batch calls (`maru.server.keyindex`).
         self.keys: KeyIndex = KeyIndex()
@@ -129,129 +103,6 @@ class Registry:
     def stats(self) -> dict[str, Any]:
         return registry_stats(self)
 
-    # -- instances ---------------------------------------------------------------------------
-
-    def instance(self, instance_id: Any) -> Instance:
-        if not isinstance(instance_id, str) or instance_id not in self.instances:
-            raise ProtocolError(
-                ErrorCode.UNKNOWN_INSTANCE, f"unknown instance {instance_id!r}: handshake first"
-            )
-        inst = self.instances[instance_id]
-        inst.last_seen = time.monotonic()
-        return inst
-
-    def touch(self, instance_id: Any) -> None:
-        """Any message naming a known instance is a sign of life (heartbeats, and the lookups
-        of a read-only client, do not go through `instance()`)."""
-        inst = self.instances.get(instance_id) if isinstance(instance_id, str) else None
-        if inst is not None:
-            inst.last_seen = time.monotonic()
-
-    def handshake(self, instance_id: str, pid: int, chunk_size: int = 0) -> list[RegionHandle]:
-        """(Re)attach an instance; returns the regions it still owns (after a reconnect).
-        `chunk_size` (the client's allocation unit, 0 if unknown) only feeds the page
-        statistics; a client that changed it before storing anything (MaruStorage, once it
-        knows SGLang's page size) re-handshakes, and its empty regions count in the new unit."""
-        if not isinstance(instance_id, str) or not instance_id or len(instance_id) > 128:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "instance_id must be a non-empty string")
-        inst = self.instances.get(instance_id)
-        how = "connected" if inst is None else "reconnected"
-        log.info("instance %s %s (pid %d)", instance_id, how, pid, extra={"instance": instance_id})
-        if inst is None:
-            inst = self.instances[instance_id] = Instance(instance_id)
-        inst.pid, inst.page_size, inst.last_seen = pid, chunk_size, time.monotonic()
-        owned = [self.regions[r] for r in sorted(inst.regions)]
-        for region in owned:
-            if not region.live_keys:
-                region.page_size = chunk_size
-        return [region.handle() for region in owned]
-
-    def open_session(self, instance_id: str) -> str:
-        """The credential of a handshaken instance (`TokenSigner.session`), from now on the
-        only thing that makes a request this instance's."""
-        session = self.signer.session(instance_id)
-        self.sessions[session] = instance_id
-        return session
-
-    def disconnect(
-        self, instance_id: str, reason: str = "disconnected", hold: float = 0.0
-    ) -> tuple[int, int, int]:
-        """Forget an instance: drop its pins and leases; its regions become owner-less and are
-        freed once no key points into them (its keys stay readable until evicted) and `hold`
-        seconds have passed. Returns the counts of pins, leases and regions let go.
-
-        Journal first, step by step ("X", then a "T" per region): if a record cannot be written
-        (`JournalWriteError`), what was journaled is done, the rest is not, and the instance
-        stays, with the regions it still owns, for a later attempt."""
-        inst = self.instances.get(instance_id)
-        if inst is None:
-            return 0, 0, 0
-        pins = self.pins.drop(inst)
-        leases = len(inst.leases)
-        for lease_id in list(inst.leases):
-            self.leases.end(lease_id)
-        regions = len(inst.regions)
-        for region_id in sorted(inst.regions):
-            self.regions.release(self.regions[region_id], hold)
-            inst.regions.discard(region_id)
-        del self.instances[instance_id]
-        self.sessions.pop(self.signer.session(instance_id), None)
-        self.processes.forget(instance_id)
-        log.info(
-            "instance %s %s: %d pins and %d leases released, %d regions returned",
-            instance_id,
-            reason,
-            pins,
-            leases,
-            regions,
-            extra={"instance": instance_id},
-        )
-        return pins, leases, regions
-
-    def reap(self, timeout: float, now: float | None = None) -> list[str]:
-        """Disconnect dead instances: at once those whose watched processes all exited; after
-        `timeout` seconds of silence those whose process is not watched, their regions then
-        held for `reap_hold` seconds (the process may only be paused). An instance whose
-        process is watched and alive is never reaped for silence: stopped or paused, it may
-        resume and write into its regions at any moment (`maru.server.processes`)."""
-        now = time.monotonic() if now is None else now
-        exited = set(self.processes.exited())
-        dead: list[tuple[str, str, float]] = []
-        for inst in self.instances.values():
-            iid = inst.instance_id
-            if iid in exited:
-                dead.append((iid, "reaped: its process exited", 0.0))
-            elif now - inst.last_seen > timeout:
-                pids = self.processes.pids(iid)
-                if not pids:
-                    why = f"reaped after {timeout:g}s without a heartbeat"
-                    dead.append((iid, why, self.reap_hold))
-                elif self.log_throttle.allow(("silent", iid)) is not None:
-                    log.warning(
-                        "instance %s silent for %.0f s, but its process %s is alive (stopped?):"
-                        " not reaped",
-                        iid,
-                        now - inst.last_seen,
-                        ", ".join(map(str, pids)),
-                        extra={"instance": iid},
-                    )
-        for iid in exited - {d[0] for d in dead}:  # exited, already gone from the registry
-            self.processes.forget(iid)
-        for n, (instance_id, reason, hold) in enumerate(dead):
-            try:
-                self.disconnect(instance_id, reason=reason, hold=hold)
-            except JournalWriteError:  # logged by the journal; the rest wait until it works
-                return [d[0] for d in dead[:n]]
-            self.counters["instances_reaped"] += 1
-        return [d[0] for d in dead]
-
-    def take_freed(self, instance_id: Any) -> list[list[int]]:
-        inst = self.instances.get(instance_id) if isinstance(instance_id, str) else None
-        if inst is None or not inst.freed:
-            return []
-        freed, inst.freed = inst.freed, []
-        return freed
-
     # -- an instance's regions ---------------------------------------------------------------
 
     def request_region(
@@ -261,7 +112,7 @@ class Registry:
         least `min_size` (default `size`), reclaiming idle regions (`Eviction.reclaim`: parked
         by their idle owners, or orphaned) until it fits; POOL_FULL when nothing more can be
         reclaimed."""
-        inst = self.instance(instance_id)
+        inst = self.instances.require(instance_id)
         for value in (size, size if min_size is None else min_size):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ProtocolError(
@@ -310,7 +161,7 @@ class Registry:
         instance no longer owns: taken back). `seq` orders an instance's park requests: one
         not newer than the last applied is stale (a retry or a late copy) and changes nothing,
         so a late park can never undo the unpark after which the owner writes again."""
-        inst = self.instance(instance_id)
+        inst = self.instances.require(instance_id)
         if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "seq must be a non-negative integer")
         if not all(type(r) is int for r in [*park, *unpark]):
@@ -344,7 +195,7 @@ class Registry:
         )
 
     def return_region(self, instance_id: str, region_id: Any, token: Any) -> None:
-        inst = self.instance(instance_id)
+        inst = self.instances.require(instance_id)
         region = self.regions.verified(region_id, token)
         if region.owner != instance_id or region.returned:
             raise ProtocolError(
@@ -367,7 +218,7 @@ class Registry:
         `lengths[i]`), four columns of one length. A RegisterStatus per key: EXISTS when the
         key was registered before, or earlier in the batch (first writer wins); REJECTED for a
         bad key or a location outside the caller's own live regions."""
-        inst = self.instance(instance_id)
+        inst = self.instances.require(instance_id)
         n = len(keys)
         # The usual batch (SGLang's 128 pages: one region, one length, valid keys and offsets)
         # is checked with a C-level pass per condition, and inserted by `setdefault_many`.

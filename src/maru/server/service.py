@@ -243,10 +243,10 @@ class MaruService:
         chunk = body.get("chunk_size")
         if not isinstance(chunk, int) or isinstance(chunk, bool):
             chunk = 0
-        regions = self.registry.handshake(iid, pid, chunk if 0 < chunk < 2**40 else 0)
+        regions = self.registry.instances.handshake(iid, pid, chunk if 0 < chunk < 2**40 else 0)
         return {
             "iid": iid,
-            "session": self.registry.open_session(iid),
+            "session": self.registry.instances.open_session(iid),
             "epoch": self.epoch,
             "version": protocol.PROTOCOL_VERSION,
             "pool": self.registry.pool.stats(),
@@ -272,7 +272,9 @@ class MaruService:
         return {}
 
     def _disconnect(self, body: dict[str, Any]) -> dict[str, Any]:
-        pins, leases, regions = self.registry.disconnect(_owner(body), "disconnected by its client")
+        pins, leases, regions = self.registry.instances.disconnect(
+            _owner(body), "disconnected by its client"
+        )
         return {"pins": pins, "leases": leases, "regions": regions}
 
     def _region_access(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -386,12 +388,12 @@ class MaruService:
             # Who is asking: the instance whose session credential the request carries, else
             # nobody (handlers that need an instance answer UNKNOWN_INSTANCE: handshake).
             session = body.get("session")
-            sessions = self.registry.sessions
+            sessions = self.registry.instances.sessions
             iid = body["iid"] = sessions.get(session) if type(session) is str else None
-            self.registry.touch(iid)  # any message is a sign of life
+            self.registry.instances.touch(iid)  # any message is a sign of life
             if peer is not None and iid is not None and peer.instance != iid:
                 peer.instance = iid  # once per connection and instance: a process to watch
-                self.registry.processes.watch(iid, peer.sock)
+                self.registry.instances.processes.watch(iid, peer.sock)
             handler = self._handlers.get(msg_type)
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg_type}")
@@ -404,7 +406,7 @@ class MaruService:
             reply["ok"] = True
             # Freed pages are handed out once; not on a RELEASE reply, which the client sends
             # without waiting and may never read.
-            freed = self.registry.take_freed(iid) if msg_type != MsgType.RELEASE else None
+            freed = self.registry.instances.take_freed(iid) if msg_type != MsgType.RELEASE else None
             if freed:
                 reply["freed"] = freed
             out = protocol.encode(msg_type, request_id, reply, reply=True)
@@ -514,6 +516,6 @@ class MaruService:
         self.socket.close(linger=0)
         if self.local is not None:
             self.local.close()
-        self.registry.processes.close()
+        self.registry.instances.processes.close()
         if self.journal is not None:
             self.journal.close()

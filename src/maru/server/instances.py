@@ -1,0 +1,179 @@
+"""Who is connected: the instances the server knows, their session credentials and the
+processes behind them, and their lifecycle: handshake, sign of life, disconnect, reaping.
+
+An instance is a credential the server issued (`open_session`), not a PID or a name; what it
+holds (regions, pins, leases) goes when it disconnects or is reaped. Reaping: at once when its
+watched process exited (`maru.server.processes`); after `--heartbeat-timeout` of silence when
+the server cannot watch its process (a TCP client), its regions then held for `reap_hold`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from maru.common.protocol import ErrorCode, ProtocolError
+from maru.common.region import RegionHandle
+from maru.server.journal import JournalWriteError
+from maru.server.processes import ProcessWatch
+
+if TYPE_CHECKING:
+    from maru.server.registry import Registry
+
+log = logging.getLogger("maru.server.registry")
+
+
+@dataclass
+class Instance:
+    instance_id: str
+    pid: int = 0
+    page_size: int = 0  # reported at handshake; informs per-instance page stats
+    regions: set[int] = field(default_factory=set)
+    freed: list[list[int]] = field(default_factory=list)  # [region_id, offset, length] to reuse
+    pins: Counter = field(default_factory=Counter)  # key -> pins this instance holds
+    leases: set[int] = field(default_factory=set)
+    last_seen: float = field(default_factory=time.monotonic)
+    keys_registered: int = 0
+    bytes_registered: int = 0
+    hits: int = 0
+    misses: int = 0
+    exists_hits: int = 0  # EXISTS checks (what SGLang asks before it prefetches)
+    exists_misses: int = 0
+    evicted: int = 0  # keys evicted out of this instance's regions
+    park_seq: int = 0  # the sequence number of the last PARK_REGIONS applied
+
+
+class InstanceTable(dict[str, Instance]):
+    """instance id -> Instance, with the lifecycle verbs. A dict, so that pins, leases,
+    persistence and statistics read it as one."""
+
+    def __init__(self, registry: Registry, reap_hold: float = 0.0):
+        super().__init__()
+        self.registry = registry
+        self.sessions: dict[str, str] = {}  # credential -> instance id (`open_session`)
+        self.processes = ProcessWatch()  # the processes behind instances, where known
+        self.reap_hold = reap_hold
+
+    def require(self, instance_id: Any) -> Instance:
+        """The instance a request that needs one names (UNKNOWN_INSTANCE: handshake first)."""
+        if not isinstance(instance_id, str) or instance_id not in self:
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_INSTANCE, f"unknown instance {instance_id!r}: handshake first"
+            )
+        inst = self[instance_id]
+        inst.last_seen = time.monotonic()
+        return inst
+
+    def touch(self, instance_id: Any) -> None:
+        """Any message naming a known instance is a sign of life (heartbeats, and the lookups
+        of a read-only client, do not go through `instance()`)."""
+        inst = self.get(instance_id) if isinstance(instance_id, str) else None
+        if inst is not None:
+            inst.last_seen = time.monotonic()
+
+    def handshake(self, instance_id: str, pid: int, chunk_size: int = 0) -> list[RegionHandle]:
+        """(Re)attach an instance; returns the regions it still owns (after a reconnect).
+        `chunk_size` (the client's allocation unit, 0 if unknown) only feeds the page
+        statistics; a client that changed it before storing anything (MaruStorage, once it
+        knows SGLang's page size) re-handshakes, and its empty regions count in the new unit."""
+        if not isinstance(instance_id, str) or not instance_id or len(instance_id) > 128:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "instance_id must be a non-empty string")
+        inst = self.get(instance_id)
+        how = "connected" if inst is None else "reconnected"
+        log.info("instance %s %s (pid %d)", instance_id, how, pid, extra={"instance": instance_id})
+        if inst is None:
+            inst = self[instance_id] = Instance(instance_id)
+        inst.pid, inst.page_size, inst.last_seen = pid, chunk_size, time.monotonic()
+        owned = [self.registry.regions[r] for r in sorted(inst.regions)]
+        for region in owned:
+            if not region.live_keys:
+                region.page_size = chunk_size
+        return [region.handle() for region in owned]
+
+    def open_session(self, instance_id: str) -> str:
+        """The credential of a handshaken instance (`TokenSigner.session`), from now on the
+        only thing that makes a request this instance's."""
+        session = self.registry.signer.session(instance_id)
+        self.sessions[session] = instance_id
+        return session
+
+    def disconnect(
+        self, instance_id: str, reason: str = "disconnected", hold: float = 0.0
+    ) -> tuple[int, int, int]:
+        """Forget an instance: drop its pins and leases; its regions become owner-less and are
+        freed once no key points into them (its keys stay readable until evicted) and `hold`
+        seconds have passed. Returns the counts of pins, leases and regions let go.
+
+        Journal first, step by step ("X", then a "T" per region): if a record cannot be written
+        (`JournalWriteError`), what was journaled is done, the rest is not, and the instance
+        stays, with the regions it still owns, for a later attempt."""
+        inst = self.get(instance_id)
+        if inst is None:
+            return 0, 0, 0
+        pins = self.registry.pins.drop(inst)
+        leases = len(inst.leases)
+        for lease_id in list(inst.leases):
+            self.registry.leases.end(lease_id)
+        regions = len(inst.regions)
+        for region_id in sorted(inst.regions):
+            self.registry.regions.release(self.registry.regions[region_id], hold)
+            inst.regions.discard(region_id)
+        del self[instance_id]
+        self.sessions.pop(self.registry.signer.session(instance_id), None)
+        self.processes.forget(instance_id)
+        log.info(
+            "instance %s %s: %d pins and %d leases released, %d regions returned",
+            instance_id,
+            reason,
+            pins,
+            leases,
+            regions,
+            extra={"instance": instance_id},
+        )
+        return pins, leases, regions
+
+    def reap(self, timeout: float, now: float | None = None) -> list[str]:
+        """Disconnect dead instances: at once those whose watched processes all exited; after
+        `timeout` seconds of silence those whose process is not watched, their regions then
+        held for `reap_hold` seconds (the process may only be paused). An instance whose
+        process is watched and alive is never reaped for silence: stopped or paused, it may
+        resume and write into its regions at any moment (`maru.server.processes`)."""
+        now = time.monotonic() if now is None else now
+        exited = set(self.processes.exited())
+        dead: list[tuple[str, str, float]] = []
+        for inst in self.values():
+            iid = inst.instance_id
+            if iid in exited:
+                dead.append((iid, "reaped: its process exited", 0.0))
+            elif now - inst.last_seen > timeout:
+                pids = self.processes.pids(iid)
+                if not pids:
+                    why = f"reaped after {timeout:g}s without a heartbeat"
+                    dead.append((iid, why, self.reap_hold))
+                elif self.registry.log_throttle.allow(("silent", iid)) is not None:
+                    log.warning(
+                        "instance %s silent for %.0f s, but its process %s is alive (stopped?):"
+                        " not reaped",
+                        iid,
+                        now - inst.last_seen,
+                        ", ".join(map(str, pids)),
+                        extra={"instance": iid},
+                    )
+        for iid in exited - {d[0] for d in dead}:  # exited, already gone from the registry
+            self.processes.forget(iid)
+        for n, (instance_id, reason, hold) in enumerate(dead):
+            try:
+                self.disconnect(instance_id, reason=reason, hold=hold)
+            except JournalWriteError:  # logged by the journal; the rest wait until it works
+                return [d[0] for d in dead[:n]]
+            self.registry.counters["instances_reaped"] += 1
+        return [d[0] for d in dead]
+
+    def take_freed(self, instance_id: Any) -> list[list[int]]:
+        inst = self.get(instance_id) if isinstance(instance_id, str) else None
+        if inst is None or not inst.freed:
+            return []
+        freed, inst.freed = inst.freed, []
+        return freed
