@@ -122,7 +122,7 @@ def test_detach_attach_clear_through_the_http_admin(tiny_model, maru_server, tmp
         )
         assert status == 200, body + server.log_tail()
         (instance,) = _instances(url, "admin-b").values()
-        assert instance["region_bytes"] == 32 << 20
+        assert instance["region_bytes"] == 0  # regions come as data arrives, none at attach
 
         _flush(server.base_url)
         again = generate(server.base_url, prompt, max_new_tokens=4)
@@ -138,6 +138,9 @@ def test_detach_attach_clear_through_the_http_admin(tiny_model, maru_server, tmp
         third = generate(server.base_url, prompt, max_new_tokens=4)
         assert _storage_hits(third) == 0
         assert third["output_ids"] == first["output_ids"]
+        assert p2p.wait_l3_stable(url, minimum=2) >= 2  # written back again
+        (instance,) = _instances(url, "admin-b").values()
+        assert 0 < instance["region_bytes"] <= 32 << 20  # the new maru_pool_size caps it
     finally:
         foreign.close()
         stop_server(server)
