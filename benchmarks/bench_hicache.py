@@ -22,6 +22,12 @@ figure saw the same machine state:
   controller drives it without `interface_v1` (`get_data_page` + `batch_set`; `batch_get`
   into dummy pages + `set_from_flat_data_page`). Methods alternate within each repetition;
   ratios are medians of per-repetition ratios.
+- Hybrid (Mamba) case: Qwen3-Next-80B-A3B's pools on one rank of TP 8: the KV host pool of
+  its full-attention layers and SGLang's real `MambaPoolHost` (Gated DeltaNet temporal and
+  conv state, 9.4 MiB per state), registered through the v2 interface as
+  `HybridCacheController` registers them; 128 KV pages and a state per 32 pages move in one
+  `batch_set_v2` / `batch_get_v2` (both pools in one call), against the same memcpy baselines
+  and `HiCacheFile`'s own v2 on the same bytes (CRC of every part checked).
 - Per-page latency: many one-page `batch_set_v1` / `batch_get_v1` calls, median and p99.
 - Metadata: `batch_exists` and the leased lookup of 128 keys, per key; one single-key lookup
   round trip (`retrieve`), over the real socket; and the transport alone (a 200-byte echo to
@@ -123,6 +129,57 @@ CASES = [
     Case("mla-1M", "DeepSeek-V3 (61 layers, MLA 512+64), page 16", "mla", 16, 61, 0, 0, 512, 64),
 ]
 SCALE_CASE = CASES[1]
+
+
+@dataclass(frozen=True)
+class HybridCase:
+    """A Mamba hybrid: KV pages of the full-attention layers plus the Mamba state of the
+    linear-attention layers (SGLang's `MambaPoolHost`, one state per page slot), moved
+    together through `batch_set_v2` / `batch_get_v2` (one transfer per pool)."""
+
+    name: str
+    model: str
+    kv: Case  # the full-attention layers' KV pool
+    mamba_layers: int
+    temporal: tuple[int, ...]  # float32 state per layer
+    conv: tuple[int, int]  # bf16 (rows, dim) per layer
+    state_every: int  # KV pages per Mamba state (a radix node's end)
+
+    @property
+    def attn(self) -> str:
+        return "hybrid"
+
+    @property
+    def state_bytes(self) -> int:
+        temporal = 4 * int(np.prod(self.temporal))
+        return self.mamba_layers * (temporal + 2 * self.conv[0] * self.conv[1])
+
+    def mamba_pool(self, states: int):
+        from sglang_cpu.hybrid_pools import _mamba_pool
+
+        return _mamba_pool(
+            self.conv[1],
+            layers=self.mamba_layers,
+            temporal=self.temporal,
+            conv_rows=self.conv[0],
+            slots=states,
+            host_ratio=1,
+            shared_device_slot=True,
+        )
+
+
+# Qwen3-Next-80B-A3B on one rank of TP 8: 12 of 48 layers full attention (2 KV heads x 256,
+# one per rank), 36 Gated DeltaNet layers (32 value heads / 8 x 128 x 128 fp32 state, conv
+# kernel 4 over 8192 / 8 channels); page 64; a state every 32 pages (2048 tokens).
+HYBRID = HybridCase(
+    "hybrid",
+    "Qwen3-Next-80B-A3B, one rank of TP 8, page 64",
+    Case("hybrid", "", "mha", 64, 12, 1, 256),
+    mamba_layers=36,
+    temporal=(4, 128, 128),
+    conv=(3, 1024),
+    state_every=32,
+)
 TARGETS = {"big": 0.90, "small": 0.70, "file": 3.0, "meta_us": 5.0, "rtt_us": 100.0, "keys": 1.5}
 
 
@@ -177,16 +234,30 @@ def _warm_shm(nbytes: int) -> tuple[mmap.mmap, int]:
     return mm, _addr(np.frombuffer(mm, dtype=np.uint8, count=1))
 
 
+def _copy_pages(part_ptrs, sizes, base, to_pool, s, n, streaming) -> None:
+    """Pages [s, s + n) of a pool (its parts' pointer columns and sizes) to or from `base`,
+    where the pages lie back to back, each page's parts back to back: one `copy_many` per
+    part, like MaruStorage."""
+    from maru.client.memcopy import copy_many
+
+    page_bytes = sum(sizes)
+    starts = base + np.arange(s, s + n, dtype=np.int64) * page_bytes
+    off = 0
+    for ptrs, size in zip(part_ptrs, sizes):
+        pool, here = ptrs[s : s + n], starts + off
+        dst, src = (pool, here) if to_pool else (here, pool)
+        copy_many(dst, src, size, streaming=streaming)
+        off += size
+
+
 class Instance:
     """One SGLang "instance": a real host pool, MaruStorage (through SGLang's dynamic backend
     factory) and HiCacheFile (through its built-in one) on the same pool."""
 
     def __init__(self, url: str, case: Case, pages: int, file_dir: str, role: str):
         import torch
-        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
         import sglang_cpu.host_pools as hp
-        from sglang_cpu.p2p import MARU_BACKEND
 
         torch.set_num_threads(1)
         g = case.geometry()
@@ -200,7 +271,21 @@ class Instance:
         self.ptrs, self.sizes = ptrs, sizes
         self.part_ptrs = [np.array(ptrs[j :: self.parts], np.int64) for j in range(self.parts)]
         self.page_bytes = sum(sizes[: self.parts])
-        chunk = -(-self.page_bytes // 4096) * 4096
+        self.total = pages * self.page_bytes
+        self._setup(url, case, file_dir, role, g.attn == "mla", [self.page_bytes] * pages)
+
+    def _setup(
+        self, url: str, case, file_dir: str, role: str, is_mla: bool, page_sizes: list[int]
+    ) -> None:
+        """MaruStorage and HiCacheFile on `self.pool` (through SGLang's backend factories),
+        and the warm memory of the memcpy baselines (`self.total` bytes)."""
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+        import sglang_cpu.host_pools as hp
+        from sglang_cpu.p2p import MARU_BACKEND
+
+        chunk = -(-min(page_sizes) // 4096) * 4096
+        pages = sum(-(-size // chunk) for size in page_sizes)  # chunks a round stores
         region = chunk * (pages + 2) if role == "writer" else chunk
         extra = {
             **MARU_BACKEND,
@@ -209,32 +294,34 @@ class Instance:
             "maru_chunk_size_bytes": str(chunk),
             "maru_timeout_ms": "60000",
         }
-        cfg = hp.storage_config(model=f"bench/{case.name}", is_mla=g.attn == "mla", extra=extra)
-        self.maru = StorageBackendFactory.create_backend("dynamic", cfg, pool)
-        self.maru.register_mem_pool_host(pool)
+        cfg = hp.storage_config(model=f"bench/{case.name}", is_mla=is_mla, extra=extra)
+        self.maru = StorageBackendFactory.create_backend("dynamic", cfg, self.pool)
+        self.maru.register_mem_pool_host(self.pool)
         os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = file_dir
-        self.file = StorageBackendFactory.create_backend("file", cfg, pool)
-        self.file.register_mem_pool_host(pool)
-        total = pages * self.page_bytes
+        self.file = StorageBackendFactory.create_backend("file", cfg, self.pool)
+        self.file.register_mem_pool_host(self.pool)
         # Warm private memory for the memcpy baseline, page-aligned like the pool's pages (a
         # numpy buffer starts 16 bytes into a page, and copies between addresses a few bytes
         # apart modulo 4 KiB run at half speed here: that would flatter Maru).
-        raw = np.ones(total + 4096, dtype=np.uint8)
+        raw = np.ones(self.total + 4096, dtype=np.uint8)
         skip = -_addr(raw) % 4096
-        self.buf = raw[skip : skip + total]
+        self.buf = raw[skip : skip + self.total]
         self.buf_addr = _addr(self.buf)
-        self.shm, self.shm_addr = _warm_shm(total)
+        self.shm, self.shm_addr = _warm_shm(self.total)
         self.role = role
 
     def info(self) -> dict:
-        return {"page_bytes": self.page_bytes, "parts": self.parts, "pages": self.pages}
+        return {
+            "page_bytes": self.page_bytes,
+            "parts": self.parts,
+            "pages": self.pages,
+            "bytes": self.total,
+        }
 
     # page contents ---------------------------------------------------------------------------
 
     def fill(self, seed: int) -> list[int]:
-        data = np.frombuffer(
-            np.random.default_rng(seed).bytes(self.pages * self.page_bytes), np.uint8
-        )
+        data = np.frombuffer(np.random.default_rng(seed).bytes(self.total), np.uint8)
         off, src = 0, _addr(data)
         for ptr, size in zip(self.ptrs, self.sizes):
             _memmove(ptr, src + off, size)
@@ -298,15 +385,7 @@ class Instance:
         """Pages [s, s + n) between the host pool and `base` (pages back to back, each page's
         parts back to back): one `copy_many` per part, like MaruStorage. Plain memmove unless
         `streaming` (the non-temporal stores MaruStorage's copies use)."""
-        from maru.client.memcopy import copy_many
-
-        starts = base + np.arange(s, s + n, dtype=np.int64) * self.page_bytes
-        off = 0
-        for j in range(self.parts):
-            pool, here, size = self.part_ptrs[j][s : s + n], starts + off, self.sizes[j]
-            dst, src = (pool, here) if to_pool else (here, pool)
-            copy_many(dst, src, size, streaming=streaming)
-            off += size
+        _copy_pages(self.part_ptrs, self.sizes[: self.parts], base, to_pool, s, n, streaming)
         return n
 
     def _memcpy_set(self, keys, idx, s, n) -> int:
@@ -327,11 +406,14 @@ class Instance:
     def _stream_get(self, keys, idx, s, n) -> int:
         return self._copy(self.shm_addr, True, s, n, streaming=True)
 
+    def stored_keys(self, tag: str, count: int) -> list[str]:
+        """The Maru keys (namespaced) that storing pages [0, count) of `tag` wrote."""
+        return self.maru.pools["kv"].keys([page_key(tag, i) for i in range(count)])
+
     def maru_delete(self, tag: str, count: int | None = None) -> int:
         """Delete the pages of `tag` (not timed). The reader releases its lease without
         waiting, so a delete can arrive first and find a key leased: try those again."""
-        ns = self.maru.namespace
-        keys = [f"{ns}:{page_key(tag, i)}" for i in range(self.pages if count is None else count)]
+        keys = self.stored_keys(tag, self.pages if count is None else count)
         deleted = 0
         for _ in range(200):
             ok = self.maru.handler.batch_delete(keys)
@@ -407,6 +489,124 @@ class Instance:
             self.maru.close()
         finally:
             self.shm.close()
+
+
+class HybridInstance(Instance):
+    """A Mamba hybrid "instance": the KV host pool and SGLang's `MambaPoolHost`, both
+    registered through the v2 interface with MaruStorage and with HiCacheFile, as
+    `HybridCacheController` registers them. A call over KV pages [s, s + n) carries one
+    state per `state_every` pages, stored under the hash of the page it ends (as SGLang keys
+    a node's state); Maru and the file backend move both pools in one `batch_set_v2` /
+    `batch_get_v2`, the memcpy baselines copy the same bytes."""
+
+    def __init__(self, url: str, case: HybridCase, pages: int, file_dir: str, role: str):
+        import torch
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        import sglang_cpu.host_pools as hp
+
+        torch.set_num_threads(1)
+        g = case.kv.geometry()
+        hp.TOKENS = g.page_size * (pages // 2 + 2)
+        self.pool = kv = hp.make_host_pool(g)
+        self.P, self.pages, self.every = kv.page_size, pages, case.state_every
+        self.states = pages // case.state_every
+        self.mamba = case.mamba_pool(self.states)
+        self.idx = hp.page_indices(0, pages, self.P)
+        self.state_idx = torch.arange(self.states, dtype=torch.int64)
+        kv_ptrs, kv_sizes = kv.get_page_buffer_meta(self.idx)
+        st_ptrs, st_sizes = self.mamba.get_page_buffer_meta(self.state_idx)
+        self.parts = len(kv_ptrs) // pages
+        self.st_parts = len(st_ptrs) // self.states
+        self.part_ptrs = [np.array(kv_ptrs[j :: self.parts], np.int64) for j in range(self.parts)]
+        self.st_part_ptrs = [
+            np.array(st_ptrs[j :: self.st_parts], np.int64) for j in range(self.st_parts)
+        ]
+        self.page_bytes = sum(kv_sizes[: self.parts])
+        self.state_bytes = sum(st_sizes[: self.st_parts])
+        assert self.state_bytes == case.state_bytes, (self.state_bytes, case.state_bytes)
+        self.ptrs, self.sizes = list(kv_ptrs) + list(st_ptrs), list(kv_sizes) + list(st_sizes)
+        self.kv_total = pages * self.page_bytes
+        self.total = self.kv_total + self.states * self.state_bytes
+        sizes = [self.page_bytes] * pages + [self.state_bytes] * self.states
+        self._setup(url, case, file_dir, role, False, sizes)
+        for backend in (self.maru, self.file):
+            backend.register_mem_host_pool_v2(kv, PoolName.KV)
+            backend.register_mem_host_pool_v2(self.mamba, PoolName.MAMBA)
+            backend.on_host_pools_registered()
+
+    def info(self) -> dict:
+        return {
+            "page_bytes": self.page_bytes,
+            "parts": self.parts,
+            "pages": self.pages,
+            "states": self.states,
+            "state_bytes": self.state_bytes,
+            "state_parts": self.st_parts,
+            "bytes": self.total,
+        }
+
+    def crcs(self) -> list[int]:
+        return [
+            zlib.crc32((ctypes.c_char * size).from_address(ptr))
+            for ptr, size in zip(self.ptrs, self.sizes)
+        ]
+
+    def _state_range(self, s: int, n: int) -> range:
+        """The states of KV pages [s, s + n): one at the end of each `every` pages."""
+        return range(-(-s // self.every), (s + n) // self.every)
+
+    def _transfers(self, keys, idx, s, n):
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+        states = self._state_range(s, n)
+        return [
+            PoolTransfer(name=PoolName.KV, host_indices=idx, keys=keys),
+            PoolTransfer(
+                name=PoolName.MAMBA,
+                host_indices=self.state_idx[states.start : states.stop],
+                keys=[keys[(st + 1) * self.every - 1 - s] for st in states],
+                hit_policy=PoolHitPolicy.TRAILING_PAGES,
+            ),
+        ]
+
+    @staticmethod
+    def _done(results: dict, n: int) -> int:
+        """KV pages stored or loaded, counted only if every state was too."""
+        ok = {str(name): r for name, r in results.items()}
+        return sum(ok.get("kv", [])) if all(ok.get("mamba", [False])) else 0
+
+    def _maru_set(self, keys, idx, s, n) -> int:
+        return self._done(self.maru.batch_set_v2(self._transfers(keys, idx, s, n)), n)
+
+    def _maru_get(self, keys, idx, s, n) -> int:
+        return self._done(self.maru.batch_get_v2(self._transfers(keys, idx, s, n)), n)
+
+    def _file_set(self, keys, idx, s, n) -> int:
+        return self._done(self.file.batch_set_v2(self._transfers(keys, idx, s, n)), n)
+
+    def _file_get(self, keys, idx, s, n) -> int:
+        return self._done(self.file.batch_get_v2(self._transfers(keys, idx, s, n)), n)
+
+    def _copy(self, base: int, to_pool: bool, s: int, n: int, streaming: bool = False) -> int:
+        _copy_pages(self.part_ptrs, self.sizes[: self.parts], base, to_pool, s, n, streaming)
+        states = self._state_range(s, n)
+        st_sizes = self.sizes[len(self.sizes) - self.states * self.st_parts :][: self.st_parts]
+        _copy_pages(
+            self.st_part_ptrs,
+            st_sizes,
+            base + self.kv_total,
+            to_pool,
+            states.start,
+            len(states),
+            streaming,
+        )
+        return n
+
+    def stored_keys(self, tag: str, count: int) -> list[str]:
+        hashes = [page_key(tag, i) for i in range(count)]
+        ends = [hashes[(st + 1) * self.every - 1] for st in self._state_range(0, count)]
+        return self.maru.pools["kv"].keys(hashes) + self.maru.pools["mamba"].keys(ends)
 
 
 def _batch_lookup(h):
@@ -666,6 +866,70 @@ def size_label(n: int) -> str:
 BACKENDS = ["memcpy", "shm", "stream", "maru", "file"]
 
 
+def _throughput(writer, reader, name, plan, batch, pages, crcs, prog) -> dict[str, list[float]]:
+    """GB/s of every method, per repetition (after a warm-up round whose reads are checked
+    against the writer's CRCs), methods alternating within each repetition."""
+    nbytes = writer.call("info")["bytes"]
+    sec: dict[str, list[float]] = {f"{b}_{op}": [] for b in BACKENDS for op in ("set", "get")}
+    for rep in range(plan.reps + 1):  # rep 0 warms pages, mappings and files up
+        tag = f"{name}/r{rep}"
+        for b in BACKENDS:
+            w = writer.call("run", f"{b}_set", tag, batch, 0, pages)
+            if b in ("maru", "file"):
+                reader.call("wipe")
+            r = reader.call("run", f"{b}_get", tag, batch, 0, pages)
+            if b in ("maru", "file"):
+                assert w[1] == pages and r[1] == pages, (b, w[1], r[1])
+                if rep == 0:
+                    assert reader.call("crcs") == crcs, f"{name}: pages read by {b} differ"
+            if rep:
+                sec[f"{b}_set"].append(sum(w[0]))
+                sec[f"{b}_get"].append(sum(r[0]))
+            if b == "maru":
+                writer.call("maru_delete", tag, pages)
+            elif b == "file":
+                writer.call("file_clear")
+        prog.step(f"{name}: rep {rep}")
+    return {k: [nbytes / s / 1e9 for s in v] for k, v in sec.items()}
+
+
+def bench_hybrid(url, case: HybridCase, plan, prog) -> dict:
+    """KV + Mamba state through `batch_set_v2` / `batch_get_v2` in a writer and a reader
+    process, against the memcpy baselines and HiCacheFile's v2 on the same bytes: one call
+    of 128 KV pages (SGLang's STORAGE_BATCH_SIZE) and their states per repetition."""
+    file_dir = tempfile.mkdtemp(prefix=f"hicache-file-{case.name}-", dir="/dev/shm")
+    pages = 128
+    writer = Worker(HybridInstance, url, case, pages, file_dir, "writer")
+    reader = Worker(HybridInstance, url, case, pages, file_dir, "reader")
+    try:
+        info = writer.call("info")
+        crcs = writer.call("fill", 3)
+        prog.step(f"{case.name}: setup")
+        gbps = _throughput(writer, reader, case.name, plan, pages, pages, crcs, prog)
+        prog.step(f"{case.name}: done")
+        return {
+            "case": case,
+            "page_bytes": info["page_bytes"],
+            "parts": info["parts"],
+            "pages": pages,
+            "batch": pages,
+            "gbps": gbps,
+            "lat": {},
+            "api": "v2",
+            "workload": (
+                f"{case.name}: {case.model}; per call {pages} KV pages of {info['page_bytes']} B "
+                f"({info['parts']} parts) + {info['states']} Mamba states of "
+                f"{info['state_bytes']} B ({info['state_parts']} parts: temporal, conv; one per "
+                f"{case.state_every} pages), {info['bytes'] / MiB:.0f} MiB, both pools in one "
+                f"batch_set_v2 / batch_get_v2 (file: HiCacheFile's v2), median of {plan.reps} reps"
+            ),
+        }
+    finally:
+        writer.close()
+        reader.close()
+        shutil.rmtree(file_dir, ignore_errors=True)
+
+
 def bench_case(url, case, plan, tmp, prog) -> dict:
     """Writer and reader processes for one geometry: every method, alternating per rep."""
     file_dir = tempfile.mkdtemp(prefix=f"hicache-file-{case.name}-", dir="/dev/shm")
@@ -679,29 +943,7 @@ def bench_case(url, case, plan, tmp, prog) -> dict:
         assert page_bytes == case.page_bytes, (page_bytes, case.page_bytes)
         crcs = writer.call("fill", 1)
         prog.step(f"{case.name}: setup")
-        sec: dict[str, list[float]] = {f"{b}_{op}": [] for b in BACKENDS for op in ("set", "get")}
-        for rep in range(plan.reps + 1):  # rep 0 warms pages, mappings and files up
-            tag = f"{case.name}/r{rep}"
-            for b in BACKENDS:
-                w = writer.call("run", f"{b}_set", tag, batch, 0, pages)
-                if b in ("maru", "file"):
-                    reader.call("wipe")
-                r = reader.call("run", f"{b}_get", tag, batch, 0, pages)
-                if b in ("maru", "file"):
-                    assert w[1] == pages and r[1] == pages, (b, w[1], r[1])
-                    if rep == 0:
-                        got = reader.call("crcs")[:pages]
-                        assert got == crcs, f"{case.name}: pages read by {b} differ"
-                if rep:
-                    sec[f"{b}_set"].append(sum(w[0]))
-                    sec[f"{b}_get"].append(sum(r[0]))
-                if b == "maru":
-                    writer.call("maru_delete", tag, pages)
-                elif b == "file":
-                    writer.call("file_clear")
-            prog.step(f"{case.name}: rep {rep}")
-        nbytes = pages * page_bytes
-        gbps = {k: [nbytes / s / 1e9 for s in v] for k, v in sec.items()}
+        gbps = _throughput(writer, reader, case.name, plan, batch, pages, crcs, prog)
         # Per-page latency: one-page calls, in rounds of at most `pages` pages.
         lat: dict[str, list[float]] = {f"{b}_{op}": [] for b in BACKENDS for op in ("set", "get")}
         done, rnd = 0, 0
@@ -995,6 +1237,7 @@ def build_rows(results: list[dict]) -> list[dict]:
                         "page": size_label(res["page_bytes"]),
                         "page_bytes": res["page_bytes"],
                         "op": op,
+                        "api": res.get("api", "v1"),
                         "backend": b,
                         "gbps": med(g),
                         "gbps_min": min(g),
@@ -1018,7 +1261,7 @@ def evaluate(rows, meta, keys) -> list[tuple[str, float, str, bool]]:
         goal = TARGETS["big"] if big else TARGETS["small"]
         out.append(
             (
-                f"{r['case']} batch_{r['op']}_v1 / memcpy limit",
+                f"{r['case']} batch_{r['op']}_{r['api']} / memcpy limit",
                 r["vs_memcpy"],
                 f">= {goal:.0%}",
                 r["vs_memcpy"] >= goal,
@@ -1030,7 +1273,7 @@ def evaluate(rows, meta, keys) -> list[tuple[str, float, str, bool]]:
         ratio = r["vs_file"]
         out.append(
             (
-                f"{r['case']} batch_{r['op']}_v1 / HiCacheFile",
+                f"{r['case']} batch_{r['op']}_{r['api']} / HiCacheFile",
                 ratio,
                 f">= {TARGETS['file']:.0f}x",
                 ratio >= TARGETS["file"],
@@ -1072,6 +1315,9 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
     lines.append("Workload (batch_set_v1 in one process, batch_get_v1 in another):")
     for res in results:
         c = res["case"]
+        if "workload" in res:
+            lines.append(f"  {res['workload']}")
+            continue
         lines.append(
             f"  {c.name}: {c.model}; {res['page_bytes']} B/page in {res['parts']} part(s), "
             f"{res['pages']} pages in batches of {res['batch']}, median of {plan.reps} reps"
@@ -1094,7 +1340,7 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
     lines.append("memcpy: one memmove per page part (copy_many, in C) to/from a warm private")
     lines.append("buffer; shm: the same into a warm /dev/shm mapping; stream: Maru's copy loop")
     lines.append("alone (non-temporal stores) into that mapping, the floor under Maru; file:")
-    lines.append("HiCacheFile on /dev/shm (legacy path).")
+    lines.append("HiCacheFile on /dev/shm (legacy path; hybrid: its batch_set_v2 / batch_get_v2).")
     lines.append("/limit: median over repetitions of GB/s / the faster of memcpy and shm in the")
     lines.append("same repetition.")
     lines.append("1-page: latency of one call moving one page (file: batch_set/get of one page).")
@@ -1282,7 +1528,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="about a minute: fewer reps and samples")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="results dir")
-    ap.add_argument("--cases", default=",".join(c.name for c in CASES), help="workload cases")
+    ap.add_argument(
+        "--cases", default=",".join(c.name for c in [*CASES, HYBRID]), help="workload cases"
+    )
     ap.add_argument("--skip-scaling", action="store_true", help="no instances/keys scaling")
     ap.add_argument("--max-keys", type=float, default=1e6, help="largest registered-key count")
     ap.add_argument("--wait-load", type=float, default=0, help="wait until the 1-min load < this")
@@ -1296,8 +1544,11 @@ def main() -> int:
         wait_for_quiet(args.wait_load, 1200)
 
     t_start = time.monotonic()
+    hybrid = HYBRID.name in args.cases.split(",")
     steps = (
-        len(cases) * (plan.reps + 3) + 1 + (0 if args.skip_scaling else 3 + len(plan.key_counts))
+        (len(cases) + hybrid) * (plan.reps + 3)
+        + 1
+        + (0 if args.skip_scaling else 3 + len(plan.key_counts))
     )
     prog = Progress(steps + 1, enabled=not args.no_progress)
     import sglang_cpu
@@ -1313,6 +1564,8 @@ def main() -> int:
     try:
         with maru_server("2G") as url:
             results = [bench_case(url, c, plan, tmp, prog) for c in cases]
+            if hybrid:
+                results.append(bench_hybrid(url, HYBRID, plan, prog))
             meta = bench_meta(url, plan, prog)
             inst = [] if args.skip_scaling else bench_instances(url, plan, prog)
         keys = [] if args.skip_scaling else bench_keys(plan, prog)

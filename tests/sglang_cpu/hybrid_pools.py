@@ -46,16 +46,37 @@ class Hybrid:
         return self.kv.page_size
 
 
-def _mamba_pool(conv_dim: int = 16):
+def _mamba_pool(
+    conv_dim: int = 16,
+    *,
+    layers: int = 2,
+    temporal: tuple[int, ...] = (4, 8),
+    conv_rows: int = 3,
+    slots: int = MAMBA_SLOTS,
+    host_ratio: float = 2,
+    shared_device_slot: bool = False,
+):
+    """A `MambaPoolHost` (page_first_direct) over device state buffers of `slots` slots: per
+    layer a float32 temporal state of shape `temporal` and a bf16 conv state of
+    (`conv_rows`, `conv_dim`). The host pool holds `slots * host_ratio` states (+1).
+
+    `shared_device_slot`: the device buffers are one slot broadcast over `slots` (they then
+    only lend shapes and pointers: device<->host copies would all hit that slot), so that a
+    benchmark can ask for real model state sizes without allocating the device side."""
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
+    def device(shape, dtype):
+        if shared_device_slot:
+            return torch.zeros(layers, 1, *shape, dtype=dtype).expand(layers, slots, *shape)
+        return torch.zeros(layers, slots, *shape, dtype=dtype)
+
     info = MambaStateBufferInfo(
-        temporal=torch.zeros(2, MAMBA_SLOTS, 4, 8, dtype=torch.float32),
-        conv=(torch.zeros(2, MAMBA_SLOTS, 3, conv_dim, dtype=torch.bfloat16),),
+        temporal=device(temporal, torch.float32),
+        conv=(device((conv_rows, conv_dim), torch.bfloat16),),
     )
     return MambaPoolHost(
-        info, 2, 0, device_capacity=MAMBA_SLOTS, pin_memory=False, layout="page_first_direct"
+        info, host_ratio, 0, device_capacity=slots, pin_memory=False, layout="page_first_direct"
     )
 
 

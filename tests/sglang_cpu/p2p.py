@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -343,16 +344,30 @@ def run_p2p(
     max_new_tokens: int = 8,
     pool_size: str = "256M",
     say: Callable[[str], None] = lambda _msg: None,
+    tp_size: int = 1,
 ) -> P2PRun:
     """Two SGLang servers with MaruStorage (the contract JSON) on one maru-server; for each
-    prompt: instance 1 computes it, its pages reach L3, instance 2 gets the same prompt."""
+    prompt: instance 1 computes it, its pages reach L3, instance 2 gets the same prompt.
+
+    `tp_size` > 1: each server runs that many TP ranks on CPU (gloo), rank i's OpenMP
+    threads bound to CPU i modulo the CPUs this process may use (SGLang refuses more ranks
+    than NUMA nodes otherwise); every rank is a MaruStorage of its own and writes its shard."""
     from .server import generate
 
     extra = maru_extra_config(maru_url, pool_size=pool_size, prefetch_threshold=PAGE_SIZE)
     say(f"extra config: {json.dumps(extra)}")
     args = hicache_args("dynamic", extra)
+    env = None
+    if tp_size > 1:
+        args += ["--tp-size", str(tp_size)]
+        cpus = sorted(os.sched_getaffinity(0))
+        env = {
+            "SGLANG_CPU_OMP_THREADS_BIND": "|".join(
+                str(cpus[i % len(cpus)]) for i in range(tp_size)
+            )
+        }
     t0 = time.monotonic()
-    servers = start_servers(model_path, [args, args], log_dir=log_dir, page_size=PAGE_SIZE)
+    servers = start_servers(model_path, [args, args], log_dir=log_dir, page_size=PAGE_SIZE, env=env)
     run = P2PRun([s.startup_seconds for s in servers], [s.log_path for s in servers])
     say(
         f"two SGLang instances up in {time.monotonic() - t0:.0f} s: {servers[0].base_url}, "
@@ -368,7 +383,7 @@ def run_p2p(
                 f"instance 1: {tokens}-token prompt computed, cached_tokens_details="
                 f"{one['meta_info'].get('cached_tokens_details')}"
             )
-            after = wait_l3_stable(maru_url, before + tokens // PAGE_SIZE - 1)
+            after = wait_l3_stable(maru_url, before + tp_size * (tokens // PAGE_SIZE - 1))
             say(f"maru-server holds {after} keys ({after - before} new: written through)")
             two = generate(second.base_url, prompt, max_new_tokens=max_new_tokens)
             expected = expected_storage_hits(tokens)
