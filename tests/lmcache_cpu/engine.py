@@ -18,6 +18,8 @@ import torch
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector import GPUConnectorInterface
+from lmcache.v1.lookup_client.factory import LookupClientFactory
+from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.metadata import LMCacheMetadata
 
 
@@ -131,22 +133,51 @@ def metadata(geometry: Geometry = GEOMETRY, engine_id: str | None = None) -> LMC
     )
 
 
-def build_engine(cfg: LMCacheEngineConfig, meta: LMCacheMetadata, **post_init: Any):
-    """(instance id, engine) through `LMCacheEngineBuilder`; `LMCacheEngineBuilder.destroy`
-    closes it (and with it the MaruBackend and its handler)."""
-    instance_id = f"maru-test-{uuid.uuid4().hex[:8]}"
-    engine: LMCacheEngine = LMCacheEngineBuilder.get_or_create(
-        instance_id, cfg, meta, CpuKVConnector(), lambda *a: None, lambda obj, *a: obj
-    )
-    engine.post_init(**post_init)
-    return instance_id, engine
+class Engine:
+    """An `LMCacheEngine` built as LMCache's own manager builds it: `LMCacheEngineBuilder`,
+    then (with `enable_async_loading`) the worker-side async lookup server from
+    `LookupClientFactory`, then `post_init`. `close()` destroys it through the builder (which
+    closes the MaruBackend and so its handler: DISCONNECT)."""
 
+    def __init__(self, cfg: LMCacheEngineConfig, meta: LMCacheMetadata):
+        self.config, self.metadata = cfg, meta
+        self.instance_id = f"maru-test-{uuid.uuid4().hex[:8]}"
+        self.engine: LMCacheEngine = LMCacheEngineBuilder.get_or_create(
+            self.instance_id, cfg, meta, CpuKVConnector(), lambda *a: None, lambda obj, *a: obj
+        )
+        self.lookup_server = None
+        if cfg.enable_async_loading:
+            self.lookup_server = LookupClientFactory.create_lookup_server(self.engine, meta)
+        self.engine.post_init(async_lookup_server=self.lookup_server)
+        self._closed = False
 
-def maru_backend(engine: LMCacheEngine):
-    assert engine.storage_manager is not None
-    backends = engine.storage_manager.storage_backends
-    assert list(backends) == ["MaruBackend"], f"backends: {list(backends)}"
-    return backends["MaruBackend"]
+    def lookup_client(self):
+        """The scheduler side of the lookup (LMCache's own factory picks the class); not
+        closed by the tests (see `close`)."""
+        return LookupClientFactory.create_lookup_client(self.config, self.metadata)
+
+    @property
+    def backend(self):
+        """The engine's only storage backend: LMCache's shipped MaruBackend."""
+        assert self.engine.storage_manager is not None
+        backends = self.engine.storage_manager.storage_backends
+        assert list(backends) == ["MaruBackend"], f"backends: {list(backends)}"
+        return backends["MaruBackend"]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # (The async lookup server is left to the process's exit: LMCache's `close()` of it,
+        # and of the lookup client, blocks in zmq's context term while their receive thread
+        # waits in recv; LMCache's own manager gives each a 10 s timeout. Both are daemons.)
+        LMCacheEngineBuilder.destroy(self.instance_id)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 # -- a prompt's KV cache in vLLM's paged layout ------------------------------------------------
@@ -180,6 +211,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def prompt(n: int, seed: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, 32_000, (n,), generator=gen).tolist()
+
+
+FMT = MemoryFormat.KV_2LTD  # LMCache's format for (non-MLA) KV chunks
 
 
 def key_strings(engine: LMCacheEngine, tokens: list[int]) -> list[str]:
