@@ -203,7 +203,7 @@ class MiniEngine:
         output = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[7] for _ in req_ids],
+            sampled_token_ids=[self._sampled(r) for r in req_ids],
             logprobs=None,
             prompt_logprobs_dict={},
             pooler_output=[],
@@ -216,6 +216,12 @@ class MiniEngine:
                 if o.finish_reason is not None:
                     self.finished.add(o.request_id)
         return out
+
+    def _sampled(self, req_id: str) -> list[int]:
+        """A token once the prompt is computed; none for a chunk of a longer prefill (as
+        vLLM's model runner does)."""
+        request = self.scheduler.requests[req_id]
+        return [7] if request.num_computed_tokens >= request.num_prompt_tokens else []
 
     def run(self, req_ids: set[str], timeout: float = 60.0, before_load=None) -> int:
         """Step until the requests are finished and their blocks freed (saves reported),
