@@ -11,6 +11,7 @@ without it.
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import sys
 from pathlib import Path
 
@@ -35,6 +36,15 @@ G = E.GEOMETRY
 PROMPT = 3 * G.chunk + 5  # three full chunks and a partial one of 5 tokens
 SLOTS = 128
 DEADLINE = 180
+
+
+@pytest.fixture(autouse=True)
+def keep_start_method():
+    """LMCacheEngine's constructor forces multiprocessing's start method to "spawn" for the
+    whole process; the in-process tests put back what the rest of the session had."""
+    before = multiprocessing.get_start_method(allow_none=True)
+    yield
+    multiprocessing.set_start_method(before, force=True)
 
 
 @pytest.fixture
