@@ -1,0 +1,291 @@
+"""`CxlMemoryAdapter`: LMCache's memory allocator over a `MaruHandler`, zero-copy.
+
+LMCache 0.5.6's shipped `MaruBackend` is the contract (read it in the installed wheel:
+`lmcache/v1/storage_backend/maru_backend.py`). The backend allocates a memory object per KV
+chunk here, LMCache's GPU connector writes the chunk into it, and the backend publishes it with
+`handler.store(key, adapter.create_store_handle(obj))`; a reader's backend looks a key up
+(`handler.retrieve`) and asks `get_by_location(region_id, page_index, actual_size, ...)` for a
+memory object over those bytes, which its GPU connector reads. So:
+
+- a memory object's tensor IS the value's bytes in the shared pool: a store registers metadata
+  only, and a retrieve in another process reads the writer's pages in place (mapped read-only
+  there: a write through such a tensor faults instead of corrupting another instance's page);
+- a chunk with fewer tokens than a full one is reserved with its true byte size, so it is
+  published, and comes back, with that size and its own token count;
+- the pool full -> `allocate` / `batched_allocate` return None (the engine then stores fewer
+  chunks); nothing here raises into LMCache on a store-side failure.
+
+Who owns a reservation's chunks, the one rule that keeps a page from being handed out twice:
+until `create_store_handle` the adapter does (`free`, reached through LMCache's ref counting,
+returns them); from then on the store does (`MaruHandler.seal` gives them back when the key is
+refused or already there, first writer wins; the server returns them when the key is deleted
+or evicted), and the object no longer names the adapter as its parent, so LMCache's later
+`ref_count_down` or garbage collection cannot free them a second time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections.abc import Sequence
+
+import torch
+from lmcache.v1.memory_management import (
+    MemoryAllocatorInterface,
+    MemoryFormat,
+    MemoryObj,
+    MemoryObjMetadata,
+    TensorMemoryObj,
+)
+
+from maru import AllocHandle, MaruError, MaruHandler
+
+log = logging.getLogger(__name__)
+
+_PAGE_BITS = 32
+_PAGE_MASK = (1 << _PAGE_BITS) - 1
+
+
+class CxlMemoryObj(TensorMemoryObj):
+    """A `TensorMemoryObj` whose flat uint8 `raw_data` lies in Maru's shared pool.
+
+    `reservation` is the `AllocHandle` of chunks this process reserved and has not handed to
+    the store yet (None for a published value or for a view of a stored value)."""
+
+    def __init__(
+        self,
+        raw_data: torch.Tensor,
+        metadata: MemoryObjMetadata,
+        parent_allocator: MemoryAllocatorInterface | None,
+        reservation: AllocHandle | None,
+    ):
+        super().__init__(raw_data, metadata, parent_allocator)
+        self.reservation = reservation
+
+
+def _nbytes(shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype]) -> int:
+    return sum(shape.numel() * dtype.itemsize for shape, dtype in zip(shapes, dtypes))
+
+
+_readonly_seen = False
+
+
+def _byte_tensor(view: memoryview) -> torch.Tensor:
+    """A flat uint8 tensor over `view`'s bytes (no copy). Another instance's pages are mapped
+    read-only; torch warns once per process that such a tensor could be written (it cannot:
+    the mapping is PROT_READ), which says nothing useful here, so the first time is silenced."""
+    global _readonly_seen
+    if view.readonly and not _readonly_seen:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            tensor = torch.frombuffer(view, dtype=torch.uint8)
+        _readonly_seen = True
+        return tensor
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
+class CxlMemoryAdapter(MemoryAllocatorInterface):
+    """LMCache `MemoryAllocatorInterface` whose memory objects are pages of a `MaruHandler`.
+
+    `shapes` / `dtypes` / `fmt`: the layout of one full chunk (LMCache's metadata); `chunk_size`:
+    the handler's allocation unit in bytes (`MaruBackend` sets it to one full chunk, so a KV
+    chunk takes one Maru chunk). A memory object's `metadata.address` encodes (region id, index
+    of its first chunk in the region): `decode_address` reads it back."""
+
+    def __init__(
+        self,
+        handler: MaruHandler,
+        shapes: Sequence[torch.Size],
+        dtypes: Sequence[torch.dtype],
+        fmt: MemoryFormat,
+        chunk_size: int,
+    ):
+        self._handler = handler
+        self._shapes, self._dtypes = self._adapt_shapes_and_dtypes(list(shapes), list(dtypes))
+        self._fmt = fmt
+        self._chunk_size = int(chunk_size)
+        self._token_dim = fmt.token_dim()
+        self._full_tokens = int(self._shapes[0][self._token_dim])
+        self._lock = threading.Lock()  # reservations change hands under it
+        self._closed = False
+
+    # -- addresses -----------------------------------------------------------------------------
+
+    @staticmethod
+    def encode_address(region_id: int, page_index: int) -> int:
+        """`metadata.address` of a value whose first chunk is `page_index` of `region_id`."""
+        return (region_id << _PAGE_BITS) | page_index
+
+    @staticmethod
+    def decode_address(address: int) -> tuple[int, int]:
+        """(region id, page index) from a memory object's `metadata.address`."""
+        return address >> _PAGE_BITS, address & _PAGE_MASK
+
+    # -- MemoryAllocatorInterface --------------------------------------------------------------
+
+    def allocate(
+        self,
+        shapes: torch.Size | list[torch.Size],
+        dtypes: torch.dtype | list[torch.dtype],
+        fmt: MemoryFormat = MemoryFormat.UNDEFINED,
+        allocator_type: str | None = None,
+    ) -> MemoryObj | None:
+        """One memory object over freshly reserved chunks of the shared pool (its true size,
+        a partial chunk included); None when the pool has no room."""
+        objs = self.batched_allocate(shapes, dtypes, 1, fmt, allocator_type)
+        return objs[0] if objs else None
+
+    def batched_allocate(
+        self,
+        shapes: torch.Size | list[torch.Size],
+        dtypes: torch.dtype | list[torch.dtype],
+        batch_size: int,
+        fmt: MemoryFormat = MemoryFormat.UNDEFINED,
+        allocator_type: str | None = None,
+    ) -> list[MemoryObj] | None:
+        """`batch_size` memory objects of one layout: one contiguous run of chunks if the
+        pool has one (one search), else value by value; None (nothing kept) if any is
+        missing."""
+        shapes, dtypes = self._adapt_shapes_and_dtypes(shapes, dtypes)
+        size = _nbytes(shapes, dtypes)
+        if self._closed or size <= 0 or batch_size <= 0:
+            log.debug("allocate refused: %d x %d bytes, closed %s", batch_size, size, self._closed)
+            return None
+        handles = self._reserve(size, batch_size)
+        if handles is None:
+            return None
+        fmt = self._fmt if fmt == MemoryFormat.UNDEFINED else fmt
+        return [self._reserved_obj(h, shapes, dtypes, fmt) for h in handles]
+
+    def _reserve(self, size: int, count: int) -> list[AllocHandle] | None:
+        handles: list[AllocHandle] = []
+        try:
+            run = self._handler.alloc(size, count)
+            if run is not None:
+                return run.split()
+            while count > 1 and len(handles) < count:  # (one value: alloc already evicted)
+                handle = self._handler.alloc(size)
+                if handle is None:
+                    break
+                handles.append(handle)
+        except MaruError as exc:
+            log.warning("reserving %d values of %d bytes failed: %s", count, size, exc)
+        if len(handles) == count:
+            return handles
+        for handle in handles:
+            self._handler.free(handle)
+        log.debug("no room in the pool for %d values of %d bytes", count, size)
+        return None
+
+    def _reserved_obj(
+        self,
+        handle: AllocHandle,
+        shapes: list[torch.Size],
+        dtypes: list[torch.dtype],
+        fmt: MemoryFormat,
+    ) -> CxlMemoryObj:
+        meta = MemoryObjMetadata(
+            shape=shapes[0],
+            dtype=dtypes[0],
+            address=self.encode_address(handle.region_id, handle.page_index),
+            phy_size=handle.stride,
+            ref_count=1,
+            pin_count=0,
+            fmt=fmt,
+            shapes=shapes,
+            dtypes=dtypes,
+        )
+        return CxlMemoryObj(_byte_tensor(handle.buf), meta, self, handle)
+
+    def free(self, memory_obj: MemoryObj, allocator_type: str | None = None) -> None:
+        """Return a reservation's chunks (LMCache calls this when its last reference goes).
+        A published value's chunks belong to the store, a view's to its writer: no-op."""
+        if not isinstance(memory_obj, CxlMemoryObj):
+            return
+        # (LMCache calls this while holding the object's own lock: never take it here)
+        with self._lock:
+            handle, memory_obj.reservation = memory_obj.reservation, None
+        if handle is not None:
+            memory_obj.invalidate()
+            self._handler.free(handle)
+
+    def batched_free(
+        self,
+        memory_objs: list[MemoryObj],
+        allocator_type: str | None = None,
+        update_stats: bool = True,
+    ) -> None:
+        for memory_obj in memory_objs:
+            self.free(memory_obj, allocator_type)
+
+    def close(self) -> None:
+        """Refuse further allocations. The handler (closed by the backend right after) ends
+        the instance on the server, which releases its pins and leases."""
+        self._closed = True
+
+    # -- what MaruBackend calls besides the interface ------------------------------------------
+
+    def create_store_handle(self, memory_obj: MemoryObj) -> AllocHandle:
+        """The handle `MaruHandler.store(key, handle)` publishes `memory_obj` with, sized to
+        the bytes it holds. Hands the chunks over to the store (see the module docstring):
+        a second call for the same object, or an object this adapter did not reserve, raises
+        ValueError (publishing the same chunks under two keys would alias them)."""
+        with self._lock:
+            handle = getattr(memory_obj, "reservation", None)
+            if handle is None:
+                raise ValueError(
+                    "create_store_handle: not an unpublished reservation of this adapter "
+                    f"(address {memory_obj.meta.address:#x})"
+                )
+            memory_obj.reservation = None  # type: ignore[attr-defined]
+            memory_obj.parent_allocator = None  # type: ignore[attr-defined]
+        used = memory_obj.get_size()
+        if 0 < used < handle.size:  # narrowed after the write (`set_used_size`)
+            handle.size = used
+        return handle
+
+    def get_by_location(
+        self,
+        region_id: int,
+        page_index: int,
+        actual_size: int,
+        single_token_size: int,
+    ) -> MemoryObj | None:
+        """A memory object over a stored value (`actual_size` bytes from chunk `page_index`
+        of `region_id`, a region the handler has mapped), read in place: its token count is
+        `actual_size / single_token_size`. None (a miss, never other bytes) when the region is
+        not mapped here, the range is outside it, or the size is not a whole number of tokens
+        of this adapter's layout."""
+        if actual_size <= 0 or single_token_size <= 0 or actual_size % single_token_size:
+            log.debug("value of %d bytes is not whole tokens of %d", actual_size, single_token_size)
+            return None
+        tokens = actual_size // single_token_size
+        if tokens > self._full_tokens:
+            log.debug("value of %d tokens is more than a chunk (%d)", tokens, self._full_tokens)
+            return None
+        shapes = [self._with_tokens(shape, tokens) for shape in self._shapes]
+        if _nbytes(shapes, self._dtypes) != actual_size:
+            log.debug("value of %d bytes does not match this layout", actual_size)
+            return None
+        view = self._handler.get_buffer_view(region_id, page_index * self._chunk_size, actual_size)
+        if view is None:
+            log.debug("region %d page %d is not mapped here", region_id, page_index)
+            return None
+        meta = MemoryObjMetadata(
+            shape=shapes[0],
+            dtype=self._dtypes[0],
+            address=self.encode_address(region_id, page_index),
+            phy_size=actual_size,
+            ref_count=1,  # no parent: LMCache's ref counting of a view frees nothing
+            pin_count=0,
+            fmt=self._fmt,
+            shapes=shapes,
+            dtypes=list(self._dtypes),
+        )
+        return CxlMemoryObj(_byte_tensor(view), meta, None, None)
+
+    def _with_tokens(self, shape: torch.Size, tokens: int) -> torch.Size:
+        dims = list(shape)
+        dims[self._token_dim] = tokens
+        return torch.Size(dims)

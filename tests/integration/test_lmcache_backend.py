@@ -1,0 +1,244 @@
+"""LMCache 0.5.6's shipped `MaruBackend`, unmodified, over our `maru` and `maru_lmcache`.
+
+LMCache's real engine (`LMCacheEngineBuilder`, Maru as the only backend) in separate processes
+against a real `maru-server`. The one stand-in is the GPU connector (`CpuKVConnector` in
+tests/lmcache_cpu/engine.py): LMCache's real ones are CUDA kernels; it does their gather and
+scatter between a paged KV cache and LMCache's memory objects on CPU. Nothing here patches
+LMCache or maru. Needs LMCache (`make install`, scripts/install_lmcache_cpu.sh); skipped
+without it.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.lmcache
+TESTS = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(TESTS))
+
+pytest.importorskip("lmcache")
+
+import torch  # noqa: E402
+
+from lmcache_cpu import engine as E  # noqa: E402
+from lmcache_cpu import workers as W  # noqa: E402
+from maru import MaruHandler  # noqa: E402
+from maru_lmcache import CxlMemoryAdapter  # noqa: E402
+
+from .workers import run_processes  # noqa: E402
+
+G = E.GEOMETRY
+PROMPT = 3 * G.chunk + 5  # three full chunks and a partial one of 5 tokens
+SLOTS = 128
+DEADLINE = 180
+
+
+@pytest.fixture(autouse=True)
+def keep_start_method():
+    """LMCacheEngine's constructor forces multiprocessing's start method to "spawn" for the
+    whole process; the in-process tests put back what the rest of the session had."""
+    before = multiprocessing.get_start_method(allow_none=True)
+    yield
+    multiprocessing.set_start_method(before, force=True)
+
+
+@pytest.fixture
+def same_hash_seed(monkeypatch):
+    """LMCache hashes chunks with Python's hash() when vLLM is absent: spawned processes
+    need one PYTHONHASHSEED to derive the same keys (as a deployment does)."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+
+
+@pytest.mark.parametrize("async_loading", [False, True], ids=["sync", "async_loading"])
+def test_prompt_stored_by_one_engine_is_retrieved_by_another(
+    maru_server_factory, same_hash_seed, async_loading
+):
+    server = maru_server_factory(pool_size="256M")
+    (a,) = run_processes([(W.store_prompt, (server.url, PROMPT, 7, SLOTS))], DEADLINE)
+    assert len(a["keys"]) == 4
+
+    # What the store holds: every chunk once, the partial one with its true size.
+    with MaruHandler(server_url=server.url, pool_size="4M") as h:
+        infos = h.batch_retrieve(a["keys"])
+        assert [i.length for i in infos] == [G.chunk_bytes] * 3 + [5 * G.token_bytes]
+        assert {i.region_id for i in infos}.isdisjoint(h.owned_region_ids())
+
+    (b,) = run_processes(
+        [(W.retrieve_prompt, (server.url, PROMPT, 7, SLOTS, async_loading))], DEADLINE
+    )
+    assert b["keys"] == a["keys"]
+    assert b["lookup"] == PROMPT
+    assert b["retrieved"] == PROMPT
+    assert b["chunks_same"] == [True] * 4  # byte for byte, in B's own slots
+    assert b["nonzero"]
+    if async_loading:
+        # LMCache's async prefetch pins the keys on the server and never unpins them; the
+        # pins end when its MaruBackend closes (DISCONNECT), not at the server's reaping.
+        assert b["delete_while_open"] == [False] * 4
+        assert b["delete_after_close"] == [True] * 4
+
+
+def test_backend_methods_across_processes(maru_server_factory):
+    server = maru_server_factory(pool_size="256M")
+    (a,) = run_processes([(W.backend_puts, (server.url, 3))], DEADLINE)
+    assert a["done"] == a["keys"]  # on_complete_callback once per stored key, in order
+    assert a["put_tasks_left"] == 0
+    assert a["sizes"] == [G.chunk_bytes, G.chunk_bytes, 5 * G.token_bytes, G.token_bytes]
+    assert a["dup_done"] == 1  # a duplicate put succeeds: the key is stored (first value)
+    assert a["dup_chunks_back"] and a["no_double_free"]
+    d0, d1, d2, d3 = a["digests"]
+
+    (b,) = run_processes([(W.backend_gets, (server.url, 3))], DEADLINE)
+    assert b["contains"] == [True, False]
+    assert b["batched_contains"] == 2  # prefix up to the first miss
+    assert b["batched_contains_all"] == 4
+    assert b["get_blocking"] == [d0, [2, G.layers, G.chunk, G.hidden], 2]  # first value kept
+    assert b["get_blocking_missing"]
+    assert b["batched_get_blocking"] == [d0, None, d2, d3]
+    assert b["batched_tokens"] == [G.chunk, None, 5, 1]
+    assert b["foreign_region"]  # read in place, in the writer's region
+    assert b["async_contains"] == 3
+    assert b["non_blocking"] == [d0, d1, d2]
+    assert b["non_blocking_pinned"] == [True] * 3
+    assert b["pin"] == [True, False]
+    assert b["remove_pinned"] is False
+    assert b["unpin"] == [True, False]
+    assert b["remove_still_pinned"] is False  # the async lookup's pin still holds it
+    assert b["remove"] is True
+    assert b["after_remove"] == [False, True]
+    assert b["remove_missing"] is False
+
+
+# -- the adapter on its own, in this process ------------------------------------------------------
+
+
+def _adapter(h: MaruHandler) -> CxlMemoryAdapter:
+    meta = E.metadata()
+    return CxlMemoryAdapter(
+        handler=h,
+        shapes=meta.get_shapes(),
+        dtypes=meta.get_dtypes(),
+        fmt=E.FMT,
+        chunk_size=h.get_chunk_size(),
+    )
+
+
+def _shapes(tokens: int):
+    return E.metadata().get_shapes(tokens), E.metadata().get_dtypes()
+
+
+def test_memory_objects_are_views_of_pool_pages(maru_server):
+    with MaruHandler(
+        server_url=maru_server.url, pool_size="4M", chunk_size_bytes=G.chunk_bytes
+    ) as h:
+        adapter = _adapter(h)
+        full = adapter.allocate(*_shapes(G.chunk), E.FMT)
+        part = adapter.allocate(*_shapes(5), E.FMT)
+        assert full.get_size() == G.chunk_bytes and part.get_size() == 5 * G.token_bytes
+        assert part.get_num_tokens() == 5 and full.get_num_tokens() == G.chunk
+        region, page = CxlMemoryAdapter.decode_address(part.meta.address)
+        assert region in h.owned_region_ids()
+        part.tensor.fill_(1.5)  # written through the tensor, seen in the shared mapping
+        view = h.get_buffer_view(region, page * G.chunk_bytes, part.get_size())
+        assert bytes(view) == part.tensor.contiguous().view(torch.uint8).numpy().tobytes()
+        assert torch.frombuffer(view, dtype=torch.uint8).data_ptr() == part.tensor.data_ptr()
+        # published with its true size; read back as a view of the same bytes
+        assert h.store("k-part", adapter.create_store_handle(part))
+        info = h.retrieve("k-part")
+        back = adapter.get_by_location(info.region_id, info.page_index, info.length, G.token_bytes)
+        assert back.get_num_tokens() == 5 and back.tensor.data_ptr() == part.tensor.data_ptr()
+        assert torch.equal(back.tensor, part.tensor)
+        adapter.close()
+        assert adapter.allocate(*_shapes(G.chunk), E.FMT) is None
+
+
+def test_pool_full_allocate_returns_none_and_keeps_nothing(maru_server_factory):
+    server = maru_server_factory(pool_size="8M")
+    with MaruHandler(server_url=server.url, pool_size="4M", chunk_size_bytes=G.chunk_bytes) as h:
+        adapter = _adapter(h)
+        held = []
+        for _ in range((8 << 20) // G.chunk_bytes + 1):
+            obj = adapter.allocate(*_shapes(G.chunk), E.FMT)
+            if obj is None:
+                break
+            held.append(obj)
+        else:
+            pytest.fail("a pool of 8 MiB never ran out")
+        assert held
+        free = h.free_chunks()
+        assert adapter.batched_allocate(*_shapes(G.chunk), 4, E.FMT) is None
+        assert h.free_chunks() == free  # a batch that does not fit keeps nothing
+        held.pop().ref_count_down()  # the last reference: its chunk comes back
+        assert h.free_chunks() == free + 1
+        assert adapter.allocate(*_shapes(G.chunk), E.FMT) is not None
+
+
+def test_reservation_chunks_change_hands_once(maru_server):
+    with MaruHandler(
+        server_url=maru_server.url, pool_size="4M", chunk_size_bytes=G.chunk_bytes
+    ) as h:
+        adapter = _adapter(h)
+        free = h.free_chunks()
+        objs = adapter.batched_allocate(*_shapes(G.chunk), 3, E.FMT)
+        assert h.free_chunks() == free - 3
+        dropped, stored, duplicate = objs
+        dropped.ref_count_down()  # never published: back to the free list, object invalid
+        assert h.free_chunks() == free - 2 and not dropped.is_valid()
+        adapter.free(dropped)  # a second free is a no-op
+        assert h.free_chunks() == free - 2
+        assert h.store("k", adapter.create_store_handle(stored))
+        with pytest.raises(ValueError):
+            adapter.create_store_handle(stored)  # the same chunks under a second key: never
+        stored.ref_count_down()
+        del stored
+        gc.collect()
+        assert h.free_chunks() == free - 2  # published: the store owns the chunk now
+        assert h.store("k", adapter.create_store_handle(duplicate))  # first writer won
+        assert h.free_chunks() == free - 1  # ...and the duplicate's chunk came back, once
+        duplicate.ref_count_down()
+        del duplicate
+        gc.collect()
+        assert h.free_chunks() == free - 1
+        info = h.retrieve("k")
+        view = adapter.get_by_location(info.region_id, info.page_index, info.length, G.token_bytes)
+        with pytest.raises(ValueError):
+            adapter.create_store_handle(view)  # a view of a stored value is not a reservation
+
+
+def test_get_by_location_misses_rather_than_other_bytes(maru_server):
+    with MaruHandler(
+        server_url=maru_server.url, pool_size="4M", chunk_size_bytes=G.chunk_bytes
+    ) as h:
+        adapter = _adapter(h)
+        region = h.owned_region_ids()[0]
+        pages = h.get_region_page_count(region)
+        tb = G.token_bytes
+        assert adapter.get_by_location(region, 0, 3 * tb, tb) is not None
+        assert adapter.get_by_location(region, 0, 3 * tb + 2, tb) is None  # not whole tokens
+        assert adapter.get_by_location(region, 0, G.chunk_bytes + tb, tb) is None  # > a chunk
+        assert adapter.get_by_location(region, 0, 0, tb) is None
+        assert adapter.get_by_location(region, pages, tb, tb) is None  # past the region
+        assert adapter.get_by_location(10**6, 0, tb, tb) is None  # not mapped here
+
+
+def test_engine_store_with_the_pool_full_stores_a_prefix(maru_server_factory):
+    server = maru_server_factory(pool_size="8M")
+    n = (8 << 20) // G.chunk_bytes * G.chunk + 3 * G.chunk  # more chunks than the pool holds
+    with E.Engine(E.config(server.url, pool_bytes=4 << 20), E.metadata()) as built:
+        tokens = E.prompt(n, 11)
+        caches = E.kv_caches(n, seed=11)
+        built.engine.store(tokens, kvcaches=caches, slot_mapping=torch.arange(n))
+        W._wait_for(lambda: not built.backend.put_tasks, "puts finished")
+        stored = built.engine.lookup(tokens)
+        assert 0 < stored < n and stored % G.chunk == 0
+        out = E.kv_caches(n)
+        mask = built.engine.retrieve(tokens, kvcaches=out, slot_mapping=torch.arange(n))
+        assert int(mask.sum()) == stored
+        assert E.same_bits(
+            E.gathered(out, torch.arange(stored)), E.gathered(caches, torch.arange(stored))
+        )

@@ -1,0 +1,108 @@
+"""`maru_vllm.MaruKVConnector` with vLLM 0.33's real classes on CPU, two instances in two
+processes against a real `maru-server`.
+
+Each process is a `tests/vllm_cpu/engine.MiniEngine`: vLLM's `Scheduler` (which loads the
+connector from `kv_connector_module_path: maru_vllm` through vLLM's factory), its `Request`
+and block hasher, its KV cache allocation (`allocate_kv_cache`, on CPU), and the worker-side
+connector. The one stand-in is the model's forward pass, which writes a KV value per token
+that depends only on (layer, position, token). A whole vLLM engine is not run: its model
+runner and attention kernels need a GPU.
+
+vLLM lives in build/vllm-site (scripts/install_vllm_cpu.sh); skipped without it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from .workers import run_processes
+
+pytestmark = pytest.mark.vllm
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = ROOT / "tests"
+VLLM_SITE = ROOT / "build" / "vllm-site"
+sys.path.insert(0, str(TESTS))
+
+if not (VLLM_SITE / "vllm").is_dir():
+    pytest.skip("vLLM not installed (scripts/install_vllm_cpu.sh)", allow_module_level=True)
+
+from sglang_cpu.tiny_model import build_tiny_model  # noqa: E402
+from vllm_cpu import workers as W  # noqa: E402
+
+DEADLINE = 240
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """A tiny local model: vLLM's ModelConfig reads its config (no downloads)."""
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture
+def vllm_env(monkeypatch):
+    """The spawned processes (only they) import vLLM from build/vllm-site (the workers add
+    it to sys.path), with tests/vllm_cpu/sitecustomize.py (torchvision schema shim) loaded at
+    interpreter start."""
+    paths = [str(TESTS / "vllm_cpu"), str(VLLM_SITE)]
+    old = [p for p in os.environ.get("PYTHONPATH", "").split(":") if p]
+    monkeypatch.setenv("PYTHONPATH", ":".join(paths + old))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+def _both(server, model_dir: str, n: int, extra: dict, evict: int = -1):
+    (a,) = run_processes([(W.store, (model_dir, server.url, n, extra))], DEADLINE)
+    (b,) = run_processes([(W.load, (model_dir, server.url, n, extra, evict))], DEADLINE)
+    return a, b
+
+
+TAIL_POSITIONS = list(range(W.BLOCKS * BLOCK, W.BLOCKS * BLOCK + W.TAIL))
+
+
+@pytest.mark.parametrize("async_load", [True, False], ids=["async_load", "sync_load"])
+def test_blocks_saved_by_one_instance_are_loaded_by_another(
+    maru_server_factory, model_dir, vllm_env, async_load
+):
+    server = maru_server_factory(pool_size="256M")
+    a, b = _both(server, model_dir, 1, {"maru_async_load": async_load})
+    assert a["connector"] == "maru_vllm.connector.MaruKVConnector"  # loaded by module path
+    assert a["computed"] == [W.BLOCKS * BLOCK + W.TAIL]
+    assert a["saved_blocks"] == W.BLOCKS and a["save_failed"] == 0
+    assert b["computed"] == [TAIL_POSITIONS]  # B computed only the tail
+    assert b["match"] == [[True] * W.BLOCKS]  # byte for byte, in B's own blocks
+    assert b["load_errors"] == [] and b["loaded_blocks"] == W.BLOCKS
+
+
+def test_a_block_evicted_before_the_load_is_a_load_error_and_recomputed(
+    maru_server_factory, model_dir, vllm_env
+):
+    server = maru_server_factory(pool_size="256M")
+    _, b = _both(server, model_dir, 1, {}, evict=2)
+    assert b["evicted"] == [True]
+    # blocks 2.. failed (a prefix chain: nothing after a missing block is used)
+    assert b["load_errors"] == sorted(b["first_blocks"][2:])
+    assert b["computed"][0] == list(range(2 * BLOCK, W.BLOCKS * BLOCK + W.TAIL))
+    assert b["match"] == [[True] * W.BLOCKS]  # recomputed, never other bytes
+
+
+def test_many_requests_load_in_parallel(maru_server_factory, model_dir, vllm_env):
+    server = maru_server_factory(pool_size="256M")
+    n = 8
+    a, b = _both(server, model_dir, n, {"maru_load_threads": 4})
+    assert a["saved_blocks"] == n * W.BLOCKS
+    assert b["loads"] == n and b["loaded_blocks"] == n * W.BLOCKS
+    assert b["computed"] == [TAIL_POSITIONS] * n
+    assert b["match"] == [[True] * W.BLOCKS] * n
+
+
+def test_mla_layout(maru_server_factory, model_dir, vllm_env):
+    server = maru_server_factory(pool_size="256M")
+    a, b = _both(server, model_dir, 1, {"mla": True})
+    assert a["saved_blocks"] == W.BLOCKS
+    assert b["computed"] == [TAIL_POSITIONS]
+    assert b["match"] == [[True] * W.BLOCKS]

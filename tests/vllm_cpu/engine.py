@@ -1,0 +1,258 @@
+"""A step-by-step vLLM engine on CPU around `MaruKVConnector`: vLLM's real `VllmConfig`,
+`Scheduler` (which creates the scheduler-side connector through vLLM's `KVConnectorFactory`
+from `kv_connector_module_path`), `Request` with vLLM's block hasher, `allocate_kv_cache`
+(vLLM's KV cache tensors and per-layer views, on CPU), `KVConnectorOutput` /
+`ModelRunnerOutput`, and the worker-side connector from the same factory.
+
+The one stand-in is the model's forward pass (`forward`): for every scheduled token it writes
+a KV value that depends only on (layer, position, token id), as a real model's does on the
+prompt prefix, so that two engines computing the same prompt hold the same bytes, and a block
+loaded from Maru can be compared with what computing it gives.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MLAAttentionSpec,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
+
+BLOCK = 16
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+EOS = 0
+_none_hash = False
+
+
+def kv_spec(mla: bool = False):
+    if mla:
+        return MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=24, dtype=torch.float16)
+    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
+
+
+def kv_cache_config(num_blocks: int, mla: bool = False) -> KVCacheConfig:
+    """Layer-outermost (vLLM's LBNHC): each layer a region of `num_blocks` pages."""
+    spec = kv_spec(mla)
+    page = spec.page_size_bytes
+    tensor = KVCacheTensor(
+        size=page * num_blocks * len(LAYERS),
+        layers=list(LAYERS),
+        layer_stride=page * num_blocks,
+        block_stride=page,
+    )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+    )
+
+
+def vllm_config(model_dir: str, url: str, **extra: Any) -> VllmConfig:
+    """`kv_connector_extra_config` = the maru_* keys; policy: recompute failed loads."""
+    model = ModelConfig(model=model_dir, dtype="float16", seed=0)
+    return VllmConfig(
+        model_config=model,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=512,
+            max_model_len=2048,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(
+            block_size=BLOCK, gpu_memory_utilization=0.9, enable_prefix_caching=True
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="MaruKVConnector",
+            kv_connector_module_path="maru_vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"maru_server_url": url, "maru_pool_size": "16M", **extra},
+            kv_load_failure_policy="recompute",
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def kv_value(layer: int, positions: torch.Tensor, tokens: torch.Tensor, shape) -> torch.Tensor:
+    """What the stand-in model computes for these tokens: [tokens, H, C] in float16."""
+    h, c = shape
+    grid = torch.arange(h * c, dtype=torch.float32).reshape(1, h, c)
+    x = tokens.float().reshape(-1, 1, 1) * 0.37 + positions.float().reshape(-1, 1, 1) * 1.3
+    return torch.sin(x + layer * 7.0 + grid * 0.013).to(torch.float16)
+
+
+class MiniEngine:
+    """One vLLM instance: scheduler, worker connector, KV cache, and the step loop."""
+
+    def __init__(
+        self, model_dir: str, url: str, *, num_blocks: int = 128, mla: bool = False, **extra
+    ):
+        global _none_hash
+        if not _none_hash:
+            init_none_hash(sha256)
+            _none_hash = True
+        self.config = vllm_config(model_dir, url, **extra)
+        self.kv_config = kv_cache_config(num_blocks, mla)
+        self.config.cache_config.num_gpu_blocks = num_blocks
+        self.scheduler = Scheduler(
+            vllm_config=self.config,
+            kv_cache_config=self.kv_config,
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=BLOCK,
+        )
+        self.worker = KVConnectorFactory.create_connector(
+            self.config, KVConnectorRole.WORKER, self.kv_config
+        )
+        self.kv = allocate_kv_cache(
+            self.kv_config, torch.device("cpu"), KVCacheLayout.LBNHC, [BLOCK]
+        )
+        self.worker.register_kv_caches(self.kv)
+        self.block_ids: dict[str, list[int]] = {}  # each request's blocks (group 0)
+        self.tokens: dict[str, list[int]] = {}
+        self.computed: dict[str, set[int]] = {}  # positions the stand-in model computed
+        self.load_errors: set[int] = set()
+        self.finished: set[str] = set()
+        self.stats: list[dict] = []
+        self._ids = itertools.count()
+
+    def add(self, tokens: list[int], max_tokens: int = 1) -> str:
+        req_id = f"req-{next(self._ids)}"
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        params.update_from_generation_config({}, EOS)
+        request = Request(
+            request_id=req_id,
+            prompt_token_ids=list(tokens),
+            sampling_params=params,
+            pooling_params=None,
+            mm_features=None,
+            block_hasher=get_request_block_hasher(BLOCK, sha256),
+        )
+        self.scheduler.add_request(request)
+        self.tokens[req_id] = list(tokens)
+        self.computed[req_id] = set()
+        return req_id
+
+    def forward(self, out) -> None:
+        """The stand-in model: KV for every scheduled token, into its slot."""
+        for req_id, n in out.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            start = request.num_computed_tokens - n  # (schedule() advanced it already)
+            positions = torch.arange(start, start + n)
+            tokens = torch.tensor(request.all_token_ids[start : start + n])
+            blocks = torch.tensor(self.block_ids[req_id])[positions // BLOCK]
+            offsets = positions % BLOCK
+            for layer, name in enumerate(LAYERS):
+                view = self.kv[name]  # [B, H, N, C]
+                value = kv_value(layer, positions, tokens, (view.shape[1], view.shape[3]))
+                view[blocks, :, offsets] = value
+            self.computed[req_id].update(positions.tolist())
+
+    def step(self, before_load=None) -> Any:
+        out = self.scheduler.schedule()
+        for new in out.scheduled_new_reqs:
+            self.block_ids[new.req_id] = list(new.block_ids[0])
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if cached.new_block_ids[i] is not None:
+                if req_id in cached.resumed_req_ids:
+                    self.block_ids[req_id] = list(cached.new_block_ids[i][0])
+                else:
+                    self.block_ids[req_id].extend(cached.new_block_ids[i][0])
+        meta = out.kv_connector_metadata
+        if before_load is not None:
+            before_load(meta)
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)
+        self.forward(out)
+        self.worker.wait_for_save()
+        sending, recving = self.worker.get_finished(out.finished_req_ids)
+        errors = self.worker.get_block_ids_with_load_errors()
+        self.load_errors |= errors
+        self.worker.clear_connector_metadata()
+        stats = self.worker.get_kv_connector_stats()
+        if stats is not None:
+            self.stats.append(stats.reduce())
+        req_ids = list(out.num_scheduled_tokens)
+        output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[self._sampled(r) for r in req_ids],
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=sending, finished_recving=recving, invalid_block_ids=errors
+            ),
+        )
+        for request_outputs in self.scheduler.update_from_output(out, output).values():
+            for o in request_outputs.outputs:
+                if o.finish_reason is not None:
+                    self.finished.add(o.request_id)
+        return out
+
+    def _sampled(self, req_id: str) -> list[int]:
+        """A token once the prompt is computed; none for a chunk of a longer prefill (as
+        vLLM's model runner does)."""
+        request = self.scheduler.requests[req_id]
+        return [7] if request.num_computed_tokens >= request.num_prompt_tokens else []
+
+    def run(self, req_ids: set[str], timeout: float = 60.0, before_load=None) -> int:
+        """Step until the requests are finished and their blocks freed (saves reported),
+        idling a little on steps that schedule nothing (transfers running); returns steps."""
+        deadline = time.monotonic() + timeout
+        for steps in itertools.count(1):
+            out = self.step(before_load)
+            if req_ids <= self.finished and not self.scheduler.has_requests():
+                return steps
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"requests {req_ids} not done within {timeout} s")
+            if not out.num_scheduled_tokens:
+                time.sleep(0.005)
+        raise AssertionError("unreachable")
+
+    def blocks_match(self, req_id: str, n_blocks: int) -> list[bool]:
+        """Whether each of the request's first blocks holds what computing it gives."""
+        tokens = torch.tensor(self.tokens[req_id])
+        out = []
+        for b in range(n_blocks):
+            positions = torch.arange(b * BLOCK, (b + 1) * BLOCK)
+            block = self.block_ids[req_id][b]
+            same = True
+            for layer, name in enumerate(LAYERS):
+                view = self.kv[name]
+                want = kv_value(layer, positions, tokens[positions], (view.shape[1], view.shape[3]))
+                got = view[block].permute(1, 0, 2)  # [N, H, C]
+                same &= torch.equal(got.view(torch.int16), want.view(torch.int16))
+            out.append(bool(same))
+        return out
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.connector.shutdown()
