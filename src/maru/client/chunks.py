@@ -93,7 +93,7 @@ class ChunkBook:
     Parking (the rule that lets the server take a region back from a live instance): a region
     is parked only while no value in it is reserved and not yet sealed, and `take` never
     reserves in a parked region; the handler tells the server only after parking here, and
-    unparks here only after the server said the region is still ours (`MaruHandler._tick`,
+    unparks here only after the server said the region is still ours (`RegionSupply.tick`,
     `MaruHandler._unpark`). So a page this instance may still write is never in a region the
     server may hand to another instance."""
 

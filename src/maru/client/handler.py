@@ -17,7 +17,6 @@ verbs put together. Only metadata crosses the socket; a reader maps the writer's
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import os
 import threading
@@ -29,17 +28,22 @@ from typing import Any
 from maru.client.chunks import AllocHandle, ChunkBook
 from maru.client.connecting import connect_failure, probe
 from maru.client.mapping import MappedRegion, RegionMapper
-from maru.client.requests import Lookup, MemoryInfo, RegionsLost, Sealing, StoreOutcome
+from maru.client.requests import (
+    Lookup,
+    MemoryInfo,
+    RegionsLost,
+    Sealing,
+    StoreOutcome,
+    refuse_bad_stores,
+)
 from maru.client.rpc import PendingReply, RpcClient
-from maru.common.config import MaruConfig, fmt_bytes
-from maru.common.errors import MaruConnectError, MaruConnectionError, MaruError, MaruServerError
+from maru.client.supply import RegionSupply
+from maru.common.config import MaruConfig
+from maru.common.errors import MaruConnectError, MaruError, MaruServerError
 from maru.common.protocol import (
     DeleteStatus,
     ErrorCode,
     MsgType,
-    ProtocolError,
-    all_keys_valid,
-    check_key,
 )
 from maru.common.region import RegionHandle
 
@@ -54,7 +58,7 @@ __all__ = ["AllocHandle", "MaruHandler", "MemoryInfo", "StoreOutcome"]
 class _Heartbeat:
     """Tells the server we are alive even when idle (a silent instance is reaped: its pins,
     leases and regions released after the server's --heartbeat-timeout), and parks the
-    regions we stopped writing in (`MaruHandler._tick`)."""
+    regions we stopped writing in (`RegionSupply.tick`)."""
 
     def __init__(self, send: Callable[[], Any], name: str):
         self.interval = 5.0  # the server says how often, at handshake
@@ -102,15 +106,15 @@ class MaruHandler:
         )
         self._mapper = RegionMapper()
         self._chunks = ChunkBook(config.chunk_size_bytes)
-        self._expand_lock = threading.Lock()  # one region change at a time: grow, park, unpark
-        self._park_seq = itertools.count(1)
         self._connected = False
         self.connect_error: MaruConnectError | None = None  # why the last connect() failed
-        # stores refused before anything was sent, by reason (see `_refuse_bad_stores`)
+        # stores refused before anything was sent, by reason (see `refuse_bad_stores`)
         self.refused_stores: Counter[str] = Counter()
-        self._pool_capacity = 0  # the pool's, as of our last handshake (0: not known yet)
+        self._supply = RegionSupply(
+            self, self._chunks, self._mapper, self._request, self.refused_stores
+        )
         self._pool_generation: str | None = None  # the pool's, as of our last handshake
-        self._heartbeat = _Heartbeat(self._tick, f"maru-heartbeat-{self.instance_id[:8]}")
+        self._heartbeat = _Heartbeat(self._supply.tick, f"maru-heartbeat-{self.instance_id[:8]}")
         if config.auto_connect:
             self.connect()
 
@@ -191,7 +195,7 @@ class MaruHandler:
         self._heartbeat.interval = float(reply.get("heartbeat_interval", 5.0))
         still_owned = {h.region_id: h for h in map(RegionHandle.from_wire, reply["regions"])}
         pool = reply.get("pool") or {}
-        self._pool_capacity = int(pool.get("capacity") or 0)
+        self._supply.pool_capacity = int(pool.get("capacity") or 0)
         generation = str(pool.get("generation", ""))
         if self._pool_generation is not None and generation != self._pool_generation:
             # The server restarted on a recreated or truncated pool: what we mapped of other
@@ -217,7 +221,7 @@ class MaruHandler:
                 lost += 1
         for handle in still_owned.values():
             if handle.region_id not in self._chunks:  # (a session only owns what it took)
-                self._adopt(handle)
+                self._supply.adopt(handle)
         return lost
 
     def _on_unknown_instance(self, msg_type: int) -> None:
@@ -235,69 +239,6 @@ class MaruHandler:
             self._chunks.apply_freed(freed)
 
     # -- regions -----------------------------------------------------------------------------
-
-    def _adopt(self, handle: RegionHandle) -> None:
-        self._chunks.adopt(self._mapper.map(handle, writable=True))
-
-    def _expand(self, size: int, min_size: int) -> None:
-        """A new region of `size` bytes, or at least `min_size` when the pool is short (the
-        server reclaims idle regions to find it)."""
-        body = {"size": size, "min_size": min_size}
-        reply = self._request(MsgType.REQUEST_REGION, body).result()
-        self._adopt(RegionHandle.from_wire(reply["region"]))
-
-    def _next_region_size(self, need: int) -> int | None:
-        """How big our next region is: the first `region_expand_size`, each later one twice
-        the largest we hold, never past `pool_size` in all (None: that cap leaves no room for
-        `need` bytes). Without `auto_expand`, one region of `pool_size`."""
-        held, cap = self._chunks.owned_bytes(), self.config.pool_size
-        if not self.config.auto_expand:
-            return None if held or need > cap else cap
-        if need > cap - held:
-            return None
-        step = max(self.config.region_expand_size, 2 * self._chunks.largest_region())
-        return max(need, min(step, cap - held))
-
-    def _tick(self) -> None:
-        """Every heartbeat interval: park the regions we took nothing from since the last tick
-        and hold no unsealed value in (`ChunkBook.park_idle`), and tell the server, which may
-        then take them back for another instance; the reply says which it took. Without
-        parked regions, a plain heartbeat."""
-        with self._expand_lock:
-            parked = self._chunks.park_idle()
-            if parked and self._park(parked, []) is not None:  # also a sign of life
-                return
-        self._request(MsgType.HEARTBEAT, {}).result()
-
-    def _park(self, park: list[int], unpark: list[int]) -> list[int] | None:
-        """One PARK_REGIONS exchange (the caller holds `_expand_lock`, so a park and an unpark
-        are never in flight together; `seq` makes a late copy of either harmless): drops the
-        regions the server took back; returns the regions unparked, None if it failed."""
-        body = {"seq": next(self._park_seq), "park": park, "unpark": unpark}
-        try:
-            reply = self._request(MsgType.PARK_REGIONS, body).result()
-        except MaruError as exc:
-            log.debug("instance %s: park request failed: %s", self.instance_id, exc)
-            return None
-        for region_id in reply["gone"]:
-            # Taken back for another instance (nothing of ours was being written there).
-            # The mapping stays, as for other instances' freed regions: a reader may still
-            # hold an address in it.
-            log.info("instance %s: region %d was taken back", self.instance_id, region_id)
-            self._chunks.drop(region_id)
-        self._chunks.unpark(reply["unparked"])
-        return reply["unparked"]
-
-    def _take_or_unpark(self, size: int, count: int) -> AllocHandle | None:
-        """`ChunkBook.take`, else unpark the parked regions with room and take again. (Which
-        parked regions were taken back, and so no longer count against `pool_size`, the
-        client learns at its next tick.)"""
-        handle = self._chunks.take(size, count)
-        if handle is None:
-            room = self._chunks.parked_with_room(size, count)
-            if room and self._park([], room):
-                handle = self._chunks.take(size, count)
-        return handle
 
     def _map(self, handle: RegionHandle) -> MappedRegion:
         mapped = self._mapper.get(handle.region_id)
@@ -359,70 +300,7 @@ class MaruHandler:
         reserve value by value then."""
         if size <= 0 or count <= 0:
             raise ValueError(f"alloc needs a positive size and count, got {size}, {count}")
-        handle = self._chunks.take(size, count)
-        if handle is not None:
-            return handle
-        chunk = self._chunks.chunk_size
-        need = -(-size // chunk) * count * chunk
-        # (the whole pool first: it says that no setting of this client would help)
-        for limit, what, reason in (
-            (self._pool_capacity or need, "the whole pool", "larger_than_pool"),
-            (self.config.pool_size, "this instance's pool_size", "larger_than_pool_size"),
-        ):
-            if need <= limit:
-                continue
-            # never fits: evicting anything for it would be in vain
-            if count == 1:  # (a run that does not fit may still go value by value)
-                self.refused_stores[reason] += 1
-                log.warning(
-                    "instance %s: a value of %s is larger than %s (%s): not stored",
-                    self.instance_id,
-                    fmt_bytes(size),
-                    what,
-                    fmt_bytes(limit),
-                )
-            return None
-        with self._expand_lock:
-            handle = self._take_or_unpark(size, count)  # another thread may have made room
-            if handle is not None:
-                return handle
-            region_size = self._next_region_size(need)
-            if region_size is not None:
-                try:
-                    self._expand(region_size, need)
-                    handle = self._chunks.take(size, count)
-                    if handle is not None:
-                        return handle
-                except MaruServerError as exc:
-                    if exc.code != ErrorCode.POOL_FULL:
-                        log.warning("instance %s: cannot expand: %s", self.instance_id, exc)
-                        return None
-                    log.info("instance %s: %s", self.instance_id, exc)
-                except MaruConnectionError as exc:
-                    log.warning("instance %s: cannot expand: %s", self.instance_id, exc)
-                    return None
-            return self._alloc_by_evicting(size) if count == 1 else None
-
-    def _alloc_by_evicting(self, size: int) -> AllocHandle | None:
-        want = -(-size // self._chunks.chunk_size) * self._chunks.chunk_size
-        for _ in range(6):  # evicted chunks may not be contiguous: ask for more each round
-            try:
-                reply = self._request(MsgType.EVICT_FOR, {"bytes": want}).result()
-            except MaruError as exc:
-                log.warning("instance %s: eviction request failed: %s", self.instance_id, exc)
-                return None
-            handle = self._take_or_unpark(size, 1)  # the reply's `freed` was applied already
-            if handle is not None:
-                return handle
-            if not reply["freed_bytes"]:
-                break
-            want *= 2
-        log.warning(
-            "instance %s: no room for %d bytes in pool (all chunks pinned, leased or fragmented)",
-            self.instance_id,
-            size,
-        )
-        return None
+        return self._supply.reserve(size, count)
 
     def free(self, handle: AllocHandle) -> None:
         """Give back chunks that were reserved but will not be sealed."""
@@ -439,38 +317,10 @@ class MaruHandler:
         one handle per key (None: nothing reserved, that key fails); `lengths`: the values'
         byte lengths (one for all, or per key; default the size they were reserved for).
         `.outcomes()` tells a key STORED now from one that EXISTED (first writer won)."""
-        self._refuse_bad_stores(keys)  # (said here; the server rejects them)
+        refuse_bad_stores(
+            keys, (), self.refused_stores, self.instance_id
+        )  # (said here; the server rejects them)
         return Sealing(self, keys, handles, lengths)
-
-    def _refuse_bad_stores(self, keys: Sequence[Key], sizes: Sequence[int] = ()) -> set[int]:
-        """Positions of stores that cannot succeed: a key that is not str or bytes, empty or
-        longer than MAX_KEY_BYTES, or an empty value. A batch with any logs one WARNING naming
-        the first such key and why; `refused_stores` counts them by reason."""
-        if all_keys_valid(list(keys)) and (not sizes or min(sizes) > 0):
-            return set()
-        reasons: dict[int, tuple[str, str]] = {}
-        for i, key in enumerate(keys):
-            try:
-                check_key(key)
-            except ProtocolError as exc:
-                kind = "key_too_long" if exc.code == ErrorCode.KEY_TOO_LONG else "bad_key"
-                if kind == "bad_key":
-                    kind = "empty_key" if isinstance(key, (str, bytes)) else "key_type"
-                reasons[i] = (kind, str(exc))
-                continue
-            if sizes and sizes[i] <= 0:
-                reasons[i] = ("empty_value", "an empty value cannot be stored")
-        self.refused_stores.update(kind for kind, _ in reasons.values())
-        first = min(reasons)
-        more = f" (and {len(reasons) - 1} more in the batch)" if len(reasons) > 1 else ""
-        log.warning(
-            "instance %s: store of key %.80r refused: %s%s",
-            self.instance_id,
-            keys[first],
-            reasons[first][1],
-            more,
-        )
-        return set(reasons)
 
     def store(
         self,
@@ -533,7 +383,7 @@ class MaruHandler:
     def _store_datas(self, keys: Sequence[Key], datas: Sequence[Buffer]) -> Sealing:
         """Reserve, copy, seal: the one store path for bytes (refused ones get no chunks)."""
         sizes = [memoryview(d).nbytes for d in datas]
-        refused = self._refuse_bad_stores(keys, sizes)
+        refused = refuse_bad_stores(keys, sizes, self.refused_stores, self.instance_id)
         if refused:  # no chunks for them: they fail, the rest goes on
             sizes = [0 if i in refused else n for i, n in enumerate(sizes)]
         sealing = Sealing(self, keys, self._write(datas, sizes), sizes)

@@ -6,16 +6,25 @@ caller can do other work (copy the next pages, compute host pointers) while the 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from maru.client.chunks import AllocHandle
 from maru.common.errors import MaruError, MaruServerError
-from maru.common.protocol import ErrorCode, MsgType, RegisterStatus, pack_int64
+from maru.common.protocol import (
+    ErrorCode,
+    MsgType,
+    ProtocolError,
+    RegisterStatus,
+    all_keys_valid,
+    check_key,
+    pack_int64,
+)
 from maru.common.region import RegionHandle
 
 if TYPE_CHECKING:
@@ -294,3 +303,36 @@ class Lookup:
                 exc,
             )
             return False
+
+
+def refuse_bad_stores(
+    keys: Sequence[Any], sizes: Sequence[int], refused: Counter[str], instance_id: str
+) -> set[int]:
+    """Positions of stores that cannot succeed: a key that is not str or bytes, empty or
+    longer than MAX_KEY_BYTES, or an empty value. A batch with any logs one WARNING naming
+    the first such key and why; `refused` (the handler's `refused_stores`) counts them by reason."""
+    if all_keys_valid(list(keys)) and (not sizes or min(sizes) > 0):
+        return set()
+    reasons: dict[int, tuple[str, str]] = {}
+    for i, key in enumerate(keys):
+        try:
+            check_key(key)
+        except ProtocolError as exc:
+            kind = "key_too_long" if exc.code == ErrorCode.KEY_TOO_LONG else "bad_key"
+            if kind == "bad_key":
+                kind = "empty_key" if isinstance(key, (str, bytes)) else "key_type"
+            reasons[i] = (kind, str(exc))
+            continue
+        if sizes and sizes[i] <= 0:
+            reasons[i] = ("empty_value", "an empty value cannot be stored")
+    refused.update(kind for kind, _ in reasons.values())
+    first = min(reasons)
+    more = f" (and {len(reasons) - 1} more in the batch)" if len(reasons) > 1 else ""
+    log.warning(
+        "instance %s: store of key %.80r refused: %s%s",
+        instance_id,
+        keys[first],
+        reasons[first][1],
+        more,
+    )
+    return set(reasons)

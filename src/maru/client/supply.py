@@ -1,0 +1,179 @@
+"""An instance's regions: taken from the server as data arrives (none at connect), grown in
+steps up to `pool_size`, parked when idle so that the server may take them back for another
+instance, unparked before we write there again (docs/architecture.md, "Capacity: regions as
+data arrives"). `MaruHandler.alloc` reserves through `RegionSupply.reserve`; its heartbeat
+thread calls `tick`."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from maru.client.chunks import AllocHandle, ChunkBook
+from maru.client.mapping import RegionMapper
+from maru.client.rpc import PendingReply
+from maru.common.config import fmt_bytes
+from maru.common.errors import MaruConnectionError, MaruError, MaruServerError
+from maru.common.protocol import ErrorCode, MsgType
+from maru.common.region import RegionHandle
+
+if TYPE_CHECKING:
+    from maru.client.handler import MaruHandler
+
+log = logging.getLogger("maru.client.handler")
+
+
+class RegionSupply:
+    """Chunks for one handler, and the regions they come from. One region change at a time
+    (`lock`): grow, park, unpark. Reads the handler's `config` and `instance_id`."""
+
+    def __init__(
+        self,
+        owner: MaruHandler,
+        chunks: ChunkBook,
+        mapper: RegionMapper,
+        request: Callable[[MsgType, dict[str, Any]], PendingReply],
+        refused: Counter[str],
+    ):
+        self.owner = owner
+        self.chunks = chunks
+        self.mapper = mapper
+        self._request = request
+        self.refused = refused  # the handler's `refused_stores`
+        self.pool_capacity = 0  # the pool's, as of the last handshake (0: not known yet)
+        self.lock = threading.Lock()
+        self._park_seq = itertools.count(1)
+
+    def reserve(self, size: int, count: int) -> AllocHandle | None:
+        """`MaruHandler.alloc`'s work, in its order of resort."""
+        handle = self.chunks.take(size, count)
+        if handle is not None:
+            return handle
+        chunk = self.chunks.chunk_size
+        need = -(-size // chunk) * count * chunk
+        # (the whole pool first: it says that no setting of this client would help)
+        for limit, what, reason in (
+            (self.pool_capacity or need, "the whole pool", "larger_than_pool"),
+            (self.owner.config.pool_size, "this instance's pool_size", "larger_than_pool_size"),
+        ):
+            if need <= limit:
+                continue
+            # never fits: evicting anything for it would be in vain
+            if count == 1:  # (a run that does not fit may still go value by value)
+                self.refused[reason] += 1
+                log.warning(
+                    "instance %s: a value of %s is larger than %s (%s): not stored",
+                    self.owner.instance_id,
+                    fmt_bytes(size),
+                    what,
+                    fmt_bytes(limit),
+                )
+            return None
+        with self.lock:
+            handle = self._take_or_unpark(size, count)  # another thread may have made room
+            if handle is not None:
+                return handle
+            region_size = self._next_region_size(need)
+            if region_size is not None:
+                try:
+                    self._grow(region_size, need)
+                    handle = self.chunks.take(size, count)
+                    if handle is not None:
+                        return handle
+                except MaruServerError as exc:
+                    if exc.code != ErrorCode.POOL_FULL:
+                        log.warning("instance %s: cannot expand: %s", self.owner.instance_id, exc)
+                        return None
+                    log.info("instance %s: %s", self.owner.instance_id, exc)
+                except MaruConnectionError as exc:
+                    log.warning("instance %s: cannot expand: %s", self.owner.instance_id, exc)
+                    return None
+            return self._evict_for(size) if count == 1 else None
+
+    def _evict_for(self, size: int) -> AllocHandle | None:
+        want = -(-size // self.chunks.chunk_size) * self.chunks.chunk_size
+        for _ in range(6):  # evicted chunks may not be contiguous: ask for more each round
+            try:
+                reply = self._request(MsgType.EVICT_FOR, {"bytes": want}).result()
+            except MaruError as exc:
+                log.warning("instance %s: eviction request failed: %s", self.owner.instance_id, exc)
+                return None
+            handle = self._take_or_unpark(size, 1)  # the reply's `freed` was applied already
+            if handle is not None:
+                return handle
+            if not reply["freed_bytes"]:
+                break
+            want *= 2
+        log.warning(
+            "instance %s: no room for %d bytes in pool (all chunks pinned, leased or fragmented)",
+            self.owner.instance_id,
+            size,
+        )
+        return None
+
+    def adopt(self, handle: RegionHandle) -> None:
+        self.chunks.adopt(self.mapper.map(handle, writable=True))
+
+    def _grow(self, size: int, min_size: int) -> None:
+        """A new region of `size` bytes, or at least `min_size` when the pool is short (the
+        server reclaims idle regions to find it)."""
+        body = {"size": size, "min_size": min_size}
+        reply = self._request(MsgType.REQUEST_REGION, body).result()
+        self.adopt(RegionHandle.from_wire(reply["region"]))
+
+    def _next_region_size(self, need: int) -> int | None:
+        """How big our next region is: the first `region_expand_size`, each later one twice
+        the largest we hold, never past `pool_size` in all (None: that cap leaves no room for
+        `need` bytes). Without `auto_expand`, one region of `pool_size`."""
+        held, cap = self.chunks.owned_bytes(), self.owner.config.pool_size
+        if not self.owner.config.auto_expand:
+            return None if held or need > cap else cap
+        if need > cap - held:
+            return None
+        step = max(self.owner.config.region_expand_size, 2 * self.chunks.largest_region())
+        return max(need, min(step, cap - held))
+
+    def tick(self) -> None:
+        """Every heartbeat interval: park the regions we took nothing from since the last tick
+        and hold no unsealed value in (`ChunkBook.park_idle`), and tell the server, which may
+        then take them back for another instance; the reply says which it took. Without
+        parked regions, a plain heartbeat."""
+        with self.lock:
+            parked = self.chunks.park_idle()
+            if parked and self._park(parked, []) is not None:  # also a sign of life
+                return
+        self._request(MsgType.HEARTBEAT, {}).result()
+
+    def _park(self, park: list[int], unpark: list[int]) -> list[int] | None:
+        """One PARK_REGIONS exchange (the caller holds `lock`, so a park and an unpark
+        are never in flight together; `seq` makes a late copy of either harmless): drops the
+        regions the server took back; returns the regions unparked, None if it failed."""
+        body = {"seq": next(self._park_seq), "park": park, "unpark": unpark}
+        try:
+            reply = self._request(MsgType.PARK_REGIONS, body).result()
+        except MaruError as exc:
+            log.debug("instance %s: park request failed: %s", self.owner.instance_id, exc)
+            return None
+        for region_id in reply["gone"]:
+            # Taken back for another instance (nothing of ours was being written there).
+            # The mapping stays, as for other instances' freed regions: a reader may still
+            # hold an address in it.
+            log.info("instance %s: region %d was taken back", self.owner.instance_id, region_id)
+            self.chunks.drop(region_id)
+        self.chunks.unpark(reply["unparked"])
+        return reply["unparked"]
+
+    def _take_or_unpark(self, size: int, count: int) -> AllocHandle | None:
+        """`ChunkBook.take`, else unpark the parked regions with room and take again. (Which
+        parked regions were taken back, and so no longer count against `pool_size`, the
+        client learns at its next tick.)"""
+        handle = self.chunks.take(size, count)
+        if handle is None:
+            room = self.chunks.parked_with_room(size, count)
+            if room and self._park([], room):
+                handle = self.chunks.take(size, count)
+        return handle
