@@ -108,6 +108,7 @@ class MaruHandler:
         self.connect_error: MaruConnectError | None = None  # why the last connect() failed
         # stores refused before anything was sent, by reason (see `_refuse_bad_stores`)
         self.refused_stores: Counter[str] = Counter()
+        self.checksum_mismatches = 0  # hits taken as misses: bytes unlike their checksum
         self._pool_capacity = 0  # the pool's, as of our last handshake (0: not known yet)
         self._pool_generation: str | None = None  # the pool's, as of our last handshake
         self._heartbeat = _Heartbeat(self._tick, f"maru-heartbeat-{self.instance_id[:8]}")
