@@ -198,6 +198,7 @@ class Lookup:
         self._offsets: np.ndarray | None = None
         self._region_ids: np.ndarray | None = None
         self._checksums: np.ndarray | None = None  # the writers' (0: none, or a miss)
+        self._corrupt: np.ndarray | None = None  # keys `corrupt()` found so far
         self._pending: PendingReply | None = None
         if self.n:
             try:
@@ -269,27 +270,30 @@ class Lookup:
         hash to the checksum its writer stored with it: the page changed after it was sealed
         (a stray write, a reused page, memory that is not the one written). Call it after the
         copy, so that a page changed before or during the copy is caught; take those keys as
-        misses. Misses and keys stored without a checksum are False. Each is logged at ERROR
-        with its key and counted in `MaruHandler.checksum_mismatches`."""
+        misses. Misses and keys stored without a checksum are False. Each key is logged at
+        ERROR and counted in `MaruHandler.checksum_mismatches` once per lookup (a key found
+        corrupt stays so for the lookup)."""
         self.wait()
         assert self._checksums is not None and self._offsets is not None
-        bad = np.zeros(self.n, bool)
-        if not self._handler.config.checksums:
-            return bad
+        if self._corrupt is None:
+            self._corrupt = np.zeros(self.n, bool)
         stored = self._checksums
-        todo = np.flatnonzero(stored)  # (a miss has none)
-        if not todo.size:
-            return bad
+        todo = np.flatnonzero(stored) if self._handler.config.checksums else ()
+        if not len(todo):  # (a miss has no checksum)
+            return self._corrupt.copy()
         get = self._handler._mapper.get
-        views = [
-            get(region_id).view[offset : offset + length]  # type: ignore[union-attr]
-            for region_id, offset, length in zip(
-                self._region_ids[todo].tolist(),  # type: ignore[index]
-                self._offsets[todo].tolist(),
-                self.lengths[todo].tolist(),  # type: ignore[index]
-            )
-        ]
+        views = []
+        for region_id, offset, length in zip(
+            self._region_ids[todo].tolist(),  # type: ignore[index]
+            self._offsets[todo].tolist(),
+            self.lengths[todo].tolist(),  # type: ignore[index]
+        ):
+            mapped = get(region_id)  # (unmapped since the reply: nothing to vouch for, a miss)
+            views.append(mapped.view[offset : offset + length] if mapped else memoryview(b""))
+        bad = np.zeros(self.n, bool)
         bad[todo] = checksums(views) != stored[todo]
+        bad &= ~self._corrupt  # said already
+        self._corrupt |= bad
         for i in np.flatnonzero(bad).tolist():
             log.error(
                 "key %.200r: its %d bytes no longer match the checksum its writer stored: "
@@ -298,7 +302,7 @@ class Lookup:
                 int(self.lengths[i]),  # type: ignore[index]
             )
         self._handler.checksum_mismatches += int(bad.sum())
-        return bad
+        return self._corrupt.copy()
 
     def infos(self) -> list[MemoryInfo | None]:
         """A `MemoryInfo` per key (None for a miss): read-only views into the shared memory.
