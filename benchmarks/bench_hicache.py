@@ -17,7 +17,10 @@ figure saw the same machine state:
   so the baseline carries no Python per part either), the same into a warm /dev/shm mapping
   (the limit of a repetition is the faster of the two), Maru's own copy loop alone
   (`copy_many` with its default non-temporal stores, into the /dev/shm mapping: the floor
-  under Maru, whose copies can beat a plain memcpy), and SGLang's
+  under Maru, whose copies can beat a plain memcpy), Maru with `maru_checksums` on (another
+  MaruStorage of the same process: the writer hashes every page after its copy, the reader
+  after its; issue 13, P8: its cost is the ratio to plain Maru in the same repetition), and
+  SGLang's
   built-in file backend (`HiCacheFile`) on a /dev/shm directory driven the way the
   controller drives it without `interface_v1` (`get_data_page` + `batch_set`; `batch_get`
   into dummy pages + `set_from_flat_data_page`). Methods alternate within each repetition;
@@ -297,6 +300,10 @@ class Instance:
         cfg = hp.storage_config(model=f"bench/{case.name}", is_mla=is_mla, extra=extra)
         self.maru = StorageBackendFactory.create_backend("dynamic", cfg, self.pool)
         self.maru.register_mem_pool_host(self.pool)
+        extra = {**extra, "maru_checksums": "true"}  # the same, with every page checksummed
+        checked_cfg = hp.storage_config(model=f"bench/{case.name}", is_mla=is_mla, extra=extra)
+        self.checked = StorageBackendFactory.create_backend("dynamic", checked_cfg, self.pool)
+        self.checked.register_mem_pool_host(self.pool)
         os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = file_dir
         self.file = StorageBackendFactory.create_backend("file", cfg, self.pool)
         self.file.register_mem_pool_host(self.pool)
@@ -366,6 +373,12 @@ class Instance:
     def _maru_get(self, keys, idx, s, n) -> int:
         return sum(self.maru.batch_get_v1(keys, idx))
 
+    def _checked_set(self, keys, idx, s, n) -> int:
+        return sum(self.checked.batch_set_v1(keys, idx))
+
+    def _checked_get(self, keys, idx, s, n) -> int:
+        return sum(self.checked.batch_get_v1(keys, idx))
+
     def _file_set(self, keys, idx, s, n) -> int:  # the controller's _generic_page_set
         data = [self.pool.get_data_page(idx[i * self.P]) for i in range(n)]
         return n if self.file.batch_set(keys, data) else 0
@@ -410,16 +423,18 @@ class Instance:
         """The Maru keys (namespaced) that storing pages [0, count) of `tag` wrote."""
         return self.maru.pools["kv"].keys([page_key(tag, i) for i in range(count)])
 
-    def maru_delete(self, tag: str, count: int | None = None) -> int:
-        """Delete the pages of `tag` (not timed). The reader releases its lease without
-        waiting, so a delete can arrive first and find a key leased: try those again."""
+    def maru_delete(self, tag: str, count: int | None = None, backend: str = "maru") -> int:
+        """Delete the pages of `tag` (not timed) that `backend` ("maru" or "checked": the same
+        keys) stored. The reader releases its lease without waiting, so a delete can arrive
+        first and find a key leased: try those again."""
+        handler = getattr(self, backend).handler
         keys = self.stored_keys(tag, self.pages if count is None else count)
         deleted = 0
         for _ in range(200):
-            ok = self.maru.handler.batch_delete(keys)
+            ok = handler.batch_delete(keys)
             deleted += sum(ok)
             keys = [k for k, gone in zip(keys, ok) if not gone]
-            if not keys or not self.maru.handler.batch_exists(keys[:1])[0]:
+            if not keys or not handler.batch_exists(keys[:1])[0]:
                 return deleted
             time.sleep(0.005)
         raise RuntimeError(f"{len(keys)} keys of {tag} could not be deleted")
@@ -487,6 +502,7 @@ class Instance:
     def close(self) -> None:
         try:
             self.maru.close()
+            self.checked.close()
         finally:
             self.shm.close()
 
@@ -530,7 +546,7 @@ class HybridInstance(Instance):
         self.total = self.kv_total + self.states * self.state_bytes
         sizes = [self.page_bytes] * pages + [self.state_bytes] * self.states
         self._setup(url, case, file_dir, role, False, sizes)
-        for backend in (self.maru, self.file):
+        for backend in (self.maru, self.checked, self.file):
             backend.register_mem_host_pool_v2(kv, PoolName.KV)
             backend.register_mem_host_pool_v2(self.mamba, PoolName.MAMBA)
             backend.on_host_pools_registered()
@@ -581,6 +597,12 @@ class HybridInstance(Instance):
 
     def _maru_get(self, keys, idx, s, n) -> int:
         return self._done(self.maru.batch_get_v2(self._transfers(keys, idx, s, n)), n)
+
+    def _checked_set(self, keys, idx, s, n) -> int:
+        return self._done(self.checked.batch_set_v2(self._transfers(keys, idx, s, n)), n)
+
+    def _checked_get(self, keys, idx, s, n) -> int:
+        return self._done(self.checked.batch_get_v2(self._transfers(keys, idx, s, n)), n)
 
     def _file_set(self, keys, idx, s, n) -> int:
         return self._done(self.file.batch_set_v2(self._transfers(keys, idx, s, n)), n)
@@ -862,8 +884,10 @@ def size_label(n: int) -> str:
 # -- phases ------------------------------------------------------------------------------------
 
 # memcpy: plain copies to a private buffer; shm: the same to a /dev/shm mapping (the limit is
-# the faster of these two); stream: Maru's own copy loop alone (streaming stores) to /dev/shm.
-BACKENDS = ["memcpy", "shm", "stream", "maru", "file"]
+# the faster of these two); stream: Maru's own copy loop alone (streaming stores) to /dev/shm;
+# checked: Maru with maru_checksums on.
+BACKENDS = ["memcpy", "shm", "stream", "maru", "checked", "file"]
+STORES = ("maru", "checked", "file")  # what stores under keys (read back and checked)
 
 
 def _throughput(writer, reader, name, plan, batch, pages, crcs, prog) -> dict[str, list[float]]:
@@ -875,18 +899,18 @@ def _throughput(writer, reader, name, plan, batch, pages, crcs, prog) -> dict[st
         tag = f"{name}/r{rep}"
         for b in BACKENDS:
             w = writer.call("run", f"{b}_set", tag, batch, 0, pages)
-            if b in ("maru", "file"):
+            if b in STORES:
                 reader.call("wipe")
             r = reader.call("run", f"{b}_get", tag, batch, 0, pages)
-            if b in ("maru", "file"):
+            if b in STORES:
                 assert w[1] == pages and r[1] == pages, (b, w[1], r[1])
                 if rep == 0:
                     assert reader.call("crcs") == crcs, f"{name}: pages read by {b} differ"
             if rep:
                 sec[f"{b}_set"].append(sum(w[0]))
                 sec[f"{b}_get"].append(sum(r[0]))
-            if b == "maru":
-                writer.call("maru_delete", tag, pages)
+            if b in ("maru", "checked"):
+                writer.call("maru_delete", tag, pages, b)
             elif b == "file":
                 writer.call("file_clear")
         prog.step(f"{name}: rep {rep}")
@@ -950,14 +974,14 @@ def bench_case(url, case, plan, tmp, prog) -> dict:
         while done < plan.lat_samples:
             n = min(pages, plan.lat_samples - done)
             tag = f"{case.name}/lat{rnd}"
-            for b in ("memcpy", "maru", "file"):
+            for b in ("memcpy", "maru", "checked", "file"):
                 w = writer.call("run", f"{b}_set", tag, 1, 0, n)
                 r = reader.call("run", f"{b}_get", tag, 1, 0, n)
                 assert w[1] == n and r[1] == n, (b, w[1], r[1])
                 lat[f"{b}_set"] += w[0]
                 lat[f"{b}_get"] += r[0]
-                if b == "maru":
-                    writer.call("maru_delete", tag, n)
+                if b in ("maru", "checked"):
+                    writer.call("maru_delete", tag, n, b)
                 elif b == "file":
                     writer.call("file_clear")
             done += n
@@ -1228,6 +1252,7 @@ def build_rows(results: list[dict]) -> list[dict]:
                 max(a, b) for a, b in zip(res["gbps"][f"memcpy_{op}"], res["gbps"][f"shm_{op}"])
             ]
             file = res["gbps"][f"file_{op}"]
+            maru = res["gbps"][f"maru_{op}"]
             for b in BACKENDS:
                 g = res["gbps"][f"{b}_{op}"]
                 lat = res["lat"].get(f"{b}_{op}", [])
@@ -1244,6 +1269,7 @@ def build_rows(results: list[dict]) -> list[dict]:
                         "gbps_max": max(g),
                         "vs_memcpy": med([x / y for x, y in zip(g, base)]),
                         "vs_file": med([x / y for x, y in zip(g, file)]),
+                        "vs_maru": med([x / y for x, y in zip(g, maru)]),
                         "lat_med_us": med(lat) * 1e6 if lat else float("nan"),
                         "lat_p99_us": pct(lat, 0.99) * 1e6 if lat else float("nan"),
                     }
@@ -1251,29 +1277,32 @@ def build_rows(results: list[dict]) -> list[dict]:
     return rows
 
 
+_CHECKED = {"maru": "", "checked": " (checksums)"}
+
+
 def evaluate(rows, meta, keys) -> list[tuple[str, float, str, bool]]:
     """(target, measured, goal, passed) for every target of issue 5."""
     out = []
     for r in rows:
-        if r["backend"] != "maru":
+        if r["backend"] not in _CHECKED:
             continue
         big = r["page_bytes"] >= MiB
         goal = TARGETS["big"] if big else TARGETS["small"]
         out.append(
             (
-                f"{r['case']} batch_{r['op']}_{r['api']} / memcpy limit",
+                f"{r['case']} batch_{r['op']}_{r['api']}{_CHECKED[r['backend']]} / memcpy limit",
                 r["vs_memcpy"],
                 f">= {goal:.0%}",
                 r["vs_memcpy"] >= goal,
             )
         )
     for r in rows:
-        if r["backend"] != "maru":
+        if r["backend"] not in _CHECKED:
             continue
         ratio = r["vs_file"]
         out.append(
             (
-                f"{r['case']} batch_{r['op']}_{r['api']} / HiCacheFile",
+                f"{r['case']} batch_{r['op']}_{r['api']}{_CHECKED[r['backend']]} / HiCacheFile",
                 ratio,
                 f">= {TARGETS['file']:.0f}x",
                 ratio >= TARGETS["file"],
@@ -1344,6 +1373,19 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
     lines.append("/limit: median over repetitions of GB/s / the faster of memcpy and shm in the")
     lines.append("same repetition.")
     lines.append("1-page: latency of one call moving one page (file: batch_set/get of one page).")
+    lines.append("")
+    lines.append("Checksums (maru_checksums: xxh3_64 of every page, by the writer after its copy,")
+    lines.append("by the reader after its): checked / plain Maru, median of per-repetition ratios")
+    lines.append("| case | op | checked / maru | cost | 1-page med us: maru, checked |")
+    lines.append("|---|---|---:|---:|---:|")
+    by = {(r["case"], r["op"], r["backend"]): r for r in rows}
+    for r in rows:
+        if r["backend"] == "checked":
+            plain = by[(r["case"], r["op"], "maru")]
+            lines.append(
+                f"| {r['case']} | {r['op']} | {r['vs_maru']:.0%} | {1 - r['vs_maru']:.0%} | "
+                f"{fmt(plain['lat_med_us'], 1)}, {fmt(r['lat_med_us'], 1)} |"
+            )
     lines.append("")
     lines.append(
         f"Metadata (128-key batches, median of {plan.meta_rounds}; single-key: median/p99 of "
@@ -1421,6 +1463,7 @@ def write_csv(path, rows, meta, inst, keys) -> None:
                 ("gbps_max", "GB/s"),
                 ("vs_memcpy", "ratio"),
                 ("vs_file", "ratio"),
+                ("vs_maru", "ratio"),
                 ("lat_med_us", "us"),
                 ("lat_p99_us", "us"),
             ):
@@ -1453,15 +1496,16 @@ def plot(path, rows, inst, keys) -> bool:
         "shm": "#bbbbbb",
         "stream": "#2ca02c",
         "maru": "#1f77b4",
+        "checked": "#9467bd",
         "file": "#d62728",
     }
     by = {(r["case"], r["op"], r["backend"]): r for r in rows}
     ax = axes[0][0]
     for k, (op, b) in enumerate((op, b) for op in ("set", "get") for b in BACKENDS):
-        xs = [i + (k - 3.5) * 0.1 for i in range(len(cases))]
+        xs = [i + (k - (len(BACKENDS) - 0.5)) * 0.08 for i in range(len(cases))]
         vals = [by[(c, op, b)]["gbps"] for c in cases]
         hatch = "//" if op == "get" else None
-        ax.bar(xs, vals, 0.1, color=colors[b], hatch=hatch, edgecolor="black", linewidth=0.3,
+        ax.bar(xs, vals, 0.08, color=colors[b], hatch=hatch, edgecolor="black", linewidth=0.3,
                label=f"{b} {op}")  # fmt: skip
     ax.set_xticks(range(len(cases)), cases)
     ax.set_ylabel("GB/s (median)")

@@ -64,7 +64,14 @@ PIPELINE_MIN_PAGES = 32
 
 # Counted per pool; the seconds spent in reads and writes are counted per call (one call
 # serves several pools).
-_COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "pages_written")
+_COUNTERS = (
+    "hits",
+    "misses",
+    "bytes_read",
+    "bytes_written",
+    "pages_written",
+    "checksum_mismatches",  # hits taken as misses: bytes unlike their checksum (maru_checksums)
+)
 
 
 def _storage_metrics_cls() -> Any:
@@ -290,8 +297,9 @@ class MaruStorage(HiCacheStorage):
     def _read(self, batches: list[_Batch], host_indices: list[torch.Tensor | None]) -> None:
         """One leased lookup for every batch's pages (the host pointers are computed while it
         is in flight), then one copy per page part of each hit into the host pool. A page
-        stored with another length is a miss; a lease that ended mid-copy makes every page a
-        miss (not proven). Fills each batch's `results`."""
+        stored with another length is a miss; so is, with `maru_checksums`, a page whose
+        bytes no longer match their checksum after the copy; a lease that ended mid-copy makes
+        every page a miss (not proven). Fills each batch's `results`."""
         start = time.perf_counter()
         all_keys = [k for b in batches for k in b.pool.keys(b.keys)]
         lookup = self.handler.lookup(all_keys, lease=True)  # sent now
@@ -325,6 +333,9 @@ class MaruStorage(HiCacheStorage):
                         lengths[seg][i],
                         pool.page_bytes,
                     )
+            corrupt = found.corrupt()  # after the copies: a page changed during one is caught
+            if corrupt.any():
+                self._drop_corrupt(batches, corrupt)
             if not found.release(confirm=True):  # the lease ended mid-copy: not proven
                 log.warning("read: the lease on %d pages ended during the copy", len(all_keys))
                 for batch in batches:
@@ -333,6 +344,17 @@ class MaruStorage(HiCacheStorage):
 
     def _copy_out(self, pool: PoolIO, addresses: np.ndarray, columns: list[np.ndarray]) -> None:
         pool.copy_out(addresses, columns)
+
+    def _drop_corrupt(self, batches: list[_Batch], corrupt: np.ndarray) -> None:
+        """Pages that failed their checksum are misses (counted per pool)."""
+        offset = 0
+        for batch in batches:
+            bad = corrupt[offset : offset + len(batch.keys)]
+            offset += len(batch.keys)
+            if bad.any() and batch.results:
+                batch.results = (np.array(batch.results, bool) & ~bad).tolist()
+                with self._stats_lock:
+                    self._counters(batch.pool.name)["checksum_mismatches"] += int(bad.sum())
 
     # -- v1: the KV pool ---------------------------------------------------------------------
 
@@ -556,13 +578,17 @@ class MaruStorage(HiCacheStorage):
             target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
         out: list[torch.Tensor | None] = []
         with self.handler.lookup(kv.keys(keys), lease=True) as found:
-            for info, target in zip(found.infos(), target_locations):
+            for address, length, target in zip(
+                found.addresses.tolist(), found.lengths.tolist(), target_locations
+            ):
                 nbytes = target.numel() * target.element_size()
-                if info is None or info.length != nbytes or not target.is_contiguous():
+                if not address or length != nbytes or not target.is_contiguous():
                     out.append(None)
                     continue
-                _memmove(target.data_ptr(), info.address, nbytes)
+                _memmove(target.data_ptr(), address, nbytes)
                 out.append(target)
+            for i in np.flatnonzero(found.corrupt()):  # after the copy, as in `_read`
+                out[i] = None
             if not found.release(confirm=True):  # the lease ended mid-copy: not proven
                 out = [None] * len(keys)
         hits = sum(t is not None for t in out)

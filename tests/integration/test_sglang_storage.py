@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from maru import MaruHandler  # noqa: E402
 from maru.common.config import ConfigError  # noqa: E402
-from maru_sglang.maru_storage import MaruStorage  # noqa: E402
+from maru_sglang.maru_storage import KV_POOL_NAME, MaruStorage  # noqa: E402
 from sglang_cpu.host_pools import (  # noqa: E402
     Geometry,
     expected_pages,
@@ -52,7 +52,7 @@ def _storage(url: str, g: Geometry, pool=None, **cfg) -> MaruStorage:
     return storage
 
 
-def _run_peer(role: str, url: str, seed: int) -> dict:
+def _run_peer(role: str, url: str, seed: int, **extra) -> dict:
     proc = subprocess.run(
         [
             sys.executable,
@@ -61,6 +61,7 @@ def _run_peer(role: str, url: str, seed: int) -> dict:
             url,
             str(PAGES),
             str(seed),
+            json.dumps(extra),
         ],
         capture_output=True,
         text=True,
@@ -310,3 +311,79 @@ def test_a_copy_that_outlives_its_lease_is_a_miss(maru_server_factory, tmp_path)
     assert slow["copies"] == 1
     writer.close()
     reader.close()
+
+
+def _flip_byte(handler: MaruHandler, key: str, at: int = 0) -> None:
+    """Corrupt one byte of `key`'s page where it lies in the pool file (not through Maru)."""
+    import os
+
+    info = handler.batch_retrieve([key])[0]
+    region = handler._mapper.get(info.region_id).handle
+    fd = os.open(region.path, os.O_RDWR)
+    try:
+        where = region.offset + info.offset + at
+        assert os.pwrite(fd, bytes([os.pread(fd, 1, where)[0] ^ 0xFF]), where) == 1
+    finally:
+        os.close(fd)
+
+
+def test_a_page_corrupted_in_the_pool_is_a_miss_with_checksums(maru_server):
+    """Issue 13, P8, through SGLang's interface: another process stores pages with
+    `maru_checksums`; bytes of some are then overwritten in the pool file. A reader with
+    checksums takes those as misses in `batch_get_v1`, `batch_get_v2` and the legacy
+    `batch_get` (and a page changed while it copies), counted; the other pages are hits with
+    the written bytes. A reader without checksums reads the corrupted pages as hits."""
+    from sglang.srt.mem_cache.hicache_storage import PoolTransfer
+
+    seed, g = 21, Geometry()  # the peer's first geometry: MHA page_first_direct, many parts
+    written = _run_peer("writer", maru_server.url, seed=seed, maru_checksums=True)
+    assert written["mha/page_first_direct"] == {"stored": PAGES}
+    keys = [f"{seed:x}-page-{i}" for i in range(PAGES)]
+    extra = _extra(maru_server.url, maru_checksums=True)
+    checked = MaruStorage(storage_config(extra=extra), {})
+    checked.register_mem_pool_host(make_host_pool(g))
+    plain = _storage(maru_server.url, g)
+    pool = checked.mem_pool_host
+    want = expected_pages(pool, PAGES, seed)
+    assert pool.layout == "page_first_direct" and checked._kv.parts == 2  # K and V
+    ns = [checked.namespace + ":" + k for k in keys]
+    _flip_byte(checked.handler, ns[5], at=checked._page_bytes - 1)  # the last part's last byte
+    _flip_byte(checked.handler, ns[30])
+    victims = {5, 30}
+
+    def check(results: list[bool], dst) -> None:
+        assert [i for i, ok in enumerate(results) if not ok] == sorted(victims)
+        got = read(pool, dst, PAGES)
+        for i in set(range(PAGES)) - victims:
+            assert torch.equal(got[i].view(torch.uint8), want[i].view(torch.uint8)), i
+
+    dst = page_indices(2, PAGES, g.page_size)
+    check(checked.batch_get_v1(keys, dst), dst)
+    transfer = PoolTransfer(name=KV_POOL_NAME, keys=keys, host_indices=dst)
+    check(checked.batch_get_v2([transfer])[KV_POOL_NAME], dst)
+    legacy = checked.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+    assert [i for i, t in enumerate(legacy) if t is None] == sorted(victims)
+    assert checked.counters["pools"][KV_POOL_NAME]["checksum_mismatches"] == 4  # v1, v2: 2 each
+    assert checked.handler.checksum_mismatches == 6
+
+    # A page changed after the lookup, while the reader copies: caught after the copy.
+    original = checked._copy_out
+
+    def copy_while_corrupting(kv, sources, columns):
+        _flip_byte(plain.handler, ns[11], at=700)
+        original(kv, sources, columns)
+
+    checked._copy_out = copy_while_corrupting
+    results = checked.batch_get_v1(keys, dst)
+    checked._copy_out = original
+    victims.add(11)
+    assert [i for i, ok in enumerate(results) if not ok] == sorted(victims)
+
+    # Without checksums every corrupted page is a hit: the fault is real.
+    got_plain = plain.batch_get_v1(keys, page_indices(2, PAGES, g.page_size))
+    assert got_plain == [True] * PAGES
+    wrong = read(plain.mem_pool_host, page_indices(2, PAGES, g.page_size), PAGES)
+    same = [torch.equal(w.view(torch.uint8), x.view(torch.uint8)) for w, x in zip(wrong, want)]
+    assert [i for i, ok in enumerate(same) if not ok] == sorted(victims)
+    checked.close()
+    plain.close()

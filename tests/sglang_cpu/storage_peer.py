@@ -1,6 +1,6 @@
 """One SGLang "instance" for the cross-process MaruStorage tests (run as a subprocess).
 
-    python storage_peer.py writer|reader <maru_url> <pages> <seed>
+    python storage_peer.py writer|reader <maru_url> <pages> <seed> [<extra config as JSON>]
 
 For each geometry in GEOMETRIES it builds a real host pool, creates `MaruStorage` through
 SGLang's real dynamic backend factory, and as the writer fills pages and calls `batch_set_v1`;
@@ -42,11 +42,12 @@ GEOMETRIES = [
 ]
 
 
-def backend_for(url: str, g: Geometry, pool):
+def backend_for(url: str, g: Geometry, pool, more: dict | None = None):
     extra = {
         **MARU_BACKEND,
         "maru_server_url": url,
         "maru_pool_size": "64M",
+        **(more or {}),
     }
     cfg = storage_config(is_mla=g.attn == "mla", extra=extra)
     backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
@@ -56,10 +57,11 @@ def backend_for(url: str, g: Geometry, pool):
 
 def main() -> None:
     role, url, pages, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    more = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
     out = {}
     for n, g in enumerate(GEOMETRIES):
         pool = make_host_pool(g)
-        backend = backend_for(url, g, pool)
+        backend = backend_for(url, g, pool, more)
         keys = [f"{seed:x}-page-{i}" for i in range(pages)]
         expected = expected_pages(pool, pages, seed + n)
         if role == "writer":

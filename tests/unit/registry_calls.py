@@ -19,11 +19,11 @@ def locate(
     reg: Registry, keys: list[Any], iid: str | None = None
 ) -> tuple[list[list[int] | None], list[RegionHandle]]:
     """`Registry.lookup` (no lease) as a location per key and the regions' handles."""
-    region_ids, offsets, lengths, handles, _ = reg.lookup(keys, iid)
+    region_ids, offsets, lengths, _checksums, handles, _ = reg.lookup(keys, iid)
     columns = (memoryview(c).cast("q").tolist() for c in (region_ids, offsets, lengths))
     return [[r, o, n] if r else None for r, o, n in zip(*columns)], handles
 
 
 def lease(reg: Registry, keys: list[Any], owner: str | None) -> int:
     """A read lease on the hits among `keys`, as LOOKUP_KV with "lease" takes it (0: none)."""
-    return reg.lookup(keys, owner, lease=True)[4]
+    return reg.lookup(keys, owner, lease=True)[-1]

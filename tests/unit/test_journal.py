@@ -11,6 +11,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from maru.common.protocol import RegisterStatus
 from maru.server import cli, persistence
 from maru.server.journal import FRAME, SNAPSHOT_NAME, Journal, _frame, read_records
 from maru.server.pool import ShmPool
@@ -449,3 +450,44 @@ def test_pins_survive_a_restart_until_their_holder_is_reaped(env, snapshot_first
     reg = env.open()  # the reaping was journaled too
     assert {k: reg.keys[k].pins for k in ("k0", "k1", "k3")} == {"k0": 1, "k1": 1, "k3": 1}
     assert "B" not in reg.instances
+
+
+@pytest.mark.parametrize("snapshot_first", [False, True])
+def test_checksums_survive_a_restart_and_keys_without_one_read_as_before(env, snapshot_first):
+    """Issue 13, P8: a key's checksum (`maru_checksums`) is kept by the journal ("K" record's
+    sixth column) and the snapshot (a fifth column on the rows that have one); records and
+    rows of before, without it, still restore (checksum 0: none)."""
+    reg = env.open()
+    reg.handshake("A", 1)
+    rid = reg.request_region("A", 2 * MiB).region_id
+    sums = [-(1 << 63), (1 << 63) - 1, 12345]
+    keys = ["c0", "c1", b"c2"]
+    # the batch path, the key-by-key path (a duplicate in the batch), and a key without one
+    new, old = RegisterStatus.REGISTERED, RegisterStatus.EXISTS
+    assert reg.register("A", keys, [rid] * 3, [0, 4096, 8192], [100] * 3, sums) == [new] * 3
+    offsets = [12288, 16384, 20480]
+    statuses = reg.register("A", ["d", "d", "c0"], [rid] * 3, offsets, [5, 6, 7], [7, 8, 9])
+    assert statuses == [new, old, old]  # "d" twice in the batch: the first one wins
+    register(reg, "A", [["plain", rid, 24576, 50]])
+    records, _ = read_records(env.journal_path().read_bytes())
+    assert records[-3] == ["K", keys, [rid] * 3, [0, 4096, 8192], [100] * 3, sums]
+    assert records[-2] == ["K", ["d"], [rid], [12288], [5], [7]]
+    assert records[-1] == ["K", ["plain"], [rid], [24576], [50]]  # the form of before
+    want = {"c0": sums[0], "c1": sums[1], b"c2": sums[2], "d": 7, "plain": 0}
+    assert {k: reg.keys[k].checksum for k in want} == want
+    if snapshot_first:
+        env.journal.write_snapshot(persistence.snapshot(reg))
+    env.close()
+
+    reg = env.open()
+    assert {k: reg.keys[k].checksum for k in want} == want
+    columns = reg.lookup(["c1", "missing", "plain", "d"])[:4]
+    got = [memoryview(c).cast("q").tolist() for c in columns]
+    assert got[3] == [sums[1], 0, 0, 7]  # LOOKUP_KV's checksums column
+    # A snapshot of before (rows of four) and one with both kinds of rows restore alike.
+    reg2 = Registry(ShmPool(env.pool_path, env.pool_mib * MiB), SIGNER)
+    snap = persistence.snapshot(reg)
+    assert sorted(len(row) for row in snap["keys"]) == [4, 5, 5, 5, 5]
+    snap["keys"] = [row[:4] if row[0] == "c1" else row for row in snap["keys"]]
+    persistence.restore(reg2, snap, [])
+    assert {k: reg2.keys[k].checksum for k in want} == {**want, "c1": 0}

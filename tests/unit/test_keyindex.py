@@ -183,6 +183,7 @@ def test_lookup_columns_and_release_match_the_python_model() -> None:
     for _ in range(300):
         key = random_key(rng, 200)
         where = (rng.randrange(1, 4), rng.randrange(1 << 40), rng.randrange(1, 1 << 20))
+        where += (rng.choice([0, rng.randrange(-(1 << 63), 1 << 63)]),)  # the checksum, or none
         add(index, key, keyindex.KeyEntry(*where))
         add(model, key, PyKeyEntry(*where))
     leases: list[tuple[list, list]] = []
@@ -190,9 +191,9 @@ def test_lookup_columns_and_release_match_the_python_model() -> None:
         keys = [random_key(rng, 250) for _ in range(rng.randrange(0, 140))]
         lease = i % 2 == 0
         got, want = index.lookup_columns(keys, lease), model.lookup_columns(keys, lease)
-        assert got[1:] == want[1:]  # the columns, byte for byte
-        assert [(e.region_id, e.offset, e.length) for e in got[0]] == [
-            (e.region_id, e.offset, e.length) for e in want[0]
+        assert got[1:] == want[1:]  # the columns (checksums included), byte for byte
+        assert [(e.region_id, e.offset, e.length, e.checksum) for e in got[0]] == [
+            (e.region_id, e.offset, e.length, e.checksum) for e in want[0]
         ]
         if lease:
             leases.append((got[0], want[0]))

@@ -348,8 +348,9 @@ def test_lookup_and_exists_match_the_per_key_rules(tmp_path, seed):
     for i in range(30):
         keys = [rnd.choice(pool) for _ in range(rnd.randint(0, 20))]
         lease = i % 2 == 0
-        *columns, handles, lease_id = bulk.lookup(keys, "B", lease)
+        *columns, checksums, handles, lease_id = bulk.lookup(keys, "B", lease)
         rids, offsets, lengths = (memoryview(c).cast("q").tolist() for c in columns)
+        assert not any(memoryview(checksums).cast("q"))  # stored without checksums
         hits = [ref.keys.get(k) for k in keys]  # what a lookup does, one key at a time
         locations = [[e.region_id, e.offset, e.length] if e else None for e in hits]
         held = [e for e in hits if e is not None]

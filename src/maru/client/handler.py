@@ -113,6 +113,7 @@ class MaruHandler:
         self._supply = RegionSupply(
             self, self._chunks, self._mapper, self._request, self.refused_stores
         )
+        self.checksum_mismatches = 0  # hits taken as misses: bytes unlike their checksum
         self._pool_generation: str | None = None  # the pool's, as of our last handshake
         self._heartbeat = _Heartbeat(self._supply.tick, f"maru-heartbeat-{self.instance_id[:8]}")
         if config.auto_connect:

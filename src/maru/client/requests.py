@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from maru.client.chunks import AllocHandle
+from maru.client.chunks import AllocHandle, checksums
 from maru.common.errors import MaruError, MaruServerError
 from maru.common.protocol import (
     ErrorCode,
@@ -126,6 +126,12 @@ class Sealing:
             "offsets": pack_int64(offsets),
             "lengths": pack_int64(sizes),
         }
+        if handler.config.checksums:  # over the values as stored, after the caller's copy
+            if isinstance(handles, AllocHandle):
+                views = handles.views(sizes)
+            else:
+                views = [handles[i].views(size)[0] for i, size in zip(self._positions, sizes)]  # type: ignore[union-attr]
+            body["checksums"] = checksums(views).tobytes()
         try:
             self._pending = handler._request(MsgType.REGISTER_KV, body)
         except MaruError as exc:
@@ -188,16 +194,20 @@ class Lookup:
     arrays (0 and 0 for a miss), and `infos()` a `MemoryInfo` per key; with `lease`, the hits
     cannot be evicted or deleted until `release()` (leaving the `with` block) or the server's
     lease timeout. A failed or malformed lookup reads as misses, never as an exception in the
-    middle of a prefetch."""
+    middle of a prefetch. With `maru_checksums`, `corrupt()` (called after the copy) tells the
+    hits whose bytes no longer match their writer's checksum."""
 
     def __init__(self, handler: MaruHandler, keys: Sequence[Key], lease: bool):
         self._handler = handler
+        self._keys = keys
         self.n = len(keys)
         self.lease_id = 0
         self.addresses: np.ndarray | None = None
         self.lengths: np.ndarray | None = None
         self._offsets: np.ndarray | None = None
         self._region_ids: np.ndarray | None = None
+        self._checksums: np.ndarray | None = None  # the writers' (0: none, or a miss)
+        self._corrupt: np.ndarray | None = None  # keys `corrupt()` found so far
         self._pending: PendingReply | None = None
         if self.n:
             try:
@@ -223,6 +233,7 @@ class Lookup:
         n = self.n
         zeros = np.zeros(n, np.int64)
         self.addresses, self.lengths, self._offsets, self._region_ids = zeros, zeros, zeros, zeros
+        self._checksums = zeros
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
@@ -237,7 +248,9 @@ class Lookup:
                 np.frombuffer(reply[name], np.int64)
                 for name in ("region_ids", "offsets", "lengths")
             )
-            if not len(region_ids) == len(offsets) == len(lengths) == n:
+            # (a server before checksums sends none: every key reads as stored without one)
+            sums = np.frombuffer(reply.get("checksums") or zeros.tobytes(), np.int64)
+            if not len(region_ids) == len(offsets) == len(lengths) == len(sums) == n:
                 raise ValueError(f"{len(region_ids)} locations for {n} keys")
             handles = [RegionHandle.from_wire(fields) for fields in reply["regions"]]
         except (KeyError, TypeError, ValueError) as exc:
@@ -257,20 +270,66 @@ class Lookup:
             lengths = np.where(found, lengths, 0)
             offsets = np.where(found, offsets, 0)
             region_ids = np.where(found, region_ids, 0)
+            sums = np.where(found, sums, 0)
         self.addresses, self.lengths = addresses, lengths
-        self._offsets, self._region_ids = offsets, region_ids
+        self._offsets, self._region_ids, self._checksums = offsets, region_ids, sums
+
+    def corrupt(self) -> np.ndarray:
+        """Per key, True where `maru_checksums` is on and the hit's bytes in the pool no longer
+        hash to the checksum its writer stored with it: the page changed after it was sealed
+        (a stray write, a reused page, memory that is not the one written). Call it after the
+        copy, so that a page changed before or during the copy is caught; take those keys as
+        misses. Misses and keys stored without a checksum are False. Each key is logged at
+        ERROR and counted in `MaruHandler.checksum_mismatches` once per lookup (a key found
+        corrupt stays so for the lookup)."""
+        self.wait()
+        assert self._checksums is not None and self._offsets is not None
+        if self._corrupt is None:
+            self._corrupt = np.zeros(self.n, bool)
+        stored = self._checksums
+        todo = np.flatnonzero(stored) if self._handler.config.checksums else ()
+        if not len(todo):  # (a miss has no checksum)
+            return self._corrupt.copy()
+        get = self._handler._mapper.get
+        views = []
+        for region_id, offset, length in zip(
+            self._region_ids[todo].tolist(),  # type: ignore[index]
+            self._offsets[todo].tolist(),
+            self.lengths[todo].tolist(),  # type: ignore[index]
+        ):
+            mapped = get(region_id)  # (unmapped since the reply: nothing to vouch for, a miss)
+            views.append(mapped.view[offset : offset + length] if mapped else memoryview(b""))
+        bad = np.zeros(self.n, bool)
+        bad[todo] = checksums(views) != stored[todo]
+        bad &= ~self._corrupt  # said already
+        self._corrupt |= bad
+        for i in np.flatnonzero(bad).tolist():
+            log.error(
+                "key %.200r: its %d bytes no longer match the checksum its writer stored: "
+                "treated as a miss",
+                self._keys[i],
+                int(self.lengths[i]),  # type: ignore[index]
+            )
+        self._handler.checksum_mismatches += int(bad.sum())
+        return self._corrupt.copy()
 
     def infos(self) -> list[MemoryInfo | None]:
-        """A `MemoryInfo` per key (None for a miss): read-only views into the shared memory."""
+        """A `MemoryInfo` per key (None for a miss): read-only views into the shared memory.
+        With `maru_checksums`, a hit whose bytes no longer match their checksum is None."""
         addresses, lengths = self.wait()
         assert self._offsets is not None and self._region_ids is not None
         chunk = self._handler.get_chunk_size()
         out: list[MemoryInfo | None] = []
         mapper = self._handler._mapper
-        for address, length, offset, region_id in zip(
-            addresses.tolist(), lengths.tolist(), self._offsets.tolist(), self._region_ids.tolist()
+        corrupt = self.corrupt().tolist()
+        for address, length, offset, region_id, bad in zip(
+            addresses.tolist(),
+            lengths.tolist(),
+            self._offsets.tolist(),
+            self._region_ids.tolist(),
+            corrupt,
         ):
-            mapped = mapper.get(region_id) if address else None
+            mapped = mapper.get(region_id) if address and not bad else None
             if mapped is None:
                 out.append(None)
                 continue

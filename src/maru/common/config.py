@@ -148,6 +148,10 @@ class MaruConfig:
     expand_size: int | None = None
     local_socket: bool = True  # RPCs over the server's Unix socket when it offers one
     busy_poll_us: int = 200  # spin this long for a reply on the Unix socket before sleeping
+    # Checksum every value end to end: the writer hashes each value as stored (after its copy)
+    # and the server keeps the hash with the key; a reader hashes the value after its copy
+    # and takes a mismatch as a miss. Off by default: see docs/configuration.md for the cost.
+    checksums: bool = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> MaruConfig:
         # An unknown keyword is a ConfigError naming it (the dataclass __init__ would raise
@@ -189,7 +193,14 @@ class MaruConfig:
         self.timeout_ms = parse_int(self.timeout_ms, name="timeout_ms")
         self.max_inflight = parse_int(self.max_inflight, name="max_inflight")
         self.busy_poll_us = parse_int(self.busy_poll_us, name="busy_poll_us", minimum=0)
-        for name in ("auto_connect", "use_async_rpc", "eager_map", "auto_expand", "local_socket"):
+        for name in (
+            "auto_connect",
+            "use_async_rpc",
+            "eager_map",
+            "auto_expand",
+            "local_socket",
+            "checksums",
+        ):
             setattr(self, name, parse_bool(getattr(self, name), name=name))
         if self.expand_size is not None:
             self.expand_size = parse_size(self.expand_size, name="expand_size")

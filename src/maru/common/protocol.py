@@ -373,6 +373,12 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
             ("region_ids", I64S, "where each key's bytes are"),
             ("offsets", I64S, "byte offset in the region"),
             ("lengths", I64S, "byte length (> 0)"),
+            (
+                "checksums",
+                I64S,
+                "optional: the writer's xxh3_64 of each value's bytes as stored (as int64; "
+                "0: none), kept with the key",
+            ),
         ],
         [("results", "[int]", "RegisterStatus per key")],
     ),
@@ -386,6 +392,7 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
             ("region_ids", I64S, "0 for a miss (region ids start at 1)"),
             ("offsets", I64S, "0 for a miss"),
             ("lengths", I64S, "0 for a miss"),
+            ("checksums", I64S, "the writer's checksum; 0 for a miss or a key stored without one"),
             ("regions", f"[{HANDLE}]", "handles of the regions the hits live in"),
             ("lease_id", "int", "0: no lease taken"),
         ],

@@ -67,6 +67,7 @@ typedef struct {
     long long region_id; /* where the bytes are: fixed once registered */
     long long offset;
     long long length;
+    long long checksum; /* the writer's checksum of the bytes (0: stored without one) */
     Py_ssize_t pins;   /* pinned keys are neither deleted nor evicted */
     Py_ssize_t leases; /* readers copying these bytes right now: likewise */
     char referenced;   /* CLOCK bit: set by a lookup or exists hit, cleared by eviction */
@@ -76,10 +77,10 @@ static PyTypeObject KeyEntryType;
 
 static PyObject *KeyEntry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"region_id", "offset", "length", NULL};
-    long long region_id, offset, length;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LLL:KeyEntry", kwlist, &region_id, &offset,
-                                     &length))
+    static char *kwlist[] = {"region_id", "offset", "length", "checksum", NULL};
+    long long region_id, offset, length, checksum = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LLL|L:KeyEntry", kwlist, &region_id, &offset,
+                                     &length, &checksum))
         return NULL;
     KeyEntry *self = (KeyEntry *)type->tp_alloc(type, 0);
     if (self == NULL)
@@ -87,6 +88,7 @@ static PyObject *KeyEntry_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     self->region_id = region_id;
     self->offset = offset;
     self->length = length;
+    self->checksum = checksum;
     return (PyObject *)self;
 }
 
@@ -107,6 +109,7 @@ static PyMemberDef KeyEntry_members[] = {
     {"region_id", T_LONGLONG, offsetof(KeyEntry, region_id), READONLY, NULL},
     {"offset", T_LONGLONG, offsetof(KeyEntry, offset), READONLY, NULL},
     {"length", T_LONGLONG, offsetof(KeyEntry, length), READONLY, NULL},
+    {"checksum", T_LONGLONG, offsetof(KeyEntry, checksum), READONLY, NULL},
     {"pins", T_PYSSIZET, offsetof(KeyEntry, pins), 0, NULL},
     {"leases", T_PYSSIZET, offsetof(KeyEntry, leases), 0, NULL},
     {"referenced", T_BOOL, offsetof(KeyEntry, referenced), 0, NULL},
@@ -120,7 +123,8 @@ static PyGetSetDef KeyEntry_getset[] = {
 
 static PyTypeObject KeyEntryType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru.server._keyindex.KeyEntry",
-    .tp_doc = "KeyEntry(region_id, offset, length): a registered key's location and state.",
+    .tp_doc = "KeyEntry(region_id, offset, length, checksum=0): a registered key's location,\n"
+              "its writer's checksum (0: none) and its state.",
     .tp_basicsize = sizeof(KeyEntry),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = KeyEntry_new,
@@ -548,16 +552,17 @@ static PyObject *KeyIndex_lookup_columns(KeyIndex *self, PyObject *const *args,
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject *const *keys = PySequence_Fast_ITEMS(seq);
     PyObject *held = PyList_New(0);
-    PyObject *cols[3] = {NULL, NULL, NULL};
+    PyObject *cols[4] = {NULL, NULL, NULL, NULL};
     PyObject *out = NULL;
     if (held == NULL)
         goto done;
-    for (int c = 0; c < 3; c++)
+    for (int c = 0; c < 4; c++)
         if ((cols[c] = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(long long))) == NULL)
             goto done;
     long long *region_ids = (long long *)PyBytes_AS_STRING(cols[0]);
     long long *offsets = (long long *)PyBytes_AS_STRING(cols[1]);
     long long *lengths = (long long *)PyBytes_AS_STRING(cols[2]);
+    long long *checksums = (long long *)PyBytes_AS_STRING(cols[3]);
     Py_ssize_t ix[WINDOW];
     for (Py_ssize_t start = 0; start < n; start += WINDOW) {
         Py_ssize_t m = n - start < WINDOW ? n - start : WINDOW;
@@ -565,7 +570,7 @@ static PyObject *KeyIndex_lookup_columns(KeyIndex *self, PyObject *const *args,
         for (Py_ssize_t i = 0; i < m; i++) {
             Py_ssize_t k = start + i;
             if (ix[i] < 0) {
-                region_ids[k] = offsets[k] = lengths[k] = 0;
+                region_ids[k] = offsets[k] = lengths[k] = checksums[k] = 0;
                 continue;
             }
             KeyEntry *e = (KeyEntry *)self->entries[ix[i]].value;
@@ -580,12 +585,13 @@ static PyObject *KeyIndex_lookup_columns(KeyIndex *self, PyObject *const *args,
             region_ids[k] = e->region_id;
             offsets[k] = e->offset;
             lengths[k] = e->length;
+            checksums[k] = e->checksum;
         }
     }
-    out = PyTuple_Pack(4, held, cols[0], cols[1], cols[2]);
+    out = PyTuple_Pack(5, held, cols[0], cols[1], cols[2], cols[3]);
 done:
     Py_XDECREF(held);
-    for (int c = 0; c < 3; c++)
+    for (int c = 0; c < 4; c++)
         Py_XDECREF(cols[c]);
     Py_DECREF(seq);
     return out;
@@ -713,10 +719,10 @@ static PyMethodDef KeyIndex_methods[] = {
      "absent keys[i] (the first of a batch wins); prefetched probes; TypeError before any\n"
      "change if a key is not str or bytes or an entry not a KeyEntry."},
     {"lookup_columns", (PyCFunction)(void (*)(void))KeyIndex_lookup_columns, METH_FASTCALL,
-     "lookup_columns(keys, lease) -> (hits, region_ids, offsets, lengths): a batch lookup,\n"
-     "prefetched. Each hit gets its CLOCK bit set (and, with lease, one more lease); `hits`\n"
-     "lists their entries in key order, and the columns are bytes of native int64s, 0 0 0\n"
-     "for a miss."},
+     "lookup_columns(keys, lease) -> (hits, region_ids, offsets, lengths, checksums): a batch\n"
+     "lookup, prefetched. Each hit gets its CLOCK bit set (and, with lease, one more lease);\n"
+     "`hits` lists their entries in key order, and the columns are bytes of native int64s,\n"
+     "0 0 0 0 for a miss."},
     {"values", (PyCFunction)KeyIndex_values, METH_NOARGS,
      "values(): an iterator over the entries, oldest first."},
     {"items", (PyCFunction)(void (*)(void))KeyIndex_items, METH_VARARGS | METH_KEYWORDS,

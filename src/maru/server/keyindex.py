@@ -26,12 +26,13 @@ log = logging.getLogger(__name__)
 class PyKeyEntry:
     """What the registry knows of one key (the C `KeyEntry` without the extension)."""
 
-    __slots__ = ("leases", "length", "offset", "pins", "referenced", "region_id")
+    __slots__ = ("checksum", "leases", "length", "offset", "pins", "referenced", "region_id")
 
-    def __init__(self, region_id: int, offset: int, length: int):
+    def __init__(self, region_id: int, offset: int, length: int, checksum: int = 0):
         self.region_id = region_id  # where the bytes are: fixed once registered
         self.offset = offset
         self.length = length
+        self.checksum = checksum  # the writer's checksum of the bytes (0: stored without one)
         self.pins = 0  # pinned keys are neither deleted nor evicted
         self.leases = 0  # readers copying these bytes right now: likewise
         # CLOCK bit: set by a lookup / exists hit, cleared when eviction spares the key. A hit
@@ -80,10 +81,10 @@ class OrderedKeyIndex(OrderedDict):
 
     def lookup_columns(
         self, keys: Sequence[Any], lease: bool
-    ) -> tuple[list[Any], bytes, bytes, bytes]:
+    ) -> tuple[list[Any], bytes, bytes, bytes, bytes]:
         """A batch lookup: each hit's CLOCK bit set (and, with `lease`, one more lease); the
-        hits' entries in key order, and region ids, offsets and lengths as bytes of native
-        int64s (0 0 0 for a miss)."""
+        hits' entries in key order, and region ids, offsets, lengths and checksums as bytes of
+        native int64s (0 0 0 0 for a miss)."""
         entries = [self.get(key, _MISS) for key in keys]
         held = [e for e in entries if e is not _MISS]
         for entry in held:
@@ -94,6 +95,7 @@ class OrderedKeyIndex(OrderedDict):
             array("q", [e.region_id for e in entries]).tobytes(),
             array("q", [e.offset for e in entries]).tobytes(),
             array("q", [e.length for e in entries]).tobytes(),
+            array("q", [e.checksum for e in entries]).tobytes(),
         )
 
     def items(self, *, reverse: bool = False) -> Iterator[tuple[Any, Any]]:  # type: ignore[override]

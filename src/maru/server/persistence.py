@@ -23,7 +23,13 @@ def snapshot(registry: Registry) -> dict[str, Any]:
     return {
         "next_region_id": registry.regions.next_id,
         "regions": registry.regions.snapshot(),
-        "keys": [[k, e.region_id, e.offset, e.length] for k, e in registry.keys.items()],
+        # a row: key, region id, offset, length, and the checksum when the key has one
+        "keys": [
+            [k, e.region_id, e.offset, e.length, e.checksum]
+            if e.checksum
+            else [k, e.region_id, e.offset, e.length]
+            for k, e in registry.keys.items()
+        ],
         "pins": registry.pins.records(),
     }
 
@@ -74,11 +80,14 @@ def _replay(registry: Registry, record: list[Any]) -> None:
         region = regions.get(record[1])
         if region is not None and region.live_keys == 0:
             regions.free(region)
-    elif kind == "K" and len(record) == 5:  # keys, region_ids, offsets, lengths
+    elif kind == "K" and len(record) in (5, 6):  # keys, region_ids, offsets, lengths[, sums]
         _restore_keys(registry, *record[1:])
-    elif kind == "K":  # before protocol 2: [[key, region_id, offset, length], ...]
-        if record[1]:
-            _restore_keys(registry, *map(list, zip(*record[1])))
+    elif kind == "K":  # a snapshot's rows, and records before protocol 2: [[key, ...], ...]
+        rows = record[1]
+        if any(len(row) > 4 for row in rows):  # some with a checksum: 0 for the others
+            rows = [row if len(row) > 4 else [*row, 0] for row in rows]
+        if rows:
+            _restore_keys(registry, *map(list, zip(*rows)))
     elif kind == "C":  # before protocol 2: keys, their region, offsets, their length
         _, names, region_id, offsets, length = record
         _restore_keys(registry, names, [region_id] * len(names), offsets, [length] * len(names))
@@ -100,7 +109,7 @@ def _replay(registry: Registry, record: list[Any]) -> None:
 
 def _restore_keys(registry: Registry, *columns: list[Any]) -> None:
     """`_add_keys` for the keys of a snapshot or journal whose region still exists; `columns`:
-    keys, region_ids, offsets, lengths."""
+    keys, region_ids, offsets, lengths[, checksums]."""
     regions = registry.regions
     if not all(r in regions for r in set(columns[1])):
         present = [r in regions for r in columns[1]]

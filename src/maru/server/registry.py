@@ -213,11 +213,13 @@ class Registry:
         region_ids: list[int],
         offsets: list[int],
         lengths: list[int],
+        checksums: list[int] | None = None,
     ) -> list[int]:
         """Publish written pages: `keys[i]` is at (`region_ids[i]`, `offsets[i]`,
-        `lengths[i]`), four columns of one length. A RegisterStatus per key: EXISTS when the
-        key was registered before, or earlier in the batch (first writer wins); REJECTED for a
-        bad key or a location outside the caller's own live regions."""
+        `lengths[i]`), four columns of one length, with the writer's checksum of its bytes
+        (`checksums`, optional: kept with the key, handed to readers). A RegisterStatus per
+        key: EXISTS when the key was registered before, or earlier in the batch (first writer
+        wins); REJECTED for a bad key or a location outside the caller's own live regions."""
         inst = self.instances.require(instance_id)
         n = len(keys)
         # The usual batch (SGLang's 128 pages: one region, one length, valid keys and offsets)
@@ -233,14 +235,15 @@ class Registry:
             and max(offsets) <= region.length - length
             and all_keys_valid(keys)
         ):
-            new = self._add_keys(keys, region_ids, offsets, lengths)
+            new = self._add_keys(keys, region_ids, offsets, lengths, checksums)
             statuses = (
                 [REGISTERED] * n if new is None else [REGISTERED if s else EXISTS for s in new]
             )
         else:  # anything else is decided key by key
             statuses = self._statuses(instance_id, keys, region_ids, offsets, lengths)
             new = [s == REGISTERED for s in statuses]
-            self._add_keys(*(list(compress(c, new)) for c in (keys, region_ids, offsets, lengths)))
+            columns = (keys, region_ids, offsets, lengths, *([checksums] if checksums else []))
+            self._add_keys(*(list(compress(c, new)) for c in columns))
         if new is not None:
             keys, lengths = list(compress(keys, new)), list(compress(lengths, new))
             self.counters["keys_duplicate"] += statuses.count(EXISTS)
@@ -285,26 +288,31 @@ class Registry:
         return statuses
 
     def _add_keys(
-        self, keys: list[Key], region_ids: list[int], offsets: list[int], lengths: list[int]
+        self,
+        keys: list[Key],
+        region_ids: list[int],
+        offsets: list[int],
+        lengths: list[int],
+        checksums: list[int] | None = None,
     ) -> list[bool] | None:
         """Insert keys at checked locations, the first writer of each winning (a key registered
         before, or earlier in the batch, keeps its entry); journaled as one "K" record of the
-        keys that were new. Which keys were new (None: all). The one mutator that adds keys,
-        for requests and journal replay alike."""
-        entries = list(map(KeyEntry, region_ids, offsets, lengths))
+        keys that were new (with their checksums, when given). Which keys were new (None:
+        all). The one mutator that adds keys, for requests and journal replay alike."""
+        columns = [region_ids, offsets, lengths, *([checksums] if checksums else [])]
+        entries = list(map(KeyEntry, *columns))
         stored = self.keys.setdefault_many(keys, entries)
         new = None
         if stored != entries:  # an identity check per key first: equal when all are new
             new = list(map(is_, stored, entries))
-            keys, region_ids, offsets, lengths = (
-                list(compress(c, new)) for c in (keys, region_ids, offsets, lengths)
-            )
+            keys, *columns = (list(compress(c, new)) for c in (keys, *columns))
+            region_ids, lengths = columns[0], columns[2]
         if keys:
             for region_id, group in _by_region(region_ids, lengths).items():
                 self.regions[region_id].count(group, +1)
             self.live_bytes += sum(lengths)  # before the journal's write lets the metrics run
             try:
-                self._log("K", keys, region_ids, offsets, lengths)
+                self._log("K", keys, *columns)
             except JournalWriteError:
                 self._undo_add(keys, region_ids, lengths)
                 raise
@@ -323,16 +331,17 @@ class Registry:
 
     def lookup(
         self, keys: list[Key], instance_id: str | None = None, lease: bool = False
-    ) -> tuple[bytes, bytes, bytes, list[RegionHandle], int]:
-        """Where `keys` are, for LOOKUP_KV: region ids, offsets and lengths as bytes of native
-        int64s (0, 0, 0 for a miss; region ids start at 1), the handles of those regions, and
+    ) -> tuple[bytes, bytes, bytes, bytes, list[RegionHandle], int]:
+        """Where `keys` are, for LOOKUP_KV: region ids, offsets, lengths and the writers'
+        checksums as bytes of native int64s (0, 0, 0, 0 for a miss; region ids start at 1;
+        checksum 0: stored without one), the handles of those regions, and
         with `lease` the id of a lease on the hits (0: none). A hit counts as use (sets the
         key's CLOCK bit). The per-key work (probe, CLOCK bit, lease count, columns) is one
         call into the key index (in C with the extension)."""
         inst = self.instances.get(instance_id) if instance_id else None
         # Only an instance holds leases: it alone can end them (RELEASE) or lose them (reap).
         lease = lease and inst is not None
-        held, region_ids, offsets, lengths = self.keys.lookup_columns(keys, lease)
+        held, region_ids, offsets, lengths, checksums = self.keys.lookup_columns(keys, lease)
         hits = len(held)
         misses = len(keys) - hits
         self.counters["lookups"] += len(keys)
@@ -343,7 +352,7 @@ class Registry:
             inst.misses += misses
         lease_id = self.leases.add(held, instance_id) if lease and held else 0
         handles = [self.regions[r].handle() for r in set(memoryview(region_ids).cast("q")) - {0}]
-        return region_ids, offsets, lengths, handles, lease_id
+        return region_ids, offsets, lengths, checksums, handles, lease_id
 
     def exists(self, keys: list[Any], instance_id: str | None = None) -> list[bool]:
         """Membership; a hit counts as use, like a lookup (SGLang asks before it prefetches)."""

@@ -289,18 +289,23 @@ class MaruService:
             unpack_int64(body.get(name), len(keys), name).tolist()
             for name in ("region_ids", "offsets", "lengths")
         )
-        return {"results": self.registry.register(iid, keys, region_ids, offsets, lengths)}
+        checksums = body.get("checksums")  # optional: the writer's checksum of each value
+        if checksums is not None:
+            checksums = unpack_int64(checksums, len(keys), "checksums").tolist()
+        results = self.registry.register(iid, keys, region_ids, offsets, lengths, checksums)
+        return {"results": results}
 
     def _lookup_kv(self, body: dict[str, Any]) -> dict[str, Any]:
         """The columns are bytes of native int64s (client and server share the node), read by
         the client with numpy, no Python int per key; the lease is taken in the same pass."""
-        region_ids, offsets, lengths, regions, lease_id = self.registry.lookup(
+        region_ids, offsets, lengths, checksums, regions, lease_id = self.registry.lookup(
             _keys(body), _iid(body), body.get("lease") is True
         )
         return {
             "region_ids": region_ids,
             "offsets": offsets,
             "lengths": lengths,
+            "checksums": checksums,
             "regions": [h.to_wire() for h in regions],
             "lease_id": lease_id,
         }
