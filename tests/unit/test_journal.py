@@ -458,7 +458,7 @@ def test_checksums_survive_a_restart_and_keys_without_one_read_as_before(env, sn
     sixth column) and the snapshot (a fifth column on the rows that have one); records and
     rows of before, without it, still restore (checksum 0: none)."""
     reg = env.open()
-    reg.handshake("A", 1)
+    reg.instances.handshake("A", 1)
     rid = reg.request_region("A", 2 * MiB).region_id
     sums = [-(1 << 63), (1 << 63) - 1, 12345]
     keys = ["c0", "c1", b"c2"]
