@@ -21,7 +21,9 @@ cut short where a call failed), the rest is computed and backed up again (`batch
 Asserted: every run generates exactly the reference's tokens; injected failures and delays
 fired; storage hits still happened (Maru served pages between the failures); no exception or
 error from the storage path reached the log (SGLang's controller threads log any exception a
-backend raises with `logger.exception`); the server stays healthy.
+backend raises with `logger.exception`); the server stays healthy. (Tried by hand: a
+MaruStorage whose `batch_get_v1` raises now and then still gives the same tokens, as SGLang
+recomputes, and fails here only on the traceback in the log.)
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ def test_injected_failures_and_delays_change_no_output(tiny_model, maru_server, 
     # The injector wraps MaruStorage: SGLang names the wrapper as the backend of a hit.
     assert backends - {None} == {"HiCacheStorageFailureInjector"}, backends
     for marker in ESCAPED:
-        assert marker not in log, log[log.index(marker) - 2000 :][:6000]
+        assert marker not in log, log[max(0, log.index(marker) - 2000) :][:6000]
     errors = [
         line
         for line in log.splitlines()
