@@ -34,7 +34,14 @@ from maru.server.pool import (
 )
 from maru.server.registry import Registry
 from maru.server.service import MaruService
-from maru.server.token import SECRET_FILE, TokenSigner, load_or_create_secret
+from maru.server.token import (
+    CURVE_PUBLIC_FILE,
+    CURVE_SECRET_FILE,
+    SECRET_FILE,
+    TokenSigner,
+    load_or_create_curve_keys,
+    load_or_create_secret,
+)
 
 log = logging.getLogger("maru.server")
 
@@ -131,6 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
         "clients learn it at handshake and fall back to TCP if they cannot reach it): 'auto' "
         "(an abstract socket named after the endpoint), '@name' (abstract), a file path "
         "(e.g. in a directory shared with containers), or 'none' (default: auto)",
+    )
+    p.add_argument(
+        "--curve",
+        action="store_true",
+        help="authenticate and encrypt the TCP port with ZeroMQ CURVE, for clients on other "
+        "hosts: the server's keypair is kept in the state dir (curve.key, 0600; the public key "
+        "in curve.pub), and a client needs the public key (server_public_key) to talk to it "
+        "(default: off: plain TCP, for 127.0.0.1)",
     )
     p.add_argument(
         "--metrics-port",
@@ -310,7 +325,10 @@ def purge_pool(pool_path: str) -> str | None:
     return f"pool {pool_path} ({fmt_bytes(size)})"
 
 
-STATE_FILES = (SECRET_FILE, SNAPSHOT_NAME, SNAPSHOT_NAME + ".tmp", POOL_IDENTITY)
+STATE_FILES = (
+    *(SECRET_FILE, CURVE_SECRET_FILE, CURVE_PUBLIC_FILE),
+    *(SNAPSHOT_NAME, SNAPSHOT_NAME + ".tmp", POOL_IDENTITY),
+)
 
 
 def purge_state(state_dir: Path) -> str | None:
@@ -589,10 +607,12 @@ def main(argv: list[str] | None = None) -> int:
         persistence.restore(registry, snapshot, records)
         registry.regions.next_id = max(registry.regions.next_id, first_region_id)
         journal.write_snapshot(persistence.snapshot(registry))  # compact what was replayed
+        curve = load_or_create_curve_keys(state_dir) if args.curve else None
         service = MaruService(
             registry,
             f"tcp://{args.host}:{args.port}",
             journal=journal,
+            curve_secret_key=curve[1] if curve else None,
             heartbeat_timeout=args.heartbeat_timeout,
             local_socket=args.local_socket,
             gc_freeze=True,  # see maru.server.service.freeze_heap
@@ -602,6 +622,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"maru-server: cannot start: {exc}", file=sys.stderr)
         _undo_start()
         return 1
+    if curve is not None:
+        log.info(
+            "TCP is CURVE-authenticated: clients need server_public_key %s (%s)",
+            curve[0].decode(),
+            state_dir / CURVE_PUBLIC_FILE,
+        )
+    elif args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "TCP on %s is neither authenticated nor encrypted: use --curve for clients on "
+            "other hosts (docs/operations.md)",
+            args.host,
+        )
 
     def _stop(signum: int, _frame: object) -> None:
         log.info("signal %d received", signum)
