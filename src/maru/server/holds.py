@@ -129,7 +129,8 @@ class LeaseTable(dict[int, Lease]):
         self._expiry: list[tuple[float, int]] = []  # heap of (expires, lease_id)
         # Ids start at a random point, so that a lease id from before a server restart (a
         # reader confirming a copy it began then) never names a lease taken since.
-        self._ids = itertools.count(secrets.randbits(48) + 1)
+        self.first_id = secrets.randbits(48) + 1
+        self._ids = itertools.count(self.first_id)
 
     def add(self, held: list[KeyEntry], owner: str | None) -> int:
         """A lease on `held`, whose `leases` counts the caller already raised."""

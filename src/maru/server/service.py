@@ -452,10 +452,6 @@ class MaruService:
             session = body.get("session")
             sessions = self.registry.sessions
             iid = body["iid"] = sessions.get(session) if type(session) is str else None
-            if iid is None and session is not None and msg_type != MsgType.HANDSHAKE:
-                # A client from before a restart (or reaped): served anonymously, its lookups
-                # would take no lease and its heartbeats keep nothing alive. It handshakes.
-                raise ProtocolError(ErrorCode.UNKNOWN_INSTANCE, "unknown session: handshake")
             self.registry.touch(iid)  # any message is a sign of life
             if peer is not None and iid is not None and peer.instance != iid:
                 peer.instance = iid  # once per connection and instance: a process to watch
@@ -463,6 +459,10 @@ class MaruService:
             handler = self._handlers.get(msg_type)
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg_type}")
+            if iid is None and session is not None and msg_type != MsgType.HANDSHAKE:
+                # A client from before a restart (or reaped): served anonymously, its lookups
+                # would take no lease and its heartbeats keep nothing alive. It handshakes.
+                raise ProtocolError(ErrorCode.UNKNOWN_INSTANCE, "unknown session: handshake")
             stat = self.op_stats[msg_type]
             if msg_type in CHANGES:
                 journal = self.journal
