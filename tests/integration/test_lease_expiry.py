@@ -38,3 +38,38 @@ def test_a_lease_that_ended_mid_copy_is_reported_and_the_page_reuse_is_real(maru
     assert (confirmed, wrong_hits) == (False, 0)
     owner.close()
     reader.close()
+
+
+def test_a_reader_that_outlived_a_server_restart_reads_under_a_real_lease(maru_server_factory):
+    """Found by the soak (benchmarks/soak.py): after a server restart a reader that only looks
+    keys up (and heart-beats) was never asked to handshake again; its lookups were anonymous,
+    took no lease, and `release(confirm=True)` said True for a copy of pages that were
+    rewritten meanwhile. Now a request with a session the server does not know is answered
+    UNKNOWN_INSTANCE (the client handshakes again and resends), and a leased lookup whose
+    hits came without a lease is never confirmed."""
+    server = maru_server_factory(pool_size="64M")
+    owner = MaruHandler(
+        server_url=server.url, pool_size="2M", chunk_size_bytes="1M", auto_expand=False
+    )
+    reader = MaruHandler(server_url=server.url, pool_size="2M")
+    a, b = b"A" * 100_000, b"B" * 100_000
+    assert owner.batch_store(["k", "filler"], [a, b"f" * 100]) == [True, True]
+    with reader.leased(["k"]) as infos:  # maps the owner's region
+        assert bytes(infos[0].view) == a
+
+    server.proc.kill()
+    server.proc.wait(10)
+    server.restart()
+    assert owner.exists("k")  # the owner is back (its first request handshook again)
+
+    lookup = reader.lookup(["k"], lease=True)
+    view = lookup.infos()[0].view
+    assert lookup.lease_id != 0  # a real lease, taken by the reader's instance
+    assert owner.stats()["leases"] == 1
+    assert not owner.delete("k")  # the lease protects the key: its page cannot be reused
+    owner.store("k2", b)  # (before: k was deleted and this took its page)
+    copied = bytes(view)
+    assert lookup.release(confirm=True) is True
+    assert copied == a
+    owner.close()
+    reader.close()

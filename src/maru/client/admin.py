@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from maru.client.rpc import RpcClient
-from maru.common.config import parse_server_url
+from maru.common.config import parse_server_public_key, parse_server_url
 from maru.common.protocol import MAX_LIST_KEYS, MsgType
 
 DEFAULT_SERVER_URL = "tcp://localhost:5555"
 SERVER_URL_ENV = "MARU_SERVER_URL"
+SERVER_KEY_ENV = "MARU_SERVER_PUBLIC_KEY"
 
 Key = str | bytes
 
@@ -31,6 +32,16 @@ def server_url(url: str | None = None) -> str:
     return DEFAULT_SERVER_URL
 
 
+def server_public_key(key: str | None = None) -> str | None:
+    """`key`, else $MARU_SERVER_PUBLIC_KEY, else None (plain TCP): the CURVE public key of a
+    `maru-server --curve`, or the file holding it."""
+    if key:
+        return parse_server_public_key(key, name="--server-public-key")
+    if os.environ.get(SERVER_KEY_ENV):
+        return parse_server_public_key(os.environ[SERVER_KEY_ENV], name=f"${SERVER_KEY_ENV}")
+    return None
+
+
 @dataclass(frozen=True)
 class KeyInfo:
     key: Key
@@ -39,9 +50,18 @@ class KeyInfo:
 
 
 class MaruAdmin:
-    def __init__(self, url: str | None = None, *, timeout_ms: int = 2000):
+    def __init__(
+        self, url: str | None = None, *, timeout_ms: int = 2000, public_key: str | None = None
+    ):
+        """`public_key`: of a `maru-server --curve` (or its file; default
+        $MARU_SERVER_PUBLIC_KEY)."""
         self.url = server_url(url)
-        self._rpc = RpcClient(self.url, timeout_ms=timeout_ms, max_inflight=1)
+        self._rpc = RpcClient(
+            self.url,
+            timeout_ms=timeout_ms,
+            max_inflight=1,
+            server_public_key=server_public_key(public_key),
+        )
 
     def stats(self) -> dict[str, Any]:
         """What STATS returns: pool, keys, instances, counters, per-operation histograms.

@@ -24,7 +24,7 @@ from datetime import datetime
 from typing import Any, TextIO
 
 from maru import __version__
-from maru.client.admin import DEFAULT_SERVER_URL, SERVER_URL_ENV, MaruAdmin
+from maru.client.admin import DEFAULT_SERVER_URL, SERVER_KEY_ENV, SERVER_URL_ENV, MaruAdmin
 from maru.common.config import ConfigError, fmt_bytes
 from maru.common.errors import MaruConnectionError, MaruError
 from maru.common.protocol import MAX_LIST_KEYS
@@ -317,7 +317,7 @@ def render_monitor(
 
 
 def _connect(args: argparse.Namespace) -> MaruAdmin:
-    return MaruAdmin(args.server, timeout_ms=args.timeout_ms)
+    return MaruAdmin(args.server, timeout_ms=args.timeout_ms, public_key=args.server_public_key)
 
 
 def _json_default(value: Any) -> Any:
@@ -477,6 +477,13 @@ def _common(p: argparse.ArgumentParser, *, top: bool) -> None:
         f"{DEFAULT_SERVER_URL})",
     )
     p.add_argument(
+        "--server-public-key",
+        metavar="KEY",
+        default=None if top else default,
+        help=f"the CURVE public key of a `maru-server --curve` (40 characters) or its file, "
+        f"<state-dir>/curve.pub (default: ${SERVER_KEY_ENV}; none: plain TCP)",
+    )
+    p.add_argument(
         "--timeout-ms",
         type=_positive_ms,
         metavar="MS",
@@ -547,7 +554,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return 2
     try:
         return int(args.func(args, out))
-    except ConfigError as exc:  # a malformed --server or $MARU_SERVER_URL
+    except ConfigError as exc:  # a malformed --server, $MARU_SERVER_URL or key
         print(f"maru: {exc}", file=sys.stderr)
         return 2
     except MaruConnectionError as exc:

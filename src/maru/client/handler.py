@@ -103,6 +103,7 @@ class MaruHandler:
             reply_hook=self._on_reply,
             on_unknown_instance=self._on_unknown_instance,
             busy_poll_us=config.busy_poll_us,
+            server_public_key=config.server_public_key,
         )
         self._mapper = RegionMapper()
         self._chunks = ChunkBook(config.chunk_size_bytes)

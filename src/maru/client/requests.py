@@ -201,6 +201,7 @@ class Lookup:
         self._handler = handler
         self._keys = keys
         self.n = len(keys)
+        self.lease = lease
         self.lease_id = 0
         self.addresses: np.ndarray | None = None
         self.lengths: np.ndarray | None = None
@@ -350,7 +351,9 @@ class Lookup:
             self.wait()  # a lease may be held even if the caller never looked
         lease_id, self.lease_id = self.lease_id, 0
         if not lease_id:
-            return True  # nothing was leased: nothing was read under a lease
+            # Nothing was leased: fine if nothing was found; hits that came without the lease
+            # asked for (the server did not know us) were read unprotected.
+            return not (confirm and self.lease and self.lengths is not None and self.lengths.any())
         try:
             pending = self._handler._request(MsgType.RELEASE, {"leases": [lease_id]})
             return not confirm or pending.result()["released"] == 1

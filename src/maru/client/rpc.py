@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import re
 import select
 import socket
 import threading
@@ -33,10 +34,11 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from maru.client.busypoll import recv_spin
 from maru.common import protocol
-from maru.common.errors import MaruConnectionError, MaruServerError
+from maru.common.errors import MaruConnectionError, MaruConnectRefused, MaruServerError
 from maru.common.peer import peer_credentials
 from maru.common.protocol import ErrorCode, unix_address
 
@@ -129,6 +131,7 @@ class _Channel:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
                 self.pending.pop(target.request_id, None)
+                self.raise_if_handshake_failed()
                 raise MaruConnectionError(
                     f"no reply from maru-server at {self.where} within {timeout} ms "
                     f"({protocol.MsgType(target._msg_type).name})"
@@ -158,6 +161,21 @@ class _Channel:
     def close(self) -> None:
         raise NotImplementedError
 
+    def raise_if_handshake_failed(self) -> None:
+        """Called when the server did not answer: if the transport knows why, say it."""
+
+
+# ZMTP security handshake outcomes, watched on every ZMQ channel (a monitor socket): a client
+# without the key of a `--curve` server, or with another key, would otherwise only time out.
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+_LOOPBACK = re.compile(r"^tcp://(127\.\d+\.\d+\.\d+|localhost|\[?::1\]?):\d+$")
+
 
 class _ZmqChannel(_Channel):
     def __init__(self, client: RpcClient):
@@ -169,6 +187,13 @@ class _ZmqChannel(_Channel):
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.setsockopt(zmq.RCVTIMEO, client.timeout_ms)
+        if client.server_public_key is not None:
+            public, secret = zmq.curve_keypair()  # ours, for this connection only
+            sock.curve_serverkey = client.server_public_key.encode()
+            sock.curve_publickey = public
+            sock.curve_secretkey = secret
+        self.monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.handshake_failed = False
         sock.connect(client.url)
         self.sock = sock
         self._rcvtimeo = client.timeout_ms  # the socket's current RCVTIMEO
@@ -177,6 +202,7 @@ class _ZmqChannel(_Channel):
         try:
             self.sock.send(frame, copy=len(frame) < 65536)
         except zmq.Again:
+            self.raise_if_handshake_failed()
             raise MaruConnectionError(
                 f"maru-server at {self.where} is not reachable (send timed out after "
                 f"{self.client.timeout_ms} ms)"
@@ -193,7 +219,28 @@ class _ZmqChannel(_Channel):
         except zmq.Again:
             return []
 
+    def raise_if_handshake_failed(self) -> None:
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            self.handshake_failed = event != zmq.EVENT_HANDSHAKE_SUCCEEDED
+        if not self.handshake_failed:
+            return
+        if self.client.server_public_key is None:
+            why = (
+                "the server requires CURVE (maru-server --curve): set server_public_key "
+                "(maru_server_public_key, maru --server-public-key) to its public key, "
+                "<state-dir>/curve.pub"
+            )
+        else:
+            why = (
+                "server_public_key is not this server's CURVE key (<state-dir>/curve.pub), or "
+                "the server does not use --curve"
+            )
+        raise MaruConnectRefused(self.where, f"the security handshake failed: {why}")
+
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
         self.sock.close(linger=0)
 
 
@@ -358,11 +405,14 @@ class RpcClient:
         reply_hook: ReplyHook | None = None,
         on_unknown_instance: Callable[[int], None] | None = None,
         busy_poll_us: int = 0,
+        server_public_key: str | None = None,
     ):
         """`reply_hook(body)` sees every successful reply (the handler takes `freed` from it);
         `on_unknown_instance(msg_type)` re-handshakes when the server answers UNKNOWN_INSTANCE,
-        before the request is sent once more (it raises to fail the request instead)."""
+        before the request is sent once more (it raises to fail the request instead).
+        `server_public_key`: speak CURVE to a `maru-server --curve` with this key (Z85)."""
         self.url = url
+        self.server_public_key = server_public_key
         self.busy_poll_ns = busy_poll_us * 1000  # see _LocalChannel._read
         self.timeout_ms = timeout_ms
         self.max_inflight = max_inflight
@@ -382,8 +432,12 @@ class RpcClient:
         """Send later requests over the server's Unix socket at `address` (None: ZMQ only),
         if the process listening there runs as `uid`, the server's user (the server's
         HANDSHAKE reply says both). Any other user's process at that address (a name is
-        public: another user can take it while the server restarts) is refused."""
+        public: another user can take it while the server restarts) is refused. A CURVE
+        client reaching the server other than over loopback is on another host: an address
+        there is not the server's, and it stays on its authenticated channel."""
         if not isinstance(uid, int) or isinstance(uid, bool):
+            address = None
+        if self.server_public_key is not None and not _LOOPBACK.match(self.url):
             address = None
         if address != self.local_address:
             log.debug("maru-server local socket: %s (uid %s)", address, uid)

@@ -85,7 +85,7 @@ class RegionSupply:
                     if handle is not None:
                         return handle
                 except MaruServerError as exc:
-                    if exc.code != ErrorCode.POOL_FULL:
+                    if exc.code not in (ErrorCode.POOL_FULL, ErrorCode.QUOTA_EXCEEDED):
                         log.warning("instance %s: cannot expand: %s", self.owner.instance_id, exc)
                         return None
                     log.info("instance %s: %s", self.owner.instance_id, exc)

@@ -12,6 +12,7 @@ import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(i?B?)?\s*$", re.IGNORECASE)
@@ -61,6 +62,25 @@ def parse_size(value: int | float | str, *, name: str = "size") -> int:
 
 _URL_RE = re.compile(r"^(tcp|ipc|inproc)://(.+)$")
 _TCP_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[^:\[\]/\s]+):(\d{1,5})$")
+
+
+def parse_server_public_key(value: Any, *, name: str = "server_public_key") -> str:
+    """The server's CURVE public key (`maru-server --curve`): its 40 Z85 characters, or the
+    path of a file holding them (the server writes `<state-dir>/curve.pub`)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{name}: expected a 40-character CURVE key or a file, got {value!r}")
+    text = value.strip()
+    if len(text) != 40 or Path(text).expanduser().is_file():  # (Z85 has "/" and ".")
+        try:
+            text = Path(text).expanduser().read_text().strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"{name}: {value!r} is neither a 40-character CURVE key nor a readable file "
+                f"({exc.strerror or exc})"
+            ) from None
+    if len(text) != 40 or not text.isascii() or not text.isprintable():
+        raise ConfigError(f"{name}: a CURVE public key is 40 Z85 characters, got {len(text)}")
+    return text
 
 
 def parse_server_url(value: Any, *, name: str = "server_url") -> str:
@@ -152,6 +172,7 @@ class MaruConfig:
     # and the server keeps the hash with the key; a reader hashes the value after its copy
     # and takes a mismatch as a miss. Off by default: see docs/configuration.md for the cost.
     checksums: bool = False
+    server_public_key: str | None = None  # CURVE key (or its file) of a `--curve` server
 
     def __new__(cls, *args: Any, **kwargs: Any) -> MaruConfig:
         # An unknown keyword is a ConfigError naming it (the dataclass __init__ would raise
@@ -204,6 +225,8 @@ class MaruConfig:
             setattr(self, name, parse_bool(getattr(self, name), name=name))
         if self.expand_size is not None:
             self.expand_size = parse_size(self.expand_size, name="expand_size")
+        if self.server_public_key is not None:
+            self.server_public_key = parse_server_public_key(self.server_public_key)
 
     @property
     def region_expand_size(self) -> int:

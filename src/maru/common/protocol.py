@@ -83,6 +83,7 @@ class ErrorCode(IntEnum):
     KEY_TOO_LONG = 10
     INTERNAL = 11
     STATE_UNAVAILABLE = 12  # the journal cannot be written: changes refused, reads go on
+    QUOTA_EXCEEDED = 13  # the instance holds its quota of region bytes or leases
 
 
 class RegisterStatus(IntEnum):

@@ -34,7 +34,14 @@ from maru.server.pool import (
 )
 from maru.server.registry import Registry
 from maru.server.service import MaruService
-from maru.server.token import SECRET_FILE, TokenSigner, load_or_create_secret
+from maru.server.token import (
+    CURVE_PUBLIC_FILE,
+    CURVE_SECRET_FILE,
+    SECRET_FILE,
+    TokenSigner,
+    load_or_create_curve_keys,
+    load_or_create_secret,
+)
 
 log = logging.getLogger("maru.server")
 
@@ -66,6 +73,7 @@ _port = _number(int, minimum=0, above=False, top=65535)
 _positive = _number(float, minimum=0, above=True)
 _non_negative = _number(float, minimum=0, above=False)
 _fraction = _number(float, minimum=0, above=True, top=1)
+_count = _number(int, minimum=0, above=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(e.g. in a directory shared with containers), or 'none' (default: auto)",
     )
     p.add_argument(
+        "--curve",
+        action="store_true",
+        help="authenticate and encrypt the TCP port with ZeroMQ CURVE, for clients on other "
+        "hosts: the server's keypair is kept in the state dir (curve.key, 0600; the public key "
+        "in curve.pub), and a client needs the public key (server_public_key) to talk to it "
+        "(default: off: plain TCP, for 127.0.0.1)",
+    )
+    p.add_argument(
         "--metrics-port",
         type=_port,
         default=None,
@@ -158,6 +174,23 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=10.0,
         help="seconds a read lease protects a page if its reader never releases it (default: 10)",
+    )
+    p.add_argument(
+        "--quota-region-bytes",
+        default="100%",
+        metavar="SIZE|PERCENT",
+        help="most bytes of regions one instance may hold: a size (16G) or a share of the "
+        "pool (25%%); a region request past it is refused with QUOTA_EXCEEDED, and the client "
+        "makes room among its own keys instead (default: 100%%: no quota, as one instance per "
+        "GPU needs; idle regions are taken back for others anyway)",
+    )
+    p.add_argument(
+        "--quota-leases",
+        type=_count,
+        default=4096,
+        help="most read leases one instance may hold at once; a leased lookup past it is "
+        "refused with QUOTA_EXCEEDED (a miss for the client). 0: no quota (default: 4096; an "
+        "SGLang instance holds one per batch in flight)",
     )
     p.add_argument(
         "--heartbeat-timeout",
@@ -219,6 +252,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def quota_region_fraction(text: str) -> tuple[float, int]:
+    """--quota-region-bytes: (share of the pool, bytes); one of them is 0."""
+    if text.strip().endswith("%"):
+        try:
+            share = float(text.strip()[:-1])
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= 100:
+            raise ConfigError(f"--quota-region-bytes: expected a share in (0%, 100%], got {text}")
+        return share / 100, 0
+    return 0.0, parse_size(text, name="--quota-region-bytes")
+
+
+def quota_region_bytes(text: str, capacity: int) -> int:
+    """The quota in bytes for a pool of `capacity` (0: none, the pool is the limit)."""
+    share, size = quota_region_fraction(text)
+    quota = int(share * capacity) if share else size
+    return 0 if quota >= capacity else max(quota, REGION_ALIGNMENT)
+
+
 def check_args(args: argparse.Namespace) -> str | None:
     """What the flags' types cannot check alone (paths, relations between flags): the first
     problem as one line naming the flag, or None. Sets `args.pool_bytes`."""
@@ -231,6 +284,10 @@ def check_args(args: argparse.Namespace) -> str | None:
             f"--pool-size: {args.pool_size} is smaller than one region "
             f"({fmt_bytes(REGION_ALIGNMENT)}, the pool's allocation unit)"
         )
+    try:
+        quota_region_fraction(args.quota_region_bytes)
+    except ConfigError as exc:
+        return str(exc)
     if args.eviction_low_watermark > args.eviction_high_watermark:
         return (
             f"--eviction-low-watermark {args.eviction_low_watermark:g} is above "
@@ -310,7 +367,10 @@ def purge_pool(pool_path: str) -> str | None:
     return f"pool {pool_path} ({fmt_bytes(size)})"
 
 
-STATE_FILES = (SECRET_FILE, SNAPSHOT_NAME, SNAPSHOT_NAME + ".tmp", POOL_IDENTITY)
+STATE_FILES = (
+    *(SECRET_FILE, CURVE_SECRET_FILE, CURVE_PUBLIC_FILE),
+    *(SNAPSHOT_NAME, SNAPSHOT_NAME + ".tmp", POOL_IDENTITY),
+)
 
 
 def purge_state(state_dir: Path) -> str | None:
@@ -585,14 +645,18 @@ def main(argv: list[str] | None = None) -> int:
             lease_seconds=args.lease_timeout,
             reap_hold=args.reap_hold,
         )
+        registry.quota_region_bytes = quota_region_bytes(args.quota_region_bytes, pool.capacity)
+        registry.quota_leases = args.quota_leases
         warn_if_pure_python()
         persistence.restore(registry, snapshot, records)
         registry.regions.next_id = max(registry.regions.next_id, first_region_id)
         journal.write_snapshot(persistence.snapshot(registry))  # compact what was replayed
+        curve = load_or_create_curve_keys(state_dir) if args.curve else None
         service = MaruService(
             registry,
             f"tcp://{args.host}:{args.port}",
             journal=journal,
+            curve_secret_key=curve[1] if curve else None,
             heartbeat_timeout=args.heartbeat_timeout,
             local_socket=args.local_socket,
             gc_freeze=True,  # see maru.server.housekeeping.freeze_heap
@@ -602,6 +666,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"maru-server: cannot start: {exc}", file=sys.stderr)
         _undo_start()
         return 1
+    if curve is not None:
+        log.info(
+            "TCP is CURVE-authenticated: clients need server_public_key %s (%s)",
+            curve[0].decode(),
+            state_dir / CURVE_PUBLIC_FILE,
+        )
+    elif args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "TCP on %s is neither authenticated nor encrypted: use --curve for clients on "
+            "other hosts (docs/operations.md)",
+            args.host,
+        )
 
     def _stop(signum: int, _frame: object) -> None:
         log.info("signal %d received", signum)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -127,7 +128,10 @@ class LeaseTable(dict[int, Lease]):
         self.seconds = seconds  # a lease's life (--lease-timeout)
         self.counters = counters
         self._expiry: list[tuple[float, int]] = []  # heap of (expires, lease_id)
-        self._ids = itertools.count(1)
+        # Ids start at a random point, so that a lease id from before a server restart (a
+        # reader confirming a copy it began then) never names a lease taken since.
+        self.first_id = secrets.randbits(48) + 1
+        self._ids = itertools.count(self.first_id)
 
     def add(self, held: list[KeyEntry], owner: str | None) -> int:
         """A lease on `held`, whose `leases` counts the caller already raised."""

@@ -35,7 +35,7 @@ from maru.common.protocol import (
 from maru.common.region import RegionHandle
 from maru.server.eviction import Eviction
 from maru.server.holds import LeaseTable, Pins
-from maru.server.instances import InstanceTable
+from maru.server.instances import Instance, InstanceTable
 from maru.server.journal import JournalWriteError
 from maru.server.keyindex import KeyEntry, KeyIndex
 from maru.server.logs import Throttle
@@ -105,6 +105,23 @@ class Registry:
 
     # -- an instance's regions ---------------------------------------------------------------
 
+    # Per-instance quotas (`--quota-region-bytes`, `--quota-leases`; 0: none), so that one
+    # client cannot starve the others. Refusals are QUOTA_EXCEEDED, before any side effect.
+    quota_region_bytes = 0
+    quota_leases = 0
+
+    def _over_quota(self, inst: Instance, what: str, held: int, quota: int) -> ProtocolError:
+        message = f"instance {inst.instance_id} holds {held} {what}: its quota is {quota}"
+        held_log = self.log_throttle.allow(("quota", what, inst.instance_id))
+        if held_log is not None:
+            log.warning(
+                "%s refused%s",
+                message,
+                self.log_throttle.note(held_log),
+                extra={"instance": inst.instance_id},
+            )
+        return ProtocolError(ErrorCode.QUOTA_EXCEEDED, message)
+
     def request_region(
         self, instance_id: str, size: int, min_size: int | None = None
     ) -> RegionHandle:
@@ -126,6 +143,12 @@ class Registry:
                 f"pool {self.pool.name} cannot hold a region of {size} bytes: its capacity "
                 f"is {self.pool.capacity} bytes",
             )
+        if self.quota_region_bytes:
+            held = sum(self.regions[r].length for r in inst.regions)
+            room = (self.quota_region_bytes - held) // self.pool.alignment * self.pool.alignment
+            if room < least:
+                raise self._over_quota(inst, "bytes of regions", held, self.quota_region_bytes)
+            length = min(length, room)
         try:
             region = self.regions.allocate(instance_id, length, inst.page_size)
         except PoolFullError:
@@ -341,6 +364,9 @@ class Registry:
         inst = self.instances.get(instance_id) if instance_id else None
         # Only an instance holds leases: it alone can end them (RELEASE) or lose them (reap).
         lease = lease and inst is not None
+        quota = self.quota_leases
+        if lease and inst is not None and quota and len(inst.leases) >= quota:
+            raise self._over_quota(inst, "leases", len(inst.leases), quota)
         held, region_ids, offsets, lengths, checksums = self.keys.lookup_columns(keys, lease)
         hits = len(held)
         misses = len(keys) - hits

@@ -119,6 +119,7 @@ class MaruService:
         local_socket: str | None = "auto",
         gc_freeze: bool = False,
         busy_poll_us: int = 0,
+        curve_secret_key: bytes | None = None,
     ):
         """`local_socket`: where to listen for clients on this node besides `bind_url`
         (`maru.server.local_socket.local_address`: "auto", "none", "@name" or a path). With
@@ -131,7 +132,10 @@ class MaruService:
         process-wide.
 
         `busy_poll_us`: after serving requests, poll the sockets without sleeping for this
-        long before blocking (`_wait_for_requests`)."""
+        long before blocking (`_wait_for_requests`).
+
+        `curve_secret_key`: serve the TCP port with ZeroMQ CURVE under this key (Z85): only
+        clients that know the server's public key complete the handshake (`--curve`)."""
         self.registry = registry
         self.bind_url = bind_url
         self.journal = journal
@@ -190,6 +194,9 @@ class MaruService:
         self.socket.setsockopt(zmq.SNDHWM, SNDHWM)
         self.socket.setsockopt(zmq.RCVHWM, RCVHWM)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if curve_secret_key is not None:
+            self.socket.curve_server = True
+            self.socket.curve_secretkey = curve_secret_key
         self.socket.bind(bind_url)
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.local: LocalSocketServer | None = None
@@ -402,6 +409,10 @@ class MaruService:
             handler = self._handlers.get(msg_type)
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg_type}")
+            if iid is None and session is not None and msg_type != MsgType.HANDSHAKE:
+                # A client from before a restart (or reaped): served anonymously, its lookups
+                # would take no lease and its heartbeats keep nothing alive. It handshakes.
+                raise ProtocolError(ErrorCode.UNKNOWN_INSTANCE, "unknown session: handshake")
             served = msg_type
             if msg_type in CHANGES:
                 journal = self.journal

@@ -13,6 +13,9 @@ stay valid across a server restart).
 The pool's generation is signed into region tokens too: a region of a recreated pool never has
 the token (so the handle) of an earlier region with the same fields, and a client that mapped
 the old one maps again.
+
+With `--curve`, the server's CURVE keypair (ZeroMQ's authenticated, encrypted TCP) lives here
+too: `load_or_create_curve_keys`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import secrets
 from pathlib import Path
 
 SECRET_FILE = "secret.key"
+CURVE_SECRET_FILE = "curve.key"  # the server's CURVE secret key (Z85), 0600
+CURVE_PUBLIC_FILE = "curve.pub"  # its public key, for the operator to hand to clients
 
 
 def load_or_create_secret(state_dir: Path) -> bytes:
@@ -36,12 +41,33 @@ def load_or_create_secret(state_dir: Path) -> bytes:
     except FileNotFoundError:
         pass
     secret = secrets.token_bytes(32)
+    _write_private(path, secret)
+    return secret
+
+
+def _write_private(path: Path, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
-        f.write(secret)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return secret
+
+
+def load_or_create_curve_keys(state_dir: Path) -> tuple[bytes, bytes]:
+    """The server's CURVE keypair (public, secret; Z85), made on the first `--curve` start and
+    kept, so clients configured with the public key go on working across restarts. The
+    public key is written beside it (`curve.pub`) for the operator to copy to clients."""
+    import zmq  # only the server's CLI needs it here
+
+    path = state_dir / CURVE_SECRET_FILE
+    try:
+        secret = path.read_bytes().strip()
+        public = zmq.curve_public(secret)
+    except (FileNotFoundError, ValueError, zmq.ZMQError):
+        public, secret = zmq.curve_keypair()
+        _write_private(path, secret + b"\n")
+    _write_private(state_dir / CURVE_PUBLIC_FILE, public + b"\n")
+    return public, secret
 
 
 class TokenSigner:

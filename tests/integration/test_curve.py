@@ -1,0 +1,108 @@
+"""Issue 13, P5 for clients on other hosts: `maru-server --curve` serves its TCP port with
+ZeroMQ CURVE (authenticated and encrypted). A client needs the server's public key: without
+it, or with another key, it cannot talk to the server and says why within its deadline; with
+it, everything works, also after a server restart (the keypair is kept in the state dir)."""
+
+from __future__ import annotations
+
+import io
+import stat
+
+import pytest
+import zmq
+
+from maru import MaruHandler
+from maru.client.cli import main
+from maru.client.rpc import RpcClient
+from maru.common.config import ConfigError, MaruConfig
+from maru.common.errors import MaruConnectRefused
+
+pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE")
+
+
+def handler(url: str, key: str | None = None) -> MaruHandler:
+    # TCP only: a client on another host has no local socket to fall back on
+    return MaruHandler(
+        server_url=url, pool_size="4M", timeout_ms=1000, local_socket=False, server_public_key=key
+    )
+
+
+def test_only_a_client_with_the_servers_public_key_talks_to_a_curve_server(maru_server_factory):
+    server = maru_server_factory(pool_size="64M", extra_args=["--curve"])
+    key_file = server.state_dir / "curve.pub"
+    public = key_file.read_text().strip()
+    for name in ("curve.key", "curve.pub"):
+        assert stat.S_IMODE((server.state_dir / name).stat().st_mode) == 0o600
+    secret = (server.state_dir / "curve.key").read_bytes().strip()
+    assert zmq.curve_public(secret) == public.encode()
+    assert public in server.read_log()  # the operator learns the key from the log too
+
+    # without the key, and with another server's key: refused with the reason, no hang
+    for key, why in ((None, "requires CURVE"), (zmq.curve_keypair()[0].decode(), "not this")):
+        h = handler(server.url, key)
+        assert not h.connected
+        assert isinstance(h.connect_error, MaruConnectRefused), h.connect_error
+        assert "security handshake failed" in str(h.connect_error)
+        assert why in str(h.connect_error)
+        h.close()
+    out = io.StringIO()
+    assert main(["status", "--server", server.url, "--timeout-ms", "1000"], out=out) == 1
+
+    # with the key (as text, or the file's path): stores and reads over CURVE
+    writer, reader = handler(server.url, public), handler(server.url, str(key_file))
+    assert writer.connected and reader.connected
+    assert writer.batch_store(["a", "b"], [b"x" * 5000, b"y" * 70_000]) == [True, True]
+    with reader.leased(["a", "b"]) as infos:
+        assert [bytes(i.view) for i in infos] == [b"x" * 5000, b"y" * 70_000]
+    args = ["status", "--server", server.url, "--server-public-key", str(key_file)]
+    assert main(args, out=io.StringIO()) == 0
+
+    # a restart keeps the keypair: connected clients carry on, new ones use the same key
+    server.restart()
+    assert key_file.read_text().strip() == public
+    assert writer.store("c", b"z" * 1000)
+    late = handler(server.url, public)
+    assert late.connected and late.exists("c")
+    for h in (writer, reader, late):
+        h.close()
+
+
+def test_a_client_with_a_key_cannot_talk_to_a_plain_server(maru_server):
+    h = handler(maru_server.url, zmq.curve_keypair()[0].decode())
+    assert not h.connected
+    assert "does not use --curve" in str(h.connect_error)
+    h.close()
+
+
+def test_server_public_key_is_a_key_or_a_readable_file(tmp_path):
+    public = zmq.curve_keypair()[0].decode()
+    assert MaruConfig(server_public_key=public).server_public_key == public
+    path = tmp_path / "curve.pub"
+    path.write_text(public + "\n")
+    assert MaruConfig(server_public_key=str(path)).server_public_key == public
+    with pytest.raises(ConfigError, match="server_public_key"):
+        MaruConfig(server_public_key=str(tmp_path / "missing"))
+    path.write_text("short\n")
+    with pytest.raises(ConfigError, match="40 Z85 characters"):
+        MaruConfig(server_public_key=str(path))
+    with pytest.raises(ConfigError, match="maru_server_public_key"):
+        MaruConfig.from_mapping({"maru_server_public_key": ""}, prefix="maru_")
+
+
+def test_a_curve_client_on_another_host_never_uses_a_local_socket():
+    """The HANDSHAKE names the server's local socket; a client that reached the server over
+    the network is on another host, where that name is anyone's (same uid number or not)."""
+    key = zmq.curve_keypair()[0].decode()
+    for url, expected in (
+        ("tcp://10.1.2.3:5555", None),
+        ("tcp://127.0.0.1:5555", "@maru:x"),
+        ("tcp://localhost:5555", "@maru:x"),
+    ):
+        rpc = RpcClient(url, server_public_key=key)
+        rpc.use_local_socket("@maru:x", 1000)
+        assert rpc.local_address == expected, url
+        rpc.close()
+    plain = RpcClient("tcp://10.1.2.3:5555")  # without CURVE: as before (the uid check)
+    plain.use_local_socket("@maru:x", 1000)
+    assert plain.local_address == "@maru:x"
+    plain.close()

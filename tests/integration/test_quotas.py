@@ -1,0 +1,77 @@
+"""Issue 13, P6: per-instance quotas, so that one client cannot starve the others. Past its
+quota of region bytes an instance's region request is refused (QUOTA_EXCEEDED, logged) and
+the client makes room among its own keys instead; past its quota of leases a leased lookup is
+refused and reads as misses. Never a crash, never a side effect of the refused request."""
+
+from __future__ import annotations
+
+import subprocess
+
+from conftest import maru_server_command  # tests/conftest.py
+from maru import MaruHandler
+
+MiB = 1 << 20
+
+
+def handler(url: str, **kw) -> MaruHandler:
+    h = MaruHandler(server_url=url, chunk_size_bytes="1M", timeout_ms=5000, **kw)
+    assert h.connected
+    return h
+
+
+def test_an_instance_past_its_region_quota_stores_within_it_and_starves_no_one(
+    maru_server_factory,
+):
+    server = maru_server_factory(pool_size="64M", extra_args=["--quota-region-bytes", "8M"])
+    greedy = handler(server.url, pool_size="64M")  # would take the whole pool
+    values = [bytes([i]) * (MiB - 100) for i in range(24)]  # 3x its quota
+    ok = [greedy.store(f"greedy/{i}", v) for i, v in enumerate(values)]
+    assert ok == [True] * len(values)  # its own older keys made room
+    stats = greedy.stats()
+    assert stats["instances"][greedy.instance_id]["region_bytes"] <= 8 * MiB
+    with greedy.leased([f"greedy/{i}" for i in range(24)]) as infos:  # the latest are intact
+        found = [(i, bytes(info.view)) for i, info in enumerate(infos) if info is not None]
+    assert found and all(data == values[i] for i, data in found)
+    assert max(i for i, _ in found) == 23
+    assert "bytes of regions: its quota is 8388608 refused" in server.read_log()
+
+    other = handler(server.url, pool_size="16M")  # the rest of the pool is still there
+    assert other.batch_store([f"other/{i}" for i in range(8)], values[:8]) == [True] * 8
+    assert server.alive()
+    greedy.close()
+    other.close()
+
+
+def test_a_leased_lookup_past_the_lease_quota_is_a_miss_and_frees_up(maru_server_factory):
+    server = maru_server_factory(pool_size="64M", extra_args=["--quota-leases", "3"])
+    writer = handler(server.url, pool_size="8M")
+    assert writer.batch_store(["k"], [b"v" * 1000]) == [True]
+    reader = handler(server.url, pool_size="2M")
+    held = [reader.lookup(["k"], lease=True) for _ in range(3)]
+    assert all(lk.infos()[0] is not None and lk.lease_id for lk in held)
+    refused = reader.lookup(["k"], lease=True)
+    assert refused.infos() == [None] and refused.lease_id == 0  # a miss, not an exception
+    assert refused.release(confirm=True)  # (nothing was read)
+    assert reader.exists("k")  # the instance carries on
+    assert "3 leases: its quota is 3 refused" in server.read_log()
+    assert reader.stats()["leases"] == 3  # the refused lookup took nothing
+    held[0].release()
+    again = reader.lookup(["k"], lease=True)
+    assert bytes(again.infos()[0].view) == b"v" * 1000 and again.release(confirm=True)
+    for lk in held[1:]:
+        lk.release()
+    writer.close()
+    reader.close()
+
+
+def test_a_bad_quota_flag_is_one_line_and_exit_2(tmp_path):
+    for value in ("0%", "150%", "lots", "-1M"):
+        proc = subprocess.run(
+            [*maru_server_command(), "--quota-region-bytes", value, "--pool-size", "64M"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert proc.returncode == 2, (value, proc.stderr)
+        assert "--quota-region-bytes" in proc.stderr and "Traceback" not in proc.stderr
