@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from maru.server.registry import Registry
+from maru.server.registry import Registry, list_keys
 
 from .keyindex_impls import key_index_impl  # noqa: F401 (autouse: C and Python)
 from .registry_calls import lease, locate
@@ -99,9 +99,9 @@ def test_keys_are_listed_in_the_reverse_of_eviction_order(tmp_path):
     fill(reg, "A", rid, [f"k{i}" for i in range(6)])
     _lookup(reg, ["k1", "k4"])
     reg.exists(["k2"])
-    listed = [row[0] for row in reg.list_keys(limit=100)[0]]
+    listed = [row[0] for row in list_keys(reg, limit=100)[0]]
     assert listed == ["k4", "k2", "k1", "k5", "k3", "k0"]  # referenced first, newest first
-    assert reg.list_keys(limit=2) == ([["k4", MiB, "A"], ["k2", MiB, "A"]], True)
+    assert list_keys(reg, limit=2) == ([["k4", MiB, "A"], ["k2", MiB, "A"]], True)
     evicted = []
     while reg.keys:
         before = set(reg.keys)

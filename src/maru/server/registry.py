@@ -110,18 +110,6 @@ class Registry:
     quota_region_bytes = 0
     quota_leases = 0
 
-    def _over_quota(self, inst: Instance, what: str, held: int, quota: int) -> ProtocolError:
-        message = f"instance {inst.instance_id} holds {held} {what}: its quota is {quota}"
-        held_log = self.log_throttle.allow(("quota", what, inst.instance_id))
-        if held_log is not None:
-            log.warning(
-                "%s refused%s",
-                message,
-                self.log_throttle.note(held_log),
-                extra={"instance": inst.instance_id},
-            )
-        return ProtocolError(ErrorCode.QUOTA_EXCEEDED, message)
-
     def request_region(
         self, instance_id: str, size: int, min_size: int | None = None
     ) -> RegionHandle:
@@ -147,7 +135,7 @@ class Registry:
             held = sum(self.regions[r].length for r in inst.regions)
             room = (self.quota_region_bytes - held) // self.pool.alignment * self.pool.alignment
             if room < least:
-                raise self._over_quota(inst, "bytes of regions", held, self.quota_region_bytes)
+                raise _over_quota(self, inst, "bytes of regions", held, self.quota_region_bytes)
             length = min(length, room)
         try:
             region = self.regions.allocate(instance_id, length, inst.page_size)
@@ -366,7 +354,7 @@ class Registry:
         lease = lease and inst is not None
         quota = self.quota_leases
         if lease and inst is not None and quota and len(inst.leases) >= quota:
-            raise self._over_quota(inst, "leases", len(inst.leases), quota)
+            raise _over_quota(self, inst, "leases", len(inst.leases), quota)
         held, region_ids, offsets, lengths, checksums = self.keys.lookup_columns(keys, lease)
         hits = len(held)
         misses = len(keys) - hits
@@ -427,45 +415,6 @@ class Registry:
         self.counters["keys_deleted"] += len(keys)
         return out
 
-    def delete_prefix(self, prefix: Any) -> tuple[int, int]:
-        """Delete every key starting with `prefix` that is not pinned or leased (an operator or
-        `clear()` action). Returns (deleted, skipped). Walks the whole registry: not hot."""
-        if not isinstance(prefix, (str, bytes)) or not prefix:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "prefix must be a non-empty str or bytes")
-        matching = [k for k in self.keys if type(k) is type(prefix) and k.startswith(prefix)]
-        statuses = self.delete(matching)
-        deleted = statuses.count(DeleteStatus.DELETED)
-        return deleted, len(matching) - deleted
-
-    def clear(self) -> tuple[int, int]:
-        """Delete every key that is not pinned or leased (an operator's `maru clear`).
-        Returns (deleted, skipped)."""
-        statuses = self.delete(list(self.keys))
-        deleted = statuses.count(DeleteStatus.DELETED)
-        return deleted, len(statuses) - deleted
-
-    def list_keys(self, prefix: Any = None, limit: int = 100) -> tuple[list[list[Any]], bool]:
-        """Up to `limit` keys starting with `prefix` (every key when it is None or empty), most
-        recently used first as far as CLOCK knows (the reverse of eviction order: keys used
-        since eviction last looked at them, then the others, each newest first), as
-        [key, length, owner instance]; and whether more keys matched. Walks the registry (at
-        most twice) until limit + 1 matches: an operator action (`maru keys`), not hot."""
-        if prefix is not None and not isinstance(prefix, (str, bytes)):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "prefix must be a str or bytes")
-        out: list[list[Any]] = []
-        keys, regions = self.keys, self.regions
-        for referenced in (True, False):
-            for key, entry in keys.items(reverse=True):
-                if entry.referenced is not referenced:
-                    continue
-                if prefix and not (type(key) is type(prefix) and key.startswith(prefix)):
-                    continue
-                if len(out) >= limit:
-                    return out, True
-                region = regions.get(entry.region_id)
-                out.append([key, entry.length, region.owner if region is not None else ""])
-        return out, False
-
     def _drop_keys(self, keys: list[Key], entries: list[KeyEntry]) -> None:
         """Remove keys (deleted, evicted, or replayed from the journal): journal first (so a
         replay never sees a region freed before its keys are gone), then free pages / regions
@@ -509,3 +458,66 @@ class Registry:
                 freed = notify.get(rid)
                 if freed is not None:
                     freed.append(notice)
+
+
+# -- operator actions that walk the whole registry (not on any hot path) ----------------------
+
+
+def delete_prefix(registry: Registry, prefix: Any) -> tuple[int, int]:
+    """Delete every key starting with `prefix` that is not pinned or leased (an operator or
+    `clear` action). Returns (deleted, skipped). Walks the whole registry: not hot."""
+    if not isinstance(prefix, (str, bytes)) or not prefix:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "prefix must be a non-empty str or bytes")
+    matching = [k for k in registry.keys if type(k) is type(prefix) and k.startswith(prefix)]
+    statuses = registry.delete(matching)
+    deleted = statuses.count(DeleteStatus.DELETED)
+    return deleted, len(matching) - deleted
+
+
+def clear_all(registry: Registry) -> tuple[int, int]:
+    """Delete every key that is not pinned or leased (an operator's `maru clear`).
+    Returns (deleted, skipped)."""
+    statuses = registry.delete(list(registry.keys))
+    deleted = statuses.count(DeleteStatus.DELETED)
+    return deleted, len(statuses) - deleted
+
+
+def list_keys(
+    registry: Registry, prefix: Any = None, limit: int = 100
+) -> tuple[list[list[Any]], bool]:
+    """Up to `limit` keys starting with `prefix` (every key when it is None or empty), most
+    recently used first as far as CLOCK knows (the reverse of eviction order: keys used
+    since eviction last looked at them, then the others, each newest first), as
+    [key, length, owner instance]; and whether more keys matched. Walks the registry (at
+    most twice) until limit + 1 matches: an operator action (`maru keys`), not hot."""
+    if prefix is not None and not isinstance(prefix, (str, bytes)):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "prefix must be a str or bytes")
+    out: list[list[Any]] = []
+    keys, regions = registry.keys, registry.regions
+    for referenced in (True, False):
+        for key, entry in keys.items(reverse=True):
+            if entry.referenced is not referenced:
+                continue
+            if prefix and not (type(key) is type(prefix) and key.startswith(prefix)):
+                continue
+            if len(out) >= limit:
+                return out, True
+            region = regions.get(entry.region_id)
+            out.append([key, entry.length, region.owner if region is not None else ""])
+    return out, False
+
+
+def _over_quota(
+    registry: Registry, inst: Instance, what: str, held: int, quota: int
+) -> ProtocolError:
+    """QUOTA_EXCEEDED for `inst`, logged (throttled)."""
+    message = f"instance {inst.instance_id} holds {held} {what}: its quota is {quota}"
+    held_log = registry.log_throttle.allow(("quota", what, inst.instance_id))
+    if held_log is not None:
+        log.warning(
+            "%s refused%s",
+            message,
+            registry.log_throttle.note(held_log),
+            extra={"instance": inst.instance_id},
+        )
+    return ProtocolError(ErrorCode.QUOTA_EXCEEDED, message)

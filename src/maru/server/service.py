@@ -34,7 +34,7 @@ from maru.server.housekeeping import Housekeeping, freeze_heap
 from maru.server.journal import Journal, JournalWriteError
 from maru.server.local_socket import LocalSocketServer, Peer, holder_of, local_address
 from maru.server.metrics import RequestStats
-from maru.server.registry import Registry
+from maru.server.registry import Registry, clear_all, delete_prefix, list_keys
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,51 @@ def _instance_name(name: Any) -> str:
     if not isinstance(name, str) or not name:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "field 'name' missing or not a string")
     return "".join(c if c.isascii() and c.isprintable() and c != "~" else "_" for c in name[:100])
+
+
+def _router(context: zmq.Context, bind_url: str, curve_secret_key: bytes | None) -> zmq.Socket:
+    """The ROUTER socket of the TCP port, bound."""
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    # A frame over the limit makes ZMQ drop the peer's connection before buffering it.
+    socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES + protocol.HEADER.size)
+    # Bounded queues per peer, so that a client that stops reading its replies stalls only
+    # itself: past SNDHWM unsent replies to one peer the next is dropped (and counted:
+    # ROUTER_MANDATORY makes the send fail instead of dropping silently); past RCVHWM
+    # requests ZMQ stops reading that peer's connection. A live client's own I/O thread
+    # drains its replies as they come, so it never meets the limit.
+    socket.setsockopt(zmq.SNDHWM, SNDHWM)
+    socket.setsockopt(zmq.RCVHWM, RCVHWM)
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if curve_secret_key is not None:
+        socket.curve_server = True
+        socket.curve_secretkey = curve_secret_key
+    socket.bind(bind_url)
+    return socket
+
+
+def _listen_locally(address: str, auto: bool) -> LocalSocketServer:
+    """The local socket at `address`. With "auto", a name someone else holds (the TCP port
+    is ours, so it is not another maru-server of this state dir: a process squatting the
+    name, say while this server restarted) is an ERROR naming that process, and the
+    server listens under a new name instead, which the handshake tells clients; clients
+    refuse a socket whose peer is not this server's user (`maru.client.rpc`)."""
+    try:
+        return LocalSocketServer(address)
+    except OSError as exc:
+        if not auto or exc.errno != errno.EADDRINUSE:
+            raise
+    fallback = f"{address}:{secrets.token_hex(4)}"
+    log.error(
+        "local socket %s is taken by %s, not by this server: another process squats "
+        "maru-server's name; listening on %s instead (clients refuse a socket of another "
+        "user, and learn the new name at their next handshake)",
+        address,
+        holder_of(address),
+        fallback,
+    )
+    return LocalSocketServer(fallback)
 
 
 class MaruService:
@@ -181,29 +226,13 @@ class MaruService:
         self._started_monotonic = time.monotonic()
         self.metrics_url: str | None = None  # set when `--metrics-port` serves Prometheus
         self.context = zmq.Context.instance()
-        self.socket = self.context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # A frame over the limit makes ZMQ drop the peer's connection before buffering it.
-        self.socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES + protocol.HEADER.size)
-        # Bounded queues per peer, so that a client that stops reading its replies stalls only
-        # itself: past SNDHWM unsent replies to one peer the next is dropped (and counted:
-        # ROUTER_MANDATORY makes the send fail instead of dropping silently); past RCVHWM
-        # requests ZMQ stops reading that peer's connection. A live client's own I/O thread
-        # drains its replies as they come, so it never meets the limit.
-        self.socket.setsockopt(zmq.SNDHWM, SNDHWM)
-        self.socket.setsockopt(zmq.RCVHWM, RCVHWM)
-        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if curve_secret_key is not None:
-            self.socket.curve_server = True
-            self.socket.curve_secretkey = curve_secret_key
-        self.socket.bind(bind_url)
+        self.socket = _router(self.context, bind_url, curve_secret_key)
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.local: LocalSocketServer | None = None
         address = local_address(local_socket, self.endpoint, registry.signer.server_tag())
         if address is not None:
             try:
-                self.local = self._listen_locally(address, local_socket == "auto")
+                self.local = _listen_locally(address, local_socket == "auto")
             except OSError as exc:
                 if local_socket != "auto":
                     self.socket.close(linger=0)
@@ -211,29 +240,6 @@ class MaruService:
                 log.error("no local socket (%s): clients use %s only", exc, self.endpoint)
         if gc_freeze:
             freeze_heap(full=True)  # the restored registry: one full collection, at start-up
-
-    @staticmethod
-    def _listen_locally(address: str, auto: bool) -> LocalSocketServer:
-        """The local socket at `address`. With "auto", a name someone else holds (the TCP port
-        is ours, so it is not another maru-server of this state dir: a process squatting the
-        name, say while this server restarted) is an ERROR naming that process, and the
-        server listens under a new name instead, which the handshake tells clients; clients
-        refuse a socket whose peer is not this server's user (`maru.client.rpc`)."""
-        try:
-            return LocalSocketServer(address)
-        except OSError as exc:
-            if not auto or exc.errno != errno.EADDRINUSE:
-                raise
-        fallback = f"{address}:{secrets.token_hex(4)}"
-        log.error(
-            "local socket %s is taken by %s, not by this server: another process squats "
-            "maru-server's name; listening on %s instead (clients refuse a socket of another "
-            "user, and learn the new name at their next handshake)",
-            address,
-            holder_of(address),
-            fallback,
-        )
-        return LocalSocketServer(fallback)
 
     # -- handlers ----------------------------------------------------------------------------
 
@@ -323,11 +329,11 @@ class MaruService:
 
     def _delete_prefix(self, body: dict[str, Any]) -> dict[str, Any]:
         if body.get("all") is True:  # `maru clear`
-            deleted, pinned = self.registry.clear()
+            deleted, pinned = clear_all(self.registry)
             what = "every key"
         else:
             prefix = body.get("prefix")
-            deleted, pinned = self.registry.delete_prefix(prefix)
+            deleted, pinned = delete_prefix(self.registry, prefix)
             what = f"prefix {prefix!r:.200}"
         iid = _iid(body)
         log.info(
@@ -345,7 +351,7 @@ class MaruService:
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "limit must be a positive integer")
         limit = min(limit, MAX_LIST_KEYS)
-        keys, truncated = self.registry.list_keys(body.get("prefix"), limit)
+        keys, truncated = list_keys(self.registry, body.get("prefix"), limit)
         return {"keys": keys, "truncated": truncated, "limit": limit}
 
     def _list_allocations(self, body: dict[str, Any]) -> dict[str, Any]:
