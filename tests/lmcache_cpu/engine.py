@@ -68,7 +68,10 @@ class CpuKVConnector(GPUConnectorInterface):
     def _pairs(self, memory_objs, starts, ends, kwargs):
         slots = kwargs["slot_mapping"]
         for obj, start, end in zip(memory_objs, starts, ends):
-            yield obj.tensor, slots[start:end]
+            tensor, part = obj.tensor, slots[start:end]
+            if tensor.shape[2] != len(part):  # (index_select's out= would resize, not fail)
+                raise ValueError(f"{len(part)} slots for a {tensor.shape[2]}-token object")
+            yield tensor, part
 
     def from_gpu(self, memory_obj, start: int, end: int, **kwargs: Any) -> None:
         self.batched_from_gpu([memory_obj], [start], [end], **kwargs)
