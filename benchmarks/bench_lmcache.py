@@ -309,6 +309,37 @@ def _outside(row: dict) -> str:
     return "-" if row["method"] == "memcpy" else f"{row['outside_us']:.0f}"
 
 
+def summary_table(rows: list[dict], lat_rows: list[dict]) -> list[str]:
+    """The compact form docs/performance.md keeps: GB/s per method, then the one-chunk
+    latency of the two engines (median / p99 ms)."""
+    cols = RETRIEVE_METHODS
+    out = [
+        "| prompt | op | " + " | ".join(f"{m} GB/s" for m in cols) + " | maru / local_cpu |",
+        "|---|---|" + "---:|" * (len(cols) + 1),
+    ]
+    by = {(r["tokens"], r["op"], r["method"]): r for r in [*rows, *lat_rows]}
+    for n in dict.fromkeys(r["tokens"] for r in [*rows, *lat_rows]):
+        for op in ("store", "retrieve"):
+            cells = [f"{by[n, op, m]['gbps']:.2f}" if (n, op, m) in by else "" for m in cols]
+            ratio = by[n, op, "maru"]["vs_local"]
+            label = f"{n} tokens" if n != CHUNK else f"{n} tokens (one chunk)"
+            out.append(f"| {label} | {op} | " + " | ".join(cells) + f" | {ratio:.0%} |")
+    out += [
+        "",
+        "| one chunk | local_cpu ms (med / p99) | maru | maru x-proc |",
+        "|---|---:|---:|---:|",
+    ]
+    for op in ("store", "retrieve"):
+        cells = [
+            f"{by[CHUNK, op, m]['chunk_med_ms']:.2f} / {by[CHUNK, op, m]['chunk_p99_ms']:.2f}"
+            if (CHUNK, op, m) in by
+            else ""
+            for m in ("local_cpu", "maru", "maru x-proc")
+        ]
+        out.append(f"| {op} | " + " | ".join(cells) + " |")
+    return out
+
+
 def render(machine: dict, cmd: str, reps: int, lat_reps: int, rows, lat_rows) -> str:
     m = machine
     lines = [
@@ -320,6 +351,8 @@ def render(machine: dict, cmd: str, reps: int, lat_reps: int, rows, lat_rows) ->
         f"per chunk; median of {reps} repetitions after a checked warm-up",
         "GPU connector: the tests' CPU STAND-IN (tests/lmcache_cpu CpuKVConnector), "
         "everything else LMCache's real engine",
+        "",
+        *summary_table(rows, lat_rows),
         "",
         "| prompt | op | method | GB/s | min-max | /memcpy | /local_cpu | per chunk ms "
         "| outside connector us/chunk |",
@@ -422,23 +455,26 @@ def main() -> int:
     workers: list[H.Worker] = []
     try:
         with H.maru_server(f"{(max_bytes >> 20) + 512}M") as url:
-            # A writes, B reads A's pages, C is local_cpu and the baselines
-            a = H.Worker(Side, "maru", url, max_tokens, True, False)
-            workers.append(a)
-            b = H.Worker(Side, "maru", url, max_tokens, False, False)
-            workers.append(b)
-            c = H.Worker(Side, "local_cpu", url, max_tokens, True, True)
-            workers.append(c)
-            for w in workers:
-                w.recv()  # built
-            prog.step("engines built")
-            rows = []
-            for n in prompts:
-                rows += summarize(n, measure(a, b, c, n, reps, prog, f"{n} tokens"))
-            lat_rows = summarize(CHUNK, measure(a, b, c, CHUNK, lat_reps, prog, "one chunk"))
+            try:  # the engines close (DISCONNECT) before the server stops
+                # A writes, B reads A's pages, C is local_cpu and the baselines
+                a = H.Worker(Side, "maru", url, max_tokens, True, False)
+                workers.append(a)
+                b = H.Worker(Side, "maru", url, max_tokens, False, False)
+                workers.append(b)
+                c = H.Worker(Side, "local_cpu", url, max_tokens, True, True)
+                workers.append(c)
+                for w in workers:
+                    w.recv()  # built
+                prog.step("engines built")
+                rows = []
+                for n in prompts:
+                    rows += summarize(n, measure(a, b, c, n, reps, prog, f"{n} tokens"))
+                lat = measure(a, b, c, CHUNK, lat_reps, prog, "one chunk")
+                lat_rows = summarize(CHUNK, lat)
+            finally:
+                for w in workers:
+                    w.close()
     finally:
-        for w in workers:
-            w.close()
         prog.close()
         signal.alarm(0)
     machine["load_after"] = os.getloadavg()[0]
