@@ -1,8 +1,8 @@
 """LMCache benchmark (issue 16): LMCache's real engine through the shipped MaruBackend, beside
 LMCache's own local CPU backend, in one run.
 
-    .venv/bin/python benchmarks/bench_lmcache.py --quick     # ~1 min: 1024 and 2000 tokens
-    .venv/bin/python benchmarks/bench_lmcache.py             # ~3 min: 1024, 4000, 8192 tokens
+    .venv/bin/python benchmarks/bench_lmcache.py --quick     # under a minute: 1024, 2000 tokens
+    .venv/bin/python benchmarks/bench_lmcache.py             # ~1 min: 1024, 4000, 8192 tokens
 
 Needs LMCache 0.5.6 (scripts/install_lmcache_cpu.sh). Everything is LMCache's own
 (`LMCacheEngineBuilder`, token database, storage manager, `MaruBackend` / `LocalCPUBackend`)
