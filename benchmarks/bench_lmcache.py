@@ -423,11 +423,14 @@ def main() -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args()
     default_tokens = "1024,2000" if args.quick else "1024,4000,8192"
-    prompts = [int(x) for x in (args.tokens or default_tokens).split(",")]
+    try:
+        prompts = [int(x) for x in (args.tokens or default_tokens).split(",")]
+    except ValueError:
+        ap.error(f"--tokens: comma-separated integers, not {args.tokens!r}")
     reps = args.reps or (3 if args.quick else 5)
     lat_reps = args.lat_reps or (20 if args.quick else 60)
-    if min(prompts) < 1:
-        ap.error("--tokens: prompt lengths must be positive")
+    if min(prompts) < 1 or reps < 1 or lat_reps < 1:
+        ap.error("--tokens, --reps and --lat-reps must be positive")
     max_tokens = max(prompts)
     max_bytes = max_tokens * TOKEN_BYTES
     # A: 2 KV caches; B: 1; C: 2, LMCache's CPU buffer and the baselines' pool; the shm pool
