@@ -1,7 +1,7 @@
 """LMCache benchmark (issue 16): LMCache's real engine through the shipped MaruBackend, beside
 LMCache's own local CPU backend, in one run.
 
-    .venv/bin/python benchmarks/bench_lmcache.py --quick     # under a minute: 1024, 2000 tokens
+    .venv/bin/python benchmarks/bench_lmcache.py --quick     # ~15 s: 1024, 2000 tokens
     .venv/bin/python benchmarks/bench_lmcache.py             # ~1 min: 1024, 4000, 8192 tokens
 
 Needs LMCache 0.5.6 (scripts/install_lmcache_cpu.sh). Everything is LMCache's own
