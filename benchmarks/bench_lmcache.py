@@ -477,6 +477,9 @@ def main() -> int:
             finally:
                 for w in workers:
                     w.close()
+    except (TimeoutError, RuntimeError) as exc:  # the deadline, a worker's failure or check
+        print(f"bench_lmcache: {exc}", file=sys.stderr)
+        return 1
     finally:
         prog.close()
         signal.alarm(0)
