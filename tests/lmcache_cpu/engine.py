@@ -59,7 +59,8 @@ class CpuKVConnector(GPUConnectorInterface):
     gather/scatter on CPU. `kvcaches` is vLLM's paged KV cache, one tensor per layer of
     [2, slots, hidden]; `slot_mapping[i]` is token i's slot. `batched_from_gpu` copies
     tokens [start, end) of every layer into a memory object ([2, layers, tokens, hidden],
-    LMCache's KV_2LTD), `batched_to_gpu` copies a memory object back into the slots."""
+    LMCache's KV_2LTD) with one gather per layer and K/V, `batched_to_gpu` copies a memory
+    object back into the slots."""
 
     def __init__(self, geometry: Geometry = GEOMETRY):
         self.geometry = geometry
@@ -67,7 +68,10 @@ class CpuKVConnector(GPUConnectorInterface):
     def _pairs(self, memory_objs, starts, ends, kwargs):
         slots = kwargs["slot_mapping"]
         for obj, start, end in zip(memory_objs, starts, ends):
-            yield obj.tensor, slots[start:end]
+            tensor, part = obj.tensor, slots[start:end]
+            if tensor.shape[2] != len(part):  # (index_select's out= would resize, not fail)
+                raise ValueError(f"{len(part)} slots for a {tensor.shape[2]}-token object")
+            yield tensor, part
 
     def from_gpu(self, memory_obj, start: int, end: int, **kwargs: Any) -> None:
         self.batched_from_gpu([memory_obj], [start], [end], **kwargs)
@@ -79,7 +83,8 @@ class CpuKVConnector(GPUConnectorInterface):
         caches = kwargs["kvcaches"]
         for tensor, slots in self._pairs(memory_objs, starts, ends, kwargs):
             for layer, cache in enumerate(caches):
-                tensor[:, layer] = cache[:, slots]
+                for kv in (0, 1):  # one gather straight into the object (a contiguous part)
+                    torch.index_select(cache[kv], 0, slots, out=tensor[kv, layer])
 
     def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs: Any) -> None:
         caches = kwargs["kvcaches"]
@@ -139,11 +144,21 @@ class Engine:
     `LookupClientFactory`, then `post_init`. `close()` destroys it through the builder (which
     closes the MaruBackend and so its handler: DISCONNECT)."""
 
-    def __init__(self, cfg: LMCacheEngineConfig, meta: LMCacheMetadata):
+    def __init__(
+        self,
+        cfg: LMCacheEngineConfig,
+        meta: LMCacheMetadata,
+        connector: GPUConnectorInterface | None = None,
+    ):
         self.config, self.metadata = cfg, meta
         self.instance_id = f"maru-test-{uuid.uuid4().hex[:8]}"
         self.engine: LMCacheEngine = LMCacheEngineBuilder.get_or_create(
-            self.instance_id, cfg, meta, CpuKVConnector(), lambda *a: None, lambda obj, *a: obj
+            self.instance_id,
+            cfg,
+            meta,
+            connector or CpuKVConnector(),
+            lambda *a: None,
+            lambda obj, *a: obj,
         )
         self.lookup_server = None
         if cfg.enable_async_loading:
