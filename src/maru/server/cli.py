@@ -644,9 +644,9 @@ def main(argv: list[str] | None = None) -> int:
             low_watermark=args.eviction_low_watermark,
             lease_seconds=args.lease_timeout,
             reap_hold=args.reap_hold,
+            quota_region_bytes=quota_region_bytes(args.quota_region_bytes, pool.capacity),
+            quota_leases=args.quota_leases,
         )
-        registry.quota_region_bytes = quota_region_bytes(args.quota_region_bytes, pool.capacity)
-        registry.quota_leases = args.quota_leases
         warn_if_pure_python()
         persistence.restore(registry, snapshot, records)
         registry.regions.next_id = max(registry.regions.next_id, first_region_id)

@@ -1,4 +1,4 @@
-"""The server's state: instances, the key -> (region, offset, length) index, leases and pins.
+"""The server's state: the key -> (region, offset, length) index, regions, leases and pins.
 
 Pure bookkeeping, no sockets and no page bytes, so every rule can be tested directly:
 - write-then-register: a key exists only once its owner registered it, after writing its bytes;
@@ -12,7 +12,8 @@ Pure bookkeeping, no sockets and no page bytes, so every rule can be tested dire
   (if any) before it is answered, and a restart replays the journal through the same
   mutators that wrote it.
 
-Regions and their deferred free are in `maru.server.regions`; which keys go when memory runs
+Who is connected (sessions, handshake, disconnect, reaping) is in `maru.server.instances`;
+regions and their deferred free, in `maru.server.regions`; which keys go when memory runs
 short, in `maru.server.eviction`; pins and read leases, in `maru.server.holds`; the snapshot
 and the replay, in `maru.server.persistence`; the statistics, in `maru.server.metrics`.
 """
@@ -76,13 +77,20 @@ class Registry:
         low_watermark: float = 0.85,
         lease_seconds: float = 10.0,
         reap_hold: float = 0.0,
+        quota_region_bytes: int = 0,
+        quota_leases: int = 0,
     ):
         """`reap_hold`: seconds the regions of an instance reaped for its silence, whose
-        process is not watched (`maru.server.processes`), stay out of use (`--reap-hold`)."""
+        process is not watched (`maru.server.processes`), stay out of use (`--reap-hold`).
+
+        `quota_region_bytes`, `quota_leases`: what one instance may hold (0: no limit), so
+        that one client cannot starve the others (`--quota-region-bytes`, `--quota-leases`);
+        past them a request is refused with QUOTA_EXCEEDED, before any side effect."""
         self.pool = pool
         self.signer = signer
         self.journal = journal
         self.instances = InstanceTable(self, reap_hold)
+        self.quota_region_bytes, self.quota_leases = quota_region_bytes, quota_leases
         # Oldest first, the order eviction walks (a key it spares moves to the end); batches
         # go through its batch calls (`maru.server.keyindex`).
         self.keys: KeyIndex = KeyIndex()
@@ -104,11 +112,6 @@ class Registry:
         return registry_stats(self)
 
     # -- an instance's regions ---------------------------------------------------------------
-
-    # Per-instance quotas (`--quota-region-bytes`, `--quota-leases`; 0: none), so that one
-    # client cannot starve the others. Refusals are QUOTA_EXCEEDED, before any side effect.
-    quota_region_bytes = 0
-    quota_leases = 0
 
     def request_region(
         self, instance_id: str, size: int, min_size: int | None = None
