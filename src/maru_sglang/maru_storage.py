@@ -99,33 +99,44 @@ def _leading_run(present: np.ndarray) -> int:
     return int(missing[0]) if missing.size else int(present.size)
 
 
+def open_handler(
+    extra: dict[str, Any], tp_rank: int, tp_size: int, **overrides: Any
+) -> tuple[MaruConfig, MaruHandler]:
+    """The `maru_*` keys of an SGLang extra config -> a connected handler (MaruStorage and the
+    linker both start here). `overrides`: MaruConfig fields the caller derives (a chunk size).
+    Not connected -> `RuntimeError: Failed to connect MaruHandler to <url>: <why>`."""
+    config = MaruConfig.from_mapping(extra, prefix="maru_")
+    # Each rank is an instance of its own (the server names it, the name only reads well): a
+    # configured name gets the rank, so ranks stay apart in `maru stats`.
+    if "maru_instance_id" in extra and tp_size > 1:
+        overrides.setdefault("instance_id", f"{config.instance_id}/tp{tp_rank}")
+    if overrides:
+        config = dataclasses.replace(config, **overrides)
+    handler = MaruHandler(config)
+    if not handler.connected:
+        # The seed's text first (`RuntimeError: Failed to connect MaruHandler to <url>`), then
+        # why (down, refused, another version), once.
+        error = handler.connect_error
+        handler.close()
+        reason = f": {error.reason}" if error is not None else ""
+        raise RuntimeError(
+            f"Failed to connect MaruHandler to {config.server_url}{reason}"
+        ) from None
+    return config, handler
+
+
 class MaruStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, args: Any = None):
         self.storage_config = storage_config
         extra = dict(storage_config.extra_config or {})
-        config = MaruConfig.from_mapping(extra, prefix="maru_")
-        # Each rank is an instance of its own (the server names it, the name only reads
-        # well): a configured name gets the rank, so ranks stay apart in `maru stats`.
-        if "maru_instance_id" in extra and storage_config.tp_size > 1:
-            config = dataclasses.replace(
-                config, instance_id=f"{config.instance_id}/tp{storage_config.tp_rank}"
-            )
-        self.config = config
         # Unless the user chose one, the chunk size follows the page sizes (known only when
         # the pools register, before any chunk is reserved): with the 1 MiB default a 16 KiB
         # page would hold 1 MiB.
         self._chunk_from_page = "maru_chunk_size_bytes" not in extra
         self.enable_metrics = bool(storage_config.enable_storage_metrics)
-        self.handler = MaruHandler(self.config)
-        if not self.handler.connected:
-            # The seed's text first (`RuntimeError: Failed to connect MaruHandler to <url>`),
-            # then why (down, refused, another version), once.
-            error = self.handler.connect_error
-            self.handler.close()
-            reason = f": {error.reason}" if error is not None else ""
-            raise RuntimeError(
-                f"Failed to connect MaruHandler to {self.config.server_url}{reason}"
-            ) from None
+        self.config, self.handler = open_handler(
+            extra, storage_config.tp_rank, storage_config.tp_size
+        )
         self.mem_pool_host: Any = None
         self.namespace = ""  # the KV pool's
         self._kv: PoolIO | None = None

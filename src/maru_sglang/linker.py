@@ -1,0 +1,572 @@
+"""SGLang's direct L3 interface over Maru: `MaruCacheLinker`, a `UnifiedCacheLinker`.
+
+Loaded by SGLang 0.5.23 in each scheduler process with::
+
+    --enable-unified-cache-external-linker --unified-cache-external-linker-backend dynamic
+    --unified-cache-external-linker-config '{"linker": "MaruCacheLinker",
+        "linker_module_path": "maru_sglang.linker",
+        "linker_extra_config": {"maru_server_url": "tcp://...", "maru_pool_size": "4G"}}'
+
+(`linker_extra_config` takes the same `maru_*` keys as MaruStorage.) The radix tree then talks
+to the linker directly, with no host tier: KV moves between the DEVICE KV pool and the shared
+pool, one copy per page part each way (on CPU a memmove; on a GPU it would be one DMA between
+HBM and the shared mapping registered with CUDA, see `register_with_cuda`), against two
+(device -> host pool -> shared memory) on the HiCache L3 path.
+
+A page is stored exactly as MaruStorage stores a `page_first_direct` host page (K of every
+layer, then V of every layer; one latent part for MLA), under the same namespace
+(`pools.page_namespace` with layout `page_first_direct`): an instance on the linker and one on
+HiCache L3 share pages, and any difference in model, dtype, geometry or rank is another
+namespace, so a miss.
+
+Threads: `lookup`, `load`, `start_layer_wise_loading`, `cancel_queued_load`, `offload` run on
+the scheduler thread; one load thread copies queued loads layer by layer (the forward waits
+on each layer through `layer_done_counter`, so layer 0 computes while later layers land); one
+offload thread writes and seals pages. First rule: `load` takes a leased lookup of every page
+(a page missing or of another length: the load is refused, the request recomputes); the lease
+keeps the pages from eviction or deletion until the copy is done; after the copy the lease is
+confirmed (and checksums checked with `maru_checksums`); if that fails the last layer is
+reported failed, `finish_layer_wise_loading` says False and SGLang aborts the requests before
+their output is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
+from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
+    LayerWiseLoadCounter,
+    UnifiedCacheLinker,
+)
+from sglang.srt.utils import get_device_module
+
+from maru import MaruHandler
+from maru.client.memcopy import copy_many
+from maru.client.requests import Lookup
+from maru_sglang.maru_storage import open_handler
+from maru_sglang.pools import chunk_size_for, page_namespace
+
+__all__ = ["DevicePageLayout", "MaruCacheLinker", "register_with_cuda"]
+
+log = logging.getLogger(__name__)
+device_module = get_device_module()
+
+# The host layout whose page bytes the linker reproduces (and whose namespace it shares).
+STORED_LAYOUT = "page_first_direct"
+
+_COUNTERS = (
+    "lookups",
+    "lookup_hit_pages",
+    "loads",  # requests whose load was queued
+    "loads_refused",  # refused at queue time (a page gone): the request recomputes
+    "loaded_pages",
+    "load_failures",  # batches reported failed (lease lost, checksum): requests aborted
+    "offloads",
+    "offloaded_pages",  # pages copied and sealed
+    "offload_skipped_pages",  # already in Maru (another instance wrote them): not copied
+    "offload_failures",
+    "bytes_loaded",
+    "bytes_offloaded",
+)
+
+
+class DevicePageLayout:
+    """One device KV pool as pages in Maru: which device rows make up a page, in which order.
+
+    MHA (`MHATokenToKVPool`): per layer a K and a V buffer of [tokens, heads, head_dim]; a
+    stored page is the K rows of its tokens for layer 0..L-1, then the V rows likewise, the
+    byte order of a `page_first_direct` host page. MLA (`MLATokenToKVPool`): one latent buffer
+    per layer, one part. Each (part, layer) piece of a page is `page_size` consecutive rows of
+    one buffer, so one copy each.
+    """
+
+    def __init__(self, kvcache: Any, page_size: int):
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+        self.page_size = page_size
+        if getattr(kvcache, "page_size", page_size) != page_size:
+            raise ValueError(
+                f"device KV pool page size {kvcache.page_size} != tree page size {page_size}"
+            )
+        if isinstance(kvcache, MLATokenToKVPool):
+            self.is_mla = True
+            parts = [list(kvcache.kv_buffer)]
+            self.geometry = SimpleNamespace(
+                kv_lora_rank=kvcache.kv_lora_rank,
+                qk_rope_head_dim=kvcache.qk_rope_head_dim,
+                kv_cache_dim=kvcache.kv_cache_dim,
+            )
+        elif isinstance(kvcache, MHATokenToKVPool):
+            self.is_mla = False
+            if (
+                getattr(kvcache, "k_scale_buffer", None) is not None
+                or getattr(kvcache, "native_k_scale_buffer", None) is not None
+            ):
+                raise ValueError("MaruCacheLinker does not support scaled (fp8/fp4) KV caches")
+            parts = [list(kvcache.k_buffer), list(kvcache.v_buffer)]
+            self.geometry = SimpleNamespace(
+                head_num=kvcache.head_num,
+                head_dim=kvcache.head_dim,
+                v_head_dim=getattr(kvcache, "v_head_dim", kvcache.head_dim),
+            )
+        else:
+            raise ValueError(
+                f"MaruCacheLinker supports MHATokenToKVPool and MLATokenToKVPool device pools, "
+                f"not {type(kvcache).__name__}"
+            )
+        self.layers = len(parts[0])
+        if not self.layers or any(len(p) != self.layers for p in parts):
+            raise ValueError("device KV pool: every part needs one buffer per layer")
+        row_bytes = []
+        for buffers in parts:
+            rows = {b.nbytes // b.shape[0] for b in buffers}  # contiguous: the row stride
+            if len(rows) != 1 or any(not b.is_contiguous() for b in buffers):
+                raise ValueError("device KV pool: buffers of one part must be contiguous alike")
+            row_bytes.append(rows.pop())
+        self.rows = min(b.shape[0] for p in parts for b in p)
+        self.device = parts[0][0].device
+        self.row_bytes = row_bytes
+        # bases[part][layer]: the address of row 0 of that buffer
+        self.bases = np.array([[b.data_ptr() for b in p] for p in parts], dtype=np.int64)
+        self.piece_bytes = [page_size * r for r in row_bytes]  # one (part, layer) of a page
+        self.part_bytes = [self.layers * p for p in self.piece_bytes]
+        self.part_offsets = np.cumsum([0, *self.part_bytes[:-1]]).tolist()
+        self.page_bytes = sum(self.part_bytes)
+        # What page_namespace reads of a host pool, for the host pool this page order is.
+        self.geometry.__dict__.update(
+            dtype=kvcache.dtype, layer_num=self.layers, page_size=page_size, layout=STORED_LAYOUT
+        )
+        self.buffers = parts
+
+    def firsts(self, indices: torch.Tensor | None, pages: int) -> np.ndarray | None:
+        """The first token slot of each page of `indices`; None unless they are exactly
+        `pages` whole pages, page-aligned, consecutive slots within each page, in the pool."""
+        p = self.page_size
+        if indices is None or indices.numel() != pages * p:
+            return None
+        slots = indices.detach().to("cpu", torch.int64).numpy().reshape(pages, p)
+        firsts = slots[:, 0]
+        if (firsts % p).any() or (slots != firsts[:, None] + np.arange(p)).any():
+            return None
+        if pages and (firsts.min() < 0 or firsts.max() + p > self.rows):
+            return None
+        return firsts.astype(np.int64)
+
+    def load_layer(self, layer: int, sources: np.ndarray, firsts: np.ndarray) -> None:
+        """Copy one layer of stored pages (`sources`: each page's address in the shared
+        mapping) into the device rows starting at `firsts`: one copy per part and page.
+        Plain (not streaming) stores: the forward reads these rows next, from this cache."""
+        for part, offset in enumerate(self.part_offsets):
+            piece = self.piece_bytes[part]
+            dst = self.bases[part, layer] + firsts * self.row_bytes[part]
+            copy_many(dst, sources + (offset + layer * piece), piece, streaming=False)
+
+    def store(self, targets: np.ndarray, firsts: np.ndarray) -> None:
+        """Copy whole pages from the device rows at `firsts` to `targets` in the shared
+        mapping, in stored order: one copy per (part, layer) piece of each page."""
+        for part, offset in enumerate(self.part_offsets):
+            piece = self.piece_bytes[part]
+            for layer in range(self.layers):
+                src = self.bases[part, layer] + firsts * self.row_bytes[part]
+                copy_many(targets + (offset + layer * piece), src, piece)
+
+
+def register_with_cuda(handler: MaruHandler, layout: DevicePageLayout) -> bool:
+    """On a GPU the copies would be DMA between HBM and the shared mapping, which needs every
+    mapped region registered with CUDA (`cudaHostRegister`, as pinned host memory is): this
+    registers each region as the handler maps it. Returns False, and does nothing, when the
+    device pool is not on CUDA or torch has no CUDA (this machine): the linker then copies
+    with the CPU (`copy_many`)."""
+    if layout.device.type != "cuda" or not torch.cuda.is_available():
+        log.info("MaruCacheLinker: device pool on %s: no CUDA registration", layout.device)
+        return False
+    cudart = torch.cuda.cudart()
+
+    def register(region_id: int) -> None:
+        view = handler.get_buffer_view(region_id, 0, 1)
+        length = handler.get_region_page_count(region_id) * handler.get_chunk_size()
+        if view is None or not length:
+            return
+        address = np.frombuffer(view, np.uint8).ctypes.data
+        err = cudart.cudaHostRegister(address, length, 0)
+        if int(err) != 0:
+            log.warning("cudaHostRegister of region %d failed: %s", region_id, err)
+
+    handler.on_region_added(register)
+    return True
+
+
+@dataclass
+class _Load:
+    """A request's queued load: its pages' device slots and their leased locations."""
+
+    rid: str
+    firsts: np.ndarray
+    lookup: Lookup
+    pages: int
+
+
+class MaruCacheLinker(UnifiedCacheLinker):
+    """`UnifiedCacheLinker` whose external store is Maru (FULL KV: MHA and MLA pools)."""
+
+    def __init__(
+        self,
+        server_args: Any,
+        params: Any,
+        *,
+        components: Any = None,
+        extra_config: dict[str, Any] | None = None,
+        forward_stream: Any = None,
+    ):
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+        if components is not None and set(components) != {ComponentType.FULL}:
+            names = sorted(getattr(c, "name", str(c)) for c in components)
+            raise ValueError(f"MaruCacheLinker stores FULL KV only; the model needs {names}")
+        self.forward_stream = forward_stream
+        self.page_size = int(params.page_size)
+        kvcache = params.token_to_kv_pool_allocator.get_kvcache()
+        self.layout = DevicePageLayout(kvcache, self.page_size)
+        if self.layout.device.type == "cuda":
+            # Registration exists (register_with_cuda); the DMA copy path is not built yet.
+            raise NotImplementedError(
+                "MaruCacheLinker copies with the CPU: a CUDA device pool needs the DMA path "
+                "(cudaMemcpy through the registered mapping), not implemented yet"
+            )
+        self.storage_config = _storage_config(server_args, params, self.layout.is_mla)
+        self.namespace = page_namespace(self.storage_config, self.layout.geometry)
+        # MLA pages are the same on every rank: rank 0 writes them, every rank reads them.
+        self.offload_owner = not self.layout.is_mla or self.storage_config.tp_rank == 0
+        extra = dict(extra_config or {})
+        overrides = {}
+        chunk = chunk_size_for(self.layout.page_bytes)
+        if "maru_chunk_size_bytes" not in extra:
+            overrides["chunk_size_bytes"] = chunk
+        self.config, self.handler = open_handler(
+            extra, self.storage_config.tp_rank, self.storage_config.tp_size, **overrides
+        )
+        self.cuda_registered = register_with_cuda(self.handler, self.layout)
+        self.pools = {PoolName.KV: self.layout}
+        self.layer_done_counter = LayerWiseLoadCounter(self.layout.layers)
+        self._lock = threading.Lock()
+        self._stats = dict.fromkeys(_COUNTERS, 0)
+        self._seconds = {"load_seconds": 0.0, "offload_seconds": 0.0}
+        self._pending: dict[str, _Load] = {}  # queued by load(), started by the next start
+        self._load_queue: queue.Queue = queue.Queue()
+        self._offload_queue: queue.Queue = queue.Queue()
+        self._offload_results: queue.Queue[bool] = queue.Queue()
+        self._closed = False
+        self._load_thread = threading.Thread(
+            target=self._serve, args=(self._load_queue, self._load_batch), daemon=True,
+            name="maru-linker-load",
+        )  # fmt: skip
+        self._offload_thread = threading.Thread(
+            target=self._serve, args=(self._offload_queue, self._offload_pages), daemon=True,
+            name="maru-linker-offload",
+        )  # fmt: skip
+        self._load_thread.start()
+        self._offload_thread.start()
+        log.info(
+            "MaruCacheLinker connected to %s as instance %s: namespace %s, %d-byte pages "
+            "(%d layers, %s), tp %d/%d",
+            self.config.server_url,
+            self.handler.instance_id,
+            self.namespace,
+            self.layout.page_bytes,
+            self.layout.layers,
+            "MLA" if self.layout.is_mla else "MHA",
+            self.storage_config.tp_rank,
+            self.storage_config.tp_size,
+        )
+
+    # -- keys ---------------------------------------------------------------------------------
+
+    def keys(self, hashes: Sequence[str]) -> list[str]:
+        """Maru keys of page hashes (MaruStorage's KV keys for the same pages)."""
+        ns = self.namespace
+        return [f"{ns}:{h}" for h in hashes]
+
+    @staticmethod
+    def _kv(transfers: Sequence[PoolTransfer]) -> PoolTransfer | None:
+        return next((t for t in transfers if t.name == PoolName.KV), None)
+
+    def _count(self, **deltas: float) -> None:
+        with self._lock:
+            for name, value in deltas.items():
+                if name in self._seconds:
+                    self._seconds[name] += value
+                else:
+                    self._stats[name] += int(value)
+
+    # -- scheduler thread ---------------------------------------------------------------------
+
+    def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
+        """Every prefix length (pages) stored whole: 1..n for the n leading stored pages (one
+        RPC; FULL KV alone has no sparse boundaries)."""
+        kv = self._kv(transfers)
+        if kv is None or not kv.keys:
+            return []
+        present = self.handler.batch_exists(self.keys(kv.keys))
+        run = present.index(False) if False in present else len(present)
+        self._count(lookups=1, lookup_hit_pages=run)
+        return list(range(1, run + 1))
+
+    def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
+        """Lease every page now (one RPC) and queue the copy; False (the request recomputes)
+        if a page is gone or stored with another length, or the slots are not whole pages."""
+        kv = self._kv(transfers)
+        if kv is None or not kv.keys:
+            return False
+        if rid in self._pending:
+            raise RuntimeError(f"MaruCacheLinker: a load for {rid} is already queued")
+        pages = len(kv.keys)
+        firsts = self.layout.firsts(kv.device_indices, pages)
+        if firsts is None:
+            log.error("load %s: device slots are not %d whole pages: refused", rid, pages)
+            self._count(loads_refused=1)
+            return False
+        lookup = self.handler.lookup(self.keys(kv.keys), lease=True)
+        _, lengths = lookup.wait()
+        if not (lengths == self.layout.page_bytes).all():
+            missing = int((lengths == 0).sum())
+            log.info(
+                "load %s: %d of %d pages gone, %d of another length since lookup: recompute",
+                rid,
+                missing,
+                pages,
+                int(((lengths != 0) & (lengths != self.layout.page_bytes)).sum()),
+            )
+            lookup.release()
+            self._count(loads_refused=1)
+            return False
+        self._pending[rid] = _Load(rid, firsts, lookup, pages)
+        return True
+
+    def start_layer_wise_loading(self) -> int:
+        """Hand the queued loads to the load thread; the counter index the forward waits on
+        (-1: nothing to load)."""
+        if not self._pending:
+            return -1
+        loads, self._pending = list(self._pending.values()), {}
+        index = self.layer_done_counter.update_producer()
+        ready = device_module.Event()  # slot allocations before the copies (a GPU's stream)
+        ready.record()
+        self._load_queue.put((index, loads, ready))
+        self._count(loads=len(loads))
+        return index
+
+    def finish_layer_wise_loading(self, counter_index: int) -> bool:
+        return self.layer_done_counter.finish(counter_index)
+
+    def cancel_queued_load(self, rid: str) -> bool:
+        load = self._pending.pop(rid, None)
+        if load is None:
+            return False
+        load.lookup.release()
+        return True
+
+    def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
+        """Queue the pages for the offload thread; False if they are not whole pages."""
+        kv = self._kv(transfers)
+        if kv is None or not kv.keys:
+            return False
+        firsts = self.layout.firsts(kv.device_indices, len(kv.keys))
+        if firsts is None:
+            log.error("offload: device slots are not %d whole pages: refused", len(kv.keys))
+            return False
+        if not self.offload_owner:  # MLA on a rank > 0: rank 0 writes the same bytes
+            self._offload_results.put(True)
+            return True
+        self._offload_queue.put((self.keys(kv.keys), firsts, self.record_offload_ready()))
+        return True
+
+    def num_completed_offloads(self) -> int:
+        return self._offload_results.qsize()
+
+    def pop_completed_offload(self) -> bool:
+        return self._offload_results.get_nowait()
+
+    # -- worker threads -----------------------------------------------------------------------
+
+    @staticmethod
+    def _serve(tasks: queue.Queue, work: Any) -> None:
+        while True:
+            task = tasks.get()
+            try:
+                if task is None:
+                    return
+                work(*task)
+            except BaseException:  # a worker never dies: each task reports its own failure
+                log.exception("MaruCacheLinker worker task failed")
+            finally:
+                tasks.task_done()
+
+    def _load_batch(self, index: int, loads: list[_Load], ready: Any) -> None:
+        """Copy the batch layer by layer, completing each layer as it lands, except the last:
+        that one completes only once every lease held to the end (and checksums match), else
+        it fails and the batch is reported as not landed."""
+        start = time.perf_counter()
+        counter, last = self.layer_done_counter, self.layout.layers - 1
+        released = False
+        try:
+            ready.synchronize()
+            sources = np.concatenate([load.lookup.addresses for load in loads])
+            firsts = np.concatenate([load.firsts for load in loads])
+            for layer in range(self.layout.layers):
+                self.layout.load_layer(layer, sources, firsts)
+                if layer < last:
+                    counter.complete(index, layer)
+            released = True
+            proven = [self._proven(load) for load in loads]  # releases every lease
+            if not all(proven):
+                bad = [load.rid for load, ok in zip(loads, proven) if not ok]
+                raise RuntimeError(f"pages of {bad} not proven after the copy (lease/checksum)")
+            counter.complete(index, last)
+            pages = int(firsts.size)
+            self._count(
+                loaded_pages=pages,
+                bytes_loaded=pages * self.layout.page_bytes,
+                load_seconds=time.perf_counter() - start,
+            )
+            log.info("linker load: %d pages from Maru for %d request(s)", pages, len(loads))
+        except BaseException as error:
+            counter.fail(index, error)
+            self._count(load_failures=1)
+            log.error("linker load of %d request(s) failed: %s", len(loads), error)
+            if not released:
+                for load in loads:
+                    load.lookup.release()
+
+    @staticmethod
+    def _proven(load: _Load) -> bool:
+        """After the copy: no page changed under its checksum and the lease held throughout."""
+        corrupt = bool(load.lookup.corrupt().any())
+        return load.lookup.release(confirm=True) and not corrupt
+
+    def _offload_pages(self, keys: list[str], firsts: np.ndarray, ready: list[Any]) -> None:
+        """Write the pages not in Maru yet (one existence RPC), seal them (one RPC), and
+        report one result: True when every page is in Maru afterwards."""
+        start = time.perf_counter()
+        ok = False
+        try:
+            for event in ready:
+                event.synchronize()
+            present = np.array(self.handler.batch_exists(keys), dtype=bool)
+            todo = np.flatnonzero(~present)
+            stored = 0
+            if todo.size:
+                stored = self._write(
+                    [keys[i] for i in todo.tolist()], firsts[todo], self.layout.page_bytes
+                )
+            ok = stored == todo.size
+            self._count(
+                offloads=1,
+                offloaded_pages=stored,
+                offload_skipped_pages=len(keys) - todo.size,
+                bytes_offloaded=stored * self.layout.page_bytes,
+                offload_seconds=time.perf_counter() - start,
+            )
+        finally:
+            if not ok:
+                self._count(offload_failures=1)
+            self._offload_results.put(ok)
+
+    def _write(self, keys: list[str], firsts: np.ndarray, page_bytes: int) -> int:
+        """Reserve, copy and seal `keys`' pages; the number sealed (or found sealed)."""
+        n = len(keys)
+        run = self.handler.alloc(page_bytes, n)
+        if run is not None:
+            handles: Any = run
+            targets = run.address + np.arange(n, dtype=np.int64) * run.stride
+            copied = np.ones(n, dtype=bool)
+        else:  # no free run: page by page (each may evict in our own regions)
+            handles = [self.handler.alloc(page_bytes) for _ in range(n)]
+            copied = np.array([h is not None for h in handles], dtype=bool)
+            targets = np.array([h.address if h is not None else 0 for h in handles], np.int64)
+        if copied.any():
+            self.layout.store(targets[copied], firsts[copied])
+        results = self.handler.seal(keys, handles, page_bytes).wait()
+        return int(sum(results))
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Drop queued loads (their leases end), wait for the threads to finish what they
+        started, forget completed offloads and the layer counter."""
+        for load in self._pending.values():
+            load.lookup.release()
+        self._pending.clear()
+        self._load_queue.join()
+        self._offload_queue.join()
+        while True:
+            try:
+                self._offload_results.get_nowait()
+            except queue.Empty:
+                break
+        self.layer_done_counter.reset()
+
+    def close(self) -> None:
+        """Quiesce (as `reset`), stop the threads, end this instance on the server (the pages
+        stay readable by others until evicted)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.reset()
+        self._load_queue.put(None)
+        self._offload_queue.put(None)
+        self._load_thread.join()
+        self._offload_thread.join()
+        log.info("MaruCacheLinker closing: %s", self.counters)
+        self.handler.close()
+
+    @property
+    def counters(self) -> dict[str, float]:
+        """Cumulative counts: lookups, loads, pages and bytes each way, failures, seconds."""
+        with self._lock:
+            return {**self._stats, **self._seconds}
+
+
+def _storage_config(server_args: Any, params: Any, is_mla: bool) -> HiCacheStorageConfig:
+    """The ranks and model name HiCache's controller would give MaruStorage in this process
+    (`HiCacheController._generate_storage_config`), so both paths name pages alike."""
+    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    if is_dp_attention_enabled():
+        tp_rank, tp_size, dp_rank = (
+            parallel.attn_tp_rank,
+            parallel.attn_tp_size,
+            parallel.attn_dp_rank,
+        )
+    else:
+        tp_rank, tp_size, dp_rank = parallel.tp_rank, parallel.tp_size, 0
+    dcp_size = parallel.attn_dcp_size
+    if dcp_size > 1:
+        raise ValueError("MaruCacheLinker does not support decode context parallelism (DCP)")
+    model = getattr(server_args, "served_model_name", None) or server_args.model_path
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=params.pp_rank,
+        pp_size=params.pp_size,
+        attn_cp_rank=params.attn_cp_rank,
+        attn_cp_size=params.attn_cp_size,
+        is_mla_model=is_mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=False,
+        model_name=model,
+        dp_rank=dp_rank,
+        dcp_size=dcp_size,
+        dcp_rank=parallel.attn_dcp_rank,
+    )
