@@ -77,6 +77,30 @@ def hicache_args(backend: str = "dynamic", extra: dict | None = None) -> list[st
     return args
 
 
+# How SGLang's dynamic linker factory finds MaruCacheLinker (docs/sglang.md).
+MARU_LINKER = {"linker": "MaruCacheLinker", "linker_module_path": "maru_sglang.linker"}
+
+
+def linker_config(url: str, *, pool_size: str = "256M", **more) -> dict:
+    """``--unified-cache-external-linker-config`` for MaruCacheLinker (``maru_*`` keys in
+    ``more``)."""
+    return {
+        **MARU_LINKER,
+        "linker_extra_config": {"maru_server_url": url, "maru_pool_size": pool_size, **more},
+    }
+
+
+def linker_args(config: dict) -> list[str]:
+    """Server flags that link the device KV pool straight to Maru (no host tier)."""
+    return [
+        "--enable-unified-cache-external-linker",
+        "--unified-cache-external-linker-backend",
+        "dynamic",
+        "--unified-cache-external-linker-config",
+        json.dumps(config),
+    ]
+
+
 def maru_server_command(python: str = sys.executable) -> list[str]:
     beside = Path(python).parent / "maru-server"
     if beside.exists():
@@ -286,10 +310,12 @@ def stream_ttft(
     return ttft, last
 
 
-def storage_hits(response: dict) -> int:
-    """Prompt tokens the server reported as loaded from L3 storage."""
+def storage_hits(response: dict, *, linker: bool = False) -> int:
+    """Prompt tokens the server reported as loaded from L3 storage. A server on an external
+    linker has no host tier and reports what the linker loaded as ``host`` hits (SGLang 0.5.23:
+    the linker's match sets ``host_hit_length``)."""
     details = response["meta_info"].get("cached_tokens_details") or {}
-    return int(details.get("storage") or 0)
+    return int(details.get("host" if linker else "storage") or 0)
 
 
 def expected_storage_hits(prompt_tokens: int, page_size: int = PAGE_SIZE) -> int:
@@ -318,10 +344,11 @@ class PromptOutcome:
     expected_storage: int
     hits_lines: list[str]  # `batch_get_v1 result: N/N hits`, one per batch, in instance 2's log
     hits_logged: bool
+    linker: bool = False  # the servers ran MaruCacheLinker, not HiCache + MaruStorage
 
     @property
     def storage(self) -> int:
-        return storage_hits(self.second)
+        return storage_hits(self.second, linker=self.linker)
 
     @property
     def same_output(self) -> bool:
@@ -345,18 +372,26 @@ def run_p2p(
     pool_size: str = "256M",
     say: Callable[[str], None] = lambda _msg: None,
     tp_size: int = 1,
+    linker: bool = False,
 ) -> P2PRun:
     """Two SGLang servers with MaruStorage (the contract JSON) on one maru-server; for each
     prompt: instance 1 computes it, its pages reach L3, instance 2 gets the same prompt.
+
+    `linker`: the servers link their device KV pools to Maru with MaruCacheLinker instead (no
+    host tier); instance 2's log then says ``linker load: N pages from Maru``.
 
     `tp_size` > 1: each server runs that many TP ranks on CPU (gloo), rank i's OpenMP
     threads bound to CPU i modulo the CPUs this process may use (SGLang refuses more ranks
     than NUMA nodes otherwise); every rank is a MaruStorage of its own and writes its shard."""
     from .server import generate
 
-    extra = maru_extra_config(maru_url, pool_size=pool_size, prefetch_threshold=PAGE_SIZE)
+    if linker:
+        extra = linker_config(maru_url, pool_size=pool_size)
+        args = linker_args(extra)
+    else:
+        extra = maru_extra_config(maru_url, pool_size=pool_size, prefetch_threshold=PAGE_SIZE)
+        args = hicache_args("dynamic", extra)
     say(f"extra config: {json.dumps(extra)}")
-    args = hicache_args("dynamic", extra)
     env = None
     if tp_size > 1:
         args += ["--tp-size", str(tp_size)]
@@ -387,10 +422,15 @@ def run_p2p(
             say(f"maru-server holds {after} keys ({after - before} new: written through)")
             two = generate(second.base_url, prompt, max_new_tokens=max_new_tokens)
             expected = expected_storage_hits(tokens)
-            lines = [f"batch_get_v1 result: {n}/{n} hits" for n in storage_batches(expected)]
+            if linker:  # one load of every page (no 128-page storage batches)
+                lines = [f"linker load: {expected // PAGE_SIZE} pages from Maru"]
+            else:
+                lines = [f"batch_get_v1 result: {n}/{n} hits" for n in storage_batches(expected)]
             log = second.log_path.read_text(errors="replace")
             logged = all(line in log for line in lines)
-            outcome = PromptOutcome(tokens, one, two, before, after, expected, lines, logged)
+            outcome = PromptOutcome(
+                tokens, one, two, before, after, expected, lines, logged, linker
+            )
             run.outcomes.append(outcome)
             details = two["meta_info"].get("cached_tokens_details")
             say(f"instance 2: cached_tokens_details={details}")
