@@ -1,12 +1,18 @@
-"""TTFT of a real SGLang server on CPU with Maru as HiCache L3, beside SGLang's `file` backend.
+"""TTFT of a real SGLang server on CPU with Maru as HiCache L3 and through MaruCacheLinker, beside
+SGLang's `file` backend.
 
-    python benchmarks/bench_sglang_ttft.py               # ~6-8 min on 2 cores
-    python benchmarks/bench_sglang_ttft.py --quick       # 500 tokens, 2 repetitions (~3 min)
+    python benchmarks/bench_sglang_ttft.py               # ~10-15 min on 2 cores
+    python benchmarks/bench_sglang_ttft.py --quick       # 500 tokens, 2 repetitions (~5 min)
 
 Needs SGLang for CPU (`make install`). The model is a random Qwen2 built locally (hidden 512,
-8 layers, 8 heads, 2 KV heads, intermediate 1408, bf16); SGLang runs with `--page-size 4`,
-`direct` io, `page_first_direct`, `prefetch_threshold` 4 (and `--sleep-on-idle`, so the idle
-servers leave the two cores to the one being measured).
+8 layers, 8 heads, 2 KV heads, intermediate 1408, bf16); SGLang runs with `--page-size 4` (and
+`--sleep-on-idle`, so the idle servers leave the two cores to the one being measured). Backends:
+
+  maru    HiCache (host tier, `direct` io, `page_first_direct`, `prefetch_threshold` 4) with
+          MaruStorage as L3: device -> host pool -> Maru, two copies each way;
+  linker  no host tier: `--enable-unified-cache-external-linker` with MaruCacheLinker, the
+          device KV pool straight to Maru, one copy each way, loads layer by layer;
+  file    HiCache as for maru, with SGLang's built-in `file` L3 in a /dev/shm directory.
 
 For each prompt length N (default 500 and 2000 tokens) and repetition, with a new random prompt
 each time, streaming `/generate` with `max_new_tokens` 2, time to the first streamed chunk:
@@ -15,8 +21,8 @@ each time, streaming `/generate` with `max_new_tokens` 2, time to the first stre
   b  the same prompt again: from the device cache;
   c  right after `POST /flush_cache` (device and host tiers dropped): loaded from L3;
      (b and c are taken twice, back to back);
-  d  (Maru only) the same prompt on a second instance that never saw it: a P2P hit on pages
-     the first instance wrote.
+  d  (maru and linker) the same prompt on a second instance that never saw it: a P2P hit on
+     pages the first instance wrote.
 
 a/c is the speed-up an L3 hit gives; c - b (the median of the back-to-back differences) is what
 L3 costs over a device hit (a device hit is not free on CPU: torch_native attention recomputes
@@ -24,14 +30,15 @@ over the whole sequence). Every c and d is checked: storage hits must be the pro
 pages and the tokens those of a.
 
 Targets checked: Maru's L3 cost (c - b) at most half the `file` backend's; a P2P hit (d) as
-fast as a local L3 hit (c), i.e. within 15% or 20 ms.
+fast as a local L3 hit (c), i.e. within 15% or 20 ms. Printed beside them: the linker's L3 cost
+against HiCache + MaruStorage's (no target: what one copy instead of two buys here).
 
-All servers run at once (maru-server + two Maru instances + one `file` instance writing to a
-directory in /dev/shm); the measurements alternate between backends; a warm-up round of every
-kind comes first and is not counted; figures are medians. On a shared machine, a group during
-which other processes used more than 10% of the CPUs is measured again (new prompt, at most 3
-tries). Results: a table on stdout, benchmarks/results/sglang_ttft.csv (every sample),
-sglang_ttft_summary.csv and sglang_ttft.png (if matplotlib is installed).
+All servers run at once (maru-server + two instances each for maru and linker + one `file`
+instance writing to a directory in /dev/shm); the measurements rotate between backends; a
+warm-up round of every kind comes first and is not counted; figures are medians. On a shared
+machine, a group during which other processes used more than 10% of the CPUs is measured again
+(new prompt, at most 3 tries). Results: a table on stdout, benchmarks/results/sglang_ttft.csv
+(every sample), sglang_ttft_summary.csv and sglang_ttft.png (if matplotlib is installed).
 """
 
 from __future__ import annotations
@@ -109,8 +116,8 @@ def _model_vocab(model_dir: Path) -> int:
     return len(vocab)
 
 
-def _check(what: str, response: dict, n: int, reference: dict) -> int:
-    hits = p2p.storage_hits(response)
+def _check(what: str, response: dict, n: int, reference: dict, linker: bool) -> int:
+    hits = p2p.storage_hits(response, linker=linker)
     expected = p2p.expected_storage_hits(n, PAGE)
     if hits != expected:
         raise RuntimeError(f"{what}: {hits} storage hits for {n} tokens, expected {expected}")
@@ -145,6 +152,7 @@ class Target:
     first: str
     second: str | None
     l3_count: object  # () -> int
+    linker: bool = False  # SGLang reports the linker's loads as `host` hits
 
 
 class CpuWatch:
@@ -215,13 +223,14 @@ def measure_group(t: Target, n: int, prompts: Prompts, watch: CpuWatch) -> dict:
     def timed_check(kind: str, url: str, reference: dict | None):
         ttft, response, o = timed(watch, url, ids)
         others.append(o)
-        hits = 0 if reference is None else _check(f"{t.name} {kind} N={n}", response, n, reference)
+        what = f"{t.name} {kind} N={n}"
+        hits = 0 if reference is None else _check(what, response, n, reference, t.linker)
         out[kind].append((ttft, hits))
         return ttft, response
 
     watch.wait_quiet(5.0)
     _, ra = timed_check("a", t.first, None)
-    if p2p.storage_hits(ra) or ra["meta_info"]["cached_tokens"]:
+    if p2p.storage_hits(ra, linker=t.linker) or ra["meta_info"]["cached_tokens"]:
         raise RuntimeError(f"cold run was not cold: {ra['meta_info']}")
     _wait_stable(t.l3_count, before + n // PAGE - 1)
     for _ in range(2):
@@ -273,6 +282,10 @@ def run(model: Path, backends, sizes, reps, prompts, series, log_dir: Path, watc
                 maru = p2p.hicache_args("dynamic", p2p.maru_extra_config(url, pool_size="256M"))
                 arg_lists += [maru, maru]
                 names += ["maru instance 1", "maru instance 2"]
+            if "linker" in backends:
+                linker = p2p.linker_args(p2p.linker_config(url, pool_size="256M"))
+                arg_lists += [linker, linker]
+                names += ["linker instance 1", "linker instance 2"]
             if "file" in backends:
                 arg_lists.append(p2p.hicache_args("file", {"prefetch_threshold": 4}))
                 names.append("file instance")
@@ -289,17 +302,19 @@ def run(model: Path, backends, sizes, reps, prompts, series, log_dir: Path, watc
                 for name, srv in zip(names, servers):
                     print(f"{name} up in {srv.startup_seconds:.1f} s at {srv.base_url}")
                 targets, i = [], 0
-                if "maru" in backends:
-                    count = functools.partial(p2p.l3_keys, url)
-                    targets.append(Target("maru", servers[0].base_url, servers[1].base_url, count))
-                    i = 2
+                count = functools.partial(p2p.l3_keys, url)
+                for name in ("maru", "linker"):
+                    if name in backends:
+                        first, second = servers[i].base_url, servers[i + 1].base_url
+                        targets.append(Target(name, first, second, count, name == "linker"))
+                        i += 2
                 if "file" in backends:
                     count = functools.partial(_file_count, storage)
                     targets.append(Target("file", servers[i].base_url, None, count))
                 for rep in range(reps + 1):
                     for n in sizes:
-                        order = targets if rep % 2 == 0 else targets[::-1]
-                        for t in order:
+                        shift = rep % len(targets)  # who goes first rotates
+                        for t in targets[shift:] + targets[:shift]:
                             measure_one(t, n, rep, prompts, series, watch, tries)
             finally:
                 p2p.stop_servers(servers)
@@ -344,20 +359,26 @@ def report(summary: list[dict], sizes: list[int]) -> list[str]:
     by = {(r["backend"], r["tokens"]): r for r in summary}
     lines.append("")
     for n in sizes:
-        m, f = by.get(("maru", n)), by.get(("file", n))
+        m, f, k = by.get(("maru", n)), by.get(("file", n)), by.get(("linker", n))
         if m and f:
             ok = m["c_minus_b"] <= 0.5 * f["c_minus_b"]
             lines.append(
                 f"N={n}: Maru's L3 cost (c-b) {m['c_minus_b'] * 1000:.0f} ms vs file "
                 f"{f['c_minus_b'] * 1000:.0f} ms: at most half: {'PASS' if ok else 'FAIL'}"
             )
-        if m and m["d"] is not None:
-            rel, abs_ = P2P_TOLERANCE
-            ok = m["d"] <= max(m["c"] * (1 + rel), m["c"] + abs_)
+        if k and m:
             lines.append(
-                f"N={n}: P2P hit on instance 2 (d) {m['d']:.3f} s vs local L3 hit (c) "
-                f"{m['c']:.3f} s: as fast: {'PASS' if ok else 'FAIL'}"
+                f"N={n}: linker's L3 cost (c-b) {k['c_minus_b'] * 1000:.0f} ms vs HiCache + "
+                f"MaruStorage {m['c_minus_b'] * 1000:.0f} ms"
             )
+        for r in (m, k):
+            if r and r["d"] is not None:
+                rel, abs_ = P2P_TOLERANCE
+                ok = r["d"] <= max(r["c"] * (1 + rel), r["c"] + abs_)
+                lines.append(
+                    f"N={n}: {r['backend']}: P2P hit on instance 2 (d) {r['d']:.3f} s vs local "
+                    f"L3 hit (c) {r['c']:.3f} s: as fast: {'PASS' if ok else 'FAIL'}"
+                )
     return lines
 
 
@@ -429,7 +450,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[500, 2000])
     ap.add_argument("--reps", type=int, default=5, help="measured repetitions (after a warm-up)")
-    ap.add_argument("--backends", nargs="+", default=["maru", "file"], choices=["maru", "file"])
+    ap.add_argument(
+        "--backends",
+        nargs="+",
+        default=["maru", "linker", "file"],
+        choices=["maru", "linker", "file"],
+    )
     ap.add_argument("--quick", action="store_true", help="500 tokens, 2 repetitions")
     ap.add_argument("--keep-logs", action="store_true", help="keep the SGLang server logs")
     ap.add_argument(
