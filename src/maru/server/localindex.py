@@ -22,6 +22,7 @@ import logging
 import mmap
 import os
 import secrets
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -139,8 +140,10 @@ class LocalIndex:
         return self.table.writer.count if self.table is not None else 0
 
     def _new_table(self, capacity: int) -> _Table:
+        # Names only grow, across restarts too (the earlier server's tables are gone by now):
+        # a reader that looks for the current table takes the newest.
         tables = table_files(self.base)
-        n = tables[-1][0] + 1 if tables else 0
+        n = max(tables[-1][0] + 1 if tables else 0, time.time_ns() // 1000)
         while True:  # a name someone else took meanwhile: the next one
             try:
                 return _Table(f"{self.base}.{n}", capacity, self.generation, self.group)
