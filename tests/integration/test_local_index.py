@@ -124,7 +124,7 @@ def test_an_entry_deleted_and_its_page_reused_during_the_copy_is_a_miss(maru_ser
             more = [f"new{i}" for i in range(30)]  # every free chunk, the freed two too
             assert all(w.batch_store(more, [value(k) for k in more]))
 
-        got, found = read(r, keys, before_copy=delete_and_reuse)
+        got, _ = read(r, keys, before_copy=delete_and_reuse)
         assert got == [None, None, value(keys[2]), value(keys[3])]
         assert r._index.stale == 2
         assert read(r, keys)[0] == [None, None, value(keys[2]), value(keys[3])]

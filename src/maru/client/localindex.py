@@ -103,9 +103,9 @@ class LocalIndexClient:
         """The index the HANDSHAKE reply named (`current` if it is that one), or None."""
         if not isinstance(path, str) or not isinstance(server_uid, int) or not shmindex.COMPILED:
             return None
-        if current is not None and (current.path, current.uid) == (path, server_uid):
-            if current._reader is not None and not current._reader.retired:
-                return current
+        same = current is not None and (current.path, current.uid) == (path, server_uid)
+        if same and current._reader is not None and not current._reader.retired:
+            return current
         reader = _open(path, server_uid)
         if reader is None:
             return None
