@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 Key = str | bytes
 FIND_EVERY_S = 0.5  # with no current table, look for one at most this often
+# Mapped in whole at once: a probe of a page not yet mapped in this process costs a page
+# fault, which at 10^6 keys would be most probes of a new reader.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _open(path: str, uid: int | None) -> Any | None:
@@ -50,14 +53,14 @@ def _open(path: str, uid: int | None) -> Any | None:
             if not owned_by(fd, uid):
                 log.warning("local index %s is not the server's (uid %s): not used", path, uid)
                 return None
-            table = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            table = mmap.mmap(fd, 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         fd = os.open(path + USE_SUFFIX, os.O_RDWR)
         try:
             if not owned_by(fd, uid, shared_write=True):
                 return None
-            use = mmap.mmap(fd, 0)
+            use = mmap.mmap(fd, 0, flags=_MAP_FLAGS)
         finally:
             os.close(fd)
         reader = shmindex.Reader(table, use)  # (holds both mappings)

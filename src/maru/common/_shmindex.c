@@ -64,7 +64,7 @@
 #define KIND_BYTES 2
 #define SEQ_RETRIES 64 /* a slot seen mid-write this many times in a row: a miss */
 #define GIL_FREE_FROM 256 /* batches at least this long probe without the GIL */
-#define AHEAD 8         /* keys whose first slot is prefetched ahead of the probe */
+#define AHEAD 16        /* keys whose first slot is prefetched ahead of the probe */
 
 static const char MAGIC_BYTES[8] = {'M', 'A', 'R', 'U', 'I', 'D', 'X', '1'};
 
@@ -642,9 +642,9 @@ enum { COL_REGION, COL_OFFSET, COL_LENGTH, COL_CHECKSUM, COL_TAG, COL_SLOT, COL_
 
 /* Probe one key: 1 hit (fields in out[c * stride]), 0 miss. Never a torn entry: a slot is
  * used only if its seq was even and unchanged across the reads of its fields and key. */
-static int probe_one(const Table *t, const KeyBytes *k, int64_t *out, Py_ssize_t stride)
+static int probe_one(const Table *t, const KeyBytes *k, uint64_t hash, int64_t *out,
+                     Py_ssize_t stride)
 {
-    uint64_t hash = key_hash(k->p, (size_t)k->n, k->kind, t->seed);
     uint64_t want = make_meta(STATE_LIVE, k->kind, (size_t)k->n);
     uint64_t i = hash & t->mask;
     for (uint64_t steps = 0; steps <= t->mask; steps++, i = (i + 1) & t->mask) {
@@ -673,13 +673,15 @@ static int probe_one(const Table *t, const KeyBytes *k, int64_t *out, Py_ssize_t
                 continue; /* changed while read: again */
             if (!same)
                 break;
-            out[COL_REGION * stride] = region;
-            out[COL_OFFSET * stride] = offset;
-            out[COL_LENGTH * stride] = length;
-            out[COL_CHECKSUM * stride] = checksum;
-            out[COL_TAG * stride] = tag;
-            out[COL_SLOT * stride] = (int64_t)i;
-            out[COL_SEQ * stride] = (int64_t)seq;
+            if (out != NULL) {
+                out[COL_REGION * stride] = region;
+                out[COL_OFFSET * stride] = offset;
+                out[COL_LENGTH * stride] = length;
+                out[COL_CHECKSUM * stride] = checksum;
+                out[COL_TAG * stride] = tag;
+                out[COL_SLOT * stride] = (int64_t)i;
+                out[COL_SEQ * stride] = (int64_t)seq;
+            }
             volatile unsigned char *use = t->use_bits + i;
             if (!*use)
                 *use = 1; /* CLOCK: referenced (written only when clear: no line ping-pong) */
@@ -703,26 +705,36 @@ static int gather(PyObject *seq, KeyBytes *keys, Py_ssize_t n)
     return all;
 }
 
-static void probe_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, int64_t *cols,
-                      Py_ssize_t stride, char *hits)
+/* Probe keys[0:n] into `cols` (stride n; NULL: only `hits`). At 10^6 keys nearly every probe
+ * misses the cache (and the TLB): the keys are hashed first, and each key's first slot is
+ * prefetched AHEAD keys before it is probed, so the misses of different keys overlap. */
+static int probe_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, int64_t *cols,
+                     char *hits)
 {
-    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++)
-        PREFETCH(&t->slots[key_hash(keys[i].p, (size_t)keys[i].n, keys[i].kind, t->seed) & t->mask]);
+    uint64_t *hashes = PyMem_RawMalloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
+    if (hashes == NULL)
+        return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        hashes[i] = key_hash(keys[i].p, (size_t)keys[i].n, keys[i].kind, t->seed);
+        if (i < AHEAD)
+            PREFETCH(&t->slots[hashes[i] & t->mask]);
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + AHEAD < n) {
-            const KeyBytes *a = &keys[i + AHEAD];
-            const Slot *s = &t->slots[key_hash(a->p, (size_t)a->n, a->kind, t->seed) & t->mask];
+            const char *s = (const char *)&t->slots[hashes[i + AHEAD] & t->mask];
             PREFETCH(s);
-            PREFETCH((const char *)s + 64);
-            PREFETCH((const char *)s + 128);
+            PREFETCH(s + 64);
+            PREFETCH(s + 128);
         }
-        int hit = probe_one(t, &keys[i], cols + i, stride);
+        int hit = probe_one(t, &keys[i], hashes[i], cols == NULL ? NULL : cols + i, n);
         if (hits != NULL)
             hits[i] = (char)hit;
         if (!hit && cols != NULL)
             for (int c = 0; c < NCOLS; c++)
-                cols[c * stride + i] = c == COL_SLOT ? -1 : 0;
+                cols[c * n + i] = c == COL_SLOT ? -1 : 0;
     }
+    PyMem_RawFree(hashes);
+    return 0;
 }
 
 /* probe(keys) -> bytes of NCOLS int64 columns of len(keys) each (region id, offset, length,
@@ -752,13 +764,18 @@ static PyObject *Reader_probe(Reader *self, PyObject *arg)
     if (out == NULL)
         goto done;
     int64_t *cols = (int64_t *)PyBytes_AS_STRING(out);
+    int rc;
     if (n >= GIL_FREE_FROM) {
         Py_BEGIN_ALLOW_THREADS
-        probe_all(&self->t, keys, n, cols, n, NULL);
+        rc = probe_all(&self->t, keys, n, cols, NULL);
         Py_END_ALLOW_THREADS
     }
     else
-        probe_all(&self->t, keys, n, cols, n, NULL);
+        rc = probe_all(&self->t, keys, n, cols, NULL);
+    if (rc < 0) {
+        Py_CLEAR(out);
+        PyErr_NoMemory();
+    }
 done:
     PyMem_Free(keys);
     Py_DECREF(seq);
@@ -775,7 +792,6 @@ static PyObject *Reader_contains(Reader *self, PyObject *arg)
     PyObject *out = NULL;
     KeyBytes *keys = PyMem_Malloc(sizeof(KeyBytes) * (size_t)(n ? n : 1));
     char *hits = PyMem_Malloc((size_t)(n ? n : 1));
-    int64_t scratch[NCOLS];
     if (keys == NULL || hits == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -787,19 +803,21 @@ static PyObject *Reader_contains(Reader *self, PyObject *arg)
         out = Py_NewRef(Py_None);
         goto done;
     }
-    Py_ssize_t i;
+    int rc;
     if (n >= GIL_FREE_FROM) {
         Py_BEGIN_ALLOW_THREADS
-        for (i = 0; i < n; i++)
-            hits[i] = (char)probe_one(&self->t, &keys[i], scratch, 1);
+        rc = probe_all(&self->t, keys, n, NULL, hits);
         Py_END_ALLOW_THREADS
     }
     else
-        for (i = 0; i < n; i++)
-            hits[i] = (char)probe_one(&self->t, &keys[i], scratch, 1);
+        rc = probe_all(&self->t, keys, n, NULL, hits);
+    if (rc < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
     if ((out = PyList_New(n)) == NULL)
         goto done;
-    for (i = 0; i < n; i++)
+    for (Py_ssize_t i = 0; i < n; i++)
         PyList_SET_ITEM(out, i, Py_NewRef(hits[i] ? Py_True : Py_False));
 done:
     PyMem_Free(keys);

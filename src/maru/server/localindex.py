@@ -54,7 +54,8 @@ class _Table:
                     if group:
                         os.fchown(fd, -1, gid)
                     os.fchmod(fd, mode)
-                    self.maps.append(mmap.mmap(fd, size))
+                    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                    self.maps.append(mmap.mmap(fd, size, flags=flags))
                 finally:
                     os.close(fd)
             shmindex.format_table(self.maps[0], capacity, generation.encode(), _random_u64())
@@ -74,7 +75,7 @@ class _Table:
 
     def unlink(self) -> None:
         for file in self.files:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # (gone, or another user's)
                 os.unlink(file)
 
 
@@ -101,7 +102,7 @@ def retire_earlier(pool_kind: str, pool_path: str) -> int:
         except (OSError, ValueError) as exc:  # not a table of ours, or damaged: just remove it
             log.warning("earlier local index %s could not be retired (%s): removing it", path, exc)
         for file in (path, path + USE_SUFFIX):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # (gone, or another user's)
                 os.unlink(file)
         count += 1
     if count:
@@ -114,7 +115,7 @@ def remove_tables(pool_kind: str, pool_path: str) -> int:
     tables = table_files(index_base(pool_kind, pool_path))
     for _, path in tables:
         for file in (path, path + USE_SUFFIX):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # (gone, or another user's)
                 os.unlink(file)
     return len(tables)
 
