@@ -1,10 +1,11 @@
 """Only the optional C helpers live here; everything else is in pyproject.toml.
 
-`maru.client._memcopy`, `maru.client._busypoll` and `maru.server._keyindex` are built by
-`pip install -e .` when a C compiler is present; without one the install still succeeds
-(`optional=True`). Each sits behind one wrapper module with a `COMPILED` flag and a pure-Python
-fallback: `maru.client.memcopy` (ctypes copies), `maru.client.busypoll` (replies awaited in
-poll() only) and `maru.server.keyindex` (an OrderedDict key index).
+`maru.client._memcopy`, `maru.client._busypoll`, `maru.server._keyindex` and
+`maru.common._shmindex` are built by `pip install -e .` when a C compiler is present; without
+one the install still succeeds (`optional=True`). Each sits behind one wrapper module with a
+`COMPILED` flag and a fallback: `maru.client.memcopy` (ctypes copies), `maru.client.busypoll`
+(replies awaited in poll() only), `maru.server.keyindex` (an OrderedDict key index) and
+`maru.common.shmindex` (no local index: clients use the request path).
 """
 
 from setuptools import Extension, setup
@@ -14,5 +15,6 @@ setup(
         Extension("maru.client._memcopy", ["src/maru/client/_memcopy.c"], optional=True),
         Extension("maru.client._busypoll", ["src/maru/client/_busypoll.c"], optional=True),
         Extension("maru.server._keyindex", ["src/maru/server/_keyindex.c"], optional=True),
+        Extension("maru.common._shmindex", ["src/maru/common/_shmindex.c"], optional=True),
     ]
 )

@@ -198,6 +198,32 @@ def read_back(h: MaruHandler, keys: list[str], durable: bool) -> tuple[list[bool
     return ok, why
 
 
+def read_copied(h: MaruHandler, keys: list[str], durable: bool) -> tuple[list[bool], dict]:
+    """`read_back` as the SGLang backend reads: copy the hits out of the locations a lookup for
+    copying gives (on this node the local index answers it, no request and no lease), then
+    take as misses what `corrupt()` names after the copy ("unconfirmed")."""
+    with h.lookup(keys, lease=True, for_copy=True) as found:
+        copies = [
+            ctypes.string_at(int(a), int(n)) if a else None
+            for a, n in zip(found.addresses, found.lengths)
+        ]
+        changed = found.corrupt().tolist()
+        confirmed = found.release(confirm=True)
+        infos = found.infos()
+    ok, why = [], {}
+    for key, data, bad, info in zip(keys, copies, changed, infos):
+        if data is None:
+            why[key] = "missing"
+        elif bad or not confirmed:
+            why[key] = "unconfirmed"
+        elif not intact(key, data, durable):
+            why[key] = wrong_bytes(key, data, durable)
+            if info is not None:
+                _record_wrong(h, key, data, info, durable)
+        ok.append(key not in why)
+    return ok, why
+
+
 def _record_wrong(h: MaruHandler, key: str, data: bytes, info: Any, durable: bool) -> None:
     """One line per wrong read in the soak's directory, for whoever has to find out why:
     the pattern step of the bytes found names the key that wrote them (see `whose`)."""
@@ -292,7 +318,9 @@ def reader(url: str, index: int, seed: int, board: Board) -> None:
         first = rng.randrange(max(0, n - 64) if recent else 0, n)
         durable = slot == board.durable_row
         keys = [key_of(slot, gen, i) for i in range(first, min(n, first + READ_BATCH))]
-        ok, why = read_back(h, keys, durable)
+        # half the reads as the SGLang backend reads (the local index, validated after the
+        # copy), half under a lease
+        ok, why = (read_copied if rng.random() < 0.5 else read_back)(h, keys, durable)
         board.add(row, "reads", len(keys))
         board.add(row, "hits", sum(ok))
         for reason in why.values():

@@ -157,6 +157,8 @@ class MaruServerProcess:
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
+            for index_file in path.parent.glob(path.name + ".index.*"):  # a killed server's
+                index_file.unlink(missing_ok=True)
 
     # -- helpers -----------------------------------------------------------------------------
 

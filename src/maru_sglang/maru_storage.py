@@ -70,7 +70,9 @@ _COUNTERS = (
     "bytes_read",
     "bytes_written",
     "pages_written",
-    "checksum_mismatches",  # hits taken as misses: bytes unlike their checksum (maru_checksums)
+    # hits taken as misses after the copy: bytes unlike their checksum (maru_checksums), or
+    # (the local index) an entry that changed during the copy
+    "checksum_mismatches",
 )
 
 
@@ -313,7 +315,7 @@ class MaruStorage(HiCacheStorage):
         every page a miss (not proven). Fills each batch's `results`."""
         start = time.perf_counter()
         all_keys = [k for b in batches for k in b.pool.keys(b.keys)]
-        lookup = self.handler.lookup(all_keys, lease=True)  # sent now
+        lookup = self.handler.lookup(all_keys, lease=True, for_copy=True)  # sent now
         try:
             ready = [self._prepare(b, idx, "read") for b, idx in zip(batches, host_indices)]
         except BaseException:
@@ -588,7 +590,7 @@ class MaruStorage(HiCacheStorage):
         if target_locations is None:
             target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
         out: list[torch.Tensor | None] = []
-        with self.handler.lookup(kv.keys(keys), lease=True) as found:
+        with self.handler.lookup(kv.keys(keys), lease=True, for_copy=True) as found:
             for address, length, target in zip(
                 found.addresses.tolist(), found.lengths.tolist(), target_locations
             ):

@@ -469,7 +469,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             if layout is None:
                 errors.extend(ids)
                 continue
-            lookup = handler.lookup(keys, lease=True)
+            lookup = handler.lookup(keys, lease=True, for_copy=True)
             with lookup as found:
                 good = (found.lengths == layout.value_size) & (found.addresses != 0)
                 hits = len(ids) if good.all() else int(np.argmin(good))

@@ -216,7 +216,11 @@ def test_replies_arrive_whether_they_come_within_the_spin_or_after_it(maru_serve
     import signal
 
     with MaruHandler(
-        server_url=maru_server.url, pool_size="4M", busy_poll_us=busy_poll_us, timeout_ms=5000
+        server_url=maru_server.url,
+        pool_size="4M",
+        busy_poll_us=busy_poll_us,
+        timeout_ms=5000,
+        local_index=False,  # (exists must be a request here)
     ) as h:
         store_and_read(h, "spin")
         assert h._rpc.busy_poll_ns == busy_poll_us * 1000

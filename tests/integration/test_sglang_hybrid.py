@@ -52,8 +52,9 @@ from sglang_cpu.hybrid_pools import (  # noqa: E402
 from sglang_cpu.p2p import MARU_BACKEND  # noqa: E402
 
 
-def _storage(url: str, hybrid: Hybrid, **cfg) -> MaruStorage:
+def _storage(url: str, hybrid: Hybrid, local_index: bool = True, **cfg) -> MaruStorage:
     extra = {**MARU_BACKEND, "maru_server_url": url, "maru_pool_size": "32M"}
+    extra["maru_local_index"] = local_index
     storage = MaruStorage(storage_config(is_mla=hybrid.is_mla, extra=extra, **cfg), {})
     register(storage, hybrid)
     return storage
@@ -315,12 +316,23 @@ def test_one_metadata_rpc_per_batch_across_pools(maru_server):
     assert sent == [MsgType.REGISTER_KV]
     sent.clear()
     result = storage.batch_exists_v2(keys, [_probe(mamba), _probe(swa)])
-    assert result.kv_hit_pages == 4 and sent == [MsgType.EXISTS]
+    assert result.kv_hit_pages == 4 and sent == []  # on the server's node: the local index
     sent.clear()
     transfers = [
         transfer(mamba, keys[-1:], slots(mamba.pool, 5, 1)),
         transfer(swa, keys[-2:], slots(swa.pool, 5, 2)),
     ]
+    assert storage.batch_get_v2(transfers) == {"mamba": [True], "swa": [True, True]}
+    assert MsgType.LOOKUP_KV not in sent and MsgType.REGISTER_KV not in sent  # (likewise)
+    storage.close()
+    # without the local index: one request for all pools, each way
+    storage = _storage(maru_server.url, hybrid, local_index=False)
+    original = storage.handler._request
+    storage.handler._request = counting
+    sent.clear()
+    result = storage.batch_exists_v2(keys, [_probe(mamba), _probe(swa)])
+    assert result.kv_hit_pages == 4 and sent == [MsgType.EXISTS]
+    sent.clear()
     assert storage.batch_get_v2(transfers) == {"mamba": [True], "swa": [True, True]}
     assert sent.count(MsgType.LOOKUP_KV) == 1 and MsgType.REGISTER_KV not in sent
     storage.close()

@@ -27,6 +27,7 @@ from typing import Any
 
 from maru.client.chunks import AllocHandle, ChunkBook
 from maru.client.connecting import connect_failure, probe
+from maru.client.localindex import LocalIndexClient, offered_index
 from maru.client.mapping import MappedRegion, RegionMapper
 from maru.client.requests import (
     Lookup,
@@ -116,6 +117,7 @@ class MaruHandler:
         )
         self.checksum_mismatches = 0  # hits taken as misses: bytes unlike their checksum
         self._pool_generation: str | None = None  # the pool's, as of our last handshake
+        self._index: LocalIndexClient | None = None  # the server's, on its node (handshake)
         self._heartbeat = _Heartbeat(self._supply.tick, f"maru-heartbeat-{self.instance_id[:8]}")
         if config.auto_connect:
             self.connect()
@@ -163,6 +165,7 @@ class MaruHandler:
                     log.warning("disconnect from %s failed: %s", self.config.server_url, exc)
             except MaruError as exc:
                 log.warning("disconnect from %s failed: %s", self.config.server_url, exc)
+        self._index = None
         self._chunks.clear()
         self._mapper.close()
         self._rpc.close()
@@ -194,6 +197,7 @@ class MaruHandler:
         self.instance_id, self._session = reply["iid"], reply["session"]
         if self.config.local_socket:
             self._rpc.use_local_socket(reply.get("local_socket"), reply.get("uid"))
+        self._index = offered_index(self, reply, body)
         self._heartbeat.interval = float(reply.get("heartbeat_interval", 5.0))
         still_owned = {h.region_id: h for h in map(RegionHandle.from_wire, reply["regions"])}
         pool = reply.get("pool") or {}
@@ -422,7 +426,7 @@ class MaruHandler:
 
     # -- get, release ------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[Key], *, lease: bool = False) -> Lookup:
+    def lookup(self, keys: Sequence[Key], *, lease: bool = False, for_copy: bool = False) -> Lookup:
         """Locate `keys` with one LOOKUP_KV, sent now (prepare the copy meanwhile)::
 
             with handler.lookup(keys, lease=True) as found:  # waits for the reply
@@ -430,7 +434,14 @@ class MaruHandler:
             # leaving the block releases the lease
 
         With `lease` the hits cannot be evicted or deleted until released. Use it from the
-        thread that made it."""
+        thread that made it. `for_copy`: the caller copies the hits out, then takes as misses
+        what `corrupt()` names (or the whole batch if `release(confirm=True)` says False):
+        then the server's local index may answer without a request (no lease: each hit is
+        validated after the copy instead; `maru.client.localindex`)."""
+        if for_copy and self._index is not None:
+            found = self._index.lookup(self, keys)
+            if found is not None:
+                return found
         return Lookup(self, keys, lease)
 
     def retrieve(self, key: Key) -> MemoryInfo | None:
@@ -455,7 +466,8 @@ class MaruHandler:
         return self.batch_exists([key])[0]
 
     def batch_exists(self, keys: Sequence[Key]) -> list[bool]:
-        return self._per_key(MsgType.EXISTS, keys, bool)
+        found = self._index.exists(keys) if self._index is not None else None
+        return found if found is not None else self._per_key(MsgType.EXISTS, keys, bool)
 
     def pin(self, key: Key) -> bool:
         return self.batch_pin([key])[0]

@@ -197,7 +197,8 @@ class Lookup:
     middle of a prefetch. With `maru_checksums`, `corrupt()` (called after the copy) tells the
     hits whose bytes no longer match their writer's checksum."""
 
-    def __init__(self, handler: MaruHandler, keys: Sequence[Key], lease: bool):
+    def __init__(self, handler: MaruHandler, keys: Sequence[Key], lease: bool, *, send=True):
+        """`send`: send the LOOKUP_KV now (False: a subclass has the answer already)."""
         self._handler = handler
         self._keys = keys
         self.n = len(keys)
@@ -210,7 +211,7 @@ class Lookup:
         self._checksums: np.ndarray | None = None  # the writers' (0: none, or a miss)
         self._corrupt: np.ndarray | None = None  # keys `corrupt()` found so far
         self._pending: PendingReply | None = None
-        if self.n:
+        if self.n and send:
             try:
                 body = {"keys": list(keys), "lease": lease}
                 self._pending = handler._request(MsgType.LOOKUP_KV, body)

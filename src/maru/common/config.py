@@ -168,6 +168,9 @@ class MaruConfig:
     expand_size: int | None = None
     local_socket: bool = True  # RPCs over the server's Unix socket when it offers one
     busy_poll_us: int = 200  # spin this long for a reply on the Unix socket before sleeping
+    # Find keys in the index the server publishes in shared memory (clients on its node, via
+    # the Unix socket): exists and copying reads send no request (maru.client.localindex).
+    local_index: bool = True
     # Checksum every value end to end: the writer hashes each value as stored (after its copy)
     # and the server keeps the hash with the key; a reader hashes the value after its copy
     # and takes a mismatch as a miss. Off by default: see docs/configuration.md for the cost.
@@ -220,6 +223,7 @@ class MaruConfig:
             "eager_map",
             "auto_expand",
             "local_socket",
+            "local_index",
             "checksums",
         ):
             setattr(self, name, parse_bool(getattr(self, name), name=name))

@@ -341,6 +341,12 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
             ("heartbeat_interval", "float", "seconds between heartbeats"),
             ("local_socket", "str | nil", "the server's Unix socket, if any"),
             ("uid", "int", "the server's user id: clients use the Unix socket only if it is its"),
+            (
+                "local_index",
+                "str | nil",
+                "the path of the server's shared key index (docs/architecture.md); only in a "
+                "reply on the Unix socket, else nil",
+            ),
         ],
     ),
     MsgType.REQUEST_REGION: (

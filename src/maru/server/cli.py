@@ -21,6 +21,7 @@ from maru.server import persistence
 from maru.server.journal import SNAPSHOT_NAME, Journal, read_records
 from maru.server.keyindex import warn_if_pure_python
 from maru.server.local_socket import raise_fd_limit
+from maru.server.localindex import open_local_index, remove_tables, retire_earlier
 from maru.server.logs import configure_logging
 from maru.server.metrics import MetricsUnavailable, require_prometheus, start_metrics_server
 from maru.server.pool import (
@@ -234,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
         "server under a CPU quota) (default: 1000)",
     )
     p.add_argument(
+        "--no-local-index",
+        action="store_true",
+        help="do not publish the key index in shared memory for clients on this node (they "
+        "then send a request for every lookup; for debugging and A/B benchmarks) "
+        "(default: published)",
+    )
+    p.add_argument(
         "--no-restore",
         action="store_true",
         help="start with an empty registry, discarding the state in --state-dir",
@@ -357,6 +365,7 @@ def purge_pool(pool_path: str) -> str | None:
         return f"pool {pool_path} ({len(files)} region files, {fmt_bytes(size)})"
     if not path.is_file():
         return None
+    remove_tables("shm", pool_path)
     fd = os.open(path, os.O_RDWR)
     try:
         _flock(fd, f"pool {pool_path}")
@@ -625,6 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         pool = open_pool(
             pool_path, args.pool_bytes, args.pool_group, lock=True, preallocate=args.preallocate
         )
+        retire_earlier(pool.kind, pool.path)  # before the pool can change (a new generation)
         secret = load_or_create_secret(state_dir)
         journal = Journal(
             state_dir,
@@ -651,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         persistence.restore(registry, snapshot, records)
         registry.regions.next_id = max(registry.regions.next_id, first_region_id)
         journal.write_snapshot(persistence.snapshot(registry))  # compact what was replayed
+        open_local_index(pool, registry, args.pool_group, enabled=not args.no_local_index)
         curve = load_or_create_curve_keys(state_dir) if args.curve else None
         service = MaruService(
             registry,
@@ -704,6 +715,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         service.serve_forever()
     finally:
+        if registry.local_index is not None:
+            registry.local_index.close()
         if metrics_httpd is not None:
             metrics_httpd.shutdown()
         service.close()

@@ -57,6 +57,8 @@ class Eviction:
         eviction makes progress even when every candidate was used; at most two passes.
         `second_chance=False`: evict in index order, ignoring the bits."""
         reg = self.registry
+        if reg.local_index is not None:  # readers' use marks count as CLOCK bits
+            reg.local_index.harvest_into(reg.keys)
         freed = 0
         victims: dict[Key, KeyEntry] = {}
         keys = reg.keys

@@ -39,6 +39,7 @@ from maru.server.holds import LeaseTable, Pins
 from maru.server.instances import Instance, InstanceTable
 from maru.server.journal import JournalWriteError
 from maru.server.keyindex import KeyEntry, KeyIndex
+from maru.server.localindex import LocalIndex
 from maru.server.logs import Throttle
 from maru.server.metrics import COUNTERS, registry_stats
 from maru.server.pool import Pool, PoolFullError
@@ -103,6 +104,9 @@ class Registry:
         self.eviction = Eviction(self, high_watermark, low_watermark)
         self.pins = Pins(self.keys, self.instances, self._log)
         self.leases = LeaseTable(self.instances, lease_seconds, self.counters)
+        # The key index published for readers on this node (`maru.server.localindex`), which
+        # `_add_keys` and `_drop_keys` keep up to date; None: not published.
+        self.local_index: LocalIndex | None = None
 
     def _log(self, *record: Any) -> None:
         if self.journal is not None:
@@ -330,6 +334,8 @@ class Registry:
             except JournalWriteError:
                 self._undo_add(keys, region_ids, lengths)
                 raise
+            if self.local_index is not None:
+                self.local_index.publish(keys, *columns, regions=self.regions)
         return new
 
     def _undo_add(self, keys: list[Key], region_ids: list[int], lengths: list[int]) -> None:
@@ -434,6 +440,8 @@ class Registry:
         table = self.keys
         for key in keys:
             del table[key]
+        if self.local_index is not None:  # before the pages can be reused: notices, frees
+            self.local_index.remove(keys)
         region_ids = [e.region_id for e in entries]
         lengths = [e.length for e in entries]
         self.live_bytes -= sum(lengths)

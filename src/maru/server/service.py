@@ -267,7 +267,15 @@ class MaruService:
             "heartbeat_interval": self.housekeeper.heartbeat_timeout / 3,
             "local_socket": self.local.address if self.local is not None else None,
             "uid": os.getuid(),
+            "local_index": self._local_index_path(body),
         }
+
+    def _local_index_path(self, body: dict[str, Any]) -> str | None:
+        """The local index is offered only over the Unix socket: its peer is on this node for
+        sure (a TCP peer may be another host, even through 127.0.0.1, whose view of the pool
+        is not coherent with ours: docs/architecture.md)."""
+        index = self.registry.local_index
+        return index.path if index is not None and body.get("via_local") is True else None
 
     def _request_region(self, body: dict[str, Any]) -> dict[str, Any]:
         least = body.get("min_size")
@@ -408,6 +416,7 @@ class MaruService:
             session = body.get("session")
             sessions = self.registry.instances.sessions
             iid = body["iid"] = sessions.get(session) if type(session) is str else None
+            body["via_local"] = peer is not None  # on this node for sure (the local index)
             self.registry.instances.touch(iid)  # any message is a sign of life
             if peer is not None and iid is not None and peer.instance != iid:
                 peer.instance = iid  # once per connection and instance: a process to watch

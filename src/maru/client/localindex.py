@@ -1,0 +1,243 @@
+"""A client's side of the local index: keys found in the table its server publishes in shared
+memory, without a request (issue 17, part 1; docs/architecture.md "The local index").
+
+Offered only to clients on the server's node: the HANDSHAKE reply names the table only on the
+Unix socket. `exists` needs only the probe. A copying read (`MaruHandler.lookup(keys,
+for_copy=True)`) gets an `IndexLookup`: the locations from the table, no lease; after its copy
+the caller asks `corrupt()` (or `release(confirm=True)`), which checks that every hit's slot
+still has the seq it was read with and that the table is still current: if not, that key is a
+miss, whatever was copied. The server changes a key's slot before the key's pages can be
+reused, so an unchanged slot proves the copy read the key's bytes.
+
+The request path serves what the table cannot: a key longer than the table holds, a region
+not mapped here yet or mapped from another pool life (its tag differs: the request maps it
+afresh, later reads find it), and everything while no current table can be found (the server
+stopped, or it turned its index off).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from maru.client.requests import Lookup
+from maru.common import shmindex
+from maru.common.errors import MaruError
+from maru.common.protocol import MsgType
+from maru.common.shmindex import NCOLS, USE_SUFFIX, base_of, owned_by, region_tag, table_files
+
+if TYPE_CHECKING:
+    from maru.client.handler import MaruHandler
+
+log = logging.getLogger(__name__)
+
+Key = str | bytes
+FIND_EVERY_S = 0.5  # with no current table, look for one at most this often
+# Mapped in whole at once: a probe of a page not yet mapped in this process costs a page
+# fault, which at 10^6 keys would be most probes of a new reader.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _open(path: str, uid: int | None) -> Any | None:
+    """A `Reader` of the table at `path` if the server's user owns it (and it alone may write
+    it) and it is not retired; None otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if not owned_by(fd, uid):
+                log.warning("local index %s is not the server's (uid %s): not used", path, uid)
+                return None
+            table = mmap.mmap(fd, 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        fd = os.open(path + USE_SUFFIX, os.O_RDWR)
+        try:
+            if not owned_by(fd, uid, shared_write=True):
+                return None
+            use = mmap.mmap(fd, 0, flags=_MAP_FLAGS)
+        finally:
+            os.close(fd)
+        reader = shmindex.Reader(table, use)  # (holds both mappings)
+    except (OSError, ValueError) as exc:
+        log.debug("local index %s not usable: %s", path, exc)
+        return None
+    return None if reader.retired else reader
+
+
+def offered_index(
+    handler: MaruHandler, reply: dict[str, Any], body: dict[str, Any]
+) -> LocalIndexClient | None:
+    """The index a HANDSHAKE reply names, if `maru_local_index` is on. The server names it
+    only in a reply on its Unix socket: when the reply came over TCP (a first handshake) and
+    the handler now has the Unix socket, it asks there once more (the same instance
+    resumes)."""
+    if not handler.config.local_index or not shmindex.COMPILED:
+        return None
+    path = reply.get("local_index")
+    if path is None and handler._rpc.local_address is not None:
+        try:
+            path = handler._request(MsgType.HANDSHAKE, dict(body)).result().get("local_index")
+        except MaruError as exc:
+            log.debug("no local index: %s", exc)
+            return None
+    return LocalIndexClient.open(path, reply.get("uid"), handler._index)
+
+
+class LocalIndexClient:
+    """The table a handler reads, and the way to the current one when it is replaced."""
+
+    def __init__(self, path: str, server_uid: int, reader: Any):
+        self.path, self.uid = path, server_uid
+        self.base = base_of(path)
+        self._reader = reader
+        self._next_find = 0.0
+        # reads served by the table, hits among them, hits found changed after the copy,
+        # and batches sent to the server instead
+        self.reads = self.hits = self.stale = self.fallbacks = 0
+
+    @classmethod
+    def open(cls, path: Any, server_uid: Any, current: LocalIndexClient | None = None):
+        """The index the HANDSHAKE reply named (`current` if it is that one), or None."""
+        if not isinstance(path, str) or not isinstance(server_uid, int) or not shmindex.COMPILED:
+            return None
+        same = current is not None and (current.path, current.uid) == (path, server_uid)
+        if same and current._reader is not None and not current._reader.retired:
+            return current
+        reader = _open(path, server_uid)
+        if reader is None:
+            return None
+        log.debug("local index %s (%d keys)", path, reader.count)
+        return cls(path, server_uid, reader)
+
+    def reader(self) -> Any | None:
+        """The current table: this one, the one that replaced it (its successor), or the
+        newest table of the server's pool (looked for at most every FIND_EVERY_S); None if
+        there is none (the server stopped or turned the index off)."""
+        reader = self._reader
+        if reader is not None and not reader.retired:
+            return reader
+        successor = reader.successor if reader is not None else ""
+        found = _open(successor, self.uid) if successor else None
+        if found is None and self.base and time.monotonic() >= self._next_find:
+            self._next_find = time.monotonic() + FIND_EVERY_S
+            for _, path in reversed(table_files(self.base)):
+                found = _open(path, self.uid)
+                if found is not None:
+                    successor = path
+                    break
+        if found is not None:
+            self.path, self._reader = successor, found
+        elif reader is not None:
+            self._reader = None
+        return found
+
+    def exists(self, keys: Sequence[Key]) -> list[bool] | None:
+        """Whether each key is registered (a hit marks it used, as an EXISTS request does);
+        None: ask the server."""
+        reader = self.reader()
+        found = reader.contains(keys) if reader is not None else None
+        if found is None:
+            self.fallbacks += 1
+        return found
+
+    def lookup(self, handler: MaruHandler, keys: Sequence[Key]) -> IndexLookup | None:
+        """An `IndexLookup` of `keys`; None when the server must be asked (see the module)."""
+        reader = self.reader()
+        raw = reader.probe(keys) if reader is not None else None
+        if raw is None:
+            self.fallbacks += 1
+            return None
+        n = len(keys)
+        region_ids, offsets, lengths, sums, tags, slots, seqs = np.frombuffer(
+            raw, np.int64
+        ).reshape(NCOLS, n)
+        addresses = np.zeros(n, np.int64)
+        hit = region_ids != 0
+        if hit.any():
+            present = region_ids[hit]
+            first = present[0]
+            ids = [int(first)] if (present == first).all() else np.unique(present).tolist()
+            for region_id in ids:
+                mapped = handler._mapper.get(region_id)
+                here = region_ids == region_id
+                if mapped is None or (tags[here] != region_tag(mapped.handle.token)).any():
+                    self.fallbacks += 1  # not mapped here, or from another pool life
+                    return None
+                here &= (offsets >= 0) & (lengths > 0)
+                here &= (
+                    offsets + lengths <= mapped.handle.length
+                )  # else a miss, never a read past it
+                addresses[here] = offsets[here] + mapped.address
+            if not (addresses != 0).all():
+                found = addresses != 0
+                region_ids, offsets, lengths, sums = (
+                    np.where(found, c, 0) for c in (region_ids, offsets, lengths, sums)
+                )
+        self.reads += n
+        self.hits += int(np.count_nonzero(lengths))
+        return IndexLookup(
+            handler, keys, self, reader, addresses, lengths, offsets, region_ids, sums, slots, seqs
+        )
+
+
+class IndexLookup(Lookup):
+    """A `Lookup` answered by the local index: no request, no lease. Copy the hits out, then
+    call `corrupt()` (per key) or `release(confirm=True)` (the batch): a hit whose slot changed
+    or whose table was retired since the probe is a miss, whatever was copied."""
+
+    def __init__(
+        self,
+        handler: MaruHandler,
+        keys: Sequence[Key],
+        index: LocalIndexClient,
+        reader: Any,
+        addresses: np.ndarray,
+        lengths: np.ndarray,
+        offsets: np.ndarray,
+        region_ids: np.ndarray,
+        checksums: np.ndarray,
+        slots: np.ndarray,
+        seqs: np.ndarray,
+    ):
+        super().__init__(handler, keys, lease=False, send=False)
+        self.addresses, self.lengths = addresses, lengths
+        self._offsets, self._region_ids, self._checksums = offsets, region_ids, checksums
+        self._index, self._reader, self._slots, self._seqs = index, reader, slots, seqs
+        self._validated = False
+
+    def _validate(self) -> np.ndarray:
+        """The hits whose entries changed since the probe (taken as misses from now on)."""
+        valid = np.frombuffer(self._reader.validate(self._slots, self._seqs), bool)
+        assert self.lengths is not None
+        stale = (self.lengths != 0) & ~valid
+        if self._corrupt is None:
+            self._corrupt = np.zeros(self.n, bool)
+        if not self._validated:
+            self._validated = True
+            stale &= ~self._corrupt
+            self._corrupt |= stale
+            if stale.any():
+                self._index.stale += int(stale.sum())
+                log.debug("%d of %d keys changed during the copy: misses", stale.sum(), self.n)
+        return stale
+
+    def corrupt(self) -> np.ndarray:
+        """After the copy: per key, True where the hit is not proven: its entry changed (or
+        its table was retired) since the probe, or, with `maru_checksums`, its bytes no
+        longer match its writer's checksum. Take those keys as misses."""
+        if not self._validated:
+            self._validate()
+        return super().corrupt()
+
+    def release(self, confirm: bool = False) -> bool:
+        """Nothing is leased. With `confirm` (after the copy): True unless a hit not already
+        reported by `corrupt()` changed since the probe."""
+        if not confirm or self._validated:
+            return True
+        return not self._validate().any()

@@ -1,0 +1,968 @@
+/* maru.common._shmindex: the shared-memory key index a server publishes for readers on its node
+ * (issue 17, part 1; docs/architecture.md "The local index").
+ *
+ * The server alone writes the table (`Writer`); clients on its node map it read-only and find
+ * a key's location without a request (`Reader`). Every field is little-endian u64/i64, 8-byte
+ * aligned. This comment is the one description of the layout (LAYOUT_VERSION below):
+ *
+ *   header, HEADER_BYTES (one 4 KiB page), at these byte offsets:
+ *     0    magic           "MARUIDX1"
+ *     8    layout version  LAYOUT_VERSION
+ *     16   capacity        slots, a power of two
+ *     24   slot size       SLOT_BYTES
+ *     32   max key bytes   MAX_KEY (longer keys are never published: the request path has them)
+ *     40   pool generation the pool's generation string hashed (`hash_bytes`, seed 0)
+ *     48   retired         0 while current; set (release) when the table is replaced or the
+ *                          server stops: a reader's copy that ends after it is not proven
+ *     56   key count       live slots
+ *     64   index id        random; also the seed of the key hash
+ *     72   header bytes    HEADER_BYTES
+ *     128  successor       NUL-terminated path (at most SUCCESSOR_MAX - 1 bytes) of the table
+ *                          that replaced this one (a grown table), "" if unknown
+ *   slots from HEADER_BYTES on, SLOT_BYTES each:
+ *     0    seq             even: stable; odd: being written (a seqlock per slot). Only grows.
+ *     8    hash            hash_bytes(key, seed = index id) with the key's kind mixed in
+ *     16   meta            state (bits 0-7: 0 empty, 1 live), kind (bits 8-15: 1 str as
+ *                          UTF-8, 2 bytes), key length in bytes (bits 16-31)
+ *     24   region id, 32 offset, 40 length, 48 checksum (the writer's, 0: none),
+ *     56   region tag      the first 8 bytes of the region's token (which signs its pool path,
+ *                          offset, length and the pool's generation): a reader uses a location
+ *                          only through a mapping whose handle has the same tag
+ *     64   key bytes, MAX_KEY of them
+ *   use bits: a separate file, one byte per slot, that readers map read-write: a hit sets its
+ *   slot's byte (CLOCK "referenced"); the server's eviction takes and clears them (`harvest`).
+ *   Scribbling there changes eviction order only, never what a hit returns.
+ *
+ * Linear probing without tombstones: a deletion shifts later entries of its probe chain back
+ * (each move is a seqlocked write of the new slot, then of the old one), so a reader that
+ * races it can miss a key for a moment but never read a torn or foreign entry: it compares
+ * the full key and re-reads `seq` after reading the slot. A hit stays proven only while the
+ * slot's seq and the header's `retired` are unchanged: readers check both again after their
+ * copy (`Reader.validate`). The server removes a key's slot before the key's pages can be
+ * reused, so an unchanged slot proves the copy read the key's bytes.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(p) __builtin_prefetch((const void *)(p))
+#else
+#define PREFETCH(p) ((void)(p))
+#endif
+
+#define LAYOUT_VERSION 1
+#define HEADER_BYTES 4096
+#define SLOT_BYTES 192
+#define MAX_KEY 128
+#define SUCCESSOR_OFFSET 128
+#define SUCCESSOR_MAX 1024
+#define STATE_EMPTY 0
+#define STATE_LIVE 1
+#define KIND_STR 1
+#define KIND_BYTES 2
+#define SEQ_RETRIES 64 /* a slot seen mid-write this many times in a row: a miss */
+#define GIL_FREE_FROM 256 /* batches at least this long probe without the GIL */
+#define AHEAD 16        /* keys whose first slot is prefetched ahead of the probe */
+
+static const char MAGIC_BYTES[8] = {'M', 'A', 'R', 'U', 'I', 'D', 'X', '1'};
+
+typedef struct {
+    uint64_t magic, version, capacity, slot_bytes, max_key, pool_generation, retired, count,
+        index_id, header_bytes;
+} Header;
+
+typedef struct {
+    uint64_t seq, hash, meta;
+    int64_t region_id, offset, length, checksum, tag;
+    unsigned char key[MAX_KEY];
+} Slot;
+
+_Static_assert(sizeof(Slot) == SLOT_BYTES, "slot layout");
+_Static_assert(sizeof(Header) <= SUCCESSOR_OFFSET, "header layout");
+
+#define LOAD(p) __atomic_load_n((p), __ATOMIC_RELAXED)
+#define LOAD_ACQ(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
+#define STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELAXED)
+#define STORE_REL(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+
+/* -- the key hash (any process, any build: a pure function of the bytes and the seed) ---- */
+
+static inline uint64_t rotl(uint64_t x, int r)
+{
+    return (x << r) | (x >> (64 - r));
+}
+
+static inline uint64_t fmix(uint64_t h)
+{
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdULL;
+    h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ULL;
+    h ^= h >> 33;
+    return h;
+}
+
+static uint64_t hash_bytes(const unsigned char *p, size_t n, uint64_t seed)
+{
+    const uint64_t m1 = 0x9e3779b97f4a7c15ULL, m2 = 0xbf58476d1ce4e5b9ULL;
+    uint64_t h = seed ^ (n * m1);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        h = rotl(h ^ (w * m2), 29) * m1;
+    }
+    if (i < n) {
+        uint64_t w = 0;
+        memcpy(&w, p + i, n - i);
+        h = rotl(h ^ (w * m2), 29) * m1;
+    }
+    return fmix(h);
+}
+
+static inline uint64_t key_hash(const unsigned char *p, size_t n, int kind, uint64_t seed)
+{
+    return hash_bytes(p, n, seed + (uint64_t)kind);
+}
+
+static inline uint64_t make_meta(int state, int kind, size_t len)
+{
+    return (uint64_t)state | ((uint64_t)kind << 8) | ((uint64_t)len << 16);
+}
+
+/* A key's bytes: str as UTF-8, bytes as they are. kind 0: not a key (another type). */
+typedef struct {
+    const unsigned char *p;
+    Py_ssize_t n;
+    int kind;
+} KeyBytes;
+
+/* Needs the GIL (a str's UTF-8 form may be made and cached on it). -1 with an error set only
+ * on a failed encoding (a lone surrogate: not a key a client can store either). */
+static int key_bytes(PyObject *key, KeyBytes *out)
+{
+    if (PyUnicode_CheckExact(key)) {
+        const char *s = PyUnicode_AsUTF8AndSize(key, &out->n);
+        if (s == NULL)
+            return -1;
+        out->p = (const unsigned char *)s;
+        out->kind = KIND_STR;
+    }
+    else if (PyBytes_CheckExact(key)) {
+        out->p = (const unsigned char *)PyBytes_AS_STRING(key);
+        out->n = PyBytes_GET_SIZE(key);
+        out->kind = KIND_BYTES;
+    }
+    else {
+        out->p = NULL;
+        out->n = 0;
+        out->kind = 0;
+    }
+    return 0;
+}
+
+/* -- a mapped table (both sides) ------------------------------------------------------------ */
+
+typedef struct {
+    Py_buffer table, use;
+    Header *h;
+    Slot *slots;
+    unsigned char *use_bits;
+    uint64_t mask, seed;
+} Table;
+
+static int table_open(Table *t, PyObject *table_obj, PyObject *use_obj, int writable)
+{
+    int flags = writable ? PyBUF_WRITABLE : PyBUF_SIMPLE;
+    if (PyObject_GetBuffer(table_obj, &t->table, flags) < 0)
+        return -1;
+    if (PyObject_GetBuffer(use_obj, &t->use, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&t->table);
+        return -1;
+    }
+    t->h = (Header *)t->table.buf;
+    const char *why = NULL;
+    uint64_t capacity = 0;
+    if (t->table.len < HEADER_BYTES)
+        why = "shorter than its header";
+    else if (memcmp(t->table.buf, MAGIC_BYTES, 8) != 0)
+        why = "not a Maru index (bad magic)";
+    else if (LOAD(&t->h->version) != LAYOUT_VERSION)
+        why = "of another layout version";
+    else if (LOAD(&t->h->slot_bytes) != SLOT_BYTES || LOAD(&t->h->max_key) != MAX_KEY ||
+             LOAD(&t->h->header_bytes) != HEADER_BYTES)
+        why = "of another slot layout";
+    else {
+        capacity = LOAD(&t->h->capacity);
+        if (capacity == 0 || (capacity & (capacity - 1)) != 0 ||
+            (uint64_t)(t->table.len - HEADER_BYTES) / SLOT_BYTES < capacity)
+            why = "of a bad capacity";
+        else if ((uint64_t)t->use.len < capacity)
+            why = "with a use-bits file shorter than its capacity";
+    }
+    if (why != NULL) {
+        PyBuffer_Release(&t->table);
+        PyBuffer_Release(&t->use);
+        PyErr_Format(PyExc_ValueError, "index table %s", why);
+        return -1;
+    }
+    t->slots = (Slot *)((char *)t->table.buf + HEADER_BYTES);
+    t->use_bits = (unsigned char *)t->use.buf;
+    t->mask = capacity - 1;
+    t->seed = LOAD(&t->h->index_id);
+    return 0;
+}
+
+static void table_close(Table *t)
+{
+    if (t->h != NULL) {
+        PyBuffer_Release(&t->table);
+        PyBuffer_Release(&t->use);
+        t->h = NULL;
+    }
+}
+
+/* -- Writer: the server's side (one thread) -------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    Table t;
+} Writer;
+
+static PyObject *format_table(PyObject *module, PyObject *args)
+{
+    /* format_table(buffer, capacity, pool_generation: bytes, index_id): write the header of an
+     * empty table into a zeroed mapping. */
+    Py_buffer buf;
+    unsigned long long capacity, index_id;
+    const char *gen;
+    Py_ssize_t gen_len;
+    if (!PyArg_ParseTuple(args, "w*Ky#K:format_table", &buf, &capacity, &gen, &gen_len,
+                          &index_id))
+        return NULL;
+    if (capacity == 0 || (capacity & (capacity - 1)) ||
+        (uint64_t)buf.len < HEADER_BYTES + capacity * SLOT_BYTES) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_ValueError, "format_table: capacity must be a power of two that fits");
+        return NULL;
+    }
+    Header *h = (Header *)buf.buf;
+    memcpy(&h->magic, MAGIC_BYTES, 8);
+    h->version = LAYOUT_VERSION;
+    h->capacity = capacity;
+    h->slot_bytes = SLOT_BYTES;
+    h->max_key = MAX_KEY;
+    h->pool_generation = hash_bytes((const unsigned char *)gen, (size_t)gen_len, 0);
+    h->retired = 0;
+    h->count = 0;
+    h->index_id = index_id;
+    h->header_bytes = HEADER_BYTES;
+    PyBuffer_Release(&buf);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Writer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *table_obj, *use_obj;
+    if (!PyArg_ParseTuple(args, "OO:Writer", &table_obj, &use_obj))
+        return NULL;
+    Writer *self = (Writer *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    if (table_open(&self->t, table_obj, use_obj, 1) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void Writer_dealloc(Writer *self)
+{
+    table_close(&self->t);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int writer_ready(Writer *self)
+{
+    if (self->t.h == NULL) {
+        PyErr_SetString(PyExc_ValueError, "index writer is closed");
+        return 0;
+    }
+    return 1;
+}
+
+/* Write slot i's fields under its seqlock: odd while changing, readers retry or skip. */
+static void slot_write(Table *t, uint64_t i, const Slot *src, uint64_t meta)
+{
+    Slot *s = &t->slots[i];
+    uint64_t seq = s->seq; /* only this thread writes it */
+    STORE(&s->seq, seq + 1);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    if (src != NULL) {
+        STORE(&s->hash, src->hash);
+        STORE(&s->region_id, src->region_id);
+        STORE(&s->offset, src->offset);
+        STORE(&s->length, src->length);
+        STORE(&s->checksum, src->checksum);
+        STORE(&s->tag, src->tag);
+        size_t len = (size_t)(meta >> 16) & 0xffff;
+        memcpy(s->key, src->key, len);
+    }
+    STORE(&s->meta, meta);
+    STORE_REL(&s->seq, seq + 2);
+}
+
+static inline int slot_matches(const Slot *s, uint64_t hash, uint64_t meta, const KeyBytes *k)
+{
+    return s->hash == hash && s->meta == meta && memcmp(s->key, k->p, (size_t)k->n) == 0;
+}
+
+/* The slot holding the key (found = 1) or the empty slot ending its chain (found = 0). */
+static uint64_t writer_find(Table *t, const KeyBytes *k, uint64_t hash, int *found)
+{
+    uint64_t meta = make_meta(STATE_LIVE, k->kind, (size_t)k->n);
+    uint64_t i = hash & t->mask;
+    for (;;) {
+        const Slot *s = &t->slots[i];
+        if ((s->meta & 0xff) == STATE_EMPTY) {
+            *found = 0;
+            return i;
+        }
+        if (slot_matches(s, hash, meta, k)) {
+            *found = 1;
+            return i;
+        }
+        i = (i + 1) & t->mask;
+    }
+}
+
+static int64_t item_int64(PyObject *seq, Py_ssize_t i, int *err)
+{
+    long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+    if (v == -1 && PyErr_Occurred())
+        *err = 1;
+    return (int64_t)v;
+}
+
+/* publish(keys, region_ids, offsets, lengths, checksums or None, tags: {region id: tag}) ->
+ * how many keys were not published (too long, or not str/bytes). The caller keeps the table
+ * at most half full (`count` + len(keys) <= capacity / 2, else it grows first). */
+static PyObject *Writer_publish(Writer *self, PyObject *args)
+{
+    PyObject *keys_o, *rids_o, *offs_o, *lens_o, *sums_o, *tags;
+    if (!PyArg_ParseTuple(args, "OOOOOO!:publish", &keys_o, &rids_o, &offs_o, &lens_o, &sums_o,
+                          &PyDict_Type, &tags))
+        return NULL;
+    if (!writer_ready(self))
+        return NULL;
+    PyObject *cols[5] = {NULL, NULL, NULL, NULL, NULL};
+    PyObject *objs[5] = {keys_o, rids_o, offs_o, lens_o, sums_o};
+    PyObject *out = NULL;
+    int ncols = sums_o == Py_None ? 4 : 5;
+    for (int c = 0; c < ncols; c++)
+        if ((cols[c] = PySequence_Fast(objs[c], "publish: columns must be sequences")) == NULL)
+            goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(cols[0]);
+    for (int c = 1; c < ncols; c++)
+        if (PySequence_Fast_GET_SIZE(cols[c]) != n) {
+            PyErr_SetString(PyExc_ValueError, "publish: columns differ in length");
+            goto done;
+        }
+    Table *t = &self->t;
+    if (LOAD(&t->h->count) + (uint64_t)n > (t->mask + 1) / 2) {
+        PyErr_SetString(PyExc_OverflowError, "publish: the table would be over half full");
+        goto done;
+    }
+    Py_ssize_t skipped = 0;
+    Slot src;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        KeyBytes k;
+        if (key_bytes(PySequence_Fast_GET_ITEM(cols[0], i), &k) < 0)
+            goto done;
+        if (k.kind == 0 || k.n <= 0 || k.n > MAX_KEY) {
+            skipped++;
+            continue;
+        }
+        int err = 0;
+        src.region_id = item_int64(cols[1], i, &err);
+        src.offset = item_int64(cols[2], i, &err);
+        src.length = item_int64(cols[3], i, &err);
+        src.checksum = ncols == 5 ? item_int64(cols[4], i, &err) : 0;
+        PyObject *tag = PyDict_GetItemWithError(tags, PySequence_Fast_GET_ITEM(cols[1], i));
+        if (tag == NULL && !PyErr_Occurred())
+            PyErr_SetString(PyExc_KeyError, "publish: no tag for a region");
+        src.tag = tag == NULL ? 0 : (int64_t)PyLong_AsUnsignedLongLongMask(tag);
+        if (err || PyErr_Occurred())
+            goto done;
+        src.hash = key_hash(k.p, (size_t)k.n, k.kind, t->seed);
+        memcpy(src.key, k.p, (size_t)k.n);
+        int found;
+        uint64_t slot = writer_find(t, &k, src.hash, &found);
+        slot_write(t, slot, &src, make_meta(STATE_LIVE, k.kind, (size_t)k.n));
+        if (!found)
+            STORE(&t->h->count, LOAD(&t->h->count) + 1);
+        t->use_bits[slot] = 0;
+    }
+    out = PyLong_FromSsize_t(skipped);
+done:
+    for (int c = 0; c < 5; c++)
+        Py_XDECREF(cols[c]);
+    return out;
+}
+
+/* Empty slot i, then move back the entries after it that may live there (backward-shift
+ * deletion: no tombstones, so chains stay short under churn). */
+static void writer_delete_at(Table *t, uint64_t i)
+{
+    uint64_t mask = t->mask;
+    slot_write(t, i, NULL, make_meta(STATE_EMPTY, 0, 0));
+    t->use_bits[i] = 0;
+    uint64_t hole = i, j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        Slot *s = &t->slots[j];
+        if ((s->meta & 0xff) == STATE_EMPTY)
+            return;
+        uint64_t home = s->hash & mask;
+        /* the entry at j may move to the hole unless its home lies in (hole, j] */
+        if (((j - home) & mask) < ((j - hole) & mask))
+            continue;
+        Slot copy = *s;
+        slot_write(t, hole, &copy, copy.meta);
+        t->use_bits[hole] = t->use_bits[j];
+        slot_write(t, j, NULL, make_meta(STATE_EMPTY, 0, 0));
+        t->use_bits[j] = 0;
+        hole = j;
+    }
+}
+
+/* remove(keys) -> how many were in the table. */
+static PyObject *Writer_remove(Writer *self, PyObject *arg)
+{
+    if (!writer_ready(self))
+        return NULL;
+    PyObject *seq = PySequence_Fast(arg, "remove: keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Table *t = &self->t;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), removed = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        KeyBytes k;
+        if (key_bytes(PySequence_Fast_GET_ITEM(seq, i), &k) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (k.kind == 0 || k.n <= 0 || k.n > MAX_KEY)
+            continue;
+        int found;
+        uint64_t slot = writer_find(t, &k, key_hash(k.p, (size_t)k.n, k.kind, t->seed), &found);
+        if (!found)
+            continue;
+        writer_delete_at(t, slot);
+        STORE(&t->h->count, LOAD(&t->h->count) - 1);
+        removed++;
+    }
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(removed);
+}
+
+static PyObject *slot_key(const Slot *s)
+{
+    size_t len = (size_t)(s->meta >> 16) & 0xffff;
+    int kind = (int)(s->meta >> 8) & 0xff;
+    if (kind == KIND_STR)
+        return PyUnicode_DecodeUTF8((const char *)s->key, (Py_ssize_t)len, "strict");
+    return PyBytes_FromStringAndSize((const char *)s->key, (Py_ssize_t)len);
+}
+
+/* harvest() -> the keys whose use byte readers set since the last harvest (bytes cleared). */
+static PyObject *Writer_harvest(Writer *self, PyObject *unused)
+{
+    if (!writer_ready(self))
+        return NULL;
+    Table *t = &self->t;
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    uint64_t capacity = t->mask + 1;
+    volatile unsigned char *use = t->use_bits;
+    for (uint64_t i = 0; i < capacity; i += 8) {
+        uint64_t word;
+        memcpy(&word, (const void *)(use + i), 8); /* capacity is a power of two >= 8 */
+        if (word == 0)
+            continue;
+        for (uint64_t j = i; j < i + 8; j++) {
+            if (!use[j])
+                continue;
+            use[j] = 0;
+            const Slot *s = &t->slots[j];
+            if ((s->meta & 0xff) != STATE_LIVE)
+                continue;
+            PyObject *key = slot_key(s);
+            if (key == NULL || PyList_Append(out, key) < 0) {
+                Py_XDECREF(key);
+                Py_DECREF(out);
+                return NULL;
+            }
+            Py_DECREF(key);
+        }
+    }
+    return out;
+}
+
+/* copy_into(other): every live entry into `other` (a bigger, empty table), use bits too. */
+static PyObject *Writer_copy_into(Writer *self, PyObject *arg)
+{
+    if (!PyObject_TypeCheck(arg, Py_TYPE(self))) {
+        PyErr_SetString(PyExc_TypeError, "copy_into: expected a Writer");
+        return NULL;
+    }
+    Writer *other = (Writer *)arg;
+    if (!writer_ready(self) || !writer_ready(other))
+        return NULL;
+    Table *a = &self->t, *b = &other->t;
+    if (LOAD(&b->h->count) + LOAD(&a->h->count) > (b->mask + 1) / 2) {
+        PyErr_SetString(PyExc_OverflowError, "copy_into: the other table is too small");
+        return NULL;
+    }
+    for (uint64_t i = 0; i <= a->mask; i++) {
+        const Slot *s = &a->slots[i];
+        if ((s->meta & 0xff) != STATE_LIVE)
+            continue;
+        Slot src = *s;
+        KeyBytes k = {src.key, (Py_ssize_t)((src.meta >> 16) & 0xffff), (int)(src.meta >> 8) & 0xff};
+        src.hash = key_hash(k.p, (size_t)k.n, k.kind, b->seed);
+        int found;
+        uint64_t slot = writer_find(b, &k, src.hash, &found);
+        slot_write(b, slot, &src, src.meta);
+        b->use_bits[slot] = a->use_bits[i];
+        if (!found)
+            STORE(&b->h->count, LOAD(&b->h->count) + 1);
+    }
+    Py_RETURN_NONE;
+}
+
+/* retire(successor: str): the table is replaced (`successor`: the new table's path, "" if
+ * none): written before `retired`, which readers check after every copy. */
+static PyObject *Writer_retire(Writer *self, PyObject *arg)
+{
+    if (!writer_ready(self))
+        return NULL;
+    Py_ssize_t n;
+    const char *path = PyUnicode_AsUTF8AndSize(arg, &n);
+    if (path == NULL)
+        return NULL;
+    if (n >= SUCCESSOR_MAX) {
+        PyErr_SetString(PyExc_ValueError, "retire: successor path too long");
+        return NULL;
+    }
+    char *field = (char *)self->t.h + SUCCESSOR_OFFSET;
+    memcpy(field, path, (size_t)n);
+    field[n] = 0;
+    STORE_REL(&self->t.h->retired, 1);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Writer_close(Writer *self, PyObject *unused)
+{
+    table_close(&self->t);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Writer_get_count(Writer *self, void *c)
+{
+    return PyLong_FromUnsignedLongLong(self->t.h ? LOAD(&self->t.h->count) : 0);
+}
+
+static PyObject *Writer_get_capacity(Writer *self, void *c)
+{
+    return PyLong_FromUnsignedLongLong(self->t.h ? self->t.mask + 1 : 0);
+}
+
+static PyMethodDef Writer_methods[] = {
+    {"publish", (PyCFunction)Writer_publish, METH_VARARGS,
+     "publish(keys, region_ids, offsets, lengths, checksums|None, tags) -> keys not published"},
+    {"remove", (PyCFunction)Writer_remove, METH_O, "remove(keys) -> how many were there"},
+    {"harvest", (PyCFunction)Writer_harvest, METH_NOARGS,
+     "harvest() -> keys readers marked used since the last harvest (marks cleared)"},
+    {"copy_into", (PyCFunction)Writer_copy_into, METH_O, "copy_into(writer): grow into it"},
+    {"retire", (PyCFunction)Writer_retire, METH_O, "retire(successor_path)"},
+    {"close", (PyCFunction)Writer_close, METH_NOARGS, "release the buffers"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Writer_getset[] = {
+    {"count", (getter)Writer_get_count, NULL, "keys in the table", NULL},
+    {"capacity", (getter)Writer_get_capacity, NULL, "slots", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject WriterType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru.common._shmindex.Writer",
+    .tp_doc = "Writer(table_buffer, use_buffer): the server's side of a local index table.",
+    .tp_basicsize = sizeof(Writer),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = Writer_new,
+    .tp_dealloc = (destructor)Writer_dealloc,
+    .tp_methods = Writer_methods,
+    .tp_getset = Writer_getset,
+};
+
+/* -- Reader: a client's side ---------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    Table t;
+} Reader;
+
+static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *table_obj, *use_obj;
+    if (!PyArg_ParseTuple(args, "OO:Reader", &table_obj, &use_obj))
+        return NULL;
+    Reader *self = (Reader *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    if (table_open(&self->t, table_obj, use_obj, 0) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void Reader_dealloc(Reader *self)
+{
+    table_close(&self->t);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+enum { COL_REGION, COL_OFFSET, COL_LENGTH, COL_CHECKSUM, COL_TAG, COL_SLOT, COL_SEQ, NCOLS };
+
+/* Probe one key: 1 hit (fields in out[c * stride]), 0 miss. Never a torn entry: a slot is
+ * used only if its seq was even and unchanged across the reads of its fields and key. */
+static int probe_one(const Table *t, const KeyBytes *k, uint64_t hash, int64_t *out,
+                     Py_ssize_t stride)
+{
+    uint64_t want = make_meta(STATE_LIVE, k->kind, (size_t)k->n);
+    uint64_t i = hash & t->mask;
+    for (uint64_t steps = 0; steps <= t->mask; steps++, i = (i + 1) & t->mask) {
+        const Slot *s = &t->slots[i];
+        for (int tries = 0;; tries++) {
+            if (tries == SEQ_RETRIES)
+                return 0;
+            uint64_t seq = LOAD_ACQ(&s->seq);
+            if (seq & 1)
+                continue;
+            uint64_t meta = LOAD(&s->meta);
+            if ((meta & 0xff) == STATE_EMPTY) {
+                __atomic_thread_fence(__ATOMIC_ACQUIRE);
+                if (LOAD(&s->seq) != seq)
+                    continue;
+                return 0; /* the end of the chain */
+            }
+            if (meta != want || LOAD(&s->hash) != hash)
+                break; /* another key: next slot */
+            int64_t region = LOAD(&s->region_id), offset = LOAD(&s->offset);
+            int64_t length = LOAD(&s->length), checksum = LOAD(&s->checksum);
+            int64_t tag = LOAD(&s->tag);
+            int same = memcmp((const void *)s->key, k->p, (size_t)k->n) == 0;
+            __atomic_thread_fence(__ATOMIC_ACQUIRE);
+            if (LOAD(&s->seq) != seq)
+                continue; /* changed while read: again */
+            if (!same)
+                break;
+            if (out != NULL) {
+                out[COL_REGION * stride] = region;
+                out[COL_OFFSET * stride] = offset;
+                out[COL_LENGTH * stride] = length;
+                out[COL_CHECKSUM * stride] = checksum;
+                out[COL_TAG * stride] = tag;
+                out[COL_SLOT * stride] = (int64_t)i;
+                out[COL_SEQ * stride] = (int64_t)seq;
+            }
+            volatile unsigned char *use = t->use_bits + i;
+            if (!*use)
+                *use = 1; /* CLOCK: referenced (written only when clear: no line ping-pong) */
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Gather the keys' bytes (GIL held). Returns 1 if every key can be in the table, 0 if one
+ * cannot (too long, or not str/bytes), -1 on error. */
+static int gather(PyObject *seq, KeyBytes *keys, Py_ssize_t n)
+{
+    int all = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (key_bytes(PySequence_Fast_GET_ITEM(seq, i), &keys[i]) < 0)
+            return -1;
+        if (keys[i].kind == 0 || keys[i].n <= 0 || keys[i].n > MAX_KEY)
+            all = 0;
+    }
+    return all;
+}
+
+/* Probe keys[0:n] into `cols` (stride n; NULL: only `hits`). At 10^6 keys nearly every probe
+ * misses the cache (and the TLB): the keys are hashed first, and each key's first slot is
+ * prefetched AHEAD keys before it is probed, so the misses of different keys overlap. */
+static int probe_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, int64_t *cols,
+                     char *hits)
+{
+    uint64_t *hashes = PyMem_RawMalloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
+    if (hashes == NULL)
+        return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        hashes[i] = key_hash(keys[i].p, (size_t)keys[i].n, keys[i].kind, t->seed);
+        if (i < AHEAD)
+            PREFETCH(&t->slots[hashes[i] & t->mask]);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {
+            const char *s = (const char *)&t->slots[hashes[i + AHEAD] & t->mask];
+            PREFETCH(s);
+            PREFETCH(s + 64);
+            PREFETCH(s + 128);
+        }
+        int hit = probe_one(t, &keys[i], hashes[i], cols == NULL ? NULL : cols + i, n);
+        if (hits != NULL)
+            hits[i] = (char)hit;
+        if (!hit && cols != NULL)
+            for (int c = 0; c < NCOLS; c++)
+                cols[c * n + i] = c == COL_SLOT ? -1 : 0;
+    }
+    PyMem_RawFree(hashes);
+    return 0;
+}
+
+/* probe(keys) -> bytes of NCOLS int64 columns of len(keys) each (region id, offset, length,
+ * checksum, region tag, slot, seq; region 0 and slot -1 for a miss), or None if a key cannot
+ * be in the table (too long, or not str/bytes): ask the server for that batch. Each hit's use
+ * byte is set. */
+static PyObject *Reader_probe(Reader *self, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "probe: keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = NULL;
+    KeyBytes *keys = PyMem_Malloc(sizeof(KeyBytes) * (size_t)(n ? n : 1));
+    if (keys == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int all = gather(seq, keys, n);
+    if (all < 0)
+        goto done;
+    if (!all) {
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)sizeof(int64_t) * NCOLS * n);
+    if (out == NULL)
+        goto done;
+    int64_t *cols = (int64_t *)PyBytes_AS_STRING(out);
+    int rc;
+    if (n >= GIL_FREE_FROM) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = probe_all(&self->t, keys, n, cols, NULL);
+        Py_END_ALLOW_THREADS
+    }
+    else
+        rc = probe_all(&self->t, keys, n, cols, NULL);
+    if (rc < 0) {
+        Py_CLEAR(out);
+        PyErr_NoMemory();
+    }
+done:
+    PyMem_Free(keys);
+    Py_DECREF(seq);
+    return out;
+}
+
+/* contains(keys) -> [bool] (each hit's use byte set), or None if a key cannot be in the table. */
+static PyObject *Reader_contains(Reader *self, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "contains: keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = NULL;
+    KeyBytes *keys = PyMem_Malloc(sizeof(KeyBytes) * (size_t)(n ? n : 1));
+    char *hits = PyMem_Malloc((size_t)(n ? n : 1));
+    if (keys == NULL || hits == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int all = gather(seq, keys, n);
+    if (all < 0)
+        goto done;
+    if (!all) {
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    int rc;
+    if (n >= GIL_FREE_FROM) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = probe_all(&self->t, keys, n, NULL, hits);
+        Py_END_ALLOW_THREADS
+    }
+    else
+        rc = probe_all(&self->t, keys, n, NULL, hits);
+    if (rc < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if ((out = PyList_New(n)) == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyList_SET_ITEM(out, i, Py_NewRef(hits[i] ? Py_True : Py_False));
+done:
+    PyMem_Free(keys);
+    PyMem_Free(hits);
+    Py_DECREF(seq);
+    return out;
+}
+
+/* validate(slots, seqs) -> bytes, 1 per key whose slot still has that seq while the table is
+ * not retired: call it after the copy (an acquire fence first, so that the copy's reads come
+ * before these). A slot of -1 (a miss) gives 0. */
+static PyObject *Reader_validate(Reader *self, PyObject *args)
+{
+    Py_buffer slots, seqs;
+    if (!PyArg_ParseTuple(args, "y*y*:validate", &slots, &seqs))
+        return NULL;
+    PyObject *out = NULL;
+    if (slots.len != seqs.len || slots.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "validate: slots and seqs must be int64 columns");
+        goto done;
+    }
+    Py_ssize_t n = slots.len / 8;
+    out = PyBytes_FromStringAndSize(NULL, n);
+    if (out == NULL)
+        goto done;
+    char *ok = PyBytes_AS_STRING(out);
+    const int64_t *sl = slots.buf, *sq = seqs.buf;
+    const Table *t = &self->t;
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    int live = LOAD_ACQ(&t->h->retired) == 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t s = sl[i];
+        ok[i] = (char)(live && s >= 0 && (uint64_t)s <= t->mask &&
+                       LOAD(&t->slots[s].seq) == (uint64_t)sq[i]);
+    }
+    /* a retire that raced the loop: none of these is proven */
+    if (live && LOAD_ACQ(&t->h->retired) != 0)
+        memset(ok, 0, (size_t)n);
+done:
+    PyBuffer_Release(&slots);
+    PyBuffer_Release(&seqs);
+    return out;
+}
+
+static PyObject *Reader_get_retired(Reader *self, void *c)
+{
+    return PyBool_FromLong(LOAD_ACQ(&self->t.h->retired) != 0);
+}
+
+static PyObject *Reader_get_successor(Reader *self, void *c)
+{
+    if (!LOAD_ACQ(&self->t.h->retired))
+        return PyUnicode_FromString("");
+    const char *field = (const char *)self->t.h + SUCCESSOR_OFFSET;
+    return PyUnicode_DecodeUTF8(field, (Py_ssize_t)strnlen(field, SUCCESSOR_MAX - 1), "replace");
+}
+
+static PyObject *Reader_get_pool_generation(Reader *self, void *c)
+{
+    return PyLong_FromUnsignedLongLong(LOAD(&self->t.h->pool_generation));
+}
+
+static PyObject *Reader_get_count(Reader *self, void *c)
+{
+    return PyLong_FromUnsignedLongLong(LOAD(&self->t.h->count));
+}
+
+static PyObject *Reader_get_capacity(Reader *self, void *c)
+{
+    return PyLong_FromUnsignedLongLong(self->t.mask + 1);
+}
+
+static PyMethodDef Reader_methods[] = {
+    {"probe", (PyCFunction)Reader_probe, METH_O,
+     "probe(keys) -> bytes of 7 int64 columns (region, offset, length, checksum, tag, slot,\n"
+     "seq), or None if a key cannot be in the table"},
+    {"contains", (PyCFunction)Reader_contains, METH_O,
+     "contains(keys) -> [bool], or None if a key cannot be in the table"},
+    {"validate", (PyCFunction)Reader_validate, METH_VARARGS,
+     "validate(slots, seqs) -> bytes: 1 where the entry is unchanged and the table current"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Reader_getset[] = {
+    {"retired", (getter)Reader_get_retired, NULL, "the table was replaced or its server stopped",
+     NULL},
+    {"successor", (getter)Reader_get_successor, NULL, "the replacing table's path, or ''", NULL},
+    {"pool_generation", (getter)Reader_get_pool_generation, NULL, "hash of the generation", NULL},
+    {"count", (getter)Reader_get_count, NULL, "keys in the table", NULL},
+    {"capacity", (getter)Reader_get_capacity, NULL, "slots", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject ReaderType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru.common._shmindex.Reader",
+    .tp_doc = "Reader(table_buffer, use_buffer): a client's view of a local index table.",
+    .tp_basicsize = sizeof(Reader),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = Reader_new,
+    .tp_dealloc = (destructor)Reader_dealloc,
+    .tp_methods = Reader_methods,
+    .tp_getset = Reader_getset,
+};
+
+static PyObject *py_hash_generation(PyObject *module, PyObject *arg)
+{
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0)
+        return NULL;
+    uint64_t h = hash_bytes(b.buf, (size_t)b.len, 0);
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+static PyMethodDef module_methods[] = {
+    {"format_table", format_table, METH_VARARGS,
+     "format_table(buffer, capacity, pool_generation: bytes, index_id): an empty table's header"},
+    {"hash_generation", py_hash_generation, METH_O,
+     "hash_generation(bytes) -> the u64 a header keeps for a pool generation"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef shmindex_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "maru.common._shmindex",
+    .m_doc = "The local index's shared table: the server's Writer, the clients' Reader.",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC PyInit__shmindex(void)
+{
+    if (PyType_Ready(&WriterType) < 0 || PyType_Ready(&ReaderType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&shmindex_module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddType(m, &WriterType) < 0 || PyModule_AddType(m, &ReaderType) < 0 ||
+        PyModule_AddIntConstant(m, "LAYOUT_VERSION", LAYOUT_VERSION) < 0 ||
+        PyModule_AddIntConstant(m, "HEADER_BYTES", HEADER_BYTES) < 0 ||
+        PyModule_AddIntConstant(m, "SLOT_BYTES", SLOT_BYTES) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_KEY", MAX_KEY) < 0 ||
+        PyModule_AddIntConstant(m, "NCOLS", NCOLS) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

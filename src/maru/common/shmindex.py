@@ -1,0 +1,111 @@
+"""What the server's and the clients' sides of the local index share: the C table
+(`maru.common._shmindex`, whose header comment is the layout), the files' names and the
+region tag.
+
+A server publishes its key index in shared memory for clients on its node (issue 17, part 1;
+docs/architecture.md "The local index"): a table file only it writes, and a use-bits file
+readers mark. Both are named after the pool, `<base>.<n>` and `<base>.<n>.use`, with `n`
+growing, so that whichever server next opens the pool finds the earlier tables and retires
+them, and a reader whose table was replaced can find the current one. Without the extension
+(no C compiler at install) there is no local index: servers publish none, clients use the
+request path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+
+try:
+    from maru.common._shmindex import (
+        HEADER_BYTES,
+        MAX_KEY,
+        NCOLS,
+        SLOT_BYTES,
+        Reader,
+        Writer,
+        format_table,
+        hash_generation,
+    )
+except ImportError:  # built without a C compiler: no local index
+    Reader = Writer = format_table = hash_generation = None  # type: ignore[assignment,misc]
+    HEADER_BYTES, SLOT_BYTES, MAX_KEY, NCOLS = 4096, 192, 128, 7
+
+COMPILED = Reader is not None
+SHM_DIR = "/dev/shm"
+USE_SUFFIX = ".use"
+
+
+def index_base(pool_kind: str, pool_path: str) -> str:
+    """The files of a pool's index start with this: beside a shm pool file, else in /dev/shm
+    under a hash of the pool's path (a device or a DAX directory is no place for them)."""
+    if pool_kind == "shm":
+        return f"{pool_path}.index"
+    digest = hashlib.sha256(os.path.realpath(pool_path).encode()).hexdigest()[:16]
+    return os.path.join(SHM_DIR, f"maru-index-{digest}")
+
+
+def table_files(base: str) -> list[tuple[int, str]]:
+    """The tables named `<base>.<n>` that exist now, as (n, path), oldest (lowest n) first."""
+    directory, prefix = os.path.split(base)
+    pattern = re.compile(re.escape(prefix) + r"\.(\d+)")
+    try:
+        names = os.listdir(directory or ".")
+    except OSError:
+        return []
+    found = [
+        (int(m.group(1)), os.path.join(directory, name))
+        for name in names
+        if (m := pattern.fullmatch(name))
+    ]
+    return sorted(found)
+
+
+def base_of(table_path: str) -> str | None:
+    """The base of a table's path (`<base>.<n>` -> `<base>`), None if it is not one."""
+    m = re.fullmatch(r"(.+)\.(\d+)", table_path)
+    return m.group(1) if m else None
+
+
+def table_bytes(capacity: int) -> int:
+    return HEADER_BYTES + capacity * SLOT_BYTES
+
+
+def region_tag(token: str) -> int:
+    """A region's tag in the table: its token's first 8 bytes as a signed int64 (the token is
+    an HMAC over the region's pool path, offset, length and the pool's generation, so equal
+    tags mean the same memory of the same pool life)."""
+    try:
+        value = int(token[:16], 16)
+    except (TypeError, ValueError):
+        return 0
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def owned_by(fd: int, uid: int | None, *, shared_write: bool = False) -> bool:
+    """Whether the open file `fd` is owned by `uid` (the server's) and, unless
+    `shared_write` (the use bits), nobody else may write it: a reader trusts only what the
+    server wrote."""
+    st = os.fstat(fd)
+    return uid is not None and st.st_uid == uid and (shared_write or not st.st_mode & 0o022)
+
+
+__all__ = [
+    "COMPILED",
+    "HEADER_BYTES",
+    "MAX_KEY",
+    "NCOLS",
+    "SLOT_BYTES",
+    "USE_SUFFIX",
+    "Reader",
+    "Writer",
+    "base_of",
+    "format_table",
+    "hash_generation",
+    "index_base",
+    "owned_by",
+    "region_tag",
+    "table_bytes",
+    "table_files",
+]

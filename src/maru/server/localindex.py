@@ -1,0 +1,249 @@
+"""The server's side of the local index: its key index published in shared memory, so that
+clients on this node find keys without a request (issue 17, part 1; the layout is in
+`maru.common._shmindex`, the files' names in `maru.common.shmindex`).
+
+The registry calls it from its two key mutators, after the change is journaled: `publish`
+from `_add_keys` (registered keys, the journal replay's too), `remove` from `_drop_keys`
+(deleted, evicted, reclaimed) *before* the keys' pages can be reused (before their owner is
+told they are free, before their region is freed). Eviction takes the readers' use marks as
+CLOCK bits (`harvest_into`). One table at a time: when it passes half full, a table of at
+least twice the capacity replaces it (the old one's header names it, then says `retired`).
+At start the server retires every earlier table of its pool before its pool can change
+(`retire_earlier`, before a new generation's fresh start), and a server that stops retires
+its own (`close`). A table that cannot be made (no room on /dev/shm) turns the index off:
+clients then use the request path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import logging
+import mmap
+import os
+import secrets
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from maru.common import shmindex
+from maru.common.shmindex import USE_SUFFIX, index_base, region_tag, table_bytes, table_files
+
+log = logging.getLogger(__name__)
+
+INITIAL_CAPACITY = 1 << 16  # slots (12 MiB): small deployments pay little; grows by doubling
+
+
+class _Table:
+    """One table file and its use-bits file, mapped read-write."""
+
+    def __init__(self, path: str, capacity: int, generation: str, group: str | None):
+        self.path, self.capacity = path, capacity
+        self.files: list[str] = []
+        self.maps: list[mmap.mmap] = []
+        try:
+            gid = grp.getgrnam(group).gr_gid if group else -1
+            for file, size, mode in (
+                (path, table_bytes(capacity), 0o640 if group else 0o600),
+                (path + USE_SUFFIX, capacity, 0o660 if group else 0o600),
+            ):
+                fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                self.files.append(file)
+                try:
+                    os.posix_fallocate(fd, 0, size)  # ENOSPC now, never SIGBUS on a write
+                    if group:
+                        os.fchown(fd, -1, gid)
+                    os.fchmod(fd, mode)
+                    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                    self.maps.append(mmap.mmap(fd, size, flags=flags))
+                finally:
+                    os.close(fd)
+            shmindex.format_table(self.maps[0], capacity, generation.encode(), _random_u64())
+            self.writer = shmindex.Writer(self.maps[0], self.maps[1])
+        except BaseException:
+            self.unlink()
+            raise
+
+    def retire(self, successor: str = "") -> None:
+        """Readers' copies that end after this are not proven; the files go (a reader keeps
+        its mapping)."""
+        self.writer.retire(successor)
+        self.writer.close()
+        self.unlink()
+        for m in self.maps:
+            m.close()
+
+    def unlink(self) -> None:
+        for file in self.files:
+            with contextlib.suppress(OSError):  # (gone, or another user's)
+                os.unlink(file)
+
+
+def _random_u64() -> int:
+    return secrets.randbits(64)
+
+
+def retire_earlier(pool_kind: str, pool_path: str) -> int:
+    """Retire and remove every table of the pool's index left by an earlier server (killed,
+    or stopped before it could): readers that still map one take their copies as misses from
+    now on. Call it with the pool locked, before the pool can change. Returns how many."""
+    if not shmindex.COMPILED:
+        return 0
+    count = 0
+    for _, path in table_files(index_base(pool_kind, pool_path)):
+        try:
+            with open(path, "r+b") as f, open(path + USE_SUFFIX, "r+b") as u:
+                table, use = mmap.mmap(f.fileno(), 0), mmap.mmap(u.fileno(), 0)
+                writer = shmindex.Writer(table, use)
+                writer.retire("")
+                writer.close()
+                table.close()
+                use.close()
+        except (OSError, ValueError) as exc:  # not a table of ours, or damaged: just remove it
+            log.warning("earlier local index %s could not be retired (%s): removing it", path, exc)
+        for file in (path, path + USE_SUFFIX):
+            with contextlib.suppress(OSError):  # (gone, or another user's)
+                os.unlink(file)
+        count += 1
+    if count:
+        log.info("retired %d local index table(s) of an earlier server", count)
+    return count
+
+
+def remove_tables(pool_kind: str, pool_path: str) -> int:
+    """Remove the pool's index files (`maru-server --purge`). Returns how many tables."""
+    tables = table_files(index_base(pool_kind, pool_path))
+    for _, path in tables:
+        for file in (path, path + USE_SUFFIX):
+            with contextlib.suppress(OSError):  # (gone, or another user's)
+                os.unlink(file)
+    return len(tables)
+
+
+class LocalIndex:
+    """The published index of one server. `path` is what the HANDSHAKE reply names to clients
+    on the local socket (None once the index is off)."""
+
+    def __init__(self, pool_kind: str, pool_path: str, generation: str, group: str | None = None):
+        self.base = index_base(pool_kind, pool_path)
+        self.generation = generation
+        self.group = group
+        self.grown = 0  # tables replaced by bigger ones
+        self.table: _Table | None = None
+        self.table = self._new_table(INITIAL_CAPACITY)
+
+    @property
+    def path(self) -> str | None:
+        return self.table.path if self.table is not None else None
+
+    @property
+    def count(self) -> int:
+        return self.table.writer.count if self.table is not None else 0
+
+    def _new_table(self, capacity: int) -> _Table:
+        # Names only grow, across restarts too (the earlier server's tables are gone by now):
+        # a reader that looks for the current table takes the newest.
+        tables = table_files(self.base)
+        n = max(tables[-1][0] + 1 if tables else 0, time.time_ns() // 1000)
+        while True:  # a name someone else took meanwhile: the next one
+            try:
+                return _Table(f"{self.base}.{n}", capacity, self.generation, self.group)
+            except FileExistsError:
+                n += 1
+
+    def _room_for(self, more: int) -> bool:
+        """Grow when `more` keys would pass half the capacity; False if the index is off."""
+        table = self.table
+        if table is None:
+            return False
+        need = table.writer.count + more
+        if need <= table.capacity // 2:
+            return True
+        capacity = table.capacity * 2
+        while need > capacity // 4:
+            capacity *= 2
+        try:
+            bigger = self._new_table(capacity)
+        except OSError as exc:
+            log.error(
+                "cannot grow the local index to %d slots (%s): it is off; clients on this "
+                "node use the request path",
+                capacity,
+                exc,
+            )
+            self.close()
+            return False
+        table.writer.copy_into(bigger.writer)
+        self.table = bigger
+        table.retire(bigger.path)
+        self.grown += 1
+        log.info("local index grown to %d slots (%s)", capacity, bigger.path)
+        return True
+
+    def publish(
+        self,
+        keys: list[Any],
+        region_ids: list[int],
+        offsets: list[int],
+        lengths: list[int],
+        checksums: list[int] | None = None,
+        *,
+        regions: Mapping[int, Any],
+    ) -> None:
+        """Keys just registered (and journaled), in `regions` (id -> Region: their tokens give
+        the tags). Keys longer than the table holds are left out: clients ask the server."""
+        if not keys or not self._room_for(len(keys)):
+            return
+        tags = {r: region_tag(regions[r].token) for r in set(region_ids)}
+        assert self.table is not None
+        self.table.writer.publish(keys, region_ids, offsets, lengths, checksums, tags)
+
+    def remove(self, keys: list[Any]) -> None:
+        """Keys that go (journaled): their slots change before their pages can be reused."""
+        if self.table is not None and keys:
+            self.table.writer.remove(keys)
+
+    def harvest_into(self, key_index: Any) -> int:
+        """Set the CLOCK bit of every key readers marked used since the last harvest (and
+        clear the marks). Returns how many keys."""
+        if self.table is None:
+            return 0
+        used = self.table.writer.harvest()
+        for entry in key_index.get_many(used):
+            if entry is not None:
+                entry.referenced = True
+        return len(used)
+
+    def close(self) -> None:
+        """Retire the table (the server stops, or the index is off)."""
+        table, self.table = self.table, None
+        if table is not None:
+            table.retire("")
+
+
+def open_local_index(
+    pool: Any, registry: Any, group: str | None = None, enabled: bool = True
+) -> LocalIndex | None:
+    """The server's index, filled from the restored registry and attached to it; None when
+    off (`--no-local-index`, no C extension, or no room on /dev/shm)."""
+    if not enabled or not shmindex.COMPILED:
+        return None
+    try:
+        index = LocalIndex(pool.kind, pool.path, pool.generation, group)
+    except OSError as exc:
+        log.error("no local index (%s): clients on this node use the request path", exc)
+        return None
+    keys = list(registry.keys)
+    entries = list(registry.keys.values())
+    if keys:
+        index.publish(
+            keys,
+            [e.region_id for e in entries],
+            [e.offset for e in entries],
+            [e.length for e in entries],
+            [e.checksum for e in entries],
+            regions=registry.regions,
+        )
+    registry.local_index = index
+    log.info("local index %s (%d keys)", index.path, index.count)
+    return index

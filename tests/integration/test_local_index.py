@@ -1,0 +1,195 @@
+"""The local index against a real `maru-server` (issue 17, part 1): readers on the server's node
+answer `exists`, `batch_exists` and copying reads from the shared table without a request, agree
+with the request path, never take a changed entry's bytes as a hit (delete, reuse, eviction,
+server SIGKILL and restart, a recreated pool), and their hits count as use for eviction."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+from typing import Any
+
+import pytest
+
+from maru import MaruAdmin, MaruHandler
+from maru.common import shmindex
+from maru.common.shmindex import table_files
+
+from .workers import SPAWN
+
+pytestmark = pytest.mark.skipif(not shmindex.COMPILED, reason="maru.common._shmindex not built")
+
+KiB, MiB = 1 << 10, 1 << 20
+CHUNK = 64 * KiB
+
+
+def value(key: str, version: int = 0, size: int = CHUNK) -> bytes:
+    """`size` bytes that only `key` at `version` has: its digest, repeated."""
+    digest = hashlib.sha256(f"{key}@{version}".encode()).digest()
+    return (digest * (size // 32 + 1))[:size]
+
+
+def handler(url: str, **kw: Any) -> MaruHandler:
+    kw.setdefault("pool_size", "64M")
+    kw.setdefault("chunk_size_bytes", CHUNK)
+    return MaruHandler(server_url=url, **kw)
+
+
+def read(h: MaruHandler, keys: list[str], before_copy: Any = None) -> tuple[list, Any]:
+    """A copying read as MaruStorage does it: copy the hits, then drop what `corrupt()` names
+    (and everything if `release(confirm=True)` says the batch is not proven)."""
+    with h.lookup(keys, lease=True, for_copy=True) as found:
+        if before_copy is not None:
+            before_copy()
+        data = [
+            ctypes.string_at(int(a), int(n)) if a else None
+            for a, n in zip(found.addresses, found.lengths)
+        ]
+        bad = found.corrupt()
+        held = found.release(confirm=True)
+    return [None if (b or not held) else d for d, b in zip(data, bad)], found
+
+
+def operations(url: str) -> dict[str, int]:
+    ops = MaruAdmin(url).stats()["operations"]
+    return {name: ops.get(name, {}).get("count", 0) for name in ("lookup_kv", "exists")}
+
+
+def _reader_process(url: str, keys: list[str], out: Any) -> None:
+    """Another process: connect, then exists, batch_exists and a copying read of `keys`."""
+    with handler(url) as h:
+        index = h._index is not None
+        singles = [h.exists(k) for k in keys[:4]]
+        present = h.batch_exists(keys)
+        data, _ = read(h, keys)
+        wrong = sum(d is not None and d != value(k) for k, d in zip(keys, data))
+        out.put((index, singles, present, [d is not None for d in data], wrong))
+
+
+def test_a_reader_process_finds_and_copies_keys_without_a_single_request(maru_server):
+    keys = [f"ns:{i:064x}" for i in range(64)]
+    with handler(maru_server.url) as w:
+        assert all(w.batch_store(keys[:48], [value(k) for k in keys[:48]]))
+        before = operations(maru_server.url)
+        q = SPAWN.Queue()
+        proc = SPAWN.Process(target=_reader_process, args=(maru_server.url, keys, q))
+        proc.start()
+        index, singles, present, hits, wrong = q.get(timeout=60)
+        proc.join(30)
+    assert index
+    assert singles == [True] * 4
+    assert present == hits == [True] * 48 + [False] * 16
+    assert wrong == 0
+    assert operations(maru_server.url) == before  # no LOOKUP_KV, no EXISTS: all local
+
+
+def test_the_index_agrees_with_the_request_path(maru_server):
+    keys = [f"k{i}" for i in range(40)] + [b"k1", b"bytes-key"]
+    with handler(maru_server.url) as w, handler(maru_server.url, local_index=False) as plain:
+        stored = [k for k in keys if k not in ("k3", "k7", b"k1")]
+        assert all(w.batch_store(stored, [value(str(k)) for k in stored]))
+        w.batch_delete(["k5"])
+        local = handler(maru_server.url)
+        assert local._index is not None and plain._index is None
+        assert local.batch_exists(keys) == plain.batch_exists(keys)
+        got, found = read(local, keys)
+        assert type(found).__name__ == "IndexLookup"
+        with plain.leased(keys) as infos:
+            expected = [bytes(i.view) if i else None for i in infos]
+        assert got == expected and sum(d is not None for d in got) == len(stored) - 1
+        local.close()
+
+
+def test_a_first_read_of_an_unmapped_region_asks_once_then_reads_locally(maru_server):
+    keys = [f"k{i}" for i in range(8)]
+    with handler(maru_server.url) as w, handler(maru_server.url, eager_map=False) as r:
+        w.batch_store(keys, [value(k) for k in keys])
+        before = operations(maru_server.url)["lookup_kv"]
+        assert read(r, keys)[0] == [value(k) for k in keys]  # region not mapped: a request
+        assert operations(maru_server.url)["lookup_kv"] == before + 1
+        assert read(r, keys)[0] == [value(k) for k in keys]
+        assert operations(maru_server.url)["lookup_kv"] == before + 1  # now local
+        assert r._index.fallbacks == 1
+
+
+def test_an_entry_deleted_and_its_page_reused_during_the_copy_is_a_miss(maru_server):
+    keys = [f"k{i}" for i in range(4)]
+    with handler(maru_server.url, pool_size="2M") as w, handler(maru_server.url) as r:
+        assert all(w.batch_store(keys, [value(k) for k in keys]))
+        read(r, keys)  # (maps the writer's region: a region new to a reader is asked for)
+
+        def delete_and_reuse() -> None:  # between the probe and the copy
+            assert w.batch_delete(keys[:2]) == [True, True]
+            more = [f"new{i}" for i in range(30)]  # every free chunk, the freed two too
+            assert all(w.batch_store(more, [value(k) for k in more]))
+
+        got, _ = read(r, keys, before_copy=delete_and_reuse)
+        assert got == [None, None, value(keys[2]), value(keys[3])]
+        assert r._index.stale == 2
+        assert read(r, keys)[0] == [None, None, value(keys[2]), value(keys[3])]
+        assert r.batch_exists(keys) == [False, False, True, True]
+
+
+def test_reads_around_a_server_sigkill_and_restart_are_right_or_misses(maru_server):
+    keys = [f"k{i}" for i in range(16)]
+    with handler(maru_server.url) as w, handler(maru_server.url) as r:
+        assert all(w.batch_store(keys, [value(k) for k in keys]))
+        old = r._index.path
+
+        def restart() -> None:  # the reader holds the old table; the new server retires it
+            maru_server.proc.kill()
+            maru_server.proc.wait(10)
+            maru_server.start(maru_server.port)
+
+        got, _ = read(r, keys, before_copy=restart)
+        assert got == [None] * 16  # copied across the restart: not proven
+        assert not os.path.exists(old)
+        got, _ = read(r, keys)  # the restarted server's table, the same regions
+        assert got == [value(k) for k in keys]
+        assert r._index.path != old and r.batch_exists(keys) == [True] * 16
+
+
+def test_a_recreated_pool_never_serves_the_old_bytes(maru_server):
+    keys = [f"k{i}" for i in range(16)]
+    with handler(maru_server.url) as w, handler(maru_server.url) as r:
+        assert all(w.batch_store(keys, [value(k, 1) for k in keys]))
+        assert read(r, keys)[0] == [value(k, 1) for k in keys]
+        maru_server.proc.kill()
+        maru_server.proc.wait(10)
+        maru_server.start(maru_server.port, once_args=["--no-restore"])
+        assert r.batch_exists(keys) == [False] * 16  # the new server's table: empty
+        assert all(w.batch_store(keys, [value(k, 2) for k in keys]))
+        got, _ = read(r, keys)
+        assert got == [value(k, 2) for k in keys]  # region tags differ: asked, then mapped
+
+
+def test_a_key_read_through_the_index_survives_an_eviction_that_takes_an_unread_one(
+    maru_server_factory,
+):
+    server = maru_server_factory(
+        pool_size="16M",
+        extra_args=["--eviction-high-watermark", "0.5", "--eviction-low-watermark", "0.4"],
+    )
+    old = [f"old{i}" for i in range(40)]
+    with handler(server.url, pool_size="16M") as w, handler(server.url) as r:
+        assert all(w.batch_store(old, [value(k) for k in old]))
+        assert read(r, old[:10])[0] == [value(k) for k in old[:10]]  # used, locally only
+        new = [f"new{i}" for i in range(100)]
+        for i in range(0, 100, 10):  # past the high watermark: an eviction round
+            assert all(w.batch_store(new[i : i + 10], [value(k) for k in new[i : i + 10]]))
+        stats = MaruAdmin(server.url).stats()
+        assert stats["counters"]["evictions"] > 10
+        assert r.batch_exists(old[:10]) == [True] * 10  # second chance
+        assert r.batch_exists(old[10:20]) == [False] * 10  # never read: evicted first
+
+
+def test_no_index_without_the_unix_socket_or_with_no_local_index(maru_server_factory):
+    plain = maru_server_factory(extra_args=["--no-local-index"])
+    with handler(plain.url) as h:
+        assert h._index is None
+        assert type(h.lookup(["x"], for_copy=True)).__name__ == "Lookup"
+    published = maru_server_factory()
+    with handler(published.url, local_socket=False) as tcp:  # the reply came over TCP only
+        assert tcp._index is None
+    assert len(table_files(published.pool_path + ".index")) == 1

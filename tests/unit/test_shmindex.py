@@ -1,0 +1,205 @@
+"""The local index's shared table (`maru.common._shmindex`) and the server's and clients' sides
+of it (`maru.server.localindex`, `maru.client.localindex`), without a server: insert, delete
+(backward shifts instead of tombstones), growth, keys too long to publish, use bits, retiring,
+and a reader that never sees a torn entry while another process rewrites the table."""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing as mp
+import os
+import random
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from maru.client.localindex import LocalIndexClient, _open
+from maru.common import shmindex
+from maru.common.shmindex import MAX_KEY, NCOLS, USE_SUFFIX, region_tag, table_files
+from maru.server import localindex
+from maru.server.localindex import LocalIndex, _Table, retire_earlier
+
+pytestmark = pytest.mark.skipif(not shmindex.COMPILED, reason="maru.common._shmindex not built")
+
+TOKEN = "0123456789abcdef" * 2
+REGIONS = {1: SimpleNamespace(token=TOKEN), 2: SimpleNamespace(token="f" * 32)}
+
+
+def columns(reader, keys):
+    raw = reader.probe(keys)
+    return None if raw is None else np.frombuffer(raw, np.int64).reshape(NCOLS, len(keys))
+
+
+def publish(index: LocalIndex, keys, region=1, base=0):
+    n = len(keys)
+    offsets = [base + 4096 * i for i in range(n)]
+    index.publish(
+        keys, [region] * n, offsets, [100 + i for i in range(n)], [7] * n, regions=REGIONS
+    )
+
+
+@pytest.fixture
+def index(tmp_path: Path):
+    idx = LocalIndex("shm", str(tmp_path / "pool"), "gen-1")
+    yield idx
+    idx.close()
+
+
+def test_published_keys_are_found_with_their_location_and_others_are_not(index):
+    keys = [f"ns:{i:064x}" for i in range(50)]
+    publish(index, keys)
+    index.publish([b"raw"], [2], [8192], [5], None, regions=REGIONS)
+    reader = _open(index.path, os.getuid())
+    cols = columns(reader, [*keys, "ns:missing", b"raw", "raw"])
+    region, offset, length, checksum, tag = cols[:5]
+    assert region.tolist() == [1] * 50 + [0, 2, 0]  # str "raw" is not bytes b"raw"
+    assert offset[:50].tolist() == [4096 * i for i in range(50)]
+    assert length[:50].tolist() == [100 + i for i in range(50)]
+    assert checksum.tolist() == [7] * 50 + [0, 0, 0]
+    assert tag[0] == region_tag(TOKEN) and tag[51] == region_tag("f" * 32)
+    assert reader.contains([keys[3], "nope", b"raw"]) == [True, False, True]
+    assert reader.count == index.count == 51
+    assert reader.pool_generation == shmindex.hash_generation(b"gen-1")
+
+
+def test_keys_too_long_for_a_slot_are_not_published_and_readers_must_ask(index):
+    fits, long_key = "k" * MAX_KEY, "k" * (MAX_KEY + 1)
+    wide = "é" * (MAX_KEY // 2 + 1)  # few characters, more UTF-8 bytes than a slot holds
+    publish(index, [fits, long_key, wide])
+    reader = _open(index.path, os.getuid())
+    assert index.count == 1
+    assert reader.contains([fits]) == [True]
+    for key in (long_key, wide):
+        assert reader.contains([fits, key]) is None  # the batch goes to the server
+        assert reader.probe([key]) is None
+
+
+def test_deletes_keep_every_other_key_findable(tmp_path: Path):
+    """A small table, many random inserts and deletes: backward shifts keep probe chains
+    whole (no tombstones), checked against a model after every step."""
+    table = _Table(str(tmp_path / "t.0"), 64, "g", None)
+    reader = _open(table.path, os.getuid())
+    rng = random.Random(7)
+    present: set[str] = set()
+    universe = [f"key-{i}" for i in range(200)]
+    for _ in range(3000):
+        key = rng.choice(universe)
+        if key in present:
+            assert table.writer.remove([key]) == 1
+            present.discard(key)
+        elif len(present) < 32:
+            table.writer.publish([key], [1], [0], [1], None, {1: 5})
+            present.add(key)
+        found = reader.contains(universe)
+        assert {k for k, f in zip(universe, found) if f} == present
+        assert table.writer.count == len(present)
+    table.retire()
+
+
+def test_a_table_past_half_full_is_replaced_by_a_bigger_one(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(localindex, "INITIAL_CAPACITY", 16)
+    index = LocalIndex("shm", str(tmp_path / "pool"), "g")
+    first = index.path
+    client = LocalIndexClient.open(first, os.getuid())
+    old_reader = client.reader()
+    keys = [f"k{i}" for i in range(300)]
+    for i in range(0, 300, 10):
+        publish(index, keys[i : i + 10], base=i * 4096)
+    assert index.grown >= 3 and index.table.capacity >= 600
+    assert old_reader.retired and old_reader.successor  # names the table that replaced it
+    assert not os.path.exists(first) and not os.path.exists(first + USE_SUFFIX)
+    assert [p for _, p in table_files(index.base)] == [index.path]  # only the current one
+    reader = client.reader()  # followed (the successor itself is gone: found by name)
+    assert reader is not old_reader and client.path == index.path
+    assert reader.contains(keys) == [True] * 300
+    index.close()
+    assert reader.retired and client.reader() is None  # the server stopped: ask it
+    assert table_files(index.base) == []
+
+
+def test_hits_mark_use_bits_that_the_server_harvests_once(index):
+    keys = [f"k{i}" for i in range(10)]
+    publish(index, keys)
+    reader = _open(index.path, os.getuid())
+    reader.contains(keys[:3])
+    columns(reader, [keys[5], "absent"])
+    entries = {k: SimpleNamespace(referenced=False) for k in keys}
+    key_index = SimpleNamespace(get_many=lambda ks: [entries.get(k) for k in ks])
+    assert index.harvest_into(key_index) == 4
+    assert sorted(k for k, e in entries.items() if e.referenced) == sorted([*keys[:3], keys[5]])
+    assert index.table.writer.harvest() == []  # cleared
+
+
+def test_validate_fails_for_a_removed_or_moved_key_and_for_a_retired_table(index):
+    keys = [f"k{i}" for i in range(20)]
+    publish(index, keys)
+    reader = _open(index.path, os.getuid())
+    cols = columns(reader, keys)
+    slots, seqs = cols[5].copy(), cols[6].copy()
+    assert np.frombuffer(reader.validate(slots, seqs), bool).all()
+    index.remove(keys[:2])
+    valid = np.frombuffer(reader.validate(slots, seqs), bool)
+    assert not valid[:2].any()
+    assert columns(reader, keys[:2])[0].tolist() == [0, 0]  # and they are misses now
+    index.close()
+    assert not np.frombuffer(reader.validate(slots, seqs), bool).any()
+
+
+def test_a_server_start_retires_the_tables_an_earlier_one_left(tmp_path: Path):
+    pool = str(tmp_path / "pool")
+    killed = LocalIndex("shm", pool, "g")  # as a SIGKILLed server leaves it: not retired
+    publish(killed, ["a", "b"])
+    reader = _open(killed.path, os.getuid())
+    assert retire_earlier("shm", pool) == 1
+    assert reader.retired and reader.successor == ""
+    assert table_files(killed.base) == []
+    killed.table = None  # (its files are gone)
+
+
+def test_tables_are_private_and_readers_refuse_one_others_may_write(index):
+    assert os.stat(index.path).st_mode & 0o777 == 0o600
+    assert os.stat(index.path + USE_SUFFIX).st_mode & 0o777 == 0o600
+    assert _open(index.path, os.getuid() + 1) is None  # not the server's user
+    os.chmod(index.path, 0o622)
+    assert _open(index.path, os.getuid()) is None
+
+
+def _rewrite(path: str, keys: list[str], seconds: float) -> None:
+    """Another process: publish and remove `keys` over and over, each time at a new location
+    whose fields agree with each other (checksum = offset * 3 + length), for `seconds`."""
+    with open(path, "r+b") as f, open(path + USE_SUFFIX, "r+b") as u:
+        writer = shmindex.Writer(mmap.mmap(f.fileno(), 0), mmap.mmap(u.fileno(), 0))
+        version, end = 1, time.monotonic() + seconds
+        while time.monotonic() < end:
+            version += 1
+            half = keys[version % 2 :: 2]
+            writer.remove(half)
+            offsets = [version * 1000 + i for i in range(len(half))]
+            lengths = [version % 977 + 1] * len(half)
+            sums = [o * 3 + n for o, n in zip(offsets, lengths)]
+            writer.publish(half, [1] * len(half), offsets, lengths, sums, {1: 9})
+        writer.close()
+
+
+def test_a_reader_never_sees_a_torn_entry_while_another_process_rewrites(tmp_path: Path):
+    table = _Table(str(tmp_path / "t.0"), 256, "g", None)
+    keys = [f"key-{i:03d}" for i in range(100)]
+    table.writer.publish(
+        keys, [1] * 100, list(range(100)), [1] * 100, [i * 3 + 1 for i in range(100)], {1: 9}
+    )
+    proc = mp.get_context("spawn").Process(target=_rewrite, args=(table.path, keys, 3.0))
+    proc.start()
+    reader = _open(table.path, os.getuid())
+    hits = torn = 0
+    while proc.is_alive():
+        cols = columns(reader, keys)
+        hit = cols[0] != 0
+        hits += int(hit.sum())
+        torn += int((cols[3][hit] != cols[1][hit] * 3 + cols[2][hit]).sum())
+    proc.join(10)
+    assert proc.exitcode == 0
+    assert torn == 0 and hits > 1000  # it read a lot, and never a mix of two writes
+    table.retire()
