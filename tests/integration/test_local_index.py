@@ -84,6 +84,46 @@ def test_a_reader_process_finds_and_copies_keys_without_a_single_request(maru_se
     assert operations(maru_server.url) == before  # no LOOKUP_KV, no EXISTS: all local
 
 
+def counters(url: str) -> dict[str, int]:
+    stats = MaruAdmin(url).stats()["counters"]
+    return {name: stats.get(name, 0) for name in READ_COUNTERS}
+
+
+READ_COUNTERS = ("lookups", "hits", "misses", "exists", "exists_hits", "exists_misses")
+
+
+def test_reads_answered_locally_are_in_the_servers_hit_counts(maru_server):
+    """The server never sees a local read, so the client reports them: with each heartbeat,
+    and with DISCONNECT (here the reader's close)."""
+    keys = [f"ns:{i:064x}" for i in range(64)]
+    with handler(maru_server.url) as w:
+        assert all(w.batch_store(keys[:48], [value(k) for k in keys[:48]]))
+        before = counters(maru_server.url)
+        with handler(maru_server.url) as r:
+            assert r._index is not None
+            r.batch_exists(keys)
+            data, _ = read(r, keys)
+            assert sum(d is not None for d in data) == 48
+            r._beat()  # what the heartbeat thread does every interval
+            after_beat = counters(maru_server.url)
+            r._beat()  # nothing new to report: the counts are not sent twice
+            assert counters(maru_server.url) == after_beat
+            r.exists(keys[0])
+            r.exists(keys[-1])
+        after_close = counters(maru_server.url)
+    delta = {k: after_beat[k] - before[k] for k in READ_COUNTERS}
+    assert delta == {
+        "lookups": 64,
+        "hits": 48,
+        "misses": 16,
+        "exists": 64,
+        "exists_hits": 48,
+        "exists_misses": 16,
+    }
+    assert after_close["exists"] - after_beat["exists"] == 2
+    assert after_close["exists_hits"] - after_beat["exists_hits"] == 1
+
+
 def test_the_index_agrees_with_the_request_path(maru_server):
     keys = [f"k{i}" for i in range(40)] + [b"k1", b"bytes-key"]
     with handler(maru_server.url) as w, handler(maru_server.url, local_index=False) as plain:

@@ -118,7 +118,7 @@ class MaruHandler:
         self.checksum_mismatches = 0  # hits taken as misses: bytes unlike their checksum
         self._pool_generation: str | None = None  # the pool's, as of our last handshake
         self._index: LocalIndexClient | None = None  # the server's, on its node (handshake)
-        self._heartbeat = _Heartbeat(self._supply.tick, f"maru-heartbeat-{self.instance_id[:8]}")
+        self._heartbeat = _Heartbeat(self._beat, f"maru-heartbeat-{self.instance_id[:8]}")
         if config.auto_connect:
             self.connect()
 
@@ -157,7 +157,7 @@ class MaruHandler:
         if self._connected:
             self._connected = False
             try:
-                pending = self._request(MsgType.DISCONNECT, {})
+                pending = self._request(MsgType.DISCONNECT, self._local_reads())
                 pending.retry = False  # a server that forgot us has nothing of ours to end
                 pending.result()
             except MaruServerError as exc:
@@ -182,6 +182,15 @@ class MaruHandler:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _local_reads(self) -> dict[str, Any]:
+        """The reads the local index answered since the last report, for the server's
+        statistics (its hit counts would otherwise miss every read that sent no request)."""
+        reads = self._index.take_reads() if self._index is not None else None
+        return {"local_reads": reads} if reads else {}
+
+    def _beat(self) -> None:
+        self._supply.tick(self._local_reads())
 
     def _request(self, msg_type: MsgType, body: dict[str, Any]) -> PendingReply:
         """The handler's one way to send: as this instance, through the one RPC client."""

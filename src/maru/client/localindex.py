@@ -97,9 +97,12 @@ class LocalIndexClient:
         self.base = base_of(path)
         self._reader = reader
         self._next_find = 0.0
-        # reads served by the table, hits among them, hits found changed after the copy,
-        # and batches sent to the server instead
-        self.reads = self.hits = self.stale = self.fallbacks = 0
+        # Since the last report to the server (`take_reads`): keys looked up for a copy, hits
+        # among them (less those found changed after the copy), keys checked for existence,
+        # hits among them. And in all: hits found changed after the copy, batches sent to
+        # the server instead.
+        self.reads = [0, 0, 0, 0]
+        self.stale = self.fallbacks = 0
 
     @classmethod
     def open(cls, path: Any, server_uid: Any, current: LocalIndexClient | None = None):
@@ -144,7 +147,17 @@ class LocalIndexClient:
         found = reader.contains(keys) if reader is not None else None
         if found is None:
             self.fallbacks += 1
+        else:
+            self.reads[2] += len(found)
+            self.reads[3] += found.count(True)
         return found
+
+    def take_reads(self) -> list[int] | None:
+        """The reads answered here since the last call, [lookups, hits, exists, exists hits],
+        for the server's statistics (sent with the heartbeat); None if there were none."""
+        reads, self.reads = self.reads, [0, 0, 0, 0]
+        reads[1] = min(max(reads[1], 0), reads[0])  # (a hit found stale after a report)
+        return reads if reads[0] or reads[2] else None
 
     def lookup(self, handler: MaruHandler, keys: Sequence[Key]) -> IndexLookup | None:
         """An `IndexLookup` of `keys`; None when the server must be asked (see the module)."""
@@ -179,8 +192,8 @@ class LocalIndexClient:
                 region_ids, offsets, lengths, sums = (
                     np.where(found, c, 0) for c in (region_ids, offsets, lengths, sums)
                 )
-        self.reads += n
-        self.hits += int(np.count_nonzero(lengths))
+        self.reads[0] += n
+        self.reads[1] += int(np.count_nonzero(lengths))
         return IndexLookup(
             handler, keys, self, reader, addresses, lengths, offsets, region_ids, sums, slots, seqs
         )
@@ -224,6 +237,7 @@ class IndexLookup(Lookup):
             self._corrupt |= stale
             if stale.any():
                 self._index.stale += int(stale.sum())
+                self._index.reads[1] -= int(stale.sum())
                 log.debug("%d of %d keys changed during the copy: misses", stale.sum(), self.n)
         return stale
 

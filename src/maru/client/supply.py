@@ -137,16 +137,17 @@ class RegionSupply:
         step = max(self.owner.config.region_expand_size, 2 * self.chunks.largest_region())
         return max(need, min(step, cap - held))
 
-    def tick(self) -> None:
+    def tick(self, report: dict[str, Any]) -> None:
         """Every heartbeat interval: park the regions we took nothing from since the last tick
         and hold no unsealed value in (`ChunkBook.park_idle`), and tell the server, which may
-        then take them back for another instance; the reply says which it took. Without
-        parked regions, a plain heartbeat."""
+        then take them back for another instance; the reply says which it took. A HEARTBEAT
+        carries `report` (the handler's local reads); it is sent unless a park told the
+        server we live and there is nothing to report."""
         with self.lock:
             parked = self.chunks.park_idle()
-            if parked and self._park(parked, []) is not None:  # also a sign of life
+            if parked and self._park(parked, []) is not None and not report:
                 return
-        self._request(MsgType.HEARTBEAT, {}).result()
+        self._request(MsgType.HEARTBEAT, report).result()
 
     def _park(self, park: list[int], unpark: list[int]) -> list[int] | None:
         """One PARK_REGIONS exchange (the caller holds `lock`, so a park and an unpark

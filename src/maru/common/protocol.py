@@ -323,6 +323,10 @@ def unpack_int64(column: Any, count: int, name: str) -> memoryview:
 I64S = "bytes: packed int64 per key"
 HANDLE = "[region_id, path, offset, length, token, owner]"
 
+_LOCAL_READS = (
+    "optional: reads the client answered from the local index since its last report, "
+    "[lookups, hits, exists, exists hits]; the server counts them as if asked"
+)
 MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, str]]]] = {
     MsgType.HANDSHAKE: (
         [
@@ -425,9 +429,15 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
         [("regions", f"[{HANDLE}]", "")],
     ),
     MsgType.STATS: ([], [("stats", "map", "see docs/operations.md")]),
-    MsgType.HEARTBEAT: ([("session", "str", "")], []),
+    MsgType.HEARTBEAT: (
+        [("session", "str", ""), ("local_reads", "list[int]", _LOCAL_READS)],
+        [],
+    ),
     MsgType.DISCONNECT: (
-        [("session", "str", "the instance to end; its credential is void afterwards")],
+        [
+            ("session", "str", "the instance to end; its credential is void afterwards"),
+            ("local_reads", "list[int]", _LOCAL_READS),
+        ],
         [
             ("pins", "int", "pins dropped"),
             ("leases", "int", "leases ended"),

@@ -365,14 +365,7 @@ class Registry:
         if lease and inst is not None and quota and len(inst.leases) >= quota:
             raise _over_quota(self, inst, "leases", len(inst.leases), quota)
         held, region_ids, offsets, lengths, checksums = self.keys.lookup_columns(keys, lease)
-        hits = len(held)
-        misses = len(keys) - hits
-        self.counters["lookups"] += len(keys)
-        self.counters["hits"] += hits
-        self.counters["misses"] += misses
-        if inst is not None:
-            inst.hits += hits
-            inst.misses += misses
+        self.count_reads(instance_id, lookups=len(keys), hits=len(held))
         lease_id = self.leases.add(held, instance_id) if lease and held else 0
         handles = [self.regions[r].handle() for r in set(memoryview(region_ids).cast("q")) - {0}]
         return region_ids, offsets, lengths, checksums, handles, lease_id
@@ -384,16 +377,33 @@ class Registry:
         for entry in entries:
             if entry is not None:
                 entry.referenced = True
-        hits = out.count(True)
+        self.count_reads(instance_id, exists=len(out), exists_hits=out.count(True))
+        return out
+
+    def count_reads(
+        self,
+        instance_id: str | None,
+        lookups: int = 0,
+        hits: int = 0,
+        exists: int = 0,
+        exists_hits: int = 0,
+    ) -> None:
+        """Count lookups and membership checks, server-wide and for the instance: those this
+        server answered, and those a client answered from the local index and reported with
+        its heartbeat (so hit rates stay true when reads send no request)."""
         counters = self.counters
-        counters["exists"] += len(out)
-        counters["exists_hits"] += hits
-        counters["exists_misses"] += len(out) - hits
+        counters["lookups"] += lookups
+        counters["hits"] += hits
+        counters["misses"] += lookups - hits
+        counters["exists"] += exists
+        counters["exists_hits"] += exists_hits
+        counters["exists_misses"] += exists - exists_hits
         inst = self.instances.get(instance_id) if instance_id else None
         if inst is not None:
-            inst.exists_hits += hits
-            inst.exists_misses += len(out) - hits
-        return out
+            inst.hits += hits
+            inst.misses += lookups - hits
+            inst.exists_hits += exists_hits
+            inst.exists_misses += exists - exists_hits
 
     def delete(self, keys: list[Any]) -> list[int]:
         table = self.keys

@@ -215,7 +215,7 @@ class MaruService:
             },
             MsgType.LIST_ALLOCATIONS: self._list_allocations,
             MsgType.STATS: lambda b: {"stats": self.stats()},
-            MsgType.HEARTBEAT: lambda b: {},
+            MsgType.HEARTBEAT: lambda b: self._count_local_reads(b) or {},
             MsgType.DELETE_PREFIX: self._delete_prefix,
             MsgType.KEYS: self._list_keys,
             MsgType.DISCONNECT: self._disconnect,
@@ -292,7 +292,25 @@ class MaruService:
         self.registry.return_region(_iid(body), body.get("region_id"), body.get("token"))
         return {}
 
+    def _count_local_reads(self, body: dict[str, Any]) -> None:
+        """HEARTBEAT and DISCONNECT may carry the reads the client answered from the local
+        index: [lookups, hits, exists, exists hits], each 0 <= hits <= its total."""
+        reads = body.get("local_reads")
+        if reads is None:
+            return
+        if (
+            not isinstance(reads, list)
+            or len(reads) != 4
+            or not all(type(n) is int and 0 <= n < 1 << 48 for n in reads)
+            or reads[1] > reads[0]
+            or reads[3] > reads[2]
+        ):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "local_reads: four counts, hits <= total")
+        lookups, hits, exists, exists_hits = reads
+        self.registry.count_reads(_iid(body), lookups, hits, exists, exists_hits)
+
     def _disconnect(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._count_local_reads(body)
         pins, leases, regions = self.registry.instances.disconnect(
             _owner(body), "disconnected by its client"
         )
