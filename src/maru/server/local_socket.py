@@ -259,16 +259,16 @@ def _fd_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def raise_fd_limit() -> tuple[int, int]:
+def raise_fd_limit() -> None:
     """Raise this process's soft limit of open files to its hard limit (a server's
-    connections are file descriptors); returns (before, after)."""
+    connections are file descriptors)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard != resource.RLIM_INFINITY:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (OSError, ValueError):
-            return soft, soft
-    return soft, max(soft, hard)
+            return
+        log.info("open file limit raised from %d to %d (each connection is one)", soft, hard)
 
 
 def holder_of(address: str) -> str:
