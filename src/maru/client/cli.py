@@ -61,11 +61,6 @@ def fmt_pct(part: float, whole: float) -> str:
     return f"{100.0 * part / whole:.1f}%" if whole else "-"
 
 
-def fmt_key(key: str | bytes) -> str:
-    """A key as a Python literal: 'bk' and b'bk' are two keys and must not print alike."""
-    return repr(key)
-
-
 def bar(fraction: float, width: int = 30) -> str:
     filled = max(0, min(width, round(fraction * width)))
     return "[" + "#" * filled + "-" * (width - filled) + "]"
@@ -121,11 +116,9 @@ def _local_socket_line(s: Stats) -> str:
 
 def reaping_in(s: Stats, instance: Stats) -> float | None:
     """Seconds until the server reaps an instance that stopped sending (it missed two
-    heartbeats: a live one sends every third of the timeout), else None (alive, or a server
-    that does not say its timeout)."""
-    timeout = s.get("heartbeat_timeout")
-    idle = instance.get("idle_seconds", 0)
-    if not timeout or idle < timeout * 2 / 3:
+    heartbeats: a live one sends every third of the timeout), else None (alive)."""
+    timeout, idle = s["heartbeat_timeout"], instance["idle_seconds"]
+    if idle < timeout * 2 / 3:
         return None
     return max(0.0, timeout - idle)
 
@@ -365,9 +358,8 @@ def cmd_keys(args: argparse.Namespace, out: TextIO) -> int:
         out.write("\n")
         return 0
     if keys:
-        rows = [["BYTES", "OWNER", "KEY"]] + [
-            [str(k.length), k.owner, fmt_key(k.key)] for k in keys
-        ]
+        # a key as a Python literal: 'bk' and b'bk' are two keys and must not print alike
+        rows = [["BYTES", "OWNER", "KEY"]] + [[str(k.length), k.owner, repr(k.key)] for k in keys]
         print("\n".join(table(rows, right={0})), file=out)
     if truncated:
         print(
