@@ -214,15 +214,9 @@ class MaruConfig:
         self.timeout_ms = parse_int(self.timeout_ms, name="timeout_ms")
         self.max_inflight = parse_int(self.max_inflight, name="max_inflight")
         self.busy_poll_us = parse_int(self.busy_poll_us, name="busy_poll_us", minimum=0)
-        for name in (
-            "auto_connect",
-            "use_async_rpc",
-            "eager_map",
-            "auto_expand",
-            "local_socket",
-            "checksums",
-        ):
-            setattr(self, name, parse_bool(getattr(self, name), name=name))
+        for f in dataclasses.fields(self):
+            if f.type == "bool":  # every flag (the annotations are strings here)
+                setattr(self, f.name, parse_bool(getattr(self, f.name), name=f.name))
         if self.expand_size is not None:
             self.expand_size = parse_size(self.expand_size, name="expand_size")
         if self.server_public_key is not None:
@@ -244,18 +238,13 @@ class MaruConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         for raw_key, value in values.items():
-            if prefix:
-                if not raw_key.startswith(prefix):
-                    continue
-                key = raw_key[len(prefix) :]
-            else:
-                key = raw_key
+            if not raw_key.startswith(prefix):
+                continue
+            key = raw_key[len(prefix) :]
             if key not in known:
                 raise unknown_option(raw_key, known, prefix=prefix)
             kwargs[key] = value
         try:
             return cls(**kwargs)
         except ConfigError as exc:
-            if prefix:
-                raise ConfigError(f"{prefix}{exc}") from None
-            raise
+            raise ConfigError(f"{prefix}{exc}") from None
