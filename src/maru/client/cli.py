@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 from maru import __version__
 from maru.client.admin import DEFAULT_SERVER_URL, SERVER_KEY_ENV, SERVER_URL_ENV, MaruAdmin
-from maru.common.config import ConfigError, fmt_bytes
+from maru.common.config import ConfigError, fmt_bytes, number_arg
 from maru.common.errors import MaruConnectionError, MaruError
 from maru.common.protocol import MAX_LIST_KEYS
 
@@ -347,9 +347,6 @@ def _key_doc(key: str | bytes, length: int, owner: str) -> dict[str, Any]:
 
 
 def cmd_keys(args: argparse.Namespace, out: TextIO) -> int:
-    if not 1 <= args.limit <= MAX_LIST_KEYS:
-        print(f"maru keys: --limit must be between 1 and {MAX_LIST_KEYS}", file=sys.stderr)
-        return 2
     with _connect(args) as admin:
         keys, truncated = admin.keys(args.prefix, args.limit)
     if args.json:
@@ -447,15 +444,8 @@ def cmd_monitor(
 # -- parser ----------------------------------------------------------------------------------
 
 
-def _positive_ms(text: str) -> int:
-    """--timeout-ms: 0 would make every request time out at once (an up server reported down)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected milliseconds, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+# --timeout-ms: 0 would make every request time out at once (an up server reported down)
+_positive_ms = number_arg(int, minimum=1, above=False, noun="milliseconds")
 
 
 def _common(p: argparse.ArgumentParser, *, top: bool) -> None:
@@ -508,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prefix", default=None, help="only keys starting with this")
     sp.add_argument(
         "--limit",
-        type=int,
+        type=number_arg(int, minimum=1, above=False, top=MAX_LIST_KEYS),
         default=100,
         help=f"at most this many keys (default: 100, at most {MAX_LIST_KEYS})",
     )

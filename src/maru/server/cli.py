@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from maru.common.config import ConfigError, fmt_bytes, parse_size
+from maru.common.config import ConfigError, fmt_bytes, number_arg, parse_size
 from maru.server import persistence
 from maru.server.journal import SNAPSHOT_NAME, Journal, read_records, write_private
 from maru.server.keyindex import warn_if_pure_python
@@ -49,31 +49,11 @@ DEFAULT_PORT = 5555
 POOL_IDENTITY = "pool-identity.json"
 
 
-def _number(kind: type, *, minimum: float, above: bool, top: float | None = None):
-    """An argparse type: a `kind` number >= `minimum` (> when `above`), <= `top`; its error
-    is one line naming the flag (argparse adds the flag's name)."""
-    rule = f"greater than {minimum:g}" if above else f"at least {minimum:g}"
-    if top is not None:
-        rule = f"above {minimum:g} and at most {top:g}" if above else f"from {minimum:g} to {top:g}"
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number {rule}, got {text!r}") from None
-        low_ok = value > minimum if above else value >= minimum
-        if not low_ok or (top is not None and value > top) or value != value:  # NaN
-            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
-        return value
-
-    return parse
-
-
-_port = _number(int, minimum=0, above=False, top=65535)
-_positive = _number(float, minimum=0, above=True)
-_non_negative = _number(float, minimum=0, above=False)
-_fraction = _number(float, minimum=0, above=True, top=1)
-_count = _number(int, minimum=0, above=False)
+_port = number_arg(int, minimum=0, above=False, top=65535)
+_positive = number_arg(float, minimum=0, above=True)
+_non_negative = number_arg(float, minimum=0, above=False)
+_fraction = number_arg(float, minimum=0, above=True, top=1)
+_count = number_arg(int, minimum=0, above=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
