@@ -15,22 +15,15 @@ survives), after which the prompt is computed again, with the same output.
 from __future__ import annotations
 
 import json
-import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-_TESTS = Path(__file__).resolve().parents[1]
-if str(_TESTS) not in sys.path:
-    sys.path.insert(0, str(_TESTS))
+import sglang_cpu
 
-import sglang_cpu  # noqa: E402
-
-sglang_cpu.apply()
-pytest.importorskip("sglang")
+sglang_cpu.require()
 
 from maru import MaruHandler  # noqa: E402
 from sglang_cpu import p2p  # noqa: E402

@@ -10,20 +10,14 @@ Install SGLang first: ``scripts/install_sglang_cpu.sh``. Skipped when sglang is 
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-_TESTS = Path(__file__).resolve().parents[1]
-if str(_TESTS) not in sys.path:
-    sys.path.insert(0, str(_TESTS))
+import sglang_cpu
 
-import sglang_cpu  # noqa: E402
-
-sglang_cpu.apply()  # before anything imports torchvision / sglang
-pytest.importorskip("sglang")
+sglang_cpu.require()
 
 from sglang_cpu.server import flush_cache, generate, running_server  # noqa: E402
 from sglang_cpu.tiny_model import build_tiny_model, make_prompt  # noqa: E402

@@ -30,20 +30,14 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-_TESTS = Path(__file__).resolve().parents[1]
-if str(_TESTS) not in sys.path:
-    sys.path.insert(0, str(_TESTS))
+import sglang_cpu
 
-import sglang_cpu  # noqa: E402
-
-sglang_cpu.apply()
-pytest.importorskip("sglang")
+sglang_cpu.require()
 
 from sglang_cpu import p2p  # noqa: E402
 from sglang_cpu.server import flush_cache, generate, http_request, start_server, stop_server  # noqa: E402

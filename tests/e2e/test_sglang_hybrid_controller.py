@@ -18,22 +18,14 @@ alone are no hit.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-_TESTS = Path(__file__).resolve().parents[1]
-if str(_TESTS) not in sys.path:
-    sys.path.insert(0, str(_TESTS))
+import sglang_cpu
 
-pytest.importorskip("torch")
-import sglang_cpu  # noqa: E402
-
-sglang_cpu.apply()  # before SGLang is first imported
-pytest.importorskip("sglang")
+sglang_cpu.require()
 
 import torch  # noqa: E402
 

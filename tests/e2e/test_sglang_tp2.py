@@ -13,19 +13,11 @@ shard: SGLang takes the minimum over ranks) and generate exactly instance 1's to
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-_TESTS = Path(__file__).resolve().parents[1]
-if str(_TESTS) not in sys.path:
-    sys.path.insert(0, str(_TESTS))
+import sglang_cpu
 
-import sglang_cpu  # noqa: E402
-
-sglang_cpu.apply()
-pytest.importorskip("sglang")
+sglang_cpu.require()
 
 from sglang_cpu import p2p  # noqa: E402
 from sglang_cpu.tiny_model import build_tiny_model, make_prompt  # noqa: E402

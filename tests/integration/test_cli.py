@@ -239,8 +239,10 @@ def test_keys_limit_is_applied_and_reported(maru_server, writer, capsys):
     rc, text = run(maru_server.url, "keys", "--limit", "13")
     assert len(text.splitlines()) == 1 + 13
     assert "more match" not in capsys.readouterr().err
-    rc, _ = run(maru_server.url, "keys", "--limit", "0")
-    assert rc == 2
+    with pytest.raises(SystemExit) as usage:  # argparse's usage error
+        run(maru_server.url, "keys", "--limit", "0")
+    assert usage.value.code == 2
+    assert "--limit: must be from 1 to 10000, got 0" in capsys.readouterr().err
     rc, text = run(maru_server.url, "keys", "--prefix", "nothing-here")
     assert rc == 0 and text == ""
     assert "no keys with prefix 'nothing-here'" in capsys.readouterr().err

@@ -12,19 +12,14 @@ import json
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(300)]
-TESTS = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(TESTS))
 
-pytest.importorskip("torch")
 import sglang_cpu  # noqa: E402
 
-sglang_cpu.apply()  # before SGLang is first imported
-pytest.importorskip("sglang")
+sglang_cpu.require()
 
 import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
@@ -64,7 +59,7 @@ def _run_peer(role: str, url: str, seed: int, *rank: int) -> dict:
     proc = subprocess.run(
         [
             sys.executable,
-            str(TESTS / "sglang_cpu" / "hybrid_peer.py"),
+            str(sglang_cpu.SHIM_DIR / "hybrid_peer.py"),
             role,
             url,
             str(seed),

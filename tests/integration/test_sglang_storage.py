@@ -9,19 +9,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.sglang
-TESTS = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(TESTS))
 
-pytest.importorskip("torch")
 import sglang_cpu  # noqa: E402
 
-sglang_cpu.apply()  # before SGLang is first imported
-pytest.importorskip("sglang")
+sglang_cpu.require()
 
 import torch  # noqa: E402
 
@@ -56,7 +51,7 @@ def _run_peer(role: str, url: str, seed: int, **extra) -> dict:
     proc = subprocess.run(
         [
             sys.executable,
-            str(TESTS / "sglang_cpu" / "storage_peer.py"),
+            str(sglang_cpu.SHIM_DIR / "storage_peer.py"),
             role,
             url,
             str(PAGES),

@@ -1,6 +1,7 @@
 """Helpers to run the real SGLang 0.5.23 on a CPU-only machine in tests.
 
-* :func:`apply` installs the CPU shims of ``sitecustomize.py`` in the current process.
+* :func:`apply` installs the CPU shims of ``sitecustomize.py`` in the current process;
+  :func:`require` does it and skips a test module unless SGLang imports.
 * :func:`sglang_env` gives the environment for ``sglang.launch_server`` subprocesses (this
   directory on ``PYTHONPATH`` so that every SGLang process loads the shims).
 * ``tiny_model.build_tiny_model`` makes a random-weight Qwen2 model + tokenizer locally.
@@ -23,6 +24,15 @@ def apply() -> None:
     from . import sitecustomize
 
     sitecustomize.install()
+
+
+def require() -> None:
+    """The preamble of a test module that needs SGLang: install the CPU shims (before SGLang
+    is first imported), then skip the module unless SGLang, and with it torch, imports."""
+    import pytest
+
+    apply()
+    pytest.importorskip("sglang")
 
 
 def sglang_env(extra: dict[str, str] | None = None, *, base: dict[str, str] | None = None) -> dict:

@@ -8,6 +8,7 @@ the one RPC client (`maru.client.rpc.RpcClient`).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,23 +23,13 @@ SERVER_KEY_ENV = "MARU_SERVER_PUBLIC_KEY"
 Key = str | bytes
 
 
-def server_url(url: str | None = None) -> str:
-    """`url`, else $MARU_SERVER_URL, else tcp://localhost:5555; "host:port" means tcp://.
-    A malformed one raises `ConfigError` naming where it came from."""
-    if url:
-        return parse_server_url(url, name="--server")
-    if os.environ.get(SERVER_URL_ENV):
-        return parse_server_url(os.environ[SERVER_URL_ENV], name=f"${SERVER_URL_ENV}")
-    return DEFAULT_SERVER_URL
-
-
-def server_public_key(key: str | None = None) -> str | None:
-    """`key`, else $MARU_SERVER_PUBLIC_KEY, else None (plain TCP): the CURVE public key of a
-    `maru-server --curve`, or the file holding it."""
-    if key:
-        return parse_server_public_key(key, name="--server-public-key")
-    if os.environ.get(SERVER_KEY_ENV):
-        return parse_server_public_key(os.environ[SERVER_KEY_ENV], name=f"${SERVER_KEY_ENV}")
+def _setting(value: str | None, flag: str, env: str, parse: Callable[..., str]) -> str | None:
+    """`value` (given as `flag`), else $`env`, parsed; None if neither is set. A malformed
+    one raises `ConfigError` naming where it came from."""
+    if value:
+        return parse(value, name=flag)
+    if os.environ.get(env):
+        return parse(os.environ[env], name=f"${env}")
     return None
 
 
@@ -53,14 +44,13 @@ class MaruAdmin:
     def __init__(
         self, url: str | None = None, *, timeout_ms: int = 2000, public_key: str | None = None
     ):
-        """`public_key`: of a `maru-server --curve` (or its file; default
-        $MARU_SERVER_PUBLIC_KEY)."""
-        self.url = server_url(url)
+        """`url`: default $MARU_SERVER_URL, else tcp://localhost:5555 ("host:port" means
+        tcp://). `public_key`: of a `maru-server --curve` (or its file; default
+        $MARU_SERVER_PUBLIC_KEY; none: plain TCP)."""
+        self.url = _setting(url, "--server", SERVER_URL_ENV, parse_server_url) or DEFAULT_SERVER_URL
+        key = _setting(public_key, "--server-public-key", SERVER_KEY_ENV, parse_server_public_key)
         self._rpc = RpcClient(
-            self.url,
-            timeout_ms=timeout_ms,
-            max_inflight=1,
-            server_public_key=server_public_key(public_key),
+            self.url, timeout_ms=timeout_ms, max_inflight=1, server_public_key=key
         )
 
     def stats(self) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 from maru import __version__
 from maru.client.admin import DEFAULT_SERVER_URL, SERVER_KEY_ENV, SERVER_URL_ENV, MaruAdmin
-from maru.common.config import ConfigError, fmt_bytes
+from maru.common.config import ConfigError, fmt_bytes, number_arg
 from maru.common.errors import MaruConnectionError, MaruError
 from maru.common.protocol import MAX_LIST_KEYS
 
@@ -59,11 +59,6 @@ def fmt_latency(seconds: float | None) -> str:
 
 def fmt_pct(part: float, whole: float) -> str:
     return f"{100.0 * part / whole:.1f}%" if whole else "-"
-
-
-def fmt_key(key: str | bytes) -> str:
-    """A key as a Python literal: 'bk' and b'bk' are two keys and must not print alike."""
-    return repr(key)
 
 
 def bar(fraction: float, width: int = 30) -> str:
@@ -121,11 +116,9 @@ def _local_socket_line(s: Stats) -> str:
 
 def reaping_in(s: Stats, instance: Stats) -> float | None:
     """Seconds until the server reaps an instance that stopped sending (it missed two
-    heartbeats: a live one sends every third of the timeout), else None (alive, or a server
-    that does not say its timeout)."""
-    timeout = s.get("heartbeat_timeout")
-    idle = instance.get("idle_seconds", 0)
-    if not timeout or idle < timeout * 2 / 3:
+    heartbeats: a live one sends every third of the timeout), else None (alive)."""
+    timeout, idle = s["heartbeat_timeout"], instance["idle_seconds"]
+    if idle < timeout * 2 / 3:
         return None
     return max(0.0, timeout - idle)
 
@@ -354,9 +347,6 @@ def _key_doc(key: str | bytes, length: int, owner: str) -> dict[str, Any]:
 
 
 def cmd_keys(args: argparse.Namespace, out: TextIO) -> int:
-    if not 1 <= args.limit <= MAX_LIST_KEYS:
-        print(f"maru keys: --limit must be between 1 and {MAX_LIST_KEYS}", file=sys.stderr)
-        return 2
     with _connect(args) as admin:
         keys, truncated = admin.keys(args.prefix, args.limit)
     if args.json:
@@ -365,9 +355,8 @@ def cmd_keys(args: argparse.Namespace, out: TextIO) -> int:
         out.write("\n")
         return 0
     if keys:
-        rows = [["BYTES", "OWNER", "KEY"]] + [
-            [str(k.length), k.owner, fmt_key(k.key)] for k in keys
-        ]
+        # a key as a Python literal: 'bk' and b'bk' are two keys and must not print alike
+        rows = [["BYTES", "OWNER", "KEY"]] + [[str(k.length), k.owner, repr(k.key)] for k in keys]
         print("\n".join(table(rows, right={0})), file=out)
     if truncated:
         print(
@@ -455,15 +444,8 @@ def cmd_monitor(
 # -- parser ----------------------------------------------------------------------------------
 
 
-def _positive_ms(text: str) -> int:
-    """--timeout-ms: 0 would make every request time out at once (an up server reported down)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected milliseconds, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+# --timeout-ms: 0 would make every request time out at once (an up server reported down)
+_positive_ms = number_arg(int, minimum=1, above=False, noun="milliseconds")
 
 
 def _common(p: argparse.ArgumentParser, *, top: bool) -> None:
@@ -516,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prefix", default=None, help="only keys starting with this")
     sp.add_argument(
         "--limit",
-        type=int,
+        type=number_arg(int, minimum=1, above=False, top=MAX_LIST_KEYS),
         default=100,
         help=f"at most this many keys (default: 100, at most {MAX_LIST_KEYS})",
     )

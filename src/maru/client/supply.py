@@ -79,8 +79,10 @@ class RegionSupply:
                 return handle
             region_size = self._next_region_size(need)
             if region_size is not None:
-                try:
-                    self._grow(region_size, need)
+                try:  # at least `need` when the pool is short (the server reclaims for it)
+                    body = {"size": region_size, "min_size": need}
+                    reply = self._request(MsgType.REQUEST_REGION, body).result()
+                    self.adopt(RegionHandle.from_wire(reply["region"]))
                     handle = self.chunks.take(size, count)
                     if handle is not None:
                         return handle
@@ -117,13 +119,6 @@ class RegionSupply:
 
     def adopt(self, handle: RegionHandle) -> None:
         self.chunks.adopt(self.mapper.map(handle, writable=True))
-
-    def _grow(self, size: int, min_size: int) -> None:
-        """A new region of `size` bytes, or at least `min_size` when the pool is short (the
-        server reclaims idle regions to find it)."""
-        body = {"size": size, "min_size": min_size}
-        reply = self._request(MsgType.REQUEST_REGION, body).result()
-        self.adopt(RegionHandle.from_wire(reply["region"]))
 
     def _next_region_size(self, need: int) -> int | None:
         """How big our next region is: the first `region_expand_size`, each later one twice

@@ -1,4 +1,4 @@
-"""Client configuration: the one place where sizes, booleans and `maru_*` keys are parsed.
+"""Configuration: the one place where sizes, booleans, numeric flags and `maru_*` keys are parsed.
 
 The SGLang adapter, the CLI and the tests all go through `MaruConfig.from_mapping` so that a
 bad value produces the same error, naming the key, wherever it came from.
@@ -6,11 +6,12 @@ bad value produces the same error, naming the key, wherever it came from.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,28 @@ def parse_size(value: int | float | str, *, name: str = "size") -> int:
     if n <= 0:
         raise ConfigError(f"{name}: must be positive, got {value!r}")
     return n
+
+
+def number_arg(
+    kind: type, *, minimum: float, above: bool, top: float | None = None, noun: str = "a number"
+) -> Callable[[str], Any]:
+    """An argparse type: a `kind` number >= `minimum` (> when `above`), <= `top`; its error
+    is one line naming the flag (argparse adds the flag's name)."""
+    rule = f"greater than {minimum:g}" if above else f"at least {minimum:g}"
+    if top is not None:
+        rule = f"above {minimum:g} and at most {top:g}" if above else f"from {minimum:g} to {top:g}"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {noun} {rule}, got {text!r}") from None
+        low_ok = value > minimum if above else value >= minimum
+        if not low_ok or (top is not None and value > top) or value != value:  # NaN
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    return parse
 
 
 _URL_RE = re.compile(r"^(tcp|ipc|inproc)://(.+)$")
@@ -217,16 +240,9 @@ class MaruConfig:
         self.timeout_ms = parse_int(self.timeout_ms, name="timeout_ms")
         self.max_inflight = parse_int(self.max_inflight, name="max_inflight")
         self.busy_poll_us = parse_int(self.busy_poll_us, name="busy_poll_us", minimum=0)
-        for name in (
-            "auto_connect",
-            "use_async_rpc",
-            "eager_map",
-            "auto_expand",
-            "local_socket",
-            "local_index",
-            "checksums",
-        ):
-            setattr(self, name, parse_bool(getattr(self, name), name=name))
+        for f in dataclasses.fields(self):
+            if f.type == "bool":  # every flag (the annotations are strings here)
+                setattr(self, f.name, parse_bool(getattr(self, f.name), name=f.name))
         if self.expand_size is not None:
             self.expand_size = parse_size(self.expand_size, name="expand_size")
         if self.server_public_key is not None:
@@ -248,18 +264,13 @@ class MaruConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         for raw_key, value in values.items():
-            if prefix:
-                if not raw_key.startswith(prefix):
-                    continue
-                key = raw_key[len(prefix) :]
-            else:
-                key = raw_key
+            if not raw_key.startswith(prefix):
+                continue
+            key = raw_key[len(prefix) :]
             if key not in known:
                 raise unknown_option(raw_key, known, prefix=prefix)
             kwargs[key] = value
         try:
             return cls(**kwargs)
         except ConfigError as exc:
-            if prefix:
-                raise ConfigError(f"{prefix}{exc}") from None
-            raise
+            raise ConfigError(f"{prefix}{exc}") from None

@@ -16,9 +16,9 @@ from typing import Any
 
 import zmq
 
-from maru.common.config import ConfigError, fmt_bytes, parse_size
+from maru.common.config import ConfigError, fmt_bytes, number_arg, parse_size
 from maru.server import persistence
-from maru.server.journal import SNAPSHOT_NAME, Journal, read_records
+from maru.server.journal import SNAPSHOT_NAME, Journal, read_records, write_private
 from maru.server.keyindex import warn_if_pure_python
 from maru.server.local_socket import raise_fd_limit
 from maru.server.localindex import open_local_index, remove_tables, retire_earlier
@@ -50,31 +50,11 @@ DEFAULT_PORT = 5555
 POOL_IDENTITY = "pool-identity.json"
 
 
-def _number(kind: type, *, minimum: float, above: bool, top: float | None = None):
-    """An argparse type: a `kind` number >= `minimum` (> when `above`), <= `top`; its error
-    is one line naming the flag (argparse adds the flag's name)."""
-    rule = f"greater than {minimum:g}" if above else f"at least {minimum:g}"
-    if top is not None:
-        rule = f"above {minimum:g} and at most {top:g}" if above else f"from {minimum:g} to {top:g}"
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number {rule}, got {text!r}") from None
-        low_ok = value > minimum if above else value >= minimum
-        if not low_ok or (top is not None and value > top) or value != value:  # NaN
-            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
-        return value
-
-    return parse
-
-
-_port = _number(int, minimum=0, above=False, top=65535)
-_positive = _number(float, minimum=0, above=True)
-_non_negative = _number(float, minimum=0, above=False)
-_fraction = _number(float, minimum=0, above=True, top=1)
-_count = _number(int, minimum=0, above=False)
+_port = number_arg(int, minimum=0, above=False, top=65535)
+_positive = number_arg(float, minimum=0, above=True)
+_non_negative = number_arg(float, minimum=0, above=False)
+_fraction = number_arg(float, minimum=0, above=True, top=1)
+_count = number_arg(int, minimum=0, above=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,7 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--pool",
-        default=None,
         help="pool location: a file (shm, default /dev/shm/maru-<port>.pool), a "
         "/dev/dax* device (devdax) or a directory (fsdax)",
     )
@@ -110,12 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--pool-group",
-        default=None,
         help="group that may map the pool (mode 0660); default: owner only (0600)",
     )
     p.add_argument(
         "--state-dir",
-        default=None,
         help="directory for the token secret and persisted state "
         "(default: ~/.local/state/maru/<port>)",
     )
@@ -152,7 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--metrics-port",
         type=_port,
-        default=None,
         help="serve Prometheus metrics at http://<host>:<port>/metrics (needs prometheus_client: "
         "a dependency of maru-kvcache); 0 picks a free port (shown by `maru status`) "
         "(default: off)",
@@ -227,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--busy-poll-us",
-        type=_number(int, minimum=0, above=False),
+        type=_count,
         default=1000,
         help="after serving a request, keep polling for the next one this many microseconds "
         "(yielding the CPU between polls) before sleeping: a request that finds the server "
@@ -248,7 +224,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ready-file",
-        default=None,
         help="write the bound endpoint to this file once serving (for scripts/tests)",
     )
     p.add_argument(
@@ -260,8 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def quota_region_fraction(text: str) -> tuple[float, int]:
-    """--quota-region-bytes: (share of the pool, bytes); one of them is 0."""
+def quota_region_bytes(text: str, capacity: int) -> int:
+    """--quota-region-bytes (a size or a share of the pool) in bytes for a pool of `capacity`
+    (0: none, the pool is the limit); ConfigError if malformed."""
     if text.strip().endswith("%"):
         try:
             share = float(text.strip()[:-1])
@@ -269,14 +245,9 @@ def quota_region_fraction(text: str) -> tuple[float, int]:
             share = -1.0
         if not 0 < share <= 100:
             raise ConfigError(f"--quota-region-bytes: expected a share in (0%, 100%], got {text}")
-        return share / 100, 0
-    return 0.0, parse_size(text, name="--quota-region-bytes")
-
-
-def quota_region_bytes(text: str, capacity: int) -> int:
-    """The quota in bytes for a pool of `capacity` (0: none, the pool is the limit)."""
-    share, size = quota_region_fraction(text)
-    quota = int(share * capacity) if share else size
+        quota = int(share / 100 * capacity)
+    else:
+        quota = parse_size(text, name="--quota-region-bytes")
     return 0 if quota >= capacity else max(quota, REGION_ALIGNMENT)
 
 
@@ -293,7 +264,7 @@ def check_args(args: argparse.Namespace) -> str | None:
             f"({fmt_bytes(REGION_ALIGNMENT)}, the pool's allocation unit)"
         )
     try:
-        quota_region_fraction(args.quota_region_bytes)
+        quota_region_bytes(args.quota_region_bytes, args.pool_bytes)
     except ConfigError as exc:
         return str(exc)
     if args.eviction_low_watermark > args.eviction_high_watermark:
@@ -376,10 +347,7 @@ def purge_pool(pool_path: str) -> str | None:
     return f"pool {pool_path} ({fmt_bytes(size)})"
 
 
-STATE_FILES = (
-    *(SECRET_FILE, CURVE_SECRET_FILE, CURVE_PUBLIC_FILE),
-    *(SNAPSHOT_NAME, SNAPSHOT_NAME + ".tmp", POOL_IDENTITY),
-)
+STATE_FILES = (SECRET_FILE, CURVE_SECRET_FILE, CURVE_PUBLIC_FILE, SNAPSHOT_NAME, POOL_IDENTITY)
 
 
 def purge_state(state_dir: Path) -> str | None:
@@ -391,7 +359,7 @@ def purge_state(state_dir: Path) -> str | None:
     lock = state_dir / "server.lock"
     lock_fd = lock_with_pid(lock, f"state dir {state_dir}")
     try:
-        names = [*STATE_FILES, POOL_IDENTITY + ".tmp"]
+        names = [*STATE_FILES, *(n + ".tmp" for n in STATE_FILES)]  # (see write_private)
         files = [state_dir / n for n in names] + [*state_dir.glob("journal-*.log")]
         removed = 0
         for f in files:
@@ -440,10 +408,7 @@ def _read_identity(state_dir: Path) -> dict[str, Any] | str | None:
 
 
 def _write_identity(state_dir: Path, record: dict[str, Any]) -> None:
-    tmp = state_dir / (POOL_IDENTITY + ".tmp")
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        f.write(json.dumps(record))
-    os.replace(tmp, state_dir / POOL_IDENTITY)
+    write_private(state_dir / POOL_IDENTITY, json.dumps(record).encode())
 
 
 def _has_state(state_dir: Path) -> bool:
@@ -621,9 +586,7 @@ def main(argv: list[str] | None = None) -> int:
             if not pool_existed:
                 purge_pool(pool_path)
 
-    before, after = raise_fd_limit()
-    if after != before:
-        log.info("open file limit raised from %d to %d (each connection is one)", before, after)
+    raise_fd_limit()
     try:
         state_lock = lock_state_dir(state_dir)  # held (fd open) for the life of the process
         refusal = pool_size_change(args, pool_path, state_dir)

@@ -38,48 +38,36 @@ class Pins:
     def pin(self, keys: list[Any], owner: str | None = None) -> list[bool]:
         """Pin the keys that exist. Journal first: if the "P" record cannot be written
         (`JournalWriteError`), no pin is taken."""
-        inst = self.instances.get(owner) if owner else None
-        out = []
-        pinned: list[Key] = []
-        entries: list[KeyEntry] = []
-        for key in keys:
-            entry = self.keys.get(key)  # None for a miss, or a key that is not str or bytes
-            if entry is not None:
-                pinned.append(key)
-                entries.append(entry)
-            out.append(entry is not None)
-        if pinned:
-            self._log("P", owner if inst is not None else "", pinned)
-        for key, entry in zip(pinned, entries):
-            entry.pins += 1
-            if inst is not None:
-                inst.pins[key] += 1
-        return out
+        return self._change(keys, owner, 1)
 
     def unpin(self, keys: list[Any], owner: str | None = None) -> list[bool]:
-        """Drop one pin per key (an instance only its own). Journal first, as `pin`: the
-        outcome is decided (`taken`: this batch's earlier unpins of a key), logged, applied."""
+        """Drop one pin per key (an instance only its own). Journal first ("U"), as `pin`."""
+        return self._change(keys, owner, -1)
+
+    def _change(self, keys: list[Any], owner: str | None, sign: int) -> list[bool]:
+        """Decide each key's outcome (an unpin needs a pin left after this batch's earlier
+        unpins of the key, `taken`), journal the changes, then apply them."""
         inst = self.instances.get(owner) if owner else None
         out = []
-        unpinned: list[Key] = []
+        changed: list[Key] = []
         entries: list[KeyEntry] = []
         taken: Counter = Counter()
         for key in keys:
             entry = self.keys.get(key)  # None for a miss, or a key that is not str or bytes
-            ok = entry is not None and entry.pins > taken[key]
-            if ok and inst is not None:
-                ok = inst.pins[key] > taken[key]  # an instance can only drop pins it holds
+            ok = entry is not None
+            if ok and sign < 0:  # an instance can only drop pins it holds
+                ok = entry.pins > taken[key] and (inst is None or inst.pins[key] > taken[key])
+                taken[key] += ok
             if ok:
-                taken[key] += 1
-                unpinned.append(key)
+                changed.append(key)
                 entries.append(entry)
             out.append(ok)
-        if unpinned:
-            self._log("U", owner if inst is not None else "", unpinned)
-        for key, entry in zip(unpinned, entries):
-            entry.pins -= 1
+        if changed:
+            self._log("P" if sign > 0 else "U", owner if inst is not None else "", changed)
+        for key, entry in zip(changed, entries):
+            entry.pins += sign
             if inst is not None:
-                inst.pins[key] -= 1
+                inst.pins[key] += sign
                 if not inst.pins[key]:
                     del inst.pins[key]
         return out

@@ -71,6 +71,21 @@ def read_records(data: bytes) -> tuple[list[Any], int]:
     return records, pos
 
 
+def write_private(path: Path, data: bytes) -> None:
+    """Replace `path` (mode 0600) with `data` whole, or leave it as it was: written beside it
+    (`<name>.tmp`), fsynced, then renamed over it (the directory is not fsynced)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -256,7 +271,6 @@ class Journal:
         """Persist the full state as generation N+1 and start an empty journal for it."""
         generation = self.generation + 1
         state = dict(state, generation=generation)
-        tmp = self.state_dir / (SNAPSHOT_NAME + ".tmp")
         new_journal = self._journal_path(generation)
         # The old journal's tail first: until the new snapshot's rename is on disk, a machine
         # crash restarts from the old snapshot and this journal. (A failure is logged; the
@@ -265,15 +279,10 @@ class Journal:
         new_journal.unlink(missing_ok=True)
         new_fd, new_size = self._open(new_journal)  # before the directory fsync below
         try:
-            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-                f.write(_frame(state))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.state_dir / SNAPSHOT_NAME)
+            write_private(self.state_dir / SNAPSHOT_NAME, _frame(state))
         except BaseException:
             # Nothing changed: the old snapshot and journal stay current. Give the space back.
             os.close(new_fd)
-            tmp.unlink(missing_ok=True)
             new_journal.unlink(missing_ok=True)
             raise
         # The new snapshot is in place: from here on a restart reads it and the new journal,

@@ -62,21 +62,14 @@ def local_address(spec: str | None, endpoint: str, tag: str = "") -> str | None:
 
 
 class Peer:
-    """A client connection as the request handler sees it: `sock` (whose peer process the
-    server can watch) and the instance it was last seen to speak for."""
+    """A client connection. The request handler sees `sock` (whose peer process the server
+    can watch) and `instance`, the instance it was last seen to speak for."""
 
-    __slots__ = ("instance", "sock")
+    __slots__ = ("fd", "held", "instance", "out", "reader", "sock", "want")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.instance: str | None = None
-
-
-class _Connection(Peer):
-    __slots__ = ("fd", "held", "out", "reader", "want")
-
-    def __init__(self, sock: socket.socket):
-        super().__init__(sock)
         self.fd = sock.fileno()
         self.reader = protocol.StreamReader()
         self.out = bytearray()
@@ -102,7 +95,7 @@ class LocalSocketServer:
             raise
         listener.setblocking(False)
         self.listener = listener
-        self.connections: dict[int, _Connection] = {}  # by file descriptor
+        self.connections: dict[int, Peer] = {}  # by file descriptor
         self._poller: zmq.Poller | None = None
         self.accept_paused_until = 0.0  # monotonic time; 0: accepting
         self._refusals = Throttle(10.0)
@@ -179,7 +172,7 @@ class LocalSocketServer:
                     )
                 continue
             sock.setblocking(False)
-            conn = _Connection(sock)
+            conn = Peer(sock)
             self.connections[conn.fd] = conn
             accepted.append(conn.fd)
             if self._poller is not None:
@@ -198,7 +191,7 @@ class LocalSocketServer:
             if self._poller is not None:
                 self._poller.register(self.listener, POLLIN)
 
-    def _receive(self, conn: _Connection) -> bool:
+    def _receive(self, conn: Peer) -> bool:
         """Read what the socket has into the connection's buffer; False if it closed."""
         try:
             data = conn.sock.recv(protocol.STREAM_RECV_BYTES)
@@ -213,7 +206,7 @@ class LocalSocketServer:
         conn.reader.feed(data)
         return True
 
-    def _flush(self, conn: _Connection) -> None:
+    def _flush(self, conn: Peer) -> None:
         """Send buffered replies, then choose what to poll for: requests (POLLIN); POLLOUT
         while replies are left to send, or while complete requests wait in the buffer (the
         socket is writable, so poll returns at once and they get their turn)."""
@@ -234,13 +227,13 @@ class LocalSocketServer:
         else:
             self._want(conn, POLLIN)
 
-    def _want(self, conn: _Connection, flags: int) -> None:
+    def _want(self, conn: Peer, flags: int) -> None:
         if flags != conn.want:
             conn.want = flags
             if self._poller is not None:
                 self._poller.modify(conn.sock, flags)
 
-    def _close(self, conn: _Connection, why: str | None) -> None:
+    def _close(self, conn: Peer, why: str | None) -> None:
         if why:
             log.debug("local socket: closing a connection: %s", why)
         if self.connections.pop(conn.fd, None) is not None and self._poller is not None:
@@ -259,16 +252,16 @@ def _fd_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def raise_fd_limit() -> tuple[int, int]:
+def raise_fd_limit() -> None:
     """Raise this process's soft limit of open files to its hard limit (a server's
-    connections are file descriptors); returns (before, after)."""
+    connections are file descriptors)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard != resource.RLIM_INFINITY:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (OSError, ValueError):
-            return soft, soft
-    return soft, max(soft, hard)
+            return
+        log.info("open file limit raised from %d to %d (each connection is one)", soft, hard)
 
 
 def holder_of(address: str) -> str:

@@ -83,8 +83,6 @@ class RequestStats:
         }
 
 
-STATS_RETRIES = 20
-
 # registry counter -> (metric name without _total, help)
 COUNTERS: dict[str, tuple[str, str]] = {
     "lookups": ("maru_lookup_keys", "Keys looked up (LOOKUP_KV)."),
@@ -279,7 +277,7 @@ def require_prometheus() -> None:
         ) from None
 
 
-def read_stats(source: Callable[[], dict[str, Any]], retries: int = STATS_RETRIES) -> dict:
+def read_stats(source: Callable[[], dict[str, Any]], retries: int = 20) -> dict:
     """Call `source` (e.g. `MaruService.stats`) from a thread other than the RPC loop's,
     retrying while the registry changes under it."""
     for attempt in range(1, retries):

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 from pathlib import Path
+
+from maru.server.journal import write_private
 
 SECRET_FILE = "secret.key"
 CURVE_SECRET_FILE = "curve.key"  # the server's CURVE secret key (Z85), 0600
@@ -41,16 +42,8 @@ def load_or_create_secret(state_dir: Path) -> bytes:
     except FileNotFoundError:
         pass
     secret = secrets.token_bytes(32)
-    _write_private(path, secret)
+    write_private(path, secret)
     return secret
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def load_or_create_curve_keys(state_dir: Path) -> tuple[bytes, bytes]:
@@ -65,8 +58,8 @@ def load_or_create_curve_keys(state_dir: Path) -> tuple[bytes, bytes]:
         public = zmq.curve_public(secret)
     except (FileNotFoundError, ValueError, zmq.ZMQError):
         public, secret = zmq.curve_keypair()
-        _write_private(path, secret + b"\n")
-    _write_private(state_dir / CURVE_PUBLIC_FILE, public + b"\n")
+        write_private(path, secret + b"\n")
+    write_private(state_dir / CURVE_PUBLIC_FILE, public + b"\n")
     return public, secret
 
 
