@@ -1794,6 +1794,20 @@ def plot(path, rows, inst, keys) -> bool:
 # -- main --------------------------------------------------------------------------------------
 
 
+def preload_sglang() -> None:
+    """Import what the workers use (MaruStorage, SGLang's host pools, its backend factory and
+    HiCacheFile) once, before forking them: otherwise each of the ~25 workers imports SGLang's
+    model layers again, ~3 s apiece on this machine."""
+    import sglang.srt.mem_cache.memory_pool
+    import sglang.srt.mem_cache.pool_host.mamba
+    import sglang.srt.mem_cache.pool_host.mha
+    import sglang.srt.mem_cache.pool_host.mla
+    import sglang.srt.mem_cache.storage.backend_factory
+    import sglang.srt.mem_cache.storage.file  # noqa: F401
+
+    import maru_sglang.maru_storage  # noqa: F401
+
+
 def wait_for_quiet(limit: float, max_wait: float) -> None:
     deadline = time.monotonic() + max_wait
     while os.getloadavg()[0] > limit and time.monotonic() < deadline:
@@ -1831,10 +1845,7 @@ def main() -> int:
     import sglang_cpu
 
     sglang_cpu.apply()  # before SGLang is imported
-    # Import once, before forking the workers.
-
-    import maru_sglang.maru_storage  # noqa: F401
-
+    preload_sglang()
     prog.step("SGLang imported")
     machine = machine_info()
     tmp = Path(tempfile.mkdtemp(prefix="maru-bench-hicache-"))
