@@ -1804,8 +1804,15 @@ def preload_sglang() -> None:
     import sglang.srt.mem_cache.pool_host.mla
     import sglang.srt.mem_cache.storage.backend_factory
     import sglang.srt.mem_cache.storage.file  # noqa: F401
+    from sglang.srt.mem_cache.pool_host import base
 
     import maru_sglang.maru_storage  # noqa: F401
+
+    # A host pool refuses to be built unless 10 GiB of RAM stay free besides it: a server
+    # sizing its HiCache to the machine. These pools take at most ~300 MiB each and the
+    # machine is shared: other jobs' RAM must not fail the run, so keep 1 GiB free instead.
+    reserve = getattr(base, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 0)
+    base.HICACHE_HOST_MEMORY_RESERVE_BYTES = min(reserve, 1 << 30)
 
 
 def wait_for_quiet(limit: float, max_wait: float) -> None:
