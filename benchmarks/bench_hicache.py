@@ -355,7 +355,7 @@ class Instance:
             "maru_timeout_ms": "60000",
         }
         variants = {"maru": {}, "checked": {"maru_checksums": "true"}}
-        if ab:
+        if ab and role == "reader":  # (writes take no index)
             variants["request"] = REQUEST_PATH
         self.stores: dict[str, Any] = {}  # MaruStorage by backend name (MARUS)
         for name, more in variants.items():
@@ -1035,17 +1035,26 @@ COPIES = ("memcpy", "shm", "stream")
 BACKENDS = [*COPIES, "maru", "request", "checked", "file"]
 MARUS = ("maru", "request", "checked")  # MaruStorage backends of an Instance
 STORES = (*MARUS, "file")  # what stores under keys (read back and checked)
+# Writes take no index (registering stays a request): "request" only reads, what "maru" wrote.
+NO_OP = ("request", "set")
+
+
+def writes_with(backend: str) -> str:
+    """The backend whose writes give `backend` its pages to read."""
+    return "maru" if backend == "request" else backend
 
 
 def _throughput(writer, reader, name, plan, batch, pages, crcs, prog) -> dict[str, list[float]]:
     """GB/s of every method, per repetition (after a warm-up round whose reads are checked
     against the writer's CRCs), methods alternating within each repetition."""
     nbytes = writer.call("info")["bytes"]
-    sec: dict[str, list[float]] = {f"{b}_{op}": [] for b in plan.backends for op in ("set", "get")}
+    sec: dict[str, list[float]] = {
+        f"{b}_{op}": [] for b in plan.backends for op in ("set", "get") if (b, op) != NO_OP
+    }
     for rep in range(plan.reps + 1):  # rep 0 warms pages, mappings and files up
         tag = f"{name}/r{rep}"
         for b in plan.backends:
-            w = writer.call("run", f"{b}_set", tag, batch, 0, pages)
+            w = writer.call("run", f"{writes_with(b)}_set", tag, batch, 0, pages)
             if b in STORES:
                 reader.call("wipe")
             r = reader.call("run", f"{b}_get", tag, batch, 0, pages)
@@ -1054,10 +1063,11 @@ def _throughput(writer, reader, name, plan, batch, pages, crcs, prog) -> dict[st
                 if rep == 0:
                     assert reader.call("crcs") == crcs, f"{name}: pages read by {b} differ"
             if rep:
-                sec[f"{b}_set"].append(sum(w[0]))
+                if (b, "set") != NO_OP:
+                    sec[f"{b}_set"].append(sum(w[0]))
                 sec[f"{b}_get"].append(sum(r[0]))
             if b in MARUS:
-                writer.call("maru_delete", tag, pages, b)
+                writer.call("maru_delete", tag, pages, writes_with(b))
             elif b == "file":
                 writer.call("file_clear")
         prog.step(f"{name}: rep {rep}")
@@ -1122,13 +1132,14 @@ def bench_case(url, case, plan, tmp, prog) -> dict:
             n = min(pages, plan.lat_samples - done)
             tag = f"{case.name}/lat{rnd}"
             for b in ("memcpy", *(m for m in MARUS if m in plan.backends), "file"):
-                w = writer.call("run", f"{b}_set", tag, 1, 0, n)
+                w = writer.call("run", f"{writes_with(b)}_set", tag, 1, 0, n)
                 r = reader.call("run", f"{b}_get", tag, 1, 0, n)
                 assert w[1] == n and r[1] == n, (b, w[1], r[1])
-                lat[f"{b}_set"] += w[0]
+                if (b, "set") != NO_OP:
+                    lat[f"{b}_set"] += w[0]
                 lat[f"{b}_get"] += r[0]
                 if b in MARUS:
-                    writer.call("maru_delete", tag, n, b)
+                    writer.call("maru_delete", tag, n, writes_with(b))
                 elif b == "file":
                     writer.call("file_clear")
             done += n
@@ -1409,8 +1420,8 @@ def build_rows(results: list[dict]) -> list[dict]:
     rows = []
     for res in results:
         case = res["case"]
-        backends = [b for b in BACKENDS if f"{b}_set" in res["gbps"]]
         for op in ("set", "get"):
+            backends = [b for b in BACKENDS if f"{b}_{op}" in res["gbps"]]
             # Ratios per repetition (the methods of one repetition ran seconds apart), then
             # their median: steadier than a ratio of medians on a machine whose speed drifts.
             # vs_memcpy: to the faster plain copy (private or /dev/shm memory), issue 5's
@@ -1554,7 +1565,8 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
     if plan.ab:
         lines.append("maru: the default configuration (the shared-memory index where the server")
         lines.append("offers it: see requests per call below); request: the same with")
-        lines.append("maru_local_index false (round trips), alternating with it.")
+        lines.append("maru_local_index false (round trips), alternating with it; it reads what")
+        lines.append("maru wrote (writes take no index).")
     lines.append("/limit: median over repetitions of GB/s / the fastest of memcpy, shm and stream")
     lines.append("in the same repetition (issue 17's targets); /memcpy: the same against the")
     lines.append("faster of memcpy and shm.")
@@ -1721,11 +1733,11 @@ def plot(path, rows, inst, keys) -> bool:
         "file": "#d62728",
     }
     by = {(r["case"], r["op"], r["backend"]): r for r in rows}
-    backends = [b for b in BACKENDS if (cases[0], "set", b) in by]
+    bars = [(op, b) for op in ("set", "get") for b in BACKENDS if (cases[0], op, b) in by]
     ax = axes[0][0]
-    width = 0.96 / (2 * len(backends))
-    for k, (op, b) in enumerate((op, b) for op in ("set", "get") for b in backends):
-        xs = [i + (k - (len(backends) - 0.5)) * width for i in range(len(cases))]
+    width = 0.96 / len(bars)
+    for k, (op, b) in enumerate(bars):
+        xs = [i + (k - (len(bars) - 1) / 2) * width for i in range(len(cases))]
         vals = [by[(c, op, b)]["gbps"] for c in cases]
         hatch = "//" if op == "get" else None
         ax.bar(xs, vals, width, color=colors[b], hatch=hatch, edgecolor="black", linewidth=0.3,
