@@ -1590,8 +1590,8 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
         f"single key: median / p99 of {plan.rtt_samples}):"
     )
     lines.append(
-        "| path | batch_exists us/key: MaruStorage, handler | exists us: MaruStorage, handler "
-        "| requests per call: batch_exists, exists, batch_get_v1 |"
+        "| path | batch_exists us/key: MaruStorage, handler | exists us, median / p99: "
+        "MaruStorage, handler | requests per call: batch_exists, exists, batch_get_v1 |"
     )
     lines.append("|---|---:|---:|---:|")
     for p in plan.paths:
