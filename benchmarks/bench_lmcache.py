@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import csv
 import ctypes
-import json
 import os
 import signal
 import sys
@@ -50,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_hicache as H  # Worker, Progress, maru_server, machine_info, med, pct (same dir)
+from report import finish
 
 ROOT = H.ROOT
 MiB = H.MiB
@@ -483,23 +483,18 @@ def main() -> int:
     finally:
         prog.close()
         signal.alarm(0)
-    machine["load_after"] = os.getloadavg()[0]
     cmd = " ".join([Path(sys.executable).name, "benchmarks/bench_lmcache.py", *sys.argv[1:]])
     text = render(machine, cmd, reps, lat_reps, rows, lat_rows)
-    text += (
-        f"\n\n1-min load at end {machine['load_after']:.2f}; "
-        f"run took {time.monotonic() - t_start:.0f} s"
+    finish(
+        "lmcache",
+        args.out,
+        text,
+        {"machine": machine, "rows": rows, "chunk_latency": lat_rows},
+        machine,
+        t_start,
+        write_csv=lambda path: write_csv(path, rows, lat_rows),
+        quick=args.quick,
     )
-    print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    base = out / f"lmcache-{time.strftime('%Y%m%d-%H%M%S')}{'-quick' if args.quick else ''}"
-    write_csv(base.with_suffix(".csv"), rows, lat_rows)
-    base.with_suffix(".md").write_text(text + "\n")
-    base.with_suffix(".json").write_text(
-        json.dumps({"machine": machine, "rows": rows, "chunk_latency": lat_rows}, indent=1)
-    )
-    print(f"\nwrote {base}.csv, .md, .json")
     return 0
 
 
