@@ -343,7 +343,7 @@ def test_sigkill_server_restart_keeps_every_key(maru_server_factory, tmp_path):
     regions_before = sorted(writer.owned_region_ids())
 
     sigkill_server(server)
-    assert writer.batch_exists(kept[:1]) == [False]  # the server is down: the call fails
+    assert writer.batch_retrieve(kept[:1]) == [None]  # the server is down: the call fails
     server.restart()
     assert "restored" in server.read_log()
 

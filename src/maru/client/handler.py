@@ -116,7 +116,6 @@ class MaruHandler:
             self, self._chunks, self._mapper, self._request, self.refused_stores
         )
         self.checksum_mismatches = 0  # hits taken as misses: bytes unlike their checksum
-        self._pool_generation: str | None = None  # the pool's, as of our last handshake
         self._index: LocalIndexClient | None = None  # the server's, on its node (handshake)
         self._heartbeat = _Heartbeat(self._beat, f"maru-heartbeat-{self.instance_id[:8]}")
         if config.auto_connect:
@@ -208,36 +207,7 @@ class MaruHandler:
             self._rpc.use_local_socket(reply.get("local_socket"), reply.get("uid"))
         self._index = offered_index(self, reply, body)
         self._heartbeat.interval = float(reply.get("heartbeat_interval", 5.0))
-        still_owned = {h.region_id: h for h in map(RegionHandle.from_wire, reply["regions"])}
-        pool = reply.get("pool") or {}
-        self._supply.pool_capacity = int(pool.get("capacity") or 0)
-        generation = str(pool.get("generation", ""))
-        if self._pool_generation is not None and generation != self._pool_generation:
-            # The server restarted on a recreated or truncated pool: what we mapped of other
-            # instances is gone (a later lookup maps their new regions afresh).
-            log.warning(
-                "maru-server's pool is new (generation %s, was %s): dropping its old mappings",
-                generation,
-                self._pool_generation,
-            )
-            for region_id in self._mapper.region_ids():
-                if region_id not in self._chunks:
-                    self._mapper.unmap(region_id)
-        self._pool_generation = generation
-        lost = 0
-        for region_id in self._chunks.region_ids():
-            mapped = self._mapper.get(region_id)
-            if region_id not in still_owned or (
-                mapped is not None and mapped.handle != still_owned[region_id]
-            ):
-                log.warning("server no longer knows region %d; dropping it", region_id)
-                self._chunks.drop(region_id)
-                self._mapper.unmap(region_id)
-                lost += 1
-        for handle in still_owned.values():
-            if handle.region_id not in self._chunks:  # (a session only owns what it took)
-                self._supply.adopt(handle)
-        return lost
+        return self._supply.reattach(reply)
 
     def _on_unknown_instance(self, msg_type: int) -> None:
         """The server restarted and forgot us (`RpcClient` calls this, then re-sends)."""

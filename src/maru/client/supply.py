@@ -45,6 +45,7 @@ class RegionSupply:
         self._request = request
         self.refused = refused  # the handler's `refused_stores`
         self.pool_capacity = 0  # the pool's, as of the last handshake (0: not known yet)
+        self.pool_generation: str | None = None  # likewise
         self.lock = threading.Lock()
         self._park_seq = itertools.count(1)
 
@@ -82,7 +83,8 @@ class RegionSupply:
                 try:  # at least `need` when the pool is short (the server reclaims for it)
                     body = {"size": region_size, "min_size": need}
                     reply = self._request(MsgType.REQUEST_REGION, body).result()
-                    self.adopt(RegionHandle.from_wire(reply["region"]))
+                    handle = RegionHandle.from_wire(reply["region"])
+                    self.chunks.adopt(self.mapper.map(handle, writable=True))
                     handle = self.chunks.take(size, count)
                     if handle is not None:
                         return handle
@@ -117,8 +119,40 @@ class RegionSupply:
         )
         return None
 
-    def adopt(self, handle: RegionHandle) -> None:
-        self.chunks.adopt(self.mapper.map(handle, writable=True))
+    def reattach(self, reply: dict[str, Any]) -> int:
+        """After a HANDSHAKE: keep the regions the server still knows as ours, drop the others
+        (and, if the pool is a new one, every mapping of other instances' regions); returns
+        how many of ours it no longer knows."""
+        still_owned = {h.region_id: h for h in map(RegionHandle.from_wire, reply["regions"])}
+        pool = reply.get("pool") or {}
+        self.pool_capacity = int(pool.get("capacity") or 0)
+        generation = str(pool.get("generation", ""))
+        if self.pool_generation is not None and generation != self.pool_generation:
+            # The server restarted on a recreated or truncated pool: what we mapped of other
+            # instances is gone (a later lookup maps their new regions afresh).
+            log.warning(
+                "maru-server's pool is new (generation %s, was %s): dropping its old mappings",
+                generation,
+                self.pool_generation,
+            )
+            for region_id in self.mapper.region_ids():
+                if region_id not in self.chunks:
+                    self.mapper.unmap(region_id)
+        self.pool_generation = generation
+        lost = 0
+        for region_id in self.chunks.region_ids():
+            mapped = self.mapper.get(region_id)
+            if region_id not in still_owned or (
+                mapped is not None and mapped.handle != still_owned[region_id]
+            ):
+                log.warning("server no longer knows region %d; dropping it", region_id)
+                self.chunks.drop(region_id)
+                self.mapper.unmap(region_id)
+                lost += 1
+        for handle in still_owned.values():
+            if handle.region_id not in self.chunks:  # (a session only owns what it took)
+                self.chunks.adopt(self.mapper.map(handle, writable=True))
+        return lost
 
     def _next_region_size(self, need: int) -> int | None:
         """How big our next region is: the first `region_expand_size`, each later one twice

@@ -515,6 +515,8 @@ def list_keys(
         raise ProtocolError(ErrorCode.BAD_REQUEST, "prefix must be a str or bytes")
     out: list[list[Any]] = []
     keys, regions = registry.keys, registry.regions
+    if registry.local_index is not None:  # readers' use marks count, as for eviction
+        registry.local_index.harvest_into(keys)
     for referenced in (True, False):
         for key, entry in keys.items(reverse=True):
             if entry.referenced is not referenced:
