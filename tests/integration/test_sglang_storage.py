@@ -296,10 +296,10 @@ def test_a_copy_that_outlives_its_lease_is_a_miss(maru_server_factory, tmp_path)
     original = reader._copy_out
     slow = {"copies": 0}
 
-    def slow_copy(pool, sources, columns):
+    def slow_copy(pool, sources, columns, hashed):
         slow["copies"] += 1
         _wait_for_no_leases(reader.handler)  # the server expired the lease mid-copy
-        original(pool, sources, columns)
+        return original(pool, sources, columns, hashed)
 
     reader._copy_out = slow_copy
     dst = page_indices(4, 2, g.page_size)
@@ -369,9 +369,9 @@ def test_a_page_corrupted_in_the_pool_is_a_miss_with_checksums(maru_server):
     # A page changed after the lookup, while the reader copies: caught after the copy.
     original = checked._copy_out
 
-    def copy_while_corrupting(kv, sources, columns):
+    def copy_while_corrupting(kv, sources, columns, hashed):
         _flip_byte(plain.handler, ns[11], at=700)
-        original(kv, sources, columns)
+        return original(kv, sources, columns, hashed)
 
     checked._copy_out = copy_while_corrupting
     results = checked.batch_get_v1(keys, dst)

@@ -21,6 +21,7 @@ import zmq
 from maru import __version__
 from maru.common import protocol
 from maru.common.protocol import (
+    CHECKSUMS,
     MAX_BATCH,
     MAX_LIST_KEYS,
     ErrorCode,
@@ -302,9 +303,9 @@ class MaruService:
             unpack_int64(body.get(name), len(keys), name).tolist()
             for name in ("region_ids", "offsets", "lengths")
         )
-        checksums = body.get("checksums")  # optional: the writer's checksum of each value
+        checksums = body.get(CHECKSUMS)  # optional: the writer's checksum of each value
         if checksums is not None:
-            checksums = unpack_int64(checksums, len(keys), "checksums").tolist()
+            checksums = unpack_int64(checksums, len(keys), CHECKSUMS).tolist()
         results = self.registry.register(iid, keys, region_ids, offsets, lengths, checksums)
         return {"results": results}
 
@@ -318,7 +319,7 @@ class MaruService:
             "region_ids": region_ids,
             "offsets": offsets,
             "lengths": lengths,
-            "checksums": checksums,
+            CHECKSUMS: checksums,
             "regions": [h.to_wire() for h in regions],
             "lease_id": lease_id,
         }
