@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from maru.client.rpc import RpcClient
-from maru.common.config import parse_server_public_key, parse_server_url
+from maru.common.config import parse_curve_key, parse_server_url
 from maru.common.protocol import MAX_LIST_KEYS, MsgType
 
 DEFAULT_SERVER_URL = "tcp://localhost:5555"
 SERVER_URL_ENV = "MARU_SERVER_URL"
 SERVER_KEY_ENV = "MARU_SERVER_PUBLIC_KEY"
+CLIENT_KEY_ENV = "MARU_CURVE_CLIENT_KEY"
 
 Key = str | bytes
 
@@ -36,9 +37,22 @@ def server_public_key(key: str | None = None) -> str | None:
     """`key`, else $MARU_SERVER_PUBLIC_KEY, else None (plain TCP): the CURVE public key of a
     `maru-server --curve`, or the file holding it."""
     if key:
-        return parse_server_public_key(key, name="--server-public-key")
+        return parse_curve_key(key, name="--server-public-key")
     if os.environ.get(SERVER_KEY_ENV):
-        return parse_server_public_key(os.environ[SERVER_KEY_ENV], name=f"${SERVER_KEY_ENV}")
+        return parse_curve_key(os.environ[SERVER_KEY_ENV], name=f"${SERVER_KEY_ENV}")
+    return None
+
+
+def curve_client_key(key: str | None = None) -> str | None:
+    """`key`, else $MARU_CURVE_CLIENT_KEY, else None (a throwaway keypair): this client's
+    CURVE secret key, or its file (`maru curve-keypair NAME` -> NAME.key), for a server with
+    --curve-clients."""
+    if key:
+        return parse_curve_key(key, name="--curve-client-key", kind="secret key")
+    if os.environ.get(CLIENT_KEY_ENV):
+        return parse_curve_key(
+            os.environ[CLIENT_KEY_ENV], name=f"${CLIENT_KEY_ENV}", kind="secret key"
+        )
     return None
 
 
@@ -51,16 +65,23 @@ class KeyInfo:
 
 class MaruAdmin:
     def __init__(
-        self, url: str | None = None, *, timeout_ms: int = 2000, public_key: str | None = None
+        self,
+        url: str | None = None,
+        *,
+        timeout_ms: int = 2000,
+        public_key: str | None = None,
+        client_key: str | None = None,
     ):
         """`public_key`: of a `maru-server --curve` (or its file; default
-        $MARU_SERVER_PUBLIC_KEY)."""
+        $MARU_SERVER_PUBLIC_KEY); `client_key`: our CURVE secret key (or its file; default
+        $MARU_CURVE_CLIENT_KEY), for a server with --curve-clients."""
         self.url = server_url(url)
         self._rpc = RpcClient(
             self.url,
             timeout_ms=timeout_ms,
             max_inflight=1,
             server_public_key=server_public_key(public_key),
+            client_secret_key=curve_client_key(client_key),
         )
 
     def stats(self) -> dict[str, Any]:

@@ -106,6 +106,7 @@ class MaruHandler:
             on_unknown_instance=self._on_unknown_instance,
             busy_poll_us=config.busy_poll_us,
             server_public_key=config.server_public_key,
+            client_secret_key=config.curve_client_key,
         )
         self._mapper = RegionMapper()
         self._chunks = ChunkBook(config.chunk_size_bytes)
