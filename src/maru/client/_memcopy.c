@@ -440,7 +440,8 @@ static PyObject *copy_many_hashed(PyObject *self, PyObject *args)
             }
             char *to = (char *)(intptr_t)d[b];
             for (size_t off = 0; off < size; off += HASH_BLOCK_BYTES) {
-                size_t step = size - off < HASH_BLOCK_BYTES ? size - off : HASH_BLOCK_BYTES;
+                /* (a last piece under a block joins the one before: every piece streams) */
+                size_t step = size - off < 2 * HASH_BLOCK_BYTES ? size - off : HASH_BLOCK_BYTES;
 #if HAVE_STREAMING
                 if (streaming)
                     copy_streaming(to + off, (const char *)from + off, step);
