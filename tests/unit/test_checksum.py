@@ -72,6 +72,8 @@ def test_a_value_in_parts_hashes_as_its_bytes_in_order(impl):
     values, parts = 5, 4
     sizes = rng.integers(0, 3000, (values, parts))
     sizes[0] = [64, 64, 1024, 4096]  # aligned parts too
+    sizes[1] = [18432, 8191, 8193, 12288]  # over the copy's 4 KiB step, a short last step
+    sizes[2, 1] = (1 << 20) + 13
     src = np.frombuffer(_data(int(sizes.sum()), seed=1), np.uint8)
     dst = np.zeros(src.size + 64, np.uint8)
     starts = np.concatenate(([0], np.cumsum(sizes.ravel())[:-1])).reshape(values, parts)

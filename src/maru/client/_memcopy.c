@@ -439,9 +439,9 @@ static PyObject *copy_many_hashed(PyObject *self, PyObject *args)
                 continue;
             }
             char *to = (char *)(intptr_t)d[b];
-            for (size_t off = 0; off < size; off += HASH_BLOCK_BYTES) {
+            for (size_t off = 0, step; off < size; off += step) {
                 /* (a last piece under a block joins the one before: every piece streams) */
-                size_t step = size - off < 2 * HASH_BLOCK_BYTES ? size - off : HASH_BLOCK_BYTES;
+                step = size - off < 2 * HASH_BLOCK_BYTES ? size - off : HASH_BLOCK_BYTES;
 #if HAVE_STREAMING
                 if (streaming)
                     copy_streaming(to + off, (const char *)from + off, step);

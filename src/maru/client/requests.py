@@ -149,6 +149,8 @@ class Sealing:
         else hashed now over the values as stored (after the caller's copy)."""
         if given is not None:
             given = np.asarray(given, np.int64)
+            if len(given) != self._n:
+                raise ValueError(f"seal: {len(given)} checksums for {self._n} keys")
             return given if self._positions is None else given[self._positions]
         if isinstance(handles, AllocHandle):
             return checksums(handles.views(sizes))
