@@ -91,6 +91,27 @@ def test_a_value_in_parts_hashes_as_its_bytes_in_order(impl):
     assert alone.tolist() == got.tolist()
 
 
+@pytest.mark.parametrize("shift", [0, 8, 64 + 16], ids=["aligned", "8", "80"])
+def test_one_pass_and_block_copies_agree(impl, shift):
+    """copy_many_hashed copies a part in one pass (each stripe loaded once, streamed out and
+    hashed from the same registers) when its destination is 64-byte aligned and the value is
+    at a stripe boundary, else block by block: both give the reference's checksums and the
+    bytes. Parts of 64-byte multiples keep later parts on the one-pass path; a 100-byte part
+    moves the value off the stripe boundary for the parts after it."""
+    sizes = np.array([[4096, 18432, 100, 65536, 70001], [1 << 20, 64, 4160, 13, 8192]])
+    total = int(sizes.sum())
+    src = np.frombuffer(_data(total, seed=4), np.uint8)
+    raw = np.zeros(total + 256, np.uint8)
+    base = raw.ctypes.data + (-raw.ctypes.data) % 64 + shift  # 64-byte aligned, then shifted
+    starts = np.concatenate(([0], np.cumsum(sizes.ravel())[:-1])).reshape(sizes.shape)
+    got = memcopy.copy_many_hashed(starts + base, starts + src.ctypes.data, sizes)
+    first = base - raw.ctypes.data
+    assert bytes(raw[first : first + total]) == bytes(src)
+    assert not raw[:first].any() and not raw[first + total :].any()
+    for i, (start, size) in enumerate(zip(starts[:, 0], sizes.sum(1))):
+        assert int(got[i]) == checksum.hash64(bytes(src[start : start + size])), i
+
+
 def test_the_fallbacks_compute_the_same_value(monkeypatch):
     """Without the C extension: the same checksums (copies by ctypes, hashes in numpy)."""
     data = [_data(n, seed=n) for n in (0, 100, 5000, 70000)]

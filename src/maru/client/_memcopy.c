@@ -16,10 +16,12 @@
  * after them.
  *
  * Checksums (`maru_checksums`): `copy_many_hashed` copies like `copy_many` and hashes each
- * value on the way, a cache-sized block at a time: the block just copied is still in this
- * core's cache, so the hash costs no second trip to memory (hashing after the copy, as before,
- * read every page from memory again: 18-41% of the data path's throughput). The hash, maru64,
- * is below; its reference in Python is maru.client.checksum.hash64 (a test checks they agree).
+ * value on the way, so the hash costs no second trip to memory (hashing after the copy, as
+ * before, read every page from memory again: 18-41% of the data path's throughput). Where the
+ * destination is 64-byte aligned (pool chunks and host pages are) each 64-byte stripe is
+ * loaded once, streamed out and hashed from the same registers; elsewhere a 4 KiB block is
+ * copied, then hashed while it is still in L1. The hash, maru64, is below; its reference in
+ * Python is maru.client.checksum.hash64 (a test checks they agree).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -162,11 +164,19 @@ static unsigned m64_stripes_scalar(uint64_t *acc, const uint8_t *p, size_t n, un
 #if HAVE_X86_DISPATCH
 /* The SIMD loops: a whole block (16 stripes, pos 0) at a time where they can, its terms
  * summed in two registers (a block's terms are a plain sum mod 2^64: any grouping gives the
- * same value) so that the adds do not wait on each other; stripe by stripe otherwise. */
+ * same value) so that the adds do not wait on each other; stripe by stripe otherwise.
+ *
+ * `m64_copy_*` is the same loop that also writes each stripe, from the registers it was
+ * loaded into, to `to` (64-byte aligned) with streaming stores: the copy and the hash in one
+ * pass, each byte loaded once (`copy_many_hashed`). One body serves both (`to`: NULL or
+ * not; the compiler makes a loop of each). */
 __attribute__((target("avx2"))) static inline __m256i m64_term_avx2(const uint8_t *p,
-                                                                     const uint64_t *key)
+                                                                     const uint64_t *key,
+                                                                     char *to)
 {
     __m256i w = _mm256_loadu_si256((const __m256i *)p);
+    if (to != NULL)
+        _mm256_stream_si256((__m256i *)to, w);
     __m256i x = _mm256_xor_si256(w, _mm256_load_si256((const __m256i *)key));
     return _mm256_add_epi64(w, _mm256_mul_epu32(x, _mm256_srli_epi64(x, 32)));
 }
@@ -176,8 +186,11 @@ __attribute__((target("avx2"))) static inline __m256i m64_rotl_avx2(__m256i a)
     return _mm256_or_si256(_mm256_slli_epi64(a, M64_ROT), _mm256_srli_epi64(a, 64 - M64_ROT));
 }
 
-__attribute__((target("avx2"))) static unsigned
-m64_stripes_avx2(uint64_t *acc, const uint8_t *p, size_t n, unsigned pos)
+/* `to + i` where `to` may be NULL (stays NULL: nothing is written). */
+static inline char *m64_dst(char *to, size_t i) { return to != NULL ? to + i : NULL; }
+
+__attribute__((target("avx2"))) static inline unsigned
+m64_run_avx2(uint64_t *acc, const uint8_t *p, size_t n, unsigned pos, char *to)
 {
     __m256i a0 = _mm256_loadu_si256((const __m256i *)acc);
     __m256i a1 = _mm256_loadu_si256((const __m256i *)(acc + 4));
@@ -187,18 +200,23 @@ m64_stripes_avx2(uint64_t *acc, const uint8_t *p, size_t n, unsigned pos)
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC unroll 2
 #endif
-        for (int j = 0; j < M64_BLOCK_STRIPES; j += 2, p += 2 * M64_STRIPE) {
-            b0 = _mm256_add_epi64(b0, m64_term_avx2(p, m64_key[j]));
-            b1 = _mm256_add_epi64(b1, m64_term_avx2(p + 32, m64_key[j] + 4));
-            c0 = _mm256_add_epi64(c0, m64_term_avx2(p + 64, m64_key[j + 1]));
-            c1 = _mm256_add_epi64(c1, m64_term_avx2(p + 96, m64_key[j + 1] + 4));
+        for (int j = 0; j < M64_BLOCK_STRIPES; j += 2) {
+            b0 = _mm256_add_epi64(b0, m64_term_avx2(p, m64_key[j], m64_dst(to, 0)));
+            b1 = _mm256_add_epi64(b1, m64_term_avx2(p + 32, m64_key[j] + 4, m64_dst(to, 32)));
+            c0 = _mm256_add_epi64(c0, m64_term_avx2(p + 64, m64_key[j + 1], m64_dst(to, 64)));
+            c1 = _mm256_add_epi64(c1,
+                                  m64_term_avx2(p + 96, m64_key[j + 1] + 4, m64_dst(to, 96)));
+            p += 2 * M64_STRIPE;
+            to = m64_dst(to, 2 * M64_STRIPE);
         }
         a0 = m64_rotl_avx2(_mm256_add_epi64(a0, _mm256_add_epi64(b0, c0)));
         a1 = m64_rotl_avx2(_mm256_add_epi64(a1, _mm256_add_epi64(b1, c1)));
     }
-    for (size_t s = 0; s < n; s++, p += M64_STRIPE) {
-        a0 = _mm256_add_epi64(a0, m64_term_avx2(p, m64_key[pos]));
-        a1 = _mm256_add_epi64(a1, m64_term_avx2(p + 32, m64_key[pos] + 4));
+    for (size_t s = 0; s < n; s++) {
+        a0 = _mm256_add_epi64(a0, m64_term_avx2(p, m64_key[pos], m64_dst(to, 0)));
+        a1 = _mm256_add_epi64(a1, m64_term_avx2(p + 32, m64_key[pos] + 4, m64_dst(to, 32)));
+        p += M64_STRIPE;
+        to = m64_dst(to, M64_STRIPE);
         if (++pos == M64_BLOCK_STRIPES) {
             a0 = m64_rotl_avx2(a0);
             a1 = m64_rotl_avx2(a1);
@@ -210,28 +228,47 @@ m64_stripes_avx2(uint64_t *acc, const uint8_t *p, size_t n, unsigned pos)
     return pos;
 }
 
+__attribute__((target("avx2"))) static unsigned
+m64_stripes_avx2(uint64_t *acc, const uint8_t *p, size_t n, unsigned pos)
+{
+    return m64_run_avx2(acc, p, n, pos, NULL);
+}
+
+__attribute__((target("avx2"))) static unsigned
+m64_copy_avx2(uint64_t *acc, char *to, const uint8_t *p, size_t n, unsigned pos)
+{
+    return m64_run_avx2(acc, p, n, pos, to);
+}
+
 __attribute__((target("avx512f"))) static inline __m512i m64_term_avx512(const uint8_t *p,
-                                                                          const uint64_t *key)
+                                                                          const uint64_t *key,
+                                                                          char *to)
 {
     __m512i w = _mm512_loadu_si512((const void *)p);
+    if (to != NULL)
+        _mm512_stream_si512((void *)to, w);
     __m512i x = _mm512_xor_si512(w, _mm512_load_si512((const void *)key));
     return _mm512_add_epi64(w, _mm512_mul_epu32(x, _mm512_srli_epi64(x, 32)));
 }
 
-__attribute__((target("avx512f"))) static unsigned
-m64_stripes_avx512(uint64_t *acc, const uint8_t *p, size_t n, unsigned pos)
+__attribute__((target("avx512f"))) static inline unsigned
+m64_run_avx512(uint64_t *acc, const uint8_t *p, size_t n, unsigned pos, char *to)
 {
     __m512i a = _mm512_loadu_si512((const void *)acc);
     for (; pos == 0 && n >= M64_BLOCK_STRIPES; n -= M64_BLOCK_STRIPES) {
         __m512i b = _mm512_setzero_si512(), c = b;
-        for (int j = 0; j < M64_BLOCK_STRIPES; j += 2, p += 2 * M64_STRIPE) {
-            b = _mm512_add_epi64(b, m64_term_avx512(p, m64_key[j]));
-            c = _mm512_add_epi64(c, m64_term_avx512(p + 64, m64_key[j + 1]));
+        for (int j = 0; j < M64_BLOCK_STRIPES; j += 2) {
+            b = _mm512_add_epi64(b, m64_term_avx512(p, m64_key[j], m64_dst(to, 0)));
+            c = _mm512_add_epi64(c, m64_term_avx512(p + 64, m64_key[j + 1], m64_dst(to, 64)));
+            p += 2 * M64_STRIPE;
+            to = m64_dst(to, 2 * M64_STRIPE);
         }
         a = _mm512_rol_epi64(_mm512_add_epi64(a, _mm512_add_epi64(b, c)), M64_ROT);
     }
-    for (size_t s = 0; s < n; s++, p += M64_STRIPE) {
-        a = _mm512_add_epi64(a, m64_term_avx512(p, m64_key[pos]));
+    for (size_t s = 0; s < n; s++) {
+        a = _mm512_add_epi64(a, m64_term_avx512(p, m64_key[pos], m64_dst(to, 0)));
+        p += M64_STRIPE;
+        to = m64_dst(to, M64_STRIPE);
         if (++pos == M64_BLOCK_STRIPES) {
             a = _mm512_rol_epi64(a, M64_ROT);
             pos = 0;
@@ -240,7 +277,25 @@ m64_stripes_avx512(uint64_t *acc, const uint8_t *p, size_t n, unsigned pos)
     _mm512_storeu_si512((void *)acc, a);
     return pos;
 }
+
+__attribute__((target("avx512f"))) static unsigned
+m64_stripes_avx512(uint64_t *acc, const uint8_t *p, size_t n, unsigned pos)
+{
+    return m64_run_avx512(acc, p, n, pos, NULL);
+}
+
+__attribute__((target("avx512f"))) static unsigned
+m64_copy_avx512(uint64_t *acc, char *to, const uint8_t *p, size_t n, unsigned pos)
+{
+    return m64_run_avx512(acc, p, n, pos, to);
+}
 #endif
+
+/* Copy `n` stripes to `to` (64-byte aligned; streaming stores) and hash them: NULL where the
+ * loop in use has no such form (scalar), and the copy and the hash go block by block. */
+typedef unsigned (*m64_copy_fn)(uint64_t *acc, char *to, const uint8_t *p, size_t n,
+                                unsigned pos);
+static m64_copy_fn m64_copy = NULL;
 
 static m64_stripes_fn m64_stripes = m64_stripes_scalar;
 static const char *m64_impl = "scalar";
@@ -306,14 +361,17 @@ static int64_t m64_finish(m64_state *st)
 static void m64_pick_impl(void)
 {
     m64_stripes = m64_stripes_scalar;
+    m64_copy = NULL;
     m64_impl = "scalar";
 #if HAVE_X86_DISPATCH
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) {
         m64_stripes = m64_stripes_avx512;
+        m64_copy = m64_copy_avx512;
         m64_impl = "avx512";
     } else if (__builtin_cpu_supports("avx2")) {
         m64_stripes = m64_stripes_avx2;
+        m64_copy = m64_copy_avx2;
         m64_impl = "avx2";
     }
 #endif
@@ -379,7 +437,7 @@ static PyObject *copy_many(PyObject *self, PyObject *args)
 }
 
 
-/* Bytes of a buffer copied, then hashed, at a time: they are still in L1 for the hash. Measured
+/* Where the one-pass loop cannot run: bytes copied, then hashed, at a time (still in L1). Measured
  * (1 MiB pages, streaming): 4 KiB costs 0-6% over a plain copy, 8 KiB 10-20%, 32 KiB 25-30%;
  * and 4 KiB is the least that still streams (STREAMING_MIN_BYTES). */
 #define HASH_BLOCK_BYTES 4096
@@ -439,7 +497,19 @@ static PyObject *copy_many_hashed(PyObject *self, PyObject *args)
                 continue;
             }
             char *to = (char *)(intptr_t)d[b];
-            for (size_t off = 0, step; off < size; off += step) {
+            size_t off = 0, step;
+#if HAVE_STREAMING
+            /* One pass where it can: whole stripes loaded once, streamed out and hashed from
+             * the same registers; the last partial stripe (and anything else) below. */
+            if (streaming && m64_copy != NULL && st.held == 0 && ((uintptr_t)to & 63) == 0 &&
+                size >= STREAMING_MIN_BYTES &&
+                !(to < (const char *)from + size && (const char *)from < to + size)) {
+                off = size & ~(size_t)(M64_STRIPE - 1);
+                st.pos = m64_copy(st.acc, to, from, off / M64_STRIPE, st.pos);
+                st.len += off;
+            }
+#endif
+            for (; off < size; off += step) {
                 /* (a last piece under a block joins the one before: every piece streams) */
                 step = size - off < 2 * HASH_BLOCK_BYTES ? size - off : HASH_BLOCK_BYTES;
 #if HAVE_STREAMING
@@ -477,14 +547,17 @@ static PyObject *hash_impl(PyObject *self, PyObject *args)
     int ok = 1;
     if (strcmp(name, "scalar") == 0) {
         m64_stripes = m64_stripes_scalar;
+        m64_copy = NULL;
         m64_impl = "scalar";
     }
 #if HAVE_X86_DISPATCH
     else if (strcmp(name, "avx2") == 0 && __builtin_cpu_supports("avx2")) {
         m64_stripes = m64_stripes_avx2;
+        m64_copy = m64_copy_avx2;
         m64_impl = "avx2";
     } else if (strcmp(name, "avx512") == 0 && __builtin_cpu_supports("avx512f")) {
         m64_stripes = m64_stripes_avx512;
+        m64_copy = m64_copy_avx512;
         m64_impl = "avx512";
     }
 #endif
