@@ -44,21 +44,13 @@
 #define STREAMING_MIN_BYTES 4096
 
 #if HAVE_STREAMING
-/* memmove for non-overlapping ranges: non-temporal stores in 64-byte steps from the first
- * 16-byte aligned destination address, memcpy for the edges before and after. */
-static void copy_streaming(char *d, const char *s, size_t n)
+/* The streaming body: `n` (a multiple of 64) bytes to `d`. SSE2 (16-byte stores, `d` 16-byte
+ * aligned) everywhere x86-64 runs; AVX-512 (64-byte stores, `d` 64-byte aligned) where the
+ * CPU has it (picked once): measured 5-25% faster than SSE2 on this VM's EPYC, most into a
+ * /dev/shm mapping. */
+static void stream_sse2(char *d, const char *s, size_t n)
 {
-    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
-    if (n < STREAMING_MIN_BYTES || (d < s + n && s < d + n)) {
-        memmove(d, s, n);
-        return;
-    }
-    memcpy(d, s, head);
-    d += head;
-    s += head;
-    n -= head;
-    size_t body = n & ~(size_t)63;
-    for (size_t i = 0; i < body; i += 64) {
+    for (size_t i = 0; i < n; i += 64) {
         __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
         __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
         __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
@@ -68,10 +60,41 @@ static void copy_streaming(char *d, const char *s, size_t n)
         _mm_stream_si128((__m128i *)(d + i + 32), c);
         _mm_stream_si128((__m128i *)(d + i + 48), e);
     }
-    memcpy(d + body, s + body, n - body);
+}
+
+#if HAVE_X86_DISPATCH
+__attribute__((target("avx512f"))) static void stream_avx512(char *d, const char *s, size_t n)
+{
+    for (size_t i = 0; i < n; i += 64)
+        _mm512_stream_si512((void *)(d + i), _mm512_loadu_si512((const void *)(s + i)));
 }
 #endif
 
+static void (*stream_wide)(char *d, const char *s, size_t n) = stream_sse2;
+static size_t stream_wide_align = 16;
+
+/* memmove for non-overlapping ranges: non-temporal stores in 64-byte steps from the first
+ * aligned destination address, memcpy for the edges before and after. `wide`: the widest
+ * stores the CPU has (`copy_many`); else SSE2's, which `copy_many_hashed`'s 4 KiB blocks run
+ * faster with (measured: 12% over a plain copy against 16-25% with AVX-512 stores, for a
+ * destination off the 64-byte grid; the one-pass loop covers the aligned case). */
+static void copy_streaming(char *d, const char *s, size_t n, int wide)
+{
+    if (n < STREAMING_MIN_BYTES || (d < s + n && s < d + n)) {
+        memmove(d, s, n);
+        return;
+    }
+    size_t align = wide ? stream_wide_align : 16;
+    size_t head = (align - ((uintptr_t)d & (align - 1))) & (align - 1);
+    memcpy(d, s, head);
+    d += head;
+    s += head;
+    n -= head;
+    size_t body = n & ~(size_t)63;
+    (wide ? stream_wide : stream_sse2)(d, s, body);
+    memcpy(d + body, s + body, n - body);
+}
+#endif
 
 /* ---- maru64: the page checksum ------------------------------------------------------------
  *
@@ -422,7 +445,7 @@ static PyObject *copy_many(PyObject *self, PyObject *args)
 #if HAVE_STREAMING
     if (streaming) {
         for (Py_ssize_t i = 0; i < n; i++)
-            copy_streaming((char *)(intptr_t)d[i], (const char *)(intptr_t)s[i], (size_t)size);
+            copy_streaming((char *)(intptr_t)d[i], (const char *)(intptr_t)s[i], (size_t)size, 1);
         _mm_sfence();
     } else
 #endif
@@ -514,7 +537,7 @@ static PyObject *copy_many_hashed(PyObject *self, PyObject *args)
                 step = size - off < 2 * HASH_BLOCK_BYTES ? size - off : HASH_BLOCK_BYTES;
 #if HAVE_STREAMING
                 if (streaming)
-                    copy_streaming(to + off, (const char *)from + off, step);
+                    copy_streaming(to + off, (const char *)from + off, step, 0);
                 else
 #endif
                     memmove(to + off, from + off, step);
@@ -594,6 +617,12 @@ PyMODINIT_FUNC PyInit__memcopy(void)
 {
     m64_make_keys();
     m64_pick_impl();
+#if HAVE_STREAMING && HAVE_X86_DISPATCH
+    if (__builtin_cpu_supports("avx512f")) {
+        stream_wide = stream_avx512;
+        stream_wide_align = 64;
+    }
+#endif
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddIntConstant(m, "STREAMING", HAVE_STREAMING) < 0) {
         Py_DECREF(m);
