@@ -18,8 +18,8 @@ figure saw the same machine state:
   (the limit of a repetition is the faster of the two), Maru's own copy loop alone
   (`copy_many` with its default non-temporal stores, into the /dev/shm mapping: the floor
   under Maru, whose copies can beat a plain memcpy), Maru with `maru_checksums` on (another
-  MaruStorage of the same process: the writer hashes every page after its copy, the reader
-  after its; issue 13, P8: its cost is the ratio to plain Maru in the same repetition), and
+  MaruStorage of the same process: writer and reader hash every page as they copy it, maru64
+  in the copy loop; issue 13, P8: its cost is the ratio to plain Maru in the same repetition), and
   SGLang's
   built-in file backend (`HiCacheFile`) on a /dev/shm directory driven the way the
   controller drives it without `interface_v1` (`get_data_page` + `batch_set`; `batch_get`
@@ -1572,8 +1572,8 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
     lines.append("faster of memcpy and shm.")
     lines.append("1-page: latency of one call moving one page (file: batch_set/get of one page).")
     lines.append("")
-    lines.append("Checksums (maru_checksums: xxh3_64 of every page, by the writer after its copy,")
-    lines.append("by the reader after its): checked / plain Maru, median of per-repetition ratios")
+    lines.append("Checksums (maru_checksums: maru64 of every page, hashed in the copy loop by the")
+    lines.append("writer and the reader): checked / plain Maru, median of per-repetition ratios")
     lines.append("| case | op | checked / maru | cost | 1-page med us: maru, checked |")
     lines.append("|---|---|---:|---:|---:|")
     by = {(r["case"], r["op"], r["backend"]): r for r in rows}

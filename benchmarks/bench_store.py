@@ -18,6 +18,15 @@ For each value size (64 KiB, 1 MiB, 4 MiB) it moves the same bytes four ways, in
 
 Then it times batch lookups of 128 keys (`batch_retrieve` without touching the bytes) and
 reports microseconds per key. Figures are medians over repetitions.
+
+Read validation (issue 13, P4): the check every guarded read makes, measured apart. A read as
+`MaruStorage.batch_get_v1` does it (a leased lookup, one C copy of every value into a private
+buffer, then `release(confirm=True)`: one more round trip that tells whether the lease held
+for the whole copy, so that pages reused meanwhile are never taken for hits), against the same
+read with the confirmation bypassed (the release sent without waiting: in this benchmark
+only), alternating, for batches of 1 and 128 values. The pool generation and region tokens
+are checked when a region is mapped and at each handshake, not per read: nothing to measure
+per batch. Checksums (`maru_checksums`) are measured in bench_hicache.py.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from maru import MaruHandler
+from maru.client.memcopy import copy_many
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from sglang_cpu.p2p import maru_server
@@ -128,6 +138,33 @@ def bench_lookup(writer, reader, batch: int, rounds: int) -> dict:
     return out
 
 
+def bench_validation(writer, reader, size: int, batch: int, rounds: int) -> dict:
+    """Median microseconds of a guarded read of `batch` values of `size` bytes, with the
+    lease confirmed after the copy (as MaruStorage reads) and with it bypassed."""
+    keys = [f"bench/validate/{size}/{batch}/{i}" for i in range(batch)]
+    assert all(writer.batch_store(keys, [bytes([i % 251]) * size for i in range(batch)]))
+    dst = np.ones(batch * size, np.uint8)  # warm
+    targets = dst.ctypes.data + np.arange(batch, dtype=np.int64) * size
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(rounds + 1):
+        for confirm in (True, False) if r % 2 else (False, True):  # alternate the order
+            t0 = time.perf_counter()
+            lookup = reader.lookup(keys, lease=True)
+            addresses, lengths = lookup.wait()
+            copy_many(targets, addresses, size)
+            held = lookup.release(confirm=confirm)
+            t = time.perf_counter() - t0
+            if not (held and (lengths == size).all()):
+                raise RuntimeError("a guarded read of stored keys missed")
+            if r:
+                times[confirm].append(t)
+    if dst[-1] != (batch - 1) % 251:
+        raise RuntimeError("read bytes differ")
+    writer.batch_delete(keys)
+    confirmed, bypassed = (statistics.median(times[c]) * 1e6 for c in (True, False))
+    return {"size": size, "batch": batch, "confirmed": confirmed, "bypassed": bypassed}
+
+
 def size_label(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
 
@@ -162,6 +199,11 @@ def main() -> int:
         ):
             rows = [bench_size(writer, reader, size, total, 16 * MiB, reps, "t") for size in SIZES]
             lookup = bench_lookup(writer, reader, 128, rounds)
+            checks = [  # (128 values of 1 MiB are more than --quick's pool: fewer there)
+                bench_validation(writer, reader, size, batch, rounds)
+                for size in (64 * KiB, 1 * MiB)
+                for batch in (1, min(128, total // 2 // size))
+            ]
         print()
         print(
             f"{'value size':>10} {'values':>7} {'batch':>6} {'memcpy GB/s':>12} "
@@ -180,6 +222,18 @@ def main() -> int:
             f"batch lookup of 128 keys (batch_retrieve, no copy), median of {rounds}: "
             f"{lookup['hit']:.2f} us/key (hits), {lookup['miss']:.2f} us/key (misses)"
         )
+        print()
+        print(f"read validation (leased lookup + copy + release), median of {rounds} each:")
+        print(
+            f"{'value size':>10} {'batch':>6} {'confirmed us':>13} {'bypassed us':>12} "
+            f"{'cost us':>8} {'cost':>6}"
+        )
+        for c in checks:
+            cost = c["confirmed"] - c["bypassed"]
+            print(
+                f"{size_label(c['size']):>10} {c['batch']:>6} {c['confirmed']:>13.1f} "
+                f"{c['bypassed']:>12.1f} {cost:>8.1f} {cost / c['bypassed']:>6.1%}"
+            )
 
     if args.server_url:
         run(args.server_url)

@@ -260,13 +260,16 @@ class MaruStorage(HiCacheStorage):
     def _write(self, batches: list[_Batch], pipelined: bool = False) -> None:
         """Copy every batch's pages into shared allocations and register them all with one
         RPC (`pipelined`, a single pool's large batch: in pieces, each sent while the next
-        is copied). Fills each batch's `results`."""
+        is copied). With `maru_checksums` each page is hashed as it is copied (no second read).
+        Fills each batch's `results`."""
         start = time.perf_counter()
         handler = self.handler
+        hashed = handler.config.checksums
         sealings = []  # (batch, first page, Sealing)
         keys: list[str] = []
         handles: list[Any] = []
         lengths: list[int] = []
+        sums: list[np.ndarray] = []
         owners: list[tuple[_Batch, int]] = []
         for batch in batches:
             pool, n, columns = batch.pool, len(batch.keys), batch.columns
@@ -279,24 +282,33 @@ class MaruStorage(HiCacheStorage):
                 for first in range(0, n, step):
                     last = min(n, first + step)
                     piece = run.slice(first, last)
-                    pool.copy_in(piece.address, piece.stride, columns, first, last)
-                    sealing = handler.seal(ns_keys[first:last], piece, pool.page_bytes)
+                    piece_sums = pool.copy_in(
+                        piece.address, piece.stride, columns, first, last, hashed
+                    )
+                    sealing = handler.seal(
+                        ns_keys[first:last], piece, pool.page_bytes, checksums=piece_sums
+                    )
                     sealings.append((batch, first, sealing))
                 continue
             if run is not None:
-                pool.copy_in(run.address, run.stride, columns, 0, n)
+                sums.append(pool.copy_in(run.address, run.stride, columns, 0, n, hashed))
                 page_handles = run.split()
             else:  # no free run: page by page (each may evict in our own regions)
                 page_handles = [handler.alloc(pool.page_bytes) for _ in range(n)]
+                page_sums = np.zeros(n, np.int64)
                 for i, handle in enumerate(page_handles):
                     if handle is not None:
-                        pool.copy_in(handle.address, pool.page_bytes, columns, i, i + 1)
+                        address, size = handle.address, pool.page_bytes
+                        got = pool.copy_in(address, size, columns, i, i + 1, hashed)
+                        page_sums[i] = got[0] if got is not None else 0
+                sums.append(page_sums)
             keys += ns_keys
             handles += page_handles
             lengths += [pool.page_bytes] * n
             owners += [(batch, i) for i in range(n)]
         if keys:
-            sealing = handler.seal(keys, handles, lengths)
+            checksums = np.concatenate(sums) if hashed else None
+            sealing = handler.seal(keys, handles, lengths, checksums=checksums)
             sealings.append((None, 0, sealing))
         for batch, first, sealing in sealings:
             results = sealing.wait()
@@ -315,6 +327,8 @@ class MaruStorage(HiCacheStorage):
         every page a miss (not proven). Fills each batch's `results`."""
         start = time.perf_counter()
         all_keys = [k for b in batches for k in b.pool.keys(b.keys)]
+        hashed = self.handler.config.checksums
+        sums = np.zeros(len(all_keys), np.int64)  # each hit's checksum as copied (0: none)
         lookup = self.handler.lookup(all_keys, lease=True, for_copy=True)  # sent now
         try:
             ready = [self._prepare(b, idx, "read") for b, idx in zip(batches, host_indices)]
@@ -337,7 +351,9 @@ class MaruStorage(HiCacheStorage):
                     sources = sources[hit]
                     columns = [ptrs[hit] for ptrs in columns]
                 if sources.size:
-                    self._copy_out(pool, sources, columns)
+                    copied = self._copy_out(pool, sources, columns, hashed)
+                    if copied is not None:
+                        sums[seg][hit] = copied
                 for i in np.flatnonzero((lengths[seg] != 0) & ~hit):  # another geometry
                     log.warning(
                         "pool %s: page %s has %d bytes, expected %d: treated as a miss",
@@ -346,7 +362,7 @@ class MaruStorage(HiCacheStorage):
                         lengths[seg][i],
                         pool.page_bytes,
                     )
-            corrupt = found.corrupt()  # after the copies: a page changed during one is caught
+            corrupt = found.corrupt(sums)  # after the copies, of the bytes the copies read
             if corrupt.any():
                 self._drop_corrupt(batches, corrupt)
             if not found.release(confirm=True):  # the lease ended mid-copy: not proven
@@ -355,8 +371,10 @@ class MaruStorage(HiCacheStorage):
                     batch.results = [False] * len(batch.keys)
         self._account_read(batches, time.perf_counter() - start)
 
-    def _copy_out(self, pool: PoolIO, addresses: np.ndarray, columns: list[np.ndarray]) -> None:
-        pool.copy_out(addresses, columns)
+    def _copy_out(
+        self, pool: PoolIO, addresses: np.ndarray, columns: list[np.ndarray], hashed: bool
+    ) -> np.ndarray | None:
+        return pool.copy_out(addresses, columns, hashed)
 
     def _drop_corrupt(self, batches: list[_Batch], corrupt: np.ndarray) -> None:
         """Pages that failed their checksum are misses (counted per pool)."""

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-from maru.client.memcopy import copy_many
+from maru.client.memcopy import copy_many, copy_many_hashed
 
 log = logging.getLogger(__name__)
 
@@ -230,30 +230,60 @@ class PoolIO:
         return [np.array(ptrs[j::parts], dtype=np.int64) for j in range(parts)]
 
     def copy_in(
-        self, dst: int, stride: int, columns: list[np.ndarray], first: int, last: int
-    ) -> None:
+        self,
+        dst: int,
+        stride: int,
+        columns: list[np.ndarray],
+        first: int,
+        last: int,
+        hashed: bool = False,
+    ) -> np.ndarray | None:
         """Copy pages [first, last) of a batch from the host pool to `dst`, `stride` apart,
-        each page's parts back to back."""
+        each page's parts back to back; `hashed`: also return each page's checksum, computed
+        as it is copied (`maru_checksums`)."""
         if self.whole_page:
+            hashes = np.zeros(last - first, np.int64)
             for i, index in enumerate(columns[0][first:last].tolist()):
                 data = self.pool.get_data_page(index, flat=True).contiguous()
-                ctypes.memmove(dst + i * stride, data.data_ptr(), self.page_bytes)
-            return
+                hashes[i] = self._copy_page(dst + i * stride, data.data_ptr(), hashed)
+            return hashes if hashed else None
         starts = dst + np.arange(last - first, dtype=np.int64) * stride
+        if hashed:
+            offsets = np.cumsum([0, *self.part_sizes[:-1]], dtype=np.int64)
+            sources = np.stack([ptrs[first:last] for ptrs in columns], axis=1)
+            return copy_many_hashed(starts[:, None] + offsets, sources, self.part_sizes)
         offset = 0
         for ptrs, size in zip(columns, self.part_sizes):
             copy_many(starts + offset, ptrs[first:last], size)
             offset += size
+        return None
 
-    def copy_out(self, addresses: np.ndarray, columns: list[np.ndarray]) -> None:
-        """Copy pages from `addresses` (each page's parts back to back) into the host pool."""
+    def copy_out(
+        self, addresses: np.ndarray, columns: list[np.ndarray], hashed: bool = False
+    ) -> np.ndarray | None:
+        """Copy pages from `addresses` (each page's parts back to back) into the host pool;
+        `hashed`: also return each page's checksum, of the bytes as they were read."""
         if self.whole_page:
             page = self.pool.get_dummy_flat_data_page()
-            for address, index in zip(addresses.tolist(), columns[0].tolist()):
-                ctypes.memmove(page.data_ptr(), address, self.page_bytes)
+            hashes = np.zeros(len(addresses), np.int64)
+            for i, (address, index) in enumerate(zip(addresses.tolist(), columns[0].tolist())):
+                hashes[i] = self._copy_page(page.data_ptr(), address, hashed)
                 self.pool.set_from_flat_data_page(index, page)
-            return
+            return hashes if hashed else None
+        if hashed:
+            offsets = np.cumsum([0, *self.part_sizes[:-1]], dtype=np.int64)
+            targets = np.stack(columns, axis=1)
+            return copy_many_hashed(targets, addresses[:, None] + offsets, self.part_sizes)
         offset = 0
         for ptrs, size in zip(columns, self.part_sizes):
             copy_many(ptrs, addresses + offset, size)
             offset += size
+        return None
+
+    def _copy_page(self, dst: int, src: int, hashed: bool) -> int:
+        """One whole page (`page_bytes`), and its checksum when `hashed` (else 0)."""
+        if not hashed:
+            ctypes.memmove(dst, src, self.page_bytes)
+            return 0
+        one = np.array([[dst]], np.int64), np.array([[src]], np.int64)
+        return int(copy_many_hashed(*one, [self.page_bytes], streaming=False)[0])

@@ -1,7 +1,8 @@
 """Issue 13, P5 for clients on other hosts: `maru-server --curve` serves its TCP port with
 ZeroMQ CURVE (authenticated and encrypted). A client needs the server's public key: without
 it, or with another key, it cannot talk to the server and says why within its deadline; with
-it, everything works, also after a server restart (the keypair is kept in the state dir)."""
+it, everything works, also after a server restart (the keypair is kept in the state dir).
+With `--curve-clients` the server also needs the client's own public key in its allowlist."""
 
 from __future__ import annotations
 
@@ -20,10 +21,15 @@ from maru.common.errors import MaruConnectRefused
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE")
 
 
-def handler(url: str, key: str | None = None) -> MaruHandler:
+def handler(url: str, key: str | None = None, client_key: str | None = None) -> MaruHandler:
     # TCP only: a client on another host has no local socket to fall back on
     return MaruHandler(
-        server_url=url, pool_size="4M", timeout_ms=1000, local_socket=False, server_public_key=key
+        server_url=url,
+        pool_size="4M",
+        timeout_ms=1000,
+        local_socket=False,
+        server_public_key=key,
+        curve_client_key=client_key,
     )
 
 
@@ -106,3 +112,77 @@ def test_a_curve_client_on_another_host_never_uses_a_local_socket():
     plain.use_local_socket("@maru:x", 1000)
     assert plain.local_address == "@maru:x"
     plain.close()
+
+
+def test_with_curve_clients_only_listed_client_keys_talk_to_the_server(
+    maru_server_factory, tmp_path
+):
+    """`maru curve-keypair` makes a client's keypair; a server with `--curve-clients DIR`
+    talks to a client whose public key is in DIR (and that proves it with the secret key),
+    and refuses any other (a throwaway keypair, an unlisted one, a listed public key without
+    its secret) with a clear error within the deadline, logged by the server. A key added to
+    DIR counts from the next connection, without a restart."""
+    allowed, keys = tmp_path / "allowed", tmp_path / "keys"
+    allowed.mkdir()
+    keys.mkdir()
+    out = io.StringIO()
+    assert main(["curve-keypair", str(keys / "alice")], out=out) == 0
+    assert main(["curve-keypair", str(keys / "bob")], out=io.StringIO()) == 0
+    assert main(["curve-keypair", str(keys / "alice")], out=io.StringIO()) == 1  # kept
+    alice_public = (keys / "alice.pub").read_text().strip()
+    assert alice_public in out.getvalue()
+    assert stat.S_IMODE((keys / "alice.key").stat().st_mode) == 0o600
+    alice_secret = (keys / "alice.key").read_text().strip()
+    assert zmq.curve_public(alice_secret.encode()).decode() == alice_public
+    (allowed / "alice.pub").write_text(f"# alice's laptop\n\n{alice_public} since Monday\n")
+
+    server = maru_server_factory(
+        pool_size="64M", extra_args=["--curve", "--curve-clients", str(allowed)]
+    )
+    server_key = str(server.state_dir / "curve.pub")
+    alice = handler(server.url, server_key, str(keys / "alice.key"))  # the key's file
+    assert alice.connected
+    assert alice.batch_store(["a"], [b"x" * 5000]) == [True]
+    assert handler(server.url, server_key, alice_secret).exists("a")  # the key as text
+
+    bob_secret = (keys / "bob.key").read_text().strip()
+    refused = 0
+    for client_key in (None, bob_secret):  # a throwaway keypair; an unlisted one
+        h = handler(server.url, server_key, client_key)
+        assert not h.connected
+        assert isinstance(h.connect_error, MaruConnectRefused), h.connect_error
+        assert "does not list this client's CURVE key" in str(h.connect_error)
+        assert "--curve-clients" in str(h.connect_error)
+        refused += 1
+        h.close()
+    assert refused == 2
+    # the operator's CLI is a client too
+    cli = ["status", "--server", server.url, "--server-public-key", server_key]
+    assert main([*cli, "--timeout-ms", "1000"], out=io.StringIO()) == 1
+    assert main([*cli, "--curve-client-key", str(keys / "alice.key")], out=io.StringIO()) == 0
+    bob_public = (keys / "bob.pub").read_text().strip()
+    assert f"refused a CURVE client with key {bob_public}" in server.read_log()
+
+    (allowed / "bob.pub").write_text((keys / "bob.pub").read_text())  # added while it runs
+    bob = handler(server.url, server_key, str(keys / "bob.key"))
+    assert bob.connected and bob.exists("a")
+    # the allowlist survives a restart (it is the operator's directory, read at start)
+    server.restart()
+    assert alice.store("b", b"y" * 1000)
+    for h in (alice, bob):
+        h.close()
+
+
+def test_curve_client_key_is_a_secret_key_or_its_file(tmp_path):
+    secret = zmq.curve_keypair()[1].decode()
+    assert MaruConfig(curve_client_key=secret).curve_client_key == secret
+    path = tmp_path / "me.key"
+    path.write_text(secret + "\n")
+    assert MaruConfig(curve_client_key=str(path)).curve_client_key == secret
+    path.write_text("short\n")
+    with pytest.raises(ConfigError, match=r"curve_client_key: a CURVE secret key is 40 Z85"):
+        MaruConfig(curve_client_key=str(path))
+    with pytest.raises(ConfigError, match="neither a 40-character CURVE key nor a readable"):
+        MaruConfig(curve_client_key="x" * 39)
+    with pytest.raises(ConfigError, match="maru_curve_client_key"):
+        MaruConfig.from_mapping({"maru_curve_client_key": ""}, prefix="maru_")

@@ -53,6 +53,9 @@ def shm_pool() -> str:
         (["--pool-group", "no-such-group-here"], "--pool-group: no group named"),
         (["--ready-file", "/nonexistent/dir/ready"], "--ready-file: directory /nonexistent/dir"),
         (["--local-socket", "/nonexistent/dir/s.sock"], "--local-socket: directory /nonexistent"),
+        (["--curve-clients", "/tmp"], "--curve-clients needs --curve"),
+        (["--curve", "--curve-clients", "/nonexistent/keys"], "--curve-clients: [Errno 2]"),
+        (["--curve", "--curve-clients", "/dev/null"], "--curve-clients: no client key in"),
     ],
 )
 def test_every_bad_flag_is_one_line_and_exit_2(args, message, capsys, tmp_path):

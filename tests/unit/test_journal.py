@@ -11,7 +11,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from maru.common.protocol import RegisterStatus
+from maru.common.protocol import CHECKSUMS, RegisterStatus
 from maru.server import cli, persistence
 from maru.server.journal import FRAME, SNAPSHOT_NAME, Journal, _frame, read_records
 from maru.server.pool import ShmPool
@@ -455,8 +455,10 @@ def test_pins_survive_a_restart_until_their_holder_is_reaped(env, snapshot_first
 @pytest.mark.parametrize("snapshot_first", [False, True])
 def test_checksums_survive_a_restart_and_keys_without_one_read_as_before(env, snapshot_first):
     """Issue 13, P8: a key's checksum (`maru_checksums`) is kept by the journal ("K" record's
-    sixth column) and the snapshot (a fifth column on the rows that have one); records and
-    rows of before, without it, still restore (checksum 0: none)."""
+    sixth column, tagged with the hash's name) and the snapshot (a fifth column on the rows
+    that have one, the hash named once); records and rows of before, without one, still
+    restore (checksum 0: none), and so do checksums of before, of another hash (xxh3: a "K"
+    record's untagged sixth column, a snapshot that names no hash): as none, never trusted."""
     reg = env.open()
     reg.instances.handshake("A", 1)
     rid = reg.request_region("A", 2 * MiB).region_id
@@ -470,8 +472,8 @@ def test_checksums_survive_a_restart_and_keys_without_one_read_as_before(env, sn
     assert statuses == [new, old, old]  # "d" twice in the batch: the first one wins
     register(reg, "A", [["plain", rid, 24576, 50]])
     records, _ = read_records(env.journal_path().read_bytes())
-    assert records[-3] == ["K", keys, [rid] * 3, [0, 4096, 8192], [100] * 3, sums]
-    assert records[-2] == ["K", ["d"], [rid], [12288], [5], [7]]
+    assert records[-3] == ["K", keys, [rid] * 3, [0, 4096, 8192], [100] * 3, sums, CHECKSUMS]
+    assert records[-2] == ["K", ["d"], [rid], [12288], [5], [7], CHECKSUMS]
     assert records[-1] == ["K", ["plain"], [rid], [24576], [50]]  # the form of before
     want = {"c0": sums[0], "c1": sums[1], b"c2": sums[2], "d": 7, "plain": 0}
     assert {k: reg.keys[k].checksum for k in want} == want
@@ -491,3 +493,11 @@ def test_checksums_survive_a_restart_and_keys_without_one_read_as_before(env, sn
     snap["keys"] = [row[:4] if row[0] == "c1" else row for row in snap["keys"]]
     persistence.restore(reg2, snap, [])
     assert {k: reg2.keys[k].checksum for k in want} == {**want, "c1": 0}
+    # Checksums of before this hash (xxh3): a snapshot naming no hash, untagged "K" records.
+    old = Registry(ShmPool(env.pool_path, env.pool_mib * MiB), SIGNER)
+    untagged = {**snap, "keys": [*snap["keys"]]}
+    del untagged["checksums"]
+    rid2 = snap["regions"][0][0]
+    record = ["K", ["x"], [rid2], [28672], [9], [4242]]  # (a journal's sixth column of before)
+    persistence.restore(old, untagged, [record])
+    assert {k: old.keys[k].checksum for k in [*want, "x"]} == dict.fromkeys([*want, "x"], 0)

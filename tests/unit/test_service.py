@@ -209,3 +209,19 @@ def test_every_message_replies_with_exactly_its_schema_fields(service):
     assert call(service, MsgType.PIN, {"iid": "A", "keys": ["k"]})["code"] == (
         ErrorCode.UNKNOWN_INSTANCE
     )
+
+
+def test_checksums_of_another_hash_are_not_taken(service):
+    """The checksum column is named after its hash (`protocol.CHECKSUMS`, maru64): a writer
+    from before (xxh3_64 sent as "checksums") stores its keys without one, and LOOKUP_KV
+    replies carry the maru64 column only, so neither side compares one hash with the other."""
+    ok(service, MsgType.HANDSHAKE, {"iid": "A", "pid": 1})
+    rid = ok(service, MsgType.REQUEST_REGION, {"iid": "A", "size": MiB})["region"][0]
+    sums = protocol.pack_int64([1234, 5678])
+    old = {**register_body("A", [["old", rid, 0, 5]]), "checksums": sums[:8]}
+    new = {**register_body("A", [["new", rid, 4096, 5]]), protocol.CHECKSUMS: sums[8:]}
+    assert ok(service, MsgType.REGISTER_KV, old)["results"] == [0]
+    assert ok(service, MsgType.REGISTER_KV, new)["results"] == [0]
+    reply = ok(service, MsgType.LOOKUP_KV, {"keys": ["old", "new"]})
+    assert "checksums" not in reply
+    assert memoryview(reply[protocol.CHECKSUMS]).cast("q").tolist() == [0, 5678]

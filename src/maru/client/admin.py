@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from maru.client.rpc import RpcClient
-from maru.common.config import parse_server_public_key, parse_server_url
+from maru.common.config import parse_curve_key, parse_server_url
 from maru.common.protocol import MAX_LIST_KEYS, MsgType
 
 DEFAULT_SERVER_URL = "tcp://localhost:5555"
 SERVER_URL_ENV = "MARU_SERVER_URL"
 SERVER_KEY_ENV = "MARU_SERVER_PUBLIC_KEY"
+CLIENT_KEY_ENV = "MARU_CURVE_CLIENT_KEY"
 
 Key = str | bytes
 
@@ -33,6 +34,10 @@ def _setting(value: str | None, flag: str, env: str, parse: Callable[..., str]) 
     return None
 
 
+def _secret_key(value: str, name: str) -> str:
+    return parse_curve_key(value, name=name, kind="secret key")
+
+
 @dataclass(frozen=True)
 class KeyInfo:
     key: Key
@@ -42,15 +47,28 @@ class KeyInfo:
 
 class MaruAdmin:
     def __init__(
-        self, url: str | None = None, *, timeout_ms: int = 2000, public_key: str | None = None
+        self,
+        url: str | None = None,
+        *,
+        timeout_ms: int = 2000,
+        public_key: str | None = None,
+        client_key: str | None = None,
     ):
         """`url`: default $MARU_SERVER_URL, else tcp://localhost:5555 ("host:port" means
         tcp://). `public_key`: of a `maru-server --curve` (or its file; default
-        $MARU_SERVER_PUBLIC_KEY; none: plain TCP)."""
+        $MARU_SERVER_PUBLIC_KEY; none: plain TCP). `client_key`: our CURVE secret key (or its
+        file; default $MARU_CURVE_CLIENT_KEY), for a server with --curve-clients."""
         self.url = _setting(url, "--server", SERVER_URL_ENV, parse_server_url) or DEFAULT_SERVER_URL
-        key = _setting(public_key, "--server-public-key", SERVER_KEY_ENV, parse_server_public_key)
         self._rpc = RpcClient(
-            self.url, timeout_ms=timeout_ms, max_inflight=1, server_public_key=key
+            self.url,
+            timeout_ms=timeout_ms,
+            max_inflight=1,
+            server_public_key=_setting(
+                public_key, "--server-public-key", SERVER_KEY_ENV, parse_curve_key
+            ),
+            client_secret_key=_setting(
+                client_key, "--curve-client-key", CLIENT_KEY_ENV, _secret_key
+            ),
         )
 
     def stats(self) -> dict[str, Any]:

@@ -13,21 +13,8 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import numpy as np
-from xxhash import xxh3_64_intdigest
-
 from maru.client.mapping import MappedRegion
 from maru.common.extents import ExtentAllocator
-
-
-def checksums(views: Iterable[memoryview]) -> np.ndarray:
-    """The checksum of each value's bytes (`maru_checksums`): xxh3_64, hashed straight from
-    the shared mapping (no copy; one C call per value), as int64s (the wire's column type),
-    never 0 (0 stands for "stored without one"). xxh3 was measured fastest of the maintained
-    hashes that hash a memoryview (benchmarks/bench_checksum.py, docs/performance.md)."""
-    sums = np.fromiter(map(xxh3_64_intdigest, views), np.uint64).view(np.int64)
-    sums[sums == 0] = 1
-    return sums
 
 
 class AllocHandle:

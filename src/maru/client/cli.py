@@ -21,11 +21,19 @@ import sys
 import time
 from collections.abc import Callable, Collection, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any, TextIO
 
 from maru import __version__
-from maru.client.admin import DEFAULT_SERVER_URL, SERVER_KEY_ENV, SERVER_URL_ENV, MaruAdmin
+from maru.client.admin import (
+    CLIENT_KEY_ENV,
+    DEFAULT_SERVER_URL,
+    SERVER_KEY_ENV,
+    SERVER_URL_ENV,
+    MaruAdmin,
+)
 from maru.common.config import ConfigError, fmt_bytes, number_arg
+from maru.common.curve import write_keypair
 from maru.common.errors import MaruConnectionError, MaruError
 from maru.common.protocol import MAX_LIST_KEYS
 
@@ -310,13 +318,31 @@ def render_monitor(
 
 
 def _connect(args: argparse.Namespace) -> MaruAdmin:
-    return MaruAdmin(args.server, timeout_ms=args.timeout_ms, public_key=args.server_public_key)
+    return MaruAdmin(
+        args.server,
+        timeout_ms=args.timeout_ms,
+        public_key=args.server_public_key,
+        client_key=args.curve_client_key,
+    )
 
 
 def _json_default(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.decode("utf-8", "backslashreplace")
     raise TypeError(f"cannot serialise {type(value).__name__}")
+
+
+def cmd_curve_keypair(args: argparse.Namespace, out: TextIO) -> int:
+    """Make a client's CURVE keypair (no server needed)."""
+    try:
+        public, secret_path, public_path = write_keypair(Path(args.name))
+    except OSError as exc:
+        print(f"maru: curve-keypair: {exc}", file=sys.stderr)
+        return 1
+    print(f"public key {public}", file=out)
+    print(f"secret key in {secret_path} (0600): the client's curve_client_key", file=out)
+    print(f"public key in {public_path}: copy it into maru-server's --curve-clients", file=out)
+    return 0
 
 
 def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
@@ -466,6 +492,14 @@ def _common(p: argparse.ArgumentParser, *, top: bool) -> None:
         f"<state-dir>/curve.pub (default: ${SERVER_KEY_ENV}; none: plain TCP)",
     )
     p.add_argument(
+        "--curve-client-key",
+        metavar="KEY",
+        default=None if top else default,
+        help="this client's CURVE secret key (40 characters) or its file, NAME.key of `maru "
+        "curve-keypair NAME`, for a server with --curve-clients (default: "
+        f"${CLIENT_KEY_ENV}; none: a throwaway keypair)",
+    )
+    p.add_argument(
         "--timeout-ms",
         type=_positive_ms,
         metavar="MS",
@@ -524,6 +558,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prefix", required=True, help="delete the keys starting with this")
     sp = add("clear", "delete every key (pinned and leased keys stay)", cmd_clear)
     sp.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    sp = add(
+        "curve-keypair",
+        "make a client CURVE keypair: NAME.key (secret, 0600) and NAME.pub (for the server's "
+        "--curve-clients); needs no server",
+        cmd_curve_keypair,
+    )
+    sp.add_argument("name", metavar="NAME", help="path prefix of the two files")
     return p
 
 

@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
 from maru.client.chunks import AllocHandle, ChunkBook
 from maru.client.connecting import connect_failure, probe
 from maru.client.localindex import LocalIndexClient, offered_index
@@ -105,6 +107,7 @@ class MaruHandler:
             on_unknown_instance=self._on_unknown_instance,
             busy_poll_us=config.busy_poll_us,
             server_public_key=config.server_public_key,
+            client_secret_key=config.curve_client_key,
         )
         self._mapper = RegionMapper()
         self._chunks = ChunkBook(config.chunk_size_bytes)
@@ -296,16 +299,20 @@ class MaruHandler:
         keys: Sequence[Key],
         handles: AllocHandle | Sequence[AllocHandle | None],
         lengths: int | Sequence[int] | None = None,
+        *,
+        checksums: np.ndarray | None = None,
     ) -> Sealing:
         """Publish written values under `keys` with one REGISTER_KV, sent now; `.wait()` gives
         a bool per key. `handles`: one run holding every value (value i under `keys[i]`) or
         one handle per key (None: nothing reserved, that key fails); `lengths`: the values'
         byte lengths (one for all, or per key; default the size they were reserved for).
-        `.outcomes()` tells a key STORED now from one that EXISTED (first writer won)."""
+        `.outcomes()` tells a key STORED now from one that EXISTED (first writer won).
+        `checksums`: with `maru_checksums`, each value's maru64 made during the copy
+        (`maru.client.memcopy.copy_many_hashed`); without, they are hashed in the pool."""
         refuse_bad_stores(
             keys, (), self.refused_stores, self.instance_id
         )  # (said here; the server rejects them)
-        return Sealing(self, keys, handles, lengths)
+        return Sealing(self, keys, handles, lengths, checksums)
 
     def store(
         self,

@@ -241,13 +241,13 @@ class IndexLookup(Lookup):
                 log.debug("%d of %d keys changed during the copy: misses", stale.sum(), self.n)
         return stale
 
-    def corrupt(self) -> np.ndarray:
+    def corrupt(self, computed: np.ndarray | None = None) -> np.ndarray:
         """After the copy: per key, True where the hit is not proven: its entry changed (or
         its table was retired) since the probe, or, with `maru_checksums`, its bytes no
         longer match its writer's checksum. Take those keys as misses."""
         if not self._validated:
             self._validate()
-        return super().corrupt()
+        return super().corrupt(computed)
 
     def release(self, confirm: bool = False) -> bool:
         """Nothing is leased. With `confirm` (after the copy): True unless a hit not already

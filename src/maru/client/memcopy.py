@@ -9,6 +9,10 @@ By default the C loop writes parts of 4 KiB or more that do not overlap with non
 (streaming) stores on x86 and ends with a store fence: the bytes go to memory without first
 pulling every destination line into the cache (why: `_memcopy.c`). `streaming=False` is plain
 memmove (the benchmark's baseline).
+
+`copy_many_hashed` is the same copy that also returns each value's checksum (maru64,
+`maru.client.checksum`), hashed a few KiB at a time right after they were copied, from the
+source, while they are in cache (`maru_checksums` on the data path).
 """
 
 from __future__ import annotations
@@ -18,13 +22,17 @@ import logging
 
 import numpy as np
 
+from maru.client.checksum import hash64
+
 log = logging.getLogger(__name__)
+
 
 try:
     from maru.client._memcopy import STREAMING
     from maru.client._memcopy import copy_many as _c_copy_many
+    from maru.client._memcopy import copy_many_hashed as _c_copy_many_hashed
 except ImportError:  # built without a C compiler
-    _c_copy_many = None
+    _c_copy_many = _c_copy_many_hashed = None
     STREAMING = 0
     log.debug("maru.client._memcopy not built: page copies use a ctypes loop")
 
@@ -47,3 +55,31 @@ def copy_many(dst: np.ndarray, src: np.ndarray, size: int, *, streaming: bool = 
     memmove = ctypes.memmove
     for to, frm in zip(dst.tolist(), src.tolist()):
         memmove(to, frm, size)
+
+
+def copy_many_hashed(
+    dst: np.ndarray, src: np.ndarray, sizes: np.ndarray | list[int], *, streaming: bool = True
+) -> np.ndarray:
+    """Copy buffers and checksum values: `dst` and `src` are (values, parts) int64 addresses,
+    `sizes` each part's bytes (one per column, or one per buffer). Buffer [i, j] is copied from
+    `src[i, j]` to `dst[i, j]` as by `copy_many`; value i is its parts' bytes in order, and its
+    maru64 (read from `src`) is element i of the int64 array returned."""
+    src = np.ascontiguousarray(src, dtype=np.int64)
+    dst = np.ascontiguousarray(dst, dtype=np.int64)
+    if src.ndim != 2 or dst.shape != src.shape:
+        raise ValueError(f"copy_many_hashed: {dst.shape} destinations for {src.shape} sources")
+    values, parts = src.shape
+    if not parts:  # values of no bytes
+        return np.full(values, hash64(b""), np.int64)
+    sizes = np.broadcast_to(np.asarray(sizes, dtype=np.int64), src.shape)
+    if _c_copy_many_hashed is not None:
+        out = _c_copy_many_hashed(dst.ravel(), src.ravel(), sizes.ravel(), parts, streaming)
+        return np.frombuffer(out, np.int64)
+    hashes = np.empty(values, np.int64)
+    for i in range(values):
+        pieces = []
+        for to, frm, size in zip(dst[i].tolist(), src[i].tolist(), sizes[i].tolist()):
+            ctypes.memmove(to, frm, size)
+            pieces.append(ctypes.string_at(frm, size))
+        hashes[i] = hash64(b"".join(pieces))
+    return hashes

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from maru.client.chunks import AllocHandle, checksums
+from maru.client.checksum import checksums
+from maru.client.chunks import AllocHandle
 from maru.common.errors import MaruError, MaruServerError
 from maru.common.protocol import (
+    CHECKSUMS,
     ErrorCode,
     MsgType,
     ProtocolError,
@@ -74,7 +76,9 @@ class Sealing:
     when the key is stored (ours, or another writer's that came first: then our chunks come
     back); False when it was rejected or nothing was reserved for it. When the outcome is
     unknown (no reply, an error) the chunks stay reserved: the server may have sealed some
-    keys. A STATE_UNAVAILABLE refusal (the server cannot journal) seals nothing: they return."""
+    keys. A STATE_UNAVAILABLE refusal (the server cannot journal) seals nothing: they return.
+    With `maru_checksums`, `checksums` (one per key) are the values' hashes made during the
+    caller's copy (`copy_many_hashed`); without them the values are hashed here, in the pool."""
 
     def __init__(
         self,
@@ -82,6 +86,7 @@ class Sealing:
         keys: Sequence[Key],
         handles: AllocHandle | Sequence[AllocHandle | None],
         lengths: int | Sequence[int] | None,
+        checksums: np.ndarray | None = None,
     ):
         self._handler = handler
         self._n = n = len(keys)
@@ -126,17 +131,32 @@ class Sealing:
             "offsets": pack_int64(offsets),
             "lengths": pack_int64(sizes),
         }
-        if handler.config.checksums:  # over the values as stored, after the caller's copy
-            if isinstance(handles, AllocHandle):
-                views = handles.views(sizes)
-            else:
-                views = [handles[i].views(size)[0] for i, size in zip(self._positions, sizes)]  # type: ignore[union-attr]
-            body["checksums"] = checksums(views).tobytes()
+        if handler.config.checksums:
+            body[CHECKSUMS] = self._checksums(handles, sizes, checksums).tobytes()
         try:
             self._pending = handler._request(MsgType.REGISTER_KV, body)
         except MaruError as exc:
             log.warning("register of %d keys failed: %s", len(sent_keys), exc)
             self._results = [False] * n
+
+    def _checksums(
+        self,
+        handles: AllocHandle | Sequence[AllocHandle | None],
+        sizes: Sequence[int],
+        given: np.ndarray | None,
+    ) -> np.ndarray:
+        """The sent values' checksums: `given` (per key) where the caller hashed as it copied,
+        else hashed now over the values as stored (after the caller's copy)."""
+        if given is not None:
+            given = np.asarray(given, np.int64)
+            if len(given) != self._n:
+                raise ValueError(f"seal: {len(given)} checksums for {self._n} keys")
+            return given if self._positions is None else given[self._positions]
+        if isinstance(handles, AllocHandle):
+            return checksums(handles.views(sizes))
+        return checksums(
+            [handles[i].views(size)[0] for i, size in zip(self._positions, sizes)]  # type: ignore[union-attr]
+        )
 
     def wait(self) -> list[bool]:
         if self._results is not None:
@@ -251,7 +271,7 @@ class Lookup:
                 for name in ("region_ids", "offsets", "lengths")
             )
             # (a server before checksums sends none: every key reads as stored without one)
-            sums = np.frombuffer(reply.get("checksums") or zeros.tobytes(), np.int64)
+            sums = np.frombuffer(reply.get(CHECKSUMS) or zeros.tobytes(), np.int64)
             if not len(region_ids) == len(offsets) == len(lengths) == len(sums) == n:
                 raise ValueError(f"{len(region_ids)} locations for {n} keys")
             handles = [RegionHandle.from_wire(fields) for fields in reply["regions"]]
@@ -276,14 +296,16 @@ class Lookup:
         self.addresses, self.lengths = addresses, lengths
         self._offsets, self._region_ids, self._checksums = offsets, region_ids, sums
 
-    def corrupt(self) -> np.ndarray:
-        """Per key, True where `maru_checksums` is on and the hit's bytes in the pool no longer
-        hash to the checksum its writer stored with it: the page changed after it was sealed
-        (a stray write, a reused page, memory that is not the one written). Call it after the
-        copy, so that a page changed before or during the copy is caught; take those keys as
-        misses. Misses and keys stored without a checksum are False. Each key is logged at
-        ERROR and counted in `MaruHandler.checksum_mismatches` once per lookup (a key found
-        corrupt stays so for the lookup)."""
+    def corrupt(self, computed: np.ndarray | None = None) -> np.ndarray:
+        """Per key, True where `maru_checksums` is on and the hit's bytes no longer hash to the
+        checksum its writer stored with it: the page changed after it was sealed (a stray
+        write, a reused page, memory that is not the one written). Call it after the copy, so
+        that a page changed before or during the copy is caught; take those keys as misses.
+        `computed`: per key, the checksum of the bytes as the caller copied them
+        (`copy_many_hashed`; 0: not hashed), so nothing is read again; the other hits are
+        hashed here, in the pool. Misses and keys stored without a checksum are False. Each
+        key is logged at ERROR and counted in `MaruHandler.checksum_mismatches` once per lookup
+        (a key found corrupt stays so for the lookup)."""
         self.wait()
         assert self._checksums is not None and self._offsets is not None
         if self._corrupt is None:
@@ -292,17 +314,23 @@ class Lookup:
         todo = np.flatnonzero(stored) if self._handler.config.checksums else ()
         if not len(todo):  # (a miss has no checksum)
             return self._corrupt.copy()
+        sums = np.zeros(self.n, np.int64) if computed is None else np.array(computed, np.int64)
+        if len(sums) != self.n:
+            raise ValueError(f"corrupt: {len(sums)} checksums for {self.n} keys")
+        unhashed = todo[sums[todo] == 0]
         get = self._handler._mapper.get
         views = []
         for region_id, offset, length in zip(
-            self._region_ids[todo].tolist(),  # type: ignore[index]
-            self._offsets[todo].tolist(),
-            self.lengths[todo].tolist(),  # type: ignore[index]
+            self._region_ids[unhashed].tolist(),  # type: ignore[index]
+            self._offsets[unhashed].tolist(),
+            self.lengths[unhashed].tolist(),  # type: ignore[index]
         ):
             mapped = get(region_id)  # (unmapped since the reply: nothing to vouch for, a miss)
             views.append(mapped.view[offset : offset + length] if mapped else memoryview(b""))
+        if views:
+            sums[unhashed] = checksums(views)
         bad = np.zeros(self.n, bool)
-        bad[todo] = checksums(views) != stored[todo]
+        bad[todo] = sums[todo] != stored[todo]
         bad &= ~self._corrupt  # said already
         self._corrupt |= bad
         for i in np.flatnonzero(bad).tolist():

@@ -187,13 +187,20 @@ class _ZmqChannel(_Channel):
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.setsockopt(zmq.RCVTIMEO, client.timeout_ms)
+        self.curve_public_key = ""  # ours, with CURVE
         if client.server_public_key is not None:
-            public, secret = zmq.curve_keypair()  # ours, for this connection only
+            if client.client_secret_key is not None:  # ours, listed by the server
+                secret = client.client_secret_key.encode()
+                public = zmq.curve_public(secret)
+            else:  # a throwaway one, for this connection only
+                public, secret = zmq.curve_keypair()
             sock.curve_serverkey = client.server_public_key.encode()
+            self.curve_public_key = public.decode()
             sock.curve_publickey = public
             sock.curve_secretkey = secret
         self.monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.handshake_failed = False
+        self.refused_key = False  # the failure was the server's ZAP check (--curve-clients)
         sock.connect(client.url)
         self.sock = sock
         self._rcvtimeo = client.timeout_ms  # the socket's current RCVTIMEO
@@ -223,9 +230,18 @@ class _ZmqChannel(_Channel):
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)["event"]
             self.handshake_failed = event != zmq.EVENT_HANDSHAKE_SUCCEEDED
+            self.refused_key = event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
         if not self.handshake_failed:
             return
-        if self.client.server_public_key is None:
+        if self.refused_key:
+            why = (
+                f"the server does not list this client's CURVE key {self.curve_public_key} "
+                "(maru-server "
+                "--curve-clients): add the client's public key (NAME.pub of `maru "
+                "curve-keypair NAME`) there, and give the client its secret key as "
+                "curve_client_key (maru_curve_client_key, maru --curve-client-key)"
+            )
+        elif self.client.server_public_key is None:
             why = (
                 "the server requires CURVE (maru-server --curve): set server_public_key "
                 "(maru_server_public_key, maru --server-public-key) to its public key, "
@@ -406,13 +422,17 @@ class RpcClient:
         on_unknown_instance: Callable[[int], None] | None = None,
         busy_poll_us: int = 0,
         server_public_key: str | None = None,
+        client_secret_key: str | None = None,
     ):
         """`reply_hook(body)` sees every successful reply (the handler takes `freed` from it);
         `on_unknown_instance(msg_type)` re-handshakes when the server answers UNKNOWN_INSTANCE,
         before the request is sent once more (it raises to fail the request instead).
-        `server_public_key`: speak CURVE to a `maru-server --curve` with this key (Z85)."""
+        `server_public_key`: speak CURVE to a `maru-server --curve` with this key (Z85);
+        `client_secret_key`: as the client whose keypair this is (Z85; for a server with
+        --curve-clients), else with a throwaway keypair."""
         self.url = url
         self.server_public_key = server_public_key
+        self.client_secret_key = client_secret_key
         self.busy_poll_ns = busy_poll_us * 1000  # see _LocalChannel._read
         self.timeout_ms = timeout_ms
         self.max_inflight = max_inflight

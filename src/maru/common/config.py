@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from maru.common.curve import is_key
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(i?B?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
 _DEFAULT_CHUNK = 1 << 20
@@ -87,9 +89,11 @@ _URL_RE = re.compile(r"^(tcp|ipc|inproc)://(.+)$")
 _TCP_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[^:\[\]/\s]+):(\d{1,5})$")
 
 
-def parse_server_public_key(value: Any, *, name: str = "server_public_key") -> str:
-    """The server's CURVE public key (`maru-server --curve`): its 40 Z85 characters, or the
-    path of a file holding them (the server writes `<state-dir>/curve.pub`)."""
+def parse_curve_key(value: Any, *, name: str, kind: str = "public key") -> str:
+    """A CURVE key: its 40 Z85 characters, or the path of a file holding them (the server
+    writes `<state-dir>/curve.pub`; `maru curve-keypair NAME` writes a client's NAME.key and
+    NAME.pub). `kind` names it in errors: "public key" (the server's), "secret key" (the
+    client's own)."""
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{name}: expected a 40-character CURVE key or a file, got {value!r}")
     text = value.strip()
@@ -101,8 +105,8 @@ def parse_server_public_key(value: Any, *, name: str = "server_public_key") -> s
                 f"{name}: {value!r} is neither a 40-character CURVE key nor a readable file "
                 f"({exc.strerror or exc})"
             ) from None
-    if len(text) != 40 or not text.isascii() or not text.isprintable():
-        raise ConfigError(f"{name}: a CURVE public key is 40 Z85 characters, got {len(text)}")
+    if not is_key(text):
+        raise ConfigError(f"{name}: a CURVE {kind} is 40 Z85 characters, got {len(text)}")
     return text
 
 
@@ -199,6 +203,9 @@ class MaruConfig:
     # and takes a mismatch as a miss. Off by default: see docs/configuration.md for the cost.
     checksums: bool = False
     server_public_key: str | None = None  # CURVE key (or its file) of a `--curve` server
+    # This client's CURVE secret key (or its file, `maru curve-keypair NAME` -> NAME.key), for a
+    # server with --curve-clients; None: a throwaway keypair per connection.
+    curve_client_key: str | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> MaruConfig:
         # An unknown keyword is a ConfigError naming it (the dataclass __init__ would raise
@@ -246,7 +253,13 @@ class MaruConfig:
         if self.expand_size is not None:
             self.expand_size = parse_size(self.expand_size, name="expand_size")
         if self.server_public_key is not None:
-            self.server_public_key = parse_server_public_key(self.server_public_key)
+            self.server_public_key = parse_curve_key(
+                self.server_public_key, name="server_public_key"
+            )
+        if self.curve_client_key is not None:
+            self.curve_client_key = parse_curve_key(
+                self.curve_client_key, name="curve_client_key", kind="secret key"
+            )
 
     @property
     def region_expand_size(self) -> int:

@@ -41,6 +41,12 @@ STREAM_LENGTH = struct.Struct("!I")  # frame length on a stream transport
 STREAM_RECV_BYTES = 1 << 16
 FLAG_REPLY = 0x1
 
+# The name of the checksum column (REGISTER_KV, LOOKUP_KV, the journal's tag) is the hash's:
+# maru64 (`maru.client.checksum`). Checksums of another hash are never taken for it: a peer
+# from before (xxh3_64, sent as "checksums") stores its keys without one and reads none, and
+# the journal's and snapshots' xxh3 checksums of before restore as none.
+CHECKSUMS = "maru64"
+
 MAX_KEY_BYTES = 1024
 KEY_TYPES = frozenset((str, bytes))  # exactly these: what msgpack decodes a key to
 MAX_BATCH = 65536
@@ -385,10 +391,10 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
             ("offsets", I64S, "byte offset in the region"),
             ("lengths", I64S, "byte length (> 0)"),
             (
-                "checksums",
+                CHECKSUMS,
                 I64S,
-                "optional: the writer's xxh3_64 of each value's bytes as stored (as int64; "
-                "0: none), kept with the key",
+                "optional: the writer's maru64 checksum of each value's bytes as stored (as "
+                "int64; 0: none), kept with the key",
             ),
         ],
         [("results", "[int]", "RegisterStatus per key")],
@@ -403,7 +409,7 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
             ("region_ids", I64S, "0 for a miss (region ids start at 1)"),
             ("offsets", I64S, "0 for a miss"),
             ("lengths", I64S, "0 for a miss"),
-            ("checksums", I64S, "the writer's checksum; 0 for a miss or a key stored without one"),
+            (CHECKSUMS, I64S, "the writer's maru64; 0 for a miss or a key stored without one"),
             ("regions", f"[{HANDLE}]", "handles of the regions the hits live in"),
             ("lease_id", "int", "0: no lease taken"),
         ],

@@ -17,6 +17,7 @@ from typing import Any
 import zmq
 
 from maru.common.config import ConfigError, fmt_bytes, number_arg, parse_size
+from maru.common.curve import read_allowlist
 from maru.server import persistence
 from maru.server.journal import SNAPSHOT_NAME, Journal, read_records, write_private
 from maru.server.keyindex import warn_if_pure_python
@@ -125,6 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
         "hosts: the server's keypair is kept in the state dir (curve.key, 0600; the public key "
         "in curve.pub), and a client needs the public key (server_public_key) to talk to it "
         "(default: off: plain TCP, for 127.0.0.1)",
+    )
+    p.add_argument(
+        "--curve-clients",
+        metavar="PATH",
+        default=None,
+        help="with --curve, talk only to clients whose CURVE public key is listed here: a "
+        "directory of *.pub files (`maru curve-keypair NAME` makes NAME.key and NAME.pub) or "
+        "one file, a Z85 key per line; re-read when it changes (default: any client that has "
+        "the server's public key)",
     )
     p.add_argument(
         "--metrics-port",
@@ -283,6 +293,14 @@ def check_args(args: argparse.Namespace) -> str | None:
             grp.getgrnam(args.pool_group)
         except KeyError:
             return f"--pool-group: no group named {args.pool_group!r}"
+    if args.curve_clients is not None:
+        if not args.curve:
+            return "--curve-clients needs --curve"
+        try:
+            if not read_allowlist(Path(args.curve_clients)):
+                return f"--curve-clients: no client key in {args.curve_clients}"
+        except (OSError, ValueError) as exc:
+            return f"--curve-clients: {exc}"
     if args.state_dir is not None and Path(args.state_dir).is_file():
         return f"--state-dir: {args.state_dir} is not a directory"
     for flag, path in (("--ready-file", args.ready_file), ("--local-socket", args.local_socket)):
@@ -631,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
             f"tcp://{args.host}:{args.port}",
             journal=journal,
             curve_secret_key=curve[1] if curve else None,
+            curve_clients=Path(args.curve_clients) if args.curve_clients else None,
             heartbeat_timeout=args.heartbeat_timeout,
             local_socket=args.local_socket,
             gc_freeze=True,  # see maru.server.housekeeping.freeze_heap
@@ -642,9 +661,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if curve is not None:
         log.info(
-            "TCP is CURVE-authenticated: clients need server_public_key %s (%s)",
+            "TCP is CURVE-authenticated: clients need server_public_key %s (%s)%s",
             curve[0].decode(),
             state_dir / CURVE_PUBLIC_FILE,
+            f" and a client key listed in {args.curve_clients}" if args.curve_clients else "",
         )
     elif args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning(

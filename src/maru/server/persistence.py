@@ -13,6 +13,7 @@ import time
 from itertools import compress
 from typing import Any
 
+from maru.common.protocol import CHECKSUMS
 from maru.server.instances import Instance
 from maru.server.registry import Registry
 
@@ -23,7 +24,9 @@ def snapshot(registry: Registry) -> dict[str, Any]:
     return {
         "next_region_id": registry.regions.next_id,
         "regions": registry.regions.snapshot(),
-        # a row: key, region id, offset, length, and the checksum when the key has one
+        # a row: key, region id, offset, length, and the checksum when the key has one (of the
+        # hash named here: rows of a snapshot without the name restore without theirs)
+        "checksums": CHECKSUMS,
         "keys": [
             [k, e.region_id, e.offset, e.length, e.checksum]
             if e.checksum
@@ -46,7 +49,10 @@ def restore(registry: Registry, snapshot: dict[str, Any] | None, records: list[A
             regions.next_id = int(snapshot["next_region_id"])
             for row in snapshot["regions"]:
                 regions.restore(*row)
-            _replay(registry, ["K", snapshot["keys"]])  # the rows of a "K" record's old form
+            rows = snapshot["keys"]
+            if snapshot.get("checksums") != CHECKSUMS:  # xxh3 before: none
+                rows = [row[:4] for row in rows]
+            _replay(registry, ["K", rows])  # the rows of a "K" record's old form
             for holder, key, count in snapshot.get("pins", ()):
                 _replay(registry, ["P", holder, [key] * count])
         for record in records:
@@ -80,8 +86,11 @@ def _replay(registry: Registry, record: list[Any]) -> None:
         region = regions.get(record[1])
         if region is not None and region.live_keys == 0:
             regions.free(region)
-    elif kind == "K" and len(record) in (5, 6):  # keys, region_ids, offsets, lengths[, sums]
-        _restore_keys(registry, *record[1:])
+    elif kind == "K" and len(record) in (5, 6, 7):
+        # keys, region_ids, offsets, lengths[, sums, the hash's name]; sums without the name
+        # are xxh3 of before: restored as none
+        tagged = len(record) == 7 and record[6] == CHECKSUMS
+        _restore_keys(registry, *record[1 : 6 if tagged else 5])
     elif kind == "K":  # a snapshot's rows, and records before protocol 2: [[key, ...], ...]
         rows = record[1]
         if any(len(row) > 4 for row in rows):  # some with a checksum: 0 for the others

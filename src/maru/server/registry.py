@@ -27,6 +27,7 @@ from operator import is_
 from typing import Any, Protocol
 
 from maru.common.protocol import (
+    CHECKSUMS,
     DeleteStatus,
     ErrorCode,
     ProtocolError,
@@ -315,8 +316,9 @@ class Registry:
     ) -> list[bool] | None:
         """Insert keys at checked locations, the first writer of each winning (a key registered
         before, or earlier in the batch, keeps its entry); journaled as one "K" record of the
-        keys that were new (with their checksums, when given). Which keys were new (None:
-        all). The one mutator that adds keys, for requests and journal replay alike."""
+        keys that were new (with their checksums, when given, tagged with the hash's name:
+        `CHECKSUMS`). Which keys were new (None: all). The one mutator that adds keys, for
+        requests and journal replay alike."""
         columns = [region_ids, offsets, lengths, *([checksums] if checksums else [])]
         entries = list(map(KeyEntry, *columns))
         stored = self.keys.setdefault_many(keys, entries)
@@ -330,7 +332,7 @@ class Registry:
                 self.regions[region_id].count(group, +1)
             self.live_bytes += sum(lengths)  # before the journal's write lets the metrics run
             try:
-                self._log("K", keys, *columns)
+                self._log("K", keys, *columns, *([CHECKSUMS] if checksums else []))
             except JournalWriteError:
                 self._undo_add(keys, region_ids, lengths)
                 raise

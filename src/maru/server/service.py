@@ -13,14 +13,18 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from time import perf_counter
 from typing import Any
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from maru import __version__
 from maru.common import protocol
+from maru.common.curve import ClientAllowlist
 from maru.common.protocol import (
+    CHECKSUMS,
     MAX_BATCH,
     MAX_LIST_KEYS,
     ErrorCode,
@@ -165,6 +169,7 @@ class MaruService:
         gc_freeze: bool = False,
         busy_poll_us: int = 0,
         curve_secret_key: bytes | None = None,
+        curve_clients: Path | None = None,
     ):
         """`local_socket`: where to listen for clients on this node besides `bind_url`
         (`maru.server.local_socket.local_address`: "auto", "none", "@name" or a path). With
@@ -180,7 +185,9 @@ class MaruService:
         long before blocking (`_wait_for_requests`).
 
         `curve_secret_key`: serve the TCP port with ZeroMQ CURVE under this key (Z85): only
-        clients that know the server's public key complete the handshake (`--curve`)."""
+        clients that know the server's public key complete the handshake (`--curve`).
+        `curve_clients`: and only clients whose own public key is listed there
+        (`maru.common.curve.ClientAllowlist`, checked by a ZAP thread; `--curve-clients`)."""
         self.registry = registry
         self.bind_url = bind_url
         self.journal = journal
@@ -226,7 +233,20 @@ class MaruService:
         self._started_monotonic = time.monotonic()
         self.metrics_url: str | None = None  # set when `--metrics-port` serves Prometheus
         self.context = zmq.Context.instance()
-        self.socket = _router(self.context, bind_url, curve_secret_key)
+        self.authenticator: ThreadAuthenticator | None = None
+        if curve_clients is not None:
+            if curve_secret_key is None:
+                raise ValueError("curve_clients needs curve_secret_key")
+            self.authenticator = ThreadAuthenticator(self.context, log=log)
+            self.authenticator.start()
+            allowlist = ClientAllowlist(curve_clients)
+            self.authenticator.configure_curve_callback("*", credentials_provider=allowlist)
+        try:
+            self.socket = _router(self.context, bind_url, curve_secret_key)
+        except zmq.ZMQError:
+            if self.authenticator is not None:
+                self.authenticator.stop()
+            raise
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.local: LocalSocketServer | None = None
         address = local_address(local_socket, self.endpoint, registry.signer.server_tag())
@@ -328,9 +348,9 @@ class MaruService:
             unpack_int64(body.get(name), len(keys), name).tolist()
             for name in ("region_ids", "offsets", "lengths")
         )
-        checksums = body.get("checksums")  # optional: the writer's checksum of each value
+        checksums = body.get(CHECKSUMS)  # optional: the writer's checksum of each value
         if checksums is not None:
-            checksums = unpack_int64(checksums, len(keys), "checksums").tolist()
+            checksums = unpack_int64(checksums, len(keys), CHECKSUMS).tolist()
         results = self.registry.register(iid, keys, region_ids, offsets, lengths, checksums)
         return {"results": results}
 
@@ -344,7 +364,7 @@ class MaruService:
             "region_ids": region_ids,
             "offsets": offsets,
             "lengths": lengths,
-            "checksums": checksums,
+            CHECKSUMS: checksums,
             "regions": [h.to_wire() for h in regions],
             "lease_id": lease_id,
         }
@@ -563,6 +583,8 @@ class MaruService:
 
     def close(self) -> None:
         self.socket.close(linger=0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
         if self.local is not None:
             self.local.close()
         self.registry.instances.processes.close()

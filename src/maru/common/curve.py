@@ -1,0 +1,108 @@
+"""CURVE keys of clients (issue 13, P5): which clients a `maru-server --curve` talks to.
+
+With `--curve` alone, any client that knows the server's public key completes the ZeroMQ
+CURVE handshake (it makes a throwaway keypair per connection). With `--curve-clients PATH`
+the server also checks the client's public key against an allowlist: every `*.pub` file of a
+directory (or one file), one Z85 key per line (after it, past a space, a note; a line whose
+first word is `#` is a comment: Z85 has `#`, so "#" must stand alone). A client
+proves it holds a listed key with its secret key (`curve_client_key` / `maru_curve_client_key`,
+the key or its file). `maru curve-keypair NAME` writes a client's keypair: `NAME.key` (the
+secret, 0600) and `NAME.pub` (the public key, to copy into the server's allowlist).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import zmq
+
+log = logging.getLogger(__name__)
+
+KEY_CHARS = 40  # a 32-byte CURVE key in Z85
+_Z85 = frozenset(
+    "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+)
+
+
+def is_key(text: str) -> bool:
+    """Whether `text` is a CURVE key as Z85 text (40 characters of its alphabet)."""
+    return len(text) == KEY_CHARS and set(text) <= _Z85
+
+
+def write_keypair(prefix: Path) -> tuple[str, Path, Path]:
+    """A new client keypair: `<prefix>.key` (the secret key, 0600, created only if absent)
+    and `<prefix>.pub` (the public key). Returns (public key, secret file, public file)."""
+    public, secret = zmq.curve_keypair()
+    secret_path = prefix.with_name(prefix.name + ".key")
+    public_path = prefix.with_name(prefix.name + ".pub")
+    for path in (secret_path, public_path):
+        if path.exists():
+            raise FileExistsError(f"{path} exists: not overwritten (remove it, or pick a name)")
+    fd = os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret + b"\n")
+    public_path.write_bytes(public + b"\n")
+    return public.decode(), secret_path, public_path
+
+
+def read_allowlist(location: Path) -> set[str]:
+    """The client public keys at `location`: every `*.pub` file of a directory, or one file;
+    the first word of each line, but for blank lines and comments (first word "#"). A line
+    that is not a key is a ValueError naming its file and line."""
+    files = sorted(location.glob("*.pub")) if location.is_dir() else [location]
+    keys = set()
+    for path in files:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            words = line.split()
+            if not words or words[0] == "#":
+                continue
+            text = words[0]
+            if not is_key(text):
+                raise ValueError(f"{path}:{number}: not a CURVE public key (40 Z85 characters)")
+            keys.add(text)
+    return keys
+
+
+class ClientAllowlist:
+    """The server's ZAP check (`zmq.auth` credentials provider): a client key is let in when
+    it is listed at `location`. The files are read again when they changed (a directory's or
+    a file's mtime), so a key added or removed counts from the next connection on, without a
+    restart; a refused key is logged once (WARNING)."""
+
+    def __init__(self, location: Path):
+        self.location = location
+        self._lock = threading.Lock()  # (the ZAP thread asks; tests read `keys`)
+        self._stamp: tuple[float, ...] = ()
+        self._refused: set[str] = set()
+        self.keys = self._load()
+
+    def _stamps(self) -> tuple[float, ...]:
+        paths = [self.location, *self.location.glob("*.pub")] if self.location.is_dir() else []
+        return tuple(p.stat().st_mtime_ns for p in (paths or [self.location]))
+
+    def _load(self) -> set[str]:
+        self._stamp = self._stamps()
+        keys = read_allowlist(self.location)
+        log.info("CURVE clients: %d key(s) allowed (%s)", len(keys), self.location)
+        return keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        text = key.decode("ascii", "replace")
+        with self._lock:
+            try:
+                if self._stamps() != self._stamp:
+                    self.keys = self._load()
+            except (OSError, ValueError) as exc:  # keep the last good list
+                log.error("CURVE clients: %s unreadable, last list kept: %s", self.location, exc)
+            allowed = text in self.keys
+            if not allowed and text not in self._refused and len(self._refused) < 1000:
+                self._refused.add(text)
+                log.warning(
+                    "refused a CURVE client with key %s: not in --curve-clients %s",
+                    text,
+                    self.location,
+                )
+        return allowed
