@@ -263,25 +263,32 @@ static PyObject *format_table(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
-static PyObject *Writer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+/* Writer and Reader are both a Table behind an object head: one constructor and one
+ * destructor serve both (`writable`: the server's side). */
+static PyObject *table_object_new(PyTypeObject *type, PyObject *args, int writable)
 {
     PyObject *table_obj, *use_obj;
-    if (!PyArg_ParseTuple(args, "OO:Writer", &table_obj, &use_obj))
+    if (!PyArg_ParseTuple(args, "OO", &table_obj, &use_obj))
         return NULL;
     Writer *self = (Writer *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
-    if (table_open(&self->t, table_obj, use_obj, 1) < 0) {
+    if (table_open(&self->t, table_obj, use_obj, writable) < 0) {
         Py_DECREF(self);
         return NULL;
     }
     return (PyObject *)self;
 }
 
-static void Writer_dealloc(Writer *self)
+static void table_object_dealloc(Writer *self)
 {
     table_close(&self->t);
     Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Writer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    return table_object_new(type, args, 1);
 }
 
 static int writer_ready(Writer *self)
@@ -605,7 +612,7 @@ static PyTypeObject WriterType = {
     .tp_basicsize = sizeof(Writer),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = Writer_new,
-    .tp_dealloc = (destructor)Writer_dealloc,
+    .tp_dealloc = (destructor)table_object_dealloc,
     .tp_methods = Writer_methods,
     .tp_getset = Writer_getset,
 };
@@ -619,23 +626,7 @@ typedef struct {
 
 static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    PyObject *table_obj, *use_obj;
-    if (!PyArg_ParseTuple(args, "OO:Reader", &table_obj, &use_obj))
-        return NULL;
-    Reader *self = (Reader *)type->tp_alloc(type, 0);
-    if (self == NULL)
-        return NULL;
-    if (table_open(&self->t, table_obj, use_obj, 0) < 0) {
-        Py_DECREF(self);
-        return NULL;
-    }
-    return (PyObject *)self;
-}
-
-static void Reader_dealloc(Reader *self)
-{
-    table_close(&self->t);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    return table_object_new(type, args, 0);
 }
 
 enum { COL_REGION, COL_OFFSET, COL_LENGTH, COL_CHECKSUM, COL_TAG, COL_SLOT, COL_SEQ, NCOLS };
@@ -917,7 +908,7 @@ static PyTypeObject ReaderType = {
     .tp_basicsize = sizeof(Reader),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = Reader_new,
-    .tp_dealloc = (destructor)Reader_dealloc,
+    .tp_dealloc = (destructor)table_object_dealloc,
     .tp_methods = Reader_methods,
     .tp_getset = Reader_getset,
 };
