@@ -578,12 +578,13 @@ static PyObject *Writer_close(Writer *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static PyObject *Writer_get_count(Writer *self, void *c)
+/* `count` and `capacity` of either side (0 once a writer is closed). */
+static PyObject *table_get_count(Writer *self, void *c)
 {
     return PyLong_FromUnsignedLongLong(self->t.h ? LOAD(&self->t.h->count) : 0);
 }
 
-static PyObject *Writer_get_capacity(Writer *self, void *c)
+static PyObject *table_get_capacity(Writer *self, void *c)
 {
     return PyLong_FromUnsignedLongLong(self->t.h ? self->t.mask + 1 : 0);
 }
@@ -601,8 +602,8 @@ static PyMethodDef Writer_methods[] = {
 };
 
 static PyGetSetDef Writer_getset[] = {
-    {"count", (getter)Writer_get_count, NULL, "keys in the table", NULL},
-    {"capacity", (getter)Writer_get_capacity, NULL, "slots", NULL},
+    {"count", (getter)table_get_count, NULL, "keys in the table", NULL},
+    {"capacity", (getter)table_get_capacity, NULL, "slots", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -871,16 +872,6 @@ static PyObject *Reader_get_pool_generation(Reader *self, void *c)
     return PyLong_FromUnsignedLongLong(LOAD(&self->t.h->pool_generation));
 }
 
-static PyObject *Reader_get_count(Reader *self, void *c)
-{
-    return PyLong_FromUnsignedLongLong(LOAD(&self->t.h->count));
-}
-
-static PyObject *Reader_get_capacity(Reader *self, void *c)
-{
-    return PyLong_FromUnsignedLongLong(self->t.mask + 1);
-}
-
 static PyMethodDef Reader_methods[] = {
     {"probe", (PyCFunction)Reader_probe, METH_O,
      "probe(keys) -> bytes of 7 int64 columns (region, offset, length, checksum, tag, slot,\n"
@@ -897,8 +888,8 @@ static PyGetSetDef Reader_getset[] = {
      NULL},
     {"successor", (getter)Reader_get_successor, NULL, "the replacing table's path, or ''", NULL},
     {"pool_generation", (getter)Reader_get_pool_generation, NULL, "hash of the generation", NULL},
-    {"count", (getter)Reader_get_count, NULL, "keys in the table", NULL},
-    {"capacity", (getter)Reader_get_capacity, NULL, "slots", NULL},
+    {"count", (getter)table_get_count, NULL, "keys in the table", NULL},
+    {"capacity", (getter)table_get_capacity, NULL, "slots", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -58,7 +58,7 @@ class _Table:
                     self.maps.append(mmap.mmap(fd, size, flags=flags))
                 finally:
                     os.close(fd)
-            shmindex.format_table(self.maps[0], capacity, generation.encode(), _random_u64())
+            shmindex.format_table(self.maps[0], capacity, generation.encode(), secrets.randbits(64))
             self.writer = shmindex.Writer(self.maps[0], self.maps[1])
         except BaseException:
             self.unlink()
@@ -74,13 +74,13 @@ class _Table:
             m.close()
 
     def unlink(self) -> None:
-        for file in self.files:
-            with contextlib.suppress(OSError):  # (gone, or another user's)
-                os.unlink(file)
+        _remove(self.files)
 
 
-def _random_u64() -> int:
-    return secrets.randbits(64)
+def _remove(files: list[str]) -> None:
+    for file in files:
+        with contextlib.suppress(OSError):  # (gone, or another user's)
+            os.unlink(file)
 
 
 def retire_earlier(pool_kind: str, pool_path: str) -> int:
@@ -101,9 +101,7 @@ def retire_earlier(pool_kind: str, pool_path: str) -> int:
                 use.close()
         except (OSError, ValueError) as exc:  # not a table of ours, or damaged: just remove it
             log.warning("earlier local index %s could not be retired (%s): removing it", path, exc)
-        for file in (path, path + USE_SUFFIX):
-            with contextlib.suppress(OSError):  # (gone, or another user's)
-                os.unlink(file)
+        _remove([path, path + USE_SUFFIX])
         count += 1
     if count:
         log.info("retired %d local index table(s) of an earlier server", count)
@@ -114,9 +112,7 @@ def remove_tables(pool_kind: str, pool_path: str) -> int:
     """Remove the pool's index files (`maru-server --purge`). Returns how many tables."""
     tables = table_files(index_base(pool_kind, pool_path))
     for _, path in tables:
-        for file in (path, path + USE_SUFFIX):
-            with contextlib.suppress(OSError):  # (gone, or another user's)
-                os.unlink(file)
+        _remove([path, path + USE_SUFFIX])
     return len(tables)
 
 
