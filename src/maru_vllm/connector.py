@@ -49,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from maru import MaruConfig, MaruHandler
-from maru.client.memcopy import copy_many
+from maru.client.memcopy import copy_many, copy_many_hashed
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -457,11 +457,13 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _load(self, transfer: Transfer) -> None:
         """Copy the blocks in under a lease; every block from the first one that cannot be
-        proven (missing, another size, lease lost) on is a load error."""
+        proven (missing, another size, with `maru_checksums` bytes unlike their writer's
+        checksum, lease lost) on is a load error."""
         start = time.perf_counter()
         copied = 0
         errors: list[int] = []
         handler = self._handler_for()
+        hashed = handler.config.checksums
         for g, keys, ids in zip(self._groups, self._rank_keys(transfer), transfer.block_ids):
             layout = self._layouts.get(g)
             if not ids:
@@ -473,11 +475,18 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             with lookup as found:
                 good = (found.lengths == layout.value_size) & (found.addresses != 0)
                 hits = len(ids) if good.all() else int(np.argmin(good))
+                sums = np.zeros(len(ids), np.int64)  # each block's maru64 as copied
                 if hits:
                     dst = layout.addresses(ids[:hits])
-                    src = found.addresses[:hits]
-                    for s in range(len(layout.length)):
-                        copy_many(dst[:, s], src + layout.offset[s], int(layout.length[s]))
+                    src = found.addresses[:hits, None] + layout.offset[None, :]
+                    if hashed:  # hashed in the copy loop: the bytes are read once
+                        sums[:hits] = copy_many_hashed(dst, src, layout.length)
+                    else:
+                        for s in range(len(layout.length)):
+                            copy_many(dst[:, s], src[:, s], int(layout.length[s]))
+                    bad = found.corrupt(sums)[:hits]  # after the copy, of what it read
+                    if bad.any():
+                        hits = int(np.argmax(bad))
                 held = lookup.release(confirm=True)
             if not held:
                 log.warning("load of %s: the lease ended during the copy", transfer.req_id)
@@ -508,12 +517,17 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
                 run.split() if run is not None else [handler.alloc(layout.value_size) for _ in ids]
             )
             held = [(i, h) for i, h in enumerate(handles) if h is not None]
+            sums = np.zeros(len(ids), np.int64) if handler.config.checksums else None
             if held:
                 dst = np.array([h.address for _, h in held], dtype=np.int64)
+                dst = dst[:, None] + layout.offset[None, :]
                 src = layout.addresses([ids[i] for i, _ in held])
-                for s in range(len(layout.length)):
-                    copy_many(dst + layout.offset[s], src[:, s], int(layout.length[s]))
-            results = handler.seal(keys, handles).wait()
+                if sums is not None:  # hashed as copied (`maru_checksums`)
+                    sums[[i for i, _ in held]] = copy_many_hashed(dst, src, layout.length)
+                else:
+                    for s in range(len(layout.length)):
+                        copy_many(dst[:, s], src[:, s], int(layout.length[s]))
+            results = handler.seal(keys, handles, checksums=sums).wait()
             ok = sum(results)
             saved += ok
             failed += len(ids) - ok

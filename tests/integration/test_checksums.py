@@ -6,32 +6,16 @@ made for real: bytes of a sealed page overwritten in the pool file itself."""
 from __future__ import annotations
 
 import logging
-import os
 import signal
 
 from maru import MaruHandler
 
-from .workers import digest, run_processes, store_keys
+from .workers import digest, flip_byte, run_processes, store_keys
 
 KiB = 1 << 10
 KEYS = [f"sum-{i}" for i in range(24)]
 SIZES = [(i % 4 + 1) * 60 * KiB + i for i in range(len(KEYS))]  # not page multiples, some runs
 SEED = 700
-
-
-def corrupt(handler: MaruHandler, key: str, at: int = 100) -> None:
-    """Flip one byte of `key`'s value where it lies in the pool file (not through a mapping
-    of Maru's: as a stray writer, a bad DIMM or a reused page would)."""
-    info = handler.batch_retrieve([key])[0]
-    assert info is not None
-    region = handler._mapper.get(info.region_id).handle
-    fd = os.open(region.path, os.O_RDWR)
-    try:
-        where = region.offset + info.offset + at
-        (old,) = os.pread(fd, 1, where)
-        assert os.pwrite(fd, bytes([old ^ 0xFF]), where) == 1
-    finally:
-        os.close(fd)
 
 
 def write_in_another_process(url: str, **handler_kw) -> list[str]:
@@ -62,7 +46,7 @@ def test_a_page_corrupted_after_sealing_is_a_miss_with_checksums(maru_server, ca
     assert wrong_hits(reader, digests) == (len(KEYS), 0)
     victims = [KEYS[3], KEYS[17]]
     for key in victims:
-        corrupt(reader, key, at=SIZES[KEYS.index(key)] - 1)  # the last byte
+        flip_byte(reader, key, at=SIZES[KEYS.index(key)] - 1)  # the last byte
 
     with caplog.at_level(logging.ERROR, logger="maru.client.requests"):
         assert wrong_hits(reader, digests) == (len(KEYS) - 2, 0)
@@ -81,7 +65,7 @@ def test_a_page_corrupted_after_sealing_is_a_miss_with_checksums(maru_server, ca
 def test_keys_stored_without_a_checksum_read_as_before(maru_server):
     digests = write_in_another_process(maru_server.url)  # checksums off
     reader = MaruHandler(server_url=maru_server.url, pool_size="4M", checksums=True)
-    corrupt(reader, KEYS[5])
+    flip_byte(reader, KEYS[5], at=100)
     assert wrong_hits(reader, digests) == (len(KEYS), 1)  # nothing to check them against
     assert reader.checksum_mismatches == 0
     reader.close()
@@ -98,7 +82,7 @@ def test_a_restart_keeps_the_checksums(maru_server_factory, tmp_path):
         assert server.proc.wait(10) == -signal.SIGKILL
         server.restart()
         reader = MaruHandler(server_url=server.url, pool_size="4M", checksums=True)
-        corrupt(reader, victim)
+        flip_byte(reader, victim, at=100)
         hits, wrong = wrong_hits(reader, digests)  # every page corrupted so far is a miss
         assert (hits, wrong, reader.checksum_mismatches) == (len(KEYS) - round_, 0, round_)
         reader.close()

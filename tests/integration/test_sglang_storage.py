@@ -34,6 +34,8 @@ from sglang_cpu.host_pools import (  # noqa: E402
 )
 from sglang_cpu.p2p import MARU_BACKEND  # noqa: E402
 
+from .workers import flip_byte  # noqa: E402
+
 PAGES = 40
 
 
@@ -338,20 +340,6 @@ def test_with_checksums_pages_are_hashed_by_the_copies_not_read_again(maru_serve
     checked.close()
 
 
-def _flip_byte(handler: MaruHandler, key: str, at: int = 0) -> None:
-    """Corrupt one byte of `key`'s page where it lies in the pool file (not through Maru)."""
-    import os
-
-    info = handler.batch_retrieve([key])[0]
-    region = handler._mapper.get(info.region_id).handle
-    fd = os.open(region.path, os.O_RDWR)
-    try:
-        where = region.offset + info.offset + at
-        assert os.pwrite(fd, bytes([os.pread(fd, 1, where)[0] ^ 0xFF]), where) == 1
-    finally:
-        os.close(fd)
-
-
 def test_a_page_corrupted_in_the_pool_is_a_miss_with_checksums(maru_server):
     """Issue 13, P8, through SGLang's interface: another process stores pages with
     `maru_checksums`; bytes of some are then overwritten in the pool file. A reader with
@@ -372,8 +360,8 @@ def test_a_page_corrupted_in_the_pool_is_a_miss_with_checksums(maru_server):
     want = expected_pages(pool, PAGES, seed)
     assert pool.layout == "page_first_direct" and checked._kv.parts == 2  # K and V
     ns = [checked.namespace + ":" + k for k in keys]
-    _flip_byte(checked.handler, ns[5], at=checked._page_bytes - 1)  # the last part's last byte
-    _flip_byte(checked.handler, ns[30])
+    flip_byte(checked.handler, ns[5], at=checked._page_bytes - 1)  # the last part's last byte
+    flip_byte(checked.handler, ns[30])
     victims = {5, 30}
 
     def check(results: list[bool], dst) -> None:
@@ -395,7 +383,7 @@ def test_a_page_corrupted_in_the_pool_is_a_miss_with_checksums(maru_server):
     original = checked._copy_out
 
     def copy_while_corrupting(kv, sources, columns, hashed):
-        _flip_byte(plain.handler, ns[11], at=700)
+        flip_byte(plain.handler, ns[11], at=700)
         return original(kv, sources, columns, hashed)
 
     checked._copy_out = copy_while_corrupting

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,9 +56,12 @@ def vllm_env(monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
-def _both(server, model_dir: str, n: int, extra: dict, evict: int = -1):
+def _both(server, model_dir: str, n: int, extra: dict, evict: int = -1, **load: Any):
+    """Instance A stores, then instance B loads (`load`: B's own extra config, `corrupt`)."""
     (a,) = run_processes([(W.store, (model_dir, server.url, n, extra))], DEADLINE)
-    (b,) = run_processes([(W.load, (model_dir, server.url, n, extra, evict))], DEADLINE)
+    corrupt = load.pop("corrupt", -1)
+    job = (W.load, (model_dir, server.url, n, {**extra, **load}, evict, corrupt))
+    (b,) = run_processes([job], DEADLINE)
     return a, b
 
 
@@ -88,6 +92,28 @@ def test_a_block_evicted_before_the_load_is_a_load_error_and_recomputed(
     assert b["load_errors"] == sorted(b["first_blocks"][2:])
     assert b["computed"][0] == list(range(2 * BLOCK, W.BLOCKS * BLOCK + W.TAIL))
     assert b["match"] == [[True] * W.BLOCKS]  # recomputed, never other bytes
+
+
+@pytest.mark.parametrize("reader_checks", [True, False], ids=["checked", "unchecked"])
+def test_a_block_corrupted_in_the_pool_is_a_load_error_with_checksums(
+    maru_server_factory, model_dir, vllm_env, reader_checks
+):
+    """Issue 13 P8 on the vLLM side: A saves with `maru_checksums` (hashed in its copy loop),
+    then one byte of block 2's value is flipped in the pool file. B, checking, takes blocks 2..
+    as load errors and recomputes them: every block holds the right bytes. B not checking
+    loads the flipped byte as a hit (what the check prevents)."""
+    server = maru_server_factory(pool_size="256M")
+    a, b = _both(
+        server, model_dir, 1, {"maru_checksums": True}, corrupt=2, maru_checksums=reader_checks
+    )
+    assert a["saved_blocks"] == W.BLOCKS
+    if reader_checks:
+        assert b["load_errors"] == sorted(b["first_blocks"][2:])
+        assert b["computed"][0] == list(range(2 * BLOCK, W.BLOCKS * BLOCK + W.TAIL))
+        assert b["match"] == [[True] * W.BLOCKS]
+    else:
+        assert b["load_errors"] == []
+        assert b["match"] == [[True, True, False, True, True]]
 
 
 def test_many_requests_load_in_parallel(maru_server_factory, model_dir, vllm_env):

@@ -39,6 +39,23 @@ def owned_pages(h: Any) -> int:
     return sum(r.length for r in h.list_allocations()) // h.get_chunk_size()
 
 
+def flip_byte(handler: Any, key: str, at: int = 0) -> None:
+    """Flip one byte of `key`'s value where it lies in the pool file (not through a mapping
+    of Maru's: as a stray writer, a bad DIMM or a reused page would)."""
+    import os
+
+    info = handler.batch_retrieve([key])[0]
+    assert info is not None, key
+    region = handler._mapper.get(info.region_id).handle
+    fd = os.open(region.path, os.O_RDWR)
+    try:
+        where = region.offset + info.offset + at
+        (old,) = os.pread(fd, 1, where)
+        assert os.pwrite(fd, bytes([old ^ 0xFF]), where) == 1
+    finally:
+        os.close(fd)
+
+
 def _run(fn: Callable[..., dict], out_q: Any, idx: int, args: tuple) -> None:
     try:
         result = fn(*args)

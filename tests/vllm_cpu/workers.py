@@ -46,11 +46,20 @@ def store(model_dir: str, url: str, n_prompts: int, extra: dict[str, Any]) -> di
         engine.close()
 
 
-def load(model_dir: str, url: str, n_prompts: int, extra: dict[str, Any], evict: int = -1) -> dict:
+def load(
+    model_dir: str,
+    url: str,
+    n_prompts: int,
+    extra: dict[str, Any],
+    evict: int = -1,
+    corrupt: int = -1,
+) -> dict:
     """Instance B runs the same prompts: the full blocks come from Maru, only the tail is
     computed. With `evict` = i, block i of the first prompt is deleted after the scheduler
-    matched it and before the worker loads it (what an eviction in between does)."""
+    matched it and before the worker loads it (what an eviction in between does); with
+    `corrupt` = i, one byte of its value is flipped in the pool file instead."""
     _vllm_on_path()
+    from integration.workers import flip_byte
     from maru import MaruHandler
     from vllm_cpu.engine import MiniEngine
 
@@ -58,9 +67,13 @@ def load(model_dir: str, url: str, n_prompts: int, extra: dict[str, Any], evict:
     evicted: list[bool] = []
 
     def before_load(meta) -> None:
-        if evict >= 0 and meta.loads and not evicted:
+        if max(evict, corrupt) >= 0 and meta.loads and not evicted:
             with MaruHandler(server_url=url, pool_size="2M", chunk_size_bytes=4096) as h:
-                evicted.extend(h.batch_delete([meta.loads[0].keys[0][evict]]))
+                if evict >= 0:
+                    evicted.extend(h.batch_delete([meta.loads[0].keys[0][evict]]))
+                else:
+                    flip_byte(h, meta.loads[0].keys[0][corrupt], at=100)
+                    evicted.append(False)
 
     try:
         ids = [engine.add(prompt(i)) for i in range(n_prompts)]
