@@ -18,6 +18,8 @@ from maru.client.rpc import RpcClient
 from maru.common.config import ConfigError, MaruConfig
 from maru.common.errors import MaruConnectRefused
 
+from .test_crash_safety import wait_until
+
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE")
 
 
@@ -121,7 +123,8 @@ def test_with_curve_clients_only_listed_client_keys_talk_to_the_server(
     talks to a client whose public key is in DIR (and that proves it with the secret key),
     and refuses any other (a throwaway keypair, an unlisted one, a listed public key without
     its secret) with a clear error within the deadline, logged by the server. A key added to
-    DIR counts from the next connection, without a restart."""
+    DIR counts from the next connection, without a restart; a key removed from DIR counts for
+    the connection already open too."""
     allowed, keys = tmp_path / "allowed", tmp_path / "keys"
     allowed.mkdir()
     keys.mkdir()
@@ -166,6 +169,15 @@ def test_with_curve_clients_only_listed_client_keys_talk_to_the_server(
     (allowed / "bob.pub").write_text((keys / "bob.pub").read_text())  # added while it runs
     bob = handler(server.url, server_key, str(keys / "bob.key"))
     assert bob.connected and bob.exists("a")
+    # removed while bob is connected: ZeroMQ keeps the connection, the server refuses its
+    # requests (within a second, the allowlist's recheck), naming the key
+    (allowed / "bob.pub").unlink()
+    assert wait_until(lambda: not bob.store("c", b"z" * 1000), 10)
+    assert not bob.exists("a") and not bob.exists("c")
+    assert f"refused a CURVE client with key {bob_public}: removed from" in server.read_log()
+    assert alice.exists("a")  # the others go on
+    (allowed / "bob.pub").write_text(bob_public)  # listed again: served again
+    assert wait_until(lambda: bob.exists("a"), 10)
     # the allowlist survives a restart (it is the operator's directory, read at start)
     server.restart()
     assert alice.store("b", b"y" * 1000)

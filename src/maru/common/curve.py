@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import zmq
@@ -67,15 +68,19 @@ def read_allowlist(location: Path) -> set[str]:
 
 
 class ClientAllowlist:
-    """The server's ZAP check (`zmq.auth` credentials provider): a client key is let in when
-    it is listed at `location`. The files are read again when they changed (a directory's or
-    a file's mtime), so a key added or removed counts from the next connection on, without a
-    restart; a refused key is logged once (WARNING)."""
+    """The server's CURVE client check. At connect, as the ZAP credentials provider
+    (`callback`): a client key is let in when it is listed at `location`. On every request
+    over TCP (`revoked`): a key removed since its client connected is refused from then on, as
+    ZeroMQ keeps an authenticated connection open. The files are read again when they changed
+    (a directory's or a file's mtime; `refresh`, at connect and by the server's housekeeping),
+    so a key added or removed counts without a restart; a refused key is logged once
+    per version of the list (WARNING)."""
 
     def __init__(self, location: Path):
         self.location = location
         self._lock = threading.Lock()  # (the ZAP thread asks; tests read `keys`)
         self._stamp: tuple[float, ...] = ()
+        self._looked = 0.0  # when the files were last checked (monotonic)
         self._refused: set[str] = set()
         self.keys = self._load()
 
@@ -86,23 +91,45 @@ class ClientAllowlist:
     def _load(self) -> set[str]:
         self._stamp = self._stamps()
         keys = read_allowlist(self.location)
+        self._refused = set()  # each refusal is news again under a new list
         log.info("CURVE clients: %d key(s) allowed (%s)", len(keys), self.location)
         return keys
 
-    def callback(self, domain: str, key: bytes) -> bool:
-        text = key.decode("ascii", "replace")
+    def refresh(self, every: float = 0.0) -> None:
+        """Read the list again if its files changed (an unreadable list keeps the last); not
+        if it was looked at less than `every` seconds ago."""
         with self._lock:
+            now = time.monotonic()
+            if now < self._looked + every:
+                return
+            self._looked = now
             try:
                 if self._stamps() != self._stamp:
                     self.keys = self._load()
             except (OSError, ValueError) as exc:  # keep the last good list
                 log.error("CURVE clients: %s unreadable, last list kept: %s", self.location, exc)
-            allowed = text in self.keys
-            if not allowed and text not in self._refused and len(self._refused) < 1000:
-                self._refused.add(text)
-                log.warning(
-                    "refused a CURVE client with key %s: not in --curve-clients %s",
-                    text,
-                    self.location,
-                )
+
+    def _refuse(self, text: str, why: str) -> None:
+        with self._lock:
+            if text in self._refused or len(self._refused) >= 1000:
+                return
+            self._refused.add(text)
+        log.warning(
+            "refused a CURVE client with key %s: %s --curve-clients %s", text, why, self.location
+        )
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        text = key.decode("ascii", "replace")
+        self.refresh()
+        allowed = text in self.keys
+        if not allowed:
+            self._refuse(text, "not in")
         return allowed
+
+    def revoked(self, user_id: str | None) -> str | None:
+        """Why a request from the client that authenticated as `user_id` (its Z85 public key,
+        ZeroMQ's User-Id) is refused, or None if its key is still listed."""
+        if user_id in self.keys:
+            return None
+        self._refuse(str(user_id), "removed from")
+        return f"this client's CURVE key {user_id} was removed from the server's --curve-clients"

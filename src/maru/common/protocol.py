@@ -90,6 +90,7 @@ class ErrorCode(IntEnum):
     INTERNAL = 11
     STATE_UNAVAILABLE = 12  # the journal cannot be written: changes refused, reads go on
     QUOTA_EXCEEDED = 13  # the instance holds its quota of region bytes or leases
+    NOT_AUTHORIZED = 14  # the client's CURVE key was removed from the server's allowlist
 
 
 class RegisterStatus(IntEnum):

@@ -234,13 +234,14 @@ class MaruService:
         self.metrics_url: str | None = None  # set when `--metrics-port` serves Prometheus
         self.context = zmq.Context.instance()
         self.authenticator: ThreadAuthenticator | None = None
+        self.allowlist: ClientAllowlist | None = None
         if curve_clients is not None:
             if curve_secret_key is None:
                 raise ValueError("curve_clients needs curve_secret_key")
             self.authenticator = ThreadAuthenticator(self.context, log=log)
             self.authenticator.start()
-            allowlist = ClientAllowlist(curve_clients)
-            self.authenticator.configure_curve_callback("*", credentials_provider=allowlist)
+            self.allowlist = ClientAllowlist(curve_clients)
+            self.authenticator.configure_curve_callback("*", credentials_provider=self.allowlist)
         try:
             self.socket = _router(self.context, bind_url, curve_secret_key)
         except zmq.ZMQError:
@@ -432,9 +433,12 @@ class MaruService:
 
     # -- loop --------------------------------------------------------------------------------
 
-    def handle_frame(self, frame: bytes, peer: Peer | None = None) -> bytes:
+    def handle_frame(
+        self, frame: bytes, peer: Peer | None = None, refused: str | None = None
+    ) -> bytes:
         """Turn one request frame into one reply frame. Never raises. `peer`: the Unix
         connection it came on (its process is watched for the instance it speaks for).
+        `refused`: why its sender may no longer ask anything (NOT_AUTHORIZED).
 
         A successful request's time, from decoding its frame to its encoded reply, goes into
         its operation's histogram; a failed one counts as an error of its operation (or as an
@@ -448,6 +452,8 @@ class MaruService:
         try:
             header = protocol.decode_header(frame)
             msg_type, request_id, version = header.msg_type, header.request_id, header.version
+            if refused is not None:
+                raise ProtocolError(ErrorCode.NOT_AUTHORIZED, refused)
             body = protocol.decode_body(frame, header)
             # Who is asking: the instance whose session credential the request carries, else
             # nobody (handlers that need an instance answer UNKNOWN_INSTANCE: handshake).
@@ -520,18 +526,24 @@ class MaruService:
             # Requests first, then housekeeping, so that the heartbeats queued during a stall
             # count before the reaper judges who is silent. A burst is bounded so that
             # housekeeping still runs under constant load.
+            allowlist = self.allowlist
             for _ in range(1024 if events.get(sock) else 0):
                 try:
-                    parts = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                    # With --curve-clients, each request's frame says which key it came with.
+                    parts = sock.recv_multipart(zmq.NOBLOCK, copy=allowlist is None)
                 except zmq.Again:
                     break
+                refused = None
+                if allowlist is not None:
+                    refused = allowlist.revoked(parts[-1].get("User-Id"))
+                    parts = [part.bytes for part in parts]
                 if len(parts) != 2:
                     # A DEALER sends exactly one frame; anything else is not ours to parse.
                     reply = protocol.encode_error(
                         0, 0, ErrorCode.BAD_FRAME, f"expected 1 frame, got {len(parts) - 1}"
                     )
                 else:
-                    reply = self.handle_frame(parts[1])
+                    reply = self.handle_frame(parts[1], refused=refused)
                 try:
                     sock.send_multipart([parts[0], reply], zmq.NOBLOCK)
                 except zmq.ZMQError as exc:  # the peer vanished, or does not read (SNDHWM)
@@ -573,6 +585,8 @@ class MaruService:
 
     def housekeeping(self, now: float | None = None) -> None:
         self.housekeeper.run(now)
+        if self.allowlist is not None:
+            self.allowlist.refresh(every=1.0)  # a key removed counts for open connections too
 
     def _pool_lost(self, reason: str) -> None:
         self.pool_lost = reason
