@@ -41,6 +41,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from maru import MaruConfig, MaruHandler
+from maru_sglang.hit_policy import PoolPresence, leading_run, usable_prefix
 from maru_sglang.pools import (
     KV_POOL_NAME,
     PoolIO,
@@ -93,12 +94,6 @@ class _Batch:
     keys: list[str]
     columns: list[np.ndarray] | None = None
     results: list[bool] = dataclasses.field(default_factory=list)
-
-
-def _leading_run(present: np.ndarray) -> int:
-    """Number of True from the start."""
-    missing = np.flatnonzero(~present)
-    return int(missing[0]) if missing.size else int(present.size)
 
 
 def open_handler(
@@ -435,7 +430,7 @@ class MaruStorage(HiCacheStorage):
         kv = self._require_pool()
         if kv.logical:
             return len(keys)
-        return _leading_run(np.array(self.handler.batch_exists(kv.keys(keys)), dtype=bool))
+        return leading_run(np.array(self.handler.batch_exists(kv.keys(keys)), dtype=bool))
 
     # -- v2: every pool ----------------------------------------------------------------------
 
@@ -452,15 +447,8 @@ class MaruStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
         """The usable prefix of `keys` (KV page hashes) given every pool's hit policy, with one
-        RPC for the KV pages and every pool's pages together.
-
-        Sidecar pages are stored under the hash of the KV page they belong to. ALL_PAGES: a
-        pool page for every KV page of the prefix. TRAILING_PAGES: the `len(transfer.keys)`
-        pages ending at the prefix's last page (a Mamba state, an SWA window), so a prefix is
-        restorable only where such a window is complete: `restorable_prefix_pages` lists every
-        such length. BLOCK_GROUPS: the transfer's own keys in groups of `group_pages`; the
-        leading complete groups cover `block_pages` KV pages each; reported as the pool's own
-        verdict, it never shortens the KV hit. An unregistered pool restores nothing."""
+        RPC for the KV pages and every pool's pages together; the policies' arithmetic is in
+        `hit_policy.usable_prefix`."""
         kv = self._require_pool()
         n = len(keys)
         transfers = list(pool_transfers or [])
@@ -475,63 +463,20 @@ class MaruStorage(HiCacheStorage):
                 query += pool.keys(hashes)
         present = np.array(self.handler.batch_exists(query) if query else [], dtype=bool)
         offset = 0 if kv.logical else n
-        kv_pages = n if kv.logical else _leading_run(present[:n])
-        hit_pages: dict[str, int] = {KV_POOL_NAME: kv_pages} if kv_pages else {}
-        restorable = np.zeros(n + 1, dtype=bool)  # restorable[p]: a prefix of p pages works
-        restorable[1 : kv_pages + 1] = True
+        answers: list[PoolPresence] = []
         for t, pool, hashes in zip(transfers, pools, own_keys):
-            name = str(t.name)
-            if pool is None:
-                log.error("batch_exists_v2: pool %s was never registered", name)
-                restorable[:] = False
-                continue
-            if pool.logical:
+            mine: np.ndarray | None = None  # never registered
+            if pool is not None and pool.logical:
                 mine = np.ones(len(hashes), dtype=bool)
-            else:
+            elif pool is not None:
                 mine = present[offset : offset + len(hashes)]
                 offset += len(hashes)
-            if t.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
-                covered = self._block_group_pages(t, mine)
-                if covered:
-                    hit_pages[name] = covered
-                continue
-            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
-                ok = np.zeros(n + 1, dtype=bool)
-                ok[1 : _leading_run(mine[:kv_pages]) + 1] = True
-            elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
-                window = max(1, len(t.keys or ()))
-                missing = np.concatenate(([0], np.cumsum(~mine[:kv_pages])))
-                lengths = np.arange(kv_pages + 1)
-                ok = np.zeros(n + 1, dtype=bool)
-                starts = np.maximum(0, lengths - window)
-                ok[: kv_pages + 1] = (missing[lengths] - missing[starts]) == 0
-                ok[0] = False
-            else:
-                log.error("batch_exists_v2: pool %s has unknown hit policy %s", name, t.hit_policy)
-                ok = np.zeros(n + 1, dtype=bool)
-            own = np.flatnonzero(ok)
-            if own.size:
-                hit_pages[name] = int(own[-1])
-            restorable &= ok
-        lengths = np.flatnonzero(restorable)
-        final = int(lengths[-1]) if lengths.size else 0
-        return PoolTransferResult(final, hit_pages, lengths.tolist())
-
-    @staticmethod
-    def _block_group_pages(transfer: PoolTransfer, present: np.ndarray) -> int:
-        """KV pages covered by the leading complete groups of a BLOCK_GROUPS pool."""
-        group, block = int(transfer.group_pages), int(transfer.block_pages)
-        if group <= 0 or block <= 0:
-            log.error(
-                "pool %s: BLOCK_GROUPS needs group_pages and block_pages > 0 (got %d, %d)",
-                transfer.name,
-                group,
-                block,
+            window = max(1, len(t.keys or ()))
+            answers.append(
+                PoolPresence(str(t.name), t.hit_policy, mine, window, t.group_pages, t.block_pages)
             )
-            return 0
-        whole = present.size // group
-        groups = present[: whole * group].reshape(whole, group).all(axis=1)
-        return _leading_run(groups) * block
+        kv_present = np.ones(n, dtype=bool) if kv.logical else present[:n]
+        return PoolTransferResult(*usable_prefix(kv_present, answers, KV_POOL_NAME))
 
     def _v2_batches(self, transfers: list[PoolTransfer], op: str, writing: bool):
         """Split a v2 call into per-pool batches; the results of pools that need no IO (not
