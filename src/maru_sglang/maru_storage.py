@@ -24,9 +24,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
-import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -50,6 +48,7 @@ from maru_sglang.pools import (
     page_namespace,
     sidecar_namespace,
 )
+from maru_sglang.storage_stats import StorageStats
 
 __all__ = ["KV_POOL_NAME", "MaruStorage", "chunk_size_for", "page_namespace"]
 
@@ -62,27 +61,6 @@ _memmove = ctypes.memmove
 # pages, each sent while the next piece is copied (smaller batches: one registration).
 PIPELINE_PIECES = 2
 PIPELINE_MIN_PAGES = 32
-
-# Counted per pool; the seconds spent in reads and writes are counted per call (one call
-# serves several pools).
-_COUNTERS = (
-    "hits",
-    "misses",
-    "bytes_read",
-    "bytes_written",
-    "pages_written",
-    # hits taken as misses after the copy: bytes unlike their checksum (maru_checksums), or
-    # (the local index) an entry that changed during the copy
-    "checksum_mismatches",
-)
-
-
-def _storage_metrics_cls() -> Any:
-    try:
-        from sglang.srt.observability.metrics_collector import StorageMetrics
-    except ImportError:  # older/newer SGLang moved it; stats then come back as a dict
-        return None
-    return StorageMetrics
 
 
 @dataclasses.dataclass
@@ -130,7 +108,6 @@ class MaruStorage(HiCacheStorage):
         # the pools register, before any chunk is reserved): with the 1 MiB default a 16 KiB
         # page would hold 1 MiB.
         self._chunk_from_page = "maru_chunk_size_bytes" not in extra
-        self.enable_metrics = bool(storage_config.enable_storage_metrics)
         self.config, self.handler = open_handler(
             extra, storage_config.tp_rank, storage_config.tp_size
         )
@@ -138,10 +115,7 @@ class MaruStorage(HiCacheStorage):
         self.namespace = ""  # the KV pool's
         self._kv: PoolIO | None = None
         self.pools: dict[str, PoolIO] = {}
-        self._stats_lock = threading.Lock()
-        self._reset_metrics()
-        self._pool_counters: dict[str, dict[str, int]] = {}
-        self._seconds = {"get_seconds": 0.0, "set_seconds": 0.0}
+        self._stats = StorageStats(bool(storage_config.enable_storage_metrics))
         log.info(
             "MaruStorage connected to %s as instance %s",
             self.config.server_url,
@@ -312,7 +286,7 @@ class MaruStorage(HiCacheStorage):
             else:
                 for (owner, i), ok in zip(owners, results):
                     owner.results[i] = ok
-        self._account_write(batches, time.perf_counter() - start)
+        self._stats.account_write(batches, time.perf_counter() - start)
 
     def _read(self, batches: list[_Batch], host_indices: list[torch.Tensor | None]) -> None:
         """One leased lookup for every batch's pages (the host pointers are computed while it
@@ -364,7 +338,7 @@ class MaruStorage(HiCacheStorage):
                 log.warning("read: the lease on %d pages ended during the copy", len(all_keys))
                 for batch in batches:
                     batch.results = [False] * len(batch.keys)
-        self._account_read(batches, time.perf_counter() - start)
+        self._stats.account_read(batches, time.perf_counter() - start)
 
     def _copy_out(
         self, pool: PoolIO, addresses: np.ndarray, columns: list[np.ndarray], hashed: bool
@@ -379,8 +353,7 @@ class MaruStorage(HiCacheStorage):
             offset += len(batch.keys)
             if bad.any() and batch.results:
                 batch.results = (np.array(batch.results, bool) & ~bad).tolist()
-                with self._stats_lock:
-                    self._counters(batch.pool.name)["checksum_mismatches"] += int(bad.sum())
+                self._stats.count(batch.pool.name, checksum_mismatches=int(bad.sum()))
 
     # -- v1: the KV pool ---------------------------------------------------------------------
 
@@ -568,10 +541,7 @@ class MaruStorage(HiCacheStorage):
             if not found.release(confirm=True):  # the lease ended mid-copy: not proven
                 out = [None] * len(keys)
         hits = sum(t is not None for t in out)
-        with self._stats_lock:
-            counters = self._counters(KV_POOL_NAME)
-            counters["hits"] += hits
-            counters["misses"] += len(keys) - hits
+        self._stats.count(KV_POOL_NAME, hits=hits, misses=len(keys) - hits)
         return out
 
     def set(
@@ -612,74 +582,15 @@ class MaruStorage(HiCacheStorage):
             removed = self.handler.delete_prefix(namespace + ":")
             log.info("MaruStorage: cleared %d pages of namespace %s", removed, namespace)
 
-    def _counters(self, pool: str) -> dict[str, int]:
-        counters = self._pool_counters.get(pool)
-        if counters is None:
-            counters = self._pool_counters[pool] = dict.fromkeys(_COUNTERS, 0)
-        return counters
-
-    def _account_write(self, batches: Sequence[_Batch], elapsed: float) -> None:
-        written = 0
-        with self._stats_lock:
-            for batch in batches:
-                ok = sum(batch.results)
-                counters = self._counters(batch.pool.name)
-                counters["bytes_written"] += ok * batch.pool.page_bytes
-                counters["pages_written"] += ok
-                written += ok * batch.pool.page_bytes
-            self._seconds["set_seconds"] += elapsed
-            if self.enable_metrics:
-                self._backup_pgs.append(sum(len(b.keys) for b in batches))
-                self._backup_bw.append(written / max(elapsed, 1e-9) / 1e9)
-
-    def _account_read(self, batches: Sequence[_Batch], elapsed: float) -> None:
-        read = 0
-        with self._stats_lock:
-            for batch in batches:
-                hits = sum(batch.results)
-                counters = self._counters(batch.pool.name)
-                counters["hits"] += hits
-                counters["misses"] += len(batch.keys) - hits
-                counters["bytes_read"] += hits * batch.pool.page_bytes
-                read += hits * batch.pool.page_bytes
-            self._seconds["get_seconds"] += elapsed
-            if self.enable_metrics:
-                self._prefetch_pgs.append(sum(len(b.keys) for b in batches))
-                self._prefetch_bw.append(read / max(elapsed, 1e-9) / 1e9)
-
-    def _reset_metrics(self) -> None:
-        self._prefetch_pgs: list[int] = []
-        self._backup_pgs: list[int] = []
-        self._prefetch_bw: list[float] = []
-        self._backup_bw: list[float] = []
-
     @property
     def counters(self) -> dict[str, Any]:
         """Cumulative counters over every pool, and per pool under `pools`."""
-        with self._stats_lock:
-            pools = {name: dict(c) for name, c in self._pool_counters.items()}
-            seconds = dict(self._seconds)
-        totals: dict[str, Any] = {key: sum(c[key] for c in pools.values()) for key in _COUNTERS}
-        totals.update(seconds)
-        totals["pools"] = pools
-        return totals
+        return self._stats.counters
 
     def get_stats(self) -> Any:
         """SGLang's StorageMetrics (pages per batch and GB/s, drained on each call), with our
         cumulative counters (totals, and per pool under `pools`) attached as `.maru`."""
-        counters = self.counters
-        cls = _storage_metrics_cls()
-        if cls is None:
-            return counters
-        with self._stats_lock:
-            metrics = cls()
-            metrics.prefetch_pgs.extend(self._prefetch_pgs)
-            metrics.backup_pgs.extend(self._backup_pgs)
-            metrics.prefetch_bandwidth.extend(self._prefetch_bw)
-            metrics.backup_bandwidth.extend(self._backup_bw)
-            self._reset_metrics()
-        metrics.maru = counters
-        return metrics
+        return self._stats.get_stats()
 
     def close(self) -> None:
         """Detach: end this instance on the server (its leases, pins and regions go at once;

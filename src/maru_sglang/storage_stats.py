@@ -1,0 +1,128 @@
+"""`MaruStorage`'s statistics: cumulative counters per pool, and SGLang's `StorageMetrics`.
+
+SGLang's backup and prefetch threads call the storage at once, so every update and read of the
+counters holds one lock. `StorageMetrics` (pages per call and GB/s) is drained on each
+`get_stats()`, as SGLang expects; the counters only grow.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from maru_sglang.maru_storage import _Batch
+
+# Counted per pool; the seconds spent in reads and writes are counted per call (one call
+# serves several pools).
+COUNTERS = (
+    "hits",
+    "misses",
+    "bytes_read",
+    "bytes_written",
+    "pages_written",
+    # hits taken as misses after the copy: bytes unlike their checksum (maru_checksums), or
+    # (the local index) an entry that changed during the copy
+    "checksum_mismatches",
+)
+
+
+def _storage_metrics_cls() -> Any:
+    try:
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+    except ImportError:  # older/newer SGLang moved it; stats then come back as a dict
+        return None
+    return StorageMetrics
+
+
+class StorageStats:
+    """The counters of one `MaruStorage`; `enable_metrics` (SGLang's
+    `enable_storage_metrics`) also keeps the per-call samples of `StorageMetrics`."""
+
+    def __init__(self, enable_metrics: bool) -> None:
+        self.enable_metrics = enable_metrics
+        self._lock = threading.Lock()
+        self._pools: dict[str, dict[str, int]] = {}
+        self._seconds = {"get_seconds": 0.0, "set_seconds": 0.0}
+        self._reset_metrics()
+
+    def _pool(self, pool: str) -> dict[str, int]:
+        """`pool`'s counters, created at first use (the caller holds the lock)."""
+        counters = self._pools.get(pool)
+        if counters is None:
+            counters = self._pools[pool] = dict.fromkeys(COUNTERS, 0)
+        return counters
+
+    def count(self, pool: str, **deltas: int) -> None:
+        """Add `deltas` (names of `COUNTERS`) to `pool`'s counters."""
+        with self._lock:
+            counters = self._pool(pool)
+            for name, delta in deltas.items():
+                counters[name] += delta
+
+    def account_write(self, batches: Sequence[_Batch], elapsed: float) -> None:
+        """One write call of `batches` (their `results` filled in) that took `elapsed` s."""
+        written = 0
+        with self._lock:
+            for batch in batches:
+                ok = sum(batch.results)
+                counters = self._pool(batch.pool.name)
+                counters["bytes_written"] += ok * batch.pool.page_bytes
+                counters["pages_written"] += ok
+                written += ok * batch.pool.page_bytes
+            self._seconds["set_seconds"] += elapsed
+            if self.enable_metrics:
+                self._backup_pgs.append(sum(len(b.keys) for b in batches))
+                self._backup_bw.append(written / max(elapsed, 1e-9) / 1e9)
+
+    def account_read(self, batches: Sequence[_Batch], elapsed: float) -> None:
+        """One read call of `batches` (their `results` filled in) that took `elapsed` s."""
+        read = 0
+        with self._lock:
+            for batch in batches:
+                hits = sum(batch.results)
+                counters = self._pool(batch.pool.name)
+                counters["hits"] += hits
+                counters["misses"] += len(batch.keys) - hits
+                counters["bytes_read"] += hits * batch.pool.page_bytes
+                read += hits * batch.pool.page_bytes
+            self._seconds["get_seconds"] += elapsed
+            if self.enable_metrics:
+                self._prefetch_pgs.append(sum(len(b.keys) for b in batches))
+                self._prefetch_bw.append(read / max(elapsed, 1e-9) / 1e9)
+
+    def _reset_metrics(self) -> None:
+        self._prefetch_pgs: list[int] = []
+        self._backup_pgs: list[int] = []
+        self._prefetch_bw: list[float] = []
+        self._backup_bw: list[float] = []
+
+    @property
+    def counters(self) -> dict[str, Any]:
+        """Cumulative counters over every pool, and per pool under `pools`."""
+        with self._lock:
+            pools = {name: dict(c) for name, c in self._pools.items()}
+            seconds = dict(self._seconds)
+        totals: dict[str, Any] = {key: sum(c[key] for c in pools.values()) for key in COUNTERS}
+        totals.update(seconds)
+        totals["pools"] = pools
+        return totals
+
+    def get_stats(self) -> Any:
+        """SGLang's StorageMetrics (pages per batch and GB/s, drained on each call), with the
+        cumulative counters (totals, and per pool under `pools`) attached as `.maru`; the
+        counters alone (a dict) where this SGLang has no StorageMetrics."""
+        counters = self.counters
+        cls = _storage_metrics_cls()
+        if cls is None:
+            return counters
+        with self._lock:
+            metrics = cls()
+            metrics.prefetch_pgs.extend(self._prefetch_pgs)
+            metrics.backup_pgs.extend(self._backup_pgs)
+            metrics.prefetch_bandwidth.extend(self._prefetch_bw)
+            metrics.backup_bandwidth.extend(self._backup_bw)
+            self._reset_metrics()
+        metrics.maru = counters
+        return metrics
