@@ -17,11 +17,14 @@ Two interfaces, one data path (`_write` / `_read`):
   sidecar pools of hybrid models (Mamba, SWA, DSA indexer, DeepSeek-V4 compressed pools, draft
   pools), which SGLang's `HybridCacheController` drives; see `pools.py` for how each pool's
   keys are scoped.
+
+Beside it: `hit_policy.py` (which prefix `batch_exists_v2` reports, from the one existence
+answer), `storage_stats.py` (the counters and SGLang's `StorageMetrics`), `legacy.py` (the
+interface with `interface_v1` off, page tensors copied one by one).
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import time
@@ -40,6 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from maru import MaruConfig, MaruHandler
 from maru_sglang.hit_policy import PoolPresence, leading_run, usable_prefix
+from maru_sglang.legacy import LegacyInterface
 from maru_sglang.pools import (
     KV_POOL_NAME,
     PoolIO,
@@ -56,7 +60,6 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_LAYOUTS = ("page_first_direct", "page_first")
 
-_memmove = ctypes.memmove
 # batch_set_v1 registers a batch in up to PIPELINE_PIECES pieces of at least PIPELINE_MIN_PAGES
 # pages, each sent while the next piece is copied (smaller batches: one registration).
 PIPELINE_PIECES = 2
@@ -100,7 +103,7 @@ def open_handler(
     return config, handler
 
 
-class MaruStorage(HiCacheStorage):
+class MaruStorage(LegacyInterface, HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, args: Any = None):
         self.storage_config = storage_config
         extra = dict(storage_config.extra_config or {})
@@ -511,67 +514,6 @@ class MaruStorage(HiCacheStorage):
         for batch in batches:
             results[batch.pool.name] = batch.results
         return results
-
-    # -- legacy path (interface_v1 off) ------------------------------------------------------
-
-    def get(
-        self, key: str, target_location: Any = None, target_sizes: Any = None
-    ) -> torch.Tensor | None:
-        return self.batch_get([key], [target_location])[0]
-
-    def batch_get(
-        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
-    ) -> list[torch.Tensor | None]:
-        kv = self._require_pool()
-        if target_locations is None:
-            target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
-        out: list[torch.Tensor | None] = []
-        with self.handler.lookup(kv.keys(keys), lease=True, for_copy=True) as found:
-            for address, length, target in zip(
-                found.addresses.tolist(), found.lengths.tolist(), target_locations
-            ):
-                nbytes = target.numel() * target.element_size()
-                if not address or length != nbytes or not target.is_contiguous():
-                    out.append(None)
-                    continue
-                _memmove(target.data_ptr(), address, nbytes)
-                out.append(target)
-            for i in np.flatnonzero(found.corrupt()):  # after the copy, as in `_read`
-                out[i] = None
-            if not found.release(confirm=True):  # the lease ended mid-copy: not proven
-                out = [None] * len(keys)
-        hits = sum(t is not None for t in out)
-        self._stats.count(KV_POOL_NAME, hits=hits, misses=len(keys) - hits)
-        return out
-
-    def set(
-        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
-    ) -> bool:
-        return self.batch_set([key], [value])
-
-    def batch_set(
-        self,
-        keys: list[str],
-        values: Any = None,
-        target_locations: Any = None,
-        target_sizes: Any = None,
-    ) -> bool:
-        kv = self._require_pool()
-        if values is None or len(values) != len(keys):
-            return False
-        handles, lengths = [], []
-        for value in values:
-            value = value.contiguous()
-            nbytes = value.numel() * value.element_size()
-            handle = self.handler.alloc(nbytes)
-            if handle is not None:
-                _memmove(handle.address, value.data_ptr(), nbytes)
-            handles.append(handle)
-            lengths.append(nbytes)
-        return all(self.handler.seal(kv.keys(keys), handles, lengths).wait())
-
-    def exists(self, key: str) -> bool:
-        return self.handler.exists(self._require_pool().keys([key])[0])
 
     # -- housekeeping ------------------------------------------------------------------------
 

@@ -1,0 +1,94 @@
+"""SGLang's legacy storage interface (`interface_v1` off), a mixin of `MaruStorage`.
+
+Without `interface_v1` SGLang's controller hands over one flat tensor per KV page
+(`batch_get(keys, dummy pages)`, then `set_from_flat_data_page`; `batch_set(keys, values)`)
+instead of host-pool indices. These methods copy page by page (`ctypes.memmove`) and serve the
+KV pool only; they share nothing with the v1 / v2 data path (`MaruStorage._read` / `_write`)
+but the handler, the KV pool's keys and the counters, so they live apart from it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from maru_sglang.pools import KV_POOL_NAME, PoolIO
+from maru_sglang.storage_stats import StorageStats
+
+if TYPE_CHECKING:
+    from maru import MaruHandler
+
+_memmove = ctypes.memmove
+
+
+class LegacyInterface:
+    """`get` / `batch_get` / `set` / `batch_set` / `exists` over whole-page tensors. The
+    class that mixes it in provides the attributes declared here."""
+
+    handler: MaruHandler
+    mem_pool_host: Any
+    _stats: StorageStats
+    _require_pool: Callable[[], PoolIO]
+
+    def get(
+        self, key: str, target_location: Any = None, target_sizes: Any = None
+    ) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
+        kv = self._require_pool()
+        if target_locations is None:
+            target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        out: list[torch.Tensor | None] = []
+        with self.handler.lookup(kv.keys(keys), lease=True, for_copy=True) as found:
+            for address, length, target in zip(
+                found.addresses.tolist(), found.lengths.tolist(), target_locations
+            ):
+                nbytes = target.numel() * target.element_size()
+                if not address or length != nbytes or not target.is_contiguous():
+                    out.append(None)
+                    continue
+                _memmove(target.data_ptr(), address, nbytes)
+                out.append(target)
+            for i in np.flatnonzero(found.corrupt()):  # after the copy, as in `_read`
+                out[i] = None
+            if not found.release(confirm=True):  # the lease ended mid-copy: not proven
+                out = [None] * len(keys)
+        hits = sum(t is not None for t in out)
+        self._stats.count(KV_POOL_NAME, hits=hits, misses=len(keys) - hits)
+        return out
+
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        kv = self._require_pool()
+        if values is None or len(values) != len(keys):
+            return False
+        handles, lengths = [], []
+        for value in values:
+            value = value.contiguous()
+            nbytes = value.numel() * value.element_size()
+            handle = self.handler.alloc(nbytes)
+            if handle is not None:
+                _memmove(handle.address, value.data_ptr(), nbytes)
+            handles.append(handle)
+            lengths.append(nbytes)
+        return all(self.handler.seal(kv.keys(keys), handles, lengths).wait())
+
+    def exists(self, key: str) -> bool:
+        return self.handler.exists(self._require_pool().keys([key])[0])
