@@ -14,7 +14,7 @@ import pytest
 
 from maru import MaruAdmin, MaruHandler
 from maru.common import shmindex
-from maru.common.shmindex import table_files
+from maru.common.shmindex import MAX_KEY, table_files
 
 from .workers import SPAWN
 
@@ -36,10 +36,12 @@ def handler(url: str, **kw: Any) -> MaruHandler:
     return MaruHandler(server_url=url, **kw)
 
 
-def read(h: MaruHandler, keys: list[str], before_copy: Any = None) -> tuple[list, Any]:
+def read(
+    h: MaruHandler, keys: list[Any], before_copy: Any = None, prefix: Any = ""
+) -> tuple[list, Any]:
     """A copying read as MaruStorage does it: copy the hits, then drop what `corrupt()` names
     (and everything if `release(confirm=True)` says the batch is not proven)."""
-    with h.lookup(keys, lease=True, for_copy=True) as found:
+    with h.lookup(keys, lease=True, for_copy=True, prefix=prefix) as found:
         if before_copy is not None:
             before_copy()
         data = [
@@ -139,6 +141,48 @@ def test_the_index_agrees_with_the_request_path(maru_server):
             expected = [bytes(i.view) if i else None for i in infos]
         assert got == expected and sum(d is not None for d in got) == len(stored) - 1
         local.close()
+
+
+def test_prefixed_calls_answer_for_the_joined_keys_with_the_index_and_without(maru_server):
+    """`batch_exists`, `exists` and copying `lookup` with `prefix=` (MaruStorage's namespace)
+    answer for `prefix + key`: the index joins them in C, the request path in Python, with
+    the same answers for str and bytes keys, non-ASCII ones, one prefix per key, and a key
+    that fits the table alone but not with its prefix (the request path has it)."""
+    pre = "名前:"  # 7 UTF-8 bytes
+    hashes = [f"{i:064x}" for i in range(12)] + ["ü" * 3, "k" * (MAX_KEY - 7), "k" * (MAX_KEY - 6)]
+    stored = [pre + h for h in hashes[:8] + hashes[12:]] + [b"ns:raw"]
+    mixed, mixed_prefix = ["0" * 64, "raw", b"raw", b"absent"], [pre, pre, b"ns:", b"ns:"]
+    url = maru_server.url
+    with handler(url) as w, handler(url, local_index=False) as plain, handler(url) as local:
+        assert all(w.batch_store(stored, [value(str(k)) for k in stored]))
+        assert local._index is not None and plain._index is None
+        expected = [pre + h in stored for h in hashes]
+        assert expected == [True] * 8 + [False] * 4 + [True] * 3
+        for h in (local, plain):
+            assert h.batch_exists(hashes, prefix=pre) == expected
+            assert h.batch_exists([pre + k for k in hashes]) == expected
+            assert h.batch_exists(mixed, prefix=mixed_prefix) == [True, False, True, False]
+            assert [h.exists(k, prefix=pre) for k in hashes[7:9]] == [True, False]
+        got = {}
+        for name, h in (("local", local), ("plain", plain)):
+            data, found = read(h, hashes, prefix=pre)
+            assert data == [value(pre + k) if e else None for k, e in zip(hashes, expected)]
+            got[name] = (data, read(h, mixed, prefix=mixed_prefix)[0], type(found).__name__)
+        assert got["local"][:2] == got["plain"][:2]
+        assert got["local"][2] == "Lookup"  # the last key cannot be in the table: asked
+        assert got["plain"][1] == [value(pre + mixed[0]), None, value("b'ns:raw'"), None]
+        before = operations(url)
+        assert local.batch_exists(hashes[:-1], prefix=pre) == expected[:-1]
+        data, found = read(local, hashes[:-1], prefix=pre)
+        assert type(found).__name__ == "IndexLookup" and data == got["plain"][0][:-1]
+        assert operations(url) == before  # all local: the keys that fit were joined in C
+        assert local.batch_exists(hashes[-1:], prefix=pre) == [True]
+        assert operations(url)["exists"] == before["exists"] + 1
+        for h in (local, plain):
+            with pytest.raises(TypeError):
+                h.batch_exists([b"raw"], prefix=pre)  # as `pre + b"raw"` raises
+            with pytest.raises(ValueError):
+                h.batch_exists(hashes, prefix=[pre])  # one per key
 
 
 def test_a_first_read_of_an_unmapped_region_asks_once_then_reads_locally(maru_server):

@@ -26,10 +26,24 @@ pytestmark = pytest.mark.skipif(not shmindex.COMPILED, reason="maru.common._shmi
 
 TOKEN = "0123456789abcdef" * 2
 REGIONS = {1: SimpleNamespace(token=TOKEN), 2: SimpleNamespace(token="f" * 32)}
+BASE = {1: 1 << 40, 2: 1 << 41}  # where the regions are "mapped" (the probe only adds)
+GiB = 1 << 30
 
 
-def columns(reader, keys):
-    raw = reader.probe(keys)
+def rows(**changes: tuple[int, int, int, int] | None) -> np.ndarray:
+    """`RegionMapper.rows` for REGIONS (id, base address, length, tag): `changes` replace
+    "r1" / "r2" (None: not mapped) or add rows."""
+    table = {
+        "r1": (1, BASE[1], GiB, region_tag(TOKEN)),
+        "r2": (2, BASE[2], GiB, region_tag("f" * 32)),
+        **changes,
+    }
+    return np.array([r for r in table.values() if r], np.int64).reshape(-1, 4)
+
+
+def columns(reader, keys, regions=None, **kw):
+    """The probe's columns: address, length, checksum, region, offset, slot, seq."""
+    raw = reader.probe(keys, rows() if regions is None else regions, **kw)
     return None if raw is None else np.frombuffer(raw, np.int64).reshape(NCOLS, len(keys))
 
 
@@ -54,12 +68,12 @@ def test_published_keys_are_found_with_their_location_and_others_are_not(index):
     index.publish([b"raw"], [2], [8192], [5], None, regions=REGIONS)
     reader = _open(index.path, os.getuid())
     cols = columns(reader, [*keys, "ns:missing", b"raw", "raw"])
-    region, offset, length, checksum, tag = cols[:5]
+    address, length, checksum, region, offset = cols[:5]
     assert region.tolist() == [1] * 50 + [0, 2, 0]  # str "raw" is not bytes b"raw"
     assert offset[:50].tolist() == [4096 * i for i in range(50)]
+    assert address.tolist() == [BASE[1] + 4096 * i for i in range(50)] + [0, BASE[2] + 8192, 0]
     assert length[:50].tolist() == [100 + i for i in range(50)]
     assert checksum.tolist() == [7] * 50 + [0, 0, 0]
-    assert tag[0] == region_tag(TOKEN) and tag[51] == region_tag("f" * 32)
     assert reader.contains([keys[3], "nope", b"raw"]) == [True, False, True]
     assert reader.count == index.count == 51
     assert reader.pool_generation == shmindex.hash_generation(b"gen-1")
@@ -74,7 +88,91 @@ def test_keys_too_long_for_a_slot_are_not_published_and_readers_must_ask(index):
     assert reader.contains([fits]) == [True]
     for key in (long_key, wide):
         assert reader.contains([fits, key]) is None  # the batch goes to the server
-        assert reader.probe([key]) is None
+        assert columns(reader, [key]) is None
+
+
+def test_a_prefixed_probe_is_the_probe_of_the_joined_keys(index):
+    """`probe` / `contains` with a prefix (one, or one per key) answer what they answer for
+    `prefix + key`, joined in C: str and bytes, non-ASCII, and a key that fits alone but not
+    with its prefix (the batch goes to the server, as for any key the table cannot hold)."""
+    pre, bpre, wide = "ns:", b"ns:", "é名:"  # (wide: 6 UTF-8 bytes)
+    hashes = [f"{i:064x}" for i in range(20)] + ["ünï", "k" * (MAX_KEY - 6)]
+    stored = [pre + h for h in hashes[:10]] + [wide + h for h in hashes[10:]]
+    stored += [bpre + b"raw", bpre + "ü".encode()]
+    publish(index, stored)
+    reader = _open(index.path, os.getuid())
+    queries = [
+        (hashes, pre),
+        (hashes, wide),
+        (hashes, [pre] * 10 + [wide] * 12),  # one prefix per key
+        ([b"raw", "ü".encode(), b"absent"], bpre),
+        ([pre + h for h in hashes], ""),  # "": no prefix
+        ([b"ns:raw"], b""),
+    ]
+    for keys, prefix in queries:
+        joined = [p + k for p, k in zip(prefix, keys)] if isinstance(prefix, list) else None
+        joined = joined or [prefix + k for k in keys]
+        got = columns(reader, keys, prefix=prefix)
+        want = columns(reader, joined)
+        assert got is not None and (got == want).all(), (keys, prefix)
+        assert reader.contains(keys, prefix=prefix) == reader.contains(joined)
+    assert sum(reader.contains(hashes, prefix=pre)) == 10
+    assert reader.contains(hashes, prefix=[pre] * 10 + [wide] * 12) == [True] * 22
+    # at the boundary: the widest stored key fits (MAX_KEY bytes with its prefix); one more
+    # byte of prefix and neither probe nor contains can answer for the batch
+    assert len((wide + hashes[-1]).encode()) == MAX_KEY
+    assert reader.contains(hashes[-1:], prefix=wide) == [True]
+    for prefix in ("x" + wide, ["x" + wide]):
+        assert reader.contains(hashes[-1:], prefix=prefix) is None
+        assert columns(reader, hashes[-1:], prefix=prefix) is None
+    assert reader.contains(["k" * MAX_KEY], prefix="n") is None  # fits alone, not joined
+
+
+def test_a_prefix_not_of_its_keys_type_or_count_is_refused_as_python_refuses_it(index):
+    reader = _open(index.path, os.getuid())
+    for keys, prefix, error in (
+        (["a"], b"ns:", TypeError),  # "a" + b"ns:" raises TypeError in Python too
+        ([b"a"], "ns:", TypeError),
+        (["a", b"b"], "ns:", TypeError),
+        (["a", "b"], ["ns:", None], TypeError),
+        (["a", "b"], ["ns:"], ValueError),  # one per key
+        (["a"], 5, TypeError),
+    ):
+        with pytest.raises(error):
+            reader.contains(keys, prefix=prefix)
+        with pytest.raises(error):
+            columns(reader, keys, prefix=prefix)
+    assert reader.contains([b"a"], prefix="") == [False]  # "": no prefix, for bytes keys too
+
+
+def test_the_probe_gives_addresses_only_inside_regions_mapped_with_the_same_tag(index):
+    """A hit is an address only through a mapping of the same region with the same tag; a
+    location outside its region is a miss (never a read past the mapping); a hit in a region
+    not mapped here, or mapped with another tag (another pool life), sends the batch to the
+    server (None)."""
+    publish(index, ["a", "b", "c"])  # region 1: offsets 0, 4096, 8192; lengths 100..102
+    index.publish(["d"], [2], [0], [10], None, regions=REGIONS)
+    publish(index, ["before"], base=-4096)  # (never published by a server: still a miss)
+    reader = _open(index.path, os.getuid())
+    keys = ["a", "b", "c", "d", "nope"]
+    address, length, checksum, region, offset, slot, _ = columns(reader, keys)
+    assert address.tolist() == [BASE[1], BASE[1] + 4096, BASE[1] + 8192, BASE[2], 0]
+    assert (slot[:4] >= 0).all() and slot[4] == -1
+    assert columns(reader, ["before"])[0].tolist() == [0]
+    # region 1 mapped shorter: "b" ends exactly at its end (a hit), "c" is past it (a miss)
+    short = rows(r1=(1, BASE[1], 4096 + 101, region_tag(TOKEN)))
+    address, length, checksum, region, offset, slot, _ = columns(reader, keys, short)
+    assert address.tolist() == [BASE[1], BASE[1] + 4096, 0, BASE[2], 0]
+    assert (length[2], checksum[2], region[2], offset[2], slot[2]) == (0, 0, 0, 0, -1)
+    tiny = rows(r1=(1, BASE[1], 50, region_tag(TOKEN)))
+    assert columns(reader, keys, tiny)[0].tolist() == [0, 0, 0, BASE[2], 0]
+    assert columns(reader, keys, rows(r1=(1, BASE[1], GiB, 12345))) is None  # another tag
+    assert columns(reader, keys, rows(r2=None)) is None  # region 2 not mapped here
+    assert columns(reader, ["a", "nope"], rows(r2=None)) is not None  # (no hit in it)
+    assert columns(reader, ["nope"], rows(r1=None, r2=None))[5].tolist() == [-1]
+    for bad in (rows()[::-1].copy(), np.zeros(6, np.int64), b"1234567"):
+        with pytest.raises(ValueError):
+            reader.probe(keys, bad)  # not sorted by id / not rows of 4 int64
 
 
 def test_deletes_keep_every_other_key_findable(tmp_path: Path):
@@ -194,11 +292,12 @@ def test_a_reader_never_sees_a_torn_entry_while_another_process_rewrites(tmp_pat
     proc.start()
     reader = _open(table.path, os.getuid())
     hits = torn = 0
+    region = np.array([[1, 1 << 40, 1 << 50, 9]], np.int64)
     while proc.is_alive():
-        cols = columns(reader, keys)
-        hit = cols[0] != 0
+        address, length, checksum, _, offset = columns(reader, keys, region)[:5]
+        hit = address != 0
         hits += int(hit.sum())
-        torn += int((cols[3][hit] != cols[1][hit] * 3 + cols[2][hit]).sum())
+        torn += int((checksum[hit] != offset[hit] * 3 + length[hit]).sum())
     proc.join(10)
     assert proc.exitcode == 0
     assert torn == 0 and hits > 1000  # it read a lot, and never a mix of two writes

@@ -29,7 +29,7 @@ import numpy as np
 
 from maru.client.chunks import AllocHandle, ChunkBook
 from maru.client.connecting import connect_failure, probe
-from maru.client.localindex import LocalIndexClient, offered_index
+from maru.client.localindex import LocalIndexClient, Prefix, offered_index
 from maru.client.mapping import MappedRegion, RegionMapper
 from maru.client.requests import (
     Lookup,
@@ -56,6 +56,16 @@ Key = str | bytes
 Buffer = bytes | bytearray | memoryview
 
 __all__ = ["AllocHandle", "MaruHandler", "MemoryInfo", "StoreOutcome"]
+
+
+def _joined(keys: Sequence[Key], prefix: Prefix) -> Sequence[Key]:
+    """`prefix + key` per key: what the request path sends for a prefixed call (the local
+    index joins them in C; both raise TypeError for a prefix not of its key's type)."""
+    if isinstance(prefix, (str, bytes)):
+        return [prefix + k for k in keys] if prefix else keys  # type: ignore[operator]
+    if len(prefix) != len(keys):
+        raise ValueError(f"prefix: {len(prefix)} prefixes for {len(keys)} keys")
+    return [p + k for p, k in zip(prefix, keys)]  # type: ignore[operator]
 
 
 class _Heartbeat:
@@ -412,7 +422,14 @@ class MaruHandler:
 
     # -- get, release ------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[Key], *, lease: bool = False, for_copy: bool = False) -> Lookup:
+    def lookup(
+        self,
+        keys: Sequence[Key],
+        *,
+        lease: bool = False,
+        for_copy: bool = False,
+        prefix: Prefix = "",
+    ) -> Lookup:
         """Locate `keys` with one LOOKUP_KV, sent now (prepare the copy meanwhile)::
 
             with handler.lookup(keys, lease=True) as found:  # waits for the reply
@@ -423,12 +440,14 @@ class MaruHandler:
         thread that made it. `for_copy`: the caller copies the hits out, then takes as misses
         what `corrupt()` names (or the whole batch if `release(confirm=True)` says False):
         then the server's local index may answer without a request (no lease: each hit is
-        validated after the copy instead; `maru.client.localindex`)."""
+        validated after the copy instead; `maru.client.localindex`). `prefix`: the keys are
+        `prefix + key` (one prefix of the keys' type, or a sequence of them, one per key),
+        joined in C by the local index, without a string per key, and here for a request."""
         if for_copy and self._index is not None:
-            found = self._index.lookup(self, keys)
+            found = self._index.lookup(self, keys, prefix)
             if found is not None:
                 return found
-        return Lookup(self, keys, lease)
+        return Lookup(self, _joined(keys, prefix), lease)
 
     def retrieve(self, key: Key) -> MemoryInfo | None:
         return self.batch_retrieve([key])[0]
@@ -448,12 +467,15 @@ class MaruHandler:
 
     # -- existence, pins, deletion -----------------------------------------------------------
 
-    def exists(self, key: Key) -> bool:
-        return self.batch_exists([key])[0]
+    def exists(self, key: Key, *, prefix: Key = "") -> bool:
+        return self.batch_exists([key], prefix=prefix)[0]
 
-    def batch_exists(self, keys: Sequence[Key]) -> list[bool]:
-        found = self._index.exists(keys) if self._index is not None else None
-        return found if found is not None else self._per_key(MsgType.EXISTS, keys, bool)
+    def batch_exists(self, keys: Sequence[Key], *, prefix: Prefix = "") -> list[bool]:
+        """Whether each key (`prefix + key`, as in `lookup`) is registered."""
+        found = self._index.exists(keys, prefix) if self._index is not None else None
+        if found is not None:
+            return found
+        return self._per_key(MsgType.EXISTS, _joined(keys, prefix), bool)
 
     def pin(self, key: Key) -> bool:
         return self.batch_pin([key])[0]

@@ -30,7 +30,7 @@ from maru.client.requests import Lookup
 from maru.common import shmindex
 from maru.common.errors import MaruError
 from maru.common.protocol import MsgType
-from maru.common.shmindex import NCOLS, USE_SUFFIX, base_of, owned_by, region_tag, table_files
+from maru.common.shmindex import NCOLS, USE_SUFFIX, base_of, owned_by, table_files
 
 if TYPE_CHECKING:
     from maru.client.handler import MaruHandler
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Key = str | bytes
+Prefix = Key | Sequence[Key]  # before every key, or one per key ("": none)
 FIND_EVERY_S = 0.5  # with no current table, look for one at most this often
 # Mapped in whole at once: a probe of a page not yet mapped in this process costs a page
 # fault, which at 10^6 keys would be most probes of a new reader.
@@ -140,11 +141,11 @@ class LocalIndexClient:
             self._reader = None
         return found
 
-    def exists(self, keys: Sequence[Key]) -> list[bool] | None:
-        """Whether each key is registered (a hit marks it used, as an EXISTS request does);
-        None: ask the server."""
+    def exists(self, keys: Sequence[Key], prefix: Prefix = "") -> list[bool] | None:
+        """Whether each key (`prefix + key`, see `MaruHandler.lookup`) is registered (a hit
+        marks it used, as an EXISTS request does); None: ask the server."""
         reader = self.reader()
-        found = reader.contains(keys) if reader is not None else None
+        found = reader.contains(keys, prefix=prefix) if reader is not None else None
         if found is None:
             self.fallbacks += 1
         else:
@@ -159,44 +160,22 @@ class LocalIndexClient:
         reads[1] = min(max(reads[1], 0), reads[0])  # (a hit found stale after a report)
         return reads if reads[0] or reads[2] else None
 
-    def lookup(self, handler: MaruHandler, keys: Sequence[Key]) -> IndexLookup | None:
-        """An `IndexLookup` of `keys`; None when the server must be asked (see the module)."""
+    def lookup(
+        self, handler: MaruHandler, keys: Sequence[Key], prefix: Prefix = ""
+    ) -> IndexLookup | None:
+        """An `IndexLookup` of `keys` (each `prefix + key`); None when the server must be asked
+        (see the module). The probe turns each hit's location into an address through the
+        regions mapped here (`RegionMapper.rows`): a location outside its region is a miss."""
         reader = self.reader()
-        raw = reader.probe(keys) if reader is not None else None
+        raw = reader.probe(keys, handler._mapper.rows, prefix=prefix) if reader else None
         if raw is None:
             self.fallbacks += 1
             return None
-        n = len(keys)
-        region_ids, offsets, lengths, sums, tags, slots, seqs = np.frombuffer(
-            raw, np.int64
-        ).reshape(NCOLS, n)
-        addresses = np.zeros(n, np.int64)
-        hit = region_ids != 0
-        if hit.any():
-            present = region_ids[hit]
-            first = present[0]
-            ids = [int(first)] if (present == first).all() else np.unique(present).tolist()
-            for region_id in ids:
-                mapped = handler._mapper.get(region_id)
-                here = region_ids == region_id
-                if mapped is None or (tags[here] != region_tag(mapped.handle.token)).any():
-                    self.fallbacks += 1  # not mapped here, or from another pool life
-                    return None
-                here &= (offsets >= 0) & (lengths > 0)
-                here &= (
-                    offsets + lengths <= mapped.handle.length
-                )  # else a miss, never a read past it
-                addresses[here] = offsets[here] + mapped.address
-            if not (addresses != 0).all():
-                found = addresses != 0
-                region_ids, offsets, lengths, sums = (
-                    np.where(found, c, 0) for c in (region_ids, offsets, lengths, sums)
-                )
-        self.reads[0] += n
-        self.reads[1] += int(np.count_nonzero(lengths))
-        return IndexLookup(
-            handler, keys, self, reader, addresses, lengths, offsets, region_ids, sums, slots, seqs
-        )
+        columns = np.frombuffer(raw, np.int64).reshape(NCOLS, len(keys))
+        found = IndexLookup(handler, keys, self, reader, columns)
+        self.reads[0] += found.n
+        self.reads[1] += int(np.count_nonzero(found.lengths))
+        return found
 
 
 class IndexLookup(Lookup):
@@ -210,18 +189,21 @@ class IndexLookup(Lookup):
         keys: Sequence[Key],
         index: LocalIndexClient,
         reader: Any,
-        addresses: np.ndarray,
-        lengths: np.ndarray,
-        offsets: np.ndarray,
-        region_ids: np.ndarray,
-        checksums: np.ndarray,
-        slots: np.ndarray,
-        seqs: np.ndarray,
+        columns: np.ndarray,
     ):
+        """`columns`: what `Reader.probe` gave (address, length, checksum, region id, offset,
+        slot, seq per key)."""
         super().__init__(handler, keys, lease=False, send=False)
-        self.addresses, self.lengths = addresses, lengths
-        self._offsets, self._region_ids, self._checksums = offsets, region_ids, checksums
-        self._index, self._reader, self._slots, self._seqs = index, reader, slots, seqs
+        (
+            self.addresses,
+            self.lengths,
+            self._checksums,
+            self._region_ids,
+            self._offsets,
+            self._slots,
+            self._seqs,
+        ) = columns
+        self._index, self._reader = index, reader
         self._validated = False
 
     def _validate(self) -> np.ndarray:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from maru.common.region import RegionHandle
+from maru.common.shmindex import region_tag
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,9 @@ class RegionMapper:
         self._regions: dict[int, MappedRegion] = {}
         self._lock = threading.Lock()
         self._listeners: list[Callable[[int], None]] = []
+        # What the local index's probe translates locations with (`maru.common._shmindex`):
+        # per mapped region (id, address, length, tag), sorted by id; replaced, never changed.
+        self.rows = np.zeros((0, 4), np.int64)
 
     def add_listener(self, listener: Callable[[int], None]) -> None:
         """Call `listener(region_id)` for every region mapped from now on, and now for those
@@ -73,6 +77,7 @@ class RegionMapper:
             view = memoryview(mm) if writable else memoryview(mm).toreadonly()
             mapped = MappedRegion(handle, mm, view, address, writable)
             self._regions[handle.region_id] = mapped
+            self._update_rows()
         for listener in self._listeners:
             try:
                 listener(handle.region_id)
@@ -88,6 +93,7 @@ class RegionMapper:
         mapped = self._regions.pop(region_id, None)
         if mapped is None:
             return
+        self._update_rows()
         try:
             mapped.view.release()
             mapped.mm.close()
@@ -95,6 +101,13 @@ class RegionMapper:
             # A caller still holds a view into the region; the mapping is closed when the
             # last view is garbage collected.
             log.debug("region %d still has live views; deferring unmap", region_id)
+
+    def _update_rows(self) -> None:
+        rows = [
+            (m.handle.region_id, m.address, m.handle.length, region_tag(m.handle.token))
+            for _, m in sorted(self._regions.items())
+        ]
+        self.rows = np.array(rows, np.int64).reshape(len(rows), 4)
 
     def close(self) -> None:
         with self._lock:

@@ -630,12 +630,30 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return table_object_new(type, args, 0);
 }
 
-enum { COL_REGION, COL_OFFSET, COL_LENGTH, COL_CHECKSUM, COL_TAG, COL_SLOT, COL_SEQ, NCOLS };
+enum { COL_ADDRESS, COL_LENGTH, COL_CHECKSUM, COL_REGION, COL_OFFSET, COL_SLOT, COL_SEQ, NCOLS };
+enum { ROW_ID, ROW_BASE, ROW_LENGTH, ROW_TAG, ROW_FIELDS };
 
-/* Probe one key: 1 hit (fields in out[c * stride]), 0 miss. Never a torn entry: a slot is
- * used only if its seq was even and unchanged across the reads of its fields and key. */
-static int probe_one(const Table *t, const KeyBytes *k, uint64_t hash, int64_t *out,
-                     Py_ssize_t stride)
+/* A live slot's fields as one probe read them. */
+typedef struct {
+    int64_t region, offset, length, checksum, tag;
+    uint64_t slot, seq;
+} Entry;
+
+/* Start loading what probing a key whose home is `hash`'s slot reads: the slot's three cache
+ * lines and its use byte. */
+static inline void prefetch_home(const Table *t, uint64_t hash)
+{
+    uint64_t i = hash & t->mask;
+    const char *s = (const char *)&t->slots[i];
+    PREFETCH(s);
+    PREFETCH(s + 64);
+    PREFETCH(s + 128);
+    PREFETCH(t->use_bits + i);
+}
+
+/* Probe one key: 1 hit (its entry in *e), 0 miss. Never a torn entry: a slot is used only if
+ * its seq was even and unchanged across the reads of its fields and key. */
+static int probe_one(const Table *t, const KeyBytes *k, uint64_t hash, Entry *e)
 {
     uint64_t want = make_meta(STATE_LIVE, k->kind, (size_t)k->n);
     uint64_t i = hash & t->mask;
@@ -656,52 +674,67 @@ static int probe_one(const Table *t, const KeyBytes *k, uint64_t hash, int64_t *
             }
             if (meta != want || LOAD(&s->hash) != hash)
                 break; /* another key: next slot */
-            int64_t region = LOAD(&s->region_id), offset = LOAD(&s->offset);
-            int64_t length = LOAD(&s->length), checksum = LOAD(&s->checksum);
-            int64_t tag = LOAD(&s->tag);
+            e->region = LOAD(&s->region_id);
+            e->offset = LOAD(&s->offset);
+            e->length = LOAD(&s->length);
+            e->checksum = LOAD(&s->checksum);
+            e->tag = LOAD(&s->tag);
             int same = memcmp((const void *)s->key, k->p, (size_t)k->n) == 0;
             __atomic_thread_fence(__ATOMIC_ACQUIRE);
             if (LOAD(&s->seq) != seq)
                 continue; /* changed while read: again */
             if (!same)
                 break;
-            if (out != NULL) {
-                out[COL_REGION * stride] = region;
-                out[COL_OFFSET * stride] = offset;
-                out[COL_LENGTH * stride] = length;
-                out[COL_CHECKSUM * stride] = checksum;
-                out[COL_TAG * stride] = tag;
-                out[COL_SLOT * stride] = (int64_t)i;
-                out[COL_SEQ * stride] = (int64_t)seq;
-            }
-            volatile unsigned char *use = t->use_bits + i;
-            if (!*use)
-                *use = 1; /* CLOCK: referenced (written only when clear: no line ping-pong) */
+            e->slot = i;
+            e->seq = seq;
             return 1;
         }
     }
     return 0;
 }
 
-/* Gather the keys' bytes (GIL held). Returns 1 if every key can be in the table, 0 if one
- * cannot (too long, or not str/bytes), -1 on error. */
-static int gather(PyObject *seq, KeyBytes *keys, Py_ssize_t n)
+/* CLOCK: the slot was referenced (written only when clear: no line ping-pong). */
+static inline void mark_used(const Table *t, uint64_t slot)
 {
-    int all = 1;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (key_bytes(PySequence_Fast_GET_ITEM(seq, i), &keys[i]) < 0)
-            return -1;
-        if (keys[i].kind == 0 || keys[i].n <= 0 || keys[i].n > MAX_KEY)
-            all = 0;
-    }
-    return all;
+    volatile unsigned char *use = t->use_bits + slot;
+    if (!*use)
+        *use = 1;
 }
 
-/* Probe keys[0:n] into `cols` (stride n; NULL: only `hits`). At 10^6 keys nearly every probe
- * misses the cache (and the TLB): the keys are hashed first, and each key's first slot is
- * prefetched AHEAD keys before it is probed, so the misses of different keys overlap. */
-static int probe_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, int64_t *cols,
-                     char *hits)
+/* The regions mapped in the reader's process: rows of ROW_FIELDS int64 (region id, base
+ * address, length, tag), sorted by region id. */
+typedef struct {
+    const int64_t *rows;
+    Py_ssize_t n;
+} Regions;
+
+static const int64_t *region_row(const Regions *r, int64_t id)
+{
+    Py_ssize_t lo = 0, hi = r->n;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        const int64_t *row = r->rows + mid * ROW_FIELDS;
+        if (row[ROW_ID] == id)
+            return row;
+        if (row[ROW_ID] < id)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return NULL;
+}
+
+/* Probe keys[0:n]. `hits` (if not NULL): 1 or 0 per key. `cols` (if not NULL, stride n): per
+ * key its address in this process and the columns of the entry (misses: 0, slot -1): each
+ * hit's location goes through `regions`; one outside its region is a miss (never a read past
+ * a mapping), and one in a region not mapped here or mapped from another pool life (its tag
+ * differs) ends the probe: 1, the batch must go the request way (which maps the region).
+ * Else 0 (-1: no memory). Each hit's use byte is set.
+ * At 10^6 keys nearly every probe misses the caches (and the TLB): the keys are hashed first,
+ * and each key's home slot and use byte are prefetched AHEAD keys before it is probed, so the
+ * misses of different keys overlap. */
+static int probe_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, const Regions *regions,
+                     int64_t *cols, char *hits)
 {
     uint64_t *hashes = PyMem_RawMalloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
     if (hashes == NULL)
@@ -709,112 +742,231 @@ static int probe_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, int64_t
     for (Py_ssize_t i = 0; i < n; i++) {
         hashes[i] = key_hash(keys[i].p, (size_t)keys[i].n, keys[i].kind, t->seed);
         if (i < AHEAD)
-            PREFETCH(&t->slots[hashes[i] & t->mask]);
+            prefetch_home(t, hashes[i]);
     }
+    const int64_t *row = NULL; /* the last hit's region: a batch's keys share few */
+    int rc = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + AHEAD < n) {
-            const char *s = (const char *)&t->slots[hashes[i + AHEAD] & t->mask];
-            PREFETCH(s);
-            PREFETCH(s + 64);
-            PREFETCH(s + 128);
+        if (i + AHEAD < n)
+            prefetch_home(t, hashes[i + AHEAD]);
+        Entry e;
+        int hit = probe_one(t, &keys[i], hashes[i], &e);
+        if (hit && cols != NULL) {
+            if (row == NULL || row[ROW_ID] != e.region)
+                row = region_row(regions, e.region);
+            if (row == NULL || row[ROW_TAG] != e.tag) {
+                rc = 1;
+                break;
+            }
+            hit = e.offset >= 0 && e.length > 0 && e.offset <= row[ROW_LENGTH] - e.length;
         }
-        int hit = probe_one(t, &keys[i], hashes[i], cols == NULL ? NULL : cols + i, n);
+        if (hit)
+            mark_used(t, e.slot);
         if (hits != NULL)
             hits[i] = (char)hit;
-        if (!hit && cols != NULL)
-            for (int c = 0; c < NCOLS; c++)
-                cols[c * n + i] = c == COL_SLOT ? -1 : 0;
+        if (cols != NULL) {
+            cols[COL_ADDRESS * n + i] = hit ? row[ROW_BASE] + e.offset : 0;
+            cols[COL_LENGTH * n + i] = hit ? e.length : 0;
+            cols[COL_CHECKSUM * n + i] = hit ? e.checksum : 0;
+            cols[COL_REGION * n + i] = hit ? e.region : 0;
+            cols[COL_OFFSET * n + i] = hit ? e.offset : 0;
+            cols[COL_SLOT * n + i] = hit ? (int64_t)e.slot : -1;
+            cols[COL_SEQ * n + i] = hit ? (int64_t)e.seq : 0;
+        }
     }
     PyMem_RawFree(hashes);
+    return rc;
+}
+
+/* A batch's keys as the table holds them (see `gather`). */
+typedef struct {
+    PyObject *seq, *prefixes; /* the keys; the per-key prefixes (NULL: one or none) */
+    KeyBytes *keys;
+    unsigned char *joined; /* prefix + key, back to back, when there is a prefix */
+    Py_ssize_t n;
+} Batch;
+
+static void batch_free(Batch *b)
+{
+    PyMem_Free(b->keys);
+    PyMem_Free(b->joined);
+    Py_XDECREF(b->prefixes);
+    Py_XDECREF(b->seq);
+}
+
+/* A prefix's bytes (GIL held; str as UTF-8), -1 with TypeError unless it is of its key's type
+ * (subclasses too): as Python's `prefix + key`, which is what the request path sends. */
+static int prefix_bytes(PyObject *prefix, const KeyBytes *key, KeyBytes *out)
+{
+    if (key->kind == KIND_STR && PyUnicode_Check(prefix)) {
+        const char *s = PyUnicode_AsUTF8AndSize(prefix, &out->n);
+        if (s == NULL)
+            return -1;
+        out->p = (const unsigned char *)s;
+    }
+    else if (key->kind == KIND_BYTES && PyBytes_Check(prefix)) {
+        out->p = (const unsigned char *)PyBytes_AS_STRING(prefix);
+        out->n = PyBytes_GET_SIZE(prefix);
+    }
+    else {
+        PyErr_SetString(PyExc_TypeError,
+                        "a key's prefix must be of its type (str keys: str, bytes keys: bytes)");
+        return -1;
+    }
+    out->kind = key->kind;
     return 0;
 }
 
-/* probe(keys) -> bytes of NCOLS int64 columns of len(keys) each (region id, offset, length,
- * checksum, region tag, slot, seq; region 0 and slot -1 for a miss), or None if a key cannot
- * be in the table (too long, or not str/bytes): ask the server for that batch. Each hit's use
- * byte is set. */
-static PyObject *Reader_probe(Reader *self, PyObject *arg)
+/* Gather the keys' bytes (GIL held), each after its prefix (`prefix`: None, one str or bytes
+ * for every key ("" and b"": none), or a sequence of them, one per key): the table is probed for `prefix + key`
+ * without Python making those strings. Returns 1 if every key can be in the table, 0 if one
+ * cannot (too long with its prefix, empty, or not str/bytes), -1 on error. */
+static int gather(Batch *b, PyObject *keys_o, PyObject *prefix)
 {
-    PyObject *seq = PySequence_Fast(arg, "probe: keys must be a sequence");
-    if (seq == NULL)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject *out = NULL;
-    KeyBytes *keys = PyMem_Malloc(sizeof(KeyBytes) * (size_t)(n ? n : 1));
-    if (keys == NULL) {
+    memset(b, 0, sizeof(*b));
+    if ((b->seq = PySequence_Fast(keys_o, "keys must be a sequence")) == NULL)
+        return -1;
+    Py_ssize_t n = b->n = PySequence_Fast_GET_SIZE(b->seq);
+    int one = PyUnicode_Check(prefix) || PyBytes_Check(prefix);
+    if (one && PyObject_Length(prefix) == 0)
+        prefix = Py_None; /* "" or b"": none (the handler's default, whatever the keys' type) */
+    if (prefix != Py_None && !one) {
+        b->prefixes = PySequence_Fast(prefix, "prefix must be str, bytes or one per key");
+        if (b->prefixes == NULL)
+            return -1;
+        if (PySequence_Fast_GET_SIZE(b->prefixes) != n) {
+            PyErr_SetString(PyExc_ValueError, "prefix: one per key");
+            return -1;
+        }
+    }
+    if ((b->keys = PyMem_Malloc(sizeof(KeyBytes) * (size_t)(n ? n : 1))) == NULL) {
         PyErr_NoMemory();
-        goto done;
+        return -1;
     }
-    int all = gather(seq, keys, n);
-    if (all < 0)
-        goto done;
-    if (!all) {
-        out = Py_NewRef(Py_None);
-        goto done;
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        KeyBytes *k = &b->keys[i], pre = {NULL, 0, 0};
+        if (key_bytes(PySequence_Fast_GET_ITEM(b->seq, i), k) < 0)
+            return -1;
+        if (k->kind == 0)
+            return 0;
+        if (prefix != Py_None) {
+            PyObject *p = one ? prefix : PySequence_Fast_GET_ITEM(b->prefixes, i);
+            if (prefix_bytes(p, k, &pre) < 0)
+                return -1;
+        }
+        if (k->n + pre.n <= 0 || k->n + pre.n > MAX_KEY)
+            return 0;
+        total += (size_t)(k->n + pre.n);
     }
-    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)sizeof(int64_t) * NCOLS * n);
-    if (out == NULL)
-        goto done;
-    int64_t *cols = (int64_t *)PyBytes_AS_STRING(out);
+    if (prefix == Py_None)
+        return 1;
+    if ((b->joined = PyMem_Malloc(total ? total : 1)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    unsigned char *at = b->joined;
+    for (Py_ssize_t i = 0; i < n; i++) { /* (checked above: no error now) */
+        KeyBytes *k = &b->keys[i], pre;
+        prefix_bytes(one ? prefix : PySequence_Fast_GET_ITEM(b->prefixes, i), k, &pre);
+        memcpy(at, pre.p, (size_t)pre.n);
+        memcpy(at + pre.n, k->p, (size_t)k->n);
+        k->p = at;
+        k->n += pre.n;
+        at += k->n;
+    }
+    return 1;
+}
+
+/* probe_all over a gathered batch, without the GIL from GIL_FREE_FROM keys. */
+static int probe_batch(Reader *self, const Batch *b, const Regions *regions, int64_t *cols,
+                       char *hits)
+{
     int rc;
-    if (n >= GIL_FREE_FROM) {
+    if (b->n >= GIL_FREE_FROM) {
         Py_BEGIN_ALLOW_THREADS
-        rc = probe_all(&self->t, keys, n, cols, NULL);
+        rc = probe_all(&self->t, b->keys, b->n, regions, cols, hits);
         Py_END_ALLOW_THREADS
     }
     else
-        rc = probe_all(&self->t, keys, n, cols, NULL);
-    if (rc < 0) {
-        Py_CLEAR(out);
+        rc = probe_all(&self->t, b->keys, b->n, regions, cols, hits);
+    if (rc < 0)
         PyErr_NoMemory();
+    return rc;
+}
+
+/* probe(keys, regions, *, prefix=None) -> bytes of NCOLS int64 columns of len(keys) each:
+ * address (in this process), length, checksum, region id, offset, slot, seq; a miss has 0s
+ * and slot -1. `regions`: a buffer of int64 rows (region id, base address, length, tag) of
+ * the regions mapped here, sorted by region id. None: ask the server for this batch (a key
+ * cannot be in the table, or a hit is in a region not in `regions` or of another tag). */
+static PyObject *Reader_probe(Reader *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"keys", "regions", "prefix", NULL};
+    PyObject *keys_o, *prefix = Py_None;
+    Py_buffer reg;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oy*|$O:probe", kwlist, &keys_o, &reg, &prefix))
+        return NULL;
+    PyObject *out = NULL;
+    Batch b;
+    Regions regions = {(const int64_t *)reg.buf, reg.len / (Py_ssize_t)(8 * ROW_FIELDS)};
+    if (reg.len % (8 * ROW_FIELDS) || (uintptr_t)reg.buf % 8) {
+        PyErr_SetString(PyExc_ValueError, "probe: regions must be aligned int64 rows of 4");
+        memset(&b, 0, sizeof(b));
+        goto done;
+    }
+    for (Py_ssize_t r = 1; r < regions.n; r++)
+        if (regions.rows[r * ROW_FIELDS + ROW_ID] <= regions.rows[(r - 1) * ROW_FIELDS + ROW_ID]) {
+            PyErr_SetString(PyExc_ValueError, "probe: regions must be sorted by region id");
+            memset(&b, 0, sizeof(b));
+            goto done;
+        }
+    int all = gather(&b, keys_o, prefix);
+    if (all <= 0) {
+        out = all < 0 ? NULL : Py_NewRef(Py_None);
+        goto done;
+    }
+    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)sizeof(int64_t) * NCOLS * b.n);
+    if (out == NULL)
+        goto done;
+    int rc = probe_batch(self, &b, &regions, (int64_t *)PyBytes_AS_STRING(out), NULL);
+    if (rc != 0) {
+        Py_DECREF(out);
+        out = rc < 0 ? NULL : Py_NewRef(Py_None);
     }
 done:
-    PyMem_Free(keys);
-    Py_DECREF(seq);
+    batch_free(&b);
+    PyBuffer_Release(&reg);
     return out;
 }
 
-/* contains(keys) -> [bool] (each hit's use byte set), or None if a key cannot be in the table. */
-static PyObject *Reader_contains(Reader *self, PyObject *arg)
+/* contains(keys, *, prefix=None) -> [bool] (each hit's use byte set), or None if a key cannot
+ * be in the table. */
+static PyObject *Reader_contains(Reader *self, PyObject *args, PyObject *kwds)
 {
-    PyObject *seq = PySequence_Fast(arg, "contains: keys must be a sequence");
-    if (seq == NULL)
+    static char *kwlist[] = {"keys", "prefix", NULL};
+    PyObject *keys_o, *prefix = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|$O:contains", kwlist, &keys_o, &prefix))
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject *out = NULL;
-    KeyBytes *keys = PyMem_Malloc(sizeof(KeyBytes) * (size_t)(n ? n : 1));
-    char *hits = PyMem_Malloc((size_t)(n ? n : 1));
-    if (keys == NULL || hits == NULL) {
+    char *hits = NULL;
+    Batch b;
+    int all = gather(&b, keys_o, prefix);
+    if (all <= 0) {
+        out = all < 0 ? NULL : Py_NewRef(Py_None);
+        goto done;
+    }
+    if ((hits = PyMem_Malloc((size_t)(b.n ? b.n : 1))) == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    int all = gather(seq, keys, n);
-    if (all < 0)
+    if (probe_batch(self, &b, NULL, NULL, hits) < 0 || (out = PyList_New(b.n)) == NULL)
         goto done;
-    if (!all) {
-        out = Py_NewRef(Py_None);
-        goto done;
-    }
-    int rc;
-    if (n >= GIL_FREE_FROM) {
-        Py_BEGIN_ALLOW_THREADS
-        rc = probe_all(&self->t, keys, n, NULL, hits);
-        Py_END_ALLOW_THREADS
-    }
-    else
-        rc = probe_all(&self->t, keys, n, NULL, hits);
-    if (rc < 0) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    if ((out = PyList_New(n)) == NULL)
-        goto done;
-    for (Py_ssize_t i = 0; i < n; i++)
+    for (Py_ssize_t i = 0; i < b.n; i++)
         PyList_SET_ITEM(out, i, Py_NewRef(hits[i] ? Py_True : Py_False));
 done:
-    PyMem_Free(keys);
     PyMem_Free(hits);
-    Py_DECREF(seq);
+    batch_free(&b);
     return out;
 }
 
@@ -873,11 +1025,11 @@ static PyObject *Reader_get_pool_generation(Reader *self, void *c)
 }
 
 static PyMethodDef Reader_methods[] = {
-    {"probe", (PyCFunction)Reader_probe, METH_O,
-     "probe(keys) -> bytes of 7 int64 columns (region, offset, length, checksum, tag, slot,\n"
-     "seq), or None if a key cannot be in the table"},
-    {"contains", (PyCFunction)Reader_contains, METH_O,
-     "contains(keys) -> [bool], or None if a key cannot be in the table"},
+    {"probe", (PyCFunction)(void (*)(void))Reader_probe, METH_VARARGS | METH_KEYWORDS,
+     "probe(keys, regions, *, prefix=None) -> bytes of 7 int64 columns (address, length,\n"
+     "checksum, region, offset, slot, seq), or None: ask the server"},
+    {"contains", (PyCFunction)(void (*)(void))Reader_contains, METH_VARARGS | METH_KEYWORDS,
+     "contains(keys, *, prefix=None) -> [bool], or None if a key cannot be in the table"},
     {"validate", (PyCFunction)Reader_validate, METH_VARARGS,
      "validate(slots, seqs) -> bytes: 1 where the entry is unchanged and the table current"},
     {NULL, NULL, 0, NULL},
