@@ -47,8 +47,10 @@ class PoolPresence:
     block_pages: Any = 0
 
 
-def leading_run(present: np.ndarray) -> int:
+def leading_run(present: list[bool] | np.ndarray) -> int:
     """Number of True from the start."""
+    if isinstance(present, list):  # (the handler's answer: no array for 128 keys)
+        return present.index(False) if False in present else len(present)
     missing = np.flatnonzero(~present)
     return int(missing[0]) if missing.size else int(present.size)
 

@@ -46,7 +46,7 @@ class LegacyInterface:
         if target_locations is None:
             target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
         out: list[torch.Tensor | None] = []
-        with self.handler.lookup(kv.keys(keys), lease=True, for_copy=True) as found:
+        with self.handler.lookup(keys, lease=True, for_copy=True, prefix=kv.prefix) as found:
             for address, length, target in zip(
                 found.addresses.tolist(), found.lengths.tolist(), target_locations
             ):
@@ -91,4 +91,4 @@ class LegacyInterface:
         return all(self.handler.seal(kv.keys(keys), handles, lengths).wait())
 
     def exists(self, key: str) -> bool:
-        return self.handler.exists(self._require_pool().keys([key])[0])
+        return self.handler.exists(key, prefix=self._require_pool().prefix)

@@ -77,6 +77,16 @@ class _Batch:
     results: list[bool] = dataclasses.field(default_factory=list)
 
 
+def _query(parts: list[tuple[PoolIO, list[str]]]) -> tuple[list[str], str | list[str]]:
+    """Several pools' page hashes as one handler call takes them: the hashes, and the
+    prefix of their pools' namespaces (one for one pool, else one per hash), which the
+    handler's index paths join to them in C (no string made per key)."""
+    if len(parts) == 1:
+        pool, hashes = parts[0]
+        return hashes, pool.prefix
+    return [h for _, hashes in parts for h in hashes], [p.prefix for p, hs in parts for _ in hs]
+
+
 def open_handler(
     extra: dict[str, Any], tp_rank: int, tp_size: int, **overrides: Any
 ) -> tuple[MaruConfig, MaruHandler]:
@@ -298,10 +308,10 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         bytes no longer match their checksum after the copy; a lease that ended mid-copy makes
         every page a miss (not proven). Fills each batch's `results`."""
         start = time.perf_counter()
-        all_keys = [k for b in batches for k in b.pool.keys(b.keys)]
+        keys, prefix = _query([(b.pool, b.keys) for b in batches])
         hashed = self.handler.config.checksums
-        sums = np.zeros(len(all_keys), np.int64)  # each hit's checksum as copied (0: none)
-        lookup = self.handler.lookup(all_keys, lease=True, for_copy=True)  # sent now
+        sums = np.zeros(len(keys), np.int64)  # each hit's checksum as copied (0: none)
+        lookup = self.handler.lookup(keys, lease=True, for_copy=True, prefix=prefix)  # sent now
         try:
             ready = [self._prepare(b, idx, "read") for b, idx in zip(batches, host_indices)]
         except BaseException:
@@ -338,7 +348,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
             if corrupt.any():
                 self._drop_corrupt(batches, corrupt)
             if not found.release(confirm=True):  # the lease ended mid-copy: not proven
-                log.warning("read: the lease on %d pages ended during the copy", len(all_keys))
+                log.warning("read: the lease on %d pages ended during the copy", len(keys))
                 for batch in batches:
                     batch.results = [False] * len(batch.keys)
         self._stats.account_read(batches, time.perf_counter() - start)
@@ -406,7 +416,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         kv = self._require_pool()
         if kv.logical:
             return len(keys)
-        return leading_run(np.array(self.handler.batch_exists(kv.keys(keys)), dtype=bool))
+        return leading_run(self.handler.batch_exists(keys, prefix=kv.prefix))
 
     # -- v2: every pool ----------------------------------------------------------------------
 
@@ -432,12 +442,12 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         for t in transfers:
             block = t.hit_policy == PoolHitPolicy.BLOCK_GROUPS
             own_keys.append(list(t.keys or []) if block else list(keys))
-        query: list[str] = [] if kv.logical else kv.keys(keys)
+        parts = [] if kv.logical else [(kv, keys)]
         pools = [self.pools.get(str(t.name)) for t in transfers]
-        for pool, hashes in zip(pools, own_keys):
-            if pool is not None and not pool.logical:
-                query += pool.keys(hashes)
-        present = np.array(self.handler.batch_exists(query) if query else [], dtype=bool)
+        parts += [(p, hs) for p, hs in zip(pools, own_keys) if p is not None and not p.logical]
+        query, prefix = _query(parts)
+        found = self.handler.batch_exists(query, prefix=prefix) if query else []
+        present = np.array(found, dtype=bool)
         offset = 0 if kv.logical else n
         answers: list[PoolPresence] = []
         for t, pool, hashes in zip(transfers, pools, own_keys):

@@ -208,9 +208,15 @@ class PoolIO:
     def logical(self) -> bool:
         return self.page_bytes == 0
 
+    @property
+    def prefix(self) -> str:
+        """What this pool's stored keys start with: `keys()` puts it before each page hash;
+        the handler's index paths take it as `prefix=` and join it in C."""
+        return f"{self.namespace}:"
+
     def keys(self, keys: Sequence[str]) -> list[str]:
-        ns = self.namespace
-        return [f"{ns}:{k}" for k in keys]
+        prefix = self.prefix
+        return [prefix + k for k in keys]
 
     def pointers(self, host_indices: torch.Tensor | None, pages: int) -> list[np.ndarray] | None:
         """Per page part, the int64 pointers of that part of each page of `host_indices` (None
