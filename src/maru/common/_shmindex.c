@@ -781,8 +781,8 @@ static int probe_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, const R
 /* A batch's keys as the table holds them (see `gather`). */
 typedef struct {
     PyObject *seq, *prefixes; /* the keys; the per-key prefixes (NULL: one or none) */
-    KeyBytes *keys;
-    unsigned char *joined; /* prefix + key, back to back, when there is a prefix */
+    KeyBytes *keys;           /* n keys, then (with a prefix) their n prefixes */
+    unsigned char *joined;    /* prefix + key, back to back, when there is a prefix */
     Py_ssize_t n;
 } Batch;
 
@@ -794,43 +794,46 @@ static void batch_free(Batch *b)
     Py_XDECREF(b->seq);
 }
 
-/* A prefix's bytes (GIL held; str as UTF-8), -1 with TypeError unless it is of its key's type
- * (subclasses too): as Python's `prefix + key`, which is what the request path sends. */
-static int prefix_bytes(PyObject *prefix, const KeyBytes *key, KeyBytes *out)
+/* A prefix's bytes (GIL held; str as UTF-8, subclasses too; kind 0: neither). */
+static int prefix_bytes(PyObject *prefix, KeyBytes *out)
 {
-    if (key->kind == KIND_STR && PyUnicode_Check(prefix)) {
+    out->kind = 0;
+    out->n = 0;
+    if (PyUnicode_Check(prefix)) {
         const char *s = PyUnicode_AsUTF8AndSize(prefix, &out->n);
         if (s == NULL)
             return -1;
         out->p = (const unsigned char *)s;
+        out->kind = KIND_STR;
     }
-    else if (key->kind == KIND_BYTES && PyBytes_Check(prefix)) {
+    else if (PyBytes_Check(prefix)) {
         out->p = (const unsigned char *)PyBytes_AS_STRING(prefix);
         out->n = PyBytes_GET_SIZE(prefix);
+        out->kind = KIND_BYTES;
     }
-    else {
-        PyErr_SetString(PyExc_TypeError,
-                        "a key's prefix must be of its type (str keys: str, bytes keys: bytes)");
-        return -1;
-    }
-    out->kind = key->kind;
     return 0;
 }
 
-/* Gather the keys' bytes (GIL held), each after its prefix (`prefix`: None, one str or bytes
- * for every key ("" and b"": none), or a sequence of them, one per key): the table is probed for `prefix + key`
- * without Python making those strings. Returns 1 if every key can be in the table, 0 if one
- * cannot (too long with its prefix, empty, or not str/bytes), -1 on error. */
+/* Gather the keys' bytes (GIL held), each after its prefix: `prefix` is None, one str or bytes
+ * for every key ("" and b"": none), or a sequence of them, one per key. The table is probed
+ * for `prefix + key` without Python making those strings; a prefix not of its key's type is a
+ * TypeError, as Python's `prefix + key` (what the request path sends). Returns 1 if every key
+ * can be in the table, 0 if one cannot (too long with its prefix, empty, or not str/bytes),
+ * -1 on error. */
 static int gather(Batch *b, PyObject *keys_o, PyObject *prefix)
 {
     memset(b, 0, sizeof(*b));
     if ((b->seq = PySequence_Fast(keys_o, "keys must be a sequence")) == NULL)
         return -1;
     Py_ssize_t n = b->n = PySequence_Fast_GET_SIZE(b->seq);
-    int one = PyUnicode_Check(prefix) || PyBytes_Check(prefix);
-    if (one && PyObject_Length(prefix) == 0)
-        prefix = Py_None; /* "" or b"": none (the handler's default, whatever the keys' type) */
-    if (prefix != Py_None && !one) {
+    KeyBytes one = {NULL, 0, 0};
+    if (prefix != Py_None) {
+        if (prefix_bytes(prefix, &one) < 0)
+            return -1;
+        if (one.kind != 0 && one.n == 0)
+            prefix = Py_None; /* "" or b"": none (the handler's default, whatever the keys) */
+    }
+    if (prefix != Py_None && one.kind == 0) {
         b->prefixes = PySequence_Fast(prefix, "prefix must be str, bytes or one per key");
         if (b->prefixes == NULL)
             return -1;
@@ -839,25 +842,35 @@ static int gather(Batch *b, PyObject *keys_o, PyObject *prefix)
             return -1;
         }
     }
-    if ((b->keys = PyMem_Malloc(sizeof(KeyBytes) * (size_t)(n ? n : 1))) == NULL) {
+    size_t count = (size_t)(n ? n : 1) * (prefix == Py_None ? 1 : 2);
+    if ((b->keys = PyMem_Malloc(sizeof(KeyBytes) * count)) == NULL) {
         PyErr_NoMemory();
         return -1;
     }
+    KeyBytes *pres = b->keys + n;
     size_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        KeyBytes *k = &b->keys[i], pre = {NULL, 0, 0};
+        KeyBytes *k = &b->keys[i];
         if (key_bytes(PySequence_Fast_GET_ITEM(b->seq, i), k) < 0)
             return -1;
         if (k->kind == 0)
             return 0;
+        Py_ssize_t len = k->n;
         if (prefix != Py_None) {
-            PyObject *p = one ? prefix : PySequence_Fast_GET_ITEM(b->prefixes, i);
-            if (prefix_bytes(p, k, &pre) < 0)
+            if (b->prefixes == NULL)
+                pres[i] = one;
+            else if (prefix_bytes(PySequence_Fast_GET_ITEM(b->prefixes, i), &pres[i]) < 0)
                 return -1;
+            if (pres[i].kind != k->kind) {
+                PyErr_SetString(PyExc_TypeError, "a key's prefix must be of its type (str "
+                                                 "keys: str, bytes keys: bytes)");
+                return -1;
+            }
+            len += pres[i].n;
         }
-        if (k->n + pre.n <= 0 || k->n + pre.n > MAX_KEY)
+        if (len <= 0 || len > MAX_KEY)
             return 0;
-        total += (size_t)(k->n + pre.n);
+        total += (size_t)len;
     }
     if (prefix == Py_None)
         return 1;
@@ -866,13 +879,12 @@ static int gather(Batch *b, PyObject *keys_o, PyObject *prefix)
         return -1;
     }
     unsigned char *at = b->joined;
-    for (Py_ssize_t i = 0; i < n; i++) { /* (checked above: no error now) */
-        KeyBytes *k = &b->keys[i], pre;
-        prefix_bytes(one ? prefix : PySequence_Fast_GET_ITEM(b->prefixes, i), k, &pre);
-        memcpy(at, pre.p, (size_t)pre.n);
-        memcpy(at + pre.n, k->p, (size_t)k->n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        KeyBytes *k = &b->keys[i];
+        memcpy(at, pres[i].p, (size_t)pres[i].n);
+        memcpy(at + pres[i].n, k->p, (size_t)k->n);
         k->p = at;
-        k->n += pre.n;
+        k->n += pres[i].n;
         at += k->n;
     }
     return 1;
@@ -895,33 +907,51 @@ static int probe_batch(Reader *self, const Batch *b, const Regions *regions, int
     return rc;
 }
 
+/* The keyword-only `prefix` of a vectorcall: Py_None unless given. */
+static int kw_prefix(const char *fname, PyObject *kwnames, PyObject *const *values,
+                     PyObject **prefix)
+{
+    *prefix = Py_None;
+    for (Py_ssize_t i = 0; kwnames != NULL && i < PyTuple_GET_SIZE(kwnames); i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+        if (PyUnicode_CompareWithASCIIString(name, "prefix") != 0) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument %R", fname,
+                         name);
+            return -1;
+        }
+        *prefix = values[i];
+    }
+    return 0;
+}
+
 /* probe(keys, regions, *, prefix=None) -> bytes of NCOLS int64 columns of len(keys) each:
  * address (in this process), length, checksum, region id, offset, slot, seq; a miss has 0s
  * and slot -1. `regions`: a buffer of int64 rows (region id, base address, length, tag) of
  * the regions mapped here, sorted by region id. None: ask the server for this batch (a key
  * cannot be in the table, or a hit is in a region not in `regions` or of another tag). */
-static PyObject *Reader_probe(Reader *self, PyObject *args, PyObject *kwds)
+static PyObject *Reader_probe(Reader *self, PyObject *const *args, Py_ssize_t nargs,
+                              PyObject *kwnames)
 {
-    static char *kwlist[] = {"keys", "regions", "prefix", NULL};
-    PyObject *keys_o, *prefix = Py_None;
-    Py_buffer reg;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oy*|$O:probe", kwlist, &keys_o, &reg, &prefix))
+    PyObject *prefix, *out = NULL;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "probe() takes keys and regions");
         return NULL;
-    PyObject *out = NULL;
+    }
+    Py_buffer reg;
+    if (kw_prefix("probe", kwnames, args + nargs, &prefix) < 0 ||
+        PyObject_GetBuffer(args[1], &reg, PyBUF_SIMPLE) < 0)
+        return NULL;
     Batch b;
+    memset(&b, 0, sizeof(b));
     Regions regions = {(const int64_t *)reg.buf, reg.len / (Py_ssize_t)(8 * ROW_FIELDS)};
-    if (reg.len % (8 * ROW_FIELDS) || (uintptr_t)reg.buf % 8) {
-        PyErr_SetString(PyExc_ValueError, "probe: regions must be aligned int64 rows of 4");
-        memset(&b, 0, sizeof(b));
+    int sorted = reg.len % (8 * ROW_FIELDS) == 0 && (uintptr_t)reg.buf % 8 == 0;
+    for (Py_ssize_t r = 1; sorted && r < regions.n; r++)
+        sorted = regions.rows[r * ROW_FIELDS] > regions.rows[(r - 1) * ROW_FIELDS];
+    if (!sorted) {
+        PyErr_SetString(PyExc_ValueError, "probe: regions must be int64 rows of 4, sorted by id");
         goto done;
     }
-    for (Py_ssize_t r = 1; r < regions.n; r++)
-        if (regions.rows[r * ROW_FIELDS + ROW_ID] <= regions.rows[(r - 1) * ROW_FIELDS + ROW_ID]) {
-            PyErr_SetString(PyExc_ValueError, "probe: regions must be sorted by region id");
-            memset(&b, 0, sizeof(b));
-            goto done;
-        }
-    int all = gather(&b, keys_o, prefix);
+    int all = gather(&b, args[0], prefix);
     if (all <= 0) {
         out = all < 0 ? NULL : Py_NewRef(Py_None);
         goto done;
@@ -942,16 +972,19 @@ done:
 
 /* contains(keys, *, prefix=None) -> [bool] (each hit's use byte set), or None if a key cannot
  * be in the table. */
-static PyObject *Reader_contains(Reader *self, PyObject *args, PyObject *kwds)
+static PyObject *Reader_contains(Reader *self, PyObject *const *args, Py_ssize_t nargs,
+                                 PyObject *kwnames)
 {
-    static char *kwlist[] = {"keys", "prefix", NULL};
-    PyObject *keys_o, *prefix = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|$O:contains", kwlist, &keys_o, &prefix))
+    PyObject *prefix, *out = NULL;
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "contains() takes keys");
         return NULL;
-    PyObject *out = NULL;
+    }
+    if (kw_prefix("contains", kwnames, args + nargs, &prefix) < 0)
+        return NULL;
     char *hits = NULL;
     Batch b;
-    int all = gather(&b, keys_o, prefix);
+    int all = gather(&b, args[0], prefix);
     if (all <= 0) {
         out = all < 0 ? NULL : Py_NewRef(Py_None);
         goto done;
@@ -1025,10 +1058,10 @@ static PyObject *Reader_get_pool_generation(Reader *self, void *c)
 }
 
 static PyMethodDef Reader_methods[] = {
-    {"probe", (PyCFunction)(void (*)(void))Reader_probe, METH_VARARGS | METH_KEYWORDS,
+    {"probe", (PyCFunction)(void (*)(void))Reader_probe, METH_FASTCALL | METH_KEYWORDS,
      "probe(keys, regions, *, prefix=None) -> bytes of 7 int64 columns (address, length,\n"
      "checksum, region, offset, slot, seq), or None: ask the server"},
-    {"contains", (PyCFunction)(void (*)(void))Reader_contains, METH_VARARGS | METH_KEYWORDS,
+    {"contains", (PyCFunction)(void (*)(void))Reader_contains, METH_FASTCALL | METH_KEYWORDS,
      "contains(keys, *, prefix=None) -> [bool], or None if a key cannot be in the table"},
     {"validate", (PyCFunction)Reader_validate, METH_VARARGS,
      "validate(slots, seqs) -> bytes: 1 where the entry is unchanged and the table current"},
