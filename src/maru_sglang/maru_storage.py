@@ -332,18 +332,18 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                 if not hit.all():  # copy the hits only
                     sources = sources[hit]
                     columns = [ptrs[hit] for ptrs in columns]
+                    for i in np.flatnonzero((lengths[seg] != 0) & ~hit):  # another geometry
+                        log.warning(
+                            "pool %s: page %s has %d bytes, expected %d: treated as a miss",
+                            pool.name,
+                            batch.keys[i],
+                            lengths[seg][i],
+                            pool.page_bytes,
+                        )
                 if sources.size:
                     copied = self._copy_out(pool, sources, columns, hashed)
                     if copied is not None:
                         sums[seg][hit] = copied
-                for i in np.flatnonzero((lengths[seg] != 0) & ~hit):  # another geometry
-                    log.warning(
-                        "pool %s: page %s has %d bytes, expected %d: treated as a miss",
-                        pool.name,
-                        batch.keys[i],
-                        lengths[seg][i],
-                        pool.page_bytes,
-                    )
             corrupt = found.corrupt(sums)  # after the copies, of the bytes the copies read
             if corrupt.any():
                 self._drop_corrupt(batches, corrupt)

@@ -231,19 +231,21 @@ def test_hits_mark_use_bits_that_the_server_harvests_once(index):
     assert index.table.writer.harvest() == []  # cleared
 
 
-def test_validate_fails_for_a_removed_or_moved_key_and_for_a_retired_table(index):
+def test_changed_names_a_removed_or_moved_key_and_every_hit_of_a_retired_table(index):
     keys = [f"k{i}" for i in range(20)]
     publish(index, keys)
     reader = _open(index.path, os.getuid())
-    cols = columns(reader, keys)
+    cols = columns(reader, [*keys, "absent"])
     slots, seqs = cols[5].copy(), cols[6].copy()
-    assert np.frombuffer(reader.validate(slots, seqs), bool).all()
+    assert reader.changed(slots, seqs) is None  # every hit unchanged: nothing to say
     index.remove(keys[:2])
-    valid = np.frombuffer(reader.validate(slots, seqs), bool)
-    assert not valid[:2].any()
+    changed = np.frombuffer(reader.changed(slots, seqs), bool)
+    assert changed[:2].all() and not changed[-1]  # (a miss is never "changed")
     assert columns(reader, keys[:2])[0].tolist() == [0, 0]  # and they are misses now
     index.close()
-    assert not np.frombuffer(reader.validate(slots, seqs), bool).any()
+    assert np.frombuffer(reader.changed(slots, seqs), bool).tolist() == [True] * 20 + [False]
+    with pytest.raises(ValueError):
+        reader.changed(slots, seqs[:3])
 
 
 def test_a_server_start_retires_the_tables_an_earlier_one_left(tmp_path: Path):

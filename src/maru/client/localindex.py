@@ -206,34 +206,33 @@ class IndexLookup(Lookup):
         self._index, self._reader = index, reader
         self._validated = False
 
-    def _validate(self) -> np.ndarray:
-        """The hits whose entries changed since the probe (taken as misses from now on)."""
-        valid = np.frombuffer(self._reader.validate(self._slots, self._seqs), bool)
-        assert self.lengths is not None
-        stale = (self.lengths != 0) & ~valid
+    def _validate(self) -> int:
+        """Once, after the copy: the hits whose entries changed since the probe (or whose
+        table was retired) become misses; returns how many (0 once validated)."""
+        if self._validated:
+            return 0
+        self._validated = True
+        changed = self._reader.changed(self._slots, self._seqs)
+        if changed is None:  # (the usual case: no array work)
+            return 0
+        stale = np.frombuffer(changed, bool)
         if self._corrupt is None:
             self._corrupt = np.zeros(self.n, bool)
-        if not self._validated:
-            self._validated = True
-            stale &= ~self._corrupt
-            self._corrupt |= stale
-            if stale.any():
-                self._index.stale += int(stale.sum())
-                self._index.reads[1] -= int(stale.sum())
-                log.debug("%d of %d keys changed during the copy: misses", stale.sum(), self.n)
-        return stale
+        self._corrupt |= stale
+        count = int(np.count_nonzero(stale))
+        self._index.stale += count
+        self._index.reads[1] -= count
+        log.debug("%d of %d keys changed during the copy: misses", count, self.n)
+        return count
 
     def corrupt(self, computed: np.ndarray | None = None) -> np.ndarray:
         """After the copy: per key, True where the hit is not proven: its entry changed (or
         its table was retired) since the probe, or, with `maru_checksums`, its bytes no
         longer match its writer's checksum. Take those keys as misses."""
-        if not self._validated:
-            self._validate()
+        self._validate()
         return super().corrupt(computed)
 
     def release(self, confirm: bool = False) -> bool:
         """Nothing is leased. With `confirm` (after the copy): True unless a hit not already
         reported by `corrupt()` changed since the probe."""
-        if not confirm or self._validated:
-            return True
-        return not self._validate().any()
+        return not confirm or self._validate() == 0

@@ -38,7 +38,7 @@
  * races it can miss a key for a moment but never read a torn or foreign entry: it compares
  * the full key and re-reads `seq` after reading the slot. A hit stays proven only while the
  * slot's seq and the header's `retired` are unchanged: readers check both again after their
- * copy (`Reader.validate`). The server removes a key's slot before the key's pages can be
+ * copy (`Reader.changed`). The server removes a key's slot before the key's pages can be
  * reused, so an unchanged slot proves the copy read the key's bytes.
  */
 #define PY_SSIZE_T_CLEAN
@@ -1003,36 +1003,39 @@ done:
     return out;
 }
 
-/* validate(slots, seqs) -> bytes, 1 per key whose slot still has that seq while the table is
- * not retired: call it after the copy (an acquire fence first, so that the copy's reads come
- * before these). A slot of -1 (a miss) gives 0. */
-static PyObject *Reader_validate(Reader *self, PyObject *args)
+/* changed(slots, seqs) -> None if every hit (slot >= 0) still has the seq it was read with
+ * and the table is not retired, else bytes, 1 per hit that is not proven (misses 0): call it
+ * after the copy (an acquire fence first, so that the copy's reads come before these). */
+static PyObject *Reader_changed(Reader *self, PyObject *args)
 {
     Py_buffer slots, seqs;
-    if (!PyArg_ParseTuple(args, "y*y*:validate", &slots, &seqs))
+    if (!PyArg_ParseTuple(args, "y*y*:changed", &slots, &seqs))
         return NULL;
     PyObject *out = NULL;
     if (slots.len != seqs.len || slots.len % 8) {
-        PyErr_SetString(PyExc_ValueError, "validate: slots and seqs must be int64 columns");
+        PyErr_SetString(PyExc_ValueError, "changed: slots and seqs must be int64 columns");
         goto done;
     }
-    Py_ssize_t n = slots.len / 8;
-    out = PyBytes_FromStringAndSize(NULL, n);
-    if (out == NULL)
+    Py_ssize_t n = slots.len / 8, bad = 0;
+    if ((out = PyBytes_FromStringAndSize(NULL, n)) == NULL)
         goto done;
-    char *ok = PyBytes_AS_STRING(out);
+    char *flags = PyBytes_AS_STRING(out);
     const int64_t *sl = slots.buf, *sq = seqs.buf;
     const Table *t = &self->t;
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     int live = LOAD_ACQ(&t->h->retired) == 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t s = sl[i];
-        ok[i] = (char)(live && s >= 0 && (uint64_t)s <= t->mask &&
-                       LOAD(&t->slots[s].seq) == (uint64_t)sq[i]);
+        flags[i] = (char)(s >= 0 && !(live && (uint64_t)s <= t->mask &&
+                                      LOAD(&t->slots[s].seq) == (uint64_t)sq[i]));
+        bad += flags[i];
     }
     /* a retire that raced the loop: none of these is proven */
     if (live && LOAD_ACQ(&t->h->retired) != 0)
-        memset(ok, 0, (size_t)n);
+        for (Py_ssize_t i = 0; i < n; i++)
+            bad += flags[i] = (char)(sl[i] >= 0);
+    if (bad == 0)
+        Py_SETREF(out, Py_NewRef(Py_None));
 done:
     PyBuffer_Release(&slots);
     PyBuffer_Release(&seqs);
@@ -1063,8 +1066,9 @@ static PyMethodDef Reader_methods[] = {
      "checksum, region, offset, slot, seq), or None: ask the server"},
     {"contains", (PyCFunction)(void (*)(void))Reader_contains, METH_FASTCALL | METH_KEYWORDS,
      "contains(keys, *, prefix=None) -> [bool], or None if a key cannot be in the table"},
-    {"validate", (PyCFunction)Reader_validate, METH_VARARGS,
-     "validate(slots, seqs) -> bytes: 1 where the entry is unchanged and the table current"},
+    {"changed", (PyCFunction)Reader_changed, METH_VARARGS,
+     "changed(slots, seqs) -> None if every hit is unchanged and the table current, else\n"
+     "bytes: 1 per hit that is not proven"},
     {NULL, NULL, 0, NULL},
 };
 
