@@ -101,12 +101,6 @@ def maru64_rows(view: memoryview, size: int, reps: int) -> None:
             print(f"{label:28} {page >> 10:>6}Ki {rates[0]:9.2f} {rates[1]:10.2f}")
 
 
-def _copy_columns(targets: np.ndarray, sources: np.ndarray, part: int) -> None:
-    """A store's copy as MaruStorage makes it without checksums: one call per page part."""
-    for j in range(targets.shape[1]):
-        memcopy.copy_many(targets[:, j], sources[:, j], part)
-
-
 def fused_rows(pool: memoryview, reps: int) -> None:
     """The copy loop alone against the copy with maru64 fused in, into the mapping."""
     size = pool.nbytes
@@ -126,7 +120,7 @@ def fused_rows(pool: memoryview, reps: int) -> None:
         sources = src.ctypes.data + starts[:, None] + offsets
         targets = dst + starts[:, None] + offsets
 
-        plain = partial(_copy_columns, targets, sources, part)
+        plain = partial(memcopy.copy_many, targets, sources, [part] * parts)
         hashed = partial(memcopy.copy_many_hashed, targets, sources, [part] * parts)
         times: dict[str, list[float]] = {"plain": [], "hashed": []}
         for _ in range(reps):

@@ -286,18 +286,16 @@ def _warm_shm(nbytes: int) -> tuple[mmap.mmap, int]:
 
 def _copy_pages(part_ptrs, sizes, base, to_pool, s, n, streaming) -> None:
     """Pages [s, s + n) of a pool (its parts' pointer columns and sizes) to or from `base`,
-    where the pages lie back to back, each page's parts back to back: one `copy_many` per
-    part, like MaruStorage."""
+    where the pages lie back to back, each page's parts back to back: one `copy_many` call,
+    page by page (each page's parts in order), like MaruStorage."""
     from maru.client.memcopy import copy_many
 
     page_bytes = sum(sizes)
     starts = base + np.arange(s, s + n, dtype=np.int64) * page_bytes
-    off = 0
-    for ptrs, size in zip(part_ptrs, sizes):
-        pool, here = ptrs[s : s + n], starts + off
-        dst, src = (pool, here) if to_pool else (here, pool)
-        copy_many(dst, src, size, streaming=streaming)
-        off += size
+    here = starts[:, None] + np.cumsum([0, *sizes[:-1]], dtype=np.int64)
+    pool = np.stack([ptrs[s : s + n] for ptrs in part_ptrs], axis=1)
+    dst, src = (pool, here) if to_pool else (here, pool)
+    copy_many(dst, src, list(sizes), streaming=streaming)
 
 
 class Instance:
@@ -461,7 +459,7 @@ class Instance:
 
     def _copy(self, base: int, to_pool: bool, s: int, n: int, streaming: bool = False) -> int:
         """Pages [s, s + n) between the host pool and `base` (pages back to back, each page's
-        parts back to back): one `copy_many` per part, like MaruStorage. Plain memmove unless
+        parts back to back): one `copy_many`, page by page, like MaruStorage. Plain memmove unless
         `streaming` (the non-temporal stores MaruStorage's copies use)."""
         _copy_pages(self.part_ptrs, self.sizes[: self.parts], base, to_pool, s, n, streaming)
         return n
@@ -1558,8 +1556,10 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
             f"{fmt(r['lat_p99_us'], 1):>8} |"
         )
     lines.append("")
-    lines.append("memcpy: one memmove per page part (copy_many, in C) to/from a warm private")
-    lines.append("buffer; shm: the same into a warm /dev/shm mapping; stream: Maru's copy loop")
+    lines.append("memcpy: a memmove per page part, page by page (copy_many, in C), to/from a warm")
+    lines.append(
+        "private buffer; shm: the same into a warm /dev/shm mapping; stream: Maru's copy loop"
+    )
     lines.append("alone (non-temporal stores) into that mapping, the floor under Maru; file:")
     lines.append("HiCacheFile on /dev/shm (legacy path; hybrid: its batch_set_v2 / batch_get_v2).")
     if plan.ab:

@@ -164,21 +164,24 @@ class DevicePageLayout:
 
     def load_layer(self, layer: int, sources: np.ndarray, firsts: np.ndarray) -> None:
         """Copy one layer of stored pages (`sources`: each page's address in the shared
-        mapping) into the device rows starting at `firsts`: one copy per part and page.
-        Plain (not streaming) stores: the forward reads these rows next, from this cache."""
-        for part, offset in enumerate(self.part_offsets):
-            piece = self.piece_bytes[part]
-            dst = self.bases[part, layer] + firsts * self.row_bytes[part]
-            copy_many(dst, sources + (offset + layer * piece), piece, streaming=False)
+        mapping) into the device rows starting at `firsts`: one copy per part and page, page
+        by page. Plain (not streaming) stores: the forward reads these rows next, from this
+        cache."""
+        parts = range(len(self.part_offsets))
+        dst = np.stack([self.bases[p, layer] + firsts * self.row_bytes[p] for p in parts], 1)
+        offsets = [self.part_offsets[p] + layer * self.piece_bytes[p] for p in parts]
+        src = sources[:, None] + np.array(offsets, np.int64)
+        copy_many(dst, src, [int(self.piece_bytes[p]) for p in parts], streaming=False)
 
     def store(self, targets: np.ndarray, firsts: np.ndarray) -> None:
         """Copy whole pages from the device rows at `firsts` to `targets` in the shared
-        mapping, in stored order: one copy per (part, layer) piece of each page."""
-        for part, offset in enumerate(self.part_offsets):
-            piece = self.piece_bytes[part]
-            for layer in range(self.layers):
-                src = self.bases[part, layer] + firsts * self.row_bytes[part]
-                copy_many(targets + (offset + layer * piece), src, piece)
+        mapping, in stored order: one copy per (part, layer) piece of each page, page by page
+        (each page written in address order)."""
+        pieces = [(p, layer) for p in range(len(self.part_offsets)) for layer in range(self.layers)]
+        src = np.stack([self.bases[p, lay] + firsts * self.row_bytes[p] for p, lay in pieces], 1)
+        offsets = [self.part_offsets[p] + lay * self.piece_bytes[p] for p, lay in pieces]
+        dst = targets[:, None] + np.array(offsets, np.int64)
+        copy_many(dst, src, [int(self.piece_bytes[p]) for p, _ in pieces])
 
 
 def register_with_cuda(handler: MaruHandler, layout: DevicePageLayout) -> bool:

@@ -481,9 +481,8 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
                     src = found.addresses[:hits, None] + layout.offset[None, :]
                     if hashed:  # hashed in the copy loop: the bytes are read once
                         sums[:hits] = copy_many_hashed(dst, src, layout.length)
-                    else:
-                        for s in range(len(layout.length)):
-                            copy_many(dst[:, s], src[:, s], int(layout.length[s]))
+                    else:  # block by block: the stored value is read in address order
+                        copy_many(dst, src, layout.length)
                     bad = found.corrupt(sums)[:hits]  # after the copy, of what it read
                     if bad.any():
                         hits = int(np.argmax(bad))
@@ -524,9 +523,8 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
                 src = layout.addresses([ids[i] for i, _ in held])
                 if sums is not None:  # hashed as copied (`maru_checksums`)
                     sums[[i for i, _ in held]] = copy_many_hashed(dst, src, layout.length)
-                else:
-                    for s in range(len(layout.length)):
-                        copy_many(dst[:, s], src[:, s], int(layout.length[s]))
+                else:  # block by block: the value is written in address order
+                    copy_many(dst, src, layout.length)
             results = handler.seal(keys, handles, checksums=sums).wait()
             ok = sum(results)
             saved += ok

@@ -37,6 +37,37 @@ def test_copy_many_moves_each_part_to_its_own_place(monkeypatch, compiled):
     assert not dst[len(order) * size :].any()  # nothing written past the parts
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["C", "ctypes"])
+def test_values_of_parts_of_unlike_sizes_are_copied_value_by_value(monkeypatch, compiled):
+    """(values, parts) addresses with one size per part (a Mamba state's temporal and conv
+    parts; K and V): every part lands whole at its own place, nothing around it is written."""
+    if compiled and not memcopy.COMPILED:
+        pytest.skip("maru.client._memcopy not built")
+    if not compiled:
+        monkeypatch.setattr(memcopy, "_c_copy_many", None)
+    rng = np.random.default_rng(8)
+    sizes = [5000, 4096 + 13, 7]
+    page = sum(sizes) + 64  # a gap after each page that must stay zero
+    src = rng.integers(0, 256, 4 * page, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    offsets = np.cumsum([0, *sizes[:-1]])
+    starts = np.arange(4) * page
+    memcopy.copy_many(
+        _addresses(dst, (starts[:, None] + offsets).ravel().tolist()).reshape(4, 3),
+        _addresses(src, (starts[::-1, None] + offsets).ravel().tolist()).reshape(4, 3),
+        sizes,
+    )
+    for i in range(4):
+        j = 3 - i  # the pages in reverse
+        got, want = dst[i * page : (i + 1) * page], src[j * page : (j + 1) * page]
+        assert np.array_equal(got[: sum(sizes)], want[: sum(sizes)])
+        assert not got[sum(sizes) :].any()
+    with pytest.raises(ValueError, match="sizes"):
+        memcopy.copy_many(
+            _addresses(dst, [0, 8]).reshape(1, 2), _addresses(src, [0, 8]).reshape(1, 2), [1]
+        )
+
+
 def test_copy_many_refuses_mismatched_or_mistyped_addresses():
     buf = np.zeros(4096, dtype=np.uint8)
     with pytest.raises(ValueError, match="destinations"):
@@ -48,6 +79,10 @@ def test_copy_many_refuses_mismatched_or_mistyped_addresses():
             copy_many(np.zeros(2, dtype=np.int32), np.zeros(2, dtype=np.int32), 8)
         with pytest.raises(ValueError, match="negative"):
             copy_many(_addresses(buf, [0]), _addresses(buf, [8]), -1)
+        with pytest.raises(ValueError, match="negative"):
+            copy_many(_addresses(buf, [0]), _addresses(buf, [8]), np.array([-1], np.int64))
+        with pytest.raises(ValueError, match="sizes"):
+            copy_many(_addresses(buf, [0]), _addresses(buf, [8]), np.array([1, 2], np.int64))
 
 
 def test_the_c_helper_is_built_where_a_compiler_exists():
