@@ -18,11 +18,9 @@ from time import perf_counter
 from typing import Any
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
 from maru import __version__
 from maru.common import protocol
-from maru.common.curve import ClientAllowlist
 from maru.common.protocol import (
     CHECKSUMS,
     MAX_BATCH,
@@ -39,6 +37,7 @@ from maru.server.journal import Journal, JournalWriteError
 from maru.server.local_socket import LocalSocketServer, Peer, holder_of, local_address
 from maru.server.metrics import RequestStats
 from maru.server.registry import Registry, clear_all, delete_prefix, list_keys
+from maru.server.tcp_socket import TcpEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +59,6 @@ CHANGES = frozenset(
         MsgType.DISCONNECT,
     }
 )
-SNDHWM = 16  # replies queued per ZMQ peer (each at most a few MiB) before more are dropped
-RCVHWM = 64  # requests queued per ZMQ peer (a client has at most max_inflight in flight)
 
 
 def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -110,28 +107,6 @@ def _instance_name(name: Any) -> str:
     if not isinstance(name, str) or not name:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "field 'name' missing or not a string")
     return "".join(c if c.isascii() and c.isprintable() and c != "~" else "_" for c in name[:100])
-
-
-def _router(context: zmq.Context, bind_url: str, curve_secret_key: bytes | None) -> zmq.Socket:
-    """The ROUTER socket of the TCP port, bound."""
-    socket = context.socket(zmq.ROUTER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-    # A frame over the limit makes ZMQ drop the peer's connection before buffering it.
-    socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES + protocol.HEADER.size)
-    # Bounded queues per peer, so that a client that stops reading its replies stalls only
-    # itself: past SNDHWM unsent replies to one peer the next is dropped (and counted:
-    # ROUTER_MANDATORY makes the send fail instead of dropping silently); past RCVHWM
-    # requests ZMQ stops reading that peer's connection. A live client's own I/O thread
-    # drains its replies as they come, so it never meets the limit.
-    socket.setsockopt(zmq.SNDHWM, SNDHWM)
-    socket.setsockopt(zmq.RCVHWM, RCVHWM)
-    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    if curve_secret_key is not None:
-        socket.curve_server = True
-        socket.curve_secretkey = curve_secret_key
-    socket.bind(bind_url)
-    return socket
 
 
 def _listen_locally(address: str, auto: bool) -> LocalSocketServer:
@@ -184,10 +159,8 @@ class MaruService:
         `busy_poll_us`: after serving requests, poll the sockets without sleeping for this
         long before blocking (`_wait_for_requests`).
 
-        `curve_secret_key`: serve the TCP port with ZeroMQ CURVE under this key (Z85): only
-        clients that know the server's public key complete the handshake (`--curve`).
-        `curve_clients`: and only clients whose own public key is listed there
-        (`maru.common.curve.ClientAllowlist`, checked by a ZAP thread; `--curve-clients`)."""
+        `curve_secret_key`, `curve_clients`: the TCP port's CURVE key and client allowlist
+        (`--curve`, `--curve-clients`; `maru.server.tcp_socket.TcpEndpoint`)."""
         self.registry = registry
         self.bind_url = bind_url
         self.journal = journal
@@ -233,22 +206,8 @@ class MaruService:
         self._started_monotonic = time.monotonic()
         self.metrics_url: str | None = None  # set when `--metrics-port` serves Prometheus
         self.context = zmq.Context.instance()
-        self.authenticator: ThreadAuthenticator | None = None
-        self.allowlist: ClientAllowlist | None = None
-        if curve_clients is not None:
-            if curve_secret_key is None:
-                raise ValueError("curve_clients needs curve_secret_key")
-            self.authenticator = ThreadAuthenticator(self.context, log=log)
-            self.authenticator.start()
-            self.allowlist = ClientAllowlist(curve_clients)
-            self.authenticator.configure_curve_callback("*", credentials_provider=self.allowlist)
-        try:
-            self.socket = _router(self.context, bind_url, curve_secret_key)
-        except zmq.ZMQError:
-            if self.authenticator is not None:
-                self.authenticator.stop()
-            raise
-        self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.tcp = TcpEndpoint(self.context, bind_url, curve_secret_key, curve_clients)
+        self.endpoint = self.tcp.endpoint
         self.local: LocalSocketServer | None = None
         address = local_address(local_socket, self.endpoint, registry.signer.server_tag())
         if address is not None:
@@ -256,7 +215,7 @@ class MaruService:
                 self.local = _listen_locally(address, local_socket == "auto")
             except OSError as exc:
                 if local_socket != "auto":
-                    self.socket.close(linger=0)
+                    self.tcp.close()
                     raise OSError(f"cannot listen on --local-socket {address}: {exc}") from exc
                 log.error("no local socket (%s): clients use %s only", exc, self.endpoint)
         if gc_freeze:
@@ -512,9 +471,8 @@ class MaruService:
             self.registry.pool.name,
             self.registry.pool.capacity,
         )
-        sock = self.socket
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        self.tcp.attach(poller)
         if self.local is not None:
             self.local.attach(poller)
         looked = time.monotonic()  # when the loop last looked at its sockets
@@ -526,29 +484,7 @@ class MaruService:
             # Requests first, then housekeeping, so that the heartbeats queued during a stall
             # count before the reaper judges who is silent. A burst is bounded so that
             # housekeeping still runs under constant load.
-            allowlist = self.allowlist
-            for _ in range(1024 if events.get(sock) else 0):
-                try:
-                    # With --curve-clients, each request's frame says which key it came with.
-                    parts = sock.recv_multipart(zmq.NOBLOCK, copy=allowlist is None)
-                except zmq.Again:
-                    break
-                refused = None
-                if allowlist is not None:
-                    refused = allowlist.revoked(parts[-1].get("User-Id"))
-                    parts = [part.bytes for part in parts]
-                if len(parts) != 2:
-                    # A DEALER sends exactly one frame; anything else is not ours to parse.
-                    reply = protocol.encode_error(
-                        0, 0, ErrorCode.BAD_FRAME, f"expected 1 frame, got {len(parts) - 1}"
-                    )
-                else:
-                    reply = self.handle_frame(parts[1], refused=refused)
-                try:
-                    sock.send_multipart([parts[0], reply], zmq.NOBLOCK)
-                except zmq.ZMQError as exc:  # the peer vanished, or does not read (SNDHWM)
-                    self.registry.counters["replies_dropped"] += 1
-                    log.debug("reply dropped: %s", exc)
+            self.registry.counters["replies_dropped"] += self.tcp.serve(events, self.handle_frame)
             if self.local is not None and events:
                 self.local.serve(events, self.handle_frame)
             # The loop was away from its sockets for longer than a poll (stopped between a
@@ -585,8 +521,7 @@ class MaruService:
 
     def housekeeping(self, now: float | None = None) -> None:
         self.housekeeper.run(now)
-        if self.allowlist is not None:
-            self.allowlist.refresh(every=1.0)  # a key removed counts for open connections too
+        self.tcp.refresh()
 
     def _pool_lost(self, reason: str) -> None:
         self.pool_lost = reason
@@ -596,9 +531,7 @@ class MaruService:
         self._stop.set()
 
     def close(self) -> None:
-        self.socket.close(linger=0)
-        if self.authenticator is not None:
-            self.authenticator.stop()
+        self.tcp.close()
         if self.local is not None:
             self.local.close()
         self.registry.instances.processes.close()
