@@ -49,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from maru import MaruConfig, MaruHandler
-from maru.client.memcopy import copy_many, copy_many_hashed
+from maru.client.memcopy import copy_values
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -479,10 +479,10 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
                 if hits:
                     dst = layout.addresses(ids[:hits])
                     src = found.addresses[:hits, None] + layout.offset[None, :]
-                    if hashed:  # hashed in the copy loop: the bytes are read once
-                        sums[:hits] = copy_many_hashed(dst, src, layout.length)
-                    else:  # block by block: the stored value is read in address order
-                        copy_many(dst, src, layout.length)
+                    # block by block: each stored value is read in address order
+                    hashes = copy_values(dst, src, layout.length, hashed=hashed)
+                    if hashes is not None:  # hashed in the copy loop: the bytes read once
+                        sums[:hits] = hashes
                     bad = found.corrupt(sums)[:hits]  # after the copy, of what it read
                     if bad.any():
                         hits = int(np.argmax(bad))
@@ -521,10 +521,10 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
                 dst = np.array([h.address for _, h in held], dtype=np.int64)
                 dst = dst[:, None] + layout.offset[None, :]
                 src = layout.addresses([ids[i] for i, _ in held])
-                if sums is not None:  # hashed as copied (`maru_checksums`)
-                    sums[[i for i, _ in held]] = copy_many_hashed(dst, src, layout.length)
-                else:  # block by block: the value is written in address order
-                    copy_many(dst, src, layout.length)
+                # block by block, each value written in address order; hashed as copied
+                hashes = copy_values(dst, src, layout.length, hashed=sums is not None)
+                if hashes is not None:
+                    sums[[i for i, _ in held]] = hashes
             results = handler.seal(keys, handles, checksums=sums).wait()
             ok = sum(results)
             saved += ok

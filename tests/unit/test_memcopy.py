@@ -68,6 +68,13 @@ def test_values_of_parts_of_unlike_sizes_are_copied_value_by_value(monkeypatch, 
         )
 
 
+def test_a_numpy_integer_is_one_size_for_every_buffer():
+    src = np.arange(8192, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    memcopy.copy_many(_addresses(dst, [0, 4096]), _addresses(src, [4096, 0]), np.int64(4096))
+    assert np.array_equal(dst[:4096], src[4096:]) and np.array_equal(dst[4096:], src[:4096])
+
+
 def test_copy_many_refuses_mismatched_or_mistyped_addresses():
     buf = np.zeros(4096, dtype=np.uint8)
     with pytest.raises(ValueError, match="destinations"):

@@ -52,7 +52,9 @@ def copy_many(
     src = np.ascontiguousarray(src, dtype=np.int64)
     if dst.shape != src.shape:
         raise ValueError(f"copy_many: {dst.shape} destinations for {src.shape} sources")
-    if not isinstance(size, int):
+    if np.ndim(size) == 0:  # (a numpy integer too)
+        size = int(size)  # type: ignore[arg-type]
+    else:
         per_part = np.asarray(size, dtype=np.int64)
         if dst.ndim != 2 or per_part.shape != (dst.shape[1],):
             raise ValueError(f"copy_many: {per_part.size} sizes for buffers {dst.shape}")
@@ -64,6 +66,18 @@ def copy_many(
     sizes = size.tolist() if isinstance(size, np.ndarray) else [size] * dst.size
     for to, frm, n in zip(dst.ravel().tolist(), src.ravel().tolist(), sizes):
         memmove(to, frm, n)
+
+
+def copy_values(
+    dst: np.ndarray, src: np.ndarray, sizes: Sequence[int] | np.ndarray, *, hashed: bool
+) -> np.ndarray | None:
+    """(values, parts) buffers of one size per part, copied value by value (`copy_many`);
+    `hashed` (`maru_checksums`): by `copy_many_hashed`, returning each value's maru64 (else
+    None)."""
+    if hashed:
+        return copy_many_hashed(dst, src, sizes)
+    copy_many(dst, src, sizes)
+    return None
 
 
 def copy_many_hashed(
