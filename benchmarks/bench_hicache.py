@@ -13,10 +13,11 @@ figure saw the same machine state:
   with its own host pool, calls `batch_get_v1` for the same keys and checks every page's CRC.
 - Baselines in the same run on the same page bytes (the pointers `get_page_buffer_meta`
   gives): a plain single-thread memcpy (one memmove per page part to / from a warm private
-  buffer, all of a batch's parts in one `maru.client.memcopy.copy_many(..., streaming=False)` call,
-  so the baseline carries no Python per part either), the same into a warm /dev/shm mapping
+  buffer, all of a batch's parts in one `maru.client.memcopy.copy_values(...,
+  streaming=False)` call, so the baseline carries no Python per part either), the same into
+  a warm /dev/shm mapping
   (the limit of a repetition is the faster of the two), Maru's own copy loop alone
-  (`copy_many` with its default non-temporal stores, into the /dev/shm mapping: the floor
+  (`copy_values` with its default non-temporal stores, into the /dev/shm mapping: the floor
   under Maru, whose copies can beat a plain memcpy), Maru with `maru_checksums` on (another
   MaruStorage of the same process: writer and reader hash every page as they copy it, maru64
   in the copy loop; issue 13, P8: its cost is the ratio to plain Maru in the same repetition), and
@@ -286,16 +287,13 @@ def _warm_shm(nbytes: int) -> tuple[mmap.mmap, int]:
 
 def _copy_pages(part_ptrs, sizes, base, to_pool, s, n, streaming) -> None:
     """Pages [s, s + n) of a pool (its parts' pointer columns and sizes) to or from `base`,
-    where the pages lie back to back, each page's parts back to back: one `copy_many` call,
+    where the pages lie back to back, each page's parts back to back: one `copy_values` call,
     page by page (each page's parts in order), like MaruStorage."""
-    from maru.client.memcopy import copy_many
+    from maru.client.memcopy import copy_values
 
-    page_bytes = sum(sizes)
-    starts = base + np.arange(s, s + n, dtype=np.int64) * page_bytes
-    here = starts[:, None] + np.cumsum([0, *sizes[:-1]], dtype=np.int64)
+    starts = base + np.arange(s, s + n, dtype=np.int64) * sum(sizes)
     pool = np.stack([ptrs[s : s + n] for ptrs in part_ptrs], axis=1)
-    dst, src = (pool, here) if to_pool else (here, pool)
-    copy_many(dst, src, list(sizes), streaming=streaming)
+    copy_values(starts, pool, sizes, to_values=not to_pool, streaming=streaming)
 
 
 class Instance:
@@ -459,7 +457,7 @@ class Instance:
 
     def _copy(self, base: int, to_pool: bool, s: int, n: int, streaming: bool = False) -> int:
         """Pages [s, s + n) between the host pool and `base` (pages back to back, each page's
-        parts back to back): one `copy_many`, page by page, like MaruStorage. Plain memmove unless
+        parts back to back): one `copy_values`, page by page, like MaruStorage. Plain memmove unless
         `streaming` (the non-temporal stores MaruStorage's copies use)."""
         _copy_pages(self.part_ptrs, self.sizes[: self.parts], base, to_pool, s, n, streaming)
         return n
@@ -1556,11 +1554,10 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
             f"{fmt(r['lat_p99_us'], 1):>8} |"
         )
     lines.append("")
-    lines.append("memcpy: a memmove per page part, page by page (copy_many, in C), to/from a warm")
-    lines.append(
-        "private buffer; shm: the same into a warm /dev/shm mapping; stream: Maru's copy loop"
-    )
-    lines.append("alone (non-temporal stores) into that mapping, the floor under Maru; file:")
+    lines.append("memcpy: a memmove per page part, page by page (copy_values, in C), to/from")
+    lines.append("a warm private buffer; shm: the same into a warm /dev/shm mapping; stream:")
+    lines.append("Maru's copy loop alone (non-temporal stores) into that mapping, the floor")
+    lines.append("under Maru; file:")
     lines.append("HiCacheFile on /dev/shm (legacy path; hybrid: its batch_set_v2 / batch_get_v2).")
     if plan.ab:
         lines.append("maru: the default configuration (the shared-memory index where the server")

@@ -51,7 +51,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 from sglang.srt.utils import get_device_module
 
 from maru import MaruHandler
-from maru.client.memcopy import copy_many
+from maru.client.memcopy import copy_many, copy_values
 from maru.client.requests import Lookup
 from maru_sglang.maru_storage import open_handler
 from maru_sglang.pools import chunk_size_for, page_namespace
@@ -171,17 +171,16 @@ class DevicePageLayout:
         dst = np.stack([self.bases[p, layer] + firsts * self.row_bytes[p] for p in parts], 1)
         offsets = [self.part_offsets[p] + layer * self.piece_bytes[p] for p in parts]
         src = sources[:, None] + np.array(offsets, np.int64)
-        copy_many(dst, src, [int(self.piece_bytes[p]) for p in parts], streaming=False)
+        copy_many(dst, src, [self.piece_bytes[p] for p in parts], streaming=False)
 
     def store(self, targets: np.ndarray, firsts: np.ndarray) -> None:
         """Copy whole pages from the device rows at `firsts` to `targets` in the shared
         mapping, in stored order: one copy per (part, layer) piece of each page, page by page
         (each page written in address order)."""
         pieces = [(p, layer) for p in range(len(self.part_offsets)) for layer in range(self.layers)]
-        src = np.stack([self.bases[p, lay] + firsts * self.row_bytes[p] for p, lay in pieces], 1)
-        offsets = [self.part_offsets[p] + lay * self.piece_bytes[p] for p, lay in pieces]
-        dst = targets[:, None] + np.array(offsets, np.int64)
-        copy_many(dst, src, [int(self.piece_bytes[p]) for p, _ in pieces])
+        rows = np.stack([self.bases[p, lay] + firsts * self.row_bytes[p] for p, lay in pieces], 1)
+        sizes = [self.piece_bytes[p] for p, _ in pieces]  # a stored page: its pieces end to end
+        copy_values(targets, rows, sizes, to_values=True)
 
 
 def register_with_cuda(handler: MaruHandler, layout: DevicePageLayout) -> bool:

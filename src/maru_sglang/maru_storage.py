@@ -69,11 +69,11 @@ PIPELINE_MIN_PAGES = 32
 @dataclasses.dataclass
 class _Batch:
     """One pool's share of a storage call: its pages' keys and where they are in the host
-    pool (`columns`: per page part, one pointer per page); `results` is filled in."""
+    pool (`buffers`: `PoolIO.pointers`, one row per page); `results` is filled in."""
 
     pool: PoolIO
     keys: list[str]
-    columns: list[np.ndarray] | None = None
+    buffers: np.ndarray | None = None
     results: list[bool] = dataclasses.field(default_factory=list)
 
 
@@ -224,8 +224,8 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
     def _prepare(self, batch: _Batch, host_indices: torch.Tensor | None, op: str) -> bool:
         """Host pointers for `batch`; False (the batch fails) when the indices do not cover
         its pages."""
-        batch.columns = batch.pool.pointers(host_indices, len(batch.keys))
-        if batch.columns is None:
+        batch.buffers = batch.pool.pointers(host_indices, len(batch.keys))
+        if batch.buffers is None:
             got = host_indices.numel() if host_indices is not None else 0
             log.error(
                 "%s: pool %s: %d host indices for %d keys (page size %d)",
@@ -254,8 +254,8 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         sums: list[np.ndarray] = []
         owners: list[tuple[_Batch, int]] = []
         for batch in batches:
-            pool, n, columns = batch.pool, len(batch.keys), batch.columns
-            assert columns is not None
+            pool, n, buffers = batch.pool, len(batch.keys), batch.buffers
+            assert buffers is not None
             batch.results = [False] * n
             ns_keys = pool.keys(batch.keys)
             run = handler.alloc(pool.page_bytes, n)
@@ -265,7 +265,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                     last = min(n, first + step)
                     piece = run.slice(first, last)
                     piece_sums = pool.copy_in(
-                        piece.address, piece.stride, columns, first, last, hashed
+                        piece.address, piece.stride, buffers, first, last, hashed
                     )
                     sealing = handler.seal(
                         ns_keys[first:last], piece, pool.page_bytes, checksums=piece_sums
@@ -273,7 +273,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                     sealings.append((batch, first, sealing))
                 continue
             if run is not None:
-                sums.append(pool.copy_in(run.address, run.stride, columns, 0, n, hashed))
+                sums.append(pool.copy_in(run.address, run.stride, buffers, 0, n, hashed))
                 page_handles = run.split()
             else:  # no free run: page by page (each may evict in our own regions)
                 page_handles = [handler.alloc(pool.page_bytes) for _ in range(n)]
@@ -281,7 +281,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                 for i, handle in enumerate(page_handles):
                     if handle is not None:
                         address, size = handle.address, pool.page_bytes
-                        got = pool.copy_in(address, size, columns, i, i + 1, hashed)
+                        got = pool.copy_in(address, size, buffers, i, i + 1, hashed)
                         page_sums[i] = got[0] if got is not None else 0
                 sums.append(page_sums)
             keys += ns_keys
@@ -328,10 +328,9 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                     continue
                 hit = lengths[seg] == pool.page_bytes
                 batch.results = hit.tolist()
-                columns, sources = batch.columns, addresses[seg]
-                if not hit.all():  # copy the hits only
-                    sources = sources[hit]
-                    columns = [ptrs[hit] for ptrs in columns]
+                sources = addresses[seg]
+                if not hit.all():  # copy the hits only (a 0 address is skipped)
+                    sources = np.where(hit, sources, 0)
                     for i in np.flatnonzero((lengths[seg] != 0) & ~hit):  # another geometry
                         log.warning(
                             "pool %s: page %s has %d bytes, expected %d: treated as a miss",
@@ -340,10 +339,9 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                             lengths[seg][i],
                             pool.page_bytes,
                         )
-                if sources.size:
-                    copied = self._copy_out(pool, sources, columns, hashed)
-                    if copied is not None:
-                        sums[seg][hit] = copied
+                copied = self._copy_out(pool, sources, batch.buffers, hashed)
+                if copied is not None:
+                    sums[seg] = copied
             corrupt = found.corrupt(sums)  # after the copies, of the bytes the copies read
             if corrupt.any():
                 self._drop_corrupt(batches, corrupt)
@@ -354,9 +352,9 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         self._stats.account_read(batches, time.perf_counter() - start)
 
     def _copy_out(
-        self, pool: PoolIO, addresses: np.ndarray, columns: list[np.ndarray], hashed: bool
+        self, pool: PoolIO, addresses: np.ndarray, buffers: np.ndarray, hashed: bool
     ) -> np.ndarray | None:
-        return pool.copy_out(addresses, columns, hashed)
+        return pool.copy_out(addresses, buffers, hashed)
 
     def _drop_corrupt(self, batches: list[_Batch], corrupt: np.ndarray) -> None:
         """Pages that failed their checksum are misses (counted per pool)."""

@@ -203,10 +203,12 @@ class PoolIO:
             self.affine = _affine_page_pointers(pool, len(ptrs))
         self.parts = len(self.part_sizes)
         self.page_bytes = sum(self.part_sizes)
-        # Each part's place in a stored page: its parts lie back to back, and the copies go
-        # page by page, so a page is read or written in address order (`copy_many`; 18%
-        # faster at 64 KiB pages than part by part, docs/performance.md).
-        self._offsets = np.cumsum([0, *self.part_sizes[:-1]], dtype=np.int64)
+        # A stored page is its parts back to back, copied page by page in address order
+        # (`copy_values`; 18% faster at 64 KiB pages than part by part, docs/performance.md).
+        self._sizes = np.array(self.part_sizes, dtype=np.int64)
+        affine = self.affine or []
+        self._bases = np.array([base for base, _ in affine], dtype=np.int64)
+        self._strides = np.array([stride for _, stride in affine], dtype=np.int64)
 
     @property
     def logical(self) -> bool:
@@ -222,60 +224,59 @@ class PoolIO:
         prefix = self.prefix
         return [prefix + k for k in keys]
 
-    def pointers(self, host_indices: torch.Tensor | None, pages: int) -> list[np.ndarray] | None:
-        """Per page part, the int64 pointers of that part of each page of `host_indices` (None
-        if the indices do not cover exactly `pages` pages). Computed from the first index of
-        each page (`_affine_page_pointers`), else through `get_page_buffer_meta`. A whole-page
-        pool gets the pages' first indices instead (its copies go through the pool)."""
+    def pointers(self, host_indices: torch.Tensor | None, pages: int) -> np.ndarray | None:
+        """The host pool's side of a batch: a (pages, parts) int64 array, each page part's
+        pointer (None if the indices do not cover exactly `pages` pages). Computed from the
+        first index of each page (`_affine_page_pointers`), else through
+        `get_page_buffer_meta`. A whole-page pool gets (pages, 1): the pages' first indices
+        (its copies go through the pool)."""
         page = self.page_size
         if host_indices is None or host_indices.numel() != pages * page:
             return None
         firsts = host_indices.cpu().numpy()[::page].astype(np.int64)  # no Python loop per page
         if self.whole_page:
-            return [firsts]
+            return firsts[:, None]
         if self.affine is not None:
-            return [firsts * stride + base for base, stride in self.affine]
+            return firsts[:, None] * self._strides + self._bases
         ptrs, _ = self.pool.get_page_buffer_meta(host_indices.cpu())
-        parts = self.parts
-        return [np.array(ptrs[j::parts], dtype=np.int64) for j in range(parts)]
+        return np.array(ptrs, dtype=np.int64).reshape(pages, self.parts)
 
     def copy_in(
         self,
         dst: int,
         stride: int,
-        columns: list[np.ndarray],
+        buffers: np.ndarray,
         first: int,
         last: int,
         hashed: bool = False,
     ) -> np.ndarray | None:
-        """Copy pages [first, last) of a batch from the host pool to `dst`, `stride` apart,
-        each page's parts back to back; `hashed`: also return each page's checksum, computed
-        as it is copied (`maru_checksums`)."""
+        """Copy pages [first, last) of a batch (`buffers`: its `pointers`) from the host pool
+        to `dst`, `stride` apart, each page's parts back to back; `hashed`: also return each
+        page's checksum, computed as it is copied (`maru_checksums`)."""
         if self.whole_page:
             hashes = np.zeros(last - first, np.int64)
-            for i, index in enumerate(columns[0][first:last].tolist()):
+            for i, index in enumerate(buffers[first:last, 0].tolist()):
                 data = self.pool.get_data_page(index, flat=True).contiguous()
                 hashes[i] = self._copy_page(dst + i * stride, data.data_ptr(), hashed)
             return hashes if hashed else None
         starts = dst + np.arange(last - first, dtype=np.int64) * stride
-        sources = np.stack([ptrs[first:last] for ptrs in columns], axis=1)
-        return copy_values(starts[:, None] + self._offsets, sources, self.part_sizes, hashed=hashed)
+        return copy_values(starts, buffers[first:last], self._sizes, to_values=True, hashed=hashed)
 
     def copy_out(
-        self, addresses: np.ndarray, columns: list[np.ndarray], hashed: bool = False
+        self, addresses: np.ndarray, buffers: np.ndarray, hashed: bool = False
     ) -> np.ndarray | None:
-        """Copy pages from `addresses` (each page's parts back to back) into the host pool;
-        `hashed`: also return each page's checksum, of the bytes as they were read."""
+        """Copy each page stored at `addresses` (its parts back to back; 0: skipped) into the
+        host pool (`buffers`: the batch's `pointers`); `hashed`: also return each page's
+        checksum, of the bytes as they were read (0 where skipped)."""
         if self.whole_page:
             page = self.pool.get_dummy_flat_data_page()
             hashes = np.zeros(len(addresses), np.int64)
-            for i, (address, index) in enumerate(zip(addresses.tolist(), columns[0].tolist())):
-                hashes[i] = self._copy_page(page.data_ptr(), address, hashed)
-                self.pool.set_from_flat_data_page(index, page)
+            for i, (address, index) in enumerate(zip(addresses.tolist(), buffers[:, 0].tolist())):
+                if address:
+                    hashes[i] = self._copy_page(page.data_ptr(), address, hashed)
+                    self.pool.set_from_flat_data_page(index, page)
             return hashes if hashed else None
-        targets = np.stack(columns, axis=1)
-        sources = addresses[:, None] + self._offsets
-        return copy_values(targets, sources, self.part_sizes, hashed=hashed)
+        return copy_values(addresses, buffers, self._sizes, to_values=False, hashed=hashed)
 
     def _copy_page(self, dst: int, src: int, hashed: bool) -> int:
         """One whole page (`page_bytes`), and its checksum when `hashed` (else 0)."""

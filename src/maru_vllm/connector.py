@@ -146,12 +146,11 @@ class MaruKVConnectorStats(KVConnectorStats):
 @dataclass
 class _GroupLayout:
     """For one cache group: block b's bytes are segments s at `base[s] + b * stride[s]`, each
-    `length[s]` bytes; a stored value is the segments back to back (`offset[s]`)."""
+    `length[s]` bytes; a stored value is the segments back to back."""
 
     base: np.ndarray
     stride: np.ndarray
     length: np.ndarray
-    offset: np.ndarray
     value_size: int
 
     def addresses(self, block_ids: Sequence[int]) -> np.ndarray:
@@ -198,8 +197,7 @@ def _group_layout(tensors: Sequence[torch.Tensor], num_blocks: int) -> _GroupLay
                 seen.add(seg)
                 segs.append(seg)
     base, stride, length = (np.array(col, dtype=np.int64) for col in zip(*segs))
-    offset = np.concatenate(([0], np.cumsum(length)[:-1])).astype(np.int64)
-    return _GroupLayout(base, stride, length, offset, int(length.sum()))
+    return _GroupLayout(base, stride, length, int(length.sum()))
 
 
 # -- the connector ----------------------------------------------------------------------------
@@ -477,10 +475,14 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
                 hits = len(ids) if good.all() else int(np.argmin(good))
                 sums = np.zeros(len(ids), np.int64)  # each block's maru64 as copied
                 if hits:
-                    dst = layout.addresses(ids[:hits])
-                    src = found.addresses[:hits, None] + layout.offset[None, :]
                     # block by block: each stored value is read in address order
-                    hashes = copy_values(dst, src, layout.length, hashed=hashed)
+                    hashes = copy_values(
+                        found.addresses[:hits],
+                        layout.addresses(ids[:hits]),
+                        layout.length,
+                        to_values=False,
+                        hashed=hashed,
+                    )
                     if hashes is not None:  # hashed in the copy loop: the bytes read once
                         sums[:hits] = hashes
                     bad = found.corrupt(sums)[:hits]  # after the copy, of what it read
@@ -518,11 +520,12 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             held = [(i, h) for i, h in enumerate(handles) if h is not None]
             sums = np.zeros(len(ids), np.int64) if handler.config.checksums else None
             if held:
-                dst = np.array([h.address for _, h in held], dtype=np.int64)
-                dst = dst[:, None] + layout.offset[None, :]
-                src = layout.addresses([ids[i] for i, _ in held])
+                starts = np.array([h.address for _, h in held], dtype=np.int64)
+                buffers = layout.addresses([ids[i] for i, _ in held])
                 # block by block, each value written in address order; hashed as copied
-                hashes = copy_values(dst, src, layout.length, hashed=sums is not None)
+                hashes = copy_values(
+                    starts, buffers, layout.length, to_values=True, hashed=sums is not None
+                )
                 if hashes is not None:
                     sums[[i for i, _ in held]] = hashes
             results = handler.seal(keys, handles, checksums=sums).wait()

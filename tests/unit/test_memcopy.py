@@ -68,6 +68,55 @@ def test_values_of_parts_of_unlike_sizes_are_copied_value_by_value(monkeypatch, 
         )
 
 
+@pytest.mark.parametrize("hashed", [False, True], ids=["plain", "hashed"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["C", "ctypes"])
+def test_copy_values_stores_and_loads_values_of_parts_and_skips_misses(
+    monkeypatch, compiled, hashed
+):
+    """`copy_values`: a value is its parts back to back (a page in the pool), each part's other
+    side its own buffer (host pool pages, scattered). A store lays the parts end to end; a load
+    puts them back; a 0 start is a miss, left alone (hash 0); each hash is the value's maru64."""
+    if compiled and not memcopy.COMPILED:
+        pytest.skip("maru.client._memcopy not built")
+    if not compiled:
+        monkeypatch.setattr(memcopy, "_c_copy_values", None)
+        monkeypatch.setattr(memcopy, "_c_copy_many", None)
+        monkeypatch.setattr(memcopy, "_c_copy_many_hashed", None)
+    from maru.client.checksum import hash64
+
+    rng = np.random.default_rng(9)
+    sizes = [5000, 4096 + 13, 7]
+    value = sum(sizes)
+    host = rng.integers(0, 256, 12 * 8192, dtype=np.uint8)  # part j of value i: slot 3i + j
+    slots = np.array([[3 * i + j for j in range(3)] for i in range(4)])[::-1]  # out of order
+    buffers = slots * 8192 + host.ctypes.data
+    pool = np.zeros(4 * (value + 64), dtype=np.uint8)  # a gap after each value stays zero
+    starts = np.arange(4, dtype=np.int64) * (value + 64) + pool.ctypes.data
+    got = memcopy.copy_values(starts, buffers, sizes, to_values=True, hashed=hashed)
+    for i in range(4):
+        want = b"".join(host[s * 8192 : s * 8192 + n].tobytes() for s, n in zip(slots[i], sizes))
+        stored = pool[i * (value + 64) : (i + 1) * (value + 64)]
+        assert stored[:value].tobytes() == want and not stored[value:].any()
+        if hashed:
+            assert got[i] == hash64(want)
+    assert got is None or got.shape == (4,)
+
+    before = host.copy()
+    host[:] = 0
+    skip = starts.copy()
+    skip[2] = 0  # a miss
+    got = memcopy.copy_values(skip, buffers, sizes, to_values=False, hashed=hashed)
+    for i in range(4):
+        for s, n in zip(slots[i], sizes):
+            part = host[s * 8192 : s * 8192 + n]
+            assert np.array_equal(part, before[s * 8192 : s * 8192 + n]) == (i != 2)
+            assert i != 2 or not part.any()
+    if hashed:
+        assert got[2] == 0 and got[0] == hash64(pool[:value].tobytes())
+    with pytest.raises(ValueError, match="buffers"):
+        memcopy.copy_values(starts, buffers[:, :2], sizes, to_values=False)
+
+
 def test_a_numpy_integer_is_one_size_for_every_buffer():
     src = np.arange(8192, dtype=np.uint8)
     dst = np.zeros_like(src)

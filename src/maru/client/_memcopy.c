@@ -483,6 +483,35 @@ done:
  * and 4 KiB is the least that still streams (STREAMING_MIN_BYTES). */
 #define HASH_BLOCK_BYTES 4096
 
+/* One part of a value: copied from `from` to `to` and added to the value's hash `st`. */
+static void copy_part_hashed(m64_state *st, char *to, const uint8_t *from, size_t size,
+                             int streaming)
+{
+    size_t off = 0, step;
+#if HAVE_STREAMING
+    /* One pass where it can: whole stripes loaded once, streamed out and hashed from the same
+     * registers; the last partial stripe (and anything else) below. */
+    if (streaming && m64_copy != NULL && st->held == 0 && ((uintptr_t)to & 63) == 0 &&
+        size >= STREAMING_MIN_BYTES &&
+        !(to < (const char *)from + size && (const char *)from < to + size)) {
+        off = size & ~(size_t)(M64_STRIPE - 1);
+        st->pos = m64_copy(st->acc, to, from, off / M64_STRIPE, st->pos);
+        st->len += off;
+    }
+#endif
+    for (; off < size; off += step) {
+        /* (a last piece under a block joins the one before: every piece streams) */
+        step = size - off < 2 * HASH_BLOCK_BYTES ? size - off : HASH_BLOCK_BYTES;
+#if HAVE_STREAMING
+        if (streaming)
+            copy_streaming(to + off, (const char *)from + off, step, 0);
+        else
+#endif
+            memmove(to + off, from + off, step);
+        m64_update(st, from + off, step);
+    }
+}
+
 static PyObject *copy_many_hashed(PyObject *self, PyObject *args)
 {
     PyObject *dst_obj, *src_obj, *sizes_obj;
@@ -532,35 +561,10 @@ static PyObject *copy_many_hashed(PyObject *self, PyObject *args)
         m64_begin(&st);
         for (Py_ssize_t b = v * parts; b < (v + 1) * parts; b++) {
             const uint8_t *from = (const uint8_t *)(intptr_t)s[b];
-            size_t size = (size_t)z[b];
-            if (d == NULL) {
-                m64_update(&st, from, size);
-                continue;
-            }
-            char *to = (char *)(intptr_t)d[b];
-            size_t off = 0, step;
-#if HAVE_STREAMING
-            /* One pass where it can: whole stripes loaded once, streamed out and hashed from
-             * the same registers; the last partial stripe (and anything else) below. */
-            if (streaming && m64_copy != NULL && st.held == 0 && ((uintptr_t)to & 63) == 0 &&
-                size >= STREAMING_MIN_BYTES &&
-                !(to < (const char *)from + size && (const char *)from < to + size)) {
-                off = size & ~(size_t)(M64_STRIPE - 1);
-                st.pos = m64_copy(st.acc, to, from, off / M64_STRIPE, st.pos);
-                st.len += off;
-            }
-#endif
-            for (; off < size; off += step) {
-                /* (a last piece under a block joins the one before: every piece streams) */
-                step = size - off < 2 * HASH_BLOCK_BYTES ? size - off : HASH_BLOCK_BYTES;
-#if HAVE_STREAMING
-                if (streaming)
-                    copy_streaming(to + off, (const char *)from + off, step, 0);
-                else
-#endif
-                    memmove(to + off, from + off, step);
-                m64_update(&st, from + off, step);
-            }
+            if (d == NULL)
+                m64_update(&st, from, (size_t)z[b]);
+            else
+                copy_part_hashed(&st, (char *)(intptr_t)d[b], from, (size_t)z[b], streaming);
         }
         hashes[v] = m64_finish(&st);
     }
@@ -574,6 +578,91 @@ done:
         PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     PyBuffer_Release(&sizes);
+    return out;
+}
+
+/* Values stored as their parts back to back (a KV page in the pool) and their parts' buffers
+ * elsewhere (a host pool's or device pool's pages): value v starts at `starts[v]` (0: skip it,
+ * a miss), its part j is `sizes[j]` bytes at `starts[v] + sizes[0] + ... + sizes[j-1]`, and
+ * `buffers[v * parts + j]` is that part's other side. `to_values`: buffers -> values (a store),
+ * else values -> buffers (a load). Value by value, each value's parts in address order. With
+ * `hashed`, returns each value's maru64 as copied (0 for a skipped value). One call does what
+ * the (values, parts) address arrays of `copy_many` took three numpy steps to set up. */
+static PyObject *copy_values(PyObject *self, PyObject *args)
+{
+    PyObject *starts_obj, *buffers_obj, *sizes_obj;
+    int to_values, streaming = 1, hashed = 0;
+    if (!PyArg_ParseTuple(args, "OOOp|pp:copy_values", &starts_obj, &buffers_obj, &sizes_obj,
+                          &to_values, &streaming, &hashed))
+        return NULL;
+    Py_buffer starts = {0}, buffers = {0}, sizes = {0};
+    PyObject *out = NULL;
+    if (get_addresses(starts_obj, &starts, "starts") < 0 ||
+        get_addresses(buffers_obj, &buffers, "buffers") < 0 ||
+        get_addresses(sizes_obj, &sizes, "sizes") < 0)
+        goto done;
+    Py_ssize_t values = starts.len / 8, parts = sizes.len / 8;
+    if (buffers.len / 8 != values * parts) {
+        PyErr_Format(PyExc_ValueError, "copy_values: %zd buffers for %zd values of %zd parts",
+                     buffers.len / 8, values, parts);
+        goto done;
+    }
+    const int64_t *v0 = (const int64_t *)starts.buf, *b = (const int64_t *)buffers.buf;
+    const int64_t *z = (const int64_t *)sizes.buf;
+    for (Py_ssize_t j = 0; j < parts; j++)
+        if (z[j] < 0) {
+            PyErr_SetString(PyExc_ValueError, "copy_values: sizes must not be negative");
+            goto done;
+        }
+    int64_t *hashes = NULL;
+    if (hashed) {
+        if ((out = PyBytes_FromStringAndSize(NULL, values * 8)) == NULL)
+            goto done;
+        hashes = (int64_t *)PyBytes_AS_STRING(out);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    m64_state st;
+    for (Py_ssize_t v = 0; v < values; v++) {
+        char *value = (char *)(intptr_t)v0[v];
+        if (value == NULL) {
+            if (hashes != NULL)
+                hashes[v] = 0;
+            continue;
+        }
+        if (hashes != NULL)
+            m64_begin(&st);
+        for (Py_ssize_t j = 0; j < parts; j++) {
+            char *buffer = (char *)(intptr_t)b[v * parts + j];
+            char *to = to_values ? value : buffer;
+            const char *from = to_values ? buffer : value;
+            size_t size = (size_t)z[j];
+            if (hashes != NULL)
+                copy_part_hashed(&st, to, (const uint8_t *)from, size, streaming);
+#if HAVE_STREAMING
+            else if (streaming)
+                copy_streaming(to, from, size, 1);
+#endif
+            else
+                memmove(to, from, size);
+            value += size;
+        }
+        if (hashes != NULL)
+            hashes[v] = m64_finish(&st);
+    }
+#if HAVE_STREAMING
+    if (streaming)
+        _mm_sfence();
+#endif
+    Py_END_ALLOW_THREADS
+    if (out == NULL)
+        out = Py_NewRef(Py_None);
+done:
+    if (starts.obj != NULL)
+        PyBuffer_Release(&starts);
+    if (buffers.obj != NULL)
+        PyBuffer_Release(&buffers);
+    if (sizes.obj != NULL)
+        PyBuffer_Release(&sizes);
     return out;
 }
 
@@ -622,6 +711,11 @@ static PyMethodDef methods[] = {
      "copy_many_hashed(dst, src, sizes, parts, streaming=True) -> bytes: buffer b (int64\n"
      "addresses and sizes) copied from src[b] to dst[b] (dst None: only hashed); every `parts`\n"
      "buffers make a value; the maru64 of each value's bytes, in order, as native int64s."},
+    {"copy_values", copy_values, METH_VARARGS,
+     "copy_values(starts, buffers, sizes, to_values, streaming=True, hashed=False) -> bytes\n"
+     "or None: value v (parts of `sizes` back to back from starts[v]; 0: skipped) copied to\n"
+     "(to_values False) or from its parts' buffers[v * parts + j]; with hashed, each value's\n"
+     "maru64 as native int64s (0 where skipped). See maru.client.memcopy.copy_values."},
     {"hash_impl", hash_impl, METH_VARARGS,
      "hash_impl([name]) -> str: the maru64 loop in use (scalar, avx2, avx512); with a name\n"
      "(or 'auto'), switch to it and return the one before (tests and benchmarks)."},

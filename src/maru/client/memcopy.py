@@ -10,6 +10,11 @@ By default the C loop writes parts of 4 KiB or more that do not overlap with non
 pulling every destination line into the cache (why: `_memcopy.c`). `streaming=False` is plain
 memmove (the benchmark's baseline).
 
+`copy_values(starts, buffers, sizes, to_values=...)` is the data path's form of it: values
+stored as their parts back to back (KV pages in the pool) to or from the parts' buffers
+elsewhere (host or device pool pages), misses skipped, optionally hashed; MaruStorage, the
+vLLM connector and the benchmarks' baselines copy through it.
+
 `copy_many_hashed` is the same copy that also returns each value's checksum (maru64,
 `maru.client.checksum`), hashed a few KiB at a time right after they were copied, from the
 source, while they are in cache (`maru_checksums` on the data path).
@@ -32,8 +37,9 @@ try:
     from maru.client._memcopy import STREAMING
     from maru.client._memcopy import copy_many as _c_copy_many
     from maru.client._memcopy import copy_many_hashed as _c_copy_many_hashed
+    from maru.client._memcopy import copy_values as _c_copy_values
 except ImportError:  # built without a C compiler
-    _c_copy_many = _c_copy_many_hashed = None
+    _c_copy_many = _c_copy_many_hashed = _c_copy_values = None
     STREAMING = 0
     log.debug("maru.client._memcopy not built: page copies use a ctypes loop")
 
@@ -69,15 +75,42 @@ def copy_many(
 
 
 def copy_values(
-    dst: np.ndarray, src: np.ndarray, sizes: Sequence[int] | np.ndarray, *, hashed: bool
+    starts: np.ndarray,
+    buffers: np.ndarray,
+    sizes: Sequence[int] | np.ndarray,
+    *,
+    to_values: bool,
+    hashed: bool = False,
+    streaming: bool = True,
 ) -> np.ndarray | None:
-    """(values, parts) buffers of one size per part, copied value by value (`copy_many`);
-    `hashed` (`maru_checksums`): by `copy_many_hashed`, returning each value's maru64 (else
-    None)."""
-    if hashed:
-        return copy_many_hashed(dst, src, sizes)
-    copy_many(dst, src, sizes)
-    return None
+    """Copy values stored as their parts back to back (KV pages in the pool) to or from their
+    parts' buffers elsewhere (a host or device pool's pages): value i starts at `starts[i]`
+    (0: a miss, skipped), its part j is `sizes[j]` bytes at `starts[i] + sum(sizes[:j])`,
+    and `buffers[i, j]` is that part's other side. `to_values`: buffers -> values (a store),
+    else values -> buffers (a load). Value by value, each value's parts in address order
+    (`copy_many`). `hashed` (`maru_checksums`): returns each value's maru64 as copied (0 where
+    skipped), else None. `streaming=False`: plain memmove (the benchmarks' baseline). The data
+    path's copy: one C call, no array built per call."""
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    buffers = np.ascontiguousarray(buffers, dtype=np.int64)
+    sizes = np.ascontiguousarray(sizes, dtype=np.int64)
+    if buffers.shape != (starts.size, sizes.size):
+        raise ValueError(
+            f"copy_values: buffers {buffers.shape} for {starts.size} values of {sizes.size} parts"
+        )
+    if _c_copy_values is not None:
+        out = _c_copy_values(starts, buffers, sizes, to_values, streaming, hashed)
+        return np.frombuffer(out, np.int64) if hashed else None
+    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+    hit = starts != 0
+    at = starts[hit, None] + offsets  # (hits, parts): each part's place in its value
+    src, dst = (buffers[hit], at) if to_values else (at, buffers[hit])
+    if not hashed:
+        copy_many(dst, src, sizes, streaming=streaming)
+        return None
+    out = np.zeros(starts.size, np.int64)
+    out[hit] = copy_many_hashed(dst, src, sizes, streaming=streaming)
+    return out
 
 
 def copy_many_hashed(
