@@ -24,9 +24,10 @@ figure saw the same machine state:
   SGLang's
   built-in file backend (`HiCacheFile`) on a /dev/shm directory driven the way the
   controller drives it without `interface_v1` (`get_data_page` + `batch_set`; `batch_get`
-  into dummy pages + `set_from_flat_data_page`). Methods alternate within each repetition;
-  ratios are medians of per-repetition ratios. The limit of issue 17's targets is the
-  fastest of the three plain copies (memcpy, shm, stream) in the same repetition.
+  into dummy pages + `set_from_flat_data_page`). Methods alternate within each repetition,
+  each repetition starting one method later (no method always runs first); ratios are
+  medians of per-repetition ratios. The limit of issue 17's targets is the fastest of the
+  three plain copies (memcpy, shm, stream) in the same repetition.
 - Before / after of issue 17's shared-memory index: where `MaruConfig` has `local_index`
   (config key `maru_local_index`), every Maru measurement is also made with it off
   ("request": the request path), alternating with the default; where it has not, the one
@@ -1042,14 +1043,17 @@ def writes_with(backend: str) -> str:
 
 def _throughput(writer, reader, name, plan, batch, pages, crcs, prog) -> dict[str, list[float]]:
     """GB/s of every method, per repetition (after a warm-up round whose reads are checked
-    against the writer's CRCs), methods alternating within each repetition."""
+    against the writer's CRCs), methods alternating within each repetition, each repetition
+    starting one method later (what runs first after another method's turn, or after the
+    server's work for it, is not always the same method)."""
     nbytes = writer.call("info")["bytes"]
     sec: dict[str, list[float]] = {
         f"{b}_{op}": [] for b in plan.backends for op in ("set", "get") if (b, op) != NO_OP
     }
     for rep in range(plan.reps + 1):  # rep 0 warms pages, mappings and files up
         tag = f"{name}/r{rep}"
-        for b in plan.backends:
+        first = rep % len(plan.backends)
+        for b in plan.backends[first:] + plan.backends[:first]:
             w = writer.call("run", f"{writes_with(b)}_set", tag, batch, 0, pages)
             if b in STORES:
                 reader.call("wipe")
