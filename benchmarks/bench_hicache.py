@@ -25,7 +25,7 @@ figure saw the same machine state:
   built-in file backend (`HiCacheFile`) on a /dev/shm directory driven the way the
   controller drives it without `interface_v1` (`get_data_page` + `batch_set`; `batch_get`
   into dummy pages + `set_from_flat_data_page`). Methods alternate within each repetition,
-  each repetition starting one method later (no method always runs first); ratios are
+  in an order shuffled per repetition (no method always follows the same one); ratios are
   medians of per-repetition ratios. The limit of issue 17's targets is the fastest of the
   three plain copies (memcpy, shm, stream) in the same repetition.
 - Before / after of issue 17's shared-memory index: where `MaruConfig` has `local_index`
@@ -1043,17 +1043,16 @@ def writes_with(backend: str) -> str:
 
 def _throughput(writer, reader, name, plan, batch, pages, crcs, prog) -> dict[str, list[float]]:
     """GB/s of every method, per repetition (after a warm-up round whose reads are checked
-    against the writer's CRCs), methods alternating within each repetition, each repetition
-    starting one method later (what runs first after another method's turn, or after the
-    server's work for it, is not always the same method)."""
+    against the writer's CRCs), methods alternating within each repetition in an order
+    shuffled per repetition (seeded): a copy runs measurably faster or slower depending on
+    which method ran just before it, so no method always follows the same one."""
     nbytes = writer.call("info")["bytes"]
     sec: dict[str, list[float]] = {
         f"{b}_{op}": [] for b in plan.backends for op in ("set", "get") if (b, op) != NO_OP
     }
     for rep in range(plan.reps + 1):  # rep 0 warms pages, mappings and files up
         tag = f"{name}/r{rep}"
-        first = rep % len(plan.backends)
-        for b in plan.backends[first:] + plan.backends[:first]:
+        for b in random.Random(rep).sample(plan.backends, len(plan.backends)):
             w = writer.call("run", f"{writes_with(b)}_set", tag, batch, 0, pages)
             if b in STORES:
                 reader.call("wipe")

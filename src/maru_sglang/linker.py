@@ -293,10 +293,16 @@ class MaruCacheLinker(UnifiedCacheLinker):
 
     # -- keys ---------------------------------------------------------------------------------
 
+    @property
+    def prefix(self) -> str:
+        """What the Maru key of a page hash starts with (MaruStorage's for the same pages);
+        lookups pass it as `prefix=` (joined in C by the local index)."""
+        return f"{self.namespace}:"
+
     def keys(self, hashes: Sequence[str]) -> list[str]:
         """Maru keys of page hashes (MaruStorage's KV keys for the same pages)."""
-        ns = self.namespace
-        return [f"{ns}:{h}" for h in hashes]
+        prefix = self.prefix
+        return [prefix + h for h in hashes]
 
     @staticmethod
     def _kv(transfers: Sequence[PoolTransfer]) -> PoolTransfer | None:
@@ -318,7 +324,7 @@ class MaruCacheLinker(UnifiedCacheLinker):
         kv = self._kv(transfers)
         if kv is None or not kv.keys:
             return []
-        present = self.handler.batch_exists(self.keys(kv.keys))
+        present = self.handler.batch_exists(kv.keys, prefix=self.prefix)
         run = present.index(False) if False in present else len(present)
         self._count(lookups=1, lookup_hit_pages=run)
         return list(range(1, run + 1))
@@ -337,7 +343,7 @@ class MaruCacheLinker(UnifiedCacheLinker):
             log.error("load %s: device slots are not %d whole pages: refused", rid, pages)
             self._count(loads_refused=1)
             return False
-        lookup = self.handler.lookup(self.keys(kv.keys), lease=True)
+        lookup = self.handler.lookup(kv.keys, lease=True, prefix=self.prefix)
         _, lengths = lookup.wait()
         if not (lengths == self.layout.page_bytes).all():
             missing = int((lengths == 0).sum())
