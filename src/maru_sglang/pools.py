@@ -182,7 +182,7 @@ class PoolIO:
         self.replicated = replicated
         self.page_size = int(getattr(pool, "page_size", 1) or 1)
         self.whole_page = False
-        self.affine: list[tuple[int, int]] | None = None
+        self.affine: np.ndarray | None = None  # (parts, 2): each part's base and stride
         probe = torch.arange(self.page_size, dtype=torch.int64)
         meta = None
         try:
@@ -200,15 +200,14 @@ class PoolIO:
             self.part_sizes = [int(s) for s in sizes]
             if len(ptrs) != len(self.part_sizes):
                 raise ValueError(f"pool {name}: get_page_buffer_meta gave unpaired lists")
-            self.affine = _affine_page_pointers(pool, len(ptrs))
+            model = _affine_page_pointers(pool, len(ptrs))
+            if model is not None:
+                self.affine = np.array(model, dtype=np.int64).reshape(len(ptrs), 2)
         self.parts = len(self.part_sizes)
         self.page_bytes = sum(self.part_sizes)
         # A stored page is its parts back to back, copied page by page in address order
         # (`copy_values`; 18% faster at 64 KiB pages than part by part, docs/performance.md).
         self._sizes = np.array(self.part_sizes, dtype=np.int64)
-        affine = self.affine or []
-        self._bases = np.array([base for base, _ in affine], dtype=np.int64)
-        self._strides = np.array([stride for _, stride in affine], dtype=np.int64)
 
     @property
     def logical(self) -> bool:
@@ -237,7 +236,7 @@ class PoolIO:
         if self.whole_page:
             return firsts[:, None]
         if self.affine is not None:
-            return firsts[:, None] * self._strides + self._bases
+            return firsts[:, None] * self.affine[:, 1] + self.affine[:, 0]
         ptrs, _ = self.pool.get_page_buffer_meta(host_indices.cpu())
         return np.array(ptrs, dtype=np.int64).reshape(pages, self.parts)
 
