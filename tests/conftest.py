@@ -246,3 +246,55 @@ def shm_name() -> Iterator[str]:
             shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
+
+
+_COPIER = None  # ctypes' prototype of `_memcopy.c`'s copy_values_run (built on first use)
+
+
+@pytest.fixture
+def fused_copier() -> Iterator:
+    """`make(before_copy)` -> a copier for the local index's fused read (`Reader.read`'s
+    `copier`, `maru.client.localindex.COPY_VALUES`) that first calls `before_copy()`, between
+    the read's probe and its check, where Python cannot otherwise reach (a test's fault goes
+    there: a delete, a restart, a flipped byte), then copies as the real one does (through
+    `copy_values`). An exception in `before_copy` fails the test at teardown."""
+    import ctypes
+
+    import numpy as np
+
+    from maru.client.memcopy import copy_values
+
+    global _COPIER
+    if _COPIER is None:
+        vp, size = ctypes.c_void_p, ctypes.c_ssize_t
+        _COPIER = ctypes.CFUNCTYPE(None, vp, vp, vp, size, size, ctypes.c_int, ctypes.c_int, vp)
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype = ctypes.py_object
+    new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    name = b"maru.copy_values_run"  # (the capsule keeps a pointer to it: it lives on here)
+    kept, errors = [], []
+
+    def array(address, n):
+        return np.ctypeslib.as_array((ctypes.c_int64 * n).from_address(address)) if n else []
+
+    def make(before_copy):
+        def run(starts, buffers, sizes, values, parts, to_values, streaming, hashes):
+            try:
+                before_copy()
+            except BaseException as exc:  # (a ctypes callback cannot raise)
+                errors.append(exc)
+            starts_, sizes_ = np.array(array(starts, values)), np.array(array(sizes, parts))
+            rows = np.array(array(buffers, values * parts)).reshape(values, parts)
+            sums = copy_values(
+                starts_, rows, sizes_, to_values=bool(to_values), hashed=bool(hashes)
+            )
+            if hashes:
+                array(hashes, values)[:] = sums
+
+        callback = _COPIER(run)
+        kept.append(callback)
+        return new_capsule(ctypes.cast(callback, ctypes.c_void_p), name, None)
+
+    yield make
+    if errors:
+        raise errors[0]

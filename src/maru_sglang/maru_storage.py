@@ -26,6 +26,7 @@ interface with `interface_v1` off, page tensors copied one by one).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any
@@ -302,69 +303,71 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         self._stats.account_write(batches, time.perf_counter() - start)
 
     def _read(self, batches: list[_Batch], host_indices: list[torch.Tensor | None]) -> None:
-        """One leased lookup for every batch's pages (the host pointers are computed while it
-        is in flight), then one copy per page part of each hit into the host pool. A page
-        stored with another length is a miss; so is, with `maru_checksums`, a page whose
-        bytes no longer match their checksum after the copy; a lease that ended mid-copy makes
-        every page a miss (not proven). Fills each batch's `results`."""
+        """Copy every batch's hits into its host pool and prove them: a page stored with
+        another length is a miss; so is, with `maru_checksums`, a page whose bytes no longer
+        match their checksum after the copy, and on the local index a page whose entry changed
+        during the copy; a lease that ended mid-copy makes every page a miss (not proven). One
+        batch of a pool copied by `copy_values` (every v1 call) is one `MaruHandler.read` (on
+        the local index one C call); else one lookup of every batch's pages (sent first: the
+        host pointers are computed while it is in flight), then each pool's copy. Fills each
+        batch's `results`."""
         start = time.perf_counter()
+        handler = self.handler
         keys, prefix = _query([(b.pool, b.keys) for b in batches])
-        hashed = self.handler.config.checksums
-        sums = np.zeros(len(keys), np.int64)  # each hit's checksum as copied (0: none)
-        lookup = self.handler.lookup(keys, lease=True, for_copy=True, prefix=prefix)  # sent now
-        try:
-            ready = [self._prepare(b, idx, "read") for b, idx in zip(batches, host_indices)]
-        except BaseException:
-            lookup.release()
-            raise
-        with lookup as found:
-            addresses, lengths = found.addresses, found.lengths
-            offset = 0
-            for batch, ok in zip(batches, ready):
-                n, pool = len(batch.keys), batch.pool
-                seg = slice(offset, offset + n)
-                offset += n
-                if not ok:
-                    continue
-                hit = lengths[seg] == pool.page_bytes
-                batch.results = hit.tolist()
-                sources = addresses[seg]
-                if not hit.all():  # copy the hits only (a 0 address is skipped)
-                    sources = np.where(hit, sources, 0)
-                    for i in np.flatnonzero((lengths[seg] != 0) & ~hit):  # another geometry
-                        log.warning(
-                            "pool %s: page %s has %d bytes, expected %d: treated as a miss",
-                            pool.name,
-                            batch.keys[i],
-                            lengths[seg][i],
-                            pool.page_bytes,
-                        )
-                copied = self._copy_out(pool, sources, batch.buffers, hashed)
-                if copied is not None:
-                    sums[seg] = copied
-            corrupt = found.corrupt(sums)  # after the copies, of the bytes the copies read
-            if corrupt.any():
-                self._drop_corrupt(batches, corrupt)
-            if not found.release(confirm=True):  # the lease ended mid-copy: not proven
-                log.warning("read: the lease on %d pages ended during the copy", len(keys))
-                for batch in batches:
-                    batch.results = [False] * len(batch.keys)
+        mismatches = handler.checksum_mismatches
+        if len(batches) == 1 and not batches[0].pool.whole_page:
+            batch, pool = batches[0], batches[0].pool
+            if self._prepare(batch, host_indices[0], "read"):
+                assert batch.buffers is not None
+                batch.results = handler.read(
+                    keys, batch.buffers, pool.sizes, length=pool.page_bytes, prefix=prefix
+                )
+            if handler.checksum_mismatches != mismatches:
+                self._stats.count(
+                    pool.name, checksum_mismatches=handler.checksum_mismatches - mismatches
+                )
+        else:
+            self._read_pools(batches, host_indices, keys, prefix)
         self._stats.account_read(batches, time.perf_counter() - start)
 
-    def _copy_out(
-        self, pool: PoolIO, addresses: np.ndarray, buffers: np.ndarray, hashed: bool
-    ) -> np.ndarray | None:
-        return pool.copy_out(addresses, buffers, hashed)
-
-    def _drop_corrupt(self, batches: list[_Batch], corrupt: np.ndarray) -> None:
-        """Pages that failed their checksum are misses (counted per pool)."""
+    def _read_pools(
+        self,
+        batches: list[_Batch],
+        host_indices: list[torch.Tensor | None],
+        keys: list[str],
+        prefix: str | list[str],
+    ) -> None:
+        """`_read` of several pools (v2), or of a pool copied page by page through its API."""
+        hashed = self.handler.config.checksums
+        found = self.handler.lookup(keys, lease=True, for_copy=True, prefix=prefix)  # sent now
+        try:
+            ready = [self._prepare(b, idx, "read") for b, idx in zip(batches, host_indices)]
+            offset = 0
+            for batch, ok in zip(batches, ready):
+                first, offset = offset, offset + len(batch.keys)
+                if ok:
+                    copy = functools.partial(
+                        batch.pool.copy_out, buffers=batch.buffers, hashed=hashed
+                    )
+                    found.copy_out(copy, batch.pool.page_bytes, start=first, stop=offset)
+            corrupt = found.corrupt()  # after the copies, of the bytes the copies read
+        except BaseException:
+            found.release()
+            raise
+        copied = found.copied if found.copied is not None else np.zeros(len(keys), bool)
+        proven = copied & ~corrupt
+        if not found.release(confirm=True):  # the lease ended mid-copy: not proven
+            log.warning("read: the lease on %d pages ended during the copy", len(keys))
+            proven[:] = False
         offset = 0
-        for batch in batches:
-            bad = corrupt[offset : offset + len(batch.keys)]
-            offset += len(batch.keys)
-            if bad.any() and batch.results:
-                batch.results = (np.array(batch.results, bool) & ~bad).tolist()
-                self._stats.count(batch.pool.name, checksum_mismatches=int(bad.sum()))
+        for batch, ok in zip(batches, ready):
+            seg = slice(offset, offset + len(batch.keys))
+            offset = seg.stop
+            if ok:
+                batch.results = proven[seg].tolist()
+                bad = int(np.count_nonzero(copied[seg] & corrupt[seg]))
+                if bad:
+                    self._stats.count(batch.pool.name, checksum_mismatches=bad)
 
     # -- v1: the KV pool ---------------------------------------------------------------------
 

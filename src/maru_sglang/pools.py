@@ -207,7 +207,7 @@ class PoolIO:
         self.page_bytes = sum(self.part_sizes)
         # A stored page is its parts back to back, copied page by page in address order
         # (`copy_values`; 18% faster at 64 KiB pages than part by part, docs/performance.md).
-        self._sizes = np.array(self.part_sizes, dtype=np.int64)
+        self.sizes = np.array(self.part_sizes, dtype=np.int64)  # (`copy_values`' form)
 
     @property
     def logical(self) -> bool:
@@ -259,7 +259,7 @@ class PoolIO:
                 hashes[i] = self._copy_page(dst + i * stride, data.data_ptr(), hashed)
             return hashes if hashed else None
         starts = dst + np.arange(last - first, dtype=np.int64) * stride
-        return copy_values(starts, buffers[first:last], self._sizes, to_values=True, hashed=hashed)
+        return copy_values(starts, buffers[first:last], self.sizes, to_values=True, hashed=hashed)
 
     def copy_out(
         self, addresses: np.ndarray, buffers: np.ndarray, hashed: bool = False
@@ -275,7 +275,7 @@ class PoolIO:
                     hashes[i] = self._copy_page(page.data_ptr(), address, hashed)
                     self.pool.set_from_flat_data_page(index, page)
             return hashes if hashed else None
-        return copy_values(addresses, buffers, self._sizes, to_values=False, hashed=hashed)
+        return copy_values(addresses, buffers, self.sizes, to_values=False, hashed=hashed)
 
     def _copy_page(self, dst: int, src: int, hashed: bool) -> int:
         """One whole page (`page_bytes`), and its checksum when `hashed` (else 0)."""

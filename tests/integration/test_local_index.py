@@ -5,13 +5,18 @@ server SIGKILL and restart, a recreated pool), and their hits count as use for e
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
 from typing import Any
+from unittest import mock
 
+import numpy as np
 import pytest
 
+import maru.client.handler as handler_module
+import maru.client.localindex as localindex_module
 from maru import MaruAdmin, MaruHandler
 from maru.common import shmindex
 from maru.common.shmindex import MAX_KEY, table_files
@@ -36,11 +41,25 @@ def handler(url: str, **kw: Any) -> MaruHandler:
     return MaruHandler(server_url=url, **kw)
 
 
+WAYS = ["lookup", "read"]  # the two copying reads: lookup + copy + checks, `MaruHandler.read`
+
+
 def read(
-    h: MaruHandler, keys: list[Any], before_copy: Any = None, prefix: Any = ""
+    h: MaruHandler,
+    keys: list[Any],
+    before_copy: Any = None,
+    prefix: Any = "",
+    way: str = "lookup",
+    copier: Any = None,
 ) -> tuple[list, Any]:
     """A copying read as MaruStorage does it: copy the hits, then drop what `corrupt()` names
-    (and everything if `release(confirm=True)` says the batch is not proven)."""
+    (and everything if `release(confirm=True)` says the batch is not proven). `way` "read":
+    through `MaruHandler.read` into host rows of CHUNK bytes, where on the index probe, copy
+    and check are one C call: `before_copy` then runs inside it, through `copier` (the
+    `fused_copier` fixture), or before the request path's copy. Returns (each key's bytes
+    or None, whether the index answered)."""
+    if way == "read":
+        return _read_into(h, keys, before_copy, prefix, copier)
     with h.lookup(keys, lease=True, for_copy=True, prefix=prefix) as found:
         if before_copy is not None:
             before_copy()
@@ -50,7 +69,30 @@ def read(
         ]
         bad = found.corrupt()
         held = found.release(confirm=True)
-    return [None if (b or not held) else d for d, b in zip(data, bad)], found
+    local = type(found).__name__ == "IndexLookup"
+    return [None if (b or not held) else d for d, b in zip(data, bad)], local
+
+
+def _read_into(h: MaruHandler, keys, before_copy, prefix, copier) -> tuple[list, Any]:
+    out = np.zeros((len(keys), CHUNK), np.uint8)
+    buffers = (out.ctypes.data + np.arange(len(keys), dtype=np.int64) * CHUNK)[:, None]
+    hooks = contextlib.ExitStack()
+    if before_copy is not None:
+        real = handler_module.copy_values
+
+        def copy_after(*args: Any, **kw: Any) -> Any:
+            before_copy()
+            return real(*args, **kw)
+
+        hooks.enter_context(mock.patch.object(handler_module, "copy_values", copy_after))
+        hooks.enter_context(
+            mock.patch.object(localindex_module, "COPY_VALUES", copier(before_copy))
+        )
+    fallbacks = h._index.fallbacks if h._index is not None else 0
+    with hooks:
+        proven = h.read(keys, buffers, np.array([CHUNK], np.int64), length=CHUNK, prefix=prefix)
+    local = h._index is not None and h._index.fallbacks == fallbacks  # (no lookup was asked)
+    return [bytes(out[i]) if ok else None for i, ok in enumerate(proven)], local
 
 
 def operations(url: str) -> dict[str, int]:
@@ -126,7 +168,8 @@ def test_reads_answered_locally_are_in_the_servers_hit_counts(maru_server):
     assert after_close["exists_hits"] - after_beat["exists_hits"] == 1
 
 
-def test_the_index_agrees_with_the_request_path(maru_server):
+@pytest.mark.parametrize("way", WAYS)
+def test_the_index_agrees_with_the_request_path(maru_server, way):
     keys = [f"k{i}" for i in range(40)] + [b"k1", b"bytes-key"]
     with handler(maru_server.url) as w, handler(maru_server.url, local_index=False) as plain:
         stored = [k for k in keys if k not in ("k3", "k7", b"k1")]
@@ -135,8 +178,8 @@ def test_the_index_agrees_with_the_request_path(maru_server):
         local = handler(maru_server.url)
         assert local._index is not None and plain._index is None
         assert local.batch_exists(keys) == plain.batch_exists(keys)
-        got, found = read(local, keys)
-        assert type(found).__name__ == "IndexLookup"
+        got, answered_locally = read(local, keys, way=way)
+        assert answered_locally
         with plain.leased(keys) as infos:
             expected = [bytes(i.view) if i else None for i in infos]
         assert got == expected and sum(d is not None for d in got) == len(stored) - 1
@@ -165,16 +208,16 @@ def test_prefixed_calls_answer_for_the_joined_keys_with_the_index_and_without(ma
             assert [h.exists(k, prefix=pre) for k in hashes[7:9]] == [True, False]
         got = {}
         for name, h in (("local", local), ("plain", plain)):
-            data, found = read(h, hashes, prefix=pre)
+            data, answered_locally = read(h, hashes, prefix=pre)
             assert data == [value(pre + k) if e else None for k, e in zip(hashes, expected)]
-            got[name] = (data, read(h, mixed, prefix=mixed_prefix)[0], type(found).__name__)
+            got[name] = (data, read(h, mixed, prefix=mixed_prefix)[0], answered_locally)
         assert got["local"][:2] == got["plain"][:2]
-        assert got["local"][2] == "Lookup"  # the last key cannot be in the table: asked
+        assert not got["local"][2]  # the last key cannot be in the table: asked
         assert got["plain"][1] == [value(pre + mixed[0]), None, value("b'ns:raw'"), None]
         before = operations(url)
         assert local.batch_exists(hashes[:-1], prefix=pre) == expected[:-1]
-        data, found = read(local, hashes[:-1], prefix=pre)
-        assert type(found).__name__ == "IndexLookup" and data == got["plain"][0][:-1]
+        data, answered_locally = read(local, hashes[:-1], prefix=pre)
+        assert answered_locally and data == got["plain"][0][:-1]
         assert operations(url) == before  # all local: the keys that fit were joined in C
         assert local.batch_exists(hashes[-1:], prefix=pre) == [True]
         assert operations(url)["exists"] == before["exists"] + 1
@@ -197,7 +240,10 @@ def test_a_first_read_of_an_unmapped_region_asks_once_then_reads_locally(maru_se
         assert r._index.fallbacks == 1
 
 
-def test_an_entry_deleted_and_its_page_reused_during_the_copy_is_a_miss(maru_server):
+@pytest.mark.parametrize("way", WAYS)
+def test_an_entry_deleted_and_its_page_reused_during_the_copy_is_a_miss(
+    maru_server, way, fused_copier
+):
     keys = [f"k{i}" for i in range(4)]
     with handler(maru_server.url, pool_size="2M") as w, handler(maru_server.url) as r:
         assert all(w.batch_store(keys, [value(k) for k in keys]))
@@ -208,14 +254,18 @@ def test_an_entry_deleted_and_its_page_reused_during_the_copy_is_a_miss(maru_ser
             more = [f"new{i}" for i in range(30)]  # every free chunk, the freed two too
             assert all(w.batch_store(more, [value(k) for k in more]))
 
-        got, _ = read(r, keys, before_copy=delete_and_reuse)
+        got, answered_locally = read(r, keys, delete_and_reuse, way=way, copier=fused_copier)
+        assert answered_locally
         assert got == [None, None, value(keys[2]), value(keys[3])]
         assert r._index.stale == 2
-        assert read(r, keys)[0] == [None, None, value(keys[2]), value(keys[3])]
+        assert read(r, keys, way=way)[0] == [None, None, value(keys[2]), value(keys[3])]
         assert r.batch_exists(keys) == [False, False, True, True]
 
 
-def test_reads_around_a_server_sigkill_and_restart_are_right_or_misses(maru_server):
+@pytest.mark.parametrize("way", WAYS)
+def test_reads_around_a_server_sigkill_and_restart_are_right_or_misses(
+    maru_server, way, fused_copier
+):
     keys = [f"k{i}" for i in range(16)]
     with handler(maru_server.url) as w, handler(maru_server.url) as r:
         assert all(w.batch_store(keys, [value(k) for k in keys]))
@@ -226,10 +276,10 @@ def test_reads_around_a_server_sigkill_and_restart_are_right_or_misses(maru_serv
             maru_server.proc.wait(10)
             maru_server.start(maru_server.port)
 
-        got, _ = read(r, keys, before_copy=restart)
+        got, _ = read(r, keys, restart, way=way, copier=fused_copier)
         assert got == [None] * 16  # copied across the restart: not proven
         assert not os.path.exists(old)
-        got, _ = read(r, keys)  # the restarted server's table, the same regions
+        got, _ = read(r, keys, way=way)  # the restarted server's table, the same regions
         assert got == [value(k) for k in keys]
         assert r._index.path != old and r.batch_exists(keys) == [True] * 16
 

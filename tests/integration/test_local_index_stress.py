@@ -1,7 +1,8 @@
 """The local index under stress (issue 17, part 1): two writers overfill a small pool (eviction
 never stops) and delete some of their keys, three readers read random recent keys through the
-local index (copying reads validated after the copy, as the SGLang backend reads) and check
-every copy against its key, while the server is SIGKILLed and restarted every few seconds.
+local index (copying reads validated after the copy, as the SGLang backend reads: half of them
+through `MaruHandler.read`, where probe, copy and check are one C call) and check every copy
+against its key, while the server is SIGKILLed and restarted every few seconds.
 
 Asserted: 0 wrong bytes among the reads taken as hits, and that the readers did read through
 the index (many hits, some entries found changed after the copy), so the test cannot pass by
@@ -16,6 +17,7 @@ import random
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 from maru import MaruHandler
@@ -85,9 +87,24 @@ def writer(url: str, w: int, progress: Any, stop: Any, out: Any) -> None:
     out.put(("writer", {"stored": stored, "deleted": deleted}))
 
 
+def _read_into(h: MaruHandler, key: str) -> tuple[bytes | None, bool, bool, bool]:
+    """One key through `MaruHandler.read` into a host buffer of its size (values differ in
+    length, a read takes one): (its bytes if proven or changed, changed during the copy, True,
+    answered by the index)."""
+    size = size_of(key)
+    out = np.zeros(size, np.uint8)
+    index = h._index
+    fallbacks, stale = (index.fallbacks, index.stale) if index is not None else (0, 0)
+    proven = h.read([key], np.array([[out.ctypes.data]], np.int64), np.array([size]), length=size)
+    local = index is not None and index.fallbacks == fallbacks  # (no lookup was asked)
+    changed = local and index.stale > stale
+    return (out.tobytes() if proven[0] or changed else None), changed, True, local
+
+
 def reader(url: str, r: int, progress: Any, stop: Any, out: Any) -> None:
     h = _connect(url, stop, pool_size="2M")
     counts = {"reads": 0, "hits": 0, "wrong": 0, "wrong_bytes": 0, "local": 0, "stale": 0}
+    counts.update(fused_local=0, fused_stale=0)
     rng = random.Random(100 + r)
     while h is not None and not stop.is_set():
         w = rng.randrange(WRITERS)
@@ -97,26 +114,33 @@ def reader(url: str, r: int, progress: Any, stop: Any, out: Any) -> None:
             continue
         first = rng.randrange(max(0, n - 96), n)
         keys = [key_of(w, i) for i in range(first, min(n, first + 16))]
+        fused = rng.random() < 0.5  # `MaruHandler.read`: probe, copy, check in one C call
         try:
-            with h.lookup(keys, lease=True, for_copy=True) as found:
-                local = type(found).__name__ == "IndexLookup"
-                copies = [
-                    ctypes.string_at(int(a), int(n)) if a else None
-                    for a, n in zip(found.addresses, found.lengths)
-                ]
-                changed = found.corrupt().tolist()
-                held = found.release(confirm=True)
+            if fused:
+                outcomes = [_read_into(h, key) for key in keys]
+            else:
+                with h.lookup(keys, lease=True, for_copy=True) as found:
+                    local = type(found).__name__ == "IndexLookup"
+                    copies = [
+                        ctypes.string_at(int(a), int(n)) if a else None
+                        for a, n in zip(found.addresses, found.lengths)
+                    ]
+                    changed = found.corrupt().tolist()
+                    held = found.release(confirm=True)
+                outcomes = [(d, b, held, local) for d, b in zip(copies, changed)]
         except MaruError:
             continue
         counts["reads"] += len(keys)
-        for key, data, bad in zip(keys, copies, changed):
+        for key, (data, bad, held, local) in zip(keys, outcomes):
             if data is None or not held:
                 continue
             if bad:
                 counts["stale"] += 1
+                counts["fused_stale"] += fused
                 continue
             counts["hits"] += 1
             counts["local"] += local
+            counts["fused_local"] += fused and local
             want = value_of(key)
             if data != want:
                 counts["wrong"] += 1
@@ -166,4 +190,5 @@ def test_index_reads_under_writes_evictions_deletes_and_server_restarts(maru_ser
     assert restarts >= 4
     assert stored * CHUNK > 4 * 48 * (1 << 20)  # overfilled several times: constant eviction
     assert total["local"] > 2000  # hits read through the index, none of them wrong
+    assert total["fused_local"] > 1000  # (of them through `MaruHandler.read`)
     assert total["stale"] > 0  # and entries that changed during a copy were caught

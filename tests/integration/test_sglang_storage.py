@@ -6,6 +6,7 @@ tests/sglang_cpu replace CUDA-only pieces of SGLang, never anything of ours.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -20,6 +21,8 @@ sglang_cpu.require()
 
 import torch  # noqa: E402
 
+import maru.client.handler as handler_module  # noqa: E402
+import maru.client.localindex as localindex_module  # noqa: E402
 from maru import MaruHandler  # noqa: E402
 from maru.common.config import ConfigError  # noqa: E402
 from maru_sglang.maru_storage import KV_POOL_NAME, MaruStorage  # noqa: E402
@@ -280,7 +283,7 @@ def _wait_for_no_leases(handler: MaruHandler, bound_s: float = 10.0) -> None:
     assert handler.stats()["leases"] == 0
 
 
-def test_a_copy_that_outlives_its_lease_is_a_miss(maru_server_factory, tmp_path):
+def test_a_copy_that_outlives_its_lease_is_a_miss(maru_server_factory, tmp_path, monkeypatch):
     """Issue 13, scenario 6: a copy that takes longer than --lease-timeout (the reader was
     descheduled, say) may read pages that were freed and written again meanwhile. The lease is
     confirmed after the copy, so the batch reads as misses, never as hits on those bytes."""
@@ -290,18 +293,18 @@ def test_a_copy_that_outlives_its_lease_is_a_miss(maru_server_factory, tmp_path)
     src = page_indices(0, 2, g.page_size)
     fill(writer.mem_pool_host, src, expected_pages(writer.mem_pool_host, 2, seed=5))
     assert writer.batch_set_v1(["a", "b"], src) == [True, True]
-    original = reader._copy_out
+    original = handler_module.copy_values  # the request path's copy (MaruHandler.read)
     slow = {"copies": 0}
 
-    def slow_copy(pool, sources, columns, hashed):
+    def slow_copy(*args, **kwargs):
         slow["copies"] += 1
         _wait_for_no_leases(reader.handler)  # the server expired the lease mid-copy
-        return original(pool, sources, columns, hashed)
+        return original(*args, **kwargs)
 
-    reader._copy_out = slow_copy
+    monkeypatch.setattr(handler_module, "copy_values", slow_copy)
     dst = page_indices(4, 2, g.page_size)
     assert reader.batch_get_v1(["a", "b"], dst) == [False, False]
-    reader._copy_out = original  # a copy within the lease is a hit, as before
+    monkeypatch.undo()  # a copy within the lease is a hit, as before
     assert reader.batch_get_v1(["a", "b"], dst) == [True, True]
     got, want = read(reader.mem_pool_host, dst, 2), read(writer.mem_pool_host, src, 2)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -340,7 +343,9 @@ def test_with_checksums_pages_are_hashed_by_the_copies_not_read_again(maru_serve
     checked.close()
 
 
-def test_a_page_corrupted_in_the_pool_is_a_miss_with_checksums(maru_server):
+def test_a_page_corrupted_in_the_pool_is_a_miss_with_checksums(
+    maru_server, monkeypatch, fused_copier
+):
     """Issue 13, P8, through SGLang's interface: another process stores pages with
     `maru_checksums`; bytes of some are then overwritten in the pool file. A reader with
     checksums takes those as misses in `batch_get_v1`, `batch_get_v2` and the legacy
@@ -379,18 +384,23 @@ def test_a_page_corrupted_in_the_pool_is_a_miss_with_checksums(maru_server):
     assert checked.counters["pools"][KV_POOL_NAME]["checksum_mismatches"] == 4  # v1, v2: 2 each
     assert checked.handler.checksum_mismatches == 6
 
-    # A page changed after the lookup, while the reader copies: caught after the copy.
-    original = checked._copy_out
-
-    def copy_while_corrupting(kv, sources, columns, hashed):
-        flip_byte(plain.handler, ns[11], at=700)
-        return original(kv, sources, columns, hashed)
-
-    checked._copy_out = copy_while_corrupting
-    results = checked.batch_get_v1(keys, dst)
-    checked._copy_out = original
-    victims.add(11)
-    assert [i for i, ok in enumerate(results) if not ok] == sorted(victims)
+    # A page changed after the lookup, while the reader copies: caught after the copy, on the
+    # local index (probe, copy and check in one C call: the flip runs in its copier) and on
+    # the request path (index off: between the lookup's reply and the copy).
+    assert checked.handler._index is not None
+    corrupt = functools.partial(flip_byte, plain.handler, ns[11], at=700)  # (again: undone)
+    real = handler_module.copy_values
+    for local in (True, False):
+        with monkeypatch.context() as m:
+            if local:
+                m.setattr(localindex_module, "COPY_VALUES", fused_copier(corrupt))
+            else:
+                m.setattr(checked.handler, "_index", None)
+                m.setattr(handler_module, "copy_values", lambda *a, **k: corrupt() or real(*a, **k))
+            results = checked.batch_get_v1(keys, dst)
+        assert [i for i, ok in enumerate(results) if not ok] == sorted(victims | {11})
+        corrupt()  # page 11 as written again: a hit
+        assert [i for i, ok in enumerate(checked.batch_get_v1(keys, dst)) if not ok] == [5, 30]
 
     # Without checksums every corrupted page is a hit: the fault is real.
     got_plain = plain.batch_get_v1(keys, page_indices(2, PAGES, g.page_size))

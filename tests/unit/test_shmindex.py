@@ -16,13 +16,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from maru.client.checksum import hash64
 from maru.client.localindex import LocalIndexClient, _open
+from maru.client.memcopy import COPY_VALUES
 from maru.common import shmindex
 from maru.common.shmindex import MAX_KEY, NCOLS, USE_SUFFIX, region_tag, table_files
 from maru.server import localindex
 from maru.server.localindex import LocalIndex, _Table, retire_earlier
 
 pytestmark = pytest.mark.skipif(not shmindex.COMPILED, reason="maru.common._shmindex not built")
+needs_copier = pytest.mark.skipif(COPY_VALUES is None, reason="maru.client._memcopy not built")
 
 TOKEN = "0123456789abcdef" * 2
 REGIONS = {1: SimpleNamespace(token=TOKEN), 2: SimpleNamespace(token="f" * 32)}
@@ -304,3 +307,85 @@ def test_a_reader_never_sees_a_torn_entry_while_another_process_rewrites(tmp_pat
     assert proc.exitcode == 0
     assert torn == 0 and hits > 1000  # it read a lot, and never a mix of two writes
     table.retire()
+
+
+# -- the fused read (`Reader.read`: probe, copy, check in one call) ---------------------------
+
+
+def region_with_bytes(size: int = 64 * 1024) -> tuple[np.ndarray, np.ndarray]:
+    """Random bytes standing for region 1 (mapped where they are), and the rows that say so."""
+    data = np.frombuffer(np.random.default_rng(size).bytes(size), np.uint8).copy()
+    return data, rows(r1=(1, data.ctypes.data, size, region_tag(TOKEN)))
+
+
+def fused_read(reader, keys, regions, length, *, parts=2, hashed=False, copier=None, **kw):
+    """`Reader.read` into a zeroed host buffer of one `length` row per key, each row in
+    `parts` equal parts: (its 9 columns or None, the buffer); its `proven` list is checked
+    against the statuses."""
+    out = np.zeros((len(keys), length), np.uint8)
+    part = length // parts
+    rows_at = out.ctypes.data + np.arange(len(keys), dtype=np.int64)[:, None] * length
+    buffers = (rows_at + np.arange(parts, dtype=np.int64) * part).astype(np.int64)
+    sizes = np.full(parts, part, np.int64)
+    got = reader.read(keys, regions, buffers, sizes, length, copier or COPY_VALUES, hashed, **kw)
+    if got is None:
+        return None, out
+    proven, raw = got
+    cols = np.frombuffer(raw, np.int64).reshape(NCOLS + 2, len(keys))
+    assert proven == (cols[NCOLS + 1] == 1).tolist()
+    return cols, out
+
+
+@needs_copier
+def test_the_fused_read_copies_each_hit_of_its_length_and_says_what_it_did(index):
+    data, regions = region_with_bytes()
+    keys = ["ns:a", "ns:b", "ns:short"]
+    sums = [0, hash64(data[8192:12288]), 0]  # (a: stored without a checksum)
+    index.publish(keys, [1, 1, 1], [0, 8192, 16384], [4096, 4096, 2048], sums, regions=REGIONS)
+    reader = _open(index.path, os.getuid())
+    asked = ["a", "nope", "short", "b"]
+    cols, out = fused_read(reader, asked, regions, 4096, hashed=True, prefix="ns:")
+    status, sums = cols[NCOLS + 1], cols[NCOLS]
+    assert status.tolist() == [1, 0, 2, 1]  # copied, miss, another length (not copied), copied
+    assert (out[0] == data[:4096]).all() and (out[3] == data[8192:12288]).all()
+    assert not out[1].any() and not out[2].any()
+    assert sums.tolist() == [hash64(data[:4096]), 0, 0, hash64(data[8192:12288])]
+    probed = columns(reader, asked, regions, prefix="ns:")
+    assert (cols[:NCOLS] == probed).all()  # the probe's columns, as `probe` gives them
+    cols, out = fused_read(reader, asked, regions, 4096, parts=1, prefix="ns:")
+    assert cols[NCOLS].tolist() == [0] * 4 and (out[3] == data[8192:12288]).all()
+    data[8192 + 5] ^= 0xFF  # b's bytes now unlike the checksum stored with it: 4, a miss
+    cols, out = fused_read(reader, asked, regions, 4096, hashed=True, prefix="ns:")
+    assert cols[NCOLS + 1].tolist() == [1, 0, 2, 4]  # (a has no checksum: not checked)
+
+
+@needs_copier
+def test_a_hit_removed_or_a_table_retired_during_the_fused_copy_is_not_proven(index, fused_copier):
+    data, regions = region_with_bytes()
+    keys = ["a", "b", "c"]
+    index.publish(keys, [1, 1, 1], [0, 4096, 8192], [4096] * 3, None, regions=REGIONS)
+    reader = _open(index.path, os.getuid())
+    copier = fused_copier(lambda: index.remove(["b"]))  # between the probe and the check
+    cols, out = fused_read(reader, keys, regions, 4096, copier=copier)
+    assert cols[NCOLS + 1].tolist() == [1, 3, 1]  # b: copied, but its entry changed meanwhile
+    assert (out[1] == data[4096:8192]).all()  # (the bytes were copied: not proven, a miss)
+    copier = fused_copier(index.close)  # the server stopped: its table is retired
+    cols, _ = fused_read(reader, ["a", "b", "c"], regions, 4096, copier=copier)
+    assert cols[NCOLS + 1].tolist() == [3, 0, 3]
+
+
+@needs_copier
+def test_the_fused_read_refuses_what_it_cannot_copy_safely(index):
+    _, regions = region_with_bytes()
+    index.publish(["a"], [1], [0], [4096], None, regions=REGIONS)
+    reader = _open(index.path, os.getuid())
+    buffers = np.zeros((1, 2), np.int64)
+    with pytest.raises(ValueError, match="summing to length"):  # would read past the value
+        reader.read(["a"], regions, buffers, np.array([4096, 4096]), 4096, COPY_VALUES, False)
+    with pytest.raises(ValueError, match="buffers"):
+        reader.read(["a", "b"], regions, buffers, np.array([2048, 2048]), 4096, COPY_VALUES, 0)
+    with pytest.raises(ValueError):  # not the copy loop's capsule
+        reader.read(["a"], regions, buffers, np.array([2048, 2048]), 4096, object(), False)
+    assert fused_read(reader, ["x" * (MAX_KEY + 1)], regions, 4096)[0] is None  # ask the server
+    cols, _ = fused_read(reader, ["a"], rows(r1=None), 4096)  # region not mapped here: ask
+    assert cols is None

@@ -588,6 +588,49 @@ done:
  * else values -> buffers (a load). Value by value, each value's parts in address order. With
  * `hashed`, returns each value's maru64 as copied (0 for a skipped value). One call does what
  * the (values, parts) address arrays of `copy_many` took three numpy steps to set up. */
+/* The data path's copy (no GIL, no Python): value v is its parts of sizes[j] back to back from
+ * starts[v] (0: skipped), each part's other side at buffers[v * parts + j]; to_values copies
+ * buffers -> values, else values -> buffers. With `hashes` (not NULL), hashes[v] is the maru64
+ * of value v's bytes (0 where skipped). The local index's fused read (`_shmindex.c`,
+ * `Reader.read`) calls this through the capsule `COPY_VALUES`: one loop for both. */
+static void copy_values_run(const int64_t *starts, const int64_t *buffers, const int64_t *sizes,
+                            Py_ssize_t values, Py_ssize_t parts, int to_values, int streaming,
+                            int64_t *hashes)
+{
+    m64_state st;
+    for (Py_ssize_t v = 0; v < values; v++) {
+        char *value = (char *)(intptr_t)starts[v];
+        if (value == NULL) {
+            if (hashes != NULL)
+                hashes[v] = 0;
+            continue;
+        }
+        if (hashes != NULL)
+            m64_begin(&st);
+        for (Py_ssize_t j = 0; j < parts; j++) {
+            char *buffer = (char *)(intptr_t)buffers[v * parts + j];
+            char *to = to_values ? value : buffer;
+            const char *from = to_values ? buffer : value;
+            size_t size = (size_t)sizes[j];
+            if (hashes != NULL)
+                copy_part_hashed(&st, to, (const uint8_t *)from, size, streaming);
+#if HAVE_STREAMING
+            else if (streaming)
+                copy_streaming(to, from, size, 1);
+#endif
+            else
+                memmove(to, from, size);
+            value += size;
+        }
+        if (hashes != NULL)
+            hashes[v] = m64_finish(&st);
+    }
+#if HAVE_STREAMING
+    if (streaming)
+        _mm_sfence();
+#endif
+}
+
 static PyObject *copy_values(PyObject *self, PyObject *args)
 {
     PyObject *starts_obj, *buffers_obj, *sizes_obj;
@@ -607,7 +650,6 @@ static PyObject *copy_values(PyObject *self, PyObject *args)
                      buffers.len / 8, values, parts);
         goto done;
     }
-    const int64_t *v0 = (const int64_t *)starts.buf, *b = (const int64_t *)buffers.buf;
     const int64_t *z = (const int64_t *)sizes.buf;
     for (Py_ssize_t j = 0; j < parts; j++)
         if (z[j] < 0) {
@@ -621,38 +663,8 @@ static PyObject *copy_values(PyObject *self, PyObject *args)
         hashes = (int64_t *)PyBytes_AS_STRING(out);
     }
     Py_BEGIN_ALLOW_THREADS
-    m64_state st;
-    for (Py_ssize_t v = 0; v < values; v++) {
-        char *value = (char *)(intptr_t)v0[v];
-        if (value == NULL) {
-            if (hashes != NULL)
-                hashes[v] = 0;
-            continue;
-        }
-        if (hashes != NULL)
-            m64_begin(&st);
-        for (Py_ssize_t j = 0; j < parts; j++) {
-            char *buffer = (char *)(intptr_t)b[v * parts + j];
-            char *to = to_values ? value : buffer;
-            const char *from = to_values ? buffer : value;
-            size_t size = (size_t)z[j];
-            if (hashes != NULL)
-                copy_part_hashed(&st, to, (const uint8_t *)from, size, streaming);
-#if HAVE_STREAMING
-            else if (streaming)
-                copy_streaming(to, from, size, 1);
-#endif
-            else
-                memmove(to, from, size);
-            value += size;
-        }
-        if (hashes != NULL)
-            hashes[v] = m64_finish(&st);
-    }
-#if HAVE_STREAMING
-    if (streaming)
-        _mm_sfence();
-#endif
+    copy_values_run((const int64_t *)starts.buf, (const int64_t *)buffers.buf, z, values, parts,
+                    to_values, streaming, hashes);
     Py_END_ALLOW_THREADS
     if (out == NULL)
         out = Py_NewRef(Py_None);
@@ -737,7 +749,14 @@ PyMODINIT_FUNC PyInit__memcopy(void)
     }
 #endif
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "STREAMING", HAVE_STREAMING) < 0) {
+    if (m == NULL)
+        return NULL;
+    /* COPY_VALUES: copy_values_run for other extensions (the capsule's name checks the type) */
+    PyObject *capsule = PyCapsule_New((void *)copy_values_run, "maru.copy_values_run", NULL);
+    int rc = capsule == NULL || PyModule_AddIntConstant(m, "STREAMING", HAVE_STREAMING) < 0 ||
+             PyModule_AddObjectRef(m, "COPY_VALUES", capsule) < 0;
+    Py_XDECREF(capsule);
+    if (rc) {
         Py_DECREF(m);
         return NULL;
     }

@@ -17,6 +17,7 @@ verbs put together. Only metadata crosses the socket; a reader maps the writer's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -31,6 +32,7 @@ from maru.client.chunks import AllocHandle, ChunkBook
 from maru.client.connecting import connect_failure, probe
 from maru.client.localindex import LocalIndexClient, Prefix, offered_index
 from maru.client.mapping import MappedRegion, RegionMapper
+from maru.client.memcopy import copy_values
 from maru.client.requests import (
     Lookup,
     MemoryInfo,
@@ -448,6 +450,43 @@ class MaruHandler:
             if found is not None:
                 return found
         return Lookup(self, _joined(keys, prefix), lease)
+
+    def read(
+        self,
+        keys: Sequence[Key],
+        buffers: np.ndarray,
+        sizes: np.ndarray,
+        *,
+        length: int,
+        prefix: Prefix = "",
+    ) -> list[bool]:
+        """Copy each key's value of `length` bytes (parts of `sizes` back to back) into its
+        row of `buffers` (int64 (keys, parts) pointers) and prove it: per key True where the
+        bytes copied are the ones its writer stored (a miss, another length, an entry that
+        changed during the copy, a lease that ended, and with `maru_checksums` bytes unlike their
+        checksum (hashed as they are copied) are False; rows of False keys may have been
+        written). On the
+        local index one C call, no Python between probe, copy and check; else a leased
+        `lookup`, its `copy_out`, `corrupt()` and `release(confirm=True)`."""
+        hashed = self.config.checksums
+        if self._index is not None:
+            proven = self._index.read(self, keys, prefix, buffers, sizes, length, hashed)
+            if proven is not None:
+                return proven
+        found = self.lookup(keys, lease=True, for_copy=True, prefix=prefix)
+        try:
+            copy = functools.partial(
+                copy_values, buffers=buffers, sizes=sizes, to_values=False, hashed=hashed
+            )
+            copied = found.copy_out(copy, length)
+            corrupt = found.corrupt()
+        except BaseException:
+            found.release()
+            raise
+        if not found.release(confirm=True):  # the lease ended mid-copy: not proven
+            log.warning("read: the lease on %d keys ended during the copy", len(keys))
+            return [False] * len(keys)
+        return (copied & ~corrupt).tolist()
 
     def retrieve(self, key: Key) -> MemoryInfo | None:
         return self.batch_retrieve([key])[0]

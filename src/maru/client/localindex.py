@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from maru.client.requests import Lookup
+from maru.client.memcopy import COPY_VALUES
+from maru.client.requests import Lookup, checksum_mismatches
 from maru.common import shmindex
 from maru.common.errors import MaruError
 from maru.common.protocol import MsgType
@@ -88,6 +89,13 @@ def offered_index(
             log.debug("no local index: %s", exc)
             return None
     return LocalIndexClient.open(path, reply.get("uid"), handler._index)
+
+
+def _prefixes(prefix: Prefix, keys: Sequence[Key], at: np.ndarray) -> list[Key]:
+    """The prefixes of keys[at] (`prefix`: one for all, or one per key)."""
+    if isinstance(prefix, (str, bytes)):
+        return [prefix] * len(at)
+    return [prefix[i] for i in at.tolist()]
 
 
 class LocalIndexClient:
@@ -176,6 +184,59 @@ class LocalIndexClient:
         self.reads[0] += found.n
         self.reads[1] += int(np.count_nonzero(found.lengths))
         return found
+
+    def read(
+        self,
+        handler: MaruHandler,
+        keys: Sequence[Key],
+        prefix: Prefix,
+        buffers: np.ndarray,
+        sizes: np.ndarray,
+        length: int,
+        hashed: bool,
+    ) -> list[bool] | None:
+        """`MaruHandler.read` on the index: probe, copy and check in one C call
+        (`Reader.read`), so that no Python runs between them; per key True where its value
+        was copied and proven. None when the server must be asked (nothing was copied) or the
+        copy loop is not built."""
+        reader = self.reader()
+        out = None
+        if reader is not None and COPY_VALUES is not None:
+            rows = handler._mapper.rows
+            out = reader.read(
+                keys, rows, buffers, sizes, length, COPY_VALUES, hashed, prefix=prefix
+            )
+        if out is None:
+            return None  # (`lookup` counts the fallback)
+        proven, raw = out
+        hits = proven.count(True)
+        self.reads[0] += len(keys)
+        self.reads[1] += hits
+        if hits < len(keys):  # misses, or (rarely) hits that are not proven: say why
+            self._not_proven(handler, keys, prefix, raw, length)
+        return proven
+
+    def _not_proven(self, handler: MaruHandler, keys, prefix, raw: bytes, length: int) -> None:
+        """After `Reader.read`: count and log its hits that are not proven (statuses 2-4)."""
+        columns = np.frombuffer(raw, np.int64).reshape(NCOLS + 2, len(keys))
+        lengths, status = columns[1], columns[NCOLS + 1]
+        stale = int(np.count_nonzero(status == 3))
+        if stale:
+            self.stale += stale
+            log.debug("%d of %d keys changed during the copy: misses", stale, len(keys))
+        for i in np.flatnonzero(status == 2).tolist():
+            log.warning(
+                "key %.200r has %d bytes, expected %d: treated as a miss",
+                keys[i],
+                lengths[i],
+                length,
+            )
+        corrupt = np.flatnonzero(status == 4)
+        if len(corrupt):
+            named = [keys[i] for i in corrupt.tolist()]
+            if prefix:
+                named = [p + k for p, k in zip(_prefixes(prefix, keys, corrupt), named)]
+            checksum_mismatches(handler, named, lengths[corrupt])
 
 
 class IndexLookup(Lookup):

@@ -34,12 +34,15 @@ log = logging.getLogger(__name__)
 
 
 try:
-    from maru.client._memcopy import STREAMING
+    from maru.client._memcopy import (
+        COPY_VALUES,  # (its C loop, for the local index's read)
+        STREAMING,
+    )
     from maru.client._memcopy import copy_many as _c_copy_many
     from maru.client._memcopy import copy_many_hashed as _c_copy_many_hashed
     from maru.client._memcopy import copy_values as _c_copy_values
 except ImportError:  # built without a C compiler
-    _c_copy_many = _c_copy_many_hashed = _c_copy_values = None
+    _c_copy_many = _c_copy_many_hashed = _c_copy_values = COPY_VALUES = None
     STREAMING = 0
     log.debug("maru.client._memcopy not built: page copies use a ctypes loop")
 

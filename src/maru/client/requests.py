@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -230,6 +230,8 @@ class Lookup:
         self._region_ids: np.ndarray | None = None
         self._checksums: np.ndarray | None = None  # the writers' (0: none, or a miss)
         self._corrupt: np.ndarray | None = None  # keys `corrupt()` found so far
+        self._sums: np.ndarray | None = None  # per key, its checksum as `copy_out` read it
+        self.copied: np.ndarray | None = None  # per key, whether `copy_out` copied it
         self._pending: PendingReply | None = None
         if self.n and send:
             try:
@@ -296,16 +298,57 @@ class Lookup:
         self.addresses, self.lengths = addresses, lengths
         self._offsets, self._region_ids, self._checksums = offsets, region_ids, sums
 
+    def copy_out(
+        self,
+        copy: Callable[[np.ndarray], np.ndarray | None],
+        length: int,
+        *,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> np.ndarray:
+        """Copy the hits among keys[start:stop] that have `length` bytes: `copy(sources)` copies
+        the value at each source address (0: skip it) and returns each one's checksum as
+        copied (`maru_checksums`, for `corrupt()`) or None (e.g. `copy_values` into host
+        buffers). Returns per key whether it was copied (also in `copied`); a hit of another
+        length is not (logged: a miss). Then, as after any copy, take as misses what
+        `corrupt()` names and everything if `release(confirm=True)` says False."""
+        addresses, lengths = self.wait()
+        seg = slice(start, self.n if stop is None else stop)
+        copied = lengths[seg] == length
+        sources = addresses[seg]
+        if not copied.all():  # copy the hits only (a 0 address is skipped)
+            sources = np.where(copied, sources, 0)
+            self._other_lengths(lengths[seg], copied, length, start)
+        sums = copy(sources)
+        if self.copied is None:
+            self.copied = np.zeros(self.n, bool)
+        self.copied[seg] = copied
+        if sums is not None:
+            if self._sums is None:
+                self._sums = np.zeros(self.n, np.int64)
+            self._sums[seg] = sums
+        return copied
+
+    def _other_lengths(self, lengths: np.ndarray, copied: np.ndarray, length: int, start: int):
+        for i in np.flatnonzero((lengths != 0) & ~copied).tolist():  # another geometry
+            log.warning(
+                "key %.200r has %d bytes, expected %d: treated as a miss",
+                self._keys[start + i],
+                lengths[i],
+                length,
+            )
+
     def corrupt(self, computed: np.ndarray | None = None) -> np.ndarray:
         """Per key, True where `maru_checksums` is on and the hit's bytes no longer hash to the
         checksum its writer stored with it: the page changed after it was sealed (a stray
         write, a reused page, memory that is not the one written). Call it after the copy, so
         that a page changed before or during the copy is caught; take those keys as misses.
         `computed`: per key, the checksum of the bytes as the caller copied them
-        (`copy_many_hashed`; 0: not hashed), so nothing is read again; the other hits are
-        hashed here, in the pool. Misses and keys stored without a checksum are False. Each
-        key is logged at ERROR and counted in `MaruHandler.checksum_mismatches` once per lookup
-        (a key found corrupt stays so for the lookup)."""
+        (`copy_many_hashed`; 0: not hashed; by default what `copy_out` hashed), so nothing is
+        read again; the other hits are hashed here, in the pool. Misses and keys stored
+        without a checksum are False. Each key is logged at ERROR and counted in
+        `MaruHandler.checksum_mismatches` once per lookup (a key found corrupt stays so for
+        the lookup)."""
         self.wait()
         assert self._checksums is not None and self._offsets is not None
         if self._corrupt is None:
@@ -314,6 +357,8 @@ class Lookup:
         todo = np.flatnonzero(stored) if self._handler.config.checksums else ()
         if not len(todo):  # (a miss has no checksum)
             return self._corrupt.copy()
+        if computed is None:
+            computed = self._sums
         sums = np.zeros(self.n, np.int64) if computed is None else np.array(computed, np.int64)
         if len(sums) != self.n:
             raise ValueError(f"corrupt: {len(sums)} checksums for {self.n} keys")
@@ -333,14 +378,9 @@ class Lookup:
         bad[todo] = sums[todo] != stored[todo]
         bad &= ~self._corrupt  # said already
         self._corrupt |= bad
-        for i in np.flatnonzero(bad).tolist():
-            log.error(
-                "key %.200r: its %d bytes no longer match the checksum its writer stored: "
-                "treated as a miss",
-                self._keys[i],
-                int(self.lengths[i]),  # type: ignore[index]
-            )
-        self._handler.checksum_mismatches += int(bad.sum())
+        at = np.flatnonzero(bad)
+        if len(at):
+            checksum_mismatches(self._handler, [self._keys[i] for i in at], self.lengths[at])
         return self._corrupt.copy()
 
     def infos(self) -> list[MemoryInfo | None]:
@@ -394,6 +434,19 @@ class Lookup:
                 exc,
             )
             return False
+
+
+def checksum_mismatches(handler: MaruHandler, keys: Sequence[Key], lengths: Sequence[int]):
+    """Hits whose bytes did not match their writer's checksum after the copy (taken as
+    misses): each logged at ERROR, all counted in `MaruHandler.checksum_mismatches`."""
+    for key, length in zip(keys, lengths):
+        log.error(
+            "key %.200r: its %d bytes no longer match the checksum its writer stored: "
+            "treated as a miss",
+            key,
+            int(length),
+        )
+    handler.checksum_mismatches += len(keys)
 
 
 def refuse_bad_stores(

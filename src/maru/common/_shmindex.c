@@ -930,6 +930,25 @@ static int kw_prefix(const char *fname, PyObject *kwnames, PyObject *const *valu
     return 0;
 }
 
+/* `obj` (a buffer) as the regions mapped here: int64 rows of ROW_FIELDS sorted by region id
+ * (`view` is held: release it); -1 with ValueError if it is not that. */
+static int regions_get(PyObject *obj, Py_buffer *view, Regions *r)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0)
+        return -1;
+    r->rows = (const int64_t *)view->buf;
+    r->n = view->len / (Py_ssize_t)(8 * ROW_FIELDS);
+    int sorted = view->len % (8 * ROW_FIELDS) == 0 && (uintptr_t)view->buf % 8 == 0;
+    for (Py_ssize_t i = 1; sorted && i < r->n; i++)
+        sorted = r->rows[i * ROW_FIELDS] > r->rows[(i - 1) * ROW_FIELDS];
+    if (!sorted) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "regions must be int64 rows of 4, sorted by id");
+        return -1;
+    }
+    return 0;
+}
+
 /* probe(keys, regions, *, prefix=None) -> bytes of NCOLS int64 columns of len(keys) each:
  * address (in this process), length, checksum, region id, offset, slot, seq; a miss has 0s
  * and slot -1. `regions`: a buffer of int64 rows (region id, base address, length, tag) of
@@ -944,19 +963,11 @@ static PyObject *Reader_probe(Reader *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     Py_buffer reg;
+    Regions regions;
     if (kw_prefix("probe", kwnames, args + nargs, &prefix) < 0 ||
-        PyObject_GetBuffer(args[1], &reg, PyBUF_SIMPLE) < 0)
+        regions_get(args[1], &reg, &regions) < 0)
         return NULL;
     Batch b;
-    memset(&b, 0, sizeof(b));
-    Regions regions = {(const int64_t *)reg.buf, reg.len / (Py_ssize_t)(8 * ROW_FIELDS)};
-    int sorted = reg.len % (8 * ROW_FIELDS) == 0 && (uintptr_t)reg.buf % 8 == 0;
-    for (Py_ssize_t r = 1; sorted && r < regions.n; r++)
-        sorted = regions.rows[r * ROW_FIELDS] > regions.rows[(r - 1) * ROW_FIELDS];
-    if (!sorted) {
-        PyErr_SetString(PyExc_ValueError, "probe: regions must be int64 rows of 4, sorted by id");
-        goto done;
-    }
     int all = gather(&b, args[0], prefix);
     if (all <= 0) {
         out = all < 0 ? NULL : Py_NewRef(Py_None);
@@ -1009,6 +1020,29 @@ done:
     return out;
 }
 
+/* Of n probed keys (slot >= 0: a hit), flag (1) each hit that is not proven now: its slot's
+ * seq is not the one it was probed with, or the table was retired; returns how many. Call it
+ * after the copy: the acquire fence keeps the copy's reads before these. */
+static Py_ssize_t unproven(const Table *t, const int64_t *sl, const int64_t *sq, Py_ssize_t n,
+                           char *flags)
+{
+    Py_ssize_t bad = 0;
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    int live = LOAD_ACQ(&t->h->retired) == 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t s = sl[i];
+        flags[i] = (char)(s >= 0 && !(live && (uint64_t)s <= t->mask &&
+                                      LOAD(&t->slots[s].seq) == (uint64_t)sq[i]));
+        bad += flags[i];
+    }
+    if (live && LOAD_ACQ(&t->h->retired) != 0) { /* a retire raced the loop: none is proven */
+        bad = 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            bad += flags[i] = (char)(sl[i] >= 0);
+    }
+    return bad;
+}
+
 /* changed(slots, seqs) -> None if every hit (slot >= 0) still has the seq it was read with
  * and the table is not retired, else bytes, 1 per hit that is not proven (misses 0): call it
  * after the copy (an acquire fence first, so that the copy's reads come before these). */
@@ -1025,26 +1059,158 @@ static PyObject *Reader_changed(Reader *self, PyObject *args)
     Py_ssize_t n = slots.len / 8, bad = 0;
     if ((out = PyBytes_FromStringAndSize(NULL, n)) == NULL)
         goto done;
-    char *flags = PyBytes_AS_STRING(out);
-    const int64_t *sl = slots.buf, *sq = seqs.buf;
-    const Table *t = &self->t;
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    int live = LOAD_ACQ(&t->h->retired) == 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t s = sl[i];
-        flags[i] = (char)(s >= 0 && !(live && (uint64_t)s <= t->mask &&
-                                      LOAD(&t->slots[s].seq) == (uint64_t)sq[i]));
-        bad += flags[i];
-    }
-    /* a retire that raced the loop: none of these is proven */
-    if (live && LOAD_ACQ(&t->h->retired) != 0)
-        for (Py_ssize_t i = 0; i < n; i++)
-            bad += flags[i] = (char)(sl[i] >= 0);
+    bad = unproven(&self->t, slots.buf, seqs.buf, n, PyBytes_AS_STRING(out));
     if (bad == 0)
         Py_SETREF(out, Py_NewRef(Py_None));
 done:
     PyBuffer_Release(&slots);
     PyBuffer_Release(&seqs);
+    return out;
+}
+
+/* -- the fused read: probe, copy, check in one call ---------------------------------------
+ * A copying reader's whole protocol (probe; copy each hit; then check that every copied hit's
+ * slot is unchanged) with no Python between the steps: on the data path's small pages the
+ * interpreter's work around three calls, run from caches the copy has just flushed, cost
+ * more than the probe and the check themselves. The copy is `_memcopy.c`'s loop, reached
+ * through its capsule (maru.client._memcopy.COPY_VALUES), so both paths copy alike. */
+
+typedef void (*copy_values_fn)(const int64_t *starts, const int64_t *buffers,
+                               const int64_t *sizes, Py_ssize_t values, Py_ssize_t parts,
+                               int to_values, int streaming, int64_t *hashes);
+
+enum { COL_COMPUTED = NCOLS, COL_STATUS, READ_COLS };
+enum { READ_MISS, READ_PROVEN, READ_OTHER_LENGTH, READ_CHANGED, READ_CORRUPT };
+
+/* probe_all, then the copy of each hit of `length` bytes (parts of sizes[0:parts] into its
+ * row of `buffers`), then the check (no GIL needed). `cols`: READ_COLS columns of n. Returns
+ * probe_all's 1 (ask the server: nothing was copied), -1 (no memory) or 0. */
+static int read_all(const Table *t, const Batch *b, const Regions *regions, int64_t *cols,
+                    const int64_t *buffers, const int64_t *sizes, Py_ssize_t parts,
+                    int64_t length, copy_values_fn copy, int hashed)
+{
+    Py_ssize_t n = b->n;
+    int rc = probe_all(t, b->keys, n, regions, cols, NULL);
+    if (rc != 0)
+        return rc;
+    int64_t *starts = PyMem_RawMalloc(sizeof(int64_t) * (size_t)(n ? n : 1));
+    char *flags = PyMem_RawMalloc((size_t)(n ? n : 1));
+    if (starts == NULL || flags == NULL) {
+        PyMem_RawFree(starts);
+        PyMem_RawFree(flags);
+        return -1;
+    }
+    int64_t *status = cols + COL_STATUS * n, *computed = cols + COL_COMPUTED * n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t len = cols[COL_LENGTH * n + i];
+        status[i] = len == 0 ? READ_MISS : len == length ? READ_PROVEN : READ_OTHER_LENGTH;
+        starts[i] = status[i] == READ_PROVEN ? cols[COL_ADDRESS * n + i] : 0;
+    }
+    copy(starts, buffers, sizes, n, parts, 0, 1, hashed ? computed : NULL);
+    if (!hashed)
+        memset(computed, 0, sizeof(int64_t) * (size_t)n);
+    int any = unproven(t, cols + COL_SLOT * n, cols + COL_SEQ * n, n, flags) != 0;
+    for (Py_ssize_t i = 0; i < n && (any || hashed); i++) {
+        if (status[i] != READ_PROVEN)
+            continue;
+        if (flags[i])
+            status[i] = READ_CHANGED;
+        else if (hashed && cols[COL_CHECKSUM * n + i] != 0 &&
+                 computed[i] != cols[COL_CHECKSUM * n + i])
+            status[i] = READ_CORRUPT; /* (a value stored without a checksum: 0, not checked) */
+    }
+    PyMem_RawFree(starts);
+    PyMem_RawFree(flags);
+    return 0;
+}
+
+/* read(keys, regions, buffers, sizes, length, copier, hashed, *, prefix=None) -> (proven,
+ * columns), or None: ask the server (nothing was copied). `proven`: a bool per key, True where
+ * its value was copied and proven (status 1); `columns`: bytes of 9 int64 columns of
+ * len(keys): probe's 7, then the maru64 of each copied value (with hashed, else 0) and a
+ * status: 0 miss, 1 copied and proven, 2 stored with another length (not copied), 3 copied
+ * but its entry changed since the probe, 4 copied but its bytes do not match its writer's
+ * checksum (with hashed; a value stored without one is not checked). `buffers`: int64
+ * (keys, parts) part pointers, `sizes`: the parts' int64 sizes, summing to `length`;
+ * `copier`: maru.client._memcopy.COPY_VALUES. */
+static PyObject *Reader_read(Reader *self, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames)
+{
+    PyObject *prefix, *out = NULL;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "read() takes keys, regions, buffers, sizes, length, copier, hashed");
+        return NULL;
+    }
+    copy_values_fn copy = (copy_values_fn)PyCapsule_GetPointer(args[5], "maru.copy_values_run");
+    if (copy == NULL)
+        return NULL;
+    long long length = PyLong_AsLongLong(args[4]);
+    if (length == -1 && PyErr_Occurred())
+        return NULL;
+    int hashed = PyObject_IsTrue(args[6]);
+    Py_buffer reg, bufs = {0}, sizes = {0};
+    Regions regions;
+    if (hashed < 0 || kw_prefix("read", kwnames, args + nargs, &prefix) < 0 ||
+        regions_get(args[1], &reg, &regions) < 0)
+        return NULL;
+    Batch b;
+    memset(&b, 0, sizeof(b));
+    if (PyObject_GetBuffer(args[2], &bufs, PyBUF_SIMPLE) < 0 ||
+        PyObject_GetBuffer(args[3], &sizes, PyBUF_SIMPLE) < 0)
+        goto done;
+    Py_ssize_t parts = sizes.len / 8;
+    const int64_t *z = (const int64_t *)sizes.buf;
+    int64_t total = 0;
+    int ok = sizes.len % 8 == 0 && (uintptr_t)sizes.buf % 8 == 0 && (uintptr_t)bufs.buf % 8 == 0;
+    for (Py_ssize_t j = 0; ok && j < parts; j++) {
+        ok = z[j] >= 0;
+        total += z[j];
+    }
+    if (!ok || parts == 0 || total != length) {
+        PyErr_SetString(PyExc_ValueError, "read: sizes must be int64 parts summing to length");
+        goto done;
+    }
+    int all = gather(&b, args[0], prefix);
+    if (all <= 0) {
+        out = all < 0 ? NULL : Py_NewRef(Py_None);
+        goto done;
+    }
+    if (bufs.len != (Py_ssize_t)sizeof(int64_t) * b.n * parts) {
+        PyErr_Format(PyExc_ValueError, "read: %zd buffers for %zd keys of %zd parts",
+                     bufs.len / 8, b.n, parts);
+        goto done;
+    }
+    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)sizeof(int64_t) * READ_COLS * b.n);
+    if (out == NULL)
+        goto done;
+    int rc;
+    int64_t *cols = (int64_t *)PyBytes_AS_STRING(out);
+    Py_BEGIN_ALLOW_THREADS
+    rc = read_all(&self->t, &b, &regions, cols, bufs.buf, z, parts, length, copy, hashed);
+    Py_END_ALLOW_THREADS
+    PyObject *proven = rc == 0 ? PyList_New(b.n) : NULL;
+    if (proven != NULL) {
+        for (Py_ssize_t i = 0; i < b.n; i++)
+            PyList_SET_ITEM(proven, i,
+                            Py_NewRef(cols[COL_STATUS * b.n + i] == READ_PROVEN ? Py_True : Py_False));
+        Py_SETREF(out, PyTuple_Pack(2, proven, out));
+        Py_DECREF(proven);
+    }
+    else {
+        Py_CLEAR(out);
+        if (rc < 0)
+            PyErr_NoMemory();
+        else if (rc > 0)
+            out = Py_NewRef(Py_None);
+    }
+done:
+    batch_free(&b);
+    PyBuffer_Release(&reg);
+    if (bufs.obj != NULL)
+        PyBuffer_Release(&bufs);
+    if (sizes.obj != NULL)
+        PyBuffer_Release(&sizes);
     return out;
 }
 
@@ -1072,6 +1238,10 @@ static PyMethodDef Reader_methods[] = {
      "checksum, region, offset, slot, seq), or None: ask the server"},
     {"contains", (PyCFunction)(void (*)(void))Reader_contains, METH_FASTCALL | METH_KEYWORDS,
      "contains(keys, *, prefix=None) -> [bool], or None if a key cannot be in the table"},
+    {"read", (PyCFunction)(void (*)(void))Reader_read, METH_FASTCALL | METH_KEYWORDS,
+     "read(keys, regions, buffers, sizes, length, copier, hashed, *, prefix=None) -> (proven,\n"
+     "columns) or None: ask the server. Probes, copies each hit of `length` bytes into its\n"
+     "buffers and checks it after: proven, a bool per key; columns: probe's 7, maru64, status."},
     {"changed", (PyCFunction)Reader_changed, METH_VARARGS,
      "changed(slots, seqs) -> None if every hit is unchanged and the table current, else\n"
      "bytes: 1 per hit that is not proven"},
