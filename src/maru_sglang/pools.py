@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-from maru.client.memcopy import copy_many_hashed, copy_values
+from maru.client.memcopy import copy_many_hashed, copy_values, page_pointers
 
 log = logging.getLogger(__name__)
 
@@ -230,13 +230,19 @@ class PoolIO:
         `get_page_buffer_meta`. A whole-page pool gets (pages, 1): the pages' first indices
         (its copies go through the pool)."""
         page = self.page_size
-        if host_indices is None or host_indices.numel() != pages * page:
+        if host_indices is None:
             return None
-        firsts = host_indices.cpu().numpy()[::page].astype(np.int64)  # no Python loop per page
+        try:
+            indices = host_indices.numpy()  # (SGLang's host indices are on the CPU)
+        except (TypeError, RuntimeError):  # (another device; a tensor that needs grad)
+            indices = host_indices.detach().cpu().numpy()
+        if indices.size != pages * page:
+            return None
+        if self.affine is not None:
+            return page_pointers(indices, page, self.affine)  # (in C: no array per step)
+        firsts = indices[::page].astype(np.int64)  # no Python loop per page
         if self.whole_page:
             return firsts[:, None]
-        if self.affine is not None:
-            return firsts[:, None] * self.affine[:, 1] + self.affine[:, 0]
         ptrs, _ = self.pool.get_page_buffer_meta(host_indices.cpu())
         return np.array(ptrs, dtype=np.int64).reshape(pages, self.parts)
 

@@ -81,7 +81,7 @@ class StorageStats:
         read = 0
         with self._lock:
             for batch in batches:
-                hits = sum(batch.results)
+                hits = batch.results.count(True)
                 counters = self._pool(batch.pool.name)
                 counters["hits"] += hits
                 counters["misses"] += len(batch.keys) - hits

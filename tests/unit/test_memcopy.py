@@ -200,3 +200,20 @@ def test_streaming_is_built_on_x86():
     if not memcopy.COMPILED or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("no C helper, or not x86: plain memmove")
     assert memcopy.STREAMING == 1
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_page_pointers_give_each_pages_parts_from_its_first_index(monkeypatch, compiled):
+    if not compiled:
+        monkeypatch.setattr(memcopy, "_c_page_pointers", None)
+    elif memcopy._c_page_pointers is None:
+        pytest.skip("maru.client._memcopy not built")
+    page = 4
+    indices = np.array([8, 9, 10, 11, 40, 41, 42, 43, 0, 1, 2, 3], np.int64)  # 3 pages
+    affine = np.array([[1000, 16], [5000, 32]], np.int64)  # K and V: base, bytes per token
+    got = memcopy.page_pointers(indices, page, affine)
+    assert got.tolist() == [[1128, 5256], [1640, 6280], [1000, 5000]]
+    assert memcopy.page_pointers(indices.astype(np.int32), page, affine).tolist() == got.tolist()
+    if compiled:
+        with pytest.raises(ValueError, match="whole pages"):
+            memcopy._c_page_pointers(indices[:5], page, affine)
