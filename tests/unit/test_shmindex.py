@@ -384,6 +384,16 @@ def test_the_fused_read_refuses_what_it_cannot_copy_safely(index):
         reader.read(["a"], regions, buffers, np.array([4096, 4096]), 4096, COPY_VALUES, False)
     with pytest.raises(ValueError, match="buffers"):
         reader.read(["a", "b"], regions, buffers, np.array([2048, 2048]), 4096, COPY_VALUES, 0)
+    with pytest.raises(TypeError, match="int64"):  # pointers of another type
+        reader.read(
+            ["a"],
+            regions,
+            buffers.astype(np.float64),
+            np.array([2048, 2048]),
+            4096,
+            COPY_VALUES,
+            False,
+        )
     with pytest.raises(ValueError):  # not the copy loop's capsule
         reader.read(["a"], regions, buffers, np.array([2048, 2048]), 4096, object(), False)
     assert fused_read(reader, ["x" * (MAX_KEY + 1)], regions, 4096)[0] is None  # ask the server

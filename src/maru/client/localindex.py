@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from maru.client.memcopy import COPY_VALUES
-from maru.client.requests import Lookup, checksum_mismatches
+from maru.client.requests import Lookup, checksum_mismatches, other_lengths
 from maru.common import shmindex
 from maru.common.errors import MaruError
 from maru.common.protocol import MsgType
@@ -224,13 +224,9 @@ class LocalIndexClient:
         if stale:
             self.stale += stale
             log.debug("%d of %d keys changed during the copy: misses", stale, len(keys))
-        for i in np.flatnonzero(status == 2).tolist():
-            log.warning(
-                "key %.200r has %d bytes, expected %d: treated as a miss",
-                keys[i],
-                lengths[i],
-                length,
-            )
+        other = np.flatnonzero(status == 2)
+        if len(other):
+            other_lengths([keys[i] for i in other.tolist()], lengths[other].tolist(), length)
         corrupt = np.flatnonzero(status == 4)
         if len(corrupt):
             named = [keys[i] for i in corrupt.tolist()]

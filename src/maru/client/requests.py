@@ -318,7 +318,10 @@ class Lookup:
         sources = addresses[seg]
         if not copied.all():  # copy the hits only (a 0 address is skipped)
             sources = np.where(copied, sources, 0)
-            self._other_lengths(lengths[seg], copied, length, start)
+            other = np.flatnonzero((lengths[seg] != 0) & ~copied)
+            if len(other):
+                keys = [self._keys[start + i] for i in other.tolist()]
+                other_lengths(keys, lengths[seg][other].tolist(), length)
         sums = copy(sources)
         if self.copied is None:
             self.copied = np.zeros(self.n, bool)
@@ -328,15 +331,6 @@ class Lookup:
                 self._sums = np.zeros(self.n, np.int64)
             self._sums[seg] = sums
         return copied
-
-    def _other_lengths(self, lengths: np.ndarray, copied: np.ndarray, length: int, start: int):
-        for i in np.flatnonzero((lengths != 0) & ~copied).tolist():  # another geometry
-            log.warning(
-                "key %.200r has %d bytes, expected %d: treated as a miss",
-                self._keys[start + i],
-                lengths[i],
-                length,
-            )
 
     def corrupt(self, computed: np.ndarray | None = None) -> np.ndarray:
         """Per key, True where `maru_checksums` is on and the hit's bytes no longer hash to the
@@ -434,6 +428,15 @@ class Lookup:
                 exc,
             )
             return False
+
+
+def other_lengths(keys: Sequence[Key], lengths: Sequence[int], expected: int) -> None:
+    """Hits stored with another length than the reader's (another geometry): misses, each
+    logged."""
+    for key, length in zip(keys, lengths):
+        log.warning(
+            "key %.200r has %d bytes, expected %d: treated as a miss", key, length, expected
+        )
 
 
 def checksum_mismatches(handler: MaruHandler, keys: Sequence[Key], lengths: Sequence[int]):

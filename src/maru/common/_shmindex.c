@@ -1124,6 +1124,24 @@ static int read_all(const Table *t, const Batch *b, const Regions *regions, int6
     return 0;
 }
 
+/* `obj` as a C-contiguous buffer of int64 (numpy's "q" or "l"), held in `view`; -1 with a
+ * TypeError otherwise (pointers of another type would be copied to or from). */
+static int int64_buffer(PyObject *obj, Py_buffer *view, const char *name)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    const char *fmt = view->format ? view->format : "B";
+    if (*fmt == '<' || *fmt == '=' || *fmt == '@')
+        fmt++;
+    if (view->itemsize != 8 || (strcmp(fmt, "q") != 0 && strcmp(fmt, "l") != 0)) {
+        PyErr_Format(PyExc_TypeError, "read: %s must be a contiguous int64 array", name);
+        PyBuffer_Release(view);
+        view->obj = NULL;
+        return -1;
+    }
+    return 0;
+}
+
 /* read(keys, regions, buffers, sizes, length, copier, hashed, *, prefix=None) -> (proven,
  * columns), or None: ask the server (nothing was copied). `proven`: a bool per key, True where
  * its value was copied and proven (status 1); `columns`: bytes of 9 int64 columns of
@@ -1156,13 +1174,12 @@ static PyObject *Reader_read(Reader *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     Batch b;
     memset(&b, 0, sizeof(b));
-    if (PyObject_GetBuffer(args[2], &bufs, PyBUF_SIMPLE) < 0 ||
-        PyObject_GetBuffer(args[3], &sizes, PyBUF_SIMPLE) < 0)
+    if (int64_buffer(args[2], &bufs, "buffers") < 0 || int64_buffer(args[3], &sizes, "sizes") < 0)
         goto done;
     Py_ssize_t parts = sizes.len / 8;
     const int64_t *z = (const int64_t *)sizes.buf;
     int64_t total = 0;
-    int ok = sizes.len % 8 == 0 && (uintptr_t)sizes.buf % 8 == 0 && (uintptr_t)bufs.buf % 8 == 0;
+    int ok = (uintptr_t)sizes.buf % 8 == 0 && (uintptr_t)bufs.buf % 8 == 0;
     for (Py_ssize_t j = 0; ok && j < parts; j++) {
         ok = z[j] >= 0;
         total += z[j];
