@@ -454,14 +454,15 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._sending.setdefault(transfer.req_id, []).append(future)
 
     def _load(self, transfer: Transfer) -> None:
-        """Copy the blocks in under a lease; every block from the first one that cannot be
-        proven (missing, another size, with `maru_checksums` bytes unlike their writer's
-        checksum, lease lost) on is a load error."""
+        """Copy the blocks in (`MaruHandler.read`: proven hits only; on the local index one C
+        call); every block from the first one that is not proven (missing, another size,
+        changed during the copy, a lease lost, with `maru_checksums` bytes unlike their
+        writer's checksum) on is a load error, and vLLM recomputes it (a proven block after
+        it was copied in too: the key's own bytes, which the recompute overwrites)."""
         start = time.perf_counter()
         copied = 0
         errors: list[int] = []
         handler = self._handler_for()
-        hashed = handler.config.checksums
         for g, keys, ids in zip(self._groups, self._rank_keys(transfer), transfer.block_ids):
             layout = self._layouts.get(g)
             if not ids:
@@ -469,29 +470,10 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             if layout is None:
                 errors.extend(ids)
                 continue
-            lookup = handler.lookup(keys, lease=True, for_copy=True)
-            with lookup as found:
-                good = (found.lengths == layout.value_size) & (found.addresses != 0)
-                hits = len(ids) if good.all() else int(np.argmin(good))
-                sums = np.zeros(len(ids), np.int64)  # each block's maru64 as copied
-                if hits:
-                    # block by block: each stored value is read in address order
-                    hashes = copy_values(
-                        found.addresses[:hits],
-                        layout.addresses(ids[:hits]),
-                        layout.length,
-                        to_values=False,
-                        hashed=hashed,
-                    )
-                    if hashes is not None:  # hashed in the copy loop: the bytes read once
-                        sums[:hits] = hashes
-                    bad = found.corrupt(sums)[:hits]  # after the copy, of what it read
-                    if bad.any():
-                        hits = int(np.argmax(bad))
-                held = lookup.release(confirm=True)
-            if not held:
-                log.warning("load of %s: the lease ended during the copy", transfer.req_id)
-                hits = 0
+            proven = handler.read(
+                keys, layout.addresses(ids), layout.length, length=layout.value_size
+            )
+            hits = proven.index(False) if False in proven else len(proven)
             copied += hits * layout.value_size
             errors.extend(ids[hits:])
         with self._lock:
