@@ -63,34 +63,38 @@ class StorageStats:
 
     def account_write(self, batches: Sequence[_Batch], elapsed: float) -> None:
         """One write call of `batches` (their `results` filled in) that took `elapsed` s."""
-        written = 0
-        with self._lock:
-            for batch in batches:
-                ok = sum(batch.results)
-                counters = self._pool(batch.pool.name)
-                counters["bytes_written"] += ok * batch.pool.page_bytes
-                counters["pages_written"] += ok
-                written += ok * batch.pool.page_bytes
-            self._seconds["set_seconds"] += elapsed
-            if self.enable_metrics:
-                self._backup_pgs.append(sum(len(b.keys) for b in batches))
-                self._backup_bw.append(written / max(elapsed, 1e-9) / 1e9)
+        self._account(batches, elapsed, reading=False)
 
     def account_read(self, batches: Sequence[_Batch], elapsed: float) -> None:
         """One read call of `batches` (their `results` filled in) that took `elapsed` s."""
-        read = 0
+        self._account(batches, elapsed, reading=True)
+
+    def _account(self, batches: Sequence[_Batch], elapsed: float, reading: bool) -> None:
+        """Per pool the pages that moved (a read's hits, a write's stored pages) and their
+        bytes, a read's misses; the call's seconds; with metrics, its pages and GB/s."""
+        moved = 0
         with self._lock:
             for batch in batches:
-                hits = batch.results.count(True)
+                ok = batch.results.count(True)
+                nbytes = ok * batch.pool.page_bytes
                 counters = self._pool(batch.pool.name)
-                counters["hits"] += hits
-                counters["misses"] += len(batch.keys) - hits
-                counters["bytes_read"] += hits * batch.pool.page_bytes
-                read += hits * batch.pool.page_bytes
-            self._seconds["get_seconds"] += elapsed
+                if reading:
+                    counters["hits"] += ok
+                    counters["misses"] += len(batch.keys) - ok
+                    counters["bytes_read"] += nbytes
+                else:
+                    counters["pages_written"] += ok
+                    counters["bytes_written"] += nbytes
+                moved += nbytes
+            self._seconds["get_seconds" if reading else "set_seconds"] += elapsed
             if self.enable_metrics:
-                self._prefetch_pgs.append(sum(len(b.keys) for b in batches))
-                self._prefetch_bw.append(read / max(elapsed, 1e-9) / 1e9)
+                pages, rates = (
+                    (self._prefetch_pgs, self._prefetch_bw)
+                    if reading
+                    else (self._backup_pgs, self._backup_bw)
+                )
+                pages.append(sum(len(b.keys) for b in batches))
+                rates.append(moved / max(elapsed, 1e-9) / 1e9)
 
     def _reset_metrics(self) -> None:
         self._prefetch_pgs: list[int] = []
