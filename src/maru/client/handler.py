@@ -462,12 +462,12 @@ class MaruHandler:
     ) -> list[bool]:
         """Copy each key's value of `length` bytes (parts of `sizes` back to back) into its
         row of `buffers` (int64 (keys, parts) pointers) and prove it: per key True where the
-        bytes copied are the ones its writer stored (a miss, another length, an entry that
-        changed during the copy, a lease that ended, and with `maru_checksums` bytes unlike their
-        checksum (hashed as they are copied) are False; rows of False keys may have been
-        written). On the
-        local index one C call, no Python between probe, copy and check; else a leased
-        `lookup`, its `copy_out`, `corrupt()` and `release(confirm=True)`."""
+        bytes copied are the ones its writer stored. A miss, another length, an entry that
+        changed during the copy, a lease that ended, and with `maru_checksums` bytes unlike
+        their checksum (hashed as they are copied) are False; the rows of False keys may
+        have been written. On the local index one C call, no Python between probe, copy and
+        check; else a leased `lookup`, its `copy_out`, `corrupt()` and
+        `release(confirm=True)`."""
         hashed = self.config.checksums
         if self._index is not None:
             proven = self._index.read(self, keys, prefix, buffers, sizes, length, hashed)
