@@ -20,6 +20,8 @@ Processes (all spawned, each with its own handler and mappings):
   (blake2b of the key and the rest of the value, in its first 16 bytes). A confirmed copy
   that fails the check is a **wrong read** (its differing bytes are the wrong bytes); a copy
   whose lease had ended (the reader was paused, the server restarted) is taken as a miss.
+  Two thirds of the reads go the SGLang backends' way instead, through the local index with
+  no lease, each hit checked after its copy: a lookup and its copy, or `MaruHandler.read`.
 - the durable writer stores small values and pins each acknowledged batch at once; after a
   server restart that followed the acknowledgement it reads every such key back (under a
   lease, checksum checked), and only then unpins it.
@@ -224,6 +226,29 @@ def read_copied(h: MaruHandler, keys: list[str], durable: bool) -> tuple[list[bo
     return ok, why
 
 
+def read_into(h: MaruHandler, keys: list[str], durable: bool) -> tuple[list[bool], dict]:
+    """`read_back` through `MaruHandler.read` (SGLang's v1 reads: on this node probe, copy and
+    check in one C call), key by key (a read takes one length; these values differ): each
+    value into a host buffer of its size; a key not proven is "unconfirmed" if its bytes
+    were copied, else "missing"."""
+    ok, why = [], {}
+    for key in keys:
+        size = size_of(key, durable)
+        out = np.zeros(size, np.uint8)
+        index = h._index
+        stale = index.stale if index is not None else 0
+        proven = h.read(
+            [key], np.array([[out.ctypes.data]], np.int64), np.array([size]), length=size
+        )
+        if not proven[0]:
+            changed = index is not None and index.stale > stale
+            why[key] = "unconfirmed" if changed else "missing"
+        elif not intact(key, out.tobytes(), durable):
+            why[key] = wrong_bytes(key, out.tobytes(), durable)
+        ok.append(key not in why)
+    return ok, why
+
+
 def _record_wrong(h: MaruHandler, key: str, data: bytes, info: Any, durable: bool) -> None:
     """One line per wrong read in the soak's directory, for whoever has to find out why:
     the pattern step of the bytes found names the key that wrote them (see `whose`)."""
@@ -318,9 +343,9 @@ def reader(url: str, index: int, seed: int, board: Board) -> None:
         first = rng.randrange(max(0, n - 64) if recent else 0, n)
         durable = slot == board.durable_row
         keys = [key_of(slot, gen, i) for i in range(first, min(n, first + READ_BATCH))]
-        # half the reads as the SGLang backend reads (the local index, validated after the
-        # copy), half under a lease
-        ok, why = (read_copied if rng.random() < 0.5 else read_back)(h, keys, durable)
+        # two thirds of the reads as the SGLang backends read (the local index, validated
+        # after the copy: a lookup and its copy, or `MaruHandler.read`), a third under a lease
+        ok, why = rng.choice((read_copied, read_into, read_back))(h, keys, durable)
         board.add(row, "reads", len(keys))
         board.add(row, "hits", sum(ok))
         for reason in why.values():
