@@ -7,7 +7,8 @@ for_copy=True)`) gets an `IndexLookup`: the locations from the table, no lease; 
 the caller asks `corrupt()` (or `release(confirm=True)`), which checks that every hit's slot
 still has the seq it was read with and that the table is still current: if not, that key is a
 miss, whatever was copied. The server changes a key's slot before the key's pages can be
-reused, so an unchanged slot proves the copy read the key's bytes.
+reused, so an unchanged slot proves the copy read the key's bytes. `MaruHandler.read` does
+all of it in one C call (`LocalIndexClient.read`: probe, copy, check).
 
 The request path serves what the table cannot: a key longer than the table holds, a region
 not mapped here yet or mapped from another pool life (its tag differs: the request maps it
