@@ -12,9 +12,19 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("maru.client._memcopy", ["src/maru/client/_memcopy.c"], optional=True),
+        Extension(
+            "maru.client._memcopy",
+            ["src/maru/client/_memcopy.c"],
+            depends=["src/maru/common/int64_buffer.h"],
+            optional=True,
+        ),
         Extension("maru.client._busypoll", ["src/maru/client/_busypoll.c"], optional=True),
         Extension("maru.server._keyindex", ["src/maru/server/_keyindex.c"], optional=True),
-        Extension("maru.common._shmindex", ["src/maru/common/_shmindex.c"], optional=True),
+        Extension(
+            "maru.common._shmindex",
+            ["src/maru/common/_shmindex.c"],
+            depends=["src/maru/common/int64_buffer.h"],
+            optional=True,
+        ),
     ]
 )

@@ -27,6 +27,8 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "../common/int64_buffer.h"
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #define HAVE_STREAMING 1
@@ -400,21 +402,6 @@ static void m64_pick_impl(void)
 #endif
 }
 
-static int get_addresses(PyObject *obj, Py_buffer *view, const char *name)
-{
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        return -1;
-    const char *fmt = view->format ? view->format : "B";
-    if (*fmt == '<' || *fmt == '=' || *fmt == '@')
-        fmt++;
-    if (view->itemsize != 8 || (strcmp(fmt, "q") != 0 && strcmp(fmt, "l") != 0)) {
-        PyErr_Format(PyExc_TypeError, "%s: expected a contiguous array of int64 addresses", name);
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
-
 /* `size`: one size for every buffer, or an int64 array of one per buffer (a page's parts of
  * unlike sizes, copied page by page: sources read in address order run up to 18% faster at
  * 64 KiB pages than part by part, docs/performance.md). */
@@ -432,11 +419,11 @@ static PyObject *copy_many(PyObject *self, PyObject *args)
             PyErr_SetString(PyExc_ValueError, "copy_many: size must not be negative");
         return NULL;
     }
-    if (per_buffer && get_addresses(size_obj, &sizes, "sizes") < 0)
+    if (per_buffer && int64_buffer(size_obj, &sizes, "sizes") < 0)
         return NULL;
     Py_buffer dst = {0}, src = {0};
     PyObject *out = NULL;
-    if (get_addresses(dst_obj, &dst, "dst") < 0 || get_addresses(src_obj, &src, "src") < 0)
+    if (int64_buffer(dst_obj, &dst, "dst") < 0 || int64_buffer(src_obj, &src, "src") < 0)
         goto done;
     Py_ssize_t n = dst.len / 8;
     if (src.len / 8 != n || (per_buffer && sizes.len / 8 != n)) {
@@ -527,13 +514,13 @@ static PyObject *copy_many_hashed(PyObject *self, PyObject *args)
     Py_buffer dst = {0}, src, sizes;
     int have_dst = dst_obj != Py_None;
     PyObject *out = NULL;
-    if (get_addresses(src_obj, &src, "src") < 0)
+    if (int64_buffer(src_obj, &src, "src") < 0)
         return NULL;
-    if (get_addresses(sizes_obj, &sizes, "sizes") < 0) {
+    if (int64_buffer(sizes_obj, &sizes, "sizes") < 0) {
         PyBuffer_Release(&src);
         return NULL;
     }
-    if (have_dst && get_addresses(dst_obj, &dst, "dst") < 0)
+    if (have_dst && int64_buffer(dst_obj, &dst, "dst") < 0)
         goto done;
     Py_ssize_t n = src.len / 8;
     if (sizes.len / 8 != n || (have_dst && dst.len / 8 != n) || n % parts) {
@@ -640,9 +627,9 @@ static PyObject *copy_values(PyObject *self, PyObject *args)
         return NULL;
     Py_buffer starts = {0}, buffers = {0}, sizes = {0};
     PyObject *out = NULL;
-    if (get_addresses(starts_obj, &starts, "starts") < 0 ||
-        get_addresses(buffers_obj, &buffers, "buffers") < 0 ||
-        get_addresses(sizes_obj, &sizes, "sizes") < 0)
+    if (int64_buffer(starts_obj, &starts, "starts") < 0 ||
+        int64_buffer(buffers_obj, &buffers, "buffers") < 0 ||
+        int64_buffer(sizes_obj, &sizes, "sizes") < 0)
         goto done;
     Py_ssize_t values = starts.len / 8, parts = sizes.len / 8;
     if (buffers.len / 8 != values * parts) {
@@ -691,8 +678,8 @@ static PyObject *page_pointers(PyObject *self, PyObject *args)
         return NULL;
     Py_buffer indices = {0}, affine = {0};
     PyObject *out = NULL;
-    if (get_addresses(indices_obj, &indices, "indices") < 0 ||
-        get_addresses(affine_obj, &affine, "affine") < 0)
+    if (int64_buffer(indices_obj, &indices, "indices") < 0 ||
+        int64_buffer(affine_obj, &affine, "affine") < 0)
         goto done;
     Py_ssize_t count = indices.len / 8, parts = affine.len / 16;
     if (page <= 0 || count % page || affine.len % 16) {

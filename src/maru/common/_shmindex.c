@@ -46,6 +46,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "int64_buffer.h"
+
 #if defined(__GNUC__) || defined(__clang__)
 #define PREFETCH(p) __builtin_prefetch((const void *)(p))
 #else
@@ -1121,24 +1123,6 @@ static int read_all(const Table *t, const Batch *b, const Regions *regions, int6
     }
     PyMem_RawFree(starts);
     PyMem_RawFree(flags);
-    return 0;
-}
-
-/* `obj` as a C-contiguous buffer of int64 (numpy's "q" or "l"), held in `view`; -1 with a
- * TypeError otherwise (pointers of another type would be copied to or from). */
-static int int64_buffer(PyObject *obj, Py_buffer *view, const char *name)
-{
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        return -1;
-    const char *fmt = view->format ? view->format : "B";
-    if (*fmt == '<' || *fmt == '=' || *fmt == '@')
-        fmt++;
-    if (view->itemsize != 8 || (strcmp(fmt, "q") != 0 && strcmp(fmt, "l") != 0)) {
-        PyErr_Format(PyExc_TypeError, "read: %s must be a contiguous int64 array", name);
-        PyBuffer_Release(view);
-        view->obj = NULL;
-        return -1;
-    }
     return 0;
 }
 
