@@ -30,7 +30,7 @@ import numpy as np
 
 from maru.client.chunks import AllocHandle, ChunkBook
 from maru.client.connecting import connect_failure, probe
-from maru.client.localindex import LocalIndexClient, Prefix, offered_index
+from maru.client.localindex import LocalIndexClient, Prefix, joined, offered_index
 from maru.client.mapping import MappedRegion, RegionMapper
 from maru.client.memcopy import copy_values
 from maru.client.requests import (
@@ -58,16 +58,6 @@ Key = str | bytes
 Buffer = bytes | bytearray | memoryview
 
 __all__ = ["AllocHandle", "MaruHandler", "MemoryInfo", "StoreOutcome"]
-
-
-def _joined(keys: Sequence[Key], prefix: Prefix) -> Sequence[Key]:
-    """`prefix + key` per key: what the request path sends for a prefixed call (the local
-    index joins them in C; both raise TypeError for a prefix not of its key's type)."""
-    if isinstance(prefix, (str, bytes)):
-        return [prefix + k for k in keys] if prefix else keys  # type: ignore[operator]
-    if len(prefix) != len(keys):
-        raise ValueError(f"prefix: {len(prefix)} prefixes for {len(keys)} keys")
-    return [p + k for p, k in zip(prefix, keys)]  # type: ignore[operator]
 
 
 class _Heartbeat:
@@ -449,7 +439,7 @@ class MaruHandler:
             found = self._index.lookup(self, keys, prefix)
             if found is not None:
                 return found
-        return Lookup(self, _joined(keys, prefix), lease)
+        return Lookup(self, joined(keys, prefix), lease)
 
     def read(
         self,
@@ -514,7 +504,7 @@ class MaruHandler:
         found = self._index.exists(keys, prefix) if self._index is not None else None
         if found is not None:
             return found
-        return self._per_key(MsgType.EXISTS, _joined(keys, prefix), bool)
+        return self._per_key(MsgType.EXISTS, joined(keys, prefix), bool)
 
     def pin(self, key: Key) -> bool:
         return self.batch_pin([key])[0]

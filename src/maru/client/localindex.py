@@ -92,11 +92,15 @@ def offered_index(
     return LocalIndexClient.open(path, reply.get("uid"), handler._index)
 
 
-def _prefixes(prefix: Prefix, keys: Sequence[Key], at: np.ndarray) -> list[Key]:
-    """The prefixes of keys[at] (`prefix`: one for all, or one per key)."""
+def joined(keys: Sequence[Key], prefix: Prefix) -> Sequence[Key]:
+    """`prefix + key` per key: what the request path sends for a prefixed call, and the keys'
+    names in logs (the index joins them in C; both raise TypeError for a prefix not of its
+    key's type)."""
     if isinstance(prefix, (str, bytes)):
-        return [prefix] * len(at)
-    return [prefix[i] for i in at.tolist()]
+        return [prefix + k for k in keys] if prefix else keys  # type: ignore[operator]
+    if len(prefix) != len(keys):
+        raise ValueError(f"prefix: {len(prefix)} prefixes for {len(keys)} keys")
+    return [p + k for p, k in zip(prefix, keys)]  # type: ignore[operator]
 
 
 class LocalIndexClient:
@@ -225,15 +229,14 @@ class LocalIndexClient:
         if stale:
             self.stale += stale
             log.debug("%d of %d keys changed during the copy: misses", stale, len(keys))
-        other = np.flatnonzero(status == 2)
+        other, corrupt = np.flatnonzero(status == 2), np.flatnonzero(status == 4)
+        if not len(other) and not len(corrupt):
+            return
+        names = joined(keys, prefix)  # (as the request path names them)
         if len(other):
-            other_lengths([keys[i] for i in other.tolist()], lengths[other].tolist(), length)
-        corrupt = np.flatnonzero(status == 4)
+            other_lengths([names[i] for i in other.tolist()], lengths[other].tolist(), length)
         if len(corrupt):
-            named = [keys[i] for i in corrupt.tolist()]
-            if prefix:
-                named = [p + k for p, k in zip(_prefixes(prefix, keys, corrupt), named)]
-            checksum_mismatches(handler, named, lengths[corrupt])
+            checksum_mismatches(handler, [names[i] for i in corrupt.tolist()], lengths[corrupt])
 
 
 class IndexLookup(Lookup):
