@@ -43,6 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from maru import MaruConfig, MaruHandler
+from maru.client.requests import Sealing
 from maru_sglang.hit_policy import PoolPresence, leading_run, usable_prefix
 from maru_sglang.legacy import LegacyInterface
 from maru_sglang.pools import (
@@ -61,8 +62,8 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_LAYOUTS = ("page_first_direct", "page_first")
 
-# batch_set_v1 registers a batch in up to PIPELINE_PIECES pieces of at least PIPELINE_MIN_PAGES
-# pages, each sent while the next piece is copied (smaller batches: one registration).
+# A call's last run (a v1 batch's only one) is registered in up to PIPELINE_PIECES pieces of at
+# least PIPELINE_MIN_PAGES pages, each sent while the next piece is copied.
 PIPELINE_PIECES = 2
 PIPELINE_MIN_PAGES = 32
 
@@ -240,67 +241,85 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
             return False
         return True
 
-    def _write(self, batches: list[_Batch], pipelined: bool = False) -> None:
-        """Copy every batch's pages into shared allocations and register them all with one
-        RPC (`pipelined`, a single pool's large batch: in pieces, each sent while the next
-        is copied). With `maru_checksums` each page is hashed as it is copied (no second read).
-        Fills each batch's `results`."""
+    def _write(self, batches: list[_Batch]) -> None:
+        """Copy every batch's pages into a shared allocation (one run per pool) and register
+        them. A run of at least PIPELINE_MIN_PAGES pages is sealed as soon as it is copied, so
+        that its registration is in flight while the rest is copied (the call's last run, with
+        nothing after it to hide behind, in up to PIPELINE_PIECES pieces); smaller runs, and
+        pages placed one by one, are sealed together at the end. With `maru_checksums` each
+        page is hashed as it is copied (no second read). Fills each batch's `results`."""
         start = time.perf_counter()
         handler = self.handler
         hashed = handler.config.checksums
-        sealings = []  # (batch, first page, Sealing)
-        keys: list[str] = []
-        handles: list[Any] = []
-        lengths: list[int] = []
-        sums: list[np.ndarray] = []
-        owners: list[tuple[_Batch, int]] = []
-        for batch in batches:
+        sealings: list[tuple[Any, Sealing]] = []  # ((batch, first page) or each key's, Sealing)
+        rest: list[tuple[_Batch, list[str], Any, np.ndarray | None]] = []  # sealed together
+        for number, batch in enumerate(batches, 1):
             pool, n, buffers = batch.pool, len(batch.keys), batch.buffers
             assert buffers is not None
             batch.results = [False] * n
             ns_keys = pool.keys(batch.keys)
             run = handler.alloc(pool.page_bytes, n)
-            if run is not None and pipelined:
-                step = max(PIPELINE_MIN_PAGES, -(-n // PIPELINE_PIECES))
-                for first in range(0, n, step):
-                    last = min(n, first + step)
-                    piece = run.slice(first, last)
-                    piece_sums = pool.copy_in(
-                        piece.address, piece.stride, buffers, first, last, hashed
-                    )
-                    sealing = handler.seal(
-                        ns_keys[first:last], piece, pool.page_bytes, checksums=piece_sums
-                    )
-                    sealings.append((batch, first, sealing))
+            if run is None:  # no free run: page by page (each may evict in our own regions)
+                rest.append((batch, ns_keys, *self._copy_pages(batch, hashed)))
                 continue
-            if run is not None:
-                sums.append(pool.copy_in(run.address, run.stride, buffers, 0, n, hashed))
-                page_handles = run.split()
-            else:  # no free run: page by page (each may evict in our own regions)
-                page_handles = [handler.alloc(pool.page_bytes) for _ in range(n)]
-                page_sums = np.zeros(n, np.int64)
-                for i, handle in enumerate(page_handles):
-                    if handle is not None:
-                        address, size = handle.address, pool.page_bytes
-                        got = pool.copy_in(address, size, buffers, i, i + 1, hashed)
-                        page_sums[i] = got[0] if got is not None else 0
-                sums.append(page_sums)
-            keys += ns_keys
-            handles += page_handles
-            lengths += [pool.page_bytes] * n
-            owners += [(batch, i) for i in range(n)]
-        if keys:
-            checksums = np.concatenate(sums) if hashed else None
-            sealing = handler.seal(keys, handles, lengths, checksums=checksums)
-            sealings.append((None, 0, sealing))
-        for batch, first, sealing in sealings:
+            if n < PIPELINE_MIN_PAGES:
+                sums = pool.copy_in(run.address, run.stride, buffers, 0, n, hashed)
+                rest.append((batch, ns_keys, run, sums))
+                continue
+            step = n if number < len(batches) else max(PIPELINE_MIN_PAGES, -(-n // PIPELINE_PIECES))
+            for first in range(0, n, step):
+                last = min(n, first + step)
+                piece = run.slice(first, last) if step < n else run
+                sums = pool.copy_in(piece.address, piece.stride, buffers, first, last, hashed)
+                sealing = handler.seal(ns_keys[first:last], piece, pool.page_bytes, checksums=sums)
+                sealings.append(((batch, first), sealing))
+        if len(rest) == 1:  # (one run or one batch's pages: sealed as they are)
+            batch, ns_keys, handles, sums = rest[0]
+            sealing = handler.seal(ns_keys, handles, batch.pool.page_bytes, checksums=sums)
+            sealings.append(((batch, 0), sealing))
+        elif rest:
+            sealings.append(self._seal_together(rest))
+        for owner, sealing in sealings:
             results = sealing.wait()
-            if batch is not None:
+            if isinstance(owner, tuple):
+                batch, first = owner
                 batch.results[first : first + len(results)] = results
-            else:
-                for (owner, i), ok in zip(owners, results):
-                    owner.results[i] = ok
+            else:  # sealed together: each key's batch and place
+                for (batch, i), ok in zip(owner, results):
+                    batch.results[i] = ok
         self._stats.account_write(batches, time.perf_counter() - start)
+
+    def _copy_pages(self, batch: _Batch, hashed: bool) -> tuple[list[Any], np.ndarray | None]:
+        """`batch` page by page, when no run of its size is free: an allocation per page
+        (None where none could be made) and, with `hashed`, each page's checksum."""
+        handler, pool, buffers = self.handler, batch.pool, batch.buffers
+        assert buffers is not None
+        handles = [handler.alloc(pool.page_bytes) for _ in batch.keys]
+        sums = np.zeros(len(handles), np.int64)
+        for i, handle in enumerate(handles):
+            if handle is not None:
+                got = pool.copy_in(handle.address, pool.page_bytes, buffers, i, i + 1, hashed)
+                sums[i] = got[0] if got is not None else 0
+        return handles, sums if hashed else None
+
+    def _seal_together(self, rest: list) -> tuple[list[tuple[_Batch, int]], Sealing]:
+        """One registration for several batches' pages (`_write`'s `rest`): each key's batch
+        and place in it, and the Sealing."""
+        keys: list[str] = []
+        handles: list[Any] = []
+        lengths: list[int] = []
+        sums: list[np.ndarray] = []
+        owners: list[tuple[_Batch, int]] = []
+        for batch, ns_keys, held, batch_sums in rest:
+            n = len(ns_keys)
+            keys += ns_keys
+            handles += held if isinstance(held, list) else held.split()
+            lengths += [batch.pool.page_bytes] * n
+            owners += [(batch, i) for i in range(n)]
+            if batch_sums is not None:
+                sums.append(batch_sums)
+        checksums = np.concatenate(sums) if sums else None
+        return owners, self.handler.seal(keys, handles, lengths, checksums=checksums)
 
     def _read(self, batches: list[_Batch], host_indices: list[torch.Tensor | None]) -> None:
         """Copy every batch's hits into its host pool and prove them: a page stored with
@@ -387,7 +406,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
             return [True] * len(keys)
         batch = _Batch(kv, list(keys))
         if self._prepare(batch, host_indices, "batch_set_v1"):
-            self._write([batch], pipelined=True)
+            self._write([batch])
         return batch.results
 
     def batch_get_v1(
@@ -518,7 +537,8 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> dict[str, list[bool]]:
         """Write every transfer's pages from its host pool: one allocation run and one copy
-        per page part per pool, one registration RPC for all pools."""
+        per page part per pool; a large pool's run registered while the next is copied, small
+        ones together (`_write`)."""
         results, batches, _ = self._v2_batches(transfers, "batch_set_v2", writing=True)
         if batches:
             self._write(batches)

@@ -333,6 +333,55 @@ def test_one_metadata_rpc_per_batch_across_pools(maru_server):
     storage.close()
 
 
+def test_a_large_pool_is_registered_while_the_next_pool_is_copied(maru_server):
+    """batch_set_v2 seals a pool's run of at least PIPELINE_MIN_PAGES pages as soon as it is
+    copied: its registration is in flight while the next pool is copied, and the server gets
+    a run of one length (a uniform batch). The small pools after it go in one registration at
+    the end; every page reads back byte-identical."""
+    from maru_sglang.maru_storage import PIPELINE_MIN_PAGES
+
+    hybrid = make_hybrid("mamba")
+    hybrid.sidecars.append(
+        Sidecar("swa", make_host_pool(Geometry(layers=2)), "trailing_pages", window=2)
+    )
+    mamba, swa = hybrid.sidecars
+    storage = _storage(maru_server.url, hybrid)
+    events: list[str] = []
+    original = storage.handler._request
+
+    def sending(msg_type, body):
+        events.append(f"send {MsgType(msg_type).name} {len(body.get('keys', []))}")
+        return original(msg_type, body)
+
+    storage.handler._request = sending
+    for name in ("mamba", "swa"):
+        pool = storage.pools[name]
+        copy_in = pool.copy_in
+
+        def copying(*args, _name=name, _copy=copy_in, **kwargs):
+            events.append(f"copy {_name}")
+            return _copy(*args, **kwargs)
+
+        pool.copy_in = copying
+    n = PIPELINE_MIN_PAGES + 8
+    keys = [f"big{i}" for i in range(n)]
+    swa_idx = slots(swa.pool, 0, n)
+    swa_pages = random_pages(swa.pool, n, 5)
+    fill_bytes(swa.pool, swa_idx, swa_pages)
+    state_idx = slots(mamba.pool, 0, 1)
+    state = random_pages(mamba.pool, 1, 6)
+    fill_bytes(mamba.pool, state_idx, state)
+    transfers = [transfer(swa, keys, swa_idx), transfer(mamba, keys[-1:], state_idx)]
+    assert storage.batch_set_v2(transfers) == {"swa": [True] * n, "mamba": [True]}
+    assert events == ["copy swa", f"send REGISTER_KV {n}", "copy mamba", "send REGISTER_KV 1"]
+    swa_back, state_back = slots(swa.pool, n, n), slots(mamba.pool, 1, 1)
+    back = [transfer(swa, keys, swa_back), transfer(mamba, keys[-1:], state_back)]
+    assert storage.batch_get_v2(back) == {"swa": [True] * n, "mamba": [True]}
+    got = read_bytes(swa.pool, swa_back, n) + read_bytes(mamba.pool, state_back, 1)
+    assert all(torch.equal(a, b) for a, b in zip(got, swa_pages + state, strict=True))
+    storage.close()
+
+
 def test_rank_replicated_pools_are_written_by_the_writer_rank_only(maru_server):
     rank1_pools = make_hybrid("dsa")
     rank1_pools.sidecars.append(Sidecar("mamba", _mamba_pool(), "trailing_pages"))
