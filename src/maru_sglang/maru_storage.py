@@ -251,7 +251,9 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         start = time.perf_counter()
         handler = self.handler
         hashed = handler.config.checksums
-        sealings: list[tuple[Any, Sealing]] = []  # ((batch, first page) or each key's, Sealing)
+        # each Sealing with the batches' pages it answers for: (batch, first page, count), in
+        # the order of its keys
+        sealings: list[tuple[list[tuple[_Batch, int, int]], Sealing]] = []
         rest: list[tuple[_Batch, list[str], Any, np.ndarray | None]] = []  # sealed together
         for number, batch in enumerate(batches, 1):
             pool, n, buffers = batch.pool, len(batch.keys), batch.buffers
@@ -272,21 +274,18 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                 piece = run.slice(first, last) if step < n else run
                 sums = pool.copy_in(piece.address, piece.stride, buffers, first, last, hashed)
                 sealing = handler.seal(ns_keys[first:last], piece, pool.page_bytes, checksums=sums)
-                sealings.append(((batch, first), sealing))
+                sealings.append(([(batch, first, last - first)], sealing))
         if len(rest) == 1:  # (one run or one batch's pages: sealed as they are)
             batch, ns_keys, handles, sums = rest[0]
             sealing = handler.seal(ns_keys, handles, batch.pool.page_bytes, checksums=sums)
-            sealings.append(((batch, 0), sealing))
+            sealings.append(([(batch, 0, len(ns_keys))], sealing))
         elif rest:
             sealings.append(self._seal_together(rest))
-        for owner, sealing in sealings:
-            results = sealing.wait()
-            if isinstance(owner, tuple):
-                batch, first = owner
-                batch.results[first : first + len(results)] = results
-            else:  # sealed together: each key's batch and place
-                for (batch, i), ok in zip(owner, results):
-                    batch.results[i] = ok
+        for owners, sealing in sealings:
+            results, at = sealing.wait(), 0
+            for batch, first, count in owners:
+                batch.results[first : first + count] = results[at : at + count]
+                at += count
         self._stats.account_write(batches, time.perf_counter() - start)
 
     def _copy_pages(self, batch: _Batch, hashed: bool) -> tuple[list[Any], np.ndarray | None]:
@@ -302,20 +301,20 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                 sums[i] = got[0] if got is not None else 0
         return handles, sums if hashed else None
 
-    def _seal_together(self, rest: list) -> tuple[list[tuple[_Batch, int]], Sealing]:
-        """One registration for several batches' pages (`_write`'s `rest`): each key's batch
-        and place in it, and the Sealing."""
+    def _seal_together(self, rest: list) -> tuple[list[tuple[_Batch, int, int]], Sealing]:
+        """One registration for several whole batches' pages (`_write`'s `rest`): the batches
+        it answers for, as `_write` keeps them, and the Sealing."""
         keys: list[str] = []
         handles: list[Any] = []
         lengths: list[int] = []
         sums: list[np.ndarray] = []
-        owners: list[tuple[_Batch, int]] = []
+        owners: list[tuple[_Batch, int, int]] = []
         for batch, ns_keys, held, batch_sums in rest:
             n = len(ns_keys)
             keys += ns_keys
             handles += held if isinstance(held, list) else held.split()
             lengths += [batch.pool.page_bytes] * n
-            owners += [(batch, i) for i in range(n)]
+            owners.append((batch, 0, n))
             if batch_sums is not None:
                 sums.append(batch_sums)
         checksums = np.concatenate(sums) if sums else None
