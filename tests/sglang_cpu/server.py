@@ -49,6 +49,15 @@ class ServerError(RuntimeError):
     pass
 
 
+class PortTaken(ServerError):
+    """The HTTP port `free_port` picked was taken by another process before the server bound
+    it (uvicorn then logs the error and may hang in its shutdown instead of exiting)."""
+
+
+PORT_TAKEN = "address already in use"
+START_ATTEMPTS = 3  # a server whose port was taken meanwhile starts again on another
+
+
 @dataclass
 class SGLangServer:
     process: subprocess.Popen
@@ -125,9 +134,45 @@ def start_server(
     are added on top of :func:`sglang_cpu.sglang_env` (which puts the CPU shims on PYTHONPATH).
     ``page_size`` / ``max_total_tokens`` are left out of the command when ``None``.
     Raises :class:`ServerError` (with the log tail) if the server exits or is not healthy within
-    ``timeout`` seconds; the processes are stopped in that case.
+    ``timeout`` seconds; the processes are stopped in that case. Without a ``port`` given, a
+    server whose port another process took first starts again on a new one (START_ATTEMPTS).
     """
-    port = port or free_port(host)
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            return _start(
+                model_path,
+                extra_args=extra_args,
+                env=env,
+                host=host,
+                port=port or free_port(host),
+                timeout=timeout,
+                log_path=log_path,
+                python=python,
+                page_size=page_size,
+                max_total_tokens=max_total_tokens,
+                dtype=dtype,
+            )
+        except PortTaken:
+            if port is not None or attempt == START_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start(
+    model_path: str | os.PathLike,
+    *,
+    extra_args: Sequence[str],
+    env: dict[str, str] | None,
+    host: str,
+    port: int,
+    timeout: float,
+    log_path: str | os.PathLike | None,
+    python: str,
+    page_size: int | None,
+    max_total_tokens: int | None,
+    dtype: str,
+) -> SGLangServer:
+    """One start of `start_server` on `port`."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"sglang-server-{port}-"))
     tmp_dir = run_dir / "tmp"
     tmp_dir.mkdir()
@@ -157,6 +202,7 @@ def start_server(
     log_file = open(log_path, "ab")  # noqa: SIM115 - closed in stop_server
     log_file.write(("$ " + " ".join(cmd) + "\n").encode())
     log_file.flush()
+    log_start = log_file.tell()  # this start's output (a given log may hold earlier ones)
     t0 = time.monotonic()
     proc = subprocess.Popen(
         cmd,
@@ -176,7 +222,7 @@ def start_server(
         _log_file=log_file,
     )
     try:
-        _wait_healthy(server, t0 + timeout)
+        _wait_healthy(server, t0 + timeout, log_start)
     except BaseException:
         stop_server(server)
         raise
@@ -184,8 +230,11 @@ def start_server(
     return server
 
 
-def _wait_healthy(server: SGLangServer, deadline: float) -> None:
+def _wait_healthy(server: SGLangServer, deadline: float, log_start: int) -> None:
     while True:
+        # (first: whatever answers on a taken port is not this server)
+        if _port_taken(server, log_start):
+            raise PortTaken(f"port {server.port} was taken; log {server.log_path}")
         code = server.process.poll()
         if code is not None:
             raise ServerError(
@@ -203,6 +252,16 @@ def _wait_healthy(server: SGLangServer, deadline: float) -> None:
                 f"sglang server not healthy in time; log {server.log_path}:\n{server.log_tail()}"
             )
         time.sleep(0.5)
+
+
+def _port_taken(server: SGLangServer, log_start: int) -> bool:
+    """Whether this start's output (from `log_start` in its log) says its port was taken."""
+    try:
+        with open(server.log_path, "rb") as f:
+            f.seek(log_start)
+            return PORT_TAKEN.encode() in f.read()
+    except OSError:
+        return False
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -1,0 +1,93 @@
+"""The SGLang test harness (`tests/sglang_cpu/server.py`) starts again on a new port when the
+one it picked was taken before the server bound it: uvicorn then logs "address already in use"
+and may hang in its shutdown, and whatever holds the port must not pass for the server.
+
+The launcher here is a stand-in (`python=`), not SGLang: what is tested is the harness. Its
+first start logs uvicorn's bind error and hangs, while the port's holder accepts connections
+and never answers (as a ZMQ socket does to HTTP: what was seen in CI, the /health requests
+timing out until the test's own timeout); its second start serves /health itself."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sys
+import threading
+
+import pytest
+
+from sglang_cpu import server as harness
+
+pytestmark = pytest.mark.timeout(60)
+
+LAUNCHER = r"""#!{python}
+import http.server, os, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+calls = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calls")
+with open(calls, "a") as f:
+    f.write(f"{{port}}\n")
+if len(open(calls).read().split()) == 1:
+    print(f"ERROR:    [Errno 98] error while attempting to bind on address "
+          f"('127.0.0.1', {{port}}): address already in use", flush=True)
+    time.sleep(600)  # hangs in its shutdown, as uvicorn did
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ours")
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+class _Holder:
+    """A listener on an ephemeral port that accepts and never answers."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        with contextlib.suppress(OSError):
+            while True:
+                self.held.append(self.sock.accept()[0])
+
+    def close(self):
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+def test_a_taken_port_starts_the_server_again_on_another(tmp_path, monkeypatch):
+    launcher = tmp_path / "launcher"
+    launcher.write_text(LAUNCHER.format(python=sys.executable))
+    launcher.chmod(0o755)
+    holder = _Holder()  # holds the first port
+    ports = iter([holder.port])
+    real_free_port = harness.free_port
+    monkeypatch.setattr(harness, "free_port", lambda host: next(ports, None) or real_free_port())
+    log = tmp_path / "server.log"
+    srv = harness.start_server("model", python=str(launcher), log_path=log, timeout=30)
+    try:
+        tried = (tmp_path / "calls").read_text().split()
+        assert len(tried) == 2 and int(tried[0]) == holder.port
+        assert srv.port == int(tried[1]) != holder.port
+        assert harness.http_request(srv.base_url + "/health", timeout=5) == (200, b"ours")
+        assert log.read_text().count("$ ") == 2  # both starts logged, the first's error kept
+    finally:
+        harness.stop_server(srv)
+        holder.close()
+
+
+def test_a_taken_port_given_by_the_caller_is_an_error(tmp_path):
+    launcher = tmp_path / "launcher"
+    launcher.write_text(LAUNCHER.format(python=sys.executable))
+    launcher.chmod(0o755)
+    holder = _Holder()
+    try:
+        with pytest.raises(harness.PortTaken):
+            harness.start_server("model", python=str(launcher), port=holder.port, timeout=30)
+        assert len((tmp_path / "calls").read_text().split()) == 1
+    finally:
+        holder.close()
