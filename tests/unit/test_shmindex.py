@@ -194,10 +194,37 @@ def test_deletes_keep_every_other_key_findable(tmp_path: Path):
         elif len(present) < 32:
             table.writer.publish([key], [1], [0], [1], None, {1: 5})
             present.add(key)
-        found = reader.contains(universe)
+        found = reader.contains(universe)  # the hash column
         assert {k for k, f in zip(universe, found) if f} == present
+        slots = columns(reader, universe, rows(r1=(1, BASE[1], GiB, 5)))[5]  # the slots
+        assert {k for k, slot in zip(universe, slots) if slot >= 0} == present
         assert table.writer.count == len(present)
     table.retire()
+
+
+def test_existence_comes_from_the_hash_column_and_a_read_compares_the_whole_key(index):
+    """`contains` reads only the hash column (8 bytes a slot); a read (`probe`) compares the
+    key itself. A slot whose key bytes differ but whose hash matches (a 64-bit collision,
+    made here by hand) may answer `exists`, never a read."""
+    keys = [f"ns:{i:064x}" for i in range(8)]
+    publish(index, keys)
+    reader = _open(index.path, os.getuid())
+    table = index.table
+    slot = int(columns(reader, keys[:1])[5][0])
+    column = shmindex.HEADER_BYTES + table.capacity * shmindex.SLOT_BYTES
+    view = memoryview(table.maps[0])
+    key_at = shmindex.HEADER_BYTES + slot * shmindex.SLOT_BYTES + 64
+    view[key_at + 3] ^= 0xFF  # the slot now holds another key of the same hash
+    assert reader.contains(keys[:2]) == [True, True]
+    assert columns(reader, keys[:2])[5][0] == -1  # a read: a miss, not the other key's bytes
+    view[key_at + 3] ^= 0xFF
+    entry = column + 8 * slot
+    saved = bytes(view[entry : entry + 8])
+    view[entry : entry + 8] = bytes(8)  # an empty column entry: not there for `contains`
+    assert reader.contains(keys[:2]) == [False, True]
+    view[entry : entry + 8] = saved
+    assert reader.contains(keys) == [True] * 8 and (columns(reader, keys)[5] >= 0).all()
+    view.release()
 
 
 def test_a_table_past_half_full_is_replaced_by_a_bigger_one(tmp_path: Path, monkeypatch):

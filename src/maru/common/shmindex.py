@@ -19,6 +19,7 @@ import re
 
 try:
     from maru.common._shmindex import (
+        HASH_BYTES,
         HEADER_BYTES,
         MAX_KEY,
         NCOLS,
@@ -30,7 +31,7 @@ try:
     )
 except ImportError:  # built without a C compiler: no local index
     Reader = Writer = format_table = hash_generation = None  # type: ignore[assignment,misc]
-    HEADER_BYTES, SLOT_BYTES, MAX_KEY, NCOLS = 4096, 192, 128, 7
+    HEADER_BYTES, SLOT_BYTES, HASH_BYTES, MAX_KEY, NCOLS = 4096, 192, 8, 128, 7
 
 COMPILED = Reader is not None
 SHM_DIR = "/dev/shm"
@@ -69,7 +70,8 @@ def base_of(table_path: str) -> str | None:
 
 
 def table_bytes(capacity: int) -> int:
-    return HEADER_BYTES + capacity * SLOT_BYTES
+    """A table file's size: the header, the slots, then their hash column."""
+    return HEADER_BYTES + capacity * (SLOT_BYTES + HASH_BYTES)
 
 
 def region_tag(token: str) -> int:
@@ -93,6 +95,7 @@ def owned_by(fd: int, uid: int | None, *, shared_write: bool = False) -> bool:
 
 __all__ = [
     "COMPILED",
+    "HASH_BYTES",
     "HEADER_BYTES",
     "MAX_KEY",
     "NCOLS",

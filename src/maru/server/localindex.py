@@ -31,7 +31,7 @@ from maru.common.shmindex import USE_SUFFIX, index_base, region_tag, table_bytes
 
 log = logging.getLogger(__name__)
 
-INITIAL_CAPACITY = 1 << 16  # slots (12 MiB): small deployments pay little; grows by doubling
+INITIAL_CAPACITY = 1 << 16  # slots (12.5 MiB): small deployments pay little; grows by doubling
 
 
 class _Table:
@@ -156,7 +156,7 @@ class LocalIndex:
         if need <= table.capacity // 2:
             return True
         capacity = table.capacity * 2
-        while need > capacity // 4:
+        while need > capacity // 2:
             capacity *= 2
         try:
             bigger = self._new_table(capacity)
