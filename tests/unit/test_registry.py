@@ -158,6 +158,39 @@ def test_register_decides_per_key_in_a_mixed_batch(registry):
     assert registry.counters["keys_duplicate"] == 2
 
 
+def test_a_valid_batch_of_mixed_regions_and_lengths_is_decided_in_bulk(registry, monkeypatch):
+    """Every location valid (two regions, three lengths: a v2 call's pools sealed together,
+    LMCache's short last chunk): no step per key, and the statuses of the key-by-key path
+    (first writer wins, in the batch too); one bad location sends the batch key by key."""
+    ra = registry.request_region("A", 2 * MiB)
+    ra2 = registry.request_region("A", 2 * MiB)
+    register(registry, "A", [["old", ra.region_id, 0, 10]])
+    rows = [
+        ["a", ra.region_id, 4096, 4096],
+        ["b", ra2.region_id, 0, 100],
+        ["old", ra2.region_id, 4096, 10],
+        ["c", ra.region_id, 2 * MiB - 7, 7],  # exactly at the end
+        ["a", ra2.region_id, 8192, 10],
+    ]
+    per_key = registry._statuses
+    monkeypatch.setattr(registry, "_statuses", lambda *a: pytest.fail("decided key by key"))
+    R, E, X = RegisterStatus.REGISTERED, RegisterStatus.EXISTS, RegisterStatus.REJECTED
+    assert register(registry, "A", rows) == [R, R, E, R, E]
+    assert locate(registry, ["a", "b", "c"])[0] == [
+        [ra.region_id, 4096, 4096],
+        [ra2.region_id, 0, 100],
+        [ra.region_id, 2 * MiB - 7, 7],
+    ]
+    assert registry.live_bytes == 10 + 4096 + 100 + 7
+    assert registry.regions[ra.region_id].live_keys == 3
+    assert registry.counters["keys_duplicate"] == 2
+    bad = [["d", ra.region_id, 0, 10], ["e", ra2.region_id, 2 * MiB - 7, 8]]  # e: 1 byte past
+    with pytest.raises(pytest.fail.Exception):
+        register(registry, "A", bad)
+    monkeypatch.setattr(registry, "_statuses", per_key)
+    assert register(registry, "A", bad) == [R, X]
+
+
 def test_lookup_misses_and_counters(registry):
     r = registry.request_region("A", 2 * MiB)
     register(registry, "A", [["a", r.region_id, 0, 1], [b"b", r.region_id, 4096, 2]])

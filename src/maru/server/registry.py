@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from contextlib import suppress
 from itertools import compress
-from operator import is_
+from operator import add, is_, le
 from typing import Any, Protocol
 
 from maru.common.protocol import (
@@ -241,19 +241,9 @@ class Registry:
         wins); REJECTED for a bad key or a location outside the caller's own live regions."""
         inst = self.instances.require(instance_id)
         n = len(keys)
-        # The usual batch (SGLang's 128 pages: one region, one length, valid keys and offsets)
-        # is checked with a C-level pass per condition, and inserted by `setdefault_many`.
-        region = self.regions.writable(region_ids[0], instance_id) if n else None
-        length = lengths[0] if n else 0
-        if (
-            region is not None
-            and region_ids.count(region_ids[0]) == n  # one region: a count, no set, in C
-            and lengths.count(length) == n
-            and length > 0
-            and min(offsets) >= 0
-            and max(offsets) <= region.length - length
-            and all_keys_valid(keys)
-        ):
+        # A batch whose every location is valid (nearly all) is checked with C-level passes
+        # and inserted by `setdefault_many`; only one with a bad key or location goes key by key.
+        if self._all_placeable(instance_id, region_ids, offsets, lengths) and all_keys_valid(keys):
             new = self._add_keys(keys, region_ids, offsets, lengths, checksums)
             statuses = (
                 [REGISTERED] * n if new is None else [REGISTERED if s else EXISTS for s in new]
@@ -278,6 +268,31 @@ class Registry:
             with suppress(JournalWriteError):
                 self.eviction.to_watermark(keys)
         return statuses
+
+    def _all_placeable(
+        self, instance_id: str, region_ids: list[int], offsets: list[int], lengths: list[int]
+    ) -> bool:
+        """Whether every value lies inside a live region of the caller's (the batch path's
+        check: a pass in C per condition, never a Python step per key). SGLang's usual batch
+        has one region and one length; a v2 call's pools sealed together, LMCache's last
+        partial chunk or pages placed one by one mix lengths and regions."""
+        if not region_ids or min(lengths) <= 0 or min(offsets) < 0:
+            return False
+        first, n = region_ids[0], len(region_ids)
+        if region_ids.count(first) == n:  # one region: a count, no set
+            region = self.regions.writable(first, instance_id)
+            if region is None:
+                return False
+            if lengths.count(lengths[0]) == n:
+                return max(offsets) <= region.length - lengths[0]
+            return max(map(add, offsets, lengths)) <= region.length
+        sizes = {}
+        for region_id in set(region_ids):
+            region = self.regions.writable(region_id, instance_id)
+            if region is None:
+                return False
+            sizes[region_id] = region.length
+        return all(map(le, map(add, offsets, lengths), map(sizes.__getitem__, region_ids)))
 
     def _statuses(
         self,
