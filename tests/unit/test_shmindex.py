@@ -323,16 +323,21 @@ def test_a_reader_never_sees_a_torn_entry_while_another_process_rewrites(tmp_pat
     proc = mp.get_context("spawn").Process(target=_rewrite, args=(table.path, keys, 3.0))
     proc.start()
     reader = _open(table.path, os.getuid())
-    hits = torn = 0
+    hits = torn = present = 0
+    never = [f"other-{i:03d}" for i in range(100)]  # never published
     region = np.array([[1, 1 << 40, 1 << 50, 9]], np.int64)
     while proc.is_alive():
         address, length, checksum, _, offset = columns(reader, keys, region)[:5]
         hit = address != 0
         hits += int(hit.sum())
         torn += int((checksum[hit] != offset[hit] * 3 + length[hit]).sum())
+        found = reader.contains(keys + never)  # the hash column, moved under it too
+        present += sum(found[:100])
+        assert not any(found[100:])
     proc.join(10)
     assert proc.exitcode == 0
     assert torn == 0 and hits > 1000  # it read a lot, and never a mix of two writes
+    assert present > 1000
     table.retire()
 
 
