@@ -804,7 +804,10 @@ static int probe_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, const R
  * No software prefetch: between two calls SGLang copies megabytes, so the column's lines and
  * their page-table entries come from memory, and there prefetching the lines of the keys
  * ahead (4 to 128) made 128-key batches 5-40% slower than the out-of-order core overlapping
- * this short loop's independent loads by itself (with warm caches it gained ~15%). */
+ * this short loop's independent loads by itself (with warm caches it gained ~15%). The keys
+ * are hashed in a pass of their own first (`hashes`: the caller's scratch): with the hashing
+ * in the lookup loop, each key's branch on its loaded entry held back the next key's loads,
+ * 4x slower (0.45 vs 0.115 us per key at 10^6 keys, caches flushed). */
 static void contains_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, uint64_t *hashes,
                          char *hits)
 {
