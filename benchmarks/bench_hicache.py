@@ -221,6 +221,9 @@ def local_index_supported() -> bool:
     return "local_index" in {f.name for f in dataclasses.fields(MaruConfig)}
 
 
+# Where the pools, the file backend's directory and the shm baseline live (`--pool-dir`): one
+# mount for all, so that the limits are measured in the memory the stores use.
+SHM_DIR = "/dev/shm"
 REQUEST_PATH = {"maru_local_index": "false"}  # the "request" backend's extra config
 
 
@@ -274,7 +277,7 @@ def _addr(arr: np.ndarray) -> int:
 
 
 def _warm_shm(nbytes: int) -> tuple[mmap.mmap, int]:
-    path = f"/dev/shm/maru-bench-memcpy-{uuid.uuid4().hex}"
+    path = f"{SHM_DIR}/maru-bench-memcpy-{uuid.uuid4().hex}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         os.ftruncate(fd, nbytes)
@@ -951,6 +954,7 @@ def maru_server(pool_size: str, cpu: int | None = None):
         pool_size,
         command=[*pin, sys.executable, "-m", "maru.server"],
         extra_args=["--heartbeat-timeout", "120", "--lease-timeout", "120"],
+        pool_dir=SHM_DIR,
     )
 
 
@@ -1077,7 +1081,7 @@ def bench_hybrid(url, case: HybridCase, plan, prog) -> dict:
     """KV + Mamba state through `batch_set_v2` / `batch_get_v2` in a writer and a reader
     process, against the memcpy baselines and HiCacheFile's v2 on the same bytes: one call
     of 128 KV pages (SGLang's STORAGE_BATCH_SIZE) and their states per repetition."""
-    file_dir = tempfile.mkdtemp(prefix=f"hicache-file-{case.name}-", dir="/dev/shm")
+    file_dir = tempfile.mkdtemp(prefix=f"hicache-file-{case.name}-", dir=SHM_DIR)
     pages = 128
     writer = Worker(HybridInstance, url, case, pages, file_dir, "writer", plan.ab)
     reader = Worker(HybridInstance, url, case, pages, file_dir, "reader", plan.ab)
@@ -1112,7 +1116,7 @@ def bench_hybrid(url, case: HybridCase, plan, prog) -> dict:
 
 def bench_case(url, case, plan, tmp, prog) -> dict:
     """Writer and reader processes for one geometry: every method, alternating per rep."""
-    file_dir = tempfile.mkdtemp(prefix=f"hicache-file-{case.name}-", dir="/dev/shm")
+    file_dir = tempfile.mkdtemp(prefix=f"hicache-file-{case.name}-", dir=SHM_DIR)
     batch, batches = plan.pages_for(case.page_bytes)
     pages = batch * batches
     writer = Worker(Instance, url, case, pages, file_dir, "writer", plan.ab)
@@ -1254,7 +1258,7 @@ class _Floor:
 
 def bench_meta(url, plan, prog) -> dict:
     case = CASES[0]
-    file_dir = tempfile.mkdtemp(prefix="hicache-file-meta-", dir="/dev/shm")
+    file_dir = tempfile.mkdtemp(prefix="hicache-file-meta-", dir=SHM_DIR)
     writer = Worker(Instance, url, case, 128, file_dir, "writer", plan.ab)
     reader = Worker(Instance, url, case, 128, file_dir, "reader", plan.ab)
     try:
@@ -1283,7 +1287,7 @@ def bench_instances(url, plan, prog) -> list[dict]:
     rows = []
     case = SCALE_CASE
     for n in (1, 2, 4):
-        file_dir = tempfile.mkdtemp(prefix="hicache-file-scale-", dir="/dev/shm")
+        file_dir = tempfile.mkdtemp(prefix="hicache-file-scale-", dir=SHM_DIR)
         pages = plan.scale_pages
         writers = [Worker(Instance, url, case, pages, file_dir, "writer") for _ in range(n)]
         readers = [Worker(Instance, url, case, pages, file_dir, "reader") for _ in range(n)]
@@ -1336,7 +1340,7 @@ def bench_keys(plan, prog) -> list[dict]:
     rounds = 10 if plan.quick else 20
     cpus = split_cpus()
     client_cpu, server_cpu = cpus if cpus is not None else (None, None)
-    file_dir = tempfile.mkdtemp(prefix="hicache-file-keys-", dir="/dev/shm")
+    file_dir = tempfile.mkdtemp(prefix="hicache-file-keys-", dir=SHM_DIR)
     try:
         with ExitStack() as stack:
             # 256M: 10^6 keys of 64 bytes stay far below the eviction watermark.
@@ -1394,6 +1398,8 @@ def machine_info() -> dict:
     import torch
     import zmq
 
+    from maru.common import hugepages
+
     try:
         from importlib.metadata import version
 
@@ -1412,6 +1418,8 @@ def machine_info() -> dict:
         "pyzmq": zmq.__version__,
         "msgpack": ".".join(map(str, msgpack.version)),
         "load_before": os.getloadavg()[0],
+        "pool_dir": SHM_DIR,
+        "huge": hugepages.tmpfs_huge_option(SHM_DIR) or "not a tmpfs",
     }
 
 
@@ -1528,7 +1536,8 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
     lines.append(
         f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['mem_gib']} GiB, "
         f"Linux {machine['kernel']}; Python {machine['python']}, torch {machine['torch']}, "
-        f"SGLang {machine['sglang']}; 1-min load at start {machine['load_before']:.2f}"
+        f"SGLang {machine['sglang']}; 1-min load at start {machine['load_before']:.2f}; "
+        f"pools in {machine['pool_dir']} (huge={machine['huge']})"
     )
     lines.append(f"command: {cmd}")
     lines.append("")
@@ -1835,6 +1844,7 @@ def wait_for_quiet(limit: float, max_wait: float) -> None:
 
 
 def main() -> int:
+    global SHM_DIR
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="about a minute: fewer reps and samples")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="results dir")
@@ -1846,7 +1856,13 @@ def main() -> int:
     ap.add_argument("--wait-load", type=float, default=0, help="wait until the 1-min load < this")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--label", default="", help="added to the result file names")
+    ap.add_argument(
+        "--pool-dir",
+        default=SHM_DIR,
+        help="a tmpfs for the pools and the shm baselines (one with huge=within_size: 2 MiB pages)",
+    )
     args = ap.parse_args()
+    SHM_DIR = args.pool_dir
     plan = Plan.make(args.quick, local_index_supported())
     plan.key_counts = tuple(k for k in plan.key_counts if k <= args.max_keys)
     cases = [c for c in CASES if c.name in args.cases.split(",")]

@@ -117,14 +117,15 @@ def maru_server(
     log_level: str = "WARNING",
     extra_args: Sequence[str] = (),
     command: Sequence[str] | None = None,
+    pool_dir: str = "/dev/shm",
 ) -> Iterator[str]:
-    """Run ``maru-server`` on 127.0.0.1 (free port, private /dev/shm pool and state dir) and
+    """Run ``maru-server`` on 127.0.0.1 (free port, private pool in `pool_dir`, state dir) and
     yield its URL; SIGTERM (then SIGKILL) on exit, and the pool file is removed. The tests, the
     CPU example and every benchmark start their servers here. `extra_args`: more flags;
     `command`: what to run instead of `maru_server_command(python)` (e.g. ``python -m
     maru.server``, so that ``PYTHONPATH`` picks which code runs)."""
     work = Path(tempfile.mkdtemp(prefix="maru-server-"))
-    pool = Path(f"/dev/shm/maru-p2p-{uuid.uuid4().hex}.pool")
+    pool = Path(pool_dir) / f"maru-p2p-{uuid.uuid4().hex}.pool"
     ready = work / "ready"
     log = open(work / "maru-server.log", "wb")  # noqa: SIM115 - closed below
     cmd = [

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from maru.common import hugepages
 from maru.common.region import RegionHandle
 from maru.common.shmindex import region_tag
 
@@ -73,6 +74,7 @@ class RegionMapper:
                 mm = mmap.mmap(fd, handle.length, mmap.MAP_SHARED, prot, offset=handle.offset)
             finally:
                 os.close(fd)
+            hugepages.advise(mm)  # before the first touch: 2 MiB pages on a huge=advise tmpfs
             address = int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
             view = memoryview(mm) if writable else memoryview(mm).toreadonly()
             mapped = MappedRegion(handle, mm, view, address, writable)

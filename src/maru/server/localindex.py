@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from maru.common import shmindex
+from maru.common import hugepages, shmindex
 from maru.common.shmindex import USE_SUFFIX, index_base, region_tag, table_bytes, table_files
 
 log = logging.getLogger(__name__)
@@ -50,12 +50,12 @@ class _Table:
                 fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                 self.files.append(file)
                 try:
-                    os.posix_fallocate(fd, 0, size)  # ENOSPC now, never SIGBUS on a write
                     if group:
                         os.fchown(fd, -1, gid)
                     os.fchmod(fd, mode)
-                    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                    self.maps.append(mmap.mmap(fd, size, flags=flags))
+                    # every page now (ENOSPC now, never SIGBUS on a write), 2 MiB ones where
+                    # the mount allows: a probe then misses no TLB entry (`hugepages`)
+                    self.maps.append(hugepages.map_allocated(fd, size))
                 finally:
                     os.close(fd)
             shmindex.format_table(self.maps[0], capacity, generation.encode(), secrets.randbits(64))
@@ -241,5 +241,6 @@ def open_local_index(
             regions=registry.regions,
         )
     registry.local_index = index
-    log.info("local index %s (%d keys)", index.path, index.count)
+    pages = hugepages.describe(index.base)
+    log.info("local index %s (%d keys; %s)", index.path, index.count, pages)
     return index

@@ -18,6 +18,7 @@ import stat
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+from maru.common import hugepages
 from maru.common.config import fmt_bytes
 from maru.common.extents import ExtentAllocator
 
@@ -57,21 +58,8 @@ def check_free_space(pool_path: str, directory: str, need: int) -> None:
 
 def filesystem_type(path: str) -> str | None:
     """The type of the filesystem `path` is on (from /proc/mounts), None if unknown."""
-    try:
-        with open("/proc/mounts") as f:
-            mounts = [line.split() for line in f]
-    except OSError:
-        return None
-    real = os.path.realpath(path)
-    best, kind = "", None
-    for fields in mounts:
-        if len(fields) < 3:
-            continue
-        point = fields[1].replace("\\040", " ")
-        inside = real == point or real.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, kind = point, fields[2]
-    return kind
+    entry = hugepages.mount_entry(path)
+    return entry[2] if entry is not None else None
 
 
 def _flock(fd: int, what: str, holder: str = "") -> None:
@@ -245,6 +233,8 @@ class ShmPool(FilePool):
             log.warning(
                 "pool %s is on %s, not tmpfs: its pages may be written back to storage", path, fs
             )
+        if lock and fs == "tmpfs":
+            log.info("pool %s: %s", path, hugepages.describe(path))
 
     def _open(self, exclusive: bool) -> bool:
         """Open (or create) the file, lock it, check it and size it; True if it was created."""

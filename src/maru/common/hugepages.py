@@ -1,0 +1,95 @@
+"""2 MiB pages for the shared mappings, wherever the filesystem under them allows it.
+
+Every random probe of the local index costs a TLB miss when the index is in 4 KiB pages (at
+10^6 keys its hash column spans 4096 pages; a miss is a page walk, nested on a VM), and a copy
+of a 64 KiB page crosses 16 of them. A tmpfs gives 2 MiB pages when it is mounted with
+`huge=within_size` (or `always`): every file on it, whatever its mappers ask; with
+`huge=advise`, only the pages first touched through a mapping that asked (MADV_HUGEPAGE).
+/dev/shm is usually mounted without the option (`never`): 4 KiB pages, whatever is asked.
+Maru asks on every mapping it makes and allocates the index's pages through its mapping, so
+that either mount option gives it 2 MiB pages; `docs/operations.md#huge-pages` says how to
+mount one. The kernel falls back to small pages where it has no huge ones: asking is a hint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import sys
+
+# MADV_POPULATE_WRITE (Linux 5.14): allocate and map every page now, through this mapping (so
+# with its MADV_HUGEPAGE), failing with an error rather than a SIGBUS. Python 3.11's mmap
+# module does not name it.
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform == "linux" else -1)
+
+
+def advise(mm: mmap.mmap) -> None:
+    """Ask for huge pages for `mm` (before its pages are touched); a refusal is fine."""
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError, ValueError):
+            mm.madvise(mmap.MADV_HUGEPAGE)
+
+
+def map_allocated(fd: int, size: int) -> mmap.mmap:
+    """Map the file `fd` read-write, `size` bytes, every page allocated now: huge ones where
+    the mount allows. Raises OSError (ENOSPC) when the filesystem cannot hold `size` bytes, so
+    that no later write through the mapping can die of SIGBUS."""
+    os.ftruncate(fd, size)
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    try:
+        advise(mm)
+        if _MADV_POPULATE_WRITE >= 0:
+            # an older kernel (EINVAL) or a full filesystem (EFAULT): posix_fallocate decides
+            with contextlib.suppress(OSError):
+                mm.madvise(_MADV_POPULATE_WRITE)
+        os.posix_fallocate(fd, 0, size)  # (allocates what populating left; ENOSPC is raised)
+    except BaseException:
+        mm.close()
+        raise
+    return mm
+
+
+def mount_entry(path: str, mounts: str | None = None) -> list[str] | None:
+    """The /proc/mounts line (its fields) of the filesystem that holds `path`; None if none is
+    found or /proc/mounts cannot be read. `mounts`: that file's text (tests)."""
+    if mounts is None:
+        try:
+            with open("/proc/mounts") as f:
+                mounts = f.read()
+        except OSError:
+            return None
+    real = os.path.realpath(path)
+    best, found = "", None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, found = point, fields
+    return found
+
+
+def tmpfs_huge_option(path: str, mounts: str | None = None) -> str | None:
+    """The `huge=` option of the tmpfs that holds `path` ("never" when its mount names none);
+    None when `path` is not on a tmpfs (or the mounts cannot be read)."""
+    entry = mount_entry(path, mounts)
+    if entry is None or entry[2] != "tmpfs":
+        return None
+    options = dict(opt.partition("=")[::2] for opt in entry[3].split(","))
+    return options.get("huge", "never")
+
+
+def describe(path: str) -> str:
+    """What pages the files at `path` get, for a log line."""
+    huge = tmpfs_huge_option(path)
+    if huge is None:
+        return "not on a tmpfs"
+    if huge in ("never", "deny"):
+        return (
+            f"tmpfs huge={huge}: 4 KiB pages; a tmpfs mounted with huge=within_size gives "
+            "2 MiB ones (docs/operations.md#huge-pages)"
+        )
+    return f"tmpfs huge={huge}: 2 MiB pages where the kernel has them"
