@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from maru import MaruHandler
+from maru import MaruAdmin, MaruHandler
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -73,6 +73,9 @@ def main(directory: str, pool_size: str, n: int) -> None:
                 "client_index_kib": pmd_mapped_kib("self", ".index"),
                 "client_pool_kib": pmd_mapped_kib("self", "maru.pool"),
             }
+        stats = MaruAdmin(url).stats()
+        index = stats["local_index"] or {}
+        result["huge"] = [stats["pool"]["huge"], index.get("huge")]
         print(json.dumps(result))
     finally:
         server.terminate()

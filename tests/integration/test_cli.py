@@ -22,6 +22,7 @@ import pytest
 
 from maru import MaruAdmin, MaruHandler
 from maru.client.cli import build_parser, cmd_monitor, main, render_instances, render_status
+from maru.common import hugepages
 
 WRITER = "cli-writer"
 NS1 = [f"ns1:{i}" for i in range(10)]  # 100000 bytes each: 2 pages of 64 KiB
@@ -114,6 +115,10 @@ def test_status_reports_the_pool_and_usage(maru_server, writer):
     assert f["lookups"] == "4 keys, hit rate 75.0%, 0 keys evicted"
     assert f["exists"] == "3 keys, hit rate 66.7%"
     assert f["metrics"].startswith("off")
+    pages = hugepages.describe(hugepages.tmpfs_huge_option(maru_server.pool_path))
+    assert f["pages"] == pages  # on /dev/shm as mounted here: "4 KiB pages (tmpfs huge=never..."
+    index = rf"{re.escape(maru_server.pool_path)}\.index\.\d+, 13 keys in 65536 slots, "
+    assert re.fullmatch(index + re.escape(pages), f["index"])
     local = r"@maru:tcp://127\.0\.0\.1:\d+:[0-9a-f]{12}, [1-9]\d* connections"
     assert re.fullmatch(local, f["local"])
 

@@ -68,6 +68,7 @@ def run_on_tmpfs(
 def test_the_index_and_the_pages_use_2_mib_pages_where_the_mount_allows(tmp_path, huge):
     got = run_on_tmpfs(tmp_path, huge)
     assert got["local_index"] and got["stored"] == got["right"] == 32
+    assert got["huge"] == [huge, huge]  # what `maru status` shows for the pool and the index
     # the whole first table (12.5 MiB) but its unaligned tail, in both processes
     assert got["server_index_kib"] >= 8 * 1024
     assert got["client_index_kib"] >= 8 * 1024
@@ -85,7 +86,7 @@ def test_a_tmpfs_with_no_room_for_the_index_leaves_the_reads_to_requests(tmp_pat
     a tmpfs that holds the pool but not the 12.5 MiB first table gives a server without an
     index, whose clients read through requests."""
     got = run_on_tmpfs(tmp_path, "advise", size="10M", pool_size="8M", values=8)
-    assert not got["local_index"]
+    assert not got["local_index"] and got["huge"] == ["advise", None]  # (stats: index off)
     assert got["stored"] == got["right"] == 8
 
 

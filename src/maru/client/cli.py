@@ -32,6 +32,7 @@ from maru.client.admin import (
     SERVER_URL_ENV,
     MaruAdmin,
 )
+from maru.common import hugepages
 from maru.common.config import ConfigError, fmt_bytes, number_arg
 from maru.common.curve import write_keypair
 from maru.common.errors import MaruConnectionError, MaruError
@@ -122,6 +123,16 @@ def _local_socket_line(s: Stats) -> str:
     return f"{address}, {s.get('local_connections', 0)} connections"
 
 
+def _index_line(s: Stats) -> str:
+    index = s.get("local_index")
+    if not index:
+        return "off (clients on this node ask the server for every read)"
+    return (
+        f"{index['path']}, {index['keys']} keys in {index['slots']} slots, "
+        f"{hugepages.describe(index['huge'])}"
+    )
+
+
 def reaping_in(s: Stats, instance: Stats) -> float | None:
     """Seconds until the server reaps an instance that stopped sending (it missed two
     heartbeats: a live one sends every third of the timeout), else None (alive)."""
@@ -147,6 +158,7 @@ def render_status(url: str, s: Stats) -> str:
         f"up {fmt_duration(s.get('uptime_seconds', 0))}, epoch {s['epoch']}",
         f"pool:      {pool['kind']}:{pool['path']}",
         f"generation: {pool.get('generation') or '-'}",
+        f"pages:     {hugepages.describe(pool.get('huge'))}",
         f"capacity:  {fmt_bytes(cap)} ({cap} bytes)",
         f"regions:   {fmt_bytes(pool['used'])} in {s['regions']} regions "
         f"({fmt_pct(pool['used'], cap)} of the pool), {fmt_bytes(pool['free'])} free, "
@@ -162,6 +174,7 @@ def render_status(url: str, s: Stats) -> str:
         f"exists:    {counters.get('exists', 0)} keys, hit rate "
         f"{hit_rate(counters.get('exists_hits', 0), counters.get('exists_misses', 0))}",
         f"local:     {_local_socket_line(s)}",
+        f"index:     {_index_line(s)}",
         f"metrics:   {s.get('metrics_url') or 'off (maru-server --metrics-port)'}",
     ]
     if not s.get("journal_writable", True):

@@ -82,14 +82,14 @@ def tmpfs_huge_option(path: str, mounts: str | None = None) -> str | None:
     return options.get("huge", "never")
 
 
-def describe(path: str) -> str:
-    """What pages the files at `path` get, for a log line."""
-    huge = tmpfs_huge_option(path)
+def describe(huge: str | None) -> str:
+    """What pages files get on a tmpfs mounted with `huge=<huge>` (None: not a tmpfs), for a
+    log line or `maru status`."""
     if huge is None:
-        return "not on a tmpfs"
+        return "not a tmpfs: the device's or filesystem's own pages"
     if huge in ("never", "deny"):
         return (
-            f"tmpfs huge={huge}: 4 KiB pages; a tmpfs mounted with huge=within_size gives "
-            "2 MiB ones (docs/operations.md#huge-pages)"
+            f"4 KiB pages (tmpfs huge={huge}; one mounted with huge=within_size gives 2 MiB "
+            "pages: docs/operations.md#huge-pages)"
         )
-    return f"tmpfs huge={huge}: 2 MiB pages where the kernel has them"
+    return f"2 MiB pages where the kernel has them (tmpfs huge={huge})"

@@ -125,6 +125,7 @@ class LocalIndex:
         self.generation = generation
         self.group = group
         self.grown = 0  # tables replaced by bigger ones
+        self.huge = hugepages.tmpfs_huge_option(self.base)  # its tmpfs's huge= option
         self.table: _Table | None = None
         self.table = self._new_table(INITIAL_CAPACITY)
 
@@ -135,6 +136,17 @@ class LocalIndex:
     @property
     def count(self) -> int:
         return self.table.writer.count if self.table is not None else 0
+
+    def stats(self) -> dict[str, Any]:
+        """For the server's STATS (`maru status`): where the table is, how full, which pages."""
+        table = self.table
+        return {
+            "path": self.path,
+            "keys": self.count,
+            "slots": table.capacity if table is not None else 0,
+            "grown": self.grown,
+            "huge": self.huge,
+        }
 
     def _new_table(self, capacity: int) -> _Table:
         # Names only grow, across restarts too (the earlier server's tables are gone by now):
@@ -241,6 +253,6 @@ def open_local_index(
             regions=registry.regions,
         )
     registry.local_index = index
-    pages = hugepages.describe(index.base)
+    pages = hugepages.describe(index.huge)
     log.info("local index %s (%d keys; %s)", index.path, index.count, pages)
     return index

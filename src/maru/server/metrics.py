@@ -245,6 +245,7 @@ def registry_stats(registry: Registry) -> dict[str, Any]:
     eviction = registry.eviction
     return {
         "pool": registry.pool.stats(),
+        "local_index": index.stats() if (index := registry.local_index) is not None else None,
         "keys": len(registry.keys),
         "live_bytes": registry.live_bytes,
         "regions": len(regions),

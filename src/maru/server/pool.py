@@ -99,6 +99,7 @@ class Pool(ABC):
         self.truncated_from: int | None = None
         self._lock_fd: int | None = None
         self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) when opened
+        self.huge = hugepages.tmpfs_huge_option(path)  # its tmpfs's huge= (None: no tmpfs)
 
     @property
     def name(self) -> str:
@@ -138,6 +139,7 @@ class Pool(ABC):
             "free": self.free,
             "fragmentation": round(self.fragmentation(), 4),
             "generation": self.generation,
+            "huge": self.huge,
         }
 
     def start_fresh(self) -> None:  # noqa: B027 - optional hook
@@ -233,8 +235,8 @@ class ShmPool(FilePool):
             log.warning(
                 "pool %s is on %s, not tmpfs: its pages may be written back to storage", path, fs
             )
-        if lock and fs == "tmpfs":
-            log.info("pool %s: %s", path, hugepages.describe(path))
+        if lock and self.huge is not None:
+            log.info("pool %s: %s", path, hugepages.describe(self.huge))
 
     def _open(self, exclusive: bool) -> bool:
         """Open (or create) the file, lock it, check it and size it; True if it was created."""
