@@ -2,9 +2,10 @@
 
 Without `interface_v1` SGLang's controller hands over one flat tensor per KV page
 (`batch_get(keys, dummy pages)`, then `set_from_flat_data_page`; `batch_set(keys, values)`)
-instead of host-pool indices. These methods copy page by page (`ctypes.memmove`) and serve the
-KV pool only; they share nothing with the v1 / v2 data path (`MaruStorage._read` / `_write`)
-but the handler, the KV pool's keys and the counters, so they live apart from it.
+instead of host-pool indices. They serve the KV pool only: reads go through `MaruHandler.read`
+(probe, copy and proof in one call, as `batch_get_v1`), writes copy page by page
+(`ctypes.memmove`); they share nothing else with the v1 / v2 data path (`MaruStorage._read` /
+`_write`) but the KV pool's keys and the counters, so they live apart from it.
 """
 
 from __future__ import annotations
@@ -42,24 +43,29 @@ class LegacyInterface:
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
+        """Each key's page copied into its target tensor (None: a miss, a page of another
+        size, a target that is not contiguous, or a copy not proven), by `MaruHandler.read`:
+        one call per target size (SGLang's dummy pages: one)."""
         kv = self._require_pool()
         if target_locations is None:
             target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
-        out: list[torch.Tensor | None] = []
-        with self.handler.lookup(keys, lease=True, for_copy=True, prefix=kv.prefix) as found:
-            for address, length, target in zip(
-                found.addresses.tolist(), found.lengths.tolist(), target_locations
-            ):
-                nbytes = target.numel() * target.element_size()
-                if not address or length != nbytes or not target.is_contiguous():
-                    out.append(None)
-                    continue
-                _memmove(target.data_ptr(), address, nbytes)
-                out.append(target)
-            for i in np.flatnonzero(found.corrupt()):  # after the copy, as in `_read`
-                out[i] = None
-            if not found.release(confirm=True):  # the lease ended mid-copy: not proven
-                out = [None] * len(keys)
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        by_size: dict[int, list[int]] = {}
+        for i, target in enumerate(target_locations):
+            if target.is_contiguous():
+                by_size.setdefault(target.numel() * target.element_size(), []).append(i)
+        for nbytes, rows in by_size.items():
+            buffers = np.array([target_locations[i].data_ptr() for i in rows], np.int64)
+            proven = self.handler.read(
+                [keys[i] for i in rows],
+                buffers[:, None],
+                np.array([nbytes], np.int64),
+                length=nbytes,
+                prefix=kv.prefix,
+            )
+            for i, ok in zip(rows, proven):
+                if ok:
+                    out[i] = target_locations[i]
         hits = sum(t is not None for t in out)
         self._stats.count(KV_POOL_NAME, hits=hits, misses=len(keys) - hits)
         return out
