@@ -50,13 +50,13 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 )
 from sglang.srt.utils import get_device_module
 
-from maru import MaruHandler
 from maru.client.memcopy import copy_many, copy_values
 from maru.client.requests import Lookup
+from maru_sglang.cuda import register_with_cuda
 from maru_sglang.maru_storage import open_handler
 from maru_sglang.pools import chunk_size_for, page_namespace
 
-__all__ = ["DevicePageLayout", "MaruCacheLinker", "register_with_cuda"]
+__all__ = ["DevicePageLayout", "MaruCacheLinker"]
 
 log = logging.getLogger(__name__)
 device_module = get_device_module()
@@ -183,31 +183,6 @@ class DevicePageLayout:
         copy_values(targets, rows, sizes, to_values=True)
 
 
-def register_with_cuda(handler: MaruHandler, layout: DevicePageLayout) -> bool:
-    """On a GPU the copies would be DMA between HBM and the shared mapping, which needs every
-    mapped region registered with CUDA (`cudaHostRegister`, as pinned host memory is): this
-    registers each region as the handler maps it. Returns False, and does nothing, when the
-    device pool is not on CUDA or torch has no CUDA (this machine): the linker then copies
-    with the CPU (`copy_many`)."""
-    if layout.device.type != "cuda" or not torch.cuda.is_available():
-        log.info("MaruCacheLinker: device pool on %s: no CUDA registration", layout.device)
-        return False
-    cudart = torch.cuda.cudart()
-
-    def register(region_id: int) -> None:
-        view = handler.get_buffer_view(region_id, 0, 1)
-        length = handler.get_region_page_count(region_id) * handler.get_chunk_size()
-        if view is None or not length:
-            return
-        address = np.frombuffer(view, np.uint8).ctypes.data
-        err = cudart.cudaHostRegister(address, length, 0)
-        if int(err) != 0:
-            log.warning("cudaHostRegister of region %d failed: %s", region_id, err)
-
-    handler.on_region_added(register)
-    return True
-
-
 @dataclass
 class _Load:
     """A request's queued load: its pages' device slots and their leased locations."""
@@ -257,7 +232,7 @@ class MaruCacheLinker(UnifiedCacheLinker):
         self.config, self.handler = open_handler(
             extra, self.storage_config.tp_rank, self.storage_config.tp_size, **overrides
         )
-        self.cuda_registered = register_with_cuda(self.handler, self.layout)
+        self.cuda_registered = register_with_cuda(self.handler, self.layout.device)
         self.pools = {PoolName.KV: self.layout}
         self.layer_done_counter = LayerWiseLoadCounter(self.layout.layers)
         self._lock = threading.Lock()

@@ -26,7 +26,8 @@ pytest.importorskip("sglang")
 
 import torch  # noqa: E402
 
-from maru_sglang.linker import MaruCacheLinker, register_with_cuda  # noqa: E402
+from maru_sglang.cuda import register_with_cuda  # noqa: E402
+from maru_sglang.linker import MaruCacheLinker  # noqa: E402
 from maru_sglang.maru_storage import MaruStorage  # noqa: E402
 from sglang_cpu.host_pools import storage_config  # noqa: E402
 from sglang_cpu.p2p import MARU_BACKEND  # noqa: E402
@@ -315,7 +316,7 @@ def test_cuda_registration_is_skipped_without_cuda(pair):
     a = pair()
     assert not torch.cuda.is_available()
     assert a.linker.cuda_registered is False
-    assert register_with_cuda(a.linker.handler, a.linker.layout) is False
+    assert register_with_cuda(a.linker.handler, a.linker.layout.device) is False
 
 
 def test_the_dynamic_factory_builds_it_and_a_down_server_is_a_clear_error(runtime, tmp_path):
