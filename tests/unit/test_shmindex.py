@@ -78,6 +78,10 @@ def test_published_keys_are_found_with_their_location_and_others_are_not(index):
     assert length[:50].tolist() == [100 + i for i in range(50)]
     assert checksum.tolist() == [7] * 50 + [0, 0, 0]
     assert reader.contains([keys[3], "nope", b"raw"]) == [True, False, True]
+    # a batch long enough to be answered without the GIL (GIL_FREE_FROM: 256 keys), both ways
+    absent = [f"ns:{i:064x}" for i in range(1000, 1300)]
+    assert reader.contains(keys + absent) == [True] * 50 + [False] * 300
+    assert (columns(reader, keys + absent)[3] == [1] * 50 + [0] * 300).all()
     assert reader.count == index.count == 51
     assert reader.pool_generation == shmindex.hash_generation(b"gen-1")
 

@@ -71,6 +71,18 @@
 #define KIND_BYTES 2
 #define SEQ_RETRIES 64 /* a slot seen mid-write this many times in a row: a miss */
 #define GIL_FREE_FROM 256 /* batches at least this long probe without the GIL */
+/* `call` without the GIL for a batch of at least GIL_FREE_FROM keys (a shorter one would pay
+ * more for releasing and taking it back than it takes). */
+#define GIL_FREE_FOR(n, call)                                                                     \
+    do {                                                                                          \
+        if ((n) >= GIL_FREE_FROM) {                                                               \
+            Py_BEGIN_ALLOW_THREADS call;                                                          \
+            Py_END_ALLOW_THREADS                                                                  \
+        }                                                                                         \
+        else {                                                                                    \
+            call;                                                                                 \
+        }                                                                                         \
+    } while (0)
 #define AHEAD 16        /* a batch is probed in groups of this many keys (see probe_all) */
 #define CHAIN_SLOTS 3   /* slots prefetched from a key's home: the table is at most half full */
 
@@ -805,12 +817,14 @@ static int probe_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, const R
  * their page-table entries come from memory, and there prefetching the lines of the keys
  * ahead (4 to 128) made 128-key batches 5-40% slower than the out-of-order core overlapping
  * this short loop's independent loads by itself (with warm caches it gained ~15%). The keys
- * are hashed in a pass of their own first (`hashes`: the caller's scratch): with the hashing
- * in the lookup loop, each key's branch on its loaded entry held back the next key's loads,
- * 4x slower (0.45 vs 0.115 us per key at 10^6 keys, caches flushed). */
-static void contains_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, uint64_t *hashes,
-                         char *hits)
+ * are hashed in a pass of their own first: with the hashing in the lookup loop, each key's
+ * branch on its loaded entry held back the next key's loads, 4x slower (0.45 vs 0.115 us per
+ * key at 10^6 keys, caches flushed). 0, or -1: no memory. */
+static int contains_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, char *hits)
 {
+    uint64_t *hashes = PyMem_RawMalloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
+    if (hashes == NULL)
+        return -1;
     for (Py_ssize_t i = 0; i < n; i++)
         hashes[i] = key_hash(keys[i].p, (size_t)keys[i].n, keys[i].kind, t->seed);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -827,6 +841,8 @@ static void contains_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, uin
             }
         }
     }
+    PyMem_RawFree(hashes);
+    return 0;
 }
 
 /* A batch's keys as the table holds them (see `gather`). */
@@ -945,13 +961,7 @@ static int gather(Batch *b, PyObject *keys_o, PyObject *prefix)
 static int probe_batch(Reader *self, const Batch *b, const Regions *regions, int64_t *cols)
 {
     int rc;
-    if (b->n >= GIL_FREE_FROM) {
-        Py_BEGIN_ALLOW_THREADS
-        rc = probe_all(&self->t, b->keys, b->n, regions, cols);
-        Py_END_ALLOW_THREADS
-    }
-    else
-        rc = probe_all(&self->t, b->keys, b->n, regions, cols);
+    GIL_FREE_FOR(b->n, rc = probe_all(&self->t, b->keys, b->n, regions, cols));
     if (rc < 0)
         PyErr_NoMemory();
     return rc;
@@ -1044,32 +1054,25 @@ static PyObject *Reader_contains(Reader *self, PyObject *const *args, Py_ssize_t
     if (kw_prefix("contains", kwnames, args + nargs, &prefix) < 0)
         return NULL;
     char *hits = NULL;
-    uint64_t *hashes = NULL;
     Batch b;
     int all = gather(&b, args[0], prefix);
     if (all <= 0) {
         out = all < 0 ? NULL : Py_NewRef(Py_None);
         goto done;
     }
-    size_t n = (size_t)(b.n ? b.n : 1);
-    if ((hits = PyMem_Malloc(n)) == NULL || (hashes = PyMem_Malloc(8 * n)) == NULL) {
+    int rc = -1;
+    if ((hits = PyMem_Malloc((size_t)(b.n ? b.n : 1))) != NULL)
+        GIL_FREE_FOR(b.n, rc = contains_all(&self->t, b.keys, b.n, hits));
+    if (rc < 0) {
         PyErr_NoMemory();
         goto done;
     }
-    if (b.n >= GIL_FREE_FROM) {
-        Py_BEGIN_ALLOW_THREADS
-        contains_all(&self->t, b.keys, b.n, hashes, hits);
-        Py_END_ALLOW_THREADS
-    }
-    else
-        contains_all(&self->t, b.keys, b.n, hashes, hits);
     if ((out = PyList_New(b.n)) == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < b.n; i++)
         PyList_SET_ITEM(out, i, Py_NewRef(hits[i] ? Py_True : Py_False));
 done:
     PyMem_Free(hits);
-    PyMem_Free(hashes);
     batch_free(&b);
     return out;
 }
