@@ -34,6 +34,7 @@ class LegacyInterface:
     mem_pool_host: Any
     _stats: StorageStats
     _require_pool: Callable[[], PoolIO]
+    confirm_writes: Callable[[], int]
 
     def get(
         self, key: str, target_location: Any = None, target_sizes: Any = None
@@ -47,6 +48,7 @@ class LegacyInterface:
         size, a target that is not contiguous, or a copy not proven), by `MaruHandler.read`:
         one call per target size (SGLang's dummy pages: one)."""
         kv = self._require_pool()
+        self.confirm_writes()
         if target_locations is None:
             target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
         out: list[torch.Tensor | None] = [None] * len(keys)
@@ -97,4 +99,5 @@ class LegacyInterface:
         return all(self.handler.seal(kv.keys(keys), handles, lengths).wait())
 
     def exists(self, key: str) -> bool:
+        self.confirm_writes()
         return self.handler.exists(key, prefix=self._require_pool().prefix)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from typing import Any
 
@@ -62,8 +63,10 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_LAYOUTS = ("page_first_direct", "page_first")
 
-# A call's last run (a v1 batch's only one) is registered in up to PIPELINE_PIECES pieces of at
-# least PIPELINE_MIN_PAGES pages, each sent while the next piece is copied.
+# Waiting for the replies (`maru_use_async_rpc` off), a call's last run (a v1 batch's only one)
+# is registered in up to PIPELINE_PIECES pieces of at least PIPELINE_MIN_PAGES pages, each sent
+# while the next piece is copied. With write-behind nothing waits for the last reply, and one
+# REGISTER_KV costs less than two: one piece (docs/performance-history.md, issue 17 session 15).
 PIPELINE_PIECES = 2
 PIPELINE_MIN_PAGES = 32
 
@@ -77,6 +80,18 @@ class _Batch:
     keys: list[str]
     buffers: np.ndarray | None = None
     results: list[bool] = dataclasses.field(default_factory=list)
+
+
+# a Sealing's pages, in the order of its keys: (batch, first page, count)
+Owners = list[tuple[_Batch, int, int]]
+
+
+class _Unconfirmed(threading.local):
+    """One thread's registrations whose replies a write call did not wait for (write-behind),
+    each with the batches it answers for and the results the call reported."""
+
+    def __init__(self) -> None:
+        self.sealings: list[tuple[Owners, Sealing, list[bool]]] = []
 
 
 def _query(parts: list[tuple[PoolIO, list[str]]]) -> tuple[list[str], str | list[str]]:
@@ -131,6 +146,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         self._kv: PoolIO | None = None
         self.pools: dict[str, PoolIO] = {}
         self._stats = StorageStats(bool(storage_config.enable_storage_metrics))
+        self._unconfirmed = _Unconfirmed()
         log.info(
             "MaruStorage connected to %s as instance %s",
             self.config.server_url,
@@ -245,15 +261,24 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         """Copy every batch's pages into a shared allocation (one run per pool) and register
         them. A run of at least PIPELINE_MIN_PAGES pages is sealed as soon as it is copied, so
         that its registration is in flight while the rest is copied (the call's last run, with
-        nothing after it to hide behind, in up to PIPELINE_PIECES pieces); smaller runs, and
-        pages placed one by one, are sealed together at the end. With `maru_checksums` each
-        page is hashed as it is copied (no second read). Fills each batch's `results`."""
+        nothing after it to hide behind, in up to PIPELINE_PIECES pieces when the call waits
+        for the replies); smaller runs, and pages placed one by one, are sealed together at
+        the end. With `maru_checksums` each page is hashed as it is copied (no second read).
+        Fills each batch's `results`.
+
+        Write-behind (with `maru_use_async_rpc`, the default): the call returns once every
+        page is copied and its registration sent, reporting each sent page as stored; the
+        replies are read by this thread's next call (`confirm_writes`). A page is in the pool
+        before its key is sent, so the only thing deferred is learning that a registration
+        failed (server gone or restarted): such a page reads as a miss, and is logged and
+        counted then (`late_write_failures`)."""
         start = time.perf_counter()
+        self.confirm_writes()
         handler = self.handler
         hashed = handler.config.checksums
-        # each Sealing with the batches' pages it answers for: (batch, first page, count), in
-        # the order of its keys
-        sealings: list[tuple[list[tuple[_Batch, int, int]], Sealing]] = []
+        behind = self.config.use_async_rpc
+        pieces = 1 if behind else PIPELINE_PIECES
+        sealings: list[tuple[Owners, Sealing]] = []
         rest: list[tuple[_Batch, list[str], Any, np.ndarray | None]] = []  # sealed together
         for number, batch in enumerate(batches, 1):
             pool, n, buffers = batch.pool, len(batch.keys), batch.buffers
@@ -268,7 +293,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                 sums = pool.copy_in(run.address, run.stride, buffers, 0, n, hashed)
                 rest.append((batch, ns_keys, run, sums))
                 continue
-            step = n if number < len(batches) else max(PIPELINE_MIN_PAGES, -(-n // PIPELINE_PIECES))
+            step = n if number < len(batches) else max(PIPELINE_MIN_PAGES, -(-n // pieces))
             for first in range(0, n, step):
                 last = min(n, first + step)
                 piece = run.slice(first, last) if step < n else run
@@ -282,11 +307,42 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         elif rest:
             sealings.append(self._seal_together(rest))
         for owners, sealing in sealings:
-            results, at = sealing.wait(), 0
+            results, at = sealing.hoped() if behind else sealing.wait(), 0
             for batch, first, count in owners:
                 batch.results[first : first + count] = results[at : at + count]
                 at += count
+            if behind:
+                self._unconfirmed.sealings.append((owners, sealing, results))
         self._stats.account_write(batches, time.perf_counter() - start)
+
+    def confirm_writes(self) -> int:
+        """Wait until the server has registered every page this thread's write calls
+        returned for (write-behind, see `_write`): from then on every instance finds them.
+        The thread's own later calls do this first by themselves; another instance reading
+        right after a write (a test, a handover) calls it. Returns the number of pages those
+        calls reported stored whose registration failed (logged, counted as
+        `late_write_failures`): they read as misses."""
+        unconfirmed = self._unconfirmed.sealings
+        if not unconfirmed:
+            return 0
+        self._unconfirmed.sealings = []
+        lost_total = 0
+        for owners, sealing, reported in unconfirmed:
+            results, at = sealing.wait(), 0
+            for batch, _first, count in owners:
+                span = zip(reported[at : at + count], results[at : at + count])
+                lost = sum(1 for said, got in span if said and not got)
+                at += count
+                if lost:
+                    self._stats.count(batch.pool.name, late_write_failures=lost)
+                    lost_total += lost
+        if lost_total:
+            log.warning(
+                "MaruStorage: %d page(s) an earlier write reported stored may not be registered "
+                "(the reason is logged above): they may read as misses",
+                lost_total,
+            )
+        return lost_total
 
     def _copy_pages(self, batch: _Batch, hashed: bool) -> tuple[list[Any], np.ndarray | None]:
         """`batch` page by page, when no run of its size is free: an allocation per page
@@ -301,14 +357,14 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                 sums[i] = got[0] if got is not None else 0
         return handles, sums if hashed else None
 
-    def _seal_together(self, rest: list) -> tuple[list[tuple[_Batch, int, int]], Sealing]:
+    def _seal_together(self, rest: list) -> tuple[Owners, Sealing]:
         """One registration for several whole batches' pages (`_write`'s `rest`): the batches
         it answers for, as `_write` keeps them, and the Sealing."""
         keys: list[str] = []
         handles: list[Any] = []
         lengths: list[int] = []
         sums: list[np.ndarray] = []
-        owners: list[tuple[_Batch, int, int]] = []
+        owners: Owners = []
         for batch, ns_keys, held, batch_sums in rest:
             n = len(ns_keys)
             keys += ns_keys
@@ -329,6 +385,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         the local index one C call); else one lookup of every batch's pages (sent first: the
         host pointers are computed while it is in flight), then each pool's copy. Fills each
         batch's `results`."""
+        self.confirm_writes()
         start = time.perf_counter()
         handler = self.handler
         keys, prefix = _query([(b.pool, b.keys) for b in batches])
@@ -435,6 +492,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         kv = self._require_pool()
         if kv.logical:
             return len(keys)
+        self.confirm_writes()
         return leading_run(self.handler.batch_exists(keys, prefix=kv.prefix))
 
     # -- v2: every pool ----------------------------------------------------------------------
@@ -465,6 +523,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         pools = [self.pools.get(str(t.name)) for t in transfers]
         parts += [(p, hs) for p, hs in zip(pools, own_keys) if p is not None and not p.logical]
         query, prefix = _query(parts)
+        self.confirm_writes()
         found = self.handler.batch_exists(query, prefix=prefix) if query else []
         present = np.array(found, dtype=bool)
         offset = 0 if kv.logical else n
@@ -550,6 +609,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
     def clear(self) -> None:
         """Remove every page of this instance's namespaces (each registered pool's; other
         models, ranks and geometries are untouched)."""
+        self.confirm_writes()
         for namespace in sorted({p.namespace for p in self.pools.values() if p.namespace}):
             removed = self.handler.delete_prefix(namespace + ":")
             log.info("MaruStorage: cleared %d pages of namespace %s", removed, namespace)
@@ -567,4 +627,5 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
     def close(self) -> None:
         """Detach: end this instance on the server (its leases, pins and regions go at once;
         the pages it stored stay readable by others until evicted)."""
+        self.confirm_writes()
         self.handler.close()

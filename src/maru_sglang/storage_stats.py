@@ -25,6 +25,9 @@ COUNTERS = (
     # hits taken as misses after the copy: bytes unlike their checksum (maru_checksums), or
     # (the local index) an entry that changed during the copy
     "checksum_mismatches",
+    # pages a write call reported stored whose registration then failed (write-behind: the
+    # reply is read by the thread's next call); they read as misses
+    "late_write_failures",
 )
 
 

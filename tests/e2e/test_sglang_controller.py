@@ -32,7 +32,7 @@ sglang_cpu.require()
 import torch  # noqa: E402
 
 from maru_sglang.maru_storage import chunk_size_for  # noqa: E402
-from sglang_cpu.p2p import MARU_BACKEND, l3_keys  # noqa: E402
+from sglang_cpu.p2p import MARU_BACKEND, l3_keys, wait_l3_stable  # noqa: E402
 from sglang_cpu.tiny_model import build_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(180)]
@@ -230,7 +230,9 @@ def test_controller_backup_then_prefetch_through_maru(runtime, maru_server, attn
         written = a.storage.counters
         assert written["pages_written"] == PAGES
         assert written["bytes_written"] == PAGES * a.storage._page_bytes
-        assert l3_keys(maru_server.url) == PAGES
+        # write-behind: the backup thread's last call returned before the server answered
+        # its registration; the server holds the pages within its reply time
+        assert wait_l3_stable(maru_server.url, PAGES, timeout=10, settle=0.1) == PAGES
         host_a_bytes = a.host_bytes(host_a)
 
         # -- instance B: Maru -> host (prefetch threads) -> device --------------------------

@@ -63,6 +63,23 @@ def test_sealing_existing_keys_gives_their_chunks_back(maru_server):
         assert h.free_chunks() == free - 3
 
 
+def test_hoped_results_are_the_keys_sent(maru_server):
+    """`Sealing.hoped()` (what write-behind reports before the reply): True for each key
+    sent, False where nothing was reserved; once the reply is in, the results themselves."""
+    with MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes="64K") as h:
+        a, b = h.alloc(100), h.alloc(100)
+        write(a, [b"a" * 100])
+        write(b, [b"b" * 100])
+        sealing = h.seal(["hope/0", "hope/1", "hope/2"], [a, None, b], 100)
+        assert sealing.hoped() == [True, False, True]
+        assert sealing.wait() == [True, False, True]
+        assert h.seal(["hope/0"], [h.alloc(100)], 100).wait() == [True]  # (it existed)
+        rejected = h.seal(["", "hope/3"], [h.alloc(100), h.alloc(100)], 100)
+        assert rejected.hoped() == [True, True]  # sent: the server decides
+        assert rejected.wait() == [False, True]
+        assert rejected.hoped() == [False, True]
+
+
 def test_alloc_of_a_run_is_none_when_no_run_fits(maru_server):
     with MaruHandler(
         server_url=maru_server.url, pool_size="2M", chunk_size_bytes="64K", auto_expand=False

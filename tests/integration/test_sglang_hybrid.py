@@ -406,6 +406,7 @@ def test_rank_replicated_pools_are_written_by_the_writer_rank_only(maru_server):
     assert rank0.batch_set_v2([transfer(rank0_pools.sidecars[0], keys, idx)]) == {
         "indexer": [True, True]
     }
+    assert rank0.confirm_writes() == 0  # registered: another instance finds them from now on
     dst = slots(rank1_pools.kv, 4, 2)
     assert rank1.batch_get_v2([transfer(indexer, keys, dst)]) == {"indexer": [True, True]}
     assert all(torch.equal(a, b) for a, b in zip(read_bytes(indexer.pool, dst, 2), pages))
@@ -438,6 +439,7 @@ def test_mamba_with_slot_side_state_is_stored_whole_page(maru_server):
         assert storages[-1].pools["mamba"].whole_page
     side = Sidecar("mamba", pools[0], "trailing_pages")
     _, pages = _store_side(storages[0], side, ["a", "b"], 3, seed=12)
+    assert storages[0].confirm_writes() == 0
     reader_side = Sidecar("mamba", pools[1], "trailing_pages")
     dst = slots(pools[1], 7, 2)
     assert storages[1].batch_get_v2([transfer(reader_side, ["a", "b"], dst)]) == {

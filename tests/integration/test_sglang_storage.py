@@ -6,10 +6,15 @@ tests/sglang_cpu replace CUDA-only pieces of SGLang, never anything of ours.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
+import os
+import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -293,6 +298,7 @@ def test_a_copy_that_outlives_its_lease_is_a_miss(maru_server_factory, tmp_path,
     src = page_indices(0, 2, g.page_size)
     fill(writer.mem_pool_host, src, expected_pages(writer.mem_pool_host, 2, seed=5))
     assert writer.batch_set_v1(["a", "b"], src) == [True, True]
+    assert writer.confirm_writes() == 0
     original = handler_module.copy_values  # the request path's copy (MaruHandler.read)
     slow = {"copies": 0}
 
@@ -410,3 +416,107 @@ def test_a_page_corrupted_in_the_pool_is_a_miss_with_checksums(
     assert [i for i, ok in enumerate(same) if not ok] == sorted(victims)
     checked.close()
     plain.close()
+
+
+# -- write-behind: a write call returns before its registration is answered -----------------
+
+
+@contextlib.contextmanager
+def _server_paused(server, resume_after: float | None = None):
+    """The server stopped (SIGSTOP) inside the block, so no request gets an answer; with
+    `resume_after`, a timer resumes it that many seconds in. Resumed on the way out."""
+    os.kill(server.pid, signal.SIGSTOP)
+    timer = None
+    if resume_after is not None:
+        timer = threading.Timer(resume_after, os.kill, (server.pid, signal.SIGCONT))
+        timer.start()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.cancel()
+        if server.alive():
+            os.kill(server.pid, signal.SIGCONT)
+
+
+def _written(storage, g: Geometry, keys: list[str], seed: int):
+    """Fill host pages for `keys` (from page 0): their indices and contents."""
+    src = page_indices(0, len(keys), g.page_size)
+    pages = expected_pages(storage.mem_pool_host, len(keys), seed=seed)
+    fill(storage.mem_pool_host, src, pages)
+    return src, pages
+
+
+def test_a_write_returns_before_its_registration_is_answered(maru_server):
+    """With `maru_use_async_rpc` (the default) `batch_set_v1` returns once the pages are
+    copied and their registration is sent: here the server is stopped, so no reply can have
+    come. Until the server registers them the pages are misses everywhere, never other bytes;
+    the writer's own next call waits for its registrations first (it finds its pages), and
+    from then on every instance finds them, with the written bytes."""
+    g = Geometry()
+    writer, reader = _storage(maru_server.url, g), _storage(maru_server.url, g)
+    keys = [f"behind-{i}" for i in range(4)]
+    src, pages = _written(writer, g, keys, seed=21)
+    assert writer.batch_set_v1(["warm"], src[: g.page_size]) == [True]  # holds a region now
+    assert writer.confirm_writes() == 0  # (else the pause below could catch its reply)
+    with _server_paused(maru_server):
+        assert writer.batch_set_v1(keys, src) == [True] * 4
+        assert reader.batch_exists(keys) == 0  # sent, not registered: misses
+    with _server_paused(maru_server, resume_after=0.3):
+        assert writer.batch_exists(keys) == 4  # waited for its registrations, then looked
+    assert writer.confirm_writes() == 0
+    assert reader.batch_exists(keys) == 4
+    dst = page_indices(8, 4, g.page_size)
+    assert reader.batch_get_v1(keys, dst) == [True] * 4
+    assert all(torch.equal(a, b) for a, b in zip(read(reader.mem_pool_host, dst, 4), pages))
+    assert writer.counters["late_write_failures"] == 0
+    writer.close()
+    reader.close()
+
+
+def test_a_registration_lost_after_the_write_returned_is_a_counted_miss(
+    maru_server_factory, tmp_path, caplog
+):
+    """The server dies (SIGKILL) between a write call's return and its registration: the
+    writer learns it at its next call (`confirm_writes` counts the pages, a WARNING says it,
+    `late_write_failures` keeps it), and the pages are misses on the restarted server."""
+    server = maru_server_factory(tmp_path / "s")
+    g = Geometry()
+    writer = _storage(server.url, g)
+    keys = [f"lost-{i}" for i in range(3)]
+    src, _ = _written(writer, g, keys, seed=22)
+    assert writer.batch_set_v1(["warm"], src[: g.page_size]) == [True]
+    assert writer.confirm_writes() == 0
+    with _server_paused(server):
+        assert writer.batch_set_v1(keys, src) == [True] * 3
+        server.proc.kill()
+        server.proc.wait(10)
+    with caplog.at_level(logging.WARNING, logger="maru_sglang.maru_storage"):
+        assert writer.confirm_writes() == 3
+    assert "3 page(s) an earlier write reported stored may not be registered" in caplog.text
+    assert writer.counters["late_write_failures"] == 3
+    server.start()
+    reader = _storage(server.url, g)
+    assert reader.batch_exists(keys) == 0
+    assert reader.batch_get_v1(keys, page_indices(8, 3, g.page_size)) == [False] * 3
+    writer.close()
+    reader.close()
+
+
+def test_without_async_rpc_a_write_returns_once_registered(maru_server):
+    """`maru_use_async_rpc=false`: no write-behind, `batch_set_v1` waits for the server (here
+    stopped until a timer resumes it), and another instance finds the pages as soon as the
+    call returns."""
+    g = Geometry()
+    config = storage_config(extra=_extra(maru_server.url, maru_use_async_rpc=False))
+    writer = MaruStorage(config, {})
+    writer.register_mem_pool_host(make_host_pool(g))
+    reader = _storage(maru_server.url, g)
+    keys = [f"sync-{i}" for i in range(4)]
+    src, _ = _written(writer, g, keys, seed=23)
+    assert writer.batch_set_v1(["warm"], src[: g.page_size]) == [True]
+    with _server_paused(maru_server, resume_after=0.3):
+        assert writer.batch_set_v1(keys, src) == [True] * 4
+        assert reader.batch_exists(keys) == 4
+    writer.close()
+    reader.close()

@@ -158,6 +158,18 @@ class Sealing:
             [handles[i].views(size)[0] for i, size in zip(self._positions, sizes)]  # type: ignore[union-attr]
         )
 
+    def hoped(self) -> list[bool]:
+        """What `wait()` will give if the server seals every key sent: True for each key
+        sent, False for a key nothing was reserved for; `wait()`'s results once decided."""
+        if self._results is not None:
+            return self._results
+        if self._positions is None:
+            return [True] * self._n
+        hoped = [False] * self._n
+        for i in self._positions:
+            hoped[i] = True
+        return hoped
+
     def wait(self) -> list[bool]:
         if self._results is not None:
             return self._results
