@@ -268,12 +268,12 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
 
         Write-behind (with `maru_use_async_rpc`, the default): the call returns once every
         page is copied and its registration sent, reporting each sent page as stored; the
-        replies are read by this thread's next call (`confirm_writes`). A page is in the pool
+        replies are read by this thread's next call (`confirm_writes`: a read first, a write
+        after its own copies). A page is in the pool
         before its key is sent, so the only thing deferred is learning that a registration
         failed (server gone or restarted): such a page reads as a miss, and is logged and
         counted then (`late_write_failures`)."""
         start = time.perf_counter()
-        self.confirm_writes()
         handler = self.handler
         hashed = handler.config.checksums
         behind = self.config.use_async_rpc
@@ -306,6 +306,9 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
             sealings.append(([(batch, 0, len(ns_keys))], sealing))
         elif rest:
             sealings.append(self._seal_together(rest))
+        # The earlier calls' replies, now: the server answered them during this call's copies
+        # (read at the start of the call, the last one would cost its whole answer time).
+        self.confirm_writes()
         for owners, sealing in sealings:
             results, at = sealing.hoped() if behind else sealing.wait(), 0
             for batch, first, count in owners:
@@ -318,8 +321,9 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
     def confirm_writes(self) -> int:
         """Wait until the server has registered every page this thread's write calls
         returned for (write-behind, see `_write`): from then on every instance finds them.
-        The thread's own later calls do this first by themselves; another instance reading
-        right after a write (a test, a handover) calls it. Returns the number of pages those
+        The thread's own later calls do it by themselves (a read before it looks, a write
+        after its copies); another instance reading right after a write (a test, a handover)
+        calls it. Returns the number of pages those
         calls reported stored whose registration failed (logged, counted as
         `late_write_failures`): they read as misses."""
         unconfirmed = self._unconfirmed.sealings

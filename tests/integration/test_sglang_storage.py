@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 import maru.client.handler as handler_module  # noqa: E402
 import maru.client.localindex as localindex_module  # noqa: E402
+import maru.client.requests as requests_module  # noqa: E402
 from maru import MaruHandler  # noqa: E402
 from maru.common.config import ConfigError  # noqa: E402
 from maru_sglang.maru_storage import KV_POOL_NAME, MaruStorage  # noqa: E402
@@ -472,6 +473,38 @@ def test_a_write_returns_before_its_registration_is_answered(maru_server):
     assert writer.counters["late_write_failures"] == 0
     writer.close()
     reader.close()
+
+
+def test_a_write_reads_the_earlier_replies_after_its_copies_and_a_read_before(
+    maru_server, monkeypatch
+):
+    """Where the thread's earlier replies are read: a write call after its own copies (the
+    server answered meanwhile; read first, the last reply would cost its whole answer time),
+    a read before it looks (so that it finds the thread's pages)."""
+    g = Geometry()
+    storage = _storage(maru_server.url, g)
+    keys = [f"order-{i}" for i in range(4)]
+    src, _ = _written(storage, g, keys, seed=24)
+    events: list[str] = []
+    wait, copy_in = requests_module.Sealing.wait, storage._kv.copy_in
+
+    def waiting(sealing):
+        events.append("reply")
+        return wait(sealing)
+
+    def copying(*args, **kwargs):
+        events.append("copy")
+        return copy_in(*args, **kwargs)
+
+    monkeypatch.setattr(requests_module.Sealing, "wait", waiting)
+    monkeypatch.setattr(storage._kv, "copy_in", copying)
+    assert storage.batch_set_v1(keys[:2], src[: 2 * g.page_size]) == [True, True]
+    assert events == ["copy"]  # nothing waited for
+    assert storage.batch_set_v1(keys[2:], src[2 * g.page_size :]) == [True, True]
+    assert events == ["copy", "copy", "reply"]  # the first call's reply, after the copy
+    assert storage.batch_exists(keys) == 4
+    assert events == ["copy", "copy", "reply", "reply"]  # the second's, before looking
+    storage.close()
 
 
 def test_a_registration_lost_after_the_write_returned_is_a_counted_miss(
