@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -551,5 +554,99 @@ def test_without_async_rpc_a_write_returns_once_registered(maru_server):
     with _server_paused(maru_server, resume_after=0.3):
         assert writer.batch_set_v1(keys, src) == [True] * 4
         assert reader.batch_exists(keys) == 4
+    writer.close()
+    reader.close()
+
+
+def _page_of(key: str, page_bytes: int) -> bytes:
+    """A page's bytes made from its key (another key's page, or a torn one, never matches)."""
+    digest = hashlib.blake2b(key.encode(), digest_size=64).digest()
+    return (digest * (page_bytes // 64 + 1))[:page_bytes]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_write_behind_under_eviction_deletes_and_server_kills(maru_server_factory, tmp_path):
+    """First rule under write-behind: a writer thread stores 32-page batches through
+    `batch_set_v1` into a pool it overfills many times (constant eviction) and deletes some,
+    a reader thread (another instance) reads random recent pages with `batch_get_v1` and
+    checks every hit against its key's bytes, while the server is SIGKILLed and restarted
+    every 3 s, so that registrations are lost between a write's return and its reply. 0 wrong
+    pages among the hits; the reader did get hits, the writer did overfill the pool."""
+    server = maru_server_factory(tmp_path / "s", pool_size="8M")
+    g = Geometry()
+    extra = {"maru_timeout_ms": "500"}
+    writer = MaruStorage(storage_config(extra=_extra(server.url, maru_pool_size="4M", **extra)), {})
+    writer.register_mem_pool_host(make_host_pool(g))
+    reader = MaruStorage(storage_config(extra=_extra(server.url, maru_pool_size="1M", **extra)), {})
+    reader.register_mem_pool_host(make_host_pool(g))
+    page_bytes = writer._kv.page_bytes
+    logging.getLogger("maru").setLevel(logging.CRITICAL)  # failed calls while down: expected
+    logging.getLogger("maru_sglang").setLevel(logging.CRITICAL)
+    stop, written = threading.Event(), [0]
+    counts = {"stored": 0, "reads": 0, "hits": 0, "wrong": 0, "errors": 0}
+
+    def write() -> None:
+        pool, batch = writer.mem_pool_host, 32
+        idx = page_indices(0, batch, g.page_size)
+        rng = random.Random(1)
+        while not stop.is_set():
+            keys = [f"wb-{written[0] + i}" for i in range(batch)]
+            for i, key in enumerate(keys):
+                page = torch.frombuffer(bytearray(_page_of(key, page_bytes)), dtype=torch.uint8)
+                pool.set_from_flat_data_page(int(idx[i * g.page_size]), page.view(pool.dtype))
+            try:
+                counts["stored"] += sum(writer.batch_set_v1(keys, idx))
+                if rng.random() < 0.2:  # deletes race the reads too
+                    gone = [f"wb-{rng.randrange(max(0, written[0] - 64), written[0])}"]
+                    writer.handler.batch_delete(writer._kv.keys(gone))
+            except Exception:  # (the server is down: the next batch goes on)
+                counts["errors"] += 1
+            written[0] += batch
+
+    def read() -> None:
+        pool, rng = reader.mem_pool_host, random.Random(2)
+        dst = page_indices(0, 16, g.page_size)
+        while not stop.is_set():
+            n = written[0]
+            if n < 16:
+                time.sleep(0.01)
+                continue
+            first = rng.randrange(max(0, n - 256), n - 15)
+            keys = [f"wb-{i}" for i in range(first, first + 16)]
+            try:
+                hits = reader.batch_get_v1(keys, dst)
+            except Exception:
+                counts["errors"] += 1
+                continue
+            counts["reads"] += len(keys)
+            for i, (key, hit) in enumerate(zip(keys, hits)):
+                if hit:
+                    counts["hits"] += 1
+                    got = pool.get_data_page(int(dst[i * g.page_size]), flat=True)
+                    if got.view(torch.uint8).numpy().tobytes() != _page_of(key, page_bytes):
+                        counts["wrong"] += 1
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (write, read)]
+    for t in threads:
+        t.start()
+    kills = 0
+    try:
+        for _ in range(4):
+            time.sleep(3)
+            server.proc.kill()
+            server.proc.wait(10)
+            server.start(server.port)
+            kills += 1
+        time.sleep(3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    late = writer.counters["late_write_failures"]
+    print(f"\nkills {kills}, {counts}, late write failures {late}")
+    assert counts["wrong"] == 0
+    assert counts["hits"] > 1000  # the reader read, and found pages
+    assert counts["stored"] * 4096 > 4 * 8 * (1 << 20)  # the pool overfilled several times
     writer.close()
     reader.close()
