@@ -566,7 +566,9 @@ def _page_of(key: str, page_bytes: int) -> bytes:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_write_behind_under_eviction_deletes_and_server_kills(maru_server_factory, tmp_path):
+def test_write_behind_under_eviction_deletes_and_server_kills(
+    maru_server_factory, tmp_path, caplog
+):
     """First rule under write-behind: a writer thread stores 32-page batches through
     `batch_set_v1` into a pool it overfills many times (constant eviction) and deletes some,
     a reader thread (another instance) reads random recent pages with `batch_get_v1` and
@@ -581,8 +583,8 @@ def test_write_behind_under_eviction_deletes_and_server_kills(maru_server_factor
     reader = MaruStorage(storage_config(extra=_extra(server.url, maru_pool_size="1M", **extra)), {})
     reader.register_mem_pool_host(make_host_pool(g))
     page_bytes = writer._kv.page_bytes
-    logging.getLogger("maru").setLevel(logging.CRITICAL)  # failed calls while down: expected
-    logging.getLogger("maru_sglang").setLevel(logging.CRITICAL)
+    for name in ("maru", "maru_sglang"):  # failed calls while down: expected (reset after)
+        caplog.set_level(logging.CRITICAL, logger=name)
     stop, written = threading.Event(), [0]
     counts = {"stored": 0, "reads": 0, "hits": 0, "wrong": 0, "errors": 0}
 
