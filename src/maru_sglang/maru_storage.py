@@ -457,8 +457,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Copy each KV page's parts from the host pool into one shared allocation, then
-        register the batch (in two pieces when large: the first in flight while the second
-        is copied)."""
+        register the batch; returns without waiting for the reply (write-behind, `_write`)."""
         kv = self._require_pool()
         if not keys:
             return []
