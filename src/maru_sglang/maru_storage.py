@@ -384,29 +384,39 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         """Copy every batch's hits into its host pool and prove them: a page stored with
         another length is a miss; so is, with `maru_checksums`, a page whose bytes no longer
         match their checksum after the copy, and on the local index a page whose entry changed
-        during the copy; a lease that ended mid-copy makes every page a miss (not proven). One
-        batch of a pool copied by `copy_values` (every v1 call) is one `MaruHandler.read` (on
-        the local index one C call); else one lookup of every batch's pages (sent first: the
-        host pointers are computed while it is in flight), then each pool's copy. Fills each
-        batch's `results`."""
+        during the copy; a lease that ended mid-copy makes every page a miss (not proven). A
+        batch of a pool copied by `copy_values` is one `MaruHandler.read` (on the local index
+        one C call, no request): every v1 call, and each pool of a v2 call while the index is
+        local. The rest (pools copied through their own API; every pool of a v2 call on the
+        request path) take one leased lookup together (`_read_pools`). Fills each batch's
+        `results`."""
         self.confirm_writes()
         start = time.perf_counter()
         handler = self.handler
-        keys, prefix = _query([(b.pool, b.keys) for b in batches])
-        mismatches = handler.checksum_mismatches
-        if len(batches) == 1 and not batches[0].pool.whole_page:
-            batch, pool = batches[0], batches[0].pool
-            if self._prepare(batch, host_indices[0], "read"):
+        one_by_one = len(batches) == 1 or handler.reads_locally
+        rest: list[tuple[_Batch, torch.Tensor | None]] = []
+        for batch, indices in zip(batches, host_indices):
+            pool = batch.pool
+            if pool.whole_page or not one_by_one:
+                rest.append((batch, indices))
+            elif self._prepare(batch, indices, "read"):
                 assert batch.buffers is not None
+                mismatches = handler.checksum_mismatches
                 batch.results = handler.read(
-                    keys, batch.buffers, pool.sizes, length=pool.page_bytes, prefix=prefix
+                    batch.keys,
+                    batch.buffers,
+                    pool.sizes,
+                    length=pool.page_bytes,
+                    prefix=pool.prefix,
                 )
-            if handler.checksum_mismatches != mismatches:
-                self._stats.count(
-                    pool.name, checksum_mismatches=handler.checksum_mismatches - mismatches
-                )
-        else:
-            self._read_pools(batches, host_indices, keys, prefix)
+                if handler.checksum_mismatches != mismatches:
+                    self._stats.count(
+                        pool.name, checksum_mismatches=handler.checksum_mismatches - mismatches
+                    )
+        if rest:
+            together = [b for b, _ in rest]
+            keys, prefix = _query([(b.pool, b.keys) for b in together])
+            self._read_pools(together, [i for _, i in rest], keys, prefix)
         self._stats.account_read(batches, time.perf_counter() - start)
 
     def _read_pools(

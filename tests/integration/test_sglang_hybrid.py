@@ -317,8 +317,12 @@ def test_one_metadata_rpc_per_batch_across_pools(maru_server):
         transfer(mamba, keys[-1:], slots(mamba.pool, 5, 1)),
         transfer(swa, keys[-2:], slots(swa.pool, 5, 2)),
     ]
+    reads = []
+    read = storage.handler.read
+    storage.handler.read = lambda keys, *a, **kw: reads.append(len(keys)) or read(keys, *a, **kw)
     assert storage.batch_get_v2(transfers) == {"mamba": [True], "swa": [True, True]}
     assert MsgType.LOOKUP_KV not in sent and MsgType.REGISTER_KV not in sent  # (likewise)
+    assert reads == [1, 2]  # each pool: probe, copy and proof in one C call
     storage.close()
     # without the local index: one request for all pools, each way
     storage = _storage(maru_server.url, hybrid, local_index=False)

@@ -132,6 +132,12 @@ class MaruHandler:
     def connected(self) -> bool:
         return self._connected
 
+    @property
+    def reads_locally(self) -> bool:
+        """Whether reads go through the server's shared-memory index (no request), as on the
+        server's node; they still fall back to requests key by key where it cannot answer."""
+        return self._index is not None
+
     def connect(self) -> bool:
         """Handshake with the server. No region is taken: the first store takes one, so a
         connect succeeds even when the pool is full. False if that fails: then `connect_error`
