@@ -269,10 +269,9 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         Write-behind (with `maru_use_async_rpc`, the default): the call returns once every
         page is copied and its registration sent, reporting each sent page as stored; the
         replies are read by this thread's next call (`confirm_writes`: a read first, a write
-        after its own copies). A page is in the pool
-        before its key is sent, so the only thing deferred is learning that a registration
-        failed (server gone or restarted): such a page reads as a miss, and is logged and
-        counted then (`late_write_failures`)."""
+        after its own copies). A page is in the pool before its key is sent, so the only thing
+        deferred is learning that a registration failed (server gone or restarted): such a
+        page reads as a miss, and is logged and counted then (`late_write_failures`)."""
         start = time.perf_counter()
         handler = self.handler
         hashed = handler.config.checksums
@@ -323,9 +322,8 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         returned for (write-behind, see `_write`): from then on every instance finds them.
         The thread's own later calls do it by themselves (a read before it looks, a write
         after its copies); another instance reading right after a write (a test, a handover)
-        calls it. Returns the number of pages those
-        calls reported stored whose registration failed (logged, counted as
-        `late_write_failures`): they read as misses."""
+        calls it. Returns the number of pages those calls reported stored whose registration
+        failed (logged, counted as `late_write_failures`): they read as misses."""
         unconfirmed = self._unconfirmed.sealings
         if not unconfirmed:
             return 0
