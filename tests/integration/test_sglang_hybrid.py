@@ -337,6 +337,37 @@ def test_one_metadata_rpc_per_batch_across_pools(maru_server):
     storage.close()
 
 
+def test_a_changed_page_is_a_miss_in_a_read_of_several_pools(maru_server):
+    """`batch_get_v2` of several pools on the server's node (each pool one `MaruHandler.read`):
+    with `maru_checksums`, a page whose bytes changed in the pool after it was sealed is a
+    miss, counted for its pool; every other page of both pools is a hit with its bytes."""
+    from .workers import flip_byte
+
+    hybrid = make_hybrid("mamba")
+    hybrid.sidecars.append(
+        Sidecar("swa", make_host_pool(Geometry(layers=2)), "trailing_pages", window=2)
+    )
+    mamba, swa = hybrid.sidecars
+    extra = {**MARU_BACKEND, "maru_server_url": maru_server.url, "maru_pool_size": "32M"}
+    storage = MaruStorage(storage_config(extra={**extra, "maru_checksums": True}), {})
+    register(storage, hybrid)
+    assert storage.handler.reads_locally
+    keys = [f"flip{i}" for i in range(4)]
+    _, swa_pages = _store_side(storage, swa, keys, 0, seed=31)
+    _, states = _store_side(storage, mamba, keys[-1:], 0, seed=32)
+    assert storage.confirm_writes() == 0
+    flip_byte(storage.handler, storage.pools["swa"].keys([keys[1]])[0], at=7)
+    swa_back, state_back = slots(swa.pool, 8, 4), slots(mamba.pool, 5, 1)
+    back = [transfer(swa, keys, swa_back), transfer(mamba, keys[-1:], state_back)]
+    assert storage.batch_get_v2(back) == {"swa": [True, False, True, True], "mamba": [True]}
+    got = read_bytes(swa.pool, swa_back, 4)
+    assert [torch.equal(got[i], swa_pages[i]) for i in (0, 2, 3)] == [True] * 3
+    assert torch.equal(read_bytes(mamba.pool, state_back, 1)[0], states[0])
+    pools = storage.counters["pools"]
+    assert (pools["swa"]["checksum_mismatches"], pools["mamba"]["checksum_mismatches"]) == (1, 0)
+    storage.close()
+
+
 def test_a_large_pool_is_registered_while_the_next_pool_is_copied(maru_server):
     """batch_set_v2 seals a pool's run of at least PIPELINE_MIN_PAGES pages as soon as it is
     copied: its registration is in flight while the next pool is copied, and the server gets
