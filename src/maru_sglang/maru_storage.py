@@ -274,7 +274,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         page reads as a miss, and is logged and counted then (`late_write_failures`)."""
         start = time.perf_counter()
         handler = self.handler
-        hashed = handler.config.checksums
+        hashed, threads = handler.config.checksums, handler.config.copy_threads
         behind = self.config.use_async_rpc
         pieces = 1 if behind else PIPELINE_PIECES
         sealings: list[tuple[Owners, Sealing]] = []
@@ -289,14 +289,16 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                 rest.append((batch, ns_keys, *self._copy_pages(batch, hashed)))
                 continue
             if n < PIPELINE_MIN_PAGES:
-                sums = pool.copy_in(run.address, run.stride, buffers, 0, n, hashed)
+                sums = pool.copy_in(run.address, run.stride, buffers, 0, n, hashed, threads)
                 rest.append((batch, ns_keys, run, sums))
                 continue
             step = n if number < len(batches) else max(PIPELINE_MIN_PAGES, -(-n // pieces))
             for first in range(0, n, step):
                 last = min(n, first + step)
                 piece = run.slice(first, last) if step < n else run
-                sums = pool.copy_in(piece.address, piece.stride, buffers, first, last, hashed)
+                sums = pool.copy_in(
+                    piece.address, piece.stride, buffers, first, last, hashed, threads
+                )
                 sealing = handler.seal(ns_keys[first:last], piece, pool.page_bytes, checksums=sums)
                 sealings.append(([(batch, first, last - first)], sealing))
         if len(rest) == 1:  # (one run or one batch's pages: sealed as they are)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-from maru.client.memcopy import copy_many_hashed, copy_values, page_pointers
+from maru.client.memcopy import copy_many_hashed, copy_values, copy_values_split, page_pointers
 
 log = logging.getLogger(__name__)
 
@@ -254,10 +254,12 @@ class PoolIO:
         first: int,
         last: int,
         hashed: bool = False,
+        threads: int = 1,
     ) -> np.ndarray | None:
         """Copy pages [first, last) of a batch (`buffers`: its `pointers`) from the host pool
         to `dst`, `stride` apart, each page's parts back to back; `hashed`: also return each
-        page's checksum, computed as it is copied (`maru_checksums`)."""
+        page's checksum, computed as it is copied (`maru_checksums`). `threads`: split among
+        up to that many threads (`maru_copy_threads`, `copy_values_split`)."""
         if self.whole_page:
             hashes = np.zeros(last - first, np.int64)
             for i, index in enumerate(buffers[first:last, 0].tolist()):
@@ -265,7 +267,14 @@ class PoolIO:
                 hashes[i] = self._copy_page(dst + i * stride, data.data_ptr(), hashed)
             return hashes if hashed else None
         starts = dst + np.arange(last - first, dtype=np.int64) * stride
-        return copy_values(starts, buffers[first:last], self.sizes, to_values=True, hashed=hashed)
+        return copy_values_split(
+            starts,
+            np.ascontiguousarray(buffers[first:last]),
+            self.sizes,
+            to_values=True,
+            threads=threads,
+            hashed=hashed,
+        )
 
     def copy_out(
         self, addresses: np.ndarray, buffers: np.ndarray, hashed: bool = False

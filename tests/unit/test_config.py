@@ -102,6 +102,9 @@ def test_defaults_and_normalisation():
         ({"busy_poll_us": -1}, "busy_poll_us"),
         ({"busy_poll_us": "soon"}, "busy_poll_us"),
         ({"local_socket": "maybe"}, "local_socket"),
+        ({"copy_threads": 0}, "copy_threads"),
+        ({"copy_threads": 17}, "copy_threads"),
+        ({"copy_threads": "two"}, "copy_threads"),
     ],
 )
 def test_validation_error_names_the_field(kwargs, field):
@@ -130,6 +133,12 @@ def test_busy_poll_zero_turns_spinning_off_and_strings_parse():
     assert MaruConfig(busy_poll_us=0).busy_poll_us == 0
     cfg = MaruConfig.from_mapping({"maru_busy_poll_us": "50"}, prefix="maru_")
     assert cfg.busy_poll_us == 50
+
+
+def test_copy_threads_default_two_and_strings_parse():
+    assert MaruConfig().copy_threads == 2
+    cfg = MaruConfig.from_mapping({"maru_copy_threads": "1"}, prefix="maru_")
+    assert cfg.copy_threads == 1
 
 
 def test_from_mapping_unknown_prefixed_key_is_an_error():

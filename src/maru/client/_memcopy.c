@@ -27,6 +27,8 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <pthread.h>
+#include <unistd.h>
 
 #include "../common/int64_buffer.h"
 #if defined(__SSE2__)
@@ -665,6 +667,237 @@ done:
     return out;
 }
 
+/* ---- copy_values on copier threads -----------------------------------------------------
+ *
+ * One core's copy loop moves less than the memory can take (a core has only so many misses in
+ * flight; memory with CXL's latency needs more of them): a large write is split between the
+ * calling thread and copier threads (`maru.client.memcopy.copy_values_split`). Copier i is a
+ * native thread of this process, started on first use; `copy_values_start(..., copier=i)`
+ * hands it a copy and returns at once, `CopyJob.wait()` returns when the bytes are in place
+ * (the copier's sfence and the lock that publishes "done" order them before anything the
+ * caller sends next: a page's key is registered after its bytes). The copiers never touch
+ * Python objects: they need no GIL. While copier i is busy (another thread's job), or where it
+ * cannot be started, the job runs on the calling thread before `copy_values_start` returns.
+ * After a fork the child starts copiers of its own; a job the parent had in flight is not the
+ * child's (its wait raises). */
+
+#define MAX_COPIERS 15
+
+enum { JOB_PENDING, JOB_DONE, JOB_LOST };
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer starts, buffers, sizes;
+    PyObject *hashes; /* bytes filled by the copy (hashed), else NULL */
+    Py_ssize_t values, parts;
+    int to_values, streaming;
+    int state;  /* JOB_*: written under copier_lock once the job was posted */
+    int posted; /* handed to a copier (else it ran on the caller's thread) */
+} CopyJob;
+
+typedef struct {
+    pthread_cond_t posted; /* a job was put in `job` */
+    CopyJob *job;          /* the job this copier runs or will run next */
+    pid_t pid;             /* the process in which this copier runs (0: not started) */
+} Copier;
+
+static pthread_mutex_t copier_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t copier_done = PTHREAD_COND_INITIALIZER;
+static Copier copiers[MAX_COPIERS];
+
+static void copy_job_run(CopyJob *job)
+{
+    copy_values_run((const int64_t *)job->starts.buf, (const int64_t *)job->buffers.buf,
+                    (const int64_t *)job->sizes.buf, job->values, job->parts, job->to_values,
+                    job->streaming,
+                    job->hashes != NULL ? (int64_t *)PyBytes_AS_STRING(job->hashes) : NULL);
+}
+
+static void *copier_main(void *arg)
+{
+    Copier *c = (Copier *)arg;
+    pthread_mutex_lock(&copier_lock);
+    for (;;) {
+        while (c->job == NULL || c->job->state != JOB_PENDING)
+            pthread_cond_wait(&c->posted, &copier_lock);
+        CopyJob *job = c->job;
+        pthread_mutex_unlock(&copier_lock);
+        copy_job_run(job);
+        pthread_mutex_lock(&copier_lock);
+        job->state = JOB_DONE;
+        c->job = NULL;
+        pthread_cond_broadcast(&copier_done);
+    }
+    return NULL;
+}
+
+static void copiers_init(void)
+{
+    for (int i = 0; i < MAX_COPIERS; i++) {
+        pthread_cond_init(&copiers[i].posted, NULL);
+        copiers[i].job = NULL;
+        copiers[i].pid = 0;
+    }
+}
+
+/* In a forked child: no copier runs there yet, and the parent's jobs are not the child's. */
+static void copiers_after_fork(void)
+{
+    pthread_mutex_init(&copier_lock, NULL);
+    pthread_cond_init(&copier_done, NULL);
+    for (int i = 0; i < MAX_COPIERS; i++)
+        if (copiers[i].job != NULL)
+            copiers[i].job->state = JOB_LOST;
+    copiers_init();
+}
+
+/* With copier_lock held: whether copier `c` runs in this process (started now if not). */
+static int copier_ready(Copier *c)
+{
+    pid_t pid = getpid();
+    if (c->pid == pid)
+        return 1;
+    pthread_t thread;
+    pthread_attr_t attr;
+    if (pthread_attr_init(&attr) != 0)
+        return 0;
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int ok = pthread_create(&thread, &attr, copier_main, c) == 0;
+    pthread_attr_destroy(&attr);
+    if (ok)
+        c->pid = pid;
+    return ok;
+}
+
+static void copy_job_release(CopyJob *job)
+{
+    if (job->starts.obj != NULL)
+        PyBuffer_Release(&job->starts);
+    if (job->buffers.obj != NULL)
+        PyBuffer_Release(&job->buffers);
+    if (job->sizes.obj != NULL)
+        PyBuffer_Release(&job->sizes);
+}
+
+/* Block (without the GIL) until its copier is done with `job`. */
+static int copy_job_join(CopyJob *job)
+{
+    int state = JOB_DONE;
+    if (job->posted) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&copier_lock);
+        while (job->state == JOB_PENDING)
+            pthread_cond_wait(&copier_done, &copier_lock);
+        state = job->state;
+        pthread_mutex_unlock(&copier_lock);
+        Py_END_ALLOW_THREADS
+        job->posted = 0;
+    }
+    return state;
+}
+
+static void CopyJob_dealloc(CopyJob *job)
+{
+    copy_job_join(job); /* the copier may still be writing through its buffers */
+    copy_job_release(job);
+    Py_XDECREF(job->hashes);
+    Py_TYPE(job)->tp_free((PyObject *)job);
+}
+
+/* wait() -> bytes or None: the job's hashes (hashed) once its bytes are copied. */
+static PyObject *CopyJob_wait(CopyJob *job, PyObject *unused)
+{
+    (void)unused;
+    if (copy_job_join(job) == JOB_LOST) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "copy_values_start: the copy was in flight in the parent of this fork");
+        return NULL;
+    }
+    copy_job_release(job);
+    return Py_NewRef(job->hashes != NULL ? job->hashes : Py_None);
+}
+
+static PyMethodDef CopyJob_methods[] = {
+    {"wait", (PyCFunction)CopyJob_wait, METH_NOARGS,
+     "wait() -> bytes or None: block (without the GIL) until the copy is done; with hashed,\n"
+     "each value's maru64 as native int64s."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CopyJobType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru.client._memcopy.CopyJob",
+    .tp_basicsize = sizeof(CopyJob),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A copy_values call in flight on a copier thread (copy_values_start).",
+    .tp_dealloc = (destructor)CopyJob_dealloc,
+    .tp_methods = CopyJob_methods,
+};
+
+/* copy_values_start(starts, buffers, sizes, to_values, streaming=True, hashed=False,
+ *                   copier=0) -> CopyJob */
+static PyObject *copy_values_start(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *starts_obj, *buffers_obj, *sizes_obj;
+    int to_values, streaming = 1, hashed = 0, which = 0;
+    if (!PyArg_ParseTuple(args, "OOOp|ppi:copy_values_start", &starts_obj, &buffers_obj,
+                          &sizes_obj, &to_values, &streaming, &hashed, &which))
+        return NULL;
+    if (which < 0 || which >= MAX_COPIERS)
+        return PyErr_Format(PyExc_ValueError, "copy_values_start: copier %d is not 0..%d", which,
+                            MAX_COPIERS - 1);
+    Copier *c = &copiers[which];
+    CopyJob *job = PyObject_New(CopyJob, &CopyJobType);
+    if (job == NULL)
+        return NULL;
+    memset(&job->starts, 0, sizeof(Py_buffer));
+    memset(&job->buffers, 0, sizeof(Py_buffer));
+    memset(&job->sizes, 0, sizeof(Py_buffer));
+    job->hashes = NULL;
+    job->posted = 0;
+    job->state = JOB_PENDING;
+    job->to_values = to_values;
+    job->streaming = streaming;
+    if (int64_buffer(starts_obj, &job->starts, "starts") < 0 ||
+        int64_buffer(buffers_obj, &job->buffers, "buffers") < 0 ||
+        int64_buffer(sizes_obj, &job->sizes, "sizes") < 0)
+        goto fail;
+    job->values = job->starts.len / 8;
+    job->parts = job->sizes.len / 8;
+    if (job->buffers.len / 8 != job->values * job->parts) {
+        PyErr_Format(PyExc_ValueError,
+                     "copy_values_start: %zd buffers for %zd values of %zd parts",
+                     job->buffers.len / 8, job->values, job->parts);
+        goto fail;
+    }
+    const int64_t *z = (const int64_t *)job->sizes.buf;
+    for (Py_ssize_t j = 0; j < job->parts; j++)
+        if (z[j] < 0) {
+            PyErr_SetString(PyExc_ValueError, "copy_values_start: sizes must not be negative");
+            goto fail;
+        }
+    if (hashed && (job->hashes = PyBytes_FromStringAndSize(NULL, job->values * 8)) == NULL)
+        goto fail;
+    int posted = 0;
+    pthread_mutex_lock(&copier_lock);
+    if (c->job == NULL && copier_ready(c)) {
+        c->job = job;
+        job->posted = posted = 1;
+        pthread_cond_signal(&c->posted);
+    }
+    pthread_mutex_unlock(&copier_lock);
+    if (!posted) { /* the copier is busy or cannot run: here, now */
+        Py_BEGIN_ALLOW_THREADS
+        copy_job_run(job);
+        Py_END_ALLOW_THREADS
+        job->state = JOB_DONE;
+    }
+    return (PyObject *)job;
+fail:
+    Py_DECREF(job);
+    return NULL;
+}
+
 /* page_pointers(indices, page, affine) -> bytes: the host pool's side of a batch of KV pages,
  * for a pool whose parts lie at affine addresses: page p starts at token indices[p * page],
  * and its part j at affine[j][0] + indices[p * page] * affine[j][1]; (pages, parts) native
@@ -753,6 +986,10 @@ static PyMethodDef methods[] = {
      "or None: value v (parts of `sizes` back to back from starts[v]; 0: skipped) copied to\n"
      "(to_values False) or from its parts' buffers[v * parts + j]; with hashed, each value's\n"
      "maru64 as native int64s (0 where skipped). See maru.client.memcopy.copy_values."},
+    {"copy_values_start", copy_values_start, METH_VARARGS,
+     "copy_values_start(starts, buffers, sizes, to_values, streaming=True, hashed=False,\n"
+     "copier=0) -> CopyJob: copy_values on copier thread `copier` of this process (0..\n"
+     "MAX_COPIERS - 1); .wait() gives its result."},
     {"page_pointers", page_pointers, METH_VARARGS,
      "page_pointers(indices, page, affine) -> bytes: per page (every page-th int64 index),\n"
      "each part's pointer affine[j][0] + index * affine[j][1], as (pages, parts) int64s."},
@@ -776,12 +1013,18 @@ PyMODINIT_FUNC PyInit__memcopy(void)
         stream_wide_align = 64;
     }
 #endif
+    if (PyType_Ready(&CopyJobType) < 0)
+        return NULL;
+    copiers_init();
+    if (pthread_atfork(NULL, NULL, copiers_after_fork) != 0)
+        return PyErr_NoMemory();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
     /* COPY_VALUES: copy_values_run for other extensions (the capsule's name checks the type) */
     PyObject *capsule = PyCapsule_New((void *)copy_values_run, "maru.copy_values_run", NULL);
     int rc = capsule == NULL || PyModule_AddIntConstant(m, "STREAMING", HAVE_STREAMING) < 0 ||
+             PyModule_AddIntConstant(m, "MAX_COPIERS", MAX_COPIERS) < 0 ||
              PyModule_AddObjectRef(m, "COPY_VALUES", capsule) < 0;
     Py_XDECREF(capsule);
     if (rc) {

@@ -148,6 +148,9 @@ def parse_bool(value: Any, *, name: str = "flag") -> bool:
     raise ConfigError(f"{name}: expected a boolean (true/false), got {value!r}")
 
 
+MAX_COPY_THREADS = 16  # the caller and maru.client._memcopy's MAX_COPIERS copier threads
+
+
 def parse_int(value: Any, *, name: str, minimum: int = 1) -> int:
     """An integer >= `minimum` (1 unless told), from an int or a string of digits."""
     kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
@@ -195,6 +198,10 @@ class MaruConfig:
     expand_size: int | None = None
     local_socket: bool = True  # RPCs over the server's Unix socket when it offers one
     busy_poll_us: int = 200  # spin this long for a reply on the Unix socket before sleeping
+    # Threads that copy a write's pages into the pool: the caller's and copy_threads - 1 native
+    # copier threads, each part at least 1 MiB (one core's copy loop does not take all the
+    # memory bandwidth; maru.client.memcopy.copy_values_split). 1: the caller alone.
+    copy_threads: int = 2
     # Find keys in the index the server publishes in shared memory (clients on its node, via
     # the Unix socket): exists and copying reads send no request (maru.client.localindex).
     local_index: bool = True
@@ -247,6 +254,9 @@ class MaruConfig:
         self.timeout_ms = parse_int(self.timeout_ms, name="timeout_ms")
         self.max_inflight = parse_int(self.max_inflight, name="max_inflight")
         self.busy_poll_us = parse_int(self.busy_poll_us, name="busy_poll_us", minimum=0)
+        self.copy_threads = parse_int(self.copy_threads, name="copy_threads")
+        if self.copy_threads > MAX_COPY_THREADS:
+            raise ConfigError(f"copy_threads: at most {MAX_COPY_THREADS}, got {self.copy_threads}")
         for f in dataclasses.fields(self):
             if f.type == "bool":  # every flag (the annotations are strings here)
                 setattr(self, f.name, parse_bool(getattr(self, f.name), name=f.name))
