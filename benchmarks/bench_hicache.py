@@ -27,7 +27,9 @@ figure saw the same machine state:
   into dummy pages + `set_from_flat_data_page`). Methods alternate within each repetition,
   in an order shuffled per repetition (no method always follows the same one); ratios are
   medians of per-repetition ratios. The limit of issue 17's targets is the fastest of the
-  three plain copies (memcpy, shm, stream) in the same repetition.
+  three plain copies (memcpy, shm, stream) in the same repetition: one thread's. `stream2`,
+  the same loop shared by two threads (`copy_values_split`, as MaruStorage's writes copy with
+  the default `maru_copy_threads` 2), is printed beside it, not part of it.
 - Before / after of issue 17's shared-memory index: where `MaruConfig` has `local_index`
   (config key `maru_local_index`), every Maru measurement is also made with it off
   ("request": the request path), alternating with the default; where it has not, the one
@@ -289,15 +291,20 @@ def _warm_shm(nbytes: int) -> tuple[mmap.mmap, int]:
     return mm, _addr(np.frombuffer(mm, dtype=np.uint8, count=1))
 
 
-def _copy_pages(part_ptrs, sizes, base, to_pool, s, n, streaming) -> None:
+def _copy_pages(part_ptrs, sizes, base, to_pool, s, n, streaming, threads=1) -> None:
     """Pages [s, s + n) of a pool (its parts' pointer columns and sizes) to or from `base`,
     where the pages lie back to back, each page's parts back to back: one `copy_values` call,
-    page by page (each page's parts in order), like MaruStorage."""
-    from maru.client.memcopy import copy_values
+    page by page (each page's parts in order), like MaruStorage; `threads` > 1: shared
+    between threads as MaruStorage's writes share theirs (`copy_values_split`)."""
+    from maru.client import memcopy
 
     starts = base + np.arange(s, s + n, dtype=np.int64) * sum(sizes)
     pool = np.stack([ptrs[s : s + n] for ptrs in part_ptrs], axis=1)
-    copy_values(starts, pool, sizes, to_values=not to_pool, streaming=streaming)
+    if threads > 1:
+        sizes = np.asarray(sizes, dtype=np.int64)
+        memcopy.copy_values_split(starts, pool, sizes, to_values=not to_pool, threads=threads)
+        return
+    memcopy.copy_values(starts, pool, sizes, to_values=not to_pool, streaming=streaming)
 
 
 class Instance:
@@ -465,11 +472,15 @@ class Instance:
             count += 1
         return count
 
-    def _copy(self, base: int, to_pool: bool, s: int, n: int, streaming: bool = False) -> int:
+    def _copy(
+        self, base: int, to_pool: bool, s: int, n: int, streaming: bool = False, threads: int = 1
+    ) -> int:
         """Pages [s, s + n) between the host pool and `base` (pages back to back, each page's
         parts back to back): one `copy_values`, page by page, like MaruStorage. Plain memmove unless
-        `streaming` (the non-temporal stores MaruStorage's copies use)."""
-        _copy_pages(self.part_ptrs, self.sizes[: self.parts], base, to_pool, s, n, streaming)
+        `streaming` (the non-temporal stores MaruStorage's copies use); `threads`: shared."""
+        _copy_pages(
+            self.part_ptrs, self.sizes[: self.parts], base, to_pool, s, n, streaming, threads
+        )
         return n
 
     def _memcpy_set(self, keys, idx, s, n) -> int:
@@ -489,6 +500,12 @@ class Instance:
 
     def _stream_get(self, keys, idx, s, n) -> int:
         return self._copy(self.shm_addr, True, s, n, streaming=True)
+
+    def _stream2_set(self, keys, idx, s, n) -> int:
+        return self._copy(self.shm_addr, False, s, n, streaming=True, threads=STREAM2_THREADS)
+
+    def _stream2_get(self, keys, idx, s, n) -> int:
+        return self._copy(self.shm_addr, True, s, n, streaming=True, threads=STREAM2_THREADS)
 
     def stored_keys(self, tag: str, count: int) -> list[str]:
         """The Maru keys (namespaced) that storing pages [0, count) of `tag` wrote."""
@@ -717,8 +734,12 @@ class HybridInstance(Instance):
     def _file_get(self, keys, idx, s, n) -> int:
         return self._done(self.file.batch_get_v2(self._transfers(keys, idx, s, n)), n)
 
-    def _copy(self, base: int, to_pool: bool, s: int, n: int, streaming: bool = False) -> int:
-        _copy_pages(self.part_ptrs, self.sizes[: self.parts], base, to_pool, s, n, streaming)
+    def _copy(
+        self, base: int, to_pool: bool, s: int, n: int, streaming: bool = False, threads: int = 1
+    ) -> int:
+        _copy_pages(
+            self.part_ptrs, self.sizes[: self.parts], base, to_pool, s, n, streaming, threads
+        )
         states = self._state_range(s, n)
         st_sizes = self.sizes[len(self.sizes) - self.states * self.st_parts :][: self.st_parts]
         _copy_pages(
@@ -729,6 +750,7 @@ class HybridInstance(Instance):
             states.start,
             len(states),
             streaming,
+            threads,
         )
         return n
 
@@ -1039,7 +1061,10 @@ def size_label(n: int) -> str:
 # request: Maru with the shared-memory index off (only where it exists: `Plan.ab`); checked:
 # Maru with maru_checksums on.
 COPIES = ("memcpy", "shm", "stream")
-BACKENDS = [*COPIES, "maru", "request", "checked", "file"]
+# stream2: the same loop on two threads (`copy_values_split`), as MaruStorage's writes copy
+# with the default `maru_copy_threads`; printed beside the limit, not part of it.
+STREAM2_THREADS = 2
+BACKENDS = [*COPIES, "stream2", "maru", "request", "checked", "file"]
 MARUS = ("maru", "request", "checked")  # MaruStorage backends of an Instance
 STORES = (*MARUS, "file")  # what stores under keys (read back and checked)
 # Writes take no index (registering stays a request): "request" only reads, what "maru" wrote.
@@ -1584,7 +1609,8 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
         lines.append("maru wrote (writes take no index).")
     lines.append("/limit: median over repetitions of GB/s / the fastest of memcpy, shm and stream")
     lines.append("in the same repetition (issue 17's targets); /memcpy: the same against the")
-    lines.append("faster of memcpy and shm.")
+    lines.append("faster of memcpy and shm. stream2: stream on two threads, as Maru's writes")
+    lines.append("copy (maru_copy_threads 2); not part of the limit.")
     lines.append("1-page: latency of one call moving one page (file: batch_set/get of one page).")
     lines.append("")
     lines.append("Checksums (maru_checksums: maru64 of every page, hashed in the copy loop by the")
@@ -1742,6 +1768,7 @@ def plot(path, rows, inst, keys) -> bool:
         "memcpy": "#888888",
         "shm": "#bbbbbb",
         "stream": "#2ca02c",
+        "stream2": "#98df8a",
         "maru": "#1f77b4",
         "request": "#17becf",
         "checked": "#9467bd",
