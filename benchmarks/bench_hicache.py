@@ -28,8 +28,8 @@ figure saw the same machine state:
   in an order shuffled per repetition (no method always follows the same one); ratios are
   medians of per-repetition ratios. The limit of issue 17's targets is the fastest of the
   three plain copies (memcpy, shm, stream) in the same repetition: one thread's. `stream2`,
-  the same loop shared by two threads (`copy_values_split`, as MaruStorage's writes copy with
-  the default `maru_copy_threads` 2), is printed beside it, not part of it.
+  the same loop shared by two threads (as MaruStorage copies with the default
+  `maru_copy_threads` 2), is printed beside it, not part of it.
 - Before / after of issue 17's shared-memory index: where `MaruConfig` has `local_index`
   (config key `maru_local_index`), every Maru measurement is also made with it off
   ("request": the request path), alternating with the default; where it has not, the one
@@ -295,16 +295,14 @@ def _copy_pages(part_ptrs, sizes, base, to_pool, s, n, streaming, threads=1) -> 
     """Pages [s, s + n) of a pool (its parts' pointer columns and sizes) to or from `base`,
     where the pages lie back to back, each page's parts back to back: one `copy_values` call,
     page by page (each page's parts in order), like MaruStorage; `threads` > 1: shared
-    between threads as MaruStorage's writes share theirs (`copy_values_split`)."""
+    between threads as MaruStorage shares its copies (`maru_copy_threads`)."""
     from maru.client import memcopy
 
     starts = base + np.arange(s, s + n, dtype=np.int64) * sum(sizes)
     pool = np.stack([ptrs[s : s + n] for ptrs in part_ptrs], axis=1)
-    if threads > 1:
-        sizes = np.asarray(sizes, dtype=np.int64)
-        memcopy.copy_values_split(starts, pool, sizes, to_values=not to_pool, threads=threads)
-        return
-    memcopy.copy_values(starts, pool, sizes, to_values=not to_pool, streaming=streaming)
+    memcopy.copy_values(
+        starts, pool, sizes, to_values=not to_pool, streaming=streaming, threads=threads
+    )
 
 
 class Instance:
@@ -1061,8 +1059,8 @@ def size_label(n: int) -> str:
 # request: Maru with the shared-memory index off (only where it exists: `Plan.ab`); checked:
 # Maru with maru_checksums on.
 COPIES = ("memcpy", "shm", "stream")
-# stream2: the same loop on two threads (`copy_values_split`), as MaruStorage's writes copy
-# with the default `maru_copy_threads`; printed beside the limit, not part of it.
+# stream2: the same loop on two threads, as MaruStorage copies with the default
+# `maru_copy_threads`; printed beside the limit, not part of it.
 STREAM2_THREADS = 2
 BACKENDS = [*COPIES, "stream2", "maru", "request", "checked", "file"]
 MARUS = ("maru", "request", "checked")  # MaruStorage backends of an Instance
@@ -1609,8 +1607,8 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
         lines.append("maru wrote (writes take no index).")
     lines.append("/limit: median over repetitions of GB/s / the fastest of memcpy, shm and stream")
     lines.append("in the same repetition (issue 17's targets); /memcpy: the same against the")
-    lines.append("faster of memcpy and shm. stream2: stream on two threads, as Maru's writes")
-    lines.append("copy (maru_copy_threads 2); not part of the limit.")
+    lines.append("faster of memcpy and shm. stream2: stream on two threads, as Maru copies")
+    lines.append("(maru_copy_threads 2); not part of the limit.")
     lines.append("1-page: latency of one call moving one page (file: batch_set/get of one page).")
     lines.append("")
     lines.append("Checksums (maru_checksums: maru64 of every page, hashed in the copy loop by the")

@@ -267,18 +267,19 @@ def fused_copier() -> Iterator:
     global _COPIER
     if _COPIER is None:
         vp, size = ctypes.c_void_p, ctypes.c_ssize_t
-        _COPIER = ctypes.CFUNCTYPE(None, vp, vp, vp, size, size, ctypes.c_int, ctypes.c_int, vp)
+        c_int = ctypes.c_int
+        _COPIER = ctypes.CFUNCTYPE(None, vp, vp, vp, size, size, c_int, c_int, vp, c_int)
     new_capsule = ctypes.pythonapi.PyCapsule_New
     new_capsule.restype = ctypes.py_object
     new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    name = b"maru.copy_values_run"  # (the capsule keeps a pointer to it: it lives on here)
+    name = b"maru.copy_values_threads"  # (the capsule keeps a pointer to it: it lives on here)
     kept, errors = [], []
 
     def array(address, n):
         return np.ctypeslib.as_array((ctypes.c_int64 * n).from_address(address)) if n else []
 
     def make(before_copy):
-        def run(starts, buffers, sizes, values, parts, to_values, streaming, hashes):
+        def run(starts, buffers, sizes, values, parts, to_values, streaming, hashes, threads):
             try:
                 before_copy()
             except BaseException as exc:  # (a ctypes callback cannot raise)
@@ -286,7 +287,12 @@ def fused_copier() -> Iterator:
             starts_, sizes_ = np.array(array(starts, values)), np.array(array(sizes, parts))
             rows = np.array(array(buffers, values * parts)).reshape(values, parts)
             sums = copy_values(
-                starts_, rows, sizes_, to_values=bool(to_values), hashed=bool(hashes)
+                starts_,
+                rows,
+                sizes_,
+                to_values=bool(to_values),
+                hashed=bool(hashes),
+                threads=threads,
             )
             if hashes:
                 array(hashes, values)[:] = sums

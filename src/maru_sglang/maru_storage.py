@@ -436,7 +436,10 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                 first, offset = offset, offset + len(batch.keys)
                 if ok:
                     copy = functools.partial(
-                        batch.pool.copy_out, buffers=batch.buffers, hashed=hashed
+                        batch.pool.copy_out,
+                        buffers=batch.buffers,
+                        hashed=hashed,
+                        threads=self.config.copy_threads,
                     )
                     found.copy_out(copy, batch.pool.page_bytes, start=first, stop=offset)
             corrupt = found.corrupt()  # after the copies, of the bytes the copies read

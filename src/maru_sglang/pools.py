@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-from maru.client.memcopy import copy_many_hashed, copy_values, copy_values_split, page_pointers
+from maru.client.memcopy import copy_many_hashed, copy_values, page_pointers
 
 log = logging.getLogger(__name__)
 
@@ -258,8 +258,8 @@ class PoolIO:
     ) -> np.ndarray | None:
         """Copy pages [first, last) of a batch (`buffers`: its `pointers`) from the host pool
         to `dst`, `stride` apart, each page's parts back to back; `hashed`: also return each
-        page's checksum, computed as it is copied (`maru_checksums`). `threads`: split among
-        up to that many threads (`maru_copy_threads`, `copy_values_split`)."""
+        page's checksum, computed as it is copied (`maru_checksums`). `threads`: shared by
+        up to that many threads (`maru_copy_threads`, `copy_values`)."""
         if self.whole_page:
             hashes = np.zeros(last - first, np.int64)
             for i, index in enumerate(buffers[first:last, 0].tolist()):
@@ -267,21 +267,16 @@ class PoolIO:
                 hashes[i] = self._copy_page(dst + i * stride, data.data_ptr(), hashed)
             return hashes if hashed else None
         starts = dst + np.arange(last - first, dtype=np.int64) * stride
-        return copy_values_split(
-            starts,
-            np.ascontiguousarray(buffers[first:last]),
-            self.sizes,
-            to_values=True,
-            threads=threads,
-            hashed=hashed,
+        return copy_values(
+            starts, buffers[first:last], self.sizes, to_values=True, hashed=hashed, threads=threads
         )
 
     def copy_out(
-        self, addresses: np.ndarray, buffers: np.ndarray, hashed: bool = False
+        self, addresses: np.ndarray, buffers: np.ndarray, hashed: bool = False, threads: int = 1
     ) -> np.ndarray | None:
         """Copy each page stored at `addresses` (its parts back to back; 0: skipped) into the
         host pool (`buffers`: the batch's `pointers`); `hashed`: also return each page's
-        checksum, of the bytes as they were read (0 where skipped)."""
+        checksum, of the bytes as they were read (0 where skipped); `threads`: as `copy_in`."""
         if self.whole_page:
             page = self.pool.get_dummy_flat_data_page()
             hashes = np.zeros(len(addresses), np.int64)
@@ -290,7 +285,9 @@ class PoolIO:
                     hashes[i] = self._copy_page(page.data_ptr(), address, hashed)
                     self.pool.set_from_flat_data_page(index, page)
             return hashes if hashed else None
-        return copy_values(addresses, buffers, self.sizes, to_values=False, hashed=hashed)
+        return copy_values(
+            addresses, buffers, self.sizes, to_values=False, hashed=hashed, threads=threads
+        )
 
     def _copy_page(self, dst: int, src: int, hashed: bool) -> int:
         """One whole page (`page_bytes`), and its checksum when `hashed` (else 0)."""

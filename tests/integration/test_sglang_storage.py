@@ -353,35 +353,30 @@ def test_with_checksums_pages_are_hashed_by_the_copies_not_read_again(maru_serve
     checked.close()
 
 
-def test_a_write_split_between_copier_threads_reads_back_the_bytes_written(
-    maru_server, monkeypatch
-):
-    """`maru_copy_threads` 3: a 3 MiB write's copy goes to the calling thread and two copier
-    threads (`copy_values_split`); another instance reads every page back as written, and
-    with checksums (made by the three copies) none mismatches."""
+def test_copies_shared_between_threads_read_back_the_bytes_written(maru_server):
+    """`maru_copy_threads` 3: a 3 MiB write's copy and the read's go to the calling thread and
+    two copier threads each (`copy_values`); another instance reads every page back as
+    written, and with checksums (made by the three threads' copies) none mismatches."""
     import maru.client.memcopy as memcopy
 
     if not memcopy.COMPILED:
         pytest.skip("maru.client._memcopy not built: no copier threads")
-    handed = []
-    real = memcopy._c_copy_values_start
-    monkeypatch.setattr(memcopy, "_c_copy_values_start", lambda *a: handed.append(a) or real(*a))
     g = Geometry(page_size=16, layers=4, heads=8, head_dim=64)  # 128 KiB pages
-    more = {"maru_checksums": True}
-    writer = MaruStorage(
-        storage_config(extra=_extra(maru_server.url, maru_copy_threads=3, **more)), {}
-    )
+    extra = _extra(maru_server.url, maru_copy_threads=3, maru_checksums=True)
+    writer = MaruStorage(storage_config(extra=extra), {})
     writer.register_mem_pool_host(make_host_pool(g))
-    reader = MaruStorage(storage_config(extra=_extra(maru_server.url, **more)), {})
+    reader = MaruStorage(storage_config(extra=extra), {})
     reader.register_mem_pool_host(make_host_pool(g))
     n = 24
     keys = [f"split-{i}" for i in range(n)]
     src, pages = _written(writer, g, keys, seed=5)
+    before = memcopy.copier_tasks()
     assert writer.batch_set_v1(keys, src) == [True] * n
-    assert len(handed) == 2  # three groups of 1 MiB: two on copiers
+    assert memcopy.copier_tasks() - before == 2  # three groups of 1 MiB: two on copiers
     writer.confirm_writes()
     dst = page_indices(n + 2, n, g.page_size)
     assert reader.batch_get_v1(keys, dst) == [True] * n
+    assert memcopy.copier_tasks() - before == 4  # the read's copy too
     assert all(torch.equal(a, b) for a, b in zip(read(reader.mem_pool_host, dst, n), pages))
     assert reader.handler.checksum_mismatches == 0
     writer.close()

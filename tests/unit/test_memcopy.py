@@ -220,7 +220,7 @@ def test_page_pointers_give_each_pages_parts_from_its_first_index(monkeypatch, c
             memcopy._c_page_pointers(indices[:5], page, affine)
 
 
-# -- copy_values_split: a write's copy on several threads ---------------------------------------
+# -- copy_values on several threads (maru_copy_threads) -----------------------------------------
 
 needs_c = pytest.mark.skipif(not memcopy.COMPILED, reason="maru.client._memcopy not built")
 
@@ -242,16 +242,28 @@ def _split_case(values: int, parts: tuple[int, ...], seed: int = 3):
 @needs_c
 @pytest.mark.parametrize("threads", [1, 2, 3, 16])
 @pytest.mark.parametrize("hashed", [False, True])
-def test_a_split_copy_is_the_same_copy_as_one_thread(threads, hashed):
+@pytest.mark.parametrize("to_values", [True, False], ids=["store", "load"])
+def test_a_shared_copy_is_the_same_copy_as_one_threads(threads, hashed, to_values):
     """Every byte where one thread puts it, nothing past the values, and with `hashed` the
-    same per-value checksums, whatever the split (values not a multiple of the groups)."""
-    _src, dst, starts, buffers, sizes, expect = _split_case(37, (160 * 1024, 96 * 1024))
-    got = memcopy.copy_values_split(
-        starts, buffers, sizes, to_values=True, threads=threads, hashed=hashed
-    )
+    same per-value checksums, whatever the split (values not a multiple of the groups), for
+    stores and loads."""
+    src, dst, starts, buffers, sizes, expect = _split_case(37, (160 * 1024, 96 * 1024))
     n = expect.size
-    assert np.array_equal(dst[:n], expect)
-    assert not dst[n:].any()
+    if not to_values:  # a load: the values (dst) are the source, scattered parts the target
+        dst[:n] = expect
+        src[:] = 0
+    before = memcopy.copier_tasks()
+    got = memcopy.copy_values(
+        starts, buffers, sizes, to_values=to_values, threads=threads, hashed=hashed
+    )
+    assert memcopy.copier_tasks() - before == min(threads, 9) - 1  # 9 MiB: groups >= 1 MiB
+    if to_values:
+        assert np.array_equal(dst[:n], expect)
+        assert not dst[n:].any()
+    else:
+        again = memcopy.copy_values(starts, buffers, sizes, to_values=True)  # back: same bytes
+        assert again is None and np.array_equal(dst[:n], expect)
+        assert not src[-4096:].any()  # nothing past the parts
     if hashed:
         reference = memcopy.copy_values(starts, buffers, sizes, to_values=True, hashed=True)
         assert got is not None and np.array_equal(got, reference)
@@ -260,18 +272,16 @@ def test_a_split_copy_is_the_same_copy_as_one_thread(threads, hashed):
 
 
 @needs_c
-def test_a_copy_too_small_to_split_stays_on_the_calling_thread(monkeypatch):
-    """Parts under SPLIT_MIN_BYTES are not handed to a copier (a wake-up would cost more)."""
-    started = []
-    real = memcopy._c_copy_values_start
-    monkeypatch.setattr(memcopy, "_c_copy_values_start", lambda *a: started.append(a) or real(*a))
+def test_a_copy_too_small_to_share_stays_on_the_calling_thread():
+    """Groups under 1 MiB are not handed to a copier (a wake-up would cost more)."""
     _src, dst, starts, buffers, sizes, expect = _split_case(4, (64 * 1024,))
-    memcopy.copy_values_split(starts, buffers, sizes, to_values=True, threads=4)
-    assert started == []
+    before = memcopy.copier_tasks()
+    memcopy.copy_values(starts, buffers, sizes, to_values=True, threads=4)
+    assert memcopy.copier_tasks() == before
     assert np.array_equal(dst[: expect.size], expect)
     _src, dst, starts, buffers, sizes, expect = _split_case(64, (64 * 1024,))  # 4 MiB
-    memcopy.copy_values_split(starts, buffers, sizes, to_values=True, threads=4)
-    assert len(started) == 3  # four groups of 1 MiB: three on copiers
+    memcopy.copy_values(starts, buffers, sizes, to_values=True, threads=4)
+    assert memcopy.copier_tasks() - before == 3  # four groups of 1 MiB: three on copiers
     assert np.array_equal(dst[: expect.size], expect)
 
 
@@ -280,28 +290,29 @@ def test_a_forked_child_starts_copiers_of_its_own():
     """A child forked after the parent's copiers started (SGLang forks its workers) copies
     with copiers of its own; the parent's go on serving the parent."""
     _src, dst, starts, buffers, sizes, expect = _split_case(48, (128 * 1024,))
-    memcopy.copy_values_split(starts, buffers, sizes, to_values=True, threads=2)  # started
+    memcopy.copy_values(starts, buffers, sizes, to_values=True, threads=2)  # (started)
     dst[:] = 0
     pid = os.fork()
     if pid == 0:  # (no pytest in here: only the exit status)
         try:
-            memcopy.copy_values_split(starts, buffers, sizes, to_values=True, threads=3)
-            os._exit(0 if np.array_equal(dst[: expect.size], expect) else 1)
+            before = memcopy.copier_tasks()
+            memcopy.copy_values(starts, buffers, sizes, to_values=True, threads=3)
+            handed = memcopy.copier_tasks() - before == 2
+            os._exit(0 if handed and np.array_equal(dst[: expect.size], expect) else 1)
         except BaseException:
             os._exit(2)
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0
     assert not dst.any()  # the child's copy was the child's
-    memcopy.copy_values_split(starts, buffers, sizes, to_values=True, threads=2)
+    memcopy.copy_values(starts, buffers, sizes, to_values=True, threads=2)
     assert np.array_equal(dst[: expect.size], expect)
 
 
 @needs_c
-def test_copy_values_start_refuses_a_copier_that_does_not_exist():
-    from maru.client._memcopy import MAX_COPIERS, copy_values_start
-
-    _, _, starts, buffers, sizes, _ = _split_case(2, (4096,))
-    with pytest.raises(ValueError, match="copier"):
-        copy_values_start(starts, buffers, sizes, True, True, False, MAX_COPIERS)
-    with pytest.raises(ValueError, match="buffers"):
-        copy_values_start(starts, buffers[:1], sizes, True, True, False, 0)
+def test_threads_share_only_streaming_copies():
+    """A plain memmove (the benchmarks' baseline, `streaming=False`) stays one thread's."""
+    _src, dst, starts, buffers, sizes, expect = _split_case(16, (512 * 1024,))
+    before = memcopy.copier_tasks()
+    memcopy.copy_values(starts, buffers, sizes, to_values=True, threads=4, streaming=False)
+    assert memcopy.copier_tasks() == before
+    assert np.array_equal(dst[: expect.size], expect)

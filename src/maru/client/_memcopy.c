@@ -581,7 +581,8 @@ done:
  * starts[v] (0: skipped), each part's other side at buffers[v * parts + j]; to_values copies
  * buffers -> values, else values -> buffers. With `hashes` (not NULL), hashes[v] is the maru64
  * of value v's bytes (0 where skipped). The local index's fused read (`_shmindex.c`,
- * `Reader.read`) calls this through the capsule `COPY_VALUES`: one loop for both. */
+ * `Reader.read`) calls it through `copy_values_threads` and the capsule `COPY_VALUES`: one
+ * loop for both. */
 static void copy_values_run(const int64_t *starts, const int64_t *buffers, const int64_t *sizes,
                             Py_ssize_t values, Py_ssize_t parts, int to_values, int streaming,
                             int64_t *hashes)
@@ -620,12 +621,167 @@ static void copy_values_run(const int64_t *starts, const int64_t *buffers, const
 #endif
 }
 
+/* ---- copy_values on several threads -------------------------------------------------------
+ *
+ * One core's copy loop moves less than the memory can take (a core has only so many misses in
+ * flight, and memory with CXL's latency needs more of them): `copy_values_threads` shares a
+ * copy between the calling thread and copier threads, contiguous groups of values of at least
+ * SPLIT_MIN_BYTES each (handing a group over costs a thread wake-up, ~20-60 us on a VM: the
+ * time 1 MiB takes to copy). Copier i is a native thread of this process, started on first
+ * use; it never touches Python objects (no GIL). The call returns when every group is copied:
+ * each thread's sfence and the lock that publishes "done" order the bytes before anything
+ * the caller does next (a write registers its keys, a read checks its entries). A copier busy
+ * with another thread's copy, or one that cannot be started, leaves its group to the caller.
+ * After a fork the child starts copiers of its own (only the forking thread lives on there:
+ * no copy of the parent's is waited for in the child). */
+
+#define MAX_COPIERS 15
+#define SPLIT_MIN_BYTES (1 << 20)
+
+enum { TASK_PENDING, TASK_DONE };
+
+typedef struct {
+    const int64_t *starts, *buffers, *sizes;
+    Py_ssize_t values, parts;
+    int to_values, streaming;
+    int64_t *hashes;
+    int state; /* TASK_*, under copier_lock */
+} CopyTask;
+
+typedef struct {
+    pthread_cond_t posted; /* a task was put in `task` */
+    CopyTask *task;        /* the task this copier runs or will run next */
+    pid_t pid;             /* the process in which this copier runs (0: not started) */
+} Copier;
+
+static pthread_mutex_t copier_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t copier_done = PTHREAD_COND_INITIALIZER;
+static Copier copiers[MAX_COPIERS];
+static uint64_t copier_tasks = 0; /* groups handed to copiers (tests, benchmarks) */
+
+static void copy_task_run(const CopyTask *t)
+{
+    copy_values_run(t->starts, t->buffers, t->sizes, t->values, t->parts, t->to_values,
+                    t->streaming, t->hashes);
+}
+
+static void *copier_main(void *arg)
+{
+    Copier *c = (Copier *)arg;
+    pthread_mutex_lock(&copier_lock);
+    for (;;) {
+        while (c->task == NULL)
+            pthread_cond_wait(&c->posted, &copier_lock);
+        CopyTask *task = c->task;
+        pthread_mutex_unlock(&copier_lock);
+        copy_task_run(task);
+        pthread_mutex_lock(&copier_lock);
+        task->state = TASK_DONE;
+        c->task = NULL;
+        pthread_cond_broadcast(&copier_done);
+    }
+    return NULL;
+}
+
+static void copiers_init(void)
+{
+    for (int i = 0; i < MAX_COPIERS; i++) {
+        pthread_cond_init(&copiers[i].posted, NULL);
+        copiers[i].task = NULL;
+        copiers[i].pid = 0;
+    }
+}
+
+static void copiers_after_fork(void)
+{
+    pthread_mutex_init(&copier_lock, NULL);
+    pthread_cond_init(&copier_done, NULL);
+    copiers_init();
+}
+
+/* With copier_lock held: whether copier `c` runs in this process (started now if not). */
+static int copier_ready(Copier *c)
+{
+    pid_t pid = getpid();
+    if (c->pid == pid)
+        return 1;
+    pthread_t thread;
+    pthread_attr_t attr;
+    if (pthread_attr_init(&attr) != 0)
+        return 0;
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int ok = pthread_create(&thread, &attr, copier_main, c) == 0;
+    pthread_attr_destroy(&attr);
+    if (ok)
+        c->pid = pid;
+    return ok;
+}
+
+/* copy_values_run shared by up to `threads` threads (see above). Needs no GIL. */
+static void copy_values_threads(const int64_t *starts, const int64_t *buffers,
+                                const int64_t *sizes, Py_ssize_t values, Py_ssize_t parts,
+                                int to_values, int streaming, int64_t *hashes, int threads)
+{
+    int64_t value_bytes = 0;
+    for (Py_ssize_t j = 0; j < parts; j++)
+        value_bytes += sizes[j];
+    int64_t by_size = value_bytes > 0 ? (int64_t)values * value_bytes / SPLIT_MIN_BYTES : 0;
+    Py_ssize_t groups = threads;
+    if (groups > MAX_COPIERS + 1)
+        groups = MAX_COPIERS + 1;
+    if (groups > values)
+        groups = values;
+    if (groups > by_size)
+        groups = (Py_ssize_t)by_size;
+    if (groups <= 1 || !streaming) {
+        copy_values_run(starts, buffers, sizes, values, parts, to_values, streaming, hashes);
+        return;
+    }
+    CopyTask tasks[MAX_COPIERS];
+    int posted[MAX_COPIERS];
+    pthread_mutex_lock(&copier_lock);
+    for (Py_ssize_t g = 1; g < groups; g++) {
+        Py_ssize_t a = values * g / groups, b = values * (g + 1) / groups;
+        CopyTask *t = &tasks[g - 1];
+        *t = (CopyTask){starts + a, buffers + a * parts, sizes, b - a, parts, to_values,
+                        streaming, hashes != NULL ? hashes + a : NULL, TASK_PENDING};
+        Copier *c = &copiers[g - 1];
+        posted[g - 1] = c->task == NULL && copier_ready(c);
+        if (posted[g - 1]) {
+            c->task = t;
+            copier_tasks++;
+            pthread_cond_signal(&c->posted);
+        }
+    }
+    pthread_mutex_unlock(&copier_lock);
+    Py_ssize_t first = values / groups;
+    copy_values_run(starts, buffers, sizes, first, parts, to_values, streaming, hashes);
+    for (Py_ssize_t g = 1; g < groups; g++)
+        if (!posted[g - 1])
+            copy_task_run(&tasks[g - 1]);
+    pthread_mutex_lock(&copier_lock);
+    for (Py_ssize_t g = 1; g < groups; g++)
+        while (posted[g - 1] && tasks[g - 1].state == TASK_PENDING)
+            pthread_cond_wait(&copier_done, &copier_lock);
+    pthread_mutex_unlock(&copier_lock);
+}
+
+static PyObject *copier_tasks_get(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    pthread_mutex_lock(&copier_lock);
+    uint64_t n = copier_tasks;
+    pthread_mutex_unlock(&copier_lock);
+    return PyLong_FromUnsignedLongLong(n);
+}
+
 static PyObject *copy_values(PyObject *self, PyObject *args)
 {
     PyObject *starts_obj, *buffers_obj, *sizes_obj;
-    int to_values, streaming = 1, hashed = 0;
-    if (!PyArg_ParseTuple(args, "OOOp|pp:copy_values", &starts_obj, &buffers_obj, &sizes_obj,
-                          &to_values, &streaming, &hashed))
+    int to_values, streaming = 1, hashed = 0, threads = 1;
+    if (!PyArg_ParseTuple(args, "OOOp|ppi:copy_values", &starts_obj, &buffers_obj, &sizes_obj,
+                          &to_values, &streaming, &hashed, &threads))
         return NULL;
     Py_buffer starts = {0}, buffers = {0}, sizes = {0};
     PyObject *out = NULL;
@@ -652,8 +808,8 @@ static PyObject *copy_values(PyObject *self, PyObject *args)
         hashes = (int64_t *)PyBytes_AS_STRING(out);
     }
     Py_BEGIN_ALLOW_THREADS
-    copy_values_run((const int64_t *)starts.buf, (const int64_t *)buffers.buf, z, values, parts,
-                    to_values, streaming, hashes);
+    copy_values_threads((const int64_t *)starts.buf, (const int64_t *)buffers.buf, z, values,
+                        parts, to_values, streaming, hashes, threads);
     Py_END_ALLOW_THREADS
     if (out == NULL)
         out = Py_NewRef(Py_None);
@@ -665,237 +821,6 @@ done:
     if (sizes.obj != NULL)
         PyBuffer_Release(&sizes);
     return out;
-}
-
-/* ---- copy_values on copier threads -----------------------------------------------------
- *
- * One core's copy loop moves less than the memory can take (a core has only so many misses in
- * flight; memory with CXL's latency needs more of them): a large write is split between the
- * calling thread and copier threads (`maru.client.memcopy.copy_values_split`). Copier i is a
- * native thread of this process, started on first use; `copy_values_start(..., copier=i)`
- * hands it a copy and returns at once, `CopyJob.wait()` returns when the bytes are in place
- * (the copier's sfence and the lock that publishes "done" order them before anything the
- * caller sends next: a page's key is registered after its bytes). The copiers never touch
- * Python objects: they need no GIL. While copier i is busy (another thread's job), or where it
- * cannot be started, the job runs on the calling thread before `copy_values_start` returns.
- * After a fork the child starts copiers of its own; a job the parent had in flight is not the
- * child's (its wait raises). */
-
-#define MAX_COPIERS 15
-
-enum { JOB_PENDING, JOB_DONE, JOB_LOST };
-
-typedef struct {
-    PyObject_HEAD
-    Py_buffer starts, buffers, sizes;
-    PyObject *hashes; /* bytes filled by the copy (hashed), else NULL */
-    Py_ssize_t values, parts;
-    int to_values, streaming;
-    int state;  /* JOB_*: written under copier_lock once the job was posted */
-    int posted; /* handed to a copier (else it ran on the caller's thread) */
-} CopyJob;
-
-typedef struct {
-    pthread_cond_t posted; /* a job was put in `job` */
-    CopyJob *job;          /* the job this copier runs or will run next */
-    pid_t pid;             /* the process in which this copier runs (0: not started) */
-} Copier;
-
-static pthread_mutex_t copier_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t copier_done = PTHREAD_COND_INITIALIZER;
-static Copier copiers[MAX_COPIERS];
-
-static void copy_job_run(CopyJob *job)
-{
-    copy_values_run((const int64_t *)job->starts.buf, (const int64_t *)job->buffers.buf,
-                    (const int64_t *)job->sizes.buf, job->values, job->parts, job->to_values,
-                    job->streaming,
-                    job->hashes != NULL ? (int64_t *)PyBytes_AS_STRING(job->hashes) : NULL);
-}
-
-static void *copier_main(void *arg)
-{
-    Copier *c = (Copier *)arg;
-    pthread_mutex_lock(&copier_lock);
-    for (;;) {
-        while (c->job == NULL || c->job->state != JOB_PENDING)
-            pthread_cond_wait(&c->posted, &copier_lock);
-        CopyJob *job = c->job;
-        pthread_mutex_unlock(&copier_lock);
-        copy_job_run(job);
-        pthread_mutex_lock(&copier_lock);
-        job->state = JOB_DONE;
-        c->job = NULL;
-        pthread_cond_broadcast(&copier_done);
-    }
-    return NULL;
-}
-
-static void copiers_init(void)
-{
-    for (int i = 0; i < MAX_COPIERS; i++) {
-        pthread_cond_init(&copiers[i].posted, NULL);
-        copiers[i].job = NULL;
-        copiers[i].pid = 0;
-    }
-}
-
-/* In a forked child: no copier runs there yet, and the parent's jobs are not the child's. */
-static void copiers_after_fork(void)
-{
-    pthread_mutex_init(&copier_lock, NULL);
-    pthread_cond_init(&copier_done, NULL);
-    for (int i = 0; i < MAX_COPIERS; i++)
-        if (copiers[i].job != NULL)
-            copiers[i].job->state = JOB_LOST;
-    copiers_init();
-}
-
-/* With copier_lock held: whether copier `c` runs in this process (started now if not). */
-static int copier_ready(Copier *c)
-{
-    pid_t pid = getpid();
-    if (c->pid == pid)
-        return 1;
-    pthread_t thread;
-    pthread_attr_t attr;
-    if (pthread_attr_init(&attr) != 0)
-        return 0;
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    int ok = pthread_create(&thread, &attr, copier_main, c) == 0;
-    pthread_attr_destroy(&attr);
-    if (ok)
-        c->pid = pid;
-    return ok;
-}
-
-static void copy_job_release(CopyJob *job)
-{
-    if (job->starts.obj != NULL)
-        PyBuffer_Release(&job->starts);
-    if (job->buffers.obj != NULL)
-        PyBuffer_Release(&job->buffers);
-    if (job->sizes.obj != NULL)
-        PyBuffer_Release(&job->sizes);
-}
-
-/* Block (without the GIL) until its copier is done with `job`. */
-static int copy_job_join(CopyJob *job)
-{
-    int state = JOB_DONE;
-    if (job->posted) {
-        Py_BEGIN_ALLOW_THREADS
-        pthread_mutex_lock(&copier_lock);
-        while (job->state == JOB_PENDING)
-            pthread_cond_wait(&copier_done, &copier_lock);
-        state = job->state;
-        pthread_mutex_unlock(&copier_lock);
-        Py_END_ALLOW_THREADS
-        job->posted = 0;
-    }
-    return state;
-}
-
-static void CopyJob_dealloc(CopyJob *job)
-{
-    copy_job_join(job); /* the copier may still be writing through its buffers */
-    copy_job_release(job);
-    Py_XDECREF(job->hashes);
-    Py_TYPE(job)->tp_free((PyObject *)job);
-}
-
-/* wait() -> bytes or None: the job's hashes (hashed) once its bytes are copied. */
-static PyObject *CopyJob_wait(CopyJob *job, PyObject *unused)
-{
-    (void)unused;
-    if (copy_job_join(job) == JOB_LOST) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "copy_values_start: the copy was in flight in the parent of this fork");
-        return NULL;
-    }
-    copy_job_release(job);
-    return Py_NewRef(job->hashes != NULL ? job->hashes : Py_None);
-}
-
-static PyMethodDef CopyJob_methods[] = {
-    {"wait", (PyCFunction)CopyJob_wait, METH_NOARGS,
-     "wait() -> bytes or None: block (without the GIL) until the copy is done; with hashed,\n"
-     "each value's maru64 as native int64s."},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyTypeObject CopyJobType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru.client._memcopy.CopyJob",
-    .tp_basicsize = sizeof(CopyJob),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A copy_values call in flight on a copier thread (copy_values_start).",
-    .tp_dealloc = (destructor)CopyJob_dealloc,
-    .tp_methods = CopyJob_methods,
-};
-
-/* copy_values_start(starts, buffers, sizes, to_values, streaming=True, hashed=False,
- *                   copier=0) -> CopyJob */
-static PyObject *copy_values_start(PyObject *self, PyObject *args)
-{
-    (void)self;
-    PyObject *starts_obj, *buffers_obj, *sizes_obj;
-    int to_values, streaming = 1, hashed = 0, which = 0;
-    if (!PyArg_ParseTuple(args, "OOOp|ppi:copy_values_start", &starts_obj, &buffers_obj,
-                          &sizes_obj, &to_values, &streaming, &hashed, &which))
-        return NULL;
-    if (which < 0 || which >= MAX_COPIERS)
-        return PyErr_Format(PyExc_ValueError, "copy_values_start: copier %d is not 0..%d", which,
-                            MAX_COPIERS - 1);
-    Copier *c = &copiers[which];
-    CopyJob *job = PyObject_New(CopyJob, &CopyJobType);
-    if (job == NULL)
-        return NULL;
-    memset(&job->starts, 0, sizeof(Py_buffer));
-    memset(&job->buffers, 0, sizeof(Py_buffer));
-    memset(&job->sizes, 0, sizeof(Py_buffer));
-    job->hashes = NULL;
-    job->posted = 0;
-    job->state = JOB_PENDING;
-    job->to_values = to_values;
-    job->streaming = streaming;
-    if (int64_buffer(starts_obj, &job->starts, "starts") < 0 ||
-        int64_buffer(buffers_obj, &job->buffers, "buffers") < 0 ||
-        int64_buffer(sizes_obj, &job->sizes, "sizes") < 0)
-        goto fail;
-    job->values = job->starts.len / 8;
-    job->parts = job->sizes.len / 8;
-    if (job->buffers.len / 8 != job->values * job->parts) {
-        PyErr_Format(PyExc_ValueError,
-                     "copy_values_start: %zd buffers for %zd values of %zd parts",
-                     job->buffers.len / 8, job->values, job->parts);
-        goto fail;
-    }
-    const int64_t *z = (const int64_t *)job->sizes.buf;
-    for (Py_ssize_t j = 0; j < job->parts; j++)
-        if (z[j] < 0) {
-            PyErr_SetString(PyExc_ValueError, "copy_values_start: sizes must not be negative");
-            goto fail;
-        }
-    if (hashed && (job->hashes = PyBytes_FromStringAndSize(NULL, job->values * 8)) == NULL)
-        goto fail;
-    int posted = 0;
-    pthread_mutex_lock(&copier_lock);
-    if (c->job == NULL && copier_ready(c)) {
-        c->job = job;
-        job->posted = posted = 1;
-        pthread_cond_signal(&c->posted);
-    }
-    pthread_mutex_unlock(&copier_lock);
-    if (!posted) { /* the copier is busy or cannot run: here, now */
-        Py_BEGIN_ALLOW_THREADS
-        copy_job_run(job);
-        Py_END_ALLOW_THREADS
-        job->state = JOB_DONE;
-    }
-    return (PyObject *)job;
-fail:
-    Py_DECREF(job);
-    return NULL;
 }
 
 /* page_pointers(indices, page, affine) -> bytes: the host pool's side of a batch of KV pages,
@@ -982,14 +907,13 @@ static PyMethodDef methods[] = {
      "addresses and sizes) copied from src[b] to dst[b] (dst None: only hashed); every `parts`\n"
      "buffers make a value; the maru64 of each value's bytes, in order, as native int64s."},
     {"copy_values", copy_values, METH_VARARGS,
-     "copy_values(starts, buffers, sizes, to_values, streaming=True, hashed=False) -> bytes\n"
-     "or None: value v (parts of `sizes` back to back from starts[v]; 0: skipped) copied to\n"
+     "copy_values(starts, buffers, sizes, to_values, streaming=True, hashed=False, threads=1)\n"
+     "-> bytes or None: value v (parts of `sizes` back to back from starts[v]; 0: skipped) copied to\n"
      "(to_values False) or from its parts' buffers[v * parts + j]; with hashed, each value's\n"
-     "maru64 as native int64s (0 where skipped). See maru.client.memcopy.copy_values."},
-    {"copy_values_start", copy_values_start, METH_VARARGS,
-     "copy_values_start(starts, buffers, sizes, to_values, streaming=True, hashed=False,\n"
-     "copier=0) -> CopyJob: copy_values on copier thread `copier` of this process (0..\n"
-     "MAX_COPIERS - 1); .wait() gives its result."},
+     "maru64 as native int64s (0 where skipped); shared by up to `threads` threads (streaming\n"
+     "only). See maru.client.memcopy.copy_values."},
+    {"copier_tasks", copier_tasks_get, METH_NOARGS,
+     "copier_tasks() -> int: groups of values this process has handed to copier threads."},
     {"page_pointers", page_pointers, METH_VARARGS,
      "page_pointers(indices, page, affine) -> bytes: per page (every page-th int64 index),\n"
      "each part's pointer affine[j][0] + index * affine[j][1], as (pages, parts) int64s."},
@@ -1013,16 +937,16 @@ PyMODINIT_FUNC PyInit__memcopy(void)
         stream_wide_align = 64;
     }
 #endif
-    if (PyType_Ready(&CopyJobType) < 0)
-        return NULL;
     copiers_init();
     if (pthread_atfork(NULL, NULL, copiers_after_fork) != 0)
         return PyErr_NoMemory();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    /* COPY_VALUES: copy_values_run for other extensions (the capsule's name checks the type) */
-    PyObject *capsule = PyCapsule_New((void *)copy_values_run, "maru.copy_values_run", NULL);
+    /* COPY_VALUES: copy_values_threads for other extensions (the capsule's name checks the
+     * type) */
+    PyObject *capsule =
+        PyCapsule_New((void *)copy_values_threads, "maru.copy_values_threads", NULL);
     int rc = capsule == NULL || PyModule_AddIntConstant(m, "STREAMING", HAVE_STREAMING) < 0 ||
              PyModule_AddIntConstant(m, "MAX_COPIERS", MAX_COPIERS) < 0 ||
              PyModule_AddObjectRef(m, "COPY_VALUES", capsule) < 0;

@@ -472,7 +472,12 @@ class MaruHandler:
         found = self.lookup(keys, lease=True, for_copy=True, prefix=prefix)
         try:
             copy = functools.partial(
-                copy_values, buffers=buffers, sizes=sizes, to_values=False, hashed=hashed
+                copy_values,
+                buffers=buffers,
+                sizes=sizes,
+                to_values=False,
+                hashed=hashed,
+                threads=self.config.copy_threads,
             )
             copied = found.copy_out(copy, length)
             corrupt = found.corrupt()

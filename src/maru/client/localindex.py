@@ -201,15 +201,16 @@ class LocalIndexClient:
         hashed: bool,
     ) -> list[bool] | None:
         """`MaruHandler.read` on the index: probe, copy and check in one C call
-        (`Reader.read`), so that no Python runs between them; per key True where its value
-        was copied and proven. None when the server must be asked (nothing was copied) or the
-        copy loop is not built."""
+        (`Reader.read`; the copy shared by `maru_copy_threads` threads), so that no Python
+        runs between them; per key True where its value was copied and proven. None when
+        the server must be asked (nothing was copied) or the copy loop is not built."""
         reader = self.reader()
         out = None
         if reader is not None and COPY_VALUES is not None:
             rows = handler._mapper.rows
+            threads = handler.config.copy_threads
             out = reader.read(
-                keys, rows, buffers, sizes, length, COPY_VALUES, hashed, prefix=prefix
+                keys, rows, buffers, sizes, length, COPY_VALUES, hashed, threads, prefix=prefix
             )
         if out is None:
             return None  # (`lookup` counts the fallback)

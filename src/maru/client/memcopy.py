@@ -23,7 +23,6 @@ source, while they are in cache (`maru_checksums` on the data path).
 from __future__ import annotations
 
 import ctypes
-import itertools
 import logging
 from collections.abc import Sequence
 
@@ -37,18 +36,17 @@ log = logging.getLogger(__name__)
 try:
     from maru.client._memcopy import (
         COPY_VALUES,  # (its C loop, for the local index's read)
-        MAX_COPIERS,
         STREAMING,
     )
+    from maru.client._memcopy import copier_tasks as _c_copier_tasks
     from maru.client._memcopy import copy_many as _c_copy_many
     from maru.client._memcopy import copy_many_hashed as _c_copy_many_hashed
     from maru.client._memcopy import copy_values as _c_copy_values
-    from maru.client._memcopy import copy_values_start as _c_copy_values_start
     from maru.client._memcopy import page_pointers as _c_page_pointers
 except ImportError:  # built without a C compiler
     _c_copy_many = _c_copy_many_hashed = _c_copy_values = _c_page_pointers = COPY_VALUES = None
-    _c_copy_values_start = None
-    STREAMING = MAX_COPIERS = 0
+    _c_copier_tasks = None
+    STREAMING = 0
     log.debug("maru.client._memcopy not built: page copies use a ctypes loop")
 
 COMPILED = _c_copy_many is not None
@@ -90,6 +88,7 @@ def copy_values(
     to_values: bool,
     hashed: bool = False,
     streaming: bool = True,
+    threads: int = 1,
 ) -> np.ndarray | None:
     """Copy values stored as their parts back to back (KV pages in the pool) to or from their
     parts' buffers elsewhere (a host or device pool's pages): value i starts at `starts[i]`
@@ -98,7 +97,10 @@ def copy_values(
     else values -> buffers (a load). Value by value, each value's parts in address order
     (`copy_many`). `hashed` (`maru_checksums`): returns each value's maru64 as copied (0 where
     skipped), else None. `streaming=False`: plain memmove (the benchmarks' baseline). The data
-    path's copy: one C call, no array built per call."""
+    path's copy: one C call, no array built per call. `threads` (`maru_copy_threads`): shared
+    by the calling thread and up to `threads - 1` copier threads of the process, in groups of
+    values of at least 1 MiB (`_memcopy.c`): one core's copy loop moves less than the memory
+    takes (two threads: 25-35% more here, docs/performance.md)."""
     starts = np.ascontiguousarray(starts, dtype=np.int64)
     buffers = np.ascontiguousarray(buffers, dtype=np.int64)
     sizes = np.ascontiguousarray(sizes, dtype=np.int64)
@@ -107,7 +109,7 @@ def copy_values(
             f"copy_values: buffers {buffers.shape} for {starts.size} values of {sizes.size} parts"
         )
     if _c_copy_values is not None:
-        out = _c_copy_values(starts, buffers, sizes, to_values, streaming, hashed)
+        out = _c_copy_values(starts, buffers, sizes, to_values, streaming, hashed, threads)
         return np.frombuffer(out, np.int64) if hashed else None
     offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
     hit = starts != 0
@@ -121,44 +123,10 @@ def copy_values(
     return out
 
 
-# A part of a split copy smaller than this goes on a thread already copying: handing a part to
-# a copier costs a thread wake-up (~20-60 us on a VM), the time 1 MiB takes to copy.
-SPLIT_MIN_BYTES = 1 << 20
-
-
-def copy_values_split(
-    starts: np.ndarray,
-    buffers: np.ndarray,
-    sizes: np.ndarray,
-    *,
-    to_values: bool,
-    threads: int,
-    hashed: bool = False,
-) -> np.ndarray | None:
-    """`copy_values(..., streaming=True)` on up to `threads` threads: the values in
-    contiguous groups of at least SPLIT_MIN_BYTES, the first group on the calling thread, the
-    others on this process's copier threads (`_memcopy.c`), all done when this returns. One
-    core's copy loop moves less than the memory takes (measured: two threads 25-35% more
-    than one, docs/performance.md). Takes arrays as `copy_values` makes them (int64,
-    contiguous, buffers (values, parts))."""
-    values = starts.size
-    total = values * int(sizes.sum())
-    groups = min(threads, values, max(1, total // SPLIT_MIN_BYTES), MAX_COPIERS + 1)
-    if groups <= 1 or _c_copy_values_start is None:
-        return copy_values(starts, buffers, sizes, to_values=to_values, hashed=hashed)
-    bounds = [values * g // groups for g in range(groups + 1)]
-    (a0, b0), *others = itertools.pairwise(bounds)
-    jobs = [
-        _c_copy_values_start(starts[a:b], buffers[a:b], sizes, to_values, True, hashed, copier)
-        for copier, (a, b) in enumerate(others)
-    ]
-    try:
-        first = _c_copy_values(starts[a0:b0], buffers[a0:b0], sizes, to_values, True, hashed)
-    finally:
-        rest = [job.wait() for job in jobs]  # (never return while a copier writes)
-    if not hashed:
-        return None
-    return np.frombuffer(b"".join([first, *rest]), np.int64)
+def copier_tasks() -> int:
+    """Groups of values this process has handed to copier threads so far (0 without the C
+    extension): for tests and benchmarks."""
+    return _c_copier_tasks() if _c_copier_tasks is not None else 0
 
 
 def page_pointers(indices: np.ndarray, page: int, affine: np.ndarray) -> np.ndarray:

@@ -1130,11 +1130,12 @@ done:
  * slot is unchanged) with no Python between the steps: on the data path's small pages the
  * interpreter's work around three calls, run from caches the copy has just flushed, cost
  * more than the probe and the check themselves. The copy is `_memcopy.c`'s loop, reached
- * through its capsule (maru.client._memcopy.COPY_VALUES), so both paths copy alike. */
+ * through its capsule (maru.client._memcopy.COPY_VALUES: `copy_values_threads`, shared by
+ * `threads` threads), so both paths copy alike. */
 
 typedef void (*copy_values_fn)(const int64_t *starts, const int64_t *buffers,
                                const int64_t *sizes, Py_ssize_t values, Py_ssize_t parts,
-                               int to_values, int streaming, int64_t *hashes);
+                               int to_values, int streaming, int64_t *hashes, int threads);
 
 enum { COL_COMPUTED = NCOLS, COL_STATUS, READ_COLS };
 enum { READ_MISS, READ_PROVEN, READ_OTHER_LENGTH, READ_CHANGED, READ_CORRUPT };
@@ -1144,7 +1145,7 @@ enum { READ_MISS, READ_PROVEN, READ_OTHER_LENGTH, READ_CHANGED, READ_CORRUPT };
  * probe_all's 1 (ask the server: nothing was copied), -1 (no memory) or 0. */
 static int read_all(const Table *t, const Batch *b, const Regions *regions, int64_t *cols,
                     const int64_t *buffers, const int64_t *sizes, Py_ssize_t parts,
-                    int64_t length, copy_values_fn copy, int hashed)
+                    int64_t length, copy_values_fn copy, int hashed, int threads)
 {
     Py_ssize_t n = b->n;
     int rc = probe_all(t, b->keys, n, regions, cols);
@@ -1163,7 +1164,7 @@ static int read_all(const Table *t, const Batch *b, const Regions *regions, int6
         status[i] = len == 0 ? READ_MISS : len == length ? READ_PROVEN : READ_OTHER_LENGTH;
         starts[i] = status[i] == READ_PROVEN ? cols[COL_ADDRESS * n + i] : 0;
     }
-    copy(starts, buffers, sizes, n, parts, 0, 1, hashed ? computed : NULL);
+    copy(starts, buffers, sizes, n, parts, 0, 1, hashed ? computed : NULL, threads);
     if (!hashed)
         memset(computed, 0, sizeof(int64_t) * (size_t)n);
     int any = unproven(t, cols + COL_SLOT * n, cols + COL_SEQ * n, n, flags) != 0;
@@ -1181,7 +1182,8 @@ static int read_all(const Table *t, const Batch *b, const Regions *regions, int6
     return 0;
 }
 
-/* read(keys, regions, buffers, sizes, length, copier, hashed, *, prefix=None) -> (proven,
+/* read(keys, regions, buffers, sizes, length, copier, hashed[, threads], *, prefix=None) ->
+ * (proven,
  * columns), or None: ask the server (nothing was copied). `proven`: a bool per key, True where
  * its value was copied and proven (status 1); `columns`: bytes of 9 int64 columns of
  * len(keys): probe's 7, then the maru64 of each copied value (with hashed, else 0) and a
@@ -1189,19 +1191,28 @@ static int read_all(const Table *t, const Batch *b, const Regions *regions, int6
  * but its entry changed since the probe, 4 copied but its bytes do not match its writer's
  * checksum (with hashed; a value stored without one is not checked). `buffers`: int64
  * (keys, parts) part pointers, `sizes`: the parts' int64 sizes, summing to `length`;
- * `copier`: maru.client._memcopy.COPY_VALUES. */
+ * `copier`: maru.client._memcopy.COPY_VALUES; `threads`: the copy shared by up to that many
+ * threads (1 unless given). */
 static PyObject *Reader_read(Reader *self, PyObject *const *args, Py_ssize_t nargs,
                              PyObject *kwnames)
 {
     PyObject *prefix, *out = NULL;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError,
-                        "read() takes keys, regions, buffers, sizes, length, copier, hashed");
+    if (nargs != 7 && nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "read() takes keys, regions, buffers, sizes, length, "
+                                         "copier, hashed and optionally threads");
         return NULL;
     }
-    copy_values_fn copy = (copy_values_fn)PyCapsule_GetPointer(args[5], "maru.copy_values_run");
+    copy_values_fn copy =
+        (copy_values_fn)PyCapsule_GetPointer(args[5], "maru.copy_values_threads");
     if (copy == NULL)
         return NULL;
+    long threads = nargs == 8 ? PyLong_AsLong(args[7]) : 1;
+    if (threads == -1 && PyErr_Occurred())
+        return NULL;
+    if (threads < 1 || threads > 64) {
+        PyErr_SetString(PyExc_ValueError, "read: threads must be 1..64");
+        return NULL;
+    }
     long long length = PyLong_AsLongLong(args[4]);
     if (length == -1 && PyErr_Occurred())
         return NULL;
@@ -1243,7 +1254,8 @@ static PyObject *Reader_read(Reader *self, PyObject *const *args, Py_ssize_t nar
     int rc;
     int64_t *cols = (int64_t *)PyBytes_AS_STRING(out);
     Py_BEGIN_ALLOW_THREADS
-    rc = read_all(&self->t, &b, &regions, cols, bufs.buf, z, parts, length, copy, hashed);
+    rc = read_all(&self->t, &b, &regions, cols, bufs.buf, z, parts, length, copy, hashed,
+                  (int)threads);
     Py_END_ALLOW_THREADS
     PyObject *proven = rc == 0 ? PyList_New(b.n) : NULL;
     if (proven != NULL) {

@@ -198,9 +198,10 @@ class MaruConfig:
     expand_size: int | None = None
     local_socket: bool = True  # RPCs over the server's Unix socket when it offers one
     busy_poll_us: int = 200  # spin this long for a reply on the Unix socket before sleeping
-    # Threads that copy a write's pages into the pool: the caller's and copy_threads - 1 native
-    # copier threads, each part at least 1 MiB (one core's copy loop does not take all the
-    # memory bandwidth; maru.client.memcopy.copy_values_split). 1: the caller alone.
+    # Threads that copy pages between the pool and host memory (MaruStorage's writes and reads,
+    # MaruHandler.read): the caller's and up to copy_threads - 1 native copier threads, each
+    # share at least 1 MiB (one core's copy loop does not take all the memory bandwidth;
+    # maru.client.memcopy.copy_values). 1: the caller alone.
     copy_threads: int = 2
     # Find keys in the index the server publishes in shared memory (clients on its node, via
     # the Unix socket): exists and copying reads send no request (maru.client.localindex).
