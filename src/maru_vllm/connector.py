@@ -506,7 +506,12 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
                 buffers = layout.addresses([ids[i] for i, _ in held])
                 # block by block, each value written in address order; hashed as copied
                 hashes = copy_values(
-                    starts, buffers, layout.length, to_values=True, hashed=sums is not None
+                    starts,
+                    buffers,
+                    layout.length,
+                    to_values=True,
+                    hashed=sums is not None,
+                    threads=handler.config.copy_threads,
                 )
                 if hashes is not None:
                     sums[[i for i, _ in held]] = hashes
