@@ -316,3 +316,28 @@ def test_threads_share_only_streaming_copies():
     memcopy.copy_values(starts, buffers, sizes, to_values=True, threads=4, streaming=False)
     assert memcopy.copier_tasks() == before
     assert np.array_equal(dst[: expect.size], expect)
+
+
+@needs_c
+def test_copier_threads_are_named_and_leave_signals_to_the_process():
+    """The copiers show as `maru-copier` (top -H, /proc) and block SIGINT and SIGTERM: a
+    signal meant for the process interrupts its own threads' waits, not a copier's loop."""
+    import signal
+
+    _src, _dst, starts, buffers, sizes, _expect = _split_case(48, (128 * 1024,))
+    memcopy.copy_values(starts, buffers, sizes, to_values=True, threads=3)  # (started)
+    masks = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{task}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:  # (a thread that ended meanwhile)
+            continue
+        if name == "maru-copier":
+            masks.append(int(status["SigBlk"].strip(), 16))
+    assert len(masks) >= 2
+    for mask in masks:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            assert mask & (1 << (sig - 1)), f"{sig!r} not blocked in a copier"

@@ -23,11 +23,13 @@
  * copied, then hashed while it is still in L1. The hash, maru64, is below; its reference in
  * Python is maru.client.checksum.hash64 (a test checks they agree).
  */
+#define _GNU_SOURCE /* pthread_setname_np */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 #include <pthread.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include "../common/int64_buffer.h"
@@ -668,6 +670,9 @@ static void copy_task_run(const CopyTask *t)
 static void *copier_main(void *arg)
 {
     Copier *c = (Copier *)arg;
+#if defined(__linux__)
+    pthread_setname_np(pthread_self(), "maru-copier"); /* (top -H, /proc/<pid>/task) */
+#endif
     pthread_mutex_lock(&copier_lock);
     for (;;) {
         while (c->task == NULL)
@@ -710,7 +715,13 @@ static int copier_ready(Copier *c)
     if (pthread_attr_init(&attr) != 0)
         return 0;
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    /* Asynchronous signals (SIGINT, SIGTERM...) go to the process's own threads, whose waits
+     * they must interrupt: the copier starts with them all blocked. */
+    sigset_t all, before;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &before);
     int ok = pthread_create(&thread, &attr, copier_main, c) == 0;
+    pthread_sigmask(SIG_SETMASK, &before, NULL);
     pthread_attr_destroy(&attr);
     if (ok)
         c->pid = pid;
