@@ -100,7 +100,7 @@ def copy_values(
     path's copy: one C call, no array built per call. `threads` (`maru_copy_threads`): shared
     by the calling thread and up to `threads - 1` copier threads of the process, in groups of
     values of at least 1 MiB (`_memcopy.c`): one core's copy loop moves less than the memory
-    takes (two threads: 25-35% more here, docs/performance.md)."""
+    takes (two threads: 1.25-1.5x one here, docs/performance.md)."""
     starts = np.ascontiguousarray(starts, dtype=np.int64)
     buffers = np.ascontiguousarray(buffers, dtype=np.int64)
     sizes = np.ascontiguousarray(sizes, dtype=np.int64)
