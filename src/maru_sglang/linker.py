@@ -173,14 +173,15 @@ class DevicePageLayout:
         src = sources[:, None] + np.array(offsets, np.int64)
         copy_many(dst, src, [self.piece_bytes[p] for p in parts], streaming=False)
 
-    def store(self, targets: np.ndarray, firsts: np.ndarray) -> None:
+    def store(self, targets: np.ndarray, firsts: np.ndarray, threads: int = 1) -> None:
         """Copy whole pages from the device rows at `firsts` to `targets` in the shared
         mapping, in stored order: one copy per (part, layer) piece of each page, page by page
-        (each page written in address order)."""
+        (each page written in address order), shared by `threads` threads
+        (`maru_copy_threads`)."""
         pieces = [(p, layer) for p in range(len(self.part_offsets)) for layer in range(self.layers)]
         rows = np.stack([self.bases[p, lay] + firsts * self.row_bytes[p] for p, lay in pieces], 1)
         sizes = [self.piece_bytes[p] for p, _ in pieces]  # a stored page: its pieces end to end
-        copy_values(targets, rows, sizes, to_values=True)
+        copy_values(targets, rows, sizes, to_values=True, threads=threads)
 
 
 @dataclass
@@ -477,7 +478,7 @@ class MaruCacheLinker(UnifiedCacheLinker):
             copied = np.array([h is not None for h in handles], dtype=bool)
             targets = np.array([h.address if h is not None else 0 for h in handles], np.int64)
         if copied.any():
-            self.layout.store(targets[copied], firsts[copied])
+            self.layout.store(targets[copied], firsts[copied], self.handler.config.copy_threads)
         results = self.handler.seal(keys, handles, page_bytes).wait()
         return int(sum(results))
 
