@@ -919,10 +919,10 @@ static PyMethodDef methods[] = {
      "buffers make a value; the maru64 of each value's bytes, in order, as native int64s."},
     {"copy_values", copy_values, METH_VARARGS,
      "copy_values(starts, buffers, sizes, to_values, streaming=True, hashed=False, threads=1)\n"
-     "-> bytes or None: value v (parts of `sizes` back to back from starts[v]; 0: skipped) copied to\n"
-     "(to_values False) or from its parts' buffers[v * parts + j]; with hashed, each value's\n"
-     "maru64 as native int64s (0 where skipped); shared by up to `threads` threads (streaming\n"
-     "only). See maru.client.memcopy.copy_values."},
+     "-> bytes or None: value v (parts of `sizes` back to back from starts[v]; 0: skipped)\n"
+     "copied to (to_values False) or from its parts' buffers[v * parts + j]; with hashed, each\n"
+     "value's maru64 as native int64s (0 where skipped); shared by up to `threads` threads\n"
+     "(streaming only). See maru.client.memcopy.copy_values."},
     {"copier_tasks", copier_tasks_get, METH_NOARGS,
      "copier_tasks() -> int: groups of values this process has handed to copier threads."},
     {"page_pointers", page_pointers, METH_VARARGS,
@@ -959,7 +959,6 @@ PyMODINIT_FUNC PyInit__memcopy(void)
     PyObject *capsule =
         PyCapsule_New((void *)copy_values_threads, "maru.copy_values_threads", NULL);
     int rc = capsule == NULL || PyModule_AddIntConstant(m, "STREAMING", HAVE_STREAMING) < 0 ||
-             PyModule_AddIntConstant(m, "MAX_COPIERS", MAX_COPIERS) < 0 ||
              PyModule_AddObjectRef(m, "COPY_VALUES", capsule) < 0;
     Py_XDECREF(capsule);
     if (rc) {

@@ -1183,8 +1183,7 @@ static int read_all(const Table *t, const Batch *b, const Regions *regions, int6
 }
 
 /* read(keys, regions, buffers, sizes, length, copier, hashed[, threads], *, prefix=None) ->
- * (proven,
- * columns), or None: ask the server (nothing was copied). `proven`: a bool per key, True where
+ * (proven, columns), or None: ask the server (nothing was copied). `proven`: a bool per key, True where
  * its value was copied and proven (status 1); `columns`: bytes of 9 int64 columns of
  * len(keys): probe's 7, then the maru64 of each copied value (with hashed, else 0) and a
  * status: 0 miss, 1 copied and proven, 2 stored with another length (not copied), 3 copied

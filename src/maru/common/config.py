@@ -148,7 +148,7 @@ def parse_bool(value: Any, *, name: str = "flag") -> bool:
     raise ConfigError(f"{name}: expected a boolean (true/false), got {value!r}")
 
 
-MAX_COPY_THREADS = 16  # the caller and maru.client._memcopy's MAX_COPIERS copier threads
+MAX_COPY_THREADS = 16  # the caller and the 15 copier threads of maru.client._memcopy
 
 
 def parse_int(value: Any, *, name: str, minimum: int = 1) -> int:
