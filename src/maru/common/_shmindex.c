@@ -1183,8 +1183,8 @@ static int read_all(const Table *t, const Batch *b, const Regions *regions, int6
 }
 
 /* read(keys, regions, buffers, sizes, length, copier, hashed[, threads], *, prefix=None) ->
- * (proven, columns), or None: ask the server (nothing was copied). `proven`: a bool per key, True where
- * its value was copied and proven (status 1); `columns`: bytes of 9 int64 columns of
+ * (proven, columns), or None: ask the server (nothing was copied). `proven`: a bool per key,
+ * True where its value was copied and proven (status 1); `columns`: bytes of 9 int64 columns of
  * len(keys): probe's 7, then the maru64 of each copied value (with hashed, else 0) and a
  * status: 0 miss, 1 copied and proven, 2 stored with another length (not copied), 3 copied
  * but its entry changed since the probe, 4 copied but its bytes do not match its writer's
@@ -1306,9 +1306,10 @@ static PyMethodDef Reader_methods[] = {
     {"contains", (PyCFunction)(void (*)(void))Reader_contains, METH_FASTCALL | METH_KEYWORDS,
      "contains(keys, *, prefix=None) -> [bool], or None if a key cannot be in the table"},
     {"read", (PyCFunction)(void (*)(void))Reader_read, METH_FASTCALL | METH_KEYWORDS,
-     "read(keys, regions, buffers, sizes, length, copier, hashed, *, prefix=None) -> (proven,\n"
-     "columns) or None: ask the server. Probes, copies each hit of `length` bytes into its\n"
-     "buffers and checks it after: proven, a bool per key; columns: probe's 7, maru64, status."},
+     "read(keys, regions, buffers, sizes, length, copier, hashed[, threads], *, prefix=None)\n"
+     "-> (proven, columns) or None: ask the server. Probes, copies each hit of `length` bytes\n"
+     "into its buffers (on up to `threads` threads) and checks it after: proven, a bool per\n"
+     "key; columns: probe's 7, maru64, status."},
     {"changed", (PyCFunction)Reader_changed, METH_VARARGS,
      "changed(slots, seqs) -> None if every hit is unchanged and the table current, else\n"
      "bytes: 1 per hit that is not proven"},
