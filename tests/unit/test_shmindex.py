@@ -354,16 +354,21 @@ def region_with_bytes(size: int = 64 * 1024) -> tuple[np.ndarray, np.ndarray]:
     return data, rows(r1=(1, data.ctypes.data, size, region_tag(TOKEN)))
 
 
-def fused_read(reader, keys, regions, length, *, parts=2, hashed=False, copier=None, **kw):
+def fused_read(
+    reader, keys, regions, length, *, parts=2, hashed=False, copier=None, threads=None, **kw
+):
     """`Reader.read` into a zeroed host buffer of one `length` row per key, each row in
-    `parts` equal parts: (its 9 columns or None, the buffer); its `proven` list is checked
-    against the statuses."""
+    `parts` equal parts (`threads`: its optional last argument): (its 9 columns or None, the
+    buffer); its `proven` list is checked against the statuses."""
     out = np.zeros((len(keys), length), np.uint8)
     part = length // parts
     rows_at = out.ctypes.data + np.arange(len(keys), dtype=np.int64)[:, None] * length
     buffers = (rows_at + np.arange(parts, dtype=np.int64) * part).astype(np.int64)
     sizes = np.full(parts, part, np.int64)
-    got = reader.read(keys, regions, buffers, sizes, length, copier or COPY_VALUES, hashed, **kw)
+    more = () if threads is None else (threads,)
+    got = reader.read(
+        keys, regions, buffers, sizes, length, copier or COPY_VALUES, hashed, *more, **kw
+    )
     if got is None:
         return None, out
     proven, raw = got
@@ -408,6 +413,41 @@ def test_a_hit_removed_or_a_table_retired_during_the_fused_copy_is_not_proven(in
     copier = fused_copier(index.close)  # the server stopped: its table is retired
     cols, _ = fused_read(reader, ["a", "b", "c"], regions, 4096, copier=copier)
     assert cols[NCOLS + 1].tolist() == [3, 0, 3]
+
+
+@needs_copier
+def test_a_fused_read_shared_between_threads_proves_only_what_did_not_change(index, fused_copier):
+    """`threads` 3 (`maru_copy_threads`): the copy of 3 MiB goes to the caller and two copier
+    threads, and the check runs only after every share: a key removed and a key whose bytes
+    changed between the probe and the check are not proven; every other key's bytes are its
+    own."""
+    from maru.client import memcopy
+
+    value, n = 128 * 1024, 24
+    data, regions = region_with_bytes(value * n)
+    keys = [f"k{i}" for i in range(n)]
+    sums = [hash64(data[i * value : (i + 1) * value]) for i in range(n)]
+    offsets = [i * value for i in range(n)]
+    index.publish(keys, [1] * n, offsets, [value] * n, sums, regions=REGIONS)
+    reader = _open(index.path, os.getuid())
+
+    def fault():
+        index.remove(["k5"])
+        data[20 * value + 7] ^= 0xFF
+
+    before = memcopy.copier_tasks()
+    cols, out = fused_read(
+        reader, keys, regions, value, hashed=True, copier=fused_copier(fault), threads=3
+    )
+    assert memcopy.copier_tasks() - before == 2  # three shares of 1 MiB
+    status = cols[NCOLS + 1].tolist()
+    assert status[5] == 3 and status[20] == 4  # changed entry; bytes unlike their checksum
+    assert [i for i, st in enumerate(status) if st != 1] == [5, 20]
+    for i in range(n):
+        if i not in (5, 20):
+            assert (out[i] == data[i * value : (i + 1) * value]).all(), i
+    with pytest.raises(ValueError, match="threads"):
+        fused_read(reader, keys[:1], regions, value, threads=0)
 
 
 @needs_copier
