@@ -13,10 +13,11 @@ from maru.server import holds, keyindex, registry
 
 
 def use_python_key_index(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Registries created from now on keep OrderedKeyIndex / PyKeyEntry, as without the C
-    extension."""
+    """Registries created from now on keep OrderedKeyIndex / PyKeyEntry and check batches with
+    py_batch_fits, as without the C extension."""
     monkeypatch.setattr(registry, "KeyIndex", keyindex.OrderedKeyIndex)
     monkeypatch.setattr(registry, "KeyEntry", keyindex.PyKeyEntry)
+    monkeypatch.setattr(registry, "batch_fits", keyindex.py_batch_fits)
     monkeypatch.setattr(holds, "release_entries", keyindex.py_release_entries)
 
 

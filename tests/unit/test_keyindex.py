@@ -28,16 +28,25 @@ def entry(i: int = 0) -> keyindex.KeyEntry:
     return keyindex.KeyEntry(1, i, 8)
 
 
-def add(index, key, value) -> None:
-    index.setdefault_many([key], [value])
+def add(index, key, i: int = 0) -> None:
+    """Register `key` at offset `i` of region 1 (8 bytes), unless it is there."""
+    index.add_entries([key], [1], [i], [8], None)
+
+
+def fields(e) -> tuple | None:
+    """What an entry says (entries of the two indexes are different objects)."""
+    if e is None:
+        return None
+    return (e.region_id, e.offset, e.length, e.checksum, e.pins, e.leases, e.referenced)
 
 
 def same(index, model) -> None:
     assert len(index) == len(model)
     assert list(index) == list(model)
-    assert list(index.items()) == list(model.items())
-    assert list(index.values()) == list(model.values())
-    assert list(index.items(reverse=True)) == list(model.items(reverse=True))
+    for reverse in (False, True):
+        got = [(k, fields(e)) for k, e in index.items(reverse=reverse)]
+        assert got == [(k, fields(e)) for k, e in model.items(reverse=reverse)]
+    assert list(map(fields, index.values())) == list(map(fields, model.values()))
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -49,9 +58,9 @@ def test_random_operations_match_the_ordered_dict_model(seed: int) -> None:
         op = rng.random()
         key = random_key(rng, universe)
         if op < 0.30:
-            value = entry()
-            add(index, key, value)
-            add(model, key, value)
+            offset = rng.randrange(1 << 40)
+            add(index, key, offset)
+            add(model, key, offset)
         elif op < 0.55:
             if key in model:
                 del index[key]
@@ -68,15 +77,20 @@ def test_random_operations_match_the_ordered_dict_model(seed: int) -> None:
                     index.move_to_end(key)
         elif op < 0.75:
             keys = [random_key(rng, universe) for _ in range(rng.randrange(0, 100))]
-            assert index.get_many(keys) == model.get_many(keys)
+            assert list(map(fields, index.get_many(keys))) == list(
+                map(fields, model.get_many(keys))
+            )
         elif op < 0.85:
             keys = [random_key(rng, universe) for _ in range(rng.randrange(0, 100))]
-            values = [entry() for _ in keys]
-            got = index.setdefault_many(keys, values)
-            assert got == model.setdefault_many(keys, values)
+            columns = [[rng.randrange(1, 4) for _ in keys], [rng.randrange(1 << 40) for _ in keys]]
+            columns += [[rng.randrange(1, 1 << 20) for _ in keys]]
+            sums = rng.choice([None, [rng.randrange(-(1 << 63), 1 << 63) for _ in keys]])
+            got = index.add_entries(keys, *columns, sums)
+            assert got == model.add_entries(keys, *columns, sums)
+            assert got is None or (len(got) == len(keys) and not all(got))
         elif op < 0.97:
             assert (key in index) == (key in model)
-            assert index.get(key) is model.get(key)
+            assert fields(index.get(key)) == fields(model.get(key))
         elif op < 0.99:  # delete the oldest keys, as eviction does
             for old in list(model)[: rng.randrange(1, 20)]:
                 del index[old]
@@ -87,49 +101,95 @@ def test_random_operations_match_the_ordered_dict_model(seed: int) -> None:
     for key in list(model):
         del index[key]
     assert len(index) == 0 and list(index) == [] and index.get_many(["k1"]) == [None]
-    value = entry()
-    add(index, "again", value)
-    assert list(index.items()) == [("again", value)]
+    add(index, "again", 7)
+    assert [(k, e.offset) for k, e in index.items()] == [("again", 7)]
 
 
 def test_misses_and_bad_keys() -> None:
-    index, value = KeyIndex(), entry()
-    add(index, "a", value)
+    index = KeyIndex()
+    add(index, "a")
+    value = index["a"]
     assert index.get(1) is None and 1 not in index
     assert index.get_many([1, None, ["unhashable"], "a"]) == [None, None, None, value]
     for each in (index, OrderedKeyIndex()):
         for bad in (1, ("a",), bytearray(b"a")):
             with pytest.raises(TypeError):
-                add(each, bad, value)
+                add(each, bad)
         with pytest.raises(TypeError):  # all or nothing: the good key before the bad one stays out
-            each.setdefault_many(["b", 2], [value, value])
+            each.add_entries(["b", 2], [1, 1], [0, 8], [8, 8], None)
         assert "b" not in each
-        with pytest.raises(TypeError):  # keys are added with setdefault_many only
+        with pytest.raises(TypeError):  # keys are added with add_entries only
             each["b"] = value
         with pytest.raises(ValueError):
-            each.setdefault_many(["b"], [])
+            each.add_entries(["b"], [1], [], [8], None)
+        with pytest.raises(ValueError):
+            each.add_entries(["b"], [1], [0], [8], [1, 2])
+        assert "b" not in each
         with pytest.raises(KeyError):
             each["missing"]
         with pytest.raises(KeyError):
             del each["missing"]
-    with pytest.raises(TypeError):  # the C index holds KeyEntry values only
-        KeyIndex().setdefault_many(["b"], [object()])
+    for number in ("1", 1.0, 1 << 64):  # the C index stores int64s, read before any change
+        with pytest.raises((TypeError, OverflowError)):
+            KeyIndex().add_entries(["b", "c"], [1, 1], [0, number], [8, 8], None)
     with pytest.raises(TypeError):
         KeyIndex({"a": 1})
 
 
-def test_duplicate_keys_in_one_batch_keep_the_first_value() -> None:
-    index = KeyIndex()
-    first, second = entry(), entry()
-    assert index.setdefault_many(["x", "x"], [first, second]) == [first, first]
-    assert index["x"] is first and len(index) == 1
+def test_add_entries_reports_which_keys_were_new_and_keeps_the_first_writer() -> None:
+    for index in (KeyIndex(), OrderedKeyIndex()):
+        assert index.add_entries(["x", "y"], [1, 1], [0, 8], [8, 8], [5, 6]) is None  # all new
+        assert index.add_entries(["z", "x", "z"], [2, 2, 2], [16, 24, 32], [8, 8, 8], None) == [
+            True,
+            False,
+            False,
+        ]
+        assert [fields(index[k])[:4] for k in ("x", "y", "z")] == [
+            (1, 0, 8, 5),
+            (1, 8, 8, 6),
+            (2, 16, 8, 0),
+        ]
+        assert index.add_entries([], [], [], [], None) is None
+
+
+def test_batch_fits_matches_the_python_model() -> None:
+    """`batch_fits` (C) decides as `py_batch_fits` does, for every reason a batch may not
+    take the bulk path."""
+    from maru.server.keyindex import py_batch_fits
+
+    good = (["k1", b"k2"], 256, [1, 2], [0, 64], [64, 64], {1: 128, 2: 128})
+    cases = [good]
+    for i, bad in [
+        (0, ["k1", ""]),  # an empty key
+        (0, ["k1", "x" * 257]),  # too long
+        (0, ["k1", 5]),  # not str or bytes
+        (0, ["k1", bytearray(b"k")]),
+        (0, []),  # nothing
+        (2, [1, 3]),  # a region not the caller's
+        (3, [0, 65]),  # past its region's end
+        (3, [-1, 64]),
+        (4, [64, 0]),  # an empty value
+        (4, [64, -8]),
+        (3, [0, 1 << 63]),  # past int64
+        (4, [64, 1.0]),  # not ints
+        (2, [1, True]),
+        (4, [64]),  # columns of unequal length
+    ]:
+        case = list(good)
+        case[i] = bad
+        cases.append(tuple(case))
+    cases.append((["k1"], 256, [1], [64], [64], {1: 128}))  # exactly to the end
+    cases.append((["é" * 256], 256, [1], [0], [8], {1: 128}))  # 256 characters, 512 bytes
+    for case in cases:
+        assert keyindex.batch_fits(*case) == py_batch_fits(*case), case
+    assert keyindex.batch_fits(*good) and not keyindex.batch_fits(*cases[1])
 
 
 def test_iteration_under_change_raises() -> None:
     index = KeyIndex()
-    index.setdefault_many([f"k{i}" for i in range(10)], [entry(i) for i in range(10)])
+    index.add_entries([f"k{i}" for i in range(10)], [1] * 10, list(range(10)), [8] * 10, None)
     for change in (
-        lambda: add(index, "new", entry()),
+        lambda: add(index, "new"),
         lambda: index.__delitem__("k5"),
         lambda: index.move_to_end("k0"),
     ):
@@ -140,32 +200,33 @@ def test_iteration_under_change_raises() -> None:
             next(it)
     it = iter(index)
     next(it)
-    add(index, "k2", entry())  # a key that is there already is not a change of the index
+    add(index, "k2")  # a key that is there already is not a change of the index
     assert next(it) == "k2"
 
 
 def test_growth_churn_and_order_at_scale() -> None:
     """Rebuilds (growth, compaction after churn) keep order and every key."""
     index, model = KeyIndex(), OrderedKeyIndex()
-    keys, values = [f"k{i}" for i in range(50_000)], [entry(i) for i in range(50_000)]
-    index.setdefault_many(keys, values)
-    model.setdefault_many(keys, values)
+    keys, columns = [f"k{i}" for i in range(50_000)], ([1] * 50_000, list(range(50_000)))
+    index.add_entries(keys, *columns, [8] * 50_000, None)
+    model.add_entries(keys, *columns, [8] * 50_000, None)
     for i in range(0, 50_000, 2):  # churn: delete half, move a tenth, add as many again
         del index[f"k{i}"]
         del model[f"k{i}"]
     for i in range(1, 50_000, 10):
         index.move_to_end(f"k{i}")
         model.move_to_end(f"k{i}")
-    keys, values = [f"n{i}" for i in range(30_000)], [entry(i) for i in range(30_000)]
-    index.setdefault_many(keys, values)
-    model.setdefault_many(keys, values)
+    keys, columns = [f"n{i}" for i in range(30_000)], ([2] * 30_000, list(range(30_000)))
+    index.add_entries(keys, *columns, [8] * 30_000, None)
+    model.add_entries(keys, *columns, [8] * 30_000, None)
     same(index, model)
     assert sys.getsizeof(index) < 64 * len(index)  # no more than a few words per key
 
 
 def test_entries_are_released_and_not_tracked_by_the_gc() -> None:
-    index, probe = KeyIndex(), entry()
-    add(index, "a", probe)
+    index = KeyIndex()
+    add(index, "a")
+    probe = index["a"]
     refs = sys.getrefcount(probe)
     index.get_many(["a"] * 10)  # the results list was dropped
     list(index.items())
@@ -176,7 +237,7 @@ def test_entries_are_released_and_not_tracked_by_the_gc() -> None:
 
 
 def test_lookup_columns_and_release_match_the_python_model() -> None:
-    from maru.server.keyindex import PyKeyEntry, py_release_entries
+    from maru.server.keyindex import py_release_entries
 
     rng = random.Random(3)
     index, model = KeyIndex(), OrderedKeyIndex()
@@ -184,8 +245,8 @@ def test_lookup_columns_and_release_match_the_python_model() -> None:
         key = random_key(rng, 200)
         where = (rng.randrange(1, 4), rng.randrange(1 << 40), rng.randrange(1, 1 << 20))
         where += (rng.choice([0, rng.randrange(-(1 << 63), 1 << 63)]),)  # the checksum, or none
-        add(index, key, keyindex.KeyEntry(*where))
-        add(model, key, PyKeyEntry(*where))
+        index.add_entries([key], *([w] for w in where))
+        model.add_entries([key], *([w] for w in where))
     leases: list[tuple[list, list]] = []
     for i in range(200):
         keys = [random_key(rng, 250) for _ in range(rng.randrange(0, 140))]

@@ -3,7 +3,7 @@
  * Why not an OrderedDict: at 10^6 registered keys a 128-key lookup misses the cache about
  * four times per key (the dict's index, its entry, the stored key, the value), and a Python
  * loop of dict probes waits for each miss before starting the next. The batch calls
- * (`get_many`, `setdefault_many`, `lookup_columns`) probe a batch in stages instead and
+ * (`get_many`, `add_entries`, `lookup_columns`) probe a batch in stages instead and
  * prefetch what the next stage reads for every key of a window, so the misses of different
  * keys overlap.
  *
@@ -14,7 +14,7 @@
  * or bytes only: comparing them runs no Python code, so nothing can change the table during a
  * probe. Values are KeyEntry only, which reference nothing: the index cannot be part of a
  * reference cycle, so the cyclic GC neither tracks nor scans it. Keys are added only by
- * `setdefault_many` (the first writer wins). Iterators raise RuntimeError if a key is added,
+ * `add_entries` (the first writer wins). Iterators raise RuntimeError if a key is added,
  * removed or moved under them.
  */
 #define PY_SSIZE_T_CLEAN
@@ -395,11 +395,11 @@ static PyObject *KeyIndex_subscript(KeyIndex *self, PyObject *key)
     return Py_NewRef(self->entries[ix].value);
 }
 
-/* `del index[key]`; `index[key] = value` is refused: keys are added by setdefault_many. */
+/* `del index[key]`; `index[key] = value` is refused: keys are added by add_entries. */
 static int KeyIndex_ass_subscript(KeyIndex *self, PyObject *key, PyObject *value)
 {
     if (value != NULL) {
-        PyErr_SetString(PyExc_TypeError, "KeyIndex: keys are added with setdefault_many");
+        PyErr_SetString(PyExc_TypeError, "KeyIndex: keys are added with add_entries");
         return -1;
     }
     size_t slot;
@@ -476,64 +476,176 @@ static PyObject *KeyIndex_get_many(KeyIndex *self, PyObject *arg)
     return out;
 }
 
-static PyObject *KeyIndex_setdefault_many(KeyIndex *self, PyObject *const *args,
-                                          Py_ssize_t nargs)
+/* The int64 items of sequence `seq` (from PySequence_Fast) in out[0:n]; -1 with an error set if
+ * one is not an int in range. */
+static int int64_items(PyObject *seq, Py_ssize_t n, long long *out, const char *name)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "setdefault_many(keys, values)");
+    PyObject *const *items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyLong_Check(items[i])) {
+            PyErr_Format(PyExc_TypeError, "add_entries: %s must be ints, not %.100s", name,
+                         Py_TYPE(items[i])->tp_name);
+            return -1;
+        }
+        out[i] = PyLong_AsLongLong(items[i]);
+        if (out[i] == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+}
+
+static PyObject *KeyIndex_add_entries(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "add_entries(keys, region_ids, offsets, lengths, checksums or None)");
         return NULL;
     }
-    PyObject *kseq = PySequence_Fast(args[0], "setdefault_many: keys must be a sequence");
-    if (kseq == NULL)
-        return NULL;
-    PyObject *vseq = PySequence_Fast(args[1], "setdefault_many: values must be a sequence");
-    if (vseq == NULL) {
-        Py_DECREF(kseq);
-        return NULL;
-    }
+    static const char *names[5] = {"keys", "region_ids", "offsets", "lengths", "checksums"};
+    int ncols = args[4] == Py_None ? 4 : 5;
+    PyObject *cols[5] = {NULL, NULL, NULL, NULL, NULL};
+    long long *ints = NULL;
     PyObject *out = NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(kseq);
-    PyObject *const *keys = PySequence_Fast_ITEMS(kseq);
-    PyObject *const *values = PySequence_Fast_ITEMS(vseq);
-    if (PySequence_Fast_GET_SIZE(vseq) != n) {
-        PyErr_SetString(PyExc_ValueError, "setdefault_many: keys and values differ in length");
+    for (int c = 0; c < ncols; c++)
+        if ((cols[c] = PySequence_Fast(args[c], "add_entries: columns must be sequences")) ==
+            NULL)
+            goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(cols[0]);
+    PyObject *const *keys = PySequence_Fast_ITEMS(cols[0]);
+    /* all or nothing: every key and number checked, the numbers read, before any change */
+    if ((ints = PyMem_Calloc((size_t)(n ? n : 1) * 4, sizeof(long long))) == NULL) {
+        PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) { /* all or nothing: check every pair first */
-        if (key_hash(keys[i]) == -1 || !PyObject_TypeCheck(values[i], &KeyEntryType)) {
-            PyErr_Format(PyExc_TypeError,
-                         "KeyIndex maps str or bytes keys to KeyEntry values, not %.100s to "
-                         "%.100s",
-                         Py_TYPE(keys[i])->tp_name, Py_TYPE(values[i])->tp_name);
+    for (int c = 1; c < ncols; c++) {
+        if (PySequence_Fast_GET_SIZE(cols[c]) != n) {
+            PyErr_SetString(PyExc_ValueError, "add_entries: columns differ in length");
             goto done;
         }
+        if (int64_items(cols[c], n, ints + (c - 1) * n, names[c]) < 0)
+            goto done;
     }
-    if ((out = PyList_New(n)) == NULL)
-        goto done;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (key_hash(keys[i]) == -1) {
+            PyErr_Format(PyExc_TypeError, "KeyIndex keys are str or bytes, not %.100s",
+                         Py_TYPE(keys[i])->tp_name);
+            goto done;
+        }
+    const long long *region_ids = ints, *offsets = ints + n, *lengths = ints + 2 * n,
+                    *checksums = ints + 3 * n; /* (zeros without the column) */
+    PyObject *flags = NULL;                    /* per key, whether it was new: made at the first
+                                                * key that was not */
     Py_hash_t hashes[WINDOW];
     for (Py_ssize_t start = 0; start < n; start += WINDOW) {
         Py_ssize_t m = n - start < WINDOW ? n - start : WINDOW;
         prefetch_window(self, keys + start, hashes, m);
         for (Py_ssize_t i = 0; i < m; i++) {
-            PyObject *key = keys[start + i], *value;
+            Py_ssize_t k = start + i;
             size_t slot;
-            Py_ssize_t ix = find(self, key, hashes[i], &slot);
-            if (ix >= 0)
-                value = self->entries[ix].value;
-            else {
-                value = values[start + i];
-                if (insert_new(self, key, hashes[i], value, slot) < 0) {
-                    Py_CLEAR(out); /* (its unset items are NULL: a list frees those too) */
-                    goto done;
-                }
+            int added = 0;
+            if (find(self, keys[k], hashes[i], &slot) < 0) {
+                KeyEntry *e = (KeyEntry *)KeyEntryType.tp_alloc(&KeyEntryType, 0);
+                if (e == NULL)
+                    goto failed;
+                e->region_id = region_ids[k];
+                e->offset = offsets[k];
+                e->length = lengths[k];
+                e->checksum = checksums[k];
+                int err = insert_new(self, keys[k], hashes[i], (PyObject *)e, slot);
+                Py_DECREF(e);
+                if (err < 0)
+                    goto failed;
+                added = 1;
             }
-            PyList_SET_ITEM(out, start + i, Py_NewRef(value));
+            if (!added && flags == NULL) {
+                if ((flags = PyList_New(n)) == NULL)
+                    goto failed;
+                for (Py_ssize_t j = 0; j < k; j++)
+                    PyList_SET_ITEM(flags, j, Py_NewRef(Py_True));
+            }
+            if (flags != NULL)
+                PyList_SET_ITEM(flags, k, Py_NewRef(added ? Py_True : Py_False));
         }
     }
+    out = flags != NULL ? flags : Py_NewRef(Py_None);
+    goto done;
+failed: /* out of memory part way: the keys added so far stay */
+    Py_XDECREF(flags);
 done:
-    Py_DECREF(kseq);
-    Py_DECREF(vseq);
+    PyMem_Free(ints);
+    for (int c = 0; c < 5; c++)
+        Py_XDECREF(cols[c]);
     return out;
+}
+
+/* batch_fits(keys, max_chars, region_ids, offsets, lengths, limits): the registry's check of a
+ * REGISTER_KV batch in one pass (`maru.server.keyindex.py_batch_fits` says what it decides). */
+static PyObject *batch_fits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6 || !PyDict_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "batch_fits(keys, max_chars, region_ids, offsets, lengths, limits: dict)");
+        return NULL;
+    }
+    Py_ssize_t max_chars = PyLong_AsSsize_t(args[1]);
+    if (max_chars == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *cols[4] = {NULL, NULL, NULL, NULL};
+    PyObject *limits = args[5];
+    int fits = 0;
+    for (int c = 0; c < 4; c++)
+        if ((cols[c] = PySequence_Fast(args[c == 0 ? 0 : c + 1],
+                                       "batch_fits: columns must be sequences")) == NULL)
+            goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(cols[0]);
+    for (int c = 1; c < 4; c++)
+        if (PySequence_Fast_GET_SIZE(cols[c]) != n)
+            goto done; /* (not a batch that fits) */
+    PyObject *const *keys = PySequence_Fast_ITEMS(cols[0]);
+    PyObject *const *rids = PySequence_Fast_ITEMS(cols[1]);
+    PyObject *const *offs = PySequence_Fast_ITEMS(cols[2]);
+    PyObject *const *lens = PySequence_Fast_ITEMS(cols[3]);
+    PyObject *last_rid = NULL;
+    long long limit = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t chars = PyUnicode_CheckExact(keys[i])  ? PyUnicode_GET_LENGTH(keys[i])
+                           : PyBytes_CheckExact(keys[i]) ? PyBytes_GET_SIZE(keys[i])
+                                                         : 0;
+        if (chars <= 0 || chars > max_chars)
+            goto done;
+        if (!PyLong_CheckExact(rids[i]) || !PyLong_CheckExact(offs[i]) ||
+            !PyLong_CheckExact(lens[i]))
+            goto done;
+        if (rids[i] != last_rid) { /* (a batch's ids are mostly one object) */
+            PyObject *got = PyDict_GetItemWithError(limits, rids[i]);
+            if (got == NULL) {
+                if (PyErr_Occurred())
+                    goto done;
+                goto done; /* not one of the caller's writable regions */
+            }
+            limit = PyLong_AsLongLong(got);
+            if (limit == -1 && PyErr_Occurred())
+                goto done;
+            last_rid = rids[i];
+        }
+        int overflow = 0;
+        long long offset = PyLong_AsLongLongAndOverflow(offs[i], &overflow);
+        if (overflow)
+            goto done;
+        long long length = PyLong_AsLongLongAndOverflow(lens[i], &overflow);
+        if (overflow)
+            goto done;
+        /* 0 < length, 0 <= offset, offset + length <= limit, without overflowing */
+        if (length <= 0 || offset < 0 || length > limit || offset > limit - length)
+            goto done;
+    }
+    fits = n > 0;
+done:
+    for (int c = 0; c < 4; c++)
+        Py_XDECREF(cols[c]);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyBool_FromLong(fits);
 }
 
 static PyObject *KeyIndex_lookup_columns(KeyIndex *self, PyObject *const *args,
@@ -714,10 +826,11 @@ static PyMethodDef KeyIndex_methods[] = {
     {"get_many", (PyCFunction)KeyIndex_get_many, METH_O,
      "get_many(keys): [get(k) for k in keys], with the probes of a batch prefetched so their\n"
      "cache misses overlap."},
-    {"setdefault_many", (PyCFunction)(void (*)(void))KeyIndex_setdefault_many, METH_FASTCALL,
-     "setdefault_many(keys, entries): the entry of each key, inserting entries[i] for an\n"
-     "absent keys[i] (the first of a batch wins); prefetched probes; TypeError before any\n"
-     "change if a key is not str or bytes or an entry not a KeyEntry."},
+    {"add_entries", (PyCFunction)(void (*)(void))KeyIndex_add_entries, METH_FASTCALL,
+     "add_entries(keys, region_ids, offsets, lengths, checksums or None) -> None | [bool]:\n"
+     "a new KeyEntry for each absent key (the first of a batch wins), probes prefetched.\n"
+     "None when every key was new, else whether each was. TypeError or ValueError before\n"
+     "any change for a key not str or bytes, a number not an int64, columns unequal."},
     {"lookup_columns", (PyCFunction)(void (*)(void))KeyIndex_lookup_columns, METH_FASTCALL,
      "lookup_columns(keys, lease) -> (hits, region_ids, offsets, lengths, checksums): a batch\n"
      "lookup, prefetched. Each hit gets its CLOCK bit set (and, with lease, one more lease);\n"
@@ -764,6 +877,9 @@ static PyTypeObject KeyIndexIterType = {
 };
 
 static PyMethodDef module_methods[] = {
+    {"batch_fits", (PyCFunction)(void (*)(void))batch_fits, METH_FASTCALL,
+     "batch_fits(keys, max_chars, region_ids, offsets, lengths, limits) -> bool: see\n"
+     "maru.server.keyindex.py_batch_fits."},
     {"release_entries", release_entries, METH_O,
      "release_entries(entries): end one lease on each KeyEntry (never below zero)."},
     {NULL, NULL, 0, NULL},

@@ -1,13 +1,14 @@
 """The registry's key index: key -> KeyEntry, oldest first (the order eviction walks).
 
 `KeyIndex` and `KeyEntry` are the C types from `maru.server._keyindex` (built by `pip install -e .`
-when a compiler is present): the index's batch calls (`get_many`, `setdefault_many`,
+when a compiler is present): the index's batch calls (`get_many`, `add_entries`,
 `lookup_columns`) overlap the cache misses of a batch's probes, which at 10^6 keys are most of
-a lookup's cost, and `lookup_columns` / `release_entries` do a LOOKUP_KV's and a RELEASE's
-per-key work without a Python attribute access per key. Without the extension they are
-`OrderedKeyIndex` (an OrderedDict), `PyKeyEntry` and `py_release_entries`: the same calls and
-outcomes, slower. Both indexes take only str and bytes keys (a lookup of anything else is a
-miss) and add keys only with `setdefault_many` (the first writer of a key wins).
+a lookup's cost, and `batch_fits` / `add_entries`, `lookup_columns` and `release_entries`
+do a REGISTER_KV's, a LOOKUP_KV's and a RELEASE's per-key work without a Python step per key.
+Without the extension they are `OrderedKeyIndex` (an OrderedDict), `PyKeyEntry`,
+`py_batch_fits` and `py_release_entries`: the same calls and outcomes, slower. Both indexes
+take only str and bytes keys (a lookup of anything else is a miss) and add keys only with
+`add_entries` (the first writer of a key wins).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import logging
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from operator import add, le
 from typing import Any
 
-from maru.common.protocol import KEY_TYPES
+from maru.common.protocol import KEY_TYPES, MAX_KEY_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,36 @@ class PyKeyEntry:
 _MISS = PyKeyEntry(0, 0, 0)  # what a miss reads as: region 0 (ids start at 1), offset 0, length 0
 
 
+def py_batch_fits(
+    keys: Sequence[Any],
+    max_chars: int,
+    region_ids: Sequence[int],
+    offsets: Sequence[int],
+    lengths: Sequence[int],
+    limits: dict[int, int],
+) -> bool:
+    """Whether a REGISTER_KV batch takes the registry's bulk path: at least one key, every key
+    exactly str or bytes of 1..`max_chars` characters, every number an int, every value
+    non-empty and inside its region (0 <= offset, offset + length <= limits[region id];
+    `limits`: the lengths of the caller's writable regions). False only means "decide key
+    by key". `batch_fits` is this in one C pass."""
+    n = len(keys)
+    if not n or not len(region_ids) == len(offsets) == len(lengths) == n:
+        return False
+    if not KEY_TYPES.issuperset(map(type, keys)) or not {
+        *map(type, region_ids),
+        *map(type, offsets),
+        *map(type, lengths),
+    } <= {int}:
+        return False
+    chars = list(map(len, keys))
+    if min(chars) <= 0 or max(chars) > max_chars or min(lengths) <= 0 or min(offsets) < 0:
+        return False
+    if not set(region_ids) <= limits.keys():
+        return False
+    return all(map(le, map(add, offsets, lengths), map(limits.__getitem__, region_ids)))
+
+
 def py_release_entries(entries: Iterable[Any]) -> None:
     """End one lease on each entry (never below zero)."""
     for entry in entries:
@@ -58,7 +90,7 @@ class OrderedKeyIndex(OrderedDict):
     """The pure-Python `KeyIndex` (and the model the C type is tested against)."""
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        raise TypeError("KeyIndex: keys are added with setdefault_many")
+        raise TypeError("KeyIndex: keys are added with add_entries")
 
     def __contains__(self, key: object) -> bool:
         return type(key) in KEY_TYPES and super().__contains__(key)
@@ -69,15 +101,29 @@ class OrderedKeyIndex(OrderedDict):
     def get_many(self, keys: Sequence[Any]) -> list[Any]:
         return list(map(self.get, keys))
 
-    def setdefault_many(self, keys: Sequence[Any], values: Sequence[Any]) -> list[Any]:
-        if len(keys) != len(values):
-            raise ValueError("setdefault_many: keys and values differ in length")
+    def add_entries(
+        self,
+        keys: Sequence[Any],
+        region_ids: Sequence[int],
+        offsets: Sequence[int],
+        lengths: Sequence[int],
+        checksums: Sequence[int] | None,
+    ) -> list[bool] | None:
+        """A new entry for each absent key (the first of a batch wins): None when every key
+        was new, else whether each was. TypeError / ValueError before any change."""
+        columns = [region_ids, offsets, lengths, *([checksums] if checksums is not None else [])]
+        if any(len(c) != len(keys) for c in columns):
+            raise ValueError("add_entries: columns differ in length")
         if not set(map(type, keys)) <= KEY_TYPES:
             raise TypeError("KeyIndex keys are str or bytes")
-        for key, value in zip(keys, values):
-            if key not in self:
-                OrderedDict.__setitem__(self, key, value)
-        return list(map(super().__getitem__, keys))
+        entries = list(map(PyKeyEntry, *columns))
+        new = []
+        for key, entry in zip(keys, entries):
+            fresh = key not in self
+            if fresh:
+                OrderedDict.__setitem__(self, key, entry)
+            new.append(fresh)
+        return None if all(new) else new
 
     def lookup_columns(
         self, keys: Sequence[Any], lease: bool
@@ -103,10 +149,11 @@ class OrderedKeyIndex(OrderedDict):
 
 
 try:
-    from maru.server._keyindex import KeyEntry, KeyIndex, release_entries
+    from maru.server._keyindex import KeyEntry, KeyIndex, batch_fits, release_entries
 except ImportError:  # built without a C compiler
     KeyIndex = OrderedKeyIndex  # type: ignore[misc,assignment]
     KeyEntry = PyKeyEntry  # type: ignore[misc,assignment]
+    batch_fits = py_batch_fits
     release_entries = py_release_entries
 
 COMPILED = KeyIndex is not OrderedKeyIndex
@@ -126,12 +173,17 @@ def warn_if_pure_python() -> bool:
     return True
 
 
+MAX_KEY_CHARS = MAX_KEY_BYTES // 4  # a str key this long is within MAX_KEY_BYTES as UTF-8
+
 __all__ = [
     "COMPILED",
+    "MAX_KEY_CHARS",
     "KeyEntry",
     "KeyIndex",
     "OrderedKeyIndex",
     "PyKeyEntry",
+    "batch_fits",
+    "py_batch_fits",
     "py_release_entries",
     "release_entries",
     "warn_if_pure_python",

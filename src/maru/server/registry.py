@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from contextlib import suppress
 from itertools import compress
-from operator import add, is_, le
+from operator import attrgetter
 from typing import Any, Protocol
 
 from maru.common.protocol import (
@@ -39,7 +39,7 @@ from maru.server.eviction import Eviction
 from maru.server.holds import LeaseTable, Pins
 from maru.server.instances import Instance, InstanceTable
 from maru.server.journal import JournalWriteError
-from maru.server.keyindex import KeyEntry, KeyIndex
+from maru.server.keyindex import MAX_KEY_CHARS, KeyEntry, KeyIndex, batch_fits
 from maru.server.localindex import LocalIndex
 from maru.server.logs import Throttle
 from maru.server.metrics import COUNTERS, registry_stats
@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 
 Key = str | bytes
 REGISTERED, EXISTS, REJECTED = (int(s) for s in RegisterStatus)
+DELETED, NOT_FOUND, PINNED = (int(s) for s in DeleteStatus)  # plain ints: the wire's form
+_LOCATION = attrgetter("region_id", "offset", "length")
+_BUSY = attrgetter("busy")
 
 
 class JournalSink(Protocol):
@@ -241,9 +244,12 @@ class Registry:
         wins); REJECTED for a bad key or a location outside the caller's own live regions."""
         inst = self.instances.require(instance_id)
         n = len(keys)
-        # A batch whose every location is valid (nearly all) is checked with C-level passes
-        # and inserted by `setdefault_many`; only one with a bad key or location goes key by key.
-        if self._all_placeable(instance_id, region_ids, offsets, lengths) and all_keys_valid(keys):
+        # A batch whose every key and location is valid (nearly all) is checked in one C pass
+        # and inserted by `add_entries`; only one with a bad key or location goes key by key.
+        limits = self._writable_lengths(instance_id, region_ids)
+        if limits is not None and batch_fits(
+            keys, MAX_KEY_CHARS, region_ids, offsets, lengths, limits
+        ):
             new = self._add_keys(keys, region_ids, offsets, lengths, checksums)
             statuses = (
                 [REGISTERED] * n if new is None else [REGISTERED if s else EXISTS for s in new]
@@ -269,30 +275,22 @@ class Registry:
                 self.eviction.to_watermark(keys)
         return statuses
 
-    def _all_placeable(
-        self, instance_id: str, region_ids: list[int], offsets: list[int], lengths: list[int]
-    ) -> bool:
-        """Whether every value lies inside a live region of the caller's (the batch path's
-        check: a pass in C per condition, never a Python step per key). SGLang's usual batch
-        has one region and one length; a v2 call's pools sealed together, LMCache's last
-        partial chunk or pages placed one by one mix lengths and regions."""
-        if not region_ids or min(lengths) <= 0 or min(offsets) < 0:
-            return False
-        first, n = region_ids[0], len(region_ids)
-        if region_ids.count(first) == n:  # one region: a count, no set
-            region = self.regions.writable(first, instance_id)
-            if region is None:
-                return False
-            if lengths.count(lengths[0]) == n:
-                return max(offsets) <= region.length - lengths[0]
-            return max(map(add, offsets, lengths)) <= region.length
-        sizes = {}
-        for region_id in set(region_ids):
+    def _writable_lengths(self, instance_id: str, region_ids: list[int]) -> dict[int, int] | None:
+        """The length of each region a batch names, if every one is a live region of the
+        caller's (None if one is not: the batch is decided key by key). SGLang's usual batch
+        names one region; a v2 call's pools sealed together, or pages placed one by one, a
+        few."""
+        if not region_ids:
+            return None
+        first = region_ids[0]
+        named = (first,) if region_ids.count(first) == len(region_ids) else set(region_ids)
+        limits = {}
+        for region_id in named:
             region = self.regions.writable(region_id, instance_id)
             if region is None:
-                return False
-            sizes[region_id] = region.length
-        return all(map(le, map(add, offsets, lengths), map(sizes.__getitem__, region_ids)))
+                return None
+            limits[region_id] = region.length
+        return limits
 
     def _statuses(
         self,
@@ -335,11 +333,8 @@ class Registry:
         `CHECKSUMS`). Which keys were new (None: all). The one mutator that adds keys, for
         requests and journal replay alike."""
         columns = [region_ids, offsets, lengths, *([checksums] if checksums else [])]
-        entries = list(map(KeyEntry, *columns))
-        stored = self.keys.setdefault_many(keys, entries)
-        new = None
-        if stored != entries:  # an identity check per key first: equal when all are new
-            new = list(map(is_, stored, entries))
+        new = self.keys.add_entries(keys, region_ids, offsets, lengths, checksums or None)
+        if new is not None:  # (None: every key was new)
             keys, *columns = (list(compress(c, new)) for c in (keys, *columns))
             region_ids, lengths = columns[0], columns[2]
         if keys:
@@ -428,24 +423,20 @@ class Registry:
         # or leased) is checked in C, a pass per condition; otherwise the loop below decides
         # key by key, the same way.
         entries = table.get_many(keys)
-        if (
-            None not in entries
-            and len(set(keys)) == len(keys)
-            and not any([e.pins or e.leases for e in entries])  # none busy
-        ):
-            out = [DeleteStatus.DELETED] * len(keys)
+        if None not in entries and len(set(keys)) == len(keys) and not any(map(_BUSY, entries)):
+            out = [DELETED] * len(keys)
         else:
             out = []
             victims: dict[Key, KeyEntry] = {}
             for key in keys:
                 entry = table.get(key)
                 if entry is None or key in victims:
-                    out.append(DeleteStatus.NOT_FOUND)
+                    out.append(NOT_FOUND)
                 elif entry.busy:
-                    out.append(DeleteStatus.PINNED)
+                    out.append(PINNED)
                 else:
                     victims[key] = entry
-                    out.append(DeleteStatus.DELETED)
+                    out.append(DELETED)
             keys, entries = list(victims), list(victims.values())
         self._drop_keys(keys, entries)
         self.counters["keys_deleted"] += len(keys)
@@ -469,8 +460,9 @@ class Registry:
             del table[key]
         if self.local_index is not None:  # before the pages can be reused: notices, frees
             self.local_index.remove(keys)
-        region_ids = [e.region_id for e in entries]
-        lengths = [e.length for e in entries]
+        # each entry's [region id, offset, length]: the columns, and the owners' notices
+        notices = list(map(list, map(_LOCATION, entries)))
+        region_ids, _, lengths = (list(c) for c in zip(*notices))
         self.live_bytes -= sum(lengths)
         groups = _by_region(region_ids, lengths)
         notify: dict[int, list[list[int]]] = {}  # region id -> its owner's freed list
@@ -487,7 +479,6 @@ class Registry:
                     notify[rid] = owner.freed
         if not notify:
             return
-        notices = [[e.region_id, e.offset, e.length] for e in entries]
         lists = list({id(freed): freed for freed in notify.values()}.values())
         if len(notify) == len(groups) and len(lists) == 1:  # one owner, told of every key
             lists[0].extend(notices)

@@ -190,9 +190,7 @@ class MaruService:
                 "released": self.registry.leases.release(_batch(b, "leases"), _iid(b))
             },
             MsgType.EVICT_FOR: self._evict_for,
-            MsgType.DELETE_KV: lambda b: {
-                "results": [int(s) for s in self.registry.delete(_keys(b))]
-            },
+            MsgType.DELETE_KV: lambda b: {"results": self.registry.delete(_keys(b))},
             MsgType.LIST_ALLOCATIONS: self._list_allocations,
             MsgType.STATS: lambda b: {"stats": self.stats()},
             MsgType.HEARTBEAT: lambda b: self._count_local_reads(b) or {},
