@@ -54,10 +54,13 @@
 
 #if defined(__GNUC__) || defined(__clang__)
 #define PREFETCH(p) __builtin_prefetch((const void *)(p))
+#define PREFETCH_W(p) __builtin_prefetch((const void *)(p), 1)
 #else
 #define PREFETCH(p) ((void)(p))
+#define PREFETCH_W(p) ((void)(p))
 #endif
 
+#define PUBLISH_WINDOW 16 /* keys of a publish whose cache misses overlap */
 #define LAYOUT_VERSION 2
 #define HEADER_BYTES 4096
 #define SLOT_BYTES 192
@@ -410,33 +413,54 @@ static PyObject *Writer_publish(Writer *self, PyObject *args)
     }
     Py_ssize_t skipped = 0;
     Slot src;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        KeyBytes k;
-        if (key_bytes(PySequence_Fast_GET_ITEM(cols[0], i), &k) < 0)
-            goto done;
-        if (k.kind == 0 || k.n <= 0 || k.n > MAX_KEY) {
-            skipped++;
-            continue;
+    KeyBytes ks[PUBLISH_WINDOW];
+    uint64_t hashes[PUBLISH_WINDOW];
+    for (Py_ssize_t start = 0; start < n; start += PUBLISH_WINDOW) {
+        Py_ssize_t m = n - start < PUBLISH_WINDOW ? n - start : PUBLISH_WINDOW;
+        /* the window's keys hashed and their first slots, hash entries and use bytes
+         * prefetched for writing, so that their cache misses overlap */
+        for (Py_ssize_t i = 0; i < m; i++) {
+            KeyBytes *k = &ks[i];
+            if (key_bytes(PySequence_Fast_GET_ITEM(cols[0], start + i), k) < 0)
+                goto done;
+            if (k->kind == 0 || k->n <= 0 || k->n > MAX_KEY)
+                continue;
+            hashes[i] = key_hash(k->p, (size_t)k->n, k->kind, t->seed);
+            uint64_t first = hashes[i] & t->mask;
+            const char *slot = (const char *)&t->slots[first];
+            PREFETCH_W(slot);
+            PREFETCH_W(slot + 64);
+            PREFETCH_W(slot + 128);
+            PREFETCH_W(&t->hashes[first]);
+            PREFETCH_W(&t->use_bits[first]);
         }
-        int err = 0;
-        src.region_id = item_int64(cols[1], i, &err);
-        src.offset = item_int64(cols[2], i, &err);
-        src.length = item_int64(cols[3], i, &err);
-        src.checksum = ncols == 5 ? item_int64(cols[4], i, &err) : 0;
-        PyObject *tag = PyDict_GetItemWithError(tags, PySequence_Fast_GET_ITEM(cols[1], i));
-        if (tag == NULL && !PyErr_Occurred())
-            PyErr_SetString(PyExc_KeyError, "publish: no tag for a region");
-        src.tag = tag == NULL ? 0 : (int64_t)PyLong_AsUnsignedLongLongMask(tag);
-        if (err || PyErr_Occurred())
-            goto done;
-        src.hash = key_hash(k.p, (size_t)k.n, k.kind, t->seed);
-        memcpy(src.key, k.p, (size_t)k.n);
-        int found;
-        uint64_t slot = writer_find(t, &k, src.hash, &found);
-        slot_write(t, slot, &src, make_meta(STATE_LIVE, k.kind, (size_t)k.n));
-        if (!found)
-            STORE(&t->h->count, LOAD(&t->h->count) + 1);
-        t->use_bits[slot] = 0;
+        for (Py_ssize_t w = 0; w < m; w++) {
+            Py_ssize_t i = start + w;
+            const KeyBytes *k = &ks[w];
+            if (k->kind == 0 || k->n <= 0 || k->n > MAX_KEY) {
+                skipped++;
+                continue;
+            }
+            int err = 0;
+            src.region_id = item_int64(cols[1], i, &err);
+            src.offset = item_int64(cols[2], i, &err);
+            src.length = item_int64(cols[3], i, &err);
+            src.checksum = ncols == 5 ? item_int64(cols[4], i, &err) : 0;
+            PyObject *tag = PyDict_GetItemWithError(tags, PySequence_Fast_GET_ITEM(cols[1], i));
+            if (tag == NULL && !PyErr_Occurred())
+                PyErr_SetString(PyExc_KeyError, "publish: no tag for a region");
+            src.tag = tag == NULL ? 0 : (int64_t)PyLong_AsUnsignedLongLongMask(tag);
+            if (err || PyErr_Occurred())
+                goto done;
+            src.hash = hashes[w];
+            memcpy(src.key, k->p, (size_t)k->n);
+            int found;
+            uint64_t slot = writer_find(t, k, src.hash, &found);
+            slot_write(t, slot, &src, make_meta(STATE_LIVE, k->kind, (size_t)k->n));
+            if (!found)
+                STORE(&t->h->count, LOAD(&t->h->count) + 1);
+            t->use_bits[slot] = 0;
+        }
     }
     out = PyLong_FromSsize_t(skipped);
 done:
@@ -481,21 +505,36 @@ static PyObject *Writer_remove(Writer *self, PyObject *arg)
         return NULL;
     Table *t = &self->t;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), removed = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        KeyBytes k;
-        if (key_bytes(PySequence_Fast_GET_ITEM(seq, i), &k) < 0) {
-            Py_DECREF(seq);
-            return NULL;
+    KeyBytes ks[PUBLISH_WINDOW];
+    uint64_t hashes[PUBLISH_WINDOW];
+    for (Py_ssize_t start = 0; start < n; start += PUBLISH_WINDOW) {
+        Py_ssize_t m = n - start < PUBLISH_WINDOW ? n - start : PUBLISH_WINDOW;
+        for (Py_ssize_t i = 0; i < m; i++) { /* as in publish: the misses overlap */
+            KeyBytes *k = &ks[i];
+            if (key_bytes(PySequence_Fast_GET_ITEM(seq, start + i), k) < 0) {
+                Py_DECREF(seq);
+                return NULL;
+            }
+            if (k->kind == 0 || k->n <= 0 || k->n > MAX_KEY)
+                continue;
+            hashes[i] = key_hash(k->p, (size_t)k->n, k->kind, t->seed);
+            const char *slot = (const char *)&t->slots[hashes[i] & t->mask];
+            PREFETCH_W(slot);
+            PREFETCH_W(slot + 64);
+            PREFETCH_W(slot + 128);
         }
-        if (k.kind == 0 || k.n <= 0 || k.n > MAX_KEY)
-            continue;
-        int found;
-        uint64_t slot = writer_find(t, &k, key_hash(k.p, (size_t)k.n, k.kind, t->seed), &found);
-        if (!found)
-            continue;
-        writer_delete_at(t, slot);
-        STORE(&t->h->count, LOAD(&t->h->count) - 1);
-        removed++;
+        for (Py_ssize_t w = 0; w < m; w++) {
+            const KeyBytes *k = &ks[w];
+            if (k->kind == 0 || k->n <= 0 || k->n > MAX_KEY)
+                continue;
+            int found;
+            uint64_t slot = writer_find(t, k, hashes[w], &found);
+            if (!found)
+                continue;
+            writer_delete_at(t, slot);
+            STORE(&t->h->count, LOAD(&t->h->count) - 1);
+            removed++;
+        }
     }
     Py_DECREF(seq);
     return PyLong_FromSsize_t(removed);
