@@ -102,9 +102,15 @@ class Sealing:
             size = handles.size if lengths is None else lengths
             stride, offset = handles.stride, handles.offset
             sent_keys = list(keys)
-            region_ids = [handles.region_id] * n
-            offsets = range(offset, offset + n * stride, stride)
             sizes = [size] * n if isinstance(size, int) else list(size)
+            # the wire's columns, made by numpy without a Python int per key
+            columns = (
+                np.full(n, handles.region_id, np.int64).tobytes(),
+                np.arange(offset, offset + n * stride, stride, dtype=np.int64).tobytes(),
+                np.full(n, size, np.int64).tobytes()
+                if isinstance(size, int)
+                else pack_int64(sizes),
+            )
         else:
             if len(handles) != n:
                 raise ValueError(f"seal: {n} keys for {len(handles)} handles")
@@ -117,6 +123,7 @@ class Sealing:
             region_ids = [handles[i].region_id for i in self._positions]  # type: ignore[union-attr]
             offsets = [handles[i].offset for i in self._positions]  # type: ignore[union-attr]
             sizes = [sizes_in[i] for i in self._positions]
+            columns = (pack_int64(region_ids), pack_int64(offsets), pack_int64(sizes))
         # The values are written: their region may be parked from now on (a seal that reaches
         # the server after the region was taken back is refused, never misplaced).
         for handle in [handles] if isinstance(handles, AllocHandle) else handles:
@@ -127,9 +134,9 @@ class Sealing:
             return
         body = {
             "keys": sent_keys,
-            "region_ids": pack_int64(region_ids),
-            "offsets": pack_int64(offsets),
-            "lengths": pack_int64(sizes),
+            "region_ids": columns[0],
+            "offsets": columns[1],
+            "lengths": columns[2],
         }
         if handler.config.checksums:
             body[CHECKSUMS] = self._checksums(handles, sizes, checksums).tobytes()
