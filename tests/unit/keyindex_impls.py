@@ -13,11 +13,12 @@ from maru.server import holds, keyindex, registry
 
 
 def use_python_key_index(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Registries created from now on keep OrderedKeyIndex / PyKeyEntry and check batches with
-    py_batch_fits, as without the C extension."""
+    """Registries created from now on keep OrderedKeyIndex / PyKeyEntry and the py_* batch
+    helpers, as without the C extension."""
     monkeypatch.setattr(registry, "KeyIndex", keyindex.OrderedKeyIndex)
     monkeypatch.setattr(registry, "KeyEntry", keyindex.PyKeyEntry)
     monkeypatch.setattr(registry, "batch_fits", keyindex.py_batch_fits)
+    monkeypatch.setattr(registry, "entry_locations", keyindex.py_entry_locations)
     monkeypatch.setattr(holds, "release_entries", keyindex.py_release_entries)
 
 

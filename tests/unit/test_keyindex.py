@@ -290,3 +290,64 @@ def test_a_server_without_the_c_index_says_so(monkeypatch, caplog) -> None:
         monkeypatch.setattr(module, "COMPILED", False)
         assert module.warn_if_pure_python()
     assert "not built" in caplog.text and "pip install -e ." in caplog.text
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_clock_victims_match_the_python_model(seed: int) -> None:
+    """Eviction's walk in C takes the same victims, spares the same keys and leaves the same
+    order and CLOCK bits as the model, for every mix of busy, used, protected keys and
+    region filters, one walk or two."""
+    rng = random.Random(seed)
+    index, model = KeyIndex(), OrderedKeyIndex()
+    for round_ in range(60):
+        keys = [f"r{round_}k{i}" for i in range(rng.randrange(0, 80))]
+        columns = [[rng.randrange(1, 4) for _ in keys], [0] * len(keys)]
+        columns += [[rng.randrange(1, 9) for _ in keys]]
+        index.add_entries(keys, *columns, None)
+        model.add_entries(keys, *columns, None)
+        for e, m in zip(index.values(), model.values()):  # the same uses, pins and leases
+            e.referenced = m.referenced = rng.random() < 0.4
+            e.pins = m.pins = int(rng.random() < 0.1)
+            e.leases = m.leases = int(rng.random() < 0.1)
+        live = list(model)
+        protect = set(rng.sample(live, min(len(live), rng.randrange(0, 5)))) or None
+        regions = rng.choice([None, {1}, {2, 3}, set()])
+        want = rng.choice([0, 1, 40, 400, 1 << 40])
+        second_chance = rng.random() < 0.8
+        got = index.clock_victims(want, second_chance, protect, regions)
+        expected = model.clock_victims(want, second_chance, protect, regions)
+        assert got[0] == expected[0] and got[2] == expected[2]
+        assert list(map(fields, got[1])) == list(map(fields, expected[1]))
+        same(index, model)  # order (the spared moved to the end) and bits
+        for key in got[0][: rng.randrange(0, len(got[0]) + 1)]:  # some victims dropped
+            del index[key]
+            del model[key]
+    same(index, model)
+
+
+def test_clock_victims_refuse_bad_arguments_and_leave_no_mark() -> None:
+    index = KeyIndex()
+    index.add_entries(["a", "b"], [1, 1], [0, 8], [8, 8], None)
+    for bad in ([["a"], None], [None, [1]], [None, None, None]):
+        with pytest.raises(TypeError):
+            index.clock_victims(8, True, *bad)
+    keys, entries, freed = index.clock_victims(8, True, None, None)
+    assert keys == ["a"] and freed == 8 and entries == [index["a"]]
+    assert not index["a"].referenced  # the walk's own mark is gone
+
+
+def test_entry_locations_match_the_python_model() -> None:
+    from maru.server.keyindex import py_entry_locations
+
+    index = KeyIndex()
+    index.add_entries(["a", "b", "c"], [1, 2, 1], [0, 1 << 40, 64], [64, 8, 1 << 33], None)
+    entries = index.get_many(["c", "a", "b"])
+    assert keyindex.entry_locations(entries) == py_entry_locations(entries)
+    assert keyindex.entry_locations(entries) == (
+        [1, 1, 2],
+        [1 << 33, 64, 8],
+        [[1, 64, 1 << 33], [1, 0, 64], [2, 1 << 40, 8]],
+    )
+    assert keyindex.entry_locations([]) == ([], [], [])
+    with pytest.raises(TypeError):
+        keyindex.entry_locations([entries[0], object()])

@@ -430,20 +430,21 @@ static PyObject *KeyIndex_get(KeyIndex *self, PyObject *key)
     return Py_NewRef(ix >= 0 ? self->entries[ix].value : Py_None);
 }
 
-static PyObject *KeyIndex_move_to_end(KeyIndex *self, PyObject *key)
+/* Make `key` the newest; -1 with KeyError (absent) or MemoryError set. */
+static int move_to_end(KeyIndex *self, PyObject *key)
 {
     size_t slot;
     Py_ssize_t ix = find_or_raise(self, key, &slot);
     if (ix < 0)
-        return NULL;
+        return -1;
     if (ix == self->used - 1)
-        Py_RETURN_NONE;
+        return 0;
     if (self->used == self->capacity) {
         if (rebuild(self) < 0)
-            return NULL;
+            return -1;
         ix = find_any(self, key, &slot);
         if (ix == self->used - 1)
-            Py_RETURN_NONE;
+            return 0;
     }
     self->entries[self->used] = self->entries[ix];
     self->entries[ix].key = NULL;
@@ -453,6 +454,13 @@ static PyObject *KeyIndex_move_to_end(KeyIndex *self, PyObject *key)
     self->version++;
     if (ix == self->head)
         skip_deleted_head(self);
+    return 0;
+}
+
+static PyObject *KeyIndex_move_to_end(KeyIndex *self, PyObject *key)
+{
+    if (move_to_end(self, key) < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -709,6 +717,148 @@ done:
     return out;
 }
 
+/* -- CLOCK victims (the policy is maru.server.eviction's; this is its walk) ------------------ */
+
+#define VICTIM 2 /* a bit of `referenced` while the walk has taken its entry (no Python code
+                  * sees it: cleared before the call returns) */
+
+/* Whether the walk passes over entry e of `key`: busy, taken already, in no region of
+ * `regions` (a set of ids; None: any), or in `protect` (a set of keys; None: none). -1 with
+ * an error set. */
+static int passed_over(KeyEntry *e, PyObject *key, PyObject *regions, PyObject *protect)
+{
+    if (e->pins > 0 || e->leases > 0 || (e->referenced & VICTIM))
+        return 1;
+    if (regions != Py_None) {
+        PyObject *rid = PyLong_FromLongLong(e->region_id);
+        if (rid == NULL)
+            return -1;
+        int in = PySet_Contains(regions, rid);
+        Py_DECREF(rid);
+        if (in <= 0)
+            return in < 0 ? -1 : 1;
+    }
+    if (protect != Py_None) {
+        int in = PySet_Contains(protect, key);
+        if (in != 0)
+            return in;
+    }
+    return 0;
+}
+
+static PyObject *KeyIndex_clock_victims(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || (args[2] != Py_None && !PyAnySet_Check(args[2])) ||
+        (args[3] != Py_None && !PyAnySet_Check(args[3]))) {
+        PyErr_SetString(PyExc_TypeError, "clock_victims(want_bytes, second_chance, "
+                                         "protect: set or None, regions: set or None)");
+        return NULL;
+    }
+    long long want = PyLong_AsLongLong(args[0]);
+    if (want == -1 && PyErr_Occurred())
+        return NULL;
+    int second_chance = PyObject_IsTrue(args[1]);
+    if (second_chance < 0)
+        return NULL;
+    PyObject *protect = args[2], *regions = args[3], *out = NULL;
+    PyObject *keys = PyList_New(0), *entries = PyList_New(0), *spared = PyList_New(0);
+    long long freed = 0;
+    if (keys == NULL || entries == NULL || spared == NULL)
+        goto done;
+    for (int pass = 0; pass < 2; pass++) {
+        uint64_t version = self->version;
+        for (Py_ssize_t j = self->head; j < self->used && freed < want; j++) {
+            Entry *en = &self->entries[j];
+            if (en->key == NULL)
+                continue;
+            KeyEntry *e = (KeyEntry *)en->value;
+            PyObject *key = en->key;
+            int skip = passed_over(e, key, regions, protect);
+            if (skip < 0)
+                goto done;
+            if (self->version != version) { /* (a set member's __eq__ changed the index) */
+                PyErr_SetString(PyExc_RuntimeError, "KeyIndex changed during clock_victims");
+                goto done;
+            }
+            if (skip)
+                continue;
+            if (e->referenced && second_chance) { /* a second chance: moved to the end below */
+                e->referenced = 0;
+                if (PyList_Append(spared, key) < 0)
+                    goto done;
+                continue;
+            }
+            if (PyList_Append(keys, key) < 0 || PyList_Append(entries, (PyObject *)e) < 0)
+                goto done;
+            e->referenced |= VICTIM;
+            freed += e->length;
+        }
+        Py_ssize_t nspared = PyList_GET_SIZE(spared);
+        for (Py_ssize_t i = 0; i < nspared; i++) /* after the walk, as its order requires */
+            if (move_to_end(self, PyList_GET_ITEM(spared, i)) < 0)
+                goto done;
+        if (freed >= want || nspared == 0)
+            break;
+        if (PyList_SetSlice(spared, 0, nspared, NULL) < 0)
+            goto done;
+    }
+    out = Py_BuildValue("(OOL)", keys, entries, freed);
+done:
+    if (entries != NULL) /* the marks go (on an error too: nothing was taken then) */
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(entries); i++)
+            ((KeyEntry *)PyList_GET_ITEM(entries, i))->referenced &= ~VICTIM;
+    Py_XDECREF(keys);
+    Py_XDECREF(entries);
+    Py_XDECREF(spared);
+    return out;
+}
+
+/* entry_locations(entries) -> (region_ids, lengths, notices): the registry's view of keys it
+ * drops (`Registry._drop_keys`): two columns and a [region_id, offset, length] list each. */
+static PyObject *entry_locations(PyObject *module, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "entry_locations: entries must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *const *items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = NULL, *rids = PyList_New(n), *lens = PyList_New(n), *notices = PyList_New(n);
+    if (rids == NULL || lens == NULL || notices == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) /* all KeyEntry, or nothing made */
+        if (!PyObject_TypeCheck(items[i], &KeyEntryType)) {
+            PyErr_Format(PyExc_TypeError, "entry_locations: a KeyEntry, not %.100s",
+                         Py_TYPE(items[i])->tp_name);
+            goto done;
+        }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        KeyEntry *e = (KeyEntry *)items[i];
+        PyObject *rid = PyLong_FromLongLong(e->region_id);
+        PyObject *off = PyLong_FromLongLong(e->offset);
+        PyObject *len = PyLong_FromLongLong(e->length);
+        PyObject *notice = (rid && off && len) ? PyList_New(3) : NULL;
+        if (notice == NULL) {
+            Py_XDECREF(rid);
+            Py_XDECREF(off);
+            Py_XDECREF(len);
+            goto done;
+        }
+        PyList_SET_ITEM(rids, i, Py_NewRef(rid));
+        PyList_SET_ITEM(lens, i, Py_NewRef(len));
+        PyList_SET_ITEM(notice, 0, rid);
+        PyList_SET_ITEM(notice, 1, off);
+        PyList_SET_ITEM(notice, 2, len);
+        PyList_SET_ITEM(notices, i, notice);
+    }
+    out = PyTuple_Pack(3, rids, lens, notices);
+done:
+    Py_XDECREF(rids);
+    Py_XDECREF(lens);
+    Py_XDECREF(notices);
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyObject *release_entries(PyObject *module, PyObject *arg)
 {
     PyObject *seq = PySequence_Fast(arg, "release_entries: expected a sequence of KeyEntry");
@@ -836,6 +986,9 @@ static PyMethodDef KeyIndex_methods[] = {
      "lookup, prefetched. Each hit gets its CLOCK bit set (and, with lease, one more lease);\n"
      "`hits` lists their entries in key order, and the columns are bytes of native int64s,\n"
      "0 0 0 0 for a miss."},
+    {"clock_victims", (PyCFunction)(void (*)(void))KeyIndex_clock_victims, METH_FASTCALL,
+     "clock_victims(want_bytes, second_chance, protect, regions) -> (keys, entries, freed):\n"
+     "eviction's walk (see maru.server.keyindex.OrderedKeyIndex.clock_victims)."},
     {"values", (PyCFunction)KeyIndex_values, METH_NOARGS,
      "values(): an iterator over the entries, oldest first."},
     {"items", (PyCFunction)(void (*)(void))KeyIndex_items, METH_VARARGS | METH_KEYWORDS,
@@ -877,6 +1030,8 @@ static PyTypeObject KeyIndexIterType = {
 };
 
 static PyMethodDef module_methods[] = {
+    {"entry_locations", entry_locations, METH_O,
+     "entry_locations(entries) -> (region_ids, lengths, notices): see Registry._drop_keys."},
     {"batch_fits", (PyCFunction)(void (*)(void))batch_fits, METH_FASTCALL,
      "batch_fits(keys, max_chars, region_ids, offsets, lengths, limits) -> bool: see\n"
      "maru.server.keyindex.py_batch_fits."},

@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from operator import attrgetter
+from typing import TYPE_CHECKING
 
 from maru.common.protocol import ErrorCode, ProtocolError
 
 if TYPE_CHECKING:
-    from maru.server.keyindex import KeyEntry
     from maru.server.registry import Key, Registry
 
 log = logging.getLogger(__name__)
+_REGION_ID = attrgetter("region_id")
 
 
 class Eviction:
@@ -42,62 +43,36 @@ class Eviction:
     def evict(
         self,
         want_bytes: int,
-        accept: Callable[[KeyEntry], bool] | None = None,
+        regions: set[int] | None = None,
         reason: str = "",
-        protect: Any = (),
+        protect: set[Key] | None = None,
         second_chance: bool = True,
     ) -> int:
-        """Evict idle keys (optionally only those `accept(entry)` likes, never those in
-        `protect`), oldest first, until `want_bytes` are freed; returns the bytes freed. One
-        log line per round.
+        """Evict idle keys (optionally only those in `regions`, never those in `protect`),
+        oldest first, until `want_bytes` are freed; returns the bytes freed. One log line
+        per round.
 
         A candidate whose `referenced` bit is set gets a second chance instead: its bit is
         cleared and it moves to the newest end of the index. When a pass frees too little and
         spared some keys, a second pass goes on (those keys now have their bits cleared), so
-        eviction makes progress even when every candidate was used; at most two passes.
-        `second_chance=False`: evict in index order, ignoring the bits."""
+        eviction makes progress even when every candidate was used; at most two passes
+        (`KeyIndex.clock_victims`, one C call). `second_chance=False`: evict in index order,
+        ignoring the bits."""
         reg = self.registry
         if reg.local_index is not None:  # readers' use marks count as CLOCK bits
             reg.local_index.harvest_into(reg.keys)
-        freed = 0
-        victims: dict[Key, KeyEntry] = {}
-        keys = reg.keys
-        for second_pass in (False, True):
-            spared: list[Key] = []
-            taken = victims if second_pass else ()  # the first pass meets each key once
-            for key, entry in keys.items():
-                if freed >= want_bytes:
-                    break
-                if (
-                    entry.pins > 0  # `entry.busy`, without a property call per candidate
-                    or entry.leases > 0
-                    or (accept is not None and not accept(entry))
-                    or key in protect
-                    or key in taken
-                ):
-                    continue
-                if entry.referenced and second_chance:
-                    entry.referenced = False
-                    spared.append(key)
-                    continue
-                victims[key] = entry
-                freed += entry.length
-            move_to_end = keys.move_to_end
-            for key in spared:  # after the walk: the index must not change under its iterator
-                move_to_end(key)
-            if freed >= want_bytes or not spared:
-                break
+        keys, entries, freed = reg.keys.clock_victims(want_bytes, second_chance, protect, regions)
         per_owner: Counter = Counter()  # counted per region first: a round is mostly one
-        for region_id, count in Counter([e.region_id for e in victims.values()]).items():
+        for region_id, count in Counter(map(_REGION_ID, entries)).items():
             per_owner[reg.regions[region_id].owner] += count
         # journal first: on a JournalWriteError nothing was evicted, and nothing is counted
-        reg._drop_keys(list(victims), list(victims.values()))
+        reg._drop_keys(keys, entries)
         for owner_id, count in per_owner.items():
             owner = reg.instances.get(owner_id)
             if owner is not None:
                 owner.evicted += count
-        if victims:
-            reg.counters["evictions"] += len(victims)
+        if keys:
+            reg.counters["evictions"] += len(keys)
             reg.counters["bytes_evicted"] += freed
             reg.counters["eviction_rounds"] += 1
             held = reg.log_throttle.allow(("evict", reason))
@@ -105,7 +80,7 @@ class Eviction:
                 log.info(
                     "eviction round (%s): %d keys, %d bytes evicted from %s%s",
                     reason or "requested",
-                    len(victims),
+                    len(keys),
                     freed,
                     ", ".join(f"{o} ({n} keys)" for o, n in per_owner.most_common()),
                     reg.log_throttle.note(held),
@@ -133,10 +108,7 @@ class Eviction:
         inst = self.registry.instances.require(instance_id)
         if type(want_bytes) is not int or want_bytes <= 0:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "bytes must be a positive integer")
-        mine = inst.regions
-        return self.evict(
-            want_bytes, lambda e: e.region_id in mine, reason=f"room for {instance_id}"
-        )
+        return self.evict(want_bytes, inst.regions, reason=f"room for {instance_id}")
 
     def reclaim(self) -> bool:
         """Free one region for a region request that found no room; True if one was freed.
@@ -185,7 +157,7 @@ class Eviction:
                 reg.take_back(region)
             self.evict(  # the whole region goes: no second chances
                 1 << 62,
-                lambda e, rid=region_id: e.region_id == rid,
+                {region_id},
                 reason=f"reclaiming idle region {region_id} of {region.owner}",
                 second_chance=False,
             )

@@ -3,8 +3,9 @@
 `KeyIndex` and `KeyEntry` are the C types from `maru.server._keyindex` (built by `pip install -e .`
 when a compiler is present): the index's batch calls (`get_many`, `add_entries`,
 `lookup_columns`) overlap the cache misses of a batch's probes, which at 10^6 keys are most of
-a lookup's cost, and `batch_fits` / `add_entries`, `lookup_columns` and `release_entries`
-do a REGISTER_KV's, a LOOKUP_KV's and a RELEASE's per-key work without a Python step per key.
+a lookup's cost, and `batch_fits` / `add_entries`, `lookup_columns`, `release_entries` and
+`clock_victims` do a REGISTER_KV's, a LOOKUP_KV's, a RELEASE's and an eviction round's
+per-key work without a Python step per key.
 Without the extension they are `OrderedKeyIndex` (an OrderedDict), `PyKeyEntry`,
 `py_batch_fits` and `py_release_entries`: the same calls and outcomes, slower. Both indexes
 take only str and bytes keys (a lookup of anything else is a miss) and add keys only with
@@ -79,6 +80,13 @@ def py_batch_fits(
     return all(map(le, map(add, offsets, lengths), map(limits.__getitem__, region_ids)))
 
 
+def py_entry_locations(entries: Sequence[Any]) -> tuple[list[int], list[int], list[list[int]]]:
+    """What `Registry._drop_keys` needs of the entries it drops: their region ids and lengths,
+    and a [region_id, offset, length] notice each (`entry_locations` in C)."""
+    notices = [[e.region_id, e.offset, e.length] for e in entries]
+    return [n[0] for n in notices], [n[2] for n in notices], notices
+
+
 def py_release_entries(entries: Iterable[Any]) -> None:
     """End one lease on each entry (never below zero)."""
     for entry in entries:
@@ -144,16 +152,65 @@ class OrderedKeyIndex(OrderedDict):
             array("q", [e.checksum for e in entries]).tobytes(),
         )
 
+    def clock_victims(
+        self,
+        want_bytes: int,
+        second_chance: bool,
+        protect: set[Any] | frozenset[Any] | None,
+        regions: set[int] | frozenset[int] | None,
+    ) -> tuple[list[Any], list[Any], int]:
+        """Eviction's walk (CLOCK, `maru.server.eviction`): idle keys oldest first until
+        `want_bytes` of them, as (keys, entries, bytes). Passed over: busy keys (pinned or
+        leased), keys in `protect`, keys outside `regions` (None: any region). A key whose
+        CLOCK bit is set is spared instead (bit cleared, moved to the newest end after the
+        walk); when a walk takes too little and spared some, a second walk goes on (those
+        keys now without the bit). `second_chance=False`: the bits are not looked at. Takes
+        nothing out of the index: the caller drops the victims."""
+        victims: dict[Any, Any] = {}
+        freed = 0
+        for second_pass in (False, True):
+            spared = []
+            taken = victims if second_pass else ()  # the first walk meets each key once
+            for key, entry in self.items():
+                if freed >= want_bytes:
+                    break
+                if (
+                    entry.pins > 0
+                    or entry.leases > 0
+                    or (regions is not None and entry.region_id not in regions)
+                    or (protect is not None and key in protect)
+                    or key in taken
+                ):
+                    continue
+                if entry.referenced and second_chance:
+                    entry.referenced = False
+                    spared.append(key)
+                    continue
+                victims[key] = entry
+                freed += entry.length
+            for key in spared:  # after the walk: the index must not change under its iterator
+                self.move_to_end(key)
+            if freed >= want_bytes or not spared:
+                break
+        return list(victims), list(victims.values()), freed
+
     def items(self, *, reverse: bool = False) -> Iterator[tuple[Any, Any]]:  # type: ignore[override]
         return reversed(super().items()) if reverse else iter(super().items())
 
 
 try:
-    from maru.server._keyindex import KeyEntry, KeyIndex, batch_fits, release_entries
+    from maru.server._keyindex import (
+        KeyEntry,
+        KeyIndex,
+        batch_fits,
+        entry_locations,
+        release_entries,
+    )
 except ImportError:  # built without a C compiler
     KeyIndex = OrderedKeyIndex  # type: ignore[misc,assignment]
     KeyEntry = PyKeyEntry  # type: ignore[misc,assignment]
     batch_fits = py_batch_fits
+    entry_locations = py_entry_locations
     release_entries = py_release_entries
 
 COMPILED = KeyIndex is not OrderedKeyIndex
@@ -183,7 +240,9 @@ __all__ = [
     "OrderedKeyIndex",
     "PyKeyEntry",
     "batch_fits",
+    "entry_locations",
     "py_batch_fits",
+    "py_entry_locations",
     "py_release_entries",
     "release_entries",
     "warn_if_pure_python",

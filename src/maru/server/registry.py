@@ -39,7 +39,13 @@ from maru.server.eviction import Eviction
 from maru.server.holds import LeaseTable, Pins
 from maru.server.instances import Instance, InstanceTable
 from maru.server.journal import JournalWriteError
-from maru.server.keyindex import MAX_KEY_CHARS, KeyEntry, KeyIndex, batch_fits
+from maru.server.keyindex import (
+    MAX_KEY_CHARS,
+    KeyEntry,
+    KeyIndex,
+    batch_fits,
+    entry_locations,
+)
 from maru.server.localindex import LocalIndex
 from maru.server.logs import Throttle
 from maru.server.metrics import COUNTERS, registry_stats
@@ -52,7 +58,6 @@ log = logging.getLogger(__name__)
 Key = str | bytes
 REGISTERED, EXISTS, REJECTED = (int(s) for s in RegisterStatus)
 DELETED, NOT_FOUND, PINNED = (int(s) for s in DeleteStatus)  # plain ints: the wire's form
-_LOCATION = attrgetter("region_id", "offset", "length")
 _BUSY = attrgetter("busy")
 
 
@@ -460,9 +465,7 @@ class Registry:
             del table[key]
         if self.local_index is not None:  # before the pages can be reused: notices, frees
             self.local_index.remove(keys)
-        # each entry's [region id, offset, length]: the columns, and the owners' notices
-        notices = list(map(list, map(_LOCATION, entries)))
-        region_ids, _, lengths = (list(c) for c in zip(*notices))
+        region_ids, lengths, notices = entry_locations(entries)  # (notices: for the owners)
         self.live_bytes -= sum(lengths)
         groups = _by_region(region_ids, lengths)
         notify: dict[int, list[list[int]]] = {}  # region id -> its owner's freed list
