@@ -1,0 +1,198 @@
+"""Server benchmark: what one request of a 128-key batch costs `maru-server`, in process.
+
+    .venv/bin/python benchmarks/bench_server.py            # ~30 s
+    .venv/bin/python benchmarks/bench_server.py --quick    # a few seconds
+
+The server is one thread that serves every instance of a node: its cost per request bounds the
+registrations a node makes per second, and on a small machine it takes CPU from the clients'
+copies. Two `MaruService`s built as `maru-server` builds them (the registry, a journal in a
+temporary state directory, the local index published) answer frames through `handle_frame`,
+as the server's loop does, without a socket:
+
+- `register` / `delete`: REGISTER_KV of 128 new 64 KiB pages (SGLang's batch, keys as long as
+  its page hashes), then DELETE_KV of them;
+- `register, full pool`: REGISTER_KV into a pool held past its high watermark, so that every
+  few requests an eviction round (the CLOCK walk, the journal, the local index, the owners'
+  notices) runs inside the request: a cache's usual state;
+- `wire`: the baseline, in the same run: decoding each kind's request frame and encoding a
+  reply of its form (msgpack: what any server of this protocol pays).
+
+Requests of the kinds alternate. Prints median and mean microseconds per request and per key,
+and each kind's ratio to the wire. Compare builds by running it under each one's PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from maru.common import protocol
+from maru.common.protocol import MsgType
+from maru.server import persistence
+from maru.server.journal import Journal
+from maru.server.localindex import open_local_index
+from maru.server.pool import ShmPool
+from maru.server.registry import Registry
+from maru.server.service import MaruService
+from maru.server.token import TokenSigner
+
+KiB, MiB = 1 << 10, 1 << 20
+PAGE = 64 * KiB
+BATCH = 128
+
+
+class Server:
+    """A `MaruService` with a journal and the local index, and one instance of its own."""
+
+    def __init__(self, work: Path, pool_bytes: int):
+        self.journal = Journal(work / "state", fsync_interval=0.1)
+        self.pool = ShmPool(str(work / "pool"), pool_bytes)
+        self.registry = Registry(self.pool, TokenSigner(os.urandom(32)), journal=self.journal)
+        snapshot, records = self.journal.load()
+        persistence.restore(self.registry, snapshot, records)
+        self.journal.write_snapshot(persistence.snapshot(self.registry))
+        open_local_index(self.pool, self.registry)
+        self.service = MaruService(
+            self.registry, "tcp://127.0.0.1:0", journal=self.journal, local_socket="none"
+        )
+        self.session = ""
+        reply = self.call(MsgType.HANDSHAKE, {"name": "bench", "pid": os.getpid()})
+        self.session = reply["session"]
+        region = self.call(MsgType.REQUEST_REGION, {"size": pool_bytes // 2})["region"]
+        self.region_id, self.region_bytes = region[0], region[3]
+        self.next_page = 0
+
+    def frame(self, msg_type: int, body: dict[str, Any]) -> bytes:
+        return protocol.encode(msg_type, 1, {**body, "session": self.session})
+
+    def call(self, msg_type: int, body: dict[str, Any]) -> dict[str, Any]:
+        _, reply = protocol.decode(self.service.handle_frame(self.frame(msg_type, body)))
+        if not reply.get("ok"):
+            raise RuntimeError(f"{MsgType(msg_type).name}: {reply}")
+        return reply
+
+    def register_frame(self, keys: list[str]) -> bytes:
+        """REGISTER_KV of `keys` at the next pages of the region, round robin."""
+        pages = self.region_bytes // PAGE
+        first = self.next_page % (pages - len(keys))
+        self.next_page = first + len(keys)
+        body = {
+            "keys": keys,
+            "region_ids": protocol.pack_int64([self.region_id] * len(keys)),
+            "offsets": protocol.pack_int64([(first + i) * PAGE for i in range(len(keys))]),
+            "lengths": protocol.pack_int64([PAGE] * len(keys)),
+        }
+        return self.frame(MsgType.REGISTER_KV, body)
+
+    def close(self) -> None:
+        self.service.close()
+        if self.registry.local_index is not None:
+            self.registry.local_index.close()
+        self.journal.close()
+        self.pool.close()
+
+
+def batch_keys(tag: str, n: int = BATCH) -> list[str]:
+    """SGLang's page keys: a namespace and a hex SHA-256."""
+    return [f"ns:{hashlib.sha256(f'{tag}/{i}'.encode()).hexdigest()}" for i in range(n)]
+
+
+def timed(service: MaruService, frame: bytes) -> tuple[float, bytes]:
+    t0 = time.perf_counter()
+    out = service.handle_frame(frame)
+    return time.perf_counter() - t0, out
+
+
+def wire_cost(frame: bytes, reply: bytes) -> float:
+    """Decoding `frame` and encoding `reply` again: the msgpack any server pays."""
+    t0 = time.perf_counter()
+    protocol.decode(frame)
+    header, body = protocol.decode(reply)
+    protocol.encode(header.msg_type, header.request_id, body, reply=True)
+    return time.perf_counter() - t0
+
+
+def run(rounds: int, work: Path) -> dict[str, list[float]]:
+    plain = Server(work / "plain", 1 << 30)
+    # a pool of 96 pages' worth of batches: past the high watermark after a few dozen
+    full = Server(work / "full", 24 * BATCH * PAGE)
+    times: dict[str, list[float]] = {
+        k: [] for k in ("register", "delete", "register, full pool", "wire: register")
+    }
+    times["wire: delete"] = []
+    try:
+        for r in range(-rounds // 10, rounds):  # the first tenth warms up
+            keys = batch_keys(f"p{r}")
+            reg = plain.register_frame(keys)
+            took_reg, reply = timed(plain.service, reg)
+            wire_reg = wire_cost(reg, reply)
+            dele = plain.frame(MsgType.DELETE_KV, {"keys": keys})
+            took_del, reply = timed(plain.service, dele)
+            wire_del = wire_cost(dele, reply)
+            took_full, _ = timed(full.service, full.register_frame(batch_keys(f"f{r}")))
+            if r >= 0:
+                times["register"].append(took_reg)
+                times["delete"].append(took_del)
+                times["register, full pool"].append(took_full)
+                times["wire: register"].append(wire_reg)
+                times["wire: delete"].append(wire_del)
+        evicted = full.registry.counters["evictions"]
+        if not evicted:
+            raise RuntimeError("the full pool never evicted: the benchmark measured nothing")
+        times["_evictions_per_request"] = [evicted / (rounds + rounds // 10) / BATCH]
+    finally:
+        plain.close()
+        full.close()
+    return times
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a few seconds: fewer requests")
+    ap.add_argument("--rounds", type=int, default=0, help="requests of each kind")
+    ap.add_argument("--state-dir", default="", help="where the journals go (default /dev/shm)")
+    args = ap.parse_args()
+    rounds = args.rounds or (300 if args.quick else 3000)
+    base = args.state_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+    work = Path(tempfile.mkdtemp(prefix="maru-bench-server-", dir=base))
+    try:
+        times = run(rounds, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    per_evict = times.pop("_evictions_per_request")[0]
+    wire = {
+        "register": statistics.median(times["wire: register"]),
+        "delete": statistics.median(times["wire: delete"]),
+    }
+    print(f"maru-server in process, {BATCH}-key batches of 64 KiB pages, {rounds} requests each")
+    print(f"({platform.processor() or platform.machine()}, Python {platform.python_version()})")
+    print()
+    print(f"| {'request':22} | {'median us':>9} | {'mean us':>8} | {'us/key':>6} | {'/wire':>5} |")
+    print(f"|{'-' * 24}|{'-' * 10}:|{'-' * 9}:|{'-' * 7}:|{'-' * 6}:|")
+    for name, samples in times.items():
+        med, mean = statistics.median(samples), statistics.mean(samples)
+        kind = "delete" if "delete" in name else "register"
+        ratio = "" if name.startswith("wire") else f"{med / wire[kind]:5.1f}"
+        print(
+            f"| {name:22} | {med * 1e6:9.1f} | {mean * 1e6:8.1f} | {med * 1e6 / BATCH:6.2f} "
+            f"| {ratio:>5} |"
+        )
+    print()
+    print(
+        f"full pool: {per_evict:.2f} keys evicted per key registered; its mean counts the "
+        "requests that ran an eviction round. /wire: median over the wire's median."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
