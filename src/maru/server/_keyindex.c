@@ -813,11 +813,30 @@ done:
     return out;
 }
 
+/* `arg` as a PySequence_Fast of KeyEntry only (a new reference), or NULL with a TypeError
+ * naming `name`: a batch call checks every item before it reads or changes any. */
+static PyObject *key_entries(PyObject *arg, const char *name)
+{
+    PyObject *seq = PySequence_Fast(arg, "expected a sequence of KeyEntry");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *const *items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyObject_TypeCheck(items[i], &KeyEntryType)) {
+            PyErr_Format(PyExc_TypeError, "%s: expected KeyEntry objects, not %.100s", name,
+                         Py_TYPE(items[i])->tp_name);
+            Py_DECREF(seq);
+            return NULL;
+        }
+    return seq;
+}
+
 /* entry_locations(entries) -> (region_ids, lengths, notices): the registry's view of keys it
  * drops (`Registry._drop_keys`): two columns and a [region_id, offset, length] list each. */
 static PyObject *entry_locations(PyObject *module, PyObject *arg)
 {
-    PyObject *seq = PySequence_Fast(arg, "entry_locations: entries must be a sequence");
+    PyObject *seq = key_entries(arg, "entry_locations");
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -825,12 +844,6 @@ static PyObject *entry_locations(PyObject *module, PyObject *arg)
     PyObject *out = NULL, *rids = PyList_New(n), *lens = PyList_New(n), *notices = PyList_New(n);
     if (rids == NULL || lens == NULL || notices == NULL)
         goto done;
-    for (Py_ssize_t i = 0; i < n; i++) /* all KeyEntry, or nothing made */
-        if (!PyObject_TypeCheck(items[i], &KeyEntryType)) {
-            PyErr_Format(PyExc_TypeError, "entry_locations: a KeyEntry, not %.100s",
-                         Py_TYPE(items[i])->tp_name);
-            goto done;
-        }
     for (Py_ssize_t i = 0; i < n; i++) {
         KeyEntry *e = (KeyEntry *)items[i];
         PyObject *rid = PyLong_FromLongLong(e->region_id);
@@ -861,17 +874,11 @@ done:
 
 static PyObject *release_entries(PyObject *module, PyObject *arg)
 {
-    PyObject *seq = PySequence_Fast(arg, "release_entries: expected a sequence of KeyEntry");
+    PyObject *seq = key_entries(arg, "release_entries");
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject *const *items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (!PyObject_TypeCheck(items[i], &KeyEntryType)) {
-            Py_DECREF(seq);
-            PyErr_SetString(PyExc_TypeError, "release_entries: expected KeyEntry objects");
-            return NULL;
-        }
     for (Py_ssize_t i = 0; i < n; i++) {
         KeyEntry *e = (KeyEntry *)items[i];
         if (e->leases > 0)
