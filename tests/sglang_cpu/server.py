@@ -40,6 +40,7 @@ from . import sglang_env
 SHM_DIR = Path("/dev/shm")
 # Files SGLang / multiprocessing leave in /dev/shm when a server is stopped.
 SHM_LEFTOVER_PREFIXES = ("sglang_loads_", "sem.mp-")
+SHM_STAMPED_PREFIX = "sgl_shm_"  # and the creator's pid in the name: see cleanup_shm
 
 DEFAULT_START_TIMEOUT = 300.0  # measured ~30 s on an idle 2-core box; leave room for load
 DEFAULT_STOP_TIMEOUT = 30.0
@@ -306,11 +307,26 @@ def stop_server(server: SGLangServer, timeout: float = DEFAULT_STOP_TIMEOUT) -> 
             server.tmp_dir.parent.rmdir()  # only if empty (the log lives elsewhere)
 
 
+def _stamped_by_a_dead_process(name: str) -> bool:
+    """SGLang names some segments ``sgl_shm_<kind>_<pid>_<rand>`` (its message queues: 24 MiB
+    each); one is a leftover once that process is gone (another server's live ones stay)."""
+    parts = name.split("_")
+    if not name.startswith(SHM_STAMPED_PREFIX) or len(parts) < 5 or not parts[-2].isdigit():
+        return False
+    try:
+        os.kill(int(parts[-2]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # (alive, someone else's)
+        return False
+    return False
+
+
 def cleanup_shm(before: frozenset[str]) -> list[str]:
     """Remove SGLang's /dev/shm leftovers that were not there in the ``before`` snapshot."""
     removed = []
     for name in _shm_snapshot() - before:
-        if name.startswith(SHM_LEFTOVER_PREFIXES):
+        if name.startswith(SHM_LEFTOVER_PREFIXES) or _stamped_by_a_dead_process(name):
             with contextlib.suppress(OSError):
                 (SHM_DIR / name).unlink()
                 removed.append(name)

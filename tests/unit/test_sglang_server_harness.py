@@ -10,7 +10,9 @@ timing out until the test's own timeout); its second start serves /health itself
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
 import sys
 import threading
 
@@ -86,8 +88,35 @@ def test_a_taken_port_given_by_the_caller_is_an_error(tmp_path):
     launcher.chmod(0o755)
     holder = _Holder()
     try:
+        log = tmp_path / "taken.log"  # (without one the log would stay in a /tmp run dir)
         with pytest.raises(harness.PortTaken):
-            harness.start_server("model", python=str(launcher), port=holder.port, timeout=30)
+            harness.start_server(
+                "model", python=str(launcher), port=holder.port, timeout=30, log_path=log
+            )
         assert len((tmp_path / "calls").read_text().split()) == 1
     finally:
         holder.close()
+
+
+def test_stopping_removes_the_shared_memory_sglang_leaves_and_only_that(tmp_path, monkeypatch):
+    """SGLang's pid-stamped segments (`sgl_shm_<kind>_<pid>_<rand>`, 24 MiB message queues)
+    outlive a killed server: the harness removes those of dead processes that appeared while
+    its server ran, never a live process's (another server's) nor what was there before."""
+    monkeypatch.setattr(harness, "SHM_DIR", tmp_path)
+    (tmp_path / "sgl_shm_mq_1_old").touch()  # there before: not ours to remove
+    before = harness._shm_snapshot()
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    dead = f"sgl_shm_mq_{int(gone.stdout)}_ab12cd34"
+    live = f"sgl_shm_mq_{os.getpid()}_ef56ab78"
+    for name in (dead, live, "sglang_loads_x", "sgl_shm_not_stamped", "unrelated"):
+        (tmp_path / name).touch()
+    removed = harness.cleanup_shm(before)
+    assert sorted(removed) == sorted([dead, "sglang_loads_x"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["sgl_shm_mq_1_old", live, "sgl_shm_not_stamped", "unrelated"]
+    )
