@@ -48,6 +48,7 @@ FLAG_REPLY = 0x1
 CHECKSUMS = "maru64"
 
 MAX_KEY_BYTES = 1024
+MAX_KEY_CHARS = MAX_KEY_BYTES // 4  # a key of this many characters is within MAX_KEY_BYTES
 KEY_TYPES = frozenset((str, bytes))  # exactly these: what msgpack decodes a key to
 MAX_BATCH = 65536
 MAX_FRAME_BYTES = 64 << 20
@@ -275,7 +276,7 @@ def check_key(key: Any) -> str | bytes:
     encoded), else ProtocolError (KEY_TOO_LONG or BAD_REQUEST). The one key check of the
     project."""
     if type(key) is str:  # exact types: what msgpack decodes and the key index holds
-        if len(key) > MAX_KEY_BYTES // 4 and len(key.encode()) > MAX_KEY_BYTES:
+        if len(key) > MAX_KEY_CHARS and len(key.encode()) > MAX_KEY_BYTES:
             raise ProtocolError(ErrorCode.KEY_TOO_LONG, f"key longer than {MAX_KEY_BYTES} bytes")
     elif type(key) is bytes:
         if len(key) > MAX_KEY_BYTES:
@@ -296,7 +297,7 @@ def all_keys_valid(keys: list[Any]) -> bool:
         return True
     if KEY_TYPES.issuperset(map(type, keys)):
         lengths = list(map(len, keys))
-        if min(lengths) > 0 and max(lengths) <= MAX_KEY_BYTES // 4:
+        if min(lengths) > 0 and max(lengths) <= MAX_KEY_CHARS:
             return True
     try:
         for key in keys:

@@ -626,11 +626,8 @@ static PyObject *batch_fits(PyObject *module, PyObject *const *args, Py_ssize_t 
             goto done;
         if (rids[i] != last_rid) { /* (a batch's ids are mostly one object) */
             PyObject *got = PyDict_GetItemWithError(limits, rids[i]);
-            if (got == NULL) {
-                if (PyErr_Occurred())
-                    goto done;
-                goto done; /* not one of the caller's writable regions */
-            }
+            if (got == NULL) /* not one of the caller's writable regions (or an error) */
+                goto done;
             limit = PyLong_AsLongLong(got);
             if (limit == -1 && PyErr_Occurred())
                 goto done;

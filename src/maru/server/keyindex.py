@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from operator import add, le
 from typing import Any
 
-from maru.common.protocol import KEY_TYPES, MAX_KEY_BYTES
+from maru.common.protocol import KEY_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -230,11 +230,8 @@ def warn_if_pure_python() -> bool:
     return True
 
 
-MAX_KEY_CHARS = MAX_KEY_BYTES // 4  # a str key this long is within MAX_KEY_BYTES as UTF-8
-
 __all__ = [
     "COMPILED",
-    "MAX_KEY_CHARS",
     "KeyEntry",
     "KeyIndex",
     "OrderedKeyIndex",

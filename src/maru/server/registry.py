@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from maru.common.protocol import (
     CHECKSUMS,
+    MAX_KEY_CHARS,
     DeleteStatus,
     ErrorCode,
     ProtocolError,
@@ -40,7 +41,6 @@ from maru.server.holds import LeaseTable, Pins
 from maru.server.instances import Instance, InstanceTable
 from maru.server.journal import JournalWriteError
 from maru.server.keyindex import (
-    MAX_KEY_CHARS,
     KeyEntry,
     KeyIndex,
     batch_fits,
