@@ -382,6 +382,36 @@ static int64_t item_int64(PyObject *seq, Py_ssize_t i, int *err)
     return (int64_t)v;
 }
 
+/* Whether a key can be in the table (longer ones are never published: the request path
+ * has them). */
+static inline int publishable(const KeyBytes *k)
+{
+    return k->kind != 0 && k->n > 0 && k->n <= MAX_KEY;
+}
+
+/* The writer's first stage for keys[start:start + m] (m <= PUBLISH_WINDOW) of `seq`: each key's
+ * bytes and hash, and its first slot, hash entry and use byte prefetched for writing, so that
+ * the cache misses of the window's writes overlap. -1 with an error set. */
+static int stage_window(const Table *t, PyObject *seq, Py_ssize_t start, Py_ssize_t m,
+                        KeyBytes *ks, uint64_t *hashes)
+{
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (key_bytes(PySequence_Fast_GET_ITEM(seq, start + i), &ks[i]) < 0)
+            return -1;
+        if (!publishable(&ks[i]))
+            continue;
+        hashes[i] = key_hash(ks[i].p, (size_t)ks[i].n, ks[i].kind, t->seed);
+        uint64_t first = hashes[i] & t->mask;
+        const char *slot = (const char *)&t->slots[first];
+        PREFETCH_W(slot);
+        PREFETCH_W(slot + 64);
+        PREFETCH_W(slot + 128);
+        PREFETCH_W(&t->hashes[first]);
+        PREFETCH_W(&t->use_bits[first]);
+    }
+    return 0;
+}
+
 /* publish(keys, region_ids, offsets, lengths, checksums or None, tags: {region id: tag}) ->
  * how many keys were not published (too long, or not str/bytes). The caller keeps the table
  * at most half full (`count` + len(keys) <= capacity / 2, else it grows first). */
@@ -417,27 +447,12 @@ static PyObject *Writer_publish(Writer *self, PyObject *args)
     uint64_t hashes[PUBLISH_WINDOW];
     for (Py_ssize_t start = 0; start < n; start += PUBLISH_WINDOW) {
         Py_ssize_t m = n - start < PUBLISH_WINDOW ? n - start : PUBLISH_WINDOW;
-        /* the window's keys hashed and their first slots, hash entries and use bytes
-         * prefetched for writing, so that their cache misses overlap */
-        for (Py_ssize_t i = 0; i < m; i++) {
-            KeyBytes *k = &ks[i];
-            if (key_bytes(PySequence_Fast_GET_ITEM(cols[0], start + i), k) < 0)
-                goto done;
-            if (k->kind == 0 || k->n <= 0 || k->n > MAX_KEY)
-                continue;
-            hashes[i] = key_hash(k->p, (size_t)k->n, k->kind, t->seed);
-            uint64_t first = hashes[i] & t->mask;
-            const char *slot = (const char *)&t->slots[first];
-            PREFETCH_W(slot);
-            PREFETCH_W(slot + 64);
-            PREFETCH_W(slot + 128);
-            PREFETCH_W(&t->hashes[first]);
-            PREFETCH_W(&t->use_bits[first]);
-        }
+        if (stage_window(t, cols[0], start, m, ks, hashes) < 0)
+            goto done;
         for (Py_ssize_t w = 0; w < m; w++) {
             Py_ssize_t i = start + w;
             const KeyBytes *k = &ks[w];
-            if (k->kind == 0 || k->n <= 0 || k->n > MAX_KEY) {
+            if (!publishable(k)) {
                 skipped++;
                 continue;
             }
@@ -509,23 +524,13 @@ static PyObject *Writer_remove(Writer *self, PyObject *arg)
     uint64_t hashes[PUBLISH_WINDOW];
     for (Py_ssize_t start = 0; start < n; start += PUBLISH_WINDOW) {
         Py_ssize_t m = n - start < PUBLISH_WINDOW ? n - start : PUBLISH_WINDOW;
-        for (Py_ssize_t i = 0; i < m; i++) { /* as in publish: the misses overlap */
-            KeyBytes *k = &ks[i];
-            if (key_bytes(PySequence_Fast_GET_ITEM(seq, start + i), k) < 0) {
-                Py_DECREF(seq);
-                return NULL;
-            }
-            if (k->kind == 0 || k->n <= 0 || k->n > MAX_KEY)
-                continue;
-            hashes[i] = key_hash(k->p, (size_t)k->n, k->kind, t->seed);
-            const char *slot = (const char *)&t->slots[hashes[i] & t->mask];
-            PREFETCH_W(slot);
-            PREFETCH_W(slot + 64);
-            PREFETCH_W(slot + 128);
+        if (stage_window(t, seq, start, m, ks, hashes) < 0) {
+            Py_DECREF(seq);
+            return NULL;
         }
         for (Py_ssize_t w = 0; w < m; w++) {
             const KeyBytes *k = &ks[w];
-            if (k->kind == 0 || k->n <= 0 || k->n > MAX_KEY)
+            if (!publishable(k))
                 continue;
             int found;
             uint64_t slot = writer_find(t, k, hashes[w], &found);
