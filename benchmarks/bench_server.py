@@ -125,10 +125,8 @@ def run(rounds: int, work: Path) -> dict[str, list[float]]:
     plain = Server(work / "plain", 1 << 30)
     # a pool of 96 pages' worth of batches: past the high watermark after a few dozen
     full = Server(work / "full", 24 * BATCH * PAGE)
-    times: dict[str, list[float]] = {
-        k: [] for k in ("register", "delete", "register, full pool", "wire: register")
-    }
-    times["wire: delete"] = []
+    kinds = ("register", "delete", "register, full pool", "wire: register", "wire: delete")
+    times: dict[str, list[float]] = {k: [] for k in kinds}
     try:
         for r in range(-rounds // 10, rounds):  # the first tenth warms up
             keys = batch_keys(f"p{r}")
