@@ -372,7 +372,7 @@ def test_copies_shared_between_threads_read_back_the_bytes_written(maru_server):
     src, pages = _written(writer, g, keys, seed=5)
     before = memcopy.copier_tasks()
     assert writer.batch_set_v1(keys, src) == [True] * n
-    assert memcopy.copier_tasks() - before == 2  # three groups of 1 MiB: two on copiers
+    assert memcopy.copier_tasks() - before == 2  # three threads' shares of 1 MiB: two copiers
     writer.confirm_writes()
     dst = page_indices(n + 2, n, g.page_size)
     assert reader.batch_get_v1(keys, dst) == [True] * n

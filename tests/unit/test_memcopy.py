@@ -243,11 +243,14 @@ def _split_case(values: int, parts: tuple[int, ...], seed: int = 3):
 @pytest.mark.parametrize("threads", [1, 2, 3, 16])
 @pytest.mark.parametrize("hashed", [False, True])
 @pytest.mark.parametrize("to_values", [True, False], ids=["store", "load"])
-def test_a_shared_copy_is_the_same_copy_as_one_threads(threads, hashed, to_values):
+@pytest.mark.parametrize(
+    "parts", [(160 * 1024, 96 * 1024), (40 * 1024, 24 * 1024)], ids=["256K", "64K"]
+)
+def test_a_shared_copy_is_the_same_copy_as_one_threads(threads, hashed, to_values, parts):
     """Every byte where one thread puts it, nothing past the values, and with `hashed` the
-    same per-value checksums, whatever the split (values not a multiple of the groups), for
-    stores and loads."""
-    src, dst, starts, buffers, sizes, expect = _split_case(37, (160 * 1024, 96 * 1024))
+    same per-value checksums, whatever the blocks the threads took (a value each at 256 KiB,
+    four at 64 KiB, 37 values: a short last block), for stores and loads."""
+    src, dst, starts, buffers, sizes, expect = _split_case(37, parts)
     n = expect.size
     if not to_values:  # a load: the values (dst) are the source, scattered parts the target
         dst[:n] = expect
@@ -256,7 +259,8 @@ def test_a_shared_copy_is_the_same_copy_as_one_threads(threads, hashed, to_value
     got = memcopy.copy_values(
         starts, buffers, sizes, to_values=to_values, threads=threads, hashed=hashed
     )
-    assert memcopy.copier_tasks() - before == min(threads, 9) - 1  # 9 MiB: groups >= 1 MiB
+    mib = expect.size >> 20  # (9 or 2: each thread's share at least 1 MiB)
+    assert memcopy.copier_tasks() - before == min(threads, mib) - 1
     if to_values:
         assert np.array_equal(dst[:n], expect)
         assert not dst[n:].any()
@@ -273,7 +277,7 @@ def test_a_shared_copy_is_the_same_copy_as_one_threads(threads, hashed, to_value
 
 @needs_c
 def test_a_copy_too_small_to_share_stays_on_the_calling_thread():
-    """Groups under 1 MiB are not handed to a copier (a wake-up would cost more)."""
+    """Shares under 1 MiB are not handed to a copier (a wake-up would cost more)."""
     _src, dst, starts, buffers, sizes, expect = _split_case(4, (64 * 1024,))
     before = memcopy.copier_tasks()
     memcopy.copy_values(starts, buffers, sizes, to_values=True, threads=4)
@@ -281,7 +285,55 @@ def test_a_copy_too_small_to_share_stays_on_the_calling_thread():
     assert np.array_equal(dst[: expect.size], expect)
     _src, dst, starts, buffers, sizes, expect = _split_case(64, (64 * 1024,))  # 4 MiB
     memcopy.copy_values(starts, buffers, sizes, to_values=True, threads=4)
-    assert memcopy.copier_tasks() - before == 3  # four groups of 1 MiB: three on copiers
+    assert memcopy.copier_tasks() - before == 3  # four threads' shares of 1 MiB: three copiers
+    assert np.array_equal(dst[: expect.size], expect)
+
+
+def _copier_tids() -> list[int]:
+    tids = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if f.read().strip() == "maru-copier":
+                    tids.append(int(task))
+        except FileNotFoundError:
+            continue
+    return tids
+
+
+@needs_c
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="needs Linux scheduling policies")
+def test_a_copier_that_cannot_run_does_not_hold_the_copy_up():
+    """A copier that gets no CPU (here: pinned to the caller's CPU at the idle policy, as a
+    copier behind a busy server on a small machine) is called off once the caller has taken
+    every block itself: the copy returns complete without it, and the copier serves the next
+    copy as usual."""
+    _src, dst, starts, buffers, sizes, expect = _split_case(64, (64 * 1024,))  # 4 MiB
+    memcopy.copy_values(starts, buffers, sizes, to_values=True, threads=2)  # (started)
+    tids = _copier_tids()
+    assert tids
+    cpu = min(os.sched_getaffinity(0))
+    mine, theirs = os.sched_getaffinity(0), {t: os.sched_getaffinity(t) for t in tids}
+    try:
+        os.sched_setaffinity(0, {cpu})
+        for tid in tids:
+            os.sched_setaffinity(tid, {cpu})
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        dst[:] = 0
+        asked, called_off = memcopy.copier_tasks(), memcopy.copiers_called_off()
+        memcopy.copy_values(starts, buffers, sizes, to_values=True, threads=2)
+        assert memcopy.copier_tasks() - asked == 1
+        assert memcopy.copiers_called_off() - called_off == 1
+        assert np.array_equal(dst[: expect.size], expect)
+    finally:
+        for tid, cpus in theirs.items():
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            os.sched_setaffinity(tid, cpus)
+        os.sched_setaffinity(0, mine)
+    dst[:] = 0
+    asked = memcopy.copier_tasks()
+    memcopy.copy_values(starts, buffers, sizes, to_values=True, threads=2)
+    assert memcopy.copier_tasks() - asked == 1
     assert np.array_equal(dst[: expect.size], expect)
 
 

@@ -627,44 +627,57 @@ static void copy_values_run(const int64_t *starts, const int64_t *buffers, const
  *
  * One core's copy loop moves less than the memory can take (a core has only so many misses in
  * flight, and memory with CXL's latency needs more of them): `copy_values_threads` shares a
- * copy between the calling thread and copier threads, contiguous groups of values of at least
- * SPLIT_MIN_BYTES each (handing a group over costs a thread wake-up, ~20-60 us on a VM: the
- * time 1 MiB takes to copy). Copier i is a native thread of this process, started on first
- * use; it never touches Python objects (no GIL). The call returns when every group is copied:
- * each thread's sfence and the lock that publishes "done" order the bytes before anything
- * the caller does next (a write registers its keys, a read checks its entries). A copier busy
- * with another thread's copy, or one that cannot be started, leaves its group to the caller.
- * After a fork the child starts copiers of its own (only the forking thread lives on there:
- * no copy of the parent's is waited for in the child). */
+ * copy of at least 2 * SPLIT_MIN_BYTES between the calling thread and copier threads. The
+ * values are not split in fixed shares: every thread takes the next BLOCK_BYTES of values from
+ * one cursor until none are left. A copier that wakes late (a wake-up costs ~20-60 us on a
+ * VM) or shares its core with another process (the server, on a small machine) then copies
+ * less, and the caller never waits for more than the block a copier is in; a copier that has
+ * not woken by the time the caller took the last block is called off. Copier i is a native
+ * thread of this process, started on first use; it never touches Python objects (no GIL).
+ * The call returns when every block is copied: each thread's sfence and the lock that
+ * publishes "done" order the bytes before anything the caller does next (a write registers
+ * its keys, a read checks its entries). A copier busy with another thread's copy, or one that
+ * cannot be started, is not asked. After a fork the child starts copiers of its own (only the
+ * forking thread lives on there: no copy of the parent's is waited for in the child). */
 
 #define MAX_COPIERS 15
 #define SPLIT_MIN_BYTES (1 << 20)
-
-enum { TASK_PENDING, TASK_DONE };
+#define BLOCK_BYTES (256 << 10)
 
 typedef struct {
     const int64_t *starts, *buffers, *sizes;
-    Py_ssize_t values, parts;
+    Py_ssize_t values, parts, block; /* block: values a thread takes at a time */
     int to_values, streaming;
     int64_t *hashes;
-    int state; /* TASK_*, under copier_lock */
-} CopyTask;
+    Py_ssize_t next; /* the first value no thread has taken (atomic) */
+    int helpers;     /* copiers asked and not finished, under copier_lock */
+} CopyJob;
 
 typedef struct {
-    pthread_cond_t posted; /* a task was put in `task` */
-    CopyTask *task;        /* the task this copier runs or will run next */
+    pthread_cond_t posted; /* a job was put in `job` */
+    CopyJob *job;          /* the job this copier runs or was asked to (NULL: idle) */
+    int running;           /* it has taken `job` (cannot be called off any more) */
     pid_t pid;             /* the process in which this copier runs (0: not started) */
 } Copier;
 
 static pthread_mutex_t copier_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t copier_done = PTHREAD_COND_INITIALIZER;
 static Copier copiers[MAX_COPIERS];
-static uint64_t copier_tasks = 0; /* groups handed to copiers (tests, benchmarks) */
+static uint64_t copier_tasks = 0;  /* times a copier was asked to share a copy (tests) */
+static uint64_t copiers_called_off = 0; /* of those, called off before they woke */
 
-static void copy_task_run(const CopyTask *t)
+/* Copy blocks of `job` until every value is taken. */
+static void copy_job_work(CopyJob *job)
 {
-    copy_values_run(t->starts, t->buffers, t->sizes, t->values, t->parts, t->to_values,
-                    t->streaming, t->hashes);
+    for (;;) {
+        Py_ssize_t a = __atomic_fetch_add(&job->next, job->block, __ATOMIC_RELAXED);
+        if (a >= job->values)
+            return;
+        Py_ssize_t n = job->values - a < job->block ? job->values - a : job->block;
+        copy_values_run(job->starts + a, job->buffers + a * job->parts, job->sizes, n,
+                        job->parts, job->to_values, job->streaming,
+                        job->hashes != NULL ? job->hashes + a : NULL);
+    }
 }
 
 static void *copier_main(void *arg)
@@ -675,14 +688,16 @@ static void *copier_main(void *arg)
 #endif
     pthread_mutex_lock(&copier_lock);
     for (;;) {
-        while (c->task == NULL)
+        while (c->job == NULL) /* (also after a job was called off before we woke) */
             pthread_cond_wait(&c->posted, &copier_lock);
-        CopyTask *task = c->task;
+        CopyJob *job = c->job;
+        c->running = 1;
         pthread_mutex_unlock(&copier_lock);
-        copy_task_run(task);
+        copy_job_work(job);
         pthread_mutex_lock(&copier_lock);
-        task->state = TASK_DONE;
-        c->task = NULL;
+        c->running = 0;
+        c->job = NULL;
+        job->helpers--;
         pthread_cond_broadcast(&copier_done);
     }
     return NULL;
@@ -692,7 +707,8 @@ static void copiers_init(void)
 {
     for (int i = 0; i < MAX_COPIERS; i++) {
         pthread_cond_init(&copiers[i].posted, NULL);
-        copiers[i].task = NULL;
+        copiers[i].job = NULL;
+        copiers[i].running = 0;
         copiers[i].pid = 0;
     }
 }
@@ -737,54 +753,54 @@ static void copy_values_threads(const int64_t *starts, const int64_t *buffers,
     for (Py_ssize_t j = 0; j < parts; j++)
         value_bytes += sizes[j];
     int64_t by_size = value_bytes > 0 ? (int64_t)values * value_bytes / SPLIT_MIN_BYTES : 0;
-    Py_ssize_t groups = threads;
-    if (groups > MAX_COPIERS + 1)
-        groups = MAX_COPIERS + 1;
-    if (groups > values)
-        groups = values;
-    if (groups > by_size)
-        groups = (Py_ssize_t)by_size;
-    if (groups <= 1 || !streaming) {
+    int64_t helpers = threads - 1;
+    if (helpers > MAX_COPIERS)
+        helpers = MAX_COPIERS;
+    if (helpers > values - 1)
+        helpers = values - 1;
+    if (helpers > by_size - 1)
+        helpers = by_size - 1;
+    if (helpers <= 0 || !streaming) {
         copy_values_run(starts, buffers, sizes, values, parts, to_values, streaming, hashes);
         return;
     }
-    CopyTask tasks[MAX_COPIERS];
-    int posted[MAX_COPIERS];
+    Py_ssize_t block = value_bytes >= BLOCK_BYTES ? 1 : (Py_ssize_t)(BLOCK_BYTES / value_bytes);
+    CopyJob job = {starts, buffers, sizes, values, parts, block, to_values, streaming, hashes,
+                   0, 0};
+    int asked[MAX_COPIERS] = {0};
     pthread_mutex_lock(&copier_lock);
-    for (Py_ssize_t g = 1; g < groups; g++) {
-        Py_ssize_t a = values * g / groups, b = values * (g + 1) / groups;
-        CopyTask *t = &tasks[g - 1];
-        *t = (CopyTask){starts + a, buffers + a * parts, sizes, b - a, parts, to_values,
-                        streaming, hashes != NULL ? hashes + a : NULL, TASK_PENDING};
-        Copier *c = &copiers[g - 1];
-        posted[g - 1] = c->task == NULL && copier_ready(c);
-        if (posted[g - 1]) {
-            c->task = t;
+    for (int i = 0; i < helpers; i++) {
+        Copier *c = &copiers[i];
+        if (c->job == NULL && copier_ready(c)) {
+            c->job = &job;
+            asked[i] = 1;
+            job.helpers++;
             copier_tasks++;
             pthread_cond_signal(&c->posted);
         }
     }
     pthread_mutex_unlock(&copier_lock);
-    Py_ssize_t first = values / groups;
-    copy_values_run(starts, buffers, sizes, first, parts, to_values, streaming, hashes);
-    for (Py_ssize_t g = 1; g < groups; g++)
-        if (!posted[g - 1])
-            copy_task_run(&tasks[g - 1]);
+    copy_job_work(&job);
     pthread_mutex_lock(&copier_lock);
-    for (Py_ssize_t g = 1; g < groups; g++)
-        while (posted[g - 1] && tasks[g - 1].state == TASK_PENDING)
-            pthread_cond_wait(&copier_done, &copier_lock);
+    for (int i = 0; i < helpers; i++) /* call off the copiers that have not woken yet */
+        if (asked[i] && copiers[i].job == &job && !copiers[i].running) {
+            copiers[i].job = NULL;
+            job.helpers--;
+            copiers_called_off++;
+        }
+    while (job.helpers > 0)
+        pthread_cond_wait(&copier_done, &copier_lock);
     pthread_mutex_unlock(&copier_lock);
 }
 
-static PyObject *copier_tasks_get(PyObject *self, PyObject *unused)
+static PyObject *copier_counts(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
     pthread_mutex_lock(&copier_lock);
-    uint64_t n = copier_tasks;
+    uint64_t asked = copier_tasks, called_off = copiers_called_off;
     pthread_mutex_unlock(&copier_lock);
-    return PyLong_FromUnsignedLongLong(n);
+    return Py_BuildValue("KK", (unsigned long long)asked, (unsigned long long)called_off);
 }
 
 static PyObject *copy_values(PyObject *self, PyObject *args)
@@ -923,8 +939,9 @@ static PyMethodDef methods[] = {
      "copied to (to_values False) or from its parts' buffers[v * parts + j]; with hashed, each\n"
      "value's maru64 as native int64s (0 where skipped); shared by up to `threads` threads\n"
      "(streaming only). See maru.client.memcopy.copy_values."},
-    {"copier_tasks", copier_tasks_get, METH_NOARGS,
-     "copier_tasks() -> int: groups of values this process has handed to copier threads."},
+    {"copier_counts", copier_counts, METH_NOARGS,
+     "copier_counts() -> (asked, called_off): times this process asked a copier thread to\n"
+     "share a copy, and of those the times it was called off before it woke."},
     {"page_pointers", page_pointers, METH_VARARGS,
      "page_pointers(indices, page, affine) -> bytes: per page (every page-th int64 index),\n"
      "each part's pointer affine[j][0] + index * affine[j][1], as (pages, parts) int64s."},

@@ -38,14 +38,14 @@ try:
         COPY_VALUES,  # (its C loop, for the local index's read)
         STREAMING,
     )
-    from maru.client._memcopy import copier_tasks as _c_copier_tasks
+    from maru.client._memcopy import copier_counts as _c_copier_counts
     from maru.client._memcopy import copy_many as _c_copy_many
     from maru.client._memcopy import copy_many_hashed as _c_copy_many_hashed
     from maru.client._memcopy import copy_values as _c_copy_values
     from maru.client._memcopy import page_pointers as _c_page_pointers
 except ImportError:  # built without a C compiler
     _c_copy_many = _c_copy_many_hashed = _c_copy_values = _c_page_pointers = COPY_VALUES = None
-    _c_copier_tasks = None
+    _c_copier_counts = None
     STREAMING = 0
     log.debug("maru.client._memcopy not built: page copies use a ctypes loop")
 
@@ -124,9 +124,15 @@ def copy_values(
 
 
 def copier_tasks() -> int:
-    """Groups of values this process has handed to copier threads so far (0 without the C
-    extension): for tests and benchmarks."""
-    return _c_copier_tasks() if _c_copier_tasks is not None else 0
+    """Times this process has asked a copier thread to share a copy (0 without the C
+    extension): for tests."""
+    return _c_copier_counts()[0] if _c_copier_counts is not None else 0
+
+
+def copiers_called_off() -> int:
+    """Of `copier_tasks`, the times the caller took the last block before the copier woke
+    and called it off (0 without the C extension): for tests."""
+    return _c_copier_counts()[1] if _c_copier_counts is not None else 0
 
 
 def page_pointers(indices: np.ndarray, page: int, affine: np.ndarray) -> np.ndarray:
