@@ -289,16 +289,21 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                 rest.append((batch, ns_keys, *self._copy_pages(batch, hashed)))
                 continue
             if n < PIPELINE_MIN_PAGES:
-                sums = pool.copy_in(run.address, run.stride, buffers, 0, n, hashed, threads)
-                rest.append((batch, ns_keys, run, sums))
+                copy = pool.copy_in(run.address, run.stride, buffers, 0, n, hashed, threads)
+                rest.append((batch, ns_keys, run, copy.finish()))
                 continue
             step = n if number < len(batches) else max(PIPELINE_MIN_PAGES, -(-n // pieces))
             for first in range(0, n, step):
                 last = min(n, first + step)
                 piece = run.slice(first, last) if step < n else run
-                sums = pool.copy_in(
+                copy = pool.copy_in(
                     piece.address, piece.stride, buffers, first, last, hashed, threads
                 )
+                if behind and number == len(batches) and last == n:
+                    # The call's last copy: the copier threads copy while this thread reads
+                    # the earlier calls' replies that are in (the rest after the copy).
+                    self.confirm_writes(wait=False)
+                sums = copy.finish()
                 sealing = handler.seal(ns_keys[first:last], piece, pool.page_bytes, checksums=sums)
                 sealings.append(([(batch, first, last - first)], sealing))
         if len(rest) == 1:  # (one run or one batch's pages: sealed as they are)
@@ -319,17 +324,24 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                 self._unconfirmed.sealings.append((owners, sealing, results))
         self._stats.account_write(batches, time.perf_counter() - start)
 
-    def confirm_writes(self) -> int:
+    def confirm_writes(self, wait: bool = True) -> int:
         """Wait until the server has registered every page this thread's write calls
         returned for (write-behind, see `_write`): from then on every instance finds them.
         The thread's own later calls do it by themselves (a read before it looks, a write
         after its copies); another instance reading right after a write (a test, a handover)
         calls it. Returns the number of pages those calls reported stored whose registration
-        failed (logged, counted as `late_write_failures`): they read as misses."""
+        failed (logged, counted as `late_write_failures`): they read as misses. `wait=False`:
+        only the registrations whose replies are in, oldest first (a write's, during its copy)."""
         unconfirmed = self._unconfirmed.sealings
+        if not wait:
+            ready = 0
+            while ready < len(unconfirmed) and unconfirmed[ready][1].arrived():
+                ready += 1
+            unconfirmed, self._unconfirmed.sealings = unconfirmed[:ready], unconfirmed[ready:]
+        else:
+            self._unconfirmed.sealings = []
         if not unconfirmed:
             return 0
-        self._unconfirmed.sealings = []
         lost_total = 0
         for owners, sealing, reported in unconfirmed:
             results, at = sealing.wait(), 0
@@ -359,7 +371,8 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         sums = np.zeros(len(handles), np.int64)
         for i, handle in enumerate(handles):
             if handle is not None:
-                got = pool.copy_in(handle.address, pool.page_bytes, buffers, i, i + 1, hashed)
+                copy = pool.copy_in(handle.address, pool.page_bytes, buffers, i, i + 1, hashed)
+                got = copy.finish()
                 sums[i] = got[0] if got is not None else 0
         return handles, sums if hashed else None
 

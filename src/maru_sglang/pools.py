@@ -20,7 +20,13 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-from maru.client.memcopy import copy_many_hashed, copy_values, page_pointers
+from maru.client.memcopy import (
+    CopyStarted,
+    copy_many_hashed,
+    copy_values,
+    copy_values_start,
+    page_pointers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -255,19 +261,20 @@ class PoolIO:
         last: int,
         hashed: bool = False,
         threads: int = 1,
-    ) -> np.ndarray | None:
-        """Copy pages [first, last) of a batch (`buffers`: its `pointers`) from the host pool
-        to `dst`, `stride` apart, each page's parts back to back; `hashed`: also return each
-        page's checksum, computed as it is copied (`maru_checksums`). `threads`: shared by
-        up to that many threads (`maru_copy_threads`, `copy_values`)."""
+    ) -> CopyStarted:
+        """Start copying pages [first, last) of a batch (`buffers`: its `pointers`) from the
+        host pool to `dst`, `stride` apart, each page's parts back to back; `.finish()`
+        completes it and gives, with `hashed`, each page's checksum, computed as it is copied
+        (`maru_checksums`). `threads`: shared by up to that many threads (`maru_copy_threads`,
+        `copy_values_start`: the copiers begin now, the caller's share in `finish()`)."""
         if self.whole_page:
             hashes = np.zeros(last - first, np.int64)
             for i, index in enumerate(buffers[first:last, 0].tolist()):
                 data = self.pool.get_data_page(index, flat=True).contiguous()
                 hashes[i] = self._copy_page(dst + i * stride, data.data_ptr(), hashed)
-            return hashes if hashed else None
+            return CopyStarted(None, hashed, hashes if hashed else None)
         starts = dst + np.arange(last - first, dtype=np.int64) * stride
-        return copy_values(
+        return copy_values_start(
             starts, buffers[first:last], self.sizes, to_values=True, hashed=hashed, threads=threads
         )
 

@@ -50,6 +50,31 @@ def test_local_socket_off_in_the_client_config_keeps_zmq(maru_server):
         assert server_stats(maru_server.url)["local_connections"] == 0
 
 
+@pytest.mark.parametrize("local", [True, False], ids=["unix", "zmq"])
+def test_a_reply_is_taken_without_waiting_only_once_it_is_in(maru_server, local):
+    """`PendingReply.arrived()` (a write reads the replies that are in during its copy): False
+    while the server is stopped, without waiting for the reply; True once it came, and then
+    `result()` has it. On either transport."""
+    import signal
+
+    config = dict(server_url=maru_server.url, pool_size="4M", local_socket=local)
+    with MaruHandler(**config, timeout_ms=30_000) as h:
+        assert h._rpc.request(MsgType.EXISTS, {"keys": ["a"]}).result()["ok"]  # (connected)
+        os.kill(maru_server.pid, signal.SIGSTOP)
+        try:
+            pending = h._rpc.request(MsgType.EXISTS, {"keys": ["a"]})
+            started = time.monotonic()
+            assert not pending.arrived()
+            assert time.monotonic() - started < 5  # (waiting would take the 30 s timeout)
+        finally:
+            os.kill(maru_server.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while not pending.arrived() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert pending.arrived() and pending.done()
+        assert pending.result()["ok"]
+
+
 def test_server_without_local_socket(maru_server_factory, tmp_path):
     server = maru_server_factory(
         tmp_path / "srv", pool_size="64M", extra_args=["--local-socket", "none"]

@@ -540,6 +540,60 @@ def test_a_write_reads_the_earlier_replies_after_its_copies_and_a_read_before(
     storage.close()
 
 
+def test_a_large_write_reads_the_replies_already_in_during_its_copy_and_waits_after(
+    maru_server, monkeypatch
+):
+    """A write of a run of PIPELINE_MIN_PAGES or more starts its copy (the copier threads
+    begin), reads the thread's earlier replies that are in, then finishes the copy and
+    registers; a reply not in yet (the server stopped) is not waited for during the copy,
+    only after it."""
+    import maru.client.memcopy as memcopy
+
+    g = Geometry()
+    storage = _storage(maru_server.url, g)
+    n = 32
+    keys = [f"window-{i}" for i in range(3 * n)]
+    src, _ = _written(storage, g, keys[:n], seed=25)
+    events: list[str] = []
+    wait, finish, copy_in = (
+        requests_module.Sealing.wait,
+        memcopy.CopyStarted.finish,
+        storage._kv.copy_in,
+    )
+
+    def waiting(sealing):
+        events.append("reply")
+        return wait(sealing)
+
+    def finishing(started):
+        events.append("finish")
+        return finish(started)
+
+    def copying(*args, **kwargs):
+        events.append("copy")
+        return copy_in(*args, **kwargs)
+
+    monkeypatch.setattr(requests_module.Sealing, "wait", waiting)
+    monkeypatch.setattr(memcopy.CopyStarted, "finish", finishing)
+    monkeypatch.setattr(storage._kv, "copy_in", copying)
+    with _server_paused(maru_server, resume_after=0.5):
+        assert storage.batch_set_v1(keys[:n], src) == [True] * n
+        assert events == ["copy", "finish"]
+        events.clear()
+        assert storage.batch_set_v1(keys[n : 2 * n], src) == [True] * n
+    assert events == ["copy", "finish", "reply"]  # not in (stopped): waited for after the copy
+    ((_, second, _),) = storage._unconfirmed.sealings
+    deadline = time.monotonic() + 10
+    while not second.arrived() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    events.clear()
+    assert storage.batch_set_v1(keys[2 * n :], src) == [True] * n
+    assert events == ["copy", "reply", "finish"]  # in: read during the copy
+    assert storage.confirm_writes() == 0
+    assert storage.batch_exists(keys) == 3 * n
+    storage.close()
+
+
 def test_a_registration_lost_after_the_write_returned_is_a_counted_miss(
     maru_server_factory, tmp_path, caplog
 ):

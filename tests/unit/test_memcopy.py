@@ -361,6 +361,64 @@ def test_a_forked_child_starts_copiers_of_its_own():
 
 
 @needs_c
+@pytest.mark.parametrize("hashed", [False, True])
+def test_a_started_copy_is_complete_once_finished(hashed):
+    """`copy_values_start`: the copiers start at once, `finish()` takes the rest and gives
+    what `copy_values` gives (a second `finish()` the same); dropped unfinished, the copy
+    still completes before its arrays can go (the copiers never outlive it)."""
+    _src, dst, starts, buffers, sizes, expect = _split_case(64, (64 * 1024,))  # 4 MiB
+    reference = memcopy.copy_values(starts, buffers, sizes, to_values=True, hashed=hashed)
+    dst[:] = 0
+    asked = memcopy.copier_tasks()
+    started = memcopy.copy_values_start(
+        starts, buffers, sizes, to_values=True, hashed=hashed, threads=2
+    )
+    assert memcopy.copier_tasks() - asked == 1  # (asked at the start)
+    got = started.finish()
+    assert np.array_equal(dst[: expect.size], expect)
+    if hashed:
+        assert got is not None and np.array_equal(got, reference)
+        assert started.finish() is got
+    else:
+        assert got is None and started.finish() is None
+    dst[:] = 0
+    started = memcopy.copy_values_start(starts, buffers, sizes, to_values=True, threads=2)
+    del started
+    assert np.array_equal(dst[: expect.size], expect)
+
+
+@needs_c
+def test_a_copy_started_with_one_thread_is_done_at_once():
+    _src, dst, starts, buffers, sizes, expect = _split_case(8, (64 * 1024,))
+    started = memcopy.copy_values_start(starts, buffers, sizes, to_values=True, threads=1)
+    assert np.array_equal(dst[: expect.size], expect)
+    assert started.finish() is None
+    with pytest.raises(ValueError, match="buffers"):
+        memcopy.copy_values_start(starts, buffers[:4], sizes, to_values=True, threads=2)
+
+
+@needs_c
+def test_a_child_forked_during_a_started_copy_finishes_all_of_it_itself():
+    """The parent's copiers are not in a child forked while a copy is in flight: the child's
+    `finish()` copies every value itself (whatever the parent's copier had taken)."""
+    _src, dst, starts, buffers, sizes, expect = _split_case(64, (64 * 1024,))
+    memcopy.copy_values(starts, buffers, sizes, to_values=True, threads=2)  # (started)
+    dst[:] = 0
+    started = memcopy.copy_values_start(starts, buffers, sizes, to_values=True, threads=2)
+    pid = os.fork()
+    if pid == 0:  # (no pytest in here: only the exit status)
+        try:
+            started.finish()
+            os._exit(0 if np.array_equal(dst[: expect.size], expect) else 1)
+        except BaseException:
+            os._exit(2)
+    started.finish()
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    assert np.array_equal(dst[: expect.size], expect)
+
+
+@needs_c
 def test_threads_share_only_streaming_copies():
     """A plain memmove (the benchmarks' baseline, `streaming=False`) stays one thread's."""
     _src, dst, starts, buffers, sizes, expect = _split_case(16, (512 * 1024,))

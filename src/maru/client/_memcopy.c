@@ -744,10 +744,10 @@ static int copier_ready(Copier *c)
     return ok;
 }
 
-/* copy_values_run shared by up to `threads` threads (see above). Needs no GIL. */
-static void copy_values_threads(const int64_t *starts, const int64_t *buffers,
-                                const int64_t *sizes, Py_ssize_t values, Py_ssize_t parts,
-                                int to_values, int streaming, int64_t *hashes, int threads)
+/* How many copiers a copy of `values` values (parts of `sizes`) asks to share it, at most one
+ * thread per SPLIT_MIN_BYTES (0: the calling thread alone), and the values in a block. */
+static int copy_plan(const int64_t *sizes, Py_ssize_t values, Py_ssize_t parts, int streaming,
+                     int threads, Py_ssize_t *block)
 {
     int64_t value_bytes = 0;
     for (Py_ssize_t j = 0; j < parts; j++)
@@ -760,37 +760,64 @@ static void copy_values_threads(const int64_t *starts, const int64_t *buffers,
         helpers = values - 1;
     if (helpers > by_size - 1)
         helpers = by_size - 1;
-    if (helpers <= 0 || !streaming) {
-        copy_values_run(starts, buffers, sizes, values, parts, to_values, streaming, hashes);
-        return;
-    }
-    Py_ssize_t block = value_bytes >= BLOCK_BYTES ? 1 : (Py_ssize_t)(BLOCK_BYTES / value_bytes);
-    CopyJob job = {starts, buffers, sizes, values, parts, block, to_values, streaming, hashes,
-                   0, 0};
-    int asked[MAX_COPIERS] = {0};
+    if (helpers <= 0 || !streaming)
+        return 0;
+    *block = value_bytes >= BLOCK_BYTES ? 1 : (Py_ssize_t)(BLOCK_BYTES / value_bytes);
+    return (int)helpers;
+}
+
+/* Ask up to `helpers` idle copiers to share `job` (asked[i]: copier i was). */
+static void copy_job_post(CopyJob *job, int helpers, int *asked)
+{
     pthread_mutex_lock(&copier_lock);
     for (int i = 0; i < helpers; i++) {
         Copier *c = &copiers[i];
-        if (c->job == NULL && copier_ready(c)) {
-            c->job = &job;
-            asked[i] = 1;
-            job.helpers++;
+        asked[i] = c->job == NULL && copier_ready(c);
+        if (asked[i]) {
+            c->job = job;
+            job->helpers++;
             copier_tasks++;
             pthread_cond_signal(&c->posted);
         }
     }
     pthread_mutex_unlock(&copier_lock);
-    copy_job_work(&job);
+}
+
+/* The caller's part: blocks until none are left, then the copiers asked are called off (not
+ * woken yet) or waited for (one block at most). */
+static void copy_job_finish(CopyJob *job, int helpers, const int *asked)
+{
+    copy_job_work(job);
+    if (helpers == 0)
+        return;
     pthread_mutex_lock(&copier_lock);
-    for (int i = 0; i < helpers; i++) /* call off the copiers that have not woken yet */
-        if (asked[i] && copiers[i].job == &job && !copiers[i].running) {
+    for (int i = 0; i < helpers; i++)
+        if (asked[i] && copiers[i].job == job && !copiers[i].running) {
             copiers[i].job = NULL;
-            job.helpers--;
+            job->helpers--;
             copiers_called_off++;
         }
-    while (job.helpers > 0)
+    while (job->helpers > 0)
         pthread_cond_wait(&copier_done, &copier_lock);
     pthread_mutex_unlock(&copier_lock);
+}
+
+/* copy_values_run shared by up to `threads` threads (see above). Needs no GIL. */
+static void copy_values_threads(const int64_t *starts, const int64_t *buffers,
+                                const int64_t *sizes, Py_ssize_t values, Py_ssize_t parts,
+                                int to_values, int streaming, int64_t *hashes, int threads)
+{
+    Py_ssize_t block = 1;
+    int helpers = copy_plan(sizes, values, parts, streaming, threads, &block);
+    if (helpers == 0) {
+        copy_values_run(starts, buffers, sizes, values, parts, to_values, streaming, hashes);
+        return;
+    }
+    CopyJob job = {starts, buffers, sizes, values, parts, block, to_values, streaming, hashes,
+                   0, 0};
+    int asked[MAX_COPIERS] = {0};
+    copy_job_post(&job, helpers, asked);
+    copy_job_finish(&job, helpers, asked);
 }
 
 static PyObject *copier_counts(PyObject *self, PyObject *unused)
@@ -803,51 +830,167 @@ static PyObject *copier_counts(PyObject *self, PyObject *unused)
     return Py_BuildValue("KK", (unsigned long long)asked, (unsigned long long)called_off);
 }
 
-static PyObject *copy_values(PyObject *self, PyObject *args)
+/* ---- copy_values and copy_values_start ------------------------------------------------------
+ *
+ * One copy from Python's side: the arrays it reads held (buffer views) until it is finished,
+ * its checksums' bytes, its job. `copy_values` runs one to the end; `copy_values_start` asks
+ * the copiers at once and returns a CopyInFlight, whose `finish()` is the caller's part: the
+ * caller does other work (a write builds its registration, reads earlier replies) while the
+ * copiers copy, then takes what is left. Bytes are in place only once `finish()` returns. */
+
+typedef struct {
+    Py_buffer starts, buffers, sizes;
+    PyObject *hashes; /* bytes: the values' maru64s (hashed), else NULL */
+    CopyJob job;
+    int helpers;      /* copiers to ask (0: the caller alone, in finish) */
+    int asked[MAX_COPIERS];
+    pid_t pid;        /* the process that started it */
+    int finished;
+} Copy;
+
+static void copy_release(Copy *c)
+{
+    if (c->starts.obj != NULL)
+        PyBuffer_Release(&c->starts);
+    if (c->buffers.obj != NULL)
+        PyBuffer_Release(&c->buffers);
+    if (c->sizes.obj != NULL)
+        PyBuffer_Release(&c->sizes);
+    Py_CLEAR(c->hashes);
+}
+
+/* Parse and check copy_values' arguments into `c` (zeroed by the caller): 0, or -1 with an
+ * exception set (the caller releases `c`). */
+static int copy_open(Copy *c, PyObject *args, const char *format)
 {
     PyObject *starts_obj, *buffers_obj, *sizes_obj;
     int to_values, streaming = 1, hashed = 0, threads = 1;
-    if (!PyArg_ParseTuple(args, "OOOp|ppi:copy_values", &starts_obj, &buffers_obj, &sizes_obj,
-                          &to_values, &streaming, &hashed, &threads))
-        return NULL;
-    Py_buffer starts = {0}, buffers = {0}, sizes = {0};
-    PyObject *out = NULL;
-    if (int64_buffer(starts_obj, &starts, "starts") < 0 ||
-        int64_buffer(buffers_obj, &buffers, "buffers") < 0 ||
-        int64_buffer(sizes_obj, &sizes, "sizes") < 0)
-        goto done;
-    Py_ssize_t values = starts.len / 8, parts = sizes.len / 8;
-    if (buffers.len / 8 != values * parts) {
+    if (!PyArg_ParseTuple(args, format, &starts_obj, &buffers_obj, &sizes_obj, &to_values,
+                          &streaming, &hashed, &threads))
+        return -1;
+    if (int64_buffer(starts_obj, &c->starts, "starts") < 0 ||
+        int64_buffer(buffers_obj, &c->buffers, "buffers") < 0 ||
+        int64_buffer(sizes_obj, &c->sizes, "sizes") < 0)
+        return -1;
+    Py_ssize_t values = c->starts.len / 8, parts = c->sizes.len / 8;
+    if (c->buffers.len / 8 != values * parts) {
         PyErr_Format(PyExc_ValueError, "copy_values: %zd buffers for %zd values of %zd parts",
-                     buffers.len / 8, values, parts);
-        goto done;
+                     c->buffers.len / 8, values, parts);
+        return -1;
     }
-    const int64_t *z = (const int64_t *)sizes.buf;
+    const int64_t *z = (const int64_t *)c->sizes.buf;
     for (Py_ssize_t j = 0; j < parts; j++)
         if (z[j] < 0) {
             PyErr_SetString(PyExc_ValueError, "copy_values: sizes must not be negative");
-            goto done;
+            return -1;
         }
     int64_t *hashes = NULL;
     if (hashed) {
-        if ((out = PyBytes_FromStringAndSize(NULL, values * 8)) == NULL)
-            goto done;
-        hashes = (int64_t *)PyBytes_AS_STRING(out);
+        if ((c->hashes = PyBytes_FromStringAndSize(NULL, values * 8)) == NULL)
+            return -1;
+        hashes = (int64_t *)PyBytes_AS_STRING(c->hashes);
     }
-    Py_BEGIN_ALLOW_THREADS
-    copy_values_threads((const int64_t *)starts.buf, (const int64_t *)buffers.buf, z, values,
-                        parts, to_values, streaming, hashes, threads);
-    Py_END_ALLOW_THREADS
-    if (out == NULL)
-        out = Py_NewRef(Py_None);
-done:
-    if (starts.obj != NULL)
-        PyBuffer_Release(&starts);
-    if (buffers.obj != NULL)
-        PyBuffer_Release(&buffers);
-    if (sizes.obj != NULL)
-        PyBuffer_Release(&sizes);
+    Py_ssize_t block = values > 0 ? values : 1;
+    c->helpers = copy_plan(z, values, parts, streaming, threads, &block);
+    c->job = (CopyJob){(const int64_t *)c->starts.buf, (const int64_t *)c->buffers.buf, z,
+                       values, parts, block, to_values, streaming, hashes, 0, 0};
+    c->pid = getpid();
+    return 0;
+}
+
+/* The caller's part of `c` (see copy_job_finish). Needs no GIL. In a child forked while it was
+ * in flight the parent's copiers are not there: the child copies all of it itself. */
+static void copy_finish(Copy *c)
+{
+    if (c->finished)
+        return;
+    if (c->pid != getpid()) {
+        c->job.next = 0;
+        c->job.helpers = 0;
+        c->helpers = 0;
+    }
+    copy_job_finish(&c->job, c->helpers, c->asked);
+    c->finished = 1;
+}
+
+static PyObject *copy_result(const Copy *c)
+{
+    return c->hashes != NULL ? Py_NewRef(c->hashes) : Py_NewRef(Py_None);
+}
+
+static PyObject *copy_values(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Copy c = {0};
+    PyObject *out = NULL;
+    if (copy_open(&c, args, "OOOp|ppi:copy_values") == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        copy_job_post(&c.job, c.helpers, c.asked);
+        copy_finish(&c);
+        Py_END_ALLOW_THREADS
+        out = copy_result(&c);
+    }
+    copy_release(&c);
     return out;
+}
+
+typedef struct {
+    PyObject_HEAD
+    Copy copy;
+} CopyInFlight;
+
+static PyObject *CopyInFlight_finish(CopyInFlight *self, PyObject *unused)
+{
+    (void)unused;
+    if (!self->copy.finished) {
+        Py_BEGIN_ALLOW_THREADS
+        copy_finish(&self->copy);
+        Py_END_ALLOW_THREADS
+    }
+    return copy_result(&self->copy);
+}
+
+static void CopyInFlight_dealloc(CopyInFlight *self)
+{
+    if (!self->copy.finished) { /* (the copiers must be done with the arrays first) */
+        Py_BEGIN_ALLOW_THREADS
+        copy_finish(&self->copy);
+        Py_END_ALLOW_THREADS
+    }
+    copy_release(&self->copy);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef CopyInFlight_methods[] = {
+    {"finish", (PyCFunction)CopyInFlight_finish, METH_NOARGS,
+     "finish() -> bytes or None: take the blocks no copier took, wait for the copiers, then\n"
+     "what copy_values returns. The bytes are in place only once it returns."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CopyInFlightType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru.client._memcopy.CopyInFlight",
+    .tp_basicsize = sizeof(CopyInFlight),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A copy_values_start copy: finish() completes it.",
+    .tp_dealloc = (destructor)CopyInFlight_dealloc,
+    .tp_methods = CopyInFlight_methods,
+};
+
+static PyObject *copy_values_start(PyObject *self, PyObject *args)
+{
+    (void)self;
+    CopyInFlight *flight = PyObject_New(CopyInFlight, &CopyInFlightType);
+    if (flight == NULL)
+        return NULL;
+    memset(&flight->copy, 0, sizeof(Copy));
+    if (copy_open(&flight->copy, args, "OOOp|ppi:copy_values_start") < 0) {
+        flight->copy.finished = 1; /* (nothing asked) */
+        Py_DECREF(flight);
+        return NULL;
+    }
+    copy_job_post(&flight->copy.job, flight->copy.helpers, flight->copy.asked);
+    return (PyObject *)flight;
 }
 
 /* page_pointers(indices, page, affine) -> bytes: the host pool's side of a batch of KV pages,
@@ -939,6 +1082,9 @@ static PyMethodDef methods[] = {
      "copied to (to_values False) or from its parts' buffers[v * parts + j]; with hashed, each\n"
      "value's maru64 as native int64s (0 where skipped); shared by up to `threads` threads\n"
      "(streaming only). See maru.client.memcopy.copy_values."},
+    {"copy_values_start", copy_values_start, METH_VARARGS,
+     "copy_values_start(...) -> CopyInFlight: copy_values' arguments; the copiers start now,\n"
+     "the caller's part and the result come with finish()."},
     {"copier_counts", copier_counts, METH_NOARGS,
      "copier_counts() -> (asked, called_off): times this process asked a copier thread to\n"
      "share a copy, and of those the times it was called off before it woke."},
@@ -968,6 +1114,8 @@ PyMODINIT_FUNC PyInit__memcopy(void)
     copiers_init();
     if (pthread_atfork(NULL, NULL, copiers_after_fork) != 0)
         return PyErr_NoMemory();
+    if (PyType_Ready(&CopyInFlightType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;

@@ -15,6 +15,9 @@ stored as their parts back to back (KV pages in the pool) to or from the parts' 
 elsewhere (host or device pool pages), misses skipped, optionally hashed; MaruStorage, the
 vLLM connector and the benchmarks' baselines copy through it.
 
+`copy_values_start` begins the same copy and returns a `CopyStarted`: the copier threads copy
+while the caller does other work, `finish()` does the caller's part and waits for theirs.
+
 `copy_many_hashed` is the same copy that also returns each value's checksum (maru64,
 `maru.client.checksum`), hashed a few KiB at a time right after they were copied, from the
 source, while they are in cache (`maru_checksums` on the data path).
@@ -42,9 +45,11 @@ try:
     from maru.client._memcopy import copy_many as _c_copy_many
     from maru.client._memcopy import copy_many_hashed as _c_copy_many_hashed
     from maru.client._memcopy import copy_values as _c_copy_values
+    from maru.client._memcopy import copy_values_start as _c_copy_values_start
     from maru.client._memcopy import page_pointers as _c_page_pointers
 except ImportError:  # built without a C compiler
     _c_copy_many = _c_copy_many_hashed = _c_copy_values = _c_page_pointers = COPY_VALUES = None
+    _c_copy_values_start = None
     _c_copier_counts = None
     STREAMING = 0
     log.debug("maru.client._memcopy not built: page copies use a ctypes loop")
@@ -98,16 +103,10 @@ def copy_values(
     (`copy_many`). `hashed` (`maru_checksums`): returns each value's maru64 as copied (0 where
     skipped), else None. `streaming=False`: plain memmove (the benchmarks' baseline). The data
     path's copy: one C call, no array built per call. `threads` (`maru_copy_threads`): shared
-    by the calling thread and up to `threads - 1` copier threads of the process, in groups of
-    values of at least 1 MiB (`_memcopy.c`): one core's copy loop moves less than the memory
-    takes (two threads: 1.25-1.5x one here, docs/performance.md)."""
-    starts = np.ascontiguousarray(starts, dtype=np.int64)
-    buffers = np.ascontiguousarray(buffers, dtype=np.int64)
-    sizes = np.ascontiguousarray(sizes, dtype=np.int64)
-    if buffers.shape != (starts.size, sizes.size):
-        raise ValueError(
-            f"copy_values: buffers {buffers.shape} for {starts.size} values of {sizes.size} parts"
-        )
+    by the calling thread and up to `threads - 1` copier threads of the process, at most one
+    per MiB, taking 256 KiB blocks in turn (`_memcopy.c`): one core's copy loop moves less
+    than the memory takes (two threads: 1.25-1.5x one here, docs/performance.md)."""
+    starts, buffers, sizes = _value_columns(starts, buffers, sizes)
     if _c_copy_values is not None:
         out = _c_copy_values(starts, buffers, sizes, to_values, streaming, hashed, threads)
         return np.frombuffer(out, np.int64) if hashed else None
@@ -121,6 +120,61 @@ def copy_values(
     out = np.zeros(starts.size, np.int64)
     out[hit] = copy_many_hashed(dst, src, sizes, streaming=streaming)
     return out
+
+
+def _value_columns(
+    starts: np.ndarray, buffers: np.ndarray, sizes: Sequence[int] | np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    buffers = np.ascontiguousarray(buffers, dtype=np.int64)
+    sizes = np.ascontiguousarray(sizes, dtype=np.int64)
+    if buffers.shape != (starts.size, sizes.size):
+        raise ValueError(
+            f"copy_values: buffers {buffers.shape} for {starts.size} values of {sizes.size} parts"
+        )
+    return starts, buffers, sizes
+
+
+class CopyStarted:
+    """A `copy_values_start` copy. `finish()` returns what `copy_values` returns; the bytes
+    are in place only once it has returned (a write registers its keys after it)."""
+
+    __slots__ = ("_flight", "_hashed", "_result")
+
+    def __init__(self, flight: object | None, hashed: bool, result: np.ndarray | None = None):
+        self._flight, self._hashed, self._result = flight, hashed, result
+
+    def finish(self) -> np.ndarray | None:
+        if self._flight is not None:
+            out = self._flight.finish()  # type: ignore[attr-defined]
+            self._flight = None
+            self._result = np.frombuffer(out, np.int64) if self._hashed else None
+        return self._result
+
+
+def copy_values_start(
+    starts: np.ndarray,
+    buffers: np.ndarray,
+    sizes: Sequence[int] | np.ndarray,
+    *,
+    to_values: bool,
+    hashed: bool = False,
+    streaming: bool = True,
+    threads: int = 1,
+) -> CopyStarted:
+    """`copy_values` begun: the copier threads (`threads` > 1) start on it now, while the
+    caller does other work (a write builds its registration and reads earlier replies);
+    `finish()` does the caller's part and waits for theirs (one block at most). With one
+    thread, or without the C extension, the copy is done here. `starts`, `buffers` and the
+    bytes they point at must stay as they are until `finish()` returns."""
+    if _c_copy_values_start is None or threads <= 1:
+        result = copy_values(
+            starts, buffers, sizes, to_values=to_values, hashed=hashed, streaming=streaming
+        )
+        return CopyStarted(None, hashed, result)
+    starts, buffers, sizes = _value_columns(starts, buffers, sizes)
+    flight = _c_copy_values_start(starts, buffers, sizes, to_values, streaming, hashed, threads)
+    return CopyStarted(flight, hashed)
 
 
 def copier_tasks() -> int:

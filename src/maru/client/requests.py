@@ -177,6 +177,10 @@ class Sealing:
             hoped[i] = True
         return hoped
 
+    def arrived(self) -> bool:
+        """Whether `wait()` would return at once (the reply is in, or nothing was sent)."""
+        return self._results is not None or self._pending is None or self._pending.arrived()
+
     def wait(self) -> list[bool]:
         if self._results is not None:
             return self._results

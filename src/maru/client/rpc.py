@@ -64,6 +64,13 @@ class PendingReply:
     def done(self) -> bool:
         return self.body is not None
 
+    def arrived(self) -> bool:
+        """Whether the reply is in, after taking what has arrived on the channel without
+        waiting for more (`result()` then returns at once)."""
+        if self.body is None and self.request_id in self._channel.pending:
+            self._channel.collect()
+        return self.body is not None or self.request_id not in self._channel.pending
+
     def result(self, timeout_ms: int | None = None) -> dict[str, Any]:
         """The reply's body; raises `MaruConnectionError` (no reply in time) or
         `MaruServerError` (an error reply)."""
@@ -105,9 +112,15 @@ class _Channel:
     def _send(self, frame: bytes) -> None:
         raise NotImplementedError
 
-    def _receive(self, timeout_ms: int) -> list[bytes]:
-        """The frames that arrive within `timeout_ms` (possibly none)."""
+    def _receive(self, timeout_ms: int, spin: bool = True) -> list[bytes]:
+        """The frames that arrive within `timeout_ms` (possibly none); `spin`: may busy-poll
+        first (`busy_poll_us`)."""
         raise NotImplementedError
+
+    def collect(self) -> None:
+        """Accept the replies that have arrived, neither waiting nor spinning for more."""
+        for frame in self._receive(0, spin=False):
+            self._accept(frame)
 
     def request(self, msg_type: int, body: dict[str, Any]) -> PendingReply:
         while len(self.pending) >= self.client.max_inflight:
@@ -215,7 +228,7 @@ class _ZmqChannel(_Channel):
                 f"{self.client.timeout_ms} ms)"
             ) from None
 
-    def _receive(self, timeout_ms: int) -> list[bytes]:
+    def _receive(self, timeout_ms: int, spin: bool = True) -> list[bytes]:
         # One blocking recv bounded by RCVTIMEO (a poll, then non-blocking recvs until
         # zmq.Again, cost three calls and an exception per reply).
         if abs(self._rcvtimeo - timeout_ms) > 5 + timeout_ms // 20:
@@ -362,13 +375,13 @@ class _LocalChannel(_Channel):
             with contextlib.suppress(BlockingIOError):
                 view = view[sock.send(view) :]
 
-    def _receive(self, timeout_ms: int) -> list[bytes]:
+    def _receive(self, timeout_ms: int, spin: bool = True) -> list[bytes]:
         sock = self.sock
         if sock is None:
             self.pending.clear()
             return []
         try:
-            data = self._read(sock, timeout_ms)
+            data = self._read(sock, timeout_ms, spin)
         except OSError as exc:
             self._lost(f"receive failed: {exc}")
             return []
@@ -385,11 +398,11 @@ class _LocalChannel(_Channel):
             self._lost(str(exc))
             return []
 
-    def _read(self, sock: socket.socket, timeout_ms: int) -> bytes | None:
+    def _read(self, sock: socket.socket, timeout_ms: int, spin: bool) -> bytes | None:
         """What the socket has (b"" if the server closed it): spinning up to `busy_poll_us`
-        (without the GIL, yielding the CPU between tries), then sleeping in poll() up to
-        `timeout_ms`; None if nothing came."""
-        spin_ns = self.client.busy_poll_ns
+        (`spin`; without the GIL, yielding the CPU between tries), then sleeping in poll() up
+        to `timeout_ms`; None if nothing came."""
+        spin_ns = self.client.busy_poll_ns if spin else 0
         if spin_ns and recv_spin is not None:
             data = recv_spin(sock.fileno(), protocol.STREAM_RECV_BYTES, spin_ns)
             if data is not None:
