@@ -220,10 +220,16 @@ class PoolIO:
         return self.page_bytes == 0
 
     @property
-    def prefix(self) -> str:
-        """What this pool's stored keys start with: `keys()` puts it before each page hash;
-        the handler's index paths take it as `prefix=` and join it in C."""
-        return f"{self.namespace}:"
+    def namespace(self) -> str:
+        return self._namespace
+
+    @namespace.setter
+    def namespace(self, value: str) -> None:
+        self._namespace = value
+        # What this pool's stored keys start with: `keys()` puts it before each page hash;
+        # the handler's index paths take it as `prefix=` and join it in C. (Made once: every
+        # exists call passes it.)
+        self.prefix = f"{value}:"
 
     def keys(self, keys: Sequence[str]) -> list[str]:
         prefix = self.prefix

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import pytest
 
 from maru_sglang.hit_policy import (
     ALL_PAGES,
@@ -30,11 +31,20 @@ def lengths(ok: np.ndarray) -> list[int]:
     return np.flatnonzero(ok).tolist()
 
 
-def test_leading_run_counts_from_the_start():
-    assert leading_run(bits("")) == 0
-    assert leading_run(bits("111")) == 3
-    assert leading_run(bits("11.1")) == 2
-    assert leading_run(bits(".111")) == 0
+@pytest.mark.parametrize("as_list", [False, True], ids=["array", "list"])
+def test_leading_run_counts_from_the_start(as_list):
+    """As an array (v2's pools) and as the handler's list of bools (v1's batch_exists)."""
+
+    def run(text: str) -> int:
+        present = bits(text)
+        return leading_run(present.tolist() if as_list else present)
+
+    assert run("") == 0
+    assert run("111") == 3
+    assert run("11.1") == 2
+    assert run(".111") == 0
+    assert run("1.") == 1
+    assert run("...") == 0
 
 
 def test_all_pages_stops_at_the_first_hole_and_at_the_kv_prefix():
