@@ -304,7 +304,8 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                 )
                 if behind and number == len(batches) and last == n:
                     # The call's last copy: the copier threads copy while this thread reads
-                    # the earlier calls' replies that are in (the rest after the copy).
+                    # the earlier calls' replies that are in (the rest after the copy). Never
+                    # one that handshakes again: that may unmap the region being copied into.
                     self.confirm_writes(wait=False)
                 sums = copy.finish()
                 sealing = handler.seal(ns_keys[first:last], piece, pool.page_bytes, checksums=sums)

@@ -178,7 +178,8 @@ class Sealing:
         return hoped
 
     def arrived(self) -> bool:
-        """Whether `wait()` would return at once (the reply is in, or nothing was sent)."""
+        """Whether `wait()` would return at once without another request (the reply is in and
+        needs no re-handshake, `PendingReply.arrived`; or nothing was sent)."""
         return self._results is not None or self._pending is None or self._pending.arrived()
 
     def wait(self) -> list[bool]:

@@ -65,11 +65,18 @@ class PendingReply:
         return self.body is not None
 
     def arrived(self) -> bool:
-        """Whether the reply is in, after taking what has arrived on the channel without
-        waiting for more (`result()` then returns at once)."""
+        """Whether the reply is in and `result()` would give it at once without sending
+        anything, after taking what has arrived on the channel (no waiting, no spinning).
+        False for a reply that makes `result()` handshake again (the server restarted: the
+        re-handshake may unmap regions, which a write copying into one must not see; see
+        `MaruStorage._write`) and for a request whose connection was lost (resent or failed
+        by `result()`)."""
         if self.body is None and self.request_id in self._channel.pending:
             self._channel.collect()
-        return self.body is not None or self.request_id not in self._channel.pending
+        body = self.body
+        if body is None:
+            return False
+        return bool(body.get("ok", False)) or int(body.get("code", 0)) != ErrorCode.UNKNOWN_INSTANCE
 
     def result(self, timeout_ms: int | None = None) -> dict[str, Any]:
         """The reply's body; raises `MaruConnectionError` (no reply in time) or
