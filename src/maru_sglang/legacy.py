@@ -88,14 +88,15 @@ class LegacyInterface:
         if values is None or len(values) != len(keys):
             return False
         handles, lengths = [], []
-        for value in values:
-            value = value.contiguous()
-            nbytes = value.numel() * value.element_size()
-            handle = self.handler.alloc(nbytes)
-            if handle is not None:
-                _memmove(handle.address, value.data_ptr(), nbytes)
-            handles.append(handle)
-            lengths.append(nbytes)
+        with self.handler.copying():
+            for value in values:
+                value = value.contiguous()
+                nbytes = value.numel() * value.element_size()
+                handle = self.handler.alloc(nbytes)
+                if handle is not None:
+                    _memmove(handle.address, value.data_ptr(), nbytes)
+                handles.append(handle)
+                lengths.append(nbytes)
         return all(self.handler.seal(kv.keys(keys), handles, lengths).wait())
 
     def exists(self, key: str) -> bool:

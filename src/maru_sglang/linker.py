@@ -407,7 +407,8 @@ class MaruCacheLinker(UnifiedCacheLinker):
             sources = np.concatenate([load.lookup.addresses for load in loads])
             firsts = np.concatenate([load.firsts for load in loads])
             for layer in range(self.layout.layers):
-                self.layout.load_layer(layer, sources, firsts)
+                with self.handler.copying():
+                    self.layout.load_layer(layer, sources, firsts)
                 if layer < last:
                     counter.complete(index, layer)
             released = True
@@ -478,7 +479,9 @@ class MaruCacheLinker(UnifiedCacheLinker):
             copied = np.array([h is not None for h in handles], dtype=bool)
             targets = np.array([h.address if h is not None else 0 for h in handles], np.int64)
         if copied.any():
-            self.layout.store(targets[copied], firsts[copied], self.handler.config.copy_threads)
+            with self.handler.copying():
+                threads = self.handler.config.copy_threads
+                self.layout.store(targets[copied], firsts[copied], threads)
         results = self.handler.seal(keys, handles, page_bytes).wait()
         return int(sum(results))
 

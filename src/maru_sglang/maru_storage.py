@@ -282,34 +282,38 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         pieces = 1 if behind else PIPELINE_PIECES
         sealings: list[tuple[Owners, Sealing]] = []
         rest: list[tuple[_Batch, list[str], Any, np.ndarray | None]] = []  # sealed together
-        for number, batch in enumerate(batches, 1):
-            pool, n, buffers = batch.pool, len(batch.keys), batch.buffers
-            assert buffers is not None
-            batch.results = [False] * n
-            ns_keys = pool.keys(batch.keys)
-            run = handler.alloc(pool.page_bytes, n)
-            if run is None:  # no free run: page by page (each may evict in our own regions)
-                rest.append((batch, ns_keys, *self._copy_pages(batch, hashed)))
-                continue
-            if n < PIPELINE_MIN_PAGES:
-                copy = pool.copy_in(run.address, run.stride, buffers, 0, n, hashed, threads)
-                rest.append((batch, ns_keys, run, copy.finish()))
-                continue
-            step = n if number < len(batches) else max(PIPELINE_MIN_PAGES, -(-n // pieces))
-            for first in range(0, n, step):
-                last = min(n, first + step)
-                piece = run.slice(first, last) if step < n else run
-                copy = pool.copy_in(
-                    piece.address, piece.stride, buffers, first, last, hashed, threads
-                )
-                if behind and number == len(batches) and last == n:
-                    # The call's last copy: the copier threads copy while this thread reads
-                    # the earlier calls' replies that are in (the rest after the copy). Never
-                    # one that handshakes again: that may unmap the region being copied into.
-                    self.confirm_writes(wait=False)
-                sums = copy.finish()
-                sealing = handler.seal(ns_keys[first:last], piece, pool.page_bytes, checksums=sums)
-                sealings.append(([(batch, first, last - first)], sealing))
+        # (no region unmapped under the copies: `MaruHandler.copying`)
+        with handler.copying():
+            for number, batch in enumerate(batches, 1):
+                pool, n, buffers = batch.pool, len(batch.keys), batch.buffers
+                assert buffers is not None
+                batch.results = [False] * n
+                ns_keys = pool.keys(batch.keys)
+                run = handler.alloc(pool.page_bytes, n)
+                if run is None:  # no free run: page by page (each may evict in our own regions)
+                    rest.append((batch, ns_keys, *self._copy_pages(batch, hashed)))
+                    continue
+                if n < PIPELINE_MIN_PAGES:
+                    copy = pool.copy_in(run.address, run.stride, buffers, 0, n, hashed, threads)
+                    rest.append((batch, ns_keys, run, copy.finish()))
+                    continue
+                step = n if number < len(batches) else max(PIPELINE_MIN_PAGES, -(-n // pieces))
+                for first in range(0, n, step):
+                    last = min(n, first + step)
+                    piece = run.slice(first, last) if step < n else run
+                    copy = pool.copy_in(
+                        piece.address, piece.stride, buffers, first, last, hashed, threads
+                    )
+                    if behind and number == len(batches) and last == n:
+                        # The call's last copy: the copier threads copy while this thread
+                        # reads the earlier calls' replies that are in and need no
+                        # re-handshake (`Sealing.arrived`); the rest after the copy.
+                        self.confirm_writes(wait=False)
+                    sums = copy.finish()
+                    sealing = handler.seal(
+                        ns_keys[first:last], piece, pool.page_bytes, checksums=sums
+                    )
+                    sealings.append(([(batch, first, last - first)], sealing))
         if len(rest) == 1:  # (one run or one batch's pages: sealed as they are)
             batch, ns_keys, handles, sums = rest[0]
             sealing = handler.seal(ns_keys, handles, batch.pool.page_bytes, checksums=sums)
@@ -441,7 +445,8 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         if rest:
             together = [b for b, _ in rest]
             keys, prefix = _query([(b.pool, b.keys) for b in together])
-            self._read_pools(together, [i for _, i in rest], keys, prefix)
+            with handler.copying():
+                self._read_pools(together, [i for _, i in rest], keys, prefix)
         self._stats.account_read(batches, time.perf_counter() - start)
 
     def _read_pools(

@@ -505,14 +505,15 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
                 starts = np.array([h.address for _, h in held], dtype=np.int64)
                 buffers = layout.addresses([ids[i] for i, _ in held])
                 # block by block, each value written in address order; hashed as copied
-                hashes = copy_values(
-                    starts,
-                    buffers,
-                    layout.length,
-                    to_values=True,
-                    hashed=sums is not None,
-                    threads=handler.config.copy_threads,
-                )
+                with handler.copying():
+                    hashes = copy_values(
+                        starts,
+                        buffers,
+                        layout.length,
+                        to_values=True,
+                        hashed=sums is not None,
+                        threads=handler.config.copy_threads,
+                    )
                 if hashes is not None:
                     sums[[i for i, _ in held]] = hashes
             results = handler.seal(keys, handles, checksums=sums).wait()

@@ -23,7 +23,7 @@ import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import numpy as np
@@ -298,6 +298,14 @@ class MaruHandler:
             raise ValueError(f"alloc needs a positive size and count, got {size}, {count}")
         return self._supply.reserve(size, count)
 
+    def copying(self) -> AbstractContextManager[None]:
+        """Around a copy into or out of the pool at addresses this handler gave (its copy
+        releases the GIL): no region is unmapped under it, e.g. by another thread's
+        re-handshake with a restarted server; one unmapped meanwhile is closed after the last
+        such block (`RegionMapper.copying`). `read` and SGLang's, LMCache's and vLLM's copy
+        paths use it."""
+        return self._mapper.copying()
+
     def free(self, handle: AllocHandle) -> None:
         """Give back chunks that were reserved but will not be sealed."""
         self._chunks.give_back(handle)
@@ -464,6 +472,12 @@ class MaruHandler:
         have been written. On the local index one C call, no Python between probe, copy and
         check; else a leased `lookup`, its `copy_out`, `corrupt()` and
         `release(confirm=True)`."""
+        with self.copying():
+            return self._read(keys, buffers, sizes, length, prefix)
+
+    def _read(
+        self, keys: Sequence[Key], buffers: np.ndarray, sizes: Any, length: int, prefix: Prefix
+    ) -> list[bool]:
         hashed = self.config.checksums
         if self._index is not None:
             proven = self._index.read(self, keys, prefix, buffers, sizes, length, hashed)

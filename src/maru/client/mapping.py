@@ -1,12 +1,24 @@
-"""Client-side mapping of regions: mmap on first use, cached for the handler's lifetime."""
+"""Client-side mapping of regions: mmap on first use, cached for the handler's lifetime.
+
+Copies into and out of mapped regions run without the GIL (`maru.client.memcopy`), so another
+thread may unmap a region meanwhile: a re-handshake after a server restart drops the regions
+the server forgot. Closing the mapping under a running copy, or before a copy of addresses
+taken from it just before, would crash the process, or, once the address is reused by the
+next mmap, put the copy's bytes into another region. So an unmapped region leaves the lookup
+tables at once but is closed only once no copy is in flight (`RegionMapper.copying()`, around
+every copy) and `retire_s` have passed (addresses taken before the unmap are used within
+milliseconds: an allocation's copy, a lookup's read).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,9 +43,12 @@ class RegionMapper:
     """Maps region handles into this process. Regions owned by others are mapped read-only,
     so a bug in one instance cannot scribble over another instance's pages."""
 
-    def __init__(self) -> None:
+    def __init__(self, retire_s: float = 5.0) -> None:
         self._regions: dict[int, MappedRegion] = {}
         self._lock = threading.Lock()
+        self.retire_s = retire_s
+        self._copies = 0  # copies in flight in `copying()` blocks
+        self._retired: list[tuple[float, MappedRegion]] = []  # (unmapped at, region): see module
         self._listeners: list[Callable[[int], None]] = []
         # What the local index's probe translates locations with (`maru.common._shmindex`):
         # per mapped region (id, address, length, tag), sorted by id; replaced, never changed.
@@ -57,6 +72,31 @@ class RegionMapper:
     def get(self, region_id: int) -> MappedRegion | None:
         return self._regions.get(region_id)
 
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        """Around a copy into or out of mapped regions, from before its addresses are taken
+        (an allocation, a lookup) to its end: no region is closed until every such block has
+        ended (see the module)."""
+        with self._lock:
+            self._copies += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._copies -= 1
+                self._close_retired_locked()
+
+    def _close_retired_locked(self) -> None:
+        """Close the unmapped regions that no copy can still be using (see the module)."""
+        if self._copies or not self._retired:
+            return
+        cutoff = time.monotonic() - self.retire_s
+        keep = [(at, mapped) for at, mapped in self._retired if at > cutoff]
+        for at, mapped in self._retired:
+            if at <= cutoff:
+                self._close(mapped)
+        self._retired = keep
+
     def region_ids(self) -> list[int]:
         return list(self._regions)
 
@@ -65,6 +105,7 @@ class RegionMapper:
             mapped = self._regions.get(handle.region_id)
             if mapped is not None and mapped.handle == handle and (mapped.writable or not writable):
                 return mapped
+            self._close_retired_locked()
             if mapped is not None:
                 self._unmap_locked(handle.region_id)
             flags = os.O_RDWR if writable else os.O_RDONLY
@@ -96,6 +137,11 @@ class RegionMapper:
         if mapped is None:
             return
         self._update_rows()
+        self._retired.append((time.monotonic(), mapped))  # closed later (see the module)
+        self._close_retired_locked()
+
+    def _close(self, mapped: MappedRegion) -> None:
+        region_id = mapped.handle.region_id
         try:
             mapped.view.release()
             mapped.mm.close()
@@ -112,6 +158,11 @@ class RegionMapper:
         self.rows = np.array(rows, np.int64).reshape(len(rows), 4)
 
     def close(self) -> None:
+        """Unmap and close every region now (the handler is closing: no copy of its own may
+        still run)."""
         with self._lock:
             for region_id in list(self._regions):
                 self._unmap_locked(region_id)
+            retired, self._retired = self._retired, []
+        for _, mapped in retired:
+            self._close(mapped)
