@@ -508,6 +508,16 @@ def test_a_write_returns_before_its_registration_is_answered(maru_server):
     reader.close()
 
 
+def _recording(events: list[str], name: str, call):
+    """`call`, noting `name` in `events` each time it is called (the order of a call's steps)."""
+
+    def recorded(*args, **kwargs):
+        events.append(name)
+        return call(*args, **kwargs)
+
+    return recorded
+
+
 def test_a_write_reads_the_earlier_replies_after_its_copies_and_a_read_before(
     maru_server, monkeypatch
 ):
@@ -519,18 +529,9 @@ def test_a_write_reads_the_earlier_replies_after_its_copies_and_a_read_before(
     keys = [f"order-{i}" for i in range(4)]
     src, _ = _written(storage, g, keys, seed=24)
     events: list[str] = []
-    wait, copy_in = requests_module.Sealing.wait, storage._kv.copy_in
-
-    def waiting(sealing):
-        events.append("reply")
-        return wait(sealing)
-
-    def copying(*args, **kwargs):
-        events.append("copy")
-        return copy_in(*args, **kwargs)
-
-    monkeypatch.setattr(requests_module.Sealing, "wait", waiting)
-    monkeypatch.setattr(storage._kv, "copy_in", copying)
+    wait = _recording(events, "reply", requests_module.Sealing.wait)
+    monkeypatch.setattr(requests_module.Sealing, "wait", wait)
+    monkeypatch.setattr(storage._kv, "copy_in", _recording(events, "copy", storage._kv.copy_in))
     assert storage.batch_set_v1(keys[:2], src[: 2 * g.page_size]) == [True, True]
     assert events == ["copy"]  # nothing waited for
     assert storage.batch_set_v1(keys[2:], src[2 * g.page_size :]) == [True, True]
@@ -555,27 +556,14 @@ def test_a_large_write_reads_the_replies_already_in_during_its_copy_and_waits_af
     keys = [f"window-{i}" for i in range(3 * n)]
     src, _ = _written(storage, g, keys[:n], seed=25)
     events: list[str] = []
-    wait, finish, copy_in = (
-        requests_module.Sealing.wait,
-        memcopy.CopyStarted.finish,
-        storage._kv.copy_in,
-    )
-
-    def waiting(sealing):
-        events.append("reply")
-        return wait(sealing)
-
-    def finishing(started):
-        events.append("finish")
-        return finish(started)
-
-    def copying(*args, **kwargs):
-        events.append("copy")
-        return copy_in(*args, **kwargs)
-
-    monkeypatch.setattr(requests_module.Sealing, "wait", waiting)
-    monkeypatch.setattr(memcopy.CopyStarted, "finish", finishing)
-    monkeypatch.setattr(storage._kv, "copy_in", copying)
+    wait = _recording(events, "reply", requests_module.Sealing.wait)
+    monkeypatch.setattr(requests_module.Sealing, "wait", wait)
+    finish = _recording(events, "finish", memcopy.CopyStarted.finish)
+    monkeypatch.setattr(memcopy.CopyStarted, "finish", finish)
+    monkeypatch.setattr(storage._kv, "copy_in", _recording(events, "copy", storage._kv.copy_in))
+    assert storage.batch_set_v1(["warm"], src[: g.page_size]) == [True]  # holds a region now
+    assert storage.confirm_writes() == 0
+    events.clear()
     with _server_paused(maru_server, resume_after=0.5):
         assert storage.batch_set_v1(keys[:n], src) == [True] * n
         assert events == ["copy", "finish"]
