@@ -18,7 +18,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +39,22 @@ class MappedRegion:
     writable: bool
 
 
+class _Copying(contextlib.AbstractContextManager):
+    """`RegionMapper.copying()`'s block: a plain class, not a generator (it runs around every
+    copy of the data path); reentrant and shared by threads (it only counts)."""
+
+    __slots__ = ("_mapper",)
+
+    def __init__(self, mapper: RegionMapper):
+        self._mapper = mapper
+
+    def __enter__(self) -> None:
+        self._mapper._copy_began()
+
+    def __exit__(self, *exc: object) -> None:
+        self._mapper._copy_ended()
+
+
 class RegionMapper:
     """Maps region handles into this process. Regions owned by others are mapped read-only,
     so a bug in one instance cannot scribble over another instance's pages."""
@@ -49,6 +65,7 @@ class RegionMapper:
         self.retire_s = retire_s
         self._copies = 0  # copies in flight in `copying()` blocks
         self._retired: list[tuple[float, MappedRegion]] = []  # (unmapped at, region): see module
+        self._copying = _Copying(self)
         self._listeners: list[Callable[[int], None]] = []
         # What the local index's probe translates locations with (`maru.common._shmindex`):
         # per mapped region (id, address, length, tag), sorted by id; replaced, never changed.
@@ -72,18 +89,20 @@ class RegionMapper:
     def get(self, region_id: int) -> MappedRegion | None:
         return self._regions.get(region_id)
 
-    @contextlib.contextmanager
-    def copying(self) -> Iterator[None]:
+    def copying(self) -> _Copying:
         """Around a copy into or out of mapped regions, from before its addresses are taken
         (an allocation, a lookup) to its end: no region is closed until every such block has
         ended (see the module)."""
+        return self._copying
+
+    def _copy_began(self) -> None:
         with self._lock:
             self._copies += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._copies -= 1
+
+    def _copy_ended(self) -> None:
+        with self._lock:
+            self._copies -= 1
+            if self._retired:
                 self._close_retired_locked()
 
     def _close_retired_locked(self) -> None:
