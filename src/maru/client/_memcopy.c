@@ -769,6 +769,8 @@ static int copy_plan(const int64_t *sizes, Py_ssize_t values, Py_ssize_t parts, 
 /* Ask up to `helpers` idle copiers to share `job` (asked[i]: copier i was). */
 static void copy_job_post(CopyJob *job, int helpers, int *asked)
 {
+    if (helpers == 0) /* (a small copy: no lock taken) */
+        return;
     pthread_mutex_lock(&copier_lock);
     for (int i = 0; i < helpers; i++) {
         Copier *c = &copiers[i];

@@ -102,17 +102,18 @@ class RegionMapper:
     def _copy_ended(self) -> None:
         with self._lock:
             self._copies -= 1
-            if self._retired:
-                self._close_retired_locked()
+            self._close_retired_locked()
 
     def _close_retired_locked(self) -> None:
         """Close the unmapped regions that no copy can still be using (see the module)."""
         if self._copies or not self._retired:
             return
         cutoff = time.monotonic() - self.retire_s
-        keep = [(at, mapped) for at, mapped in self._retired if at > cutoff]
+        keep: list[tuple[float, MappedRegion]] = []
         for at, mapped in self._retired:
-            if at <= cutoff:
+            if at > cutoff:
+                keep.append((at, mapped))
+            else:
                 self._close(mapped)
         self._retired = keep
 
