@@ -304,16 +304,15 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                     copy = pool.copy_in(
                         piece.address, piece.stride, buffers, first, last, hashed, threads
                     )
+                    # While the copier threads copy, this thread makes the registration
+                    # ready (it reads no page) and, on the call's last copy, reads the
+                    # earlier calls' replies that are in and need no re-handshake
+                    # (`Sealing.arrived`); the rest after the copy.
+                    sealing = handler.prepare_seal(ns_keys[first:last], piece, pool.page_bytes)
                     if behind and number == len(batches) and last == n:
-                        # The call's last copy: the copier threads copy while this thread
-                        # reads the earlier calls' replies that are in and need no
-                        # re-handshake (`Sealing.arrived`); the rest after the copy.
                         self.confirm_writes(wait=False)
                     sums = copy.finish()
-                    sealing = handler.seal(
-                        ns_keys[first:last], piece, pool.page_bytes, checksums=sums
-                    )
-                    sealings.append(([(batch, first, last - first)], sealing))
+                    sealings.append(([(batch, first, last - first)], sealing.send(sums)))
         if len(rest) == 1:  # (one run or one batch's pages: sealed as they are)
             batch, ns_keys, handles, sums = rest[0]
             sealing = handler.seal(ns_keys, handles, batch.pool.page_bytes, checksums=sums)

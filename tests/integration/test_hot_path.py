@@ -7,6 +7,8 @@ import ctypes
 import os
 import time
 
+import pytest
+
 from maru import MaruHandler
 from maru.client.chunks import AllocHandle
 
@@ -78,6 +80,33 @@ def test_hoped_results_are_the_keys_sent(maru_server):
         assert rejected.hoped() == [True, True]  # sent: the server decides
         assert rejected.wait() == [False, True]
         assert rejected.hoped() == [False, True]
+
+
+def test_a_prepared_seal_reaches_nobody_before_it_is_sent(maru_server):
+    """`prepare_seal` (MaruStorage makes it while its copy runs) sends nothing and leaves the
+    values reserved (their region cannot be parked under the copy); `send` publishes them,
+    once; `wait` before `send` is an error, not a hang."""
+    values = [os.urandom(PAGE) for _ in range(3)]
+    keys = [f"prep/{i}" for i in range(3)]
+    with (
+        MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes="64K") as w,
+        MaruHandler(server_url=maru_server.url, pool_size="1M", chunk_size_bytes="64K") as r,
+    ):
+        run = w.alloc(PAGE, 3)
+        owned = w._chunks._region_of(run)
+        sealing = w.prepare_seal(keys, run, PAGE)
+        assert sealing.hoped() == [True] * 3
+        with pytest.raises(RuntimeError, match="send"):
+            sealing.wait()
+        assert len(owned.reserved) == 3  # still being written: not parkable
+        write(run, values)
+        assert r.batch_exists(keys) == [False] * 3  # nothing was sent
+        assert sealing.send() is sealing
+        assert not owned.reserved
+        assert sealing.wait() == [True] * 3
+        assert [bytes(i.view) for i in r.batch_retrieve(keys)] == values
+        with pytest.raises(RuntimeError, match="already sent"):
+            sealing.send()
 
 
 def test_alloc_of_a_run_is_none_when_no_run_fits(maru_server):

@@ -325,10 +325,20 @@ class MaruHandler:
         `.outcomes()` tells a key STORED now from one that EXISTED (first writer won).
         `checksums`: with `maru_checksums`, each value's maru64 made during the copy
         (`maru.client.memcopy.copy_many_hashed`); without, they are hashed in the pool."""
+        return self.prepare_seal(keys, handles, lengths).send(checksums)
+
+    def prepare_seal(
+        self,
+        keys: Sequence[Key],
+        handles: AllocHandle | Sequence[AllocHandle | None],
+        lengths: int | Sequence[int] | None = None,
+    ) -> Sealing:
+        """`seal`'s work that reads no value (key checks, the location columns), e.g. while
+        the values are still being copied; `.send(checksums)` once they are written."""
         refuse_bad_stores(
             keys, (), self.refused_stores, self.instance_id
         )  # (said here; the server rejects them)
-        return Sealing(self, keys, handles, lengths, checksums)
+        return Sealing(self, keys, handles, lengths)
 
     def store(
         self,
@@ -394,11 +404,11 @@ class MaruHandler:
         refused = refuse_bad_stores(keys, sizes, self.refused_stores, self.instance_id)
         if refused:  # no chunks for them: they fail, the rest goes on
             sizes = [0 if i in refused else n for i, n in enumerate(sizes)]
-        sealing = Sealing(self, keys, self._write(datas, sizes), sizes)
+        sealing = Sealing(self, keys, self._write(datas, sizes), sizes).send()
         sealing.wait()
         if sealing.regions_lost:  # the bytes went to memory the server forgot: once more
             log.info("writing the %d values again", len(keys))
-            sealing = Sealing(self, keys, self._write(datas, sizes), sizes)
+            sealing = Sealing(self, keys, self._write(datas, sizes), sizes).send()
         return sealing
 
     def _write(

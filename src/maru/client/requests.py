@@ -71,8 +71,10 @@ class MemoryInfo:
 
 
 class Sealing:
-    """A REGISTER_KV in flight: seals `keys[i]` onto value i of `handles` (one run, or one
-    handle per key, None where nothing was reserved). `wait()` gives one bool per key: True
+    """A REGISTER_KV: seals `keys[i]` onto value i of `handles` (one run, or one handle per
+    key, None where nothing was reserved). Made ready first (the key columns: nothing read
+    from the values, so it may be made while they are still being copied), sent by `send()`
+    once every value is written. `wait()` gives one bool per key: True
     when the key is stored (ours, or another writer's that came first: then our chunks come
     back); False when it was rejected or nothing was reserved for it. When the outcome is
     unknown (no reply, an error) the chunks stay reserved: the server may have sealed some
@@ -86,12 +88,12 @@ class Sealing:
         keys: Sequence[Key],
         handles: AllocHandle | Sequence[AllocHandle | None],
         lengths: int | Sequence[int] | None,
-        checksums: np.ndarray | None = None,
     ):
         self._handler = handler
         self._n = n = len(keys)
         self._handles = handles
         self.regions_lost = False  # the server forgot the regions the bytes are in
+        self._sent = False
         self._pending: PendingReply | None = None
         self._results: list[bool] | None = None
         self._outcomes: list[StoreOutcome] | None = None
@@ -124,27 +126,42 @@ class Sealing:
             offsets = [handles[i].offset for i in self._positions]  # type: ignore[union-attr]
             sizes = [sizes_in[i] for i in self._positions]
             columns = (pack_int64(region_ids), pack_int64(offsets), pack_int64(sizes))
+        self._sizes = sizes
+        self._body: dict[str, Any] | None = None
+        if n and sent_keys:
+            self._body = {
+                "keys": sent_keys,
+                "region_ids": columns[0],
+                "offsets": columns[1],
+                "lengths": columns[2],
+            }
+
+    def send(self, checksums: np.ndarray | None = None) -> Sealing:
+        """Send the registration: every value must be in place (a key is visible to every
+        instance once the server has it). `checksums`: with `maru_checksums`, one per key,
+        made during the caller's copy (`copy_many_hashed`); without them the values are
+        hashed here, in the pool. Once only; returns self."""
+        if self._sent:
+            raise RuntimeError("Sealing.send: already sent")
+        self._sent = True
+        handles, handler = self._handles, self._handler
         # The values are written: their region may be parked from now on (a seal that reaches
         # the server after the region was taken back is refused, never misplaced).
         for handle in [handles] if isinstance(handles, AllocHandle) else handles:
             if handle is not None:
                 handler._chunks.written(handle)
-        if not n or not sent_keys:
-            self._results = [False] * n
-            return
-        body = {
-            "keys": sent_keys,
-            "region_ids": columns[0],
-            "offsets": columns[1],
-            "lengths": columns[2],
-        }
+        body = self._body
+        if body is None:
+            self._results = [False] * self._n
+            return self
         if handler.config.checksums:
-            body[CHECKSUMS] = self._checksums(handles, sizes, checksums).tobytes()
+            body[CHECKSUMS] = self._checksums(handles, self._sizes, checksums).tobytes()
         try:
             self._pending = handler._request(MsgType.REGISTER_KV, body)
         except MaruError as exc:
-            log.warning("register of %d keys failed: %s", len(sent_keys), exc)
-            self._results = [False] * n
+            log.warning("register of %d keys failed: %s", len(body["keys"]), exc)
+            self._results = [False] * self._n
+        return self
 
     def _checksums(
         self,
@@ -185,6 +202,8 @@ class Sealing:
     def wait(self) -> list[bool]:
         if self._results is not None:
             return self._results
+        if not self._sent:
+            raise RuntimeError("Sealing.wait: send() it first")
         assert self._pending is not None
         try:
             statuses = self._pending.result()["results"]
