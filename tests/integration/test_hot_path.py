@@ -96,6 +96,7 @@ def test_a_prepared_seal_reaches_nobody_before_it_is_sent(maru_server):
         owned = w._chunks._region_of(run)
         sealing = w.prepare_seal(keys, run, PAGE)
         assert sealing.hoped() == [True] * 3
+        assert not sealing.arrived()  # (write-behind's reading of replies passes it by)
         with pytest.raises(RuntimeError, match="send"):
             sealing.wait()
         assert len(owned.reserved) == 3  # still being written: not parkable

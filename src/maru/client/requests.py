@@ -197,6 +197,8 @@ class Sealing:
     def arrived(self) -> bool:
         """Whether `wait()` would return at once without another request (the reply is in and
         needs no re-handshake, `PendingReply.arrived`; or nothing was sent)."""
+        if not self._sent:
+            return False
         return self._results is not None or self._pending is None or self._pending.arrived()
 
     def wait(self) -> list[bool]:
