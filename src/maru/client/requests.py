@@ -79,8 +79,7 @@ class Sealing:
     back); False when it was rejected or nothing was reserved for it. When the outcome is
     unknown (no reply, an error) the chunks stay reserved: the server may have sealed some
     keys. A STATE_UNAVAILABLE refusal (the server cannot journal) seals nothing: they return.
-    With `maru_checksums`, `checksums` (one per key) are the values' hashes made during the
-    caller's copy (`copy_many_hashed`); without them the values are hashed here, in the pool."""
+    With `maru_checksums` the values' checksums go with it (`send`)."""
 
     def __init__(
         self,
