@@ -9,9 +9,10 @@ Loaded by SGLang 0.5.23 in each scheduler process with::
 
 (`linker_extra_config` takes the same `maru_*` keys as MaruStorage.) The radix tree then talks
 to the linker directly, with no host tier: KV moves between the DEVICE KV pool and the shared
-pool, one copy per page part each way (on CPU a memmove; on a GPU it would be one DMA between
-HBM and the shared mapping registered with CUDA, see `register_with_cuda`), against two
-(device -> host pool -> shared memory) on the HiCache L3 path.
+pool, one copy per page part each way, against two (device -> host pool -> shared memory) on
+the HiCache L3 path. On CPU the copies are memmoves; on a GPU, one kernel launch per layer
+(load) or batch (offload) copies every piece between HBM and the shared mapping registered with
+CUDA (`maru_sglang.cuda`: the GPU reads and writes the shared bytes itself).
 
 A page is stored exactly as MaruStorage stores a `page_first_direct` host page (K of every
 layer, then V of every layer; one latent part for MLA), under the same namespace
@@ -52,7 +53,7 @@ from sglang.srt.utils import get_device_module
 
 from maru.client.memcopy import copy_many, copy_values
 from maru.client.requests import Lookup
-from maru_sglang.cuda import register_with_cuda
+from maru_sglang.cuda import ALIGN, copy_pieces, register_with_cuda
 from maru_sglang.maru_storage import open_handler
 from maru_sglang.pools import chunk_size_for, page_namespace
 
@@ -80,6 +81,22 @@ _COUNTERS = (
 )
 
 
+class _Landed:
+    """What a CPU copy returns: it has landed when the call returns (the interface of the
+    CUDA event a GPU copy returns)."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
+
+    @staticmethod
+    def synchronize() -> None:
+        return None
+
+
+LANDED = _Landed()
+
+
 class DevicePageLayout:
     """One device KV pool as pages in Maru: which device rows make up a page, in which order.
 
@@ -88,6 +105,9 @@ class DevicePageLayout:
     byte order of a `page_first_direct` host page. MLA (`MLATokenToKVPool`): one latent buffer
     per layer, one part. Each (part, layer) piece of a page is `page_size` consecutive rows of
     one buffer, so one copy each.
+
+    Copies return when they have landed (CPU) or with a CUDA event that completes when they
+    have (GPU: one kernel launch on the layout's load or store stream).
     """
 
     def __init__(self, kvcache: Any, page_size: int):
@@ -136,6 +156,12 @@ class DevicePageLayout:
         self.rows = min(b.shape[0] for p in parts for b in p)
         self.device = parts[0][0].device
         self.row_bytes = row_bytes
+        self.on_gpu = self.device.type == "cuda"
+        if self.on_gpu:
+            if any(r % ALIGN for r in row_bytes):
+                raise ValueError(f"device KV pool: GPU copies need rows of {ALIGN}-byte multiples")
+            self.load_stream = torch.cuda.Stream(self.device)
+            self.store_stream = torch.cuda.Stream(self.device)
         # bases[part][layer]: the address of row 0 of that buffer
         self.bases = np.array([[b.data_ptr() for b in p] for p in parts], dtype=np.int64)
         self.piece_bytes = [page_size * r for r in row_bytes]  # one (part, layer) of a page
@@ -162,26 +188,34 @@ class DevicePageLayout:
             return None
         return firsts.astype(np.int64)
 
-    def load_layer(self, layer: int, sources: np.ndarray, firsts: np.ndarray) -> None:
+    def load_layer(self, layer: int, sources: np.ndarray, firsts: np.ndarray) -> Any:
         """Copy one layer of stored pages (`sources`: each page's address in the shared
-        mapping) into the device rows starting at `firsts`: one copy per part and page, page
-        by page. Plain (not streaming) stores: the forward reads these rows next, from this
-        cache."""
+        mapping) into the device rows starting at `firsts`: one copy per part and page. On
+        CPU plain (not streaming) stores, page by page: the forward reads these rows next,
+        from this cache."""
         parts = range(len(self.part_offsets))
         dst = np.stack([self.bases[p, layer] + firsts * self.row_bytes[p] for p in parts], 1)
         offsets = [self.part_offsets[p] + layer * self.piece_bytes[p] for p in parts]
         src = sources[:, None] + np.array(offsets, np.int64)
-        copy_many(dst, src, [self.piece_bytes[p] for p in parts], streaming=False)
+        sizes = [self.piece_bytes[p] for p in parts]
+        if self.on_gpu:
+            return copy_pieces(dst, src, np.broadcast_to(sizes, dst.shape), self.load_stream)
+        copy_many(dst, src, sizes, streaming=False)
+        return LANDED
 
-    def store(self, targets: np.ndarray, firsts: np.ndarray, threads: int = 1) -> None:
+    def store(self, targets: np.ndarray, firsts: np.ndarray, threads: int = 1) -> Any:
         """Copy whole pages from the device rows at `firsts` to `targets` in the shared
-        mapping, in stored order: one copy per (part, layer) piece of each page, page by page
-        (each page written in address order), shared by `threads` threads
+        mapping, in stored order: one copy per (part, layer) piece of each page. On CPU page by
+        page (each page written in address order), shared by `threads` threads
         (`maru_copy_threads`)."""
         pieces = [(p, layer) for p in range(len(self.part_offsets)) for layer in range(self.layers)]
         rows = np.stack([self.bases[p, lay] + firsts * self.row_bytes[p] for p, lay in pieces], 1)
         sizes = [self.piece_bytes[p] for p, _ in pieces]  # a stored page: its pieces end to end
+        if self.on_gpu:
+            dst = targets[:, None] + np.cumsum([0, *sizes[:-1]], dtype=np.int64)
+            return copy_pieces(dst, rows, np.broadcast_to(sizes, rows.shape), self.store_stream)
         copy_values(targets, rows, sizes, to_values=True, threads=threads)
+        return LANDED
 
 
 @dataclass
@@ -215,12 +249,6 @@ class MaruCacheLinker(UnifiedCacheLinker):
         self.page_size = int(params.page_size)
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
         self.layout = DevicePageLayout(kvcache, self.page_size)
-        if self.layout.device.type == "cuda":
-            # Registration exists (register_with_cuda); the DMA copy path is not built yet.
-            raise NotImplementedError(
-                "MaruCacheLinker copies with the CPU: a CUDA device pool needs the DMA path "
-                "(cudaMemcpy through the registered mapping), not implemented yet"
-            )
         self.storage_config = _storage_config(server_args, params, self.layout.is_mla)
         self.namespace = page_namespace(self.storage_config, self.layout.geometry)
         # MLA pages are the same on every rank: rank 0 writes them, every rank reads them.
@@ -233,7 +261,11 @@ class MaruCacheLinker(UnifiedCacheLinker):
         self.config, self.handler = open_handler(
             extra, self.storage_config.tp_rank, self.storage_config.tp_size, **overrides
         )
-        self.cuda_registered = register_with_cuda(self.handler, self.layout.device)
+        try:
+            self.registration = register_with_cuda(self.handler, self.layout.device)
+        except BaseException:
+            self.handler.close()
+            raise
         self.pools = {PoolName.KV: self.layout}
         self.layer_done_counter = LayerWiseLoadCounter(self.layout.layers)
         self._lock = threading.Lock()
@@ -333,8 +365,20 @@ class MaruCacheLinker(UnifiedCacheLinker):
             lookup.release()
             self._count(loads_refused=1)
             return False
+        if not self._registered(lookup.addresses):
+            log.warning("load %s: pages outside the CUDA-registered mapping: recompute", rid)
+            lookup.release()
+            self._count(loads_refused=1)
+            return False
         self._pending[rid] = _Load(rid, firsts, lookup, pages)
         return True
+
+    def _registered(self, addresses: np.ndarray) -> bool:
+        """On a GPU: every page at `addresses` is in a region registered with CUDA (the only
+        host memory the copy kernel may touch). Always True on CPU."""
+        return self.registration is None or self.registration.covers(
+            addresses, self.layout.page_bytes
+        )
 
     def start_layer_wise_loading(self) -> int:
         """Hand the queued loads to the load thread; the counter index the forward waits on
@@ -396,9 +440,10 @@ class MaruCacheLinker(UnifiedCacheLinker):
                 tasks.task_done()
 
     def _load_batch(self, index: int, loads: list[_Load], ready: Any) -> None:
-        """Copy the batch layer by layer, completing each layer as it lands, except the last:
-        that one completes only once every lease held to the end (and checksums match), else
-        it fails and the batch is reported as not landed."""
+        """Copy the batch layer by layer (on a GPU every layer queued at once), completing
+        each layer as it lands, except the last: that one completes only once every lease held
+        to the end (and checksums match), else it fails and the batch is reported as not
+        landed."""
         start = time.perf_counter()
         counter, last = self.layer_done_counter, self.layout.layers - 1
         released = False
@@ -406,11 +451,21 @@ class MaruCacheLinker(UnifiedCacheLinker):
             ready.synchronize()
             sources = np.concatenate([load.lookup.addresses for load in loads])
             firsts = np.concatenate([load.firsts for load in loads])
-            for layer in range(self.layout.layers):
-                with self.handler.copying():
-                    self.layout.load_layer(layer, sources, firsts)
-                if layer < last:
-                    counter.complete(index, layer)
+            landed: list[Any] = []
+            done = 0  # layers completed
+            with self.handler.copying():  # no region unmapped before the last copy landed
+                try:
+                    for layer in range(self.layout.layers):
+                        landed.append(self.layout.load_layer(layer, sources, firsts))
+                        while done < min(layer + 1, last) and landed[done].query():
+                            counter.complete(index, done)
+                            done += 1
+                    for layer in range(done, last):
+                        landed[layer].synchronize()
+                        counter.complete(index, layer)
+                finally:
+                    for copy in landed:
+                        copy.synchronize()
             released = True
             proven = [self._proven(load) for load in loads]  # releases every lease
             if not all(proven):
@@ -478,10 +533,16 @@ class MaruCacheLinker(UnifiedCacheLinker):
             handles = [self.handler.alloc(page_bytes) for _ in range(n)]
             copied = np.array([h is not None for h in handles], dtype=bool)
             targets = np.array([h.address if h is not None else 0 for h in handles], np.int64)
+        if not self._registered(targets[copied]):
+            log.warning("offload: reserved chunks outside the CUDA-registered mapping: skipped")
+            for handle in handles if run is None else [run]:
+                if handle is not None:
+                    self.handler.free(handle)
+            return 0
         if copied.any():
             with self.handler.copying():
                 threads = self.handler.config.copy_threads
-                self.layout.store(targets[copied], firsts[copied], threads)
+                self.layout.store(targets[copied], firsts[copied], threads).synchronize()
         results = self.handler.seal(keys, handles, page_bytes).wait()
         return int(sum(results))
 

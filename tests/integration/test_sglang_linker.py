@@ -4,6 +4,9 @@ and MaruStorage on a `page_first_direct` host pool (the same pages through the o
 
 Two linkers in one process stand for two instances (each its own MaruHandler: its own
 instance on the server, its own regions), one real maru-server.
+
+Where torch sees a GPU the same tests run with the device pools on it: the copies are then the
+CUDA path's (one kernel over the registered shared mapping). In CI there is none: CPU.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ KV_LORA_RANK, ROPE_DIM = 32, 16
 TOKENS = 512
 PAGES = 20
 WAIT = 30.0  # seconds any wait in these tests may take at most
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +53,7 @@ def runtime(tmp_path_factory):
     from sglang.srt.server_args import ServerArgs
 
     model = build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
-    args = ServerArgs(model_path=str(model), device="cpu", page_size=PAGE)
+    args = ServerArgs(model_path=str(model), device=DEVICE, page_size=PAGE)
     runtime_context.publish(args, role="test", ranks=SpawnRanks(world_rank=0))
     return args
 
@@ -63,7 +67,7 @@ class Instance:
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
         from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-        common = dict(device="cpu", enable_memory_saver=False, start_layer=0, end_layer=LAYERS - 1)
+        common = dict(device=DEVICE, enable_memory_saver=False, start_layer=0, end_layer=LAYERS - 1)
         if attn == "mha":
             self.device = MHATokenToKVPool(
                 TOKENS, PAGE, torch.bfloat16, head_num=HEADS, head_dim=HEAD_DIM,
@@ -77,7 +81,7 @@ class Instance:
             )  # fmt: skip
             self.buffers = [list(self.device.kv_buffer)]
         self.allocator = PagedTokenToKVPoolAllocator(
-            TOKENS, PAGE, torch.bfloat16, "cpu", self.device, need_sort=False
+            TOKENS, PAGE, torch.bfloat16, DEVICE, self.device, need_sort=False
         )
         self.params = CacheInitParams(
             disable=False,
@@ -96,7 +100,7 @@ class Instance:
         gen = torch.Generator().manual_seed(seed)
         for part in self.buffers:
             for buf in part:
-                buf[slots] = torch.randn(buf[slots].shape, generator=gen).to(buf.dtype)
+                buf[slots] = torch.randn(buf[slots].shape, generator=gen).to(buf.device, buf.dtype)
 
     def rows(self, slots: torch.Tensor, layer: int | None = None) -> list[torch.Tensor]:
         layers = range(LAYERS) if layer is None else [layer]
@@ -193,7 +197,10 @@ def test_layer_zero_is_usable_while_later_layers_still_load(pair):
     def held_load_layer(layer, sources, firsts):
         if layer == 1:
             assert hold.wait(WAIT)
-        real(layer, sources, firsts)
+        landed = real(layer, sources, firsts)
+        if layer == 0:  # on a GPU: landed before layer 1 is held (on CPU it has already)
+            landed.synchronize()
+        return landed
 
     b.linker.layout.load_layer = held_load_layer
     got, index = _load(b, "r", keys)
@@ -295,7 +302,7 @@ def test_same_pages_as_maru_storage_on_a_page_first_direct_host_pool(pair, maru_
                 # K of layers 0..L-1, then V of layers 0..L-1
                 want = torch.cat(
                     [buf[rows].view(torch.uint8).flatten() for part in a.buffers for buf in part]
-                )
+                ).cpu()
                 assert torch.equal(page.view(torch.uint8), want)
             host.free(host_slots)
         finally:
@@ -310,13 +317,31 @@ def test_another_geometry_is_another_namespace(pair):
     assert mha.linker.pools == {PoolName.KV: mha.linker.layout}
 
 
-def test_cuda_registration_is_skipped_without_cuda(pair):
-    """On a GPU the shared mapping would be registered with cudaHostRegister so the copies
-    are DMA; torch here has no CUDA (a CPU build), so the step is skipped, cleanly."""
-    a = pair()
-    assert not torch.cuda.is_available()
-    assert a.linker.cuda_registered is False
-    assert register_with_cuda(a.linker.handler, a.linker.layout.device) is False
+def test_the_shared_mapping_is_registered_with_cuda_only_on_a_gpu(pair):
+    """On a GPU every mapped region is registered (the copy kernel reaches the pages) and a
+    region is unregistered as it is unmapped; without CUDA the step is skipped, cleanly."""
+    a, b = pair(), pair()
+    registration = a.linker.registration
+    if DEVICE == "cpu":
+        assert registration is None
+        assert register_with_cuda(a.linker.handler, a.linker.layout.device) is None
+        return
+    keys = _hashes(4, "reg")
+    slots = a.allocator.alloc(4 * PAGE)
+    a.fill(slots, seed=7)
+    assert _offload(a, keys, slots)
+    lookup = b.linker.handler.lookup(b.linker.keys(keys), lease=True)
+    lookup.wait()  # a's region, mapped read-only in b, registered read-only
+    page = b.linker.layout.page_bytes
+    assert b.linker.registration.covers(lookup.addresses, page)
+    assert not b.linker.registration.covers(lookup.addresses + (1 << 40), page)
+    # The driver holds it: registering the range again is refused (already registered).
+    address = int(lookup.addresses[0])
+    assert b.linker.registration.driver.register(address, page, read_only=True) != 0
+    lookup.release()
+    b.close()  # unmaps every region, each unregistered first (the handler's close listener)
+    assert not b.linker.registration.covers(lookup.addresses, page)
+    assert b.linker.registration._ranges == {}  # nothing left registered
 
 
 def test_the_dynamic_factory_builds_it_and_a_down_server_is_a_clear_error(runtime, tmp_path):

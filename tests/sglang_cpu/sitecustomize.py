@@ -51,6 +51,9 @@ def _register_torchvision_schemas() -> None:
         return
     import torch
 
+    if torch.version.cuda is not None:
+        return  # a CUDA build: torchvision's _C loads and defines them (twice would abort)
+
     lib = torch.library.Library("torchvision", "FRAGMENT")
     for name in ("nms", "qnms"):
         try:

@@ -100,6 +100,29 @@ CHILD = textwrap.dedent(
 )
 
 
+def test_close_listeners_hear_of_a_region_before_it_is_closed_and_only_then(tmp_path):
+    """What undoes a CUDA registration (`maru_sglang.cuda`): told the region's address once,
+    while still mapped (bytes still writable there), after the last copy that could use it."""
+    mapper = RegionMapper(retire_s=0.0)
+    heard: list[tuple[int, bool]] = []
+    mapped = {}
+
+    def listener(address: int) -> None:
+        region = next(m for m in mapped.values() if m.address == address)
+        ctypes.memset(address, 1, 16)  # still mapped: this would crash after the close
+        heard.append((address, region.mm.closed))
+
+    mapper.add_close_listener(listener)
+    for handle in _regions(tmp_path):
+        mapped[handle.region_id] = mapper.map(handle, writable=True)
+    with mapper.copying():
+        mapper.unmap(1)
+        assert heard == []  # a copy may still use it
+    assert heard == [(mapped[1].address, False)] and mapped[1].mm.closed
+    mapper.close()
+    assert heard == [(mapped[1].address, False), (mapped[2].address, False)]
+
+
 def test_a_region_unmapped_by_another_thread_never_crashes_a_running_copy(tmp_path):
     """A thread copies 64 MiB into a region again and again (no GIL) inside `copying()`,
     with addresses taken before; another unmaps the region meanwhile: the copies run to their

@@ -248,6 +248,12 @@ class MaruHandler:
         another instance's), those mapped already included."""
         self._mapper.add_listener(listener)
 
+    def on_region_closing(self, listener: Callable[[int], None]) -> None:
+        """Call `listener(address)` just before a region mapped at `address` is unmapped (after
+        the last copy that could use it: `copying()`), e.g. to undo a registration of the
+        range with a device driver before the address can name other memory."""
+        self._mapper.add_close_listener(listener)
+
     def get_buffer_view(self, region_id: int, offset: int, size: int) -> memoryview | None:
         """The bytes [offset, offset + size) of a mapped region (writable if we own it); None
         if the region is not mapped here or the range is outside it."""

@@ -67,6 +67,7 @@ class RegionMapper:
         self._retired: list[tuple[float, MappedRegion]] = []  # (unmapped at, region): see module
         self._copying = _Copying(self)
         self._listeners: list[Callable[[int], None]] = []
+        self._close_listeners: list[Callable[[int], None]] = []
         # What the local index's probe translates locations with (`maru.common._shmindex`):
         # per mapped region (id, address, length, tag), sorted by id; replaced, never changed.
         self.rows = np.zeros((0, 4), np.int64)
@@ -77,6 +78,11 @@ class RegionMapper:
         self._listeners.append(listener)
         for region_id in self.region_ids():
             listener(region_id)
+
+    def add_close_listener(self, listener: Callable[[int], None]) -> None:
+        """Call `listener(address)` just before a region mapped at `address` is closed (no
+        copy can still be using it then: see the module)."""
+        self._close_listeners.append(listener)
 
     def view(self, region_id: int, offset: int, size: int) -> memoryview | None:
         """Bytes [offset, offset + size) of a mapped region; None if it is not mapped or the
@@ -162,6 +168,11 @@ class RegionMapper:
 
     def _close(self, mapped: MappedRegion) -> None:
         region_id = mapped.handle.region_id
+        for listener in self._close_listeners:
+            try:
+                listener(mapped.address)
+            except Exception:
+                log.exception("region close listener failed for region %d", region_id)
         try:
             mapped.view.release()
             mapped.mm.close()

@@ -1,0 +1,31 @@
+"""The kernel of the CUDA copy path (`maru_sglang.cuda.copy_pieces`): pieces between device
+memory and the shared mapping registered with CUDA, one launch for a whole table of them.
+
+The GPU reads or writes the registered host bytes itself (zero-copy over the host link, the
+host address valid on the device: `cudaDevAttrCanUseHostPointerForRegisteredMem`), so a
+table of thousands of small pieces costs one launch instead of one DMA call each (on an H100,
+2 KiB pieces: 40 GB/s against 0.4 for a cudaMemcpyAsync per piece; docs/performance.md).
+Imported only where CUDA is used: triton is SGLang's dependency, not Maru's.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def copy_pieces_kernel(table_ptr, pieces, BLOCK: tl.constexpr):
+    """Program (i, j) copies words [j * BLOCK, (j + 1) * BLOCK) of piece i. `table_ptr`: an
+    int64 [3, pieces] table of destination address, source address, length in 8-byte words.
+    Every address and length is a multiple of 16 bytes (checked by the caller), so the loads
+    and stores are 16 bytes wide."""
+    piece = tl.program_id(0)
+    start = tl.program_id(1) * BLOCK
+    words = tl.multiple_of(tl.load(table_ptr + 2 * pieces + piece), 2)
+    if start < words:
+        dst = tl.load(table_ptr + piece).to(tl.pointer_type(tl.int64))
+        src = tl.load(table_ptr + pieces + piece).to(tl.pointer_type(tl.int64))
+        dst = tl.multiple_of(dst, 16)
+        src = tl.multiple_of(src, 16)
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < words
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
