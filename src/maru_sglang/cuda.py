@@ -160,12 +160,13 @@ def register_with_cuda(handler: MaruHandler, device: torch.device) -> CudaRegist
 
 
 def piece_table(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, int, int]:
-    """The copy kernel's launch for pieces `dst[i] <- src[i]` of `sizes[i]` bytes: its int64
-    [3, pieces] table (destination, source, length in 8-byte words), BLOCK (words per
-    program) and the grid's second dimension. ValueError for what the kernel cannot copy."""
-    dst, src, sizes = (np.asarray(a, np.int64).ravel() for a in (dst, src, sizes))
-    if dst.size != sizes.size or src.size != sizes.size:
-        raise ValueError("copy_pieces: dst, src and sizes differ in length")
+    """The copy kernel's launches for pieces `dst[l, i] <- src[l, i]` of `sizes[l, i]` bytes,
+    launch `l` copying row `l` (1-D arrays: one launch): an int64 [launches, 3, pieces] table
+    (destination, source, length in 8-byte words), BLOCK (words per program) and the grid's
+    second dimension. ValueError for what the kernel cannot copy."""
+    dst, src, sizes = (np.atleast_2d(np.asarray(a, np.int64)) for a in (dst, src, sizes))
+    if dst.shape != sizes.shape or src.shape != sizes.shape:
+        raise ValueError("copy_pieces: dst, src and sizes differ in shape")
     if ((dst | src | sizes) % ALIGN).any() or (sizes <= 0).any():
         raise ValueError(f"copy_pieces: addresses and sizes must be positive multiples of {ALIGN}")
     words = int(sizes.max()) // 8 if sizes.size else 2
@@ -173,25 +174,28 @@ def piece_table(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> tuple[np
     grid_y = -(-words // block)
     if grid_y > _MAX_GRID_Y:
         raise ValueError(f"copy_pieces: a piece of {words * 8} bytes is too large")
-    return np.stack([dst, src, sizes // 8]), block, grid_y
+    return np.stack([dst, src, sizes // 8], axis=1), block, grid_y
 
 
 def copy_pieces(
     dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: torch.cuda.Stream
-) -> torch.cuda.Event:
-    """Copy piece i, `sizes[i]` bytes from address `src[i]` to address `dst[i]`, each side device
-    memory or registered host memory, in one kernel launch queued on `stream`; the returned
-    event completes with the copy. Every address and size must be a multiple of `ALIGN`."""
+) -> list[torch.cuda.Event]:
+    """Copy piece (l, i), `sizes[l, i]` bytes from address `src[l, i]` to address `dst[l, i]`,
+    each side device memory or registered host memory: one kernel launch per row `l` (1-D
+    arrays: one row), queued on `stream` in row order, each row's event completing with its
+    copies. The whole table crosses to the device once, so a launch costs only itself (the
+    linker's layer-by-layer load). Every address and size must be a multiple of `ALIGN`."""
     from maru_sglang._triton_copy import copy_pieces_kernel
 
     table, block, grid_y = piece_table(dst, src, sizes)
-    pieces = table.shape[1]
-    event = torch.cuda.Event()
-    if pieces:
-        # Through pinned memory, not waiting: the stream may still be copying earlier tables.
-        host_table = torch.from_numpy(table).pin_memory()
-        with torch.cuda.stream(stream):
-            device_table = host_table.to(stream.device, non_blocking=True)
-            copy_pieces_kernel[(pieces, grid_y)](device_table, pieces, BLOCK=block)
-    event.record(stream)
-    return event
+    launches, _, pieces = table.shape
+    events = [torch.cuda.Event() for _ in range(launches)]
+    # Through pinned memory, not waiting: the stream may still be copying earlier tables.
+    host_table = torch.from_numpy(table).pin_memory()
+    with torch.cuda.stream(stream):
+        device_table = host_table.to(stream.device, non_blocking=True)
+        for row, event in zip(device_table, events):
+            if pieces:
+                copy_pieces_kernel[(pieces, grid_y)](row, pieces, BLOCK=block)
+            event.record(stream)
+    return events

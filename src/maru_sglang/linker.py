@@ -37,7 +37,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -188,19 +188,41 @@ class DevicePageLayout:
             return None
         return firsts.astype(np.int64)
 
+    def settle(self) -> None:
+        """Return once every copy queued on this layout has landed (GPU: its streams; on CPU
+        copies land before their calls return)."""
+        if self.on_gpu:
+            self.load_stream.synchronize()
+            self.store_stream.synchronize()
+
+    def load_layers(self, sources: np.ndarray, firsts: np.ndarray) -> Iterator[Any]:
+        """Copy stored pages (`sources`: each page's address in the shared mapping) into the
+        device rows starting at `firsts`, layer by layer, yielding each layer's copy: on CPU
+        done when yielded (the next layer is copied on the next step), on a GPU every layer
+        queued before the first yield (one launch each), each yielded as its event."""
+        parts = range(len(self.part_offsets))
+        sizes = np.array([self.piece_bytes[p] for p in parts], np.int64)
+        if not self.on_gpu:
+            for layer in range(self.layers):
+                yield self.load_layer(layer, sources, firsts)
+            return
+        # [layer, page, part] addresses: the row of one launch per layer
+        dst = self.bases.T[:, None, :] + firsts[None, :, None] * np.array(self.row_bytes)
+        layer_offsets = np.arange(self.layers, dtype=np.int64)[:, None] * sizes
+        src = sources[None, :, None] + (np.array(self.part_offsets) + layer_offsets)[:, None, :]
+        pieces = (self.layers, -1)
+        sizes = np.broadcast_to(sizes, dst.shape).reshape(pieces)
+        yield from copy_pieces(dst.reshape(pieces), src.reshape(pieces), sizes, self.load_stream)
+
     def load_layer(self, layer: int, sources: np.ndarray, firsts: np.ndarray) -> Any:
-        """Copy one layer of stored pages (`sources`: each page's address in the shared
-        mapping) into the device rows starting at `firsts`: one copy per part and page. On
-        CPU plain (not streaming) stores, page by page: the forward reads these rows next,
-        from this cache."""
+        """On CPU: copy one layer of stored pages into the device rows at `firsts`, one copy
+        per part and page, page by page; plain (not streaming) stores: the forward reads these
+        rows next, from this cache."""
         parts = range(len(self.part_offsets))
         dst = np.stack([self.bases[p, layer] + firsts * self.row_bytes[p] for p in parts], 1)
         offsets = [self.part_offsets[p] + layer * self.piece_bytes[p] for p in parts]
         src = sources[:, None] + np.array(offsets, np.int64)
-        sizes = [self.piece_bytes[p] for p in parts]
-        if self.on_gpu:
-            return copy_pieces(dst, src, np.broadcast_to(sizes, dst.shape), self.load_stream)
-        copy_many(dst, src, sizes, streaming=False)
+        copy_many(dst, src, [self.piece_bytes[p] for p in parts], streaming=False)
         return LANDED
 
     def store(self, targets: np.ndarray, firsts: np.ndarray, threads: int = 1) -> Any:
@@ -211,9 +233,10 @@ class DevicePageLayout:
         pieces = [(p, layer) for p in range(len(self.part_offsets)) for layer in range(self.layers)]
         rows = np.stack([self.bases[p, lay] + firsts * self.row_bytes[p] for p, lay in pieces], 1)
         sizes = [self.piece_bytes[p] for p, _ in pieces]  # a stored page: its pieces end to end
-        if self.on_gpu:
+        if self.on_gpu:  # one launch
             dst = targets[:, None] + np.cumsum([0, *sizes[:-1]], dtype=np.int64)
-            return copy_pieces(dst, rows, np.broadcast_to(sizes, rows.shape), self.store_stream)
+            sizes = np.broadcast_to(sizes, rows.shape)
+            return copy_pieces(dst.ravel(), rows.ravel(), sizes.ravel(), self.store_stream)[0]
         copy_values(targets, rows, sizes, to_values=True, threads=threads)
         return LANDED
 
@@ -455,8 +478,8 @@ class MaruCacheLinker(UnifiedCacheLinker):
             done = 0  # layers completed
             with self.handler.copying():  # no region unmapped before the last copy landed
                 try:
-                    for layer in range(self.layout.layers):
-                        landed.append(self.layout.load_layer(layer, sources, firsts))
+                    for layer, copy in enumerate(self.layout.load_layers(sources, firsts)):
+                        landed.append(copy)
                         while done < min(layer + 1, last) and landed[done].query():
                             counter.complete(index, done)
                             done += 1
@@ -464,8 +487,7 @@ class MaruCacheLinker(UnifiedCacheLinker):
                         landed[layer].synchronize()
                         counter.complete(index, layer)
                 finally:
-                    for copy in landed:
-                        copy.synchronize()
+                    self.layout.settle()
             released = True
             proven = [self._proven(load) for load in loads]  # releases every lease
             if not all(proven):

@@ -192,17 +192,17 @@ def test_layer_zero_is_usable_while_later_layers_still_load(pair):
     assert _offload(a, keys, slots)
 
     hold = threading.Event()
-    real = b.linker.layout.load_layer
+    real = b.linker.layout.load_layers
 
-    def held_load_layer(layer, sources, firsts):
-        if layer == 1:
-            assert hold.wait(WAIT)
-        landed = real(layer, sources, firsts)
-        if layer == 0:  # on a GPU: landed before layer 1 is held (on CPU it has already)
-            landed.synchronize()
-        return landed
+    def held_load_layers(sources, firsts):
+        for layer, landed in enumerate(real(sources, firsts)):
+            if layer == 0:  # on a GPU: landed before layer 1 is held (on CPU it has already)
+                landed.synchronize()
+            if layer == 1:
+                assert hold.wait(WAIT)
+            yield landed
 
-    b.linker.layout.load_layer = held_load_layer
+    b.linker.layout.load_layers = held_load_layers
     got, index = _load(b, "r", keys)
     counter = b.linker.layer_done_counter
     counter.set_consumer(index)

@@ -57,21 +57,25 @@ def _layout(rng: np.random.Generator, sizes: np.ndarray, span: int) -> np.ndarra
 
 
 def _copy(kernel, dst, src, sizes) -> None:
-    table, block, grid_y = piece_table(dst, src, sizes)
+    """`copy_pieces` on a GPU; on CPU its launches, one per row, in the interpreter."""
     if GPU:
-        stream = torch.cuda.Stream()
-        copy_pieces(dst, src, sizes, stream).synchronize()
-    else:
-        kernel[(table.shape[1], grid_y)](torch.from_numpy(table), table.shape[1], BLOCK=block)
+        for event in copy_pieces(dst, src, sizes, torch.cuda.Stream()):
+            event.synchronize()
+        return
+    table, block, grid_y = piece_table(dst, src, sizes)
+    for row in torch.from_numpy(table):
+        kernel[(row.shape[1], grid_y)](row, row.shape[1], BLOCK=block)
 
 
+@pytest.mark.parametrize("launches", [1, 3])
 @pytest.mark.parametrize("direction", ["to_device", "to_host"])
 @pytest.mark.parametrize("largest", [2048, 20_000, 70_000])
-def test_every_piece_exact_and_nothing_else_written(kernel, direction, largest):
+def test_every_piece_exact_and_nothing_else_written(kernel, direction, largest, launches):
     """Pieces of random 16-byte multiples up to `largest` (70 000: several programs a piece),
-    scattered both sides, between 'host' and 'device' memory (on CPU both host)."""
+    scattered both sides, between 'host' and 'device' memory (on CPU both host), in one
+    launch or in rows of three (the linker's layers)."""
     rng = np.random.default_rng(largest)
-    sizes = rng.integers(1, largest // ALIGN + 1, 40) * ALIGN
+    sizes = rng.integers(1, largest // ALIGN + 1, 42) * ALIGN
     span = int(sizes.sum()) + 4 * ALIGN * sizes.size
     device = "cuda" if GPU else "cpu"
     host = torch.from_numpy(rng.integers(0, 256, span, dtype=np.uint8))
@@ -81,7 +85,9 @@ def test_every_piece_exact_and_nothing_else_written(kernel, direction, largest):
     source, target = (host, dev) if direction == "to_device" else (dev, host)
     target.fill_(POISON)
     src_off, dst_off = _layout(rng, sizes, span), _layout(rng, sizes, span)
-    _copy(kernel, target.data_ptr() + dst_off, source.data_ptr() + src_off, sizes)
+    rows = (launches, -1) if launches > 1 else (-1,)
+    dst, src = target.data_ptr() + dst_off, source.data_ptr() + src_off
+    _copy(kernel, dst.reshape(rows), src.reshape(rows), sizes.reshape(rows))
     got, want = target.cpu().numpy(), source.cpu().numpy()
     written = np.zeros(span, bool)
     for d, s, n in zip(dst_off, src_off, sizes):
@@ -98,9 +104,11 @@ def test_what_the_kernel_cannot_copy_is_a_clear_error():
         piece_table(a, a, [24])
     with pytest.raises(ValueError, match="multiples of 16"):
         piece_table(a, a, [0])
-    with pytest.raises(ValueError, match="differ in length"):
+    with pytest.raises(ValueError, match="differ in shape"):
         piece_table(a, a, [16, 32])
     with pytest.raises(ValueError, match="too large"):
         piece_table(a, a, [1 << 40])
     table, block, grid_y = piece_table(a, a + 64, [16])
-    assert table.tolist() == [[4096], [4160], [2]] and (block, grid_y) == (2, 1)
+    assert table.tolist() == [[[4096], [4160], [2]]] and (block, grid_y) == (2, 1)
+    two = piece_table(np.array([[0, 16], [32, 48]]), np.zeros((2, 2), np.int64), [[16, 32]] * 2)
+    assert two[0].shape == (2, 3, 2) and two[0][1, 0].tolist() == [32, 48]
