@@ -91,7 +91,7 @@ def test_performance_keeps_one_current_table_per_benchmark():
     """docs/performance.md: a targets table, then per benchmark script one section with its
     command, one dated table and how to read it; the run-by-run log is the history file."""
     text = doc("performance.md")
-    assert len(text.splitlines()) < 260  # about 50 lines a benchmark, not a run log
+    assert len(text.splitlines()) < 300  # about 30 lines a benchmark, not a run log
     assert "## Targets" in text and "**Machine**" in text
     sections = re.split(r"^## ", text, flags=re.MULTILINE)[1:]
     benchmarks = sorted(p.name for p in (DOCS.parent / "benchmarks").glob("bench_*.py"))
