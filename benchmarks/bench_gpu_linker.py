@@ -166,6 +166,7 @@ def main() -> int:
     ap.add_argument("--page-size", type=int, default=64, help="tokens a page")
     ap.add_argument("--reps", type=int, default=7, help="measured rounds")
     ap.add_argument("--quick", action="store_true", help="512 tokens, 3 rounds")
+    ap.add_argument("--pool-dir", default="/dev/shm", help="the tmpfs for the pool")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="results dir")
     ap.add_argument("--label", default="", help="added to the result file names")
     args = ap.parse_args()
@@ -190,7 +191,7 @@ def main() -> int:
     page_bytes = 2 * args.layers * args.page_size * args.heads * args.head_dim * 2
     pool = f"{(3 * max(pages) * page_bytes >> 20) + 256}M"
     rows = []
-    with maru_server(pool) as url:
+    with maru_server(pool, pool_dir=args.pool_dir) as url:
         a = Side(args, server_args, url, tokens, pool)
         b = Side(args, server_args, url, tokens, pool)
         try:
@@ -201,7 +202,7 @@ def main() -> int:
             b.linker.close()
     geometry = (
         f"{args.layers} layers, {args.heads} KV heads x {args.head_dim}, bf16, "
-        f"{args.page_size}-token pages of {page_bytes >> 10} KiB"
+        f"{args.page_size}-token pages of {page_bytes >> 10} KiB; pool in {args.pool_dir}"
     )
     machine = {
         "device": torch.cuda.get_device_name(),
