@@ -557,9 +557,9 @@ class MaruCacheLinker(UnifiedCacheLinker):
             targets = np.array([h.address if h is not None else 0 for h in handles], np.int64)
         if not self._registered(targets[copied]):
             log.warning("offload: reserved chunks outside the CUDA-registered mapping: skipped")
-            for handle in handles if run is None else [run]:
+            for handle in [run] if run is not None else handles:
                 if handle is not None:
-                    self.handler.free(handle)
+                    self.handler.free(handle)  # reserved, never sealed
             return 0
         if copied.any():
             with self.handler.copying():
