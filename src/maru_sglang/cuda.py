@@ -159,22 +159,41 @@ def register_with_cuda(handler: MaruHandler, device: torch.device) -> CudaRegist
     return CudaRegistration(handler, device)
 
 
-def piece_table(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, int, int]:
-    """The copy kernel's launches for pieces `dst[l, i] <- src[l, i]` of `sizes[l, i]` bytes,
-    launch `l` copying row `l` (1-D arrays: one launch): an int64 [launches, 3, pieces] table
-    (destination, source, length in 8-byte words), BLOCK (words per program) and the grid's
-    second dimension. ValueError for what the kernel cannot copy."""
-    dst, src, sizes = (np.atleast_2d(np.asarray(a, np.int64)) for a in (dst, src, sizes))
-    if dst.shape != sizes.shape or src.shape != sizes.shape:
+def piece_table(
+    dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = None
+) -> tuple[np.ndarray, int, int]:
+    """The copy kernel's launches for pieces `dst[l, ...] <- src[l, ...]` of `sizes` bytes
+    (broadcast to `dst`'s shape), launch `l` copying everything under index `l` (1-D arrays:
+    one launch): an int64 [launches, 3, pieces] table (destination, source, length in 8-byte
+    words; written into `out` if given), BLOCK (words per program) and the grid's second
+    dimension. ValueError for what the kernel cannot copy (one OR over each column: a
+    misaligned address would end the CUDA context)."""
+    dst, src, sizes = (np.asarray(a, np.int64) for a in (dst, src, sizes))
+    if dst.ndim == 1:
+        dst, src = dst[None], src[None]
+    if src.shape != dst.shape or np.broadcast_shapes(sizes.shape, dst.shape) != dst.shape:
         raise ValueError("copy_pieces: dst, src and sizes differ in shape")
-    if ((dst | src | sizes) % ALIGN).any() or (sizes <= 0).any():
-        raise ValueError(f"copy_pieces: addresses and sizes must be positive multiples of {ALIGN}")
-    words = int(sizes.max()) // 8 if sizes.size else 2
+    words = 2
+    if dst.size:
+        bits = 0
+        for column in (dst, src, sizes):
+            bits |= int(np.bitwise_or.reduce(column, axis=None))
+        if bits & (ALIGN - 1) or int(sizes.min()) <= 0:
+            raise ValueError(
+                f"copy_pieces: addresses and sizes must be positive multiples of {ALIGN}"
+            )
+        words = int(sizes.max()) // 8
     block = min(_MAX_BLOCK_WORDS, 1 << (words - 1).bit_length())
     grid_y = -(-words // block)
     if grid_y > _MAX_GRID_Y:
         raise ValueError(f"copy_pieces: a piece of {words * 8} bytes is too large")
-    return np.stack([dst, src, sizes // 8], axis=1), block, grid_y
+    launches = dst.shape[0]
+    table = np.empty((launches, 3, dst.size // max(launches, 1)), np.int64) if out is None else out
+    for column, values in enumerate((dst, src, np.right_shift(sizes, 3))):
+        view = table[:, column].reshape(dst.shape)  # (splits the last axis: always a view)
+        assert np.may_share_memory(view, table)
+        np.copyto(view, values)
+    return table, block, grid_y
 
 
 def copy_pieces(
@@ -187,11 +206,13 @@ def copy_pieces(
     linker's layer-by-layer load). Every address and size must be a multiple of `ALIGN`."""
     from maru_sglang._triton_copy import copy_pieces_kernel
 
-    table, block, grid_y = piece_table(dst, src, sizes)
-    launches, _, pieces = table.shape
+    shape = np.shape(dst) if np.ndim(dst) > 1 else (1, np.size(dst))
+    launches, pieces = shape[0], int(np.prod(shape[1:]))
+    # Written straight into pinned memory, copied without waiting: the stream may still be
+    # copying earlier tables.
+    host_table = torch.empty((launches, 3, pieces), dtype=torch.int64, pin_memory=True)
+    _, block, grid_y = piece_table(dst, src, sizes, out=host_table.numpy())
     events = [torch.cuda.Event() for _ in range(launches)]
-    # Through pinned memory, not waiting: the stream may still be copying earlier tables.
-    host_table = torch.from_numpy(table).pin_memory()
     with torch.cuda.stream(stream):
         device_table = host_table.to(stream.device, non_blocking=True)
         for row, event in zip(device_table, events):

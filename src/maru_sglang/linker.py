@@ -210,9 +210,7 @@ class DevicePageLayout:
         dst = self.bases.T[:, None, :] + firsts[None, :, None] * np.array(self.row_bytes)
         layer_offsets = np.arange(self.layers, dtype=np.int64)[:, None] * sizes
         src = sources[None, :, None] + (np.array(self.part_offsets) + layer_offsets)[:, None, :]
-        pieces = (self.layers, -1)
-        sizes = np.broadcast_to(sizes, dst.shape).reshape(pieces)
-        yield from copy_pieces(dst.reshape(pieces), src.reshape(pieces), sizes, self.load_stream)
+        yield from copy_pieces(dst, src, sizes, self.load_stream)
 
     def load_layer(self, layer: int, sources: np.ndarray, firsts: np.ndarray) -> Any:
         """On CPU: copy one layer of stored pages into the device rows at `firsts`, one copy
@@ -235,8 +233,7 @@ class DevicePageLayout:
         sizes = [self.piece_bytes[p] for p, _ in pieces]  # a stored page: its pieces end to end
         if self.on_gpu:  # one launch
             dst = targets[:, None] + np.cumsum([0, *sizes[:-1]], dtype=np.int64)
-            sizes = np.broadcast_to(sizes, rows.shape)
-            return copy_pieces(dst.ravel(), rows.ravel(), sizes.ravel(), self.store_stream)[0]
+            return copy_pieces(dst[None], rows[None], np.array(sizes), self.store_stream)[0]
         copy_values(targets, rows, sizes, to_values=True, threads=threads)
         return LANDED
 
