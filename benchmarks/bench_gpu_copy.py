@@ -18,7 +18,6 @@ each repetition, each timed round right after an untimed one of its own; GB/s ar
 from __future__ import annotations
 
 import argparse
-import csv
 import ctypes
 import os
 import platform
@@ -36,7 +35,7 @@ from maru.common.config import parse_size
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from maru_sglang.cuda import copy_pieces, register_with_cuda  # noqa: E402
-from report import finish  # noqa: E402  (same dir)
+from report import finish, rows_csv  # noqa: E402  (same dir)
 from sglang_cpu.p2p import maru_server  # noqa: E402
 
 HOSTS = ("shared", "pinned")  # the registered Maru region; ordinary pinned host memory
@@ -212,12 +211,6 @@ def main() -> int:
     cmd = " ".join([Path(sys.executable).name, "benchmarks/bench_gpu_copy.py", *sys.argv[1:]])
     text = render(machine, rows, cmd)
 
-    def write_csv(path: Path) -> None:
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-
     doc = {"machine": machine, "rows": rows}
     finish(
         "gpu-copy",
@@ -226,7 +219,7 @@ def main() -> int:
         doc,
         machine,
         t_start,
-        write_csv=write_csv,
+        write_csv=rows_csv(rows),
         quick=args.quick,
         label=args.label,
     )

@@ -17,7 +17,6 @@ without them it says so and exits. Starts its own `maru-server`; medians of --re
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import platform
 import statistics
@@ -31,7 +30,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from report import finish  # noqa: E402  (same dir)
+from report import finish, rows_csv  # noqa: E402  (same dir)
 from sglang_cpu.p2p import maru_server  # noqa: E402
 from sglang_cpu.tiny_model import build_tiny_model  # noqa: E402
 
@@ -214,16 +213,10 @@ def main() -> int:
     cmd = " ".join([Path(sys.executable).name, "benchmarks/bench_gpu_linker.py", *sys.argv[1:]])
     text = render(machine, rows, cmd)
 
-    def write_csv(path: Path) -> None:
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-
     doc = {"machine": machine, "rows": rows}
     finish(
         "gpu-linker", args.out, text, doc, machine, t_start,
-        write_csv=write_csv, quick=args.quick, label=args.label,
+        write_csv=rows_csv(rows), quick=args.quick, label=args.label,
     )  # fmt: skip
     return 0
 

@@ -8,6 +8,7 @@ nothing (docs/performance.md has one section per `bench_*.py`).
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import time
@@ -55,3 +56,15 @@ def finish(
         wrote += ", .png" if plot(path(".png")) else " (no matplotlib: no PNG)"
     print(wrote)
     return base
+
+
+def rows_csv(rows: list[dict[str, Any]]) -> Callable[[Path], None]:
+    """`finish`'s `write_csv` for a table of dicts alike (the first row names the columns)."""
+
+    def write_csv(path: Path) -> None:
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+    return write_csv
