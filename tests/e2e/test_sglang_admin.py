@@ -18,6 +18,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+import warnings
 
 import pytest
 
@@ -48,6 +49,19 @@ def _admin(base_url: str, method: str, path: str, payload: dict | None = None) -
             return resp.status, resp.read().decode(errors="replace")
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode(errors="replace")
+
+
+def _detach(base_url: str, tries: int = 4) -> tuple[int, str]:
+    """DELETE /hicache/storage-backend, sent again while SGLang answers that its storage
+    threads did not stop within its 10 s join (nothing detached then; its detach is
+    idempotent: docs/sglang.md, Troubleshooting). Seen in CI only, on a loaded 2-vCPU host,
+    right after a request; each retry is reported as a warning so that it stays visible."""
+    for attempt in range(1, tries + 1):
+        status, body = _admin(base_url, "DELETE", "/hicache/storage-backend")
+        if status == 200 or "Stop storage threads failed" not in body or attempt == tries:
+            return status, body
+        warnings.warn(f"detach attempt {attempt}: {body.strip()[:200]}; sent again", stacklevel=2)
+    raise AssertionError("unreachable")
 
 
 def _flush(base_url: str, timeout: float = 60.0) -> None:
@@ -98,7 +112,7 @@ def test_detach_attach_clear_through_the_http_admin(tiny_model, maru_server, tmp
         assert stored >= 1 + TOKENS // PAGE - 1
         assert set(_instances(url, "admin-a")), p2p.l3_stats(url)["instances"]
 
-        status, body = _admin(server.base_url, "DELETE", "/hicache/storage-backend")
+        status, body = _detach(server.base_url)
         assert status == 200, body + server.log_tail()
         assert _instances(url, "admin-a") == {}  # its regions, leases and pins ended at once
         assert p2p.l3_keys(url) == stored  # the pages stay readable by others
