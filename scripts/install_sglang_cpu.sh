@@ -41,4 +41,14 @@ import sglang.srt.mem_cache.pool_host.mla
 import sglang.srt.managers.cache_controller
 print(f"[install_sglang_cpu] ok: torch {torch.__version__}, sglang {sglang.__version__}")
 PYEOF
+# SGLang compiles its C++ page-hash extension (hicache_hash_cpp) on first use, inside the first
+# request that hashes, 10-20 s here: a server's storage thread busy with it for that long
+# makes SGLang's 10 s join give up on a detach. Build it now, where the test servers look for
+# it (tests/sglang_cpu: $VENV/torch_extensions). Not fatal: SGLang builds it later otherwise.
+TORCH_EXTENSIONS_DIR="$("$PY" -c 'import sys; print(sys.prefix)')/torch_extensions" \
+PYTHONPATH="$here/../tests/sglang_cpu${PYTHONPATH:+:$PYTHONPATH}" SGLANG_USE_CPU_ENGINE=1 \
+    "$PY" -c 'from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module as load; load()' \
+    >/dev/null 2>&1 \
+    && echo "[install_sglang_cpu] SGLang's page-hash extension built" \
+    || echo "[install_sglang_cpu] warning: SGLang's page-hash extension not built now (SGLang builds it on first use)"
 echo "[install_sglang_cpu] done in $((SECONDS - start)) s"
