@@ -45,7 +45,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from maru import MaruConfig, MaruHandler
 from maru.client.requests import Sealing
-from maru_sglang.hit_policy import PoolPresence, leading_run, usable_prefix
+from maru_sglang.hit_policy import PoolPresence, usable_prefix
 from maru_sglang.legacy import LegacyInterface
 from maru_sglang.pools import (
     KV_POOL_NAME,
@@ -533,12 +533,13 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        """Number of consecutive stored KV pages from the start, with one RPC."""
+        """Number of consecutive stored KV pages from the start: on the local index no request
+        and nothing probed after the first miss, else one EXISTS request."""
         kv = self._require_pool()
         if kv.logical:
             return len(keys)
         self.confirm_writes()
-        return leading_run(self.handler.batch_exists(keys, prefix=kv.prefix))
+        return self.handler.leading_hits(keys, prefix=kv.prefix)
 
     # -- v2: every pool ----------------------------------------------------------------------
 

@@ -154,6 +154,7 @@ def test_reads_answered_locally_are_in_the_servers_hit_counts(maru_server):
             assert counters(maru_server.url) == after_beat
             r.exists(keys[0])
             r.exists(keys[-1])
+            assert r.leading_hits(keys) == 48  # 49 keys checked: the hits and the first miss
         after_close = counters(maru_server.url)
     delta = {k: after_beat[k] - before[k] for k in READ_COUNTERS}
     assert delta == {
@@ -164,8 +165,8 @@ def test_reads_answered_locally_are_in_the_servers_hit_counts(maru_server):
         "exists_hits": 48,
         "exists_misses": 16,
     }
-    assert after_close["exists"] - after_beat["exists"] == 2
-    assert after_close["exists_hits"] - after_beat["exists_hits"] == 1
+    assert after_close["exists"] - after_beat["exists"] == 2 + 49
+    assert after_close["exists_hits"] - after_beat["exists_hits"] == 1 + 48
 
 
 @pytest.mark.parametrize("way", WAYS)
@@ -178,6 +179,8 @@ def test_the_index_agrees_with_the_request_path(maru_server, way):
         local = handler(maru_server.url)
         assert local._index is not None and plain._index is None
         assert local.batch_exists(keys) == plain.batch_exists(keys)
+        for start in range(len(keys)):  # SGLang's batch_exists: the hits from the start
+            assert local.leading_hits(keys[start:]) == plain.leading_hits(keys[start:])
         got, answered_locally = read(local, keys, way=way)
         assert answered_locally
         with plain.leased(keys) as infos:
@@ -206,6 +209,8 @@ def test_prefixed_calls_answer_for_the_joined_keys_with_the_index_and_without(ma
             assert h.batch_exists([pre + k for k in hashes]) == expected
             assert h.batch_exists(mixed, prefix=mixed_prefix) == [True, False, True, False]
             assert [h.exists(k, prefix=pre) for k in hashes[7:9]] == [True, False]
+            assert h.leading_hits(hashes, prefix=pre) == 8
+            assert h.leading_hits(hashes[12:], prefix=pre) == 3
         got = {}
         for name, h in (("local", local), ("plain", plain)):
             data, answered_locally = read(h, hashes, prefix=pre)
@@ -216,6 +221,7 @@ def test_prefixed_calls_answer_for_the_joined_keys_with_the_index_and_without(ma
         assert got["plain"][1] == [value(pre + mixed[0]), None, value("b'ns:raw'"), None]
         before = operations(url)
         assert local.batch_exists(hashes[:-1], prefix=pre) == expected[:-1]
+        assert local.leading_hits(hashes[:-1], prefix=pre) == 8
         data, answered_locally = read(local, hashes[:-1], prefix=pre)
         assert answered_locally and data == got["plain"][0][:-1]
         assert operations(url) == before  # all local: the keys that fit were joined in C

@@ -86,6 +86,32 @@ def test_published_keys_are_found_with_their_location_and_others_are_not(index):
     assert reader.pool_generation == shmindex.hash_generation(b"gen-1")
 
 
+def test_leading_counts_the_hits_from_the_start_and_marks_use_only_of_those(index):
+    """`leading` (SGLang's batch_exists) answers what `contains` answers for the run from the
+    start, across hash groups and the GIL-free length, with a prefix too; past the first miss
+    nothing is probed, so no later hit is marked used."""
+    keys = [f"ns:{i:064x}" for i in range(300)]
+    publish(index, keys)
+    reader = _open(index.path, os.getuid())
+    absent = [f"ns:{i:064x}" for i in range(1000, 1300)]
+    rng = random.Random(5)
+    for n in (0, 1, 31, 32, 33, 64, 128, 255, 256, 300):
+        for miss_at in {0, n // 2, n - 1, n} - {-1}:
+            batch = keys[:n]
+            if miss_at < n:
+                batch = [*batch[:miss_at], absent[rng.randrange(300)], *batch[miss_at + 1 :]]
+            found = reader.contains(batch)
+            expected = found.index(False) if False in found else n
+            assert reader.leading(batch) == expected == min(miss_at, n)
+    assert reader.leading([k[3:] for k in keys[:40]], prefix="ns:") == 40
+    assert reader.leading([*keys[:3], "x" * 1000]) is None  # a key the table cannot hold
+    index.harvest_into(SimpleNamespace(get_many=lambda ks: [None] * len(ks)))  # clear use
+    assert reader.leading([keys[0], keys[1], "absent", keys[3], keys[4]]) == 2
+    entries = {k: SimpleNamespace(referenced=False) for k in keys}
+    index.harvest_into(SimpleNamespace(get_many=lambda ks: [entries.get(k) for k in ks]))
+    assert sorted(k for k, e in entries.items() if e.referenced) == keys[:2]
+
+
 def test_keys_too_long_for_a_slot_are_not_published_and_readers_must_ask(index):
     fits, long_key = "k" * MAX_KEY, "k" * (MAX_KEY + 1)
     wide = "é" * (MAX_KEY // 2 + 1)  # few characters, more UTF-8 bytes than a slot holds

@@ -166,6 +166,18 @@ class LocalIndexClient:
             self.reads[3] += found.count(True)
         return found
 
+    def leading(self, keys: Sequence[Key], prefix: Prefix = "") -> int | None:
+        """How many of `keys` from the start are registered (probed up to the first miss; the
+        hits mark use); None: ask the server."""
+        reader = self.reader()
+        counted = reader.leading(keys, prefix=prefix) if reader is not None else None
+        if counted is None:
+            self.fallbacks += 1
+        else:
+            self.reads[2] += min(counted + 1, len(keys))
+            self.reads[3] += counted
+        return counted
+
     def take_reads(self) -> list[int] | None:
         """The reads answered here since the last call, [lookups, hits, exists, exists hits],
         for the server's statistics (sent with the heartbeat); None if there were none."""

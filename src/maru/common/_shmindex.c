@@ -87,6 +87,7 @@
         }                                                                                         \
     } while (0)
 #define AHEAD 16        /* a batch is probed in groups of this many keys (see probe_all) */
+#define HASH_GROUP 32  /* contains_all hashes this many keys, then probes them */
 #define CHAIN_SLOTS 3   /* slots prefetched from a key's home: the table is at most half full */
 
 static const char MAGIC_BYTES[8] = {'M', 'A', 'R', 'U', 'I', 'D', 'X', '1'};
@@ -863,30 +864,40 @@ static int probe_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, const R
  * this short loop's independent loads by itself (with warm caches it gained ~15%). The keys
  * are hashed in a pass of their own first: with the hashing in the lookup loop, each key's
  * branch on its loaded entry held back the next key's loads, 4x slower (0.45 vs 0.115 us per
- * key at 10^6 keys, caches flushed). 0, or -1: no memory. */
-static int contains_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, char *hits)
+ * key at 10^6 keys, caches flushed); they are hashed HASH_GROUP at a time, so that no memory
+ * is allocated and a `leading` count (SGLang's batch_exists: the hits from the start) stops
+ * hashing and probing at its first miss, setting the use bytes of the keys it counted only.
+ * Returns n, or with `leading` the number of hits from the start. */
+static Py_ssize_t contains_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, char *hits,
+                               int leading)
 {
-    uint64_t *hashes = PyMem_RawMalloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
-    if (hashes == NULL)
-        return -1;
-    for (Py_ssize_t i = 0; i < n; i++)
-        hashes[i] = key_hash(keys[i].p, (size_t)keys[i].n, keys[i].kind, t->seed);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t want = hashes[i], j = want & t->mask;
-        hits[i] = 0;
-        for (uint64_t steps = 0; steps <= t->mask; steps++, j = (j + 1) & t->mask) {
-            uint64_t h = LOAD_ACQ(&t->hashes[j]);
-            if (h == 0)
-                break;
-            if (h == want) {
-                hits[i] = 1;
-                mark_used(t, j);
-                break;
+    uint64_t hashes[HASH_GROUP];
+    for (Py_ssize_t start = 0; start < n; start += HASH_GROUP) {
+        Py_ssize_t m = n - start < HASH_GROUP ? n - start : HASH_GROUP;
+        for (Py_ssize_t i = 0; i < m; i++) {
+            const KeyBytes *k = &keys[start + i];
+            hashes[i] = key_hash(k->p, (size_t)k->n, k->kind, t->seed);
+        }
+        for (Py_ssize_t i = 0; i < m; i++) {
+            uint64_t want = hashes[i], j = want & t->mask;
+            char hit = 0;
+            for (uint64_t steps = 0; steps <= t->mask; steps++, j = (j + 1) & t->mask) {
+                uint64_t h = LOAD_ACQ(&t->hashes[j]);
+                if (h == 0)
+                    break;
+                if (h == want) {
+                    hit = 1;
+                    mark_used(t, j);
+                    break;
+                }
             }
+            if (leading && !hit)
+                return start + i;
+            if (hits != NULL)
+                hits[start + i] = hit;
         }
     }
-    PyMem_RawFree(hashes);
-    return 0;
+    return n;
 }
 
 /* A batch's keys as the table holds them (see `gather`). */
@@ -1085,17 +1096,18 @@ done:
     return out;
 }
 
-/* contains(keys, *, prefix=None) -> [bool] (each hit's use byte set), or None if a key cannot
- * be in the table. */
-static PyObject *Reader_contains(Reader *self, PyObject *const *args, Py_ssize_t nargs,
-                                 PyObject *kwnames)
+/* contains(keys, *, prefix=None) -> [bool] (each hit's use byte set); leading(keys, *,
+ * prefix=None) -> int, how many keys from the start are in the table (the use bytes of those
+ * set; nothing after the first miss is probed). Either None if a key cannot be in the table. */
+static PyObject *contains_or_leading(Reader *self, PyObject *const *args, Py_ssize_t nargs,
+                                     PyObject *kwnames, const char *name, int leading)
 {
     PyObject *prefix, *out = NULL;
     if (nargs != 1) {
-        PyErr_SetString(PyExc_TypeError, "contains() takes keys");
+        PyErr_Format(PyExc_TypeError, "%s() takes keys", name);
         return NULL;
     }
-    if (kw_prefix("contains", kwnames, args + nargs, &prefix) < 0)
+    if (kw_prefix(name, kwnames, args + nargs, &prefix) < 0)
         return NULL;
     char *hits = NULL;
     Batch b;
@@ -1104,13 +1116,18 @@ static PyObject *Reader_contains(Reader *self, PyObject *const *args, Py_ssize_t
         out = all < 0 ? NULL : Py_NewRef(Py_None);
         goto done;
     }
-    int rc = -1;
-    if ((hits = PyMem_Malloc((size_t)(b.n ? b.n : 1))) != NULL)
-        GIL_FREE_FOR(b.n, rc = contains_all(&self->t, b.keys, b.n, hits));
-    if (rc < 0) {
+    Py_ssize_t counted;
+    if (leading) {
+        GIL_FREE_FOR(b.n, counted = contains_all(&self->t, b.keys, b.n, NULL, 1));
+        out = PyLong_FromSsize_t(counted);
+        goto done;
+    }
+    if ((hits = PyMem_Malloc((size_t)(b.n ? b.n : 1))) == NULL) {
         PyErr_NoMemory();
         goto done;
     }
+    GIL_FREE_FOR(b.n, counted = contains_all(&self->t, b.keys, b.n, hits, 0));
+    (void)counted;
     if ((out = PyList_New(b.n)) == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < b.n; i++)
@@ -1119,6 +1136,18 @@ done:
     PyMem_Free(hits);
     batch_free(&b);
     return out;
+}
+
+static PyObject *Reader_contains(Reader *self, PyObject *const *args, Py_ssize_t nargs,
+                                 PyObject *kwnames)
+{
+    return contains_or_leading(self, args, nargs, kwnames, "contains", 0);
+}
+
+static PyObject *Reader_leading(Reader *self, PyObject *const *args, Py_ssize_t nargs,
+                                PyObject *kwnames)
+{
+    return contains_or_leading(self, args, nargs, kwnames, "leading", 1);
 }
 
 /* Of n probed keys (slot >= 0: a hit), flag (1) each hit that is not proven now: its slot's
@@ -1349,6 +1378,9 @@ static PyMethodDef Reader_methods[] = {
      "checksum, region, offset, slot, seq), or None: ask the server"},
     {"contains", (PyCFunction)(void (*)(void))Reader_contains, METH_FASTCALL | METH_KEYWORDS,
      "contains(keys, *, prefix=None) -> [bool], or None if a key cannot be in the table"},
+    {"leading", (PyCFunction)(void (*)(void))Reader_leading, METH_FASTCALL | METH_KEYWORDS,
+     "leading(keys, *, prefix=None) -> the number of keys from the start in the table (probed\n"
+     "up to the first miss), or None if a key cannot be in the table"},
     {"read", (PyCFunction)(void (*)(void))Reader_read, METH_FASTCALL | METH_KEYWORDS,
      "read(keys, regions, buffers, sizes, length, copier, hashed[, threads], *, prefix=None)\n"
      "-> (proven, columns) or None: ask the server. Probes, copies each hit of `length` bytes\n"
