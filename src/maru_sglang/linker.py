@@ -347,13 +347,12 @@ class MaruCacheLinker(UnifiedCacheLinker):
     # -- scheduler thread ---------------------------------------------------------------------
 
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
-        """Every prefix length (pages) stored whole: 1..n for the n leading stored pages (one
-        RPC; FULL KV alone has no sparse boundaries)."""
+        """Every prefix length (pages) stored whole: 1..n for the n leading stored pages (on
+        the local index no request, else one; FULL KV alone has no sparse boundaries)."""
         kv = self._kv(transfers)
         if kv is None or not kv.keys:
             return []
-        present = self.handler.batch_exists(kv.keys, prefix=self.prefix)
-        run = present.index(False) if False in present else len(present)
+        run = self.handler.leading_hits(kv.keys, prefix=self.prefix)
         self._count(lookups=1, lookup_hit_pages=run)
         return list(range(1, run + 1))
 
