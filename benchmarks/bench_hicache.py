@@ -43,7 +43,8 @@ figure saw the same machine state:
 - Per-page latency: many one-page `batch_set_v1` / `batch_get_v1` calls, median and p99.
 - Metadata: `batch_exists` of 128 keys per key and one key's `exists`, each through
   `MaruStorage` (SGLang's calls, the targets) and through the handler (which of the two goes
-  first alternates: the second finds the first's cache lines), with the read requests
+  first alternates: the second finds the first's cache lines), `batch_exists` of 128 keys
+  never stored through `MaruStorage` (a new prompt: the answer is 0), with the read requests
   each call sent (0: the index); the leased lookup of 128 keys per key; one single-key lookup
   round trip (`retrieve`, a request on every path), over the real socket; and the transport
   alone (a 200-byte echo to another process over pyzmq, TCP and a Unix socket).
@@ -534,17 +535,20 @@ class Instance:
     def meta(self, tag: str, rounds: int, singles: int) -> dict[str, Any]:
         """Per Maru path ("maru", and "request" with the A/B; alternating within each round):
         128-key `batch_exists` per key through MaruStorage (SGLang's call) and through the
-        handler, and single-key `exists` through both; the requests each call sent. Then the
+        handler, through MaruStorage for 128 keys never stored (a new prompt), and single-key
+        `exists` through both; the requests each call sent. Then the
         leased 128-key lookup and the single-key lookup round trip (`retrieve`: a request on
         every path, it hands out a view), alternating in runs of 100 with the baseline of the
         client sleeping for each reply (busy_poll_us 0)."""
         keys = [page_key(tag, i) for i in range(128)]
         ns_keys = self.maru.pools["kv"].keys(keys)
+        new_keys = [page_key(f"{tag}/never-stored", i) for i in range(128)]
         paths = [p for p in ("maru", "request") if p in self.stores]
         out: dict[str, Any] = {f"{p}/{m}": [] for p in paths for m in PATH_META}
         out.update({k: [] for k in ("lookup", "rtt", "rtt_sleep")})
         for p in paths:
             assert self.stores[p].batch_exists(keys) == 128, f"{p}: metadata keys are missing"
+            assert self.stores[p].batch_exists(new_keys) == 0, f"{p}: a key never stored is there"
         # MaruStorage's call and the handler's alternate which goes first: the second finds
         # the first's lines in the cache
         for r in range(rounds):
@@ -552,6 +556,7 @@ class Instance:
                 store = self.stores[p]
                 calls = [("exists128", store.batch_exists, keys)]
                 calls.append(("exists128_h", store.handler.batch_exists, ns_keys))
+                calls.append(("exists128_new", store.batch_exists, new_keys))
                 for name, call, arg in calls[:: 1 if r % 2 == 0 else -1]:
                     t0 = time.perf_counter()
                     call(arg)
@@ -762,8 +767,9 @@ class HybridInstance(Instance):
 
 
 # Per-path metadata samples of `Instance.meta`, as "<path>/<name>": 128-key batch_exists per
-# key through MaruStorage and through the handler; single-key exists through both.
-PATH_META = ("exists128", "exists128_h", "exists1", "exists1_h")
+# key through MaruStorage and through the handler, and through MaruStorage for 128 keys never
+# stored (a new prompt: SGLang's commonest batch_exists); single-key exists through both.
+PATH_META = ("exists128", "exists128_h", "exists128_new", "exists1", "exists1_h")
 READ_OPS = ("exists", "lookup_kv", "release")
 
 
@@ -1632,7 +1638,8 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
         f"single key: median / p99 of {plan.rtt_samples}):"
     )
     lines.append(
-        "| path | batch_exists us/key: MaruStorage, handler | exists us, median / p99: "
+        "| path | batch_exists us/key: MaruStorage, handler, MaruStorage on a new prompt | "
+        "exists us, median / p99: "
         "MaruStorage, handler | requests per call: batch_exists, exists, batch_get_v1 |"
     )
     lines.append("|---|---:|---:|---:|")
@@ -1640,7 +1647,8 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
         req = meta["requests"][p]
         lines.append(
             f"| {p} | {med(meta[f'{p}/exists128']) * 1e6:.3f}, "
-            f"{med(meta[f'{p}/exists128_h']) * 1e6:.3f} | "
+            f"{med(meta[f'{p}/exists128_h']) * 1e6:.3f}, "
+            f"{med(meta[f'{p}/exists128_new']) * 1e6:.3f} | "
             f"{med(meta[f'{p}/exists1']) * 1e6:.2f} / {pct(meta[f'{p}/exists1'], 0.99) * 1e6:.1f}, "
             f"{med(meta[f'{p}/exists1_h']) * 1e6:.2f} / "
             f"{pct(meta[f'{p}/exists1_h'], 0.99) * 1e6:.1f} | "
@@ -1731,7 +1739,11 @@ def write_csv(path, rows, meta, inst, keys, paths) -> None:
             ):
                 w.writerow(["workload", r["case"], r["op"], r["backend"], metric, r[metric], unit])
         for p in paths:
-            for key, how in (("exists128", "storage"), ("exists128_h", "handler")):
+            for key, how in (
+                ("exists128", "storage"),
+                ("exists128_h", "handler"),
+                ("exists128_new", "storage, keys never stored"),
+            ):
                 value = med(meta[f"{p}/{key}"]) * 1e6
                 w.writerow(["metadata", "128 keys", f"batch_exists ({how})", p, "us_per_key",
                             value, "us"])  # fmt: skip
