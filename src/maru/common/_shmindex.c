@@ -1116,8 +1116,8 @@ static PyObject *contains_or_leading(Reader *self, PyObject *const *args, Py_ssi
         out = all < 0 ? NULL : Py_NewRef(Py_None);
         goto done;
     }
-    Py_ssize_t counted;
     if (leading) {
+        Py_ssize_t counted;
         GIL_FREE_FOR(b.n, counted = contains_all(&self->t, b.keys, b.n, NULL, 1));
         out = PyLong_FromSsize_t(counted);
         goto done;
@@ -1126,8 +1126,7 @@ static PyObject *contains_or_leading(Reader *self, PyObject *const *args, Py_ssi
         PyErr_NoMemory();
         goto done;
     }
-    GIL_FREE_FOR(b.n, counted = contains_all(&self->t, b.keys, b.n, hits, 0));
-    (void)counted;
+    GIL_FREE_FOR(b.n, (void)contains_all(&self->t, b.keys, b.n, hits, 0));
     if ((out = PyList_New(b.n)) == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < b.n; i++)
