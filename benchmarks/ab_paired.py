@@ -9,6 +9,9 @@ process and one `maru-server` run both versions: the method's source at `--rev` 
 into `maru_sglang.maru_storage`'s namespace (A) beside the working tree's (B), and each round
 runs A, B and the `stream` copy (the limit of bench_hicache.py) in a seeded random order over
 the same host pages. The ratio B/A is taken per round, so the machine's drift cancels.
+`--idle-ms N`: the writer sleeps N ms before each timed turn (the stream's too), as it does in
+`bench_hicache.py` while the reader works: threads and the server asleep, caches cold (on the
+2-vCPU VM a 64 KiB set meets its target back to back and misses it after idle, session 21).
 `_write` is timed through `batch_set_v1` (each round's pages deleted after it), `_read`
 through `batch_get_v1` of pages stored once. A method that calls helpers the revision had and
 the tree no longer has fails with a NameError: compare a nearer revision.
@@ -23,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,6 +67,7 @@ def main() -> int:
     p.add_argument("--method", choices=sorted(OPS), default="_write")
     p.add_argument("--case", default="mha-64K", help="a bench_hicache.py case")
     p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--idle-ms", type=float, default=0.0, help="sleep before each timed turn")
     args = p.parse_args()
     op = OPS[args.method]
     versions = {
@@ -87,6 +92,7 @@ def main() -> int:
                     tag = "ab" if op == "get" else f"ab/{r}/{v}"
                     if v != "stream":
                         setattr(storage.MaruStorage, args.method, versions[v])
+                    time.sleep(args.idle_ms / 1000)
                     sec, ok, *_ = inst.run(
                         f"{'stream' if v == 'stream' else 'maru'}_{op}", tag, batch
                     )
@@ -102,6 +108,7 @@ def main() -> int:
     print(
         f"{args.case} batch_{op}_v1 ({batch} pages a call), {args.rounds} rounds; "
         f"A: MaruStorage.{args.method} at {args.rev}, B: the working tree"
+        + (f"; {args.idle_ms:g} ms idle before each turn" if args.idle_ms else "")
     )
     print("| version | median us a call | stream / version |")
     print("|---|---:|---:|")
