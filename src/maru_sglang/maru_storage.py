@@ -516,8 +516,9 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """One lookup RPC (leasing the pages so no instance evicts or deletes them mid-copy),
-        then one copy per page part from the shared mapping into the host pool."""
+        """Copy each stored page into the host pool and prove it (`_read`): on the local
+        index one C call and no request, else one leased lookup (no instance evicts or deletes
+        the pages mid-copy); True per page proven."""
         kv = self._require_pool()
         if not keys:
             return []
