@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-import pytest
 
 from maru_sglang.hit_policy import (
     ALL_PAGES,
@@ -31,13 +30,11 @@ def lengths(ok: np.ndarray) -> list[int]:
     return np.flatnonzero(ok).tolist()
 
 
-@pytest.mark.parametrize("as_list", [False, True], ids=["array", "list"])
-def test_leading_run_counts_from_the_start(as_list):
-    """As an array (v2's pools) and as the handler's list of bools (v1's batch_exists)."""
+def test_leading_run_counts_from_the_start():
+    """Over v2's answers (an array of bools)."""
 
     def run(text: str) -> int:
-        present = bits(text)
-        return leading_run(present.tolist() if as_list else present)
+        return leading_run(bits(text))
 
     assert run("") == 0
     assert run("111") == 3
