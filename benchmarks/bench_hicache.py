@@ -1787,35 +1787,8 @@ def plot(path, rows, inst, keys) -> bool:
         "checked": "#9467bd",
         "file": "#d62728",
     }
-    by = {(r["case"], r["op"], r["backend"]): r for r in rows}
-    bars = [(op, b) for op in ("set", "get") for b in BACKENDS if (cases[0], op, b) in by]
-    ax = axes[0][0]
-    width = 0.96 / len(bars)
-    for k, (op, b) in enumerate(bars):
-        xs = [i + (k - (len(bars) - 1) / 2) * width for i in range(len(cases))]
-        vals = [by[(c, op, b)]["gbps"] for c in cases]
-        hatch = "//" if op == "get" else None
-        ax.bar(xs, vals, width, color=colors[b], hatch=hatch, edgecolor="black", linewidth=0.3,
-               label=f"{b} {op}")  # fmt: skip
-    ax.set_xticks(range(len(cases)), cases)
-    ax.set_ylabel("GB/s (median)")
-    ax.set_title("Throughput, batches of up to 128 pages (hatched: get)")
-    ax.legend(fontsize=7, ncol=2)
-    ax = axes[0][1]
-    pairs = [(op, b) for op in ("set", "get") for b in ("memcpy", "maru", "file")]
-    for k, (op, b) in enumerate(pairs):
-        xs = [i + (k - 2.5) * 0.13 for i in range(len(cases))]
-        meds = [by[(c, op, b)]["lat_med_us"] for c in cases]
-        p99 = [by[(c, op, b)]["lat_p99_us"] for c in cases]
-        hatch = "//" if op == "get" else None
-        ax.bar(xs, meds, 0.13, color=colors[b], hatch=hatch, edgecolor="black", linewidth=0.3,
-               label=f"{b} {op}")  # fmt: skip
-        ax.scatter(xs, p99, marker="_", color="black", s=60)
-    ax.set_yscale("log")
-    ax.set_xticks(range(len(cases)), cases)
-    ax.set_ylabel("us per one-page call (bar: median, tick: p99)")
-    ax.set_title("Per-page latency")
-    ax.legend(fontsize=7, ncol=2)
+    if cases:  # (none with --cases none)
+        plot_cases(axes[0], rows, cases, colors)
     ax = axes[1][0]
     if inst:
         ns = [r["instances"] for r in inst]
@@ -1858,6 +1831,39 @@ def plot(path, rows, inst, keys) -> bool:
     return True
 
 
+def plot_cases(axes, rows: list[dict], cases: list[str], colors: dict[str, str]) -> None:
+    """The top panels: throughput and one-page latency per case."""
+    by = {(r["case"], r["op"], r["backend"]): r for r in rows}
+    bars = [(op, b) for op in ("set", "get") for b in BACKENDS if (cases[0], op, b) in by]
+    ax = axes[0]
+    width = 0.96 / len(bars)
+    for k, (op, b) in enumerate(bars):
+        xs = [i + (k - (len(bars) - 1) / 2) * width for i in range(len(cases))]
+        vals = [by[(c, op, b)]["gbps"] for c in cases]
+        hatch = "//" if op == "get" else None
+        ax.bar(xs, vals, width, color=colors[b], hatch=hatch, edgecolor="black", linewidth=0.3,
+               label=f"{b} {op}")  # fmt: skip
+    ax.set_xticks(range(len(cases)), cases)
+    ax.set_ylabel("GB/s (median)")
+    ax.set_title("Throughput, batches of up to 128 pages (hatched: get)")
+    ax.legend(fontsize=7, ncol=2)
+    ax = axes[1]
+    pairs = [(op, b) for op in ("set", "get") for b in ("memcpy", "maru", "file")]
+    for k, (op, b) in enumerate(pairs):
+        xs = [i + (k - 2.5) * 0.13 for i in range(len(cases))]
+        meds = [by[(c, op, b)]["lat_med_us"] for c in cases]
+        p99 = [by[(c, op, b)]["lat_p99_us"] for c in cases]
+        hatch = "//" if op == "get" else None
+        ax.bar(xs, meds, 0.13, color=colors[b], hatch=hatch, edgecolor="black", linewidth=0.3,
+               label=f"{b} {op}")  # fmt: skip
+        ax.scatter(xs, p99, marker="_", color="black", s=60)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(cases)), cases)
+    ax.set_ylabel("us per one-page call (bar: median, tick: p99)")
+    ax.set_title("Per-page latency")
+    ax.legend(fontsize=7, ncol=2)
+
+
 # -- main --------------------------------------------------------------------------------------
 
 
@@ -1894,8 +1900,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="about a minute: fewer reps and samples")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="results dir")
+    names = [c.name for c in [*CASES, HYBRID]]
     ap.add_argument(
-        "--cases", default=",".join(c.name for c in [*CASES, HYBRID]), help="workload cases"
+        "--cases",
+        default=",".join(names),
+        help=f"workload cases, comma-separated ({', '.join(names)}), or none: only the "
+        "metadata and scaling parts",
     )
     ap.add_argument("--skip-scaling", action="store_true", help="no instances/keys scaling")
     ap.add_argument("--max-keys", type=float, default=1e6, help="largest registered-key count")
@@ -1908,15 +1918,18 @@ def main() -> int:
         help="a tmpfs for the pools and the shm baselines (one with huge=within_size: 2 MiB pages)",
     )
     args = ap.parse_args()
+    chosen = [] if args.cases == "none" else args.cases.split(",")
+    if unknown := sorted(set(chosen) - set(names)):
+        ap.error(f"--cases: unknown {', '.join(unknown)} (known: {', '.join(names)}, or none)")
     SHM_DIR = args.pool_dir
     plan = Plan.make(args.quick, local_index_supported())
     plan.key_counts = tuple(k for k in plan.key_counts if k <= args.max_keys)
-    cases = [c for c in CASES if c.name in args.cases.split(",")]
+    cases = [c for c in CASES if c.name in chosen]
     if args.wait_load:
         wait_for_quiet(args.wait_load, 1200)
 
     t_start = time.monotonic()
-    hybrid = HYBRID.name in args.cases.split(",")
+    hybrid = HYBRID.name in chosen
     steps = (
         (len(cases) + hybrid) * (plan.reps + 3)
         + 1
