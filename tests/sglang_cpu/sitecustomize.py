@@ -18,6 +18,11 @@ What each shim replaces (all of it is CUDA-only in SGLang / its wheels):
   wheels are CUDA-only); with ``SGLANG_USE_CPU_ENGINE=1`` SGLang still imports names from it.
   A stand-in is provided ONLY if no real ``sgl_kernel`` is importable; each attribute is a
   function that raises when called (none is called with the ``torch_native`` attention backend).
+  On CPU its submodules stay missing (SGLang's ``except ImportError`` fallbacks run); on a GPU
+  host without the wheel (scripts/gpu_host_check.sh) SGLang imports some of
+  them unguarded (``sgl_kernel.quantization`` in ``quantization/gguf.py``) and reads names of
+  them at import (``scalar_types.uint4b8``), so there the submodules are stand-ins too and every
+  name is a placeholder (``_Placeholder``) rather than a function that raises.
 * ``pin_memory=True`` on HiCache host pools -- pinning goes through ``cudaHostRegister``
   (``_cuda_host_register``), which fails on CPU torch. Forced to ``False`` when CUDA is absent.
 * ``sgl_kernel.kvcacheio`` ``direct`` transfer ops (``transfer_kv_direct``,
@@ -68,11 +73,36 @@ def _register_torchvision_schemas() -> None:
 # --------------------------------------------------------------------------------------------
 # sgl_kernel stand-in (replaces the CPU build of sgl-kernel, which is not on PyPI)
 # --------------------------------------------------------------------------------------------
+class _Placeholder:
+    """A name of the GPU host's stand-in: any attribute or call of it is another placeholder
+    (SGLang's modules read some at import: `scalar_types.uint4b8` in quantization/utils.py),
+    and it is never a value anything computes with; the tests that run there check bytes."""
+
+    def __init__(self, qualname: str):
+        self._qualname = qualname
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Placeholder(f"{self._qualname}.{name}")
+
+    def __call__(self, *args, **kwargs):
+        return _Placeholder(f"{self._qualname}()")
+
+    def __mro_entries__(self, bases):
+        return (object,)  # a class defined on one of them
+
+    def __repr__(self) -> str:
+        return f"<sgl_kernel test stand-in {self._qualname}>"
+
+
 class _SglKernelStub(types.ModuleType):
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
         qualname = f"{self.__name__}.{name}"
+        if hasattr(self, "__path__"):  # the GPU host's stand-in (see _stub_submodules)
+            return _Placeholder(qualname)
 
         def _unavailable(*args, **kwargs):
             raise NotImplementedError(
@@ -90,10 +120,24 @@ class _StubLoader(importlib.abc.Loader):
     def create_module(self, spec):
         module = _SglKernelStub(spec.name)
         setattr(module, _MARK, True)
+        if _stub_submodules():
+            module.__path__ = []  # a package: `sgl_kernel.x` is found (by _ShimFinder)
         return module
 
     def exec_module(self, module) -> None:
         module.__version__ = "0.0.0+cpu-test-stub"
+
+
+def _stub_submodules() -> bool:
+    """Whether `sgl_kernel.*` submodules are stand-ins too: only where torch sees a GPU."""
+    import torch
+
+    return torch.version.cuda is not None and torch.cuda.is_available()
+
+
+def _is_stub_submodule(fullname: str) -> bool:
+    parent = sys.modules.get(fullname.rpartition(".")[0])
+    return getattr(parent, _MARK, False) and hasattr(parent, "__path__")
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,6 +285,8 @@ class _ShimFinder(importlib.abc.MetaPathFinder):
                 return None  # a real sgl_kernel is installed: never shadow it
             # Top level only: submodules (sgl_kernel.scalar_type, .kvcacheio, ...) stay
             # missing, so SGLang's `except ImportError` fallbacks keep working.
+            return importlib.machinery.ModuleSpec(fullname, _StubLoader())
+        if fullname.startswith("sgl_kernel.") and _is_stub_submodule(fullname):
             return importlib.machinery.ModuleSpec(fullname, _StubLoader())
         patch = _POST_IMPORT.get(fullname)
         if patch is None:
