@@ -280,8 +280,9 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """How many tokens after `num_computed_tokens` are stored as whole blocks (one EXISTS
-        request for every group and rank of those blocks); a prefix, never the last token."""
+        """How many tokens after `num_computed_tokens` are stored as whole blocks (one check for
+        every group and rank of those blocks: the local index, else one EXISTS request); a
+        prefix, never the last token."""
         bs = self._block_size
         first = num_computed_tokens // bs
         last = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
