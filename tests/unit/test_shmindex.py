@@ -86,6 +86,29 @@ def test_published_keys_are_found_with_their_location_and_others_are_not(index):
     assert reader.pool_generation == shmindex.hash_generation(b"gen-1")
 
 
+def reference_hash(data: bytes, seed: int = 0) -> int:
+    """The table's hash (`hash_bytes` in _shmindex.c), as the layout defines it: every server
+    and client build must give these values, or their tables disagree."""
+    mask, m1, m2 = (1 << 64) - 1, 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9
+    h = seed ^ (len(data) * m1 & mask)
+    for at in range(0, len(data), 8):
+        w = int.from_bytes(data[at : at + 8], "little")  # a short tail: zeros above it
+        x = h ^ (w * m2 & mask)
+        h = ((x << 29 | x >> 35) & mask) * m1 & mask
+    for shift, mul in ((33, 0xFF51AFD7ED558CCD), (33, 0xC4CEB9FE1A85EC53), (33, None)):
+        h ^= h >> shift
+        h = h * mul & mask if mul else h
+    return h
+
+
+def test_the_hash_is_the_layouts_for_every_length():
+    """Tails of every length (0-7 bytes after the whole words) hash as the layout says."""
+    rng = random.Random(7)
+    for n in range(0, 200):
+        data = rng.randbytes(n)
+        assert shmindex.hash_generation(data) == reference_hash(data), n
+
+
 def test_leading_counts_the_hits_from_the_start_and_marks_use_only_of_those(index):
     """`leading` (SGLang's batch_exists) answers what `contains` answers for the run from the
     start, across hash groups and the GIL-free length, with a prefix too; past the first miss

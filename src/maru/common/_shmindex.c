@@ -128,6 +128,32 @@ static inline uint64_t fmix(uint64_t h)
     return h;
 }
 
+/* The last 1-7 bytes of a key as the low bytes of a word (the value `memcpy(&w, p, t)` gives a
+ * zeroed little-endian w), read in fixed-size loads: a memcpy of a variable length is a libc
+ * call whose byte stores the next load cannot take straight from the store buffer, which made
+ * a 128-key batch of 81-byte keys (SGLang's namespaced page hashes) half as slow to hash
+ * (12.2 ns a key against 8.4 in a group of 32; 17-byte keys 10.6 against 3.8). */
+static inline uint64_t tail_word(const unsigned char *p, size_t t)
+{
+    uint64_t w = 0;
+    size_t at = 0;
+    if (t >= 4) {
+        uint32_t x;
+        memcpy(&x, p, 4);
+        w = x;
+        at = 4;
+    }
+    if (t - at >= 2) {
+        uint16_t x;
+        memcpy(&x, p + at, 2);
+        w |= (uint64_t)x << (8 * at);
+        at += 2;
+    }
+    if (t > at)
+        w |= (uint64_t)p[at] << (8 * at);
+    return w;
+}
+
 static uint64_t hash_bytes(const unsigned char *p, size_t n, uint64_t seed)
 {
     const uint64_t m1 = 0x9e3779b97f4a7c15ULL, m2 = 0xbf58476d1ce4e5b9ULL;
@@ -138,11 +164,8 @@ static uint64_t hash_bytes(const unsigned char *p, size_t n, uint64_t seed)
         memcpy(&w, p + i, 8);
         h = rotl(h ^ (w * m2), 29) * m1;
     }
-    if (i < n) {
-        uint64_t w = 0;
-        memcpy(&w, p + i, n - i);
-        h = rotl(h ^ (w * m2), 29) * m1;
-    }
+    if (i < n)
+        h = rotl(h ^ (tail_word(p + i, n - i) * m2), 29) * m1;
     return fmix(h);
 }
 
