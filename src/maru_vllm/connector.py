@@ -260,8 +260,12 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         # MLA's latent KV is the same on every TP rank: one copy, written by rank 0.
         return "mla" if self._use_mla else f"tp{rank}of{self._tp_size}"
 
+    def _prefix(self, group: int, rank: int) -> str:
+        """What the keys of a group's blocks on a rank start with."""
+        return f"{self._namespace}/{self._scope(rank)}/g{group}/"
+
     def _keys(self, hashes: Sequence[bytes], group: int, rank: int) -> list[str]:
-        prefix = f"{self._namespace}/{self._scope(rank)}/g{group}/"
+        prefix = self._prefix(group, rank)
         return [prefix + h.hex() for h in hashes]
 
     def _handler_for(self, pool_size: int | str | None = None) -> MaruHandler:
@@ -289,14 +293,20 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._matched.pop(request.request_id, None)
         if last <= first or not self._groups:
             return 0, False
-        hashes = request.block_hashes[first:last]
+        hexes = [h.hex() for h in request.block_hashes[first:last]]
         ranks = [0] if self._use_mla else range(self._tp_size)
-        keys = [k for g in self._groups for r in ranks for k in self._keys(hashes, g, r)]
-        exists = np.array(self._handler_for("2M").batch_exists(keys), dtype=bool)
-        if exists.size != len(keys):
+        scopes = [self._prefix(g, r) for g in self._groups for r in ranks]
+        # every (group, rank)'s keys in one call, each block's hash once: the prefixes are
+        # joined to them in C on the local index (on the request path, in `joined`)
+        prefixes: list[str] = []
+        for prefix in scopes:
+            prefixes += [prefix] * len(hexes)
+        found = self._handler_for("2M").batch_exists(hexes * len(scopes), prefix=prefixes)
+        exists = np.array(found, dtype=bool)
+        if exists.size != len(hexes) * len(scopes):
             return 0, False
-        everywhere = exists.reshape(-1, len(hashes)).all(axis=0)
-        hits = len(hashes) if everywhere.all() else int(np.argmin(everywhere))
+        everywhere = exists.reshape(-1, len(hexes)).all(axis=0)
+        hits = len(hexes) if everywhere.all() else int(np.argmin(everywhere))
         if not hits:
             return 0, False
         self._matched[request.request_id] = (first, first + hits)

@@ -132,3 +132,16 @@ def test_mla_layout(maru_server_factory, model_dir, vllm_env):
     assert a["saved_blocks"] == W.BLOCKS
     assert b["computed"] == [TAIL_POSITIONS]
     assert b["match"] == [[True] * W.BLOCKS]
+
+
+def test_a_block_counts_as_stored_only_where_every_rank_stored_it(
+    maru_server_factory, model_dir, vllm_env
+):
+    """TP 2: `get_num_new_matched_tokens` asks for every rank's key of each block in one call
+    and reports the blocks stored on both, from the start (never the prompt's last token)."""
+    server = maru_server_factory(pool_size="64M")
+    (r,) = run_processes([(W.matched_across_ranks, (model_dir, server.url))], DEADLINE)
+    assert r["tp"] == 2
+    block = r["block"]
+    # rank 1 holds 3 blocks: 3 blocks; then all 5; after 1 block computed: the 4 after it
+    assert r["said"] == [3 * block, W.BLOCKS * block, (W.BLOCKS - 1) * block]

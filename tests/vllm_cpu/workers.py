@@ -90,3 +90,37 @@ def load(
         }
     finally:
         engine.close()
+
+
+def matched_across_ranks(model_dir: str, url: str) -> dict:
+    """The scheduler side of a TP 2 instance: a prompt's blocks count as stored only where
+    every rank's shard is. Rank 0's five blocks are stored, rank 1's first three; then rank
+    1's last two too. Returns what `get_num_new_matched_tokens` said each time."""
+    _vllm_on_path()
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from maru import MaruHandler
+    from vllm_cpu.engine import BLOCK, MiniEngine, kv_cache_config, vllm_config
+
+    config = vllm_config(model_dir, url)
+    config.parallel_config.tensor_parallel_size = 2
+    connector = KVConnectorFactory.create_connector(
+        config, KVConnectorRole.SCHEDULER, kv_cache_config(64)
+    )
+    engine = MiniEngine(model_dir, url)  # (for its Request and block hasher)
+    try:
+        request = engine.scheduler.requests[engine.add(prompt(0))]
+        hashes = request.block_hashes[:BLOCKS]
+        said = []
+        with MaruHandler(server_url=url, pool_size="2M", chunk_size_bytes=4096) as h:
+            for rank, blocks in ((0, range(BLOCKS)), (1, range(3)), (1, range(3, BLOCKS))):
+                keys = connector._keys([hashes[b] for b in blocks], 0, rank)
+                assert all(h.batch_store(keys, [b"x"] * len(keys)))
+                if rank == 1:
+                    said.append(connector.get_num_new_matched_tokens(request, 0)[0])
+            said.append(connector.get_num_new_matched_tokens(request, BLOCK)[0])
+        return {"said": said, "block": BLOCK, "tp": connector._tp_size}
+    finally:
+        engine.close()
+        connector.shutdown()  # (closes its handler)
