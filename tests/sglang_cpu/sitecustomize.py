@@ -19,10 +19,10 @@ What each shim replaces (all of it is CUDA-only in SGLang / its wheels):
   A stand-in is provided ONLY if no real ``sgl_kernel`` is importable; each attribute is a
   function that raises when called (none is called with the ``torch_native`` attention backend).
   On CPU its submodules stay missing (SGLang's ``except ImportError`` fallbacks run); on a GPU
-  host without the wheel (scripts/gpu_host_check.sh) SGLang imports some of
-  them unguarded (``sgl_kernel.quantization`` in ``quantization/gguf.py``) and reads names of
-  them at import (``scalar_types.uint4b8``), so there the submodules are stand-ins too and every
-  name is a placeholder (``_Placeholder``) rather than a function that raises.
+  host without the wheel (scripts/gpu_host_check.sh) SGLang imports some of them unguarded
+  (``sgl_kernel.quantization`` in ``quantization/gguf.py``) and reads names of them at import
+  (``scalar_types.uint4b8``), so there the submodules are stand-ins too and every name is a
+  placeholder (``_Placeholder``) rather than a function that raises.
 * ``pin_memory=True`` on HiCache host pools -- pinning goes through ``cudaHostRegister``
   (``_cuda_host_register``), which fails on CPU torch. Forced to ``False`` when CUDA is absent.
 * ``sgl_kernel.kvcacheio`` ``direct`` transfer ops (``transfer_kv_direct``,

@@ -108,7 +108,11 @@ def matched_across_ranks(model_dir: str, url: str) -> dict:
     connector = KVConnectorFactory.create_connector(
         config, KVConnectorRole.SCHEDULER, kv_cache_config(64)
     )
-    engine = MiniEngine(model_dir, url)  # (for its Request and block hasher)
+    try:
+        engine = MiniEngine(model_dir, url)  # (for its Request and block hasher)
+    except BaseException:
+        connector.shutdown()
+        raise
     try:
         request = engine.scheduler.requests[engine.add(prompt(0))]
         hashes = request.block_hashes[:BLOCKS]
