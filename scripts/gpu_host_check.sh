@@ -9,6 +9,8 @@
 #
 # WHEELS: a folder of wheels for what the image lacks (requirements/gpu-host-nodeps.txt),
 # installed with --no-deps into a private target. OUT: where the results and the log go.
+# HICACHE_ARGS: more arguments for bench_hicache.py, e.g. "--pool-dir /mnt/maru" for a tmpfs
+# mounted with huge=within_size (docs/operations.md, huge pages), or "--cases none".
 # Each step has its own time limit and a failed step does not stop the next.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -56,5 +58,5 @@ PYTHONPATH="$PWD/tests/sglang_cpu:$PYTHONPATH" \
 step "bench_hicache on the host's CPUs"
 CUDA_VISIBLE_DEVICES= SGLANG_USE_CPU_ENGINE=1 \
     timeout 400 "$PY" benchmarks/bench_hicache.py "${quick[@]}" --no-progress --out "$OUT" \
-    2>&1 | grep -vE "UserWarning|warnings.warn"
+    ${HICACHE_ARGS:-} 2>&1 | grep -vE "UserWarning|warnings.warn"
 step done
