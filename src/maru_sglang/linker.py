@@ -324,7 +324,7 @@ class MaruCacheLinker(UnifiedCacheLinker):
     @property
     def prefix(self) -> str:
         """What the Maru key of a page hash starts with (MaruStorage's for the same pages);
-        lookups pass it as `prefix=` (joined in C by the local index)."""
+        lookups pass it as `prefix=` (the local index makes no string per key)."""
         return f"{self.namespace}:"
 
     def keys(self, hashes: Sequence[str]) -> list[str]:

@@ -97,7 +97,7 @@ class _Unconfirmed(threading.local):
 def _query(parts: list[tuple[PoolIO, list[str]]]) -> tuple[list[str], str | list[str]]:
     """Several pools' page hashes as one handler call takes them: the hashes, and the
     prefix of their pools' namespaces (one for one pool, else one per hash), which the
-    handler's index paths join to them in C (no string made per key)."""
+    handler's index paths take beside them (no string made per key)."""
     if len(parts) == 1:
         pool, hashes = parts[0]
         return hashes, pool.prefix

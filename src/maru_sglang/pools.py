@@ -227,7 +227,7 @@ class PoolIO:
     def namespace(self, value: str) -> None:
         self._namespace = value
         # What this pool's stored keys start with: `keys()` puts it before each page hash;
-        # the handler's index paths take it as `prefix=` and join it in C. (Made once: every
+        # the handler's index paths take it as `prefix=`, beside the keys. (Made once: every
         # exists call passes it.)
         self.prefix = f"{value}:"
 

@@ -296,8 +296,8 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         hexes = [h.hex() for h in request.block_hashes[first:last]]
         ranks = [0] if self._use_mla else range(self._tp_size)
         scopes = [self._prefix(g, r) for g in self._groups for r in ranks]
-        # every (group, rank)'s keys in one call, each block's hash once: the prefixes are
-        # joined to them in C on the local index (on the request path, in `joined`)
+        # every (group, rank)'s keys in one call, each block's hash once: the local index takes
+        # each prefix beside its key (on the request path they are joined, in `joined`)
         prefixes: list[str] = []
         for prefix in scopes:
             prefixes += [prefix] * len(hexes)

@@ -191,7 +191,7 @@ def test_the_index_agrees_with_the_request_path(maru_server, way):
 
 def test_prefixed_calls_answer_for_the_joined_keys_with_the_index_and_without(maru_server):
     """`batch_exists`, `exists` and copying `lookup` with `prefix=` (MaruStorage's namespace)
-    answer for `prefix + key`: the index joins them in C, the request path in Python, with
+    answer for `prefix + key`: the index in two parts, the request path joined in Python, with
     the same answers for str and bytes keys, non-ASCII ones, one prefix per key, and a key
     that fits the table alone but not with its prefix (the request path has it)."""
     pre = "名前:"  # 7 UTF-8 bytes

@@ -149,8 +149,9 @@ def test_keys_too_long_for_a_slot_are_not_published_and_readers_must_ask(index):
 
 def test_a_prefixed_probe_is_the_probe_of_the_joined_keys(index):
     """`probe` / `contains` with a prefix (one, or one per key) answer what they answer for
-    `prefix + key`, joined in C: str and bytes, non-ASCII, and a key that fits alone but not
-    with its prefix (the batch goes to the server, as for any key the table cannot hold)."""
+    `prefix + key` (never joined: hashed and compared in two parts): str and bytes,
+    non-ASCII, and a key that fits alone but not with its prefix (the batch goes to the
+    server, as for any key the table cannot hold)."""
     pre, bpre, wide = "ns:", b"ns:", "é名:"  # (wide: 6 UTF-8 bytes)
     hashes = [f"{i:064x}" for i in range(20)] + ["ünï", "k" * (MAX_KEY - 6)]
     stored = [pre + h for h in hashes[:10]] + [wide + h for h in hashes[10:]]
@@ -182,6 +183,41 @@ def test_a_prefixed_probe_is_the_probe_of_the_joined_keys(index):
         assert reader.contains(hashes[-1:], prefix=prefix) is None
         assert columns(reader, hashes[-1:], prefix=prefix) is None
     assert reader.contains(["k" * MAX_KEY], prefix="n") is None  # fits alone, not joined
+
+
+def test_a_key_split_anywhere_into_prefix_and_key_is_found_as_the_whole_key(index):
+    """The reader hashes and compares `prefix + key` in its two parts (never joined): every
+    split of keys of 1-40 bytes (the prefix ending inside, at and across 8-byte words, the
+    key shorter than what its word needs) finds the key the writer published whole, and
+    a key that differs in one byte on either side of the split is absent."""
+    rng = random.Random(11)
+    whole = [rng.randbytes(n) for n in range(1, 41)]
+    publish(index, whole + [w.hex() for w in whole])
+    reader = _open(index.path, os.getuid())
+    for w in whole:
+        for cut in range(len(w) + 1):
+            pre, key = w[:cut], w[cut:]
+            for p, k in ((pre, key), (pre.hex(), key.hex())):
+                assert reader.contains([k], prefix=p) == [True], (p, k)
+                assert columns(reader, [k], prefix=p)[5][0] >= 0  # probe: a hit (its slot)
+            flipped = bytes([w[cut - 1] ^ 1]) if cut else b""
+            if cut:
+                assert reader.contains([key], prefix=pre[:-1] + flipped) == [False]
+            if cut < len(w):
+                assert reader.contains([bytes([key[0] ^ 1]) + key[1:]], prefix=pre) == [False]
+    # In one batch: a prefix's hash state is kept for the next key of the same prefix, length
+    # and kind only (one prefix, keys of changing lengths; one prefix per key, every split).
+    ns = b"a-namespace-17b:x"
+    tails = [rng.randbytes(n) for n in range(0, 30)]
+    publish(index, [ns + t for t in tails], base=1 << 20)
+    order = [5, 5, 6, 5, 29, 29, 0, 3, 3, 17, 16, 17]
+    assert reader.contains([tails[n] for n in order], prefix=ns) == [True] * len(order)
+    assert reader.contains([tails[n] for n in order], prefix=ns[:-1] + b"y") == [False] * 12
+    w = whole[-1]
+    splits = list(range(len(w) + 1)) * 2
+    keys, prefixes = [w[c:] for c in splits], [w[:c] for c in splits]
+    assert reader.contains(keys, prefix=prefixes) == [True] * len(splits)
+    assert reader.leading(keys, prefix=prefixes) == len(splits)
 
 
 def test_a_prefix_not_of_its_keys_type_or_count_is_refused_as_python_refuses_it(index):

@@ -464,7 +464,8 @@ class MaruHandler:
         then the server's local index may answer without a request (no lease: each hit is
         validated after the copy instead; `maru.client.localindex`). `prefix`: the keys are
         `prefix + key` (one prefix of the keys' type, or a sequence of them, one per key),
-        joined in C by the local index, without a string per key, and here for a request."""
+        never joined by the local index (each key hashed and compared in its two parts), and
+        joined here for a request."""
         if for_copy and self._index is not None:
             found = self._index.lookup(self, keys, prefix)
             if found is not None:

@@ -94,8 +94,8 @@ def offered_index(
 
 def joined(keys: Sequence[Key], prefix: Prefix) -> Sequence[Key]:
     """`prefix + key` per key: what the request path sends for a prefixed call, and the keys'
-    names in logs (the index joins them in C; both raise TypeError for a prefix not of its
-    key's type)."""
+    names in logs (the index hashes and compares the two parts where they lie; both raise
+    TypeError for a prefix not of its key's type)."""
     if isinstance(prefix, (str, bytes)):
         return [prefix + k for k in keys] if prefix else keys  # type: ignore[operator]
     if len(prefix) != len(keys):

@@ -154,26 +154,55 @@ static inline uint64_t tail_word(const unsigned char *p, size_t t)
     return w;
 }
 
-static uint64_t hash_bytes(const unsigned char *p, size_t n, uint64_t seed)
+#define HASH_M1 0x9e3779b97f4a7c15ULL
+#define HASH_M2 0xbf58476d1ce4e5b9ULL
+
+static inline uint64_t hash_step(uint64_t h, uint64_t w)
 {
-    const uint64_t m1 = 0x9e3779b97f4a7c15ULL, m2 = 0xbf58476d1ce4e5b9ULL;
-    uint64_t h = seed ^ (n * m1);
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        uint64_t w;
-        memcpy(&w, p + i, 8);
-        h = rotl(h ^ (w * m2), 29) * m1;
+    return rotl(h ^ (w * HASH_M2), 29) * HASH_M1;
+}
+
+/* The hash of the bytes a[0:na] followed by b[0:nb], as if they were one string (the layout's
+ * hash of a key is of its whole bytes: a reader's prefix and key are hashed where they lie,
+ * never joined), in two steps: the state after a's whole words (`hash_words`: a batch's keys
+ * with one prefix and one length share it, see key_hash), then the rest (`hash_rest`): the
+ * word across the two (a's last na % 8 bytes, then b's first), b's words, and its last 1-7
+ * bytes as a zero-extended word. */
+static inline uint64_t hash_words(const unsigned char *a, size_t na, size_t total, uint64_t seed)
+{
+    uint64_t h = seed ^ (total * HASH_M1), w;
+    for (size_t i = 0; i + 8 <= na; i += 8) {
+        memcpy(&w, a + i, 8);
+        h = hash_step(h, w);
     }
-    if (i < n)
-        h = rotl(h ^ (tail_word(p + i, n - i) * m2), 29) * m1;
+    return h;
+}
+
+static inline uint64_t hash_rest(uint64_t h, const unsigned char *a, size_t na,
+                                 const unsigned char *b, size_t nb)
+{
+    size_t i = na & ~(size_t)7, j = 0;
+    uint64_t w;
+    if (i < na) {
+        size_t t = na - i, take = nb < 8 - t ? nb : 8 - t;
+        w = tail_word(a + i, t);
+        if (take > 0)
+            w |= tail_word(b, take) << (8 * t);
+        h = hash_step(h, w);
+        j = take;
+    }
+    for (; j + 8 <= nb; j += 8) {
+        memcpy(&w, b + j, 8);
+        h = hash_step(h, w);
+    }
+    if (j < nb)
+        h = hash_step(h, tail_word(b + j, nb - j));
     return fmix(h);
 }
 
-/* Never 0: the hash column's 0 means an empty slot. */
-static inline uint64_t key_hash(const unsigned char *p, size_t n, int kind, uint64_t seed)
+static uint64_t hash_bytes(const unsigned char *p, size_t n, uint64_t seed)
 {
-    uint64_t h = hash_bytes(p, n, seed + (uint64_t)kind);
-    return h ? h : 1;
+    return hash_rest(hash_words(NULL, 0, n, seed), NULL, 0, p, n);
 }
 
 static inline uint64_t make_meta(int state, int kind, size_t len)
@@ -181,17 +210,61 @@ static inline uint64_t make_meta(int state, int kind, size_t len)
     return (uint64_t)state | ((uint64_t)kind << 8) | ((uint64_t)len << 16);
 }
 
-/* A key's bytes: str as UTF-8, bytes as they are. kind 0: not a key (another type). */
+/* A key's bytes: str as UTF-8, bytes as they are, after a prefix of `pn` bytes at `pre` (a
+ * reader's `prefix=`; none on the writer's side): the key is pre[0:pn] + p[0:n], never made
+ * as one string. kind 0: not a key (another type). */
 typedef struct {
-    const unsigned char *p;
-    Py_ssize_t n;
+    const unsigned char *pre, *p;
+    Py_ssize_t pn, n;
     int kind;
 } KeyBytes;
+
+static inline size_t key_len(const KeyBytes *k)
+{
+    return (size_t)(k->pn + k->n);
+}
+
+/* The hash state after a prefix's whole words, for keys of one length and kind: the keys of a
+ * batch share it (SGLang's: one namespace, 64-hex page hashes), so each key hashes only what
+ * follows (`pre` NULL: nothing kept yet). */
+typedef struct {
+    const unsigned char *pre;
+    Py_ssize_t pn;
+    size_t len;
+    uint64_t seed, h;
+} PrefixState;
+
+/* Never 0: the hash column's 0 means an empty slot. `kept` (may be NULL): the prefix state
+ * of the keys before, reused when this key has the same prefix, length and kind. */
+static inline uint64_t key_hash(const KeyBytes *k, uint64_t seed, PrefixState *kept)
+{
+    size_t len = key_len(k);
+    uint64_t mid, kind_seed = seed + (uint64_t)k->kind;
+    if (kept != NULL && kept->pre == k->pre && kept->pre != NULL && kept->pn == k->pn &&
+        kept->len == len && kept->seed == kind_seed)
+        mid = kept->h;
+    else {
+        mid = hash_words(k->pre, (size_t)k->pn, len, kind_seed);
+        if (kept != NULL)
+            *kept = (PrefixState){k->pre, k->pn, len, kind_seed, mid};
+    }
+    uint64_t h = hash_rest(mid, k->pre, (size_t)k->pn, k->p, (size_t)k->n);
+    return h ? h : 1;
+}
+
+/* Whether a slot's key bytes (`key_len(k)` of them) are k's. */
+static inline int key_equals(const unsigned char *stored, const KeyBytes *k)
+{
+    return (k->pn == 0 || memcmp(stored, k->pre, (size_t)k->pn) == 0) &&
+           memcmp(stored + k->pn, k->p, (size_t)k->n) == 0;
+}
 
 /* Needs the GIL (a str's UTF-8 form may be made and cached on it). -1 with an error set only
  * on a failed encoding (a lone surrogate: not a key a client can store either). */
 static int key_bytes(PyObject *key, KeyBytes *out)
 {
+    out->pre = NULL;
+    out->pn = 0;
     if (PyUnicode_CheckExact(key)) {
         const char *s = PyUnicode_AsUTF8AndSize(key, &out->n);
         if (s == NULL)
@@ -376,13 +449,13 @@ static void slot_write(Table *t, uint64_t i, const Slot *src, uint64_t meta)
 
 static inline int slot_matches(const Slot *s, uint64_t hash, uint64_t meta, const KeyBytes *k)
 {
-    return s->hash == hash && s->meta == meta && memcmp(s->key, k->p, (size_t)k->n) == 0;
+    return s->hash == hash && s->meta == meta && key_equals(s->key, k);
 }
 
 /* The slot holding the key (found = 1) or the empty slot ending its chain (found = 0). */
 static uint64_t writer_find(Table *t, const KeyBytes *k, uint64_t hash, int *found)
 {
-    uint64_t meta = make_meta(STATE_LIVE, k->kind, (size_t)k->n);
+    uint64_t meta = make_meta(STATE_LIVE, k->kind, key_len(k));
     uint64_t i = hash & t->mask;
     for (;;) {
         const Slot *s = &t->slots[i];
@@ -410,7 +483,7 @@ static int64_t item_int64(PyObject *seq, Py_ssize_t i, int *err)
  * has them). */
 static inline int publishable(const KeyBytes *k)
 {
-    return k->kind != 0 && k->n > 0 && k->n <= MAX_KEY;
+    return k->kind != 0 && key_len(k) > 0 && key_len(k) <= MAX_KEY;
 }
 
 /* The writer's first stage for keys[start:start + m] (m <= PUBLISH_WINDOW) of `seq`: each key's
@@ -424,7 +497,7 @@ static int stage_window(const Table *t, PyObject *seq, Py_ssize_t start, Py_ssiz
             return -1;
         if (!publishable(&ks[i]))
             continue;
-        hashes[i] = key_hash(ks[i].p, (size_t)ks[i].n, ks[i].kind, t->seed);
+        hashes[i] = key_hash(&ks[i], t->seed, NULL);
         uint64_t first = hashes[i] & t->mask;
         const char *slot = (const char *)&t->slots[first];
         PREFETCH_W(slot);
@@ -492,10 +565,12 @@ static PyObject *Writer_publish(Writer *self, PyObject *args)
             if (err || PyErr_Occurred())
                 goto done;
             src.hash = hashes[w];
-            memcpy(src.key, k->p, (size_t)k->n);
+            if (k->pn > 0)
+                memcpy(src.key, k->pre, (size_t)k->pn);
+            memcpy(src.key + k->pn, k->p, (size_t)k->n);
             int found;
             uint64_t slot = writer_find(t, k, src.hash, &found);
-            slot_write(t, slot, &src, make_meta(STATE_LIVE, k->kind, (size_t)k->n));
+            slot_write(t, slot, &src, make_meta(STATE_LIVE, k->kind, key_len(k)));
             if (!found)
                 STORE(&t->h->count, LOAD(&t->h->count) + 1);
             t->use_bits[slot] = 0;
@@ -633,8 +708,9 @@ static PyObject *Writer_copy_into(Writer *self, PyObject *arg)
         if ((s->meta & 0xff) != STATE_LIVE)
             continue;
         Slot src = *s;
-        KeyBytes k = {src.key, (Py_ssize_t)((src.meta >> 16) & 0xffff), (int)(src.meta >> 8) & 0xff};
-        src.hash = key_hash(k.p, (size_t)k.n, k.kind, b->seed);
+        KeyBytes k = {.p = src.key, .n = (Py_ssize_t)((src.meta >> 16) & 0xffff),
+                      .kind = (int)(src.meta >> 8) & 0xff};
+        src.hash = key_hash(&k, b->seed, NULL);
         int found;
         uint64_t slot = writer_find(b, &k, src.hash, &found);
         slot_write(b, slot, &src, src.meta);
@@ -752,7 +828,7 @@ static inline void prefetch_chain(const Table *t, uint64_t hash)
  * its seq was even and unchanged across the reads of its fields and key. */
 static int probe_one(const Table *t, const KeyBytes *k, uint64_t hash, Entry *e)
 {
-    uint64_t want = make_meta(STATE_LIVE, k->kind, (size_t)k->n);
+    uint64_t want = make_meta(STATE_LIVE, k->kind, key_len(k));
     uint64_t i = hash & t->mask;
     for (uint64_t steps = 0; steps <= t->mask; steps++, i = (i + 1) & t->mask) {
         const Slot *s = &t->slots[i];
@@ -776,7 +852,7 @@ static int probe_one(const Table *t, const KeyBytes *k, uint64_t hash, Entry *e)
             e->length = LOAD(&s->length);
             e->checksum = LOAD(&s->checksum);
             e->tag = LOAD(&s->tag);
-            int same = memcmp((const void *)s->key, k->p, (size_t)k->n) == 0;
+            int same = key_equals((const unsigned char *)s->key, k);
             __atomic_thread_fence(__ATOMIC_ACQUIRE);
             if (LOAD(&s->seq) != seq)
                 continue; /* changed while read: again */
@@ -838,8 +914,9 @@ static int probe_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, const R
     uint64_t *hashes = PyMem_RawMalloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
     if (hashes == NULL)
         return -1;
+    PrefixState kept = {0};
     for (Py_ssize_t i = 0; i < n; i++)
-        hashes[i] = key_hash(keys[i].p, (size_t)keys[i].n, keys[i].kind, t->seed);
+        hashes[i] = key_hash(&keys[i], t->seed, &kept);
     for (Py_ssize_t j = 0; j < n && j < AHEAD; j++)
         prefetch_chain(t, hashes[j]);
     const int64_t *row = NULL; /* the last hit's region: a batch's keys share few */
@@ -895,12 +972,11 @@ static Py_ssize_t contains_all(const Table *t, const KeyBytes *keys, Py_ssize_t 
                                int leading)
 {
     uint64_t hashes[HASH_GROUP];
+    PrefixState kept = {0};
     for (Py_ssize_t start = 0; start < n; start += HASH_GROUP) {
         Py_ssize_t m = n - start < HASH_GROUP ? n - start : HASH_GROUP;
-        for (Py_ssize_t i = 0; i < m; i++) {
-            const KeyBytes *k = &keys[start + i];
-            hashes[i] = key_hash(k->p, (size_t)k->n, k->kind, t->seed);
-        }
+        for (Py_ssize_t i = 0; i < m; i++)
+            hashes[i] = key_hash(&keys[start + i], t->seed, &kept);
         for (Py_ssize_t i = 0; i < m; i++) {
             uint64_t want = hashes[i], j = want & t->mask;
             char hit = 0;
@@ -926,24 +1002,22 @@ static Py_ssize_t contains_all(const Table *t, const KeyBytes *keys, Py_ssize_t 
 /* A batch's keys as the table holds them (see `gather`). */
 typedef struct {
     PyObject *seq, *prefixes; /* the keys; the per-key prefixes (NULL: one or none) */
-    KeyBytes *keys;           /* n keys, then (with a prefix) their n prefixes */
-    unsigned char *joined;    /* prefix + key, back to back, when there is a prefix */
+    KeyBytes *keys;           /* n keys, each with its prefix's bytes */
     Py_ssize_t n;
 } Batch;
 
 static void batch_free(Batch *b)
 {
     PyMem_Free(b->keys);
-    PyMem_Free(b->joined);
     Py_XDECREF(b->prefixes);
     Py_XDECREF(b->seq);
 }
 
-/* A prefix's bytes (GIL held; str as UTF-8, subclasses too; kind 0: neither). */
+/* A prefix's bytes in out->p, out->n (GIL held; str as UTF-8, subclasses too; kind 0:
+ * neither). */
 static int prefix_bytes(PyObject *prefix, KeyBytes *out)
 {
-    out->kind = 0;
-    out->n = 0;
+    *out = (KeyBytes){0};
     if (PyUnicode_Check(prefix)) {
         const char *s = PyUnicode_AsUTF8AndSize(prefix, &out->n);
         if (s == NULL)
@@ -961,17 +1035,18 @@ static int prefix_bytes(PyObject *prefix, KeyBytes *out)
 
 /* Gather the keys' bytes (GIL held), each after its prefix: `prefix` is None, one str or bytes
  * for every key ("" and b"": none), or a sequence of them, one per key. The table is probed
- * for `prefix + key` without Python making those strings; a prefix not of its key's type is a
- * TypeError, as Python's `prefix + key` (what the request path sends). Returns 1 if every key
- * can be in the table, 0 if one cannot (too long with its prefix, empty, or not str/bytes),
- * -1 on error. */
+ * for `prefix + key` with neither Python nor C making those strings (`KeyBytes.pre`: the key
+ * is hashed and compared in its two parts); a prefix not of its key's type is a TypeError, as
+ * Python's `prefix + key` (what the request path sends). The bytes stay those of the objects
+ * `b` and the caller hold. Returns 1 if every key can be in the table, 0 if one cannot (too
+ * long with its prefix, empty, or not str/bytes), -1 on error. */
 static int gather(Batch *b, PyObject *keys_o, PyObject *prefix)
 {
     memset(b, 0, sizeof(*b));
     if ((b->seq = PySequence_Fast(keys_o, "keys must be a sequence")) == NULL)
         return -1;
     Py_ssize_t n = b->n = PySequence_Fast_GET_SIZE(b->seq);
-    KeyBytes one = {NULL, 0, 0};
+    KeyBytes one = {0};
     if (prefix != Py_None) {
         if (prefix_bytes(prefix, &one) < 0)
             return -1;
@@ -987,50 +1062,31 @@ static int gather(Batch *b, PyObject *keys_o, PyObject *prefix)
             return -1;
         }
     }
-    size_t count = (size_t)(n ? n : 1) * (prefix == Py_None ? 1 : 2);
-    if ((b->keys = PyMem_Malloc(sizeof(KeyBytes) * count)) == NULL) {
+    if ((b->keys = PyMem_Malloc(sizeof(KeyBytes) * (size_t)(n ? n : 1))) == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    KeyBytes *pres = b->keys + n;
-    size_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         KeyBytes *k = &b->keys[i];
         if (key_bytes(PySequence_Fast_GET_ITEM(b->seq, i), k) < 0)
             return -1;
         if (k->kind == 0)
             return 0;
-        Py_ssize_t len = k->n;
         if (prefix != Py_None) {
-            if (b->prefixes == NULL)
-                pres[i] = one;
-            else if (prefix_bytes(PySequence_Fast_GET_ITEM(b->prefixes, i), &pres[i]) < 0)
+            KeyBytes pre = one;
+            if (b->prefixes != NULL &&
+                prefix_bytes(PySequence_Fast_GET_ITEM(b->prefixes, i), &pre) < 0)
                 return -1;
-            if (pres[i].kind != k->kind) {
+            if (pre.kind != k->kind) {
                 PyErr_SetString(PyExc_TypeError, "a key's prefix must be of its type (str "
                                                  "keys: str, bytes keys: bytes)");
                 return -1;
             }
-            len += pres[i].n;
+            k->pre = pre.p;
+            k->pn = pre.n;
         }
-        if (len <= 0 || len > MAX_KEY)
+        if (key_len(k) == 0 || key_len(k) > MAX_KEY)
             return 0;
-        total += (size_t)len;
-    }
-    if (prefix == Py_None)
-        return 1;
-    if ((b->joined = PyMem_Malloc(total ? total : 1)) == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    unsigned char *at = b->joined;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        KeyBytes *k = &b->keys[i];
-        memcpy(at, pres[i].p, (size_t)pres[i].n);
-        memcpy(at + pres[i].n, k->p, (size_t)k->n);
-        k->p = at;
-        k->n += pres[i].n;
-        at += k->n;
     }
     return 1;
 }
