@@ -53,6 +53,7 @@ import signal
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -200,11 +201,21 @@ def read_back(h: MaruHandler, keys: list[str], durable: bool) -> tuple[list[bool
     return ok, why
 
 
+def split_key(key: str) -> tuple[str, str]:
+    """`key` as a prefix and the rest, cut where its CRC says: the SGLang backend passes its
+    pool's namespace as `prefix=`, and the local index hashes and compares the two parts
+    where they lie, so the soak's local reads cut keys anywhere ("": no prefix)."""
+    cut = zlib.crc32(key.encode()) % (len(key) + 1)
+    return key[:cut], key[cut:]
+
+
 def read_copied(h: MaruHandler, keys: list[str], durable: bool) -> tuple[list[bool], dict]:
     """`read_back` as the SGLang backend reads: copy the hits out of the locations a lookup for
     copying gives (on this node the local index answers it, no request and no lease), then
-    take as misses what `corrupt()` names after the copy ("unconfirmed")."""
-    with h.lookup(keys, lease=True, for_copy=True) as found:
+    take as misses what `corrupt()` names after the copy ("unconfirmed"). Each key goes as
+    a prefix and the rest (`split_key`)."""
+    prefixes, rests = zip(*map(split_key, keys)) if keys else ((), ())
+    with h.lookup(list(rests), lease=True, for_copy=True, prefix=list(prefixes)) as found:
         copies = [
             ctypes.string_at(int(a), int(n)) if a else None
             for a, n in zip(found.addresses, found.lengths)
@@ -228,17 +239,22 @@ def read_copied(h: MaruHandler, keys: list[str], durable: bool) -> tuple[list[bo
 
 def read_into(h: MaruHandler, keys: list[str], durable: bool) -> tuple[list[bool], dict]:
     """`read_back` through `MaruHandler.read` (SGLang's v1 reads: on this node probe, copy and
-    check in one C call), key by key (a read takes one length; these values differ): each
-    value into a host buffer of its size; a key not proven is "unconfirmed" if its bytes
-    were copied, else "missing"."""
+    check in one C call), key by key (a read takes one length; these values differ), as a
+    prefix and the rest (`split_key`): each value into a host buffer of its size; a key not
+    proven is "unconfirmed" if its bytes were copied, else "missing"."""
     ok, why = [], {}
     for key in keys:
         size = size_of(key, durable)
         out = np.zeros(size, np.uint8)
         index = h._index
         stale = index.stale if index is not None else 0
+        prefix, rest = split_key(key)
         proven = h.read(
-            [key], np.array([[out.ctypes.data]], np.int64), np.array([size]), length=size
+            [rest],
+            np.array([[out.ctypes.data]], np.int64),
+            np.array([size]),
+            length=size,
+            prefix=prefix,
         )
         if not proven[0]:
             changed = index is not None and index.stale > stale
