@@ -108,12 +108,9 @@ def matched_across_ranks(model_dir: str, url: str) -> dict:
     connector = KVConnectorFactory.create_connector(
         config, KVConnectorRole.SCHEDULER, kv_cache_config(64)
     )
+    engine = None
     try:
         engine = MiniEngine(model_dir, url)  # (for its Request and block hasher)
-    except BaseException:
-        connector.shutdown()
-        raise
-    try:
         request = engine.scheduler.requests[engine.add(prompt(0))]
         hashes = request.block_hashes[:BLOCKS]
         said = []
@@ -126,5 +123,6 @@ def matched_across_ranks(model_dir: str, url: str) -> dict:
             said.append(connector.get_num_new_matched_tokens(request, BLOCK)[0])
         return {"said": said, "block": BLOCK, "tp": connector._tp_size}
     finally:
-        engine.close()
+        if engine is not None:
+            engine.close()
         connector.shutdown()  # (closes its handler)
