@@ -171,6 +171,23 @@ def _affine_page_pointers(pool: Any, parts: int) -> list[tuple[int, int]] | None
     return model
 
 
+def _index_memory(host_indices: torch.Tensor) -> tuple[int, int, Any]:
+    """Where a batch's host indices lie: (address, count, owner), `count` int64s at `address`
+    that `owner` keeps alive. SGLang's (a contiguous int64 CPU tensor) are read in place:
+    from cold caches `Tensor.numpy()` costs twice these checks and `data_ptr()` (measured in
+    docs/performance-history.md, session 24). Others (another dtype or device, a strided
+    view) are copied into an int64 array."""
+    t = host_indices
+    if t.is_cpu and t.dtype is torch.int64 and t.is_contiguous():
+        return t.data_ptr(), t.numel(), t
+    try:
+        array = t.numpy()
+    except (TypeError, RuntimeError):  # (another device; a tensor that needs grad)
+        array = t.detach().cpu().numpy()
+    array = np.ascontiguousarray(array, np.int64)
+    return array.ctypes.data, array.size, array
+
+
 class PoolIO:
     """How one registered host pool's pages are keyed and copied.
 
@@ -244,15 +261,12 @@ class PoolIO:
         page = self.page_size
         if host_indices is None:
             return None
-        try:
-            indices = host_indices.numpy()  # (SGLang's host indices are on the CPU)
-        except (TypeError, RuntimeError):  # (another device; a tensor that needs grad)
-            indices = host_indices.detach().cpu().numpy()
-        if indices.size != pages * page:
+        address, count, indices = _index_memory(host_indices)
+        if count != pages * page:
             return None
         if self.affine is not None:
-            return page_pointers(indices, page, self.affine)  # (in C: no array per step)
-        firsts = indices[::page].astype(np.int64)  # no Python loop per page
+            return page_pointers(address, count, page, self.affine)  # (in C: no array per step)
+        firsts = np.asarray(indices)[::page].astype(np.int64)  # no Python loop per page
         if self.whole_page:
             return firsts[:, None]
         ptrs, _ = self.pool.get_page_buffer_meta(host_indices.cpu())

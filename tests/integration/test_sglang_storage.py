@@ -167,6 +167,32 @@ def test_bad_host_indices_fail_the_batch_and_leave_no_lease(maru_server):
     storage.close()
 
 
+def test_host_indices_of_any_integer_form_address_the_same_pages(maru_server):
+    """SGLang's host indices (a contiguous int64 CPU tensor) are read where they lie; an int32
+    tensor, a strided view and a tensor that needs grad are copied first: the same pages."""
+    g = Geometry()
+    storage = _storage(maru_server.url, g)
+    pool = storage.mem_pool_host
+    src = page_indices(0, 3, g.page_size)
+    pages = expected_pages(pool, 3, seed=7)
+    fill(pool, src, pages)
+    keys = ["i0", "i1", "i2"]
+    assert storage.batch_set_v1(keys, src.to(torch.int32)) == [True] * 3
+    dst = page_indices(8, 3, g.page_size)
+    forms = {
+        "in place": dst,
+        "int32": dst.to(torch.int32),
+        "strided": torch.stack([dst, dst + 1], dim=1)[:, 0],
+        "float with grad": dst.to(torch.float64).requires_grad_(),
+    }
+    for name, indices in forms.items():
+        fill(pool, dst, [torch.zeros_like(p) for p in pages])
+        assert storage.batch_get_v1(keys, indices) == [True] * 3, name
+        assert all(torch.equal(x, y) for x, y in zip(read(pool, dst, 3), pages)), name
+    assert storage.batch_get_v1(keys, dst[: g.page_size * 2]) == [False] * 3  # short: no copy
+    storage.close()
+
+
 def test_partial_prefix_counts_consecutive_hits(maru_server):
     g = Geometry()
     storage = _storage(maru_server.url, g)

@@ -995,41 +995,42 @@ static PyObject *copy_values_start(PyObject *self, PyObject *args)
     return (PyObject *)flight;
 }
 
-/* page_pointers(indices, page, affine) -> bytes: the host pool's side of a batch of KV pages,
- * for a pool whose parts lie at affine addresses: page p starts at token indices[p * page],
- * and its part j at affine[j][0] + indices[p * page] * affine[j][1]; (pages, parts) native
- * int64s. One call instead of the numpy steps (a slice, a cast, a broadcast multiply and
- * add), each of which costs ~5-10 us from caches a page copy has just flushed. */
+/* page_pointers(address, count, page, affine) -> bytes: the host pool's side of a batch of KV
+ * pages, for a pool whose parts lie at affine addresses: `count` int64 token indices at
+ * `address` (memory the caller keeps alive: an SGLang host-indices tensor's data, read in
+ * place), page p starts at token indices[p * page], and its part j at
+ * affine[j][0] + indices[p * page] * affine[j][1]; (pages, parts) native int64s. One call
+ * instead of the numpy steps (a slice, a cast, a broadcast multiply and add), each of which
+ * costs ~5-10 us from caches a page copy has just flushed; taking an address rather than a
+ * buffer lets the caller pass a tensor's data without making an array of it. */
 static PyObject *page_pointers(PyObject *self, PyObject *args)
 {
-    PyObject *indices_obj, *affine_obj;
-    Py_ssize_t page;
-    if (!PyArg_ParseTuple(args, "OnO:page_pointers", &indices_obj, &page, &affine_obj))
+    PyObject *affine_obj;
+    unsigned long long address;
+    Py_ssize_t count, page;
+    if (!PyArg_ParseTuple(args, "KnnO:page_pointers", &address, &count, &page, &affine_obj))
         return NULL;
-    Py_buffer indices = {0}, affine = {0};
+    Py_buffer affine = {0};
     PyObject *out = NULL;
-    if (int64_buffer(indices_obj, &indices, "indices") < 0 ||
-        int64_buffer(affine_obj, &affine, "affine") < 0)
-        goto done;
-    Py_ssize_t count = indices.len / 8, parts = affine.len / 16;
-    if (page <= 0 || count % page || affine.len % 16) {
-        PyErr_SetString(PyExc_ValueError,
-                        "page_pointers: whole pages of indices, affine rows of (base, stride)");
+    if (int64_buffer(affine_obj, &affine, "affine") < 0)
+        return NULL;
+    Py_ssize_t parts = affine.len / 16;
+    if (page <= 0 || count < 0 || count % page || affine.len % 16 ||
+        (count > 0 && (address == 0 || address % 8))) {
+        PyErr_SetString(PyExc_ValueError, "page_pointers: whole pages of aligned int64 indices, "
+                                          "affine rows of (base, stride)");
         goto done;
     }
     Py_ssize_t pages = count / page;
     if ((out = PyBytes_FromStringAndSize(NULL, pages * parts * 8)) == NULL)
         goto done;
-    const int64_t *first = (const int64_t *)indices.buf, *a = (const int64_t *)affine.buf;
+    const int64_t *first = (const int64_t *)(uintptr_t)address, *a = (const int64_t *)affine.buf;
     int64_t *o = (int64_t *)PyBytes_AS_STRING(out);
     for (Py_ssize_t p = 0; p < pages; p++)
         for (Py_ssize_t j = 0; j < parts; j++)
             o[p * parts + j] = a[2 * j] + first[p * page] * a[2 * j + 1];
 done:
-    if (indices.obj != NULL)
-        PyBuffer_Release(&indices);
-    if (affine.obj != NULL)
-        PyBuffer_Release(&affine);
+    PyBuffer_Release(&affine);
     return out;
 }
 
@@ -1091,8 +1092,9 @@ static PyMethodDef methods[] = {
      "copier_counts() -> (asked, called_off): times this process asked a copier thread to\n"
      "share a copy, and of those the times it was called off before it woke."},
     {"page_pointers", page_pointers, METH_VARARGS,
-     "page_pointers(indices, page, affine) -> bytes: per page (every page-th int64 index),\n"
-     "each part's pointer affine[j][0] + index * affine[j][1], as (pages, parts) int64s."},
+     "page_pointers(address, count, page, affine) -> bytes: of the count int64 indices at\n"
+     "address, per page (every page-th index) each part's pointer affine[j][0] + index *\n"
+     "affine[j][1], as (pages, parts) int64s."},
     {"hash_impl", hash_impl, METH_VARARGS,
      "hash_impl([name]) -> str: the maru64 loop in use (scalar, avx2, avx512); with a name\n"
      "(or 'auto'), switch to it and return the one before (tests and benchmarks)."},

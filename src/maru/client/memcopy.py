@@ -189,15 +189,22 @@ def copiers_called_off() -> int:
     return _c_copier_counts()[1] if _c_copier_counts is not None else 0
 
 
-def page_pointers(indices: np.ndarray, page: int, affine: np.ndarray) -> np.ndarray:
-    """Pointers of a batch's pages in a pool whose parts lie at affine addresses: page p
-    starts at token `indices[p * page]`, its part j at `affine[j, 0] + index * affine[j, 1]`;
-    a (pages, parts) int64 array. In C one call: numpy's slice, cast, multiply and add cost
-    more than the arithmetic from cold caches (what the data path meets after each copy)."""
-    if _c_page_pointers is not None and indices.dtype == np.int64 and indices.flags.c_contiguous:
-        raw = _c_page_pointers(indices, page, affine)
+def page_pointers(address: int, count: int, page: int, affine: np.ndarray) -> np.ndarray:
+    """Pointers of a batch's pages in a pool whose parts lie at affine addresses, from the
+    `count` int64 token indices at `address` (memory the caller keeps alive, read in place:
+    an SGLang host-indices tensor's data, no array made of it): page p starts at token
+    `indices[p * page]`, its part j at `affine[j, 0] + index * affine[j, 1]`; a (pages,
+    parts) int64 array. In C one call: numpy's slice, cast, multiply and add cost more than
+    the arithmetic from cold caches (what the data path meets after each copy)."""
+    if _c_page_pointers is not None:
+        raw = _c_page_pointers(address, count, page, affine)
         return np.frombuffer(raw, np.int64).reshape(-1, len(affine))
-    firsts = np.asarray(indices[::page], np.int64)
+    if page <= 0 or count < 0 or count % page:
+        raise ValueError("page_pointers: whole pages of indices")
+    if not count:
+        return np.zeros((0, len(affine)), np.int64)
+    indices = np.ctypeslib.as_array((ctypes.c_int64 * count).from_address(address))
+    firsts = indices[::page].copy()
     return firsts[:, None] * affine[:, 1] + affine[:, 0]
 
 
