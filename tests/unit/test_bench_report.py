@@ -96,6 +96,29 @@ def test_metadata_and_key_scaling_targets():
     assert not any(ok for k, (_, ok) in missed.items() if "at 1e+06" in k)
 
 
+def test_back_to_back_is_shown_beside_the_after_idle_ratio_and_never_judged():
+    small, big = H.CASES[0], H.CASES[1]
+    measured = _result(small, _figures(maru_get=18.0, maru_set=12.0))  # after idle: 90%, 60%
+    measured["back_to_back"] = {
+        "maru_set": [19.0, 19.8],  # 95%, 99% of the stream's 20: median 97%
+        "stream_set": [20.0, 20.0],
+        "maru_get": [19.6, 19.6],
+        "stream_get": [20.0, 20.0],
+    }
+    plain = _result(big, _figures(maru_get=19.2, maru_set=17.8))  # (not measured: no rows)
+    assert H.back_to_back_ratios(measured) == {
+        "set": (approx(0.97), approx(0.6)),
+        "get": (approx(0.98), approx(0.9)),
+    }
+    assert H.back_to_back_ratios(plain) == {}
+    lines = H.render_back_to_back([measured, plain])
+    assert "| mha-64K | set | 97% | 60% |" in lines and "| mha-64K | get | 98% | 90% |" in lines
+    assert not [line for line in lines if "mha-1M" in line]
+    assert H.render_back_to_back([plain]) == []
+    got = _verdicts([measured, plain], _meta(0.04, 1.5), _keys(1.1))
+    assert got["mha-64K batch_set_v1 / limit"] == (approx(0.6), False)  # the target: after idle
+
+
 def test_finish_writes_one_stem_of_files_and_the_footer(tmp_path, capsys):
     machine: dict = {"cpu": "x"}
     written = []
