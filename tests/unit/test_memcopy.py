@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -313,6 +314,7 @@ def test_a_copier_that_cannot_run_does_not_hold_the_copy_up():
     assert tids
     cpu = min(os.sched_getaffinity(0))
     mine, theirs = os.sched_getaffinity(0), {t: os.sched_getaffinity(t) for t in tids}
+    policies = {t: os.sched_getscheduler(t) for t in tids}
     try:
         os.sched_setaffinity(0, {cpu})
         for tid in tids:
@@ -326,7 +328,7 @@ def test_a_copier_that_cannot_run_does_not_hold_the_copy_up():
         assert np.array_equal(dst[: expect.size], expect)
     finally:
         for tid, cpus in theirs.items():
-            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            os.sched_setscheduler(tid, policies[tid], os.sched_param(0))
             os.sched_setaffinity(tid, cpus)
         os.sched_setaffinity(0, mine)
     dst[:] = 0
@@ -424,6 +426,24 @@ def test_threads_share_only_streaming_copies():
     before = memcopy.copier_tasks()
     memcopy.copy_values(starts, buffers, sizes, to_values=True, threads=4, streaming=False)
     assert memcopy.copier_tasks() == before
+    assert np.array_equal(dst[: expect.size], expect)
+
+
+@needs_c
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="needs Linux scheduling policies")
+def test_copiers_run_as_batch_threads_and_leave_the_callers_policy_alone():
+    """A copier's wake-up must not preempt the thread that asked it (on a small VM that put
+    the caller's Python behind the copier's time slice): copiers run under SCHED_BATCH; the
+    calling thread keeps its own policy."""
+    _src, dst, starts, buffers, sizes, expect = _split_case(64, (64 * 1024,))  # 4 MiB
+    caller = os.sched_getscheduler(0)
+    memcopy.copy_values(starts, buffers, sizes, to_values=True, threads=3)  # (started)
+    deadline = time.monotonic() + 10  # (a copier called off before it ran is named later)
+    while len(tids := _copier_tids()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(tids) >= 2
+    assert {os.sched_getscheduler(t) for t in tids} == {os.SCHED_BATCH}
+    assert os.sched_getscheduler(0) == caller
     assert np.array_equal(dst[: expect.size], expect)
 
 

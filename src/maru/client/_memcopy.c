@@ -29,6 +29,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -638,7 +639,15 @@ static void copy_values_run(const int64_t *starts, const int64_t *buffers, const
  * publishes "done" order the bytes before anything the caller does next (a write registers
  * its keys, a read checks its entries). A copier busy with another thread's copy, or one that
  * cannot be started, is not asked. After a fork the child starts copiers of its own (only the
- * forking thread lives on there: no copy of the parent's is waited for in the child). */
+ * forking thread lives on there: no copy of the parent's is waited for in the child).
+ *
+ * A copier is a helper, never the caller's rival: it runs under SCHED_BATCH, so that its wake-up
+ * does not preempt the thread that woke it. On a small VM whose scheduler places a woken
+ * thread on the waker's CPU, a copier of normal policy took the caller's CPU at once, and the
+ * caller's Python between its copies (the write's registration, the reply it sends) waited
+ * for the copier's time slice: a 64 KiB batch_set_v1 moved 59% of the one-thread limit, 72%
+ * with the copier under SCHED_BATCH (docs/performance-history.md, session 25). Where a CPU is
+ * idle, it runs there as before; where none is, the caller copies the blocks it would have. */
 
 #define MAX_COPIERS 15
 #define SPLIT_MIN_BYTES (1 << 20)
@@ -684,6 +693,8 @@ static void *copier_main(void *arg)
 {
     Copier *c = (Copier *)arg;
 #if defined(__linux__)
+    struct sched_param batch = {0};
+    (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &batch); /* (see above; best effort) */
     pthread_setname_np(pthread_self(), "maru-copier"); /* (top -H, /proc/<pid>/task) */
 #endif
     pthread_mutex_lock(&copier_lock);
