@@ -447,6 +447,44 @@ def test_copiers_run_as_batch_threads_and_leave_the_callers_policy_alone():
     assert np.array_equal(dst[: expect.size], expect)
 
 
+def _copier_policies_under_fifo(conn) -> None:
+    """In a forked child: take SCHED_FIFO, copy on three threads, send the copiers' policies
+    (None: this user may not take a real-time policy)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    except PermissionError:
+        conn.send(None)
+        return
+    _src, _dst, starts, buffers, sizes, _expect = _split_case(64, (64 * 1024,))
+    memcopy.copy_values(starts, buffers, sizes, to_values=True, threads=3)
+    deadline = time.monotonic() + 10
+    while len(tids := _copier_tids()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    conn.send(sorted(os.sched_getscheduler(t) for t in tids))
+
+
+@needs_c
+@pytest.mark.skipif(not hasattr(os, "SCHED_FIFO"), reason="needs Linux scheduling policies")
+def test_copiers_of_a_real_time_process_keep_its_policy():
+    """Only a copier at the normal policy moves to SCHED_BATCH: one that inherited a
+    real-time policy keeps it (an operator's `chrt` is not undone)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_copier_policies_under_fifo, args=(child,))
+    proc.start()
+    try:
+        assert parent.poll(60), "the child did not answer"
+        policies = parent.recv()
+    finally:
+        proc.join(30)
+    if policies is None:
+        pytest.skip("this user may not take SCHED_FIFO")
+    assert len(policies) >= 2
+    assert set(policies) == {os.SCHED_FIFO}
+
+
 @needs_c
 def test_copier_threads_are_named_and_leave_signals_to_the_process():
     """The copiers show as `maru-copier` (top -H, /proc) and block SIGINT and SIGTERM: a

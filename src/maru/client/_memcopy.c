@@ -647,7 +647,8 @@ static void copy_values_run(const int64_t *starts, const int64_t *buffers, const
  * caller's Python between its copies (the write's registration, the reply it sends) waited
  * for the copier's time slice: a 64 KiB batch_set_v1 moved 59% of the one-thread limit, 72%
  * with the copier under SCHED_BATCH (docs/performance-history.md, session 25). Where a CPU is
- * idle, it runs there as before; where none is, the caller copies the blocks it would have. */
+ * idle, it runs there as before; where none is, the caller copies the blocks it would have.
+ * (Copiers of a process at a real-time policy inherit it and keep it.) */
 
 #define MAX_COPIERS 15
 #define SPLIT_MIN_BYTES (1 << 20)
@@ -693,8 +694,12 @@ static void *copier_main(void *arg)
 {
     Copier *c = (Copier *)arg;
 #if defined(__linux__)
-    struct sched_param batch = {0};
-    (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &batch); /* (see above; best effort) */
+    int policy;
+    struct sched_param param;
+    if (pthread_getschedparam(pthread_self(), &policy, &param) == 0 && policy == SCHED_OTHER) {
+        param.sched_priority = 0; /* (see above; best effort; a real-time process keeps its policy) */
+        (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
+    }
     pthread_setname_np(pthread_self(), "maru-copier"); /* (top -H, /proc/<pid>/task) */
 #endif
     pthread_mutex_lock(&copier_lock);
