@@ -479,6 +479,9 @@ def test_copiers_of_a_real_time_process_keep_its_policy():
         policies = parent.recv()
     finally:
         proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
     if policies is None:
         pytest.skip("this user may not take SCHED_FIFO")
     assert len(policies) >= 2
