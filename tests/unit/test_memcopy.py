@@ -289,16 +289,22 @@ def test_a_copy_too_small_to_share_stays_on_the_calling_thread():
     assert np.array_equal(dst[: expect.size], expect)
 
 
-def _copier_tids() -> list[int]:
-    tids = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                if f.read().strip() == "maru-copier":
-                    tids.append(int(task))
-        except FileNotFoundError:
-            continue
-    return tids
+def _copier_tids(at_least: int = 1) -> list[int]:
+    """This process's `maru-copier` threads, waiting (10 s at most) until `at_least` are
+    named: a copier called off before it first ran names itself only when it runs."""
+    deadline = time.monotonic() + 10
+    while True:
+        tids = []
+        for task in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task}/comm") as f:
+                    if f.read().strip() == "maru-copier":
+                        tids.append(int(task))
+            except FileNotFoundError:
+                continue
+        if len(tids) >= at_least or time.monotonic() > deadline:
+            return tids
+        time.sleep(0.01)
 
 
 @needs_c
@@ -438,9 +444,7 @@ def test_copiers_run_as_batch_threads_and_leave_the_callers_policy_alone():
     _src, dst, starts, buffers, sizes, expect = _split_case(64, (64 * 1024,))  # 4 MiB
     caller = os.sched_getscheduler(0)
     memcopy.copy_values(starts, buffers, sizes, to_values=True, threads=3)  # (started)
-    deadline = time.monotonic() + 10  # (a copier called off before it ran is named later)
-    while len(tids := _copier_tids()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    tids = _copier_tids(2)
     assert len(tids) >= 2
     assert {os.sched_getscheduler(t) for t in tids} == {os.SCHED_BATCH}
     assert os.sched_getscheduler(0) == caller
@@ -457,10 +461,7 @@ def _copier_policies_under_fifo(conn) -> None:
         return
     _src, _dst, starts, buffers, sizes, _expect = _split_case(64, (64 * 1024,))
     memcopy.copy_values(starts, buffers, sizes, to_values=True, threads=3)
-    deadline = time.monotonic() + 10
-    while len(tids := _copier_tids()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    conn.send(sorted(os.sched_getscheduler(t) for t in tids))
+    conn.send(sorted(os.sched_getscheduler(t) for t in _copier_tids(2)))
 
 
 @needs_c
