@@ -16,10 +16,10 @@ This tool splits the distance between the two. Each round, in a seeded random or
 
 `floor` is the write with none of the client's bookkeeping and one copy thread: where Maru
 stands beside it says whether the client's Python or the registration (the server's work and
-where the kernel runs it) is what a miss is made of. `--pin both`
-puts this process (the writer and its copier threads) on the first CPU and the server on the
-last, `--pin server` the server only (`taskset`), to show what the scheduler's placement
-costs. The kernel command line's scheduler settings are printed with the table.
+where the kernel runs it) is what a miss is made of. `--pin both` puts this process (the
+writer and its copier threads) on the first CPU and the server on the last, `--pin server`
+the server only (`taskset`), to show what the scheduler's placement costs. The kernel command
+line's scheduler settings are printed with the table.
 """
 
 from __future__ import annotations
