@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
 import statistics
 import sys
 import tempfile
@@ -61,7 +60,7 @@ class Floor:
 
     def __init__(self, url: str, case: bh.Case, idle_ms: float):
         batch, calls = bh.Plan.make(False).pages_for(case.page_bytes)
-        self.batch, self.calls, self.pages = batch, calls, batch * calls
+        self.batch, self.pages = batch, batch * calls
         self.idle_s = idle_ms / 1000
         self.inst = bh.Instance(url, case, self.pages, tempfile.mkdtemp(dir=bh.SHM_DIR), "writer")
         self.inst.fill(1)
@@ -143,14 +142,14 @@ def main() -> int:
 
     sglang_cpu.apply()  # before SGLang is imported
     bh.preload_sglang()
-    cpus = sorted(os.sched_getaffinity(0))
     server_cpu = None
     if args.pin != "none":
-        if len(cpus) < 2 or shutil.which("taskset") is None:
+        cpus = bh.split_cpus()  # (the writer's CPU, the server's), as for the key scaling
+        if cpus is None:
             sys.exit("write_floor: --pin needs two CPUs and taskset")
-        server_cpu = cpus[-1]
+        writer_cpu, server_cpu = cpus
         if args.pin == "both":
-            os.sched_setaffinity(0, {cpus[0]})
+            os.sched_setaffinity(0, {writer_cpu})
     with bh.maru_server("2G", server_cpu) as url:
         times = measure(url, case, args.rounds, args.idle_ms)
     print(
