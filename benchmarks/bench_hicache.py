@@ -1461,6 +1461,17 @@ def bench_keys(plan, prog) -> list[dict]:
 # -- report ------------------------------------------------------------------------------------
 
 
+def scheduler_settings() -> str:
+    """The kernel command line's `sched*` settings: a VM's vCPU packing shows here (it puts a
+    woken server on its writer's vCPU after idle: docs/performance-history.md, issue 17,
+    sessions 26-27)."""
+    try:
+        words = Path("/proc/cmdline").read_text().split()
+    except OSError:
+        return "unknown"
+    return " ".join(w for w in words if w.startswith("sched")) or "none"
+
+
 def machine_info() -> dict:
     model = "unknown CPU"
     try:
@@ -1496,6 +1507,7 @@ def machine_info() -> dict:
         "load_before": os.getloadavg()[0],
         "pool_dir": SHM_DIR,
         "huge": hugepages.tmpfs_huge_option(SHM_DIR) or "not a tmpfs",
+        "scheduler": scheduler_settings(),
     }
 
 
@@ -1650,7 +1662,8 @@ def render(machine, plan, results, rows, meta, inst, keys, targets, cmd) -> str:
         f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['mem_gib']} GiB, "
         f"Linux {machine['kernel']}; Python {machine['python']}, torch {machine['torch']}, "
         f"SGLang {machine['sglang']}; 1-min load at start {machine['load_before']:.2f}; "
-        f"pools in {machine['pool_dir']} (huge={machine['huge']})"
+        f"pools in {machine['pool_dir']} (huge={machine['huge']}); kernel scheduler "
+        f"settings: {machine['scheduler']}"
     )
     lines.append(f"command: {cmd}")
     lines.append("")

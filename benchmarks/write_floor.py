@@ -45,15 +45,6 @@ from maru.client import memcopy  # noqa: E402
 METHODS = ("stream", "dest", "floor", "maru")
 
 
-def scheduler_settings() -> str:
-    """The kernel command line's `sched*` settings (a VM's vCPU packing shows here)."""
-    try:
-        words = Path("/proc/cmdline").read_text().split()
-    except OSError:
-        return "unknown"
-    return " ".join(w for w in words if w.startswith("sched")) or "none"
-
-
 class Floor:
     """One writer `Instance` (a real SGLang host pool, `MaruStorage` through SGLang's factory)
     and the timed bursts of each method over its pages."""
@@ -155,7 +146,7 @@ def main() -> int:
     print(
         f"{case.name}: bursts of {bh.Plan.make(False).pages_for(case.page_bytes)} "
         f"(pages a call, calls), {args.rounds} rounds, {args.idle_ms:g} ms idle before each; "
-        f"pinned: {args.pin}; kernel scheduler settings: {scheduler_settings()}"
+        f"pinned: {args.pin}; kernel scheduler settings: {bh.scheduler_settings()}"
     )
     print("| method | median us a burst | stream / method |")
     print("|---|---:|---:|")
