@@ -139,6 +139,11 @@ class MaruServerProcess:
             self._log_file.close()
             self._log_file = None
 
+    def halt(self) -> int | None:
+        """SIGTERM, then SIGKILL after 5 s, leaving the pool where it is (for a server that
+        starts on it next). Returns the exit code."""
+        return self._terminate()
+
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL after 5 s; removes the pool. Returns the exit code."""
         rc = self._terminate()
@@ -262,40 +267,49 @@ def fused_copier() -> Iterator:
 
     import numpy as np
 
-    from maru.client.memcopy import copy_values
+    from maru.client.memcopy import CopyFaultError, copy_values
+    from maru.client.memcopy import faulted as memcopy_faulted
 
     global _COPIER
     if _COPIER is None:
         vp, size = ctypes.c_void_p, ctypes.c_ssize_t
         c_int = ctypes.c_int
-        _COPIER = ctypes.CFUNCTYPE(None, vp, vp, vp, size, size, c_int, c_int, vp, c_int)
+        _COPIER = ctypes.CFUNCTYPE(size, vp, vp, vp, size, size, c_int, c_int, vp, c_int, vp)
     new_capsule = ctypes.pythonapi.PyCapsule_New
     new_capsule.restype = ctypes.py_object
     new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    name = b"maru.copy_values_threads"  # (the capsule keeps a pointer to it: it lives on here)
+    name = b"maru.copy_values_threads.2"  # (the capsule keeps a pointer to it: it lives on here)
     kept, errors = [], []
 
     def array(address, n):
         return np.ctypeslib.as_array((ctypes.c_int64 * n).from_address(address)) if n else []
 
     def make(before_copy):
-        def run(starts, buffers, sizes, values, parts, to_values, streaming, hashes, threads):
+        def run(
+            starts, buffers, sizes, values, parts, to_values, streaming, hashes, threads, faulted
+        ):
             try:
                 before_copy()
             except BaseException as exc:  # (a ctypes callback cannot raise)
                 errors.append(exc)
             starts_, sizes_ = np.array(array(starts, values)), np.array(array(sizes, parts))
             rows = np.array(array(buffers, values * parts)).reshape(values, parts)
-            sums = copy_values(
-                starts_,
-                rows,
-                sizes_,
-                to_values=bool(to_values),
-                hashed=bool(hashes),
-                threads=threads,
-            )
+            try:
+                sums = copy_values(
+                    starts_,
+                    rows,
+                    sizes_,
+                    to_values=bool(to_values),
+                    hashed=bool(hashes),
+                    threads=threads,
+                )
+            except CopyFaultError as exc:  # (flagged per value, as the real one does)
+                lost = memcopy_faulted(exc)
+                ctypes.memmove(faulted, lost.astype(np.uint8).ctypes.data, values)
+                return int(lost.sum())
             if hashes:
                 array(hashes, values)[:] = sums
+            return 0
 
         callback = _COPIER(run)
         kept.append(callback)

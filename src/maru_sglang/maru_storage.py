@@ -44,6 +44,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from maru import MaruConfig, MaruHandler
+from maru.client.memcopy import CopyFaultError
 from maru.client.requests import Sealing
 from maru_sglang.hit_policy import PoolPresence, usable_prefix
 from maru_sglang.legacy import LegacyInterface
@@ -128,6 +129,16 @@ def open_handler(
             f"Failed to connect MaruHandler to {config.server_url}{reason}"
         ) from None
     return config, handler
+
+
+class _FaultedCopy:
+    """A copy that faulted as it began: `finish()` raises the fault (`MaruStorage._copy_in`)."""
+
+    def __init__(self, exc: CopyFaultError):
+        self.exc = exc
+
+    def finish(self) -> None:
+        raise self.exc
 
 
 class MaruStorage(LegacyInterface, HiCacheStorage):
@@ -294,16 +305,15 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                     rest.append((batch, ns_keys, *self._copy_pages(batch, hashed)))
                     continue
                 if n < PIPELINE_MIN_PAGES:
-                    copy = pool.copy_in(run.address, run.stride, buffers, 0, n, hashed, threads)
-                    rest.append((batch, ns_keys, run, copy.finish()))
+                    copied, sums = self._copy_in(pool, run, buffers, 0, n, hashed, threads)
+                    if copied:
+                        rest.append((batch, ns_keys, run, sums))
                     continue
                 step = n if number < len(batches) else max(PIPELINE_MIN_PAGES, -(-n // pieces))
                 for first in range(0, n, step):
                     last = min(n, first + step)
                     piece = run.slice(first, last) if step < n else run
-                    copy = pool.copy_in(
-                        piece.address, piece.stride, buffers, first, last, hashed, threads
-                    )
+                    copy = self._start_copy(pool, piece, buffers, first, last, hashed, threads)
                     # While the copier threads copy, this thread makes the registration
                     # ready (it reads no page) and, on the call's last copy, reads the
                     # earlier calls' replies that are in and need no re-handshake
@@ -311,8 +321,9 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                     sealing = handler.prepare_seal(ns_keys[first:last], piece, pool.page_bytes)
                     if behind and number == len(batches) and last == n:
                         self.confirm_writes(wait=False)
-                    sums = copy.finish()
-                    sealings.append(([(batch, first, last - first)], sealing.send(sums)))
+                    copied, sums = self._copy_in(pool, piece, buffers, first, last, hashed, 0, copy)
+                    if copied:
+                        sealings.append(([(batch, first, last - first)], sealing.send(sums)))
         if len(rest) == 1:  # (one run or one batch's pages: sealed as they are)
             batch, ns_keys, handles, sums = rest[0]
             sealing = handler.seal(ns_keys, handles, batch.pool.page_bytes, checksums=sums)
@@ -384,10 +395,61 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         sums = np.zeros(len(handles), np.int64)
         for i, handle in enumerate(handles):
             if handle is not None:
-                copy = pool.copy_in(handle.address, pool.page_bytes, buffers, i, i + 1, hashed)
-                got = copy.finish()
+                copied, got = self._copy_in(pool, handle, buffers, i, i + 1, hashed)
+                if not copied:  # the key fails (sealed with no handle)
+                    handles[i] = None
                 sums[i] = got[0] if got is not None else 0
         return handles, sums if hashed else None
+
+    @staticmethod
+    def _start_copy(
+        pool: PoolIO,
+        handle: Any,
+        buffers: np.ndarray,
+        first: int,
+        last: int,
+        hashed: bool,
+        threads: int,
+    ) -> Any:
+        """`pool.copy_in` begun into `handle`; a fault while it begins (a pool copied page
+        by page) is kept for `_copy_in` to report at `finish()`."""
+        try:
+            return pool.copy_in(
+                handle.address, handle.stride, buffers, first, last, hashed, threads
+            )
+        except CopyFaultError as exc:
+            return _FaultedCopy(exc)
+
+    def _copy_in(
+        self,
+        pool: PoolIO,
+        handle: Any,
+        buffers: np.ndarray,
+        first: int,
+        last: int,
+        hashed: bool,
+        threads: int = 1,
+        started: Any = None,
+    ) -> tuple[bool, np.ndarray | None]:
+        """Copy pages [first, last) of a batch into `handle` (or finish `started`, the copy
+        begun there): (True, checksums); or (False, None) if the pool's memory faulted under
+        it (its file truncated, its filesystem out of room): the pages fail, the handle's
+        chunks are given back unsealed, and the process lives (`maru.client.memcopy`)."""
+        if started is None:
+            started = self._start_copy(pool, handle, buffers, first, last, hashed, threads)
+        try:
+            return True, started.finish()
+        except CopyFaultError as exc:
+            log.warning(
+                "write: pages %d-%d of a %s batch failed, the pool's memory faulted under "
+                "the copy: %s",
+                first,
+                last - 1,
+                pool.name,
+                exc,
+            )
+            self.handler.free(handle)
+            return False, None
 
     def _seal_together(self, rest: list) -> tuple[Owners, Sealing]:
         """One registration for several whole batches' pages (`_write`'s `rest`): the batches

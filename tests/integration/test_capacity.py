@@ -13,6 +13,8 @@ from .workers import SPAWN, KiB, MiB, digest, make_value, run_processes, share_p
 
 # Ticks (heartbeats, which park idle regions) every second.
 FAST_TICKS = ["--heartbeat-timeout", "3"]
+# A reader may lease the whole pool at once (by default at most half of it: issue 40).
+ALL_LEASES = ["--quota-lease-bytes", "100%"]
 
 
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:
@@ -49,7 +51,8 @@ def _values(prefix: str, n: int, size: int) -> tuple[list[str], list[memoryview]
 def test_a_connect_on_a_pool_held_by_live_instances_gets_room_from_their_idle_regions(
     maru_server_factory,
 ):
-    server = maru_server_factory(pool_size="16M", extra_args=FAST_TICKS)
+    # (its reader leases every key of the pool at once: no bound on leased bytes)
+    server = maru_server_factory(pool_size="16M", extra_args=[*FAST_TICKS, *ALL_LEASES])
     kw = {"server_url": server.url, "pool_size": "8M", "chunk_size_bytes": "64K"}
     a, b = MaruHandler(**kw), MaruHandler(**kw)
     c = None
@@ -121,7 +124,8 @@ def test_an_11_byte_key_does_not_keep_a_whole_region(maru_server_factory):
     """The README's `pool_size="1G"` no longer takes 1 GiB at connect: an 11-byte key gets one
     chunk's worth of region when the pool is short, and an idle holder gives it up to an
     instance that needs the whole pool."""
-    server = maru_server_factory(pool_size="8M", extra_args=FAST_TICKS)
+    # (a 7 MiB value is read under a lease: no bound on leased bytes)
+    server = maru_server_factory(pool_size="8M", extra_args=[*FAST_TICKS, *ALL_LEASES])
     small = MaruHandler(server_url=server.url, pool_size="1G")
     try:
         assert small.store("hello/11", b"hello world")

@@ -8,27 +8,16 @@ kernel tears down when the case's processes end."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from maru.common import hugepages, shmindex
 
+from .tmpfs import can_mount_tmpfs
+from .tmpfs import run_on_tmpfs as run_child_on_tmpfs
+
 CHILD = Path(__file__).with_name("huge_pages_child.py")
-
-
-def _can_mount_tmpfs() -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    probe = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "sh", "-c", "mount -t tmpfs none /mnt"],
-        capture_output=True,
-        timeout=30,
-    )
-    return probe.returncode == 0
 
 
 def _huge_pages_exist() -> bool:
@@ -40,7 +29,7 @@ def _huge_pages_exist() -> bool:
 
 pytestmark = [
     pytest.mark.skipif(not shmindex.COMPILED, reason="maru.common._shmindex not built"),
-    pytest.mark.skipif(not _can_mount_tmpfs(), reason="cannot mount a tmpfs (needs root)"),
+    pytest.mark.skipif(not can_mount_tmpfs(), reason="cannot mount a tmpfs (needs root)"),
     pytest.mark.skipif(not _huge_pages_exist(), reason="kernel without transparent huge pages"),
 ]
 
@@ -50,16 +39,7 @@ def run_on_tmpfs(
 ) -> dict:
     """The child's report, run with its pool on a fresh tmpfs of `size` mounted with
     `huge=<huge>`."""
-    mount = tmp_path / "mnt"
-    mount.mkdir()
-    script = 'mount -t tmpfs -o "huge=$1,size=$2" maru-test "$3" && exec "$4" "$5" "$3" "$6" "$7"'
-    args = ["sh", huge, size, str(mount), sys.executable, str(CHILD), pool_size, str(values)]
-    done = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_child_on_tmpfs(tmp_path, f"huge={huge},size={size}", CHILD, pool_size, str(values))
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -11,19 +11,25 @@ its files 0600."""
 
 from __future__ import annotations
 
+import contextlib
+import grp
+import io
 import logging
 import os
+import shutil
 import socket
 import stat
 
 import pytest
+import zmq
 
 from maru import MaruHandler
+from maru.client.cli import main as client_main
 from maru.common import protocol
-from maru.common.protocol import MsgType, RegisterStatus, unix_address
+from maru.common.protocol import ErrorCode, MsgType, RegisterStatus, unix_address
 from maru.server.cli import secure_state_dir
 
-from .workers import SPAWN
+from .workers import SPAWN, run_processes
 
 NOBODY = 65534
 
@@ -133,3 +139,153 @@ def test_the_state_dir_is_private(maru_server_factory, tmp_path):
     files = [p for p in state.iterdir() if p.is_file()]
     assert {p.name for p in files} >= {"secret.key", "pool-identity.json", "snapshot.msgpack"}
     assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {p.name: 0o600 for p in files}
+
+
+def become_nobody(groups: list[int]) -> None:
+    """This process becomes uid 65534 with `groups` (as supplementary groups)."""
+    "localhost".encode("idna")  # loaded now: root's interpreter files are not 65534's to read
+    os.setgroups(groups)
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+
+
+def local_intruder(port: int, pool: str, groups: list[int], frames: list[bytes]) -> dict:
+    """Another user (uid 65534, `groups`): finds the server's abstract socket in
+    /proc/net/unix, as anyone can, sends `frames` there and returns the replies it got
+    ([request id, ok, code, error]) and whether it could open the pool file."""
+    become_nobody(groups)
+    try:
+        os.close(os.open(pool, os.O_RDWR))
+        can_map = True
+    except PermissionError:
+        can_map = False
+    with open("/proc/net/unix") as f:
+        names = [line.split()[-1] for line in f if len(line.split()) >= 8]
+    address = next(n for n in names if n.startswith(f"@maru:tcp://127.0.0.1:{port}:"))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)  # a bound: the server answers or closes at once
+    sock.connect(unix_address(address))
+    replies: list[list] = []
+    reader = protocol.StreamReader()
+    # the server may have refused and closed already: then what it sent is still there
+    with contextlib.suppress(OSError):
+        sock.sendall(b"".join(protocol.stream_prefix(f) + f for f in frames))
+    with contextlib.suppress(OSError):  # reset by the server: closed with our requests unread
+        while len(replies) < len(frames):
+            data = sock.recv(1 << 16)
+            if not data:
+                break
+            reader.feed(data)
+            for frame in reader.frames():
+                header, body = protocol.decode(frame)
+                replies.append([header.request_id, body["ok"], body.get("code"), body.get("error")])
+    sock.close()
+    return {"uid": os.getuid(), "can_map": can_map, "replies": replies}
+
+
+def nobody_client(url: str, server_key: str, client_key: str, values: dict) -> dict:
+    """A Maru client of uid 65534 that can map the pool (its file made 0666 by the test): it
+    stores and reads `values`, over TCP once the server refuses its local socket."""
+    become_nobody([])
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logging.getLogger("maru.client.rpc").addHandler(Keep(logging.WARNING))
+    with MaruHandler(
+        server_url=url,
+        pool_size="4M",
+        chunk_size_bytes="64K",
+        server_public_key=server_key,
+        curve_client_key=client_key,
+    ) as h:
+        stored = h.batch_store(list(values), list(values.values()))
+        read = [bytes(i.view) if i else None for i in h.batch_retrieve(list(values))]
+    return {"stored": stored, "read": read, "warnings": messages}
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run the intruder as another user")
+@pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE")
+def test_another_user_on_the_local_socket_is_refused_unless_listed(maru_server_factory, tmp_path):
+    """Issue 40, case 4: with --curve --curve-clients, a process of another user that cannot
+    open the pool found the abstract socket in /proc/net/unix and deleted every key
+    (DELETE_PREFIX): 16 of 16 (before this, here too: every key gone). Now the local socket
+    serves only the processes that may map the pool (the server's user, root,
+    --pool-group's members, --local-uids): anyone else gets one NOT_AUTHORIZED reply and the
+    connection is closed unread. A client so refused goes on over TCP."""
+    keys_dir, allowed = tmp_path / "keys", tmp_path / "allowed"
+    keys_dir.mkdir()
+    allowed.mkdir()
+    assert client_main(["curve-keypair", str(keys_dir / "c")], out=io.StringIO()) == 0
+    shutil.copy(keys_dir / "c.pub", allowed / "c.pub")
+    client_key = (keys_dir / "c.key").read_text().strip()
+    server = maru_server_factory(
+        pool_size="64M", extra_args=["--curve", "--curve-clients", str(allowed)]
+    )
+    server_key = (server.state_dir / "curve.pub").read_text().strip()
+    values = {f"k{i}": os.urandom(10_000 + i) for i in range(16)}
+    doomed = {f"goneA{i}": os.urandom(3000) for i in range(4)}
+    doomed |= {f"goneB{i}": os.urandom(3000) for i in range(4)}
+
+    def handler() -> MaruHandler:
+        return MaruHandler(
+            server_url=server.url,
+            pool_size="4M",
+            chunk_size_bytes="64K",
+            server_public_key=server_key,
+            curve_client_key=client_key,
+        )
+
+    def read_back(keys) -> list[bytes | None]:
+        with handler() as h:
+            return [bytes(i.view) if i else None for i in h.batch_retrieve(list(keys))]
+
+    def intrude(groups: list[int], frames: list[bytes]) -> dict:
+        args = (server.port, server.pool_path, groups, frames)
+        return run_processes([(local_intruder, args)], timeout=60)[0]
+
+    with handler() as h:
+        assert all(h.batch_store(list(values), list(values.values())))
+        assert all(h.batch_store(list(doomed), list(doomed.values())))
+        assert h.stats()["local_connections"] >= 1  # root's client is served there
+    wipe = [
+        protocol.encode(MsgType.DELETE_PREFIX, 1, {"all": True}),
+        protocol.encode(MsgType.DELETE_PREFIX, 2, {"prefix": ""}),
+        protocol.encode(MsgType.LOOKUP_KV, 3, {"keys": list(values)}),
+    ]
+    got = intrude([], wipe)
+    assert got["uid"] == NOBODY and not got["can_map"]
+    intact = [a == b for a, b in zip(read_back(values), values.values())]
+    print(f"\nintruder's replies: {got['replies']}; {sum(intact)} of 16 values intact")
+    assert intact == [True] * 16  # before: 0 of 16 (DELETE_PREFIX all: ok)
+    assert read_back(doomed) == list(doomed.values())
+    assert len(got["replies"]) == 1, got  # the refusal, and nothing of its requests
+    request_id, ok, code, error = got["replies"][0]
+    assert (request_id, ok, code) == (0, False, ErrorCode.NOT_AUTHORIZED)
+    assert f"uid {NOBODY} may not use" in error and f"--local-uids {NOBODY}" in error
+    assert "refused a connection of pid" in server.read_log()
+
+    # a user that can map the pool by other means (its file made 0666 here) but is not
+    # listed: its client is refused the local socket and goes on over TCP
+    os.chmod(server.pool_path, 0o666)
+    mine = {f"nobody{i}": os.urandom(5000 + i) for i in range(4)}
+    args = (server.url, server_key, client_key, mine)
+    out = run_processes([(nobody_client, args)], timeout=120)[0]
+    assert out["stored"] == [True] * 4 and out["read"] == list(mine.values())
+    assert any("refuses this process (uid 65534)" in m for m in out["warnings"]), out
+    assert read_back(mine) == list(mine.values())
+
+    # listed with --local-uids, the same process is served
+    server.restart(once_args=["--local-uids", f"root,{NOBODY}"])
+    got = intrude([], [protocol.encode(MsgType.DELETE_PREFIX, 1, {"prefix": "goneA"})])
+    assert [r[:3] for r in got["replies"]] == [[1, True, None]], got
+    # a member of --pool-group is served too (it may map the pool)
+    users = grp.getgrnam("users").gr_gid
+    server.restart(once_args=["--pool-group", "users"])
+    got = intrude([users], [protocol.encode(MsgType.DELETE_PREFIX, 1, {"prefix": "goneB"})])
+    assert got["can_map"] and [r[:3] for r in got["replies"]] == [[1, True, None]], got
+    assert read_back(doomed) == [None] * 8  # their deletes were served
+    assert read_back(values) == list(values.values())
+    assert read_back(mine) == list(mine.values())

@@ -206,3 +206,55 @@ def test_a_second_server_cannot_open_a_pool_in_use(maru_server_factory, tmp_path
     store(writer, ["first/1"])
     assert read_counts(writer, ["first/0", "first/1"]) == (2, 0, 0)
     writer.close()
+
+
+@pytest.mark.parametrize("kind", ["shm", "fsdax"])
+def test_a_server_never_serves_the_bytes_another_server_wrote_into_its_pool_since(
+    maru_server_factory, tmp_path, kind
+):
+    """Issue 40, case 1. Server 1 (state A) stores 16 values and is SIGKILLed; server 2
+    (state B, the same --pool) stores 48 others in the same places and stops; server 1 starts
+    again on A. Before, server 2 adopted the pool it had no record of, and server 1's record
+    still matched the file: 16 hits, all of them server 2's bytes. Now the pool's mark says
+    which state served it last: server 2 starts it fresh, server 1 finds the mark not its
+    own and starts empty. A reader, and the writer that outlived the restarts, read each key
+    as a miss or its own bytes."""
+    path = f"/dev/shm/maru-test-{uuid.uuid4().hex}.pool" if kind == "shm" else f"{tmp_path}/fsdax/"
+    size = 60 * KiB
+    first = maru_server_factory(tmp_path / "A", pool_size="64M", pool=path)
+    writer = handler(first.url, pool_size="4M", timeout_ms=1000)
+    keys = [f"one/{i}" for i in range(16)]
+    store(writer, keys, size)
+    assert read_counts(writer, keys) == (16, 0, 0)
+    first_places = {(r.path, r.offset) for r in writer.list_allocations()}
+    sigkill_server(first)
+
+    second = maru_server_factory(tmp_path / "B", pool_size="64M", pool=path)
+    other = handler(second.url, pool_size="4M")
+    others = [f"two/{i}" for i in range(48)]
+    store(other, others, size)
+    assert first_places <= {(r.path, r.offset) for r in other.list_allocations()}  # overlap
+    other.close()
+    assert second.halt() == 0
+    theirs = {make_value(k, size) for k in others}
+
+    first.start(first.port)
+    reader = handler(first.url)
+    for client in (reader, writer):
+        right = missing = foreign = 0
+        with client.leased(keys) as infos:
+            for key, info in zip(keys, infos):
+                if info is None:
+                    missing += 1
+                    continue
+                got = bytes(info.view)
+                foreign += got in theirs
+                right += got == make_value(key, size)
+        assert foreign == 0  # never server 2's bytes
+        assert right + missing == len(keys)  # each key: a miss or its own bytes
+    why = {"shm": "pool changed since", "fsdax": "was served by another maru-server"}[kind]
+    assert why in first.read_log()  # (server 2 made the shm pool a new file)
+    store(reader, ["one/after"], size)
+    assert read_counts(reader, ["one/after"]) == (1, 0, 0)
+    for h in (reader, writer):
+        h.close()

@@ -6,11 +6,22 @@ refused and reads as misses. Never a crash, never a side effect of the refused r
 from __future__ import annotations
 
 import subprocess
+import threading
 
 from conftest import maru_server_command  # tests/conftest.py
 from maru import MaruHandler
 
-MiB = 1 << 20
+from .workers import (
+    SPAWN,
+    KiB,
+    MiB,
+    digest,
+    flood_leases,
+    keep_writing,
+    make_value,
+    run_processes,
+    write_under_a_lease_flood,
+)
 
 
 def handler(url: str, **kw) -> MaruHandler:
@@ -75,3 +86,57 @@ def test_a_bad_quota_flag_is_one_line_and_exit_2(tmp_path):
         )
         assert proc.returncode == 2, (value, proc.stderr)
         assert "--quota-region-bytes" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_new_client_gets_its_fair_share_of_a_pool_one_busy_writer_filled(maru_server_factory):
+    """Issue 40, case 8: one instance without a quota, writing without pause, holds the whole
+    pool; a client that connects then must still store. It is owed a fair share (the pool
+    over the live instances): the writer, over its share, is asked to give regions back
+    (only ones it holds no unsealed value in) and does at once. Judged by bytes: every value
+    of the newcomer read back, and the writer's latest ones too. Before: every store of the
+    newcomer failed (POOL_FULL, nothing of its own to evict)."""
+    server = maru_server_factory(pool_size="64M")
+    filled, stop = SPAWN.Event(), SPAWN.Event()
+    kw = {"pool_size": "64M", "chunk_size_bytes": "1M"}
+    job = (keep_writing, (server.url, "greedy", MiB - 100, 128 * MiB, kw, filled, stop))
+    out: list[dict] = []
+    writer = threading.Thread(target=lambda: out.extend(run_processes([job], timeout=240)))
+    writer.start()
+    try:
+        assert filled.wait(120), "the writer did not fill the pool"
+        newcomer = handler(server.url, pool_size="16M")
+        values = [make_value(1000 + i, MiB - 100) for i in range(12)]
+        ok = [newcomer.store(f"new/{i}", v) for i, v in enumerate(values)]
+        with newcomer.leased([f"new/{i}" for i in range(12)]) as infos:
+            read = [None if i is None else digest(i.view) for i in infos]
+        newcomer.close()
+    finally:
+        stop.set()
+        writer.join(240)
+    assert ok == [True] * 12
+    assert read == [digest(v) for v in values]  # every byte back
+    (greedy,) = out
+    assert greedy["hits"] == 8 and greedy["wrong"] == 0
+    assert "asked" in server.read_log() and server.alive()
+
+
+def test_a_lease_flood_does_not_fail_another_writers_stores(maru_server_factory):
+    """Issue 40, case 8: a client that leases every key every 0.5 s (and never releases)
+    while another writes on a full pool. Leases are bounded per instance by bytes
+    (--quota-lease-bytes, default 50% of the pool), so the writer can always evict among
+    its own keys: its stores succeed and read back right. Before: every key was held, the
+    writer's EVICT_FOR freed nothing, and nearly all its stores failed (the issue: 98%)."""
+    server = maru_server_factory(pool_size="64M")
+    progress = SPAWN.Value("i", 0)
+    filled, flooded, done = SPAWN.Event(), SPAWN.Event(), SPAWN.Event()
+    size, count = 256 * KiB, 128
+    writer_args = (server.url, size, 64 * MiB, count, progress, filled, flooded, done)
+    jobs = [
+        (write_under_a_lease_flood, writer_args),
+        (flood_leases, (server.url, 32, progress, filled, flooded, done)),
+    ]
+    writer, flooder = run_processes(jobs, timeout=240)
+    assert flooder["most_leased"] > 0  # the flood was real
+    assert writer["failed"] <= count // 32, writer  # before: nearly all of them
+    assert writer["wrong"] == 0 and writer["hits"] >= count - writer["failed"] - count // 4
+    assert "bytes under leases" in server.read_log() and server.alive()

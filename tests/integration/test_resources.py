@@ -142,3 +142,37 @@ def test_out_of_file_descriptors_refuses_connections_and_keeps_serving(maru_serv
         wrong = sum(i is not None and bytes(i.view) != acknowledged[k] for k, i in zip(keys, infos))
     print(f"\n{len(keys)} acknowledged keys, {lost} lost, {wrong} wrong after fd exhaustion")
     assert lost == 0 and wrong == 0
+
+
+def test_a_client_that_reads_gets_every_reply_however_many_wait(maru_server):
+    """Issue 40, case 7: ZeroMQ refuses a send (EAGAIN) once SNDHWM (16) replies to a peer are
+    in its pipe, and the server dropped that reply: a client with more requests in flight
+    than the network moves at once lost some although it read them all, each costing its
+    caller `timeout_ms`. Here a client with 64 KEYS requests in flight (the RPC client's
+    max_inflight), replies of ~300 KB, whose ZeroMQ takes one reply at a time (RCVHWM 1, a
+    small receive buffer: a client whose I/O thread lags), reads them one by one. Now the
+    replies ZeroMQ does not take wait for the peer: 64 of 64 come back, each listing every
+    key, none dropped."""
+    listed, lost = 0, 0
+    reader = zmq.Context.instance().socket(zmq.DEALER)
+    reader.setsockopt(zmq.RCVHWM, 1)
+    reader.setsockopt(zmq.RCVBUF, 4096)
+    reader.setsockopt(zmq.LINGER, 0)
+    reader.setsockopt(zmq.RCVTIMEO, 20_000)  # a bound: before, a dropped reply never came
+    with MaruHandler(server_url=maru_server.url, pool_size="64M", chunk_size_bytes="4K") as h:
+        names = [f"k{i:05d}" + "x" * NAME for i in range(300)]
+        assert all(h.batch_store(names, [b"v"] * 300))
+        reader.connect(maru_server.url)
+        for n in range(64):
+            reader.send(protocol.encode(MsgType.KEYS, n + 1, {"limit": 300}))
+        for _ in range(64):
+            try:
+                _, body = protocol.decode(reader.recv())
+            except zmq.Again:
+                lost = 64 - listed
+                break
+            listed += sorted(k[0] for k in body["keys"]) == names
+        reader.close()
+        dropped = h.stats()["counters"]["replies_dropped"]
+    print(f"\n64 replies of 300 KB in flight: {listed} complete, {lost} lost, {dropped} dropped")
+    assert (listed, lost, dropped) == (64, 0, 0)

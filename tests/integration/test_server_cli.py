@@ -54,6 +54,7 @@ def shm_pool() -> str:
         (["--ready-file", "/nonexistent/dir/ready"], "--ready-file: directory /nonexistent/dir"),
         (["--local-socket", "/nonexistent/dir/s.sock"], "--local-socket: directory /nonexistent"),
         (["--curve-clients", "/tmp"], "--curve-clients needs --curve"),
+        (["--local-uids", "1000,no-such-user-here"], "--local-uids: no user named"),
         (["--curve", "--curve-clients", "/nonexistent/keys"], "--curve-clients: [Errno 2]"),
         (["--curve", "--curve-clients", "/dev/null"], "--curve-clients: no client key in"),
     ],

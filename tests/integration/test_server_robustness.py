@@ -127,6 +127,19 @@ def test_bad_version_unknown_type_wrong_token_oversized_key(maru_server, raw):
     assert_still_serving(maru_server)
 
 
+def test_a_frame_over_the_size_limit_gets_bad_frame(maru_server, raw):
+    """Issue 40, case 7: a frame over MAX_FRAME_BYTES (64 MiB) is answered BAD_FRAME, with its
+    request id, as docs/protocol.md says. Before, ZeroMQ's MAXMSGSIZE (the limit plus a
+    header) made it drop the connection of a frame just 1 MiB over: no reply at all."""
+    for size in (protocol.MAX_FRAME_BYTES + 1, protocol.MAX_FRAME_BYTES + (1 << 20)):
+        frame = protocol.encode(MsgType.EXISTS, 77, {"keys": ["k"], "pad": b"\0" * size})
+        header, reply = raw.send_parts([frame])
+        assert header.request_id == 77 and reply["code"] == ErrorCode.BAD_FRAME, reply
+        assert f"frame of {len(frame)} bytes exceeds the limit" in reply["error"]
+    assert raw.request(MsgType.STATS, {})["ok"]  # the same connection goes on
+    assert_still_serving(maru_server)
+
+
 def test_oversized_key_through_the_handler_leaks_nothing(maru_server):
     with MaruHandler(server_url=maru_server.url, pool_size="4M") as h:
         assert h.store("first", b"f")  # takes our first region

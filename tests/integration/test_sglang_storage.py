@@ -97,6 +97,31 @@ def test_two_processes_share_pages_for_every_layout(maru_server):
         assert outcome == {"exists": PAGES, "loaded": PAGES, "identical": PAGES}, name
 
 
+def test_a_write_whose_copy_faults_fails_its_pages_and_the_process_lives(maru_server):
+    """The pool's file truncated under a writer (issue 40, case 6): `batch_set_v1`'s copies
+    into its regions fault (SIGBUS), which killed the inference process; now those pages are
+    False, their chunks given back, and every later read is a miss, never a wrong hit."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(sglang_cpu.SHIM_DIR / "storage_peer.py"),
+            "truncated",
+            maru_server.url,
+            str(PAGES),
+            "21",
+            maru_server.pool_path,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=sglang_cpu.sglang_env(),
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert outcome == {"before": PAGES, "after": 0, "loaded": 0}, outcome
+    assert "the pool's memory faulted under the copy" in proc.stderr
+
+
 def test_geometry_mismatch_is_a_miss(maru_server):
     g = Geometry()
     writer = _storage(maru_server.url, g)

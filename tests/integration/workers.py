@@ -202,3 +202,105 @@ def share_pool(
         }
     finally:
         h.close()
+
+
+def _seed(key: str) -> int:
+    return int(hashlib.sha1(key.encode()).hexdigest()[:12], 16)
+
+
+def keep_writing(
+    url: str, prefix: str, size: int, fill: int, handler_kw: dict[str, Any], filled: Any, stop: Any
+) -> dict:
+    """Store values of `size` bytes under prefix/0, prefix/1, ... (each make_value(_seed(key)))
+    without pause; set `filled` once `fill` bytes were stored, go on until `stop` is set.
+    Then read the last 8 acknowledged keys back under a lease: their wrong bytes."""
+    h = _handler(url, **handler_kw)
+    try:
+        stored, failed, acked = 0, 0, []
+        for i in range(1_000_000):
+            if stop.is_set():
+                break
+            key = f"{prefix}/{i}"
+            if h.store(key, make_value(_seed(key), size)):
+                stored += 1
+                acked.append(key)
+            else:
+                failed += 1
+            if stored * size >= fill:
+                filled.set()
+        last = acked[-8:]
+        with h.leased(last) as infos:
+            hits = [(k, digest(i.view)) for k, i in zip(last, infos) if i is not None]
+        wrong = sum(d != digest(make_value(_seed(k), size)) for k, d in hits)
+        return {"stored": stored, "failed": failed, "hits": len(hits), "wrong": wrong}
+    finally:
+        h.close()
+
+
+def write_under_a_lease_flood(
+    url: str,
+    size: int,
+    fill: int,
+    count: int,
+    progress: Any,
+    filled: Any,
+    flooded: Any,
+    done: Any,
+) -> dict:
+    """Fill the pool (`fill` bytes of values of `size`, keys w/0...), set `filled`, wait until
+    the flooder leased every key, then store `count` more one by one while it floods; read
+    the acknowledged ones back under leases, then set `done`. Counts failed stores, hits and
+    wrong bytes."""
+    h = _handler(url, pool_size=fill, chunk_size_bytes=size)
+    try:
+        keys = [f"w/{i}" for i in range(fill // size + count)]
+        n_fill = fill // size
+        for i in range(n_fill):
+            h.store(keys[i], make_value(_seed(keys[i]), size - 100))
+            progress.value = i + 1
+        filled.set()
+        assert flooded.wait(60), "the flooder never leased"
+        ok = []
+        for i in range(n_fill, n_fill + count):
+            ok.append(h.store(keys[i], make_value(_seed(keys[i]), size - 100)))
+            progress.value = i + 1
+        acked = [k for k, stored in zip(keys[n_fill:], ok) if stored]
+        hits = wrong = 0
+        for start in range(0, len(acked), 32):
+            batch = acked[start : start + 32]
+            with h.leased(batch) as infos:
+                for key, info in zip(batch, infos):
+                    if info is not None:
+                        hits += 1
+                        wrong += digest(info.view) != digest(make_value(_seed(key), size - 100))
+        return {"failed": ok.count(False), "hits": hits, "wrong": wrong}
+    finally:
+        done.set()
+        h.close()
+
+
+def flood_leases(url: str, batch: int, progress: Any, filled: Any, flooded: Any, done: Any):
+    """Every 0.5 s, lease every key the writer stored so far (w/0 .. w/progress), in batches
+    of `batch` keys, and never release (the leases end at --lease-timeout). Reports the most
+    keys it held under leases at once."""
+    import time
+
+    h = _handler(url, pool_size="2M")
+    try:
+        assert filled.wait(120), "the writer never filled the pool"
+        held: list[Any] = []  # (lookup, when): never released
+        most = 0
+        while not done.is_set():
+            keys = [f"w/{i}" for i in range(progress.value)]
+            for start in range(0, len(keys), batch):
+                found = h.lookup(keys[start : start + batch], lease=True)
+                found.wait()
+                if found.lease_id:
+                    held.append((found, time.monotonic()))
+            held = [(f, t) for f, t in held if time.monotonic() - t < 10]
+            most = max(most, sum(int((f.lengths > 0).sum()) for f, _ in held))
+            flooded.set()
+            done.wait(0.5)
+        return {"most_leased": most}
+    finally:
+        h.close()

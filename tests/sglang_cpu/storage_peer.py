@@ -1,6 +1,7 @@
 """One SGLang "instance" for the cross-process MaruStorage tests (run as a subprocess).
 
     python storage_peer.py writer|reader <maru_url> <pages> <seed> [<extra config as JSON>]
+    python storage_peer.py truncated <maru_url> <pages> <seed> <pool file>
 
 For each geometry in GEOMETRIES it builds a real host pool, creates `MaruStorage` through
 SGLang's real dynamic backend factory, and as the writer fills pages and calls `batch_set_v1`;
@@ -11,6 +12,7 @@ with the reproducible expected bytes. Prints one JSON line with the outcome per 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -55,8 +57,33 @@ def backend_for(url: str, g: Geometry, pool, more: dict | None = None):
     return backend
 
 
+def truncated(url: str, pages: int, seed: int, pool_file: str) -> dict:
+    """Store a batch, truncate the Maru pool's file under this writer (as an operator's
+    mistake or a recreated pool would), store another batch into the same regions: the
+    process lives, the pages stored after are False (their copies faulted), and nothing
+    read afterwards is a wrong hit."""
+    g = GEOMETRIES[0]
+    pool = make_host_pool(g)
+    backend = backend_for(url, g, pool)
+    keys = [f"{seed:x}-before-{i}" for i in range(pages)]
+    indices = page_indices(1, pages, g.page_size)
+    fill(pool, indices, expected_pages(pool, pages, seed))
+    before = sum(backend.batch_set_v1(keys, indices))
+    backend.confirm_writes()
+    os.truncate(pool_file, 0)
+    after_keys = [f"{seed:x}-after-{i}" for i in range(pages)]
+    fill(pool, indices, expected_pages(pool, pages, seed + 1))
+    after = sum(backend.batch_set_v1(after_keys, indices))
+    loaded = backend.batch_get_v1(keys + after_keys, page_indices(1, 2 * pages, g.page_size))
+    backend.close()
+    return {"before": before, "after": after, "loaded": sum(loaded)}
+
+
 def main() -> None:
     role, url, pages, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    if role == "truncated":
+        print(json.dumps(truncated(url, pages, seed, sys.argv[5])), flush=True)
+        return
     more = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
     out = {}
     for n, g in enumerate(GEOMETRIES):

@@ -53,11 +53,12 @@ def register_frame(svc: MaruService, rid: int, first: int, count: int) -> None:
 
 def test_server_start_up_freezes_the_restored_registry(tmp_path, monkeypatch):
     state_dir, pool_path = tmp_path / "state", tmp_path / "pool"
+    state_dir.mkdir()
+    pool = ShmPool(str(pool_path), 32 * MiB)
+    # the pool's identity and mark, as maru-server records them (else nothing is restored)
+    cli.pool_generation(state_dir, pool)
     journal = Journal(state_dir)
     journal.load()
-    pool = ShmPool(str(pool_path), 32 * MiB)
-    # the pool's identity, as maru-server records it (state without one is not restored)
-    assert cli.same_pool_as_before(state_dir, pool)
     reg = Registry(pool, TokenSigner(b"g" * 32), journal=journal)
     reg.instances.handshake("w", 1)
     region = reg.request_region("w", 16 * MiB)

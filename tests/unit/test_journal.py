@@ -359,7 +359,8 @@ def test_pool_identity_check(tmp_path):
     state_dir.mkdir()
     path = str(tmp_path / "pool")
     pool = ShmPool(path, 8 * MiB)
-    assert cli.same_pool_as_before(state_dir, pool)  # first start: nothing to compare
+    assert not cli.same_pool_as_before(state_dir, pool)  # no record: nothing to restore
+    cli.pool_generation(state_dir, pool)  # (records it, as a server start does)
     assert cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))  # same file
     # a recreated file (e.g. /dev/shm after a reboot) is another pool, even at the same path
     tmp = tmp_path / "pool.new"
@@ -367,6 +368,7 @@ def test_pool_identity_check(tmp_path):
     os.replace(tmp, path)
     assert not cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
     cli.discard_state(state_dir)
+    cli.pool_generation(state_dir, ShmPool(path, 8 * MiB))
     assert cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))  # recorded anew
     # a different capacity is a different pool too
     assert not cli.same_pool_as_before(state_dir, ShmPool(path, 16 * MiB))
@@ -378,6 +380,7 @@ def test_mismatch_is_remembered_until_the_state_is_discarded(tmp_path):
     state_dir = tmp_path / "state"
     state_dir.mkdir()
     path = str(tmp_path / "pool")
+    cli.pool_generation(state_dir, ShmPool(path, 8 * MiB))
     assert cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
     ShmPool(str(tmp_path / "pool.new"), 8 * MiB)
     os.replace(tmp_path / "pool.new", path)
@@ -390,6 +393,7 @@ def test_unreadable_identity_is_a_mismatch(tmp_path):
     state_dir = tmp_path / "state"
     state_dir.mkdir()
     path = str(tmp_path / "pool")
+    cli.pool_generation(state_dir, ShmPool(path, 8 * MiB))
     assert cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
     (state_dir / cli.POOL_IDENTITY).write_text('{"kind": "shm", "pa')  # torn
     assert not cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))

@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 
 import pytest
 
+from maru.common.peer import peer_credentials
 from maru.common.protocol import ErrorCode, ProtocolError, RegisterStatus
 from maru.server import persistence
 from maru.server.journal import Journal
 from maru.server.pool import ShmPool
+from maru.server.processes import ProcessWatch
 from maru.server.registry import Registry
 from maru.server.token import TokenSigner
 
@@ -112,3 +116,37 @@ def test_a_hold_outlives_a_server_restart(tmp_path, snapshot_first):
     with pytest.raises(ProtocolError):
         reg.request_region("B", 2 * MiB)
     journal.close()
+
+
+def test_a_credential_is_held_by_the_first_process_that_speaks_for_it(tmp_path):
+    """Issue 40, case 2: the first process on the Unix socket holds the instance; another
+    live process is refused, and so is the holder's pid once it exited (until the reap)."""
+    path = str(tmp_path / "s")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(4)
+    listener.settimeout(10)
+    code = f"import socket as s, time; c = s.socket(s.AF_UNIX); c.connect({path!r}); time.sleep(60)"
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2)]
+    watch = ProcessWatch()
+    try:
+        conns = {}
+        for _ in procs:
+            conn = listener.accept()[0]
+            conns[peer_credentials(conn)[0]] = conn
+        first, second = (conns[p.pid] for p in procs)
+        assert watch.claim("A", first) is None  # the first to speak for it holds it
+        assert watch.pids("A") == [procs[0].pid]
+        assert f"not the process {procs[0].pid}" in watch.claim("A", second)
+        assert watch.claim("A", first) is None  # its holder, again
+        assert watch.claim("B", second) is None  # another instance: its own holder
+        procs[0].kill()
+        procs[0].wait(5)
+        assert watch.claim("A", first) is not None  # exited: holds on until reaped
+        assert watch.exited() == ["A"]
+    finally:
+        watch.close()
+        listener.close()
+        for proc in procs:
+            proc.kill()
+            proc.wait(5)

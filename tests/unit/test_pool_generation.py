@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+
+import pytest
 
 from maru.client.mapping import RegionMapper
 from maru.common.region import RegionHandle
 from maru.server import cli
-from maru.server.pool import ShmPool
+from maru.server.pool import DevDaxPool, ShmPool
 from maru.server.token import TokenSigner
 
 MiB = 1 << 20
@@ -57,7 +60,7 @@ def test_a_truncated_file_is_a_new_generation_in_a_new_file(tmp_path):
         assert new != gen
         assert os.fstat(old_fd).st_nlink == 0  # the old file is gone, the path is a new one
         assert os.stat(path).st_ino != os.fstat(old_fd).st_ino
-        assert os.stat(path).st_size == 8 * MiB
+        assert os.stat(path).st_size == pool.file_bytes  # (capacity and the mark's page)
     finally:
         os.close(old_fd)
     assert ShmPool(path, 8 * MiB).truncated_from is None
@@ -106,3 +109,65 @@ def test_saved_state_without_a_pool_identity_is_not_restored(tmp_path):
     ShmPool(path, 8 * MiB)
     (state / "journal-0.log").write_bytes(b"".join(_frames([["D", ["k"]]])))
     assert not cli.same_pool_as_before(state, ShmPool(path, 8 * MiB))
+
+
+def _pools(tmp_path, kind: str):
+    """A new pool object on the same file each call, as each server start opens it."""
+    if kind == "shm":
+        return lambda: ShmPool(str(tmp_path / "pool"), 8 * MiB)
+    dev = tmp_path / "dax0.0"  # a devdax stand-in: no new file, no new inode, ever
+    with open(dev, "wb") as f:
+        f.truncate(16 * MiB)
+    return lambda: DevDaxPool(str(dev))
+
+
+@pytest.mark.parametrize("kind", ["shm", "devdax"])
+def test_a_pool_served_from_another_state_since_is_not_restored(tmp_path, kind):
+    """Issue 40, case 1, in process: a state with no record of the pool starts it fresh,
+    never adopts it; the state that served it before then finds the pool's mark not its own.
+    A copy of a state dir that served the pool since counts as another state too."""
+    pool, one, two = _pools(tmp_path, kind), tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    first, _ = cli.pool_generation(one, pool())
+    assert cli.pool_generation(one, pool())[0] == first  # restarts keep it
+    assert not cli.same_pool_as_before(two, pool())  # no record: not adopted
+    second, _ = cli.pool_generation(two, pool())
+    assert second != first and pool().read_mark()[0] == second
+    assert not cli.same_pool_as_before(one, pool())  # (for devdax only the mark tells)
+    third, _ = cli.pool_generation(one, pool())
+    assert third not in (first, second)
+    shutil.copytree(one, tmp_path / "copy")
+    assert cli.pool_generation(tmp_path / "copy", pool())[0] == third  # the copy restores
+    assert not cli.same_pool_as_before(one, pool())  # and the original no longer matches
+
+
+@pytest.mark.parametrize("kind", ["shm", "devdax"])
+def test_a_start_killed_between_the_marks_two_writes_starts_fresh_next(tmp_path, kind, monkeypatch):
+    """The pool's mark is written before the state's record: a crash in between leaves them
+    different, and the next start is fresh, not a restore."""
+    pool, state = _pools(tmp_path, kind), tmp_path / "state"
+    state.mkdir()
+    first, _ = cli.pool_generation(state, pool())
+
+    def killed(*_args: object) -> None:
+        raise KeyboardInterrupt  # (stands in for SIGKILL after the mark was written)
+
+    with monkeypatch.context() as m:
+        m.setattr(cli, "_write_identity", killed)
+        with pytest.raises(KeyboardInterrupt):
+            cli.pool_generation(state, pool())
+    assert pool().read_mark()[1] != json.loads((state / cli.POOL_IDENTITY).read_text())["epoch"]
+    assert not cli.same_pool_as_before(state, pool())
+    assert cli.pool_generation(state, pool())[0] != first
+
+
+def test_a_damaged_mark_is_none(tmp_path):
+    pool = ShmPool(str(tmp_path / "pool"), 8 * MiB)
+    assert pool.read_mark() is None  # a new file: zeros
+    pool.write_mark("a" * 16, "b" * 16)
+    assert pool.read_mark() == ("a" * 16, "b" * 16)
+    with open(pool.path, "r+b") as f:
+        f.seek(pool.mark_offset + 12)
+        f.write(b"X")  # a torn or stray write
+    assert pool.read_mark() is None

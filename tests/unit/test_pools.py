@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 
 import pytest
@@ -18,12 +19,13 @@ from maru.server.pool import (
 )
 
 MiB = 1 << 20
+PAGE = mmap.ALLOCATIONGRANULARITY
 
 
 def test_shm_pool_creates_a_sparse_file_and_carves_aligned_regions(shm_name):
     pool = ShmPool(shm_name, 32 * MiB)
     st = os.stat(shm_name)
-    assert st.st_size == 32 * MiB
+    assert st.st_size == 32 * MiB + PAGE  # (the last page: the pool's mark)
     assert st.st_blocks == 0  # sparse: no memory used until pages are touched
     assert st.st_mode & 0o777 == 0o600
     assert pool.name == f"shm:{shm_name}"
@@ -52,7 +54,7 @@ def test_shm_pool_reuses_existing_file_without_truncating(shm_name):
         f.seek(5 * MiB)
         f.write(b"survives")
     ShmPool(shm_name, 4 * MiB)  # smaller capacity: file is neither truncated nor cleared
-    assert os.stat(shm_name).st_size == 8 * MiB
+    assert os.stat(shm_name).st_size == 8 * MiB + PAGE
     with open(shm_name, "rb") as f:
         f.seek(5 * MiB)
         assert f.read(8) == b"survives"
@@ -60,20 +62,21 @@ def test_shm_pool_reuses_existing_file_without_truncating(shm_name):
 
 def test_devdax_pool_on_a_regular_file_standing_in_for_the_device(tmp_path, caplog):
     """There is no devdax device on this machine: a regular 16 MiB file stands in for
-    /dev/daxX.Y. Its size is the capacity (a larger --pool-size is capped with a warning)
-    and regions are aligned like on the device."""
+    /dev/daxX.Y. Its size less its last alignment unit (the pool's mark) is the capacity (a
+    larger --pool-size is capped with a warning) and regions are aligned like on the device."""
     dev = tmp_path / "dax0.0"
     with open(dev, "wb") as f:
         f.truncate(16 * MiB)
     with caplog.at_level(logging.WARNING, logger="maru.server.pool"):
         pool = DevDaxPool(str(dev), 1 << 40)
-    assert pool.capacity == 16 * MiB
+    assert pool.capacity == 14 * MiB
     assert any("exceeds device size" in r.getMessage() for r in caplog.records)
     assert pool.kind == "devdax" and pool.alignment == REGION_ALIGNMENT
     assert DevDaxPool(str(dev), 8 * MiB).capacity == 8 * MiB
-    assert DevDaxPool(str(dev)).capacity == 16 * MiB
-    offsets = [pool.allocate(i, 4 * MiB)[1] for i in range(4)]
-    assert offsets == [0, 4 * MiB, 8 * MiB, 12 * MiB]
+    assert DevDaxPool(str(dev)).capacity == 14 * MiB
+    offsets = [pool.allocate(i, 4 * MiB)[1] for i in range(3)]
+    assert offsets == [0, 4 * MiB, 8 * MiB]
+    assert pool.allocate(3, 2 * MiB)[1] == 12 * MiB
     with pytest.raises(PoolFullError, match="devdax:"):
         pool.allocate(5, 2 * MiB)
 

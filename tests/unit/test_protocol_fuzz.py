@@ -31,6 +31,7 @@ from .registry_calls import register
 MiB = 1 << 20
 KNOWN_IIDS = ["fz", "fz-2"]
 KNOWN_KEYS = ["k0", "k1", b"k2", "k3"]
+INT64_EDGES = [2**63 - 1, 2**63, 2**64 - 1]  # msgpack carries up to 2**64 - 1; C holds int64
 
 # -- strategies -----------------------------------------------------------------------------------
 
@@ -67,7 +68,7 @@ def field_strategies(region_ids: list[int], tokens: list[str], sessions: list[st
         "name": st.sampled_from(KNOWN_IIDS) | st.text(max_size=12) | values,
         "session": st.sampled_from(sessions) | st.text(max_size=12) | values,
         "pid": st.integers(-(2**63), 2**64 - 1) | values,
-        "size": st.integers(-1, 1 << 40) | values,
+        "size": st.integers(-1, 1 << 40) | st.sampled_from(INT64_EDGES) | values,
         "region_id": region_id,
         "token": token,
         "region_ids": column(st.sampled_from(region_ids) | small_ints),
@@ -76,7 +77,7 @@ def field_strategies(region_ids: list[int], tokens: list[str], sessions: list[st
         "keys": st.lists(plain_keys, max_size=6) | st.lists(keys, max_size=6) | values,
         "lease": st.booleans() | values,
         "leases": st.lists(small_ints | values, max_size=4) | values,
-        "bytes": st.integers(-1, 1 << 40) | values,
+        "bytes": st.integers(-1, 1 << 40) | st.sampled_from(INT64_EDGES) | values,
         "prefix": st.sampled_from(["k", b"k", ""]) | values,
         "owner": st.sampled_from(KNOWN_IIDS) | values,
     }
@@ -373,3 +374,42 @@ def test_fuzz_live_server(maru_server_factory, tmp_path):
     finally:
         dealer.close()
         victim.close()
+
+
+@pytest.mark.parametrize("value", [2**63, 2**64 - 1, 0, -1, True, 1.0])
+@pytest.mark.parametrize(
+    "msg_type, field",
+    [
+        (MsgType.EVICT_FOR, "bytes"),
+        (MsgType.REQUEST_REGION, "size"),
+        (MsgType.REQUEST_REGION, "min_size"),
+    ],
+)
+def test_byte_counts_out_of_range_are_bad_requests_from_a_live_server(
+    maru_server, msg_type, field, value
+):
+    """Issue 40, case 8: a byte count of 2**63 or more (EVICT_FOR's reached the C eviction
+    walk: OverflowError, INTERNAL) is refused at the protocol edge with BAD_REQUEST naming
+    the field; the largest int64 is served (nothing to evict; a region larger than the
+    pool is POOL_FULL; a min_size above size asks for no more than size)."""
+    dealer = Dealer(maru_server.url)
+    try:
+        reply = dealer.exchange([protocol.encode(MsgType.HANDSHAKE, 1, {"name": "edge"})])
+        session = protocol.decode(reply)[1]["session"]
+        body = {"session": session, "bytes": 4096, "size": 2 * MiB, field: value}
+        frame = protocol.encode(msg_type, 2, body)
+        answer = check_reply(frame, dealer.exchange([frame]))
+        assert (answer["ok"], answer["code"]) == (False, ErrorCode.BAD_REQUEST)
+        assert repr(field) in answer["error"]
+        body[field] = 2**63 - 1
+        frame = protocol.encode(msg_type, 3, body)
+        answer = check_reply(frame, dealer.exchange([frame]))
+        if field == "bytes":
+            assert answer["ok"] is True and answer["freed_bytes"] == 0
+        elif field == "size":
+            assert answer["code"] == ErrorCode.POOL_FULL  # larger than the pool
+        else:  # (a region of `size`: the least accepted is never more)
+            assert answer["ok"] is True and answer["region"][3] == 2 * MiB
+        assert "internal error" not in maru_server.read_log()
+    finally:
+        dealer.close()

@@ -73,7 +73,8 @@ def test_pool_full_is_an_error_naming_the_pool(registry, caplog):
         pytest.raises(ProtocolError) as exc,
     ):
         registry.request_region("B", 8 * MiB)
-    assert codes(exc) == ErrorCode.POOL_FULL
+    # (B is owed half the pool: A, over its half, is asked to give regions back)
+    assert codes(exc) == ErrorCode.POOL_RECLAIMING and registry.instances["A"].shed
     assert registry.pool.name in str(exc.value)
     assert any(registry.pool.name in r.getMessage() for r in caplog.records)
     # a smaller region still fits

@@ -52,7 +52,7 @@ def test_arrived_only_for_replies_that_need_no_further_request():
     thread.start()
     handshakes: list[int] = []
 
-    def rehandshake(msg_type: int) -> None:
+    def rehandshake(msg_type: int, request: dict) -> dict:
         handshakes.append(msg_type)
         raise MaruServerError(ErrorCode.UNKNOWN_INSTANCE, "not again (test)")
 

@@ -30,7 +30,9 @@
 #include <string.h>
 #include <pthread.h>
 #include <sched.h>
+#include <setjmp.h>
 #include <signal.h>
+#include <errno.h>
 #include <unistd.h>
 
 #include "../common/int64_buffer.h"
@@ -407,6 +409,159 @@ static void m64_pick_impl(void)
 #endif
 }
 
+/* ---- faults during a copy -----------------------------------------------------------------
+ *
+ * The pool is a file other processes can change under a copy: truncated (SIGBUS on the pages
+ * past its end), or on a tmpfs that someone else filled (SIGBUS on a page not allocated yet),
+ * or unmapped by a close() that did not wait (SIGSEGV). Any of them used to kill the inference
+ * process. Every copy loop here runs each value (or buffer) inside a guard: `fault_handler`,
+ * installed process-wide for SIGBUS and SIGSEGV, jumps back to the guard of the thread that
+ * faulted, and the copy goes on with the next value, reporting the ones that faulted (a failed
+ * store, a miss). A fault outside a guard goes to the handler that was there before (Python's
+ * faulthandler, say), or, with none, kills the process as it always did: the default action is
+ * put back and the faulting instruction runs again.
+ *
+ * The guard is a thread-local pointer to a sigjmp_buf (initial-exec TLS: no allocation in the
+ * handler); sigsetjmp does not save the signal mask (no system call per value) and the handler
+ * runs with SA_NODEFER, so the mask after the jump is the one before the fault. */
+
+static __thread sigjmp_buf *volatile fault_jump __attribute__((tls_model("initial-exec")));
+static struct sigaction fault_before[2]; /* SIGBUS's and SIGSEGV's handlers before ours */
+static const int fault_signals[2] = {SIGBUS, SIGSEGV};
+static volatile sig_atomic_t fault_chained; /* a fault outside a guard went to the one before */
+
+static void fault_handler(int sig, siginfo_t *info, void *context)
+{
+    sigjmp_buf *jump = fault_jump;
+    if (jump != NULL) {
+        fault_jump = NULL;
+        siglongjmp(*jump, 1);
+    }
+    const struct sigaction *before = &fault_before[sig == SIGSEGV];
+    if (fault_chained) { /* back here from the one before (it re-raised): die of it */
+        signal(sig, SIG_DFL);
+        raise(sig);
+        return;
+    }
+    if (before->sa_flags & SA_SIGINFO) {
+        fault_chained = 1;
+        before->sa_sigaction(sig, info, context);
+        fault_chained = 0; /* (it handled the fault: the next one goes to it too) */
+        return;
+    }
+    if (before->sa_handler != SIG_DFL && before->sa_handler != SIG_IGN) {
+        fault_chained = 1;
+        before->sa_handler(sig);
+        fault_chained = 0;
+        return;
+    }
+    /* No handler before ours: die of it as without us. A fault runs its instruction again
+     * and meets the default action; a signal someone sent is raised once more. */
+    signal(sig, SIG_DFL);
+    if (info == NULL || info->si_code <= 0)
+        raise(sig);
+}
+
+/* Put `fault_handler` in place for SIGBUS and SIGSEGV unless it is there already (a handler
+ * installed after ours, e.g. `faulthandler.enable()`, becomes the one we chain to): 0, or -1
+ * with errno set. */
+static int fault_guard_install(void)
+{
+    struct sigaction ours;
+    memset(&ours, 0, sizeof ours);
+    ours.sa_sigaction = fault_handler;
+    ours.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+    sigemptyset(&ours.sa_mask);
+    for (int i = 0; i < 2; i++) {
+        struct sigaction now;
+        if (sigaction(fault_signals[i], NULL, &now) < 0)
+            return -1;
+        if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == fault_handler)
+            continue;
+        if (sigaction(fault_signals[i], &ours, &fault_before[i]) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* Around the copy of one value: the guard on before, off after (the signal fences keep the
+ * copy's loads and stores between them). */
+static inline void fault_guard_on(sigjmp_buf *jump)
+{
+    fault_jump = jump;
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+}
+
+static inline void fault_guard_off(void)
+{
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    fault_jump = NULL;
+}
+
+/* A synchronous fault in a thread that blocks the signal is not delivered but kills the
+ * process: a thread that copies (a copier) must not block SIGBUS or SIGSEGV. */
+static void fault_signals_unblock(void)
+{
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGBUS);
+    sigaddset(&set, SIGSEGV);
+    pthread_sigmask(SIG_UNBLOCK, &set, NULL);
+}
+
+static PyObject *CopyFaultError; /* maru.client._memcopy.CopyFaultError (an OSError) */
+
+/* Raise CopyFaultError for a copy (`what`: its name) in which `faults` of `n` values (or
+ * buffers) faulted, `faulted[i]` 1 for those (NULL: all): its `faulted` attribute, as
+ * bytes. NULL. */
+static PyObject *copy_fault_raise(const char *what, const uint8_t *faulted, Py_ssize_t n,
+                                  Py_ssize_t faults)
+{
+    PyObject *flags = PyBytes_FromStringAndSize((const char *)faulted, faulted ? n : 0);
+    if (flags != NULL && faulted == NULL) /* (no memory for the flags: all of them) */
+        memset(PyBytes_AS_STRING(flags), 1, (size_t)n);
+    PyObject *message = PyUnicode_FromFormat(
+        "%s: %zd of %zd faulted (the pool's file truncated, out of room, or unmapped): "
+        "not copied", what, faults, n);
+    PyObject *exc = flags != NULL && message != NULL
+                        ? PyObject_CallFunction(CopyFaultError, "iO", EFAULT, message)
+                        : NULL;
+    if (exc != NULL && PyObject_SetAttrString(exc, "faulted", flags) == 0)
+        PyErr_SetObject(CopyFaultError, exc);
+    Py_XDECREF(exc);
+    Py_XDECREF(message);
+    Py_XDECREF(flags);
+    return NULL;
+}
+
+/* One buffer of copy_many, guarded (see "faults during a copy"): 0, or -1 if it faulted. */
+static int copy_one_guarded(char *d, const char *s, size_t n, int streaming)
+{
+    sigjmp_buf jump;
+    if (sigsetjmp(jump, 0))
+        return -1;
+    fault_guard_on(&jump);
+#if HAVE_STREAMING
+    if (streaming)
+        copy_streaming(d, s, n, 1);
+    else
+#endif
+        memmove(d, s, n);
+    fault_guard_off();
+    return 0;
+}
+
+/* Value (or buffer) `i` of `n` faulted: flagged in `*faulted` (made, zeroed, on the first
+ * fault; no GIL needed; without memory every value counts as faulted), counted in `*faults`. */
+static void fault_mark(uint8_t **faulted, Py_ssize_t n, Py_ssize_t i, Py_ssize_t *faults)
+{
+    if (*faulted == NULL)
+        *faulted = PyMem_RawCalloc((size_t)(n ? n : 1), 1);
+    if (*faulted != NULL)
+        (*faulted)[i] = 1;
+    (*faults)++;
+}
+
 /* `size`: one size for every buffer, or an int64 array of one per buffer (a page's parts of
  * unlike sizes, copied page by page: sources read in address order run up to 18% faster at
  * 64 KiB pages than part by part, docs/performance.md). */
@@ -443,22 +598,20 @@ static PyObject *copy_many(PyObject *self, PyObject *args)
             PyErr_SetString(PyExc_ValueError, "copy_many: sizes must not be negative");
             goto done;
         }
+    Py_ssize_t faults = 0;
+    uint8_t *faulted = NULL;
     Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (copy_one_guarded((char *)(intptr_t)d[i], (const char *)(intptr_t)s[i],
+                             (size_t)(z != NULL ? z[i] : size), streaming) < 0)
+            fault_mark(&faulted, n, i, &faults);
 #if HAVE_STREAMING
-    if (streaming) {
-        for (Py_ssize_t i = 0; i < n; i++)
-            copy_streaming((char *)(intptr_t)d[i], (const char *)(intptr_t)s[i],
-                           (size_t)(z != NULL ? z[i] : size), 1);
+    if (streaming)
         _mm_sfence();
-    } else
 #endif
-    {
-        for (Py_ssize_t i = 0; i < n; i++)
-            memmove((void *)(intptr_t)d[i], (const void *)(intptr_t)s[i],
-                    (size_t)(z != NULL ? z[i] : size));
-    }
     Py_END_ALLOW_THREADS
-    out = Py_NewRef(Py_None);
+    out = faults ? copy_fault_raise("copy_many: buffers", faulted, n, faults) : Py_NewRef(Py_None);
+    PyMem_RawFree(faulted);
 done:
     if (dst.obj != NULL)
         PyBuffer_Release(&dst);
@@ -504,6 +657,31 @@ static void copy_part_hashed(m64_state *st, char *to, const uint8_t *from, size_
     }
 }
 
+/* Value `v` of copy_many_hashed (its `parts` buffers from `first`; `d` NULL: only hashed),
+ * guarded: 0 and its maru64 in `*hash`, or -1 if it faulted (`*hash` 0). */
+static int copy_hashed_guarded(const int64_t *d, const int64_t *s, const int64_t *z,
+                               Py_ssize_t first, Py_ssize_t parts, int streaming, int64_t *hash)
+{
+    sigjmp_buf jump;
+    m64_state st;
+    if (sigsetjmp(jump, 0)) {
+        *hash = 0;
+        return -1;
+    }
+    fault_guard_on(&jump);
+    m64_begin(&st);
+    for (Py_ssize_t b = first; b < first + parts; b++) {
+        const uint8_t *from = (const uint8_t *)(intptr_t)s[b];
+        if (d == NULL)
+            m64_update(&st, from, (size_t)z[b]);
+        else
+            copy_part_hashed(&st, (char *)(intptr_t)d[b], from, (size_t)z[b], streaming);
+    }
+    *hash = m64_finish(&st);
+    fault_guard_off();
+    return 0;
+}
+
 static PyObject *copy_many_hashed(PyObject *self, PyObject *args)
 {
     PyObject *dst_obj, *src_obj, *sizes_obj;
@@ -547,24 +725,20 @@ static PyObject *copy_many_hashed(PyObject *self, PyObject *args)
     if (out == NULL)
         goto done;
     int64_t *hashes = (int64_t *)PyBytes_AS_STRING(out);
+    Py_ssize_t faults = 0;
+    uint8_t *faulted = NULL;
     Py_BEGIN_ALLOW_THREADS
-    m64_state st;
-    for (Py_ssize_t v = 0; v < values; v++) {
-        m64_begin(&st);
-        for (Py_ssize_t b = v * parts; b < (v + 1) * parts; b++) {
-            const uint8_t *from = (const uint8_t *)(intptr_t)s[b];
-            if (d == NULL)
-                m64_update(&st, from, (size_t)z[b]);
-            else
-                copy_part_hashed(&st, (char *)(intptr_t)d[b], from, (size_t)z[b], streaming);
-        }
-        hashes[v] = m64_finish(&st);
-    }
+    for (Py_ssize_t v = 0; v < values; v++)
+        if (copy_hashed_guarded(d, s, z, v * parts, parts, streaming, hashes + v) < 0)
+            fault_mark(&faulted, values, v, &faults);
 #if HAVE_STREAMING
     if (d != NULL && streaming)
         _mm_sfence();
 #endif
     Py_END_ALLOW_THREADS
+    if (faults)
+        Py_SETREF(out, copy_fault_raise("copy_many_hashed: values", faulted, values, faults));
+    PyMem_RawFree(faulted);
 done:
     if (have_dst && dst.obj != NULL)
         PyBuffer_Release(&dst);
@@ -586,11 +760,50 @@ done:
  * of value v's bytes (0 where skipped). The local index's fused read (`_shmindex.c`,
  * `Reader.read`) calls it through `copy_values_threads` and the capsule `COPY_VALUES`: one
  * loop for both. */
-static void copy_values_run(const int64_t *starts, const int64_t *buffers, const int64_t *sizes,
-                            Py_ssize_t values, Py_ssize_t parts, int to_values, int streaming,
-                            int64_t *hashes)
+/* Value `v`'s parts (see copy_values_run) from `value`, guarded: 0, or -1 if it faulted. */
+static int copy_value_guarded(char *value, const int64_t *buffers, const int64_t *sizes,
+                              Py_ssize_t parts, int to_values, int streaming, int64_t *hash)
 {
+    sigjmp_buf jump;
     m64_state st;
+    if (sigsetjmp(jump, 0)) {
+        if (hash != NULL)
+            *hash = 0;
+        return -1;
+    }
+    fault_guard_on(&jump);
+    if (hash != NULL)
+        m64_begin(&st);
+    for (Py_ssize_t j = 0; j < parts; j++) {
+        char *buffer = (char *)(intptr_t)buffers[j];
+        char *to = to_values ? value : buffer;
+        const char *from = to_values ? buffer : value;
+        size_t size = (size_t)sizes[j];
+        if (hash != NULL)
+            copy_part_hashed(&st, to, (const uint8_t *)from, size, streaming);
+#if HAVE_STREAMING
+        else if (streaming)
+            copy_streaming(to, from, size, 1);
+#endif
+        else
+            memmove(to, from, size);
+        value += size;
+    }
+    if (hash != NULL)
+        *hash = m64_finish(&st);
+    fault_guard_off();
+    return 0;
+}
+
+/* Returns how many values faulted (see "faults during a copy"), each flagged 1 in `faulted`
+ * (one byte per value, left as it is for the others); those are not copied whole (a store of
+ * them fails, a read of them is a miss) and their hashes are 0. */
+static Py_ssize_t copy_values_run(const int64_t *starts, const int64_t *buffers,
+                                  const int64_t *sizes, Py_ssize_t values, Py_ssize_t parts,
+                                  int to_values, int streaming, int64_t *hashes,
+                                  uint8_t *faulted)
+{
+    Py_ssize_t faults = 0;
     for (Py_ssize_t v = 0; v < values; v++) {
         char *value = (char *)(intptr_t)starts[v];
         if (value == NULL) {
@@ -598,30 +811,17 @@ static void copy_values_run(const int64_t *starts, const int64_t *buffers, const
                 hashes[v] = 0;
             continue;
         }
-        if (hashes != NULL)
-            m64_begin(&st);
-        for (Py_ssize_t j = 0; j < parts; j++) {
-            char *buffer = (char *)(intptr_t)buffers[v * parts + j];
-            char *to = to_values ? value : buffer;
-            const char *from = to_values ? buffer : value;
-            size_t size = (size_t)sizes[j];
-            if (hashes != NULL)
-                copy_part_hashed(&st, to, (const uint8_t *)from, size, streaming);
-#if HAVE_STREAMING
-            else if (streaming)
-                copy_streaming(to, from, size, 1);
-#endif
-            else
-                memmove(to, from, size);
-            value += size;
+        if (copy_value_guarded(value, buffers + v * parts, sizes, parts, to_values, streaming,
+                               hashes != NULL ? hashes + v : NULL) < 0) {
+            faulted[v] = 1;
+            faults++;
         }
-        if (hashes != NULL)
-            hashes[v] = m64_finish(&st);
     }
 #if HAVE_STREAMING
     if (streaming)
         _mm_sfence();
 #endif
+    return faults;
 }
 
 /* ---- copy_values on several threads -------------------------------------------------------
@@ -659,8 +859,10 @@ typedef struct {
     Py_ssize_t values, parts, block; /* block: values a thread takes at a time */
     int to_values, streaming;
     int64_t *hashes;
-    Py_ssize_t next; /* the first value no thread has taken (atomic) */
-    int helpers;     /* copiers asked and not finished, under copier_lock */
+    uint8_t *faulted; /* a byte per value: 1 where it faulted (copy_values_run) */
+    Py_ssize_t next;  /* the first value no thread has taken (atomic) */
+    int helpers;      /* copiers asked and not finished, under copier_lock */
+    Py_ssize_t faults; /* values that faulted (atomic) */
 } CopyJob;
 
 typedef struct {
@@ -684,9 +886,12 @@ static void copy_job_work(CopyJob *job)
         if (a >= job->values)
             return;
         Py_ssize_t n = job->values - a < job->block ? job->values - a : job->block;
-        copy_values_run(job->starts + a, job->buffers + a * job->parts, job->sizes, n,
-                        job->parts, job->to_values, job->streaming,
-                        job->hashes != NULL ? job->hashes + a : NULL);
+        Py_ssize_t faults = copy_values_run(
+            job->starts + a, job->buffers + a * job->parts, job->sizes, n, job->parts,
+            job->to_values, job->streaming, job->hashes != NULL ? job->hashes + a : NULL,
+            job->faulted + a);
+        if (faults)
+            __atomic_fetch_add(&job->faults, faults, __ATOMIC_RELAXED);
     }
 }
 
@@ -702,6 +907,7 @@ static void *copier_main(void *arg)
     }
     pthread_setname_np(pthread_self(), "maru-copier"); /* (top -H, /proc/<pid>/task) */
 #endif
+    fault_signals_unblock(); /* (started with every signal blocked: copier_ready) */
     pthread_mutex_lock(&copier_lock);
     for (;;) {
         while (c->job == NULL) /* (also after a job was called off before we woke) */
@@ -820,22 +1026,24 @@ static void copy_job_finish(CopyJob *job, int helpers, const int *asked)
     pthread_mutex_unlock(&copier_lock);
 }
 
-/* copy_values_run shared by up to `threads` threads (see above). Needs no GIL. */
-static void copy_values_threads(const int64_t *starts, const int64_t *buffers,
-                                const int64_t *sizes, Py_ssize_t values, Py_ssize_t parts,
-                                int to_values, int streaming, int64_t *hashes, int threads)
+/* copy_values_run shared by up to `threads` threads (see above). Needs no GIL. Returns how
+ * many values faulted, flagged in `faulted` (a byte per value, zeroed by the caller). */
+static Py_ssize_t copy_values_threads(const int64_t *starts, const int64_t *buffers,
+                                      const int64_t *sizes, Py_ssize_t values, Py_ssize_t parts,
+                                      int to_values, int streaming, int64_t *hashes, int threads,
+                                      uint8_t *faulted)
 {
     Py_ssize_t block = 1;
     int helpers = copy_plan(sizes, values, parts, streaming, threads, &block);
-    if (helpers == 0) {
-        copy_values_run(starts, buffers, sizes, values, parts, to_values, streaming, hashes);
-        return;
-    }
+    if (helpers == 0)
+        return copy_values_run(starts, buffers, sizes, values, parts, to_values, streaming,
+                               hashes, faulted);
     CopyJob job = {starts, buffers, sizes, values, parts, block, to_values, streaming, hashes,
-                   0, 0};
+                   faulted, 0, 0, 0};
     int asked[MAX_COPIERS] = {0};
     copy_job_post(&job, helpers, asked);
     copy_job_finish(&job, helpers, asked);
+    return job.faults;
 }
 
 static PyObject *copier_counts(PyObject *self, PyObject *unused)
@@ -859,6 +1067,7 @@ static PyObject *copier_counts(PyObject *self, PyObject *unused)
 typedef struct {
     Py_buffer starts, buffers, sizes;
     PyObject *hashes; /* bytes: the values' maru64s (hashed), else NULL */
+    uint8_t *faulted; /* a byte per value: 1 where it faulted */
     CopyJob job;
     int helpers;      /* copiers to ask (0: the caller alone, in finish) */
     int asked[MAX_COPIERS];
@@ -875,6 +1084,8 @@ static void copy_release(Copy *c)
     if (c->sizes.obj != NULL)
         PyBuffer_Release(&c->sizes);
     Py_CLEAR(c->hashes);
+    PyMem_RawFree(c->faulted);
+    c->faulted = NULL;
 }
 
 /* Parse and check copy_values' arguments into `c` (zeroed by the caller): 0, or -1 with an
@@ -908,10 +1119,15 @@ static int copy_open(Copy *c, PyObject *args, const char *format)
             return -1;
         hashes = (int64_t *)PyBytes_AS_STRING(c->hashes);
     }
+    if ((c->faulted = PyMem_RawCalloc((size_t)(values ? values : 1), 1)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     Py_ssize_t block = values > 0 ? values : 1;
     c->helpers = copy_plan(z, values, parts, streaming, threads, &block);
     c->job = (CopyJob){(const int64_t *)c->starts.buf, (const int64_t *)c->buffers.buf, z,
-                       values, parts, block, to_values, streaming, hashes, 0, 0};
+                       values, parts, block, to_values, streaming, hashes, c->faulted, 0, 0,
+                       0};
     c->pid = getpid();
     return 0;
 }
@@ -931,8 +1147,12 @@ static void copy_finish(Copy *c)
     c->finished = 1;
 }
 
+/* What a finished copy returns: its hashes (or None), or CopyFaultError where values
+ * faulted. */
 static PyObject *copy_result(const Copy *c)
 {
+    if (c->job.faults)
+        return copy_fault_raise("copy_values: values", c->faulted, c->job.values, c->job.faults);
     return c->hashes != NULL ? Py_NewRef(c->hashes) : Py_NewRef(Py_None);
 }
 
@@ -1050,6 +1270,15 @@ done:
     return out;
 }
 
+static PyObject *guard_faults(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    if (fault_guard_install() < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
 static PyObject *hash_impl(PyObject *self, PyObject *args)
 {
     const char *name = NULL;
@@ -1114,6 +1343,9 @@ static PyMethodDef methods[] = {
     {"hash_impl", hash_impl, METH_VARARGS,
      "hash_impl([name]) -> str: the maru64 loop in use (scalar, avx2, avx512); with a name\n"
      "(or 'auto'), switch to it and return the one before (tests and benchmarks)."},
+    {"guard_faults", guard_faults, METH_NOARGS,
+     "guard_faults(): put the SIGBUS/SIGSEGV handler of the copies back in place if another\n"
+     "was installed after it (e.g. faulthandler.enable()), chaining to that one outside copies."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1134,6 +1366,18 @@ PyMODINIT_FUNC PyInit__memcopy(void)
     copiers_init();
     if (pthread_atfork(NULL, NULL, copiers_after_fork) != 0)
         return PyErr_NoMemory();
+    if (fault_guard_install() < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    if (CopyFaultError == NULL) {
+        CopyFaultError = PyErr_NewExceptionWithDoc(
+            "maru.client._memcopy.CopyFaultError",
+            "Pool memory faulted during a copy (SIGBUS: its file truncated or its filesystem\n"
+            "out of room; SIGSEGV: unmapped). `faulted`: bytes, 1 per value (or buffer) that\n"
+            "was not copied; the others were.",
+            PyExc_OSError, NULL);
+        if (CopyFaultError == NULL)
+            return NULL;
+    }
     if (PyType_Ready(&CopyInFlightType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
@@ -1142,9 +1386,10 @@ PyMODINIT_FUNC PyInit__memcopy(void)
     /* COPY_VALUES: copy_values_threads for other extensions (the capsule's name checks the
      * type) */
     PyObject *capsule =
-        PyCapsule_New((void *)copy_values_threads, "maru.copy_values_threads", NULL);
+        PyCapsule_New((void *)copy_values_threads, "maru.copy_values_threads.2", NULL);
     int rc = capsule == NULL || PyModule_AddIntConstant(m, "STREAMING", HAVE_STREAMING) < 0 ||
-             PyModule_AddObjectRef(m, "COPY_VALUES", capsule) < 0;
+             PyModule_AddObjectRef(m, "COPY_VALUES", capsule) < 0 ||
+             PyModule_AddObjectRef(m, "CopyFaultError", CopyFaultError) < 0;
     Py_XDECREF(capsule);
     if (rc) {
         Py_DECREF(m);

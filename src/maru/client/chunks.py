@@ -158,6 +158,23 @@ class ChunkBook:
                 owned.touched = False
         return self.parked_regions()
 
+    def give_up(self, nbytes: int) -> list[MappedRegion]:
+        """Drop owned regions of at least `nbytes` in all (or all we can), none with a value
+        reserved in it, the least used first; their mappings (for RETURN_REGION)."""
+        with self._lock:
+            idle = sorted(
+                (o for o in self._owned.values() if not o.reserved),
+                key=lambda o: (not o.parked, o.chunks.used),
+            )
+            out: list[MappedRegion] = []
+            for owned in idle:
+                if nbytes <= 0:
+                    break
+                del self._owned[owned.mapped.handle.region_id]
+                out.append(owned.mapped)
+                nbytes -= owned.mapped.handle.length
+            return out
+
     def parked_regions(self) -> list[int]:
         with self._lock:
             return sorted(r for r, o in self._owned.items() if o.parked)

@@ -32,7 +32,7 @@ from maru.client.chunks import AllocHandle, ChunkBook
 from maru.client.connecting import connect_failure, probe
 from maru.client.localindex import LocalIndexClient, Prefix, joined, offered_index
 from maru.client.mapping import MappedRegion, RegionMapper
-from maru.client.memcopy import copy_values
+from maru.client.memcopy import CopyFaultError, copy_many, copy_values, guard_faults
 from maru.client.requests import (
     Lookup,
     MemoryInfo,
@@ -44,7 +44,7 @@ from maru.client.requests import (
 from maru.client.rpc import PendingReply, RpcClient
 from maru.client.supply import RegionSupply
 from maru.common.config import MaruConfig
-from maru.common.errors import MaruConnectError, MaruError, MaruServerError
+from maru.common.errors import LeaseExpired, MaruConnectError, MaruError, MaruServerError
 from maru.common.protocol import (
     DeleteStatus,
     ErrorCode,
@@ -69,16 +69,25 @@ class _Heartbeat:
         self.interval = 5.0  # the server says how often, at handshake
         self._send, self._name = send, name
         self._stop = threading.Event()
+        self._now = threading.Event()  # `wake`: beat now, not at the end of the interval
         self._thread: threading.Thread | None = None
+
+    def wake(self) -> None:
+        self._now.set()
 
     def start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
+            self._now.clear()
             self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
             self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
+        while True:
+            self._now.wait(self.interval)
+            self._now.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._send()
             except MaruError as exc:
@@ -86,8 +95,23 @@ class _Heartbeat:
 
     def stop(self, timeout: float) -> None:
         self._stop.set()
+        self._now.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+def _copy_in(handle: AllocHandle, data: Buffer) -> bool:
+    """Copy `data` to the value `handle` reserved; False (logged) if the pool's memory faulted
+    under it (its file truncated, its tmpfs out of room: `maru.client.memcopy`)."""
+    src = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+    try:
+        copy_many(np.array([handle.address]), np.array([src.ctypes.data]), src.size)
+    except CopyFaultError as exc:
+        log.warning(
+            "store into region %d at offset %d failed: %s", handle.region_id, handle.offset, exc
+        )
+        return False
+    return True
 
 
 class MaruHandler:
@@ -101,6 +125,7 @@ class MaruHandler:
         # starts with) and gives it a session credential that every request carries.
         self.instance_id = config.instance_id
         self._session: str | None = None
+        self._rehandshake = threading.Lock()  # one re-handshake for all threads at a time
         self._rpc = RpcClient(
             config.server_url,
             timeout_ms=config.timeout_ms,
@@ -112,6 +137,7 @@ class MaruHandler:
             client_secret_key=config.curve_client_key,
         )
         self._mapper = RegionMapper()
+        guard_faults()  # (a faulthandler enabled since import would see the pool's faults first)
         self._chunks = ChunkBook(config.chunk_size_bytes)
         self._connected = False
         self.connect_error: MaruConnectError | None = None  # why the last connect() failed
@@ -162,8 +188,11 @@ class MaruHandler:
     def close(self) -> None:
         """End this instance on the server (DISCONNECT: its pins and leases end, its regions
         go back; keys stay readable by others until evicted) and unmap. A server that cannot
-        be reached reaps the instance after its heartbeat timeout instead."""
+        be reached reaps the instance after its heartbeat timeout instead. In a child forked
+        after the handler was made, only the child's copies go: the instance is its parent's."""
         self._heartbeat.stop(timeout=self.config.timeout_ms / 1000 + 1)
+        if self._connected and self._rpc.forked():
+            self._connected = False
         if self._connected:
             self._connected = False
             try:
@@ -176,6 +205,7 @@ class MaruHandler:
             except MaruError as exc:
                 log.warning("disconnect from %s failed: %s", self.config.server_url, exc)
         self._index = None
+        self._session = None  # void now: never presented again
         self._chunks.clear()
         self._mapper.close()
         self._rpc.close()
@@ -199,6 +229,12 @@ class MaruHandler:
         reads = self._index.take_reads() if self._index is not None else None
         return {"local_reads": reads} if reads else {}
 
+    def _local_index(self) -> LocalIndexClient | None:
+        """The server's index to read through without a request, if it offered one; raises
+        `MaruForkedError` in a forked child, as a request would."""
+        self._rpc.check_fork()
+        return self._index
+
     def _beat(self) -> None:
         self._supply.tick(self._local_reads())
 
@@ -220,19 +256,29 @@ class MaruHandler:
         self._heartbeat.interval = float(reply.get("heartbeat_interval", 5.0))
         return self._supply.reattach(reply)
 
-    def _on_unknown_instance(self, msg_type: int) -> None:
-        """The server restarted and forgot us (`RpcClient` calls this, then re-sends)."""
-        lost = self._handshake()
-        if lost and msg_type == MsgType.REGISTER_KV:
-            raise RegionsLost(
-                f"maru-server at {self.config.server_url} restarted and forgot {lost} of "
-                "our regions"
-            )
+    def _on_unknown_instance(self, msg_type: int, request: dict[str, Any]) -> dict[str, Any]:
+        """The server does not know our instance (it restarted, or reaped us): handshake
+        again, once for all threads whose requests carried the old credential (an instance
+        the server kept nothing of comes back as a new one, with a new credential), and
+        return `request` as the instance's now (`RpcClient` calls this, then re-sends)."""
+        with self._rehandshake:
+            if request.get("session") == self._session:
+                lost = self._handshake()
+                if lost and msg_type == MsgType.REGISTER_KV:
+                    raise RegionsLost(
+                        f"maru-server at {self.config.server_url} restarted and forgot {lost} "
+                        "of our regions"
+                    )
+        return {**request, "session": self._session} if "session" in request else request
 
     def _on_reply(self, body: dict[str, Any]) -> None:
         freed = body.get("freed")
         if freed:
             self._chunks.apply_freed(freed)
+        shed = body.get("shed")
+        if shed:  # (given back by the heartbeat thread: this thread may hold the supply)
+            self._supply.shed(shed)
+            self._heartbeat.wake()
 
     # -- regions -----------------------------------------------------------------------------
 
@@ -257,6 +303,7 @@ class MaruHandler:
     def get_buffer_view(self, region_id: int, offset: int, size: int) -> memoryview | None:
         """The bytes [offset, offset + size) of a mapped region (writable if we own it); None
         if the region is not mapped here or the range is outside it."""
+        self._rpc.check_fork()  # a child writing there would write into its parent's pages
         return self._mapper.view(region_id, offset, size)
 
     def get_region_page_count(self, region_id: int) -> int:
@@ -302,6 +349,7 @@ class MaruHandler:
         reserve value by value then."""
         if size <= 0 or count <= 0:
             raise ValueError(f"alloc needs a positive size and count, got {size}, {count}")
+        self._rpc.check_fork()  # a child's copy of our chunks hands out the parent's next ones
         return self._supply.reserve(size, count)
 
     def copying(self) -> AbstractContextManager[None]:
@@ -437,10 +485,15 @@ class MaruHandler:
             for handle in handles:
                 if handle is not None:
                     self._chunks.give_back(handle)
-        for data, size, handle in zip(datas, sizes, handles):
-            if handle is not None and self._chunks.holds(handle):
-                handle.buf[:size] = memoryview(data).cast("B")
-        return run if run is not None else handles
+        lost = [
+            i
+            for i, (data, size, handle) in enumerate(zip(datas, sizes, handles))
+            if handle is not None and self._chunks.holds(handle) and not _copy_in(handle, data)
+        ]
+        for i in lost:  # (not sealed: those keys fail)
+            self._chunks.give_back(handles[i])  # type: ignore[arg-type]
+            handles[i] = None
+        return run if run is not None and not lost else handles
 
     # -- get, release ------------------------------------------------------------------------
 
@@ -466,8 +519,9 @@ class MaruHandler:
         `prefix + key` (one prefix of the keys' type, or a sequence of them, one per key),
         never joined by the local index (each key hashed and compared in its two parts), and
         joined here for a request."""
-        if for_copy and self._index is not None:
-            found = self._index.lookup(self, keys, prefix)
+        index = self._local_index()
+        if for_copy and index is not None:
+            found = index.lookup(self, keys, prefix)
             if found is not None:
                 return found
         return Lookup(self, joined(keys, prefix), lease)
@@ -496,8 +550,9 @@ class MaruHandler:
         self, keys: Sequence[Key], buffers: np.ndarray, sizes: Any, length: int, prefix: Prefix
     ) -> list[bool]:
         hashed = self.config.checksums
-        if self._index is not None:
-            proven = self._index.read(self, keys, prefix, buffers, sizes, length, hashed)
+        index = self._local_index()
+        if index is not None:
+            proven = index.read(self, keys, prefix, buffers, sizes, length, hashed)
             if proven is not None:
                 return proven
         found = self.lookup(keys, lease=True, for_copy=True, prefix=prefix)
@@ -531,10 +586,21 @@ class MaruHandler:
 
     @contextmanager
     def leased(self, keys: Sequence[Key]) -> Iterator[list[MemoryInfo | None]]:
-        """`batch_retrieve` whose hits cannot be evicted or deleted until the block ends (or
-        the lease times out: to know it held, use `lookup` and `release(confirm=True)`)."""
-        with self.lookup(keys, lease=True) as found:
-            yield found.infos()
+        """`batch_retrieve` whose hits cannot be evicted or deleted until the block ends, and
+        proven: leaving the block confirms the lease (`release(confirm=True)`, one round
+        trip), and if it had ended before (the block outlived --lease-timeout, or the server
+        restarted) raises `LeaseExpired` naming the hits, whose pages may have been written
+        again meanwhile: what the block read from them is not theirs. A block left by an
+        exception just releases."""
+        found = self.lookup(keys, lease=True)
+        try:
+            infos = found.infos()
+            yield infos
+        except BaseException:
+            found.release()
+            raise
+        if not found.release(confirm=True):
+            raise LeaseExpired([key for key, info in zip(keys, infos) if info is not None])
 
     # -- existence, pins, deletion -----------------------------------------------------------
 
@@ -543,7 +609,8 @@ class MaruHandler:
 
     def batch_exists(self, keys: Sequence[Key], *, prefix: Prefix = "") -> list[bool]:
         """Whether each key (`prefix + key`, as in `lookup`) is registered."""
-        found = self._index.exists(keys, prefix) if self._index is not None else None
+        index = self._local_index()
+        found = index.exists(keys, prefix) if index is not None else None
         if found is not None:
             return found
         return self._per_key(MsgType.EXISTS, joined(keys, prefix), bool)
@@ -551,7 +618,8 @@ class MaruHandler:
     def leading_hits(self, keys: Sequence[Key], *, prefix: Key = "") -> int:
         """How many of `keys` (`prefix + key`) from the start are registered: SGLang's
         `batch_exists`. Through the local index in one call that stops at the first miss."""
-        counted = self._index.leading(keys, prefix) if self._index is not None else None
+        index = self._local_index()
+        counted = index.leading(keys, prefix) if index is not None else None
         if counted is not None:
             return counted
         found = self._per_key(MsgType.EXISTS, joined(keys, prefix), bool)

@@ -235,9 +235,12 @@ class LocalIndexClient:
         return proven
 
     def _not_proven(self, handler: MaruHandler, keys, prefix, raw: bytes, length: int) -> None:
-        """After `Reader.read`: count and log its hits that are not proven (statuses 2-4)."""
+        """After `Reader.read`: count and log its hits that are not proven (statuses 2-5)."""
         columns = np.frombuffer(raw, np.int64).reshape(NCOLS + 2, len(keys))
         lengths, status = columns[1], columns[NCOLS + 1]
+        lost = int(np.count_nonzero(status == 5))
+        if lost:  # (`maru.client.memcopy`: the pool's file truncated under the copy, say)
+            log.warning("the copy of %d of %d keys faulted: misses", lost, len(keys))
         stale = int(np.count_nonzero(status == 3))
         if stale:
             self.stale += stale

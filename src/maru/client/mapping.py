@@ -7,7 +7,10 @@ taken from it just before, would crash the process, or, once the address is reus
 next mmap, put the copy's bytes into another region. So an unmapped region leaves the lookup
 tables at once but is closed only once no copy is in flight (`RegionMapper.copying()`, around
 every copy) and `retire_s` have passed (addresses taken before the unmap are used within
-milliseconds: an allocation's copy, a lookup's read).
+milliseconds: an allocation's copy, a lookup's read). `close()` (the handler closes) waits,
+a bounded time, for the copies in flight, and leaves what they still use mapped for the last
+of them to close; a copy of stale addresses after that faults, which the copy loops take as
+a failed copy (`maru.client.memcopy`), not a crash.
 """
 
 from __future__ import annotations
@@ -59,10 +62,13 @@ class RegionMapper:
     """Maps region handles into this process. Regions owned by others are mapped read-only,
     so a bug in one instance cannot scribble over another instance's pages."""
 
-    def __init__(self, retire_s: float = 5.0) -> None:
+    def __init__(self, retire_s: float = 5.0, close_wait_s: float = 5.0) -> None:
         self._regions: dict[int, MappedRegion] = {}
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when no copy is in flight
         self.retire_s = retire_s
+        self.close_wait_s = close_wait_s  # how long `close()` waits for copies in flight
+        self._closing = False  # `close()` was called: retired regions need no grace
         self._copies = 0  # copies in flight in `copying()` blocks
         self._retired: list[tuple[float, MappedRegion]] = []  # (unmapped at, region): see module
         self._copying = _Copying(self)
@@ -108,13 +114,15 @@ class RegionMapper:
     def _copy_ended(self) -> None:
         with self._lock:
             self._copies -= 1
+            if not self._copies:
+                self._idle.notify_all()
             self._close_retired_locked()
 
     def _close_retired_locked(self) -> None:
         """Close the unmapped regions that no copy can still be using (see the module)."""
         if self._copies or not self._retired:
             return
-        cutoff = time.monotonic() - self.retire_s
+        cutoff = time.monotonic() - (0.0 if self._closing else self.retire_s)
         keep: list[tuple[float, MappedRegion]] = []
         for at, mapped in self._retired:
             if at > cutoff:
@@ -189,11 +197,23 @@ class RegionMapper:
         self.rows = np.array(rows, np.int64).reshape(len(rows), 4)
 
     def close(self) -> None:
-        """Unmap and close every region now (the handler is closing: no copy of its own may
-        still run)."""
+        """Unmap every region, and close them once the copies in flight have ended (the
+        handler is closing; another thread may still copy, e.g. a read that began before):
+        waits up to `close_wait_s` for them, then leaves the regions they may use for the
+        last of them to close (logged), never closing a mapping under a running copy."""
         with self._lock:
+            self._closing = True
             for region_id in list(self._regions):
                 self._unmap_locked(region_id)
+            if not self._idle.wait_for(lambda: not self._copies, self.close_wait_s):
+                log.warning(
+                    "closing with %d copies still in flight after %.1f s: their %d regions "
+                    "are closed when the last of them ends",
+                    self._copies,
+                    self.close_wait_s,
+                    len(self._retired),
+                )
+                return
             retired, self._retired = self._retired, []
         for _, mapped in retired:
             self._close(mapped)

@@ -21,11 +21,19 @@ while the caller does other work, `finish()` does the caller's part and waits fo
 `copy_many_hashed` is the same copy that also returns each value's checksum (maru64,
 `maru.client.checksum`), hashed a few KiB at a time right after they were copied, from the
 source, while they are in cache (`maru_checksums` on the data path).
+
+Faults: the pool is a file other processes can change under a copy (truncated, or its tmpfs
+filled by someone else: SIGBUS on the page; unmapped: SIGSEGV). The C loops copy each value
+under a guard (a SIGBUS/SIGSEGV handler and a per-thread jump, `_memcopy.c`): a value whose
+memory faults is not copied, the rest are, and the call raises `CopyFaultError` naming the
+values that faulted, so that a store of them fails and a read of them is a miss instead of
+the process dying. (The ctypes fallback has no such guard.)
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 from collections.abc import Sequence
 
@@ -40,21 +48,45 @@ try:
     from maru.client._memcopy import (
         COPY_VALUES,  # (its C loop, for the local index's read)
         STREAMING,
+        CopyFaultError,
     )
     from maru.client._memcopy import copier_counts as _c_copier_counts
     from maru.client._memcopy import copy_many as _c_copy_many
     from maru.client._memcopy import copy_many_hashed as _c_copy_many_hashed
     from maru.client._memcopy import copy_values as _c_copy_values
     from maru.client._memcopy import copy_values_start as _c_copy_values_start
+    from maru.client._memcopy import guard_faults as _c_guard_faults
     from maru.client._memcopy import page_pointers as _c_page_pointers
 except ImportError:  # built without a C compiler
     _c_copy_many = _c_copy_many_hashed = _c_copy_values = _c_page_pointers = COPY_VALUES = None
-    _c_copy_values_start = None
+    _c_copy_values_start = _c_guard_faults = None
     _c_copier_counts = None
     STREAMING = 0
     log.debug("maru.client._memcopy not built: page copies use a ctypes loop")
 
+    class CopyFaultError(OSError):  # type: ignore[no-redef]
+        """Pool memory faulted during a copy (never raised by the ctypes loop: it has no
+        guard). `faulted`: bytes, 1 per value (or buffer) that was not copied."""
+
+        def __init__(self, message: str, faulted: bytes = b""):
+            super().__init__(errno.EFAULT, message)
+            self.faulted = faulted
+
+
 COMPILED = _c_copy_many is not None
+
+
+def faulted(exc: CopyFaultError) -> np.ndarray:
+    """The values (or buffers) a `CopyFaultError` says were not copied, as a bool array."""
+    return np.frombuffer(exc.faulted, np.uint8).astype(bool)
+
+
+def guard_faults() -> None:
+    """Put the copies' SIGBUS/SIGSEGV handler back in front if another was installed after
+    this module was loaded (`faulthandler.enable()`, say; it is then the one a fault outside
+    a copy goes to). A `MaruHandler` calls it when made."""
+    if _c_guard_faults is not None:
+        _c_guard_faults()
 
 
 def copy_many(

@@ -16,6 +16,7 @@ import numpy as np
 
 from maru.client.checksum import checksums
 from maru.client.chunks import AllocHandle
+from maru.client.memcopy import CopyFaultError, faulted
 from maru.common.errors import MaruError, MaruServerError
 from maru.common.protocol import (
     CHECKSUMS,
@@ -274,6 +275,7 @@ class Lookup:
         self._region_ids: np.ndarray | None = None
         self._checksums: np.ndarray | None = None  # the writers' (0: none, or a miss)
         self._corrupt: np.ndarray | None = None  # keys `corrupt()` found so far
+        self._faulted: np.ndarray | None = None  # keys whose copy faulted (`copy_out`)
         self._sums: np.ndarray | None = None  # per key, its checksum as `copy_out` read it
         self.copied: np.ndarray | None = None  # per key, whether `copy_out` copied it
         self._pending: PendingReply | None = None
@@ -355,7 +357,10 @@ class Lookup:
         copied (`maru_checksums`, for `corrupt()`) or None (e.g. `copy_values` into host
         buffers). Returns per key whether it was copied (also in `copied`); a hit of another
         length is not (logged: a miss). Then, as after any copy, take as misses what
-        `corrupt()` names and everything if `release(confirm=True)` says False."""
+        `corrupt()` names and everything if `release(confirm=True)` says False. A copy whose
+        pool memory faulted (`CopyFaultError`: the pool's file truncated under it, say)
+        copied nothing of keys[start:stop] that can be proven: all of them are misses
+        (logged), and `corrupt()` reads none of them again."""
         addresses, lengths = self.wait()
         seg = slice(start, self.n if stop is None else stop)
         copied = lengths[seg] == length
@@ -366,9 +371,23 @@ class Lookup:
             if len(other):
                 keys = [self._keys[start + i] for i in other.tolist()]
                 other_lengths(keys, lengths[seg][other].tolist(), length)
-        sums = copy(sources)
         if self.copied is None:
             self.copied = np.zeros(self.n, bool)
+        try:
+            sums = copy(sources)
+        except CopyFaultError as exc:
+            log.warning(
+                "the copy of %d keys from %r on faulted on %d of them: all misses (%s)",
+                int(np.count_nonzero(copied)),
+                self._keys[seg.start] if seg.start < self.n else None,
+                int(np.count_nonzero(faulted(exc))),
+                exc.strerror,
+            )
+            if self._faulted is None:
+                self._faulted = np.zeros(self.n, bool)
+            self._faulted[seg] = True
+            self.copied[seg] = False
+            return np.zeros(len(copied), bool)
         self.copied[seg] = copied
         if sums is not None:
             if self._sums is None:
@@ -393,6 +412,8 @@ class Lookup:
             self._corrupt = np.zeros(self.n, bool)
         stored = self._checksums
         todo = np.flatnonzero(stored) if self._handler.config.checksums else ()
+        if self._faulted is not None and len(todo):  # (misses already; not read again)
+            todo = todo[~self._faulted[todo]]
         if not len(todo):  # (a miss has no checksum)
             return self._corrupt.copy()
         if computed is None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import re
 import select
 import socket
@@ -38,7 +39,12 @@ from zmq.utils.monitor import recv_monitor_message
 
 from maru.client.busypoll import recv_spin
 from maru.common import protocol
-from maru.common.errors import MaruConnectionError, MaruConnectRefused, MaruServerError
+from maru.common.errors import (
+    MaruConnectionError,
+    MaruConnectRefused,
+    MaruForkedError,
+    MaruServerError,
+)
 from maru.common.peer import peer_credentials
 from maru.common.protocol import ErrorCode, unix_address
 
@@ -46,6 +52,11 @@ log = logging.getLogger(__name__)
 
 ReplyHook = Callable[[dict[str, Any]], None]
 LOCAL_RETRY_S = 5.0  # after the server closed a new local connection unanswered: ZMQ meanwhile
+
+# How many forks this process is from the one that imported this module: an `RpcClient`
+# made before a fork is its parent's (its credential, its connections) and refuses to send.
+_forks = [0]
+os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
 
 
 class PendingReply:
@@ -100,8 +111,9 @@ class PendingReply:
         client = self._channel.client
         if code == ErrorCode.UNKNOWN_INSTANCE and self.retry and client.on_unknown_instance:
             log.info("maru-server does not know us (restarted?); handshaking again")
-            client.on_unknown_instance(self._msg_type)  # may raise: then the request failed
-            again = client.request(self._msg_type, self._request)
+            # may raise: then the request failed; else the request as the instance now is
+            request = client.on_unknown_instance(self._msg_type, self._request)
+            again = client.request(self._msg_type, request)
             again.retry = False
             return again.result(timeout_ms)
         raise MaruServerError(code, str(body.get("error", "server error")))
@@ -126,6 +138,7 @@ class _Channel:
 
     def collect(self) -> None:
         """Accept the replies that have arrived, neither waiting nor spinning for more."""
+        self.client.check_fork()  # a forked child would take its parent's replies
         for frame in self._receive(0, spin=False):
             self._accept(frame)
 
@@ -140,6 +153,7 @@ class _Channel:
         return pending
 
     def wait_for(self, target: PendingReply, timeout_ms: int | None) -> None:
+        self.client.check_fork()  # a forked child would take its parent's replies
         timeout = self.client.timeout_ms if timeout_ms is None else timeout_ms
         deadline = time.monotonic() + timeout / 1000.0
         while target.body is None:
@@ -331,6 +345,7 @@ class _LocalChannel(_Channel):
     def _lost(self, why: str) -> None:
         log.info("local socket %s to maru-server closed (%s)", self.address, why)
         if self.sock is not None and not self.answered:
+            self._take_refusal(self.sock)
             # Closed before any reply: refused (the server is out of file descriptors), not
             # served. Its requests go over ZMQ (`PendingReply.result`), and so does the
             # next while the server recovers.
@@ -397,13 +412,29 @@ class _LocalChannel(_Channel):
         if not data:
             self._lost("closed by the server")
             return []
-        self.answered = True
         self.reader.feed(data)
         try:
-            return self.reader.frames()
+            frames = self.reader.frames()
         except protocol.ProtocolError as exc:
             self._lost(str(exc))
             return []
+        why = None if self.answered or not frames else _refusal(frames[0])
+        if why is not None:
+            self.client.local_denied(self.address, why)
+            self._lost("refused by the server")
+            return []
+        self.answered = True
+        return frames
+
+    def _take_refusal(self, sock: socket.socket) -> None:
+        """The server refuses a connection with one frame before closing it (`LocalDoor`): a
+        request sent meanwhile fails, and the frame may still wait in the socket."""
+        with contextlib.suppress(OSError, protocol.ProtocolError):
+            self.reader.feed(sock.recv(protocol.STREAM_RECV_BYTES, socket.MSG_DONTWAIT))
+            frames = self.reader.frames()
+            why = _refusal(frames[0]) if frames else None
+            if why is not None:
+                self.client.local_denied(self.address, why)
 
     def _read(self, sock: socket.socket, timeout_ms: int, spin: bool) -> bytes | None:
         """What the socket has (b"" if the server closed it): spinning up to `busy_poll_us`
@@ -427,6 +458,18 @@ class _LocalChannel(_Channel):
             self.sock = None
 
 
+def _refusal(frame: bytes) -> str | None:
+    """Why the server refused this connection, if `frame` is its refusal: NOT_AUTHORIZED for
+    request id 0, which no request has (ids start at 1)."""
+    try:
+        header, body = protocol.decode(frame)
+    except protocol.ProtocolError:
+        return None
+    if header.request_id != 0 or body.get("code") != ErrorCode.NOT_AUTHORIZED:
+        return None
+    return str(body.get("error", "not authorized"))
+
+
 class LocalSocketUnavailable(Exception):
     """The Unix socket cannot take a request now; `RpcClient` sends it over ZMQ instead."""
 
@@ -439,14 +482,16 @@ class RpcClient:
         timeout_ms: int = 2000,
         max_inflight: int = 64,
         reply_hook: ReplyHook | None = None,
-        on_unknown_instance: Callable[[int], None] | None = None,
+        on_unknown_instance: Callable[[int, dict[str, Any]], dict[str, Any]] | None = None,
         busy_poll_us: int = 0,
         server_public_key: str | None = None,
         client_secret_key: str | None = None,
     ):
         """`reply_hook(body)` sees every successful reply (the handler takes `freed` from it);
-        `on_unknown_instance(msg_type)` re-handshakes when the server answers UNKNOWN_INSTANCE,
-        before the request is sent once more (it raises to fail the request instead).
+        `on_unknown_instance(msg_type, request)` re-handshakes when the server answers
+        UNKNOWN_INSTANCE and returns the request to send once more (with the credential the
+        handshake gave: a new instance's, if the server kept nothing of the old one); it
+        raises to fail the request instead.
         `server_public_key`: speak CURVE to a `maru-server --curve` with this key (Z85);
         `client_secret_key`: as the client whose keypair this is (Z85; for a server with
         --curve-clients), else with a throwaway keypair."""
@@ -467,6 +512,18 @@ class RpcClient:
         self._channels: list[_Channel] = []
         self._channels_lock = threading.Lock()
         self._closed = False
+        self.created_in = os.getpid()
+        self._forks = _forks[0]  # this process's fork count when the client was made
+
+    def forked(self) -> bool:
+        """Whether this process is a child forked after the client was made."""
+        return _forks[0] != self._forks
+
+    def check_fork(self) -> None:
+        """Raise `MaruForkedError` in a child forked after the client was made: its requests
+        would carry the parent's credential over the parent's connections."""
+        if self.forked():
+            raise MaruForkedError(self.created_in)
 
     def use_local_socket(self, address: str | None, uid: int | None) -> None:
         """Send later requests over the server's Unix socket at `address` (None: ZMQ only),
@@ -497,6 +554,20 @@ class RpcClient:
         )
         if self.local_address == address:
             self.local_address = None
+
+    def local_denied(self, address: str, why: str) -> None:
+        """The server refused this process its local socket (`LocalDoor`: another user than
+        those it serves there): stop using that address until a handshake names it again."""
+        if self.local_address == address:
+            self.local_address = None
+            log.warning(
+                "maru-server refuses this process (uid %d) its local socket %s: %s; using %s "
+                "(slower round trips)",
+                os.geteuid(),
+                address,
+                why,
+                self.url,
+            )
 
     def local_unreachable(self, address: str, exc: OSError) -> None:
         if address not in self._unreachable_logged:
@@ -541,6 +612,7 @@ class RpcClient:
 
     def request(self, msg_type: int, body: dict[str, Any]) -> PendingReply:
         """Send one request now; its reply comes from `.result()` (on this thread)."""
+        self.check_fork()
         channel = self._channel()
         try:
             return channel.request(msg_type, body)
@@ -548,9 +620,13 @@ class RpcClient:
             return self._zmq_channel().request(msg_type, body)
 
     def close(self) -> None:
+        """Close every channel. In a forked child only its copies of the Unix sockets: the
+        ZMQ sockets belong to the parent's context, which closing them here would disturb."""
         self._closed = True
+        forked = self.forked()
         with self._channels_lock:
             for channel in self._channels:
-                channel.close()
+                if not forked or isinstance(channel, _LocalChannel):
+                    channel.close()
             self._channels.clear()
         self._local = threading.local()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,7 @@ class RegionSupply:
         self.pool_generation: str | None = None  # likewise
         self.lock = threading.Lock()
         self._park_seq = itertools.count(1)
+        self._shed = 0  # bytes of regions the server asked us to give back (fair share)
 
     def reserve(self, size: int, count: int) -> AllocHandle | None:
         """`MaruHandler.alloc`'s work, in its order of resort."""
@@ -81,8 +83,7 @@ class RegionSupply:
             region_size = self._next_region_size(need)
             if region_size is not None:
                 try:  # at least `need` when the pool is short (the server reclaims for it)
-                    body = {"size": region_size, "min_size": need}
-                    reply = self._request(MsgType.REQUEST_REGION, body).result()
+                    reply = self._request_region(region_size, need)
                     handle = RegionHandle.from_wire(reply["region"])
                     self.chunks.adopt(self.mapper.map(handle, writable=True))
                     handle = self.chunks.take(size, count)
@@ -97,6 +98,49 @@ class RegionSupply:
                     log.warning("instance %s: cannot expand: %s", self.owner.instance_id, exc)
                     return None
             return self._evict_for(size) if count == 1 else None
+
+    def _request_region(self, size: int, need: int) -> dict[str, Any]:
+        """REQUEST_REGION's reply. POOL_RECLAIMING (we are below our fair share of the pool,
+        and the instances above theirs were asked to give regions back) is retried a few
+        times, 20 ms to 0.32 s apart (0.6 s in all): they give back at their next reply."""
+        body = {"size": size, "min_size": need}
+        for delay in (0.02, 0.04, 0.08, 0.16, 0.32, None):
+            try:
+                return self._request(MsgType.REQUEST_REGION, dict(body)).result()
+            except MaruServerError as exc:
+                if exc.code != ErrorCode.POOL_RECLAIMING or delay is None:
+                    raise
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def shed(self, nbytes: int) -> None:
+        """The server asks us to give back `nbytes` of regions (we hold more than our fair
+        share and another instance has none to get): done at the next `tick`."""
+        self._shed = max(self._shed, int(nbytes))
+
+    def _give_back_share(self) -> None:
+        """Return regions of at least `_shed` bytes in all, among those no value is reserved
+        in (the caller holds `lock`). `ChunkBook.give_up` drops them first, so nothing is
+        reserved there any more: a page we may still write is never in a region we return
+        (a seal in flight into one is refused by the server, never misplaced)."""
+        want, self._shed = self._shed, 0
+        for mapped in self.chunks.give_up(want):
+            handle = mapped.handle
+            body = {"region_id": handle.region_id, "token": handle.token}
+            try:
+                self._request(MsgType.RETURN_REGION, body).result()
+            except MaruError as exc:  # (dropped here anyway: it is no longer written)
+                log.warning(
+                    "instance %s: returning region %d failed: %s",
+                    self.owner.instance_id,
+                    handle.region_id,
+                    exc,
+                )
+            log.info(
+                "instance %s: region %d given back (over our fair share of the pool)",
+                self.owner.instance_id,
+                handle.region_id,
+            )
 
     def _evict_for(self, size: int) -> AllocHandle | None:
         want = -(-size // self.chunks.chunk_size) * self.chunks.chunk_size
@@ -173,6 +217,8 @@ class RegionSupply:
         carries `report` (the handler's local reads); it is sent unless a park told the
         server we live and there is nothing to report."""
         with self.lock:
+            if self._shed:
+                self._give_back_share()
             parked = self.chunks.park_idle()
             if parked and self._park(parked, []) is not None and not report:
                 return

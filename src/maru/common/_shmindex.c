@@ -1284,12 +1284,13 @@ done:
  * through its capsule (maru.client._memcopy.COPY_VALUES: `copy_values_threads`, shared by
  * `threads` threads), so both paths copy alike. */
 
-typedef void (*copy_values_fn)(const int64_t *starts, const int64_t *buffers,
-                               const int64_t *sizes, Py_ssize_t values, Py_ssize_t parts,
-                               int to_values, int streaming, int64_t *hashes, int threads);
+typedef Py_ssize_t (*copy_values_fn)(const int64_t *starts, const int64_t *buffers,
+                                     const int64_t *sizes, Py_ssize_t values, Py_ssize_t parts,
+                                     int to_values, int streaming, int64_t *hashes, int threads,
+                                     uint8_t *faulted);
 
 enum { COL_COMPUTED = NCOLS, COL_STATUS, READ_COLS };
-enum { READ_MISS, READ_PROVEN, READ_OTHER_LENGTH, READ_CHANGED, READ_CORRUPT };
+enum { READ_MISS, READ_PROVEN, READ_OTHER_LENGTH, READ_CHANGED, READ_CORRUPT, READ_FAULTED };
 
 /* probe_all, then the copy of each hit of `length` bytes (parts of sizes[0:parts] into its
  * row of `buffers`), then the check (no GIL needed). `cols`: READ_COLS columns of n. Returns
@@ -1304,9 +1305,11 @@ static int read_all(const Table *t, const Batch *b, const Regions *regions, int6
         return rc;
     int64_t *starts = PyMem_RawMalloc(sizeof(int64_t) * (size_t)(n ? n : 1));
     char *flags = PyMem_RawMalloc((size_t)(n ? n : 1));
-    if (starts == NULL || flags == NULL) {
+    uint8_t *faulted = PyMem_RawCalloc((size_t)(n ? n : 1), 1);
+    if (starts == NULL || flags == NULL || faulted == NULL) {
         PyMem_RawFree(starts);
         PyMem_RawFree(flags);
+        PyMem_RawFree(faulted);
         return -1;
     }
     int64_t *status = cols + COL_STATUS * n, *computed = cols + COL_COMPUTED * n;
@@ -1315,14 +1318,18 @@ static int read_all(const Table *t, const Batch *b, const Regions *regions, int6
         status[i] = len == 0 ? READ_MISS : len == length ? READ_PROVEN : READ_OTHER_LENGTH;
         starts[i] = status[i] == READ_PROVEN ? cols[COL_ADDRESS * n + i] : 0;
     }
-    copy(starts, buffers, sizes, n, parts, 0, 1, hashed ? computed : NULL, threads);
+    int any_faulted =
+        copy(starts, buffers, sizes, n, parts, 0, 1, hashed ? computed : NULL, threads,
+             faulted) != 0;
     if (!hashed)
         memset(computed, 0, sizeof(int64_t) * (size_t)n);
     int any = unproven(t, cols + COL_SLOT * n, cols + COL_SEQ * n, n, flags) != 0;
-    for (Py_ssize_t i = 0; i < n && (any || hashed); i++) {
+    for (Py_ssize_t i = 0; i < n && (any || hashed || any_faulted); i++) {
         if (status[i] != READ_PROVEN)
             continue;
-        if (flags[i])
+        if (faulted[i])
+            status[i] = READ_FAULTED; /* (the pool's file truncated under the copy, say) */
+        else if (flags[i])
             status[i] = READ_CHANGED;
         else if (hashed && cols[COL_CHECKSUM * n + i] != 0 &&
                  computed[i] != cols[COL_CHECKSUM * n + i])
@@ -1330,6 +1337,7 @@ static int read_all(const Table *t, const Batch *b, const Regions *regions, int6
     }
     PyMem_RawFree(starts);
     PyMem_RawFree(flags);
+    PyMem_RawFree(faulted);
     return 0;
 }
 
@@ -1339,7 +1347,8 @@ static int read_all(const Table *t, const Batch *b, const Regions *regions, int6
  * len(keys): probe's 7, then the maru64 of each copied value (with hashed, else 0) and a
  * status: 0 miss, 1 copied and proven, 2 stored with another length (not copied), 3 copied
  * but its entry changed since the probe, 4 copied but its bytes do not match its writer's
- * checksum (with hashed; a value stored without one is not checked). `buffers`: int64
+ * checksum (with hashed; a value stored without one is not checked), 5 its copy faulted (the
+ * pool's file truncated or out of room under it: `_memcopy.c`, "faults during a copy"). `buffers`: int64
  * (keys, parts) part pointers, `sizes`: the parts' int64 sizes, summing to `length`;
  * `copier`: maru.client._memcopy.COPY_VALUES; `threads`: the copy shared by up to that many
  * threads (1 unless given). */
@@ -1353,7 +1362,7 @@ static PyObject *Reader_read(Reader *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     copy_values_fn copy =
-        (copy_values_fn)PyCapsule_GetPointer(args[5], "maru.copy_values_threads");
+        (copy_values_fn)PyCapsule_GetPointer(args[5], "maru.copy_values_threads.2");
     if (copy == NULL)
         return NULL;
     long threads = nargs == 8 ? PyLong_AsLong(args[7]) : 1;

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 class MaruError(Exception):
     """Base class of Maru client errors."""
@@ -17,6 +19,42 @@ class MaruServerError(MaruError):
     def __init__(self, code: int, message: str):
         super().__init__(message)
         self.code = code
+
+
+class LeaseExpired(MaruError):
+    """A read lease ended (`--lease-timeout` passed, or the server restarted and forgot it)
+    before its holder was done: the keys' pages may have been freed and written again meanwhile,
+    so what was read under it must not be taken as those keys' bytes. `keys`: the hits it
+    held."""
+
+    def __init__(self, keys: list):
+        shown = ", ".join(repr(k)[:80] for k in keys[:8]) + (", ..." if len(keys) > 8 else "")
+        super().__init__(
+            f"the lease on {len(keys)} keys ended before the block did (it outlived "
+            f"--lease-timeout, or the server restarted): what was read may be other bytes: "
+            f"{shown}"
+        )
+        self.keys = keys
+
+
+class MaruForkedError(RuntimeError):
+    """A `MaruHandler` used in a process forked from the one that created it. The child holds
+    a copy of its parent's session credential, mapped regions and chunk allocator: what it
+    wrote or registered would land in the pages the parent hands out next, as the parent.
+    Every request, reservation and local-index read of the inherited handler raises this
+    (its `close()` only lets go of the child's copies); the child makes a handler of its own.
+
+    Not a `MaruError`: it is a bug in the caller, never a condition of the server, so no
+    path that turns a `MaruError` into a miss or a False swallows it."""
+
+    def __init__(self, created_in: int):
+        super().__init__(
+            f"this MaruHandler was created in process {created_in}, and process {os.getpid()} "
+            "is a child forked from it: a handler does not cross a fork (its credential, "
+            "regions and chunks are its parent's); create a new MaruHandler in the child, or "
+            "start workers with the 'spawn' method"
+        )
+        self.created_in = created_in
 
 
 class MaruConnectError(MaruError, RuntimeError):

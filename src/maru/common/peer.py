@@ -12,6 +12,8 @@ import struct
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5; not named by Python 3.11
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13; not named by Python 3.11
+_GROUPS_BYTES = 1024  # the most getsockopt reads in Python: 256 groups
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -22,6 +24,16 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
         sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     )
     return pid, uid, gid
+
+
+def peer_groups(sock: socket.socket) -> tuple[int, ...]:
+    """The supplementary groups of the process that made the connection, as the kernel took
+    them at connect time; () when they cannot be had (a kernel before 4.13, more than 256)."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, _GROUPS_BYTES)
+    except OSError:
+        return ()
+    return struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
 
 
 def peer_pidfd(sock: socket.socket) -> tuple[int, int] | None:

@@ -91,7 +91,13 @@ class ErrorCode(IntEnum):
     INTERNAL = 11
     STATE_UNAVAILABLE = 12  # the journal cannot be written: changes refused, reads go on
     QUOTA_EXCEEDED = 13  # the instance holds its quota of region bytes or leases
-    NOT_AUTHORIZED = 14  # the client's CURVE key was removed from the server's allowlist
+    # The client's CURVE key was removed from the server's allowlist, or it is not the
+    # process that holds the session credential it presents, or (request id 0, then the
+    # connection closes) its user may not use the local socket (issue 40)
+    NOT_AUTHORIZED = 14
+    # No room now, but instances over their fair share of the pool were asked to give
+    # regions back: a region request retried shortly gets one (issue 40)
+    POOL_RECLAIMING = 15
 
 
 class RegisterStatus(IntEnum):
@@ -308,6 +314,19 @@ def all_keys_valid(keys: list[Any]) -> bool:
 
 
 INT64 = struct.Struct("=q")
+MAX_COUNT = (1 << 63) - 1  # the largest byte count or size a request may carry (an int64)
+
+
+def check_count(value: Any, name: str) -> int:
+    """`value` if it is a positive int of at most MAX_COUNT (not a bool): the one range check
+    of a byte count or size a request carries (msgpack decodes up to 2**64 - 1, the C key
+    index and the journal hold int64s); else BAD_REQUEST naming the field."""
+    if type(value) is not int or not 0 < value <= MAX_COUNT:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"field {name!r}: expected an integer in [1, {MAX_COUNT}], got {value!r:.40}",
+        )
+    return value
 
 
 def pack_int64(values: Any) -> bytes:
@@ -339,7 +358,13 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
     MsgType.HANDSHAKE: (
         [
             ("name", "str", "the client's name for itself (maru_instance_id); any string"),
-            ("session", "str", "optional: the credential of an earlier handshake, to resume"),
+            (
+                "session",
+                "str",
+                "optional: the credential of an earlier handshake, to resume its instance if the"
+                " server still has it (else a new one); NOT_AUTHORIZED while another process"
+                " holds it (docs/reliability.md)",
+            ),
             ("pid", "int", "the client's process id (informational)"),
             ("chunk_size", "int", "the client's allocation unit in bytes (statistics)"),
         ],
@@ -443,7 +468,12 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
     ),
     MsgType.DISCONNECT: (
         [
-            ("session", "str", "the instance to end; its credential is void afterwards"),
+            (
+                "session",
+                "str",
+                "the instance to end; its credential is void afterwards, for good: a HANDSHAKE"
+                " with it gets a new instance",
+            ),
             ("local_reads", "list[int]", _LOCAL_READS),
         ],
         [
@@ -509,6 +539,12 @@ REPLY_EXTRAS = [
         "[[region_id, offset, length]]",
         "pages of the caller's regions whose keys went "
         "away since its last reply (not on RELEASE replies): the client may reuse them",
+    ),
+    (
+        "shed",
+        "int",
+        "bytes of regions the server asks the caller to give back (RETURN_REGION): it holds "
+        "more than its fair share of the pool and another instance has none to get",
     ),
     ("code", "int", "error replies: ErrorCode"),
     ("error", "str", "error replies: what went wrong"),

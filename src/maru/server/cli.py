@@ -8,6 +8,7 @@ import grp
 import json
 import logging
 import os
+import pwd
 import signal
 import stat
 import sys
@@ -21,7 +22,7 @@ from maru.common.curve import read_allowlist
 from maru.server import persistence
 from maru.server.journal import SNAPSHOT_NAME, Journal, read_records, write_private
 from maru.server.keyindex import warn_if_pure_python
-from maru.server.local_socket import raise_fd_limit
+from maru.server.local_socket import LocalDoor, raise_fd_limit
 from maru.server.localindex import open_local_index, remove_tables, retire_earlier
 from maru.server.logs import configure_logging
 from maru.server.metrics import MetricsUnavailable, require_prometheus, start_metrics_server
@@ -120,6 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(e.g. in a directory shared with containers), or 'none' (default: auto)",
     )
     p.add_argument(
+        "--local-uids",
+        metavar="UIDS",
+        default="",
+        help="comma-separated users (uids or names) that may use the local socket besides the "
+        "server's own user, root and, with --pool-group, that group's members: the processes "
+        "that may map the pool; anyone else's connection is refused (it can use TCP) "
+        "(default: none)",
+    )
+    p.add_argument(
         "--curve",
         action="store_true",
         help="authenticate and encrypt the TCP port with ZeroMQ CURVE, for clients on other "
@@ -178,6 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="most read leases one instance may hold at once; a leased lookup past it is "
         "refused with QUOTA_EXCEEDED (a miss for the client). 0: no quota (default: 4096; an "
         "SGLang instance holds one per batch in flight)",
+    )
+    p.add_argument(
+        "--quota-lease-bytes",
+        default="50%",
+        metavar="SIZE|PERCENT",
+        help="most bytes of keys one instance may hold under read leases at once: a size or a "
+        "share of the pool; a leased lookup past it takes nothing (QUOTA_EXCEEDED, misses for "
+        "the client), so that leases never keep every page of a writer from eviction "
+        "(default: 50%%; 100%%: no quota)",
     )
     p.add_argument(
         "--heartbeat-timeout",
@@ -245,20 +264,47 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def quota_lease_bytes(text: str, capacity: int) -> int:
+    """--quota-lease-bytes (a size or a share of the pool) in bytes; 0: no quota."""
+    return pool_share(text, capacity, "--quota-lease-bytes", 1)
+
+
 def quota_region_bytes(text: str, capacity: int) -> int:
-    """--quota-region-bytes (a size or a share of the pool) in bytes for a pool of `capacity`
-    (0: none, the pool is the limit); ConfigError if malformed."""
+    """--quota-region-bytes in bytes (at least one region); 0: no quota."""
+    return pool_share(text, capacity, "--quota-region-bytes", REGION_ALIGNMENT)
+
+
+def pool_share(text: str, capacity: int, flag: str, least: int) -> int:
+    """A quota flag (a size or a share of the pool) in bytes for a pool of `capacity`, at
+    least `least` (0: none, the pool is the limit); ConfigError if malformed."""
     if text.strip().endswith("%"):
         try:
             share = float(text.strip()[:-1])
         except ValueError:
             share = -1.0
         if not 0 < share <= 100:
-            raise ConfigError(f"--quota-region-bytes: expected a share in (0%, 100%], got {text}")
+            raise ConfigError(f"{flag}: expected a share in (0%, 100%], got {text}")
         quota = int(share / 100 * capacity)
     else:
-        quota = parse_size(text, name="--quota-region-bytes")
-    return 0 if quota >= capacity else max(quota, REGION_ALIGNMENT)
+        quota = parse_size(text, name=flag)
+    return 0 if quota >= capacity else max(quota, least)
+
+
+def local_uids(text: str) -> list[int]:
+    """The uids of `--local-uids` ("1000,alice"): numbers, or names of existing users."""
+    uids = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        if item.isdigit():
+            uid = int(item)
+            if uid >= 2**32 - 1:
+                raise ValueError(f"uid {item} is out of range")
+            uids.append(uid)
+            continue
+        try:
+            uids.append(pwd.getpwnam(item).pw_uid)
+        except KeyError:
+            raise ValueError(f"no user named {item!r}") from None
+    return uids
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -275,6 +321,7 @@ def check_args(args: argparse.Namespace) -> str | None:
         )
     try:
         quota_region_bytes(args.quota_region_bytes, args.pool_bytes)
+        quota_lease_bytes(args.quota_lease_bytes, args.pool_bytes)
     except ConfigError as exc:
         return str(exc)
     if args.eviction_low_watermark > args.eviction_high_watermark:
@@ -293,6 +340,10 @@ def check_args(args: argparse.Namespace) -> str | None:
             grp.getgrnam(args.pool_group)
         except KeyError:
             return f"--pool-group: no group named {args.pool_group!r}"
+    try:
+        local_uids(args.local_uids)
+    except ValueError as exc:
+        return f"--local-uids: {exc}"
     if args.curve_clients is not None:
         if not args.curve:
             return "--curve-clients needs --curve"
@@ -346,6 +397,7 @@ def purge_pool(pool_path: str) -> str | None:
             size = sum(f.stat().st_size for f in files)
             for f in files:
                 f.unlink()
+            (path / FsDaxPool.MARK_FILE).unlink(missing_ok=True)
             (path / FsDaxPool.LOCK_FILE).unlink(missing_ok=True)
         finally:
             os.close(lock_fd)
@@ -436,20 +488,28 @@ def _has_state(state_dir: Path) -> bool:
 
 
 def same_pool_as_before(state_dir: Path, pool: Pool) -> bool:
-    """Persisted keys point into the pool's memory: they are only valid for the very same pool
-    file or device. A recreated /dev/shm file (e.g. after a reboot) has another inode.
+    """Whether the saved state may be restored: persisted keys point into the pool's memory,
+    so they are only valid for the very same pool file or device (a recreated /dev/shm file,
+    e.g. after a reboot, has another inode), and only if no other server (another state dir,
+    or a copy of this one) has served it since: the pool's mark (`Pool.read_mark`) must be
+    the generation and epoch this state last wrote into it (`claim_pool`).
 
-    The identity is recorded (with a new generation) when there is none yet; state without
-    one cannot be placed and does not count as the same pool. On a mismatch (or an unreadable
-    or retired record) the old identity is kept, so a server that dies before `discard_state`
-    still refuses the old state next time; `discard_state` removes it."""
+    No record is no: the pool may hold another server's bytes, and is started fresh. On a
+    mismatch (or an unreadable or retired record) the old identity is kept, so a server that
+    dies before `discard_state` still refuses the old state next time; `discard_state`
+    removes it."""
     previous, current = _read_identity(state_dir), _identity(pool)
     if previous is None:
         if _has_state(state_dir):
             log.warning("registry state without a pool identity: starting empty")
-            return False
-        _write_identity(state_dir, {**current, "generation": new_generation()})
-        return True
+        else:
+            log.info(
+                "pool %s: no record of it in %s (it may hold another server's bytes): "
+                "starting it fresh",
+                pool.path,
+                state_dir,
+            )
+        return False
     if (
         not isinstance(previous, dict)
         or previous.get("retired")
@@ -459,6 +519,18 @@ def same_pool_as_before(state_dir: Path, pool: Pool) -> bool:
             "pool changed since the registry was saved (%s -> %s): starting empty",
             previous,
             current,
+        )
+        return False
+    mark, recorded = pool.read_mark(), (previous.get("generation"), previous.get("epoch"))
+    if mark != recorded:
+        log.warning(
+            "pool %s was served by another maru-server (or another copy of %s) since this "
+            "state was saved: the pool's mark is %s, this state's %s: starting empty (its "
+            "bytes are not this state's)",
+            pool.path,
+            state_dir,
+            "/".join(mark) if mark else "none",
+            "/".join(map(str, recorded)),
         )
         return False
     return True
@@ -516,16 +588,27 @@ def pool_generation(state_dir: Path, pool: Pool, *, no_restore: bool = False) ->
         same = not no_restore and same_pool_as_before(state_dir, pool)
     previous = _read_identity(state_dir)
     if same and isinstance(previous, dict):
+        claim_pool(state_dir, pool, previous)
         return str(previous.get("generation", "")), int(previous.get("next_region_id", 1))
     floor = region_id_floor(state_dir)
     pool.start_fresh()
     discard_state(state_dir)
     generation = new_generation()
-    _write_identity(
-        state_dir, {**_identity(pool), "generation": generation, "next_region_id": floor}
+    claim_pool(
+        state_dir, pool, {**_identity(pool), "generation": generation, "next_region_id": floor}
     )
     log.info("pool %s: new generation %s (region ids from %d)", pool.path, generation, floor)
     return generation, floor
+
+
+def claim_pool(state_dir: Path, pool: Pool, record: dict[str, Any]) -> None:
+    """Bind the pool to this state for this start: a new epoch, written into the pool's mark
+    and then into the identity record. Any other state that matched the pool before (a state
+    dir that served it earlier, a copy of this one) no longer does. A crash between the two
+    writes leaves them different: the next start starts fresh, never restores."""
+    epoch = new_generation()
+    pool.write_mark(str(record.get("generation", "")), epoch)
+    _write_identity(state_dir, {**record, "epoch": epoch})
 
 
 def retire_pool_identity(state_dir: Path, reason: str) -> None:
@@ -637,6 +720,7 @@ def main(argv: list[str] | None = None) -> int:
             reap_hold=args.reap_hold,
             quota_region_bytes=quota_region_bytes(args.quota_region_bytes, pool.capacity),
             quota_leases=args.quota_leases,
+            quota_lease_bytes=quota_lease_bytes(args.quota_lease_bytes, pool.capacity),
         )
         warn_if_pure_python()
         persistence.restore(registry, snapshot, records)
@@ -650,6 +734,10 @@ def main(argv: list[str] | None = None) -> int:
             journal=journal,
             curve_secret_key=curve[1] if curve else None,
             curve_clients=Path(args.curve_clients) if args.curve_clients else None,
+            local_door=LocalDoor(
+                local_uids(args.local_uids),
+                grp.getgrnam(args.pool_group).gr_gid if args.pool_group else None,
+            ),
             heartbeat_timeout=args.heartbeat_timeout,
             local_socket=args.local_socket,
             gc_freeze=True,  # see maru.server.housekeeping.freeze_heap

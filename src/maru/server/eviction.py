@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
-from maru.common.protocol import ErrorCode, ProtocolError
+from maru.common.protocol import check_count
 
 if TYPE_CHECKING:
     from maru.server.registry import Key, Registry
@@ -106,8 +106,7 @@ class Eviction:
         """Make room in the caller's own regions (its store found no free pages and the pool
         has no region to give): evict the idle keys that live there, in CLOCK order."""
         inst = self.registry.instances.require(instance_id)
-        if type(want_bytes) is not int or want_bytes <= 0:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "bytes must be a positive integer")
+        want_bytes = check_count(want_bytes, "bytes")
         return self.evict(want_bytes, inst.regions, reason=f"room for {instance_id}")
 
     def reclaim(self) -> bool:

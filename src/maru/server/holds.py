@@ -104,6 +104,7 @@ class Pins:
 class Lease:
     owner: str | None
     entries: list[KeyEntry]
+    nbytes: int = 0  # the keys' bytes, counted in the owner's `lease_bytes`
 
 
 class LeaseTable(dict[int, Lease]):
@@ -121,14 +122,16 @@ class LeaseTable(dict[int, Lease]):
         self.first_id = secrets.randbits(48) + 1
         self._ids = itertools.count(self.first_id)
 
-    def add(self, held: list[KeyEntry], owner: str | None) -> int:
-        """A lease on `held`, whose `leases` counts the caller already raised."""
+    def add(self, held: list[KeyEntry], owner: str | None, nbytes: int = 0) -> int:
+        """A lease on `held` (`nbytes` of keys), whose `leases` counts the caller already
+        raised."""
         lease_id = next(self._ids)
-        self[lease_id] = Lease(owner, held)
+        self[lease_id] = Lease(owner, held, nbytes)
         heapq.heappush(self._expiry, (time.monotonic() + self.seconds, lease_id))
         inst = self.instances.get(owner) if owner else None
         if inst is not None:
             inst.leases.add(lease_id)
+            inst.lease_bytes += nbytes
         return lease_id
 
     def end(self, lease_id: int) -> bool:
@@ -139,6 +142,7 @@ class LeaseTable(dict[int, Lease]):
         inst = self.instances.get(lease.owner) if lease.owner else None
         if inst is not None:
             inst.leases.discard(lease_id)
+            inst.lease_bytes -= lease.nbytes
         return True
 
     def release(self, lease_ids: list[Any], owner: str | None) -> int:

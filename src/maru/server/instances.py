@@ -4,7 +4,11 @@ processes behind them, and their lifecycle: handshake, sign of life, disconnect,
 An instance is a credential the server issued (`open_session`), not a PID or a name; what it
 holds (regions, pins, leases) goes when it disconnects or is reaped. Reaping: at once when its
 watched process exited (`maru.server.processes`); after `--heartbeat-timeout` of silence when
-the server cannot watch its process (a TCP client), its regions then held for `reap_hold`."""
+the server cannot watch its process (a TCP client), its regions then held for `reap_hold`.
+
+A credential is one process's (`ProcessWatch.claim`), and resumes its instance only while the
+server has it: once the instance is gone (DISCONNECT, reaped, or nothing of it outlived a
+restart; the journal's "X" record drops it) a HANDSHAKE presenting it gets a new instance."""
 
 from __future__ import annotations
 
@@ -43,6 +47,8 @@ class Instance:
     exists_misses: int = 0
     evicted: int = 0  # keys evicted out of this instance's regions
     park_seq: int = 0  # the sequence number of the last PARK_REGIONS applied
+    lease_bytes: int = 0  # bytes of the keys its leases hold (--quota-lease-bytes)
+    shed: int = 0  # bytes of regions to ask it to give back, on its next reply (fair share)
 
 
 class InstanceTable(dict[str, Instance]):
@@ -53,7 +59,7 @@ class InstanceTable(dict[str, Instance]):
         super().__init__()
         self.registry = registry
         self.sessions: dict[str, str] = {}  # credential -> instance id (`open_session`)
-        self.processes = ProcessWatch()  # the processes behind instances, where known
+        self.processes = ProcessWatch()  # the process holding each instance, where known
         self.reap_hold = reap_hold
 
     def require(self, instance_id: Any) -> Instance:
@@ -170,6 +176,14 @@ class InstanceTable(dict[str, Instance]):
                 return [d[0] for d in dead[:n]]
             self.registry.counters["instances_reaped"] += 1
         return [d[0] for d in dead]
+
+    def take_shed(self, instance_id: Any) -> int:
+        """The bytes of regions to ask the instance to give back (once), 0 if none."""
+        inst = self.get(instance_id) if isinstance(instance_id, str) else None
+        if inst is None or not inst.shed:
+            return 0
+        shed, inst.shed = inst.shed, 0
+        return shed
 
     def take_freed(self, instance_id: Any) -> list[list[int]]:
         inst = self.get(instance_id) if isinstance(instance_id, str) else None

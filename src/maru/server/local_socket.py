@@ -12,6 +12,9 @@ only itself: past `OUT_LIMIT` buffered bytes its requests are not answered, nor 
 it catches up (so a connection holds at most `OUT_LIMIT` plus one reply, one request being
 read and the kernel's buffers).
 
+The door: only processes that may map the pool use the socket (`LocalDoor`); anyone else's
+connection gets one NOT_AUTHORIZED frame and is closed, before any of its requests is read.
+
 File descriptors: a connection is refused (accepted and closed at once) when its descriptor
 number comes within `FD_RESERVE` of the process's limit, so the journal, snapshots and new
 TCP clients always find descriptors (the kernel hands out the lowest free number, so a high
@@ -20,21 +23,22 @@ number means that many are open).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
 import socket
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import zmq
 
 from maru.common import protocol
-from maru.common.peer import peer_credentials
-from maru.common.protocol import unix_address
+from maru.common.peer import peer_credentials, peer_groups
+from maru.common.protocol import ErrorCode, unix_address
 from maru.server.logs import Throttle
 
 log = logging.getLogger(__name__)
@@ -61,6 +65,41 @@ def local_address(spec: str | None, endpoint: str, tag: str = "") -> str | None:
     return spec
 
 
+class LocalDoor:
+    """Who may use the local socket: the server's own user, root (no file mode keeps it from
+    the pool or the state dir), the uids listed with `--local-uids`, and with `--pool-group`
+    that group's members (primary or supplementary, as the kernel took them at connect:
+    SO_PEERCRED, SO_PEERGROUPS). That is, the processes that may map the pool: anyone else
+    could not open the pool file, and nothing the socket offers is theirs (a DELETE_PREFIX
+    of theirs would drop every key; issue 40)."""
+
+    def __init__(self, uids: Iterable[int] = (), gid: int | None = None):
+        self.uids = frozenset({os.geteuid(), 0, *uids})
+        self.gid = gid
+
+    def refusal(self, sock: socket.socket) -> tuple[int, int, str] | None:
+        """None if the peer of `sock` may come in, else (its uid, its pid, the reason)."""
+        try:
+            pid, uid, gid = peer_credentials(sock)
+        except OSError as exc:
+            return -1, 0, f"the kernel does not say who connected ({exc})"
+        if uid in self.uids:
+            return None
+        if self.gid is not None and (gid == self.gid or self.gid in peer_groups(sock)):
+            return None
+        allowed = ", ".join(str(u) for u in sorted(self.uids))
+        group = f" nor a member of --pool-group gid {self.gid}" if self.gid is not None else ""
+        return (
+            uid,
+            pid,
+            (
+                f"uid {uid} may not use maru-server's local socket: it serves uids {allowed} "
+                f"(its own, root and --local-uids){group}, the processes that may map the pool; "
+                f"the operator can add --local-uids {uid}, or talk to the server over TCP"
+            ),
+        )
+
+
 class Peer:
     """A client connection. The request handler sees `sock` (whose peer process the server
     can watch) and `instance`, the instance it was last seen to speak for."""
@@ -81,8 +120,9 @@ class LocalSocketServer:
     """Listens on `address`; `attach` its sockets to the RPC loop's poller and hand each
     poll's events to `serve`."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, door: LocalDoor | None = None):
         self.address = address
+        self.door = door if door is not None else LocalDoor()
         self._path = None if address.startswith("@") else address
         if self._path is not None:
             _remove_stale_socket(self._path)
@@ -172,12 +212,32 @@ class LocalSocketServer:
                     )
                 continue
             sock.setblocking(False)
+            refused = self.door.refusal(sock)
+            if refused is not None:
+                self._refuse(sock, *refused)
+                continue
             conn = Peer(sock)
             self.connections[conn.fd] = conn
             accepted.append(conn.fd)
             if self._poller is not None:
                 self._poller.register(sock, conn.want)
         return accepted
+
+    def _refuse(self, sock: socket.socket, uid: int, pid: int, why: str) -> None:
+        """One NOT_AUTHORIZED frame (request id 0: before any request, none of which is read),
+        then close: the client says why and goes on over TCP (`maru.client.rpc`)."""
+        reply = protocol.encode_error(0, 0, ErrorCode.NOT_AUTHORIZED, why)
+        with contextlib.suppress(OSError):  # it has gone already
+            sock.send(protocol.stream_prefix(reply) + reply)
+        sock.close()
+        held = self._refusals.allow(("uid", uid))
+        if held is not None:
+            log.warning(
+                "local socket: refused a connection of pid %d: %s%s",
+                pid,
+                why,
+                self._refusals.note(held),
+            )
 
     def _pause_accepting(self) -> None:
         if not self.accept_paused_until and self._poller is not None:

@@ -11,22 +11,27 @@ least twice the capacity replaces it (the old one's header names it, then says `
 At start the server retires every earlier table of its pool before its pool can change
 (`retire_earlier`, before a new generation's fresh start), and a server that stops retires
 its own (`close`). A table that cannot be made (no room on /dev/shm) turns the index off:
-clients then use the request path.
+clients then use the request path. Nor is one made where it would take room the pool still
+needs: on the pool's own tmpfs, a table made after the pool's free-space check would leave
+the pool's last pages unbacked (SIGBUS in the client that touches them), so each table, the
+first and every bigger one, is made only if the filesystem keeps room for the pool besides.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import grp
 import logging
 import mmap
 import os
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from maru.common import hugepages, shmindex
+from maru.common.config import fmt_bytes
 from maru.common.shmindex import USE_SUFFIX, index_base, region_tag, table_bytes, table_files
 
 log = logging.getLogger(__name__)
@@ -120,8 +125,17 @@ class LocalIndex:
     """The published index of one server. `path` is what the HANDSHAKE reply names to clients
     on the local socket (None once the index is off)."""
 
-    def __init__(self, pool_kind: str, pool_path: str, generation: str, group: str | None = None):
+    def __init__(
+        self,
+        pool_kind: str,
+        pool_path: str,
+        generation: str,
+        group: str | None = None,
+        pool_unallocated: Callable[[str], int] | None = None,
+    ):
         self.base = index_base(pool_kind, pool_path)
+        # bytes the pool may still allocate on a directory's filesystem (`Pool.unallocated_on`)
+        self._pool_unallocated = pool_unallocated or (lambda directory: 0)
         self.generation = generation
         self.group = group
         self.grown = 0  # tables replaced by bigger ones
@@ -148,7 +162,25 @@ class LocalIndex:
             "huge": self.huge,
         }
 
+    def _check_room(self, capacity: int) -> None:
+        """Raise ENOSPC unless a table of `capacity` slots (its two files, each rounded up to
+        2 MiB pages) fits beside what the pool may still allocate on the same filesystem."""
+        directory = os.path.dirname(self.base) or "."
+        huge = 2 << 20
+        need = sum(-(-size // huge) * huge for size in (table_bytes(capacity), capacity))
+        pool = self._pool_unallocated(directory)
+        vfs = os.statvfs(directory)
+        free = vfs.f_bavail * vfs.f_frsize
+        if need + pool > free:
+            raise OSError(
+                errno.ENOSPC,
+                f"a table of {capacity} slots needs {fmt_bytes(need)} on {directory} beside "
+                f"the {fmt_bytes(pool)} the pool may still allocate there, and "
+                f"{fmt_bytes(free)} are free",
+            )
+
     def _new_table(self, capacity: int) -> _Table:
+        self._check_room(capacity)
         # Names only grow, across restarts too (the earlier server's tables are gone by now):
         # a reader that looks for the current table takes the newest.
         tables = table_files(self.base)
@@ -237,7 +269,9 @@ def open_local_index(
     if not enabled or not shmindex.COMPILED:
         return None
     try:
-        index = LocalIndex(pool.kind, pool.path, pool.generation, group)
+        index = LocalIndex(
+            pool.kind, pool.path, pool.generation, group, pool_unallocated=pool.unallocated_on
+        )
     except OSError as exc:
         log.error("no local index (%s): clients on this node use the request path", exc)
         return None

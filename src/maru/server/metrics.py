@@ -130,6 +130,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "maru_regions_reclaimed",
         "Parked regions taken back from idle instances for another's region request.",
     ),
+    "shed_requests": (
+        "maru_shed_requests",
+        "Requests to an instance over its fair share of the pool to give regions back, for "
+        "an instance below its share that found no room.",
+    ),
 }
 
 # per-instance gauge field -> (metric name, help)

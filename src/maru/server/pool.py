@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import grp
+import hashlib
 import logging
+import mmap
 import os
 import secrets
 import stat
@@ -21,6 +23,7 @@ from pathlib import Path
 from maru.common import hugepages
 from maru.common.config import fmt_bytes
 from maru.common.extents import ExtentAllocator
+from maru.server.journal import write_private
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,32 @@ class PoolError(RuntimeError):
 def new_generation() -> str:
     """A random 64-bit name for one life of a pool's bytes (see `maru.server.cli`)."""
     return secrets.token_hex(8)
+
+
+# The pool's mark: which state serves it, kept in the pool's own memory beside the regions
+# (never inside one), so that a state dir can tell whether another server has used the pool
+# since it was saved (see `maru.server.cli.pool_generation`): magic, the generation, the epoch
+# of the start that wrote it (both `new_generation()` strings), and a digest of those.
+MARK_MAGIC = b"MARUPOOL"
+MARK_BYTES = len(MARK_MAGIC) + 16 + 16 + 8
+
+
+def _mark_digest(body: bytes) -> bytes:
+    return hashlib.blake2b(body, digest_size=8).digest()
+
+
+def encode_mark(generation: str, epoch: str) -> bytes:
+    body = MARK_MAGIC + generation.encode().ljust(16)[:16] + epoch.encode().ljust(16)[:16]
+    return body + _mark_digest(body)
+
+
+def decode_mark(raw: bytes) -> tuple[str, str] | None:
+    """(generation, epoch) of a mark; None for none (zeros, a torn write, other bytes)."""
+    body, digest = raw[: MARK_BYTES - 8], raw[MARK_BYTES - 8 : MARK_BYTES]
+    if not body.startswith(MARK_MAGIC) or _mark_digest(body) != digest:
+        return None
+    start = len(MARK_MAGIC)
+    return body[start : start + 16].decode().strip(), body[start + 16 :].decode().strip()
 
 
 def check_free_space(pool_path: str, directory: str, need: int) -> None:
@@ -127,6 +156,22 @@ class Pool(ABC):
     def free(self) -> int:
         return self.capacity - self.used
 
+    def unallocated_on(self, directory: str) -> int:
+        """Bytes the pool may still allocate on `directory`'s filesystem (0 on another one,
+        or for a device): what anything else the server makes there (the local index) must
+        leave free, or a client touching a page of the pool dies of SIGBUS."""
+        return 0
+
+    def _unallocated_beside(self, path: str, directory: str, allocated: int) -> int:
+        """`unallocated_on` for a pool at `path` (a file or a directory) that has `allocated`
+        bytes now."""
+        try:
+            if os.stat(path).st_dev != os.stat(directory).st_dev:
+                return 0
+        except OSError:
+            return 0
+        return max(0, self.capacity - allocated)
+
     def fragmentation(self) -> float:
         return 0.0
 
@@ -145,6 +190,29 @@ class Pool(ABC):
     def start_fresh(self) -> None:  # noqa: B027 - optional hook
         """The server starts a new generation: make sure no earlier mapping sees its bytes."""
 
+    @property
+    def file_bytes(self) -> int:
+        """Bytes the pool file must have: the regions' capacity, and the mark if it is there."""
+        return self.capacity
+
+    def read_mark(self) -> tuple[str, str] | None:
+        """The (generation, epoch) the last server start wrote into the pool; None if none."""
+        try:
+            return decode_mark(self._read_mark_bytes())
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            log.warning("pool %s: cannot read its mark (%s): taken as none", self.path, exc)
+            return None
+
+    def write_mark(self, generation: str, epoch: str) -> None:
+        """Bind the pool to the state that serves it now (see `maru.server.cli.claim_pool`)."""
+        self._write_mark_bytes(encode_mark(generation, epoch))
+
+    @abstractmethod
+    def _read_mark_bytes(self) -> bytes: ...
+
+    @abstractmethod
+    def _write_mark_bytes(self, mark: bytes) -> None: ...
+
     def changed(self) -> str | None:
         """Why the pool is no longer the one opened (deleted, replaced, shrunk), or None.
         One stat of the path: cheap enough for the server's housekeeping once a second."""
@@ -158,7 +226,7 @@ class Pool(ABC):
             return f"cannot be checked ({exc})"
         if (st.st_dev, st.st_ino) != self._identity:
             return "was replaced by another file"
-        if stat.S_ISREG(st.st_mode) and self.kind != "fsdax" and st.st_size < self.capacity:
+        if stat.S_ISREG(st.st_mode) and self.kind != "fsdax" and st.st_size < self.file_bytes:
             return f"shrank to {st.st_size} bytes (capacity {self.capacity})"
         return None
 
@@ -175,11 +243,37 @@ def _apply_group(path: str, group: str | None) -> None:
 
 
 class FilePool(Pool):
-    """One file or device, regions carved first-fit at `alignment`."""
+    """One file or device, regions carved first-fit at `alignment`. The mark lies in a window
+    of `mark_span` bytes at `mark_offset`, past the last region; read and written through a
+    mapping of it (a devdax device has no read or write, and wants aligned mappings)."""
 
-    def __init__(self, path: str, capacity: int, alignment: int):
+    def __init__(self, path: str, capacity: int, alignment: int, mark_offset: int, mark_span: int):
         super().__init__(path, capacity, alignment)
         self._extents = ExtentAllocator(capacity, alignment)
+        self.mark_offset, self.mark_span = mark_offset, mark_span
+
+    @property
+    def file_bytes(self) -> int:
+        return self.mark_offset + self.mark_span
+
+    def _read_mark_bytes(self) -> bytes:
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            with mmap.mmap(
+                fd, self.mark_span, mmap.MAP_SHARED, mmap.PROT_READ, offset=self.mark_offset
+            ) as mm:
+                return mm[:MARK_BYTES]
+        finally:
+            os.close(fd)
+
+    def _write_mark_bytes(self, mark: bytes) -> None:
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            with mmap.mmap(fd, self.mark_span, mmap.MAP_SHARED, offset=self.mark_offset) as mm:
+                mm[: len(mark)] = mark
+                mm.flush()
+        finally:
+            os.close(fd)
 
     def allocate(self, region_id: int, length: int) -> tuple[str, int]:
         offset = self._extents.allocate(length)
@@ -212,7 +306,8 @@ class ShmPool(FilePool):
     shorter than the capacity lost bytes (someone truncated it): `truncated_from` says so and
     the server starts a new generation. With `lock` (the server) the file is flocked for the
     pool's life; the free space of its filesystem must cover what the file may still allocate,
-    and `preallocate` allocates all of it now (`posix_fallocate`).
+    and `preallocate` allocates all of it now (`posix_fallocate`). The file is one page longer
+    than the capacity: that page holds the pool's mark.
     """
 
     kind = "shm"
@@ -226,7 +321,8 @@ class ShmPool(FilePool):
         lock: bool = False,
         preallocate: bool = False,
     ):
-        super().__init__(path, capacity, REGION_ALIGNMENT)
+        page = mmap.ALLOCATIONGRANULARITY
+        super().__init__(path, capacity, REGION_ALIGNMENT, -(-capacity // page) * page, page)
         self._group, self._lock, self._preallocate = group, lock, preallocate
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.created = self._open(exclusive=False)
@@ -254,12 +350,12 @@ class ShmPool(FilePool):
             if not created and st.st_size < self.capacity:
                 self.truncated_from = st.st_size
             directory = os.path.dirname(os.path.abspath(self.path))
-            check_free_space(self.path, directory, self.capacity - st.st_blocks * 512)
-            if st.st_size < self.capacity:
-                os.ftruncate(fd, self.capacity)
+            check_free_space(self.path, directory, self.file_bytes - st.st_blocks * 512)
+            if st.st_size < self.file_bytes:
+                os.ftruncate(fd, self.file_bytes)
             if self._preallocate:
                 try:
-                    os.posix_fallocate(fd, 0, self.capacity)
+                    os.posix_fallocate(fd, 0, self.file_bytes)
                 except OSError as exc:
                     raise PoolError(
                         f"cannot preallocate pool {self.path} ({fmt_bytes(self.capacity)}): "
@@ -290,23 +386,41 @@ class ShmPool(FilePool):
         self.truncated_from = None
         self.created = self._open(exclusive=True)
 
+    def unallocated_on(self, directory: str) -> int:
+        try:
+            allocated = os.stat(self.path).st_blocks * 512
+        except OSError:
+            allocated = 0
+        return self._unallocated_beside(self.path, directory, allocated)
+
 
 class DevDaxPool(FilePool):
-    """A devdax character device (CXL memory, PMEM). Size and alignment come from sysfs.
+    """A devdax character device (CXL memory, PMEM). Size and alignment come from sysfs. Its
+    last alignment unit holds the pool's mark: the capacity is at most the rest.
 
     A regular file may stand in for the device (tests do this: there is no device here); then
-    its size is the capacity and alignment is REGION_ALIGNMENT.
+    its size is the device's and alignment is REGION_ALIGNMENT.
     """
 
     kind = "devdax"
 
     def __init__(self, path: str, capacity: int | None = None, *, lock: bool = False):
         size, align = self._probe(path)
-        if capacity is None or capacity > size:
+        align = max(align, REGION_ALIGNMENT)
+        room = (size // align - 1) * align  # (the last unit: the mark)
+        if room <= 0:
+            raise ValueError(f"devdax {path} is too small: {size} bytes (alignment {align})")
+        if capacity is None or capacity > room:
             if capacity is not None:
-                log.warning("pool %s: --pool-size %d exceeds device size %d", path, capacity, size)
-            capacity = size
-        super().__init__(path, capacity, max(align, REGION_ALIGNMENT))
+                log.warning(
+                    "pool %s: --pool-size %d exceeds device size %d less the mark's %d",
+                    path,
+                    capacity,
+                    size,
+                    align,
+                )
+            capacity = room
+        super().__init__(path, capacity, align, room, align)
         if lock:
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -335,11 +449,13 @@ class DevDaxPool(FilePool):
 
 
 class FsDaxPool(Pool):
-    """A directory; each region is its own file `region-<id>.mem` (fsdax in production)."""
+    """A directory; each region is its own file `region-<id>.mem` (fsdax in production). The
+    pool's mark is the file `MARK_FILE` beside them."""
 
     kind = "fsdax"
 
     LOCK_FILE = ".maru-server.lock"
+    MARK_FILE = ".maru-pool.mark"
 
     def __init__(
         self,
@@ -361,6 +477,18 @@ class FsDaxPool(Pool):
 
     def _region_files(self) -> list[Path]:
         return list(Path(self.path).glob("region-*.mem"))
+
+    def unallocated_on(self, directory: str) -> int:
+        return self._unallocated_beside(self.path, directory, self._allocated())
+
+    def _read_mark_bytes(self) -> bytes:
+        try:
+            return (Path(self.path) / self.MARK_FILE).read_bytes()
+        except FileNotFoundError:
+            return b""
+
+    def _write_mark_bytes(self, mark: bytes) -> None:
+        write_private(Path(self.path) / self.MARK_FILE, mark)
 
     def _allocated(self) -> int:
         total = 0

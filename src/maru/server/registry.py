@@ -21,6 +21,7 @@ and the replay, in `maru.server.persistence`; the statistics, in `maru.server.me
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import suppress
 from itertools import compress
 from operator import attrgetter
@@ -34,6 +35,7 @@ from maru.common.protocol import (
     ProtocolError,
     RegisterStatus,
     all_keys_valid,
+    check_count,
 )
 from maru.common.region import RegionHandle
 from maru.server.eviction import Eviction
@@ -45,6 +47,7 @@ from maru.server.keyindex import (
     KeyIndex,
     batch_fits,
     entry_locations,
+    release_entries,
 )
 from maru.server.localindex import LocalIndex
 from maru.server.logs import Throttle
@@ -59,6 +62,9 @@ Key = str | bytes
 REGISTERED, EXISTS, REJECTED = (int(s) for s in RegisterStatus)
 DELETED, NOT_FOUND, PINNED = (int(s) for s in DeleteStatus)  # plain ints: the wire's form
 _BUSY = attrgetter("busy")
+# How long the regions others give back are kept for an instance below its fair share that
+# asked for one (`Registry.wanting`): its client retries within a second or two.
+WANT_SECONDS = 10.0
 
 
 class JournalSink(Protocol):
@@ -89,18 +95,26 @@ class Registry:
         reap_hold: float = 0.0,
         quota_region_bytes: int = 0,
         quota_leases: int = 0,
+        quota_lease_bytes: int = 0,
     ):
         """`reap_hold`: seconds the regions of an instance reaped for its silence, whose
         process is not watched (`maru.server.processes`), stay out of use (`--reap-hold`).
 
-        `quota_region_bytes`, `quota_leases`: what one instance may hold (0: no limit), so
-        that one client cannot starve the others (`--quota-region-bytes`, `--quota-leases`);
-        past them a request is refused with QUOTA_EXCEEDED, before any side effect."""
+        `quota_region_bytes`, `quota_leases`, `quota_lease_bytes`: what one instance may hold
+        (0: no limit), so that one client cannot starve the others (`--quota-region-bytes`,
+        `--quota-leases`, `--quota-lease-bytes`); past them a request is refused with
+        QUOTA_EXCEEDED, before any side effect (a leased lookup past the bytes: its keys were
+        only marked used). Besides, every instance is owed a fair share of the pool
+        (`fair_share`, `request_region`)."""
         self.pool = pool
         self.signer = signer
         self.journal = journal
         self.instances = InstanceTable(self, reap_hold)
         self.quota_region_bytes, self.quota_leases = quota_region_bytes, quota_leases
+        self.quota_lease_bytes = quota_lease_bytes
+        # Instances below their fair share refused a region lately: instance id -> until when
+        # (time.monotonic()) the regions others give back are kept for them.
+        self.wanting: dict[str, float] = {}
         # Oldest first, the order eviction walks (a key it spares moves to the end); batches
         # go through its batch calls (`maru.server.keyindex`).
         self.keys: KeyIndex = KeyIndex()
@@ -134,11 +148,8 @@ class Registry:
         by their idle owners, or orphaned) until it fits; POOL_FULL when nothing more can be
         reclaimed."""
         inst = self.instances.require(instance_id)
-        for value in (size, size if min_size is None else min_size):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST, f"region size must be positive, got {value!r}"
-                )
+        check_count(size, "size")
+        check_count(size if min_size is None else min_size, "min_size")
         length = self.pool.round_up(size)
         least = min(length, self.pool.round_up(size if min_size is None else min_size))
         if least > self.pool.capacity:  # refused before reclaiming (evicting) anything
@@ -153,31 +164,85 @@ class Registry:
             if room < least:
                 raise _over_quota(self, inst, "bytes of regions", held, self.quota_region_bytes)
             length = min(length, room)
+        share, held = self.fair_share(), self.region_bytes(inst)
+        now = time.monotonic()
+        waiting = [i for i, until in self.wanting.items() if until > now and i != instance_id]
+        if waiting and held + least > share:  # what others give back is theirs
+            raise ProtocolError(
+                ErrorCode.POOL_FULL,
+                f"instance {instance_id} holds {held} bytes of regions, its fair share of the "
+                f"pool is {share} and {len(waiting)} other instances wait for theirs",
+            )
         try:
             region = self.regions.allocate(instance_id, length, inst.page_size)
         except PoolFullError:
-            region = self._allocate_reclaiming(instance_id, least, inst.page_size)
+            below = held + least <= share
+            region = self._allocate_reclaiming(instance_id, least, inst.page_size, below)
+        self.wanting.pop(instance_id, None)
         inst.regions.add(region.region_id)
         return region.handle()
 
-    def _allocate_reclaiming(self, instance_id: str, length: int, page_size: int) -> Region:
+    def fair_share(self) -> int:
+        """The bytes of regions each live instance is owed: the pool's capacity over the
+        instances. An instance below it that finds no room makes those above it give regions
+        back (`_ask_to_shed`), and while it waits, no instance grows past its own share."""
+        return self.pool.capacity // max(1, len(self.instances))
+
+    def region_bytes(self, inst: Instance) -> int:
+        """The bytes of the regions `inst` owns (returned ones no longer count)."""
+        return sum(self.regions[r].length for r in inst.regions)
+
+    def _ask_to_shed(self, instance_id: str, share: int) -> list[str]:
+        """Ask every instance above `share` to give back what it holds over it (`shed`, on
+        its next reply; its client returns regions it holds no unsealed value in: never one
+        it may still write, the first rule); `instance_id` waits for them
+        (`wanting`). The instances asked."""
+        asked = []
+        for inst in self.instances.values():
+            over = self.region_bytes(inst) - share
+            if over > 0 and inst.instance_id != instance_id:
+                inst.shed = max(inst.shed, over)
+                asked.append(inst.instance_id)
+        if asked:
+            self.wanting[instance_id] = time.monotonic() + WANT_SECONDS
+            self.counters["shed_requests"] += len(asked)
+            held = self.log_throttle.allow(("shed", instance_id))
+            if held is not None:
+                log.info(
+                    "instance %s is below its fair share (%d bytes) and the pool is full: "
+                    "asked %s to give regions back%s",
+                    instance_id,
+                    share,
+                    ", ".join(asked),
+                    self.log_throttle.note(held),
+                    extra={"instance": instance_id},
+                )
+        return asked
+
+    def _allocate_reclaiming(
+        self, instance_id: str, length: int, page_size: int, below_share: bool
+    ) -> Region:
         while True:
             try:
                 return self.regions.allocate(instance_id, length, page_size)
             except PoolFullError as exc:
                 if self.eviction.reclaim():
                     continue
+                code, why = ErrorCode.POOL_FULL, str(exc)
+                if below_share and self._ask_to_shed(instance_id, self.fair_share()):
+                    code = ErrorCode.POOL_RECLAIMING
+                    why += "; instances over their fair share were asked to give regions back"
                 held = self.log_throttle.allow(("refused", instance_id))
                 if held is not None:
                     log.warning(
                         "region request of %d bytes by %s refused: %s%s",
                         length,
                         instance_id,
-                        exc,
+                        why,
                         self.log_throttle.note(held),
                         extra={"instance": instance_id},
                     )
-                raise ProtocolError(ErrorCode.POOL_FULL, str(exc)) from None
+                raise ProtocolError(code, why) from None
 
     def park(
         self, instance_id: str, seq: Any, park: list[Any], unpark: list[Any]
@@ -382,8 +447,15 @@ class Registry:
         if lease and inst is not None and quota and len(inst.leases) >= quota:
             raise _over_quota(self, inst, "leases", len(inst.leases), quota)
         held, region_ids, offsets, lengths, checksums = self.keys.lookup_columns(keys, lease)
+        nbytes = 0
+        if lease and held and inst is not None and self.quota_lease_bytes:
+            nbytes = sum(memoryview(lengths).cast("q"))
+            if inst.lease_bytes + nbytes > self.quota_lease_bytes:
+                release_entries(held)  # (a flood of leases must not keep writers from room)
+                what = f"bytes under leases (a lease of {nbytes} more asked)"
+                raise _over_quota(self, inst, what, inst.lease_bytes, self.quota_lease_bytes)
         self.count_reads(instance_id, lookups=len(keys), hits=len(held))
-        lease_id = self.leases.add(held, instance_id) if lease and held else 0
+        lease_id = self.leases.add(held, instance_id, nbytes) if lease and held else 0
         handles = [self.regions[r].handle() for r in set(memoryview(region_ids).cast("q")) - {0}]
         return region_ids, offsets, lengths, checksums, handles, lease_id
 

@@ -34,7 +34,7 @@ from maru.common.protocol import (
 )
 from maru.server.housekeeping import Housekeeping, freeze_heap
 from maru.server.journal import Journal, JournalWriteError
-from maru.server.local_socket import LocalSocketServer, Peer, holder_of, local_address
+from maru.server.local_socket import LocalDoor, LocalSocketServer, Peer, holder_of, local_address
 from maru.server.metrics import RequestStats
 from maru.server.registry import Registry, clear_all, delete_prefix, list_keys
 from maru.server.tcp_socket import TcpEndpoint
@@ -109,14 +109,14 @@ def _instance_name(name: Any) -> str:
     return "".join(c if c.isascii() and c.isprintable() and c != "~" else "_" for c in name[:100])
 
 
-def _listen_locally(address: str, auto: bool) -> LocalSocketServer:
+def _listen_locally(address: str, auto: bool, door: LocalDoor | None) -> LocalSocketServer:
     """The local socket at `address`. With "auto", a name someone else holds (the TCP port
     is ours, so it is not another maru-server of this state dir: a process squatting the
     name, say while this server restarted) is an ERROR naming that process, and the
     server listens under a new name instead, which the handshake tells clients; clients
     refuse a socket whose peer is not this server's user (`maru.client.rpc`)."""
     try:
-        return LocalSocketServer(address)
+        return LocalSocketServer(address, door)
     except OSError as exc:
         if not auto or exc.errno != errno.EADDRINUSE:
             raise
@@ -129,7 +129,7 @@ def _listen_locally(address: str, auto: bool) -> LocalSocketServer:
         holder_of(address),
         fallback,
     )
-    return LocalSocketServer(fallback)
+    return LocalSocketServer(fallback, door)
 
 
 class MaruService:
@@ -145,6 +145,7 @@ class MaruService:
         busy_poll_us: int = 0,
         curve_secret_key: bytes | None = None,
         curve_clients: Path | None = None,
+        local_door: LocalDoor | None = None,
     ):
         """`local_socket`: where to listen for clients on this node besides `bind_url`
         (`maru.server.local_socket.local_address`: "auto", "none", "@name" or a path). With
@@ -160,7 +161,10 @@ class MaruService:
         long before blocking (`_wait_for_requests`).
 
         `curve_secret_key`, `curve_clients`: the TCP port's CURVE key and client allowlist
-        (`--curve`, `--curve-clients`; `maru.server.tcp_socket.TcpEndpoint`)."""
+        (`--curve`, `--curve-clients`; `maru.server.tcp_socket.TcpEndpoint`).
+
+        `local_door`: who may use the local socket (`--local-uids`, `--pool-group`); default:
+        this server's user and root."""
         self.registry = registry
         self.bind_url = bind_url
         self.journal = journal
@@ -210,7 +214,7 @@ class MaruService:
         address = local_address(local_socket, self.endpoint, registry.signer.server_tag())
         if address is not None:
             try:
-                self.local = _listen_locally(address, local_socket == "auto")
+                self.local = _listen_locally(address, local_socket == "auto", local_door)
             except OSError as exc:
                 if local_socket != "auto":
                     self.tcp.close()
@@ -222,10 +226,16 @@ class MaruService:
     # -- handlers ----------------------------------------------------------------------------
 
     def _handshake(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Attach a process as an instance: the one its session credential names (a
-        reconnect, or the first contact after a server restart), else a new one whose id this
-        server picks. A process never gets another's instance by choosing its name."""
+        """Attach a process as an instance: the one its session credential names while this
+        server still has it (a reconnect, or the first contact after a server restart), else
+        a new one whose id this server picks. A process never gets another's instance by
+        choosing its name, nor one that ended (DISCONNECT voids its credential for good)."""
         iid = self.registry.signer.session_owner(body.get("session"))
+        if iid is not None and iid not in self.registry.instances:
+            # Its instance is gone (DISCONNECT, reaped, or nothing of it outlived a restart):
+            # the credential resumes nothing, ever again; its holder starts afresh.
+            log.info("a credential of instance %s, which is gone: a new instance", iid)
+            iid = None
         if iid is None:
             iid = self.new_instance_id(_instance_name(body.get("name")))
         pid = body.get("pid")
@@ -257,7 +267,7 @@ class MaruService:
 
     def _request_region(self, body: dict[str, Any]) -> dict[str, Any]:
         least = body.get("min_size")
-        handle = self.registry.request_region(_iid(body), _field(body, "size", int), least)
+        handle = self.registry.request_region(_iid(body), body.get("size"), least)
         return {"region": handle.to_wire()}
 
     def _park_regions(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -328,8 +338,8 @@ class MaruService:
         }
 
     def _evict_for(self, body: dict[str, Any]) -> dict[str, Any]:
-        iid, want = _iid(body), _field(body, "bytes", int)
-        return {"freed_bytes": self.registry.eviction.evict_for(iid, want)}
+        freed = self.registry.eviction.evict_for(_iid(body), body.get("bytes"))
+        return {"freed_bytes": freed}
 
     def _delete_prefix(self, body: dict[str, Any]) -> dict[str, Any]:
         if body.get("all") is True:  # `maru clear`
@@ -418,10 +428,9 @@ class MaruService:
             sessions = self.registry.instances.sessions
             iid = body["iid"] = sessions.get(session) if type(session) is str else None
             body["via_local"] = peer is not None  # on this node for sure (the local index)
+            if iid is not None:
+                self._check_holder(iid, peer)
             self.registry.instances.touch(iid)  # any message is a sign of life
-            if peer is not None and iid is not None and peer.instance != iid:
-                peer.instance = iid  # once per connection and instance: a process to watch
-                self.registry.instances.processes.watch(iid, peer.sock)
             handler = self._handlers.get(msg_type)
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg_type}")
@@ -436,11 +445,16 @@ class MaruService:
                     raise JournalWriteError(journal.state_dir, journal.write_error)
             reply = handler(body)
             reply["ok"] = True
-            # Freed pages are handed out once; not on a RELEASE reply, which the client sends
-            # without waiting and may never read.
-            freed = self.registry.instances.take_freed(iid) if msg_type != MsgType.RELEASE else None
-            if freed:
-                reply["freed"] = freed
+            # Freed pages, and a request to give regions back (fair share), are handed out
+            # once; not on a RELEASE reply, which the client sends without waiting and may
+            # never read.
+            if msg_type != MsgType.RELEASE:
+                instances = self.registry.instances
+                freed, shed = instances.take_freed(iid), instances.take_shed(iid)
+                if freed:
+                    reply["freed"] = freed
+                if shed:
+                    reply["shed"] = shed
             out = protocol.encode(msg_type, request_id, reply, reply=True)
             self.requests.served(msg_type, perf_counter() - start)
             return out
@@ -461,6 +475,31 @@ class MaruService:
                 msg_type, request_id, ErrorCode.INTERNAL, f"internal server error: {exc}"
             )
 
+    def _check_holder(self, iid: str, peer: Peer | None) -> None:
+        """Only the process that holds an instance's credential speaks for it: the first to
+        speak for it on the local socket (`ProcessWatch.claim`, once per connection and
+        instance). Any other process presenting the credential is refused (NOT_AUTHORIZED):
+        on the local socket by its pid; over TCP, where the server cannot tell who asks,
+        every request of a held instance (its holder uses the local socket)."""
+        processes = self.registry.instances.processes
+        if peer is None:
+            holder = processes.holder(iid)
+            if holder is None:
+                return
+            why = f"it is held by process {holder} on the local socket, not taken over TCP"
+        elif peer.instance == iid:
+            return
+        else:
+            why = processes.claim(iid, peer.sock)
+            if why is None:
+                peer.instance = iid  # once per connection and instance
+                return
+        raise ProtocolError(
+            ErrorCode.NOT_AUTHORIZED,
+            f"instance {iid}'s credential is one process's: {why} (a process forked after "
+            "connecting makes a MaruHandler of its own)",
+        )
+
     def serve_forever(self, poll_ms: int = 200) -> None:
         log.info(
             "maru-server listening on %s%s (pool %s, %d bytes)",
@@ -476,7 +515,9 @@ class MaruService:
         looked = time.monotonic()  # when the loop last looked at its sockets
         served = 0.0  # when the loop last served a request (perf_counter)
         while not self._stop.is_set():
-            events = self._wait_for_requests(poller, poll_ms, served)
+            retry_ms = self.tcp.retry_ms  # replies wait for a ZMQ peer: send them soon
+            wait_ms = poll_ms if retry_ms is None else min(poll_ms, retry_ms)
+            events = self._wait_for_requests(poller, wait_ms, served)
             if events:
                 served = perf_counter()
             # Requests first, then housekeeping, so that the heartbeats queued during a stall

@@ -1,10 +1,22 @@
 """The server's TCP port: a ZeroMQ ROUTER socket, with CURVE (`--curve`) and its client
 allowlist (`--curve-clients`) where asked for. The counterpart of `local_socket` for clients
-on other hosts (and for every client's first handshake); `MaruService` serves both alike."""
+on other hosts (and for every client's first handshake); `MaruService` serves both alike.
+
+Replies are never dropped to a client that reads them. ZeroMQ refuses a send (EAGAIN) once
+SNDHWM replies to a peer are in its pipe, and it counts what the peer's side has taken only
+in batches, as it gets round to it: a client with one request in flight met that limit now
+and then (issue 40: 44 of 78,600 replies lost under load, each costing its caller
+`timeout_ms`). A reply ZeroMQ does not take waits in the peer's `Backlog` and goes out, in
+order, on a later turn of the loop. As on the local socket, a client that stops reading
+stalls only itself: past `OUT_LIMIT` bytes of replies waiting for it, its requests wait
+unanswered (at most RCVHWM of them, `OUT_LIMIT` bytes), and past that they are dropped,
+counted (`replies_dropped`) and logged.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,12 +27,59 @@ from zmq.auth.thread import ThreadAuthenticator
 from maru.common import protocol
 from maru.common.curve import ClientAllowlist
 from maru.common.protocol import ErrorCode
+from maru.server.local_socket import OUT_LIMIT
+from maru.server.logs import Throttle
 
 log = logging.getLogger(__name__)
 
-SNDHWM = 16  # replies queued per ZMQ peer (each at most a few MiB) before more are dropped
+SNDHWM = 16  # replies in ZeroMQ's pipe per peer; more wait in its Backlog
 RCVHWM = 64  # requests queued per ZMQ peer (a client has at most max_inflight in flight)
 BURST = 1024  # requests served per turn of the loop, so that housekeeping still runs
+# A frame over MAX_FRAME_BYTES gets BAD_FRAME (`protocol.decode_body`) up to this size: twice
+# the limit, more than a batch of MAX_BATCH keys of MAX_KEY_BYTES makes. ZeroMQ must buffer
+# a frame to hand it over; a longer one makes it drop the peer's connection instead.
+MAX_ZMQ_FRAME = 2 * protocol.MAX_FRAME_BYTES
+RETRY_MS = (1, 100)  # while replies wait: the loop's first and longest wait before retrying
+
+
+class Backlog:
+    """What waits for one ZMQ peer: the replies ZeroMQ did not take yet, and, while those
+    exceed OUT_LIMIT bytes, its requests (each with why it is refused, if it is)."""
+
+    __slots__ = ("held", "held_bytes", "replies", "reply_bytes")
+
+    def __init__(self) -> None:
+        self.replies: deque[bytes] = deque()
+        self.reply_bytes = 0
+        self.held: deque[tuple[list[Any], str | None]] = deque()
+        self.held_bytes = 0
+
+    def add_reply(self, reply: bytes) -> None:
+        self.replies.append(reply)
+        self.reply_bytes += len(reply)
+
+    def hold(self, parts: list[Any], refused: str | None) -> bool:
+        """Keep a request for when the replies have gone out; False (not kept) past RCVHWM
+        requests or OUT_LIMIT bytes of them."""
+        size = sum(len(part) for part in parts)
+        if len(self.held) >= RCVHWM or self.held_bytes + size > OUT_LIMIT:
+            return False
+        self.held.append((parts, refused))
+        self.held_bytes += size
+        return True
+
+    def take_held(self) -> tuple[list[Any], str | None]:
+        parts, refused = self.held.popleft()
+        self.held_bytes -= sum(len(part) for part in parts)
+        return parts, refused
+
+    def __len__(self) -> int:
+        return len(self.replies) + len(self.held)
+
+
+def _key(identity: Any) -> bytes:
+    """A peer's routing id as bytes (a `zmq.Frame` when received without copying)."""
+    return identity if isinstance(identity, bytes) else identity.bytes
 
 
 def _router(context: zmq.Context, bind_url: str, curve_secret_key: bytes | None) -> zmq.Socket:
@@ -28,13 +87,11 @@ def _router(context: zmq.Context, bind_url: str, curve_secret_key: bytes | None)
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-    # A frame over the limit makes ZMQ drop the peer's connection before buffering it.
-    socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES + protocol.HEADER.size)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_ZMQ_FRAME)
     # Bounded queues per peer, so that a client that stops reading its replies stalls only
-    # itself: past SNDHWM unsent replies to one peer the next is dropped (and counted:
-    # ROUTER_MANDATORY makes the send fail instead of dropping silently); past RCVHWM
-    # requests ZMQ stops reading that peer's connection. A live client's own I/O thread
-    # drains its replies as they come, so it never meets the limit.
+    # itself: past SNDHWM replies in one peer's pipe a send fails (ROUTER_MANDATORY: EAGAIN,
+    # rather than a silent drop) and the reply waits in the peer's Backlog; past RCVHWM
+    # requests ZMQ stops reading that peer's connection.
     socket.setsockopt(zmq.SNDHWM, SNDHWM)
     socket.setsockopt(zmq.RCVHWM, RCVHWM)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -75,17 +132,30 @@ class TcpEndpoint:
                 self.authenticator.stop()
             raise
         self.endpoint: str = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.backlog: dict[bytes, Backlog] = {}  # by routing id: peers with replies waiting
+        self._retry_ms = RETRY_MS[0]
+        self._stuck = Throttle(10.0)
+
+    @property
+    def retry_ms(self) -> int | None:
+        """How long the loop may sleep before `serve` must retry sending waiting replies
+        (None: nothing waits). ZeroMQ says when a pipe has room only for all peers at once
+        (POLLOUT), so the loop retries, sooner after progress, up to RETRY_MS[1] apart
+        while a client does not read."""
+        return self._retry_ms if self.backlog else None
 
     def attach(self, poller: zmq.Poller) -> None:
         poller.register(self.socket, zmq.POLLIN)
 
     def serve(self, events: dict[Any, int], handle: Callable[..., bytes]) -> int:
-        """Answer up to BURST requests if `events` (one poll's result) says the socket is
-        ready: `handle(frame, refused=why or None)` makes each reply. Returns how many
-        replies were dropped (the peer vanished, or does not read: SNDHWM)."""
+        """Send the replies that wait (`backlog`), then answer up to BURST requests if
+        `events` (one poll's result) says the socket is ready: `handle(frame, refused=why or
+        None)` makes each reply. Returns how many requests went unanswered (the peer
+        vanished, or does not read its replies)."""
+        dropped = self._drain(handle) if self.backlog else 0
         if not events.get(self.socket):
-            return 0
-        sock, allowlist, dropped = self.socket, self.allowlist, 0
+            return dropped
+        sock, allowlist = self.socket, self.allowlist
         for _ in range(BURST):
             try:
                 # With --curve-clients, each request's frame says which key it came with.
@@ -96,19 +166,89 @@ class TcpEndpoint:
             if allowlist is not None:
                 refused = allowlist.revoked(parts[-1].get("User-Id"))
                 parts = [part.bytes for part in parts]
-            if len(parts) != 2:
-                # A DEALER sends exactly one frame; anything else is not ours to parse.
-                reply = protocol.encode_error(
-                    0, 0, ErrorCode.BAD_FRAME, f"expected 1 frame, got {len(parts) - 1}"
-                )
-            else:
-                reply = handle(parts[1], refused=refused)
-            try:
-                sock.send_multipart([parts[0], reply], zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
-                dropped += 1
-                log.debug("reply dropped: %s", exc)
+            waiting = self.backlog.get(_key(parts[0])) if self.backlog else None
+            if waiting is None:
+                dropped += self._send(parts[0], self._answer(parts, refused, handle))
+            elif waiting.reply_bytes > OUT_LIMIT:  # it does not read: its requests wait
+                if not waiting.hold(parts, refused):
+                    dropped += 1
+                    self._log_stuck(waiting)
+            else:  # behind the replies that wait, in order
+                waiting.add_reply(self._answer(parts, refused, handle))
         return dropped
+
+    @staticmethod
+    def _answer(parts: list[Any], refused: str | None, handle: Callable[..., bytes]) -> bytes:
+        if len(parts) != 2:
+            # A DEALER sends exactly one frame; anything else is not ours to parse.
+            return protocol.encode_error(
+                0, 0, ErrorCode.BAD_FRAME, f"expected 1 frame, got {len(parts) - 1}"
+            )
+        return handle(parts[1], refused=refused)
+
+    def _send(self, identity: Any, reply: bytes) -> int:
+        """Send now, or keep the reply in a new Backlog if ZeroMQ will not take it yet.
+        Returns 1 if it was dropped: the peer has gone."""
+        try:
+            self.socket.send_multipart([identity, reply], zmq.NOBLOCK)
+        except zmq.Again:
+            waiting = self.backlog[_key(identity)] = Backlog()
+            waiting.add_reply(reply)
+            self._retry_ms = RETRY_MS[0]
+        except zmq.ZMQError as exc:
+            log.debug("reply dropped: %s", exc)
+            return 1
+        return 0
+
+    def _drain(self, handle: Callable[..., bytes]) -> int:
+        """Send what waits, answer the requests held while there is room again; returns how
+        many were dropped (their peer has gone). Then choose the next retry's delay."""
+        dropped, sent = 0, False
+        for key, waiting in list(self.backlog.items()):
+            while True:
+                gone, moved = self._flush(key, waiting)
+                sent = sent or moved
+                if gone:
+                    dropped += len(waiting)
+                    del self.backlog[key]
+                    break
+                if not waiting.held or waiting.reply_bytes > OUT_LIMIT:
+                    break
+                while waiting.held and waiting.reply_bytes <= OUT_LIMIT:
+                    waiting.add_reply(self._answer(*waiting.take_held(), handle))
+            if not waiting:
+                self.backlog.pop(key, None)
+        self._retry_ms = RETRY_MS[0] if sent else min(2 * self._retry_ms, RETRY_MS[1])
+        return dropped
+
+    def _flush(self, key: bytes, waiting: Backlog) -> tuple[bool, bool]:
+        """Send the peer's waiting replies, oldest first, while ZeroMQ takes them. Returns
+        (whether the peer has gone, whether anything was sent)."""
+        sent = False
+        replies = waiting.replies
+        while replies:
+            try:
+                self.socket.send_multipart([key, replies[0]], zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            except zmq.ZMQError as exc:
+                log.debug("%d replies dropped: %s", len(replies), exc)
+                return True, sent
+            waiting.reply_bytes -= len(replies.popleft())
+            sent = True
+        return False, sent
+
+    def _log_stuck(self, waiting: Backlog) -> None:
+        held = self._stuck.allow("stuck")
+        if held is not None:
+            log.warning(
+                "a ZMQ client does not read its replies (%.1f MiB wait for it, and %d of its "
+                "requests): its later requests are dropped unanswered until it does "
+                "(maru_replies_dropped_total)%s",
+                waiting.reply_bytes / (1 << 20),
+                len(waiting.held),
+                self._stuck.note(held),
+            )
 
     def refresh(self) -> None:
         """Between requests: a key removed from `--curve-clients` counts for open
