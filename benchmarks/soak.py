@@ -28,13 +28,25 @@ Processes (all spawned, each with its own handler and mappings):
 - the controller (this process) injects the faults in a fixed cycle, respawns what it
   killed, and pins one key of each writer's latest batch now and then (a sample), read back
   after the next restart, like the durable writer's.
+- a writer told to fork (issue 40) forks after a batch, as a worker pool started after the
+  backend would: the child's first store through the inherited handler must raise
+  `MaruForkedError` (a store that went through would have written as its parent, into the
+  chunks the parent takes next, which the readers' checks would catch); then the child
+  connects a handler of its own, stores a batch and reads it back.
+- another server in turn (issue 40): the server is SIGKILLed, a second `maru-server` with
+  its own state dir starts on the same pool file, stores values (into the same places) and
+  stops, and the first starts again on its state. It must never serve the second one's
+  bytes as its keys': its keys are gone (the pool is not the one its state describes, so
+  it starts it fresh) and every read of them is a miss.
 
 **Evicted or lost?** Under constant eviction an acknowledged key that is gone may simply have
 been evicted, so loss is measured on keys that cannot be evicted: pinned keys (the server
 never evicts nor deletes them, and pins are journaled). An **acknowledged key lost** is a
 durable-writer key that was acknowledged but was gone when it was pinned (no server fault in
 between, three tries), or a pinned key (durable or sampled) that was missing or wrong when it
-was read back after a server SIGKILL + restart, with no server fault during the read. The
+was read back after a server SIGKILL + restart, with no server fault during the read. A key
+acknowledged before another server took the pool in turn is **dropped**, not lost, when it is
+gone afterwards (the pool's bytes are no longer the ones it names); wrong, it is still wrong. The
 run ends with one more SIGKILL + restart, after which every pinned key is read back.
 
 A call that fails while the server is down or stopped is not a verdict: every check is
@@ -60,7 +72,7 @@ from typing import Any
 
 import numpy as np
 
-from maru import MaruHandler
+from maru import MaruForkedError, MaruHandler
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -77,13 +89,15 @@ MAX_GENERATIONS = 64  # respawns per writer slot (key names carry the generation
 READ_BATCH = 8
 HEARTBEAT_S, LEASE_S, REAP_HOLD_S = 2.0, 2.0, 5.0
 
-# board flags
-STOP, PHASE, SERVER_OK, FAULTS, RESTARTS = range(5)
+# board flags (FOREIGN_AT: RESTARTS after the last time another server had the pool;
+# FORK: 1 + the writer slot told to fork, 0 none)
+STOP, PHASE, SERVER_OK, FAULTS, RESTARTS, FOREIGN_AT, FORK = range(7)
 RUN, DURABLE_STOP, VERIFY = range(3)  # durable writer's phases
 # per-process counters (one row per writer slot, durable writer, reader slot)
 COUNTERS = (
     *("ready", "acked", "failed", "bytes", "reads", "hits", "misses", "unconfirmed"),
-    *("wrong", "wrong_bytes", "checked", "lost", "gone_before_pin"),
+    *("wrong", "wrong_bytes", "checked", "lost", "gone_before_pin", "dropped"),
+    *("forks", "fork_refused", "fork_wrote", "fork_acked", "fork_failed"),
 )
 C = {name: i for i, name in enumerate(COUNTERS)}
 
@@ -281,9 +295,19 @@ def _record_wrong(h: MaruHandler, key: str, data: bytes, info: Any, durable: boo
 LOG_DIR = "MARU_SOAK_DIR"  # environment: the soak's directory (inherited by its processes)
 
 
-def check_pinned(h: MaruHandler, board: Board, row: int, keys: list[str], durable: bool) -> None:
-    """Read pinned keys back (after a server restart): count them, count the missing ones as
-    lost and the wrong ones as wrong reads; then unpin them."""
+def dropped(board: Board, restarts: int) -> bool:
+    """Whether a key acknowledged after `restarts` server restarts was in the pool before
+    another server took it in turn: gone since, it is dropped, not lost."""
+    return restarts < board.flags[FOREIGN_AT]
+
+
+def check_pinned(
+    h: MaruHandler, board: Board, row: int, pinned: dict[str, int], durable: bool
+) -> None:
+    """Read pinned keys back (after a server restart; `pinned`: key -> restarts when it was
+    acknowledged): count them, count the missing ones as lost (dropped if another server had
+    the pool since) and the wrong ones as wrong reads; then unpin them."""
+    keys = list(pinned)
     last: dict = {}
 
     def attempt(batch: list[str]) -> list[bool]:
@@ -300,7 +324,7 @@ def check_pinned(h: MaruHandler, board: Board, row: int, keys: list[str], durabl
                 board.add(row, "wrong")
                 board.add(row, "wrong_bytes", last[key])
             else:
-                board.add(row, "lost")
+                board.add(row, "dropped" if dropped(board, pinned[key]) else "lost")
         settled(board, h.batch_unpin, part, tries=1)
 
 
@@ -325,6 +349,7 @@ def writer(url: str, slot: int, gen: int, tcp: bool, pool_size: str, board: Boar
         return
     board.add(slot, "ready")
     progress = slot * MAX_GENERATIONS + gen
+    children: list[int] = []
     i = 0
     while not board.flags[STOP]:
         keys = [key_of(slot, gen, i + j) for j in range(BATCH)]
@@ -336,7 +361,63 @@ def writer(url: str, slot: int, gen: int, tcp: bool, pool_size: str, board: Boar
         board.add(slot, "acked", acked)
         board.add(slot, "failed", BATCH - acked)
         board.add(slot, "bytes", sum(len(v) for v, o in zip(values, ok) if o))
+        if board.flags[FORK] == slot + 1:
+            board.flags[FORK] = 0
+            children.append(fork_child(h, url, slot, gen, tcp, board))
+        children = [pid for pid in children if not reaped(pid, slot, board)]
     h.close()
+    deadline = time.monotonic() + 30
+    while children and time.monotonic() < deadline:
+        children = [pid for pid in children if not reaped(pid, slot, board)]
+        time.sleep(0.05)
+
+
+FORK_CHILD_S = 30  # a forked child that has not finished by then is killed (SIGALRM): failed
+
+
+def fork_child(h: MaruHandler, url: str, slot: int, gen: int, tcp: bool, board: Board) -> int:
+    """Fork this writer (its handler connected, its heartbeat and copier threads running) as
+    a worker pool started after the backend would; the child's pid. The child tries the
+    inherited handler once (it must refuse: `MaruForkedError`), closes it (which must send
+    nothing: the parent's instance goes on), then stores a batch with a handler of its own
+    and reads it back. It exits 0 unless something in it raised."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        signal.alarm(FORK_CHILD_S)
+        board.add(slot, "forks")
+        keys = [f"soak/fork/{slot}/{gen}/{os.getpid()}/{j}" for j in range(BATCH)]
+        values = [make_value(k) for k in keys]
+        try:
+            wrote = sum(h.batch_store(keys, values))
+        except MaruForkedError:
+            board.add(slot, "fork_refused")
+        else:
+            board.add(slot, "fork_wrote", max(wrote, 1))
+        h.close()
+        own = _connect(url, board, pool_size="8M", chunk_size_bytes=CHUNK, local_socket=not tcp)
+        if own is not None:
+            acked = [k for k, o in zip(keys, own.batch_store(keys, values)) if o]
+            board.add(slot, "fork_acked", len(acked))
+            _, why = read_back(own, acked, durable=False)
+            for reason in why.values():
+                if isinstance(reason, int):
+                    board.add(slot, "wrong")
+                    board.add(slot, "wrong_bytes", reason)
+            own.close()
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def reaped(pid: int, slot: int, board: Board) -> bool:
+    """Whether forked child `pid` has exited (counted in `fork_failed` unless it exited 0)."""
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done and os.waitstatus_to_exitcode(status) != 0:
+        board.add(slot, "fork_failed")
+    return bool(done)
 
 
 def reader(url: str, index: int, seed: int, board: Board) -> None:
@@ -396,9 +477,9 @@ def durable_writer(url: str, interval: float, board: Board) -> None:
         board.add(row, "failed", len(keys) - len(acked))
         gone = set(settled(board, h.batch_pin, acked))
         board.add(row, "gone_before_pin", len(gone))
-        board.add(row, "lost", len(gone))
+        board.add(row, "dropped" if dropped(board, restarts) else "lost", len(gone))
         pinned.update((k, restarts) for k in acked if k not in gone)
-        due = [k for k, r in pinned.items() if r < board.flags[RESTARTS]]
+        due = {k: r for k, r in pinned.items() if r < board.flags[RESTARTS]}
         if due and board.flags[SERVER_OK]:
             check_pinned(h, board, row, due, durable=True)
             for k in due:
@@ -407,7 +488,7 @@ def durable_writer(url: str, interval: float, board: Board) -> None:
     board.add(row, "ready")  # stopped writing: the controller restarts the server once more
     while board.flags[PHASE] != VERIFY:
         time.sleep(0.05)
-    check_pinned(h, board, row, list(pinned), durable=True)
+    check_pinned(h, board, row, pinned, durable=True)
     board.add(row, "ready")
     h.close()
 
@@ -417,11 +498,13 @@ def durable_writer(url: str, interval: float, board: Board) -> None:
 CYCLE = (
     "server_kill",
     "writer_kill",
+    "writer_fork",
     "writer_stop",
     "reader_kill",
     "server_kill",
     "reader_stop",
     "server_stop",
+    "foreign_server",
     "writer_kill",
 )
 FAULT_NAMES = {
@@ -431,7 +514,10 @@ FAULT_NAMES = {
     "writer_stop": f"writer SIGSTOP {HEARTBEAT_S * 2:g} s (> heartbeat timeout), SIGCONT",
     "reader_kill": "reader SIGKILL (then a new one)",
     "reader_stop": f"reader SIGSTOP {LEASE_S * 1.5:g} s (> lease timeout), SIGCONT",
+    "writer_fork": "writer forks (the child tries its parent's handler, then its own)",
+    "foreign_server": "server SIGKILL, another server (own state dir) on the pool, restart",
 }
+FOREIGN_VALUES, FOREIGN_SIZE = 64, 256 * KiB  # what the other server stores
 
 
 class Soak:
@@ -528,17 +614,43 @@ class Soak:
         except Exception:  # a failed call during the run is no verdict: stats are a figure
             pass
 
-    def kill_server(self) -> None:
+    def kill_server(self, meanwhile: Callable[[], None] | None = None) -> None:
+        """SIGKILL the server and start it again on its state; `meanwhile` runs while it is
+        down (another server taking the pool in turn: keys from before count as dropped)."""
         self.note_stats()
         self.evictions += self.last_stats.get("counters", {}).get("evictions", 0)
         self.last_stats = {}
         self.server_fault(True)
         self.server.proc.kill()
         self.server.proc.wait(10)
+        if meanwhile is not None:
+            meanwhile()
         self.server.restart()
         self.note("  server restarted")
         self.board.flags[RESTARTS] += 1
+        if meanwhile is not None:
+            self.board.flags[FOREIGN_AT] = self.board.flags[RESTARTS]
         self.server_fault(False)
+
+    def other_server(self) -> None:
+        """Another `maru-server`, with a state dir of its own, on the same pool file: it
+        stores values (over the places the first one's keys point to) and stops."""
+        n = self.faults["foreign_server"]
+        other = MaruServerProcess(
+            self.workdir / f"other-server-{n}",
+            pool_size=self.server.pool_size,
+            pool=self.server.pool_path,
+        )
+        other.start()
+        try:
+            with MaruHandler(
+                server_url=other.url, pool_size=self.writer_pool, chunk_size_bytes=CHUNK
+            ) as h:
+                keys = [f"other/{n}/{i}" for i in range(FOREIGN_VALUES)]
+                stored = h.batch_store(keys, [bytes([n % 251 + 1]) * FOREIGN_SIZE] * len(keys))
+                self.note(f"  the other server stored {sum(stored)} values")
+        finally:
+            other.halt()
 
     def stop_server(self, seconds: float) -> None:
         self.server_fault(True)
@@ -559,6 +671,14 @@ class Soak:
             self.kill_server()
         elif fault == "server_stop":
             self.stop_server(HEARTBEAT_S * 1.5)
+        elif fault == "foreign_server":
+            self.kill_server(meanwhile=self.other_server)
+        elif fault == "writer_fork":
+            who = self.victim("writer")
+            if who is None:
+                return
+            self.note(f"  {who} pid {self.procs[who].pid}")
+            self.board.flags[FORK] = who[1] + 1
         else:
             role, what = fault.split("_")
             who = self.victim(role)
@@ -600,7 +720,7 @@ class Soak:
 
     def check_samples(self, everything: bool = False) -> None:
         restarts = self.board.flags[RESTARTS]
-        due = [k for k, r in self.samples.items() if everything or r < restarts]
+        due = {k: r for k, r in self.samples.items() if everything or r < restarts}
         assert self.h is not None
         check_pinned(self.h, self.board, self.board.durable_row, due, durable=False)
         for key in due:
@@ -729,6 +849,13 @@ def table(r: dict[str, Any]) -> str:
         ("pinned keys read back after a server restart", f"{r['checked']:,}"),
         ("of them acknowledged, gone before their pin", f"{r['gone_before_pin']}"),
         ("**acknowledged keys lost**", f"**{r['lost']}**"),
+        ("pinned keys dropped (another server had the pool since)", f"{r['dropped']:,}"),
+        ("forked children (refused their parent's handler)", f"{r['forks']} ({r['fork_refused']})"),
+        (
+            "**forked children's stores as their parent / children failed**",
+            f"**{r['fork_wrote']} / {r['fork_failed']}**",
+        ),
+        ("forked children's stores with their own handler", f"{r['fork_acked']}"),
     ]
     rows += [(FAULT_NAMES[f], n) for f, n in r["faults"].items()]
     rows.append(("workers that failed", len(r["crashed"])))
@@ -763,7 +890,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.seed,
     )
     print(table(r))
-    return 0 if r["wrong"] == 0 and r["lost"] == 0 and not r["crashed"] else 1
+    failed = r["wrong"] or r["lost"] or r["fork_wrote"] or r["fork_failed"] or r["crashed"]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
