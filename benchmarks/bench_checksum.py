@@ -73,9 +73,6 @@ def measure(fn: Callable[[memoryview], int], views: list[memoryview], reps: int)
 
 def maru64_rows(view: memoryview, size: int, reps: int) -> None:
     """maru64 hot and cold, with each C loop this CPU runs (one call per pass)."""
-    if not memcopy.COMPILED:
-        print("(maru64: maru.client._memcopy not built)")
-        return
     from maru.client._memcopy import copy_many_hashed, hash_impl
 
     base = np.frombuffer(view, np.uint8).ctypes.data

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,11 +33,8 @@ def main() -> None:
 
     check("site-packages" in maru.__file__, f"maru imported from {maru.__file__}")
     check(importlib.util.find_spec("maru_sglang") is not None, "maru_sglang is installed")
-    if shutil.which("cc"):  # built with the package when a compiler is there
-        from maru.client import busypoll, memcopy
-        from maru.server import keyindex
-
-        check(memcopy.COMPILED and busypoll.COMPILED and keyindex.COMPILED, "C helpers built")
+    for ext in ("client._memcopy", "client._busypoll", "server._keyindex", "common._shmindex"):
+        check(importlib.util.find_spec(f"maru.{ext}") is not None, f"maru.{ext} built")
     from maru import MaruConfig, MaruHandler
 
     with tempfile.TemporaryDirectory() as tmp:

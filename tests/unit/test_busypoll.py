@@ -3,16 +3,15 @@ it falls back to sleeping in poll()."""
 
 from __future__ import annotations
 
-import shutil
 import socket
 import threading
 import time
 
 import pytest
 
-from maru.client.busypoll import recv_spin
+from maru.client import _busypoll
 
-needs_c = pytest.mark.skipif(recv_spin is None, reason="maru.client._busypoll not built")
+recv_spin = _busypoll.recv_spin
 
 MS = 1_000_000  # ns
 
@@ -26,28 +25,24 @@ def pair():
     b.close()
 
 
-@needs_c
 def test_returns_what_has_arrived(pair):
     a, b = pair
     b.sendall(b"reply")
     assert recv_spin(a.fileno(), 1 << 16, 10 * MS) == b"reply"
 
 
-@needs_c
 def test_returns_data_that_arrives_during_the_spin(pair):
     a, b = pair
     threading.Timer(0.02, b.sendall, args=(b"late",)).start()
     assert recv_spin(a.fileno(), 1 << 16, 2000 * MS) == b"late"
 
 
-@needs_c
 def test_returns_none_when_nothing_comes_within_the_spin(pair):
     a, _ = pair
     assert recv_spin(a.fileno(), 1 << 16, 0) is None
     assert recv_spin(a.fileno(), 1 << 16, 5 * MS) is None
 
 
-@needs_c
 def test_reads_at_most_size_bytes(pair):
     a, b = pair
     b.sendall(b"x" * 100)
@@ -55,14 +50,12 @@ def test_reads_at_most_size_bytes(pair):
     assert recv_spin(a.fileno(), 1 << 16, 0) == b"x" * 60
 
 
-@needs_c
 def test_a_closed_peer_gives_empty_bytes(pair):
     a, b = pair
     b.close()
     assert recv_spin(a.fileno(), 1 << 16, 10 * MS) == b""
 
 
-@needs_c
 def test_a_bad_descriptor_raises_oserror_and_bad_sizes_valueerror(pair):
     with pytest.raises(OSError):
         recv_spin(-1, 1 << 16, 0)
@@ -70,7 +63,6 @@ def test_a_bad_descriptor_raises_oserror_and_bad_sizes_valueerror(pair):
         recv_spin(pair[0].fileno(), 0, 0)
 
 
-@needs_c
 def test_the_spin_runs_without_the_gil(pair):
     """SGLang's scheduler thread shares the GIL with the storage threads that wait for replies:
     a spin that held it would stall the scheduler for the whole spin."""
@@ -95,12 +87,3 @@ def test_the_spin_runs_without_the_gil(pair):
     # With the GIL held, the counter would get no turn in 0.2 s (the switch interval is 5 ms,
     # and only a thread that asks for the GIL makes the holder drop it).
     assert during > 1000
-
-
-def test_the_c_helper_is_built_where_a_compiler_exists():
-    """Without it, every reply costs a sleeping thread's wake-up (docs/performance.md)."""
-    if shutil.which("cc") is None and shutil.which("gcc") is None:
-        pytest.skip("no C compiler here")
-    from maru.client import rpc
-
-    assert rpc.recv_spin is not None

@@ -1,45 +1,39 @@
 """maru64, the page checksum (`maru.client.checksum`): the C loops (scalar, AVX2, AVX-512) and
-the numpy reference compute one value; copy_many_hashed hashes a value given in parts as the
-bytes of its parts in order while it copies them; the hash sees the faults it is for."""
+the numpy reference (`maru64.py`) compute one value; copy_many_hashed hashes a value given in
+parts as the bytes of its parts in order while it copies them; the hash sees the faults it is
+for."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from maru.client import checksum, memcopy
+from maru.client import _memcopy, checksum, memcopy
 
-C = pytest.mark.skipif(not memcopy.COMPILED, reason="maru.client._memcopy not built")
+from .maru64 import hash64
+
 # Lengths around the stripe (64 B) and block (1 KiB) edges and the copy's 4 KiB step.
 LENGTHS = [0, 1, 7, 8, 63, 64, 65, 1000, 1023, 1024, 1025, 4095, 4096, 4097, 16384 + 13, 1 << 20]
 
 
 def _impls() -> list[str]:
-    if not memcopy.COMPILED:
-        return []
-    from maru.client._memcopy import hash_impl
-
     available = []
     for name in ("scalar", "avx2", "avx512"):
         try:
-            before = hash_impl(name)
+            before = _memcopy.hash_impl(name)
         except ValueError:  # not on this CPU
             continue
-        hash_impl(before)
+        _memcopy.hash_impl(before)
         available.append(name)
     return available
 
 
-@pytest.fixture(params=_impls() or ["none"])
+@pytest.fixture(params=_impls())
 def impl(request):
     """Each C loop this CPU can run, switched back to the automatic pick afterwards."""
-    if request.param == "none":
-        pytest.skip("maru.client._memcopy not built")
-    from maru.client._memcopy import hash_impl
-
-    hash_impl(request.param)
+    _memcopy.hash_impl(request.param)
     yield request.param
-    hash_impl("auto")
+    _memcopy.hash_impl("auto")
 
 
 def _data(n: int, seed: int = 3) -> bytes:
@@ -55,14 +49,14 @@ def test_reference_values_do_not_change(impl):
         bytes(4096): -1843791263870645489,
     }
     for data, value in pinned.items():
-        assert checksum.hash64(data) == value
+        assert hash64(data) == value
         assert int(checksum.checksums([memoryview(data)])[0]) == value
 
 
 @pytest.mark.parametrize("n", LENGTHS)
 def test_c_and_reference_agree(impl, n):
     data = _data(n, seed=n)
-    assert int(checksum.checksums([memoryview(data)])[0]) == checksum.hash64(data)
+    assert int(checksum.checksums([memoryview(data)])[0]) == hash64(data)
 
 
 def test_a_value_in_parts_hashes_as_its_bytes_in_order(impl):
@@ -83,7 +77,7 @@ def test_a_value_in_parts_hashes_as_its_bytes_in_order(impl):
     assert bytes(dst[64:]) == bytes(src) and not dst[:64].any()
     for i in range(values):
         value = bytes(src[starts[i, 0] : starts[i, 0] + sizes[i].sum()])
-        assert int(got[i]) == checksum.hash64(value), i
+        assert int(got[i]) == hash64(value), i
     # hashing alone (no destination) gives the same, as does one buffer per value
     alone = checksum.checksums(
         [memoryview(bytes(src[s : s + n])) for s, n in zip(starts[:, 0], sizes.sum(1))]
@@ -109,25 +103,7 @@ def test_one_pass_and_block_copies_agree(impl, shift):
     assert bytes(raw[first : first + total]) == bytes(src)
     assert not raw[:first].any() and not raw[first + total :].any()
     for i, (start, size) in enumerate(zip(starts[:, 0], sizes.sum(1))):
-        assert int(got[i]) == checksum.hash64(bytes(src[start : start + size])), i
-
-
-def test_the_fallbacks_compute_the_same_value(monkeypatch):
-    """Without the C extension: the same checksums (copies by ctypes, hashes in numpy)."""
-    data = [_data(n, seed=n) for n in (0, 100, 5000, 70000)]
-    with_c = checksum.checksums([memoryview(d) for d in data]).tolist()
-    monkeypatch.setattr(checksum, "_c_hashed", None)
-    monkeypatch.setattr(memcopy, "_c_copy_many_hashed", None)
-    assert checksum.checksums([memoryview(d) for d in data]).tolist() == with_c
-    src = np.frombuffer(b"".join(data), np.uint8)
-    dst = np.zeros_like(src)
-    sizes = np.array([[len(d)] for d in data], np.int64)
-    starts = np.concatenate(([0], np.cumsum(sizes[:, 0])[:-1]))[:, None]
-    got = memcopy.copy_many_hashed(starts + dst.ctypes.data, starts + src.ctypes.data, sizes)
-    assert got.tolist() == [checksum.hash64(d) for d in data]
-    assert bytes(dst) == bytes(src)
-    if memcopy.COMPILED:
-        assert with_c == got.tolist()
+        assert int(got[i]) == hash64(bytes(src[start : start + size])), i
 
 
 def test_the_faults_it_is_for_change_the_checksum(impl):
@@ -156,10 +132,9 @@ def test_the_faults_it_is_for_change_the_checksum(impl):
     lanes = bytearray(page)
     lanes[0:8], lanes[8:16] = page[8:16], page[0:8]
     assert differs(bytes(lanes))
-    assert all(checksum.hash64(bytes(n)) != 0 for n in (0, 1, 64))  # never 0 (0: none)
+    assert all(hash64(bytes(n)) != 0 for n in (0, 1, 64))  # never 0 (0: none)
 
 
-@C
 def test_bad_arguments_are_refused():
     from maru.client._memcopy import copy_many_hashed
 

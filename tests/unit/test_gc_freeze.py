@@ -3,7 +3,8 @@ after restoring it, and after every loop turn (`MaruService.housekeeping`), so t
 collection walks 10^6 registry entries on the server's only thread.
 
 The C key entries (`maru.server._keyindex.KeyEntry`) are not GC-tracked at all; the freezing tests
-run with the pure-Python registry, whose entries are, as on a machine without a compiler."""
+run with the tests' pure-Python model of the key index (`keyindex_model.py`), whose entries are:
+they stand for what else the registry keeps."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ import pytest
 
 from maru.common import protocol
 from maru.common.protocol import MsgType
-from maru.server import cli, keyindex
+from maru.server import cli
 from maru.server.journal import Journal
 from maru.server.pool import ShmPool
 from maru.server.registry import Registry
 from maru.server.service import MaruService
 from maru.server.token import TokenSigner
 
-from .keyindex_impls import use_python_key_index
+from .keyindex_model import PyKeyEntry, use_python_key_index
 from .registry_calls import register
 from .service_calls import register_body
 
@@ -39,7 +40,7 @@ def unfreeze(monkeypatch):
 
 def young_key_entries(reg: Registry) -> int:
     """How many of `reg`'s entries a collection would scan (frozen ones are not listed)."""
-    scanned = {id(o) for o in gc.get_objects() if type(o) is keyindex.PyKeyEntry}
+    scanned = {id(o) for o in gc.get_objects() if type(o) is PyKeyEntry}
     return sum(id(entry) in scanned for entry in reg.keys.values())
 
 
@@ -117,7 +118,8 @@ def test_without_gc_freeze_the_service_leaves_the_gc_alone(tmp_path):
 
 
 def test_c_key_entries_are_not_tracked_by_the_gc():
-    c = pytest.importorskip("maru.server._keyindex", reason="C extension not built")
+    from maru.server import _keyindex as c
+
     entry = c.KeyEntry(1, 4096, 64)
     assert not gc.is_tracked(entry)  # no collection ever scans 10^6 of them
     assert (entry.region_id, entry.offset, entry.length, entry.pins, entry.leases) == (

@@ -1,7 +1,7 @@
 """The C key index (`maru.server._keyindex.KeyIndex`) against its pure-Python model
-(`OrderedKeyIndex`, an OrderedDict): random operations, batch calls included, leave both with
-the same keys, entries and order; plus what a dict would not check for us (iteration under
-change, rebuilds, str and bytes keys of every width)."""
+(`OrderedKeyIndex`, an OrderedDict, in `keyindex_model.py`): random operations, batch calls
+included, leave both with the same keys, entries and order; plus what a dict would not check
+for us (iteration under change, rebuilds, str and bytes keys of every width)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,15 @@ import sys
 
 import pytest
 
-from maru.server.keyindex import OrderedKeyIndex
+from maru.server import _keyindex as keyindex
 
-keyindex = pytest.importorskip("maru.server._keyindex", reason="C extension not built")
+from .keyindex_model import (
+    OrderedKeyIndex,
+    py_batch_fits,
+    py_entry_locations,
+    py_release_entries,
+)
+
 KeyIndex = keyindex.KeyIndex
 
 
@@ -155,8 +161,6 @@ def test_add_entries_reports_which_keys_were_new_and_keeps_the_first_writer() ->
 def test_batch_fits_matches_the_python_model() -> None:
     """`batch_fits` (C) decides as `py_batch_fits` does, for every reason a batch may not
     take the bulk path."""
-    from maru.server.keyindex import py_batch_fits
-
     good = (["k1", b"k2"], 256, [1, 2], [0, 64], [64, 64], {1: 128, 2: 128})
     cases = [good]
     for i, bad in [
@@ -237,8 +241,6 @@ def test_entries_are_released_and_not_tracked_by_the_gc() -> None:
 
 
 def test_lookup_columns_and_release_match_the_python_model() -> None:
-    from maru.server.keyindex import py_release_entries
-
     rng = random.Random(3)
     index, model = KeyIndex(), OrderedKeyIndex()
     for _ in range(300):
@@ -279,17 +281,6 @@ def test_release_refuses_foreign_values_and_entries_are_fixed_where_they_are() -
         value.offset = 5  # where a key's bytes are is fixed
     with pytest.raises(TypeError):
         keyindex.KeyEntry(1, 2)
-
-
-def test_a_server_without_the_c_index_says_so(monkeypatch, caplog) -> None:
-    from maru.server import keyindex as module
-
-    with caplog.at_level("WARNING", logger="maru.server.keyindex"):
-        assert not module.warn_if_pure_python()  # the C index is built here
-        assert not caplog.records
-        monkeypatch.setattr(module, "COMPILED", False)
-        assert module.warn_if_pure_python()
-    assert "not built" in caplog.text and "pip install -e ." in caplog.text
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -337,8 +328,6 @@ def test_clock_victims_refuse_bad_arguments_and_leave_no_mark() -> None:
 
 
 def test_entry_locations_match_the_python_model() -> None:
-    from maru.server.keyindex import py_entry_locations
-
     index = KeyIndex()
     index.add_entries(["a", "b", "c"], [1, 2, 1], [0, 1 << 40, 64], [64, 8, 1 << 33], None)
     entries = index.get_many(["c", "a", "b"])

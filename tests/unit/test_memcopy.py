@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import time
 
 import numpy as np
@@ -11,17 +10,14 @@ import pytest
 
 from maru.client import memcopy
 
+from .maru64 import hash64
+
 
 def _addresses(buf: np.ndarray, offsets: list[int]) -> np.ndarray:
     return np.array(offsets, dtype=np.int64) + buf.ctypes.data
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["C", "ctypes"])
-def test_copy_many_moves_each_part_to_its_own_place(monkeypatch, compiled):
-    if compiled and not memcopy.COMPILED:
-        pytest.skip("maru.client._memcopy not built")
-    if not compiled:
-        monkeypatch.setattr(memcopy, "_c_copy_many", None)
+def test_copy_many_moves_each_part_to_its_own_place():
     rng = np.random.default_rng(7)
     src = rng.integers(0, 256, 64 * 1024, dtype=np.uint8)
     dst = np.zeros_like(src)
@@ -39,14 +35,9 @@ def test_copy_many_moves_each_part_to_its_own_place(monkeypatch, compiled):
     assert not dst[len(order) * size :].any()  # nothing written past the parts
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["C", "ctypes"])
-def test_values_of_parts_of_unlike_sizes_are_copied_value_by_value(monkeypatch, compiled):
+def test_values_of_parts_of_unlike_sizes_are_copied_value_by_value():
     """(values, parts) addresses with one size per part (a Mamba state's temporal and conv
     parts; K and V): every part lands whole at its own place, nothing around it is written."""
-    if compiled and not memcopy.COMPILED:
-        pytest.skip("maru.client._memcopy not built")
-    if not compiled:
-        monkeypatch.setattr(memcopy, "_c_copy_many", None)
     rng = np.random.default_rng(8)
     sizes = [5000, 4096 + 13, 7]
     page = sum(sizes) + 64  # a gap after each page that must stay zero
@@ -71,21 +62,10 @@ def test_values_of_parts_of_unlike_sizes_are_copied_value_by_value(monkeypatch, 
 
 
 @pytest.mark.parametrize("hashed", [False, True], ids=["plain", "hashed"])
-@pytest.mark.parametrize("compiled", [True, False], ids=["C", "ctypes"])
-def test_copy_values_stores_and_loads_values_of_parts_and_skips_misses(
-    monkeypatch, compiled, hashed
-):
+def test_copy_values_stores_and_loads_values_of_parts_and_skips_misses(hashed):
     """`copy_values`: a value is its parts back to back (a page in the pool), each part's other
     side its own buffer (host pool pages, scattered). A store lays the parts end to end; a load
     puts them back; a 0 start is a miss, left alone (hash 0); each hash is the value's maru64."""
-    if compiled and not memcopy.COMPILED:
-        pytest.skip("maru.client._memcopy not built")
-    if not compiled:
-        monkeypatch.setattr(memcopy, "_c_copy_values", None)
-        monkeypatch.setattr(memcopy, "_c_copy_many", None)
-        monkeypatch.setattr(memcopy, "_c_copy_many_hashed", None)
-    from maru.client.checksum import hash64
-
     rng = np.random.default_rng(9)
     sizes = [5000, 4096 + 13, 7]
     value = sum(sizes)
@@ -130,25 +110,16 @@ def test_copy_many_refuses_mismatched_or_mistyped_addresses():
     buf = np.zeros(4096, dtype=np.uint8)
     with pytest.raises(ValueError, match="destinations"):
         memcopy.copy_many(_addresses(buf, [0, 16]), _addresses(buf, [32]), 8)
-    if memcopy.COMPILED:
-        from maru.client._memcopy import copy_many
+    from maru.client._memcopy import copy_many
 
-        with pytest.raises(TypeError, match="int64"):
-            copy_many(np.zeros(2, dtype=np.int32), np.zeros(2, dtype=np.int32), 8)
-        with pytest.raises(ValueError, match="negative"):
-            copy_many(_addresses(buf, [0]), _addresses(buf, [8]), -1)
-        with pytest.raises(ValueError, match="negative"):
-            copy_many(_addresses(buf, [0]), _addresses(buf, [8]), np.array([-1], np.int64))
-        with pytest.raises(ValueError, match="sizes"):
-            copy_many(_addresses(buf, [0]), _addresses(buf, [8]), np.array([1, 2], np.int64))
-
-
-def test_the_c_helper_is_built_where_a_compiler_exists():
-    """`pip install -e .` builds maru.client._memcopy when it can; a silent fallback to ctypes would
-    cost ~1 us per page part on every batch."""
-    if shutil.which("cc") is None and shutil.which("gcc") is None:
-        pytest.skip("no C compiler here: the ctypes fallback is expected")
-    assert memcopy.COMPILED, "maru.client._memcopy was not built: reinstall with `pip install -e .`"
+    with pytest.raises(TypeError, match="int64"):
+        copy_many(np.zeros(2, dtype=np.int32), np.zeros(2, dtype=np.int32), 8)
+    with pytest.raises(ValueError, match="negative"):
+        copy_many(_addresses(buf, [0]), _addresses(buf, [8]), -1)
+    with pytest.raises(ValueError, match="negative"):
+        copy_many(_addresses(buf, [0]), _addresses(buf, [8]), np.array([-1], np.int64))
+    with pytest.raises(ValueError, match="sizes"):
+        copy_many(_addresses(buf, [0]), _addresses(buf, [8]), np.array([1, 2], np.int64))
 
 
 @pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "memmove"])
@@ -164,8 +135,6 @@ def test_the_c_helper_is_built_where_a_compiler_exists():
     ],
 )
 def test_copy_many_is_exact_at_any_alignment_and_size(streaming, dst_shift, src_shift, size):
-    if not memcopy.COMPILED:
-        pytest.skip("maru.client._memcopy not built")
     rng = np.random.default_rng(size)
     parts = 3
     src = rng.integers(0, 256, parts * (size + 64) + 64, dtype=np.uint8)
@@ -187,8 +156,6 @@ def test_copy_many_is_exact_at_any_alignment_and_size(streaming, dst_shift, src_
 def test_overlapping_ranges_keep_memmove_semantics():
     """Streaming stores would read bytes already overwritten; an overlapping part falls back
     to memmove."""
-    if not memcopy.COMPILED:
-        pytest.skip("maru.client._memcopy not built")
     buf = np.arange(64 * 1024, dtype=np.uint8)
     reference = buf.copy()
     reference[100 : 100 + 40_000] = buf[0:40_000].copy()
@@ -199,17 +166,12 @@ def test_overlapping_ranges_keep_memmove_semantics():
 def test_streaming_is_built_on_x86():
     import platform
 
-    if not memcopy.COMPILED or platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("no C helper, or not x86: plain memmove")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("not x86: plain memmove")
     assert memcopy.STREAMING == 1
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_page_pointers_give_each_pages_parts_from_its_first_index(monkeypatch, compiled):
-    if not compiled:
-        monkeypatch.setattr(memcopy, "_c_page_pointers", None)
-    elif memcopy._c_page_pointers is None:
-        pytest.skip("maru.client._memcopy not built")
+def test_page_pointers_give_each_pages_parts_from_its_first_index():
     page = 4
     indices = np.array([8, 9, 10, 11, 40, 41, 42, 43, 0, 1, 2, 3], np.int64)  # 3 pages
     affine = np.array([[1000, 16], [5000, 32]], np.int64)  # K and V: base, bytes per token
@@ -221,8 +183,6 @@ def test_page_pointers_give_each_pages_parts_from_its_first_index(monkeypatch, c
 
 
 # -- copy_values on several threads (maru_copy_threads) -----------------------------------------
-
-needs_c = pytest.mark.skipif(not memcopy.COMPILED, reason="maru.client._memcopy not built")
 
 
 def _split_case(values: int, parts: tuple[int, ...], seed: int = 3):
@@ -239,7 +199,6 @@ def _split_case(values: int, parts: tuple[int, ...], seed: int = 3):
     return src, dst, starts, np.ascontiguousarray(buffers), np.array(parts, np.int64), expect
 
 
-@needs_c
 @pytest.mark.parametrize("threads", [1, 2, 3, 16])
 @pytest.mark.parametrize("hashed", [False, True])
 @pytest.mark.parametrize("to_values", [True, False], ids=["store", "load"])
@@ -275,7 +234,6 @@ def test_a_shared_copy_is_the_same_copy_as_one_threads(threads, hashed, to_value
         assert got is None
 
 
-@needs_c
 def test_a_copy_too_small_to_share_stays_on_the_calling_thread():
     """Shares under 1 MiB are not handed to a copier (a wake-up would cost more)."""
     _src, dst, starts, buffers, sizes, expect = _split_case(4, (64 * 1024,))
@@ -307,7 +265,6 @@ def _copier_tids(at_least: int = 1) -> list[int]:
         time.sleep(0.01)
 
 
-@needs_c
 @pytest.mark.skipif(not hasattr(os, "SCHED_FIFO"), reason="needs Linux scheduling policies")
 def test_a_copier_that_cannot_run_does_not_hold_the_copy_up():
     """A copier that gets no CPU (as a copier behind a busy server on a small machine) is
@@ -349,7 +306,6 @@ def test_a_copier_that_cannot_run_does_not_hold_the_copy_up():
     assert np.array_equal(dst[: expect.size], expect)
 
 
-@needs_c
 def test_a_forked_child_starts_copiers_of_its_own():
     """A child forked after the parent's copiers started (SGLang forks its workers) copies
     with copiers of its own; the parent's go on serving the parent."""
@@ -372,7 +328,6 @@ def test_a_forked_child_starts_copiers_of_its_own():
     assert np.array_equal(dst[: expect.size], expect)
 
 
-@needs_c
 @pytest.mark.parametrize("hashed", [False, True])
 def test_a_started_copy_is_complete_once_finished(hashed):
     """`copy_values_start`: the copiers start at once, `finish()` takes the rest and gives
@@ -399,7 +354,6 @@ def test_a_started_copy_is_complete_once_finished(hashed):
     assert np.array_equal(dst[: expect.size], expect)
 
 
-@needs_c
 def test_a_copy_started_with_one_thread_is_done_at_once():
     _src, dst, starts, buffers, sizes, expect = _split_case(8, (64 * 1024,))
     started = memcopy.copy_values_start(starts, buffers, sizes, to_values=True, threads=1)
@@ -409,7 +363,6 @@ def test_a_copy_started_with_one_thread_is_done_at_once():
         memcopy.copy_values_start(starts, buffers[:4], sizes, to_values=True, threads=2)
 
 
-@needs_c
 def test_a_child_forked_during_a_started_copy_finishes_all_of_it_itself():
     """The parent's copiers are not in a child forked while a copy is in flight: the child's
     `finish()` copies every value itself (whatever the parent's copier had taken)."""
@@ -430,7 +383,6 @@ def test_a_child_forked_during_a_started_copy_finishes_all_of_it_itself():
     assert np.array_equal(dst[: expect.size], expect)
 
 
-@needs_c
 def test_threads_share_only_streaming_copies():
     """A plain memmove (the benchmarks' baseline, `streaming=False`) stays one thread's."""
     _src, dst, starts, buffers, sizes, expect = _split_case(16, (512 * 1024,))
@@ -440,7 +392,6 @@ def test_threads_share_only_streaming_copies():
     assert np.array_equal(dst[: expect.size], expect)
 
 
-@needs_c
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="needs Linux scheduling policies")
 def test_copiers_run_as_batch_threads_and_leave_the_callers_policy_alone():
     """A copier's wake-up must not preempt the thread that asked it (on a small VM that put
@@ -469,7 +420,6 @@ def _copier_policies_under_fifo(conn) -> None:
     conn.send(sorted(os.sched_getscheduler(t) for t in _copier_tids(2)))
 
 
-@needs_c
 @pytest.mark.skipif(not hasattr(os, "SCHED_FIFO"), reason="needs Linux scheduling policies")
 def test_copiers_of_a_real_time_process_keep_its_policy():
     """Only a copier at the normal policy moves to SCHED_BATCH: one that inherited a
@@ -494,7 +444,6 @@ def test_copiers_of_a_real_time_process_keep_its_policy():
     assert set(policies) == {os.SCHED_FIFO}
 
 
-@needs_c
 def test_copier_threads_are_named_and_leave_signals_to_the_process():
     """The copiers show as `maru-copier` (top -H, /proc) and block SIGINT and SIGTERM: a
     signal meant for the process interrupts its own threads' waits, not a copier's loop."""

@@ -4,6 +4,9 @@ smoke-testing the wheel and the sdist (scripts/check_dist.sh does the real insta
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +37,30 @@ def test_ci_builds_and_smoke_tests_the_wheel_and_the_sdist():
     assert "scripts/check_dist.sh" in (ROOT / "Makefile").read_text()
     script = (ROOT / "scripts" / "check_dist.sh").read_text()
     assert "-m build" in script and "smoke_installed.py" in script
+
+
+def test_an_install_without_a_c_compiler_fails_in_one_clear_line(tmp_path):
+    """The C extensions are required (no pure-Python stand-ins): setup.py's build_ext, run for
+    real with `CC` naming a compiler that is not there, stops before compiling anything with
+    one line that says what to install, not a compiler's traceback."""
+    missing = tmp_path / "no-such-cc"
+    dirs = ["--build-lib", str(tmp_path / "lib"), "--build-temp", str(tmp_path / "tmp")]
+    proc = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", *dirs],
+        cwd=ROOT,
+        env={**os.environ, "CC": str(missing)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "error: maru-kvcache needs a C compiler (gcc or clang) and the Python headers to build "
+        f"its extensions: the compiler '{missing}' was not found."
+    ), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "lib").exists()  # nothing built
 
 
 def test_the_readme_installs_what_its_commands_need():

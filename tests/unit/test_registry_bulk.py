@@ -16,7 +16,6 @@ from maru.server.journal import Journal
 from maru.server.pool import ShmPool
 from maru.server.registry import Registry
 
-from .keyindex_impls import key_index_impl  # noqa: F401 (autouse: C and Python)
 from .registry_calls import lease
 from .test_eviction_leases import MiB, consistent, make_registry
 from .test_journal import SIGNER, Env, state

@@ -9,7 +9,6 @@ import pytest
 
 from maru.server.registry import Registry, list_keys
 
-from .keyindex_impls import key_index_impl  # noqa: F401 (autouse: C and Python)
 from .registry_calls import lease, locate
 from .test_eviction_leases import MiB, consistent, fill, make_registry
 

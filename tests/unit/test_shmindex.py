@@ -16,7 +16,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from maru.client.checksum import hash64
 from maru.client.localindex import LocalIndexClient, _open
 from maru.client.memcopy import COPY_VALUES
 from maru.common import shmindex
@@ -24,8 +23,7 @@ from maru.common.shmindex import MAX_KEY, NCOLS, USE_SUFFIX, region_tag, table_f
 from maru.server import localindex
 from maru.server.localindex import LocalIndex, _Table, retire_earlier
 
-pytestmark = pytest.mark.skipif(not shmindex.COMPILED, reason="maru.common._shmindex not built")
-needs_copier = pytest.mark.skipif(COPY_VALUES is None, reason="maru.client._memcopy not built")
+from .maru64 import hash64
 
 TOKEN = "0123456789abcdef" * 2
 REGIONS = {1: SimpleNamespace(token=TOKEN), 2: SimpleNamespace(token="f" * 32)}
@@ -463,7 +461,6 @@ def fused_read(
     return cols, out
 
 
-@needs_copier
 def test_the_fused_read_copies_each_hit_of_its_length_and_says_what_it_did(index):
     data, regions = region_with_bytes()
     keys = ["ns:a", "ns:b", "ns:short"]
@@ -486,7 +483,6 @@ def test_the_fused_read_copies_each_hit_of_its_length_and_says_what_it_did(index
     assert cols[NCOLS + 1].tolist() == [1, 0, 2, 4]  # (a has no checksum: not checked)
 
 
-@needs_copier
 def test_a_hit_removed_or_a_table_retired_during_the_fused_copy_is_not_proven(index, fused_copier):
     data, regions = region_with_bytes()
     keys = ["a", "b", "c"]
@@ -501,7 +497,6 @@ def test_a_hit_removed_or_a_table_retired_during_the_fused_copy_is_not_proven(in
     assert cols[NCOLS + 1].tolist() == [3, 0, 3]
 
 
-@needs_copier
 def test_a_fused_read_shared_between_threads_proves_only_what_did_not_change(index, fused_copier):
     """`threads` 3 (`maru_copy_threads`): the copy of 3 MiB goes to the caller and two copier
     threads, and the check runs only after every share: a key removed and a key whose bytes
@@ -536,7 +531,6 @@ def test_a_fused_read_shared_between_threads_proves_only_what_did_not_change(ind
         fused_read(reader, keys[:1], regions, value, threads=0)
 
 
-@needs_copier
 def test_the_fused_read_refuses_what_it_cannot_copy_safely(index):
     _, regions = region_with_bytes()
     index.publish(["a"], [1], [0], [4096], None, regions=REGIONS)

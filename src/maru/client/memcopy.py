@@ -1,9 +1,8 @@
 """Copying many page parts at once: the data path's only loop over pages.
 
 `copy_many(dst, src, size)` does `memmove(dst[i], src[i], size)` for every i, with the
-addresses in int64 numpy arrays. The loop runs in C (`maru.client._memcopy`, built by
-`pip install -e .` when a compiler is present) without the GIL; without the extension it is a
-ctypes loop, correct but about a microsecond slower per part.
+addresses in int64 numpy arrays. The loop runs in C (`maru.client._memcopy`, built with the
+package) without the GIL.
 
 By default the C loop writes parts of 4 KiB or more that do not overlap with non-temporal
 (streaming) stores on x86 and ends with a store fence: the bytes go to memory without first
@@ -27,66 +26,48 @@ filled by someone else: SIGBUS on the page; unmapped: SIGSEGV). The C loops copy
 under a guard (a SIGBUS/SIGSEGV handler and a per-thread jump, `_memcopy.c`): a value whose
 memory faults is not copied, the rest are, and the call raises `CopyFaultError` naming the
 values that faulted, so that a store of them fails and a read of them is a miss instead of
-the process dying. (The ctypes fallback has no such guard.)
+the process dying.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import logging
 from collections.abc import Sequence
 
 import numpy as np
 
-from maru.client.checksum import hash64
+from maru.client._memcopy import (
+    COPY_VALUES,  # (its C loop, for the local index's read)
+    STREAMING,
+    CopyFaultError,
+    guard_faults,
+)
+from maru.client._memcopy import copier_counts as _c_copier_counts
+from maru.client._memcopy import copy_many as _c_copy_many
+from maru.client._memcopy import copy_many_hashed as _c_copy_many_hashed
+from maru.client._memcopy import copy_values as _c_copy_values
+from maru.client._memcopy import copy_values_start as _c_copy_values_start
+from maru.client._memcopy import page_pointers as _c_page_pointers
 
-log = logging.getLogger(__name__)
-
-
-try:
-    from maru.client._memcopy import (
-        COPY_VALUES,  # (its C loop, for the local index's read)
-        STREAMING,
-        CopyFaultError,
-    )
-    from maru.client._memcopy import copier_counts as _c_copier_counts
-    from maru.client._memcopy import copy_many as _c_copy_many
-    from maru.client._memcopy import copy_many_hashed as _c_copy_many_hashed
-    from maru.client._memcopy import copy_values as _c_copy_values
-    from maru.client._memcopy import copy_values_start as _c_copy_values_start
-    from maru.client._memcopy import guard_faults as _c_guard_faults
-    from maru.client._memcopy import page_pointers as _c_page_pointers
-except ImportError:  # built without a C compiler
-    _c_copy_many = _c_copy_many_hashed = _c_copy_values = _c_page_pointers = COPY_VALUES = None
-    _c_copy_values_start = _c_guard_faults = None
-    _c_copier_counts = None
-    STREAMING = 0
-    log.debug("maru.client._memcopy not built: page copies use a ctypes loop")
-
-    class CopyFaultError(OSError):  # type: ignore[no-redef]
-        """Pool memory faulted during a copy (never raised by the ctypes loop: it has no
-        guard). `faulted`: bytes, 1 per value (or buffer) that was not copied."""
-
-        def __init__(self, message: str, faulted: bytes = b""):
-            super().__init__(errno.EFAULT, message)
-            self.faulted = faulted
-
-
-COMPILED = _c_copy_many is not None
+__all__ = [
+    "COPY_VALUES",
+    "STREAMING",
+    "CopyFaultError",
+    "CopyStarted",
+    "copier_tasks",
+    "copiers_called_off",
+    "copy_many",
+    "copy_many_hashed",
+    "copy_values",
+    "copy_values_start",
+    "faulted",
+    "guard_faults",
+    "page_pointers",
+]
 
 
 def faulted(exc: CopyFaultError) -> np.ndarray:
     """The values (or buffers) a `CopyFaultError` says were not copied, as a bool array."""
     return np.frombuffer(exc.faulted, np.uint8).astype(bool)
-
-
-def guard_faults() -> None:
-    """Put the copies' SIGBUS/SIGSEGV handler back in front if another was installed after
-    this module was loaded (`faulthandler.enable()`, say; it is then the one a fault outside
-    a copy goes to). A `MaruHandler` calls it when made."""
-    if _c_guard_faults is not None:
-        _c_guard_faults()
 
 
 def copy_many(
@@ -108,13 +89,7 @@ def copy_many(
         if dst.ndim != 2 or per_part.shape != (dst.shape[1],):
             raise ValueError(f"copy_many: {per_part.size} sizes for buffers {dst.shape}")
         size = np.tile(per_part, dst.shape[0])
-    if _c_copy_many is not None:
-        _c_copy_many(dst.ravel(), src.ravel(), size, streaming)
-        return
-    memmove = ctypes.memmove
-    sizes = size.tolist() if isinstance(size, np.ndarray) else [size] * dst.size
-    for to, frm, n in zip(dst.ravel().tolist(), src.ravel().tolist(), sizes):
-        memmove(to, frm, n)
+    _c_copy_many(dst.ravel(), src.ravel(), size, streaming)
 
 
 def copy_values(
@@ -139,19 +114,8 @@ def copy_values(
     per MiB, taking 256 KiB blocks in turn (`_memcopy.c`): one core's copy loop moves less
     than the memory takes (two threads: 1.25-1.5x one here, docs/performance.md)."""
     starts, buffers, sizes = _value_columns(starts, buffers, sizes)
-    if _c_copy_values is not None:
-        out = _c_copy_values(starts, buffers, sizes, to_values, streaming, hashed, threads)
-        return np.frombuffer(out, np.int64) if hashed else None
-    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
-    hit = starts != 0
-    at = starts[hit, None] + offsets  # (hits, parts): each part's place in its value
-    src, dst = (buffers[hit], at) if to_values else (at, buffers[hit])
-    if not hashed:
-        copy_many(dst, src, sizes, streaming=streaming)
-        return None
-    out = np.zeros(starts.size, np.int64)
-    out[hit] = copy_many_hashed(dst, src, sizes, streaming=streaming)
-    return out
+    out = _c_copy_values(starts, buffers, sizes, to_values, streaming, hashed, threads)
+    return np.frombuffer(out, np.int64) if hashed else None
 
 
 def _value_columns(
@@ -197,9 +161,9 @@ def copy_values_start(
     """`copy_values` begun: the copier threads (`threads` > 1) start on it now, while the
     caller does other work (a write builds its registration and reads earlier replies);
     `finish()` does the caller's part and waits for theirs (one block at most). With one
-    thread, or without the C extension, the copy is done here. `starts`, `buffers` and the
+    thread the copy is done here. `starts`, `buffers` and the
     bytes they point at must stay as they are until `finish()` returns."""
-    if _c_copy_values_start is None or threads <= 1:
+    if threads <= 1:
         result = copy_values(
             starts, buffers, sizes, to_values=to_values, hashed=hashed, streaming=streaming
         )
@@ -210,15 +174,14 @@ def copy_values_start(
 
 
 def copier_tasks() -> int:
-    """Times this process has asked a copier thread to share a copy (0 without the C
-    extension): for tests."""
-    return _c_copier_counts()[0] if _c_copier_counts is not None else 0
+    """Times this process has asked a copier thread to share a copy: for tests."""
+    return _c_copier_counts()[0]
 
 
 def copiers_called_off() -> int:
     """Of `copier_tasks`, the times the caller took the last block before the copier woke
-    and called it off (0 without the C extension): for tests."""
-    return _c_copier_counts()[1] if _c_copier_counts is not None else 0
+    and called it off: for tests."""
+    return _c_copier_counts()[1]
 
 
 def page_pointers(address: int, count: int, page: int, affine: np.ndarray) -> np.ndarray:
@@ -228,16 +191,8 @@ def page_pointers(address: int, count: int, page: int, affine: np.ndarray) -> np
     `indices[p * page]`, its part j at `affine[j, 0] + index * affine[j, 1]`; a (pages,
     parts) int64 array. In C one call: numpy's slice, cast, multiply and add cost more than
     the arithmetic from cold caches (what the data path meets after each copy)."""
-    if _c_page_pointers is not None:
-        raw = _c_page_pointers(address, count, page, affine)
-        return np.frombuffer(raw, np.int64).reshape(-1, len(affine))
-    if page <= 0 or count < 0 or count % page:
-        raise ValueError("page_pointers: whole pages of indices")
-    if not count:
-        return np.zeros((0, len(affine)), np.int64)
-    indices = np.ctypeslib.as_array((ctypes.c_int64 * count).from_address(address))
-    firsts = indices[::page].copy()
-    return firsts[:, None] * affine[:, 1] + affine[:, 0]
+    raw = _c_page_pointers(address, count, page, affine)
+    return np.frombuffer(raw, np.int64).reshape(-1, len(affine))
 
 
 def copy_many_hashed(
@@ -252,17 +207,9 @@ def copy_many_hashed(
     if src.ndim != 2 or dst.shape != src.shape:
         raise ValueError(f"copy_many_hashed: {dst.shape} destinations for {src.shape} sources")
     values, parts = src.shape
-    if not parts:  # values of no bytes
-        return np.full(values, hash64(b""), np.int64)
+    if not parts:  # values of no bytes: each hashed as one empty part, nothing copied
+        empty = np.zeros(values, np.int64)
+        return np.frombuffer(_c_copy_many_hashed(None, empty, empty, 1, streaming), np.int64)
     sizes = np.broadcast_to(np.asarray(sizes, dtype=np.int64), src.shape)
-    if _c_copy_many_hashed is not None:
-        out = _c_copy_many_hashed(dst.ravel(), src.ravel(), sizes.ravel(), parts, streaming)
-        return np.frombuffer(out, np.int64)
-    hashes = np.empty(values, np.int64)
-    for i in range(values):
-        pieces = []
-        for to, frm, size in zip(dst[i].tolist(), src[i].tolist(), sizes[i].tolist()):
-            ctypes.memmove(to, frm, size)
-            pieces.append(ctypes.string_at(frm, size))
-        hashes[i] = hash64(b"".join(pieces))
-    return hashes
+    out = _c_copy_many_hashed(dst.ravel(), src.ravel(), sizes.ravel(), parts, streaming)
+    return np.frombuffer(out, np.int64)

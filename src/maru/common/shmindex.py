@@ -6,9 +6,7 @@ A server publishes its key index in shared memory for clients on its node (issue
 docs/architecture.md "The local index"): a table file only it writes, and a use-bits file
 readers mark. Both are named after the pool, `<base>.<n>` and `<base>.<n>.use`, with `n`
 growing, so that whichever server next opens the pool finds the earlier tables and retires
-them, and a reader whose table was replaced can find the current one. Without the extension
-(no C compiler at install) there is no local index: servers publish none, clients use the
-request path.
+them, and a reader whose table was replaced can find the current one.
 """
 
 from __future__ import annotations
@@ -17,23 +15,18 @@ import hashlib
 import os
 import re
 
-try:
-    from maru.common._shmindex import (
-        HASH_BYTES,
-        HEADER_BYTES,
-        MAX_KEY,
-        NCOLS,
-        SLOT_BYTES,
-        Reader,
-        Writer,
-        format_table,
-        hash_generation,
-    )
-except ImportError:  # built without a C compiler: no local index
-    Reader = Writer = format_table = hash_generation = None  # type: ignore[assignment,misc]
-    HEADER_BYTES, SLOT_BYTES, HASH_BYTES, MAX_KEY, NCOLS = 4096, 192, 8, 128, 7
+from maru.common._shmindex import (
+    HASH_BYTES,
+    HEADER_BYTES,
+    MAX_KEY,
+    NCOLS,
+    SLOT_BYTES,
+    Reader,
+    Writer,
+    format_table,
+    hash_generation,
+)
 
-COMPILED = Reader is not None
 SHM_DIR = "/dev/shm"
 USE_SUFFIX = ".use"
 
@@ -94,7 +87,6 @@ def owned_by(fd: int, uid: int | None, *, shared_write: bool = False) -> bool:
 
 
 __all__ = [
-    "COMPILED",
     "HASH_BYTES",
     "HEADER_BYTES",
     "MAX_KEY",

@@ -587,7 +587,8 @@ done:
 }
 
 /* batch_fits(keys, max_chars, region_ids, offsets, lengths, limits): the registry's check of a
- * REGISTER_KV batch in one pass (`maru.server.keyindex.py_batch_fits` says what it decides). */
+ * REGISTER_KV batch in one pass (its docstring says what it decides; the tests' model of it is
+ * `py_batch_fits` in tests/unit/keyindex_model.py). */
 static PyObject *batch_fits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 6 || !PyDict_Check(args[5])) {
@@ -992,7 +993,11 @@ static PyMethodDef KeyIndex_methods[] = {
      "0 0 0 0 for a miss."},
     {"clock_victims", (PyCFunction)(void (*)(void))KeyIndex_clock_victims, METH_FASTCALL,
      "clock_victims(want_bytes, second_chance, protect, regions) -> (keys, entries, freed):\n"
-     "eviction's walk (see maru.server.keyindex.OrderedKeyIndex.clock_victims)."},
+     "eviction's walk (CLOCK): idle keys oldest first until want_bytes of them. Passed over:\n"
+     "busy keys (pinned or leased), keys in protect, keys outside regions (None: any region).\n"
+     "A key whose CLOCK bit is set is spared instead (bit cleared, moved to the newest end\n"
+     "after the walk); when a walk takes too little and spared some, a second walk goes on.\n"
+     "second_chance=False: the bits are not looked at. Takes nothing out of the index."},
     {"values", (PyCFunction)KeyIndex_values, METH_NOARGS,
      "values(): an iterator over the entries, oldest first."},
     {"items", (PyCFunction)(void (*)(void))KeyIndex_items, METH_VARARGS | METH_KEYWORDS,
@@ -1037,8 +1042,11 @@ static PyMethodDef module_methods[] = {
     {"entry_locations", entry_locations, METH_O,
      "entry_locations(entries) -> (region_ids, lengths, notices): see Registry._drop_keys."},
     {"batch_fits", (PyCFunction)(void (*)(void))batch_fits, METH_FASTCALL,
-     "batch_fits(keys, max_chars, region_ids, offsets, lengths, limits) -> bool: see\n"
-     "maru.server.keyindex.py_batch_fits."},
+     "batch_fits(keys, max_chars, region_ids, offsets, lengths, limits) -> bool: whether a\n"
+     "REGISTER_KV batch takes the registry's bulk path: at least one key, every key exactly\n"
+     "str or bytes of 1..max_chars characters, every number an int, every value non-empty\n"
+     "and inside its region (0 <= offset, offset + length <= limits[region id]). False only\n"
+     "means: decide key by key."},
     {"release_entries", release_entries, METH_O,
      "release_entries(entries): end one lease on each KeyEntry (never below zero)."},
     {NULL, NULL, 0, NULL},
