@@ -16,7 +16,6 @@ from maru.server.registry import Registry, delete_prefix
 from maru.server.service import MaruService
 from maru.server.token import TokenSigner
 
-from .keyindex_impls import key_index_impl  # noqa: F401 (autouse: C and Python)
 from .registry_calls import lease, locate, register
 from .service_calls import locations, register_body
 

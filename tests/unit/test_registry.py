@@ -18,7 +18,6 @@ from maru.server.pool import REGION_ALIGNMENT, ShmPool
 from maru.server.registry import Registry
 from maru.server.token import TokenSigner
 
-from .keyindex_impls import key_index_impl  # noqa: F401 (autouse: C and Python)
 from .registry_calls import locate, register
 
 MiB = 1 << 20
@@ -173,8 +172,8 @@ def test_a_valid_batch_of_mixed_regions_and_lengths_is_decided_in_bulk(registry,
         ["c", ra.region_id, 2 * MiB - 7, 7],  # exactly at the end
         ["a", ra2.region_id, 8192, 10],
     ]
-    per_key = registry._statuses
-    monkeypatch.setattr(registry, "_statuses", lambda *a: pytest.fail("decided key by key"))
+    per_key = registry._screen_each
+    monkeypatch.setattr(registry, "_screen_each", lambda *a: pytest.fail("decided key by key"))
     R, E, X = RegisterStatus.REGISTERED, RegisterStatus.EXISTS, RegisterStatus.REJECTED
     assert register(registry, "A", rows) == [R, R, E, R, E]
     assert locate(registry, ["a", "b", "c"])[0] == [
@@ -188,7 +187,7 @@ def test_a_valid_batch_of_mixed_regions_and_lengths_is_decided_in_bulk(registry,
     bad = [["d", ra.region_id, 0, 10], ["e", ra2.region_id, 2 * MiB - 7, 8]]  # e: 1 byte past
     with pytest.raises(pytest.fail.Exception):
         register(registry, "A", bad)
-    monkeypatch.setattr(registry, "_statuses", per_key)
+    monkeypatch.setattr(registry, "_screen_each", per_key)
     assert register(registry, "A", bad) == [R, X]
 
 

@@ -42,14 +42,14 @@ STREAM_RECV_BYTES = 1 << 16
 FLAG_REPLY = 0x1
 
 # The name of the checksum column (REGISTER_KV, LOOKUP_KV, the journal's tag) is the hash's:
-# maru64 (`maru.client.checksum`). Checksums of another hash are never taken for it: a peer
-# from before (xxh3_64, sent as "checksums") stores its keys without one and reads none, and
-# the journal's and snapshots' xxh3 checksums of before restore as none.
+# maru64 (`maru.client.checksum`), so that a checksum is only ever compared with one of the
+# same hash (a column of another name is not read).
 CHECKSUMS = "maru64"
 
 MAX_KEY_BYTES = 1024
 MAX_KEY_CHARS = MAX_KEY_BYTES // 4  # a key of this many characters is within MAX_KEY_BYTES
 KEY_TYPES = frozenset((str, bytes))  # exactly these: what msgpack decodes a key to
+Key = str | bytes  # a key of the index (any other type is refused or a miss)
 MAX_BATCH = 65536
 MAX_FRAME_BYTES = 64 << 20
 MAX_LIST_KEYS = 10000  # most keys one KEYS request returns

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import grp
 import json
 import logging
 import os
 import pwd
 import signal
+import socket
 import stat
 import sys
 from pathlib import Path
@@ -17,11 +19,18 @@ from typing import Any
 
 import zmq
 
-from maru.common.config import ConfigError, fmt_bytes, number_arg, parse_size
+from maru import __version__
+from maru.common.config import (
+    ConfigError,
+    OneLineParser,
+    fmt_bytes,
+    number_arg,
+    parse_size,
+    size_arg,
+)
 from maru.common.curve import read_allowlist
 from maru.server import persistence
 from maru.server.journal import SNAPSHOT_NAME, Journal, read_records, write_private
-from maru.server.keyindex import warn_if_pure_python
 from maru.server.local_socket import LocalDoor, raise_fd_limit
 from maru.server.localindex import open_local_index, remove_tables, retire_earlier
 from maru.server.logs import configure_logging
@@ -60,11 +69,12 @@ _count = number_arg(int, minimum=0, above=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="maru-server",
         description="Maru metadata server: owns a shared-memory pool, hands out regions, and "
         "keeps the key -> (region, offset, length) registry. Page bytes never pass through it.",
     )
+    p.add_argument("--version", action="version", version=f"maru-server {__version__}")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument(
         "--port",
@@ -333,6 +343,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         # (a pool file is created, an fsdax directory too, but not the directories above:
         # a typo must not put a RAM-sized pool on the root disk)
         parent = Path(args.pool.rstrip("/") or "/").parent
+        if parent.exists() and not parent.is_dir():
+            return f"--pool: {parent} is a file, not a directory"
         if not parent.is_dir():
             return f"--pool: directory {parent} does not exist (create it, or pick another path)"
     if args.pool_group is not None:
@@ -379,8 +391,8 @@ def pool_size_change(args: argparse.Namespace, pool_path: str, state_dir: Path) 
     ):
         return None
     return (
-        f"pool {pool_path} holds keys saved (in {state_dir}) with --pool-size {fmt_bytes(old)} "
-        f"({old} bytes), not {fmt_bytes(args.pool_bytes)}: start with --pool-size {old} to "
+        f"pool {pool_path} holds keys saved (in {state_dir}) with --pool-size {size_arg(old)} "
+        f"({fmt_bytes(old)}), not {args.pool_size}: start with --pool-size {size_arg(old)} to "
         "serve them, or add --no-restore to start empty with the new size"
     )
 
@@ -649,6 +661,28 @@ def secure_state_dir(state_dir: Path) -> None:
             )
 
 
+def port_taken(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port, checked before anything is created or
+    logged (a port in use is the commonest failed start); None if it can (port 0 included)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        return f"--host: cannot resolve {host!r} ({exc})"
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+        try:
+            probe.bind(address[:2] if family == socket.AF_INET else address)
+        except OSError as exc:
+            where = f"--host {host} --port {port}"
+            if exc.errno == errno.EADDRINUSE:
+                return (
+                    f"{where}: the port is in use (another maru-server? `maru status "
+                    f"--server {host}:{port}`)"
+                )
+            return f"{where}: cannot listen there ({exc.strerror or exc})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -660,6 +694,10 @@ def main(argv: list[str] | None = None) -> int:
     state_dir = Path(args.state_dir or Path.home() / ".local/state/maru" / port_tag)
     if args.purge:
         return purge(pool_path, state_dir)
+    taken = port_taken(args.host, args.port)
+    if taken:
+        print(f"maru-server: cannot start: {taken}", file=sys.stderr)
+        return 1
     # A journal write past a file size limit (RLIMIT_FSIZE) must fail with EFBIG, which the
     # journal handles (changes refused until a snapshot succeeds), not kill the server.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -689,7 +727,10 @@ def main(argv: list[str] | None = None) -> int:
 
     raise_fd_limit()
     try:
-        state_lock = lock_state_dir(state_dir)  # held (fd open) for the life of the process
+        try:
+            state_lock = lock_state_dir(state_dir)  # held (fd open) for the process's life
+        except OSError as exc:  # (a path that cannot be a directory: say which flag)
+            raise OSError(f"--state-dir {state_dir}: {exc.strerror or exc}") from None
         refusal = pool_size_change(args, pool_path, state_dir)
         if refusal:
             print(f"maru-server: cannot start: {refusal}", file=sys.stderr)
@@ -722,7 +763,6 @@ def main(argv: list[str] | None = None) -> int:
             quota_leases=args.quota_leases,
             quota_lease_bytes=quota_lease_bytes(args.quota_lease_bytes, pool.capacity),
         )
-        warn_if_pure_python()
         persistence.restore(registry, snapshot, records)
         registry.regions.next_id = max(registry.regions.next_id, first_region_id)
         journal.write_snapshot(persistence.snapshot(registry))  # compact what was replayed

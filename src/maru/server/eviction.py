@@ -12,31 +12,48 @@ Plasma's eviction_policy.h or Redis's evict.c, a separate object the registry ca
   idle owner) before it is refused (`reclaim`).
 
 Victims are dropped through the registry's one key-dropping mutator (`Registry._drop_keys`),
-which journals them and tells the pages' owners.
+which journals them and tells the pages' owners. Like Plasma's policy, which sees only
+`PlasmaStoreInfo`, eviction sees only the parts of the registry it works on (`EvictionView`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from operator import attrgetter
-from typing import TYPE_CHECKING
 
-from maru.common.protocol import check_count
-
-if TYPE_CHECKING:
-    from maru.server.registry import Key, Registry
+from maru.common.protocol import Key, check_count
+from maru.server.instances import InstanceTable
+from maru.server.keyindex import KeyEntry, KeyIndex
+from maru.server.logs import Throttle
+from maru.server.regions import Region, RegionTable
 
 log = logging.getLogger(__name__)
 _REGION_ID = attrgetter("region_id")
 
 
+@dataclass(frozen=True)
+class EvictionView:
+    """What eviction sees of the registry: its collections, and the calls for what changes."""
+
+    keys: KeyIndex
+    regions: RegionTable
+    instances: InstanceTable
+    counters: dict[str, int]
+    log_throttle: Throttle
+    capacity: int  # the pool's, in bytes
+    live_bytes: Callable[[], int]  # the bytes of the keys registered now
+    drop_keys: Callable[[list[Key], list[KeyEntry]], None]  # the one key-dropping mutator
+    harvest_marks: Callable[[], None]  # readers' use marks (the local index) into CLOCK bits
+
+
 class Eviction:
-    def __init__(self, registry: Registry, high_watermark: float, low_watermark: float):
+    def __init__(self, view: EvictionView, high_watermark: float, low_watermark: float):
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError("watermarks must satisfy 0 < low <= high <= 1")
-        self.registry = registry
+        self.view = view
         self.high_watermark = high_watermark  # of the pool's capacity, in registered bytes
         self.low_watermark = low_watermark
 
@@ -58,15 +75,14 @@ class Eviction:
         eviction makes progress even when every candidate was used; at most two passes
         (`KeyIndex.clock_victims`, one C call). `second_chance=False`: evict in index order,
         ignoring the bits."""
-        reg = self.registry
-        if reg.local_index is not None:  # readers' use marks count as CLOCK bits
-            reg.local_index.harvest_into(reg.keys)
+        reg = self.view
+        reg.harvest_marks()  # readers' use marks count as CLOCK bits
         keys, entries, freed = reg.keys.clock_victims(want_bytes, second_chance, protect, regions)
         per_owner: Counter = Counter()  # counted per region first: a round is mostly one
         for region_id, count in Counter(map(_REGION_ID, entries)).items():
             per_owner[reg.regions[region_id].owner] += count
         # journal first: on a JournalWriteError nothing was evicted, and nothing is counted
-        reg._drop_keys(keys, entries)
+        reg.drop_keys(keys, entries)
         for owner_id, count in per_owner.items():
             owner = reg.instances.get(owner_id)
             if owner is not None:
@@ -92,12 +108,11 @@ class Eviction:
         """When registered bytes exceed the high watermark of the pool, evict down to low.
         `just_registered`: keys of the request being answered (reported REGISTERED, so they
         must survive it even if every older key is busy)."""
-        reg = self.registry
-        capacity = reg.pool.capacity
-        if reg.live_bytes <= self.high_watermark * capacity:
+        capacity, live_bytes = self.view.capacity, self.view.live_bytes()
+        if live_bytes <= self.high_watermark * capacity:
             return 0
         return self.evict(
-            reg.live_bytes - int(self.low_watermark * capacity),
+            live_bytes - int(self.low_watermark * capacity),
             reason=f"above the high watermark {self.high_watermark:g}",
             protect=set(just_registered),
         )
@@ -105,22 +120,21 @@ class Eviction:
     def evict_for(self, instance_id: str, want_bytes: int) -> int:
         """Make room in the caller's own regions (its store found no free pages and the pool
         has no region to give): evict the idle keys that live there, in CLOCK order."""
-        inst = self.registry.instances.require(instance_id)
+        inst = self.view.instances.require(instance_id)
         want_bytes = check_count(want_bytes, "bytes")
         return self.evict(want_bytes, inst.regions, reason=f"room for {instance_id}")
 
     def reclaim(self) -> bool:
         """Free one region for a region request that found no room; True if one was freed.
         Candidates, cheapest first: a parked region without keys (its idle owner said it will
-        not write there without asking first, `Registry.park`); then, by CLOCK, a region whose
+        not write there without asking first, `RegionGrants.park`); then, by CLOCK, a region whose
         owner is gone (returned) or parked, by evicting all of its keys. A region holding a
         pinned or leased key cannot be freed and is left alone. The caller retries its
         allocation after each freed region."""
-        reg = self.registry
-        regions = reg.regions
+        regions = self.view.regions
         for region in regions.values():
             if region.parked and not region.returned and region.live_keys == 0:
-                reg.take_back(region)  # freed at once: no key points into it
+                self.take_back(region)  # freed at once: no key points into it
                 return True
         # (a held region, --reap-hold, stays out of use however many keys go: left alone)
         candidates = {
@@ -136,7 +150,7 @@ class Eviction:
         order eviction would reach their keys (by their oldest key without the CLOCK bit;
         regions whose keys all have it set last). (Evicting the bytes wanted in eviction order
         over all candidates is not enough: when their keys interleave, it frees none.)"""
-        reg = self.registry
+        reg = self.view
         regions = reg.regions
         order: dict[int, None] = {}  # candidate regions, by their oldest key without the bit
         used: dict[int, None] = {}  # ... and by their oldest key with it
@@ -153,7 +167,7 @@ class Eviction:
                 continue
             region = regions[region_id]
             if not region.returned:
-                reg.take_back(region)
+                self.take_back(region)
             self.evict(  # the whole region goes: no second chances
                 1 << 62,
                 {region_id},
@@ -163,3 +177,20 @@ class Eviction:
             if region_id not in regions:
                 return True
         return False
+
+    def take_back(self, region: Region) -> None:
+        """Reclaim a parked region from its live owner (`reclaim`): it is released as if
+        returned (journaled "T"), so it frees with its last key; the owner learns it at its
+        next park request or handshake."""
+        view = self.view
+        view.regions.release(region)
+        owner = view.instances.get(region.owner)
+        if owner is not None:
+            owner.regions.discard(region.region_id)
+        view.counters["regions_reclaimed"] += 1
+        log.info(
+            "region %d taken back from idle %s",
+            region.region_id,
+            region.owner,
+            extra={"instance": region.owner, "region": region.region_id},
+        )

@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from maru.common.protocol import Key
 from maru.server.keyindex import KeyEntry, KeyIndex, release_entries
 
 if TYPE_CHECKING:
     from maru.server.instances import Instance
-    from maru.server.registry import Key
 
 
 class Pins:

@@ -27,7 +27,7 @@ def freeze_heap(full: bool = False) -> None:
     cyclic GC tracks into its permanent generation (`gc.freeze`), where no collection scans it.
 
     Why: the registry's objects are GC-tracked, and at 10^6 keys a collection on the server's
-    only thread stalls every client for up to 150 ms (figures: docs/performance-history.md).
+    only thread stalls every client for up to 150 ms (figures: benchmarks/results/history.md).
     Freezing after each loop turn keeps the young generations to what one turn made. Cost: a
     reference cycle among frozen objects is never collected; the registry makes none, and the
     young collection before each freeze bounds the rest."""

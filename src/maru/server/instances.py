@@ -8,23 +8,27 @@ the server cannot watch its process (a TCP client), its regions then held for `r
 
 A credential is one process's (`ProcessWatch.claim`), and resumes its instance only while the
 server has it: once the instance is gone (DISCONNECT, reaped, or nothing of it outlived a
-restart; the journal's "X" record drops it) a HANDSHAKE presenting it gets a new instance."""
+restart; the journal's "X" record drops it) a HANDSHAKE presenting it gets a new instance.
+
+The table sees of the registry only what it uses (the regions, the session signer, a way to let
+go of an instance's pins and leases, the log throttle and the counters), not the registry."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from maru.common.protocol import ErrorCode, ProtocolError
 from maru.common.region import RegionHandle
 from maru.server.journal import JournalWriteError
+from maru.server.logs import Throttle
 from maru.server.processes import ProcessWatch
-
-if TYPE_CHECKING:
-    from maru.server.registry import Registry
+from maru.server.regions import RegionTable
+from maru.server.token import TokenSigner
 
 log = logging.getLogger("maru.server.registry")
 
@@ -55,9 +59,20 @@ class InstanceTable(dict[str, Instance]):
     """instance id -> Instance, with the lifecycle verbs. A dict, so that pins, leases,
     persistence and statistics read it as one."""
 
-    def __init__(self, registry: Registry, reap_hold: float = 0.0):
+    def __init__(
+        self,
+        regions: RegionTable,
+        signer: TokenSigner,
+        let_go: Callable[[Instance], tuple[int, int]],
+        log_throttle: Throttle,
+        counters: dict[str, int],
+        reap_hold: float = 0.0,
+    ):
+        """`let_go`: drops an instance's pins and ends its leases (the registry's holds),
+        returning how many of each, when it disconnects."""
         super().__init__()
-        self.registry = registry
+        self.regions, self.signer, self.let_go = regions, signer, let_go
+        self.log_throttle, self.counters = log_throttle, counters
         self.sessions: dict[str, str] = {}  # credential -> instance id (`open_session`)
         self.processes = ProcessWatch()  # the process holding each instance, where known
         self.reap_hold = reap_hold
@@ -92,7 +107,7 @@ class InstanceTable(dict[str, Instance]):
         if inst is None:
             inst = self[instance_id] = Instance(instance_id)
         inst.pid, inst.page_size, inst.last_seen = pid, chunk_size, time.monotonic()
-        owned = [self.registry.regions[r] for r in sorted(inst.regions)]
+        owned = [self.regions[r] for r in sorted(inst.regions)]
         for region in owned:
             if not region.live_keys:
                 region.page_size = chunk_size
@@ -101,7 +116,7 @@ class InstanceTable(dict[str, Instance]):
     def open_session(self, instance_id: str) -> str:
         """The credential of a handshaken instance (`TokenSigner.session`), from now on the
         only thing that makes a request this instance's."""
-        session = self.registry.signer.session(instance_id)
+        session = self.signer.session(instance_id)
         self.sessions[session] = instance_id
         return session
 
@@ -118,16 +133,13 @@ class InstanceTable(dict[str, Instance]):
         inst = self.get(instance_id)
         if inst is None:
             return 0, 0, 0
-        pins = self.registry.pins.drop(inst)
-        leases = len(inst.leases)
-        for lease_id in list(inst.leases):
-            self.registry.leases.end(lease_id)
+        pins, leases = self.let_go(inst)
         regions = len(inst.regions)
         for region_id in sorted(inst.regions):
-            self.registry.regions.release(self.registry.regions[region_id], hold)
+            self.regions.release(self.regions[region_id], hold)
             inst.regions.discard(region_id)
         del self[instance_id]
-        self.sessions.pop(self.registry.signer.session(instance_id), None)
+        self.sessions.pop(self.signer.session(instance_id), None)
         self.processes.forget(instance_id)
         log.info(
             "instance %s %s: %d pins and %d leases released, %d regions returned",
@@ -158,7 +170,7 @@ class InstanceTable(dict[str, Instance]):
                 if not pids:
                     why = f"reaped after {timeout:g}s without a heartbeat"
                     dead.append((iid, why, self.reap_hold))
-                elif self.registry.log_throttle.allow(("silent", iid)) is not None:
+                elif self.log_throttle.allow(("silent", iid)) is not None:
                     log.warning(
                         "instance %s silent for %.0f s, but its process %s is alive (stopped?):"
                         " not reaped",
@@ -174,7 +186,7 @@ class InstanceTable(dict[str, Instance]):
                 self.disconnect(instance_id, reason=reason, hold=hold)
             except JournalWriteError:  # logged by the journal; the rest wait until it works
                 return [d[0] for d in dead[:n]]
-            self.registry.counters["instances_reaped"] += 1
+            self.counters["instances_reaped"] += 1
         return [d[0] for d in dead]
 
     def take_shed(self, instance_id: Any) -> int:

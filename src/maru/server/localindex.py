@@ -92,8 +92,6 @@ def retire_earlier(pool_kind: str, pool_path: str) -> int:
     """Retire and remove every table of the pool's index left by an earlier server (killed,
     or stopped before it could): readers that still map one take their copies as misses from
     now on. Call it with the pool locked, before the pool can change. Returns how many."""
-    if not shmindex.COMPILED:
-        return 0
     count = 0
     for _, path in table_files(index_base(pool_kind, pool_path)):
         try:
@@ -265,8 +263,8 @@ def open_local_index(
     pool: Any, registry: Any, group: str | None = None, enabled: bool = True
 ) -> LocalIndex | None:
     """The server's index, filled from the restored registry and attached to it; None when
-    off (`--no-local-index`, no C extension, or no room on /dev/shm)."""
-    if not enabled or not shmindex.COMPILED:
+    off (`--no-local-index`, or no room on /dev/shm)."""
+    if not enabled:
         return None
     try:
         index = LocalIndex(

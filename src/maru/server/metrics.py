@@ -19,12 +19,18 @@ import os
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from maru.common.protocol import MsgType
 
-if TYPE_CHECKING:
-    from maru.server.registry import Registry
+if TYPE_CHECKING:  # (none of them imports this module)
+    from maru.server.eviction import Eviction
+    from maru.server.holds import LeaseTable
+    from maru.server.instances import InstanceTable
+    from maru.server.keyindex import KeyIndex
+    from maru.server.localindex import LocalIndex
+    from maru.server.pool import Pool
+    from maru.server.regions import RegionTable
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +229,21 @@ def _server_gauges(s: dict[str, Any]) -> list[tuple[str, str, float]]:
     ]
 
 
-def registry_stats(registry: Registry) -> dict[str, Any]:
+class StatsSource(Protocol):
+    """What the statistics read of the registry (which is one), and nothing else."""
+
+    pool: Pool
+    local_index: LocalIndex | None
+    keys: KeyIndex
+    live_bytes: int
+    regions: RegionTable
+    leases: LeaseTable
+    eviction: Eviction
+    instances: InstanceTable
+    counters: dict[str, int]
+
+
+def registry_stats(registry: StatsSource) -> dict[str, Any]:
     """Pool, registry, per-instance and counter statistics."""
     now = time.monotonic()
     regions = registry.regions

@@ -37,7 +37,7 @@ class Region:
     length: int
     token: str
     returned: bool = False  # owner gave it back (or disconnected); free once live_keys == 0
-    # The owner, idle, will not write here before it unparks it (`Registry.park`): the server
+    # The owner, idle, will not write here before it unparks it (`RegionGrants.park`): the server
     # may take it back when the pool has no room. Not journaled: a restart forgets it, which
     # only makes the region not reclaimable until the owner parks it again.
     parked: bool = False

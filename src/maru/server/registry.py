@@ -13,15 +13,15 @@ Pure bookkeeping, no sockets and no page bytes, so every rule can be tested dire
   mutators that wrote it.
 
 Who is connected (sessions, handshake, disconnect, reaping) is in `maru.server.instances`;
-regions and their deferred free, in `maru.server.regions`; which keys go when memory runs
-short, in `maru.server.eviction`; pins and read leases, in `maru.server.holds`; the snapshot
+regions and their deferred free, in `maru.server.regions`; which instance gets a region (fair
+share, quotas, parking), in `maru.server.grants`; which keys go when memory runs short, in
+`maru.server.eviction`; pins and read leases, in `maru.server.holds`; the snapshot
 and the replay, in `maru.server.persistence`; the statistics, in `maru.server.metrics`.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from contextlib import suppress
 from itertools import compress
 from operator import attrgetter
@@ -32,13 +32,14 @@ from maru.common.protocol import (
     MAX_KEY_CHARS,
     DeleteStatus,
     ErrorCode,
+    Key,
     ProtocolError,
     RegisterStatus,
     all_keys_valid,
-    check_count,
 )
 from maru.common.region import RegionHandle
-from maru.server.eviction import Eviction
+from maru.server.eviction import Eviction, EvictionView
+from maru.server.grants import RegionGrants, over_quota
 from maru.server.holds import LeaseTable, Pins
 from maru.server.instances import Instance, InstanceTable
 from maru.server.journal import JournalWriteError
@@ -52,19 +53,15 @@ from maru.server.keyindex import (
 from maru.server.localindex import LocalIndex
 from maru.server.logs import Throttle
 from maru.server.metrics import COUNTERS, registry_stats
-from maru.server.pool import Pool, PoolFullError
-from maru.server.regions import Region, RegionTable
+from maru.server.pool import Pool
+from maru.server.regions import RegionTable
 from maru.server.token import TokenSigner
 
 log = logging.getLogger(__name__)
 
-Key = str | bytes
 REGISTERED, EXISTS, REJECTED = (int(s) for s in RegisterStatus)
 DELETED, NOT_FOUND, PINNED = (int(s) for s in DeleteStatus)  # plain ints: the wire's form
 _BUSY = attrgetter("busy")
-# How long the regions others give back are kept for an instance below its fair share that
-# asked for one (`Registry.wanting`): its client retries within a second or two.
-WANT_SECONDS = 10.0
 
 
 class JournalSink(Protocol):
@@ -105,16 +102,14 @@ class Registry:
         `--quota-leases`, `--quota-lease-bytes`); past them a request is refused with
         QUOTA_EXCEEDED, before any side effect (a leased lookup past the bytes: its keys were
         only marked used). Besides, every instance is owed a fair share of the pool
-        (`fair_share`, `request_region`)."""
+        (`RegionGrants.fair_share`, `request_region`).
+
+        The parts below see only what they use of each other (`InstanceTable`, `Eviction`
+        through an `EvictionView`, `RegionGrants`): none holds the registry."""
         self.pool = pool
         self.signer = signer
         self.journal = journal
-        self.instances = InstanceTable(self, reap_hold)
-        self.quota_region_bytes, self.quota_leases = quota_region_bytes, quota_leases
-        self.quota_lease_bytes = quota_lease_bytes
-        # Instances below their fair share refused a region lately: instance id -> until when
-        # (time.monotonic()) the regions others give back are kept for them.
-        self.wanting: dict[str, float] = {}
+        self.quota_leases, self.quota_lease_bytes = quota_leases, quota_lease_bytes
         # Oldest first, the order eviction walks (a key it spares moves to the end); batches
         # go through its batch calls (`maru.server.keyindex`).
         self.keys: KeyIndex = KeyIndex()
@@ -124,9 +119,32 @@ class Registry:
             [c for c in COUNTERS if not c.startswith("journal_")], 0
         )
         self.regions = RegionTable(pool, signer, self._log, self.counters)
-        self.eviction = Eviction(self, high_watermark, low_watermark)
+        self.instances = InstanceTable(
+            self.regions, signer, self._let_go, self.log_throttle, self.counters, reap_hold
+        )
         self.pins = Pins(self.keys, self.instances, self._log)
         self.leases = LeaseTable(self.instances, lease_seconds, self.counters)
+        view = EvictionView(
+            self.keys,
+            self.regions,
+            self.instances,
+            self.counters,
+            self.log_throttle,
+            pool.capacity,
+            live_bytes=lambda: self.live_bytes,
+            drop_keys=self._drop_keys,
+            harvest_marks=self.harvest_marks,
+        )
+        self.eviction = Eviction(view, high_watermark, low_watermark)
+        self.grants = RegionGrants(
+            pool,
+            self.regions,
+            self.instances,
+            self.eviction.reclaim,
+            self.counters,
+            self.log_throttle,
+            quota_region_bytes,
+        )
         # The key index published for readers on this node (`maru.server.localindex`), which
         # `_add_keys` and `_drop_keys` keep up to date; None: not published.
         self.local_index: LocalIndex | None = None
@@ -138,163 +156,35 @@ class Registry:
     def stats(self) -> dict[str, Any]:
         return registry_stats(self)
 
-    # -- an instance's regions ---------------------------------------------------------------
+    def harvest_marks(self) -> None:
+        """Readers' use marks on the local index become CLOCK bits (eviction, `list_keys`)."""
+        if self.local_index is not None:
+            self.local_index.harvest_into(self.keys)
+
+    def _let_go(self, inst: Instance) -> tuple[int, int]:
+        """Drop the pins and end the leases of a departing instance: (pins, leases)."""
+        pins, leases = self.pins.drop(inst), len(inst.leases)
+        for lease_id in list(inst.leases):
+            self.leases.end(lease_id)
+        return pins, leases
+
+    # -- an instance's regions (`maru.server.grants`) ----------------------------------------
 
     def request_region(
         self, instance_id: str, size: int, min_size: int | None = None
     ) -> RegionHandle:
-        """A new region for `instance_id`: `size` bytes if the pool has them free, else at
-        least `min_size` (default `size`), reclaiming idle regions (`Eviction.reclaim`: parked
-        by their idle owners, or orphaned) until it fits; POOL_FULL when nothing more can be
-        reclaimed."""
-        inst = self.instances.require(instance_id)
-        check_count(size, "size")
-        check_count(size if min_size is None else min_size, "min_size")
-        length = self.pool.round_up(size)
-        least = min(length, self.pool.round_up(size if min_size is None else min_size))
-        if least > self.pool.capacity:  # refused before reclaiming (evicting) anything
-            raise ProtocolError(
-                ErrorCode.POOL_FULL,
-                f"pool {self.pool.name} cannot hold a region of {size} bytes: its capacity "
-                f"is {self.pool.capacity} bytes",
-            )
-        if self.quota_region_bytes:
-            held = sum(self.regions[r].length for r in inst.regions)
-            room = (self.quota_region_bytes - held) // self.pool.alignment * self.pool.alignment
-            if room < least:
-                raise _over_quota(self, inst, "bytes of regions", held, self.quota_region_bytes)
-            length = min(length, room)
-        share, held = self.fair_share(), self.region_bytes(inst)
-        now = time.monotonic()
-        waiting = [i for i, until in self.wanting.items() if until > now and i != instance_id]
-        if waiting and held + least > share:  # what others give back is theirs
-            raise ProtocolError(
-                ErrorCode.POOL_FULL,
-                f"instance {instance_id} holds {held} bytes of regions, its fair share of the "
-                f"pool is {share} and {len(waiting)} other instances wait for theirs",
-            )
-        try:
-            region = self.regions.allocate(instance_id, length, inst.page_size)
-        except PoolFullError:
-            below = held + least <= share
-            region = self._allocate_reclaiming(instance_id, least, inst.page_size, below)
-        self.wanting.pop(instance_id, None)
-        inst.regions.add(region.region_id)
-        return region.handle()
-
-    def fair_share(self) -> int:
-        """The bytes of regions each live instance is owed: the pool's capacity over the
-        instances. An instance below it that finds no room makes those above it give regions
-        back (`_ask_to_shed`), and while it waits, no instance grows past its own share."""
-        return self.pool.capacity // max(1, len(self.instances))
-
-    def region_bytes(self, inst: Instance) -> int:
-        """The bytes of the regions `inst` owns (returned ones no longer count)."""
-        return sum(self.regions[r].length for r in inst.regions)
-
-    def _ask_to_shed(self, instance_id: str, share: int) -> list[str]:
-        """Ask every instance above `share` to give back what it holds over it (`shed`, on
-        its next reply; its client returns regions it holds no unsealed value in: never one
-        it may still write, the first rule); `instance_id` waits for them
-        (`wanting`). The instances asked."""
-        asked = []
-        for inst in self.instances.values():
-            over = self.region_bytes(inst) - share
-            if over > 0 and inst.instance_id != instance_id:
-                inst.shed = max(inst.shed, over)
-                asked.append(inst.instance_id)
-        if asked:
-            self.wanting[instance_id] = time.monotonic() + WANT_SECONDS
-            self.counters["shed_requests"] += len(asked)
-            held = self.log_throttle.allow(("shed", instance_id))
-            if held is not None:
-                log.info(
-                    "instance %s is below its fair share (%d bytes) and the pool is full: "
-                    "asked %s to give regions back%s",
-                    instance_id,
-                    share,
-                    ", ".join(asked),
-                    self.log_throttle.note(held),
-                    extra={"instance": instance_id},
-                )
-        return asked
-
-    def _allocate_reclaiming(
-        self, instance_id: str, length: int, page_size: int, below_share: bool
-    ) -> Region:
-        while True:
-            try:
-                return self.regions.allocate(instance_id, length, page_size)
-            except PoolFullError as exc:
-                if self.eviction.reclaim():
-                    continue
-                code, why = ErrorCode.POOL_FULL, str(exc)
-                if below_share and self._ask_to_shed(instance_id, self.fair_share()):
-                    code = ErrorCode.POOL_RECLAIMING
-                    why += "; instances over their fair share were asked to give regions back"
-                held = self.log_throttle.allow(("refused", instance_id))
-                if held is not None:
-                    log.warning(
-                        "region request of %d bytes by %s refused: %s%s",
-                        length,
-                        instance_id,
-                        why,
-                        self.log_throttle.note(held),
-                        extra={"instance": instance_id},
-                    )
-                raise ProtocolError(code, why) from None
+        """REQUEST_REGION (`RegionGrants.request`)."""
+        return self.grants.request(instance_id, size, min_size)
 
     def park(
         self, instance_id: str, seq: Any, park: list[Any], unpark: list[Any]
     ) -> tuple[list[int], list[int]]:
-        """An idle owner parks regions (it will not write in them before it unparks them, so
-        the server may take them back when the pool has no room) or unparks them (before it
-        writes there again). Returns (the regions unparked, the regions named that the
-        instance no longer owns: taken back). `seq` orders an instance's park requests: one
-        not newer than the last applied is stale (a retry or a late copy) and changes nothing,
-        so a late park can never undo the unpark after which the owner writes again."""
-        inst = self.instances.require(instance_id)
-        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "seq must be a non-negative integer")
-        if not all(type(r) is int for r in [*park, *unpark]):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "region ids must be integers")
-        gone = [r for r in [*park, *unpark] if r not in inst.regions]
-        if seq <= inst.park_seq:
-            return [], gone
-        inst.park_seq = seq
-        for region_id in park:
-            if region_id in inst.regions:
-                self.regions[region_id].parked = True
-        unparked = [r for r in unpark if r in inst.regions]
-        for region_id in unparked:
-            self.regions[region_id].parked = False
-        return unparked, gone
-
-    def take_back(self, region: Region) -> None:
-        """Reclaim a parked region from its live owner (`Eviction.reclaim`): it is released as
-        if returned (journaled "T"), so it frees with its last key; the owner learns it at its
-        next park request or handshake."""
-        self.regions.release(region)
-        owner = self.instances.get(region.owner)
-        if owner is not None:
-            owner.regions.discard(region.region_id)
-        self.counters["regions_reclaimed"] += 1
-        log.info(
-            "region %d taken back from idle %s",
-            region.region_id,
-            region.owner,
-            extra={"instance": region.owner, "region": region.region_id},
-        )
+        """PARK_REGIONS (`RegionGrants.park`)."""
+        return self.grants.park(instance_id, seq, park, unpark)
 
     def return_region(self, instance_id: str, region_id: Any, token: Any) -> None:
-        inst = self.instances.require(instance_id)
-        region = self.regions.verified(region_id, token)
-        if region.owner != instance_id or region.returned:
-            raise ProtocolError(
-                ErrorCode.NOT_OWNER, f"region {region_id} is not owned by {instance_id}"
-            )
-        self.regions.release(region)  # journal first: on failure the caller still owns it
-        inst.regions.discard(region.region_id)
+        """RETURN_REGION (`RegionGrants.give_back`)."""
+        self.grants.give_back(instance_id, region_id, token)
 
     # -- keys --------------------------------------------------------------------------------
 
@@ -313,24 +203,31 @@ class Registry:
         key: EXISTS when the key was registered before, or earlier in the batch (first writer
         wins); REJECTED for a bad key or a location outside the caller's own live regions."""
         inst = self.instances.require(instance_id)
-        n = len(keys)
-        # A batch whose every key and location is valid (nearly all) is checked in one C pass
-        # and inserted by `add_entries`; only one with a bad key or location goes key by key.
+        # One path: the keys that may go in are inserted by `_add_keys` (`add_entries`, in C:
+        # the first writer of a key wins), which says which were new. Which may go in: every
+        # key of a batch whose keys and locations are all valid (nearly all; one C pass), else
+        # those `_screen_each` lets through.
         limits = self._writable_lengths(instance_id, region_ids)
-        if limits is not None and batch_fits(
-            keys, MAX_KEY_CHARS, region_ids, offsets, lengths, limits
-        ):
-            new = self._add_keys(keys, region_ids, offsets, lengths, checksums)
-            statuses = (
-                [REGISTERED] * n if new is None else [REGISTERED if s else EXISTS for s in new]
-            )
-        else:  # anything else is decided key by key
-            statuses = self._statuses(instance_id, keys, region_ids, offsets, lengths)
-            new = [s == REGISTERED for s in statuses]
-            columns = (keys, region_ids, offsets, lengths, *([checksums] if checksums else []))
-            self._add_keys(*(list(compress(c, new)) for c in columns))
-        if new is not None:
+        screened = (
+            None
+            if limits is not None
+            and batch_fits(keys, MAX_KEY_CHARS, region_ids, offsets, lengths, limits)
+            else self._screen_each(instance_id, keys, region_ids, offsets, lengths)
+        )
+        columns = [keys, region_ids, offsets, lengths, *([checksums] if checksums else [])]
+        if screened is not None:
+            columns = [list(compress(c, [s is None for s in screened])) for c in columns]
+        new = self._add_keys(*columns)  # (None: every key inserted was new)
+        keys, lengths = columns[0], columns[3]
+        if new is None:
+            statuses = [REGISTERED] * len(keys)
+        else:
+            statuses = [REGISTERED if s else EXISTS for s in new]
             keys, lengths = list(compress(keys, new)), list(compress(lengths, new))
+        if screened is not None:  # the inserted keys' outcomes in the places left open
+            inserted = iter(statuses)
+            statuses = [next(inserted) if s is None else s for s in screened]
+        if new is not None or screened is not None:
             self.counters["keys_duplicate"] += statuses.count(EXISTS)
         if keys:
             nbytes = sum(lengths)
@@ -347,7 +244,7 @@ class Registry:
 
     def _writable_lengths(self, instance_id: str, region_ids: list[int]) -> dict[int, int] | None:
         """The length of each region a batch names, if every one is a live region of the
-        caller's (None if one is not: the batch is decided key by key). SGLang's usual batch
+        caller's (None if one is not: the batch is screened key by key). SGLang's usual batch
         names one region; a v2 call's pools sealed together, or pages placed one by one, a
         few."""
         if not region_ids:
@@ -362,32 +259,33 @@ class Registry:
             limits[region_id] = region.length
         return limits
 
-    def _statuses(
+    def _screen_each(
         self,
         instance_id: str,
         keys: list[Any],
         region_ids: list[int],
         offsets: list[int],
         lengths: list[int],
-    ) -> list[int]:
-        """`register`'s outcome for each key, decided one at a time (each region checked
-        once): what the batch path decides in bulk."""
+    ) -> list[int | None]:
+        """Per key of a batch with a bad key or location (each region checked once): REJECTED
+        for a bad key, or a location outside the caller's live regions; EXISTS for such a
+        location whose key was registered before or earlier in the batch (the first writer
+        wins, wherever the later one claims to be); None for a key that goes to the insert,
+        which decides REGISTERED or EXISTS."""
         regions = {r: self.regions.writable(r, instance_id) for r in set(region_ids)}
         keys_valid = all_keys_valid(keys)
-        table, taken = self.keys, set()
-        statuses = []
+        table, inserted = self.keys, set()
+        out: list[int | None] = []
         for key, region_id, offset, length in zip(keys, region_ids, offsets, lengths):
             region = regions[region_id]
             if not keys_valid and not all_keys_valid([key]):
-                statuses.append(REJECTED)
-            elif key in table or key in taken:
-                statuses.append(EXISTS)
+                out.append(REJECTED)
             elif region is None or length <= 0 or offset < 0 or offset + length > region.length:
-                statuses.append(REJECTED)
+                out.append(EXISTS if key in table or key in inserted else REJECTED)
             else:
-                taken.add(key)
-                statuses.append(REGISTERED)
-        return statuses
+                inserted.add(key)
+                out.append(None)
+        return out
 
     def _add_keys(
         self,
@@ -445,7 +343,7 @@ class Registry:
         lease = lease and inst is not None
         quota = self.quota_leases
         if lease and inst is not None and quota and len(inst.leases) >= quota:
-            raise _over_quota(self, inst, "leases", len(inst.leases), quota)
+            raise over_quota(self.log_throttle, inst, "leases", len(inst.leases), quota)
         held, region_ids, offsets, lengths, checksums = self.keys.lookup_columns(keys, lease)
         nbytes = 0
         if lease and held and inst is not None and self.quota_lease_bytes:
@@ -453,7 +351,9 @@ class Registry:
             if inst.lease_bytes + nbytes > self.quota_lease_bytes:
                 release_entries(held)  # (a flood of leases must not keep writers from room)
                 what = f"bytes under leases (a lease of {nbytes} more asked)"
-                raise _over_quota(self, inst, what, inst.lease_bytes, self.quota_lease_bytes)
+                raise over_quota(
+                    self.log_throttle, inst, what, inst.lease_bytes, self.quota_lease_bytes
+                )
         self.count_reads(instance_id, lookups=len(keys), hits=len(held))
         lease_id = self.leases.add(held, instance_id, nbytes) if lease and held else 0
         handles = [self.regions[r].handle() for r in set(memoryview(region_ids).cast("q")) - {0}]
@@ -598,8 +498,7 @@ def list_keys(
         raise ProtocolError(ErrorCode.BAD_REQUEST, "prefix must be a str or bytes")
     out: list[list[Any]] = []
     keys, regions = registry.keys, registry.regions
-    if registry.local_index is not None:  # readers' use marks count, as for eviction
-        registry.local_index.harvest_into(keys)
+    registry.harvest_marks()  # readers' use marks count, as for eviction
     for referenced in (True, False):
         for key, entry in keys.items(reverse=True):
             if entry.referenced is not referenced:
@@ -611,19 +510,3 @@ def list_keys(
             region = regions.get(entry.region_id)
             out.append([key, entry.length, region.owner if region is not None else ""])
     return out, False
-
-
-def _over_quota(
-    registry: Registry, inst: Instance, what: str, held: int, quota: int
-) -> ProtocolError:
-    """QUOTA_EXCEEDED for `inst`, logged (throttled)."""
-    message = f"instance {inst.instance_id} holds {held} {what}: its quota is {quota}"
-    held_log = registry.log_throttle.allow(("quota", what, inst.instance_id))
-    if held_log is not None:
-        log.warning(
-            "%s refused%s",
-            message,
-            registry.log_throttle.note(held_log),
-            extra={"instance": inst.instance_id},
-        )
-    return ProtocolError(ErrorCode.QUOTA_EXCEEDED, message)

@@ -2,6 +2,8 @@
 
 Every frame gets a reply, even garbage: a malformed frame, an unknown version or type, or a
 handler bug produces an error reply and the loop carries on. The loop never touches page bytes.
+It authenticates each request and hands its body to the message type's handler, from the one
+table in `maru.server.handlers`.
 """
 
 from __future__ import annotations
@@ -21,92 +23,16 @@ import zmq
 
 from maru import __version__
 from maru.common import protocol
-from maru.common.protocol import (
-    CHECKSUMS,
-    MAX_BATCH,
-    MAX_LIST_KEYS,
-    ErrorCode,
-    MsgType,
-    ProtocolError,
-    all_keys_valid,
-    check_key,
-    unpack_int64,
-)
+from maru.common.protocol import ErrorCode, MsgType, ProtocolError
+from maru.server.handlers import CHANGES, HANDLERS
 from maru.server.housekeeping import Housekeeping, freeze_heap
 from maru.server.journal import Journal, JournalWriteError
 from maru.server.local_socket import LocalDoor, LocalSocketServer, Peer, holder_of, local_address
 from maru.server.metrics import RequestStats
-from maru.server.registry import Registry, clear_all, delete_prefix, list_keys
+from maru.server.registry import Registry
 from maru.server.tcp_socket import TcpEndpoint
 
 log = logging.getLogger(__name__)
-
-Handler = Callable[[dict[str, Any]], dict[str, Any]]
-
-
-# Requests that change what the journal keeps: refused (STATE_UNAVAILABLE, before any side
-# effect) while the journal cannot be written. Reads, leases and heartbeats go on.
-CHANGES = frozenset(
-    {
-        MsgType.REGISTER_KV,
-        MsgType.DELETE_KV,
-        MsgType.DELETE_PREFIX,
-        MsgType.PIN,
-        MsgType.UNPIN,
-        MsgType.REQUEST_REGION,
-        MsgType.RETURN_REGION,
-        MsgType.EVICT_FOR,
-        MsgType.DISCONNECT,
-    }
-)
-
-
-def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
-    value = body.get(name)
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"field {name!r} missing or of the wrong type")
-    return value
-
-
-def _batch(body: dict[str, Any], name: str) -> list[Any]:
-    """A list field of at most MAX_BATCH items."""
-    items = _field(body, name, list)
-    if len(items) > MAX_BATCH:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"batch of {len(items)} exceeds {MAX_BATCH}")
-    return items
-
-
-def _keys(body: dict[str, Any]) -> list[Any]:
-    """The "keys" of a request that reads or changes existing keys. An oversized or mistyped
-    key is a client bug: KEY_TOO_LONG / BAD_REQUEST (that of the first bad key) rather than a
-    silent miss."""
-    keys = _batch(body, "keys")
-    if not all_keys_valid(keys):
-        for key in keys:
-            check_key(key)
-    return keys
-
-
-def _iid(body: dict[str, Any]) -> str | None:
-    """The instance a request comes from, as `handle_frame` authenticated it (its session
-    credential), or None: an anonymous request (an operator's, or an unknown session)."""
-    return body["iid"]
-
-
-def _owner(body: dict[str, Any]) -> str:
-    """The instance of a request that only an instance may make (pins)."""
-    iid = body["iid"]
-    if iid is None:
-        raise ProtocolError(ErrorCode.UNKNOWN_INSTANCE, "unknown session: handshake first")
-    return iid
-
-
-def _instance_name(name: Any) -> str:
-    """A client's chosen name, as the start of its instance id: printable ASCII (ids go into
-    credentials and log lines), at most 100 characters."""
-    if not isinstance(name, str) or not name:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "field 'name' missing or not a string")
-    return "".join(c if c.isascii() and c.isprintable() and c != "~" else "_" for c in name[:100])
 
 
 def _listen_locally(address: str, auto: bool, door: LocalDoor | None) -> LocalSocketServer:
@@ -180,30 +106,7 @@ class MaruService:
         self.new_instance_id: Callable[[str], str] = lambda name: f"{name}.{secrets.token_hex(4)}"
         self.epoch = f"{time.time_ns():x}"  # changes on every start: clients notice restarts
         self._stop = threading.Event()
-        self._handlers: dict[int, Handler] = {
-            MsgType.HANDSHAKE: self._handshake,
-            MsgType.REQUEST_REGION: self._request_region,
-            MsgType.RETURN_REGION: self._return_region,
-            MsgType.REGION_ACCESS: self._region_access,
-            MsgType.REGISTER_KV: self._register_kv,
-            MsgType.LOOKUP_KV: self._lookup_kv,
-            MsgType.EXISTS: lambda b: {"results": self.registry.exists(_keys(b), _iid(b))},
-            MsgType.PIN: lambda b: {"results": self.registry.pins.pin(_keys(b), _owner(b))},
-            MsgType.UNPIN: lambda b: {"results": self.registry.pins.unpin(_keys(b), _owner(b))},
-            MsgType.RELEASE: lambda b: {
-                "released": self.registry.leases.release(_batch(b, "leases"), _iid(b))
-            },
-            MsgType.EVICT_FOR: self._evict_for,
-            MsgType.DELETE_KV: lambda b: {"results": self.registry.delete(_keys(b))},
-            MsgType.LIST_ALLOCATIONS: self._list_allocations,
-            MsgType.STATS: lambda b: {"stats": self.stats()},
-            MsgType.HEARTBEAT: lambda b: self._count_local_reads(b) or {},
-            MsgType.DELETE_PREFIX: self._delete_prefix,
-            MsgType.KEYS: self._list_keys,
-            MsgType.DISCONNECT: self._disconnect,
-            MsgType.PARK_REGIONS: self._park_regions,
-        }
-        self.requests = RequestStats(list(self._handlers))
+        self.requests = RequestStats(list(HANDLERS))
         self.started_at = time.time()
         self._started_monotonic = time.monotonic()
         self.metrics_url: str | None = None  # set when `--metrics-port` serves Prometheus
@@ -222,156 +125,6 @@ class MaruService:
                 log.error("no local socket (%s): clients use %s only", exc, self.endpoint)
         if gc_freeze:
             freeze_heap(full=True)  # the restored registry: one full collection, at start-up
-
-    # -- handlers ----------------------------------------------------------------------------
-
-    def _handshake(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Attach a process as an instance: the one its session credential names while this
-        server still has it (a reconnect, or the first contact after a server restart), else
-        a new one whose id this server picks. A process never gets another's instance by
-        choosing its name, nor one that ended (DISCONNECT voids its credential for good)."""
-        iid = self.registry.signer.session_owner(body.get("session"))
-        if iid is not None and iid not in self.registry.instances:
-            # Its instance is gone (DISCONNECT, reaped, or nothing of it outlived a restart):
-            # the credential resumes nothing, ever again; its holder starts afresh.
-            log.info("a credential of instance %s, which is gone: a new instance", iid)
-            iid = None
-        if iid is None:
-            iid = self.new_instance_id(_instance_name(body.get("name")))
-        pid = body.get("pid")
-        if not isinstance(pid, int) or isinstance(pid, bool) or not 0 <= pid < 2**63:
-            pid = 0  # informational only; must stay encodable in STATS replies
-        chunk = body.get("chunk_size")
-        if not isinstance(chunk, int) or isinstance(chunk, bool):
-            chunk = 0
-        regions = self.registry.instances.handshake(iid, pid, chunk if 0 < chunk < 2**40 else 0)
-        return {
-            "iid": iid,
-            "session": self.registry.instances.open_session(iid),
-            "epoch": self.epoch,
-            "version": protocol.PROTOCOL_VERSION,
-            "pool": self.registry.pool.stats(),
-            "regions": [h.to_wire() for h in regions],
-            "heartbeat_interval": self.housekeeper.heartbeat_timeout / 3,
-            "local_socket": self.local.address if self.local is not None else None,
-            "uid": os.getuid(),
-            "local_index": self._local_index_path(body),
-        }
-
-    def _local_index_path(self, body: dict[str, Any]) -> str | None:
-        """The local index is offered only over the Unix socket: its peer is on this node for
-        sure (a TCP peer may be another host, even through 127.0.0.1, whose view of the pool
-        is not coherent with ours: docs/architecture.md)."""
-        index = self.registry.local_index
-        return index.path if index is not None and body.get("via_local") is True else None
-
-    def _request_region(self, body: dict[str, Any]) -> dict[str, Any]:
-        least = body.get("min_size")
-        handle = self.registry.request_region(_iid(body), body.get("size"), least)
-        return {"region": handle.to_wire()}
-
-    def _park_regions(self, body: dict[str, Any]) -> dict[str, Any]:
-        unparked, gone = self.registry.park(
-            _iid(body), body.get("seq"), _batch(body, "park"), _batch(body, "unpark")
-        )
-        return {"unparked": unparked, "gone": gone}
-
-    def _return_region(self, body: dict[str, Any]) -> dict[str, Any]:
-        self.registry.return_region(_iid(body), body.get("region_id"), body.get("token"))
-        return {}
-
-    def _count_local_reads(self, body: dict[str, Any]) -> None:
-        """HEARTBEAT and DISCONNECT may carry the reads the client answered from the local
-        index: [lookups, hits, exists, exists hits], each 0 <= hits <= its total."""
-        reads = body.get("local_reads")
-        if reads is None:
-            return
-        if (
-            not isinstance(reads, list)
-            or len(reads) != 4
-            or not all(type(n) is int and 0 <= n < 1 << 48 for n in reads)
-            or reads[1] > reads[0]
-            or reads[3] > reads[2]
-        ):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "local_reads: four counts, hits <= total")
-        lookups, hits, exists, exists_hits = reads
-        self.registry.count_reads(_iid(body), lookups, hits, exists, exists_hits)
-
-    def _disconnect(self, body: dict[str, Any]) -> dict[str, Any]:
-        self._count_local_reads(body)
-        pins, leases, regions = self.registry.instances.disconnect(
-            _owner(body), "disconnected by its client"
-        )
-        return {"pins": pins, "leases": leases, "regions": regions}
-
-    def _region_access(self, body: dict[str, Any]) -> dict[str, Any]:
-        region = self.registry.regions.verified(body.get("region_id"), body.get("token"))
-        return {"region": region.handle().to_wire()}
-
-    def _register_kv(self, body: dict[str, Any]) -> dict[str, Any]:
-        """A bad key is REJECTED (not an error): the rest of the batch is registered."""
-        iid = _iid(body)
-        keys = _batch(body, "keys")
-        region_ids, offsets, lengths = (
-            unpack_int64(body.get(name), len(keys), name).tolist()
-            for name in ("region_ids", "offsets", "lengths")
-        )
-        checksums = body.get(CHECKSUMS)  # optional: the writer's checksum of each value
-        if checksums is not None:
-            checksums = unpack_int64(checksums, len(keys), CHECKSUMS).tolist()
-        results = self.registry.register(iid, keys, region_ids, offsets, lengths, checksums)
-        return {"results": results}
-
-    def _lookup_kv(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The columns are bytes of native int64s (client and server share the node), read by
-        the client with numpy, no Python int per key; the lease is taken in the same pass."""
-        region_ids, offsets, lengths, checksums, regions, lease_id = self.registry.lookup(
-            _keys(body), _iid(body), body.get("lease") is True
-        )
-        return {
-            "region_ids": region_ids,
-            "offsets": offsets,
-            "lengths": lengths,
-            CHECKSUMS: checksums,
-            "regions": [h.to_wire() for h in regions],
-            "lease_id": lease_id,
-        }
-
-    def _evict_for(self, body: dict[str, Any]) -> dict[str, Any]:
-        freed = self.registry.eviction.evict_for(_iid(body), body.get("bytes"))
-        return {"freed_bytes": freed}
-
-    def _delete_prefix(self, body: dict[str, Any]) -> dict[str, Any]:
-        if body.get("all") is True:  # `maru clear`
-            deleted, pinned = clear_all(self.registry)
-            what = "every key"
-        else:
-            prefix = body.get("prefix")
-            deleted, pinned = delete_prefix(self.registry, prefix)
-            what = f"prefix {prefix!r:.200}"
-        iid = _iid(body)
-        log.info(
-            "%d keys deleted (%s, by %s); %d pinned or leased kept",
-            deleted,
-            what,
-            f"instance {iid}" if iid else "an operator",
-            pinned,
-            extra={"instance": iid} if iid else None,
-        )
-        return {"deleted": deleted, "pinned": pinned}
-
-    def _list_keys(self, body: dict[str, Any]) -> dict[str, Any]:
-        limit = body.get("limit", 100)
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "limit must be a positive integer")
-        limit = min(limit, MAX_LIST_KEYS)
-        keys, truncated = list_keys(self.registry, body.get("prefix"), limit)
-        return {"keys": keys, "truncated": truncated, "limit": limit}
-
-    def _list_allocations(self, body: dict[str, Any]) -> dict[str, Any]:
-        owner = body.get("owner")
-        handles = self.registry.regions.handles(owner if isinstance(owner, str) else None)
-        return {"regions": [h.to_wire() for h in handles]}
 
     def stats(self) -> dict[str, Any]:
         """What STATS returns, and what the metrics endpoint exports (read at scrape time from
@@ -431,7 +184,7 @@ class MaruService:
             if iid is not None:
                 self._check_holder(iid, peer)
             self.registry.instances.touch(iid)  # any message is a sign of life
-            handler = self._handlers.get(msg_type)
+            handler = HANDLERS.get(msg_type)  # (`maru.server.handlers`)
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg_type}")
             if iid is None and session is not None and msg_type != MsgType.HANDSHAKE:
@@ -443,7 +196,7 @@ class MaruService:
                 journal = self.journal
                 if journal is not None and journal.write_error is not None:
                     raise JournalWriteError(journal.state_dir, journal.write_error)
-            reply = handler(body)
+            reply = handler(self, body)
             reply["ok"] = True
             # Freed pages, and a request to give regions back (fair share), are handed out
             # once; not on a RELEASE reply, which the client sends without waiting and may

@@ -1,0 +1,210 @@
+"""Region grants: which instance gets a region of the pool, and what it gives back.
+
+A region request is granted from free pool space, else after reclaiming idle regions (the
+eviction's `reclaim`: parked by their idle owners, or orphaned). Every live instance is owed a
+fair share of the pool (its capacity over the instances): one below its share that finds no
+room makes those above theirs give regions back (`shed`, on their next reply), and while it
+waits, no instance grows past its own share. Quotas (`--quota-region-bytes`) bound what one
+instance holds. Parking (an idle owner's promise not to write in a region before it unparks
+it) and returning a region are here too.
+
+The grants see of the registry only the pool, the regions, the instances, the counters, the
+log throttle and the eviction's `reclaim`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from maru.common.protocol import ErrorCode, ProtocolError, check_count
+from maru.common.region import RegionHandle
+from maru.server.instances import Instance, InstanceTable
+from maru.server.logs import Throttle
+from maru.server.pool import Pool, PoolFullError
+from maru.server.regions import Region, RegionTable
+
+log = logging.getLogger("maru.server.registry")
+
+# How long the regions others give back are kept for an instance below its fair share that
+# asked for one (`RegionGrants.wanting`): its client retries within a second or two.
+WANT_SECONDS = 10.0
+
+
+class RegionGrants:
+    def __init__(
+        self,
+        pool: Pool,
+        regions: RegionTable,
+        instances: InstanceTable,
+        reclaim: Callable[[], bool],
+        counters: dict[str, int],
+        log_throttle: Throttle,
+        quota_region_bytes: int = 0,
+    ):
+        """`reclaim`: frees one idle region, True if it did (`Eviction.reclaim`).
+        `quota_region_bytes`: the bytes of regions one instance may hold (0: no limit)."""
+        self.pool, self.regions, self.instances = pool, regions, instances
+        self.reclaim, self.counters, self.log_throttle = reclaim, counters, log_throttle
+        self.quota_region_bytes = quota_region_bytes
+        # Instances below their fair share refused a region lately: instance id -> until when
+        # (time.monotonic()) the regions others give back are kept for them.
+        self.wanting: dict[str, float] = {}
+
+    def request(self, instance_id: str, size: int, min_size: int | None = None) -> RegionHandle:
+        """A new region for `instance_id`: `size` bytes if the pool has them free, else at
+        least `min_size` (default `size`), reclaiming idle regions until it fits; POOL_FULL
+        when nothing more can be reclaimed."""
+        inst = self.instances.require(instance_id)
+        check_count(size, "size")
+        check_count(size if min_size is None else min_size, "min_size")
+        pool = self.pool
+        length = pool.round_up(size)
+        least = min(length, pool.round_up(size if min_size is None else min_size))
+        if least > pool.capacity:  # refused before reclaiming (evicting) anything
+            raise ProtocolError(
+                ErrorCode.POOL_FULL,
+                f"pool {pool.name} cannot hold a region of {size} bytes: its capacity "
+                f"is {pool.capacity} bytes",
+            )
+        if self.quota_region_bytes:
+            held = self.region_bytes(inst)
+            room = (self.quota_region_bytes - held) // pool.alignment * pool.alignment
+            if room < least:
+                what = "bytes of regions"
+                raise over_quota(self.log_throttle, inst, what, held, self.quota_region_bytes)
+            length = min(length, room)
+        share, held = self.fair_share(), self.region_bytes(inst)
+        now = time.monotonic()
+        waiting = [i for i, until in self.wanting.items() if until > now and i != instance_id]
+        if waiting and held + least > share:  # what others give back is theirs
+            raise ProtocolError(
+                ErrorCode.POOL_FULL,
+                f"instance {instance_id} holds {held} bytes of regions, its fair share of the "
+                f"pool is {share} and {len(waiting)} other instances wait for theirs",
+            )
+        try:
+            region = self.regions.allocate(instance_id, length, inst.page_size)
+        except PoolFullError:
+            below = held + least <= share
+            region = self._allocate_reclaiming(instance_id, least, inst.page_size, below)
+        self.wanting.pop(instance_id, None)
+        inst.regions.add(region.region_id)
+        return region.handle()
+
+    def fair_share(self) -> int:
+        """The bytes of regions each live instance is owed: the pool's capacity over the
+        instances. An instance below it that finds no room makes those above it give regions
+        back (`_ask_to_shed`), and while it waits, no instance grows past its own share."""
+        return self.pool.capacity // max(1, len(self.instances))
+
+    def region_bytes(self, inst: Instance) -> int:
+        """The bytes of the regions `inst` owns (returned ones no longer count)."""
+        return sum(self.regions[r].length for r in inst.regions)
+
+    def _ask_to_shed(self, instance_id: str, share: int) -> list[str]:
+        """Ask every instance above `share` to give back what it holds over it (`shed`, on
+        its next reply; its client returns regions it holds no unsealed value in: never one
+        it may still write, the first rule); `instance_id` waits for them
+        (`wanting`). The instances asked."""
+        asked = []
+        for inst in self.instances.values():
+            over = self.region_bytes(inst) - share
+            if over > 0 and inst.instance_id != instance_id:
+                inst.shed = max(inst.shed, over)
+                asked.append(inst.instance_id)
+        if asked:
+            self.wanting[instance_id] = time.monotonic() + WANT_SECONDS
+            self.counters["shed_requests"] += len(asked)
+            held = self.log_throttle.allow(("shed", instance_id))
+            if held is not None:
+                log.info(
+                    "instance %s is below its fair share (%d bytes) and the pool is full: "
+                    "asked %s to give regions back%s",
+                    instance_id,
+                    share,
+                    ", ".join(asked),
+                    self.log_throttle.note(held),
+                    extra={"instance": instance_id},
+                )
+        return asked
+
+    def _allocate_reclaiming(
+        self, instance_id: str, length: int, page_size: int, below_share: bool
+    ) -> Region:
+        while True:
+            try:
+                return self.regions.allocate(instance_id, length, page_size)
+            except PoolFullError as exc:
+                if self.reclaim():
+                    continue
+                code, why = ErrorCode.POOL_FULL, str(exc)
+                if below_share and self._ask_to_shed(instance_id, self.fair_share()):
+                    code = ErrorCode.POOL_RECLAIMING
+                    why += "; instances over their fair share were asked to give regions back"
+                held = self.log_throttle.allow(("refused", instance_id))
+                if held is not None:
+                    log.warning(
+                        "region request of %d bytes by %s refused: %s%s",
+                        length,
+                        instance_id,
+                        why,
+                        self.log_throttle.note(held),
+                        extra={"instance": instance_id},
+                    )
+                raise ProtocolError(code, why) from None
+
+    def park(
+        self, instance_id: str, seq: Any, park: list[Any], unpark: list[Any]
+    ) -> tuple[list[int], list[int]]:
+        """An idle owner parks regions (it will not write in them before it unparks them, so
+        the server may take them back when the pool has no room) or unparks them (before it
+        writes there again). Returns (the regions unparked, the regions named that the
+        instance no longer owns: taken back). `seq` orders an instance's park requests: one
+        not newer than the last applied is stale (a retry or a late copy) and changes nothing,
+        so a late park can never undo the unpark after which the owner writes again."""
+        inst = self.instances.require(instance_id)
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "seq must be a non-negative integer")
+        if not all(type(r) is int for r in [*park, *unpark]):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "region ids must be integers")
+        gone = [r for r in [*park, *unpark] if r not in inst.regions]
+        if seq <= inst.park_seq:
+            return [], gone
+        inst.park_seq = seq
+        for region_id in park:
+            if region_id in inst.regions:
+                self.regions[region_id].parked = True
+        unparked = [r for r in unpark if r in inst.regions]
+        for region_id in unparked:
+            self.regions[region_id].parked = False
+        return unparked, gone
+
+    def give_back(self, instance_id: str, region_id: Any, token: Any) -> None:
+        """RETURN_REGION: the owner gives a region back; it frees with its last key."""
+        inst = self.instances.require(instance_id)
+        region = self.regions.verified(region_id, token)
+        if region.owner != instance_id or region.returned:
+            raise ProtocolError(
+                ErrorCode.NOT_OWNER, f"region {region_id} is not owned by {instance_id}"
+            )
+        self.regions.release(region)  # journal first: on failure the caller still owns it
+        inst.regions.discard(region.region_id)
+
+
+def over_quota(
+    log_throttle: Throttle, inst: Instance, what: str, held: int, quota: int
+) -> ProtocolError:
+    """QUOTA_EXCEEDED for `inst`, logged (throttled)."""
+    message = f"instance {inst.instance_id} holds {held} {what}: its quota is {quota}"
+    held_log = log_throttle.allow(("quota", what, inst.instance_id))
+    if held_log is not None:
+        log.warning(
+            "%s refused%s",
+            message,
+            log_throttle.note(held_log),
+            extra={"instance": inst.instance_id},
+        )
+    return ProtocolError(ErrorCode.QUOTA_EXCEEDED, message)

@@ -1,0 +1,300 @@
+"""The per-message handlers of the RPC loop, and the table `MaruService.handle_frame` serves
+them from: one function per message type, each turning a decoded request body into a reply
+body (or raising `ProtocolError`).
+
+A handler sees the service only as a `Server` (the registry and the few things a reply
+reports about the service); `maru.server.service` owns the loop, the sockets and the
+authentication that puts the requester's instance into the body ("iid").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from maru.common import protocol
+from maru.common.protocol import (
+    CHECKSUMS,
+    MAX_BATCH,
+    MAX_LIST_KEYS,
+    ErrorCode,
+    MsgType,
+    ProtocolError,
+    all_keys_valid,
+    check_key,
+    unpack_int64,
+)
+from maru.server.housekeeping import Housekeeping
+from maru.server.local_socket import LocalSocketServer
+from maru.server.registry import Registry, clear_all, delete_prefix, list_keys
+
+log = logging.getLogger("maru.server.service")
+
+
+class Server(Protocol):
+    """What a handler sees of `MaruService`."""
+
+    registry: Registry
+    epoch: str  # changes on every start: clients notice restarts
+    new_instance_id: Callable[[str], str]
+    housekeeper: Housekeeping
+    local: LocalSocketServer | None
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+Handler = Callable[[Server, dict[str, Any]], dict[str, Any]]
+
+
+# Requests that change what the journal keeps: refused (STATE_UNAVAILABLE, before any side
+# effect) while the journal cannot be written. Reads, leases and heartbeats go on.
+CHANGES = frozenset(
+    {
+        MsgType.REGISTER_KV,
+        MsgType.DELETE_KV,
+        MsgType.DELETE_PREFIX,
+        MsgType.PIN,
+        MsgType.UNPIN,
+        MsgType.REQUEST_REGION,
+        MsgType.RETURN_REGION,
+        MsgType.EVICT_FOR,
+        MsgType.DISCONNECT,
+    }
+)
+
+
+def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = body.get(name)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"field {name!r} missing or of the wrong type")
+    return value
+
+
+def _batch(body: dict[str, Any], name: str) -> list[Any]:
+    """A list field of at most MAX_BATCH items."""
+    items = _field(body, name, list)
+    if len(items) > MAX_BATCH:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"batch of {len(items)} exceeds {MAX_BATCH}")
+    return items
+
+
+def _keys(body: dict[str, Any]) -> list[Any]:
+    """The "keys" of a request that reads or changes existing keys. An oversized or mistyped
+    key is a client bug: KEY_TOO_LONG / BAD_REQUEST (that of the first bad key) rather than a
+    silent miss."""
+    keys = _batch(body, "keys")
+    if not all_keys_valid(keys):
+        for key in keys:
+            check_key(key)
+    return keys
+
+
+def _iid(body: dict[str, Any]) -> str | None:
+    """The instance a request comes from, as `handle_frame` authenticated it (its session
+    credential), or None: an anonymous request (an operator's, or an unknown session)."""
+    return body["iid"]
+
+
+def _owner(body: dict[str, Any]) -> str:
+    """The instance of a request that only an instance may make (pins)."""
+    iid = body["iid"]
+    if iid is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_INSTANCE, "unknown session: handshake first")
+    return iid
+
+
+def _instance_name(name: Any) -> str:
+    """A client's chosen name, as the start of its instance id: printable ASCII (ids go into
+    credentials and log lines), at most 100 characters."""
+    if not isinstance(name, str) or not name:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "field 'name' missing or not a string")
+    return "".join(c if c.isascii() and c.isprintable() and c != "~" else "_" for c in name[:100])
+
+
+def on_handshake(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    """Attach a process as an instance: the one its session credential names while this
+    server still has it (a reconnect, or the first contact after a server restart), else
+    a new one whose id this server picks. A process never gets another's instance by
+    choosing its name, nor one that ended (DISCONNECT voids its credential for good)."""
+    iid = server.registry.signer.session_owner(body.get("session"))
+    if iid is not None and iid not in server.registry.instances:
+        # Its instance is gone (DISCONNECT, reaped, or nothing of it outlived a restart):
+        # the credential resumes nothing, ever again; its holder starts afresh.
+        log.info("a credential of instance %s, which is gone: a new instance", iid)
+        iid = None
+    if iid is None:
+        iid = server.new_instance_id(_instance_name(body.get("name")))
+    pid = body.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 <= pid < 2**63:
+        pid = 0  # informational only; must stay encodable in STATS replies
+    chunk = body.get("chunk_size")
+    if not isinstance(chunk, int) or isinstance(chunk, bool):
+        chunk = 0
+    regions = server.registry.instances.handshake(iid, pid, chunk if 0 < chunk < 2**40 else 0)
+    return {
+        "iid": iid,
+        "session": server.registry.instances.open_session(iid),
+        "epoch": server.epoch,
+        "version": protocol.PROTOCOL_VERSION,
+        "pool": server.registry.pool.stats(),
+        "regions": [h.to_wire() for h in regions],
+        "heartbeat_interval": server.housekeeper.heartbeat_timeout / 3,
+        "local_socket": server.local.address if server.local is not None else None,
+        "uid": os.getuid(),
+        "local_index": _local_index_path(server, body),
+    }
+
+
+def _local_index_path(server: Server, body: dict[str, Any]) -> str | None:
+    """The local index is offered only over the Unix socket: its peer is on this node for
+    sure (a TCP peer may be another host, even through 127.0.0.1, whose view of the pool
+    is not coherent with ours: docs/architecture.md)."""
+    index = server.registry.local_index
+    return index.path if index is not None and body.get("via_local") is True else None
+
+
+def on_request_region(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    least = body.get("min_size")
+    handle = server.registry.request_region(_iid(body), body.get("size"), least)
+    return {"region": handle.to_wire()}
+
+
+def on_park_regions(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    unparked, gone = server.registry.park(
+        _iid(body), body.get("seq"), _batch(body, "park"), _batch(body, "unpark")
+    )
+    return {"unparked": unparked, "gone": gone}
+
+
+def on_return_region(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    server.registry.return_region(_iid(body), body.get("region_id"), body.get("token"))
+    return {}
+
+
+def _count_local_reads(server: Server, body: dict[str, Any]) -> None:
+    """HEARTBEAT and DISCONNECT may carry the reads the client answered from the local
+    index: [lookups, hits, exists, exists hits], each 0 <= hits <= its total."""
+    reads = body.get("local_reads")
+    if reads is None:
+        return
+    if (
+        not isinstance(reads, list)
+        or len(reads) != 4
+        or not all(type(n) is int and 0 <= n < 1 << 48 for n in reads)
+        or reads[1] > reads[0]
+        or reads[3] > reads[2]
+    ):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "local_reads: four counts, hits <= total")
+    lookups, hits, exists, exists_hits = reads
+    server.registry.count_reads(_iid(body), lookups, hits, exists, exists_hits)
+
+
+def on_disconnect(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    _count_local_reads(server, body)
+    pins, leases, regions = server.registry.instances.disconnect(
+        _owner(body), "disconnected by its client"
+    )
+    return {"pins": pins, "leases": leases, "regions": regions}
+
+
+def on_region_access(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    region = server.registry.regions.verified(body.get("region_id"), body.get("token"))
+    return {"region": region.handle().to_wire()}
+
+
+def on_register_kv(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    """A bad key is REJECTED (not an error): the rest of the batch is registered."""
+    iid = _iid(body)
+    keys = _batch(body, "keys")
+    region_ids, offsets, lengths = (
+        unpack_int64(body.get(name), len(keys), name).tolist()
+        for name in ("region_ids", "offsets", "lengths")
+    )
+    checksums = body.get(CHECKSUMS)  # optional: the writer's checksum of each value
+    if checksums is not None:
+        checksums = unpack_int64(checksums, len(keys), CHECKSUMS).tolist()
+    results = server.registry.register(iid, keys, region_ids, offsets, lengths, checksums)
+    return {"results": results}
+
+
+def on_lookup_kv(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    """The columns are bytes of native int64s (client and server share the node), read by
+    the client with numpy, no Python int per key; the lease is taken in the same pass."""
+    region_ids, offsets, lengths, checksums, regions, lease_id = server.registry.lookup(
+        _keys(body), _iid(body), body.get("lease") is True
+    )
+    return {
+        "region_ids": region_ids,
+        "offsets": offsets,
+        "lengths": lengths,
+        CHECKSUMS: checksums,
+        "regions": [h.to_wire() for h in regions],
+        "lease_id": lease_id,
+    }
+
+
+def on_evict_for(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    freed = server.registry.eviction.evict_for(_iid(body), body.get("bytes"))
+    return {"freed_bytes": freed}
+
+
+def on_delete_prefix(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    if body.get("all") is True:  # `maru clear`
+        deleted, pinned = clear_all(server.registry)
+        what = "every key"
+    else:
+        prefix = body.get("prefix")
+        deleted, pinned = delete_prefix(server.registry, prefix)
+        what = f"prefix {prefix!r:.200}"
+    iid = _iid(body)
+    log.info(
+        "%d keys deleted (%s, by %s); %d pinned or leased kept",
+        deleted,
+        what,
+        f"instance {iid}" if iid else "an operator",
+        pinned,
+        extra={"instance": iid} if iid else None,
+    )
+    return {"deleted": deleted, "pinned": pinned}
+
+
+def on_list_keys(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    limit = body.get("limit", 100)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "limit must be a positive integer")
+    limit = min(limit, MAX_LIST_KEYS)
+    keys, truncated = list_keys(server.registry, body.get("prefix"), limit)
+    return {"keys": keys, "truncated": truncated, "limit": limit}
+
+
+def on_list_allocations(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    owner = body.get("owner")
+    handles = server.registry.regions.handles(owner if isinstance(owner, str) else None)
+    return {"regions": [h.to_wire() for h in handles]}
+
+
+HANDLERS: dict[int, Handler] = {
+    MsgType.HANDSHAKE: on_handshake,
+    MsgType.REQUEST_REGION: on_request_region,
+    MsgType.RETURN_REGION: on_return_region,
+    MsgType.REGION_ACCESS: on_region_access,
+    MsgType.REGISTER_KV: on_register_kv,
+    MsgType.LOOKUP_KV: on_lookup_kv,
+    MsgType.EXISTS: lambda s, b: {"results": s.registry.exists(_keys(b), _iid(b))},
+    MsgType.PIN: lambda s, b: {"results": s.registry.pins.pin(_keys(b), _owner(b))},
+    MsgType.UNPIN: lambda s, b: {"results": s.registry.pins.unpin(_keys(b), _owner(b))},
+    MsgType.RELEASE: lambda s, b: {
+        "released": s.registry.leases.release(_batch(b, "leases"), _iid(b))
+    },
+    MsgType.EVICT_FOR: on_evict_for,
+    MsgType.DELETE_KV: lambda s, b: {"results": s.registry.delete(_keys(b))},
+    MsgType.LIST_ALLOCATIONS: on_list_allocations,
+    MsgType.STATS: lambda s, b: {"stats": s.stats()},
+    MsgType.HEARTBEAT: lambda s, b: _count_local_reads(s, b) or {},
+    MsgType.DELETE_PREFIX: on_delete_prefix,
+    MsgType.KEYS: on_list_keys,
+    MsgType.DISCONNECT: on_disconnect,
+    MsgType.PARK_REGIONS: on_park_regions,
+}
