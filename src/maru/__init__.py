@@ -28,6 +28,7 @@ _EXPORTS = {
     "MaruConnectRefused": "maru.common.errors",
     "MaruConnectionError": "maru.common.errors",
     "MaruForkedError": "maru.common.errors",
+    "MaruNotConnected": "maru.common.errors",
     "MaruServerDown": "maru.common.errors",
     "MaruVersionMismatch": "maru.common.errors",
     "MaruError": "maru.common.errors",

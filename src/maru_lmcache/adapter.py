@@ -106,6 +106,11 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
         self._fmt = fmt
         self._chunk_size = int(chunk_size)
         self._token_dim = fmt.token_dim()
+        if not self._shapes or len(self._shapes[0]) <= self._token_dim:
+            raise ValueError(
+                f"CxlMemoryAdapter: shape {list(map(tuple, self._shapes))} has no token "
+                f"dimension {self._token_dim} of format {fmt.name}"
+            )
         self._full_tokens = int(self._shapes[0][self._token_dim])
         self._lock = threading.Lock()  # reservations change hands under it
         self._closed = False
@@ -159,24 +164,16 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
         return [self._reserved_obj(h, shapes, dtypes, fmt) for h in handles]
 
     def _reserve(self, size: int, count: int) -> list[AllocHandle] | None:
-        handles: list[AllocHandle] = []
+        """`count` values of `size` bytes (`MaruHandler.reserve_values`: a run, else value
+        by value); None if the pool has no room for all of them."""
         try:
-            run = self._handler.alloc(size, count)
-            if run is not None:
-                return run.split()
-            while count > 1 and len(handles) < count:  # (one value: alloc already evicted)
-                handle = self._handler.alloc(size)
-                if handle is None:
-                    break
-                handles.append(handle)
+            handles = self._handler.reserve_values(size, count)
         except MaruError as exc:
             log.warning("reserving %d values of %d bytes failed: %s", count, size, exc)
-        if len(handles) == count:
-            return handles
-        for handle in handles:
-            self._handler.free(handle)
-        log.debug("no room in the pool for %d values of %d bytes", count, size)
-        return None
+            return None
+        if handles is None:
+            log.debug("no room in the pool for %d values of %d bytes", count, size)
+        return handles
 
     def _reserved_obj(
         self,

@@ -3,27 +3,25 @@
 Without `interface_v1` SGLang's controller hands over one flat tensor per KV page
 (`batch_get(keys, dummy pages)`, then `set_from_flat_data_page`; `batch_set(keys, values)`)
 instead of host-pool indices. They serve the KV pool only: reads go through `MaruHandler.read`
-(probe, copy and proof in one call, as `batch_get_v1`), writes copy page by page
-(`ctypes.memmove`); they share nothing else with the v1 / v2 data path (`MaruStorage._read` /
-`_write`) but the KV pool's keys and the counters, so they live apart from it.
+(probe, copy and proof in one call, as `batch_get_v1`), writes through `MaruHandler.put`
+(the one write verb, copying from the page tensors); they share nothing else with the v1 /
+v2 data path (`MaruStorage._read` / `_write`) but the KV pool's keys and the counters.
 """
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from maru.client import Put, from_pointers
 from maru_sglang.pools import KV_POOL_NAME, PoolIO
 from maru_sglang.storage_stats import StorageStats
 
 if TYPE_CHECKING:
     from maru import MaruHandler
-
-_memmove = ctypes.memmove
 
 
 class LegacyInterface:
@@ -84,20 +82,16 @@ class LegacyInterface:
         target_locations: Any = None,
         target_sizes: Any = None,
     ) -> bool:
+        """Each page tensor copied into the pool and registered (the handler's write verb,
+        `MaruHandler.put`); True when every page is stored."""
         kv = self._require_pool()
         if values is None or len(values) != len(keys):
             return False
-        handles, lengths = [], []
-        with self.handler.copying():
-            for value in values:
-                value = value.contiguous()
-                nbytes = value.numel() * value.element_size()
-                handle = self.handler.alloc(nbytes)
-                if handle is not None:
-                    _memmove(handle.address, value.data_ptr(), nbytes)
-                handles.append(handle)
-                lengths.append(nbytes)
-        return all(self.handler.seal(kv.keys(keys), handles, lengths).wait())
+        values = [value.contiguous() for value in values]  # (kept alive through the copy)
+        sizes = [value.numel() * value.element_size() for value in values]
+        put = Put(kv.keys(keys), sizes, from_pointers([v.data_ptr() for v in values], sizes))
+        self.handler.put([put])
+        return all(put.results)
 
     def exists(self, key: str) -> bool:
         self.confirm_writes()

@@ -33,6 +33,7 @@ their output is used.
 
 from __future__ import annotations
 
+import errno
 import logging
 import queue
 import threading
@@ -51,8 +52,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 )
 from sglang.srt.utils import get_device_module
 
-from maru.client.memcopy import copy_many, copy_values
-from maru.client.requests import Lookup
+from maru.client import CopyFaultError, Lookup, Put, copy_many, copy_values
 from maru_sglang.cuda import ALIGN, copy_pieces, register_with_cuda
 from maru_sglang.maru_storage import open_handler
 from maru_sglang.pools import chunk_size_for, page_namespace
@@ -540,29 +540,20 @@ class MaruCacheLinker(UnifiedCacheLinker):
             self._offload_results.put(ok)
 
     def _write(self, keys: list[str], firsts: np.ndarray, page_bytes: int) -> int:
-        """Reserve, copy and seal `keys`' pages; the number sealed (or found sealed)."""
-        n = len(keys)
-        run = self.handler.alloc(page_bytes, n)
-        if run is not None:
-            handles: Any = run
-            targets = run.address + np.arange(n, dtype=np.int64) * run.stride
-            copied = np.ones(n, dtype=bool)
-        else:  # no free run: page by page (each may evict in our own regions)
-            handles = [self.handler.alloc(page_bytes) for _ in range(n)]
-            copied = np.array([h is not None for h in handles], dtype=bool)
-            targets = np.array([h.address if h is not None else 0 for h in handles], np.int64)
-        if not self._registered(targets[copied]):
-            log.warning("offload: reserved chunks outside the CUDA-registered mapping: skipped")
-            for handle in [run] if run is not None else handles:
-                if handle is not None:
-                    self.handler.free(handle)  # reserved, never sealed
-            return 0
-        if copied.any():
-            with self.handler.copying():
-                threads = self.handler.config.copy_threads
-                self.layout.store(targets[copied], firsts[copied], threads).synchronize()
-        results = self.handler.seal(keys, handles, page_bytes).wait()
-        return int(sum(results))
+        """`keys`' pages through the handler's write verb (`MaruHandler.put`), copied from
+        the device rows at `firsts` (`DevicePageLayout.store`; the seal hashes them in the
+        pool); the number sealed (or found sealed). Chunks outside the CUDA-registered
+        mapping are not copied into: those pages fail."""
+
+        def copy(targets: np.ndarray, first: int, last: int, hashed: bool, threads: int) -> None:
+            if not self._registered(targets):
+                log.warning("offload: reserved chunks outside the CUDA-registered mapping")
+                raise CopyFaultError(errno.EFAULT, "chunks outside the CUDA-registered mapping")
+            self.layout.store(targets, firsts[first:last], threads).synchronize()
+
+        put = Put(keys, page_bytes, copy, "linker")
+        self.handler.put([put])
+        return int(sum(put.results))
 
     # -- lifecycle ----------------------------------------------------------------------------
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import threading
 import time
 from typing import Any
 
@@ -44,12 +43,12 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from maru import MaruConfig, MaruHandler
-from maru.client.memcopy import CopyFaultError
-from maru.client.requests import Sealing
+from maru.client import PIPELINE_MIN_PAGES, Put
 from maru_sglang.hit_policy import PoolPresence, usable_prefix
 from maru_sglang.legacy import LegacyInterface
 from maru_sglang.pools import (
     KV_POOL_NAME,
+    Batch,
     PoolIO,
     chunk_size_for,
     is_rank_replicated,
@@ -58,41 +57,17 @@ from maru_sglang.pools import (
 )
 from maru_sglang.storage_stats import StorageStats
 
-__all__ = ["KV_POOL_NAME", "MaruStorage", "chunk_size_for", "page_namespace"]
+__all__ = [
+    "KV_POOL_NAME",
+    "PIPELINE_MIN_PAGES",
+    "MaruStorage",
+    "chunk_size_for",
+    "page_namespace",
+]
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_LAYOUTS = ("page_first_direct", "page_first")
-
-# Waiting for the replies (`maru_use_async_rpc` off), a call's last run (a v1 batch's only one)
-# is registered in up to PIPELINE_PIECES pieces of at least PIPELINE_MIN_PAGES pages, each sent
-# while the next piece is copied. With write-behind nothing waits for the last reply, and one
-# REGISTER_KV costs less than two: one piece (docs/performance-history.md, issue 17 session 15).
-PIPELINE_PIECES = 2
-PIPELINE_MIN_PAGES = 32
-
-
-@dataclasses.dataclass
-class _Batch:
-    """One pool's share of a storage call: its pages' keys and where they are in the host
-    pool (`buffers`: `PoolIO.pointers`, one row per page); `results` is filled in."""
-
-    pool: PoolIO
-    keys: list[str]
-    buffers: np.ndarray | None = None
-    results: list[bool] = dataclasses.field(default_factory=list)
-
-
-# a Sealing's pages, in the order of its keys: (batch, first page, count)
-Owners = list[tuple[_Batch, int, int]]
-
-
-class _Unconfirmed(threading.local):
-    """One thread's registrations whose replies a write call did not wait for (write-behind),
-    each with the batches it answers for and the results the call reported."""
-
-    def __init__(self) -> None:
-        self.sealings: list[tuple[Owners, Sealing, list[bool]]] = []
 
 
 def _query(parts: list[tuple[PoolIO, list[str]]]) -> tuple[list[str], str | list[str]]:
@@ -131,16 +106,6 @@ def open_handler(
     return config, handler
 
 
-class _FaultedCopy:
-    """A copy that faulted as it began: `finish()` raises the fault (`MaruStorage._copy_in`)."""
-
-    def __init__(self, exc: CopyFaultError):
-        self.exc = exc
-
-    def finish(self) -> None:
-        raise self.exc
-
-
 class MaruStorage(LegacyInterface, HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, args: Any = None):
         self.storage_config = storage_config
@@ -157,10 +122,6 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         self._kv: PoolIO | None = None
         self.pools: dict[str, PoolIO] = {}
         self._stats = StorageStats(bool(storage_config.enable_storage_metrics))
-        self._unconfirmed = _Unconfirmed()
-        # the ids of threads with unconfirmed registrations: a read's check is a set lookup
-        # (a thread-local lookup costs ~3x more); only a thread adds or removes its own id
-        self._unconfirmed_threads: set[int] = set()
         log.info(
             "MaruStorage connected to %s as instance %s",
             self.config.server_url,
@@ -253,7 +214,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
 
     # -- the data path, shared by v1 and v2 --------------------------------------------------
 
-    def _prepare(self, batch: _Batch, host_indices: torch.Tensor | None, op: str) -> bool:
+    def _prepare(self, batch: Batch, host_indices: torch.Tensor | None, op: str) -> bool:
         """Host pointers for `batch`; False (the batch fails) when the indices do not cover
         its pages."""
         batch.buffers = batch.pool.pointers(host_indices, len(batch.keys))
@@ -271,206 +232,46 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
             return False
         return True
 
-    def _write(self, batches: list[_Batch]) -> None:
-        """Copy every batch's pages into a shared allocation (one run per pool) and register
-        them. A run of at least PIPELINE_MIN_PAGES pages is sealed as soon as it is copied, so
-        that its registration is in flight while the rest is copied (the call's last run, with
-        nothing after it to hide behind, in up to PIPELINE_PIECES pieces when the call waits
-        for the replies); smaller runs, and pages placed one by one, are sealed together at
-        the end. With `maru_checksums` each page is hashed as it is copied (no second read).
-        Fills each batch's `results`.
-
-        Write-behind (with `maru_use_async_rpc`, the default): the call returns once every
-        page is copied and its registration sent, reporting each sent page as stored; the
-        replies are read by this thread's next call (`confirm_writes`: a read first, a write
-        after its own copies). A page is in the pool before its key is sent, so the only thing
-        deferred is learning that a registration failed (server gone or restarted): such a
-        page reads as a miss, and is logged and counted then (`late_write_failures`)."""
+    def _write(self, batches: list[Batch]) -> None:
+        """Write every batch's pages with the handler's one write verb (`MaruHandler.put`:
+        a run per pool or page by page, pipelined seals, hashed copies, faults): each pool's
+        copy is `PoolIO.copy_in` from its host pages. Write-behind with `maru_use_async_rpc`
+        (the default): the call returns once every page is copied and its registration
+        sent, reporting each sent page as stored; the replies are read by this thread's next
+        call (`confirm_writes`: a read first, a write during its copies). A page is in the
+        pool before its key is sent, so the only thing deferred is learning that a
+        registration failed (server gone or restarted): such a page reads as a miss, and is
+        logged and counted then (`late_write_failures`). Fills each batch's `results`."""
         start = time.perf_counter()
-        handler = self.handler
-        hashed, threads = handler.config.checksums, handler.config.copy_threads
-        behind = self.config.use_async_rpc
-        pieces = 1 if behind else PIPELINE_PIECES
-        sealings: list[tuple[Owners, Sealing]] = []
-        rest: list[tuple[_Batch, list[str], Any, np.ndarray | None]] = []  # sealed together
-        # (no region unmapped under the copies: `MaruHandler.copying`)
-        with handler.copying():
-            for number, batch in enumerate(batches, 1):
-                pool, n, buffers = batch.pool, len(batch.keys), batch.buffers
-                assert buffers is not None
-                batch.results = [False] * n
-                ns_keys = pool.keys(batch.keys)
-                run = handler.alloc(pool.page_bytes, n)
-                if run is None:  # no free run: page by page (each may evict in our own regions)
-                    rest.append((batch, ns_keys, *self._copy_pages(batch, hashed)))
-                    continue
-                if n < PIPELINE_MIN_PAGES:
-                    copied, sums = self._copy_in(pool, run, buffers, 0, n, hashed, threads)
-                    if copied:
-                        rest.append((batch, ns_keys, run, sums))
-                    continue
-                step = n if number < len(batches) else max(PIPELINE_MIN_PAGES, -(-n // pieces))
-                for first in range(0, n, step):
-                    last = min(n, first + step)
-                    piece = run.slice(first, last) if step < n else run
-                    copy = self._start_copy(pool, piece, buffers, first, last, hashed, threads)
-                    # While the copier threads copy, this thread makes the registration
-                    # ready (it reads no page) and, on the call's last copy, reads the
-                    # earlier calls' replies that are in and need no re-handshake
-                    # (`Sealing.arrived`); the rest after the copy.
-                    sealing = handler.prepare_seal(ns_keys[first:last], piece, pool.page_bytes)
-                    if behind and number == len(batches) and last == n:
-                        self.confirm_writes(wait=False)
-                    copied, sums = self._copy_in(pool, piece, buffers, first, last, hashed, 0, copy)
-                    if copied:
-                        sealings.append(([(batch, first, last - first)], sealing.send(sums)))
-        if len(rest) == 1:  # (one run or one batch's pages: sealed as they are)
-            batch, ns_keys, handles, sums = rest[0]
-            sealing = handler.seal(ns_keys, handles, batch.pool.page_bytes, checksums=sums)
-            sealings.append(([(batch, 0, len(ns_keys))], sealing))
-        elif rest:
-            sealings.append(self._seal_together(rest))
-        # The earlier calls' replies, now: the server answered them during this call's copies
-        # (read at the start of the call, the last one would cost its whole answer time).
-        self.confirm_writes()
-        for owners, sealing in sealings:
-            results, at = sealing.hoped() if behind else sealing.wait(), 0
-            for batch, first, count in owners:
-                batch.results[first : first + count] = results[at : at + count]
-                at += count
-            if behind:
-                self._unconfirmed.sealings.append((owners, sealing, results))
-                self._unconfirmed_threads.add(threading.get_ident())
+        puts = [self._put_of(batch) for batch in batches]
+        self.handler.put(puts, behind=self.config.use_async_rpc)
+        for batch, put in zip(batches, puts):
+            batch.results = put.results
         self._stats.account_write(batches, time.perf_counter() - start)
+
+    def _put_of(self, batch: Batch) -> Put:
+        """`batch` as the write verb takes it: its keys in its pool's namespace, copied from
+        its host pages."""
+        pool, buffers = batch.pool, batch.buffers
+
+        def copy(targets: np.ndarray, first: int, last: int, hashed: bool, threads: int) -> Any:
+            return pool.copy_in(targets, buffers, first, last, hashed, threads)
+
+        def late(lost: int) -> None:
+            self._stats.count(pool.name, late_write_failures=lost)
+
+        return Put(pool.keys(batch.keys), pool.page_bytes, copy, pool.name, late)
 
     def confirm_writes(self, wait: bool = True) -> int:
         """Wait until the server has registered every page this thread's write calls
         returned for (write-behind, see `_write`): from then on every instance finds them.
-        The thread's own later calls do it by themselves (a read before it looks, a write
-        after its copies); another instance reading right after a write (a test, a handover)
-        calls it. Returns the number of pages those calls reported stored whose registration
-        failed (logged, counted as `late_write_failures`): they read as misses. `wait=False`:
-        only the registrations whose replies are in, oldest first (a write's, during its copy)."""
-        thread = threading.get_ident()
-        if thread not in self._unconfirmed_threads:  # (a read's usual case)
-            return 0
-        unconfirmed = self._unconfirmed.sealings
-        if not wait:
-            ready = 0
-            while ready < len(unconfirmed) and unconfirmed[ready][1].arrived():
-                ready += 1
-            unconfirmed, self._unconfirmed.sealings = unconfirmed[:ready], unconfirmed[ready:]
-        else:
-            self._unconfirmed.sealings = []
-        if not self._unconfirmed.sealings:
-            self._unconfirmed_threads.discard(thread)
-        if not unconfirmed:
-            return 0
-        lost_total = 0
-        for owners, sealing, reported in unconfirmed:
-            results, at = sealing.wait(), 0
-            if results == reported:  # (the usual outcome: no per-page step)
-                continue
-            for batch, _first, count in owners:
-                span = zip(reported[at : at + count], results[at : at + count])
-                lost = sum(1 for said, got in span if said and not got)
-                at += count
-                if lost:
-                    self._stats.count(batch.pool.name, late_write_failures=lost)
-                    lost_total += lost
-        if lost_total:
-            log.warning(
-                "MaruStorage: %d page(s) an earlier write reported stored may not be registered "
-                "(the reason is logged above): they may read as misses",
-                lost_total,
-            )
-        return lost_total
+        The thread's own later calls do it by themselves; another instance reading right
+        after a write (a test, a handover) calls it. Returns the number of pages those calls
+        reported stored whose registration failed (logged, counted as
+        `late_write_failures`): they read as misses."""
+        return self.handler.confirm_writes(wait)
 
-    def _copy_pages(self, batch: _Batch, hashed: bool) -> tuple[list[Any], np.ndarray | None]:
-        """`batch` page by page, when no run of its size is free: an allocation per page
-        (None where none could be made) and, with `hashed`, each page's checksum."""
-        handler, pool, buffers = self.handler, batch.pool, batch.buffers
-        assert buffers is not None
-        handles = [handler.alloc(pool.page_bytes) for _ in batch.keys]
-        sums = np.zeros(len(handles), np.int64)
-        for i, handle in enumerate(handles):
-            if handle is not None:
-                copied, got = self._copy_in(pool, handle, buffers, i, i + 1, hashed)
-                if not copied:  # the key fails (sealed with no handle)
-                    handles[i] = None
-                sums[i] = got[0] if got is not None else 0
-        return handles, sums if hashed else None
-
-    @staticmethod
-    def _start_copy(
-        pool: PoolIO,
-        handle: Any,
-        buffers: np.ndarray,
-        first: int,
-        last: int,
-        hashed: bool,
-        threads: int,
-    ) -> Any:
-        """`pool.copy_in` begun into `handle`; a fault while it begins (a pool copied page
-        by page) is kept for `_copy_in` to report at `finish()`."""
-        try:
-            return pool.copy_in(
-                handle.address, handle.stride, buffers, first, last, hashed, threads
-            )
-        except CopyFaultError as exc:
-            return _FaultedCopy(exc)
-
-    def _copy_in(
-        self,
-        pool: PoolIO,
-        handle: Any,
-        buffers: np.ndarray,
-        first: int,
-        last: int,
-        hashed: bool,
-        threads: int = 1,
-        started: Any = None,
-    ) -> tuple[bool, np.ndarray | None]:
-        """Copy pages [first, last) of a batch into `handle` (or finish `started`, the copy
-        begun there): (True, checksums); or (False, None) if the pool's memory faulted under
-        it (its file truncated, its filesystem out of room): the pages fail, the handle's
-        chunks are given back unsealed, and the process lives (`maru.client.memcopy`)."""
-        if started is None:
-            started = self._start_copy(pool, handle, buffers, first, last, hashed, threads)
-        try:
-            return True, started.finish()
-        except CopyFaultError as exc:
-            log.warning(
-                "write: pages %d-%d of a %s batch failed, the pool's memory faulted under "
-                "the copy: %s",
-                first,
-                last - 1,
-                pool.name,
-                exc,
-            )
-            self.handler.free(handle)
-            return False, None
-
-    def _seal_together(self, rest: list) -> tuple[Owners, Sealing]:
-        """One registration for several whole batches' pages (`_write`'s `rest`): the batches
-        it answers for, as `_write` keeps them, and the Sealing."""
-        keys: list[str] = []
-        handles: list[Any] = []
-        lengths: list[int] = []
-        sums: list[np.ndarray] = []
-        owners: Owners = []
-        for batch, ns_keys, held, batch_sums in rest:
-            n = len(ns_keys)
-            keys += ns_keys
-            handles += held if isinstance(held, list) else held.split()
-            lengths += [batch.pool.page_bytes] * n
-            owners.append((batch, 0, n))
-            if batch_sums is not None:
-                sums.append(batch_sums)
-        checksums = np.concatenate(sums) if sums else None
-        return owners, self.handler.seal(keys, handles, lengths, checksums=checksums)
-
-    def _read(self, batches: list[_Batch], host_indices: list[torch.Tensor | None]) -> None:
+    def _read(self, batches: list[Batch], host_indices: list[torch.Tensor | None]) -> None:
         """Copy every batch's hits into its host pool and prove them: a page stored with
         another length is a miss; so is, with `maru_checksums`, a page whose bytes no longer
         match their checksum after the copy, and on the local index a page whose entry changed
@@ -484,14 +285,15 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         start = time.perf_counter()
         handler = self.handler
         one_by_one = len(batches) == 1 or handler.reads_locally
-        rest: list[tuple[_Batch, torch.Tensor | None]] = []
+        rest: list[tuple[Batch, torch.Tensor | None]] = []
         for batch, indices in zip(batches, host_indices):
             pool = batch.pool
             if pool.whole_page or not one_by_one:
                 rest.append((batch, indices))
             elif self._prepare(batch, indices, "read"):
                 assert batch.buffers is not None
-                mismatches = handler.checksum_mismatches
+                hashed = self.config.checksums  # (only then can a hit mismatch)
+                mismatches = handler.checksum_mismatches if hashed else 0
                 batch.results = handler.read(
                     batch.keys,
                     batch.buffers,
@@ -499,56 +301,47 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                     length=pool.page_bytes,
                     prefix=pool.prefix,
                 )
-                if handler.checksum_mismatches != mismatches:
+                if hashed and handler.checksum_mismatches != mismatches:
                     self._stats.count(
                         pool.name, checksum_mismatches=handler.checksum_mismatches - mismatches
                     )
         if rest:
             together = [b for b, _ in rest]
             keys, prefix = _query([(b.pool, b.keys) for b in together])
-            with handler.copying():
-                self._read_pools(together, [i for _, i in rest], keys, prefix)
+            self._read_pools(together, [i for _, i in rest], keys, prefix)
         self._stats.account_read(batches, time.perf_counter() - start)
 
     def _read_pools(
         self,
-        batches: list[_Batch],
+        batches: list[Batch],
         host_indices: list[torch.Tensor | None],
         keys: list[str],
         prefix: str | list[str],
     ) -> None:
-        """`_read` of several pools (v2), or of a pool copied page by page through its API."""
-        hashed = self.handler.config.checksums
-        found = self.handler.lookup(keys, lease=True, for_copy=True, prefix=prefix)  # sent now
-        try:
-            ready = [self._prepare(b, idx, "read") for b, idx in zip(batches, host_indices)]
-            offset = 0
-            for batch, ok in zip(batches, ready):
-                first, offset = offset, offset + len(batch.keys)
-                if ok:
+        """`_read` of several pools (v2), or of a pool copied page by page through its API:
+        the handler's read verb (`MaruHandler.read_many`), each pool's hits copied by
+        `PoolIO.copy_out` (made ready while the lookup is answered)."""
+        hashed, threads = self.handler.config.checksums, self.config.copy_threads
+
+        def segments() -> list[tuple[int, int, Any]]:
+            out = []
+            for batch, indices in zip(batches, host_indices):
+                copy = None
+                if self._prepare(batch, indices, "read"):
                     copy = functools.partial(
-                        batch.pool.copy_out,
-                        buffers=batch.buffers,
-                        hashed=hashed,
-                        threads=self.config.copy_threads,
+                        batch.pool.copy_out, buffers=batch.buffers, hashed=hashed, threads=threads
                     )
-                    found.copy_out(copy, batch.pool.page_bytes, start=first, stop=offset)
-            corrupt = found.corrupt()  # after the copies, of the bytes the copies read
-        except BaseException:
-            found.release()
-            raise
-        copied = found.copied if found.copied is not None else np.zeros(len(keys), bool)
-        proven = copied & ~corrupt
-        if not found.release(confirm=True):  # the lease ended mid-copy: not proven
-            log.warning("read: the lease on %d pages ended during the copy", len(keys))
-            proven[:] = False
+                out.append((len(batch.keys), batch.pool.page_bytes, copy))
+            return out
+
+        proven, mismatched = self.handler.read_many(keys, segments, prefix=prefix)
         offset = 0
-        for batch, ok in zip(batches, ready):
+        for batch in batches:
             seg = slice(offset, offset + len(batch.keys))
             offset = seg.stop
-            if ok:
+            if batch.buffers is not None:
                 batch.results = proven[seg].tolist()
-                bad = int(np.count_nonzero(copied[seg] & corrupt[seg]))
+                bad = int(np.count_nonzero(mismatched[seg]))
                 if bad:
                     self._stats.count(batch.pool.name, checksum_mismatches=bad)
 
@@ -567,7 +360,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
             return []
         if kv.logical:
             return [True] * len(keys)
-        batch = _Batch(kv, list(keys))
+        batch = Batch(kv, list(keys))
         if self._prepare(batch, host_indices, "batch_set_v1"):
             self._write([batch])
         return batch.results
@@ -586,7 +379,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
             return []
         if kv.logical:
             return [True] * len(keys)
-        batch = _Batch(kv, list(keys))
+        batch = Batch(kv, list(keys))
         self._read([batch], [host_indices])
         # One line per prefetch batch (at most 128 pages): the examples and the P2P test look
         # for it in the second instance's log.
@@ -656,7 +449,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         registered, logical, bad indices, or rank-replicated on a rank that does not write)
         are settled here."""
         results: dict[str, list[bool]] = {}
-        batches: list[_Batch] = []
+        batches: list[Batch] = []
         indices: list[torch.Tensor | None] = []
         for t in transfers:
             name, keys = str(t.name), list(t.keys or [])
@@ -672,7 +465,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                 # controllers count a non-writer's backup as done, as here).
                 results[name] = [True] * len(keys)
             else:
-                batch = _Batch(pool, keys)
+                batch = Batch(pool, keys)
                 if writing and not self._prepare(batch, t.host_indices, op):
                     results[name] = batch.results
                     continue

@@ -11,6 +11,7 @@ as one shared allocation holding its parts back to back (one copy per part each 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-from maru.client.memcopy import (
+from maru.client import (
     CopyStarted,
     copy_many_hashed,
     copy_values,
@@ -31,7 +32,7 @@ from maru.client.memcopy import (
 log = logging.getLogger(__name__)
 
 KV_POOL_NAME = "kv"
-_ALLOC_ALIGN = 4096  # MaruConfig.chunk_size_bytes must be a multiple of this
+_ALLOC_ALIGN = 4096  # MaruConfig rounds chunk_size_bytes up to a multiple of this
 
 # Host pool classes whose pages are the same on every TP rank of an MLA model (Mooncake and
 # the file backend key them without the TP rank too). Only these are shared across ranks: a
@@ -175,7 +176,7 @@ def _index_memory(host_indices: torch.Tensor) -> tuple[int, int, Any]:
     """Where a batch's host indices lie: (address, count, owner), `count` int64s at `address`
     that `owner` keeps alive. SGLang's (a contiguous int64 CPU tensor) are read in place:
     from cold caches `Tensor.numpy()` costs twice these checks and `data_ptr()` (measured in
-    docs/performance-history.md, session 24). Others (another dtype or device, a strided
+    benchmarks/results/history.md, session 24). Others (another dtype or device, a strided
     view) are copied into an int64 array."""
     t = host_indices
     if t.is_cpu and t.dtype is torch.int64 and t.is_contiguous():
@@ -274,8 +275,7 @@ class PoolIO:
 
     def copy_in(
         self,
-        dst: int,
-        stride: int,
+        targets: np.ndarray,
         buffers: np.ndarray,
         first: int,
         last: int,
@@ -283,19 +283,19 @@ class PoolIO:
         threads: int = 1,
     ) -> CopyStarted:
         """Start copying pages [first, last) of a batch (`buffers`: its `pointers`) from the
-        host pool to `dst`, `stride` apart, each page's parts back to back; `.finish()`
-        completes it and gives, with `hashed`, each page's checksum, computed as it is copied
-        (`maru_checksums`). `threads`: shared by up to that many threads (`maru_copy_threads`,
-        `copy_values_start`: the copiers begin now, the caller's share in `finish()`)."""
+        host pool to `targets` (one address per page), each page's parts back to back;
+        `.finish()` completes it and gives, with `hashed`, each page's checksum, computed as
+        it is copied (`maru_checksums`). `threads`: shared by up to that many threads
+        (`maru_copy_threads`, `copy_values_start`: the copiers begin now, the caller's share
+        in `finish()`). The write verb's copy (`maru.client.writes.CopyIn`)."""
         if self.whole_page:
             hashes = np.zeros(last - first, np.int64)
             for i, index in enumerate(buffers[first:last, 0].tolist()):
                 data = self.pool.get_data_page(index, flat=True).contiguous()
-                hashes[i] = self._copy_page(dst + i * stride, data.data_ptr(), hashed)
+                hashes[i] = self._copy_page(int(targets[i]), data.data_ptr(), hashed)
             return CopyStarted(None, hashed, hashes if hashed else None)
-        starts = dst + np.arange(last - first, dtype=np.int64) * stride
         return copy_values_start(
-            starts, buffers[first:last], self.sizes, to_values=True, hashed=hashed, threads=threads
+            targets, buffers[first:last], self.sizes, to_values=True, hashed=hashed, threads=threads
         )
 
     def copy_out(
@@ -323,3 +323,14 @@ class PoolIO:
             return 0
         one = np.array([[dst]], np.int64), np.array([[src]], np.int64)
         return int(copy_many_hashed(*one, [self.page_bytes], streaming=False)[0])
+
+
+@dataclasses.dataclass
+class Batch:
+    """One pool's share of a storage call: its pages' keys and where they are in the host
+    pool (`buffers`: `PoolIO.pointers`, one row per page); `results` is filled in."""
+
+    pool: PoolIO
+    keys: list[str]
+    buffers: np.ndarray | None = None
+    results: list[bool] = dataclasses.field(default_factory=list)

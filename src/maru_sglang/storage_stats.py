@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from maru_sglang.maru_storage import _Batch
+    from maru_sglang.pools import Batch
 
 # Counted per pool; the seconds spent in reads and writes are counted per call (one call
 # serves several pools).
@@ -64,15 +64,15 @@ class StorageStats:
             for name, delta in deltas.items():
                 counters[name] += delta
 
-    def account_write(self, batches: Sequence[_Batch], elapsed: float) -> None:
+    def account_write(self, batches: Sequence[Batch], elapsed: float) -> None:
         """One write call of `batches` (their `results` filled in) that took `elapsed` s."""
         self._account(batches, elapsed, reading=False)
 
-    def account_read(self, batches: Sequence[_Batch], elapsed: float) -> None:
+    def account_read(self, batches: Sequence[Batch], elapsed: float) -> None:
         """One read call of `batches` (their `results` filled in) that took `elapsed` s."""
         self._account(batches, elapsed, reading=True)
 
-    def _account(self, batches: Sequence[_Batch], elapsed: float, reading: bool) -> None:
+    def _account(self, batches: Sequence[Batch], elapsed: float, reading: bool) -> None:
         """Per pool the pages that moved (a read's hits, a write's stored pages) and their
         bytes, a read's misses; the call's seconds; with metrics, its pages and GB/s."""
         moved = 0

@@ -47,9 +47,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from maru import MaruConfig, MaruHandler
-from maru.client.memcopy import copy_values
+from maru.client import Put, values_at
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_ALIGN = 4096  # MaruConfig.chunk_size_bytes must be a multiple of this
+_ALIGN = 4096  # MaruConfig rounds chunk_size_bytes up to a multiple of this
 # kv_connector_extra_config keys of the connector itself; every other maru_* key is a
 # MaruConfig field (an unknown one is an error naming it).
 CONNECTOR_KEYS = {
@@ -214,6 +215,10 @@ class _ReqState:
 class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring. `kv_connector_extra_config` takes every `maru_*` key of
     `MaruConfig` (`maru_server_url`, `maru_pool_size`, ...) and `CONNECTOR_KEYS`."""
+
+    # Where vLLM's metrics say our hits came from: host memory on this node (the pool is
+    # shared memory that only the node's instances map; vLLM 0.33 asks subclasses to set it).
+    _cache_hit_source = CacheHitSource.HOST
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -498,40 +503,21 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             )
 
     def _save(self, transfer: Transfer) -> None:
-        """Reserve one run of chunks per group, copy the blocks in, seal (one REGISTER_KV)."""
+        """Every group's blocks through the handler's write verb (`MaruHandler.put`: a run
+        of chunks per group or block by block, hashed copies, one REGISTER_KV for the
+        groups), waiting for the server's answer."""
         start = time.perf_counter()
-        saved = failed = nbytes = 0
         handler = self._handler_for()
+        puts = []
         for g, keys, ids in zip(self._groups, self._rank_keys(transfer), transfer.block_ids):
             layout = self._layouts.get(g)
-            if layout is None or not ids:
-                continue
-            run = handler.alloc(layout.value_size, len(ids))
-            handles = (
-                run.split() if run is not None else [handler.alloc(layout.value_size) for _ in ids]
-            )
-            held = [(i, h) for i, h in enumerate(handles) if h is not None]
-            sums = np.zeros(len(ids), np.int64) if handler.config.checksums else None
-            if held:
-                starts = np.array([h.address for _, h in held], dtype=np.int64)
-                buffers = layout.addresses([ids[i] for i, _ in held])
-                # block by block, each value written in address order; hashed as copied
-                with handler.copying():
-                    hashes = copy_values(
-                        starts,
-                        buffers,
-                        layout.length,
-                        to_values=True,
-                        hashed=sums is not None,
-                        threads=handler.config.copy_threads,
-                    )
-                if hashes is not None:
-                    sums[[i for i, _ in held]] = hashes
-            results = handler.seal(keys, handles, checksums=sums).wait()
-            ok = sum(results)
-            saved += ok
-            failed += len(ids) - ok
-            nbytes += ok * layout.value_size
+            if layout is not None and ids:
+                buffers = layout.addresses(ids)  # block by block, each in address order
+                puts.append(Put(keys, layout.value_size, values_at(buffers, layout.length)))
+        handler.put(puts)
+        saved = sum(sum(put.results) for put in puts)
+        failed = sum(len(put.keys) for put in puts) - saved
+        nbytes = sum(sum(put.results) * put.uniform() for put in puts)
         with self._lock:
             self._stats.add(
                 saves=1,

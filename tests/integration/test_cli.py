@@ -140,6 +140,51 @@ def test_status_when_the_server_is_down_exits_nonzero(tmp_path):
     assert url in proc.stderr
 
 
+@pytest.mark.parametrize("command", ["status", "stats", "keys", "clear --yes"])
+def test_a_stopped_server_is_connection_refused_at_once(command):
+    """The library's probe: "connection refused", not a request that waits out its deadline
+    (one far beyond the subprocess's timeout here) and says "send timed out"."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    proc = subprocess.run(
+        [*maru_command(), "--server", url, "--timeout-ms", "600000", *command.split()],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == (
+        f"maru: {url}: maru-server is down or unreachable (connection refused: is maru-server "
+        "running on that port?)\n"
+    )
+
+
+def test_something_else_on_the_port_is_said(tmp_path):
+    """An HTTP server where maru-server was expected: said at once, not "down"."""
+    http = subprocess.Popen(
+        [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "0"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        port = re.search(r"port (\d+)", http.stdout.readline()).group(1)
+        proc = subprocess.run(
+            [*maru_command(), "--server", f"127.0.0.1:{port}", "--timeout-ms", "600000", "status"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        http.kill()
+        http.wait(10)
+    assert proc.returncode == 1
+    assert "something other than maru-server answered on that port" in proc.stderr
+
+
 def test_console_script_uses_maru_server_url(maru_server, writer):
     env = {**os.environ, "MARU_SERVER_URL": maru_server.url}
     proc = subprocess.run(
@@ -401,6 +446,8 @@ def test_monitor_once_renders_pool_hit_rate_and_throughput(maru_server, writer):
         thread.join(10)
     assert rc == 0
     assert "\x1b[" not in frame  # --once prints plain text
+    assert "Ctrl-C" not in frame  # it exits by itself
+    assert re.search(r"\(rates over \d+\.\d+s\)$", frame.splitlines()[0])
     lines = {line.split()[0]: line for line in frame.splitlines() if line.strip()}
     assert lines["maru"].startswith(f"maru monitor  {maru_server.url}  up ")
     assert "16.0 MiB of 1.0 GiB" in lines["POOL"] and "1.6% in regions" in lines["POOL"]
@@ -470,3 +517,65 @@ def test_console_script_help():
     assert proc.returncode == 0 and "monitor" in proc.stdout
     proc = subprocess.run([*maru_command()], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "usage: maru" in proc.stderr
+
+
+def _monitor_on_a_terminal(url: str, env: dict[str, str]) -> tuple[int, str, str]:
+    """`maru monitor` with its output on a pseudo-terminal (as an operator runs it), stopped
+    with Ctrl-C (SIGINT) once a frame with the pool line was drawn, or at once if it exits."""
+    import pty
+    import select
+    import signal
+    import time
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [*maru_command(), "--server", url, "monitor", "--interval", "0.2"],
+        stdin=subprocess.DEVNULL,
+        stdout=follower,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **env, "TERM": "xterm", "COLUMNS": "160", "LINES": "60"},
+        text=True,
+    )
+    os.close(follower)
+    seen = b""
+    deadline = time.monotonic() + 30
+    try:
+        while proc.poll() is None and b"POOL" not in seen and time.monotonic() < deadline:
+            if select.select([leader], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(leader, 65536)
+                except OSError:  # (the process closed the terminal)
+                    break
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        rc = proc.wait(30)
+        while select.select([leader], [], [], 0.2)[0]:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        os.close(leader)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    return rc, seen.decode(errors="replace"), proc.stderr.read()
+
+
+def test_monitor_on_a_terminal_is_drawn_by_rich(maru_server, writer):
+    rc, screen, err = _monitor_on_a_terminal(maru_server.url, {})
+    assert rc == 0, err
+    assert "POOL" in screen and "Ctrl-C quits" in screen
+    assert "\x1b[?1049h" in screen and "\x1b[?1049l" in screen  # its own screen, given back
+
+
+def test_monitor_on_a_terminal_without_rich_names_the_extra(maru_server, tmp_path):
+    blocker = tmp_path / "rich"
+    blocker.mkdir()
+    (blocker / "__init__.py").write_text("raise ImportError('rich is not installed here')\n")
+    rc, screen, err = _monitor_on_a_terminal(maru_server.url, {"PYTHONPATH": str(tmp_path)})
+    assert rc == 1 and "POOL" not in screen
+    assert "needs the 'rich' package: pip install 'maru-kvcache[monitor]'" in err

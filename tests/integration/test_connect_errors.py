@@ -115,3 +115,33 @@ def test_a_server_that_refuses_the_handshake():
         f"Failed to connect MaruHandler to {url}: the server refused the connection (no thanks)"
     )
     h.close()
+
+
+@contextmanager
+def http_server() -> Iterator[str]:
+    """A real HTTP server (Python's), on a port a client mistakes for maru-server's."""
+    from http.server import HTTPServer, SimpleHTTPRequestHandler
+
+    server = HTTPServer(("127.0.0.1", 0), SimpleHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"tcp://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+@pytest.mark.timeout(60)
+def test_something_else_on_the_port_is_said_at_once():
+    """Not "down or unreachable" after the deadline: what answered was not maru-server."""
+    with http_server() as url:
+        # a deadline beyond the test's timeout: only the probe can tell this in time
+        h = MaruHandler(server_url=url, timeout_ms=600_000)
+    assert isinstance(h.connect_error, MaruConnectRefused)
+    assert str(h.connect_error).startswith(
+        f"Failed to connect MaruHandler to {url}: something other than maru-server answered "
+        "on that port (it sent b'"  # (Python's server answers a line it cannot parse)
+    )
+    h.close()

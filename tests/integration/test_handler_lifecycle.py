@@ -219,5 +219,5 @@ def test_chunk_size_changes_only_before_the_first_reservation(maru_server):
         with pytest.raises(RuntimeError, match="already reserved"):
             h.set_chunk_size("128K")
         with pytest.raises(ValueError, match="chunk_size_bytes"):
-            h.set_chunk_size(1000)  # not a multiple of 4096: the config's own check
+            h.set_chunk_size(0)  # not a positive size: the config's own check
         assert h.get_chunk_size() == 64 * KiB

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from maru.common import hugepages, shmindex
+from maru.common import hugepages
 
 from .tmpfs import can_mount_tmpfs
 from .tmpfs import run_on_tmpfs as run_child_on_tmpfs
@@ -28,7 +28,6 @@ def _huge_pages_exist() -> bool:
 
 
 pytestmark = [
-    pytest.mark.skipif(not shmindex.COMPILED, reason="maru.common._shmindex not built"),
     pytest.mark.skipif(not can_mount_tmpfs(), reason="cannot mount a tmpfs (needs root)"),
     pytest.mark.skipif(not _huge_pages_exist(), reason="kernel without transparent huge pages"),
 ]

@@ -243,3 +243,30 @@ def test_engine_store_with_the_pool_full_stores_a_prefix(maru_server_factory):
         assert E.same_bits(
             E.gathered(out, torch.arange(stored)), E.gathered(caches, torch.arange(stored))
         )
+
+
+def test_a_shape_without_the_token_dimension_is_a_clear_value_error():
+    """Not a bare IndexError from deep inside: the shape and the format are named."""
+    h = MaruHandler(server_url="tcp://127.0.0.1:1", auto_connect=False)
+    try:
+        with pytest.raises(ValueError, match=r"shape \[\(2, 8\)\] has no token dimension 2 of"):
+            CxlMemoryAdapter(
+                handler=h,
+                shapes=[torch.Size([2, 8])],
+                dtypes=[torch.bfloat16],
+                fmt=E.FMT,
+                chunk_size=4096,
+            )
+    finally:
+        h.close()
+
+
+def test_an_adapter_over_a_closed_handler_allocates_nothing_and_raises_nothing(maru_server):
+    """The handler raises "Not connected" once closed (as the original's does); the adapter
+    keeps its promise to LMCache: no room is None, never an exception."""
+    h = MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes=G.chunk_bytes)
+    adapter = _adapter(h)
+    assert adapter.allocate(*_shapes(G.chunk), E.FMT) is not None
+    h.close()
+    assert adapter.allocate(*_shapes(G.chunk), E.FMT) is None
+    assert adapter.batched_allocate(*_shapes(G.chunk), 3, E.FMT) is None

@@ -18,12 +18,9 @@ import pytest
 import maru.client.handler as handler_module
 import maru.client.localindex as localindex_module
 from maru import MaruAdmin, MaruHandler
-from maru.common import shmindex
 from maru.common.shmindex import MAX_KEY, table_files
 
 from .workers import SPAWN
-
-pytestmark = pytest.mark.skipif(not shmindex.COMPILED, reason="maru.common._shmindex not built")
 
 KiB, MiB = 1 << 10, 1 << 20
 CHUNK = 64 * KiB

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 from maru import MaruHandler
-from maru.common import shmindex
 from maru.common.errors import MaruError
 
 from .workers import SPAWN
@@ -29,7 +28,6 @@ from .workers import SPAWN
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(180),
-    pytest.mark.skipif(not shmindex.COMPILED, reason="maru.common._shmindex not built"),
 ]
 
 KiB = 1 << 10

@@ -119,3 +119,64 @@ def test_store_keeps_data_as_a_keyword_and_rejects_both(maru_server):
             h.store("both", b"x", handle=handle)
         with pytest.raises(ValueError):
             h.store("neither")
+
+
+def test_a_chunk_size_that_is_not_page_aligned_stores_and_reads_back(maru_server):
+    """LMCache passes its full KV chunk in bytes (here 3 x 1000 + 7, as a small model's would
+    be): taken, aligned to pages inside, and a chunk of that size round-trips."""
+    chunk = 3007
+    h = _connect_with(maru_server.url, chunk)
+    try:
+        assert h.get_chunk_size() % 4096 == 0 and h.get_chunk_size() >= chunk
+        handles = [h.alloc(chunk) for _ in range(3)]
+        for i, handle in enumerate(handles):
+            handle.buf[:chunk] = make_value(i, chunk)
+        assert h.batch_store(["u0", "u1", "u2"], handles) == [True] * 3
+        infos = h.batch_retrieve(["u0", "u1", "u2"])
+        assert [digest(i.view) for i in infos] == [digest(make_value(i, chunk)) for i in range(3)]
+    finally:
+        h.close()
+
+
+def _connect_with(url: str, chunk: int) -> MaruHandler:
+    config = MaruConfig(server_url=url, pool_size=8 << 20, chunk_size_bytes=chunk)
+    return MaruHandler(config)
+
+
+def test_get_stats_and_healthcheck_as_the_original_names_them(maru_server_factory):
+    server = maru_server_factory(pool_size="64M")
+    h = _connect(server.url)
+    try:
+        assert h.store("s", b"x" * 100)
+        assert h.get_stats()["keys"] == 1
+        assert h.healthcheck() is True
+        server.stop()
+        assert h.healthcheck() is False  # no answer: False, never an exception
+    finally:
+        h.close()
+    assert h.healthcheck() is False
+
+
+def test_data_operations_before_connect_and_after_close_raise_not_connected(maru_server):
+    """As the original: a RuntimeError whose message starts "Not connected", not a None or a
+    False that reads like a miss."""
+    config = MaruConfig(server_url=maru_server.url, pool_size=8 << 20, auto_connect=False)
+    h = MaruHandler(config)
+    ops = {
+        "alloc": lambda: h.alloc(100),
+        "store": lambda: h.store("k", b"v"),
+        "retrieve": lambda: h.retrieve("k"),
+        "batch_retrieve": lambda: h.batch_retrieve(["k"]),
+        "exists": lambda: h.exists("k"),
+        "pin": lambda: h.pin("k"),
+        "delete": lambda: h.delete("k"),
+    }
+    for op in ops.values():
+        with pytest.raises(RuntimeError, match=r"^Not connected .*connect\(\) first"):
+            op()
+    assert h.connect()
+    assert h.store("k", b"v") and bytes(h.retrieve("k").view) == b"v"
+    h.close()
+    for op in ops.values():
+        with pytest.raises(RuntimeError, match=r"^Not connected .*was closed"):
+            op()

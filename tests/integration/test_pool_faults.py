@@ -21,13 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from maru.client import memcopy
-
 from .tmpfs import can_mount_tmpfs, run_on_tmpfs
 
 CHILD = Path(__file__).with_name("pool_faults_child.py")
 
-pytestmark = pytest.mark.skipif(not memcopy.COMPILED, reason="maru.client._memcopy not built")
 needs_tmpfs = pytest.mark.skipif(not can_mount_tmpfs(), reason="cannot mount a tmpfs (root)")
 
 

@@ -4,12 +4,15 @@ nothing left behind by a start that fails."""
 
 from __future__ import annotations
 
+import re
+import socket
 import subprocess
 import uuid
 from pathlib import Path
 
 import pytest
 
+import maru
 from conftest import MaruServerProcess, maru_server_command  # tests/conftest.py
 from maru import MaruHandler
 from maru.server.cli import main
@@ -57,6 +60,7 @@ def shm_pool() -> str:
         (["--local-uids", "1000,no-such-user-here"], "--local-uids: no user named"),
         (["--curve", "--curve-clients", "/nonexistent/keys"], "--curve-clients: [Errno 2]"),
         (["--curve", "--curve-clients", "/dev/null"], "--curve-clients: no client key in"),
+        (["--pool", "/etc/hostname/x.pool"], "--pool: /etc/hostname is a file, not a directory"),
     ],
 )
 def test_every_bad_flag_is_one_line_and_exit_2(args, message, capsys, tmp_path):
@@ -64,8 +68,9 @@ def test_every_bad_flag_is_one_line_and_exit_2(args, message, capsys, tmp_path):
         main([*args, "--state-dir", str(tmp_path / "state")])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    last = err.splitlines()[-1]
-    assert last.startswith("maru-server: error: ") and message in last
+    first, *rest = err.splitlines()  # the error first, not after the usage of every flag
+    assert first.startswith("maru-server: error: ") and message in first
+    assert rest == ["(`maru-server --help` lists the options)"]
     assert "Traceback" not in err
     assert not (tmp_path / "state").exists()  # refused before anything was created
 
@@ -73,7 +78,7 @@ def test_every_bad_flag_is_one_line_and_exit_2(args, message, capsys, tmp_path):
 def test_bad_flag_from_the_console_script_has_no_traceback(tmp_path):
     proc = run_server("--port", "70000", "--state-dir", str(tmp_path / "state"))
     assert proc.returncode == 2
-    assert proc.stderr.splitlines()[-1] == (
+    assert proc.stderr.splitlines()[0] == (
         "maru-server: error: argument --port: must be from 0 to 65535, got 70000"
     )
     assert "Traceback" not in proc.stderr
@@ -106,7 +111,9 @@ def test_restart_with_another_pool_size_is_refused_with_the_way_out(tmp_path):
         assert proc.returncode == 2
         line = proc.stderr.strip().splitlines()[-1]
         assert line.startswith(f"maru-server: cannot start: pool {pool} holds keys saved")
-        assert f"--pool-size {64 << 20} to serve them" in line and "--no-restore" in line
+        # the sizes as the operator writes them
+        assert "with --pool-size 64M (64.0 MiB), not 128M: start with --pool-size 64M to" in line
+        assert "--no-restore" in line
         # nothing was changed: the old size still serves the key
         server.start()
         with MaruHandler(server_url=server.url, pool_size="4M") as h:
@@ -155,3 +162,55 @@ def test_a_failed_start_leaves_no_pool_and_no_state(tmp_path):
     assert "maru-server: cannot start:" in proc.stderr
     assert not Path(pool).exists()
     assert not state.exists()
+
+
+def test_version():
+    proc = run_server("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"maru-server {maru.__version__}"
+
+
+def test_a_state_dir_that_cannot_be_made_names_the_flag(tmp_path):
+    pool = shm_pool()
+    proc = run_server("--port", "0", "--pool", pool, "--pool-size", "16M", "--state-dir", "/proc/x")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "maru-server: cannot start: --state-dir /proc/x: No such file or directory"
+    )
+    assert not Path(pool).exists()
+
+
+def test_a_port_in_use_is_said_before_anything_is_created_or_logged(tmp_path):
+    pool, state = shm_pool(), tmp_path / "state"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_server(
+            "--port", str(port), "--pool", pool, "--pool-size", "16M", "--state-dir", str(state)
+        )  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr == (
+        f"maru-server: cannot start: --host 127.0.0.1 --port {port}: the port is in use "
+        f"(another maru-server? `maru status --server 127.0.0.1:{port}`)\n"
+    )  # the one line: nothing logged before it
+    assert not Path(pool).exists() and not state.exists()
+
+
+def test_the_readme_names_every_file_the_server_leaves_in_dev_shm(tmp_path):
+    """Every file a running server (with a key stored and read) has beside its pool, and
+    what a stop leaves, is in the README's "Where its state lives", by its pattern."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    pool = shm_pool()
+    server = MaruServerProcess(tmp_path, pool_size="64M", pool=pool).start()
+    try:
+        with MaruHandler(server_url=server.url, pool_size="4M") as h:
+            assert h.store("k", b"x" * 1000) and h.exists("k")
+            running = sorted(p.name for p in Path("/dev/shm").glob(Path(pool).name + "*"))
+        server._terminate()
+        stopped = sorted(p.name for p in Path("/dev/shm").glob(Path(pool).name + "*"))
+    finally:
+        server.stop()
+    assert len(running) == 3 and stopped == [Path(pool).name]  # the index goes at a clean stop
+    for name in running:
+        pattern = "<pool>" + re.sub(r"\.\d+", ".<n>", name[len(Path(pool).name) :])
+        assert f"`{pattern}`" in readme, pattern

@@ -12,7 +12,7 @@ import msgpack
 import pytest
 import zmq
 
-from maru import MaruConnectionError, MaruHandler, MaruServerError
+from maru import MaruConnectionError, MaruHandler, MaruNotConnected, MaruServerError
 from maru.common import protocol
 from maru.common.protocol import HEADER, MAGIC, MAX_KEY_BYTES, ErrorCode, MsgType
 
@@ -168,9 +168,15 @@ def test_no_server_gives_a_clear_error(caplog):
         assert any(url in r.getMessage() for r in caplog.records)
         with pytest.raises(MaruConnectionError, match=url):
             h.stats()
-        assert h.store("k", b"v") is False
-        assert h.retrieve("k") is None
-        assert h.batch_exists(["a", "b"]) == [False, False]
+        # Data operations on a handler that is not connected raise, as the original's do
+        # (a RuntimeError starting "Not connected"), saying why the connect failed.
+        for op in (
+            lambda: h.store("k", b"v"),
+            lambda: h.retrieve("k"),
+            lambda: h.batch_exists(["a", "b"]),
+        ):
+            with pytest.raises(MaruNotConnected, match=r"^Not connected .*connection refused"):
+                op()
         assert h.connect() is False
     finally:
         h.close()

@@ -410,8 +410,6 @@ def test_copies_shared_between_threads_read_back_the_bytes_written(maru_server):
     written, and with checksums (made by the three threads' copies) none mismatches."""
     import maru.client.memcopy as memcopy
 
-    if not memcopy.COMPILED:
-        pytest.skip("maru.client._memcopy not built: no copier threads")
     g = Geometry(page_size=16, layers=4, heads=8, head_dim=64)  # 128 KiB pages
     extra = _extra(maru_server.url, maru_copy_threads=3, maru_checksums=True)
     writer = MaruStorage(storage_config(extra=extra), {})
@@ -621,7 +619,7 @@ def test_a_large_write_reads_the_replies_already_in_during_its_copy_and_waits_af
         events.clear()
         assert storage.batch_set_v1(keys[n : 2 * n], src) == [True] * n
     assert events == ["copy", "finish", "reply"]  # not in (stopped): waited for after the copy
-    ((_, second, _),) = storage._unconfirmed.sealings
+    ((_, second, _),) = storage.handler._writes._unconfirmed.sealings
     deadline = time.monotonic() + 10
     while not second.arrived() and time.monotonic() < deadline:
         time.sleep(0.01)

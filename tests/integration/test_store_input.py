@@ -10,6 +10,7 @@ import pytest
 
 from maru import MaruHandler
 from maru.client.handler import StoreOutcome
+from maru.client.requests import BYTES_LIKE
 from maru.common.protocol import MAX_KEY_BYTES
 
 
@@ -33,6 +34,11 @@ def store_warnings(caplog) -> list[str]:
         (42, b"v", "key_type", "a key must be str or bytes, got int"),
         (("a", 1), b"v", "key_type", "a key must be str or bytes, got tuple"),
         ("empty-value", b"", "empty_value", "an empty value cannot be stored"),
+        # a value that is not bytes-like is refused like a bad key (it raised TypeError or a
+        # ValueError about keyword arguments before)
+        ("str-value", "a string", "value_type", f"a value must be bytes-like ({BYTES_LIKE})"),
+        ("none-value", None, "value_type", f"a value must be bytes-like ({BYTES_LIKE})"),
+        ("int-value", 12345, "value_type", f"a value must be bytes-like ({BYTES_LIKE})"),
     ],
 )
 def test_a_bad_store_is_false_logged_with_key_and_reason_and_counted(
@@ -91,3 +97,16 @@ def test_a_store_over_an_existing_key_keeps_the_first_value(handler):
         StoreOutcome.EXISTED,
         StoreOutcome.STORED,
     ]
+
+
+def test_in_a_batch_a_value_that_is_not_bytes_fails_alone(handler, caplog):
+    with caplog.at_level(logging.WARNING, logger="maru"):
+        assert handler.batch_store(["b0", "b1", "b2"], [b"zero", "one", b"two"]) == [
+            True,
+            False,
+            True,
+        ]
+    (line,) = store_warnings(caplog)
+    assert "store of key 'b1' refused: a value must be bytes-like" in line
+    assert handler.refused_stores == {"value_type": 1}
+    assert [bytes(i.view) for i in handler.batch_retrieve(["b0", "b2"])] == [b"zero", b"two"]

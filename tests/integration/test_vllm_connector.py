@@ -80,6 +80,9 @@ def test_blocks_saved_by_one_instance_are_loaded_by_another(
     assert b["computed"] == [TAIL_POSITIONS]  # B computed only the tail
     assert b["match"] == [[True] * W.BLOCKS]  # byte for byte, in B's own blocks
     assert b["load_errors"] == [] and b["loaded_blocks"] == W.BLOCKS
+    # vLLM's metrics say where the hit came from: host memory on this node (vLLM 0.33's base
+    # class asks subclasses for HOST/DISK/P2P; unset, they show as "external_unspecified")
+    assert b["hits_by_source"] == {"host": W.BLOCKS * BLOCK}
 
 
 def test_a_block_evicted_before_the_load_is_a_load_error_and_recomputed(

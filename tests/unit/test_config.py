@@ -90,7 +90,7 @@ def test_defaults_and_normalisation():
         ({"instance_id": "x" * 129}, "instance_id"),
         ({"pool_size": "lots"}, "pool_size"),
         ({"pool_size": 0}, "pool_size"),
-        ({"chunk_size_bytes": 1000}, "chunk_size_bytes"),
+        ({"chunk_size_bytes": 0}, "chunk_size_bytes"),
         ({"chunk_size_bytes": "2G", "pool_size": "1G"}, "chunk_size_bytes"),
         ({"timeout_ms": 0}, "timeout_ms"),
         ({"max_inflight": -3}, "max_inflight"),
@@ -99,6 +99,8 @@ def test_defaults_and_normalisation():
         ({"eager_map": None}, "eager_map"),
         ({"auto_expand": "sure"}, "auto_expand"),
         ({"expand_size": "-1"}, "expand_size"),
+        ({"expand_size": "8M", "auto_expand": False}, "expand_size"),
+        ({"expand_size": "64K", "chunk_size_bytes": "1M"}, "expand_size"),
         ({"busy_poll_us": -1}, "busy_poll_us"),
         ({"busy_poll_us": "soon"}, "busy_poll_us"),
         ({"local_socket": "maybe"}, "local_socket"),
@@ -148,8 +150,8 @@ def test_from_mapping_unknown_prefixed_key_is_an_error():
 
 
 def test_from_mapping_error_carries_the_prefixed_name():
-    with pytest.raises(ConfigError, match=r"^maru_chunk_size_bytes: must be a multiple of 4096"):
-        MaruConfig.from_mapping({"maru_chunk_size_bytes": 5000}, prefix="maru_")
+    with pytest.raises(ConfigError, match=r"^maru_chunk_size_bytes: must be positive"):
+        MaruConfig.from_mapping({"maru_chunk_size_bytes": 0}, prefix="maru_")
     with pytest.raises(ConfigError, match=r"^timeout_ms: "):
         MaruConfig.from_mapping({"timeout_ms": "soon"})
     with pytest.raises(ConfigError, match=r"^bogus: unknown Maru option"):
@@ -183,3 +185,23 @@ def test_small_pool_size_with_default_chunk_blames_pool_size():
     # an explicit chunk that does not fit is the chunk's fault
     with pytest.raises(ConfigError, match=r"^chunk_size_bytes: "):
         MaruConfig(pool_size="4M", chunk_size_bytes="8M")
+
+
+@pytest.mark.parametrize(("asked", "chunk"), [(1, 4096), (5000, 8192), (7 * 4096, 7 * 4096)])
+def test_any_positive_chunk_size_is_taken_and_aligned_to_pages(asked, chunk):
+    """LMCache's MaruBackend passes its full KV chunk in bytes (layers x 2 x tokens x heads x
+    head size x dtype), rarely a multiple of 4 KiB: the original takes any positive size."""
+    assert MaruConfig(chunk_size_bytes=asked).chunk_size_bytes == chunk
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("0", False), ("off", False), ("1", True)])
+def test_maru_eager_map_in_the_environment_overrides_the_config(monkeypatch, raw, expected):
+    """The original's MARU_EAGER_MAP wins over what the caller passed."""
+    monkeypatch.setenv("MARU_EAGER_MAP", raw)
+    assert MaruConfig(eager_map=not expected).eager_map is expected
+
+
+def test_a_bad_maru_eager_map_names_the_variable(monkeypatch):
+    monkeypatch.setenv("MARU_EAGER_MAP", "perhaps")
+    with pytest.raises(ConfigError, match=r"^MARU_EAGER_MAP: expected a boolean"):
+        MaruConfig()

@@ -32,7 +32,7 @@ def region_fields(tmp_path) -> list:
 
 def outcome(h: MaruHandler, n: int, body: dict):
     """A Lookup of n keys whose reply is `body` (no server: the reply is put in place)."""
-    lookup = Lookup(h, [], lease=True)  # sends nothing
+    lookup = Lookup(h._s, [], lease=True)  # sends nothing (the handler's session)
     lookup.n = n
     pending = PendingReply(None, 1, MsgType.LOOKUP_KV, {})  # type: ignore[arg-type]
     pending.body = {"ok": True, **body}

@@ -140,6 +140,7 @@ class MiniEngine:
         self.load_errors: set[int] = set()
         self.finished: set[str] = set()
         self.stats: list[dict] = []
+        self.hits_by_source: dict[str, int] = {}  # vLLM's connector hit tokens, by tier
         self._ids = itertools.count()
 
     def add(self, tokens: list[int], max_tokens: int = 1) -> str:
@@ -212,6 +213,10 @@ class MiniEngine:
             ),
         )
         for request_outputs in self.scheduler.update_from_output(out, output).values():
+            said = request_outputs.scheduler_stats
+            hits = said.connector_prefix_cache_stats if said is not None else None
+            for source, n in (hits.hits_by_source if hits is not None else {}).items():
+                self.hits_by_source[source.value] = self.hits_by_source.get(source.value, 0) + n
             for o in request_outputs.outputs:
                 if o.finish_reason is not None:
                     self.finished.add(o.request_id)

@@ -87,6 +87,7 @@ def load(
             "evicted": evicted,
             "loads": sum(s["loads"] for s in engine.stats),
             "loaded_blocks": sum(s["load_blocks"] for s in engine.stats),
+            "hits_by_source": engine.hits_by_source,
         }
     finally:
         engine.close()

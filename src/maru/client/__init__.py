@@ -1,1 +1,49 @@
-"""The client: what an inference process links (handler, request path, pages, mapping)."""
+"""The client: what an inference process links (handler, request path, pages, mapping).
+
+The names below are the client's public surface: what the adapters (`maru_sglang`,
+`maru_vllm`, `maru_lmcache`) may use; every other module of the client is internal and may
+change with how writes and reads work (tests/unit/test_layers.py guards it). They load on
+first use, as `maru`'s do.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    # the lifecycle: reserve, write, seal, get, release, delete
+    "MaruHandler": "maru.client.handler",
+    "AllocHandle": "maru.client.chunks",
+    "MemoryInfo": "maru.client.requests",
+    "StoreOutcome": "maru.client.requests",
+    "Lookup": "maru.client.requests",  # (a lease held across threads: the linker's load)
+    # the write verb (`MaruHandler.put`) and the copies it takes
+    "Put": "maru.client.writes",
+    "CopyIn": "maru.client.writes",
+    "values_at": "maru.client.writes",
+    "from_pointers": "maru.client.writes",
+    "PIPELINE_MIN_PAGES": "maru.client.writes",
+    # the copy loops a caller's copy function is made of
+    "CopyFaultError": "maru.client.memcopy",
+    "CopyStarted": "maru.client.memcopy",
+    "copy_many": "maru.client.memcopy",
+    "copy_many_hashed": "maru.client.memcopy",
+    "copy_values": "maru.client.memcopy",
+    "copy_values_start": "maru.client.memcopy",
+    "page_pointers": "maru.client.memcopy",
+    # configuration and errors
+    "MaruConfig": "maru.common.config",
+    "MaruError": "maru.common.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'maru.client' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value

@@ -4,15 +4,15 @@
  * live apart in SGLang's host pool). Copying them with one ctypes.memmove each costs about a
  * microsecond of interpreter overhead per part on a small VM, which at 64 KiB pages is a
  * fifth of the batch. `copy_many` takes the addresses as int64 arrays and runs the loop in C,
- * without the GIL. maru.client.memcopy falls back to ctypes when this module was not built.
+ * without the GIL. maru.client.memcopy is its Python face.
  *
  * Streaming: a page part copied into the pool is read next by another process (from memory),
  * and one copied into SGLang's host pool goes next to the GPU by DMA (from memory): neither
  * needs the destination in this core's cache. Ordinary stores first read every destination
  * line into the cache and then push out whatever was there (the server's and the client's
  * own working set, here); non-temporal stores write whole lines straight to memory
- * (docs/performance-history.md, session 3). The stores are weakly ordered, so the loop ends with a
- * store fence: whatever the caller does next (the REGISTER_KV that publishes the pages) comes
+ * (benchmarks/results/history.md, session 3). The stores are weakly ordered, so the loop ends with
+ * a store fence: whatever the caller does next (the REGISTER_KV that publishes the pages) comes
  * after them.
  *
  * Checksums (`maru_checksums`): `copy_many_hashed` copies like `copy_many` and hashes each
@@ -21,7 +21,7 @@
  * destination is 64-byte aligned (pool chunks and host pages are) each 64-byte stripe is
  * loaded once, streamed out and hashed from the same registers; elsewhere a 4 KiB block is
  * copied, then hashed while it is still in L1. The hash, maru64, is below; its reference in
- * Python is maru.client.checksum.hash64 (a test checks they agree).
+ * numpy is tests/unit/maru64.py (the tests check they agree).
  */
 #define _GNU_SOURCE /* pthread_setname_np */
 #define PY_SSIZE_T_CLEAN
@@ -846,7 +846,7 @@ static Py_ssize_t copy_values_run(const int64_t *starts, const int64_t *buffers,
  * thread on the waker's CPU, a copier of normal policy took the caller's CPU at once, and the
  * caller's Python between its copies (the write's registration, the reply it sends) waited
  * for the copier's time slice: a 64 KiB batch_set_v1 moved 59% of the one-thread limit, 72%
- * with the copier under SCHED_BATCH (docs/performance-history.md, session 25). Where a CPU is
+ * with the copier under SCHED_BATCH (benchmarks/results/history.md, session 25). Where a CPU is
  * idle, it runs there as before; where none is, the caller copies the blocks it would have.
  * (Copiers of a process at a real-time policy inherit it and keep it.) */
 

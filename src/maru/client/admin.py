@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from maru.client.connecting import probe
 from maru.client.rpc import RpcClient
 from maru.common.config import parse_curve_key, parse_server_url
 from maru.common.protocol import MAX_LIST_KEYS, MsgType
@@ -59,6 +60,7 @@ class MaruAdmin:
         $MARU_SERVER_PUBLIC_KEY; none: plain TCP). `client_key`: our CURVE secret key (or its
         file; default $MARU_CURVE_CLIENT_KEY), for a server with --curve-clients."""
         self.url = _setting(url, "--server", SERVER_URL_ENV, parse_server_url) or DEFAULT_SERVER_URL
+        self._timeout_ms = timeout_ms
         self._rpc = RpcClient(
             self.url,
             timeout_ms=timeout_ms,
@@ -70,6 +72,12 @@ class MaruAdmin:
                 client_key, "--curve-client-key", CLIENT_KEY_ENV, _secret_key
             ),
         )
+
+    def probe(self) -> None:
+        """Raise at once, as `MaruHandler.connect` does, when nothing listens at a tcp:// URL
+        (`MaruServerDown`: "connection refused" in a millisecond, not a request that waits
+        out its deadline) or something other than maru-server answers (`MaruConnectRefused`)."""
+        probe(self.url, self._timeout_ms)
 
     def stats(self) -> dict[str, Any]:
         """What STATS returns: pool, keys, instances, counters, per-operation histograms.

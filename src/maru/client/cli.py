@@ -19,7 +19,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -33,9 +33,9 @@ from maru.client.admin import (
     MaruAdmin,
 )
 from maru.common import hugepages
-from maru.common.config import ConfigError, fmt_bytes, number_arg
+from maru.common.config import ConfigError, OneLineParser, fmt_bytes, number_arg
 from maru.common.curve import write_keypair
-from maru.common.errors import MaruConnectionError, MaruError
+from maru.common.errors import MaruConnectError, MaruConnectionError, MaruError
 from maru.common.protocol import MAX_LIST_KEYS
 
 Stats = dict[str, Any]
@@ -268,10 +268,18 @@ def _delta(cur: Stats, prev: Stats | None, name: str) -> int | None:
 
 
 def render_monitor(
-    url: str, cur: Stats, prev: Stats | None, dt: float, interval: float, now: datetime
+    url: str,
+    cur: Stats,
+    prev: Stats | None,
+    dt: float,
+    interval: float,
+    now: datetime,
+    *,
+    live: bool = True,
 ) -> str:
     """One frame of `maru monitor`: rates are over the `dt` seconds since `prev` (none when
-    there is no previous sample or the server restarted in between)."""
+    there is no previous sample or the server restarted in between). `live`: the header
+    says how to quit (not for `--once`, which exits by itself)."""
     if prev is not None and prev.get("epoch") != cur.get("epoch"):
         prev = None  # restarted: counters started again from zero
     pool, counters = cur["pool"], cur["counters"]
@@ -304,7 +312,14 @@ def render_monitor(
     high, low = cur["watermarks"]["high"], cur["watermarks"]["low"]
     lines = [
         f"maru monitor  {url}  up {fmt_duration(cur.get('uptime_seconds', 0))}  "
-        f"pid {cur['server_pid']}  {now:%H:%M:%S}  (every {interval:g}s; Ctrl-C quits)",
+        f"pid {cur['server_pid']}  {now:%H:%M:%S}  "
+        + (
+            f"(every {interval:g}s; Ctrl-C quits)"
+            if live
+            else f"(rates over {dt:.1f}s)"
+            if prev is not None
+            else "(one sample: no rates)"
+        ),
         "",
         f"POOL    {bar(pool['used'] / cap)} {fmt_pct(pool['used'], cap):>6} in regions: "
         f"{fmt_bytes(pool['used'])} of {fmt_bytes(pool['capacity'])}, "
@@ -330,13 +345,22 @@ def render_monitor(
 # -- commands --------------------------------------------------------------------------------
 
 
-def _connect(args: argparse.Namespace) -> MaruAdmin:
-    return MaruAdmin(
+def _connect(args: argparse.Namespace, *, probe: bool = True) -> MaruAdmin:
+    """The admin connection of a command; `probe`: a server that is down (or not a
+    maru-server) is said at once, as the library's connect says it."""
+    admin = MaruAdmin(
         args.server,
         timeout_ms=args.timeout_ms,
         public_key=args.server_public_key,
         client_key=args.curve_client_key,
     )
+    if probe:
+        try:
+            admin.probe()
+        except MaruError:
+            admin.close()
+            raise
+    return admin
 
 
 def _json_default(value: Any) -> Any:
@@ -449,7 +473,7 @@ def cmd_monitor(
     sleep: Callable[[float], None] = time.sleep,
 ) -> int:
     interval = max(0.0, args.interval)
-    with _connect(args) as admin:
+    with _connect(args, probe=args.once) as admin:  # (live: a down server is a frame)
         if args.once:
             prev = admin.stats() if interval > 0 else None
             t0 = time.monotonic()
@@ -457,27 +481,63 @@ def cmd_monitor(
                 sleep(interval)
             cur = admin.stats()
             dt = time.monotonic() - t0
-            print(render_monitor(admin.url, cur, prev, dt, interval, datetime.now()), file=out)
+            frame = render_monitor(admin.url, cur, prev, dt, interval, datetime.now(), live=False)
+            print(frame, file=out)
             return 0
-        live = out.isatty()
-        prev, t_prev = None, 0.0
-        try:
-            while True:
-                try:
-                    cur, now = admin.stats(), time.monotonic()
-                    frame = render_monitor(
-                        admin.url, cur, prev, now - t_prev, interval, datetime.now()
-                    )
-                    prev, t_prev = cur, now
-                except MaruConnectionError as exc:
-                    frame = f"maru monitor  {admin.url}  {datetime.now():%H:%M:%S}\n\n{exc}"
-                    prev = None
-                out.write(("\x1b[H\x1b[J" + frame) if live else frame + "\n\n")
+        if out.isatty():
+            return _live_view(admin, interval, out, sleep)
+        try:  # a pipe, a file: one plain-text frame after another
+            for frame in _frames(admin, interval):
+                out.write(frame + "\n\n")
                 out.flush()
                 sleep(max(interval, 0.1))
         except KeyboardInterrupt:
-            out.write("\n")
-            return 0
+            pass
+        return 0
+
+
+def _frames(admin: MaruAdmin, interval: float) -> Iterator[str]:
+    """`maru monitor`'s frames, one per call: rates since the previous one; a server that
+    does not answer is a frame that says so (and the next one starts the rates again)."""
+    prev, t_prev = None, 0.0
+    while True:
+        try:
+            cur, now = admin.stats(), time.monotonic()
+            yield render_monitor(admin.url, cur, prev, now - t_prev, interval, datetime.now())
+            prev, t_prev = cur, now
+        except MaruConnectionError as exc:
+            yield f"maru monitor  {admin.url}  {datetime.now():%H:%M:%S}\n\n{exc}"
+            prev = None
+
+
+MONITOR_EXTRA = "pip install 'maru-kvcache[monitor]'"
+
+
+def _live_view(
+    admin: MaruAdmin, interval: float, out: TextIO, sleep: Callable[[float], None]
+) -> int:
+    """The live view on a terminal, redrawn in place by `rich` (an optional dependency: the
+    `monitor` extra), which keeps the screen and the terminal's state right."""
+    try:
+        from rich.console import Console
+        from rich.live import Live
+        from rich.text import Text
+    except ImportError:
+        print(
+            f"maru: the live view of `maru monitor` needs the 'rich' package: {MONITOR_EXTRA} "
+            "(or `maru monitor --once`, or pipe its output)",
+            file=sys.stderr,
+        )
+        return 1
+    console = Console(file=out, highlight=False)
+    try:
+        with Live(console=console, auto_refresh=False, screen=True) as view:
+            for frame in _frames(admin, interval):
+                view.update(Text(frame), refresh=True)
+                sleep(max(interval, 0.1))
+    except KeyboardInterrupt:
+        pass
+    return 0
 
 
 # -- parser ----------------------------------------------------------------------------------
@@ -522,7 +582,7 @@ def _common(p: argparse.ArgumentParser, *, top: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="maru",
         description="Inspect and operate a running maru-server.",
         epilog="Exit status: 0 ok, 1 server unreachable or error, 2 usage. "
@@ -595,6 +655,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return 2
     except MaruConnectionError as exc:
         print(f"maru: maru-server is down or unreachable: {exc}", file=sys.stderr)
+        return 1
+    except MaruConnectError as exc:  # the probe: down, or something else on the port
+        print(f"maru: {exc.url}: {exc.reason}", file=sys.stderr)
         return 1
     except MaruError as exc:
         print(f"maru: {exc}", file=sys.stderr)

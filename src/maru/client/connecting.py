@@ -21,16 +21,27 @@ from maru.common.protocol import ErrorCode
 _TCP = re.compile(r"^tcp://\[?([^\]]+?)\]?:(\d+)$")
 
 
+# ZeroMQ's greeting (ZMTP 3) begins with this signature, which each side sends as it
+# connects: a maru-server's first byte is 0xFF. We send it and a line end, so that a server of
+# a line protocol (HTTP, Redis...) answers at once: with something else.
+_ZMTP_SIGNATURE = b"\xff" + b"\x00" * 8 + b"\x7f"
+_PROBE = _ZMTP_SIGNATURE + b"\r\n\r\n"
+_PROBE_WAIT_S = 1.0  # for the peer's first bytes; silence is left to the handshake
+
+
 def probe(url: str, timeout_ms: int) -> None:
-    """Raise `MaruServerDown` at once if nothing listens at a tcp:// URL; other transports
-    (ipc://) and a listening port pass (the handshake then tells the rest)."""
+    """Raise `MaruServerDown` at once if nothing listens at a tcp:// URL, and
+    `MaruConnectRefused` if what listens is not a ZeroMQ peer (an HTTP server, another
+    service): it answers, or hangs up, with something that is not ZeroMQ's greeting, where a
+    request would wait out its whole deadline. Other transports (ipc://) and a ZeroMQ peer
+    pass (the handshake then tells the rest)."""
     m = _TCP.match(url)
     if m is None:
         return
     host, port = m.group(1), int(m.group(2))
     try:
-        with socket.create_connection((host, port), timeout=timeout_ms / 1000):
-            pass
+        with socket.create_connection((host, port), timeout=timeout_ms / 1000) as conn:
+            first = _first_bytes(conn)
     except OSError as exc:
         why = exc.strerror or type(exc).__name__
         if isinstance(exc, ConnectionRefusedError):
@@ -38,6 +49,25 @@ def probe(url: str, timeout_ms: int) -> None:
         elif isinstance(exc, TimeoutError):
             why = f"no TCP connection within {timeout_ms} ms"
         raise MaruServerDown(url, f"maru-server is down or unreachable ({why})") from None
+    if first is not None and not first.startswith(_ZMTP_SIGNATURE[:1]):
+        said = f"it sent {first[:40]!r}" if first else "it closed the connection"
+        raise MaruConnectRefused(
+            url,
+            f"something other than maru-server answered on that port ({said}): is the port right?",
+        )
+
+
+def _first_bytes(conn: socket.socket) -> bytes | None:
+    """What the peer sends after our ZeroMQ signature: b"" if it hangs up, None if it says
+    nothing in time (left to the handshake to judge)."""
+    try:
+        conn.sendall(_PROBE)
+        conn.settimeout(min(conn.gettimeout() or _PROBE_WAIT_S, _PROBE_WAIT_S))
+        return conn.recv(64)
+    except TimeoutError:
+        return None
+    except ConnectionError:
+        return b""
 
 
 def connect_failure(url: str, exc: MaruError) -> MaruConnectError:

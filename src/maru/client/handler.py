@@ -10,8 +10,10 @@ The object lifecycle is the API, in Arrow Plasma's verbs; everything else is a c
     delete    batch_delete(keys)
 
 `store`, `batch_store`, `retrieve`, `batch_retrieve`, `leased`, `exists`, `pin`... are those
-verbs put together. Only metadata crosses the socket; a reader maps the writer's region
-(read-only) and reads the bytes where they were written.
+verbs put together (`maru.client.conveniences`); the write verb `put` and the read verb
+`read` / `read_many` hold the data path's algorithm (`maru.client.writes`, `reads`). Only
+metadata crosses the socket; a reader maps the writer's region (read-only) and reads the bytes
+where they were written.
 """
 
 from __future__ import annotations
@@ -22,17 +24,19 @@ import logging
 import os
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 
 from maru.client.chunks import AllocHandle, ChunkBook
 from maru.client.connecting import connect_failure, probe
+from maru.client.conveniences import OriginalApi
 from maru.client.localindex import LocalIndexClient, Prefix, joined, offered_index
-from maru.client.mapping import MappedRegion, RegionMapper
-from maru.client.memcopy import CopyFaultError, copy_many, copy_values, guard_faults
+from maru.client.mapping import RegionMapper
+from maru.client.memcopy import copy_values, guard_faults
+from maru.client.reads import Segment, copy_and_prove
 from maru.client.requests import (
     Lookup,
     MemoryInfo,
@@ -42,9 +46,16 @@ from maru.client.requests import (
     refuse_bad_stores,
 )
 from maru.client.rpc import PendingReply, RpcClient
+from maru.client.session import Session
 from maru.client.supply import RegionSupply
+from maru.client.writes import Put, Writes
 from maru.common.config import MaruConfig
-from maru.common.errors import LeaseExpired, MaruConnectError, MaruError, MaruServerError
+from maru.common.errors import (
+    MaruConnectError,
+    MaruError,
+    MaruNotConnected,
+    MaruServerError,
+)
 from maru.common.protocol import (
     DeleteStatus,
     ErrorCode,
@@ -100,30 +111,19 @@ class _Heartbeat:
             self._thread.join(timeout)
 
 
-def _copy_in(handle: AllocHandle, data: Buffer) -> bool:
-    """Copy `data` to the value `handle` reserved; False (logged) if the pool's memory faulted
-    under it (its file truncated, its tmpfs out of room: `maru.client.memcopy`)."""
-    src = np.frombuffer(memoryview(data).cast("B"), np.uint8)
-    try:
-        copy_many(np.array([handle.address]), np.array([src.ctypes.data]), src.size)
-    except CopyFaultError as exc:
-        log.warning(
-            "store into region %d at offset %d failed: %s", handle.region_id, handle.offset, exc
-        )
-        return False
-    return True
-
-
-class MaruHandler:
+class MaruHandler(OriginalApi):
     def __init__(self, config: MaruConfig | None = None, **overrides: Any):
         if config is None:
             config = MaruConfig(**overrides)
         elif overrides:
             raise TypeError("pass either a MaruConfig or keyword overrides, not both")
-        self.config = config
+        self._mapper = RegionMapper()
+        self._chunks = ChunkBook(config.chunk_size_bytes)
+        # what the helpers (seals, lookups, the index, the supply, the writes) share of us;
+        # `request` looks `_request` up at each call (a test may wrap it)
+        self._s = Session(config, lambda t, b: self._request(t, b), self._chunks, self._mapper)
         # The server names the instance at handshake (config.instance_id is the name it
         # starts with) and gives it a session credential that every request carries.
-        self.instance_id = config.instance_id
         self._session: str | None = None
         self._rehandshake = threading.Lock()  # one re-handshake for all threads at a time
         self._rpc = RpcClient(
@@ -136,17 +136,12 @@ class MaruHandler:
             server_public_key=config.server_public_key,
             client_secret_key=config.curve_client_key,
         )
-        self._mapper = RegionMapper()
         guard_faults()  # (a faulthandler enabled since import would see the pool's faults first)
-        self._chunks = ChunkBook(config.chunk_size_bytes)
         self._connected = False
+        self._closed = False  # close() was called (then "Not connected" says so)
         self.connect_error: MaruConnectError | None = None  # why the last connect() failed
-        # stores refused before anything was sent, by reason (see `refuse_bad_stores`)
-        self.refused_stores: Counter[str] = Counter()
-        self._supply = RegionSupply(
-            self, self._chunks, self._mapper, self._request, self.refused_stores
-        )
-        self.checksum_mismatches = 0  # hits taken as misses: bytes unlike their checksum
+        self._supply = RegionSupply(self._s, self._request)
+        self._writes = Writes(self._s, self.alloc)
         self._index: LocalIndexClient | None = None  # the server's, on its node (handshake)
         self._heartbeat = _Heartbeat(self._beat, f"maru-heartbeat-{self.instance_id[:8]}")
         if config.auto_connect:
@@ -174,7 +169,7 @@ class MaruHandler:
             self._handshake()
             if self.config.eager_map:
                 for fields in self._request(MsgType.LIST_ALLOCATIONS, {}).result()["regions"]:
-                    self._map(RegionHandle.from_wire(fields))
+                    self._s.map(RegionHandle.from_wire(fields))
         except MaruError as exc:
             self.connect_error = connect_failure(self.config.server_url, exc)
             log.warning("%s", self.connect_error)
@@ -191,6 +186,7 @@ class MaruHandler:
         be reached reaps the instance after its heartbeat timeout instead. In a child forked
         after the handler was made, only the child's copies go: the instance is its parent's."""
         self._heartbeat.stop(timeout=self.config.timeout_ms / 1000 + 1)
+        self._closed = True
         if self._connected and self._rpc.forked():
             self._connected = False
         if self._connected:
@@ -231,9 +227,25 @@ class MaruHandler:
 
     def _local_index(self) -> LocalIndexClient | None:
         """The server's index to read through without a request, if it offered one; raises
-        `MaruForkedError` in a forked child, as a request would."""
+        `MaruForkedError` in a forked child, as a request would, and `MaruNotConnected`
+        before a connect or after close (every read and existence check comes here)."""
+        self._ensure_connected()
         self._rpc.check_fork()
         return self._index
+
+    def _ensure_connected(self) -> None:
+        """Raise `MaruNotConnected` unless connected: data operations before `connect()`
+        succeeded or after `close()` are a caller's mistake the original Maru raises for
+        ("Not connected"), not a miss or a False. (`stats()` needs no instance.)"""
+        if self._connected:
+            return
+        if self._closed:
+            why = "this MaruHandler was closed"
+        elif self.connect_error is not None:
+            why = f"connect() failed ({self.connect_error.reason}); call connect() again"
+        else:
+            why = "call connect() first (auto_connect was off)"
+        raise MaruNotConnected(self.config.server_url, why)
 
     def _beat(self) -> None:
         self._supply.tick(self._local_reads())
@@ -249,10 +261,10 @@ class MaruHandler:
         body = {"name": self.config.instance_id, "pid": os.getpid()}
         body["chunk_size"] = self._chunks.chunk_size
         reply = self._request(MsgType.HANDSHAKE, body).result()
-        self.instance_id, self._session = reply["iid"], reply["session"]
+        self._s.instance_id, self._session = reply["iid"], reply["session"]
         if self.config.local_socket:
             self._rpc.use_local_socket(reply.get("local_socket"), reply.get("uid"))
-        self._index = offered_index(self, reply, body)
+        self._index = offered_index(self._s, self._rpc.local_address, self._index, reply, body)
         self._heartbeat.interval = float(reply.get("heartbeat_interval", 5.0))
         return self._supply.reattach(reply)
 
@@ -282,41 +294,24 @@ class MaruHandler:
 
     # -- regions -----------------------------------------------------------------------------
 
-    def _map(self, handle: RegionHandle) -> MappedRegion:
-        mapped = self._mapper.get(handle.region_id)
-        if mapped is not None and mapped.handle == handle:
-            return mapped
-        writable = handle.owner == self.instance_id and handle.region_id in self._chunks
-        return self._mapper.map(handle, writable=writable)
+    @property
+    def config(self) -> MaruConfig:
+        return self._s.config
 
-    def on_region_added(self, listener: Callable[[int], None]) -> None:
-        """Call `listener(region_id)` for every region mapped into this process (owned or
-        another instance's), those mapped already included."""
-        self._mapper.add_listener(listener)
+    @property
+    def instance_id(self) -> str:
+        """This instance's name (the server's, from the handshake on)."""
+        return self._s.instance_id
 
-    def on_region_closing(self, listener: Callable[[int], None]) -> None:
-        """Call `listener(address)` just before a region mapped at `address` is unmapped (after
-        the last copy that could use it: `copying()`), e.g. to undo a registration of the
-        range with a device driver before the address can name other memory."""
-        self._mapper.add_close_listener(listener)
+    @property
+    def refused_stores(self) -> Counter[str]:
+        """Stores refused before anything was sent, by reason (see `refuse_bad_stores`)."""
+        return self._s.refused_stores
 
-    def get_buffer_view(self, region_id: int, offset: int, size: int) -> memoryview | None:
-        """The bytes [offset, offset + size) of a mapped region (writable if we own it); None
-        if the region is not mapped here or the range is outside it."""
-        self._rpc.check_fork()  # a child writing there would write into its parent's pages
-        return self._mapper.view(region_id, offset, size)
-
-    def get_region_page_count(self, region_id: int) -> int:
-        """How many chunks a mapped region holds (0 if it is not mapped here)."""
-        mapped = self._mapper.get(region_id)
-        return mapped.handle.length // self._chunks.chunk_size if mapped is not None else 0
-
-    def owned_region_ids(self) -> list[int]:
-        return self._chunks.region_ids()
-
-    def free_chunks(self) -> int:
-        """Free chunks in owned regions."""
-        return self._chunks.free_chunks()
+    @property
+    def checksum_mismatches(self) -> int:
+        """Hits taken as misses: bytes unlike their writer's checksum."""
+        return self._s.checksum_mismatches
 
     def get_chunk_size(self) -> int:
         return self._chunks.chunk_size
@@ -331,7 +326,7 @@ class MaruHandler:
             raise RuntimeError("set_chunk_size: chunks are already reserved")
         owned = [m for m in map(self._mapper.get, self._chunks.region_ids()) if m is not None]
         self._chunks.set_chunk_size(config.chunk_size_bytes, owned)
-        self.config = config
+        self._s.config = config
         if self._connected:  # the server counts our chunks in its page statistics
             self._handshake()
 
@@ -349,8 +344,10 @@ class MaruHandler:
         reserve value by value then."""
         if size <= 0 or count <= 0:
             raise ValueError(f"alloc needs a positive size and count, got {size}, {count}")
+        self._ensure_connected()
         self._rpc.check_fork()  # a child's copy of our chunks hands out the parent's next ones
-        return self._supply.reserve(size, count)
+        handle = self._chunks.take(size, count)  # (the usual case: no region change)
+        return handle if handle is not None else self._supply.reserve(size, count)
 
     def copying(self) -> AbstractContextManager[None]:
         """Around a copy into or out of the pool at addresses this handler gave (its copy
@@ -389,111 +386,25 @@ class MaruHandler:
     ) -> Sealing:
         """`seal`'s work that reads no value (key checks, the location columns), e.g. while
         the values are still being copied; `.send(checksums)` once they are written."""
+        self._ensure_connected()
         refuse_bad_stores(
             keys, (), self.refused_stores, self.instance_id
         )  # (said here; the server rejects them)
-        return Sealing(self, keys, handles, lengths)
+        return Sealing(self._s, keys, handles, lengths)
 
-    def store(
-        self,
-        key: Key,
-        value: Buffer | AllocHandle | None = None,
-        *,
-        data: Buffer | None = None,
-        handle: AllocHandle | None = None,
-        length: int | None = None,
-    ) -> bool:
-        """Store one value: `store(key, handle)` publishes a handle already written,
-        `store(key, data)` (or `data=`) copies bytes in. True when the key is stored, also
-        when it already was: keys are content hashes, the first writer wins and the key keeps
-        its first value (`store_outcomes` tells the two apart). False, with a WARNING saying
-        why, for a bad key (not str/bytes, empty, too long), an empty value, a value larger
-        than the pool, or no room."""
-        if isinstance(value, AllocHandle):
-            handle = value
-        elif value is not None:
-            data = value
-        if (data is None) == (handle is None):
-            raise ValueError("store() takes exactly one of data or handle")
-        if handle is not None:
-            return self.seal([key], [handle], None if length is None else [length]).wait()[0]
-        return self.batch_store([key], datas=[data])[0]
+    def put(self, puts: Sequence[Put], *, behind: bool = False) -> None:
+        """The write verb: reserve, copy (each `Put`'s copy function), seal, for every put
+        of the call; fills each put's `results` (and, waiting, `outcomes`). `behind`: return
+        once the registrations are sent, reporting each sent value stored; this thread's
+        next `confirm_writes` (or `put`) reads the replies (`maru.client.writes`)."""
+        self._writes.put(puts, behind=behind)
 
-    def batch_store(
-        self,
-        keys: Sequence[Key],
-        values: Sequence[Buffer] | Sequence[AllocHandle | None] | None = None,
-        *,
-        datas: Sequence[Buffer] | None = None,
-        handles: Sequence[AllocHandle | None] | None = None,
-        lengths: Sequence[int] | None = None,
-    ) -> list[bool]:
-        """Store many values with one REGISTER_KV. `batch_store(keys, handles)` publishes
-        handles already written (`lengths`: each value's length, default its `alloc` size);
-        `batch_store(keys, datas)` reserves chunks and copies each value in. A key that
-        already exists reports True (first writer won; our chunks come back)."""
-        if values is not None:
-            if any(isinstance(v, AllocHandle) for v in values):
-                handles = values  # type: ignore[assignment]
-            else:
-                datas = values  # type: ignore[assignment]
-        if handles is not None:
-            if datas is not None or len(handles) != len(keys):
-                raise ValueError("batch_store needs one handle per key and no data")
-            return self.seal(keys, handles, lengths).wait()
-        if datas is None or len(datas) != len(keys):
-            raise ValueError("batch_store needs one data or one handle per key")
-        return self._store_datas(keys, datas).wait()
-
-    def store_outcomes(self, keys: Sequence[Key], datas: Sequence[Buffer]) -> list[StoreOutcome]:
-        """`batch_store(keys, datas)` that tells, per key, STORED (now), EXISTED (the key was
-        there: it keeps its first value, ours was not used) or FAILED."""
-        if len(datas) != len(keys):
-            raise ValueError("store_outcomes needs one data per key")
-        return self._store_datas(keys, datas).outcomes()
-
-    def _store_datas(self, keys: Sequence[Key], datas: Sequence[Buffer]) -> Sealing:
-        """Reserve, copy, seal: the one store path for bytes (refused ones get no chunks)."""
-        sizes = [memoryview(d).nbytes for d in datas]
-        refused = refuse_bad_stores(keys, sizes, self.refused_stores, self.instance_id)
-        if refused:  # no chunks for them: they fail, the rest goes on
-            sizes = [0 if i in refused else n for i, n in enumerate(sizes)]
-        sealing = Sealing(self, keys, self._write(datas, sizes), sizes).send()
-        sealing.wait()
-        if sealing.regions_lost:  # the bytes went to memory the server forgot: once more
-            log.info("writing the %d values again", len(keys))
-            sealing = Sealing(self, keys, self._write(datas, sizes), sizes).send()
-        return sealing
-
-    def _write(
-        self, datas: Sequence[Buffer], sizes: list[int]
-    ) -> AllocHandle | list[AllocHandle | None]:
-        """Reserve chunks for `datas` and copy them in: one run when the sizes are equal and
-        a run is free, else value by value (an empty value gets nothing: it fails). Value by
-        value, a later reservation may re-handshake with a restarted server that forgot the
-        region of an earlier one (now unmapped): then all are reserved once more."""
-        equal = bool(sizes) and min(sizes) > 0 and sizes.count(sizes[0]) == len(sizes)
-        for _ in range(2):
-            run = self.alloc(sizes[0], len(sizes)) if equal else None
-            if run is not None or (equal and len(sizes) == 1):  # (one value: asked already)
-                handles = run.split() if run is not None else [None]
-                break
-            handles = [self.alloc(s) if s else None for s in sizes]
-            lost = [h for h in handles if h is not None and not self._chunks.holds(h)]
-            if not lost:
-                break
-            for handle in handles:
-                if handle is not None:
-                    self._chunks.give_back(handle)
-        lost = [
-            i
-            for i, (data, size, handle) in enumerate(zip(datas, sizes, handles))
-            if handle is not None and self._chunks.holds(handle) and not _copy_in(handle, data)
-        ]
-        for i in lost:  # (not sealed: those keys fail)
-            self._chunks.give_back(handles[i])  # type: ignore[arg-type]
-            handles[i] = None
-        return run if run is not None and not lost else handles
+    def confirm_writes(self, wait: bool = True) -> int:
+        """Read the replies of this thread's write-behind `put`s: how many values they
+        reported stored were not registered (`maru.client.writes.Writes.confirm`)."""
+        if threading.get_ident() not in self._writes.unconfirmed_threads:  # (a read's case)
+            return 0
+        return self._writes.confirm(wait)
 
     # -- get, release ------------------------------------------------------------------------
 
@@ -521,10 +432,10 @@ class MaruHandler:
         joined here for a request."""
         index = self._local_index()
         if for_copy and index is not None:
-            found = index.lookup(self, keys, prefix)
+            found = index.lookup(self._s, keys, prefix)
             if found is not None:
                 return found
-        return Lookup(self, joined(keys, prefix), lease)
+        return Lookup(self._s, joined(keys, prefix), lease)
 
     def read(
         self,
@@ -552,60 +463,36 @@ class MaruHandler:
         hashed = self.config.checksums
         index = self._local_index()
         if index is not None:
-            proven = index.read(self, keys, prefix, buffers, sizes, length, hashed)
+            proven = index.read(self._s, keys, prefix, buffers, sizes, length, hashed)
             if proven is not None:
                 return proven
+        copy = functools.partial(
+            copy_values,
+            buffers=buffers,
+            sizes=sizes,
+            to_values=False,
+            hashed=hashed,
+            threads=self.config.copy_threads,
+        )
         found = self.lookup(keys, lease=True, for_copy=True, prefix=prefix)
-        try:
-            copy = functools.partial(
-                copy_values,
-                buffers=buffers,
-                sizes=sizes,
-                to_values=False,
-                hashed=hashed,
-                threads=self.config.copy_threads,
-            )
-            copied = found.copy_out(copy, length)
-            corrupt = found.corrupt()
-        except BaseException:
-            found.release()
-            raise
-        if not found.release(confirm=True):  # the lease ended mid-copy: not proven
-            log.warning("read: the lease on %d keys ended during the copy", len(keys))
-            return [False] * len(keys)
-        return (copied & ~corrupt).tolist()
+        return copy_and_prove(found, [(len(keys), length, copy)])[0].tolist()
 
-    def retrieve(self, key: Key) -> MemoryInfo | None:
-        return self.batch_retrieve([key])[0]
-
-    def batch_retrieve(self, keys: Sequence[Key]) -> list[MemoryInfo | None]:
-        """Views into shared memory (no copy), one lookup for the batch. The bytes stay valid
-        while the key is registered; to copy them out while other instances may delete or
-        evict, use `leased(keys)`."""
-        return self.lookup(keys).infos()
-
-    @contextmanager
-    def leased(self, keys: Sequence[Key]) -> Iterator[list[MemoryInfo | None]]:
-        """`batch_retrieve` whose hits cannot be evicted or deleted until the block ends, and
-        proven: leaving the block confirms the lease (`release(confirm=True)`, one round
-        trip), and if it had ended before (the block outlived --lease-timeout, or the server
-        restarted) raises `LeaseExpired` naming the hits, whose pages may have been written
-        again meanwhile: what the block read from them is not theirs. A block left by an
-        exception just releases."""
-        found = self.lookup(keys, lease=True)
-        try:
-            infos = found.infos()
-            yield infos
-        except BaseException:
-            found.release()
-            raise
-        if not found.release(confirm=True):
-            raise LeaseExpired([key for key, info in zip(keys, infos) if info is not None])
+    def read_many(
+        self,
+        keys: Sequence[Key],
+        segments: Sequence[Segment] | Callable[[], Sequence[Segment]],
+        *,
+        prefix: Prefix = "",
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The read verb where the destination is special (a pool copied through its own
+        API, several pools in one lookup): one leased `lookup` of `keys`, each segment's
+        hits copied by its copy function (`(count, length, copy)`, in key order), proven,
+        released (`maru.client.reads.copy_and_prove`): per key (proven, mismatched)."""
+        with self.copying():
+            found = self.lookup(keys, lease=True, for_copy=True, prefix=prefix)  # sent now
+            return copy_and_prove(found, segments)
 
     # -- existence, pins, deletion -----------------------------------------------------------
-
-    def exists(self, key: Key, *, prefix: Key = "") -> bool:
-        return self.batch_exists([key], prefix=prefix)[0]
 
     def batch_exists(self, keys: Sequence[Key], *, prefix: Prefix = "") -> list[bool]:
         """Whether each key (`prefix + key`, as in `lookup`) is registered."""
@@ -625,28 +512,12 @@ class MaruHandler:
         found = self._per_key(MsgType.EXISTS, joined(keys, prefix), bool)
         return next((i for i, hit in enumerate(found) if not hit), len(found))
 
-    def pin(self, key: Key) -> bool:
-        return self.batch_pin([key])[0]
-
-    def unpin(self, key: Key) -> bool:
-        return self.batch_unpin([key])[0]
-
-    def batch_pin(self, keys: Sequence[Key]) -> list[bool]:
-        """Pinned keys are neither deleted nor evicted until unpinned (or until this instance
-        disconnects or is reaped)."""
-        return self._per_key(MsgType.PIN, keys, bool)
-
-    def batch_unpin(self, keys: Sequence[Key]) -> list[bool]:
-        return self._per_key(MsgType.UNPIN, keys, bool)
-
-    def delete(self, key: Key) -> bool:
-        return self.batch_delete([key])[0]
-
     def batch_delete(self, keys: Sequence[Key]) -> list[bool]:
         """True where the key was deleted; a pinned, leased or unknown key reports False."""
         return self._per_key(MsgType.DELETE_KV, keys, lambda s: s == DeleteStatus.DELETED)
 
     def _per_key(self, msg_type: MsgType, keys: Sequence[Key], ok: Callable[[Any], bool]):
+        self._ensure_connected()
         if not keys:
             return []
         try:
@@ -658,6 +529,7 @@ class MaruHandler:
 
     def delete_prefix(self, prefix: Key) -> int:
         """Delete every unpinned key that starts with `prefix`; returns how many went."""
+        self._ensure_connected()
         return int(self._request(MsgType.DELETE_PREFIX, {"prefix": prefix}).result()["deleted"])
 
     # -- introspection -----------------------------------------------------------------------
@@ -665,6 +537,20 @@ class MaruHandler:
     def stats(self) -> dict[str, Any]:
         """The server's statistics (pool usage, keys, per-instance counters)."""
         return self._request(MsgType.STATS, {}).result()["stats"]
+
+    get_stats = stats  # the original Maru's name for it
+
+    def healthcheck(self) -> bool:
+        """Whether this handler is connected and the server answers a heartbeat now (the
+        original Maru's check); False, with the reason logged, otherwise. Never raises."""
+        if not self._connected:
+            return False
+        try:
+            self._request(MsgType.HEARTBEAT, self._local_reads()).result()
+        except MaruError as exc:
+            log.warning("healthcheck of %s failed: %s", self.config.server_url, exc)
+            return False
+        return True
 
     def list_allocations(self, *, all_instances: bool = False) -> list[RegionHandle]:
         body: dict[str, Any] = {} if all_instances else {"owner": self.instance_id}

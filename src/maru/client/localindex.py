@@ -35,7 +35,7 @@ from maru.common.protocol import MsgType
 from maru.common.shmindex import NCOLS, USE_SUFFIX, base_of, owned_by, table_files
 
 if TYPE_CHECKING:
-    from maru.client.handler import MaruHandler
+    from maru.client.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -74,22 +74,27 @@ def _open(path: str, uid: int | None) -> Any | None:
 
 
 def offered_index(
-    handler: MaruHandler, reply: dict[str, Any], body: dict[str, Any]
+    session: Session,
+    local_address: str | None,
+    current: LocalIndexClient | None,
+    reply: dict[str, Any],
+    body: dict[str, Any],
 ) -> LocalIndexClient | None:
     """The index a HANDSHAKE reply names, if `maru_local_index` is on. The server names it
     only in a reply on its Unix socket: when the reply came over TCP (a first handshake) and
     the handler now has the Unix socket, it asks there once more (the same instance
-    resumes)."""
-    if not handler.config.local_index or not shmindex.COMPILED:
+    resumes; `local_address`: the Unix socket's, None if the handler has none). `current`:
+    the index the handler reads now (kept if the reply names the same table)."""
+    if not session.config.local_index:
         return None
     path = reply.get("local_index")
-    if path is None and handler._rpc.local_address is not None:
+    if path is None and local_address is not None:
         try:
-            path = handler._request(MsgType.HANDSHAKE, dict(body)).result().get("local_index")
+            path = session.request(MsgType.HANDSHAKE, dict(body)).result().get("local_index")
         except MaruError as exc:
             log.debug("no local index: %s", exc)
             return None
-    return LocalIndexClient.open(path, reply.get("uid"), handler._index)
+    return LocalIndexClient.open(path, reply.get("uid"), current)
 
 
 def joined(keys: Sequence[Key], prefix: Prefix) -> Sequence[Key]:
@@ -121,7 +126,7 @@ class LocalIndexClient:
     @classmethod
     def open(cls, path: Any, server_uid: Any, current: LocalIndexClient | None = None):
         """The index the HANDSHAKE reply named (`current` if it is that one), or None."""
-        if not isinstance(path, str) or not isinstance(server_uid, int) or not shmindex.COMPILED:
+        if not isinstance(path, str) or not isinstance(server_uid, int):
             return None
         same = current is not None and (current.path, current.uid) == (path, server_uid)
         if same and current._reader is not None and not current._reader.retired:
@@ -186,25 +191,25 @@ class LocalIndexClient:
         return reads if reads[0] or reads[2] else None
 
     def lookup(
-        self, handler: MaruHandler, keys: Sequence[Key], prefix: Prefix = ""
+        self, session: Session, keys: Sequence[Key], prefix: Prefix = ""
     ) -> IndexLookup | None:
         """An `IndexLookup` of `keys` (each `prefix + key`); None when the server must be asked
         (see the module). The probe turns each hit's location into an address through the
         regions mapped here (`RegionMapper.rows`): a location outside its region is a miss."""
         reader = self.reader()
-        raw = reader.probe(keys, handler._mapper.rows, prefix=prefix) if reader else None
+        raw = reader.probe(keys, session.mapper.rows, prefix=prefix) if reader else None
         if raw is None:
             self.fallbacks += 1
             return None
         columns = np.frombuffer(raw, np.int64).reshape(NCOLS, len(keys))
-        found = IndexLookup(handler, keys, self, reader, columns)
+        found = IndexLookup(session, keys, self, reader, columns)
         self.reads[0] += found.n
         self.reads[1] += int(np.count_nonzero(found.lengths))
         return found
 
     def read(
         self,
-        handler: MaruHandler,
+        session: Session,
         keys: Sequence[Key],
         prefix: Prefix,
         buffers: np.ndarray,
@@ -215,12 +220,12 @@ class LocalIndexClient:
         """`MaruHandler.read` on the index: probe, copy and check in one C call
         (`Reader.read`; the copy shared by `maru_copy_threads` threads), so that no Python
         runs between them; per key True where its value was copied and proven. None when
-        the server must be asked (nothing was copied) or the copy loop is not built."""
+        the server must be asked (nothing was copied)."""
         reader = self.reader()
         out = None
-        if reader is not None and COPY_VALUES is not None:
-            rows = handler._mapper.rows
-            threads = handler.config.copy_threads
+        if reader is not None:
+            rows = session.mapper.rows
+            threads = session.config.copy_threads
             out = reader.read(
                 keys, rows, buffers, sizes, length, COPY_VALUES, hashed, threads, prefix=prefix
             )
@@ -231,10 +236,10 @@ class LocalIndexClient:
         self.reads[0] += len(keys)
         self.reads[1] += hits
         if hits < len(keys):  # misses, or (rarely) hits that are not proven: say why
-            self._not_proven(handler, keys, prefix, raw, length)
+            self._not_proven(session, keys, prefix, raw, length)
         return proven
 
-    def _not_proven(self, handler: MaruHandler, keys, prefix, raw: bytes, length: int) -> None:
+    def _not_proven(self, session: Session, keys, prefix, raw: bytes, length: int) -> None:
         """After `Reader.read`: count and log its hits that are not proven (statuses 2-5)."""
         columns = np.frombuffer(raw, np.int64).reshape(NCOLS + 2, len(keys))
         lengths, status = columns[1], columns[NCOLS + 1]
@@ -252,7 +257,7 @@ class LocalIndexClient:
         if len(other):
             other_lengths([names[i] for i in other.tolist()], lengths[other].tolist(), length)
         if len(corrupt):
-            checksum_mismatches(handler, [names[i] for i in corrupt.tolist()], lengths[corrupt])
+            checksum_mismatches(session, [names[i] for i in corrupt.tolist()], lengths[corrupt])
 
 
 class IndexLookup(Lookup):
@@ -262,7 +267,7 @@ class IndexLookup(Lookup):
 
     def __init__(
         self,
-        handler: MaruHandler,
+        session: Session,
         keys: Sequence[Key],
         index: LocalIndexClient,
         reader: Any,
@@ -270,7 +275,7 @@ class IndexLookup(Lookup):
     ):
         """`columns`: what `Reader.probe` gave (address, length, checksum, region id, offset,
         slot, seq per key)."""
-        super().__init__(handler, keys, lease=False, send=False)
+        super().__init__(session, keys, lease=False, send=False)
         (
             self.addresses,
             self.lengths,

@@ -31,8 +31,8 @@ from maru.common.protocol import (
 from maru.common.region import RegionHandle
 
 if TYPE_CHECKING:
-    from maru.client.handler import MaruHandler
     from maru.client.rpc import PendingReply
+    from maru.client.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +84,12 @@ class Sealing:
 
     def __init__(
         self,
-        handler: MaruHandler,
+        session: Session,
         keys: Sequence[Key],
         handles: AllocHandle | Sequence[AllocHandle | None],
         lengths: int | Sequence[int] | None,
     ):
-        self._handler = handler
+        self._s = session
         self._n = n = len(keys)
         self._handles = handles
         self.regions_lost = False  # the server forgot the regions the bytes are in
@@ -119,7 +119,7 @@ class Sealing:
             sizes_in = [h.size if h else 0 for h in handles] if lengths is None else lengths
             if isinstance(sizes_in, int):
                 sizes_in = [sizes_in] * n
-            chunks = handler._chunks
+            chunks = session.chunks
             self._positions = [i for i, h in enumerate(handles) if h and chunks.holds(h)]
             sent_keys = [keys[i] for i in self._positions]
             region_ids = [handles[i].region_id for i in self._positions]  # type: ignore[union-attr]
@@ -144,20 +144,20 @@ class Sealing:
         if self._sent:
             raise RuntimeError("Sealing.send: already sent")
         self._sent = True
-        handles, handler = self._handles, self._handler
+        handles, s = self._handles, self._s
         # The values are written: their region may be parked from now on (a seal that reaches
         # the server after the region was taken back is refused, never misplaced).
         for handle in [handles] if isinstance(handles, AllocHandle) else handles:
             if handle is not None:
-                handler._chunks.written(handle)
+                s.chunks.written(handle)
         body = self._body
         if body is None:
             self._results = [False] * self._n
             return self
-        if handler.config.checksums:
+        if s.config.checksums:
             body[CHECKSUMS] = self._checksums(handles, self._sizes, checksums).tobytes()
         try:
-            self._pending = handler._request(MsgType.REGISTER_KV, body)
+            self._pending = s.request(MsgType.REGISTER_KV, body)
         except MaruError as exc:
             log.warning("register of %d keys failed: %s", len(body["keys"]), exc)
             self._results = [False] * self._n
@@ -232,7 +232,7 @@ class Sealing:
         return self._outcomes
 
     def _outcome(self, statuses: list[int]) -> list[bool]:
-        handles, chunks = self._handles, self._handler._chunks
+        handles, chunks = self._handles, self._s.chunks
         if self._positions is None:  # one run, every key sent
             if statuses.count(_REGISTERED) == self._n:
                 self._outcomes = [StoreOutcome.STORED] * self._n
@@ -262,9 +262,9 @@ class Lookup:
     middle of a prefetch. With `maru_checksums`, `corrupt()` (called after the copy) tells the
     hits whose bytes no longer match their writer's checksum."""
 
-    def __init__(self, handler: MaruHandler, keys: Sequence[Key], lease: bool, *, send=True):
+    def __init__(self, session: Session, keys: Sequence[Key], lease: bool, *, send=True):
         """`send`: send the LOOKUP_KV now (False: a subclass has the answer already)."""
-        self._handler = handler
+        self._s = session
         self._keys = keys
         self.n = len(keys)
         self.lease = lease
@@ -282,7 +282,7 @@ class Lookup:
         if self.n and send:
             try:
                 body = {"keys": list(keys), "lease": lease}
-                self._pending = handler._request(MsgType.LOOKUP_KV, body)
+                self._pending = session.request(MsgType.LOOKUP_KV, body)
             except MaruError as exc:
                 log.warning("lookup of %d keys failed: %s", self.n, exc)
 
@@ -331,7 +331,7 @@ class Lookup:
         addresses = np.zeros(n, np.int64)
         found = np.zeros(n, bool)
         for handle in handles:
-            mapped = self._handler._map(handle)
+            mapped = self._s.map(handle)
             here = (region_ids == handle.region_id) & (offsets >= 0) & (lengths > 0)
             here &= offsets + lengths <= handle.length
             addresses[here] = offsets[here] + mapped.address
@@ -411,7 +411,7 @@ class Lookup:
         if self._corrupt is None:
             self._corrupt = np.zeros(self.n, bool)
         stored = self._checksums
-        todo = np.flatnonzero(stored) if self._handler.config.checksums else ()
+        todo = np.flatnonzero(stored) if self._s.config.checksums else ()
         if self._faulted is not None and len(todo):  # (misses already; not read again)
             todo = todo[~self._faulted[todo]]
         if not len(todo):  # (a miss has no checksum)
@@ -422,7 +422,7 @@ class Lookup:
         if len(sums) != self.n:
             raise ValueError(f"corrupt: {len(sums)} checksums for {self.n} keys")
         unhashed = todo[sums[todo] == 0]
-        get = self._handler._mapper.get
+        get = self._s.mapper.get
         views = []
         for region_id, offset, length in zip(
             self._region_ids[unhashed].tolist(),  # type: ignore[index]
@@ -439,7 +439,7 @@ class Lookup:
         self._corrupt |= bad
         at = np.flatnonzero(bad)
         if len(at):
-            checksum_mismatches(self._handler, [self._keys[i] for i in at], self.lengths[at])
+            checksum_mismatches(self._s, [self._keys[i] for i in at], self.lengths[at])
         return self._corrupt.copy()
 
     def infos(self) -> list[MemoryInfo | None]:
@@ -447,9 +447,9 @@ class Lookup:
         With `maru_checksums`, a hit whose bytes no longer match their checksum is None."""
         addresses, lengths = self.wait()
         assert self._offsets is not None and self._region_ids is not None
-        chunk = self._handler.get_chunk_size()
+        chunk = self._s.chunks.chunk_size
         out: list[MemoryInfo | None] = []
-        mapper = self._handler._mapper
+        mapper = self._s.mapper
         corrupt = self.corrupt().tolist()
         for address, length, offset, region_id, bad in zip(
             addresses.tolist(),
@@ -483,7 +483,7 @@ class Lookup:
             # asked for (the server did not know us) were read unprotected.
             return not (confirm and self.lease and self.lengths is not None and self.lengths.any())
         try:
-            pending = self._handler._request(MsgType.RELEASE, {"leases": [lease_id]})
+            pending = self._s.request(MsgType.RELEASE, {"leases": [lease_id]})
             return not confirm or pending.result()["released"] == 1
         except MaruError as exc:
             log.log(
@@ -504,7 +504,7 @@ def other_lengths(keys: Sequence[Key], lengths: Sequence[int], expected: int) ->
         )
 
 
-def checksum_mismatches(handler: MaruHandler, keys: Sequence[Key], lengths: Sequence[int]):
+def checksum_mismatches(session: Session, keys: Sequence[Key], lengths: Sequence[int]):
     """Hits whose bytes did not match their writer's checksum after the copy (taken as
     misses): each logged at ERROR, all counted in `MaruHandler.checksum_mismatches`."""
     for key, length in zip(keys, lengths):
@@ -514,15 +514,19 @@ def checksum_mismatches(handler: MaruHandler, keys: Sequence[Key], lengths: Sequ
             key,
             int(length),
         )
-    handler.checksum_mismatches += len(keys)
+    session.checksum_mismatches += len(keys)
+
+
+BYTES_LIKE = "bytes, bytearray, memoryview, a contiguous numpy array"
 
 
 def refuse_bad_stores(
     keys: Sequence[Any], sizes: Sequence[int], refused: Counter[str], instance_id: str
 ) -> set[int]:
     """Positions of stores that cannot succeed: a key that is not str or bytes, empty or
-    longer than MAX_KEY_BYTES, or an empty value. A batch with any logs one WARNING naming
-    the first such key and why; `refused` (the handler's `refused_stores`) counts them by reason."""
+    longer than MAX_KEY_BYTES, an empty value, or (a size below 0) a value that is not
+    bytes-like. A batch with any logs one WARNING naming the first such key and why; `refused`
+    (the handler's `refused_stores`) counts them by reason."""
     if all_keys_valid(list(keys)) and (not sizes or min(sizes) > 0):
         return set()
     reasons: dict[int, tuple[str, str]] = {}
@@ -535,7 +539,9 @@ def refuse_bad_stores(
                 kind = "empty_key" if isinstance(key, (str, bytes)) else "key_type"
             reasons[i] = (kind, str(exc))
             continue
-        if sizes and sizes[i] <= 0:
+        if sizes and sizes[i] < 0:
+            reasons[i] = ("value_type", f"a value must be bytes-like ({BYTES_LIKE})")
+        elif sizes and sizes[i] == 0:
             reasons[i] = ("empty_value", "an empty value cannot be stored")
     refused.update(kind for kind, _ in reasons.values())
     first = min(reasons)

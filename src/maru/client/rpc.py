@@ -37,7 +37,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from maru.client.busypoll import recv_spin
+from maru.client._busypoll import recv_spin
 from maru.common import protocol
 from maru.common.errors import (
     MaruConnectionError,
@@ -441,7 +441,7 @@ class _LocalChannel(_Channel):
         (`spin`; without the GIL, yielding the CPU between tries), then sleeping in poll() up
         to `timeout_ms`; None if nothing came."""
         spin_ns = self.client.busy_poll_ns if spin else 0
-        if spin_ns and recv_spin is not None:
+        if spin_ns:
             data = recv_spin(sock.fileno(), protocol.STREAM_RECV_BYTES, spin_ns)
             if data is not None:
                 return data

@@ -10,20 +10,16 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from maru.client.chunks import AllocHandle, ChunkBook
-from maru.client.mapping import RegionMapper
-from maru.client.rpc import PendingReply
+from maru.client.chunks import AllocHandle
 from maru.common.config import fmt_bytes
 from maru.common.errors import MaruConnectionError, MaruError, MaruServerError
 from maru.common.protocol import ErrorCode, MsgType
 from maru.common.region import RegionHandle
 
 if TYPE_CHECKING:
-    from maru.client.handler import MaruHandler
+    from maru.client.session import Request, Session
 
 log = logging.getLogger("maru.client.handler")
 
@@ -32,19 +28,14 @@ class RegionSupply:
     """Chunks for one handler, and the regions they come from. One region change at a time
     (`lock`): grow, park, unpark. Reads the handler's `config` and `instance_id`."""
 
-    def __init__(
-        self,
-        owner: MaruHandler,
-        chunks: ChunkBook,
-        mapper: RegionMapper,
-        request: Callable[[MsgType, dict[str, Any]], PendingReply],
-        refused: Counter[str],
-    ):
-        self.owner = owner
-        self.chunks = chunks
-        self.mapper = mapper
+    def __init__(self, session: Session, request: Request):
+        """`request`: the handler's own send (the session's may be wrapped, e.g. by a test
+        that counts a batch's requests: region traffic is not one of them)."""
+        self.owner = session  # (its `config` and `instance_id`)
+        self.chunks = session.chunks
+        self.mapper = session.mapper
         self._request = request
-        self.refused = refused  # the handler's `refused_stores`
+        self.refused = session.refused_stores
         self.pool_capacity = 0  # the pool's, as of the last handshake (0: not known yet)
         self.pool_generation: str | None = None  # likewise
         self.lock = threading.Lock()
@@ -52,10 +43,8 @@ class RegionSupply:
         self._shed = 0  # bytes of regions the server asked us to give back (fair share)
 
     def reserve(self, size: int, count: int) -> AllocHandle | None:
-        """`MaruHandler.alloc`'s work, in its order of resort."""
-        handle = self.chunks.take(size, count)
-        if handle is not None:
-            return handle
+        """`MaruHandler.alloc`'s work once the owned regions' free chunks (`ChunkBook.take`,
+        which the handler tries first) have no room, in its order of resort."""
         chunk = self.chunks.chunk_size
         need = -(-size // chunk) * count * chunk
         # (the whole pool first: it says that no setting of this client would help)

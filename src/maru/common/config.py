@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from maru.common.curve import is_key
 
@@ -37,6 +38,23 @@ def fmt_bytes(n: float) -> str:
             return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def size_arg(n: int) -> str:
+    """A byte count as a user writes it on a command line: "2G", "64M", "1536K", else the
+    bytes (what `parse_size` reads back to the same number)."""
+    for unit in ("P", "T", "G", "M", "K"):
+        if n >= _SIZE_UNITS[unit] and n % _SIZE_UNITS[unit] == 0:
+            return f"{n // _SIZE_UNITS[unit]}{unit}"
+    return str(n)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage error is one line first, "prog: error: ...", then a
+    pointer to --help, not after a usage block that lists every flag."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the options)\n")
 
 
 def parse_size(value: int | float | str, *, name: str = "size") -> int:
@@ -148,6 +166,16 @@ def parse_bool(value: Any, *, name: str = "flag") -> bool:
     raise ConfigError(f"{name}: expected a boolean (true/false), got {value!r}")
 
 
+PAGE = 4096  # chunks start on page boundaries of the pool
+# The original Maru's environment overrides (maru_common/config.py): variable -> field.
+ENV_OVERRIDES = {"MARU_EAGER_MAP": "eager_map"}
+
+
+def align_chunk(size: int) -> int:
+    """`size` rounded up to a whole number of pages (the chunk stride in a region)."""
+    return -(-size // PAGE) * PAGE
+
+
 MAX_COPY_THREADS = 16  # the caller and the 15 copier threads of maru.client._memcopy
 
 
@@ -225,7 +253,17 @@ class MaruConfig:
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
+        self._apply_env()
         self.validate()
+
+    def _apply_env(self) -> None:
+        """The original Maru's environment overrides, over what the caller passed (software
+        written for it sets them): `MARU_EAGER_MAP`. `MARU_STAT` (its handler-side timing
+        reports) has no counterpart here: the server counts every request itself."""
+        for env, name in ENV_OVERRIDES.items():
+            raw = os.environ.get(env)
+            if raw is not None:
+                setattr(self, name, parse_bool(raw, name=env))
 
     def validate(self) -> None:
         if self.instance_id is None:
@@ -236,11 +274,12 @@ class MaruConfig:
         if len(self.instance_id.encode()) > 128:
             raise ConfigError("instance_id: at most 128 bytes")
         self.pool_size = parse_size(self.pool_size, name="pool_size")
-        self.chunk_size_bytes = parse_size(self.chunk_size_bytes, name="chunk_size_bytes")
-        if self.chunk_size_bytes % 4096:
-            raise ConfigError(
-                f"chunk_size_bytes: must be a multiple of 4096, got {self.chunk_size_bytes}"
-            )
+        # Any positive size, as the original takes (LMCache passes its full KV chunk in
+        # bytes, rarely 4 KiB-aligned): chunks start on page boundaries, so it is rounded up to
+        # the next multiple of 4096 (a value shorter than its chunk is stored with its length).
+        self.chunk_size_bytes = align_chunk(
+            parse_size(self.chunk_size_bytes, name="chunk_size_bytes")
+        )
         if self.chunk_size_bytes > self.pool_size:
             # Blame the one that was changed: with the default chunk size it is pool_size.
             if self.chunk_size_bytes == _DEFAULT_CHUNK:
@@ -263,6 +302,13 @@ class MaruConfig:
                 setattr(self, f.name, parse_bool(getattr(self, f.name), name=f.name))
         if self.expand_size is not None:
             self.expand_size = parse_size(self.expand_size, name="expand_size")
+            if not self.auto_expand:  # (as the original refuses them)
+                raise ConfigError("expand_size: requires auto_expand=True")
+            if self.expand_size < self.chunk_size_bytes:
+                raise ConfigError(
+                    f"expand_size: {self.expand_size} is smaller than one chunk "
+                    f"(chunk_size_bytes {self.chunk_size_bytes})"
+                )
         if self.server_public_key is not None:
             self.server_public_key = parse_curve_key(
                 self.server_public_key, name="server_public_key"

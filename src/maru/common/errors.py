@@ -57,6 +57,17 @@ class MaruForkedError(RuntimeError):
         self.created_in = created_in
 
 
+class MaruNotConnected(MaruError, RuntimeError):
+    """A `MaruHandler` used before `connect()` succeeded or after `close()`: a RuntimeError
+    whose message starts "Not connected", as the original Maru raises (software written for
+    it catches that), and a `MaruError`, so the adapters' catch-alls keep their promise of a
+    miss or a failed store instead of an exception."""
+
+    def __init__(self, url: str, why: str):
+        super().__init__(f"Not connected to maru-server at {url}: {why}")
+        self.url = url
+
+
 class MaruConnectError(MaruError, RuntimeError):
     """`MaruHandler` could not connect; the subclass says why. The message starts with the
     seed's `Failed to connect MaruHandler to <url>` (and it is a RuntimeError, as that was), then

@@ -1,0 +1,230 @@
+"""The original Maru API's conveniences, a base of `MaruHandler`: each is the lifecycle's verbs
+put together (`put`, `seal`, `lookup`, `_per_key`), nothing of its own.
+
+    store / batch_store / store_outcomes   reserve, copy, seal: `put` of bytes, or `seal`
+                                           of handles already written
+    retrieve / batch_retrieve / leased      `lookup` (leased, proven for `leased`)
+    exists / pin / unpin / delete           one key of the batch calls
+    reserve_values                          a run, else value by value (LMCache's allocator)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from maru.client.chunks import AllocHandle
+from maru.client.requests import Lookup, MemoryInfo, Sealing, StoreOutcome
+from maru.client.writes import Put, from_pointers
+from maru.common.errors import LeaseExpired
+from maru.common.protocol import MsgType
+
+if TYPE_CHECKING:
+    from maru.client.rpc import RpcClient
+    from maru.client.session import Session
+
+Key = str | bytes
+Buffer = bytes | bytearray | memoryview
+
+
+def _bytes_of(value: Any) -> np.ndarray | None:
+    """The bytes of a value to store, as a uint8 array; None for one that is not bytes-like (a
+    str, None, a number, a non-contiguous view): refused like a bad key, not a TypeError."""
+    try:
+        return np.frombuffer(memoryview(value).cast("B"), np.uint8)
+    except TypeError:
+        return None
+
+
+_NO_VALUE: Any = object()  # `store(key)` with no value at all (a mistake in the call)
+
+
+class OriginalApi:
+    """The conveniences; the class that derives from it (`MaruHandler`) provides the verbs
+    declared here."""
+
+    alloc: Callable[..., AllocHandle | None]
+    free: Callable[[AllocHandle], None]
+    seal: Callable[..., Sealing]
+    put: Callable[..., None]
+    lookup: Callable[..., Lookup]
+    batch_exists: Callable[..., list[bool]]
+    batch_delete: Callable[[Sequence[Key]], list[bool]]
+    _per_key: Callable[..., list[bool]]
+    _ensure_connected: Callable[[], None]
+    _s: Session
+    _rpc: RpcClient
+
+    # -- regions and pages -------------------------------------------------------------------
+
+    def on_region_added(self, listener: Callable[[int], None]) -> None:
+        """Call `listener(region_id)` for every region mapped into this process (owned or
+        another instance's), those mapped already included."""
+        self._s.mapper.add_listener(listener)
+
+    def on_region_closing(self, listener: Callable[[int], None]) -> None:
+        """Call `listener(address)` just before a region mapped at `address` is unmapped (after
+        the last copy that could use it: `copying()`), e.g. to undo a registration of the
+        range with a device driver before the address can name other memory."""
+        self._s.mapper.add_close_listener(listener)
+
+    def get_buffer_view(self, region_id: int, offset: int, size: int) -> memoryview | None:
+        """The bytes [offset, offset + size) of a mapped region (writable if we own it); None
+        if the region is not mapped here or the range is outside it."""
+        self._rpc.check_fork()  # a child writing there would write into its parent's pages
+        return self._s.mapper.view(region_id, offset, size)
+
+    def get_region_page_count(self, region_id: int) -> int:
+        """How many chunks a mapped region holds (0 if it is not mapped here)."""
+        mapped = self._s.mapper.get(region_id)
+        return mapped.handle.length // self._s.chunks.chunk_size if mapped is not None else 0
+
+    def owned_region_ids(self) -> list[int]:
+        return self._s.chunks.region_ids()
+
+    def free_chunks(self) -> int:
+        """Free chunks in owned regions."""
+        return self._s.chunks.free_chunks()
+
+    def store(
+        self,
+        key: Key,
+        value: Buffer | AllocHandle | None = _NO_VALUE,
+        *,
+        data: Buffer | None = None,
+        handle: AllocHandle | None = None,
+        length: int | None = None,
+    ) -> bool:
+        """Store one value: `store(key, handle)` publishes a handle already written,
+        `store(key, data)` (or `data=`) copies bytes in. True when the key is stored, also
+        when it already was: keys are content hashes, the first writer wins and the key keeps
+        its first value (`store_outcomes` tells the two apart). False, with a WARNING saying
+        why, for a bad key (not str/bytes, empty, too long), a value that is not bytes-like
+        (a str, None), an empty value, a value larger than the pool, or no room. ValueError
+        only for a call that gives no value or two (`store(key)`, a value and `handle=`)."""
+        if isinstance(value, AllocHandle):
+            handle = value
+        elif value is not _NO_VALUE:
+            if data is not None or handle is not None:
+                raise ValueError("store() takes exactly one of data or handle")
+            return self.batch_store([key], datas=[value])[0]
+        if (data is None) == (handle is None):
+            raise ValueError("store() takes exactly one of data or handle")
+        if handle is not None:
+            return self.seal([key], [handle], None if length is None else [length]).wait()[0]
+        return self.batch_store([key], datas=[data])[0]
+
+    def batch_store(
+        self,
+        keys: Sequence[Key],
+        values: Sequence[Buffer] | Sequence[AllocHandle | None] | None = None,
+        *,
+        datas: Sequence[Buffer] | None = None,
+        handles: Sequence[AllocHandle | None] | None = None,
+        lengths: Sequence[int] | None = None,
+    ) -> list[bool]:
+        """Store many values with one REGISTER_KV. `batch_store(keys, handles)` publishes
+        handles already written (`lengths`: each value's length, default its `alloc` size);
+        `batch_store(keys, datas)` reserves chunks and copies each value in. A key that
+        already exists reports True (first writer won; our chunks come back)."""
+        if values is not None:
+            if any(isinstance(v, AllocHandle) for v in values):
+                handles = values  # type: ignore[assignment]
+            else:
+                datas = values  # type: ignore[assignment]
+        if handles is not None:
+            if datas is not None or len(handles) != len(keys):
+                raise ValueError("batch_store needs one handle per key and no data")
+            return self.seal(keys, handles, lengths).wait()
+        if datas is None or len(datas) != len(keys):
+            raise ValueError("batch_store needs one data or one handle per key")
+        return self._store_datas(keys, datas).results
+
+    def store_outcomes(self, keys: Sequence[Key], datas: Sequence[Buffer]) -> list[StoreOutcome]:
+        """`batch_store(keys, datas)` that tells, per key, STORED (now), EXISTED (the key was
+        there: it keeps its first value, ours was not used) or FAILED."""
+        if len(datas) != len(keys):
+            raise ValueError("store_outcomes needs one data per key")
+        put = self._store_datas(keys, datas)
+        return put.outcomes or [StoreOutcome.FAILED] * len(keys)
+
+    def _store_datas(self, keys: Sequence[Key], datas: Sequence[Buffer]) -> Put:
+        """`put` of bytes: one Put whose values are copied from the buffers (refused ones
+        get no chunks)."""
+        self._ensure_connected()
+        views = [_bytes_of(d) for d in datas]  # None: not bytes-like, refused as a bad key is
+        sizes = [-1 if v is None else v.size for v in views]
+        pointers = [0 if v is None else v.ctypes.data for v in views]
+        put = Put(keys, sizes, from_pointers(pointers, sizes))
+        self.put([put])
+        return put
+
+    def reserve_values(self, size: int, count: int) -> list[AllocHandle] | None:
+        """`count` values of `size` bytes for a caller that writes them itself (LMCache's
+        allocator): one run if free, else value by value; None (nothing kept) if any is
+        missing."""
+        run = self.alloc(size, count)
+        if run is not None:
+            return run.split()
+        handles: list[AllocHandle] = []
+        try:
+            while count > 1 and len(handles) < count:  # (one value: alloc already evicted)
+                handle = self.alloc(size)
+                if handle is None:
+                    break
+                handles.append(handle)
+        finally:
+            if len(handles) < count:  # (none kept: a partial batch is of no use)
+                for handle in handles:
+                    self.free(handle)
+        return handles if len(handles) == count else None
+
+    def retrieve(self, key: Key) -> MemoryInfo | None:
+        return self.batch_retrieve([key])[0]
+
+    def batch_retrieve(self, keys: Sequence[Key]) -> list[MemoryInfo | None]:
+        """Views into shared memory (no copy), one lookup for the batch. The bytes stay valid
+        while the key is registered; to copy them out while other instances may delete or
+        evict, use `leased(keys)`."""
+        return self.lookup(keys).infos()
+
+    @contextmanager
+    def leased(self, keys: Sequence[Key]) -> Iterator[list[MemoryInfo | None]]:
+        """`batch_retrieve` whose hits cannot be evicted or deleted until the block ends, and
+        proven: leaving the block confirms the lease (`release(confirm=True)`, one round
+        trip), and if it had ended before (the block outlived --lease-timeout, or the server
+        restarted) raises `LeaseExpired` naming the hits, whose pages may have been written
+        again meanwhile: what the block read from them is not theirs. A block left by an
+        exception just releases."""
+        found = self.lookup(keys, lease=True)
+        try:
+            infos = found.infos()
+            yield infos
+        except BaseException:
+            found.release()
+            raise
+        if not found.release(confirm=True):
+            raise LeaseExpired([key for key, info in zip(keys, infos) if info is not None])
+
+    def exists(self, key: Key, *, prefix: Key = "") -> bool:
+        return self.batch_exists([key], prefix=prefix)[0]
+
+    def pin(self, key: Key) -> bool:
+        return self.batch_pin([key])[0]
+
+    def unpin(self, key: Key) -> bool:
+        return self.batch_unpin([key])[0]
+
+    def batch_pin(self, keys: Sequence[Key]) -> list[bool]:
+        """Pinned keys are neither deleted nor evicted until unpinned (or until this instance
+        disconnects or is reaped)."""
+        return self._per_key(MsgType.PIN, keys, bool)
+
+    def batch_unpin(self, keys: Sequence[Key]) -> list[bool]:
+        return self._per_key(MsgType.UNPIN, keys, bool)
+
+    def delete(self, key: Key) -> bool:
+        return self.batch_delete([key])[0]

@@ -1,0 +1,363 @@
+"""The write verb (`MaruHandler.put`): reserve, copy, seal, and the per-key outcomes.
+
+Every writer of the project goes through `Writes.put`: MaruStorage (SGLang v1 and v2 and
+its legacy interface), the vLLM connector, the linker's offload, `store` / `batch_store`.
+A caller describes each group of values (`Put`: keys, bytes per value, and how to copy
+value i into shared memory) and the verb does the rest, one way for all:
+
+- reserve one run of chunks for a group of equal-sized values, else value by value (each
+  reservation may evict in our own regions; a region a re-handshake forgot meanwhile makes
+  every reservation of the group start again once);
+- copy through the caller's copy function (a host pool's page layout, device memory,
+  Python buffers), hashed as copied with `maru_checksums`; a copy that faults
+  (`CopyFaultError`: the pool's file truncated under it) fails its values and gives their
+  chunks back, the process lives;
+- seal: a run of at least PIPELINE_MIN_PAGES values as soon as it is copied, so that its
+  registration is in flight while the rest is copied (the call's last run, when the caller
+  waits, in up to PIPELINE_PIECES pieces); smaller runs and values placed one by one are
+  sealed together at the end (one REGISTER_KV);
+- write-behind (`behind=True`): the call returns once every value is copied and its
+  registration sent, reporting each sent value as stored; the replies are read by this
+  thread's next call (`confirm`): a value reported stored whose registration failed reads
+  as a miss, and is logged and told to its `Put.on_late` then.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from maru.client.chunks import AllocHandle
+from maru.client.memcopy import CopyFaultError, copy_values_start
+from maru.client.requests import Sealing, StoreOutcome, refuse_bad_stores
+
+if TYPE_CHECKING:
+    from maru.client.session import Session
+
+log = logging.getLogger(__name__)
+
+Key = str | bytes
+
+# A caller that waits for the replies has its call's last run registered in up to
+# PIPELINE_PIECES pieces of at least PIPELINE_MIN_PAGES values, each sent while the next piece
+# is copied. With write-behind nothing waits for the last reply, and one REGISTER_KV costs
+# less than two: one piece (benchmarks/results/history.md, issue 17 session 15).
+PIPELINE_PIECES = 2
+PIPELINE_MIN_PAGES = 32
+
+
+class CopyIn(Protocol):
+    """Copy values [first, last) of a `Put` to `targets` (int64 addresses in shared memory,
+    one per value). Returns each value's maru64 as copied when `hashed` (else None), or an
+    object whose `finish()` does (a copy begun, `copy_values_start`). `threads`: copier
+    threads it may use (`maru_copy_threads`). Raises `CopyFaultError` if the memory faulted."""
+
+    def __call__(
+        self, targets: np.ndarray, first: int, last: int, hashed: bool, threads: int
+    ) -> Any: ...
+
+
+@dataclass(eq=False)
+class Put:
+    """One group of values of a write: `keys` (sent as they are), `size` (bytes of each
+    value: one for all, or one per value) and `copy`. The verb fills `results` (one bool per
+    key, as `Sealing.wait`) and, when the call waits, `outcomes`. `on_late(n)`: told, with
+    write-behind, that n values reported stored were not registered after all."""
+
+    keys: Sequence[Key]
+    size: int | Sequence[int]
+    copy: CopyIn
+    name: str = "values"
+    on_late: Callable[[int], None] | None = None
+    results: list[bool] = field(default_factory=list)
+    outcomes: list[StoreOutcome] | None = None
+
+    def uniform(self) -> int:
+        """The one size of every value (0 if they differ or one is empty)."""
+        size = self.size
+        if isinstance(size, int):
+            return size
+        return size[0] if size and min(size) > 0 and size.count(size[0]) == len(size) else 0
+
+
+def values_at(buffers: np.ndarray, sizes: Sequence[int] | np.ndarray) -> CopyIn:
+    """The copy of values whose parts lie at `buffers` (int64 (values, parts) pointers, parts
+    of `sizes` bytes, stored back to back): `copy_values` begun, hashed as it copies."""
+    sizes = np.asarray(sizes, np.int64)
+
+    def copy(targets: np.ndarray, first: int, last: int, hashed: bool, threads: int) -> Any:
+        return copy_values_start(
+            targets, buffers[first:last], sizes, to_values=True, hashed=hashed, threads=threads
+        )
+
+    return copy
+
+
+def from_pointers(pointers: Sequence[int], sizes: Sequence[int]) -> CopyIn:
+    """The copy of values of differing sizes, value i `sizes[i]` bytes at `pointers[i]` (the
+    verb copies values of differing sizes one by one: each range has one size)."""
+    column = np.asarray(pointers, np.int64)[:, None]
+
+    def copy(targets: np.ndarray, first: int, last: int, hashed: bool, threads: int) -> Any:
+        return copy_values_start(
+            targets, column[first:last], [sizes[first]], to_values=True, hashed=hashed
+        )
+
+    return copy
+
+
+# a Sealing's values, in the order of its keys: (put, first value, count)
+Owners = list[tuple[Put, int, int]]
+
+
+class _Unconfirmed(threading.local):
+    """One thread's registrations whose replies a write did not wait for (write-behind),
+    each with the puts it answers for and the results the call reported."""
+
+    def __init__(self) -> None:
+        self.sealings: list[tuple[Owners, Sealing, list[bool]]] = []
+
+
+def _targets(handle: AllocHandle) -> np.ndarray:
+    return handle.address + np.arange(handle.count, dtype=np.int64) * handle.stride
+
+
+class Writes:
+    """The write algorithm of one handler (`MaruHandler.put` / `confirm_writes`)."""
+
+    def __init__(self, session: Session, alloc: Callable[[int, int], AllocHandle | None]) -> None:
+        """`alloc`: the handler's reservation (`MaruHandler.alloc`: checks, then the supply)."""
+        self._s = session
+        self._alloc = alloc
+        self._unconfirmed = _Unconfirmed()
+        # the ids of threads with unconfirmed registrations: a read's check is a set lookup
+        # (a thread-local lookup costs ~3x more); only a thread adds or removes its own id
+        self.unconfirmed_threads: set[int] = set()
+
+    def put(self, puts: Sequence[Put], *, behind: bool = False, again: bool = True) -> None:
+        """Write every put's values (see the module); fills each put's `results`."""
+        s = self._s
+        for put in puts:
+            self._refuse_bad(put)
+        hashed, threads = s.config.checksums, s.config.copy_threads
+        pieces = 1 if behind else PIPELINE_PIECES
+        sealings: list[tuple[Owners, Sealing]] = []
+        rest: list[tuple[Put, Any, np.ndarray | None]] = []  # sealed together at the end
+        with s.mapper.copying():  # (no region unmapped under the copies)
+            for number, put in enumerate(puts, 1):
+                n = len(put.keys)
+                put.results, put.outcomes = [False] * n, None
+                size = put.uniform()
+                run = self._alloc(size, n) if n and size else None
+                if run is None:  # no free run: value by value (each may evict)
+                    if n:
+                        rest.append((put, *self._value_by_value(put, n, size, hashed)))
+                    continue
+                if n < PIPELINE_MIN_PAGES:
+                    copied, sums = self._copy(put, run, 0, n, hashed, threads)
+                    if copied:
+                        rest.append((put, run, sums))
+                    continue
+                last_put = number == len(puts)
+                step = max(PIPELINE_MIN_PAGES, -(-n // pieces)) if last_put else n
+                for first in range(0, n, step):
+                    last = min(n, first + step)
+                    piece = run.slice(first, last) if step < n else run
+                    started = self._start(put, piece, first, last, hashed, threads)
+                    # While the copier threads copy, this thread makes the registration ready
+                    # (it reads no value) and, on the call's last copy, reads the earlier
+                    # calls' replies that are in (`Sealing.arrived`); the rest after the copy.
+                    sealing = self._sealing(put.keys[first:last], piece, size)
+                    if behind and last_put and last == n:
+                        self.confirm(wait=False)
+                    copied, sums = self._copy(put, piece, first, last, hashed, 0, started)
+                    if copied:
+                        sealings.append(([(put, first, last - first)], sealing.send(sums)))
+        if rest:
+            sealings.append(self._seal_together(rest))
+        # The earlier calls' replies, now: the server answered them during this call's copies.
+        self.confirm()
+        lost: list[Put] = []
+        for owners, sealing in sealings:
+            results, at = sealing.hoped() if behind else sealing.wait(), 0
+            outcomes = None if behind else sealing.outcomes()
+            for put, first, count in owners:
+                put.results[first : first + count] = results[at : at + count]
+                if outcomes is not None:
+                    if put.outcomes is None:
+                        put.outcomes = [StoreOutcome.FAILED] * len(put.keys)
+                    put.outcomes[first : first + count] = outcomes[at : at + count]
+                at += count
+            if behind:
+                self._unconfirmed.sealings.append((owners, sealing, results))
+                self.unconfirmed_threads.add(threading.get_ident())
+            elif sealing.regions_lost:  # the bytes went to memory the server forgot
+                lost += [put for put, _, _ in owners if put not in lost]
+        if lost and again:
+            log.info("writing the %d values again", sum(len(p.keys) for p in lost))
+            self.put(lost, behind=False, again=False)
+
+    def _refuse_bad(self, put: Put) -> None:
+        """Bad keys and empty values of `put` (logged, counted in `refused_stores`) get
+        nothing reserved: they fail, the rest goes on."""
+        s = self._s
+        n, size = len(put.keys), put.size
+        sizes = size if not isinstance(size, int) else () if size > 0 else [size] * n
+        refused = refuse_bad_stores(put.keys, sizes, s.refused_stores, s.instance_id)
+        if refused:
+            if isinstance(put.size, int):
+                put.size = [put.size] * len(put.keys)
+            put.size = [0 if i in refused else v for i, v in enumerate(put.size)]
+
+    def _sealing(self, keys: Sequence[Key], handles: Any, lengths: Any) -> Sealing:
+        """A registration made ready, its keys checked already (`_refuse_bad`)."""
+        return Sealing(self._s, keys, handles, lengths)
+
+    def _value_by_value(
+        self, put: Put, n: int, size: int, hashed: bool
+    ) -> tuple[list[AllocHandle | None], np.ndarray | None]:
+        """`put` value by value, when no run of its size is free: a reservation per value
+        (None where none could be made, or for an empty value) and, with `hashed`, each
+        value's checksum. A reservation may re-handshake with a restarted server that forgot
+        the region of an earlier one (now unmapped): then all are reserved once more."""
+        s = self._s
+        sizes = [size] * n if size else [int(v) for v in put.size]  # type: ignore[union-attr]
+        if size and n == 1:  # (one value: `alloc` evicted for it already)
+            return [None], None
+        for _ in range(2):
+            handles = [self._alloc(v, 1) if v > 0 else None for v in sizes]
+            if all(h is None or s.chunks.holds(h) for h in handles):
+                break
+            for handle in handles:
+                if handle is not None:
+                    s.chunks.give_back(handle)
+        sums: np.ndarray | None = np.zeros(n, np.int64) if hashed else None
+        for i, handle in enumerate(handles):
+            if handle is not None and s.chunks.holds(handle):
+                copied, got = self._copy(put, handle, i, i + 1, hashed, 1)
+                if not copied:  # the key fails (sealed with no handle)
+                    handles[i] = None
+                elif got is None:  # (a copy that does not hash: the seal hashes in the pool)
+                    sums = None
+                elif sums is not None:
+                    sums[i] = got[0]
+        return handles, sums
+
+    @staticmethod
+    def _start(
+        put: Put, handle: AllocHandle, first: int, last: int, hashed: bool, threads: int
+    ) -> Any:
+        """`put.copy` begun into `handle`; a fault while it begins is kept for `_copy` to
+        report at `finish()`."""
+        try:
+            return put.copy(_targets(handle), first, last, hashed, threads)
+        except CopyFaultError as exc:
+            return _Faulted(exc)
+
+    def _copy(
+        self,
+        put: Put,
+        handle: AllocHandle,
+        first: int,
+        last: int,
+        hashed: bool,
+        threads: int,
+        started: Any = None,
+    ) -> tuple[bool, np.ndarray | None]:
+        """Copy values [first, last) of `put` into `handle` (or finish `started`): (True,
+        checksums or None); (False, None) if the memory faulted under it: the values fail,
+        the handle's chunks are given back unsealed."""
+        if started is None:
+            started = self._start(put, handle, first, last, hashed, threads)
+        try:
+            sums = started.finish() if hasattr(started, "finish") else started
+        except CopyFaultError as exc:
+            log.warning(
+                "write: pages %d-%d of a %s batch failed, the pool's memory faulted under "
+                "the copy: %s",
+                first,
+                last - 1,
+                put.name,
+                exc,
+            )
+            self._s.chunks.give_back(handle)
+            return False, None
+        return True, sums
+
+    def _seal_together(
+        self, rest: list[tuple[Put, Any, np.ndarray | None]]
+    ) -> tuple[Owners, Sealing]:
+        """One registration for several whole puts' values (`put`'s `rest`)."""
+        if len(rest) == 1:  # (one run or one put's values: sealed as they are)
+            put, handles, sums = rest[0]
+            lengths = put.size if isinstance(put.size, int) else list(put.size)
+            return [(put, 0, len(put.keys))], self._sealing(put.keys, handles, lengths).send(sums)
+        keys: list[Key] = []
+        handles_all: list[AllocHandle | None] = []
+        lengths_all: list[int] = []
+        sums_all: list[np.ndarray] = []
+        owners: Owners = []
+        for put, held, sums in rest:
+            n = len(put.keys)
+            keys += put.keys
+            handles_all += held if isinstance(held, list) else held.split()
+            lengths_all += [put.size] * n if isinstance(put.size, int) else list(put.size)
+            owners.append((put, 0, n))
+            if sums is not None:
+                sums_all.append(sums)
+        checksums = np.concatenate(sums_all) if len(sums_all) == len(rest) else None
+        return owners, self._sealing(keys, handles_all, lengths_all).send(checksums)
+
+    def confirm(self, wait: bool = True) -> int:
+        """Wait until the server has registered every value this thread's write-behind calls
+        returned for: from then on every instance finds them. Returns how many values those
+        calls reported stored whose registration failed (logged, told to each put's
+        `on_late`): they read as misses. `wait=False`: only the registrations whose replies
+        are in, oldest first (a write's, during its copy)."""
+        thread = threading.get_ident()
+        if thread not in self.unconfirmed_threads:  # (a read's usual case)
+            return 0
+        unconfirmed = self._unconfirmed.sealings
+        if not wait:
+            ready = 0
+            while ready < len(unconfirmed) and unconfirmed[ready][1].arrived():
+                ready += 1
+            unconfirmed, self._unconfirmed.sealings = unconfirmed[:ready], unconfirmed[ready:]
+        else:
+            self._unconfirmed.sealings = []
+        if not self._unconfirmed.sealings:
+            self.unconfirmed_threads.discard(thread)
+        lost_total = 0
+        for owners, sealing, reported in unconfirmed:
+            results, at = sealing.wait(), 0
+            if results == reported:  # (the usual outcome: no per-value step)
+                continue
+            for put, _first, count in owners:
+                span = zip(reported[at : at + count], results[at : at + count])
+                lost = sum(1 for said, got in span if said and not got)
+                at += count
+                if lost and put.on_late is not None:
+                    put.on_late(lost)
+                lost_total += lost
+        if lost_total:
+            log.warning(
+                "%d page(s) an earlier write reported stored may not be registered (the "
+                "reason is logged above): they may read as misses",
+                lost_total,
+            )
+        return lost_total
+
+
+class _Faulted:
+    """A copy that faulted as it began: `finish()` raises the fault."""
+
+    def __init__(self, exc: CopyFaultError):
+        self.exc = exc
+
+    def finish(self) -> None:
+        raise self.exc
