@@ -4,7 +4,7 @@
         --rev HEAD~1 --method _write --case mha-64K --rounds 40      # ~1-2 min
 
 Whole runs of `bench_hicache.py`, build against build, drift on a shared VM by more than most
-changes of the data path are worth (docs/performance-history.md, session 19). Here one writer
+changes of the data path are worth (benchmarks/results/history.md, session 19). Here one writer
 process and one `maru-server` run both versions: the method's source at `--rev` is compiled
 into `maru_sglang.maru_storage`'s namespace (A) beside the working tree's (B), and each round
 runs A, B and the `stream` copy (the limit of bench_hicache.py) in a seeded random order over

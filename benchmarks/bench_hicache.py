@@ -1463,7 +1463,7 @@ def bench_keys(plan, prog) -> list[dict]:
 
 def scheduler_settings() -> str:
     """The kernel command line's `sched*` settings: a VM's vCPU packing shows here (it puts a
-    woken server on its writer's vCPU after idle: docs/performance-history.md, issue 17,
+    woken server on its writer's vCPU after idle: benchmarks/results/history.md, issue 17,
     sessions 26-27)."""
     try:
         words = Path("/proc/cmdline").read_text().split()

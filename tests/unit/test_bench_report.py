@@ -149,3 +149,16 @@ def test_finish_writes_one_stem_of_files_and_the_footer(tmp_path, capsys):
     assert md.startswith("TABLE\n\n1-min load at end ") and "run took" in md
     out = capsys.readouterr().out
     assert "TABLE" in out and "(no matplotlib: no PNG)" in out
+
+
+def test_a_benchmark_run_leaves_its_plot_beside_its_tables(tmp_path, monkeypatch):
+    """matplotlib is in the `dev` extra: a run draws its PNG, never "matplotlib not
+    installed: no plot"."""
+    import bench_sglang_ttft as T
+
+    monkeypatch.setattr(T, "RESULTS", tmp_path)
+    row = {"a": 1.0, "b": 0.2, "c": 0.3, "d": 0.35}
+    summary = [{"backend": b, "tokens": 512, **row} for b in ("maru", "file")]
+    png = T.plot(summary, [512])
+    assert png == tmp_path / "sglang_ttft.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

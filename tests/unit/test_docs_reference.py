@@ -89,7 +89,8 @@ def test_every_metric_is_in_the_operations_guide(tmp_path):
 
 def test_performance_keeps_one_current_table_per_benchmark():
     """docs/performance.md: a targets table, then per benchmark script one section with its
-    command, one dated table and how to read it; the run-by-run log is the history file."""
+    command, one dated table and how to read it; the run-by-run log lives outside the docs a user
+    reads, in benchmarks/results/history.md."""
     text = doc("performance.md")
     assert len(text.splitlines()) < 300  # about 30 lines a benchmark, not a run log
     assert "## Targets" in text and "**Machine**" in text
@@ -100,8 +101,8 @@ def test_performance_keeps_one_current_table_per_benchmark():
         assert len(re.findall(r"^\*\*\d{4}-\d{2}-\d{2}\*\*", section, re.MULTILINE)) == 1, name
         assert "```bash" in section and name in section.split("```bash")[1], name
         assert "How to read it" in section, name
-    history = doc("performance-history.md")
-    assert "(performance-history.md" in text and "### Session 1 figures" in history
+    history = (DOCS.parent / "benchmarks" / "results" / "history.md").read_text()
+    assert "](../benchmarks/results/history.md)" in text and "### Session 1 figures" in history
 
 
 def test_links_between_docs_point_at_files_and_headings_that_exist():
@@ -114,3 +115,12 @@ def test_links_between_docs_point_at_files_and_headings_that_exist():
             assert (DOCS / target).exists(), f"{page.name} links to missing {target}"
             if anchor:
                 assert anchor in anchors(doc(target)), f"{page.name} -> {target}#{anchor}"
+
+
+def test_user_docs_cite_no_issue_or_session_numbers():
+    """A user reads the docs, not the project's work log: no internal issue, session or #N
+    numbers in README.md and docs/ (dated runs go to benchmarks/results/history.md)."""
+    pattern = re.compile(r"\b(?:issues?|sessions?) \d+|(?<![\w&])#\d+\b", re.IGNORECASE)
+    pages = [DOCS.parent / "README.md", *sorted(DOCS.glob("*.md"))]
+    hits = [f"{p.name}: {m.group()}" for p in pages for m in pattern.finditer(p.read_text())]
+    assert not hits, hits
