@@ -19,7 +19,9 @@ from .workers import (
     flood_leases,
     keep_writing,
     make_value,
+    many_handlers_store,
     run_processes,
+    store_keys,
     write_under_a_lease_flood,
 )
 
@@ -46,11 +48,28 @@ def test_an_instance_past_its_region_quota_stores_within_it_and_starves_no_one(
     assert max(i for i, _ in found) == 23
     assert "bytes of regions: its quota is 8388608 refused" in server.read_log()
 
-    other = handler(server.url, pool_size="16M")  # the rest of the pool is still there
-    assert other.batch_store([f"other/{i}" for i in range(8)], values[:8]) == [True] * 8
+    # the rest of the pool is still there, for another process (a quota is a process's)
+    sizes = [MiB - 100] * 8
+    (other,) = run_processes(
+        [(store_keys, (server.url, [f"other/{i}" for i in range(8)], sizes, 0, 8, {}))], 120
+    )
+    assert other["ok"] == [True] * 8
     assert server.alive()
     greedy.close()
-    other.close()
+
+
+def test_a_region_quota_counts_a_process_not_each_of_its_handlers(maru_server_factory):
+    """One process with six handlers (instances) at an 8 MiB quota: before, each instance
+    had its own quota and the process took far more than 8 MiB (the attack suite saw 40 MiB);
+    now the quota counts the regions of every instance the process holds together. Its
+    handlers store within it (each making room among its own keys; one that holds nothing
+    while the process is at its quota is refused), and every acknowledged value reads back as
+    written or, evicted for room, as a miss: never another's bytes."""
+    server = maru_server_factory(pool_size="64M", extra_args=["--quota-region-bytes", "8M"])
+    (result,) = run_processes([(many_handlers_store, (server.url, 6, 6, MiB - 100))], 180)
+    assert sum(result["held"]) <= 8 * MiB, result["held"]
+    assert result["acked"] > 0 and "ok" in result["reads"] and "wrong" not in result["reads"]
+    assert "(process " in server.read_log()  # the refusal names the process
 
 
 def test_a_leased_lookup_past_the_lease_quota_is_a_miss_and_frees_up(maru_server_factory):

@@ -8,6 +8,7 @@ import math
 import multiprocessing as mp
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -88,6 +89,29 @@ def run_processes(jobs: Sequence[tuple[Callable[..., dict], tuple]], timeout: fl
                 p.kill()
                 p.join(5)
     return [results[i] for i in range(len(procs))]
+
+
+def resident_bytes(address: int) -> int:
+    """Bytes of this process's mapping that starts at `address` that its page tables map
+    (/proc/self/smaps Rss): what a first copy through it will not fault on."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):
+            inside = int(fields[0].split("-")[0], 16) == address
+        elif inside and fields and fields[0] == "Rss:":
+            return int(fields[1]) * KiB
+    return 0
+
+
+def populated_mappings(h: Any) -> dict[int, tuple[int, int]]:
+    """{region id: (its length, bytes of it mapped in)} of every region `h` maps, once the
+    regions' population is over (at most 60 s)."""
+    mapper = h._mapper
+    if not mapper.wait_populated(60):
+        raise AssertionError("regions still populating after 60 s")
+    mapped = {rid: mapper.get(rid) for rid in mapper.region_ids()}
+    return {rid: (m.handle.length, resident_bytes(m.address)) for rid, m in mapped.items() if m}
 
 
 # -- workers -----------------------------------------------------------------------------------
@@ -304,3 +328,43 @@ def flood_leases(url: str, batch: int, progress: Any, filled: Any, flooded: Any,
         return {"most_leased": most}
     finally:
         h.close()
+
+
+def map_and_read(url: str, keys: list[str], size: int, seed: int) -> dict:
+    """A new instance (eager map at connect): how much of each region it mapped is mapped in
+    before it reads anything, then the digests of `keys` read back (None: a miss)."""
+    h = _handler(url, pool_size="4M", chunk_size_bytes=size)
+    try:
+        before = populated_mappings(h)
+        out = np.zeros((len(keys), size), np.uint8)
+        buffers = out.ctypes.data + np.arange(len(keys), dtype=np.int64)[:, None] * size
+        got = h.read(keys, buffers, np.array([size], np.int64), length=size)
+        digests = [digest(out[i]) if hit else None for i, hit in enumerate(got)]
+        return {"mapped": {str(k): v for k, v in before.items()}, "digests": digests}
+    finally:
+        h.close()
+
+
+def many_handlers_store(url: str, handlers: int, values: int, size: int) -> dict:
+    """One process, `handlers` handlers, storing `values` values of `size` bytes each, in
+    turns (each under its own keys); the region bytes each instance holds at the end, the
+    stores acknowledged, and how each handler's acknowledged values read back: "ok", "miss"
+    (evicted to make room) or "wrong"."""
+    hs = [_handler(url, pool_size="64M", chunk_size_bytes="1M") for _ in range(handlers)]
+    try:
+        acked: list[tuple[int, str]] = []
+        for i in range(values):
+            for n, h in enumerate(hs):
+                if h.store(f"many/{n}/{i}", make_value(n * 1000 + i, size)):
+                    acked.append((n, f"many/{n}/{i}"))
+        reads = []
+        for n, key in acked:
+            got = hs[n].retrieve(key)
+            want = digest(make_value(n * 1000 + int(key.rsplit("/", 1)[1]), size))
+            reads.append("miss" if got is None else "ok" if digest(got.view) == want else "wrong")
+        stats = hs[0].stats()["instances"]
+        held = [stats[h.instance_id]["region_bytes"] for h in hs]
+        return {"held": held, "acked": len(acked), "reads": reads}
+    finally:
+        for h in hs:
+            h.close()

@@ -5,8 +5,10 @@ eviction's `reclaim`: parked by their idle owners, or orphaned). Every live inst
 fair share of the pool (its capacity over the instances): one below its share that finds no
 room makes those above theirs give regions back (`shed`, on their next reply), and while it
 waits, no instance grows past its own share. Quotas (`--quota-region-bytes`) bound what one
-instance holds. Parking (an idle owner's promise not to write in a region before it unparks
-it) and returning a region are here too.
+client process holds: the regions of every instance its process holds on the local socket
+count together (a process with six handlers is one client, not six), an instance over TCP
+alone (its process cannot be told). Parking (an idle owner's promise not to write in a
+region before it unparks it) and returning a region are here too.
 
 The grants see of the registry only the pool, the regions, the instances, the counters, the
 log throttle and the eviction's `reclaim`.
@@ -70,11 +72,11 @@ class RegionGrants:
                 f"is {pool.capacity} bytes",
             )
         if self.quota_region_bytes:
-            held = self.region_bytes(inst)
+            held, whose = self.quota_held(inst)
             room = (self.quota_region_bytes - held) // pool.alignment * pool.alignment
             if room < least:
-                what = "bytes of regions"
-                raise over_quota(self.log_throttle, inst, what, held, self.quota_region_bytes)
+                quota = self.quota_region_bytes
+                raise over_quota(self.log_throttle, inst, "bytes of regions", held, quota, whose)
             length = min(length, room)
         share, held = self.fair_share(), self.region_bytes(inst)
         now = time.monotonic()
@@ -103,6 +105,18 @@ class RegionGrants:
     def region_bytes(self, inst: Instance) -> int:
         """The bytes of the regions `inst` owns (returned ones no longer count)."""
         return sum(self.regions[r].length for r in inst.regions)
+
+    def quota_held(self, inst: Instance) -> tuple[int, str]:
+        """The region bytes `--quota-region-bytes` counts for `inst`: those of every instance
+        held by the same process (`ProcessWatch`: the local socket's peer), else its own; and
+        a note naming that process for the refusal's message."""
+        processes = self.instances.processes
+        pid = processes.holder(inst.instance_id)
+        if pid is None:
+            return self.region_bytes(inst), ""
+        group = [i for i in self.instances.values() if processes.holder(i.instance_id) == pid]
+        held = sum(self.region_bytes(i) for i in group)
+        return held, f" (process {pid}, {len(group)} instances)"
 
     def _ask_to_shed(self, instance_id: str, share: int) -> list[str]:
         """Ask every instance above `share` to give back what it holds over it (`shed`, on
@@ -195,10 +209,10 @@ class RegionGrants:
 
 
 def over_quota(
-    log_throttle: Throttle, inst: Instance, what: str, held: int, quota: int
+    log_throttle: Throttle, inst: Instance, what: str, held: int, quota: int, whose: str = ""
 ) -> ProtocolError:
-    """QUOTA_EXCEEDED for `inst`, logged (throttled)."""
-    message = f"instance {inst.instance_id} holds {held} {what}: its quota is {quota}"
+    """QUOTA_EXCEEDED for `inst`, logged (throttled); `whose`: who else the count includes."""
+    message = f"instance {inst.instance_id}{whose} holds {held} {what}: its quota is {quota}"
     held_log = log_throttle.allow(("quota", what, inst.instance_id))
     if held_log is not None:
         log.warning(
