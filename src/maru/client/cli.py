@@ -134,10 +134,11 @@ def _index_line(s: Stats) -> str:
 
 
 def reaping_in(s: Stats, instance: Stats) -> float | None:
-    """Seconds until the server reaps an instance that stopped sending (it missed two
-    heartbeats: a live one sends every third of the timeout), else None (alive)."""
+    """Seconds until the server reaps an instance that is gone, else None (alive). Gone: its
+    TCP connection closed (`dropped`, at once), or it missed two heartbeats (a live one
+    sends every third of the timeout)."""
     timeout, idle = s["heartbeat_timeout"], instance["idle_seconds"]
-    if idle < timeout * 2 / 3:
+    if idle < timeout * 2 / 3 and not instance.get("dropped"):
         return None
     return max(0.0, timeout - idle)
 

@@ -10,6 +10,12 @@ A credential is one process's (`ProcessWatch.claim`), and resumes its instance o
 server has it: once the instance is gone (DISCONNECT, reaped, or nothing of it outlived a
 restart; the journal's "X" record drops it) a HANDSHAKE presenting it gets a new instance.
 
+A TCP client's connections (ZeroMQ routing ids, one per DEALER: one per thread of a handler)
+are noted as it speaks (`touch`); when the last one drops (`route_dropped`: the peer's process
+died, or the network cut it) the instance shows as `dropped` ("gone" in `maru status`) at
+once. It is still reaped only after `--heartbeat-timeout`: a dropped connection may be a live
+process on another host, which ZeroMQ reconnects, and whose next message shows it connected.
+
 The table sees of the registry only what it uses (the regions, the session signer, a way to let
 go of an instance's pins and leases, the log throttle and the counters), not the registry."""
 
@@ -53,6 +59,8 @@ class Instance:
     park_seq: int = 0  # the sequence number of the last PARK_REGIONS applied
     lease_bytes: int = 0  # bytes of the keys its leases hold (--quota-lease-bytes)
     shed: int = 0  # bytes of regions to ask it to give back, on its next reply (fair share)
+    routes: set[bytes] = field(default_factory=set)  # its TCP connections (ZMQ routing ids)
+    dropped: bool = False  # its last TCP connection dropped, and it has not spoken since
 
 
 class InstanceTable(dict[str, Instance]):
@@ -76,6 +84,7 @@ class InstanceTable(dict[str, Instance]):
         self.sessions: dict[str, str] = {}  # credential -> instance id (`open_session`)
         self.processes = ProcessWatch()  # the process holding each instance, where known
         self.reap_hold = reap_hold
+        self.routes: dict[bytes, str] = {}  # ZMQ routing id -> the instance that spoke on it
 
     def require(self, instance_id: Any) -> Instance:
         """The instance a request that needs one names (UNKNOWN_INSTANCE: handshake first)."""
@@ -87,12 +96,37 @@ class InstanceTable(dict[str, Instance]):
         inst.last_seen = time.monotonic()
         return inst
 
-    def touch(self, instance_id: Any) -> None:
+    def touch(self, instance_id: Any, route: bytes | None = None) -> None:
         """Any message naming a known instance is a sign of life (heartbeats, and the lookups
-        of a read-only client, do not go through `instance()`)."""
+        of a read-only client, do not go through `instance()`), and shows it connected.
+        `route`: the ZMQ routing id it came on (None: the local socket)."""
         inst = self.get(instance_id) if isinstance(instance_id, str) else None
         if inst is not None:
             inst.last_seen = time.monotonic()
+            inst.dropped = False
+            if route is not None and route not in inst.routes:
+                inst.routes.add(route)
+                self.routes[route] = instance_id
+
+    def route_dropped(self, route: bytes) -> None:
+        """A TCP connection closed (`TcpEndpoint`'s socket monitor). If it was the last of an
+        instance whose process the server does not watch, show the instance as dropped
+        (gone) now; reaping still waits for the heartbeat timeout (see the module's doc)."""
+        instance_id = self.routes.pop(route, None)
+        inst = self.get(instance_id) if instance_id is not None else None
+        if inst is None:
+            return
+        inst.routes.discard(route)
+        if inst.routes or inst.dropped or self.processes.pids(inst.instance_id):
+            return
+        inst.dropped = True
+        log.info(
+            "instance %s: its TCP connection dropped (its process exited, or the network cut "
+            "it): gone; reaped after --heartbeat-timeout without a message, unless it "
+            "reconnects",
+            instance_id,
+            extra={"instance": instance_id},
+        )
 
     def handshake(self, instance_id: str, pid: int, chunk_size: int = 0) -> list[RegionHandle]:
         """(Re)attach an instance; returns the regions it still owns (after a reconnect).
@@ -139,6 +173,9 @@ class InstanceTable(dict[str, Instance]):
             self.regions.release(self.regions[region_id], hold)
             inst.regions.discard(region_id)
         del self[instance_id]
+        for route in inst.routes:
+            if self.routes.get(route) == instance_id:
+                del self.routes[route]
         self.sessions.pop(self.signer.session(instance_id), None)
         self.processes.forget(instance_id)
         log.info(

@@ -164,6 +164,11 @@ INSTANCE_GAUGES: dict[str, tuple[str, str]] = {
         "maru_instance_idle_seconds",
         "Seconds since the instance's last message (reaped after the heartbeat timeout).",
     ),
+    "dropped": (
+        "maru_instance_dropped",
+        "1 once the instance's TCP connection closed and it has not spoken since (gone; "
+        "reaped after the heartbeat timeout unless it reconnects).",
+    ),
 }
 
 # per-instance counter field -> (metric name without _total, help)
@@ -264,6 +269,7 @@ def registry_stats(registry: StatsSource) -> dict[str, Any]:
             "pins": sum(i.pins.values()),
             "leases": len(i.leases),
             "idle_seconds": round(max(0.0, now - i.last_seen), 3),
+            "dropped": i.dropped,  # its TCP connection closed: gone (`maru status`)
             "watched_pids": registry.instances.processes.pids(i.instance_id),
         }
     orphaned = [r for r in list(regions.values()) if r.returned]

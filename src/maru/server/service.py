@@ -111,7 +111,13 @@ class MaruService:
         self._started_monotonic = time.monotonic()
         self.metrics_url: str | None = None  # set when `--metrics-port` serves Prometheus
         self.context = zmq.Context.instance()
-        self.tcp = TcpEndpoint(self.context, bind_url, curve_secret_key, curve_clients)
+        self.tcp = TcpEndpoint(
+            self.context,
+            bind_url,
+            curve_secret_key,
+            curve_clients,
+            on_drop=registry.instances.route_dropped,  # `maru status`: gone at once
+        )
         self.endpoint = self.tcp.endpoint
         self.local: LocalSocketServer | None = None
         address = local_address(local_socket, self.endpoint, registry.signer.server_tag())
@@ -154,11 +160,16 @@ class MaruService:
     # -- loop --------------------------------------------------------------------------------
 
     def handle_frame(
-        self, frame: bytes, peer: Peer | None = None, refused: str | None = None
+        self,
+        frame: bytes,
+        peer: Peer | None = None,
+        refused: str | None = None,
+        route: bytes | None = None,
     ) -> bytes:
         """Turn one request frame into one reply frame. Never raises. `peer`: the Unix
         connection it came on (its process is watched for the instance it speaks for).
-        `refused`: why its sender may no longer ask anything (NOT_AUTHORIZED).
+        `refused`: why its sender may no longer ask anything (NOT_AUTHORIZED). `route`: the
+        ZMQ routing id it came on (its instance shows gone when that connection drops).
 
         A successful request's time, from decoding its frame to its encoded reply, goes into
         its operation's histogram; a failed one counts as an error of its operation (or as an
@@ -183,7 +194,7 @@ class MaruService:
             body["via_local"] = peer is not None  # on this node for sure (the local index)
             if iid is not None:
                 self._check_holder(iid, peer)
-            self.registry.instances.touch(iid)  # any message is a sign of life
+            self.registry.instances.touch(iid, route)  # any message is a sign of life
             handler = HANDLERS.get(msg_type)  # (`maru.server.handlers`)
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg_type}")
@@ -198,6 +209,8 @@ class MaruService:
                     raise JournalWriteError(journal.state_dir, journal.write_error)
             reply = handler(self, body)
             reply["ok"] = True
+            if route is not None and msg_type == MsgType.HANDSHAKE:  # its connection, too
+                self.registry.instances.touch(reply["iid"], route)
             # Freed pages, and a request to give regions back (fair share), are handed out
             # once; not on a RELEASE reply, which the client sends without waiting and may
             # never read.

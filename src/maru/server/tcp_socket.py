@@ -11,6 +11,12 @@ order, on a later turn of the loop. As on the local socket, a client that stops 
 stalls only itself: past `OUT_LIMIT` bytes of replies waiting for it, its requests wait
 unanswered (at most RCVHWM of them, `OUT_LIMIT` bytes), and past that they are dropped,
 counted (`replies_dropped`) and logged.
+
+Dropped connections are noticed at once (issue 45): ZeroMQ's socket monitor reports each
+closed connection by its file descriptor, and each peer's first message says which descriptor
+it came on (`zmq.SRCFD`), so `serve` can pass the routing id of a closed connection to
+`on_drop` (the instance table shows its instance gone). A client killed on its host closes
+its connections at once; one whose host vanished is still found by its silence.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from maru.common import protocol
 from maru.common.curve import ClientAllowlist
@@ -107,7 +114,8 @@ class TcpEndpoint:
     this key (Z85): only clients that know the server's public key complete the handshake.
     `curve_clients`: and only clients whose own public key is listed there: checked by a ZAP
     thread at connect, and on every request (ZeroMQ keeps a connection open after its key
-    was removed from the list)."""
+    was removed from the list). `on_drop(routing_id)`: called when a peer's connection
+    closed."""
 
     def __init__(
         self,
@@ -115,6 +123,7 @@ class TcpEndpoint:
         bind_url: str,
         curve_secret_key: bytes | None = None,
         curve_clients: Path | None = None,
+        on_drop: Callable[[bytes], None] | None = None,
     ):
         self.authenticator: ThreadAuthenticator | None = None
         self.allowlist: ClientAllowlist | None = None
@@ -132,6 +141,10 @@ class TcpEndpoint:
                 self.authenticator.stop()
             raise
         self.endpoint: str = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.on_drop = on_drop
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.routes: dict[int, bytes] = {}  # file descriptor -> the routing id that spoke on it
+        self.known: set[bytes] = set()  # the routing ids in `routes`
         self.backlog: dict[bytes, Backlog] = {}  # by routing id: peers with replies waiting
         self._retry_ms = RETRY_MS[0]
         self._stuck = Throttle(10.0)
@@ -146,26 +159,34 @@ class TcpEndpoint:
 
     def attach(self, poller: zmq.Poller) -> None:
         poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
 
     def serve(self, events: dict[Any, int], handle: Callable[..., bytes]) -> int:
         """Send the replies that wait (`backlog`), then answer up to BURST requests if
         `events` (one poll's result) says the socket is ready: `handle(frame, refused=why or
-        None)` makes each reply. Returns how many requests went unanswered (the peer
-        vanished, or does not read its replies)."""
+        None, route=the peer's routing id)` makes each reply. Returns how many requests went
+        unanswered (the peer vanished, or does not read its replies)."""
+        if events.get(self.monitor):  # before the requests: a descriptor may be reused
+            self._closed_connections()
         dropped = self._drain(handle) if self.backlog else 0
         if not events.get(self.socket):
             return dropped
-        sock, allowlist = self.socket, self.allowlist
+        sock, allowlist, known = self.socket, self.allowlist, self.known
         for _ in range(BURST):
             try:
+                first = sock.recv(zmq.NOBLOCK, copy=False)  # the routing id
                 # With --curve-clients, each request's frame says which key it came with.
-                parts = sock.recv_multipart(zmq.NOBLOCK, copy=allowlist is None)
+                parts = [first, *sock.recv_multipart(zmq.NOBLOCK, copy=allowlist is None)]
             except zmq.Again:
                 break
             refused = None
             if allowlist is not None:
                 refused = allowlist.revoked(parts[-1].get("User-Id"))
                 parts = [part.bytes for part in parts]
+            else:
+                parts[0] = first.bytes
+            if parts[0] not in known:
+                self._learn(first, parts[0])
             waiting = self.backlog.get(_key(parts[0])) if self.backlog else None
             if waiting is None:
                 dropped += self._send(parts[0], self._answer(parts, refused, handle))
@@ -184,7 +205,43 @@ class TcpEndpoint:
             return protocol.encode_error(
                 0, 0, ErrorCode.BAD_FRAME, f"expected 1 frame, got {len(parts) - 1}"
             )
-        return handle(parts[1], refused=refused)
+        return handle(parts[1], refused=refused, route=parts[0])
+
+    def _learn(self, frame: zmq.Frame, route: bytes) -> None:
+        """Note which connection (file descriptor) a new routing id speaks on. The monitor
+        first: the closed connection whose descriptor this one reuses was reported before
+        it closed (ZeroMQ reports, then closes)."""
+        self._closed_connections()
+        try:
+            fd = frame.get(zmq.SRCFD)
+        except zmq.ZMQError as exc:  # not told: its drop is found by its silence
+            log.debug("no descriptor for a ZMQ peer: %s", exc)
+            return
+        if fd in self.routes:  # closed without a word: gone too
+            self._dropped(fd)
+        self.routes[fd] = route
+        self.known.add(route)
+
+    def _closed_connections(self) -> None:
+        """The connections the monitor says were closed: their peers are gone."""
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._dropped(event["value"])
+
+    def _dropped(self, fd: int) -> None:
+        """The connection on `fd` closed: tell `on_drop` whose it was, and forget the replies
+        still waiting for it."""
+        route = self.routes.pop(fd, None)
+        if route is None:
+            return
+        self.known.discard(route)
+        self.backlog.pop(route, None)
+        if self.on_drop is not None:
+            self.on_drop(route)
 
     def _send(self, identity: Any, reply: bytes) -> int:
         """Send now, or keep the reply in a new Backlog if ZeroMQ will not take it yet.
@@ -257,6 +314,8 @@ class TcpEndpoint:
             self.allowlist.refresh(every=1.0)
 
     def close(self) -> None:
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
         self.socket.close(linger=0)
         if self.authenticator is not None:
             self.authenticator.stop()
