@@ -117,7 +117,7 @@ class MaruHandler(OriginalApi):
             config = MaruConfig(**overrides)
         elif overrides:
             raise TypeError("pass either a MaruConfig or keyword overrides, not both")
-        self._mapper = RegionMapper()
+        self._mapper = RegionMapper(populate=config.eager_map)  # (pages mapped in bulk)
         self._chunks = ChunkBook(config.chunk_size_bytes)
         # what the helpers (seals, lookups, the index, the supply, the writes) share of us;
         # `request` looks `_request` up at each call (a test may wrap it)
@@ -141,7 +141,7 @@ class MaruHandler(OriginalApi):
         self._closed = False  # close() was called (then "Not connected" says so)
         self.connect_error: MaruConnectError | None = None  # why the last connect() failed
         self._supply = RegionSupply(self._s, self._request)
-        self._writes = Writes(self._s, self.alloc)
+        self._writes = Writes(self._s, self.alloc, self._supply)
         self._index: LocalIndexClient | None = None  # the server's, on its node (handshake)
         self._heartbeat = _Heartbeat(self._beat, f"maru-heartbeat-{self.instance_id[:8]}")
         if config.auto_connect:
@@ -340,8 +340,8 @@ class MaruHandler(OriginalApi):
         while we hold less than `pool_size` (the server reclaims other instances' idle regions
         for it when the pool is full); for a single value, evicting the least-recently-used
         idle keys in our own regions (the server picks them and tells us which chunks came
-        free). A run (count > 1) is not evicted for, since eviction frees scattered chunks:
-        reserve value by value then."""
+        free), with one request for a whole run (count > 1); None if the chunks it freed hold
+        no run: reserve value by value then, into those chunks."""
         if size <= 0 or count <= 0:
             raise ValueError(f"alloc needs a positive size and count, got {size}, {count}")
         self._ensure_connected()

@@ -11,11 +11,23 @@ milliseconds: an allocation's copy, a lookup's read). `close()` (the handler clo
 a bounded time, for the copies in flight, and leaves what they still use mapped for the last
 of them to close; a copy of stale addresses after that faults, which the copy loops take as
 a failed copy (`maru.client.memcopy`), not a crash.
+
+A mapper made with `populate=True` (the handler's, with `eager_map`) maps every page of a
+region in bulk right after it maps it, on a background thread, so that the first copy
+through a new mapping does not fault once per 4 KiB page (a writer's own region for writing,
+another instance's for reading: MADV_POPULATE_WRITE / MADV_POPULATE_READ, Linux 5.14; on an
+older kernel MAP_POPULATE, on the mapping's own path). Only the pages the file already holds
+are populated (SEEK_DATA): populating a hole would allocate memory the pool does not use
+yet, so a writer's region is populated where the pool was preallocated or written before.
+A copy that comes first faults as it would have; a populate that fails (the pool truncated
+under it: EFAULT where a touch would be a SIGBUS) is logged and stops, never a crash.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -32,6 +44,55 @@ from maru.common.shmindex import region_tag
 
 log = logging.getLogger(__name__)
 
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # (Linux 5.14; Python 3.11 names neither)
+_POPULATE_STEP = 32 << 20  # bytes per madvise: close() waits for at most one step
+_MAX_EXTENTS = 256  # ranges of a region's file looked up per mapping (`backed_extents`)
+_libc = ctypes.CDLL(None, use_errno=True)  # (ctypes drops the GIL around the call)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_populate_works: bool | None = None  # MADV_POPULATE_* known to work here (None: not tried)
+
+
+def _madvise_populate_works() -> bool:
+    """Whether this kernel has MADV_POPULATE_READ (tried once, on a page of anonymous
+    memory); else mappings take MAP_POPULATE."""
+    global _populate_works
+    if _populate_works is None:
+        probe = mmap.mmap(-1, mmap.PAGESIZE)
+        try:
+            probe.madvise(_MADV_POPULATE_READ)
+            _populate_works = True
+        except (OSError, ValueError):
+            _populate_works = False
+            log.info("this kernel has no MADV_POPULATE_READ: regions are mapped with MAP_POPULATE")
+        finally:
+            probe.close()
+    return _populate_works
+
+
+def backed_extents(fd: int, offset: int, length: int) -> list[tuple[int, int]]:
+    """The (start, end) byte ranges, relative to `offset`, of the file's first `length` bytes
+    from `offset` that the file holds pages for, page aligned: all of them in a file whose
+    every page is allocated (a preallocated pool: a tmpfs's SEEK_DATA calls its fallocated,
+    never written pages holes), else what SEEK_DATA / SEEK_HOLE say. A filesystem that cannot
+    say (a device): all of it. At most `_MAX_EXTENTS` ranges (the first: a bounded cost on the
+    mapping's path, however scattered the file's pages)."""
+    end, extents, pos = offset + length, [], offset
+    try:
+        st = os.fstat(fd)
+        if st.st_size and st.st_blocks * 512 >= st.st_size:
+            return [(0, min(length, st.st_size - offset))] if st.st_size > offset else []
+        while pos < end and len(extents) < _MAX_EXTENTS:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+            if start >= end:
+                break
+            pos = min(os.lseek(fd, start, os.SEEK_HOLE), end)
+            extents.append((start - offset, pos - offset))
+    except OSError as exc:
+        if exc.errno != errno.ENXIO:  # (ENXIO: no data past `pos`)
+            return [(0, length)]
+    page = mmap.PAGESIZE
+    return [(a // page * page, min(-(-b // page) * page, length)) for a, b in extents]
+
 
 @dataclass
 class MappedRegion:
@@ -40,6 +101,7 @@ class MappedRegion:
     view: memoryview  # whole region; writable only for regions this instance owns
     address: int  # virtual address of the region's first byte in this process
     writable: bool
+    backed: tuple[tuple[int, int], ...] = ()  # what the file held when mapped (`backed_extents`)
 
 
 class _Copying(contextlib.AbstractContextManager):
@@ -62,7 +124,10 @@ class RegionMapper:
     """Maps region handles into this process. Regions owned by others are mapped read-only,
     so a bug in one instance cannot scribble over another instance's pages."""
 
-    def __init__(self, retire_s: float = 5.0, close_wait_s: float = 5.0) -> None:
+    def __init__(
+        self, retire_s: float = 5.0, close_wait_s: float = 5.0, *, populate: bool = False
+    ) -> None:
+        """`populate`: map each region's pages in bulk, in the background (see the module)."""
         self._regions: dict[int, MappedRegion] = {}
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when no copy is in flight
@@ -74,6 +139,9 @@ class RegionMapper:
         self._copying = _Copying(self)
         self._listeners: list[Callable[[int], None]] = []
         self._close_listeners: list[Callable[[int], None]] = []
+        self.populate_regions = populate
+        self._to_populate: list[MappedRegion] = []
+        self._populator: threading.Thread | None = None
         # What the local index's probe translates locations with (`maru.common._shmindex`):
         # per mapped region (id, address, length, tag), sorted by id; replaced, never changed.
         self.rows = np.zeros((0, 4), np.int64)
@@ -145,22 +213,90 @@ class RegionMapper:
             flags = os.O_RDWR if writable else os.O_RDONLY
             fd = os.open(handle.path, flags)
             try:
+                backed = backed_extents(fd, handle.offset, handle.length)
                 prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-                mm = mmap.mmap(fd, handle.length, mmap.MAP_SHARED, prot, offset=handle.offset)
+                map_flags = mmap.MAP_SHARED
+                whole = backed == [(0, handle.length)]  # (MAP_POPULATE would fill holes)
+                if self.populate_regions and whole and not _madvise_populate_works():
+                    map_flags |= getattr(mmap, "MAP_POPULATE", 0)  # (no MADV_HUGEPAGE first)
+                mm = mmap.mmap(fd, handle.length, map_flags, prot, offset=handle.offset)
             finally:
                 os.close(fd)
             hugepages.advise(mm)  # before the first touch: 2 MiB pages on a huge=advise tmpfs
             address = int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
             view = memoryview(mm) if writable else memoryview(mm).toreadonly()
-            mapped = MappedRegion(handle, mm, view, address, writable)
+            mapped = MappedRegion(handle, mm, view, address, writable, tuple(backed))
             self._regions[handle.region_id] = mapped
             self._update_rows()
+            if self.populate_regions and backed and _madvise_populate_works():
+                self._to_populate.append(mapped)
+                if self._populator is None or not self._populator.is_alive():  # (or forked)
+                    self._populator = threading.Thread(
+                        target=self._populate_pending, name="maru-populate", daemon=True
+                    )
+                    self._populator.start()
         for listener in self._listeners:
             try:
                 listener(handle.region_id)
             except Exception:
                 log.exception("region listener failed for region %d", handle.region_id)
         return mapped
+
+    def _populate_pending(self) -> None:
+        """The populate thread: populates the regions mapped since, in order; ends when none
+        is left (the next `map` starts another)."""
+        with contextlib.suppress(OSError):  # (the copies, on the same cores, come first)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        while True:
+            with self._lock:
+                if not self._to_populate or self._closing:
+                    self._to_populate.clear()
+                    self._populator = None
+                    return
+                mapped = self._to_populate.pop(0)
+            self.populate(mapped)
+
+    def wait_populated(self, timeout: float) -> bool:
+        """Wait up to `timeout` s until the regions mapped so far are populated (a benchmark,
+        a test); False if some still are not."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                thread = self._populator
+            if thread is None or not thread.is_alive() or thread is threading.current_thread():
+                return True
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                return False
+
+    def populate(self, mapped: MappedRegion) -> bool:
+        """Map the pages of `mapped` that its file held when it was mapped, in steps of
+        `_POPULATE_STEP`, each in a `copying()` block (so the region is not closed under it)
+        and only while it is still mapped here. False (logged) when the kernel refused:
+        e.g. the pool was truncated under the region (EFAULT, where a touch would be a
+        SIGBUS); the region stays usable, its copies fault in what they touch."""
+        advice = _MADV_POPULATE_WRITE if mapped.writable else _MADV_POPULATE_READ
+        region_id = mapped.handle.region_id
+        for start, end in mapped.backed:
+            for at in range(start, end, _POPULATE_STEP):
+                with self.copying():
+                    if self._closing or self._regions.get(region_id) is not mapped:
+                        return True  # (unmapped meanwhile: nothing left to do)
+                    size = min(_POPULATE_STEP, end - at)
+                    if _libc.madvise(mapped.address + at, size, advice) == 0:
+                        continue
+                    code = ctypes.get_errno()
+                log.warning(
+                    "region %d (%s at %d): populating its pages failed at offset %d: %s; "
+                    "its copies map what they touch (a truncated pool fails them)",
+                    region_id,
+                    mapped.handle.path,
+                    mapped.handle.offset,
+                    at,
+                    os.strerror(code),
+                )
+                return False
+        return True
 
     def unmap(self, region_id: int) -> None:
         with self._lock:

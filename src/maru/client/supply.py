@@ -10,6 +10,7 @@ import itertools
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from maru.client.chunks import AllocHandle
@@ -22,6 +23,23 @@ if TYPE_CHECKING:
     from maru.client.session import Request, Session
 
 log = logging.getLogger("maru.client.handler")
+
+# An instance at its `pool_size` asks, for a write's room, as much again: the next write of
+# that size finds its room ready, and asks for the one after (`RegionSupply.ahead`) while it
+# copies; only for writes of at most 1/AHEAD_SHARE of its regions (a small instance keeps
+# its keys: each of its writes asks for its own room, once).
+AHEAD_SHARE = 16
+
+
+@dataclass(frozen=True)
+class Room:
+    """A write's room: `chunks`, the bytes of the chunks it reserves, and `values`, its
+    values' bytes. The server counts what an eviction frees in keys' bytes, not chunks: room
+    for values like these, made of keys like them (pages of one size), is asked in `values`
+    (in chunks it would evict more keys than it needs when values are not chunk multiples)."""
+
+    chunks: int
+    values: int
 
 
 class RegionSupply:
@@ -41,6 +59,8 @@ class RegionSupply:
         self.lock = threading.Lock()
         self._park_seq = itertools.count(1)
         self._shed = 0  # bytes of regions the server asked us to give back (fair share)
+        self.full = False  # we evicted for room: we hold `pool_size` (or the pool is full)
+        self._ahead = threading.local()  # .pending: this thread's EVICT_FOR sent ahead
 
     def reserve(self, size: int, count: int) -> AllocHandle | None:
         """`MaruHandler.alloc`'s work once the owned regions' free chunks (`ChunkBook.take`,
@@ -66,6 +86,7 @@ class RegionSupply:
                 )
             return None
         with self.lock:
+            self._settle()
             handle = self._take_or_unpark(size, count)  # another thread may have made room
             if handle is not None:
                 return handle
@@ -86,7 +107,7 @@ class RegionSupply:
                 except MaruConnectionError as exc:
                     log.warning("instance %s: cannot expand: %s", self.owner.instance_id, exc)
                     return None
-            return self._evict_for(size) if count == 1 else None
+            return self._evict_for(size, count)
 
     def _request_region(self, size: int, need: int) -> dict[str, Any]:
         """REQUEST_REGION's reply. POOL_RECLAIMING (we are below our fair share of the pool,
@@ -131,25 +152,99 @@ class RegionSupply:
                 handle.region_id,
             )
 
-    def _evict_for(self, size: int) -> AllocHandle | None:
-        want = -(-size // self.chunks.chunk_size) * self.chunks.chunk_size
-        for _ in range(6):  # evicted chunks may not be contiguous: ask for more each round
+    def room(self, room: Room) -> None:
+        """Before a write of values of differing sizes, placed value by value: when our
+        free chunks hold less than `room` and no region can be had (we hold `pool_size`),
+        one EVICT_FOR for what is missing (and `_headroom`), so that no value asks on its
+        own."""
+        with self.lock:
+            self._settle()
+            free = self.chunks.free_chunks() * self.chunks.chunk_size
+            if free >= room.chunks or self._next_region_size(room.chunks) is not None:
+                return
+            self.full = True
+            self._evict(room.chunks - free + self._headroom(room))
+
+    def ahead(self, room: Room) -> None:
+        """A write just reserved `room` on a full instance: if less than that stays free,
+        ask now, without waiting, that the server evict the rest in our own regions, so
+        that the next write like it finds its room ready. The server evicts while we copy;
+        the reply's `freed` is applied when this thread next reads a reply (its seal's, or
+        `_settle` before a reservation). One in flight per thread."""
+        if not self.full or not self._headroom(room):
+            return
+        pending = getattr(self._ahead, "pending", None)
+        if pending is not None and not pending.done():
+            return
+        free = self.chunks.free_chunks() * self.chunks.chunk_size
+        if free >= room.chunks or self._next_region_size(room.chunks) is not None:
+            return
+        want = -(-room.values * (room.chunks - free) // room.chunks)  # (in keys like ours)
+        try:
+            self._ahead.pending = self._request(MsgType.EVICT_FOR, {"bytes": want})
+        except MaruError as exc:
+            log.debug("instance %s: eviction ahead failed: %s", self.owner.instance_id, exc)
+
+    def _headroom(self, room: Room) -> int:
+        """What a full instance evicts beyond a write of `room`: the next write's room, if
+        that is at most 1/AHEAD_SHARE of our regions; else nothing."""
+        return room.values if room.chunks * AHEAD_SHARE <= self.chunks.owned_bytes() else 0
+
+    def _settle(self) -> None:
+        """Wait for this thread's eviction sent ahead, if its reply is not in: its chunks
+        are the room a reservation is about to look for."""
+        pending, self._ahead.pending = getattr(self._ahead, "pending", None), None
+        if pending is not None and not pending.done():
             try:
-                reply = self._request(MsgType.EVICT_FOR, {"bytes": want}).result()
+                pending.result()
             except MaruError as exc:
-                log.warning("instance %s: eviction request failed: %s", self.owner.instance_id, exc)
+                log.debug("instance %s: eviction ahead failed: %s", self.owner.instance_id, exc)
+
+    def _evict(self, nbytes: int) -> dict[str, Any] | None:
+        """One EVICT_FOR of `nbytes` in our own regions (the caller holds `lock`): the
+        reply's `freed` chunks are free when it returns (the handler's reply hook applied
+        them); None if the request failed (logged)."""
+        try:
+            return self._request(MsgType.EVICT_FOR, {"bytes": nbytes}).result()
+        except MaruError as exc:
+            log.warning("instance %s: eviction request failed: %s", self.owner.instance_id, exc)
+            return None
+
+    def _evict_for(self, size: int, count: int) -> AllocHandle | None:
+        """Room for `count` values of `size` bytes by evicting in our own regions. A run
+        (count > 1) asks once for what its values lack beyond the chunks free now (and, at
+        `pool_size`, `_headroom`; least recently used keys first: mostly earlier runs of the
+        same size, so the chunks freed are mostly contiguous), nothing if the free chunks
+        hold its values one by one; if they hold no run, None, and the caller places the
+        values one by one into the chunks free. One value asks again, for
+        twice as much, while what was freed holds no run for it."""
+        want = -(-size // self.chunks.chunk_size) * self.chunks.chunk_size
+        if count > 1:  # (in keys like these values: the server counts keys' bytes)
+            room = Room(want * count, size * count)
+            free = self.chunks.free_chunks() * self.chunks.chunk_size
+            if free >= room.chunks:  # no run, but room value by value: nothing to evict
                 return None
-            handle = self._take_or_unpark(size, 1)  # the reply's `freed` was applied already
+            want = -(-room.values * (room.chunks - free) // room.chunks)
+            if self._next_region_size(room.chunks) is None:
+                want += self._headroom(room)
+        self.full = True
+        for _ in range(6 if count == 1 else 1):
+            reply = self._evict(want)
+            if reply is None:
+                return None
+            handle = self._take_or_unpark(size, count)
             if handle is not None:
                 return handle
             if not reply["freed_bytes"]:
                 break
             want *= 2
-        log.warning(
-            "instance %s: no room for %d bytes in pool (all chunks pinned, leased or fragmented)",
-            self.owner.instance_id,
-            size,
-        )
+        if count == 1:
+            log.warning(
+                "instance %s: no room for %d bytes in pool (all chunks pinned, leased or "
+                "fragmented)",
+                self.owner.instance_id,
+                size,
+            )
         return None
 
     def reattach(self, reply: dict[str, Any]) -> int:

@@ -5,9 +5,12 @@ its legacy interface), the vLLM connector, the linker's offload, `store` / `batc
 A caller describes each group of values (`Put`: keys, bytes per value, and how to copy
 value i into shared memory) and the verb does the rest, one way for all:
 
-- reserve one run of chunks for a group of equal-sized values, else value by value (each
-  reservation may evict in our own regions; a region a re-handshake forgot meanwhile makes
-  every reservation of the group start again once);
+- reserve one run of chunks for a group of equal-sized values, else value by value; when
+  our regions are full, the room is made with one eviction in our own regions for the
+  whole write and the next one like it, not one per value, and each write asks, without
+  waiting, for the next one's room while it copies (`RegionSupply.room` / `ahead`); a
+  region a re-handshake forgot meanwhile makes every reservation of the group start
+  again once;
 - copy through the caller's copy function (a host pool's page layout, device memory,
   Python buffers), hashed as copied with `maru_checksums`; a copy that faults
   (`CopyFaultError`: the pool's file truncated under it) fails its values and gives their
@@ -35,6 +38,7 @@ import numpy as np
 from maru.client.chunks import AllocHandle
 from maru.client.memcopy import CopyFaultError, copy_values_start
 from maru.client.requests import Sealing, StoreOutcome, refuse_bad_stores
+from maru.client.supply import RegionSupply, Room
 
 if TYPE_CHECKING:
     from maru.client.session import Session
@@ -130,10 +134,17 @@ def _targets(handle: AllocHandle) -> np.ndarray:
 class Writes:
     """The write algorithm of one handler (`MaruHandler.put` / `confirm_writes`)."""
 
-    def __init__(self, session: Session, alloc: Callable[[int, int], AllocHandle | None]) -> None:
-        """`alloc`: the handler's reservation (`MaruHandler.alloc`: checks, then the supply)."""
+    def __init__(
+        self,
+        session: Session,
+        alloc: Callable[[int, int], AllocHandle | None],
+        supply: RegionSupply,
+    ) -> None:
+        """`alloc`: the handler's reservation (`MaruHandler.alloc`: checks, then `supply`,
+        which also makes a full instance's room for a whole write at once)."""
         self._s = session
         self._alloc = alloc
+        self._supply = supply
         self._unconfirmed = _Unconfirmed()
         # the ids of threads with unconfirmed registrations: a read's check is a set lookup
         # (a thread-local lookup costs ~3x more); only a thread adds or removes its own id
@@ -154,7 +165,9 @@ class Writes:
                 put.results, put.outcomes = [False] * n, None
                 size = put.uniform()
                 run = self._alloc(size, n) if n and size else None
-                if run is None:  # no free run: value by value (each may evict)
+                if number == 1 and self._supply.full:  # (the next write's room, made now)
+                    self._supply.ahead(self._room(puts))
+                if run is None:  # no free run: value by value
                     if n:
                         rest.append((put, *self._value_by_value(put, n, size, hashed)))
                     continue
@@ -202,6 +215,18 @@ class Writes:
             log.info("writing the %d values again", sum(len(p.keys) for p in lost))
             self.put(lost, behind=False, again=False)
 
+    def _room(self, puts: Sequence[Put]) -> Room:
+        """The room `puts` reserve: chunk bytes, and values' bytes."""
+        chunk, chunks, values = self._s.chunks.chunk_size, 0, 0
+        for put in puts:
+            size = put.size
+            each = [(size, len(put.keys))] if isinstance(size, int) else [(v, 1) for v in size]
+            for value, times in each:
+                if value > 0:
+                    chunks += -(-value // chunk) * chunk * times
+                    values += value * times
+        return Room(chunks, values)
+
     def _refuse_bad(self, put: Put) -> None:
         """Bad keys and empty values of `put` (logged, counted in `refused_stores`) get
         nothing reserved: they fail, the rest goes on."""
@@ -229,6 +254,8 @@ class Writes:
         sizes = [size] * n if size else [int(v) for v in put.size]  # type: ignore[union-attr]
         if size and n == 1:  # (one value: `alloc` evicted for it already)
             return [None], None
+        if not size:  # (equal sizes: the run's `alloc` made room for all of them)
+            self._supply.room(self._room([put]))
         for _ in range(2):
             handles = [self._alloc(v, 1) if v > 0 else None for v in sizes]
             if all(h is None or s.chunks.holds(h) for h in handles):

@@ -1,0 +1,142 @@
+"""Issue 42, "room is ready before a writer asks": an instance that holds its `pool_size` of
+regions, all full, makes room for a whole batch with one EVICT_FOR in its own regions (it used
+to ask once per value), never evicting a leased key, and the bytes read back are the bytes
+written: the new batch's, and the older keys' that were not evicted."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from maru import MaruHandler
+from maru.common.protocol import MsgType
+
+from .workers import KiB, MiB, digest, make_value
+
+CHUNK = 64 * KiB
+CAP = 8 * MiB  # the instance's pool_size: 128 chunks
+FULL = CAP // CHUNK
+BATCH = 8  # 512 KiB: a 16th of the instance (it keeps one batch of room ready)
+
+
+def full_instance(url: str, size: int = CHUNK) -> MaruHandler:
+    """An instance whose `pool_size` of regions is all taken and holds keys `old/0..127`
+    (one value of `size` bytes in each 64 KiB chunk, stored in batches, oldest first)."""
+    h = MaruHandler(server_url=url, pool_size=CAP, chunk_size_bytes=CHUNK, timeout_ms=10_000)
+    assert h.connected
+    for first in range(0, FULL, BATCH):
+        keys = [f"old/{i}" for i in range(first, first + BATCH)]
+        assert h.batch_store(keys, [make_value(i, size) for i in range(first, first + BATCH)])
+    assert sum(r.length for r in h.list_allocations()) == CAP
+    assert h._chunks.free_chunks() == 0
+    return h
+
+
+def count_evictions(h: MaruHandler) -> list[int]:
+    """Count the EVICT_FOR requests `h` sends from now on (the supply sends them)."""
+    sent = [0]
+    supply = h._supply
+    request: Callable[..., Any] = supply._request
+
+    def counting(msg_type: MsgType, body: dict[str, Any]) -> Any:
+        if msg_type == MsgType.EVICT_FOR:
+            sent[0] += 1
+        return request(msg_type, body)
+
+    supply._request = counting
+    return sent
+
+
+def read_back(h: MaruHandler, keys: list[str]) -> list[str | None]:
+    """Each key's digest as read under a lease (None: a miss)."""
+    with h.leased(keys) as infos:
+        return [None if info is None else digest(info.view) for info in infos]
+
+
+def test_a_full_instance_makes_room_for_a_batch_with_one_eviction(maru_server_factory):
+    """Each batch of a full instance costs one EVICT_FOR (it was one per page): the first
+    evicts for itself and the next batch; each later one asks, without waiting, for the
+    next batch's room while it copies."""
+    server = maru_server_factory(pool_size="64M")
+    h = full_instance(server.url)
+    rounds = h.stats()["counters"]["eviction_rounds"]
+    sent = count_evictions(h)
+
+    written: dict[str, str] = {}
+    for batch in range(2):
+        keys = [f"new/{batch}/{i}" for i in range(BATCH)]
+        values = [make_value(1000 * (batch + 1) + i, CHUNK) for i in range(BATCH)]
+        assert h.batch_store(keys, values) == [True] * BATCH
+        assert sent[0] == batch + 1  # one request per batch
+        written.update((k, digest(v)) for k, v in zip(keys, values))
+    assert h.stats()["counters"]["eviction_rounds"] == rounds + 2
+    assert read_back(h, list(written)) == list(written.values())
+    old = read_back(h, [f"old/{i}" for i in range(FULL)])
+    # the least recently used pages made the room: two batches' and the next one's
+    assert old[: 3 * BATCH] == [None] * (3 * BATCH)
+    assert old[3 * BATCH :] == [digest(make_value(i, CHUNK)) for i in range(3 * BATCH, FULL)]
+
+    # values of differing sizes (placed one by one, more than a 16th of the instance: no
+    # room made ahead): one request for all of them
+    sizes = [CHUNK // 2 + i for i in range(BATCH)] + [2 * CHUNK - i for i in range(BATCH // 2)]
+    keys = [f"mixed/{i}" for i in range(len(sizes))]
+    values = [make_value(5000 + i, size) for i, size in enumerate(sizes)]
+    assert h.batch_store(keys, values) == [True] * len(keys)
+    assert sent[0] == 3
+    assert read_back(h, keys) == [digest(v) for v in values]
+    assert read_back(h, list(written)) == list(written.values())  # (read last: not evicted)
+    h.close()
+
+
+def test_room_around_leased_keys_takes_one_request_and_spares_them(maru_server_factory):
+    """The batch's room is freed around keys another instance holds under a lease: the freed
+    chunks are not one run, the values go one by one into them with no further request,
+    and the leased keys' bytes are unchanged."""
+    server = maru_server_factory(pool_size="64M")
+    h = full_instance(server.url)
+    reader = MaruHandler(server_url=server.url, pool_size="1M", timeout_ms=10_000)
+    leased_keys = [f"old/{i}" for i in range(0, FULL, 2)]  # every other key
+    sent = count_evictions(h)
+    with reader.leased(leased_keys) as infos:
+        assert all(info is not None for info in infos)
+        keys = [f"new/{i}" for i in range(BATCH)]
+        values = [make_value(3000 + i, CHUNK) for i in range(BATCH)]
+        assert h.batch_store(keys, values) == [True] * BATCH
+        assert sent[0] == 1
+        assert [digest(info.view) for info in infos] == [
+            digest(make_value(i, CHUNK)) for i in range(0, FULL, 2)
+        ]
+    assert read_back(h, keys) == [digest(v) for v in values]
+    old = read_back(h, [f"old/{i}" for i in range(FULL)])
+    assert [old[i] for i in range(1, 2 * BATCH, 2)] == [None] * BATCH  # the unleased went
+    assert [old[i] for i in range(0, FULL, 2)] == [
+        digest(make_value(i, CHUNK)) for i in range(0, FULL, 2)
+    ]
+    reader.close()
+    h.close()
+
+
+def test_room_for_values_short_of_a_chunk_evicts_no_more_keys_than_it_needs(
+    maru_server_factory,
+):
+    """The server counts an eviction's bytes by keys' lengths: room for a batch of 60,000-byte
+    values (in 64 KiB chunks) is asked in their bytes, so each batch evicts as many keys as
+    it writes (in chunks' bytes it would evict one key more every 15)."""
+    server = maru_server_factory(pool_size="64M")
+    size = 60_000
+    h = full_instance(server.url, size)
+    evicted = h.stats()["counters"]["evictions"]
+    sent = count_evictions(h)
+    batches = 4
+    for batch in range(batches):
+        keys = [f"new/{batch}/{i}" for i in range(BATCH)]
+        values = [make_value(7000 + 100 * batch + i, size) for i in range(BATCH)]
+        assert h.batch_store(keys, values) == [True] * BATCH
+        assert read_back(h, keys) == [digest(v) for v in values]
+    assert sent[0] == batches
+    # the batches' room and the next one's, exactly
+    assert h.stats()["counters"]["evictions"] - evicted == (batches + 1) * BATCH
+    old = read_back(h, [f"old/{i}" for i in range(FULL)])
+    keep = range((batches + 1) * BATCH, FULL)
+    assert [old[i] for i in keep] == [digest(make_value(i, size)) for i in keep]
+    h.close()
