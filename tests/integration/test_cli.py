@@ -21,7 +21,16 @@ from pathlib import Path
 import pytest
 
 from maru import MaruAdmin, MaruHandler
-from maru.client.cli import build_parser, cmd_monitor, main, render_instances, render_status
+from maru.client.cli import (
+    MonitorFrame,
+    Rows,
+    build_parser,
+    cmd_monitor,
+    main,
+    render_instances,
+    render_status,
+    rich_frame,
+)
 from maru.common import hugepages
 
 WRITER = "cli-writer"
@@ -570,6 +579,26 @@ def test_monitor_on_a_terminal_is_drawn_by_rich(maru_server, writer):
     assert rc == 0, err
     assert "POOL" in screen and "Ctrl-C quits" in screen
     assert "\x1b[?1049h" in screen and "\x1b[?1049l" in screen  # its own screen, given back
+    # its tables are rich tables: box-drawn borders around the columns, the writer a row
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen)  # (colours and cursor moves)
+    assert re.search(r"┃ INSTANCE +┃ +PID ┃ +REGIONS ┃", text), text
+    assert re.search(r"┃ OP +┃", text), text
+    assert "┏━" in text and "┡━" in text and "└─" in text
+    assert re.search(rf"│ {re.escape(writer.instance_id)} +│ +{os.getpid()} │", text), text
+
+
+def test_monitor_live_view_draws_instance_ids_as_given_not_as_markup():
+    """Instance ids are the clients' strings: rich must not read `[/x]` as markup (a
+    MarkupError would end the live view)."""
+    console_mod = pytest.importorskip("rich.console")
+    ids = ["[/x]", "[bold]y"]
+    frame = MonitorFrame(
+        "maru monitor", tables=[Rows(["INSTANCE", "PID"], [[i, "1"] for i in ids], {1}, "-")]
+    )
+    console = console_mod.Console(file=io.StringIO(), width=80, color_system=None)
+    console.print(rich_frame(frame))
+    drawn = console.file.getvalue()
+    assert all(re.search(rf"│ {re.escape(i)} +│ +1 │", drawn) for i in ids), drawn
 
 
 def test_monitor_on_a_terminal_without_rich_names_the_extra(maru_server, tmp_path):

@@ -20,9 +20,10 @@ import math
 import sys
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from maru import __version__
 from maru.client.admin import (
@@ -37,6 +38,9 @@ from maru.common.config import ConfigError, OneLineParser, fmt_bytes, number_arg
 from maru.common.curve import write_keypair
 from maru.common.errors import MaruConnectError, MaruConnectionError, MaruError
 from maru.common.protocol import MAX_LIST_KEYS
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
 
 Stats = dict[str, Any]
 
@@ -107,6 +111,24 @@ def table(rows: list[list[str]], right: Collection[int] = ()) -> list[str]:
         ]
         out.append("  ".join(cells).rstrip())
     return out
+
+
+@dataclass
+class Rows:
+    """A table's data, gathered once and drawn by either renderer: as plain text (`table`,
+    for `stats`, `--once` and pipes) or as a rich `Table` (the live view)."""
+
+    header: list[str]
+    rows: list[list[str]]
+    right: set[int]  # the columns aligned right
+    empty: str  # said instead of a table without rows
+    more: str = ""  # a line below the table (rows left out)
+
+
+def plain_table(t: Rows) -> list[str]:
+    if not t.rows:
+        return [t.empty]
+    return table([t.header, *t.rows], right=t.right) + ([t.more] if t.more else [])
 
 
 def hit_rate(hits: int, misses: int) -> str:
@@ -193,12 +215,22 @@ def _idle(s: Stats, instance: Stats) -> str:
     return idle if left is None else f"{idle} (gone, reaping in {math.ceil(left)} s)"
 
 
-def render_instances(s: Stats, limit: int | None = None) -> list[str]:
+def instance_rows(s: Stats, limit: int | None = None) -> Rows:
+    """The instances, most bytes stored first; `limit`: at most that many rows."""
     instances = sorted(s["instances"].items(), key=lambda kv: -kv[1].get("bytes_stored", 0))
-    if not instances:
-        return ["(no instances connected)"]
-    header = "INSTANCE PID REGIONS KEYS STORED PAGES HIT% EXIST% EVICTED IDLE"
-    rows = [header.split()]
+    header = [
+        "INSTANCE",
+        "PID",
+        "REGIONS",
+        "KEYS",
+        "STORED",
+        "PAGES",
+        "HIT%",
+        "EXIST%",
+        "EVICTED",
+        "IDLE",
+    ]
+    rows: list[list[str]] = []
     for iid, i in instances[:limit]:
         pages = str(i.get("pages", 0))
         if i.get("pages_total"):
@@ -217,21 +249,25 @@ def render_instances(s: Stats, limit: int | None = None) -> list[str]:
                 _idle(s, i),
             ]
         )
-    out = table(rows, right=set(range(1, len(rows[0]))))
+    more = ""
     if limit is not None and len(instances) > limit:
-        out.append(f"... and {len(instances) - limit} more")
-    return out
+        more = f"... and {len(instances) - limit} more"
+    return Rows(header, rows, set(range(1, len(header))), "(no instances connected)", more)
 
 
-def render_operations(s: Stats, prev: Stats | None = None, dt: float = 0.0) -> list[str]:
+def render_instances(s: Stats, limit: int | None = None) -> list[str]:
+    return plain_table(instance_rows(s, limit))
+
+
+def operation_rows(s: Stats, prev: Stats | None = None, dt: float = 0.0) -> Rows:
+    """Requests per operation, most first; REQ/S over the `dt` seconds since `prev`."""
     ops = s.get("operations", {})
-    if not ops:
-        return ["(no requests yet)"]
     bounds = s.get("latency_buckets", [])
     prev_ops = prev.get("operations", {}) if prev else {}
     rate_col = prev is not None and dt > 0
     head = ["OP", "REQ/S"] if rate_col else ["OP"]
-    rows = [[*head, "COUNT", "ERRORS", "MEAN", "P50", "P99"]]
+    header = [*head, "COUNT", "ERRORS", "MEAN", "P50", "P99"]
+    rows: list[list[str]] = []
     for name, o in sorted(ops.items(), key=lambda kv: -kv[1]["count"]):
         cells = [name]
         if rate_col:
@@ -247,12 +283,12 @@ def render_operations(s: Stats, prev: Stats | None = None, dt: float = 0.0) -> l
             fmt_quantile(bounds, buckets, 0.99),
         ]
         rows.append(cells)
-    return table(rows, right=set(range(1, len(rows[0]))))
+    return Rows(header, rows, set(range(1, len(header))), "(no requests yet)")
 
 
 def render_stats(url: str, s: Stats) -> str:
     lines = [render_status(url, s), "", "INSTANCES", *render_instances(s), ""]
-    lines += ["OPERATIONS (server time per request)", *render_operations(s), ""]
+    lines += ["OPERATIONS (server time per request)", *plain_table(operation_rows(s)), ""]
     counters = s["counters"]
     lines.append("COUNTERS")
     lines += table([[k, str(v)] for k, v in sorted(counters.items())], right={1})
@@ -268,6 +304,43 @@ def _delta(cur: Stats, prev: Stats | None, name: str) -> int | None:
     return max(0, cur["counters"].get(name, 0) - prev["counters"].get(name, 0))
 
 
+@dataclass
+class Gauge:
+    """One summary line of a `maru monitor` frame: a label, a bar when `fraction` is set
+    (a share of the pool), then the text."""
+
+    label: str
+    text: str
+    fraction: float | None = None
+
+
+@dataclass
+class MonitorFrame:
+    """What one `maru monitor` frame shows, drawn by `render_frame` (plain text: `--once`,
+    pipes) or `rich_frame` (the live view): one set of numbers, two ways to draw it."""
+
+    header: str
+    gauges: list[Gauge] = field(default_factory=list)
+    tables: list[Rows] = field(default_factory=list)
+    message: str = ""  # a server that did not answer
+
+
+def render_frame(frame: MonitorFrame) -> str:
+    """A frame as plain text: its parts one after another, a blank line between."""
+    parts = [[frame.header]]
+    if frame.gauges:
+        parts.append(
+            [
+                f"{g.label:<8}" + ("" if g.fraction is None else f"{bar(g.fraction)} ") + g.text
+                for g in frame.gauges
+            ]
+        )
+    parts += [plain_table(t) for t in frame.tables]
+    if frame.message:
+        parts.append([frame.message])
+    return "\n\n".join("\n".join(lines) for lines in parts)
+
+
 def render_monitor(
     url: str,
     cur: Stats,
@@ -278,6 +351,20 @@ def render_monitor(
     *,
     live: bool = True,
 ) -> str:
+    """One frame of `maru monitor` as plain text (see `monitor_frame`)."""
+    return render_frame(monitor_frame(url, cur, prev, dt, interval, now, live=live))
+
+
+def monitor_frame(
+    url: str,
+    cur: Stats,
+    prev: Stats | None,
+    dt: float,
+    interval: float,
+    now: datetime,
+    *,
+    live: bool = True,
+) -> MonitorFrame:
     """One frame of `maru monitor`: rates are over the `dt` seconds since `prev` (none when
     there is no previous sample or the server restarted in between). `live`: the header
     says how to quit (not for `--once`, which exits by itself)."""
@@ -311,7 +398,7 @@ def render_monitor(
         before = sum(o["count"] for o in prev.get("operations", {}).values())
         requests = f"{max(0, total - before) / dt:.1f}/s"
     high, low = cur["watermarks"]["high"], cur["watermarks"]["low"]
-    lines = [
+    header = (
         f"maru monitor  {url}  up {fmt_duration(cur.get('uptime_seconds', 0))}  "
         f"pid {cur['server_pid']}  {now:%H:%M:%S}  "
         + (
@@ -320,27 +407,39 @@ def render_monitor(
             else f"(rates over {dt:.1f}s)"
             if prev is not None
             else "(one sample: no rates)"
+        )
+    )
+    gauges = [
+        Gauge(
+            "POOL",
+            f"{fmt_pct(pool['used'], cap):>6} in regions: {fmt_bytes(pool['used'])} of "
+            f"{fmt_bytes(pool['capacity'])}, {fmt_bytes(pool['free'])} free, "
+            f"frag {pool['fragmentation']:.2f}",
+            pool["used"] / cap,
         ),
-        "",
-        f"POOL    {bar(pool['used'] / cap)} {fmt_pct(pool['used'], cap):>6} in regions: "
-        f"{fmt_bytes(pool['used'])} of {fmt_bytes(pool['capacity'])}, "
-        f"{fmt_bytes(pool['free'])} free, frag {pool['fragmentation']:.2f}",
-        f"STORED  {bar(cur['live_bytes'] / cap)} {fmt_pct(cur['live_bytes'], cap):>6} of pool: "
-        f"{fmt_bytes(cur['live_bytes'])} in {cur['keys']} keys "
-        f"(evict above {high:.0%} down to {low:.0%})",
-        f"HITS    {ratio('hits', 'misses', 'lookups')}",
-        f"EXISTS  {ratio('exists_hits', 'exists_misses', 'checks')}",
-        f"RATE    lookups {rate('lookups', 'keys/s')}  stores {rate('keys_registered', 'keys/s')}"
-        f" ({rate('bytes_registered', '', as_bytes=True)})  evictions "
-        f"{rate('evictions', 'keys/s')}  requests {requests}",
-        f"STATE   {len(cur['instances'])} instances, {cur['regions']} regions, "
-        f"{cur['leases']} leases, {cur.get('orphaned', {}).get('regions', 0)} orphaned regions",
-        "",
-        *render_instances(cur, limit=10),
-        "",
-        *render_operations(cur, prev, dt),
+        Gauge(
+            "STORED",
+            f"{fmt_pct(cur['live_bytes'], cap):>6} of pool: {fmt_bytes(cur['live_bytes'])} in "
+            f"{cur['keys']} keys (evict above {high:.0%} down to {low:.0%})",
+            cur["live_bytes"] / cap,
+        ),
+        Gauge("HITS", ratio("hits", "misses", "lookups")),
+        Gauge("EXISTS", ratio("exists_hits", "exists_misses", "checks")),
+        Gauge(
+            "RATE",
+            f"lookups {rate('lookups', 'keys/s')}  stores {rate('keys_registered', 'keys/s')}"
+            f" ({rate('bytes_registered', '', as_bytes=True)})  evictions "
+            f"{rate('evictions', 'keys/s')}  requests {requests}",
+        ),
+        Gauge(
+            "STATE",
+            f"{len(cur['instances'])} instances, {cur['regions']} regions, "
+            f"{cur['leases']} leases, {cur.get('orphaned', {}).get('regions', 0)} orphaned "
+            "regions",
+        ),
     ]
-    return "\n".join(lines)
+    tables = [instance_rows(cur, limit=10), operation_rows(cur, prev, dt)]
+    return MonitorFrame(header, gauges, tables)
 
 
 # -- commands --------------------------------------------------------------------------------
@@ -482,14 +581,16 @@ def cmd_monitor(
                 sleep(interval)
             cur = admin.stats()
             dt = time.monotonic() - t0
-            frame = render_monitor(admin.url, cur, prev, dt, interval, datetime.now(), live=False)
-            print(frame, file=out)
+            print(
+                render_monitor(admin.url, cur, prev, dt, interval, datetime.now(), live=False),
+                file=out,
+            )
             return 0
         if out.isatty():
             return _live_view(admin, interval, out, sleep)
         try:  # a pipe, a file: one plain-text frame after another
             for frame in _frames(admin, interval):
-                out.write(frame + "\n\n")
+                out.write(render_frame(frame) + "\n\n")
                 out.flush()
                 sleep(max(interval, 0.1))
         except KeyboardInterrupt:
@@ -497,17 +598,19 @@ def cmd_monitor(
         return 0
 
 
-def _frames(admin: MaruAdmin, interval: float) -> Iterator[str]:
+def _frames(admin: MaruAdmin, interval: float) -> Iterator[MonitorFrame]:
     """`maru monitor`'s frames, one per call: rates since the previous one; a server that
     does not answer is a frame that says so (and the next one starts the rates again)."""
     prev, t_prev = None, 0.0
     while True:
         try:
             cur, now = admin.stats(), time.monotonic()
-            yield render_monitor(admin.url, cur, prev, now - t_prev, interval, datetime.now())
+            yield monitor_frame(admin.url, cur, prev, now - t_prev, interval, datetime.now())
             prev, t_prev = cur, now
         except MaruConnectionError as exc:
-            yield f"maru monitor  {admin.url}  {datetime.now():%H:%M:%S}\n\n{exc}"
+            yield MonitorFrame(
+                f"maru monitor  {admin.url}  {datetime.now():%H:%M:%S}", message=str(exc)
+            )
             prev = None
 
 
@@ -522,7 +625,6 @@ def _live_view(
     try:
         from rich.console import Console
         from rich.live import Live
-        from rich.text import Text
     except ImportError:
         print(
             f"maru: the live view of `maru monitor` needs the 'rich' package: {MONITOR_EXTRA} "
@@ -534,11 +636,46 @@ def _live_view(
     try:
         with Live(console=console, auto_refresh=False, screen=True) as view:
             for frame in _frames(admin, interval):
-                view.update(Text(frame), refresh=True)
+                view.update(rich_frame(frame), refresh=True)
                 sleep(max(interval, 0.1))
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def rich_frame(frame: MonitorFrame) -> RenderableType:
+    """A frame for the live view: the gauges in a grid with rich's bars, the instances and
+    operations as rich tables (the same `MonitorFrame` that `render_frame` prints)."""
+    from rich.console import Group
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+    from rich.text import Text
+
+    parts: list[RenderableType] = [Text(frame.header, style="bold")]
+    if frame.gauges:
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="bold")
+        grid.add_column()
+        for g in frame.gauges:
+            value: RenderableType = Text(g.text)
+            if g.fraction is not None:
+                value = Table.grid(padding=(0, 1))
+                value.add_row(ProgressBar(total=1.0, completed=g.fraction, width=30), Text(g.text))
+            grid.add_row(g.label, value)
+        parts.append(grid)
+    for rows in frame.tables:
+        if not rows.rows:
+            parts.append(Text(rows.empty))
+            continue
+        t = Table(caption=Text(rows.more) if rows.more else None, caption_justify="left")
+        for i, name in enumerate(rows.header):  # (on a narrow terminal the cells fold)
+            t.add_column(name, justify="right" if i in rows.right else "left", overflow="fold")
+        for cells in rows.rows:
+            t.add_row(*map(Text, cells))  # (not markup: ids are the clients')
+        parts.append(t)
+    if frame.message:
+        parts.append(Text(frame.message))
+    return Group(*(p for part in parts for p in (part, Text(""))))
 
 
 # -- parser ----------------------------------------------------------------------------------
