@@ -280,7 +280,7 @@ def _addr(arr: np.ndarray) -> int:
     return int(arr.ctypes.data)
 
 
-def _warm_shm(nbytes: int) -> tuple[mmap.mmap, int]:
+def warm_shm(nbytes: int) -> tuple[mmap.mmap, int]:
     path = f"{SHM_DIR}/maru-bench-memcpy-{uuid.uuid4().hex}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -384,7 +384,7 @@ class Instance:
         skip = -_addr(raw) % 4096
         self.buf = raw[skip : skip + self.total]
         self.buf_addr = _addr(self.buf)
-        self.shm, self.shm_addr = _warm_shm(self.total)
+        self.shm, self.shm_addr = warm_shm(self.total)
         self.role = role
 
     def info(self) -> dict:
