@@ -1894,18 +1894,18 @@ def plot(path, rows, inst, keys) -> bool:
         ax.set_title(f"Concurrent instances ({SCALE_CASE.name})")
     ax = axes[1][1]
     if keys:
-        for path, style in (("maru", "-"), ("request", "--")):
-            rs = [r for r in keys if r["path"] == path]
+        for way, style in (("maru", "-"), ("request", "--")):
+            rs = [r for r in keys if r["path"] == way]
             if not rs:
                 continue
             ks = [r["keys"] for r in rs]
             ax.plot(ks, [r["exists_med_us"] for r in rs], "o" + style, color="#1f77b4",
-                    label=f"{path}: exists, median")  # fmt: skip
+                    label=f"{way}: exists, median")  # fmt: skip
             ax.plot(ks, [r["exists128_us_per_key"] for r in rs], "s" + style, color="#2ca02c",
-                    label=f"{path}: batch_exists of 128, /key")  # fmt: skip
+                    label=f"{way}: batch_exists of 128, /key")  # fmt: skip
             ax.plot(ks, [r["get_ms"] * 1e3 / 128 for r in rs], "^" + style, color="#9467bd",
-                    label=f"{path}: batch_get_v1 of 128, /page")  # fmt: skip
-            if path == "maru":
+                    label=f"{way}: batch_get_v1 of 128, /page")  # fmt: skip
+            if way == "maru":
                 ax.plot(ks, [r["rtt_med_us"] for r in rs], "o:", color="#d62728",
                         label="lookup round trip, median")  # fmt: skip
         ax.set_xscale("log")

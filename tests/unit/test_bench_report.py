@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 from pytest import approx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -162,3 +163,19 @@ def test_a_benchmark_run_leaves_its_plot_beside_its_tables(tmp_path, monkeypatch
     png = T.plot(summary, [512])
     assert png == tmp_path / "sglang_ttft.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_hicache_plot_is_written_where_it_is_asked(tmp_path, monkeypatch):
+    """`bench_hicache.plot` wrote its picture to `request.png` in the working directory (a
+    loop variable of the key-scaling panel shadowed its `path`), not beside the tables."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    keys = [
+        {"path": way, "keys": n, "exists_med_us": 1.0, "exists128_us_per_key": 0.1,
+         "get_ms": 1.0, "rtt_med_us": 50.0}
+        for way in ("maru", "request") for n in (1000, 10000)
+    ]  # fmt: skip
+    target = tmp_path / "out" / "hicache.png"
+    target.parent.mkdir()
+    assert H.plot(target, [], [], keys)
+    assert target.exists() and not list(tmp_path.glob("request*"))
