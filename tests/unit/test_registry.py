@@ -101,6 +101,19 @@ def test_first_writer_wins(registry):
     assert registry.counters["keys_duplicate"] == 2
 
 
+def test_the_same_registration_again_is_registered_not_exists(registry):
+    """A REGISTER_KV that reaches the server twice (sent again after its connection was lost)
+    names the very place the key is at: REGISTERED, so that its writer keeps the pages the
+    key points at (EXISTS would make it take them for free, and write another value there)."""
+    ra = registry.request_region("A", 2 * MiB)
+    rows = [["k", ra.region_id, 0, 100], ["j", ra.region_id, 4096, 100]]
+    assert register(registry, "A", rows) == [RegisterStatus.REGISTERED] * 2
+    again = [["k", ra.region_id, 0, 100], ["j", ra.region_id, 4096, 99]]  # j: not the same
+    assert register(registry, "A", again) == [RegisterStatus.REGISTERED, RegisterStatus.EXISTS]
+    assert registry.regions[ra.region_id].live_keys == 2
+    assert registry.counters["keys_registered"] == 2  # counted once
+
+
 def test_duplicate_within_one_batch(registry):
     r = registry.request_region("A", 2 * MiB)
     statuses = register(registry, "A", [["k", r.region_id, 0, 10], ["k", r.region_id, 4096, 10]])

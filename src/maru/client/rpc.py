@@ -342,13 +342,18 @@ class _LocalChannel(_Channel):
         self.reader = protocol.StreamReader()
         return True
 
-    def _lost(self, why: str) -> None:
+    def _lost(self, why: str, refused: bool = False) -> None:
+        """The connection is gone. Its requests in flight fail (`MaruConnectionError`: the
+        server may have served them before it died), unless the server refused the connection
+        with its one frame (`refused`, or such a frame still waits in the socket): then it read
+        none of them, and they go over ZMQ (`PendingReply.result`), as does the next request
+        while the server recovers. A connection merely closed before any reply is not a
+        refusal: a server killed after it served a request closes it that way too, and sending
+        a REGISTER_KV again would make its writer take its own sealed pages for free."""
         log.info("local socket %s to maru-server closed (%s)", self.address, why)
         if self.sock is not None and not self.answered:
-            self._take_refusal(self.sock)
-            # Closed before any reply: refused (the server is out of file descriptors), not
-            # served. Its requests go over ZMQ (`PendingReply.result`), and so does the
-            # next while the server recovers.
+            refused = self._take_refusal(self.sock) or refused
+        if refused:
             self.refused_until = time.monotonic() + LOCAL_RETRY_S
             self.refused = set(self.pending)
         if self.sock is not None:
@@ -418,23 +423,30 @@ class _LocalChannel(_Channel):
         except protocol.ProtocolError as exc:
             self._lost(str(exc))
             return []
-        why = None if self.answered or not frames else _refusal(frames[0])
-        if why is not None:
-            self.client.local_denied(self.address, why)
-            self._lost("refused by the server")
+        refusal = None if self.answered or not frames else _refusal(frames[0])
+        if refusal is not None:
+            self._refused_by(*refusal)
+            self._lost(f"refused by the server: {refusal[1]}", refused=True)
             return []
         self.answered = True
         return frames
 
-    def _take_refusal(self, sock: socket.socket) -> None:
-        """The server refuses a connection with one frame before closing it (`LocalDoor`): a
-        request sent meanwhile fails, and the frame may still wait in the socket."""
+    def _take_refusal(self, sock: socket.socket) -> bool:
+        """The server refuses a connection with one frame before closing it (`LocalDoor`, or
+        short of file descriptors): a request sent meanwhile fails, and the frame may still
+        wait in the socket. Whether it was there."""
         with contextlib.suppress(OSError, protocol.ProtocolError):
             self.reader.feed(sock.recv(protocol.STREAM_RECV_BYTES, socket.MSG_DONTWAIT))
             frames = self.reader.frames()
-            why = _refusal(frames[0]) if frames else None
-            if why is not None:
-                self.client.local_denied(self.address, why)
+            refusal = _refusal(frames[0]) if frames else None
+            if refusal is not None:
+                self._refused_by(*refusal)
+                return True
+        return False
+
+    def _refused_by(self, code: int, why: str) -> None:
+        if code == ErrorCode.NOT_AUTHORIZED:  # (short of descriptors: retried later)
+            self.client.local_denied(self.address, why)
 
     def _read(self, sock: socket.socket, timeout_ms: int, spin: bool) -> bytes | None:
         """What the socket has (b"" if the server closed it): spinning up to `busy_poll_us`
@@ -458,16 +470,19 @@ class _LocalChannel(_Channel):
             self.sock = None
 
 
-def _refusal(frame: bytes) -> str | None:
-    """Why the server refused this connection, if `frame` is its refusal: NOT_AUTHORIZED for
-    request id 0, which no request has (ids start at 1)."""
+def _refusal(frame: bytes) -> tuple[int, str] | None:
+    """(code, why) if `frame` is the server's refusal of this connection: an error for request
+    id 0, which no request has (ids start at 1): NOT_AUTHORIZED (`LocalDoor`) or
+    LOCAL_SOCKET_FULL (short of file descriptors)."""
     try:
         header, body = protocol.decode(frame)
     except protocol.ProtocolError:
         return None
-    if header.request_id != 0 or body.get("code") != ErrorCode.NOT_AUTHORIZED:
+    code = body.get("code")
+    refusals = (ErrorCode.NOT_AUTHORIZED, ErrorCode.LOCAL_SOCKET_FULL)
+    if header.request_id != 0 or code not in refusals:
         return None
-    return str(body.get("error", "not authorized"))
+    return int(code), str(body.get("error", "refused"))
 
 
 class LocalSocketUnavailable(Exception):

@@ -98,12 +98,15 @@ class ErrorCode(IntEnum):
     # No room now, but instances over their fair share of the pool were asked to give
     # regions back: a region request retried shortly gets one (issue 40)
     POOL_RECLAIMING = 15
+    # (request id 0, then the connection closes) the server is short of file descriptors and
+    # read none of the connection's requests: the client sends them over TCP instead
+    LOCAL_SOCKET_FULL = 16
 
 
 class RegisterStatus(IntEnum):
     """Per-key outcome of REGISTER_KV."""
 
-    REGISTERED = 0
+    REGISTERED = 0  # also for a key registered before at the very place named (sent twice)
     EXISTS = 1  # first writer won; the caller's bytes are not referenced and may be reused
     REJECTED = 2  # location invalid (outside the caller's region, unknown region, bad key)
 

@@ -15,10 +15,10 @@ read and the kernel's buffers).
 The door: only processes that may map the pool use the socket (`LocalDoor`); anyone else's
 connection gets one NOT_AUTHORIZED frame and is closed, before any of its requests is read.
 
-File descriptors: a connection is refused (accepted and closed at once) when its descriptor
-number comes within `FD_RESERVE` of the process's limit, so the journal, snapshots and new
-TCP clients always find descriptors (the kernel hands out the lowest free number, so a high
-number means that many are open).
+File descriptors: a connection is refused (one LOCAL_SOCKET_FULL frame, then closed) when its
+descriptor number comes within `FD_RESERVE` of the process's limit, so the journal, snapshots
+and new TCP clients always find descriptors (the kernel hands out the lowest free number, so a
+high number means that many are open).
 """
 
 from __future__ import annotations
@@ -201,7 +201,9 @@ class LocalSocketServer:
                 self._pause_accepting()
                 break
             if sock.fileno() >= _fd_limit() - FD_RESERVE:
-                sock.close()  # refused: the client goes on over TCP
+                # refused, with a frame that says so: the client then knows that none of
+                # its requests was read, and sends them over TCP
+                _send_refusal(sock, ErrorCode.LOCAL_SOCKET_FULL, "out of file descriptors")
                 held = self._refusals.allow("fds")
                 if held is not None:
                     log.warning(
@@ -226,10 +228,7 @@ class LocalSocketServer:
     def _refuse(self, sock: socket.socket, uid: int, pid: int, why: str) -> None:
         """One NOT_AUTHORIZED frame (request id 0: before any request, none of which is read),
         then close: the client says why and goes on over TCP (`maru.client.rpc`)."""
-        reply = protocol.encode_error(0, 0, ErrorCode.NOT_AUTHORIZED, why)
-        with contextlib.suppress(OSError):  # it has gone already
-            sock.send(protocol.stream_prefix(reply) + reply)
-        sock.close()
+        _send_refusal(sock, ErrorCode.NOT_AUTHORIZED, why)
         held = self._refusals.allow(("uid", uid))
         if held is not None:
             log.warning(
@@ -355,3 +354,12 @@ def _remove_stale_socket(path: str) -> None:
     finally:
         probe.close()
     raise OSError(f"--local-socket {path} is in use by a running server")
+
+
+def _send_refusal(sock: socket.socket, code: ErrorCode, why: str) -> None:
+    """A connection refused before any of its requests is read: one error frame for request
+    id 0 (no request has it), then close."""
+    reply = protocol.encode_error(0, 0, code, why)
+    with contextlib.suppress(OSError):  # it has gone already
+        sock.send(protocol.stream_prefix(reply) + reply)
+    sock.close()

@@ -222,7 +222,7 @@ class Registry:
         if new is None:
             statuses = [REGISTERED] * len(keys)
         else:
-            statuses = [REGISTERED if s else EXISTS for s in new]
+            statuses = self._repeated([REGISTERED if s else EXISTS for s in new], columns)
             keys, lengths = list(compress(keys, new)), list(compress(lengths, new))
         if screened is not None:  # the inserted keys' outcomes in the places left open
             inserted = iter(statuses)
@@ -240,6 +240,22 @@ class Registry:
             # nothing (journal first) and comes with a later store.
             with suppress(JournalWriteError):
                 self.eviction.to_watermark(keys)
+        return statuses
+
+    def _repeated(self, statuses: list[int], columns: list[list[Any]]) -> list[int]:
+        """REGISTERED, not EXISTS, for a key already registered at the very place the request
+        names: the same registration again (a request sent twice). EXISTS would tell the
+        writer that its pages are not referenced and may be reused, while the key's entry
+        points at them. (`columns`: the keys, region ids, offsets and lengths inserted.)"""
+        again = [i for i, st in enumerate(statuses) if st == EXISTS]
+        entries = self.keys.get_many([columns[0][i] for i in again])
+        for i, entry in zip(again, entries):
+            if entry is not None and (entry.region_id, entry.offset, entry.length) == (
+                columns[1][i],
+                columns[2][i],
+                columns[3][i],
+            ):
+                statuses[i] = REGISTERED
         return statuses
 
     def _writable_lengths(self, instance_id: str, region_ids: list[int]) -> dict[int, int] | None:
