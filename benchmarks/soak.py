@@ -33,12 +33,11 @@ Processes (all spawned, each with its own handler and mappings):
   `MaruForkedError` (a store that went through would have written as its parent, into the
   chunks the parent takes next, which the readers' checks would catch); then the child
   connects a handler of its own, stores a batch and reads it back.
-- another server in turn (`--other-server`; off by default: it found a bug not fixed yet,
-  see `WITH_OTHER_SERVER`): the server is SIGKILLed, a second `maru-server` with
-  its own state dir starts on the same pool file, stores values (into the same places) and
-  stops, and the first starts again on its state. It must never serve the second one's
-  bytes as its keys': its keys are gone (the pool is not the one its state describes, so
-  it starts it fresh) and every read of them is a miss.
+- another server in turn (`--no-other-server` leaves it out): the server is SIGKILLed, a
+  second `maru-server` with its own state dir starts on the same pool file, stores values
+  (into the same places) and stops, and the first starts again on its state. It must never
+  serve the second one's bytes as its keys': its keys are gone (the pool is not the one its
+  state describes, so it starts it fresh) and every read of them is a miss.
 
 **Evicted or lost?** Under constant eviction an acknowledged key that is gone may simply have
 been evicted, so loss is measured on keys that cannot be evicted: pinned keys (the server
@@ -507,10 +506,7 @@ CYCLE = (
     "server_stop",
     "writer_kill",
 )
-# Another server taking the pool in turn (`--other-server`): off by default, since the soak
-# found a wrong-bytes bug there that is not fixed yet: after that fresh start and a later
-# SIGKILL + restart of the first server, a writer reused chunks of its own live keys (see
-# docs/reliability.md, "Not promised").
+# Another server taking the pool in turn (left out with `--no-other-server`)
 WITH_OTHER_SERVER = (*CYCLE[:8], "foreign_server", *CYCLE[8:])
 FAULT_NAMES = {
     "server_kill": "server SIGKILL + restart",
@@ -536,7 +532,7 @@ class Soak:
         writer_pool: str,
         fault_every: float,
         seed: int,
-        other_server: bool = False,
+        other_server: bool = True,
     ):
         self.duration, self.fault_every = duration, fault_every
         self.cycle = WITH_OTHER_SERVER if other_server else CYCLE
@@ -834,7 +830,7 @@ def run_soak(
     writer_pool: str = "48M",
     fault_every: float = 1.5,
     seed: int = 0,
-    other_server: bool = False,
+    other_server: bool = True,
 ) -> dict[str, Any]:
     """Run the soak; returns its counts (see `table`)."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="maru-soak-"))
@@ -888,9 +884,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--fault-every", type=float, default=1.5, help="seconds between faults")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--other-server",
-        action="store_true",
-        help="also let another server take the pool in turn (a known bug: see the module)",
+        "--no-other-server",
+        dest="other_server",
+        action="store_false",
+        help="leave out another server taking the pool in turn",
     )
     p.add_argument("--workdir", help="server state and log (default: a new temp dir)")
     a = p.parse_args(argv)

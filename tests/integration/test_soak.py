@@ -2,9 +2,8 @@
 (one on TCP), two readers and a durable writer on a pool they overfill many times, while the
 server is SIGKILLed and restarted or SIGSTOPped past the heartbeat timeout, writers are
 SIGKILLed or SIGSTOPped past it, and readers are SIGKILLed or SIGSTOPped past their lease;
-and writers fork children that try their parent's handler. (Another server taking the pool in
-turn, `soak.py --other-server`, is left out: it found a wrong-bytes bug not fixed yet, see
-docs/reliability.md "Not promised".)
+and writers fork children that try their parent's handler, and another server takes the pool
+in turn (its own state dir; the first must serve none of its bytes as its keys).
 Every read is checked against the checksum in its value; keys that cannot be evicted (pinned
 as soon as they are acknowledged) are read back after every server restart. Marked `slow`
 (about a minute); `-s` shows the table."""
