@@ -32,6 +32,7 @@ def trace(fn: Callable[[], Any]) -> dict[str, Any]:
     between them and the functions of `src/` called."""
     files: list[str] = []
     functions: set[str] = set()
+    route: list[str] = []  # where each switch went: file.function
     switches = 0
     last: str | None = None
 
@@ -47,14 +48,18 @@ def trace(fn: Callable[[], Any]) -> dict[str, Any]:
             functions.add(f"{name}:{frame.f_code.co_name}")
             if name not in files:
                 files.append(name)
-            here = name
+            here, function = name, frame.f_code.co_name
         else:  # returning to the caller: the caller's file is where we are next
             back = frame.f_back
             while back is not None and not back.f_code.co_filename.startswith(SRC):
                 back = back.f_back
             here = back.f_code.co_filename[len(SRC) :] if back is not None else name
+            function = back.f_code.co_name if back is not None else "?"
         if last is not None and here != last:
             switches += 1
+            route.append(f"{Path(here).stem}.{function}")
+        elif last is None:
+            route.append(f"{Path(here).stem}.{function}")
         last = here
 
     sys.setprofile(hook)
@@ -62,7 +67,7 @@ def trace(fn: Callable[[], Any]) -> dict[str, Any]:
         fn()
     finally:
         sys.setprofile(None)
-    return {"files": files, "switches": switches, "functions": len(functions)}
+    return {"files": files, "switches": switches, "functions": len(functions), "path": route}
 
 
 def run(pages: int, page_kib: int) -> dict[str, Any]:
@@ -106,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pages", type=int, default=64)
     p.add_argument("--page-kib", type=int, default=64, help="KiB per page (a multiple of 64)")
     p.add_argument("--files", action="store_true", help="list the files in the order entered")
+    p.add_argument("--path", action="store_true", help="list every switch (file.function)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     result = run(a.pages, a.page_kib)
@@ -119,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.files:
         for name, r in result.items():
             print(f"\n{name}: " + " > ".join(r["files"]))
+    if a.path:
+        for name, r in result.items():
+            print(f"\n{name}: " + " > ".join(r["path"]))
     return 0
 
 

@@ -280,8 +280,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         one C call, no request): every v1 call, and each pool of a v2 call while the index is
         local. The rest (pools copied through their own API; every pool of a v2 call on the
         request path) take one leased lookup together (`_read_pools`). Fills each batch's
-        `results`."""
-        self.confirm_writes()
+        `results`. (The handler's read verb confirms this thread's writes first.)"""
         start = time.perf_counter()
         handler = self.handler
         one_by_one = len(batches) == 1 or handler.reads_locally

@@ -229,13 +229,10 @@ class PoolIO:
                 self.affine = np.array(model, dtype=np.int64).reshape(len(ptrs), 2)
         self.parts = len(self.part_sizes)
         self.page_bytes = sum(self.part_sizes)
+        self.logical = self.page_bytes == 0  # (an attribute: every call asks)
         # A stored page is its parts back to back, copied page by page in address order
         # (`copy_values`; 18% faster at 64 KiB pages than part by part, docs/performance.md).
         self.sizes = np.array(self.part_sizes, dtype=np.int64)  # (`copy_values`' form)
-
-    @property
-    def logical(self) -> bool:
-        return self.page_bytes == 0
 
     @property
     def namespace(self) -> str:

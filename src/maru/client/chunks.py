@@ -267,9 +267,11 @@ class ChunkBook:
     def apply_freed(self, freed: Iterable[Sequence[Any]]) -> None:
         """The server's notice that keys in our regions went away: their chunks are free."""
         chunk = self.chunk_size
+        firsts: dict[int, list[int]] = {}  # per region (a batch is mostly one region's run)
+        for region_id, offset, _length in freed:
+            firsts.setdefault(region_id, []).append(offset // chunk)
         with self._lock:
-            for region_id, offset, _length in freed:
+            for region_id, starts in firsts.items():
                 owned = self._owned.get(region_id)
-                first = offset // chunk
-                if owned is not None and owned.chunks.is_allocated(first):
-                    owned.chunks.free_extent(first)
+                if owned is not None:
+                    owned.chunks.free_many(starts)

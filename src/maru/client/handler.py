@@ -118,6 +118,7 @@ class MaruHandler(OriginalApi):
         elif overrides:
             raise TypeError("pass either a MaruConfig or keyword overrides, not both")
         self._mapper = RegionMapper(populate=config.eager_map)  # (pages mapped in bulk)
+        self._copying = self._mapper.copying()  # (`copying()`, kept: every read enters it)
         self._chunks = ChunkBook(config.chunk_size_bytes)
         # what the helpers (seals, lookups, the index, the supply, the writes) share of us;
         # `request` looks `_request` up at each call (a test may wrap it)
@@ -453,8 +454,9 @@ class MaruHandler(OriginalApi):
         their checksum (hashed as they are copied) are False; the rows of False keys may
         have been written. On the local index one C call, no Python between probe, copy and
         check; else a leased `lookup`, its `copy_out`, `corrupt()` and
-        `release(confirm=True)`."""
-        with self.copying():
+        `release(confirm=True)`; this thread's write-behind `put`s confirmed first."""
+        self.confirm_writes()
+        with self._copying:
             return self._read(keys, buffers, sizes, length, prefix)
 
     def _read(
@@ -487,8 +489,10 @@ class MaruHandler(OriginalApi):
         """The read verb where the destination is special (a pool copied through its own
         API, several pools in one lookup): one leased `lookup` of `keys`, each segment's
         hits copied by its copy function (`(count, length, copy)`, in key order), proven,
-        released (`maru.client.reads.copy_and_prove`): per key (proven, mismatched)."""
-        with self.copying():
+        released (`maru.client.reads.copy_and_prove`): per key (proven, mismatched). This
+        thread's write-behind `put`s are confirmed first, as for `read`."""
+        self.confirm_writes()
+        with self._copying:
             found = self.lookup(keys, lease=True, for_copy=True, prefix=prefix)  # sent now
             return copy_and_prove(found, segments)
 

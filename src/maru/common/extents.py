@@ -7,6 +7,7 @@ pool, and by each client to carve pages (chunks, alignment 1) out of the regions
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 
 
 class ExtentAllocator:
@@ -78,6 +79,32 @@ class ExtentAllocator:
         if length is None:
             raise KeyError(f"no allocated extent starts at {start}")
         self.used -= length
+        self._release(start, length)
+        return length
+
+    def free_many(self, starts: Iterable[int]) -> int:
+        """Free every allocated extent that begins at one of `starts` (a start of none is
+        skipped); returns the units freed. A batch of evicted pages is mostly one run of
+        adjacent extents: they are joined first, so the free list changes once per run, not
+        once per extent."""
+        pop = self._allocated.pop
+        freed = sorted((start, n) for start in starts if (n := pop(start, None)) is not None)
+        run_start, run_length = -1, 0
+        for start, length in freed:
+            self.used -= length
+            if run_start + run_length == start:
+                run_length += length
+                continue
+            if run_length:
+                self._release(run_start, run_length)
+            run_start, run_length = start, length
+        if run_length:
+            self._release(run_start, run_length)
+        return sum(n for _, n in freed)
+
+    def _release(self, start: int, length: int) -> None:
+        """Put [start, start + length), allocated until now, back on the free list, merged
+        with its free neighbours."""
         i = bisect.bisect_left(self._starts, start)
         merge_prev = i > 0 and self._starts[i - 1] + self._lengths[i - 1] == start
         merge_next = i < len(self._starts) and start + length == self._starts[i]
@@ -93,7 +120,6 @@ class ExtentAllocator:
         else:
             self._starts.insert(i, start)
             self._lengths.insert(i, length)
-        return length
 
     def reserve(self, start: int, length: int) -> None:
         """Mark a known extent as allocated (used when replaying persisted state)."""
