@@ -254,6 +254,39 @@ def test_config_errors_name_the_key(maru_server):
     ok.close()
 
 
+def test_maru_pool_path_maps_the_pool_where_the_host_sees_it(maru_server, tmp_path):
+    """SGLang's `maru_pool_path` reaches the config: a reader that maps the pool by another
+    path (a hard link) loads the writer's pages byte for byte; one that names another file
+    fails as documented, naming it."""
+    elsewhere = maru_server.pool_path + ".elsewhere"
+    os.link(maru_server.pool_path, elsewhere)
+    try:
+        g = Geometry()
+        writer = _storage(maru_server.url, g)
+        src = page_indices(0, 3, g.page_size)
+        pages = expected_pages(writer.mem_pool_host, 3, seed=5)
+        fill(writer.mem_pool_host, src, pages)
+        assert writer.batch_set_v1(["w0", "w1", "w2"], src) == [True] * 3
+        extra = _extra(maru_server.url, maru_pool_path=elsewhere)
+        reader = MaruStorage(storage_config(extra=extra), {})
+        reader.register_mem_pool_host(make_host_pool(g))
+        assert reader.config.pool_path == elsewhere
+        dst = page_indices(4, 3, g.page_size)
+        assert reader.batch_get_v1(["w0", "w1", "w2"], dst) == [True] * 3
+        got = read(reader.mem_pool_host, dst, 3)
+        assert all(torch.equal(x, y) for x, y in zip(got, pages))
+        reader.close()
+        writer.close()
+        zeros = tmp_path / "zeros"
+        zeros.write_bytes(bytes(4096))
+        with pytest.raises(RuntimeError, match=f"pool_path {zeros}"):
+            MaruStorage(
+                storage_config(extra=_extra(maru_server.url, maru_pool_path=str(zeros))), {}
+            )
+    finally:
+        os.unlink(elsewhere)
+
+
 def test_server_down_raises_the_documented_error(tmp_path):
     url = "tcp://127.0.0.1:9"  # discard port: nothing answers
     with pytest.raises(RuntimeError) as raised:

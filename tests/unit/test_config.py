@@ -205,3 +205,26 @@ def test_a_bad_maru_eager_map_names_the_variable(monkeypatch):
     monkeypatch.setenv("MARU_EAGER_MAP", "perhaps")
     with pytest.raises(ConfigError, match=r"^MARU_EAGER_MAP: expected a boolean"):
         MaruConfig()
+
+
+def test_pool_path_key_wins_over_maru_pool_path(monkeypatch):
+    """Unset: the server's path (None); the variable where the key is not set; the key
+    (and SGLang's maru_pool_path) over the variable."""
+    monkeypatch.delenv("MARU_POOL_PATH", raising=False)
+    assert MaruConfig().pool_path is None
+    monkeypatch.setenv("MARU_POOL_PATH", "/mnt/cxl/pool")
+    assert MaruConfig().pool_path == "/mnt/cxl/pool"
+    assert MaruConfig(pool_path="/dev/dax1.0").pool_path == "/dev/dax1.0"
+    extra = {"maru_pool_path": "/dev/dax2.0"}
+    assert MaruConfig.from_mapping(extra, prefix="maru_").pool_path == "/dev/dax2.0"
+
+
+@pytest.mark.parametrize("bad", ["", "relative/pool", 7])
+def test_a_bad_pool_path_names_the_key_or_the_variable(monkeypatch, bad):
+    monkeypatch.delenv("MARU_POOL_PATH", raising=False)
+    with pytest.raises(ConfigError, match=r"^maru_pool_path: expected"):
+        MaruConfig.from_mapping({"maru_pool_path": bad}, prefix="maru_")
+    if isinstance(bad, str) and bad:
+        monkeypatch.setenv("MARU_POOL_PATH", bad)
+        with pytest.raises(ConfigError, match=r"^MARU_POOL_PATH: expected an absolute path"):
+            MaruConfig()

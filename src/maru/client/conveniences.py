@@ -6,10 +6,13 @@ put together (`put`, `seal`, `lookup`, `_per_key`), nothing of its own.
     retrieve / batch_retrieve / leased      `lookup` (leased, proven for `leased`)
     exists / pin / unpin / delete           one key of the batch calls
     reserve_values                          a run, else value by value (LMCache's allocator)
+    stats / get_stats / healthcheck         the server's statistics; whether it answers
+    list_allocations                        the regions (ours, or every instance's)
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -19,12 +22,16 @@ import numpy as np
 from maru.client.chunks import AllocHandle
 from maru.client.requests import Lookup, MemoryInfo, Sealing, StoreOutcome
 from maru.client.writes import Put, from_pointers
-from maru.common.errors import LeaseExpired
+from maru.common.errors import LeaseExpired, MaruError
 from maru.common.protocol import MsgType
+from maru.common.region import RegionHandle
 
 if TYPE_CHECKING:
-    from maru.client.rpc import RpcClient
+    from maru.client.rpc import PendingReply, RpcClient
     from maru.client.session import Session
+    from maru.common.config import MaruConfig
+
+log = logging.getLogger("maru.client.handler")
 
 Key = str | bytes
 Buffer = bytes | bytearray | memoryview
@@ -55,8 +62,13 @@ class OriginalApi:
     batch_delete: Callable[[Sequence[Key]], list[bool]]
     _per_key: Callable[..., list[bool]]
     _ensure_connected: Callable[[], None]
+    _request: Callable[..., PendingReply]
+    _local_reads: Callable[[], dict[str, Any]]
+    _connected: bool
     _s: Session
     _rpc: RpcClient
+    config: MaruConfig
+    instance_id: str
 
     # -- regions and pages -------------------------------------------------------------------
 
@@ -228,3 +240,28 @@ class OriginalApi:
 
     def delete(self, key: Key) -> bool:
         return self.batch_delete([key])[0]
+
+    # -- introspection -----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """The server's statistics (pool usage, keys, per-instance counters)."""
+        return self._request(MsgType.STATS, {}).result()["stats"]
+
+    get_stats = stats  # the original Maru's name for it
+
+    def healthcheck(self) -> bool:
+        """Whether this handler is connected and the server answers a heartbeat now (the
+        original Maru's check); False, with the reason logged, otherwise. Never raises."""
+        if not self._connected:
+            return False
+        try:
+            self._request(MsgType.HEARTBEAT, self._local_reads()).result()
+        except MaruError as exc:
+            log.warning("healthcheck of %s failed: %s", self.config.server_url, exc)
+            return False
+        return True
+
+    def list_allocations(self, *, all_instances: bool = False) -> list[RegionHandle]:
+        body: dict[str, Any] = {} if all_instances else {"owner": self.instance_id}
+        reply = self._request(MsgType.LIST_ALLOCATIONS, body).result()
+        return [RegionHandle.from_wire(f) for f in reply["regions"]]

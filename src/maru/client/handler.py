@@ -36,6 +36,7 @@ from maru.client.conveniences import OriginalApi
 from maru.client.localindex import LocalIndexClient, Prefix, joined, offered_index
 from maru.client.mapping import RegionMapper
 from maru.client.memcopy import copy_values, guard_faults
+from maru.client.poolpath import prove_or_refuse
 from maru.client.reads import Segment, copy_and_prove
 from maru.client.requests import (
     Lookup,
@@ -52,6 +53,7 @@ from maru.client.writes import Put, Writes
 from maru.common.config import MaruConfig
 from maru.common.errors import (
     MaruConnectError,
+    MaruConnectRefused,
     MaruError,
     MaruNotConnected,
     MaruServerError,
@@ -249,7 +251,8 @@ class MaruHandler(OriginalApi):
         raise MaruNotConnected(self.config.server_url, why)
 
     def _beat(self) -> None:
-        self._supply.tick(self._local_reads())
+        if self._connected:  # (not after a refused re-handshake: `_on_unknown_instance`)
+            self._supply.tick(self._local_reads())
 
     def _request(self, msg_type: MsgType, body: dict[str, Any]) -> PendingReply:
         """The handler's one way to send: as this instance, through the one RPC client."""
@@ -262,6 +265,7 @@ class MaruHandler(OriginalApi):
         body = {"name": self.config.instance_id, "pid": os.getpid()}
         body["chunk_size"] = self._chunks.chunk_size
         reply = self._request(MsgType.HANDSHAKE, body).result()
+        self._mapper.place = prove_or_refuse(self._rpc, reply, self.config)
         self._s.instance_id, self._session = reply["iid"], reply["session"]
         if self.config.local_socket:
             self._rpc.use_local_socket(reply.get("local_socket"), reply.get("uid"))
@@ -276,7 +280,13 @@ class MaruHandler(OriginalApi):
         return `request` as the instance's now (`RpcClient` calls this, then re-sends)."""
         with self._rehandshake:
             if request.get("session") == self._session:
-                lost = self._handshake()
+                try:
+                    lost = self._handshake()
+                except MaruConnectRefused as exc:  # (a new pool we do not map: no more I/O)
+                    if self._connected:
+                        log.error("%s", exc)
+                        self._connected, self.connect_error, self._index = False, exc, None
+                    raise
                 if lost and msg_type == MsgType.REGISTER_KV:
                     raise RegionsLost(
                         f"maru-server at {self.config.server_url} restarted and forgot {lost} "
@@ -535,28 +545,3 @@ class MaruHandler(OriginalApi):
         """Delete every unpinned key that starts with `prefix`; returns how many went."""
         self._ensure_connected()
         return int(self._request(MsgType.DELETE_PREFIX, {"prefix": prefix}).result()["deleted"])
-
-    # -- introspection -----------------------------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        """The server's statistics (pool usage, keys, per-instance counters)."""
-        return self._request(MsgType.STATS, {}).result()["stats"]
-
-    get_stats = stats  # the original Maru's name for it
-
-    def healthcheck(self) -> bool:
-        """Whether this handler is connected and the server answers a heartbeat now (the
-        original Maru's check); False, with the reason logged, otherwise. Never raises."""
-        if not self._connected:
-            return False
-        try:
-            self._request(MsgType.HEARTBEAT, self._local_reads()).result()
-        except MaruError as exc:
-            log.warning("healthcheck of %s failed: %s", self.config.server_url, exc)
-            return False
-        return True
-
-    def list_allocations(self, *, all_instances: bool = False) -> list[RegionHandle]:
-        body: dict[str, Any] = {} if all_instances else {"owner": self.instance_id}
-        reply = self._request(MsgType.LIST_ALLOCATIONS, body).result()
-        return [RegionHandle.from_wire(f) for f in reply["regions"]]

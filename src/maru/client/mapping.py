@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from maru.client.poolpath import PoolPlace
 from maru.common import hugepages
 from maru.common.region import RegionHandle
 from maru.common.shmindex import region_tag
@@ -145,6 +146,7 @@ class RegionMapper:
         # What the local index's probe translates locations with (`maru.common._shmindex`):
         # per mapped region (id, address, length, tag), sorted by id; replaced, never changed.
         self.rows = np.zeros((0, 4), np.int64)
+        self.place: PoolPlace | None = None  # where this host maps the pool (the handshake)
 
     def add_listener(self, listener: Callable[[int], None]) -> None:
         """Call `listener(region_id)` for every region mapped from now on, and now for those
@@ -211,7 +213,7 @@ class RegionMapper:
             if mapped is not None:
                 self._unmap_locked(handle.region_id)
             flags = os.O_RDWR if writable else os.O_RDONLY
-            fd = os.open(handle.path, flags)
+            fd = os.open(self.place.local_path(handle.path) if self.place else handle.path, flags)
             try:
                 backed = backed_extents(fd, handle.offset, handle.length)
                 prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)

@@ -151,6 +151,17 @@ def parse_server_url(value: Any, *, name: str = "server_url") -> str:
     return url
 
 
+def parse_pool_path(value: Any, *, name: str) -> str:
+    """An absolute path (a file, a device, or an fsdax directory), "~" expanded: a relative
+    one would depend on each process's working directory."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{name}: expected the absolute path of the pool, got {value!r}")
+    path = os.path.expanduser(value.strip())
+    if not os.path.isabs(path):
+        raise ConfigError(f"{name}: expected an absolute path, got {value!r}")
+    return path
+
+
 def parse_bool(value: Any, *, name: str = "flag") -> bool:
     """Accept JSON booleans, 0/1 and the usual strings ("true", "off", ...)."""
     if isinstance(value, bool):
@@ -169,6 +180,7 @@ def parse_bool(value: Any, *, name: str = "flag") -> bool:
 PAGE = 4096  # chunks start on page boundaries of the pool
 # The original Maru's environment overrides (maru_common/config.py): variable -> field.
 ENV_OVERRIDES = {"MARU_EAGER_MAP": "eager_map"}
+POOL_PATH_ENV = "MARU_POOL_PATH"  # `pool_path` where the key is not set (the key wins)
 
 
 def align_chunk(size: int) -> int:
@@ -242,6 +254,10 @@ class MaruConfig:
     # This client's CURVE secret key (or its file, `maru curve-keypair NAME` -> NAME.key), for a
     # server with --curve-clients; None: a throwaway keypair per connection.
     curve_client_key: str | None = None
+    # Where this host maps the server's pool (a CXL pod: another host sees the same memory at
+    # another path); None: `MARU_POOL_PATH`, else the server's path. The client proves that
+    # what it maps there is the server's pool before it uses it (`maru.client.poolpath`).
+    pool_path: str | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> MaruConfig:
         # An unknown keyword is a ConfigError naming it (the dataclass __init__ would raise
@@ -317,6 +333,10 @@ class MaruConfig:
             self.curve_client_key = parse_curve_key(
                 self.curve_client_key, name="curve_client_key", kind="secret key"
             )
+        if self.pool_path is None and os.environ.get(POOL_PATH_ENV):
+            self.pool_path = parse_pool_path(os.environ[POOL_PATH_ENV], name=POOL_PATH_ENV)
+        elif self.pool_path is not None:
+            self.pool_path = parse_pool_path(self.pool_path, name="pool_path")
 
     @property
     def region_expand_size(self) -> int:

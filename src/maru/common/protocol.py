@@ -376,7 +376,15 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
             ("session", "str", "the credential every later request of the instance carries"),
             ("epoch", "str", "changes on every server start"),
             ("version", "int", "PROTOCOL_VERSION"),
-            ("pool", "map", "pool kind, path, capacity, used, free, generation"),
+            (
+                "pool",
+                "map",
+                "pool kind, path, capacity, used, free, generation, and mark: {generation, "
+                "epoch, file, offset, span}, what the pool's mark holds and where it lies (in "
+                "`file` under the pool's path, '' for the pool file itself: `span` bytes mapped "
+                "at `offset`); a client reads it through the path it maps before it uses it "
+                "(docs/reliability.md)",
+            ),
             ("regions", f"[{HANDLE}]", "regions the instance owns"),
             ("heartbeat_interval", "float", "seconds between heartbeats"),
             ("local_socket", "str | nil", "the server's Unix socket, if any"),

@@ -138,7 +138,7 @@ def on_handshake(server: Server, body: dict[str, Any]) -> dict[str, Any]:
         "session": server.registry.instances.open_session(iid),
         "epoch": server.epoch,
         "version": protocol.PROTOCOL_VERSION,
-        "pool": server.registry.pool.stats(),
+        "pool": server.registry.pool.handshake_fields(),
         "regions": [h.to_wire() for h in regions],
         "heartbeat_interval": server.housekeeper.heartbeat_timeout / 3,
         "local_socket": server.local.address if server.local is not None else None,

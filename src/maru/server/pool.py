@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import grp
-import hashlib
 import logging
 import mmap
 import os
@@ -23,6 +22,7 @@ from pathlib import Path
 from maru.common import hugepages
 from maru.common.config import fmt_bytes
 from maru.common.extents import ExtentAllocator
+from maru.common.poolmark import MARK_BYTES, decode_mark, encode_mark, read_mark_window
 from maru.server.journal import write_private
 
 log = logging.getLogger(__name__)
@@ -41,32 +41,6 @@ class PoolError(RuntimeError):
 def new_generation() -> str:
     """A random 64-bit name for one life of a pool's bytes (see `maru.server.cli`)."""
     return secrets.token_hex(8)
-
-
-# The pool's mark: which state serves it, kept in the pool's own memory beside the regions
-# (never inside one), so that a state dir can tell whether another server has used the pool
-# since it was saved (see `maru.server.cli.pool_generation`): magic, the generation, the epoch
-# of the start that wrote it (both `new_generation()` strings), and a digest of those.
-MARK_MAGIC = b"MARUPOOL"
-MARK_BYTES = len(MARK_MAGIC) + 16 + 16 + 8
-
-
-def _mark_digest(body: bytes) -> bytes:
-    return hashlib.blake2b(body, digest_size=8).digest()
-
-
-def encode_mark(generation: str, epoch: str) -> bytes:
-    body = MARK_MAGIC + generation.encode().ljust(16)[:16] + epoch.encode().ljust(16)[:16]
-    return body + _mark_digest(body)
-
-
-def decode_mark(raw: bytes) -> tuple[str, str] | None:
-    """(generation, epoch) of a mark; None for none (zeros, a torn write, other bytes)."""
-    body, digest = raw[: MARK_BYTES - 8], raw[MARK_BYTES - 8 : MARK_BYTES]
-    if not body.startswith(MARK_MAGIC) or _mark_digest(body) != digest:
-        return None
-    start = len(MARK_MAGIC)
-    return body[start : start + 16].decode().strip(), body[start + 16 :].decode().strip()
 
 
 def check_free_space(pool_path: str, directory: str, need: int) -> None:
@@ -124,6 +98,7 @@ class Pool(ABC):
         self.capacity = capacity
         self.alignment = alignment
         self.generation = ""  # set by the server once it knows which life of the pool this is
+        self.mark: tuple[str, str] | None = None  # (generation, epoch) this process wrote
         # bytes the pool file had when opened, if fewer than its capacity (shm): bytes lost
         self.truncated_from: int | None = None
         self._lock_fd: int | None = None
@@ -206,6 +181,27 @@ class Pool(ABC):
     def write_mark(self, generation: str, epoch: str) -> None:
         """Bind the pool to the state that serves it now (see `maru.server.cli.claim_pool`)."""
         self._write_mark_bytes(encode_mark(generation, epoch))
+        self.mark = (generation, epoch)
+
+    def ensure_mark(self) -> None:
+        """A pool served without a mark of this process's (an embedded service, which
+        claims no state) gets one: clients prove their mapping by it (`handshake_fields`)."""
+        if self.mark is None:
+            self.write_mark(self.generation, new_generation())
+
+    def handshake_fields(self) -> dict:
+        """The HANDSHAKE reply's `pool` map: `stats()` and the `mark` a client reads through
+        the path it maps before it uses it (`maru.client.poolpath`): what it holds, and where
+        it lies (`file` relative to the pool's path, "" for the pool file itself)."""
+        generation, epoch = self.mark if self.mark is not None else ("", "")
+        return {
+            **self.stats(),
+            "mark": {"generation": generation, "epoch": epoch, **self._mark_place()},
+        }
+
+    @abstractmethod
+    def _mark_place(self) -> dict:
+        """{"file", "offset", "span"}: where the mark lies (see `handshake_fields`)."""
 
     @abstractmethod
     def _read_mark_bytes(self) -> bytes: ...
@@ -256,15 +252,11 @@ class FilePool(Pool):
     def file_bytes(self) -> int:
         return self.mark_offset + self.mark_span
 
+    def _mark_place(self) -> dict:
+        return {"file": "", "offset": self.mark_offset, "span": self.mark_span}
+
     def _read_mark_bytes(self) -> bytes:
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            with mmap.mmap(
-                fd, self.mark_span, mmap.MAP_SHARED, mmap.PROT_READ, offset=self.mark_offset
-            ) as mm:
-                return mm[:MARK_BYTES]
-        finally:
-            os.close(fd)
+        return read_mark_window(self.path, self.mark_offset, self.mark_span)
 
     def _write_mark_bytes(self, mark: bytes) -> None:
         fd = os.open(self.path, os.O_RDWR)
@@ -480,6 +472,9 @@ class FsDaxPool(Pool):
 
     def unallocated_on(self, directory: str) -> int:
         return self._unallocated_beside(self.path, directory, self._allocated())
+
+    def _mark_place(self) -> dict:
+        return {"file": self.MARK_FILE, "offset": 0, "span": MARK_BYTES}
 
     def _read_mark_bytes(self) -> bytes:
         try:

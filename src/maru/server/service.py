@@ -101,6 +101,7 @@ class MaruService:
         if busy_poll_us < 0:
             raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
         self.busy_poll_s = busy_poll_us / 1e6
+        registry.pool.ensure_mark()  # (`maru-server` wrote it already: claim_pool)
         # A new instance's id: its name and a random suffix, never the id of an earlier
         # instance (whose credential a paused or stray process may still hold).
         self.new_instance_id: Callable[[str], str] = lambda name: f"{name}.{secrets.token_hex(4)}"

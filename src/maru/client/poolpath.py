@@ -1,0 +1,117 @@
+"""Where this client maps the server's pool, and the proof that it is the pool.
+
+On another host of a CXL pod the pool's memory appears under another path than the server's
+(`pool_path`, `MARU_POOL_PATH`). A path naming another device, or a stale file of the same
+name, would serve foreign bytes as hits: so after every HANDSHAKE, before anything is mapped,
+the client reads the pool's mark (`maru.common.poolmark`) through the path it will map and
+compares it with the mark the server says the pool holds. One small read per handshake.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from maru.common.errors import MaruConnectRefused, MaruError
+from maru.common.poolmark import MARK_BYTES, decode_mark, read_mark_window
+from maru.common.protocol import MsgType
+
+if TYPE_CHECKING:
+    from maru.client.rpc import RpcClient
+    from maru.common.config import MaruConfig
+
+log = logging.getLogger(__name__)
+
+
+class PoolMismatch(Exception):
+    """What this client would map is not the server's pool (missing, another file, no
+    mark): the message says which path and what differs."""
+
+
+@dataclass(frozen=True)
+class PoolPlace:
+    """The server's path of its pool and where this host maps it. `directory`: an fsdax pool,
+    a directory of region files (mapped under the same names in `local`)."""
+
+    server: str
+    local: str
+    directory: bool
+
+    def local_path(self, path: str) -> str:
+        """Where to open a region handle's `path` (the server's) on this host."""
+        if self.local == self.server:
+            return path
+        if not self.directory and path == self.server:
+            return self.local
+        if self.directory and os.path.dirname(path) == self.server:
+            return os.path.join(self.local, os.path.basename(path))
+        return path  # (not in the pool: the server names no such region)
+
+
+def prove(pool: dict[str, Any], configured: str | None) -> PoolPlace:
+    """The place to map the pool of a HANDSHAKE reply's `pool` map at, once its mark, read
+    through that place, is the one the server says; raises `PoolMismatch` otherwise."""
+    server = str(pool.get("path", ""))
+    mark = pool.get("mark") or {}
+    place = PoolPlace(server, configured or server, pool.get("kind") == "fsdax")
+    named = (
+        f"pool_path {place.local}"
+        if configured
+        else f"the server's pool path {server} (pool_path unset)"
+    )
+    if not isinstance(mark, dict) or not mark:
+        raise PoolMismatch(
+            f"the server sends no pool mark to prove {named} by (a maru-server older than "
+            "this client: upgrade them together)"
+        )
+    where = os.path.join(place.local, mark.get("file", "")) if mark.get("file") else place.local
+    try:
+        os.stat(place.local)
+    except FileNotFoundError:
+        raise PoolMismatch(f"{named} does not exist on this host") from None
+    except OSError as exc:
+        raise PoolMismatch(f"{named} cannot be reached ({exc.strerror or exc})") from None
+    offset, span = mark.get("offset"), mark.get("span")
+    try:
+        if type(offset) is not int or type(span) is not int or offset < 0 or span < MARK_BYTES:
+            raise ValueError(f"the server names no place for it: offset {offset!r}, span {span!r}")
+        found = decode_mark(read_mark_window(where, offset, span))
+    except (OSError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise PoolMismatch(
+            f"cannot read the pool's mark at {where} through {named} ({why}): it cannot be "
+            f"proven to be the server's pool {server}"
+        ) from None
+    expected = (str(mark.get("generation", "")), str(mark.get("epoch", "")))
+    if found is None:
+        raise PoolMismatch(
+            f"{named} holds no pool mark at {where} (zeros or other bytes; the server's "
+            f"pool {server} holds generation {expected[0]} epoch {expected[1]}): another "
+            "file or device, not the server's pool"
+        )
+    if found != expected:
+        raise PoolMismatch(
+            f"{named} holds the mark of generation {found[0]} epoch {found[1]}, the server's "
+            f"pool {server} generation {expected[0]} epoch {expected[1]}: a stale file or "
+            "another server's pool, not the one this server serves"
+        )
+    if configured:
+        log.info("pool %s is mapped at %s (its mark proves it)", server, place.local)
+    return place
+
+
+def prove_or_refuse(rpc: RpcClient, reply: dict[str, Any], config: MaruConfig) -> PoolPlace:
+    """`prove` the pool of a HANDSHAKE `reply`; on a mismatch end the instance the handshake
+    made at once (best effort) and raise `MaruConnectRefused` saying why."""
+    try:
+        return prove(reply.get("pool") or {}, config.pool_path)
+    except PoolMismatch as exc:
+        ending = rpc.request(MsgType.DISCONNECT, {"session": reply["session"]})
+        ending.retry = False
+        try:
+            ending.result()
+        except MaruError as why:
+            log.debug("ending the refused instance %s failed: %s", reply.get("iid"), why)
+        raise MaruConnectRefused(config.server_url, str(exc)) from None

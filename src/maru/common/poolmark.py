@@ -1,0 +1,49 @@
+"""The pool's mark: which server state serves a pool, kept in the pool's own memory.
+
+The server writes it at every start (`maru.server.cli.claim_pool`) beside the regions (never
+inside one): magic, the pool's generation, the epoch of that start (both
+`maru.server.pool.new_generation()` strings) and a digest of those. Two readers use it:
+- the server, to tell whether another server used the pool since its state was saved;
+- a client, to prove that what it maps (its `pool_path`, or the server's path) is the
+  server's pool before it reads or writes anything there (`maru.client.poolpath`): the
+  HANDSHAKE reply says where the mark lies and what it must hold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+
+MARK_MAGIC = b"MARUPOOL"
+MARK_BYTES = len(MARK_MAGIC) + 16 + 16 + 8
+
+
+def _mark_digest(body: bytes) -> bytes:
+    return hashlib.blake2b(body, digest_size=8).digest()
+
+
+def encode_mark(generation: str, epoch: str) -> bytes:
+    body = MARK_MAGIC + generation.encode().ljust(16)[:16] + epoch.encode().ljust(16)[:16]
+    return body + _mark_digest(body)
+
+
+def decode_mark(raw: bytes) -> tuple[str, str] | None:
+    """(generation, epoch) of a mark; None for none (zeros, a torn write, other bytes)."""
+    body, digest = raw[: MARK_BYTES - 8], raw[MARK_BYTES - 8 : MARK_BYTES]
+    if not body.startswith(MARK_MAGIC) or _mark_digest(body) != digest:
+        return None
+    start = len(MARK_MAGIC)
+    return body[start : start + 16].decode().strip(), body[start + 16 :].decode().strip()
+
+
+def read_mark_window(path: str, offset: int, span: int) -> bytes:
+    """The mark's bytes at `offset` of `path`, through a read-only mapping of `span` bytes
+    there (a devdax device has no read(), and wants mappings aligned as the server's was).
+    Raises OSError (no such file, no permission) or ValueError (the file is shorter)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with mmap.mmap(fd, span, mmap.MAP_SHARED, mmap.PROT_READ, offset=offset) as mm:
+            return mm[:MARK_BYTES]
+    finally:
+        os.close(fd)
