@@ -41,13 +41,17 @@ def outcome(h: MaruHandler, n: int, body: dict):
     return addresses, lengths, lookup.lease_id
 
 
+# A LOOKUP_KV reply's columns (the writers' maru64 checksums last: 0, stored without one)
+COLUMNS = ("region_ids", "offsets", "lengths", "maru64")
+
+
 def packed(*columns: list[int]) -> tuple[bytes, ...]:
     return tuple(array("q", c).tobytes() for c in columns)
 
 
 def test_packed_reply_gives_addresses_in_the_mapping(handler, tmp_path):
     ids, offsets, lengths = [3, 0, 3], [4096, 0, 8192], [100, 0, 200]
-    body = dict(zip(("region_ids", "offsets", "lengths"), packed(ids, offsets, lengths)))
+    body = dict(zip(COLUMNS, packed(ids, offsets, lengths, [0] * 3)))
     addresses, got_lengths, lease = outcome(
         handler, 3, {**body, "regions": [region_fields(tmp_path)], "lease_id": 9}
     )
@@ -60,7 +64,7 @@ def test_a_location_outside_its_region_is_a_miss(handler, tmp_path):
     """The first rule, on the client: a location that does not fit the region it names is
     never read (a malformed or stale reply), whatever the server said."""
     ids, offsets, lengths = [3, 3, 3, 7], [REGION - 100, -4096, 0, 0], [200, 100, 100, 100]
-    body = dict(zip(("region_ids", "offsets", "lengths"), packed(ids, offsets, lengths)))
+    body = dict(zip(COLUMNS, packed(ids, offsets, lengths, [0] * 4)))
     addresses, got_lengths, _ = outcome(handler, 4, {**body, "regions": [region_fields(tmp_path)]})
     base = handler._mapper.get(3).address
     assert addresses.tolist() == [0, 0, base, 0]  # region 7: no handle in the reply

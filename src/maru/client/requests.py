@@ -318,8 +318,7 @@ class Lookup:
                 np.frombuffer(reply[name], np.int64)
                 for name in ("region_ids", "offsets", "lengths")
             )
-            # (a server before checksums sends none: every key reads as stored without one)
-            sums = np.frombuffer(reply.get(CHECKSUMS) or zeros.tobytes(), np.int64)
+            sums = np.frombuffer(reply[CHECKSUMS], np.int64)
             if not len(region_ids) == len(offsets) == len(lengths) == len(sums) == n:
                 raise ValueError(f"{len(region_ids)} locations for {n} keys")
             handles = [RegionHandle.from_wire(fields) for fields in reply["regions"]]
