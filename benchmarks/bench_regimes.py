@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_regimes.py --quick   # well under a minute
     .venv/bin/python benchmarks/bench_regimes.py           # about a minute
     .venv/bin/python benchmarks/bench_regimes.py --before A.json --after B.json  # one table
+    .venv/bin/python benchmarks/bench_regimes.py --pool-dir /mnt/huge  # a huge-page tmpfs
 
 `bench_hicache.py` measures Maru warm: pages the process touched already, room in the pool.
 A server's instance spends its life elsewhere, and this measures it there, through
@@ -471,6 +472,12 @@ def main() -> int:
     ap.add_argument("--sizes", default=",".join(CASES), help="page sizes: 64 KiB, 1 MiB")
     ap.add_argument("--label", default="", help="added to the result file names")
     ap.add_argument(
+        "--pool-dir",
+        default=H.SHM_DIR,
+        help="a tmpfs for the pools and the stream copy's mapping (one mounted with "
+        "huge=within_size: 2 MiB pages, docs/operations.md)",
+    )
+    ap.add_argument(
         "--before",
         nargs="+",
         metavar="JSON",
@@ -488,6 +495,7 @@ def main() -> int:
     sizes = [s.strip() for s in args.sizes.split(",")]
     if unknown := sorted(set(sizes) - set(CASES)):
         ap.error(f"--sizes: unknown {', '.join(unknown)} (known: {', '.join(CASES)})")
+    H.SHM_DIR = args.pool_dir  # (bench_hicache's: its servers and shm mappings use it)
     plan = Plan.make(args.quick)
     t_start = time.monotonic()
     import sglang_cpu

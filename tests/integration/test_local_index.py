@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import hashlib
 import os
+import time
 from typing import Any
 from unittest import mock
 
@@ -241,6 +242,35 @@ def test_a_first_read_of_an_unmapped_region_asks_once_then_reads_locally(maru_se
         assert read(r, keys)[0] == [value(k) for k in keys]
         assert operations(maru_server.url)["lookup_kv"] == before + 1  # now local
         assert r._index.fallbacks == 1
+
+
+def test_a_reader_maps_the_regions_made_after_it_connected_at_its_next_heartbeat(
+    maru_server_factory,
+):
+    """`eager_map`: a reader that connected before a writer took its region maps it at its
+    next heartbeat (interval: the server's timeout / 3), so that its first read of the
+    writer's values is local (no request), like its second; without `eager_map` that read
+    asks the server once."""
+    server = maru_server_factory(extra_args=["--heartbeat-timeout", "1.5"])
+    keys = [f"k{i}" for i in range(8)]
+    with (  # the readers connect first: the writer takes its region after
+        handler(server.url) as r,
+        handler(server.url, eager_map=False) as lazy,
+        handler(server.url) as w,
+    ):
+        w.batch_store(keys, [value(k) for k in keys])
+        (region,) = w._chunks.region_ids()
+        deadline = time.monotonic() + 30
+        while r._mapper.get(region) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r._mapper.get(region) is not None, "not mapped by the heartbeat"
+        assert lazy._mapper.get(region) is None
+        before = operations(server.url)["lookup_kv"]
+        assert read(r, keys)[0] == [value(k) for k in keys]
+        assert operations(server.url)["lookup_kv"] == before  # mapped already: local
+        assert r._index.fallbacks == 0
+        assert read(lazy, keys)[0] == [value(k) for k in keys]
+        assert operations(server.url)["lookup_kv"] == before + 1
 
 
 @pytest.mark.parametrize("way", WAYS)

@@ -63,7 +63,6 @@ from maru.common.protocol import (
     ErrorCode,
     MsgType,
 )
-from maru.common.region import RegionHandle
 
 log = logging.getLogger(__name__)
 
@@ -170,9 +169,8 @@ class MaruHandler(OriginalApi):
         try:
             probe(self.config.server_url, self.config.timeout_ms)
             self._handshake()
-            if self.config.eager_map:
-                for fields in self._request(MsgType.LIST_ALLOCATIONS, {}).result()["regions"]:
-                    self._s.map(RegionHandle.from_wire(fields))
+            if self.config.eager_map:  # every region of the pool, mapped now
+                self._s.map_new_regions(self._supply.pool_generation)
         except MaruError as exc:
             self.connect_error = connect_failure(self.config.server_url, exc)
             log.warning("%s", self.connect_error)
@@ -253,6 +251,8 @@ class MaruHandler(OriginalApi):
     def _beat(self) -> None:
         if self._connected:  # (not after a refused re-handshake: `_on_unknown_instance`)
             self._supply.tick(self._local_reads())
+            if self.config.eager_map:  # (the regions made since the last beat)
+                self._s.map_new_regions(self._supply.pool_generation)
 
     def _request(self, msg_type: MsgType, body: dict[str, Any]) -> PendingReply:
         """The handler's one way to send: as this instance, through the one RPC client."""

@@ -9,6 +9,7 @@ handler's private members and no client module imports the handler back.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,8 @@ from maru.common.protocol import MsgType
 from maru.common.region import RegionHandle
 
 Request = Callable[[MsgType, dict[str, Any]], PendingReply]
+
+log = logging.getLogger("maru.client.handler")
 
 
 class Session:
@@ -37,6 +40,7 @@ class Session:
         "instance_id",
         "mapper",
         "refused_stores",
+        "regions_seen",
         "request",
     )
 
@@ -50,6 +54,7 @@ class Session:
         self.mapper = mapper
         self.refused_stores: Counter[str] = Counter()
         self.checksum_mismatches = 0
+        self.regions_seen: tuple[str | None, int] = (None, 0)  # (pool generation, next id)
 
     def map(self, handle: RegionHandle) -> MappedRegion:
         """`handle`'s region mapped here (once; again if the server reused its id): writable
@@ -59,3 +64,19 @@ class Session:
             return mapped
         writable = handle.owner == self.instance_id and handle.region_id in self.chunks
         return self.mapper.map(handle, writable=writable)
+
+    def map_new_regions(self, generation: str | None) -> None:
+        """Map every region of the pool made since the last call (the handler's `eager_map`:
+        at connect, then at each heartbeat; others' read-only, populated in the background),
+        so that a first read of another instance's new region finds it mapped. Region ids
+        only grow within a pool `generation`; a new pool starts them again."""
+        seen_in, seen = self.regions_seen
+        seen = seen if seen_in == generation else 0
+        reply = self.request(MsgType.LIST_ALLOCATIONS, {"from_id": seen}).result()
+        for fields in reply["regions"]:
+            seen = max(seen, int(fields[0]) + 1)
+            try:
+                self.map(RegionHandle.from_wire(fields))
+            except OSError as exc:  # (a lookup that finds a key there maps it again)
+                log.warning("cannot map region %s of the pool: %s", fields[0], exc)
+        self.regions_seen = (generation, seen)

@@ -469,7 +469,10 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
         [("results", "[int]", "DeleteStatus per key")],
     ),
     MsgType.LIST_ALLOCATIONS: (
-        [("owner", "str", "optional: only this instance's regions")],
+        [
+            ("owner", "str", "optional: only this instance's regions"),
+            ("from_id", "int", "optional: only regions of this id or higher (ids only grow)"),
+        ],
         [("regions", f"[{HANDLE}]", "")],
     ),
     MsgType.STATS: ([], [("stats", "map", "see docs/operations.md")]),

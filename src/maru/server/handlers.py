@@ -270,9 +270,11 @@ def on_list_keys(server: Server, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def on_list_allocations(server: Server, body: dict[str, Any]) -> dict[str, Any]:
-    owner = body.get("owner")
+    owner, from_id = body.get("owner"), body.get("from_id", 0)
+    if type(from_id) is not int:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "from_id must be an integer")
     handles = server.registry.regions.handles(owner if isinstance(owner, str) else None)
-    return {"regions": [h.to_wire() for h in handles]}
+    return {"regions": [h.to_wire() for h in handles if h.region_id >= from_id]}
 
 
 HANDLERS: dict[int, Handler] = {
