@@ -52,7 +52,15 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 )
 from sglang.srt.utils import get_device_module
 
-from maru.client import CopyFaultError, Lookup, Put, copy_many, copy_values
+from maru.client import (
+    CopyFaultError,
+    Lookup,
+    Put,
+    copy_many,
+    copy_values,
+    invalidate_ranges,
+    write_back_ranges,
+)
 from maru_sglang.cuda import ALIGN, copy_pieces, register_with_cuda
 from maru_sglang.maru_storage import open_handler
 from maru_sglang.pools import chunk_size_for, page_namespace
@@ -389,6 +397,11 @@ class MaruCacheLinker(UnifiedCacheLinker):
             lookup.release()
             self._count(loads_refused=1)
             return False
+        if invalidate_ranges(lookup.addresses, lengths) is not None:  # (software coherence)
+            log.warning("load %s: the pool's memory faulted: recompute", rid)
+            lookup.release()
+            self._count(loads_refused=1)
+            return False
         self._pending[rid] = _Load(rid, firsts, lookup, pages)
         return True
 
@@ -550,6 +563,7 @@ class MaruCacheLinker(UnifiedCacheLinker):
                 log.warning("offload: reserved chunks outside the CUDA-registered mapping")
                 raise CopyFaultError(errno.EFAULT, "chunks outside the CUDA-registered mapping")
             self.layout.store(targets, firsts[first:last], threads).synchronize()
+            write_back_ranges(targets, page_bytes)  # (software coherence: a device wrote them)
 
         put = Put(keys, page_bytes, copy, "linker")
         self.handler.put([put])

@@ -51,6 +51,7 @@ def truncate(url: str, pool: str, local: str) -> dict:
         stored = h.batch_store(keys, [make_value(i, size) for i in range(n)])
         reading, truncated = threading.Event(), threading.Event()
         report = {"stored": sum(stored), "local": h.reads_locally, "wrong": 0, "after": []}
+        report["coherence"] = h.coherence
 
         def reader() -> None:
             while True:

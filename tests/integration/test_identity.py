@@ -296,6 +296,50 @@ def test_a_child_forked_after_connecting_never_writes_as_its_parent(maru_server)
     assert out["child_closed"] and out["intact"]  # the child's close() ended nothing of ours
 
 
+def fork_while_locked(url: str) -> dict:
+    """Fork while the handler's locks are held (as its heartbeat, populate or writer threads
+    may hold one at the moment a worker pool forks): the child's first use of the inherited
+    handler and its close() must not wait for a lock no thread of the child will release."""
+    h = MaruHandler(server_url=url, pool_size="1M", chunk_size_bytes="64K", timeout_ms=5000)
+    store_values(h, "pre", 100, n=2)
+    locks = [h._mapper._lock, h._chunks._lock, h._rpc._channels_lock]
+    for lock in locks:
+        lock.acquire()
+    report_r, report_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        outcome = "hung"
+        try:
+            signal.alarm(int(FORK_S))  # a child that waits for one of them dies of it
+            try:
+                h.batch_store(["child"], [b"x" * 10])
+                outcome = "stored"
+            except Exception as exc:
+                outcome = type(exc).__name__
+            h.close()
+            os.write(report_w, f"{outcome} closed\n".encode())
+        finally:
+            os._exit(0)
+    os.close(report_w)
+    try:
+        line = read_line(report_r, time.monotonic() + FORK_S + 5)
+    finally:
+        for lock in locks:
+            lock.release()
+        os.waitpid(pid, 0)
+        h.close()
+    return {"child": line.decode().strip()}
+
+
+def test_a_child_forked_while_the_handler_holds_a_lock_is_refused_at_once(maru_server):
+    """The refusal comes before anything that locks: a child forked while a thread of its
+    parent held the mapper's, the chunk book's or the RPC client's lock gets
+    `MaruForkedError` and closes the inherited handler (before: its store waited forever for
+    the mapper's lock; the soak's forked child failed so once in ~20 runs)."""
+    (out,) = run_processes([(fork_while_locked, (maru_server.url,))], timeout=2 * FORK_S)
+    assert out["child"] == "MaruForkedError closed"
+
+
 def present_credential(url: str, session: str, local: str, uid: int, region: list) -> dict:
     """Another process with a copy of an instance's credential: as a handler that connects
     with it (over TCP, as every first handshake) and stores, then as raw requests over the

@@ -44,9 +44,16 @@ def run_child(*args: str) -> dict:
     return report(done)
 
 
+@pytest.mark.parametrize("coherence", ["hardware", "software"])
 @pytest.mark.parametrize("local", ["1", "0"], ids=["local-index", "requests"])
-def test_a_pool_truncated_under_a_reader_gives_misses_not_a_dead_reader(maru_server, local):
-    got = run_child("truncate", maru_server.url, maru_server.pool_path, local)
+def test_a_pool_truncated_under_a_reader_gives_misses_not_a_dead_reader(
+    maru_server_factory, local, coherence
+):
+    """(With software coherence a reader's first touch of a value is its invalidation of
+    the value's lines: the fault comes in a flush, and is a miss all the same.)"""
+    server = maru_server_factory(extra_args=["--coherence", coherence])
+    got = run_child("truncate", server.url, server.pool_path, local)
+    assert got["coherence"] == coherence
     assert got["stored"] == 16 and got["local"] == (local == "1")
     assert got["wrong"] == 0  # every hit, before and after, was the bytes stored
     assert got["after"] == [0] * 5  # every read after the truncation: misses

@@ -45,6 +45,7 @@ def shm_pool() -> str:
         (["--journal-fsync-ms", "-1"], "argument --journal-fsync-ms: must be at least 0"),
         (["--busy-poll-us", "-1"], "argument --busy-poll-us: must be at least 0"),
         (["--busy-poll-us", "1.5"], "argument --busy-poll-us: expected a number at least 0"),
+        (["--coherence", "sometimes"], "argument --coherence: invalid choice: 'sometimes'"),
         (["--eviction-high-watermark", "1.5"], "must be above 0 and at most 1, got 1.5"),
         (["--eviction-low-watermark", "0"], "--eviction-low-watermark: must be above 0 and at"),
         (

@@ -97,6 +97,32 @@ def test_two_processes_share_pages_for_every_layout(maru_server):
         assert outcome == {"exists": PAGES, "loaded": PAGES, "identical": PAGES}, name
 
 
+@pytest.mark.parametrize(("server", "client"), [("software", None), ("hardware", "software")])
+def test_software_coherence_shares_pages_between_processes_by_bytes(
+    maru_server_factory, server, client
+):
+    """Software coherence through SGLang's real host pools and backend factory: by the
+    server's `--coherence software`, or by `maru_coherence` against a hardware server. Every
+    page read back is the bytes written; this machine is coherent, so the bytes cannot show
+    the flushes: each process reports the mode it copied in and the cache lines its copies
+    wrote back (the writer) and invalidated (the reader), which a loop that skipped its
+    flushes would leave at 0."""
+    url = maru_server_factory(pool_size="512M", extra_args=["--coherence", server]).url
+    extra = {"report_coherence": True, **({"maru_coherence": client} if client else {})}
+    written = _run_peer("writer", url, seed=13, **extra)
+    loaded = _run_peer("reader", url, seed=13, **extra)
+    # an MHA page is 1536 bytes (24 lines), an MLA page 960 (15); all under 4 KiB, so the
+    # writer copies them with cached stores and writes back every line of every page (its
+    # parts are whole lines), and the reader invalidates every line of every page it reads
+    lines = PAGES * (24 + 24 + 15 + 15)
+    modes = ["software"]
+    assert written.pop("coherence") == {"modes": modes, "written_back": lines, "invalidated": 0}
+    assert loaded.pop("coherence") == {"modes": modes, "written_back": 0, "invalidated": lines}
+    assert all(v["stored"] == PAGES for v in written.values()), written
+    for name, outcome in loaded.items():
+        assert outcome == {"exists": PAGES, "loaded": PAGES, "identical": PAGES}, name
+
+
 def test_a_write_whose_copy_faults_fails_its_pages_and_the_process_lives(maru_server):
     """The pool's file truncated under a writer (issue 40, case 6): `batch_set_v1`'s copies
     into its regions fault (SIGBUS), which killed the inference process; now those pages are

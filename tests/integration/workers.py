@@ -3,6 +3,7 @@ MaruHandler, its own mmap of the pool). Each worker puts one result dict on a qu
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import math
 import multiprocessing as mp
@@ -368,3 +369,93 @@ def many_handlers_store(url: str, handlers: int, values: int, size: int) -> dict
     finally:
         for h in hs:
             h.close()
+
+
+def copy_coherently(
+    url: str, role: str, keys: list[str], size: int, seed: int, handler_kw: dict[str, Any]
+) -> dict:
+    """A writer (`batch_store`) or a reader (`read`, the data path's C copy) of
+    keys[i] = make_value(seed + i, size): the coherence mode its handler agreed on, the
+    WARNINGs `maru.client.coherence` logged, the cache lines its copies flushed (written
+    back, invalidated), and per key whether it stored / read the bytes written."""
+    import logging
+
+    from maru.client.coherence import lines_flushed
+
+    warned: list[str] = []
+    catch = logging.Handler(logging.WARNING)
+    catch.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("maru.client.coherence").addHandler(catch)
+    h = _handler(url, pool_size="64M", chunk_size_bytes=-(-size // 4096) * 4096, **handler_kw)
+    try:
+        before = lines_flushed()
+        if role == "write":
+            done = h.batch_store(keys, [make_value(seed + i, size) for i in range(len(keys))])
+        else:
+            out = np.zeros((len(keys), size), np.uint8)
+            buffers = out.ctypes.data + np.arange(len(keys), dtype=np.int64)[:, None] * size
+            hits = h.read(keys, buffers, np.array([size], np.int64), length=size)
+            expected = [digest(make_value(seed + i, size)) for i in range(len(keys))]
+            done = [hit and digest(out[i]) == expected[i] for i, hit in enumerate(hits)]
+        after = lines_flushed()
+        return {
+            "done": [bool(d) for d in done],
+            "mode": h.coherence,
+            "local": h.reads_locally,
+            "warned": warned,
+            "lines": [after[0] - before[0], after[1] - before[1]],
+        }
+    finally:
+        h.close()
+
+
+def in_place_coherently(url: str, role: str, keys: list[str], size: int, seed: int) -> dict:
+    """Values written and read in place, not by a copy loop: a writer fills one `alloc` run
+    and seals it (`batch_store(keys, handles)`), then fills another and frees it; a reader
+    digests `batch_retrieve`'s views, each value again through `get_buffer_view`, and
+    `read_many` with a copy of its own. Per step the cache lines flushed
+    (written back, invalidated) and per key whether the bytes are make_value(seed + i)."""
+    from maru.client.coherence import lines_flushed
+
+    h = _handler(url, pool_size="64M", chunk_size_bytes=-(-size // 4096) * 4096)
+    try:
+        expected = [make_value(seed + i, size) for i in range(len(keys))]
+        steps: dict[str, list[int]] = {}
+
+        def step(name: str, fn: Callable[[], Any]) -> Any:
+            before = lines_flushed()
+            out = fn()
+            after = lines_flushed()
+            steps[name] = [after[0] - before[0], after[1] - before[1]]
+            return out
+
+        if role == "write":
+            run = h.alloc(size, len(keys))
+            for i, value in enumerate(expected):
+                run.slice(i, i + 1).buf[:] = value
+            done = step("seal", lambda: h.batch_store(keys, run.split()))
+            spare = h.alloc(size, len(keys))  # (written, then given back unsealed)
+            spare.buf[:] = b"\xee" * len(spare.buf)
+            step("free", lambda: h.free(spare))
+            return {"done": done, "mode": h.coherence, "lines": steps}
+        infos = step("retrieve", lambda: h.batch_retrieve(keys))
+        done = [
+            bool(info) and digest(info.view) == digest(expected[i]) for i, info in enumerate(infos)
+        ]
+        views = step(
+            "view",
+            lambda: [h.get_buffer_view(i.region_id, i.offset, i.length) for i in infos if i],
+        )
+        done += [digest(v) == digest(expected[i]) for i, v in enumerate(views)]
+        out = np.zeros((len(keys), size), np.uint8)
+
+        def by_ctypes(sources: np.ndarray) -> None:  # (as a device's copy would: no C loop)
+            for i, source in enumerate(sources.tolist()):
+                if source:
+                    ctypes.memmove(out[i].ctypes.data, source, size)
+
+        proven, _ = step("read_many", lambda: h.read_many(keys, [(len(keys), size, by_ctypes)]))
+        done += [bool(p) and digest(out[i]) == digest(expected[i]) for i, p in enumerate(proven)]
+        return {"done": done, "mode": h.coherence, "lines": steps}
+    finally:
+        h.close()

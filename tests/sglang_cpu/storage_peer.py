@@ -1,6 +1,8 @@
 """One SGLang "instance" for the cross-process MaruStorage tests (run as a subprocess).
 
     python storage_peer.py writer|reader <maru_url> <pages> <seed> [<extra config as JSON>]
+    (extra config `"report_coherence": true`: the JSON also says, under "coherence", the
+    copies' coherence mode while each backend was open and the cache lines they flushed)
     python storage_peer.py truncated <maru_url> <pages> <seed> <pool file>
 
 For each geometry in GEOMETRIES it builds a real host pool, creates `MaruStorage` through
@@ -25,6 +27,7 @@ sglang_cpu.apply()
 import torch  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
+from maru.client.coherence import lines_flushed, process_mode  # noqa: E402
 from sglang_cpu.host_pools import (  # noqa: E402
     Geometry,
     expected_pages,
@@ -85,10 +88,13 @@ def main() -> None:
         print(json.dumps(truncated(url, pages, seed, sys.argv[5])), flush=True)
         return
     more = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+    report = more.pop("report_coherence", False)
     out = {}
+    modes, lines_before = set(), lines_flushed()
     for n, g in enumerate(GEOMETRIES):
         pool = make_host_pool(g)
         backend = backend_for(url, g, pool, more)
+        modes.add(process_mode())
         keys = [f"{seed:x}-page-{i}" for i in range(pages)]
         expected = expected_pages(pool, pages, seed + n)
         if role == "writer":
@@ -110,6 +116,13 @@ def main() -> None:
                 "identical": int(same),
             }
         backend.close()
+    if report:
+        lines = [a - b for a, b in zip(lines_flushed(), lines_before)]
+        out["coherence"] = {
+            "modes": sorted(modes),
+            "written_back": lines[0],
+            "invalidated": lines[1],
+        }
     print(json.dumps(out), flush=True)
 
 

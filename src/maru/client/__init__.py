@@ -32,6 +32,9 @@ _EXPORTS = {
     "copy_values": "maru.client.memcopy",
     "copy_values_start": "maru.client.memcopy",
     "page_pointers": "maru.client.memcopy",
+    # software coherence for bytes moved by something else than the copy loops (a device)
+    "invalidate_ranges": "maru.client.coherence",
+    "write_back_ranges": "maru.client.coherence",
     # configuration and errors
     "MaruConfig": "maru.common.config",
     "MaruError": "maru.common.errors",

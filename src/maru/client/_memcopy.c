@@ -52,6 +52,125 @@
 /* Below this a part is copied with memmove: small copies gain nothing from streaming. */
 #define STREAMING_MIN_BYTES 4096
 
+/* ---- coherence: hosts whose caches do not snoop each other ---------------------------------
+ *
+ * Hosts of a CXL pod that share memory without hardware coherence (CXL 2.0 sharing) see each
+ * other's writes only where the writer's lines reached memory and the reader's cache holds no
+ * copy from before (docs/architecture.md, "Coherence"). `coherence("software")` (set once per
+ * process at HANDSHAKE, maru.client.coherence) turns on, in every copy loop here:
+ *  - a writer's copy into the pool writes back what it wrote with cached stores (heads and
+ *    tails, small parts, memmove copies: streamed lines go to memory anyway) with clwb, else
+ *    clflushopt, else clflush, and ends with an sfence: all of it is in memory before the
+ *    call returns, so before the REGISTER_KV that publishes the values;
+ *  - a reader invalidates every line of a value (clflushopt, else clflush) and fences (mfence)
+ *    before it copies the value: nothing it reads comes from a line cached before.
+ * Where a loop cannot tell which side is the pool (copy_many, copy_many_hashed) it does both.
+ * The flushes run inside each value's fault guard: a fault in one is a fault of that value.
+ * Hardware (the default): none of it, the loops as before. x86-64 only (elsewhere "software"
+ * is refused). `coherence_counts()`: the lines written back and invalidated (tests). */
+
+#define COH_LINE 64
+enum { FLUSH_NONE, FLUSH_CLFLUSH, FLUSH_CLFLUSHOPT, FLUSH_CLWB };
+static volatile int coh_software = 0;
+static int coh_write_back_kind = FLUSH_NONE; /* the best write-back the CPU has (cpuid, once) */
+static int coh_invalidate_kind = FLUSH_NONE; /* the best that also evicts the line */
+static uint64_t coh_lines_written_back = 0;  /* (atomic, relaxed: a test's counter) */
+static uint64_t coh_lines_invalidated = 0;
+
+#if HAVE_X86_DISPATCH
+#include <cpuid.h>
+
+static void coh_pick_flushes(void)
+{
+    unsigned a, b, c, d;
+    int clflush = __get_cpuid(1, &a, &b, &c, &d) && (d & (1u << 19));
+    int opt = 0, wb = 0;
+    if (__get_cpuid_max(0, NULL) >= 7) {
+        __cpuid_count(7, 0, a, b, c, d);
+        opt = (b >> 23) & 1;
+        wb = (b >> 24) & 1;
+    }
+    coh_invalidate_kind = opt ? FLUSH_CLFLUSHOPT : clflush ? FLUSH_CLFLUSH : FLUSH_NONE;
+    coh_write_back_kind = wb ? FLUSH_CLWB : coh_invalidate_kind;
+}
+
+__attribute__((target("clwb"))) static void coh_lines_clwb(char *p, char *end)
+{
+    for (; p < end; p += COH_LINE)
+        _mm_clwb(p);
+}
+
+__attribute__((target("clflushopt"))) static void coh_lines_clflushopt(char *p, char *end)
+{
+    for (; p < end; p += COH_LINE)
+        _mm_clflushopt(p);
+}
+
+static void coh_lines_clflush(char *p, char *end)
+{
+    for (; p < end; p += COH_LINE)
+        _mm_clflush(p);
+}
+
+/* Every line of [p, p + n) flushed with `kind`; returns the lines. */
+static size_t coh_flush(const char *p, size_t n, int kind)
+{
+    if (n == 0)
+        return 0;
+    char *first = (char *)((uintptr_t)p & ~(uintptr_t)(COH_LINE - 1));
+    char *end = (char *)p + n;
+    if (kind == FLUSH_CLWB)
+        coh_lines_clwb(first, end);
+    else if (kind == FLUSH_CLFLUSHOPT)
+        coh_lines_clflushopt(first, end);
+    else
+        coh_lines_clflush(first, end);
+    return (size_t)(end - first + COH_LINE - 1) / COH_LINE;
+}
+
+/* Write back `n` bytes at `p` written with cached stores (their sfence comes at the end of
+ * the loop). The loops read `coh_software` once per call and call these only in software. */
+static inline void coh_write_back(const char *p, size_t n)
+{
+    if (n)
+        __atomic_fetch_add(&coh_lines_written_back, coh_flush(p, n, coh_write_back_kind),
+                           __ATOMIC_RELAXED);
+}
+
+/* `n` bytes at `p` invalidated, then a full fence, before they are read. */
+static inline void coh_invalidate(const char *p, size_t n)
+{
+    if (!n)
+        return;
+    __atomic_fetch_add(&coh_lines_invalidated, coh_flush(p, n, coh_invalidate_kind),
+                       __ATOMIC_RELAXED);
+    _mm_mfence();
+}
+
+/* The end of a copy loop (`coh`: its snapshot of coh_software): its streaming stores and
+ * write-backs ordered before what the caller does next (the registration that publishes the
+ * values). */
+static inline void coh_fence(int streaming, int coh)
+{
+    if (streaming || coh)
+        _mm_sfence();
+}
+#else
+static void coh_pick_flushes(void) {}
+static inline void coh_write_back(const char *p, size_t n) { (void)p, (void)n; }
+static inline void coh_invalidate(const char *p, size_t n) { (void)p, (void)n; }
+static inline void coh_fence(int streaming, int coh)
+{
+    (void)coh;
+#if HAVE_STREAMING
+    if (streaming)
+        _mm_sfence();
+#else
+    (void)streaming;
+#endif
+}
+#endif
+
 #if HAVE_STREAMING
 /* The streaming body: `n` (a multiple of 64) bytes to `d`. SSE2 (16-byte stores, `d` 16-byte
  * aligned) everywhere x86-64 runs; AVX-512 (64-byte stores, `d` 64-byte aligned) where the
@@ -86,24 +205,45 @@ static size_t stream_wide_align = 16;
  * aligned destination address, memcpy for the edges before and after. `wide`: the widest
  * stores the CPU has (`copy_many`); else SSE2's, which `copy_many_hashed`'s 4 KiB blocks run
  * faster with (measured: 12% over a plain copy against 16-25% with AVX-512 stores, for a
- * destination off the 64-byte grid; the one-pass loop covers the aligned case). */
-static void copy_streaming(char *d, const char *s, size_t n, int wide)
+ * destination off the 64-byte grid; the one-pass loop covers the aligned case). Returns 0
+ * where it copied nothing (a small or overlapping copy: memmove's). `wb`: see copy_bytes. */
+static int copy_streaming(char *d, const char *s, size_t n, int wide, int wb)
 {
-    if (n < STREAMING_MIN_BYTES || (d < s + n && s < d + n)) {
-        memmove(d, s, n);
-        return;
-    }
+    if (n < STREAMING_MIN_BYTES || (d < s + n && s < d + n))
+        return 0;
     size_t align = wide ? stream_wide_align : 16;
     size_t head = (align - ((uintptr_t)d & (align - 1))) & (align - 1);
     memcpy(d, s, head);
+    if (wb)
+        coh_write_back(d, head);
     d += head;
     s += head;
     n -= head;
     size_t body = n & ~(size_t)63;
     (wide ? stream_wide : stream_sse2)(d, s, body);
     memcpy(d + body, s + body, n - body);
+    if (wb)
+        coh_write_back(d + body, n - body);
+    return 1;
 }
 #endif
+
+/* One buffer copied: streaming stores where `streaming` (copy_streaming), else memmove. `wb`:
+ * software coherence, and the destination is, or may be, the pool: the lines written with
+ * cached stores are written back (see "coherence"; the loop's sfence comes at its end). */
+static inline void copy_bytes(char *d, const char *s, size_t n, int streaming, int wide,
+                              int wb)
+{
+#if HAVE_STREAMING
+    if (streaming && n >= STREAMING_MIN_BYTES && copy_streaming(d, s, n, wide, wb))
+        return;
+#else
+    (void)streaming, (void)wide;
+#endif
+    memmove(d, s, n);
+    if (wb)
+        coh_write_back(d, n);
+}
 
 /* ---- maru64: the page checksum ------------------------------------------------------------
  *
@@ -534,19 +674,18 @@ static PyObject *copy_fault_raise(const char *what, const uint8_t *faulted, Py_s
     return NULL;
 }
 
-/* One buffer of copy_many, guarded (see "faults during a copy"): 0, or -1 if it faulted. */
-static int copy_one_guarded(char *d, const char *s, size_t n, int streaming)
+/* One buffer of copy_many, guarded (see "faults during a copy"): 0, or -1 if it faulted.
+ * Either side may be the pool: in software coherence (`coh`) its source is invalidated
+ * first and its destination's cached stores written back. */
+static int copy_one_guarded(char *d, const char *s, size_t n, int streaming, int coh)
 {
     sigjmp_buf jump;
     if (sigsetjmp(jump, 0))
         return -1;
     fault_guard_on(&jump);
-#if HAVE_STREAMING
-    if (streaming)
-        copy_streaming(d, s, n, 1);
-    else
-#endif
-        memmove(d, s, n);
+    if (coh)
+        coh_invalidate(s, n);
+    copy_bytes(d, s, n, streaming, 1, coh);
     fault_guard_off();
     return 0;
 }
@@ -600,15 +739,13 @@ static PyObject *copy_many(PyObject *self, PyObject *args)
         }
     Py_ssize_t faults = 0;
     uint8_t *faulted = NULL;
+    int coh = coh_software;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++)
         if (copy_one_guarded((char *)(intptr_t)d[i], (const char *)(intptr_t)s[i],
-                             (size_t)(z != NULL ? z[i] : size), streaming) < 0)
+                             (size_t)(z != NULL ? z[i] : size), streaming, coh) < 0)
             fault_mark(&faulted, n, i, &faults);
-#if HAVE_STREAMING
-    if (streaming)
-        _mm_sfence();
-#endif
+    coh_fence(streaming, coh);
     Py_END_ALLOW_THREADS
     out = faults ? copy_fault_raise("copy_many: buffers", faulted, n, faults) : Py_NewRef(Py_None);
     PyMem_RawFree(faulted);
@@ -628,9 +765,10 @@ done:
  * and 4 KiB is the least that still streams (STREAMING_MIN_BYTES). */
 #define HASH_BLOCK_BYTES 4096
 
-/* One part of a value: copied from `from` to `to` and added to the value's hash `st`. */
+/* One part of a value: copied from `from` to `to` and added to the value's hash `st`
+ * (`wb`: see copy_bytes; the one-pass loop's stores all stream). */
 static void copy_part_hashed(m64_state *st, char *to, const uint8_t *from, size_t size,
-                             int streaming)
+                             int streaming, int wb)
 {
     size_t off = 0, step;
 #if HAVE_STREAMING
@@ -647,20 +785,17 @@ static void copy_part_hashed(m64_state *st, char *to, const uint8_t *from, size_
     for (; off < size; off += step) {
         /* (a last piece under a block joins the one before: every piece streams) */
         step = size - off < 2 * HASH_BLOCK_BYTES ? size - off : HASH_BLOCK_BYTES;
-#if HAVE_STREAMING
-        if (streaming)
-            copy_streaming(to + off, (const char *)from + off, step, 0);
-        else
-#endif
-            memmove(to + off, from + off, step);
+        copy_bytes(to + off, (const char *)from + off, step, streaming, 0, wb);
         m64_update(st, from + off, step);
     }
 }
 
 /* Value `v` of copy_many_hashed (its `parts` buffers from `first`; `d` NULL: only hashed),
- * guarded: 0 and its maru64 in `*hash`, or -1 if it faulted (`*hash` 0). */
+ * guarded: 0 and its maru64 in `*hash`, or -1 if it faulted (`*hash` 0). Either side may be
+ * the pool (software coherence: as copy_one_guarded). */
 static int copy_hashed_guarded(const int64_t *d, const int64_t *s, const int64_t *z,
-                               Py_ssize_t first, Py_ssize_t parts, int streaming, int64_t *hash)
+                               Py_ssize_t first, Py_ssize_t parts, int streaming, int coh,
+                               int64_t *hash)
 {
     sigjmp_buf jump;
     m64_state st;
@@ -672,10 +807,12 @@ static int copy_hashed_guarded(const int64_t *d, const int64_t *s, const int64_t
     m64_begin(&st);
     for (Py_ssize_t b = first; b < first + parts; b++) {
         const uint8_t *from = (const uint8_t *)(intptr_t)s[b];
+        if (coh)
+            coh_invalidate((const char *)from, (size_t)z[b]);
         if (d == NULL)
             m64_update(&st, from, (size_t)z[b]);
         else
-            copy_part_hashed(&st, (char *)(intptr_t)d[b], from, (size_t)z[b], streaming);
+            copy_part_hashed(&st, (char *)(intptr_t)d[b], from, (size_t)z[b], streaming, coh);
     }
     *hash = m64_finish(&st);
     fault_guard_off();
@@ -727,14 +864,13 @@ static PyObject *copy_many_hashed(PyObject *self, PyObject *args)
     int64_t *hashes = (int64_t *)PyBytes_AS_STRING(out);
     Py_ssize_t faults = 0;
     uint8_t *faulted = NULL;
+    int coh = coh_software;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t v = 0; v < values; v++)
-        if (copy_hashed_guarded(d, s, z, v * parts, parts, streaming, hashes + v) < 0)
+        if (copy_hashed_guarded(d, s, z, v * parts, parts, streaming, coh, hashes + v) < 0)
             fault_mark(&faulted, values, v, &faults);
-#if HAVE_STREAMING
-    if (d != NULL && streaming)
-        _mm_sfence();
-#endif
+    if (d != NULL)
+        coh_fence(streaming, coh);
     Py_END_ALLOW_THREADS
     if (faults)
         Py_SETREF(out, copy_fault_raise("copy_many_hashed: values", faulted, values, faults));
@@ -760,9 +896,12 @@ done:
  * of value v's bytes (0 where skipped). The local index's fused read (`_shmindex.c`,
  * `Reader.read`) calls it through `copy_values_threads` and the capsule `COPY_VALUES`: one
  * loop for both. */
-/* Value `v`'s parts (see copy_values_run) from `value`, guarded: 0, or -1 if it faulted. */
+/* Value `v`'s parts (see copy_values_run) from `value`, guarded: 0, or -1 if it faulted. The
+ * value is the pool's side: in software coherence a read invalidates its lines first, a
+ * store writes back its cached stores. */
 static int copy_value_guarded(char *value, const int64_t *buffers, const int64_t *sizes,
-                              Py_ssize_t parts, int to_values, int streaming, int64_t *hash)
+                              Py_ssize_t parts, int to_values, int streaming, int coh,
+                              int64_t *hash)
 {
     sigjmp_buf jump;
     m64_state st;
@@ -772,6 +911,12 @@ static int copy_value_guarded(char *value, const int64_t *buffers, const int64_t
         return -1;
     }
     fault_guard_on(&jump);
+    if (coh && !to_values) {
+        size_t bytes = 0;
+        for (Py_ssize_t j = 0; j < parts; j++)
+            bytes += (size_t)sizes[j];
+        coh_invalidate(value, bytes);
+    }
     if (hash != NULL)
         m64_begin(&st);
     for (Py_ssize_t j = 0; j < parts; j++) {
@@ -780,13 +925,9 @@ static int copy_value_guarded(char *value, const int64_t *buffers, const int64_t
         const char *from = to_values ? buffer : value;
         size_t size = (size_t)sizes[j];
         if (hash != NULL)
-            copy_part_hashed(&st, to, (const uint8_t *)from, size, streaming);
-#if HAVE_STREAMING
-        else if (streaming)
-            copy_streaming(to, from, size, 1);
-#endif
+            copy_part_hashed(&st, to, (const uint8_t *)from, size, streaming, coh && to_values);
         else
-            memmove(to, from, size);
+            copy_bytes(to, from, size, streaming, 1, coh && to_values);
         value += size;
     }
     if (hash != NULL)
@@ -804,6 +945,7 @@ static Py_ssize_t copy_values_run(const int64_t *starts, const int64_t *buffers,
                                   uint8_t *faulted)
 {
     Py_ssize_t faults = 0;
+    int coh = coh_software; /* (once per call: see "coherence") */
     for (Py_ssize_t v = 0; v < values; v++) {
         char *value = (char *)(intptr_t)starts[v];
         if (value == NULL) {
@@ -812,15 +954,12 @@ static Py_ssize_t copy_values_run(const int64_t *starts, const int64_t *buffers,
             continue;
         }
         if (copy_value_guarded(value, buffers + v * parts, sizes, parts, to_values, streaming,
-                               hashes != NULL ? hashes + v : NULL) < 0) {
+                               coh, hashes != NULL ? hashes + v : NULL) < 0) {
             faulted[v] = 1;
             faults++;
         }
     }
-#if HAVE_STREAMING
-    if (streaming)
-        _mm_sfence();
-#endif
+    coh_fence(streaming, coh);
     return faults;
 }
 
@@ -1279,6 +1418,102 @@ static PyObject *guard_faults(PyObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+static const char *const flush_names[] = {"", "clflush", "clflushopt", "clwb"};
+
+/* One range of flush_ranges, guarded: 0, or -1 if it faulted. */
+static int flush_one_guarded(const char *p, size_t n, int invalidate)
+{
+    sigjmp_buf jump;
+    if (sigsetjmp(jump, 0))
+        return -1;
+    fault_guard_on(&jump);
+    if (invalidate)
+        coh_invalidate(p, n);
+    else
+        coh_write_back(p, n);
+    fault_guard_off();
+    return 0;
+}
+
+/* flush_ranges(addresses, lengths, invalidate): software coherence for bytes the copy loops
+ * did not move (a value written in place through `alloc`, or DMA'd; one read in place through
+ * a view): see maru.client.coherence. Nothing in hardware mode. */
+static PyObject *flush_ranges(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *addresses_obj, *lengths_obj;
+    int invalidate;
+    if (!PyArg_ParseTuple(args, "OOp:flush_ranges", &addresses_obj, &lengths_obj, &invalidate))
+        return NULL;
+    Py_buffer addresses = {0}, lengths = {0};
+    PyObject *out = NULL;
+    if (int64_buffer(addresses_obj, &addresses, "addresses") < 0 ||
+        int64_buffer(lengths_obj, &lengths, "lengths") < 0)
+        goto done;
+    Py_ssize_t n = addresses.len / 8;
+    if (lengths.len / 8 != n) {
+        PyErr_Format(PyExc_ValueError, "flush_ranges: %zd addresses for %zd lengths", n,
+                     lengths.len / 8);
+        goto done;
+    }
+    const int64_t *a = (const int64_t *)addresses.buf, *z = (const int64_t *)lengths.buf;
+    Py_ssize_t faults = 0;
+    uint8_t *faulted = NULL;
+    if (coh_software) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (a[i] != 0 && z[i] > 0 &&
+                flush_one_guarded((const char *)(intptr_t)a[i], (size_t)z[i], invalidate) < 0)
+                fault_mark(&faulted, n, i, &faults);
+        coh_fence(0, 1);
+        Py_END_ALLOW_THREADS
+    }
+    out = faults ? copy_fault_raise("flush_ranges: ranges", faulted, n, faults)
+                 : Py_NewRef(Py_None);
+    PyMem_RawFree(faulted);
+done:
+    if (addresses.obj != NULL)
+        PyBuffer_Release(&addresses);
+    if (lengths.obj != NULL)
+        PyBuffer_Release(&lengths);
+    return out;
+}
+
+/* coherence([mode]): see "coherence" above. */
+static PyObject *coherence(PyObject *self, PyObject *args)
+{
+    (void)self;
+    const char *mode = NULL;
+    if (!PyArg_ParseTuple(args, "|s:coherence", &mode))
+        return NULL;
+    PyObject *before = PyUnicode_FromString(coh_software ? "software" : "hardware");
+    if (mode == NULL || before == NULL)
+        return before;
+    if (strcmp(mode, "hardware") == 0)
+        coh_software = 0;
+    else if (strcmp(mode, "software") == 0 && coh_invalidate_kind != FLUSH_NONE)
+        coh_software = 1;
+    else {
+        Py_DECREF(before);
+        if (strcmp(mode, "software") == 0)
+            return PyErr_Format(PyExc_OSError,
+                                "coherence: software coherence needs x86-64's cache-line "
+                                "flushes (clflush), which this CPU or build does not have");
+        return PyErr_Format(PyExc_ValueError,
+                            "coherence: expected 'hardware' or 'software', got '%s'", mode);
+    }
+    return before;
+}
+
+static PyObject *coherence_counts(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return Py_BuildValue(
+        "KK", (unsigned long long)__atomic_load_n(&coh_lines_written_back, __ATOMIC_RELAXED),
+        (unsigned long long)__atomic_load_n(&coh_lines_invalidated, __ATOMIC_RELAXED));
+}
+
 static PyObject *hash_impl(PyObject *self, PyObject *args)
 {
     const char *name = NULL;
@@ -1343,6 +1578,19 @@ static PyMethodDef methods[] = {
     {"hash_impl", hash_impl, METH_VARARGS,
      "hash_impl([name]) -> str: the maru64 loop in use (scalar, avx2, avx512); with a name\n"
      "(or 'auto'), switch to it and return the one before (tests and benchmarks)."},
+    {"coherence", coherence, METH_VARARGS,
+     "coherence([mode]) -> str: the copies' coherence mode in this process ('hardware' or\n"
+     "'software': writers write back the pool lines they wrote with cached stores, readers\n"
+     "invalidate a value's lines before they read it); with a mode, switch to it and return\n"
+     "the one before. OSError for 'software' where there are no cache-line flushes."},
+    {"flush_ranges", flush_ranges, METH_VARARGS,
+     "flush_ranges(addresses, lengths, invalidate): in software coherence, each range's cache\n"
+     "lines written back (invalidate False: bytes written in place, before they are sealed)\n"
+     "or invalidated (True: before bytes are read in place), then fenced; address 0 skipped;\n"
+     "CopyFaultError naming the ranges that faulted. Nothing in hardware mode."},
+    {"coherence_counts", coherence_counts, METH_NOARGS,
+     "coherence_counts() -> (written_back, invalidated): cache lines this process has written\n"
+     "back and invalidated in software coherence (tests)."},
     {"guard_faults", guard_faults, METH_NOARGS,
      "guard_faults(): put the SIGBUS/SIGSEGV handler of the copies back in place if another\n"
      "was installed after it (e.g. faulthandler.enable()), chaining to that one outside copies."},
@@ -1363,6 +1611,7 @@ PyMODINIT_FUNC PyInit__memcopy(void)
         stream_wide_align = 64;
     }
 #endif
+    coh_pick_flushes();
     copiers_init();
     if (pthread_atfork(NULL, NULL, copiers_after_fork) != 0)
         return PyErr_NoMemory();
@@ -1389,6 +1638,8 @@ PyMODINIT_FUNC PyInit__memcopy(void)
         PyCapsule_New((void *)copy_values_threads, "maru.copy_values_threads.2", NULL);
     int rc = capsule == NULL || PyModule_AddIntConstant(m, "STREAMING", HAVE_STREAMING) < 0 ||
              PyModule_AddObjectRef(m, "COPY_VALUES", capsule) < 0 ||
+             PyModule_AddStringConstant(m, "FLUSH_WRITE_BACK", flush_names[coh_write_back_kind]) < 0 ||
+             PyModule_AddStringConstant(m, "FLUSH_INVALIDATE", flush_names[coh_invalidate_kind]) < 0 ||
              PyModule_AddObjectRef(m, "CopyFaultError", CopyFaultError) < 0;
     Py_XDECREF(capsule);
     if (rc) {

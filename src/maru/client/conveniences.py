@@ -8,10 +8,12 @@ put together (`put`, `seal`, `lookup`, `_per_key`), nothing of its own.
     reserve_values                          a run, else value by value (LMCache's allocator)
     stats / get_stats / healthcheck         the server's statistics; whether it answers
     list_allocations                        the regions (ours, or every instance's)
+    get_chunk_size / set_chunk_size         the allocation unit (before the first reservation)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -19,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from maru.client.chunks import AllocHandle
+from maru.client.chunks import AllocHandle, ChunkBook
+from maru.client.coherence import invalidate_ranges, software
 from maru.client.requests import Lookup, MemoryInfo, Sealing, StoreOutcome
 from maru.client.writes import Put, from_pointers
 from maru.common.errors import LeaseExpired, MaruError
@@ -27,6 +30,7 @@ from maru.common.protocol import MsgType
 from maru.common.region import RegionHandle
 
 if TYPE_CHECKING:
+    from maru.client.mapping import RegionMapper
     from maru.client.rpc import PendingReply, RpcClient
     from maru.client.session import Session
     from maru.common.config import MaruConfig
@@ -65,12 +69,32 @@ class OriginalApi:
     _request: Callable[..., PendingReply]
     _local_reads: Callable[[], dict[str, Any]]
     _connected: bool
+    _chunks: ChunkBook
+    _mapper: RegionMapper
+    _handshake: Callable[[], int]
     _s: Session
     _rpc: RpcClient
     config: MaruConfig
     instance_id: str
 
     # -- regions and pages -------------------------------------------------------------------
+
+    def get_chunk_size(self) -> int:
+        return self._chunks.chunk_size
+
+    def set_chunk_size(self, size: int | str) -> None:
+        """Change the allocation unit before the first chunk is reserved (SGLang's page size
+        is known only after connecting); the owned regions are cut again."""
+        config = dataclasses.replace(self.config, chunk_size_bytes=size)  # validates it
+        if config.chunk_size_bytes == self._chunks.chunk_size:
+            return
+        if not self._chunks.untouched():
+            raise RuntimeError("set_chunk_size: chunks are already reserved")
+        owned = [m for m in map(self._mapper.get, self._chunks.region_ids()) if m is not None]
+        self._chunks.set_chunk_size(config.chunk_size_bytes, owned)
+        self._s.config = config
+        if self._connected:  # the server counts our chunks in its page statistics
+            self._handshake()
 
     def on_region_added(self, listener: Callable[[int], None]) -> None:
         """Call `listener(region_id)` for every region mapped into this process (owned or
@@ -87,7 +111,12 @@ class OriginalApi:
         """The bytes [offset, offset + size) of a mapped region (writable if we own it); None
         if the region is not mapped here or the range is outside it."""
         self._rpc.check_fork()  # a child writing there would write into its parent's pages
-        return self._s.mapper.view(region_id, offset, size)
+        view = self._s.mapper.view(region_id, offset, size)
+        if view is not None and software():  # (read in place: no stale line of ours)
+            address = np.frombuffer(view, np.uint8).ctypes.data if size else 0
+            if invalidate_ranges(np.array([address]), np.array([size])) is not None:
+                return None
+        return view
 
     def get_region_page_count(self, region_id: int) -> int:
         """How many chunks a mapped region holds (0 if it is not mapped here)."""

@@ -18,24 +18,24 @@ where they were written.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from typing import Any
 
 import numpy as np
 
 from maru.client.chunks import AllocHandle, ChunkBook
+from maru.client.coherence import Coherence, invalidate_ranges, software, write_back_handles
 from maru.client.connecting import connect_failure, probe
 from maru.client.conveniences import OriginalApi
 from maru.client.localindex import LocalIndexClient, Prefix, joined, offered_index
 from maru.client.mapping import RegionMapper
-from maru.client.memcopy import copy_values, guard_faults
+from maru.client.memcopy import CopyFaultError, copy_values, guard_faults
 from maru.client.poolpath import prove_or_refuse
 from maru.client.reads import Segment, copy_and_prove
 from maru.client.requests import (
@@ -145,6 +145,7 @@ class MaruHandler(OriginalApi):
         self._supply = RegionSupply(self._s, self._request)
         self._writes = Writes(self._s, self.alloc, self._supply)
         self._index: LocalIndexClient | None = None  # the server's, on its node (handshake)
+        self._coherence = Coherence(config.coherence)  # agreed at each handshake
         self._heartbeat = _Heartbeat(self._beat, f"maru-heartbeat-{self.instance_id[:8]}")
         if config.auto_connect:
             self.connect()
@@ -154,6 +155,12 @@ class MaruHandler(OriginalApi):
     @property
     def connected(self) -> bool:
         return self._connected
+
+    @property
+    def coherence(self) -> str | None:
+        """The coherence mode agreed with the server ("hardware" or "software"; None before
+        the first handshake): `maru.client.coherence`."""
+        return self._coherence.mode
 
     @property
     def reads_locally(self) -> bool:
@@ -185,11 +192,14 @@ class MaruHandler(OriginalApi):
         """End this instance on the server (DISCONNECT: its pins and leases end, its regions
         go back; keys stay readable by others until evicted) and unmap. A server that cannot
         be reached reaps the instance after its heartbeat timeout instead. In a child forked
-        after the handler was made, only the child's copies go: the instance is its parent's."""
-        self._heartbeat.stop(timeout=self.config.timeout_ms / 1000 + 1)
+        after the handler was made, only its copies of the Unix sockets go: the instance, its
+        threads and its locks are the parent's (one may have been held at the fork)."""
         self._closed = True
-        if self._connected and self._rpc.forked():
-            self._connected = False
+        if self._rpc.forked():
+            self._connected, self._session = False, None
+            self._rpc.close()
+            return
+        self._heartbeat.stop(timeout=self.config.timeout_ms / 1000 + 1)
         if self._connected:
             self._connected = False
             try:
@@ -205,6 +215,7 @@ class MaruHandler(OriginalApi):
         self._session = None  # void now: never presented again
         self._chunks.clear()
         self._mapper.close()
+        self._coherence.release()
         self._rpc.close()
 
     def __enter__(self) -> MaruHandler:
@@ -231,14 +242,16 @@ class MaruHandler(OriginalApi):
         `MaruForkedError` in a forked child, as a request would, and `MaruNotConnected`
         before a connect or after close (every read and existence check comes here)."""
         self._ensure_connected()
-        self._rpc.check_fork()
         return self._index
 
     def _ensure_connected(self) -> None:
         """Raise `MaruNotConnected` unless connected: data operations before `connect()`
         succeeded or after `close()` are a caller's mistake the original Maru raises for
-        ("Not connected"), not a miss or a False. (`stats()` needs no instance.)"""
+        ("Not connected"), not a miss or a False. (`stats()` needs no instance.) In a child
+        forked after the handler was made, `MaruForkedError`, first: before any lock, which
+        a thread of the parent may have held at the fork."""
         if self._connected:
+            self._rpc.check_fork()
             return
         if self._closed:
             why = "this MaruHandler was closed"
@@ -265,7 +278,7 @@ class MaruHandler(OriginalApi):
         body = {"name": self.config.instance_id, "pid": os.getpid()}
         body["chunk_size"] = self._chunks.chunk_size
         reply = self._request(MsgType.HANDSHAKE, body).result()
-        self._mapper.place = prove_or_refuse(self._rpc, reply, self.config)
+        self._mapper.place = prove_or_refuse(self._rpc, reply, self.config, self._coherence)
         self._s.instance_id, self._session = reply["iid"], reply["session"]
         if self.config.local_socket:
             self._rpc.use_local_socket(reply.get("local_socket"), reply.get("uid"))
@@ -324,23 +337,6 @@ class MaruHandler(OriginalApi):
         """Hits taken as misses: bytes unlike their writer's checksum."""
         return self._s.checksum_mismatches
 
-    def get_chunk_size(self) -> int:
-        return self._chunks.chunk_size
-
-    def set_chunk_size(self, size: int | str) -> None:
-        """Change the allocation unit before the first chunk is reserved (SGLang's page size
-        is known only after connecting); the owned regions are cut again."""
-        config = dataclasses.replace(self.config, chunk_size_bytes=size)  # validates it
-        if config.chunk_size_bytes == self._chunks.chunk_size:
-            return
-        if not self._chunks.untouched():
-            raise RuntimeError("set_chunk_size: chunks are already reserved")
-        owned = [m for m in map(self._mapper.get, self._chunks.region_ids()) if m is not None]
-        self._chunks.set_chunk_size(config.chunk_size_bytes, owned)
-        self._s.config = config
-        if self._connected:  # the server counts our chunks in its page statistics
-            self._handshake()
-
     # -- reserve, write, seal ----------------------------------------------------------------
 
     def alloc(self, size: int, count: int = 1) -> AllocHandle | None:
@@ -355,8 +351,7 @@ class MaruHandler(OriginalApi):
         no run: reserve value by value then, into those chunks."""
         if size <= 0 or count <= 0:
             raise ValueError(f"alloc needs a positive size and count, got {size}, {count}")
-        self._ensure_connected()
-        self._rpc.check_fork()  # a child's copy of our chunks hands out the parent's next ones
+        self._ensure_connected()  # (in a forked child: our chunks are the parent's)
         handle = self._chunks.take(size, count)  # (the usual case: no region change)
         return handle if handle is not None else self._supply.reserve(size, count)
 
@@ -369,7 +364,10 @@ class MaruHandler(OriginalApi):
         return self._mapper.copying()
 
     def free(self, handle: AllocHandle) -> None:
-        """Give back chunks that were reserved but will not be sealed."""
+        """Give back chunks that were reserved but will not be sealed (in software coherence
+        written back first: no dirty line of ours may later land on another host's value)."""
+        with suppress(CopyFaultError):  # (its memory is gone: nothing to keep)
+            write_back_handles(handle, None)
         self._chunks.give_back(handle)
 
     def seal(
@@ -386,8 +384,11 @@ class MaruHandler(OriginalApi):
         byte lengths (one for all, or per key; default the size they were reserved for).
         `.outcomes()` tells a key STORED now from one that EXISTED (first writer won).
         `checksums`: with `maru_checksums`, each value's maru64 made during the copy
-        (`maru.client.memcopy.copy_many_hashed`); without, they are hashed in the pool."""
-        return self.prepare_seal(keys, handles, lengths).send(checksums)
+        (`maru.client.memcopy.copy_many_hashed`); without, they are hashed in the pool. In
+        software coherence the values are written back first (`write_back_handles`)."""
+        sealing = self.prepare_seal(keys, handles, lengths)
+        write_back_handles(handles, lengths)
+        return sealing.send(checksums)
 
     def prepare_seal(
         self,
@@ -408,6 +409,7 @@ class MaruHandler(OriginalApi):
         of the call; fills each put's `results` (and, waiting, `outcomes`). `behind`: return
         once the registrations are sent, reporting each sent value stored; this thread's
         next `confirm_writes` (or `put`) reads the replies (`maru.client.writes`)."""
+        self._ensure_connected()
         self._writes.put(puts, behind=behind)
 
     def confirm_writes(self, wait: bool = True) -> int:
@@ -465,6 +467,7 @@ class MaruHandler(OriginalApi):
         have been written. On the local index one C call, no Python between probe, copy and
         check; else a leased `lookup`, its `copy_out`, `corrupt()` and
         `release(confirm=True)`; this thread's write-behind `put`s confirmed first."""
+        self._ensure_connected()
         self.confirm_writes()
         with self._copying:
             return self._read(keys, buffers, sizes, length, prefix)
@@ -501,9 +504,12 @@ class MaruHandler(OriginalApi):
         hits copied by its copy function (`(count, length, copy)`, in key order), proven,
         released (`maru.client.reads.copy_and_prove`): per key (proven, mismatched). This
         thread's write-behind `put`s are confirmed first, as for `read`."""
+        self._ensure_connected()
         self.confirm_writes()
         with self._copying:
             found = self.lookup(keys, lease=True, for_copy=True, prefix=prefix)  # sent now
+            if software():  # (any copy reads in place; a fault there is the copy's)
+                invalidate_ranges(*found.wait())
             return copy_and_prove(found, segments)
 
     # -- existence, pins, deletion -----------------------------------------------------------

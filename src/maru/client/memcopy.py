@@ -27,6 +27,10 @@ under a guard (a SIGBUS/SIGSEGV handler and a per-thread jump, `_memcopy.c`): a 
 memory faults is not copied, the rest are, and the call raises `CopyFaultError` naming the
 values that faulted, so that a store of them fails and a read of them is a miss instead of
 the process dying.
+
+Coherence: in software mode (`maru.client.coherence`, set once per process at HANDSHAKE) the
+same loops write back the pool lines they stored with cached stores and invalidate a value's
+lines before they read it (`_memcopy.c`, "coherence"); no argument here changes.
 """
 
 from __future__ import annotations

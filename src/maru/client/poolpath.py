@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from maru.client.coherence import Coherence, CoherenceUnavailable
 from maru.common.errors import MaruConnectRefused, MaruError
 from maru.common.poolmark import MARK_BYTES, decode_mark, read_mark_window
 from maru.common.protocol import MsgType
@@ -102,12 +103,17 @@ def prove(pool: dict[str, Any], configured: str | None) -> PoolPlace:
     return place
 
 
-def prove_or_refuse(rpc: RpcClient, reply: dict[str, Any], config: MaruConfig) -> PoolPlace:
-    """`prove` the pool of a HANDSHAKE `reply`; on a mismatch end the instance the handshake
+def prove_or_refuse(
+    rpc: RpcClient, reply: dict[str, Any], config: MaruConfig, coherence: Coherence
+) -> PoolPlace:
+    """`prove` the pool of a HANDSHAKE `reply` and `agree` on its coherence; on a mismatch (or
+    software coherence on a CPU without cache-line flushes) end the instance the handshake
     made at once (best effort) and raise `MaruConnectRefused` saying why."""
     try:
-        return prove(reply.get("pool") or {}, config.pool_path)
-    except PoolMismatch as exc:
+        place = prove(reply.get("pool") or {}, config.pool_path)
+        coherence.agree(reply.get("coherence"), config.server_url)
+        return place
+    except (PoolMismatch, CoherenceUnavailable) as exc:
         ending = rpc.request(MsgType.DISCONNECT, {"session": reply["session"]})
         ending.retry = False
         try:

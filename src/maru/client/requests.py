@@ -16,6 +16,7 @@ import numpy as np
 
 from maru.client.checksum import checksums
 from maru.client.chunks import AllocHandle
+from maru.client.coherence import invalidate_ranges
 from maru.client.memcopy import CopyFaultError, faulted
 from maru.common.errors import MaruError, MaruServerError
 from maru.common.protocol import (
@@ -443,13 +444,15 @@ class Lookup:
 
     def infos(self) -> list[MemoryInfo | None]:
         """A `MemoryInfo` per key (None for a miss): read-only views into the shared memory.
-        With `maru_checksums`, a hit whose bytes no longer match their checksum is None."""
+        With `maru_checksums`, a hit whose bytes no longer match their checksum is None; in
+        software coherence, its lines are invalidated first (a fault there: None)."""
         addresses, lengths = self.wait()
         assert self._offsets is not None and self._region_ids is not None
         chunk = self._s.chunks.chunk_size
         out: list[MemoryInfo | None] = []
         mapper = self._s.mapper
-        corrupt = self.corrupt().tolist()
+        gone = invalidate_ranges(addresses, lengths)
+        corrupt = (self.corrupt() if gone is None else self.corrupt() | gone).tolist()
         for address, length, offset, region_id, bad in zip(
             addresses.tolist(),
             lengths.tolist(),

@@ -638,10 +638,14 @@ class RpcClient:
         """Close every channel. In a forked child only its copies of the Unix sockets: the
         ZMQ sockets belong to the parent's context, which closing them here would disturb."""
         self._closed = True
-        forked = self.forked()
-        with self._channels_lock:
-            for channel in self._channels:
-                if not forked or isinstance(channel, _LocalChannel):
+        if self.forked():  # (no lock: the parent's threads are not here, and may have held it)
+            for channel in list(self._channels):
+                if isinstance(channel, _LocalChannel):
                     channel.close()
             self._channels.clear()
+        else:
+            with self._channels_lock:
+                for channel in self._channels:
+                    channel.close()
+                self._channels.clear()
         self._local = threading.local()

@@ -162,6 +162,19 @@ def parse_pool_path(value: Any, *, name: str) -> str:
     return path
 
 
+# How the hosts of a CXL pod see each other's writes (`coherence`, `maru-server --coherence`):
+# their caches snoop each other, or cache-line flushes around every copy do it for them.
+COHERENCE_MODES = ("hardware", "software")
+
+
+def parse_coherence(value: Any, *, name: str = "coherence") -> str:
+    """One of COHERENCE_MODES (any case): a typo must not silently mean no flushes."""
+    mode = value.strip().lower() if isinstance(value, str) else value
+    if mode not in COHERENCE_MODES:
+        raise ConfigError(f"{name}: expected 'hardware' or 'software', got {value!r}")
+    return str(mode)
+
+
 def parse_bool(value: Any, *, name: str = "flag") -> bool:
     """Accept JSON booleans, 0/1 and the usual strings ("true", "off", ...)."""
     if isinstance(value, bool):
@@ -258,6 +271,11 @@ class MaruConfig:
     # another path); None: `MARU_POOL_PATH`, else the server's path. The client proves that
     # what it maps there is the server's pool before it uses it (`maru.client.poolpath`).
     pool_path: str | None = None
+    # Cache coherence with the pod's other hosts: "hardware" (their caches snoop each other),
+    # "software" (cache-line flushes around every copy into and out of the pool); None: the
+    # server's (`maru-server --coherence`). Where they differ software is used
+    # (`maru.client.coherence`).
+    coherence: str | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> MaruConfig:
         # An unknown keyword is a ConfigError naming it (the dataclass __init__ would raise
@@ -337,6 +355,8 @@ class MaruConfig:
             self.pool_path = parse_pool_path(os.environ[POOL_PATH_ENV], name=POOL_PATH_ENV)
         elif self.pool_path is not None:
             self.pool_path = parse_pool_path(self.pool_path, name="pool_path")
+        if self.coherence is not None:
+            self.coherence = parse_coherence(self.coherence)
 
     @property
     def region_expand_size(self) -> int:

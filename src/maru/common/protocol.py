@@ -395,6 +395,13 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
                 "the path of the server's shared key index (docs/architecture.md); only in a "
                 "reply on the Unix socket, else nil",
             ),
+            (
+                "coherence",
+                "str",
+                "'hardware' or 'software' (`--coherence`): whether the copies into and out of "
+                "the pool flush their cache lines (docs/architecture.md, Coherence); absent "
+                "from an older server: hardware",
+            ),
         ],
     ),
     MsgType.REQUEST_REGION: (

@@ -21,6 +21,7 @@ import zmq
 
 from maru import __version__
 from maru.common.config import (
+    COHERENCE_MODES,
     ConfigError,
     OneLineParser,
     fmt_bytes,
@@ -248,6 +249,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(yielding the CPU between polls) before sleeping: a request that finds the server "
         "asleep waits for a wake-up, tens of microseconds on a VM. 0: sleep at once (for a "
         "server under a CPU quota) (default: 1000)",
+    )
+    p.add_argument(
+        "--coherence",
+        choices=COHERENCE_MODES,
+        default="hardware",
+        help="how the hosts sharing the pool see each other's writes, announced to every "
+        "client: hardware (their caches are coherent: one host, or a CXL 3 pod with coherent "
+        "sharing) or software (CXL 2.0 sharing without it: every copy into the pool writes its "
+        "cache lines back to memory and every copy out of it invalidates them first; a client "
+        "configured otherwise uses software too) (default: hardware)",
     )
     p.add_argument(
         "--no-local-index",
@@ -782,6 +793,7 @@ def main(argv: list[str] | None = None) -> int:
             local_socket=args.local_socket,
             gc_freeze=True,  # see maru.server.housekeeping.freeze_heap
             busy_poll_us=args.busy_poll_us,
+            coherence=args.coherence,
         )
     except (OSError, ValueError, KeyError, RuntimeError, zmq.ZMQError) as exc:
         print(f"maru-server: cannot start: {exc}", file=sys.stderr)

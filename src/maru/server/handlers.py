@@ -41,6 +41,7 @@ class Server(Protocol):
     new_instance_id: Callable[[str], str]
     housekeeper: Housekeeping
     local: LocalSocketServer | None
+    coherence: str  # announced at HANDSHAKE (`--coherence`)
 
     def stats(self) -> dict[str, Any]: ...
 
@@ -144,6 +145,7 @@ def on_handshake(server: Server, body: dict[str, Any]) -> dict[str, Any]:
         "local_socket": server.local.address if server.local is not None else None,
         "uid": os.getuid(),
         "local_index": _local_index_path(server, body),
+        "coherence": server.coherence,
     }
 
 

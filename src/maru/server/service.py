@@ -23,6 +23,7 @@ import zmq
 
 from maru import __version__
 from maru.common import protocol
+from maru.common.config import parse_coherence
 from maru.common.protocol import ErrorCode, MsgType, ProtocolError
 from maru.server.handlers import CHANGES, HANDLERS
 from maru.server.housekeeping import Housekeeping, freeze_heap
@@ -72,6 +73,7 @@ class MaruService:
         curve_secret_key: bytes | None = None,
         curve_clients: Path | None = None,
         local_door: LocalDoor | None = None,
+        coherence: str = "hardware",
     ):
         """`local_socket`: where to listen for clients on this node besides `bind_url`
         (`maru.server.local_socket.local_address`: "auto", "none", "@name" or a path). With
@@ -90,7 +92,10 @@ class MaruService:
         (`--curve`, `--curve-clients`; `maru.server.tcp_socket.TcpEndpoint`).
 
         `local_door`: who may use the local socket (`--local-uids`, `--pool-group`); default:
-        this server's user and root."""
+        this server's user and root.
+
+        `coherence`: announced at HANDSHAKE, the copies' mode for the pod's clients
+        (`--coherence`, `maru.client.coherence`)."""
         self.registry = registry
         self.bind_url = bind_url
         self.journal = journal
@@ -101,6 +106,7 @@ class MaruService:
         if busy_poll_us < 0:
             raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
         self.busy_poll_s = busy_poll_us / 1e6
+        self.coherence = parse_coherence(coherence, name="--coherence")
         registry.pool.ensure_mark()  # (`maru-server` wrote it already: claim_pool)
         # A new instance's id: its name and a random suffix, never the id of an earlier
         # instance (whose credential a paused or stray process may still hold).

@@ -1,0 +1,82 @@
+"""Software coherence end to end: `maru-server --coherence`, the mode each client agrees on,
+and values written and read back by separate client processes, judged by their bytes.
+
+This machine's caches are coherent, so the bytes cannot show that a line was written back or
+invalidated: each process also reports the lines its copies flushed (the extension's count),
+which would stay 0 if the copy loops skipped their flushes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .workers import copy_coherently, in_place_coherently, run_processes
+
+LINE = 64
+SIZE = 100_017  # (not a multiple of 64: each value's last line is written with cached stores)
+KEYS = [f"coherent/{i}" for i in range(24)]
+
+
+@pytest.mark.parametrize(
+    ("server", "client", "agreed"),
+    [
+        ("software", None, "software"),
+        ("hardware", None, "hardware"),
+        ("hardware", "software", "software"),
+        ("software", "hardware", "software"),
+    ],
+)
+def test_writers_and_readers_copy_in_the_agreed_mode_and_read_the_bytes_written(
+    maru_server_factory, server, client, agreed
+):
+    """A writer process stores values; two reader processes (on the local index, and with a
+    request per batch as a client on another host does) read them back. Each agreed on
+    software where the server or its own `coherence` says so (one WARNING where they
+    differ); in software the writer wrote back each value's cached tail line (the rest was
+    streamed) and each reader invalidated every line of every value before copying it."""
+    url = maru_server_factory(pool_size="256M", extra_args=["--coherence", server]).url
+    kw = {} if client is None else {"coherence": client}
+    (writer,) = run_processes([(copy_coherently, (url, "write", KEYS, SIZE, 7, kw))], 120)
+    readers = run_processes(
+        [
+            (copy_coherently, (url, "read", KEYS, SIZE, 7, {**kw, "local_index": True})),
+            (copy_coherently, (url, "read", KEYS, SIZE, 7, {**kw, "local_index": False})),
+        ],
+        120,
+    )
+    assert [r["local"] for r in readers] == [True, False]
+    software = agreed == "software"
+    assert writer["done"] == [True] * len(KEYS)
+    assert writer["lines"] == ([len(KEYS), 0] if software else [0, 0])
+    for process in (writer, *readers):
+        assert process["mode"] == agreed
+        assert len(process["warned"]) == (client not in (None, server)), process["warned"]
+    for reader in readers:
+        assert reader["done"] == [True] * len(KEYS)  # every value, byte for byte
+        assert reader["lines"] == ([0, len(KEYS) * -(-SIZE // LINE)] if software else [0, 0])
+
+
+@pytest.mark.parametrize("server", ["software", "hardware"])
+def test_values_written_and_read_in_place_are_flushed_where_they_are_handed_over(
+    maru_server_factory, server
+):
+    """Bytes no copy loop moves: a writer process fills `alloc` buffers and seals them (in
+    software, `seal` writes back every line of every value first), and fills more that it
+    frees unsealed (written back too: no dirty line of its may later land on another host's
+    value); a reader process takes
+    `batch_retrieve`'s views, `get_buffer_view`s and `read_many` with a copy of its own (not
+    a copy loop: a device's DMA, say), each invalidated before it is handed out. Hardware:
+    nothing flushed. The bytes are the writer's in both."""
+    url = maru_server_factory(pool_size="256M", extra_args=["--coherence", server]).url
+    size, keys = 3 * 4096 + 100, KEYS[:8]
+    lines = len(keys) * -(-size // LINE)  # (every value starts on a chunk: line-aligned)
+    (writer,) = run_processes([(in_place_coherently, (url, "write", keys, size, 3))], 120)
+    (reader,) = run_processes([(in_place_coherently, (url, "read", keys, size, 3))], 120)
+    assert writer["done"] == [True] * len(keys)
+    assert reader["done"] == [True] * 3 * len(keys)
+    assert writer["mode"] == reader["mode"] == server
+    on = server == "software"
+    written = [lines if on else 0, 0]
+    assert writer["lines"] == {"seal": written, "free": written}
+    read = [0, lines if on else 0]
+    assert reader["lines"] == {"retrieve": read, "view": read, "read_many": read}
