@@ -53,7 +53,11 @@ MiB = H.MiB
 CALL_BYTES = 16 * MiB  # one batch_set_v1 / batch_get_v1 call
 CASES = {"64 KiB": H.CASES[0], "1 MiB": H.CASES[1]}  # mha-64K, mha-1M
 SERVER_POOL = "1G"
-FULL_CALLS = 4  # the full instance's maru_pool_size, in calls (64 MiB)
+# The full instance's maru_pool_size, in calls (64 MiB; `--full-calls`). At 4 a call is a
+# quarter of it: too large a share for the eviction ahead (`maru.client.supply.AHEAD_SHARE`),
+# so every write waits for its own eviction; from 16 on the next write's room is made while
+# this one copies.
+FULL_CALLS = 4
 READER_POOL = CALL_BYTES  # the reader writes nothing: one call's room is plenty
 
 # The targets: (summary key, goal per page size, what the goal is a share of).
@@ -68,10 +72,11 @@ TARGETS = (
 class Plan:
     rounds: int  # fresh servers (and processes) per page size
     calls: int  # 16 MiB calls per timed block
+    full_calls: int = FULL_CALLS  # the full instance's maru_pool_size, in calls
 
     @classmethod
-    def make(cls, quick: bool) -> Plan:
-        return cls(1, 4) if quick else cls(5, 12)
+    def make(cls, quick: bool, full_calls: int = FULL_CALLS) -> Plan:
+        return cls(1, 4, full_calls) if quick else cls(5, 12, full_calls)
 
     @property
     def fresh_pool(self) -> int:
@@ -254,11 +259,12 @@ def bench_full(url: str, case: H.Case, plan: Plan, pages: int) -> dict[str, floa
     """Regime 1: an instance whose maru_pool_size is full writes new keys, against the stream
     copy in the same process, in blocks alternating (which goes first alternates too)."""
     n = plan.calls
-    full = H.Worker(Side, url, case, pages, FULL_CALLS * CALL_BYTES, "full")
+    full_calls = plan.full_calls
+    full = H.Worker(Side, url, case, pages, full_calls * CALL_BYTES, "full")
     try:
         full.call("fill", 2)
         full.call("timed", "stream_set", "warm", 2)
-        share = full.call("timed", "maru_set", "share", FULL_CALLS + 1)  # (untimed: room used)
+        share = full.call("timed", "maru_set", "share", full_calls + 1)  # (untimed: room used)
         assert share["ok"] > 0, f"{case.name}: filling the share stored nothing"
         sec = {"maru": 0.0, "stream": 0.0}
         stored = 0
@@ -270,9 +276,9 @@ def bench_full(url: str, case: H.Case, plan: Plan, pages: int) -> dict[str, floa
                     stored += block["ok"]
         assert stored == 2 * n * pages, f"{case.name}: the full instance stored {stored}"
         # the regime is what it says: its share was full, so its writes made room
-        kept = full.call("present", "share", FULL_CALLS + 1) + full.call("present", "full0", n)
+        kept = full.call("present", "share", full_calls + 1) + full.call("present", "full0", n)
         kept += full.call("present", "full1", n)
-        assert kept <= FULL_CALLS * pages, f"{case.name}: {kept} pages kept, nothing evicted?"
+        assert kept <= full_calls * pages, f"{case.name}: {kept} pages kept, nothing evicted?"
     finally:
         full.close()
     maru, stream = (2 * n * CALL_BYTES / sec[b] / 1e9 for b in ("maru", "stream"))
@@ -472,6 +478,12 @@ def main() -> int:
     ap.add_argument("--sizes", default=",".join(CASES), help="page sizes: 64 KiB, 1 MiB")
     ap.add_argument("--label", default="", help="added to the result file names")
     ap.add_argument(
+        "--full-calls",
+        type=int,
+        default=FULL_CALLS,
+        help="the full instance's maru_pool_size, in 16 MiB calls (at least 2)",
+    )
+    ap.add_argument(
         "--pool-dir",
         default=H.SHM_DIR,
         help="a tmpfs for the pools and the stream copy's mapping (one mounted with "
@@ -496,7 +508,9 @@ def main() -> int:
     if unknown := sorted(set(sizes) - set(CASES)):
         ap.error(f"--sizes: unknown {', '.join(unknown)} (known: {', '.join(CASES)})")
     H.SHM_DIR = args.pool_dir  # (bench_hicache's: its servers and shm mappings use it)
-    plan = Plan.make(args.quick)
+    if args.full_calls < 2:
+        ap.error("--full-calls: at least 2")
+    plan = Plan.make(args.quick, args.full_calls)
     t_start = time.monotonic()
     import sglang_cpu
 
@@ -515,8 +529,10 @@ def main() -> int:
     text = "\n".join(
         [
             f"Regimes: {cmd}; {plan.rounds} round(s), {plan.calls} calls of 16 MiB "
-            f"per timed block; maru from {Path(maru.__file__).parent}",
-            f"{machine['cpu']}, {machine['cores']} cores, kernel {machine['kernel']}",
+            f"per timed block; the full instance's share {plan.full_calls} calls; "
+            f"maru from {Path(maru.__file__).parent}",
+            f"{machine['cpu']}, {machine['cores']} cores, kernel {machine['kernel']}; pools in "
+            f"{machine['pool_dir']} (huge={machine['huge']})",
             "",
             *render(summary),
         ]
