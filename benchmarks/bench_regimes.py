@@ -11,8 +11,8 @@ A server's instance spends its life elsewhere, and this measures it there, throu
 through tests/sglang_cpu; bench_hicache's `Instance` builds both), in calls of 16 MiB back to
 back, at 64 KiB and 1 MiB pages:
 
-1. **full**: `batch_set_v1` of new keys once the instance's `maru_pool_size` is full (its
-   share written first, so that every write needs room);
+1. **full**: `batch_set_v1` of new keys once the instance's `maru_pool_size` (16 calls,
+   `--full-calls`) is full (its share written first, so that every write needs room);
 2. **never-touched / touched**: `batch_set_v1` by a new process into pages it never touched
    (its `maru_pool_size` not reached: no eviction), then, the keys deleted, the same writes
    into the pages it has touched now; the ratio of the two;
@@ -53,11 +53,11 @@ MiB = H.MiB
 CALL_BYTES = 16 * MiB  # one batch_set_v1 / batch_get_v1 call
 CASES = {"64 KiB": H.CASES[0], "1 MiB": H.CASES[1]}  # mha-64K, mha-1M
 SERVER_POOL = "1G"
-# The full instance's maru_pool_size, in calls (64 MiB; `--full-calls`). At 4 a call is a
-# quarter of it: too large a share for the eviction ahead (`maru.client.supply.AHEAD_SHARE`),
-# so every write waits for its own eviction; from 16 on the next write's room is made while
-# this one copies.
-FULL_CALLS = 4
+# The full instance's maru_pool_size, in calls (256 MiB; `--full-calls`): a call is 1/16 of it,
+# as a serving instance's write batches are a small part of its share, so the next write's room
+# is evicted while this one copies (`maru.client.supply.AHEAD_SHARE`). With `--full-calls 4` a
+# call is a quarter of it, too much to keep free ahead: every write waits for its own eviction.
+FULL_CALLS = 16
 READER_POOL = CALL_BYTES  # the reader writes nothing: one call's room is plenty
 
 # The targets: (summary key, goal per page size, what the goal is a share of).
