@@ -10,8 +10,7 @@ client (or numpy) through this package's import.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from maru.common.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -38,10 +37,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'maru' has no attribute {name!r}")
-    value = getattr(import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports("maru", _EXPORTS, globals())

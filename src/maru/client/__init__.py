@@ -8,8 +8,7 @@ first use, as `maru`'s do.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from maru.common.lazy import lazy_exports
 
 _EXPORTS = {
     # the lifecycle: reserve, write, seal, get, release, delete
@@ -43,10 +42,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'maru.client' has no attribute {name!r}")
-    value = getattr(import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports("maru.client", _EXPORTS, globals())
