@@ -145,6 +145,7 @@ class Writes:
         self._s = session
         self._alloc = alloc
         self._supply = supply
+        self._copying = session.mapper.copying()  # (one object: every write enters it)
         self._unconfirmed = _Unconfirmed()
         # the ids of threads with unconfirmed registrations: a read's check is a set lookup
         # (a thread-local lookup costs ~3x more); only a thread adds or removes its own id
@@ -159,7 +160,7 @@ class Writes:
         pieces = 1 if behind else PIPELINE_PIECES
         sealings: list[tuple[Owners, Sealing]] = []
         rest: list[tuple[Put, Any, np.ndarray | None]] = []  # sealed together at the end
-        with s.mapper.copying():  # (no region unmapped under the copies)
+        with self._copying:  # (no region unmapped under the copies)
             for number, put in enumerate(puts, 1):
                 n = len(put.keys)
                 put.results, put.outcomes = [False] * n, None
