@@ -476,7 +476,7 @@ class MaruHandler(OriginalApi):
         self, keys: Sequence[Key], buffers: np.ndarray, sizes: Any, length: int, prefix: Prefix
     ) -> list[bool]:
         hashed = self.config.checksums
-        index = self._index  # (`read` checked the handler usable: `_ensure_connected`)
+        index = self._local_index()
         if index is not None:
             proven = index.read(self._s, keys, prefix, buffers, sizes, length, hashed)
             if proven is not None:

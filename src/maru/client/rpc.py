@@ -351,8 +351,8 @@ class _LocalChannel(_Channel):
         refusal: a server killed after it served a request closes it that way too, and sending
         a REGISTER_KV again would make its writer take its own sealed pages for free."""
         log.info("local socket %s to maru-server closed (%s)", self.address, why)
-        if not refused and self.sock is not None and not self.answered:
-            refused = self._take_refusal(self.sock)
+        if self.sock is not None and not self.answered:
+            refused = self._take_refusal(self.sock) or refused
         if refused:
             self.refused_until = time.monotonic() + LOCAL_RETRY_S
             self.refused = set(self.pending)
