@@ -43,7 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from maru import MaruConfig, MaruHandler
-from maru.client import PIPELINE_MIN_PAGES, Put
+from maru.client import PIPELINE_MIN_PAGES, CopyIn, Put, values_at
 from maru_sglang.hit_policy import PoolPresence, usable_prefix
 from maru_sglang.legacy import LegacyInterface
 from maru_sglang.pools import (
@@ -253,9 +253,13 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         """`batch` as the write verb takes it: its keys in its pool's namespace, copied from
         its host pages."""
         pool, buffers = batch.pool, batch.buffers
+        copy: CopyIn = values_at(buffers, pool.sizes)  # (the verb begins it in C itself)
+        if pool.whole_page:  # (pages copied through the pool's own API)
 
-        def copy(targets: np.ndarray, first: int, last: int, hashed: bool, threads: int) -> Any:
-            return pool.copy_in(targets, buffers, first, last, hashed, threads)
+            def through_pool(targets: np.ndarray, first: int, last: int, hashed: bool, n: int):
+                return pool.copy_in(targets, buffers, first, last, hashed, n)
+
+            copy = through_pool
 
         def late(lost: int) -> None:
             self._stats.count(pool.name, late_write_failures=lost)

@@ -263,7 +263,8 @@ class PoolIO:
         if count != pages * page:
             return None
         if self.affine is not None:
-            return page_pointers(address, count, page, self.affine)  # (in C: no array per step)
+            raw = page_pointers(address, count, page, self.affine)  # (in C: no array per step)
+            return np.frombuffer(raw, np.int64).reshape(-1, self.parts)
         firsts = np.asarray(indices)[::page].astype(np.int64)  # no Python loop per page
         if self.whole_page:
             return firsts[:, None]

@@ -292,13 +292,13 @@ def test_one_metadata_rpc_per_batch_across_pools(maru_server):
     )
     storage = _storage(maru_server.url, hybrid)
     sent: list[MsgType] = []
-    original = storage.handler._request
+    original = storage.handler._s.request
 
     def counting(msg_type, body):
         sent.append(msg_type)
         return original(msg_type, body)
 
-    storage.handler._request = counting
+    storage.handler._s.request = counting
     keys = [f"r{i}" for i in range(4)]
     _store_kv(storage, hybrid, keys)
     mamba, swa = hybrid.sidecars
@@ -326,8 +326,8 @@ def test_one_metadata_rpc_per_batch_across_pools(maru_server):
     storage.close()
     # without the local index: one request for all pools, each way
     storage = _storage(maru_server.url, hybrid, local_index=False)
-    original = storage.handler._request
-    storage.handler._request = counting
+    original = storage.handler._s.request
+    storage.handler._s.request = counting
     sent.clear()
     result = storage.batch_exists_v2(keys, [_probe(mamba), _probe(swa)])
     assert result.kv_hit_pages == 4 and sent == [MsgType.EXISTS]
@@ -368,7 +368,7 @@ def test_a_changed_page_is_a_miss_in_a_read_of_several_pools(maru_server):
     storage.close()
 
 
-def test_a_large_pool_is_registered_while_the_next_pool_is_copied(maru_server):
+def test_a_large_pool_is_registered_while_the_next_pool_is_copied(maru_server, monkeypatch):
     """batch_set_v2 seals a pool's run of at least PIPELINE_MIN_PAGES pages as soon as it is
     copied: its registration is in flight while the next pool is copied, and the server gets
     a run of one length (a uniform batch). The small pools after it go in one registration at
@@ -382,22 +382,24 @@ def test_a_large_pool_is_registered_while_the_next_pool_is_copied(maru_server):
     mamba, swa = hybrid.sidecars
     storage = _storage(maru_server.url, hybrid)
     events: list[str] = []
-    original = storage.handler._request
+    original = storage.handler._s.request
 
     def sending(msg_type, body):
         events.append(f"send {MsgType(msg_type).name} {len(body.get('keys', []))}")
         return original(msg_type, body)
 
-    storage.handler._request = sending
-    for name in ("mamba", "swa"):
-        pool = storage.pools[name]
-        copy_in = pool.copy_in
+    storage.handler._s.request = sending
+    # which pool a copy the write verb begins (in C) is of: its part sizes tell
+    import maru.client.writes as writes
 
-        def copying(*args, _name=name, _copy=copy_in, **kwargs):
-            events.append(f"copy {_name}")
-            return _copy(*args, **kwargs)
+    real_start = writes._c_copy_values_start
+    names = {tuple(storage.pools[n].sizes.tolist()): n for n in ("mamba", "swa")}
 
-        pool.copy_in = copying
+    def copying(targets, buffers, sizes, *args):
+        events.append(f"copy {names[tuple(sizes.tolist())]}")
+        return real_start(targets, buffers, sizes, *args)
+
+    monkeypatch.setattr(writes, "_c_copy_values_start", copying)
     n = PIPELINE_MIN_PAGES + 8
     keys = [f"big{i}" for i in range(n)]
     swa_idx = slots(swa.pool, 0, n)

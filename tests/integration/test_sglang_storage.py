@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 import maru.client.handler as handler_module  # noqa: E402
 import maru.client.localindex as localindex_module  # noqa: E402
-import maru.client.requests as requests_module  # noqa: E402
+import maru.client.writes as writes_module  # noqa: E402
 from maru import MaruHandler  # noqa: E402
 from maru.common.config import ConfigError  # noqa: E402
 from maru_sglang.maru_storage import KV_POOL_NAME, MaruStorage  # noqa: E402
@@ -439,10 +439,12 @@ def test_with_checksums_pages_are_hashed_by_the_copies_not_read_again(maru_serve
     in the pool again (what made checksums cost 18-41% before), and the pages read back are
     the written ones, checked."""
     import maru.client.requests as requests
+    import maru.client.writes as writes
 
     hashed_again = []
     real = requests.checksums
-    monkeypatch.setattr(requests, "checksums", lambda views: hashed_again.append(1) or real(views))
+    for module in (requests, writes):  # (the read's lookup, the write's seal)
+        monkeypatch.setattr(module, "checksums", lambda v: hashed_again.append(1) or real(v))
     g = Geometry()
     checked = MaruStorage(storage_config(extra=_extra(maru_server.url, maru_checksums=True)), {})
     checked.register_mem_pool_host(make_host_pool(g))
@@ -626,6 +628,27 @@ def _recording(events: list[str], name: str, call):
     return recorded
 
 
+def _recording_copies(monkeypatch, events: list[str], finish: bool = False) -> None:
+    """Note "copy" in `events` when the write verb begins a page copy (in C: `ValuesAt`) and,
+    with `finish`, "finish" when it finishes one."""
+    real = writes_module._c_copy_values_start
+
+    class Flight:
+        def __init__(self, flight):
+            self.flight = flight
+
+        def finish(self):
+            if finish:
+                events.append("finish")
+            return self.flight.finish()
+
+    def start(*args):
+        events.append("copy")
+        return Flight(real(*args))
+
+    monkeypatch.setattr(writes_module, "_c_copy_values_start", start)
+
+
 def test_a_write_reads_the_earlier_replies_after_its_copies_and_a_read_before(
     maru_server, monkeypatch
 ):
@@ -637,9 +660,9 @@ def test_a_write_reads_the_earlier_replies_after_its_copies_and_a_read_before(
     keys = [f"order-{i}" for i in range(4)]
     src, _ = _written(storage, g, keys, seed=24)
     events: list[str] = []
-    wait = _recording(events, "reply", requests_module.Sealing.wait)
-    monkeypatch.setattr(requests_module.Sealing, "wait", wait)
-    monkeypatch.setattr(storage._kv, "copy_in", _recording(events, "copy", storage._kv.copy_in))
+    wait = _recording(events, "reply", writes_module.Sealing.wait)
+    monkeypatch.setattr(writes_module.Sealing, "wait", wait)
+    _recording_copies(monkeypatch, events)
     assert storage.batch_set_v1(keys[:2], src[: 2 * g.page_size]) == [True, True]
     assert events == ["copy"]  # nothing waited for
     assert storage.batch_set_v1(keys[2:], src[2 * g.page_size :]) == [True, True]
@@ -656,19 +679,15 @@ def test_a_large_write_reads_the_replies_already_in_during_its_copy_and_waits_af
     begin), reads the thread's earlier replies that are in, then finishes the copy and
     registers; a reply not in yet (the server stopped) is not waited for during the copy,
     only after it."""
-    import maru.client.memcopy as memcopy
-
     g = Geometry()
     storage = _storage(maru_server.url, g)
     n = 32
     keys = [f"window-{i}" for i in range(3 * n)]
     src, _ = _written(storage, g, keys[:n], seed=25)
     events: list[str] = []
-    wait = _recording(events, "reply", requests_module.Sealing.wait)
-    monkeypatch.setattr(requests_module.Sealing, "wait", wait)
-    finish = _recording(events, "finish", memcopy.CopyStarted.finish)
-    monkeypatch.setattr(memcopy.CopyStarted, "finish", finish)
-    monkeypatch.setattr(storage._kv, "copy_in", _recording(events, "copy", storage._kv.copy_in))
+    wait = _recording(events, "reply", writes_module.Sealing.wait)
+    monkeypatch.setattr(writes_module.Sealing, "wait", wait)
+    _recording_copies(monkeypatch, events, finish=True)
     assert storage.batch_set_v1(["warm"], src[: g.page_size]) == [True]  # holds a region now
     assert storage.confirm_writes() == 0
     events.clear()

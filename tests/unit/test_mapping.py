@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from maru.client.mapping import RegionMapper
 from maru.common.region import RegionHandle
 
@@ -157,3 +159,25 @@ def test_a_region_unmapped_by_another_thread_never_crashes_a_running_copy(tmp_pa
     faulted, done_line = unguarded.stdout.split("\n")[:2]
     assert faulted.startswith("faulted ") and int(faulted.split()[1]) > 0  # (the fault is real)
     assert done_line == "done"
+
+
+def test_the_copy_gate_calls_back_once_the_last_block_closes_and_only_when_wanted():
+    """`copying()`'s C block: nested and shared blocks count; the mapper hears of the last
+    one's end only while it asked to (a retired region waits), so a copy costs no Python
+    call otherwise."""
+    from maru.client._memcopy import CopyGate
+
+    calls: list[int] = []
+    gate = CopyGate(lambda: calls.append(gate.active))
+    with gate, gate:
+        assert gate.active == 2
+    assert gate.active == 0 and calls == []  # not wanted: no call
+    gate.wanted = True
+    with gate:
+        with gate:
+            pass
+        assert calls == []  # one block still open
+    assert calls == [0]
+    with pytest.raises(KeyError), gate:  # an exception in the block goes on
+        raise KeyError("x")
+    assert gate.active == 0 and calls == [0, 0]

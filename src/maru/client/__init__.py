@@ -15,7 +15,7 @@ _EXPORTS = {
     "MaruHandler": "maru.client.handler",
     "AllocHandle": "maru.client.chunks",
     "MemoryInfo": "maru.client.requests",
-    "StoreOutcome": "maru.client.requests",
+    "StoreOutcome": "maru.client.writes",
     "Lookup": "maru.client.requests",  # (a lease held across threads: the linker's load)
     # the write verb (`MaruHandler.put`) and the copies it takes
     "Put": "maru.client.writes",

@@ -1354,6 +1354,124 @@ static PyTypeObject CopyInFlightType = {
     .tp_methods = CopyInFlight_methods,
 };
 
+/* ---- CopyGate: RegionMapper.copying()'s block ------------------------------------------------
+ * Every copy of the data path runs inside the block, from before it takes addresses in mapped
+ * regions to its end; a region is unmapped only while no block is open (maru.client.mapping).
+ * The count is changed under the GIL, so entering and leaving is two C calls and no lock: the
+ * mapper's Python callback `on_idle` runs only when the last block closes while the mapper asked
+ * for it (`wanted`: a region waits to be closed, or close() waits for the copies). */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t active; /* blocks open */
+    int wanted;        /* call on_idle when active drops to 0 */
+    PyObject *on_idle;
+} CopyGate;
+
+static int CopyGate_init(CopyGate *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"on_idle", NULL};
+    PyObject *on_idle;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:CopyGate", kwlist, &on_idle))
+        return -1;
+    if (!PyCallable_Check(on_idle)) {
+        PyErr_SetString(PyExc_TypeError, "CopyGate: on_idle must be callable");
+        return -1;
+    }
+    Py_INCREF(on_idle);
+    Py_XSETREF(self->on_idle, on_idle);
+    return 0;
+}
+
+static int CopyGate_traverse(CopyGate *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->on_idle); /* (a mapper's method: the mapper holds the gate) */
+    return 0;
+}
+
+static int CopyGate_clear(CopyGate *self)
+{
+    Py_CLEAR(self->on_idle);
+    return 0;
+}
+
+static void CopyGate_dealloc(CopyGate *self)
+{
+    PyObject_GC_UnTrack(self);
+    CopyGate_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *CopyGate_enter(CopyGate *self, PyObject *unused)
+{
+    (void)unused;
+    self->active++;
+    Py_RETURN_NONE;
+}
+
+static PyObject *CopyGate_exit(CopyGate *self, PyObject *args)
+{
+    (void)args;
+    if (self->active > 0)
+        self->active--;
+    if (self->active == 0 && self->wanted && self->on_idle != NULL) {
+        PyObject *out = PyObject_CallNoArgs(self->on_idle);
+        if (out == NULL)
+            return NULL;
+        Py_DECREF(out);
+    }
+    Py_RETURN_FALSE; /* (an exception in the block goes on) */
+}
+
+static PyObject *CopyGate_get_active(CopyGate *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromSsize_t(self->active);
+}
+
+static PyObject *CopyGate_get_wanted(CopyGate *self, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(self->wanted);
+}
+
+static int CopyGate_set_wanted(CopyGate *self, PyObject *value, void *closure)
+{
+    (void)closure;
+    int wanted = value == NULL ? 0 : PyObject_IsTrue(value);
+    if (wanted < 0)
+        return -1;
+    self->wanted = wanted;
+    return 0;
+}
+
+static PyMethodDef CopyGate_methods[] = {
+    {"__enter__", (PyCFunction)CopyGate_enter, METH_NOARGS, "Open a block."},
+    {"__exit__", (PyCFunction)CopyGate_exit, METH_VARARGS,
+     "Close a block; the last one calls on_idle() if wanted."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef CopyGate_getset[] = {
+    {"active", (getter)CopyGate_get_active, NULL, "Blocks open now.", NULL},
+    {"wanted", (getter)CopyGate_get_wanted, (setter)CopyGate_set_wanted,
+     "Whether the last block to close calls on_idle().", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CopyGateType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru.client._memcopy.CopyGate",
+    .tp_basicsize = sizeof(CopyGate),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)CopyGate_traverse,
+    .tp_clear = (inquiry)CopyGate_clear,
+    .tp_doc = "CopyGate(on_idle): RegionMapper.copying()'s block; reentrant, shared by threads.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)CopyGate_init,
+    .tp_dealloc = (destructor)CopyGate_dealloc,
+    .tp_methods = CopyGate_methods,
+    .tp_getset = CopyGate_getset,
+};
+
 static PyObject *copy_values_start(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -1627,7 +1745,7 @@ PyMODINIT_FUNC PyInit__memcopy(void)
         if (CopyFaultError == NULL)
             return NULL;
     }
-    if (PyType_Ready(&CopyInFlightType) < 0)
+    if (PyType_Ready(&CopyInFlightType) < 0 || PyType_Ready(&CopyGateType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -1640,7 +1758,8 @@ PyMODINIT_FUNC PyInit__memcopy(void)
              PyModule_AddObjectRef(m, "COPY_VALUES", capsule) < 0 ||
              PyModule_AddStringConstant(m, "FLUSH_WRITE_BACK", flush_names[coh_write_back_kind]) < 0 ||
              PyModule_AddStringConstant(m, "FLUSH_INVALIDATE", flush_names[coh_invalidate_kind]) < 0 ||
-             PyModule_AddObjectRef(m, "CopyFaultError", CopyFaultError) < 0;
+             PyModule_AddObjectRef(m, "CopyFaultError", CopyFaultError) < 0 ||
+             PyModule_AddObjectRef(m, "CopyGate", (PyObject *)&CopyGateType) < 0;
     Py_XDECREF(capsule);
     if (rc) {
         Py_DECREF(m);

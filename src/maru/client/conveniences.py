@@ -23,8 +23,8 @@ import numpy as np
 
 from maru.client.chunks import AllocHandle, ChunkBook
 from maru.client.coherence import invalidate_ranges, software
-from maru.client.requests import Lookup, MemoryInfo, Sealing, StoreOutcome
-from maru.client.writes import Put, from_pointers
+from maru.client.requests import Lookup, MemoryInfo
+from maru.client.writes import Put, Sealing, StoreOutcome, from_pointers
 from maru.common.errors import LeaseExpired, MaruError
 from maru.common.protocol import MsgType
 from maru.common.region import RegionHandle

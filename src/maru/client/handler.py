@@ -38,23 +38,17 @@ from maru.client.mapping import RegionMapper
 from maru.client.memcopy import CopyFaultError, copy_values, guard_faults
 from maru.client.poolpath import prove_or_refuse
 from maru.client.reads import Segment, copy_and_prove
-from maru.client.requests import (
-    Lookup,
-    MemoryInfo,
-    RegionsLost,
-    Sealing,
-    StoreOutcome,
-    refuse_bad_stores,
-)
-from maru.client.rpc import PendingReply, RpcClient
+from maru.client.requests import Lookup, MemoryInfo, RegionsLost
+from maru.client.rpc import FORKS, PendingReply, RpcClient
 from maru.client.session import Session
 from maru.client.supply import RegionSupply
-from maru.client.writes import Put, Writes
+from maru.client.writes import Put, Sealing, StoreOutcome, Writes, refuse_bad_stores
 from maru.common.config import MaruConfig
 from maru.common.errors import (
     MaruConnectError,
     MaruConnectRefused,
     MaruError,
+    MaruForkedError,
     MaruNotConnected,
     MaruServerError,
 )
@@ -121,12 +115,6 @@ class MaruHandler(OriginalApi):
         self._mapper = RegionMapper(populate=config.eager_map)  # (pages mapped in bulk)
         self._copying = self._mapper.copying()  # (`copying()`, kept: every read enters it)
         self._chunks = ChunkBook(config.chunk_size_bytes)
-        # what the helpers (seals, lookups, the index, the supply, the writes) share of us;
-        # `request` looks `_request` up at each call (a test may wrap it)
-        self._s = Session(config, lambda t, b: self._request(t, b), self._chunks, self._mapper)
-        # The server names the instance at handshake (config.instance_id is the name it
-        # starts with) and gives it a session credential that every request carries.
-        self._session: str | None = None
         self._rehandshake = threading.Lock()  # one re-handshake for all threads at a time
         self._rpc = RpcClient(
             config.server_url,
@@ -138,12 +126,15 @@ class MaruHandler(OriginalApi):
             server_public_key=config.server_public_key,
             client_secret_key=config.curve_client_key,
         )
+        # what the helpers (seals, lookups, the index, the supply, the writes) share of us:
+        # `request` is the one RPC client's, which adds the instance's session credential
+        self._s = Session(config, self._rpc.request, self._chunks, self._mapper)
         guard_faults()  # (a faulthandler enabled since import would see the pool's faults first)
         self._connected = False
         self._closed = False  # close() was called (then "Not connected" says so)
         self.connect_error: MaruConnectError | None = None  # why the last connect() failed
-        self._supply = RegionSupply(self._s, self._request)
-        self._writes = Writes(self._s, self.alloc, self._supply)
+        self._supply = RegionSupply(self._s, self._rpc.request)
+        self._writes = Writes(self._s, self._supply)
         self._index: LocalIndexClient | None = None  # the server's, on its node (handshake)
         self._coherence = Coherence(config.coherence)  # agreed at each handshake
         self._heartbeat = _Heartbeat(self._beat, f"maru-heartbeat-{self.instance_id[:8]}")
@@ -251,7 +242,8 @@ class MaruHandler(OriginalApi):
         forked after the handler was made, `MaruForkedError`, first: before any lock, which
         a thread of the parent may have held at the fork."""
         if self._connected:
-            self._rpc.check_fork()
+            if FORKS[0] != self._rpc.forks:  # (`RpcClient.check_fork`, inline: every verb)
+                raise MaruForkedError(self._rpc.created_in)
             return
         if self._closed:
             why = "this MaruHandler was closed"
@@ -268,10 +260,18 @@ class MaruHandler(OriginalApi):
                 self._s.map_new_regions(self._supply.pool_generation)
 
     def _request(self, msg_type: MsgType, body: dict[str, Any]) -> PendingReply:
-        """The handler's one way to send: as this instance, through the one RPC client."""
-        if self._session is not None:
-            body["session"] = self._session
-        return self._rpc.request(msg_type, body)
+        """The handler's one way to send: as this instance (`Session.request`)."""
+        return self._s.request(msg_type, body)
+
+    @property
+    def _session(self) -> str | None:
+        """The credential the server gave this instance at handshake (config.instance_id is
+        the name it starts with); the RPC client puts it in every request."""
+        return self._rpc.session
+
+    @_session.setter
+    def _session(self, session: str | None) -> None:
+        self._rpc.session = session
 
     def _handshake(self) -> int:
         """(Re)attach to the server; returns how many of our regions it no longer knows."""
@@ -476,7 +476,7 @@ class MaruHandler(OriginalApi):
         self, keys: Sequence[Key], buffers: np.ndarray, sizes: Any, length: int, prefix: Prefix
     ) -> list[bool]:
         hashed = self.config.checksums
-        index = self._local_index()
+        index = self._index  # (`read` checked the handler usable: `_ensure_connected`)
         if index is not None:
             proven = index.read(self._s, keys, prefix, buffers, sizes, length, hashed)
             if proven is not None:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from maru.client._memcopy import CopyGate
 from maru.client.poolpath import PoolPlace
 from maru.common import hugepages
 from maru.common.region import RegionHandle
@@ -105,22 +106,6 @@ class MappedRegion:
     backed: tuple[tuple[int, int], ...] = ()  # what the file held when mapped (`backed_extents`)
 
 
-class _Copying(contextlib.AbstractContextManager):
-    """`RegionMapper.copying()`'s block: a plain class, not a generator (it runs around every
-    copy of the data path); reentrant and shared by threads (it only counts)."""
-
-    __slots__ = ("_mapper",)
-
-    def __init__(self, mapper: RegionMapper):
-        self._mapper = mapper
-
-    def __enter__(self) -> None:
-        self._mapper._copy_began()
-
-    def __exit__(self, *exc: object) -> None:
-        self._mapper._copy_ended()
-
-
 class RegionMapper:
     """Maps region handles into this process. Regions owned by others are mapped read-only,
     so a bug in one instance cannot scribble over another instance's pages."""
@@ -135,9 +120,10 @@ class RegionMapper:
         self.retire_s = retire_s
         self.close_wait_s = close_wait_s  # how long `close()` waits for copies in flight
         self._closing = False  # `close()` was called: retired regions need no grace
-        self._copies = 0  # copies in flight in `copying()` blocks
         self._retired: list[tuple[float, MappedRegion]] = []  # (unmapped at, region): see module
-        self._copying = _Copying(self)
+        # `copying()`'s block, in C (two C calls per copy, no lock): `_copies_ended` is called
+        # when the last open block closes while the gate is `wanted` (a retired region, a close)
+        self._gate = CopyGate(self._copies_ended)
         self._listeners: list[Callable[[int], None]] = []
         self._close_listeners: list[Callable[[int], None]] = []
         self.populate_regions = populate
@@ -171,26 +157,25 @@ class RegionMapper:
     def get(self, region_id: int) -> MappedRegion | None:
         return self._regions.get(region_id)
 
-    def copying(self) -> _Copying:
+    def copying(self) -> CopyGate:
         """Around a copy into or out of mapped regions, from before its addresses are taken
         (an allocation, a lookup) to its end: no region is closed until every such block has
-        ended (see the module)."""
-        return self._copying
+        ended (see the module). Reentrant, shared by threads; the same object every time."""
+        return self._gate
 
-    def _copy_began(self) -> None:
+    def _copies_ended(self) -> None:
+        """The last open `copying()` block closed while the gate was wanted."""
         with self._lock:
-            self._copies += 1
-
-    def _copy_ended(self) -> None:
-        with self._lock:
-            self._copies -= 1
-            if not self._copies:
-                self._idle.notify_all()
+            if self._gate.active:  # (another began meanwhile: its end calls again)
+                return
+            self._idle.notify_all()
             self._close_retired_locked()
 
     def _close_retired_locked(self) -> None:
-        """Close the unmapped regions that no copy can still be using (see the module)."""
-        if self._copies or not self._retired:
+        """Close the unmapped regions that no copy can still be using (see the module); the
+        gate calls back while some wait (or `close()` waits)."""
+        self._gate.wanted = bool(self._retired) or self._closing
+        if self._gate.active or not self._retired:
             return
         cutoff = time.monotonic() - (0.0 if self._closing else self.retire_s)
         keep: list[tuple[float, MappedRegion]] = []
@@ -200,6 +185,7 @@ class RegionMapper:
             else:
                 self._close(mapped)
         self._retired = keep
+        self._gate.wanted = bool(keep) or self._closing
 
     def region_ids(self) -> list[int]:
         return list(self._regions)
@@ -343,11 +329,12 @@ class RegionMapper:
             self._closing = True
             for region_id in list(self._regions):
                 self._unmap_locked(region_id)
-            if not self._idle.wait_for(lambda: not self._copies, self.close_wait_s):
+            self._gate.wanted = True
+            if not self._idle.wait_for(lambda: not self._gate.active, self.close_wait_s):
                 log.warning(
                     "closing with %d copies still in flight after %.1f s: their %d regions "
                     "are closed when the last of them ends",
-                    self._copies,
+                    self._gate.active,
                     self.close_wait_s,
                     len(self._retired),
                 )

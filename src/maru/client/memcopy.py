@@ -39,18 +39,24 @@ from collections.abc import Sequence
 
 import numpy as np
 
+# page_pointers(address, count, page, affine) -> bytes: the pointers of a batch's pages in a
+# pool whose parts lie at affine addresses, from the `count` int64 token indices at `address`
+# (memory the caller keeps alive, read in place: an SGLang host-indices tensor's data): page p
+# starts at token `indices[p * page]`, its part j at `affine[j, 0] + index * affine[j, 1]`; a
+# (pages, parts) int64 table's bytes. In C, called as it is: numpy's slice, cast, multiply and
+# add cost more than the arithmetic from cold caches (what the data path meets after a copy).
 from maru.client._memcopy import (
     COPY_VALUES,  # (its C loop, for the local index's read)
     STREAMING,
     CopyFaultError,
     guard_faults,
+    page_pointers,
 )
 from maru.client._memcopy import copier_counts as _c_copier_counts
 from maru.client._memcopy import copy_many as _c_copy_many
 from maru.client._memcopy import copy_many_hashed as _c_copy_many_hashed
 from maru.client._memcopy import copy_values as _c_copy_values
 from maru.client._memcopy import copy_values_start as _c_copy_values_start
-from maru.client._memcopy import page_pointers as _c_page_pointers
 
 __all__ = [
     "COPY_VALUES",
@@ -186,17 +192,6 @@ def copiers_called_off() -> int:
     """Of `copier_tasks`, the times the caller took the last block before the copier woke
     and called it off: for tests."""
     return _c_copier_counts()[1]
-
-
-def page_pointers(address: int, count: int, page: int, affine: np.ndarray) -> np.ndarray:
-    """Pointers of a batch's pages in a pool whose parts lie at affine addresses, from the
-    `count` int64 token indices at `address` (memory the caller keeps alive, read in place:
-    an SGLang host-indices tensor's data, no array made of it): page p starts at token
-    `indices[p * page]`, its part j at `affine[j, 0] + index * affine[j, 1]`; a (pages,
-    parts) int64 array. In C one call: numpy's slice, cast, multiply and add cost more than
-    the arithmetic from cold caches (what the data path meets after each copy)."""
-    raw = _c_page_pointers(address, count, page, affine)
-    return np.frombuffer(raw, np.int64).reshape(-1, len(affine))
 
 
 def copy_many_hashed(

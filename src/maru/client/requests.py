@@ -1,33 +1,26 @@
-"""The two batch requests of the data path, each one request in flight: `Sealing` (REGISTER_KV,
-the store side) and `Lookup` (LOOKUP_KV, the retrieve side). Both are sent when made, so the
-caller can do other work (copy the next pages, compute host pointers) while the server answers.
+"""The read's batch request, `Lookup` (LOOKUP_KV), one request in flight: sent when made, so
+the caller can do other work (compute host pointers) while the server answers; and what a
+lookup's hits are (`MemoryInfo`). The write's request, `Sealing`, is the write verb's
+(`maru.client.writes`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from maru.client.checksum import checksums
-from maru.client.chunks import AllocHandle
 from maru.client.coherence import invalidate_ranges
 from maru.client.memcopy import CopyFaultError, faulted
-from maru.common.errors import MaruError, MaruServerError
+from maru.common.errors import MaruError
 from maru.common.protocol import (
     CHECKSUMS,
-    ErrorCode,
     MsgType,
-    ProtocolError,
     RegisterStatus,
-    all_keys_valid,
-    check_key,
-    pack_int64,
 )
 from maru.common.region import RegionHandle
 
@@ -40,17 +33,6 @@ log = logging.getLogger(__name__)
 Key = str | bytes
 _REGISTERED, _EXISTS = int(RegisterStatus.REGISTERED), int(RegisterStatus.EXISTS)
 _REJECTED = int(RegisterStatus.REJECTED)
-
-
-class StoreOutcome(Enum):
-    """What a store did for one key. Keys are content hashes, so the first writer wins: a key
-    already there keeps its first value, and the store reports EXISTED (our bytes were not
-    used). The seed-compatible calls (`store`, `batch_store`, `Sealing.wait`) say True for
-    both STORED and EXISTED."""
-
-    STORED = "stored"
-    EXISTED = "existed"
-    FAILED = "failed"
 
 
 class RegionsLost(MaruError):
@@ -70,189 +52,6 @@ class MemoryInfo:
     offset: int
     length: int
     address: int
-
-
-class Sealing:
-    """A REGISTER_KV: seals `keys[i]` onto value i of `handles` (one run, or one handle per
-    key, None where nothing was reserved). Made ready first (the key columns: nothing read
-    from the values, so it may be made while they are still being copied), sent by `send()`
-    once every value is written. `wait()` gives one bool per key: True
-    when the key is stored (ours, or another writer's that came first: then our chunks come
-    back); False when it was rejected or nothing was reserved for it. When the outcome is
-    unknown (no reply, an error) the chunks stay reserved: the server may have sealed some
-    keys. A STATE_UNAVAILABLE refusal (the server cannot journal) seals nothing: they return.
-    With `maru_checksums` the values' checksums go with it (`send`)."""
-
-    def __init__(
-        self,
-        session: Session,
-        keys: Sequence[Key],
-        handles: AllocHandle | Sequence[AllocHandle | None],
-        lengths: int | Sequence[int] | None,
-    ):
-        self._s = session
-        self._n = n = len(keys)
-        self._handles = handles
-        self.regions_lost = False  # the server forgot the regions the bytes are in
-        self._sent = False
-        self._pending: PendingReply | None = None
-        self._results: list[bool] | None = None
-        self._outcomes: list[StoreOutcome] | None = None
-        if isinstance(handles, AllocHandle):
-            if handles.count != n:
-                raise ValueError(f"seal: {n} keys for a handle of {handles.count} values")
-            self._positions: list[int] | None = None  # every key is sent
-            size = handles.size if lengths is None else lengths
-            stride, offset = handles.stride, handles.offset
-            sent_keys = list(keys)
-            sizes = [size] * n if isinstance(size, int) else list(size)
-            # the wire's columns, made by numpy without a Python int per key
-            columns = (
-                np.full(n, handles.region_id, np.int64).tobytes(),
-                np.arange(offset, offset + n * stride, stride, dtype=np.int64).tobytes(),
-                np.full(n, size, np.int64).tobytes()
-                if isinstance(size, int)
-                else pack_int64(sizes),
-            )
-        else:
-            if len(handles) != n:
-                raise ValueError(f"seal: {n} keys for {len(handles)} handles")
-            sizes_in = [h.size if h else 0 for h in handles] if lengths is None else lengths
-            if isinstance(sizes_in, int):
-                sizes_in = [sizes_in] * n
-            chunks = session.chunks
-            self._positions = [i for i, h in enumerate(handles) if h and chunks.holds(h)]
-            sent_keys = [keys[i] for i in self._positions]
-            region_ids = [handles[i].region_id for i in self._positions]  # type: ignore[union-attr]
-            offsets = [handles[i].offset for i in self._positions]  # type: ignore[union-attr]
-            sizes = [sizes_in[i] for i in self._positions]
-            columns = (pack_int64(region_ids), pack_int64(offsets), pack_int64(sizes))
-        self._sizes = sizes
-        self._body: dict[str, Any] | None = None
-        if n and sent_keys:
-            self._body = {
-                "keys": sent_keys,
-                "region_ids": columns[0],
-                "offsets": columns[1],
-                "lengths": columns[2],
-            }
-
-    def send(self, checksums: np.ndarray | None = None) -> Sealing:
-        """Send the registration: every value must be in place (a key is visible to every
-        instance once the server has it). `checksums`: with `maru_checksums`, one per key,
-        made during the caller's copy (`copy_many_hashed`); without them the values are
-        hashed here, in the pool. Once only; returns self."""
-        if self._sent:
-            raise RuntimeError("Sealing.send: already sent")
-        self._sent = True
-        handles, s = self._handles, self._s
-        # The values are written: their region may be parked from now on (a seal that reaches
-        # the server after the region was taken back is refused, never misplaced).
-        for handle in [handles] if isinstance(handles, AllocHandle) else handles:
-            if handle is not None:
-                s.chunks.written(handle)
-        body = self._body
-        if body is None:
-            self._results = [False] * self._n
-            return self
-        if s.config.checksums:
-            body[CHECKSUMS] = self._checksums(handles, self._sizes, checksums).tobytes()
-        try:
-            self._pending = s.request(MsgType.REGISTER_KV, body)
-        except MaruError as exc:
-            log.warning("register of %d keys failed: %s", len(body["keys"]), exc)
-            self._results = [False] * self._n
-        return self
-
-    def _checksums(
-        self,
-        handles: AllocHandle | Sequence[AllocHandle | None],
-        sizes: Sequence[int],
-        given: np.ndarray | None,
-    ) -> np.ndarray:
-        """The sent values' checksums: `given` (per key) where the caller hashed as it copied,
-        else hashed now over the values as stored (after the caller's copy)."""
-        if given is not None:
-            given = np.asarray(given, np.int64)
-            if len(given) != self._n:
-                raise ValueError(f"seal: {len(given)} checksums for {self._n} keys")
-            return given if self._positions is None else given[self._positions]
-        if isinstance(handles, AllocHandle):
-            return checksums(handles.views(sizes))
-        return checksums(
-            [handles[i].views(size)[0] for i, size in zip(self._positions, sizes)]  # type: ignore[union-attr]
-        )
-
-    def hoped(self) -> list[bool]:
-        """What `wait()` will give if the server seals every key sent: True for each key
-        sent, False for a key nothing was reserved for; `wait()`'s results once decided."""
-        if self._results is not None:
-            return self._results
-        if self._positions is None:
-            return [True] * self._n
-        hoped = [False] * self._n
-        for i in self._positions:
-            hoped[i] = True
-        return hoped
-
-    def arrived(self) -> bool:
-        """Whether `wait()` would return at once without another request (the reply is in and
-        needs no re-handshake, `PendingReply.arrived`; or nothing was sent)."""
-        if not self._sent:
-            return False
-        return self._results is not None or self._pending is None or self._pending.arrived()
-
-    def wait(self) -> list[bool]:
-        if self._results is not None:
-            return self._results
-        if not self._sent:
-            raise RuntimeError("Sealing.wait: send() it first")
-        assert self._pending is not None
-        try:
-            statuses = self._pending.result()["results"]
-        except MaruError as exc:
-            log.warning("register of %d keys failed: %s", self._n, exc)
-            self.regions_lost = isinstance(exc, RegionsLost)
-            if isinstance(exc, MaruServerError) and exc.code == ErrorCode.STATE_UNAVAILABLE:
-                # refused before any side effect (the server cannot journal): nothing was
-                # sealed, so the chunks come back
-                sent = self._n if self._positions is None else len(self._positions)
-                self._results = self._outcome([_REJECTED] * sent)
-            else:  # outcome unknown: the chunks stay reserved
-                self._results = [False] * self._n
-            return self._results
-        self._results = self._outcome(statuses)
-        return self._results
-
-    def outcomes(self) -> list[StoreOutcome]:
-        """Per key, whether it was STORED now, EXISTED already (first writer won) or FAILED
-        (waits for the reply like `wait`)."""
-        results = self.wait()
-        if self._outcomes is None:  # no reply to tell: a failure, or nothing was sent
-            self._outcomes = [StoreOutcome.FAILED] * len(results)
-        return self._outcomes
-
-    def _outcome(self, statuses: list[int]) -> list[bool]:
-        handles, chunks = self._handles, self._s.chunks
-        if self._positions is None:  # one run, every key sent
-            if statuses.count(_REGISTERED) == self._n:
-                self._outcomes = [StoreOutcome.STORED] * self._n
-                return [True] * self._n
-            assert isinstance(handles, AllocHandle)
-            chunks.give_back(handles, [i for i, st in enumerate(statuses) if st != _REGISTERED])
-            self._outcomes = [_OUTCOMES.get(st, StoreOutcome.FAILED) for st in statuses]
-            return [st in (_REGISTERED, _EXISTS) for st in statuses]
-        results = [False] * self._n
-        self._outcomes = [StoreOutcome.FAILED] * self._n
-        for i, status in zip(self._positions, statuses):
-            if status != _REGISTERED:
-                chunks.give_back(handles[i])  # type: ignore[index,arg-type]
-            results[i] = status in (_REGISTERED, _EXISTS)
-            self._outcomes[i] = _OUTCOMES.get(status, StoreOutcome.FAILED)
-        return results
-
-
-_OUTCOMES = {_REGISTERED: StoreOutcome.STORED, _EXISTS: StoreOutcome.EXISTED}
 
 
 class Lookup:
@@ -520,39 +319,3 @@ def checksum_mismatches(session: Session, keys: Sequence[Key], lengths: Sequence
 
 
 BYTES_LIKE = "bytes, bytearray, memoryview, a contiguous numpy array"
-
-
-def refuse_bad_stores(
-    keys: Sequence[Any], sizes: Sequence[int], refused: Counter[str], instance_id: str
-) -> set[int]:
-    """Positions of stores that cannot succeed: a key that is not str or bytes, empty or
-    longer than MAX_KEY_BYTES, an empty value, or (a size below 0) a value that is not
-    bytes-like. A batch with any logs one WARNING naming the first such key and why; `refused`
-    (the handler's `refused_stores`) counts them by reason."""
-    if all_keys_valid(list(keys)) and (not sizes or min(sizes) > 0):
-        return set()
-    reasons: dict[int, tuple[str, str]] = {}
-    for i, key in enumerate(keys):
-        try:
-            check_key(key)
-        except ProtocolError as exc:
-            kind = "key_too_long" if exc.code == ErrorCode.KEY_TOO_LONG else "bad_key"
-            if kind == "bad_key":
-                kind = "empty_key" if isinstance(key, (str, bytes)) else "key_type"
-            reasons[i] = (kind, str(exc))
-            continue
-        if sizes and sizes[i] < 0:
-            reasons[i] = ("value_type", f"a value must be bytes-like ({BYTES_LIKE})")
-        elif sizes and sizes[i] == 0:
-            reasons[i] = ("empty_value", "an empty value cannot be stored")
-    refused.update(kind for kind, _ in reasons.values())
-    first = min(reasons)
-    more = f" (and {len(reasons) - 1} more in the batch)" if len(reasons) > 1 else ""
-    log.warning(
-        "instance %s: store of key %.80r refused: %s%s",
-        instance_id,
-        keys[first],
-        reasons[first][1],
-        more,
-    )
-    return set(reasons)

@@ -55,8 +55,9 @@ LOCAL_RETRY_S = 5.0  # after the server closed a new local connection unanswered
 
 # How many forks this process is from the one that imported this module: an `RpcClient`
 # made before a fork is its parent's (its credential, its connections) and refuses to send.
-_forks = [0]
-os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
+# A list read, not a call: the data path's verbs compare it inline on every call.
+FORKS = [0]
+os.register_at_fork(after_in_child=lambda: FORKS.__setitem__(0, FORKS[0] + 1))
 
 
 class PendingReply:
@@ -351,8 +352,8 @@ class _LocalChannel(_Channel):
         refusal: a server killed after it served a request closes it that way too, and sending
         a REGISTER_KV again would make its writer take its own sealed pages for free."""
         log.info("local socket %s to maru-server closed (%s)", self.address, why)
-        if self.sock is not None and not self.answered:
-            refused = self._take_refusal(self.sock) or refused
+        if not refused and self.sock is not None and not self.answered:
+            refused = self._take_refusal(self.sock)
         if refused:
             self.refused_until = time.monotonic() + LOCAL_RETRY_S
             self.refused = set(self.pending)
@@ -364,7 +365,7 @@ class _LocalChannel(_Channel):
     def _send(self, frame: bytes) -> None:
         # A connection the server closed (it restarted) fails on send, before delivering
         # anything: reconnect once and resend. If that fails too, the caller uses ZMQ.
-        data = protocol.stream_prefix(frame) + frame
+        data = protocol.STREAM_LENGTH.pack(len(frame)) + frame  # (`stream_prefix`)
         for _attempt in range(2):
             if not self.connected():
                 break
@@ -528,11 +529,12 @@ class RpcClient:
         self._channels_lock = threading.Lock()
         self._closed = False
         self.created_in = os.getpid()
-        self._forks = _forks[0]  # this process's fork count when the client was made
+        self.forks = FORKS[0]  # this process's fork count when the client was made
+        self.session: str | None = None  # the instance's credential, in every request
 
     def forked(self) -> bool:
         """Whether this process is a child forked after the client was made."""
-        return _forks[0] != self._forks
+        return FORKS[0] != self.forks
 
     def check_fork(self) -> None:
         """Raise `MaruForkedError` in a child forked after the client was made: its requests
@@ -626,8 +628,11 @@ class RpcClient:
         return self._zmq_channel()
 
     def request(self, msg_type: int, body: dict[str, Any]) -> PendingReply:
-        """Send one request now; its reply comes from `.result()` (on this thread)."""
+        """Send one request now; its reply comes from `.result()` (on this thread). It
+        carries the instance's `session` credential unless it names one."""
         self.check_fork()
+        if self.session is not None and "session" not in body:
+            body["session"] = self.session
         channel = self._channel()
         try:
             return channel.request(msg_type, body)

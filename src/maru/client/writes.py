@@ -29,23 +29,41 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from maru.client._memcopy import copy_values_start as _c_copy_values_start
+from maru.client.checksum import checksums
 from maru.client.chunks import AllocHandle
 from maru.client.memcopy import CopyFaultError, copy_values_start
-from maru.client.requests import Sealing, StoreOutcome, refuse_bad_stores
+from maru.client.requests import BYTES_LIKE, RegionsLost
 from maru.client.supply import RegionSupply, Room
+from maru.common.errors import MaruError, MaruServerError
+from maru.common.protocol import (
+    CHECKSUMS,
+    ErrorCode,
+    MsgType,
+    ProtocolError,
+    RegisterStatus,
+    all_keys_valid,
+    check_key,
+    pack_int64,
+)
 
 if TYPE_CHECKING:
+    from maru.client.rpc import PendingReply
     from maru.client.session import Session
 
 log = logging.getLogger(__name__)
 
 Key = str | bytes
+_REGISTERED, _EXISTS = int(RegisterStatus.REGISTERED), int(RegisterStatus.EXISTS)
+_REJECTED = int(RegisterStatus.REJECTED)
 
 # A caller that waits for the replies has its call's last run registered in up to
 # PIPELINE_PIECES pieces of at least PIPELINE_MIN_PAGES values, each sent while the next piece
@@ -89,17 +107,33 @@ class Put:
         return size[0] if size and min(size) > 0 and size.count(size[0]) == len(size) else 0
 
 
-def values_at(buffers: np.ndarray, sizes: Sequence[int] | np.ndarray) -> CopyIn:
+@dataclass(frozen=True)
+class ValuesAt:
     """The copy of values whose parts lie at `buffers` (int64 (values, parts) pointers, parts
-    of `sizes` bytes, stored back to back): `copy_values` begun, hashed as it copies."""
-    sizes = np.asarray(sizes, np.int64)
+    of `sizes` bytes, stored back to back): `copy_values` begun, hashed as it copies. The
+    usual copy of the data path: the verb begins it in C itself, with no Python call
+    between (`Writes._start`); as a `CopyIn` it does the same for anyone else."""
 
-    def copy(targets: np.ndarray, first: int, last: int, hashed: bool, threads: int) -> Any:
+    buffers: np.ndarray
+    sizes: np.ndarray
+
+    def __call__(
+        self, targets: np.ndarray, first: int, last: int, hashed: bool, threads: int
+    ) -> Any:
         return copy_values_start(
-            targets, buffers[first:last], sizes, to_values=True, hashed=hashed, threads=threads
+            targets,
+            self.buffers[first:last],
+            self.sizes,
+            to_values=True,
+            hashed=hashed,
+            threads=threads,
         )
 
-    return copy
+
+def values_at(buffers: np.ndarray, sizes: Sequence[int] | np.ndarray) -> ValuesAt:
+    """The copy of values whose parts lie at `buffers` (see `ValuesAt`)."""
+    table = np.ascontiguousarray(buffers, np.int64)
+    return ValuesAt(table, np.ascontiguousarray(sizes, np.int64).reshape(-1))
 
 
 def from_pointers(pointers: Sequence[int], sizes: Sequence[int]) -> CopyIn:
@@ -134,16 +168,10 @@ def _targets(handle: AllocHandle) -> np.ndarray:
 class Writes:
     """The write algorithm of one handler (`MaruHandler.put` / `confirm_writes`)."""
 
-    def __init__(
-        self,
-        session: Session,
-        alloc: Callable[[int, int], AllocHandle | None],
-        supply: RegionSupply,
-    ) -> None:
-        """`alloc`: the handler's reservation (`MaruHandler.alloc`: checks, then `supply`,
-        which also makes a full instance's room for a whole write at once)."""
+    def __init__(self, session: Session, supply: RegionSupply) -> None:
+        """`supply`: where a reservation goes when no owned region has the run free (it
+        also makes a full instance's room for a whole write at once)."""
         self._s = session
-        self._alloc = alloc
         self._supply = supply
         self._copying = session.mapper.copying()  # (one object: every write enters it)
         self._unconfirmed = _Unconfirmed()
@@ -165,7 +193,7 @@ class Writes:
                 n = len(put.keys)
                 put.results, put.outcomes = [False] * n, None
                 size = put.uniform()
-                run = self._alloc(size, n) if n and size else None
+                run = self._reserve(size, n) if n and size else None
                 if number == 1 and self._supply.full:  # (the next write's room, made now)
                     self._supply.ahead(self._room(puts))
                 if run is None:  # no free run: value by value
@@ -216,6 +244,12 @@ class Writes:
             log.info("writing the %d values again", sum(len(p.keys) for p in lost))
             self.put(lost, behind=False, again=False)
 
+    def _reserve(self, size: int, count: int) -> AllocHandle | None:
+        """`MaruHandler.alloc` without its checks (`put` made them): a run in an owned
+        region, else from the supply."""
+        run = self._s.chunks.take(size, count)  # (the usual case: no region change)
+        return run if run is not None else self._supply.reserve(size, count)
+
     def _room(self, puts: Sequence[Put]) -> Room:
         """The room `puts` reserve: chunk bytes, and values' bytes."""
         chunk, chunks, values = self._s.chunks.chunk_size, 0, 0
@@ -258,7 +292,7 @@ class Writes:
         if not size:  # (equal sizes: the run's `alloc` made room for all of them)
             self._supply.room(self._room([put]))
         for _ in range(2):
-            handles = [self._alloc(v, 1) if v > 0 else None for v in sizes]
+            handles = [self._reserve(v, 1) if v > 0 else None for v in sizes]
             if all(h is None or s.chunks.holds(h) for h in handles):
                 break
             for handle in handles:
@@ -281,9 +315,16 @@ class Writes:
         put: Put, handle: AllocHandle, first: int, last: int, hashed: bool, threads: int
     ) -> Any:
         """`put.copy` begun into `handle`; a fault while it begins is kept for `_copy` to
-        report at `finish()`."""
+        report at `finish()`. A `ValuesAt` copy is begun in C here (its `finish()` gives the
+        checksums' bytes)."""
+        copy = put.copy
         try:
-            return put.copy(_targets(handle), first, last, hashed, threads)
+            if type(copy) is ValuesAt:  # (checked as made: contiguous int64 columns)
+                buffers = copy.buffers[first:last]
+                return _c_copy_values_start(
+                    _targets(handle), buffers, copy.sizes, True, True, hashed, max(threads, 1)
+                )
+            return copy(_targets(handle), first, last, hashed, threads)
         except CopyFaultError as exc:
             return _Faulted(exc)
 
@@ -304,6 +345,8 @@ class Writes:
             started = self._start(put, handle, first, last, hashed, threads)
         try:
             sums = started.finish() if hasattr(started, "finish") else started
+            if type(sums) is bytes:  # (a copy begun in C: its checksums' bytes)
+                sums = np.frombuffer(sums, np.int64)
         except CopyFaultError as exc:
             log.warning(
                 "write: pages %d-%d of a %s batch failed, the pool's memory faulted under "
@@ -379,6 +422,236 @@ class Writes:
                 lost_total,
             )
         return lost_total
+
+
+class StoreOutcome(Enum):
+    """What a store did for one key. Keys are content hashes, so the first writer wins: a key
+    already there keeps its first value, and the store reports EXISTED (our bytes were not
+    used). The seed-compatible calls (`store`, `batch_store`, `Sealing.wait`) say True for
+    both STORED and EXISTED."""
+
+    STORED = "stored"
+    EXISTED = "existed"
+    FAILED = "failed"
+
+
+class Sealing:
+    """A REGISTER_KV: seals `keys[i]` onto value i of `handles` (one run, or one handle per
+    key, None where nothing was reserved). Made ready first (the key columns: nothing read
+    from the values, so it may be made while they are still being copied), sent by `send()`
+    once every value is written. `wait()` gives one bool per key: True
+    when the key is stored (ours, or another writer's that came first: then our chunks come
+    back); False when it was rejected or nothing was reserved for it. When the outcome is
+    unknown (no reply, an error) the chunks stay reserved: the server may have sealed some
+    keys. A STATE_UNAVAILABLE refusal (the server cannot journal) seals nothing: they return.
+    With `maru_checksums` the values' checksums go with it (`send`)."""
+
+    def __init__(
+        self,
+        session: Session,
+        keys: Sequence[Key],
+        handles: AllocHandle | Sequence[AllocHandle | None],
+        lengths: int | Sequence[int] | None,
+    ):
+        self._s = session
+        self._n = n = len(keys)
+        self._handles = handles
+        self.regions_lost = False  # the server forgot the regions the bytes are in
+        self._sent = False
+        self._pending: PendingReply | None = None
+        self._results: list[bool] | None = None
+        self._outcomes: list[StoreOutcome] | None = None
+        if isinstance(handles, AllocHandle):
+            if handles.count != n:
+                raise ValueError(f"seal: {n} keys for a handle of {handles.count} values")
+            self._positions: list[int] | None = None  # every key is sent
+            size = handles.size if lengths is None else lengths
+            stride, offset = handles.stride, handles.offset
+            sent_keys = list(keys)
+            sizes = [size] * n if isinstance(size, int) else list(size)
+            # the wire's columns, made by numpy without a Python int per key
+            columns = (
+                np.full(n, handles.region_id, np.int64).tobytes(),
+                np.arange(offset, offset + n * stride, stride, dtype=np.int64).tobytes(),
+                np.full(n, size, np.int64).tobytes()
+                if isinstance(size, int)
+                else pack_int64(sizes),
+            )
+        else:
+            if len(handles) != n:
+                raise ValueError(f"seal: {n} keys for {len(handles)} handles")
+            sizes_in = [h.size if h else 0 for h in handles] if lengths is None else lengths
+            if isinstance(sizes_in, int):
+                sizes_in = [sizes_in] * n
+            chunks = session.chunks
+            self._positions = [i for i, h in enumerate(handles) if h and chunks.holds(h)]
+            sent_keys = [keys[i] for i in self._positions]
+            region_ids = [handles[i].region_id for i in self._positions]  # type: ignore[union-attr]
+            offsets = [handles[i].offset for i in self._positions]  # type: ignore[union-attr]
+            sizes = [sizes_in[i] for i in self._positions]
+            columns = (pack_int64(region_ids), pack_int64(offsets), pack_int64(sizes))
+        self._sizes = sizes
+        self._body: dict[str, Any] | None = None
+        if n and sent_keys:
+            self._body = {
+                "keys": sent_keys,
+                "region_ids": columns[0],
+                "offsets": columns[1],
+                "lengths": columns[2],
+            }
+
+    def send(self, checksums: np.ndarray | None = None) -> Sealing:
+        """Send the registration: every value must be in place (a key is visible to every
+        instance once the server has it). `checksums`: with `maru_checksums`, one per key,
+        made during the caller's copy (`copy_many_hashed`); without them the values are
+        hashed here, in the pool. Once only; returns self."""
+        if self._sent:
+            raise RuntimeError("Sealing.send: already sent")
+        self._sent = True
+        handles, s = self._handles, self._s
+        # The values are written: their region may be parked from now on (a seal that reaches
+        # the server after the region was taken back is refused, never misplaced).
+        for handle in [handles] if isinstance(handles, AllocHandle) else handles:
+            if handle is not None:
+                s.chunks.written(handle)
+        body = self._body
+        if body is None:
+            self._results = [False] * self._n
+            return self
+        if s.config.checksums:
+            body[CHECKSUMS] = self._checksums(handles, self._sizes, checksums).tobytes()
+        try:
+            self._pending = s.request(MsgType.REGISTER_KV, body)
+        except MaruError as exc:
+            log.warning("register of %d keys failed: %s", len(body["keys"]), exc)
+            self._results = [False] * self._n
+        return self
+
+    def _checksums(
+        self,
+        handles: AllocHandle | Sequence[AllocHandle | None],
+        sizes: Sequence[int],
+        given: np.ndarray | None,
+    ) -> np.ndarray:
+        """The sent values' checksums: `given` (per key) where the caller hashed as it copied,
+        else hashed now over the values as stored (after the caller's copy)."""
+        if given is not None:
+            given = np.asarray(given, np.int64)
+            if len(given) != self._n:
+                raise ValueError(f"seal: {len(given)} checksums for {self._n} keys")
+            return given if self._positions is None else given[self._positions]
+        if isinstance(handles, AllocHandle):
+            return checksums(handles.views(sizes))
+        return checksums(
+            [handles[i].views(size)[0] for i, size in zip(self._positions, sizes)]  # type: ignore[union-attr]
+        )
+
+    def hoped(self) -> list[bool]:
+        """What `wait()` will give if the server seals every key sent: True for each key
+        sent, False for a key nothing was reserved for; `wait()`'s results once decided."""
+        if self._results is not None:
+            return self._results
+        if self._positions is None:
+            return [True] * self._n
+        hoped = [False] * self._n
+        for i in self._positions:
+            hoped[i] = True
+        return hoped
+
+    def arrived(self) -> bool:
+        """Whether `wait()` would return at once without another request (the reply is in and
+        needs no re-handshake, `PendingReply.arrived`; or nothing was sent)."""
+        if not self._sent:
+            return False
+        return self._results is not None or self._pending is None or self._pending.arrived()
+
+    def wait(self) -> list[bool]:
+        if self._results is not None:
+            return self._results
+        if not self._sent:
+            raise RuntimeError("Sealing.wait: send() it first")
+        assert self._pending is not None
+        try:
+            statuses = self._pending.result()["results"]
+        except MaruError as exc:
+            log.warning("register of %d keys failed: %s", self._n, exc)
+            self.regions_lost = isinstance(exc, RegionsLost)
+            if isinstance(exc, MaruServerError) and exc.code == ErrorCode.STATE_UNAVAILABLE:
+                # refused before any side effect (the server cannot journal): nothing was
+                # sealed, so the chunks come back
+                sent = self._n if self._positions is None else len(self._positions)
+                self._results = self._outcome([_REJECTED] * sent)
+            else:  # outcome unknown: the chunks stay reserved
+                self._results = [False] * self._n
+            return self._results
+        self._results = self._outcome(statuses)
+        return self._results
+
+    def outcomes(self) -> list[StoreOutcome]:
+        """Per key, whether it was STORED now, EXISTED already (first writer won) or FAILED
+        (waits for the reply like `wait`)."""
+        results = self.wait()
+        if self._outcomes is None:  # no reply to tell: a failure, or nothing was sent
+            self._outcomes = [StoreOutcome.FAILED] * len(results)
+        return self._outcomes
+
+    def _outcome(self, statuses: list[int]) -> list[bool]:
+        handles, chunks = self._handles, self._s.chunks
+        if self._positions is None:  # one run, every key sent
+            if statuses.count(_REGISTERED) == self._n:
+                self._outcomes = [StoreOutcome.STORED] * self._n
+                return [True] * self._n
+            assert isinstance(handles, AllocHandle)
+            chunks.give_back(handles, [i for i, st in enumerate(statuses) if st != _REGISTERED])
+            self._outcomes = [_OUTCOMES.get(st, StoreOutcome.FAILED) for st in statuses]
+            return [st in (_REGISTERED, _EXISTS) for st in statuses]
+        results = [False] * self._n
+        self._outcomes = [StoreOutcome.FAILED] * self._n
+        for i, status in zip(self._positions, statuses):
+            if status != _REGISTERED:
+                chunks.give_back(handles[i])  # type: ignore[index,arg-type]
+            results[i] = status in (_REGISTERED, _EXISTS)
+            self._outcomes[i] = _OUTCOMES.get(status, StoreOutcome.FAILED)
+        return results
+
+
+_OUTCOMES = {_REGISTERED: StoreOutcome.STORED, _EXISTS: StoreOutcome.EXISTED}
+
+
+def refuse_bad_stores(
+    keys: Sequence[Any], sizes: Sequence[int], refused: Counter[str], instance_id: str
+) -> set[int]:
+    """Positions of stores that cannot succeed: a key that is not str or bytes, empty or
+    longer than MAX_KEY_BYTES, an empty value, or (a size below 0) a value that is not
+    bytes-like. A batch with any logs one WARNING naming the first such key and why; `refused`
+    (the handler's `refused_stores`) counts them by reason."""
+    if all_keys_valid(list(keys)) and (not sizes or min(sizes) > 0):
+        return set()
+    reasons: dict[int, tuple[str, str]] = {}
+    for i, key in enumerate(keys):
+        try:
+            check_key(key)
+        except ProtocolError as exc:
+            kind = "key_too_long" if exc.code == ErrorCode.KEY_TOO_LONG else "bad_key"
+            if kind == "bad_key":
+                kind = "empty_key" if isinstance(key, (str, bytes)) else "key_type"
+            reasons[i] = (kind, str(exc))
+            continue
+        if sizes and sizes[i] < 0:
+            reasons[i] = ("value_type", f"a value must be bytes-like ({BYTES_LIKE})")
+        elif sizes and sizes[i] == 0:
+            reasons[i] = ("empty_value", "an empty value cannot be stored")
+    refused.update(kind for kind, _ in reasons.values())
+    first = min(reasons)
+    more = f" (and {len(reasons) - 1} more in the batch)" if len(reasons) > 1 else ""
+    log.warning(
+        "instance %s: store of key %.80r refused: %s%s",
+        instance_id,
+        keys[first],
+        reasons[first][1],
+        more,
+    )
+    return set(reasons)
 
 
 class _Faulted:
