@@ -43,7 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from maru import MaruConfig, MaruHandler
-from maru.client import PIPELINE_MIN_PAGES, CopyIn, Put, values_at
+from maru.client import PIPELINE_MIN_PAGES, CopyIn, Put, ValuesAt
 from maru_sglang.hit_policy import PoolPresence, usable_prefix
 from maru_sglang.legacy import LegacyInterface
 from maru_sglang.pools import (
@@ -253,7 +253,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         """`batch` as the write verb takes it: its keys in its pool's namespace, copied from
         its host pages."""
         pool, buffers = batch.pool, batch.buffers
-        copy: CopyIn = values_at(buffers, pool.sizes)  # (the verb begins it in C itself)
+        copy: CopyIn = ValuesAt(buffers, pool.sizes)  # (the verb begins it in C itself)
         if pool.whole_page:  # (pages copied through the pool's own API)
 
             def through_pool(targets: np.ndarray, first: int, last: int, hashed: bool, n: int):
@@ -264,7 +264,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         def late(lost: int) -> None:
             self._stats.count(pool.name, late_write_failures=lost)
 
-        return Put(pool.keys(batch.keys), pool.page_bytes, copy, pool.name, late)
+        return Put(batch.keys, pool.page_bytes, copy, pool.name, late, prefix=pool.prefix)
 
     def confirm_writes(self, wait: bool = True) -> int:
         """Wait until the server has registered every page this thread's write calls

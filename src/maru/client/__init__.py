@@ -21,6 +21,7 @@ _EXPORTS = {
     "Put": "maru.client.writes",
     "CopyIn": "maru.client.writes",
     "values_at": "maru.client.writes",
+    "ValuesAt": "maru.client.writes",
     "from_pointers": "maru.client.writes",
     "PIPELINE_MIN_PAGES": "maru.client.writes",
     # the copy loops a caller's copy function is made of

@@ -86,16 +86,18 @@ class CopyIn(Protocol):
 
 @dataclass(eq=False)
 class Put:
-    """One group of values of a write: `keys` (sent as they are), `size` (bytes of each
-    value: one for all, or one per value) and `copy`. The verb fills `results` (one bool per
-    key, as `Sealing.wait`) and, when the call waits, `outcomes`. `on_late(n)`: told, with
-    write-behind, that n values reported stored were not registered after all."""
+    """One group of values of a write: `keys`, `size` (bytes of each value: one for all, or
+    one per value) and `copy`. The verb fills `results` (one bool per key, as `Sealing.wait`)
+    and, when the call waits, `outcomes`. `on_late(n)`: told, with write-behind, that n
+    values reported stored were not registered after all. `prefix` (the caller's namespace,
+    of the keys' type) is joined before each key as the verb begins."""
 
     keys: Sequence[Key]
     size: int | Sequence[int]
     copy: CopyIn
     name: str = "values"
     on_late: Callable[[int], None] | None = None
+    prefix: Key = ""
     results: list[bool] = field(default_factory=list)
     outcomes: list[StoreOutcome] | None = None
 
@@ -112,7 +114,8 @@ class ValuesAt:
     """The copy of values whose parts lie at `buffers` (int64 (values, parts) pointers, parts
     of `sizes` bytes, stored back to back): `copy_values` begun, hashed as it copies. The
     usual copy of the data path: the verb begins it in C itself, with no Python call
-    between (`Writes._start`); as a `CopyIn` it does the same for anyone else."""
+    between (`Writes._start`); as a `CopyIn` it does the same for anyone else. Both columns
+    C-contiguous int64 (`values_at` makes them so; a caller that has them builds it)."""
 
     buffers: np.ndarray
     sizes: np.ndarray
@@ -266,6 +269,9 @@ class Writes:
         """Bad keys and empty values of `put` (logged, counted in `refused_stores`) get
         nothing reserved: they fail, the rest goes on."""
         s = self._s
+        if put.prefix:  # (once: a put written again keeps its joined keys)
+            prefix, put.prefix = put.prefix, ""
+            put.keys = [prefix + key for key in put.keys]  # type: ignore[operator]
         n, size = len(put.keys), put.size
         sizes = size if not isinstance(size, int) else () if size > 0 else [size] * n
         refused = refuse_bad_stores(put.keys, sizes, s.refused_stores, s.instance_id)
