@@ -1,4 +1,4 @@
-"""The CUDA side of the linker (issue 17, part 2): the shared mapping registered with CUDA, and
+"""The CUDA side of the linker: the shared mapping registered with CUDA, and
 one kernel launch that copies a table of pieces between device memory and it. Apart from the
 linker so that a benchmark can use it without importing SGLang (`benchmarks/bench_gpu_copy.py`).
 """

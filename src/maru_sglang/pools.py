@@ -175,9 +175,9 @@ def _affine_page_pointers(pool: Any, parts: int) -> list[tuple[int, int]] | None
 def _index_memory(host_indices: torch.Tensor) -> tuple[int, int, Any]:
     """Where a batch's host indices lie: (address, count, owner), `count` int64s at `address`
     that `owner` keeps alive. SGLang's (a contiguous int64 CPU tensor) are read in place:
-    from cold caches `Tensor.numpy()` costs twice these checks and `data_ptr()` (measured in
-    benchmarks/results/history.md, session 24). Others (another dtype or device, a strided
-    view) are copied into an int64 array."""
+    from cold caches `Tensor.numpy()` costs twice these checks and `data_ptr()` (measured:
+    benchmarks/results/history.md). Others (another dtype or device, a strided view) are
+    copied into an int64 array."""
     t = host_indices
     if t.is_cpu and t.dtype is torch.int64 and t.is_contiguous():
         return t.data_ptr(), t.numel(), t

@@ -1,5 +1,5 @@
 """A client's side of the local index: keys found in the table its server publishes in shared
-memory, without a request (issue 17, part 1; docs/architecture.md "The local index").
+memory, without a request (docs/architecture.md "The local index").
 
 Offered only to clients on the server's node: the HANDSHAKE reply names the table only on the
 Unix socket. `exists` needs only the probe. A copying read (`MaruHandler.lookup(keys,

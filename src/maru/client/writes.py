@@ -68,7 +68,7 @@ _REJECTED = int(RegisterStatus.REJECTED)
 # A caller that waits for the replies has its call's last run registered in up to
 # PIPELINE_PIECES pieces of at least PIPELINE_MIN_PAGES values, each sent while the next piece
 # is copied. With write-behind nothing waits for the last reply, and one REGISTER_KV costs
-# less than two: one piece (benchmarks/results/history.md, issue 17 session 15).
+# less than two: one piece (benchmarks/results/history.md).
 PIPELINE_PIECES = 2
 PIPELINE_MIN_PAGES = 32
 

@@ -1,4 +1,4 @@
-"""CURVE keys of clients (issue 13, P5): which clients a `maru-server --curve` talks to.
+"""CURVE keys of clients: which clients a `maru-server --curve` talks to.
 
 With `--curve` alone, any client that knows the server's public key completes the ZeroMQ
 CURVE handshake (it makes a throwaway keypair per connection). With `--curve-clients PATH`

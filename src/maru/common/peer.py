@@ -1,7 +1,7 @@
 """Who is at the other end of a Unix socket, as the kernel says (not as the peer claims).
 
 Both sides use it: the server to watch its clients' processes (`maru.server.processes`), the
-client to make sure the socket it reached is the server's (issue 13, P5).
+client to make sure the socket it reached is the server's.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 (`maru.common._shmindex`, whose header comment is the layout), the files' names and the
 region tag.
 
-A server publishes its key index in shared memory for clients on its node (issue 17, part 1;
-docs/architecture.md "The local index"): a table file only it writes, and a use-bits file
+A server publishes its key index in shared memory for clients on its node
+(docs/architecture.md "The local index"): a table file only it writes, and a use-bits file
 readers mark. Both are named after the pool, `<base>.<n>` and `<base>.<n>.use`, with `n`
 growing, so that whichever server next opens the pool finds the earlier tables and retires
 them, and a reader whose table was replaced can find the current one.

@@ -71,7 +71,7 @@ class LocalDoor:
     that group's members (primary or supplementary, as the kernel took them at connect:
     SO_PEERCRED, SO_PEERGROUPS). That is, the processes that may map the pool: anyone else
     could not open the pool file, and nothing the socket offers is theirs (a DELETE_PREFIX
-    of theirs would drop every key; issue 40)."""
+    of theirs would drop every key)."""
 
     def __init__(self, uids: Iterable[int] = (), gid: int | None = None):
         self.uids = frozenset({os.geteuid(), 0, *uids})

@@ -1,5 +1,5 @@
 """The server's side of the local index: its key index published in shared memory, so that
-clients on this node find keys without a request (issue 17, part 1; the layout is in
+clients on this node find keys without a request (the layout is in
 `maru.common._shmindex`, the files' names in `maru.common.shmindex`).
 
 The registry calls it from its two key mutators, after the change is journaled: `publish`

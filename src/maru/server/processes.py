@@ -1,4 +1,4 @@
-"""Which clients' processes still run: is a silent instance dead, or only paused? (issue 13, P4)
+"""Which clients' processes still run: is a silent instance dead, or only paused?
 
 A writer reserves chunks of its own region and writes into them without asking the server.
 If the server took the region from a silent writer and gave it to another instance, the
@@ -15,7 +15,7 @@ client in another pid namespace, every instance after a server restart until it 
 Unix socket again) is judged by its silence, and its regions are held back after a reap
 (`InstanceTable.reap`).
 
-The same pidfd makes a credential one process's (issue 40): the first process to speak for an
+The same pidfd makes a credential one process's: the first process to speak for an
 instance on the Unix socket holds it, and the server refuses the instance's requests from any
 other process there, and over TCP, where it cannot tell who asks (`MaruService.handle_frame`).
 """

@@ -5,14 +5,14 @@ on other hosts (and for every client's first handshake); `MaruService` serves bo
 Replies are never dropped to a client that reads them. ZeroMQ refuses a send (EAGAIN) once
 SNDHWM replies to a peer are in its pipe, and it counts what the peer's side has taken only
 in batches, as it gets round to it: a client with one request in flight met that limit now
-and then (issue 40: 44 of 78,600 replies lost under load, each costing its caller
-`timeout_ms`). A reply ZeroMQ does not take waits in the peer's `Backlog` and goes out, in
-order, on a later turn of the loop. As on the local socket, a client that stops reading
+and then (44 of 78,600 replies lost under load, each costing its caller `timeout_ms`).
+A reply ZeroMQ does not take waits in the peer's `Backlog` and goes out, in order, on a
+later turn of the loop. As on the local socket, a client that stops reading
 stalls only itself: past `OUT_LIMIT` bytes of replies waiting for it, its requests wait
 unanswered (at most RCVHWM of them, `OUT_LIMIT` bytes), and past that they are dropped,
 counted (`replies_dropped`) and logged.
 
-Dropped connections are noticed at once (issue 45): ZeroMQ's socket monitor reports each
+Dropped connections are noticed at once: ZeroMQ's socket monitor reports each
 closed connection by its file descriptor, and each peer's first message says which descriptor
 it came on (`zmq.SRCFD`), so `serve` can pass the routing id of a closed connection to
 `on_drop` (the instance table shows its instance gone). A client killed on its host closes
