@@ -296,3 +296,31 @@ def test_json_logs_one_object_per_event_with_instance_ids(maru_server_factory):
     reaped = find(f"instance {silent_iid} reaped after 1s without a heartbeat")
     assert reaped["instance"] == silent_iid
     silent.close()
+
+
+def test_instances_and_requests_are_counted_per_host(server, metrics_url):
+    """A pod's operator sees who asks what, per host: an instance on the Unix socket is
+    "local", one over TCP is its connection's address; its requests count under it (STATS
+    `host_requests`, `maru stats`' hosts line, Prometheus `maru_host_*`)."""
+    from maru.client.cli import render_status
+
+    kw = {"server_url": server.url, "pool_size": "4M", "chunk_size_bytes": "64K"}
+    with (
+        MaruHandler(instance_id="on-socket", **kw) as local,
+        MaruHandler(instance_id="over-tcp", local_socket=False, **kw) as remote,
+    ):
+        assert local.store("a", b"x" * 100) and remote.store("b", b"y" * 100)
+        for _ in range(3):
+            assert remote.exists("a")
+        stats = remote.stats()
+        families = scrape(metrics_url)
+    hosts = {i["host"] for i in stats["instances"].values()}
+    by_name = {iid.split(".")[0]: i["host"] for iid, i in stats["instances"].items()}
+    assert by_name == {"on-socket": "local", "over-tcp": "127.0.0.1"}, hosts
+    tcp, unix = stats["host_requests"]["127.0.0.1"], stats["host_requests"]["local"]
+    assert tcp["exists"] == 3 and "exists" not in unix  # only the TCP client asked
+    assert tcp["register_kv"] == 1 and unix["register_kv"] == 1
+    assert value(families, "maru_host_instances", host="local") == 1
+    assert value(families, "maru_host_requests", host="127.0.0.1", op="exists") == 3
+    line = render_status(server.url, stats).split("hosts:", 1)[1].splitlines()[0]
+    assert "127.0.0.1 1 inst/" in line and "local 1 inst/" in line

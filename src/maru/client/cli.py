@@ -19,6 +19,7 @@ import json
 import math
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -191,6 +192,7 @@ def render_status(url: str, s: Stats) -> str:
         f"{s['watermarks']['high']:.0%} down to {s['watermarks']['low']:.0%})",
         f"instances: {len(s['instances'])} connected{_gone_summary(s)}, "
         f"{orphaned.get('regions', 0)} orphaned regions, {s['leases']} leases",
+        f"hosts:     {_hosts_line(s)}",
         f"lookups:   {counters.get('lookups', 0)} keys, hit rate "
         f"{hit_rate(counters.get('hits', 0), counters.get('misses', 0))}, "
         f"{counters.get('evictions', 0)} keys evicted",
@@ -207,6 +209,17 @@ def render_status(url: str, s: Stats) -> str:
             f"({counters.get('journal_write_errors', 0)} write errors)"
         )
     return "\n".join(lines)
+
+
+def _hosts_line(s: Stats) -> str:
+    """Instances and requests per host ("local": the server's Unix socket; a pod's other
+    hosts by their address)."""
+    instances = Counter(i.get("host") or "?" for i in s["instances"].values())
+    requests = {h or "?": sum(ops.values()) for h, ops in s.get("host_requests", {}).items()}
+    hosts = sorted(set(instances) | set(requests))
+    if not hosts:
+        return "-"
+    return ", ".join(f"{h} {instances[h]} inst/{requests.get(h, 0)} req" for h in hosts)
 
 
 def _idle(s: Stats, instance: Stats) -> str:

@@ -61,6 +61,7 @@ class Instance:
     shed: int = 0  # bytes of regions to ask it to give back, on its next reply (fair share)
     routes: set[bytes] = field(default_factory=set)  # its TCP connections (ZMQ routing ids)
     dropped: bool = False  # its last TCP connection dropped, and it has not spoken since
+    host: str = ""  # where it last spoke from: "local" (the Unix socket), else an address
 
 
 class InstanceTable(dict[str, Instance]):
@@ -96,14 +97,17 @@ class InstanceTable(dict[str, Instance]):
         inst.last_seen = time.monotonic()
         return inst
 
-    def touch(self, instance_id: Any, route: bytes | None = None) -> None:
+    def touch(self, instance_id: Any, route: bytes | None = None, host: str = "") -> None:
         """Any message naming a known instance is a sign of life (heartbeats, and the lookups
         of a read-only client, do not go through `instance()`), and shows it connected.
-        `route`: the ZMQ routing id it came on (None: the local socket)."""
+        `route`: the ZMQ routing id it came on (None: the local socket); `host`: where from
+        (`MaruService.host_of`; "" keeps the last known)."""
         inst = self.get(instance_id) if isinstance(instance_id, str) else None
         if inst is not None:
             inst.last_seen = time.monotonic()
             inst.dropped = False
+            if host:
+                inst.host = host
             if route is not None and route not in inst.routes:
                 inst.routes.add(route)
                 self.routes[route] = instance_id

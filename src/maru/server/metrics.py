@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from bisect import bisect_left
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -56,6 +57,17 @@ class RequestStats:
         }
         self.names = {int(t): MsgType(t).name.lower() for t in msg_types}
         self.invalid = 0  # undecodable frames and unknown message types
+        # per host (`MaruService.host_of`), requests of each type, served or not: a new host's
+        # entry is whole when it goes in (the reader copies the outer dict in one C call)
+        self.by_host: dict[str, dict[int, int]] = {}
+
+    def count_host(self, host: str, msg_type: int) -> None:
+        """One request of `msg_type` (0: not a message we serve) from `host`."""
+        counts = self.by_host.get(host)
+        if counts is None:
+            counts = dict.fromkeys([0, *self.ops], 0)
+            self.by_host[host] = counts
+        counts[msg_type if msg_type in counts else 0] += 1
 
     def served(self, msg_type: int, seconds: float) -> None:
         op = self.ops[msg_type]
@@ -82,10 +94,15 @@ class RequestStats:
             for t, (count, seconds, buckets, errors) in list(self.ops.items())
             if count or errors
         }
+        hosts = {
+            host: {self.names.get(t, "invalid"): n for t, n in list(counts.items()) if n}
+            for host, counts in list(self.by_host.items())
+        }
         return {
             "latency_buckets": list(LATENCY_BUCKETS),
             "operations": operations,
             "invalid_requests": self.invalid,
+            "host_requests": hosts,
         }
 
 
@@ -198,6 +215,29 @@ POOL_GAUGES: dict[str, tuple[str, str]] = {
 }
 
 
+def _host_metrics(s: dict[str, Any]) -> Iterator[Any]:
+    """Per host of a pod (`host` of each instance; "local": the server's Unix socket):
+    instances connected, and requests by operation."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    instances = GaugeMetricFamily(
+        "maru_host_instances",
+        "Instances connected now, by the host they came from.",
+        labels=["host"],
+    )
+    hosts = Counter(inst.get("host", "") for inst in s["instances"].values())
+    for host, n in sorted(hosts.items()):
+        instances.add_metric([host], float(n))
+    yield instances
+    requests = CounterMetricFamily(
+        "maru_host_requests", "Requests received, by host and operation.", labels=["host", "op"]
+    )
+    for host, ops in sorted(s.get("host_requests", {}).items()):
+        for op, n in sorted(ops.items()):
+            requests.add_metric([host, op], float(n))
+    yield requests
+
+
 def _server_gauges(s: dict[str, Any]) -> list[tuple[str, str, float]]:
     """(gauge name, help, value) of the server-wide gauges, from the STATS dict `s`."""
     orphaned = s.get("orphaned", {})
@@ -270,6 +310,7 @@ def registry_stats(registry: StatsSource) -> dict[str, Any]:
             "leases": len(i.leases),
             "idle_seconds": round(max(0.0, now - i.last_seen), 3),
             "dropped": i.dropped,  # its TCP connection closed: gone (`maru status`)
+            "host": i.host,
             "watched_pids": registry.instances.processes.pids(i.instance_id),
         }
     orphaned = [r for r in list(regions.values()) if r.returned]
@@ -401,6 +442,7 @@ class MaruCollector:
         errors.add_metric(["invalid"], s.get("invalid_requests", 0))
         yield hist
         yield errors
+        yield from _host_metrics(s)
 
 
 def start_metrics_server(

@@ -182,6 +182,7 @@ class MaruService:
         its operation's histogram; a failed one counts as an error of its operation (or as an
         invalid request when the frame or type was bad)."""
         msg_type, request_id = 0, 0
+        host = self.host_of(peer, route)
         # A request of another protocol version (BAD_VERSION) is answered in that version: the
         # error body has the same form in every version, so its client can show why.
         version = protocol.PROTOCOL_VERSION
@@ -190,6 +191,7 @@ class MaruService:
         try:
             header = protocol.decode_header(frame)
             msg_type, request_id, version = header.msg_type, header.request_id, header.version
+            self.requests.count_host(host, msg_type)
             if refused is not None:
                 raise ProtocolError(ErrorCode.NOT_AUTHORIZED, refused)
             body = protocol.decode_body(frame, header)
@@ -201,7 +203,7 @@ class MaruService:
             body["via_local"] = peer is not None  # on this node for sure (the local index)
             if iid is not None:
                 self._check_holder(iid, peer)
-            self.registry.instances.touch(iid, route)  # any message is a sign of life
+            self.registry.instances.touch(iid, route, host)  # any message is a sign of life
             handler = HANDLERS.get(msg_type)  # (`maru.server.handlers`)
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg_type}")
@@ -216,8 +218,8 @@ class MaruService:
                     raise JournalWriteError(journal.state_dir, journal.write_error)
             reply = handler(self, body)
             reply["ok"] = True
-            if route is not None and msg_type == MsgType.HANDSHAKE:  # its connection, too
-                self.registry.instances.touch(reply["iid"], route)
+            if msg_type == MsgType.HANDSHAKE:  # its connection and host, too
+                self.registry.instances.touch(reply["iid"], route, host)
             # Freed pages, and a request to give regions back (fair share), are handed out
             # once; not on a RELEASE reply, which the client sends without waiting and may
             # never read.
@@ -247,6 +249,13 @@ class MaruService:
             return protocol.encode_error(
                 msg_type, request_id, ErrorCode.INTERNAL, f"internal server error: {exc}"
             )
+
+    def host_of(self, peer: Peer | None, route: bytes | None) -> str:
+        """Where a request came from, for the statistics per host: "local" over the Unix
+        socket (this node), else the address of its TCP connection ("" if unknown)."""
+        if peer is not None:
+            return "local"
+        return self.tcp.hosts.get(route, "") if route is not None else ""
 
     def _check_holder(self, iid: str, peer: Peer | None) -> None:
         """Only the process that holds an instance's credential speaks for it: the first to

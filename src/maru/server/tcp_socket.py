@@ -21,6 +21,7 @@ its connections at once; one whose host vanished is still found by its silence.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -145,6 +146,9 @@ class TcpEndpoint:
         self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.routes: dict[int, bytes] = {}  # file descriptor -> the routing id that spoke on it
         self.known: set[bytes] = set()  # the routing ids in `routes`
+        # by routing id: the address its connection came from (ZeroMQ's Peer-Address), the
+        # host its instance runs on for `stats` (a pod: instances and requests per host)
+        self.hosts: dict[bytes, str] = {}
         self.backlog: dict[bytes, Backlog] = {}  # by routing id: peers with replies waiting
         self._retry_ms = RETRY_MS[0]
         self._stuck = Throttle(10.0)
@@ -212,6 +216,8 @@ class TcpEndpoint:
         first: the closed connection whose descriptor this one reuses was reported before
         it closed (ZeroMQ reports, then closes)."""
         self._closed_connections()
+        with contextlib.suppress(zmq.ZMQError):  # (not told: the host shows as unknown)
+            self.hosts[route] = frame.get("Peer-Address")
         try:
             fd = frame.get(zmq.SRCFD)
         except zmq.ZMQError as exc:  # not told: its drop is found by its silence
@@ -239,6 +245,7 @@ class TcpEndpoint:
         if route is None:
             return
         self.known.discard(route)
+        self.hosts.pop(route, None)
         self.backlog.pop(route, None)
         if self.on_drop is not None:
             self.on_drop(route)
