@@ -9,13 +9,15 @@ install: $(STAMP)
 
 # A venv with Maru (editable), the dev tools, and the real SGLang and LMCache for CPU-only
 # test runs (LMCache last: its check imports the shipped MaruBackend, which imports
-# maru_lmcache); vLLM goes to build/vllm-site, outside the venv (requirements/vllm-nodeps.txt).
-$(STAMP): pyproject.toml requirements/constraints.txt requirements/sglang-cpu.txt requirements/sglang-nodeps.txt scripts/install_sglang_cpu.sh scripts/install_torch_cpu.sh requirements/lmcache-nodeps.txt scripts/install_lmcache_cpu.sh requirements/vllm-nodeps.txt scripts/install_vllm_cpu.sh
+# maru_lmcache); vLLM goes to build/vllm-site, outside the venv (requirements/vllm-nodeps.txt);
+# Mooncake Store's CPU wheel for the cluster tier, its three libraries in <venv>/mooncake-libs.
+$(STAMP): pyproject.toml requirements/constraints.txt requirements/sglang-cpu.txt requirements/sglang-nodeps.txt scripts/install_sglang_cpu.sh scripts/install_torch_cpu.sh requirements/lmcache-nodeps.txt scripts/install_lmcache_cpu.sh requirements/vllm-nodeps.txt scripts/install_vllm_cpu.sh requirements/mooncake-cpu.txt scripts/install_mooncake_cpu.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	PYTHON=$(PY) bash scripts/install_sglang_cpu.sh
 	$(PY) -m pip install -q --disable-pip-version-check -c requirements/constraints.txt -e '.[dev]'
 	PYTHON=$(PY) bash scripts/install_lmcache_cpu.sh
 	PYTHON=$(PY) bash scripts/install_vllm_cpu.sh
+	PYTHON=$(PY) bash scripts/install_mooncake_cpu.sh
 	touch $(STAMP)
 
 test: install

@@ -173,6 +173,19 @@ def _gone_summary(s: Stats) -> str:
     return f" ({len(gone)} gone, reaping in {math.ceil(min(gone))} s)"
 
 
+def _cluster_line(s: Stats) -> str:
+    """The cluster tier (`maru-server --cluster`): connected or why not, what it moved."""
+    tier = s.get("cluster")
+    if not tier:
+        return "off (maru-server --cluster)"
+    state = "connected" if tier["connected"] else f"NOT CONNECTED ({tier.get('error')})"
+    return (
+        f"{tier['kind']} {tier['master']}, {state}; {tier['published']} published "
+        f"({tier['queue_depth']} queued, {tier['publish_drops']} dropped), {tier['pulled']} "
+        f"pulled, {tier['pull_misses']} pull misses, {tier['proof_failures']} proof failures"
+    )
+
+
 def render_status(url: str, s: Stats) -> str:
     pool, counters = s["pool"], s["counters"]
     cap = pool["capacity"]
@@ -201,6 +214,7 @@ def render_status(url: str, s: Stats) -> str:
         f"local:     {_local_socket_line(s)}",
         f"index:     {_index_line(s)}",
         f"metrics:   {s.get('metrics_url') or 'off (maru-server --metrics-port)'}",
+        f"cluster:   {_cluster_line(s)}",
     ]
     if not s.get("journal_writable", True):
         lines.append(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -271,6 +272,16 @@ class OriginalApi:
         return self.batch_delete([key])[0]
 
     # -- introspection -----------------------------------------------------------------------
+
+    @property
+    def refused_stores(self) -> Counter[str]:
+        """Stores refused before anything was sent, by reason (see `refuse_bad_stores`)."""
+        return self._s.refused_stores
+
+    @property
+    def checksum_mismatches(self) -> int:
+        """Hits taken as misses: bytes unlike their writer's checksum."""
+        return self._s.checksum_mismatches
 
     def stats(self) -> dict[str, Any]:
         """The server's statistics (pool usage, keys, per-instance counters)."""

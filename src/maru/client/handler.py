@@ -22,7 +22,6 @@ import functools
 import logging
 import os
 import threading
-from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, suppress
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from maru.client.chunks import AllocHandle, ChunkBook
+from maru.client.cluster import ClusterPulls
 from maru.client.coherence import Coherence, invalidate_ranges, software, write_back_handles
 from maru.client.connecting import connect_failure, probe
 from maru.client.conveniences import OriginalApi
@@ -137,6 +137,7 @@ class MaruHandler(OriginalApi):
         self._writes = Writes(self._s, self._supply)
         self._index: LocalIndexClient | None = None  # the server's, on its node (handshake)
         self._coherence = Coherence(config.coherence)  # agreed at each handshake
+        self._cluster = ClusterPulls(self._request, self._per_key)  # a tier behind the pool
         self._heartbeat = _Heartbeat(self._beat, f"maru-heartbeat-{self.instance_id[:8]}")
         if config.auto_connect:
             self.connect()
@@ -284,6 +285,7 @@ class MaruHandler(OriginalApi):
             self._rpc.use_local_socket(reply.get("local_socket"), reply.get("uid"))
         self._index = offered_index(self._s, self._rpc.local_address, self._index, reply, body)
         self._heartbeat.interval = float(reply.get("heartbeat_interval", 5.0))
+        self._cluster.handshake(reply)
         return self._supply.reattach(reply)
 
     def _on_unknown_instance(self, msg_type: int, request: dict[str, Any]) -> dict[str, Any]:
@@ -326,16 +328,6 @@ class MaruHandler(OriginalApi):
     def instance_id(self) -> str:
         """This instance's name (the server's, from the handshake on)."""
         return self._s.instance_id
-
-    @property
-    def refused_stores(self) -> Counter[str]:
-        """Stores refused before anything was sent, by reason (see `refuse_bad_stores`)."""
-        return self._s.refused_stores
-
-    @property
-    def checksum_mismatches(self) -> int:
-        """Hits taken as misses: bytes unlike their writer's checksum."""
-        return self._s.checksum_mismatches
 
     # -- reserve, write, seal ----------------------------------------------------------------
 
@@ -444,6 +436,8 @@ class MaruHandler(OriginalApi):
         never joined by the local index (each key hashed and compared in its two parts), and
         joined here for a request."""
         index = self._local_index()
+        if self._cluster.budget_s and not for_copy:  # (read verbs pulled already)
+            self._cluster.pull(keys, prefix, index)
         if for_copy and index is not None:
             found = index.lookup(self._s, keys, prefix)
             if found is not None:
@@ -469,6 +463,8 @@ class MaruHandler(OriginalApi):
         `release(confirm=True)`; this thread's write-behind `put`s confirmed first."""
         self._ensure_connected()
         self.confirm_writes()
+        if self._cluster.budget_s:  # (the misses a cluster tier holds, pulled first)
+            self._cluster.pull(keys, prefix, self._index)
         with self._copying:
             return self._read(keys, buffers, sizes, length, prefix)
 
@@ -506,6 +502,8 @@ class MaruHandler(OriginalApi):
         thread's write-behind `put`s are confirmed first, as for `read`."""
         self._ensure_connected()
         self.confirm_writes()
+        if self._cluster.budget_s:
+            self._cluster.pull(keys, prefix, self._index)
         with self._copying:
             found = self.lookup(keys, lease=True, for_copy=True, prefix=prefix)  # sent now
             if software():  # (any copy reads in place; a fault there is the copy's)
@@ -518,19 +516,18 @@ class MaruHandler(OriginalApi):
         """Whether each key (`prefix + key`, as in `lookup`) is registered."""
         index = self._local_index()
         found = index.exists(keys, prefix) if index is not None else None
-        if found is not None:
+        if found is not None and not self._cluster.budget_s:
             return found
-        return self._per_key(MsgType.EXISTS, joined(keys, prefix), bool)
+        return self._cluster.exists(keys, prefix, found)  # (the server asked; misses pulled)
 
     def leading_hits(self, keys: Sequence[Key], *, prefix: Key = "") -> int:
         """How many of `keys` (`prefix + key`) from the start are registered: SGLang's
         `batch_exists`. Through the local index in one call that stops at the first miss."""
         index = self._local_index()
         counted = index.leading(keys, prefix) if index is not None else None
-        if counted is not None:
+        if counted is not None and not self._cluster.budget_s:
             return counted
-        found = self._per_key(MsgType.EXISTS, joined(keys, prefix), bool)
-        return next((i for i, hit in enumerate(found) if not hit), len(found))
+        return self._cluster.leading(keys, prefix, counted)  # (the server asked; misses pulled)
 
     def batch_delete(self, keys: Sequence[Key]) -> list[bool]:
         """True where the key was deleted; a pinned, leased or unknown key reports False."""

@@ -402,6 +402,13 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
                 "the pool flush their cache lines (docs/architecture.md, Coherence); absent "
                 "from an older server: hardware",
             ),
+            (
+                "cluster",
+                "map | nil",
+                "{kind, lookup_ms}: a cluster tier is behind the pool (`--cluster`) and a "
+                "lookup may wait lookup_ms for its misses to be pulled (EXISTS with `pull`); "
+                "nil or absent: none",
+            ),
         ],
     ),
     MsgType.REQUEST_REGION: (
@@ -460,8 +467,24 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
         ],
     ),
     MsgType.EXISTS: (
-        [("session", "str", "optional"), ("keys", "[str | bytes]", "")],
-        [("results", "[bool]", "per key")],
+        [
+            ("session", "str", "optional"),
+            ("keys", "[str | bytes]", ""),
+            (
+                "pull",
+                "bool",
+                "optional: pull the misses the server's cluster tier may hold (ask again while "
+                "`pulling` > 0, within the HANDSHAKE's lookup_ms)",
+            ),
+        ],
+        [
+            ("results", "[bool]", "per key"),
+            (
+                "pulling",
+                "int",
+                "how many of the misses are being pulled now (0 without `pull` or a tier)",
+            ),
+        ],
     ),
     MsgType.PIN: (
         [("session", "str", "the pin holder"), ("keys", "[str | bytes]", "")],

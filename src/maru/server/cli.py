@@ -31,6 +31,7 @@ from maru.common.config import (
 )
 from maru.common.curve import read_allowlist
 from maru.server import persistence
+from maru.server.cluster.tier import PUBLISH_MODES, ClusterTier
 from maru.server.journal import SNAPSHOT_NAME, Journal, read_records, write_private
 from maru.server.local_socket import LocalDoor, raise_fd_limit
 from maru.server.localindex import open_local_index, remove_tables, retire_earlier
@@ -261,6 +262,37 @@ def build_parser() -> argparse.ArgumentParser:
         "configured otherwise uses software too) (default: hardware)",
     )
     p.add_argument(
+        "--cluster",
+        choices=("mooncake",),
+        default=None,
+        help="put a cluster tier behind the pool: a sidecar process, the pool's one client of "
+        "that store, publishes the values sealed here so that other nodes' pools can have them "
+        "(docs/operations.md, Cluster tier) (default: none)",
+    )
+    p.add_argument(
+        "--cluster-config",
+        metavar="FILE",
+        help="with --cluster mooncake: the Mooncake JSON config SGLang's Mooncake backend reads "
+        "(master_server_address, metadata_server, protocol, device_name, global_segment_size, "
+        "local_hostname; MOONCAKE_LOCAL_HOSTNAME overrides local_hostname)",
+    )
+    p.add_argument(
+        "--cluster-publish",
+        choices=PUBLISH_MODES,
+        default="write-through",
+        help="when the tier publishes a value: write-through (each key sealed in the pool, "
+        "batched behind the writer through a bounded queue that drops and counts when full) "
+        "(default: write-through)",
+    )
+    p.add_argument(
+        "--cluster-lookup-ms",
+        type=_count,
+        default=200,
+        help="how long a client's lookup waits for keys it missed to be pulled from the "
+        "cluster; a pull that takes longer is a miss (and lands for later reads) "
+        "(default: 200)",
+    )
+    p.add_argument(
         "--no-local-index",
         action="store_true",
         help="do not publish the key index in shared memory for clients on this node (they "
@@ -331,6 +363,8 @@ def local_uids(text: str) -> list[int]:
 def check_args(args: argparse.Namespace) -> str | None:
     """What the flags' types cannot check alone (paths, relations between flags): the first
     problem as one line naming the flag, or None. Sets `args.pool_bytes`."""
+    if (args.cluster is None) != (args.cluster_config is None):
+        return "--cluster and --cluster-config go together"
     try:
         args.pool_bytes = parse_size(args.pool_size, name="--pool-size")
     except ConfigError as exc:
@@ -795,6 +829,14 @@ def main(argv: list[str] | None = None) -> int:
             busy_poll_us=args.busy_poll_us,
             coherence=args.coherence,
         )
+        if args.cluster is not None:  # (its sidecar dies with this process, however it ends)
+            service.cluster = ClusterTier(
+                registry,
+                args.cluster_config,
+                publish=args.cluster_publish,
+                lookup_ms=args.cluster_lookup_ms,
+                log_level=args.log_level.upper(),
+            )
     except (OSError, ValueError, KeyError, RuntimeError, zmq.ZMQError) as exc:
         print(f"maru-server: cannot start: {exc}", file=sys.stderr)
         _undo_start()

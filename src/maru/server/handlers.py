@@ -22,10 +22,12 @@ from maru.common.protocol import (
     ErrorCode,
     MsgType,
     ProtocolError,
+    RegisterStatus,
     all_keys_valid,
     check_key,
     unpack_int64,
 )
+from maru.server.cluster.tier import ClusterTier
 from maru.server.housekeeping import Housekeeping
 from maru.server.local_socket import LocalSocketServer
 from maru.server.registry import Registry, clear_all, delete_prefix, list_keys
@@ -42,6 +44,7 @@ class Server(Protocol):
     housekeeper: Housekeeping
     local: LocalSocketServer | None
     coherence: str  # announced at HANDSHAKE (`--coherence`)
+    cluster: ClusterTier | None  # `--cluster`: sealed keys go to its publish queue
 
     def stats(self) -> dict[str, Any]: ...
 
@@ -146,6 +149,7 @@ def on_handshake(server: Server, body: dict[str, Any]) -> dict[str, Any]:
         "uid": os.getuid(),
         "local_index": _local_index_path(server, body),
         "coherence": server.coherence,
+        "cluster": server.cluster.announce() if server.cluster is not None else None,
     }
 
 
@@ -218,6 +222,8 @@ def on_register_kv(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     if checksums is not None:
         checksums = unpack_int64(checksums, len(keys), CHECKSUMS).tolist()
     results = server.registry.register(iid, keys, region_ids, offsets, lengths, checksums)
+    if server.cluster is not None:
+        server.cluster.sealed(keys, results, RegisterStatus.REGISTERED)
     return {"results": results}
 
 
@@ -235,6 +241,18 @@ def on_lookup_kv(server: Server, body: dict[str, Any]) -> dict[str, Any]:
         "regions": [h.to_wire() for h in regions],
         "lease_id": lease_id,
     }
+
+
+def on_exists(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    """With "pull" (a client of a server with a cluster tier, after a miss): the misses the
+    cluster may hold are pulled; "pulling" says how many of them are on their way (the
+    client asks again within its budget until none is)."""
+    keys = _keys(body)
+    results = server.registry.exists(keys, _iid(body))
+    pulling = 0
+    if body.get("pull") is True and server.cluster is not None and not all(results):
+        pulling = server.cluster.want([k for k, hit in zip(keys, results) if not hit])
+    return {"results": results, "pulling": pulling}
 
 
 def on_evict_for(server: Server, body: dict[str, Any]) -> dict[str, Any]:
@@ -286,7 +304,7 @@ HANDLERS: dict[int, Handler] = {
     MsgType.REGION_ACCESS: on_region_access,
     MsgType.REGISTER_KV: on_register_kv,
     MsgType.LOOKUP_KV: on_lookup_kv,
-    MsgType.EXISTS: lambda s, b: {"results": s.registry.exists(_keys(b), _iid(b))},
+    MsgType.EXISTS: on_exists,
     MsgType.PIN: lambda s, b: {"results": s.registry.pins.pin(_keys(b), _owner(b))},
     MsgType.UNPIN: lambda s, b: {"results": s.registry.pins.unpin(_keys(b), _owner(b))},
     MsgType.RELEASE: lambda s, b: {

@@ -215,6 +215,49 @@ POOL_GAUGES: dict[str, tuple[str, str]] = {
 }
 
 
+# The cluster tier's part of STATS (`maru.server.cluster.tier.ClusterTier.stats`): field ->
+# (metric, help, counter or not). Exported only by a server with `--cluster`.
+CLUSTER_METRICS = {
+    "connected": ("maru_cluster_connected", "1 while the tier's Mooncake client is up.", False),
+    "queue_depth": ("maru_cluster_publish_queue", "Keys waiting to be published.", False),
+    "pulling": ("maru_cluster_pulling", "Keys being probed or pulled now.", False),
+    "published": ("maru_cluster_published", "Values published to the cluster.", True),
+    "published_bytes": ("maru_cluster_published_bytes", "Bytes of those values.", True),
+    "publish_drops": (
+        "maru_cluster_publish_drops",
+        "Sealed keys not published: the publish queue was full.",
+        True,
+    ),
+    "publish_failures": ("maru_cluster_publish_failures", "Publishes Mooncake failed.", True),
+    "publish_refused": (
+        "maru_cluster_publish_refused",
+        "Values not published: their pages did not match their writer's checksum.",
+        True,
+    ),
+    "pulled": ("maru_cluster_pulled", "Values pulled, proven and registered (pull hits).", True),
+    "pulled_bytes": ("maru_cluster_pulled_bytes", "Bytes of those values.", True),
+    "pull_misses": ("maru_cluster_pull_misses", "Keys missed here that the cluster lacked.", True),
+    "pull_failures": ("maru_cluster_pull_failures", "Pulls that failed (Mooncake, room).", True),
+    "proof_failures": (
+        "maru_cluster_proof_failures",
+        "Pulled values dropped: their bytes did not match their proof.",
+        True,
+    ),
+    "sidecar_starts": ("maru_cluster_sidecar_starts", "Starts of the tier's sidecar.", True),
+}
+
+
+def _cluster_metrics(s: dict[str, Any]) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    tier = s.get("cluster")
+    if not tier:
+        return
+    for field, (metric, doc, counter) in CLUSTER_METRICS.items():
+        family = CounterMetricFamily if counter else GaugeMetricFamily
+        yield family(metric, doc, value=float(tier.get(field) or 0))
+
+
 def _host_metrics(s: dict[str, Any]) -> Iterator[Any]:
     """Per host of a pod (`host` of each instance; "local": the server's Unix socket):
     instances connected, and requests by operation."""
@@ -443,6 +486,7 @@ class MaruCollector:
         yield hist
         yield errors
         yield from _host_metrics(s)
+        yield from _cluster_metrics(s)
 
 
 def start_metrics_server(

@@ -25,6 +25,7 @@ from maru import __version__
 from maru.common import protocol
 from maru.common.config import parse_coherence
 from maru.common.protocol import ErrorCode, MsgType, ProtocolError
+from maru.server.cluster.tier import ClusterTier
 from maru.server.handlers import CHANGES, HANDLERS
 from maru.server.housekeeping import Housekeeping, freeze_heap
 from maru.server.journal import Journal, JournalWriteError
@@ -117,6 +118,7 @@ class MaruService:
         self.started_at = time.time()
         self._started_monotonic = time.monotonic()
         self.metrics_url: str | None = None  # set when `--metrics-port` serves Prometheus
+        self.cluster: ClusterTier | None = None  # set by `--cluster` (`maru.server.cluster`)
         self.context = zmq.Context.instance()
         self.tcp = TcpEndpoint(
             self.context,
@@ -162,6 +164,7 @@ class MaruService:
         stats["journal_writable"] = error is None
         stats["journal_error"] = None if error is None else str(error)
         stats.update(self.requests.report())
+        stats["cluster"] = self.cluster.stats() if self.cluster is not None else None
         return stats
 
     # -- loop --------------------------------------------------------------------------------
@@ -294,6 +297,8 @@ class MaruService:
         self.tcp.attach(poller)
         if self.local is not None:
             self.local.attach(poller)
+        if self.cluster is not None:
+            self.cluster.attach(poller)  # the sidecar's replies wake the loop
         looked = time.monotonic()  # when the loop last looked at its sockets
         served = 0.0  # when the loop last served a request (perf_counter)
         while not self._stop.is_set():
@@ -308,6 +313,9 @@ class MaruService:
             self.registry.counters["replies_dropped"] += self.tcp.serve(events, self.handle_frame)
             if self.local is not None and events:
                 self.local.serve(events, self.handle_frame)
+            if self.cluster is not None:
+                self.cluster.serve(events)
+                self.cluster.housekeeping(poller, time.monotonic())
             # The loop was away from its sockets for longer than a poll (stopped between a
             # reply and this point, a long snapshot, a paused VM): the heartbeats sent
             # meanwhile are still queued, so that time is not the clients' silence.
@@ -352,6 +360,8 @@ class MaruService:
         self._stop.set()
 
     def close(self) -> None:
+        if self.cluster is not None:
+            self.cluster.close()
         self.tcp.close()
         if self.local is not None:
             self.local.close()

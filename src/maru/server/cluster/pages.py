@@ -1,0 +1,65 @@
+"""Pool pages for values pulled from the cluster: the tier's own instance and regions.
+
+A pulled value needs pages before its bytes arrive, and an owner once registered, like any
+writer's. The tier is that owner: an instance of this server (never a client's), whose
+regions come from the pool as any instance's do (`Registry.request_region`: fair share,
+reclaiming), cut into values here. Its pages go back to the free list when a pull fails, or
+when the server drops a pulled key (evicted, deleted: the `freed` notices every owner gets).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from maru.common.extents import ExtentAllocator
+from maru.common.protocol import ProtocolError
+from maru.server.registry import Registry
+
+log = logging.getLogger("maru.server.cluster")
+
+REGION_BYTES = 16 << 20  # asked per region; a larger value gets a region of its size
+ALIGN = 4096
+
+
+class TierPages:
+    def __init__(self, registry: Registry, name: str = "cluster-tier"):
+        self.registry = registry
+        self.instance_id = f"{name}.{os.getpid()}.{os.urandom(4).hex()}"
+        registry.instances.handshake(self.instance_id, os.getpid(), ALIGN)
+        self.free_lists: dict[int, ExtentAllocator] = {}  # region id -> its free pages
+
+    def touch(self) -> None:
+        """A sign of life, as a client's heartbeat (the tier's instance is never reaped)."""
+        self.registry.instances.touch(self.instance_id)
+
+    def reserve(self, length: int) -> tuple[int, int, str, int] | None:
+        """Pages for `length` bytes: (region id, offset in it, the region's file, the
+        offset in that file), or None when the pool has no room for them now."""
+        for region_id, pages in self.free_lists.items():
+            offset = pages.allocate(length)
+            if offset is not None:
+                return self._place(region_id, offset)
+        try:
+            size = max(REGION_BYTES, length)
+            handle = self.registry.request_region(self.instance_id, size, length)
+        except ProtocolError as exc:
+            log.info("cluster tier: no pool pages for a pull of %d bytes: %s", length, exc)
+            return None
+        pages = self.free_lists[handle.region_id] = ExtentAllocator(handle.length, ALIGN)
+        offset = pages.allocate(length)
+        return None if offset is None else self._place(handle.region_id, offset)
+
+    def _place(self, region_id: int, offset: int) -> tuple[int, int, str, int]:
+        region = self.registry.regions[region_id]
+        return region_id, offset, region.path, region.offset + offset
+
+    def release(self, region_id: int, offset: int) -> None:
+        pages = self.free_lists.get(region_id)
+        if pages is not None:
+            pages.free_extent(offset)
+
+    def take_freed(self) -> None:
+        """The pages of pulled keys the server dropped are free again."""
+        for region_id, offset, _length in self.registry.instances.take_freed(self.instance_id):
+            self.release(region_id, offset)

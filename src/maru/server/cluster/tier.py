@@ -1,0 +1,397 @@
+"""The cluster tier, server side: what maru-server's request loop does for it.
+
+The loop never waits on Mooncake. It sends work to the sidecar (`maru.server.cluster.sidecar`,
+the pool's one Mooncake client, a process this class starts and supervises) without blocking,
+and applies the sidecar's replies when its socket is ready, like a client's request.
+
+- Publish (write-through): each key sealed in the pool (REGISTER_KV) goes to a bounded queue
+  (full: dropped and counted), published in batches. A value being published is held (its
+  entry leased, without expiry: no eviction, no delete, so no page reuse) until the reply.
+- Pull: a key a client missed (EXISTS with "pull") is probed in the cluster (its proof); one
+  the cluster holds gets pages of the tier's own (`maru.server.cluster.pages`), the sidecar
+  reads it into them and proves it, and only then is it registered, under the tier's
+  instance, for every instance to read in place. A value that fails its proof is dropped and
+  counted, never registered; a key the cluster does not hold is not asked again for
+  `ABSENT_S`.
+
+A sidecar that dies, or sits on a batch past `STALL_S`, is killed; its batches' holds and
+pages are released, and it is started again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import zmq
+
+from maru.common.protocol import Key, RegisterStatus
+from maru.server.cluster.config import MooncakeConfig
+from maru.server.cluster.pages import TierPages
+from maru.server.cluster.proof import PUBLISHED, REFUSED, object_name
+from maru.server.journal import JournalWriteError
+from maru.server.keyindex import KeyEntry, release_entries
+from maru.server.registry import Registry
+
+log = logging.getLogger("maru.server.cluster")
+
+PUBLISH_MODES = ("write-through",)
+QUEUE_KEYS = 65536  # keys waiting to be published; past it new ones are dropped (counted)
+BATCH_KEYS = 64  # keys per publish batch
+IN_FLIGHT = 4  # batches sent and not answered
+STALL_S = 30.0  # a batch unanswered this long: the sidecar is killed and started again
+RESTART_S = 2.0  # the least time between two starts of the sidecar
+CHECK_S = 0.1  # how often the loop looks after the sidecar and the tier's pages
+ABSENT_S = 1.0  # a key the cluster did not hold is not asked for again this long
+
+
+@dataclass
+class Batch:
+    op: str  # "publish", "probe" or "pull"
+    keys: list[Key]
+    held: list[KeyEntry] = field(default_factory=list)  # publish: leased until the reply
+    nbytes: list[int] = field(default_factory=list)  # publish, pull: each value's length
+    places: list[tuple[int, int]] = field(default_factory=list)  # pull: (region id, offset)
+    sums: list[int] = field(default_factory=list)  # pull: each value's maru64 (its proof)
+    sent: float = field(default_factory=time.monotonic)
+
+
+class ClusterTier:
+    def __init__(
+        self,
+        registry: Registry,
+        config_path: str,
+        *,
+        publish: str = "write-through",
+        lookup_ms: int = 200,
+        log_level: str = "INFO",
+    ):
+        """`config_path`: SGLang's Mooncake JSON (`maru.server.cluster.config`), read now so
+        that a bad file stops maru-server at start (`ClusterConfigError`). `lookup_ms`: how
+        long a client waits for a pull (announced at HANDSHAKE)."""
+        if publish not in PUBLISH_MODES:
+            raise ValueError(f"--cluster-publish {publish!r}: one of {', '.join(PUBLISH_MODES)}")
+        if lookup_ms < 0:
+            raise ValueError(f"--cluster-lookup-ms must be >= 0, got {lookup_ms}")
+        self.registry = registry
+        self.config = MooncakeConfig.from_file(config_path)
+        self.config_path = config_path
+        self.publish_mode = publish
+        self.lookup_ms = lookup_ms
+        self.log_level = log_level
+        self.pages = TierPages(registry)
+        self.queue: deque[Key] = deque()  # to publish
+        self.wanted: deque[Key] = deque()  # to probe, then pull
+        self.pulling: set[Key] = set()  # wanted, probed or being pulled
+        self.absent: dict[Key, float] = {}  # not in the cluster: not asked until then
+        self.batches: dict[int, Batch] = {}
+        self.next_batch = 1
+        self.connected = False
+        self.error: str | None = "sidecar not started"
+        self.counts = dict.fromkeys(
+            (
+                "published",
+                "published_bytes",
+                "publish_drops",
+                "publish_failures",
+                "publish_refused",
+                "pulled",
+                "pulled_bytes",
+                "pull_misses",
+                "pull_failures",
+                "proof_failures",
+                "sidecar_starts",
+            ),
+            0,
+        )
+        self.context = zmq.Context.instance()
+        self.sock: zmq.Socket | None = None
+        self.proc: subprocess.Popen | None = None
+        self.started = self.checked = 0.0
+        self.start()
+
+    # -- the sidecar -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """A fresh socket and sidecar (the old ones closed: a reply of the old is never taken
+        for one of the new)."""
+        self.close()
+        self.sock = self.context.socket(zmq.PAIR)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        endpoint = f"ipc://@maru-cluster-{os.getpid()}-{secrets.token_hex(6)}"
+        self.sock.bind(endpoint)
+        cmd = [sys.executable, "-m", "maru.server.cluster.sidecar"]
+        cmd += ["--config", self.config_path, "--endpoint", endpoint, "--log-level", self.log_level]
+        cmd += ["--device-bytes", str(self.registry.pool.file_bytes)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        self.started = time.monotonic()
+        self.counts["sidecar_starts"] += 1
+        self.error = "connecting"
+        log.info("cluster tier: sidecar %d started (Mooncake %s)", self.proc.pid, self.config_path)
+
+    def close(self) -> None:
+        """Stop the sidecar and release what its batches held."""
+        self._fail_in_flight("the sidecar stopped")
+        self.connected = False
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(10)
+            self.proc = None
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def attach(self, poller: zmq.Poller) -> None:
+        """The loop polls the sidecar's socket with its own: replies wake it."""
+        if self.sock is not None:
+            poller.register(self.sock, zmq.POLLIN)
+
+    def housekeeping(self, poller: zmq.Poller, now: float) -> None:
+        """The tier's instance stays alive and gets its freed pages back; the sidecar is
+        supervised: one that exited, or sits on a batch past STALL_S, is started again (at
+        most every RESTART_S). At most every CHECK_S: the loop calls it after every burst."""
+        if now - self.checked < CHECK_S:
+            return
+        self.checked = now
+        self.pages.touch()
+        self.pages.take_freed()
+        proc = self.proc
+        stalled = any(now - b.sent > STALL_S for b in self.batches.values())
+        if proc is not None and proc.poll() is None and not stalled:
+            return
+        if now - self.started < RESTART_S:
+            return
+        why = "stalled" if stalled else f"exited with status {proc.returncode if proc else None}"
+        log.error("cluster tier: sidecar %s; starting it again", why)
+        if self.sock is not None:
+            poller.unregister(self.sock)
+        self.start()
+        self.attach(poller)
+
+    # -- the loop's side ---------------------------------------------------------------------
+
+    def sealed(self, keys: list[Key], statuses: list[int], registered: int) -> None:
+        """REGISTER_KV's keys whose status is `registered` go to the publish queue."""
+        room = max(QUEUE_KEYS - len(self.queue), 0)
+        new = [k for k, s in zip(keys, statuses) if s == registered]
+        if len(new) > room:
+            self.counts["publish_drops"] += len(new) - room
+            new = new[:room]
+        self.queue.extend(new)
+        self.pump()
+
+    def want(self, missing: list[Key]) -> int:
+        """Keys a client missed: pull those the cluster may hold (not known absent, not
+        being pulled already). How many of them are being pulled now (0: none will come)."""
+        if not self.connected:
+            return 0
+        now, absent, pulling = time.monotonic(), self.absent, self.pulling
+        if len(absent) > QUEUE_KEYS:
+            self.absent = absent = {k: t for k, t in absent.items() if t > now}
+        waiting = 0
+        for key in missing:
+            if key in pulling:
+                waiting += 1
+            elif absent.get(key, 0.0) <= now and len(self.wanted) < QUEUE_KEYS:
+                self.wanted.append(key)
+                pulling.add(key)
+                waiting += 1
+        self.pump()
+        return waiting
+
+    def serve(self, events: dict) -> None:
+        """Apply every reply the sidecar has sent, then send what waits."""
+        sock = self.sock
+        if sock is None or sock not in events:
+            return
+        while True:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                self._apply(msgpack.unpackb(frame, raw=False))
+            except (ValueError, KeyError, TypeError) as exc:
+                log.error("cluster tier: a bad reply from the sidecar (%s): ignored", exc)
+        self.pump()
+
+    def _apply(self, message: dict[str, Any]) -> None:
+        op = message["op"]
+        if op == "state":
+            self.connected, self.error = bool(message["connected"]), message.get("error")
+            return
+        batch = self.batches.pop(message["batch"], None)
+        if batch is None or op != f"{batch.op}-done":
+            return
+        if message.get("error"):
+            self.error = message["error"]
+            log.warning("cluster tier: %s: %s", batch.op, message["error"])
+        {"publish": self._published, "probe": self._probed, "pull": self._pulled}[batch.op](
+            batch, message["results"]
+        )
+
+    def _published(self, batch: Batch, results: list[int]) -> None:
+        release_entries(batch.held)
+        counts = self.counts
+        for nbytes, result in zip(batch.nbytes, results):
+            if result == PUBLISHED:
+                counts["published"] += 1
+                counts["published_bytes"] += nbytes
+            elif result == REFUSED:
+                counts["publish_refused"] += 1
+            else:
+                counts["publish_failures"] += 1
+        if REFUSED in results:
+            log.error(
+                "cluster tier: %d values' pages do not match their writer's checksum: not "
+                "published",
+                results.count(REFUSED),
+            )
+
+    def _probed(self, batch: Batch, proofs: list[Any]) -> None:
+        """Reserve pages for the keys the cluster holds and pull them."""
+        jobs, pull = [], Batch("pull", [])
+        absent_until = time.monotonic() + ABSENT_S
+        for key, proof in zip(batch.keys, proofs):
+            if not proof:
+                self.counts["pull_misses"] += 1
+                self.absent[key] = absent_until
+                self.pulling.discard(key)
+                continue
+            length, checksum = proof
+            place = None if key in self.registry.keys else self.pages.reserve(length)
+            if place is None:  # stored here meanwhile, or no room
+                self.pulling.discard(key)
+                continue
+            region_id, offset, path, file_offset = place
+            name = object_name(self.config.tenant_id, key)
+            jobs.append([name, path, file_offset, length, checksum])
+            pull.keys.append(key)
+            pull.nbytes.append(length)
+            pull.places.append((region_id, offset))
+            pull.sums.append(checksum)
+        if jobs and not self._send(pull, jobs):
+            self._undo_pull(pull)
+            self.counts["pull_failures"] += len(pull.keys)
+
+    def _pulled(self, batch: Batch, results: list[int]) -> None:
+        """Register the values proven in their pages; free the pages of the others."""
+        counts, pages = self.counts, self.pages
+        good = [i for i, result in enumerate(results) if result == PUBLISHED]
+        for i, result in enumerate(results):
+            if result == REFUSED:
+                counts["proof_failures"] += 1
+                self.absent[batch.keys[i]] = time.monotonic() + ABSENT_S
+            elif result != PUBLISHED:
+                counts["pull_failures"] += 1
+            if result != PUBLISHED:
+                pages.release(*batch.places[i])
+        if REFUSED in results:
+            log.error(
+                "cluster tier: %d pulled values do not match their proof: dropped, not registered",
+                results.count(REFUSED),
+            )
+        self.pulling.difference_update(batch.keys)
+        if not good:
+            return
+        keys = [batch.keys[i] for i in good]
+        columns = [[batch.places[i][0] for i in good], [batch.places[i][1] for i in good]]
+        lengths, sums = [batch.nbytes[i] for i in good], [batch.sums[i] for i in good]
+        try:
+            statuses = self.registry.register(self.pages.instance_id, keys, *columns, lengths, sums)
+        except JournalWriteError as exc:
+            log.error("cluster tier: %d pulled values not registered: %s", len(keys), exc)
+            statuses = [RegisterStatus.REJECTED] * len(keys)
+        for i, status in zip(good, statuses):
+            if status == RegisterStatus.REGISTERED:
+                counts["pulled"] += 1
+                counts["pulled_bytes"] += batch.nbytes[i]
+            else:  # stored here meanwhile (the first writer wins), or refused
+                pages.release(*batch.places[i])
+
+    def pump(self) -> None:
+        """Send batches while the sidecar is connected and has room (never blocks): probes
+        first (a reader waits on them), then publishes."""
+        while self.wanted and self.connected and len(self.batches) < IN_FLIGHT:
+            keys = [self.wanted.popleft() for _ in range(min(BATCH_KEYS, len(self.wanted)))]
+            tenant = self.config.tenant_id
+            if not self._send(Batch("probe", keys), [object_name(tenant, k) for k in keys]):
+                self.pulling.difference_update(keys)
+        while self.queue and self.connected and len(self.batches) < IN_FLIGHT:
+            keys = [self.queue.popleft() for _ in range(min(BATCH_KEYS, len(self.queue)))]
+            held, rids, offsets, lengths, sums = self.registry.keys.lookup_columns(keys, True)
+            if not held:
+                continue  # deleted or evicted meanwhile: nothing to publish
+            batch, jobs = Batch("publish", [], held), []
+            regions, tenant = self.registry.regions, self.config.tenant_id
+            columns = (memoryview(c).cast("q") for c in (rids, offsets, lengths, sums))
+            for key, rid, offset, length, checksum in zip(keys, *columns):
+                if rid:
+                    region = regions[rid]
+                    name = object_name(tenant, key)
+                    jobs.append([name, region.path, region.offset + offset, length, checksum])
+                    batch.keys.append(key)
+                    batch.nbytes.append(length)
+            if not self._send(batch, jobs):
+                release_entries(held)
+                self.counts["publish_drops"] += len(batch.keys)
+                return
+
+    def _send(self, batch: Batch, jobs: list[Any]) -> bool:
+        """Send a batch to the sidecar without blocking: False when it cannot take it now."""
+        batch_id, self.next_batch = self.next_batch, self.next_batch + 1
+        frame = {"op": batch.op, "batch": batch_id, "jobs": jobs}
+        try:
+            assert self.sock is not None
+            self.sock.send(msgpack.packb(frame, use_bin_type=True), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        self.batches[batch_id] = batch
+        return True
+
+    def _undo_pull(self, batch: Batch) -> None:
+        for place in batch.places:
+            self.pages.release(*place)
+        self.pulling.difference_update(batch.keys)
+
+    def _fail_in_flight(self, why: str) -> None:
+        for batch in self.batches.values():
+            if batch.op == "publish":
+                release_entries(batch.held)
+                self.counts["publish_failures"] += len(batch.keys)
+            else:
+                self._undo_pull(batch)
+                self.counts["pull_failures"] += len(batch.keys) if batch.op == "pull" else 0
+        if self.batches:
+            log.warning("cluster tier: %d batches not finished: %s", len(self.batches), why)
+        self.batches.clear()
+
+    def announce(self) -> dict[str, Any]:
+        """What HANDSHAKE tells clients: a miss may be pulled, within this budget."""
+        return {"kind": "mooncake", "lookup_ms": self.lookup_ms}
+
+    def stats(self) -> dict[str, Any]:
+        """The tier in the server's `stats` document (`maru stats`, Prometheus)."""
+        return {
+            "kind": "mooncake",
+            "publish": self.publish_mode,
+            "lookup_ms": self.lookup_ms,
+            "master": self.config.master_server_address,
+            "connected": self.connected,
+            "error": self.error,
+            "instance": self.pages.instance_id,
+            "queue_depth": len(self.queue),
+            "pull_queue_depth": len(self.wanted),
+            "pulling": len(self.pulling),
+            "in_flight": sum(len(b.keys) for b in list(self.batches.values())),
+            "sidecar_pid": self.proc.pid if self.proc is not None else None,
+            **self.counts,
+        }

@@ -1,0 +1,121 @@
+"""The cluster tier's pure parts: its config file read as SGLang reads it, the proof that
+binds a value to its name, and how `maru status` and Prometheus show the tier."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from maru.client.cli import _cluster_line
+from maru.server.cluster.config import ClusterConfigError, MooncakeConfig, parse_segment_size
+from maru.server.cluster.proof import decode_proof, encode_proof, object_name, proof_name
+from maru.server.metrics import CLUSTER_METRICS, _cluster_metrics
+
+SGLANG_FILE = {
+    "local_hostname": "10.0.0.7",
+    "metadata_server": "P2PHANDSHAKE",
+    "master_server_address": "10.0.0.1:50051",
+    "protocol": "tcp",
+    "device_name": "",
+    "global_segment_size": "2gb",
+}
+
+
+@pytest.fixture(autouse=True)
+def no_mooncake_env(monkeypatch):
+    for name in ("MOONCAKE_LOCAL_HOSTNAME", "LOCAL_HOSTNAME", "MOONCAKE_PROTOCOL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("MOONCAKE_TENANT_ID", raising=False)
+
+
+def test_sglangs_file_is_read_with_its_size_forms(tmp_path):
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps(SGLANG_FILE))
+    c = MooncakeConfig.from_file(path)
+    assert (c.local_hostname, c.master_server_address, c.protocol) == (
+        "10.0.0.7",
+        "10.0.0.1:50051",
+        "tcp",
+    )
+    assert c.global_segment_size == 2 << 30
+    assert c.tenant_id == "default"
+    assert [parse_segment_size(v) for v in (4096, "4096", " 3GB ")] == [4096, 4096, 3 << 30]
+    for bad in ("gb", "lots", -1, True):
+        with pytest.raises(ClusterConfigError, match="global_segment_size"):
+            parse_segment_size(bad)
+
+
+def test_the_environment_names_the_node_before_the_shared_file(monkeypatch):
+    monkeypatch.setenv("LOCAL_HOSTNAME", "10.0.0.8")
+    assert MooncakeConfig.from_dict(SGLANG_FILE).local_hostname == "10.0.0.8"
+    monkeypatch.setenv("MOONCAKE_LOCAL_HOSTNAME", "10.0.0.9")
+    assert MooncakeConfig.from_dict(SGLANG_FILE).local_hostname == "10.0.0.9"
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "efa")
+    no_protocol = {k: v for k, v in SGLANG_FILE.items() if k != "protocol"}
+    assert MooncakeConfig.from_dict(no_protocol).protocol == "efa"
+    per_rank = {**SGLANG_FILE, "device_name": '{"0": "mlx5_0", "1": "mlx5_1"}'}
+    assert MooncakeConfig.from_dict(per_rank).device_name == "mlx5_0"
+
+
+@pytest.mark.parametrize(
+    "raw, why",
+    [
+        ({"metadata_server": "P2PHANDSHAKE"}, "master_server_address is required"),
+        ({"client_server_address": "10.0.0.1:50052"}, "standalone"),
+        ({**SGLANG_FILE, "device_name": "{not json"}, "not valid JSON"),
+    ],
+)
+def test_a_file_the_tier_cannot_use_is_refused_with_the_reason(raw, why):
+    with pytest.raises(ClusterConfigError, match=why):
+        MooncakeConfig.from_dict(raw)
+
+
+def test_unreadable_files_are_refused_naming_them(tmp_path):
+    with pytest.raises(ClusterConfigError, match="cannot read cluster config"):
+        MooncakeConfig.from_file(tmp_path / "missing.json")
+    (tmp_path / "list.json").write_text("[]")
+    with pytest.raises(ClusterConfigError, match="a JSON object expected"):
+        MooncakeConfig.from_file(tmp_path / "list.json")
+
+
+def test_a_proof_holds_only_for_its_own_name():
+    name = object_name("default", "k/1")
+    proof = encode_proof(name, 4096, 12345)
+    assert decode_proof(name, proof) == (4096, 12345)
+    assert decode_proof(object_name("default", "k/2"), proof) is None  # another key's
+    assert decode_proof(object_name("other", "k/1"), proof) is None  # another tenant's
+    assert decode_proof(name, proof[:-1]) is None
+    assert decode_proof(name, encode_proof(name, 4096, 0)) is None  # no checksum: no proof
+    assert object_name("t", b"k") != object_name("t", "6b")  # bytes keys never meet str keys
+    assert proof_name(name) != name
+
+
+TIER = {
+    "kind": "mooncake",
+    "master": "10.0.0.1:50051",
+    "connected": False,
+    "error": "Mooncake setup failed: -1",
+    "queue_depth": 3,
+    "published": 7,
+    "publish_drops": 1,
+    "pulled": 5,
+    "pull_misses": 2,
+    "proof_failures": 1,
+}
+
+
+def test_status_shows_the_tier_and_why_it_is_not_connected():
+    line = _cluster_line({"cluster": TIER})
+    assert "NOT CONNECTED (Mooncake setup failed: -1)" in line
+    assert "7 published (3 queued, 1 dropped), 5 pulled, 2 pull misses, 1 proof failures" in line
+    assert _cluster_line({"cluster": None}).startswith("off")
+
+
+def test_prometheus_exports_every_tier_field_and_nothing_without_a_tier():
+    pytest.importorskip("prometheus_client")
+    families = {f.name: f for f in _cluster_metrics({"cluster": TIER})}
+    assert len(families) == len(CLUSTER_METRICS)
+    assert families["maru_cluster_pulled"].samples[0].value == 5
+    assert families["maru_cluster_connected"].samples[0].value == 0
+    assert list(_cluster_metrics({"cluster": None})) == []
