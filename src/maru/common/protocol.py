@@ -93,10 +93,10 @@ class ErrorCode(IntEnum):
     QUOTA_EXCEEDED = 13  # the instance holds its quota of region bytes or leases
     # The client's CURVE key was removed from the server's allowlist, or it is not the
     # process that holds the session credential it presents, or (request id 0, then the
-    # connection closes) its user may not use the local socket (issue 40)
+    # connection closes) its user may not use the local socket
     NOT_AUTHORIZED = 14
     # No room now, but instances over their fair share of the pool were asked to give
-    # regions back: a region request retried shortly gets one (issue 40)
+    # regions back: a region request retried shortly gets one
     POOL_RECLAIMING = 15
     # (request id 0, then the connection closes) the server is short of file descriptors and
     # read none of the connection's requests: the client sends them over TCP instead

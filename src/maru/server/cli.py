@@ -282,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="write-through",
         help="when the tier publishes a value: write-through (each key sealed in the pool, "
         "batched behind the writer through a bounded queue that drops and counts when full) "
-        "(default: write-through)",
+        "or spill (a key when a watermark eviction takes it from the pool, held until "
+        "published) (default: write-through)",
     )
     p.add_argument(
         "--cluster-lookup-ms",
@@ -690,7 +691,7 @@ def lock_state_dir(state_dir: Path) -> int:
 
 def secure_state_dir(state_dir: Path) -> None:
     """The state dir holds the secret that signs tokens and sessions, and the registry: only
-    the server's user may read it (issue 13, P5). Created 0700; an existing one, and the files
+    the server's user may read it. Created 0700; an existing one, and the files
     in it, lose their group and other permissions (logged). The server creates its files
     0600."""
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
