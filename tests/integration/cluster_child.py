@@ -36,6 +36,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +65,14 @@ NODE1, NODE2 = "10.44.0.1", "10.44.0.2"
 MASTER = f"{NODE1}:50051"
 SIZE = 60_000
 N = 24
+SPILL_N = 250  # values of SIZE node 1 writes with spill: 15 MB, past its high watermark
 WAIT_S = 60  # the longest any step here waits for the tier
 
 
 def handler(url: str, checksums: bool = True) -> MaruHandler:
     return MaruHandler(
         server_url=url,
-        pool_size="8M",
+        pool_size="32M",  # (above `spill`'s high watermark: its rounds, not room for a writer)
         chunk_size_bytes="64K",
         checksums=checksums,
         timeout_ms=5000,
@@ -80,7 +83,10 @@ def write(url: str, prefix: str, n: int, flip: bool) -> dict:
     h = handler(url)
     try:
         keys = [f"{prefix}/{i}" for i in range(n)]
-        stored = sum(h.batch_store(keys, [make_value(k, SIZE) for k in keys]))
+        stored = 0
+        for at in range(0, n, 16):  # several stores: each round of eviction spares only the
+            batch = keys[at : at + 16]  # keys of the store that set it off
+            stored += sum(h.batch_store(batch, [make_value(k, SIZE) for k in batch]))
         for key in keys if flip else ():
             flip_byte(h, key, at=SIZE // 2)
         return {"stored": stored}
@@ -164,16 +170,19 @@ def in_node(pid: int, *args: str, env: str = "") -> dict:
     cmd = ["nsenter", "-t", str(pid), "-n", "-m", "env", *env.split(), sys.executable]
     done = subprocess.run([*cmd, __file__, *args], capture_output=True, text=True, timeout=90)
     if done.returncode != 0:
-        return {"error": done.stderr[-3000:]}
+        return {"failed": done.stderr[-3000:]}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def wait_for(pid: int, url: str, done: str, want: int) -> dict:
-    """The tier's stats once `done` (published, proof_failures...) reaches `want`."""
+def wait_for(pid: int, url: str, done: str, want: int | bool) -> dict:
+    """The tier's stats once `done` (published, proof_failures...) reaches `want` (a
+    flag such as connected: once it is `want`)."""
     deadline = time.monotonic() + WAIT_S
     while True:
         now = in_node(pid, "stats", url)
-        if "error" in now or now[done] >= want or time.monotonic() > deadline:
+        if "failed" in now or time.monotonic() > deadline:
+            return now
+        if now[done] == want if isinstance(want, bool) else now[done] >= want:
             return now
         time.sleep(0.2)
 
@@ -194,7 +203,73 @@ def node_server(pid: int, ip: str, workdir: Path, config: Path, *args: str) -> A
 SERVER_COMMAND = conftest.maru_server_command()
 
 
-def nodes(workdir: Path) -> dict:
+@dataclass
+class Nodes:
+    """The two nodes (their namespaces' holders), their servers' URLs, the shared config
+    file, and every process started (killed at the end)."""
+
+    one: subprocess.Popen
+    two: subprocess.Popen
+    url1: str
+    url2: str
+    config: Path
+    workdir: Path
+    started: list[subprocess.Popen]
+    master: subprocess.Popen | None = None
+
+    def start_master(self) -> None:
+        """`mooncake_master` on node 1, in a process group of its own (`timeout` forks it:
+        a kill of `timeout` alone would orphan it)."""
+        master = [str(master_binary()), f"--rpc_address={NODE1}", "--rpc_port=50051"]
+        master += [f"--metrics_host={NODE1}", "--metrics_port=9003"]
+        enter = ["nsenter", "-t", str(self.one.pid), "-n", "-m", "timeout", str(LIFE_S)]
+        with (self.workdir / "master.log").open("ab") as log:
+            self.master = subprocess.Popen(
+                [*enter, *master], stdout=log, stderr=log, env=library_env(), start_new_session=True
+            )
+        self.started.append(self.master)
+
+    def kill_master(self) -> None:
+        assert self.master is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.master.pid, signal.SIGKILL)
+        self.master.wait(10)
+
+    def ask(self, node: int, mode: str, *args: str | int) -> dict:
+        """A `cluster_child.py` mode (write, retrieve, stats) against node 1's or node 2's
+        server, from within that node."""
+        pid, url = (self.one.pid, self.url1) if node == 1 else (self.two.pid, self.url2)
+        return in_node(pid, mode, url, *map(str, args))
+
+    def settled(self, node: int) -> dict:
+        """The tier's stats once nothing waits in it (publish queue, lookups, batches)."""
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            now = self.ask(node, "stats")
+            busy = ("queue_depth", "pull_queue_depth", "pulling", "in_flight")
+            if "failed" in now or time.monotonic() > deadline or not any(now[k] for k in busy):
+                return now
+            time.sleep(0.2)
+
+    def publish(self, prefix: str, n: int) -> dict:
+        """Node 1 writes PREFIX/i (i < n): how many it stored, and how many its tier
+        published then (counted between two settled states)."""
+        before = self.settled(1)["published"]
+        stored = self.ask(1, "write", prefix, n)
+        return {**stored, "published": self.settled(1)["published"] - before}
+
+    def wait(self, node: int, done: str, want: int | bool) -> dict:
+        """`wait_for` on node 1's or node 2's server."""
+        pid, url = (self.one.pid, self.url1) if node == 1 else (self.two.pid, self.url2)
+        return wait_for(pid, url, done, want)
+
+
+@contextlib.contextmanager
+def cluster(
+    workdir: Path, node2_args: tuple[str, ...], node1_args: tuple[str, ...] = ()
+) -> Iterator[Nodes]:
+    """Two nodes, a Mooncake master on node 1, a `maru-server --cluster mooncake` on each
+    (with `node1_args`, `node2_args`); every process killed on the way out."""
     started: list[subprocess.Popen] = []
     servers: list[Any] = []
     config = workdir / "mooncake.json"  # one file for every node (SGLang's form)
@@ -228,26 +303,30 @@ def nodes(workdir: Path) -> dict:
             f"ip addr add {NODE2}/30 dev cl-b\n"
             "ip link set cl-b up",
         )
-        master = [str(master_binary()), f"--rpc_address={NODE1}", "--rpc_port=50051"]
-        master += [f"--metrics_host={NODE1}", "--metrics_port=9003"]
-        enter = ["nsenter", "-t", str(one.pid), "-n", "-m", "timeout", str(LIFE_S)]
-        with (workdir / "master.log").open("wb") as log:  # (a group of its own: `timeout`
-            started.append(  # forks the master, which a kill of `timeout` alone would orphan)
-                subprocess.Popen(
-                    [*enter, *master],
-                    stdout=log,
-                    stderr=log,
-                    env=library_env(),
-                    start_new_session=True,
-                )
-            )
-        servers.append(node_server(one.pid, NODE1, workdir / "node1", config))
-        # Node 2's lookups wait up to 10 s for their pulls: a bound far above what a pull
-        # takes (ms), not a threshold the test could miss on a loaded machine; only the pulls
-        # from the dead segment at the end wait it out.
-        budget = ("--cluster-lookup-ms", "10000")
-        servers.append(node_server(two.pid, NODE2, workdir / "node2", config, *budget))
-        url1, url2 = servers[0].url, servers[1].url
+        nodes = Nodes(one, two, "", "", config, workdir, started)
+        nodes.start_master()
+        servers.append(node_server(one.pid, NODE1, workdir / "node1", config, *node1_args))
+        servers.append(node_server(two.pid, NODE2, workdir / "node2", config, *node2_args))
+        nodes.url1, nodes.url2 = servers[0].url, servers[1].url
+        yield nodes
+    finally:
+        for server in servers:
+            server.halt()
+        for proc in reversed(started):
+            if proc.args[0] == "nsenter":  # a master: its whole group
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()
+            proc.wait(10)
+
+
+def proofs(workdir: Path) -> dict:
+    """Publish, pull and proofs (`test_values_written_on_one_node_are_read_on_another...`)."""
+    # Node 2's lookups wait up to 10 s for their pulls: a bound far above what a pull
+    # takes (ms), not a threshold the test could miss on a loaded machine; only the pulls
+    # from the dead segment at the end wait it out.
+    with cluster(workdir, ("--cluster-lookup-ms", "10000")) as c:
+        one, two, url1, url2, config = c.one, c.two, c.url1, c.url2, c.config
         out: dict[str, Any] = {}
         out["connected"] = [wait_for(one.pid, url1, "connected", True)]
         out["connected"].append(wait_for(two.pid, url2, "connected", True))
@@ -283,15 +362,89 @@ def nodes(workdir: Path) -> dict:
         out["reconnected"] = wait_for(one.pid, url1, "connected", True)
         out["node2_dead_segment"] = in_node(two.pid, "retrieve", url2, "v2", "8")
         return out
-    finally:
-        for server in servers:
-            server.halt()
-        for proc in reversed(started):
-            if proc.args[0] == "nsenter":  # the master: its whole group
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            proc.kill()
-            proc.wait(10)
+
+
+def faults(workdir: Path) -> dict:
+    """The master SIGKILLed and restarted, node 2's link cut and restored, node 2's
+    sidecar stopped and continued (`test_the_pools_serve_their_own_keys_through...`)."""
+    # Node 2's lookups wait up to 3 s for a pull: far above a pull's ms, and every wait
+    # that runs it out (while the cluster is away) ends in misses.
+    with cluster(workdir, ("--cluster-lookup-ms", "3000")) as c:
+        out: dict[str, Any] = {"connected": [c.wait(1, "connected", True)]}
+        out["connected"].append(c.wait(2, "connected", True))
+        out["a"] = c.publish("a", 8)
+
+        # The master SIGKILLed: each pool serves its own keys, stores new ones; lookups of
+        # the cluster's keys are misses; each tier notices, and says why.
+        c.kill_master()
+        out["down_own1"] = c.ask(1, "retrieve", "a", 8)
+        out["down_write1"] = c.ask(1, "write", "l1", 4)
+        out["down_read1"] = c.ask(1, "retrieve", "l1", 4)
+        out["down_cluster2"] = c.ask(2, "retrieve", "a", 8)
+        out["down_state1"] = c.wait(1, "connected", False)
+        out["down_state2"] = c.wait(2, "connected", False)
+        out["down_write2"] = c.ask(2, "write", "l2", 4)
+        out["down_read2"] = c.ask(2, "retrieve", "l2", 4)
+        out["down_cluster2_again"] = c.ask(2, "retrieve", "a", 8)
+        # ... and restarted (empty: what it listed is gone): the tiers reconnect by
+        # themselves, then publish and pull again.
+        c.start_master()
+        back = time.monotonic()
+        out["up_state1"] = c.wait(1, "connected", True)
+        out["up_state2"] = c.wait(2, "connected", True)
+        out["reconnect_s"] = round(time.monotonic() - back, 1)
+        out["b"] = c.publish("b", 8)
+        out["up_read2"] = c.ask(2, "retrieve", "b", 8)
+        out["up_old2"] = c.ask(2, "retrieve", "a", 8)
+
+        # Node 2's link cut: it serves its own keys (b, pulled and now its own), stores new
+        # ones; node 1's values are misses; its tier notices. The link back: it reconnects.
+        out["c"] = c.publish("c", 4)
+        sh(c.two.pid, "ip link set cl-b down")
+        try:
+            out["cut_own2"] = c.ask(2, "retrieve", "b", 8)
+            out["cut_write2"] = c.ask(2, "write", "l3", 4)
+            out["cut_read2"] = c.ask(2, "retrieve", "l3", 4)
+            out["cut_cluster2"] = c.ask(2, "retrieve", "c", 4)
+            out["cut_state2"] = c.wait(2, "connected", False)
+        finally:
+            sh(c.two.pid, "ip link set cl-b up")
+        out["relinked_state2"] = c.wait(2, "connected", True)
+        out["d"] = c.publish("d", 4)
+        out["relinked_read2"] = c.ask(2, "retrieve", "d", 4)
+        out["relinked_c2"] = c.ask(2, "retrieve", "c", 4)
+
+        # Node 2's sidecar stopped (SIGSTOP): its pulls miss the budget, so they are misses,
+        # and the next reads miss at once; continued (SIGCONT): the pulls land, reads hit.
+        out["e"] = c.publish("e", 4)
+        sidecar = out["relinked_state2"]["sidecar_pid"]
+        os.kill(sidecar, signal.SIGSTOP)
+        try:
+            out["stopped_read2"] = c.ask(2, "retrieve", "e", 4)
+            out["stopped_again2"] = c.ask(2, "retrieve", "e", 4)
+            out["stopped_own2"] = c.ask(2, "retrieve", "b", 8)
+        finally:
+            os.kill(sidecar, signal.SIGCONT)
+        out["continued_read2"] = c.ask(2, "retrieve", "e", 4)
+        out["node1"] = c.ask(1, "stats")
+        out["node2"] = c.ask(2, "stats")
+        return out
+
+
+def spill(workdir: Path) -> dict:
+    """`--cluster-publish spill` on node 1 (`test_keys_evicted_from_a_pool_are_spilled...`)."""
+    wait = ("--cluster-lookup-ms", "10000")  # (as in `proofs`: a bound, not a threshold)
+    spills = ("--cluster-publish", "spill", "--eviction-high-watermark", "0.2")
+    spills += ("--eviction-low-watermark", "0.1")  # of its 64M pool: evicts at 12.8 MB
+    with cluster(workdir, wait, (*wait, *spills)) as c:
+        out: dict[str, Any] = {"connected": [c.wait(1, "connected", True)]}
+        out["connected"].append(c.wait(2, "connected", True))
+        out["write"] = c.publish("s", SPILL_N)
+        out["spilled"] = c.settled(1)
+        out["node2"] = c.ask(2, "retrieve", "s", SPILL_N)
+        out["node1_back"] = c.ask(1, "retrieve", "s", 16)  # the oldest: evicted first
+        out["node1_stats"] = c.settled(1)
+        return out
 
 
 if __name__ == "__main__":
@@ -307,4 +460,7 @@ if __name__ == "__main__":
     elif mode == "read":
         print(json.dumps(read(args[0], args[1], int(args[2]))))
     else:
-        print(json.dumps(nodes(Path(mode))))
+        scenario = {"proofs": proofs, "faults": faults, "spill": spill}[
+            args[0] if args else "proofs"
+        ]
+        print(json.dumps(scenario(Path(mode))))

@@ -35,10 +35,10 @@ def cannot_run() -> str:
 pytestmark = pytest.mark.skipif(bool(cannot_run()), reason=cannot_run() or "-")
 
 
-def run_nodes(tmp_path: Path) -> dict:
+def run_nodes(tmp_path: Path, scenario: str = "proofs") -> dict:
     workdir = tmp_path / "work"
     workdir.mkdir()
-    cmd = [sys.executable, str(CLUSTER_CHILD), str(workdir)]
+    cmd = [sys.executable, str(CLUSTER_CHILD), str(workdir), scenario]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -98,3 +98,73 @@ def test_values_written_on_one_node_are_read_on_another_every_byte_proven(tmp_pa
     assert nodes["reconnected"]["connected"] is True, nodes
     dead = nodes["node2_dead_segment"]
     assert dead["wrong"] == 0 and dead["right"] + dead["missing"] == 8, nodes
+
+
+def test_the_pools_serve_their_own_keys_through_the_clusters_faults_and_reconnect(tmp_path):
+    """The master SIGKILLed then restarted, node 2's link cut then restored, node 2's
+    sidecar stopped then continued: no wrong byte anywhere; each pool stores and serves its
+    own keys throughout; the cluster's keys are misses while it is away (a pull that misses
+    the budget is a miss); each tier notices (`connected` false, with the reason) and
+    reconnects by itself, then publishes and pulls again."""
+    nodes = run_nodes(tmp_path, "faults")
+    right = lambda n: {"right": n, "missing": 0, "wrong": 0}  # noqa: E731
+    missing = lambda n: {"right": 0, "missing": n, "wrong": 0}  # noqa: E731
+    assert [n["connected"] for n in nodes["connected"]] == [True, True], nodes
+    assert nodes["a"] == {"stored": 8, "published": 8}, nodes
+
+    # The master gone: local service goes on, cluster lookups miss, the tiers notice.
+    assert nodes["down_own1"] == right(8), nodes
+    assert nodes["down_write1"] == {"stored": 4} and nodes["down_read1"] == right(4), nodes
+    assert nodes["down_cluster2"] == missing(8), nodes
+    for node in ("down_state1", "down_state2"):
+        assert nodes[node]["connected"] is False, nodes
+        assert "master" in nodes[node]["error"], nodes
+    assert nodes["down_write2"] == {"stored": 4} and nodes["down_read2"] == right(4), nodes
+    assert nodes["down_cluster2_again"] == missing(8), nodes
+    # Back (empty): both reconnect; node 1's new values are read on node 2; the old ones,
+    # gone with the master's state, are misses.
+    assert nodes["up_state1"]["connected"] is nodes["up_state2"]["connected"] is True, nodes
+    assert nodes["b"] == {"stored": 8, "published": 8}, nodes
+    assert nodes["up_read2"] == right(8), nodes
+    assert nodes["up_old2"] == missing(8), nodes
+
+    # Node 2's link cut: its own keys served, new ones stored, the cluster's missed.
+    assert nodes["c"] == {"stored": 4, "published": 4}, nodes
+    assert nodes["cut_own2"] == right(8), nodes
+    assert nodes["cut_write2"] == {"stored": 4} and nodes["cut_read2"] == right(4), nodes
+    assert nodes["cut_cluster2"] == missing(4), nodes
+    assert nodes["cut_state2"]["connected"] is False, nodes
+    # The link back: reconnected, pulls again (c may have lain in node 2's own segment,
+    # which its reconnect may drop: a miss then, never a wrong byte).
+    assert nodes["relinked_state2"]["connected"] is True, nodes
+    assert nodes["d"] == {"stored": 4, "published": 4}, nodes
+    assert nodes["relinked_read2"] == right(4), nodes
+    assert nodes["relinked_c2"]["wrong"] == 0, nodes
+
+    # Node 2's sidecar stopped: the pulls miss the budget (misses), its own keys are
+    # served; continued: the values are pulled and read.
+    assert nodes["e"] == {"stored": 4, "published": 4}, nodes
+    assert nodes["stopped_read2"] == missing(4), nodes
+    assert nodes["stopped_again2"] == missing(4), nodes
+    assert nodes["stopped_own2"] == right(8), nodes
+    assert nodes["continued_read2"] == right(4), nodes
+    assert nodes["node1"]["proof_failures"] == nodes["node2"]["proof_failures"] == 0, nodes
+
+
+def test_keys_evicted_from_a_pool_are_spilled_to_the_cluster_and_pulled_back(tmp_path):
+    """`--cluster-publish spill` on node 1: nothing is published as it is written; a key is
+    published when a watermark round evicts it from node 1's pool (held, registered, until
+    published: the bytes published are the bytes written), then dropped. Node 2 reads every
+    evicted key, every byte as written, and misses those node 1 still holds (the cluster has
+    them not); node 1 reads its evicted keys again, pulled back from the cluster."""
+    nodes = run_nodes(tmp_path, "spill")
+    assert [n["connected"] for n in nodes["connected"]] == [True, True], nodes
+    spilled = nodes["write"]["published"]
+    assert nodes["write"]["stored"] == 250 and 16 <= spilled < 250, nodes
+    assert nodes["spilled"]["publish_drops"] == nodes["spilled"]["publish_failures"] == 0, nodes
+    # The pool keeps its low watermark (10% of 64 MiB): a key being spilled counts as
+    # evicted already, so later stores do not evict more for it.
+    assert 250 - spilled >= int(0.1 * (64 << 20)) // 60_000, nodes
+    assert nodes["node2"] == {"right": spilled, "missing": 250 - spilled, "wrong": 0}, nodes
+    assert nodes["node1_back"] == {"right": 16, "missing": 0, "wrong": 0}, nodes
+    assert nodes["node1_stats"]["pulled"] == 16, nodes

@@ -12,6 +12,8 @@ from maru.server.cluster.config import ClusterConfigError, MooncakeConfig, parse
 from maru.server.cluster.proof import decode_proof, encode_proof, object_name, proof_name
 from maru.server.metrics import CLUSTER_METRICS, _cluster_metrics
 
+from .test_eviction_leases import MiB, consistent, fill, make_registry
+
 SGLANG_FILE = {
     "local_hostname": "10.0.0.7",
     "metadata_server": "P2PHANDSHAKE",
@@ -119,3 +121,34 @@ def test_prometheus_exports_every_tier_field_and_nothing_without_a_tier():
     assert families["maru_cluster_pulled"].samples[0].value == 5
     assert families["maru_cluster_connected"].samples[0].value == 0
     assert list(_cluster_metrics({"cluster": None})) == []
+
+
+def test_a_watermark_round_leaves_the_victims_spill_holds_registered_until_it_drops_them(
+    tmp_path,
+):
+    """`--cluster-publish spill` (`Eviction.spill`): the victims the tier takes stay
+    registered, their pages not freed to their owner, until it drops them (once published);
+    they count as evicted already, so the next store does not evict more for them. Rounds
+    that make room for a writer waiting (`evict_for`) never spill."""
+    reg = make_registry(tmp_path)  # 16 MiB: evicts above 8 MiB down to 4 MiB
+    taken: list[tuple[list, list]] = []
+
+    def spill(keys: list, entries: list) -> tuple[list, list]:
+        taken.append((keys, entries))
+        reg.eviction.spilling += sum(e.length for e in entries)
+        return [], []  # all held, to publish first
+
+    reg.eviction.spill = spill
+    rid = reg.request_region("A", 16 * MiB).region_id
+    fill(reg, "A", rid, [f"k{i}" for i in range(9)])
+    assert [keys for keys, _ in taken] == [[f"k{i}" for i in range(5)]]
+    assert len(reg.keys) == 9 and reg.instances.take_freed("A") == []  # held, not freed
+    fill(reg, "A", rid, ["k9"])  # 5 MiB counted as evicted: no round for them again
+    assert len(taken) == 1 and len(reg.keys) == 10
+    keys, entries = taken[0]
+    reg.eviction.spilling = 0
+    reg.eviction.view.drop_keys(keys, entries)  # published: dropped now
+    assert sorted(reg.keys) == ["k5", "k6", "k7", "k8", "k9"]
+    assert reg.instances.take_freed("A") == [[rid, i * MiB, MiB] for i in range(5)]
+    assert reg.eviction.evict_for("A", 1) == MiB and len(taken) == 1  # (no spill)
+    consistent(reg)

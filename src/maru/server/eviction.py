@@ -56,6 +56,10 @@ class Eviction:
         self.view = view
         self.high_watermark = high_watermark  # of the pool's capacity, in registered bytes
         self.low_watermark = low_watermark
+        # `--cluster-publish spill` (`ClusterTier.spill`): given a watermark round's victims,
+        # holds those it publishes first (dropped once published) and returns the others
+        self.spill: Callable[[list[Key], list[KeyEntry]], tuple[list, list]] | None = None
+        self.spilling = 0  # bytes of victims it holds: evicted already, as the watermark goes
 
     def evict(
         self,
@@ -64,6 +68,7 @@ class Eviction:
         reason: str = "",
         protect: set[Key] | None = None,
         second_chance: bool = True,
+        spill: bool = False,
     ) -> int:
         """Evict idle keys (optionally only those in `regions`, never those in `protect`),
         oldest first, until `want_bytes` are freed; returns the bytes freed. One log line
@@ -74,15 +79,19 @@ class Eviction:
         spared some keys, a second pass goes on (those keys now have their bits cleared), so
         eviction makes progress even when every candidate was used; at most two passes
         (`KeyIndex.clock_victims`, one C call). `second_chance=False`: evict in index order,
-        ignoring the bits."""
+        ignoring the bits. `spill` (a watermark round, which no writer waits on): victims
+        the cluster tier publishes first stay registered, held, until it has."""
         reg = self.view
         reg.harvest_marks()  # readers' use marks count as CLOCK bits
         keys, entries, freed = reg.keys.clock_victims(want_bytes, second_chance, protect, regions)
         per_owner: Counter = Counter()  # counted per region first: a round is mostly one
         for region_id, count in Counter(map(_REGION_ID, entries)).items():
             per_owner[reg.regions[region_id].owner] += count
+        dropped = (keys, entries)
+        if spill and self.spill is not None and keys:
+            dropped = self.spill(keys, entries)
         # journal first: on a JournalWriteError nothing was evicted, and nothing is counted
-        reg.drop_keys(keys, entries)
+        reg.drop_keys(*dropped)
         for owner_id, count in per_owner.items():
             owner = reg.instances.get(owner_id)
             if owner is not None:
@@ -108,13 +117,14 @@ class Eviction:
         """When registered bytes exceed the high watermark of the pool, evict down to low.
         `just_registered`: keys of the request being answered (reported REGISTERED, so they
         must survive it even if every older key is busy)."""
-        capacity, live_bytes = self.view.capacity, self.view.live_bytes()
+        capacity, live_bytes = self.view.capacity, self.view.live_bytes() - self.spilling
         if live_bytes <= self.high_watermark * capacity:
             return 0
         return self.evict(
             live_bytes - int(self.low_watermark * capacity),
             reason=f"above the high watermark {self.high_watermark:g}",
             protect=set(just_registered),
+            spill=True,
         )
 
     def evict_for(self, instance_id: str, want_bytes: int) -> int:

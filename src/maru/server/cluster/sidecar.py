@@ -10,7 +10,8 @@ and supervises this process and talks to it over a ZMQ PAIR socket, msgpack fram
                        {"op": "probe", "batch": id, "jobs": [name, ...]}
                        {"op": "pull", "batch": id, "jobs": [[name, path, offset, length,
                         maru64], ...]}          (pages the server reserved for the value)
-    sidecar -> server  {"op": "state", "connected": bool, "error": str | None}
+    sidecar -> server  {"op": "state", "connected": bool, "error": str | None}  (after
+                        each setup, and whenever the master stops or starts answering)
                        {"op": "<op>-done", "batch": id, "results": [one per job],
                         "error": str | None}
     (results: PUBLISHED, REFUSED or FAILED for publish and pull; [length, maru64] or None
@@ -61,6 +62,7 @@ from maru.server.cluster.proof import (
 log = logging.getLogger("maru.server.cluster")
 
 SETUP_RETRY_S = 2.0
+CHECK_S = 1.0  # how often the sidecar asks whether the master answers (and after a failure)
 LOCAL_BUFFER = 16 << 20  # Mooncake's own staging buffer (the zero-copy calls do not use it)
 
 
@@ -223,15 +225,44 @@ class Sidecar:
                 results[i] = REFUSED  # another length, or bytes unlike their proof
         return results, error
 
+    def check(self) -> bool:
+        """Whether the master answers now (Mooncake's `health_check`, which blocks for
+        seconds while it is gone): the server learns each change (a "state" message), so
+        lookups turn into misses at once while the cluster is away, and come back with it
+        (Mooncake's client reconnects by itself once its master is back)."""
+        assert self.store is not None
+        try:
+            rc = self.store.health_check()
+        except RuntimeError as exc:  # (pybind11's translation of a C++ error)
+            rc, why = -1, str(exc)
+        else:
+            why = {1: "client closed", 2: "master unreachable"}.get(rc, f"code {rc}")
+        error = None
+        if rc != 0:
+            error = f"Mooncake master {self.config.master_server_address}: {why}"
+        if error != self.error:
+            if error:
+                log.warning("%s", error)
+            else:
+                log.info("Mooncake master %s answers again", self.config.master_server_address)
+            self.error = error
+            self.send({"op": "state", "connected": error is None, "error": error})
+        return error is None
+
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        next_try = 0.0
+        next_try = next_check = 0.0
         while True:
-            if self.store is None and time.monotonic() >= next_try:
+            now = time.monotonic()
+            if self.store is None and now >= next_try:
                 connected = self.connect()
                 self.send({"op": "state", "connected": connected, "error": self.error})
                 next_try = time.monotonic() + SETUP_RETRY_S
+                next_check = time.monotonic() + CHECK_S
+            elif self.store is not None and now >= next_check:
+                self.check()
+                next_check = time.monotonic() + CHECK_S
             if not poller.poll(200):
                 continue
             message = msgpack.unpackb(self.sock.recv(), raw=False)
@@ -247,6 +278,8 @@ class Sidecar:
                     results, error = work(jobs)
                 reply = {"op": f"{op}-done", "batch": message["batch"], "results": results}
                 self.send({**reply, "error": error})
+                if error is not None and self.store is not None:
+                    next_check = 0.0  # a call failed: is the master still there?
 
 
 def _die_with_parent() -> None:

@@ -7,6 +7,8 @@ and applies the sidecar's replies when its socket is ready, like a client's requ
 - Publish (write-through): each key sealed in the pool (REGISTER_KV) goes to a bounded queue
   (full: dropped and counted), published in batches. A value being published is held (its
   entry leased, without expiry: no eviction, no delete, so no page reuse) until the reply.
+- Publish (spill): a key is published when a watermark eviction takes it (`spill`): held,
+  registered, until published, then dropped.
 - Pull: a key a client missed (EXISTS with "pull") is probed in the cluster (its proof); one
   the cluster holds gets pages of the tier's own (`maru.server.cluster.pages`), the sidecar
   reads it into them and proves it, and only then is it registered, under the tier's
@@ -15,7 +17,9 @@ and applies the sidecar's replies when its socket is ready, like a client's requ
   `ABSENT_S`.
 
 A sidecar that dies, or sits on a batch past `STALL_S`, is killed; its batches' holds and
-pages are released, and it is started again.
+pages are released, and it is started again. `connected` is the sidecar's word: it tells
+whenever the master stops or starts answering; while not connected nothing is sent and
+lookups miss at once, as they do while a lookup waits on the sidecar past the budget.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from maru.server.registry import Registry
 
 log = logging.getLogger("maru.server.cluster")
 
-PUBLISH_MODES = ("write-through",)
+PUBLISH_MODES = ("write-through", "spill")
 QUEUE_KEYS = 65536  # keys waiting to be published; past it new ones are dropped (counted)
 BATCH_KEYS = 64  # keys per publish batch
 IN_FLIGHT = 4  # batches sent and not answered
@@ -61,6 +65,7 @@ class Batch:
     nbytes: list[int] = field(default_factory=list)  # publish, pull: each value's length
     places: list[tuple[int, int]] = field(default_factory=list)  # pull: (region id, offset)
     sums: list[int] = field(default_factory=list)  # pull: each value's maru64 (its proof)
+    spill: bool = False  # publish: evicted keys, dropped once published
     sent: float = field(default_factory=time.monotonic)
 
 
@@ -88,6 +93,8 @@ class ClusterTier:
         self.lookup_ms = lookup_ms
         self.log_level = log_level
         self.pages = TierPages(registry)
+        if publish == "spill":
+            registry.eviction.spill = self.spill
         self.queue: deque[Key] = deque()  # to publish
         self.wanted: deque[Key] = deque()  # to probe, then pull
         self.pulling: set[Key] = set()  # wanted, probed or being pulled
@@ -96,6 +103,8 @@ class ClusterTier:
         self.next_batch = 1
         self.connected = False
         self.error: str | None = "sidecar not started"
+        self.last_failure: str | None = None  # the last batch's failure (`error`: why not
+        # connected, as the sidecar last said)
         self.counts = dict.fromkeys(
             (
                 "published",
@@ -179,7 +188,10 @@ class ClusterTier:
     # -- the loop's side ---------------------------------------------------------------------
 
     def sealed(self, keys: list[Key], statuses: list[int], registered: int) -> None:
-        """REGISTER_KV's keys whose status is `registered` go to the publish queue."""
+        """REGISTER_KV's keys whose status is `registered` go to the publish queue
+        (write-through; with spill, keys are published when evicted)."""
+        if self.publish_mode != "write-through":
+            return
         room = max(QUEUE_KEYS - len(self.queue), 0)
         new = [k for k, s in zip(keys, statuses) if s == registered]
         if len(new) > room:
@@ -188,12 +200,34 @@ class ClusterTier:
         self.queue.extend(new)
         self.pump()
 
+    def spill(self, keys: list[Key], entries: list[KeyEntry]) -> tuple[list, list]:
+        """A watermark eviction's victims (`Eviction.spill`): those the tier can publish now
+        stay registered, held like any value being published (readable, their pages never
+        reused), until the sidecar has read them; then they are dropped. Holding rather than
+        copying out keeps the first rule without a copy: the bytes published are the bytes
+        registered, and nothing can write those pages before the drop. Returned: the victims
+        to drop now (the tier is not connected or has no batch to spare, so they are gone
+        from the cluster too; or pulled from the cluster, so already in it)."""
+        ours = self.pages.free_lists
+        mine = [i for i, e in enumerate(entries) if e.region_id not in ours]
+        room = self.connected and len(self.batches) < IN_FLIGHT
+        if mine and room and self._publish([keys[i] for i in mine], spill=True):
+            held = set(mine)
+            now = [i for i in range(len(keys)) if i not in held]
+            return [keys[i] for i in now], [entries[i] for i in now]
+        if mine:
+            self.counts["publish_drops"] += len(mine)
+        return keys, entries
+
     def want(self, missing: list[Key]) -> int:
         """Keys a client missed: pull those the cluster may hold (not known absent, not
-        being pulled already). How many of them are being pulled now (0: none will come)."""
-        if not self.connected:
+        being pulled already). How many of them are being pulled now (0: none will come:
+        the sidecar is not connected, or sits on a lookup past the clients' budget, so
+        readers miss at once instead of each waiting the budget out)."""
+        now = time.monotonic()
+        if not self.connected or self.late(now):
             return 0
-        now, absent, pulling = time.monotonic(), self.absent, self.pulling
+        absent, pulling = self.absent, self.pulling
         if len(absent) > QUEUE_KEYS:
             self.absent = absent = {k: t for k, t in absent.items() if t > now}
         waiting = 0
@@ -206,6 +240,11 @@ class ClusterTier:
                 waiting += 1
         self.pump()
         return waiting
+
+    def late(self, now: float) -> bool:
+        """Whether a probe or pull has waited on the sidecar longer than a lookup may."""
+        budget = self.lookup_ms / 1000
+        return any(b.op != "publish" and now - b.sent > budget for b in self.batches.values())
 
     def serve(self, events: dict) -> None:
         """Apply every reply the sidecar has sent, then send what waits."""
@@ -232,7 +271,7 @@ class ClusterTier:
         if batch is None or op != f"{batch.op}-done":
             return
         if message.get("error"):
-            self.error = message["error"]
+            self.last_failure = message["error"]
             log.warning("cluster tier: %s: %s", batch.op, message["error"])
         {"publish": self._published, "probe": self._probed, "pull": self._pulled}[batch.op](
             batch, message["results"]
@@ -240,6 +279,8 @@ class ClusterTier:
 
     def _published(self, batch: Batch, results: list[int]) -> None:
         release_entries(batch.held)
+        if batch.spill:
+            self._drop_spilled(batch)
         counts = self.counts
         for nbytes, result in zip(batch.nbytes, results):
             if result == PUBLISHED:
@@ -255,6 +296,21 @@ class ClusterTier:
                 "published",
                 results.count(REFUSED),
             )
+
+    def _drop_spilled(self, batch: Batch) -> None:
+        """Evicted keys, published (or failed): dropped now, as their eviction would have
+        (but those a reader holds meanwhile, left for a later round)."""
+        self.registry.eviction.spilling -= sum(batch.nbytes)
+        table = self.registry.keys
+        keys, entries = [], []
+        for key, entry in zip(batch.keys, batch.held):  # (`held`: the keys' entries, in order)
+            if not entry.busy and table.get(key) is entry:
+                keys.append(key)
+                entries.append(entry)
+        try:
+            self.registry.eviction.view.drop_keys(keys, entries)
+        except JournalWriteError as exc:
+            log.error("cluster tier: %d spilled keys not dropped: %s", len(keys), exc)
 
     def _probed(self, batch: Batch, proofs: list[Any]) -> None:
         """Reserve pages for the keys the cluster holds and pull them."""
@@ -286,13 +342,14 @@ class ClusterTier:
         """Register the values proven in their pages; free the pages of the others."""
         counts, pages = self.counts, self.pages
         good = [i for i, result in enumerate(results) if result == PUBLISHED]
+        absent_until = time.monotonic() + ABSENT_S
         for i, result in enumerate(results):
             if result == REFUSED:
                 counts["proof_failures"] += 1
-                self.absent[batch.keys[i]] = time.monotonic() + ABSENT_S
             elif result != PUBLISHED:
                 counts["pull_failures"] += 1
-            if result != PUBLISHED:
+            if result != PUBLISHED:  # not asked again at once (a reader's every ask would)
+                self.absent[batch.keys[i]] = absent_until
                 pages.release(*batch.places[i])
         if REFUSED in results:
             log.error(
@@ -327,23 +384,33 @@ class ClusterTier:
                 self.pulling.difference_update(keys)
         while self.queue and self.connected and len(self.batches) < IN_FLIGHT:
             keys = [self.queue.popleft() for _ in range(min(BATCH_KEYS, len(self.queue)))]
-            held, rids, offsets, lengths, sums = self.registry.keys.lookup_columns(keys, True)
-            if not held:
-                continue  # deleted or evicted meanwhile: nothing to publish
-            batch, jobs = Batch("publish", [], held), []
-            regions, tenant = self.registry.regions, self.config.tenant_id
-            columns = (memoryview(c).cast("q") for c in (rids, offsets, lengths, sums))
-            for key, rid, offset, length, checksum in zip(keys, *columns):
-                if rid:
-                    region = regions[rid]
-                    name = object_name(tenant, key)
-                    jobs.append([name, region.path, region.offset + offset, length, checksum])
-                    batch.keys.append(key)
-                    batch.nbytes.append(length)
-            if not self._send(batch, jobs):
-                release_entries(held)
-                self.counts["publish_drops"] += len(batch.keys)
+            if self._publish(keys) is False:
                 return
+
+    def _publish(self, keys: list[Key], spill: bool = False) -> bool | None:
+        """Send the registered ones of `keys` to be published from their pages, each held
+        until the reply: True once sent, None when none is registered, False (counted as
+        drops, nothing held) when the sidecar cannot take the batch now."""
+        held, rids, offsets, lengths, sums = self.registry.keys.lookup_columns(keys, True)
+        if not held:
+            return None  # deleted or evicted meanwhile: nothing to publish
+        batch, jobs = Batch("publish", [], held, spill=spill), []
+        regions, tenant = self.registry.regions, self.config.tenant_id
+        columns = (memoryview(c).cast("q") for c in (rids, offsets, lengths, sums))
+        for key, rid, offset, length, checksum in zip(keys, *columns):
+            if rid:
+                region = regions[rid]
+                name = object_name(tenant, key)
+                jobs.append([name, region.path, region.offset + offset, length, checksum])
+                batch.keys.append(key)
+                batch.nbytes.append(length)
+        if not self._send(batch, jobs):
+            release_entries(held)
+            self.counts["publish_drops"] += len(batch.keys)
+            return False
+        if spill:
+            self.registry.eviction.spilling += sum(batch.nbytes)
+        return True
 
     def _send(self, batch: Batch, jobs: list[Any]) -> bool:
         """Send a batch to the sidecar without blocking: False when it cannot take it now."""
@@ -364,8 +431,9 @@ class ClusterTier:
 
     def _fail_in_flight(self, why: str) -> None:
         for batch in self.batches.values():
-            if batch.op == "publish":
+            if batch.op == "publish":  # (evicted keys: left registered, for a later round)
                 release_entries(batch.held)
+                self.registry.eviction.spilling -= sum(batch.nbytes) if batch.spill else 0
                 self.counts["publish_failures"] += len(batch.keys)
             else:
                 self._undo_pull(batch)
@@ -387,6 +455,7 @@ class ClusterTier:
             "master": self.config.master_server_address,
             "connected": self.connected,
             "error": self.error,
+            "last_failure": self.last_failure,
             "instance": self.pages.instance_id,
             "queue_depth": len(self.queue),
             "pull_queue_depth": len(self.wanted),
