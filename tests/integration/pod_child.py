@@ -14,16 +14,24 @@ out, and bounded by `timeout` / `sleep` if this process is killed; the namespace
 the veth pair go with their last process.
 
 `pod_child.py client URL KEY POOL_PATH WRITE READ N`: one client process: with `pool_path`
-POOL_PATH ("-": unset), store N values under WRITE/i, read READ/i back by their bytes."""
+POOL_PATH ("-": unset), store N values under WRITE/i, read READ/i back by their bytes.
+
+The parts are reused by `pod_hosts_child.py` (a host failing): `pod_hosts` makes the pod,
+`Agent` keeps a client running on a host and tells it what to do step by step (`agent`
+mode), `kill_host` SIGKILLs every process of a host."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -34,9 +42,11 @@ from tests.integration.test_pool_trust import read_counts  # noqa: E402
 
 import conftest  # noqa: E402
 from maru import MaruHandler  # noqa: E402
+from maru.common.errors import MaruError  # noqa: E402
 
 SERVER_IP, CLIENT_IP = "10.43.0.1", "10.43.0.2"
 LIFE_S = 150  # the longest anything started here may outlive this process
+VALUE = 60_000  # the size of every value the clients store (one 64 KiB chunk)
 
 
 def client(url: str, key: str, pool_path: str, write: str, read: str, n: int) -> dict:
@@ -52,12 +62,137 @@ def client(url: str, key: str, pool_path: str, write: str, read: str, n: int) ->
         if not h.connected:
             return {"refused": str(h.connect_error)}
         keys = [f"{write}/{i}" for i in range(n)] if write != "-" else []
-        stored = sum(h.batch_store(keys, [make_value(k, 60_000) for k in keys])) if keys else 0
+        stored = sum(h.batch_store(keys, [make_value(k, VALUE) for k in keys])) if keys else 0
         wanted = [f"{read}/{i}" for i in range(n)] if read != "-" else []
         right, missing, wrong = read_counts(h, wanted) if wanted else (0, 0, 0)
         return {"stored": stored, "right": right, "missing": missing, "wrong": wrong}
     finally:
         h.close()
+
+
+def agent(
+    url: str, key: str, pool_path: str, pool_size: str, timeout_ms: str, regions: str
+) -> None:
+    """`agent` mode: one client kept connected between steps, told what to do by a JSON line
+    on stdin (`[op, *args]`, one of AGENT_OPS) and answering each with one line (`{"ok": ...}`,
+    or `{"error": ...}` for a `MaruError`: a failure the caller judges)."""
+    h = MaruHandler(
+        server_url=url,
+        server_public_key=key,
+        pool_path=None if pool_path == "-" else pool_path,
+        pool_size=pool_size,
+        chunk_size_bytes="64K",
+        timeout_ms=int(timeout_ms),
+        auto_expand=regions == "grow",
+    )
+    reserved: list = []  # the run `alloc` reserved, written and sealed by `fill`
+    try:
+        for line in sys.stdin:
+            op, *args = json.loads(line)
+            try:
+                reply = {"ok": AGENT_OPS[op](h, reserved, *args)}
+            except MaruError as exc:
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            print(json.dumps(reply), flush=True)
+    finally:
+        h.close()
+
+
+def keys_of(prefix: str, start: int, n: int) -> list[str]:
+    return [f"{prefix}/{i}" for i in range(start, start + n)]
+
+
+def fill(h: MaruHandler, reserved: list, prefix: str) -> int:
+    """Write a value into each chunk of the reserved run (in place, as a zero-copy writer
+    does: whether or not the server still counts the region ours), then seal them."""
+    parts = reserved.pop().split()
+    keys = keys_of(prefix, 0, len(parts))
+    for key, part in zip(keys, parts):
+        part.buf[:VALUE] = make_value(key, VALUE)
+    return sum(h.seal(keys, parts, VALUE).wait())
+
+
+AGENT_OPS = {
+    "whoami": lambda h, _: h.instance_id,
+    "store": lambda h, _, prefix, start, n: sum(
+        h.batch_store(keys := keys_of(prefix, start, n), [make_value(k, VALUE) for k in keys])
+    ),
+    "read": lambda h, _, prefix, start, n: read_counts(h, keys_of(prefix, start, n)),
+    "regions": lambda h, _: [
+        [r.owner, r.path, r.offset, r.length] for r in h.list_allocations(all_instances=True)
+    ],
+    "stats": lambda h, _: h.stats(),
+    "alloc": lambda h, reserved, n: reserved.append(h.alloc(VALUE, n)) or reserved[-1] is not None,
+    "fill": fill,
+}
+
+
+class Agent:
+    """A client process (`agent` mode) on host `host_pid`, run through `nsenter`; `ask` sends
+    it one step and returns its answer."""
+
+    def __init__(
+        self,
+        host_pid: int,
+        url: str,
+        key: str,
+        pool_path: str = "-",
+        pool_size: str = "8M",
+        timeout_ms: int = 5000,
+        regions: str = "grow",
+    ):
+        """`regions`: "grow" (regions in steps up to `pool_size`) or "one" (one region of
+        `pool_size`, at the first store)."""
+        cmd = [
+            *("nsenter", "-t", str(host_pid), "-n", "-m", "timeout", str(LIFE_S)),
+            *(sys.executable, __file__, "agent", url, key, pool_path, pool_size),
+            *(str(timeout_ms), regions),
+        ]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.instance = self.ok("whoami")
+
+    def ask(self, op: str, *args: object, bound: float = 60.0) -> dict:
+        """The agent's answer to one step. `bound` (seconds) is a bound for the run to stop
+        (a step that hangs past it raises TimeoutError), not a threshold."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps([op, *args]) + "\n")
+        self.proc.stdin.flush()
+        if not select.select([self.proc.stdout], [], [], bound)[0]:
+            raise TimeoutError(f"the agent did not answer {op} within {bound} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the agent exited (status {self.proc.poll()}) on {op}")
+        return json.loads(line)
+
+    def ok(self, op: str, *args: object) -> object:
+        """`ask`, where an error is a failure of the run."""
+        reply = self.ask(op, *args)
+        if "ok" not in reply:
+            raise RuntimeError(f"{op}{args}: {reply['error']}")
+        return reply["ok"]
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()  # (its loop ends, and it closes its handler)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def kill_host(pid: int) -> tuple[int, int]:
+    """SIGKILL every process of host `pid` (every process in its network namespace, its
+    `sleep` too). Returns an fd of the namespace, which keeps it and the veth pair (host A's
+    address is on its end; close the fd to let them go), and how many processes it killed."""
+    ns = f"/proc/{pid}/ns/net"
+    held, theirs, killed = os.open(ns, os.O_RDONLY), os.readlink(ns), 0
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):  # (a process that ended meanwhile)
+            if entry.name.isdigit() and os.readlink(entry / "ns" / "net") == theirs:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+    return held, killed
 
 
 def sh(pid: int, script: str) -> None:
@@ -95,7 +230,24 @@ def run_client(pid: int, *args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def pod(neutral: Path, workdir: Path) -> dict:
+@dataclass
+class Pod:
+    """The two hosts (their namespaces' holders), the server on A, its CURVE public key file,
+    and where host B sees the pool file."""
+
+    a: subprocess.Popen
+    b: subprocess.Popen
+    server: conftest.MaruServerProcess
+    key: str
+    b_pool: str
+
+
+@contextlib.contextmanager
+def pod_hosts(
+    neutral: Path, workdir: Path, server_args: Sequence[str] = (), pool_size: str = "64M"
+) -> Iterator[Pod]:
+    """Hosts A and B joined by the veth pair, `maru-server --curve *server_args` serving a
+    pool of `pool_size` on A; all of it ended on the way out."""
     (neutral / "pool").mkdir()
     seen_by_a = workdir / "a-pool"  # host A: the directory, bind-mounted
     seen_by_b = workdir / "b-cxl0"  # host B: the pool file, bind-mounted (another path)
@@ -130,20 +282,13 @@ def pod(neutral: Path, workdir: Path) -> dict:
         ]
         server = conftest.MaruServerProcess(
             workdir / "srv",
-            pool_size="64M",
+            pool_size=pool_size,
             pool=str(seen_by_a / "maru.pool"),
             host=SERVER_IP,
-            extra_args=["--curve"],
+            extra_args=["--curve", *server_args],
         ).start()
         sh(b.pid, f"mount --bind {neutral / 'pool' / 'maru.pool'} {seen_by_b}")
-        key = str(server.state_dir / "curve.pub")
-        return {
-            "url": server.url,
-            "a_writes": run_client(a.pid, server.url, key, "-", "a", "-", "16"),
-            "b_writes_reads_a": run_client(b.pid, server.url, key, str(seen_by_b), "b", "a", "16"),
-            "a_reads_b": run_client(a.pid, server.url, key, "-", "-", "b", "16"),
-            "b_unset": run_client(b.pid, server.url, key, "-", "-", "a", "1"),
-        }
+        yield Pod(a, b, server, str(server.state_dir / "curve.pub"), str(seen_by_b))
     finally:
         if server is not None:
             server.halt()
@@ -152,8 +297,22 @@ def pod(neutral: Path, workdir: Path) -> dict:
             h.wait(10)
 
 
+def pod(neutral: Path, workdir: Path) -> dict:
+    with pod_hosts(neutral, workdir) as p:
+        url, key, a, b = p.server.url, p.key, p.a.pid, p.b.pid
+        return {
+            "url": url,
+            "a_writes": run_client(a, url, key, "-", "a", "-", "16"),
+            "b_writes_reads_a": run_client(b, url, key, p.b_pool, "b", "a", "16"),
+            "a_reads_b": run_client(a, url, key, "-", "-", "b", "16"),
+            "b_unset": run_client(b, url, key, "-", "-", "a", "1"),
+        }
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "client":
+    if sys.argv[1] == "agent":
+        agent(*sys.argv[2:8])
+    elif sys.argv[1] == "client":
         url, key, pool_path, write, read, n = sys.argv[2:8]
         print(json.dumps(client(url, key, pool_path, write, read, int(n))))
     else:

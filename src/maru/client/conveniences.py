@@ -17,7 +17,7 @@ import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -270,6 +270,14 @@ class OriginalApi:
 
     def delete(self, key: Key) -> bool:
         return self.batch_delete([key])[0]
+
+    def copying(self) -> AbstractContextManager[None]:
+        """Around a copy into or out of the pool at addresses this handler gave (its copy
+        releases the GIL): no region is unmapped under it, e.g. by another thread's
+        re-handshake with a restarted server; one unmapped meanwhile is closed after the last
+        such block (`RegionMapper.copying`). `read` and SGLang's, LMCache's and vLLM's copy
+        paths use it."""
+        return self._mapper.copying()
 
     # -- introspection -----------------------------------------------------------------------
 

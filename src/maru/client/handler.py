@@ -22,8 +22,9 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, suppress
+from contextlib import suppress
 from typing import Any
 
 import numpy as np
@@ -344,16 +345,11 @@ class MaruHandler(OriginalApi):
         if size <= 0 or count <= 0:
             raise ValueError(f"alloc needs a positive size and count, got {size}, {count}")
         self._ensure_connected()  # (in a forked child: our chunks are the parent's)
+        silent = self._rpc.last_reply < time.monotonic() - 2 * self._heartbeat.interval
+        if silent and not self._rpc.answers():  # (a writer the server may have reaped)
+            return None
         handle = self._chunks.take(size, count)  # (the usual case: no region change)
         return handle if handle is not None else self._supply.reserve(size, count)
-
-    def copying(self) -> AbstractContextManager[None]:
-        """Around a copy into or out of the pool at addresses this handler gave (its copy
-        releases the GIL): no region is unmapped under it, e.g. by another thread's
-        re-handshake with a restarted server; one unmapped meanwhile is closed after the last
-        such block (`RegionMapper.copying`). `read` and SGLang's, LMCache's and vLLM's copy
-        paths use it."""
-        return self._mapper.copying()
 
     def free(self, handle: AllocHandle) -> None:
         """Give back chunks that were reserved but will not be sealed (in software coherence
@@ -402,6 +398,11 @@ class MaruHandler(OriginalApi):
         once the registrations are sent, reporting each sent value stored; this thread's
         next `confirm_writes` (or `put`) reads the replies (`maru.client.writes`)."""
         self._ensure_connected()
+        silent = self._rpc.last_reply < time.monotonic() - 2 * self._heartbeat.interval
+        if silent and not self._rpc.answers():  # (`alloc`'s fence: nothing is written)
+            for put in puts:
+                put.results, put.outcomes = [False] * len(put.keys), None
+            return
         self._writes.put(puts, behind=behind)
 
     def confirm_writes(self, wait: bool = True) -> int:

@@ -42,6 +42,7 @@ from maru.common import protocol
 from maru.common.errors import (
     MaruConnectionError,
     MaruConnectRefused,
+    MaruError,
     MaruForkedError,
     MaruServerError,
 )
@@ -184,6 +185,7 @@ class _Channel:
             # A server of another protocol version: its reply fails the request, naming both.
             header = protocol.decode_header(frame)
             body = {"ok": False, "code": int(exc.code), "error": str(exc)}
+        self.client.last_reply = time.monotonic()  # (`RpcClient.answers`)
         # The hook runs even for a reply whose caller already timed out: it may carry
         # `freed` chunks that the server hands out only once (lost, they would stay
         # allocated in the client for good).
@@ -531,6 +533,27 @@ class RpcClient:
         self.created_in = os.getpid()
         self.forks = FORKS[0]  # this process's fork count when the client was made
         self.session: str | None = None  # the instance's credential, in every request
+        self.last_reply = time.monotonic()  # when the server last answered, on any channel
+
+    def answers(self) -> bool:
+        """Whether the server answers a HEARTBEAT now (as this instance: one it reaped comes
+        back through a re-handshake, which drops the regions no longer ours). A writer asks
+        before it writes once the server has not answered for two heartbeat intervals
+        (`MaruHandler.put`, `alloc`): the server cannot fence a writer on another host, and
+        gives a silent one's regions to others once it reaped it and `--reap-hold` passed,
+        so a cut-off or long-paused writer fences itself. False (logged): write nothing."""
+        silent = time.monotonic() - self.last_reply
+        try:
+            self.request(protocol.MsgType.HEARTBEAT, {}).result()
+        except MaruError as exc:
+            log.warning(
+                "not writing into the pool: maru-server has not answered for %.1f s and may "
+                "have given our regions to others (%s)",
+                silent,
+                exc,
+            )
+            return False
+        return True
 
     def forked(self) -> bool:
         """Whether this process is a child forked after the client was made."""

@@ -1,0 +1,248 @@
+"""Run by `test_pod_hosts.py`: a host of a CXL pod fails (issue 43, "Hosts fail").
+
+`pod_hosts_child.py NEUTRAL WORKDIR CASE HOLD [LATE]` runs (through `tmpfs.run_on_tmpfs`) the
+pod of `pod_child.pod_hosts` (hosts A and B, `maru-server --curve` on A, a short heartbeat
+timeout, `--reap-hold HOLD`) and one case, and prints one JSON line: what it saw, for the test
+to judge. Host A runs a writer and a reader, host B one client (`pod_child.Agent`s):
+
+- `killed`: every process of host B is SIGKILLed while its client holds a region with values;
+- `cut`: host B's end of the veth pair is set down while its client lives (holding a run of
+  chunks it reserved), then up again; LATE says how B writes while cut off: `fill` (that run,
+  written in place) or `store` (a value a round all through a cut that outlasts the hold,
+  and a batch at the end).
+
+Every value is `make_value(key)`, read back and judged by its bytes (right, missing, wrong).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from pod_child import Agent, Pod, kill_host, pod_hosts, sh
+
+HEARTBEAT_S = 2  # --heartbeat-timeout
+POOL = "16M"  # the server's pool: host A's writer (up to 16M) fills it
+BOUND_S = 60.0  # the longest a poll below waits: a bound for the run to stop, not a threshold
+ROUND = 16  # values host A's writer stores per round
+WINDOW = 4 * ROUND  # the latest values host A's reader reads each round (under the lease quota)
+
+
+def server_args(hold: str) -> list[str]:
+    """A short heartbeat timeout, and no eviction by watermark: a writer fills its regions
+    and then asks for another, which a full pool finds only in a lost host's region."""
+    return [
+        *("--heartbeat-timeout", str(HEARTBEAT_S), "--reap-hold", hold),
+        *("--eviction-high-watermark", "1", "--eviction-low-watermark", "0.9"),
+    ]
+
+
+def wait_for(what: str, predicate: Callable[[], Any]) -> Any:
+    deadline = time.monotonic() + BOUND_S
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {BOUND_S} s")
+        time.sleep(0.1)
+    return value
+
+
+def overlaps(regions: list[list], owners: set[str], spans: list[list]) -> list[list]:
+    """The regions of `owners` that overlap any of `spans` ([path, offset, length])."""
+    return [
+        r
+        for r in regions
+        if r[0] in owners
+        and any(r[1] == p and r[2] < o + n and o < r[2] + r[3] for p, o, n in spans)
+    ]
+
+
+class HostA:
+    """Host A's writer and reader: every round the writer stores ROUND new values and the
+    reader reads all of them so far, and host B's, by their bytes."""
+
+    def __init__(self, pod: Pod):
+        url, key = pod.server.url, pod.key
+        self.writer = Agent(pod.a.pid, url, key, pool_size=POOL)
+        self.reader = Agent(pod.a.pid, url, key, pool_size="2M")
+        self.written = 0  # values a/0 .. a/written-1 were stored (or tried)
+        self.stored = 0
+        self.a_reads = [0, 0, 0]  # right, missing, wrong: all rounds together
+        self.fresh = [0, 0, 0]  # ... of the values stored in the round just before
+        self.b_reads = [0, 0, 0]
+
+    def round(self, b_keys: int = 0, n: int = ROUND) -> None:
+        self.stored += self.writer.ok("store", "a", self.written, n)
+        add(self.fresh, self.reader.ok("read", "a", self.written, n))
+        self.written += n
+        first = max(0, self.written - WINDOW)
+        add(self.a_reads, self.reader.ok("read", "a", first, self.written - first))
+        if b_keys:
+            add(self.b_reads, self.reader.ok("read", "b", 0, b_keys))
+
+    def trickle_until(self, what: str, done: Callable[[], object], b_keys: int) -> None:
+        """Rounds of one value until `done()`: A writes and reads on while it waits, without
+        filling the pool before the fill that may need a lost host's range (a writer refused
+        a region before that fill makes room by evicting its own keys, and asks no more)."""
+        wait_for(what, lambda: self.round(b_keys, 1) or done())
+
+    def audit(self) -> None:
+        """Read every value stored so far (window by window), as a round reads its last."""
+        for first in range(0, self.written, WINDOW):
+            n = min(WINDOW, self.written - first)
+            add(self.a_reads, self.reader.ok("read", "a", first, n))
+
+    def stats(self) -> dict:
+        return self.reader.ok("stats")
+
+    def regions(self) -> list[list]:
+        return self.reader.ok("regions")
+
+    def report(self) -> dict:
+        """The counts so far (copies)."""
+        return {
+            "a_stored": self.stored,
+            "a_written": self.written,
+            "a_reads": list(self.a_reads),
+            "fresh": list(self.fresh),
+            "b_reads": list(self.b_reads),
+        }
+
+    def close(self) -> None:
+        self.writer.close()
+        self.reader.close()
+
+
+def add(total: list[int], counts: list[int]) -> None:
+    for i, n in enumerate(counts):
+        total[i] += n
+
+
+def spans_of(regions: list[list], owner: str) -> list[list]:
+    return [r[1:] for r in regions if r[0] == owner]
+
+
+def killed(neutral: Path, workdir: Path, hold: str) -> dict:
+    """Host B stores, then every process of it is SIGKILLed; host A goes on through B's reap,
+    fills the pool during the hold, and goes on until the hold has ended, and after."""
+    out: dict[str, Any] = {}
+    with pod_hosts(neutral, workdir, server_args(hold), pool_size=POOL) as pod:
+        a = HostA(pod)
+        b = Agent(pod.b.pid, pod.server.url, pod.key, pod.b_pool, pool_size="4M")
+        netns = -1
+        try:
+            out["b_stored"] = b.ok("store", "b", 0, 24)
+            a.round(24)
+            spans = spans_of(a.regions(), b.instance)
+            out["b_regions"] = len(spans)
+            netns, out["b_killed"] = kill_host(pod.b.pid)
+            began = time.monotonic()
+            a.trickle_until("B reaped", lambda: b.instance not in a.stats()["instances"], 24)
+            out["reaped_s"] = round(time.monotonic() - began, 1)  # (told, not judged)
+            stats = a.stats()
+            out["held_at_reap"] = stats["orphaned"]["held"]
+            out["b_after_reap"] = a.reader.ok("read", "b", 0, 24)
+            owners = {a.writer.instance, a.reader.instance}
+            during: list[list] = []
+            began = time.monotonic()
+            for _ in range(16):  # 16 rounds of 16 values: 16 MiB, the whole pool
+                a.round(24)
+                during += overlaps(a.regions(), owners, spans)
+            out["fill_s"] = round(time.monotonic() - began, 1)  # (told, not judged)
+            out["overlap_during_hold"] = during
+            out["held_after_fill"] = a.stats()["orphaned"]["held"]
+            out["during_hold"] = a.report()
+            a.trickle_until("the hold ended", lambda: not a.stats()["orphaned"]["held"], 24)
+            for _ in range(16):
+                a.round(24)
+            a.audit()
+            out["end"] = a.report()
+        finally:
+            b.proc.kill()
+            a.close()
+            if netns >= 0:
+                os.close(netns)
+    return out
+
+
+def cut(neutral: Path, workdir: Path, hold: str, late: str = "fill") -> dict:
+    """Host B stores (and, `late` "fill", reserves a run of chunks); its veth is set down. Its
+    client's steps fail or miss within its timeout; host A goes on through B's reap and fills
+    the pool (`late` "store": only once the hold has ended: the cut outlasts it). Then B, still
+    cut off, writes late: "fill" writes its reserved run in place (what nothing can fence) and
+    seals it, "store" stores new values. Once the link is back B reconnects (as a new
+    instance), stores, and reads A's values."""
+    out: dict[str, Any] = {}
+    with pod_hosts(neutral, workdir, server_args(hold), pool_size=POOL) as pod:
+        a = HostA(pod)
+        b = Agent(
+            *(pod.b.pid, pod.server.url, pod.key, pod.b_pool),
+            pool_size="4M",
+            timeout_ms=1000,
+            regions="one",  # (64 chunks: its engine writes on in the cut)
+        )
+        try:
+            out["b_stored"] = b.ok("store", "b", 0, 16)
+            out["b_reserved"] = b.ok("alloc", 8)  # (unsealed: its region is never parked)
+            a.round(16)
+            out["b_reads_a"] = b.ok("read", "a", 0, a.written)
+            spans = spans_of(a.regions(), b.instance)
+            out["b_regions"] = len(spans)
+            sh(pod.b.pid, "ip link set pod-b down")
+            began = time.monotonic()
+            out["b_cut_store"] = b.ask("store", "cut", 0, 4)
+            out["b_cut_read"] = b.ask("read", "a", 0, a.written)
+            out["b_cut_s"] = round(time.monotonic() - began, 1)  # (told, not judged)
+            a.trickle_until("B reaped", lambda: b.instance not in a.stats()["instances"], 16)
+            out["held_at_reap"] = a.stats()["orphaned"]["held"]
+            late_stores: list[dict] = []
+            if late == "store":  # B's engine goes on storing, a value a round
+                a.trickle_until(
+                    "the hold ended",
+                    lambda: (
+                        late_stores.append(b.ask("store", "late", len(late_stores), 1))
+                        or not a.stats()["orphaned"]["held"]
+                    ),
+                    16,
+                )
+            owners = {a.writer.instance, a.reader.instance}
+            overlap: list[list] = []
+            for _ in range(16):  # 16 MiB, the whole pool
+                a.round(16)
+                overlap += overlaps(a.regions(), owners, spans)
+                if late == "store":
+                    late_stores.append(b.ask("store", "late", len(late_stores), 1))
+            out["overlap"] = overlap
+            began = time.monotonic()
+            if late == "fill":  # in place, into its old region
+                out["b_late"] = [b.ask("fill", "late")]
+            else:  # a batch, after A's fill
+                out["b_late"] = [*late_stores, b.ask("store", "late", len(late_stores), 8)]
+            out["b_late_s"] = round(time.monotonic() - began, 1)  # (told, not judged)
+            a.audit()
+            out["held_after_late"] = a.stats()["orphaned"]["held"]
+            out["during_cut"] = a.report()
+            sh(pod.b.pid, "ip link set pod-b up")
+            out["b_back_store"] = b.ask("store", "back", 0, 8)
+            out["b_instance_changed"] = b.ok("whoami") != b.instance
+            a.round(16)  # (values stored since B is back: no room made for B evicted them)
+            out["b_back_reads_a"] = b.ok("read", "a", a.written - ROUND, ROUND)
+            out["a_reads_b_back"] = a.reader.ok("read", "back", 0, 8)
+            a.audit()
+            out["end"] = a.report()
+        finally:
+            b.close()
+            a.close()
+    return out
+
+
+if __name__ == "__main__":
+    import json
+
+    case = {"killed": killed, "cut": cut}[sys.argv[3]]
+    print(json.dumps(case(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[4:])))
