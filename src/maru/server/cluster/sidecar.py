@@ -133,23 +133,30 @@ class Sidecar:
     def send(self, message: dict[str, Any]) -> None:
         self.sock.send(msgpack.packb(message, use_bin_type=True))
 
-    def publish(self, jobs: list[list[Any]]) -> tuple[list[int], str | None]:
-        """Publish each job's pages with its proof: a result per job, and why any failed."""
-        assert self.store is not None and self.maps is not None
-        results, error = [FAILED] * len(jobs), None
-        names, addresses, sizes, sums, places = [], [], [], [], []
-        views = []
-        for i, (name, path, offset, length, _) in enumerate(jobs):
+    def _mapped(self, jobs: list[list[Any]]) -> tuple[list[Any], list[int], list[int], str | None]:
+        """Each job's pool pages (name, path, offset, length, checksum): their views and
+        addresses, the jobs they belong to, and why any could not be mapped."""
+        assert self.maps is not None
+        views, addresses, places, error = [], [], [], None
+        for i, (_, path, offset, length, _) in enumerate(jobs):
             try:
                 view, address = self.maps.view(path, offset, length)
             except (OSError, ValueError) as exc:
                 error = str(exc)
                 continue
             views.append(view)
-            places.append(i)
-            names.append(name)
             addresses.append(address)
-            sizes.append(length)
+            places.append(i)
+        return views, addresses, places, error
+
+    def publish(self, jobs: list[list[Any]]) -> tuple[list[int], str | None]:
+        """Publish each job's pages with its proof: a result per job, and why any failed."""
+        assert self.store is not None and self.maps is not None
+        results = [FAILED] * len(jobs)
+        views, addresses, places, error = self._mapped(jobs)
+        names = [jobs[i][0] for i in places]
+        sizes = [jobs[i][3] for i in places]
+        sums: list[int] = []
         computed = checksums(views).tolist() if views else []
         for view in views:
             view.release()
@@ -196,17 +203,8 @@ class Sidecar:
         registered by nobody yet) and prove it: PUBLISHED where the bytes have the length and
         maru64 of the proof, REFUSED where they do not, FAILED where Mooncake failed."""
         assert self.store is not None and self.maps is not None
-        results, error = [FAILED] * len(jobs), None
-        views, addresses, places = [], [], []
-        for i, (_, path, offset, length, _) in enumerate(jobs):
-            try:
-                view, address = self.maps.view(path, offset, length)
-            except (OSError, ValueError) as exc:
-                error = str(exc)
-                continue
-            views.append(view)
-            addresses.append(address)
-            places.append(i)
+        results = [FAILED] * len(jobs)
+        views, addresses, places, error = self._mapped(jobs)
         if not places:
             return results, error
         codes = self.store.batch_get_into(

@@ -55,6 +55,8 @@ STALL_S = 30.0  # a batch unanswered this long: the sidecar is killed and starte
 RESTART_S = 2.0  # the least time between two starts of the sidecar
 CHECK_S = 0.1  # how often the loop looks after the sidecar and the tier's pages
 ABSENT_S = 1.0  # a key the cluster did not hold is not asked for again this long
+RETRY_S = 0.5  # a publish Mooncake failed (a master or link back a moment ago) goes again then
+RETRIES = 3  # times a value's publish goes again before it counts as failed
 
 
 @dataclass
@@ -96,6 +98,9 @@ class ClusterTier:
         if publish == "spill":
             registry.eviction.spill = self.spill
         self.queue: deque[Key] = deque()  # to publish
+        # write-through publishes Mooncake failed, to go again: (when, key), and each key's tries
+        self.retry: deque[tuple[float, Key]] = deque()
+        self.tries: dict[Key, int] = {}
         self.wanted: deque[Key] = deque()  # to probe, then pull
         self.pulling: set[Key] = set()  # wanted, probed or being pulled
         self.absent: dict[Key, float] = {}  # not in the cluster: not asked until then
@@ -172,6 +177,8 @@ class ClusterTier:
         self.checked = now
         self.pages.touch()
         self.pages.take_freed()
+        if self.retry:  # (failed publishes whose time to go again came)
+            self.pump()
         proc = self.proc
         stalled = any(now - b.sent > STALL_S for b in self.batches.values())
         if proc is not None and proc.poll() is None and not stalled:
@@ -281,15 +288,24 @@ class ClusterTier:
         release_entries(batch.held)
         if batch.spill:
             self._drop_spilled(batch)
-        counts = self.counts
-        for nbytes, result in zip(batch.nbytes, results):
+        counts, again = self.counts, time.monotonic() + RETRY_S
+        for key, nbytes, result in zip(batch.keys, batch.nbytes, results):
             if result == PUBLISHED:
                 counts["published"] += 1
                 counts["published_bytes"] += nbytes
+                self.tries.pop(key, None)
             elif result == REFUSED:
                 counts["publish_refused"] += 1
+            elif (
+                not batch.spill
+                and self.tries.get(key, 0) < RETRIES
+                and len(self.tries) < QUEUE_KEYS
+            ):
+                self.tries[key] = self.tries.get(key, 0) + 1  # (write-through: it goes again)
+                self.retry.append((again, key))
             else:
                 counts["publish_failures"] += 1
+                self.tries.pop(key, None)
         if REFUSED in results:
             log.error(
                 "cluster tier: %d values' pages do not match their writer's checksum: not "
@@ -382,6 +398,13 @@ class ClusterTier:
             tenant = self.config.tenant_id
             if not self._send(Batch("probe", keys), [object_name(tenant, k) for k in keys]):
                 self.pulling.difference_update(keys)
+        now = time.monotonic()
+        while self.retry and self.retry[0][0] <= now and len(self.queue) < QUEUE_KEYS:
+            _, key = self.retry.popleft()
+            if key in self.registry.keys:
+                self.queue.append(key)
+            else:  # (deleted or evicted meanwhile)
+                self.tries.pop(key, None)
         while self.queue and self.connected and len(self.batches) < IN_FLIGHT:
             keys = [self.queue.popleft() for _ in range(min(BATCH_KEYS, len(self.queue)))]
             if self._publish(keys) is False:
@@ -457,7 +480,7 @@ class ClusterTier:
             "error": self.error,
             "last_failure": self.last_failure,
             "instance": self.pages.instance_id,
-            "queue_depth": len(self.queue),
+            "queue_depth": len(self.queue) + len(self.retry),  # (failed ones going again too)
             "pull_queue_depth": len(self.wanted),
             "pulling": len(self.pulling),
             "in_flight": sum(len(b.keys) for b in list(self.batches.values())),
