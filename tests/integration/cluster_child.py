@@ -69,10 +69,10 @@ SPILL_N = 250  # values of SIZE node 1 writes with spill: 15 MB, past its high w
 WAIT_S = 60  # the longest any step here waits for the tier
 
 
-def handler(url: str, checksums: bool = True) -> MaruHandler:
+def handler(url: str, checksums: bool = True, pool_size: str = "32M") -> MaruHandler:
     return MaruHandler(
         server_url=url,
-        pool_size="32M",  # (above `spill`'s high watermark: its rounds, not room for a writer)
+        pool_size=pool_size,  # (32M: above `spill`'s high watermark: its rounds, not room)
         chunk_size_bytes="64K",
         checksums=checksums,
         timeout_ms=5000,
@@ -165,10 +165,11 @@ def read(config: str, prefix: str, n: int) -> dict:
     return {"right": right, "missing": missing, "wrong": wrong}
 
 
-def in_node(pid: int, *args: str, env: str = "") -> dict:
-    """One `cluster_child.py` mode run in node `pid`: its JSON line."""
+def in_node(pid: int, *args: str, env: str = "", script: str = __file__) -> dict:
+    """One `cluster_child.py` mode (or `script`'s, e.g. a benchmark's) run in node `pid`:
+    its JSON line."""
     cmd = ["nsenter", "-t", str(pid), "-n", "-m", "env", *env.split(), sys.executable]
-    done = subprocess.run([*cmd, __file__, *args], capture_output=True, text=True, timeout=90)
+    done = subprocess.run([*cmd, script, *args], capture_output=True, text=True, timeout=90)
     if done.returncode != 0:
         return {"failed": done.stderr[-3000:]}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -187,17 +188,22 @@ def wait_for(pid: int, url: str, done: str, want: int | bool) -> dict:
         time.sleep(0.2)
 
 
-def node_server(pid: int, ip: str, workdir: Path, config: Path, *args: str) -> Any:
+def node_server(
+    pid: int, ip: str, workdir: Path, config: Path | None, *args: str, pool_size: str = "64M"
+) -> Any:
     """A `maru-server --cluster mooncake` in node `pid`, its local hostname `ip` given by
-    MOONCAKE_LOCAL_HOSTNAME (one config file for every node, as SGLang's)."""
+    MOONCAKE_LOCAL_HOSTNAME (one config file for every node, as SGLang's); with no
+    `config`, a server without a tier."""
     command = SERVER_COMMAND
     conftest.maru_server_command = lambda: [
         *("nsenter", "-t", str(pid), "-n", "-m", "timeout", str(LIFE_S)),
         *("env", f"MOONCAKE_LOCAL_HOSTNAME={ip}"),
         *command,
     ]
-    cluster = ["--cluster", "mooncake", "--cluster-config", str(config), *args]
-    return conftest.MaruServerProcess(workdir, pool_size="64M", extra_args=cluster).start()
+    tier = ["--cluster", "mooncake", "--cluster-config", str(config)] if config else []
+    return conftest.MaruServerProcess(
+        workdir, pool_size=pool_size, extra_args=[*tier, *args]
+    ).start()
 
 
 SERVER_COMMAND = conftest.maru_server_command()
@@ -266,10 +272,15 @@ class Nodes:
 
 @contextlib.contextmanager
 def cluster(
-    workdir: Path, node2_args: tuple[str, ...], node1_args: tuple[str, ...] = ()
+    workdir: Path,
+    node2_args: tuple[str, ...],
+    node1_args: tuple[str, ...] = (),
+    pool_size: str = "64M",
+    segment: int = 64 << 20,
 ) -> Iterator[Nodes]:
     """Two nodes, a Mooncake master on node 1, a `maru-server --cluster mooncake` on each
-    (with `node1_args`, `node2_args`); every process killed on the way out."""
+    (with `node1_args`, `node2_args`; pools of `pool_size`, Mooncake segments of `segment`
+    bytes); every process killed on the way out."""
     started: list[subprocess.Popen] = []
     servers: list[Any] = []
     config = workdir / "mooncake.json"  # one file for every node (SGLang's form)
@@ -281,7 +292,7 @@ def cluster(
                 "master_server_address": MASTER,
                 "protocol": "tcp",
                 "device_name": "",
-                "global_segment_size": 64 << 20,
+                "global_segment_size": segment,
             }
         )
     )
@@ -305,8 +316,11 @@ def cluster(
         )
         nodes = Nodes(one, two, "", "", config, workdir, started)
         nodes.start_master()
-        servers.append(node_server(one.pid, NODE1, workdir / "node1", config, *node1_args))
-        servers.append(node_server(two.pid, NODE2, workdir / "node2", config, *node2_args))
+        for pid, ip, name, args in (
+            (one.pid, NODE1, "node1", node1_args),
+            (two.pid, NODE2, "node2", node2_args),
+        ):
+            servers.append(node_server(pid, ip, workdir / name, config, *args, pool_size=pool_size))
         nodes.url1, nodes.url2 = servers[0].url, servers[1].url
         yield nodes
     finally:

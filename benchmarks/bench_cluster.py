@@ -1,0 +1,376 @@
+"""Cluster benchmark: a node reading another node's values through Maru's cluster tier, beside
+Mooncake alone and Maru's local read; and what the tier costs a writer.
+
+    sudo .venv/bin/python benchmarks/bench_cluster.py --quick   # ~1 minute
+    sudo .venv/bin/python benchmarks/bench_cluster.py           # a few minutes
+
+Needs root (it says why and stops otherwise): two nodes are made as the cluster tests make
+them (`tests/integration/cluster_child.py`'s `cluster`: network and mount namespaces, a veth
+pair, TCP), one `mooncake_master` on node 1, a `maru-server --cluster mooncake` on each
+(node 1 `write-through`, node 2 `spill`), and on node 1 one more `maru-server` without a tier.
+Each round, at 1 MiB and 64 KiB values, calls of 64 values (the same bytes for every method):
+
+- **writer**: `batch_store` of new values on node 1 without a tier, on node 1 with
+  write-through (what the cluster reads below), on node 2 with spill (node 2's own values
+  below), in an order rotated per round;
+- **reads on node 2** (in an order alternated per round): Maru's local read (`MaruHandler.read`
+  into a buffer of node 2's own values; a first pass warms the process, the second is
+  timed); Maru's first read of node 1's values (pull into node 2's pool, proven, then copied
+  into the buffer); Maru's second read of them (in place); and **Mooncake alone**, what
+  SGLang's Mooncake backend does: a plain Mooncake client (no Maru) on node 2 reading the
+  same objects from the same master with `batch_get_into` into a registered buffer.
+
+Each process's first call is not timed (a serving process has its connections and mappings
+already). Every byte read by every method is checked against what was written (outside the
+timings); a wrong byte fails the run. Figures are medians of per-call times; ratios are medians of
+per-round ratios (paired). Prints the table with the goals (the tier's first read within 1.2x
+of Mooncake alone; the second at Maru's local speed) and writes CSV, JSON, Markdown and a PNG
+under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # (tests.integration.cluster_child, conftest)
+
+import numpy as np  # noqa: E402
+from tests.integration import cluster_child as cc  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = {"1 MiB": MiB, "64 KiB": 64 * KiB}
+PER_CALL = 64  # values per call
+POOL = "2G"  # each server's pool
+SEGMENT = 768 << 20  # each tier's Mooncake segment (everything published fits)
+WRITERS = ("no tier", "write-through", "spill")
+READS = ("mooncake", "mooncake+proofs", "first", "second", "local")
+FIRST_GOAL = 1.2  # the tier's first read / Mooncake alone, at most
+SECOND_GOAL = 1.1  # the second read / the local read, at most ("local speed", within noise)
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+# -- run in a node (`in_node(..., script=__file__)`) ------------------------------------------
+
+
+def keys_of(prefix: str, calls: int) -> list[list[str]]:
+    """The keys of `calls` timed calls, after one more not timed (`timed` drops it): each
+    process's first call pays for its connections and mappings, as a serving one does not."""
+    return [[f"{prefix}/{c}/{i}" for i in range(PER_CALL)] for c in range(calls + 1)]
+
+
+def timed(seconds: list[float]) -> list[float]:
+    return seconds[1:]
+
+
+def store(url: str, prefix: str, size: int, calls: int) -> dict:
+    """`batch_store` of `calls` calls of new values: seconds per call."""
+    h = cc.handler(url, pool_size="512M")
+    try:
+        seconds, stored = [], 0
+        for keys in keys_of(prefix, calls):
+            values = [cc.make_value(k, size) for k in keys]
+            t = time.perf_counter()
+            stored += sum(h.batch_store(keys, values))
+            seconds.append(time.perf_counter() - t)
+        return {"s": timed(seconds), "stored": stored}
+    finally:
+        h.close()
+
+
+def judged(keys: list[str], out: np.ndarray, hits: list[bool]) -> tuple[int, int, int]:
+    """(right, missing, wrong) of a call read into `out` (one row a key)."""
+    right = sum(hit and out[i].tobytes() == cc.make_value(k, out.shape[1]) for i, (k, hit) in
+                enumerate(zip(keys, hits)))  # fmt: skip
+    missing = hits.count(False)
+    return right, missing, len(keys) - right - missing
+
+
+def maru_reads(url: str, local: str, remote: str, size: int, calls: int) -> dict:
+    """Node 2 through Maru, one process: `local` twice (the second timed), then `remote`
+    (node 1's values) twice: the first pulls, the second reads in place. Seconds per call
+    and what the bytes say."""
+    h = cc.handler(url, checksums=False, pool_size="16M")  # (the bytes judge, below)
+    out = np.zeros((PER_CALL, size), np.uint8)
+    buffers = out.ctypes.data + np.arange(PER_CALL, dtype=np.int64)[:, None] * size
+    sizes = np.array([size], np.int64)
+    got: dict[str, Any] = {}
+    try:
+        for name, prefix in (
+            ("warm", local),
+            ("local", local),
+            ("first", remote),
+            ("second", remote),
+        ):
+            seconds, counts = [], np.zeros(3, np.int64)
+            for keys in keys_of(prefix, calls):
+                t = time.perf_counter()
+                hits = h.read(keys, buffers, sizes, length=size)
+                seconds.append(time.perf_counter() - t)
+                counts += judged(keys, out, hits)
+            got[name] = {"s": timed(seconds), "counts": counts.tolist()}
+        return got
+    finally:
+        h.close()
+
+
+def mooncake_reads(config: str, prefix: str, size: int, calls: int) -> dict:
+    """Node 2 through a plain Mooncake client (what SGLang's Mooncake backend does):
+    `batch_get_into` a registered buffer, the same objects the tier reads; then again with
+    the values' proofs read first (`get_batch`), as the tier's probe does: the floor of a
+    pull that reads proofs, then values."""
+    tenant = cc.MooncakeConfig.from_file(config).tenant_id
+    store_ = cc.plain_client(config)
+    out = np.zeros((PER_CALL, size), np.uint8)
+    ptrs = [out.ctypes.data + i * size for i in range(PER_CALL)]
+    try:
+        if store_.register_buffer(out.ctypes.data, out.nbytes) != 0:
+            raise RuntimeError("Mooncake register_buffer failed")
+        got: dict[str, Any] = {}
+        for name, proofs in (("mooncake", False), ("mooncake+proofs", True)):
+            seconds, counts = [], np.zeros(3, np.int64)
+            for keys in keys_of(prefix, calls):
+                names = [cc.object_name(tenant, k) for k in keys]
+                t = time.perf_counter()
+                if proofs:
+                    store_.get_batch([cc.proof_name(n) for n in names])
+                codes = store_.batch_get_into(names, ptrs, [size] * PER_CALL)
+                seconds.append(time.perf_counter() - t)
+                counts += judged(keys, out, [c == size for c in codes])
+            got[name] = {"s": timed(seconds), "counts": counts.tolist()}
+        return got
+    finally:
+        store_.close()
+
+
+# -- figures (pure) ---------------------------------------------------------------------------
+
+
+def summarize(rounds: list[dict[str, dict[str, list[float]]]], call_bytes: int) -> dict:
+    """One size's figures from its rounds ({method: seconds per call}): ms per call and GB/s
+    (medians over every call), and the goals' ratios (medians of per-round ratios of the
+    rounds' median times)."""
+    out: dict[str, float] = {}
+    for method in (*WRITERS, *READS):
+        calls = [s for r in rounds for s in r[method]]
+        out[f"{method}_ms"] = statistics.median(calls) * 1e3
+        out[f"{method}_gbps"] = call_bytes / statistics.median(calls) / 1e9
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(statistics.median(r[a]) / statistics.median(r[b]) for r in rounds)
+
+    out["first_vs_mooncake"] = ratio("first", "mooncake")
+    out["proofs_vs_mooncake"] = ratio("mooncake+proofs", "mooncake")
+    out["second_vs_local"] = ratio("second", "local")
+    out["write_through_vs_none"] = ratio("write-through", "no tier")
+    out["spill_vs_none"] = ratio("spill", "no tier")
+    return out
+
+
+def evaluate(summary: dict[str, dict[str, float]]) -> list[tuple[str, str, float, float, bool]]:
+    """(goal, size, ratio, bound, met) per size for the two read goals (times: lower wins)."""
+    goals = (("first_vs_mooncake", FIRST_GOAL), ("second_vs_local", SECOND_GOAL))
+    return [(key, size, s[key], bound, s[key] <= bound) for size, s in summary.items()
+            for key, bound in goals]  # fmt: skip
+
+
+ROWS = (
+    ("Mooncake alone: `batch_get_into` a registered buffer", "mooncake", None, ""),
+    (
+        "Mooncake, the proofs first (`get_batch`), then the values",
+        "mooncake+proofs",
+        "proofs_vs_mooncake",
+        "Mooncake alone",
+    ),
+    ("Maru, first read (pull, prove, copy out)", "first", "first_vs_mooncake", "Mooncake alone"),
+    ("Maru, second read (in place)", "second", "second_vs_local", "the local read"),
+    ("Maru, local read (node 2's own values)", "local", None, ""),
+    ("writer: `batch_store`, no tier", "no tier", None, ""),
+    ("writer: `batch_store`, write-through", "write-through", "write_through_vs_none", "no tier"),
+    ("writer: `batch_store`, spill", "spill", "spill_vs_none", "no tier"),
+)
+
+
+def render(summary: dict[str, dict[str, float]]) -> list[str]:
+    """The table: per size GB/s and ms per call, the time ratio against the row's baseline,
+    and the two read goals' verdicts."""
+    sizes = list(summary)
+    head = "| method | " + " | ".join(f"{s}: GB/s, ms a call, time ratio" for s in sizes)
+    lines = [head + " | goal |", "|---|" + "---:|" * len(sizes) + "---|"]
+    verdicts = {(k, size): ok for k, size, _v, _b, ok in evaluate(summary)}
+    for text, method, ratio, against in ROWS:
+        cells = []
+        for size in sizes:
+            s = summary[size]
+            cell = f"{s[f'{method}_gbps']:.2f}, {s[f'{method}_ms']:.1f}"
+            cells.append(cell + (f", {s[ratio]:.2f}x {against}" if ratio else ""))
+        goal = ""
+        if ratio in ("first_vs_mooncake", "second_vs_local"):
+            bound = FIRST_GOAL if ratio == "first_vs_mooncake" else SECOND_GOAL
+            marks = " / ".join("PASS" if verdicts[(ratio, size)] else "MISS" for size in sizes)
+            goal = f"<= {bound}x {against}: {marks}"
+        lines.append(f"| {text} | " + " | ".join(cells) + f" | {goal} |")
+    return lines
+
+
+def plot(path: Path, summary: dict[str, dict[str, float]]) -> bool:
+    """GB/s per method and size; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    methods = [m for _t, m, _r, _a in ROWS]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(summary)
+    for j, (size, s) in enumerate(summary.items()):
+        xs = [i + j * width for i in range(len(methods))]
+        ax.bar(xs, [s[f"{m}_gbps"] for m in methods], width, label=size)
+    ax.set_xticks([i + width * (len(summary) - 1) / 2 for i in range(len(methods))])
+    ax.set_xticklabels(methods, rotation=20)
+    ax.set_ylabel("GB/s (calls of 64 values)")
+    ax.set_title("Node 2 reading node 1's values (TCP), and the writers")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+def why_not() -> str | None:
+    """Why this machine cannot run it (None: it can)."""
+    if os.geteuid() != 0:
+        return "needs root (network and mount namespaces)"
+    for tool in ("unshare", "nsenter", "ip"):
+        if shutil.which(tool) is None:
+            return f"needs `{tool}`"
+    try:
+        cc.load_mooncake()
+        cc.master_binary()
+    except Exception as exc:  # MooncakeMissing, or the wheel's libraries
+        return f"Mooncake is not usable here: {exc}"
+    return None
+
+
+def in_node(pid: int, *args: Any, env: str = "") -> dict:
+    """One of this file's modes in node `pid`; a step that failed stops the run."""
+    got = cc.in_node(pid, *map(str, args), env=env, script=__file__)
+    if "failed" in got:
+        raise SystemExit(f"{args[0]} failed in a node:\n{got['failed']}")
+    return got
+
+
+def bench_round(c: cc.Nodes, url0: str, r: int, label: str, size: int, calls: int) -> dict:
+    """One round at one size: seconds per call of each writer and each read, and the
+    bytes' counts of the reads."""
+    tag = f"r{r}-{size}"
+    writers = {"no tier": (1, url0), "write-through": (1, c.url1), "spill": (2, c.url2)}
+    order = list(WRITERS[r % 3 :] + WRITERS[: r % 3])
+    times: dict[str, list[float]] = {}
+    for method in order:
+        node, url = writers[method]
+        pid = c.one.pid if node == 1 else c.two.pid
+        got = in_node(pid, "store", url, f"{method}/{tag}", size, calls)
+        if got["stored"] != (calls + 1) * PER_CALL:
+            raise SystemExit(f"{method}: stored {got['stored']} of {(calls + 1) * PER_CALL}")
+        times[method] = got["s"]
+    c.settled(1)  # node 1's values published
+    counts: dict[str, list[int]] = {}
+    env = f"MOONCAKE_LOCAL_HOSTNAME={cc.NODE2}"
+    steps = ["maru", "mooncake"] if r % 2 == 0 else ["mooncake", "maru"]
+    for step in steps:
+        if step == "maru":
+            got = in_node(c.two.pid, "maru", c.url2, f"spill/{tag}", f"write-through/{tag}",
+                          size, calls)  # fmt: skip
+            for name in ("local", "first", "second"):
+                times[name], counts[name] = got[name]["s"], got[name]["counts"]
+        else:
+            got = in_node(c.two.pid, "mooncake", c.config, f"write-through/{tag}", size, calls,
+                          env=env)  # fmt: skip
+            for name in ("mooncake", "mooncake+proofs"):
+                times[name], counts[name] = got[name]["s"], got[name]["counts"]
+    print(f"round {r} {label}: {json.dumps(counts)}", file=sys.stderr)
+    return {"times": times, "counts": counts}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one round, one call a size")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds (default: 3)")
+    ap.add_argument("--calls", type=int, default=3, help="timed calls of 64 values a round (3)")
+    ap.add_argument("--out", default=str(RESULTS), help="where the result files go")
+    args = ap.parse_args()
+    reason = why_not()
+    if reason:
+        print(f"bench_cluster: skipped: {reason}", file=sys.stderr)
+        return 0
+    rounds, calls = (1, 1) if args.quick else (args.rounds, args.calls)
+    t_start = time.monotonic()
+    import bench_hicache as H  # (same dir; the machine's description)
+
+    machine = H.machine_info() | {"load_before": os.getloadavg()[0]}
+    raw: dict[str, list[dict]] = {label: [] for label in SIZES}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        work = Path(tmp)
+        node2 = ("--cluster-publish", "spill", "--cluster-lookup-ms", "10000")
+        c = stack.enter_context(cc.cluster(work, node2, pool_size=POOL, segment=SEGMENT))
+        plain = cc.node_server(c.one.pid, cc.NODE1, work / "notier", None, pool_size=POOL)
+        stack.callback(plain.halt)
+        for node in (1, 2):
+            if not c.wait(node, "connected", True).get("connected"):
+                raise SystemExit(f"node {node}'s tier did not connect")
+        for r in range(rounds):
+            for label, size in SIZES.items():
+                raw[label].append(bench_round(c, plain.url, r, label, size, calls))
+    wrong = {(label, m): n[2] for label, rs in raw.items() for r in rs
+             for m, n in r["counts"].items() if n[2]}  # fmt: skip
+    missing = sum(n[1] for rs in raw.values() for r in rs for n in r["counts"].values())
+    summary = {label: summarize([r["times"] for r in rs], PER_CALL * SIZES[label])
+               for label, rs in raw.items()}  # fmt: skip
+    lines = [
+        f"bench_cluster: {rounds} round(s) x {calls} call(s) of {PER_CALL} values a size; "
+        f"{machine['cpu']}, {machine['cores']} cores; two nodes over a veth pair (TCP); "
+        f"1-min load at start {machine['load_before']:.2f}",
+        "",
+        *render(summary),
+        "",
+        f"bytes: every read checked; misses {missing}; wrong {sum(wrong.values())}",
+    ]
+    rows = [{"size": label, **s} for label, s in summary.items()]
+    doc = {"machine": machine, "summary": summary, "raw": raw, "quick": args.quick}
+    from report import finish, rows_csv
+
+    finish("cluster", args.out, "\n".join(lines), doc, machine, t_start,
+           write_csv=rows_csv(rows), plot=lambda p: plot(p, summary), quick=args.quick)  # fmt: skip
+    if wrong:
+        print(f"WRONG BYTES served as hits: {wrong}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] in ("store", "maru", "mooncake"):
+        mode, a = sys.argv[1], sys.argv[2:]
+        if mode == "store":
+            print(json.dumps(store(a[0], a[1], int(a[2]), int(a[3]))))
+        elif mode == "maru":
+            print(json.dumps(maru_reads(a[0], a[1], a[2], int(a[3]), int(a[4]))))
+        else:
+            print(json.dumps(mooncake_reads(a[0], a[1], int(a[2]), int(a[3]))))
+    else:
+        sys.exit(main())
