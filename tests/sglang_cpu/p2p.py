@@ -9,6 +9,7 @@ benchmark (benchmarks/bench_sglang_ttft.py).
 * :func:`start_servers` -- several ``sglang.launch_server`` processes (sequentially or at once).
 * :func:`wait_l3_stable` -- poll maru-server's key count until write-through has settled.
 * :func:`stream_ttft` -- streaming ``/generate``; time to the first chunk and the final response.
+* :func:`share_prompt` -- one prompt on one server, then (its pages in L3) on the other.
 * :func:`run_p2p` -- the whole P2P flow: two servers, a prompt on one, then on the other.
 """
 
@@ -30,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .server import SGLangServer, start_server, stop_server
+from .server import SGLangServer, generate, start_server, stop_server
 
 PAGE_SIZE = 4
 # An idle SGLang scheduler busy-polls one core (measured: 1.0 CPU-second per second); with two
@@ -170,34 +171,43 @@ def maru_server(
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _observer(url: str):
+def _observer(url: str, server_public_key: str | None = None):
     """A handler that only asks for statistics: not connected, so it takes no region of the
-    pool (a connected handler maps a region of its own, which a full pool cannot give)."""
+    pool (a connected handler maps a region of its own, which a full pool cannot give).
+    `server_public_key`: for a ``maru-server --curve`` (a pod's server)."""
     from maru import MaruHandler
 
-    return MaruHandler(server_url=url, auto_connect=False, timeout_ms=5000)
+    return MaruHandler(
+        server_url=url, server_public_key=server_public_key, auto_connect=False, timeout_ms=5000
+    )
 
 
-def l3_stats(url: str) -> dict:
+def l3_stats(url: str, *, server_public_key: str | None = None) -> dict:
     """maru-server's statistics (``keys``, ``counters``, ``instances``, ``pool``, ...)."""
-    h = _observer(url)
+    h = _observer(url, server_public_key)
     try:
         return h.stats()
     finally:
         h.close()
 
 
-def l3_keys(url: str) -> int:
+def l3_keys(url: str, *, server_public_key: str | None = None) -> int:
     """Number of keys maru-server holds (all namespaces)."""
-    return int(l3_stats(url)["keys"])
+    return int(l3_stats(url, server_public_key=server_public_key)["keys"])
 
 
 def wait_l3_stable(
-    url: str, minimum: int, *, timeout: float = 30.0, settle: float = 1.0, poll: float = 0.1
+    url: str,
+    minimum: int,
+    *,
+    timeout: float = 30.0,
+    settle: float = 1.0,
+    poll: float = 0.1,
+    server_public_key: str | None = None,
 ) -> int:
     """Write-through is asynchronous: poll maru-server until it holds at least ``minimum`` keys
     and the count has not changed for ``settle`` seconds. Returns the last count seen."""
-    h = _observer(url)
+    h = _observer(url, server_public_key)
     try:
         deadline = time.monotonic() + timeout
         last, since = -1, time.monotonic()
@@ -384,8 +394,6 @@ def run_p2p(
     `tp_size` > 1: each server runs that many TP ranks on CPU (gloo), rank i's OpenMP
     threads bound to CPU i modulo the CPUs this process may use (SGLang refuses more ranks
     than NUMA nodes otherwise); every rank is a MaruStorage of its own and writes its shard."""
-    from .server import generate
-
     if linker:
         extra = linker_config(maru_url, pool_size=pool_size)
         args = linker_args(extra)
@@ -412,34 +420,64 @@ def run_p2p(
     first, second = servers
     try:
         for prompt in prompts:
-            before = l3_keys(maru_url)
-            one = generate(first.base_url, prompt, max_new_tokens=max_new_tokens)
-            tokens = one["meta_info"]["prompt_tokens"]
-            say(
-                f"instance 1: {tokens}-token prompt computed, cached_tokens_details="
-                f"{one['meta_info'].get('cached_tokens_details')}"
-            )
-            after = wait_l3_stable(maru_url, before + tp_size * (tokens // PAGE_SIZE - 1))
-            say(f"maru-server holds {after} keys ({after - before} new: written through)")
-            two = generate(second.base_url, prompt, max_new_tokens=max_new_tokens)
-            expected = expected_storage_hits(tokens)
-            if linker:  # one load of every page (no 128-page storage batches)
-                lines = [f"linker load: {expected // PAGE_SIZE} pages from Maru"]
-            else:
-                lines = [f"batch_get_v1 result: {n}/{n} hits" for n in storage_batches(expected)]
-            log = second.log_path.read_text(errors="replace")
-            logged = all(line in log for line in lines)
-            outcome = PromptOutcome(
-                tokens, one, two, before, after, expected, lines, logged, linker
-            )
-            run.outcomes.append(outcome)
-            details = two["meta_info"].get("cached_tokens_details")
-            say(f"instance 2: cached_tokens_details={details}")
-            say(
-                f"instance 2: {outcome.storage} of {tokens} prompt tokens from Maru "
-                f"(expected {expected}); log shows {lines}: {logged}; "
-                f"same output as instance 1: {outcome.same_output}"
+            run.outcomes.append(
+                share_prompt(
+                    first,
+                    second,
+                    maru_url,
+                    prompt,
+                    max_new_tokens=max_new_tokens,
+                    say=say,
+                    tp_size=tp_size,
+                    linker=linker,
+                )
             )
     finally:
         stop_servers(servers)
     return run
+
+
+def share_prompt(
+    first: SGLangServer,
+    second: SGLangServer,
+    maru_url: str,
+    prompt: str,
+    *,
+    max_new_tokens: int = 8,
+    say: Callable[[str], None] = lambda _msg: None,
+    tp_size: int = 1,
+    linker: bool = False,
+    server_public_key: str | None = None,
+) -> PromptOutcome:
+    """One prompt of the P2P flow: `first` computes it, its pages reach L3 (maru-server's key
+    count settles), then `second`, which never saw it, gets the same prompt. Shared by
+    :func:`run_p2p` and the pod test (servers on two simulated hosts; `server_public_key`
+    for its ``maru-server --curve``)."""
+    before = l3_keys(maru_url, server_public_key=server_public_key)
+    one = generate(first.base_url, prompt, max_new_tokens=max_new_tokens)
+    tokens = one["meta_info"]["prompt_tokens"]
+    say(
+        f"instance 1: {tokens}-token prompt computed, cached_tokens_details="
+        f"{one['meta_info'].get('cached_tokens_details')}"
+    )
+    after = wait_l3_stable(
+        maru_url,
+        before + tp_size * (tokens // PAGE_SIZE - 1),
+        server_public_key=server_public_key,
+    )
+    say(f"maru-server holds {after} keys ({after - before} new: written through)")
+    two = generate(second.base_url, prompt, max_new_tokens=max_new_tokens)
+    expected = expected_storage_hits(tokens)
+    if linker:  # one load of every page (no 128-page storage batches)
+        lines = [f"linker load: {expected // PAGE_SIZE} pages from Maru"]
+    else:
+        lines = [f"batch_get_v1 result: {n}/{n} hits" for n in storage_batches(expected)]
+    logged = all(line in second.log_path.read_text(errors="replace") for line in lines)
+    outcome = PromptOutcome(tokens, one, two, before, after, expected, lines, logged, linker)
+    say(f"instance 2: cached_tokens_details={two['meta_info'].get('cached_tokens_details')}")
+    say(
+        f"instance 2: {outcome.storage} of {tokens} prompt tokens from Maru "
+        f"(expected {expected}); log shows {lines}: {logged}; "
+        f"same output as instance 1: {outcome.same_output}"
+    )
+    return outcome
