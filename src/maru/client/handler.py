@@ -345,11 +345,13 @@ class MaruHandler(OriginalApi):
         if size <= 0 or count <= 0:
             raise ValueError(f"alloc needs a positive size and count, got {size}, {count}")
         self._ensure_connected()  # (in a forked child: our chunks are the parent's)
+        return self._writes.reserve(size, count) if self._may_write() else None
+
+    def _may_write(self) -> bool:
+        """Not while the server has been silent for two heartbeat intervals and does not
+        answer now (`RpcClient.answers`: a writer it may have reaped fences itself)."""
         silent = self._rpc.last_reply < time.monotonic() - 2 * self._heartbeat.interval
-        if silent and not self._rpc.answers():  # (a writer the server may have reaped)
-            return None
-        handle = self._chunks.take(size, count)  # (the usual case: no region change)
-        return handle if handle is not None else self._supply.reserve(size, count)
+        return not silent or self._rpc.answers()
 
     def free(self, handle: AllocHandle) -> None:
         """Give back chunks that were reserved but will not be sealed (in software coherence
@@ -398,8 +400,7 @@ class MaruHandler(OriginalApi):
         once the registrations are sent, reporting each sent value stored; this thread's
         next `confirm_writes` (or `put`) reads the replies (`maru.client.writes`)."""
         self._ensure_connected()
-        silent = self._rpc.last_reply < time.monotonic() - 2 * self._heartbeat.interval
-        if silent and not self._rpc.answers():  # (`alloc`'s fence: nothing is written)
+        if not self._may_write():  # (nothing is written)
             for put in puts:
                 put.results, put.outcomes = [False] * len(put.keys), None
             return

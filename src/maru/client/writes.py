@@ -196,7 +196,7 @@ class Writes:
                 n = len(put.keys)
                 put.results, put.outcomes = [False] * n, None
                 size = put.uniform()
-                run = self._reserve(size, n) if n and size else None
+                run = self.reserve(size, n) if n and size else None
                 if number == 1 and self._supply.full:  # (the next write's room, made now)
                     self._supply.ahead(self._room(puts))
                 if run is None:  # no free run: value by value
@@ -247,9 +247,9 @@ class Writes:
             log.info("writing the %d values again", sum(len(p.keys) for p in lost))
             self.put(lost, behind=False, again=False)
 
-    def _reserve(self, size: int, count: int) -> AllocHandle | None:
-        """`MaruHandler.alloc` without its checks (`put` made them): a run in an owned
-        region, else from the supply."""
+    def reserve(self, size: int, count: int) -> AllocHandle | None:
+        """A run of `count` values of `size` bytes in an owned region, else from the supply
+        (the caller checked the handler may write: `MaruHandler.put`, `alloc`)."""
         run = self._s.chunks.take(size, count)  # (the usual case: no region change)
         return run if run is not None else self._supply.reserve(size, count)
 
@@ -298,7 +298,7 @@ class Writes:
         if not size:  # (equal sizes: the run's `alloc` made room for all of them)
             self._supply.room(self._room([put]))
         for _ in range(2):
-            handles = [self._reserve(v, 1) if v > 0 else None for v in sizes]
+            handles = [self.reserve(v, 1) if v > 0 else None for v in sizes]
             if all(h is None or s.chunks.holds(h) for h in handles):
                 break
             for handle in handles:
