@@ -55,7 +55,7 @@ from maru_sglang.pools import (
     page_namespace,
     sidecar_namespace,
 )
-from maru_sglang.storage_stats import StorageStats
+from maru_sglang.storage_stats import FOLD_EVERY, StorageStats
 
 __all__ = [
     "KV_POOL_NAME",
@@ -247,7 +247,14 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         self.handler.put(puts, behind=self.config.use_async_rpc)
         for batch, put in zip(batches, puts):
             batch.results = put.results
-        self._stats.account_write(batches, time.perf_counter() - start)
+        self._account(batches, start, False)
+
+    def _account(self, batches: list[Batch], start: float, reading: bool) -> None:
+        """Record a call for the statistics (folded when they are read: `StorageStats`)."""
+        calls = self._stats.calls
+        calls.append((batches, time.perf_counter() - start, reading))
+        if len(calls) >= FOLD_EVERY:
+            self._stats.fold()
 
     def _put_of(self, batch: Batch) -> Put:
         """`batch` as the write verb takes it: its keys in its pool's namespace, copied from
@@ -312,7 +319,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
             together = [b for b, _ in rest]
             keys, prefix = _query([(b.pool, b.keys) for b in together])
             self._read_pools(together, [i for _, i in rest], keys, prefix)
-        self._stats.account_read(batches, time.perf_counter() - start)
+        self._account(batches, start, True)
 
     def _read_pools(
         self,

@@ -1,13 +1,15 @@
 """`MaruStorage`'s statistics: cumulative counters per pool, and SGLang's `StorageMetrics`.
 
-SGLang's backup and prefetch threads call the storage at once, so every update and read of the
-counters holds one lock. `StorageMetrics` (pages per call and GB/s) is drained on each
+SGLang's backup and prefetch threads call the storage at once. A read or write call only
+appends its record to a deque (`calls`); the records are folded into the counters, under one
+lock, when they are read. `StorageMetrics` (pages per call and GB/s) is drained on each
 `get_stats()`, as SGLang expects; the counters only grow.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +41,12 @@ def _storage_metrics_cls() -> Any:
     return StorageMetrics
 
 
+# A read or write call appends its record to `StorageStats.calls` (a deque append: no lock, no
+# loop on the data path); the records are folded into the counters when they are read, or by
+# the call that finds this many waiting.
+FOLD_EVERY = 256
+
+
 class StorageStats:
     """The counters of one `MaruStorage`; `enable_metrics` (SGLang's
     `enable_storage_metrics`) also keeps the per-call samples of `StorageMetrics`."""
@@ -46,6 +54,8 @@ class StorageStats:
     def __init__(self, enable_metrics: bool) -> None:
         self.enable_metrics = enable_metrics
         self._lock = threading.Lock()
+        # (batches with their `results` filled in, the call's seconds, whether it read)
+        self.calls: deque[tuple[Sequence[Batch], float, bool]] = deque()
         self._pools: dict[str, dict[str, int]] = {}
         self._seconds = {"get_seconds": 0.0, "set_seconds": 0.0}
         self._reset_metrics()
@@ -64,40 +74,39 @@ class StorageStats:
             for name, delta in deltas.items():
                 counters[name] += delta
 
-    def account_write(self, batches: Sequence[Batch], elapsed: float) -> None:
-        """One write call of `batches` (their `results` filled in) that took `elapsed` s."""
-        self._account(batches, elapsed, reading=False)
-
-    def account_read(self, batches: Sequence[Batch], elapsed: float) -> None:
-        """One read call of `batches` (their `results` filled in) that took `elapsed` s."""
-        self._account(batches, elapsed, reading=True)
+    def fold(self) -> None:
+        """Account every call record waiting in `calls` (the order does not matter)."""
+        calls = self.calls
+        with self._lock:
+            while calls:
+                self._account(*calls.popleft())
 
     def _account(self, batches: Sequence[Batch], elapsed: float, reading: bool) -> None:
         """Per pool the pages that moved (a read's hits, a write's stored pages) and their
-        bytes, a read's misses; the call's seconds; with metrics, its pages and GB/s."""
+        bytes, a read's misses; the call's seconds; with metrics, its pages and GB/s. The
+        caller holds the lock."""
         moved = 0
-        with self._lock:
-            for batch in batches:
-                ok = batch.results.count(True)
-                nbytes = ok * batch.pool.page_bytes
-                counters = self._pool(batch.pool.name)
-                if reading:
-                    counters["hits"] += ok
-                    counters["misses"] += len(batch.keys) - ok
-                    counters["bytes_read"] += nbytes
-                else:
-                    counters["pages_written"] += ok
-                    counters["bytes_written"] += nbytes
-                moved += nbytes
-            self._seconds["get_seconds" if reading else "set_seconds"] += elapsed
-            if self.enable_metrics:
-                pages, rates = (
-                    (self._prefetch_pgs, self._prefetch_bw)
-                    if reading
-                    else (self._backup_pgs, self._backup_bw)
-                )
-                pages.append(sum(len(b.keys) for b in batches))
-                rates.append(moved / max(elapsed, 1e-9) / 1e9)
+        for batch in batches:
+            ok = batch.results.count(True)
+            nbytes = ok * batch.pool.page_bytes
+            counters = self._pool(batch.pool.name)
+            if reading:
+                counters["hits"] += ok
+                counters["misses"] += len(batch.keys) - ok
+                counters["bytes_read"] += nbytes
+            else:
+                counters["pages_written"] += ok
+                counters["bytes_written"] += nbytes
+            moved += nbytes
+        self._seconds["get_seconds" if reading else "set_seconds"] += elapsed
+        if self.enable_metrics:
+            pages, rates = (
+                (self._prefetch_pgs, self._prefetch_bw)
+                if reading
+                else (self._backup_pgs, self._backup_bw)
+            )
+            pages.append(sum(len(b.keys) for b in batches))
+            rates.append(moved / max(elapsed, 1e-9) / 1e9)
 
     def _reset_metrics(self) -> None:
         self._prefetch_pgs: list[int] = []
@@ -108,6 +117,7 @@ class StorageStats:
     @property
     def counters(self) -> dict[str, Any]:
         """Cumulative counters over every pool, and per pool under `pools`."""
+        self.fold()
         with self._lock:
             pools = {name: dict(c) for name, c in self._pools.items()}
             seconds = dict(self._seconds)

@@ -150,3 +150,20 @@ def test_the_key_check_refuses_empty_mistyped_and_long_keys(key, code):
     assert exc.value.code == code
     assert protocol.all_keys_valid(["fine", key]) is False
     assert protocol.all_keys_valid(["fine", "x" * protocol.MAX_KEY_BYTES, b"k"]) is True
+
+
+def test_the_rpc_client_sends_the_frame_protocol_encode_makes():
+    """The client builds a request's frame itself (the data path's one request form): it must
+    be byte for byte what `protocol.encode` makes, which the server decodes."""
+    import itertools
+    from types import SimpleNamespace
+
+    from maru.client.rpc import _Channel
+
+    sent: list[bytes] = []
+    client = SimpleNamespace(max_inflight=4, request_ids=itertools.count(2**40))
+    channel = _Channel(client, "test")  # type: ignore[arg-type]
+    channel._send = sent.append  # type: ignore[method-assign]
+    body = {"iid": "inst", "keys": ["a", b"\x00\xff"], "n": 2**40, "none": None}
+    channel.request(MsgType.REGISTER_KV, body)
+    assert sent == [protocol.encode(MsgType.REGISTER_KV, 2**40, body)]

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -53,6 +54,8 @@ log = logging.getLogger(__name__)
 
 ReplyHook = Callable[[dict[str, Any]], None]
 LOCAL_RETRY_S = 5.0  # after the server closed a new local connection unanswered: ZMQ meanwhile
+
+_header, _MAGIC, _VERSION = protocol.HEADER.pack, protocol.MAGIC, protocol.PROTOCOL_VERSION
 
 # How many forks this process is from the one that imported this module: an `RpcClient`
 # made before a fork is its parent's (its credential, its connections) and refuses to send.
@@ -149,7 +152,12 @@ class _Channel:
             oldest = next(iter(self.pending.values()))
             self.wait_for(oldest, None)
         request_id = next(self.client.request_ids)
-        self._send(protocol.encode(msg_type, request_id, body))
+        # The frame (`protocol.encode`'s request form, built here: every request sends one):
+        # the header, then the msgpack body.
+        self._send(
+            _header(_MAGIC, _VERSION, msg_type, 0, request_id)
+            + msgpack.packb(body, use_bin_type=True)
+        )
         pending = PendingReply(self, request_id, msg_type, body)
         self.pending[request_id] = pending
         return pending
