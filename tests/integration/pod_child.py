@@ -34,6 +34,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(TESTS.parent), str(TESTS)]  # (tests.integration, and conftest as pytest has it)
 
@@ -112,6 +114,41 @@ def fill(h: MaruHandler, reserved: list, prefix: str) -> int:
     return sum(h.seal(keys, parts, VALUE).wait())
 
 
+def copy_counts(h: MaruHandler, keys: list[str], tag: str = "") -> list[int]:
+    """[right, missing, wrong] of `keys` read with `MaruHandler.read`, the copying read an
+    index answers without a request, each judged by its bytes against `make_value(key + tag)`
+    (`tag`: which life of the key's value is the right one)."""
+    out = np.zeros((len(keys), VALUE), np.uint8)
+    buffers = (out.ctypes.data + np.arange(len(keys), dtype=np.int64) * VALUE)[:, None]
+    proven = h.read(keys, buffers, np.array([VALUE], np.int64), length=VALUE)
+    counts = [0, 0, 0]
+    for i, (key, ok) in enumerate(zip(keys, proven)):
+        counts[0 if ok and bytes(out[i]) == make_value(key + tag, VALUE) else 2 if ok else 1] += 1
+    return counts
+
+
+def timed_copy(h: MaruHandler, prefix: str, start: int, n: int) -> list[float]:
+    """One `copy_counts` of `n` keys, timed around `MaruHandler.read` alone: [seconds, right,
+    missing, wrong] (`benchmarks/bench_pod.py`)."""
+    keys = keys_of(prefix, start, n)
+    out = np.zeros((n, VALUE), np.uint8)
+    buffers = (out.ctypes.data + np.arange(n, dtype=np.int64) * VALUE)[:, None]
+    began = time.perf_counter()
+    proven = h.read(keys, buffers, np.array([VALUE], np.int64), length=VALUE)
+    seconds = time.perf_counter() - began
+    right = sum(
+        ok and bytes(out[i]) == make_value(k, VALUE) for i, (k, ok) in enumerate(zip(keys, proven))
+    )
+    wrong = sum(ok for ok in proven) - right
+    return [seconds, right, n - right - wrong, wrong]
+
+
+def store_as(h: MaruHandler, prefix: str, start: int, n: int, tag: str) -> int:
+    """Store `make_value(key + tag)` under each key (`tag`: which life of its value)."""
+    keys = keys_of(prefix, start, n)
+    return sum(h.batch_store(keys, [make_value(k + tag, VALUE) for k in keys]))
+
+
 AGENT_OPS = {
     "whoami": lambda h, _: h.instance_id,
     "store": lambda h, _, prefix, start, n: sum(
@@ -122,6 +159,10 @@ AGENT_OPS = {
         [r.owner, r.path, r.offset, r.length] for r in h.list_allocations(all_instances=True)
     ],
     "stats": lambda h, _: h.stats(),
+    "store_as": lambda h, _, prefix, start, n, tag: store_as(h, prefix, start, n, tag),
+    "copy": lambda h, _, prefix, start, n, tag: copy_counts(h, keys_of(prefix, start, n), tag),
+    "local": lambda h, _: h.reads_locally,
+    "timed": lambda h, _, prefix, start, n: timed_copy(h, prefix, start, n),
     "alloc": lambda h, reserved, n: reserved.append(h.alloc(VALUE, n)) or reserved[-1] is not None,
     "fill": fill,
 }
@@ -255,6 +296,7 @@ def pod_hosts(
     seen_by_b.touch()
     hosts: list[subprocess.Popen] = []
     server = None
+    original = conftest.maru_server_command  # (patched below, for this pod only)
     try:
         hosts.append(host())
         hosts.append(host())
@@ -290,6 +332,7 @@ def pod_hosts(
         sh(b.pid, f"mount --bind {neutral / 'pool' / 'maru.pool'} {seen_by_b}")
         yield Pod(a, b, server, str(server.state_dir / "curve.pub"), str(seen_by_b))
     finally:
+        conftest.maru_server_command = original
         if server is not None:
             server.halt()
         for h in hosts:

@@ -11,6 +11,14 @@ to judge. Host A runs a writer and a reader, host B one client (`pod_child.Agent
   written in place) or `store` (a value a round all through a cut that outlasts the hold,
   and a batch at the end).
 
+`pod_hosts_child.py NEUTRAL WORKDIR index COHERENCE SLOTS` (issue 43, "Reads without a request
+from every host"): `maru-server --coherence COHERENCE --index-slots SLOTS`; writers on both
+hosts, then readers on both read every value with `MaruHandler.read` (the server's request
+counters, per operation and per host, taken around host B's reads); then the pool is
+recreated behind the pod's back (the server SIGKILLed, started again with `--no-restore`: a
+new pool file, which host B's bind mount does not see) and host A stores new values under the
+same keys, which host B reads.
+
 Every value is `make_value(key)`, read back and judged by its bytes (right, missing, wrong).
 """
 
@@ -25,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from pod_child import Agent, Pod, kill_host, pod_hosts, sh
+from pod_child import CLIENT_IP, Agent, Pod, kill_host, pod_hosts, sh
 
 HEARTBEAT_S = 2  # --heartbeat-timeout
 POOL = "16M"  # the server's pool: host A's writer (up to 16M) fills it
@@ -241,8 +249,70 @@ def cut(neutral: Path, workdir: Path, hold: str, late: str = "fill") -> dict:
     return out
 
 
+def requests_of(stats: dict) -> tuple[dict, dict]:
+    """(requests per operation, of host B per operation) from a STATS reply."""
+    ops = {name: op["count"] for name, op in stats["operations"].items()}
+    return ops, dict(stats["host_requests"].get(CLIENT_IP, {}))
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+
+
+def sigkill_server(pod: Pod) -> None:
+    """SIGKILL the maru-server process itself (under `nsenter` and `timeout`), then wait for
+    its `timeout` to end."""
+    proc = pod.server.proc
+    assert proc is not None
+    pid = proc.pid
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        os.kill(int(child), 9)
+    proc.wait(30)
+
+
+def index(neutral: Path, workdir: Path, coherence: str, slots: str) -> dict:
+    """Writers and readers on both hosts through the in-pool index; then the pool recreated
+    behind the pod's back (see the module)."""
+    out: dict[str, Any] = {}
+    args = ["--coherence", coherence, "--index-slots", slots]
+    with pod_hosts(neutral, workdir, args) as pod:
+        url, key = pod.server.url, pod.key
+        agents = [Agent(pod.a.pid, url, key), Agent(pod.b.pid, url, key, pod.b_pool)]
+        try:
+            a_writer, b_writer = agents
+            out["stored"] = [a_writer.ok("store", "a", 0, 32), b_writer.ok("store", "b", 0, 32)]
+            agents += [Agent(pod.a.pid, url, key), Agent(pod.b.pid, url, key, pod.b_pool)]
+            a_reader, b_reader = agents[2:]
+            out["local"] = [a_reader.ok("local"), b_reader.ok("local")]
+            before = requests_of(b_reader.ok("stats"))
+            out["b_reads"] = [
+                b_reader.ok("copy", "a", 0, 32, ""),
+                b_reader.ok("copy", "b", 0, 32, ""),
+            ]
+            after = requests_of(b_reader.ok("stats"))
+            out["ops_during_b_reads"] = delta(after[0], before[0])
+            out["b_requests_during_b_reads"] = delta(after[1], before[1])
+            out["a_reads"] = [
+                a_reader.ok("copy", "b", 0, 32, ""),
+                a_reader.ok("copy", "a", 0, 32, ""),
+            ]
+            for agent in (a_writer, b_writer, a_reader):
+                agent.close()
+            sigkill_server(pod)
+            pod.server.start(pod.server.port, once_args=["--no-restore"])
+            a_again = Agent(pod.a.pid, url, key)
+            agents.append(a_again)
+            out["a_restored"] = a_again.ok("store_as", "a", 0, 32, "#2")
+            out["a_reads_new"] = a_again.ok("copy", "a", 0, 32, "#2")
+            out["b_reads_new"] = b_reader.ask("copy", "a", 0, 32, "#2")  # (refused, or counts)
+        finally:
+            for agent in agents:
+                agent.close()
+    return out
+
+
 if __name__ == "__main__":
     import json
 
-    case = {"killed": killed, "cut": cut}[sys.argv[3]]
+    case = {"killed": killed, "cut": cut, "index": index}[sys.argv[3]]
     print(json.dumps(case(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[4:])))

@@ -118,6 +118,55 @@ def test_a_host_cut_off_cannot_write_into_other_instances_values(tmp_path, case)
     kept_going(seen["end"])
 
 
+def run_index(tmp_path: Path, coherence: str, slots: str) -> dict:
+    """What `pod_hosts_child.py` saw of its `index` case."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    argv = (str(workdir), "index", coherence, slots)
+    done = run_on_tmpfs(tmp_path, "size=256M", CHILD, *argv, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+QUIET = {"stats", "heartbeat"}  # what host B's reader may send while it reads: its stats calls
+
+
+@pods
+@pytest.mark.parametrize("coherence", ["hardware", "software"])
+def test_every_host_reads_through_the_in_pool_index_without_a_request(tmp_path, coherence):
+    """`maru-server --index-slots auto` (the key index inside the pool): writers on hosts A
+    and B store 32 values each; a reader on each host reads all 64 by their bytes with
+    `MaruHandler.read`, and host B's reads send the server no request: its counters, per
+    operation and per host, show no LOOKUP_KV or EXISTS (nothing but the reader's own STATS
+    calls) around them. Software coherence: the same. Then the pool is recreated behind the
+    pod's back (the server SIGKILLed and started with `--no-restore`: a new pool file, which
+    host B's bind mount does not see; the restarted server retired the old file's table
+    first): host A stores new values under the same keys and reads them; host B is refused
+    or misses, and never reads the old life's bytes as hits (they count as wrong here)."""
+    seen = run_index(tmp_path, coherence, "auto")
+    assert seen["stored"] == [32, 32], seen
+    assert seen["local"] == [True, True], seen  # both readers read through the index
+    assert seen["b_reads"] == [[32, 0, 0], [32, 0, 0]], seen  # A's values, then its own
+    assert seen["a_reads"] == [[32, 0, 0], [32, 0, 0]], seen  # B's values, then its own
+    assert not set(seen["ops_during_b_reads"]) - QUIET, seen  # no lookup_kv, no exists
+    assert not set(seen["b_requests_during_b_reads"]) - QUIET, seen
+    assert seen["a_restored"] == 32 and seen["a_reads_new"] == [32, 0, 0], seen
+    b_new = seen["b_reads_new"]
+    assert "refused" in b_new.get("error", "") or b_new["ok"] == [0, 32, 0], seen
+
+
+@pods
+def test_without_the_in_pool_index_the_other_host_reads_through_requests(tmp_path):
+    """The same pod with `--index-slots 0` (the index in host A's /dev/shm, as before): host
+    B's reads are right by their bytes, and each batch is a LOOKUP_KV from host B: what the
+    test above counts is there to be seen."""
+    seen = run_index(tmp_path, "hardware", "0")
+    assert not seen["local"][1], seen  # (host B: no index it can map)
+    assert seen["b_reads"] == [[32, 0, 0], [32, 0, 0]], seen
+    assert seen["b_requests_during_b_reads"].get("lookup_kv", 0) >= 2, seen
+    assert seen["ops_during_b_reads"].get("lookup_kv", 0) >= 2, seen
+
+
 def test_a_writer_its_server_stopped_answering_writes_nothing_into_the_pool(
     maru_server_factory, tmp_path
 ):

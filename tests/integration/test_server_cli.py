@@ -46,6 +46,8 @@ def shm_pool() -> str:
         (["--busy-poll-us", "-1"], "argument --busy-poll-us: must be at least 0"),
         (["--busy-poll-us", "1.5"], "argument --busy-poll-us: expected a number at least 0"),
         (["--coherence", "sometimes"], "argument --coherence: invalid choice: 'sometimes'"),
+        (["--index-slots", "1000"], "--index-slots: '1000' is not 0, auto or a power of two"),
+        (["--index-slots", "many"], "--index-slots: 'many' is not 0, auto or a power of two"),
         (["--eviction-high-watermark", "1.5"], "must be above 0 and at most 1, got 1.5"),
         (["--eviction-low-watermark", "0"], "--eviction-low-watermark: must be above 0 and at"),
         (

@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from maru.common.shmindex import area_bytes
 from maru.server.pool import (
     REGION_ALIGNMENT,
     DevDaxPool,
@@ -79,6 +80,25 @@ def test_devdax_pool_on_a_regular_file_standing_in_for_the_device(tmp_path, capl
     assert pool.allocate(3, 2 * MiB)[1] == 12 * MiB
     with pytest.raises(PoolFullError, match="devdax:"):
         pool.allocate(5, 2 * MiB)
+
+
+def test_the_in_pool_index_area_lies_past_the_regions_and_beside_the_mark(tmp_path, shm_name):
+    """`--index-slots`: a shm pool's file grows by the area, after the mark's page; a devdax
+    pool gives it the alignment units before the mark's last unit (the mark stays put, the
+    capacity shrinks); no region is carved there."""
+    area = area_bytes(1 << 14)  # 3.2 MiB: two 2 MiB units on a devdax pool
+    shm = ShmPool(shm_name, 8 * MiB, index_slots=1 << 14)
+    assert shm.index_area == ("", 8 * MiB + PAGE, area, 1 << 14)
+    assert os.path.getsize(shm_name) == shm.file_bytes == 8 * MiB + PAGE + area
+    dev = tmp_path / "dax0.0"
+    with open(dev, "wb") as f:
+        f.truncate(16 * MiB)
+    pool = DevDaxPool(str(dev), index_slots=1 << 14)
+    assert pool.mark_offset == 14 * MiB and pool.capacity == 10 * MiB
+    assert pool.index_area == ("", 10 * MiB, 4 * MiB, 1 << 14)
+    assert [pool.allocate(i, 2 * MiB)[1] for i in range(5)] == [i * 2 * MiB for i in range(5)]
+    with pytest.raises(PoolFullError):
+        pool.allocate(5, 2 * MiB)  # (the area is not the regions')
 
 
 def test_devdax_stand_in_must_not_be_empty(tmp_path):

@@ -555,3 +555,70 @@ def test_the_fused_read_refuses_what_it_cannot_copy_safely(index):
     assert fused_read(reader, ["x" * (MAX_KEY + 1)], regions, 4096)[0] is None  # ask the server
     cols, _ = fused_read(reader, ["a"], rows(r1=None), 4096)  # region not mapped here: ask
     assert cols is None
+
+
+# -- the in-pool table (`maru-server --index-slots`) -------------------------------------------
+
+
+def pool_with_area(tmp_path: Path, slots: int) -> SimpleNamespace:
+    """A stand-in for a pool with an index area (`Pool.index_area`): a file whose bytes from
+    one page on hold the area, as past a shm pool's mark."""
+    path = tmp_path / "pool"
+    length = shmindex.area_bytes(slots)
+    path.write_bytes(b"\xa5" * (4096 + length))  # (the area is not zeros: the format clears it)
+    return SimpleNamespace(path=str(path), index_area=("", 4096, length, slots))
+
+
+def in_pool_reader(pool: SimpleNamespace, index: LocalIndex) -> LocalIndexClient:
+    client = LocalIndexClient.in_pool(SimpleNamespace(local=pool.path), index.offer())
+    assert client is not None
+    return client
+
+
+@pytest.mark.parametrize("software", [False, True], ids=["hardware", "software"])
+def test_an_in_pool_table_formatted_again_proves_no_copy_of_the_one_before(tmp_path, software):
+    """A server's next start formats the area anew (a new index id): a reader's hit from the
+    table before is not proven after, even where its slot has the same seq again (the same
+    key published at the same slot); with software coherence's flushes alike."""
+    pool = pool_with_area(tmp_path, 1024)
+    keys = [f"k/{i}" for i in range(20)]
+    first = LocalIndex("shm", pool.path, "gen-1", in_pool=pool, software=software)
+    publish(first, keys)
+    reader = in_pool_reader(pool, first)._reader
+    cols = columns(reader, keys)
+    assert cols[1].tolist() == [100 + i for i in range(20)]  # every key, from the pool file
+    assert reader.changed(cols[5].tobytes(), cols[6].tobytes()) is None  # proven
+    first.close()  # (the server stops, or is killed and the next start retires it)
+    second = LocalIndex("shm", pool.path, "gen-1", in_pool=pool, software=software)
+    publish(second, keys)  # the same slots, the same seqs
+    again = in_pool_reader(pool, second)._reader
+    assert columns(again, keys)[6].tolist() == cols[6].tolist()  # (the seqs are equal again)
+    assert reader.retired and not again.retired
+    flags = reader.changed(cols[5].tobytes(), cols[6].tobytes())
+    assert flags == b"\x01" * 20  # none proven by the table before
+    second.close()
+
+
+def test_a_full_in_pool_table_leaves_keys_out_and_its_readers_ask_for_misses(tmp_path):
+    """16 slots hold 8 keys: with k/8 in, a batch of all 12 publishes k/0..k/6 and leaves
+    k/7..k/11 out (k/8's slot is removed: it names the location the batch replaces); the
+    table says so, and a reader's batch with a miss goes to the server (None) where one of
+    hits only is answered."""
+    pool = pool_with_area(tmp_path, 16)
+    index = LocalIndex("shm", pool.path, "gen-1", in_pool=pool)
+    keys = [f"k/{i}" for i in range(12)]
+    publish(index, keys[8:9])  # k/8 is in the table, then left out when it comes again
+    publish(index, keys[:8] + keys[8:])
+    stats = index.stats()
+    assert stats["in_pool"] and stats["slots"] == 16
+    assert index.count == 7 and stats["unpublished"] == 5
+    reader = in_pool_reader(pool, index)._reader
+    assert reader.incomplete
+    inside = [k for k in keys if columns(reader, [k]) is not None]
+    assert inside == keys[:7]  # (k/8's old slot went)
+    assert columns(reader, inside)[1].tolist() == [100 + keys.index(k) for k in inside]
+    assert columns(reader, [*inside, "k/8"]) is None  # a miss: the server may have it
+    assert reader.contains(inside) == [True] * len(inside)
+    assert reader.contains([*inside, "k/11"]) is None
+    assert reader.leading(inside) == len(inside) and reader.leading(["k/11"]) is None
+    index.close()

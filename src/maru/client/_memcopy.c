@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "../common/int64_buffer.h"
+#include "../common/cacheflush.h"
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #define HAVE_STREAMING 1
@@ -67,67 +68,15 @@
  * Where a loop cannot tell which side is the pool (copy_many, copy_many_hashed) it does both.
  * The flushes run inside each value's fault guard: a fault in one is a fault of that value.
  * Hardware (the default): none of it, the loops as before. x86-64 only (elsewhere "software"
- * is refused). `coherence_counts()`: the lines written back and invalidated (tests). */
+ * is refused). `coherence_counts()`: the lines written back and invalidated (tests). The flush
+ * primitives (cpuid's pick, `coh_flush`) are `../common/cacheflush.h`, shared with the key
+ * index's `_shmindex.c`, which flushes its slots and header the same way. */
 
-#define COH_LINE 64
-enum { FLUSH_NONE, FLUSH_CLFLUSH, FLUSH_CLFLUSHOPT, FLUSH_CLWB };
 static volatile int coh_software = 0;
-static int coh_write_back_kind = FLUSH_NONE; /* the best write-back the CPU has (cpuid, once) */
-static int coh_invalidate_kind = FLUSH_NONE; /* the best that also evicts the line */
-static uint64_t coh_lines_written_back = 0;  /* (atomic, relaxed: a test's counter) */
+static uint64_t coh_lines_written_back = 0; /* (atomic, relaxed: a test's counter) */
 static uint64_t coh_lines_invalidated = 0;
 
 #if HAVE_X86_DISPATCH
-#include <cpuid.h>
-
-static void coh_pick_flushes(void)
-{
-    unsigned a, b, c, d;
-    int clflush = __get_cpuid(1, &a, &b, &c, &d) && (d & (1u << 19));
-    int opt = 0, wb = 0;
-    if (__get_cpuid_max(0, NULL) >= 7) {
-        __cpuid_count(7, 0, a, b, c, d);
-        opt = (b >> 23) & 1;
-        wb = (b >> 24) & 1;
-    }
-    coh_invalidate_kind = opt ? FLUSH_CLFLUSHOPT : clflush ? FLUSH_CLFLUSH : FLUSH_NONE;
-    coh_write_back_kind = wb ? FLUSH_CLWB : coh_invalidate_kind;
-}
-
-__attribute__((target("clwb"))) static void coh_lines_clwb(char *p, char *end)
-{
-    for (; p < end; p += COH_LINE)
-        _mm_clwb(p);
-}
-
-__attribute__((target("clflushopt"))) static void coh_lines_clflushopt(char *p, char *end)
-{
-    for (; p < end; p += COH_LINE)
-        _mm_clflushopt(p);
-}
-
-static void coh_lines_clflush(char *p, char *end)
-{
-    for (; p < end; p += COH_LINE)
-        _mm_clflush(p);
-}
-
-/* Every line of [p, p + n) flushed with `kind`; returns the lines. */
-static size_t coh_flush(const char *p, size_t n, int kind)
-{
-    if (n == 0)
-        return 0;
-    char *first = (char *)((uintptr_t)p & ~(uintptr_t)(COH_LINE - 1));
-    char *end = (char *)p + n;
-    if (kind == FLUSH_CLWB)
-        coh_lines_clwb(first, end);
-    else if (kind == FLUSH_CLFLUSHOPT)
-        coh_lines_clflushopt(first, end);
-    else
-        coh_lines_clflush(first, end);
-    return (size_t)(end - first + COH_LINE - 1) / COH_LINE;
-}
-
 /* Write back `n` bytes at `p` written with cached stores (their sfence comes at the end of
  * the loop). The loops read `coh_software` once per call and call these only in software. */
 static inline void coh_write_back(const char *p, size_t n)
@@ -156,7 +105,6 @@ static inline void coh_fence(int streaming, int coh)
         _mm_sfence();
 }
 #else
-static void coh_pick_flushes(void) {}
 static inline void coh_write_back(const char *p, size_t n) { (void)p, (void)n; }
 static inline void coh_invalidate(const char *p, size_t n) { (void)p, (void)n; }
 static inline void coh_fence(int streaming, int coh)

@@ -1,14 +1,21 @@
 """A client's side of the local index: keys found in the table its server publishes in shared
 memory, without a request (docs/architecture.md "The local index").
 
-Offered only to clients on the server's node: the HANDSHAKE reply names the table only on the
-Unix socket. `exists` needs only the probe. A copying read (`MaruHandler.lookup(keys,
-for_copy=True)`) gets an `IndexLookup`: the locations from the table, no lease; after its copy
-the caller asks `corrupt()` (or `release(confirm=True)`), which checks that every hit's slot
-still has the seq it was read with and that the table is still current: if not, that key is a
-miss, whatever was copied. The server changes a key's slot before the key's pages can be
-reused, so an unchanged slot proves the copy read the key's bytes. `MaruHandler.read` does
-all of it in one C call (`LocalIndexClient.read`: probe, copy, check).
+The /dev/shm table is offered only to clients on the server's node: the HANDSHAKE reply names
+it only on the Unix socket. The in-pool table (`maru-server --index-slots`) is offered to every
+client, over TCP too (a host of a CXL pod): it lies in the pool, mapped through the path the
+client proved the pool's mark at (`maru.client.poolpath`), and read with the software coherence
+this process agreed on (`maru.client.coherence`). It is fixed at the server's start and never
+replaced: once retired (the server stopped or started again, formatted it anew) the request
+path serves until the next HANDSHAKE offers the new one.
+
+`exists` needs only the probe. A copying read (`MaruHandler.lookup(keys, for_copy=True)`) gets
+an `IndexLookup`: the locations from the table, no lease; after its copy the caller asks
+`corrupt()` (or `release(confirm=True)`), which checks that every hit's slot still has the seq
+it was read with and that the table is still current: if not, that key is a miss, whatever was
+copied. The server changes a key's slot before the key's pages can be reused, so an unchanged
+slot proves the copy read the key's bytes. `MaruHandler.read` does all of it in one C call
+(`LocalIndexClient.read`: probe, copy, check).
 
 The request path serves what the table cannot: a key longer than the table holds, a region
 not mapped here yet or mapped from another pool life (its tag differs: the request maps it
@@ -27,14 +34,25 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from maru.client.coherence import software
 from maru.client.memcopy import COPY_VALUES
 from maru.client.requests import Lookup, checksum_mismatches, other_lengths
 from maru.common import shmindex
 from maru.common.errors import MaruError
 from maru.common.protocol import MsgType
-from maru.common.shmindex import NCOLS, USE_SUFFIX, base_of, owned_by, table_files
+from maru.common.shmindex import (
+    NCOLS,
+    USE_SUFFIX,
+    area_bytes,
+    area_views,
+    base_of,
+    map_area,
+    owned_by,
+    table_files,
+)
 
 if TYPE_CHECKING:
+    from maru.client.poolpath import PoolPlace
     from maru.client.session import Session
 
 log = logging.getLogger(__name__)
@@ -73,6 +91,33 @@ def _open(path: str, uid: int | None) -> Any | None:
     return None if reader.retired else reader
 
 
+def _open_in_pool(place: PoolPlace, offer: dict[str, Any]) -> Any | None:
+    """A `Reader` of the in-pool table a HANDSHAKE reply offers (`offer`: its `pool_index`),
+    mapped through this host's proven `place` of the pool; None if it is not that table."""
+    file, offset, slots = offer.get("file", ""), offer.get("offset"), offer.get("slots")
+    if not isinstance(file, str) or type(offset) is not int or type(slots) is not int:
+        log.warning("the server offers an in-pool index of no place (%r): not used", offer)
+        return None
+    path = os.path.join(place.local, file) if file else place.local
+    try:
+        area = map_area(path, offset, area_bytes(slots), populate=True)
+    except (OSError, ValueError) as exc:
+        log.warning("the in-pool index at %s offset %s cannot be mapped: %s", path, offset, exc)
+        return None
+    table, use = area_views(area, slots)
+    try:
+        reader = shmindex.Reader(table, use, software())  # (holds the views and the mapping)
+    except ValueError as exc:
+        log.warning("the in-pool index at %s offset %s is not usable: %s", path, offset, exc)
+        table.release()
+        use.release()
+        area.close()
+        return None
+    if reader.retired or reader.index_id != offer.get("id"):
+        return None  # (the server formatted another since its reply)
+    return reader
+
+
 def offered_index(
     session: Session,
     local_address: str | None,
@@ -84,9 +129,13 @@ def offered_index(
     only in a reply on its Unix socket: when the reply came over TCP (a first handshake) and
     the handler now has the Unix socket, it asks there once more (the same instance
     resumes; `local_address`: the Unix socket's, None if the handler has none). `current`:
-    the index the handler reads now (kept if the reply names the same table)."""
+    the index the handler reads now (kept if the reply names the same table). The in-pool
+    table, where the reply offers one, is read on every socket."""
     if not session.config.local_index:
         return None
+    offer, place = reply.get("pool_index"), session.mapper.place
+    if isinstance(offer, dict) and place is not None:
+        return LocalIndexClient.in_pool(place, offer, current)
     path = reply.get("local_index")
     if path is None and local_address is not None:
         try:
@@ -111,9 +160,10 @@ def joined(keys: Sequence[Key], prefix: Prefix) -> Sequence[Key]:
 class LocalIndexClient:
     """The table a handler reads, and the way to the current one when it is replaced."""
 
-    def __init__(self, path: str, server_uid: int, reader: Any):
+    def __init__(self, path: str | None, server_uid: int | None, reader: Any):
+        """`path`: the /dev/shm table's (None: the in-pool table, which has no successor)."""
         self.path, self.uid = path, server_uid
-        self.base = base_of(path)
+        self.base = base_of(path) if path is not None else None
         self._reader = reader
         self._next_find = 0.0
         # Since the last report to the server (`take_reads`): keys looked up for a copy, hits
@@ -136,6 +186,20 @@ class LocalIndexClient:
             return None
         log.debug("local index %s (%d keys)", path, reader.count)
         return cls(path, server_uid, reader)
+
+    @classmethod
+    def in_pool(
+        cls, place: PoolPlace, offer: dict[str, Any], current: LocalIndexClient | None = None
+    ) -> LocalIndexClient | None:
+        """The in-pool table a HANDSHAKE reply offers (`current` if it is that one), or None."""
+        reader = current._reader if current is not None else None
+        if reader is not None and reader.index_id == offer.get("id") and not reader.retired:
+            return current
+        reader = _open_in_pool(place, offer)
+        if reader is None:
+            return None
+        log.debug("in-pool index at %s (%d keys)", place.local, reader.count)
+        return cls(None, None, reader)
 
     def reader(self) -> Any | None:
         """The current table: this one, the one that replaced it (its successor), or the

@@ -17,6 +17,10 @@
  *     56   key count       live slots
  *     64   index id        random; also the seed of the key hash
  *     72   header bytes    HEADER_BYTES
+ *     80   incomplete      0 while every publishable key registered is in the table; 1 once
+ *                          a key found no room (a table of fixed capacity, in the pool: a
+ *                          reader then asks the server for its misses, never takes them as
+ *                          final)
  *     128  successor       NUL-terminated path (at most SUCCESSOR_MAX - 1 bytes) of the table
  *                          that replaced this one (a grown table), "" if unknown
  *   slots from HEADER_BYTES on, SLOT_BYTES each:
@@ -43,7 +47,19 @@
  * the full key and re-reads `seq` after reading the slot. A hit stays proven only while the
  * slot's seq and the header's `retired` are unchanged: readers check both again after their
  * copy (`Reader.changed`). The server removes a key's slot before the key's pages can be
- * reused, so an unchanged slot proves the copy read the key's bytes.
+ * reused, so an unchanged slot proves the copy read the key's bytes. A table formatted again
+ * in place (the in-pool table at a server's next start) gets a new index id, and a reader's
+ * validation checks the header's retired word, pool generation and index id (`table_current`):
+ * a copy that straddles a format is never proven, whatever seq its slot has now.
+ *
+ * Software coherence (`software=True` on either side; hosts of a CXL pod whose caches do not
+ * snoop each other, docs/architecture.md "Coherence"): the writer writes a slot's odd seq back
+ * to memory (and fences) before it changes anything else of the slot, the slot's lines after
+ * its fields, the even seq and the hash-column entry last, and the header's lines after each
+ * change; a reader invalidates a slot's lines before it reads them, its seq line again before
+ * it re-reads seq, the hash-column entry's line before `contains` reads it, and the header's
+ * lines before every validation: what it takes as proven was read from memory. The use bytes
+ * are neither written back nor invalidated: they order eviction only.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -51,6 +67,7 @@
 #include <string.h>
 
 #include "int64_buffer.h"
+#include "cacheflush.h"
 
 #if defined(__GNUC__) || defined(__clang__)
 #define PREFETCH(p) __builtin_prefetch((const void *)(p))
@@ -61,7 +78,7 @@
 #endif
 
 #define PUBLISH_WINDOW 16 /* keys of a publish whose cache misses overlap */
-#define LAYOUT_VERSION 2
+#define LAYOUT_VERSION 3
 #define HEADER_BYTES 4096
 #define SLOT_BYTES 192
 #define HASH_BYTES 8 /* one hash-column entry */
@@ -94,7 +111,7 @@ static const char MAGIC_BYTES[8] = {'M', 'A', 'R', 'U', 'I', 'D', 'X', '1'};
 
 typedef struct {
     uint64_t magic, version, capacity, slot_bytes, max_key, pool_generation, retired, count,
-        index_id, header_bytes;
+        index_id, header_bytes, incomplete;
 } Header;
 
 typedef struct {
@@ -294,10 +311,72 @@ typedef struct {
     uint64_t *hashes; /* the hash column */
     unsigned char *use_bits;
     uint64_t mask, seed;
+    uint64_t gen;  /* the header's pool generation when opened */
+    int software;  /* software coherence: flush as the layout comment says */
 } Table;
 
-static int table_open(Table *t, PyObject *table_obj, PyObject *use_obj, int writable)
+/* Software coherence's flushes of a table's lines (no-ops unless `t->software`, which
+ * `table_open` allows only where the CPU has the flushes). `tbl_write_back`: lines written
+ * here go to memory (ordered by `tbl_sfence`); `tbl_drop`: lines about to be read are
+ * invalidated (then `tbl_mfence` before the reads). */
+static inline void tbl_write_back(const Table *t, const void *p, size_t n)
 {
+#if COH_X86
+    if (t->software)
+        coh_flush((const char *)p, n, coh_write_back_kind);
+#else
+    (void)t, (void)p, (void)n;
+#endif
+}
+
+static inline void tbl_drop(const Table *t, const void *p, size_t n)
+{
+#if COH_X86
+    if (t->software)
+        coh_flush((const char *)p, n, coh_invalidate_kind);
+#else
+    (void)t, (void)p, (void)n;
+#endif
+}
+
+static inline void tbl_sfence(const Table *t)
+{
+#if COH_X86
+    if (t->software)
+        _mm_sfence();
+#else
+    (void)t;
+#endif
+}
+
+static inline void tbl_mfence(const Table *t)
+{
+#if COH_X86
+    if (t->software)
+        _mm_mfence();
+#else
+    (void)t;
+#endif
+}
+
+/* Whether the table is still the one opened (not retired, not formatted again in place, of
+ * the same pool generation): read from memory in software coherence. */
+static inline int table_current(const Table *t)
+{
+    tbl_drop(t, t->h, 128);
+    tbl_mfence(t);
+    return LOAD_ACQ(&t->h->retired) == 0 && LOAD(&t->h->index_id) == t->seed &&
+           LOAD(&t->h->pool_generation) == t->gen;
+}
+
+static int table_open(Table *t, PyObject *table_obj, PyObject *use_obj, int writable,
+                      int software)
+{
+    if (software && coh_invalidate_kind == FLUSH_NONE) {
+        PyErr_SetString(PyExc_ValueError, "software coherence needs cache-line flushes (clflush), "
+                                          "which this CPU or build does not have");
+        return -1;
+    }
     int flags = writable ? PyBUF_WRITABLE : PyBUF_SIMPLE;
     if (PyObject_GetBuffer(table_obj, &t->table, flags) < 0)
         return -1;
@@ -335,7 +414,11 @@ static int table_open(Table *t, PyObject *table_obj, PyObject *use_obj, int writ
     t->hashes = (uint64_t *)((char *)t->slots + capacity * SLOT_BYTES);
     t->use_bits = (unsigned char *)t->use.buf;
     t->mask = capacity - 1;
+    t->software = software;
+    tbl_drop(t, t->h, 128);
+    tbl_mfence(t);
     t->seed = LOAD(&t->h->index_id);
+    t->gen = LOAD(&t->h->pool_generation);
     return 0;
 }
 
@@ -357,15 +440,24 @@ typedef struct {
 
 static PyObject *format_table(PyObject *module, PyObject *args)
 {
-    /* format_table(buffer, capacity, pool_generation: bytes, index_id): write the header of an
-     * empty table into a zeroed mapping. */
+    /* format_table(buffer, capacity, pool_generation: bytes, index_id, software=False): an
+     * empty table: a table there before is retired first, its slots and hash column zeroed,
+     * the header written, `retired` cleared last (a reader of the earlier table finds it
+     * retired, then of another index id: `table_current`); with `software` all of it written
+     * back to memory before `retired` is cleared, and that after. */
     Py_buffer buf;
     unsigned long long capacity, index_id;
     const char *gen;
     Py_ssize_t gen_len;
-    if (!PyArg_ParseTuple(args, "w*Ky#K:format_table", &buf, &capacity, &gen, &gen_len,
-                          &index_id))
+    int software = 0;
+    if (!PyArg_ParseTuple(args, "w*Ky#K|p:format_table", &buf, &capacity, &gen, &gen_len,
+                          &index_id, &software))
         return NULL;
+    if (software && coh_invalidate_kind == FLUSH_NONE) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_ValueError, "format_table: no cache-line flushes for software");
+        return NULL;
+    }
     if (capacity == 0 || (capacity & (capacity - 1)) ||
         (uint64_t)buf.len < HEADER_BYTES + capacity * (SLOT_BYTES + HASH_BYTES)) {
         PyBuffer_Release(&buf);
@@ -373,16 +465,28 @@ static PyObject *format_table(PyObject *module, PyObject *args)
         return NULL;
     }
     Header *h = (Header *)buf.buf;
+    Table t = {.h = h, .software = software};
+    size_t body = (size_t)capacity * (SLOT_BYTES + HASH_BYTES);
+    STORE_REL(&h->retired, 1);
+    tbl_write_back(&t, h, 128);
+    tbl_sfence(&t);
+    memset((char *)buf.buf + HEADER_BYTES, 0, body);
     memcpy(&h->magic, MAGIC_BYTES, 8);
     h->version = LAYOUT_VERSION;
     h->capacity = capacity;
     h->slot_bytes = SLOT_BYTES;
     h->max_key = MAX_KEY;
     h->pool_generation = hash_bytes((const unsigned char *)gen, (size_t)gen_len, 0);
-    h->retired = 0;
     h->count = 0;
     h->index_id = index_id;
     h->header_bytes = HEADER_BYTES;
+    h->incomplete = 0;
+    memset((char *)h + SUCCESSOR_OFFSET, 0, SUCCESSOR_MAX);
+    tbl_write_back(&t, buf.buf, HEADER_BYTES + body);
+    tbl_sfence(&t);
+    STORE_REL(&h->retired, 0);
+    tbl_write_back(&t, h, 128);
+    tbl_sfence(&t);
     PyBuffer_Release(&buf);
     Py_RETURN_NONE;
 }
@@ -392,12 +496,13 @@ static PyObject *format_table(PyObject *module, PyObject *args)
 static PyObject *table_object_new(PyTypeObject *type, PyObject *args, int writable)
 {
     PyObject *table_obj, *use_obj;
-    if (!PyArg_ParseTuple(args, "OO", &table_obj, &use_obj))
+    int software = 0;
+    if (!PyArg_ParseTuple(args, "OO|p", &table_obj, &use_obj, &software))
         return NULL;
     Writer *self = (Writer *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
-    if (table_open(&self->t, table_obj, use_obj, writable) < 0) {
+    if (table_open(&self->t, table_obj, use_obj, writable, software) < 0) {
         Py_DECREF(self);
         return NULL;
     }
@@ -432,6 +537,8 @@ static void slot_write(Table *t, uint64_t i, const Slot *src, uint64_t meta)
     uint64_t seq = s->seq; /* only this thread writes it */
     STORE(&s->seq, seq + 1);
     __atomic_thread_fence(__ATOMIC_RELEASE);
+    tbl_write_back(t, &s->seq, 8); /* (software: odd in memory before any field changes) */
+    tbl_sfence(t);
     if (src != NULL) {
         STORE(&s->hash, src->hash);
         STORE(&s->region_id, src->region_id);
@@ -443,8 +550,13 @@ static void slot_write(Table *t, uint64_t i, const Slot *src, uint64_t meta)
         memcpy(s->key, src->key, len);
     }
     STORE(&s->meta, meta);
+    tbl_write_back(t, s, SLOT_BYTES);
+    tbl_sfence(t);
     STORE_REL(&s->seq, seq + 2);
     STORE_REL(&t->hashes[i], src != NULL ? src->hash : 0);
+    tbl_write_back(t, &s->seq, 8);
+    tbl_write_back(t, &t->hashes[i], HASH_BYTES);
+    tbl_sfence(t);
 }
 
 static inline int slot_matches(const Slot *s, uint64_t hash, uint64_t meta, const KeyBytes *k)
@@ -576,6 +688,8 @@ static PyObject *Writer_publish(Writer *self, PyObject *args)
             t->use_bits[slot] = 0;
         }
     }
+    tbl_write_back(t, t->h, 128);
+    tbl_sfence(t);
     out = PyLong_FromSsize_t(skipped);
 done:
     for (int c = 0; c < 5; c++)
@@ -640,6 +754,8 @@ static PyObject *Writer_remove(Writer *self, PyObject *arg)
             removed++;
         }
     }
+    tbl_write_back(t, t->h, 128);
+    tbl_sfence(t);
     Py_DECREF(seq);
     return PyLong_FromSsize_t(removed);
 }
@@ -738,7 +854,23 @@ static PyObject *Writer_retire(Writer *self, PyObject *arg)
     char *field = (char *)self->t.h + SUCCESSOR_OFFSET;
     memcpy(field, path, (size_t)n);
     field[n] = 0;
+    tbl_write_back(&self->t, field, (size_t)n + 1);
+    tbl_sfence(&self->t);
     STORE_REL(&self->t.h->retired, 1);
+    tbl_write_back(&self->t, self->t.h, 128);
+    tbl_sfence(&self->t);
+    Py_RETURN_NONE;
+}
+
+/* mark_incomplete(): a key found no room (a table of fixed capacity): from now on a reader's
+ * miss is not final, it asks the server (see the layout). */
+static PyObject *Writer_mark_incomplete(Writer *self, PyObject *unused)
+{
+    if (!writer_ready(self))
+        return NULL;
+    STORE_REL(&self->t.h->incomplete, 1);
+    tbl_write_back(&self->t, self->t.h, 128);
+    tbl_sfence(&self->t);
     Py_RETURN_NONE;
 }
 
@@ -767,6 +899,8 @@ static PyMethodDef Writer_methods[] = {
      "harvest() -> keys readers marked used since the last harvest (marks cleared)"},
     {"copy_into", (PyCFunction)Writer_copy_into, METH_O, "copy_into(writer): grow into it"},
     {"retire", (PyCFunction)Writer_retire, METH_O, "retire(successor_path)"},
+    {"mark_incomplete", (PyCFunction)Writer_mark_incomplete, METH_NOARGS,
+     "a key found no room: readers ask the server for their misses from now on"},
     {"close", (PyCFunction)Writer_close, METH_NOARGS, "release the buffers"},
     {NULL, NULL, 0, NULL},
 };
@@ -779,7 +913,7 @@ static PyGetSetDef Writer_getset[] = {
 
 static PyTypeObject WriterType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru.common._shmindex.Writer",
-    .tp_doc = "Writer(table_buffer, use_buffer): the server's side of a local index table.",
+    .tp_doc = "Writer(table_buffer, use_buffer, software=False): the server's side of a table.",
     .tp_basicsize = sizeof(Writer),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = Writer_new,
@@ -835,12 +969,16 @@ static int probe_one(const Table *t, const KeyBytes *k, uint64_t hash, Entry *e)
         for (int tries = 0;; tries++) {
             if (tries == SEQ_RETRIES)
                 return 0;
+            tbl_drop(t, s, SLOT_BYTES); /* (software: the slot's lines from memory) */
+            tbl_mfence(t);
             uint64_t seq = LOAD_ACQ(&s->seq);
             if (seq & 1)
                 continue;
             uint64_t meta = LOAD(&s->meta);
             if ((meta & 0xff) == STATE_EMPTY) {
                 __atomic_thread_fence(__ATOMIC_ACQUIRE);
+                tbl_drop(t, &s->seq, 8);
+                tbl_mfence(t);
                 if (LOAD(&s->seq) != seq)
                     continue;
                 return 0; /* the end of the chain */
@@ -854,6 +992,8 @@ static int probe_one(const Table *t, const KeyBytes *k, uint64_t hash, Entry *e)
             e->tag = LOAD(&s->tag);
             int same = key_equals((const unsigned char *)s->key, k);
             __atomic_thread_fence(__ATOMIC_ACQUIRE);
+            tbl_drop(t, &s->seq, 8);
+            tbl_mfence(t);
             if (LOAD(&s->seq) != seq)
                 continue; /* changed while read: again */
             if (!same)
@@ -897,6 +1037,14 @@ static const int64_t *region_row(const Regions *r, int64_t id)
     return NULL;
 }
 
+/* Whether a key may be registered and not in the table (the header's `incomplete`). */
+static inline int table_incomplete(const Table *t)
+{
+    tbl_drop(t, &t->h->incomplete, 8);
+    tbl_mfence(t);
+    return LOAD_ACQ(&t->h->incomplete) != 0;
+}
+
 /* Probe keys[0:n] (a read's probe: the full key compared). `cols` (stride n): per key its
  * address in this process and the columns of the entry (misses: 0, slot -1): each hit's
  * location goes through `regions`; one outside its region is a miss (never a read past
@@ -920,7 +1068,7 @@ static int probe_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, const R
     for (Py_ssize_t j = 0; j < n && j < AHEAD; j++)
         prefetch_chain(t, hashes[j]);
     const int64_t *row = NULL; /* the last hit's region: a batch's keys share few */
-    int rc = 0;
+    int rc = 0, missed = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i % AHEAD == 0) /* the next group's chains, while this one is probed */
             for (Py_ssize_t j = i + AHEAD; j < n && j < i + 2 * AHEAD; j++)
@@ -938,6 +1086,7 @@ static int probe_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, const R
         }
         if (hit)
             mark_used(t, e.slot);
+        missed |= !hit;
         cols[COL_ADDRESS * n + i] = hit ? row[ROW_BASE] + e.offset : 0;
         cols[COL_LENGTH * n + i] = hit ? e.length : 0;
         cols[COL_CHECKSUM * n + i] = hit ? e.checksum : 0;
@@ -946,6 +1095,8 @@ static int probe_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, const R
         cols[COL_SLOT * n + i] = hit ? (int64_t)e.slot : -1;
         cols[COL_SEQ * n + i] = hit ? (int64_t)e.seq : 0;
     }
+    if (rc == 0 && missed && table_incomplete(t))
+        rc = 1; /* a miss may be a key that found no room: the server has it */
     PyMem_RawFree(hashes);
     return rc;
 }
@@ -981,6 +1132,8 @@ static Py_ssize_t contains_all(const Table *t, const KeyBytes *keys, Py_ssize_t 
             uint64_t want = hashes[i], j = want & t->mask;
             char hit = 0;
             for (uint64_t steps = 0; steps <= t->mask; steps++, j = (j + 1) & t->mask) {
+                tbl_drop(t, &t->hashes[j], HASH_BYTES);
+                tbl_mfence(t);
                 uint64_t h = LOAD_ACQ(&t->hashes[j]);
                 if (h == 0)
                     break;
@@ -1198,7 +1351,8 @@ static PyObject *contains_or_leading(Reader *self, PyObject *const *args, Py_ssi
     if (leading) {
         Py_ssize_t counted;
         GIL_FREE_FOR(b.n, counted = contains_all(&self->t, b.keys, b.n, NULL, 1));
-        out = PyLong_FromSsize_t(counted);
+        out = counted < b.n && table_incomplete(&self->t) ? Py_NewRef(Py_None)
+                                                          : PyLong_FromSsize_t(counted);
         goto done;
     }
     if ((hits = PyMem_Malloc((size_t)(b.n ? b.n : 1))) == NULL) {
@@ -1206,6 +1360,10 @@ static PyObject *contains_or_leading(Reader *self, PyObject *const *args, Py_ssi
         goto done;
     }
     GIL_FREE_FOR(b.n, (void)contains_all(&self->t, b.keys, b.n, hits, 0));
+    if (memchr(hits, 0, (size_t)b.n) != NULL && table_incomplete(&self->t)) {
+        out = Py_NewRef(Py_None); /* a miss may be a key that found no room */
+        goto done;
+    }
     if ((out = PyList_New(b.n)) == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < b.n; i++)
@@ -1236,14 +1394,18 @@ static Py_ssize_t unproven(const Table *t, const int64_t *sl, const int64_t *sq,
 {
     Py_ssize_t bad = 0;
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    int live = LOAD_ACQ(&t->h->retired) == 0;
+    int live = table_current(t);
+    for (Py_ssize_t i = 0; i < n; i++) /* (software: every hit's seq from memory) */
+        if (sl[i] >= 0 && (uint64_t)sl[i] <= t->mask)
+            tbl_drop(t, &t->slots[sl[i]].seq, 8);
+    tbl_mfence(t);
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t s = sl[i];
         flags[i] = (char)(s >= 0 && !(live && (uint64_t)s <= t->mask &&
                                       LOAD(&t->slots[s].seq) == (uint64_t)sq[i]));
         bad += flags[i];
     }
-    if (live && LOAD_ACQ(&t->h->retired) != 0) { /* a retire raced the loop: none is proven */
+    if (live && !table_current(t)) { /* a retire (or format) raced the loop: none is proven */
         bad = 0;
         for (Py_ssize_t i = 0; i < n; i++)
             bad += flags[i] = (char)(sl[i] >= 0);
@@ -1443,7 +1605,17 @@ done:
 
 static PyObject *Reader_get_retired(Reader *self, void *c)
 {
-    return PyBool_FromLong(LOAD_ACQ(&self->t.h->retired) != 0);
+    return PyBool_FromLong(!table_current(&self->t));
+}
+
+static PyObject *Reader_get_index_id(Reader *self, void *c)
+{
+    return PyLong_FromUnsignedLongLong(self->t.seed);
+}
+
+static PyObject *Reader_get_incomplete(Reader *self, void *c)
+{
+    return PyBool_FromLong(table_incomplete(&self->t));
 }
 
 static PyObject *Reader_get_successor(Reader *self, void *c)
@@ -1480,8 +1652,11 @@ static PyMethodDef Reader_methods[] = {
 };
 
 static PyGetSetDef Reader_getset[] = {
-    {"retired", (getter)Reader_get_retired, NULL, "the table was replaced or its server stopped",
-     NULL},
+    {"retired", (getter)Reader_get_retired, NULL,
+     "the table was replaced, its server stopped, or it was formatted again", NULL},
+    {"index_id", (getter)Reader_get_index_id, NULL, "the table's id when opened", NULL},
+    {"incomplete", (getter)Reader_get_incomplete, NULL,
+     "a key found no room: misses are not final", NULL},
     {"successor", (getter)Reader_get_successor, NULL, "the replacing table's path, or ''", NULL},
     {"pool_generation", (getter)Reader_get_pool_generation, NULL, "hash of the generation", NULL},
     {"count", (getter)table_get_count, NULL, "keys in the table", NULL},
@@ -1491,7 +1666,7 @@ static PyGetSetDef Reader_getset[] = {
 
 static PyTypeObject ReaderType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru.common._shmindex.Reader",
-    .tp_doc = "Reader(table_buffer, use_buffer): a client's view of a local index table.",
+    .tp_doc = "Reader(table_buffer, use_buffer, software=False): a client's view of a table.",
     .tp_basicsize = sizeof(Reader),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = Reader_new,
@@ -1512,7 +1687,8 @@ static PyObject *py_hash_generation(PyObject *module, PyObject *arg)
 
 static PyMethodDef module_methods[] = {
     {"format_table", format_table, METH_VARARGS,
-     "format_table(buffer, capacity, pool_generation: bytes, index_id): an empty table's header"},
+     "format_table(buffer, capacity, pool_generation: bytes, index_id, software=False): an\n"
+     "empty table (one there before is retired, then zeroed)"},
     {"hash_generation", py_hash_generation, METH_O,
      "hash_generation(bytes) -> the u64 a header keeps for a pool generation"},
     {NULL, NULL, 0, NULL},
@@ -1530,6 +1706,7 @@ PyMODINIT_FUNC PyInit__shmindex(void)
 {
     if (PyType_Ready(&WriterType) < 0 || PyType_Ready(&ReaderType) < 0)
         return NULL;
+    coh_pick_flushes();
     PyObject *m = PyModule_Create(&shmindex_module);
     if (m == NULL)
         return NULL;

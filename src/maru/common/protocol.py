@@ -396,6 +396,14 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
                 "reply on the Unix socket, else nil",
             ),
             (
+                "pool_index",
+                "map | nil",
+                "the in-pool key index (maru-server --index-slots), in every reply: {file, "
+                "offset, length, slots, id}: `length` bytes at `offset` of `file` under the "
+                "pool's path ('' for the pool file itself), mapped through the path the client "
+                "proved the pool's mark at; `id` is the table's index id (docs/architecture.md)",
+            ),
+            (
                 "coherence",
                 "str",
                 "'hardware' or 'software' (`--coherence`): whether the copies into and out of "

@@ -12,8 +12,10 @@ them, and a reader whose table was replaced can find the current one.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import re
+from typing import Any
 
 from maru.common._shmindex import (
     HASH_BYTES,
@@ -67,6 +69,36 @@ def table_bytes(capacity: int) -> int:
     return HEADER_BYTES + capacity * (SLOT_BYTES + HASH_BYTES)
 
 
+def area_bytes(slots: int) -> int:
+    """An in-pool table's area (`maru-server --index-slots`): the table, then its use bytes,
+    each starting on a 4 KiB page (0 slots: none)."""
+    if slots <= 0:
+        return 0
+    page = mmap.ALLOCATIONGRANULARITY
+    return -(-table_bytes(slots) // page) * page + -(-slots // page) * page
+
+
+def area_views(area: Any, slots: int) -> tuple[memoryview, memoryview]:
+    """The table and the use bytes inside an in-pool table's mapped area (`area_bytes`):
+    release both before the mapping is closed."""
+    page = mmap.ALLOCATIONGRANULARITY
+    table_end = table_bytes(slots)
+    use_at = -(-table_end // page) * page
+    view = memoryview(area)
+    return view[:table_end], view[use_at : use_at + slots]
+
+
+def map_area(path: str, offset: int, length: int, *, populate: bool = False) -> mmap.mmap:
+    """`length` bytes at `offset` of `path` mapped shared, read-write (`populate`: every page
+    now, so that no probe pays a page fault)."""
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, length, flags, offset=offset)
+    finally:
+        os.close(fd)
+
+
 def region_tag(token: str) -> int:
     """A region's tag in the table: its token's first 8 bytes as a signed int64 (the token is
     an HMAC over the region's pool path, offset, length and the pool's generation, so equal
@@ -95,10 +127,13 @@ __all__ = [
     "USE_SUFFIX",
     "Reader",
     "Writer",
+    "area_bytes",
+    "area_views",
     "base_of",
     "format_table",
     "hash_generation",
     "index_base",
+    "map_area",
     "owned_by",
     "region_tag",
     "table_bytes",

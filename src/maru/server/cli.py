@@ -34,14 +34,21 @@ from maru.server import persistence
 from maru.server.cluster.tier import PUBLISH_MODES, ClusterTier
 from maru.server.journal import SNAPSHOT_NAME, Journal, read_records, write_private
 from maru.server.local_socket import LocalDoor, raise_fd_limit
-from maru.server.localindex import open_local_index, remove_tables, retire_earlier
+from maru.server.localindex import (
+    open_local_index,
+    remove_tables,
+    retire_earlier,
+    retire_in_pool,
+)
 from maru.server.logs import configure_logging
 from maru.server.metrics import MetricsUnavailable, require_prometheus, start_metrics_server
 from maru.server.pool import (
+    INDEX_SLOTS_MAX,
     REGION_ALIGNMENT,
     FsDaxPool,
     Pool,
     _flock,
+    auto_index_slots,
     lock_with_pid,
     new_generation,
     open_pool,
@@ -301,6 +308,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: published)",
     )
     p.add_argument(
+        "--index-slots",
+        default="0",
+        metavar="N|auto",
+        help="put the key index inside the pool, in an area of N slots (a power of two; "
+        "auto: two per 64 KiB of pool) kept out of the regions, and offer it to every client "
+        "that proved the pool, over TCP too: clients on every host of a CXL pod then read "
+        "without a request. The capacity is fixed: a key beyond half of it is not published "
+        "and readers ask the server for their misses. Not for a directory (fsdax) pool. 0: "
+        "the index in /dev/shm, for clients on this node only (default: 0)",
+    )
+    p.add_argument(
         "--no-restore",
         action="store_true",
         help="start with an empty registry, discarding the state in --state-dir",
@@ -361,6 +379,18 @@ def local_uids(text: str) -> list[int]:
     return uids
 
 
+def index_slots(value: str, pool_bytes: int) -> int | None:
+    """`--index-slots` as a number of slots (0: none), None if it is not one."""
+    if value == "auto":
+        return auto_index_slots(pool_bytes)
+    try:
+        slots = int(value)
+    except ValueError:
+        return None
+    ok = slots == 0 or (8 <= slots <= INDEX_SLOTS_MAX and slots & (slots - 1) == 0)
+    return slots if ok else None
+
+
 def check_args(args: argparse.Namespace) -> str | None:
     """What the flags' types cannot check alone (paths, relations between flags): the first
     problem as one line naming the flag, or None. Sets `args.pool_bytes`."""
@@ -374,6 +404,12 @@ def check_args(args: argparse.Namespace) -> str | None:
         return (
             f"--pool-size: {args.pool_size} is smaller than one region "
             f"({fmt_bytes(REGION_ALIGNMENT)}, the pool's allocation unit)"
+        )
+    args.index_slot_count = index_slots(args.index_slots, args.pool_bytes)
+    if args.index_slot_count is None:
+        return (
+            f"--index-slots: {args.index_slots!r} is not 0, auto or a power of two up to "
+            f"{INDEX_SLOTS_MAX}"
         )
     try:
         quota_region_bytes(args.quota_region_bytes, args.pool_bytes)
@@ -783,9 +819,17 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         # locked for the life of the process too (the pool object holds the fd)
         pool = open_pool(
-            pool_path, args.pool_bytes, args.pool_group, lock=True, preallocate=args.preallocate
+            pool_path,
+            args.pool_bytes,
+            args.pool_group,
+            lock=True,
+            preallocate=args.preallocate,
+            index_slots=0 if args.no_local_index else args.index_slot_count,
         )
+        if args.index_slot_count and pool.index_area is None:
+            log.warning("--index-slots: a directory pool has no in-pool index: /dev/shm's")
         retire_earlier(pool.kind, pool.path)  # before the pool can change (a new generation)
+        retire_in_pool(pool)
         secret = load_or_create_secret(state_dir)
         journal = Journal(
             state_dir,
@@ -812,7 +856,13 @@ def main(argv: list[str] | None = None) -> int:
         persistence.restore(registry, snapshot, records)
         registry.regions.next_id = max(registry.regions.next_id, first_region_id)
         journal.write_snapshot(persistence.snapshot(registry))  # compact what was replayed
-        open_local_index(pool, registry, args.pool_group, enabled=not args.no_local_index)
+        open_local_index(
+            pool,
+            registry,
+            args.pool_group,
+            enabled=not args.no_local_index,
+            software=args.coherence == "software",
+        )
         curve = load_or_create_curve_keys(state_dir) if args.curve else None
         service = MaruService(
             registry,

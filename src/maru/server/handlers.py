@@ -148,6 +148,7 @@ def on_handshake(server: Server, body: dict[str, Any]) -> dict[str, Any]:
         "local_socket": server.local.address if server.local is not None else None,
         "uid": os.getuid(),
         "local_index": _local_index_path(server, body),
+        "pool_index": _pool_index(server),
         "coherence": server.coherence,
         "cluster": server.cluster.announce() if server.cluster is not None else None,
     }
@@ -159,6 +160,14 @@ def _local_index_path(server: Server, body: dict[str, Any]) -> str | None:
     is not coherent with ours: docs/architecture.md)."""
     index = server.registry.local_index
     return index.path if index is not None and body.get("via_local") is True else None
+
+
+def _pool_index(server: Server) -> dict[str, Any] | None:
+    """The in-pool index (`--index-slots`) is offered on every socket: it lies in the pool
+    memory the client proves by the mark before it maps anything (`maru.client.poolpath`),
+    and its readers keep the pod's coherence contract (docs/architecture.md)."""
+    index = server.registry.local_index
+    return index.offer() if index is not None else None
 
 
 def on_request_region(server: Server, body: dict[str, Any]) -> dict[str, Any]:

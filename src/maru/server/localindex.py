@@ -15,6 +15,15 @@ clients then use the request path. Nor is one made where it would take room the 
 needs: on the pool's own tmpfs, a table made after the pool's free-space check would leave
 the pool's last pages unbacked (SIGBUS in the client that touches them), so each table, the
 first and every bigger one, is made only if the filesystem keeps room for the pool besides.
+
+With `maru-server --index-slots` the table lies inside the pool instead (`_PoolTable`, the area
+`Pool.index_area` keeps out of the regions): memory every host of a CXL pod maps, so every
+client that proved the pool reads through it, over TCP too (docs/architecture.md, "The
+in-pool index"). Its capacity is fixed at start: a key that finds no room is not published
+(its slot, if it had one, removed) and the table says `incomplete` from then on, so that
+readers ask the server for their misses. With software coherence (`--coherence software`)
+every slot and header line the server changes is written back before it counts as published.
+One table, one writer: the server makes no /dev/shm table then.
 """
 
 from __future__ import annotations
@@ -32,11 +41,92 @@ from typing import Any
 
 from maru.common import hugepages, shmindex
 from maru.common.config import fmt_bytes
-from maru.common.shmindex import USE_SUFFIX, index_base, region_tag, table_bytes, table_files
+from maru.common.shmindex import (
+    USE_SUFFIX,
+    area_views,
+    index_base,
+    map_area,
+    region_tag,
+    table_bytes,
+    table_files,
+)
 
 log = logging.getLogger(__name__)
 
 INITIAL_CAPACITY = 1 << 16  # slots (12.5 MiB): small deployments pay little; grows by doubling
+
+
+class _PoolTable:
+    """The table inside the pool (`Pool.index_area`: file, offset, bytes, slots), mapped
+    read-write through the pool's path: formatted anew at every start (a new index id), so
+    that a reader of an earlier one never proves a copy by it. `retire` is `_Table`'s."""
+
+    def __init__(self, pool: Any, generation: str, software: bool):
+        self.place, offset, length, slots = pool.index_area  # (`place`: under the pool's path)
+        self.capacity = slots
+        self.file = os.path.join(pool.path, self.place) if self.place else pool.path
+        self.offset, self.length = offset, length
+        self.map = map_area(self.file, offset, length)
+        table, use = area_views(self.map, slots)
+        try:
+            use[:] = bytes(len(use))
+            self.index_id = secrets.randbits(64)
+            shmindex.format_table(table, slots, generation.encode(), self.index_id, software)
+            self.writer = shmindex.Writer(table, use, software)
+        except BaseException:
+            table.release()
+            use.release()
+            self.map.close()
+            raise
+
+    @property
+    def path(self) -> None:
+        return None  # (no file of its own: `offer` names its place)
+
+    def offer(self) -> dict[str, Any]:
+        """The HANDSHAKE reply's `pool_index`: where the table lies in the pool (the client
+        maps it through the path it proved the pool's mark at) and which table it is."""
+        return {
+            "file": self.place,
+            "offset": self.offset,
+            "length": self.length,
+            "slots": self.capacity,
+            "id": self.index_id,
+        }
+
+    def retire(self, successor: str = "") -> None:
+        """Readers' copies that end after this are not proven (the area stays the pool's)."""
+        self.writer.retire(successor)
+        self.writer.close()
+        self.map.close()
+
+    def unlink(self) -> None:
+        """(Nothing to remove: the area is the pool's.)"""
+
+
+def retire_in_pool(pool: Any) -> bool:
+    """Retire the in-pool table an earlier server left (killed, or stopped before it could):
+    readers that still map it take their copies as misses from now on. Call it with the pool
+    locked, before the pool can change. False where there is none of this size."""
+    if pool.index_area is None:
+        return False
+    file, offset, length, slots = pool.index_area
+    try:
+        area = map_area(os.path.join(pool.path, file) if file else pool.path, offset, length)
+    except (OSError, ValueError):
+        return False
+    table, use = area_views(area, slots)
+    try:
+        writer = shmindex.Writer(table, use)
+        writer.retire("")
+        writer.close()
+        return True
+    except ValueError:  # (never formatted, or of another size: the format retires it)
+        return False
+    finally:
+        table.release()
+        use.release()
+        area.close()
 
 
 class _Table:
@@ -130,7 +220,11 @@ class LocalIndex:
         generation: str,
         group: str | None = None,
         pool_unallocated: Callable[[str], int] | None = None,
+        in_pool: Any = None,
+        software: bool = False,
     ):
+        """`in_pool`: the pool, whose `index_area` holds the table (else /dev/shm files);
+        `software`: software coherence (`--coherence software`)."""
         self.base = index_base(pool_kind, pool_path)
         # bytes the pool may still allocate on a directory's filesystem (`Pool.unallocated_on`)
         self._pool_unallocated = pool_unallocated or (lambda directory: 0)
@@ -138,12 +232,23 @@ class LocalIndex:
         self.group = group
         self.grown = 0  # tables replaced by bigger ones
         self.huge = hugepages.tmpfs_huge_option(self.base)  # its tmpfs's huge= option
-        self.table: _Table | None = None
-        self.table = self._new_table(INITIAL_CAPACITY)
+        self.unpublished = 0  # keys an in-pool table had no room for
+        self.table: _Table | _PoolTable | None = None
+        if in_pool is not None:
+            self.table = _PoolTable(in_pool, generation, software)
+        else:
+            self.table = self._new_table(INITIAL_CAPACITY)
 
     @property
     def path(self) -> str | None:
+        """The /dev/shm table's file, which the HANDSHAKE reply names on the Unix socket."""
         return self.table.path if self.table is not None else None
+
+    def offer(self) -> dict[str, Any] | None:
+        """The in-pool table's place for every HANDSHAKE reply (`_PoolTable.offer`), None if
+        the table is not in the pool."""
+        table = self.table
+        return table.offer() if isinstance(table, _PoolTable) else None
 
     @property
     def count(self) -> int:
@@ -152,10 +257,13 @@ class LocalIndex:
     def stats(self) -> dict[str, Any]:
         """For the server's STATS (`maru status`): where the table is, how full, which pages."""
         table = self.table
+        in_pool = isinstance(table, _PoolTable)
         return {
-            "path": self.path,
+            "path": f"{table.file} at offset {table.offset}" if in_pool else self.path,
+            "in_pool": in_pool,
             "keys": self.count,
             "slots": table.capacity if table is not None else 0,
+            "unpublished": self.unpublished,
             "grown": self.grown,
             "huge": self.huge,
         }
@@ -194,6 +302,8 @@ class LocalIndex:
         table = self.table
         if table is None:
             return False
+        if isinstance(table, _PoolTable):
+            return True  # (a fixed capacity: `publish` leaves out what finds no room)
         need = table.writer.count + more
         if need <= table.capacity // 2:
             return True
@@ -232,9 +342,34 @@ class LocalIndex:
         the tags). Keys longer than the table holds are left out: clients ask the server."""
         if not keys or not self._room_for(len(keys)):
             return
-        tags = {r: region_tag(regions[r].token) for r in set(region_ids)}
         assert self.table is not None
+        room = self.table.capacity // 2 - self.table.writer.count
+        if len(keys) > room:  # (an in-pool table: the rest are the server's alone)
+            self._no_room(keys[room:])
+            keys, region_ids, offsets, lengths = (
+                keys[:room],
+                region_ids[:room],
+                offsets[:room],
+                lengths[:room],
+            )
+            checksums = checksums[:room] if checksums is not None else None
+        tags = {r: region_tag(regions[r].token) for r in set(region_ids)}
         self.table.writer.publish(keys, region_ids, offsets, lengths, checksums, tags)
+
+    def _no_room(self, keys: list[Any]) -> None:
+        """Keys the in-pool table has no room for: an earlier slot of theirs goes (it names
+        the location they replace), and readers ask the server for misses from now on."""
+        assert self.table is not None
+        self.table.writer.remove(keys)
+        if not self.unpublished:
+            self.table.writer.mark_incomplete()
+            log.warning(
+                "the in-pool index is full (%d slots, at most half used): keys beyond it are "
+                "read through requests, and readers ask the server for every miss; start "
+                "with a larger --index-slots",
+                self.table.capacity,
+            )
+        self.unpublished += len(keys)
 
     def remove(self, keys: list[Any]) -> None:
         """Keys that go (journaled): their slots change before their pages can be reused."""
@@ -260,15 +395,26 @@ class LocalIndex:
 
 
 def open_local_index(
-    pool: Any, registry: Any, group: str | None = None, enabled: bool = True
+    pool: Any,
+    registry: Any,
+    group: str | None = None,
+    enabled: bool = True,
+    software: bool = False,
 ) -> LocalIndex | None:
-    """The server's index, filled from the restored registry and attached to it; None when
-    off (`--no-local-index`, or no room on /dev/shm)."""
+    """The server's index, filled from the restored registry and attached to it: in the pool
+    where it has an index area (`--index-slots`), else in /dev/shm; None when off
+    (`--no-local-index`, or no room on /dev/shm). `software`: `--coherence software`."""
     if not enabled:
         return None
     try:
         index = LocalIndex(
-            pool.kind, pool.path, pool.generation, group, pool_unallocated=pool.unallocated_on
+            pool.kind,
+            pool.path,
+            pool.generation,
+            group,
+            pool_unallocated=pool.unallocated_on,
+            in_pool=pool if pool.index_area is not None else None,
+            software=software,
         )
     except OSError as exc:
         log.error("no local index (%s): clients on this node use the request path", exc)
@@ -286,5 +432,5 @@ def open_local_index(
         )
     registry.local_index = index
     pages = hugepages.describe(index.huge)
-    log.info("local index %s (%d keys; %s)", index.path, index.count, pages)
+    log.info("local index %s (%d keys; %s)", index.stats()["path"], index.count, pages)
     return index

@@ -23,11 +23,21 @@ from maru.common import hugepages
 from maru.common.config import fmt_bytes
 from maru.common.extents import ExtentAllocator
 from maru.common.poolmark import MARK_BYTES, decode_mark, encode_mark, read_mark_window
+from maru.common.shmindex import area_bytes
 from maru.server.journal import write_private
 
 log = logging.getLogger(__name__)
 
 REGION_ALIGNMENT = 2 << 20  # 2 MiB: huge-page friendly, and what devdax devices align to
+INDEX_SLOTS_MIN, INDEX_SLOTS_MAX = 1 << 10, 1 << 24  # `--index-slots auto`'s bounds
+AUTO_SLOT_BYTES = 64 << 10  # `auto`: two slots per 64 KiB of pool (a table at most half full)
+
+
+def auto_index_slots(capacity: int) -> int:
+    """`--index-slots auto`: room for a key per 64 KiB of pool (SGLang's pages are smaller
+    than a MiB chunk), the table at most half full: a power of two in the bounds."""
+    want = max(INDEX_SLOTS_MIN, min(INDEX_SLOTS_MAX, 2 * capacity // AUTO_SLOT_BYTES))
+    return 1 << (want - 1).bit_length()
 
 
 class PoolFullError(Exception):
@@ -104,6 +114,9 @@ class Pool(ABC):
         self._lock_fd: int | None = None
         self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) when opened
         self.huge = hugepages.tmpfs_huge_option(path)  # its tmpfs's huge= (None: no tmpfs)
+        # the in-pool key index's area: (file relative to the path, "" for the pool file
+        # itself; offset; bytes; slots), kept out of the regions; None: no in-pool index
+        self.index_area: tuple[str, int, int, int] | None = None
 
     @property
     def name(self) -> str:
@@ -241,16 +254,28 @@ def _apply_group(path: str, group: str | None) -> None:
 class FilePool(Pool):
     """One file or device, regions carved first-fit at `alignment`. The mark lies in a window
     of `mark_span` bytes at `mark_offset`, past the last region; read and written through a
-    mapping of it (a devdax device has no read or write, and wants aligned mappings)."""
+    mapping of it (a devdax device has no read or write, and wants aligned mappings). With
+    `index` (offset, bytes, slots) the in-pool key index lies there, past the last region too."""
 
-    def __init__(self, path: str, capacity: int, alignment: int, mark_offset: int, mark_span: int):
+    def __init__(
+        self,
+        path: str,
+        capacity: int,
+        alignment: int,
+        mark_offset: int,
+        mark_span: int,
+        index: tuple[int, int, int] | None = None,
+    ):
         super().__init__(path, capacity, alignment)
         self._extents = ExtentAllocator(capacity, alignment)
         self.mark_offset, self.mark_span = mark_offset, mark_span
+        if index is not None:
+            self.index_area = ("", *index)
 
     @property
     def file_bytes(self) -> int:
-        return self.mark_offset + self.mark_span
+        end = self.mark_offset + self.mark_span
+        return max(end, self.index_area[1] + self.index_area[2]) if self.index_area else end
 
     def _mark_place(self) -> dict:
         return {"file": "", "offset": self.mark_offset, "span": self.mark_span}
@@ -299,7 +324,8 @@ class ShmPool(FilePool):
     the server starts a new generation. With `lock` (the server) the file is flocked for the
     pool's life; the free space of its filesystem must cover what the file may still allocate,
     and `preallocate` allocates all of it now (`posix_fallocate`). The file is one page longer
-    than the capacity: that page holds the pool's mark.
+    than the capacity: that page holds the pool's mark; the in-pool index (`index_slots`)
+    follows it.
     """
 
     kind = "shm"
@@ -312,9 +338,13 @@ class ShmPool(FilePool):
         *,
         lock: bool = False,
         preallocate: bool = False,
+        index_slots: int = 0,
     ):
         page = mmap.ALLOCATIONGRANULARITY
-        super().__init__(path, capacity, REGION_ALIGNMENT, -(-capacity // page) * page, page)
+        mark = -(-capacity // page) * page
+        area = area_bytes(index_slots)
+        index = (mark + page, area, index_slots) if area else None
+        super().__init__(path, capacity, REGION_ALIGNMENT, mark, page, index)
         self._group, self._lock, self._preallocate = group, lock, preallocate
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.created = self._open(exclusive=False)
@@ -388,7 +418,8 @@ class ShmPool(FilePool):
 
 class DevDaxPool(FilePool):
     """A devdax character device (CXL memory, PMEM). Size and alignment come from sysfs. Its
-    last alignment unit holds the pool's mark: the capacity is at most the rest.
+    last alignment unit holds the pool's mark, the units before it the in-pool index
+    (`index_slots`): the capacity is at most the rest.
 
     A regular file may stand in for the device (tests do this: there is no device here); then
     its size is the device's and alignment is REGION_ALIGNMENT.
@@ -396,10 +427,14 @@ class DevDaxPool(FilePool):
 
     kind = "devdax"
 
-    def __init__(self, path: str, capacity: int | None = None, *, lock: bool = False):
+    def __init__(
+        self, path: str, capacity: int | None = None, *, lock: bool = False, index_slots: int = 0
+    ):
         size, align = self._probe(path)
         align = max(align, REGION_ALIGNMENT)
-        room = (size // align - 1) * align  # (the last unit: the mark)
+        mark = (size // align - 1) * align  # (the last unit: the mark)
+        area = -(-area_bytes(index_slots) // align) * align
+        room = mark - area
         if room <= 0:
             raise ValueError(f"devdax {path} is too small: {size} bytes (alignment {align})")
         if capacity is None or capacity > room:
@@ -412,7 +447,9 @@ class DevDaxPool(FilePool):
                     align,
                 )
             capacity = room
-        super().__init__(path, capacity, align, room, align)
+        super().__init__(
+            path, capacity, align, mark, align, (room, area, index_slots) if area else None
+        )
         if lock:
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -535,16 +572,20 @@ def open_pool(
     *,
     lock: bool = False,
     preallocate: bool = False,
+    index_slots: int = 0,
 ) -> Pool:
     """Pick the pool kind from the path (see module docstring). `lock`: hold it for this
-    process's life (the server), refusing a pool another server holds."""
+    process's life (the server), refusing a pool another server holds. `index_slots`: the
+    in-pool key index's slots (`--index-slots`; 0: none; a directory pool has none)."""
     p = Path(path)
     if path.endswith("/") or p.is_dir():
         if capacity is None:
             raise ValueError("--pool-size is required for an fsdax directory pool")
         return FsDaxPool(path.rstrip("/") or "/", capacity, group, lock=lock)
     if path.startswith("/dev/dax") or (p.exists() and stat.S_ISCHR(p.stat().st_mode)):
-        return DevDaxPool(path, capacity, lock=lock)
+        return DevDaxPool(path, capacity, lock=lock, index_slots=index_slots)
     if capacity is None:
         raise ValueError("--pool-size is required for a shm pool")
-    return ShmPool(path, capacity, group, lock=lock, preallocate=preallocate)
+    return ShmPool(
+        path, capacity, group, lock=lock, preallocate=preallocate, index_slots=index_slots
+    )
