@@ -51,14 +51,22 @@ setup(
         Extension(
             "maru.client._memcopy",
             ["src/maru/client/_memcopy.c"],
-            depends=["src/maru/common/int64_buffer.h", "src/maru/common/cacheflush.h"],
+            depends=[
+                "src/maru/common/int64_buffer.h",
+                "src/maru/common/cacheflush.h",
+                "src/maru/common/faultguard.h",
+            ],
         ),
         Extension("maru.client._busypoll", ["src/maru/client/_busypoll.c"]),
         Extension("maru.server._keyindex", ["src/maru/server/_keyindex.c"]),
         Extension(
             "maru.common._shmindex",
             ["src/maru/common/_shmindex.c"],
-            depends=["src/maru/common/int64_buffer.h", "src/maru/common/cacheflush.h"],
+            depends=[
+                "src/maru/common/int64_buffer.h",
+                "src/maru/common/cacheflush.h",
+                "src/maru/common/faultguard.h",
+            ],
         ),
     ],
 )

@@ -52,6 +52,7 @@ def truncate(url: str, pool: str, local: str) -> dict:
         reading, truncated = threading.Event(), threading.Event()
         report = {"stored": sum(stored), "local": h.reads_locally, "wrong": 0, "after": []}
         report["coherence"] = h.coherence
+        report["in_pool"] = h._index is not None and h._index.path is None  # (--index-slots)
 
         def reader() -> None:
             while True:

@@ -3,7 +3,8 @@ client process (`pool_faults_child.py`) against a real `maru-server` and checks 
 the process lives (before: SIGBUS or SIGSEGV), then that every hit it read is the bytes that
 were stored and that what faulted came back as a failed store or a miss:
 
-- the pool file truncated under a reader (the ~1 s before the server notices);
+- the pool file truncated under a reader (the ~1 s before the server notices), also with the
+  key index inside the pool (`--index-slots auto`: the probe meets the fault first);
 - a 32 MiB pool on a 40 MiB tmpfs: the server makes no local index there (its table would
   take the pages the pool still needs), so a writer fills the whole pool;
 - the pool's tmpfs filled by another file after start: stores into pages that cannot be
@@ -45,16 +46,24 @@ def run_child(*args: str) -> dict:
 
 
 @pytest.mark.parametrize("coherence", ["hardware", "software"])
-@pytest.mark.parametrize("local", ["1", "0"], ids=["local-index", "requests"])
+@pytest.mark.parametrize(
+    "local, in_pool",
+    [("1", False), ("1", True), ("0", False)],
+    ids=["local-index", "in-pool-index", "requests"],
+)
 def test_a_pool_truncated_under_a_reader_gives_misses_not_a_dead_reader(
-    maru_server_factory, local, coherence
+    maru_server_factory, local, in_pool, coherence
 ):
     """(With software coherence a reader's first touch of a value is its invalidation of
-    the value's lines: the fault comes in a flush, and is a miss all the same.)"""
-    server = maru_server_factory(extra_args=["--coherence", coherence])
+    the value's lines: the fault comes in a flush, and is a miss all the same. With the
+    index inside the pool, `--index-slots auto`, the truncation takes the table too: the
+    probe itself faults, and the batch goes the request way, which misses.)"""
+    index = ["--index-slots", "auto"] if in_pool else []
+    server = maru_server_factory(extra_args=["--coherence", coherence, *index])
     got = run_child("truncate", server.url, server.pool_path, local)
     assert got["coherence"] == coherence
     assert got["stored"] == 16 and got["local"] == (local == "1")
+    assert got["in_pool"] == in_pool
     assert got["wrong"] == 0  # every hit, before and after, was the bytes stored
     assert got["after"] == [0] * 5  # every read after the truncation: misses
 

@@ -622,3 +622,63 @@ def test_a_full_in_pool_table_leaves_keys_out_and_its_readers_ask_for_misses(tmp
     assert reader.contains([*inside, "k/11"]) is None
     assert reader.leading(inside) == len(inside) and reader.leading(["k/11"]) is None
     index.close()
+
+
+def _read_truncated(directory: str, software: bool, out) -> None:
+    """Another process (it would die of SIGBUS without the fault guard): an in-pool table
+    with keys, its reader, then the pool file truncated under it; every read of the table
+    again, each answer sent on `out` (a pipe's end)."""
+    pool = pool_with_area(Path(directory), 1024)
+    keys = [f"k/{i}" for i in range(20)]
+    index = LocalIndex("shm", pool.path, "gen-1", in_pool=pool, software=software)
+    publish(index, keys)
+    _values, regions = region_with_bytes(32 * 4096)  # (kept: only the table faults)
+    reader = in_pool_reader(pool, index)._reader
+    cols = columns(reader, keys, regions)
+    got: dict = {"before": cols[1].tolist(), "count_before": reader.count}
+    area = shmindex.map_area(pool.path, 4096, shmindex.area_bytes(1024))
+    table, use = shmindex.area_views(area, 1024)
+    os.truncate(pool.path, 0)
+    got["probe"] = columns(reader, keys, regions)
+    got["read"] = fused_read(reader, keys[:4], regions, 4096)[0]
+    got["contains"], got["leading"] = reader.contains(keys), reader.leading(keys)
+    got["changed"] = reader.changed(cols[5].tobytes(), cols[6].tobytes())
+    got["retired"], got["incomplete"] = reader.retired, reader.incomplete
+    got["successor"], got["count"] = reader.successor, reader.count
+    for name, call in [
+        ("pool_generation", lambda: reader.pool_generation),
+        ("new_reader", lambda: shmindex.Reader(table, use, software)),
+    ]:
+        try:
+            call()
+            got[name] = "no error"
+        except (OSError, ValueError) as exc:
+            got[name] = f"{type(exc).__name__}: {exc}"
+    out.send(got)
+    os._exit(0)  # (the server's side, the writer, would fault at its close: not tested here)
+
+
+@pytest.mark.parametrize("software", [False, True], ids=["hardware", "software"])
+def test_an_in_pool_table_truncated_under_its_reader_faults_into_asking_the_server(
+    tmp_path, software
+):
+    """The in-pool table is pool memory, which a shm pool's truncation takes away: every
+    read of it runs under `_memcopy.c`'s fault guard (through its FAULT_GUARD capsule), so
+    each call answers "ask the server" (probe, read, contains, leading), "not proven"
+    (changed) or "retired" (the header), and the process lives. Before: SIGBUS."""
+    context = mp.get_context("spawn")
+    here, there = context.Pipe(duplex=False)
+    proc = context.Process(target=_read_truncated, args=(str(tmp_path), software, there))
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == 0, f"the reader died ({proc.exitcode}: -7 is SIGBUS)"
+    assert here.poll(10)
+    got = here.recv()
+    assert got["before"] == [100 + i for i in range(20)] and got["count_before"] == 20
+    assert got["probe"] is None and got["read"] is None  # the server answers the batch
+    assert got["contains"] is None and got["leading"] is None
+    assert got["changed"] == b"\x01" * 20  # no copy proven by a table that faulted
+    assert got["retired"] and got["incomplete"] and got["successor"] == ""
+    assert got["count"] == 0
+    assert got["pool_generation"].startswith("OSError") and "faulted" in got["pool_generation"]
+    assert got["new_reader"].startswith("ValueError") and "faulted" in got["new_reader"]

@@ -37,6 +37,7 @@
 
 #include "../common/int64_buffer.h"
 #include "../common/cacheflush.h"
+#include "../common/faultguard.h"
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #define HAVE_STREAMING 1
@@ -511,7 +512,9 @@ static void m64_pick_impl(void)
  *
  * The guard is a thread-local pointer to a sigjmp_buf (initial-exec TLS: no allocation in the
  * handler); sigsetjmp does not save the signal mask (no system call per value) and the handler
- * runs with SA_NODEFER, so the mask after the jump is the one before the fault. */
+ * runs with SA_NODEFER, so the mask after the jump is the one before the fault. It is the one
+ * guard of the process: the key index's reader (`_shmindex.c`, whose table may lie in the
+ * pool) runs its reads under it too, through the FAULT_GUARD capsule (`faultguard.h`). */
 
 static __thread sigjmp_buf *volatile fault_jump __attribute__((tls_model("initial-exec")));
 static struct sigaction fault_before[2]; /* SIGBUS's and SIGSEGV's handlers before ours */
@@ -585,6 +588,11 @@ static inline void fault_guard_off(void)
     __atomic_signal_fence(__ATOMIC_SEQ_CST);
     fault_jump = NULL;
 }
+
+/* The guard as other extensions reach it (`../common/faultguard.h`: FAULT_GUARD's capsule). */
+static void fault_guard_on_call(sigjmp_buf *jump) { fault_guard_on(jump); }
+static void fault_guard_off_call(void) { fault_guard_off(); }
+static const MaruFaultGuard fault_guard_export = {fault_guard_on_call, fault_guard_off_call};
 
 /* A synchronous fault in a thread that blocks the signal is not delivered but kills the
  * process: a thread that copies (a copier) must not block SIGBUS or SIGSEGV. */
@@ -1702,13 +1710,18 @@ PyMODINIT_FUNC PyInit__memcopy(void)
      * type) */
     PyObject *capsule =
         PyCapsule_New((void *)copy_values_threads, "maru.copy_values_threads.2", NULL);
-    int rc = capsule == NULL || PyModule_AddIntConstant(m, "STREAMING", HAVE_STREAMING) < 0 ||
+    /* FAULT_GUARD: the fault guard for other extensions (`../common/faultguard.h`) */
+    PyObject *guard = PyCapsule_New((void *)&fault_guard_export, MARU_FAULT_GUARD, NULL);
+    int rc = capsule == NULL || guard == NULL ||
+             PyModule_AddIntConstant(m, "STREAMING", HAVE_STREAMING) < 0 ||
              PyModule_AddObjectRef(m, "COPY_VALUES", capsule) < 0 ||
+             PyModule_AddObjectRef(m, "FAULT_GUARD", guard) < 0 ||
              PyModule_AddStringConstant(m, "FLUSH_WRITE_BACK", flush_names[coh_write_back_kind]) < 0 ||
              PyModule_AddStringConstant(m, "FLUSH_INVALIDATE", flush_names[coh_invalidate_kind]) < 0 ||
              PyModule_AddObjectRef(m, "CopyFaultError", CopyFaultError) < 0 ||
              PyModule_AddObjectRef(m, "CopyGate", (PyObject *)&CopyGateType) < 0;
     Py_XDECREF(capsule);
+    Py_XDECREF(guard);
     if (rc) {
         Py_DECREF(m);
         return NULL;

@@ -68,6 +68,7 @@
 
 #include "int64_buffer.h"
 #include "cacheflush.h"
+#include "faultguard.h"
 
 #if defined(__GNUC__) || defined(__clang__)
 #define PREFETCH(p) __builtin_prefetch((const void *)(p))
@@ -122,6 +123,42 @@ typedef struct {
 
 _Static_assert(sizeof(Slot) == SLOT_BYTES, "slot layout");
 _Static_assert(sizeof(Header) <= SUCCESSOR_OFFSET, "header layout");
+
+/* -- the fault guard ------------------------------------------------------------------------
+ * A reader's table may lie in the pool (`--index-slots`), a file another process can truncate
+ * under it: every read of it (the header at open and at validation, probes, `contains`, the
+ * use-byte marks, the validation after a copy) runs under `_memcopy.c`'s fault guard, reached
+ * through its capsule (`faultguard.h`; taken when the first Reader is made). A fault is a
+ * fault of that call: the batch asks the server (probe, read, contains, leading), its hits are
+ * not proven (changed, read), the table counts as retired or incomplete (the getters); never
+ * a hit, never a dead process. One sigsetjmp per call, not per key. */
+
+#define FAULTED (-1000) /* `guarded`'s answer when `fn` faulted */
+static const MaruFaultGuard *fault_guard; /* NULL until a Reader is made (the server: never) */
+
+/* `fn(arg)` under the fault guard (directly where none was taken): its answer, or FAULTED.
+ * `fn` reads and writes the table only: it allocates nothing and calls no Python. */
+static int guarded(int (*fn)(void *), void *arg)
+{
+    const MaruFaultGuard *guard = fault_guard;
+    if (guard == NULL)
+        return fn(arg);
+    sigjmp_buf jump;
+    if (sigsetjmp(jump, 0))
+        return FAULTED;
+    guard->on(&jump);
+    int rc = fn(arg);
+    guard->off();
+    return rc;
+}
+
+/* The guard from `maru.client._memcopy` (once): 0, or -1 with the import's error. */
+static int fault_guard_take(void)
+{
+    if (fault_guard == NULL)
+        fault_guard = PyCapsule_Import(MARU_FAULT_GUARD, 0);
+    return fault_guard != NULL ? 0 : -1;
+}
 
 #define LOAD(p) __atomic_load_n((p), __ATOMIC_RELAXED)
 #define LOAD_ACQ(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
@@ -369,6 +406,48 @@ static inline int table_current(const Table *t)
            LOAD(&t->h->pool_generation) == t->gen;
 }
 
+/* table_open's checks of a mapped table's header (`arg`: a TableOpen): `why` says what is
+ * wrong, else the table's fields are set from the header. Run guarded: pool memory. */
+typedef struct {
+    Table *t;
+    const char *why;
+} TableOpen;
+
+static int table_header(void *arg)
+{
+    TableOpen *o = arg;
+    Table *t = o->t;
+    uint64_t capacity = 0;
+    if (t->table.len < HEADER_BYTES)
+        o->why = "shorter than its header";
+    else if (memcmp(t->table.buf, MAGIC_BYTES, 8) != 0)
+        o->why = "not a Maru index (bad magic)";
+    else if (LOAD(&t->h->version) != LAYOUT_VERSION)
+        o->why = "of another layout version";
+    else if (LOAD(&t->h->slot_bytes) != SLOT_BYTES || LOAD(&t->h->max_key) != MAX_KEY ||
+             LOAD(&t->h->header_bytes) != HEADER_BYTES)
+        o->why = "of another slot layout";
+    else {
+        capacity = LOAD(&t->h->capacity);
+        if (capacity == 0 || (capacity & (capacity - 1)) != 0 ||
+            (uint64_t)(t->table.len - HEADER_BYTES) / (SLOT_BYTES + HASH_BYTES) < capacity)
+            o->why = "of a bad capacity";
+        else if ((uint64_t)t->use.len < capacity)
+            o->why = "with a use-bits file shorter than its capacity";
+    }
+    if (o->why != NULL)
+        return 0;
+    t->slots = (Slot *)((char *)t->table.buf + HEADER_BYTES);
+    t->hashes = (uint64_t *)((char *)t->slots + capacity * SLOT_BYTES);
+    t->use_bits = (unsigned char *)t->use.buf;
+    t->mask = capacity - 1;
+    tbl_drop(t, t->h, 128);
+    tbl_mfence(t);
+    t->seed = LOAD(&t->h->index_id);
+    t->gen = LOAD(&t->h->pool_generation);
+    return 0;
+}
+
 static int table_open(Table *t, PyObject *table_obj, PyObject *use_obj, int writable,
                       int software)
 {
@@ -385,40 +464,17 @@ static int table_open(Table *t, PyObject *table_obj, PyObject *use_obj, int writ
         return -1;
     }
     t->h = (Header *)t->table.buf;
-    const char *why = NULL;
-    uint64_t capacity = 0;
-    if (t->table.len < HEADER_BYTES)
-        why = "shorter than its header";
-    else if (memcmp(t->table.buf, MAGIC_BYTES, 8) != 0)
-        why = "not a Maru index (bad magic)";
-    else if (LOAD(&t->h->version) != LAYOUT_VERSION)
-        why = "of another layout version";
-    else if (LOAD(&t->h->slot_bytes) != SLOT_BYTES || LOAD(&t->h->max_key) != MAX_KEY ||
-             LOAD(&t->h->header_bytes) != HEADER_BYTES)
-        why = "of another slot layout";
-    else {
-        capacity = LOAD(&t->h->capacity);
-        if (capacity == 0 || (capacity & (capacity - 1)) != 0 ||
-            (uint64_t)(t->table.len - HEADER_BYTES) / (SLOT_BYTES + HASH_BYTES) < capacity)
-            why = "of a bad capacity";
-        else if ((uint64_t)t->use.len < capacity)
-            why = "with a use-bits file shorter than its capacity";
-    }
-    if (why != NULL) {
+    t->software = software;
+    TableOpen o = {t, NULL};
+    if (guarded(table_header, &o) == FAULTED)
+        o.why = "faulted (its file truncated, or out of room)";
+    if (o.why != NULL) {
         PyBuffer_Release(&t->table);
         PyBuffer_Release(&t->use);
-        PyErr_Format(PyExc_ValueError, "index table %s", why);
+        t->h = NULL;
+        PyErr_Format(PyExc_ValueError, "index table %s", o.why);
         return -1;
     }
-    t->slots = (Slot *)((char *)t->table.buf + HEADER_BYTES);
-    t->hashes = (uint64_t *)((char *)t->slots + capacity * SLOT_BYTES);
-    t->use_bits = (unsigned char *)t->use.buf;
-    t->mask = capacity - 1;
-    t->software = software;
-    tbl_drop(t, t->h, 128);
-    tbl_mfence(t);
-    t->seed = LOAD(&t->h->index_id);
-    t->gen = LOAD(&t->h->pool_generation);
     return 0;
 }
 
@@ -880,10 +936,27 @@ static PyObject *Writer_close(Writer *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* The u64 at `p` (the header's: `count`, a reader's pool generation), read guarded:
+ * `guarded` answers 0, or FAULTED. */
+typedef struct {
+    const uint64_t *p;
+    uint64_t value;
+} Load;
+
+static int load_run(void *arg)
+{
+    Load *l = arg;
+    l->value = LOAD_ACQ(l->p);
+    return 0;
+}
+
 /* `count` and `capacity` of either side (0 once a writer is closed). */
 static PyObject *table_get_count(Writer *self, void *c)
 {
-    return PyLong_FromUnsignedLongLong(self->t.h ? LOAD(&self->t.h->count) : 0);
+    Load l = {self->t.h ? &self->t.h->count : NULL, 0};
+    if (l.p != NULL && guarded(load_run, &l) == FAULTED)
+        l.value = 0; /* (a reader's table truncated under it) */
+    return PyLong_FromUnsignedLongLong(l.value);
 }
 
 static PyObject *table_get_capacity(Writer *self, void *c)
@@ -931,6 +1004,8 @@ typedef struct {
 
 static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
+    if (fault_guard_take() < 0) /* (before the first read of the table) */
+        return NULL;
     return table_object_new(type, args, 0);
 }
 
@@ -1050,18 +1125,44 @@ static inline int table_incomplete(const Table *t)
  * location goes through `regions`; one outside its region is a miss (never a read past
  * a mapping), and one in a region not mapped here or mapped from another pool life (its tag
  * differs) ends the probe: 1, the batch must go the request way (which maps the region).
- * Else 0 (-1: no memory). Each hit's use byte is set.
+ * Else 0 (-1: no memory). Each hit's use byte is set. A fault reading the table: 1.
  * At 10^6 keys nearly every probe misses the caches (and the TLB), and half the keys are not
  * in their home slot: the keys are hashed first, then probed in groups of AHEAD, the chains of
  * the next group prefetched (in a short loop, so that many misses are in flight at once)
  * before this group is probed. Measured here: 57 ns per key instead of 85 with the home slot
  * alone prefetched a key at a time; 10^3 keys: 22-23 ns either way. */
+typedef struct {
+    const Table *t;
+    const KeyBytes *keys;
+    Py_ssize_t n;
+    const Regions *regions;
+    int64_t *cols;
+    uint64_t *hashes; /* n of them, filled here */
+} Probe;
+
+static int probe_run(void *arg);
+
 static int probe_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, const Regions *regions,
                      int64_t *cols)
 {
-    uint64_t *hashes = PyMem_RawMalloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
-    if (hashes == NULL)
+    Probe p = {t, keys, n, regions, cols, PyMem_RawMalloc(sizeof(uint64_t) * (size_t)(n ? n : 1))};
+    if (p.hashes == NULL)
         return -1;
+    int rc = guarded(probe_run, &p);
+    PyMem_RawFree(p.hashes);
+    return rc == FAULTED ? 1 : rc; /* (a fault: the server answers the batch) */
+}
+
+/* probe_all's work, guarded (`arg`: a Probe). */
+static int probe_run(void *arg)
+{
+    const Probe *p = arg;
+    const Table *t = p->t;
+    const KeyBytes *keys = p->keys;
+    Py_ssize_t n = p->n;
+    const Regions *regions = p->regions;
+    int64_t *cols = p->cols;
+    uint64_t *hashes = p->hashes;
     PrefixState kept = {0};
     for (Py_ssize_t i = 0; i < n; i++)
         hashes[i] = key_hash(&keys[i], t->seed, &kept);
@@ -1097,7 +1198,6 @@ static int probe_all(const Table *t, const KeyBytes *keys, Py_ssize_t n, const R
     }
     if (rc == 0 && missed && table_incomplete(t))
         rc = 1; /* a miss may be a key that found no room: the server has it */
-    PyMem_RawFree(hashes);
     return rc;
 }
 
@@ -1150,6 +1250,25 @@ static Py_ssize_t contains_all(const Table *t, const KeyBytes *keys, Py_ssize_t 
         }
     }
     return n;
+}
+
+/* contains_all and, where it missed, the header's `incomplete`, guarded (`arg`: a Contains):
+ * 1 if a miss may be a key that found no room (ask the server), else 0. */
+typedef struct {
+    const Table *t;
+    const KeyBytes *keys;
+    Py_ssize_t n;
+    char *hits; /* NULL with leading */
+    int leading;
+    Py_ssize_t counted; /* out: contains_all's answer */
+} Contains;
+
+static int contains_run(void *arg)
+{
+    Contains *c = arg;
+    c->counted = contains_all(c->t, c->keys, c->n, c->hits, c->leading);
+    int missed = c->leading ? c->counted < c->n : memchr(c->hits, 0, (size_t)c->n) != NULL;
+    return missed && table_incomplete(c->t);
 }
 
 /* A batch's keys as the table holds them (see `gather`). */
@@ -1348,20 +1467,19 @@ static PyObject *contains_or_leading(Reader *self, PyObject *const *args, Py_ssi
         out = all < 0 ? NULL : Py_NewRef(Py_None);
         goto done;
     }
-    if (leading) {
-        Py_ssize_t counted;
-        GIL_FREE_FOR(b.n, counted = contains_all(&self->t, b.keys, b.n, NULL, 1));
-        out = counted < b.n && table_incomplete(&self->t) ? Py_NewRef(Py_None)
-                                                          : PyLong_FromSsize_t(counted);
-        goto done;
-    }
-    if ((hits = PyMem_Malloc((size_t)(b.n ? b.n : 1))) == NULL) {
+    if (!leading && (hits = PyMem_Malloc((size_t)(b.n ? b.n : 1))) == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    GIL_FREE_FOR(b.n, (void)contains_all(&self->t, b.keys, b.n, hits, 0));
-    if (memchr(hits, 0, (size_t)b.n) != NULL && table_incomplete(&self->t)) {
-        out = Py_NewRef(Py_None); /* a miss may be a key that found no room */
+    Contains c = {&self->t, b.keys, b.n, hits, leading, 0};
+    int rc;
+    GIL_FREE_FOR(b.n, rc = guarded(contains_run, &c));
+    if (rc != 0) { /* a miss may be a key that found no room, or the table faulted */
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (leading) {
+        out = PyLong_FromSsize_t(c.counted);
         goto done;
     }
     if ((out = PyList_New(b.n)) == NULL)
@@ -1386,13 +1504,42 @@ static PyObject *Reader_leading(Reader *self, PyObject *const *args, Py_ssize_t 
     return contains_or_leading(self, args, nargs, kwnames, "leading", 1);
 }
 
+typedef struct {
+    const Table *t;
+    const int64_t *sl, *sq;
+    Py_ssize_t n;
+    char *flags;
+} Unproven;
+
+static int unproven_run(void *arg);
+
 /* Of n probed keys (slot >= 0: a hit), flag (1) each hit that is not proven now: its slot's
  * seq is not the one it was probed with, or the table was retired; returns how many. Call it
- * after the copy: the acquire fence keeps the copy's reads before these. */
+ * after the copy: the acquire fence keeps the copy's reads before these. A fault reading the
+ * table (guarded) proves none: every hit flagged, and `*faulted` set (else cleared). */
 static Py_ssize_t unproven(const Table *t, const int64_t *sl, const int64_t *sq, Py_ssize_t n,
-                           char *flags)
+                           char *flags, int *faulted)
 {
-    Py_ssize_t bad = 0;
+    Unproven u = {t, sl, sq, n, flags};
+    int bad = guarded(unproven_run, &u);
+    *faulted = bad == FAULTED;
+    if (!*faulted)
+        return bad;
+    Py_ssize_t hits = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        hits += flags[i] = (char)(sl[i] >= 0);
+    return hits;
+}
+
+/* unproven's work, guarded (`arg`: an Unproven): how many hits are not proven. */
+static int unproven_run(void *arg)
+{
+    const Unproven *u = arg;
+    const Table *t = u->t;
+    const int64_t *sl = u->sl, *sq = u->sq;
+    Py_ssize_t n = u->n;
+    char *flags = u->flags;
+    int bad = 0;
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     int live = table_current(t);
     for (Py_ssize_t i = 0; i < n; i++) /* (software: every hit's seq from memory) */
@@ -1429,7 +1576,8 @@ static PyObject *Reader_changed(Reader *self, PyObject *args)
     Py_ssize_t n = slots.len / 8, bad = 0;
     if ((out = PyBytes_FromStringAndSize(NULL, n)) == NULL)
         goto done;
-    bad = unproven(&self->t, slots.buf, seqs.buf, n, PyBytes_AS_STRING(out));
+    int faulted;
+    bad = unproven(&self->t, slots.buf, seqs.buf, n, PyBytes_AS_STRING(out), &faulted);
     if (bad == 0)
         Py_SETREF(out, Py_NewRef(Py_None));
 done:
@@ -1485,11 +1633,12 @@ static int read_all(const Table *t, const Batch *b, const Regions *regions, int6
              faulted) != 0;
     if (!hashed)
         memset(computed, 0, sizeof(int64_t) * (size_t)n);
-    int any = unproven(t, cols + COL_SLOT * n, cols + COL_SEQ * n, n, flags) != 0;
+    int checks_faulted;
+    int any = unproven(t, cols + COL_SLOT * n, cols + COL_SEQ * n, n, flags, &checks_faulted);
     for (Py_ssize_t i = 0; i < n && (any || hashed || any_faulted); i++) {
         if (status[i] != READ_PROVEN)
             continue;
-        if (faulted[i])
+        if (faulted[i] || checks_faulted) /* (its copy, or the check after it) */
             status[i] = READ_FAULTED; /* (the pool's file truncated under the copy, say) */
         else if (flags[i])
             status[i] = READ_CHANGED;
@@ -1603,9 +1752,14 @@ done:
     return out;
 }
 
+/* The getters' reads of the header, guarded: a table that faults is retired, incomplete,
+ * of no successor, count 0; its pool generation an OSError. */
+static int current_run(void *t) { return table_current(t); }
+static int incomplete_run(void *t) { return table_incomplete(t); }
+
 static PyObject *Reader_get_retired(Reader *self, void *c)
 {
-    return PyBool_FromLong(!table_current(&self->t));
+    return PyBool_FromLong(guarded(current_run, &self->t) != 1);
 }
 
 static PyObject *Reader_get_index_id(Reader *self, void *c)
@@ -1615,20 +1769,37 @@ static PyObject *Reader_get_index_id(Reader *self, void *c)
 
 static PyObject *Reader_get_incomplete(Reader *self, void *c)
 {
-    return PyBool_FromLong(table_incomplete(&self->t));
+    return PyBool_FromLong(guarded(incomplete_run, &self->t) != 0);
+}
+
+/* The successor field, copied out once `retired` is set (`arg`: a Successor): guarded. */
+typedef struct {
+    const Header *h;
+    char path[SUCCESSOR_MAX];
+} Successor;
+
+static int successor_run(void *arg)
+{
+    Successor *s = arg;
+    if (LOAD_ACQ(&s->h->retired))
+        memcpy(s->path, (const char *)s->h + SUCCESSOR_OFFSET, SUCCESSOR_MAX - 1);
+    return 0;
 }
 
 static PyObject *Reader_get_successor(Reader *self, void *c)
 {
-    if (!LOAD_ACQ(&self->t.h->retired))
-        return PyUnicode_FromString("");
-    const char *field = (const char *)self->t.h + SUCCESSOR_OFFSET;
-    return PyUnicode_DecodeUTF8(field, (Py_ssize_t)strnlen(field, SUCCESSOR_MAX - 1), "replace");
+    Successor s = {self->t.h, {0}};
+    if (guarded(successor_run, &s) == FAULTED)
+        s.path[0] = 0;
+    return PyUnicode_DecodeUTF8(s.path, (Py_ssize_t)strnlen(s.path, SUCCESSOR_MAX - 1), "replace");
 }
 
 static PyObject *Reader_get_pool_generation(Reader *self, void *c)
 {
-    return PyLong_FromUnsignedLongLong(LOAD(&self->t.h->pool_generation));
+    Load l = {&self->t.h->pool_generation, 0};
+    if (guarded(load_run, &l) == FAULTED)
+        return PyErr_Format(PyExc_OSError, "index table faulted (its file truncated?)");
+    return PyLong_FromUnsignedLongLong(l.value);
 }
 
 static PyMethodDef Reader_methods[] = {
