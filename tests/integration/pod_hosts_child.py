@@ -19,6 +19,12 @@ recreated behind the pod's back (the server SIGKILLed, started again with `--no-
 new pool file, which host B's bind mount does not see) and host A stores new values under the
 same keys, which host B reads.
 
+`pod_hosts_child.py NEUTRAL WORKDIR server_down COHERENCE` (issue 43, "the server's host
+failing"): with the in-pool index, host A (the server's) fails: the server and A's writer
+SIGKILLed, A's veth down. Host B's reader reads A's and B's values through the index, B's
+writer tries to store; then A comes back and the server restarts, restoring from its journal,
+and B reads and stores again.
+
 Every value is `make_value(key)`, read back and judged by its bytes (right, missing, wrong).
 """
 
@@ -260,10 +266,14 @@ def delta(after: dict, before: dict) -> dict:
 
 
 def sigkill_server(pod: Pod) -> None:
-    """SIGKILL the maru-server process itself (under `nsenter` and `timeout`), then wait for
-    its `timeout` to end."""
-    proc = pod.server.proc
-    assert proc is not None
+    """SIGKILL the maru-server process itself (under `nsenter` and `timeout`)."""
+    assert pod.server.proc is not None
+    sigkill_under_timeout(pod.server.proc)
+
+
+def sigkill_under_timeout(proc: Any) -> None:
+    """SIGKILL the process `proc`'s `timeout` runs (`nsenter` execs `timeout`, which forks
+    it), then wait for the `timeout` to end."""
     pid = proc.pid
     for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
         os.kill(int(child), 9)
@@ -311,8 +321,64 @@ def index(neutral: Path, workdir: Path, coherence: str, slots: str) -> dict:
     return out
 
 
+def server_down(neutral: Path, workdir: Path, coherence: str) -> dict:
+    """The server's host fails (see the module): host B keeps reading what the in-pool index
+    proves, stores nothing, and reads and stores again once the server is back."""
+    out: dict[str, Any] = {"wrong": 0}
+    args = ["--coherence", coherence, "--index-slots", "auto", "--heartbeat-timeout", "30"]
+    with pod_hosts(neutral, workdir, args) as pod:
+        url, key = pod.server.url, pod.key
+        a_writer = Agent(pod.a.pid, url, key)
+        b_writer = Agent(pod.b.pid, url, key, pod.b_pool, timeout_ms=2000)
+        b_reader = Agent(pod.b.pid, url, key, pod.b_pool, timeout_ms=2000)
+        agents = [a_writer, b_writer, b_reader]
+
+        def b_reads(tag: str = "") -> list[list[int]]:
+            counts = [b_reader.ok("copy", p, 0, 32, tag) for p in ("a", "b")]
+            out["wrong"] += sum(c[2] for c in counts)
+            return counts
+
+        try:
+            out["stored"] = [a_writer.ok("store", "a", 0, 32), b_writer.ok("store", "b", 0, 32)]
+            out["local"] = b_reader.ok("local")
+            out["before"] = b_reads()
+            # Host A fails: its server and its writer SIGKILLed, its end of the veth down.
+            sigkill_server(pod)
+            sigkill_under_timeout(a_writer.proc)
+            sh(pod.a.pid, "ip link set pod-a down")
+            out["down_reads"] = b_reads()
+            out["down_store"] = b_writer.ask("store", "c", 0, 8)  # (refused: no server)
+            out["down_reads_after_store"] = b_reads()
+            # Host A comes back: the server restores its registry from the journal.
+            sh(pod.a.pid, "ip link set pod-a up")
+            pod.server.start(pod.server.port)
+            deadline, healed = time.monotonic() + BOUND_S, None
+            while time.monotonic() < deadline:
+                reply = b_reader.ask("copy", "a", 0, 32, "")
+                if "ok" in reply:
+                    out["wrong"] += reply["ok"][2]
+                    if reply["ok"][0] == 32:
+                        healed = b_reads()
+                        break
+                time.sleep(0.2)
+            out["restored_reads"] = healed
+            stored = 0
+            while time.monotonic() < deadline and stored < 8:
+                reply = b_writer.ask("store", "c", 0, 8)
+                stored = reply.get("ok", 0)
+                if stored < 8:
+                    time.sleep(0.2)
+            out["stored_again"] = stored
+            out["read_again"] = b_reader.ok("copy", "c", 0, 8, "")
+            out["wrong"] += out["read_again"][2]
+        finally:
+            for agent in agents:
+                agent.close()
+    return out
+
+
 if __name__ == "__main__":
     import json
 
-    case = {"killed": killed, "cut": cut, "index": index}[sys.argv[3]]
+    case = {"killed": killed, "cut": cut, "index": index, "server_down": server_down}[sys.argv[3]]
     print(json.dumps(case(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[4:])))

@@ -118,12 +118,12 @@ def test_a_host_cut_off_cannot_write_into_other_instances_values(tmp_path, case)
     kept_going(seen["end"])
 
 
-def run_index(tmp_path: Path, coherence: str, slots: str) -> dict:
-    """What `pod_hosts_child.py` saw of its `index` case."""
+def run_pod_case(tmp_path: Path, case: str, *args: str) -> dict:
+    """What `pod_hosts_child.py` saw of `case` (`index`, `server_down`) run with `args`."""
     workdir = tmp_path / "work"
     workdir.mkdir()
-    argv = (str(workdir), "index", coherence, slots)
-    done = run_on_tmpfs(tmp_path, "size=256M", CHILD, *argv, timeout=240)
+    argv = (str(workdir), case, *args)
+    done = run_on_tmpfs(tmp_path, "size=256M", CHILD, *argv, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -143,7 +143,7 @@ def test_every_host_reads_through_the_in_pool_index_without_a_request(tmp_path, 
     host B's bind mount does not see; the restarted server retired the old file's table
     first): host A stores new values under the same keys and reads them; host B is refused
     or misses, and never reads the old life's bytes as hits (they count as wrong here)."""
-    seen = run_index(tmp_path, coherence, "auto")
+    seen = run_pod_case(tmp_path, "index", coherence, "auto")
     assert seen["stored"] == [32, 32], seen
     assert seen["local"] == [True, True], seen  # both readers read through the index
     assert seen["b_reads"] == [[32, 0, 0], [32, 0, 0]], seen  # A's values, then its own
@@ -156,11 +156,31 @@ def test_every_host_reads_through_the_in_pool_index_without_a_request(tmp_path, 
 
 
 @pods
+@pytest.mark.parametrize("coherence", ["hardware", "software"])
+def test_the_servers_host_failing_stops_writes_and_the_index_keeps_serving(tmp_path, coherence):
+    """The server's host fails (maru-server and host A's writer SIGKILLed, A's veth down):
+    host B's reader goes on reading A's and B's values through the in-pool index, every byte
+    right (the server died without retiring the table: what it proves stays true, since no
+    chunk can be reused without the server); B's writer stores nothing. Host A comes back and
+    the server restarts on the same pool, restoring from its journal: B reads every value
+    again and stores new ones, read right. No read is ever wrong."""
+    seen = run_pod_case(tmp_path, "server_down", coherence)
+    assert seen["stored"] == [32, 32] and seen["local"] is True, seen
+    assert seen["before"] == [[32, 0, 0], [32, 0, 0]], seen
+    assert seen["down_reads"] == [[32, 0, 0], [32, 0, 0]], seen  # the index, no server
+    assert seen["down_store"].get("ok", 0) == 0, seen  # no write without the server
+    assert seen["down_reads_after_store"] == [[32, 0, 0], [32, 0, 0]], seen
+    assert seen["restored_reads"] == [[32, 0, 0], [32, 0, 0]], seen  # from the journal
+    assert seen["stored_again"] == 8 and seen["read_again"] == [8, 0, 0], seen
+    assert seen["wrong"] == 0, seen
+
+
+@pods
 def test_without_the_in_pool_index_the_other_host_reads_through_requests(tmp_path):
     """The same pod with `--index-slots 0` (the index in host A's /dev/shm, as before): host
     B's reads are right by their bytes, and each batch is a LOOKUP_KV from host B: what the
     test above counts is there to be seen."""
-    seen = run_index(tmp_path, "hardware", "0")
+    seen = run_pod_case(tmp_path, "index", "hardware", "0")
     assert not seen["local"][1], seen  # (host B: no index it can map)
     assert seen["b_reads"] == [[32, 0, 0], [32, 0, 0]], seen
     assert seen["b_requests_during_b_reads"].get("lookup_kv", 0) >= 2, seen
