@@ -41,3 +41,31 @@ def test_anything_but_the_mark_the_server_names_is_refused_naming_the_path(tmp_p
     right = {"generation": "g", "epoch": "e", "file": "", "offset": 4096, "span": 4096}
     place = prove({"path": "/srv/pool", "kind": "shm", "mark": right}, str(pool))
     assert place.local_path("/srv/pool") == str(pool)
+
+
+def test_the_mark_is_written_back_and_read_from_memory(tmp_path, monkeypatch):
+    """The server writes the mark's line back to memory and a client evicts it from its cache
+    before reading (a pod without coherence): one line each way, then the bytes round trip."""
+    import platform
+
+    from maru.common import poolmark
+
+    calls: list[tuple[int, bool]] = []
+    real = poolmark.flush_lines
+
+    def counting(buffer, invalidate=False):
+        lines = real(buffer, invalidate)
+        calls.append((lines, invalidate))
+        return lines
+
+    monkeypatch.setattr(poolmark, "flush_lines", counting)
+    path = tmp_path / "pool"
+    path.write_bytes(bytes(3 * 4096))
+    mark = poolmark.encode_mark("gen-1", "epoch-1")
+    poolmark.write_mark_window(str(path), 4096, 4096, mark)
+    assert poolmark.decode_mark(poolmark.read_mark_window(str(path), 4096, 4096)) == (
+        "gen-1",
+        "epoch-1",
+    )
+    lines = 1 if platform.machine() in ("x86_64", "AMD64") else 0
+    assert calls == [(lines, False), (lines, True)]

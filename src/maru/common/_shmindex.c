@@ -1856,10 +1856,39 @@ static PyObject *py_hash_generation(PyObject *module, PyObject *arg)
     return PyLong_FromUnsignedLongLong(h);
 }
 
+/* flush_lines(buffer, invalidate=False) -> lines: every cache line of `buffer` written back
+ * to memory (`clwb`, then `sfence`) or, with `invalidate`, evicted (`clflushopt`, then
+ * `mfence`: later loads read memory). For the few bytes of pool memory that no copy loop or
+ * table writer moves and other hosts read: the pool's mark. Done in either coherence mode
+ * (one line, once per start or handshake); nothing where the CPU has no flushes. */
+static PyObject *py_flush_lines(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer b;
+    int invalidate = 0;
+    if (!PyArg_ParseTuple(args, "y*|p", &b, &invalidate))
+        return NULL;
+    size_t lines = 0;
+#if COH_X86
+    int kind = invalidate ? coh_invalidate_kind : coh_write_back_kind;
+    if (kind != FLUSH_NONE) {
+        lines = coh_flush((const char *)b.buf, (size_t)b.len, kind);
+        if (invalidate)
+            _mm_mfence();
+        else
+            _mm_sfence();
+    }
+#endif
+    PyBuffer_Release(&b);
+    return PyLong_FromSize_t(lines);
+}
+
 static PyMethodDef module_methods[] = {
     {"format_table", format_table, METH_VARARGS,
      "format_table(buffer, capacity, pool_generation: bytes, index_id, software=False): an\n"
      "empty table (one there before is retired, then zeroed)"},
+    {"flush_lines", py_flush_lines, METH_VARARGS,
+     "flush_lines(buffer, invalidate=False) -> lines written back (or evicted) to memory"},
     {"hash_generation", py_hash_generation, METH_O,
      "hash_generation(bytes) -> the u64 a header keeps for a pool generation"},
     {NULL, NULL, 0, NULL},

@@ -15,6 +15,8 @@ import hashlib
 import mmap
 import os
 
+from maru.common._shmindex import flush_lines
+
 MARK_MAGIC = b"MARUPOOL"
 MARK_BYTES = len(MARK_MAGIC) + 16 + 16 + 8
 
@@ -40,10 +42,31 @@ def decode_mark(raw: bytes) -> tuple[str, str] | None:
 def read_mark_window(path: str, offset: int, span: int) -> bytes:
     """The mark's bytes at `offset` of `path`, through a read-only mapping of `span` bytes
     there (a devdax device has no read(), and wants mappings aligned as the server's was).
-    Raises OSError (no such file, no permission) or ValueError (the file is shorter)."""
+    Raises OSError (no such file, no permission) or ValueError (the file is shorter). Its
+    lines are evicted from this CPU's cache first: on a pod without coherence, a line cached
+    from an earlier read would show the mark of before (a refused connect, not a wrong hit)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        with mmap.mmap(fd, span, mmap.MAP_SHARED, mmap.PROT_READ, offset=offset) as mm:
-            return mm[:MARK_BYTES]
+        with (
+            mmap.mmap(fd, span, mmap.MAP_SHARED, mmap.PROT_READ, offset=offset) as mm,
+            memoryview(mm) as view,
+            view[:MARK_BYTES] as mark,
+        ):
+            flush_lines(mark, True)
+            return bytes(mark)
+    finally:
+        os.close(fd)
+
+
+def write_mark_window(path: str, offset: int, span: int, mark: bytes) -> None:
+    """Write `mark` at `offset` of `path` through a mapping of `span` bytes there, and write
+    its lines back to memory (readers on other hosts of a pod read memory, not our cache)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with mmap.mmap(fd, span, mmap.MAP_SHARED, offset=offset) as mm:
+            mm[: len(mark)] = mark
+            with memoryview(mm) as view, view[: len(mark)] as line:
+                flush_lines(line)
+            mm.flush()
     finally:
         os.close(fd)

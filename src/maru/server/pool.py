@@ -22,7 +22,13 @@ from pathlib import Path
 from maru.common import hugepages
 from maru.common.config import fmt_bytes
 from maru.common.extents import ExtentAllocator
-from maru.common.poolmark import MARK_BYTES, decode_mark, encode_mark, read_mark_window
+from maru.common.poolmark import (
+    MARK_BYTES,
+    decode_mark,
+    encode_mark,
+    read_mark_window,
+    write_mark_window,
+)
 from maru.common.shmindex import area_bytes
 from maru.server.journal import write_private
 
@@ -284,13 +290,7 @@ class FilePool(Pool):
         return read_mark_window(self.path, self.mark_offset, self.mark_span)
 
     def _write_mark_bytes(self, mark: bytes) -> None:
-        fd = os.open(self.path, os.O_RDWR)
-        try:
-            with mmap.mmap(fd, self.mark_span, mmap.MAP_SHARED, offset=self.mark_offset) as mm:
-                mm[: len(mark)] = mark
-                mm.flush()
-        finally:
-            os.close(fd)
+        write_mark_window(self.path, self.mark_offset, self.mark_span, mark)
 
     def allocate(self, region_id: int, length: int) -> tuple[str, int]:
         offset = self._extents.allocate(length)
