@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_server.py            # ~30 s
     .venv/bin/python benchmarks/bench_server.py --quick    # a few seconds
+    .venv/bin/python benchmarks/bench_server.py --batch 256  # keys per request
 
 The server is one thread that serves every instance of a node: its cost per request bounds the
 registrations a node makes per second, and on a small machine it takes CPU from the clients'
@@ -14,6 +15,8 @@ as the server's loop does, without a socket:
 - `register, full pool`: REGISTER_KV into a pool held past its high watermark, so that every
   few requests an eviction round (the CLOCK walk, the journal, the local index, the owners'
   notices) runs inside the request: a cache's usual state;
+- `register, fresh server`: the first REGISTER_KV a server answers (a new pool, journal and
+  local index, one every tenth round): what a server pays cold;
 - `wire`: the baseline, in the same run: decoding each kind's request frame and encoding a
   reply of its form (msgpack: what any server of this protocol pays).
 
@@ -101,15 +104,17 @@ class Server:
         self.pool.close()
 
 
-def batch_keys(tag: str, n: int = BATCH) -> list[str]:
+def batch_keys(tag: str, n: int) -> list[str]:
     """SGLang's page keys: a namespace and a hex SHA-256."""
     return [f"ns:{hashlib.sha256(f'{tag}/{i}'.encode()).hexdigest()}" for i in range(n)]
 
 
-def timed(service: MaruService, frame: bytes) -> tuple[float, bytes]:
-    t0 = time.perf_counter()
+def timed(service: MaruService, frame: bytes) -> tuple[float, float, bytes]:
+    """(wall seconds, this thread's CPU seconds, the reply): the CPU time is what a loaded
+    machine's preemption does not inflate."""
+    t0, c0 = time.perf_counter(), time.thread_time()
     out = service.handle_frame(frame)
-    return time.perf_counter() - t0, out
+    return time.perf_counter() - t0, time.thread_time() - c0, out
 
 
 def wire_cost(frame: bytes, reply: bytes) -> float:
@@ -121,32 +126,64 @@ def wire_cost(frame: bytes, reply: bytes) -> float:
     return time.perf_counter() - t0
 
 
-def run(rounds: int, work: Path) -> dict[str, list[float]]:
+def fresh_register(work: Path, batch: int) -> tuple[float, float]:
+    """The first REGISTER_KV of `batch` keys a new server answers: (wall, CPU) seconds."""
+    server = Server(work, 1 << 30)
+    try:
+        frame = server.register_frame(batch_keys(f"c{work.name}", batch))
+        took, cpu, _ = timed(server.service, frame)
+    finally:
+        server.close()
+        shutil.rmtree(work, ignore_errors=True)
+    return took, cpu
+
+
+def run(
+    rounds: int,
+    work: Path,
+    batch: int = BATCH,
+    fresh: bool = False,
+    cpu: dict[str, list[float]] | None = None,
+) -> dict[str, list[float]]:
+    """Samples per kind; with `fresh`, `register, fresh server` every tenth round too; `cpu`
+    (when given) gets the server thread's CPU time of each request kind's samples."""
     plain = Server(work / "plain", 1 << 30)
-    # a pool of 96 pages' worth of batches: past the high watermark after a few dozen
-    full = Server(work / "full", 24 * BATCH * PAGE)
-    kinds = ("register", "delete", "register, full pool", "wire: register", "wire: delete")
+    # a pool of 24 batches' worth of pages: past the high watermark after a few dozen
+    full = Server(work / "full", 24 * batch * PAGE)
+    kinds = ["register", "delete", "register, full pool", "wire: register", "wire: delete"]
+    if fresh:
+        kinds.insert(3, "register, fresh server")
     times: dict[str, list[float]] = {k: [] for k in kinds}
     try:
         for r in range(-rounds // 10, rounds):  # the first tenth warms up
-            keys = batch_keys(f"p{r}")
+            keys = batch_keys(f"p{r}", batch)
             reg = plain.register_frame(keys)
-            took_reg, reply = timed(plain.service, reg)
+            took_reg, cpu_reg, reply = timed(plain.service, reg)
             wire_reg = wire_cost(reg, reply)
             dele = plain.frame(MsgType.DELETE_KV, {"keys": keys})
-            took_del, reply = timed(plain.service, dele)
+            took_del, cpu_del, reply = timed(plain.service, dele)
             wire_del = wire_cost(dele, reply)
-            took_full, _ = timed(full.service, full.register_frame(batch_keys(f"f{r}")))
-            if r >= 0:
-                times["register"].append(took_reg)
-                times["delete"].append(took_del)
-                times["register, full pool"].append(took_full)
-                times["wire: register"].append(wire_reg)
-                times["wire: delete"].append(wire_del)
+            frame = full.register_frame(batch_keys(f"f{r}", batch))
+            took_full, cpu_full, _ = timed(full.service, frame)
+            samples = {
+                "register": (took_reg, cpu_reg),
+                "delete": (took_del, cpu_del),
+                "register, full pool": (took_full, cpu_full),
+                "wire: register": (wire_reg, None),
+                "wire: delete": (wire_del, None),
+            }
+            if fresh and r >= 0 and r % 10 == 0:
+                samples["register, fresh server"] = fresh_register(work / f"c{r}", batch)
+            if r < 0:
+                continue
+            for kind, (took, cpu_took) in samples.items():
+                times[kind].append(took)
+                if cpu is not None and cpu_took is not None:
+                    cpu.setdefault(kind, []).append(cpu_took)
         evicted = full.registry.counters["evictions"]
         if not evicted:
             raise RuntimeError("the full pool never evicted: the benchmark measured nothing")
-        times["_evictions_per_request"] = [evicted / (rounds + rounds // 10) / BATCH]
+        times["_evictions_per_request"] = [evicted / (rounds + rounds // 10) / batch]
     finally:
         plain.close()
         full.close()
@@ -158,12 +195,14 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a few seconds: fewer requests")
     ap.add_argument("--rounds", type=int, default=0, help="requests of each kind")
     ap.add_argument("--state-dir", default="", help="where the journals go (default /dev/shm)")
+    ap.add_argument("--batch", type=int, default=BATCH, help=f"keys per request ({BATCH})")
     args = ap.parse_args()
     rounds = args.rounds or (300 if args.quick else 3000)
     base = args.state_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     work = Path(tempfile.mkdtemp(prefix="maru-bench-server-", dir=base))
+    cpu: dict[str, list[float]] = {}
     try:
-        times = run(rounds, work)
+        times = run(rounds, work, args.batch, fresh=True, cpu=cpu)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     per_evict = times.pop("_evictions_per_request")[0]
@@ -171,23 +210,32 @@ def main() -> int:
         "register": statistics.median(times["wire: register"]),
         "delete": statistics.median(times["wire: delete"]),
     }
-    print(f"maru-server in process, {BATCH}-key batches of 64 KiB pages, {rounds} requests each")
+    batch = args.batch
+    print(f"maru-server in process, {batch}-key batches of 64 KiB pages, {rounds} requests each")
     print(f"({platform.processor() or platform.machine()}, Python {platform.python_version()})")
     print()
-    print(f"| {'request':22} | {'median us':>9} | {'mean us':>8} | {'us/key':>6} | {'/wire':>5} |")
-    print(f"|{'-' * 24}|{'-' * 10}:|{'-' * 9}:|{'-' * 7}:|{'-' * 6}:|")
+    print(
+        f"| {'request':22} | {'median us':>9} | {'mean us':>8} | {'us/key':>6} | {'/wire':>5} "
+        f"| {'cpu p10 us/key':>14} |"
+    )
+    print(f"|{'-' * 24}|{'-' * 10}:|{'-' * 9}:|{'-' * 7}:|{'-' * 6}:|{'-' * 15}:|")
     for name, samples in times.items():
         med, mean = statistics.median(samples), statistics.mean(samples)
         kind = "delete" if "delete" in name else "register"
         ratio = "" if name.startswith("wire") else f"{med / wire[kind]:5.1f}"
+        cpu_p10 = ""
+        if name in cpu:
+            cpu_p10 = f"{sorted(cpu[name])[len(cpu[name]) // 10] * 1e6 / batch:.3f}"
         print(
-            f"| {name:22} | {med * 1e6:9.1f} | {mean * 1e6:8.1f} | {med * 1e6 / BATCH:6.2f} "
-            f"| {ratio:>5} |"
+            f"| {name:22} | {med * 1e6:9.1f} | {mean * 1e6:8.1f} | {med * 1e6 / batch:6.2f} "
+            f"| {ratio:>5} | {cpu_p10:>14} |"
         )
     print()
     print(
         f"full pool: {per_evict:.2f} keys evicted per key registered; its mean counts the "
-        "requests that ran an eviction round. /wire: median over the wire's median."
+        "requests that ran an eviction round. /wire: median over the wire's median. cpu p10: "
+        "the server thread's CPU time (time.thread_time), 10th percentile: on a loaded machine "
+        "the figure to compare builds by."
     )
     return 0
 

@@ -78,6 +78,21 @@ def py_entry_locations(entries: Sequence[Any]) -> tuple[list[int], list[int], li
     return [n[0] for n in notices], [n[2] for n in notices], notices
 
 
+def py_length_groups(
+    region_ids: Sequence[int], lengths: Sequence[int]
+) -> dict[int, dict[int, int]]:
+    """{region id: {length: keys}}, regions in the order of their last key."""
+    if len(region_ids) != len(lengths):
+        raise ValueError("length_groups: columns differ in length")
+    latest_first: dict[int, dict[int, int]] = {}
+    for region_id, length in zip(reversed(region_ids), reversed(lengths)):
+        if not isinstance(region_id, int) or not isinstance(length, int):
+            raise TypeError("length_groups: ints only")
+        group = latest_first.setdefault(region_id, {})
+        group[length] = group.get(length, 0) + 1
+    return dict(reversed(latest_first.items()))
+
+
 def py_release_entries(entries: Iterable[Any]) -> None:
     """End one lease on each entry (never below zero)."""
     for entry in entries:
@@ -107,9 +122,11 @@ class OrderedKeyIndex(OrderedDict):
         offsets: Sequence[int],
         lengths: Sequence[int],
         checksums: Sequence[int] | None,
-    ) -> list[bool] | None:
+        grouped: bool = False,
+    ) -> Any:
         """A new entry for each absent key (the first of a batch wins): None when every key
-        was new, else whether each was. TypeError / ValueError before any change."""
+        was new, else whether each was. TypeError / ValueError before any change. `grouped`:
+        (that, `py_length_groups` of the new keys)."""
         columns = [region_ids, offsets, lengths, *([checksums] if checksums is not None else [])]
         if any(len(c) != len(keys) for c in columns):
             raise ValueError("add_entries: columns differ in length")
@@ -122,6 +139,9 @@ class OrderedKeyIndex(OrderedDict):
             if fresh:
                 OrderedDict.__setitem__(self, key, entry)
             new.append(fresh)
+        if grouped:
+            kept = [(r, n) for r, n, fresh in zip(region_ids, lengths, new) if fresh]
+            return None if all(new) else new, py_length_groups(*zip(*kept) if kept else ([], []))
         return None if all(new) else new
 
     def lookup_columns(
@@ -195,4 +215,5 @@ def use_python_key_index(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(registry, "KeyEntry", PyKeyEntry)
     monkeypatch.setattr(registry, "batch_fits", py_batch_fits)
     monkeypatch.setattr(registry, "entry_locations", py_entry_locations)
+    monkeypatch.setattr(registry, "length_groups", py_length_groups)
     monkeypatch.setattr(holds, "release_entries", py_release_entries)

@@ -209,3 +209,16 @@ def test_sync_fsyncs_now_on_the_calling_thread(tmp_path, monkeypatch, snapshot):
     assert spy.calls[0][2].endswith(f"/journal-{int(snapshot)}.log")
     journal.close()
     assert len(spy.calls) == 1  # close: nothing left to fsync
+
+
+def test_close_while_the_syncer_clears_its_wake_does_not_hang(tmp_path):
+    """close() between the syncer's wait and its fsync: the syncer clears the wake as it syncs,
+    and must not clear the one close() set (it would wait for it forever, and close() for it)."""
+    journal = Journal(tmp_path / "state", fsync_interval=0.05)
+    journal.load()
+    journal._closing.set()  # close()'s half, as the syncer's fsync of this moment sees it
+    journal._wake.set()
+    journal.sync(clear_wake=True)
+    assert journal._wake.is_set()
+    journal._closing.clear()
+    journal.close()  # (joins the syncer: returns only if it saw the wake)

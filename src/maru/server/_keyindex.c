@@ -491,7 +491,7 @@ static int int64_items(PyObject *seq, Py_ssize_t n, long long *out, const char *
     PyObject *const *items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (!PyLong_Check(items[i])) {
-            PyErr_Format(PyExc_TypeError, "add_entries: %s must be ints, not %.100s", name,
+            PyErr_Format(PyExc_TypeError, "%s must be ints, not %.100s", name,
                          Py_TYPE(items[i])->tp_name);
             return -1;
         }
@@ -502,14 +502,123 @@ static int int64_items(PyObject *seq, Py_ssize_t n, long long *out, const char *
     return 0;
 }
 
-static PyObject *KeyIndex_add_entries(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
+/* -- keys per region and length (the registry's region counters) ----------------------------
+ * {region id: {length: keys}} of rows[0:n] (those with keep[i] set; keep NULL: all), regions in
+ * the order of their last row: the order in which adding or dropping the rows one by one
+ * would finish with each region (`Registry._drop_keys` frees a returned region there). A
+ * batch is runs of one region and one length: a dict is touched once per run. */
+
+/* groups[rid][length] += count; -1 with an error set. */
+static int group_add(PyObject *groups, long long rid, long long length, Py_ssize_t count)
 {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError,
-                        "add_entries(keys, region_ids, offsets, lengths, checksums or None)");
+    int rc = -1;
+    PyObject *rkey = PyLong_FromLongLong(rid), *lkey = PyLong_FromLongLong(length), *sum = NULL;
+    if (rkey == NULL || lkey == NULL)
+        goto done;
+    PyObject *inner = PyDict_GetItemWithError(groups, rkey); /* borrowed */
+    if (inner == NULL) {
+        if (PyErr_Occurred() || (inner = PyDict_New()) == NULL)
+            goto done;
+        int err = PyDict_SetItem(groups, rkey, inner);
+        Py_DECREF(inner); /* (the dict holds it) */
+        if (err < 0)
+            goto done;
+    }
+    PyObject *old = PyDict_GetItemWithError(inner, lkey);
+    if (old == NULL && PyErr_Occurred())
+        goto done;
+    Py_ssize_t before = old != NULL ? PyLong_AsSsize_t(old) : 0;
+    if ((sum = PyLong_FromSsize_t(before + count)) != NULL)
+        rc = PyDict_SetItem(inner, lkey, sum);
+done:
+    Py_XDECREF(rkey);
+    Py_XDECREF(lkey);
+    Py_XDECREF(sum);
+    return rc;
+}
+
+static PyObject *groups_of(const long long *rids, const long long *lengths, Py_ssize_t n,
+                           const char *keep)
+{
+    PyObject *latest_first = PyDict_New(), *out = NULL, *order = NULL;
+    if (latest_first == NULL)
+        return NULL;
+    long long rid = 0, length = 0;
+    Py_ssize_t run = 0;
+    for (Py_ssize_t i = n - 1; i >= 0; i--) { /* from the end: a region's first run is its last */
+        if (keep != NULL && !keep[i])
+            continue;
+        if (run > 0 && rids[i] == rid && lengths[i] == length) {
+            run++;
+            continue;
+        }
+        if (run > 0 && group_add(latest_first, rid, length, run) < 0)
+            goto done;
+        rid = rids[i], length = lengths[i], run = 1;
+    }
+    if (run > 0 && group_add(latest_first, rid, length, run) < 0)
+        goto done;
+    if ((order = PyDict_Keys(latest_first)) == NULL || (out = PyDict_New()) == NULL)
+        goto done;
+    for (Py_ssize_t j = PyList_GET_SIZE(order) - 1; j >= 0; j--) {
+        PyObject *key = PyList_GET_ITEM(order, j);
+        if (PyDict_SetItem(out, key, PyDict_GetItem(latest_first, key)) < 0) {
+            Py_CLEAR(out);
+            goto done;
+        }
+    }
+done:
+    Py_DECREF(latest_first);
+    Py_XDECREF(order);
+    return out;
+}
+
+/* length_groups(region_ids, lengths) -> {region id: {length: keys}}: see `groups_of`. */
+static PyObject *length_groups(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "length_groups(region_ids, lengths)");
         return NULL;
     }
-    static const char *names[5] = {"keys", "region_ids", "offsets", "lengths", "checksums"};
+    PyObject *cols[2] = {NULL, NULL}, *out = NULL;
+    long long *ints = NULL;
+    for (int c = 0; c < 2; c++)
+        if ((cols[c] = PySequence_Fast(args[c], "length_groups: columns must be sequences")) ==
+            NULL)
+            goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(cols[0]);
+    if (PySequence_Fast_GET_SIZE(cols[1]) != n) {
+        PyErr_SetString(PyExc_ValueError, "length_groups: columns differ in length");
+        goto done;
+    }
+    if ((ints = PyMem_Malloc((size_t)(n ? n : 1) * 2 * sizeof(long long))) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (int64_items(cols[0], n, ints, "length_groups: region_ids") < 0 ||
+        int64_items(cols[1], n, ints + n, "length_groups: lengths") < 0)
+        goto done;
+    out = groups_of(ints, ints + n, n, NULL);
+done:
+    PyMem_Free(ints);
+    Py_XDECREF(cols[0]);
+    Py_XDECREF(cols[1]);
+    return out;
+}
+
+static PyObject *KeyIndex_add_entries(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 && nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "add_entries(keys, region_ids, offsets, lengths, "
+                                         "checksums or None, grouped=False)");
+        return NULL;
+    }
+    int grouped = nargs == 6 ? PyObject_IsTrue(args[5]) : 0;
+    if (grouped < 0)
+        return NULL;
+    static const char *names[5] = {"add_entries: keys", "add_entries: region_ids",
+                                   "add_entries: offsets", "add_entries: lengths",
+                                   "add_entries: checksums"};
     int ncols = args[4] == Py_None ? 4 : 5;
     PyObject *cols[5] = {NULL, NULL, NULL, NULL, NULL};
     long long *ints = NULL;
@@ -576,6 +685,30 @@ static PyObject *KeyIndex_add_entries(KeyIndex *self, PyObject *const *args, Py_
         }
     }
     out = flags != NULL ? flags : Py_NewRef(Py_None);
+    if (grouped) { /* the new keys' counts, or (out of memory) none of the keys added */
+        char *keep = NULL;
+        PyObject *groups = NULL;
+        if (flags != NULL && (keep = PyMem_Malloc((size_t)n)) == NULL)
+            PyErr_NoMemory();
+        else {
+            for (Py_ssize_t k = 0; flags != NULL && k < n; k++)
+                keep[k] = PyList_GET_ITEM(flags, k) == Py_True;
+            groups = groups_of(region_ids, lengths, n, keep);
+        }
+        PyObject *pair = groups != NULL ? PyTuple_Pack(2, out, groups) : NULL;
+        if (pair == NULL) {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            for (Py_ssize_t k = 0; k < n; k++)
+                if ((flags == NULL || PyList_GET_ITEM(flags, k) == Py_True) &&
+                    KeyIndex_ass_subscript(self, keys[k], NULL) < 0)
+                    PyErr_Clear(); /* (cannot fail: each was just added, once) */
+            PyErr_Restore(type, value, tb);
+        }
+        Py_SETREF(out, pair);
+        Py_XDECREF(groups);
+        PyMem_Free(keep);
+    }
     goto done;
 failed: /* out of memory part way: the keys added so far stay */
     Py_XDECREF(flags);
@@ -985,7 +1118,8 @@ static PyMethodDef KeyIndex_methods[] = {
      "add_entries(keys, region_ids, offsets, lengths, checksums or None) -> None | [bool]:\n"
      "a new KeyEntry for each absent key (the first of a batch wins), probes prefetched.\n"
      "None when every key was new, else whether each was. TypeError or ValueError before\n"
-     "any change for a key not str or bytes, a number not an int64, columns unequal."},
+     "any change for a key not str or bytes, a number not an int64, columns unequal.\n"
+     "grouped=True: (that, length_groups of the new keys' region ids and lengths)."},
     {"lookup_columns", (PyCFunction)(void (*)(void))KeyIndex_lookup_columns, METH_FASTCALL,
      "lookup_columns(keys, lease) -> (hits, region_ids, offsets, lengths, checksums): a batch\n"
      "lookup, prefetched. Each hit gets its CLOCK bit set (and, with lease, one more lease);\n"
@@ -1038,6 +1172,187 @@ static PyTypeObject KeyIndexIterType = {
     .tp_iternext = (iternextfunc)KeyIndexIter_next,
 };
 
+/* -- the journal's records in msgpack (maru.server.journal) ----------------------------------
+ * pack_record(obj) -> bytes: what `msgpack.packb(obj, use_bin_type=True)` returns, for the
+ * types a journal record or snapshot holds (None, bool, int, float, str, bytes, list, tuple,
+ * dict), written in one C pass. A REGISTER_KV's "K" record is 256 keys and 768 ints: the
+ * generic packer's per-object dispatch was most of the journal's share of the request. Ints
+ * outside int64 / uint64: OverflowError; any other type: TypeError (as msgpack). */
+
+#define PACK_MAX_DEPTH 512 /* nesting a record may have (msgpack's default limit is 511) */
+
+typedef struct {
+    PyObject *bytes; /* the output, resized as it grows */
+    char *p;         /* PyBytes_AS_STRING(bytes) */
+    Py_ssize_t len, cap;
+} PackBuf;
+
+/* Room for `more` bytes at p + len; -1 with MemoryError set. */
+static int pack_reserve(PackBuf *b, Py_ssize_t more)
+{
+    if (b->len + more <= b->cap)
+        return 0;
+    Py_ssize_t cap = b->cap * 2;
+    while (cap < b->len + more)
+        cap *= 2;
+    if (_PyBytes_Resize(&b->bytes, cap) < 0)
+        return -1;
+    b->p = PyBytes_AS_STRING(b->bytes);
+    b->cap = cap;
+    return 0;
+}
+
+/* A type byte and `n` bytes of big-endian `v` (n in 0, 1, 2, 4, 8). */
+static int pack_head(PackBuf *b, unsigned char type, uint64_t v, int n)
+{
+    if (pack_reserve(b, 1 + n) < 0)
+        return -1;
+    char *q = b->p + b->len;
+    *q++ = (char)type;
+    for (int i = n - 1; i >= 0; i--)
+        *q++ = (char)(v >> (8 * i));
+    b->len += 1 + n;
+    return 0;
+}
+
+/* A length-prefixed header: fixed form (`fix` | n) below `fixmax`, else the 8/16/32-bit form
+ * (`t8` 0 when there is none: arrays and maps). */
+static int pack_len(PackBuf *b, Py_ssize_t n, unsigned char fix, Py_ssize_t fixmax,
+                    unsigned char t8, unsigned char t16, unsigned char t32)
+{
+    if (n < fixmax)
+        return pack_head(b, (unsigned char)(fix | n), 0, 0);
+    if (t8 && n < 256)
+        return pack_head(b, t8, (uint64_t)n, 1);
+    if (n < 65536)
+        return pack_head(b, t16, (uint64_t)n, 2);
+    if ((uint64_t)n <= 0xffffffffu)
+        return pack_head(b, t32, (uint64_t)n, 4);
+    PyErr_SetString(PyExc_ValueError, "pack_record: an object too large for msgpack");
+    return -1;
+}
+
+static int pack_raw(PackBuf *b, const char *data, Py_ssize_t n)
+{
+    if (pack_reserve(b, n) < 0)
+        return -1;
+    memcpy(b->p + b->len, data, (size_t)n);
+    b->len += n;
+    return 0;
+}
+
+static int pack_int(PackBuf *b, PyObject *o)
+{
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow > 0) { /* uint64 range */
+        unsigned long long u = PyLong_AsUnsignedLongLong(o);
+        if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_SetString(PyExc_OverflowError, "Integer value out of range");
+            return -1;
+        }
+        return pack_head(b, 0xcf, u, 8);
+    }
+    if (overflow < 0) {
+        PyErr_SetString(PyExc_OverflowError, "Integer value out of range");
+        return -1;
+    }
+    if (v >= 0) {
+        uint64_t u = (uint64_t)v;
+        if (u < 128)
+            return pack_head(b, (unsigned char)u, 0, 0);
+        if (u < 256)
+            return pack_head(b, 0xcc, u, 1);
+        if (u < 65536)
+            return pack_head(b, 0xcd, u, 2);
+        if (u <= 0xffffffffu)
+            return pack_head(b, 0xce, u, 4);
+        return pack_head(b, 0xcf, u, 8);
+    }
+    if (v >= -32)
+        return pack_head(b, (unsigned char)(v & 0xff), 0, 0);
+    if (v >= -128)
+        return pack_head(b, 0xd0, (uint64_t)v, 1);
+    if (v >= -32768)
+        return pack_head(b, 0xd1, (uint64_t)v, 2);
+    if (v >= -2147483648LL)
+        return pack_head(b, 0xd2, (uint64_t)v, 4);
+    return pack_head(b, 0xd3, (uint64_t)v, 8);
+}
+
+static int pack_obj(PackBuf *b, PyObject *o, int depth)
+{
+    if (PyUnicode_Check(o)) { /* first: nearly every object of a record is a key */
+        Py_ssize_t n;
+        const char *s = PyUnicode_AsUTF8AndSize(o, &n);
+        if (s == NULL)
+            return -1;
+        if (pack_len(b, n, 0xa0, 32, 0xd9, 0xda, 0xdb) < 0)
+            return -1;
+        return pack_raw(b, s, n);
+    }
+    if (o == Py_None)
+        return pack_head(b, 0xc0, 0, 0);
+    if (o == Py_True || o == Py_False)
+        return pack_head(b, o == Py_True ? 0xc3 : 0xc2, 0, 0);
+    if (PyLong_Check(o))
+        return pack_int(b, o);
+    if (depth > PACK_MAX_DEPTH) {
+        PyErr_SetString(PyExc_ValueError, "pack_record: nested too deeply");
+        return -1;
+    }
+    if (PyList_Check(o) || PyTuple_Check(o)) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+        if (pack_len(b, n, 0x90, 16, 0, 0xdc, 0xdd) < 0)
+            return -1;
+        /* (no Python code runs while a record is packed: nothing can change it meanwhile) */
+        PyObject *const *items = PySequence_Fast_ITEMS(o);
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (pack_obj(b, items[i], depth + 1) < 0)
+                return -1;
+        return 0;
+    }
+    if (PyBytes_Check(o)) {
+        Py_ssize_t n = PyBytes_GET_SIZE(o);
+        if (pack_len(b, n, 0, 0, 0xc4, 0xc5, 0xc6) < 0)
+            return -1;
+        return pack_raw(b, PyBytes_AS_STRING(o), n);
+    }
+    if (PyFloat_Check(o)) {
+        double d = PyFloat_AS_DOUBLE(o);
+        uint64_t u;
+        memcpy(&u, &d, sizeof u);
+        return pack_head(b, 0xcb, u, 8);
+    }
+    if (PyDict_Check(o)) {
+        Py_ssize_t n = PyDict_GET_SIZE(o), pos = 0;
+        PyObject *k, *v;
+        if (pack_len(b, n, 0x80, 16, 0, 0xde, 0xdf) < 0)
+            return -1;
+        while (PyDict_Next(o, &pos, &k, &v))
+            if (pack_obj(b, k, depth + 1) < 0 || pack_obj(b, v, depth + 1) < 0)
+                return -1;
+        return 0;
+    }
+    PyErr_Format(PyExc_TypeError, "can not serialize %.100R object", (PyObject *)Py_TYPE(o));
+    return -1;
+}
+
+static PyObject *pack_record(PyObject *module, PyObject *arg)
+{
+    PackBuf b = {NULL, NULL, 0, 4096};
+    if ((b.bytes = PyBytes_FromStringAndSize(NULL, b.cap)) == NULL)
+        return NULL;
+    b.p = PyBytes_AS_STRING(b.bytes);
+    if (pack_obj(&b, arg, 0) < 0 || _PyBytes_Resize(&b.bytes, b.len) < 0) {
+        Py_XDECREF(b.bytes);
+        return NULL;
+    }
+    return b.bytes;
+}
+
 static PyMethodDef module_methods[] = {
     {"entry_locations", entry_locations, METH_O,
      "entry_locations(entries) -> (region_ids, lengths, notices): see Registry._drop_keys."},
@@ -1047,6 +1362,13 @@ static PyMethodDef module_methods[] = {
      "str or bytes of 1..max_chars characters, every number an int, every value non-empty\n"
      "and inside its region (0 <= offset, offset + length <= limits[region id]). False only\n"
      "means: decide key by key."},
+    {"length_groups", (PyCFunction)(void (*)(void))length_groups, METH_FASTCALL,
+     "length_groups(region_ids, lengths) -> {region id: {length: keys}}, regions in the order\n"
+     "of their last key (that in which dropping the keys one by one finishes with each)."},
+    {"pack_record", pack_record, METH_O,
+     "pack_record(obj) -> bytes: msgpack.packb(obj, use_bin_type=True), for the types of a\n"
+     "journal record or snapshot (None, bool, int, float, str, bytes, list, tuple, dict);\n"
+     "OverflowError for an int outside int64/uint64, TypeError for any other type."},
     {"release_entries", release_entries, METH_O,
      "release_entries(entries): end one lease on each KeyEntry (never below zero)."},
     {NULL, NULL, 0, NULL},

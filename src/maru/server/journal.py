@@ -30,6 +30,8 @@ from typing import Any
 
 import msgpack
 
+from maru.server._keyindex import pack_record
+
 log = logging.getLogger(__name__)
 
 FRAME = struct.Struct("!II")
@@ -50,7 +52,10 @@ class JournalWriteError(RuntimeError):
 
 
 def _frame(record: Any) -> bytes:
-    payload = msgpack.packb(record, use_bin_type=True)
+    """A record (or snapshot) framed: msgpack, as `msgpack.packb(record, use_bin_type=True)`
+    writes it, packed in one C pass (`pack_record`: a REGISTER_KV's "K" record is a column of
+    keys and three of ints, which the generic packer dispatched object by object)."""
+    payload = pack_record(record)
     return FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 
@@ -234,7 +239,7 @@ class Journal:
         itself at most every `fsync_interval`). Never raises: a failure is logged and recorded
         in `sync_error`. False if the fsync failed."""
         with self._lock:
-            if clear_wake:
+            if clear_wake and not self._closing.is_set():  # (close() sets both under the lock)
                 self._wake.clear()
             if self._fd < 0 or not self._dirty:
                 return True
@@ -314,8 +319,9 @@ class Journal:
 
     def close(self) -> None:
         """Stop the syncer, fsync what is left and close the file."""
-        self._closing.set()
-        self._wake.set()
+        with self._lock:  # not between the syncer's look at `_closing` and its clearing the wake
+            self._closing.set()
+            self._wake.set()
         if self._syncer is not None:
             self._syncer.join()
             self._syncer = None

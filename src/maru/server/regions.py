@@ -50,13 +50,18 @@ class Region:
     def pages_for(self, length: int) -> int:
         return -(-length // self.page_size) if self.page_size else 1
 
-    def count(self, lengths: list[int], sign: int) -> None:
-        """Keys of these lengths came (sign 1) or went (-1): the live counters follow."""
-        self.live_keys += sign * len(lengths)
-        self.live_bytes += sign * sum(lengths)
-        self.live_pages += sign * sum(  # per distinct length: mostly one
-            self.pages_for(length) * lengths.count(length) for length in set(lengths)
-        )
+    def count(self, lengths: dict[int, int], sign: int) -> int:
+        """Keys came (sign 1) or went (-1), so many of each length (`length_groups`, in C):
+        the live counters follow. Their bytes."""
+        nkeys = nbytes = npages = 0
+        for length, keys in lengths.items():  # mostly one length
+            nkeys += keys
+            nbytes += length * keys
+            npages += self.pages_for(length) * keys
+        self.live_keys += sign * nkeys
+        self.live_bytes += sign * nbytes
+        self.live_pages += sign * npages
+        return nbytes
 
     def handle(self) -> RegionHandle:
         return RegionHandle(

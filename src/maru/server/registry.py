@@ -48,6 +48,7 @@ from maru.server.keyindex import (
     KeyIndex,
     batch_fits,
     entry_locations,
+    length_groups,
     release_entries,
 )
 from maru.server.localindex import LocalIndex
@@ -66,17 +67,6 @@ _BUSY = attrgetter("busy")
 
 class JournalSink(Protocol):
     def append(self, record: Any) -> None: ...
-
-
-def _by_region(region_ids: list[int], lengths: list[int]) -> dict[int, list[int]]:
-    """The lengths of a batch's keys per region, regions in the order of their last key (the
-    order in which adding or dropping the keys one by one would finish with each region)."""
-    if region_ids.count(region_ids[0]) == len(region_ids):  # the usual batch: one region
-        return {region_ids[0]: lengths}
-    groups: dict[int, list[int]] = {r: [] for r in reversed(dict.fromkeys(reversed(region_ids)))}
-    for region_id, length in zip(region_ids, lengths):
-        groups[region_id].append(length)
-    return groups
 
 
 class Registry:
@@ -317,33 +307,40 @@ class Registry:
         `CHECKSUMS`). Which keys were new (None: all). The one mutator that adds keys, for
         requests and journal replay alike."""
         columns = [region_ids, offsets, lengths, *([checksums] if checksums else [])]
-        new = self.keys.add_entries(keys, region_ids, offsets, lengths, checksums or None)
+        # One C call: the insert, and the new keys counted per region and length.
+        new, groups = self.keys.add_entries(
+            keys, region_ids, offsets, lengths, checksums or None, True
+        )
         if new is not None:  # (None: every key was new)
             keys, *columns = (list(compress(c, new)) for c in (keys, *columns))
-            region_ids, lengths = columns[0], columns[2]
         if keys:
-            for region_id, group in _by_region(region_ids, lengths).items():
-                self.regions[region_id].count(group, +1)
-            self.live_bytes += sum(lengths)  # before the journal's write lets the metrics run
+            self._count(groups, +1)  # before the journal's write lets the metrics run
             try:
                 self._log("K", keys, *columns, *([CHECKSUMS] if checksums else []))
             except JournalWriteError:
-                self._undo_add(keys, region_ids, lengths)
+                self._undo_add(keys, groups)
                 raise
             if self.local_index is not None:
                 self.local_index.publish(keys, *columns, regions=self.regions)
         return new
 
-    def _undo_add(self, keys: list[Key], region_ids: list[int], lengths: list[int]) -> None:
-        """Take back the keys `_add_keys` just inserted when their "K" record could not be
-        written: the request is answered with an error, and a writer told so may reuse the
-        pages (not known to the index: nobody read them in between, one thread serves all)."""
+    def _undo_add(self, keys: list[Key], groups: dict[int, dict[int, int]]) -> None:
+        """Take back the keys `_add_keys` just inserted (`groups`: their counts) when their "K"
+        record could not be written: the request is answered with an error, and a writer told
+        so may reuse the pages (not known to the index: nobody read them in between, one
+        thread serves all)."""
         table = self.keys
         for key in keys:
             del table[key]
-        for region_id, group in _by_region(region_ids, lengths).items():
-            self.regions[region_id].count(group, -1)
-        self.live_bytes -= sum(lengths)
+        self._count(groups, -1)
+
+    def _count(self, groups: dict[int, dict[int, int]], sign: int) -> None:
+        """Keys came (sign 1) or went (-1), so many per region and length (`length_groups`):
+        the regions' live counters and `live_bytes` follow."""
+        regions, nbytes = self.regions, 0
+        for region_id, group in groups.items():  # mostly one region
+            nbytes += regions[region_id].count(group, sign)
+        self.live_bytes += sign * nbytes
 
     def lookup(
         self, keys: list[Key], instance_id: str | None = None, lease: bool = False
@@ -454,13 +451,12 @@ class Registry:
         if self.local_index is not None:  # before the pages can be reused: notices, frees
             self.local_index.remove(keys)
         region_ids, lengths, notices = entry_locations(entries)  # (notices: for the owners)
-        self.live_bytes -= sum(lengths)
-        groups = _by_region(region_ids, lengths)
+        groups = length_groups(region_ids, lengths)  # regions in the order of their last key
+        self._count(groups, -1)
         notify: dict[int, list[list[int]]] = {}  # region id -> its owner's freed list
         regions, instances = self.regions, self.instances
-        for rid, group in groups.items():
+        for rid in groups:
             region = regions[rid]
-            region.count(group, -1)
             if region.returned:
                 if region.live_keys == 0:
                     regions.free(region)
