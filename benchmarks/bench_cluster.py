@@ -7,8 +7,9 @@ Mooncake alone and Maru's local read; and what the tier costs a writer.
 Needs root (it says why and stops otherwise): two nodes are made as the cluster tests make
 them (`tests/integration/cluster_child.py`'s `cluster`: network and mount namespaces, a veth
 pair, TCP), one `mooncake_master` on node 1, a `maru-server --cluster mooncake` on each
-(node 1 `write-through`, node 2 `spill`), and on node 1 one more `maru-server` without a tier.
-Each round, at 1 MiB and 64 KiB values, calls of 64 values (the same bytes for every method):
+(node 1 `write-through`, node 2 `spill`), and on node 1 one more `maru-server` without a tier,
+every pool preallocated (`--preallocate`, as a serving node's memory is). Each round, at 1 MiB
+and 64 KiB values, calls of 64 values (the same bytes for every method):
 
 - **writer**: `batch_store` of new values on node 1 without a tier, on node 1 with
   write-through (what the cluster reads below), on node 2 with spill (node 2's own values
@@ -18,7 +19,9 @@ Each round, at 1 MiB and 64 KiB values, calls of 64 values (the same bytes for e
   timed); Maru's first read of node 1's values (pull into node 2's pool, proven, then copied
   into the buffer); Maru's second read of them (in place); and **Mooncake alone**, what
   SGLang's Mooncake backend does: a plain Mooncake client (no Maru) on node 2 reading the
-  same objects from the same master with `batch_get_into` into a registered buffer.
+  same objects from the same master with `batch_get_into` into a registered buffer (allocated
+  and mapped by its untimed first call; Maru's pool pages likewise are before a pull: the
+  pool preallocated, the sidecar's mapping populated in bulk).
 
 Each process's first call is not timed (a serving process has its connections and mappings
 already). Every byte read by every method is checked against what was written (outside the
@@ -54,7 +57,11 @@ PER_CALL = 64  # values per call
 POOL = "2G"  # each server's pool
 SEGMENT = 768 << 20  # each tier's Mooncake segment (everything published fits)
 WRITERS = ("no tier", "write-through", "spill")
-READS = ("mooncake", "mooncake+proofs", "first", "second", "local")
+# Every pool's memory allocated at start, as a serving node's is (a CXL or devdax pool always
+# is): a page first touched on this VM costs about as much as Mooncake's read of it, which
+# Mooncake alone's buffer, reused call after call, pays once.
+PREALLOCATE = ("--preallocate",)
+READS = ("mooncake", "mooncake+sizes", "first", "second", "local")
 FIRST_GOAL = 1.2  # the tier's first read / Mooncake alone, at most
 SECOND_GOAL = 1.1  # the second read / the local read, at most ("local speed", within noise)
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -126,27 +133,32 @@ def maru_reads(url: str, local: str, remote: str, size: int, calls: int) -> dict
 
 def mooncake_reads(config: str, prefix: str, size: int, calls: int) -> dict:
     """Node 2 through a plain Mooncake client (what SGLang's Mooncake backend does):
-    `batch_get_into` a registered buffer, the same objects the tier reads; then again with
-    the values' proofs read first (`get_batch`), as the tier's probe does: the floor of a
-    pull that reads proofs, then values."""
+    `batch_get_into` a registered buffer, the same objects the tier reads (each value and
+    its trailer, one object); then again with the objects' sizes asked first
+    (`batch_get_replica_desc`, the master alone), as the tier's probe does: the floor of a
+    pull that learns lengths, then reads. The buffer is allocated and mapped by the untimed
+    first call, as a serving process's is (Maru's pool pages, too, are allocated and mapped
+    before: the pools are preallocated and each process maps them in bulk)."""
     tenant = cc.MooncakeConfig.from_file(config).tenant_id
     store_ = cc.plain_client(config)
-    out = np.zeros((PER_CALL, size), np.uint8)
-    ptrs = [out.ctypes.data + i * size for i in range(PER_CALL)]
+    whole = size + cc.TRAILER_BYTES
+    buffer = np.zeros((PER_CALL, whole), np.uint8)
+    out = buffer[:, :size]
+    ptrs = [buffer.ctypes.data + i * whole for i in range(PER_CALL)]
     try:
-        if store_.register_buffer(out.ctypes.data, out.nbytes) != 0:
+        if store_.register_buffer(buffer.ctypes.data, buffer.nbytes) != 0:
             raise RuntimeError("Mooncake register_buffer failed")
         got: dict[str, Any] = {}
-        for name, proofs in (("mooncake", False), ("mooncake+proofs", True)):
+        for name, sizes in (("mooncake", False), ("mooncake+sizes", True)):
             seconds, counts = [], np.zeros(3, np.int64)
             for keys in keys_of(prefix, calls):
                 names = [cc.object_name(tenant, k) for k in keys]
                 t = time.perf_counter()
-                if proofs:
-                    store_.get_batch([cc.proof_name(n) for n in names])
-                codes = store_.batch_get_into(names, ptrs, [size] * PER_CALL)
+                if sizes:
+                    store_.batch_get_replica_desc(names)
+                codes = store_.batch_get_into(names, ptrs, [whole] * PER_CALL)
                 seconds.append(time.perf_counter() - t)
-                counts += judged(keys, out, [c == size for c in codes])
+                counts += judged(keys, out, [c == whole for c in codes])
             got[name] = {"s": timed(seconds), "counts": counts.tolist()}
         return got
     finally:
@@ -170,7 +182,7 @@ def summarize(rounds: list[dict[str, dict[str, list[float]]]], call_bytes: int) 
         return statistics.median(statistics.median(r[a]) / statistics.median(r[b]) for r in rounds)
 
     out["first_vs_mooncake"] = ratio("first", "mooncake")
-    out["proofs_vs_mooncake"] = ratio("mooncake+proofs", "mooncake")
+    out["sizes_vs_mooncake"] = ratio("mooncake+sizes", "mooncake")
     out["second_vs_local"] = ratio("second", "local")
     out["write_through_vs_none"] = ratio("write-through", "no tier")
     out["spill_vs_none"] = ratio("spill", "no tier")
@@ -187,9 +199,9 @@ def evaluate(summary: dict[str, dict[str, float]]) -> list[tuple[str, str, float
 ROWS = (
     ("Mooncake alone: `batch_get_into` a registered buffer", "mooncake", None, ""),
     (
-        "Mooncake, the proofs first (`get_batch`), then the values",
-        "mooncake+proofs",
-        "proofs_vs_mooncake",
+        "Mooncake, the sizes first (`batch_get_replica_desc`), then the values",
+        "mooncake+sizes",
+        "sizes_vs_mooncake",
         "Mooncake alone",
     ),
     ("Maru, first read (pull, prove, copy out)", "first", "first_vs_mooncake", "Mooncake alone"),
@@ -302,7 +314,7 @@ def bench_round(c: cc.Nodes, url0: str, r: int, label: str, size: int, calls: in
         else:
             got = in_node(c.two.pid, "mooncake", c.config, f"write-through/{tag}", size, calls,
                           env=env)  # fmt: skip
-            for name in ("mooncake", "mooncake+proofs"):
+            for name in ("mooncake", "mooncake+sizes"):
                 times[name], counts[name] = got[name]["s"], got[name]["counts"]
     print(f"round {r} {label}: {json.dumps(counts)}", file=sys.stderr)
     return {"times": times, "counts": counts}
@@ -327,9 +339,13 @@ def main() -> int:
     raw: dict[str, list[dict]] = {label: [] for label in SIZES}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
-        node2 = ("--cluster-publish", "spill", "--cluster-lookup-ms", "10000")
-        c = stack.enter_context(cc.cluster(work, node2, pool_size=POOL, segment=SEGMENT))
-        plain = cc.node_server(c.one.pid, cc.NODE1, work / "notier", None, pool_size=POOL)
+        node2 = ("--cluster-publish", "spill", "--cluster-lookup-ms", "10000", *PREALLOCATE)
+        c = stack.enter_context(
+            cc.cluster(work, node2, PREALLOCATE, pool_size=POOL, segment=SEGMENT)
+        )
+        plain = cc.node_server(
+            c.one.pid, cc.NODE1, work / "notier", None, *PREALLOCATE, pool_size=POOL
+        )
         stack.callback(plain.halt)
         for node in (1, 2):
             if not c.wait(node, "connected", True).get("connected"):

@@ -24,15 +24,19 @@ FLIP, flip a byte of each in the pool after storing it. `cluster_child.py stats 
 server's `cluster` stats. `cluster_child.py read CONFIG PREFIX N`: read PREFIX/i from
 Mooncake with a plain client, by their bytes and proofs. `cluster_child.py forge CONFIG
 PREFIX`: put values whose proofs do not hold. `cluster_child.py retrieve URL PREFIX N`: read
-PREFIX/i through Maru.
+PREFIX/i through Maru; `copyread URL PREFIX N` through a copying lookup (`lookup(for_copy=True)`),
+`pinread URL PREFIX N` pinned first (`batch_pin`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import hashlib
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -41,24 +45,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(TESTS.parent), str(TESTS)]  # (tests.integration, and conftest as pytest has it)
 
 from tests.integration.pod_child import LIFE_S, host, sh  # noqa: E402
-from tests.integration.test_crash_safety import make_value  # noqa: E402
+from tests.integration.test_crash_safety import intact, make_value  # noqa: E402
 from tests.integration.test_pool_trust import read_counts  # noqa: E402
 from tests.integration.workers import flip_byte  # noqa: E402
 
 import conftest  # noqa: E402
 from maru import MaruHandler  # noqa: E402
 from maru.client.checksum import checksums  # noqa: E402
+from maru.client.reads import copy_and_prove  # noqa: E402
 from maru.server.cluster.config import MooncakeConfig  # noqa: E402
 from maru.server.cluster.mooncake import library_env, load_mooncake, master_binary  # noqa: E402
 from maru.server.cluster.proof import (  # noqa: E402
-    decode_proof,
-    encode_proof,
+    TRAILER_BYTES,
+    decode_trailer,
+    encode_trailer,
     object_name,
-    proof_name,
 )
 
 NODE1, NODE2 = "10.44.0.1", "10.44.0.2"
@@ -95,7 +102,9 @@ def write(url: str, prefix: str, n: int, flip: bool) -> dict:
 
 
 def stats(url: str) -> dict:
-    h = handler(url)
+    """The server's `cluster` statistics, asked by a handler that never connects (it takes
+    no region of the pool: asked after SGLang's instances, it needs none free)."""
+    h = MaruHandler(server_url=url, auto_connect=False, timeout_ms=5000)
     try:
         return h.stats()["cluster"]
     finally:
@@ -114,6 +123,45 @@ def retrieve(url: str, prefix: str, n: int) -> dict:
         h.close()
 
 
+def copy_read(url: str, prefix: str, n: int) -> dict:
+    """PREFIX/i read as MaruStorage's v2 read does, through a copying lookup
+    (`lookup(for_copy=True)`, its copies, `copy_and_prove`): right, missing, wrong bytes."""
+    h = handler(url, checksums=False)
+    keys = [f"{prefix}/{i}" for i in range(n)]
+    rows = np.zeros((n, SIZE), np.uint8)
+
+    def copy(sources: np.ndarray) -> None:
+        for row, address in zip(rows, sources.tolist()):
+            if address:
+                ctypes.memmove(row.ctypes.data, address, SIZE)
+
+    try:
+        with h.copying():
+            proven, _ = copy_and_prove(h.lookup(keys, lease=True, for_copy=True), [(n, SIZE, copy)])
+        good = [ok and intact(k, row) for k, ok, row in zip(keys, proven.tolist(), rows)]
+        right = sum(good)
+        return {
+            "right": right,
+            "missing": n - int(proven.sum()),
+            "wrong": int(proven.sum()) - right,
+        }
+    finally:
+        h.close()
+
+
+def pin_read(url: str, prefix: str, n: int) -> dict:
+    """PREFIX/i pinned (LMCache's pinned lookup: `batch_pin`), then read: how many the pin
+    found, and the reads' right, missing, wrong bytes."""
+    h = handler(url, checksums=False)
+    keys = [f"{prefix}/{i}" for i in range(n)]
+    try:
+        pinned = sum(h.batch_pin(keys))
+        right, missing, wrong = read_counts(h, keys)
+        return {"pinned": pinned, "right": right, "missing": missing, "wrong": wrong}
+    finally:
+        h.close()
+
+
 def plain_client(config: str) -> Any:
     """A Mooncake client of no Maru's, holding no data itself (segment 0)."""
     c = MooncakeConfig.from_file(config)
@@ -125,42 +173,53 @@ def plain_client(config: str) -> Any:
 
 
 def forge(config: str, prefix: str) -> dict:
-    """Values in Mooncake whose proof does not hold: PREFIX/0 as if a byte of it flipped in
-    Mooncake's memory (its proof states the value's true length and maru64); PREFIX/1 with
-    its true bytes under a proof made for another name (PREFIX/0's)."""
+    """Objects in Mooncake whose proof does not hold, or of another format: PREFIX/0 as if a
+    byte of it flipped in Mooncake's memory (its trailer states the value's true length and
+    maru64); PREFIX/1 with its true bytes and the trailer made for another name (PREFIX/0's);
+    PREFIX/2 with its true bytes and no trailer (as a plain Mooncake client puts a value);
+    PREFIX/3 in the tier's first format (the value and a valid proof beside it, under that
+    format's names: `maru/...` and `...#maru64`)."""
     tenant = MooncakeConfig.from_file(config).tenant_id
     store = plain_client(config)
     first = object_name(tenant, f"{prefix}/0")
     true = make_value(f"{prefix}/0", SIZE)
-    proof = encode_proof(first, SIZE, int(checksums([memoryview(true)])[0]))
+    trailer = encode_trailer(first, SIZE, int(checksums([memoryview(true)])[0]))
     flipped = bytearray(true)
     flipped[SIZE // 2] ^= 0xFF
-    codes = [store.put(first, bytes(flipped)), store.put(proof_name(first), proof)]
+    codes = [store.put(first, bytes(flipped) + trailer)]
     second = object_name(tenant, f"{prefix}/1")
-    codes.append(store.put(second, make_value(f"{prefix}/1", SIZE)))
-    codes.append(store.put(proof_name(second), proof))
+    codes.append(store.put(second, make_value(f"{prefix}/1", SIZE) + trailer))
+    codes.append(store.put(object_name(tenant, f"{prefix}/2"), make_value(f"{prefix}/2", SIZE)))
+    key, value = f"{prefix}/3", make_value(f"{prefix}/3", SIZE)
+    old = f"maru/{tenant}/s/{key}"
+    digest = hashlib.blake2b(old.encode(), digest_size=16).digest()
+    proof = struct.pack("<8sqq16s", b"maru64p1", SIZE, checksums([memoryview(value)])[0], digest)
+    codes += [store.put(old, value), store.put(f"{old}#maru64", proof)]
     store.close()
     return {"codes": codes}
 
 
 def read(config: str, prefix: str, n: int) -> dict:
-    """Each value from Mooncake with a plain client: right (bytes as written, proof for this
-    name stating their length and maru64), missing (no proof), wrong (anything else)."""
+    """Each object from Mooncake with a plain client: right (the bytes as written, then a
+    trailer for this name stating their length and maru64), missing (no object, or no
+    trailer for this name), wrong (anything else)."""
     c = MooncakeConfig.from_file(config)
     store = plain_client(config)
     right = missing = wrong = 0
     for i in range(n):
         key = f"{prefix}/{i}"
         name = object_name(c.tenant_id, key)
-        proof = decode_proof(name, bytes(store.get(proof_name(name))))
+        got = bytes(store.get(name))
+        proof = decode_trailer(name, got[-TRAILER_BYTES:])
         if proof is None:
             missing += 1
             continue
-        value = bytes(store.get(name))
+        value = got[:-TRAILER_BYTES]
         length, checksum = proof
         ok = value == make_value(key, SIZE) and length == len(value)
-        right += ok and int(checksums([memoryview(value)])[0]) == checksum
-        wrong += not (ok and int(checksums([memoryview(value)])[0]) == checksum)
+        ok = ok and int(checksums([memoryview(value)])[0]) == checksum
+        right += ok
+        wrong += not ok
     store.close()
     return {"right": right, "missing": missing, "wrong": wrong}
 
@@ -362,15 +421,21 @@ def proofs(workdir: Path) -> dict:
         out["forge"] = in_node(two.pid, "forge", str(config), "forged", env=env)
         out["node2_first"] = in_node(two.pid, "retrieve", url2, "v", str(N))
         out["node2_bad"] = in_node(two.pid, "retrieve", url2, "bad", "1")
-        out["node2_forged"] = in_node(two.pid, "retrieve", url2, "forged", "2")
+        out["node2_forged"] = in_node(two.pid, "retrieve", url2, "forged", "4")
         out["node2_stats"] = in_node(two.pid, "stats", url2)
         out["node2_again"] = in_node(two.pid, "retrieve", url2, "v", str(N))
         out["node2_stats_again"] = in_node(two.pid, "stats", url2)
+        # Node 2's other lookups pull what they miss too: a copying lookup (MaruStorage's
+        # v2 read) and a pin (LMCache's pinned lookup).
+        out["w"] = [in_node(one.pid, "write", url1, p, "4") for p in ("wc", "wp")]
+        wait_for(one.pid, url1, "published", N + 8)
+        out["node2_copy_read"] = in_node(two.pid, "copyread", url2, "wc", "4")
+        out["node2_pin_read"] = in_node(two.pid, "pinread", url2, "wp", "4")
         # Node 1's sidecar, whose Mooncake segment holds what node 1 published, SIGKILLed:
         # the server starts it again; what lay in the dead segment (v2, published before,
         # never pulled; Mooncake's master still lists it) is never a wrong hit on node 2.
         out["v2"] = in_node(one.pid, "write", url1, "v2", "8")
-        out["v2_published"] = wait_for(one.pid, url1, "published", N + 8)
+        out["v2_published"] = wait_for(one.pid, url1, "published", N + 16)
         os.kill(sidecar, signal.SIGKILL)
         out["restarted"] = wait_for(one.pid, url1, "sidecar_starts", 2)
         out["reconnected"] = wait_for(one.pid, url1, "connected", True)
@@ -461,6 +526,25 @@ def spill(workdir: Path) -> dict:
         return out
 
 
+def lmcache(workdir: Path) -> dict:
+    """LMCache's shipped MaruBackend on each node (`test_lmcache_backend_on_node_2...`):
+    node 1's engine stores a prompt's chunks; node 2's, through LMCache's async lookup
+    (which pins: `batch_pin`) and its retrieve, reads them into its own paged cache."""
+    from tests.integration.test_lmcache_backend import PROMPT, SLOTS
+
+    same_keys = "PYTHONHASHSEED=0"  # (LMCache hashes chunks with hash() without vLLM)
+    with cluster(workdir, ("--cluster-lookup-ms", "10000")) as c:
+        out: dict[str, Any] = {"connected": [c.wait(1, "connected", True)]}
+        out["connected"].append(c.wait(2, "connected", True))
+        out["store"] = in_node(c.one.pid, "lmstore", c.url1, str(PROMPT), str(SLOTS), env=same_keys)
+        out["published"] = c.settled(1)
+        out["retrieve"] = in_node(
+            c.two.pid, "lmretrieve", c.url2, str(PROMPT), str(SLOTS), env=same_keys
+        )
+        out["node2"] = c.settled(2)
+        return {**out, "prompt": PROMPT}
+
+
 if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "write":
@@ -469,12 +553,24 @@ if __name__ == "__main__":
         print(json.dumps(stats(args[0])))
     elif mode == "retrieve":
         print(json.dumps(retrieve(args[0], args[1], int(args[2]))))
+    elif mode == "copyread":
+        print(json.dumps(copy_read(args[0], args[1], int(args[2]))))
+    elif mode == "pinread":
+        print(json.dumps(pin_read(args[0], args[1], int(args[2]))))
+    elif mode in ("lmstore", "lmretrieve"):
+        from lmcache_cpu import workers
+
+        url, tokens, slots = args[0], int(args[1]), int(args[2])
+        if mode == "lmstore":
+            print(json.dumps(workers.store_prompt(url, tokens, 7, slots)))
+        else:
+            print(json.dumps(workers.retrieve_prompt(url, tokens, 7, slots, True)))
     elif mode == "forge":
         print(json.dumps(forge(args[0], args[1])))
     elif mode == "read":
         print(json.dumps(read(args[0], args[1], int(args[2]))))
     else:
-        scenario = {"proofs": proofs, "faults": faults, "spill": spill}[
+        scenario = {"proofs": proofs, "faults": faults, "spill": spill, "lmcache": lmcache}[
             args[0] if args else "proofs"
         ]
         print(json.dumps(scenario(Path(mode))))

@@ -57,9 +57,10 @@ def test_values_written_on_one_node_are_read_on_another_every_byte_proven(tmp_pa
 
     A client on node 2 reads node 1's values through its own server (leased lookups): every
     miss is pulled into node 2's pool, proven, registered, and read with every byte equal;
-    the second read finds them in place (nothing pulled again). Values in Mooncake whose
-    proof does not hold (bytes unlike the maru64 it states, or the proof of another name)
-    are refused at pull: misses, counted, never registered. (Without the proof check at
+    the second read finds them in place (nothing pulled again). Objects in Mooncake whose
+    trailer does not hold (bytes unlike the maru64 it states, another name's trailer, none)
+    are refused at pull: misses, counted, never registered; objects of the tier's first
+    format (a value and a proof object beside it) are misses. (Without the proof check at
     pull, the flipped value reads as wrong bytes on node 2.)"""
     nodes = run_nodes(tmp_path)
     assert [n["connected"] for n in nodes["connected"]] == [True, True], nodes
@@ -77,23 +78,30 @@ def test_values_written_on_one_node_are_read_on_another_every_byte_proven(tmp_pa
     assert nodes["refused"]["published"] == 24, nodes
     assert nodes["read_flipped"] == {"right": 0, "missing": 1, "wrong": 0}, nodes
 
-    assert nodes["forge"] == {"codes": [0, 0, 0, 0]}, nodes
+    assert nodes["forge"] == {"codes": [0, 0, 0, 0, 0]}, nodes
     assert nodes["node2_first"] == {"right": 24, "missing": 0, "wrong": 0}, nodes
     assert nodes["node2_bad"] == {"right": 0, "missing": 1, "wrong": 0}, nodes
-    assert nodes["node2_forged"] == {"right": 0, "missing": 2, "wrong": 0}, nodes
+    assert nodes["node2_forged"] == {"right": 0, "missing": 4, "wrong": 0}, nodes
     pulled = nodes["node2_stats"]
     assert (pulled["pulled"], pulled["pulled_bytes"]) == (24, 24 * 60_000), nodes
-    # bad/0 was never published and forged/1's proof is another name's: not in the cluster;
-    # forged/0's bytes (one flipped in Mooncake) are not those its proof states: refused.
-    assert (pulled["pull_misses"], pulled["proof_failures"]) == (2, 1), nodes
+    # bad/0 was never published, forged/3 is in the tier's first format (a value and a
+    # proof beside it, under that format's names): not in the cluster for this tier, misses;
+    # forged/0's bytes (one flipped in Mooncake) are not those its trailer states, forged/1's
+    # trailer is another name's, forged/2 has none: refused, counted.
+    assert (pulled["pull_misses"], pulled["proof_failures"]) == (2, 3), nodes
     assert nodes["node2_again"] == {"right": 24, "missing": 0, "wrong": 0}, nodes
     assert nodes["node2_stats_again"]["pulled"] == 24, nodes
+    # Every lookup path pulls what it misses: a copying lookup (MaruStorage's v2 read,
+    # `lookup(for_copy=True)`) and a pin (LMCache's pinned lookup) read node 1's values.
+    assert nodes["w"] == [{"stored": 4}] * 2, nodes
+    assert nodes["node2_copy_read"] == {"right": 4, "missing": 0, "wrong": 0}, nodes
+    assert nodes["node2_pin_read"] == {"pinned": 4, "right": 4, "missing": 0, "wrong": 0}, nodes
 
     # Node 1's sidecar SIGKILLed (with it, the Mooncake segment holding node 1's values):
     # the server starts it again; the values that lay in the dead segment (Mooncake's
     # master still lists them for a while, and serves other bytes for them: a plain client
     # read such wrong bytes here) are never a wrong hit on node 2.
-    assert nodes["v2"] == {"stored": 8} and nodes["v2_published"]["published"] == 32, nodes
+    assert nodes["v2"] == {"stored": 8} and nodes["v2_published"]["published"] == 40, nodes
     assert nodes["restarted"]["sidecar_starts"] == 2, nodes
     assert nodes["reconnected"]["connected"] is True, nodes
     dead = nodes["node2_dead_segment"]
@@ -168,3 +176,22 @@ def test_keys_evicted_from_a_pool_are_spilled_to_the_cluster_and_pulled_back(tmp
     assert nodes["node2"] == {"right": spilled, "missing": 250 - spilled, "wrong": 0}, nodes
     assert nodes["node1_back"] == {"right": 16, "missing": 0, "wrong": 0}, nodes
     assert nodes["node1_stats"]["pulled"] == 16, nodes
+
+
+@pytest.mark.lmcache
+def test_lmcache_backend_on_node_2_reads_a_chunk_stored_through_it_on_node_1(tmp_path):
+    """LMCache's shipped MaruBackend, unmodified, on two nodes (each its own maru-server,
+    pool and tier): node 1's engine stores a prompt (three full chunks and a partial one);
+    node 2's engine, whose pool never held them, finds the whole prompt through LMCache's
+    async lookup (pinned: `batch_pin` pulls what the pool misses) and retrieves every chunk
+    into its own paged cache, byte for byte what node 1 stored."""
+    pytest.importorskip("lmcache")
+    nodes = run_nodes(tmp_path, "lmcache")
+    assert [n["connected"] for n in nodes["connected"]] == [True, True], nodes
+    stored, retrieved = nodes["store"], nodes["retrieve"]
+    assert "failed" not in stored and "failed" not in retrieved, nodes
+    assert len(stored["keys"]) == 4 and nodes["published"]["published"] >= 4, nodes
+    assert retrieved["keys"] == stored["keys"], nodes
+    assert retrieved["lookup"] == retrieved["retrieved"] == nodes["prompt"], nodes
+    assert retrieved["chunks_same"] == [True] * 4 and retrieved["nonzero"], nodes
+    assert nodes["node2"]["pulled"] == 4 and nodes["node2"]["proof_failures"] == 0, nodes

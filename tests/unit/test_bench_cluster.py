@@ -18,7 +18,7 @@ def _round(scale: float, first: float, second: float) -> dict[str, list[float]]:
     """One round's seconds per call (two calls each): Mooncake alone 0.1 s, the local read
     0.01 s, the writer 0.05 s without a tier; `first` and `second` the ratios the goals judge."""
     out = {"mooncake": [0.1, 0.1], "local": [0.01, 0.01], "no tier": [0.05, 0.05]}
-    out |= {"mooncake+proofs": [0.15, 0.15]}
+    out |= {"mooncake+sizes": [0.15, 0.15]}
     out |= {"first": [0.1 * first] * 2, "second": [0.01 * second] * 2}
     out |= {"write-through": [0.05 * 1.5] * 2, "spill": [0.05] * 2}
     return {k: [s * scale for s in v] for k, v in out.items()}
@@ -31,7 +31,7 @@ def test_ratios_are_medians_of_paired_rounds_and_each_goal_is_judged_per_size():
     assert big["first_vs_mooncake"] == approx(1.15)
     assert big["second_vs_local"] == approx(1.05)
     assert big["write_through_vs_none"] == approx(1.5) and big["spill_vs_none"] == approx(1.0)
-    assert big["proofs_vs_mooncake"] == approx(1.5)
+    assert big["sizes_vs_mooncake"] == approx(1.5)
     assert big["mooncake_ms"] == approx(100.0)  # median of 6 calls: 0.1, 0.1, 0.2, 0.2, 0.1, 0.1
     assert big["mooncake_gbps"] == approx((64 << 20) / 0.1 / 1e9)
     got = {(k, size): ok for k, size, _v, _b, ok in C.evaluate({"1 MiB": big, "64 KiB": small})}

@@ -9,7 +9,13 @@ import pytest
 
 from maru.client.cli import _cluster_line
 from maru.server.cluster.config import ClusterConfigError, MooncakeConfig, parse_segment_size
-from maru.server.cluster.proof import decode_proof, encode_proof, object_name, proof_name
+from maru.server.cluster.proof import (
+    TRAILER_BYTES,
+    decode_trailer,
+    encode_trailer,
+    object_name,
+    value_length,
+)
 from maru.server.metrics import CLUSTER_METRICS, _cluster_metrics
 
 from .test_eviction_leases import MiB, consistent, fill, make_registry
@@ -81,16 +87,22 @@ def test_unreadable_files_are_refused_naming_them(tmp_path):
         MooncakeConfig.from_file(tmp_path / "list.json")
 
 
-def test_a_proof_holds_only_for_its_own_name():
+def test_a_trailer_holds_only_for_its_own_name():
     name = object_name("default", "k/1")
-    proof = encode_proof(name, 4096, 12345)
-    assert decode_proof(name, proof) == (4096, 12345)
-    assert decode_proof(object_name("default", "k/2"), proof) is None  # another key's
-    assert decode_proof(object_name("other", "k/1"), proof) is None  # another tenant's
-    assert decode_proof(name, proof[:-1]) is None
-    assert decode_proof(name, encode_proof(name, 4096, 0)) is None  # no checksum: no proof
+    trailer = encode_trailer(name, 4096, 12345)
+    assert len(trailer) == TRAILER_BYTES
+    assert decode_trailer(name, trailer) == (4096, 12345)
+    assert decode_trailer(object_name("default", "k/2"), trailer) is None  # another key's
+    assert decode_trailer(object_name("other", "k/1"), trailer) is None  # another tenant's
+    assert decode_trailer(name, trailer[:-1]) is None
+    assert decode_trailer(name, bytes(TRAILER_BYTES)) is None  # a value's tail, not a trailer
+    assert decode_trailer(name, encode_trailer(name, 4096, 0)) is None  # no checksum: no proof
     assert object_name("t", b"k") != object_name("t", "6b")  # bytes keys never meet str keys
-    assert proof_name(name) != name
+    # The tier's first format named objects maru/...: never looked up, so never a hit.
+    assert object_name("t", "k").startswith("maru2/")
+    # The value's length in an object: its size less the trailer; none when too short.
+    assert value_length(4096 + TRAILER_BYTES) == 4096
+    assert value_length(TRAILER_BYTES) is None and value_length(3) is None
 
 
 TIER = {

@@ -18,7 +18,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
@@ -31,6 +31,8 @@ from maru.common.protocol import MsgType
 from maru.common.region import RegionHandle
 
 if TYPE_CHECKING:
+    from maru.client.cluster import ClusterPulls
+    from maru.client.localindex import LocalIndexClient
     from maru.client.mapping import RegionMapper
     from maru.client.rpc import PendingReply, RpcClient
     from maru.client.session import Session
@@ -69,16 +71,34 @@ class OriginalApi:
     _ensure_connected: Callable[[], None]
     _request: Callable[..., PendingReply]
     _local_reads: Callable[[], dict[str, Any]]
+    _local_index: Callable[[], LocalIndexClient | None]
+    _cluster: ClusterPulls
     _connected: bool
     _chunks: ChunkBook
     _mapper: RegionMapper
     _handshake: Callable[[], int]
+    connect: Callable[[], bool]
+    close: Callable[[], None]
+    connect_error: MaruError | None
     _s: Session
     _rpc: RpcClient
     config: MaruConfig
     instance_id: str
 
     # -- regions and pages -------------------------------------------------------------------
+
+    def __enter__(self) -> Self:
+        """Raises the `MaruConnectError` of the constructor's connect (no second attempt: the
+        cause is said once), or of a first connect when `auto_connect` was off."""
+        if not self._connected and (self.connect_error is not None or not self.connect()):
+            error = self.connect_error
+            self.close()
+            assert error is not None
+            raise error
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def get_chunk_size(self) -> int:
         return self._chunks.chunk_size
@@ -262,11 +282,19 @@ class OriginalApi:
 
     def batch_pin(self, keys: Sequence[Key]) -> list[bool]:
         """Pinned keys are neither deleted nor evicted until unpinned (or until this instance
-        disconnects or is reaped)."""
+        disconnects or is reaped). LMCache's pinned lookups come here: with a cluster tier
+        behind the pool, the misses it holds are pulled first (within --cluster-lookup-ms)."""
+        if self._cluster.budget_s:
+            self._cluster.pull(keys, "", self._local_index())
         return self._per_key(MsgType.PIN, keys, bool)
 
     def batch_unpin(self, keys: Sequence[Key]) -> list[bool]:
         return self._per_key(MsgType.UNPIN, keys, bool)
+
+    def delete_prefix(self, prefix: Key) -> int:
+        """Delete every unpinned key that starts with `prefix`; returns how many went."""
+        self._ensure_connected()
+        return int(self._request(MsgType.DELETE_PREFIX, {"prefix": prefix}).result()["deleted"])
 
     def delete(self, key: Key) -> bool:
         return self.batch_delete([key])[0]

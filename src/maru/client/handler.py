@@ -211,19 +211,6 @@ class MaruHandler(OriginalApi):
         self._coherence.release()
         self._rpc.close()
 
-    def __enter__(self) -> MaruHandler:
-        """Raises the `MaruConnectError` of the constructor's connect (no second attempt: the
-        cause is said once), or of a first connect when `auto_connect` was off."""
-        if not self._connected and (self.connect_error is not None or not self.connect()):
-            error = self.connect_error
-            self.close()
-            assert error is not None
-            raise error
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def _local_reads(self) -> dict[str, Any]:
         """The reads the local index answered since the last report, for the server's
         statistics (its hit counts would otherwise miss every read that sent no request)."""
@@ -436,10 +423,16 @@ class MaruHandler(OriginalApi):
         validated after the copy instead; `maru.client.localindex`). `prefix`: the keys are
         `prefix + key` (one prefix of the keys' type, or a sequence of them, one per key),
         never joined by the local index (each key hashed and compared in its two parts), and
-        joined here for a request."""
+        joined here for a request. With a cluster tier behind the pool, the misses it holds
+        are pulled first (`ClusterPulls.pull`: one wait within --cluster-lookup-ms)."""
+        if self._cluster.budget_s:
+            self._cluster.pull(keys, prefix, self._local_index())
+        return self._lookup(keys, lease, for_copy, prefix)
+
+    def _lookup(self, keys: Sequence[Key], lease: bool, for_copy: bool, prefix: Prefix) -> Lookup:
+        """`lookup` without the pull: for the read verbs, which pulled once already (a
+        second wait would spend the budget twice in one call)."""
         index = self._local_index()
-        if self._cluster.budget_s and not for_copy:  # (read verbs pulled already)
-            self._cluster.pull(keys, prefix, index)
         if for_copy and index is not None:
             found = index.lookup(self._s, keys, prefix)
             if found is not None:
@@ -487,7 +480,7 @@ class MaruHandler(OriginalApi):
             hashed=hashed,
             threads=self.config.copy_threads,
         )
-        found = self.lookup(keys, lease=True, for_copy=True, prefix=prefix)
+        found = self._lookup(keys, True, True, prefix)
         return copy_and_prove(found, [(len(keys), length, copy)])[0].tolist()
 
     def read_many(
@@ -507,7 +500,7 @@ class MaruHandler(OriginalApi):
         if self._cluster.budget_s:
             self._cluster.pull(keys, prefix, self._index)
         with self._copying:
-            found = self.lookup(keys, lease=True, for_copy=True, prefix=prefix)  # sent now
+            found = self._lookup(keys, True, True, prefix)  # sent now
             if software():  # (any copy reads in place; a fault there is the copy's)
                 invalidate_ranges(*found.wait())
             return copy_and_prove(found, segments)
@@ -545,8 +538,3 @@ class MaruHandler(OriginalApi):
             log.warning("%s of %d keys failed: %s", msg_type.name.lower(), len(keys), exc)
             return [False] * len(keys)
         return [ok(r) for r in results]
-
-    def delete_prefix(self, prefix: Key) -> int:
-        """Delete every unpinned key that starts with `prefix`; returns how many went."""
-        self._ensure_connected()
-        return int(self._request(MsgType.DELETE_PREFIX, {"prefix": prefix}).result()["deleted"])

@@ -1,11 +1,18 @@
 """How a Maru key and its proof are named and laid out in Mooncake Store.
 
-A key's bytes go under `object_name(tenant, key)`; its proof under `proof_name(...)`: a
-small value that binds the object's name, its length and its maru64 (`encode_proof`). A
-reader (a pulling tier, or a test with a plain Mooncake client) trusts the bytes only when
-the proof decodes for that very name and the bytes it read have that length and maru64 (the
-first rule: a wrong value is a miss, never a hit). Mooncake itself never checks the bytes it
-serves. The proof is published after the bytes, so a proof seen means its bytes were put.
+One Mooncake object per key, `object_name(tenant, key)`: the value's bytes, then a trailer
+of `TRAILER_BYTES` (`encode_trailer`) that binds the object's name, the value's length and
+its maru64. The tier publishes both from where they lie (the pool's pages and a trailer
+slot) in one put, and pulls both in one get (the value straight into pool pages, the
+trailer into a slot beside them); a reader trusts the bytes only when the trailer decodes
+for that very name, states the length read, and the bytes have its maru64 (the first rule:
+a wrong value is a miss, never a hit). Mooncake itself never checks the bytes it serves.
+
+Why one object and not a value and a proof beside it (this tier's first format, `maru/...`
+names with a `#maru64` object each): a pull then costs one read of data, not two (the
+proof's read was a network round trip of its own), and the length a pull needs before it
+reserves pages comes from the master's metadata (the object's size), without a transfer.
+Objects of the first format are never looked up under these names: misses, never hits.
 """
 
 from __future__ import annotations
@@ -15,37 +22,42 @@ import struct
 
 from maru.common.protocol import Key
 
-# What the sidecar answers per value of a publish or a pull batch.
-PUBLISHED, REFUSED, FAILED = 0, 1, 2  # (REFUSED: the bytes do not match their checksum)
+# What the sidecar answers per value of a publish or a pull batch (REFUSED: the bytes do not
+# match their checksum; ABSENT: the cluster holds no such object; LENGTH: the object's value
+# is not of the length a pull guessed).
+PUBLISHED, REFUSED, FAILED, ABSENT, LENGTH = 0, 1, 2, 3, 4
 
-PROOF_MAGIC = b"maru64p1"
-_PROOF = struct.Struct("<8sqq16s")  # magic, length, maru64, blake2b-128 of the object name
-PROOF_BYTES = _PROOF.size
+TRAILER_MAGIC = b"maru64t2"
+_TRAILER = struct.Struct("<8sqq16s")  # magic, length, maru64, blake2b-128 of the object name
+TRAILER_BYTES = _TRAILER.size
 
 
 def object_name(tenant: str, key: Key) -> str:
     """Mooncake's (str) name for a Maru key of `tenant`: str keys as they are, bytes keys in
-    hex, tagged so that the two never meet."""
+    hex, tagged so that the two never meet ("maru2": the one-object format)."""
     if isinstance(key, bytes):
-        return f"maru/{tenant}/b/{key.hex()}"
-    return f"maru/{tenant}/s/{key}"
+        return f"maru2/{tenant}/b/{key.hex()}"
+    return f"maru2/{tenant}/s/{key}"
 
 
-def proof_name(name: str) -> str:
-    return f"{name}#maru64"
+def value_length(object_size: int) -> int | None:
+    """The value's length in an object of `object_size` bytes (None: too short to hold one
+    and its trailer)."""
+    length = object_size - TRAILER_BYTES
+    return length if length > 0 else None
 
 
-def encode_proof(name: str, length: int, checksum: int) -> bytes:
-    return _PROOF.pack(PROOF_MAGIC, length, checksum, _digest(name))
+def encode_trailer(name: str, length: int, checksum: int) -> bytes:
+    return _TRAILER.pack(TRAILER_MAGIC, length, checksum, _digest(name))
 
 
-def decode_proof(name: str, proof: bytes) -> tuple[int, int] | None:
-    """(length, maru64) that `proof` states for the object `name`, or None when it is not a
-    proof, or is the proof of another name."""
-    if len(proof) != PROOF_BYTES:
+def decode_trailer(name: str, trailer: bytes) -> tuple[int, int] | None:
+    """(length, maru64) that `trailer` states for the object `name`, or None when it is not
+    a trailer, or is the trailer of another name."""
+    if len(trailer) != TRAILER_BYTES:
         return None
-    magic, length, checksum, digest = _PROOF.unpack(proof)
-    if magic != PROOF_MAGIC or digest != _digest(name) or length <= 0 or checksum == 0:
+    magic, length, checksum, digest = _TRAILER.unpack(trailer)
+    if magic != TRAILER_MAGIC or digest != _digest(name) or length <= 0 or checksum == 0:
         return None
     return length, checksum
 

@@ -8,25 +8,27 @@ and supervises this process and talks to it over a ZMQ PAIR socket, msgpack fram
     server -> sidecar  {"op": "publish", "batch": id, "jobs": [[name, path, offset, length,
                         maru64 or 0], ...]}     (path, offset: the value's place in the pool)
                        {"op": "probe", "batch": id, "jobs": [name, ...]}
-                       {"op": "pull", "batch": id, "jobs": [[name, path, offset, length,
-                        maru64], ...]}          (pages the server reserved for the value)
+                       {"op": "pull", "batch": id, "jobs": [[name, path, offset, length],
+                        ...]}                   (pages the server reserved for the value)
     sidecar -> server  {"op": "state", "connected": bool, "error": str | None}  (after
                         each setup, and whenever the master stops or starts answering)
                        {"op": "<op>-done", "batch": id, "results": [one per job],
                         "error": str | None}
-    (results: PUBLISHED, REFUSED or FAILED for publish and pull; [length, maru64] or None
-    for a probe)
+    (results: PUBLISHED, REFUSED or FAILED for a publish; [PUBLISHED, maru64], [REFUSED, 0]
+    or [FAILED, 0] for a pull; the value's length or None for a probe)
 
 Zero extra copies: the sidecar maps the pool's file(s) itself, registers each mapping with
 Mooncake's transfer engine (`register_buffer`) and publishes straight from the pool's pages
-(`batch_put_from`), and pulls straight into pages the server reserved (`batch_get_into`),
-proven there against the value's proof before the server registers them. Before a value
-is published its maru64 is computed from the pages: a writer's checksum that does not match
-is REFUSED (never published), a value without one gets the computed one; the proof
-(`maru.server.cluster.proof`) goes after the bytes. The server holds the values' keys (no
-eviction, no delete, no page reuse) until the batch's reply.
+(`batch_put_from_multi_buffers`: the value's pages and its trailer, one object), and pulls
+straight into pages the server reserved (`batch_get_into_multi_buffers`), proven there
+against the object's trailer before the server registers them (`maru.server.cluster.proof`).
+A probe asks the master only (`batch_get_replica_desc`: the objects' sizes, no transfer).
+Before a value is published its maru64 is computed from the pages: a writer's checksum that
+does not match is REFUSED (never published), a value without one gets the computed one. The
+server holds the values' keys (no eviction, no delete, no page reuse) until the batch's reply.
 
     python -m maru.server.cluster.sidecar --config FILE --endpoint ZMQ_URL [--device-bytes N]
+        [--pool-file PATH]
 
 The one module under maru.server that loads `maru.client.checksum` (and so numpy): the one
 maru64, in a process of its own; maru-server itself never imports this module.
@@ -35,28 +37,41 @@ maru64, in a process of its own; maru-server itself never imports this module.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import logging
 import mmap
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
 import msgpack
+import numpy as np
 import zmq
 
 from maru.client.checksum import checksums
+from maru.client.mapping import (
+    _MADV_POPULATE_WRITE,
+    _POPULATE_STEP,
+    _libc,
+    _madvise_populate_works,
+    backed_extents,
+)
 from maru.server.cluster.config import MooncakeConfig
 from maru.server.cluster.mooncake import load_mooncake
 from maru.server.cluster.proof import (
+    ABSENT,
     FAILED,
+    LENGTH,
     PUBLISHED,
     REFUSED,
-    decode_proof,
-    encode_proof,
-    proof_name,
+    TRAILER_BYTES,
+    decode_trailer,
+    encode_trailer,
+    value_length,
 )
 
 log = logging.getLogger("maru.server.cluster")
@@ -64,10 +79,18 @@ log = logging.getLogger("maru.server.cluster")
 SETUP_RETRY_S = 2.0
 CHECK_S = 1.0  # how often the sidecar asks whether the master answers (and after a failure)
 LOCAL_BUFFER = 16 << 20  # Mooncake's own staging buffer (the zero-copy calls do not use it)
+NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
 
 
 class PoolMaps:
-    """The pool's files, each mapped once (shared, read-write) and registered with Mooncake."""
+    """The pool's files, each mapped once (shared, read-write) and registered with Mooncake.
+
+    Each mapping's pages are mapped in bulk on a background thread (MADV_POPULATE_WRITE,
+    where the file holds them: `maru.client.mapping.backed_extents`), so that a pull does
+    not fault once per 4 KiB page inside Mooncake's receive: on this kind of VM a page
+    first touched cost about as much as Mooncake's whole read of it. (A pool whose pages
+    are not allocated yet, an shm pool without --preallocate, still pays for each page the
+    first time a value lands in it.)"""
 
     def __init__(self, register: Any, device_bytes: int):
         self.register = register  # MooncakeDistributedStore.register_buffer
@@ -76,18 +99,23 @@ class PoolMaps:
 
     def view(self, path: str, offset: int, length: int) -> tuple[memoryview, int]:
         """The pages at (path, offset, length) and their address (ValueError outside the file)."""
-        mapped = self.maps.get(path)
-        if mapped is None:
-            mapped = self.maps[path] = self._map(path)
-        mm, address = mapped
+        mm, address = self.mapped(path)
         if offset < 0 or length <= 0 or offset + length > len(mm):
             raise ValueError(f"{path}: [{offset}, +{length}) is outside its {len(mm)} bytes")
         return memoryview(mm)[offset : offset + length], address + offset
+
+    def mapped(self, path: str) -> tuple[mmap.mmap, int]:
+        """The file's mapping and its address, mapped and registered on first use."""
+        mapped = self.maps.get(path)
+        if mapped is None:
+            mapped = self.maps[path] = self._map(path)
+        return mapped
 
     def _map(self, path: str) -> tuple[mmap.mmap, int]:
         fd = os.open(path, os.O_RDWR)
         try:
             mm = mmap.mmap(fd, os.fstat(fd).st_size or self.device_bytes, mmap.MAP_SHARED)
+            backed = backed_extents(fd, 0, len(mm))
         finally:
             os.close(fd)
         address = ctypes.addressof(ctypes.c_char.from_buffer(mm))
@@ -95,17 +123,60 @@ class PoolMaps:
         if rc != 0:
             raise OSError(f"Mooncake register_buffer of {path} ({len(mm)} bytes) failed: {rc}")
         log.info("pool file %s (%d bytes) registered with Mooncake", path, len(mm))
+        if backed and _madvise_populate_works():
+            args = (path, address, backed)
+            threading.Thread(target=_populate, args=args, name="populate", daemon=True).start()
         return mm, address
 
 
+def _populate(path: str, address: int, extents: list[tuple[int, int]]) -> None:
+    """Map a pool file's pages into this process in bulk, at the lowest priority (a thread
+    of its own: the call drops the GIL); a refusal is logged, and the pages fault in as
+    they are touched."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    for start, end in extents:
+        for at in range(start, end, _POPULATE_STEP):
+            if _libc.madvise(address + at, min(_POPULATE_STEP, end - at), _MADV_POPULATE_WRITE):
+                why = os.strerror(ctypes.get_errno())
+                log.warning("pool file %s: pages not populated from %d: %s", path, at, why)
+                return
+
+
+class Trailers:
+    """Registered memory for the trailers of a batch (`maru.server.cluster.proof`): written
+    there before a publish, read there after a pull, one slot a value."""
+
+    def __init__(self, register: Any, unregister: Any):
+        self.register, self.unregister = register, unregister
+        self.buffer: np.ndarray | None = None
+
+    def slots(self, n: int) -> tuple[np.ndarray, int]:
+        """n slots (rows of TRAILER_BYTES) and the first one's address (OSError when
+        Mooncake refuses the memory)."""
+        if self.buffer is None or len(self.buffer) < n:
+            buffer = np.zeros((max(n, 64), TRAILER_BYTES), np.uint8)
+            rc = self.register(buffer.ctypes.data, buffer.nbytes)
+            if rc != 0:
+                raise OSError(f"Mooncake register_buffer of trailer slots failed: {rc}")
+            if self.buffer is not None:
+                self.unregister(self.buffer.ctypes.data)
+            self.buffer = buffer
+        return self.buffer[:n], self.buffer.ctypes.data
+
+
 class Sidecar:
-    def __init__(self, config: MooncakeConfig, sock: zmq.Socket, device_bytes: int):
+    def __init__(
+        self, config: MooncakeConfig, sock: zmq.Socket, device_bytes: int, pool_file: str = ""
+    ):
         self.config = config
         self.device_bytes = device_bytes
+        self.pool_file = pool_file  # mapped (and populated) as soon as connected
         self.sock = sock
         self.module = load_mooncake()
         self.store: Any = None
         self.maps: PoolMaps | None = None
+        self.trailers: Trailers | None = None
         self.error: str | None = "not connected yet"
 
     def connect(self) -> bool:
@@ -127,18 +198,24 @@ class Sidecar:
             return False
         self.store, self.error = store, None
         self.maps = PoolMaps(store.register_buffer, self.device_bytes)
+        self.trailers = Trailers(store.register_buffer, store.unregister_buffer)
         log.info("connected to Mooncake master %s as %s", c.master_server_address, c.local_hostname)
+        if self.pool_file:  # (its pages mapped before the first pull needs them)
+            try:
+                self.maps.mapped(self.pool_file)
+            except OSError as exc:
+                log.warning("pool file %s not mapped yet: %s", self.pool_file, exc)
         return True
 
     def send(self, message: dict[str, Any]) -> None:
         self.sock.send(msgpack.packb(message, use_bin_type=True))
 
     def _mapped(self, jobs: list[list[Any]]) -> tuple[list[Any], list[int], list[int], str | None]:
-        """Each job's pool pages (name, path, offset, length, checksum): their views and
+        """Each job's pool pages (name, path, offset, length, ...): their views and
         addresses, the jobs they belong to, and why any could not be mapped."""
         assert self.maps is not None
         views, addresses, places, error = [], [], [], None
-        for i, (_, path, offset, length, _) in enumerate(jobs):
+        for i, (_, path, offset, length, *_rest) in enumerate(jobs):
             try:
                 view, address = self.maps.view(path, offset, length)
             except (OSError, ValueError) as exc:
@@ -150,13 +227,11 @@ class Sidecar:
         return views, addresses, places, error
 
     def publish(self, jobs: list[list[Any]]) -> tuple[list[int], str | None]:
-        """Publish each job's pages with its proof: a result per job, and why any failed."""
-        assert self.store is not None and self.maps is not None
+        """Publish each job's pages and their trailer as one object: a result per job, and
+        why any failed."""
+        assert self.store is not None and self.trailers is not None
         results = [FAILED] * len(jobs)
         views, addresses, places, error = self._mapped(jobs)
-        names = [jobs[i][0] for i in places]
-        sizes = [jobs[i][3] for i in places]
-        sums: list[int] = []
         computed = checksums(views).tolist() if views else []
         for view in views:
             view.release()
@@ -165,62 +240,87 @@ class Sidecar:
             stated = jobs[i][4]
             if stated and stated != computed[j]:
                 results[i] = REFUSED  # the writer's checksum does not match its pages
-                continue
-            keep.append(j)
-            sums.append(computed[j])
+            else:
+                keep.append(j)
         if not keep:
             return results, error
-        codes = self.store.batch_put_from(
-            [names[j] for j in keep], [addresses[j] for j in keep], [sizes[j] for j in keep]
-        )
-        put = [(j, s) for j, s, rc in zip(keep, sums, codes) if rc == 0]
-        if len(put) < len(keep):
-            error = f"Mooncake batch_put_from: {sorted(set(codes) - {0})}"
-        if put:
-            rc = self.store.put_batch(
-                [proof_name(names[j]) for j, _ in put],
-                [encode_proof(names[j], sizes[j], s) for j, s in put],
-            )
-            if rc != 0:
-                return results, f"Mooncake put_batch of proofs: {rc}"
-            for j, _ in put:
+        slots, base = self.trailers.slots(len(keep))
+        names, buffers, sizes = [], [], []
+        for n, j in enumerate(keep):
+            name, length = jobs[places[j]][0], jobs[places[j]][3]
+            slots[n] = np.frombuffer(encode_trailer(name, length, computed[j]), np.uint8)
+            names.append(name)
+            buffers.append([addresses[j], base + n * TRAILER_BYTES])
+            sizes.append([length, TRAILER_BYTES])
+        codes = self.store.batch_put_from_multi_buffers(names, buffers, sizes)
+        for j, rc in zip(keep, codes):
+            if rc == 0:
                 results[places[j]] = PUBLISHED
+        if any(rc != 0 for rc in codes):
+            error = f"Mooncake batch_put_from_multi_buffers: {sorted(set(codes) - {0})}"
         return results, error
 
-    def probe(self, names: list[str]) -> tuple[list[list[int] | None], str | None]:
-        """Each object's proof as [length, maru64], or None where the cluster has none (or
-        not a valid one for that name)."""
+    def probe(self, names: list[str]) -> tuple[list[int | None], str | None]:
+        """Each object's value length, from the master's metadata (no transfer), or None
+        where the cluster holds no object of that name in memory (or one too short)."""
         assert self.store is not None
         try:
-            proofs = self.store.get_batch([proof_name(n) for n in names])
+            found = self.store.batch_get_replica_desc(names)
         except RuntimeError as exc:  # (pybind11's translation of a C++ error)
-            return [None] * len(names), f"Mooncake get_batch of proofs: {exc}"
-        out = [decode_proof(n, bytes(p)) if p else None for n, p in zip(names, proofs)]
-        return [list(p) if p is not None else None for p in out], None
+            return [None] * len(names), f"Mooncake batch_get_replica_desc: {exc}"
+        out: list[int | None] = []
+        for name in names:
+            sizes = [
+                r.get_memory_descriptor().buffer_descriptor.size
+                for r in found.get(name) or ()
+                if r.is_memory_replica()
+            ]
+            out.append(value_length(sizes[0]) if sizes else None)
+        return out, None
 
-    def pull(self, jobs: list[list[Any]]) -> tuple[list[int], str | None]:
-        """Read each job's object straight into its pool pages (reserved by the server,
-        registered by nobody yet) and prove it: PUBLISHED where the bytes have the length and
-        maru64 of the proof, REFUSED where they do not, FAILED where Mooncake failed."""
-        assert self.store is not None and self.maps is not None
-        results = [FAILED] * len(jobs)
+    def pull(self, jobs: list[list[Any]]) -> tuple[list[list[int]], str | None]:
+        """Read each job's object (name, path, offset, length, guessed) in one get: its value
+        straight into its pool pages (reserved by the server, registered by nobody yet), its
+        trailer into a slot, and prove it: [PUBLISHED, maru64] where the trailer is this
+        name's and states the length and maru64 of the bytes, [REFUSED, 0] where it does not
+        (another object, another format, a flipped byte), [ABSENT, 0] where the cluster holds
+        no such object, [FAILED, 0] where Mooncake failed. A job whose length the server
+        guessed (no probe before it) and that did not fit is probed now: [LENGTH, length]
+        (the server pulls it again into pages of that length) or [ABSENT, 0]."""
+        assert self.store is not None and self.trailers is not None
+        results = [[FAILED, 0] for _ in jobs]
         views, addresses, places, error = self._mapped(jobs)
         if not places:
             return results, error
-        codes = self.store.batch_get_into(
-            [jobs[i][0] for i in places], addresses, [jobs[i][3] for i in places]
-        )
+        slots, base = self.trailers.slots(len(places))
+        slots[:] = 0  # (a slot a failed get leaves alone never proves anything)
+        buffers = [[a, base + n * TRAILER_BYTES] for n, a in enumerate(addresses)]
+        sizes = [[jobs[i][3], TRAILER_BYTES] for i in places]
+        names = [jobs[i][0] for i in places]
+        codes = self.store.batch_get_into_multi_buffers(names, buffers, sizes)
         computed = checksums(views).tolist()
         for view in views:
             view.release()
+        misfits = []
         for j, i in enumerate(places):
-            _, _, _, length, stated = jobs[i]
-            if codes[j] < 0:
-                error = f"Mooncake batch_get_into: {codes[j]}"
-            elif codes[j] == length and computed[j] == stated:
-                results[i] = PUBLISHED
+            length = jobs[i][3]
+            if codes[j] == NOT_FOUND:
+                results[i] = [ABSENT, 0]
+            elif codes[j] < 0 and len(jobs[i]) > 4 and jobs[i][4]:
+                misfits.append(i)  # (a guessed length: the object may have another)
+            elif codes[j] < 0:
+                error = f"Mooncake batch_get_into_multi_buffers: {codes[j]}"
             else:
-                results[i] = REFUSED  # another length, or bytes unlike their proof
+                stated = decode_trailer(names[j], slots[j].tobytes())
+                ok = codes[j] == length + TRAILER_BYTES and stated == (length, computed[j])
+                # (else: another length, name or format, or bytes unlike the trailer)
+                results[i] = [PUBLISHED, computed[j]] if ok else [REFUSED, 0]
+        if misfits:
+            lengths, why = self.probe([jobs[i][0] for i in misfits])
+            for i, length in zip(misfits, lengths):
+                if why is None:
+                    results[i] = [LENGTH, length] if length is not None else [ABSENT, 0]
+            error = error or why
         return results, error
 
     def check(self) -> bool:
@@ -294,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--device-bytes", type=int, default=0, help="to map of a devdax pool")
+    parser.add_argument("--pool-file", default="", help="the pool's file, mapped at connect")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s cluster-sidecar: %(message)s"
@@ -302,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     sock = zmq.Context.instance().socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(args.endpoint)
-    Sidecar(MooncakeConfig.from_file(args.config), sock, args.device_bytes).run()
+    config = MooncakeConfig.from_file(args.config)
+    Sidecar(config, sock, args.device_bytes, args.pool_file).run()
     return 0
 
 

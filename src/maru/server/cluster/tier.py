@@ -9,9 +9,11 @@ and applies the sidecar's replies when its socket is ready, like a client's requ
   entry leased, without expiry: no eviction, no delete, so no page reuse) until the reply.
 - Publish (spill): a key is published when a watermark eviction takes it (`spill`): held,
   registered, until published, then dropped.
-- Pull: a key a client missed (EXISTS with "pull") is probed in the cluster (its proof); one
-  the cluster holds gets pages of the tier's own (`maru.server.cluster.pages`), the sidecar
-  reads it into them and proves it, and only then is it registered, under the tier's
+- Pull: a key a client missed (EXISTS with "pull") gets pages of the tier's own
+  (`maru.server.cluster.pages`) for the length of the last value published or found (a
+  model's KV values share one; with none yet, or where the object's length differs, its
+  size is asked of the master first); the sidecar reads it into them with its trailer and
+  proves it (`maru.server.cluster.proof`), and only then is it registered, under the tier's
   instance, for every instance to read in place. A value that fails its proof is dropped and
   counted, never registered; a key the cluster does not hold is not asked again for
   `ABSENT_S`.
@@ -40,7 +42,7 @@ import zmq
 from maru.common.protocol import Key, RegisterStatus
 from maru.server.cluster.config import MooncakeConfig
 from maru.server.cluster.pages import TierPages
-from maru.server.cluster.proof import PUBLISHED, REFUSED, object_name
+from maru.server.cluster.proof import ABSENT, LENGTH, PUBLISHED, REFUSED, object_name
 from maru.server.journal import JournalWriteError
 from maru.server.keyindex import KeyEntry, release_entries
 from maru.server.registry import Registry
@@ -57,6 +59,20 @@ CHECK_S = 0.1  # how often the loop looks after the sidecar and the tier's pages
 ABSENT_S = 1.0  # a key the cluster did not hold is not asked for again this long
 RETRY_S = 0.5  # a publish Mooncake failed (a master or link back a moment ago) goes again then
 RETRIES = 3  # times a value's publish goes again before it counts as failed
+FAILURES = {REFUSED: "proof_failures", ABSENT: "pull_misses"}  # a pull's, counted (else failures)
+COUNTS = (  # what the tier counts (`stats`, Prometheus)
+    "published",
+    "published_bytes",
+    "publish_drops",
+    "publish_failures",
+    "publish_refused",
+    "pulled",
+    "pulled_bytes",
+    "pull_misses",
+    "pull_failures",
+    "proof_failures",
+    "sidecar_starts",
+)
 
 
 @dataclass
@@ -66,7 +82,7 @@ class Batch:
     held: list[KeyEntry] = field(default_factory=list)  # publish: leased until the reply
     nbytes: list[int] = field(default_factory=list)  # publish, pull: each value's length
     places: list[tuple[int, int]] = field(default_factory=list)  # pull: (region id, offset)
-    sums: list[int] = field(default_factory=list)  # pull: each value's maru64 (its proof)
+    sums: list[int] = field(default_factory=list)  # pull: each value's maru64 (its trailer)
     spill: bool = False  # publish: evicted keys, dropped once published
     sent: float = field(default_factory=time.monotonic)
 
@@ -102,6 +118,7 @@ class ClusterTier:
         self.retry: deque[tuple[float, Key]] = deque()
         self.tries: dict[Key, int] = {}
         self.wanted: deque[Key] = deque()  # to probe, then pull
+        self.guess = 0  # the last value's length: pulls go out with it, unprobed (0: probe)
         self.pulling: set[Key] = set()  # wanted, probed or being pulled
         self.absent: dict[Key, float] = {}  # not in the cluster: not asked until then
         self.batches: dict[int, Batch] = {}
@@ -110,22 +127,7 @@ class ClusterTier:
         self.error: str | None = "sidecar not started"
         self.last_failure: str | None = None  # the last batch's failure (`error`: why not
         # connected, as the sidecar last said)
-        self.counts = dict.fromkeys(
-            (
-                "published",
-                "published_bytes",
-                "publish_drops",
-                "publish_failures",
-                "publish_refused",
-                "pulled",
-                "pulled_bytes",
-                "pull_misses",
-                "pull_failures",
-                "proof_failures",
-                "sidecar_starts",
-            ),
-            0,
-        )
+        self.counts = dict.fromkeys(COUNTS, 0)
         self.context = zmq.Context.instance()
         self.sock: zmq.Socket | None = None
         self.proc: subprocess.Popen | None = None
@@ -145,6 +147,7 @@ class ClusterTier:
         cmd = [sys.executable, "-m", "maru.server.cluster.sidecar"]
         cmd += ["--config", self.config_path, "--endpoint", endpoint, "--log-level", self.log_level]
         cmd += ["--device-bytes", str(self.registry.pool.file_bytes)]
+        cmd += ["--pool-file", self.registry.pool.path]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         self.started = time.monotonic()
         self.counts["sidecar_starts"] += 1
@@ -293,6 +296,7 @@ class ClusterTier:
             if result == PUBLISHED:
                 counts["published"] += 1
                 counts["published_bytes"] += nbytes
+                self.guess = nbytes
                 self.tries.pop(key, None)
             elif result == REFUSED:
                 counts["publish_refused"] += 1
@@ -328,51 +332,65 @@ class ClusterTier:
         except JournalWriteError as exc:
             log.error("cluster tier: %d spilled keys not dropped: %s", len(keys), exc)
 
-    def _probed(self, batch: Batch, proofs: list[Any]) -> None:
-        """Reserve pages for the keys the cluster holds and pull them."""
-        jobs, pull = [], Batch("pull", [])
+    def _probed(self, batch: Batch, lengths: list[Any]) -> None:
+        """Pull the keys the cluster holds (each value's length, from the master)."""
         absent_until = time.monotonic() + ABSENT_S
-        for key, proof in zip(batch.keys, proofs):
-            if not proof:
-                self.counts["pull_misses"] += 1
-                self.absent[key] = absent_until
-                self.pulling.discard(key)
-                continue
-            length, checksum = proof
+        found = [(k, n) for k, n in zip(batch.keys, lengths) if type(n) is int and n > 0]
+        for key in set(batch.keys).difference(k for k, _ in found):
+            self.counts["pull_misses"] += 1
+            self.absent[key] = absent_until
+            self.pulling.discard(key)
+        self._pull(found, guessed=False)
+
+    def _pull(self, wanted: list[tuple[Key, int]], guessed: bool) -> None:
+        """Reserve pages for each (key, its value's length) and pull them (`guessed`: the
+        lengths are `guess`, not probed)."""
+        jobs, pull = [], Batch("pull", [])
+        for key, length in wanted:
             place = None if key in self.registry.keys else self.pages.reserve(length)
-            if place is None:  # stored here meanwhile, or no room
-                self.pulling.discard(key)
+            if place is None:  # stored here meanwhile, or no room (a miss: its readers stop
+                self.pulling.discard(key)  # waiting, and do not ask again at once)
+                self.absent[key] = time.monotonic() + ABSENT_S
                 continue
             region_id, offset, path, file_offset = place
             name = object_name(self.config.tenant_id, key)
-            jobs.append([name, path, file_offset, length, checksum])
+            jobs.append([name, path, file_offset, length, guessed])
             pull.keys.append(key)
             pull.nbytes.append(length)
             pull.places.append((region_id, offset))
-            pull.sums.append(checksum)
+            self.guess = length
         if jobs and not self._send(pull, jobs):
             self._undo_pull(pull)
             self.counts["pull_failures"] += len(pull.keys)
 
-    def _pulled(self, batch: Batch, results: list[int]) -> None:
-        """Register the values proven in their pages; free the pages of the others."""
+    def _pulled(self, batch: Batch, proven: list[Any]) -> None:
+        """Register the values proven in their pages (with the maru64 their trailer
+        stated and their bytes have); free the pages of the others."""
         counts, pages = self.counts, self.pages
+        results = [p[0] if isinstance(p, list) and len(p) == 2 else REFUSED for p in proven]
+        batch.sums = [p[1] if r == PUBLISHED else 0 for p, r in zip(proven, results)]
         good = [i for i, result in enumerate(results) if result == PUBLISHED]
         absent_until = time.monotonic() + ABSENT_S
+        again: list[tuple[Key, int]] = []  # a guessed length that was not the value's
         for i, result in enumerate(results):
-            if result == REFUSED:
-                counts["proof_failures"] += 1
-            elif result != PUBLISHED:
-                counts["pull_failures"] += 1
-            if result != PUBLISHED:  # not asked again at once (a reader's every ask would)
-                self.absent[batch.keys[i]] = absent_until
-                pages.release(*batch.places[i])
+            if result == PUBLISHED:
+                continue
+            pages.release(*batch.places[i])
+            key, length = batch.keys[i], proven[i][1] if result == LENGTH else 0
+            if type(length) is int and length > 0:
+                again.append((key, length))
+                continue
+            counts[FAILURES.get(result, "pull_failures")] += 1
+            self.absent[key] = absent_until  # (not asked again at once: a reader's every ask)
         if REFUSED in results:
             log.error(
                 "cluster tier: %d pulled values do not match their proof: dropped, not registered",
                 results.count(REFUSED),
             )
         self.pulling.difference_update(batch.keys)
+        if again:  # (pulled again, into pages of their length)
+            self.pulling.update(key for key, _ in again)
+            self._pull(again, guessed=False)
         if not good:
             return
         keys = [batch.keys[i] for i in good]
@@ -395,6 +413,9 @@ class ClusterTier:
         first (a reader waits on them), then publishes."""
         while self.wanted and self.connected and len(self.batches) < IN_FLIGHT:
             keys = [self.wanted.popleft() for _ in range(min(BATCH_KEYS, len(self.wanted)))]
+            if self.guess:  # (a pull at once, its length guessed: one round trip, not two)
+                self._pull([(key, self.guess) for key in keys], guessed=True)
+                continue
             tenant = self.config.tenant_id
             if not self._send(Batch("probe", keys), [object_name(tenant, k) for k in keys]):
                 self.pulling.difference_update(keys)
