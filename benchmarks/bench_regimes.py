@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/bench_regimes.py           # about a minute
     .venv/bin/python benchmarks/bench_regimes.py --before A.json --after B.json  # one table
     .venv/bin/python benchmarks/bench_regimes.py --pool-dir /mnt/huge  # a huge-page tmpfs
+    .venv/bin/python benchmarks/bench_regimes.py --compare-ready  # room readied ahead off / on
 
 `bench_hicache.py` measures Maru warm: pages the process touched already, room in the pool.
 A server's instance spends its life elsewhere, and this measures it there, through
@@ -15,7 +16,9 @@ back, at 64 KiB and 1 MiB pages:
    `--full-calls`) is full (its share written first, so that every write needs room);
 2. **never-touched / touched**: `batch_set_v1` by a new process into pages it never touched
    (its `maru_pool_size` not reached: no eviction), then, the keys deleted, the same writes
-   into the pages it has touched now; the ratio of the two;
+   into the pages it has touched now; the ratio of the two. The writer connects with
+   `maru_ready_at_connect` and is up `--up-s` before its first write (printed); another new
+   process writes at once after connect (the worst case);
 3. **first / second read**: a new process (forked from this one before any Maru object
    exists: it inherits no mapping) connects, and its first `batch_get_v1` of the writer's keys
    against its second of the same keys; the ratio of the two. Every page read is checked: a
@@ -59,6 +62,16 @@ SERVER_POOL = "1G"
 # call is a quarter of it, too much to keep free ahead: every write waits for its own eviction.
 FULL_CALLS = 16
 READER_POOL = CALL_BYTES  # the reader writes nothing: one call's room is plenty
+# How long the never-touched writer is up before its first write (`--up-s`): a serving instance
+# connects at start-up, seconds before its first write, and with `maru_ready_at_connect` takes
+# its share then and populates it in the background (`RegionSupply.ready`). The worst case, a
+# write at once after connect, is measured too (the "at once" process).
+UP_S = 1.0
+# The new processes that write (the never-touched writer, "at once") connect with
+# `maru_ready_at_connect` true. False (`--compare-ready`'s "before" half): not, and
+# `RegionSupply.ready` does nothing (no room taken or populated ahead of writes, as before).
+READY = True
+WRITERS = ("writer", "at once")
 
 # The targets: (summary key, goal per page size, what the goal is a share of).
 TARGETS = (
@@ -73,10 +86,11 @@ class Plan:
     rounds: int  # fresh servers (and processes) per page size
     calls: int  # 16 MiB calls per timed block
     full_calls: int = FULL_CALLS  # the full instance's maru_pool_size, in calls
+    up_s: float = UP_S  # the never-touched writer's time up before its first write
 
     @classmethod
-    def make(cls, quick: bool, full_calls: int = FULL_CALLS) -> Plan:
-        return cls(1, 4, full_calls) if quick else cls(5, 12, full_calls)
+    def make(cls, quick: bool, full_calls: int = FULL_CALLS, up_s: float = UP_S) -> Plan:
+        return cls(1, 4, full_calls, up_s) if quick else cls(5, 12, full_calls, up_s)
 
     @property
     def fresh_pool(self) -> int:
@@ -106,12 +120,22 @@ class Side(H.Instance):
         import sglang_cpu.host_pools as hp
         from sglang_cpu.p2p import maru_extra_config
 
-        extra = maru_extra_config(url, pool_size=str(self.pool_size), maru_timeout_ms="60000")
+        ready = str(READY and role in WRITERS).lower()
+        extra = maru_extra_config(
+            url,
+            pool_size=str(self.pool_size),
+            maru_timeout_ms="60000",
+            maru_ready_at_connect=ready,
+        )
         config = hp.storage_config(model=f"regimes/{case.name}", is_mla=is_mla, extra=extra)
+        self.wipe()  # (the host pool's pages touched before connect: "at once" writes them)
         t0 = time.perf_counter()
         store = StorageBackendFactory.create_backend("dynamic", config, self.pool)
+        if not READY:
+            store.handler._supply.ready = lambda nbytes: None  # (the baseline: see READY)
         store.register_mem_pool_host(self.pool)
         self.connect_s = time.perf_counter() - t0
+        self.connected_at = time.monotonic()
         self.stores = {"maru": store}
         self.maru = store
         self.buf = np.empty(self.total, np.uint8)  # (Instance.fill keeps a copy there)
@@ -120,6 +144,11 @@ class Side(H.Instance):
 
     def connect_seconds(self) -> float:
         return self.connect_s
+
+    def up_at_least(self, seconds: float) -> float:
+        """Wait until this instance has been connected `seconds`; returns how long it was."""
+        time.sleep(max(0.0, self.connected_at + seconds - time.monotonic()))
+        return time.monotonic() - self.connected_at
 
     def _stamp(self, tag: str, call: int, p: int) -> bytes:
         return struct.pack("<II", zlib.crc32(f"{tag}/{call}".encode()), p)
@@ -204,6 +233,7 @@ def bench_round(case: H.Case, plan: Plan) -> dict[str, float]:
             writer.call("fill", 1)
             writer.call("timed", "stream_set", "warm", 2)
             stream = [writer.call("timed", "stream_set", "copy", n)]
+            out["never_up_s"] = writer.call("up_at_least", plan.up_s)
             never = writer.call("timed", "maru_set", "data", n)
             assert never["ok"] == n * pages, f"{case.name}: never-touched set stored {never}"
             writer.call("delete", "data", n)
@@ -219,6 +249,12 @@ def bench_round(case: H.Case, plan: Plan) -> dict[str, float]:
             workers.append(H.Worker(Side, url, case, pages, READER_POOL, "reader"))  # new
             out.update(bench_reads(workers[2], case, n, crcs, ""))
             out.update(bench_reads(workers[1], case, n, crcs, "early_"))
+            # the worst case: a new process writes at once after connect (nothing ready yet)
+            workers.append(H.Worker(Side, url, case, pages, plan.fresh_pool, "at once"))
+            now = workers[3].call("timed", "maru_set", "now", n)
+            assert now["ok"] == n * pages, f"{case.name}: the at-once set stored {now}"
+            out["now_set"] = gbps(now, n)
+            out["now_vs_touched"] = out["now_set"] / out["touched_set"]
         finally:
             for worker in workers:
                 worker.close()
@@ -318,6 +354,13 @@ ROWS = (  # (label, figure's key, `cell`'s share: the % beside GB/s, or None)
     ),
     ("`batch_set_v1` into pages it touched", "touched_set", "touched_set/stream_set"),
     ("never-touched / touched", "never_vs_touched", None),
+    ("the writer's time up before its first never-touched write, s", "never_up_s", None),
+    (
+        "`batch_set_v1` by a new process at once after connect (the worst case)",
+        "now_set",
+        "now_set/stream_set",
+    ),
+    ("at once / touched", "now_vs_touched", None),
     (
         "a new process's first `batch_get_v1` of another's pages",
         "first_get",
@@ -353,8 +396,12 @@ def cell(s: dict[str, float], key: str, share: str | None) -> str:
     `share`: a ratio's key, or "a/b" (the ratio of two figures)."""
     if key == "faults":
         return " / ".join(f"{s[f'{f}_faults_per_mib']:.0f}" for f in FAULTS)
+    if key not in s:  # (a run of an older version of this benchmark: --before / --after)
+        return "-"
     if key.endswith("_ms"):
         return f"{s[key]:.0f}"
+    if key.endswith("_s"):
+        return f"{s[key]:.2f}"
     if "_vs_" in key:
         return f"{s[key]:.2f}"
     if share is None:
@@ -497,6 +544,18 @@ def main() -> int:
         "print the before / after table of these runs' JSON files (medians)",
     )
     ap.add_argument("--after", nargs="+", metavar="JSON")
+    ap.add_argument(
+        "--up-s",
+        type=float,
+        default=UP_S,
+        help="seconds the never-touched writer is up before its first write",
+    )
+    ap.add_argument(
+        "--compare-ready",
+        action="store_true",
+        help="each round twice, room taken and populated ahead of writes "
+        "(RegionSupply.ready) off and on, which first alternating; one before / after table",
+    )
     args = ap.parse_args()
     if args.before or args.after:
         if not (args.before and args.after):
@@ -510,7 +569,8 @@ def main() -> int:
     H.SHM_DIR = args.pool_dir  # (bench_hicache's: its servers and shm mappings use it)
     if args.full_calls < 2:
         ap.error("--full-calls: at least 2")
-    plan = Plan.make(args.quick, args.full_calls)
+    plan = Plan.make(args.quick, args.full_calls, args.up_s)
+    global READY
     t_start = time.monotonic()
     import sglang_cpu
 
@@ -518,11 +578,19 @@ def main() -> int:
     H.preload_sglang()
     machine = H.machine_info()
     rounds: dict[str, list[dict[str, float]]] = {s: [] for s in sizes}
+    off: dict[str, list[dict[str, float]]] = {s: [] for s in sizes}  # (--compare-ready)
     for r in range(plan.rounds):  # page sizes alternate: both see the same machine state
         for size in sizes:
-            rounds[size].append(bench_round(CASES[size], plan))
+            for READY in (r % 2 == 1, r % 2 == 0) if args.compare_ready else (True,):
+                (rounds if READY else off)[size].append(bench_round(CASES[size], plan))
+            READY = True
             print(f"round {r + 1}/{plan.rounds}, {size}: done", file=sys.stderr)
     summary = {size: summarize(rs) for size, rs in rounds.items()}
+    compared: list[str] = []
+    if args.compare_ready:
+        before = {size: summarize(rs) for size, rs in off.items()}
+        compared = ["", "Before (ready off) / after (ready on), the same run:", ""]
+        compared += render_compare(before, summary)
     cmd = " ".join([Path(sys.executable).name, "benchmarks/bench_regimes.py", *sys.argv[1:]])
     import maru
 
@@ -535,6 +603,7 @@ def main() -> int:
             f"{machine['pool_dir']} (huge={machine['huge']})",
             "",
             *render(summary),
+            *compared,
         ]
     )
     targets = evaluate(summary)
@@ -544,6 +613,7 @@ def main() -> int:
         "maru": str(Path(maru.__file__).parent),
         "summary": summary,
         "rounds": rounds,
+        "rounds_ready_off": off,
         "targets": [
             {"target": k, "pages": s, "measured": v, "goal": g, "met": ok}
             for k, s, v, g, ok in targets

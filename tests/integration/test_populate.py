@@ -18,6 +18,7 @@ from maru import MaruHandler
 from maru.client.mapping import RegionMapper, backed_extents
 from maru.common.region import RegionHandle
 
+from .test_capacity import wait_for
 from .workers import (
     digest,
     make_value,
@@ -52,6 +53,59 @@ def test_the_writers_region_and_a_readers_mapping_of_it_are_populated(
     assert resident == (length if preallocate else n * size)
     if preallocate:  # (every region of the pool it maps: all of it is backed)
         assert all(r == length for length, r in got["mapped"].values())
+
+
+def _owned(h: MaruHandler) -> dict[int, int]:
+    """{region id: its length} of the regions `h` owns."""
+    return {rid: h._mapper.get(rid).handle.length for rid in h.owned_region_ids()}
+
+
+def test_ready_at_connect_takes_the_share_and_populates_it_before_the_first_write(
+    maru_server_factory,
+):
+    """`ready_at_connect`: the instance's `pool_size` is taken at connect in the usual steps
+    (2, 4, 2 MiB) and mapped in whole, holes too (a sparse pool), before anything is written
+    (before: no region until the first store), also when the chunk size is set right after
+    connect, as MaruStorage sets it (a re-cut during the taking once stopped it after the
+    first region; this does not force that interleaving); what is written there then reads
+    back, in a new process, as the bytes written."""
+    server = maru_server_factory(pool_size="64M")
+    size, n = 256 * KiB, 12
+    keys, values = [f"r{i}" for i in range(n)], [make_value(i, size) for i in range(n)]
+    with MaruHandler(server_url=server.url, pool_size="8M", ready_at_connect=True) as h:
+        h.set_chunk_size(size)
+        wait_for(lambda: sum(_owned(h).values()) == 8 * MiB, what="the share taken")
+        mapped = populated_mappings(h)
+        assert sorted(_owned(h).values()) == [2 * MiB, 2 * MiB, 4 * MiB]
+        assert all(mapped[rid] == (length, length) for rid, length in _owned(h).items())
+        assert h.batch_store(keys, values) == [True] * n  # (3 MiB: no region taken for it)
+        assert sum(_owned(h).values()) == 8 * MiB
+        [got] = run_processes([(map_and_read, (server.url, keys, size, 0))], timeout=120)
+    assert got["digests"] == [digest(v) for v in values]
+
+
+def test_a_write_that_leaves_less_free_than_it_took_has_the_next_region_ready(
+    maru_server_factory,
+):
+    """A write of 1.5 MiB into the first region (2 MiB) leaves 0.5 MiB free: the next region
+    (4 MiB) is taken and mapped in whole in the background (before: taken by the next write,
+    which then faulted in each page it wrote); the next writes go there and read back."""
+    server = maru_server_factory(pool_size="64M")
+    size, n = 256 * KiB, 6
+    kw = {"server_url": server.url, "pool_size": "8M", "chunk_size_bytes": size}
+    with MaruHandler(**kw) as h:
+        assert h.owned_region_ids() == []
+        first = ([f"a{i}" for i in range(n)], [make_value(i, size) for i in range(n)])
+        assert h.batch_store(*first) == [True] * n
+        wait_for(lambda: len(_owned(h)) == 2, what="the next region taken")
+        mapped = populated_mappings(h)
+        [ahead] = [rid for rid, length in _owned(h).items() if length == 4 * MiB]
+        assert mapped[ahead] == (4 * MiB, 4 * MiB)  # (a sparse pool: holes populated)
+        second = ([f"b{i}" for i in range(n)], [make_value(100 + i, size) for i in range(n)])
+        assert h.batch_store(*second) == [True] * n
+        keys, values = first[0] + second[0], first[1] + second[1]
+        [got] = run_processes([(map_and_read, (server.url, keys, size, 0))], timeout=120)
+    assert got["digests"] == [digest(v) for v in values]
 
 
 def test_a_hole_is_not_populated_and_takes_no_memory(shm_name):

@@ -357,6 +357,24 @@ def test_pool_full_reclaims_an_orphan_region(tmp_path):
     consistent(reg)
 
 
+def test_a_region_taken_ahead_of_need_reclaims_nothing(tmp_path):
+    """A region asked for ahead of need (REQUEST_REGION `ahead`: the client's
+    `RegionSupply.ready`) on a full pool is POOL_FULL at once: an orphan's keys stay, where a
+    write's request evicts them for its region."""
+    reg = make_registry(tmp_path, pool_mib=8, high=1.0, low=1.0)
+    ra = reg.request_region("A", 4 * MiB).region_id
+    reg.request_region("B", 4 * MiB)
+    fill(reg, "A", ra, ["a0", "a1"])
+    reg.instances.disconnect("A")  # an orphan region: reclaimable for a write
+    with pytest.raises(ProtocolError) as exc:
+        reg.request_region("B", 4 * MiB, reclaim=False)
+    assert exc.value.code == ErrorCode.POOL_FULL
+    assert reg.exists(["a0", "a1"]) == [True, True] and reg.counters["evictions"] == 0
+    reg.request_region("B", 4 * MiB)  # a write's: the orphan is reclaimed
+    assert reg.exists(["a0", "a1"]) == [False, False]
+    consistent(reg)
+
+
 def test_an_absurd_region_size_is_refused_before_any_orphan_is_evicted(tmp_path):
     """Issue 13, scenario 9: a REQUEST_REGION of 2^62 bytes used to evict every orphaned key
     on its way to POOL_FULL."""

@@ -101,6 +101,7 @@ def test_unknown_message_type(service, msg_type):
         (MsgType.REQUEST_REGION, {"iid": "A", "size": True}, ErrorCode.BAD_REQUEST),
         (MsgType.REQUEST_REGION, {"iid": "A", "size": "big"}, ErrorCode.BAD_REQUEST),
         (MsgType.REQUEST_REGION, {"iid": "A", "size": 1 << 40}, ErrorCode.POOL_FULL),
+        (MsgType.REQUEST_REGION, {"iid": "A", "size": MiB, "ahead": 1}, ErrorCode.BAD_REQUEST),
         (MsgType.REGISTER_KV, {"iid": "A"}, ErrorCode.BAD_REQUEST),
         (MsgType.REGISTER_KV, {"iid": "A", "keys": "nope"}, ErrorCode.BAD_REQUEST),
         (MsgType.REGISTER_KV, register_body("ghost", []), ErrorCode.UNKNOWN_INSTANCE),

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from maru.client.mapping import RegionMapper
     from maru.client.rpc import PendingReply, RpcClient
     from maru.client.session import Session
+    from maru.client.supply import RegionSupply
     from maru.common.config import MaruConfig
 
 log = logging.getLogger("maru.client.handler")
@@ -76,6 +77,7 @@ class OriginalApi:
     _connected: bool
     _chunks: ChunkBook
     _mapper: RegionMapper
+    _supply: RegionSupply
     _handshake: Callable[[], int]
     connect: Callable[[], bool]
     close: Callable[[], None]
@@ -109,13 +111,16 @@ class OriginalApi:
         config = dataclasses.replace(self.config, chunk_size_bytes=size)  # validates it
         if config.chunk_size_bytes == self._chunks.chunk_size:
             return
-        if not self._chunks.untouched():
-            raise RuntimeError("set_chunk_size: chunks are already reserved")
-        owned = [m for m in map(self._mapper.get, self._chunks.region_ids()) if m is not None]
-        self._chunks.set_chunk_size(config.chunk_size_bytes, owned)
-        self._s.config = config
-        if self._connected:  # the server counts our chunks in its page statistics
-            self._handshake()
+        # (under the supply's lock: no region taken ahead, `RegionSupply.ready`, is adopted
+        # between the re-cut and the handshake's list of our regions, which would drop it)
+        with self._supply.lock:
+            if not self._chunks.untouched():
+                raise RuntimeError("set_chunk_size: chunks are already reserved")
+            owned = [m for m in map(self._mapper.get, self._chunks.region_ids()) if m]
+            self._chunks.set_chunk_size(config.chunk_size_bytes, owned)
+            self._s.config = config
+            if self._connected:  # the server counts our chunks in its page statistics
+                self._handshake()
 
     def on_region_added(self, listener: Callable[[int], None]) -> None:
         """Call `listener(region_id)` for every region mapped into this process (owned or

@@ -162,15 +162,18 @@ class MaruHandler(OriginalApi):
         return self._index is not None
 
     def connect(self) -> bool:
-        """Handshake with the server. No region is taken: the first store takes one, so a
-        connect succeeds even when the pool is full. False if that fails: then `connect_error`
-        says why (`MaruServerDown`, `MaruConnectRefused`, `MaruVersionMismatch`) and one
-        WARNING says it too. A refused TCP connection fails at once, not after `timeout_ms`."""
+        """Handshake with the server. No region is taken (`ready_at_connect`: in the
+        background): the first store takes one, so a connect succeeds even when the pool is
+        full. False if that fails: then `connect_error` says why (`MaruServerDown`,
+        `MaruConnectRefused`, `MaruVersionMismatch`) and one WARNING says it too. A refused
+        TCP connection fails at once, not after `timeout_ms`."""
         try:
             probe(self.config.server_url, self.config.timeout_ms)
             self._handshake()
             if self.config.eager_map:  # every region of the pool, mapped now
                 self._s.map_new_regions(self._supply.pool_generation)
+            if self.config.ready_at_connect:  # our share, taken and populated meanwhile
+                self._supply.ready(self.config.pool_size)
         except MaruError as exc:
             self.connect_error = connect_failure(self.config.server_url, exc)
             log.warning("%s", self.connect_error)

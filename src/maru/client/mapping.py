@@ -18,7 +18,8 @@ through a new mapping does not fault once per 4 KiB page (a writer's own region 
 another instance's for reading: MADV_POPULATE_WRITE / MADV_POPULATE_READ, Linux 5.14; on an
 older kernel MAP_POPULATE, on the mapping's own path). Only the pages the file already holds
 are populated (SEEK_DATA): populating a hole would allocate memory the pool does not use
-yet, so a writer's region is populated where the pool was preallocated or written before.
+yet, so a writer's region is populated where the pool was preallocated or written before;
+a region the writer took ahead of its writes (`RegionSupply.ready`) is populated whole.
 A copy that comes first faults as it would have; a populate that fails (the pool truncated
 under it: EFAULT where a touch would be a SIGBUS) is logged and stops, never a crash.
 """
@@ -47,7 +48,7 @@ from maru.common.shmindex import region_tag
 log = logging.getLogger(__name__)
 
 _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # (Linux 5.14; Python 3.11 names neither)
-_POPULATE_STEP = 32 << 20  # bytes per madvise: close() waits for at most one step
+_POPULATE_STEP = 4 << 20  # bytes per madvise: close() waits for at most one step
 _MAX_EXTENTS = 256  # ranges of a region's file looked up per mapping (`backed_extents`)
 _libc = ctypes.CDLL(None, use_errno=True)  # (ctypes drops the GIL around the call)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -103,7 +104,9 @@ class MappedRegion:
     view: memoryview  # whole region; writable only for regions this instance owns
     address: int  # virtual address of the region's first byte in this process
     writable: bool
-    backed: tuple[tuple[int, int], ...] = ()  # what the file held when mapped (`backed_extents`)
+    # what `populate` maps in: what the file held when mapped (`backed_extents`; None: not
+    # looked up yet, `populate` does), or all of it
+    backed: tuple[tuple[int, int], ...] | None = ()
 
 
 class RegionMapper:
@@ -190,7 +193,9 @@ class RegionMapper:
     def region_ids(self) -> list[int]:
         return list(self._regions)
 
-    def map(self, handle: RegionHandle, *, writable: bool) -> MappedRegion:
+    def map(self, handle: RegionHandle, *, writable: bool, whole: bool = False) -> MappedRegion:
+        """`whole`: populate all of it, holes too (a region of ours taken ahead of our
+        writes, `RegionSupply.ready`: its pages are about to be written anyway)."""
         with self._lock:
             mapped = self._regions.get(handle.region_id)
             if mapped is not None and mapped.handle == handle and (mapped.writable or not writable):
@@ -199,13 +204,19 @@ class RegionMapper:
             if mapped is not None:
                 self._unmap_locked(handle.region_id)
             flags = os.O_RDWR if writable else os.O_RDONLY
-            fd = os.open(self.place.local_path(handle.path) if self.place else handle.path, flags)
+            fd = os.open(self._path(handle), flags)
             try:
-                backed = backed_extents(fd, handle.offset, handle.length)
+                background = self.populate_regions and _madvise_populate_works()
+                if whole:
+                    backed: list[tuple[int, int]] | None = [(0, handle.length)]
+                elif background:  # (looked up by the populate thread: a tmpfs walks its
+                    backed = None  # pages, 0.05 ms per MiB held, not on a connect's path)
+                else:
+                    backed = backed_extents(fd, handle.offset, handle.length)
                 prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
                 map_flags = mmap.MAP_SHARED
-                whole = backed == [(0, handle.length)]  # (MAP_POPULATE would fill holes)
-                if self.populate_regions and whole and not _madvise_populate_works():
+                all_of_it = backed == [(0, handle.length)]  # (MAP_POPULATE fills holes)
+                if self.populate_regions and all_of_it and not _madvise_populate_works():
                     map_flags |= getattr(mmap, "MAP_POPULATE", 0)  # (no MADV_HUGEPAGE first)
                 mm = mmap.mmap(fd, handle.length, map_flags, prot, offset=handle.offset)
             finally:
@@ -213,10 +224,11 @@ class RegionMapper:
             hugepages.advise(mm)  # before the first touch: 2 MiB pages on a huge=advise tmpfs
             address = int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
             view = memoryview(mm) if writable else memoryview(mm).toreadonly()
-            mapped = MappedRegion(handle, mm, view, address, writable, tuple(backed))
+            extents = None if backed is None else tuple(backed)
+            mapped = MappedRegion(handle, mm, view, address, writable, extents)
             self._regions[handle.region_id] = mapped
             self._update_rows()
-            if self.populate_regions and backed and _madvise_populate_works():
+            if background and backed != []:
                 self._to_populate.append(mapped)
                 if self._populator is None or not self._populator.is_alive():  # (or forked)
                     self._populator = threading.Thread(
@@ -258,33 +270,59 @@ class RegionMapper:
                 return False
 
     def populate(self, mapped: MappedRegion) -> bool:
-        """Map the pages of `mapped` that its file held when it was mapped, in steps of
-        `_POPULATE_STEP`, each in a `copying()` block (so the region is not closed under it)
-        and only while it is still mapped here. False (logged) when the kernel refused:
-        e.g. the pool was truncated under the region (EFAULT, where a touch would be a
-        SIGBUS); the region stays usable, its copies fault in what they touch."""
+        """Map the pages of `mapped` that its file held when it was mapped (on the populate
+        thread: when it looks, off the mapping's path), or all of them, in steps of
+        `_POPULATE_STEP` (our own region's last first), each in a `copying()` block (so the
+        region is not closed under it) and only while it is still mapped here. False
+        (logged) when the kernel refused: e.g. the pool was truncated under the region
+        (EFAULT, where a touch would be a SIGBUS); the region stays usable, its copies fault
+        in what they touch."""
         advice = _MADV_POPULATE_WRITE if mapped.writable else _MADV_POPULATE_READ
         region_id = mapped.handle.region_id
-        for start, end in mapped.backed:
-            for at in range(start, end, _POPULATE_STEP):
-                with self.copying():
-                    if self._closing or self._regions.get(region_id) is not mapped:
-                        return True  # (unmapped meanwhile: nothing left to do)
-                    size = min(_POPULATE_STEP, end - at)
-                    if _libc.madvise(mapped.address + at, size, advice) == 0:
-                        continue
-                    code = ctypes.get_errno()
-                log.warning(
-                    "region %d (%s at %d): populating its pages failed at offset %d: %s; "
-                    "its copies map what they touch (a truncated pool fails them)",
-                    region_id,
-                    mapped.handle.path,
-                    mapped.handle.offset,
-                    at,
-                    os.strerror(code),
-                )
-                return False
+        if mapped.backed is None:
+            mapped.backed = self._backed(mapped.handle)
+        steps = [
+            (at, min(_POPULATE_STEP, end - at))
+            for start, end in mapped.backed
+            for at in range(start, end, _POPULATE_STEP)
+        ]
+        if mapped.writable:  # (our writes take a region's chunks from its start: meet them
+            steps.reverse()  # last, not page by page: a page both fault waits on the other)
+        for at, size in steps:
+            with self.copying():
+                if self._closing or self._regions.get(region_id) is not mapped:
+                    return True  # (unmapped meanwhile: nothing left to do)
+                if _libc.madvise(mapped.address + at, size, advice) == 0:
+                    continue
+                code = ctypes.get_errno()
+            log.warning(
+                "region %d (%s at %d): populating its pages failed at offset %d: %s; "
+                "its copies map what they touch (a truncated pool fails them)",
+                region_id,
+                mapped.handle.path,
+                mapped.handle.offset,
+                at,
+                os.strerror(code),
+            )
+            return False
         return True
+
+    def _path(self, handle: RegionHandle) -> str:
+        """Where this host opens `handle`'s file (the handshake's `place`)."""
+        return self.place.local_path(handle.path) if self.place else handle.path
+
+    def _backed(self, handle: RegionHandle) -> tuple[tuple[int, int], ...]:
+        """`backed_extents` of `handle`'s range of its file now (nothing if it cannot be
+        opened: the pool gone, then its copies fail as they would)."""
+        try:
+            fd = os.open(self._path(handle), os.O_RDONLY)
+        except OSError as exc:
+            log.debug("region %d: cannot look up its pages: %s", handle.region_id, exc)
+            return ()
+        try:
+            return tuple(backed_extents(fd, handle.offset, handle.length))
+        finally:
+            os.close(fd)
 
     def unmap(self, region_id: int) -> None:
         with self._lock:

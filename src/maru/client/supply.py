@@ -61,6 +61,9 @@ class RegionSupply:
         self._shed = 0  # bytes of regions the server asked us to give back (fair share)
         self.full = False  # we evicted for room: we hold `pool_size` (or the pool is full)
         self._ahead = threading.local()  # .pending: this thread's EVICT_FOR sent ahead
+        self._ready_lock = threading.Lock()
+        self._ready_bytes = 0  # room `ready` keeps free in our regions (see there)
+        self._readier: threading.Thread | None = None  # `ready`'s thread while it runs
 
     def reserve(self, size: int, count: int) -> AllocHandle | None:
         """`MaruHandler.alloc`'s work once the owned regions' free chunks (`ChunkBook.take`,
@@ -165,13 +168,76 @@ class RegionSupply:
             self.full = True
             self._evict(room.chunks - free + self._headroom(room))
 
+    def ready(self, nbytes: int) -> None:
+        """Have `nbytes` of room free in our regions before the writes that need it: on a
+        background thread, take regions as `reserve` would (their usual sizes, up to
+        `pool_size`) until that much is free, each mapped and populated whole at the lowest
+        CPU priority (`RegionMapper.map(whole=True)`: the page faults of the first writes,
+        1-3 us per 4 KiB page, paid before them). The handler calls it at connect for its
+        `pool_size` (`ready_at_connect`), a write for the next one like it (`ahead`). Nothing is
+        evicted, and no region is taken where the pool has no free room (a write that then
+        finds none asks as before). With `eager_map` only (it is what populates)."""
+        if not self.mapper.populate_regions or not self.owner.config.auto_expand:
+            return
+        with self._ready_lock:  # (not `lock`: a write asks here, and must not wait)
+            self._ready_bytes = max(self._ready_bytes, nbytes)
+            if self._readier is None or not self._readier.is_alive():  # (or forked)
+                self._readier = threading.Thread(
+                    target=self._get_ready, name="maru-ready", daemon=True
+                )
+                self._readier.start()
+
+    def _get_ready(self) -> None:
+        """`ready`'s thread: ends once the room is free, or none can be taken ahead (and
+        nobody asked for more meanwhile)."""
+        while True:
+            with self._ready_lock:
+                want = self._ready_bytes
+            if self._take_ahead(want):
+                with self._ready_lock:
+                    if self._ready_bytes == want:
+                        self._ready_bytes, self._readier = 0, None
+                        return
+
+    def _take_ahead(self, want: int) -> bool:
+        """One region for `ready`, unless `want` bytes are free (True: stop). `lock` is
+        held for its request and mapping only: a write waits for at most that, and then
+        finds the region."""
+        with self.lock:  # (the chunk size changes under it only: `set_chunk_size`)
+            size, chunk = None, self.chunks.chunk_size
+            if self.chunks.free_chunks() * chunk < want:
+                size = self._next_region_size(chunk)
+            if size is None:
+                return True
+            body = {"size": size, "min_size": size, "ahead": True}  # (nothing reclaimed for it)
+            try:
+                reply = self._request(MsgType.REQUEST_REGION, body).result()
+                handle = RegionHandle.from_wire(reply["region"])
+                self.chunks.adopt(self.mapper.map(handle, writable=True, whole=True))
+            except (MaruError, OSError) as exc:  # (POOL_FULL: no room to take ahead)
+                log.debug("instance %s: no region ahead: %s", self.owner.instance_id, exc)
+                return True
+        log.debug(
+            "instance %s: region %d (%s) taken ahead of our writes",
+            self.owner.instance_id,
+            handle.region_id,
+            fmt_bytes(size),
+        )
+        return False
+
     def ahead(self, room: Room) -> None:
-        """A write just reserved `room` on a full instance: if less than that stays free,
-        ask now, without waiting, that the server evict the rest in our own regions, so
-        that the next write like it finds its room ready. The server evicts while we copy;
-        the reply's `freed` is applied when this thread next reads a reply (its seal's, or
-        `_settle` before a reservation). One in flight per thread."""
-        if not self.full or not self._headroom(room):
+        """A write just reserved `room`: if less than that stays free, make the next write
+        like it find its room ready. Below `pool_size`, the next region, taken and
+        populated in the background (`ready`). On a full instance, ask now, without
+        waiting, that the server evict the rest in our own regions: it evicts while we
+        copy; the reply's `freed` is applied when this thread next reads a reply (its
+        seal's, or `_settle` before a reservation). One in flight per thread."""
+        if not self.full:
+            free = self.chunks.free_chunks() * self.chunks.chunk_size
+            if free < room.chunks and self._next_region_size(room.chunks) is not None:
+                self.ready(room.chunks)
+            return
+        if not self._headroom(room):
             return
         pending = getattr(self._ahead, "pending", None)
         if pending is not None and not pending.done():

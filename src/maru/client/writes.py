@@ -197,8 +197,8 @@ class Writes:
                 put.results, put.outcomes = [False] * n, None
                 size = put.uniform()
                 run = self.reserve(size, n) if n and size else None
-                if number == 1 and self._supply.full:  # (the next write's room, made now)
-                    self._supply.ahead(self._room(puts))
+                if number == 1 and (run is not None or self._supply.full):
+                    self._supply.ahead(self._room(puts))  # (the next write's room, now)
                 if run is None:  # no free run: value by value
                     if n:
                         rest.append((put, *self._value_by_value(put, n, size, hashed)))

@@ -247,6 +247,10 @@ class MaruConfig:
     use_async_rpc: bool = True  # false: each request waits for the one before (max_inflight 1)
     max_inflight: int = 64  # requests one thread may have in flight (pipelined seals, releases)
     eager_map: bool = True
+    # At connect, take regions up to `pool_size` and populate them in the background (with
+    # `eager_map`), so that the first writes find their pages mapped (a serving instance,
+    # whose share fills anyway); off: regions as data arrives (`maru.client.supply`).
+    ready_at_connect: bool = False
     auto_expand: bool = True
     expand_size: int | None = None
     local_socket: bool = True  # RPCs over the server's Unix socket when it offers one

@@ -428,6 +428,13 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
                 "int",
                 "optional, default size: the least accepted, reclaiming idle regions to make room",
             ),
+            (
+                "ahead",
+                "bool",
+                "optional, default false: a region taken ahead of need (the client's "
+                "`RegionSupply.ready`): `POOL_FULL` at once where the pool has no free room for "
+                "it, nothing reclaimed (no key evicted) for it",
+            ),
         ],
         [("region", HANDLE, "the new region, writable by its owner")],
     ),

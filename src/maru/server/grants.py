@@ -55,10 +55,13 @@ class RegionGrants:
         # (time.monotonic()) the regions others give back are kept for them.
         self.wanting: dict[str, float] = {}
 
-    def request(self, instance_id: str, size: int, min_size: int | None = None) -> RegionHandle:
+    def request(
+        self, instance_id: str, size: int, min_size: int | None = None, *, reclaim: bool = True
+    ) -> RegionHandle:
         """A new region for `instance_id`: `size` bytes if the pool has them free, else at
         least `min_size` (default `size`), reclaiming idle regions until it fits; POOL_FULL
-        when nothing more can be reclaimed."""
+        when nothing more can be reclaimed. `reclaim` False (a region taken ahead of need,
+        `RegionSupply.ready`): POOL_FULL at once, nobody's keys evicted for it."""
         inst = self.instances.require(instance_id)
         check_count(size, "size")
         check_count(size if min_size is None else min_size, "min_size")
@@ -90,6 +93,12 @@ class RegionGrants:
         try:
             region = self.regions.allocate(instance_id, length, inst.page_size)
         except PoolFullError:
+            if not reclaim:
+                raise ProtocolError(
+                    ErrorCode.POOL_FULL,
+                    f"no free room for a region of {length} bytes taken ahead of need "
+                    "(nothing is reclaimed for one)",
+                ) from None
             below = held + least <= share
             region = self._allocate_reclaiming(instance_id, least, inst.page_size, below)
         self.wanting.pop(instance_id, None)

@@ -171,8 +171,11 @@ def _pool_index(server: Server) -> dict[str, Any] | None:
 
 
 def on_request_region(server: Server, body: dict[str, Any]) -> dict[str, Any]:
-    least = body.get("min_size")
-    handle = server.registry.request_region(_iid(body), body.get("size"), least)
+    least, ahead = body.get("min_size"), body.get("ahead", False)
+    if not isinstance(ahead, bool):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "ahead: true or false")
+    reg = server.registry
+    handle = reg.request_region(_iid(body), body.get("size"), least, reclaim=not ahead)
     return {"region": handle.to_wire()}
 
 

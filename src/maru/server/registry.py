@@ -161,10 +161,10 @@ class Registry:
     # -- an instance's regions (`maru.server.grants`) ----------------------------------------
 
     def request_region(
-        self, instance_id: str, size: int, min_size: int | None = None
+        self, instance_id: str, size: int, min_size: int | None = None, *, reclaim: bool = True
     ) -> RegionHandle:
         """REQUEST_REGION (`RegionGrants.request`)."""
-        return self.grants.request(instance_id, size, min_size)
+        return self.grants.request(instance_id, size, min_size, reclaim=reclaim)
 
     def park(
         self, instance_id: str, seq: Any, park: list[Any], unpark: list[Any]
