@@ -15,7 +15,8 @@ import textwrap
 import pytest
 
 from maru import MaruHandler
-from maru.client.mapping import RegionMapper, backed_extents
+from maru.client.mapping import RegionMapper
+from maru.common.populate import backed_extents
 from maru.common.region import RegionHandle
 
 from .test_capacity import wait_for

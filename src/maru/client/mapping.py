@@ -27,8 +27,6 @@ under it: EFAULT where a touch would be a SIGBUS) is logged and stops, never a c
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import logging
 import mmap
 import os
@@ -42,59 +40,18 @@ import numpy as np
 from maru.client._memcopy import CopyGate
 from maru.client.poolpath import PoolPlace
 from maru.common import hugepages
+from maru.common.populate import (
+    MADV_POPULATE_READ,
+    MADV_POPULATE_WRITE,
+    POPULATE_STEP,
+    backed_extents,
+    populate,
+    populate_works,
+)
 from maru.common.region import RegionHandle
 from maru.common.shmindex import region_tag
 
 log = logging.getLogger(__name__)
-
-_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # (Linux 5.14; Python 3.11 names neither)
-_POPULATE_STEP = 4 << 20  # bytes per madvise: close() waits for at most one step
-_MAX_EXTENTS = 256  # ranges of a region's file looked up per mapping (`backed_extents`)
-_libc = ctypes.CDLL(None, use_errno=True)  # (ctypes drops the GIL around the call)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_populate_works: bool | None = None  # MADV_POPULATE_* known to work here (None: not tried)
-
-
-def _madvise_populate_works() -> bool:
-    """Whether this kernel has MADV_POPULATE_READ (tried once, on a page of anonymous
-    memory); else mappings take MAP_POPULATE."""
-    global _populate_works
-    if _populate_works is None:
-        probe = mmap.mmap(-1, mmap.PAGESIZE)
-        try:
-            probe.madvise(_MADV_POPULATE_READ)
-            _populate_works = True
-        except (OSError, ValueError):
-            _populate_works = False
-            log.info("this kernel has no MADV_POPULATE_READ: regions are mapped with MAP_POPULATE")
-        finally:
-            probe.close()
-    return _populate_works
-
-
-def backed_extents(fd: int, offset: int, length: int) -> list[tuple[int, int]]:
-    """The (start, end) byte ranges, relative to `offset`, of the file's first `length` bytes
-    from `offset` that the file holds pages for, page aligned: all of them in a file whose
-    every page is allocated (a preallocated pool: a tmpfs's SEEK_DATA calls its fallocated,
-    never written pages holes), else what SEEK_DATA / SEEK_HOLE say. A filesystem that cannot
-    say (a device): all of it. At most `_MAX_EXTENTS` ranges (the first: a bounded cost on the
-    mapping's path, however scattered the file's pages)."""
-    end, extents, pos = offset + length, [], offset
-    try:
-        st = os.fstat(fd)
-        if st.st_size and st.st_blocks * 512 >= st.st_size:
-            return [(0, min(length, st.st_size - offset))] if st.st_size > offset else []
-        while pos < end and len(extents) < _MAX_EXTENTS:
-            start = os.lseek(fd, pos, os.SEEK_DATA)
-            if start >= end:
-                break
-            pos = min(os.lseek(fd, start, os.SEEK_HOLE), end)
-            extents.append((start - offset, pos - offset))
-    except OSError as exc:
-        if exc.errno != errno.ENXIO:  # (ENXIO: no data past `pos`)
-            return [(0, length)]
-    page = mmap.PAGESIZE
-    return [(a // page * page, min(-(-b // page) * page, length)) for a, b in extents]
 
 
 @dataclass
@@ -206,7 +163,7 @@ class RegionMapper:
             flags = os.O_RDWR if writable else os.O_RDONLY
             fd = os.open(self._path(handle), flags)
             try:
-                background = self.populate_regions and _madvise_populate_works()
+                background = self.populate_regions and populate_works()
                 if whole:
                     backed: list[tuple[int, int]] | None = [(0, handle.length)]
                 elif background:  # (looked up by the populate thread: a tmpfs walks its
@@ -216,7 +173,7 @@ class RegionMapper:
                 prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
                 map_flags = mmap.MAP_SHARED
                 all_of_it = backed == [(0, handle.length)]  # (MAP_POPULATE fills holes)
-                if self.populate_regions and all_of_it and not _madvise_populate_works():
+                if self.populate_regions and all_of_it and not populate_works():
                     map_flags |= getattr(mmap, "MAP_POPULATE", 0)  # (no MADV_HUGEPAGE first)
                 mm = mmap.mmap(fd, handle.length, map_flags, prot, offset=handle.offset)
             finally:
@@ -272,19 +229,19 @@ class RegionMapper:
     def populate(self, mapped: MappedRegion) -> bool:
         """Map the pages of `mapped` that its file held when it was mapped (on the populate
         thread: when it looks, off the mapping's path), or all of them, in steps of
-        `_POPULATE_STEP` (our own region's last first), each in a `copying()` block (so the
+        `POPULATE_STEP` (our own region's last first), each in a `copying()` block (so the
         region is not closed under it) and only while it is still mapped here. False
         (logged) when the kernel refused: e.g. the pool was truncated under the region
         (EFAULT, where a touch would be a SIGBUS); the region stays usable, its copies fault
         in what they touch."""
-        advice = _MADV_POPULATE_WRITE if mapped.writable else _MADV_POPULATE_READ
+        advice = MADV_POPULATE_WRITE if mapped.writable else MADV_POPULATE_READ
         region_id = mapped.handle.region_id
         if mapped.backed is None:
             mapped.backed = self._backed(mapped.handle)
         steps = [
-            (at, min(_POPULATE_STEP, end - at))
+            (at, min(POPULATE_STEP, end - at))
             for start, end in mapped.backed
-            for at in range(start, end, _POPULATE_STEP)
+            for at in range(start, end, POPULATE_STEP)
         ]
         if mapped.writable:  # (our writes take a region's chunks from its start: meet them
             steps.reverse()  # last, not page by page: a page both fault waits on the other)
@@ -292,9 +249,9 @@ class RegionMapper:
             with self.copying():
                 if self._closing or self._regions.get(region_id) is not mapped:
                     return True  # (unmapped meanwhile: nothing left to do)
-                if _libc.madvise(mapped.address + at, size, advice) == 0:
+                code = populate(mapped.address + at, size, advice)
+                if code == 0:
                     continue
-                code = ctypes.get_errno()
             log.warning(
                 "region %d (%s at %d): populating its pages failed at offset %d: %s; "
                 "its copies map what they touch (a truncated pool fails them)",

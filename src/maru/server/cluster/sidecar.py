@@ -53,12 +53,12 @@ import numpy as np
 import zmq
 
 from maru.client.checksum import checksums
-from maru.client.mapping import (
-    _MADV_POPULATE_WRITE,
-    _POPULATE_STEP,
-    _libc,
-    _madvise_populate_works,
+from maru.common.populate import (
+    MADV_POPULATE_WRITE,
+    POPULATE_STEP,
     backed_extents,
+    populate,
+    populate_works,
 )
 from maru.server.cluster.config import MooncakeConfig
 from maru.server.cluster.mooncake import load_mooncake
@@ -86,7 +86,7 @@ class PoolMaps:
     """The pool's files, each mapped once (shared, read-write) and registered with Mooncake.
 
     Each mapping's pages are mapped in bulk on a background thread (MADV_POPULATE_WRITE,
-    where the file holds them: `maru.client.mapping.backed_extents`), so that a pull does
+    where the file holds them: `maru.common.populate.backed_extents`), so that a pull does
     not fault once per 4 KiB page inside Mooncake's receive: on this kind of VM a page
     first touched cost about as much as Mooncake's whole read of it. (A pool whose pages
     are not allocated yet, an shm pool without --preallocate, still pays for each page the
@@ -123,7 +123,7 @@ class PoolMaps:
         if rc != 0:
             raise OSError(f"Mooncake register_buffer of {path} ({len(mm)} bytes) failed: {rc}")
         log.info("pool file %s (%d bytes) registered with Mooncake", path, len(mm))
-        if backed and _madvise_populate_works():
+        if backed and populate_works():
             args = (path, address, backed)
             threading.Thread(target=_populate, args=args, name="populate", daemon=True).start()
         return mm, address
@@ -136,9 +136,10 @@ def _populate(path: str, address: int, extents: list[tuple[int, int]]) -> None:
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     for start, end in extents:
-        for at in range(start, end, _POPULATE_STEP):
-            if _libc.madvise(address + at, min(_POPULATE_STEP, end - at), _MADV_POPULATE_WRITE):
-                why = os.strerror(ctypes.get_errno())
+        for at in range(start, end, POPULATE_STEP):
+            code = populate(address + at, min(POPULATE_STEP, end - at), MADV_POPULATE_WRITE)
+            if code:
+                why = os.strerror(code)
                 log.warning("pool file %s: pages not populated from %d: %s", path, at, why)
                 return
 
