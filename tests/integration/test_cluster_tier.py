@@ -89,6 +89,9 @@ def test_values_written_on_one_node_are_read_on_another_every_byte_proven(tmp_pa
     # forged/0's bytes (one flipped in Mooncake) are not those its trailer states, forged/1's
     # trailer is another name's, forged/2 has none: refused, counted.
     assert (pulled["pull_misses"], pulled["proof_failures"]) == (2, 3), nodes
+    # Node 2's readers were woken when their pulls landed: their EXISTS kept by the server
+    # (`maru.server.cluster.waits`), not asked again every few ms.
+    assert pulled["exists_kept"] >= 1, nodes
     assert nodes["node2_again"] == {"right": 24, "missing": 0, "wrong": 0}, nodes
     assert nodes["node2_stats_again"]["pulled"] == 24, nodes
     # Every lookup path pulls what it misses: a copying lookup (MaruStorage's v2 read,

@@ -2,8 +2,11 @@
 
 The server says at HANDSHAKE whether a tier is behind the pool and how long a lookup may wait
 for it (`--cluster-lookup-ms`). Then a miss is not final at once: the handler asks the server
-once to pull the keys it missed (EXISTS with "pull"), and asks again while some are on
-their way, until none is or the budget is spent. A pulled key is registered like any other
+once to pull the keys it missed (EXISTS with "pull" and "wait_ms", the budget left): the
+server answers when none is on its way any more or the wait ends, so the handler is woken
+when its pulls land, not polling (a server that answers at once, one from before the wait,
+is asked again every POLL_S while some are on their way, until none is or the budget is
+spent). A pulled key is registered like any other
 (its bytes proven against their checksum by the tier first), so the read that follows finds
 it where every instance of the node reads it in place. A pull that misses the budget, or a
 failed request, is a miss, never an error. Without a tier, nothing here sends anything.
@@ -22,7 +25,8 @@ from maru.common.protocol import Key, MsgType
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.002  # between two asks while pulls are on their way
+POLL_S = 0.002  # between two asks while pulls are on their way (a server that does not wait)
+REPLY_SLACK_MS = 2000  # a kept EXISTS's reply may come this long after the wait it asked for
 
 Request = Callable[[MsgType, dict[str, Any]], Any]
 PerKey = Callable[[MsgType, Sequence[Key], Callable[[Any], bool]], list[bool]]
@@ -88,16 +92,18 @@ class ClusterPulls:
         deadline = time.monotonic() + self.budget_s
         keys = list(missing)
         while True:
-            found, pulling = self._ask(keys)
+            found, pulling = self._ask(keys, int((deadline - time.monotonic()) * 1000))
             left = deadline - time.monotonic()
             if all(found) or not pulling or left <= 0:
                 return found
             time.sleep(min(POLL_S, left))
 
-    def _ask(self, keys: list[Key]) -> tuple[list[bool], int]:
-        """One EXISTS with "pull": which keys exist, how many are on their way."""
+    def _ask(self, keys: list[Key], wait_ms: int) -> tuple[list[bool], int]:
+        """One EXISTS with "pull", answered once none of the keys is on its way or after
+        `wait_ms`: which keys exist, how many are still on their way."""
+        body = {"keys": keys, "pull": True, "wait_ms": max(1, wait_ms)}
         try:
-            reply = self.request(MsgType.EXISTS, {"keys": keys, "pull": True}).result()
+            reply = self.request(MsgType.EXISTS, body).result(wait_ms + REPLY_SLACK_MS)
             found = [bool(hit) for hit in reply["results"]]
             if len(found) != len(keys):
                 raise ValueError(f"{len(found)} results for {len(keys)} keys")

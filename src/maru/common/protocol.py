@@ -491,13 +491,21 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
                 "optional: pull the misses the server's cluster tier may hold (ask again while "
                 "`pulling` > 0, within the HANDSHAKE's lookup_ms)",
             ),
+            (
+                "wait_ms",
+                "int",
+                "optional, with `pull`: the reply waits until none of the misses is being "
+                "pulled, or this long (at most lookup_ms): the client is answered when its pulls "
+                "land instead of asking again; a server without it answers at once",
+            ),
         ],
         [
             ("results", "[bool]", "per key"),
             (
                 "pulling",
                 "int",
-                "how many of the misses are being pulled now (0 without `pull` or a tier)",
+                "how many of the misses are being pulled now (0 without `pull` or a tier; with "
+                "`wait_ms`, those still on their way when the wait ended)",
             ),
         ],
     ),

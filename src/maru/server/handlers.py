@@ -51,6 +51,9 @@ class Server(Protocol):
 
 Handler = Callable[[Server, dict[str, Any]], dict[str, Any]]
 
+# In a reply, not sent: (keys, their indices, seconds) an EXISTS waits for the tier's pulls
+WAIT = "_wait"
+
 
 # Requests that change what the journal keeps: refused (STATE_UNAVAILABLE, before any side
 # effect) while the journal cannot be written. Reads, leases and heartbeats go on.
@@ -257,14 +260,21 @@ def on_lookup_kv(server: Server, body: dict[str, Any]) -> dict[str, Any]:
 
 def on_exists(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     """With "pull" (a client of a server with a cluster tier, after a miss): the misses the
-    cluster may hold are pulled; "pulling" says how many of them are on their way (the
-    client asks again within its budget until none is)."""
+    cluster may hold are pulled; "pulling" says how many of them are on their way. With
+    "wait_ms" too, the reply waits (up to that and the tier's lookup budget) until none is
+    (`maru.server.cluster.waits`, kept by `handle_frame`); without, the client asks again."""
     keys = _keys(body)
     results = server.registry.exists(keys, _iid(body))
-    pulling = 0
+    reply: dict[str, Any] = {"results": results, "pulling": 0}
     if body.get("pull") is True and server.cluster is not None and not all(results):
-        pulling = server.cluster.want([k for k, hit in zip(keys, results) if not hit])
-    return {"results": results, "pulling": pulling}
+        index = [i for i, hit in enumerate(results) if not hit]
+        missing = [keys[i] for i in index]
+        reply["pulling"] = server.cluster.want(missing)
+        wait_ms = body.get("wait_ms")
+        if reply["pulling"] and type(wait_ms) is int and wait_ms > 0:
+            wait_s = min(wait_ms, server.cluster.lookup_ms) / 1000
+            reply[WAIT] = (missing, index, wait_s)
+    return reply
 
 
 def on_evict_for(server: Server, body: dict[str, Any]) -> dict[str, Any]:

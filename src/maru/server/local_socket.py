@@ -147,7 +147,7 @@ class LocalSocketServer:
         for conn in self.connections.values():
             poller.register(conn.sock, conn.want)
 
-    def serve(self, events: dict[Any, int], handle: Callable[[bytes, Peer], bytes]) -> None:
+    def serve(self, events: dict[Any, int], handle: Callable[[bytes, Peer], bytes | None]) -> None:
         """Accept, read, answer and flush whatever `events` (one poll's result; zmq.Poller
         reports plain sockets by file descriptor) says is ready. Never raises for a client's
         misbehaviour: the connection is closed instead."""
@@ -176,10 +176,20 @@ class LocalSocketServer:
                     conn.held = frames[n:]
                     break
                 reply = handle(frame, conn)
-                conn.out += protocol.stream_prefix(reply)
-                conn.out += reply
+                if reply is not None:  # (None: kept, sent later by `send_later`)
+                    conn.out += protocol.stream_prefix(reply)
+                    conn.out += reply
             if fd in self.connections:
                 self._flush(conn)
+
+    def send_later(self, conn: Peer, reply: bytes) -> None:
+        """A reply kept past its request's turn (`PullWaits`): sent if its connection is
+        still open (the client matches replies by request id), else dropped."""
+        if self.connections.get(conn.fd) is not conn:
+            return
+        conn.out += protocol.stream_prefix(reply)
+        conn.out += reply
+        self._flush(conn)
 
     def _accept(self) -> list[int]:
         """Accept waiting connections; returns their file descriptors."""

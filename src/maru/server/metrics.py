@@ -244,6 +244,16 @@ CLUSTER_METRICS = {
         True,
     ),
     "sidecar_starts": ("maru_cluster_sidecar_starts", "Starts of the tier's sidecar.", True),
+    "exists_kept": (
+        "maru_cluster_exists_kept",
+        "Lookups (EXISTS) answered when the pulls they waited for landed.",
+        True,
+    ),
+    "exists_kept_late": (
+        "maru_cluster_exists_kept_late",
+        "Of those, answered at the end of their wait with pulls still on their way.",
+        True,
+    ),
 }
 
 

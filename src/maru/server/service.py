@@ -26,7 +26,8 @@ from maru.common import protocol
 from maru.common.config import parse_coherence
 from maru.common.protocol import ErrorCode, MsgType, ProtocolError
 from maru.server.cluster.tier import ClusterTier
-from maru.server.handlers import CHANGES, HANDLERS
+from maru.server.cluster.waits import PullWaits, Waiting
+from maru.server.handlers import CHANGES, HANDLERS, WAIT
 from maru.server.housekeeping import Housekeeping, freeze_heap
 from maru.server.journal import Journal, JournalWriteError
 from maru.server.local_socket import LocalDoor, LocalSocketServer, Peer, holder_of, local_address
@@ -119,6 +120,7 @@ class MaruService:
         self._started_monotonic = time.monotonic()
         self.metrics_url: str | None = None  # set when `--metrics-port` serves Prometheus
         self.cluster: ClusterTier | None = None  # set by `--cluster` (`maru.server.cluster`)
+        self.waits = PullWaits()  # EXISTS requests kept until the tier's pulls land
         self.context = zmq.Context.instance()
         self.tcp = TcpEndpoint(
             self.context,
@@ -164,7 +166,8 @@ class MaruService:
         stats["journal_writable"] = error is None
         stats["journal_error"] = None if error is None else str(error)
         stats.update(self.requests.report())
-        stats["cluster"] = self.cluster.stats() if self.cluster is not None else None
+        cluster = self.cluster
+        stats["cluster"] = {**cluster.stats(), **self.waits.counts} if cluster is not None else None
         return stats
 
     # -- loop --------------------------------------------------------------------------------
@@ -175,11 +178,13 @@ class MaruService:
         peer: Peer | None = None,
         refused: str | None = None,
         route: bytes | None = None,
-    ) -> bytes:
-        """Turn one request frame into one reply frame. Never raises. `peer`: the Unix
-        connection it came on (its process is watched for the instance it speaks for).
-        `refused`: why its sender may no longer ask anything (NOT_AUTHORIZED). `route`: the
-        ZMQ routing id it came on (its instance shows gone when that connection drops).
+    ) -> bytes | None:
+        """Turn one request frame into one reply frame (None: kept until the tier's pulls
+        land, then sent by `PullWaits.settle` on the connection it came on). Never raises.
+        `peer`: the Unix connection it came on (its process is watched for the instance it
+        speaks for). `refused`: why its sender may no longer ask anything (NOT_AUTHORIZED).
+        `route`: the ZMQ routing id it came on (its instance shows gone when that connection
+        drops).
 
         A successful request's time, from decoding its frame to its encoded reply, goes into
         its operation's histogram; a failed one counts as an error of its operation (or as an
@@ -220,6 +225,7 @@ class MaruService:
                 if journal is not None and journal.write_error is not None:
                     raise JournalWriteError(journal.state_dir, journal.write_error)
             reply = handler(self, body)
+            wait = reply.pop(WAIT, None)
             reply["ok"] = True
             if msg_type == MsgType.HANDSHAKE:  # its connection and host, too
                 self.registry.instances.touch(reply["iid"], route, host)
@@ -233,6 +239,9 @@ class MaruService:
                     reply["freed"] = freed
                 if shed:
                     reply["shed"] = shed
+            if wait is not None and self._keep(wait, reply, request_id, peer, route):
+                self.requests.served(msg_type, perf_counter() - start)
+                return None
             out = protocol.encode(msg_type, request_id, reply, reply=True)
             self.requests.served(msg_type, perf_counter() - start)
             return out
@@ -252,6 +261,25 @@ class MaruService:
             return protocol.encode_error(
                 msg_type, request_id, ErrorCode.INTERNAL, f"internal server error: {exc}"
             )
+
+    def _keep(
+        self, wait: tuple, reply: dict[str, Any], request_id: int, peer: Peer | None, route: Any
+    ) -> bool:
+        """Keep an EXISTS reply until the pulls it waits for land (False: answer it now)."""
+        keys, index, wait_s = wait
+        local = self.local
+        if peer is not None and local is not None:
+            send = lambda out: local.send_later(peer, out)  # noqa: E731
+        elif route is not None:
+            send = lambda out: self.tcp.send_later(route, out)  # noqa: E731
+        else:
+            return False
+
+        def encode(body: dict[str, Any]) -> bytes:
+            return protocol.encode(MsgType.EXISTS, request_id, body, reply=True)
+
+        deadline = time.monotonic() + wait_s
+        return self.waits.park(Waiting(reply, keys, index, deadline, encode, send))
 
     def host_of(self, peer: Peer | None, route: bytes | None) -> str:
         """Where a request came from, for the statistics per host: "local" over the Unix
@@ -304,6 +332,8 @@ class MaruService:
         while not self._stop.is_set():
             retry_ms = self.tcp.retry_ms  # replies wait for a ZMQ peer: send them soon
             wait_ms = poll_ms if retry_ms is None else min(poll_ms, retry_ms)
+            due_ms = self.waits.next_ms(time.monotonic())  # a kept EXISTS's deadline
+            wait_ms = wait_ms if due_ms is None else min(wait_ms, due_ms)
             events = self._wait_for_requests(poller, wait_ms, served)
             if events:
                 served = perf_counter()
@@ -316,6 +346,7 @@ class MaruService:
             if self.cluster is not None:
                 self.cluster.serve(events)
                 self.cluster.housekeeping(poller, time.monotonic())
+                self.waits.settle(self.cluster.pulling, self.registry.exists)
             # The loop was away from its sockets for longer than a poll (stopped between a
             # reply and this point, a long snapshot, a paused VM): the heartbeats sent
             # meanwhile are still queued, so that time is not the clients' silence.

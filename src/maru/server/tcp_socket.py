@@ -62,7 +62,9 @@ class Backlog:
         self.held: deque[tuple[list[Any], str | None]] = deque()
         self.held_bytes = 0
 
-    def add_reply(self, reply: bytes) -> None:
+    def add_reply(self, reply: bytes | None) -> None:
+        if reply is None:  # kept (`PullWaits`): sent later by `send_later`
+            return
         self.replies.append(reply)
         self.reply_bytes += len(reply)
 
@@ -165,7 +167,7 @@ class TcpEndpoint:
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
 
-    def serve(self, events: dict[Any, int], handle: Callable[..., bytes]) -> int:
+    def serve(self, events: dict[Any, int], handle: Callable[..., bytes | None]) -> int:
         """Send the replies that wait (`backlog`), then answer up to BURST requests if
         `events` (one poll's result) says the socket is ready: `handle(frame, refused=why or
         None, route=the peer's routing id)` makes each reply. Returns how many requests went
@@ -203,7 +205,9 @@ class TcpEndpoint:
         return dropped
 
     @staticmethod
-    def _answer(parts: list[Any], refused: str | None, handle: Callable[..., bytes]) -> bytes:
+    def _answer(
+        parts: list[Any], refused: str | None, handle: Callable[..., bytes | None]
+    ) -> bytes | None:
         if len(parts) != 2:
             # A DEALER sends exactly one frame; anything else is not ours to parse.
             return protocol.encode_error(
@@ -250,9 +254,20 @@ class TcpEndpoint:
         if self.on_drop is not None:
             self.on_drop(route)
 
-    def _send(self, identity: Any, reply: bytes) -> int:
+    def send_later(self, identity: bytes, reply: bytes) -> int:
+        """A reply kept past its request's turn (`PullWaits`): behind the peer's waiting
+        replies, if any (the client matches replies by request id). 1 if dropped."""
+        waiting = self.backlog.get(identity)
+        if waiting is not None:
+            waiting.add_reply(reply)
+            return 0
+        return self._send(identity, reply)
+
+    def _send(self, identity: Any, reply: bytes | None) -> int:
         """Send now, or keep the reply in a new Backlog if ZeroMQ will not take it yet.
-        Returns 1 if it was dropped: the peer has gone."""
+        Returns 1 if it was dropped: the peer has gone. None: kept, nothing to send."""
+        if reply is None:
+            return 0
         try:
             self.socket.send_multipart([identity, reply], zmq.NOBLOCK)
         except zmq.Again:
@@ -264,7 +279,7 @@ class TcpEndpoint:
             return 1
         return 0
 
-    def _drain(self, handle: Callable[..., bytes]) -> int:
+    def _drain(self, handle: Callable[..., bytes | None]) -> int:
         """Send what waits, answer the requests held while there is room again; returns how
         many were dropped (their peer has gone). Then choose the next retry's delay."""
         dropped, sent = 0, False
