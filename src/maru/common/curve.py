@@ -81,7 +81,7 @@ class ClientAllowlist:
         self._lock = threading.Lock()  # (the ZAP thread asks; tests read `keys`)
         self._stamp: tuple[float, ...] = ()
         self._looked = 0.0  # when the files were last checked (monotonic)
-        self._refused: set[str] = set()
+        self._refused: set[tuple[str, str]] = set()
         self.keys = self._load()
 
     def _stamps(self) -> tuple[float, ...]:
@@ -110,10 +110,11 @@ class ClientAllowlist:
                 log.error("CURVE clients: %s unreadable, last list kept: %s", self.location, exc)
 
     def _refuse(self, text: str, why: str) -> None:
-        with self._lock:
-            if text in self._refused or len(self._refused) >= 1000:
+        with self._lock:  # (once per key and reason: "not in" at a reconnect does not
+            # hide "removed from" for the connection that stayed open, or the other way)
+            if (text, why) in self._refused or len(self._refused) >= 1000:
                 return
-            self._refused.add(text)
+            self._refused.add((text, why))
         log.warning(
             "refused a CURVE client with key %s: %s --curve-clients %s", text, why, self.location
         )
