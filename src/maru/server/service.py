@@ -9,6 +9,7 @@ table in `maru.server.handlers`.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import secrets
@@ -268,10 +269,11 @@ class MaruService:
         """Keep an EXISTS reply until the pulls it waits for land (False: answer it now)."""
         keys, index, wait_s = wait
         local = self.local
+        send: Callable[[bytes], Any]
         if peer is not None and local is not None:
-            send = lambda out: local.send_later(peer, out)  # noqa: E731
+            send = functools.partial(local.send_later, peer)
         elif route is not None:
-            send = lambda out: self.tcp.send_later(route, out)  # noqa: E731
+            send = functools.partial(self.tcp.send_later, route)
         else:
             return False
 
