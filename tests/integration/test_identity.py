@@ -168,7 +168,7 @@ def test_close_ends_the_instance_its_pins_leases_and_regions(maru_server):
     lease = h.lookup(["l"], lease=True)
     lease.wait()
     assert lease.lease_id > 0
-    session = h._session
+    session = h._rpc.session
     h.close()
 
     with MaruHandler(server_url=maru_server.url, pool_size="1M") as other:
@@ -347,7 +347,7 @@ def present_credential(url: str, session: str, local: str, uid: int, region: lis
     h = MaruHandler(
         server_url=url, pool_size="1M", chunk_size_bytes="64K", auto_connect=False, timeout_ms=5000
     )
-    h._session = session  # copied out of the first process's handler
+    h._rpc.session = session  # copied out of the first process's handler
     connected = h.connect()
     try:  # (refused at connect: its stores raise "Not connected", as the original's do)
         stored = store_values(h, "intruder", 700)
@@ -397,7 +397,7 @@ def test_a_second_live_process_presenting_a_credential_is_refused(maru_server):
                     present_credential,
                     (
                         maru_server.url,
-                        a._session,
+                        a._rpc.session,
                         a._rpc.local_address,
                         a._rpc.server_uid,
                         region.to_wire(),
@@ -428,7 +428,7 @@ def test_a_disconnected_credential_resumes_nothing(maru_server):
     instance id."""
     h = MaruHandler(server_url=maru_server.url, pool_size="1M", chunk_size_bytes="64K")
     mine = store_values(h, "v", 1, n=4)
-    old_iid, session = h.instance_id, h._session
+    old_iid, session = h.instance_id, h._rpc.session
     local, uid = h._rpc.local_address, h._rpc.server_uid
     (region,) = h.list_allocations()
     h.close()

@@ -59,8 +59,9 @@ def test_a_store_writes_back_exactly_what_it_wrote_with_cached_stores(software):
     """A value of three parts into a 64-byte aligned 'pool': a 1000-byte part (memmove: all
     its 16 lines cached), then a 64 KiB part and an 8 KiB + 40 part, each starting 40 bytes
     into a line: streamed, but the bytes before their first aligned address and after their
-    last whole 64 bytes are cached stores, one line each (with SSE2's 16-byte or AVX-512's
-    64-byte alignment alike). The streamed lines (1150 of them) are not flushed."""
+    last whole 64 bytes are cached stores, one line each (SSE2 or AVX-512 stores alike: the
+    streamed body starts at a 64-byte boundary). The streamed lines (1150 of them) are not
+    flushed."""
     sizes = [1000, 64 << 10, (8 << 10) + 40]
     src = np.random.default_rng(1).integers(0, 256, sum(sizes), dtype=np.uint8)
     pool = aligned(sum(sizes) + 4096)

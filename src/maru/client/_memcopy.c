@@ -148,10 +148,11 @@ __attribute__((target("avx512f"))) static void stream_avx512(char *d, const char
 #endif
 
 static void (*stream_wide)(char *d, const char *s, size_t n) = stream_sse2;
-static size_t stream_wide_align = 16;
 
 /* memmove for non-overlapping ranges: non-temporal stores in 64-byte steps from the first
- * aligned destination address, memcpy for the edges before and after. `wide`: the widest
+ * 64-byte aligned destination address, memcpy for the edges before and after: every line is
+ * written whole by one kind of store (no line half streamed, half cached; the cached ones are
+ * one line at each edge, whatever the store width). `wide`: the widest
  * stores the CPU has (`copy_many`); else SSE2's, which `copy_many_hashed`'s 4 KiB blocks run
  * faster with (measured: 12% over a plain copy against 16-25% with AVX-512 stores, for a
  * destination off the 64-byte grid; the one-pass loop covers the aligned case). Returns 0
@@ -160,8 +161,7 @@ static int copy_streaming(char *d, const char *s, size_t n, int wide, int wb)
 {
     if (n < STREAMING_MIN_BYTES || (d < s + n && s < d + n))
         return 0;
-    size_t align = wide ? stream_wide_align : 16;
-    size_t head = (align - ((uintptr_t)d & (align - 1))) & (align - 1);
+    size_t head = (64 - ((uintptr_t)d & 63)) & 63;
     memcpy(d, s, head);
     if (wb)
         coh_write_back(d, head);
@@ -1680,10 +1680,8 @@ PyMODINIT_FUNC PyInit__memcopy(void)
     m64_make_keys();
     m64_pick_impl();
 #if HAVE_STREAMING && HAVE_X86_DISPATCH
-    if (__builtin_cpu_supports("avx512f")) {
+    if (__builtin_cpu_supports("avx512f"))
         stream_wide = stream_avx512;
-        stream_wide_align = 64;
-    }
 #endif
     coh_pick_flushes();
     copiers_init();

@@ -1,12 +1,9 @@
 """maru64, the page checksum of `maru_checksums`: one hash for writers and readers alike.
 
-Written for Maru (no library's code): 8 lanes of 64-bit words per 64-byte stripe, a
-position-keyed 32x32-bit multiply and the word itself added per lane, a rotation per 1 KiB
-block, a xorshift-multiply finalizer over the lanes and the length. The C loop in
-`maru.client._memcopy` (scalar, AVX2 or AVX-512: the same value) hashes while it copies
-(`maru.client.memcopy.copy_many_hashed`), so a checksum costs no second read of the page from
-memory; the full definition is at the top of its hash section (a reference in numpy, which the
-tests check the C loops against: `tests/unit/maru64.py`).
+Written for Maru (no library's code). The C loop in `maru.client._memcopy` (scalar, AVX2 or
+AVX-512: the same value) hashes while it copies, so a checksum costs no second read of the
+page from memory; the definition is at the top of its hash section (a numpy reference the
+tests check it against: `tests/unit/maru64.py`).
 
 It detects accidental corruption (stray writes, reused, zeroed or truncated pages, flipped
 bits, moved blocks), not an adversary: whoever can write the pool can also register keys.

@@ -1,10 +1,9 @@
 """A client's chunk bookkeeping: which chunks of its own regions are free.
 
-Each region an instance owns is cut into chunks of `chunk_size_bytes` (the allocation unit); a
-value takes a contiguous run of chunks (an extent, `maru.common.extents.ExtentAllocator`).
-This lives in the client, not the server, so that reserving chunks costs no request: the server
-learns of them only when their keys are sealed, and tells the owner (`freed` on its next reply)
-when a key in its regions goes away, so the chunks come back here.
+Each region an instance owns is cut into chunks of `chunk_size_bytes`; a value takes a
+contiguous run of them. This lives in the client so that reserving chunks costs no request:
+the server learns of them only when their keys are sealed, and tells the owner (`freed` on its
+next reply) when a key in its regions goes away, so the chunks come back here.
 """
 
 from __future__ import annotations
@@ -19,10 +18,10 @@ from maru.common.extents import ExtentAllocator
 
 class AllocHandle:
     """Chunks reserved in an owned region and not sealed yet: `count` values of `size` bytes,
-    each in its own run of chunks, `stride` bytes apart: value i at `address + i * stride`
-    (region offset `offset + i * stride`). Write into `buf` (or at `address`), then seal the
-    handle's keys (`MaruHandler.seal`, `store`, `batch_store`), or give it back with
-    `MaruHandler.free`. Sealed, a value is `size` bytes long unless told otherwise."""
+    `stride` bytes apart: value i at `address + i * stride` (region offset `offset + i *
+    stride`). Write into `buf` (or at `address`), then seal the handle's keys
+    (`MaruHandler.seal`), or give it back with `MaruHandler.free`. Sealed, a value is `size`
+    bytes long unless told otherwise."""
 
     __slots__ = ("_chunk", "_mapped", "address", "count", "offset", "region_id", "size", "stride")
 
@@ -45,8 +44,7 @@ class AllocHandle:
 
     @property
     def buf(self) -> memoryview:
-        """The values' bytes (from the first value's start to the last value's end), writable,
-        in the shared mapping."""
+        """The values' bytes (first value's start to last value's end), writable, in place."""
         end = self.offset + self.stride * (self.count - 1) + self.size
         return self._mapped.view[self.offset : end]
 
@@ -65,8 +63,7 @@ class AllocHandle:
         return [self.slice(i, i + 1) for i in range(self.count)]
 
     def views(self, sizes: int | Sequence[int]) -> list[memoryview]:
-        """Each value's first `sizes` bytes (one size for all, or one per value): views of the
-        shared mapping, no copy."""
+        """Each value's first `sizes` bytes (one size for all, or one per value), in place."""
         if isinstance(sizes, int):
             sizes = [sizes] * self.count
         view, stride = self._mapped.view, self.stride
@@ -81,10 +78,9 @@ class AllocHandle:
 
 
 class _OwnedRegion:
-    """An owned region's free chunks, and what parking needs to know: whether a chunk was
-    taken since the last `park_idle` (`touched`), which values are reserved and not yet
-    written and sealed (`reserved`: their first chunks), and whether it is `parked` (no take
-    until `unpark`: the server may take it back)."""
+    """An owned region's free chunks, and what parking needs: whether a chunk was taken since
+    the last `park_idle` (`touched`), which values are reserved and not yet written
+    (`reserved`: their first chunks), and whether it is `parked` (no take until `unpark`)."""
 
     __slots__ = ("chunks", "mapped", "parked", "reserved", "touched")
 
@@ -102,9 +98,9 @@ class ChunkBook:
     Parking (the rule that lets the server take a region back from a live instance): a region
     is parked only while no value in it is reserved and not yet sealed, and `take` never
     reserves in a parked region; the handler tells the server only after parking here, and
-    unparks here only after the server said the region is still ours (`RegionSupply.tick`,
-    `MaruHandler._unpark`). So a page this instance may still write is never in a region the
-    server may hand to another instance."""
+    unparks here only after the server said the region is still ours (`RegionSupply.tick`).
+    So a page this instance may still write is never in a region the server may hand to
+    another instance."""
 
     def __init__(self, chunk_size: int):
         self.chunk_size = chunk_size
@@ -198,19 +194,17 @@ class ChunkBook:
         with self._lock:
             self._owned[mapped.handle.region_id] = _OwnedRegion(mapped, self.chunk_size)
 
-    def drop(self, region_id: int) -> MappedRegion | None:
+    def drop(self, region_id: int) -> None:
         with self._lock:
-            owned = self._owned.pop(region_id, None)
-        return owned.mapped if owned is not None else None
+            self._owned.pop(region_id, None)
 
-    def clear(self) -> list[MappedRegion]:
+    def clear(self) -> None:
         with self._lock:
-            owned, self._owned = self._owned, {}
-        return [o.mapped for o in owned.values()]
+            self._owned = {}
 
     def take(self, size: int, count: int = 1) -> AllocHandle | None:
-        """`count` values of `size` bytes as one contiguous run of chunks in an owned region
-        (one search), or None when no owned region has such a run free."""
+        """`count` values of `size` bytes as one contiguous run of chunks in an owned region, or
+        None when no owned region has such a run free."""
         chunks = -(-size // self.chunk_size)
         with self._lock:
             for owned in self._owned.values():
@@ -226,8 +220,8 @@ class ChunkBook:
         return None
 
     def written(self, handle: AllocHandle) -> None:
-        """The values of `handle` are written and being sealed: no longer reserved (the region
-        may be parked once idle; a seal that comes too late for it is refused)."""
+        """The values of `handle` are written and being sealed: no longer reserved (a seal that
+        comes after its region was parked and taken back is refused)."""
         with self._lock:
             owned = self._region_of(handle)
             if owned is not None:

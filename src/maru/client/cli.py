@@ -1,20 +1,11 @@
-"""`maru`: the operator's command line for a running `maru-server`.
-
-    maru status                     is the server up? pool and usage
-    maru stats [--json]             pool, instances, counters, per-operation latency
-    maru keys [--prefix P] [--limit N] [--json]
-    maru monitor [--interval S] [--once]   live view: pool usage, hit rate, throughput
-    maru evict --prefix P           delete a namespace (pinned and leased keys are kept)
-    maru clear [--yes]              delete every key
-
-`--server tcp://host:port` (or $MARU_SERVER_URL; default tcp://localhost:5555) works before or
-after the subcommand. Exit status: 0 ok, 1 server unreachable or error, 2 usage.
-It talks to the server through `MaruAdmin`, which never allocates: safe on a full pool.
-"""
+"""`maru`: the operator's command line for a running `maru-server` (`build_parser` lists
+the commands). It talks to the server through `MaruAdmin`, which never allocates: safe on a
+full pool."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -62,8 +53,6 @@ def fmt_duration(seconds: float) -> str:
 def fmt_latency(seconds: float | None) -> str:
     if seconds is None:
         return "-"
-    if math.isinf(seconds):
-        return "inf"
     if seconds < 1e-3:
         return f"{seconds * 1e6:.0f}us"
     if seconds < 1:
@@ -302,13 +291,8 @@ def operation_rows(s: Stats, prev: Stats | None = None, dt: float = 0.0) -> Rows
             cells.append(f"{max(0, o['count'] - before) / dt:.1f}")
         mean = o["total_seconds"] / o["count"] if o["count"] else None
         buckets = o.get("buckets", [])
-        cells += [
-            str(o["count"]),
-            str(o.get("errors", 0)),
-            fmt_latency(mean),
-            fmt_quantile(bounds, buckets, 0.5),
-            fmt_quantile(bounds, buckets, 0.99),
-        ]
+        cells += [str(o["count"]), str(o.get("errors", 0)), fmt_latency(mean)]
+        cells += [fmt_quantile(bounds, buckets, q) for q in (0.5, 0.99)]  # P50, P99
         rows.append(cells)
     return Rows(header, rows, set(range(1, len(header))), "(no requests yet)")
 
@@ -368,18 +352,9 @@ def render_frame(frame: MonitorFrame) -> str:
     return "\n\n".join("\n".join(lines) for lines in parts)
 
 
-def render_monitor(
-    url: str,
-    cur: Stats,
-    prev: Stats | None,
-    dt: float,
-    interval: float,
-    now: datetime,
-    *,
-    live: bool = True,
-) -> str:
-    """One frame of `maru monitor` as plain text (see `monitor_frame`)."""
-    return render_frame(monitor_frame(url, cur, prev, dt, interval, now, live=live))
+def render_monitor(*args: Any, **kwargs: Any) -> str:
+    """`monitor_frame(...)` as plain text."""
+    return render_frame(monitor_frame(*args, **kwargs))
 
 
 def monitor_frame(
@@ -425,16 +400,15 @@ def monitor_frame(
         before = sum(o["count"] for o in prev.get("operations", {}).values())
         requests = f"{max(0, total - before) / dt:.1f}/s"
     high, low = cur["watermarks"]["high"], cur["watermarks"]["low"]
+    if live:
+        note = f"(every {interval:g}s; Ctrl-C quits)"
+    elif prev is not None:
+        note = f"(rates over {dt:.1f}s)"
+    else:
+        note = "(one sample: no rates)"
     header = (
         f"maru monitor  {url}  up {fmt_duration(cur.get('uptime_seconds', 0))}  "
-        f"pid {cur['server_pid']}  {now:%H:%M:%S}  "
-        + (
-            f"(every {interval:g}s; Ctrl-C quits)"
-            if live
-            else f"(rates over {dt:.1f}s)"
-            if prev is not None
-            else "(one sample: no rates)"
-        )
+        f"pid {cur['server_pid']}  {now:%H:%M:%S}  {note}"
     )
     gauges = [
         Gauge(
@@ -511,8 +485,7 @@ def cmd_curve_keypair(args: argparse.Namespace, out: TextIO) -> int:
 
 def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
     with _connect(args) as admin:
-        s = admin.stats()
-        print(render_status(admin.url, s), file=out)
+        print(render_status(admin.url, admin.stats()), file=out)
     return 0
 
 
@@ -594,10 +567,7 @@ def cmd_clear(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_monitor(
-    args: argparse.Namespace,
-    out: TextIO,
-    *,
-    sleep: Callable[[float], None] = time.sleep,
+    args: argparse.Namespace, out: TextIO, *, sleep: Callable[[float], None] = time.sleep
 ) -> int:
     interval = max(0.0, args.interval)
     with _connect(args, probe=args.once) as admin:  # (live: a down server is a frame)
@@ -615,13 +585,11 @@ def cmd_monitor(
             return 0
         if out.isatty():
             return _live_view(admin, interval, out, sleep)
-        try:  # a pipe, a file: one plain-text frame after another
+        with contextlib.suppress(KeyboardInterrupt):  # a pipe, a file: frame after frame
             for frame in _frames(admin, interval):
                 out.write(render_frame(frame) + "\n\n")
                 out.flush()
                 sleep(max(interval, 0.1))
-        except KeyboardInterrupt:
-            pass
         return 0
 
 
@@ -641,9 +609,6 @@ def _frames(admin: MaruAdmin, interval: float) -> Iterator[MonitorFrame]:
             prev = None
 
 
-MONITOR_EXTRA = "pip install 'maru-kvcache[monitor]'"
-
-
 def _live_view(
     admin: MaruAdmin, interval: float, out: TextIO, sleep: Callable[[float], None]
 ) -> int:
@@ -654,19 +619,16 @@ def _live_view(
         from rich.live import Live
     except ImportError:
         print(
-            f"maru: the live view of `maru monitor` needs the 'rich' package: {MONITOR_EXTRA} "
-            "(or `maru monitor --once`, or pipe its output)",
+            "maru: the live view of `maru monitor` needs the 'rich' package: pip install "
+            "'maru-kvcache[monitor]' (or `maru monitor --once`, or pipe its output)",
             file=sys.stderr,
         )
         return 1
-    console = Console(file=out, highlight=False)
-    try:
-        with Live(console=console, auto_refresh=False, screen=True) as view:
-            for frame in _frames(admin, interval):
-                view.update(rich_frame(frame), refresh=True)
-                sleep(max(interval, 0.1))
-    except KeyboardInterrupt:
-        pass
+    view = Live(console=Console(file=out, highlight=False), auto_refresh=False, screen=True)
+    with contextlib.suppress(KeyboardInterrupt), view:
+        for frame in _frames(admin, interval):
+            view.update(rich_frame(frame), refresh=True)
+            sleep(max(interval, 0.1))
     return 0
 
 
@@ -776,9 +738,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--json", action="store_true", help="JSON instead of a table")
     sp = add(
-        "monitor",
-        "live view: pool usage, hit rate, throughput, instances, operations",
-        cmd_monitor,
+        "monitor", "live view: pool usage, hit rate, throughput, instances, operations", cmd_monitor
     )
     sp.add_argument(
         "--interval", type=float, default=1.0, help="seconds between refreshes (default: 1)"

@@ -1,15 +1,8 @@
-"""A handler's side of the server's cluster tier (`maru-server --cluster`).
-
-The server says at HANDSHAKE whether a tier is behind the pool and how long a lookup may wait
-for it (`--cluster-lookup-ms`). Then a miss is not final at once: the handler asks the server
-once to pull the keys it missed (EXISTS with "pull" and "wait_ms", the budget left): the
-server answers when none is on its way any more or the wait ends, so the handler is woken
-when its pulls land, not polling (a server that answers at once, one from before the wait,
-is asked again every POLL_S while some are on their way, until none is or the budget is
-spent). A pulled key is registered like any other
-(its bytes proven against their checksum by the tier first), so the read that follows finds
-it where every instance of the node reads it in place. A pull that misses the budget, or a
-failed request, is a miss, never an error. Without a tier, nothing here sends anything.
+"""A handler's side of the server's cluster tier (`maru-server --cluster`;
+docs/operations.md#cluster-tier): a miss is not final while the tier may pull the key. The
+handler asks the server once (EXISTS with "pull" and "wait_ms", the budget the HANDSHAKE
+announced) and is answered when the pulls landed or the wait ended. A pull that misses the
+budget, or a failed request, is a miss, never an error. Without a tier, nothing here sends.
 """
 
 from __future__ import annotations
@@ -47,10 +40,10 @@ class ClusterPulls:
         ms = tier.get("lookup_ms") if isinstance(tier, dict) else None
         self.budget_s = ms / 1000 if type(ms) is int and 0 < ms <= 60_000 else 0.0
 
-    def pull(self, keys: Sequence[Key], prefix: Prefix, index: Any, skip: bool = False) -> None:
+    def pull(self, keys: Sequence[Key], prefix: Prefix, index: Any) -> None:
         """Before a lookup or a read: the misses the tier can pull, pulled (within the
         budget). `index`: the local index, to tell the misses (None: the server is asked)."""
-        if self.budget_s and not skip:
+        if self.budget_s:
             self.fill(keys, prefix, index.exists(keys, prefix) if index is not None else None)
 
     def exists(self, keys: Sequence[Key], prefix: Prefix, found: list[bool] | None) -> list[bool]:
@@ -74,9 +67,9 @@ class ClusterPulls:
     def fill(self, keys: Sequence[Key], prefix: Prefix, found: list[bool] | None) -> list[bool]:
         """`found` (per key, whether it hit; None: not known, every key asked) with the
         misses the tier pulled within the budget now hits. As `found` without a tier."""
-        if not self.budget_s:  # (the usual case: no Python per key)
-            return [False] * len(keys) if found is None else found
         found = [False] * len(keys) if found is None else found
+        if not self.budget_s:  # (the usual case: no Python per key)
+            return found
         missing = [i for i, hit in enumerate(found) if not hit]
         if not missing:
             return found
@@ -92,22 +85,19 @@ class ClusterPulls:
         deadline = time.monotonic() + self.budget_s
         keys = list(missing)
         while True:
-            found, pulling = self._ask(keys, int((deadline - time.monotonic()) * 1000))
+            # answered once none of the keys is on its way, or after `wait_ms`
+            wait_ms = int((deadline - time.monotonic()) * 1000)
+            body = {"keys": keys, "pull": True, "wait_ms": max(1, wait_ms)}
+            try:
+                reply = self.request(MsgType.EXISTS, body).result(wait_ms + REPLY_SLACK_MS)
+                found = [bool(hit) for hit in reply["results"]]
+                if len(found) != len(keys):
+                    raise ValueError(f"{len(found)} results for {len(keys)} keys")
+                pulling = int(reply.get("pulling") or 0)
+            except (MaruError, KeyError, TypeError, ValueError) as exc:
+                log.warning("cluster pull of %d keys: %s; taken as misses", len(keys), exc)
+                return [False] * len(keys)
             left = deadline - time.monotonic()
             if all(found) or not pulling or left <= 0:
                 return found
             time.sleep(min(POLL_S, left))
-
-    def _ask(self, keys: list[Key], wait_ms: int) -> tuple[list[bool], int]:
-        """One EXISTS with "pull", answered once none of the keys is on its way or after
-        `wait_ms`: which keys exist, how many are still on their way."""
-        body = {"keys": keys, "pull": True, "wait_ms": max(1, wait_ms)}
-        try:
-            reply = self.request(MsgType.EXISTS, body).result(wait_ms + REPLY_SLACK_MS)
-            found = [bool(hit) for hit in reply["results"]]
-            if len(found) != len(keys):
-                raise ValueError(f"{len(found)} results for {len(keys)} keys")
-            return found, int(reply.get("pulling") or 0)
-        except (MaruError, KeyError, TypeError, ValueError) as exc:
-            log.warning("cluster pull of %d keys: %s; taken as misses", len(keys), exc)
-            return [False] * len(keys), 0

@@ -4,17 +4,11 @@ Hosts that share pool memory without hardware coherence (CXL 2.0 sharing) see ea
 writes only if the writer writes its cache lines back to memory before it publishes them and
 the reader drops any line its cache may hold from before (docs/architecture.md,
 "Coherence"). The server says which its pod needs (`maru-server --coherence`, in the
-HANDSHAKE reply); a client may ask for one (`coherence`, `maru_coherence`); where they
-differ software wins, and one WARNING says so. The mode is applied once per process to the
-C copy loops (`maru.client._memcopy.coherence`): no Python per value. Software is on while
-any handler of the process agreed on it (a flush where none was needed costs time, never
-bytes).
-
-Bytes the copy loops do not move are flushed where they are handed over, one C call per
-batch: values written in place (`alloc` buffers, LMCache's) are written back by
-`MaruHandler.seal` before it registers them (`write_back_handles`), and values read in place
-(`batch_retrieve` / `leased` views, `get_buffer_view`, `read_many`'s copy functions, e.g. a
-GPU's DMA) are invalidated before they are handed out (`invalidate_ranges`).
+HANDSHAKE reply); a client may ask for one (`maru_coherence`); where they differ software
+wins, and one WARNING says so. The mode is applied once per process to the C copy loops: no
+Python per value. Software is on while any handler of the process agreed on it (a flush where
+none was needed costs time, never bytes). Bytes the copy loops do not move are flushed where
+they are handed over, one C call per batch (`write_back_handles`, `invalidate_ranges`).
 """
 
 from __future__ import annotations
@@ -55,9 +49,9 @@ def software() -> bool:
 
 
 def invalidate_ranges(addresses: np.ndarray, lengths: np.ndarray) -> np.ndarray | None:
-    """In software mode, the lines of values about to be read in place (not by a copy loop)
-    invalidated: None, or the ranges whose memory faulted (a bool per range: misses for the
-    caller). Nothing in hardware mode."""
+    """In software mode, invalidate the lines of values about to be read in place (views, a
+    GPU's DMA: not a copy loop). Returns None, or a bool per range whose memory faulted (misses
+    for the caller). Nothing in hardware mode."""
     if not _software:
         return None
     try:
@@ -70,11 +64,10 @@ def invalidate_ranges(addresses: np.ndarray, lengths: np.ndarray) -> np.ndarray 
 
 
 def write_back_handles(handles: Any, lengths: int | Sequence[int] | None) -> None:
-    """In software mode, `MaruHandler.seal`'s values (written in place, not by a copy loop:
-    through `alloc`, LMCache's buffers) written back before they are registered, as `seal`
-    takes `handles` (an `AllocHandle` or a sequence of them and None: typed loosely, since
-    `maru.client.chunks` leads here through the mapper) and `lengths`. A value whose memory
-    faults raises `CopyFaultError`."""
+    """In software mode, write back `MaruHandler.seal`'s values (written in place through
+    `alloc`, LMCache's buffers) before they are registered; `handles` and `lengths` as `seal`
+    takes them (typed loosely: `maru.client.chunks` leads here through the mapper). A value
+    whose memory faults raises `CopyFaultError`."""
     if not _software:
         return
     if hasattr(handles, "stride"):  # (one run)
@@ -87,10 +80,9 @@ def write_back_handles(handles: Any, lengths: int | Sequence[int] | None) -> Non
 
 
 def write_back_ranges(addresses: np.ndarray, lengths: int | Sequence[int] | np.ndarray) -> None:
-    """In software mode, values written into the pool by something else than a copy loop (a
-    device's kernel, a caller's own stores) written back before they are registered:
-    `lengths` one for all or one per address (address 0: none). A value whose memory faults
-    raises `CopyFaultError`. Nothing in hardware mode."""
+    """In software mode, write back values written into the pool by something else than a
+    copy loop (a device's kernel) before they are registered: `lengths` one for all or one per
+    address (address 0: none). A value whose memory faults raises `CopyFaultError`."""
     if not _software:
         return
     addresses = np.ascontiguousarray(addresses, np.int64)

@@ -31,10 +31,9 @@ _PROBE_WAIT_S = 1.0  # for the peer's first bytes; silence is left to the handsh
 
 def probe(url: str, timeout_ms: int) -> None:
     """Raise `MaruServerDown` at once if nothing listens at a tcp:// URL, and
-    `MaruConnectRefused` if what listens is not a ZeroMQ peer (an HTTP server, another
-    service): it answers, or hangs up, with something that is not ZeroMQ's greeting, where a
-    request would wait out its whole deadline. Other transports (ipc://) and a ZeroMQ peer
-    pass (the handshake then tells the rest)."""
+    `MaruConnectRefused` if what listens is not a ZeroMQ peer (it answers, or hangs up, with
+    something other than ZeroMQ's greeting), where a request would wait out its whole
+    deadline. Other transports (ipc://) and a ZeroMQ peer pass (the handshake tells the rest)."""
     m = _TCP.match(url)
     if m is None:
         return

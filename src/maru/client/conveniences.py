@@ -1,14 +1,6 @@
-"""The original Maru API's conveniences, a base of `MaruHandler`: each is the lifecycle's verbs
-put together (`put`, `seal`, `lookup`, `_per_key`), nothing of its own.
-
-    store / batch_store / store_outcomes   reserve, copy, seal: `put` of bytes, or `seal`
-                                           of handles already written
-    retrieve / batch_retrieve / leased      `lookup` (leased, proven for `leased`)
-    exists / pin / unpin / delete           one key of the batch calls
-    reserve_values                          a run, else value by value (LMCache's allocator)
-    stats / get_stats / healthcheck         the server's statistics; whether it answers
-    list_allocations                        the regions (ours, or every instance's)
-    get_chunk_size / set_chunk_size         the allocation unit (before the first reservation)
+"""The original Maru API's conveniences, a base of `MaruHandler`: `store`, `retrieve`,
+`leased`, `exists`, `pin`, `stats`... are each the lifecycle's verbs put together (`put`,
+`seal`, `lookup`, `_per_key`), nothing of their own.
 """
 
 from __future__ import annotations
@@ -22,18 +14,17 @@ from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
-from maru.client.chunks import AllocHandle, ChunkBook
+from maru.client.chunks import AllocHandle
 from maru.client.coherence import invalidate_ranges, software
 from maru.client.requests import Lookup, MemoryInfo
 from maru.client.writes import Put, Sealing, StoreOutcome, from_pointers
 from maru.common.errors import LeaseExpired, MaruError
-from maru.common.protocol import MsgType
+from maru.common.protocol import Key, MsgType
 from maru.common.region import RegionHandle
 
 if TYPE_CHECKING:
     from maru.client.cluster import ClusterPulls
     from maru.client.localindex import LocalIndexClient
-    from maru.client.mapping import RegionMapper
     from maru.client.rpc import PendingReply, RpcClient
     from maru.client.session import Session
     from maru.client.supply import RegionSupply
@@ -41,7 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("maru.client.handler")
 
-Key = str | bytes
 Buffer = bytes | bytearray | memoryview
 
 
@@ -75,8 +65,6 @@ class OriginalApi:
     _local_index: Callable[[], LocalIndexClient | None]
     _cluster: ClusterPulls
     _connected: bool
-    _chunks: ChunkBook
-    _mapper: RegionMapper
     _supply: RegionSupply
     _handshake: Callable[[], int]
     connect: Callable[[], bool]
@@ -90,8 +78,8 @@ class OriginalApi:
     # -- regions and pages -------------------------------------------------------------------
 
     def __enter__(self) -> Self:
-        """Raises the `MaruConnectError` of the constructor's connect (no second attempt: the
-        cause is said once), or of a first connect when `auto_connect` was off."""
+        """Raises the `MaruConnectError` of the constructor's connect (not tried again), or of
+        a first connect when `auto_connect` was off."""
         if not self._connected and (self.connect_error is not None or not self.connect()):
             error = self.connect_error
             self.close()
@@ -103,21 +91,21 @@ class OriginalApi:
         self.close()
 
     def get_chunk_size(self) -> int:
-        return self._chunks.chunk_size
+        return self._s.chunks.chunk_size
 
     def set_chunk_size(self, size: int | str) -> None:
         """Change the allocation unit before the first chunk is reserved (SGLang's page size
         is known only after connecting); the owned regions are cut again."""
         config = dataclasses.replace(self.config, chunk_size_bytes=size)  # validates it
-        if config.chunk_size_bytes == self._chunks.chunk_size:
+        if config.chunk_size_bytes == self._s.chunks.chunk_size:
             return
         # (under the supply's lock: no region taken ahead, `RegionSupply.ready`, is adopted
         # between the re-cut and the handshake's list of our regions, which would drop it)
         with self._supply.lock:
-            if not self._chunks.untouched():
+            if not self._s.chunks.untouched():
                 raise RuntimeError("set_chunk_size: chunks are already reserved")
-            owned = [m for m in map(self._mapper.get, self._chunks.region_ids()) if m]
-            self._chunks.set_chunk_size(config.chunk_size_bytes, owned)
+            owned = [m for m in map(self._s.mapper.get, self._s.chunks.region_ids()) if m]
+            self._s.chunks.set_chunk_size(config.chunk_size_bytes, owned)
             self._s.config = config
             if self._connected:  # the server counts our chunks in its page statistics
                 self._handshake()
@@ -219,8 +207,7 @@ class OriginalApi:
         return put.outcomes or [StoreOutcome.FAILED] * len(keys)
 
     def _store_datas(self, keys: Sequence[Key], datas: Sequence[Buffer]) -> Put:
-        """`put` of bytes: one Put whose values are copied from the buffers (refused ones
-        get no chunks)."""
+        """`put` of bytes, copied from the buffers (a refused value gets no chunks)."""
         self._ensure_connected()
         views = [_bytes_of(d) for d in datas]  # None: not bytes-like, refused as a bad key is
         sizes = [-1 if v is None else v.size for v in views]
@@ -261,11 +248,10 @@ class OriginalApi:
     @contextmanager
     def leased(self, keys: Sequence[Key]) -> Iterator[list[MemoryInfo | None]]:
         """`batch_retrieve` whose hits cannot be evicted or deleted until the block ends, and
-        proven: leaving the block confirms the lease (`release(confirm=True)`, one round
-        trip), and if it had ended before (the block outlived --lease-timeout, or the server
-        restarted) raises `LeaseExpired` naming the hits, whose pages may have been written
-        again meanwhile: what the block read from them is not theirs. A block left by an
-        exception just releases."""
+        proven: leaving the block confirms the lease (one round trip), and if it had ended
+        before (the block outlived --lease-timeout, or the server restarted) raises
+        `LeaseExpired` naming the hits: what the block read from them may not be theirs. A
+        block left by an exception just releases."""
         found = self.lookup(keys, lease=True)
         try:
             infos = found.infos()
@@ -305,12 +291,10 @@ class OriginalApi:
         return self.batch_delete([key])[0]
 
     def copying(self) -> AbstractContextManager[None]:
-        """Around a copy into or out of the pool at addresses this handler gave (its copy
-        releases the GIL): no region is unmapped under it, e.g. by another thread's
-        re-handshake with a restarted server; one unmapped meanwhile is closed after the last
-        such block (`RegionMapper.copying`). `read` and SGLang's, LMCache's and vLLM's copy
-        paths use it."""
-        return self._mapper.copying()
+        """Around a copy into or out of the pool at addresses this handler gave: no region is
+        unmapped under it (e.g. by another thread's re-handshake with a restarted server);
+        one unmapped meanwhile is closed after the last such block."""
+        return self._s.mapper.copying()
 
     # -- introspection -----------------------------------------------------------------------
 

@@ -9,11 +9,9 @@ The object lifecycle is the API, in Arrow Plasma's verbs; everything else is a c
     release   Lookup.release() / leaving its `with`
     delete    batch_delete(keys)
 
-`store`, `batch_store`, `retrieve`, `batch_retrieve`, `leased`, `exists`, `pin`... are those
-verbs put together (`maru.client.conveniences`); the write verb `put` and the read verb
-`read` / `read_many` hold the data path's algorithm (`maru.client.writes`, `reads`). Only
-metadata crosses the socket; a reader maps the writer's region (read-only) and reads the bytes
-where they were written.
+`store`, `retrieve`, `leased`, `exists`, `pin`... are those verbs put together
+(`maru.client.conveniences`); the write verb `put` and the read verbs `read` / `read_many`
+hold the data path (`maru.client.writes`, `reads`).
 """
 
 from __future__ import annotations
@@ -53,16 +51,9 @@ from maru.common.errors import (
     MaruNotConnected,
     MaruServerError,
 )
-from maru.common.protocol import (
-    DeleteStatus,
-    ErrorCode,
-    MsgType,
-)
+from maru.common.protocol import DeleteStatus, ErrorCode, Key, MsgType
 
 log = logging.getLogger(__name__)
-
-Key = str | bytes
-Buffer = bytes | bytearray | memoryview
 
 __all__ = ["AllocHandle", "MaruHandler", "MemoryInfo", "StoreOutcome"]
 
@@ -152,7 +143,7 @@ class MaruHandler(OriginalApi):
     @property
     def coherence(self) -> str | None:
         """The coherence mode agreed with the server ("hardware" or "software"; None before
-        the first handshake): `maru.client.coherence`."""
+        the first handshake)."""
         return self._coherence.mode
 
     @property
@@ -162,11 +153,10 @@ class MaruHandler(OriginalApi):
         return self._index is not None
 
     def connect(self) -> bool:
-        """Handshake with the server. No region is taken (`ready_at_connect`: in the
-        background): the first store takes one, so a connect succeeds even when the pool is
-        full. False if that fails: then `connect_error` says why (`MaruServerDown`,
-        `MaruConnectRefused`, `MaruVersionMismatch`) and one WARNING says it too. A refused
-        TCP connection fails at once, not after `timeout_ms`."""
+        """Handshake with the server; no region is taken (the first store takes one), so a
+        connect succeeds even when the pool is full. False if it fails: then `connect_error`
+        says why (`MaruServerDown`, `MaruConnectRefused`, `MaruVersionMismatch`), as does one
+        WARNING. A refused TCP connection fails at once, not after `timeout_ms`."""
         try:
             probe(self.config.server_url, self.config.timeout_ms)
             self._handshake()
@@ -186,13 +176,12 @@ class MaruHandler(OriginalApi):
 
     def close(self) -> None:
         """End this instance on the server (DISCONNECT: its pins and leases end, its regions
-        go back; keys stay readable by others until evicted) and unmap. A server that cannot
-        be reached reaps the instance after its heartbeat timeout instead. In a child forked
-        after the handler was made, only its copies of the Unix sockets go: the instance, its
-        threads and its locks are the parent's (one may have been held at the fork)."""
+        go back; keys stay readable until evicted) and unmap. In a child forked after the
+        handler was made, only its copies of the Unix sockets go: the instance, its threads
+        and its locks are the parent's (one may have been held at the fork)."""
         self._closed = True
         if self._rpc.forked():
-            self._connected, self._session = False, None
+            self._connected, self._rpc.session = False, None
             self._rpc.close()
             return
         self._heartbeat.stop(timeout=self.config.timeout_ms / 1000 + 1)
@@ -202,13 +191,12 @@ class MaruHandler(OriginalApi):
                 pending = self._request(MsgType.DISCONNECT, self._local_reads())
                 pending.retry = False  # a server that forgot us has nothing of ours to end
                 pending.result()
-            except MaruServerError as exc:
-                if exc.code != ErrorCode.UNKNOWN_INSTANCE:
-                    log.warning("disconnect from %s failed: %s", self.config.server_url, exc)
             except MaruError as exc:
-                log.warning("disconnect from %s failed: %s", self.config.server_url, exc)
+                forgot = isinstance(exc, MaruServerError) and exc.code == ErrorCode.UNKNOWN_INSTANCE
+                if not forgot:
+                    log.warning("disconnect from %s failed: %s", self.config.server_url, exc)
         self._index = None
-        self._session = None  # void now: never presented again
+        self._rpc.session = None  # void now: never presented again
         self._chunks.clear()
         self._mapper.close()
         self._coherence.release()
@@ -221,18 +209,16 @@ class MaruHandler(OriginalApi):
         return {"local_reads": reads} if reads else {}
 
     def _local_index(self) -> LocalIndexClient | None:
-        """The server's index to read through without a request, if it offered one; raises
-        `MaruForkedError` in a forked child, as a request would, and `MaruNotConnected`
-        before a connect or after close (every read and existence check comes here)."""
+        """The server's index to read through without a request, if it offered one (after
+        `_ensure_connected`: every read and existence check comes here)."""
         self._ensure_connected()
         return self._index
 
     def _ensure_connected(self) -> None:
-        """Raise `MaruNotConnected` unless connected: data operations before `connect()`
-        succeeded or after `close()` are a caller's mistake the original Maru raises for
-        ("Not connected"), not a miss or a False. (`stats()` needs no instance.) In a child
-        forked after the handler was made, `MaruForkedError`, first: before any lock, which
-        a thread of the parent may have held at the fork."""
+        """Raise `MaruNotConnected` unless connected (a data operation before `connect()`
+        succeeded or after `close()` is the caller's mistake, not a miss), and first, in a
+        child forked after the handler was made, `MaruForkedError`: before any lock, which a
+        thread of the parent may have held at the fork."""
         if self._connected:
             if FORKS[0] != self._rpc.forks:  # (`RpcClient.check_fork`, inline: every verb)
                 raise MaruForkedError(self._rpc.created_in)
@@ -255,23 +241,13 @@ class MaruHandler(OriginalApi):
         """The handler's one way to send: as this instance (`Session.request`)."""
         return self._s.request(msg_type, body)
 
-    @property
-    def _session(self) -> str | None:
-        """The credential the server gave this instance at handshake (config.instance_id is
-        the name it starts with); the RPC client puts it in every request."""
-        return self._rpc.session
-
-    @_session.setter
-    def _session(self, session: str | None) -> None:
-        self._rpc.session = session
-
     def _handshake(self) -> int:
         """(Re)attach to the server; returns how many of our regions it no longer knows."""
         body = {"name": self.config.instance_id, "pid": os.getpid()}
         body["chunk_size"] = self._chunks.chunk_size
         reply = self._request(MsgType.HANDSHAKE, body).result()
         self._mapper.place = prove_or_refuse(self._rpc, reply, self.config, self._coherence)
-        self._s.instance_id, self._session = reply["iid"], reply["session"]
+        self._s.instance_id, self._rpc.session = reply["iid"], reply["session"]
         if self.config.local_socket:
             self._rpc.use_local_socket(reply.get("local_socket"), reply.get("uid"))
         self._index = offered_index(self._s, self._rpc.local_address, self._index, reply, body)
@@ -281,11 +257,10 @@ class MaruHandler(OriginalApi):
 
     def _on_unknown_instance(self, msg_type: int, request: dict[str, Any]) -> dict[str, Any]:
         """The server does not know our instance (it restarted, or reaped us): handshake
-        again, once for all threads whose requests carried the old credential (an instance
-        the server kept nothing of comes back as a new one, with a new credential), and
-        return `request` as the instance's now (`RpcClient` calls this, then re-sends)."""
+        again, once for all threads whose requests carried the old credential, and return
+        `request` with the credential of now (`RpcClient` re-sends it)."""
         with self._rehandshake:
-            if request.get("session") == self._session:
+            if request.get("session") == self._rpc.session:
                 try:
                     lost = self._handshake()
                 except MaruConnectRefused as exc:  # (a new pool we do not map: no more I/O)
@@ -298,7 +273,7 @@ class MaruHandler(OriginalApi):
                         f"maru-server at {self.config.server_url} restarted and forgot {lost} "
                         "of our regions"
                     )
-        return {**request, "session": self._session} if "session" in request else request
+        return {**request, "session": self._rpc.session} if "session" in request else request
 
     def _on_reply(self, body: dict[str, Any]) -> None:
         freed = body.get("freed")
@@ -323,15 +298,10 @@ class MaruHandler(OriginalApi):
     # -- reserve, write, seal ----------------------------------------------------------------
 
     def alloc(self, size: int, count: int = 1) -> AllocHandle | None:
-        """Reserve `count` values of `size` bytes as one contiguous run of chunks; None when
-        the pool cannot supply them.
-
-        Order of resort: free chunks in owned regions (parked ones unparked); a new region
-        while we hold less than `pool_size` (the server reclaims other instances' idle regions
-        for it when the pool is full); for a single value, evicting the least-recently-used
-        idle keys in our own regions (the server picks them and tells us which chunks came
-        free), with one request for a whole run (count > 1); None if the chunks it freed hold
-        no run: reserve value by value then, into those chunks."""
+        """Reserve `count` values of `size` bytes as one contiguous run of chunks: free
+        chunks in owned regions, else a new region below `pool_size`, else our own idle keys
+        evicted (docs/architecture.md, reserve). None when the pool cannot supply them, or
+        the chunks freed hold no run: reserve value by value then."""
         if size <= 0 or count <= 0:
             raise ValueError(f"alloc needs a positive size and count, got {size}, {count}")
         self._ensure_connected()  # (in a forked child: our chunks are the parent's)
@@ -339,7 +309,7 @@ class MaruHandler(OriginalApi):
 
     def _may_write(self) -> bool:
         """Not while the server has been silent for two heartbeat intervals and does not
-        answer now (`RpcClient.answers`: a writer it may have reaped fences itself)."""
+        answer now (`RpcClient.answers`)."""
         silent = self._rpc.last_reply < time.monotonic() - 2 * self._heartbeat.interval
         return not silent or self._rpc.answers()
 
@@ -359,13 +329,11 @@ class MaruHandler(OriginalApi):
         checksums: np.ndarray | None = None,
     ) -> Sealing:
         """Publish written values under `keys` with one REGISTER_KV, sent now; `.wait()` gives
-        a bool per key. `handles`: one run holding every value (value i under `keys[i]`) or
-        one handle per key (None: nothing reserved, that key fails); `lengths`: the values'
-        byte lengths (one for all, or per key; default the size they were reserved for).
-        `.outcomes()` tells a key STORED now from one that EXISTED (first writer won).
+        a bool per key, `.outcomes()` STORED or EXISTED (first writer won). `handles`: one
+        run holding every value (value i under `keys[i]`) or one handle per key (None: that
+        key fails); `lengths`: one for all, or per key (default the size reserved).
         `checksums`: with `maru_checksums`, each value's maru64 made during the copy
-        (`maru.client.memcopy.copy_many_hashed`); without, they are hashed in the pool. In
-        software coherence the values are written back first (`write_back_handles`)."""
+        (`copy_many_hashed`); without, they are hashed in the pool."""
         sealing = self.prepare_seal(keys, handles, lengths)
         write_back_handles(handles, lengths)
         return sealing.send(checksums)
@@ -379,9 +347,8 @@ class MaruHandler(OriginalApi):
         """`seal`'s work that reads no value (key checks, the location columns), e.g. while
         the values are still being copied; `.send(checksums)` once they are written."""
         self._ensure_connected()
-        refuse_bad_stores(
-            keys, (), self.refused_stores, self.instance_id
-        )  # (said here; the server rejects them)
+        # (logged here; the server rejects them)
+        refuse_bad_stores(keys, (), self.refused_stores, self.instance_id)
         return Sealing(self._s, keys, handles, lengths)
 
     def put(self, puts: Sequence[Put], *, behind: bool = False) -> None:
@@ -398,7 +365,7 @@ class MaruHandler(OriginalApi):
 
     def confirm_writes(self, wait: bool = True) -> int:
         """Read the replies of this thread's write-behind `put`s: how many values they
-        reported stored were not registered (`maru.client.writes.Writes.confirm`)."""
+        reported stored were not registered."""
         if threading.get_ident() not in self._writes.unconfirmed_threads:  # (a read's case)
             return 0
         return self._writes.confirm(wait)
@@ -419,15 +386,13 @@ class MaruHandler(OriginalApi):
                 ...copy from found.addresses (int64; 0 for a miss), found.lengths...
             # leaving the block releases the lease
 
-        With `lease` the hits cannot be evicted or deleted until released. Use it from the
+        With `lease` the hits cannot be evicted or deleted until released; use it from the
         thread that made it. `for_copy`: the caller copies the hits out, then takes as misses
-        what `corrupt()` names (or the whole batch if `release(confirm=True)` says False):
-        then the server's local index may answer without a request (no lease: each hit is
-        validated after the copy instead; `maru.client.localindex`). `prefix`: the keys are
-        `prefix + key` (one prefix of the keys' type, or a sequence of them, one per key),
-        never joined by the local index (each key hashed and compared in its two parts), and
-        joined here for a request. With a cluster tier behind the pool, the misses it holds
-        are pulled first (`ClusterPulls.pull`: one wait within --cluster-lookup-ms)."""
+        what `corrupt()` names (or all if `release(confirm=True)` says False); then the
+        server's local index may answer without a request (each hit validated after the copy
+        instead of leased). `prefix`: the keys are `prefix + key` (one prefix of the keys'
+        type, or one per key). With a cluster tier behind the pool, the misses it holds are
+        pulled first (one wait within --cluster-lookup-ms)."""
         if self._cluster.budget_s:
             self._cluster.pull(keys, prefix, self._local_index())
         return self._lookup(keys, lease, for_copy, prefix)
@@ -453,38 +418,31 @@ class MaruHandler(OriginalApi):
     ) -> list[bool]:
         """Copy each key's value of `length` bytes (parts of `sizes` back to back) into its
         row of `buffers` (int64 (keys, parts) pointers) and prove it: per key True where the
-        bytes copied are the ones its writer stored. A miss, another length, an entry that
-        changed during the copy, a lease that ended, and with `maru_checksums` bytes unlike
-        their checksum (hashed as they are copied) are False; the rows of False keys may
-        have been written. On the local index one C call, no Python between probe, copy and
-        check; else a leased `lookup`, its `copy_out`, `corrupt()` and
-        `release(confirm=True)`; this thread's write-behind `put`s confirmed first."""
+        bytes copied are the ones its writer stored; False for a miss, another length, an
+        entry that changed during the copy, a lease that ended, and with `maru_checksums`
+        bytes unlike their checksum (the rows of False keys may have been written). This
+        thread's write-behind `put`s are confirmed first."""
         self._ensure_connected()
         self.confirm_writes()
         if self._cluster.budget_s:  # (the misses a cluster tier holds, pulled first)
             self._cluster.pull(keys, prefix, self._index)
-        with self._copying:
-            return self._read(keys, buffers, sizes, length, prefix)
-
-    def _read(
-        self, keys: Sequence[Key], buffers: np.ndarray, sizes: Any, length: int, prefix: Prefix
-    ) -> list[bool]:
         hashed = self.config.checksums
-        index = self._index  # (`read` checked the handler usable: `_ensure_connected`)
-        if index is not None:
-            proven = index.read(self._s, keys, prefix, buffers, sizes, length, hashed)
-            if proven is not None:
-                return proven
-        copy = functools.partial(
-            copy_values,
-            buffers=buffers,
-            sizes=sizes,
-            to_values=False,
-            hashed=hashed,
-            threads=self.config.copy_threads,
-        )
-        found = self._lookup(keys, True, True, prefix)
-        return copy_and_prove(found, [(len(keys), length, copy)])[0].tolist()
+        with self._copying:
+            index = self._index
+            if index is not None:
+                proven = index.read(self._s, keys, prefix, buffers, sizes, length, hashed)
+                if proven is not None:
+                    return proven
+            copy = functools.partial(
+                copy_values,
+                buffers=buffers,
+                sizes=sizes,
+                to_values=False,
+                hashed=hashed,
+                threads=self.config.copy_threads,
+            )
+            found = self._lookup(keys, True, True, prefix)
+            return copy_and_prove(found, [(len(keys), length, copy)])[0].tolist()
 
     def read_many(
         self,

@@ -1,26 +1,20 @@
 """A client's side of the local index: keys found in the table its server publishes in shared
 memory, without a request (docs/architecture.md "The local index").
 
-The /dev/shm table is offered only to clients on the server's node: the HANDSHAKE reply names
-it only on the Unix socket. The in-pool table (`maru-server --index-slots`) is offered to every
-client, over TCP too (a host of a CXL pod): it lies in the pool, mapped through the path the
-client proved the pool's mark at (`maru.client.poolpath`), and read with the software coherence
-this process agreed on (`maru.client.coherence`). It is fixed at the server's start and never
-replaced: once retired (the server stopped or started again, formatted it anew) the request
-path serves until the next HANDSHAKE offers the new one.
+The /dev/shm table is offered only on the Unix socket (clients on the server's node). The
+in-pool table (`maru-server --index-slots`) is offered to every client, over TCP too: it lies
+in the pool, mapped through the path the client proved the pool's mark at
+(`maru.client.poolpath`), read with this process's coherence; it is never replaced: once
+retired, the request path serves until the next HANDSHAKE offers the new one.
 
-`exists` needs only the probe. A copying read (`MaruHandler.lookup(keys, for_copy=True)`) gets
-an `IndexLookup`: the locations from the table, no lease; after its copy the caller asks
-`corrupt()` (or `release(confirm=True)`), which checks that every hit's slot still has the seq
-it was read with and that the table is still current: if not, that key is a miss, whatever was
-copied. The server changes a key's slot before the key's pages can be reused, so an unchanged
-slot proves the copy read the key's bytes. `MaruHandler.read` does all of it in one C call
-(`LocalIndexClient.read`: probe, copy, check).
+A copying read gets the locations from the table, no lease; after its copy every hit's slot
+must still have the seq it was read with, in a table still current, or the key is a miss,
+whatever was copied. The server changes a key's slot before the key's pages can be reused, so
+an unchanged slot proves the copy read the key's bytes.
 
 The request path serves what the table cannot: a key longer than the table holds, a region
-not mapped here yet or mapped from another pool life (its tag differs: the request maps it
-afresh, later reads find it), and everything while no current table can be found (the server
-stopped, or it turned its index off).
+not mapped here yet or from another pool life (its tag differs), and everything while no
+current table can be found.
 """
 
 from __future__ import annotations
@@ -125,12 +119,10 @@ def offered_index(
     reply: dict[str, Any],
     body: dict[str, Any],
 ) -> LocalIndexClient | None:
-    """The index a HANDSHAKE reply names, if `maru_local_index` is on. The server names it
-    only in a reply on its Unix socket: when the reply came over TCP (a first handshake) and
-    the handler now has the Unix socket, it asks there once more (the same instance
-    resumes; `local_address`: the Unix socket's, None if the handler has none). `current`:
-    the index the handler reads now (kept if the reply names the same table). The in-pool
-    table, where the reply offers one, is read on every socket."""
+    """The index a HANDSHAKE reply names, if `maru_local_index` is on. The server names the
+    /dev/shm table only in a reply on its Unix socket: when the reply came over TCP and the
+    handler has the Unix socket (`local_address`), it asks there once more. `current`: the
+    index the handler reads now (kept if the reply names the same table)."""
     if not session.config.local_index:
         return None
     offer, place = reply.get("pool_index"), session.mapper.place
@@ -166,10 +158,9 @@ class LocalIndexClient:
         self.base = base_of(path) if path is not None else None
         self._reader = reader
         self._next_find = 0.0
-        # Since the last report to the server (`take_reads`): keys looked up for a copy, hits
-        # among them (less those found changed after the copy), keys checked for existence,
-        # hits among them. And in all: hits found changed after the copy, batches sent to
-        # the server instead.
+        # Since the last report (`take_reads`): keys looked up for a copy, hits among them,
+        # keys checked for existence, hits among them. In all: hits found changed after the
+        # copy, batches sent to the server instead.
         self.reads = [0, 0, 0, 0]
         self.stale = self.fallbacks = 0
 
@@ -202,9 +193,8 @@ class LocalIndexClient:
         return cls(None, None, reader)
 
     def reader(self) -> Any | None:
-        """The current table: this one, the one that replaced it (its successor), or the
-        newest table of the server's pool (looked for at most every FIND_EVERY_S); None if
-        there is none (the server stopped or turned the index off)."""
+        """The current table: this one, its successor, or the newest table of the server's
+        pool (looked for at most every FIND_EVERY_S); None if there is none."""
         reader = self._reader
         if reader is not None and not reader.retired:
             return reader
@@ -257,9 +247,8 @@ class LocalIndexClient:
     def lookup(
         self, session: Session, keys: Sequence[Key], prefix: Prefix = ""
     ) -> IndexLookup | None:
-        """An `IndexLookup` of `keys` (each `prefix + key`); None when the server must be asked
-        (see the module). The probe turns each hit's location into an address through the
-        regions mapped here (`RegionMapper.rows`): a location outside its region is a miss."""
+        """An `IndexLookup` of `keys` (each `prefix + key`); None when the server must be asked.
+        A location outside its region (`RegionMapper.rows`) is a miss."""
         reader = self.reader()
         raw = reader.probe(keys, session.mapper.rows, prefix=prefix) if reader else None
         if raw is None:
@@ -281,10 +270,9 @@ class LocalIndexClient:
         length: int,
         hashed: bool,
     ) -> list[bool] | None:
-        """`MaruHandler.read` on the index: probe, copy and check in one C call
-        (`Reader.read`; the copy shared by `maru_copy_threads` threads), so that no Python
-        runs between them; per key True where its value was copied and proven. None when
-        the server must be asked (nothing was copied)."""
+        """`MaruHandler.read` on the index: probe, copy and check in one C call, so that no
+        Python runs between them; per key True where its value was copied and proven. None
+        when the server must be asked (nothing was copied)."""
         reader = self.reader()
         out = None
         if reader is not None:
@@ -327,7 +315,7 @@ class LocalIndexClient:
 class IndexLookup(Lookup):
     """A `Lookup` answered by the local index: no request, no lease. Copy the hits out, then
     call `corrupt()` (per key) or `release(confirm=True)` (the batch): a hit whose slot changed
-    or whose table was retired since the probe is a miss, whatever was copied."""
+    or whose table was retired since the probe is a miss."""
 
     def __init__(
         self,
@@ -372,9 +360,9 @@ class IndexLookup(Lookup):
         return count
 
     def corrupt(self, computed: np.ndarray | None = None) -> np.ndarray:
-        """After the copy: per key, True where the hit is not proven: its entry changed (or
-        its table was retired) since the probe, or, with `maru_checksums`, its bytes no
-        longer match its writer's checksum. Take those keys as misses."""
+        """After the copy: per key, True where the hit is not proven (its entry changed since
+        the probe, or, with `maru_checksums`, its bytes do not match its writer's checksum).
+        Take those keys as misses."""
         self._validate()
         return super().corrupt(computed)
 

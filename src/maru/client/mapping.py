@@ -1,27 +1,23 @@
 """Client-side mapping of regions: mmap on first use, cached for the handler's lifetime.
 
-Copies into and out of mapped regions run without the GIL (`maru.client.memcopy`), so another
-thread may unmap a region meanwhile: a re-handshake after a server restart drops the regions
-the server forgot. Closing the mapping under a running copy, or before a copy of addresses
-taken from it just before, would crash the process, or, once the address is reused by the
-next mmap, put the copy's bytes into another region. So an unmapped region leaves the lookup
-tables at once but is closed only once no copy is in flight (`RegionMapper.copying()`, around
-every copy) and `retire_s` have passed (addresses taken before the unmap are used within
-milliseconds: an allocation's copy, a lookup's read). `close()` (the handler closes) waits,
-a bounded time, for the copies in flight, and leaves what they still use mapped for the last
-of them to close; a copy of stale addresses after that faults, which the copy loops take as
-a failed copy (`maru.client.memcopy`), not a crash.
+Copies into and out of mapped regions run without the GIL, so another thread may unmap a
+region meanwhile (a re-handshake after a server restart drops the regions the server forgot).
+Closing the mapping under a running copy, or before a copy of addresses taken from it just
+before, would crash the process, or, once the address is reused by the next mmap, put the
+copy's bytes into another region. So an unmapped region leaves the lookup tables at once but
+is closed only once no copy is in flight (`RegionMapper.copying()`, around every copy) and
+`retire_s` have passed (addresses taken before the unmap are used within milliseconds).
+`close()` waits, a bounded time, for the copies in flight, and leaves what they still use
+mapped for the last of them to close; a copy of stale addresses after that faults, which the
+copy loops take as a failed copy, not a crash.
 
 A mapper made with `populate=True` (the handler's, with `eager_map`) maps every page of a
 region in bulk right after it maps it, on a background thread, so that the first copy
-through a new mapping does not fault once per 4 KiB page (a writer's own region for writing,
-another instance's for reading: MADV_POPULATE_WRITE / MADV_POPULATE_READ, Linux 5.14; on an
-older kernel MAP_POPULATE, on the mapping's own path). Only the pages the file already holds
-are populated (SEEK_DATA): populating a hole would allocate memory the pool does not use
-yet, so a writer's region is populated where the pool was preallocated or written before;
-a region the writer took ahead of its writes (`RegionSupply.ready`) is populated whole.
-A copy that comes first faults as it would have; a populate that fails (the pool truncated
-under it: EFAULT where a touch would be a SIGBUS) is logged and stops, never a crash.
+through a new mapping does not fault once per 4 KiB page (MADV_POPULATE_WRITE / _READ, Linux
+5.14; on an older kernel MAP_POPULATE, on the mapping's own path). Only the pages the file
+already holds are populated (SEEK_DATA): populating a hole would allocate memory the pool does
+not use yet; a region the writer took ahead of its writes (`RegionSupply.ready`) is populated
+whole.
 """
 
 from __future__ import annotations
@@ -119,8 +115,8 @@ class RegionMapper:
 
     def copying(self) -> CopyGate:
         """Around a copy into or out of mapped regions, from before its addresses are taken
-        (an allocation, a lookup) to its end: no region is closed until every such block has
-        ended (see the module). Reentrant, shared by threads; the same object every time."""
+        to its end: no region is closed until every such block has ended (see the module).
+        Reentrant, shared by threads; the same object every time."""
         return self._gate
 
     def _copies_ended(self) -> None:
@@ -132,8 +128,7 @@ class RegionMapper:
             self._close_retired_locked()
 
     def _close_retired_locked(self) -> None:
-        """Close the unmapped regions that no copy can still be using (see the module); the
-        gate calls back while some wait (or `close()` waits)."""
+        """Close the unmapped regions that no copy can still be using (see the module)."""
         self._gate.wanted = bool(self._retired) or self._closing
         if self._gate.active or not self._retired:
             return
@@ -214,8 +209,8 @@ class RegionMapper:
             self.populate(mapped)
 
     def wait_populated(self, timeout: float) -> bool:
-        """Wait up to `timeout` s until the regions mapped so far are populated (a benchmark,
-        a test); False if some still are not."""
+        """Wait up to `timeout` s until the regions mapped so far are populated; False if some
+        still are not."""
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
@@ -227,13 +222,11 @@ class RegionMapper:
                 return False
 
     def populate(self, mapped: MappedRegion) -> bool:
-        """Map the pages of `mapped` that its file held when it was mapped (on the populate
-        thread: when it looks, off the mapping's path), or all of them, in steps of
-        `POPULATE_STEP` (our own region's last first), each in a `copying()` block (so the
-        region is not closed under it) and only while it is still mapped here. False
-        (logged) when the kernel refused: e.g. the pool was truncated under the region
-        (EFAULT, where a touch would be a SIGBUS); the region stays usable, its copies fault
-        in what they touch."""
+        """Map the pages of `mapped` that its file held (`backed`), in steps of `POPULATE_STEP`,
+        each in a `copying()` block (so the region is not closed under it) and only while it
+        is still mapped here. False (logged) when the kernel refused: e.g. the pool was
+        truncated under the region (EFAULT, where a touch would be a SIGBUS); the region stays
+        usable, its copies fault in what they touch."""
         advice = MADV_POPULATE_WRITE if mapped.writable else MADV_POPULATE_READ
         region_id = mapped.handle.region_id
         if mapped.backed is None:
@@ -316,10 +309,9 @@ class RegionMapper:
         self.rows = np.array(rows, np.int64).reshape(len(rows), 4)
 
     def close(self) -> None:
-        """Unmap every region, and close them once the copies in flight have ended (the
-        handler is closing; another thread may still copy, e.g. a read that began before):
-        waits up to `close_wait_s` for them, then leaves the regions they may use for the
-        last of them to close (logged), never closing a mapping under a running copy."""
+        """Unmap every region, and close them once the copies in flight have ended: waits up to
+        `close_wait_s` for them, then leaves the regions they may use for the last of them to
+        close (logged), never closing a mapping under a running copy."""
         with self._lock:
             self._closing = True
             for region_id in list(self._regions):

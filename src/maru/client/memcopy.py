@@ -1,25 +1,9 @@
-"""Copying many page parts at once: the data path's only loop over pages.
+"""Copying many page parts at once: the data path's only loop over pages, in C
+(`maru.client._memcopy`, built with the package) without the GIL.
 
-`copy_many(dst, src, size)` does `memmove(dst[i], src[i], size)` for every i, with the
-addresses in int64 numpy arrays. The loop runs in C (`maru.client._memcopy`, built with the
-package) without the GIL.
-
-By default the C loop writes parts of 4 KiB or more that do not overlap with non-temporal
-(streaming) stores on x86 and ends with a store fence: the bytes go to memory without first
-pulling every destination line into the cache (why: `_memcopy.c`). `streaming=False` is plain
-memmove (the benchmark's baseline).
-
-`copy_values(starts, buffers, sizes, to_values=...)` is the data path's form of it: values
-stored as their parts back to back (KV pages in the pool) to or from the parts' buffers
-elsewhere (host or device pool pages), misses skipped, optionally hashed; MaruStorage, the
-vLLM connector and the benchmarks' baselines copy through it.
-
-`copy_values_start` begins the same copy and returns a `CopyStarted`: the copier threads copy
-while the caller does other work, `finish()` does the caller's part and waits for theirs.
-
-`copy_many_hashed` is the same copy that also returns each value's checksum (maru64,
-`maru.client.checksum`), hashed a few KiB at a time right after they were copied, from the
-source, while they are in cache (`maru_checksums` on the data path).
+The C loops write parts of 4 KiB or more that do not overlap with non-temporal (streaming)
+stores on x86 and end with a store fence (why: `_memcopy.c`); `streaming=False` is plain
+memmove (the benchmarks' baseline).
 
 Faults: the pool is a file other processes can change under a copy (truncated, or its tmpfs
 filled by someone else: SIGBUS on the page; unmapped: SIGSEGV). The C loops copy each value
@@ -39,12 +23,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-# page_pointers(address, count, page, affine) -> bytes: the pointers of a batch's pages in a
-# pool whose parts lie at affine addresses, from the `count` int64 token indices at `address`
-# (memory the caller keeps alive, read in place: an SGLang host-indices tensor's data): page p
-# starts at token `indices[p * page]`, its part j at `affine[j, 0] + index * affine[j, 1]`; a
-# (pages, parts) int64 table's bytes. In C, called as it is: numpy's slice, cast, multiply and
-# add cost more than the arithmetic from cold caches (what the data path meets after a copy).
+# page_pointers (see its C docstring) reads the `count` int64 indices at `address` in place
+# (memory the caller keeps alive: an SGLang host-indices tensor's data). Called as it is: numpy's
+# slice, cast, multiply and add cost more than the arithmetic from cold caches.
 from maru.client._memcopy import (
     COPY_VALUES,  # (its C loop, for the local index's read)
     STREAMING,
@@ -83,11 +64,9 @@ def faulted(exc: CopyFaultError) -> np.ndarray:
 def copy_many(
     dst: np.ndarray, src: np.ndarray, size: int | Sequence[int], *, streaming: bool = True
 ) -> None:
-    """memmove `size` bytes from each address of `src` to the same index of `dst` (streaming
-    stores where the C loop has them and the ranges do not overlap). `dst` and `src` may be
-    (values, parts) arrays with `size` one per part (a column): buffers are copied value by
-    value, each value's parts in order, which reads a source whose parts lie back to back in
-    address order (faster than part by part: `_memcopy.c`)."""
+    """memmove `size` bytes from each address of `src` to the same index of `dst`. `dst` and
+    `src` may be (values, parts) arrays with `size` one per part: copied value by value, each
+    value's parts in order (a source whose parts lie back to back is read in address order)."""
     dst = np.ascontiguousarray(dst, dtype=np.int64)
     src = np.ascontiguousarray(src, dtype=np.int64)
     if dst.shape != src.shape:
@@ -116,13 +95,9 @@ def copy_values(
     parts' buffers elsewhere (a host or device pool's pages): value i starts at `starts[i]`
     (0: a miss, skipped), its part j is `sizes[j]` bytes at `starts[i] + sum(sizes[:j])`,
     and `buffers[i, j]` is that part's other side. `to_values`: buffers -> values (a store),
-    else values -> buffers (a load). Value by value, each value's parts in address order
-    (`copy_many`). `hashed` (`maru_checksums`): returns each value's maru64 as copied (0 where
-    skipped), else None. `streaming=False`: plain memmove (the benchmarks' baseline). The data
-    path's copy: one C call, no array built per call. `threads` (`maru_copy_threads`): shared
-    by the calling thread and up to `threads - 1` copier threads of the process, at most one
-    per MiB, taking 256 KiB blocks in turn (`_memcopy.c`): one core's copy loop moves less
-    than the memory takes (two threads: 1.25-1.5x one here, docs/performance.md)."""
+    else values -> buffers (a load). `hashed` (`maru_checksums`): returns each value's maru64
+    as copied (0 where skipped), else None. `threads` (`maru_copy_threads`): shared by the
+    calling thread and up to `threads - 1` copier threads of the process (`_memcopy.c`)."""
     starts, buffers, sizes = _value_columns(starts, buffers, sizes)
     out = _c_copy_values(starts, buffers, sizes, to_values, streaming, hashed, threads)
     return np.frombuffer(out, np.int64) if hashed else None
@@ -169,10 +144,9 @@ def copy_values_start(
     threads: int = 1,
 ) -> CopyStarted:
     """`copy_values` begun: the copier threads (`threads` > 1) start on it now, while the
-    caller does other work (a write builds its registration and reads earlier replies);
-    `finish()` does the caller's part and waits for theirs (one block at most). With one
-    thread the copy is done here. `starts`, `buffers` and the
-    bytes they point at must stay as they are until `finish()` returns."""
+    caller does other work; `finish()` does the caller's part and waits for theirs. With one
+    thread the copy is done here. `starts`, `buffers` and the bytes they point at must stay
+    as they are until `finish()` returns."""
     if threads <= 1:
         result = copy_values(
             starts, buffers, sizes, to_values=to_values, hashed=hashed, streaming=streaming

@@ -1,10 +1,9 @@
 """The read verb's request path (`MaruHandler.read` / `read_many`): a leased lookup, the
-caller's copies, the proof, the release.
+caller's copies, the proof, the release. (The local index's path is `LocalIndexClient.read`.)
 
 A hit is the bytes its writer stored or it is a miss: after the copies, a key whose bytes no
 longer hash to its writer's checksum (`maru_checksums`) is a miss, and so is every key if the
-lease ended before it was released (`Lookup.release(confirm=True)`). The local index's path
-(one C call: probe, copy, check) is `LocalIndexClient.read`; this is the one for the rest.
+lease ended before it was released.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The read's batch request, `Lookup` (LOOKUP_KV), one request in flight: sent when made, so
-the caller can do other work (compute host pointers) while the server answers; and what a
-lookup's hits are (`MemoryInfo`). The write's request, `Sealing`, is the write verb's
-(`maru.client.writes`).
+"""The read's batch request, `Lookup` (LOOKUP_KV): sent when made, so the caller can do other
+work while the server answers; and what a lookup's hits are (`MemoryInfo`).
 """
 
 from __future__ import annotations
@@ -17,11 +15,7 @@ from maru.client.checksum import checksums
 from maru.client.coherence import invalidate_ranges
 from maru.client.memcopy import CopyFaultError, faulted
 from maru.common.errors import MaruError
-from maru.common.protocol import (
-    CHECKSUMS,
-    MsgType,
-    RegisterStatus,
-)
+from maru.common.protocol import CHECKSUMS, Key, MsgType
 from maru.common.region import RegionHandle
 
 if TYPE_CHECKING:
@@ -29,10 +23,6 @@ if TYPE_CHECKING:
     from maru.client.session import Session
 
 log = logging.getLogger(__name__)
-
-Key = str | bytes
-_REGISTERED, _EXISTS = int(RegisterStatus.REGISTERED), int(RegisterStatus.EXISTS)
-_REJECTED = int(RegisterStatus.REJECTED)
 
 
 class RegionsLost(MaruError):
@@ -59,8 +49,7 @@ class Lookup:
     arrays (0 and 0 for a miss), and `infos()` a `MemoryInfo` per key; with `lease`, the hits
     cannot be evicted or deleted until `release()` (leaving the `with` block) or the server's
     lease timeout. A failed or malformed lookup reads as misses, never as an exception in the
-    middle of a prefetch. With `maru_checksums`, `corrupt()` (called after the copy) tells the
-    hits whose bytes no longer match their writer's checksum."""
+    middle of a prefetch."""
 
     def __init__(self, session: Session, keys: Sequence[Key], lease: bool, *, send=True):
         """`send`: send the LOOKUP_KV now (False: a subclass has the answer already)."""
@@ -102,8 +91,7 @@ class Lookup:
     def _read_reply(self) -> None:
         n = self.n
         zeros = np.zeros(n, np.int64)
-        self.addresses, self.lengths, self._offsets, self._region_ids = zeros, zeros, zeros, zeros
-        self._checksums = zeros
+        self.addresses = self.lengths = self._offsets = self._region_ids = self._checksums = zeros
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
@@ -136,10 +124,9 @@ class Lookup:
             addresses[here] = offsets[here] + mapped.address
             found |= here
         if not found.all():
-            lengths = np.where(found, lengths, 0)
-            offsets = np.where(found, offsets, 0)
-            region_ids = np.where(found, region_ids, 0)
-            sums = np.where(found, sums, 0)
+            lengths, offsets, region_ids, sums = (
+                np.where(found, column, 0) for column in (lengths, offsets, region_ids, sums)
+            )
         self.addresses, self.lengths = addresses, lengths
         self._offsets, self._region_ids, self._checksums = offsets, region_ids, sums
 
@@ -153,13 +140,11 @@ class Lookup:
     ) -> np.ndarray:
         """Copy the hits among keys[start:stop] that have `length` bytes: `copy(sources)` copies
         the value at each source address (0: skip it) and returns each one's checksum as
-        copied (`maru_checksums`, for `corrupt()`) or None (e.g. `copy_values` into host
-        buffers). Returns per key whether it was copied (also in `copied`); a hit of another
-        length is not (logged: a miss). Then, as after any copy, take as misses what
-        `corrupt()` names and everything if `release(confirm=True)` says False. A copy whose
-        pool memory faulted (`CopyFaultError`: the pool's file truncated under it, say)
-        copied nothing of keys[start:stop] that can be proven: all of them are misses
-        (logged), and `corrupt()` reads none of them again."""
+        copied (for `corrupt()`) or None. Returns per key whether it was copied (also in
+        `copied`); a hit of another length is not (logged: a miss). Then take as misses what
+        `corrupt()` names, and everything if `release(confirm=True)` says False. A copy whose
+        pool memory faulted (`CopyFaultError`: the pool's file truncated, say) makes all of
+        keys[start:stop] misses (logged), which `corrupt()` does not read again."""
         addresses, lengths = self.wait()
         seg = slice(start, self.n if stop is None else stop)
         copied = lengths[seg] == length
@@ -196,15 +181,12 @@ class Lookup:
 
     def corrupt(self, computed: np.ndarray | None = None) -> np.ndarray:
         """Per key, True where `maru_checksums` is on and the hit's bytes no longer hash to the
-        checksum its writer stored with it: the page changed after it was sealed (a stray
-        write, a reused page, memory that is not the one written). Call it after the copy, so
-        that a page changed before or during the copy is caught; take those keys as misses.
-        `computed`: per key, the checksum of the bytes as the caller copied them
-        (`copy_many_hashed`; 0: not hashed; by default what `copy_out` hashed), so nothing is
-        read again; the other hits are hashed here, in the pool. Misses and keys stored
-        without a checksum are False. Each key is logged at ERROR and counted in
-        `MaruHandler.checksum_mismatches` once per lookup (a key found corrupt stays so for
-        the lookup)."""
+        checksum its writer stored (a stray write, a reused page, other memory). Call it after
+        the copy, so that a page changed before or during the copy is caught; take those keys
+        as misses. `computed`: per key, the checksum of the bytes as the caller copied them
+        (0: not hashed; by default what `copy_out` hashed); the other hits are hashed here, in
+        the pool. Misses and keys stored without a checksum are False. Each key is logged at
+        ERROR and counted in `MaruHandler.checksum_mismatches` once per lookup."""
         self.wait()
         assert self._checksums is not None and self._offsets is not None
         if self._corrupt is None:
@@ -263,19 +245,16 @@ class Lookup:
             if mapped is None:
                 out.append(None)
                 continue
-            view = mapped.view[offset : offset + length]
-            if not view.readonly:
-                view = view.toreadonly()
+            view = mapped.view[offset : offset + length].toreadonly()
             out.append(MemoryInfo(view, region_id, offset // chunk, offset, length, address))
         return out
 
     def release(self, confirm: bool = False) -> bool:
-        """End the lease. Fire and forget by default (the reply is collected by a later
-        request; if it never arrives the lease expires on the server). With `confirm`, wait
-        for the server's answer: True if the lease still held until now, so that what was read
-        under it is the keys' bytes; False if it had ended before (expired during a copy
-        longer than --lease-timeout, or the server restarted and forgot it): the pages may
-        have been reused meanwhile, and what was read must be taken as misses."""
+        """End the lease, without waiting by default (if the reply never comes the lease
+        expires on the server). With `confirm`: True if the lease held until now, so that
+        what was read under it is the keys' bytes; False if it had ended before (outlived
+        --lease-timeout, or the server restarted): the pages may have been reused meanwhile,
+        and what was read must be taken as misses."""
         if self.addresses is None and self._pending is not None:
             self.wait()  # a lease may be held even if the caller never looked
         lease_id, self.lease_id = self.lease_id, 0
@@ -287,12 +266,8 @@ class Lookup:
             pending = self._s.request(MsgType.RELEASE, {"leases": [lease_id]})
             return not confirm or pending.result()["released"] == 1
         except MaruError as exc:
-            log.log(
-                logging.WARNING if confirm else logging.DEBUG,
-                "releasing lease %d failed: %s",
-                lease_id,
-                exc,
-            )
+            level = logging.WARNING if confirm else logging.DEBUG
+            log.log(level, "releasing lease %d failed: %s", lease_id, exc)
             return False
 
 

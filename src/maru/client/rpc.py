@@ -1,23 +1,14 @@
 """The one RPC client: `maru.common.protocol` frames to the server, replies matched by id.
 
-Two transports carry the same frames. ZMQ (a DEALER socket to the server's ROUTER, the
-`server_url`) always works and bootstraps the connection. The server also listens on a Unix
-socket and names it in the HANDSHAKE reply; once told, each thread sends its requests there
-instead: a round trip on a plain Unix socket costs a fraction of one through ZMQ's I/O threads
-(see docs/performance.md). If that socket cannot be reached (another network namespace, say),
-requests keep going over ZMQ.
-
-Each thread gets its own channel (ZMQ sockets are not thread-safe), so SGLang's backup,
-prefetch and scheduler threads never serialise on a lock. There is one way to send:
+Two transports carry the same frames: ZMQ (a DEALER socket to the server's ROUTER, the
+`server_url`) always works and bootstraps the connection; once the HANDSHAKE reply names the
+server's Unix socket, requests go there instead (a much cheaper round trip). Each thread has
+its own channel (ZMQ sockets are not thread-safe), so threads never serialise on a lock.
 `request(msg_type, body)` sends at once and returns a `PendingReply` (at most `max_inflight`
-outstanding per thread: `maru_use_async_rpc=false` sets it to 1, so each request waits for the
-one before); `PendingReply.result()` waits for it. Everything that can go wrong with a reply is
-handled in that one place: the deadline (a dead server yields `MaruConnectionError`, never a
-hang), an error reply (`MaruServerError`), a server of another protocol version (an error
-naming both), and a server that restarted and forgot the caller (`on_unknown_instance`, the
-handler's re-handshake, then the request once more). ZMQ reconnects by itself after a server
-restart, a Unix socket channel on the next request; replies that arrive after their caller
-gave up are recognised by id and dropped.
+outstanding per thread); `PendingReply.result()` is the one place a reply is judged: the
+deadline (a dead server yields `MaruConnectionError`, never a hang), an error reply, another
+protocol version, and a server that forgot the caller (a re-handshake, then the request once
+more). Replies that arrive after their caller gave up are dropped.
 """
 
 from __future__ import annotations
@@ -52,7 +43,6 @@ from maru.common.protocol import ErrorCode, unix_address
 
 log = logging.getLogger(__name__)
 
-ReplyHook = Callable[[dict[str, Any]], None]
 LOCAL_RETRY_S = 5.0  # after the server closed a new local connection unanswered: ZMQ meanwhile
 
 _header, _MAGIC, _VERSION = protocol.HEADER.pack, protocol.MAGIC, protocol.PROTOCOL_VERSION
@@ -81,12 +71,10 @@ class PendingReply:
         return self.body is not None
 
     def arrived(self) -> bool:
-        """Whether the reply is in and `result()` would give it at once without sending
-        anything, after taking what has arrived on the channel (no waiting, no spinning).
-        False for a reply that makes `result()` handshake again (the server restarted: the
-        re-handshake may unmap regions, which a write copying into one must not see; see
-        `MaruStorage._write`) and for a request whose connection was lost (resent or failed
-        by `result()`)."""
+        """Whether `result()` would give the reply at once without sending anything (what has
+        arrived is taken, nothing waited for). False for a reply that makes `result()`
+        handshake again (which may unmap regions a write is copying into) and for a request
+        whose connection was lost."""
         if self.body is None and self.request_id in self._channel.pending:
             self._channel.collect()
         body = self.body
@@ -125,16 +113,14 @@ class PendingReply:
 
 
 class _Channel:
-    """One thread's connection and its outstanding requests; subclasses move the frames."""
+    """One thread's connection and its outstanding requests; subclasses move the frames
+    (`_send`, `_receive`, `close`)."""
 
     def __init__(self, client: RpcClient, where: str):
         self.client = client
         self.where = where  # for error messages
         self.pending: dict[int, PendingReply] = {}
         self.refused: set[int] = set()  # requests on a connection the server refused
-
-    def _send(self, frame: bytes) -> None:
-        raise NotImplementedError
 
     def _receive(self, timeout_ms: int, spin: bool = True) -> list[bytes]:
         """The frames that arrive within `timeout_ms` (possibly none); `spin`: may busy-poll
@@ -152,8 +138,7 @@ class _Channel:
             oldest = next(iter(self.pending.values()))
             self.wait_for(oldest, None)
         request_id = next(self.client.request_ids)
-        # The frame (`protocol.encode`'s request form, built here: every request sends one):
-        # the header, then the msgpack body.
+        # (`protocol.encode`'s request form, inline: every request sends one)
         self._send(
             _header(_MAGIC, _VERSION, msg_type, 0, request_id)
             + msgpack.packb(body, use_bin_type=True)
@@ -194,17 +179,13 @@ class _Channel:
             header = protocol.decode_header(frame)
             body = {"ok": False, "code": int(exc.code), "error": str(exc)}
         self.client.last_reply = time.monotonic()  # (`RpcClient.answers`)
-        # The hook runs even for a reply whose caller already timed out: it may carry
-        # `freed` chunks that the server hands out only once (lost, they would stay
-        # allocated in the client for good).
+        # The hook runs even for a reply whose caller already timed out: `freed` chunks are
+        # handed out only once (lost, they would stay allocated for good).
         if body.get("ok") and self.client.reply_hook is not None:
             self.client.reply_hook(body)
         pending = self.pending.pop(header.request_id, None)
         if pending is not None:  # else: a reply whose caller already timed out
             pending.body = body
-
-    def close(self) -> None:
-        raise NotImplementedError
 
     def raise_if_handshake_failed(self) -> None:
         """Called when the server did not answer: if the transport knows why, say it."""
@@ -219,6 +200,7 @@ _HANDSHAKE_FAILED = (
 )
 
 
+_REFUSALS = (ErrorCode.NOT_AUTHORIZED, ErrorCode.LOCAL_SOCKET_FULL)
 _LOOPBACK = re.compile(r"^tcp://(127\.\d+\.\d+\.\d+|localhost|\[?::1\]?):\d+$")
 
 
@@ -244,8 +226,7 @@ class _ZmqChannel(_Channel):
             sock.curve_publickey = public
             sock.curve_secretkey = secret
         self.monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        self.handshake_failed = False
-        self.refused_key = False  # the failure was the server's ZAP check (--curve-clients)
+        self.handshake_event: int | None = None  # the last security handshake's outcome
         sock.connect(client.url)
         self.sock = sock
         self._rcvtimeo = client.timeout_ms  # the socket's current RCVTIMEO
@@ -261,8 +242,7 @@ class _ZmqChannel(_Channel):
             ) from None
 
     def _receive(self, timeout_ms: int, spin: bool = True) -> list[bytes]:
-        # One blocking recv bounded by RCVTIMEO (a poll, then non-blocking recvs until
-        # zmq.Again, cost three calls and an exception per reply).
+        # One blocking recv bounded by RCVTIMEO: cheaper than a poll and non-blocking recvs.
         if abs(self._rcvtimeo - timeout_ms) > 5 + timeout_ms // 20:
             self.sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._rcvtimeo = timeout_ms
@@ -273,16 +253,13 @@ class _ZmqChannel(_Channel):
 
     def raise_if_handshake_failed(self) -> None:
         while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)["event"]
-            self.handshake_failed = event != zmq.EVENT_HANDSHAKE_SUCCEEDED
-            self.refused_key = event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-        if not self.handshake_failed:
+            self.handshake_event = recv_monitor_message(self.monitor)["event"]
+        if self.handshake_event in (None, zmq.EVENT_HANDSHAKE_SUCCEEDED):
             return
-        if self.refused_key:
+        if self.handshake_event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # (--curve-clients' check)
             why = (
                 f"the server does not list this client's CURVE key {self.curve_public_key} "
-                "(maru-server "
-                "--curve-clients): add the client's public key (NAME.pub of `maru "
+                "(maru-server --curve-clients): add the client's public key (NAME.pub of `maru "
                 "curve-keypair NAME`) there, and give the client its secret key as "
                 "curve_client_key (maru_curve_client_key, maru --curve-client-key)"
             )
@@ -308,13 +285,9 @@ class _ZmqChannel(_Channel):
 class _LocalChannel(_Channel):
     """The server's Unix socket: length-prefixed frames on a byte stream. When the connection
     breaks (server restart), the requests in flight fail at once and the next request
-    reconnects; while that fails, the client falls back to ZMQ.
-
-    The socket is non-blocking. A wait for a reply first retries the read for up to
-    `busy_poll_us` (the server usually answers within that; `maru.client._busypoll`, without the
-    GIL), and only then sleeps in poll(): a thread that sleeps must be woken by the server's
-    reply, which on a virtual machine costs about as much again as the whole round trip
-    (docs/performance.md)."""
+    reconnects; while that fails, the client falls back to ZMQ. The socket is non-blocking: a
+    wait for a reply spins up to `busy_poll_us` before it sleeps in poll() (a wake-up costs as
+    much as a round trip; docs/configuration.md)."""
 
     def __init__(self, client: RpcClient, address: str):
         super().__init__(client, address)
@@ -326,8 +299,7 @@ class _LocalChannel(_Channel):
         self.reader = protocol.StreamReader()
 
     def connected(self) -> bool:
-        """True if connected, after one connection attempt if not (immediate on a Unix
-        socket: refused or not)."""
+        """True if connected, after one connection attempt if not (immediate on a Unix socket)."""
         if self.sock is not None:
             return True
         if self.refused_until and time.monotonic() < self.refused_until:
@@ -354,13 +326,12 @@ class _LocalChannel(_Channel):
         return True
 
     def _lost(self, why: str, refused: bool = False) -> None:
-        """The connection is gone. Its requests in flight fail (`MaruConnectionError`: the
-        server may have served them before it died), unless the server refused the connection
-        with its one frame (`refused`, or such a frame still waits in the socket): then it read
-        none of them, and they go over ZMQ (`PendingReply.result`), as does the next request
-        while the server recovers. A connection merely closed before any reply is not a
-        refusal: a server killed after it served a request closes it that way too, and sending
-        a REGISTER_KV again would make its writer take its own sealed pages for free."""
+        """The connection is gone: its requests in flight fail (`MaruConnectionError`: the
+        server may have served them), unless the server refused the connection with its one
+        frame (`refused`, or such a frame still waits in the socket): then it read none of
+        them, and they go over ZMQ. A connection merely closed before any reply is not a
+        refusal: a server killed after it served a REGISTER_KV closes it that way too, and
+        sending that again would make its writer take its own sealed pages for free."""
         log.info("local socket %s to maru-server closed (%s)", self.address, why)
         if not refused and self.sock is not None and not self.answered:
             refused = self._take_refusal(self.sock)
@@ -434,35 +405,41 @@ class _LocalChannel(_Channel):
         except protocol.ProtocolError as exc:
             self._lost(str(exc))
             return []
-        refusal = None if self.answered or not frames else _refusal(frames[0])
-        if refusal is not None:
-            self._refused_by(*refusal)
-            self._lost(f"refused by the server: {refusal[1]}", refused=True)
+        why = None if self.answered or not frames else self._refusal(frames[0])
+        if why is not None:
+            self._lost(f"refused by the server: {why}", refused=True)
             return []
         self.answered = True
         return frames
 
     def _take_refusal(self, sock: socket.socket) -> bool:
-        """The server refuses a connection with one frame before closing it (`LocalDoor`, or
-        short of file descriptors): a request sent meanwhile fails, and the frame may still
-        wait in the socket. Whether it was there."""
+        """Whether the server's refusal frame (`_refusal`) still waits in the socket: a request
+        sent before the server closed a refused connection fails without it."""
         with contextlib.suppress(OSError, protocol.ProtocolError):
             self.reader.feed(sock.recv(protocol.STREAM_RECV_BYTES, socket.MSG_DONTWAIT))
             frames = self.reader.frames()
-            refusal = _refusal(frames[0]) if frames else None
-            if refusal is not None:
-                self._refused_by(*refusal)
-                return True
+            return bool(frames) and self._refusal(frames[0]) is not None
         return False
 
-    def _refused_by(self, code: int, why: str) -> None:
-        if code == ErrorCode.NOT_AUTHORIZED:  # (short of descriptors: retried later)
+    def _refusal(self, frame: bytes) -> str | None:
+        """Why, if `frame` is the server's refusal of this connection (an error for request id
+        0, which no request has): NOT_AUTHORIZED (`LocalDoor`: the address is not used until a
+        handshake names it again) or LOCAL_SOCKET_FULL (short of file descriptors)."""
+        try:
+            header, body = protocol.decode(frame)
+        except protocol.ProtocolError:
+            return None
+        code = body.get("code")
+        if header.request_id != 0 or code not in _REFUSALS:
+            return None
+        why = str(body.get("error", "refused"))
+        if code == ErrorCode.NOT_AUTHORIZED:
             self.client.local_denied(self.address, why)
+        return why
 
     def _read(self, sock: socket.socket, timeout_ms: int, spin: bool) -> bytes | None:
         """What the socket has (b"" if the server closed it): spinning up to `busy_poll_us`
-        (`spin`; without the GIL, yielding the CPU between tries), then sleeping in poll() up
-        to `timeout_ms`; None if nothing came."""
+        (`spin`), then sleeping in poll() up to `timeout_ms`; None if nothing came."""
         spin_ns = self.client.busy_poll_ns if spin else 0
         if spin_ns:
             data = recv_spin(sock.fileno(), protocol.STREAM_RECV_BYTES, spin_ns)
@@ -481,21 +458,6 @@ class _LocalChannel(_Channel):
             self.sock = None
 
 
-def _refusal(frame: bytes) -> tuple[int, str] | None:
-    """(code, why) if `frame` is the server's refusal of this connection: an error for request
-    id 0, which no request has (ids start at 1): NOT_AUTHORIZED (`LocalDoor`) or
-    LOCAL_SOCKET_FULL (short of file descriptors)."""
-    try:
-        header, body = protocol.decode(frame)
-    except protocol.ProtocolError:
-        return None
-    code = body.get("code")
-    refusals = (ErrorCode.NOT_AUTHORIZED, ErrorCode.LOCAL_SOCKET_FULL)
-    if header.request_id != 0 or code not in refusals:
-        return None
-    return int(code), str(body.get("error", "refused"))
-
-
 class LocalSocketUnavailable(Exception):
     """The Unix socket cannot take a request now; `RpcClient` sends it over ZMQ instead."""
 
@@ -507,20 +469,17 @@ class RpcClient:
         *,
         timeout_ms: int = 2000,
         max_inflight: int = 64,
-        reply_hook: ReplyHook | None = None,
+        reply_hook: Callable[[dict[str, Any]], None] | None = None,
         on_unknown_instance: Callable[[int, dict[str, Any]], dict[str, Any]] | None = None,
         busy_poll_us: int = 0,
         server_public_key: str | None = None,
         client_secret_key: str | None = None,
     ):
-        """`reply_hook(body)` sees every successful reply (the handler takes `freed` from it);
-        `on_unknown_instance(msg_type, request)` re-handshakes when the server answers
-        UNKNOWN_INSTANCE and returns the request to send once more (with the credential the
-        handshake gave: a new instance's, if the server kept nothing of the old one); it
-        raises to fail the request instead.
-        `server_public_key`: speak CURVE to a `maru-server --curve` with this key (Z85);
-        `client_secret_key`: as the client whose keypair this is (Z85; for a server with
-        --curve-clients), else with a throwaway keypair."""
+        """`reply_hook(body)` sees every successful reply; `on_unknown_instance(msg_type,
+        request)` re-handshakes when the server answers UNKNOWN_INSTANCE and returns the
+        request to send once more (or raises to fail it). `server_public_key`: speak CURVE to
+        a `maru-server --curve` with this key (Z85), as the client of `client_secret_key`
+        (Z85; for --curve-clients) or with a throwaway keypair."""
         self.url = url
         self.server_public_key = server_public_key
         self.client_secret_key = client_secret_key
@@ -545,11 +504,10 @@ class RpcClient:
 
     def answers(self) -> bool:
         """Whether the server answers a HEARTBEAT now (as this instance: one it reaped comes
-        back through a re-handshake, which drops the regions no longer ours). A writer asks
-        before it writes once the server has not answered for two heartbeat intervals
-        (`MaruHandler.put`, `alloc`): the server cannot fence a writer on another host, and
-        gives a silent one's regions to others once it reaped it and `--reap-hold` passed,
-        so a cut-off or long-paused writer fences itself. False (logged): write nothing."""
+        back through a re-handshake, which drops the regions no longer ours). A writer silent
+        for two heartbeat intervals asks before it writes (`MaruHandler._may_write`): the
+        server cannot fence a writer on another host, and gives a reaped one's regions to
+        others, so a cut-off writer fences itself. False (logged): write nothing."""
         silent = time.monotonic() - self.last_reply
         try:
             self.request(protocol.MsgType.HEARTBEAT, {}).result()
@@ -575,11 +533,10 @@ class RpcClient:
 
     def use_local_socket(self, address: str | None, uid: int | None) -> None:
         """Send later requests over the server's Unix socket at `address` (None: ZMQ only),
-        if the process listening there runs as `uid`, the server's user (the server's
-        HANDSHAKE reply says both). Any other user's process at that address (a name is
-        public: another user can take it while the server restarts) is refused. A CURVE
-        client reaching the server other than over loopback is on another host: an address
-        there is not the server's, and it stays on its authenticated channel."""
+        if the process listening there runs as `uid`, the server's user (both from HANDSHAKE):
+        a name is public, another user can take it while the server restarts. A CURVE client
+        reaching the server other than over loopback is on another host, where the address
+        is not the server's: it stays on its authenticated channel."""
         if not isinstance(uid, int) or isinstance(uid, bool):
             address = None
         if self.server_public_key is not None and not _LOOPBACK.match(self.url):
@@ -593,8 +550,7 @@ class RpcClient:
         that address (until a handshake names one again) and say so, once."""
         log.error(
             "maru-server's local socket %s is served by uid %d, not by the server's uid %s: "
-            "another user's process may be impersonating maru-server; not using it (%s "
-            "instead)",
+            "another user's process may be impersonating maru-server; not using it (%s instead)",
             address,
             uid,
             self.server_uid,
@@ -674,14 +630,10 @@ class RpcClient:
         """Close every channel. In a forked child only its copies of the Unix sockets: the
         ZMQ sockets belong to the parent's context, which closing them here would disturb."""
         self._closed = True
-        if self.forked():  # (no lock: the parent's threads are not here, and may have held it)
-            for channel in list(self._channels):
-                if isinstance(channel, _LocalChannel):
+        forked = self.forked()  # (then no lock: the parent's threads, not here, may have held it)
+        with contextlib.nullcontext() if forked else self._channels_lock:
+            for channel in self._channels:
+                if not forked or isinstance(channel, _LocalChannel):
                     channel.close()
             self._channels.clear()
-        else:
-            with self._channels_lock:
-                for channel in self._channels:
-                    channel.close()
-                self._channels.clear()
         self._local = threading.local()

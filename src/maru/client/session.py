@@ -1,10 +1,6 @@
-"""`Session`: what the client's helpers share of one handler, and nothing more.
-
-`Sealing`, `Lookup`, the local index, the region supply and the write verb each need a few
-things of the handler they serve: its configuration and instance name, its one way to send a
-request, its chunk book and region mapper. They get this small object instead of the handler
-(as Plasma's eviction policy sees only `PlasmaStoreInfo`), so no helper reaches into the
-handler's private members and no client module imports the handler back.
+"""`Session`: what the client's helpers (`Sealing`, `Lookup`, the local index, the region
+supply, the write verb) share of one handler, so that none reaches into the handler's private
+members and no client module imports the handler back.
 """
 
 from __future__ import annotations
@@ -12,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from maru.client.chunks import ChunkBook
@@ -26,35 +23,22 @@ Request = Callable[[MsgType, dict[str, Any]], PendingReply]
 log = logging.getLogger("maru.client.handler")
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class Session:
-    """One handler's shared state: `config` and `instance_id` (the handler changes them:
-    a new chunk size, the name the server gives at handshake), `request` (sends as this
-    instance), `chunks`, `mapper`, `refused_stores` (stores refused before anything was
-    sent, by reason) and `checksum_mismatches` (hits taken as misses: bytes unlike their
-    checksum)."""
+    """One handler's shared state. The handler changes `config` (a new chunk size) and
+    `instance_id` (the name the server gives at handshake); `request` sends as this instance."""
 
-    __slots__ = (
-        "checksum_mismatches",
-        "chunks",
-        "config",
-        "instance_id",
-        "mapper",
-        "refused_stores",
-        "regions_seen",
-        "request",
-    )
+    config: MaruConfig
+    request: Request
+    chunks: ChunkBook
+    mapper: RegionMapper
+    instance_id: str = field(init=False)
+    refused_stores: Counter[str] = field(default_factory=Counter)  # before sending, by reason
+    checksum_mismatches: int = 0  # hits taken as misses: bytes unlike their checksum
+    regions_seen: tuple[str | None, int] = (None, 0)  # (pool generation, next id)
 
-    def __init__(
-        self, config: MaruConfig, request: Request, chunks: ChunkBook, mapper: RegionMapper
-    ) -> None:
-        self.config = config
-        self.instance_id = config.instance_id
-        self.request = request
-        self.chunks = chunks
-        self.mapper = mapper
-        self.refused_stores: Counter[str] = Counter()
-        self.checksum_mismatches = 0
-        self.regions_seen: tuple[str | None, int] = (None, 0)  # (pool generation, next id)
+    def __post_init__(self) -> None:
+        self.instance_id = self.config.instance_id
 
     def map(self, handle: RegionHandle) -> MappedRegion:
         """`handle`'s region mapped here (once; again if the server reused its id): writable
@@ -66,10 +50,9 @@ class Session:
         return self.mapper.map(handle, writable=writable)
 
     def map_new_regions(self, generation: str | None) -> None:
-        """Map every region of the pool made since the last call (the handler's `eager_map`:
-        at connect, then at each heartbeat; others' read-only, populated in the background),
-        so that a first read of another instance's new region finds it mapped. Region ids
-        only grow within a pool `generation`; a new pool starts them again."""
+        """Map every region of the pool made since the last call (`eager_map`: at connect,
+        then at each heartbeat), so that a first read of another instance's new region finds
+        it mapped. Region ids only grow within a pool `generation`."""
         seen_in, seen = self.regions_seen
         seen = seen if seen_in == generation else 0
         reply = self.request(MsgType.LIST_ALLOCATIONS, {"from_id": seen}).result()

@@ -1,8 +1,7 @@
 """An instance's regions: taken from the server as data arrives (none at connect), grown in
 steps up to `pool_size`, parked when idle so that the server may take them back for another
 instance, unparked before we write there again (docs/architecture.md, "Capacity: regions as
-data arrives"). `MaruHandler.alloc` reserves through `RegionSupply.reserve`; its heartbeat
-thread calls `tick`."""
+data arrives")."""
 
 from __future__ import annotations
 
@@ -24,19 +23,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("maru.client.handler")
 
-# An instance at its `pool_size` asks, for a write's room, as much again: the next write of
-# that size finds its room ready, and asks for the one after (`RegionSupply.ahead`) while it
-# copies; only for writes of at most 1/AHEAD_SHARE of its regions (a small instance keeps
-# its keys: each of its writes asks for its own room, once).
+# An instance at its `pool_size` evicts, for a write's room, as much again (the next write's,
+# `RegionSupply.ahead`), only for writes of at most 1/AHEAD_SHARE of its regions (a small
+# instance keeps its keys: each of its writes asks for its own room, once).
 AHEAD_SHARE = 16
 
 
 @dataclass(frozen=True)
 class Room:
     """A write's room: `chunks`, the bytes of the chunks it reserves, and `values`, its
-    values' bytes. The server counts what an eviction frees in keys' bytes, not chunks: room
-    for values like these, made of keys like them (pages of one size), is asked in `values`
-    (in chunks it would evict more keys than it needs when values are not chunk multiples)."""
+    values' bytes. The server counts what an eviction frees in keys' bytes, not chunks, so
+    room for values like these is asked in `values` (in chunks it would evict more keys than
+    it needs when values are not chunk multiples)."""
 
     chunks: int
     values: int
@@ -44,11 +42,11 @@ class Room:
 
 class RegionSupply:
     """Chunks for one handler, and the regions they come from. One region change at a time
-    (`lock`): grow, park, unpark. Reads the handler's `config` and `instance_id`."""
+    (`lock`): grow, park, unpark."""
 
     def __init__(self, session: Session, request: Request):
-        """`request`: the handler's own send (the session's may be wrapped, e.g. by a test
-        that counts a batch's requests: region traffic is not one of them)."""
+        """`request`: the handler's own send (a test may wrap the session's to count a batch's
+        requests: region traffic is not one of them)."""
         self.owner = session  # (its `config` and `instance_id`)
         self.chunks = session.chunks
         self.mapper = session.mapper
@@ -66,8 +64,8 @@ class RegionSupply:
         self._readier: threading.Thread | None = None  # `ready`'s thread while it runs
 
     def reserve(self, size: int, count: int) -> AllocHandle | None:
-        """`MaruHandler.alloc`'s work once the owned regions' free chunks (`ChunkBook.take`,
-        which the handler tries first) have no room, in its order of resort."""
+        """A run once the owned regions' free chunks (`ChunkBook.take`, tried first) have no
+        room: unpark, a new region, else evict in our own regions."""
         chunk = self.chunks.chunk_size
         need = -(-size // chunk) * count * chunk
         # (the whole pool first: it says that no setting of this client would help)
@@ -114,8 +112,8 @@ class RegionSupply:
 
     def _request_region(self, size: int, need: int) -> dict[str, Any]:
         """REQUEST_REGION's reply. POOL_RECLAIMING (we are below our fair share of the pool,
-        and the instances above theirs were asked to give regions back) is retried a few
-        times, 20 ms to 0.32 s apart (0.6 s in all): they give back at their next reply."""
+        and the instances above theirs were asked to give regions back) is retried for 0.6 s
+        in all: they give back at their next reply."""
         body = {"size": size, "min_size": need}
         for delay in (0.02, 0.04, 0.08, 0.16, 0.32, None):
             try:
@@ -133,9 +131,9 @@ class RegionSupply:
 
     def _give_back_share(self) -> None:
         """Return regions of at least `_shed` bytes in all, among those no value is reserved
-        in (the caller holds `lock`). `ChunkBook.give_up` drops them first, so nothing is
-        reserved there any more: a page we may still write is never in a region we return
-        (a seal in flight into one is refused by the server, never misplaced)."""
+        in (the caller holds `lock`). `ChunkBook.give_up` drops them first: a page we may
+        still write is never in a region we return (a seal in flight into one is refused by
+        the server, never misplaced)."""
         want, self._shed = self._shed, 0
         for mapped in self.chunks.give_up(want):
             handle = mapped.handle
@@ -156,10 +154,9 @@ class RegionSupply:
             )
 
     def room(self, room: Room) -> None:
-        """Before a write of values of differing sizes, placed value by value: when our
-        free chunks hold less than `room` and no region can be had (we hold `pool_size`),
-        one EVICT_FOR for what is missing (and `_headroom`), so that no value asks on its
-        own."""
+        """Before a write placed value by value: when our free chunks hold less than `room`
+        and no region can be had, one EVICT_FOR for what is missing (and `_headroom`), so
+        that no value asks on its own."""
         with self.lock:
             self._settle()
             free = self.chunks.free_chunks() * self.chunks.chunk_size
@@ -169,14 +166,10 @@ class RegionSupply:
             self._evict(room.chunks - free + self._headroom(room))
 
     def ready(self, nbytes: int) -> None:
-        """Have `nbytes` of room free in our regions before the writes that need it: on a
-        background thread, take regions as `reserve` would (their usual sizes, up to
-        `pool_size`) until that much is free, each mapped and populated whole at the lowest
-        CPU priority (`RegionMapper.map(whole=True)`: the page faults of the first writes,
-        1-3 us per 4 KiB page, paid before them). The handler calls it at connect for its
-        `pool_size` (`ready_at_connect`), a write for the next one like it (`ahead`). Nothing is
-        evicted, and no region is taken where the pool has no free room (a write that then
-        finds none asks as before). With `eager_map` only (it is what populates)."""
+        """Have `nbytes` of room free in our regions before the writes that need it: a
+        background thread takes regions as `reserve` would, each mapped and populated whole
+        at the lowest CPU priority, until that much is free (nothing evicted; none taken
+        where the pool has no free room). With `eager_map` only (it is what populates)."""
         if not self.mapper.populate_regions or not self.owner.config.auto_expand:
             return
         with self._ready_lock:  # (not `lock`: a write asks here, and must not wait)
@@ -200,9 +193,8 @@ class RegionSupply:
                         return
 
     def _take_ahead(self, want: int) -> bool:
-        """One region for `ready`, unless `want` bytes are free (True: stop). `lock` is
-        held for its request and mapping only: a write waits for at most that, and then
-        finds the region."""
+        """One region for `ready`, unless `want` bytes are free (True: stop). `lock` is held
+        for its request and mapping only: a write waits for at most that."""
         with self.lock:  # (the chunk size changes under it only: `set_chunk_size`)
             size, chunk = None, self.chunks.chunk_size
             if self.chunks.free_chunks() * chunk < want:
@@ -225,16 +217,14 @@ class RegionSupply:
         )
         return False
 
-    def ahead(self, room: Room) -> None:
-        """A write just reserved `room`: if less than that stays free, make the next write
-        like it find its room ready. Below `pool_size`, the next region, taken and
-        populated in the background (`ready`). On a full instance, ask now, without
-        waiting, that the server evict the rest in our own regions: it evicts while we
-        copy; the reply's `freed` is applied when this thread next reads a reply (its
-        seal's, or `_settle` before a reservation). One in flight per thread."""
+    def ahead(self, room: Room, free: int) -> None:
+        """A write just reserved `room`, and less than that stays free (`free` bytes of
+        chunks): make the next write like it find its room ready. Below `pool_size`, the next
+        region (`ready`). On a full instance, ask now, without waiting, that the server evict
+        the rest in our own regions while we copy; the reply's `freed` is applied when this
+        thread next reads a reply. One in flight per thread."""
         if not self.full:
-            free = self.chunks.free_chunks() * self.chunks.chunk_size
-            if free < room.chunks and self._next_region_size(room.chunks) is not None:
+            if self._next_region_size(room.chunks) is not None:
                 self.ready(room.chunks)
             return
         if not self._headroom(room):
@@ -242,8 +232,7 @@ class RegionSupply:
         pending = getattr(self._ahead, "pending", None)
         if pending is not None and not pending.done():
             return
-        free = self.chunks.free_chunks() * self.chunks.chunk_size
-        if free >= room.chunks or self._next_region_size(room.chunks) is not None:
+        if self._next_region_size(room.chunks) is not None:
             return
         want = -(-room.values * (room.chunks - free) // room.chunks)  # (in keys like ours)
         try:
@@ -279,11 +268,10 @@ class RegionSupply:
     def _evict_for(self, size: int, count: int) -> AllocHandle | None:
         """Room for `count` values of `size` bytes by evicting in our own regions. A run
         (count > 1) asks once for what its values lack beyond the chunks free now (and, at
-        `pool_size`, `_headroom`; least recently used keys first: mostly earlier runs of the
-        same size, so the chunks freed are mostly contiguous), nothing if the free chunks
-        hold its values one by one; if they hold no run, None, and the caller places the
-        values one by one into the chunks free. One value asks again, for
-        twice as much, while what was freed holds no run for it."""
+        `pool_size`, `_headroom`; least recently used keys go first: mostly earlier runs of
+        its size, so the chunks freed are mostly contiguous), nothing if the free chunks hold
+        its values one by one; if they hold no run, None: the caller places the values one by
+        one. One value asks again, for twice as much, while what was freed holds no run."""
         want = -(-size // self.chunks.chunk_size) * self.chunks.chunk_size
         if count > 1:  # (in keys like these values: the server counts keys' bytes)
             room = Room(want * count, size * count)
@@ -361,11 +349,10 @@ class RegionSupply:
         return max(need, min(step, cap - held))
 
     def tick(self, report: dict[str, Any]) -> None:
-        """Every heartbeat interval: park the regions we took nothing from since the last tick
-        and hold no unsealed value in (`ChunkBook.park_idle`), and tell the server, which may
-        then take them back for another instance; the reply says which it took. A HEARTBEAT
-        carries `report` (the handler's local reads); it is sent unless a park told the
-        server we live and there is nothing to report."""
+        """Every heartbeat interval: park the idle regions (`ChunkBook.park_idle`) and tell the
+        server, which may then take them back for another instance. A HEARTBEAT carries
+        `report` (the handler's local reads); it is sent unless a park told the server we
+        live and there is nothing to report."""
         with self.lock:
             if self._shed:
                 self._give_back_share()
@@ -394,9 +381,7 @@ class RegionSupply:
         return reply["unparked"]
 
     def _take_or_unpark(self, size: int, count: int) -> AllocHandle | None:
-        """`ChunkBook.take`, else unpark the parked regions with room and take again. (Which
-        parked regions were taken back, and so no longer count against `pool_size`, the
-        client learns at its next tick.)"""
+        """`ChunkBook.take`, else unpark the parked regions with room and take again."""
         handle = self.chunks.take(size, count)
         if handle is None:
             room = self.chunks.parked_with_room(size, count)

@@ -1,28 +1,21 @@
 """The write verb (`MaruHandler.put`): reserve, copy, seal, and the per-key outcomes.
 
-Every writer of the project goes through `Writes.put`: MaruStorage (SGLang v1 and v2 and
-its legacy interface), the vLLM connector, the linker's offload, `store` / `batch_store`.
-A caller describes each group of values (`Put`: keys, bytes per value, and how to copy
-value i into shared memory) and the verb does the rest, one way for all:
+Every writer of the project goes through `Writes.put`: a caller describes each group of
+values (`Put`: keys, bytes per value, how to copy value i into shared memory), the verb does:
 
 - reserve one run of chunks for a group of equal-sized values, else value by value; when
-  our regions are full, the room is made with one eviction in our own regions for the
-  whole write and the next one like it, not one per value, and each write asks, without
-  waiting, for the next one's room while it copies (`RegionSupply.room` / `ahead`); a
-  region a re-handshake forgot meanwhile makes every reservation of the group start
-  again once;
-- copy through the caller's copy function (a host pool's page layout, device memory,
-  Python buffers), hashed as copied with `maru_checksums`; a copy that faults
-  (`CopyFaultError`: the pool's file truncated under it) fails its values and gives their
-  chunks back, the process lives;
+  our regions are full, one eviction in our own regions makes room for the whole write and
+  the next one like it (`RegionSupply.room` / `ahead`); a region a re-handshake forgot
+  meanwhile makes every reservation of the group start again once;
+- copy through the caller's copy function, hashed as copied with `maru_checksums`; a copy
+  that faults (`CopyFaultError`) fails its values and gives their chunks back;
 - seal: a run of at least PIPELINE_MIN_PAGES values as soon as it is copied, so that its
-  registration is in flight while the rest is copied (the call's last run, when the caller
-  waits, in up to PIPELINE_PIECES pieces); smaller runs and values placed one by one are
-  sealed together at the end (one REGISTER_KV);
+  registration is in flight while the rest is copied; smaller runs and values placed one by
+  one are sealed together at the end (one REGISTER_KV);
 - write-behind (`behind=True`): the call returns once every value is copied and its
-  registration sent, reporting each sent value as stored; the replies are read by this
-  thread's next call (`confirm`): a value reported stored whose registration failed reads
-  as a miss, and is logged and told to its `Put.on_late` then.
+  registration sent, reporting each sent value as stored; this thread's next call reads the
+  replies (`confirm`): a value reported stored whose registration failed reads as a miss,
+  and is logged and told to its `Put.on_late` then.
 """
 
 from __future__ import annotations
@@ -66,9 +59,8 @@ _REGISTERED, _EXISTS = int(RegisterStatus.REGISTERED), int(RegisterStatus.EXISTS
 _REJECTED = int(RegisterStatus.REJECTED)
 
 # A caller that waits for the replies has its call's last run registered in up to
-# PIPELINE_PIECES pieces of at least PIPELINE_MIN_PAGES values, each sent while the next piece
-# is copied. With write-behind nothing waits for the last reply, and one REGISTER_KV costs
-# less than two: one piece (benchmarks/results/history.md).
+# PIPELINE_PIECES pieces, each sent while the next piece is copied. With write-behind nothing
+# waits for the last reply, and one REGISTER_KV costs less than two: one piece.
 PIPELINE_PIECES = 2
 PIPELINE_MIN_PAGES = 32
 
@@ -76,8 +68,8 @@ PIPELINE_MIN_PAGES = 32
 class CopyIn(Protocol):
     """Copy values [first, last) of a `Put` to `targets` (int64 addresses in shared memory,
     one per value). Returns each value's maru64 as copied when `hashed` (else None), or an
-    object whose `finish()` does (a copy begun, `copy_values_start`). `threads`: copier
-    threads it may use (`maru_copy_threads`). Raises `CopyFaultError` if the memory faulted."""
+    object whose `finish()` does (`copy_values_start`). `threads`: copier threads it may use.
+    Raises `CopyFaultError` if the memory faulted."""
 
     def __call__(
         self, targets: np.ndarray, first: int, last: int, hashed: bool, threads: int
@@ -112,10 +104,9 @@ class Put:
 @dataclass(frozen=True)
 class ValuesAt:
     """The copy of values whose parts lie at `buffers` (int64 (values, parts) pointers, parts
-    of `sizes` bytes, stored back to back): `copy_values` begun, hashed as it copies. The
-    usual copy of the data path: the verb begins it in C itself, with no Python call
-    between (`Writes._start`); as a `CopyIn` it does the same for anyone else. Both columns
-    C-contiguous int64 (`values_at` makes them so; a caller that has them builds it)."""
+    of `sizes` bytes, stored back to back): `copy_values` begun. The data path's copy: the
+    verb begins it in C itself (`Writes._start`). Both columns C-contiguous int64 (`values_at`
+    makes them so)."""
 
     buffers: np.ndarray
     sizes: np.ndarray
@@ -172,8 +163,6 @@ class Writes:
     """The write algorithm of one handler (`MaruHandler.put` / `confirm_writes`)."""
 
     def __init__(self, session: Session, supply: RegionSupply) -> None:
-        """`supply`: where a reservation goes when no owned region has the run free (it
-        also makes a full instance's room for a whole write at once)."""
         self._s = session
         self._supply = supply
         self._copying = session.mapper.copying()  # (one object: every write enters it)
@@ -198,13 +187,17 @@ class Writes:
                 size = put.uniform()
                 run = self.reserve(size, n) if n and size else None
                 if number == 1 and (run is not None or self._supply.full):
-                    self._supply.ahead(self._room(puts))  # (the next write's room, now)
+                    room = self._room(puts)  # (the next write's, made ready now if not free)
+                    free = s.chunks.free_chunks() * s.chunks.chunk_size
+                    if free < room.chunks:
+                        self._supply.ahead(room, free)
                 if run is None:  # no free run: value by value
                     if n:
                         rest.append((put, *self._value_by_value(put, n, size, hashed)))
                     continue
                 if n < PIPELINE_MIN_PAGES:
-                    copied, sums = self._copy(put, run, 0, n, hashed, threads)
+                    started = self._start(put, run, 0, n, hashed, threads)
+                    copied, sums = self._copy(put, run, 0, n, started)
                     if copied:
                         rest.append((put, run, sums))
                     continue
@@ -217,10 +210,10 @@ class Writes:
                     # While the copier threads copy, this thread makes the registration ready
                     # (it reads no value) and, on the call's last copy, reads the earlier
                     # calls' replies that are in (`Sealing.arrived`); the rest after the copy.
-                    sealing = self._sealing(put.keys[first:last], piece, size)
+                    sealing = Sealing(s, put.keys[first:last], piece, size)
                     if behind and last_put and last == n:
                         self.confirm(wait=False)
-                    copied, sums = self._copy(put, piece, first, last, hashed, 0, started)
+                    copied, sums = self._copy(put, piece, first, last, started)
                     if copied:
                         sealings.append(([(put, first, last - first)], sealing.send(sums)))
         if rest:
@@ -276,13 +269,8 @@ class Writes:
         sizes = size if not isinstance(size, int) else () if size > 0 else [size] * n
         refused = refuse_bad_stores(put.keys, sizes, s.refused_stores, s.instance_id)
         if refused:
-            if isinstance(put.size, int):
-                put.size = [put.size] * len(put.keys)
-            put.size = [0 if i in refused else v for i, v in enumerate(put.size)]
-
-    def _sealing(self, keys: Sequence[Key], handles: Any, lengths: Any) -> Sealing:
-        """A registration made ready, its keys checked already (`_refuse_bad`)."""
-        return Sealing(self._s, keys, handles, lengths)
+            sizes = [size] * n if isinstance(size, int) else size
+            put.size = [0 if i in refused else v for i, v in enumerate(sizes)]
 
     def _value_by_value(
         self, put: Put, n: int, size: int, hashed: bool
@@ -290,7 +278,7 @@ class Writes:
         """`put` value by value, when no run of its size is free: a reservation per value
         (None where none could be made, or for an empty value) and, with `hashed`, each
         value's checksum. A reservation may re-handshake with a restarted server that forgot
-        the region of an earlier one (now unmapped): then all are reserved once more."""
+        the region of an earlier one: then all are reserved once more."""
         s = self._s
         sizes = [size] * n if size else [int(v) for v in put.size]  # type: ignore[union-attr]
         if size and n == 1:  # (one value: `alloc` evicted for it already)
@@ -307,7 +295,8 @@ class Writes:
         sums: np.ndarray | None = np.zeros(n, np.int64) if hashed else None
         for i, handle in enumerate(handles):
             if handle is not None and s.chunks.holds(handle):
-                copied, got = self._copy(put, handle, i, i + 1, hashed, 1)
+                started = self._start(put, handle, i, i + 1, hashed, 1)
+                copied, got = self._copy(put, handle, i, i + 1, started)
                 if not copied:  # the key fails (sealed with no handle)
                     handles[i] = None
                 elif got is None:  # (a copy that does not hash: the seal hashes in the pool)
@@ -320,9 +309,8 @@ class Writes:
     def _start(
         put: Put, handle: AllocHandle, first: int, last: int, hashed: bool, threads: int
     ) -> Any:
-        """`put.copy` begun into `handle`; a fault while it begins is kept for `_copy` to
-        report at `finish()`. A `ValuesAt` copy is begun in C here (its `finish()` gives the
-        checksums' bytes)."""
+        """`put.copy` begun into `handle` (a `ValuesAt` copy in C here); a fault while it
+        begins is returned, for `_copy` to report."""
         copy = put.copy
         try:
             if type(copy) is ValuesAt:  # (checked as made: contiguous int64 columns)
@@ -332,24 +320,17 @@ class Writes:
                 )
             return copy(_targets(handle), first, last, hashed, threads)
         except CopyFaultError as exc:
-            return _Faulted(exc)
+            return exc
 
     def _copy(
-        self,
-        put: Put,
-        handle: AllocHandle,
-        first: int,
-        last: int,
-        hashed: bool,
-        threads: int,
-        started: Any = None,
+        self, put: Put, handle: AllocHandle, first: int, last: int, started: Any
     ) -> tuple[bool, np.ndarray | None]:
-        """Copy values [first, last) of `put` into `handle` (or finish `started`): (True,
+        """Finish `started`, the copy of values [first, last) of `put` into `handle`: (True,
         checksums or None); (False, None) if the memory faulted under it: the values fail,
         the handle's chunks are given back unsealed."""
-        if started is None:
-            started = self._start(put, handle, first, last, hashed, threads)
         try:
+            if isinstance(started, CopyFaultError):  # (it faulted as it began)
+                raise started
             sums = started.finish() if hasattr(started, "finish") else started
             if type(sums) is bytes:  # (a copy begun in C: its checksums' bytes)
                 sums = np.frombuffer(sums, np.int64)
@@ -372,8 +353,8 @@ class Writes:
         """One registration for several whole puts' values (`put`'s `rest`)."""
         if len(rest) == 1:  # (one run or one put's values: sealed as they are)
             put, handles, sums = rest[0]
-            lengths = put.size if isinstance(put.size, int) else list(put.size)
-            return [(put, 0, len(put.keys))], self._sealing(put.keys, handles, lengths).send(sums)
+            sealing = Sealing(self._s, put.keys, handles, put.size)
+            return [(put, 0, len(put.keys))], sealing.send(sums)
         keys: list[Key] = []
         handles_all: list[AllocHandle | None] = []
         lengths_all: list[int] = []
@@ -388,14 +369,14 @@ class Writes:
             if sums is not None:
                 sums_all.append(sums)
         checksums = np.concatenate(sums_all) if len(sums_all) == len(rest) else None
-        return owners, self._sealing(keys, handles_all, lengths_all).send(checksums)
+        return owners, Sealing(self._s, keys, handles_all, lengths_all).send(checksums)
 
     def confirm(self, wait: bool = True) -> int:
         """Wait until the server has registered every value this thread's write-behind calls
         returned for: from then on every instance finds them. Returns how many values those
         calls reported stored whose registration failed (logged, told to each put's
-        `on_late`): they read as misses. `wait=False`: only the registrations whose replies
-        are in, oldest first (a write's, during its copy)."""
+        `on_late`): they read as misses. `wait=False`: those whose replies are in, oldest
+        first."""
         thread = threading.get_ident()
         if thread not in self.unconfirmed_threads:  # (a read's usual case)
             return 0
@@ -433,8 +414,7 @@ class Writes:
 class StoreOutcome(Enum):
     """What a store did for one key. Keys are content hashes, so the first writer wins: a key
     already there keeps its first value, and the store reports EXISTED (our bytes were not
-    used). The seed-compatible calls (`store`, `batch_store`, `Sealing.wait`) say True for
-    both STORED and EXISTED."""
+    used). `store`, `batch_store` and `Sealing.wait` say True for both STORED and EXISTED."""
 
     STORED = "stored"
     EXISTED = "existed"
@@ -443,14 +423,13 @@ class StoreOutcome(Enum):
 
 class Sealing:
     """A REGISTER_KV: seals `keys[i]` onto value i of `handles` (one run, or one handle per
-    key, None where nothing was reserved). Made ready first (the key columns: nothing read
-    from the values, so it may be made while they are still being copied), sent by `send()`
-    once every value is written. `wait()` gives one bool per key: True
-    when the key is stored (ours, or another writer's that came first: then our chunks come
-    back); False when it was rejected or nothing was reserved for it. When the outcome is
-    unknown (no reply, an error) the chunks stay reserved: the server may have sealed some
-    keys. A STATE_UNAVAILABLE refusal (the server cannot journal) seals nothing: they return.
-    With `maru_checksums` the values' checksums go with it (`send`)."""
+    key, None where nothing was reserved). Made ready first (nothing read from the values, so
+    it may be made while they are still being copied), sent by `send()` once every value is
+    written. `wait()` gives one bool per key: True when the key is stored (ours, or another
+    writer's that came first: then our chunks come back); False when it was rejected or
+    nothing was reserved for it. When the outcome is unknown (no reply, an error) the chunks
+    stay reserved: the server may have sealed some keys. A STATE_UNAVAILABLE refusal (the
+    server cannot journal) seals nothing: they return."""
 
     def __init__(
         self,
@@ -474,31 +453,30 @@ class Sealing:
             size = handles.size if lengths is None else lengths
             stride, offset = handles.stride, handles.offset
             sent_keys = list(keys)
-            sizes = [size] * n if isinstance(size, int) else list(size)
+            self._sizes: int | list[int] = size if isinstance(size, int) else list(size)
             # the wire's columns, made by numpy without a Python int per key
             columns = (
                 np.full(n, handles.region_id, np.int64).tobytes(),
                 np.arange(offset, offset + n * stride, stride, dtype=np.int64).tobytes(),
                 np.full(n, size, np.int64).tobytes()
                 if isinstance(size, int)
-                else pack_int64(sizes),
+                else pack_int64(self._sizes),
             )
         else:
             if len(handles) != n:
                 raise ValueError(f"seal: {n} keys for {len(handles)} handles")
-            sizes_in = [h.size if h else 0 for h in handles] if lengths is None else lengths
-            if isinstance(sizes_in, int):
-                sizes_in = [sizes_in] * n
+            sizes = [h.size if h else 0 for h in handles] if lengths is None else lengths
+            if isinstance(sizes, int):
+                sizes = [sizes] * n
             chunks = session.chunks
             self._positions = [i for i, h in enumerate(handles) if h and chunks.holds(h)]
             sent_keys = [keys[i] for i in self._positions]
             region_ids = [handles[i].region_id for i in self._positions]  # type: ignore[union-attr]
             offsets = [handles[i].offset for i in self._positions]  # type: ignore[union-attr]
-            sizes = [sizes_in[i] for i in self._positions]
-            columns = (pack_int64(region_ids), pack_int64(offsets), pack_int64(sizes))
-        self._sizes = sizes
+            self._sizes = [sizes[i] for i in self._positions]
+            columns = (pack_int64(region_ids), pack_int64(offsets), pack_int64(self._sizes))
         self._body: dict[str, Any] | None = None
-        if n and sent_keys:
+        if sent_keys:
             self._body = {
                 "keys": sent_keys,
                 "region_ids": columns[0],
@@ -508,15 +486,14 @@ class Sealing:
 
     def send(self, checksums: np.ndarray | None = None) -> Sealing:
         """Send the registration: every value must be in place (a key is visible to every
-        instance once the server has it). `checksums`: with `maru_checksums`, one per key,
-        made during the caller's copy (`copy_many_hashed`); without them the values are
-        hashed here, in the pool. Once only; returns self."""
+        instance once the server has it). `checksums` (with `maru_checksums`): one per key,
+        hashed during the caller's copy; without them the values are hashed here, in the
+        pool. Once only; returns self."""
         if self._sent:
             raise RuntimeError("Sealing.send: already sent")
         self._sent = True
         handles, s = self._handles, self._s
-        # The values are written: their region may be parked from now on (a seal that reaches
-        # the server after the region was taken back is refused, never misplaced).
+        # The values are written: their region may be parked from now on (`ChunkBook.written`).
         for handle in [handles] if isinstance(handles, AllocHandle) else handles:
             if handle is not None:
                 s.chunks.written(handle)
@@ -525,7 +502,7 @@ class Sealing:
             self._results = [False] * self._n
             return self
         if s.config.checksums:
-            body[CHECKSUMS] = self._checksums(handles, self._sizes, checksums).tobytes()
+            body[CHECKSUMS] = self._checksums(checksums).tobytes()
         try:
             self._pending = s.request(MsgType.REGISTER_KV, body)
         except MaruError as exc:
@@ -533,14 +510,10 @@ class Sealing:
             self._results = [False] * self._n
         return self
 
-    def _checksums(
-        self,
-        handles: AllocHandle | Sequence[AllocHandle | None],
-        sizes: Sequence[int],
-        given: np.ndarray | None,
-    ) -> np.ndarray:
+    def _checksums(self, given: np.ndarray | None) -> np.ndarray:
         """The sent values' checksums: `given` (per key) where the caller hashed as it copied,
         else hashed now over the values as stored (after the caller's copy)."""
+        handles, sizes = self._handles, self._sizes
         if given is not None:
             given = np.asarray(given, np.int64)
             if len(given) != self._n:
@@ -553,20 +526,17 @@ class Sealing:
         )
 
     def hoped(self) -> list[bool]:
-        """What `wait()` will give if the server seals every key sent: True for each key
-        sent, False for a key nothing was reserved for; `wait()`'s results once decided."""
+        """What `wait()` will give if the server seals every key sent (its results once
+        decided)."""
         if self._results is not None:
             return self._results
         if self._positions is None:
             return [True] * self._n
-        hoped = [False] * self._n
-        for i in self._positions:
-            hoped[i] = True
-        return hoped
+        sent = set(self._positions)
+        return [i in sent for i in range(self._n)]
 
     def arrived(self) -> bool:
-        """Whether `wait()` would return at once without another request (the reply is in and
-        needs no re-handshake, `PendingReply.arrived`; or nothing was sent)."""
+        """Whether `wait()` would return at once without another request."""
         if not self._sent:
             return False
         return self._results is not None or self._pending is None or self._pending.arrived()
@@ -594,8 +564,7 @@ class Sealing:
         return self._results
 
     def outcomes(self) -> list[StoreOutcome]:
-        """Per key, whether it was STORED now, EXISTED already (first writer won) or FAILED
-        (waits for the reply like `wait`)."""
+        """Per key, STORED, EXISTED (the first writer won) or FAILED; waits like `wait`."""
         results = self.wait()
         if self._outcomes is None:  # no reply to tell: a failure, or nothing was sent
             self._outcomes = [StoreOutcome.FAILED] * len(results)
@@ -658,13 +627,3 @@ def refuse_bad_stores(
         more,
     )
     return set(reasons)
-
-
-class _Faulted:
-    """A copy that faulted as it began: `finish()` raises the fault."""
-
-    def __init__(self, exc: CopyFaultError):
-        self.exc = exc
-
-    def finish(self) -> None:
-        raise self.exc

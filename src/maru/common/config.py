@@ -33,11 +33,11 @@ class ConfigError(ValueError):
 def fmt_bytes(n: float) -> str:
     """Binary units: 512 B, 1.5 KiB, 4.0 GiB (what `parse_size` reads back)."""
     n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    raise AssertionError("unreachable")
+    return f"{n:.1f} TiB"
 
 
 def size_arg(n: int) -> str:
@@ -59,9 +59,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 def parse_size(value: int | float | str, *, name: str = "size") -> int:
     """Parse "4G", "500M", "1MiB", "4096" or an int into a byte count (binary units)."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{name}: expected a size like '4G' or a byte count, got {value!r}")
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         n = value
     elif isinstance(value, float):
         if not value.is_integer():
@@ -177,22 +175,16 @@ def parse_coherence(value: Any, *, name: str = "coherence") -> str:
 
 def parse_bool(value: Any, *, name: str = "flag") -> bool:
     """Accept JSON booleans, 0/1 and the usual strings ("true", "off", ...)."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
+    if isinstance(value, int) and value in (0, 1):  # (True and False too)
         return bool(value)
-    if isinstance(value, str):
-        low = value.strip().lower()
-        if low in _TRUE:
-            return True
-        if low in _FALSE:
-            return False
+    low = value.strip().lower() if isinstance(value, str) else None
+    if low in _TRUE or low in _FALSE:
+        return low in _TRUE
     raise ConfigError(f"{name}: expected a boolean (true/false), got {value!r}")
 
 
 PAGE = 4096  # chunks start on page boundaries of the pool
-# The original Maru's environment overrides (maru_common/config.py): variable -> field.
-ENV_OVERRIDES = {"MARU_EAGER_MAP": "eager_map"}
+EAGER_MAP_ENV = "MARU_EAGER_MAP"  # wins over `eager_map`, as in the original Maru
 POOL_PATH_ENV = "MARU_POOL_PATH"  # `pool_path` where the key is not set (the key wins)
 
 
@@ -229,7 +221,8 @@ def unknown_option(key: str, known: set[str], *, prefix: str = "") -> ConfigErro
 
 @dataclass
 class MaruConfig:
-    """How a `MaruHandler` reaches the server and how much shared memory it may hold.
+    """How a `MaruHandler` reaches the server and how much shared memory it may hold. Each
+    field is also a `maru_*` key (`from_mapping`); docs/configuration.md describes them all.
 
     `pool_size` caps the bytes of the regions this instance holds in the server's pool. None is
     taken at connect: regions are requested as data arrives, the first of `expand_size`
@@ -247,39 +240,20 @@ class MaruConfig:
     use_async_rpc: bool = True  # false: each request waits for the one before (max_inflight 1)
     max_inflight: int = 64  # requests one thread may have in flight (pipelined seals, releases)
     eager_map: bool = True
-    # At connect, take regions up to `pool_size` and populate them in the background (with
-    # `eager_map`), so that the first writes find their pages mapped (a serving instance,
-    # whose share fills anyway); off: regions as data arrives (`maru.client.supply`).
-    ready_at_connect: bool = False
+    ready_at_connect: bool = False  # take and populate regions up to pool_size at connect
     auto_expand: bool = True
     expand_size: int | None = None
     local_socket: bool = True  # RPCs over the server's Unix socket when it offers one
     busy_poll_us: int = 200  # spin this long for a reply on the Unix socket before sleeping
-    # Threads that copy pages between the pool and host memory (MaruStorage's writes and reads,
-    # MaruHandler.read): the caller's and up to copy_threads - 1 native copier threads, each
-    # share at least 1 MiB (one core's copy loop does not take all the memory bandwidth;
-    # maru.client.memcopy.copy_values). 1: the caller alone.
-    copy_threads: int = 2
-    # Find keys in the index the server publishes in shared memory (clients on its node, via
-    # the Unix socket): exists and copying reads send no request (maru.client.localindex).
-    local_index: bool = True
-    # Checksum every value end to end: the writer hashes each value as stored (after its copy)
-    # and the server keeps the hash with the key; a reader hashes the value after its copy
-    # and takes a mismatch as a miss. Off by default: see docs/configuration.md for the cost.
-    checksums: bool = False
+    copy_threads: int = 2  # threads of a page copy: the caller and up to copy_threads - 1
+    local_index: bool = True  # exists and reads from the server's shared index, no request
+    checksums: bool = False  # maru64 of every value, end to end: a mismatch reads as a miss
     server_public_key: str | None = None  # CURVE key (or its file) of a `--curve` server
-    # This client's CURVE secret key (or its file, `maru curve-keypair NAME` -> NAME.key), for a
-    # server with --curve-clients; None: a throwaway keypair per connection.
-    curve_client_key: str | None = None
-    # Where this host maps the server's pool (a CXL pod: another host sees the same memory at
-    # another path); None: `MARU_POOL_PATH`, else the server's path. The client proves that
-    # what it maps there is the server's pool before it uses it (`maru.client.poolpath`).
+    curve_client_key: str | None = None  # this client's CURVE secret key (or its file)
+    # Where this host maps the pool (None: MARU_POOL_PATH, else the server's path); proven to
+    # be the server's pool before use (`maru.client.poolpath`)
     pool_path: str | None = None
-    # Cache coherence with the pod's other hosts: "hardware" (their caches snoop each other),
-    # "software" (cache-line flushes around every copy into and out of the pool); None: the
-    # server's (`maru-server --coherence`). Where they differ software is used
-    # (`maru.client.coherence`).
-    coherence: str | None = None
+    coherence: str | None = None  # "hardware" or "software"; None: the server's
 
     def __new__(cls, *args: Any, **kwargs: Any) -> MaruConfig:
         # An unknown keyword is a ConfigError naming it (the dataclass __init__ would raise
@@ -291,17 +265,10 @@ class MaruConfig:
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
-        self._apply_env()
+        raw = os.environ.get(EAGER_MAP_ENV)
+        if raw is not None:
+            self.eager_map = parse_bool(raw, name=EAGER_MAP_ENV)
         self.validate()
-
-    def _apply_env(self) -> None:
-        """The original Maru's environment overrides, over what the caller passed (software
-        written for it sets them): `MARU_EAGER_MAP`. `MARU_STAT` (its handler-side timing
-        reports) has no counterpart here: the server counts every request itself."""
-        for env, name in ENV_OVERRIDES.items():
-            raw = os.environ.get(env)
-            if raw is not None:
-                setattr(self, name, parse_bool(raw, name=env))
 
     def validate(self) -> None:
         if self.instance_id is None:
@@ -312,9 +279,8 @@ class MaruConfig:
         if len(self.instance_id.encode()) > 128:
             raise ConfigError("instance_id: at most 128 bytes")
         self.pool_size = parse_size(self.pool_size, name="pool_size")
-        # Any positive size, as the original takes (LMCache passes its full KV chunk in
-        # bytes, rarely 4 KiB-aligned): chunks start on page boundaries, so it is rounded up to
-        # the next multiple of 4096 (a value shorter than its chunk is stored with its length).
+        # Any positive size, as the original takes (LMCache passes its KV chunk's bytes),
+        # rounded up to whole pages: chunks start on page boundaries.
         self.chunk_size_bytes = align_chunk(
             parse_size(self.chunk_size_bytes, name="chunk_size_bytes")
         )

@@ -2,12 +2,8 @@
 
 With `--curve` alone, any client that knows the server's public key completes the ZeroMQ
 CURVE handshake (it makes a throwaway keypair per connection). With `--curve-clients PATH`
-the server also checks the client's public key against an allowlist: every `*.pub` file of a
-directory (or one file), one Z85 key per line (after it, past a space, a note; a line whose
-first word is `#` is a comment: Z85 has `#`, so "#" must stand alone). A client
-proves it holds a listed key with its secret key (`curve_client_key` / `maru_curve_client_key`,
-the key or its file). `maru curve-keypair NAME` writes a client's keypair: `NAME.key` (the
-secret, 0600) and `NAME.pub` (the public key, to copy into the server's allowlist).
+the client's public key must also be on an allowlist (`read_allowlist`), and the client
+proves it holds it with its secret key (`curve_client_key`, from `maru curve-keypair NAME`).
 """
 
 from __future__ import annotations
@@ -51,8 +47,9 @@ def write_keypair(prefix: Path) -> tuple[str, Path, Path]:
 
 def read_allowlist(location: Path) -> set[str]:
     """The client public keys at `location`: every `*.pub` file of a directory, or one file;
-    the first word of each line, but for blank lines and comments (first word "#"). A line
-    that is not a key is a ValueError naming its file and line."""
+    the first word of each line (past a space, a note), but for blank lines and comments
+    (first word "#": Z85 has "#", so it must stand alone). A line that is not a key is a
+    ValueError naming its file and line."""
     files = sorted(location.glob("*.pub")) if location.is_dir() else [location]
     keys = set()
     for path in files:

@@ -69,9 +69,8 @@ class MaruNotConnected(MaruError, RuntimeError):
 
 
 class MaruConnectError(MaruError, RuntimeError):
-    """`MaruHandler` could not connect; the subclass says why. The message starts with the
-    seed's `Failed to connect MaruHandler to <url>` (and it is a RuntimeError, as that was), then
-    the reason, once."""
+    """`MaruHandler` could not connect; the subclass says why. A RuntimeError, as the original
+    Maru's was, whose message is `Failed to connect MaruHandler to <url>: <reason>`."""
 
     def __init__(self, url: str, reason: str):
         super().__init__(f"Failed to connect MaruHandler to {url}: {reason}")

@@ -1,14 +1,11 @@
 """2 MiB pages for the shared mappings, wherever the filesystem under them allows it.
 
-Every random probe of the local index costs a TLB miss when the index is in 4 KiB pages (at
-10^6 keys its hash column spans 4096 pages; a miss is a page walk, nested on a VM), and a copy
-of a 64 KiB page crosses 16 of them. A tmpfs gives 2 MiB pages when it is mounted with
-`huge=within_size` (or `always`): every file on it, whatever its mappers ask; with
-`huge=advise`, only the pages first touched through a mapping that asked (MADV_HUGEPAGE).
-/dev/shm is usually mounted without the option (`never`): 4 KiB pages, whatever is asked.
-Maru asks on every mapping it makes and allocates the index's pages through its mapping, so
-that either mount option gives it 2 MiB pages; `docs/operations.md#huge-pages` says how to
-mount one. The kernel falls back to small pages where it has no huge ones: asking is a hint.
+In 4 KiB pages every random probe of the local index misses the TLB. A tmpfs mounted with
+`huge=within_size` (or `always`) gives every file 2 MiB pages; one with `huge=advise` only the
+pages first touched through a mapping that asked (MADV_HUGEPAGE). Maru asks on every mapping
+it makes and allocates the index's pages through its mapping, so that either option gives it
+2 MiB pages (docs/operations.md#huge-pages). Asking is a hint: the kernel falls back to small
+pages where it has no huge ones.
 """
 
 from __future__ import annotations
@@ -16,19 +13,14 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import sys
 
-# MADV_POPULATE_WRITE (Linux 5.14): allocate and map every page now, through this mapping (so
-# with its MADV_HUGEPAGE), failing with an error rather than a SIGBUS. Python 3.11's mmap
-# module does not name it.
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform == "linux" else -1)
+from maru.common.populate import MADV_POPULATE_WRITE
 
 
 def advise(mm: mmap.mmap) -> None:
     """Ask for huge pages for `mm` (before its pages are touched); a refusal is fine."""
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError, ValueError):
-            mm.madvise(mmap.MADV_HUGEPAGE)
+    with contextlib.suppress(OSError, ValueError):
+        mm.madvise(mmap.MADV_HUGEPAGE)
 
 
 def map_allocated(fd: int, size: int) -> mmap.mmap:
@@ -39,10 +31,10 @@ def map_allocated(fd: int, size: int) -> mmap.mmap:
     mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     try:
         advise(mm)
-        if _MADV_POPULATE_WRITE >= 0:
-            # an older kernel (EINVAL) or a full filesystem (EFAULT): posix_fallocate decides
-            with contextlib.suppress(OSError):
-                mm.madvise(_MADV_POPULATE_WRITE)
+        # every page allocated through this mapping (so with its MADV_HUGEPAGE); an older
+        # kernel (EINVAL) or a full filesystem (EFAULT): posix_fallocate decides
+        with contextlib.suppress(OSError):
+            mm.madvise(MADV_POPULATE_WRITE)
         os.posix_fallocate(fd, 0, size)  # (allocates what populating left; ENOSPC is raised)
     except BaseException:
         mm.close()

@@ -6,6 +6,7 @@ client to make sure the socket it reached is the server's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -20,10 +21,7 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process that made the connection (for a listening socket's
     client: when it connected; for a client: the server's when it listened). The pid is 0
     when that process is in a pid namespace this one cannot see."""
-    pid, uid, gid = _UCRED.unpack(
-        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    )
-    return pid, uid, gid
+    return _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
 
 
 def peer_groups(sock: socket.socket) -> tuple[int, ...]:
@@ -46,10 +44,8 @@ def peer_pidfd(sock: socket.socket) -> tuple[int, int] | None:
     pid = peer_credentials(sock)[0]
     if pid <= 0:
         return None
-    try:
+    with contextlib.suppress(OSError):
         return pid, sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
-    except OSError:
-        pass
     try:
         return pid, os.pidfd_open(pid)
     except (OSError, AttributeError):

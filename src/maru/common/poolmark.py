@@ -16,6 +16,7 @@ import mmap
 import os
 
 from maru.common._shmindex import flush_lines
+from maru.common.shmindex import map_area
 
 MARK_MAGIC = b"MARUPOOL"
 MARK_BYTES = len(MARK_MAGIC) + 16 + 16 + 8
@@ -61,12 +62,8 @@ def read_mark_window(path: str, offset: int, span: int) -> bytes:
 def write_mark_window(path: str, offset: int, span: int, mark: bytes) -> None:
     """Write `mark` at `offset` of `path` through a mapping of `span` bytes there, and write
     its lines back to memory (readers on other hosts of a pod read memory, not our cache)."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        with mmap.mmap(fd, span, mmap.MAP_SHARED, offset=offset) as mm:
-            mm[: len(mark)] = mark
-            with memoryview(mm) as view, view[: len(mark)] as line:
-                flush_lines(line)
-            mm.flush()
-    finally:
-        os.close(fd)
+    with map_area(path, offset, span) as mm:
+        mm[: len(mark)] = mark
+        with memoryview(mm) as view, view[: len(mark)] as line:
+            flush_lines(line)
+        mm.flush()

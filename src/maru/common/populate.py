@@ -1,11 +1,10 @@
 """Mapping a file's pages in bulk (`madvise` MADV_POPULATE_READ / MADV_POPULATE_WRITE, Linux
 5.14), shared by the client's region mapper and the cluster tier's sidecar.
 
-A page first touched through a mapping faults (on a VM here 1-3 us per 4 KiB page, against
-0.2 us to copy it); populating a range maps it in one call, off the data path, and fails with
-an error where a touch would be a SIGBUS (a pool truncated under it). Only the ranges a file
-holds pages for are worth populating in a reader (`backed_extents`): populating a hole
-allocates memory.
+A page first touched through a mapping faults (several times the cost of copying it);
+populating a range maps it in one call, off the data path, and fails with an error where a
+touch would be a SIGBUS (a pool truncated under it). Populating a hole allocates memory, so
+a reader populates only the ranges a file holds pages for (`backed_extents`).
 """
 
 from __future__ import annotations

@@ -34,14 +34,9 @@ from maru.server import persistence
 from maru.server.cluster.tier import PUBLISH_MODES, ClusterTier
 from maru.server.journal import SNAPSHOT_NAME, Journal, read_records, write_private
 from maru.server.local_socket import LocalDoor, raise_fd_limit
-from maru.server.localindex import (
-    open_local_index,
-    remove_tables,
-    retire_earlier,
-    retire_in_pool,
-)
+from maru.server.localindex import open_local_index, remove_tables, retire_earlier, retire_in_pool
 from maru.server.logs import configure_logging
-from maru.server.metrics import MetricsUnavailable, require_prometheus, start_metrics_server
+from maru.server.metrics import start_metrics_server
 from maru.server.pool import (
     INDEX_SLOTS_MAX,
     REGION_ALIGNMENT,
@@ -105,12 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--preallocate",
         action="store_true",
         help="allocate the whole shm pool file at start (posix_fallocate), refusing to start "
-        "if its filesystem cannot hold it, so that nothing else can take the memory later "
-        "(default: off: the free space is only checked at start)",
+        "if it does not fit (default: off: the free space is only checked at start)",
     )
     p.add_argument(
-        "--pool-group",
-        help="group that may map the pool (mode 0660); default: owner only (0600)",
+        "--pool-group", help="group that may map the pool (mode 0660); default: owner only (0600)"
     )
     p.add_argument(
         "--state-dir",
@@ -134,43 +127,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--local-socket",
         default="auto",
-        help="Unix socket for clients on this node, beside the TCP port (faster round trips; "
-        "clients learn it at handshake and fall back to TCP if they cannot reach it): 'auto' "
-        "(an abstract socket named after the endpoint), '@name' (abstract), a file path "
-        "(e.g. in a directory shared with containers), or 'none' (default: auto)",
+        help="Unix socket for clients on this node, beside the TCP port (clients that cannot "
+        "reach it use TCP): 'auto' (an abstract socket named after the endpoint), '@name' "
+        "(abstract), a file path, or 'none' (default: auto)",
     )
     p.add_argument(
         "--local-uids",
         metavar="UIDS",
         default="",
         help="comma-separated users (uids or names) that may use the local socket besides the "
-        "server's own user, root and, with --pool-group, that group's members: the processes "
-        "that may map the pool; anyone else's connection is refused (it can use TCP) "
-        "(default: none)",
+        "server's own user, root and the --pool-group's members (default: none)",
     )
     p.add_argument(
         "--curve",
         action="store_true",
-        help="authenticate and encrypt the TCP port with ZeroMQ CURVE, for clients on other "
-        "hosts: the server's keypair is kept in the state dir (curve.key, 0600; the public key "
-        "in curve.pub), and a client needs the public key (server_public_key) to talk to it "
-        "(default: off: plain TCP, for 127.0.0.1)",
+        help="authenticate and encrypt the TCP port with ZeroMQ CURVE; clients need the public "
+        "key in the state dir's curve.pub (default: off: plain TCP, for 127.0.0.1)",
     )
     p.add_argument(
         "--curve-clients",
         metavar="PATH",
-        default=None,
         help="with --curve, talk only to clients whose CURVE public key is listed here: a "
-        "directory of *.pub files (`maru curve-keypair NAME` makes NAME.key and NAME.pub) or "
-        "one file, a Z85 key per line; re-read when it changes (default: any client that has "
-        "the server's public key)",
+        "directory of *.pub files (`maru curve-keypair`) or one file, a Z85 key per line; "
+        "re-read when it changes (default: any client that has the server's public key)",
     )
     p.add_argument(
         "--metrics-port",
         type=_port,
-        help="serve Prometheus metrics at http://<host>:<port>/metrics (needs prometheus_client: "
-        "a dependency of maru-kvcache); 0 picks a free port (shown by `maru status`) "
-        "(default: off)",
+        help="serve Prometheus metrics at http://<host>:<port>/metrics; 0 picks a free port "
+        "(shown by `maru status`) (default: off)",
     )
     p.add_argument(
         "--eviction-high-watermark",
@@ -196,51 +181,42 @@ def build_parser() -> argparse.ArgumentParser:
         default="100%",
         metavar="SIZE|PERCENT",
         help="most bytes of regions one instance may hold: a size (16G) or a share of the "
-        "pool (25%%); a region request past it is refused with QUOTA_EXCEEDED, and the client "
-        "makes room among its own keys instead (default: 100%%: no quota, as one instance per "
-        "GPU needs; idle regions are taken back for others anyway)",
+        "pool (25%%); past it, region requests are refused (default: 100%%: no quota)",
     )
     p.add_argument(
         "--quota-leases",
         type=_count,
         default=4096,
         help="most read leases one instance may hold at once; a leased lookup past it is "
-        "refused with QUOTA_EXCEEDED (a miss for the client). 0: no quota (default: 4096; an "
-        "SGLang instance holds one per batch in flight)",
+        "refused (QUOTA_EXCEEDED: misses). 0: no quota (default: 4096)",
     )
     p.add_argument(
         "--quota-lease-bytes",
         default="50%",
         metavar="SIZE|PERCENT",
-        help="most bytes of keys one instance may hold under read leases at once: a size or a "
-        "share of the pool; a leased lookup past it takes nothing (QUOTA_EXCEEDED, misses for "
-        "the client), so that leases never keep every page of a writer from eviction "
-        "(default: 50%%; 100%%: no quota)",
+        help="most bytes of keys one instance may hold under read leases: a size or a share "
+        "of the pool; past it, lookups miss (default: 50%%; 100%%: no quota)",
     )
     p.add_argument(
         "--heartbeat-timeout",
         type=_positive,
         default=15.0,
-        help="seconds without any message after which a client whose process the server "
-        "cannot watch (it uses TCP, not the local socket) is considered dead: its pins and "
-        "leases are released and its regions returned. A client on the local socket is "
-        "reaped when its process exits, and never while it lives (default: 15)",
+        help="seconds of silence after which a TCP client is reaped; a client on the local "
+        "socket is reaped when its process exits (default: 15)",
     )
     p.add_argument(
         "--reap-hold",
         type=_non_negative,
         default=300.0,
-        help="seconds the regions of a client reaped for its silence are kept from other "
-        "clients, in case its process was only paused (SIGSTOP, a long GC pause) and resumes "
-        "writing into them (default: 300)",
+        help="seconds the regions of a client reaped for its silence are kept from others, in "
+        "case it was only paused and resumes writing into them (default: 300)",
     )
     p.add_argument(
         "--journal-fsync-ms",
         type=_non_negative,
         default=50.0,
-        help="fsync the registry journal at most this often (on a background thread); records "
-        "are written before each reply, so a killed server loses nothing, a machine crash at "
-        "most this window (default: 50)",
+        help="fsync the registry journal at most this often: a machine crash loses at most "
+        "this window, a killed server nothing (default: 50)",
     )
     p.add_argument(
         "--snapshot-mb",
@@ -254,69 +230,53 @@ def build_parser() -> argparse.ArgumentParser:
         type=_count,
         default=1000,
         help="after serving a request, keep polling for the next one this many microseconds "
-        "(yielding the CPU between polls) before sleeping: a request that finds the server "
-        "asleep waits for a wake-up, tens of microseconds on a VM. 0: sleep at once (for a "
-        "server under a CPU quota) (default: 1000)",
+        "before sleeping; 0: sleep at once (default: 1000)",
     )
     p.add_argument(
         "--coherence",
         choices=COHERENCE_MODES,
         default="hardware",
-        help="how the hosts sharing the pool see each other's writes, announced to every "
-        "client: hardware (their caches are coherent: one host, or a CXL 3 pod with coherent "
-        "sharing) or software (CXL 2.0 sharing without it: every copy into the pool writes its "
-        "cache lines back to memory and every copy out of it invalidates them first; a client "
-        "configured otherwise uses software too) (default: hardware)",
+        help="how the hosts sharing the pool see each other's writes: hardware (coherent "
+        "caches) or software (copies flush and invalidate cache lines, for CXL 2.0 sharing; "
+        "used if either side says so) (default: hardware)",
     )
     p.add_argument(
         "--cluster",
         choices=("mooncake",),
-        default=None,
-        help="put a cluster tier behind the pool: a sidecar process, the pool's one client of "
-        "that store, publishes the values sealed here so that other nodes' pools can have them "
-        "(docs/operations.md, Cluster tier) (default: none)",
+        help="put a cluster tier behind the pool: a sidecar publishes the values sealed here "
+        "for other nodes' pools (docs/operations.md, Cluster tier) (default: none)",
     )
     p.add_argument(
         "--cluster-config",
         metavar="FILE",
-        help="with --cluster mooncake: the Mooncake JSON config SGLang's Mooncake backend reads "
-        "(master_server_address, metadata_server, protocol, device_name, global_segment_size, "
-        "local_hostname; MOONCAKE_LOCAL_HOSTNAME overrides local_hostname)",
+        help="with --cluster mooncake: the Mooncake JSON config SGLang's Mooncake backend reads",
     )
     p.add_argument(
         "--cluster-publish",
         choices=PUBLISH_MODES,
         default="write-through",
-        help="when the tier publishes a value: write-through (each key sealed in the pool, "
-        "batched behind the writer through a bounded queue that drops and counts when full) "
-        "or spill (a key when a watermark eviction takes it from the pool, held until "
-        "published) (default: write-through)",
+        help="when the tier publishes a value: write-through (each key sealed in the pool) or "
+        "spill (a key a watermark eviction takes from the pool) (default: write-through)",
     )
     p.add_argument(
         "--cluster-lookup-ms",
         type=_count,
         default=200,
         help="how long a client's lookup waits for keys it missed to be pulled from the "
-        "cluster; a pull that takes longer is a miss (and lands for later reads) "
-        "(default: 200)",
+        "cluster; a pull that takes longer is a miss (default: 200)",
     )
     p.add_argument(
         "--no-local-index",
         action="store_true",
-        help="do not publish the key index in shared memory for clients on this node (they "
-        "then send a request for every lookup; for debugging and A/B benchmarks) "
-        "(default: published)",
+        help="do not publish the key index in shared memory: clients on this node then send a "
+        "request for every lookup (for debugging and A/B benchmarks) (default: published)",
     )
     p.add_argument(
         "--index-slots",
         default="0",
         metavar="N|auto",
-        help="put the key index inside the pool, in an area of N slots (a power of two; "
-        "auto: two per 64 KiB of pool) kept out of the regions, and offer it to every client "
-        "that proved the pool, over TCP too: clients on every host of a CXL pod then read "
-        "without a request. The capacity is fixed: a key beyond half of it is not published "
-        "and readers ask the server for their misses. Not for a directory (fsdax) pool. 0: "
-        "the index in /dev/shm, for clients on this node only (default: 0)",
+        help="put the key index in the pool, N slots (a power of two; auto: two per 64 KiB), "
+        "for every host of a CXL pod (not fsdax); 0: in /dev/shm, this node only (default: 0)",
     )
     p.add_argument(
         "--no-restore",
@@ -336,14 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def quota_lease_bytes(text: str, capacity: int) -> int:
-    """--quota-lease-bytes (a size or a share of the pool) in bytes; 0: no quota."""
-    return pool_share(text, capacity, "--quota-lease-bytes", 1)
-
-
-def quota_region_bytes(text: str, capacity: int) -> int:
-    """--quota-region-bytes in bytes (at least one region); 0: no quota."""
-    return pool_share(text, capacity, "--quota-region-bytes", REGION_ALIGNMENT)
+def quotas(args: argparse.Namespace, capacity: int) -> tuple[int, int]:
+    """--quota-region-bytes (at least one region) and --quota-lease-bytes in bytes for a pool
+    of `capacity`; 0: no quota."""
+    return (
+        pool_share(args.quota_region_bytes, capacity, "--quota-region-bytes", REGION_ALIGNMENT),
+        pool_share(args.quota_lease_bytes, capacity, "--quota-lease-bytes", 1),
+    )
 
 
 def pool_share(text: str, capacity: int, flag: str, least: int) -> int:
@@ -412,8 +371,7 @@ def check_args(args: argparse.Namespace) -> str | None:
             f"{INDEX_SLOTS_MAX}"
         )
     try:
-        quota_region_bytes(args.quota_region_bytes, args.pool_bytes)
-        quota_lease_bytes(args.quota_lease_bytes, args.pool_bytes)
+        quotas(args, args.pool_bytes)
     except ConfigError as exc:
         return str(exc)
     if args.eviction_low_watermark > args.eviction_high_watermark:
@@ -545,7 +503,7 @@ def purge(pool_path: str, state_dir: Path) -> int:
     except (OSError, RuntimeError) as exc:
         print(f"maru-server: cannot purge: {exc}", file=sys.stderr)
         return 1
-    print(f"removed {' and '.join(removed)}" if removed else "nothing to purge", file=sys.stdout)
+    print(f"removed {' and '.join(removed)}" if removed else "nothing to purge")
     return 0
 
 
@@ -727,9 +685,8 @@ def lock_state_dir(state_dir: Path) -> int:
 
 def secure_state_dir(state_dir: Path) -> None:
     """The state dir holds the secret that signs tokens and sessions, and the registry: only
-    the server's user may read it. Created 0700; an existing one, and the files
-    in it, lose their group and other permissions (logged). The server creates its files
-    0600."""
+    the server's user may read it. Created 0700; an existing one, and the files in it, lose
+    their group and other permissions (logged)."""
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     for path in [state_dir, *state_dir.iterdir()]:
         st = path.lstat()
@@ -785,9 +742,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     if args.metrics_port is not None:
         try:
-            require_prometheus()
-        except MetricsUnavailable as exc:
-            print(f"maru-server: {exc}", file=sys.stderr)
+            import prometheus_client  # noqa: F401
+        except ImportError:
+            print(
+                "maru-server: --metrics-port needs the prometheus_client package, which is not "
+                "installed: pip install prometheus-client (a dependency of maru-kvcache: "
+                "reinstall it)",
+                file=sys.stderr,
+            )
             return 2
     configure_logging(args.log_level, args.log_format)
     # What this start creates, it removes again if it fails: no pool or state left behind.
@@ -841,6 +803,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         signer = TokenSigner(secret, pool.generation)
         snapshot, records = journal.load()
+        quota_region_bytes, quota_lease_bytes = quotas(args, pool.capacity)
         registry = Registry(
             pool,
             signer,
@@ -849,9 +812,9 @@ def main(argv: list[str] | None = None) -> int:
             low_watermark=args.eviction_low_watermark,
             lease_seconds=args.lease_timeout,
             reap_hold=args.reap_hold,
-            quota_region_bytes=quota_region_bytes(args.quota_region_bytes, pool.capacity),
+            quota_region_bytes=quota_region_bytes,
             quota_leases=args.quota_leases,
-            quota_lease_bytes=quota_lease_bytes(args.quota_lease_bytes, pool.capacity),
+            quota_lease_bytes=quota_lease_bytes,
         )
         persistence.restore(registry, snapshot, records)
         registry.regions.next_id = max(registry.regions.next_id, first_region_id)
@@ -886,7 +849,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.cluster_config,
                 publish=args.cluster_publish,
                 lookup_ms=args.cluster_lookup_ms,
-                log_level=args.log_level.upper(),
+                log_level=args.log_level,
             )
     except (OSError, ValueError, KeyError, RuntimeError, zmq.ZMQError) as exc:
         print(f"maru-server: cannot start: {exc}", file=sys.stderr)

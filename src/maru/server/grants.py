@@ -1,17 +1,7 @@
-"""Region grants: which instance gets a region of the pool, and what it gives back.
-
-A region request is granted from free pool space, else after reclaiming idle regions (the
-eviction's `reclaim`: parked by their idle owners, or orphaned). Every live instance is owed a
-fair share of the pool (its capacity over the instances): one below its share that finds no
-room makes those above theirs give regions back (`shed`, on their next reply), and while it
-waits, no instance grows past its own share. Quotas (`--quota-region-bytes`) bound what one
-client process holds: the regions of every instance its process holds on the local socket
-count together (a process with six handlers is one client, not six), an instance over TCP
-alone (its process cannot be told). Parking (an idle owner's promise not to write in a
-region before it unparks it) and returning a region are here too.
-
-The grants see of the registry only the pool, the regions, the instances, the counters, the
-log throttle and the eviction's `reclaim`.
+"""Region grants: which instance gets a region of the pool, and what it gives back: free pool
+space, else idle regions reclaimed (`Eviction.reclaim`); a fair share of the pool for every
+live instance; quotas (`--quota-region-bytes`) per client process; parking and returning
+regions. The policy: docs/architecture.md, "Capacity: regions as data arrives".
 """
 
 from __future__ import annotations
@@ -51,8 +41,7 @@ class RegionGrants:
         self.pool, self.regions, self.instances = pool, regions, instances
         self.reclaim, self.counters, self.log_throttle = reclaim, counters, log_throttle
         self.quota_region_bytes = quota_region_bytes
-        # Instances below their fair share refused a region lately: instance id -> until when
-        # (time.monotonic()) the regions others give back are kept for them.
+        # instance id -> until when (time.monotonic()) regions given back are kept for it
         self.wanting: dict[str, float] = {}
 
     def request(
@@ -108,7 +97,7 @@ class RegionGrants:
     def fair_share(self) -> int:
         """The bytes of regions each live instance is owed: the pool's capacity over the
         instances. An instance below it that finds no room makes those above it give regions
-        back (`_ask_to_shed`), and while it waits, no instance grows past its own share."""
+        back (`_ask_to_shed`); while it waits, no instance grows past its own share."""
         return self.pool.capacity // max(1, len(self.instances))
 
     def region_bytes(self, inst: Instance) -> int:

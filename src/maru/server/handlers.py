@@ -2,9 +2,9 @@
 them from: one function per message type, each turning a decoded request body into a reply
 body (or raising `ProtocolError`).
 
-A handler sees the service only as a `Server` (the registry and the few things a reply
-reports about the service); `maru.server.service` owns the loop, the sockets and the
-authentication that puts the requester's instance into the body ("iid").
+A handler sees the service only as a `Server`; `maru.server.service` owns the loop, the
+sockets and the authentication that puts the requester's instance into the body ("iid": None
+for an anonymous request, an operator's or an unknown session's).
 """
 
 from __future__ import annotations
@@ -98,12 +98,6 @@ def _keys(body: dict[str, Any]) -> list[Any]:
     return keys
 
 
-def _iid(body: dict[str, Any]) -> str | None:
-    """The instance a request comes from, as `handle_frame` authenticated it (its session
-    credential), or None: an anonymous request (an operator's, or an unknown session)."""
-    return body["iid"]
-
-
 def _owner(body: dict[str, Any]) -> str:
     """The instance of a request that only an instance may make (pins)."""
     iid = body["iid"]
@@ -134,12 +128,17 @@ def on_handshake(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     if iid is None:
         iid = server.new_instance_id(_instance_name(body.get("name")))
     pid = body.get("pid")
-    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 <= pid < 2**63:
+    if type(pid) is not int or not 0 <= pid < 2**63:
         pid = 0  # informational only; must stay encodable in STATS replies
     chunk = body.get("chunk_size")
-    if not isinstance(chunk, int) or isinstance(chunk, bool):
+    if type(chunk) is not int or not 0 < chunk < 2**40:
         chunk = 0
-    regions = server.registry.instances.handshake(iid, pid, chunk if 0 < chunk < 2**40 else 0)
+    regions = server.registry.instances.handshake(iid, pid, chunk)
+    # The /dev/shm index only over the Unix socket, whose peer is on this node for sure (a TCP
+    # peer may be another host, even through 127.0.0.1); the in-pool index on every socket:
+    # it lies in the pool memory the client proves by the mark before it maps anything.
+    index = server.registry.local_index
+    local = index is not None and body.get("via_local") is True
     return {
         "iid": iid,
         "session": server.registry.instances.open_session(iid),
@@ -150,27 +149,11 @@ def on_handshake(server: Server, body: dict[str, Any]) -> dict[str, Any]:
         "heartbeat_interval": server.housekeeper.heartbeat_timeout / 3,
         "local_socket": server.local.address if server.local is not None else None,
         "uid": os.getuid(),
-        "local_index": _local_index_path(server, body),
-        "pool_index": _pool_index(server),
+        "local_index": index.path if local else None,
+        "pool_index": index.offer() if index is not None else None,
         "coherence": server.coherence,
         "cluster": server.cluster.announce() if server.cluster is not None else None,
     }
-
-
-def _local_index_path(server: Server, body: dict[str, Any]) -> str | None:
-    """The local index is offered only over the Unix socket: its peer is on this node for
-    sure (a TCP peer may be another host, even through 127.0.0.1, whose view of the pool
-    is not coherent with ours: docs/architecture.md)."""
-    index = server.registry.local_index
-    return index.path if index is not None and body.get("via_local") is True else None
-
-
-def _pool_index(server: Server) -> dict[str, Any] | None:
-    """The in-pool index (`--index-slots`) is offered on every socket: it lies in the pool
-    memory the client proves by the mark before it maps anything (`maru.client.poolpath`),
-    and its readers keep the pod's coherence contract (docs/architecture.md)."""
-    index = server.registry.local_index
-    return index.offer() if index is not None else None
 
 
 def on_request_region(server: Server, body: dict[str, Any]) -> dict[str, Any]:
@@ -178,19 +161,19 @@ def on_request_region(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(ahead, bool):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "ahead: true or false")
     reg = server.registry
-    handle = reg.request_region(_iid(body), body.get("size"), least, reclaim=not ahead)
+    handle = reg.request_region(body["iid"], body.get("size"), least, reclaim=not ahead)
     return {"region": handle.to_wire()}
 
 
 def on_park_regions(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     unparked, gone = server.registry.park(
-        _iid(body), body.get("seq"), _batch(body, "park"), _batch(body, "unpark")
+        body["iid"], body.get("seq"), _batch(body, "park"), _batch(body, "unpark")
     )
     return {"unparked": unparked, "gone": gone}
 
 
 def on_return_region(server: Server, body: dict[str, Any]) -> dict[str, Any]:
-    server.registry.return_region(_iid(body), body.get("region_id"), body.get("token"))
+    server.registry.return_region(body["iid"], body.get("region_id"), body.get("token"))
     return {}
 
 
@@ -209,7 +192,7 @@ def _count_local_reads(server: Server, body: dict[str, Any]) -> None:
     ):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "local_reads: four counts, hits <= total")
     lookups, hits, exists, exists_hits = reads
-    server.registry.count_reads(_iid(body), lookups, hits, exists, exists_hits)
+    server.registry.count_reads(body["iid"], lookups, hits, exists, exists_hits)
 
 
 def on_disconnect(server: Server, body: dict[str, Any]) -> dict[str, Any]:
@@ -227,7 +210,7 @@ def on_region_access(server: Server, body: dict[str, Any]) -> dict[str, Any]:
 
 def on_register_kv(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     """A bad key is REJECTED (not an error): the rest of the batch is registered."""
-    iid = _iid(body)
+    iid = body["iid"]
     keys = _batch(body, "keys")
     region_ids, offsets, lengths = (
         unpack_int64(body.get(name), len(keys), name).tolist()
@@ -246,7 +229,7 @@ def on_lookup_kv(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     """The columns are bytes of native int64s (client and server share the node), read by
     the client with numpy, no Python int per key; the lease is taken in the same pass."""
     region_ids, offsets, lengths, checksums, regions, lease_id = server.registry.lookup(
-        _keys(body), _iid(body), body.get("lease") is True
+        _keys(body), body["iid"], body.get("lease") is True
     )
     return {
         "region_ids": region_ids,
@@ -264,7 +247,7 @@ def on_exists(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     "wait_ms" too, the reply waits (up to that and the tier's lookup budget) until none is
     (`maru.server.cluster.waits`, kept by `handle_frame`); without, the client asks again."""
     keys = _keys(body)
-    results = server.registry.exists(keys, _iid(body))
+    results = server.registry.exists(keys, body["iid"])
     reply: dict[str, Any] = {"results": results, "pulling": 0}
     if body.get("pull") is True and server.cluster is not None and not all(results):
         index = [i for i, hit in enumerate(results) if not hit]
@@ -278,7 +261,7 @@ def on_exists(server: Server, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def on_evict_for(server: Server, body: dict[str, Any]) -> dict[str, Any]:
-    freed = server.registry.eviction.evict_for(_iid(body), body.get("bytes"))
+    freed = server.registry.eviction.evict_for(body["iid"], body.get("bytes"))
     return {"freed_bytes": freed}
 
 
@@ -290,7 +273,7 @@ def on_delete_prefix(server: Server, body: dict[str, Any]) -> dict[str, Any]:
         prefix = body.get("prefix")
         deleted, pinned = delete_prefix(server.registry, prefix)
         what = f"prefix {prefix!r:.200}"
-    iid = _iid(body)
+    iid = body["iid"]
     log.info(
         "%d keys deleted (%s, by %s); %d pinned or leased kept",
         deleted,
@@ -330,7 +313,7 @@ HANDLERS: dict[int, Handler] = {
     MsgType.PIN: lambda s, b: {"results": s.registry.pins.pin(_keys(b), _owner(b))},
     MsgType.UNPIN: lambda s, b: {"results": s.registry.pins.unpin(_keys(b), _owner(b))},
     MsgType.RELEASE: lambda s, b: {
-        "released": s.registry.leases.release(_batch(b, "leases"), _iid(b))
+        "released": s.registry.leases.release(_batch(b, "leases"), b["iid"])
     },
     MsgType.EVICT_FOR: on_evict_for,
     MsgType.DELETE_KV: lambda s, b: {"results": s.registry.delete(_keys(b))},

@@ -11,6 +11,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from maru.server import persistence
 from maru.server.journal import Journal
@@ -26,35 +27,28 @@ def freeze_heap(full: bool = False) -> None:
     """Collect the young generations (everything with `full`), then move every object the
     cyclic GC tracks into its permanent generation (`gc.freeze`), where no collection scans it.
 
-    Why: the registry's objects are GC-tracked, and at 10^6 keys a collection on the server's
-    only thread stalls every client for up to 150 ms (figures: benchmarks/results/history.md).
-    Freezing after each loop turn keeps the young generations to what one turn made. Cost: a
-    reference cycle among frozen objects is never collected; the registry makes none, and the
-    young collection before each freeze bounds the rest."""
+    Why: a collection walking a registry of 10^6 keys stalls every client (docs/operations.md,
+    "Memory and the garbage collector"). Cost: a reference cycle among frozen objects is never
+    collected; the registry makes none, and the young collection before each freeze bounds
+    the rest."""
     gc.collect() if full else gc.collect(1)
     gc.freeze()
 
 
+@dataclass
 class Housekeeping:
     """The between-requests work of one `MaruService` (`run`)."""
 
-    def __init__(
-        self,
-        registry: Registry,
-        journal: Journal | None,
-        heartbeat_timeout: float,
-        gc_freeze: bool,
-        on_pool_lost: Callable[[str], None],
-    ):
-        self.registry = registry
-        self.journal = journal
-        self.heartbeat_timeout = heartbeat_timeout
-        self.gc_freeze = gc_freeze
-        self.on_pool_lost = on_pool_lost
-        self.next_reap = 0.0
-        self.next_pool_check = 0.0
-        self.next_snapshot = 0.0  # after a failed snapshot: not before this time
-        self._snapshot_log = Throttle(60.0)  # failed snapshots, retried every second
+    registry: Registry
+    journal: Journal | None
+    heartbeat_timeout: float
+    gc_freeze: bool
+    on_pool_lost: Callable[[str], None]
+    next_reap: float = 0.0
+    next_pool_check: float = 0.0
+    next_snapshot: float = 0.0  # after a failed snapshot: not before this time
+    # failed snapshots, retried every second, logged once a minute
+    _snapshot_log: Throttle = field(default_factory=lambda: Throttle(60.0))
 
     def run(self, now: float | None = None) -> None:
         """While the journal cannot be written, reaping waits (it would journal "X" and "T"
@@ -97,8 +91,7 @@ class Housekeeping:
         """The pool file deleted, replaced or shrunk under the server: the registered keys
         point at bytes that are gone (or at zeros). Stop serving at once, before the next
         request, so no stale location is handed out; `maru-server` then exits with status 3
-        and marks its saved state unusable, and a restart starts a new generation on a fresh
-        pool. (Simpler and as safe as resetting in place.)"""
+        and marks its saved state unusable (a restart starts a new generation)."""
         pool = self.registry.pool
         reason = pool.changed()
         if reason is None:

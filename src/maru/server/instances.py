@@ -2,22 +2,10 @@
 processes behind them, and their lifecycle: handshake, sign of life, disconnect, reaping.
 
 An instance is a credential the server issued (`open_session`), not a PID or a name; what it
-holds (regions, pins, leases) goes when it disconnects or is reaped. Reaping: at once when its
-watched process exited (`maru.server.processes`); after `--heartbeat-timeout` of silence when
-the server cannot watch its process (a TCP client), its regions then held for `reap_hold`.
-
-A credential is one process's (`ProcessWatch.claim`), and resumes its instance only while the
-server has it: once the instance is gone (DISCONNECT, reaped, or nothing of it outlived a
-restart; the journal's "X" record drops it) a HANDSHAKE presenting it gets a new instance.
-
-A TCP client's connections (ZeroMQ routing ids, one per DEALER: one per thread of a handler)
-are noted as it speaks (`touch`); when the last one drops (`route_dropped`: the peer's process
-died, or the network cut it) the instance shows as `dropped` ("gone" in `maru status`) at
-once. It is still reaped only after `--heartbeat-timeout`: a dropped connection may be a live
-process on another host, which ZeroMQ reconnects, and whose next message shows it connected.
-
-The table sees of the registry only what it uses (the regions, the session signer, a way to let
-go of an instance's pins and leases, the log throttle and the counters), not the registry."""
+holds (regions, pins, leases) goes when it disconnects or is reaped. A credential resumes its
+instance only while the server has it: once the instance is gone (DISCONNECT, reaped, or
+nothing of it outlived a restart) a HANDSHAKE presenting it gets a new instance.
+"""
 
 from __future__ import annotations
 
@@ -65,8 +53,7 @@ class Instance:
 
 
 class InstanceTable(dict[str, Instance]):
-    """instance id -> Instance, with the lifecycle verbs. A dict, so that pins, leases,
-    persistence and statistics read it as one."""
+    """instance id -> Instance, with the lifecycle verbs."""
 
     def __init__(
         self,
@@ -77,8 +64,7 @@ class InstanceTable(dict[str, Instance]):
         counters: dict[str, int],
         reap_hold: float = 0.0,
     ):
-        """`let_go`: drops an instance's pins and ends its leases (the registry's holds),
-        returning how many of each, when it disconnects."""
+        """`let_go`: drops a departing instance's pins and leases, returning how many."""
         super().__init__()
         self.regions, self.signer, self.let_go = regions, signer, let_go
         self.log_throttle, self.counters = log_throttle, counters
@@ -98,8 +84,7 @@ class InstanceTable(dict[str, Instance]):
         return inst
 
     def touch(self, instance_id: Any, route: bytes | None = None, host: str = "") -> None:
-        """Any message naming a known instance is a sign of life (heartbeats, and the lookups
-        of a read-only client, do not go through `instance()`), and shows it connected.
+        """Any message naming a known instance is a sign of life, and shows it connected.
         `route`: the ZMQ routing id it came on (None: the local socket); `host`: where from
         (`MaruService.host_of`; "" keeps the last known)."""
         inst = self.get(instance_id) if isinstance(instance_id, str) else None
@@ -115,7 +100,8 @@ class InstanceTable(dict[str, Instance]):
     def route_dropped(self, route: bytes) -> None:
         """A TCP connection closed (`TcpEndpoint`'s socket monitor). If it was the last of an
         instance whose process the server does not watch, show the instance as dropped
-        (gone) now; reaping still waits for the heartbeat timeout (see the module's doc)."""
+        (gone) now. Reaping still waits for the heartbeat timeout: a dropped connection may
+        be a live process on another host, which ZeroMQ reconnects."""
         instance_id = self.routes.pop(route, None)
         inst = self.get(instance_id) if instance_id is not None else None
         if inst is None:
@@ -230,13 +216,16 @@ class InstanceTable(dict[str, Instance]):
             self.counters["instances_reaped"] += 1
         return [d[0] for d in dead]
 
-    def take_shed(self, instance_id: Any) -> int:
-        """The bytes of regions to ask the instance to give back (once), 0 if none."""
-        inst = self.get(instance_id) if isinstance(instance_id, str) else None
-        if inst is None or not inst.shed:
-            return 0
-        shed, inst.shed = inst.shed, 0
-        return shed
+    def hand_out(self, instance_id: str | None, reply: dict[str, Any]) -> None:
+        """Put the instance's freed pages and the bytes of regions to ask it to give back
+        (fair share) into `reply`: each handed out once."""
+        inst = self.get(instance_id)
+        if inst is None:
+            return
+        if inst.freed:
+            reply["freed"], inst.freed = inst.freed, []
+        if inst.shed:
+            reply["shed"], inst.shed = inst.shed, 0
 
     def take_freed(self, instance_id: Any) -> list[list[int]]:
         inst = self.get(instance_id) if isinstance(instance_id, str) else None

@@ -1,19 +1,16 @@
 """Registry persistence: a checksummed append-only journal plus generation-numbered snapshots.
 
-The pool memory (a /dev/shm file, a devdax device) outlives a `maru-server` process; only the
-registry that says where the pages are would be lost. The journal records every change to
-regions and keys; a restart loads the newest snapshot and replays the journal of the same
-generation. Framing: `[length u32][crc32 u32][msgpack record]`; replay stops at the first
-short or damaged record (a torn write) and truncates it away.
+The journal records every change to regions and keys; a restart loads the newest snapshot and
+replays the journal of the same generation. Framing: `[length u32][crc32 u32][msgpack
+record]`; replay stops at the first short or damaged record (a torn write) and truncates it.
 
-Each record is written with `os.write` before the request is answered (a killed process loses
-nothing); `fsync` runs on a background thread (the syncer) at most every `fsync_interval`.
-`append` writes a whole frame or nothing: a failed or short write is cut back to the last good
-record and raises `JournalWriteError` (the request is not acknowledged), and every later append
-raises until a snapshot succeeds, since no record may follow a gap. A failed fsync (the kernel
-may have dropped the unwritten pages) sets `sync_error`. Either way `needs_snapshot` asks the
-server loop for a fresh snapshot of the in-memory registry, which is complete. The guarantees
-and the tests that prove them: docs/reliability.md.
+Each record is written with `os.write` before the request is answered; `fsync` runs on a
+background thread (the syncer) at most every `fsync_interval`. `append` writes a whole frame
+or raises `JournalWriteError`, and every later append raises until a snapshot succeeds, since
+no record may follow a gap; a failed fsync (the kernel may have dropped the unwritten pages)
+sets `sync_error`. Either way `needs_snapshot` asks the server loop for a fresh snapshot of
+the in-memory registry, which is complete. The guarantees and the tests that prove them:
+docs/reliability.md, "Server crashes".
 """
 
 from __future__ import annotations
@@ -53,8 +50,7 @@ class JournalWriteError(RuntimeError):
 
 def _frame(record: Any) -> bytes:
     """A record (or snapshot) framed: msgpack, as `msgpack.packb(record, use_bin_type=True)`
-    writes it, packed in one C pass (`pack_record`: a REGISTER_KV's "K" record is a column of
-    keys and three of ints, which the generic packer dispatched object by object)."""
+    writes it, packed in one C pass (`pack_record`)."""
     payload = pack_record(record)
     return FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 

@@ -1,24 +1,18 @@
 """The server's Unix socket: the same request frames as the ROUTER socket, for clients on this
-node, without ZMQ's I/O threads in the round trip.
-
-Every Maru client runs on the server's node (it maps the pool), so a Unix socket reaches it.
-A request round trip over ZMQ wakes four threads (each side's I/O thread and caller); over a
-plain socket, two. The HANDSHAKE reply names this socket; clients that cannot reach it (another
-network namespace, no shared directory) stay on ZMQ.
+node (every client maps the pool, so nearly all are), without ZMQ's I/O threads in the round
+trip: two threads woken per request instead of four. The HANDSHAKE reply names this socket;
+clients that cannot reach it (another network namespace) stay on ZMQ.
 
 Frames are length-prefixed on the stream (`maru.common.protocol.StreamReader`). Sockets are
 non-blocking and replies are buffered per connection, so a client that stops reading stalls
-only itself: past `OUT_LIMIT` buffered bytes its requests are not answered, nor read, until
-it catches up (so a connection holds at most `OUT_LIMIT` plus one reply, one request being
-read and the kernel's buffers).
+only itself: past `OUT_LIMIT` buffered bytes its requests are not answered, nor read, until it
+catches up.
 
-The door: only processes that may map the pool use the socket (`LocalDoor`); anyone else's
-connection gets one NOT_AUTHORIZED frame and is closed, before any of its requests is read.
-
-File descriptors: a connection is refused (one LOCAL_SOCKET_FULL frame, then closed) when its
-descriptor number comes within `FD_RESERVE` of the process's limit, so the journal, snapshots
-and new TCP clients always find descriptors (the kernel hands out the lowest free number, so a
-high number means that many are open).
+Only processes that may map the pool come in (`LocalDoor`); anyone else's connection gets one
+NOT_AUTHORIZED frame and is closed, before any of its requests is read. A connection whose
+descriptor number comes within `FD_RESERVE` of the process's limit gets one LOCAL_SOCKET_FULL
+frame and is closed, so the journal, snapshots and TCP clients always find descriptors (the
+kernel hands out the lowest free number: a high one means that many are open).
 """
 
 from __future__ import annotations
@@ -89,15 +83,12 @@ class LocalDoor:
             return None
         allowed = ", ".join(str(u) for u in sorted(self.uids))
         group = f" nor a member of --pool-group gid {self.gid}" if self.gid is not None else ""
-        return (
-            uid,
-            pid,
-            (
-                f"uid {uid} may not use maru-server's local socket: it serves uids {allowed} "
-                f"(its own, root and --local-uids){group}, the processes that may map the pool; "
-                f"the operator can add --local-uids {uid}, or talk to the server over TCP"
-            ),
+        why = (
+            f"uid {uid} may not use maru-server's local socket: it serves uids {allowed} "
+            f"(its own, root and --local-uids){group}, the processes that may map the pool; "
+            f"the operator can add --local-uids {uid}, or talk to the server over TCP"
         )
+        return uid, pid, why
 
 
 class Peer:
@@ -236,8 +227,7 @@ class LocalSocketServer:
         return accepted
 
     def _refuse(self, sock: socket.socket, uid: int, pid: int, why: str) -> None:
-        """One NOT_AUTHORIZED frame (request id 0: before any request, none of which is read),
-        then close: the client says why and goes on over TCP (`maru.client.rpc`)."""
+        """One NOT_AUTHORIZED frame, then close: the client says why and goes on over TCP."""
         _send_refusal(sock, ErrorCode.NOT_AUTHORIZED, why)
         held = self._refusals.allow(("uid", uid))
         if held is not None:

@@ -1,29 +1,18 @@
 """The server's side of the local index: its key index published in shared memory, so that
-clients on this node find keys without a request (the layout is in
-`maru.common._shmindex`, the files' names in `maru.common.shmindex`).
+clients find keys without a request (docs/architecture.md, "The local index" and "The
+in-pool index"; the layout is in `maru.common._shmindex`).
 
 The registry calls it from its two key mutators, after the change is journaled: `publish`
-from `_add_keys` (registered keys, the journal replay's too), `remove` from `_drop_keys`
-(deleted, evicted, reclaimed) *before* the keys' pages can be reused (before their owner is
-told they are free, before their region is freed). Eviction takes the readers' use marks as
-CLOCK bits (`harvest_into`). One table at a time: when it passes half full, a table of at
-least twice the capacity replaces it (the old one's header names it, then says `retired`).
-At start the server retires every earlier table of its pool before its pool can change
-(`retire_earlier`, before a new generation's fresh start), and a server that stops retires
-its own (`close`). A table that cannot be made (no room on /dev/shm) turns the index off:
-clients then use the request path. Nor is one made where it would take room the pool still
-needs: on the pool's own tmpfs, a table made after the pool's free-space check would leave
-the pool's last pages unbacked (SIGBUS in the client that touches them), so each table, the
-first and every bigger one, is made only if the filesystem keeps room for the pool besides.
+from `_add_keys`, `remove` from `_drop_keys` *before* the keys' pages can be reused (before
+their owner is told they are free, before their region is freed). A table that cannot be made
+(no room on /dev/shm) turns the index off: clients then use the request path. On the pool's
+own tmpfs a table is made only if the filesystem keeps room for what the pool may still
+allocate: else the pool's last pages would be unbacked (SIGBUS in the client that touches
+them).
 
-With `maru-server --index-slots` the table lies inside the pool instead (`_PoolTable`, the area
-`Pool.index_area` keeps out of the regions): memory every host of a CXL pod maps, so every
-client that proved the pool reads through it, over TCP too (docs/architecture.md, "The
-in-pool index"). Its capacity is fixed at start: a key that finds no room is not published
-(its slot, if it had one, removed) and the table says `incomplete` from then on, so that
-readers ask the server for their misses. With software coherence (`--coherence software`)
-every slot and header line the server changes is written back before it counts as published.
-One table, one writer: the server makes no /dev/shm table then.
+With `maru-server --index-slots` the one table lies inside the pool instead (`_PoolTable`):
+its capacity is fixed, and a key that finds no room is not published and makes the table
+`incomplete`, so that readers ask the server for their misses.
 """
 
 from __future__ import annotations
@@ -61,6 +50,8 @@ class _PoolTable:
     read-write through the pool's path: formatted anew at every start (a new index id), so
     that a reader of an earlier one never proves a copy by it. `retire` is `_Table`'s."""
 
+    path = None  # (no file of its own: `offer` names its place)
+
     def __init__(self, pool: Any, generation: str, software: bool):
         self.place, offset, length, slots = pool.index_area  # (`place`: under the pool's path)
         self.capacity = slots
@@ -79,10 +70,6 @@ class _PoolTable:
             self.map.close()
             raise
 
-    @property
-    def path(self) -> None:
-        return None  # (no file of its own: `offer` names its place)
-
     def offer(self) -> dict[str, Any]:
         """The HANDSHAKE reply's `pool_index`: where the table lies in the pool (the client
         maps it through the path it proved the pool's mark at) and which table it is."""
@@ -100,14 +87,15 @@ class _PoolTable:
         self.writer.close()
         self.map.close()
 
-    def unlink(self) -> None:
-        """(Nothing to remove: the area is the pool's.)"""
+
+def _retire(table: Any, use: Any) -> None:
+    writer = shmindex.Writer(table, use)
+    writer.retire("")
+    writer.close()
 
 
 def retire_in_pool(pool: Any) -> bool:
-    """Retire the in-pool table an earlier server left (killed, or stopped before it could):
-    readers that still map it take their copies as misses from now on. Call it with the pool
-    locked, before the pool can change. False where there is none of this size."""
+    """`retire_earlier` for the in-pool table: False where there is none of this size."""
     if pool.index_area is None:
         return False
     file, offset, length, slots = pool.index_area
@@ -117,9 +105,7 @@ def retire_in_pool(pool: Any) -> bool:
         return False
     table, use = area_views(area, slots)
     try:
-        writer = shmindex.Writer(table, use)
-        writer.retire("")
-        writer.close()
+        _retire(table, use)
         return True
     except ValueError:  # (never formatted, or of another size: the format retires it)
         return False
@@ -187,9 +173,7 @@ def retire_earlier(pool_kind: str, pool_path: str) -> int:
         try:
             with open(path, "r+b") as f, open(path + USE_SUFFIX, "r+b") as u:
                 table, use = mmap.mmap(f.fileno(), 0), mmap.mmap(u.fileno(), 0)
-                writer = shmindex.Writer(table, use)
-                writer.retire("")
-                writer.close()
+                _retire(table, use)
                 table.close()
                 use.close()
         except (OSError, ValueError) as exc:  # not a table of ours, or damaged: just remove it
@@ -233,11 +217,11 @@ class LocalIndex:
         self.grown = 0  # tables replaced by bigger ones
         self.huge = hugepages.tmpfs_huge_option(self.base)  # its tmpfs's huge= option
         self.unpublished = 0  # keys an in-pool table had no room for
-        self.table: _Table | _PoolTable | None = None
-        if in_pool is not None:
-            self.table = _PoolTable(in_pool, generation, software)
-        else:
-            self.table = self._new_table(INITIAL_CAPACITY)
+        self.table: _Table | _PoolTable | None = (
+            _PoolTable(in_pool, generation, software)
+            if in_pool is not None
+            else self._new_table(INITIAL_CAPACITY)
+        )
 
     @property
     def path(self) -> str | None:
@@ -245,8 +229,7 @@ class LocalIndex:
         return self.table.path if self.table is not None else None
 
     def offer(self) -> dict[str, Any] | None:
-        """The in-pool table's place for every HANDSHAKE reply (`_PoolTable.offer`), None if
-        the table is not in the pool."""
+        """`_PoolTable.offer`, for every HANDSHAKE reply; None if the table is not in the pool."""
         table = self.table
         return table.offer() if isinstance(table, _PoolTable) else None
 
@@ -347,10 +330,7 @@ class LocalIndex:
         if len(keys) > room:  # (an in-pool table: the rest are the server's alone)
             self._no_room(keys[room:])
             keys, region_ids, offsets, lengths = (
-                keys[:room],
-                region_ids[:room],
-                offsets[:room],
-                lengths[:room],
+                column[:room] for column in (keys, region_ids, offsets, lengths)
             )
             checksums = checksums[:room] if checksums is not None else None
         tags = {r: region_tag(regions[r].token) for r in set(region_ids)}

@@ -9,7 +9,8 @@ atomic under the GIL; regions are looked up with `.get`) and the read is retried
 changed size under it (`read_stats`).
 
 `prometheus_client` is a dependency of the distribution, but may be missing (`--no-deps`):
-nothing here imports it at module level, so `maru-server` without `--metrics-port` runs anyway.
+nothing here imports it at module level, so `maru-server` without `--metrics-port` runs anyway
+(`maru.server.cli` checks for it before starting).
 """
 
 from __future__ import annotations
@@ -389,20 +390,6 @@ def registry_stats(registry: StatsSource) -> dict[str, Any]:
     }
 
 
-class MetricsUnavailable(RuntimeError):
-    """`--metrics-port` was given but prometheus_client is not installed."""
-
-
-def require_prometheus() -> None:
-    try:
-        import prometheus_client  # noqa: F401
-    except ImportError:
-        raise MetricsUnavailable(
-            "--metrics-port needs the prometheus_client package, which is not installed: "
-            "pip install prometheus-client (a dependency of maru-kvcache: reinstall it)"
-        ) from None
-
-
 def read_stats(source: Callable[[], dict[str, Any]], retries: int = 20) -> dict:
     """Call `source` (e.g. `MaruService.stats`) from a thread other than the RPC loop's,
     retrying while the registry changes under it."""
@@ -419,9 +406,6 @@ class MaruCollector:
 
     def __init__(self, stats_source: Callable[[], dict[str, Any]]):
         self.stats_source = stats_source
-
-    def describe(self) -> list:
-        return []  # unchecked collector: families are produced at scrape time
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import (
@@ -503,8 +487,7 @@ def start_metrics_server(
     stats_source: Callable[[], dict[str, Any]], host: str, port: int
 ) -> tuple[Any, str]:
     """Serve /metrics on `host:port` (0: a free port) from a daemon thread. Returns the
-    server (call `.shutdown()`) and the URL it serves. Raises MetricsUnavailable or OSError."""
-    require_prometheus()
+    server (call `.shutdown()`) and the URL it serves. Raises OSError."""
     from prometheus_client import CollectorRegistry, start_http_server
     from prometheus_client.process_collector import ProcessCollector
 
@@ -512,8 +495,7 @@ def start_metrics_server(
     registry.register(MaruCollector(stats_source))
     ProcessCollector(registry=registry)
     httpd, _thread = start_http_server(port, addr=host, registry=registry)
-    bound_port = httpd.server_address[1]
     shown = f"[{host}]" if ":" in host else host
-    url = f"http://{shown}:{bound_port}/metrics"
+    url = f"http://{shown}:{httpd.server_address[1]}/metrics"
     log.info("Prometheus metrics on %s", url)
     return httpd, url

@@ -75,12 +75,6 @@ def check_free_space(pool_path: str, directory: str, need: int) -> None:
         )
 
 
-def filesystem_type(path: str) -> str | None:
-    """The type of the filesystem `path` is on (from /proc/mounts), None if unknown."""
-    entry = hugepages.mount_entry(path)
-    return entry[2] if entry is not None else None
-
-
 def _flock(fd: int, what: str, holder: str = "") -> None:
     """Hold an exclusive lock on `fd` for the server's life: one server per pool (or state
     dir). `what` names the thing locked ("pool X") in the refusal."""
@@ -154,17 +148,16 @@ class Pool(ABC):
         """Bytes the pool may still allocate on `directory`'s filesystem (0 on another one,
         or for a device): what anything else the server makes there (the local index) must
         leave free, or a client touching a page of the pool dies of SIGBUS."""
-        return 0
-
-    def _unallocated_beside(self, path: str, directory: str, allocated: int) -> int:
-        """`unallocated_on` for a pool at `path` (a file or a directory) that has `allocated`
-        bytes now."""
         try:
-            if os.stat(path).st_dev != os.stat(directory).st_dev:
+            if os.stat(self.path).st_dev != os.stat(directory).st_dev:
                 return 0
         except OSError:
             return 0
-        return max(0, self.capacity - allocated)
+        return max(0, self.capacity - self._allocated())
+
+    def _allocated(self) -> int:
+        """Bytes the pool has allocated on its filesystem (a device: all of them)."""
+        return self.capacity
 
     def fragmentation(self) -> float:
         return 0.0
@@ -348,8 +341,9 @@ class ShmPool(FilePool):
         self._group, self._lock, self._preallocate = group, lock, preallocate
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.created = self._open(exclusive=False)
-        fs = filesystem_type(os.path.dirname(os.path.abspath(path)))
-        if lock and fs is not None and fs != "tmpfs":
+        mount = hugepages.mount_entry(os.path.dirname(os.path.abspath(path)))
+        fs = mount[2] if mount is not None else None
+        if lock and fs not in (None, "tmpfs"):
             log.warning(
                 "pool %s is on %s, not tmpfs: its pages may be written back to storage", path, fs
             )
@@ -408,12 +402,11 @@ class ShmPool(FilePool):
         self.truncated_from = None
         self.created = self._open(exclusive=True)
 
-    def unallocated_on(self, directory: str) -> int:
+    def _allocated(self) -> int:
         try:
-            allocated = os.stat(self.path).st_blocks * 512
+            return os.stat(self.path).st_blocks * 512
         except OSError:
-            allocated = 0
-        return self._unallocated_beside(self.path, directory, allocated)
+            return 0
 
 
 class DevDaxPool(FilePool):
@@ -421,8 +414,8 @@ class DevDaxPool(FilePool):
     last alignment unit holds the pool's mark, the units before it the in-pool index
     (`index_slots`): the capacity is at most the rest.
 
-    A regular file may stand in for the device (tests do this: there is no device here); then
-    its size is the device's and alignment is REGION_ALIGNMENT.
+    A regular file may stand in for the device (tests): its size is the device's, alignment
+    REGION_ALIGNMENT.
     """
 
     kind = "devdax"
@@ -506,9 +499,6 @@ class FsDaxPool(Pool):
 
     def _region_files(self) -> list[Path]:
         return list(Path(self.path).glob("region-*.mem"))
-
-    def unallocated_on(self, directory: str) -> int:
-        return self._unallocated_beside(self.path, directory, self._allocated())
 
     def _mark_place(self) -> dict:
         return {"file": self.MARK_FILE, "offset": 0, "span": MARK_BYTES}

@@ -15,9 +15,8 @@ client in another pid namespace, every instance after a server restart until it 
 Unix socket again) is judged by its silence, and its regions are held back after a reap
 (`InstanceTable.reap`).
 
-The same pidfd makes a credential one process's: the first process to speak for an
-instance on the Unix socket holds it, and the server refuses the instance's requests from any
-other process there, and over TCP, where it cannot tell who asks (`MaruService.handle_frame`).
+The same pidfd makes a credential one process's (`ProcessWatch.claim`,
+`MaruService.handle_frame`).
 """
 
 from __future__ import annotations

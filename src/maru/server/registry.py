@@ -12,11 +12,8 @@ Pure bookkeeping, no sockets and no page bytes, so every rule can be tested dire
   (if any) before it is answered, and a restart replays the journal through the same
   mutators that wrote it.
 
-Who is connected (sessions, handshake, disconnect, reaping) is in `maru.server.instances`;
-regions and their deferred free, in `maru.server.regions`; which instance gets a region (fair
-share, quotas, parking), in `maru.server.grants`; which keys go when memory runs short, in
-`maru.server.eviction`; pins and read leases, in `maru.server.holds`; the snapshot
-and the replay, in `maru.server.persistence`; the statistics, in `maru.server.metrics`.
+The parts (instances, regions, grants, eviction, holds: docs/architecture.md) see only what
+they use of each other, never the registry.
 """
 
 from __future__ import annotations
@@ -91,17 +88,11 @@ class Registry:
         (0: no limit), so that one client cannot starve the others (`--quota-region-bytes`,
         `--quota-leases`, `--quota-lease-bytes`); past them a request is refused with
         QUOTA_EXCEEDED, before any side effect (a leased lookup past the bytes: its keys were
-        only marked used). Besides, every instance is owed a fair share of the pool
-        (`RegionGrants.fair_share`, `request_region`).
-
-        The parts below see only what they use of each other (`InstanceTable`, `Eviction`
-        through an `EvictionView`, `RegionGrants`): none holds the registry."""
+        only marked used)."""
         self.pool = pool
         self.signer = signer
         self.journal = journal
         self.quota_leases, self.quota_lease_bytes = quota_leases, quota_lease_bytes
-        # Oldest first, the order eviction walks (a key it spares moves to the end); batches
-        # go through its batch calls (`maru.server.keyindex`).
         self.keys: KeyIndex = KeyIndex()
         self.live_bytes = 0  # sum of registered key lengths
         self.log_throttle = Throttle(10.0)  # per-store events under memory pressure
@@ -135,8 +126,7 @@ class Registry:
             self.log_throttle,
             quota_region_bytes,
         )
-        # The key index published for readers on this node (`maru.server.localindex`), which
-        # `_add_keys` and `_drop_keys` keep up to date; None: not published.
+        # Kept up to date by `_add_keys` and `_drop_keys`; None: no index published.
         self.local_index: LocalIndex | None = None
 
     def _log(self, *record: Any) -> None:
@@ -193,10 +183,8 @@ class Registry:
         key: EXISTS when the key was registered before, or earlier in the batch (first writer
         wins); REJECTED for a bad key or a location outside the caller's own live regions."""
         inst = self.instances.require(instance_id)
-        # One path: the keys that may go in are inserted by `_add_keys` (`add_entries`, in C:
-        # the first writer of a key wins), which says which were new. Which may go in: every
-        # key of a batch whose keys and locations are all valid (nearly all; one C pass), else
-        # those `_screen_each` lets through.
+        # Into `_add_keys` (which says which were new): every key of a batch whose keys and
+        # locations are all valid (nearly all; one C pass), else those `_screen_each` lets by.
         limits = self._writable_lengths(instance_id, region_ids)
         screened = (
             None
@@ -237,14 +225,11 @@ class Registry:
         names: the same registration again (a request sent twice). EXISTS would tell the
         writer that its pages are not referenced and may be reused, while the key's entry
         points at them. (`columns`: the keys, region ids, offsets and lengths inserted.)"""
+        keys, region_ids, offsets, lengths = columns[:4]
         again = [i for i, st in enumerate(statuses) if st == EXISTS]
-        entries = self.keys.get_many([columns[0][i] for i in again])
-        for i, entry in zip(again, entries):
-            if entry is not None and (entry.region_id, entry.offset, entry.length) == (
-                columns[1][i],
-                columns[2][i],
-                columns[3][i],
-            ):
+        for i, entry in zip(again, self.keys.get_many([keys[i] for i in again])):
+            place = (region_ids[i], offsets[i], lengths[i])
+            if entry is not None and (entry.region_id, entry.offset, entry.length) == place:
                 statuses[i] = REGISTERED
         return statuses
 
@@ -318,21 +303,15 @@ class Registry:
             try:
                 self._log("K", keys, *columns, *([CHECKSUMS] if checksums else []))
             except JournalWriteError:
-                self._undo_add(keys, groups)
+                # The request is answered with an error, and a writer told so may reuse the
+                # pages: take the keys back (not yet published, and one thread serves all).
+                for key in keys:
+                    del self.keys[key]
+                self._count(groups, -1)
                 raise
             if self.local_index is not None:
                 self.local_index.publish(keys, *columns, regions=self.regions)
         return new
-
-    def _undo_add(self, keys: list[Key], groups: dict[int, dict[int, int]]) -> None:
-        """Take back the keys `_add_keys` just inserted (`groups`: their counts) when their "K"
-        record could not be written: the request is answered with an error, and a writer told
-        so may reuse the pages (not known to the index: nobody read them in between, one
-        thread serves all)."""
-        table = self.keys
-        for key in keys:
-            del table[key]
-        self._count(groups, -1)
 
     def _count(self, groups: dict[int, dict[int, int]], sign: int) -> None:
         """Keys came (sign 1) or went (-1), so many per region and length (`length_groups`):
@@ -349,8 +328,7 @@ class Registry:
         checksums as bytes of native int64s (0, 0, 0, 0 for a miss; region ids start at 1;
         checksum 0: stored without one), the handles of those regions, and
         with `lease` the id of a lease on the hits (0: none). A hit counts as use (sets the
-        key's CLOCK bit). The per-key work (probe, CLOCK bit, lease count, columns) is one
-        call into the key index (in C with the extension)."""
+        key's CLOCK bit)."""
         inst = self.instances.get(instance_id) if instance_id else None
         # Only an instance holds leases: it alone can end them (RELEASE) or lose them (reap).
         lease = lease and inst is not None
@@ -409,9 +387,8 @@ class Registry:
 
     def delete(self, keys: list[Any]) -> list[int]:
         table = self.keys
-        # The usual batch (str or bytes keys, every one registered, none twice, none pinned
-        # or leased) is checked in C, a pass per condition; otherwise the loop below decides
-        # key by key, the same way.
+        # The usual batch (every key registered, none twice, none pinned or leased) is checked
+        # a pass per condition; otherwise the loop below decides key by key, the same way.
         entries = table.get_many(keys)
         if None not in entries and len(set(keys)) == len(keys) and not any(map(_BUSY, entries)):
             out = [DELETED] * len(keys)
@@ -437,11 +414,9 @@ class Registry:
         replay never sees a region freed before its keys are gone), then free pages / regions
         and tell the owners. The one mutator that removes keys.
 
-        Per region rather than per key (a delete or an eviction round is a batch, mostly in
-        one region): its live_* counters change once, a returned region is freed once its
-        last key is gone, and the owners' freed-page notices are appended in key order. The
-        outcome, the order of "F" records and of notices included, is that of dropping the
-        keys one by one. `keys[i]` (all different) is registered with `entries[i]`."""
+        Per region rather than per key (a batch is mostly in one region), with the outcome of
+        dropping the keys one by one, the order of "F" records and of the owners' notices
+        included. `keys[i]` (all different) is registered with `entries[i]`."""
         if not keys:
             return
         self._log("D", keys)
@@ -485,17 +460,17 @@ def delete_prefix(registry: Registry, prefix: Any) -> tuple[int, int]:
     if not isinstance(prefix, (str, bytes)) or not prefix:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "prefix must be a non-empty str or bytes")
     matching = [k for k in registry.keys if type(k) is type(prefix) and k.startswith(prefix)]
-    statuses = registry.delete(matching)
-    deleted = statuses.count(DeleteStatus.DELETED)
-    return deleted, len(matching) - deleted
+    return _delete(registry, matching)
 
 
 def clear_all(registry: Registry) -> tuple[int, int]:
-    """Delete every key that is not pinned or leased (an operator's `maru clear`).
-    Returns (deleted, skipped)."""
-    statuses = registry.delete(list(registry.keys))
-    deleted = statuses.count(DeleteStatus.DELETED)
-    return deleted, len(statuses) - deleted
+    """Delete every key that is not pinned or leased (`maru clear`): (deleted, skipped)."""
+    return _delete(registry, list(registry.keys))
+
+
+def _delete(registry: Registry, keys: list[Key]) -> tuple[int, int]:
+    deleted = registry.delete(keys).count(DELETED)
+    return deleted, len(keys) - deleted
 
 
 def list_keys(

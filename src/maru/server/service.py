@@ -79,28 +79,19 @@ class MaruService:
         coherence: str = "hardware",
     ):
         """`local_socket`: where to listen for clients on this node besides `bind_url`
-        (`maru.server.local_socket.local_address`: "auto", "none", "@name" or a path). With
-        "auto", a name already taken only costs the speed-up (logged); an explicit address
-        that cannot be bound is an error.
+        (`local_address`: "auto", "none", "@name" or a path). With "auto", a name already
+        taken only costs the speed-up (logged); an explicit address that cannot be bound is
+        an error.
 
-        `gc_freeze`: freeze the heap (`freeze_heap`) now, with the registry restored, and then
-        in every `housekeeping`, so that the GC never walks the registry. `maru-server` sets
-        it; the default (for tests and embedders) leaves the process's GC alone: freezing is
-        process-wide.
+        `gc_freeze`: freeze the heap (`freeze_heap`) now, with the registry restored, and in
+        every `housekeeping`, so that the GC never walks the registry. Freezing is
+        process-wide: `maru-server` sets it, the default (tests, embedders) does not.
 
-        `busy_poll_us`: after serving requests, poll the sockets without sleeping for this
-        long before blocking (`_wait_for_requests`).
-
-        `curve_secret_key`, `curve_clients`: the TCP port's CURVE key and client allowlist
-        (`--curve`, `--curve-clients`; `maru.server.tcp_socket.TcpEndpoint`).
-
-        `local_door`: who may use the local socket (`--local-uids`, `--pool-group`); default:
-        this server's user and root.
-
-        `coherence`: announced at HANDSHAKE, the copies' mode for the pod's clients
-        (`--coherence`, `maru.client.coherence`)."""
+        `busy_poll_us`: see `_wait_for_requests`. `curve_secret_key`, `curve_clients`: see
+        `TcpEndpoint`. `local_door`: who may use the local socket (default: this server's
+        user and root). `coherence`: the copies' mode announced at HANDSHAKE
+        (`--coherence`)."""
         self.registry = registry
-        self.bind_url = bind_url
         self.journal = journal
         self.housekeeper = Housekeeping(
             registry, journal, heartbeat_timeout, gc_freeze, on_pool_lost=self._pool_lost
@@ -122,9 +113,8 @@ class MaruService:
         self.metrics_url: str | None = None  # set when `--metrics-port` serves Prometheus
         self.cluster: ClusterTier | None = None  # set by `--cluster` (`maru.server.cluster`)
         self.waits = PullWaits()  # EXISTS requests kept until the tier's pulls land
-        self.context = zmq.Context.instance()
         self.tcp = TcpEndpoint(
-            self.context,
+            zmq.Context.instance(),
             bind_url,
             curve_secret_key,
             curve_clients,
@@ -146,9 +136,7 @@ class MaruService:
 
     def stats(self) -> dict[str, Any]:
         """What STATS returns, and what the metrics endpoint exports (read at scrape time from
-        another thread: see `maru.server.metrics`). Per operation: request count, total seconds,
-        errors, and `buckets`, the non-cumulative counts of the histogram whose upper bounds
-        are `latency_buckets` (one more bucket at the end counts the slower ones)."""
+        another thread: see `maru.server.metrics`)."""
         stats = self.registry.stats()
         stats["epoch"] = self.epoch
         stats["version"] = __version__
@@ -180,16 +168,12 @@ class MaruService:
         refused: str | None = None,
         route: bytes | None = None,
     ) -> bytes | None:
-        """Turn one request frame into one reply frame (None: kept until the tier's pulls
-        land, then sent by `PullWaits.settle` on the connection it came on). Never raises.
-        `peer`: the Unix connection it came on (its process is watched for the instance it
-        speaks for). `refused`: why its sender may no longer ask anything (NOT_AUTHORIZED).
-        `route`: the ZMQ routing id it came on (its instance shows gone when that connection
-        drops).
-
-        A successful request's time, from decoding its frame to its encoded reply, goes into
-        its operation's histogram; a failed one counts as an error of its operation (or as an
-        invalid request when the frame or type was bad)."""
+        """Turn one request frame into one reply frame, never raising (None: kept until the
+        tier's pulls land, then sent by `PullWaits.settle`). `peer`: the Unix connection it
+        came on (its process is watched for the instance it speaks for). `refused`: why its
+        sender may no longer ask anything (NOT_AUTHORIZED). `route`: the ZMQ routing id it
+        came on. A request's time goes into its operation's histogram; a failure counts as an
+        error of its operation (an invalid request when the frame or type was bad)."""
         msg_type, request_id = 0, 0
         host = self.host_of(peer, route)
         # A request of another protocol version (BAD_VERSION) is answered in that version: the
@@ -230,20 +214,11 @@ class MaruService:
             reply["ok"] = True
             if msg_type == MsgType.HANDSHAKE:  # its connection and host, too
                 self.registry.instances.touch(reply["iid"], route, host)
-            # Freed pages, and a request to give regions back (fair share), are handed out
-            # once; not on a RELEASE reply, which the client sends without waiting and may
-            # never read.
+            # Not on a RELEASE reply, which the client sends without waiting and may never read.
             if msg_type != MsgType.RELEASE:
-                instances = self.registry.instances
-                freed, shed = instances.take_freed(iid), instances.take_shed(iid)
-                if freed:
-                    reply["freed"] = freed
-                if shed:
-                    reply["shed"] = shed
-            if wait is not None and self._keep(wait, reply, request_id, peer, route):
-                self.requests.served(msg_type, perf_counter() - start)
-                return None
-            out = protocol.encode(msg_type, request_id, reply, reply=True)
+                self.registry.instances.hand_out(iid, reply)
+            kept = wait is not None and self._keep(wait, reply, request_id, peer, route)
+            out = None if kept else protocol.encode(msg_type, request_id, reply, reply=True)
             self.requests.served(msg_type, perf_counter() - start)
             return out
         except ProtocolError as exc:
@@ -349,9 +324,6 @@ class MaruService:
                 self.cluster.serve(events)
                 self.cluster.housekeeping(poller, time.monotonic())
                 self.waits.settle(self.cluster.pulling, self.registry.exists)
-            # The loop was away from its sockets for longer than a poll (stopped between a
-            # reply and this point, a long snapshot, a paused VM): the heartbeats sent
-            # meanwhile are still queued, so that time is not the clients' silence.
             now = time.monotonic()
             if self.local is not None:
                 self.local.resume_accepting_if_due(now)
@@ -373,9 +345,10 @@ class MaruService:
         return dict(poller.poll(poll_ms))
 
     def _forgive_stall(self, stalled: float) -> None:
-        """Time this process did not run (SIGSTOP, a paused VM or container, a long snapshot)
-        is not the clients' silence: move their last-heard-of times forward by it, or every
-        live client would be reaped (pins, leases and regions gone) when the server resumes."""
+        """Time the loop was away from its sockets past a poll (SIGSTOP, a paused VM or
+        container, a long snapshot) is not the clients' silence (their heartbeats are still
+        queued): move their last-heard-of times forward by it, or every live client would be
+        reaped (pins, leases and regions gone) when the server resumes."""
         if stalled > 1.0:
             log.warning("server stalled for %.1f s; not counting it against clients", stalled)
             for inst in self.registry.instances.values():

@@ -3,20 +3,18 @@ allowlist (`--curve-clients`) where asked for. The counterpart of `local_socket`
 on other hosts (and for every client's first handshake); `MaruService` serves both alike.
 
 Replies are never dropped to a client that reads them. ZeroMQ refuses a send (EAGAIN) once
-SNDHWM replies to a peer are in its pipe, and it counts what the peer's side has taken only
-in batches, as it gets round to it: a client with one request in flight met that limit now
-and then (44 of 78,600 replies lost under load, each costing its caller `timeout_ms`).
-A reply ZeroMQ does not take waits in the peer's `Backlog` and goes out, in order, on a
-later turn of the loop. As on the local socket, a client that stops reading
-stalls only itself: past `OUT_LIMIT` bytes of replies waiting for it, its requests wait
-unanswered (at most RCVHWM of them, `OUT_LIMIT` bytes), and past that they are dropped,
-counted (`replies_dropped`) and logged.
+SNDHWM replies to a peer are in its pipe, and counts what the peer took only lazily, so even
+a client with one request in flight meets that limit now and then: such a reply waits in the
+peer's `Backlog` and goes out, in order, on a later turn of the loop. As on the local socket,
+a client that stops reading stalls only itself: past `OUT_LIMIT` bytes of replies waiting for
+it, its requests wait unanswered (at most RCVHWM of them, `OUT_LIMIT` bytes), and past that
+they are dropped, counted (`replies_dropped`) and logged.
 
-Dropped connections are noticed at once: ZeroMQ's socket monitor reports each
-closed connection by its file descriptor, and each peer's first message says which descriptor
-it came on (`zmq.SRCFD`), so `serve` can pass the routing id of a closed connection to
-`on_drop` (the instance table shows its instance gone). A client killed on its host closes
-its connections at once; one whose host vanished is still found by its silence.
+Dropped connections are noticed at once: ZeroMQ's socket monitor reports each closed
+connection by its file descriptor, and each peer's first message says which descriptor it
+came on (`zmq.SRCFD`), so `serve` can pass the routing id of a closed connection to `on_drop`
+(the instance table shows its instance gone). One whose host vanished is still found by its
+silence.
 """
 
 from __future__ import annotations
@@ -85,11 +83,6 @@ class Backlog:
 
     def __len__(self) -> int:
         return len(self.replies) + len(self.held)
-
-
-def _key(identity: Any) -> bytes:
-    """A peer's routing id as bytes (a `zmq.Frame` when received without copying)."""
-    return identity if isinstance(identity, bytes) else identity.bytes
 
 
 def _router(context: zmq.Context, bind_url: str, curve_secret_key: bytes | None) -> zmq.Socket:
@@ -193,7 +186,7 @@ class TcpEndpoint:
                 parts[0] = first.bytes
             if parts[0] not in known:
                 self._learn(first, parts[0])
-            waiting = self.backlog.get(_key(parts[0])) if self.backlog else None
+            waiting = self.backlog.get(parts[0]) if self.backlog else None
             if waiting is None:
                 dropped += self._send(parts[0], self._answer(parts, refused, handle))
             elif waiting.reply_bytes > OUT_LIMIT:  # it does not read: its requests wait
@@ -263,7 +256,7 @@ class TcpEndpoint:
             return 0
         return self._send(identity, reply)
 
-    def _send(self, identity: Any, reply: bytes | None) -> int:
+    def _send(self, identity: bytes, reply: bytes | None) -> int:
         """Send now, or keep the reply in a new Backlog if ZeroMQ will not take it yet.
         Returns 1 if it was dropped: the peer has gone. None: kept, nothing to send."""
         if reply is None:
@@ -271,7 +264,7 @@ class TcpEndpoint:
         try:
             self.socket.send_multipart([identity, reply], zmq.NOBLOCK)
         except zmq.Again:
-            waiting = self.backlog[_key(identity)] = Backlog()
+            waiting = self.backlog[identity] = Backlog()
             waiting.add_reply(reply)
             self._retry_ms = RETRY_MS[0]
         except zmq.ZMQError as exc:

@@ -13,13 +13,11 @@ stay valid across a server restart).
 The pool's generation is signed into region tokens too: a region of a recreated pool never has
 the token (so the handle) of an earlier region with the same fields, and a client that mapped
 the old one maps again.
-
-With `--curve`, the server's CURVE keypair (ZeroMQ's authenticated, encrypted TCP) lives here
-too: `load_or_create_curve_keys`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import secrets
@@ -35,12 +33,10 @@ CURVE_PUBLIC_FILE = "curve.pub"  # its public key, for the operator to hand to c
 def load_or_create_secret(state_dir: Path) -> bytes:
     state_dir.mkdir(parents=True, exist_ok=True)
     path = state_dir / SECRET_FILE
-    try:
+    with contextlib.suppress(FileNotFoundError):
         secret = path.read_bytes()
         if len(secret) >= 32:
             return secret
-    except FileNotFoundError:
-        pass
     secret = secrets.token_bytes(32)
     write_private(path, secret)
     return secret

@@ -1,13 +1,8 @@
 """The cluster tier's Mooncake settings: the JSON file SGLang's own Mooncake backend reads
 (`SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`), read the way SGLang reads it, so that an operator
-who runs Mooncake for SGLang passes the same file to `maru-server --cluster-config`.
-
-SGLang's rules kept here: `master_server_address` is required (this tier has no standalone
-`client_server_address` mode); `global_segment_size` is an int, a decimal string, or "<N>gb"
-(GiB); `local_hostname` comes from `MOONCAKE_LOCAL_HOSTNAME`, then `LOCAL_HOSTNAME`, then the
-file, then "localhost" (the environment wins, so one file serves every node); `protocol` from
-the file, else `MOONCAKE_PROTOCOL`, else "rdma"; `device_name` may be a JSON map of ranks to
-devices, of which the tier (one client per pool) takes rank 0's.
+who runs Mooncake for SGLang passes the same file to `maru-server --cluster-config`
+(docs/configuration.md lists its keys and defaults). Unlike SGLang, the tier has no standalone
+`client_server_address` mode: `master_server_address` is required.
 """
 
 from __future__ import annotations

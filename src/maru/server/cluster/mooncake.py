@@ -1,10 +1,9 @@
 """Loading Mooncake Store's Python client, and the few calls the tier makes of it.
 
-The CPU wheel's `store.so` links libibverbs and libnl even for TCP. Where they are not
-installed system-wide, `scripts/install_mooncake_cpu.sh` unpacks them into a private folder
-($MARU_MOONCAKE_LIBS, default <venv>/mooncake-libs), and `load_mooncake` loads them from
-there by path first (the dynamic linker then finds them by soname), so that neither
-maru-server nor its tests need LD_LIBRARY_PATH.
+The CPU wheel's `store.so` links libibverbs and libnl even for TCP. `load_mooncake` loads
+them by path first from where `scripts/install_mooncake_cpu.sh` unpacks them (`private_libs`;
+the dynamic linker then finds them by soname), so that neither maru-server nor its tests need
+LD_LIBRARY_PATH where they are not installed system-wide.
 """
 
 from __future__ import annotations

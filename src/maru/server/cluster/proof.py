@@ -8,11 +8,8 @@ trailer into a slot beside them); a reader trusts the bytes only when the traile
 for that very name, states the length read, and the bytes have its maru64 (the first rule:
 a wrong value is a miss, never a hit). Mooncake itself never checks the bytes it serves.
 
-Why one object and not a value and a proof beside it (this tier's first format, `maru/...`
-names with a `#maru64` object each): a pull then costs one read of data, not two (the
-proof's read was a network round trip of its own), and the length a pull needs before it
-reserves pages comes from the master's metadata (the object's size), without a transfer.
-Objects of the first format are never looked up under these names: misses, never hits.
+One object rather than a value and a proof beside it: a pull costs one read, and its length
+comes from the master's metadata (the object's size) without a transfer.
 """
 
 from __future__ import annotations

@@ -14,21 +14,13 @@ and supervises this process and talks to it over a ZMQ PAIR socket, msgpack fram
                         each setup, and whenever the master stops or starts answering)
                        {"op": "<op>-done", "batch": id, "results": [one per job],
                         "error": str | None}
-    (results: PUBLISHED, REFUSED or FAILED for a publish; [PUBLISHED, maru64], [REFUSED, 0]
-    or [FAILED, 0] for a pull; the value's length or None for a probe)
+    (results: PUBLISHED, REFUSED or FAILED for a publish; [result, maru64 or length] for a
+    pull, see `Sidecar.pull`; the value's length or None for a probe)
 
-Zero extra copies: the sidecar maps the pool's file(s) itself, registers each mapping with
-Mooncake's transfer engine (`register_buffer`) and publishes straight from the pool's pages
-(`batch_put_from_multi_buffers`: the value's pages and its trailer, one object), and pulls
-straight into pages the server reserved (`batch_get_into_multi_buffers`), proven there
-against the object's trailer before the server registers them (`maru.server.cluster.proof`).
-A probe asks the master only (`batch_get_replica_desc`: the objects' sizes, no transfer).
-Before a value is published its maru64 is computed from the pages: a writer's checksum that
-does not match is REFUSED (never published), a value without one gets the computed one. The
-server holds the values' keys (no eviction, no delete, no page reuse) until the batch's reply.
-
-    python -m maru.server.cluster.sidecar --config FILE --endpoint ZMQ_URL [--device-bytes N]
-        [--pool-file PATH]
+No extra copy: the sidecar maps the pool's file(s) and registers them with Mooncake's
+transfer engine, so that a publish reads straight from the pool's pages and a pull lands
+straight in pages the server reserved, proven there (`maru.server.cluster.proof`) before the
+server registers them.
 
 The one module under maru.server that loads `maru.client.checksum` (and so numpy): the one
 maru64, in a process of its own; maru-server itself never imports this module.
@@ -84,13 +76,9 @@ NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
 
 class PoolMaps:
     """The pool's files, each mapped once (shared, read-write) and registered with Mooncake.
-
-    Each mapping's pages are mapped in bulk on a background thread (MADV_POPULATE_WRITE,
-    where the file holds them: `maru.common.populate.backed_extents`), so that a pull does
-    not fault once per 4 KiB page inside Mooncake's receive: on this kind of VM a page
-    first touched cost about as much as Mooncake's whole read of it. (A pool whose pages
-    are not allocated yet, an shm pool without --preallocate, still pays for each page the
-    first time a value lands in it.)"""
+    Each mapping's pages that the file holds are populated on a background thread, so that a
+    pull does not fault once per 4 KiB page inside Mooncake's receive (docs/operations.md,
+    Cluster tier: the cost of pages touched for the first time)."""
 
     def __init__(self, register: Any, device_bytes: int):
         self.register = register  # MooncakeDistributedStore.register_buffer
@@ -228,8 +216,9 @@ class Sidecar:
         return views, addresses, places, error
 
     def publish(self, jobs: list[list[Any]]) -> tuple[list[int], str | None]:
-        """Publish each job's pages and their trailer as one object: a result per job, and
-        why any failed."""
+        """Publish each job's pages and their trailer as one object, with the maru64 of the
+        pages (a writer's checksum that does not match them: REFUSED, never published): a
+        result per job, and why any failed."""
         assert self.store is not None and self.trailers is not None
         results = [FAILED] * len(jobs)
         views, addresses, places, error = self._mapped(jobs)

@@ -1,27 +1,14 @@
 """The cluster tier, server side: what maru-server's request loop does for it.
 
-The loop never waits on Mooncake. It sends work to the sidecar (`maru.server.cluster.sidecar`,
+The loop never waits on Mooncake: it sends work to the sidecar (`maru.server.cluster.sidecar`,
 the pool's one Mooncake client, a process this class starts and supervises) without blocking,
 and applies the sidecar's replies when its socket is ready, like a client's request.
 
-- Publish (write-through): each key sealed in the pool (REGISTER_KV) goes to a bounded queue
-  (full: dropped and counted), published in batches. A value being published is held (its
-  entry leased, without expiry: no eviction, no delete, so no page reuse) until the reply.
-- Publish (spill): a key is published when a watermark eviction takes it (`spill`): held,
-  registered, until published, then dropped.
-- Pull: a key a client missed (EXISTS with "pull") gets pages of the tier's own
-  (`maru.server.cluster.pages`) for the length of the last value published or found (a
-  model's KV values share one; with none yet, or where the object's length differs, its
-  size is asked of the master first); the sidecar reads it into them with its trailer and
-  proves it (`maru.server.cluster.proof`), and only then is it registered, under the tier's
-  instance, for every instance to read in place. A value that fails its proof is dropped and
-  counted, never registered; a key the cluster does not hold is not asked again for
-  `ABSENT_S`.
-
-A sidecar that dies, or sits on a batch past `STALL_S`, is killed; its batches' holds and
-pages are released, and it is started again. `connected` is the sidecar's word: it tells
-whenever the master stops or starts answering; while not connected nothing is sent and
-lookups miss at once, as they do while a lookup waits on the sidecar past the budget.
+A value being published is held (its entry leased, without expiry: no eviction, no delete,
+so no page reuse) until the sidecar's reply. A pulled value lands in pages of the tier's own
+instance (`maru.server.cluster.pages`) and is registered only once the sidecar has proven it
+(`maru.server.cluster.proof`): one that fails its proof is dropped, never registered. The
+publish modes, retries and faults: docs/operations.md#cluster-tier.
 """
 
 from __future__ import annotations
@@ -82,7 +69,6 @@ class Batch:
     held: list[KeyEntry] = field(default_factory=list)  # publish: leased until the reply
     nbytes: list[int] = field(default_factory=list)  # publish, pull: each value's length
     places: list[tuple[int, int]] = field(default_factory=list)  # pull: (region id, offset)
-    sums: list[int] = field(default_factory=list)  # pull: each value's maru64 (its trailer)
     spill: bool = False  # publish: evicted keys, dropped once published
     sent: float = field(default_factory=time.monotonic)
 
@@ -99,11 +85,8 @@ class ClusterTier:
     ):
         """`config_path`: SGLang's Mooncake JSON (`maru.server.cluster.config`), read now so
         that a bad file stops maru-server at start (`ClusterConfigError`). `lookup_ms`: how
-        long a client waits for a pull (announced at HANDSHAKE)."""
-        if publish not in PUBLISH_MODES:
-            raise ValueError(f"--cluster-publish {publish!r}: one of {', '.join(PUBLISH_MODES)}")
-        if lookup_ms < 0:
-            raise ValueError(f"--cluster-lookup-ms must be >= 0, got {lookup_ms}")
+        long a client waits for a pull (announced at HANDSHAKE). The CLI's parser checks
+        `publish` and `lookup_ms`."""
         self.registry = registry
         self.config = MooncakeConfig.from_file(config_path)
         self.config_path = config_path
@@ -125,8 +108,7 @@ class ClusterTier:
         self.next_batch = 1
         self.connected = False
         self.error: str | None = "sidecar not started"
-        self.last_failure: str | None = None  # the last batch's failure (`error`: why not
-        # connected, as the sidecar last said)
+        self.last_failure: str | None = None  # the last failed batch's error
         self.counts = dict.fromkeys(COUNTS, 0)
         self.context = zmq.Context.instance()
         self.sock: zmq.Socket | None = None
@@ -368,7 +350,6 @@ class ClusterTier:
         stated and their bytes have); free the pages of the others."""
         counts, pages = self.counts, self.pages
         results = [p[0] if isinstance(p, list) and len(p) == 2 else REFUSED for p in proven]
-        batch.sums = [p[1] if r == PUBLISHED else 0 for p, r in zip(proven, results)]
         good = [i for i, result in enumerate(results) if result == PUBLISHED]
         absent_until = time.monotonic() + ABSENT_S
         again: list[tuple[Key, int]] = []  # a guessed length that was not the value's
@@ -395,7 +376,7 @@ class ClusterTier:
             return
         keys = [batch.keys[i] for i in good]
         columns = [[batch.places[i][0] for i in good], [batch.places[i][1] for i in good]]
-        lengths, sums = [batch.nbytes[i] for i in good], [batch.sums[i] for i in good]
+        lengths, sums = [batch.nbytes[i] for i in good], [proven[i][1] for i in good]
         try:
             statuses = self.registry.register(self.pages.instance_id, keys, *columns, lengths, sums)
         except JournalWriteError as exc:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 from maru.common.protocol import Key
@@ -25,23 +26,17 @@ MAX_WAITING = 4096  # requests kept at once; past it, answered at once
 Exists = Callable[[list[Key]], list[bool]]
 
 
+@dataclass(slots=True, eq=False)
 class Waiting:
     """One kept EXISTS: its reply (results so far), the keys it waits for (their indices in
     the reply), its deadline, and how to send the reply once encoded."""
 
-    __slots__ = ("deadline", "encode", "index", "keys", "reply", "send")
-
-    def __init__(
-        self,
-        reply: dict[str, Any],
-        keys: list[Key],
-        index: list[int],
-        deadline: float,
-        encode: Callable[[dict[str, Any]], bytes],
-        send: Callable[[bytes], Any],
-    ):
-        self.reply, self.keys, self.index, self.deadline = reply, keys, index, deadline
-        self.encode, self.send = encode, send
+    reply: dict[str, Any]
+    keys: list[Key]
+    index: list[int]
+    deadline: float
+    encode: Callable[[dict[str, Any]], bytes]
+    send: Callable[[bytes], Any]
 
 
 class PullWaits:
