@@ -1,9 +1,5 @@
 """LMCache integration: `CxlMemoryAdapter`, the memory allocator that LMCache's shipped
-`MaruBackend` (`lmcache/v1/storage_backend/maru_backend.py`, switched on by `maru_path` in
-LMCache's config) builds over its `MaruHandler`.
-
-Imported by that backend as `from maru_lmcache import CxlMemoryAdapter`; needs `lmcache` and
-`torch` (which LMCache brings)."""
+`MaruBackend` imports (`from maru_lmcache import CxlMemoryAdapter`; docs/lmcache.md)."""
 
 from maru_lmcache.adapter import CxlMemoryAdapter, CxlMemoryObj
 

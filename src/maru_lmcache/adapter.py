@@ -1,19 +1,8 @@
 """`CxlMemoryAdapter`: LMCache's memory allocator over a `MaruHandler`, zero-copy.
 
-LMCache 0.5.6's shipped `MaruBackend` is the contract (read it in the installed wheel:
-`lmcache/v1/storage_backend/maru_backend.py`). The backend allocates a memory object per KV
-chunk here, LMCache's GPU connector writes the chunk into it, and the backend publishes it with
-`handler.store(key, adapter.create_store_handle(obj))`; a reader's backend looks a key up
-(`handler.retrieve`) and asks `get_by_location(region_id, page_index, actual_size, ...)` for a
-memory object over those bytes, which its GPU connector reads. So:
-
-- a memory object's tensor IS the value's bytes in the shared pool: a store registers metadata
-  only, and a retrieve in another process reads the writer's pages in place (mapped read-only
-  there: a write through such a tensor faults instead of corrupting another instance's page);
-- a chunk with fewer tokens than a full one is reserved with its true byte size, so it is
-  published, and comes back, with that size and its own token count;
-- the pool full -> `allocate` / `batched_allocate` return None (the engine then stores fewer
-  chunks); nothing here raises into LMCache on a store-side failure.
+LMCache 0.5.6's shipped `MaruBackend` (`lmcache/v1/storage_backend/maru_backend.py`) is the
+contract; docs/lmcache.md says what the adapter does for it. Nothing here raises into LMCache
+on a store-side failure: the pool full -> `allocate` / `batched_allocate` return None.
 
 Who owns a reservation's chunks, the one rule that keeps a page from being handed out twice:
 until `create_store_handle` the adapter does (`free`, reached through LMCache's ref counting,
@@ -149,51 +138,54 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
         fmt: MemoryFormat = MemoryFormat.UNDEFINED,
         allocator_type: str | None = None,
     ) -> list[MemoryObj] | None:
-        """`batch_size` memory objects of one layout: one contiguous run of chunks if the
-        pool has one (one search), else value by value; None (nothing kept) if any is
-        missing."""
+        """`batch_size` memory objects of one layout (`MaruHandler.reserve_values`: one
+        contiguous run of chunks if the pool has one, else value by value); None (nothing
+        kept) if any is missing."""
         shapes, dtypes = self._adapt_shapes_and_dtypes(shapes, dtypes)
         size = _nbytes(shapes, dtypes)
         if self._closed or size <= 0 or batch_size <= 0:
             log.debug("allocate refused: %d x %d bytes, closed %s", batch_size, size, self._closed)
             return None
-        handles = self._reserve(size, batch_size)
+        try:
+            handles = self._handler.reserve_values(size, batch_size)
+        except MaruError as exc:
+            log.warning("reserving %d values of %d bytes failed: %s", batch_size, size, exc)
+            return None
         if handles is None:
+            log.debug("no room in the pool for %d values of %d bytes", batch_size, size)
             return None
         fmt = self._fmt if fmt == MemoryFormat.UNDEFINED else fmt
-        return [self._reserved_obj(h, shapes, dtypes, fmt) for h in handles]
+        return [
+            self._memory_obj(h.buf, h.region_id, h.page_index, h.stride, shapes, dtypes, fmt, h)
+            for h in handles
+        ]
 
-    def _reserve(self, size: int, count: int) -> list[AllocHandle] | None:
-        """`count` values of `size` bytes (`MaruHandler.reserve_values`: a run, else value
-        by value); None if the pool has no room for all of them."""
-        try:
-            handles = self._handler.reserve_values(size, count)
-        except MaruError as exc:
-            log.warning("reserving %d values of %d bytes failed: %s", count, size, exc)
-            return None
-        if handles is None:
-            log.debug("no room in the pool for %d values of %d bytes", count, size)
-        return handles
-
-    def _reserved_obj(
+    def _memory_obj(
         self,
-        handle: AllocHandle,
+        view: memoryview,
+        region_id: int,
+        page_index: int,
+        phy_size: int,
         shapes: list[torch.Size],
         dtypes: list[torch.dtype],
         fmt: MemoryFormat,
+        reservation: AllocHandle | None,
     ) -> CxlMemoryObj:
+        """A memory object over `view`. Only a reservation has this adapter as its parent: a
+        view of a stored value has none, so LMCache's ref counting of it frees nothing."""
         meta = MemoryObjMetadata(
             shape=shapes[0],
             dtype=dtypes[0],
-            address=self.encode_address(handle.region_id, handle.page_index),
-            phy_size=handle.stride,
+            address=self.encode_address(region_id, page_index),
+            phy_size=phy_size,
             ref_count=1,
             pin_count=0,
             fmt=fmt,
             shapes=shapes,
             dtypes=dtypes,
         )
-        return CxlMemoryObj(_byte_tensor(handle.buf), meta, self, handle)
+        parent = self if reservation is not None else None
+        return CxlMemoryObj(_byte_tensor(view), meta, parent, reservation)
 
     def free(self, memory_obj: MemoryObj, allocator_type: str | None = None) -> None:
         """Return a reservation's chunks (LMCache calls this when its last reference goes).
@@ -269,18 +261,10 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
         if view is None:
             log.debug("region %d page %d is not mapped here", region_id, page_index)
             return None
-        meta = MemoryObjMetadata(
-            shape=shapes[0],
-            dtype=self._dtypes[0],
-            address=self.encode_address(region_id, page_index),
-            phy_size=actual_size,
-            ref_count=1,  # no parent: LMCache's ref counting of a view frees nothing
-            pin_count=0,
-            fmt=self._fmt,
-            shapes=shapes,
-            dtypes=list(self._dtypes),
+        dtypes = list(self._dtypes)
+        return self._memory_obj(
+            view, region_id, page_index, actual_size, shapes, dtypes, self._fmt, None
         )
-        return CxlMemoryObj(_byte_tensor(view), meta, None, None)
 
     def _with_tokens(self, shape: torch.Size, tokens: int) -> torch.Size:
         dims = list(shape)

@@ -1,11 +1,9 @@
 """The kernel of the CUDA copy path (`maru_sglang.cuda.copy_pieces`): pieces between device
 memory and the shared mapping registered with CUDA, one launch for a whole table of them.
 
-The GPU reads or writes the registered host bytes itself (zero-copy over the host link, the
-host address valid on the device: `cudaDevAttrCanUseHostPointerForRegisteredMem`), so a
-table of thousands of small pieces costs one launch instead of one DMA call each (on an H100,
-2 KiB pieces: 40 GB/s against 0.4 for a cudaMemcpyAsync per piece; docs/performance.md).
-Imported only where CUDA is used: triton is SGLang's dependency, not Maru's.
+The GPU reads or writes the registered host bytes itself, so a table of thousands of small
+pieces costs one launch instead of one DMA call each (docs/performance.md). Imported only
+where CUDA is used: triton is SGLang's dependency, not Maru's.
 """
 
 import triton

@@ -1,6 +1,6 @@
-"""The CUDA side of the linker: the shared mapping registered with CUDA, and
-one kernel launch that copies a table of pieces between device memory and it. Apart from the
-linker so that a benchmark can use it without importing SGLang (`benchmarks/bench_gpu_copy.py`).
+"""The CUDA side of the linker: the shared mapping registered with CUDA, and one kernel launch
+that copies a table of pieces between device memory and it (apart from the linker so that
+`benchmarks/bench_gpu_copy.py` can use it without SGLang).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ class CudaRegistration:
 def register_with_cuda(handler: MaruHandler, device: torch.device) -> CudaRegistration | None:
     """Register every region `handler` maps, now and from now on, with CUDA (see
     `CudaRegistration`). None, and nothing done, when `device` is not CUDA or torch has no
-    CUDA (a CPU build): copies then run on the CPU."""
+    CUDA: copies then run on the CPU."""
     if device.type != "cuda" or not torch.cuda.is_available():
         log.info("no CUDA registration of the shared mapping (device %s)", device)
         return None
@@ -163,11 +163,10 @@ def piece_table(
     dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = None
 ) -> tuple[np.ndarray, int, int]:
     """The copy kernel's launches for pieces `dst[l, ...] <- src[l, ...]` of `sizes` bytes
-    (broadcast to `dst`'s shape), launch `l` copying everything under index `l` (1-D arrays:
-    one launch): an int64 [launches, 3, pieces] table (destination, source, length in 8-byte
-    words; written into `out` if given), BLOCK (words per program) and the grid's second
-    dimension. ValueError for what the kernel cannot copy (one OR over each column: a
-    misaligned address would end the CUDA context)."""
+    (broadcast to `dst`'s shape; 1-D arrays: one launch): an int64 [launches, 3, pieces] table
+    (destination, source, length in 8-byte words; written into `out` if given), BLOCK (words
+    per program) and the grid's second dimension. ValueError for what the kernel cannot copy
+    (a misaligned address would end the CUDA context)."""
     dst, src, sizes = (np.asarray(a, np.int64) for a in (dst, src, sizes))
     if dst.ndim == 1:
         dst, src = dst[None], src[None]
@@ -201,9 +200,8 @@ def copy_pieces(
 ) -> list[torch.cuda.Event]:
     """Copy piece (l, i), `sizes[l, i]` bytes from address `src[l, i]` to address `dst[l, i]`,
     each side device memory or registered host memory: one kernel launch per row `l` (1-D
-    arrays: one row), queued on `stream` in row order, each row's event completing with its
-    copies. The whole table crosses to the device once, so a launch costs only itself (the
-    linker's layer-by-layer load). Every address and size must be a multiple of `ALIGN`."""
+    arrays: one row), queued on `stream` in row order; returns each row's event. The whole
+    table crosses to the device once. Every address and size must be a multiple of `ALIGN`."""
     from maru_sglang._triton_copy import copy_pieces_kernel
 
     shape = np.shape(dst) if np.ndim(dst) > 1 else (1, np.size(dst))

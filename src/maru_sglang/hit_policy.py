@@ -2,9 +2,8 @@
 
 A hybrid model's KV prefix is usable only as far as every sidecar pool can restore it, each by
 its own rule (SGLang's `PoolHitPolicy`). Sidecar pages are stored under the hash of the KV page
-they belong to. The storage asks the server once which keys exist; everything after that
-answer is arithmetic, kept here apart from the RPC so that it is testable without a server
-(and without SGLang: numpy only).
+they belong to. After the one existence query everything is arithmetic, kept here so that it
+is testable without a server or SGLang.
 
 - ALL_PAGES (the DSA indexer): a pool page for every KV page of the prefix.
 - TRAILING_PAGES (a Mamba state, an SWA window): the `window` pages ending at the prefix's
@@ -37,7 +36,7 @@ BLOCK_GROUPS = "block_groups"
 class PoolPresence:
     """One sidecar pool's share of the existence answer. `present`: per looked-up page (the
     KV page hashes, or the pool's own keys for BLOCK_GROUPS); None: the pool was never
-    registered. `policy` is compared by value, so SGLang's enum member passes as is."""
+    registered. `policy`: SGLang's enum member or its value."""
 
     name: str
     policy: Any
@@ -48,7 +47,7 @@ class PoolPresence:
 
 
 def leading_run(present: np.ndarray) -> int:
-    """Number of True from the start (v1's `batch_exists` counts in C: `leading_hits`)."""
+    """Number of True from the start."""
     missing = np.flatnonzero(~present)
     return int(missing[0]) if missing.size else int(present.size)
 
@@ -62,7 +61,7 @@ def all_pages(present: np.ndarray, kv_pages: int, n: int) -> np.ndarray:
 
 def trailing_pages(present: np.ndarray, kv_pages: int, n: int, window: int) -> np.ndarray:
     """`ok[p]` (p = 0..n): the `window` pool pages ending at page p all exist (fewer when
-    p < window), p <= kv_pages and p > 0. Prefix sums of the holes: no loop per length."""
+    p < window), p <= kv_pages and p > 0."""
     missing = np.concatenate(([0], np.cumsum(~present[:kv_pages])))
     lengths = np.arange(kv_pages + 1)
     ok = np.zeros(n + 1, dtype=bool)

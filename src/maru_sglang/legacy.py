@@ -1,11 +1,8 @@
 """SGLang's legacy storage interface (`interface_v1` off), a mixin of `MaruStorage`.
 
-Without `interface_v1` SGLang's controller hands over one flat tensor per KV page
-(`batch_get(keys, dummy pages)`, then `set_from_flat_data_page`; `batch_set(keys, values)`)
-instead of host-pool indices. They serve the KV pool only: reads go through `MaruHandler.read`
-(probe, copy and proof in one call, as `batch_get_v1`), writes through `MaruHandler.put`
-(the one write verb, copying from the page tensors); they share nothing else with the v1 /
-v2 data path (`MaruStorage._read` / `_write`) but the KV pool's keys and the counters.
+Without `interface_v1` SGLang's controller hands over one flat tensor per KV page instead of
+host-pool indices. The KV pool only: reads through `MaruHandler.read`, writes through
+`MaruHandler.put`, under the KV pool's keys.
 """
 
 from __future__ import annotations
@@ -43,8 +40,7 @@ class LegacyInterface:
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
         """Each key's page copied into its target tensor (None: a miss, a page of another
-        size, a target that is not contiguous, or a copy not proven), by `MaruHandler.read`:
-        one call per target size (SGLang's dummy pages: one)."""
+        size, a target that is not contiguous, or a copy not proven)."""
         kv = self._require_pool()
         self.confirm_writes()
         if target_locations is None:
@@ -82,8 +78,7 @@ class LegacyInterface:
         target_locations: Any = None,
         target_sizes: Any = None,
     ) -> bool:
-        """Each page tensor copied into the pool and registered (the handler's write verb,
-        `MaruHandler.put`); True when every page is stored."""
+        """Copy each page tensor into the pool and register it; True if all are stored."""
         kv = self._require_pool()
         if values is None or len(values) != len(keys):
             return False

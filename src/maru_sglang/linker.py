@@ -1,34 +1,16 @@
-"""SGLang's direct L3 interface over Maru: `MaruCacheLinker`, a `UnifiedCacheLinker`.
+"""SGLang's direct L3 interface over Maru: `MaruCacheLinker`, a `UnifiedCacheLinker` (how to
+load it and what it does: docs/sglang.md). KV moves between the DEVICE KV pool and the shared
+pool, one copy per page part each way; on a GPU one kernel launch per layer (load) or batch
+(offload) over the shared mapping registered with CUDA (`maru_sglang.cuda`).
 
-Loaded by SGLang 0.5.23 in each scheduler process with::
+A page is stored exactly as MaruStorage stores a `page_first_direct` host page, under the same
+namespace: an instance on the linker and one on HiCache L3 share pages, and any difference in
+model, dtype, geometry or rank is another namespace, so a miss.
 
-    --enable-unified-cache-external-linker --unified-cache-external-linker-backend dynamic
-    --unified-cache-external-linker-config '{"linker": "MaruCacheLinker",
-        "linker_module_path": "maru_sglang.linker",
-        "linker_extra_config": {"maru_server_url": "tcp://...", "maru_pool_size": "4G"}}'
-
-(`linker_extra_config` takes the same `maru_*` keys as MaruStorage.) The radix tree then talks
-to the linker directly, with no host tier: KV moves between the DEVICE KV pool and the shared
-pool, one copy per page part each way, against two (device -> host pool -> shared memory) on
-the HiCache L3 path. On CPU the copies are memmoves; on a GPU, one kernel launch per layer
-(load) or batch (offload) copies every piece between HBM and the shared mapping registered with
-CUDA (`maru_sglang.cuda`: the GPU reads and writes the shared bytes itself).
-
-A page is stored exactly as MaruStorage stores a `page_first_direct` host page (K of every
-layer, then V of every layer; one latent part for MLA), under the same namespace
-(`pools.page_namespace` with layout `page_first_direct`): an instance on the linker and one on
-HiCache L3 share pages, and any difference in model, dtype, geometry or rank is another
-namespace, so a miss.
-
-Threads: `lookup`, `load`, `start_layer_wise_loading`, `cancel_queued_load`, `offload` run on
-the scheduler thread; one load thread copies queued loads layer by layer (the forward waits
-on each layer through `layer_done_counter`, so layer 0 computes while later layers land); one
-offload thread writes and seals pages. First rule: `load` takes a leased lookup of every page
-(a page missing or of another length: the load is refused, the request recomputes); the lease
-keeps the pages from eviction or deletion until the copy is done; after the copy the lease is
-confirmed (and checksums checked with `maru_checksums`); if that fails the last layer is
-reported failed, `finish_layer_wise_loading` says False and SGLang aborts the requests before
-their output is used.
+Threads: the SGLang-facing calls run on the scheduler thread; one load thread copies queued
+loads layer by layer; one offload thread writes and seals pages. First rule: a load copies
+only leased pages and reports its last layer landed only once the lease held throughout
+(`load`, `_load_batch`); otherwise SGLang aborts the requests before their output is used.
 """
 
 from __future__ import annotations
@@ -89,33 +71,18 @@ _COUNTERS = (
 )
 
 
-class _Landed:
-    """What a CPU copy returns: it has landed when the call returns (the interface of the
-    CUDA event a GPU copy returns)."""
-
-    @staticmethod
-    def query() -> bool:
-        return True
-
-    @staticmethod
-    def synchronize() -> None:
-        return None
-
-
-LANDED = _Landed()
+# What a CPU copy returns in place of a GPU copy's CUDA event: landed when the call returns.
+LANDED = SimpleNamespace(query=lambda: True, synchronize=lambda: None)
 
 
 class DevicePageLayout:
     """One device KV pool as pages in Maru: which device rows make up a page, in which order.
 
-    MHA (`MHATokenToKVPool`): per layer a K and a V buffer of [tokens, heads, head_dim]; a
-    stored page is the K rows of its tokens for layer 0..L-1, then the V rows likewise, the
-    byte order of a `page_first_direct` host page. MLA (`MLATokenToKVPool`): one latent buffer
-    per layer, one part. Each (part, layer) piece of a page is `page_size` consecutive rows of
-    one buffer, so one copy each.
-
-    Copies return when they have landed (CPU) or with a CUDA event that completes when they
-    have (GPU: one kernel launch on the layout's load or store stream).
+    MHA: per layer a K and a V buffer of [tokens, heads, head_dim]; a stored page is the K rows
+    of its tokens for layer 0..L-1, then the V rows likewise (a `page_first_direct` host page).
+    MLA: one latent buffer per layer, one part. Each (part, layer) piece of a page is
+    `page_size` consecutive rows of one buffer, so one copy each. Copies return `LANDED` (CPU)
+    or a CUDA event that completes when they have landed (GPU).
     """
 
     def __init__(self, kvcache: Any, page_size: int):
@@ -197,45 +164,36 @@ class DevicePageLayout:
         return firsts.astype(np.int64)
 
     def settle(self) -> None:
-        """Return once every copy queued on this layout has landed (GPU: its streams; on CPU
-        copies land before their calls return)."""
+        """Return once every copy queued on this layout has landed."""
         if self.on_gpu:
             self.load_stream.synchronize()
             self.store_stream.synchronize()
 
     def load_layers(self, sources: np.ndarray, firsts: np.ndarray) -> Iterator[Any]:
         """Copy stored pages (`sources`: each page's address in the shared mapping) into the
-        device rows starting at `firsts`, layer by layer, yielding each layer's copy: on CPU
-        done when yielded (the next layer is copied on the next step), on a GPU every layer
-        queued before the first yield (one launch each), each yielded as its event."""
+        device rows starting at `firsts`, yielding each layer's copy: on CPU done when yielded,
+        on a GPU every layer queued before the first yield."""
         parts = range(len(self.part_offsets))
-        sizes = np.array([self.piece_bytes[p] for p in parts], np.int64)
-        if not self.on_gpu:
+        if not self.on_gpu:  # plain (not streaming) stores: the forward reads these rows next
             for layer in range(self.layers):
-                yield self.load_layer(layer, sources, firsts)
+                dst = np.stack(
+                    [self.bases[p, layer] + firsts * self.row_bytes[p] for p in parts], 1
+                )
+                offsets = [self.part_offsets[p] + layer * self.piece_bytes[p] for p in parts]
+                src = sources[:, None] + np.array(offsets, np.int64)
+                copy_many(dst, src, self.piece_bytes, streaming=False)
+                yield LANDED
             return
+        sizes = np.array(self.piece_bytes, np.int64)
         # [layer, page, part] addresses: the row of one launch per layer
         dst = self.bases.T[:, None, :] + firsts[None, :, None] * np.array(self.row_bytes)
         layer_offsets = np.arange(self.layers, dtype=np.int64)[:, None] * sizes
         src = sources[None, :, None] + (np.array(self.part_offsets) + layer_offsets)[:, None, :]
         yield from copy_pieces(dst, src, sizes, self.load_stream)
 
-    def load_layer(self, layer: int, sources: np.ndarray, firsts: np.ndarray) -> Any:
-        """On CPU: copy one layer of stored pages into the device rows at `firsts`, one copy
-        per part and page, page by page; plain (not streaming) stores: the forward reads these
-        rows next, from this cache."""
-        parts = range(len(self.part_offsets))
-        dst = np.stack([self.bases[p, layer] + firsts * self.row_bytes[p] for p in parts], 1)
-        offsets = [self.part_offsets[p] + layer * self.piece_bytes[p] for p in parts]
-        src = sources[:, None] + np.array(offsets, np.int64)
-        copy_many(dst, src, [self.piece_bytes[p] for p in parts], streaming=False)
-        return LANDED
-
     def store(self, targets: np.ndarray, firsts: np.ndarray, threads: int = 1) -> Any:
         """Copy whole pages from the device rows at `firsts` to `targets` in the shared
-        mapping, in stored order: one copy per (part, layer) piece of each page. On CPU page by
-        page (each page written in address order), shared by `threads` threads
-        (`maru_copy_threads`)."""
+        mapping, in stored order (on CPU shared by `threads` threads)."""
         pieces = [(p, layer) for p in range(len(self.part_offsets)) for layer in range(self.layers)]
         rows = np.stack([self.bases[p, lay] + firsts * self.row_bytes[p] for p, lay in pieces], 1)
         sizes = [self.piece_bytes[p] for p, _ in pieces]  # a stored page: its pieces end to end
@@ -253,7 +211,6 @@ class _Load:
     rid: str
     firsts: np.ndarray
     lookup: Lookup
-    pages: int
 
 
 class MaruCacheLinker(UnifiedCacheLinker):
@@ -283,9 +240,8 @@ class MaruCacheLinker(UnifiedCacheLinker):
         self.offload_owner = not self.layout.is_mla or self.storage_config.tp_rank == 0
         extra = dict(extra_config or {})
         overrides = {}
-        chunk = chunk_size_for(self.layout.page_bytes)
         if "maru_chunk_size_bytes" not in extra:
-            overrides["chunk_size_bytes"] = chunk
+            overrides["chunk_size_bytes"] = chunk_size_for(self.layout.page_bytes)
         self.config, self.handler = open_handler(
             extra, self.storage_config.tp_rank, self.storage_config.tp_size, **overrides
         )
@@ -297,8 +253,7 @@ class MaruCacheLinker(UnifiedCacheLinker):
         self.pools = {PoolName.KV: self.layout}
         self.layer_done_counter = LayerWiseLoadCounter(self.layout.layers)
         self._lock = threading.Lock()
-        self._stats = dict.fromkeys(_COUNTERS, 0)
-        self._seconds = {"load_seconds": 0.0, "offload_seconds": 0.0}
+        self._stats = {**dict.fromkeys(_COUNTERS, 0), "load_seconds": 0.0, "offload_seconds": 0.0}
         self._pending: dict[str, _Load] = {}  # queued by load(), started by the next start
         self._load_queue: queue.Queue = queue.Queue()
         self._offload_queue: queue.Queue = queue.Queue()
@@ -331,8 +286,7 @@ class MaruCacheLinker(UnifiedCacheLinker):
 
     @property
     def prefix(self) -> str:
-        """What the Maru key of a page hash starts with (MaruStorage's for the same pages);
-        lookups pass it as `prefix=` (the local index makes no string per key)."""
+        """What the Maru key of a page hash starts with (MaruStorage's for the same pages)."""
         return f"{self.namespace}:"
 
     def keys(self, hashes: Sequence[str]) -> list[str]:
@@ -347,16 +301,12 @@ class MaruCacheLinker(UnifiedCacheLinker):
     def _count(self, **deltas: float) -> None:
         with self._lock:
             for name, value in deltas.items():
-                if name in self._seconds:
-                    self._seconds[name] += value
-                else:
-                    self._stats[name] += int(value)
+                self._stats[name] += value
 
     # -- scheduler thread ---------------------------------------------------------------------
 
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
-        """Every prefix length (pages) stored whole: 1..n for the n leading stored pages (on
-        the local index no request, else one; FULL KV alone has no sparse boundaries)."""
+        """Every prefix length (pages) stored whole: 1..n for the n leading stored pages."""
         kv = self._kv(transfers)
         if kv is None or not kv.keys:
             return []
@@ -365,8 +315,9 @@ class MaruCacheLinker(UnifiedCacheLinker):
         return list(range(1, run + 1))
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
-        """Lease every page now (one RPC) and queue the copy; False (the request recomputes)
-        if a page is gone or stored with another length, or the slots are not whole pages."""
+        """Lease every page now (one RPC: no instance evicts or deletes them until the copy is
+        done) and queue the copy; False (the request recomputes) if a page is gone or stored
+        with another length, or the slots are not whole pages."""
         kv = self._kv(transfers)
         if kv is None or not kv.keys:
             return False
@@ -381,29 +332,23 @@ class MaruCacheLinker(UnifiedCacheLinker):
         lookup = self.handler.lookup(kv.keys, lease=True, prefix=self.prefix)
         _, lengths = lookup.wait()
         if not (lengths == self.layout.page_bytes).all():
-            missing = int((lengths == 0).sum())
             log.info(
                 "load %s: %d of %d pages gone, %d of another length since lookup: recompute",
                 rid,
-                missing,
+                int((lengths == 0).sum()),
                 pages,
                 int(((lengths != 0) & (lengths != self.layout.page_bytes)).sum()),
             )
-            lookup.release()
-            self._count(loads_refused=1)
-            return False
-        if not self._registered(lookup.addresses):
+        elif not self._registered(lookup.addresses):
             log.warning("load %s: pages outside the CUDA-registered mapping: recompute", rid)
-            lookup.release()
-            self._count(loads_refused=1)
-            return False
-        if invalidate_ranges(lookup.addresses, lengths) is not None:  # (software coherence)
+        elif invalidate_ranges(lookup.addresses, lengths) is not None:  # (software coherence)
             log.warning("load %s: the pool's memory faulted: recompute", rid)
-            lookup.release()
-            self._count(loads_refused=1)
-            return False
-        self._pending[rid] = _Load(rid, firsts, lookup, pages)
-        return True
+        else:
+            self._pending[rid] = _Load(rid, firsts, lookup)
+            return True
+        lookup.release()
+        self._count(loads_refused=1)
+        return False
 
     def _registered(self, addresses: np.ndarray) -> bool:
         """On a GPU: every page at `addresses` is in a region registered with CUDA (the only
@@ -472,10 +417,9 @@ class MaruCacheLinker(UnifiedCacheLinker):
                 tasks.task_done()
 
     def _load_batch(self, index: int, loads: list[_Load], ready: Any) -> None:
-        """Copy the batch layer by layer (on a GPU every layer queued at once), completing
-        each layer as it lands, except the last: that one completes only once every lease held
-        to the end (and checksums match), else it fails and the batch is reported as not
-        landed."""
+        """Copy the batch layer by layer, completing each layer as it lands, except the last:
+        that one completes only once every lease held to the end (and checksums match), else
+        it fails and the batch is reported as not landed."""
         start = time.perf_counter()
         counter, last = self.layer_done_counter, self.layout.layers - 1
         released = False
@@ -554,9 +498,8 @@ class MaruCacheLinker(UnifiedCacheLinker):
 
     def _write(self, keys: list[str], firsts: np.ndarray, page_bytes: int) -> int:
         """`keys`' pages through the handler's write verb (`MaruHandler.put`), copied from
-        the device rows at `firsts` (`DevicePageLayout.store`; the seal hashes them in the
-        pool); the number sealed (or found sealed). Chunks outside the CUDA-registered
-        mapping are not copied into: those pages fail."""
+        the device rows at `firsts`; the number sealed (or found sealed). Chunks outside the
+        CUDA-registered mapping are not copied into: those pages fail."""
 
         def copy(targets: np.ndarray, first: int, last: int, hashed: bool, threads: int) -> None:
             if not self._registered(targets):
@@ -579,11 +522,8 @@ class MaruCacheLinker(UnifiedCacheLinker):
         self._pending.clear()
         self._load_queue.join()
         self._offload_queue.join()
-        while True:
-            try:
-                self._offload_results.get_nowait()
-            except queue.Empty:
-                break
+        while not self._offload_results.empty():  # (no thread adds to it now)
+            self._offload_results.get_nowait()
         self.layer_done_counter.reset()
 
     def close(self) -> None:
@@ -604,7 +544,7 @@ class MaruCacheLinker(UnifiedCacheLinker):
     def counters(self) -> dict[str, float]:
         """Cumulative counts: lookups, loads, pages and bytes each way, failures, seconds."""
         with self._lock:
-            return {**self._stats, **self._seconds}
+            return dict(self._stats)
 
 
 def _storage_config(server_args: Any, params: Any, is_mla: bool) -> HiCacheStorageConfig:
@@ -613,16 +553,12 @@ def _storage_config(server_args: Any, params: Any, is_mla: bool) -> HiCacheStora
     from sglang.srt.layers.dp_attention import is_dp_attention_enabled
     from sglang.srt.runtime_context import get_parallel
 
-    parallel = get_parallel()
+    ranks = get_parallel()
     if is_dp_attention_enabled():
-        tp_rank, tp_size, dp_rank = (
-            parallel.attn_tp_rank,
-            parallel.attn_tp_size,
-            parallel.attn_dp_rank,
-        )
+        tp_rank, tp_size, dp_rank = ranks.attn_tp_rank, ranks.attn_tp_size, ranks.attn_dp_rank
     else:
-        tp_rank, tp_size, dp_rank = parallel.tp_rank, parallel.tp_size, 0
-    dcp_size = parallel.attn_dcp_size
+        tp_rank, tp_size, dp_rank = ranks.tp_rank, ranks.tp_size, 0
+    dcp_size = ranks.attn_dcp_size
     if dcp_size > 1:
         raise ValueError("MaruCacheLinker does not support decode context parallelism (DCP)")
     model = getattr(server_args, "served_model_name", None) or server_args.model_path
@@ -639,5 +575,5 @@ def _storage_config(server_args: Any, params: Any, is_mla: bool) -> HiCacheStora
         model_name=model,
         dp_rank=dp_rank,
         dcp_size=dcp_size,
-        dcp_rank=parallel.attn_dcp_rank,
+        dcp_rank=ranks.attn_dcp_rank,
     )

@@ -1,26 +1,13 @@
-"""SGLang HiCache L3 backend: `MaruStorage`.
+"""SGLang HiCache L3 backend: `MaruStorage`, loaded by SGLang's dynamic backend factory
+(the extra config: docs/sglang.md).
 
-Loaded by SGLang's dynamic backend factory (`cls(storage_config, {})`, then
-`register_mem_pool_host(pool)`) with `--hicache-storage-backend dynamic` and the extra config
-`{"backend_name": "maru", "module_path": "maru_sglang.maru_storage", "class_name": "MaruStorage",
-"interface_v1": 1, "maru_server_url": ..., "maru_pool_size": ...}`.
+Zero-copy: a page's parts in the host pool (K and V, a Mamba state's tensors, ...) are copied
+straight into one shared-memory allocation, back to back, and back again on a hit; one
+metadata RPC per batch each way, across every pool of the batch.
 
-Zero-copy: a page's parts in the host pool (K and V buffers, a Mamba state's temporal and conv
-tensors, an indexer page...) are copied straight into one shared-memory allocation, back to
-back, and back again on a hit: one copy per part, all of a batch's parts of one pool in one
-call (`maru.client.memcopy.copy_many`, streaming stores). One metadata RPC per batch each way,
-across every pool of the batch; no intermediate buffer.
-
-Two interfaces, one data path (`_write` / `_read`):
-- v1 (`batch_set_v1` / `batch_get_v1` / `batch_exists`): the KV pool, for every model;
-- v2 (`register_mem_host_pool_v2`, `batch_exists_v2`, `batch_get_v2`, `batch_set_v2`): the
-  sidecar pools of hybrid models (Mamba, SWA, DSA indexer, DeepSeek-V4 compressed pools, draft
-  pools), which SGLang's `HybridCacheController` drives; see `pools.py` for how each pool's
-  keys are scoped.
-
-Beside it: `hit_policy.py` (which prefix `batch_exists_v2` reports, from the one existence
-answer), `storage_stats.py` (the counters and SGLang's `StorageMetrics`), `legacy.py` (the
-interface with `interface_v1` off, page tensors copied one by one).
+v1 (`batch_set_v1` / `batch_get_v1` / `batch_exists`) serves the KV pool, v2 the sidecar pools
+of hybrid models (`pools.py` scopes their keys); both share `_write` / `_read`. Beside it:
+`hit_policy.py`, `storage_stats.py`, `legacy.py` (the interface with `interface_v1` off).
 """
 
 from __future__ import annotations
@@ -71,9 +58,8 @@ SUPPORTED_LAYOUTS = ("page_first_direct", "page_first")
 
 
 def _query(parts: list[tuple[PoolIO, list[str]]]) -> tuple[list[str], str | list[str]]:
-    """Several pools' page hashes as one handler call takes them: the hashes, and the
-    prefix of their pools' namespaces (one for one pool, else one per hash), which the
-    handler's index paths take beside them (no string made per key)."""
+    """Several pools' page hashes as one handler call takes them: the hashes, and their
+    pools' key prefixes (one for one pool, else one per hash; no string made per key)."""
     if len(parts) == 1:
         pool, hashes = parts[0]
         return hashes, pool.prefix
@@ -87,16 +73,13 @@ def open_handler(
     linker both start here). `overrides`: MaruConfig fields the caller derives (a chunk size).
     Not connected -> `RuntimeError: Failed to connect MaruHandler to <url>: <why>`."""
     config = MaruConfig.from_mapping(extra, prefix="maru_")
-    # Each rank is an instance of its own (the server names it, the name only reads well): a
-    # configured name gets the rank, so ranks stay apart in `maru stats`.
+    # A configured name gets the rank, so ranks stay apart in `maru stats`.
     if "maru_instance_id" in extra and tp_size > 1:
         overrides.setdefault("instance_id", f"{config.instance_id}/tp{tp_rank}")
     if overrides:
         config = dataclasses.replace(config, **overrides)
     handler = MaruHandler(config)
     if not handler.connected:
-        # The seed's text first (`RuntimeError: Failed to connect MaruHandler to <url>`), then
-        # why (down, refused, another version), once.
         error = handler.connect_error
         handler.close()
         reason = f": {error.reason}" if error is not None else ""
@@ -110,9 +93,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, args: Any = None):
         self.storage_config = storage_config
         extra = dict(storage_config.extra_config or {})
-        # Unless the user chose one, the chunk size follows the page sizes (known only when
-        # the pools register, before any chunk is reserved): with the 1 MiB default a 16 KiB
-        # page would hold 1 MiB.
+        # Unless the user chose one, the chunk size follows the page sizes (`_fit_chunk_size`).
         self._chunk_from_page = "maru_chunk_size_bytes" not in extra
         self.config, self.handler = open_handler(
             extra, storage_config.tp_rank, storage_config.tp_size
@@ -155,29 +136,27 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """A hybrid model's host pool (SGLang registers the KV anchor here too). Each pool's
-        pages get a namespace of their own (`pools.sidecar_namespace`)."""
+        """A hybrid model's host pool (SGLang registers the KV anchor here too)."""
         name = str(host_pool_name)
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         if name == KV_POOL_NAME:
             if host_pool is not self.mem_pool_host:
                 self.register_mem_pool_host(host_pool)
             return
-        replicated = is_rank_replicated(self.storage_config, host_pool)
-        probe = PoolIO(name, host_pool, "", replicated)
+        pool = PoolIO(name, host_pool, "", is_rank_replicated(self.storage_config, host_pool))
         namespace = sidecar_namespace(
-            self.storage_config, name, host_pool, probe.part_sizes, replicated
+            self.storage_config, name, host_pool, pool.part_sizes, pool.replicated
         )
-        probe.namespace = namespace
-        self.pools[name] = probe
+        pool.set_namespace(namespace)
+        self.pools[name] = pool
         log.info(
             "MaruStorage: pool %s namespace %s, %d-byte pages in %d part(s)%s%s",
             name,
-            namespace,
-            probe.page_bytes,
-            probe.parts,
-            ", rank-replicated" if replicated else "",
-            ", whole-page copies" if probe.whole_page else "",
+            pool.namespace,
+            pool.page_bytes,
+            pool.parts,
+            ", rank-replicated" if pool.replicated else "",
+            ", whole-page copies" if pool.whole_page else "",
         )
 
     def on_host_pools_registered(self) -> None:
@@ -186,8 +165,8 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         log.info("MaruStorage: pools %s", ", ".join(sorted(self.pools)))
 
     def _fit_chunk_size(self) -> None:
-        """One chunk per page of the smallest pool (rounded up to 4 KiB): a larger pool's page
-        takes a run of chunks, wasting less than one chunk; only before any chunk is used."""
+        """One chunk per page of the smallest pool: a larger pool's page takes a run of chunks,
+        wasting less than one chunk; only before any chunk is used."""
         sizes = [p.page_bytes for p in self.pools.values() if p.page_bytes]
         if not self._chunk_from_page or not sizes:
             return
@@ -204,7 +183,6 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
 
     @property
     def _page_bytes(self) -> int:
-        """Bytes of one KV page."""
         return self._kv.page_bytes if self._kv is not None else 0
 
     def _require_pool(self) -> PoolIO:
@@ -215,8 +193,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
     # -- the data path, shared by v1 and v2 --------------------------------------------------
 
     def _prepare(self, batch: Batch, host_indices: torch.Tensor | None, op: str) -> bool:
-        """Host pointers for `batch`; False (the batch fails) when the indices do not cover
-        its pages."""
+        """Host pointers for `batch`; False (the batch fails) if the indices do not fit."""
         batch.buffers = batch.pool.pointers(host_indices, len(batch.keys))
         if batch.buffers is None:
             got = host_indices.numel() if host_indices is not None else 0
@@ -233,14 +210,11 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         return True
 
     def _write(self, batches: list[Batch]) -> None:
-        """Write every batch's pages with the handler's one write verb (`MaruHandler.put`:
-        a run per pool or page by page, pipelined seals, hashed copies, faults): each pool's
-        copy is `PoolIO.copy_in` from its host pages. Write-behind with `maru_use_async_rpc`
-        (the default): the call returns once every page is copied and its registration
-        sent, reporting each sent page as stored; the replies are read by this thread's next
-        call (`confirm_writes`: a read first, a write during its copies). A page is in the
-        pool before its key is sent, so the only thing deferred is learning that a
-        registration failed (server gone or restarted): such a page reads as a miss, and is
+        """Write every batch's pages with the handler's write verb (`MaruHandler.put`), each
+        pool's copy from its host pages. Write-behind with `maru_use_async_rpc` (the default):
+        the call returns once every page is copied and its registration sent, reporting each
+        sent page as stored. A page is in the pool before its key is sent, so the only thing
+        deferred is learning that a registration failed: such a page reads as a miss, and is
         logged and counted then (`late_write_failures`). Fills each batch's `results`."""
         start = time.perf_counter()
         puts = [self._put_of(batch) for batch in batches]
@@ -250,18 +224,17 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         self._account(batches, start, False)
 
     def _account(self, batches: list[Batch], start: float, reading: bool) -> None:
-        """Record a call for the statistics (folded when they are read: `StorageStats`)."""
+        """Record a call for the statistics (folded when they are read)."""
         calls = self._stats.calls
         calls.append((batches, time.perf_counter() - start, reading))
         if len(calls) >= FOLD_EVERY:
             self._stats.fold()
 
     def _put_of(self, batch: Batch) -> Put:
-        """`batch` as the write verb takes it: its keys in its pool's namespace, copied from
-        its host pages."""
+        """`batch` as the write verb takes it."""
         pool, buffers = batch.pool, batch.buffers
         copy: CopyIn = ValuesAt(buffers, pool.sizes)  # (the verb begins it in C itself)
-        if pool.whole_page:  # (pages copied through the pool's own API)
+        if pool.whole_page:
 
             def through_pool(targets: np.ndarray, first: int, last: int, hashed: bool, n: int):
                 return pool.copy_in(targets, buffers, first, last, hashed, n)
@@ -276,22 +249,16 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
     def confirm_writes(self, wait: bool = True) -> int:
         """Wait until the server has registered every page this thread's write calls
         returned for (write-behind, see `_write`): from then on every instance finds them.
-        The thread's own later calls do it by themselves; another instance reading right
-        after a write (a test, a handover) calls it. Returns the number of pages those calls
-        reported stored whose registration failed (logged, counted as
-        `late_write_failures`): they read as misses."""
+        Returns the number of pages those calls reported stored whose registration failed
+        (logged, counted as `late_write_failures`): they read as misses."""
         return self.handler.confirm_writes(wait)
 
     def _read(self, batches: list[Batch], host_indices: list[torch.Tensor | None]) -> None:
-        """Copy every batch's hits into its host pool and prove them: a page stored with
-        another length is a miss; so is, with `maru_checksums`, a page whose bytes no longer
-        match their checksum after the copy, and on the local index a page whose entry changed
-        during the copy; a lease that ended mid-copy makes every page a miss (not proven). A
-        batch of a pool copied by `copy_values` is one `MaruHandler.read` (on the local index
-        one C call, no request): every v1 call, and each pool of a v2 call while the index is
-        local. The rest (pools copied through their own API; every pool of a v2 call on the
-        request path) take one leased lookup together (`_read_pools`). Fills each batch's
-        `results`. (The handler's read verb confirms this thread's writes first.)"""
+        """Copy every batch's hits into its host pool and prove them (a page not proven, e.g.
+        of another length or changed during the copy, is a miss). A batch copied by
+        `copy_values` is one `MaruHandler.read`: every v1 call, and each pool of a v2 call
+        while the index is local. The rest take one leased lookup together (`_read_pools`).
+        Fills each batch's `results`."""
         start = time.perf_counter()
         handler = self.handler
         one_by_one = len(batches) == 1 or handler.reads_locally
@@ -316,21 +283,13 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                         pool.name, checksum_mismatches=handler.checksum_mismatches - mismatches
                     )
         if rest:
-            together = [b for b, _ in rest]
-            keys, prefix = _query([(b.pool, b.keys) for b in together])
-            self._read_pools(together, [i for _, i in rest], keys, prefix)
+            self._read_pools([b for b, _ in rest], [i for _, i in rest])
         self._account(batches, start, True)
 
-    def _read_pools(
-        self,
-        batches: list[Batch],
-        host_indices: list[torch.Tensor | None],
-        keys: list[str],
-        prefix: str | list[str],
-    ) -> None:
-        """`_read` of several pools (v2), or of a pool copied page by page through its API:
-        the handler's read verb (`MaruHandler.read_many`), each pool's hits copied by
-        `PoolIO.copy_out` (made ready while the lookup is answered)."""
+    def _read_pools(self, batches: list[Batch], host_indices: list[torch.Tensor | None]) -> None:
+        """`_read` of several pools (v2), or of a pool copied through its API: one
+        `MaruHandler.read_many`, each pool's hits copied by `PoolIO.copy_out`."""
+        keys, prefix = _query([(b.pool, b.keys) for b in batches])
         hashed, threads = self.handler.config.checksums, self.config.copy_threads
 
         def segments() -> list[tuple[int, int, Any]]:
@@ -363,12 +322,9 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """Copy each KV page's parts from the host pool into one shared allocation, then
-        register the batch; returns without waiting for the reply (write-behind, `_write`)."""
+        """Copy each KV page into the pool and register the batch (write-behind, `_write`)."""
         kv = self._require_pool()
-        if not keys:
-            return []
-        if kv.logical:
+        if kv.logical or not keys:
             return [True] * len(keys)
         batch = Batch(kv, list(keys))
         if self._prepare(batch, host_indices, "batch_set_v1"):
@@ -381,13 +337,9 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """Copy each stored page into the host pool and prove it (`_read`): on the local
-        index one C call and no request, else one leased lookup (no instance evicts or deletes
-        the pages mid-copy); True per page proven."""
+        """Copy each stored page into the host pool and prove it; True per page proven."""
         kv = self._require_pool()
-        if not keys:
-            return []
-        if kv.logical:
+        if kv.logical or not keys:
             return [True] * len(keys)
         batch = Batch(kv, list(keys))
         self._read([batch], [host_indices])
@@ -399,8 +351,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        """Number of consecutive stored KV pages from the start: on the local index no request
-        and nothing probed after the first miss, else one EXISTS request."""
+        """Number of consecutive stored KV pages from the start."""
         kv = self._require_pool()
         if kv.logical:
             return len(keys)
@@ -421,16 +372,15 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         pool_transfers: list[PoolTransfer] | None = None,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
-        """The usable prefix of `keys` (KV page hashes) given every pool's hit policy, with one
-        RPC for the KV pages and every pool's pages together; the policies' arithmetic is in
-        `hit_policy.usable_prefix`."""
+        """The usable prefix of `keys` (KV page hashes) given every pool's hit policy
+        (`hit_policy.usable_prefix`), from one existence query over every pool."""
         kv = self._require_pool()
         n = len(keys)
         transfers = list(pool_transfers or [])
-        own_keys: list[list[str]] = []  # per transfer: the page hashes to look up
-        for t in transfers:
-            block = t.hit_policy == PoolHitPolicy.BLOCK_GROUPS
-            own_keys.append(list(t.keys or []) if block else list(keys))
+        own_keys = [  # per transfer: the page hashes to look up
+            list(t.keys or []) if t.hit_policy == PoolHitPolicy.BLOCK_GROUPS else list(keys)
+            for t in transfers
+        ]
         parts = [] if kv.logical else [(kv, keys)]
         pools = [self.pools.get(str(t.name)) for t in transfers]
         parts += [(p, hs) for p, hs in zip(pools, own_keys) if p is not None and not p.logical]
@@ -466,9 +416,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
             pool = self._pool_for(t)
             if pool is None:
                 results[name] = [False] * len(keys)
-            elif not keys:
-                results[name] = []
-            elif pool.logical:
+            elif not keys or pool.logical:
                 results[name] = [True] * len(keys)
             elif writing and pool.replicated and not self.storage_config.is_storage_writer:
                 # The same bytes on every rank: the writer rank stores them (SGLang's
@@ -488,8 +436,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         transfers: list[PoolTransfer],
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> dict[str, list[bool]]:
-        """Read every transfer's pages into its host pool: one leased lookup for all pools,
-        one copy per page part. A pool's result list is per key."""
+        """Read every transfer's pages into its host pool; per pool, a result per key."""
         results, batches, indices = self._v2_batches(transfers, "batch_get_v2", writing=False)
         if batches:
             self._read(batches, indices)
@@ -506,9 +453,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         transfers: list[PoolTransfer],
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> dict[str, list[bool]]:
-        """Write every transfer's pages from its host pool: one allocation run and one copy
-        per page part per pool; a large pool's run registered while the next is copied, small
-        ones together (`_write`)."""
+        """Write every transfer's pages from its host pool (`_write`)."""
         results, batches, _ = self._v2_batches(transfers, "batch_set_v2", writing=True)
         if batches:
             self._write(batches)
@@ -532,8 +477,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         return self._stats.counters
 
     def get_stats(self) -> Any:
-        """SGLang's StorageMetrics (pages per batch and GB/s, drained on each call), with our
-        cumulative counters (totals, and per pool under `pools`) attached as `.maru`."""
+        """SGLang's StorageMetrics (drained on each call), the counters attached as `.maru`."""
         return self._stats.get_stats()
 
     def close(self) -> None:

@@ -1,11 +1,9 @@
 """One SGLang host pool as `MaruStorage` stores it: its key namespace, the byte geometry of
 one page, and the copies between the host pool and shared memory.
 
-SGLang's HiCache registers the KV pool (`register_mem_pool_host`) and, for hybrid models, one
-more host pool per kind of state (`register_mem_host_pool_v2(pool, name)`: Mamba state, SWA KV,
-DSA indexer, DeepSeek-V4 compressed pools, draft pools). Every pool describes a page with
-`get_page_buffer_meta(indices)`: one pointer and size per part of each page. A page is stored
-as one shared allocation holding its parts back to back (one copy per part each way).
+Every SGLang host pool (the KV pool, and for hybrid models one per kind of state) describes a
+page with `get_page_buffer_meta(indices)`: one pointer and size per part of each page. A page
+is stored as one shared allocation holding its parts back to back.
 """
 
 from __future__ import annotations
@@ -50,9 +48,8 @@ RANK_REPLICATED_POOLS = frozenset(
 
 
 def chunk_size_for(page_bytes: int) -> int:
-    """The allocation granularity that wastes nothing on `page_bytes`-sized values: every value
-    MaruStorage stores is one whole page of one pool, so one chunk per page (rounded up to
-    4 KiB)."""
+    """The chunk size that wastes nothing on `page_bytes`-sized values (every value MaruStorage
+    stores is one page): one chunk per page, rounded up to 4 KiB."""
     return max(_ALLOC_ALIGN, -(-page_bytes // _ALLOC_ALIGN) * _ALLOC_ALIGN)
 
 
@@ -77,7 +74,6 @@ def page_namespace(storage_config: HiCacheStorageConfig, pool: Any) -> str:
     `page_first` and `page_first_direct`), and for MHA the TP shard (MLA pages are the same on
     every rank). A mismatch in any field gives a different namespace: a miss, never garbage.
     """
-    is_mla = bool(storage_config.is_mla_model)
     fields: list[str] = [
         f"model={storage_config.model_name or ''}",
         f"dtype={pool.dtype}",
@@ -85,7 +81,7 @@ def page_namespace(storage_config: HiCacheStorageConfig, pool: Any) -> str:
         f"page={pool.page_size}",
         f"layout={pool.layout}",
     ]
-    if is_mla:
+    if storage_config.is_mla_model:
         fields += [
             "attn=mla",
             f"lora={getattr(pool, 'kv_lora_rank', '')}",
@@ -143,8 +139,7 @@ def sidecar_namespace(
 def _affine_page_pointers(pool: Any, parts: int) -> list[tuple[int, int]] | None:
     """In page-first layouts each page part's pointer is affine in the page's first index t:
     `ptr = base + t * stride`. Learn (base, stride) per part from `get_page_buffer_meta` on two
-    pages and check it on two more; None (keep calling `get_page_buffer_meta`, a Python loop
-    per page) if the pool does not follow it."""
+    pages and check it on two more; None if the pool does not follow it."""
     page = pool.page_size
     pages = int(getattr(pool, "size", 0)) // page
     if pages < 4:
@@ -174,18 +169,13 @@ def _affine_page_pointers(pool: Any, parts: int) -> list[tuple[int, int]] | None
 
 def _index_memory(host_indices: torch.Tensor) -> tuple[int, int, Any]:
     """Where a batch's host indices lie: (address, count, owner), `count` int64s at `address`
-    that `owner` keeps alive. SGLang's (a contiguous int64 CPU tensor) are read in place:
-    from cold caches `Tensor.numpy()` costs twice these checks and `data_ptr()` (measured:
-    benchmarks/results/history.md). Others (another dtype or device, a strided view) are
-    copied into an int64 array."""
+    that `owner` keeps alive. SGLang's (a contiguous int64 CPU tensor) are read in place
+    (cheaper than `Tensor.numpy()`: benchmarks/results/history.md); others are copied into an
+    int64 array."""
     t = host_indices
     if t.is_cpu and t.dtype is torch.int64 and t.is_contiguous():
         return t.data_ptr(), t.numel(), t
-    try:
-        array = t.numpy()
-    except (TypeError, RuntimeError):  # (another device; a tensor that needs grad)
-        array = t.detach().cpu().numpy()
-    array = np.ascontiguousarray(array, np.int64)
+    array = np.ascontiguousarray(t.detach().cpu().numpy(), np.int64)
     return array.ctypes.data, array.size, array
 
 
@@ -195,14 +185,13 @@ class PoolIO:
     `page_bytes == 0` marks a logical pool (DeepSeek-V4's KV anchor holds no bytes): its pages
     are never stored, always "present", and the sidecars decide the hit. A pool whose
     `get_page_buffer_meta` cannot describe its pages (a Mamba pool with registered slot side
-    states) is copied whole-page through `get_data_page` / `set_from_flat_data_page` instead:
-    one more copy each way, but still one metadata RPC per batch.
+    states) is copied whole-page through `get_data_page` / `set_from_flat_data_page` instead.
     """
 
     def __init__(self, name: str, pool: Any, namespace: str, replicated: bool):
         self.name = name
         self.pool = pool
-        self.namespace = namespace
+        self.set_namespace(namespace)
         self.replicated = replicated
         self.page_size = int(getattr(pool, "page_size", 1) or 1)
         self.whole_page = False
@@ -230,21 +219,14 @@ class PoolIO:
         self.parts = len(self.part_sizes)
         self.page_bytes = sum(self.part_sizes)
         self.logical = self.page_bytes == 0  # (an attribute: every call asks)
-        # A stored page is its parts back to back, copied page by page in address order
-        # (`copy_values`; 18% faster at 64 KiB pages than part by part, docs/performance.md).
-        self.sizes = np.array(self.part_sizes, dtype=np.int64)  # (`copy_values`' form)
+        # (copied page by page in address order by `copy_values`: docs/performance.md)
+        self.sizes = np.array(self.part_sizes, dtype=np.int64)
 
-    @property
-    def namespace(self) -> str:
-        return self._namespace
-
-    @namespace.setter
-    def namespace(self, value: str) -> None:
-        self._namespace = value
-        # What this pool's stored keys start with: `keys()` puts it before each page hash;
-        # the handler's index paths take it as `prefix=`, beside the keys. (Made once: every
-        # exists call passes it.)
-        self.prefix = f"{value}:"
+    def set_namespace(self, namespace: str) -> None:
+        """Key this pool's pages under `namespace`; `prefix`, what its stored keys start with,
+        is made once here (every data call passes it)."""
+        self.namespace = namespace
+        self.prefix = f"{namespace}:"
 
     def keys(self, keys: Sequence[str]) -> list[str]:
         prefix = self.prefix
@@ -252,10 +234,8 @@ class PoolIO:
 
     def pointers(self, host_indices: torch.Tensor | None, pages: int) -> np.ndarray | None:
         """The host pool's side of a batch: a (pages, parts) int64 array, each page part's
-        pointer (None if the indices do not cover exactly `pages` pages). Computed from the
-        first index of each page (`_affine_page_pointers`), else through
-        `get_page_buffer_meta`. A whole-page pool gets (pages, 1): the pages' first indices
-        (its copies go through the pool)."""
+        pointer (None if the indices do not cover exactly `pages` pages). A whole-page pool
+        gets (pages, 1): the pages' first indices (its copies go through the pool)."""
         page = self.page_size
         if host_indices is None:
             return None
@@ -282,10 +262,8 @@ class PoolIO:
     ) -> CopyStarted:
         """Start copying pages [first, last) of a batch (`buffers`: its `pointers`) from the
         host pool to `targets` (one address per page), each page's parts back to back;
-        `.finish()` completes it and gives, with `hashed`, each page's checksum, computed as
-        it is copied (`maru_checksums`). `threads`: shared by up to that many threads
-        (`maru_copy_threads`, `copy_values_start`: the copiers begin now, the caller's share
-        in `finish()`). The write verb's copy (`maru.client.writes.CopyIn`)."""
+        `.finish()` completes it and gives, with `hashed`, each page's checksum. `threads`:
+        shared by up to that many threads. The write verb's copy (`maru.client.CopyIn`)."""
         if self.whole_page:
             hashes = np.zeros(last - first, np.int64)
             for i, index in enumerate(buffers[first:last, 0].tolist()):
@@ -299,9 +277,9 @@ class PoolIO:
     def copy_out(
         self, addresses: np.ndarray, buffers: np.ndarray, hashed: bool = False, threads: int = 1
     ) -> np.ndarray | None:
-        """Copy each page stored at `addresses` (its parts back to back; 0: skipped) into the
-        host pool (`buffers`: the batch's `pointers`); `hashed`: also return each page's
-        checksum, of the bytes as they were read (0 where skipped); `threads`: as `copy_in`."""
+        """Copy each page stored at `addresses` (0: skipped) into the host pool (`buffers`:
+        the batch's `pointers`); `hashed`: also return each page's checksum, of the bytes as
+        they were read (0 where skipped); `threads`: as `copy_in`."""
         if self.whole_page:
             page = self.pool.get_dummy_flat_data_page()
             hashes = np.zeros(len(addresses), np.int64)

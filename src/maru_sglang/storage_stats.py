@@ -1,9 +1,9 @@
-"""`MaruStorage`'s statistics: cumulative counters per pool, and SGLang's `StorageMetrics`.
+"""`MaruStorage`'s statistics: cumulative counters per pool, and SGLang's `StorageMetrics`
+(pages per call and GB/s, drained on each `get_stats()`, as SGLang expects).
 
 SGLang's backup and prefetch threads call the storage at once. A read or write call only
-appends its record to a deque (`calls`); the records are folded into the counters, under one
-lock, when they are read. `StorageMetrics` (pages per call and GB/s) is drained on each
-`get_stats()`, as SGLang expects; the counters only grow.
+appends its record to a deque (`calls`: no lock, no loop on the data path); the records are
+folded into the counters, under one lock, when they are read or when `FOLD_EVERY` wait.
 """
 
 from __future__ import annotations
@@ -33,17 +33,6 @@ COUNTERS = (
 )
 
 
-def _storage_metrics_cls() -> Any:
-    try:
-        from sglang.srt.observability.metrics_collector import StorageMetrics
-    except ImportError:  # older/newer SGLang moved it; stats then come back as a dict
-        return None
-    return StorageMetrics
-
-
-# A read or write call appends its record to `StorageStats.calls` (a deque append: no lock, no
-# loop on the data path); the records are folded into the counters when they are read, or by
-# the call that finds this many waiting.
 FOLD_EVERY = 256
 
 
@@ -62,10 +51,7 @@ class StorageStats:
 
     def _pool(self, pool: str) -> dict[str, int]:
         """`pool`'s counters, created at first use (the caller holds the lock)."""
-        counters = self._pools.get(pool)
-        if counters is None:
-            counters = self._pools[pool] = dict.fromkeys(COUNTERS, 0)
-        return counters
+        return self._pools.setdefault(pool, dict.fromkeys(COUNTERS, 0))
 
     def count(self, pool: str, **deltas: int) -> None:
         """Add `deltas` (names of `COUNTERS`) to `pool`'s counters."""
@@ -75,16 +61,14 @@ class StorageStats:
                 counters[name] += delta
 
     def fold(self) -> None:
-        """Account every call record waiting in `calls` (the order does not matter)."""
+        """Account every call record waiting in `calls`."""
         calls = self.calls
         with self._lock:
             while calls:
                 self._account(*calls.popleft())
 
     def _account(self, batches: Sequence[Batch], elapsed: float, reading: bool) -> None:
-        """Per pool the pages that moved (a read's hits, a write's stored pages) and their
-        bytes, a read's misses; the call's seconds; with metrics, its pages and GB/s. The
-        caller holds the lock."""
+        """Count one call's record (the caller holds the lock)."""
         moved = 0
         for batch in batches:
             ok = batch.results.count(True)
@@ -100,11 +84,10 @@ class StorageStats:
             moved += nbytes
         self._seconds["get_seconds" if reading else "set_seconds"] += elapsed
         if self.enable_metrics:
-            pages, rates = (
-                (self._prefetch_pgs, self._prefetch_bw)
-                if reading
-                else (self._backup_pgs, self._backup_bw)
-            )
+            if reading:
+                pages, rates = self._prefetch_pgs, self._prefetch_bw
+            else:
+                pages, rates = self._backup_pgs, self._backup_bw
             pages.append(sum(len(b.keys) for b in batches))
             rates.append(moved / max(elapsed, 1e-9) / 1e9)
 
@@ -121,21 +104,19 @@ class StorageStats:
         with self._lock:
             pools = {name: dict(c) for name, c in self._pools.items()}
             seconds = dict(self._seconds)
-        totals: dict[str, Any] = {key: sum(c[key] for c in pools.values()) for key in COUNTERS}
-        totals.update(seconds)
-        totals["pools"] = pools
-        return totals
+        totals = {key: sum(c[key] for c in pools.values()) for key in COUNTERS}
+        return {**totals, **seconds, "pools": pools}
 
     def get_stats(self) -> Any:
-        """SGLang's StorageMetrics (pages per batch and GB/s, drained on each call), with the
-        cumulative counters (totals, and per pool under `pools`) attached as `.maru`; the
-        counters alone (a dict) where this SGLang has no StorageMetrics."""
+        """SGLang's StorageMetrics with the counters attached as `.maru`; the counters alone
+        (a dict) where this SGLang has no StorageMetrics."""
         counters = self.counters
-        cls = _storage_metrics_cls()
-        if cls is None:
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except ImportError:  # another SGLang moved it
             return counters
         with self._lock:
-            metrics = cls()
+            metrics = StorageMetrics()
             metrics.prefetch_pgs.extend(self._prefetch_pgs)
             metrics.backup_pgs.extend(self._backup_pgs)
             metrics.prefetch_bandwidth.extend(self._prefetch_bw)

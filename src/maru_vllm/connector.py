@@ -1,27 +1,10 @@
-"""`MaruKVConnector`: a vLLM v1 KV connector that shares KV blocks through Maru.
-
-Loaded the way vLLM loads an out-of-tree connector::
-
-    --kv-transfer-config '{"kv_connector": "MaruKVConnector", "kv_connector_module_path":
-        "maru_vllm", "kv_role": "kv_both", "kv_connector_extra_config": {
-        "maru_server_url": "tcp://localhost:5555", "maru_pool_size": "4G"}}'
+"""`MaruKVConnector`: a vLLM v1 KV connector that shares KV blocks through Maru (how it works
+and its config: docs/vllm.md).
 
 The unit is one vLLM block: a block's KV for every layer of a cache group is one Maru value,
-stored under a key derived from vLLM's own block hash (`request.block_hashes`, chained over
-the prefix), so every instance that computes the same prefix finds the same keys.
-
-Scheduler side (one process): `get_num_new_matched_tokens` asks the server, in one request,
-which of a request's next full blocks exist (never the last token: vLLM must compute one);
-`update_state_after_alloc` turns a hit into a load of those blocks into the blocks vLLM just
-allocated; `build_connector_meta` adds, each step, a save of every block that became full and
-computed; `request_finished` keeps a request's blocks until its saves are done.
-
-Worker side (each TP rank): `register_kv_caches` works out where each block lives in vLLM's
-KV cache tensors (per layer: blocks at dim 0, any strides; MHA and MLA layouts alike);
-`start_load_kv` starts the loads (on a thread pool by default: many requests in flight in
-parallel, reported through `get_finished`); `wait_for_save` starts the saves (copy the blocks
-into freshly reserved shared memory, one REGISTER_KV per request). A block that is missing,
-evicted, of another size, or whose lease ended during the copy is reported by
+stored under a key derived from vLLM's own block hash (chained over the prefix), so every
+instance that computes the same prefix finds the same keys. A block that is missing, evicted,
+of another size, or whose lease ended during the copy is reported by
 `get_block_ids_with_load_errors`: vLLM recomputes it, never uses other bytes.
 """
 
@@ -63,12 +46,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ALIGN = 4096  # MaruConfig rounds chunk_size_bytes up to a multiple of this
-# kv_connector_extra_config keys of the connector itself; every other maru_* key is a
-# MaruConfig field (an unknown one is an error naming it).
+# kv_connector_extra_config keys of the connector itself (docs/vllm.md); every other maru_*
+# key is a MaruConfig field (an unknown one is an error naming it).
 CONNECTOR_KEYS = {
-    "maru_key_prefix": "vllm",  # first part of every key (one namespace per deployment)
-    "maru_async_load": True,  # loads between scheduler steps (False: inside the step)
-    "maru_load_threads": 4,  # loads of different requests in flight at once
+    "maru_key_prefix": "vllm",
+    "maru_async_load": True,
+    "maru_load_threads": 4,
     "maru_save_threads": 2,
 }
 
@@ -84,10 +67,6 @@ class Transfer:
     req_id: str
     keys: list[list[str]]
     block_ids: list[list[int]]
-
-    @property
-    def num_blocks(self) -> int:
-        return sum(len(ids) for ids in self.block_ids)
 
 
 @dataclass
@@ -190,13 +169,8 @@ def _layer_segments(kv: torch.Tensor, num_blocks: int) -> list[tuple[int, int, i
 
 
 def _group_layout(tensors: Sequence[torch.Tensor], num_blocks: int) -> _GroupLayout:
-    seen: set[tuple[int, int, int]] = set()
-    segs: list[tuple[int, int, int]] = []
-    for kv in tensors:
-        for seg in _layer_segments(kv, num_blocks):
-            if seg not in seen:  # layers sharing one KV cache (cross-layer sharing)
-                seen.add(seg)
-                segs.append(seg)
+    # each segment once, in order: layers may share one KV cache (cross-layer sharing)
+    segs = list(dict.fromkeys(seg for kv in tensors for seg in _layer_segments(kv, num_blocks)))
     base, stride, length = (np.array(col, dtype=np.int64) for col in zip(*segs))
     return _GroupLayout(base, stride, length, int(length.sum()))
 
@@ -266,7 +240,6 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         return "mla" if self._use_mla else f"tp{rank}of{self._tp_size}"
 
     def _prefix(self, group: int, rank: int) -> str:
-        """What the keys of a group's blocks on a rank start with."""
         return f"{self._namespace}/{self._scope(rank)}/g{group}/"
 
     def _keys(self, hashes: Sequence[bytes], group: int, rank: int) -> list[str]:
@@ -289,9 +262,8 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """How many tokens after `num_computed_tokens` are stored as whole blocks (one check for
-        every group and rank of those blocks: the local index, else one EXISTS request); a
-        prefix, never the last token."""
+        """How many tokens after `num_computed_tokens` are stored as whole blocks, for every
+        group and rank, in one check; a prefix, never the last token."""
         bs = self._block_size
         first = num_computed_tokens // bs
         last = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
@@ -301,11 +273,8 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         hexes = [h.hex() for h in request.block_hashes[first:last]]
         ranks = [0] if self._use_mla else range(self._tp_size)
         scopes = [self._prefix(g, r) for g in self._groups for r in ranks]
-        # every (group, rank)'s keys in one call, each block's hash once: the local index takes
-        # each prefix beside its key (on the request path they are joined, in `joined`)
-        prefixes: list[str] = []
-        for prefix in scopes:
-            prefixes += [prefix] * len(hexes)
+        # every (group, rank)'s keys in one call, each beside its prefix
+        prefixes = [prefix for prefix in scopes for _ in hexes]
         found = self._handler_for("2M").batch_exists(hexes * len(scopes), prefix=prefixes)
         exists = np.array(found, dtype=bool)
         if exists.size != len(hexes) * len(scopes):
@@ -321,22 +290,22 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         block_ids = [list(ids) for ids in blocks.get_block_ids()]
-        state = self._requests.get(request.request_id)
-        if state is None:
-            state = self._requests[request.request_id] = _ReqState(request, block_ids)
-        else:
-            state.block_ids = block_ids
+        state = self._requests.setdefault(request.request_id, _ReqState(request, block_ids))
+        state.block_ids = block_ids
         matched = self._matched.pop(request.request_id, None)
         if num_external_tokens <= 0 or matched is None:
             return
-        first, last = matched
+        self._loads.append(self._transfer(request, block_ids, *matched))
+
+    def _transfer(
+        self, request: Request, block_ids: list[list[int]], first: int, last: int
+    ) -> Transfer:
+        """Blocks [first, last) of `request`, keyed for rank 0 (see `_rank_keys`)."""
         hashes = request.block_hashes[first:last]
-        self._loads.append(
-            Transfer(
-                request.request_id,
-                [self._keys(hashes, g, 0) for g in self._groups],  # rank: the worker's
-                [block_ids[g][first:last] for g in self._groups],
-            )
+        return Transfer(
+            request.request_id,
+            [self._keys(hashes, g, 0) for g in self._groups],
+            [block_ids[g][first:last] for g in self._groups],
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -372,18 +341,10 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             return
         first = state.saved_upto or 0
         last = min(len(state.request.block_hashes), computed // self._block_size)
-        if any(len(state.block_ids[g]) < last for g in self._groups):
-            return  # (never: vLLM allocated the blocks it schedules)
-        if last <= first:
+        # (blocks not allocated: never, vLLM allocated the blocks it schedules)
+        if last <= first or any(len(state.block_ids[g]) < last for g in self._groups):
             return
-        hashes = state.request.block_hashes[first:last]
-        meta.saves.append(
-            Transfer(
-                state.request.request_id,
-                [self._keys(hashes, g, 0) for g in self._groups],
-                [state.block_ids[g][first:last] for g in self._groups],
-            )
-        )
+        meta.saves.append(self._transfer(state.request, state.block_ids, first, last))
         state.saved_upto = last
         state.had_save = True
 
@@ -403,8 +364,8 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     # == worker side =========================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Work out each cache group's block layout, then connect with a chunk size of the
-        largest block value (one value, one chunk)."""
+        """Work out each cache group's block layout, then connect with one chunk per block
+        value (the largest)."""
         num_blocks = self._kv_cache_config.num_blocks
         for g in self._groups:
             names = [n for n in self._kv_cache_config.kv_cache_groups[g].layer_names]
@@ -415,9 +376,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("MaruKVConnector: no KV cache tensors of a prefix-cacheable group")
             return
         biggest = max(layout.value_size for layout in self._layouts.values())
-        chunk = -(-biggest // _ALIGN) * _ALIGN
-        handler = self._handler_for()
-        handler.set_chunk_size(chunk)
+        self._handler_for().set_chunk_size(-(-biggest // _ALIGN) * _ALIGN)
         log.info(
             "MaruKVConnector: rank %d, %s, block values of %s bytes",
             self._rank,
@@ -470,11 +429,10 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._sending.setdefault(transfer.req_id, []).append(future)
 
     def _load(self, transfer: Transfer) -> None:
-        """Copy the blocks in (`MaruHandler.read`: proven hits only; on the local index one C
-        call); every block from the first one that is not proven (missing, another size,
-        changed during the copy, a lease lost, with `maru_checksums` bytes unlike their
-        writer's checksum) on is a load error, and vLLM recomputes it (a proven block after
-        it was copied in too: the key's own bytes, which the recompute overwrites)."""
+        """Copy the blocks in (`MaruHandler.read`: proven hits only); every block from the
+        first one that is not proven on is a load error, and vLLM recomputes it (a proven
+        block after it was copied in too: the key's own bytes, which the recompute
+        overwrites)."""
         start = time.perf_counter()
         copied = 0
         errors: list[int] = []
@@ -492,20 +450,20 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             hits = proven.index(False) if False in proven else len(proven)
             copied += hits * layout.value_size
             errors.extend(ids[hits:])
+        loaded = sum(len(ids) for ids in transfer.block_ids) - len(errors)
         with self._lock:
             self._load_errors.update(errors)
             self._stats.add(
                 loads=1,
-                load_blocks=transfer.num_blocks - len(errors),
+                load_blocks=loaded,
                 load_bytes=copied,
                 load_s=time.perf_counter() - start,
                 load_errors=len(errors),
             )
 
     def _save(self, transfer: Transfer) -> None:
-        """Every group's blocks through the handler's write verb (`MaruHandler.put`: a run
-        of chunks per group or block by block, hashed copies, one REGISTER_KV for the
-        groups), waiting for the server's answer."""
+        """Every group's blocks through the handler's write verb (`MaruHandler.put`), waiting
+        for the server's answer."""
         start = time.perf_counter()
         handler = self._handler_for()
         puts = []
