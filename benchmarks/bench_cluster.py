@@ -50,6 +50,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # (tests.integration.cluster_ch
 
 import numpy as np  # noqa: E402
 from tests.integration import cluster_child as cc  # noqa: E402
+from tests.integration import pod_child  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {"1 MiB": MiB, "64 KiB": 64 * KiB}
@@ -332,6 +333,9 @@ def main() -> int:
         print(f"bench_cluster: skipped: {reason}", file=sys.stderr)
         return 0
     rounds, calls = (1, 1) if args.quick else (args.rounds, args.calls)
+    # The nodes' `sleep`s and servers are bounded by the tests' LIFE_S (150 s), which a run of
+    # several rounds on a loaded machine outlives: bound them by this run's own size instead.
+    cc.LIFE_S = pod_child.LIFE_S = 300 + 120 * rounds * calls
     t_start = time.monotonic()
     import bench_hicache as H  # (same dir; the machine's description)
 

@@ -162,8 +162,7 @@ class Eviction:
                 (used if entry.referenced else order).setdefault(entry.region_id, None)
                 if entry.busy:
                     busy.add(entry.region_id)
-        for region_id in used:
-            order.setdefault(region_id, None)
+        order.update(used)  # (keeps a region's place if it has keys of both kinds)
         for region_id in order:
             if region_id in busy:
                 continue

@@ -72,16 +72,11 @@ CHANGES = frozenset(
 )
 
 
-def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
-    value = body.get(name)
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"field {name!r} missing or of the wrong type")
-    return value
-
-
 def _batch(body: dict[str, Any], name: str) -> list[Any]:
     """A list field of at most MAX_BATCH items."""
-    items = _field(body, name, list)
+    items = body.get(name)
+    if not isinstance(items, list):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"field {name!r} missing or of the wrong type")
     if len(items) > MAX_BATCH:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"batch of {len(items)} exceeds {MAX_BATCH}")
     return items

@@ -138,20 +138,15 @@ class Journal:
             snapshot = records[0]
             self.generation = int(snapshot["generation"])
         path = self._journal_path(self.generation)
-        records: list[Any] = []
-        if path.exists():
-            data = path.read_bytes()
-            records, good = read_records(data)
-            if good < len(data):
-                self.damaged_bytes_dropped = len(data) - good
-                log.warning(
-                    "journal %s: ignoring %d damaged bytes at its tail", path, len(data) - good
-                )
-                with open(path, "r+b") as f:
-                    f.truncate(good)
-                    f.flush()
-                    os.fsync(f.fileno())
-        self._fd, self._size = self._open(path)
+        self._fd, size = self._open(path)
+        records, self._size = read_records(path.read_bytes())
+        if self._size < size:
+            self.damaged_bytes_dropped = size - self._size
+            log.warning(
+                "journal %s: ignoring %d damaged bytes at its tail", path, size - self._size
+            )
+            os.ftruncate(self._fd, self._size)
+            os.fsync(self._fd)
         for stale in self.state_dir.glob("journal-*.log"):
             if stale != path:
                 stale.unlink(missing_ok=True)

@@ -53,11 +53,10 @@ class _PoolTable:
     path = None  # (no file of its own: `offer` names its place)
 
     def __init__(self, pool: Any, generation: str, software: bool):
-        self.place, offset, length, slots = pool.index_area  # (`place`: under the pool's path)
+        self.place, self.offset, self.length, slots = pool.index_area  # (under the pool's path)
         self.capacity = slots
         self.file = os.path.join(pool.path, self.place) if self.place else pool.path
-        self.offset, self.length = offset, length
-        self.map = map_area(self.file, offset, length)
+        self.map = map_area(self.file, self.offset, self.length)
         table, use = area_views(self.map, slots)
         try:
             use[:] = bytes(len(use))
@@ -142,7 +141,7 @@ class _Table:
             shmindex.format_table(self.maps[0], capacity, generation.encode(), secrets.randbits(64))
             self.writer = shmindex.Writer(self.maps[0], self.maps[1])
         except BaseException:
-            self.unlink()
+            _remove(self.files)
             raise
 
     def retire(self, successor: str = "") -> None:
@@ -150,12 +149,9 @@ class _Table:
         its mapping)."""
         self.writer.retire(successor)
         self.writer.close()
-        self.unlink()
+        _remove(self.files)
         for m in self.maps:
             m.close()
-
-    def unlink(self) -> None:
-        _remove(self.files)
 
 
 def _remove(files: list[str]) -> None:
@@ -399,17 +395,10 @@ def open_local_index(
     except OSError as exc:
         log.error("no local index (%s): clients on this node use the request path", exc)
         return None
-    keys = list(registry.keys)
     entries = list(registry.keys.values())
-    if keys:
-        index.publish(
-            keys,
-            [e.region_id for e in entries],
-            [e.offset for e in entries],
-            [e.length for e in entries],
-            [e.checksum for e in entries],
-            regions=registry.regions,
-        )
+    names = ("region_id", "offset", "length", "checksum")  # `publish`'s columns
+    columns = ([getattr(e, name) for e in entries] for name in names)
+    index.publish(list(registry.keys), *columns, regions=registry.regions)
     registry.local_index = index
     pages = hugepages.describe(index.huge)
     log.info("local index %s (%d keys; %s)", index.stats()["path"], index.count, pages)

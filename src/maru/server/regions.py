@@ -156,10 +156,7 @@ class RegionTable(dict[int, Region]):
         first: when the record cannot be written (`JournalWriteError`), the owner keeps the
         region, as its error reply tells it. The hold is journaled as the wall-clock time it
         ends, so that a restart keeps it."""
-        if hold > 0:
-            self._log("T", region.region_id, time.time() + hold)
-        else:
-            self._log("T", region.region_id)
+        self._log("T", region.region_id, *([time.time() + hold] if hold > 0 else []))
         region.returned = True
         self._hold(region, hold)
         if region.held_until:

@@ -354,9 +354,8 @@ class Registry:
         """Membership; a hit counts as use, like a lookup (SGLang asks before it prefetches)."""
         entries = self.keys.get_many(keys)
         out = [entry is not None for entry in entries]
-        for entry in entries:
-            if entry is not None:
-                entry.referenced = True
+        for entry in compress(entries, out):
+            entry.referenced = True
         self.count_reads(instance_id, exists=len(out), exists_hits=out.count(True))
         return out
 

@@ -221,16 +221,12 @@ class MaruService:
             out = None if kept else protocol.encode(msg_type, request_id, reply, reply=True)
             self.requests.served(msg_type, perf_counter() - start)
             return out
-        except ProtocolError as exc:
+        except (ProtocolError, JournalWriteError) as exc:
+            # JournalWriteError: refused, or failed before its change was made
+            code = exc.code if isinstance(exc, ProtocolError) else ErrorCode.STATE_UNAVAILABLE
             self.requests.failed(served)
-            log.debug("request error (%s): %s", exc.code.name, exc)
-            return protocol.encode_error(msg_type, request_id, exc.code, str(exc), version=version)
-        except JournalWriteError as exc:  # refused, or failed before its change was made
-            self.requests.failed(served)
-            log.debug("request refused: %s", exc)
-            return protocol.encode_error(
-                msg_type, request_id, ErrorCode.STATE_UNAVAILABLE, str(exc), version=version
-            )
+            log.debug("request error (%s): %s", code.name, exc)
+            return protocol.encode_error(msg_type, request_id, code, str(exc), version=version)
         except Exception as exc:
             self.requests.failed(served)
             log.exception("internal error handling message type %s", msg_type)
@@ -251,10 +247,7 @@ class MaruService:
             send = functools.partial(self.tcp.send_later, route)
         else:
             return False
-
-        def encode(body: dict[str, Any]) -> bytes:
-            return protocol.encode(MsgType.EXISTS, request_id, body, reply=True)
-
+        encode = functools.partial(protocol.encode, MsgType.EXISTS, request_id, reply=True)
         deadline = time.monotonic() + wait_s
         return self.waits.park(Waiting(reply, keys, index, deadline, encode, send))
 
