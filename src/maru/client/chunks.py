@@ -106,6 +106,9 @@ class ChunkBook:
         self.chunk_size = chunk_size
         self._owned: dict[int, _OwnedRegion] = {}
         self._lock = threading.Lock()
+        # The owned regions' free chunks, parked included: kept by every change below (under
+        # `_lock`), so that a write reads it as a plain attribute, with no call on its path.
+        self.free = 0
 
     def __contains__(self, region_id: int) -> bool:
         return region_id in self._owned
@@ -115,8 +118,11 @@ class ChunkBook:
             return sorted(self._owned)
 
     def free_chunks(self) -> int:
-        with self._lock:
-            return sum(o.chunks.free for o in self._owned.values())
+        return self.free
+
+    def _recount(self) -> None:
+        """`free` after the owned regions changed (the caller holds `_lock`)."""
+        self.free = sum(o.chunks.free for o in self._owned.values())
 
     def untouched(self) -> bool:
         """No chunk of any owned region is reserved (the chunk size may still change)."""
@@ -133,6 +139,7 @@ class ChunkBook:
                 m.handle.region_id: _OwnedRegion(m, chunk_size, m.handle.region_id in parked)
                 for m in mapped
             }
+            self._recount()
 
     def owned_bytes(self) -> int:
         """Bytes of the owned regions, parked included (what `pool_size` caps)."""
@@ -169,6 +176,7 @@ class ChunkBook:
                 del self._owned[owned.mapped.handle.region_id]
                 out.append(owned.mapped)
                 nbytes -= owned.mapped.handle.length
+            self._recount()
             return out
 
     def parked_regions(self) -> list[int]:
@@ -193,14 +201,17 @@ class ChunkBook:
         """Own `mapped`, a region the server just gave us: every chunk free."""
         with self._lock:
             self._owned[mapped.handle.region_id] = _OwnedRegion(mapped, self.chunk_size)
+            self._recount()
 
     def drop(self, region_id: int) -> None:
         with self._lock:
             self._owned.pop(region_id, None)
+            self._recount()
 
     def clear(self) -> None:
         with self._lock:
             self._owned = {}
+            self.free = 0
 
     def take(self, size: int, count: int = 1) -> AllocHandle | None:
         """`count` values of `size` bytes as one contiguous run of chunks in an owned region, or
@@ -212,6 +223,7 @@ class ChunkBook:
                     continue
                 first = owned.chunks.allocate_run(chunks, count)
                 if first is not None:
+                    self.free -= chunks * count
                     owned.touched = True
                     owned.reserved.update(first)
                     chunk = self.chunk_size
@@ -246,7 +258,7 @@ class ChunkBook:
             owned.reserved.difference_update(firsts)
             for first in firsts:
                 if owned.chunks.is_allocated(first):
-                    owned.chunks.free_extent(first)
+                    self.free += owned.chunks.free_extent(first)
 
     def holds(self, handle: AllocHandle) -> bool:
         """Whether `handle` is still in a region we own (not one the server forgot)."""
@@ -268,4 +280,4 @@ class ChunkBook:
             for region_id, starts in firsts.items():
                 owned = self._owned.get(region_id)
                 if owned is not None:
-                    owned.chunks.free_many(starts)
+                    self.free += owned.chunks.free_many(starts)

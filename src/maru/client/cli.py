@@ -493,8 +493,7 @@ def cmd_stats(args: argparse.Namespace, out: TextIO) -> int:
     with _connect(args) as admin:
         s = admin.stats()
         if args.json:
-            json.dump(s, out, indent=2, sort_keys=True, default=_json_default)
-            out.write("\n")
+            print(json.dumps(s, indent=2, sort_keys=True, default=_json_default), file=out)
         else:
             print(render_stats(admin.url, s), file=out)
     return 0
@@ -514,8 +513,7 @@ def cmd_keys(args: argparse.Namespace, out: TextIO) -> int:
         keys, truncated = admin.keys(args.prefix, args.limit)
     if args.json:
         doc = {"keys": [_key_doc(k.key, k.length, k.owner) for k in keys], "truncated": truncated}
-        json.dump(doc, out, indent=2, default=_json_default)
-        out.write("\n")
+        print(json.dumps(doc, indent=2, default=_json_default), file=out)
         return 0
     if keys:
         # a key as a Python literal: 'bk' and b'bk' are two keys and must not print alike

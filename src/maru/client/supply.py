@@ -47,11 +47,10 @@ class RegionSupply:
     def __init__(self, session: Session, request: Request):
         """`request`: the handler's own send (a test may wrap the session's to count a batch's
         requests: region traffic is not one of them)."""
-        self.owner = session  # (its `config` and `instance_id`)
+        self.owner = session  # (its `config`, `instance_id` and `refused_stores`)
         self.chunks = session.chunks
         self.mapper = session.mapper
         self._request = request
-        self.refused = session.refused_stores
         self.pool_capacity = 0  # the pool's, as of the last handshake (0: not known yet)
         self.pool_generation: str | None = None  # likewise
         self.lock = threading.Lock()
@@ -77,7 +76,7 @@ class RegionSupply:
                 continue
             # never fits: evicting anything for it would be in vain
             if count == 1:  # (a run that does not fit may still go value by value)
-                self.refused[reason] += 1
+                self.owner.refused_stores[reason] += 1
                 log.warning(
                     "instance %s: a value of %s is larger than %s (%s): not stored",
                     self.owner.instance_id,
@@ -159,7 +158,7 @@ class RegionSupply:
         that no value asks on its own."""
         with self.lock:
             self._settle()
-            free = self.chunks.free_chunks() * self.chunks.chunk_size
+            free = self.chunks.free * self.chunks.chunk_size
             if free >= room.chunks or self._next_region_size(room.chunks) is not None:
                 return
             self.full = True
@@ -197,7 +196,7 @@ class RegionSupply:
         for its request and mapping only: a write waits for at most that."""
         with self.lock:  # (the chunk size changes under it only: `set_chunk_size`)
             size, chunk = None, self.chunks.chunk_size
-            if self.chunks.free_chunks() * chunk < want:
+            if self.chunks.free * chunk < want:
                 size = self._next_region_size(chunk)
             if size is None:
                 return True
@@ -275,7 +274,7 @@ class RegionSupply:
         want = -(-size // self.chunks.chunk_size) * self.chunks.chunk_size
         if count > 1:  # (in keys like these values: the server counts keys' bytes)
             room = Room(want * count, size * count)
-            free = self.chunks.free_chunks() * self.chunks.chunk_size
+            free = self.chunks.free * self.chunks.chunk_size
             if free >= room.chunks:  # no run, but room value by value: nothing to evict
                 return None
             want = -(-room.values * (room.chunks - free) // room.chunks)

@@ -188,7 +188,7 @@ class Writes:
                 run = self.reserve(size, n) if n and size else None
                 if number == 1 and (run is not None or self._supply.full):
                     room = self._room(puts)  # (the next write's, made ready now if not free)
-                    free = s.chunks.free_chunks() * s.chunks.chunk_size
+                    free = s.chunks.free * s.chunks.chunk_size
                     if free < room.chunks:
                         self._supply.ahead(room, free)
                 if run is None:  # no free run: value by value
@@ -381,13 +381,10 @@ class Writes:
         if thread not in self.unconfirmed_threads:  # (a read's usual case)
             return 0
         unconfirmed = self._unconfirmed.sealings
+        ready = len(unconfirmed)
         if not wait:
-            ready = 0
-            while ready < len(unconfirmed) and unconfirmed[ready][1].arrived():
-                ready += 1
-            unconfirmed, self._unconfirmed.sealings = unconfirmed[:ready], unconfirmed[ready:]
-        else:
-            self._unconfirmed.sealings = []
+            ready = next((i for i, (_, sg, _) in enumerate(unconfirmed) if not sg.arrived()), ready)
+        unconfirmed, self._unconfirmed.sealings = unconfirmed[:ready], unconfirmed[ready:]
         if not self._unconfirmed.sealings:
             self.unconfirmed_threads.discard(thread)
         lost_total = 0

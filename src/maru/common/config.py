@@ -7,6 +7,7 @@ bad value produces the same error, naming the key, wherever it came from.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import os
@@ -188,24 +189,17 @@ EAGER_MAP_ENV = "MARU_EAGER_MAP"  # wins over `eager_map`, as in the original Ma
 POOL_PATH_ENV = "MARU_POOL_PATH"  # `pool_path` where the key is not set (the key wins)
 
 
-def align_chunk(size: int) -> int:
-    """`size` rounded up to a whole number of pages (the chunk stride in a region)."""
-    return -(-size // PAGE) * PAGE
-
-
 MAX_COPY_THREADS = 16  # the caller and the 15 copier threads of maru.client._memcopy
 
 
 def parse_int(value: Any, *, name: str, minimum: int = 1) -> int:
     """An integer >= `minimum` (1 unless told), from an int or a string of digits."""
     kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-        raise ConfigError(f"{name}: expected {kind}, got {value!r}")
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}: expected {kind}, got {value!r}") from None
-    if n < minimum:
+    n = None
+    if not isinstance(value, bool) and not (isinstance(value, float) and not value.is_integer()):
+        with contextlib.suppress(TypeError, ValueError):
+            n = int(value)
+    if n is None or n < minimum:
         raise ConfigError(f"{name}: expected {kind}, got {value!r}")
     return n
 
@@ -281,9 +275,8 @@ class MaruConfig:
         self.pool_size = parse_size(self.pool_size, name="pool_size")
         # Any positive size, as the original takes (LMCache passes its KV chunk's bytes),
         # rounded up to whole pages: chunks start on page boundaries.
-        self.chunk_size_bytes = align_chunk(
-            parse_size(self.chunk_size_bytes, name="chunk_size_bytes")
-        )
+        chunk = parse_size(self.chunk_size_bytes, name="chunk_size_bytes")
+        self.chunk_size_bytes = -(-chunk // PAGE) * PAGE
         if self.chunk_size_bytes > self.pool_size:
             # Blame the one that was changed: with the default chunk size it is pool_size.
             if self.chunk_size_bytes == _DEFAULT_CHUNK:
@@ -313,14 +306,9 @@ class MaruConfig:
                     f"expand_size: {self.expand_size} is smaller than one chunk "
                     f"(chunk_size_bytes {self.chunk_size_bytes})"
                 )
-        if self.server_public_key is not None:
-            self.server_public_key = parse_curve_key(
-                self.server_public_key, name="server_public_key"
-            )
-        if self.curve_client_key is not None:
-            self.curve_client_key = parse_curve_key(
-                self.curve_client_key, name="curve_client_key", kind="secret key"
-            )
+        for key, kind in (("server_public_key", "public key"), ("curve_client_key", "secret key")):
+            if getattr(self, key) is not None:
+                setattr(self, key, parse_curve_key(getattr(self, key), name=key, kind=kind))
         if self.pool_path is None and os.environ.get(POOL_PATH_ENV):
             self.pool_path = parse_pool_path(os.environ[POOL_PATH_ENV], name=POOL_PATH_ENV)
         elif self.pool_path is not None:

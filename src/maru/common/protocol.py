@@ -611,6 +611,9 @@ REPLY_EXTRAS = [
 ]
 
 
+_TABLE = ["| field | type | meaning |", "|---|---|---|"]
+
+
 def _row(field: tuple[str, str, str]) -> str:
     name, kind, meaning = (part.replace("|", "\\|") for part in field)
     return f"| `{name}` | {kind} | {meaning} |"
@@ -632,11 +635,8 @@ def render_schema() -> str:
             if not fields:
                 lines += [f"{title}: no fields", ""]
                 continue
-            lines += [f"{title}:", "", "| field | type | meaning |", "|---|---|---|"]
-            lines += [_row(field) for field in fields]
-            lines.append("")
-    lines += ["## Fields any reply may carry", "", "| field | type | meaning |", "|---|---|---|"]
-    lines += [_row(field) for field in REPLY_EXTRAS]
+            lines += [f"{title}:", "", *_TABLE, *map(_row, fields), ""]
+    lines += ["## Fields any reply may carry", "", *_TABLE, *map(_row, REPLY_EXTRAS)]
     for enum in (ErrorCode, RegisterStatus, DeleteStatus):
         lines += ["", f"## {enum.__name__}", "", "| value | name |", "|---|---|"]
         lines += [f"| {int(v)} | `{v.name}` |" for v in enum]

@@ -597,8 +597,7 @@ def region_id_floor(state_dir: Path) -> int:
     if isinstance(identity, dict):
         with contextlib.suppress(TypeError, ValueError):
             floor = max(floor, int(identity.get("next_region_id", 1)))
-    files = [state_dir / SNAPSHOT_NAME, *state_dir.glob("journal-*.log")]
-    for path in files:
+    for path in [state_dir / SNAPSHOT_NAME, *state_dir.glob("journal-*.log")]:
         try:
             records, _ = read_records(path.read_bytes())
         except OSError:

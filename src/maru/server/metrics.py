@@ -21,6 +21,7 @@ import time
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Iterator
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Protocol
 
 from maru.common.protocol import MsgType
@@ -469,12 +470,8 @@ class MaruCollector:
             labels=["op"],
         )
         for op, o in sorted(s["operations"].items()):
-            cumulative, buckets = 0, []
-            for bound, n in zip(bounds, o["buckets"]):
-                cumulative += n
-                buckets.append((repr(float(bound)), cumulative))
-            buckets.append(("+Inf", o["count"]))
-            hist.add_metric([op], buckets, float(o["total_seconds"]))
+            buckets = [(repr(float(b)), n) for b, n in zip(bounds, accumulate(o["buckets"]))]
+            hist.add_metric([op], [*buckets, ("+Inf", o["count"])], float(o["total_seconds"]))
             errors.add_metric([op], o["errors"])
         errors.add_metric(["invalid"], s.get("invalid_requests", 0))
         yield hist

@@ -25,13 +25,11 @@ class ClusterConfigError(ValueError):
 def parse_segment_size(value: Any) -> int:
     """SGLang's size forms: an int, a decimal string, or "<N>gb" (GiB); never negative."""
     try:
-        if isinstance(value, bool):
-            raise ValueError(value)
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool):
             size = value
         elif isinstance(value, str) and value.strip().lower().endswith("gb"):
             size = int(value.strip()[:-2].strip()) * GIB
-        else:
+        else:  # (a bool too: "True" is no number)
             size = int(str(value).strip())
     except ValueError:
         raise ClusterConfigError(

@@ -94,12 +94,8 @@ class PoolMaps:
 
     def mapped(self, path: str) -> tuple[mmap.mmap, int]:
         """The file's mapping and its address, mapped and registered on first use."""
-        mapped = self.maps.get(path)
-        if mapped is None:
-            mapped = self.maps[path] = self._map(path)
-        return mapped
-
-    def _map(self, path: str) -> tuple[mmap.mmap, int]:
+        if path in self.maps:
+            return self.maps[path]
         fd = os.open(path, os.O_RDWR)
         try:
             mm = mmap.mmap(fd, os.fstat(fd).st_size or self.device_bytes, mmap.MAP_SHARED)
@@ -114,6 +110,7 @@ class PoolMaps:
         if backed and populate_works():
             args = (path, address, backed)
             threading.Thread(target=_populate, args=args, name="populate", daemon=True).start()
+        self.maps[path] = mm, address
         return mm, address
 
 
@@ -132,28 +129,6 @@ def _populate(path: str, address: int, extents: list[tuple[int, int]]) -> None:
                 return
 
 
-class Trailers:
-    """Registered memory for the trailers of a batch (`maru.server.cluster.proof`): written
-    there before a publish, read there after a pull, one slot a value."""
-
-    def __init__(self, register: Any, unregister: Any):
-        self.register, self.unregister = register, unregister
-        self.buffer: np.ndarray | None = None
-
-    def slots(self, n: int) -> tuple[np.ndarray, int]:
-        """n slots (rows of TRAILER_BYTES) and the first one's address (OSError when
-        Mooncake refuses the memory)."""
-        if self.buffer is None or len(self.buffer) < n:
-            buffer = np.zeros((max(n, 64), TRAILER_BYTES), np.uint8)
-            rc = self.register(buffer.ctypes.data, buffer.nbytes)
-            if rc != 0:
-                raise OSError(f"Mooncake register_buffer of trailer slots failed: {rc}")
-            if self.buffer is not None:
-                self.unregister(self.buffer.ctypes.data)
-            self.buffer = buffer
-        return self.buffer[:n], self.buffer.ctypes.data
-
-
 class Sidecar:
     def __init__(
         self, config: MooncakeConfig, sock: zmq.Socket, device_bytes: int, pool_file: str = ""
@@ -165,7 +140,7 @@ class Sidecar:
         self.module = load_mooncake()
         self.store: Any = None
         self.maps: PoolMaps | None = None
-        self.trailers: Trailers | None = None
+        self.trailers: np.ndarray | None = None  # registered slots for a batch's trailers
         self.error: str | None = "not connected yet"
 
     def connect(self) -> bool:
@@ -187,7 +162,6 @@ class Sidecar:
             return False
         self.store, self.error = store, None
         self.maps = PoolMaps(store.register_buffer, self.device_bytes)
-        self.trailers = Trailers(store.register_buffer, store.unregister_buffer)
         log.info("connected to Mooncake master %s as %s", c.master_server_address, c.local_hostname)
         if self.pool_file:  # (its pages mapped before the first pull needs them)
             try:
@@ -198,6 +172,20 @@ class Sidecar:
 
     def send(self, message: dict[str, Any]) -> None:
         self.sock.send(msgpack.packb(message, use_bin_type=True))
+
+    def _slots(self, n: int) -> tuple[np.ndarray, int]:
+        """n trailer slots (rows of TRAILER_BYTES, `maru.server.cluster.proof`) in memory
+        registered with Mooncake, and the first one's address (OSError when it is refused)."""
+        assert self.store is not None
+        if self.trailers is None or len(self.trailers) < n:
+            buffer = np.zeros((max(n, 64), TRAILER_BYTES), np.uint8)
+            rc = self.store.register_buffer(buffer.ctypes.data, buffer.nbytes)
+            if rc != 0:
+                raise OSError(f"Mooncake register_buffer of trailer slots failed: {rc}")
+            if self.trailers is not None:
+                self.store.unregister_buffer(self.trailers.ctypes.data)
+            self.trailers = buffer
+        return self.trailers[:n], self.trailers.ctypes.data
 
     def _mapped(self, jobs: list[list[Any]]) -> tuple[list[Any], list[int], list[int], str | None]:
         """Each job's pool pages (name, path, offset, length, ...): their views and
@@ -219,29 +207,24 @@ class Sidecar:
         """Publish each job's pages and their trailer as one object, with the maru64 of the
         pages (a writer's checksum that does not match them: REFUSED, never published): a
         result per job, and why any failed."""
-        assert self.store is not None and self.trailers is not None
+        assert self.store is not None
         results = [FAILED] * len(jobs)
         views, addresses, places, error = self._mapped(jobs)
         computed = checksums(views).tolist() if views else []
         for view in views:
             view.release()
-        keep = []
         for j, i in enumerate(places):
-            stated = jobs[i][4]
-            if stated and stated != computed[j]:
+            if jobs[i][4] and jobs[i][4] != computed[j]:
                 results[i] = REFUSED  # the writer's checksum does not match its pages
-            else:
-                keep.append(j)
+        keep = [j for j, i in enumerate(places) if results[i] != REFUSED]
         if not keep:
             return results, error
-        slots, base = self.trailers.slots(len(keep))
-        names, buffers, sizes = [], [], []
+        slots, base = self._slots(len(keep))
+        names = [jobs[places[j]][0] for j in keep]
+        buffers = [[addresses[j], base + n * TRAILER_BYTES] for n, j in enumerate(keep)]
+        sizes = [[jobs[places[j]][3], TRAILER_BYTES] for j in keep]
         for n, j in enumerate(keep):
-            name, length = jobs[places[j]][0], jobs[places[j]][3]
-            slots[n] = np.frombuffer(encode_trailer(name, length, computed[j]), np.uint8)
-            names.append(name)
-            buffers.append([addresses[j], base + n * TRAILER_BYTES])
-            sizes.append([length, TRAILER_BYTES])
+            slots[n] = np.frombuffer(encode_trailer(names[n], sizes[n][0], computed[j]), np.uint8)
         codes = self.store.batch_put_from_multi_buffers(names, buffers, sizes)
         for j, rc in zip(keep, codes):
             if rc == 0:
@@ -277,12 +260,12 @@ class Sidecar:
         no such object, [FAILED, 0] where Mooncake failed. A job whose length the server
         guessed (no probe before it) and that did not fit is probed now: [LENGTH, length]
         (the server pulls it again into pages of that length) or [ABSENT, 0]."""
-        assert self.store is not None and self.trailers is not None
+        assert self.store is not None
         results = [[FAILED, 0] for _ in jobs]
         views, addresses, places, error = self._mapped(jobs)
         if not places:
             return results, error
-        slots, base = self.trailers.slots(len(places))
+        slots, base = self._slots(len(places))
         slots[:] = 0  # (a slot a failed get leaves alone never proves anything)
         buffers = [[a, base + n * TRAILER_BYTES] for n, a in enumerate(addresses)]
         sizes = [[jobs[i][3], TRAILER_BYTES] for i in places]
@@ -325,9 +308,7 @@ class Sidecar:
             rc, why = -1, str(exc)
         else:
             why = {1: "client closed", 2: "master unreachable"}.get(rc, f"code {rc}")
-        error = None
-        if rc != 0:
-            error = f"Mooncake master {self.config.master_server_address}: {why}"
+        error = f"Mooncake master {self.config.master_server_address}: {why}" if rc else None
         if error != self.error:
             if error:
                 log.warning("%s", error)

@@ -204,8 +204,7 @@ class ClusterTier:
         mine = [i for i, e in enumerate(entries) if e.region_id not in ours]
         room = self.connected and len(self.batches) < IN_FLIGHT
         if mine and room and self._publish([keys[i] for i in mine], spill=True):
-            held = set(mine)
-            now = [i for i in range(len(keys)) if i not in held]
+            now = [i for i, e in enumerate(entries) if e.region_id in ours]
             return [keys[i] for i in now], [entries[i] for i in now]
         if mine:
             self.counts["publish_drops"] += len(mine)
@@ -216,8 +215,9 @@ class ClusterTier:
         being pulled already). How many of them are being pulled now (0: none will come:
         the sidecar is not connected, or sits on a lookup past the clients' budget, so
         readers miss at once instead of each waiting the budget out)."""
-        now = time.monotonic()
-        if not self.connected or self.late(now):
+        now, budget = time.monotonic(), self.lookup_ms / 1000
+        late = any(b.op != "publish" and now - b.sent > budget for b in self.batches.values())
+        if not self.connected or late:
             return 0
         absent, pulling = self.absent, self.pulling
         if len(absent) > QUEUE_KEYS:
@@ -232,11 +232,6 @@ class ClusterTier:
                 waiting += 1
         self.pump()
         return waiting
-
-    def late(self, now: float) -> bool:
-        """Whether a probe or pull has waited on the sidecar longer than a lookup may."""
-        budget = self.lookup_ms / 1000
-        return any(b.op != "publish" and now - b.sent > budget for b in self.batches.values())
 
     def serve(self, events: dict) -> None:
         """Apply every reply the sidecar has sent, then send what waits."""
@@ -275,6 +270,7 @@ class ClusterTier:
             self._drop_spilled(batch)
         counts, again = self.counts, time.monotonic() + RETRY_S
         for key, nbytes, result in zip(batch.keys, batch.nbytes, results):
+            tries = self.tries.get(key, 0)
             if result == PUBLISHED:
                 counts["published"] += 1
                 counts["published_bytes"] += nbytes
@@ -282,12 +278,8 @@ class ClusterTier:
                 self.tries.pop(key, None)
             elif result == REFUSED:
                 counts["publish_refused"] += 1
-            elif (
-                not batch.spill
-                and self.tries.get(key, 0) < RETRIES
-                and len(self.tries) < QUEUE_KEYS
-            ):
-                self.tries[key] = self.tries.get(key, 0) + 1  # (write-through: it goes again)
+            elif not batch.spill and tries < RETRIES and len(self.tries) < QUEUE_KEYS:
+                self.tries[key] = tries + 1  # (write-through: it goes again)
                 self.retry.append((again, key))
             else:
                 counts["publish_failures"] += 1
