@@ -246,6 +246,8 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
         `actual_size / single_token_size`. None (a miss, never other bytes) when the region is
         not mapped here, the range is outside it, or the size is not a whole number of tokens
         of this adapter's layout."""
+        if page_index < 0:  # (a value off this handler's chunk grid: `MemoryInfo`)
+            return None
         if actual_size <= 0 or single_token_size <= 0 or actual_size % single_token_size:
             log.debug("value of %d bytes is not whole tokens of %d", actual_size, single_token_size)
             return None

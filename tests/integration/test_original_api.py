@@ -143,6 +143,33 @@ def _connect_with(url: str, chunk: int) -> MaruHandler:
     return MaruHandler(config)
 
 
+def test_a_value_off_the_readers_chunk_grid_has_no_page_index(maru_server):
+    """`MemoryInfo.page_index` is all LMCache's MaruBackend keeps of a hit's place: it reads
+    `get_buffer_view(region_id, page_index * chunk_size, ...)`. A value whose offset is not a
+    multiple of the reader's chunk size (written with a smaller one, or pulled by the cluster
+    tier) has page index -1, where that read finds nothing (a miss), never the chunk before
+    it; its `view` is still its own bytes."""
+    writer, reader = _connect_with(maru_server.url, 4096), _connect_with(maru_server.url, 16384)
+    try:
+        handles = [writer.alloc(4096) for _ in range(8)]
+        for i, handle in enumerate(handles):
+            handle.buf[:4096] = make_value(i, 4096)
+        keys = [f"grid{i}" for i in range(8)]
+        assert writer.batch_store(keys, handles) == [True] * 8
+        infos = reader.batch_retrieve(keys)
+        chunk = reader.get_chunk_size()
+        on_grid = [h.offset % chunk == 0 for h in handles]
+        assert any(on_grid) and not all(on_grid)
+        assert [info.page_index >= 0 for info in infos] == on_grid
+        for i, info in enumerate(infos):
+            assert digest(info.view) == digest(make_value(i, 4096))
+            view = reader.get_buffer_view(info.region_id, info.page_index * chunk, 4096)
+            assert (view is not None and digest(view) == digest(info.view)) == on_grid[i]
+    finally:
+        writer.close()
+        reader.close()
+
+
 def test_get_stats_and_healthcheck_as_the_original_names_them(maru_server_factory):
     server = maru_server_factory(pool_size="64M")
     h = _connect(server.url)

@@ -3,12 +3,14 @@ binds a value to its name, and how `maru status` and Prometheus show the tier.""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 
 from maru.client.cli import _cluster_line
 from maru.server.cluster.config import ClusterConfigError, MooncakeConfig, parse_segment_size
+from maru.server.cluster.pages import TierPages
 from maru.server.cluster.proof import (
     TRAILER_BYTES,
     decode_trailer,
@@ -164,3 +166,19 @@ def test_a_watermark_round_leaves_the_victims_spill_holds_registered_until_it_dr
     assert reg.instances.take_freed("A") == [[rid, i * MiB, MiB] for i in range(5)]
     assert reg.eviction.evict_for("A", 1) == MiB and len(taken) == 1  # (no spill)
     consistent(reg)
+
+
+def test_pulled_values_sit_on_the_grid_of_their_own_length(tmp_path):
+    """The tier's pages for a pulled value start at a multiple of the value's length in 4 KiB
+    pages, whatever was pulled before: an LMCache reader, which names a value by its chunk
+    index in the region (`page_index * chunk_size`), finds each full chunk where it is."""
+    reg = make_registry(tmp_path)
+    pages = TierPages(reg)
+    chunk = 12 << 10  # a full chunk: 3 pages (not a power of two)
+    lengths = (5000, chunk, 4096, chunk, chunk - 100, chunk)
+    places = [pages.reserve(n) for n in lengths]
+    assert all(place is not None for place in places)
+    offsets = [place[1] for place in places]
+    assert all(o % (-(-n // 4096) * 4096) == 0 for n, o in zip(lengths, offsets))
+    spans = sorted((o, o + n) for n, o in zip(lengths, offsets))
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # no two overlap

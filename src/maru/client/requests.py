@@ -34,7 +34,10 @@ class RegionsLost(MaruError):
 class MemoryInfo:
     """Where a stored value lives. `view` is a read-only memoryview over the shared bytes
     (no copy was made); `address` is the same bytes' virtual address in this process;
-    `page_index` is the index of its first chunk in the region (LMCache's name)."""
+    `page_index` is the index of its first chunk in the region (LMCache's name), -1 where
+    the value does not start on this handler's chunk grid (a writer with another chunk size,
+    the cluster tier's pulled pages): a reader by page index (LMCache reads `page_index *
+    chunk_size`) would read other bytes there, and gets nothing at -1 instead."""
 
     view: memoryview
     region_id: int
@@ -246,7 +249,8 @@ class Lookup:
                 out.append(None)
                 continue
             view = mapped.view[offset : offset + length].toreadonly()
-            out.append(MemoryInfo(view, region_id, offset // chunk, offset, length, address))
+            page = -1 if offset % chunk else offset // chunk  # (see MemoryInfo)
+            out.append(MemoryInfo(view, region_id, page, offset, length, address))
         return out
 
     def release(self, confirm: bool = False) -> bool:

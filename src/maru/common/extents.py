@@ -35,11 +35,12 @@ class ExtentAllocator:
     def free_extents(self) -> int:
         return len(self._starts)
 
-    def allocate(self, length: int) -> int | None:
-        """Return the start of a new extent of `length`, or None when nothing fits."""
+    def allocate(self, length: int, alignment: int | None = None) -> int | None:
+        """Return the start of a new extent of `length` (at a multiple of `alignment`, by
+        default the allocator's), or None when nothing fits."""
         if length <= 0:
             raise ValueError("length must be positive")
-        align = self.alignment
+        align = alignment or self.alignment
         for i, (start, free_len) in enumerate(zip(self._starts, self._lengths)):
             aligned = -(-start // align) * align
             if aligned - start + length <= free_len:

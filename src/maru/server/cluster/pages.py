@@ -35,9 +35,13 @@ class TierPages:
 
     def reserve(self, length: int) -> tuple[int, int, str, int] | None:
         """Pages for `length` bytes: (region id, offset in it, the region's file, the
-        offset in that file), or None when the pool has no room for them now."""
+        offset in that file), or None when the pool has no room for them now. The offset is
+        a multiple of the pages' length: readers that name a value by its chunk index in the
+        region (LMCache: `page_index * chunk_size`) find values as long as their chunk there;
+        another value is a miss for them, never other bytes (`Lookup.infos`)."""
+        align = -(-length // ALIGN) * ALIGN
         for region_id, pages in self.free_lists.items():
-            offset = pages.allocate(length)
+            offset = pages.allocate(length, align)
             if offset is not None:
                 return self._place(region_id, offset)
         try:
@@ -47,7 +51,7 @@ class TierPages:
             log.info("cluster tier: no pool pages for a pull of %d bytes: %s", length, exc)
             return None
         pages = self.free_lists[handle.region_id] = ExtentAllocator(handle.length, ALIGN)
-        offset = pages.allocate(length)
+        offset = pages.allocate(length, align)
         return None if offset is None else self._place(handle.region_id, offset)
 
     def _place(self, region_id: int, offset: int) -> tuple[int, int, str, int]:
