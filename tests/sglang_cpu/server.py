@@ -20,8 +20,10 @@ whose tail is put into every error raised here.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -55,8 +57,28 @@ class PortTaken(ServerError):
     it (uvicorn then logs the error and may hang in its shutdown instead of exiting)."""
 
 
+class ModuleVanished(ServerError):
+    """A server process failed to import an SGLang module that is installed: the environment
+    failed it (seen once in CI on a loaded machine, a lazy import of a file on disk), not the
+    code under test, which never ran that far differently. It starts again, like PortTaken."""
+
+
 PORT_TAKEN = "address already in use"
 START_ATTEMPTS = 3  # a server whose port was taken meanwhile starts again on another
+_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '(sglang\.[\w.]+)'")
+
+
+def _installed_module_missed(log_tail: str) -> str | None:
+    """The SGLang module the log says could not be imported, if its file is installed (looked
+    up on disk: importing SGLang here would need the CPU shims)."""
+    top = importlib.util.find_spec("sglang")
+    roots = [Path(p) for p in (top.submodule_search_locations or [])] if top else []
+    for name in _NO_MODULE.findall(log_tail):
+        rel = Path(*name.split(".")[1:])
+        for root in roots:
+            if (root / rel).with_suffix(".py").is_file() or (root / rel).is_dir():
+                return name
+    return None
 
 
 @dataclass
@@ -156,6 +178,10 @@ def start_server(
         except PortTaken:
             if port is not None or attempt == START_ATTEMPTS:
                 raise
+        except ModuleVanished as e:
+            if attempt == START_ATTEMPTS:
+                raise
+            print(f"sglang server start {attempt} failed: {e.args[0].splitlines()[0]}; again")
     raise AssertionError("unreachable")
 
 
@@ -238,9 +264,13 @@ def _wait_healthy(server: SGLangServer, deadline: float, log_start: int) -> None
             raise PortTaken(f"port {server.port} was taken; log {server.log_path}")
         code = server.process.poll()
         if code is not None:
-            raise ServerError(
-                f"sglang server exited with code {code} during start-up; log "
-                f"{server.log_path}:\n{server.log_tail()}"
+            tail = server.log_tail()
+            missed = _installed_module_missed(tail)
+            error = ServerError if missed is None else ModuleVanished
+            raise error(
+                f"sglang server exited with code {code} during start-up"
+                + ("" if missed is None else f" (failed to import installed {missed})")
+                + f"; log {server.log_path}:\n{tail}"
             )
         try:
             status, _ = http_request(server.base_url + "/health", timeout=5)

@@ -82,6 +82,46 @@ def test_a_taken_port_starts_the_server_again_on_another(tmp_path, monkeypatch):
         holder.close()
 
 
+IMPORT_FAILS_ONCE = r"""#!{python}
+import http.server, os, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+calls = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calls")
+with open(calls, "a") as f:
+    f.write(f"{{port}}\n")
+if len(open(calls).read().split()) == 1:
+    print("ModuleNotFoundError: No module named '{module}'", flush=True)
+    sys.exit(1)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ours")
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+@pytest.mark.sglang
+def test_a_failed_import_of_an_installed_sglang_module_starts_again(tmp_path):
+    """The environment failed the import (the file is there): start again. A module that is
+    not installed is a real failure: no second start."""
+    installed = "sglang.srt.mem_cache.hicache_storage"
+    launcher = tmp_path / "launcher"
+    launcher.write_text(IMPORT_FAILS_ONCE.format(python=sys.executable, module=installed))
+    launcher.chmod(0o755)
+    srv = harness.start_server("model", python=str(launcher), log_path=tmp_path / "a.log")
+    try:
+        assert len((tmp_path / "calls").read_text().split()) == 2
+    finally:
+        harness.stop_server(srv)
+
+    (tmp_path / "calls").unlink()
+    launcher.write_text(IMPORT_FAILS_ONCE.format(python=sys.executable, module="sglang.srt.nope"))
+    with pytest.raises(harness.ServerError) as failed:
+        harness.start_server("model", python=str(launcher), log_path=tmp_path / "b.log")
+    assert not isinstance(failed.value, harness.ModuleVanished)
+    assert len((tmp_path / "calls").read_text().split()) == 1
+
+
 def test_a_taken_port_given_by_the_caller_is_an_error(tmp_path):
     launcher = tmp_path / "launcher"
     launcher.write_text(LAUNCHER.format(python=sys.executable))

@@ -1,0 +1,103 @@
+"""`ChunkBook.free` is a kept count (adjusted on each take and free, not recounted), so the write
+path can ask "is there room?" without walking the regions. A count that drifts either way is
+wrong: too high and a write plans on room it has not got; too low and the client asks the server
+for regions it does not need. These tests hold it to a model through every verb."""
+
+from __future__ import annotations
+
+import mmap
+import random
+
+import pytest
+
+from maru.client.chunks import AllocHandle, ChunkBook
+from maru.client.mapping import MappedRegion
+from maru.common.region import RegionHandle
+
+CHUNK = 4096
+
+
+def region(region_id: int, chunks: int) -> MappedRegion:
+    mm = mmap.mmap(-1, chunks * CHUNK)
+    handle = RegionHandle(region_id, "anon", 0, chunks * CHUNK, "token", "me")
+    return MappedRegion(handle, mm, memoryview(mm), 0, True)
+
+
+class Model:
+    """What the count must be: every chunk of every owned region, less those held by values."""
+
+    def __init__(self) -> None:
+        self.regions: dict[int, int] = {}  # region id -> chunks
+        self.held: dict[tuple[int, int], int] = {}  # (region id, offset) -> chunks
+
+    def free(self) -> int:
+        return sum(self.regions.values()) - sum(self.held.values())
+
+    def take(self, handle: AllocHandle, chunks: int) -> None:
+        for i in range(handle.count):
+            self.held[(handle.region_id, handle.offset + i * handle.stride)] = chunks
+
+    def release(self, region_id: int, offset: int) -> None:
+        self.held.pop((region_id, offset), None)
+
+    def drop(self, region_id: int) -> None:
+        self.regions.pop(region_id, None)
+        self.held = {k: v for k, v in self.held.items() if k[0] != region_id}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_kept_free_count_matches_the_chunks_through_every_verb(seed):
+    rng = random.Random(seed)
+    book, model = ChunkBook(CHUNK), Model()
+    live: list[tuple[AllocHandle, list[int]]] = []  # handles and their still-held indices
+    next_id = 1
+    for _ in range(2000):
+        verb = rng.choice(["adopt", "take", "take", "take", "give_back", "freed", "freed", "drop"])
+        if verb == "adopt" or not model.regions:
+            n = rng.choice([8, 16, 64])
+            book.adopt(region(next_id, n))
+            model.regions[next_id] = n
+            next_id += 1
+        elif verb == "take":
+            size, count = rng.choice([CHUNK // 2, CHUNK, 3 * CHUNK]), rng.randint(1, 6)
+            handle = book.take(size, count)
+            if handle is not None:
+                model.take(handle, -(-size // CHUNK))
+                live.append((handle, list(range(count))))
+        elif verb == "give_back" and live:
+            handle, indices = live[rng.randrange(len(live))]
+            some = rng.sample(indices, rng.randint(1, len(indices)))
+            book.give_back(handle, some)
+            for i in some:
+                indices.remove(i)
+                model.release(handle.region_id, handle.offset + i * handle.stride)
+        elif verb == "freed" and live:
+            # The server's notice of keys gone: some twice, some never ours to free again.
+            notice = []
+            for handle, indices in rng.sample(live, min(len(live), 3)):
+                for i in rng.sample(range(handle.count), rng.randint(1, handle.count)):
+                    offset = handle.offset + i * handle.stride
+                    notice.append((handle.region_id, offset, handle.length))
+                    if i in indices:
+                        indices.remove(i)
+                    model.release(handle.region_id, offset)
+            notice += notice[: rng.randint(0, len(notice))]
+            book.apply_freed(notice)
+        elif verb == "drop":
+            region_id = rng.choice(list(model.regions))
+            book.drop(region_id)
+            model.drop(region_id)
+            live = [(h, i) for h, i in live if h.region_id != region_id]
+        live = [(h, i) for h, i in live if i]
+        assert book.free_chunks() == model.free(), verb
+
+
+def test_a_notice_for_a_region_not_ours_changes_nothing():
+    book = ChunkBook(CHUNK)
+    book.adopt(region(1, 8))
+    handle = book.take(CHUNK, 2)
+    assert handle is not None and book.free_chunks() == 6
+    book.apply_freed([(2, 0, CHUNK), (1, 7 * CHUNK, CHUNK)])  # another region; an unheld chunk
+    assert book.free_chunks() == 6
+    book.apply_freed([(1, handle.offset, CHUNK)] * 2)  # the same value twice
+    assert book.free_chunks() == 7
