@@ -1,15 +1,12 @@
-"""`CxlMemoryAdapter`: LMCache's memory allocator over a `MaruHandler`, zero-copy.
+"""`CxlMemoryAdapter`: LMCache's memory allocator over a `MaruHandler`, zero-copy; the contract
+is LMCache 0.5.6's shipped `MaruBackend` (docs/lmcache.md). Nothing raises into LMCache on a
+store-side failure: a full pool -> `allocate` / `batched_allocate` return None.
 
-LMCache 0.5.6's shipped `MaruBackend` (`lmcache/v1/storage_backend/maru_backend.py`) is the
-contract; docs/lmcache.md says what the adapter does for it. Nothing here raises into LMCache
-on a store-side failure: the pool full -> `allocate` / `batched_allocate` return None.
-
-Who owns a reservation's chunks, the one rule that keeps a page from being handed out twice:
-until `create_store_handle` the adapter does (`free`, reached through LMCache's ref counting,
-returns them); from then on the store does (`MaruHandler.seal` gives them back when the key is
-refused or already there, first writer wins; the server returns them when the key is deleted
-or evicted), and the object no longer names the adapter as its parent, so LMCache's later
-`ref_count_down` or garbage collection cannot free them a second time.
+Who owns a reservation's chunks, so that a page is never handed out twice: until
+`create_store_handle` the adapter (`free`, through LMCache's ref counting, returns them); from
+then on the store (`MaruHandler.seal` returns them when the key is refused or already there,
+the server when it is deleted or evicted), and the object no longer names the adapter as its
+parent, so a later `ref_count_down` or garbage collection cannot free them again.
 """
 
 from __future__ import annotations
@@ -37,10 +34,8 @@ _PAGE_MASK = (1 << _PAGE_BITS) - 1
 
 
 class CxlMemoryObj(TensorMemoryObj):
-    """A `TensorMemoryObj` whose flat uint8 `raw_data` lies in Maru's shared pool.
-
-    `reservation` is the `AllocHandle` of chunks this process reserved and has not handed to
-    the store yet (None for a published value or for a view of a stored value)."""
+    """A `TensorMemoryObj` whose flat uint8 `raw_data` lies in Maru's shared pool; `reservation`:
+    the chunks this process reserved and has not handed to the store yet (else None)."""
 
     def __init__(
         self,
@@ -61,9 +56,8 @@ _readonly_seen = False
 
 
 def _byte_tensor(view: memoryview) -> torch.Tensor:
-    """A flat uint8 tensor over `view`'s bytes (no copy). Another instance's pages are mapped
-    read-only; torch warns once per process that such a tensor could be written (it cannot:
-    the mapping is PROT_READ), which says nothing useful here, so the first time is silenced."""
+    """A flat uint8 tensor over `view`'s bytes (no copy). torch warns once that a read-only
+    buffer (another instance's pages) could be written; it cannot (PROT_READ), so it is silenced."""
     global _readonly_seen
     if view.readonly and not _readonly_seen:
         with warnings.catch_warnings():
@@ -76,11 +70,9 @@ def _byte_tensor(view: memoryview) -> torch.Tensor:
 
 class CxlMemoryAdapter(MemoryAllocatorInterface):
     """LMCache `MemoryAllocatorInterface` whose memory objects are pages of a `MaruHandler`.
-
-    `shapes` / `dtypes` / `fmt`: the layout of one full chunk (LMCache's metadata); `chunk_size`:
-    the handler's allocation unit in bytes (`MaruBackend` sets it to one full chunk, so a KV
-    chunk takes one Maru chunk). A memory object's `metadata.address` encodes (region id, index
-    of its first chunk in the region): `decode_address` reads it back."""
+    `shapes` / `dtypes` / `fmt`: one full chunk's layout; `chunk_size`: the handler's allocation
+    unit (`MaruBackend` sets it to one full chunk). `metadata.address` encodes (region id, index
+    of the first chunk): `decode_address`."""
 
     def __init__(
         self,
@@ -216,10 +208,9 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
     # -- what MaruBackend calls besides the interface ------------------------------------------
 
     def create_store_handle(self, memory_obj: MemoryObj) -> AllocHandle:
-        """The handle `MaruHandler.store(key, handle)` publishes `memory_obj` with, sized to
-        the bytes it holds. Hands the chunks over to the store (see the module docstring):
-        a second call for the same object, or an object this adapter did not reserve, raises
-        ValueError (publishing the same chunks under two keys would alias them)."""
+        """The handle `MaruHandler.store(key, handle)` publishes `memory_obj` with, sized to its
+        bytes; hands the chunks to the store (module docstring). ValueError for a second call or
+        an object this adapter did not reserve (the same chunks under two keys would alias)."""
         with self._lock:
             handle = getattr(memory_obj, "reservation", None)
             if handle is None:
@@ -235,17 +226,11 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
         return handle
 
     def get_by_location(
-        self,
-        region_id: int,
-        page_index: int,
-        actual_size: int,
-        single_token_size: int,
+        self, region_id: int, page_index: int, actual_size: int, single_token_size: int
     ) -> MemoryObj | None:
-        """A memory object over a stored value (`actual_size` bytes from chunk `page_index`
-        of `region_id`, a region the handler has mapped), read in place: its token count is
-        `actual_size / single_token_size`. None (a miss, never other bytes) when the region is
-        not mapped here, the range is outside it, or the size is not a whole number of tokens
-        of this adapter's layout."""
+        """A view of the stored value of `actual_size` bytes (`actual_size / single_token_size`
+        tokens) from chunk `page_index` of `region_id`, read in place; None (a miss, never other
+        bytes) when not mapped here, out of its region, or not whole tokens of this layout."""
         if page_index < 0:  # (a value off this handler's chunk grid: `MemoryInfo`)
             return None
         if actual_size <= 0 or single_token_size <= 0 or actual_size % single_token_size:
@@ -263,9 +248,8 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
         if view is None:
             log.debug("region %d page %d is not mapped here", region_id, page_index)
             return None
-        dtypes = list(self._dtypes)
         return self._memory_obj(
-            view, region_id, page_index, actual_size, shapes, dtypes, self._fmt, None
+            view, region_id, page_index, actual_size, shapes, list(self._dtypes), self._fmt, None
         )
 
     def _with_tokens(self, shape: torch.Size, tokens: int) -> torch.Size:

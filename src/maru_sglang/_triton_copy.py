@@ -1,9 +1,6 @@
-"""The kernel of the CUDA copy path (`maru_sglang.cuda.copy_pieces`): pieces between device
-memory and the shared mapping registered with CUDA, one launch for a whole table of them.
-
-The GPU reads or writes the registered host bytes itself, so a table of thousands of small
-pieces costs one launch instead of one DMA call each (docs/performance.md). Imported only
-where CUDA is used: triton is SGLang's dependency, not Maru's.
+"""The kernel of `maru_sglang.cuda.copy_pieces`: the GPU itself copies a whole table of pieces
+between device memory and the shared mapping registered with CUDA, one launch instead of a DMA
+per piece. Imported only where CUDA is used: triton is SGLang's dependency, not Maru's.
 """
 
 import triton
@@ -12,10 +9,9 @@ import triton.language as tl
 
 @triton.jit
 def copy_pieces_kernel(table_ptr, pieces, BLOCK: tl.constexpr):
-    """Program (i, j) copies words [j * BLOCK, (j + 1) * BLOCK) of piece i. `table_ptr`: an
-    int64 [3, pieces] table of destination address, source address, length in 8-byte words.
-    Every address and length is a multiple of 16 bytes (checked by the caller), so the loads
-    and stores are 16 bytes wide."""
+    """Program (i, j) copies words [j * BLOCK, (j + 1) * BLOCK) of piece i. `table_ptr`: int64
+    [3, pieces] (destination, source, length in 8-byte words), every address and length a
+    multiple of 16 bytes (the caller checks), so the loads and stores are 16 bytes wide."""
     piece = tl.program_id(0)
     start = tl.program_id(1) * BLOCK
     words = tl.multiple_of(tl.load(table_ptr + 2 * pieces + piece), 2)

@@ -1,6 +1,5 @@
-"""The CUDA side of the linker: the shared mapping registered with CUDA, and one kernel launch
-that copies a table of pieces between device memory and it (apart from the linker so that
-`benchmarks/bench_gpu_copy.py` can use it without SGLang).
+"""The linker's CUDA side: the shared mapping registered with CUDA, and the one-launch copy of a
+table of pieces (apart from the linker so `benchmarks/bench_gpu_copy.py` needs no SGLang).
 """
 
 from __future__ import annotations
@@ -27,10 +26,9 @@ _MAX_GRID_Y = 65535
 
 
 class CudaDriver:
-    """The few CUDA driver calls registration needs (libcuda, through ctypes), made in the
-    device's primary context (torch's). The driver rather than the runtime: a failed runtime
-    call leaves its error behind, and torch's next kernel launch anywhere in the process would
-    raise it; a failed driver call here is only a logged, refused registration."""
+    """The CUDA driver calls registration needs (libcuda via ctypes), in torch's primary
+    context. Not the runtime: a failed runtime call leaves its error for torch's next kernel
+    launch to raise; a failed driver call is only a logged, refused registration."""
 
     def __init__(self, device: torch.device):
         self._lib = ctypes.CDLL("libcuda.so.1")
@@ -78,14 +76,11 @@ class CudaDriver:
 
 
 class CudaRegistration:
-    """Every region a handler maps, registered with CUDA (`cuMemHostRegister`, what pinning host
-    memory does) for as long as it is mapped, so that the GPU reaches the shared bytes at
-    their host addresses.
-
-    A region is unregistered just before it is unmapped: its address may be mapped again with
-    other memory, and a registration left behind would send the GPU to the old pages. A region
-    whose registration failed is not covered (`covers`), and nothing may copy through it on
-    the GPU (a kernel touching unregistered memory ends the CUDA context)."""
+    """Every region a handler maps, registered with CUDA (`cuMemHostRegister`) while mapped, so
+    the GPU reaches the shared bytes at their host addresses. Unregistered just before unmap:
+    the address may be mapped again with other memory, and a stale registration would send the
+    GPU to the old pages. A region whose registration failed is not `covers`ed, so no kernel
+    touches it (touching unregistered memory ends the CUDA context)."""
 
     def __init__(self, handler: MaruHandler, device: torch.device):
         self.driver = CudaDriver(device)
@@ -150,9 +145,8 @@ class CudaRegistration:
 
 
 def register_with_cuda(handler: MaruHandler, device: torch.device) -> CudaRegistration | None:
-    """Register every region `handler` maps, now and from now on, with CUDA (see
-    `CudaRegistration`). None, and nothing done, when `device` is not CUDA or torch has no
-    CUDA: copies then run on the CPU."""
+    """Register every region `handler` maps, now and from now on, with CUDA; None (nothing
+    done: copies run on the CPU) when `device` is not CUDA or torch has no CUDA."""
     if device.type != "cuda" or not torch.cuda.is_available():
         log.info("no CUDA registration of the shared mapping (device %s)", device)
         return None
@@ -162,11 +156,10 @@ def register_with_cuda(handler: MaruHandler, device: torch.device) -> CudaRegist
 def piece_table(
     dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = None
 ) -> tuple[np.ndarray, int, int]:
-    """The copy kernel's launches for pieces `dst[l, ...] <- src[l, ...]` of `sizes` bytes
-    (broadcast to `dst`'s shape; 1-D arrays: one launch): an int64 [launches, 3, pieces] table
-    (destination, source, length in 8-byte words; written into `out` if given), BLOCK (words
-    per program) and the grid's second dimension. ValueError for what the kernel cannot copy
-    (a misaligned address would end the CUDA context)."""
+    """The launches for pieces `dst[l, ...] <- src[l, ...]` of `sizes` bytes (broadcast; 1-D:
+    one launch): `copy_pieces_kernel`'s int64 [launches, 3, pieces] table (into `out` if given),
+    BLOCK and the grid's second dimension. ValueError for what the kernel cannot copy (a
+    misaligned address would end the CUDA context)."""
     dst, src, sizes = (np.asarray(a, np.int64) for a in (dst, src, sizes))
     if dst.ndim == 1:
         dst, src = dst[None], src[None]
@@ -198,10 +191,9 @@ def piece_table(
 def copy_pieces(
     dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: torch.cuda.Stream
 ) -> list[torch.cuda.Event]:
-    """Copy piece (l, i), `sizes[l, i]` bytes from address `src[l, i]` to address `dst[l, i]`,
-    each side device memory or registered host memory: one kernel launch per row `l` (1-D
-    arrays: one row), queued on `stream` in row order; returns each row's event. The whole
-    table crosses to the device once. Every address and size must be a multiple of `ALIGN`."""
+    """Copy piece (l, i), `sizes[l, i]` bytes from `src[l, i]` to `dst[l, i]` (device or
+    registered host memory, multiples of `ALIGN`): one launch per row `l` (1-D: one row),
+    queued on `stream` in row order; returns each row's event."""
     from maru_sglang._triton_copy import copy_pieces_kernel
 
     shape = np.shape(dst) if np.ndim(dst) > 1 else (1, np.size(dst))

@@ -1,18 +1,7 @@
-"""The hit policies of `MaruStorage.batch_exists_v2`: pure functions over presence arrays.
-
-A hybrid model's KV prefix is usable only as far as every sidecar pool can restore it, each by
-its own rule (SGLang's `PoolHitPolicy`). Sidecar pages are stored under the hash of the KV page
-they belong to. After the one existence query everything is arithmetic, kept here so that it
-is testable without a server or SGLang.
-
-- ALL_PAGES (the DSA indexer): a pool page for every KV page of the prefix.
-- TRAILING_PAGES (a Mamba state, an SWA window): the `window` pages ending at the prefix's
-  last page, so a prefix is restorable only where such a window is complete; every such
-  length is listed (SGLang intersects the lists across ranks).
-- BLOCK_GROUPS (DeepSeek-V4 compressed blocks): the pool's own keys in groups of
-  `group_pages`; the leading complete groups cover `block_pages` KV pages each; reported as the
-  pool's own verdict, it never shortens the KV hit.
-- A pool that was never registered restores nothing.
+"""The hit policies of `MaruStorage.batch_exists_v2` (docs/sglang.md, Hit policies): pure
+functions over presence arrays, testable without a server or SGLang. A hybrid model's KV
+prefix is usable only as far as every sidecar pool can restore it, each by its own rule
+(SGLang's `PoolHitPolicy`); sidecar pages are stored under the hash of their KV page.
 """
 
 from __future__ import annotations
@@ -35,8 +24,7 @@ BLOCK_GROUPS = "block_groups"
 @dataclasses.dataclass(frozen=True)
 class PoolPresence:
     """One sidecar pool's share of the existence answer. `present`: per looked-up page (the
-    KV page hashes, or the pool's own keys for BLOCK_GROUPS); None: the pool was never
-    registered. `policy`: SGLang's enum member or its value."""
+    pool's own keys for BLOCK_GROUPS); None: never registered. `policy`: SGLang's or its value."""
 
     name: str
     policy: Any
@@ -91,10 +79,10 @@ def block_group_pages(present: np.ndarray, group_pages: Any, block_pages: Any, n
 def usable_prefix(
     kv_present: np.ndarray, pools: Sequence[PoolPresence], kv_name: str
 ) -> tuple[int, dict[str, int], list[int]]:
-    """The fields of SGLang's `PoolTransferResult` for `kv_present` (one bool per KV page
-    hash, in prefix order) and every sidecar pool's answer: the usable prefix, the pages
-    each pool (the KV pool under `kv_name`) would restore on its own (pools restoring none
-    are left out), and every restorable prefix length."""
+    """SGLang's `PoolTransferResult` fields for `kv_present` (per KV page hash, in order) and
+    the sidecars' answers: the usable prefix, the pages each pool (KV: `kv_name`) restores on
+    its own (none: left out), and every restorable prefix length. A pool never registered
+    restores nothing; BLOCK_GROUPS is the pool's own verdict and never shortens the KV hit."""
     n = int(kv_present.size)
     kv_pages = leading_run(kv_present)
     hit_pages: dict[str, int] = {kv_name: kv_pages} if kv_pages else {}

@@ -1,8 +1,5 @@
-"""SGLang's legacy storage interface (`interface_v1` off), a mixin of `MaruStorage`.
-
-Without `interface_v1` SGLang's controller hands over one flat tensor per KV page instead of
-host-pool indices. The KV pool only: reads through `MaruHandler.read`, writes through
-`MaruHandler.put`, under the KV pool's keys.
+"""SGLang's legacy storage interface (`interface_v1` off: one flat tensor per KV page instead
+of host-pool indices), a mixin of `MaruStorage`; the KV pool only, under its keys.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
-"""SGLang's direct L3 interface over Maru: `MaruCacheLinker`, a `UnifiedCacheLinker` (how to
-load it and what it does: docs/sglang.md). KV moves between the DEVICE KV pool and the shared
-pool, one copy per page part each way; on a GPU one kernel launch per layer (load) or batch
-(offload) over the shared mapping registered with CUDA (`maru_sglang.cuda`).
+"""`MaruCacheLinker`: SGLang's `UnifiedCacheLinker` over Maru, KV copied straight between the
+DEVICE KV pool and the shared pool (docs/sglang.md). A page is stored as MaruStorage stores a
+`page_first_direct` host page, under the same namespace, so the two share pages; any difference
+in model, dtype, geometry or rank is another namespace, a miss.
 
-A page is stored exactly as MaruStorage stores a `page_first_direct` host page, under the same
-namespace: an instance on the linker and one on HiCache L3 share pages, and any difference in
-model, dtype, geometry or rank is another namespace, so a miss.
-
-Threads: the SGLang-facing calls run on the scheduler thread; one load thread copies queued
-loads layer by layer; one offload thread writes and seals pages. First rule: a load copies
-only leased pages and reports its last layer landed only once the lease held throughout
-(`load`, `_load_batch`); otherwise SGLang aborts the requests before their output is used.
+Threads: SGLang's calls run on the scheduler thread; one thread copies loads layer by layer, one
+writes and seals offloads. First rule: a load copies only leased pages, and its last layer
+completes only once every lease held throughout (`_load_batch`); else SGLang aborts the
+requests before their output is used.
 """
 
 from __future__ import annotations
@@ -76,14 +72,10 @@ LANDED = SimpleNamespace(query=lambda: True, synchronize=lambda: None)
 
 
 class DevicePageLayout:
-    """One device KV pool as pages in Maru: which device rows make up a page, in which order.
-
-    MHA: per layer a K and a V buffer of [tokens, heads, head_dim]; a stored page is the K rows
-    of its tokens for layer 0..L-1, then the V rows likewise (a `page_first_direct` host page).
-    MLA: one latent buffer per layer, one part. Each (part, layer) piece of a page is
-    `page_size` consecutive rows of one buffer, so one copy each. Copies return `LANDED` (CPU)
-    or a CUDA event that completes when they have landed (GPU).
-    """
+    """One device KV pool as pages in Maru. A stored page is, for MHA, the K rows of its tokens
+    for layers 0..L-1, then the V rows (a `page_first_direct` host page); for MLA the latent
+    rows. Each (part, layer) piece is `page_size` consecutive rows of one buffer: one copy.
+    Copies return `LANDED` (CPU) or a CUDA event recorded after them (GPU)."""
 
     def __init__(self, kvcache: Any, page_size: int):
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
@@ -170,9 +162,8 @@ class DevicePageLayout:
             self.store_stream.synchronize()
 
     def load_layers(self, sources: np.ndarray, firsts: np.ndarray) -> Iterator[Any]:
-        """Copy stored pages (`sources`: each page's address in the shared mapping) into the
-        device rows starting at `firsts`, yielding each layer's copy: on CPU done when yielded,
-        on a GPU every layer queued before the first yield."""
+        """Copy the pages at `sources` (shared mapping) into the device rows at `firsts`,
+        yielding each layer's copy (CPU: done; GPU: every layer queued before the first)."""
         parts = range(len(self.part_offsets))
         if not self.on_gpu:  # plain (not streaming) stores: the forward reads these rows next
             for layer in range(self.layers):
@@ -315,9 +306,9 @@ class MaruCacheLinker(UnifiedCacheLinker):
         return list(range(1, run + 1))
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
-        """Lease every page now (one RPC: no instance evicts or deletes them until the copy is
-        done) and queue the copy; False (the request recomputes) if a page is gone or stored
-        with another length, or the slots are not whole pages."""
+        """Lease every page now (no instance evicts or deletes them until the copy is done)
+        and queue the copy; False (recompute) if the slots are not whole pages or a page is
+        gone or of another length."""
         kv = self._kv(transfers)
         if kv is None or not kv.keys:
             return False
@@ -351,8 +342,8 @@ class MaruCacheLinker(UnifiedCacheLinker):
         return False
 
     def _registered(self, addresses: np.ndarray) -> bool:
-        """On a GPU: every page at `addresses` is in a region registered with CUDA (the only
-        host memory the copy kernel may touch). Always True on CPU."""
+        """Every page at `addresses` is in a region registered with CUDA (the only host memory
+        the copy kernel may touch); True on CPU."""
         return self.registration is None or self.registration.covers(
             addresses, self.layout.page_bytes
         )
@@ -417,9 +408,8 @@ class MaruCacheLinker(UnifiedCacheLinker):
                 tasks.task_done()
 
     def _load_batch(self, index: int, loads: list[_Load], ready: Any) -> None:
-        """Copy the batch layer by layer, completing each layer as it lands, except the last:
-        that one completes only once every lease held to the end (and checksums match), else
-        it fails and the batch is reported as not landed."""
+        """Copy the batch layer by layer, completing each as it lands except the last: that
+        one only once every lease held to the end and checksums match, else the batch fails."""
         start = time.perf_counter()
         counter, last = self.layer_done_counter, self.layout.layers - 1
         released = False
@@ -497,9 +487,8 @@ class MaruCacheLinker(UnifiedCacheLinker):
             self._offload_results.put(ok)
 
     def _write(self, keys: list[str], firsts: np.ndarray, page_bytes: int) -> int:
-        """`keys`' pages through the handler's write verb (`MaruHandler.put`), copied from
-        the device rows at `firsts`; the number sealed (or found sealed). Chunks outside the
-        CUDA-registered mapping are not copied into: those pages fail."""
+        """Write `keys`' pages from the device rows at `firsts`; the number sealed (or found
+        sealed). Chunks outside the CUDA-registered mapping are not copied into: those fail."""
 
         def copy(targets: np.ndarray, first: int, last: int, hashed: bool, threads: int) -> None:
             if not self._registered(targets):

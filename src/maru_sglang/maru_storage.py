@@ -1,13 +1,8 @@
-"""SGLang HiCache L3 backend: `MaruStorage`, loaded by SGLang's dynamic backend factory
-(the extra config: docs/sglang.md).
-
-Zero-copy: a page's parts in the host pool (K and V, a Mamba state's tensors, ...) are copied
-straight into one shared-memory allocation, back to back, and back again on a hit; one
-metadata RPC per batch each way, across every pool of the batch.
-
-v1 (`batch_set_v1` / `batch_get_v1` / `batch_exists`) serves the KV pool, v2 the sidecar pools
-of hybrid models (`pools.py` scopes their keys); both share `_write` / `_read`. Beside it:
-`hit_policy.py`, `storage_stats.py`, `legacy.py` (the interface with `interface_v1` off).
+"""`MaruStorage`: SGLang's HiCache L3 backend over Maru (its config: docs/sglang.md). A page's
+parts in the host pool are copied straight into one shared-memory allocation, back to back,
+and back again on a hit; one metadata RPC per batch each way, across every pool of the batch.
+v1 serves the KV pool, v2 also the sidecar pools of hybrid models; both share `_write` /
+`_read`. `legacy.py` is the interface with `interface_v1` off.
 """
 
 from __future__ import annotations
@@ -44,13 +39,7 @@ from maru_sglang.pools import (
 )
 from maru_sglang.storage_stats import FOLD_EVERY, StorageStats
 
-__all__ = [
-    "KV_POOL_NAME",
-    "PIPELINE_MIN_PAGES",
-    "MaruStorage",
-    "chunk_size_for",
-    "page_namespace",
-]
+__all__ = ["KV_POOL_NAME", "PIPELINE_MIN_PAGES", "MaruStorage", "chunk_size_for", "page_namespace"]
 
 log = logging.getLogger(__name__)
 
@@ -181,10 +170,6 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         self.config = self.handler.config
         log.info("MaruStorage: chunk size %d bytes", chunk)
 
-    @property
-    def _page_bytes(self) -> int:
-        return self._kv.page_bytes if self._kv is not None else 0
-
     def _require_pool(self) -> PoolIO:
         if self._kv is None:
             raise RuntimeError("MaruStorage: register_mem_pool_host() was not called")
@@ -210,12 +195,10 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         return True
 
     def _write(self, batches: list[Batch]) -> None:
-        """Write every batch's pages with the handler's write verb (`MaruHandler.put`), each
-        pool's copy from its host pages. Write-behind with `maru_use_async_rpc` (the default):
-        the call returns once every page is copied and its registration sent, reporting each
-        sent page as stored. A page is in the pool before its key is sent, so the only thing
-        deferred is learning that a registration failed: such a page reads as a miss, and is
-        logged and counted then (`late_write_failures`). Fills each batch's `results`."""
+        """Write every batch's pages (`MaruHandler.put`) and fill its `results`. With
+        `maru_use_async_rpc` it returns once every page is copied and its key sent: a page is
+        in the pool before its key is sent, so a registration that fails later only reads as
+        a miss (logged and counted then as `late_write_failures`)."""
         start = time.perf_counter()
         puts = [self._put_of(batch) for batch in batches]
         self.handler.put(puts, behind=self.config.use_async_rpc)
@@ -247,18 +230,14 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         return Put(batch.keys, pool.page_bytes, copy, pool.name, late, prefix=pool.prefix)
 
     def confirm_writes(self, wait: bool = True) -> int:
-        """Wait until the server has registered every page this thread's write calls
-        returned for (write-behind, see `_write`): from then on every instance finds them.
-        Returns the number of pages those calls reported stored whose registration failed
-        (logged, counted as `late_write_failures`): they read as misses."""
+        """Wait until the server has registered every page this thread's writes returned for
+        (`_write`), so every instance finds them; the number whose registration failed."""
         return self.handler.confirm_writes(wait)
 
     def _read(self, batches: list[Batch], host_indices: list[torch.Tensor | None]) -> None:
-        """Copy every batch's hits into its host pool and prove them (a page not proven, e.g.
-        of another length or changed during the copy, is a miss). A batch copied by
-        `copy_values` is one `MaruHandler.read`: every v1 call, and each pool of a v2 call
-        while the index is local. The rest take one leased lookup together (`_read_pools`).
-        Fills each batch's `results`."""
+        """Copy every batch's hits into its host pool and fill its `results`: True only for a
+        page proven (of the right length, unchanged during the copy). A lone batch, or any with
+        a local index, is one `MaruHandler.read`; the rest and whole-page pools `_read_pools`."""
         start = time.perf_counter()
         handler = self.handler
         one_by_one = len(batches) == 1 or handler.reads_locally
@@ -343,8 +322,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
             return [True] * len(keys)
         batch = Batch(kv, list(keys))
         self._read([batch], [host_indices])
-        # One line per prefetch batch (at most 128 pages): the examples and the P2P test look
-        # for it in the second instance's log.
+        # (the examples and the P2P test look for this line in the second instance's log)
         log.info("batch_get_v1 result: %d/%d hits", sum(batch.results), len(keys))
         return batch.results
 
@@ -405,9 +383,8 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         return PoolTransferResult(*usable_prefix(kv_present, answers, KV_POOL_NAME))
 
     def _v2_batches(self, transfers: list[PoolTransfer], op: str, writing: bool):
-        """Split a v2 call into per-pool batches; the results of pools that need no IO (not
-        registered, logical, bad indices, or rank-replicated on a rank that does not write)
-        are settled here."""
+        """Split a v2 call into per-pool batches, settling here the results of pools that
+        need no IO (unregistered, logical, bad indices, replicated on a non-writer rank)."""
         results: dict[str, list[bool]] = {}
         batches: list[Batch] = []
         indices: list[torch.Tensor | None] = []
@@ -419,8 +396,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
             elif not keys or pool.logical:
                 results[name] = [True] * len(keys)
             elif writing and pool.replicated and not self.storage_config.is_storage_writer:
-                # The same bytes on every rank: the writer rank stores them (SGLang's
-                # controllers count a non-writer's backup as done, as here).
+                # the writer rank stores them (SGLang counts a non-writer's backup as done)
                 results[name] = [True] * len(keys)
             else:
                 batch = Batch(pool, keys)
@@ -432,9 +408,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         return results, batches, indices
 
     def batch_get_v2(
-        self,
-        transfers: list[PoolTransfer],
-        extra_info: HiCacheStorageExtraInfo | None = None,
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
         """Read every transfer's pages into its host pool; per pool, a result per key."""
         results, batches, indices = self._v2_batches(transfers, "batch_get_v2", writing=False)
@@ -449,9 +423,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         return results
 
     def batch_set_v2(
-        self,
-        transfers: list[PoolTransfer],
-        extra_info: HiCacheStorageExtraInfo | None = None,
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
         """Write every transfer's pages from its host pool (`_write`)."""
         results, batches, _ = self._v2_batches(transfers, "batch_set_v2", writing=True)
@@ -464,8 +436,8 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
     # -- housekeeping ------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Remove every page of this instance's namespaces (each registered pool's; other
-        models, ranks and geometries are untouched)."""
+        """Remove every page of this instance's namespaces (other models, ranks and
+        geometries are untouched)."""
         self.confirm_writes()
         for namespace in sorted({p.namespace for p in self.pools.values() if p.namespace}):
             removed = self.handler.delete_prefix(namespace + ":")

@@ -1,9 +1,6 @@
-"""One SGLang host pool as `MaruStorage` stores it: its key namespace, the byte geometry of
-one page, and the copies between the host pool and shared memory.
-
-Every SGLang host pool (the KV pool, and for hybrid models one per kind of state) describes a
-page with `get_page_buffer_meta(indices)`: one pointer and size per part of each page. A page
-is stored as one shared allocation holding its parts back to back.
+"""One SGLang host pool as `MaruStorage` stores it: its key namespace, the geometry of a page
+(`get_page_buffer_meta`: a pointer and size per part), and the copies between the host pool
+and shared memory, where a page is one allocation holding its parts back to back.
 """
 
 from __future__ import annotations
@@ -19,23 +16,16 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-from maru.client import (
-    CopyStarted,
-    copy_many_hashed,
-    copy_values,
-    copy_values_start,
-    page_pointers,
-)
+from maru.client import CopyStarted, copy_many_hashed, copy_values, copy_values_start, page_pointers
 
 log = logging.getLogger(__name__)
 
 KV_POOL_NAME = "kv"
 _ALLOC_ALIGN = 4096  # MaruConfig rounds chunk_size_bytes up to a multiple of this
 
-# Host pool classes whose pages are the same on every TP rank of an MLA model (Mooncake and
-# the file backend key them without the TP rank too). Only these are shared across ranks: a
-# pool not listed keeps the rank in its namespace, which can cost hits but never mixes two
-# ranks' different bytes under one key. Mamba state is TP-sharded even in MLA models.
+# Host pool classes whose pages are the same on every TP rank of an MLA model (as Mooncake keys
+# them). A pool not listed keeps the rank in its namespace: fewer hits, never two ranks' bytes
+# under one key. Mamba state is TP-sharded even in MLA models.
 RANK_REPLICATED_POOLS = frozenset(
     {
         "MLATokenToKVPoolHost",
@@ -67,13 +57,9 @@ def _scope_fields(storage_config: HiCacheStorageConfig) -> list[str]:
 
 
 def page_namespace(storage_config: HiCacheStorageConfig, pool: Any) -> str:
-    """The KV pool's namespace: a short hash of everything that must match for two instances
-    to share a KV page.
-
-    Model, page geometry, dtype and the byte order of a page (which differs between
-    `page_first` and `page_first_direct`), and for MHA the TP shard (MLA pages are the same on
-    every rank). A mismatch in any field gives a different namespace: a miss, never garbage.
-    """
+    """The KV pool's namespace: a short hash of every field a KV page's bytes depend on (the
+    layout: `page_first` and `page_first_direct` order a page differently; the TP shard only for
+    MHA). A mismatch in any field gives another namespace: a miss, never garbage."""
     fields: list[str] = [
         f"model={storage_config.model_name or ''}",
         f"dtype={pool.dtype}",
@@ -115,10 +101,9 @@ def sidecar_namespace(
     part_sizes: Sequence[int],
     replicated: bool,
 ) -> str:
-    """A sidecar pool's namespace: the pool's name and class, its page geometry (the byte size
-    of each part of a page: heads, state shapes and dims all show there) and dtype, layout,
-    page size and layer count, the model, and the rank scope (the TP shard unless the pool is
-    rank-replicated; then the DCP shard). No two pools, and no two geometries, share keys."""
+    """A sidecar pool's namespace: as `page_namespace`, with the pool's name and class and its
+    part sizes (heads, state shapes and dims show there), and the DCP shard instead of the TP
+    one when rank-replicated. No two pools, and no two geometries, share keys."""
     fields = [
         f"pool={name}",
         f"class={type(pool).__name__}",
@@ -168,10 +153,8 @@ def _affine_page_pointers(pool: Any, parts: int) -> list[tuple[int, int]] | None
 
 
 def _index_memory(host_indices: torch.Tensor) -> tuple[int, int, Any]:
-    """Where a batch's host indices lie: (address, count, owner), `count` int64s at `address`
-    that `owner` keeps alive. SGLang's (a contiguous int64 CPU tensor) are read in place
-    (cheaper than `Tensor.numpy()`: benchmarks/results/history.md); others are copied into an
-    int64 array."""
+    """(address, count, owner): `count` int64 host indices at `address`, kept alive by
+    `owner`. SGLang's (contiguous int64 on CPU) are read in place, others copied."""
     t = host_indices
     if t.is_cpu and t.dtype is torch.int64 and t.is_contiguous():
         return t.data_ptr(), t.numel(), t
@@ -180,13 +163,10 @@ def _index_memory(host_indices: torch.Tensor) -> tuple[int, int, Any]:
 
 
 class PoolIO:
-    """How one registered host pool's pages are keyed and copied.
-
-    `page_bytes == 0` marks a logical pool (DeepSeek-V4's KV anchor holds no bytes): its pages
-    are never stored, always "present", and the sidecars decide the hit. A pool whose
-    `get_page_buffer_meta` cannot describe its pages (a Mamba pool with registered slot side
-    states) is copied whole-page through `get_data_page` / `set_from_flat_data_page` instead.
-    """
+    """How one registered host pool's pages are keyed and copied. A logical pool (`page_bytes`
+    0: DeepSeek-V4's KV anchor) is never stored and always "present": the sidecars decide the
+    hit. A pool `get_page_buffer_meta` cannot describe (a Mamba pool with slot side states) is
+    copied whole-page through `get_data_page` / `set_from_flat_data_page`."""
 
     def __init__(self, name: str, pool: Any, namespace: str, replicated: bool):
         self.name = name
@@ -260,10 +240,9 @@ class PoolIO:
         hashed: bool = False,
         threads: int = 1,
     ) -> CopyStarted:
-        """Start copying pages [first, last) of a batch (`buffers`: its `pointers`) from the
-        host pool to `targets` (one address per page), each page's parts back to back;
-        `.finish()` completes it and gives, with `hashed`, each page's checksum. `threads`:
-        shared by up to that many threads. The write verb's copy (`maru.client.CopyIn`)."""
+        """The write verb's copy (`maru.client.CopyIn`): start copying pages [first, last) of
+        a batch (`buffers`: its `pointers`) to `targets`, each page's parts back to back;
+        `.finish()` completes it and gives, with `hashed`, each page's checksum."""
         if self.whole_page:
             hashes = np.zeros(last - first, np.int64)
             for i, index in enumerate(buffers[first:last, 0].tolist()):
@@ -277,9 +256,8 @@ class PoolIO:
     def copy_out(
         self, addresses: np.ndarray, buffers: np.ndarray, hashed: bool = False, threads: int = 1
     ) -> np.ndarray | None:
-        """Copy each page stored at `addresses` (0: skipped) into the host pool (`buffers`:
-        the batch's `pointers`); `hashed`: also return each page's checksum, of the bytes as
-        they were read (0 where skipped); `threads`: as `copy_in`."""
+        """Copy each page at `addresses` (0: skipped) into the host pool (`buffers`: the
+        batch's `pointers`); with `hashed`, return each page's checksum as read (0: skipped)."""
         if self.whole_page:
             page = self.pool.get_dummy_flat_data_page()
             hashes = np.zeros(len(addresses), np.int64)

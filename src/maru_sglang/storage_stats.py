@@ -1,9 +1,7 @@
 """`MaruStorage`'s statistics: cumulative counters per pool, and SGLang's `StorageMetrics`
-(pages per call and GB/s, drained on each `get_stats()`, as SGLang expects).
-
-SGLang's backup and prefetch threads call the storage at once. A read or write call only
-appends its record to a deque (`calls`: no lock, no loop on the data path); the records are
-folded into the counters, under one lock, when they are read or when `FOLD_EVERY` wait.
+(drained on each `get_stats()`). SGLang's backup and prefetch threads call the storage at once:
+a data call only appends its record to a deque (`calls`: no lock on the data path); the
+records are folded in under one lock when read or when `FOLD_EVERY` wait.
 """
 
 from __future__ import annotations
@@ -16,19 +14,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from maru_sglang.pools import Batch
 
-# Counted per pool; the seconds spent in reads and writes are counted per call (one call
-# serves several pools).
+# Counted per pool (the seconds per call: one call serves several pools).
 COUNTERS = (
     "hits",
     "misses",
     "bytes_read",
     "bytes_written",
     "pages_written",
-    # hits taken as misses after the copy: bytes unlike their checksum (maru_checksums), or
-    # (the local index) an entry that changed during the copy
+    # hits taken as misses: bytes unlike their checksum, or a local entry changed in the copy
     "checksum_mismatches",
-    # pages a write call reported stored whose registration then failed (write-behind: the
-    # reply is read by the thread's next call); they read as misses
+    # pages a write reported stored whose registration then failed (write-behind): misses
     "late_write_failures",
 )
 

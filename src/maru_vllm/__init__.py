@@ -1,7 +1,5 @@
-"""vLLM integration: `MaruKVConnector`, a v1 KV connector that shares KV blocks through Maru.
-
-vLLM loads it with `"kv_connector": "MaruKVConnector", "kv_connector_module_path":
-"maru_vllm"` in `--kv-transfer-config`; it needs `vllm` (docs/vllm.md)."""
+"""vLLM integration: `MaruKVConnector`, a v1 KV connector that shares KV blocks through Maru
+(`"kv_connector_module_path": "maru_vllm"` in `--kv-transfer-config`; docs/vllm.md)."""
 
 from maru_vllm.connector import MaruConnectorMetadata, MaruKVConnector, MaruKVConnectorStats
 

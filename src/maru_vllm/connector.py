@@ -1,11 +1,8 @@
-"""`MaruKVConnector`: a vLLM v1 KV connector that shares KV blocks through Maru (how it works
-and its config: docs/vllm.md).
-
-The unit is one vLLM block: a block's KV for every layer of a cache group is one Maru value,
-stored under a key derived from vLLM's own block hash (chained over the prefix), so every
-instance that computes the same prefix finds the same keys. A block that is missing, evicted,
-of another size, or whose lease ended during the copy is reported by
-`get_block_ids_with_load_errors`: vLLM recomputes it, never uses other bytes.
+"""`MaruKVConnector`: a vLLM v1 KV connector that shares KV blocks through Maru (docs/vllm.md).
+A block's KV for every layer of a cache group is one Maru value, keyed by vLLM's own block hash
+(chained over the prefix), so every instance that computes the same prefix finds the same keys.
+A block that is missing, evicted, of another size, or whose lease ended during the copy is
+reported by `get_block_ids_with_load_errors`: vLLM recomputes it, never uses other bytes.
 """
 
 from __future__ import annotations
@@ -77,8 +74,7 @@ class MaruConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class MaruKVConnectorStats(KVConnectorStats):
-    """Counters since the last reset, summed over workers: transfers, blocks, bytes, seconds
-    (wall time of each transfer, summed), load errors and failed saves."""
+    """Counters since the last reset, summed over workers (seconds: each transfer's wall time)."""
 
     _FIELDS = (
         "loads",
@@ -140,10 +136,9 @@ class _GroupLayout:
 
 
 def _layer_segments(kv: torch.Tensor, num_blocks: int) -> list[tuple[int, int, int]]:
-    """(address, stride, length) of the dense runs that make up one logical block of a layer
-    view with blocks at dim 0 (vLLM's `[B, H, N, C]`, kernel blocks allowed: B a multiple of
-    `num_blocks`). Dims whose stride is larger than the block's lie outside it (K and V planes
-    in a `[2, B, ...]`-like layout): each index of them is a segment of its own."""
+    """(address, stride, length) of the dense runs of one logical block of a layer view with
+    blocks at dim 0 (B a multiple of `num_blocks`: kernel blocks). Dims of a larger stride than
+    the block's lie outside it (K and V planes of `[2, B, ...]`): one segment per index."""
     if kv.shape[0] % num_blocks:
         raise ValueError(f"a KV view of {kv.shape[0]} blocks is not a multiple of {num_blocks}")
     ratio = kv.shape[0] // num_blocks
@@ -190,8 +185,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring. `kv_connector_extra_config` takes every `maru_*` key of
     `MaruConfig` (`maru_server_url`, `maru_pool_size`, ...) and `CONNECTOR_KEYS`."""
 
-    # Where vLLM's metrics say our hits came from: host memory on this node (the pool is
-    # shared memory that only the node's instances map; vLLM 0.33 asks subclasses to set it).
+    # Where vLLM's metrics say our hits came from: this node's host memory (vLLM 0.33 asks).
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(
@@ -415,8 +409,8 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         return  # blocks are saved whole, all layers at once, in wait_for_save
 
     def wait_for_save(self) -> None:
-        """Start this step's saves (the blocks are full: the model no longer writes them, and
-        vLLM keeps them until `get_finished` reports the request)."""
+        """Start this step's saves: the blocks are full (the model no longer writes them) and
+        kept until `get_finished` reports the request."""
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
@@ -430,9 +424,8 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _load(self, transfer: Transfer) -> None:
         """Copy the blocks in (`MaruHandler.read`: proven hits only); every block from the
-        first one that is not proven on is a load error, and vLLM recomputes it (a proven
-        block after it was copied in too: the key's own bytes, which the recompute
-        overwrites)."""
+        first not proven on is a load error that vLLM recomputes (proven ones after it were
+        copied too: their key's own bytes, which the recompute overwrites)."""
         start = time.perf_counter()
         copied = 0
         errors: list[int] = []

@@ -209,7 +209,7 @@ def test_controller_backup_then_prefetch_through_maru(runtime, maru_server, attn
         assert type(a.storage).__name__ == "MaruStorage"
         assert a.ctrl.page_set_func == a.ctrl._page_set_zero_copy  # interface_v1 honoured
         # No maru_chunk_size_bytes given: one allocation chunk per page, nothing wasted.
-        assert a.storage.handler.get_chunk_size() == chunk_size_for(a.storage._page_bytes)
+        assert a.storage.handler.get_chunk_size() == chunk_size_for(a.storage._kv.page_bytes)
 
         # -- instance A: device -> host -> Maru (write-through) ---------------------------
         gen = torch.Generator().manual_seed(1234)
@@ -229,7 +229,7 @@ def test_controller_backup_then_prefetch_through_maru(runtime, maru_server, attn
         assert a.calls["batch_set"] == []
         written = a.storage.counters
         assert written["pages_written"] == PAGES
-        assert written["bytes_written"] == PAGES * a.storage._page_bytes
+        assert written["bytes_written"] == PAGES * a.storage._kv.page_bytes
         # write-behind: the backup thread's last call returned before the server answered
         # its registration; the server holds the pages within its reply time
         assert wait_l3_stable(maru_server.url, PAGES, timeout=10, settle=0.1) == PAGES

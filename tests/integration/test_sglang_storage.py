@@ -372,7 +372,7 @@ def test_stats_detach_and_attach_again(maru_server):
     assert isinstance(stats, StorageMetrics)
     assert stats.backup_pgs == [2] and stats.prefetch_pgs == [3]
     assert stats.maru["hits"] == 2 and stats.maru["misses"] == 1
-    assert stats.maru["bytes_written"] == 2 * storage._page_bytes
+    assert stats.maru["bytes_written"] == 2 * storage._kv.page_bytes
     assert storage.get_stats().backup_pgs == []  # drained on each call, as SGLang expects
     storage.close()
     again = _storage(maru_server.url, g)  # runtime re-attach: new handler, same pages
@@ -515,7 +515,7 @@ def test_a_page_corrupted_in_the_pool_is_a_miss_with_checksums(
     want = expected_pages(pool, PAGES, seed)
     assert pool.layout == "page_first_direct" and checked._kv.parts == 2  # K and V
     ns = [checked.namespace + ":" + k for k in keys]
-    flip_byte(checked.handler, ns[5], at=checked._page_bytes - 1)  # the last part's last byte
+    flip_byte(checked.handler, ns[5], at=checked._kv.page_bytes - 1)  # the last part's last byte
     flip_byte(checked.handler, ns[30])
     victims = {5, 30}
 

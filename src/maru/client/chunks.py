@@ -1,9 +1,8 @@
 """A client's chunk bookkeeping: which chunks of its own regions are free.
 
-Each region an instance owns is cut into chunks of `chunk_size_bytes`; a value takes a
-contiguous run of them. This lives in the client so that reserving chunks costs no request:
-the server learns of them only when their keys are sealed, and tells the owner (`freed` on its
-next reply) when a key in its regions goes away, so the chunks come back here.
+Each owned region is cut into chunks of `chunk_size_bytes`; a value takes a contiguous run.
+Kept here so that reserving costs no request: the server learns of chunks when their keys are
+sealed, and tells the owner (`freed`, on its next reply) when a key in its regions goes away.
 """
 
 from __future__ import annotations
@@ -17,11 +16,9 @@ from maru.common.extents import ExtentAllocator
 
 
 class AllocHandle:
-    """Chunks reserved in an owned region and not sealed yet: `count` values of `size` bytes,
-    `stride` bytes apart: value i at `address + i * stride` (region offset `offset + i *
-    stride`). Write into `buf` (or at `address`), then seal the handle's keys
-    (`MaruHandler.seal`), or give it back with `MaruHandler.free`. Sealed, a value is `size`
-    bytes long unless told otherwise."""
+    """Reserved, unsealed chunks: `count` values of `size` bytes, value i at `address + i *
+    stride` (region offset `offset + i * stride`). Write into `buf` (or at `address`), then
+    `MaruHandler.seal` (a value is `size` bytes unless told otherwise) or `MaruHandler.free`."""
 
     __slots__ = ("_chunk", "_mapped", "address", "count", "offset", "region_id", "size", "stride")
 
@@ -95,19 +92,17 @@ class _OwnedRegion:
 class ChunkBook:
     """The owned regions and their free chunks; thread-safe.
 
-    Parking (the rule that lets the server take a region back from a live instance): a region
-    is parked only while no value in it is reserved and not yet sealed, and `take` never
-    reserves in a parked region; the handler tells the server only after parking here, and
-    unparks here only after the server said the region is still ours (`RegionSupply.tick`).
-    So a page this instance may still write is never in a region the server may hand to
-    another instance."""
+    A region is parked only while none of its values is reserved and unsealed, `take` skips
+    parked regions, and the server hears of a park only after it is made here and unparks
+    only after the server said the region is still ours: so a page we may still write is
+    never in a region the server may give away (docs/architecture.md, Capacity)."""
 
     def __init__(self, chunk_size: int):
         self.chunk_size = chunk_size
         self._owned: dict[int, _OwnedRegion] = {}
         self._lock = threading.Lock()
-        # The owned regions' free chunks, parked included: kept by every change below (under
-        # `_lock`), so that a write reads it as a plain attribute, with no call on its path.
+        # free chunks, parked included, kept by every change below (under `_lock`): a write
+        # reads a plain attribute, no call
         self.free = 0
 
     def __contains__(self, region_id: int) -> bool:
@@ -130,8 +125,8 @@ class ChunkBook:
             return all(o.chunks.used == 0 for o in self._owned.values())
 
     def set_chunk_size(self, chunk_size: int, mapped: Iterable[MappedRegion]) -> None:
-        """Re-cut the (untouched) owned regions into chunks of another size (parked stay
-        parked)."""
+        """Re-cut the (untouched) owned regions into chunks of `chunk_size`; parked stay so."""
+
         with self._lock:
             self.chunk_size = chunk_size
             parked = {r for r, o in self._owned.items() if o.parked}

@@ -1,8 +1,7 @@
-"""A handler's side of the server's cluster tier (`maru-server --cluster`;
-docs/operations.md#cluster-tier): a miss is not final while the tier may pull the key. The
-handler asks the server once (EXISTS with "pull" and "wait_ms", the budget the HANDSHAKE
-announced) and is answered when the pulls landed or the wait ended. A pull that misses the
-budget, or a failed request, is a miss, never an error. Without a tier, nothing here sends.
+"""A handler's side of the server's cluster tier: a miss is not final while the tier may pull
+the key. The handler asks once (EXISTS with "pull" and "wait_ms", the budget HANDSHAKE
+announced), answered when the pulls land or the wait ends; a pull past the budget, or a failed
+request, is a miss, never an error. Without a tier, nothing here sends.
 """
 
 from __future__ import annotations
@@ -41,8 +40,8 @@ class ClusterPulls:
         self.budget_s = ms / 1000 if type(ms) is int and 0 < ms <= 60_000 else 0.0
 
     def pull(self, keys: Sequence[Key], prefix: Prefix, index: Any) -> None:
-        """Before a lookup or a read: the misses the tier can pull, pulled (within the
-        budget). `index`: the local index, to tell the misses (None: the server is asked)."""
+        """Before a lookup or a read: pull the misses within the budget. `index`: the local
+        index, to tell the misses (None: the server is asked)."""
         if self.budget_s:
             self.fill(keys, prefix, index.exists(keys, prefix) if index is not None else None)
 
@@ -65,8 +64,8 @@ class ClusterPulls:
         return next((i for i, hit in enumerate(found) if not hit), len(found))
 
     def fill(self, keys: Sequence[Key], prefix: Prefix, found: list[bool] | None) -> list[bool]:
-        """`found` (per key, whether it hit; None: not known, every key asked) with the
-        misses the tier pulled within the budget now hits. As `found` without a tier."""
+        """`found` (per key, whether it hit; None: all missed) with the misses the tier pulled
+        within the budget now hits."""
         found = [False] * len(keys) if found is None else found
         if not self.budget_s:  # (the usual case: no Python per key)
             return found
@@ -85,7 +84,6 @@ class ClusterPulls:
         deadline = time.monotonic() + self.budget_s
         keys = list(missing)
         while True:
-            # answered once none of the keys is on its way, or after `wait_ms`
             wait_ms = int((deadline - time.monotonic()) * 1000)
             body = {"keys": keys, "pull": True, "wait_ms": max(1, wait_ms)}
             try:

@@ -1,14 +1,11 @@
-"""Which coherence the copies keep with the other hosts of a CXL pod.
+"""Which coherence the copies keep with the other hosts of a CXL pod (who flushes what, when:
+docs/architecture.md, "Coherence").
 
-Hosts that share pool memory without hardware coherence (CXL 2.0 sharing) see each other's
-writes only if the writer writes its cache lines back to memory before it publishes them and
-the reader drops any line its cache may hold from before (docs/architecture.md,
-"Coherence"). The server says which its pod needs (`maru-server --coherence`, in the
-HANDSHAKE reply); a client may ask for one (`maru_coherence`); where they differ software
-wins, and one WARNING says so. The mode is applied once per process to the C copy loops: no
-Python per value. Software is on while any handler of the process agreed on it (a flush where
-none was needed costs time, never bytes). Bytes the copy loops do not move are flushed where
-they are handed over, one C call per batch (`write_back_handles`, `invalidate_ranges`).
+Each handler agrees the server's mode (`maru-server --coherence`, in HANDSHAKE) with its own
+`maru_coherence`; where they differ software wins (one WARNING). The mode is applied once per
+process to the C copy loops: software while any handler of the process agreed on it (a flush
+where none was needed costs time, never bytes). Bytes the copy loops do not move are flushed
+where they are handed over, one C call per batch (`write_back_handles`, `invalidate_ranges`).
 """
 
 from __future__ import annotations
@@ -50,8 +47,7 @@ def software() -> bool:
 
 def invalidate_ranges(addresses: np.ndarray, lengths: np.ndarray) -> np.ndarray | None:
     """In software mode, invalidate the lines of values about to be read in place (views, a
-    GPU's DMA: not a copy loop). Returns None, or a bool per range whose memory faulted (misses
-    for the caller). Nothing in hardware mode."""
+    GPU's DMA: not a copy loop). Returns None, or a bool per range: True (a miss) if it faulted."""
     if not _software:
         return None
     try:
@@ -64,10 +60,9 @@ def invalidate_ranges(addresses: np.ndarray, lengths: np.ndarray) -> np.ndarray 
 
 
 def write_back_handles(handles: Any, lengths: int | Sequence[int] | None) -> None:
-    """In software mode, write back `MaruHandler.seal`'s values (written in place through
-    `alloc`, LMCache's buffers) before they are registered; `handles` and `lengths` as `seal`
-    takes them (typed loosely: `maru.client.chunks` leads here through the mapper). A value
-    whose memory faults raises `CopyFaultError`."""
+    """In software mode, write back `MaruHandler.seal`'s values (written in place) before they
+    are registered; `handles` and `lengths` as `seal` takes them (`Any`: importing
+    `maru.client.chunks` here would be a cycle). Raises `CopyFaultError` if one faults."""
     if not _software:
         return
     if hasattr(handles, "stride"):  # (one run)
@@ -107,9 +102,9 @@ class Coherence:
         self._warned: tuple[str, str] | None = None  # (ours, the server's) said once
 
     def agree(self, announced: Any, server_url: str) -> str:
-        """The mode for the server's `announced` one (a HANDSHAKE reply's `coherence`; absent
-        from a server older than the field: hardware, as it always was), applied to this
-        process's copies. Raises `CoherenceUnavailable` where software cannot run here."""
+        """The mode for the server's `announced` one (HANDSHAKE's `coherence`; absent from an
+        older server: hardware), applied to this process's copies. Raises
+        `CoherenceUnavailable` where software cannot run here."""
         if announced is None:
             server = HARDWARE
         elif announced in COHERENCE_MODES:

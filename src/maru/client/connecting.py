@@ -21,19 +21,17 @@ from maru.common.protocol import ErrorCode
 _TCP = re.compile(r"^tcp://\[?([^\]]+?)\]?:(\d+)$")
 
 
-# ZeroMQ's greeting (ZMTP 3) begins with this signature, which each side sends as it
-# connects: a maru-server's first byte is 0xFF. We send it and a line end, so that a server of
-# a line protocol (HTTP, Redis...) answers at once: with something else.
+# ZeroMQ's greeting (ZMTP 3) begins with this signature: a maru-server's first byte is 0xFF.
+# We send it and a line end, so that a line protocol's server (HTTP, Redis...) answers at once.
 _ZMTP_SIGNATURE = b"\xff" + b"\x00" * 8 + b"\x7f"
 _PROBE = _ZMTP_SIGNATURE + b"\r\n\r\n"
 _PROBE_WAIT_S = 1.0  # for the peer's first bytes; silence is left to the handshake
 
 
 def probe(url: str, timeout_ms: int) -> None:
-    """Raise `MaruServerDown` at once if nothing listens at a tcp:// URL, and
-    `MaruConnectRefused` if what listens is not a ZeroMQ peer (it answers, or hangs up, with
-    something other than ZeroMQ's greeting), where a request would wait out its whole
-    deadline. Other transports (ipc://) and a ZeroMQ peer pass (the handshake tells the rest)."""
+    """Raise `MaruServerDown` at once if nothing listens at a tcp:// URL, `MaruConnectRefused`
+    if what listens is not a ZeroMQ peer (it answers, or hangs up, without ZeroMQ's greeting).
+    Other transports (ipc://) and a ZeroMQ peer pass (the handshake tells the rest)."""
     m = _TCP.match(url)
     if m is None:
         return

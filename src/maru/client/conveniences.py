@@ -1,7 +1,5 @@
-"""The original Maru API's conveniences, a base of `MaruHandler`: `store`, `retrieve`,
-`leased`, `exists`, `pin`, `stats`... are each the lifecycle's verbs put together (`put`,
-`seal`, `lookup`, `_per_key`), nothing of their own.
-"""
+"""The original Maru API's conveniences, a base of `MaruHandler`: each is the lifecycle's verbs
+(`put`, `seal`, `lookup`, `_per_key`) put together, nothing of its own."""
 
 from __future__ import annotations
 
@@ -48,8 +46,7 @@ _NO_VALUE: Any = object()  # `store(key)` with no value at all (a mistake in the
 
 
 class OriginalApi:
-    """The conveniences; the class that derives from it (`MaruHandler`) provides the verbs
-    declared here."""
+    """The conveniences; `MaruHandler`, deriving from it, provides the verbs declared here."""
 
     alloc: Callable[..., AllocHandle | None]
     free: Callable[[AllocHandle], None]
@@ -116,9 +113,8 @@ class OriginalApi:
         self._s.mapper.add_listener(listener)
 
     def on_region_closing(self, listener: Callable[[int], None]) -> None:
-        """Call `listener(address)` just before a region mapped at `address` is unmapped (after
-        the last copy that could use it: `copying()`), e.g. to undo a registration of the
-        range with a device driver before the address can name other memory."""
+        """Call `listener(address)` just before a region mapped there is unmapped, after the last
+        copy that could use it: e.g. to unregister it from a device driver before reuse."""
         self._s.mapper.add_close_listener(listener)
 
     def get_buffer_view(self, region_id: int, offset: int, size: int) -> memoryview | None:
@@ -154,12 +150,11 @@ class OriginalApi:
         length: int | None = None,
     ) -> bool:
         """Store one value: `store(key, handle)` publishes a handle already written,
-        `store(key, data)` (or `data=`) copies bytes in. True when the key is stored, also
-        when it already was: keys are content hashes, the first writer wins and the key keeps
-        its first value (`store_outcomes` tells the two apart). False, with a WARNING saying
-        why, for a bad key (not str/bytes, empty, too long), a value that is not bytes-like
-        (a str, None), an empty value, a value larger than the pool, or no room. ValueError
-        only for a call that gives no value or two (`store(key)`, a value and `handle=`)."""
+        `store(key, data)` (or `data=`) copies bytes in. True when the key is stored, also when
+        it already was (keys are content hashes: the first value stays; `store_outcomes` tells
+        the two apart). False, with a WARNING saying why, for a bad key (not str/bytes, empty,
+        too long), a value not bytes-like (a str, None), empty or larger than the pool, or no
+        room. ValueError only for a call that gives no value or two."""
         if isinstance(value, AllocHandle):
             handle = value
         elif value is not _NO_VALUE:
@@ -218,8 +213,7 @@ class OriginalApi:
 
     def reserve_values(self, size: int, count: int) -> list[AllocHandle] | None:
         """`count` values of `size` bytes for a caller that writes them itself (LMCache's
-        allocator): one run if free, else value by value; None (nothing kept) if any is
-        missing."""
+        allocator): one run if free, else value by value; None (nothing kept) if any is missing."""
         run = self.alloc(size, count)
         if run is not None:
             return run.split()
@@ -240,18 +234,16 @@ class OriginalApi:
         return self.batch_retrieve([key])[0]
 
     def batch_retrieve(self, keys: Sequence[Key]) -> list[MemoryInfo | None]:
-        """Views into shared memory (no copy), one lookup for the batch. The bytes stay valid
-        while the key is registered; to copy them out while other instances may delete or
-        evict, use `leased(keys)`."""
+        """Views into shared memory (no copy), one lookup, valid while the key is registered: to
+        copy them out while other instances may delete or evict, use `leased(keys)`."""
         return self.lookup(keys).infos()
 
     @contextmanager
     def leased(self, keys: Sequence[Key]) -> Iterator[list[MemoryInfo | None]]:
-        """`batch_retrieve` whose hits cannot be evicted or deleted until the block ends, and
-        proven: leaving the block confirms the lease (one round trip), and if it had ended
-        before (the block outlived --lease-timeout, or the server restarted) raises
-        `LeaseExpired` naming the hits: what the block read from them may not be theirs. A
-        block left by an exception just releases."""
+        """`batch_retrieve` whose hits are neither evicted nor deleted until the block ends.
+        Leaving it confirms the lease (one round trip): if it ended before (the block outlived
+        --lease-timeout, or the server restarted), raises `LeaseExpired` naming the hits, whose
+        bytes read may not be theirs. A block left by an exception just releases."""
         found = self.lookup(keys, lease=True)
         try:
             infos = found.infos()
@@ -291,9 +283,8 @@ class OriginalApi:
         return self.batch_delete([key])[0]
 
     def copying(self) -> AbstractContextManager[None]:
-        """Around a copy into or out of the pool at addresses this handler gave: no region is
-        unmapped under it (e.g. by another thread's re-handshake with a restarted server);
-        one unmapped meanwhile is closed after the last such block."""
+        """Around a copy at addresses this handler gave: no region is closed under it (e.g. by
+        another thread's re-handshake), only after the last such block."""
         return self._s.mapper.copying()
 
     # -- introspection -----------------------------------------------------------------------

@@ -1,17 +1,10 @@
 """`MaruHandler`: one inference instance's client of the Maru store.
 
-The object lifecycle is the API, in Arrow Plasma's verbs; everything else is a convenience:
-
-    reserve   alloc(size, count=1) -> AllocHandle   chunks of an owned region (no request)
-    write     into handle.buf / handle.address      straight into shared memory
-    seal      seal(keys, handle(s)) -> Sealing      one REGISTER_KV per batch; .wait()
-    get       lookup(keys, lease=True) -> Lookup    one LOOKUP_KV per batch; read in place
-    release   Lookup.release() / leaving its `with`
-    delete    batch_delete(keys)
-
-`store`, `retrieve`, `leased`, `exists`, `pin`... are those verbs put together
-(`maru.client.conveniences`); the write verb `put` and the read verbs `read` / `read_many`
-hold the data path (`maru.client.writes`, `reads`).
+The API is the object lifecycle in Arrow Plasma's verbs (docs/architecture.md): reserve
+(`alloc`), write (into `handle.buf`), seal (`seal`), get (`lookup`), release
+(`Lookup.release`), delete (`batch_delete`). `store`, `retrieve`, `exists`, `pin`... put them
+together (`maru.client.conveniences`); `put` and `read` / `read_many` are the data path's
+verbs (`maru.client.writes`, `reads`).
 """
 
 from __future__ import annotations
@@ -59,9 +52,8 @@ __all__ = ["AllocHandle", "MaruHandler", "MemoryInfo", "StoreOutcome"]
 
 
 class _Heartbeat:
-    """Tells the server we are alive even when idle (a silent instance is reaped: its pins,
-    leases and regions released after the server's --heartbeat-timeout), and parks the
-    regions we stopped writing in (`RegionSupply.tick`)."""
+    """Beats even when idle (a silent instance is reaped after --heartbeat-timeout: its pins,
+    leases and regions released), and parks idle regions (`RegionSupply.tick`)."""
 
     def __init__(self, send: Callable[[], Any], name: str):
         self.interval = 5.0  # the server says how often, at handshake
@@ -118,8 +110,8 @@ class MaruHandler(OriginalApi):
             server_public_key=config.server_public_key,
             client_secret_key=config.curve_client_key,
         )
-        # what the helpers (seals, lookups, the index, the supply, the writes) share of us:
-        # `request` is the one RPC client's, which adds the instance's session credential
+        # what the helpers share of us; its `request` adds the instance's session credential
+
         self._s = Session(config, self._rpc.request, self._chunks, self._mapper)
         guard_faults()  # (a faulthandler enabled since import would see the pool's faults first)
         self._connected = False
@@ -153,10 +145,9 @@ class MaruHandler(OriginalApi):
         return self._index is not None
 
     def connect(self) -> bool:
-        """Handshake with the server; no region is taken (the first store takes one), so a
-        connect succeeds even when the pool is full. False if it fails: then `connect_error`
-        says why (`MaruServerDown`, `MaruConnectRefused`, `MaruVersionMismatch`), as does one
-        WARNING. A refused TCP connection fails at once, not after `timeout_ms`."""
+        """Handshake (no region taken: it succeeds on a full pool). False on failure, with one
+        WARNING and `connect_error` saying why (`MaruServerDown`, `MaruConnectRefused`,
+        `MaruVersionMismatch`); a refused TCP connection fails at once, not after `timeout_ms`."""
         try:
             probe(self.config.server_url, self.config.timeout_ms)
             self._handshake()
@@ -175,10 +166,9 @@ class MaruHandler(OriginalApi):
         return True
 
     def close(self) -> None:
-        """End this instance on the server (DISCONNECT: its pins and leases end, its regions
-        go back; keys stay readable until evicted) and unmap. In a child forked after the
-        handler was made, only its copies of the Unix sockets go: the instance, its threads
-        and its locks are the parent's (one may have been held at the fork)."""
+        """DISCONNECT (pins and leases end, regions go back, keys stay readable), then unmap.
+        In a child forked after the handler was made only its socket copies close: the
+        instance, threads and locks are the parent's (one may have been held at the fork)."""
         self._closed = True
         if self._rpc.forked():
             self._connected, self._rpc.session = False, None
@@ -203,22 +193,19 @@ class MaruHandler(OriginalApi):
         self._rpc.close()
 
     def _local_reads(self) -> dict[str, Any]:
-        """The reads the local index answered since the last report, for the server's
-        statistics (its hit counts would otherwise miss every read that sent no request)."""
+        """The local index's reads since the last report: the server's hit counts see no
+        read that sent no request."""
         reads = self._index.take_reads() if self._index is not None else None
         return {"local_reads": reads} if reads else {}
 
     def _local_index(self) -> LocalIndexClient | None:
-        """The server's index to read through without a request, if it offered one (after
-        `_ensure_connected`: every read and existence check comes here)."""
+        """The server's index, if it offered one; every read and existence check comes here."""
         self._ensure_connected()
         return self._index
 
     def _ensure_connected(self) -> None:
-        """Raise `MaruNotConnected` unless connected (a data operation before `connect()`
-        succeeded or after `close()` is the caller's mistake, not a miss), and first, in a
-        child forked after the handler was made, `MaruForkedError`: before any lock, which a
-        thread of the parent may have held at the fork."""
+        """`MaruNotConnected` unless connected (a caller's mistake, not a miss); first, in a
+        forked child, `MaruForkedError`, before any lock a parent's thread may have held."""
         if self._connected:
             if FORKS[0] != self._rpc.forks:  # (`RpcClient.check_fork`, inline: every verb)
                 raise MaruForkedError(self._rpc.created_in)
@@ -242,7 +229,7 @@ class MaruHandler(OriginalApi):
         return self._s.request(msg_type, body)
 
     def _handshake(self) -> int:
-        """(Re)attach to the server; returns how many of our regions it no longer knows."""
+        """(Re)attach; returns how many of our regions the server no longer knows."""
         body = {"name": self.config.instance_id, "pid": os.getpid()}
         body["chunk_size"] = self._chunks.chunk_size
         reply = self._request(MsgType.HANDSHAKE, body).result()
@@ -256,9 +243,8 @@ class MaruHandler(OriginalApi):
         return self._supply.reattach(reply)
 
     def _on_unknown_instance(self, msg_type: int, request: dict[str, Any]) -> dict[str, Any]:
-        """The server does not know our instance (it restarted, or reaped us): handshake
-        again, once for all threads whose requests carried the old credential, and return
-        `request` with the credential of now (`RpcClient` re-sends it)."""
+        """The server forgot us (restarted, or reaped us): handshake again, once for all
+        threads that sent the old credential; `request` with the new one, for `RpcClient`."""
         with self._rehandshake:
             if request.get("session") == self._rpc.session:
                 try:
@@ -298,24 +284,21 @@ class MaruHandler(OriginalApi):
     # -- reserve, write, seal ----------------------------------------------------------------
 
     def alloc(self, size: int, count: int = 1) -> AllocHandle | None:
-        """Reserve `count` values of `size` bytes as one contiguous run of chunks: free
-        chunks in owned regions, else a new region below `pool_size`, else our own idle keys
-        evicted (docs/architecture.md, reserve). None when the pool cannot supply them, or
-        the chunks freed hold no run: reserve value by value then."""
+        """One contiguous run of chunks for `count` values of `size` bytes (docs/architecture.md,
+        reserve). None when no run can be had: reserve value by value then."""
         if size <= 0 or count <= 0:
             raise ValueError(f"alloc needs a positive size and count, got {size}, {count}")
         self._ensure_connected()  # (in a forked child: our chunks are the parent's)
         return self._writes.reserve(size, count) if self._may_write() else None
 
     def _may_write(self) -> bool:
-        """Not while the server has been silent for two heartbeat intervals and does not
-        answer now (`RpcClient.answers`)."""
+        """False when the server was silent for two heartbeats and does not answer now."""
         silent = self._rpc.last_reply < time.monotonic() - 2 * self._heartbeat.interval
         return not silent or self._rpc.answers()
 
     def free(self, handle: AllocHandle) -> None:
-        """Give back chunks that were reserved but will not be sealed (in software coherence
-        written back first: no dirty line of ours may later land on another host's value)."""
+        """Give back reserved chunks that will not be sealed; in software coherence written
+        back first, so no dirty line of ours lands on another host's value later."""
         with suppress(CopyFaultError):  # (its memory is gone: nothing to keep)
             write_back_handles(handle, None)
         self._chunks.give_back(handle)
@@ -328,12 +311,10 @@ class MaruHandler(OriginalApi):
         *,
         checksums: np.ndarray | None = None,
     ) -> Sealing:
-        """Publish written values under `keys` with one REGISTER_KV, sent now; `.wait()` gives
-        a bool per key, `.outcomes()` STORED or EXISTED (first writer won). `handles`: one
-        run holding every value (value i under `keys[i]`) or one handle per key (None: that
-        key fails); `lengths`: one for all, or per key (default the size reserved).
-        `checksums`: with `maru_checksums`, each value's maru64 made during the copy
-        (`copy_many_hashed`); without, they are hashed in the pool."""
+        """Publish written values under `keys` with one REGISTER_KV, sent now (`Sealing`).
+        `handles`: one run (value i under `keys[i]`) or one per key (None: that key fails);
+        `lengths`: one or per key (default the size reserved); `checksums`: with
+        `maru_checksums`, each value's maru64 from the copy, else hashed in the pool."""
         sealing = self.prepare_seal(keys, handles, lengths)
         write_back_handles(handles, lengths)
         return sealing.send(checksums)
@@ -344,18 +325,16 @@ class MaruHandler(OriginalApi):
         handles: AllocHandle | Sequence[AllocHandle | None],
         lengths: int | Sequence[int] | None = None,
     ) -> Sealing:
-        """`seal`'s work that reads no value (key checks, the location columns), e.g. while
-        the values are still being copied; `.send(checksums)` once they are written."""
+        """`seal` without reading a value (e.g. during the copy); `.send(checksums)` after."""
         self._ensure_connected()
         # (logged here; the server rejects them)
         refuse_bad_stores(keys, (), self.refused_stores, self.instance_id)
         return Sealing(self._s, keys, handles, lengths)
 
     def put(self, puts: Sequence[Put], *, behind: bool = False) -> None:
-        """The write verb: reserve, copy (each `Put`'s copy function), seal, for every put
-        of the call; fills each put's `results` (and, waiting, `outcomes`). `behind`: return
-        once the registrations are sent, reporting each sent value stored; this thread's
-        next `confirm_writes` (or `put`) reads the replies (`maru.client.writes`)."""
+        """The write verb (`maru.client.writes`): fills each put's `results` (and, waiting,
+        `outcomes`). `behind`: return once the registrations are sent, each sent value
+        reported stored; this thread's next `confirm_writes` (or `put`) reads the replies."""
         self._ensure_connected()
         if not self._may_write():  # (nothing is written)
             for put in puts:
@@ -364,8 +343,7 @@ class MaruHandler(OriginalApi):
         self._writes.put(puts, behind=behind)
 
     def confirm_writes(self, wait: bool = True) -> int:
-        """Read the replies of this thread's write-behind `put`s: how many values they
-        reported stored were not registered."""
+        """How many values this thread's write-behind `put`s reported stored were not."""
         if threading.get_ident() not in self._writes.unconfirmed_threads:  # (a read's case)
             return 0
         return self._writes.confirm(wait)
@@ -380,26 +358,19 @@ class MaruHandler(OriginalApi):
         for_copy: bool = False,
         prefix: Prefix = "",
     ) -> Lookup:
-        """Locate `keys` with one LOOKUP_KV, sent now (prepare the copy meanwhile)::
-
-            with handler.lookup(keys, lease=True) as found:  # waits for the reply
-                ...copy from found.addresses (int64; 0 for a miss), found.lengths...
-            # leaving the block releases the lease
-
-        With `lease` the hits cannot be evicted or deleted until released; use it from the
-        thread that made it. `for_copy`: the caller copies the hits out, then takes as misses
-        what `corrupt()` names (or all if `release(confirm=True)` says False); then the
-        server's local index may answer without a request (each hit validated after the copy
-        instead of leased). `prefix`: the keys are `prefix + key` (one prefix of the keys'
-        type, or one per key). With a cluster tier behind the pool, the misses it holds are
-        pulled first (one wait within --cluster-lookup-ms)."""
+        """Locate `keys` with one LOOKUP_KV, sent now; entering the `Lookup` waits, leaving
+        it releases. `lease`: hits cannot be evicted or deleted until released (from this
+        thread). `for_copy`: the caller copies the hits, then takes as misses what
+        `corrupt()` names (all if `release(confirm=True)` is False), so the local index may
+        answer instead (validated after the copy, not leased). `prefix`: keys are `prefix +
+        key` (one prefix, or one per key). A cluster tier's misses are pulled first (one wait
+        within --cluster-lookup-ms)."""
         if self._cluster.budget_s:
             self._cluster.pull(keys, prefix, self._local_index())
         return self._lookup(keys, lease, for_copy, prefix)
 
     def _lookup(self, keys: Sequence[Key], lease: bool, for_copy: bool, prefix: Prefix) -> Lookup:
-        """`lookup` without the pull: for the read verbs, which pulled once already (a
-        second wait would spend the budget twice in one call)."""
+        """`lookup` without the pull, for the read verbs, which pulled already."""
         index = self._local_index()
         if for_copy and index is not None:
             found = index.lookup(self._s, keys, prefix)
@@ -416,12 +387,11 @@ class MaruHandler(OriginalApi):
         length: int,
         prefix: Prefix = "",
     ) -> list[bool]:
-        """Copy each key's value of `length` bytes (parts of `sizes` back to back) into its
-        row of `buffers` (int64 (keys, parts) pointers) and prove it: per key True where the
-        bytes copied are the ones its writer stored; False for a miss, another length, an
-        entry that changed during the copy, a lease that ended, and with `maru_checksums`
-        bytes unlike their checksum (the rows of False keys may have been written). This
-        thread's write-behind `put`s are confirmed first."""
+        """Copy each key's `length` bytes (parts of `sizes`) into its row of `buffers` (int64
+        (keys, parts) pointers); per key True only where the bytes are proven its writer's,
+        else False (a miss, another length, an entry changed or a lease ended during the
+        copy, a checksum mismatch; that row may have been written). This thread's
+        write-behind `put`s are confirmed first."""
         self._ensure_connected()
         self.confirm_writes()
         if self._cluster.budget_s:  # (the misses a cluster tier holds, pulled first)
@@ -451,11 +421,9 @@ class MaruHandler(OriginalApi):
         *,
         prefix: Prefix = "",
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The read verb where the destination is special (a pool copied through its own
-        API, several pools in one lookup): one leased `lookup` of `keys`, each segment's
-        hits copied by its copy function (`(count, length, copy)`, in key order), proven,
-        released (`maru.client.reads.copy_and_prove`): per key (proven, mismatched). This
-        thread's write-behind `put`s are confirmed first, as for `read`."""
+        """`read` for special destinations (a pool with its own copy API, several pools): one
+        leased lookup, each `(count, length, copy)` segment copied in key order, proven and
+        released (`copy_and_prove`): per key (proven, mismatched)."""
         self._ensure_connected()
         self.confirm_writes()
         if self._cluster.budget_s:
@@ -477,8 +445,9 @@ class MaruHandler(OriginalApi):
         return self._cluster.exists(keys, prefix, found)  # (the server asked; misses pulled)
 
     def leading_hits(self, keys: Sequence[Key], *, prefix: Key = "") -> int:
-        """How many of `keys` (`prefix + key`) from the start are registered: SGLang's
-        `batch_exists`. Through the local index in one call that stops at the first miss."""
+        """How many of `keys` (`prefix + key`) from the start are registered (SGLang's
+        `batch_exists`)."""
+
         index = self._local_index()
         counted = index.leading(keys, prefix) if index is not None else None
         if counted is not None and not self._cluster.budget_s:

@@ -1,20 +1,16 @@
 """A client's side of the local index: keys found in the table its server publishes in shared
 memory, without a request (docs/architecture.md "The local index").
 
-The /dev/shm table is offered only on the Unix socket (clients on the server's node). The
-in-pool table (`maru-server --index-slots`) is offered to every client, over TCP too: it lies
-in the pool, mapped through the path the client proved the pool's mark at
-(`maru.client.poolpath`), read with this process's coherence; it is never replaced: once
-retired, the request path serves until the next HANDSHAKE offers the new one.
+The /dev/shm table is offered only on the Unix socket. The in-pool table (`--index-slots`) is
+offered over TCP too: mapped through the path the client proved the pool's mark at, read with
+this process's coherence, never replaced (once retired, requests serve until the next
+HANDSHAKE offers the new one).
 
-A copying read gets the locations from the table, no lease; after its copy every hit's slot
+A copying read takes the locations from the table, no lease: after the copy every hit's slot
 must still have the seq it was read with, in a table still current, or the key is a miss,
-whatever was copied. The server changes a key's slot before the key's pages can be reused, so
-an unchanged slot proves the copy read the key's bytes.
-
-The request path serves what the table cannot: a key longer than the table holds, a region
-not mapped here yet or from another pool life (its tag differs), and everything while no
-current table can be found.
+whatever was copied. The server changes a key's slot before its pages can be reused, so an
+unchanged slot proves the copy read the key's bytes. Requests serve the rest: a key longer
+than the table holds, a region not mapped here or of another pool life, no current table.
 """
 
 from __future__ import annotations
@@ -119,10 +115,9 @@ def offered_index(
     reply: dict[str, Any],
     body: dict[str, Any],
 ) -> LocalIndexClient | None:
-    """The index a HANDSHAKE reply names, if `maru_local_index` is on. The server names the
-    /dev/shm table only in a reply on its Unix socket: when the reply came over TCP and the
-    handler has the Unix socket (`local_address`), it asks there once more. `current`: the
-    index the handler reads now (kept if the reply names the same table)."""
+    """The index a HANDSHAKE reply names, if `maru_local_index` is on (`current`, if the same).
+    The /dev/shm table is named only on the Unix socket: a reply that came over TCP is asked
+    again there when the handler has it (`local_address`)."""
     if not session.config.local_index:
         return None
     offer, place = reply.get("pool_index"), session.mapper.place
@@ -139,9 +134,8 @@ def offered_index(
 
 
 def joined(keys: Sequence[Key], prefix: Prefix) -> Sequence[Key]:
-    """`prefix + key` per key: what the request path sends for a prefixed call, and the keys'
-    names in logs (the index hashes and compares the two parts where they lie; both raise
-    TypeError for a prefix not of its key's type)."""
+    """`prefix + key` per key: what the request path sends, and the keys' names in logs (the
+    index reads the two parts where they lie; both raise TypeError on a prefix of another type)."""
     if isinstance(prefix, (str, bytes)):
         return [prefix + k for k in keys] if prefix else keys  # type: ignore[operator]
     if len(prefix) != len(keys):
@@ -158,9 +152,8 @@ class LocalIndexClient:
         self.base = base_of(path) if path is not None else None
         self._reader = reader
         self._next_find = 0.0
-        # Since the last report (`take_reads`): keys looked up for a copy, hits among them,
-        # keys checked for existence, hits among them. In all: hits found changed after the
-        # copy, batches sent to the server instead.
+        # Since the last `take_reads`: [lookups, hits, exists, exists hits]; in all: `stale`,
+        # hits found changed after the copy, and `fallbacks`, batches sent to the server.
         self.reads = [0, 0, 0, 0]
         self.stale = self.fallbacks = 0
 
@@ -360,9 +353,8 @@ class IndexLookup(Lookup):
         return count
 
     def corrupt(self, computed: np.ndarray | None = None) -> np.ndarray:
-        """After the copy: per key, True where the hit is not proven (its entry changed since
-        the probe, or, with `maru_checksums`, its bytes do not match its writer's checksum).
-        Take those keys as misses."""
+        """After the copy: per key, True where the hit is not proven, a miss (its entry changed
+        since the probe, or, with `maru_checksums`, its bytes unlike its writer's checksum)."""
         self._validate()
         return super().corrupt(computed)
 

@@ -1,23 +1,18 @@
 """Client-side mapping of regions: mmap on first use, cached for the handler's lifetime.
 
-Copies into and out of mapped regions run without the GIL, so another thread may unmap a
-region meanwhile (a re-handshake after a server restart drops the regions the server forgot).
-Closing the mapping under a running copy, or before a copy of addresses taken from it just
-before, would crash the process, or, once the address is reused by the next mmap, put the
-copy's bytes into another region. So an unmapped region leaves the lookup tables at once but
-is closed only once no copy is in flight (`RegionMapper.copying()`, around every copy) and
-`retire_s` have passed (addresses taken before the unmap are used within milliseconds).
-`close()` waits, a bounded time, for the copies in flight, and leaves what they still use
-mapped for the last of them to close; a copy of stale addresses after that faults, which the
-copy loops take as a failed copy, not a crash.
+Copies run without the GIL, so another thread may unmap a region meanwhile (a re-handshake
+drops the regions a restarted server forgot). Closing a mapping under a copy, or before a copy
+of addresses just taken from it, would crash the process or, once the next mmap reuses the
+address, copy into another region. So an unmapped region leaves the lookup tables at once but
+is closed only when no `copying()` block is open and `retire_s` have passed (addresses taken
+before the unmap are used within milliseconds). `close()` waits a bounded time for the copies
+in flight, leaving what they use for the last of them to close; a later copy of stale
+addresses faults, which the copy loops take as a failed copy.
 
-A mapper made with `populate=True` (the handler's, with `eager_map`) maps every page of a
-region in bulk right after it maps it, on a background thread, so that the first copy
-through a new mapping does not fault once per 4 KiB page (MADV_POPULATE_WRITE / _READ, Linux
-5.14; on an older kernel MAP_POPULATE, on the mapping's own path). Only the pages the file
-already holds are populated (SEEK_DATA): populating a hole would allocate memory the pool does
-not use yet; a region the writer took ahead of its writes (`RegionSupply.ready`) is populated
-whole.
+With `populate=True` (`eager_map`) a background thread maps each new region's pages in bulk
+(MADV_POPULATE_WRITE / _READ; MAP_POPULATE before Linux 5.14), so that a first copy does not
+fault once per 4 KiB page. Only pages the file holds are populated (SEEK_DATA): a hole would
+take memory; a region taken ahead of our writes (`RegionSupply.ready`) is populated whole.
 """
 
 from __future__ import annotations
@@ -91,15 +86,13 @@ class RegionMapper:
         self.place: PoolPlace | None = None  # where this host maps the pool (the handshake)
 
     def add_listener(self, listener: Callable[[int], None]) -> None:
-        """Call `listener(region_id)` for every region mapped from now on, and now for those
-        mapped already."""
+        """Call `listener(region_id)` for every region mapped, those mapped already included."""
         self._listeners.append(listener)
         for region_id in self.region_ids():
             listener(region_id)
 
     def add_close_listener(self, listener: Callable[[int], None]) -> None:
-        """Call `listener(address)` just before a region mapped at `address` is closed (no
-        copy can still be using it then: see the module)."""
+        """Call `listener(address)` just before the region mapped there is closed."""
         self._close_listeners.append(listener)
 
     def view(self, region_id: int, offset: int, size: int) -> memoryview | None:
@@ -114,9 +107,8 @@ class RegionMapper:
         return self._regions.get(region_id)
 
     def copying(self) -> CopyGate:
-        """Around a copy into or out of mapped regions, from before its addresses are taken
-        to its end: no region is closed until every such block has ended (see the module).
-        Reentrant, shared by threads; the same object every time."""
+        """Around a copy from before its addresses are taken to its end: no region is closed
+        until every such block has ended. Reentrant, shared by threads; always the same object."""
         return self._gate
 
     def _copies_ended(self) -> None:
@@ -155,8 +147,7 @@ class RegionMapper:
             self._close_retired_locked()
             if mapped is not None:
                 self._unmap_locked(handle.region_id)
-            flags = os.O_RDWR if writable else os.O_RDONLY
-            fd = os.open(self._path(handle), flags)
+            fd = os.open(self._path(handle), os.O_RDWR if writable else os.O_RDONLY)
             try:
                 background = self.populate_regions and populate_works()
                 if whole:
@@ -195,8 +186,7 @@ class RegionMapper:
         return mapped
 
     def _populate_pending(self) -> None:
-        """The populate thread: populates the regions mapped since, in order; ends when none
-        is left (the next `map` starts another)."""
+        """The populate thread; ends when no region is left (the next `map` starts another)."""
         with contextlib.suppress(OSError):  # (the copies, on the same cores, come first)
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
@@ -209,8 +199,7 @@ class RegionMapper:
             self.populate(mapped)
 
     def wait_populated(self, timeout: float) -> bool:
-        """Wait up to `timeout` s until the regions mapped so far are populated; False if some
-        still are not."""
+        """Wait up to `timeout` s for the regions mapped so far to be populated; False if not."""
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
@@ -222,11 +211,9 @@ class RegionMapper:
                 return False
 
     def populate(self, mapped: MappedRegion) -> bool:
-        """Map the pages of `mapped` that its file held (`backed`), in steps of `POPULATE_STEP`,
-        each in a `copying()` block (so the region is not closed under it) and only while it
-        is still mapped here. False (logged) when the kernel refused: e.g. the pool was
-        truncated under the region (EFAULT, where a touch would be a SIGBUS); the region stays
-        usable, its copies fault in what they touch."""
+        """Map in the `backed` pages of `mapped`, step by step, each in a `copying()` block and
+        only while it is still mapped here. False (logged) when the kernel refused, e.g. a pool
+        truncated under it (EFAULT, where a touch would SIGBUS); the region stays usable."""
         advice = MADV_POPULATE_WRITE if mapped.writable else MADV_POPULATE_READ
         region_id = mapped.handle.region_id
         if mapped.backed is None:
@@ -262,8 +249,7 @@ class RegionMapper:
         return self.place.local_path(handle.path) if self.place else handle.path
 
     def _backed(self, handle: RegionHandle) -> tuple[tuple[int, int], ...]:
-        """`backed_extents` of `handle`'s range of its file now (nothing if it cannot be
-        opened: the pool gone, then its copies fail as they would)."""
+        """`backed_extents` of `handle`'s range now (none if the pool cannot be opened)."""
         try:
             fd = os.open(self._path(handle), os.O_RDONLY)
         except OSError as exc:
@@ -309,9 +295,8 @@ class RegionMapper:
         self.rows = np.array(rows, np.int64).reshape(len(rows), 4)
 
     def close(self) -> None:
-        """Unmap every region, and close them once the copies in flight have ended: waits up to
-        `close_wait_s` for them, then leaves the regions they may use for the last of them to
-        close (logged), never closing a mapping under a running copy."""
+        """Unmap every region and close them once the copies in flight have ended: waits up to
+        `close_wait_s`, then leaves them (logged) for the last copy to close."""
         with self._lock:
             self._closing = True
             for region_id in list(self._regions):

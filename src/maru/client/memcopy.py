@@ -1,20 +1,13 @@
 """Copying many page parts at once: the data path's only loop over pages, in C
-(`maru.client._memcopy`, built with the package) without the GIL.
+(`maru.client._memcopy`) without the GIL.
 
-The C loops write parts of 4 KiB or more that do not overlap with non-temporal (streaming)
-stores on x86 and end with a store fence (why: `_memcopy.c`); `streaming=False` is plain
-memmove (the benchmarks' baseline).
-
-Faults: the pool is a file other processes can change under a copy (truncated, or its tmpfs
-filled by someone else: SIGBUS on the page; unmapped: SIGSEGV). The C loops copy each value
-under a guard (a SIGBUS/SIGSEGV handler and a per-thread jump, `_memcopy.c`): a value whose
-memory faults is not copied, the rest are, and the call raises `CopyFaultError` naming the
-values that faulted, so that a store of them fails and a read of them is a miss instead of
-the process dying.
-
-Coherence: in software mode (`maru.client.coherence`, set once per process at HANDSHAKE) the
-same loops write back the pool lines they stored with cached stores and invalidate a value's
-lines before they read it (`_memcopy.c`, "coherence"); no argument here changes.
+Parts of 4 KiB or more that do not overlap are written with non-temporal stores on x86, then a
+store fence (why: `_memcopy.c`); `streaming=False` is plain memmove (the benchmarks' baseline).
+The pool is a file others can truncate, fill (SIGBUS) or unmap (SIGSEGV) under a copy, so each
+value is copied under a guard (`_memcopy.c`): a value whose memory faults is not copied, the
+rest are, and the call raises `CopyFaultError` naming the faulted values: their store fails,
+their read is a miss, the process lives. In software coherence mode (`maru.client.coherence`)
+the same loops also write back what they store and invalidate what they read.
 """
 
 from __future__ import annotations
@@ -23,9 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-# page_pointers (see its C docstring) reads the `count` int64 indices at `address` in place
-# (memory the caller keeps alive: an SGLang host-indices tensor's data). Called as it is: numpy's
-# slice, cast, multiply and add cost more than the arithmetic from cold caches.
+# page_pointers (see its C docstring) is exported as it is: numpy's slice, cast, multiply and
+# add around it would cost more than its arithmetic from cold caches.
 from maru.client._memcopy import (
     COPY_VALUES,  # (its C loop, for the local index's read)
     STREAMING,
@@ -91,13 +83,12 @@ def copy_values(
     streaming: bool = True,
     threads: int = 1,
 ) -> np.ndarray | None:
-    """Copy values stored as their parts back to back (KV pages in the pool) to or from their
-    parts' buffers elsewhere (a host or device pool's pages): value i starts at `starts[i]`
-    (0: a miss, skipped), its part j is `sizes[j]` bytes at `starts[i] + sum(sizes[:j])`,
-    and `buffers[i, j]` is that part's other side. `to_values`: buffers -> values (a store),
-    else values -> buffers (a load). `hashed` (`maru_checksums`): returns each value's maru64
-    as copied (0 where skipped), else None. `threads` (`maru_copy_threads`): shared by the
-    calling thread and up to `threads - 1` copier threads of the process (`_memcopy.c`)."""
+    """Copy values stored as their parts back to back (KV pages in the pool) to or from the
+    parts' buffers elsewhere: value i starts at `starts[i]` (0: a miss, skipped), its part j is
+    `sizes[j]` bytes at `starts[i] + sum(sizes[:j])`, the other side `buffers[i, j]`.
+    `to_values`: buffers -> values (a store), else values -> buffers. `hashed`
+    (`maru_checksums`): returns each value's maru64 as copied (0 where skipped), else None.
+    `threads` (`maru_copy_threads`): the caller and up to `threads - 1` copier threads."""
     starts, buffers, sizes = _value_columns(starts, buffers, sizes)
     out = _c_copy_values(starts, buffers, sizes, to_values, streaming, hashed, threads)
     return np.frombuffer(out, np.int64) if hashed else None
@@ -143,10 +134,9 @@ def copy_values_start(
     streaming: bool = True,
     threads: int = 1,
 ) -> CopyStarted:
-    """`copy_values` begun: the copier threads (`threads` > 1) start on it now, while the
-    caller does other work; `finish()` does the caller's part and waits for theirs. With one
-    thread the copy is done here. `starts`, `buffers` and the bytes they point at must stay
-    as they are until `finish()` returns."""
+    """`copy_values` begun: the copier threads (`threads` > 1) start on it now; `finish()` does
+    the caller's part and waits for theirs (one thread: copied here). `starts`, `buffers` and
+    the bytes they point at must stay as they are until `finish()` returns."""
     if threads <= 1:
         result = copy_values(
             starts, buffers, sizes, to_values=to_values, hashed=hashed, streaming=streaming
@@ -163,18 +153,15 @@ def copier_tasks() -> int:
 
 
 def copiers_called_off() -> int:
-    """Of `copier_tasks`, the times the caller took the last block before the copier woke
-    and called it off: for tests."""
+    """Of `copier_tasks`, those called off before the copier woke (the caller took the rest)."""
     return _c_copier_counts()[1]
 
 
 def copy_many_hashed(
     dst: np.ndarray, src: np.ndarray, sizes: np.ndarray | list[int], *, streaming: bool = True
 ) -> np.ndarray:
-    """Copy buffers and checksum values: `dst` and `src` are (values, parts) int64 addresses,
-    `sizes` each part's bytes (one per column, or one per buffer). Buffer [i, j] is copied from
-    `src[i, j]` to `dst[i, j]` as by `copy_many`; value i is its parts' bytes in order, and its
-    maru64 (read from `src`) is element i of the int64 array returned."""
+    """`copy_many` of (values, parts) int64 addresses, `sizes` one per column or per buffer,
+    returning each value's maru64 (its parts' bytes in order, read from `src`) as int64."""
     src = np.ascontiguousarray(src, dtype=np.int64)
     dst = np.ascontiguousarray(dst, dtype=np.int64)
     if src.ndim != 2 or dst.shape != src.shape:

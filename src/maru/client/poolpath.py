@@ -1,10 +1,9 @@
 """Where this client maps the server's pool, and the proof that it is the pool.
 
-On another host of a CXL pod the pool's memory appears under another path than the server's
-(`pool_path`, `MARU_POOL_PATH`). A path naming another device, or a stale file of the same
-name, would serve foreign bytes as hits: so after every HANDSHAKE, before anything is mapped,
-the client reads the pool's mark (`maru.common.poolmark`) through the path it will map and
-compares it with the mark the server says the pool holds. One small read per handshake.
+On another host of a CXL pod the pool may appear under another path (`pool_path`). A path
+naming another device, or a stale file of the same name, would serve foreign bytes as hits: so
+after every HANDSHAKE, before anything is mapped, the client reads the pool's mark
+(`maru.common.poolmark`) through the path it will map and compares it with the server's.
 """
 
 from __future__ import annotations

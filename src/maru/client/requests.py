@@ -1,6 +1,5 @@
-"""The read's batch request, `Lookup` (LOOKUP_KV): sent when made, so the caller can do other
-work while the server answers; and what a lookup's hits are (`MemoryInfo`).
-"""
+"""The read's batch request `Lookup` (LOOKUP_KV, sent when made: the caller works while the
+server answers) and what its hits are (`MemoryInfo`)."""
 
 from __future__ import annotations
 
@@ -32,12 +31,10 @@ class RegionsLost(MaruError):
 
 @dataclass(frozen=True)
 class MemoryInfo:
-    """Where a stored value lives. `view` is a read-only memoryview over the shared bytes
-    (no copy was made); `address` is the same bytes' virtual address in this process;
-    `page_index` is the index of its first chunk in the region (LMCache's name), -1 where
-    the value does not start on this handler's chunk grid (a writer with another chunk size,
-    the cluster tier's pulled pages): a reader by page index (LMCache reads `page_index *
-    chunk_size`) would read other bytes there, and gets nothing at -1 instead."""
+    """Where a stored value lives: `view`, read-only over the shared bytes (no copy);
+    `address`, their address in this process; `page_index`, its first chunk's index in the
+    region (LMCache's name), -1 off this handler's chunk grid (another chunk size, the cluster
+    tier's pages), where a reader by page index would read other bytes."""
 
     view: memoryview
     region_id: int
@@ -48,11 +45,10 @@ class MemoryInfo:
 
 
 class Lookup:
-    """A LOOKUP_KV in flight. `wait()` (or entering it) gives `addresses` and `lengths`, int64
-    arrays (0 and 0 for a miss), and `infos()` a `MemoryInfo` per key; with `lease`, the hits
-    cannot be evicted or deleted until `release()` (leaving the `with` block) or the server's
-    lease timeout. A failed or malformed lookup reads as misses, never as an exception in the
-    middle of a prefetch."""
+    """A LOOKUP_KV in flight. `wait()` (or entering it) gives int64 `addresses` and `lengths`
+    (0 for a miss), `infos()` a `MemoryInfo` per key; `lease`: the hits stay until `release()`
+    (leaving the `with`) or the lease times out. A failed or malformed lookup reads as misses,
+    never as an exception in the middle of a prefetch."""
 
     def __init__(self, session: Session, keys: Sequence[Key], lease: bool, *, send=True):
         """`send`: send the LOOKUP_KV now (False: a subclass has the answer already)."""
@@ -116,8 +112,7 @@ class Lookup:
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("lookup of %d keys: malformed reply (%s); treated as misses", n, exc)
             return
-        # Region id 0 is never used: it marks a miss (address 0). A location outside its
-        # region's mapping is a miss too (never a read past the mapping).
+        # Region id 0 marks a miss (address 0); so does a location outside its region's mapping
         addresses = np.zeros(n, np.int64)
         found = np.zeros(n, bool)
         for handle in handles:
@@ -141,13 +136,11 @@ class Lookup:
         start: int = 0,
         stop: int | None = None,
     ) -> np.ndarray:
-        """Copy the hits among keys[start:stop] that have `length` bytes: `copy(sources)` copies
-        the value at each source address (0: skip it) and returns each one's checksum as
-        copied (for `corrupt()`) or None. Returns per key whether it was copied (also in
-        `copied`); a hit of another length is not (logged: a miss). Then take as misses what
-        `corrupt()` names, and everything if `release(confirm=True)` says False. A copy whose
-        pool memory faulted (`CopyFaultError`: the pool's file truncated, say) makes all of
-        keys[start:stop] misses (logged), which `corrupt()` does not read again."""
+        """Copy the hits among keys[start:stop] of `length` bytes: `copy(sources)` skips a 0
+        source and returns the checksums as copied (for `corrupt()`) or None. Returns per key
+        whether it was copied (also `copied`; another length is a logged miss). Then take
+        `corrupt()`'s keys as misses, all if `release(confirm=True)` is False. A copy that
+        faulted (`CopyFaultError`) makes the whole range misses (logged), not read again."""
         addresses, lengths = self.wait()
         seg = slice(start, self.n if stop is None else stop)
         copied = lengths[seg] == length
@@ -183,13 +176,11 @@ class Lookup:
         return copied
 
     def corrupt(self, computed: np.ndarray | None = None) -> np.ndarray:
-        """Per key, True where `maru_checksums` is on and the hit's bytes no longer hash to the
-        checksum its writer stored (a stray write, a reused page, other memory). Call it after
-        the copy, so that a page changed before or during the copy is caught; take those keys
-        as misses. `computed`: per key, the checksum of the bytes as the caller copied them
-        (0: not hashed; by default what `copy_out` hashed); the other hits are hashed here, in
-        the pool. Misses and keys stored without a checksum are False. Each key is logged at
-        ERROR and counted in `MaruHandler.checksum_mismatches` once per lookup."""
+        """Per key, True where (with `maru_checksums`) the hit's bytes no longer hash to its
+        writer's checksum: misses. Call it after the copy, to catch a page changed before or
+        during it. `computed`: per key the checksum as copied (0: hash it here, in the pool;
+        default `copy_out`'s). Each key is logged at ERROR and counted in
+        `MaruHandler.checksum_mismatches` once per lookup."""
         self.wait()
         assert self._checksums is not None and self._offsets is not None
         if self._corrupt is None:
@@ -254,11 +245,10 @@ class Lookup:
         return out
 
     def release(self, confirm: bool = False) -> bool:
-        """End the lease, without waiting by default (if the reply never comes the lease
-        expires on the server). With `confirm`: True if the lease held until now, so that
-        what was read under it is the keys' bytes; False if it had ended before (outlived
-        --lease-timeout, or the server restarted): the pages may have been reused meanwhile,
-        and what was read must be taken as misses."""
+        """End the lease, not waiting by default (an unanswered lease expires). `confirm`:
+        True if the lease held until now, so what was read is the keys' bytes; False if it
+        ended before (--lease-timeout, a server restart): pages may have been reused, and what
+        was read must be taken as misses."""
         if self.addresses is None and self._pending is not None:
             self.wait()  # a lease may be held even if the caller never looked
         lease_id, self.lease_id = self.lease_id, 0
@@ -276,8 +266,8 @@ class Lookup:
 
 
 def other_lengths(keys: Sequence[Key], lengths: Sequence[int], expected: int) -> None:
-    """Hits stored with another length than the reader's (another geometry): misses, each
-    logged."""
+    """Hits of another length than the reader's (another geometry): misses, each logged."""
+
     for key, length in zip(keys, lengths):
         log.warning(
             "key %.200r has %d bytes, expected %d: treated as a miss", key, length, expected

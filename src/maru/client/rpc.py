@@ -1,14 +1,11 @@
 """The one RPC client: `maru.common.protocol` frames to the server, replies matched by id.
 
-Two transports carry the same frames: ZMQ (a DEALER socket to the server's ROUTER, the
-`server_url`) always works and bootstraps the connection; once the HANDSHAKE reply names the
-server's Unix socket, requests go there instead (a much cheaper round trip). Each thread has
-its own channel (ZMQ sockets are not thread-safe), so threads never serialise on a lock.
-`request(msg_type, body)` sends at once and returns a `PendingReply` (at most `max_inflight`
-outstanding per thread); `PendingReply.result()` is the one place a reply is judged: the
-deadline (a dead server yields `MaruConnectionError`, never a hang), an error reply, another
-protocol version, and a server that forgot the caller (a re-handshake, then the request once
-more). Replies that arrive after their caller gave up are dropped.
+ZMQ (a DEALER to the server's ROUTER at `server_url`) always works and bootstraps the
+connection; once the HANDSHAKE reply names the server's Unix socket, requests go there (a much
+cheaper round trip). Each thread has its own channel (ZMQ sockets are not thread-safe), so
+threads never serialise on a lock. `PendingReply.result()` is the one place a reply is judged:
+the deadline (a dead server raises `MaruConnectionError`, never hangs), an error reply, another
+protocol version, a server that forgot the caller (a re-handshake, then the request once more).
 """
 
 from __future__ import annotations
@@ -47,9 +44,8 @@ LOCAL_RETRY_S = 5.0  # after the server closed a new local connection unanswered
 
 _header, _MAGIC, _VERSION = protocol.HEADER.pack, protocol.MAGIC, protocol.PROTOCOL_VERSION
 
-# How many forks this process is from the one that imported this module: an `RpcClient`
-# made before a fork is its parent's (its credential, its connections) and refuses to send.
-# A list read, not a call: the data path's verbs compare it inline on every call.
+# Forks since this module was imported: an `RpcClient` made before a fork is its parent's (its
+# credential, its connections) and refuses to send. A list: the data path compares it inline.
 FORKS = [0]
 os.register_at_fork(after_in_child=lambda: FORKS.__setitem__(0, FORKS[0] + 1))
 
@@ -71,10 +67,9 @@ class PendingReply:
         return self.body is not None
 
     def arrived(self) -> bool:
-        """Whether `result()` would give the reply at once without sending anything (what has
-        arrived is taken, nothing waited for). False for a reply that makes `result()`
-        handshake again (which may unmap regions a write is copying into) and for a request
-        whose connection was lost."""
+        """Whether `result()` would return at once, sending nothing (takes what has arrived).
+        False for a reply that makes `result()` handshake again (which may unmap regions a
+        write is copying into) and for a request whose connection was lost."""
         if self.body is None and self.request_id in self._channel.pending:
             self._channel.collect()
         body = self.body
@@ -123,8 +118,7 @@ class _Channel:
         self.refused: set[int] = set()  # requests on a connection the server refused
 
     def _receive(self, timeout_ms: int, spin: bool = True) -> list[bytes]:
-        """The frames that arrive within `timeout_ms` (possibly none); `spin`: may busy-poll
-        first (`busy_poll_us`)."""
+        """The frames that arrive within `timeout_ms` (maybe none); `spin`: may busy-poll first."""
         raise NotImplementedError
 
     def collect(self) -> None:
@@ -283,11 +277,9 @@ class _ZmqChannel(_Channel):
 
 
 class _LocalChannel(_Channel):
-    """The server's Unix socket: length-prefixed frames on a byte stream. When the connection
-    breaks (server restart), the requests in flight fail at once and the next request
-    reconnects; while that fails, the client falls back to ZMQ. The socket is non-blocking: a
-    wait for a reply spins up to `busy_poll_us` before it sleeps in poll() (a wake-up costs as
-    much as a round trip; docs/configuration.md)."""
+    """The server's Unix socket: length-prefixed frames on a byte stream. A broken connection
+    fails the requests in flight at once; the next request reconnects, or goes over ZMQ. A wait
+    spins up to `busy_poll_us` before it sleeps in poll() (a wake-up costs a round trip)."""
 
     def __init__(self, client: RpcClient, address: str):
         super().__init__(client, address)
@@ -327,11 +319,10 @@ class _LocalChannel(_Channel):
 
     def _lost(self, why: str, refused: bool = False) -> None:
         """The connection is gone: its requests in flight fail (`MaruConnectionError`: the
-        server may have served them), unless the server refused the connection with its one
-        frame (`refused`, or such a frame still waits in the socket): then it read none of
-        them, and they go over ZMQ. A connection merely closed before any reply is not a
-        refusal: a server killed after it served a REGISTER_KV closes it that way too, and
-        sending that again would make its writer take its own sealed pages for free."""
+        server may have served them), unless it refused the connection with its one frame
+        (`refused`, or that frame still waits in the socket): then it read none, and they go
+        over ZMQ. A close before any reply is no refusal: a server killed after serving a
+        REGISTER_KV closes so too, and resending it would make the writer free its sealed pages."""
         log.info("local socket %s to maru-server closed (%s)", self.address, why)
         if not refused and self.sock is not None and not self.answered:
             refused = self._take_refusal(self.sock)
@@ -422,9 +413,8 @@ class _LocalChannel(_Channel):
         return False
 
     def _refusal(self, frame: bytes) -> str | None:
-        """Why, if `frame` is the server's refusal of this connection (an error for request id
-        0, which no request has): NOT_AUTHORIZED (`LocalDoor`: the address is not used until a
-        handshake names it again) or LOCAL_SOCKET_FULL (short of file descriptors)."""
+        """Why, if `frame` is the server's refusal of this connection (an error for request id 0,
+        which no request has): NOT_AUTHORIZED (`LocalDoor`) or LOCAL_SOCKET_FULL (out of fds)."""
         try:
             header, body = protocol.decode(frame)
         except protocol.ProtocolError:
@@ -476,10 +466,9 @@ class RpcClient:
         client_secret_key: str | None = None,
     ):
         """`reply_hook(body)` sees every successful reply; `on_unknown_instance(msg_type,
-        request)` re-handshakes when the server answers UNKNOWN_INSTANCE and returns the
-        request to send once more (or raises to fail it). `server_public_key`: speak CURVE to
-        a `maru-server --curve` with this key (Z85), as the client of `client_secret_key`
-        (Z85; for --curve-clients) or with a throwaway keypair."""
+        request)` re-handshakes after an UNKNOWN_INSTANCE reply and returns the request to send
+        once more (or raises). `server_public_key` (Z85): speak CURVE to `maru-server --curve`,
+        as `client_secret_key`'s client (Z85; --curve-clients) or with a throwaway keypair."""
         self.url = url
         self.server_public_key = server_public_key
         self.client_secret_key = client_secret_key
@@ -503,11 +492,10 @@ class RpcClient:
         self.last_reply = time.monotonic()  # when the server last answered, on any channel
 
     def answers(self) -> bool:
-        """Whether the server answers a HEARTBEAT now (as this instance: one it reaped comes
-        back through a re-handshake, which drops the regions no longer ours). A writer silent
-        for two heartbeat intervals asks before it writes (`MaruHandler._may_write`): the
-        server cannot fence a writer on another host, and gives a reaped one's regions to
-        others, so a cut-off writer fences itself. False (logged): write nothing."""
+        """Whether the server answers a HEARTBEAT now (a reaped instance re-handshakes, dropping
+        the regions no longer ours). `MaruHandler._may_write` asks after two silent heartbeat
+        intervals: the server cannot fence a writer on another host and gives a reaped one's
+        regions to others, so a cut-off writer fences itself. False (logged): write nothing."""
         silent = time.monotonic() - self.last_reply
         try:
             self.request(protocol.MsgType.HEARTBEAT, {}).result()
@@ -532,11 +520,10 @@ class RpcClient:
             raise MaruForkedError(self.created_in)
 
     def use_local_socket(self, address: str | None, uid: int | None) -> None:
-        """Send later requests over the server's Unix socket at `address` (None: ZMQ only),
-        if the process listening there runs as `uid`, the server's user (both from HANDSHAKE):
-        a name is public, another user can take it while the server restarts. A CURVE client
-        reaching the server other than over loopback is on another host, where the address
-        is not the server's: it stays on its authenticated channel."""
+        """Send later requests over the server's Unix socket `address` (None: ZMQ only) if the
+        process there runs as `uid` (both from HANDSHAKE): another user can take the name while
+        the server restarts. A CURVE client not on loopback is on another host, where the
+        address is not the server's: it stays on its authenticated channel."""
         if not isinstance(uid, int) or isinstance(uid, bool):
             address = None
         if self.server_public_key is not None and not _LOOPBACK.match(self.url):

@@ -1,7 +1,6 @@
-"""An instance's regions: taken from the server as data arrives (none at connect), grown in
-steps up to `pool_size`, parked when idle so that the server may take them back for another
-instance, unparked before we write there again (docs/architecture.md, "Capacity: regions as
-data arrives")."""
+"""An instance's regions: taken as data arrives, grown up to `pool_size`, parked when idle
+(the server may take them back), unparked before we write there again (docs/architecture.md,
+"Capacity: regions as data arrives")."""
 
 from __future__ import annotations
 
@@ -23,18 +22,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("maru.client.handler")
 
-# An instance at its `pool_size` evicts, for a write's room, as much again (the next write's,
-# `RegionSupply.ahead`), only for writes of at most 1/AHEAD_SHARE of its regions (a small
-# instance keeps its keys: each of its writes asks for its own room, once).
+# At `pool_size`, a write of at most 1/AHEAD_SHARE of our regions evicts the next write's room
+# too (`RegionSupply.ahead`); a larger one only its own, so a small instance keeps its keys.
 AHEAD_SHARE = 16
 
 
 @dataclass(frozen=True)
 class Room:
-    """A write's room: `chunks`, the bytes of the chunks it reserves, and `values`, its
-    values' bytes. The server counts what an eviction frees in keys' bytes, not chunks, so
-    room for values like these is asked in `values` (in chunks it would evict more keys than
-    it needs when values are not chunk multiples)."""
+    """A write's room: `chunks`, its chunks' bytes, and `values`, its values' bytes. An
+    eviction is asked in `values`: the server counts keys' bytes, so asking in chunks would
+    evict too much when values are not chunk multiples."""
 
     chunks: int
     values: int
@@ -110,9 +107,8 @@ class RegionSupply:
             return self._evict_for(size, count)
 
     def _request_region(self, size: int, need: int) -> dict[str, Any]:
-        """REQUEST_REGION's reply. POOL_RECLAIMING (we are below our fair share of the pool,
-        and the instances above theirs were asked to give regions back) is retried for 0.6 s
-        in all: they give back at their next reply."""
+        """REQUEST_REGION's reply, POOL_RECLAIMING retried for a while (we are below our fair
+        share; those above it give back at their next reply)."""
         body = {"size": size, "min_size": need}
         for delay in (0.02, 0.04, 0.08, 0.16, 0.32, None):
             try:
@@ -129,10 +125,9 @@ class RegionSupply:
         self._shed = max(self._shed, int(nbytes))
 
     def _give_back_share(self) -> None:
-        """Return regions of at least `_shed` bytes in all, among those no value is reserved
-        in (the caller holds `lock`). `ChunkBook.give_up` drops them first: a page we may
-        still write is never in a region we return (a seal in flight into one is refused by
-        the server, never misplaced)."""
+        """Return at least `_shed` bytes of regions no value is reserved in (caller holds
+        `lock`), dropped first (`ChunkBook.give_up`): a page we may still write is never in a
+        region we return, and a seal in flight into one is refused, never misplaced."""
         want, self._shed = self._shed, 0
         for mapped in self.chunks.give_up(want):
             handle = mapped.handle
@@ -165,10 +160,9 @@ class RegionSupply:
             self._evict(room.chunks - free + self._headroom(room))
 
     def ready(self, nbytes: int) -> None:
-        """Have `nbytes` of room free in our regions before the writes that need it: a
-        background thread takes regions as `reserve` would, each mapped and populated whole
-        at the lowest CPU priority, until that much is free (nothing evicted; none taken
-        where the pool has no free room). With `eager_map` only (it is what populates)."""
+        """Have `nbytes` free in our regions before the writes that need it: with `eager_map`,
+        a background thread takes regions (mapped, populated whole) until they are, evicting
+        nothing and taking none where the pool has no free room."""
         if not self.mapper.populate_regions or not self.owner.config.auto_expand:
             return
         with self._ready_lock:  # (not `lock`: a write asks here, and must not wait)
@@ -217,22 +211,19 @@ class RegionSupply:
         return False
 
     def ahead(self, room: Room, free: int) -> None:
-        """A write just reserved `room`, and less than that stays free (`free` bytes of
-        chunks): make the next write like it find its room ready. Below `pool_size`, the next
-        region (`ready`). On a full instance, ask now, without waiting, that the server evict
-        the rest in our own regions while we copy; the reply's `freed` is applied when this
-        thread next reads a reply. One in flight per thread."""
+        """A write reserved `room` and left less free (`free` bytes): ready the next write's.
+        Below `pool_size`, the next region (`ready`); when full, one EVICT_FOR per thread sent
+        without waiting, its `freed` applied at this thread's next reply."""
         if not self.full:
             if self._next_region_size(room.chunks) is not None:
                 self.ready(room.chunks)
             return
-        if not self._headroom(room):
-            return
         pending = getattr(self._ahead, "pending", None)
         if pending is not None and not pending.done():
             return
-        if self._next_region_size(room.chunks) is not None:
+        if not self._headroom(room) or self._next_region_size(room.chunks) is not None:
             return
+
         want = -(-room.values * (room.chunks - free) // room.chunks)  # (in keys like ours)
         try:
             self._ahead.pending = self._request(MsgType.EVICT_FOR, {"bytes": want})
@@ -255,9 +246,8 @@ class RegionSupply:
                 log.debug("instance %s: eviction ahead failed: %s", self.owner.instance_id, exc)
 
     def _evict(self, nbytes: int) -> dict[str, Any] | None:
-        """One EVICT_FOR of `nbytes` in our own regions (the caller holds `lock`): the
-        reply's `freed` chunks are free when it returns (the handler's reply hook applied
-        them); None if the request failed (logged)."""
+        """One EVICT_FOR of `nbytes` in our regions (caller holds `lock`); the freed chunks are
+        free on return (the reply hook). None if it failed (logged)."""
         try:
             return self._request(MsgType.EVICT_FOR, {"bytes": nbytes}).result()
         except MaruError as exc:
@@ -265,12 +255,12 @@ class RegionSupply:
             return None
 
     def _evict_for(self, size: int, count: int) -> AllocHandle | None:
-        """Room for `count` values of `size` bytes by evicting in our own regions. A run
-        (count > 1) asks once for what its values lack beyond the chunks free now (and, at
-        `pool_size`, `_headroom`; least recently used keys go first: mostly earlier runs of
-        its size, so the chunks freed are mostly contiguous), nothing if the free chunks hold
-        its values one by one; if they hold no run, None: the caller places the values one by
-        one. One value asks again, for twice as much, while what was freed holds no run."""
+        """Room for `count` values of `size` bytes by evicting in our own regions. A run asks
+        once for what the free chunks lack (plus `_headroom` at `pool_size`; the oldest keys,
+        mostly earlier runs of its size, free mostly contiguous chunks), nothing if they hold
+        its values one by one; None if no run results: the caller goes value by value. One
+        value asks again, for twice as much, while what was freed holds no run."""
+
         want = -(-size // self.chunks.chunk_size) * self.chunks.chunk_size
         if count > 1:  # (in keys like these values: the server counts keys' bytes)
             room = Room(want * count, size * count)
@@ -309,8 +299,7 @@ class RegionSupply:
         self.pool_capacity = int(pool.get("capacity") or 0)
         generation = str(pool.get("generation", ""))
         if self.pool_generation is not None and generation != self.pool_generation:
-            # The server restarted on a recreated or truncated pool: what we mapped of other
-            # instances is gone (a later lookup maps their new regions afresh).
+            # A recreated or truncated pool: other instances' mappings are gone (remapped later)
             log.warning(
                 "maru-server's pool is new (generation %s, was %s): dropping its old mappings",
                 generation,
@@ -348,10 +337,8 @@ class RegionSupply:
         return max(need, min(step, cap - held))
 
     def tick(self, report: dict[str, Any]) -> None:
-        """Every heartbeat interval: park the idle regions (`ChunkBook.park_idle`) and tell the
-        server, which may then take them back for another instance. A HEARTBEAT carries
-        `report` (the handler's local reads); it is sent unless a park told the server we
-        live and there is nothing to report."""
+        """Every heartbeat interval: park the idle regions and tell the server. A HEARTBEAT
+        carries `report` (the local reads), unless a park said we live and there is none."""
         with self.lock:
             if self._shed:
                 self._give_back_share()
@@ -371,9 +358,9 @@ class RegionSupply:
             log.debug("instance %s: park request failed: %s", self.owner.instance_id, exc)
             return None
         for region_id in reply["gone"]:
-            # Taken back for another instance (nothing of ours was being written there).
-            # The mapping stays, as for other instances' freed regions: a reader may still
-            # hold an address in it.
+            # Taken back (nothing of ours was being written there); the mapping stays: a
+            # reader may still hold an address in it.
+
             log.info("instance %s: region %d was taken back", self.owner.instance_id, region_id)
             self.chunks.drop(region_id)
         self.chunks.unpark(reply["unparked"])

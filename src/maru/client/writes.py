@@ -1,21 +1,14 @@
 """The write verb (`MaruHandler.put`): reserve, copy, seal, and the per-key outcomes.
 
-Every writer of the project goes through `Writes.put`: a caller describes each group of
-values (`Put`: keys, bytes per value, how to copy value i into shared memory), the verb does:
-
-- reserve one run of chunks for a group of equal-sized values, else value by value; when
-  our regions are full, one eviction in our own regions makes room for the whole write and
-  the next one like it (`RegionSupply.room` / `ahead`); a region a re-handshake forgot
-  meanwhile makes every reservation of the group start again once;
-- copy through the caller's copy function, hashed as copied with `maru_checksums`; a copy
-  that faults (`CopyFaultError`) fails its values and gives their chunks back;
-- seal: a run of at least PIPELINE_MIN_PAGES values as soon as it is copied, so that its
-  registration is in flight while the rest is copied; smaller runs and values placed one by
-  one are sealed together at the end (one REGISTER_KV);
-- write-behind (`behind=True`): the call returns once every value is copied and its
-  registration sent, reporting each sent value as stored; this thread's next call reads the
-  replies (`confirm`): a value reported stored whose registration failed reads as a miss,
-  and is logged and told to its `Put.on_late` then.
+Every writer goes through `Writes.put`, with a `Put` per group of values (keys, bytes per
+value, a copy function). Equal-sized values get one run of chunks, else a reservation each;
+at `pool_size` one eviction makes room for the whole write and the next (`RegionSupply.room`
+/ `ahead`). A copy that faults fails its values and gives their chunks back. A run of at
+least PIPELINE_MIN_PAGES values is sealed as soon as it is copied (in flight while the rest
+is copied); the others are sealed together at the end. Write-behind (`behind=True`) returns
+once every registration is sent, each sent value reported stored; this thread's next call
+reads the replies (`confirm`): a value whose registration failed then reads as a miss,
+logged and told to its `Put.on_late`.
 """
 
 from __future__ import annotations
@@ -58,18 +51,16 @@ Key = str | bytes
 _REGISTERED, _EXISTS = int(RegisterStatus.REGISTERED), int(RegisterStatus.EXISTS)
 _REJECTED = int(RegisterStatus.REJECTED)
 
-# A caller that waits for the replies has its call's last run registered in up to
-# PIPELINE_PIECES pieces, each sent while the next piece is copied. With write-behind nothing
-# waits for the last reply, and one REGISTER_KV costs less than two: one piece.
+# A waiting call registers its last run in up to PIPELINE_PIECES pieces, each sent while the
+# next is copied; write-behind waits for no reply, so one piece (one REGISTER_KV, not two).
 PIPELINE_PIECES = 2
 PIPELINE_MIN_PAGES = 32
 
 
 class CopyIn(Protocol):
-    """Copy values [first, last) of a `Put` to `targets` (int64 addresses in shared memory,
-    one per value). Returns each value's maru64 as copied when `hashed` (else None), or an
-    object whose `finish()` does (`copy_values_start`). `threads`: copier threads it may use.
-    Raises `CopyFaultError` if the memory faulted."""
+    """Copy values [first, last) of a `Put` to `targets` (an int64 address each), using up to
+    `threads` copiers. Returns each value's maru64 when `hashed` (else None), or an object
+    whose `finish()` does; raises `CopyFaultError` if the memory faulted."""
 
     def __call__(
         self, targets: np.ndarray, first: int, last: int, hashed: bool, threads: int
@@ -78,11 +69,10 @@ class CopyIn(Protocol):
 
 @dataclass(eq=False)
 class Put:
-    """One group of values of a write: `keys`, `size` (bytes of each value: one for all, or
-    one per value) and `copy`. The verb fills `results` (one bool per key, as `Sealing.wait`)
-    and, when the call waits, `outcomes`. `on_late(n)`: told, with write-behind, that n
-    values reported stored were not registered after all. `prefix` (the caller's namespace,
-    of the keys' type) is joined before each key as the verb begins."""
+    """One group of values of a write: `keys`, `size` (one for all, or per value), `copy`;
+    `prefix` (of the keys' type) is joined to each key. The verb fills `results` (as
+    `Sealing.wait`) and, when the call waits, `outcomes`. `on_late(n)`: with write-behind, n
+    values reported stored were not registered after all."""
 
     keys: Sequence[Key]
     size: int | Sequence[int]
@@ -103,10 +93,9 @@ class Put:
 
 @dataclass(frozen=True)
 class ValuesAt:
-    """The copy of values whose parts lie at `buffers` (int64 (values, parts) pointers, parts
-    of `sizes` bytes, stored back to back): `copy_values` begun. The data path's copy: the
-    verb begins it in C itself (`Writes._start`). Both columns C-contiguous int64 (`values_at`
-    makes them so)."""
+    """`copy_values` begun from `buffers` (int64 (values, parts) pointers; parts of `sizes`,
+    back to back). The data path's copy: `Writes._start` begins it in C itself, so both
+    columns are C-contiguous int64 (`values_at`)."""
 
     buffers: np.ndarray
     sizes: np.ndarray
@@ -131,8 +120,8 @@ def values_at(buffers: np.ndarray, sizes: Sequence[int] | np.ndarray) -> ValuesA
 
 
 def from_pointers(pointers: Sequence[int], sizes: Sequence[int]) -> CopyIn:
-    """The copy of values of differing sizes, value i `sizes[i]` bytes at `pointers[i]` (the
-    verb copies values of differing sizes one by one: each range has one size)."""
+    """The copy of value i, `sizes[i]` bytes at `pointers[i]` (such values are copied one by
+    one: a range has one size)."""
     column = np.asarray(pointers, np.int64)[:, None]
 
     def copy(targets: np.ndarray, first: int, last: int, hashed: bool, threads: int) -> Any:
@@ -167,8 +156,8 @@ class Writes:
         self._supply = supply
         self._copying = session.mapper.copying()  # (one object: every write enters it)
         self._unconfirmed = _Unconfirmed()
-        # the ids of threads with unconfirmed registrations: a read's check is a set lookup
-        # (a thread-local lookup costs ~3x more); only a thread adds or removes its own id
+        # threads with unconfirmed registrations (a set: cheaper for a read than a
+        # thread-local); each thread adds and removes only its own id
         self.unconfirmed_threads: set[int] = set()
 
     def put(self, puts: Sequence[Put], *, behind: bool = False, again: bool = True) -> None:
@@ -207,9 +196,8 @@ class Writes:
                     last = min(n, first + step)
                     piece = run.slice(first, last) if step < n else run
                     started = self._start(put, piece, first, last, hashed, threads)
-                    # While the copier threads copy, this thread makes the registration ready
-                    # (it reads no value) and, on the call's last copy, reads the earlier
-                    # calls' replies that are in (`Sealing.arrived`); the rest after the copy.
+                    # During the copy: the registration (reads no value) and, on the call's
+                    # last copy, the earlier calls' replies that are in
                     sealing = Sealing(s, put.keys[first:last], piece, size)
                     if behind and last_put and last == n:
                         self.confirm(wait=False)
@@ -275,10 +263,9 @@ class Writes:
     def _value_by_value(
         self, put: Put, n: int, size: int, hashed: bool
     ) -> tuple[list[AllocHandle | None], np.ndarray | None]:
-        """`put` value by value, when no run of its size is free: a reservation per value
-        (None where none could be made, or for an empty value) and, with `hashed`, each
-        value's checksum. A reservation may re-handshake with a restarted server that forgot
-        the region of an earlier one: then all are reserved once more."""
+        """`put` value by value: a handle per value (None: none made, or an empty value) and,
+        `hashed`, the checksums. If a re-handshake forgot an earlier reservation's region,
+        all are reserved once more."""
         s = self._s
         sizes = [size] * n if size else [int(v) for v in put.size]  # type: ignore[union-attr]
         if size and n == 1:  # (one value: `alloc` evicted for it already)
@@ -325,9 +312,8 @@ class Writes:
     def _copy(
         self, put: Put, handle: AllocHandle, first: int, last: int, started: Any
     ) -> tuple[bool, np.ndarray | None]:
-        """Finish `started`, the copy of values [first, last) of `put` into `handle`: (True,
-        checksums or None); (False, None) if the memory faulted under it: the values fail,
-        the handle's chunks are given back unsealed."""
+        """Finish `started`: (True, checksums or None); (False, None) if the memory faulted:
+        the values fail, their chunks given back unsealed."""
         try:
             if isinstance(started, CopyFaultError):  # (it faulted as it began)
                 raise started
@@ -372,11 +358,9 @@ class Writes:
         return owners, Sealing(self._s, keys, handles_all, lengths_all).send(checksums)
 
     def confirm(self, wait: bool = True) -> int:
-        """Wait until the server has registered every value this thread's write-behind calls
-        returned for: from then on every instance finds them. Returns how many values those
-        calls reported stored whose registration failed (logged, told to each put's
-        `on_late`): they read as misses. `wait=False`: those whose replies are in, oldest
-        first."""
+        """Wait for the replies of this thread's write-behind calls (`wait=False`: those in,
+        oldest first); then every instance finds their values. Returns how many values
+        reported stored were not registered (logged, told to `on_late`): they read as misses."""
         thread = threading.get_ident()
         if thread not in self.unconfirmed_threads:  # (a read's usual case)
             return 0
@@ -419,14 +403,12 @@ class StoreOutcome(Enum):
 
 
 class Sealing:
-    """A REGISTER_KV: seals `keys[i]` onto value i of `handles` (one run, or one handle per
-    key, None where nothing was reserved). Made ready first (nothing read from the values, so
-    it may be made while they are still being copied), sent by `send()` once every value is
-    written. `wait()` gives one bool per key: True when the key is stored (ours, or another
-    writer's that came first: then our chunks come back); False when it was rejected or
-    nothing was reserved for it. When the outcome is unknown (no reply, an error) the chunks
-    stay reserved: the server may have sealed some keys. A STATE_UNAVAILABLE refusal (the
-    server cannot journal) seals nothing: they return."""
+    """A REGISTER_KV sealing `keys[i]` onto value i of `handles` (one run, or one handle per
+    key, None: nothing reserved). Made without reading a value (during the copy), sent by
+    `send()` once all are written. `wait()`: per key True when stored (ours, or a first
+    writer's: our chunks come back), False if rejected or not reserved. An unknown outcome
+    keeps the chunks reserved (the server may have sealed some); STATE_UNAVAILABLE sealed
+    nothing, so they come back."""
 
     def __init__(
         self,
@@ -482,10 +464,8 @@ class Sealing:
             }
 
     def send(self, checksums: np.ndarray | None = None) -> Sealing:
-        """Send the registration: every value must be in place (a key is visible to every
-        instance once the server has it). `checksums` (with `maru_checksums`): one per key,
-        hashed during the caller's copy; without them the values are hashed here, in the
-        pool. Once only; returns self."""
+        """Send, once, with every value in place (the server makes a key visible to all).
+        `checksums` (`maru_checksums`): one per key from the copy, else hashed in the pool."""
         if self._sent:
             raise RuntimeError("Sealing.send: already sent")
         self._sent = True
@@ -523,8 +503,7 @@ class Sealing:
         )
 
     def hoped(self) -> list[bool]:
-        """What `wait()` will give if the server seals every key sent (its results once
-        decided)."""
+        """What `wait()` gives if the server seals every key sent (its results once known)."""
         if self._results is not None:
             return self._results
         if self._positions is None:
@@ -593,10 +572,10 @@ _OUTCOMES = {_REGISTERED: StoreOutcome.STORED, _EXISTS: StoreOutcome.EXISTED}
 def refuse_bad_stores(
     keys: Sequence[Any], sizes: Sequence[int], refused: Counter[str], instance_id: str
 ) -> set[int]:
-    """Positions of stores that cannot succeed: a key that is not str or bytes, empty or
-    longer than MAX_KEY_BYTES, an empty value, or (a size below 0) a value that is not
-    bytes-like. A batch with any logs one WARNING naming the first such key and why; `refused`
-    (the handler's `refused_stores`) counts them by reason."""
+    """Positions of stores that cannot succeed: a bad key (not str or bytes, empty, over
+    MAX_KEY_BYTES), an empty value, or a size below 0 (not bytes-like). One WARNING names the
+    first; `refused` (the handler's `refused_stores`) counts them by reason."""
+
     if all_keys_valid(list(keys)) and (not sizes or min(sizes) > 0):
         return set()
     reasons: dict[int, tuple[str, str]] = {}

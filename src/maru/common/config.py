@@ -1,8 +1,5 @@
-"""Configuration: the one place where sizes, booleans, numeric flags and `maru_*` keys are parsed.
-
-The SGLang adapter, the CLI and the tests all go through `MaruConfig.from_mapping` so that a
-bad value produces the same error, naming the key, wherever it came from.
-"""
+"""The one parser of sizes, booleans, numeric flags and `maru_*` keys (`MaruConfig.from_mapping`):
+a bad value gets the same error, naming its key, from the SGLang adapter, the CLI or a test."""
 
 from __future__ import annotations
 
@@ -107,10 +104,8 @@ _TCP_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[^:\[\]/\s]+):(\d{1,5})$")
 
 
 def parse_curve_key(value: Any, *, name: str, kind: str = "public key") -> str:
-    """A CURVE key: its 40 Z85 characters, or the path of a file holding them (the server
-    writes `<state-dir>/curve.pub`; `maru curve-keypair NAME` writes a client's NAME.key and
-    NAME.pub). `kind` names it in errors: "public key" (the server's), "secret key" (the
-    client's own)."""
+    """A CURVE key: its 40 Z85 characters, or a file holding them (`<state-dir>/curve.pub`, or
+    `maru curve-keypair`'s NAME.key / NAME.pub). `kind` ("public key", "secret key"): in errors."""
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{name}: expected a 40-character CURVE key or a file, got {value!r}")
     text = value.strip()
@@ -128,9 +123,8 @@ def parse_curve_key(value: Any, *, name: str, kind: str = "public key") -> str:
 
 
 def parse_server_url(value: Any, *, name: str = "server_url") -> str:
-    """'tcp://host:port', 'ipc://path' or a bare 'host:port' (which means tcp://), checked
-    here so that a typo ('http://...', a port out of range) is one clear error, not a ZMQ
-    traceback at the first request."""
+    """'tcp://host:port', 'ipc://path' or a bare 'host:port' (tcp), checked here so that a typo
+    is one clear error, not a ZMQ traceback at the first request."""
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{name}: expected 'tcp://host:port' (or host:port), got {value!r}")
     url = value.strip()
@@ -205,8 +199,7 @@ def parse_int(value: Any, *, name: str, minimum: int = 1) -> int:
 
 
 def unknown_option(key: str, known: set[str], *, prefix: str = "") -> ConfigError:
-    """The error for a key that is not a MaruConfig field: names it, the nearest valid key and
-    all of them."""
+    """The error for a key that is no MaruConfig field: it, the nearest valid key, all of them."""
     valid = sorted(prefix + k for k in known)
     near = difflib.get_close_matches(key, valid, n=1)
     hint = f"did you mean {near[0]}? " if near else ""
@@ -215,14 +208,10 @@ def unknown_option(key: str, known: set[str], *, prefix: str = "") -> ConfigErro
 
 @dataclass
 class MaruConfig:
-    """How a `MaruHandler` reaches the server and how much shared memory it may hold. Each
-    field is also a `maru_*` key (`from_mapping`); docs/configuration.md describes them all.
-
-    `pool_size` caps the bytes of the regions this instance holds in the server's pool. None is
-    taken at connect: regions are requested as data arrives, the first of `expand_size`
-    (default: a sixteenth of `pool_size`, at least 2 MiB) and each later one twice the largest
-    held, up to the cap; regions left idle are parked, and the server may take them back for
-    another instance. `auto_expand` off: one region of `pool_size`, taken by the first store.
+    """How a `MaruHandler` reaches the server and how much shared memory it may hold; each field
+    is also a `maru_*` key (`from_mapping`), all described in docs/configuration.md. `pool_size`
+    caps this instance's regions, none taken at connect: they are requested as data arrives, in
+    growing steps (`region_expand_size`), and idle ones may be taken back for another instance.
     """
 
     server_url: str = "tcp://localhost:5555"
@@ -318,17 +307,13 @@ class MaruConfig:
 
     @property
     def region_expand_size(self) -> int:
-        """The size of the first region (see the class docstring)."""
+        """The first region's size (`expand_size`; each later one is twice the largest held)."""
         return min(self.pool_size, self.expand_size or max(self.pool_size // 16, 2 << 20))
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, prefix: str = "") -> MaruConfig:
-        """Build a config from a dict such as SGLang's extra_config.
-
-        With `prefix="maru_"`, keys `maru_server_url`, `maru_pool_size`, ... are read; other keys
-        without the prefix are ignored (they belong to SGLang), but an unknown key *with* the
-        prefix is an error, because it is almost always a typo of ours.
-        """
+        """A config from a dict such as SGLang's extra_config: with `prefix="maru_"`, keys without
+        it are SGLang's (ignored), and an unknown key with it is an error (almost always a typo)."""
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         for raw_key, value in values.items():

@@ -1,9 +1,7 @@
-"""CURVE keys of clients: which clients a `maru-server --curve` talks to.
-
-With `--curve` alone, any client that knows the server's public key completes the ZeroMQ
-CURVE handshake (it makes a throwaway keypair per connection). With `--curve-clients PATH`
-the client's public key must also be on an allowlist (`read_allowlist`), and the client
-proves it holds it with its secret key (`curve_client_key`, from `maru curve-keypair NAME`).
+"""Which clients a `maru-server --curve` talks to. With `--curve` alone, any client that knows
+the server's public key completes the CURVE handshake (with a throwaway keypair); with
+`--curve-clients PATH` its public key must also be on the allowlist (`read_allowlist`), proven
+by its secret key (`curve_client_key`, from `maru curve-keypair NAME`).
 """
 
 from __future__ import annotations
@@ -46,10 +44,9 @@ def write_keypair(prefix: Path) -> tuple[str, Path, Path]:
 
 
 def read_allowlist(location: Path) -> set[str]:
-    """The client public keys at `location`: every `*.pub` file of a directory, or one file;
-    the first word of each line (past a space, a note), but for blank lines and comments
-    (first word "#": Z85 has "#", so it must stand alone). A line that is not a key is a
-    ValueError naming its file and line."""
+    """The client public keys at `location` (every `*.pub` of a directory, or one file): each
+    line's first word (a note may follow), but for blank lines and comments ("#" as a word of
+    its own, since Z85 has "#"). A line that is no key is a ValueError naming its file and line."""
     files = sorted(location.glob("*.pub")) if location.is_dir() else [location]
     keys = set()
     for path in files:
@@ -65,13 +62,10 @@ def read_allowlist(location: Path) -> set[str]:
 
 
 class ClientAllowlist:
-    """The server's CURVE client check. At connect, as the ZAP credentials provider
-    (`callback`): a client key is let in when it is listed at `location`. On every request
-    over TCP (`revoked`): a key removed since its client connected is refused from then on, as
-    ZeroMQ keeps an authenticated connection open. The files are read again when they changed
-    (a directory's or a file's mtime; `refresh`, at connect and by the server's housekeeping),
-    so a key added or removed counts without a restart; a refused key is logged once
-    per version of the list (WARNING)."""
+    """The server's CURVE client check: at connect (`callback`, the ZAP provider) a key must be
+    listed at `location`; on every TCP request (`revoked`) a key removed since is refused, as
+    ZeroMQ keeps an authenticated connection open. Changed files are read again (`refresh`: no
+    restart needed); a refused key is logged once per version of the list."""
 
     def __init__(self, location: Path):
         self.location = location

@@ -22,10 +22,9 @@ class MaruServerError(MaruError):
 
 
 class LeaseExpired(MaruError):
-    """A read lease ended (`--lease-timeout` passed, or the server restarted and forgot it)
-    before its holder was done: the keys' pages may have been freed and written again meanwhile,
-    so what was read under it must not be taken as those keys' bytes. `keys`: the hits it
-    held."""
+    """A read lease ended (`--lease-timeout`, or a server restart) before its holder was done:
+    the keys' pages may have been reused, so what was read under it is not taken as those keys'
+    bytes. `keys`: the hits it held."""
 
     def __init__(self, keys: list):
         shown = ", ".join(repr(k)[:80] for k in keys[:8]) + (", ..." if len(keys) > 8 else "")
@@ -38,14 +37,11 @@ class LeaseExpired(MaruError):
 
 
 class MaruForkedError(RuntimeError):
-    """A `MaruHandler` used in a process forked from the one that created it. The child holds
-    a copy of its parent's session credential, mapped regions and chunk allocator: what it
-    wrote or registered would land in the pages the parent hands out next, as the parent.
-    Every request, reservation and local-index read of the inherited handler raises this
-    (its `close()` only lets go of the child's copies); the child makes a handler of its own.
-
-    Not a `MaruError`: it is a bug in the caller, never a condition of the server, so no
-    path that turns a `MaruError` into a miss or a False swallows it."""
+    """A `MaruHandler` used in a process forked from its creator: with its copy of the parent's
+    credential, regions and chunk allocator, the child would write into the pages the parent
+    hands out next, as the parent. Every request, reservation and local-index read raises this
+    (`close()` only drops the child's copies). Not a `MaruError`: a caller's bug, never a server
+    condition, so no path that turns a `MaruError` into a miss or a False swallows it."""
 
     def __init__(self, created_in: int):
         super().__init__(
@@ -59,9 +55,8 @@ class MaruForkedError(RuntimeError):
 
 class MaruNotConnected(MaruError, RuntimeError):
     """A `MaruHandler` used before `connect()` succeeded or after `close()`: a RuntimeError
-    whose message starts "Not connected", as the original Maru raises (software written for
-    it catches that), and a `MaruError`, so the adapters' catch-alls keep their promise of a
-    miss or a failed store instead of an exception."""
+    starting "Not connected", as the original Maru's (software written for it catches that), and
+    a `MaruError`, so the adapters' catch-alls still give a miss or a failed store."""
 
     def __init__(self, url: str, why: str):
         super().__init__(f"Not connected to maru-server at {url}: {why}")

@@ -1,8 +1,5 @@
-"""First-fit extent allocator with alignment and coalescing.
-
-Used twice, in different units: by the server to carve regions (bytes, 2 MiB aligned) out of a
-pool, and by each client to carve pages (chunks, alignment 1) out of the regions it owns.
-"""
+"""First-fit extent allocator with alignment and coalescing: the server carves regions (bytes,
+2 MiB aligned) out of the pool with it, and each client pages (chunks) out of its regions."""
 
 from __future__ import annotations
 
@@ -84,10 +81,9 @@ class ExtentAllocator:
         return length
 
     def free_many(self, starts: Iterable[int]) -> int:
-        """Free every allocated extent that begins at one of `starts` (a start of none is
-        skipped); returns the units freed. A batch of evicted pages is mostly one run of
-        adjacent extents: they are joined first, so the free list changes once per run, not
-        once per extent."""
+        """Free every allocated extent that begins at one of `starts` (others are skipped);
+        returns the units freed. Adjacent ones (an evicted batch is mostly one run) are joined
+        first, so the free list changes once per run, not once per extent."""
         pop = self._allocated.pop
         freed = sorted((start, n) for start in starts if (n := pop(start, None)) is not None)
         run_start, run_length = -1, 0

@@ -1,11 +1,7 @@
-"""2 MiB pages for the shared mappings, wherever the filesystem under them allows it.
-
-In 4 KiB pages every random probe of the local index misses the TLB. A tmpfs mounted with
-`huge=within_size` (or `always`) gives every file 2 MiB pages; one with `huge=advise` only the
-pages first touched through a mapping that asked (MADV_HUGEPAGE). Maru asks on every mapping
-it makes and allocates the index's pages through its mapping, so that either option gives it
-2 MiB pages (docs/operations.md#huge-pages). Asking is a hint: the kernel falls back to small
-pages where it has no huge ones.
+"""2 MiB pages for the shared mappings where the filesystem allows (docs/operations.md#huge-pages):
+in 4 KiB pages every random probe of the local index misses the TLB. Maru asks (MADV_HUGEPAGE,
+a hint) on every mapping it makes and allocates the index's pages through its mapping, so that
+a tmpfs with `huge=advise` gives them 2 MiB pages as one with `huge=within_size` does.
 """
 
 from __future__ import annotations

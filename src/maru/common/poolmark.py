@@ -1,12 +1,8 @@
-"""The pool's mark: which server state serves a pool, kept in the pool's own memory.
-
-The server writes it at every start (`maru.server.cli.claim_pool`) beside the regions (never
-inside one): magic, the pool's generation, the epoch of that start (both
-`maru.server.pool.new_generation()` strings) and a digest of those. Two readers use it:
-- the server, to tell whether another server used the pool since its state was saved;
-- a client, to prove that what it maps (its `pool_path`, or the server's path) is the
-  server's pool before it reads or writes anything there (`maru.client.poolpath`): the
-  HANDSHAKE reply says where the mark lies and what it must hold.
+"""The pool's mark: which server state serves a pool, in the pool's own memory beside the
+regions (written at every start, `maru.server.cli.claim_pool`): magic, the pool's generation,
+that start's epoch, a digest. The server reads it to tell whether another server used the pool
+since its state was saved; a client, to prove that what it maps is the server's pool before it
+touches anything there (`maru.client.poolpath`; the HANDSHAKE says where and what to expect).
 """
 
 from __future__ import annotations
@@ -41,11 +37,10 @@ def decode_mark(raw: bytes) -> tuple[str, str] | None:
 
 
 def read_mark_window(path: str, offset: int, span: int) -> bytes:
-    """The mark's bytes at `offset` of `path`, through a read-only mapping of `span` bytes
-    there (a devdax device has no read(), and wants mappings aligned as the server's was).
-    Raises OSError (no such file, no permission) or ValueError (the file is shorter). Its
-    lines are evicted from this CPU's cache first: on a pod without coherence, a line cached
-    from an earlier read would show the mark of before (a refused connect, not a wrong hit)."""
+    """The mark's bytes at `offset` of `path`, through a read-only mapping of `span` bytes (a
+    devdax device has no read(), and wants aligned mappings); OSError, or ValueError (too short).
+    Its lines are evicted from this CPU's cache first: without coherence, a line cached by an
+    earlier read would show an older mark (a refused connect, not a wrong hit)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         with (

@@ -1,10 +1,7 @@
-"""Mapping a file's pages in bulk (`madvise` MADV_POPULATE_READ / MADV_POPULATE_WRITE, Linux
-5.14), shared by the client's region mapper and the cluster tier's sidecar.
-
-A page first touched through a mapping faults (several times the cost of copying it);
-populating a range maps it in one call, off the data path, and fails with an error where a
-touch would be a SIGBUS (a pool truncated under it). Populating a hole allocates memory, so
-a reader populates only the ranges a file holds pages for (`backed_extents`).
+"""Mapping a file's pages in bulk (MADV_POPULATE_READ / _WRITE, Linux 5.14), for the client's
+region mapper and the cluster tier's sidecar: a range is mapped in one call, off the data path,
+instead of a fault per first touch, and an error replaces the SIGBUS a touch would get (a pool
+truncated under it). Populating a hole allocates memory: readers populate `backed_extents` only.
 """
 
 from __future__ import annotations
@@ -49,12 +46,10 @@ def populate(address: int, size: int, advice: int) -> int:
 
 
 def backed_extents(fd: int, offset: int, length: int) -> list[tuple[int, int]]:
-    """The (start, end) byte ranges, relative to `offset`, of the file's first `length` bytes
-    from `offset` that the file holds pages for, page aligned: all of them in a file whose
-    every page is allocated (a preallocated pool: a tmpfs's SEEK_DATA calls its fallocated,
-    never written pages holes), else what SEEK_DATA / SEEK_HOLE say. A filesystem that cannot
-    say (a device): all of it. At most `MAX_EXTENTS` ranges (the first: a bounded cost,
-    however scattered the file's pages)."""
+    """The page-aligned (start, end) ranges, relative to `offset`, of the `length` bytes there
+    that the file holds pages for: all of them where every page is allocated (a tmpfs's
+    SEEK_DATA calls fallocated, unwritten pages holes) or the filesystem cannot say (a device);
+    else SEEK_DATA / SEEK_HOLE's, the first `MAX_EXTENTS` only (a bounded cost)."""
     end, extents, pos = offset + length, [], offset
     try:
         st = os.fstat(fd)

@@ -1,24 +1,15 @@
 """Wire format shared by client and server.
 
-One ZMQ frame per message: a fixed 16-byte header followed by a msgpack map. On the server's
-local Unix socket (same messages, a byte stream) each frame is preceded by its length as a
-4-byte big-endian integer (`stream_prefix`, `StreamReader`).
+One ZMQ frame per message: a 16-byte header (`HEADER`: magic, PROTOCOL_VERSION, MsgType, flags
+with FLAG_REPLY on replies, a request id the reply echoes) and a msgpack map; on the local Unix
+socket each frame is preceded by its 4-byte big-endian length (`stream_prefix`, `StreamReader`).
+A reply body is `{"ok": True, ...}` or `{"ok": False, "code": ErrorCode, "error": str}`. Only
+metadata crosses the socket, never page bytes. A request without the `session` credential its
+HANDSHAKE gave is anonymous (reads and operator actions only).
 
-    magic  b"MARU"   4 bytes
-    version          1 byte   (PROTOCOL_VERSION)
-    msg_type         1 byte   (MsgType)
-    flags            2 bytes  (FLAG_REPLY on replies)
-    request_id       8 bytes  (echoed in the reply; lets many requests be in flight)
-
-A reply body is `{"ok": True, ...fields}` or `{"ok": False, "code": ErrorCode, "error": str}`.
-Only metadata crosses this socket: keys and (region, offset, length) triples, never page bytes.
-An instance's requests carry the `session` credential its HANDSHAKE reply gave; a request
-without a valid one is anonymous (reads and operator actions only).
-
-Each message has exactly one request form and one reply form, listed in `MESSAGES` (rendered
-as docs/protocol.md by `python -m maru.common.protocol`). Per-key numbers of a batch travel as
-packed columns: one bytes value of native int64s per column (`pack_int64`), since client and
-server always share the node.
+`MESSAGES` holds each message's one request form and one reply form (docs/protocol.md, from
+`python -m maru.common.protocol`). Per-key numbers travel as packed columns of native int64s
+(`pack_int64`): client and server share the node.
 """
 
 from __future__ import annotations
@@ -40,9 +31,8 @@ STREAM_LENGTH = struct.Struct("!I")  # frame length on a stream transport
 STREAM_RECV_BYTES = 1 << 16
 FLAG_REPLY = 0x1
 
-# The name of the checksum column (REGISTER_KV, LOOKUP_KV, the journal's tag) is the hash's:
-# maru64 (`maru.client.checksum`), so that a checksum is only ever compared with one of the
-# same hash (a column of another name is not read).
+# The checksum column is named after its hash (`maru.client.checksum`): a checksum is only
+# compared with one of the same hash, as a column of another name is not read.
 CHECKSUMS = "maru64"
 
 MAX_KEY_BYTES = 1024
@@ -90,9 +80,8 @@ class ErrorCode(IntEnum):
     INTERNAL = 11
     STATE_UNAVAILABLE = 12  # the journal cannot be written: changes refused, reads go on
     QUOTA_EXCEEDED = 13  # the instance holds its quota of region bytes or leases
-    # The client's CURVE key was removed from the server's allowlist, or it is not the
-    # process that holds the session credential it presents, or (request id 0, then the
-    # connection closes) its user may not use the local socket
+    # CURVE key removed from the allowlist, or not the process holding the session credential,
+    # or (request id 0, then the connection closes) a user not allowed on the local socket
     NOT_AUTHORIZED = 14
     # No room now, but instances over their fair share of the pool were asked to give
     # regions back: a region request retried shortly gets one
@@ -154,9 +143,8 @@ def encode_error(
     *,
     version: int = PROTOCOL_VERSION,
 ) -> bytes:
-    """An error reply. `version`: the header version the peer reads; the server answers a
-    request of another protocol version in that version, so that the peer can decode the
-    error (the error body has the same form in every version) and show it."""
+    """An error reply in header `version`: a peer of another protocol version is answered in
+    its own, so it can decode the error (whose body is the same in every version)."""
     return encode(
         msg_type,
         request_id,
@@ -218,9 +206,8 @@ def stream_prefix(frame: bytes) -> bytes:
 
 
 class StreamReader:
-    """Cuts a byte stream into frames. `feed` bytes as they arrive, then take the complete
-    frames from `frames()`. A length above MAX_FRAME_BYTES is a ProtocolError: the stream
-    cannot be resynchronised after it, so the caller closes the connection."""
+    """Cuts a byte stream into frames (`feed`, then `frames()`). A length above MAX_FRAME_BYTES
+    is a ProtocolError: the stream cannot be resynchronised, so the caller closes it."""
 
     __slots__ = ("_buffer",)
 
@@ -274,9 +261,8 @@ def unix_address(address: str) -> str:
 
 
 def check_key(key: Any) -> str | bytes:
-    """`key` if it is a valid key (exactly str or bytes, not empty, at most MAX_KEY_BYTES
-    encoded), else ProtocolError (KEY_TOO_LONG or BAD_REQUEST). The one key check of the
-    project."""
+    """The project's one key check: `key` if exactly str or bytes, not empty, at most
+    MAX_KEY_BYTES encoded; else ProtocolError (KEY_TOO_LONG or BAD_REQUEST)."""
     if type(key) is str:  # exact types: what msgpack decodes and the key index holds
         if len(key) > MAX_KEY_CHARS and len(key.encode()) > MAX_KEY_BYTES:
             raise ProtocolError(ErrorCode.KEY_TOO_LONG, f"key longer than {MAX_KEY_BYTES} bytes")
@@ -314,9 +300,8 @@ MAX_COUNT = (1 << 63) - 1  # the largest byte count or size a request may carry 
 
 
 def check_count(value: Any, name: str) -> int:
-    """`value` if it is a positive int of at most MAX_COUNT (not a bool): the one range check
-    of a byte count or size a request carries (msgpack decodes up to 2**64 - 1, the C key
-    index and the journal hold int64s); else BAD_REQUEST naming the field."""
+    """The one range check of a byte count or size a request carries: `value` if an int (not a
+    bool) in [1, MAX_COUNT], as the C key index and the journal hold int64s; else BAD_REQUEST."""
     if type(value) is not int or not 0 < value <= MAX_COUNT:
         raise ProtocolError(
             ErrorCode.BAD_REQUEST,
@@ -339,9 +324,7 @@ def unpack_int64(column: Any, count: int, name: str) -> memoryview:
     return memoryview(column).cast("q")
 
 
-# -- the messages ---------------------------------------------------------------------------
-# One request form and one reply form per message: (field, type, meaning). Every reply also has
-# "ok"; a reply to an instance's request may carry "freed" (see REPLY_EXTRAS).
+# -- the messages: (field, type, meaning) per field; fields any reply may carry: REPLY_EXTRAS --
 
 I64S = "bytes: packed int64 per key"
 HANDLE = "[region_id, path, offset, length, token, owner]"

@@ -1,12 +1,8 @@
-"""What the server's and the clients' sides of the local index share: the C table
-(`maru.common._shmindex`, whose header comment is the layout), the files' names and the
-region tag.
-
-A server publishes its key index in shared memory for clients on its node
-(docs/architecture.md "The local index"): a table file only it writes, and a use-bits file
-readers mark. Both are named after the pool, `<base>.<n>` and `<base>.<n>.use`, with `n`
-growing, so that whichever server next opens the pool finds the earlier tables and retires
-them, and a reader whose table was replaced can find the current one.
+"""What the server's and the clients' sides of the local index share (docs/architecture.md,
+"The local index"): the C table (`maru.common._shmindex`, whose header comment is the layout),
+the files' names and the region tag. A table `<base>.<n>` (only the server writes it) and its
+use bits `<base>.<n>.use` are named after the pool with `n` growing, so that the next server
+finds and retires the earlier tables, and a reader whose table was replaced finds the new one.
 """
 
 from __future__ import annotations
@@ -17,17 +13,17 @@ import os
 import re
 from typing import Any
 
-from maru.common._shmindex import (
+from maru.common._shmindex import (  # (the aliased names: re-exported)
     HASH_BYTES,
     HEADER_BYTES,
-    MAX_KEY,
-    NCOLS,
     SLOT_BYTES,
-    Reader,
-    Writer,
-    format_table,
-    hash_generation,
 )
+from maru.common._shmindex import MAX_KEY as MAX_KEY
+from maru.common._shmindex import NCOLS as NCOLS
+from maru.common._shmindex import Reader as Reader
+from maru.common._shmindex import Writer as Writer
+from maru.common._shmindex import format_table as format_table
+from maru.common._shmindex import hash_generation as hash_generation
 
 SHM_DIR = "/dev/shm"
 USE_SUFFIX = ".use"
@@ -100,9 +96,8 @@ def map_area(path: str, offset: int, length: int, *, populate: bool = False) -> 
 
 
 def region_tag(token: str) -> int:
-    """A region's tag in the table: its token's first 8 bytes as a signed int64 (the token is
-    an HMAC over the region's pool path, offset, length and the pool's generation, so equal
-    tags mean the same memory of the same pool life)."""
+    """A region's tag in the table: its token's first 8 bytes as a signed int64. The token signs
+    the region's pool path, offset, length and pool generation: equal tags, same memory."""
     try:
         value = int(token[:16], 16)
     except (TypeError, ValueError):
@@ -111,31 +106,7 @@ def region_tag(token: str) -> int:
 
 
 def owned_by(fd: int, uid: int | None, *, shared_write: bool = False) -> bool:
-    """Whether the open file `fd` is owned by `uid` (the server's) and, unless
-    `shared_write` (the use bits), nobody else may write it: a reader trusts only what the
-    server wrote."""
+    """Whether `fd` is owned by `uid` (the server's) and, unless `shared_write` (the use bits),
+    writable by nobody else: a reader trusts only what the server wrote."""
     st = os.fstat(fd)
     return uid is not None and st.st_uid == uid and (shared_write or not st.st_mode & 0o022)
-
-
-__all__ = [
-    "HASH_BYTES",
-    "HEADER_BYTES",
-    "MAX_KEY",
-    "NCOLS",
-    "SLOT_BYTES",
-    "USE_SUFFIX",
-    "Reader",
-    "Writer",
-    "area_bytes",
-    "area_views",
-    "base_of",
-    "format_table",
-    "hash_generation",
-    "index_base",
-    "map_area",
-    "owned_by",
-    "region_tag",
-    "table_bytes",
-    "table_files",
-]

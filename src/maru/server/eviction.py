@@ -1,18 +1,8 @@
 """The eviction policy: which registered keys go when memory runs short (docs/architecture.md,
-"Capacity and faults").
-
-- CLOCK (second chance) rather than exact LRU: a hit only sets the key's `referenced` bit
-  (moving the key to the newest end would cost a cache miss per key of every batch at 10^6
-  keys); eviction walks the key index oldest first and gives a key with the bit set a second
-  chance (bit cleared, moved to the newest end) instead.
-- Never a pinned key (the caller asked for it to stay) and never a leased one (a reader is
-  copying its bytes right now; evicting would let its pages be rewritten mid-copy).
-- Whole regions when the pool itself is full (`reclaim`): a region whose owner is gone frees
-  only when its last key goes.
-
-Victims are dropped through the registry's one key-dropping mutator (`Registry._drop_keys`),
-which journals them and tells the pages' owners. Eviction sees only the parts of the
-registry it works on (`EvictionView`).
+"Capacity and faults"): CLOCK order; never a pinned key (the caller asked it to stay) nor a
+leased one (a reader is copying its bytes: its pages must not be rewritten mid-copy); whole
+regions when the pool itself is full (`reclaim`). Victims go through the registry's one
+key-dropping mutator (`Registry._drop_keys`), which journals them and tells the owners.
 """
 
 from __future__ import annotations
@@ -69,13 +59,11 @@ class Eviction:
         second_chance: bool = True,
         spill: bool = False,
     ) -> int:
-        """Evict idle keys (only those in `regions` if given, never those in `protect`) in
-        CLOCK order until `want_bytes` are freed; returns the bytes freed. One log line per
-        round. At most two passes (`KeyIndex.clock_victims`): the second evicts the keys the
-        first spared, so eviction makes progress even when every candidate was used.
-        `second_chance=False`: evict in index order, ignoring the bits. `spill` (a watermark
-        round, which no writer waits on): victims the cluster tier publishes first stay
-        registered, held, until it has."""
+        """Evict idle keys (only in `regions` if given, never those in `protect`) in CLOCK order
+        until `want_bytes` are freed; the bytes freed. A second pass evicts the keys the first
+        spared, so a round progresses even when every candidate was used; `second_chance=False`
+        ignores the bits. `spill` (a watermark round, which no writer waits on): victims the
+        cluster tier publishes first stay registered, held, until it has."""
         reg = self.view
         reg.harvest_marks()  # readers' use marks count as CLOCK bits
         keys, entries, freed = reg.keys.clock_victims(want_bytes, second_chance, protect, regions)
@@ -131,9 +119,7 @@ class Eviction:
 
     def reclaim(self) -> bool:
         """Free one region for a region request that found no room; True if one was freed.
-        Candidates, cheapest first: a parked region without keys; then, by CLOCK, a region
-        whose owner is gone (returned) or parked, by evicting all of its keys (not one that
-        holds a pinned or leased key)."""
+        Cheapest first: a parked region without keys, then a returned or parked one."""
         regions = self.view.regions
         for region in regions.values():
             if region.parked and not region.returned and region.live_keys == 0:
@@ -148,10 +134,9 @@ class Eviction:
         return self._free_one(candidates)
 
     def _free_one(self, candidates: set[int]) -> bool:
-        """Free one of `candidates` by evicting all of its keys (a parked one is taken back
-        from its owner first, so that it frees with its last key), tried in the order
-        eviction would reach their keys. (Evicting the bytes wanted in eviction order over all
-        candidates is not enough: when their keys interleave, it frees none.)"""
+        """Free one of `candidates` without a pinned or leased key by evicting all its keys, in
+        the order eviction would reach them (evicting the bytes wanted over all candidates at
+        once is not enough: when their keys interleave, it frees none)."""
         reg = self.view
         regions = reg.regions
         order: dict[int, None] = {}  # candidate regions, by their oldest key without the bit

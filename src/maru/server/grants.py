@@ -1,7 +1,6 @@
-"""Region grants: which instance gets a region of the pool, and what it gives back: free pool
-space, else idle regions reclaimed (`Eviction.reclaim`); a fair share of the pool for every
-live instance; quotas (`--quota-region-bytes`) per client process; parking and returning
-regions. The policy: docs/architecture.md, "Capacity: regions as data arrives".
+"""Region grants: free pool space, else idle regions reclaimed (`Eviction.reclaim`); a fair
+share for every live instance; quotas per client process; parking and returning regions.
+The policy: docs/architecture.md, "Capacity: regions as data arrives".
 """
 
 from __future__ import annotations
@@ -47,10 +46,9 @@ class RegionGrants:
     def request(
         self, instance_id: str, size: int, min_size: int | None = None, *, reclaim: bool = True
     ) -> RegionHandle:
-        """A new region for `instance_id`: `size` bytes if the pool has them free, else at
-        least `min_size` (default `size`), reclaiming idle regions until it fits; POOL_FULL
-        when nothing more can be reclaimed. `reclaim` False (a region taken ahead of need,
-        `RegionSupply.ready`): POOL_FULL at once, nobody's keys evicted for it."""
+        """A new region for `instance_id`: `size` bytes if free, else at least `min_size`
+        (default `size`), reclaiming idle regions until it fits; POOL_FULL when nothing more
+        can be. `reclaim` False (taken ahead of need): POOL_FULL at once, evicting nothing."""
         inst = self.instances.require(instance_id)
         check_count(size, "size")
         check_count(size if min_size is None else min_size, "min_size")
@@ -95,9 +93,7 @@ class RegionGrants:
         return region.handle()
 
     def fair_share(self) -> int:
-        """The bytes of regions each live instance is owed: the pool's capacity over the
-        instances. An instance below it that finds no room makes those above it give regions
-        back (`_ask_to_shed`); while it waits, no instance grows past its own share."""
+        """The bytes of regions each live instance is owed: the pool's capacity over them."""
         return self.pool.capacity // max(1, len(self.instances))
 
     def region_bytes(self, inst: Instance) -> int:
@@ -117,10 +113,9 @@ class RegionGrants:
         return held, f" (process {pid}, {len(group)} instances)"
 
     def _ask_to_shed(self, instance_id: str, share: int) -> list[str]:
-        """Ask every instance above `share` to give back what it holds over it (`shed`, on
-        its next reply; its client returns regions it holds no unsealed value in: never one
-        it may still write, the first rule); `instance_id` waits for them
-        (`wanting`). The instances asked."""
+        """Ask every other instance above `share` to give back its excess (`shed`, on its next
+        reply; its client returns only regions it holds no unsealed value in: the first rule);
+        `instance_id` waits for them (`wanting`). The instances asked."""
         asked = []
         for inst in self.instances.values():
             over = self.region_bytes(inst) - share
@@ -171,12 +166,10 @@ class RegionGrants:
     def park(
         self, instance_id: str, seq: Any, park: list[Any], unpark: list[Any]
     ) -> tuple[list[int], list[int]]:
-        """An idle owner parks regions (it will not write in them before it unparks them, so
-        the server may take them back when the pool has no room) or unparks them (before it
-        writes there again). Returns (the regions unparked, the regions named that the
-        instance no longer owns: taken back). `seq` orders an instance's park requests: one
-        not newer than the last applied is stale (a retry or a late copy) and changes nothing,
-        so a late park can never undo the unpark after which the owner writes again."""
+        """An idle owner parks regions (it will not write there before unparking, so the server
+        may take them back) or unparks them: (those unparked, those named it no longer owns).
+        A `seq` not newer than the last applied is stale (a retry or a late copy) and changes
+        nothing, so a late park can never undo the unpark after which the owner writes."""
         inst = self.instances.require(instance_id)
         if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "seq must be a non-negative integer")

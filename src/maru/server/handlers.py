@@ -1,7 +1,5 @@
-"""The per-message handlers of the RPC loop, and the table `MaruService.handle_frame` serves
-them from: one function per message type, each turning a decoded request body into a reply
-body (or raising `ProtocolError`).
-
+"""The RPC loop's handlers, one per message type, in the table `MaruService.handle_frame`
+serves: each turns a decoded request body into a reply body (or raises `ProtocolError`).
 A handler sees the service only as a `Server`; `maru.server.service` owns the loop, the
 sockets and the authentication that puts the requester's instance into the body ("iid": None
 for an anonymous request, an operator's or an unknown session's).
@@ -83,9 +81,8 @@ def _batch(body: dict[str, Any], name: str) -> list[Any]:
 
 
 def _keys(body: dict[str, Any]) -> list[Any]:
-    """The "keys" of a request that reads or changes existing keys. An oversized or mistyped
-    key is a client bug: KEY_TOO_LONG / BAD_REQUEST (that of the first bad key) rather than a
-    silent miss."""
+    """The "keys" of a request on existing keys. A bad key is a client bug: KEY_TOO_LONG or
+    BAD_REQUEST (for the first bad key) rather than a silent miss."""
     keys = _batch(body, "keys")
     if not all_keys_valid(keys):
         for key in keys:
@@ -111,13 +108,11 @@ def _instance_name(name: Any) -> str:
 
 def on_handshake(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     """Attach a process as an instance: the one its session credential names while this
-    server still has it (a reconnect, or the first contact after a server restart), else
-    a new one whose id this server picks. A process never gets another's instance by
-    choosing its name, nor one that ended (DISCONNECT voids its credential for good)."""
+    server still has it (a reconnect, or the first contact after a restart), else a new one
+    whose id this server picks. A process never gets another's instance by choosing its
+    name, nor one that ended (DISCONNECT, reaping): that credential resumes nothing again."""
     iid = server.registry.signer.session_owner(body.get("session"))
     if iid is not None and iid not in server.registry.instances:
-        # Its instance is gone (DISCONNECT, reaped, or nothing of it outlived a restart):
-        # the credential resumes nothing, ever again; its holder starts afresh.
         log.info("a credential of instance %s, which is gone: a new instance", iid)
         iid = None
     if iid is None:
@@ -129,9 +124,9 @@ def on_handshake(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     if type(chunk) is not int or not 0 < chunk < 2**40:
         chunk = 0
     regions = server.registry.instances.handshake(iid, pid, chunk)
-    # The /dev/shm index only over the Unix socket, whose peer is on this node for sure (a TCP
-    # peer may be another host, even through 127.0.0.1); the in-pool index on every socket:
-    # it lies in the pool memory the client proves by the mark before it maps anything.
+    # The /dev/shm index only over the Unix socket, whose peer is surely on this node (a TCP
+    # peer, even via 127.0.0.1, may not be); the in-pool index on every socket: the client
+    # proves that pool memory by its mark before it maps anything.
     index = server.registry.local_index
     local = index is not None and body.get("via_local") is True
     return {
@@ -237,10 +232,9 @@ def on_lookup_kv(server: Server, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def on_exists(server: Server, body: dict[str, Any]) -> dict[str, Any]:
-    """With "pull" (a client of a server with a cluster tier, after a miss): the misses the
-    cluster may hold are pulled; "pulling" says how many of them are on their way. With
-    "wait_ms" too, the reply waits (up to that and the tier's lookup budget) until none is
-    (`maru.server.cluster.waits`, kept by `handle_frame`); without, the client asks again."""
+    """With "pull" (after a miss, on a server with a cluster tier): the misses the cluster may
+    hold are pulled, "pulling" saying how many are on their way. With "wait_ms" too, the reply
+    waits (`maru.server.cluster.waits`) until none is; without, the client asks again."""
     keys = _keys(body)
     results = server.registry.exists(keys, body["iid"])
     reply: dict[str, Any] = {"results": results, "pulling": 0}

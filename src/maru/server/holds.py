@@ -1,12 +1,10 @@
 """Holds on keys: pins and read leases, what keeps a key from eviction and deletion.
 
-Both are counted on the key's entry (`KeyEntry.busy`: all that eviction and delete look at) and
-by holder, so that an instance's holds go with it when it disconnects or is reaped. A pin is a
-client's request that a key stay: until unpinned, journaled, so it outlives a restart. A lease
-holds the keys a LOOKUP_KV reader is copying right now, by their entries (ending it needs no
-lookup, and a key dropped and registered again, a new entry, is not touched by the old entry's
-lease); it ends by RELEASE or expiry (a crashed reader cannot hold keys forever), and is not
-journaled: no read outlives a restart.
+Both count on the key's entry (`KeyEntry.busy`) and by holder, so an instance's holds go with
+it. A pin (a client asks that a key stay) is journaled: it outlives a restart. A lease holds
+the entries a LOOKUP_KV reader is copying (a key dropped and registered again is a new entry,
+untouched by the old lease); it ends by RELEASE or expiry (a crashed reader cannot hold keys
+forever), and is not journaled: no read outlives a restart.
 """
 
 from __future__ import annotations
@@ -123,8 +121,7 @@ class LeaseTable(dict[int, Lease]):
         self._ids = itertools.count(self.first_id)
 
     def add(self, held: list[KeyEntry], owner: str | None, nbytes: int = 0) -> int:
-        """A lease on `held` (`nbytes` of keys), whose `leases` counts the caller already
-        raised."""
+        """A lease on `held` (`nbytes` of keys); the caller already raised their lease counts."""
         lease_id = next(self._ids)
         self[lease_id] = Lease(owner, held, nbytes)
         heapq.heappush(self._expiry, (time.monotonic() + self.seconds, lease_id))
@@ -146,10 +143,9 @@ class LeaseTable(dict[int, Lease]):
         return True
 
     def release(self, lease_ids: list[Any], owner: str | None) -> int:
-        """RELEASE by `owner`: how many leases it ended. A lease taken by an instance is ended
-        only by that instance: lease ids are sequential, and a stray or buggy RELEASE must not
-        let another reader's pages be evicted mid-copy. (A lease taken without an instance id
-        can be ended by anyone.)"""
+        """RELEASE by `owner`: how many leases it ended. Only the instance that took a lease ends
+        it (ids are sequential: a stray RELEASE must not let another reader's pages be evicted
+        mid-copy); one taken without an instance id, anyone."""
         ended = 0
         for lease_id in lease_ids:
             lease = self.get(lease_id) if type(lease_id) is int else None  # not a bool

@@ -1,9 +1,5 @@
 """What the server does between requests, on its one thread: expire read leases, end region
-holds, reap instances, check the pool file, snapshot the journal, freeze the heap.
-
-Each runs at most as often as it needs: reaping every min(1 s, heartbeat timeout / 4), the
-pool check every second, a snapshot when the journal asks for one (retried every
-SNAPSHOT_RETRY_S while it fails). The journal is fsynced by its own thread, not here."""
+holds, reap instances, check the pool file, snapshot the journal, freeze the heap."""
 
 from __future__ import annotations
 
@@ -24,13 +20,10 @@ SNAPSHOT_RETRY_S = 1.0  # while a snapshot is needed and failing, try again this
 
 
 def freeze_heap(full: bool = False) -> None:
-    """Collect the young generations (everything with `full`), then move every object the
-    cyclic GC tracks into its permanent generation (`gc.freeze`), where no collection scans it.
-
-    Why: a collection walking a registry of 10^6 keys stalls every client (docs/operations.md,
-    "Memory and the garbage collector"). Cost: a reference cycle among frozen objects is never
-    collected; the registry makes none, and the young collection before each freeze bounds
-    the rest."""
+    """Collect the young generations (all with `full`), then `gc.freeze` every tracked object
+    so that no collection walks the registry (docs/operations.md, "Memory and the garbage
+    collector"). Frozen cycles are never collected: the registry makes none, and the collection
+    before each freeze takes the rest."""
     gc.collect() if full else gc.collect(1)
     gc.freeze()
 
@@ -51,8 +44,8 @@ class Housekeeping:
     _snapshot_log: Throttle = field(default_factory=lambda: Throttle(60.0))
 
     def run(self, now: float | None = None) -> None:
-        """While the journal cannot be written, reaping waits (it would journal "X" and "T"
-        records) and the snapshot, the way back, is retried every SNAPSHOT_RETRY_S."""
+        """While the journal cannot be written, reaping waits (it journals "X" and "T" records)
+        and the snapshot, the way back, is retried every SNAPSHOT_RETRY_S."""
         now = time.monotonic() if now is None else now
         self.registry.leases.expire(now)
         self.registry.regions.end_holds(now)
@@ -88,10 +81,9 @@ class Housekeeping:
                 )
 
     def check_pool(self) -> None:
-        """The pool file deleted, replaced or shrunk under the server: the registered keys
-        point at bytes that are gone (or at zeros). Stop serving at once, before the next
-        request, so no stale location is handed out; `maru-server` then exits with status 3
-        and marks its saved state unusable (a restart starts a new generation)."""
+        """The pool file deleted, replaced or shrunk under the server: its keys point at bytes
+        that are gone. Stop before the next request, so no stale location is handed out;
+        `maru-server` then exits with status 3 and marks its saved state unusable."""
         pool = self.registry.pool
         reason = pool.changed()
         if reason is None:

@@ -1,10 +1,7 @@
-"""Who is connected: the instances the server knows, their session credentials and the
-processes behind them, and their lifecycle: handshake, sign of life, disconnect, reaping.
-
-An instance is a credential the server issued (`open_session`), not a PID or a name; what it
-holds (regions, pins, leases) goes when it disconnects or is reaped. A credential resumes its
-instance only while the server has it: once the instance is gone (DISCONNECT, reaped, or
-nothing of it outlived a restart) a HANDSHAKE presenting it gets a new instance.
+"""Who is connected: the instances the server knows, their session credentials and processes,
+and their lifecycle (handshake, sign of life, disconnect, reaping). An instance is a
+credential the server issued (`open_session`), not a PID or a name; what it holds (regions,
+pins, leases) goes when it disconnects or is reaped, and its credential then resumes nothing.
 """
 
 from __future__ import annotations
@@ -98,10 +95,9 @@ class InstanceTable(dict[str, Instance]):
                 self.routes[route] = instance_id
 
     def route_dropped(self, route: bytes) -> None:
-        """A TCP connection closed (`TcpEndpoint`'s socket monitor). If it was the last of an
-        instance whose process the server does not watch, show the instance as dropped
-        (gone) now. Reaping still waits for the heartbeat timeout: a dropped connection may
-        be a live process on another host, which ZeroMQ reconnects."""
+        """A TCP connection closed (`TcpEndpoint`'s socket monitor): the last of an instance
+        whose process is not watched shows it dropped. Reaping still waits for the heartbeat
+        timeout: it may be a live process on another host, which ZeroMQ reconnects."""
         instance_id = self.routes.pop(route, None)
         inst = self.get(instance_id) if instance_id is not None else None
         if inst is None:
@@ -119,10 +115,9 @@ class InstanceTable(dict[str, Instance]):
         )
 
     def handshake(self, instance_id: str, pid: int, chunk_size: int = 0) -> list[RegionHandle]:
-        """(Re)attach an instance; returns the regions it still owns (after a reconnect).
-        `chunk_size` (the client's allocation unit, 0 if unknown) only feeds the page
-        statistics; a client that changed it before storing anything (MaruStorage, once it
-        knows SGLang's page size) re-handshakes, and its empty regions count in the new unit."""
+        """(Re)attach an instance; the regions it still owns (after a reconnect). `chunk_size`
+        (the client's allocation unit, 0: unknown) feeds only page statistics; a re-handshake
+        with a new one (MaruStorage learning SGLang's page size) recounts empty regions in it."""
         if not isinstance(instance_id, str) or not instance_id or len(instance_id) > 128:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "instance_id must be a non-empty string")
         inst = self.get(instance_id)
@@ -147,13 +142,10 @@ class InstanceTable(dict[str, Instance]):
     def disconnect(
         self, instance_id: str, reason: str = "disconnected", hold: float = 0.0
     ) -> tuple[int, int, int]:
-        """Forget an instance: drop its pins and leases; its regions become owner-less and are
-        freed once no key points into them (its keys stay readable until evicted) and `hold`
-        seconds have passed. Returns the counts of pins, leases and regions let go.
-
-        Journal first, step by step ("X", then a "T" per region): if a record cannot be written
-        (`JournalWriteError`), what was journaled is done, the rest is not, and the instance
-        stays, with the regions it still owns, for a later attempt."""
+        """Forget an instance: drop its pins and leases; its regions (their keys stay readable)
+        free once no key points into them and `hold` seconds have passed. The counts of pins,
+        leases and regions let go. Journal first, step by step ("X", then a "T" per region): on
+        `JournalWriteError` the rest waits, the instance staying with the regions it owns."""
         inst = self.get(instance_id)
         if inst is None:
             return 0, 0, 0
@@ -181,10 +173,9 @@ class InstanceTable(dict[str, Instance]):
 
     def reap(self, timeout: float, now: float | None = None) -> list[str]:
         """Disconnect dead instances: at once those whose watched processes all exited; after
-        `timeout` seconds of silence those whose process is not watched, their regions then
-        held for `reap_hold` seconds (the process may only be paused). An instance whose
-        process is watched and alive is never reaped for silence: stopped or paused, it may
-        resume and write into its regions at any moment (`maru.server.processes`)."""
+        `timeout` s of silence those whose process is not watched, their regions then held for
+        `reap_hold` s (it may only be paused). A watched, live process is never reaped for
+        silence: stopped, it may resume writing into its regions (`maru.server.processes`)."""
         now = time.monotonic() if now is None else now
         exited = set(self.processes.exited())
         dead: list[tuple[str, str, float]] = []

@@ -1,16 +1,12 @@
 """Registry persistence: a checksummed append-only journal plus generation-numbered snapshots.
 
-The journal records every change to regions and keys; a restart loads the newest snapshot and
-replays the journal of the same generation. Framing: `[length u32][crc32 u32][msgpack
-record]`; replay stops at the first short or damaged record (a torn write) and truncates it.
-
-Each record is written with `os.write` before the request is answered; `fsync` runs on a
-background thread (the syncer) at most every `fsync_interval`. `append` writes a whole frame
-or raises `JournalWriteError`, and every later append raises until a snapshot succeeds, since
-no record may follow a gap; a failed fsync (the kernel may have dropped the unwritten pages)
-sets `sync_error`. Either way `needs_snapshot` asks the server loop for a fresh snapshot of
-the in-memory registry, which is complete. The guarantees and the tests that prove them:
-docs/reliability.md, "Server crashes".
+A restart loads the newest snapshot and replays the journal of its generation up to the first
+short or damaged record (a torn write), which it truncates. Each record is written before its
+request is answered, and fsynced by a background thread (the syncer) at most every
+`fsync_interval`. After a failed append every append raises `JournalWriteError` until a
+snapshot succeeds (no record may follow a gap); a failed fsync (the kernel may have dropped the
+unwritten pages) sets `sync_error`; either way `needs_snapshot` asks for a snapshot of the
+in-memory registry, which is complete (docs/reliability.md, "Server crashes").
 """
 
 from __future__ import annotations
@@ -213,9 +209,8 @@ class Journal:
     # -- fsync -----------------------------------------------------------------------------
 
     def _sync_loop(self) -> None:
-        """The syncer: fsync the current journal file when it is dirty, at most every
-        `fsync_interval` seconds (start to start). `os.fsync` releases the GIL, so the request
-        thread carries on meanwhile."""
+        """The syncer: fsync the journal when dirty, at most every `fsync_interval` (start to
+        start). `os.fsync` releases the GIL, so the request thread carries on meanwhile."""
         while True:
             self._wake.wait()
             if self._closing.is_set():
@@ -226,9 +221,8 @@ class Journal:
             self.sync(clear_wake=True)
 
     def sync(self, clear_wake: bool = False) -> bool:
-        """fsync now, on the calling thread, if there is unsynced data (the syncer does this by
-        itself at most every `fsync_interval`). Never raises: a failure is logged and recorded
-        in `sync_error`. False if the fsync failed."""
+        """fsync now, on the calling thread, if there is unsynced data. Never raises: a failure
+        is logged and recorded in `sync_error`, and returns False."""
         with self._lock:
             if clear_wake and not self._closing.is_set():  # (close() sets both under the lock)
                 self._wake.clear()
@@ -269,8 +263,7 @@ class Journal:
         state = dict(state, generation=generation)
         new_journal = self._journal_path(generation)
         # The old journal's tail first: until the new snapshot's rename is on disk, a machine
-        # crash restarts from the old snapshot and this journal. (A failure is logged; the
-        # snapshot below covers those records anyway.)
+        # crash replays this journal (a failure is logged: the snapshot covers it anyway).
         self.sync()
         new_journal.unlink(missing_ok=True)
         new_fd, new_size = self._open(new_journal)  # before the directory fsync below

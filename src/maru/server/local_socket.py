@@ -1,18 +1,12 @@
-"""The server's Unix socket: the same request frames as the ROUTER socket, for clients on this
-node (every client maps the pool, so nearly all are), without ZMQ's I/O threads in the round
-trip: two threads woken per request instead of four. The HANDSHAKE reply names this socket;
-clients that cannot reach it (another network namespace) stay on ZMQ.
+"""The server's Unix socket: the ROUTER socket's request frames, length-prefixed on a stream
+(`protocol.StreamReader`), for clients on this node without ZMQ's I/O threads in the round
+trip (docs/architecture.md, "Wire protocol").
 
-Frames are length-prefixed on the stream (`maru.common.protocol.StreamReader`). Sockets are
-non-blocking and replies are buffered per connection, so a client that stops reading stalls
-only itself: past `OUT_LIMIT` buffered bytes its requests are not answered, nor read, until it
-catches up.
-
-Only processes that may map the pool come in (`LocalDoor`); anyone else's connection gets one
-NOT_AUTHORIZED frame and is closed, before any of its requests is read. A connection whose
-descriptor number comes within `FD_RESERVE` of the process's limit gets one LOCAL_SOCKET_FULL
-frame and is closed, so the journal, snapshots and TCP clients always find descriptors (the
-kernel hands out the lowest free number: a high one means that many are open).
+Sockets are non-blocking and replies buffered per connection, so a client that stops reading
+stalls only itself: past `OUT_LIMIT` buffered bytes its requests are neither read nor answered.
+A connection refused by `LocalDoor`, or whose descriptor comes within `FD_RESERVE` of the
+process's limit (the kernel hands out the lowest free number), gets one error frame and is
+closed before any of its requests is read: the journal and TCP clients always find descriptors.
 """
 
 from __future__ import annotations
@@ -46,12 +40,10 @@ FD_RESERVE = 64  # descriptors below the limit that connections never take
 
 
 def local_address(spec: str | None, endpoint: str, tag: str = "") -> str | None:
-    """The address to listen on for `--local-socket spec`: "none" disables it, "@name" is an
-    abstract name, a path a socket file, and "auto" an abstract socket named after the ZMQ
-    endpoint and `tag` (the server's `TokenSigner.server_tag`). The endpoint makes the name
-    unique in this network namespace, like the TCP port; the tag keeps a client in another
-    namespace, which another server's `tcp://0.0.0.0:5555` also names, from reaching that
-    one, and stays the same across restarts so that clients reconnect."""
+    """The address to listen on for `--local-socket spec` (None: "none"). "auto": an abstract
+    name of the ZMQ endpoint (unique in this network namespace, like the TCP port) and `tag`
+    (`TokenSigner.server_tag`: the same across restarts, so clients reconnect, and never
+    another server's, which a client in another namespace could reach by the same endpoint)."""
     if spec is None or spec.lower() in ("", "none", "off"):
         return None
     if spec == "auto":
@@ -60,12 +52,10 @@ def local_address(spec: str | None, endpoint: str, tag: str = "") -> str | None:
 
 
 class LocalDoor:
-    """Who may use the local socket: the server's own user, root (no file mode keeps it from
-    the pool or the state dir), the uids listed with `--local-uids`, and with `--pool-group`
-    that group's members (primary or supplementary, as the kernel took them at connect:
-    SO_PEERCRED, SO_PEERGROUPS). That is, the processes that may map the pool: anyone else
-    could not open the pool file, and nothing the socket offers is theirs (a DELETE_PREFIX
-    of theirs would drop every key)."""
+    """Who may use the local socket: the processes that may map the pool (the server's user,
+    root, whom no file mode keeps out, `--local-uids`, and `--pool-group`'s members, primary or
+    supplementary, as the kernel took them at connect). Nothing the socket offers is anyone
+    else's (a DELETE_PREFIX of theirs would drop every key)."""
 
     def __init__(self, uids: Iterable[int] = (), gid: int | None = None):
         self.uids = frozenset({os.geteuid(), 0, *uids})
@@ -191,9 +181,8 @@ class LocalSocketServer:
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
-                # Out of file descriptors (EMFILE, ENFILE), say: the connection stays queued
-                # and the listener stays readable, so polling it would spin. Stop watching it
-                # for a while (one log line per pause); TCP clients are still served.
+                # Out of file descriptors, say: the connection stays queued and the listener
+                # readable, so polling it would spin; stop watching it for a while.
                 log.warning(
                     "local socket: accept failed (%s); not accepting for %.0f s",
                     exc,
@@ -266,9 +255,8 @@ class LocalSocketServer:
         return True
 
     def _flush(self, conn: Peer) -> None:
-        """Send buffered replies, then choose what to poll for: requests (POLLIN); POLLOUT
-        while replies are left to send, or while complete requests wait in the buffer (the
-        socket is writable, so poll returns at once and they get their turn)."""
+        """Send buffered replies, then poll for requests, and for POLLOUT while replies are left
+        or complete requests wait (the socket is writable: poll returns at once for them)."""
         out = conn.out
         while out:
             try:

@@ -1,18 +1,12 @@
-"""The server's side of the local index: its key index published in shared memory, so that
-clients find keys without a request (docs/architecture.md, "The local index" and "The
-in-pool index"; the layout is in `maru.common._shmindex`).
+"""The server's side of the local index: its key index in shared memory, for clients to find
+keys without a request (docs/architecture.md, "The local index", "The in-pool index").
 
-The registry calls it from its two key mutators, after the change is journaled: `publish`
-from `_add_keys`, `remove` from `_drop_keys` *before* the keys' pages can be reused (before
-their owner is told they are free, before their region is freed). A table that cannot be made
-(no room on /dev/shm) turns the index off: clients then use the request path. On the pool's
-own tmpfs a table is made only if the filesystem keeps room for what the pool may still
-allocate: else the pool's last pages would be unbacked (SIGBUS in the client that touches
-them).
-
-With `maru-server --index-slots` the one table lies inside the pool instead (`_PoolTable`):
-its capacity is fixed, and a key that finds no room is not published and makes the table
-`incomplete`, so that readers ask the server for their misses.
+The registry calls `publish` after a change is journaled, and `remove` *before* the keys' pages
+can be reused (before their owner is told they are free or their region is freed): what a
+reader validates is then the key's bytes. A table that cannot be made (no room on /dev/shm, or
+not beside what the pool may still allocate there) turns the index off: clients use requests.
+The in-pool table (`--index-slots`, `_PoolTable`) has a fixed capacity: a key that finds no
+room is not published and makes it `incomplete`, so readers ask the server for their misses.
 """
 
 from __future__ import annotations
@@ -46,9 +40,8 @@ INITIAL_CAPACITY = 1 << 16  # slots (12.5 MiB): small deployments pay little; gr
 
 
 class _PoolTable:
-    """The table inside the pool (`Pool.index_area`: file, offset, bytes, slots), mapped
-    read-write through the pool's path: formatted anew at every start (a new index id), so
-    that a reader of an earlier one never proves a copy by it. `retire` is `_Table`'s."""
+    """The table inside the pool (`Pool.index_area`), mapped read-write through the pool's path
+    and formatted at every start with a new index id: no reader of an earlier one proves a copy."""
 
     path = None  # (no file of its own: `offer` names its place)
 
@@ -133,8 +126,6 @@ class _Table:
                     if group:
                         os.fchown(fd, -1, gid)
                     os.fchmod(fd, mode)
-                    # every page now (ENOSPC now, never SIGBUS on a write), 2 MiB ones where
-                    # the mount allows: a probe then misses no TLB entry (`hugepages`)
                     self.maps.append(hugepages.map_allocated(fd, size))
                 finally:
                     os.close(fd)
@@ -353,8 +344,8 @@ class LocalIndex:
             self.table.writer.remove(keys)
 
     def harvest_into(self, key_index: Any) -> int:
-        """Set the CLOCK bit of every key readers marked used since the last harvest (and
-        clear the marks). Returns how many keys."""
+        """Set the CLOCK bit of the keys readers marked used since the last harvest, clearing
+        the marks; returns how many."""
         if self.table is None:
             return 0
         used = self.table.writer.harvest()

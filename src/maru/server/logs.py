@@ -1,8 +1,5 @@
-"""Log setup for `maru-server`: one line per event, as text or as JSON (`--log-format json`).
-
-A JSON line is one object: `ts` (ISO 8601, UTC, milliseconds), `level`, `logger`, `msg`, plus
-`instance` / `region` when the event names them, and `exc` for a traceback.
-"""
+"""Log setup for `maru-server`: one line per event, as text or as JSON (`--log-format json`,
+whose fields docs/configuration.md lists)."""
 
 from __future__ import annotations
 
@@ -50,8 +47,7 @@ def configure_logging(
 
 class Throttle:
     """At most one log line per key every `interval` seconds, for events that can repeat on
-    every request under load (an eviction to make room for each store, a refused region
-    expansion). Lines held back are counted and reported with the next line of that key."""
+    every request under load; lines held back are counted in the next line of that key."""
 
     def __init__(self, interval: float = 10.0):
         self.interval = interval

@@ -1,16 +1,9 @@
-"""The server's statistics: the dict STATS returns, and its export as Prometheus metrics for
-`maru-server --metrics-port`.
-
-The registry's part (`registry_stats`) is built on demand, O(instances + regions), from the
-bookkeeping the registry keeps anyway; a custom collector reads the whole dict at scrape time,
-so nothing is counted twice. The HTTP server runs on a background thread while the RPC thread
-keeps mutating the registry: the statistics are built from copies (`list(...)` of a dict is
-atomic under the GIL; regions are looked up with `.get`) and the read is retried when a dict
-changed size under it (`read_stats`).
-
-`prometheus_client` is a dependency of the distribution, but may be missing (`--no-deps`):
-nothing here imports it at module level, so `maru-server` without `--metrics-port` runs anyway
-(`maru.server.cli` checks for it before starting).
+"""The server's statistics: the dict STATS returns, and its Prometheus export (`--metrics-port`),
+both built on demand from the registry's own bookkeeping, so nothing is counted twice. The HTTP
+thread reads while the RPC thread mutates the registry: the statistics are built from copies
+(`list(...)` of a dict is atomic under the GIL; regions looked up with `.get`), and a read is
+retried when a dict changed size under it (`read_stats`). `prometheus_client` is imported only
+where used: it may be missing (`--no-deps`), and a server without `--metrics-port` runs anyway.
 """
 
 from __future__ import annotations
@@ -46,11 +39,9 @@ LATENCY_BUCKETS = (
 
 
 class RequestStats:
-    """Per message type served: request count, total seconds, errors, and the non-cumulative
-    counts of the histogram whose upper bounds are LATENCY_BUCKETS (one more bucket counts the
-    slower ones); plus requests that were not a message we serve (`invalid`). The loop thread
-    records; the metrics thread reads: every entry exists from the start, so the reader never
-    meets a dict that changes size."""
+    """Per message type served: count, total seconds, errors and non-cumulative LATENCY_BUCKETS
+    counts; plus requests that were no message we serve (`invalid`). The loop thread records,
+    the metrics thread reads: every `ops` entry exists from the start, so it never changes size."""
 
     def __init__(self, msg_types: list[int]):
         # per type: [count, total seconds, bucket counts, errors]

@@ -1,9 +1,7 @@
 """The registry's state as the journal keeps it: a snapshot, and the replay of records after it.
 
-A restart replays every record through the registry mutator that wrote it (`Registry._add_keys`
-/ `_drop_keys`, `Pins`, `RegionTable.restore` / `release` / `free`): live requests and recovery
-share one implementation of each rule. The journal file itself (framing, fsync, snapshot
-rotation) is `maru.server.journal`; leases are not kept (a restart ends every read).
+A restart replays each record through the registry mutator that wrote it, so live requests and
+recovery share one implementation of each rule. Leases are not kept (a restart ends every read).
 """
 
 from __future__ import annotations
@@ -38,10 +36,9 @@ def snapshot(registry: Registry) -> dict[str, Any]:
 
 
 def restore(registry: Registry, snapshot: dict[str, Any] | None, records: list[Any]) -> None:
-    """Rebuild regions, keys and pins from a snapshot plus the journal records after it.
-
-    Owners of restored regions are re-created as instances that must handshake again within
-    the heartbeat timeout, or be reaped like any silent client."""
+    """Rebuild regions, keys and pins from a snapshot plus the journal records after it. Owners
+    of restored regions become instances that must handshake again within the heartbeat
+    timeout, or are reaped like any silent client."""
     regions, instances = registry.regions, registry.instances
     journal, registry.journal = registry.journal, None  # replay must not write the journal again
     try:

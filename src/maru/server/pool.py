@@ -1,9 +1,7 @@
-"""Server-side pool kinds. A pool is a byte range every client can mmap; regions are carved from it.
-
-The kind is told by the path given to `maru-server --pool`:
-- a directory                   -> `FsDaxPool`: one file per region (DAX-mounted fs in production)
-- `/dev/dax*` or a char device  -> `DevDaxPool`: a CXL/PMEM device, size/alignment from sysfs
-- any other path                -> `ShmPool`: one sparse file, by default under /dev/shm
+"""Server-side pool kinds: a byte range every client can mmap, regions carved from it. The path
+of `maru-server --pool` tells the kind (`open_pool`): a directory is an `FsDaxPool` (a file per
+region), `/dev/dax*` or a char device a `DevDaxPool` (size and alignment from sysfs), any other
+path a `ShmPool` (one sparse file, by default under /dev/shm).
 """
 
 from __future__ import annotations
@@ -60,9 +58,8 @@ def new_generation() -> str:
 
 
 def check_free_space(pool_path: str, directory: str, need: int) -> None:
-    """A pool must not promise more than backs it: a tmpfs that runs out of room while a
-    client touches a page kills that client with SIGBUS. `need`: bytes the pool may still
-    allocate on `directory`'s filesystem."""
+    """Raise PoolError unless `directory`'s filesystem has the `need` bytes the pool may still
+    allocate there: a tmpfs out of room kills the client that touches a page (SIGBUS)."""
     if need <= 0:
         return
     vfs = os.statvfs(directory)
@@ -145,9 +142,8 @@ class Pool(ABC):
         return self.capacity - self.used
 
     def unallocated_on(self, directory: str) -> int:
-        """Bytes the pool may still allocate on `directory`'s filesystem (0 on another one,
-        or for a device): what anything else the server makes there (the local index) must
-        leave free, or a client touching a page of the pool dies of SIGBUS."""
+        """Bytes the pool may still allocate on `directory`'s filesystem (0 on another one, or
+        for a device): what the local index must leave free there (see `check_free_space`)."""
         try:
             if os.stat(self.path).st_dev != os.stat(directory).st_dev:
                 return 0
@@ -202,9 +198,8 @@ class Pool(ABC):
             self.write_mark(self.generation, new_generation())
 
     def handshake_fields(self) -> dict:
-        """The HANDSHAKE reply's `pool` map: `stats()` and the `mark` a client reads through
-        the path it maps before it uses it (`maru.client.poolpath`): what it holds, and where
-        it lies (`file` relative to the pool's path, "" for the pool file itself)."""
+        """The HANDSHAKE reply's `pool` map: `stats()`, and the `mark` a client reads through the
+        path it maps before using it (`maru.client.poolpath`): what it holds, and where it lies."""
         generation, epoch = self.mark if self.mark is not None else ("", "")
         return {
             **self.stats(),
@@ -251,10 +246,9 @@ def _apply_group(path: str, group: str | None) -> None:
 
 
 class FilePool(Pool):
-    """One file or device, regions carved first-fit at `alignment`. The mark lies in a window
-    of `mark_span` bytes at `mark_offset`, past the last region; read and written through a
-    mapping of it (a devdax device has no read or write, and wants aligned mappings). With
-    `index` (offset, bytes, slots) the in-pool key index lies there, past the last region too."""
+    """One file or device, regions carved first-fit at `alignment`. Past the last region lie the
+    mark, in a window of `mark_span` bytes at `mark_offset` (mapped: a devdax device has no read
+    or write), and with `index` (offset, bytes, slots) the in-pool key index."""
 
     def __init__(
         self,
@@ -310,16 +304,12 @@ class FilePool(Pool):
 
 
 class ShmPool(FilePool):
-    """A sparse file (tmpfs under /dev/shm): the embedded default, no hardware needed.
-
-    An existing file is reused, never truncated, so pages outlive a server restart. A file
-    shorter than the capacity lost bytes (someone truncated it): `truncated_from` says so and
-    the server starts a new generation. With `lock` (the server) the file is flocked for the
-    pool's life; the free space of its filesystem must cover what the file may still allocate,
-    and `preallocate` allocates all of it now (`posix_fallocate`). The file is one page longer
-    than the capacity: that page holds the pool's mark; the in-pool index (`index_slots`)
-    follows it.
-    """
+    """A sparse file (tmpfs under /dev/shm): the embedded default, no hardware needed. An
+    existing file is reused, never truncated, so pages outlive a server restart; a shorter one
+    lost bytes (`truncated_from`: the server starts a new generation). With `lock` (the server)
+    it is flocked, and its filesystem must have room for what it may still allocate
+    (`preallocate`: all of it now). The page past the capacity holds the mark, then comes the
+    in-pool index (`index_slots`)."""
 
     kind = "shm"
 
@@ -410,13 +400,9 @@ class ShmPool(FilePool):
 
 
 class DevDaxPool(FilePool):
-    """A devdax character device (CXL memory, PMEM). Size and alignment come from sysfs. Its
-    last alignment unit holds the pool's mark, the units before it the in-pool index
-    (`index_slots`): the capacity is at most the rest.
-
-    A regular file may stand in for the device (tests): its size is the device's, alignment
-    REGION_ALIGNMENT.
-    """
+    """A devdax character device (CXL memory, PMEM), size and alignment from sysfs (a regular
+    file stands in for one in tests). Its last alignment unit holds the mark, the units before
+    it the in-pool index (`index_slots`): the capacity is at most the rest."""
 
     kind = "devdax"
 
@@ -479,14 +465,7 @@ class FsDaxPool(Pool):
     LOCK_FILE = ".maru-server.lock"
     MARK_FILE = ".maru-pool.mark"
 
-    def __init__(
-        self,
-        path: str,
-        capacity: int,
-        group: str | None = None,
-        *,
-        lock: bool = False,
-    ):
+    def __init__(self, path: str, capacity: int, group: str | None = None, *, lock: bool = False):
         super().__init__(path, capacity, REGION_ALIGNMENT)
         self._group = group
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -564,9 +543,9 @@ def open_pool(
     preallocate: bool = False,
     index_slots: int = 0,
 ) -> Pool:
-    """Pick the pool kind from the path (see module docstring). `lock`: hold it for this
-    process's life (the server), refusing a pool another server holds. `index_slots`: the
-    in-pool key index's slots (`--index-slots`; 0: none; a directory pool has none)."""
+    """The pool at `path`, of the kind it names (module docstring). `lock`: held for this
+    process's life (the server), refused if another server holds it. `index_slots`: the
+    in-pool key index's (`--index-slots`; 0 and a directory pool: none)."""
     p = Path(path)
     if path.endswith("/") or p.is_dir():
         if capacity is None:

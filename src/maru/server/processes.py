@@ -1,22 +1,14 @@
 """Which clients' processes still run: is a silent instance dead, or only paused?
 
-A writer reserves chunks of its own region and writes into them without asking the server.
-If the server took the region from a silent writer and gave it to another instance, the
-writer could resume (after SIGSTOP, a long GC pause, swapping) and write into the new owner's
-pages: a wrong hit for every reader of them. Silence alone cannot tell a paused process from
-a dead one; the kernel can.
-
-A client on the server's Unix socket is a process the kernel names: the connection's peer
-pidfd (`maru.common.peer.peer_pidfd`) follows that very process, never one that later gets
-its pid, and polls readable once it has exited. So an instance whose process is watched is
-judged by it: alive (running, stopped, paused), it keeps everything however long it is
-silent; exited, it is reaped at once. An instance without a watched process (TCP clients, a
-client in another pid namespace, every instance after a server restart until it speaks on the
-Unix socket again) is judged by its silence, and its regions are held back after a reap
-(`InstanceTable.reap`).
-
-The same pidfd makes a credential one process's (`ProcessWatch.claim`,
-`MaruService.handle_frame`).
+A writer writes into its region's chunks without asking the server, so giving a silent
+writer's region to another instance is safe only once the writer is dead: a paused one (SIGSTOP,
+a long GC pause, swapping) would resume into the new owner's pages, a wrong hit for their
+readers. Silence cannot tell paused from dead; the kernel can. A Unix-socket client's peer pidfd
+(`maru.common.peer.peer_pidfd`) follows that very process, never a later holder of its pid, and
+polls readable once it has exited: a watched instance keeps everything however long it is
+silent, and is reaped as soon as its process exits. An unwatched one (TCP, another pid
+namespace, any instance after a server restart until it speaks on the Unix socket) is judged by
+its silence, its regions held back after a reap (`InstanceTable.reap`).
 """
 
 from __future__ import annotations
@@ -39,15 +31,11 @@ class ProcessWatch:
         self._holders: dict[str, tuple[int, int]] = {}  # instance id -> (pid, pidfd)
 
     def claim(self, instance_id: str, sock: socket.socket) -> str | None:
-        """Speak for `instance_id` as the process at the other end of `sock` (a Unix
-        connection a request of the instance came on): None if that process holds the
-        instance, or now does (the first to claim it, watched from now on); else why not.
-
-        A credential lives in one process: another process presenting it (a child forked
-        after connecting, a copy handed to a stranger) would write into the pages its
-        holder hands out next, or return the holder's regions. Checked once per connection
-        and instance: a connection is its connecting process's. A holder that has exited
-        holds on until the instance is reaped: its pid may already be another process's."""
+        """Speak for `instance_id` as the peer process of `sock` (a Unix connection): None if
+        that process holds the instance or, the first to claim it, now does; else why not.
+        A credential is one process's: another presenting it (a child forked after connecting,
+        a stranger given a copy) would write into pages its holder is handed next, or return
+        its regions. An exited holder holds on until the reap: its pid may be reused."""
         held = self._holders.get(instance_id)
         if held is None:
             peer = peer_pidfd(sock)
@@ -67,8 +55,7 @@ class ProcessWatch:
         return held[0] if held is not None else None
 
     def add(self, instance_id: str, pid: int, pidfd: int) -> None:
-        """Watch `pidfd` (owned from now on) as `instance_id`'s process: `claim` without a
-        socket."""
+        """Watch `pidfd` (now owned) as `instance_id`'s process: `claim` without a socket."""
         self.forget(instance_id)
         self._holders[instance_id] = (pid, pidfd)
 
@@ -78,8 +65,7 @@ class ProcessWatch:
         return [held[0]] if held is not None else []
 
     def exited(self) -> list[str]:
-        """The instances whose watched processes have exited (one poll, no waiting). A
-        process seen to exit is no longer watched."""
+        """The instances whose watched process has exited (one poll, no wait); now unwatched."""
         if not self._holders:
             return []
         poller = select.poll()

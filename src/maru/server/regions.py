@@ -1,13 +1,10 @@
 """Regions: the slices of the pool the server hands to instances, and the rules of their life.
 
-A region is allocated to one owner, which alone writes into it (its HMAC token lets readers map
-it). Deferred free: it goes back to the pool only when its owner returned it (or is gone) *and*
-no registered key still points into it, so a reader never maps bytes that were handed out
-again. The registry tells the table how many keys live where (`Region.count`).
-
-Held: the regions of an instance reaped for its silence, whose process the server could not
-watch (`maru.server.processes`), are not handed to anyone else for `--reap-hold` seconds even
-once they are empty: that process may only be paused and resume writing into them.
+A region has one owner, which alone writes into it (its HMAC token lets readers map it).
+Deferred free: it goes back to the pool only once its owner returned it (or is gone) *and* no
+registered key points into it, so a reader never maps bytes handed out again. Held
+(`--reap-hold`): the regions of an instance reaped for silence, whose process could not be
+watched, stay out of use even when empty: that process may only be paused.
 """
 
 from __future__ import annotations
@@ -37,9 +34,8 @@ class Region:
     length: int
     token: str
     returned: bool = False  # owner gave it back (or disconnected); free once live_keys == 0
-    # The owner, idle, will not write here before it unparks it (`RegionGrants.park`): the server
-    # may take it back when the pool has no room. Not journaled: a restart forgets it, which
-    # only makes the region not reclaimable until the owner parks it again.
+    # The idle owner will not write here before unparking it (`RegionGrants.park`), so the server
+    # may take it back. Not journaled: after a restart, not reclaimable until parked again.
     parked: bool = False
     live_keys: int = 0
     page_size: int = 0  # the owner's page size (from its handshake); 0: unknown
@@ -151,11 +147,9 @@ class RegionTable(dict[int, Region]):
         return region
 
     def release(self, region: Region, hold: float = 0.0) -> None:
-        """Its owner is done with it: freed now if no key points into it, else by the drop of
-        its last key; with `hold` (seconds), not before that time has passed either. Journal
-        first: when the record cannot be written (`JournalWriteError`), the owner keeps the
-        region, as its error reply tells it. The hold is journaled as the wall-clock time it
-        ends, so that a restart keeps it."""
+        """Its owner is done with it: freed now if no key points into it, else with its last
+        key; with `hold` (seconds, journaled as the wall-clock end so a restart keeps it), not
+        before then either. Journal first: on `JournalWriteError` the owner keeps it."""
         self._log("T", region.region_id, *([time.time() + hold] if hold > 0 else []))
         region.returned = True
         self._hold(region, hold)
@@ -193,11 +187,9 @@ class RegionTable(dict[int, Region]):
                 self.free(region)
 
     def free(self, region: Region) -> None:
-        """Give a returned region with no keys back to the pool, unless it is held (then
-        `end_holds` does, later). Its "F" record only repeats what the "T" or "D" record
-        written just before implies (their replay frees it too), so a failure to write it
-        (`JournalWriteError`, logged by the journal) is not the caller's: the change that
-        caused the free is on disk, and later records are refused anyway."""
+        """Give a returned region with no keys back to the pool, unless held (`end_holds` does,
+        later). Its "F" record only repeats what the "T" or "D" just written implies, so a
+        failure to write it is not the caller's (logged; later records are refused anyway)."""
         if region.held_until:
             return
         self.pool.release(region.path, region.offset)

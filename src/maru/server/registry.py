@@ -1,19 +1,11 @@
 """The server's state: the key -> (region, offset, length) index, regions, leases and pins.
 
-Pure bookkeeping, no sockets and no page bytes, so every rule can be tested directly:
-- write-then-register: a key exists only once its owner registered it, after writing its bytes;
-- first writer wins: registering an existing key changes nothing;
-- a pinned key cannot be deleted;
-- page reuse: when a key in instance X's region disappears, X is told (the `freed` list
-  piggy-backed on its next reply) so it can reuse those pages;
-- crash safety: an instance whose process exited, or (when the server cannot watch its
-  process) that stopped heart-beating, is reaped (pins and leases released, regions returned;
-  after silence, held back for `reap_hold` seconds); every change is written to the journal
-  (if any) before it is answered, and a restart replays the journal through the same
-  mutators that wrote it.
-
-The parts (instances, regions, grants, eviction, holds: docs/architecture.md) see only what
-they use of each other, never the registry.
+Pure bookkeeping (no sockets, no page bytes), so every rule is tested directly: a key exists
+only once its owner wrote its bytes and registered it; the first writer wins; a pinned key
+cannot be deleted; when a key in instance X's region goes, X is told (`freed`, on its next
+reply) so it can reuse the pages; a departed instance is reaped (`maru.server.instances`).
+Every change is journaled before it is answered, and a restart replays the journal through
+the same mutators. The parts (docs/architecture.md) see only what they use of each other.
 """
 
 from __future__ import annotations
@@ -81,14 +73,10 @@ class Registry:
         quota_leases: int = 0,
         quota_lease_bytes: int = 0,
     ):
-        """`reap_hold`: seconds the regions of an instance reaped for its silence, whose
-        process is not watched (`maru.server.processes`), stay out of use (`--reap-hold`).
-
-        `quota_region_bytes`, `quota_leases`, `quota_lease_bytes`: what one instance may hold
-        (0: no limit), so that one client cannot starve the others (`--quota-region-bytes`,
-        `--quota-leases`, `--quota-lease-bytes`); past them a request is refused with
-        QUOTA_EXCEEDED, before any side effect (a leased lookup past the bytes: its keys were
-        only marked used)."""
+        """`reap_hold`: seconds the regions of an instance reaped for silence stay out of use.
+        `quota_*`: what one instance may hold (0: no limit), so one client cannot starve the
+        others; past them a request is refused with QUOTA_EXCEEDED before any side effect (a
+        leased lookup past the bytes only marked its keys used)."""
         self.pool = pool
         self.signer = signer
         self.journal = journal
@@ -177,14 +165,12 @@ class Registry:
         lengths: list[int],
         checksums: list[int] | None = None,
     ) -> list[int]:
-        """Publish written pages: `keys[i]` is at (`region_ids[i]`, `offsets[i]`,
-        `lengths[i]`), four columns of one length, with the writer's checksum of its bytes
-        (`checksums`, optional: kept with the key, handed to readers). A RegisterStatus per
-        key: EXISTS when the key was registered before, or earlier in the batch (first writer
-        wins); REJECTED for a bad key or a location outside the caller's own live regions."""
+        """Publish written pages: `keys[i]` at (`region_ids[i]`, `offsets[i]`, `lengths[i]`),
+        with the writer's optional checksum, kept for readers. A RegisterStatus per key:
+        EXISTS for a key registered before or earlier in the batch (first writer wins);
+        REJECTED for a bad key or a location outside the caller's own live regions."""
         inst = self.instances.require(instance_id)
-        # Into `_add_keys` (which says which were new): every key of a batch whose keys and
-        # locations are all valid (nearly all; one C pass), else those `_screen_each` lets by.
+        # One C pass admits the usual batch whole; otherwise `_screen_each` goes key by key.
         limits = self._writable_lengths(instance_id, region_ids)
         screened = (
             None
@@ -213,18 +199,15 @@ class Registry:
             inst.bytes_registered += nbytes
             self.counters["keys_registered"] += len(keys)
             self.counters["bytes_registered"] += nbytes
-            # The keys are registered and journaled: the reply must say so (an error would let
-            # the writer reuse their pages). An eviction that cannot be journaled changed
-            # nothing (journal first) and comes with a later store.
+            # The keys are journaled: an error reply would let the writer reuse their pages. An
+            # eviction that cannot be journaled changed nothing and comes with a later store.
             with suppress(JournalWriteError):
                 self.eviction.to_watermark(keys)
         return statuses
 
     def _repeated(self, statuses: list[int], columns: list[list[Any]]) -> list[int]:
-        """REGISTERED, not EXISTS, for a key already registered at the very place the request
-        names: the same registration again (a request sent twice). EXISTS would tell the
-        writer that its pages are not referenced and may be reused, while the key's entry
-        points at them. (`columns`: the keys, region ids, offsets and lengths inserted.)"""
+        """REGISTERED, not EXISTS, for a key already registered at the very place named (a
+        request sent twice): EXISTS would let the writer reuse pages the entry points at."""
         keys, region_ids, offsets, lengths = columns[:4]
         again = [i for i, st in enumerate(statuses) if st == EXISTS]
         for i, entry in zip(again, self.keys.get_many([keys[i] for i in again])):
@@ -234,10 +217,8 @@ class Registry:
         return statuses
 
     def _writable_lengths(self, instance_id: str, region_ids: list[int]) -> dict[int, int] | None:
-        """The length of each region a batch names, if every one is a live region of the
-        caller's (None if one is not: the batch is screened key by key). SGLang's usual batch
-        names one region; a v2 call's pools sealed together, or pages placed one by one, a
-        few."""
+        """The length of each region a batch names, if all are live regions of the caller's;
+        else None (the batch is screened key by key)."""
         if not region_ids:
             return None
         first = region_ids[0]
@@ -258,11 +239,10 @@ class Registry:
         offsets: list[int],
         lengths: list[int],
     ) -> list[int | None]:
-        """Per key of a batch with a bad key or location (each region checked once): REJECTED
-        for a bad key, or a location outside the caller's live regions; EXISTS for such a
-        location whose key was registered before or earlier in the batch (the first writer
-        wins, wherever the later one claims to be); None for a key that goes to the insert,
-        which decides REGISTERED or EXISTS."""
+        """Per key of a batch with a bad key or location: REJECTED for a bad key or a location
+        outside the caller's live regions, but EXISTS there for a key registered before or
+        earlier in the batch (the first writer wins wherever the later one claims to be);
+        None for a key left to the insert."""
         regions = {r: self.regions.writable(r, instance_id) for r in set(region_ids)}
         keys_valid = all_keys_valid(keys)
         table, inserted = self.keys, set()
@@ -286,11 +266,9 @@ class Registry:
         lengths: list[int],
         checksums: list[int] | None = None,
     ) -> list[bool] | None:
-        """Insert keys at checked locations, the first writer of each winning (a key registered
-        before, or earlier in the batch, keeps its entry); journaled as one "K" record of the
-        keys that were new (with their checksums, when given, tagged with the hash's name:
-        `CHECKSUMS`). Which keys were new (None: all). The one mutator that adds keys, for
-        requests and journal replay alike."""
+        """The one mutator that adds keys (requests and journal replay alike): insert at checked
+        locations, the first writer winning; journal the new ones as one "K" record (with
+        their checksums, tagged `CHECKSUMS`). Which keys were new (None: all)."""
         columns = [region_ids, offsets, lengths, *([checksums] if checksums else [])]
         # One C call: the insert, and the new keys counted per region and length.
         new, groups = self.keys.add_entries(
@@ -324,11 +302,10 @@ class Registry:
     def lookup(
         self, keys: list[Key], instance_id: str | None = None, lease: bool = False
     ) -> tuple[bytes, bytes, bytes, bytes, list[RegionHandle], int]:
-        """Where `keys` are, for LOOKUP_KV: region ids, offsets, lengths and the writers'
-        checksums as bytes of native int64s (0, 0, 0, 0 for a miss; region ids start at 1;
-        checksum 0: stored without one), the handles of those regions, and
-        with `lease` the id of a lease on the hits (0: none). A hit counts as use (sets the
-        key's CLOCK bit)."""
+        """LOOKUP_KV: region ids, offsets, lengths and the writers' checksums as bytes of native
+        int64s (all 0 for a miss, region ids start at 1; checksum 0: stored without one), the
+        regions' handles, and with `lease` a lease id on the hits (0: none). A hit sets the
+        key's CLOCK bit."""
         inst = self.instances.get(instance_id) if instance_id else None
         # Only an instance holds leases: it alone can end them (RELEASE) or lose them (reap).
         lease = lease and inst is not None
@@ -367,9 +344,8 @@ class Registry:
         exists: int = 0,
         exists_hits: int = 0,
     ) -> None:
-        """Count lookups and membership checks, server-wide and for the instance: those this
-        server answered, and those a client answered from the local index and reported with
-        its heartbeat (so hit rates stay true when reads send no request)."""
+        """Count lookups and membership checks, server-wide and for the instance, including
+        those a client answered from the local index (reported with its heartbeat)."""
         counters = self.counters
         counters["lookups"] += lookups
         counters["hits"] += hits
@@ -409,13 +385,10 @@ class Registry:
         return out
 
     def _drop_keys(self, keys: list[Key], entries: list[KeyEntry]) -> None:
-        """Remove keys (deleted, evicted, or replayed from the journal): journal first (so a
-        replay never sees a region freed before its keys are gone), then free pages / regions
-        and tell the owners. The one mutator that removes keys.
-
-        Per region rather than per key (a batch is mostly in one region), with the outcome of
-        dropping the keys one by one, the order of "F" records and of the owners' notices
-        included. `keys[i]` (all different) is registered with `entries[i]`."""
+        """The one mutator that removes keys (deleted, evicted, or replayed): journal first, so a
+        replay never sees a region freed before its keys are gone; then free pages / regions
+        and tell the owners, per region with the outcome (order of "F" records and notices
+        included) of dropping them one by one. `keys[i]` (all different) has `entries[i]`."""
         if not keys:
             return
         self._log("D", keys)
@@ -475,11 +448,9 @@ def _delete(registry: Registry, keys: list[Key]) -> tuple[int, int]:
 def list_keys(
     registry: Registry, prefix: Any = None, limit: int = 100
 ) -> tuple[list[list[Any]], bool]:
-    """Up to `limit` keys starting with `prefix` (every key when it is None or empty), most
-    recently used first as far as CLOCK knows (the reverse of eviction order: keys used
-    since eviction last looked at them, then the others, each newest first), as
-    [key, length, owner instance]; and whether more keys matched. Walks the registry (at
-    most twice) until limit + 1 matches: an operator action (`maru keys`), not hot."""
+    """Up to `limit` [key, length, owner] starting with `prefix` (None or empty: all), most
+    recently used first as CLOCK knows (the reverse of eviction order), and whether more
+    matched. Walks the registry (at most twice): an operator action (`maru keys`), not hot."""
     if prefix is not None and not isinstance(prefix, (str, bytes)):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "prefix must be a str or bytes")
     out: list[list[Any]] = []

@@ -1,9 +1,8 @@
-"""The RPC loop: one ROUTER socket, one thread, one request at a time.
+"""The RPC loop: one thread, one request at a time, from the TCP port and the local socket.
 
-Every frame gets a reply, even garbage: a malformed frame, an unknown version or type, or a
-handler bug produces an error reply and the loop carries on. The loop never touches page bytes.
-It authenticates each request and hands its body to the message type's handler, from the one
-table in `maru.server.handlers`.
+Every frame gets a reply, even garbage (an error reply; the loop carries on). The loop never
+touches page bytes: it authenticates each request and hands its body to its message type's
+handler (`maru.server.handlers`).
 """
 
 from __future__ import annotations
@@ -40,11 +39,9 @@ log = logging.getLogger(__name__)
 
 
 def _listen_locally(address: str, auto: bool, door: LocalDoor | None) -> LocalSocketServer:
-    """The local socket at `address`. With "auto", a name someone else holds (the TCP port
-    is ours, so it is not another maru-server of this state dir: a process squatting the
-    name, say while this server restarted) is an ERROR naming that process, and the
-    server listens under a new name instead, which the handshake tells clients; clients
-    refuse a socket whose peer is not this server's user (`maru.client.rpc`)."""
+    """The local socket at `address`. With "auto", a name someone else holds (a squatter: the
+    TCP port is ours, so not another maru-server of this state dir) is an ERROR naming it, and
+    the server listens under a new name, which the handshake tells clients."""
     try:
         return LocalSocketServer(address, door)
     except OSError as exc:
@@ -78,19 +75,12 @@ class MaruService:
         local_door: LocalDoor | None = None,
         coherence: str = "hardware",
     ):
-        """`local_socket`: where to listen for clients on this node besides `bind_url`
-        (`local_address`: "auto", "none", "@name" or a path). With "auto", a name already
-        taken only costs the speed-up (logged); an explicit address that cannot be bound is
-        an error.
-
-        `gc_freeze`: freeze the heap (`freeze_heap`) now, with the registry restored, and in
-        every `housekeeping`, so that the GC never walks the registry. Freezing is
-        process-wide: `maru-server` sets it, the default (tests, embedders) does not.
-
-        `busy_poll_us`: see `_wait_for_requests`. `curve_secret_key`, `curve_clients`: see
-        `TcpEndpoint`. `local_door`: who may use the local socket (default: this server's
-        user and root). `coherence`: the copies' mode announced at HANDSHAKE
-        (`--coherence`)."""
+        """`local_socket`: where else to listen, for clients on this node (`local_address`);
+        with "auto" an address that cannot be bound only costs the speed-up (logged), an
+        explicit one is an error. `gc_freeze`: `freeze_heap` now and every loop turn;
+        process-wide, so only `maru-server` sets it. `busy_poll_us`: see `_wait_for_requests`;
+        `curve_*`: see `TcpEndpoint`; `local_door`: who may use the local socket (default: this
+        user and root); `coherence`: the copies' mode announced at HANDSHAKE (`--coherence`)."""
         self.registry = registry
         self.journal = journal
         self.housekeeper = Housekeeping(
@@ -170,10 +160,8 @@ class MaruService:
     ) -> bytes | None:
         """Turn one request frame into one reply frame, never raising (None: kept until the
         tier's pulls land, then sent by `PullWaits.settle`). `peer`: the Unix connection it
-        came on (its process is watched for the instance it speaks for). `refused`: why its
-        sender may no longer ask anything (NOT_AUTHORIZED). `route`: the ZMQ routing id it
-        came on. A request's time goes into its operation's histogram; a failure counts as an
-        error of its operation (an invalid request when the frame or type was bad)."""
+        came on; `refused`: why its sender may ask nothing (NOT_AUTHORIZED); `route`: its ZMQ
+        routing id. Its time goes into its operation's histogram, a failure into its errors."""
         msg_type, request_id = 0, 0
         host = self.host_of(peer, route)
         # A request of another protocol version (BAD_VERSION) is answered in that version: the
@@ -259,11 +247,9 @@ class MaruService:
         return self.tcp.hosts.get(route, "") if route is not None else ""
 
     def _check_holder(self, iid: str, peer: Peer | None) -> None:
-        """Only the process that holds an instance's credential speaks for it: the first to
-        speak for it on the local socket (`ProcessWatch.claim`, once per connection and
-        instance). Any other process presenting the credential is refused (NOT_AUTHORIZED):
-        on the local socket by its pid; over TCP, where the server cannot tell who asks,
-        every request of a held instance (its holder uses the local socket)."""
+        """Only the process holding an instance's credential (`ProcessWatch.claim`, once per
+        connection and instance) speaks for it; any other is refused (NOT_AUTHORIZED): on the
+        local socket by its pid, over TCP (which cannot tell who asks) for any held instance."""
         processes = self.registry.instances.processes
         if peer is None:
             holder = processes.holder(iid)
@@ -308,8 +294,7 @@ class MaruService:
             if events:
                 served = perf_counter()
             # Requests first, then housekeeping, so that the heartbeats queued during a stall
-            # count before the reaper judges who is silent. A burst is bounded so that
-            # housekeeping still runs under constant load.
+            # count before the reaper judges who is silent.
             self.registry.counters["replies_dropped"] += self.tcp.serve(events, self.handle_frame)
             if self.local is not None and events:
                 self.local.serve(events, self.handle_frame)
@@ -327,8 +312,7 @@ class MaruService:
 
     def _wait_for_requests(self, poller: zmq.Poller, poll_ms: int, served: float) -> dict:
         """The sockets that are ready. Within `busy_poll_s` of the last request, poll without
-        sleeping: a request that finds the loop asleep must first wake it, and on a virtual
-        machine a sleeping CPU takes tens of microseconds to wake (docs/performance.md)."""
+        sleeping: a request that finds the loop asleep waits for its wake-up (`--busy-poll-us`)."""
         until = served + self.busy_poll_s
         while perf_counter() < until:
             events = poller.poll(0)
@@ -338,10 +322,9 @@ class MaruService:
         return dict(poller.poll(poll_ms))
 
     def _forgive_stall(self, stalled: float) -> None:
-        """Time the loop was away from its sockets past a poll (SIGSTOP, a paused VM or
-        container, a long snapshot) is not the clients' silence (their heartbeats are still
-        queued): move their last-heard-of times forward by it, or every live client would be
-        reaped (pins, leases and regions gone) when the server resumes."""
+        """Time the loop was away past a poll (SIGSTOP, a paused VM, a long snapshot) is not the
+        clients' silence (their heartbeats are still queued): forgive it, or every live client
+        would be reaped when the server resumes."""
         if stalled > 1.0:
             log.warning("server stalled for %.1f s; not counting it against clients", stalled)
             for inst in self.registry.instances.values():

@@ -1,20 +1,15 @@
 """The server's TCP port: a ZeroMQ ROUTER socket, with CURVE (`--curve`) and its client
-allowlist (`--curve-clients`) where asked for. The counterpart of `local_socket` for clients
-on other hosts (and for every client's first handshake); `MaruService` serves both alike.
+allowlist (`--curve-clients`) where asked for; `MaruService` serves it and `local_socket` alike.
 
-Replies are never dropped to a client that reads them. ZeroMQ refuses a send (EAGAIN) once
-SNDHWM replies to a peer are in its pipe, and counts what the peer took only lazily, so even
-a client with one request in flight meets that limit now and then: such a reply waits in the
-peer's `Backlog` and goes out, in order, on a later turn of the loop. As on the local socket,
-a client that stops reading stalls only itself: past `OUT_LIMIT` bytes of replies waiting for
-it, its requests wait unanswered (at most RCVHWM of them, `OUT_LIMIT` bytes), and past that
-they are dropped, counted (`replies_dropped`) and logged.
+Replies are never dropped to a client that reads them: ZeroMQ refuses a send (EAGAIN) once
+SNDHWM replies are in a peer's pipe, and counts what the peer took only lazily, so even a client
+with one request in flight meets it now and then; such a reply waits in the peer's `Backlog`
+and goes out, in order, on a later turn. A client that stops reading stalls only itself: past
+`OUT_LIMIT` bytes waiting for it, its requests wait (at most RCVHWM of them, `OUT_LIMIT`
+bytes), and past that are dropped, counted (`replies_dropped`) and logged.
 
-Dropped connections are noticed at once: ZeroMQ's socket monitor reports each closed
-connection by its file descriptor, and each peer's first message says which descriptor it
-came on (`zmq.SRCFD`), so `serve` can pass the routing id of a closed connection to `on_drop`
-(the instance table shows its instance gone). One whose host vanished is still found by its
-silence.
+A closed connection is noticed at once: the socket monitor reports it by file descriptor, and
+each peer's first message names its descriptor (`zmq.SRCFD`), so `on_drop` gets its routing id.
 """
 
 from __future__ import annotations
@@ -41,9 +36,8 @@ log = logging.getLogger(__name__)
 SNDHWM = 16  # replies in ZeroMQ's pipe per peer; more wait in its Backlog
 RCVHWM = 64  # requests queued per ZMQ peer (a client has at most max_inflight in flight)
 BURST = 1024  # requests served per turn of the loop, so that housekeeping still runs
-# A frame over MAX_FRAME_BYTES gets BAD_FRAME (`protocol.decode_body`) up to this size: twice
-# the limit, more than a batch of MAX_BATCH keys of MAX_KEY_BYTES makes. ZeroMQ must buffer
-# a frame to hand it over; a longer one makes it drop the peer's connection instead.
+# A frame over MAX_FRAME_BYTES gets BAD_FRAME (`protocol.decode_body`) up to this size; ZeroMQ
+# drops the connection of a longer one (it must buffer a frame whole to hand it over).
 MAX_ZMQ_FRAME = 2 * protocol.MAX_FRAME_BYTES
 RETRY_MS = (1, 100)  # while replies wait: the loop's first and longest wait before retrying
 
@@ -91,10 +85,8 @@ def _router(context: zmq.Context, bind_url: str, curve_secret_key: bytes | None)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
     socket.setsockopt(zmq.MAXMSGSIZE, MAX_ZMQ_FRAME)
-    # Bounded queues per peer, so that a client that stops reading its replies stalls only
-    # itself: past SNDHWM replies in one peer's pipe a send fails (ROUTER_MANDATORY: EAGAIN,
-    # rather than a silent drop) and the reply waits in the peer's Backlog; past RCVHWM
-    # requests ZMQ stops reading that peer's connection.
+    # Bounded queues per peer; ROUTER_MANDATORY: a send past SNDHWM fails (EAGAIN) rather than
+    # dropping the reply silently.
     socket.setsockopt(zmq.SNDHWM, SNDHWM)
     socket.setsockopt(zmq.RCVHWM, RCVHWM)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -106,12 +98,10 @@ def _router(context: zmq.Context, bind_url: str, curve_secret_key: bytes | None)
 
 
 class TcpEndpoint:
-    """The bound TCP port (`endpoint`: where it listens). `curve_secret_key`: CURVE under
-    this key (Z85): only clients that know the server's public key complete the handshake.
-    `curve_clients`: and only clients whose own public key is listed there: checked by a ZAP
-    thread at connect, and on every request (ZeroMQ keeps a connection open after its key
-    was removed from the list). `on_drop(routing_id)`: called when a peer's connection
-    closed."""
+    """The bound TCP port (`endpoint`). `curve_secret_key` (Z85): only clients that know the
+    server's public key complete the handshake; `curve_clients`: only those whose key is listed
+    there, checked by a ZAP thread at connect and on every request (ZeroMQ keeps a connection
+    open after its key is removed). `on_drop(routing_id)`: a peer's connection closed."""
 
     def __init__(
         self,
@@ -150,10 +140,9 @@ class TcpEndpoint:
 
     @property
     def retry_ms(self) -> int | None:
-        """How long the loop may sleep before `serve` must retry sending waiting replies
-        (None: nothing waits). ZeroMQ says when a pipe has room only for all peers at once
-        (POLLOUT), so the loop retries, sooner after progress, up to RETRY_MS[1] apart
-        while a client does not read."""
+        """How long the loop may sleep before `serve` retries the waiting replies (None: none
+        wait). ZeroMQ signals room (POLLOUT) only for all peers at once, so the loop retries,
+        sooner after progress, up to RETRY_MS[1] apart."""
         return self._retry_ms if self.backlog else None
 
     def attach(self, poller: zmq.Poller) -> None:
@@ -161,10 +150,9 @@ class TcpEndpoint:
         poller.register(self.monitor, zmq.POLLIN)
 
     def serve(self, events: dict[Any, int], handle: Callable[..., bytes | None]) -> int:
-        """Send the replies that wait (`backlog`), then answer up to BURST requests if
-        `events` (one poll's result) says the socket is ready: `handle(frame, refused=why or
-        None, route=the peer's routing id)` makes each reply. Returns how many requests went
-        unanswered (the peer vanished, or does not read its replies)."""
+        """Send the replies that wait, then answer up to BURST requests if `events` says the
+        socket is ready, each by `handle(frame, refused=why or None, route=routing id)`.
+        Returns how many requests went unanswered (the peer vanished, or does not read)."""
         if events.get(self.monitor):  # before the requests: a descriptor may be reused
             self._closed_connections()
         dropped = self._drain(handle) if self.backlog else 0

@@ -1,18 +1,13 @@
-"""Tokens the server signs with a secret only it knows (in its state dir, mode 0600, so they
-stay valid across a server restart).
+"""Tokens the server signs with a secret only it knows (`secret.key` in its state dir, 0600, so
+they stay valid across a restart).
 
-- Region tokens: an HMAC over a region handle's fields; a client can only present a token the
-  server gave it.
-- Session credentials: what makes a client an instance. The server picks each instance's id
-  at handshake (the client's name plus a random suffix) and hands the process
-  `session(instance_id)`; every later request carries it, and only the instance's own process
-  has it. Another process choosing the same name gets an instance of its own: identity is never
-  a string a client picks. The credential embeds the id, so after a restart the server can
-  verify it (`session_owner`) without having kept it.
-
-The pool's generation is signed into region tokens too: a region of a recreated pool never has
-the token (so the handle) of an earlier region with the same fields, and a client that mapped
-the old one maps again.
+- Region tokens: an HMAC over a region handle's fields and the pool's generation: a client can
+  only present a token the server gave it, and a recreated pool's region never has the token
+  (so the handle) of an earlier one, so its client maps it again.
+- Session credentials: the server picks each instance's id at handshake (the client's name and
+  a random suffix) and hands its process `session(instance_id)`, which every later request
+  carries: identity is never a string a client picks. The credential embeds the id, so a
+  restarted server verifies it (`session_owner`) without having kept it.
 """
 
 from __future__ import annotations
@@ -44,8 +39,7 @@ def load_or_create_secret(state_dir: Path) -> bytes:
 
 def load_or_create_curve_keys(state_dir: Path) -> tuple[bytes, bytes]:
     """The server's CURVE keypair (public, secret; Z85), made on the first `--curve` start and
-    kept, so clients configured with the public key go on working across restarts. The
-    public key is written beside it (`curve.pub`) for the operator to copy to clients."""
+    kept, so clients keep working across restarts; the public key also goes to `curve.pub`."""
     import zmq  # only the server's CLI needs it here
 
     path = state_dir / CURVE_SECRET_FILE

@@ -1,8 +1,6 @@
-"""The cluster tier's Mooncake settings: the JSON file SGLang's own Mooncake backend reads
-(`SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`), read the way SGLang reads it, so that an operator
-who runs Mooncake for SGLang passes the same file to `maru-server --cluster-config`
-(docs/configuration.md lists its keys and defaults). Unlike SGLang, the tier has no standalone
-`client_server_address` mode: `master_server_address` is required.
+"""The cluster tier's Mooncake settings: the JSON file SGLang's Mooncake backend reads, read
+as SGLang reads it, so one file serves both (keys and defaults: docs/configuration.md). Unlike
+SGLang, the tier has no standalone `client_server_address` mode.
 """
 
 from __future__ import annotations

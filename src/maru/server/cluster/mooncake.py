@@ -1,8 +1,6 @@
-"""Loading Mooncake Store's Python client, and the few calls the tier makes of it.
-
-The CPU wheel's `store.so` links libibverbs and libnl even for TCP. `load_mooncake` loads
-them by path first from where `scripts/install_mooncake_cpu.sh` unpacks them (`private_libs`;
-the dynamic linker then finds them by soname), so that neither maru-server nor its tests need
+"""Loading Mooncake Store's Python client. The CPU wheel's `store.so` links libibverbs and
+libnl even for TCP; loading them by path first from where `scripts/install_mooncake_cpu.sh`
+unpacks them (the dynamic linker then finds them by soname) spares maru-server and its tests
 LD_LIBRARY_PATH where they are not installed system-wide.
 """
 
@@ -26,14 +24,13 @@ class MooncakeMissing(RuntimeError):
 
 
 def private_libs() -> Path:
-    """Where the install script unpacks the libraries ($MARU_MOONCAKE_LIBS, or
-    <venv>/mooncake-libs)."""
+    """Where the install script unpacks the libraries."""
     return Path(os.environ.get("MARU_MOONCAKE_LIBS") or Path(sys.prefix) / "mooncake-libs")
 
 
 def load_mooncake() -> ModuleType:
-    """`mooncake.store`, its libraries loaded first from `private_libs()` where they are
-    there. `MooncakeMissing` with the reason otherwise."""
+    """`mooncake.store`, its libraries loaded first from `private_libs()` where present
+    (`MooncakeMissing` with the reason when it cannot be loaded)."""
     folder = private_libs()
     for name in PRIVATE_LIBS:
         if (folder / name).exists():
@@ -53,9 +50,8 @@ def load_mooncake() -> ModuleType:
 
 
 def library_env() -> dict[str, str]:
-    """This process's environment with `private_libs()` first on LD_LIBRARY_PATH: for the
-    wheel's executables (`mooncake_master`), which cannot preload them as `load_mooncake`
-    does."""
+    """This environment with `private_libs()` first on LD_LIBRARY_PATH, for the wheel's
+    executables (`mooncake_master`), which cannot preload them."""
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(
         p for p in (str(private_libs()), env.get("LD_LIBRARY_PATH", "")) if p

@@ -1,10 +1,7 @@
-"""Pool pages for values pulled from the cluster: the tier's own instance and regions.
-
-A pulled value needs pages before its bytes arrive, and an owner once registered, like any
-writer's. The tier is that owner: an instance of this server (never a client's), whose
-regions come from the pool as any instance's do (`Registry.request_region`: fair share,
-reclaiming), cut into values here. Its pages go back to the free list when a pull fails, or
-when the server drops a pulled key (evicted, deleted: the `freed` notices every owner gets).
+"""Pool pages for values pulled from the cluster. A pulled value needs pages before its bytes
+arrive, and an owner once registered: the tier's own instance (never a client's), whose regions
+come from the pool as any instance's do (`Registry.request_region`). Its pages are free again
+when a pull fails or the server drops a pulled key (the `freed` notices every owner gets).
 """
 
 from __future__ import annotations
@@ -23,9 +20,9 @@ ALIGN = 4096
 
 
 class TierPages:
-    def __init__(self, registry: Registry, name: str = "cluster-tier"):
+    def __init__(self, registry: Registry):
         self.registry = registry
-        self.instance_id = f"{name}.{os.getpid()}.{os.urandom(4).hex()}"
+        self.instance_id = f"cluster-tier.{os.getpid()}.{os.urandom(4).hex()}"
         registry.instances.handshake(self.instance_id, os.getpid(), ALIGN)
         self.free_lists: dict[int, ExtentAllocator] = {}  # region id -> its free pages
 
@@ -34,11 +31,10 @@ class TierPages:
         self.registry.instances.touch(self.instance_id)
 
     def reserve(self, length: int) -> tuple[int, int, str, int] | None:
-        """Pages for `length` bytes: (region id, offset in it, the region's file, the
-        offset in that file), or None when the pool has no room for them now. The offset is
-        a multiple of the pages' length: readers that name a value by its chunk index in the
-        region (LMCache: `page_index * chunk_size`) find values as long as their chunk there;
-        another value is a miss for them, never other bytes (`Lookup.infos`)."""
+        """Pages for `length` bytes: (region id, offset in it, the region's file, the offset
+        in that file), or None when the pool has no room now. The offset is a multiple of the
+        pages' length, so readers that name a value by its chunk index (LMCache) find only
+        values as long as their chunk there: another is a miss (`Lookup.infos`)."""
         align = -(-length // ALIGN) * ALIGN
         for region_id, pages in self.free_lists.items():
             offset = pages.allocate(length, align)

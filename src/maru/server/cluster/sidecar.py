@@ -1,29 +1,21 @@
-"""The cluster tier's sidecar: the pool's one Mooncake Store client, a process of its own.
-
-Why a process and not a thread of maru-server: Mooncake's Python calls hold the GIL while
-they block (a setup, or a read while the master is gone, blocks for seconds), which would
-stop the server's request loop. maru-server (`maru.server.cluster.tier.ClusterTier`) starts
-and supervises this process and talks to it over a ZMQ PAIR socket, msgpack frames:
+"""The cluster tier's sidecar: the pool's one Mooncake Store client, a process of its own
+because Mooncake's calls hold the GIL while they block (for seconds while the master is gone).
+maru-server (`maru.server.cluster.tier.ClusterTier`) starts and supervises it and talks to it
+over a ZMQ PAIR socket, msgpack frames:
 
     server -> sidecar  {"op": "publish", "batch": id, "jobs": [[name, path, offset, length,
                         maru64 or 0], ...]}     (path, offset: the value's place in the pool)
                        {"op": "probe", "batch": id, "jobs": [name, ...]}
-                       {"op": "pull", "batch": id, "jobs": [[name, path, offset, length],
-                        ...]}                   (pages the server reserved for the value)
+                       {"op": "pull", "batch": id, "jobs": [[name, path, offset, length,
+                        guessed], ...]}         (pages the server reserved for the value)
     sidecar -> server  {"op": "state", "connected": bool, "error": str | None}  (after
                         each setup, and whenever the master stops or starts answering)
-                       {"op": "<op>-done", "batch": id, "results": [one per job],
-                        "error": str | None}
-    (results: PUBLISHED, REFUSED or FAILED for a publish; [result, maru64 or length] for a
-    pull, see `Sidecar.pull`; the value's length or None for a probe)
+                       {"op": "<op>-done", "batch": id, "results": [one per job, see
+                        `Sidecar.publish`, `probe`, `pull`], "error": str | None}
 
-No extra copy: the sidecar maps the pool's file(s) and registers them with Mooncake's
-transfer engine, so that a publish reads straight from the pool's pages and a pull lands
-straight in pages the server reserved, proven there (`maru.server.cluster.proof`) before the
-server registers them.
-
-The one module under maru.server that loads `maru.client.checksum` (and so numpy): the one
-maru64, in a process of its own; maru-server itself never imports this module.
+The pool's files are mapped here and registered with Mooncake's transfer engine: no extra
+copy either way. The one module under maru.server that loads `maru.client.checksum` (numpy);
+maru-server never imports it.
 """
 
 from __future__ import annotations
@@ -75,10 +67,8 @@ NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
 
 
 class PoolMaps:
-    """The pool's files, each mapped once (shared, read-write) and registered with Mooncake.
-    Each mapping's pages that the file holds are populated on a background thread, so that a
-    pull does not fault once per 4 KiB page inside Mooncake's receive (docs/operations.md,
-    Cluster tier: the cost of pages touched for the first time)."""
+    """The pool's files, each mapped once and registered with Mooncake, their pages populated
+    on a thread of their own so that a pull does not fault per page inside Mooncake's receive."""
 
     def __init__(self, register: Any, device_bytes: int):
         self.register = register  # MooncakeDistributedStore.register_buffer
@@ -115,9 +105,8 @@ class PoolMaps:
 
 
 def _populate(path: str, address: int, extents: list[tuple[int, int]]) -> None:
-    """Map a pool file's pages into this process in bulk, at the lowest priority (a thread
-    of its own: the call drops the GIL); a refusal is logged, and the pages fault in as
-    they are touched."""
+    """Map a pool file's pages in bulk, at the lowest priority (the call drops the GIL); after a
+    refusal (logged) the pages fault in as they are touched."""
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     for start, end in extents:
@@ -204,9 +193,8 @@ class Sidecar:
         return views, addresses, places, error
 
     def publish(self, jobs: list[list[Any]]) -> tuple[list[int], str | None]:
-        """Publish each job's pages and their trailer as one object, with the maru64 of the
-        pages (a writer's checksum that does not match them: REFUSED, never published): a
-        result per job, and why any failed."""
+        """Publish each job's pages and trailer (their maru64) as one object: per job PUBLISHED,
+        REFUSED (a writer's checksum unlike its pages) or FAILED; and why any failed."""
         assert self.store is not None
         results = [FAILED] * len(jobs)
         views, addresses, places, error = self._mapped(jobs)
@@ -252,14 +240,11 @@ class Sidecar:
         return out, None
 
     def pull(self, jobs: list[list[Any]]) -> tuple[list[list[int]], str | None]:
-        """Read each job's object (name, path, offset, length, guessed) in one get: its value
-        straight into its pool pages (reserved by the server, registered by nobody yet), its
-        trailer into a slot, and prove it: [PUBLISHED, maru64] where the trailer is this
-        name's and states the length and maru64 of the bytes, [REFUSED, 0] where it does not
-        (another object, another format, a flipped byte), [ABSENT, 0] where the cluster holds
-        no such object, [FAILED, 0] where Mooncake failed. A job whose length the server
-        guessed (no probe before it) and that did not fit is probed now: [LENGTH, length]
-        (the server pulls it again into pages of that length) or [ABSENT, 0]."""
+        """Get each job's value into its reserved pool pages and its trailer into a slot, and
+        prove it: [PUBLISHED, maru64] where the trailer is this name's and states the bytes'
+        length and maru64, else [REFUSED, 0]; [ABSENT, 0] where the cluster lacks it;
+        [FAILED, 0] where Mooncake failed. A guessed length that did not fit is probed:
+        [LENGTH, length] (the server pulls it again) or [ABSENT, 0]."""
         assert self.store is not None
         results = [[FAILED, 0] for _ in jobs]
         views, addresses, places, error = self._mapped(jobs)
@@ -279,7 +264,7 @@ class Sidecar:
             length = jobs[i][3]
             if codes[j] == NOT_FOUND:
                 results[i] = [ABSENT, 0]
-            elif codes[j] < 0 and len(jobs[i]) > 4 and jobs[i][4]:
+            elif codes[j] < 0 and jobs[i][4]:
                 misfits.append(i)  # (a guessed length: the object may have another)
             elif codes[j] < 0:
                 error = f"Mooncake batch_get_into_multi_buffers: {codes[j]}"
@@ -297,10 +282,8 @@ class Sidecar:
         return results, error
 
     def check(self) -> bool:
-        """Whether the master answers now (Mooncake's `health_check`, which blocks for
-        seconds while it is gone): the server learns each change (a "state" message), so
-        lookups turn into misses at once while the cluster is away, and come back with it
-        (Mooncake's client reconnects by itself once its master is back)."""
+        """Whether the master answers now (`health_check` blocks while it is gone); each change
+        goes to the server ("state"), so lookups miss at once while the cluster is away."""
         assert self.store is not None
         try:
             rc = self.store.health_check()

@@ -1,14 +1,11 @@
-"""The cluster tier, server side: what maru-server's request loop does for it.
+"""The cluster tier, server side: what maru-server's request loop does for it. The loop never
+waits on Mooncake: it sends work to the sidecar (`maru.server.cluster.sidecar`) without
+blocking and applies its replies when its socket is ready, like a client's request.
 
-The loop never waits on Mooncake: it sends work to the sidecar (`maru.server.cluster.sidecar`,
-the pool's one Mooncake client, a process this class starts and supervises) without blocking,
-and applies the sidecar's replies when its socket is ready, like a client's request.
-
-A value being published is held (its entry leased, without expiry: no eviction, no delete,
-so no page reuse) until the sidecar's reply. A pulled value lands in pages of the tier's own
-instance (`maru.server.cluster.pages`) and is registered only once the sidecar has proven it
-(`maru.server.cluster.proof`): one that fails its proof is dropped, never registered. The
-publish modes, retries and faults: docs/operations.md#cluster-tier.
+A value being published is held (leased without expiry: no eviction, no delete, so no page
+reuse) until the sidecar's reply. A pulled value lands in the tier's own pages
+(`maru.server.cluster.pages`) and is registered only once the sidecar has proven it
+(`maru.server.cluster.proof`). Modes, retries and faults: docs/operations.md#cluster-tier.
 """
 
 from __future__ import annotations
@@ -83,10 +80,9 @@ class ClusterTier:
         lookup_ms: int = 200,
         log_level: str = "INFO",
     ):
-        """`config_path`: SGLang's Mooncake JSON (`maru.server.cluster.config`), read now so
-        that a bad file stops maru-server at start (`ClusterConfigError`). `lookup_ms`: how
-        long a client waits for a pull (announced at HANDSHAKE). The CLI's parser checks
-        `publish` and `lookup_ms`."""
+        """`config_path` is read now, so that a bad file stops maru-server at start
+        (`ClusterConfigError`). `lookup_ms`: how long a client waits for a pull (announced at
+        HANDSHAKE). The CLI's parser checks `publish` and `lookup_ms`."""
         self.registry = registry
         self.config = MooncakeConfig.from_file(config_path)
         self.config_path = config_path
@@ -119,8 +115,8 @@ class ClusterTier:
     # -- the sidecar -------------------------------------------------------------------------
 
     def start(self) -> None:
-        """A fresh socket and sidecar (the old ones closed: a reply of the old is never taken
-        for one of the new)."""
+        """A fresh socket and sidecar (the old ones closed: an old reply is never taken for a
+        new one's)."""
         self.close()
         self.sock = self.context.socket(zmq.PAIR)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -154,9 +150,8 @@ class ClusterTier:
             poller.register(self.sock, zmq.POLLIN)
 
     def housekeeping(self, poller: zmq.Poller, now: float) -> None:
-        """The tier's instance stays alive and gets its freed pages back; the sidecar is
-        supervised: one that exited, or sits on a batch past STALL_S, is started again (at
-        most every RESTART_S). At most every CHECK_S: the loop calls it after every burst."""
+        """At most every CHECK_S: keep the tier's instance alive, take its freed pages back,
+        and start again (at most every RESTART_S) a sidecar that exited or stalled."""
         if now - self.checked < CHECK_S:
             return
         self.checked = now
@@ -166,9 +161,8 @@ class ClusterTier:
             self.pump()
         proc = self.proc
         stalled = any(now - b.sent > STALL_S for b in self.batches.values())
-        if proc is not None and proc.poll() is None and not stalled:
-            return
-        if now - self.started < RESTART_S:
+        running = proc is not None and proc.poll() is None
+        if (running and not stalled) or now - self.started < RESTART_S:
             return
         why = "stalled" if stalled else f"exited with status {proc.returncode if proc else None}"
         log.error("cluster tier: sidecar %s; starting it again", why)
@@ -194,12 +188,9 @@ class ClusterTier:
 
     def spill(self, keys: list[Key], entries: list[KeyEntry]) -> tuple[list, list]:
         """A watermark eviction's victims (`Eviction.spill`): those the tier can publish now
-        stay registered, held like any value being published (readable, their pages never
-        reused), until the sidecar has read them; then they are dropped. Holding rather than
-        copying out keeps the first rule without a copy: the bytes published are the bytes
-        registered, and nothing can write those pages before the drop. Returned: the victims
-        to drop now (the tier is not connected or has no batch to spare, so they are gone
-        from the cluster too; or pulled from the cluster, so already in it)."""
+        stay registered and held (no copy: nothing can write their pages before the publish)
+        until the sidecar has read them, then are dropped. Returns the victims to drop now:
+        all when the tier cannot take them, else those it pulled (already in the cluster)."""
         ours = self.pages.free_lists
         mine = [i for i, e in enumerate(entries) if e.region_id not in ours]
         room = self.connected and len(self.batches) < IN_FLIGHT
@@ -211,10 +202,9 @@ class ClusterTier:
         return keys, entries
 
     def want(self, missing: list[Key]) -> int:
-        """Keys a client missed: pull those the cluster may hold (not known absent, not
-        being pulled already). How many of them are being pulled now (0: none will come:
-        the sidecar is not connected, or sits on a lookup past the clients' budget, so
-        readers miss at once instead of each waiting the budget out)."""
+        """Pull the missed keys the cluster may hold; returns how many are being pulled (0
+        while the sidecar is not connected or sits on a lookup past the clients' budget, so
+        readers miss at once rather than each wait the budget out)."""
         now, budget = time.monotonic(), self.lookup_ms / 1000
         late = any(b.op != "publish" and now - b.sent > budget for b in self.batches.values())
         if not self.connected or late:
@@ -292,8 +282,7 @@ class ClusterTier:
             )
 
     def _drop_spilled(self, batch: Batch) -> None:
-        """Evicted keys, published (or failed): dropped now, as their eviction would have
-        (but those a reader holds meanwhile, left for a later round)."""
+        """Drop spilled keys once published (or failed); those a reader holds wait a later round."""
         self.registry.eviction.spilling -= sum(batch.nbytes)
         table = self.registry.keys
         keys, entries = [], []
@@ -317,8 +306,7 @@ class ClusterTier:
         self._pull(found, guessed=False)
 
     def _pull(self, wanted: list[tuple[Key, int]], guessed: bool) -> None:
-        """Reserve pages for each (key, its value's length) and pull them (`guessed`: the
-        lengths are `guess`, not probed)."""
+        """Reserve pages for each (key, length) and pull them (`guessed`: lengths not probed)."""
         jobs, pull = [], Batch("pull", [])
         for key, length in wanted:
             place = None if key in self.registry.keys else self.pages.reserve(length)
@@ -338,8 +326,8 @@ class ClusterTier:
             self.counts["pull_failures"] += len(pull.keys)
 
     def _pulled(self, batch: Batch, proven: list[Any]) -> None:
-        """Register the values proven in their pages (with the maru64 their trailer
-        stated and their bytes have); free the pages of the others."""
+        """Register the values proven in their pages (with their proven maru64); free the
+        pages of the others."""
         counts, pages = self.counts, self.pages
         results = [p[0] if isinstance(p, list) and len(p) == 2 else REFUSED for p in proven]
         good = [i for i, result in enumerate(results) if result == PUBLISHED]
@@ -405,9 +393,9 @@ class ClusterTier:
                 return
 
     def _publish(self, keys: list[Key], spill: bool = False) -> bool | None:
-        """Send the registered ones of `keys` to be published from their pages, each held
-        until the reply: True once sent, None when none is registered, False (counted as
-        drops, nothing held) when the sidecar cannot take the batch now."""
+        """Publish the registered ones of `keys`, each held until the reply: True once sent,
+        None when none is registered, False (nothing held; counted as drops) when the sidecar
+        cannot take it."""
         held, rids, offsets, lengths, sums = self.registry.keys.lookup_columns(keys, True)
         if not held:
             return None  # deleted or evicted meanwhile: nothing to publish

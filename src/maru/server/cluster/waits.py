@@ -1,12 +1,8 @@
-"""EXISTS requests that wait for the cluster tier's pulls (deferred replies).
-
-A client that missed keys the tier is pulling asks once with "wait_ms": rather than answer
-"still pulling" and be asked again every few milliseconds, the server keeps the request
-and answers it on the loop turn its last pull lands (registered, refused or absent), or when
-its wait ends. Nothing here blocks the loop: each turn `settle` looks at the waiting requests
-(a set lookup per key). A request whose client went away is answered into the void (the
-socket drops it) and forgotten by its deadline at the latest, so nothing leaks; past
-MAX_WAITING requests, the next is answered at once as before (the client then asks again).
+"""EXISTS requests kept until the cluster tier's pulls land (deferred replies): rather than
+answer "still pulling" and be asked again every few milliseconds, the server answers on the
+loop turn the request's last pull lands, or when its "wait_ms" ends. Nothing here blocks the
+loop. A request whose client went away is answered into the void and forgotten by its
+deadline at the latest; past MAX_WAITING, a request is answered at once (the client asks again).
 """
 
 from __future__ import annotations
@@ -28,8 +24,8 @@ Exists = Callable[[list[Key]], list[bool]]
 
 @dataclass(slots=True, eq=False)
 class Waiting:
-    """One kept EXISTS: its reply (results so far), the keys it waits for (their indices in
-    the reply), its deadline, and how to send the reply once encoded."""
+    """One kept EXISTS: its reply so far, the keys it waits for (and their indices in the
+    reply), its deadline, and how to send the reply."""
 
     reply: dict[str, Any]
     keys: list[Key]
@@ -44,8 +40,7 @@ class PullWaits:
 
     def __init__(self) -> None:
         self.waiting: list[Waiting] = []
-        # kept: requests kept for their pulls; kept_late: answered at their deadline with
-        # pulls still on their way (`maru status`'s cluster statistics)
+        # kept_late: answered at their deadline with pulls still on their way
         self.counts = {"exists_kept": 0, "exists_kept_late": 0}
 
     def park(self, waiting: Waiting) -> bool:
