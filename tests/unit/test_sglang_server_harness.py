@@ -29,9 +29,7 @@ calls = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calls")
 with open(calls, "a") as f:
     f.write(f"{{port}}\n")
 if len(open(calls).read().split()) == 1:
-    print(f"ERROR:    [Errno 98] error while attempting to bind on address "
-          f"('127.0.0.1', {{port}}): address already in use", flush=True)
-    time.sleep(600)  # hangs in its shutdown, as uvicorn did
+{first_start}
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200); self.end_headers(); self.wfile.write(b"ours")
@@ -39,6 +37,21 @@ class Health(http.server.BaseHTTPRequestHandler):
         pass
 http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 """
+# What the stand-in's first start does (its later starts serve /health).
+PORT_TAKEN_FIRST = """\
+    print(f"ERROR:    [Errno 98] error while attempting to bind on address "
+          f"('127.0.0.1', {port}): address already in use", flush=True)
+    time.sleep(600)  # hangs in its shutdown, as uvicorn did"""
+IMPORT_FAILS_FIRST = """\
+    print("ModuleNotFoundError: No module named '{module}'", flush=True)
+    sys.exit(1)"""
+
+
+def launcher(tmp_path, first_start: str):
+    path = tmp_path / "launcher"
+    path.write_text(LAUNCHER.format(python=sys.executable, first_start=first_start))
+    path.chmod(0o755)
+    return path
 
 
 class _Holder:
@@ -62,15 +75,13 @@ class _Holder:
 
 
 def test_a_taken_port_starts_the_server_again_on_another(tmp_path, monkeypatch):
-    launcher = tmp_path / "launcher"
-    launcher.write_text(LAUNCHER.format(python=sys.executable))
-    launcher.chmod(0o755)
+    stand_in = launcher(tmp_path, PORT_TAKEN_FIRST)
     holder = _Holder()  # holds the first port
     ports = iter([holder.port])
     real_free_port = harness.free_port
     monkeypatch.setattr(harness, "free_port", lambda host: next(ports, None) or real_free_port())
     log = tmp_path / "server.log"
-    srv = harness.start_server("model", python=str(launcher), log_path=log, timeout=30)
+    srv = harness.start_server("model", python=str(stand_in), log_path=log, timeout=30)
     try:
         tried = (tmp_path / "calls").read_text().split()
         assert len(tried) == 2 and int(tried[0]) == holder.port
@@ -82,56 +93,34 @@ def test_a_taken_port_starts_the_server_again_on_another(tmp_path, monkeypatch):
         holder.close()
 
 
-IMPORT_FAILS_ONCE = r"""#!{python}
-import http.server, os, sys
-port = int(sys.argv[sys.argv.index("--port") + 1])
-calls = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calls")
-with open(calls, "a") as f:
-    f.write(f"{{port}}\n")
-if len(open(calls).read().split()) == 1:
-    print("ModuleNotFoundError: No module named '{module}'", flush=True)
-    sys.exit(1)
-class Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200); self.end_headers(); self.wfile.write(b"ours")
-    def log_message(self, *args):
-        pass
-http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
-"""
-
-
 @pytest.mark.sglang
 def test_a_failed_import_of_an_installed_sglang_module_starts_again(tmp_path):
     """The environment failed the import (the file is there): start again. A module that is
     not installed is a real failure: no second start."""
     installed = "sglang.srt.mem_cache.hicache_storage"
-    launcher = tmp_path / "launcher"
-    launcher.write_text(IMPORT_FAILS_ONCE.format(python=sys.executable, module=installed))
-    launcher.chmod(0o755)
-    srv = harness.start_server("model", python=str(launcher), log_path=tmp_path / "a.log")
+    stand_in = launcher(tmp_path, IMPORT_FAILS_FIRST.format(module=installed))
+    srv = harness.start_server("model", python=str(stand_in), log_path=tmp_path / "a.log")
     try:
         assert len((tmp_path / "calls").read_text().split()) == 2
     finally:
         harness.stop_server(srv)
 
     (tmp_path / "calls").unlink()
-    launcher.write_text(IMPORT_FAILS_ONCE.format(python=sys.executable, module="sglang.srt.nope"))
+    stand_in = launcher(tmp_path, IMPORT_FAILS_FIRST.format(module="sglang.srt.nope"))
     with pytest.raises(harness.ServerError) as failed:
-        harness.start_server("model", python=str(launcher), log_path=tmp_path / "b.log")
+        harness.start_server("model", python=str(stand_in), log_path=tmp_path / "b.log")
     assert not isinstance(failed.value, harness.ModuleVanished)
     assert len((tmp_path / "calls").read_text().split()) == 1
 
 
 def test_a_taken_port_given_by_the_caller_is_an_error(tmp_path):
-    launcher = tmp_path / "launcher"
-    launcher.write_text(LAUNCHER.format(python=sys.executable))
-    launcher.chmod(0o755)
+    stand_in = launcher(tmp_path, PORT_TAKEN_FIRST)
     holder = _Holder()
     try:
         log = tmp_path / "taken.log"  # (without one the log would stay in a /tmp run dir)
         with pytest.raises(harness.PortTaken):
             harness.start_server(
-                "model", python=str(launcher), port=holder.port, timeout=30, log_path=log
+                "model", python=str(stand_in), port=holder.port, timeout=30, log_path=log
             )
         assert len((tmp_path / "calls").read_text().split()) == 1
     finally:
