@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from maru import MaruHandler
+from maru.client.supply import AHEAD_WRITES
 from maru.common.protocol import MsgType
 
 from .workers import KiB, MiB, digest, make_value
@@ -16,7 +17,7 @@ from .workers import KiB, MiB, digest, make_value
 CHUNK = 64 * KiB
 CAP = 8 * MiB  # the instance's pool_size: 128 chunks
 FULL = CAP // CHUNK
-BATCH = 8  # 512 KiB: a 16th of the instance (it keeps one batch of room ready)
+BATCH = 8  # 512 KiB: a 16th of the instance (it keeps AHEAD_WRITES batches of room ready)
 
 
 def full_instance(url: str, size: int = CHUNK) -> MaruHandler:
@@ -55,8 +56,8 @@ def read_back(h: MaruHandler, keys: list[str]) -> list[str | None]:
 
 def test_a_full_instance_makes_room_for_a_batch_with_one_eviction(maru_server_factory):
     """Each batch of a full instance costs one EVICT_FOR (it was one per page): the first
-    evicts for itself and the next batch; each later one asks, without waiting, for the
-    next batch's room while it copies."""
+    evicts for itself and the next AHEAD_WRITES batches; each later one asks, without
+    waiting, for what that room lacks while it copies."""
     server = maru_server_factory(pool_size="64M")
     h = full_instance(server.url)
     rounds = h.stats()["counters"]["eviction_rounds"]
@@ -72,13 +73,15 @@ def test_a_full_instance_makes_room_for_a_batch_with_one_eviction(maru_server_fa
     assert h.stats()["counters"]["eviction_rounds"] == rounds + 2
     assert read_back(h, list(written)) == list(written.values())
     old = read_back(h, [f"old/{i}" for i in range(FULL)])
-    # the least recently used pages made the room: two batches' and the next one's
-    assert old[: 3 * BATCH] == [None] * (3 * BATCH)
-    assert old[3 * BATCH :] == [digest(make_value(i, CHUNK)) for i in range(3 * BATCH, FULL)]
+    # the least recently used pages made the room: two batches' and the next ones'
+    gone = (2 + AHEAD_WRITES) * BATCH
+    assert old[:gone] == [None] * gone
+    assert old[gone:] == [digest(make_value(i, CHUNK)) for i in range(gone, FULL)]
 
     # values of differing sizes (placed one by one, more than a 16th of the instance: no
-    # room made ahead): one request for all of them
-    sizes = [CHUNK // 2 + i for i in range(BATCH)] + [2 * CHUNK - i for i in range(BATCH // 2)]
+    # room made ahead), more than the room kept free: one request for all of them
+    sizes = [CHUNK // 2 + i for i in range(2 * BATCH)] + [2 * CHUNK - i for i in range(BATCH)]
+    assert sum(-(-size // CHUNK) for size in sizes) > h._chunks.free_chunks()
     keys = [f"mixed/{i}" for i in range(len(sizes))]
     values = [make_value(5000 + i, size) for i, size in enumerate(sizes)]
     assert h.batch_store(keys, values) == [True] * len(keys)
@@ -134,9 +137,47 @@ def test_room_for_values_short_of_a_chunk_evicts_no_more_keys_than_it_needs(
         assert h.batch_store(keys, values) == [True] * BATCH
         assert read_back(h, keys) == [digest(v) for v in values]
     assert sent[0] == batches
-    # the batches' room and the next one's, exactly
-    assert h.stats()["counters"]["evictions"] - evicted == (batches + 1) * BATCH
+    # the batches' room and the next ones', exactly
+    assert h.stats()["counters"]["evictions"] - evicted == (batches + AHEAD_WRITES) * BATCH
     old = read_back(h, [f"old/{i}" for i in range(FULL)])
-    keep = range((batches + 1) * BATCH, FULL)
+    keep = range((batches + AHEAD_WRITES) * BATCH, FULL)
     assert [old[i] for i in keep] == [digest(make_value(i, size)) for i in keep]
+    h.close()
+
+
+def test_a_full_instance_writing_behind_finds_its_room_ready(maru_server_factory):
+    """Write-behind (as `MaruStorage` writes), a full instance's batches after the first find
+    their run free: the eviction each sends ahead is taken in during the next one's copy, so
+    none looks for room (`RegionSupply.reserve`: waits for an eviction's reply) and none
+    evicts for itself. Every batch reads back as written."""
+    import numpy as np
+
+    from maru.client import Put, values_at
+
+    server = maru_server_factory(pool_size="64M")
+    h = full_instance(server.url)
+    sent = count_evictions(h)
+    supply = h._supply
+    slow: list[int] = []
+    reserve = supply.reserve
+    supply.reserve = lambda size, count: slow.append(count) or reserve(size, count)  # type: ignore[method-assign]
+    written: dict[str, str] = {}
+    batches = 12  # the share 1.5 times over
+    for batch in range(batches):
+        keys = [f"behind/{batch}/{i}" for i in range(BATCH)]
+        values = [make_value(9000 + 100 * batch + i, CHUNK) for i in range(BATCH)]
+        data = np.frombuffer(b"".join(values), np.uint8)
+        pointers = data.ctypes.data + CHUNK * np.arange(BATCH, dtype=np.int64)
+        put = Put(keys, CHUNK, values_at(pointers.reshape(-1, 1), [CHUNK]))
+        h.put([put], behind=True)
+        assert put.results == [True] * BATCH
+        if batch == 0:  # (the first found no room: it evicted for itself and the next ones)
+            assert slow == [BATCH]
+            slow.clear()
+        written.update((k, digest(v)) for k, v in zip(keys, values))
+    assert slow == []
+    assert sent[0] <= batches
+    assert h.confirm_writes() == 0
+    recent = list(written)[-(FULL // BATCH - AHEAD_WRITES - 1) * BATCH :]
+    assert read_back(h, recent) == [written[k] for k in recent]
     h.close()

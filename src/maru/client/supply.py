@@ -22,9 +22,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("maru.client.handler")
 
-# At `pool_size`, a write of at most 1/AHEAD_SHARE of our regions evicts the next write's room
-# too (`RegionSupply.ahead`); a larger one only its own, so a small instance keeps its keys.
+# At `pool_size`, a write of at most 1/AHEAD_SHARE of our regions keeps the room of the next
+# AHEAD_WRITES writes free or being freed (`RegionSupply.ahead`); a larger one evicts only its
+# own, so a small instance keeps its keys. Three, not one: an eviction sent ahead is answered
+# during the next write's copy and taken in there (`collect_ahead`), so the write after that is
+# the first to use it, and a run needs contiguous chunks (spare room absorbs the holes).
 AHEAD_SHARE = 16
+AHEAD_WRITES = 3
 
 
 @dataclass(frozen=True)
@@ -211,29 +215,42 @@ class RegionSupply:
         return False
 
     def ahead(self, room: Room, free: int) -> None:
-        """A write reserved `room` and left less free (`free` bytes): ready the next write's.
-        Below `pool_size`, the next region (`ready`); when full, one EVICT_FOR per thread sent
-        without waiting, its `freed` applied at this thread's next reply."""
-        if not self.full:
-            if self._next_region_size(room.chunks) is not None:
+        """A write reserved `room` and left `free` bytes, less than the next AHEAD_WRITES
+        writes': ready them. Below `pool_size`, the next region (`ready`); when full, one
+        EVICT_FOR per thread for what is missing, sent without waiting (`collect_ahead`)."""
+        if not self.full:  # (one write's room: regions are taken ahead whole)
+            if free < room.chunks and self._next_region_size(room.chunks) is not None:
                 self.ready(room.chunks)
             return
         pending = getattr(self._ahead, "pending", None)
         if pending is not None and not pending.done():
             return
-        if not self._headroom(room) or self._next_region_size(room.chunks) is not None:
+        short = AHEAD_WRITES * room.chunks - free
+        if short <= 0 or not self._headroom(room):
             return
-
-        want = -(-room.values * (room.chunks - free) // room.chunks)  # (in keys like ours)
+        if self._next_region_size(room.chunks) is not None:
+            return
+        want = -(-room.values * short // room.chunks)  # (in keys like ours)
         try:
             self._ahead.pending = self._request(MsgType.EVICT_FOR, {"bytes": want})
         except MaruError as exc:
             log.debug("instance %s: eviction ahead failed: %s", self.owner.instance_id, exc)
 
+    def collect_ahead(self) -> None:
+        """Take in this thread's eviction sent ahead if its reply is in, not waiting (a write
+        calls it while its copy runs: the freed chunks are applied there, off its path)."""
+        pending = getattr(self._ahead, "pending", None)
+        if pending is not None and not pending.done():
+            pending.arrived()
+
     def _headroom(self, room: Room) -> int:
-        """What a full instance evicts beyond a write of `room`: the next write's room, if
-        that is at most 1/AHEAD_SHARE of our regions; else nothing."""
-        return room.values if room.chunks * AHEAD_SHARE <= self.chunks.owned_bytes() else 0
+        """What a full instance evicts beyond a write of `room`: the next AHEAD_WRITES writes'
+        room, if one is at most 1/AHEAD_SHARE of our regions; else nothing."""
+        return (
+            AHEAD_WRITES * room.values
+            if room.chunks * AHEAD_SHARE <= self.chunks.owned_bytes()
+            else 0
+        )
 
     def _settle(self) -> None:
         """Wait for this thread's eviction sent ahead, if its reply is not in: its chunks

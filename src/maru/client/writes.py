@@ -2,10 +2,11 @@
 
 Every writer goes through `Writes.put`, with a `Put` per group of values (keys, bytes per
 value, a copy function). Equal-sized values get one run of chunks, else a reservation each;
-at `pool_size` one eviction makes room for the whole write and the next (`RegionSupply.room`
-/ `ahead`). A copy that faults fails its values and gives their chunks back. A run of at
-least PIPELINE_MIN_PAGES values is sealed as soon as it is copied (in flight while the rest
-is copied); the others are sealed together at the end. Write-behind (`behind=True`) returns
+at `pool_size` one eviction makes room for the whole write and the next ones
+(`RegionSupply.room` / `ahead`). A copy that faults fails its values and gives their chunks
+back. A run of at least PIPELINE_MIN_PAGES values, or a write's only run, is sealed as soon
+as it is copied (in flight while the rest is copied); the others are sealed together at the
+end. Write-behind (`behind=True`) returns
 once every registration is sent, each sent value reported stored; this thread's next call
 reads the replies (`confirm`): a value whose registration failed then reads as a miss,
 logged and told to its `Put.on_late`.
@@ -28,7 +29,7 @@ from maru.client.checksum import checksums
 from maru.client.chunks import AllocHandle
 from maru.client.memcopy import CopyFaultError, copy_values_start
 from maru.client.requests import BYTES_LIKE, RegionsLost
-from maru.client.supply import RegionSupply, Room
+from maru.client.supply import AHEAD_WRITES, RegionSupply, Room
 from maru.common.errors import MaruError, MaruServerError
 from maru.common.protocol import (
     CHECKSUMS,
@@ -175,32 +176,34 @@ class Writes:
                 put.results, put.outcomes = [False] * n, None
                 size = put.uniform()
                 run = self.reserve(size, n) if n and size else None
+                ahead: Room | None = None  # the next writes' room, asked during the copy
                 if number == 1 and (run is not None or self._supply.full):
-                    room = self._room(puts)  # (the next write's, made ready now if not free)
-                    free = s.chunks.free * s.chunks.chunk_size
-                    if free < room.chunks:
-                        self._supply.ahead(room, free)
+                    room = self._room(puts)
+                    if s.chunks.free * s.chunks.chunk_size < AHEAD_WRITES * room.chunks:
+                        ahead = room
                 if run is None:  # no free run: value by value
+                    self._while_copying(ahead, False)
                     if n:
                         rest.append((put, *self._value_by_value(put, n, size, hashed)))
                     continue
-                if n < PIPELINE_MIN_PAGES:
+                last_put = number == len(puts)
+                if n < PIPELINE_MIN_PAGES and len(puts) > 1:  # (one REGISTER_KV for all)
                     started = self._start(put, run, 0, n, hashed, threads)
+                    self._while_copying(ahead, behind and last_put)
                     copied, sums = self._copy(put, run, 0, n, started)
                     if copied:
                         rest.append((put, run, sums))
                     continue
-                last_put = number == len(puts)
                 step = max(PIPELINE_MIN_PAGES, -(-n // pieces)) if last_put else n
                 for first in range(0, n, step):
                     last = min(n, first + step)
                     piece = run.slice(first, last) if step < n else run
                     started = self._start(put, piece, first, last, hashed, threads)
-                    # During the copy: the registration (reads no value) and, on the call's
-                    # last copy, the earlier calls' replies that are in
+                    # During the copy: the registration (reads no value), the eviction ahead
+                    # and, on the call's last copy, the earlier calls' replies that are in
                     sealing = Sealing(s, put.keys[first:last], piece, size)
-                    if behind and last_put and last == n:
-                        self.confirm(wait=False)
+                    self._while_copying(ahead, behind and last_put and last == n)
+                    ahead = None
                     copied, sums = self._copy(put, piece, first, last, started)
                     if copied:
                         sealings.append(([(put, first, last - first)], sealing.send(sums)))
@@ -227,6 +230,17 @@ class Writes:
         if lost and again:
             log.info("writing the %d values again", sum(len(p.keys) for p in lost))
             self.put(lost, behind=False, again=False)
+
+    def _while_copying(self, ahead: Room | None, take_replies: bool) -> None:
+        """A write's work while its copy runs in C (memory-bound: a core is free): take in
+        the eviction sent ahead and, on the call's last copy (`take_replies`), the earlier
+        calls' replies that are in; then ask for the next writes' room (`ahead`)."""
+        self._supply.collect_ahead()
+        if take_replies:
+            self.confirm(wait=False)
+        if ahead is not None:
+            s = self._s
+            self._supply.ahead(ahead, s.chunks.free * s.chunks.chunk_size)
 
     def reserve(self, size: int, count: int) -> AllocHandle | None:
         """A run of `count` values of `size` bytes in an owned region, else from the supply
