@@ -182,3 +182,25 @@ def test_pulled_values_sit_on_the_grid_of_their_own_length(tmp_path):
     assert all(o % (-(-n // 4096) * 4096) == 0 for n, o in zip(lengths, offsets))
     spans = sorted((o, o + n) for n, o in zip(lengths, offsets))
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # no two overlap
+
+
+def test_a_sidecar_without_mooncake_fails_each_job_in_its_ops_own_form():
+    """Before Mooncake is set up the sidecar answers every batch with failures, each in the
+    form its op's results take: a pull's [FAILED, 0] (a bare code read as an unproven value,
+    counted as a proof failure), a probe's None (a bare code is an int the server would take
+    for a length and pull)."""
+    from maru.server.cluster.proof import FAILED
+    from maru.server.cluster.sidecar import Sidecar
+
+    sidecar = object.__new__(Sidecar)  # (no Mooncake client, no socket: `answer` only)
+    sidecar.store, sidecar.error = None, "not connected yet"
+    jobs = [["name", "/pool", 0, 4096, False]] * 3
+    for op, failed in (("publish", FAILED), ("probe", None), ("pull", [FAILED, 0])):
+        reply = sidecar.answer({"op": op, "batch": 7, "jobs": jobs})
+        assert reply == {
+            "op": f"{op}-done",
+            "batch": 7,
+            "results": [failed] * 3,
+            "error": "not connected yet",
+        }
+    assert sidecar.answer({"op": "unknown", "batch": 8, "jobs": jobs}) is None

@@ -318,20 +318,30 @@ class Sidecar:
             if not poller.poll(200):
                 continue
             message = msgpack.unpackb(self.sock.recv(), raw=False)
-            op = message.get("op")
-            if op == "stop":
+            if message.get("op") == "stop":
                 return
-            work = {"publish": self.publish, "probe": self.probe, "pull": self.pull}.get(op)
-            if work is not None:
-                jobs = message["jobs"]
-                if self.store is None:
-                    results, error = [FAILED] * len(jobs), self.error
-                else:
-                    results, error = work(jobs)
-                reply = {"op": f"{op}-done", "batch": message["batch"], "results": results}
-                self.send({**reply, "error": error})
-                if error is not None and self.store is not None:
+            reply = self.answer(message)
+            if reply is not None:
+                self.send(reply)
+                if reply["error"] is not None and self.store is not None:
                     next_check = 0.0  # a call failed: is the master still there?
+
+    def answer(self, message: dict[str, Any]) -> dict[str, Any] | None:
+        """The reply to a publish, probe or pull batch (None: no such op). Without a Mooncake
+        client (not set up yet), every job fails in its op's own form: a pull's [FAILED, 0]
+        and a probe's None (no length), never a bare code the server would read as a proof
+        failure or a length."""
+        op = message.get("op")
+        work = {"publish": self.publish, "probe": self.probe, "pull": self.pull}.get(op)
+        if work is None:
+            return None
+        jobs = message["jobs"]
+        if self.store is None:
+            failed = {"publish": FAILED, "probe": None, "pull": [FAILED, 0]}[op]
+            results, error = [failed] * len(jobs), self.error
+        else:
+            results, error = work(jobs)
+        return {"op": f"{op}-done", "batch": message["batch"], "results": results, "error": error}
 
 
 def _die_with_parent() -> None:
