@@ -192,6 +192,10 @@ _HANDSHAKE_FAILED = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+# Each monitor's inproc endpoint, unique in the process: pyzmq's default names it after the
+# socket's descriptor, which a socket closed a moment ago (libzmq reaps it later) may still
+# hold bound, and a new channel then failed with "Address already in use".
+_MONITORS = itertools.count()
 
 
 _REFUSALS = (ErrorCode.NOT_AUTHORIZED, ErrorCode.LOCAL_SOCKET_FULL)
@@ -219,7 +223,10 @@ class _ZmqChannel(_Channel):
             self.curve_public_key = public.decode()
             sock.curve_publickey = public
             sock.curve_secretkey = secret
-        self.monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.monitor = sock.get_monitor_socket(
+            _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED,
+            addr=f"inproc://maru-monitor-{os.getpid()}-{next(_MONITORS)}",
+        )
         self.handshake_event: int | None = None  # the last security handshake's outcome
         sock.connect(client.url)
         self.sock = sock
