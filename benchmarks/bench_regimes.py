@@ -20,9 +20,12 @@ back, at 64 KiB and 1 MiB pages:
    `maru_ready_at_connect` and is up `--up-s` before its first write (printed); another new
    process writes at once after connect (the worst case);
 3. **first / second read**: a new process (forked from this one before any Maru object
-   exists: it inherits no mapping) connects, and its first `batch_get_v1` of the writer's keys
-   against its second of the same keys; the ratio of the two. Every page read is checked: a
-   stamp per page and call (a page of another key is caught) and the CRC of the last call.
+   exists: it inherits no mapping) connects, is up `--up-s` as the writer was, and its first
+   `batch_get_v1` of the writer's keys against its second of the same keys; the ratio of the
+   two. Likewise a process that connected before the writer took its regions (it learns of
+   them from the local index) and, the worst case, one that reads at once after connect.
+   Every page read is checked: a stamp per page and call (a page of another key is caught)
+   and the CRC of the last call.
 
 Beside them, in the same processes, the streaming copy of the same bytes between the host pool
 and a warm /dev/shm mapping (`maru.client.memcopy.copy_values` with streaming stores: the
@@ -62,10 +65,11 @@ SERVER_POOL = "1G"
 # call is a quarter of it, too much to keep free ahead: every write waits for its own eviction.
 FULL_CALLS = 16
 READER_POOL = CALL_BYTES  # the reader writes nothing: one call's room is plenty
-# How long the never-touched writer is up before its first write (`--up-s`): a serving instance
-# connects at start-up, seconds before its first write, and with `maru_ready_at_connect` takes
-# its share then and populates it in the background (`RegionSupply.ready`). The worst case, a
-# write at once after connect, is measured too (the "at once" process).
+# How long the never-touched writer and the readers are up before their first write or read
+# (`--up-s`): a serving instance connects at start-up, seconds before its first write or read;
+# with `maru_ready_at_connect` it takes its share then and populates it in the background
+# (`RegionSupply.ready`), and its reads find the pool's regions mapped and populated (`eager_map`).
+# The worst cases, a write or a read at once after connect, are measured too ("at once").
 UP_S = 1.0
 # The new processes that write (the never-touched writer, "at once") connect with
 # `maru_ready_at_connect` true. False (`--compare-ready`'s "before" half): not, and
@@ -247,11 +251,13 @@ def bench_round(case: H.Case, plan: Plan) -> dict[str, float]:
             out["touched_faults_per_mib"] = per_mib(touched, n)
             crcs = writer.call("crcs")  # (the last call's pages, stamps and all)
             workers.append(H.Worker(Side, url, case, pages, READER_POOL, "reader"))  # new
-            out.update(bench_reads(workers[2], case, n, crcs, ""))
-            out.update(bench_reads(workers[1], case, n, crcs, "early_"))
+            out.update(bench_reads(workers[2], case, n, crcs, "", plan.up_s))
+            out.update(bench_reads(workers[1], case, n, crcs, "early_", plan.up_s))
+            workers.append(H.Worker(Side, url, case, pages, READER_POOL, "reader"))  # new
+            out.update(bench_reads(workers[-1], case, n, crcs, "now_", 0.0))
             # the worst case: a new process writes at once after connect (nothing ready yet)
             workers.append(H.Worker(Side, url, case, pages, plan.fresh_pool, "at once"))
-            now = workers[3].call("timed", "maru_set", "now", n)
+            now = workers[-1].call("timed", "maru_set", "now", n)
             assert now["ok"] == n * pages, f"{case.name}: the at-once set stored {now}"
             out["now_set"] = gbps(now, n)
             out["now_vs_touched"] = out["now_set"] / out["touched_set"]
@@ -262,11 +268,14 @@ def bench_round(case: H.Case, plan: Plan) -> dict[str, float]:
     return out
 
 
-def bench_reads(reader: H.Worker, case: H.Case, n: int, crcs: list[int], prefix: str) -> dict:
-    """Regime 3 in `reader`, a process that never read these keys: its first `batch_get_v1`
-    of the writer's `n` calls, then its second, between two blocks of the stream copy (get);
-    the pages read checked against the writer's CRCs."""
+def bench_reads(
+    reader: H.Worker, case: H.Case, n: int, crcs: list[int], prefix: str, up_s: float
+) -> dict:
+    """Regime 3 in `reader`, a process that never read these keys, up at least `up_s` since
+    its connect: its first `batch_get_v1` of the writer's `n` calls, then its second, between
+    two blocks of the stream copy (get); the pages read checked against the writer's CRCs."""
     out = {f"{prefix}connect_ms": reader.call("connect_seconds") * 1e3}
+    out[f"{prefix}up_s"] = reader.call("up_at_least", up_s) if up_s else 0.0
     reader.call("wipe")  # (its host pool is warm, as a server's pinned pool is)
     reader.call("timed", "stream_get", "warm", 1)
     stream = [reader.call("timed", "stream_get", "copy", n)]
@@ -371,6 +380,12 @@ ROWS = (  # (label, figure's key, `cell`'s share: the % beside GB/s, or None)
     (
         "first / second, the reader connected before the writer took its regions",
         "early_first_vs_second",
+        None,
+    ),
+    ("the reader's time up before its first read, s", "up_s", None),
+    (
+        "first / second, a reader at once after connect (the worst case)",
+        "now_first_vs_second",
         None,
     ),
     ("the new process's connect (MaruStorage from the factory), ms", "connect_ms", None),
@@ -548,7 +563,8 @@ def main() -> int:
         "--up-s",
         type=float,
         default=UP_S,
-        help="seconds the never-touched writer is up before its first write",
+        help="seconds the never-touched writer and the readers are up before their first "
+        "write or read",
     )
     ap.add_argument(
         "--compare-ready",

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from maru import MaruHandler
@@ -167,3 +168,35 @@ def test_populating_a_region_of_a_truncated_pool_logs_and_kills_nothing(shm_name
     assert done.returncode == 0, done.stderr[-3000:]  # (before: no populate to call)
     assert done.stdout.split() == ["False", "False"]
     assert done.stderr.count("populating its pages failed") == 2
+
+
+def test_a_reader_maps_and_populates_another_instances_new_region_before_reading_it(
+    maru_server_factory,
+):
+    """A reader connected before a writer took its region (sparse pool, `eager_map`): it maps
+    the region within a heartbeat interval (the local index says a region was made; before:
+    at its next heartbeat, 5 s, or by its first read, which then faulted page by page), its
+    mapping has the written pages in, and the pages written into the region after that are
+    mapped in too, with no read (`follow_backing`); what it then reads is what was written."""
+    server = maru_server_factory(pool_size="64M")
+    size = 256 * KiB
+    keys, values = [f"w{i}" for i in range(7)], [make_value(i, size) for i in range(7)]
+    kw = {"server_url": server.url, "chunk_size_bytes": size}
+    with MaruHandler(pool_size="4M", **kw) as reader, MaruHandler(pool_size="8M", **kw) as w:
+        assert reader.reads_locally and reader._heartbeat.interval >= 5.0
+        in_time = 0.8 * reader._heartbeat.interval  # (before the next beat could map it)
+        assert w.batch_store(keys[:4], values[:4]) == [True] * 4
+        [region] = w.owned_region_ids()
+
+        def resident() -> int:
+            mapped = reader._mapper.get(region)
+            return resident_bytes(mapped.address) if mapped is not None else -1
+
+        wait_for(lambda: resident() == 4 * size, in_time, "the reader's mapping of it")
+        assert w.batch_store(keys[4:], values[4:]) == [True] * 3  # (same region: 1.75 MiB)
+        assert w.owned_region_ids() == [region]
+        wait_for(lambda: resident() == 7 * size, in_time, "the pages written since")
+        out = np.zeros((len(keys), size), np.uint8)
+        buffers = out.ctypes.data + np.arange(len(keys), dtype=np.int64)[:, None] * size
+        assert reader.read(keys, buffers, np.array([size], np.int64), length=size) == [True] * 7
+    assert [digest(row) for row in out] == [digest(v) for v in values]

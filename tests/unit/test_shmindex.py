@@ -335,6 +335,26 @@ def test_a_table_past_half_full_is_replaced_by_a_bigger_one(tmp_path: Path, monk
     assert table_files(index.base) == []
 
 
+def test_readers_see_the_next_region_id_and_a_bigger_table_carries_it(tmp_path, monkeypatch):
+    """The header's `regions` (the id the server's next region gets) is 0 in a new table,
+    what the server last noted after that, and the same in the table that replaces it."""
+    monkeypatch.setattr(localindex, "INITIAL_CAPACITY", 16)
+    index = LocalIndex("shm", str(tmp_path / "pool"), "g")
+    client = LocalIndexClient.open(index.path, os.getuid())
+    assert client.regions_made() == 0
+    index.note_regions(5)
+    assert client.regions_made() == 5
+    keys = [f"k{i}" for i in range(40)]
+    for i in range(0, 40, 10):
+        publish(index, keys[i : i + 10], base=i * 4096)
+    assert index.grown >= 1
+    assert client.regions_made() == 5 and client.path == index.path  # (the successor's)
+    index.note_regions(6)
+    assert client.regions_made() == 6
+    index.close()
+    assert client.regions_made() == 0  # (no table: not said)
+
+
 def test_hits_mark_use_bits_that_the_server_harvests_once(index):
     keys = [f"k{i}" for i in range(10)]
     publish(index, keys)

@@ -48,16 +48,23 @@ from maru.common.protocol import DeleteStatus, ErrorCode, Key, MsgType
 
 log = logging.getLogger(__name__)
 
+# How often, between beats, an instance that maps every region (`eager_map`) looks at the
+# local index's count of regions made: a reader maps and populates another instance's new
+# region within this, before its first read of it (the look costs one load, no request).
+WATCH_S = 0.25
+
 __all__ = ["AllocHandle", "MaruHandler", "MemoryInfo", "StoreOutcome"]
 
 
 class _Heartbeat:
     """Beats even when idle (a silent instance is reaped after --heartbeat-timeout: its pins,
-    leases and regions released), and parks idle regions (`RegionSupply.tick`)."""
+    leases and regions released), and parks idle regions (`RegionSupply.tick`). Between beats
+    it calls `watch` every WATCH_S (`MaruHandler._watch_regions`: no request unless the local
+    index says a region was made)."""
 
-    def __init__(self, send: Callable[[], Any], name: str):
+    def __init__(self, send: Callable[[], Any], name: str, watch: Callable[[], Any]):
         self.interval = 5.0  # the server says how often, at handshake
-        self._send, self._name = send, name
+        self._send, self._name, self._watch = send, name, watch
         self._stop = threading.Event()
         self._now = threading.Event()  # `wake`: beat now, not at the end of the interval
         self._thread: threading.Thread | None = None
@@ -73,15 +80,23 @@ class _Heartbeat:
             self._thread.start()
 
     def _loop(self) -> None:
+        next_beat = time.monotonic() + self.interval
         while True:
-            self._now.wait(self.interval)
+            woken = self._now.wait(max(0.0, min(next_beat - time.monotonic(), WATCH_S)))
             self._now.clear()
             if self._stop.is_set():
                 return
+            beat = woken or time.monotonic() >= next_beat
             try:
-                self._send()
+                if beat:
+                    next_beat = time.monotonic() + self.interval
+                    self._send()
+                else:
+                    self._watch()
             except MaruError as exc:
-                log.debug("heartbeat failed: %s", exc)
+                log.debug("%s failed: %s", "heartbeat" if beat else "region watch", exc)
+            except Exception:  # (a bug: never let it end the beats, the instance would be reaped)
+                log.exception("%s failed", "heartbeat" if beat else "region watch")
 
     def stop(self, timeout: float) -> None:
         self._stop.set()
@@ -122,7 +137,9 @@ class MaruHandler(OriginalApi):
         self._index: LocalIndexClient | None = None  # the server's, on its node (handshake)
         self._coherence = Coherence(config.coherence)  # agreed at each handshake
         self._cluster = ClusterPulls(self._request, self._per_key)  # a tier behind the pool
-        self._heartbeat = _Heartbeat(self._beat, f"maru-heartbeat-{self.instance_id[:8]}")
+        self._heartbeat = _Heartbeat(
+            self._beat, f"maru-heartbeat-{self.instance_id[:8]}", self._watch_regions
+        )
         if config.auto_connect:
             self.connect()
 
@@ -223,6 +240,18 @@ class MaruHandler(OriginalApi):
             self._supply.tick(self._local_reads())
             if self.config.eager_map:  # (the regions made since the last beat)
                 self._s.map_new_regions(self._supply.pool_generation)
+
+    def _watch_regions(self) -> None:
+        """Between beats (`eager_map`): map the regions made since we last looked as soon as
+        the local index says one was (a first read of another instance's new region then finds
+        it mapped, not a heartbeat later), and populate the pages their writers backed since
+        (`RegionMapper.follow_backing`)."""
+        if not (self._connected and self.config.eager_map):
+            return
+        index = self._index
+        if index is not None and index.regions_made() > self._s.regions_seen[1]:
+            self._s.map_new_regions(self._supply.pool_generation)
+        self._mapper.follow_backing()
 
     def _request(self, msg_type: MsgType, body: dict[str, Any]) -> PendingReply:
         """The handler's one way to send: as this instance (`Session.request`)."""

@@ -206,6 +206,12 @@ class LocalIndexClient:
             self._reader = None
         return found
 
+    def regions_made(self) -> int:
+        """The id the server's next region gets, as its table says (0: not said: an older
+        server, or no table now). A region id above what we have seen: one was made."""
+        reader = self.reader()
+        return reader.regions if reader is not None else 0
+
     def exists(self, keys: Sequence[Key], prefix: Prefix = "") -> list[bool] | None:
         """Whether each key (`prefix + key`, see `MaruHandler.lookup`) is registered (a hit
         marks it used, as an EXISTS request does); None: ask the server."""

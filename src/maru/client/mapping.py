@@ -44,6 +44,10 @@ from maru.common.shmindex import region_tag
 
 log = logging.getLogger(__name__)
 
+# How long after a region of another instance is mapped `follow_backing` looks again for the
+# pages its writer backed since (a writer readies a new region's pages in well under a second)
+FOLLOW_S = 5.0
+
 
 @dataclass
 class MappedRegion:
@@ -55,6 +59,12 @@ class MappedRegion:
     # what `populate` maps in: what the file held when mapped (`backed_extents`; None: not
     # looked up yet, `populate` does), or all of it
     backed: tuple[tuple[int, int], ...] | None = ()
+    mapped_at: float = 0.0  # (monotonic) `follow_backing` looks again for FOLLOW_S after it
+    populated: tuple[tuple[int, int], ...] = ()  # the extents `populate` has mapped in
+
+    @property
+    def whole(self) -> bool:
+        return self.backed == ((0, self.handle.length),)
 
 
 class RegionMapper:
@@ -168,22 +178,43 @@ class RegionMapper:
             address = int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
             view = memoryview(mm) if writable else memoryview(mm).toreadonly()
             extents = None if backed is None else tuple(backed)
-            mapped = MappedRegion(handle, mm, view, address, writable, extents)
+            mapped = MappedRegion(handle, mm, view, address, writable, extents, time.monotonic())
             self._regions[handle.region_id] = mapped
             self._update_rows()
             if background and backed != []:
-                self._to_populate.append(mapped)
-                if self._populator is None or not self._populator.is_alive():  # (or forked)
-                    self._populator = threading.Thread(
-                        target=self._populate_pending, name="maru-populate", daemon=True
-                    )
-                    self._populator.start()
+                self._populate_later_locked(mapped)
         for listener in self._listeners:
             try:
                 listener(handle.region_id)
             except Exception:
                 log.exception("region listener failed for region %d", handle.region_id)
         return mapped
+
+    def _populate_later_locked(self, mapped: MappedRegion) -> None:
+        """Queue `mapped` for the populate thread (started if none runs)."""
+        if mapped in self._to_populate:
+            return
+        self._to_populate.append(mapped)
+        if self._populator is None or not self._populator.is_alive():  # (or forked)
+            self._populator = threading.Thread(
+                target=self._populate_pending, name="maru-populate", daemon=True
+            )
+            self._populator.start()
+
+    def follow_backing(self) -> None:
+        """Look again at the regions of others mapped in the last FOLLOW_S whose file held
+        only part of their pages: their writers back pages as they write (or ready them), and
+        the pages backed since are populated here too, in the background, before a read
+        faults on them. (The watch calls this between heartbeats.)"""
+        if not (self.populate_regions and populate_works()):
+            return
+        since = time.monotonic() - FOLLOW_S
+        with self._lock:
+            for mapped in self._regions.values():
+                young = mapped.mapped_at >= since and not mapped.writable
+                if young and mapped.backed is not None and not mapped.whole:
+                    mapped.backed = None  # (`populate` looks it up again)
+                    self._populate_later_locked(mapped)
 
     def _populate_pending(self) -> None:
         """The populate thread; ends when no region is left (the next `map` starts another)."""
@@ -216,12 +247,15 @@ class RegionMapper:
         truncated under it (EFAULT, where a touch would SIGBUS); the region stays usable."""
         advice = MADV_POPULATE_WRITE if mapped.writable else MADV_POPULATE_READ
         region_id = mapped.handle.region_id
-        if mapped.backed is None:
-            mapped.backed = self._backed(mapped.handle)
+        backed = mapped.backed
+        if backed is None:
+            backed = mapped.backed = self._backed(mapped.handle)
+        done = mapped.populated  # (`follow_backing` again: only what was backed since)
         steps = [
             (at, min(POPULATE_STEP, end - at))
-            for start, end in mapped.backed
+            for start, end in backed
             for at in range(start, end, POPULATE_STEP)
+            if not _within(at, min(at + POPULATE_STEP, end), done)
         ]
         if mapped.writable:  # (our writes take a region's chunks from its start: meet them
             steps.reverse()  # last, not page by page: a page both fault waits on the other)
@@ -241,7 +275,9 @@ class RegionMapper:
                 at,
                 os.strerror(code),
             )
+            mapped.mapped_at = 0.0  # (not followed again)
             return False
+        mapped.populated = backed
         return True
 
     def _path(self, handle: RegionHandle) -> str:
@@ -314,3 +350,8 @@ class RegionMapper:
             retired, self._retired = self._retired, []
         for _, mapped in retired:
             self._close(mapped)
+
+
+def _within(start: int, end: int, extents: tuple[tuple[int, int], ...]) -> bool:
+    """Whether [start, end) lies inside one of `extents`."""
+    return any(s <= start and end <= e for s, e in extents)

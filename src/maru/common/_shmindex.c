@@ -21,6 +21,9 @@
  *                          a key found no room (a table of fixed capacity, in the pool: a
  *                          reader then asks the server for its misses, never takes them as
  *                          final)
+ *     88   regions         the id the server's next region gets (ids only grow): a reader
+ *                          whose instance maps every region (`maru_eager_map`) maps the new
+ *                          ones when it sees this pass what it has seen, not a heartbeat later
  *     128  successor       NUL-terminated path (at most SUCCESSOR_MAX - 1 bytes) of the table
  *                          that replaced this one (a grown table), "" if unknown
  *   slots from HEADER_BYTES on, SLOT_BYTES each:
@@ -112,7 +115,7 @@ static const char MAGIC_BYTES[8] = {'M', 'A', 'R', 'U', 'I', 'D', 'X', '1'};
 
 typedef struct {
     uint64_t magic, version, capacity, slot_bytes, max_key, pool_generation, retired, count,
-        index_id, header_bytes, incomplete;
+        index_id, header_bytes, incomplete, regions;
 } Header;
 
 typedef struct {
@@ -537,6 +540,7 @@ static PyObject *format_table(PyObject *module, PyObject *args)
     h->index_id = index_id;
     h->header_bytes = HEADER_BYTES;
     h->incomplete = 0;
+    h->regions = 0;
     memset((char *)h + SUCCESSOR_OFFSET, 0, SUCCESSOR_MAX);
     tbl_write_back(&t, buf.buf, HEADER_BYTES + body);
     tbl_sfence(&t);
@@ -930,6 +934,18 @@ static PyObject *Writer_mark_incomplete(Writer *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* note_regions(next_id): the id the next region gets (see the layout's `regions`). */
+static PyObject *Writer_note_regions(Writer *self, PyObject *arg)
+{
+    unsigned long long next_id = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred() || !writer_ready(self))
+        return NULL;
+    STORE_REL(&self->t.h->regions, (uint64_t)next_id);
+    tbl_write_back(&self->t, self->t.h, 128);
+    tbl_sfence(&self->t);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Writer_close(Writer *self, PyObject *unused)
 {
     table_close(&self->t);
@@ -974,6 +990,8 @@ static PyMethodDef Writer_methods[] = {
     {"retire", (PyCFunction)Writer_retire, METH_O, "retire(successor_path)"},
     {"mark_incomplete", (PyCFunction)Writer_mark_incomplete, METH_NOARGS,
      "a key found no room: readers ask the server for their misses from now on"},
+    {"note_regions", (PyCFunction)Writer_note_regions, METH_O,
+     "note_regions(next_id): the id the server's next region gets"},
     {"close", (PyCFunction)Writer_close, METH_NOARGS, "release the buffers"},
     {NULL, NULL, 0, NULL},
 };
@@ -1772,6 +1790,21 @@ static PyObject *Reader_get_incomplete(Reader *self, void *c)
     return PyBool_FromLong(guarded(incomplete_run, &self->t) != 0);
 }
 
+/* The header's `regions`, read from memory (a software-coherent reader drops its line). */
+static int regions_run(void *arg)
+{
+    const Table *t = arg;
+    tbl_drop(t, &t->h->regions, 8);
+    tbl_mfence(t);
+    return (int)(LOAD_ACQ(&t->h->regions) & 0x3fffffff);
+}
+
+static PyObject *Reader_get_regions(Reader *self, void *c)
+{
+    int next_id = guarded(regions_run, &self->t);
+    return PyLong_FromLong(next_id == FAULTED ? 0 : next_id);
+}
+
 /* The successor field, copied out once `retired` is set (`arg`: a Successor): guarded. */
 typedef struct {
     const Header *h;
@@ -1829,6 +1862,8 @@ static PyGetSetDef Reader_getset[] = {
     {"incomplete", (getter)Reader_get_incomplete, NULL,
      "a key found no room: misses are not final", NULL},
     {"successor", (getter)Reader_get_successor, NULL, "the replacing table's path, or ''", NULL},
+    {"regions", (getter)Reader_get_regions, NULL,
+     "the id the server's next region gets (0: not said, or the table faulted)", NULL},
     {"pool_generation", (getter)Reader_get_pool_generation, NULL, "hash of the generation", NULL},
     {"count", (getter)table_get_count, NULL, "keys in the table", NULL},
     {"capacity", (getter)table_get_capacity, NULL, "slots", NULL},

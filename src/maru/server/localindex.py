@@ -204,6 +204,7 @@ class LocalIndex:
         self.grown = 0  # tables replaced by bigger ones
         self.huge = hugepages.tmpfs_huge_option(self.base)  # its tmpfs's huge= option
         self.unpublished = 0  # keys an in-pool table had no room for
+        self.next_region = 0  # the id the server's next region gets (`note_regions`)
         self.table: _Table | _PoolTable | None = (
             _PoolTable(in_pool, generation, software)
             if in_pool is not None
@@ -292,6 +293,7 @@ class LocalIndex:
             self.close()
             return False
         table.writer.copy_into(bigger.writer)
+        bigger.writer.note_regions(self.next_region)
         self.table = bigger
         table.retire(bigger.path)
         self.grown += 1
@@ -322,6 +324,13 @@ class LocalIndex:
             checksums = checksums[:room] if checksums is not None else None
         tags = {r: region_tag(regions[r].token) for r in set(region_ids)}
         self.table.writer.publish(keys, region_ids, offsets, lengths, checksums, tags)
+
+    def note_regions(self, next_id: int) -> None:
+        """A region was made (or the registry was restored): `next_id` is the id the next one
+        gets. Readers on the node that map every region map the new ones when they see it."""
+        self.next_region = next_id
+        if self.table is not None:
+            self.table.writer.note_regions(next_id)
 
     def _no_room(self, keys: list[Any]) -> None:
         """Keys the in-pool table has no room for: an earlier slot of theirs goes (it names
@@ -391,6 +400,8 @@ def open_local_index(
     columns = ([getattr(e, name) for e in entries] for name in names)
     index.publish(list(registry.keys), *columns, regions=registry.regions)
     registry.local_index = index
+    index.note_regions(registry.regions.next_id)
+    registry.regions.on_allocated = index.note_regions
     pages = hugepages.describe(index.huge)
     log.info("local index %s (%d keys; %s)", index.stats()["path"], index.count, pages)
     return index

@@ -83,6 +83,9 @@ class RegionTable(dict[int, Region]):
         self.counters = counters
         self.next_id = 1
         self.held: dict[int, Region] = {}  # returned regions not to be freed before held_until
+        # called with `next_id` after each allocation: the local index tells readers on the
+        # node that a region was made (`LocalIndex.note_regions`)
+        self.on_allocated: Callable[[int], None] | None = None
 
     def allocate(self, owner: str, length: int, page_size: int) -> Region:
         """A new region of `length` bytes (already rounded up); PoolFullError if none fits."""
@@ -99,6 +102,8 @@ class RegionTable(dict[int, Region]):
             region_id, owner, path, offset, length, token, page_size=page_size
         )
         self.counters["regions_allocated"] += 1
+        if self.on_allocated is not None:
+            self.on_allocated(self.next_id)
         log.info(
             "region %d (%d bytes at %s+%d) allocated to %s",
             region_id,
