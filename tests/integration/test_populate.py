@@ -177,7 +177,8 @@ def test_a_reader_maps_and_populates_another_instances_new_region_before_reading
     the region within a heartbeat interval (the local index says a region was made; before:
     at its next heartbeat, 5 s, or by its first read, which then faulted page by page), its
     mapping has the written pages in, and the pages written into the region after that are
-    mapped in too, with no read (`follow_backing`); what it then reads is what was written."""
+    mapped in too, with no read (`follow_backing`); what it then reads is what was written.
+    A reader that finds the region at its connect populates what it holds then, once."""
     server = maru_server_factory(pool_size="64M")
     size = 256 * KiB
     keys, values = [f"w{i}" for i in range(7)], [make_value(i, size) for i in range(7)]
@@ -193,6 +194,9 @@ def test_a_reader_maps_and_populates_another_instances_new_region_before_reading
             return resident_bytes(mapped.address) if mapped is not None else -1
 
         wait_for(lambda: resident() == 4 * size, in_time, "the reader's mapping of it")
+        with MaruHandler(pool_size="4M", **kw) as later:  # (found at its connect: any age)
+            assert populated_mappings(later)[region] == (2 * MiB, 4 * size)
+            assert later._mapper.get(region).followed_from == 0.0  # (not looked at again)
         assert w.batch_store(keys[4:], values[4:]) == [True] * 3  # (same region: 1.75 MiB)
         assert w.owned_region_ids() == [region]
         wait_for(lambda: resident() == 7 * size, in_time, "the pages written since")

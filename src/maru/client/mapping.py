@@ -59,7 +59,7 @@ class MappedRegion:
     # what `populate` maps in: what the file held when mapped (`backed_extents`; None: not
     # looked up yet, `populate` does), or all of it
     backed: tuple[tuple[int, int], ...] | None = ()
-    mapped_at: float = 0.0  # (monotonic) `follow_backing` looks again for FOLLOW_S after it
+    followed_from: float = 0.0  # (monotonic; 0: never) `follow_backing` looks for FOLLOW_S
     populated: tuple[tuple[int, int], ...] = ()  # the extents `populate` has mapped in
 
     @property
@@ -147,9 +147,12 @@ class RegionMapper:
     def region_ids(self) -> list[int]:
         return list(self._regions)
 
-    def map(self, handle: RegionHandle, *, writable: bool, whole: bool = False) -> MappedRegion:
+    def map(
+        self, handle: RegionHandle, *, writable: bool, whole: bool = False, follow: bool = False
+    ) -> MappedRegion:
         """`whole`: populate all of it, holes too (a region of ours taken ahead of our
-        writes, `RegionSupply.ready`: its pages are about to be written anyway)."""
+        writes, `RegionSupply.ready`: its pages are about to be written anyway). `follow`: a
+        region just made, whose writer is backing its pages (`follow_backing`)."""
         with self._lock:
             mapped = self._regions.get(handle.region_id)
             if mapped is not None and mapped.handle == handle and (mapped.writable or not writable):
@@ -178,7 +181,8 @@ class RegionMapper:
             address = int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
             view = memoryview(mm) if writable else memoryview(mm).toreadonly()
             extents = None if backed is None else tuple(backed)
-            mapped = MappedRegion(handle, mm, view, address, writable, extents, time.monotonic())
+            since = time.monotonic() if follow else 0.0
+            mapped = MappedRegion(handle, mm, view, address, writable, extents, since)
             self._regions[handle.region_id] = mapped
             self._update_rows()
             if background and backed != []:
@@ -192,7 +196,7 @@ class RegionMapper:
 
     def _populate_later_locked(self, mapped: MappedRegion) -> None:
         """Queue `mapped` for the populate thread (started if none runs)."""
-        if mapped in self._to_populate:
+        if any(m is mapped for m in self._to_populate):  # (not `in`: dataclass equality)
             return
         self._to_populate.append(mapped)
         if self._populator is None or not self._populator.is_alive():  # (or forked)
@@ -202,16 +206,17 @@ class RegionMapper:
             self._populator.start()
 
     def follow_backing(self) -> None:
-        """Look again at the regions of others mapped in the last FOLLOW_S whose file held
-        only part of their pages: their writers back pages as they write (or ready them), and
-        the pages backed since are populated here too, in the background, before a read
-        faults on them. (The watch calls this between heartbeats.)"""
+        """Look again at the regions just made by others (mapped with `follow` in the last
+        FOLLOW_S) whose file held only part of their pages: their writers back pages as they
+        write (or ready them), and the pages backed since are populated here too, in the
+        background, before a read faults on them. (The watch calls this between heartbeats;
+        regions found at connect, of any age, are populated once.)"""
         if not (self.populate_regions and populate_works()):
             return
         since = time.monotonic() - FOLLOW_S
         with self._lock:
             for mapped in self._regions.values():
-                young = mapped.mapped_at >= since and not mapped.writable
+                young = mapped.followed_from >= since and not mapped.writable
                 if young and mapped.backed is not None and not mapped.whole:
                     mapped.backed = None  # (`populate` looks it up again)
                     self._populate_later_locked(mapped)
@@ -275,7 +280,7 @@ class RegionMapper:
                 at,
                 os.strerror(code),
             )
-            mapped.mapped_at = 0.0  # (not followed again)
+            mapped.followed_from = 0.0  # (not followed again)
             return False
         mapped.populated = backed
         return True

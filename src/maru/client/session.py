@@ -40,26 +40,30 @@ class Session:
     def __post_init__(self) -> None:
         self.instance_id = self.config.instance_id
 
-    def map(self, handle: RegionHandle) -> MappedRegion:
+    def map(self, handle: RegionHandle, *, follow: bool = False) -> MappedRegion:
         """`handle`'s region mapped here (once; again if the server reused its id): writable
-        if we own it, read-only otherwise."""
+        if we own it, read-only otherwise. `follow`: a region just made (see
+        `RegionMapper.follow_backing`)."""
         mapped = self.mapper.get(handle.region_id)
         if mapped is not None and mapped.handle == handle:
             return mapped
         writable = handle.owner == self.instance_id and handle.region_id in self.chunks
-        return self.mapper.map(handle, writable=writable)
+        return self.mapper.map(handle, writable=writable, follow=follow)
 
     def map_new_regions(self, generation: str | None) -> None:
         """Map every region of the pool made since the last call (`eager_map`: at connect,
         then at each heartbeat), so that a first read of another instance's new region finds
-        it mapped. Region ids only grow within a pool `generation`."""
+        it mapped. Region ids only grow within a pool `generation`. The regions made since an
+        earlier call are new: their writers are still backing their pages (followed); those
+        found at the first call may be of any age."""
         seen_in, seen = self.regions_seen
-        seen = seen if seen_in == generation else 0
+        new = seen_in == generation
+        seen = seen if new else 0
         reply = self.request(MsgType.LIST_ALLOCATIONS, {"from_id": seen}).result()
         for fields in reply["regions"]:
             seen = max(seen, int(fields[0]) + 1)
             try:
-                self.map(RegionHandle.from_wire(fields))
+                self.map(RegionHandle.from_wire(fields), follow=new)
             except OSError as exc:  # (a lookup that finds a key there maps it again)
                 log.warning("cannot map region %s of the pool: %s", fields[0], exc)
         self.regions_seen = (generation, seen)
