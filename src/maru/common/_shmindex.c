@@ -1790,19 +1790,28 @@ static PyObject *Reader_get_incomplete(Reader *self, void *c)
     return PyBool_FromLong(guarded(incomplete_run, &self->t) != 0);
 }
 
-/* The header's `regions`, read from memory (a software-coherent reader drops its line). */
+/* The header's `regions`, read from memory (a software-coherent reader drops its line):
+ * `guarded` answers 0, or FAULTED. */
+typedef struct {
+    const Table *t;
+    uint64_t value;
+} RegionsLoad;
+
 static int regions_run(void *arg)
 {
-    const Table *t = arg;
-    tbl_drop(t, &t->h->regions, 8);
-    tbl_mfence(t);
-    return (int)(LOAD_ACQ(&t->h->regions) & 0x3fffffff);
+    RegionsLoad *r = arg;
+    tbl_drop(r->t, &r->t->h->regions, 8);
+    tbl_mfence(r->t);
+    r->value = LOAD_ACQ(&r->t->h->regions);
+    return 0;
 }
 
 static PyObject *Reader_get_regions(Reader *self, void *c)
 {
-    int next_id = guarded(regions_run, &self->t);
-    return PyLong_FromLong(next_id == FAULTED ? 0 : next_id);
+    RegionsLoad r = {&self->t, 0};
+    if (guarded(regions_run, &r) == FAULTED)
+        r.value = 0;
+    return PyLong_FromUnsignedLongLong(r.value);
 }
 
 /* The successor field, copied out once `retired` is set (`arg`: a Successor): guarded. */
