@@ -228,3 +228,26 @@ def test_a_bad_pool_path_names_the_key_or_the_variable(monkeypatch, bad):
         monkeypatch.setenv("MARU_POOL_PATH", bad)
         with pytest.raises(ConfigError, match=r"^MARU_POOL_PATH: expected an absolute path"):
             MaruConfig()
+
+
+def test_a_curve_key_is_taken_as_text_where_a_file_of_that_name_cannot_be_looked_up(
+    monkeypatch,
+):
+    """A 40-character key whose name cannot be looked up as a file (here: a working directory
+    the process may not search, as a client dropped to another uid inside root's 0700
+    checkout; root itself searches anything, so the lookup's refusal is raised for it) is the
+    key, not a PermissionError out of MaruConfig."""
+    import zmq
+
+    from maru.common.config import parse_curve_key
+
+    public, _ = zmq.curve_keypair()
+    key = public.decode()
+
+    def refused(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr("pathlib.Path.is_file", refused)
+    assert parse_curve_key(key, name="server_public_key") == key
+    with pytest.raises(ConfigError, match="neither a 40-character CURVE key"):
+        parse_curve_key("x" * 39, name="server_public_key")

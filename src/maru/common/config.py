@@ -109,7 +109,7 @@ def parse_curve_key(value: Any, *, name: str, kind: str = "public key") -> str:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{name}: expected a 40-character CURVE key or a file, got {value!r}")
     text = value.strip()
-    if len(text) != 40 or Path(text).expanduser().is_file():  # (Z85 has "/" and ".")
+    if len(text) != 40 or _is_file(text):  # (Z85 has "/" and ".")
         try:
             text = Path(text).expanduser().read_text().strip()
         except OSError as exc:
@@ -120,6 +120,15 @@ def parse_curve_key(value: Any, *, name: str, kind: str = "public key") -> str:
     if not is_key(text):
         raise ConfigError(f"{name}: a CURVE {kind} is 40 Z85 characters, got {len(text)}")
     return text
+
+
+def _is_file(text: str) -> bool:
+    """Whether `text` names a file here; False where it cannot be looked up (a directory on
+    its way this process may not search, e.g. a working directory of another user's)."""
+    try:
+        return Path(text).expanduser().is_file()
+    except OSError:
+        return False
 
 
 def parse_server_url(value: Any, *, name: str = "server_url") -> str:
