@@ -73,6 +73,7 @@ MASTER = f"{NODE1}:50051"
 SIZE = 60_000
 N = 24
 SPILL_N = 250  # values of SIZE node 1 writes with spill: 15 MB, past its high watermark
+SHARE, SHARE_BATCH = "8M", 8  # an instance's share that SPILL_N values overflow; its calls
 WAIT_S = 60  # the longest any step here waits for the tier
 
 
@@ -97,6 +98,27 @@ def write(url: str, prefix: str, n: int, flip: bool) -> dict:
         for key in keys if flip else ():
             flip_byte(h, key, at=SIZE // 2)
         return {"stored": stored}
+    finally:
+        h.close()
+
+
+def write_share(url: str, prefix: str, n: int) -> dict:
+    """PREFIX/i (i < n) written by one instance whose `maru_pool_size` (SHARE) holds a
+    fraction of them, SHARE_BATCH values a call (a sixteenth of its share: it asks room for
+    its next calls ahead), waiting between calls until the tier has nothing in flight, as a
+    writer slower than the tier would. Stored; then the pool's keys and eviction rounds."""
+    h = handler(url, pool_size=SHARE)
+    try:
+        stored = 0
+        for at in range(0, n, SHARE_BATCH):
+            batch = [f"{prefix}/{i}" for i in range(at, min(n, at + SHARE_BATCH))]
+            stored += sum(h.batch_store(batch, [make_value(k, SIZE) for k in batch]))
+            deadline = time.monotonic() + WAIT_S
+            while any(h.stats()["cluster"][k] for k in ("queue_depth", "in_flight")):
+                assert time.monotonic() < deadline, "the tier did not settle"
+                time.sleep(0.02)
+        server = h.stats()
+        return {"stored": stored, "kept": server["keys"], "counters": server["counters"]}
     finally:
         h.close()
 
@@ -526,6 +548,19 @@ def spill(workdir: Path) -> dict:
         return out
 
 
+def spill_share(workdir: Path) -> dict:
+    """`--cluster-publish spill` on node 1, whose pool never reaches its watermark: an
+    instance's own share overflows (`test_keys_an_instance_evicts_for_its_own_room_...`)."""
+    wait = ("--cluster-lookup-ms", "10000")  # (as in `proofs`: a bound, not a threshold)
+    with cluster(workdir, wait, (*wait, "--cluster-publish", "spill")) as c:
+        out: dict[str, Any] = {"connected": [c.wait(1, "connected", True)]}
+        out["connected"].append(c.wait(2, "connected", True))
+        out["write"] = c.ask(1, "writeshare", "s", SPILL_N)
+        out["node1"] = c.settled(1)
+        out["node2"] = c.ask(2, "retrieve", "s", SPILL_N)
+        return out
+
+
 def lmcache(workdir: Path) -> dict:
     """LMCache's shipped MaruBackend on each node (`test_lmcache_backend_on_node_2...`):
     node 1's engine stores a prompt's chunks; node 2's, through LMCache's async lookup
@@ -549,6 +584,8 @@ if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "write":
         print(json.dumps(write(args[0], args[1], int(args[2]), len(args) > 3)))
+    elif mode == "writeshare":
+        print(json.dumps(write_share(args[0], args[1], int(args[2]))))
     elif mode == "stats":
         print(json.dumps(stats(args[0])))
     elif mode == "retrieve":
@@ -570,7 +607,7 @@ if __name__ == "__main__":
     elif mode == "read":
         print(json.dumps(read(args[0], args[1], int(args[2]))))
     else:
-        scenario = {"proofs": proofs, "faults": faults, "spill": spill, "lmcache": lmcache}[
-            args[0] if args else "proofs"
-        ]
+        scenarios = {"proofs": proofs, "faults": faults, "spill": spill, "lmcache": lmcache}
+        scenarios["spill_share"] = spill_share
+        scenario = scenarios[args[0] if args else "proofs"]
         print(json.dumps(scenario(Path(mode))))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from maru.client.supply import AHEAD_WRITES
 from maru.server.cluster.mooncake import MooncakeMissing, load_mooncake, master_binary
 
 from .test_pool_path import hosts_missing
@@ -179,6 +180,31 @@ def test_keys_evicted_from_a_pool_are_spilled_to_the_cluster_and_pulled_back(tmp
     assert nodes["node2"] == {"right": spilled, "missing": 250 - spilled, "wrong": 0}, nodes
     assert nodes["node1_back"] == {"right": 16, "missing": 0, "wrong": 0}, nodes
     assert nodes["node1_stats"]["pulled"] == 16, nodes
+
+
+def test_keys_an_instance_evicts_for_its_own_room_are_spilled_to_the_cluster(tmp_path):
+    """`--cluster-publish spill` on node 1, whose pool stays below its watermark: an
+    instance's `maru_pool_size` share overflows, so what evicts is the instance asking room
+    for its next writes (`EVICT_FOR` ahead), not a watermark round. Those victims are held
+    and published before they are dropped, as a watermark round's are: node 2 reads every
+    one, every byte as written. Only the room of the one write that found the share full
+    and waited for it goes unpublished (counted as drops); node 2 misses those and the keys
+    node 1 still holds. Each round ahead evicts one call's room (the room held for the
+    instance counts as on its way, not evicted again)."""
+    nodes = run_nodes(tmp_path, "spill_share")
+    assert [n["connected"] for n in nodes["connected"]] == [True, True], nodes
+    write, tier, batch = nodes["write"], nodes["node1"], 8  # (`cluster_child.SHARE_BATCH`)
+    evicted = write["counters"]["evictions"]
+    assert write["stored"] == 250 and write["kept"] + evicted == 250, nodes
+    assert evicted >= 100, nodes  # (8M of 64 KiB chunks hold at most 128 of the 250)
+    # the first full write: its own room now, the next writes' held (two rounds); then one
+    # call's room a round
+    first = (1 + AHEAD_WRITES) * batch
+    assert write["counters"]["eviction_rounds"] == 2 + (evicted - first) // batch, nodes
+    assert tier["publish_drops"] == batch and tier["publish_failures"] == 0, nodes
+    assert tier["published"] == evicted - batch, nodes
+    missing = write["kept"] + batch
+    assert nodes["node2"] == {"right": evicted - batch, "missing": missing, "wrong": 0}, nodes
 
 
 @pytest.mark.lmcache

@@ -18,6 +18,7 @@ from maru.server.cluster.proof import (
     object_name,
     value_length,
 )
+from maru.server.keyindex import release_entries
 from maru.server.metrics import CLUSTER_METRICS, _cluster_metrics
 
 from .test_eviction_leases import MiB, consistent, fill, make_registry
@@ -146,8 +147,13 @@ def test_a_watermark_round_leaves_the_victims_spill_holds_registered_until_it_dr
     that make room for a writer waiting (`evict_for`) never spill."""
     reg = make_registry(tmp_path)  # 16 MiB: evicts above 8 MiB down to 4 MiB
     taken: list[tuple[list, list]] = []
+    not_held: list[list] = []
 
-    def spill(keys: list, entries: list) -> tuple[list, list]:
+    def spill(keys: list, entries: list, hold: bool, room_for: str) -> tuple[list, list]:
+        if not hold:
+            not_held.append(keys)
+            return keys, entries
+        assert room_for == ""  # (a watermark round: nobody's room)
         taken.append((keys, entries))
         reg.eviction.spilling += sum(e.length for e in entries)
         return [], []  # all held, to publish first
@@ -165,6 +171,52 @@ def test_a_watermark_round_leaves_the_victims_spill_holds_registered_until_it_dr
     assert sorted(reg.keys) == ["k5", "k6", "k7", "k8", "k9"]
     assert reg.instances.take_freed("A") == [[rid, i * MiB, MiB] for i in range(5)]
     assert reg.eviction.evict_for("A", 1) == MiB and len(taken) == 1  # (no spill)
+    assert not_held == [["k5"]]  # (offered to the tier to count, not to hold)
+    consistent(reg)
+
+
+def test_room_asked_ahead_is_spilled_and_not_asked_again_while_it_comes(tmp_path):
+    """An instance at its `pool_size` asks room for its next writes ahead (`evict_for`
+    with `ahead`): with spill, its victims are held for the tier to publish, and the bytes
+    on their way to it count against its next ask ahead, which evicts only what they lack.
+    A writer that waits for room (no `ahead`) gets it at once, its victims unpublished."""
+    reg = make_registry(tmp_path)  # 16 MiB: watermark rounds above 8 MiB, not reached here
+    held: list[tuple[list, list, str]] = []
+
+    def spill(keys: list, entries: list, hold: bool, room_for: str) -> tuple[list, list]:
+        if not hold:
+            return keys, entries
+        reg.keys.lookup_columns(keys, True)  # held (leased) until published, as the tier does
+        held.append((keys, entries, room_for))
+        reg.eviction.coming[room_for] += sum(e.length for e in entries)
+        return [], []
+
+    reg.eviction.spill = spill
+    rid = reg.request_region("A", 16 * MiB).region_id
+    fill(reg, "A", rid, [f"k{i}" for i in range(6)])
+    assert reg.eviction.evict_for("A", 2 * MiB, ahead=2 * MiB) == 2 * MiB
+    assert [(keys, who) for keys, _, who in held] == [(["k0", "k1"], "A")]
+    assert len(reg.keys) == 6 and reg.instances.take_freed("A") == []  # room to come
+    assert reg.eviction.evict_for("A", 2 * MiB, ahead=2 * MiB) == 0  # (on its way already)
+    assert reg.eviction.evict_for("A", 3 * MiB, ahead=3 * MiB) == MiB  # only what it lacks
+    assert [keys for keys, _, _ in held] == [["k0", "k1"], ["k2"]]
+    assert reg.eviction.evict_for("A", MiB) == MiB  # a writer waits: k3 goes now
+    assert len(held) == 2  # (not held: no spill of room a writer waits for)
+    # k3's page, freed and not yet told to A (its next reply does), is room on its way too
+    assert reg.eviction.evict_for("A", MiB, ahead=MiB) == 0 and len(held) == 2
+    assert "k3" not in reg.keys and reg.instances.take_freed("A") == [[rid, 3 * MiB, MiB]]
+    for keys, entries, _ in held:  # published: dropped, their room freed to A
+        release_entries(entries)
+        reg.eviction.view.drop_keys(keys, entries)
+        reg.eviction.coming["A"] -= sum(e.length for e in entries)  # (as the tier does)
+    assert sorted(reg.keys) == ["k4", "k5"] and len(reg.instances.take_freed("A")) == 3
+    # room for a waiting write and, in the same ask, the next writes': the first part goes
+    # now, the second is held (nothing is on its way any more)
+    fill(reg, "A", rid, ["k6", "k7"])
+    assert reg.eviction.evict_for("A", 2 * MiB, ahead=MiB) == 2 * MiB
+    assert held[-1][0] == ["k5"] and sorted(reg.keys) == ["k5", "k6", "k7"]
+    assert reg.instances.take_freed("A") == [[rid, 4 * MiB, MiB]]  # k4's page, at once
+    release_entries(held[-1][1])
     consistent(reg)
 
 

@@ -329,6 +329,10 @@ def test_evict_for_only_evicts_in_own_regions(tmp_path):
         with pytest.raises(ProtocolError) as exc:
             reg.eviction.evict_for("A", bad)
         assert exc.value.code == ErrorCode.BAD_REQUEST
+    for bad_ahead in (-1, MiB + 1, True, "1M", None):  # (of the bytes asked: 0 to all)
+        with pytest.raises(ProtocolError, match="'ahead'") as exc:
+            reg.eviction.evict_for("A", MiB, bad_ahead)
+        assert exc.value.code == ErrorCode.BAD_REQUEST
     with pytest.raises(ProtocolError) as exc:
         reg.eviction.evict_for("nobody", MiB)
     assert exc.value.code == ErrorCode.UNKNOWN_INSTANCE

@@ -161,7 +161,8 @@ class RegionSupply:
             if free >= room.chunks or self._next_region_size(room.chunks) is not None:
                 return
             self.full = True
-            self._evict(room.chunks - free + self._headroom(room))
+            headroom = self._headroom(room)
+            self._evict(room.chunks - free + headroom, headroom)
 
     def ready(self, nbytes: int) -> None:
         """Have `nbytes` free in our regions before the writes that need it: with `eager_map`,
@@ -216,8 +217,9 @@ class RegionSupply:
 
     def ahead(self, room: Room, free: int) -> None:
         """A write reserved `room` and left `free` bytes, less than the next AHEAD_WRITES
-        writes': ready them. Below `pool_size`, the next region (`ready`); when full, one
-        EVICT_FOR per thread for what is missing, sent without waiting (`collect_ahead`)."""
+        writes': ready them. Below `pool_size`, the next region (`ready`); at it, one
+        EVICT_FOR per thread for what is missing, sent without waiting (`collect_ahead`;
+        all of it `ahead`: with a spilling cluster tier its victims are published first)."""
         if not self.full:  # (one write's room: regions are taken ahead whole)
             if free < room.chunks and self._next_region_size(room.chunks) is not None:
                 self.ready(room.chunks)
@@ -232,7 +234,8 @@ class RegionSupply:
             return
         want = -(-room.values * short // room.chunks)  # (in keys like ours)
         try:
-            self._ahead.pending = self._request(MsgType.EVICT_FOR, {"bytes": want})
+            body = {"bytes": want, "ahead": want}
+            self._ahead.pending = self._request(MsgType.EVICT_FOR, body)
         except MaruError as exc:
             log.debug("instance %s: eviction ahead failed: %s", self.owner.instance_id, exc)
 
@@ -262,11 +265,13 @@ class RegionSupply:
             except MaruError as exc:
                 log.debug("instance %s: eviction ahead failed: %s", self.owner.instance_id, exc)
 
-    def _evict(self, nbytes: int) -> dict[str, Any] | None:
-        """One EVICT_FOR of `nbytes` in our regions (caller holds `lock`); the freed chunks are
-        free on return (the reply hook). None if it failed (logged)."""
+    def _evict(self, nbytes: int, ahead: int = 0) -> dict[str, Any] | None:
+        """One EVICT_FOR of `nbytes` in our regions (caller holds `lock`), `ahead` of them for
+        the next writes; the freed chunks are free on return (the reply hook; with a spilling
+        cluster tier, those of `ahead` may come later). None if it failed (logged)."""
+        body = {"bytes": nbytes, "ahead": ahead} if ahead else {"bytes": nbytes}
         try:
-            return self._request(MsgType.EVICT_FOR, {"bytes": nbytes}).result()
+            return self._request(MsgType.EVICT_FOR, body).result()
         except MaruError as exc:
             log.warning("instance %s: eviction request failed: %s", self.owner.instance_id, exc)
             return None
@@ -279,6 +284,7 @@ class RegionSupply:
         value asks again, for twice as much, while what was freed holds no run."""
 
         want = -(-size // self.chunks.chunk_size) * self.chunks.chunk_size
+        ahead = 0  # (of `want`: the next writes' room)
         if count > 1:  # (in keys like these values: the server counts keys' bytes)
             room = Room(want * count, size * count)
             free = self.chunks.free * self.chunks.chunk_size
@@ -286,10 +292,11 @@ class RegionSupply:
                 return None
             want = -(-room.values * (room.chunks - free) // room.chunks)
             if self._next_region_size(room.chunks) is None:
-                want += self._headroom(room)
+                ahead = self._headroom(room)
+                want += ahead
         self.full = True
         for _ in range(6 if count == 1 else 1):
-            reply = self._evict(want)
+            reply = self._evict(want, ahead)
             if reply is None:
                 return None
             handle = self._take_or_unpark(size, count)

@@ -559,8 +559,18 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
         [("released", "int", "leases ended")],
     ),
     MsgType.EVICT_FOR: (
-        [("session", "str", "the caller"), ("bytes", "int", "to free in the caller's own regions")],
-        [("freed_bytes", "int", "")],
+        [
+            ("session", "str", "the caller"),
+            ("bytes", "int", "to free in the caller's own regions"),
+            (
+                "ahead",
+                "int",
+                "optional, at most `bytes`: of them, room for the next writes, not this one "
+                "(room already on its way is not evicted again; a spilling cluster tier "
+                "publishes their victims first)",
+            ),
+        ],
+        [("freed_bytes", "int", "the victims' bytes (with `ahead`, some may come later)")],
     ),
     MsgType.KEYS: (
         [

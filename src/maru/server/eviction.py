@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from operator import attrgetter
 
-from maru.common.protocol import Key, check_count
+from maru.common.protocol import ErrorCode, Key, ProtocolError, check_count
 from maru.server.instances import InstanceTable
 from maru.server.keyindex import KeyEntry, KeyIndex
 from maru.server.logs import Throttle
@@ -21,6 +21,9 @@ from maru.server.regions import Region, RegionTable
 
 log = logging.getLogger(__name__)
 _REGION_ID = attrgetter("region_id")
+
+# (victims' keys, their entries, hold, room for whom) -> the victims to drop now
+Spill = Callable[[list[Key], list[KeyEntry], bool, str], tuple[list, list]]
 
 
 @dataclass(frozen=True)
@@ -45,10 +48,14 @@ class Eviction:
         self.view = view
         self.high_watermark = high_watermark  # of the pool's capacity, in registered bytes
         self.low_watermark = low_watermark
-        # `--cluster-publish spill` (`ClusterTier.spill`): given a watermark round's victims,
-        # holds those it publishes first (dropped once published) and returns the others
-        self.spill: Callable[[list[Key], list[KeyEntry]], tuple[list, list]] | None = None
+        # `--cluster-publish spill` (`ClusterTier.spill`): given a round's victims, whether it
+        # may hold them and for whose room, holds those it publishes first (dropped once
+        # published) and returns the others, to drop now
+        self.spill: Spill | None = None
         self.spilling = 0  # bytes of victims it holds: evicted already, as the watermark goes
+        # per instance, the bytes of its own victims held for it (`evict_for` ahead): room on
+        # its way to it, which its next ask ahead does not evict again
+        self.coming: Counter[str] = Counter()
 
     def evict(
         self,
@@ -58,12 +65,15 @@ class Eviction:
         protect: set[Key] | None = None,
         second_chance: bool = True,
         spill: bool = False,
+        room_for: str = "",
     ) -> int:
         """Evict idle keys (only in `regions` if given, never those in `protect`) in CLOCK order
         until `want_bytes` are freed; the bytes freed. A second pass evicts the keys the first
         spared, so a round progresses even when every candidate was used; `second_chance=False`
-        ignores the bits. `spill` (a watermark round, which no writer waits on): victims the
-        cluster tier publishes first stay registered, held, until it has."""
+        ignores the bits. `spill` (a round no writer waits on: a watermark's, or one asked
+        ahead for `room_for`): victims the cluster tier publishes first stay registered, held,
+        until it has; with spill configured, any other round's victims go unpublished (the
+        tier counts them)."""
         reg = self.view
         reg.harvest_marks()  # readers' use marks count as CLOCK bits
         keys, entries, freed = reg.keys.clock_victims(want_bytes, second_chance, protect, regions)
@@ -71,8 +81,8 @@ class Eviction:
         for region_id, count in Counter(map(_REGION_ID, entries)).items():
             per_owner[reg.regions[region_id].owner] += count
         dropped = (keys, entries)
-        if spill and self.spill is not None and keys:
-            dropped = self.spill(keys, entries)
+        if self.spill is not None and keys:
+            dropped = self.spill(keys, entries, spill, room_for)
         # journal first: on a JournalWriteError nothing was evicted, and nothing is counted
         reg.drop_keys(*dropped)
         for owner_id, count in per_owner.items():
@@ -110,12 +120,29 @@ class Eviction:
             spill=True,
         )
 
-    def evict_for(self, instance_id: str, want_bytes: int) -> int:
+    def evict_for(self, instance_id: str, want_bytes: int, ahead: int = 0) -> int:
         """Make room in the caller's own regions (its store found no free pages and the pool
-        has no region to give): evict the idle keys that live there, in CLOCK order."""
+        has no region to give): evict the idle keys that live there, in CLOCK order; the
+        bytes freed. `ahead` of `want_bytes` are room for its next writes, which wait on
+        nobody: room already on its way to it is not evicted again for them (pages freed it
+        has not been told of yet; with spill, victims held for it until published, whose
+        room comes with a later reply), and with spill their victims are published first."""
         inst = self.view.instances.require(instance_id)
         want_bytes = check_count(want_bytes, "bytes")
-        return self.evict(want_bytes, inst.regions, reason=f"room for {instance_id}")
+        if type(ahead) is not int or not 0 <= ahead <= want_bytes:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"field 'ahead': expected an integer in [0, bytes], got {ahead!r:.40}",
+            )
+        now, reason = want_bytes - ahead, f"room for {instance_id}"
+        if ahead:
+            ahead = max(0, ahead - self.coming[instance_id] - sum(n[2] for n in inst.freed))
+        if self.spill is None or not ahead:  # (one round)
+            return self.evict(now + ahead, inst.regions, reason=reason) if now + ahead else 0
+        freed = self.evict(now, inst.regions, reason=reason) if now else 0
+        return freed + self.evict(
+            ahead, inst.regions, reason=f"{reason}, ahead", spill=True, room_for=instance_id
+        )
 
     def reclaim(self) -> bool:
         """Free one region for a region request that found no room; True if one was freed.

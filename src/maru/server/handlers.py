@@ -250,7 +250,8 @@ def on_exists(server: Server, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def on_evict_for(server: Server, body: dict[str, Any]) -> dict[str, Any]:
-    freed = server.registry.eviction.evict_for(body["iid"], body.get("bytes"))
+    eviction = server.registry.eviction
+    freed = eviction.evict_for(body["iid"], body.get("bytes"), body.get("ahead", 0))
     return {"freed_bytes": freed}
 
 

@@ -67,6 +67,7 @@ class Batch:
     nbytes: list[int] = field(default_factory=list)  # publish, pull: each value's length
     places: list[tuple[int, int]] = field(default_factory=list)  # pull: (region id, offset)
     spill: bool = False  # publish: evicted keys, dropped once published
+    room_for: str = ""  # spill: the instance whose room they are (an eviction ahead), if one
     sent: float = field(default_factory=time.monotonic)
 
 
@@ -186,15 +187,19 @@ class ClusterTier:
         self.queue.extend(new)
         self.pump()
 
-    def spill(self, keys: list[Key], entries: list[KeyEntry]) -> tuple[list, list]:
-        """A watermark eviction's victims (`Eviction.spill`): those the tier can publish now
-        stay registered and held (no copy: nothing can write their pages before the publish)
-        until the sidecar has read them, then are dropped. Returns the victims to drop now:
-        all when the tier cannot take them, else those it pulled (already in the cluster)."""
+    def spill(
+        self, keys: list[Key], entries: list[KeyEntry], hold: bool, room_for: str
+    ) -> tuple[list, list]:
+        """An eviction's victims (`Eviction.spill`). With `hold` (a watermark round, or one
+        asked ahead for `room_for`'s next writes: nobody waits on it), those the tier can
+        publish now stay registered and held (no copy: nothing can write their pages before
+        the publish) until the sidecar has read them, then are dropped. Returns the victims
+        to drop now: all when the tier cannot take them or a writer waits for their room
+        (counted as drops), else those it pulled (already in the cluster)."""
         ours = self.pages.free_lists
         mine = [i for i, e in enumerate(entries) if e.region_id not in ours]
-        room = self.connected and len(self.batches) < IN_FLIGHT
-        if mine and room and self._publish([keys[i] for i in mine], spill=True):
+        room = hold and self.connected and len(self.batches) < IN_FLIGHT
+        if mine and room and self._publish([keys[i] for i in mine], True, room_for):
             now = [i for i, e in enumerate(entries) if e.region_id in ours]
             return [keys[i] for i in now], [entries[i] for i in now]
         if mine:
@@ -281,9 +286,18 @@ class ClusterTier:
                 results.count(REFUSED),
             )
 
+    def _unspill(self, batch: Batch) -> None:
+        """A spill batch is over: its bytes no longer count as being evicted."""
+        eviction, nbytes = self.registry.eviction, sum(batch.nbytes)
+        eviction.spilling -= nbytes
+        if batch.room_for:
+            eviction.coming[batch.room_for] -= nbytes
+            if eviction.coming[batch.room_for] <= 0:
+                del eviction.coming[batch.room_for]
+
     def _drop_spilled(self, batch: Batch) -> None:
         """Drop spilled keys once published (or failed); those a reader holds wait a later round."""
-        self.registry.eviction.spilling -= sum(batch.nbytes)
+        self._unspill(batch)
         table = self.registry.keys
         keys, entries = [], []
         for key, entry in zip(batch.keys, batch.held):  # (`held`: the keys' entries, in order)
@@ -392,14 +406,14 @@ class ClusterTier:
             if self._publish(keys) is False:
                 return
 
-    def _publish(self, keys: list[Key], spill: bool = False) -> bool | None:
+    def _publish(self, keys: list[Key], spill: bool = False, room_for: str = "") -> bool | None:
         """Publish the registered ones of `keys`, each held until the reply: True once sent,
         None when none is registered, False (nothing held; counted as drops) when the sidecar
-        cannot take it."""
+        cannot take it. `spill`: evicted keys (for `room_for`'s room, if given)."""
         held, rids, offsets, lengths, sums = self.registry.keys.lookup_columns(keys, True)
         if not held:
             return None  # deleted or evicted meanwhile: nothing to publish
-        batch, jobs = Batch("publish", [], held, spill=spill), []
+        batch, jobs = Batch("publish", [], held, spill=spill, room_for=room_for), []
         regions, tenant = self.registry.regions, self.config.tenant_id
         columns = (memoryview(c).cast("q") for c in (rids, offsets, lengths, sums))
         for key, rid, offset, length, checksum in zip(keys, *columns):
@@ -415,6 +429,8 @@ class ClusterTier:
             return False
         if spill:
             self.registry.eviction.spilling += sum(batch.nbytes)
+            if room_for:
+                self.registry.eviction.coming[room_for] += sum(batch.nbytes)
         return True
 
     def _send(self, batch: Batch, jobs: list[Any]) -> bool:
@@ -438,7 +454,8 @@ class ClusterTier:
         for batch in self.batches.values():
             if batch.op == "publish":  # (evicted keys: left registered, for a later round)
                 release_entries(batch.held)
-                self.registry.eviction.spilling -= sum(batch.nbytes) if batch.spill else 0
+                if batch.spill:
+                    self._unspill(batch)
                 self.counts["publish_failures"] += len(batch.keys)
             else:
                 self._undo_pull(batch)
