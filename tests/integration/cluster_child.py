@@ -56,7 +56,7 @@ from tests.integration.test_pool_trust import read_counts  # noqa: E402
 from tests.integration.workers import flip_byte  # noqa: E402
 
 import conftest  # noqa: E402
-from maru import MaruHandler  # noqa: E402
+from maru import MaruAdmin, MaruHandler  # noqa: E402
 from maru.client.checksum import checksums  # noqa: E402
 from maru.client.reads import copy_and_prove  # noqa: E402
 from maru.server.cluster.config import MooncakeConfig  # noqa: E402
@@ -75,6 +75,8 @@ N = 24
 SPILL_N = 250  # values of SIZE node 1 writes with spill: 15 MB, past its high watermark
 SHARE, SHARE_BATCH = "8M", 8  # an instance's share that SPILL_N values overflow; its calls
 WAIT_S = 60  # the longest any step here waits for the tier
+SIDECAR_CHECK_S = 1.0  # `maru.server.cluster.sidecar.CHECK_S`
+FSDAX = "/dev/shm/maru-fsdax/"  # node 1's pool in `fsdax` (in its own /dev/shm)
 
 
 def handler(url: str, checksums: bool = True, pool_size: str = "32M") -> MaruHandler:
@@ -270,7 +272,13 @@ def wait_for(pid: int, url: str, done: str, want: int | bool) -> dict:
 
 
 def node_server(
-    pid: int, ip: str, workdir: Path, config: Path | None, *args: str, pool_size: str = "64M"
+    pid: int,
+    ip: str,
+    workdir: Path,
+    config: Path | None,
+    *args: str,
+    pool_size: str = "64M",
+    pool: str | None = None,
 ) -> Any:
     """A `maru-server --cluster mooncake` in node `pid`, its local hostname `ip` given by
     MOONCAKE_LOCAL_HOSTNAME (one config file for every node, as SGLang's); with no
@@ -283,7 +291,7 @@ def node_server(
     ]
     tier = ["--cluster", "mooncake", "--cluster-config", str(config)] if config else []
     return conftest.MaruServerProcess(
-        workdir, pool_size=pool_size, extra_args=[*tier, *args]
+        workdir, pool_size=pool_size, extra_args=[*tier, *args], pool=pool
     ).start()
 
 
@@ -358,6 +366,7 @@ def cluster(
     node1_args: tuple[str, ...] = (),
     pool_size: str = "64M",
     segment: int = 64 << 20,
+    node1_pool: str | None = None,
 ) -> Iterator[Nodes]:
     """Two nodes, a Mooncake master on node 1, a `maru-server --cluster mooncake` on each
     (with `node1_args`, `node2_args`; pools of `pool_size`, Mooncake segments of `segment`
@@ -397,11 +406,14 @@ def cluster(
         )
         nodes = Nodes(one, two, "", "", config, workdir, started)
         nodes.start_master()
-        for pid, ip, name, args in (
-            (one.pid, NODE1, "node1", node1_args),
-            (two.pid, NODE2, "node2", node2_args),
+        for pid, ip, name, args, pool in (
+            (one.pid, NODE1, "node1", node1_args, node1_pool),
+            (two.pid, NODE2, "node2", node2_args, None),
         ):
-            servers.append(node_server(pid, ip, workdir / name, config, *args, pool_size=pool_size))
+            server = node_server(
+                pid, ip, workdir / name, config, *args, pool_size=pool_size, pool=pool
+            )
+            servers.append(server)
         nodes.url1, nodes.url2 = servers[0].url, servers[1].url
         yield nodes
     finally:
@@ -561,6 +573,40 @@ def spill_share(workdir: Path) -> dict:
         return out
 
 
+def clear(url: str) -> dict:
+    """Delete every key of this node's pool (`maru clear`)."""
+    with MaruAdmin(url, timeout_ms=5000) as admin:
+        deleted, kept = admin.clear()
+    return {"deleted": deleted, "kept": kept}
+
+
+def files_mapped(pid: int, under: str) -> list[str]:
+    """The files under `under` process `pid` maps (its /proc maps), each once; a deleted
+    one ends in " (deleted)"."""
+    with open(f"/proc/{pid}/maps") as maps:
+        names = [line.split(None, 5)[-1].strip() for line in maps]
+    return sorted({name for name in names if name.startswith(under)})
+
+
+def fsdax(workdir: Path) -> dict:
+    """Node 1's pool an fsdax directory, a region file each (`test_an_fsdax_pool_s...`)."""
+    wait = ("--cluster-lookup-ms", "10000")  # (as in `proofs`: a bound, not a threshold)
+    with cluster(workdir, wait, wait, node1_pool=FSDAX) as c:
+        out: dict[str, Any] = {"connected": [c.wait(1, "connected", True)]}
+        out["connected"].append(c.wait(2, "connected", True))
+        out["first"] = c.publish("f", N)
+        out["first_read2"] = c.ask(2, "retrieve", "f", N)
+        sidecar = c.settled(1)["sidecar_pid"]
+        out["mapped_before"] = files_mapped(sidecar, FSDAX)
+        out["clear"] = c.ask(1, "clear")
+        time.sleep(3 * SIDECAR_CHECK_S)  # (the sidecar looks every SIDECAR_CHECK_S)
+        out["mapped_later"] = files_mapped(sidecar, FSDAX)
+        out["second"] = c.publish("g", N)
+        out["second_read2"] = c.ask(2, "retrieve", "g", N)
+        out["node1"] = c.settled(1)
+        return out
+
+
 def lmcache(workdir: Path) -> dict:
     """LMCache's shipped MaruBackend on each node (`test_lmcache_backend_on_node_2...`):
     node 1's engine stores a prompt's chunks; node 2's, through LMCache's async lookup
@@ -588,6 +634,8 @@ if __name__ == "__main__":
         print(json.dumps(write_share(args[0], args[1], int(args[2]))))
     elif mode == "stats":
         print(json.dumps(stats(args[0])))
+    elif mode == "clear":
+        print(json.dumps(clear(args[0])))
     elif mode == "retrieve":
         print(json.dumps(retrieve(args[0], args[1], int(args[2]))))
     elif mode == "copyread":
@@ -608,6 +656,6 @@ if __name__ == "__main__":
         print(json.dumps(read(args[0], args[1], int(args[2]))))
     else:
         scenarios = {"proofs": proofs, "faults": faults, "spill": spill, "lmcache": lmcache}
-        scenarios["spill_share"] = spill_share
+        scenarios.update(spill_share=spill_share, fsdax=fsdax)
         scenario = scenarios[args[0] if args else "proofs"]
         print(json.dumps(scenario(Path(mode))))

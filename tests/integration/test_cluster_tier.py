@@ -207,6 +207,24 @@ def test_keys_an_instance_evicts_for_its_own_room_are_spilled_to_the_cluster(tmp
     assert nodes["node2"] == {"right": evicted - batch, "missing": missing, "wrong": 0}, nodes
 
 
+def test_an_fsdax_pool_s_tier_lets_go_of_the_region_files_the_server_freed(tmp_path):
+    """Node 1's pool an fsdax directory (a file per region). Its values are published from
+    their region's file and read on node 2, every byte right. Once their keys are deleted,
+    the server frees the region and unlinks its file; the tier's sidecar, which mapped and
+    registered that file with Mooncake, lets go of it within a few of its checks (a mapping
+    would keep the file's blocks allocated on the pool's filesystem for the sidecar's life).
+    Values written after that, in a new region file, are published and read right."""
+    nodes = run_nodes(tmp_path, "fsdax")
+    assert [n["connected"] for n in nodes["connected"]] == [True, True], nodes
+    assert nodes["first"] == {"stored": 24, "published": 24}, nodes
+    assert nodes["first_read2"] == {"right": 24, "missing": 0, "wrong": 0}, nodes
+    assert nodes["mapped_before"] == ["/dev/shm/maru-fsdax/region-1.mem"], nodes
+    assert nodes["clear"] == {"deleted": 24, "kept": 0}, nodes
+    assert nodes["mapped_later"] == [], nodes  # (before: [".../region-1.mem (deleted)"])
+    assert nodes["second"] == {"stored": 24, "published": 24}, nodes
+    assert nodes["second_read2"] == {"right": 24, "missing": 0, "wrong": 0}, nodes
+
+
 @pytest.mark.lmcache
 def test_lmcache_backend_on_node_2_reads_a_chunk_stored_through_it_on_node_1(tmp_path):
     """LMCache's shipped MaruBackend, unmodified, on two nodes (each its own maru-server,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,42 @@ def test_fsdax_pool_one_file_per_region(maru_server_factory, tmp_path):
         assert sorted(p.name for p in root.glob("region-*.mem")) == [
             f"region-{r}.mem" for r in h.owned_region_ids()
         ]
+
+
+def deleted_files_mapped(root: Path) -> list[str]:
+    """The files under `root` this process maps that are deleted."""
+    with open("/proc/self/maps") as maps:
+        lines = [line.split(None, 5)[-1].strip() for line in maps]
+    return sorted({line for line in lines if line.startswith(str(root)) and "(deleted)" in line})
+
+
+def test_a_reader_lets_go_of_the_fsdax_regions_the_server_freed(maru_server_factory, tmp_path):
+    """An fsdax region is a file the server unlinks when it frees the region: a reader that
+    mapped it would keep its blocks allocated on the pool's filesystem for as long as it
+    lives (the pool's space leaking with every instance that comes and goes). A reader's
+    heartbeat lets go of others' regions whose file is gone; what is written next reads
+    back as written."""
+    root = tmp_path / "fsdax"
+    beat = ["--heartbeat-timeout", "1.5"]  # (a beat every 0.5 s)
+    server = maru_server_factory(pool_size="256M", extra_args=beat, pool=str(root) + "/")
+    keys = [f"gone/{i}" for i in range(8)]
+    sizes = [100_000] * 8
+    with MaruHandler(server_url=server.url, pool_size="2M") as reader:
+        (a,) = run_processes([(store_keys, (server.url, keys, sizes, 5, 8, {}))], 60)
+        assert a["ok"] == [True] * 8  # (the writer has exited: its regions were returned)
+        with reader.leased(keys) as infos:
+            assert [digest(info.view) for info in infos] == a["digests"]
+        del infos  # (a view held keeps its mapping, as long as it is held)
+        assert reader.batch_delete(keys) == [True] * 8  # the writer's regions are freed
+        assert not any((root / f"region-{r}.mem").exists() for r in a["regions"])
+        deadline = time.monotonic() + 30  # (a bound: the beat, then the mappings' retire_s)
+        while deleted_files_mapped(root) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert deleted_files_mapped(root) == []
+        more = [f"more/{i}" for i in range(8)]
+        (b,) = run_processes([(store_keys, (server.url, more, sizes, 6, 8, {}))], 60)
+        with reader.leased(more) as infos:
+            assert [digest(info.view) for info in infos] == b["digests"]
 
 
 def test_two_servers_side_by_side(maru_server_factory):

@@ -240,6 +240,7 @@ class MaruHandler(OriginalApi):
             self._supply.tick(self._local_reads())
             if self.config.eager_map:  # (the regions made since the last beat)
                 self._s.map_new_regions(self._supply.pool_generation)
+            self._mapper.let_go_removed()  # (others' regions freed since: their files gone)
 
     def _watch_regions(self) -> None:
         """Between beats (`eager_map`): map the regions made since we last looked as soon as

@@ -61,6 +61,7 @@ class MappedRegion:
     backed: tuple[tuple[int, int], ...] | None = ()
     followed_from: float = 0.0  # (monotonic; 0: never) `follow_backing` looks for FOLLOW_S
     populated: tuple[tuple[int, int], ...] = ()  # the extents `populate` has mapped in
+    file: tuple[int, int] = (0, 0)  # the mapped file's (device, inode): `let_go_removed`
 
     @property
     def whole(self) -> bool:
@@ -162,6 +163,7 @@ class RegionMapper:
                 self._unmap_locked(handle.region_id)
             fd = os.open(self._path(handle), os.O_RDWR if writable else os.O_RDONLY)
             try:
+                st = os.fstat(fd)
                 background = self.populate_regions and populate_works()
                 if whole:
                     backed: list[tuple[int, int]] | None = [(0, handle.length)]
@@ -183,6 +185,7 @@ class RegionMapper:
             extents = None if backed is None else tuple(backed)
             since = time.monotonic() if follow else 0.0
             mapped = MappedRegion(handle, mm, view, address, writable, extents, since)
+            mapped.file = st.st_dev, st.st_ino
             self._regions[handle.region_id] = mapped
             self._update_rows()
             if background and backed != []:
@@ -300,6 +303,38 @@ class RegionMapper:
             return tuple(backed_extents(fd, handle.offset, handle.length))
         finally:
             os.close(fd)
+
+    def let_go_removed(self) -> list[int]:
+        """Unmap other instances' regions whose file is no longer at its path (an fsdax
+        region the server freed: its file unlinked, whose blocks a mapping would keep
+        allocated on the pool's filesystem; or a pool file made anew). Each path is looked
+        at once (a shm pool: one file for every region). The region ids let go. Also closes
+        the mappings let go earlier that no copy can be using any more (see the module)."""
+        with self._lock:
+            self._close_retired_locked()  # (those let go before, an idle reader's too)
+            theirs = [m for m in self._regions.values() if not m.writable]
+        now: dict[str, tuple[int, int] | None] = {}
+        gone = []
+        for mapped in theirs:
+            path = self._path(mapped.handle)
+            if path not in now:
+                try:
+                    st = os.stat(path)
+                    now[path] = st.st_dev, st.st_ino
+                except FileNotFoundError:
+                    now[path] = None
+                except OSError:  # (cannot tell: kept)
+                    continue
+            if now.get(path, mapped.file) != mapped.file:
+                gone.append(mapped)
+        with self._lock:
+            for mapped in gone:
+                if self._regions.get(mapped.handle.region_id) is mapped:
+                    self._unmap_locked(mapped.handle.region_id)
+        for mapped in gone:
+            region_id, path = mapped.handle.region_id, self._path(mapped.handle)
+            log.info("region %d: its file %s is gone; unmapped", region_id, path)
+        return [mapped.handle.region_id for mapped in gone]
 
     def unmap(self, region_id: int) -> None:
         with self._lock:

@@ -68,12 +68,16 @@ NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
 
 class PoolMaps:
     """The pool's files, each mapped once and registered with Mooncake, their pages populated
-    on a thread of their own so that a pull does not fault per page inside Mooncake's receive."""
+    on a thread of their own so that a pull does not fault per page inside Mooncake's receive.
+    A file no longer at its path (an fsdax region freed: its file unlinked) is let go
+    (`forget_gone`): a mapping would keep its blocks allocated on the pool's filesystem."""
 
-    def __init__(self, register: Any, device_bytes: int):
+    def __init__(self, register: Any, device_bytes: int, unregister: Any = None):
         self.register = register  # MooncakeDistributedStore.register_buffer
+        self.unregister = unregister  # ... and its unregister_buffer
         self.device_bytes = device_bytes  # what to map of a device (whose size fstat says 0)
         self.maps: dict[str, tuple[mmap.mmap, int]] = {}  # path -> (mapping, address)
+        self.files: dict[str, tuple[int, int]] = {}  # path -> the mapped file's (dev, inode)
 
     def view(self, path: str, offset: int, length: int) -> tuple[memoryview, int]:
         """The pages at (path, offset, length) and their address (ValueError outside the file)."""
@@ -88,7 +92,8 @@ class PoolMaps:
             return self.maps[path]
         fd = os.open(path, os.O_RDWR)
         try:
-            mm = mmap.mmap(fd, os.fstat(fd).st_size or self.device_bytes, mmap.MAP_SHARED)
+            st = os.fstat(fd)
+            mm = mmap.mmap(fd, st.st_size or self.device_bytes, mmap.MAP_SHARED)
             backed = backed_extents(fd, 0, len(mm))
         finally:
             os.close(fd)
@@ -101,7 +106,32 @@ class PoolMaps:
             args = (path, address, backed)
             threading.Thread(target=_populate, args=args, name="populate", daemon=True).start()
         self.maps[path] = mm, address
+        self.files[path] = st.st_dev, st.st_ino
         return mm, address
+
+    def forget_gone(self) -> list[str]:
+        """Unregister and unmap the files no longer at their path (or another file there now);
+        the paths let go. No job is in flight on one: the server frees a region only once no
+        key lives in it, and it holds what it publishes or pulls until the reply."""
+        gone = []
+        for path, identity in list(self.files.items()):
+            try:
+                st = os.stat(path)
+                if (st.st_dev, st.st_ino) == identity:
+                    continue
+            except FileNotFoundError:
+                pass
+            mm, address = self.maps.pop(path)
+            del self.files[path]
+            if self.unregister is not None:
+                self.unregister(address)
+            try:
+                mm.close()
+            except BufferError:  # (a view still held: unmapped when it is collected)
+                log.warning("pool file %s gone, but a view of it is still held", path)
+            gone.append(path)
+            log.info("pool file %s is gone: unregistered and unmapped", path)
+        return gone
 
 
 def _populate(path: str, address: int, extents: list[tuple[int, int]]) -> None:
@@ -150,7 +180,7 @@ class Sidecar:
             log.warning("%s; retrying in %.0f s", self.error, SETUP_RETRY_S)
             return False
         self.store, self.error = store, None
-        self.maps = PoolMaps(store.register_buffer, self.device_bytes)
+        self.maps = PoolMaps(store.register_buffer, self.device_bytes, store.unregister_buffer)
         log.info("connected to Mooncake master %s as %s", c.master_server_address, c.local_hostname)
         if self.pool_file:  # (its pages mapped before the first pull needs them)
             try:
@@ -314,6 +344,8 @@ class Sidecar:
                 next_check = time.monotonic() + CHECK_S
             elif self.store is not None and now >= next_check:
                 self.check()
+                if self.maps is not None:
+                    self.maps.forget_gone()
                 next_check = time.monotonic() + CHECK_S
             if not poller.poll(200):
                 continue
