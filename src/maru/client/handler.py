@@ -284,7 +284,7 @@ class MaruHandler(OriginalApi):
                         log.error("%s", exc)
                         self._connected, self.connect_error, self._index = False, exc, None
                     raise
-                if lost and msg_type == MsgType.REGISTER_KV:
+                if lost and msg_type == MsgType.REGISTER_KV:  # (else: `Sealing.wait` sees it)
                     raise RegionsLost(
                         f"maru-server at {self.config.server_url} restarted and forgot {lost} "
                         "of our regions"

@@ -551,7 +551,21 @@ class Sealing:
                 self._results = [False] * self._n
             return self._results
         self._results = self._outcome(statuses)
+        if not all(self._results) and self._in_dropped_region():
+            # (a re-handshake on another thread dropped the region under our reservation)
+            log.warning(
+                "register of %d keys refused: the server forgot their region (restarted)",
+                self._n,
+            )
+            self.regions_lost = True
         return self._results
+
+    def _in_dropped_region(self) -> bool:
+        """Whether a handle of ours lies in a region we no longer own (the server forgot it)."""
+        chunks, handles = self._s.chunks, self._handles
+        if isinstance(handles, AllocHandle):
+            return not chunks.holds(handles)
+        return any(h is not None and not chunks.holds(h) for h in handles)
 
     def outcomes(self) -> list[StoreOutcome]:
         """Per key, STORED, EXISTED (the first writer won) or FAILED; waits like `wait`."""
