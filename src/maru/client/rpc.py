@@ -104,6 +104,19 @@ class PendingReply:
             again = client.request(self._msg_type, request)
             again.retry = False
             return again.result(timeout_ms)
+        if (
+            code == ErrorCode.NOT_AUTHORIZED
+            and self.retry
+            and isinstance(self._channel, _ZmqChannel)
+            and client.local_address is not None
+        ):
+            # Refused over TCP because another of our threads holds the credential on the
+            # local socket, named again by a handshake since this thread left it (a server
+            # restart): refused before any effect, so sent once more, from here over it.
+            log.info("maru-server wants our credential on its local socket; sending it there")
+            again = client.request(self._msg_type, self._request)
+            again.retry = False
+            return again.result(timeout_ms)
         raise MaruServerError(code, str(body.get("error", "server error")))
 
 
