@@ -218,7 +218,8 @@ CLUSTER_METRICS = {
     "published_bytes": ("maru_cluster_published_bytes", "Bytes of those values.", True),
     "publish_drops": (
         "maru_cluster_publish_drops",
-        "Sealed keys not published: the publish queue was full.",
+        "Keys not published that the mode publishes: write-through, the queue was full; "
+        "spill, evicted while the tier could not take them or for a write waiting for room.",
         True,
     ),
     "publish_failures": ("maru_cluster_publish_failures", "Publishes Mooncake failed.", True),
