@@ -76,8 +76,8 @@ class PoolMaps:
         self.register = register  # MooncakeDistributedStore.register_buffer
         self.unregister = unregister  # ... and its unregister_buffer
         self.device_bytes = device_bytes  # what to map of a device (whose size fstat says 0)
-        self.maps: dict[str, tuple[mmap.mmap, int]] = {}  # path -> (mapping, address)
-        self.files: dict[str, tuple[int, int]] = {}  # path -> the mapped file's (dev, inode)
+        # path -> (mapping, address, the mapped file's (device, inode): `forget_gone`)
+        self.maps: dict[str, tuple[mmap.mmap, int, tuple[int, int]]] = {}
 
     def view(self, path: str, offset: int, length: int) -> tuple[memoryview, int]:
         """The pages at (path, offset, length) and their address (ValueError outside the file)."""
@@ -89,7 +89,8 @@ class PoolMaps:
     def mapped(self, path: str) -> tuple[mmap.mmap, int]:
         """The file's mapping and its address, mapped and registered on first use."""
         if path in self.maps:
-            return self.maps[path]
+            mm, address, _ = self.maps[path]
+            return mm, address
         fd = os.open(path, os.O_RDWR)
         try:
             st = os.fstat(fd)
@@ -105,8 +106,7 @@ class PoolMaps:
         if backed and populate_works():
             args = (path, address, backed)
             threading.Thread(target=_populate, args=args, name="populate", daemon=True).start()
-        self.maps[path] = mm, address
-        self.files[path] = st.st_dev, st.st_ino
+        self.maps[path] = mm, address, (st.st_dev, st.st_ino)
         return mm, address
 
     def forget_gone(self) -> list[str]:
@@ -114,15 +114,14 @@ class PoolMaps:
         the paths let go. No job is in flight on one: the server frees a region only once no
         key lives in it, and it holds what it publishes or pulls until the reply."""
         gone = []
-        for path, identity in list(self.files.items()):
+        for path, (mm, address, identity) in list(self.maps.items()):
             try:
                 st = os.stat(path)
                 if (st.st_dev, st.st_ino) == identity:
                     continue
             except FileNotFoundError:
                 pass
-            mm, address = self.maps.pop(path)
-            del self.files[path]
+            del self.maps[path]
             if self.unregister is not None:
                 self.unregister(address)
             try:

@@ -427,10 +427,11 @@ class ClusterTier:
             release_entries(held)
             self.counts["publish_drops"] += len(batch.keys)
             return False
-        if spill:
-            self.registry.eviction.spilling += sum(batch.nbytes)
+        if spill:  # (undone by `_unspill`)
+            eviction, nbytes = self.registry.eviction, sum(batch.nbytes)
+            eviction.spilling += nbytes
             if room_for:
-                self.registry.eviction.coming[room_for] += sum(batch.nbytes)
+                eviction.coming[room_for] += nbytes
         return True
 
     def _send(self, batch: Batch, jobs: list[Any]) -> bool:
