@@ -236,6 +236,52 @@ def test_pulled_values_sit_on_the_grid_of_their_own_length(tmp_path):
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # no two overlap
 
 
+def test_room_for_pulls_is_taken_ahead_from_free_room_only(tmp_path):
+    """`TierPages.ready` keeps the bytes asked free in the tier's regions, taking a region
+    only when there is less, and only from the pool's free room: room ahead never evicts a
+    key nor reclaims a region."""
+    reg = make_registry(tmp_path, pool_mib=64)
+    pages = TierPages(reg)
+    pages.ready(20 * MiB)
+    assert [p.free for p in pages.free_lists.values()] == [20 * MiB]
+    pages.ready(20 * MiB)  # (enough already)
+    assert len(pages.free_lists) == 1
+    assert pages.reserve(8 * MiB) is not None
+    pages.ready(20 * MiB)  # 12 MiB free: one more region, at least REGION_BYTES
+    assert sorted(p.free for p in pages.free_lists.values()) == [12 * MiB, 16 * MiB]
+    rest = reg.pool.capacity - 36 * MiB
+    rid = reg.request_region("A", rest).region_id
+    fill(reg, "A", rid, [f"k{i}" for i in range(rest // MiB)])
+    reg.park("A", 1, [rid], [])  # (idle: a region request that may reclaim would empty it)
+    keys, regions = sorted(reg.keys), sorted(reg.regions)
+    pages.ready(64 * MiB)  # the pool is full: no room ahead, nothing evicted for it
+    assert len(pages.free_lists) == 2
+    assert sorted(reg.keys) == keys and sorted(reg.regions) == regions
+    consistent(reg)
+
+
+def test_a_pulls_proof_on_two_threads_is_the_proof_on_one():
+    """A pull's values past SPLIT_PROOF_BYTES are hashed half on the sidecar's helper thread:
+    each value keeps its own maru64, in order, whatever the split."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from maru.client.checksum import checksums
+    from maru.server.cluster.sidecar import SPLIT_PROOF_BYTES, Sidecar
+
+    sidecar = object.__new__(Sidecar)  # (no Mooncake client: `_checksums` only)
+    sidecar.helper = ThreadPoolExecutor(1)
+    data = np.random.default_rng(5).integers(0, 256, 3 * SPLIT_PROOF_BYTES, np.uint8)
+    cuts = [0, 5000, SPLIT_PROOF_BYTES, SPLIT_PROOF_BYTES + 4096, 2 * SPLIT_PROOF_BYTES, len(data)]
+    views = [memoryview(data[a:b]) for a, b in itertools.pairwise(cuts)]
+    try:
+        for some in (views, views[2:4], views[:1], views[::-1]):
+            assert sidecar._checksums(some) == checksums(some).tolist()
+    finally:
+        sidecar.helper.shutdown()
+
+
 def test_a_sidecar_without_mooncake_fails_each_job_in_its_ops_own_form():
     """Before Mooncake is set up the sidecar answers every batch with failures, each in the
     form its op's results take: a pull's [FAILED, 0] (a bare code read as an unproven value,

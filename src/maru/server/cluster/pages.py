@@ -2,6 +2,9 @@
 arrive, and an owner once registered: the tier's own instance (never a client's), whose regions
 come from the pool as any instance's do (`Registry.request_region`). Its pages are free again
 when a pull fails or the server drops a pulled key (the `freed` notices every owner gets).
+Room for the next pulls is taken ahead (`ready`): the instances on the node map and populate
+a region within a quarter second of its making, so a pull that lands in one made ahead is read
+without a page fault, where one made for it is faulted page by page by its first reader.
 """
 
 from __future__ import annotations
@@ -49,6 +52,19 @@ class TierPages:
         pages = self.free_lists[handle.region_id] = ExtentAllocator(handle.length, ALIGN)
         offset = pages.allocate(length, align)
         return None if offset is None else self._place(handle.region_id, offset)
+
+    def ready(self, nbytes: int) -> None:
+        """Keep `nbytes` free in the tier's regions, taking a region when there is less: from
+        the pool's free room only (nothing is evicted or reclaimed for room ahead)."""
+        free = sum(pages.free for pages in self.free_lists.values())
+        if free >= nbytes:
+            return
+        size = max(REGION_BYTES, nbytes - free)
+        try:
+            handle = self.registry.request_region(self.instance_id, size, reclaim=False)
+        except ProtocolError:  # (no free room now: pulls take it when they need it)
+            return
+        self.free_lists[handle.region_id] = ExtentAllocator(handle.length, ALIGN)
 
     def _place(self, region_id: int, offset: int) -> tuple[int, int, str, int]:
         region = self.registry.regions[region_id]
