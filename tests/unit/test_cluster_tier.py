@@ -260,6 +260,39 @@ def test_room_for_pulls_is_taken_ahead_from_free_room_only(tmp_path):
     consistent(reg)
 
 
+def test_a_pulls_pages_are_found_without_walking_every_full_region(tmp_path, monkeypatch):
+    """A tier holding many full regions reserves a value's pages where the last one went, or
+    in the first region with room (the freed pages of an evicted value included), without
+    searching the full ones: a node whose tier holds gigabytes took 10-13 ms a 64-value pull
+    to walk 256 of them."""
+    from maru.common.extents import ExtentAllocator
+
+    reg = make_registry(tmp_path, pool_mib=96)
+    pages = TierPages(reg)
+    length = 1 << 20
+    places = [pages.reserve(length) for _ in range(80)]  # 5 full regions of 16
+    assert all(places) and len(pages.free_lists) == 5
+    searched = []
+    allocate = ExtentAllocator.allocate
+    monkeypatch.setattr(
+        ExtentAllocator,
+        "allocate",
+        lambda self, n, a=None: searched.append(self) or allocate(self, n, a),
+    )
+
+    def tier_searches() -> int:  # (the pool's own allocator carves regions: not counted)
+        ours = {id(allocator) for allocator in pages.free_lists.values()}
+        count = sum(id(allocator) in ours for allocator in searched)
+        searched.clear()
+        return count
+
+    pages.release(*places[3][:2])  # a value of the oldest region evicted: its pages free
+    assert pages.reserve(length)[:2] == places[3][:2] and tier_searches() == 2  # (last, then it)
+    again = pages.reserve(length)  # none free: a new region, no full one searched
+    assert again is not None and again[0] not in {p[0] for p in places} and tier_searches() == 2
+    assert pages.reserve(length) is not None and tier_searches() == 1  # where the last one went
+
+
 def test_a_pulls_proof_on_two_threads_is_the_proof_on_one():
     """A pull's values past SPLIT_PROOF_BYTES are hashed half on the sidecar's helper thread:
     each value keeps its own maru64, in order, whatever the split."""

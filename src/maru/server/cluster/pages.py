@@ -28,6 +28,7 @@ class TierPages:
         self.instance_id = f"cluster-tier.{os.getpid()}.{os.urandom(4).hex()}"
         registry.instances.handshake(self.instance_id, os.getpid(), ALIGN)
         self.free_lists: dict[int, ExtentAllocator] = {}  # region id -> its free pages
+        self.last = -1  # the region the last value's pages came from
 
     def touch(self) -> None:
         """A sign of life, as a client's heartbeat (the tier's instance is never reaped)."""
@@ -39,9 +40,12 @@ class TierPages:
         pages' length, so readers that name a value by its chunk index (LMCache) find only
         values as long as their chunk there: another is a miss (`Lookup.infos`)."""
         align = -(-length // ALIGN) * ALIGN
-        for region_id, pages in self.free_lists.items():
-            offset = pages.allocate(length, align)
-            if offset is not None:
+        last = self.free_lists.get(self.last)  # (where the last one went: mostly room there)
+        if last is not None and (offset := last.allocate(length, align)) is not None:
+            return self._place(self.last, offset)
+        for region_id, pages in self.free_lists.items():  # (oldest first; full ones skipped)
+            if pages.free >= length and (offset := pages.allocate(length, align)) is not None:
+                self.last = region_id
                 return self._place(region_id, offset)
         try:
             size = max(REGION_BYTES, length)
@@ -51,6 +55,7 @@ class TierPages:
             return None
         pages = self.free_lists[handle.region_id] = ExtentAllocator(handle.length, ALIGN)
         offset = pages.allocate(length, align)
+        self.last = handle.region_id
         return None if offset is None else self._place(handle.region_id, offset)
 
     def ready(self, nbytes: int) -> None:

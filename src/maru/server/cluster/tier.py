@@ -324,8 +324,12 @@ class ClusterTier:
     def _pull(self, wanted: list[tuple[Key, int]], guessed: bool) -> None:
         """Reserve pages for each (key, length) and pull them (`guessed`: lengths not probed)."""
         jobs, pull = [], Batch("pull", [])
+        no_room = 1 << 62  # the least length found no room in this batch: not asked again
         for key, length in wanted:
-            place = None if key in self.registry.keys else self.pages.reserve(length)
+            place = None
+            if key not in self.registry.keys and length < no_room:
+                place = self.pages.reserve(length)
+                no_room = length if place is None else no_room
             if place is None:  # stored here meanwhile, or no room (a miss: its readers stop
                 self.pulling.discard(key)  # waiting, and do not ask again at once)
                 self.absent[key] = time.monotonic() + ABSENT_S
