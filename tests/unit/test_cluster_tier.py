@@ -237,10 +237,10 @@ def test_pulled_values_sit_on_the_grid_of_their_own_length(tmp_path):
 
 
 def test_room_for_pulls_is_taken_ahead_from_free_room_only(tmp_path):
-    """`TierPages.ready` keeps the bytes asked free in the tier's regions, taking a region
-    only when there is less, and only from the pool's free room: room ahead never evicts a
-    key nor reclaims a region."""
-    reg = make_registry(tmp_path, pool_mib=64)
+    """`TierPages.ready` keeps as many bytes free in the tier's regions as the largest pull
+    batch so far (at most a sixteenth of the pool), taking a region only when there are fewer,
+    and only from the pool's free room: room ahead never evicts a key nor reclaims a region."""
+    reg = make_registry(tmp_path, pool_mib=512)
     pages = TierPages(reg)
     pages.ready(20 * MiB)
     assert [p.free for p in pages.free_lists.values()] == [20 * MiB]
@@ -254,8 +254,8 @@ def test_room_for_pulls_is_taken_ahead_from_free_room_only(tmp_path):
     fill(reg, "A", rid, [f"k{i}" for i in range(rest // MiB)])
     reg.park("A", 1, [rid], [])  # (idle: a region request that may reclaim would empty it)
     keys, regions = sorted(reg.keys), sorted(reg.regions)
-    pages.ready(64 * MiB)  # the pool is full: no room ahead, nothing evicted for it
-    assert len(pages.free_lists) == 2
+    pages.ready(64 * MiB)  # 32 MiB wanted (the cap), the pool full: nothing evicted for it
+    assert len(pages.free_lists) == 2 and pages.ahead == 32 * MiB
     assert sorted(reg.keys) == keys and sorted(reg.regions) == regions
     consistent(reg)
 

@@ -19,6 +19,7 @@ from maru.server.registry import Registry
 log = logging.getLogger("maru.server.cluster")
 
 REGION_BYTES = 16 << 20  # asked per region; a larger value gets a region of its size
+AHEAD_SHARE = 16  # room kept free ahead of pulls: at most this fraction of the pool
 ALIGN = 4096
 
 
@@ -29,6 +30,7 @@ class TierPages:
         registry.instances.handshake(self.instance_id, os.getpid(), ALIGN)
         self.free_lists: dict[int, ExtentAllocator] = {}  # region id -> its free pages
         self.last = -1  # the region the last value's pages came from
+        self.ahead = 0  # bytes kept free for the next pull (`ready`)
 
     def touch(self) -> None:
         """A sign of life, as a client's heartbeat (the tier's instance is never reaped)."""
@@ -58,13 +60,17 @@ class TierPages:
         self.last = handle.region_id
         return None if offset is None else self._place(handle.region_id, offset)
 
-    def ready(self, nbytes: int) -> None:
-        """Keep `nbytes` free in the tier's regions, taking a region when there is less: from
-        the pool's free room only (nothing is evicted or reclaimed for room ahead)."""
+    def ready(self, batch_bytes: int) -> None:
+        """After a batch of `batch_bytes` went to be pulled: keep as many bytes free in the
+        tier's regions as the largest batch so far (at most 1/AHEAD_SHARE of the pool), taking
+        a region when there are fewer: from the pool's free room only (nothing is evicted or
+        reclaimed for room ahead)."""
+        cap = self.registry.pool.capacity // AHEAD_SHARE
+        self.ahead = min(max(self.ahead, batch_bytes), cap)
         free = sum(pages.free for pages in self.free_lists.values())
-        if free >= nbytes:
+        if free >= self.ahead:
             return
-        size = max(REGION_BYTES, nbytes - free)
+        size = max(REGION_BYTES, self.ahead - free)
         try:
             handle = self.registry.request_region(self.instance_id, size, reclaim=False)
         except ProtocolError:  # (no free room now: pulls take it when they need it)

@@ -42,7 +42,6 @@ RESTART_S = 2.0  # the least time between two starts of the sidecar
 CHECK_S = 0.1  # how often the loop looks after the sidecar and the tier's pages
 ABSENT_S = 1.0  # a key the cluster did not hold is not asked for again this long
 RETRY_S = 0.5  # a publish Mooncake failed (a master or link back a moment ago) goes again then
-AHEAD_SHARE = 16  # room taken ahead for pulls (a batch's worth): at most 1/16 of the pool
 RETRIES = 3  # times a value's publish goes again before it counts as failed
 FAILURES = {REFUSED: "proof_failures", ABSENT: "pull_misses"}  # a pull's, counted (else failures)
 COUNTS = (  # what the tier counts (`stats`, Prometheus)
@@ -100,7 +99,6 @@ class ClusterTier:
         self.tries: dict[Key, int] = {}
         self.wanted: deque[Key] = deque()  # to probe, then pull
         self.guess = 0  # the last value's length: pulls go out with it, unprobed (0: probe)
-        self.ahead = 0  # bytes of pool pages kept free for pulls: the largest batch's so far
         self.pulling: set[Key] = set()  # wanted, probed or being pulled
         self.absent: dict[Key, float] = {}  # not in the cluster: not asked until then
         self.batches: dict[int, Batch] = {}
@@ -344,10 +342,8 @@ class ClusterTier:
         if jobs and not self._send(pull, jobs):
             self._undo_pull(pull)
             self.counts["pull_failures"] += len(pull.keys)
-        elif jobs:  # (while the sidecar pulls: room for a batch as large, ahead)
-            cap = self.registry.pool.capacity // AHEAD_SHARE
-            self.ahead = min(max(self.ahead, sum(pull.nbytes)), cap)
-            self.pages.ready(self.ahead)
+        elif jobs:  # (while the sidecar pulls: room for the next batch, ahead)
+            self.pages.ready(sum(pull.nbytes))
 
     def _pulled(self, batch: Batch, proven: list[Any]) -> None:
         """Register the values proven in their pages (with their proven maru64); free the
