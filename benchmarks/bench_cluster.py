@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -235,7 +234,9 @@ def sglang_instance(url: str, config: str, size: int, role: str) -> tuple[Any, .
 
 def sglang_pages(hp: Any, pool: Any, prefix: str, c: int) -> tuple[list[str], list[Any]]:
     """Call `c`'s page keys (hex digests, as SGLang's) and their reproducible contents."""
-    keys = [hashlib.sha256(f"{prefix}/{c}/{i}".encode()).hexdigest() for i in range(PER_CALL)]
+    import bench_hicache as H  # (same dir)
+
+    keys = [H.page_key(f"{prefix}/{c}", i) for i in range(PER_CALL)]
     return keys, hp.expected_pages(pool, PER_CALL, zlib.crc32(f"{prefix}/{c}".encode()))
 
 
