@@ -83,7 +83,7 @@ WRITERS = ("no tier", "write-through", "spill")
 # Mooncake alone's buffer, reused call after call, pays once.
 PREALLOCATE = ("--preallocate",)
 READS = ("mooncake", "mooncake+sizes", "first", "second", "local")
-# through SGLang (MaruStorage beside SGLang's MooncakeStore); reads in this order or rotated
+# through SGLang (MaruStorage beside SGLang's MooncakeStore); reads in `sglang_order`
 SGLANG_WRITES = ("sglang maru set", "sglang mooncake set")
 SGLANG_READS = ("sglang first", "sglang second", "sglang mooncake")
 FIRST_GOAL = 1.2  # the tier's first read / Mooncake alone, at most
@@ -193,6 +193,14 @@ def mooncake_reads(config: str, prefix: str, size: int, calls: int) -> dict:
 # -- the same through SGLang: MaruStorage beside SGLang's own Mooncake backend -----------------
 
 SGLANG_CASES = {MiB: "mha-1M", 64 * KiB: "mha-64K"}  # bench_hicache's MHA pages of these sizes
+
+
+def sglang_order(r: int) -> tuple[str, ...]:
+    """Round `r`'s order of the reads through SGLang: SGLang's Mooncake backend after
+    MaruStorage's two reads in even rounds, before them in odd ones. MaruStorage's first read
+    always comes before its second (the first is the one that pulls)."""
+    maru, mooncake = SGLANG_READS[:2], SGLANG_READS[2:]
+    return maru + mooncake if r % 2 == 0 else mooncake + maru
 
 
 def sglang_instance(url: str, config: str, size: int, role: str) -> tuple[Any, ...]:
@@ -475,9 +483,8 @@ def bench_round(c: cc.Nodes, url0: str, r: int, label: str, size: int, calls: in
         raise SystemExit(f"SGLang's writers stored {got['stored']} of {2 * (calls + 1) * PER_CALL}")
     times.update(got["s"])
     c.settled(1)
-    order = SGLANG_READS if r % 2 == 0 else SGLANG_READS[1:] + SGLANG_READS[:1]
     got = in_node(c.two.pid, "sglang_reads", c.url2, c.config, prefix, size, calls,
-                  ",".join(order), env=env)  # fmt: skip
+                  ",".join(sglang_order(r)), env=env)  # fmt: skip
     for name in SGLANG_READS:
         times[name], counts[name] = got[name]["s"], got[name]["counts"]
     print(f"round {r} {label}: {json.dumps(counts)}", file=sys.stderr)

@@ -83,3 +83,13 @@ def test_without_root_it_says_why_and_stops(monkeypatch, capsys):
     monkeypatch.setattr(C.sys, "argv", ["bench_cluster.py", "--quick"])
     assert C.main() == 0
     assert "bench_cluster: skipped: needs root" in capsys.readouterr().err
+
+
+def test_maru_storages_first_read_comes_before_its_second_in_every_round():
+    """The first read is the one that pulls: a round that read 'second' first timed an
+    in-place read as the first (found in bench_cluster's odd rounds, 2026-12-03)."""
+    orders = [C.sglang_order(r) for r in range(4)]
+    for order in orders:
+        assert sorted(order) == sorted(C.SGLANG_READS)
+        assert order.index("sglang first") < order.index("sglang second")
+    assert orders[0].index("sglang mooncake") != orders[1].index("sglang mooncake")
