@@ -308,9 +308,12 @@ def test_a_pulls_proof_on_two_threads_is_the_proof_on_one():
     data = np.random.default_rng(5).integers(0, 256, 3 * SPLIT_PROOF_BYTES, np.uint8)
     cuts = [0, 5000, SPLIT_PROOF_BYTES, SPLIT_PROOF_BYTES + 4096, 2 * SPLIT_PROOF_BYTES, len(data)]
     views = [memoryview(data[a:b]) for a, b in itertools.pairwise(cuts)]
+    places = [(data.ctypes.data + a, b - a) for a, b in itertools.pairwise(cuts)]
     try:
-        for some in (views, views[2:4], views[:1], views[::-1]):
-            assert sidecar._checksums(some) == checksums(some).tolist()
+        for some, at in ((views, places), (views[2:4], places[2:4]), (views[:1], places[:1]),
+                         (views[::-1], places[::-1])):  # fmt: skip
+            addresses, lengths = [a for a, _ in at], [n for _, n in at]
+            assert sidecar._checksums(addresses, lengths) == checksums(some).tolist()
     finally:
         sidecar.helper.shutdown()
 

@@ -52,7 +52,7 @@ class Tier:
     def attach(self, poller) -> None:  # (the loop's parts of a tier: nothing to do here)
         pass
 
-    def serve(self, events) -> None:
+    def serve(self, events, poller) -> None:
         pass
 
     def housekeeping(self, poller, now) -> None:

@@ -24,6 +24,12 @@ def checksums(views: Sequence[memoryview]) -> np.ndarray:
     lie (no copy): one C call for all of them."""
     addresses = np.array([_address(v) for v in views], np.int64)
     sizes = np.array([v.nbytes for v in views], np.int64)
+    return checksums_at(addresses, sizes)
+
+
+def checksums_at(addresses: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """`checksums` of the bytes at int64 `addresses`, `sizes` long, in memory this process
+    maps (for a caller that knows the addresses: no view to make per value)."""
     return np.frombuffer(_c_hashed(None, addresses, sizes, 1), np.int64)
 
 

@@ -299,7 +299,7 @@ class MaruService:
             if self.local is not None and events:
                 self.local.serve(events, self.handle_frame)
             if self.cluster is not None:
-                self.cluster.serve(events)
+                self.cluster.serve(events, poller)
                 self.cluster.housekeeping(poller, time.monotonic())
                 self.waits.settle(self.cluster.pulling, self.registry.exists)
             now = time.monotonic()

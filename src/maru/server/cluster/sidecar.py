@@ -1,7 +1,7 @@
 """The cluster tier's sidecar: the pool's one Mooncake Store client, a process of its own
 because Mooncake's calls hold the GIL while they block (for seconds while the master is gone).
 maru-server (`maru.server.cluster.tier.ClusterTier`) starts and supervises it and talks to it
-over a ZMQ PAIR socket, msgpack frames:
+over a socketpair it inherits (`maru.server.cluster.link`), msgpack messages:
 
     server -> sidecar  {"op": "publish", "batch": id, "jobs": [[name, path, offset, length,
                         maru64 or 0], ...]}     (path, offset: the value's place in the pool)
@@ -26,18 +26,18 @@ import ctypes
 import logging
 import mmap
 import os
+import select
 import signal
+import socket
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import msgpack
 import numpy as np
-import zmq
 
-from maru.client.checksum import checksums
+from maru.client.checksum import checksums_at
 from maru.common.populate import (
     MADV_POPULATE_WRITE,
     POPULATE_STEP,
@@ -46,6 +46,7 @@ from maru.common.populate import (
     populate_works,
 )
 from maru.server.cluster.config import MooncakeConfig
+from maru.server.cluster.link import Link
 from maru.server.cluster.mooncake import load_mooncake
 from maru.server.cluster.proof import (
     ABSENT,
@@ -85,12 +86,12 @@ class PoolMaps:
         # path -> (mapping, address, the mapped file's (device, inode): `forget_gone`)
         self.maps: dict[str, tuple[mmap.mmap, int, tuple[int, int]]] = {}
 
-    def view(self, path: str, offset: int, length: int) -> tuple[memoryview, int]:
-        """The pages at (path, offset, length) and their address (ValueError outside the file)."""
+    def address(self, path: str, offset: int, length: int) -> int:
+        """The address of the pages at (path, offset, length) (ValueError outside the file)."""
         mm, address = self.mapped(path)
         if offset < 0 or length <= 0 or offset + length > len(mm):
             raise ValueError(f"{path}: [{offset}, +{length}) is outside its {len(mm)} bytes")
-        return memoryview(mm)[offset : offset + length], address + offset
+        return address + offset
 
     def mapped(self, path: str) -> tuple[mmap.mmap, int]:
         """The file's mapping and its address, mapped and registered on first use."""
@@ -154,13 +155,11 @@ def _populate(path: str, address: int, extents: list[tuple[int, int]]) -> None:
 
 
 class Sidecar:
-    def __init__(
-        self, config: MooncakeConfig, sock: zmq.Socket, device_bytes: int, pool_file: str = ""
-    ):
+    def __init__(self, config: MooncakeConfig, link: Link, device_bytes: int, pool_file: str = ""):
         self.config = config
         self.device_bytes = device_bytes
         self.pool_file = pool_file  # mapped (and populated) as soon as connected
-        self.sock = sock
+        self.link = link
         self.module = load_mooncake()
         self.store: Any = None
         self.maps: PoolMaps | None = None
@@ -196,7 +195,7 @@ class Sidecar:
         return True
 
     def send(self, message: dict[str, Any]) -> None:
-        self.sock.send(msgpack.packb(message, use_bin_type=True))
+        self.link.send(message)
 
     def _slots(self, n: int) -> tuple[np.ndarray, int]:
         """n trailer slots (rows of TRAILER_BYTES, `maru.server.cluster.proof`) in memory
@@ -212,31 +211,28 @@ class Sidecar:
             self.trailers = buffer
         return self.trailers[:n], self.trailers.ctypes.data
 
-    def _mapped(self, jobs: list[list[Any]]) -> tuple[list[Any], list[int], list[int], str | None]:
-        """Each job's pool pages (name, path, offset, length, ...): their views and
-        addresses, the jobs they belong to, and why any could not be mapped."""
+    def _mapped(self, jobs: list[list[Any]]) -> tuple[list[int], list[int], str | None]:
+        """Each job's pool pages (name, path, offset, length, ...): their addresses, the
+        jobs they belong to, and why any could not be mapped."""
         assert self.maps is not None
-        views, addresses, places, error = [], [], [], None
+        addresses, places, error = [], [], None
         for i, (_, path, offset, length, *_rest) in enumerate(jobs):
             try:
-                view, address = self.maps.view(path, offset, length)
+                addresses.append(self.maps.address(path, offset, length))
             except (OSError, ValueError) as exc:
                 error = str(exc)
                 continue
-            views.append(view)
-            addresses.append(address)
             places.append(i)
-        return views, addresses, places, error
+        return addresses, places, error
 
     def publish(self, jobs: list[list[Any]]) -> tuple[list[int], str | None]:
         """Publish each job's pages and trailer (their maru64) as one object: per job PUBLISHED,
         REFUSED (a writer's checksum unlike its pages) or FAILED; and why any failed."""
         assert self.store is not None
         results = [FAILED] * len(jobs)
-        views, addresses, places, error = self._mapped(jobs)
-        computed = checksums(views).tolist() if views else []
-        for view in views:
-            view.release()
+        addresses, places, error = self._mapped(jobs)
+        lengths = np.array([jobs[i][3] for i in places], np.int64)
+        computed = checksums_at(np.array(addresses, np.int64), lengths).tolist()
         for j, i in enumerate(places):
             if jobs[i][4] and jobs[i][4] != computed[j]:
                 results[i] = REFUSED  # the writer's checksum does not match its pages
@@ -283,7 +279,7 @@ class Sidecar:
         [LENGTH, length] (the server pulls it again) or [ABSENT, 0]."""
         assert self.store is not None
         results = [[FAILED, 0] for _ in jobs]
-        views, addresses, places, error = self._mapped(jobs)
+        addresses, places, error = self._mapped(jobs)
         if not places:
             return results, error
         slots, base = self._slots(len(places))
@@ -292,9 +288,7 @@ class Sidecar:
         sizes = [[jobs[i][3], TRAILER_BYTES] for i in places]
         names = [jobs[i][0] for i in places]
         codes = self.store.batch_get_into_multi_buffers(names, buffers, sizes)
-        computed = self._checksums(views)
-        for view in views:
-            view.release()
+        computed = self._checksums(addresses, [size for size, _ in sizes])
         misfits = []
         for j, i in enumerate(places):
             length = jobs[i][3]
@@ -317,18 +311,16 @@ class Sidecar:
             error = error or why
         return results, error
 
-    def _checksums(self, views: list[memoryview]) -> list[int]:
-        """The maru64 of each view, half of the bytes on the helper thread when there are
-        more than SPLIT_PROOF_BYTES (the C loop drops the GIL)."""
-        total = sum(v.nbytes for v in views)
-        if self.helper is None or total <= SPLIT_PROOF_BYTES or len(views) < 2:
-            return checksums(views).tolist()
-        half, split = 0, 0
-        while split < len(views) - 1 and half < total // 2:
-            half += views[split].nbytes
-            split += 1
-        later = self.helper.submit(checksums, views[split:])
-        first = checksums(views[:split]).tolist()
+    def _checksums(self, addresses: list[int], lengths: list[int]) -> list[int]:
+        """The maru64 of each value's pages, half of the bytes on the helper thread when there
+        are more than SPLIT_PROOF_BYTES (the C loop drops the GIL)."""
+        at, sizes = np.array(addresses, np.int64), np.array(lengths, np.int64)
+        total = int(sizes.sum())
+        if self.helper is None or total <= SPLIT_PROOF_BYTES or len(sizes) < 2:
+            return checksums_at(at, sizes).tolist()
+        split = min(int(np.searchsorted(np.cumsum(sizes), total // 2)) + 1, len(sizes) - 1)
+        later = self.helper.submit(checksums_at, at[split:], sizes[split:])
+        first = checksums_at(at[:split], sizes[:split]).tolist()
         return first + later.result().tolist()
 
     def check(self) -> bool:
@@ -352,8 +344,9 @@ class Sidecar:
         return error is None
 
     def run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
+        """Serve the server's messages until it says "stop" or its end of the channel closes."""
+        poller = select.poll()
+        poller.register(self.link.fileno(), select.POLLIN)
         next_try = next_check = 0.0
         while True:
             now = time.monotonic()
@@ -369,14 +362,17 @@ class Sidecar:
                 next_check = time.monotonic() + CHECK_S
             if not poller.poll(200):
                 continue
-            message = msgpack.unpackb(self.sock.recv(), raw=False)
-            if message.get("op") == "stop":
+            for message in self.link.receive():
+                if message.get("op") == "stop":
+                    return
+                reply = self.answer(message)
+                if reply is not None:
+                    self.send(reply)
+                    if reply["error"] is not None and self.store is not None:
+                        next_check = 0.0  # a call failed: is the master still there?
+            if self.link.closed:
+                log.info("maru-server closed the channel: stopping")
                 return
-            reply = self.answer(message)
-            if reply is not None:
-                self.send(reply)
-                if reply["error"] is not None and self.store is not None:
-                    next_check = 0.0  # a call failed: is the master still there?
 
     def answer(self, message: dict[str, Any]) -> dict[str, Any] | None:
         """The reply to a publish, probe or pull batch (None: no such op). Without a Mooncake
@@ -407,7 +403,7 @@ def _die_with_parent() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="maru-cluster-sidecar")
     parser.add_argument("--config", required=True)
-    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--fd", type=int, required=True, help="the channel's socket (inherited)")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--device-bytes", type=int, default=0, help="to map of a devdax pool")
     parser.add_argument("--pool-file", default="", help="the pool's file, mapped at connect")
@@ -416,11 +412,9 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level, format="%(asctime)s %(levelname)s cluster-sidecar: %(message)s"
     )
     _die_with_parent()
-    sock = zmq.Context.instance().socket(zmq.PAIR)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(args.endpoint)
+    link = Link(socket.socket(fileno=args.fd), blocking=True)
     config = MooncakeConfig.from_file(args.config)
-    Sidecar(config, sock, args.device_bytes, args.pool_file).run()
+    Sidecar(config, link, args.device_bytes, args.pool_file).run()
     return 0
 
 

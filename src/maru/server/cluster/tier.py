@@ -11,8 +11,6 @@ reuse) until the sidecar's reply. A pulled value lands in the tier's own pages
 from __future__ import annotations
 
 import logging
-import os
-import secrets
 import subprocess
 import sys
 import time
@@ -20,11 +18,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import zmq
 
 from maru.common.protocol import Key, RegisterStatus
 from maru.server.cluster.config import MooncakeConfig
+from maru.server.cluster.link import Link
 from maru.server.cluster.pages import TierPages
 from maru.server.cluster.proof import ABSENT, LENGTH, PUBLISHED, REFUSED, object_name
 from maru.server.journal import JournalWriteError
@@ -107,8 +105,7 @@ class ClusterTier:
         self.error: str | None = "sidecar not started"
         self.last_failure: str | None = None  # the last failed batch's error
         self.counts = dict.fromkeys(COUNTS, 0)
-        self.context = zmq.Context.instance()
-        self.sock: zmq.Socket | None = None
+        self.link: Link | None = None
         self.proc: subprocess.Popen | None = None
         self.started = self.checked = 0.0
         self.start()
@@ -116,18 +113,17 @@ class ClusterTier:
     # -- the sidecar -------------------------------------------------------------------------
 
     def start(self) -> None:
-        """A fresh socket and sidecar (the old ones closed: an old reply is never taken for a
+        """A fresh channel and sidecar (the old ones closed: an old reply is never taken for a
         new one's)."""
         self.close()
-        self.sock = self.context.socket(zmq.PAIR)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        endpoint = f"ipc://@maru-cluster-{os.getpid()}-{secrets.token_hex(6)}"
-        self.sock.bind(endpoint)
+        self.link, theirs = Link.pair()
         cmd = [sys.executable, "-m", "maru.server.cluster.sidecar"]
-        cmd += ["--config", self.config_path, "--endpoint", endpoint, "--log-level", self.log_level]
+        cmd += ["--config", self.config_path, "--fd", str(theirs.fileno())]
+        cmd += ["--log-level", self.log_level]
         cmd += ["--device-bytes", str(self.registry.pool.file_bytes)]
         cmd += ["--pool-file", self.registry.pool.path]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        with theirs:  # (the sidecar's end, open in the sidecar alone once it started)
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()])
         self.started = time.monotonic()
         self.counts["sidecar_starts"] += 1
         self.error = "connecting"
@@ -141,18 +137,19 @@ class ClusterTier:
             self.proc.kill()
             self.proc.wait(10)
             self.proc = None
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
+        if self.link is not None:
+            self.link.close()
+            self.link = None
 
     def attach(self, poller: zmq.Poller) -> None:
-        """The loop polls the sidecar's socket with its own: replies wake it."""
-        if self.sock is not None:
-            poller.register(self.sock, zmq.POLLIN)
+        """The loop polls the sidecar's channel with its own sockets (`Link.watch`)."""
+        if self.link is not None:
+            self.link.watch(poller)
 
     def housekeeping(self, poller: zmq.Poller, now: float) -> None:
         """At most every CHECK_S: keep the tier's instance alive, take its freed pages back,
-        and start again (at most every RESTART_S) a sidecar that exited or stalled."""
+        and start again (at most every RESTART_S) a sidecar that exited, stalled or broke
+        its channel."""
         if now - self.checked < CHECK_S:
             return
         self.checked = now
@@ -163,12 +160,16 @@ class ClusterTier:
         proc = self.proc
         stalled = any(now - b.sent > STALL_S for b in self.batches.values())
         running = proc is not None and proc.poll() is None
-        if (running and not stalled) or now - self.started < RESTART_S:
+        broken = self.link is None or self.link.closed
+        if (running and not stalled and not broken) or now - self.started < RESTART_S:
             return
-        why = "stalled" if stalled else f"exited with status {proc.returncode if proc else None}"
+        why = "stalled" if stalled else "closed its channel"
+        if not running:
+            why = f"exited with status {proc.returncode if proc else None}"
         log.error("cluster tier: sidecar %s; starting it again", why)
-        if self.sock is not None:
-            poller.unregister(self.sock)
+        if self.link is not None:  # (no longer watched)
+            self.link.close()
+            self.link.watch(poller)
         self.start()
         self.attach(poller)
 
@@ -228,21 +229,23 @@ class ClusterTier:
         self.pump()
         return waiting
 
-    def serve(self, events: dict) -> None:
-        """Apply every reply the sidecar has sent, then send what waits."""
-        sock = self.sock
-        if sock is None or sock not in events:
+    def serve(self, events: dict, poller: zmq.Poller) -> None:
+        """Every turn of the loop: apply every reply the sidecar has sent, send what waits,
+        and watch the channel for what is left (`attach`)."""
+        link = self.link
+        if link is None:
             return
-        while True:
-            try:
-                frame = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            try:
-                self._apply(msgpack.unpackb(frame, raw=False))
-            except (ValueError, KeyError, TypeError) as exc:
-                log.error("cluster tier: a bad reply from the sidecar (%s): ignored", exc)
-        self.pump()
+        if link.ready(events):
+            link.flush()
+            for message in link.receive():
+                try:
+                    self._apply(message)
+                except (ValueError, KeyError, TypeError) as exc:
+                    log.error("cluster tier: a bad reply from the sidecar (%s): ignored", exc)
+            self.pump()
+        elif link.outbox:
+            link.flush()
+        link.watch(poller)
 
     def _apply(self, message: dict[str, Any]) -> None:
         op = message["op"]
@@ -443,11 +446,8 @@ class ClusterTier:
     def _send(self, batch: Batch, jobs: list[Any]) -> bool:
         """Send a batch to the sidecar without blocking: False when it cannot take it now."""
         batch_id, self.next_batch = self.next_batch, self.next_batch + 1
-        frame = {"op": batch.op, "batch": batch_id, "jobs": jobs}
-        try:
-            assert self.sock is not None
-            self.sock.send(msgpack.packb(frame, use_bin_type=True), zmq.NOBLOCK)
-        except zmq.ZMQError:
+        message = {"op": batch.op, "batch": batch_id, "jobs": jobs}
+        if self.link is None or not self.link.send(message):
             return False
         self.batches[batch_id] = batch
         return True
