@@ -116,3 +116,56 @@ def test_the_loop_watches_the_server_end_for_what_it_needs_and_not_once_closed(m
     server.close()
     server.watch(poller)
     assert dict(poller.sockets) == {}
+
+
+def test_a_sidecar_that_breaks_its_channel_is_started_again(tmp_path, monkeypatch):
+    """The tier's side: a channel whose sidecar end closed (its process still running) is
+    no longer watched by the loop, and the next housekeeping past RESTART_S starts a fresh
+    sidecar on a fresh channel. (The sidecar here is a stand-in process: what is tested is
+    the server's supervision, not Mooncake.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import zmq
+
+    from maru.server.cluster import tier as tier_module
+    from maru.server.cluster.tier import ClusterTier
+
+    from .test_cluster_tier import SGLANG_FILE
+    from .test_eviction_leases import make_registry
+
+    sidecar_ends: list[socket.socket] = []
+    real_popen = subprocess.Popen
+
+    def popen(cmd: list[str], **kwargs) -> subprocess.Popen:
+        fd = int(cmd[cmd.index("--fd") + 1])
+        sidecar_ends.append(socket.socket(fileno=os.dup(fd)))  # (what the sidecar would hold)
+        stand_in = [sys.executable, "-c", "import time; time.sleep(60)"]
+        return real_popen(stand_in, stdin=subprocess.DEVNULL)
+
+    monkeypatch.setattr(tier_module.subprocess, "Popen", popen)
+    config = tmp_path / "mooncake.json"
+    config.write_text(json.dumps(SGLANG_FILE))
+    tier = ClusterTier(make_registry(tmp_path), str(config))
+    poller = zmq.Poller()
+    try:
+        tier.attach(poller)
+        first = tier.link
+        assert first is not None and dict(poller.sockets) == {first.fd: zmq.POLLIN}
+        sidecar_ends[0].close()  # the sidecar's end of the channel is gone; its process runs
+        tier.serve(dict(poller.poll(5000)), poller)  # (its end of stream wakes the loop)
+        assert first.closed and dict(poller.sockets) == {}  # not watched: no busy loop
+        tier.housekeeping(poller, time.monotonic() + tier_module.RESTART_S + 1)
+        assert tier.counts["sidecar_starts"] == 2 and len(sidecar_ends) == 2
+        assert tier.link is not None and tier.link is not first and not tier.link.closed
+        assert dict(poller.sockets) == {tier.link.fd: zmq.POLLIN}
+        Link(sidecar_ends[1], blocking=True).send({"op": "state", "connected": True,
+                                                   "error": None})  # fmt: skip
+        tier.serve(dict(poller.poll(5000)), poller)
+        assert tier.connected
+    finally:
+        tier.close()
+        for end in sidecar_ends:
+            end.close()
