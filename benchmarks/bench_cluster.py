@@ -14,7 +14,11 @@ and 64 KiB values, calls of 64 values (the same bytes for every method):
 
 - **writer**: `batch_store` of new values on node 1 without a tier, on node 1 with
   write-through (what the cluster reads below), on node 2 with spill (node 2's own values
-  below), in an order rotated per round;
+  below), and at a full share (calls of SHARE_VALUES values, the instance's `maru_pool_size`
+  holding SHARE_CALLS of them, written first: every timed call evicts) on node 1 without a
+  tier and on node 2 with spill, whose evictions publish their victims (the values published
+  and dropped are counted); the first three in an order rotated per round, the full-share
+  pair after the round's reads (what they evict is never what the round reads);
 - **reads on node 2** (in an order alternated per round): Maru's local read (`MaruHandler.read`
   into a buffer of node 2's own values; a first pass warms the process, the second is
   timed); Maru's first read of node 1's values (pull into node 2's pool, proven, then copied
@@ -73,11 +77,19 @@ def segment_bytes(rounds: int, calls: int) -> int:
     """Each tier's Mooncake segment: room for every object a run puts (per value, the tier's
     write-through of `batch_store` and of MaruStorage, and SGLang's own k and v), spread over
     the two segments, with a margin: nothing of the run is evicted from Mooncake."""
-    objects = rounds * (calls + 1) * PER_CALL * sum(SIZES.values()) * 3
+    per_call = PER_CALL * sum(SIZES.values())
+    objects = rounds * (calls + 1) * per_call * 4  # (the 4th: a full share's spilled victims)
     return (256 << 20) + objects * 6 // 10
 
 
-WRITERS = ("no tier", "write-through", "spill")
+WRITERS = ("no tier", "write-through", "spill", "no tier, full share", "spill, full share")
+# A full-share writer writes calls of SHARE_VALUES values, and its `maru_pool_size` holds
+# SHARE_CALLS of them: once they are written, each call evicts the oldest (with spill:
+# publishes them first where it can). A call is a small part of the share, as a serving
+# instance's is (16 MiB against 4 GiB): a write of more than 1/16 of its share evicts only its
+# own room, which a spilling tier cannot publish first (the writer waits for it).
+SHARE_VALUES = 16
+SHARE_CALLS = 20
 # Every pool's memory allocated at start, as a serving node's is (a CXL or devdax pool always
 # is): a page first touched on this VM costs about as much as Mooncake's read of it, which
 # Mooncake alone's buffer, reused call after call, pays once.
@@ -105,17 +117,26 @@ def timed(seconds: list[float]) -> list[float]:
     return seconds[1:]
 
 
-def store(url: str, prefix: str, size: int, calls: int) -> dict:
-    """`batch_store` of `calls` calls of new values: seconds per call."""
-    h = cc.handler(url, pool_size="512M")
+def store(url: str, prefix: str, size: int, calls: int, share: int = 0) -> dict:
+    """`batch_store` of `calls` calls of new values: seconds per call. `share` > 0: the
+    instance's `maru_pool_size` holds that many calls, written first (not timed), so that
+    every timed call needs the room of older values (a serving instance's steady state)."""
+    pool = f"{max(1, share * SHARE_VALUES * size >> 20)}M" if share else "512M"
+    h = cc.handler(url, pool_size=pool)
+    fill = [[f"{prefix}/fill{c}/{i}" for i in range(SHARE_VALUES)] for c in range(share)]
+    timed_keys = [keys[:SHARE_VALUES] if share else keys for keys in keys_of(prefix, calls)]
     try:
         seconds, stored = [], 0
-        for keys in keys_of(prefix, calls):
-            values = [cc.make_value(k, size) for k in keys]
+        filler = bytes(size)  # (the share's first values are never read: one for all)
+        for c, keys in enumerate(fill + timed_keys):
+            values = [filler] * len(keys) if c < share else [cc.make_value(k, size) for k in keys]
             t = time.perf_counter()
             stored += sum(h.batch_store(keys, values))
             seconds.append(time.perf_counter() - t)
-        return {"s": timed(seconds), "stored": stored}
+        if share:  # (its share back to the pool, for the next rounds' writers and reads)
+            for keys in fill + timed_keys:
+                h.batch_delete(keys)
+        return {"s": timed(seconds[share:]), "stored": stored}
     finally:
         h.close()
 
@@ -301,8 +322,9 @@ def summarize(rounds: list[dict[str, dict[str, list[float]]]], call_bytes: int) 
     out: dict[str, float] = {}
     for method in (*WRITERS, *READS, *SGLANG_WRITES, *SGLANG_READS):
         calls = [s for r in rounds for s in r[method]]
+        nbytes = call_bytes * SHARE_VALUES // PER_CALL if "full share" in method else call_bytes
         out[f"{method}_ms"] = statistics.median(calls) * 1e3
-        out[f"{method}_gbps"] = call_bytes / statistics.median(calls) / 1e9
+        out[f"{method}_gbps"] = nbytes / statistics.median(calls) / 1e9
 
     def ratio(a: str, b: str) -> float:
         return statistics.median(statistics.median(r[a]) / statistics.median(r[b]) for r in rounds)
@@ -315,6 +337,7 @@ def summarize(rounds: list[dict[str, dict[str, list[float]]]], call_bytes: int) 
     out["second_vs_local"] = ratio("second", "local")
     out["write_through_vs_none"] = ratio("write-through", "no tier")
     out["spill_vs_none"] = ratio("spill", "no tier")
+    out["spill_full_vs_none_full"] = ratio("spill, full share", "no tier, full share")
     return out
 
 
@@ -369,7 +392,30 @@ ROWS = (
     ("writer: `batch_store`, no tier", "no tier", None, ""),
     ("writer: `batch_store`, write-through", "write-through", "write_through_vs_none", "no tier"),
     ("writer: `batch_store`, spill", "spill", "spill_vs_none", "no tier"),
+    (
+        "writer: `batch_store` at a full share (calls of 16), no tier",
+        "no tier, full share",
+        None,
+        "",
+    ),
+    (
+        "writer: `batch_store` at a full share (calls of 16), spill (its victims published)",
+        "spill, full share",
+        "spill_full_vs_none_full",
+        "no tier",
+    ),
 )
+
+
+def spill_line(raw: dict[str, list[dict]]) -> str:
+    """What the full-share writer's evictions did with spill, per size: values published
+    (held until the tier read them) and dropped unpublished (a write waited for their room)."""
+    parts = []
+    for label, rounds in raw.items():
+        published = sum(r["spilled"]["published"] for r in rounds)
+        dropped = sum(r["spilled"]["dropped"] for r in rounds)
+        parts.append(f"{label} {published} published, {dropped} dropped")
+    return "spill at a full share, the evicted values: " + "; ".join(parts)
 
 
 def render(summary: dict[str, dict[str, float]]) -> list[str]:
@@ -448,18 +494,32 @@ def in_node(pid: int, *args: Any, env: str = "") -> dict:
 
 def bench_round(c: cc.Nodes, url0: str, r: int, label: str, size: int, calls: int) -> dict:
     """One round at one size: seconds per call of each writer and each read, and the
-    bytes' counts of the reads."""
+    bytes' counts of the reads. The full-share writers come last, after the reads: their
+    evictions (node 2's pool fills over the rounds) never take values the round reads."""
     tag = f"r{r}-{size}"
     writers = {"no tier": (1, url0), "write-through": (1, c.url1), "spill": (2, c.url2)}
-    order = list(WRITERS[r % 3 :] + WRITERS[: r % 3])
+    writers |= {"no tier, full share": (1, url0), "spill, full share": (2, c.url2)}
     times: dict[str, list[float]] = {}
-    for method in order:
+    spilled = {"published": 0, "dropped": 0}
+
+    def write(method: str) -> None:
+        nonlocal spilled
         node, url = writers[method]
         pid = c.one.pid if node == 1 else c.two.pid
-        got = in_node(pid, "store", url, f"{method}/{tag}", size, calls)
-        if got["stored"] != (calls + 1) * PER_CALL:
-            raise SystemExit(f"{method}: stored {got['stored']} of {(calls + 1) * PER_CALL}")
+        share = SHARE_CALLS if method.endswith("full share") else 0
+        before = c.settled(2) if method == "spill, full share" else None
+        got = in_node(pid, "store", url, f"{method}/{tag}", size, calls, share)
+        want = (calls + 1 + share) * (SHARE_VALUES if share else PER_CALL)
+        if got["stored"] != want:
+            raise SystemExit(f"{method}: stored {got['stored']} of {want}")
         times[method] = got["s"]
+        if before is not None:  # (what its evictions published, and what they dropped)
+            after = c.settled(2)
+            spilled = {"published": after["published"] - before["published"],
+                       "dropped": after["publish_drops"] - before["publish_drops"]}  # fmt: skip
+
+    for method in WRITERS[r % 3 : 3] + WRITERS[: r % 3]:
+        write(method)
     c.settled(1)  # node 1's values published
     counts: dict[str, list[int]] = {}
     env = f"MOONCAKE_LOCAL_HOSTNAME={cc.NODE2}"
@@ -487,8 +547,10 @@ def bench_round(c: cc.Nodes, url0: str, r: int, label: str, size: int, calls: in
                   ",".join(sglang_order(r)), env=env)  # fmt: skip
     for name in SGLANG_READS:
         times[name], counts[name] = got[name]["s"], got[name]["counts"]
+    for method in WRITERS[3:] if r % 2 == 0 else WRITERS[:2:-1]:
+        write(method)
     print(f"round {r} {label}: {json.dumps(counts)}", file=sys.stderr)
-    return {"times": times, "counts": counts}
+    return {"times": times, "counts": counts, "spilled": spilled}
 
 
 def main() -> int:
@@ -541,6 +603,7 @@ def main() -> int:
         "",
         *render(summary),
         "",
+        spill_line(raw),
         f"bytes: every read checked; misses {missing}; wrong {sum(wrong.values())}",
     ]
     rows = [{"size": label, **s} for label, s in summary.items()]
@@ -558,12 +621,12 @@ def main() -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] in MODES:
         mode, a = sys.argv[1], sys.argv[2:]
-        if mode == "sglang_store":
+        if mode == "store":
+            print(json.dumps(store(a[0], a[1], int(a[2]), int(a[3]), int(a[4]))))
+        elif mode == "sglang_store":
             print(json.dumps(sglang_store(a[0], a[1], a[2], int(a[3]), int(a[4]))))
         elif mode == "sglang_reads":
             print(json.dumps(sglang_reads(a[0], a[1], a[2], int(a[3]), int(a[4]), a[5])))
-        elif mode == "store":
-            print(json.dumps(store(a[0], a[1], int(a[2]), int(a[3]))))
         elif mode == "maru":
             print(json.dumps(maru_reads(a[0], a[1], a[2], int(a[3]), int(a[4]))))
         else:

@@ -23,6 +23,7 @@ def _round(scale: float, first: float, second: float) -> dict[str, list[float]]:
     out |= {"mooncake+sizes": [0.15, 0.15]}
     out |= {"first": [0.1 * (first + 0.5)] * 2, "second": [0.01 * second] * 2}
     out |= {"write-through": [0.05 * 1.5] * 2, "spill": [0.05] * 2}
+    out |= {"no tier, full share": [0.06] * 2, "spill, full share": [0.06 * 1.25] * 2}
     out |= {"sglang mooncake": [0.1] * 2, "sglang first": [0.1 * first] * 2}
     out |= {"sglang second": [0.005] * 2, "sglang mooncake set": [0.4] * 2}
     out |= {"sglang maru set": [0.01] * 2}
@@ -38,6 +39,7 @@ def test_ratios_are_medians_of_paired_rounds_and_each_goal_is_judged_per_size():
     assert big["sglang_set_vs_mooncake"] == approx(0.025)
     assert big["second_vs_local"] == approx(1.05)
     assert big["write_through_vs_none"] == approx(1.5) and big["spill_vs_none"] == approx(1.0)
+    assert big["spill_full_vs_none_full"] == approx(1.25)
     assert big["sizes_vs_mooncake"] == approx(1.5)
     assert big["mooncake_ms"] == approx(100.0)  # median of 6 calls: 0.1, 0.1, 0.2, 0.2, 0.1, 0.1
     assert big["mooncake_gbps"] == approx((64 << 20) / 0.1 / 1e9)
@@ -65,6 +67,17 @@ def test_the_table_shows_every_method_with_its_baseline_and_the_verdicts():
     second = rows["Maru, second read (in place)"]
     assert second.endswith("1.30x the local read | <= 1.1x the local read: MISS |")
     assert rows["writer: `batch_store`, write-through"].endswith("1.50x no tier |  |")
+    full = rows[
+        "writer: `batch_store` at a full share (calls of 16), spill (its victims published)"
+    ]
+    assert full.endswith("| 0.22, 75.0, 1.25x no tier |  |")  # (calls of SHARE_VALUES)
+
+
+def test_the_spill_line_counts_what_a_full_share_writers_evictions_published_and_dropped():
+    rounds = [{"spilled": {"published": 100, "dropped": 28}}, {"spilled": {"published": 5,
+              "dropped": 0}}]  # fmt: skip
+    line = C.spill_line({"1 MiB": rounds, "64 KiB": rounds[1:]})
+    assert line.endswith("1 MiB 105 published, 28 dropped; 64 KiB 5 published, 0 dropped")
 
 
 def test_a_wrong_byte_is_counted_wrong_never_right():
