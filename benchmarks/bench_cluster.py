@@ -83,6 +83,7 @@ def segment_bytes(rounds: int, calls: int) -> int:
 
 
 WRITERS = ("no tier", "write-through", "spill", "no tier, full share", "spill, full share")
+FULL_SHARE = WRITERS[3:]  # the writers at a full share (calls of SHARE_VALUES values)
 # A full-share writer writes calls of SHARE_VALUES values, and its `maru_pool_size` holds
 # SHARE_CALLS of them: once they are written, each call evicts the oldest (with spill:
 # publishes them first where it can). A call is a small part of the share, as a serving
@@ -322,7 +323,7 @@ def summarize(rounds: list[dict[str, dict[str, list[float]]]], call_bytes: int) 
     out: dict[str, float] = {}
     for method in (*WRITERS, *READS, *SGLANG_WRITES, *SGLANG_READS):
         calls = [s for r in rounds for s in r[method]]
-        nbytes = call_bytes * SHARE_VALUES // PER_CALL if "full share" in method else call_bytes
+        nbytes = call_bytes * SHARE_VALUES // PER_CALL if method in FULL_SHARE else call_bytes
         out[f"{method}_ms"] = statistics.median(calls) * 1e3
         out[f"{method}_gbps"] = nbytes / statistics.median(calls) / 1e9
 
@@ -506,7 +507,7 @@ def bench_round(c: cc.Nodes, url0: str, r: int, label: str, size: int, calls: in
         nonlocal spilled
         node, url = writers[method]
         pid = c.one.pid if node == 1 else c.two.pid
-        share = SHARE_CALLS if method.endswith("full share") else 0
+        share = SHARE_CALLS if method in FULL_SHARE else 0
         before = c.settled(2) if method == "spill, full share" else None
         got = in_node(pid, "store", url, f"{method}/{tag}", size, calls, share)
         want = (calls + 1 + share) * (SHARE_VALUES if share else PER_CALL)
@@ -518,7 +519,7 @@ def bench_round(c: cc.Nodes, url0: str, r: int, label: str, size: int, calls: in
             spilled = {"published": after["published"] - before["published"],
                        "dropped": after["publish_drops"] - before["publish_drops"]}  # fmt: skip
 
-    for method in WRITERS[r % 3 : 3] + WRITERS[: r % 3]:
+    for method in WRITERS[r % 3 : 3] + WRITERS[: r % 3]:  # (FULL_SHARE's after the reads)
         write(method)
     c.settled(1)  # node 1's values published
     counts: dict[str, list[int]] = {}
@@ -547,7 +548,7 @@ def bench_round(c: cc.Nodes, url0: str, r: int, label: str, size: int, calls: in
                   ",".join(sglang_order(r)), env=env)  # fmt: skip
     for name in SGLANG_READS:
         times[name], counts[name] = got[name]["s"], got[name]["counts"]
-    for method in WRITERS[3:] if r % 2 == 0 else WRITERS[:2:-1]:
+    for method in FULL_SHARE if r % 2 == 0 else FULL_SHARE[::-1]:
         write(method)
     print(f"round {r} {label}: {json.dumps(counts)}", file=sys.stderr)
     return {"times": times, "counts": counts, "spilled": spilled}

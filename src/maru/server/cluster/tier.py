@@ -235,16 +235,14 @@ class ClusterTier:
         link = self.link
         if link is None:
             return
+        link.flush()
         if link.ready(events):
-            link.flush()
             for message in link.receive():
                 try:
                     self._apply(message)
                 except (ValueError, KeyError, TypeError) as exc:
                     log.error("cluster tier: a bad reply from the sidecar (%s): ignored", exc)
             self.pump()
-        elif link.outbox:
-            link.flush()
         link.watch(poller)
 
     def _apply(self, message: dict[str, Any]) -> None:
