@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from maru.common.protocol import KEY_TYPES
+from maru.common.protocol import KEY_TYPES, pack_int64
 from maru.server import holds, registry
 
 
@@ -71,11 +71,13 @@ def py_batch_fits(
     return all(map(le, map(add, offsets, lengths), map(limits.__getitem__, region_ids)))
 
 
-def py_entry_locations(entries: Sequence[Any]) -> tuple[list[int], list[int], list[list[int]]]:
+def py_entry_locations(entries: Sequence[Any]) -> tuple[list[int], list[int], bytes]:
     """What `Registry._drop_keys` needs of the entries it drops: their region ids and lengths,
-    and a [region_id, offset, length] notice each (`entry_locations` in C)."""
+    and a (region_id, offset, length) notice each, packed as a reply's `freed`
+    (`entry_locations` in C)."""
     notices = [[e.region_id, e.offset, e.length] for e in entries]
-    return [n[0] for n in notices], [n[2] for n in notices], notices
+    packed = pack_int64([field for notice in notices for field in notice])
+    return [n[0] for n in notices], [n[2] for n in notices], packed
 
 
 def py_length_groups(

@@ -12,9 +12,15 @@ import pytest
 
 from maru.client.chunks import AllocHandle, ChunkBook
 from maru.client.mapping import MappedRegion
+from maru.common.protocol import pack_int64
 from maru.common.region import RegionHandle
 
 CHUNK = 4096
+
+
+def packed(notices: list[tuple[int, int, int]]) -> bytes:
+    """The server's notices as a reply's `freed` carries them."""
+    return pack_int64([field for notice in notices for field in notice])
 
 
 def region(region_id: int, chunks: int) -> MappedRegion:
@@ -82,7 +88,7 @@ def test_the_kept_free_count_matches_the_chunks_through_every_verb(seed):
                         indices.remove(i)
                     model.release(handle.region_id, offset)
             notice += notice[: rng.randint(0, len(notice))]
-            book.apply_freed(notice)
+            book.apply_freed(packed(notice))
         elif verb == "drop":
             region_id = rng.choice(list(model.regions))
             book.drop(region_id)
@@ -97,7 +103,7 @@ def test_a_notice_for_a_region_not_ours_changes_nothing():
     book.adopt(region(1, 8))
     handle = book.take(CHUNK, 2)
     assert handle is not None and book.free_chunks() == 6
-    book.apply_freed([(2, 0, CHUNK), (1, 7 * CHUNK, CHUNK)])  # another region; an unheld chunk
+    book.apply_freed(packed([(2, 0, CHUNK), (1, 7 * CHUNK, CHUNK)]))  # another region; unheld
     assert book.free_chunks() == 6
-    book.apply_freed([(1, handle.offset, CHUNK)] * 2)  # the same value twice
+    book.apply_freed(packed([(1, handle.offset, CHUNK)] * 2))  # the same value twice
     assert book.free_chunks() == 7

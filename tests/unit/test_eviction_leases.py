@@ -10,7 +10,14 @@ import time
 import pytest
 
 from maru.common import protocol
-from maru.common.protocol import DeleteStatus, ErrorCode, MsgType, ProtocolError, RegisterStatus
+from maru.common.protocol import (
+    DeleteStatus,
+    ErrorCode,
+    MsgType,
+    ProtocolError,
+    RegisterStatus,
+    freed_notices,
+)
 from maru.server.pool import REGION_ALIGNMENT, ShmPool
 from maru.server.registry import Registry, delete_prefix
 from maru.server.service import MaruService
@@ -600,7 +607,7 @@ def test_freed_pages_are_not_handed_out_on_a_fire_and_forget_release(service):
     service.registry.leases.release([lease_id], "A")
     call(service, MsgType.DELETE_KV, {"iid": "B", "keys": ["k"]})
     assert "freed" not in call(service, MsgType.RELEASE, {"iid": "A", "leases": [lease_id]})
-    assert call(service, MsgType.HEARTBEAT, {"iid": "A"})["freed"] == [[rid, 0, 10]]
+    assert freed_notices(call(service, MsgType.HEARTBEAT, {"iid": "A"})["freed"]) == [[rid, 0, 10]]
 
 
 def test_housekeeping_expires_leases_and_reaps(service):

@@ -172,3 +172,35 @@ def test_freeing_many_at_once_leaves_what_freeing_one_by_one_leaves():
         assert many._allocated == one._allocated
         n = rng.randint(1, 40)
         assert many.allocate(n) == one.allocate(n)
+
+
+def test_freeing_a_batch_of_equal_extents_leaves_what_freeing_one_by_one_leaves():
+    """A full instance's usual notice: equal extents of runs (`allocate_run`), in any order,
+    all of a run (joined without a step each) or some of it, with gaps; against
+    `free_extent` one at a time: the same free list and accounting."""
+    rng = random.Random(11)
+    whole = 0
+    for _ in range(300):
+        one, many = ExtentAllocator(1024), ExtentAllocator(1024)
+        size = rng.choice([1, 2, 16])
+        starts: list[int] = []
+        for _ in range(rng.randint(1, 6)):
+            run = one.allocate_run(size, rng.randint(1, 12))
+            if run is None:
+                break
+            assert many.allocate_run(size, len(run)) == run
+            starts += run
+        first = rng.randrange(len(starts))
+        batch = starts[first : first + rng.randint(1, len(starts))]  # (contiguous)
+        if rng.random() < 0.5 and len(batch) > 2:
+            batch.pop(rng.randrange(1, len(batch) - 1))  # (a gap)
+        else:
+            whole += 1
+        rng.shuffle(batch)
+        for start in batch:
+            one.free_extent(start)
+        used = many.used
+        assert many.free_many(batch) == used - many.used == size * len(batch)
+        assert (many._starts, many._lengths, many.used) == (one._starts, one._lengths, one.used)
+        assert many._allocated == one._allocated
+    assert whole > 100  # (the joined case was exercised)

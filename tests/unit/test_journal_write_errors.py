@@ -85,7 +85,7 @@ print(json.dumps(out))
 
 SERVICE_CHILD = """
 from maru.common import protocol
-from maru.common.protocol import ErrorCode, MsgType, pack_int64
+from maru.common.protocol import ErrorCode, MsgType, freed_notices, pack_int64
 from maru.server.journal import Journal
 from maru.server.pool import ShmPool
 from maru.server.registry import Registry
@@ -136,7 +136,7 @@ assert call(MsgType.PIN, {"iid": "A", "keys": ["k9"]})["ok"]
 limit_files_to(journal._size + 3)  # the next record is cut short after 3 bytes
 reply = call(MsgType.DELETE_KV, {"iid": "A", "keys": ["k0"]})  # fails writing its "D"
 out["first_delete"] = error(reply)
-out["first_delete_freed"] = reply.get("freed", [])
+out["first_delete_freed"] = freed_notices(reply.get("freed", b""))
 out["message"] = reply.get("error", "")
 out["size_after_failure"] = (state_dir / f"journal-{journal.generation}.log").stat().st_size
 out["good_size"] = journal._size
@@ -165,7 +165,7 @@ out["pins_k9"] = reg.keys.get("k9").pins
 out["pins_k2"] = reg.keys.get("k2").pins
 out["regions"] = sorted(reg.regions)
 out["owned"] = sorted(reg.instances["A"].regions)
-out["freed_pending"] = list(reg.instances["A"].freed)
+out["freed_pending"] = freed_notices(bytes(reg.instances["A"].freed))
 stats = call(MsgType.STATS, {})["stats"]
 out["stats"] = [stats["journal_writable"], stats["counters"]["journal_write_errors"]]
 # a reap now would journal "X" and "T": it does nothing, and does not raise
@@ -179,7 +179,7 @@ unlimit_files()  # space freed
 svc.housekeeping(time.monotonic() + 2)  # the next retry
 out["writable_again"] = journal.writable
 reply = call(MsgType.DELETE_KV, {"iid": "A", "keys": ["k0"]})
-out["delete_again"] = [error(reply), reply.get("results"), reply.get("freed", [])]
+out["delete_again"] = [error(reply), reply.get("results"), freed_notices(reply.get("freed", b""))]
 out["register_again"] = register(["new"], rid, 40960)["results"]
 stats = call(MsgType.STATS, {})["stats"]
 out["stats_again"] = [stats["journal_writable"], stats["counters"]["journal_write_errors"]]

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from maru.common.protocol import freed_notices
 from maru.server import _keyindex as keyindex
 
 from .keyindex_model import (
@@ -332,11 +333,9 @@ def test_entry_locations_match_the_python_model() -> None:
     index.add_entries(["a", "b", "c"], [1, 2, 1], [0, 1 << 40, 64], [64, 8, 1 << 33], None)
     entries = index.get_many(["c", "a", "b"])
     assert keyindex.entry_locations(entries) == py_entry_locations(entries)
-    assert keyindex.entry_locations(entries) == (
-        [1, 1, 2],
-        [1 << 33, 64, 8],
-        [[1, 64, 1 << 33], [1, 0, 64], [2, 1 << 40, 8]],
-    )
-    assert keyindex.entry_locations([]) == ([], [], [])
+    region_ids, lengths, notices = keyindex.entry_locations(entries)
+    assert (region_ids, lengths) == ([1, 1, 2], [1 << 33, 64, 8])
+    assert freed_notices(notices) == [[1, 64, 1 << 33], [1, 0, 64], [2, 1 << 40, 8]]
+    assert keyindex.entry_locations([]) == ([], [], b"")
     with pytest.raises(TypeError):
         keyindex.entry_locations([entries[0], object()])

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from maru.common.protocol import MAX_KEY_BYTES, DeleteStatus, RegisterStatus
+from maru.common.protocol import MAX_KEY_BYTES, DeleteStatus, RegisterStatus, freed_notices
 from maru.server import persistence
 from maru.server.journal import Journal
 from maru.server.pool import ShmPool
@@ -68,7 +68,7 @@ def full_state(reg: Registry) -> dict:
                 i.exists_hits,
                 i.exists_misses,
                 i.evicted,
-                list(i.freed),
+                freed_notices(bytes(i.freed)),
                 sorted(lease - reg.leases.first_id for lease in i.leases),  # (random start)
             )
             for iid, i in reg.instances.items()
@@ -279,7 +279,7 @@ def test_delete_over_several_regions_matches_one_by_one(tmp_path, clean):
     same_drop(bulk, bulk_journal, ref, ref_journal)
     busy = set() if clean else {keys[3], keys[5]}
     in_live_region = [k for k in names if int(k[1:]) % 3 == 0 and k not in busy]
-    assert sorted(o for _, o, _ in bulk.instances["A"].freed) == sorted(
+    assert sorted(o for _, o, _ in freed_notices(bytes(bulk.instances["A"].freed))) == sorted(
         int(k[1:]) * 8192 for k in in_live_region
     )
     if clean:  # A's returned region went with its last key: "F" after the one "D"

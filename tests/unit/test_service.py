@@ -7,7 +7,7 @@ import msgpack
 import pytest
 
 from maru.common import protocol
-from maru.common.protocol import HEADER, MAGIC, MAX_KEY_BYTES, ErrorCode, MsgType
+from maru.common.protocol import HEADER, MAGIC, MAX_KEY_BYTES, ErrorCode, MsgType, freed_notices
 
 from .service_calls import call, locations, make_service, ok, register_body, wire_body
 
@@ -156,7 +156,7 @@ def test_freed_locations_piggyback_on_the_owners_next_reply(service):
     ok(service, MsgType.REGISTER_KV, register_body("A", [["k", rid, 4096, 10]]))
     # B deletes A's key: B's reply carries nothing, A's next reply carries the location
     assert "freed" not in ok(service, MsgType.DELETE_KV, {"iid": "B", "keys": ["k"]})
-    assert ok(service, MsgType.HEARTBEAT, {"iid": "A"})["freed"] == [[rid, 4096, 10]]
+    assert freed_notices(ok(service, MsgType.HEARTBEAT, {"iid": "A"})["freed"]) == [[rid, 4096, 10]]
     assert "freed" not in ok(service, MsgType.HEARTBEAT, {"iid": "A"})
 
 

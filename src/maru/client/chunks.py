@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Any
+
+import numpy as np
 
 from maru.client.mapping import MappedRegion
 from maru.common.extents import ExtentAllocator
+from maru.common.protocol import freed_columns
 
 
 class AllocHandle:
@@ -265,12 +267,19 @@ class ChunkBook:
         owned = self._owned.get(handle.region_id)
         return owned if owned is not None and owned.mapped is handle._mapped else None
 
-    def apply_freed(self, freed: Iterable[Sequence[Any]]) -> None:
-        """The server's notice that keys in our regions went away: their chunks are free."""
-        chunk = self.chunk_size
+    def apply_freed(self, freed: bytes) -> None:
+        """The server's notice that keys in our regions went away (a reply's `freed`): their
+        chunks are free. No step per page in Python but the allocator's (a full instance is
+        told of a write's worth of pages on most replies)."""
+        region_ids, offsets, _ = freed_columns(freed)
+        rids = np.asarray(region_ids)
+        starts = np.asarray(offsets) // self.chunk_size
         firsts: dict[int, list[int]] = {}  # per region (a batch is mostly one region's run)
-        for region_id, offset, _length in freed:
-            firsts.setdefault(region_id, []).append(offset // chunk)
+        if (rids == rids[0]).all():
+            firsts[int(rids[0])] = starts.tolist()
+        else:
+            for region_id in np.unique(rids).tolist():
+                firsts[region_id] = starts[rids == region_id].tolist()
         with self._lock:
             for region_id, starts in firsts.items():
                 owned = self._owned.get(region_id)

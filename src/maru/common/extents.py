@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
+from itertools import repeat
 
 
 class ExtentAllocator:
@@ -83,9 +84,18 @@ class ExtentAllocator:
     def free_many(self, starts: Iterable[int]) -> int:
         """Free every allocated extent that begins at one of `starts` (others are skipped);
         returns the units freed. Adjacent ones (an evicted batch is mostly one run) are joined
-        first, so the free list changes once per run, not once per extent."""
-        pop = self._allocated.pop
-        freed = sorted((start, n) for start in starts if (n := pop(start, None)) is not None)
+        first, so the free list changes once per run, not once per extent; equal extents that
+        make one run (a batch's values) cost no Python step each."""
+        starts = list(starts)
+        lengths = list(map(self._allocated.pop, starts, repeat(None)))
+        if starts and lengths.count(lengths[0]) == len(lengths) and lengths[0] is not None:
+            length, total = lengths[0], lengths[0] * len(starts)
+            starts.sort()
+            if starts == list(range(starts[0], starts[0] + total, length)):
+                self.used -= total
+                self._release(starts[0], total)
+                return total
+        freed = sorted((start, n) for start, n in zip(starts, lengths) if n is not None)
         run_start, run_length = -1, 0
         for start, length in freed:
             self.used -= length

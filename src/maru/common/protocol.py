@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 
 MAGIC = b"MARU"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 HEADER = struct.Struct("!4sBBHQ")
 STREAM_LENGTH = struct.Struct("!I")  # frame length on a stream transport
 # One read from a stream socket (a longer frame takes several): below glibc's mmap threshold
@@ -315,6 +315,20 @@ def pack_int64(values: Any) -> bytes:
     return array("q", values).tobytes()
 
 
+def freed_columns(freed: bytes) -> tuple[memoryview, memoryview, memoryview]:
+    """A reply's `freed` read back: its (region ids, offsets, lengths) columns, one entry a
+    page (packed int64 triples, as `Registry._drop_keys` collects them)."""
+    if not isinstance(freed, bytes) or len(freed) % (3 * INT64.size):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "field 'freed': expected packed int64 triples")
+    triples = memoryview(freed).cast("q")
+    return triples[0::3], triples[1::3], triples[2::3]
+
+
+def freed_notices(freed: bytes) -> list[list[int]]:
+    """A reply's `freed` as [region_id, offset, length] lists (tests, the cluster tier)."""
+    return [list(notice) for notice in zip(*(c.tolist() for c in freed_columns(freed)))]
+
+
 def unpack_int64(column: Any, count: int, name: str) -> memoryview:
     """A packed column read back (a memoryview of int64s), checked to hold `count` values."""
     if not isinstance(column, bytes) or len(column) != count * INT64.size:
@@ -589,7 +603,7 @@ REPLY_EXTRAS = [
     ("ok", "bool", "every reply"),
     (
         "freed",
-        "[[region_id, offset, length]]",
+        "bytes: packed int64 (region_id, offset, length) per page",
         "pages of the caller's regions whose keys went "
         "away since its last reply (not on RELEASE replies): the client may reuse them",
     ),

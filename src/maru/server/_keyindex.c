@@ -964,7 +964,8 @@ static PyObject *key_entries(PyObject *arg, const char *name)
 }
 
 /* entry_locations(entries) -> (region_ids, lengths, notices): the registry's view of keys it
- * drops (`Registry._drop_keys`): two columns and a [region_id, offset, length] list each. */
+ * drops (`Registry._drop_keys`): two columns, and the owners' notices as one packed buffer of
+ * native int64 (region_id, offset, length) triples, the wire form of a reply's `freed`. */
 static PyObject *entry_locations(PyObject *module, PyObject *arg)
 {
     PyObject *seq = key_entries(arg, "entry_locations");
@@ -972,27 +973,24 @@ static PyObject *entry_locations(PyObject *module, PyObject *arg)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject *const *items = PySequence_Fast_ITEMS(seq);
-    PyObject *out = NULL, *rids = PyList_New(n), *lens = PyList_New(n), *notices = PyList_New(n);
+    PyObject *out = NULL, *rids = PyList_New(n), *lens = PyList_New(n);
+    PyObject *notices = PyBytes_FromStringAndSize(NULL, n * 3 * (Py_ssize_t)sizeof(int64_t));
     if (rids == NULL || lens == NULL || notices == NULL)
         goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    int64_t *triple = (int64_t *)PyBytes_AS_STRING(notices);
+    for (Py_ssize_t i = 0; i < n; i++, triple += 3) {
         KeyEntry *e = (KeyEntry *)items[i];
         PyObject *rid = PyLong_FromLongLong(e->region_id);
-        PyObject *off = PyLong_FromLongLong(e->offset);
-        PyObject *len = PyLong_FromLongLong(e->length);
-        PyObject *notice = (rid && off && len) ? PyList_New(3) : NULL;
-        if (notice == NULL) {
+        PyObject *len = rid ? PyLong_FromLongLong(e->length) : NULL;
+        if (len == NULL) {
             Py_XDECREF(rid);
-            Py_XDECREF(off);
-            Py_XDECREF(len);
             goto done;
         }
-        PyList_SET_ITEM(rids, i, Py_NewRef(rid));
-        PyList_SET_ITEM(lens, i, Py_NewRef(len));
-        PyList_SET_ITEM(notice, 0, rid);
-        PyList_SET_ITEM(notice, 1, off);
-        PyList_SET_ITEM(notice, 2, len);
-        PyList_SET_ITEM(notices, i, notice);
+        PyList_SET_ITEM(rids, i, rid);
+        PyList_SET_ITEM(lens, i, len);
+        triple[0] = e->region_id;
+        triple[1] = e->offset;
+        triple[2] = e->length;
     }
     out = PyTuple_Pack(3, rids, lens, notices);
 done:

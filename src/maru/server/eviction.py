@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from operator import attrgetter
 
-from maru.common.protocol import ErrorCode, Key, ProtocolError, check_count
+from maru.common.protocol import ErrorCode, Key, ProtocolError, check_count, freed_columns
 from maru.server.instances import InstanceTable
 from maru.server.keyindex import KeyEntry, KeyIndex
 from maru.server.logs import Throttle
@@ -136,7 +136,8 @@ class Eviction:
             )
         now, reason = want_bytes - ahead, f"room for {instance_id}"
         if ahead:
-            ahead = max(0, ahead - self.coming[instance_id] - sum(n[2] for n in inst.freed))
+            told = sum(freed_columns(bytes(inst.freed))[2]) if inst.freed else 0
+            ahead = max(0, ahead - self.coming[instance_id] - told)
         if self.spill is None or not ahead:  # (one round)
             return self.evict(now + ahead, inst.regions, reason=reason) if now + ahead else 0
         freed = self.evict(now, inst.regions, reason=reason) if now else 0

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from maru.common.protocol import ErrorCode, ProtocolError
+from maru.common.protocol import ErrorCode, ProtocolError, freed_notices
 from maru.common.region import RegionHandle
 from maru.server.journal import JournalWriteError
 from maru.server.logs import Throttle
@@ -30,7 +30,8 @@ class Instance:
     pid: int = 0
     page_size: int = 0  # reported at handshake; informs per-instance page stats
     regions: set[int] = field(default_factory=set)
-    freed: list[list[int]] = field(default_factory=list)  # [region_id, offset, length] to reuse
+    # pages to reuse: packed int64 (region_id, offset, length), a reply's `freed` as it goes
+    freed: bytearray = field(default_factory=bytearray)
     pins: Counter = field(default_factory=Counter)  # key -> pins this instance holds
     leases: set[int] = field(default_factory=set)
     last_seen: float = field(default_factory=time.monotonic)
@@ -214,13 +215,17 @@ class InstanceTable(dict[str, Instance]):
         if inst is None:
             return
         if inst.freed:
-            reply["freed"], inst.freed = inst.freed, []
+            reply["freed"] = bytes(inst.freed)
+            inst.freed.clear()
         if inst.shed:
             reply["shed"], inst.shed = inst.shed, 0
 
     def take_freed(self, instance_id: Any) -> list[list[int]]:
+        """The instance's freed pages as [region_id, offset, length], each handed out once
+        (the cluster tier's pages, which no reply carries)."""
         inst = self.get(instance_id) if isinstance(instance_id, str) else None
         if inst is None or not inst.freed:
             return []
-        freed, inst.freed = inst.freed, []
+        freed = freed_notices(bytes(inst.freed))
+        inst.freed.clear()
         return freed

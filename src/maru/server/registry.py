@@ -400,7 +400,7 @@ class Registry:
         region_ids, lengths, notices = entry_locations(entries)  # (notices: for the owners)
         groups = length_groups(region_ids, lengths)  # regions in the order of their last key
         self._count(groups, -1)
-        notify: dict[int, list[list[int]]] = {}  # region id -> its owner's freed list
+        notify: dict[int, bytearray] = {}  # region id -> its owner's freed pages
         regions, instances = self.regions, self.instances
         for rid in groups:
             region = regions[rid]
@@ -415,12 +415,14 @@ class Registry:
             return
         lists = list({id(freed): freed for freed in notify.values()}.values())
         if len(notify) == len(groups) and len(lists) == 1:  # one owner, told of every key
-            lists[0].extend(notices)
+            lists[0] += notices
         else:
-            for rid, notice in zip(region_ids, notices):
+            at, size = 0, len(notices) // len(keys)  # (a notice's bytes)
+            for rid in region_ids:
                 freed = notify.get(rid)
                 if freed is not None:
-                    freed.append(notice)
+                    freed += notices[at : at + size]
+                at += size
 
 
 # -- operator actions that walk the whole registry (not on any hot path) ----------------------
