@@ -136,8 +136,8 @@ class Eviction:
             )
         now, reason = want_bytes - ahead, f"room for {instance_id}"
         if ahead:
-            told = sum(freed_columns(bytes(inst.freed))[2]) if inst.freed else 0
-            ahead = max(0, ahead - self.coming[instance_id] - told)
+            untold = sum(freed_columns(bytes(inst.freed))[2]) if inst.freed else 0  # (freed)
+            ahead = max(0, ahead - self.coming[instance_id] - untold)
         if self.spill is None or not ahead:  # (one round)
             return self.evict(now + ahead, inst.regions, reason=reason) if now + ahead else 0
         freed = self.evict(now, inst.regions, reason=reason) if now else 0
