@@ -136,7 +136,8 @@ class Eviction:
             )
         now, reason = want_bytes - ahead, f"room for {instance_id}"
         if ahead:
-            untold = sum(freed_columns(bytes(inst.freed))[2]) if inst.freed else 0  # (freed)
+            # (bytes freed in its regions that no reply has told it of yet: room on its way)
+            untold = sum(freed_columns(bytes(inst.freed))[2]) if inst.freed else 0
             ahead = max(0, ahead - self.coming[instance_id] - untold)
         if self.spill is None or not ahead:  # (one round)
             return self.evict(now + ahead, inst.regions, reason=reason) if now + ahead else 0
