@@ -27,7 +27,7 @@ import numpy as np
 from maru.client.coherence import software
 from maru.client.memcopy import COPY_VALUES
 from maru.client.requests import Lookup, checksum_mismatches, other_lengths
-from maru.common import shmindex
+from maru.common import _keys, shmindex
 from maru.common.errors import MaruError
 from maru.common.protocol import MsgType
 from maru.common.shmindex import (
@@ -137,7 +137,10 @@ def joined(keys: Sequence[Key], prefix: Prefix) -> Sequence[Key]:
     """`prefix + key` per key: what the request path sends, and the keys' names in logs (the
     index reads the two parts where they lie; both raise TypeError on a prefix of another type)."""
     if isinstance(prefix, (str, bytes)):
-        return [prefix + k for k in keys] if prefix else keys  # type: ignore[operator]
+        if not prefix:
+            return keys
+        fast = _keys.join(prefix, keys)  # (None: a key of another type, which raises here)
+        return fast if fast is not None else [prefix + k for k in keys]  # type: ignore[operator]
     if len(prefix) != len(keys):
         raise ValueError(f"prefix: {len(prefix)} prefixes for {len(keys)} keys")
     return [p + k for p, k in zip(prefix, keys)]  # type: ignore[operator]

@@ -27,6 +27,7 @@ import numpy as np
 from maru.client._memcopy import copy_values_start as _c_copy_values_start
 from maru.client.checksum import checksums
 from maru.client.chunks import AllocHandle
+from maru.client.localindex import joined
 from maru.client.memcopy import CopyFaultError, copy_values_start
 from maru.client.requests import BYTES_LIKE, RegionsLost
 from maru.client.supply import AHEAD_WRITES, RegionSupply, Room
@@ -266,7 +267,7 @@ class Writes:
         s = self._s
         if put.prefix:  # (once: a put written again keeps its joined keys)
             prefix, put.prefix = put.prefix, ""
-            put.keys = [prefix + key for key in put.keys]  # type: ignore[operator]
+            put.keys = joined(put.keys, prefix)
         n, size = len(put.keys), put.size
         sizes = size if not isinstance(size, int) else () if size > 0 else [size] * n
         refused = refuse_bad_stores(put.keys, sizes, s.refused_stores, s.instance_id)
@@ -604,7 +605,7 @@ def refuse_bad_stores(
     MAX_KEY_BYTES), an empty value, or a size below 0 (not bytes-like). One WARNING names the
     first; `refused` (the handler's `refused_stores`) counts them by reason."""
 
-    if all_keys_valid(list(keys)) and (not sizes or min(sizes) > 0):
+    if all_keys_valid(keys) and (not sizes or min(sizes) > 0):
         return set()
     reasons: dict[int, tuple[str, str]] = {}
     for i, key in enumerate(keys):

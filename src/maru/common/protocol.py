@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import struct
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
 import msgpack
+
+from maru.common import _keys
 
 MAGIC = b"MARU"
 PROTOCOL_VERSION = 3
@@ -278,15 +281,11 @@ def check_key(key: Any) -> str | bytes:
     return key
 
 
-def all_keys_valid(keys: list[Any]) -> bool:
-    """True if every key passes `check_key`: C-level passes for the usual batch (only str and
+def all_keys_valid(keys: Sequence[Any]) -> bool:
+    """True if every key passes `check_key`: one C pass for the usual batch (only str and
     bytes, none empty, none long enough to need encoding), `check_key` per key otherwise."""
-    if not keys:
+    if _keys.fit(keys, MAX_KEY_CHARS):
         return True
-    if KEY_TYPES.issuperset(map(type, keys)):
-        lengths = list(map(len, keys))
-        if min(lengths) > 0 and max(lengths) <= MAX_KEY_CHARS:
-            return True
     try:
         for key in keys:
             check_key(key)
