@@ -34,17 +34,27 @@ def full_instance(url: str, size: int = CHUNK) -> MaruHandler:
 
 
 def count_evictions(h: MaruHandler) -> list[int]:
-    """Count the EVICT_FOR requests `h` sends from now on (the supply sends them)."""
-    sent = [0]
-    supply = h._supply
+    """Count `h`'s asks for room from now on: [all, EVICT_FOR requests]. An ask is an
+    EVICT_FOR (the supply sends them) or a REGISTER_KV carrying "ahead" (a write's seal that
+    asks its next writes' room, with no request of its own)."""
+    sent = [0, 0]
+    supply, session = h._supply, h._s
     request: Callable[..., Any] = supply._request
+    seal: Callable[..., Any] = session.request
 
     def counting(msg_type: MsgType, body: dict[str, Any]) -> Any:
         if msg_type == MsgType.EVICT_FOR:
             sent[0] += 1
+            sent[1] += 1
         return request(msg_type, body)
 
+    def sealing(msg_type: MsgType, body: dict[str, Any]) -> Any:
+        if msg_type == MsgType.REGISTER_KV and body.get("ahead"):
+            sent[0] += 1
+        return seal(msg_type, body)
+
     supply._request = counting
+    session.request = sealing
     return sent
 
 
@@ -55,9 +65,9 @@ def read_back(h: MaruHandler, keys: list[str]) -> list[str | None]:
 
 
 def test_a_full_instance_makes_room_for_a_batch_with_one_eviction(maru_server_factory):
-    """Each batch of a full instance costs one EVICT_FOR (it was one per page): the first
-    evicts for itself and the next AHEAD_WRITES batches; each later one asks, without
-    waiting, for what that room lacks while it copies."""
+    """Each batch of a full instance asks for room once (it was once per page): the first,
+    with an EVICT_FOR it waits for, for itself and the next AHEAD_WRITES batches; each later
+    one, with its seal (no request of its own), for what that room lacks."""
     server = maru_server_factory(pool_size="64M")
     h = full_instance(server.url)
     rounds = h.stats()["counters"]["eviction_rounds"]
@@ -68,7 +78,7 @@ def test_a_full_instance_makes_room_for_a_batch_with_one_eviction(maru_server_fa
         keys = [f"new/{batch}/{i}" for i in range(BATCH)]
         values = [make_value(1000 * (batch + 1) + i, CHUNK) for i in range(BATCH)]
         assert h.batch_store(keys, values) == [True] * BATCH
-        assert sent[0] == batch + 1  # one request per batch
+        assert sent == [batch + 1, 1]  # one ask per batch; one EVICT_FOR in all
         written.update((k, digest(v)) for k, v in zip(keys, values))
     assert h.stats()["counters"]["eviction_rounds"] == rounds + 2
     assert read_back(h, list(written)) == list(written.values())

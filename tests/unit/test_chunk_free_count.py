@@ -107,3 +107,32 @@ def test_a_notice_for_a_region_not_ours_changes_nothing():
     assert book.free_chunks() == 6
     book.apply_freed(packed([(1, handle.offset, CHUNK)] * 2))  # the same value twice
     assert book.free_chunks() == 7
+
+
+def test_notices_wait_for_a_settle_and_free_only_the_region_they_were_told_of():
+    """A reply's notice is applied when the book settles (a write settles during its next
+    copy; a take that finds no room settles first), not when the reply is read. It frees
+    chunks only in the region object owned when it came: a region dropped and owned again
+    under the same id (a server restart) keeps its chunks."""
+    book = ChunkBook(CHUNK)
+    book.adopt(region(1, 4))
+    first = book.take(CHUNK, 4)
+    assert first is not None and book.free == 0
+    book.note_freed(packed([(1, first.offset, CHUNK)]))
+    assert book.free == 0  # kept, not applied
+    again = book.take(CHUNK, 1)  # no room: the book settles, then finds the freed chunk
+    assert again is not None and again.offset == first.offset and book.free == 0
+    book.note_freed(packed([(1, again.offset, CHUNK)]))
+    book.settle()
+    assert book.free == 1
+
+    book.adopt(region(2, 4))
+    held = book.take(CHUNK, 4)
+    assert held is not None and held.region_id == 2
+    book.note_freed(packed([(2, held.offset, CHUNK)]))  # told of the region owned now ...
+    book.drop(2)
+    book.adopt(region(2, 4))  # ... which is dropped and owned again under the same id
+    taken = book.take(CHUNK, 4)
+    assert taken is not None and taken.region_id == 2
+    assert book.free_chunks() == 1  # the notice freed nothing in the new region
+    assert book.take(CHUNK, 2) is None  # (the one free chunk is region 1's)

@@ -160,6 +160,52 @@ def test_freed_locations_piggyback_on_the_owners_next_reply(service):
     assert "freed" not in ok(service, MsgType.HEARTBEAT, {"iid": "A"})
 
 
+def test_a_seal_asking_room_ahead_evicts_the_callers_oldest_keys_never_its_own(service):
+    """REGISTER_KV with "ahead": that many bytes are evicted in the caller's own regions,
+    oldest first (another instance's keys untouched), before the keys are sealed, so never
+    one of them; the pages come back in the same reply. A bad "ahead" is refused before
+    anything is sealed or evicted."""
+    ok(service, MsgType.HANDSHAKE, {"iid": "A"})
+    ok(service, MsgType.HANDSHAKE, {"iid": "B"})
+    rid = ok(service, MsgType.REQUEST_REGION, {"iid": "A", "size": MiB})["region"][0]
+    other = ok(service, MsgType.REQUEST_REGION, {"iid": "B", "size": MiB})["region"][0]
+    ok(service, MsgType.REGISTER_KV, register_body("B", [["b0", other, 0, 10]]))
+    rows = [[f"a{i}", rid, 4096 * i, 10] for i in range(4)]
+    ok(service, MsgType.REGISTER_KV, register_body("A", rows))
+    for bad in (-1, "20", True, 1.5, 1 << 63):
+        body = {**register_body("A", [["new", rid, 4096 * 4, 10]]), "ahead": bad}
+        assert err(service, MsgType.REGISTER_KV, body) == ErrorCode.BAD_REQUEST
+    assert ok(service, MsgType.EXISTS, {"keys": ["new"]})["results"] == [False]
+    body = {**register_body("A", [["new", rid, 4096 * 4, 10]]), "ahead": 20}
+    reply = ok(service, MsgType.REGISTER_KV, body)
+    assert reply["results"] == [protocol.RegisterStatus.REGISTERED]
+    assert freed_notices(reply["freed"]) == [[rid, 0, 10], [rid, 4096, 10]]
+    keys = ["a0", "a1", "a2", "a3", "new", "b0"]
+    assert ok(service, MsgType.EXISTS, {"keys": keys})["results"] == [False, False] + [True] * 4
+    # more room asked than the caller's keys hold: all of them go, but not the one sealed now
+    body = {**register_body("A", [["last", rid, 4096 * 5, 10]]), "ahead": 1000}
+    assert ok(service, MsgType.REGISTER_KV, body)["results"] == [protocol.RegisterStatus.REGISTERED]
+    keys = ["a2", "a3", "new", "last", "b0"]
+    assert ok(service, MsgType.EXISTS, {"keys": keys})["results"] == [False] * 3 + [True] * 2
+
+
+def test_a_seal_goes_on_when_its_room_ahead_cannot_be_journaled(service, monkeypatch, tmp_path):
+    """A REGISTER_KV whose "ahead" eviction cannot be journaled (it then changed nothing)
+    still seals its keys, as far as the journal takes them; the writer asks again later."""
+    from maru.server.journal import JournalWriteError
+
+    def refused(*args):
+        raise JournalWriteError(tmp_path, OSError(28, "No space left on device"))
+
+    ok(service, MsgType.HANDSHAKE, {"iid": "A"})
+    rid = ok(service, MsgType.REQUEST_REGION, {"iid": "A", "size": MiB})["region"][0]
+    ok(service, MsgType.REGISTER_KV, register_body("A", [["old", rid, 0, 10]]))
+    monkeypatch.setattr(service.registry.eviction, "evict_for", refused)
+    body = {**register_body("A", [["new", rid, 4096, 10]]), "ahead": 10}
+    assert ok(service, MsgType.REGISTER_KV, body)["results"] == [protocol.RegisterStatus.REGISTERED]
+    assert ok(service, MsgType.EXISTS, {"keys": ["old", "new"]})["results"] == [True, True]
+
+
 def test_every_message_replies_with_exactly_its_schema_fields(service):
     """Each message type, sent as its one request form, answers with the fields MESSAGES lists
     for its reply (all of them), plus "ok" and maybe "freed"; no other field."""

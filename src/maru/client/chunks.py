@@ -8,6 +8,7 @@ sealed, and tells the owner (`freed`, on its next reply) when a key in its regio
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -104,8 +105,11 @@ class ChunkBook:
         self._owned: dict[int, _OwnedRegion] = {}
         self._lock = threading.Lock()
         # free chunks, parked included, kept by every change below (under `_lock`): a write
-        # reads a plain attribute, no call
+        # reads a plain attribute, no call; it lags the notices not yet settled (`note_freed`)
         self.free = 0
+        # replies' `freed` notices not yet applied, each with the regions owned when it came
+        # (a deque: the reply hook appends on whichever thread reads a reply)
+        self._told: deque[tuple[bytes, dict[int, _OwnedRegion]]] = deque()
 
     def __contains__(self, region_id: int) -> bool:
         return region_id in self._owned
@@ -115,6 +119,7 @@ class ChunkBook:
             return sorted(self._owned)
 
     def free_chunks(self) -> int:
+        self.settle()
         return self.free
 
     def _recount(self) -> None:
@@ -124,12 +129,14 @@ class ChunkBook:
     def untouched(self) -> bool:
         """No chunk of any owned region is reserved (the chunk size may still change)."""
         with self._lock:
+            self._settle()
             return all(o.chunks.used == 0 for o in self._owned.values())
 
     def set_chunk_size(self, chunk_size: int, mapped: Iterable[MappedRegion]) -> None:
         """Re-cut the (untouched) owned regions into chunks of `chunk_size`; parked stay so."""
 
         with self._lock:
+            self._settle()
             self.chunk_size = chunk_size
             parked = {r for r, o in self._owned.items() if o.parked}
             self._owned = {
@@ -162,6 +169,7 @@ class ChunkBook:
         """Drop owned regions of at least `nbytes` in all (or all we can), none with a value
         reserved in it, the least used first; their mappings (for RETURN_REGION)."""
         with self._lock:
+            self._settle()
             idle = sorted(
                 (o for o in self._owned.values() if not o.reserved),
                 key=lambda o: (not o.parked, o.chunks.used),
@@ -184,6 +192,7 @@ class ChunkBook:
         """Parked regions with a free run for `count` values of `size` bytes."""
         run = -(-size // self.chunk_size) * count
         with self._lock:
+            self._settle()
             return [r for r, o in self._owned.items() if o.parked and o.chunks.largest_free >= run]
 
     def unpark(self, region_ids: Iterable[int]) -> None:
@@ -215,17 +224,22 @@ class ChunkBook:
         None when no owned region has such a run free."""
         chunks = -(-size // self.chunk_size)
         with self._lock:
-            for owned in self._owned.values():
-                if owned.parked:
-                    continue
-                first = owned.chunks.allocate_run(chunks, count)
-                if first is not None:
-                    self.free -= chunks * count
-                    owned.touched = True
-                    owned.reserved.update(first)
-                    chunk = self.chunk_size
-                    offset, stride = first[0] * chunk, chunks * chunk
-                    return AllocHandle(owned.mapped, chunk, offset, stride, count, size)
+            for settled in (False, True):  # (the notices not yet applied only if none has room)
+                if settled:
+                    if not self._told:
+                        break
+                    self._settle()
+                for owned in self._owned.values():
+                    if owned.parked:
+                        continue
+                    first = owned.chunks.allocate_run(chunks, count)
+                    if first is not None:
+                        self.free -= chunks * count
+                        owned.touched = True
+                        owned.reserved.update(first)
+                        chunk = self.chunk_size
+                        offset, stride = first[0] * chunk, chunks * chunk
+                        return AllocHandle(owned.mapped, chunk, offset, stride, count, size)
         return None
 
     def written(self, handle: AllocHandle) -> None:
@@ -267,21 +281,44 @@ class ChunkBook:
         owned = self._owned.get(handle.region_id)
         return owned if owned is not None and owned.mapped is handle._mapped else None
 
-    def apply_freed(self, freed: bytes) -> None:
+    def note_freed(self, freed: bytes) -> None:
         """The server's notice that keys in our regions went away (a reply's `freed`): their
-        chunks are free. No step per page in Python but the allocator's (a full instance is
-        told of a write's worth of pages on most replies)."""
-        region_ids, offsets, _ = freed_columns(freed)
-        rids = np.asarray(region_ids)
-        starts = np.asarray(offsets) // self.chunk_size
-        firsts: dict[int, list[int]] = {}  # per region (a batch is mostly one region's run)
-        if (rids == rids[0]).all():
-            firsts[int(rids[0])] = starts.tolist()
-        else:
-            for region_id in np.unique(rids).tolist():
-                firsts[region_id] = starts[rids == region_id].tolist()
-        with self._lock:
-            for region_id, starts in firsts.items():
+        chunks are free once `settle` applies it. Not applied here: a reply is often read on
+        a write's critical path (after its copy, where a full instance's notice of 256 pages
+        costs it tens of microseconds); a write settles while its next copy runs, and whatever
+        looks at the free chunks settles first. The notice is bound to the regions owned now:
+        a region dropped and owned again under the same id (a server restart) is not freed."""
+        self._told.append((freed, dict(self._owned)))
+
+    def apply_freed(self, freed: bytes) -> None:
+        """`note_freed`, applied at once."""
+        self.note_freed(freed)
+        self.settle()
+
+    def settle(self) -> None:
+        """Apply the notices kept so far (`note_freed`)."""
+        if self._told:
+            with self._lock:
+                self._settle()
+
+    def _settle(self) -> None:
+        """`settle` with `_lock` held. No Python step per page but the allocator's."""
+        told = self._told
+        while told:
+            try:
+                freed, owned_then = told.popleft()
+            except IndexError:  # (another thread's settle took the last one)
+                return
+            region_ids, offsets, _ = freed_columns(freed)
+            rids = np.asarray(region_ids)
+            starts = np.asarray(offsets) // self.chunk_size
+            firsts: dict[int, list[int]] = {}  # per region (a batch is mostly one region's run)
+            if (rids == rids[0]).all():
+                firsts[int(rids[0])] = starts.tolist()
+            else:
+                for region_id in np.unique(rids).tolist():
+                    firsts[region_id] = starts[rids == region_id].tolist()
+            for region_id, region_starts in firsts.items():
                 owned = self._owned.get(region_id)
-                if owned is not None:
-                    self.free += owned.chunks.free_many(starts)
+                if owned is not None and owned is owned_then.get(region_id):
+                    self.free += owned.chunks.free_many(region_starts)

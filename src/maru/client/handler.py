@@ -294,7 +294,7 @@ class MaruHandler(OriginalApi):
     def _on_reply(self, body: dict[str, Any]) -> None:
         freed = body.get("freed")
         if freed:
-            self._chunks.apply_freed(freed)
+            self._chunks.note_freed(freed)  # (applied off the write's path: `settle`)
         shed = body.get("shed")
         if shed:  # (given back by the heartbeat thread: this thread may hold the supply)
             self._supply.shed(shed)

@@ -66,6 +66,12 @@ class PendingReply:
     def done(self) -> bool:
         return self.body is not None
 
+    def wait(self, timeout_ms: int | None = None) -> None:
+        """Until the reply is in (its hook applied), whatever it says: `result()` reads it.
+        Raises `MaruConnectionError` if none comes in time."""
+        if self.body is None:
+            self._channel.wait_for(self, timeout_ms)
+
     def arrived(self) -> bool:
         """Whether `result()` would return at once, sending nothing (takes what has arrived).
         False for a reply that makes `result()` handshake again (which may unmap regions a

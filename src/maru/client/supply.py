@@ -18,15 +18,16 @@ from maru.common.protocol import ErrorCode, MsgType
 from maru.common.region import RegionHandle
 
 if TYPE_CHECKING:
+    from maru.client.rpc import PendingReply
     from maru.client.session import Request, Session
 
 log = logging.getLogger("maru.client.handler")
 
 # At `pool_size`, a write of at most 1/AHEAD_SHARE of our regions keeps the room of the next
 # AHEAD_WRITES writes free or being freed (`RegionSupply.ahead`); a larger one evicts only its
-# own, so a small instance keeps its keys. Three, not one: an eviction sent ahead is answered
-# during the next write's copy and taken in there (`collect_ahead`), so the write after that is
-# the first to use it, and a run needs contiguous chunks (spare room absorbs the holes).
+# own, so a small instance keeps its keys. Three, not one: room asked with a write's seal is
+# answered during the next write's copy and taken in there (`collect_ahead`), so the write after
+# that is the first to use it, and a run needs contiguous chunks (spare room absorbs the holes).
 AHEAD_SHARE = 16
 AHEAD_WRITES = 3
 
@@ -88,6 +89,7 @@ class RegionSupply:
             return None
         with self.lock:
             self._settle()
+            self.chunks.settle()
             handle = self._take_or_unpark(size, count)  # another thread may have made room
             if handle is not None:
                 return handle
@@ -157,6 +159,7 @@ class RegionSupply:
         that no value asks on its own."""
         with self.lock:
             self._settle()
+            self.chunks.settle()
             free = self.chunks.free * self.chunks.chunk_size
             if free >= room.chunks or self._next_region_size(room.chunks) is not None:
                 return
@@ -194,6 +197,7 @@ class RegionSupply:
         """One region for `ready`, unless `want` bytes are free (True: stop). `lock` is held
         for its request and mapping only: a write waits for at most that."""
         with self.lock:  # (the chunk size changes under it only: `set_chunk_size`)
+            self.chunks.settle()
             size, chunk = None, self.chunks.chunk_size
             if self.chunks.free * chunk < want:
                 size = self._next_region_size(chunk)
@@ -217,9 +221,11 @@ class RegionSupply:
 
     def ahead(self, room: Room, free: int) -> None:
         """A write reserved `room` and left `free` bytes, less than the next AHEAD_WRITES
-        writes': ready them. Below `pool_size`, the next region (`ready`); at it, one
-        EVICT_FOR per thread for what is missing, sent without waiting (`collect_ahead`;
-        all of it `ahead`: with a spilling cluster tier its victims are published first)."""
+        writes': ready them. Below `pool_size`, the next region (`ready`); at it, what is
+        missing is asked of the server with this thread's next registration (`take_ask`):
+        its REGISTER_KV evicts that room once it has sealed, no request of its own (with a
+        spilling cluster tier the victims are published first). One ask in flight per
+        thread: the next waits for its reply, which brings the room."""
         if not self.full:  # (one write's room: regions are taken ahead whole)
             if free < room.chunks and self._next_region_size(room.chunks) is not None:
                 self.ready(room.chunks)
@@ -232,19 +238,26 @@ class RegionSupply:
             return
         if self._next_region_size(room.chunks) is not None:
             return
-        want = -(-room.values * short // room.chunks)  # (in keys like ours)
-        try:
-            body = {"bytes": want, "ahead": want}
-            self._ahead.pending = self._request(MsgType.EVICT_FOR, body)
-        except MaruError as exc:
-            log.debug("instance %s: eviction ahead failed: %s", self.owner.instance_id, exc)
+        self._ahead.ask = -(-room.values * short // room.chunks)  # (in keys like ours)
+
+    def take_ask(self) -> int:
+        """This thread's ask for its next writes' room (`ahead`), cleared: the registration
+        about to be sent carries it (then `asked`). 0: none."""
+        ask = getattr(self._ahead, "ask", 0)
+        self._ahead.ask = 0
+        return ask
+
+    def asked(self, pending: PendingReply) -> None:
+        """The request carrying this thread's ask is out: its reply brings the room."""
+        self._ahead.pending = pending
 
     def collect_ahead(self) -> None:
-        """Take in this thread's eviction sent ahead if its reply is in, not waiting (a write
-        calls it while its copy runs: the freed chunks are applied there, off its path)."""
+        """Take in the reply to this thread's ask if it is in, not waiting (a write calls it
+        while its copy runs: the freed chunks are applied there, off its path)."""
         pending = getattr(self._ahead, "pending", None)
         if pending is not None and not pending.done():
             pending.arrived()
+        self.chunks.settle()  # (the freed pages of every reply read so far)
 
     def _headroom(self, room: Room) -> int:
         """What a full instance evicts beyond a write of `room`: the next AHEAD_WRITES writes'
@@ -256,14 +269,15 @@ class RegionSupply:
         )
 
     def _settle(self) -> None:
-        """Wait for this thread's eviction sent ahead, if its reply is not in: its chunks
-        are the room a reservation is about to look for."""
+        """Wait for the reply to this thread's ask, if it is not in: its chunks are the room
+        a reservation is about to look for. Only its arrival: the registration it came with
+        takes its outcome itself (`Sealing.wait`)."""
         pending, self._ahead.pending = getattr(self._ahead, "pending", None), None
         if pending is not None and not pending.done():
             try:
-                pending.result()
+                pending.wait()
             except MaruError as exc:
-                log.debug("instance %s: eviction ahead failed: %s", self.owner.instance_id, exc)
+                log.debug("instance %s: no reply to an ask ahead: %s", self.owner.instance_id, exc)
 
     def _evict(self, nbytes: int, ahead: int = 0) -> dict[str, Any] | None:
         """One EVICT_FOR of `nbytes` in our regions (caller holds `lock`), `ahead` of them for

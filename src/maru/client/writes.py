@@ -207,7 +207,7 @@ class Writes:
                     ahead = None
                     copied, sums = self._copy(put, piece, first, last, started)
                     if copied:
-                        sealings.append(([(put, first, last - first)], sealing.send(sums)))
+                        sealings.append(([(put, first, last - first)], self._send(sealing, sums)))
         if rest:
             sealings.append(self._seal_together(rest))
         # The earlier calls' replies, now: the server answered them during this call's copies.
@@ -355,7 +355,7 @@ class Writes:
         if len(rest) == 1:  # (one run or one put's values: sealed as they are)
             put, handles, sums = rest[0]
             sealing = Sealing(self._s, put.keys, handles, put.size)
-            return [(put, 0, len(put.keys))], sealing.send(sums)
+            return [(put, 0, len(put.keys))], self._send(sealing, sums)
         keys: list[Key] = []
         handles_all: list[AllocHandle | None] = []
         lengths_all: list[int] = []
@@ -370,7 +370,16 @@ class Writes:
             if sums is not None:
                 sums_all.append(sums)
         checksums = np.concatenate(sums_all) if len(sums_all) == len(rest) else None
-        return owners, Sealing(self._s, keys, handles_all, lengths_all).send(checksums)
+        return owners, self._send(Sealing(self._s, keys, handles_all, lengths_all), checksums)
+
+    def _send(self, sealing: Sealing, checksums: np.ndarray | None) -> Sealing:
+        """Send `sealing` (its values are written) with this thread's ask for its next writes'
+        room, if one is due (`RegionSupply.ahead`): the server evicts it after sealing."""
+        ask = self._supply.take_ask()
+        sealing.send(checksums, ahead=ask)
+        if ask and sealing.pending is not None:
+            self._supply.asked(sealing.pending)
+        return sealing
 
     def confirm(self, wait: bool = True) -> int:
         """Wait for the replies of this thread's write-behind calls (`wait=False`: those in,
@@ -478,9 +487,10 @@ class Sealing:
                 "lengths": columns[2],
             }
 
-    def send(self, checksums: np.ndarray | None = None) -> Sealing:
+    def send(self, checksums: np.ndarray | None = None, ahead: int = 0) -> Sealing:
         """Send, once, with every value in place (the server makes a key visible to all).
-        `checksums` (`maru_checksums`): one per key from the copy, else hashed in the pool."""
+        `checksums` (`maru_checksums`): one per key from the copy, else hashed in the pool.
+        `ahead`: bytes the server then evicts in our regions, our next writes' room."""
         if self._sent:
             raise RuntimeError("Sealing.send: already sent")
         self._sent = True
@@ -495,6 +505,8 @@ class Sealing:
             return self
         if s.config.checksums:
             body[CHECKSUMS] = self._checksums(checksums).tobytes()
+        if ahead:
+            body["ahead"] = ahead
         try:
             self._pending = s.request(MsgType.REGISTER_KV, body)
         except MaruError as exc:
@@ -516,6 +528,11 @@ class Sealing:
         return checksums(
             [handles[i].views(size)[0] for i, size in zip(self._positions, sizes)]  # type: ignore[union-attr]
         )
+
+    @property
+    def pending(self) -> PendingReply | None:
+        """The request in flight (None: not sent, or its send failed)."""
+        return self._pending
 
     def hoped(self) -> list[bool]:
         """What `wait()` gives if the server seals every key sent (its results once known)."""

@@ -452,6 +452,13 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
                 "optional: the writer's maru64 checksum of each value's bytes as stored (as "
                 "int64; 0: none), kept with the key",
             ),
+            (
+                "ahead",
+                "int",
+                "optional: bytes to evict in the caller's own regions once these keys are "
+                "sealed, room for its next writes (as EVICT_FOR's `ahead`: room already on its "
+                "way is not evicted again); the pages come back as `freed`",
+            ),
         ],
         [("results", "[int]", "RegisterStatus per key")],
     ),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from contextlib import suppress
 from typing import Any, Protocol
 
 from maru.common import protocol
@@ -22,11 +23,13 @@ from maru.common.protocol import (
     ProtocolError,
     RegisterStatus,
     all_keys_valid,
+    check_count,
     check_key,
     unpack_int64,
 )
 from maru.server.cluster.tier import ClusterTier
 from maru.server.housekeeping import Housekeeping
+from maru.server.journal import JournalWriteError
 from maru.server.local_socket import LocalSocketServer
 from maru.server.registry import Registry, clear_all, delete_prefix, list_keys
 
@@ -199,9 +202,16 @@ def on_region_access(server: Server, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def on_register_kv(server: Server, body: dict[str, Any]) -> dict[str, Any]:
-    """A bad key is REJECTED (not an error): the rest of the batch is registered."""
+    """A bad key is REJECTED (not an error): the rest of the batch is registered. With
+    "ahead" (a full writer's room for its next writes, asked with its seal rather than in an
+    EVICT_FOR of its own), that many bytes are evicted in its regions first, as
+    `Eviction.evict_for` evicts room ahead, so never the keys being sealed; their pages reach
+    it as this reply's `freed`."""
     iid = body["iid"]
     keys = _batch(body, "keys")
+    ahead = body.get("ahead", 0)
+    if ahead:  # (checked before any change)
+        check_count(ahead, "ahead")
     region_ids, offsets, lengths = (
         unpack_int64(body.get(name), len(keys), name).tolist()
         for name in ("region_ids", "offsets", "lengths")
@@ -209,6 +219,11 @@ def on_register_kv(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     checksums = body.get(CHECKSUMS)  # optional: the writer's checksum of each value
     if checksums is not None:
         checksums = unpack_int64(checksums, len(keys), CHECKSUMS).tolist()
+    if ahead:
+        # An eviction that cannot be journaled changed nothing; the seal then needs the same
+        # journal, and is refused or goes on as it can be written.
+        with suppress(JournalWriteError):
+            server.registry.eviction.evict_for(iid, ahead, ahead)
     results = server.registry.register(iid, keys, region_ids, offsets, lengths, checksums)
     if server.cluster is not None:
         server.cluster.sealed(keys, results, RegisterStatus.REGISTERED)
