@@ -376,14 +376,18 @@ class RegionSupply:
 
     def tick(self, report: dict[str, Any]) -> None:
         """Every heartbeat interval: park the idle regions and tell the server. A HEARTBEAT
-        carries `report` (the local reads), unless a park said we live and there is none."""
+        carries `report` (the local reads), unless a park said we live and there is none.
+        Then the `freed` notices read since the last write are applied (an idle writer's
+        notices do not pile up)."""
         with self.lock:
             if self._shed:
                 self._give_back_share()
             parked = self.chunks.park_idle()
             if parked and self._park(parked, []) is not None and not report:
+                self.chunks.settle()
                 return
         self._request(MsgType.HEARTBEAT, report).result()
+        self.chunks.settle()
 
     def _park(self, park: list[int], unpark: list[int]) -> list[int] | None:
         """One PARK_REGIONS exchange (the caller holds `lock`, so a park and an unpark
