@@ -172,7 +172,7 @@ def test_a_seal_asking_room_ahead_evicts_the_callers_oldest_keys_never_its_own(s
     ok(service, MsgType.REGISTER_KV, register_body("B", [["b0", other, 0, 10]]))
     rows = [[f"a{i}", rid, 4096 * i, 10] for i in range(4)]
     ok(service, MsgType.REGISTER_KV, register_body("A", rows))
-    for bad in (-1, "20", True, 1.5, 1 << 63):
+    for bad in (-1, "20", "", None, True, False, 1.5, 1 << 63):
         body = {**register_body("A", [["new", rid, 4096 * 4, 10]]), "ahead": bad}
         assert err(service, MsgType.REGISTER_KV, body) == ErrorCode.BAD_REQUEST
     assert ok(service, MsgType.EXISTS, {"keys": ["new"]})["results"] == [False]

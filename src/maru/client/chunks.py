@@ -303,12 +303,9 @@ class ChunkBook:
 
     def _settle(self) -> None:
         """`settle` with `_lock` held. No Python step per page but the allocator's."""
-        told = self._told
+        told = self._told  # (only appended to elsewhere: every pop is here, under `_lock`)
         while told:
-            try:
-                freed, owned_then = told.popleft()
-            except IndexError:  # (another thread's settle took the last one)
-                return
+            freed, owned_then = told.popleft()
             region_ids, offsets, _ = freed_columns(freed)
             rids = np.asarray(region_ids)
             starts = np.asarray(offsets) // self.chunk_size

@@ -89,7 +89,6 @@ class RegionSupply:
             return None
         with self.lock:
             self._settle()
-            self.chunks.settle()
             handle = self._take_or_unpark(size, count)  # another thread may have made room
             if handle is not None:
                 return handle
@@ -223,7 +222,7 @@ class RegionSupply:
         """A write reserved `room` and left `free` bytes, less than the next AHEAD_WRITES
         writes': ready them. Below `pool_size`, the next region (`ready`); at it, what is
         missing is asked of the server with this thread's next registration (`take_ask`):
-        its REGISTER_KV evicts that room once it has sealed, no request of its own (with a
+        its REGISTER_KV evicts that room before it seals, no request of its own (with a
         spilling cluster tier the victims are published first). One ask in flight per
         thread: the next waits for its reply, which brings the room."""
         if not self.full:  # (one write's room: regions are taken ahead whole)

@@ -374,7 +374,7 @@ class Writes:
 
     def _send(self, sealing: Sealing, checksums: np.ndarray | None) -> Sealing:
         """Send `sealing` (its values are written) with this thread's ask for its next writes'
-        room, if one is due (`RegionSupply.ahead`): the server evicts it after sealing."""
+        room, if one is due (`RegionSupply.ahead`): the server evicts it before it seals."""
         ask = self._supply.take_ask()
         sealing.send(checksums, ahead=ask)
         if ask and sealing.pending is not None:

@@ -455,9 +455,10 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
             (
                 "ahead",
                 "int",
-                "optional: bytes to evict in the caller's own regions once these keys are "
-                "sealed, room for its next writes (as EVICT_FOR's `ahead`: room already on its "
-                "way is not evicted again); the pages come back as `freed`",
+                "optional: bytes to evict in the caller's own regions before these keys are "
+                "sealed (never one of them), room for its next writes (as EVICT_FOR's "
+                "`ahead`: room already on its way is not evicted again); the pages come back "
+                "as `freed`",
             ),
         ],
         [("results", "[int]", "RegisterStatus per key")],

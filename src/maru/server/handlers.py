@@ -210,7 +210,7 @@ def on_register_kv(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     iid = body["iid"]
     keys = _batch(body, "keys")
     ahead = body.get("ahead", 0)
-    if ahead:  # (checked before any change)
+    if type(ahead) is not int or ahead:  # (checked before any change; 0: none)
         check_count(ahead, "ahead")
     region_ids, offsets, lengths = (
         unpack_int64(body.get(name), len(keys), name).tolist()
