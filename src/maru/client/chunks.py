@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from maru.client.mapping import MappedRegion
-from maru.common.extents import ExtentAllocator
+from maru.client.runs import RunAllocator
 from maru.common.protocol import freed_columns
 
 
@@ -77,6 +77,45 @@ class AllocHandle:
         )
 
 
+class _Reserved:
+    """The values of a region reserved and not yet written or given back, by their first
+    chunks: runs as taken (first -> (chunks a value, values)), and single values once part of
+    a run was written or given back. Only asked whether any is left (parking)."""
+
+    __slots__ = ("runs", "singles")
+
+    def __init__(self) -> None:
+        self.runs: dict[int, tuple[int, int]] = {}
+        self.singles: set[int] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.runs or self.singles)
+
+    def __len__(self) -> int:
+        return len(self.singles) + sum(count for _, count in self.runs.values())
+
+    def add(self, first: int, step: int, count: int) -> None:
+        self.runs[first] = (step, count)
+
+    def discard(self, first: int, step: int, count: int) -> None:
+        """Values first, first + step, ... (`count` of them) are no longer reserved."""
+        if self.runs.get(first) == (step, count):  # (the usual case: the run as taken)
+            del self.runs[first]
+            return
+        self.discard_each(range(first, first + step * count, step))
+
+    def discard_each(self, firsts: Iterable[int]) -> None:
+        firsts = list(firsts)
+        if not firsts:
+            return
+        low, high = min(firsts), max(firsts)
+        for start, (step, count) in list(self.runs.items()):  # (runs they touch: singles)
+            if start <= high and low < start + step * count:
+                del self.runs[start]
+                self.singles.update(range(start, start + step * count, step))
+        self.singles.difference_update(firsts)
+
+
 class _OwnedRegion:
     """An owned region's free chunks, and what parking needs: whether a chunk was taken since
     the last `park_idle` (`touched`), which values are reserved and not yet written
@@ -86,10 +125,10 @@ class _OwnedRegion:
 
     def __init__(self, mapped: MappedRegion, chunk: int, parked: bool = False):
         self.mapped = mapped
-        self.chunks = ExtentAllocator(mapped.handle.length // chunk)
+        self.chunks = RunAllocator(mapped.handle.length // chunk)
         self.parked = parked
         self.touched = True  # a new region is not idle before the next tick
-        self.reserved: set[int] = set()
+        self.reserved = _Reserved()
 
 
 class ChunkBook:
@@ -232,13 +271,13 @@ class ChunkBook:
                 for owned in self._owned.values():
                     if owned.parked:
                         continue
-                    first = owned.chunks.allocate_run(chunks, count)
-                    if first is not None:
+                    run = owned.chunks.allocate_run(chunks, count)
+                    if run is not None:
                         self.free -= chunks * count
                         owned.touched = True
-                        owned.reserved.update(first)
+                        owned.reserved.add(run.start, chunks, count)
                         chunk = self.chunk_size
-                        offset, stride = first[0] * chunk, chunks * chunk
+                        offset, stride = run.start * chunk, chunks * chunk
                         return AllocHandle(owned.mapped, chunk, offset, stride, count, size)
         return None
 
@@ -248,14 +287,15 @@ class ChunkBook:
         with self._lock:
             owned = self._region_of(handle)
             if owned is not None:
-                owned.reserved.difference_update(self._firsts(handle))
+                chunk = self.chunk_size
+                owned.reserved.discard(handle.offset // chunk, handle.stride // chunk, handle.count)
 
-    def _firsts(self, handle: AllocHandle, indices: Iterable[int] | None = None) -> Iterable[int]:
+    def _firsts(self, handle: AllocHandle, indices: Iterable[int] | None = None) -> list[int]:
         """The first chunks of the values of `handle` (all, or those at `indices`)."""
         chunk = self.chunk_size
         if indices is None:
             first, step = handle.offset // chunk, handle.stride // chunk
-            return range(first, first + step * handle.count, step)
+            return list(range(first, first + step * handle.count, step))
         return [(handle.offset + i * handle.stride) // chunk for i in indices]
 
     def give_back(self, handle: AllocHandle, indices: Iterable[int] | None = None) -> None:
@@ -266,10 +306,8 @@ class ChunkBook:
             if owned is None:
                 return
             firsts = self._firsts(handle, indices)
-            owned.reserved.difference_update(firsts)
-            for first in firsts:
-                if owned.chunks.is_allocated(first):
-                    self.free += owned.chunks.free_extent(first)
+            owned.reserved.discard_each(firsts)
+            self.free += owned.chunks.free_many(firsts)  # (those still allocated)
 
     def holds(self, handle: AllocHandle) -> bool:
         """Whether `handle` is still in a region we own (not one the server forgot)."""
@@ -302,19 +340,19 @@ class ChunkBook:
                 self._settle()
 
     def _settle(self) -> None:
-        """`settle` with `_lock` held. No Python step per page but the allocator's."""
+        """`settle` with `_lock` held. No Python step per page."""
         told = self._told  # (only appended to elsewhere: every pop is here, under `_lock`)
         while told:
             freed, owned_then = told.popleft()
             region_ids, offsets, _ = freed_columns(freed)
             rids = np.asarray(region_ids)
             starts = np.asarray(offsets) // self.chunk_size
-            firsts: dict[int, list[int]] = {}  # per region (a batch is mostly one region's run)
+            firsts: dict[int, np.ndarray] = {}  # per region (a batch is mostly one region's)
             if (rids == rids[0]).all():
-                firsts[int(rids[0])] = starts.tolist()
+                firsts[int(rids[0])] = starts
             else:
                 for region_id in np.unique(rids).tolist():
-                    firsts[region_id] = starts[rids == region_id].tolist()
+                    firsts[region_id] = starts[rids == region_id]
             for region_id, region_starts in firsts.items():
                 owned = self._owned.get(region_id)
                 if owned is not None and owned is owned_then.get(region_id):

@@ -1,11 +1,10 @@
 """First-fit extent allocator with alignment and coalescing: the server carves regions (bytes,
-2 MiB aligned) out of the pool with it, and each client pages (chunks) out of its regions."""
+2 MiB aligned) out of the pool with it, and each client pages (chunks) out of its regions
+(`maru.client.runs.RunAllocator`, which adds runs of equal extents)."""
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
-from itertools import repeat
 
 
 class ExtentAllocator:
@@ -61,17 +60,6 @@ class ExtentAllocator:
         self._allocated[start] = length
         self.used += length
 
-    def allocate_run(self, length: int, count: int) -> list[int] | None:
-        """Allocate `count` adjacent extents of `length` with one search (a batch of equal
-        pages); each can be freed on its own. None when no free extent holds them all."""
-        first = self.allocate(length * count)
-        if first is None:
-            return None
-        del self._allocated[first]
-        starts = list(range(first, first + length * count, length))
-        self._allocated.update(dict.fromkeys(starts, length))
-        return starts
-
     def free_extent(self, start: int) -> int:
         """Free the extent that begins at `start`; returns its length."""
         length = self._allocated.pop(start, None)
@@ -80,34 +68,6 @@ class ExtentAllocator:
         self.used -= length
         self._release(start, length)
         return length
-
-    def free_many(self, starts: Iterable[int]) -> int:
-        """Free every allocated extent that begins at one of `starts` (others are skipped);
-        returns the units freed. Adjacent ones (an evicted batch is mostly one run) are joined
-        first, so the free list changes once per run, not once per extent; equal extents that
-        make one run (a batch's values) cost no Python step each."""
-        starts = list(starts)
-        lengths = list(map(self._allocated.pop, starts, repeat(None)))
-        if starts and lengths.count(lengths[0]) == len(lengths) and lengths[0] is not None:
-            length, total = lengths[0], lengths[0] * len(starts)
-            starts.sort()
-            if starts == list(range(starts[0], starts[0] + total, length)):
-                self.used -= total
-                self._release(starts[0], total)
-                return total
-        freed = sorted((start, n) for start, n in zip(starts, lengths) if n is not None)
-        run_start, run_length = -1, 0
-        for start, length in freed:
-            self.used -= length
-            if run_start + run_length == start:
-                run_length += length
-                continue
-            if run_length:
-                self._release(run_start, run_length)
-            run_start, run_length = start, length
-        if run_length:
-            self._release(run_start, run_length)
-        return sum(n for _, n in freed)
 
     def _release(self, start: int, length: int) -> None:
         """Put [start, start + length), allocated until now, back on the free list, merged
@@ -136,6 +96,7 @@ class ExtentAllocator:
         self._take(i, start, length)
 
     def is_allocated(self, start: int) -> bool:
+        """Whether an allocated extent begins at `start`."""
         return start in self._allocated
 
     def fragmentation(self) -> float:
