@@ -230,3 +230,29 @@ def test_the_local_socket_sends_a_kept_reply_later_and_drops_it_for_a_closed_con
     finally:
         client.close()
         server.close()
+
+
+class Poller:
+    """A poller that records each poll's timeout and has a socket ready at the `ready`-th."""
+
+    def __init__(self, ready: int) -> None:
+        self.timeouts: list[int] = []
+        self.ready = ready
+
+    def poll(self, timeout: int) -> list:
+        self.timeouts.append(timeout)
+        return [("sock", zmq.POLLIN)] if len(self.timeouts) >= self.ready else []
+
+
+def test_the_loop_spins_after_a_request_but_not_while_the_tier_pulls(service):
+    """Within `--busy-poll-us` of a request the loop polls without sleeping; while the tier
+    pulls for a reader it sleeps at once (the sidecar's reply comes next, and needs a CPU)."""
+    service.busy_poll_s = 10.0
+    spinning = Poller(ready=3)
+    assert service._wait_for_requests(spinning, 200, time.perf_counter()) == {"sock": zmq.POLLIN}
+    assert spinning.timeouts == [0, 0, 0]
+    assert ask(service, ["wanted"], 1, wait_ms=5_000) is None  # (kept: its pull is on its way)
+    assert service.cluster.pulling == {"wanted"}
+    asleep = Poller(ready=1)
+    assert service._wait_for_requests(asleep, 200, time.perf_counter()) == {"sock": zmq.POLLIN}
+    assert asleep.timeouts == [200]

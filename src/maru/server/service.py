@@ -312,8 +312,11 @@ class MaruService:
 
     def _wait_for_requests(self, poller: zmq.Poller, poll_ms: int, served: float) -> dict:
         """The sockets that are ready. Within `busy_poll_s` of the last request, poll without
-        sleeping: a request that finds the loop asleep waits for its wake-up (`--busy-poll-us`)."""
-        until = served + self.busy_poll_s
+        sleeping: a request that finds the loop asleep waits for its wake-up (`--busy-poll-us`).
+        Not while the cluster tier pulls: its sidecar's reply is what comes next, and the
+        sidecar needs a CPU to get there (on a small host the spin would be taking it)."""
+        pulling = self.cluster is not None and self.cluster.pulling
+        until = 0.0 if pulling else served + self.busy_poll_s
         while perf_counter() < until:
             events = poller.poll(0)
             if events:
