@@ -293,6 +293,43 @@ def test_a_pulls_pages_are_found_without_walking_every_full_region(tmp_path, mon
     assert pages.reserve(length) is not None and tier_searches() == 1  # where the last one went
 
 
+def test_the_tiers_regions_go_back_when_a_writer_below_its_share_finds_the_pool_full(tmp_path):
+    """Pulled values filling the pool never crowd out the node's own writers: asked to shed
+    (another instance, below its fair share, found the pool full), the tier gives back whole
+    regions, oldest first, never one a pull is landing in; their keys stay readable until
+    the pool reclaims them for the writer, whose next request gets room. Found with
+    bench_cluster (2026-12-04): the tier never gave any back, and a full-share writer on the
+    pulling node failed 45 of 384 stores every round."""
+    from maru.common.protocol import ErrorCode, ProtocolError, RegisterStatus
+
+    from .registry_calls import locate, register
+
+    reg = make_registry(tmp_path, pool_mib=64, high=1.0, low=1.0)
+    pages = TierPages(reg)
+    places = [pages.reserve(MiB) for _ in range(64)]  # the pool: four regions of pulls
+    keys = [f"pulled/{i}" for i in range(64)]
+    rows = [[k, p[0], p[1], MiB] for k, p in zip(keys, places)]
+    assert register(reg, pages.instance_id, rows) == [RegisterStatus.REGISTERED] * 64
+    regions = list(pages.free_lists)
+    assert len(regions) == 4 and reg.pool.used == reg.pool.capacity
+    with pytest.raises(ProtocolError) as refused:
+        reg.request_region("B", 16 * MiB)
+    assert refused.value.code == ErrorCode.POOL_RECLAIMING  # (the tier asked to shed)
+    landing = {regions[0]}  # a pull in flight there: not given back
+    given = pages.shed(landing)
+    assert given == 48 * MiB  # the tier's 64 over its share of 64/3, in whole regions
+    assert list(pages.free_lists) == regions[:1]
+    assert all(reg.regions[r].returned for r in regions[1:])
+    assert all(hit is not None for hit in locate(reg, keys)[0])  # readable until reclaimed
+    assert pages.shed(landing) == 0  # (asked once)
+    handle = reg.request_region("B", 16 * MiB)
+    assert handle.region_id not in regions[:1]
+    hits = locate(reg, keys)[0]
+    assert all(hits[:16]) and hits.count(None) == 16  # one returned region's keys reclaimed
+    assert pages.reserve(MiB) is not None  # (the tier goes on pulling: a returned region)
+    consistent(reg)
+
+
 def test_a_pulls_proof_on_two_threads_is_the_proof_on_one():
     """A pull's values past SPLIT_PROOF_BYTES are hashed half on the sidecar's helper thread:
     each value keeps its own maru64, in order, whatever the split."""

@@ -5,6 +5,8 @@ when a pull fails or the server drops a pulled key (the `freed` notices every ow
 Room for the next pulls is taken ahead (`ready`): the instances on the node map and populate
 a region within a quarter second of its making, so a pull that lands in one made ahead is read
 without a page fault, where one made for it is faulted page by page by its first reader.
+Regions go back to the pool as a client's do when the pool asks (`shed`: another instance,
+below its fair share, found the pool full), so pulls never crowd out the node's own writers.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 
 from maru.common.extents import ExtentAllocator
 from maru.common.protocol import ProtocolError
+from maru.server.journal import JournalWriteError
 from maru.server.registry import Registry
 
 log = logging.getLogger("maru.server.cluster")
@@ -29,6 +32,7 @@ class TierPages:
         self.instance_id = f"cluster-tier.{os.getpid()}.{os.urandom(4).hex()}"
         registry.instances.handshake(self.instance_id, os.getpid(), ALIGN)
         self.free_lists: dict[int, ExtentAllocator] = {}  # region id -> its free pages
+        self.tokens: dict[int, str] = {}  # region id -> its token (to give it back)
         self.last = -1  # the region the last value's pages came from
         self.ahead = 0  # bytes kept free for the next pull (`ready`)
 
@@ -56,6 +60,7 @@ class TierPages:
             log.info("cluster tier: no pool pages for a pull of %d bytes: %s", length, exc)
             return None
         pages = self.free_lists[handle.region_id] = ExtentAllocator(handle.length, ALIGN)
+        self.tokens[handle.region_id] = handle.token
         offset = pages.allocate(length, align)
         self.last = handle.region_id
         return None if offset is None else self._place(handle.region_id, offset)
@@ -76,6 +81,36 @@ class TierPages:
         except ProtocolError:  # (no free room now: pulls take it when they need it)
             return
         self.free_lists[handle.region_id] = ExtentAllocator(handle.length, ALIGN)
+        self.tokens[handle.region_id] = handle.token
+
+    def shed(self, landing: set[int]) -> int:
+        """Give back what the pool asked of the tier's instance (`RegionGrants`: it holds more
+        than its fair share and another instance, below its own, found the pool full): whole
+        regions, oldest first, never one a pull is landing in (`landing`: its pages are not
+        registered yet). Pulled values are still in the cluster, so the room is cheap to give.
+        A region given back keeps its keys readable until the pool reclaims it for the
+        instance that waits. The bytes given back."""
+        inst = self.registry.instances.get(self.instance_id)
+        want = inst.shed if inst is not None else 0
+        if want <= 0:
+            return 0
+        inst.shed = 0  # (asked again if the waiting instance still finds no room)
+        given, regions = 0, self.registry.regions
+        for region_id in [r for r in self.free_lists if r not in landing]:
+            if given >= want:
+                break
+            length = regions[region_id].length
+            try:
+                self.registry.return_region(self.instance_id, region_id, self.tokens[region_id])
+            except (ProtocolError, JournalWriteError) as exc:
+                log.warning("cluster tier: region %d not given back: %s", region_id, exc)
+                break
+            del self.free_lists[region_id], self.tokens[region_id]
+            given += length
+        if self.last not in self.free_lists:
+            self.last = -1
+        log.info("cluster tier: gave %d bytes of regions back to the pool, asked %d", given, want)
+        return given
 
     def _place(self, region_id: int, offset: int) -> tuple[int, int, str, int]:
         region = self.registry.regions[region_id]

@@ -148,13 +148,15 @@ class ClusterTier:
 
     def housekeeping(self, poller: zmq.Poller, now: float) -> None:
         """At most every CHECK_S: keep the tier's instance alive, take its freed pages back,
-        and start again (at most every RESTART_S) a sidecar that exited, stalled or broke
-        its channel."""
+        give back the regions the pool asked for (none a pull is landing in), and start
+        again (at most every RESTART_S) a sidecar that exited, stalled or broke its channel."""
         if now - self.checked < CHECK_S:
             return
         self.checked = now
         self.pages.touch()
         self.pages.take_freed()
+        landing = {p[0] for b in self.batches.values() if b.op == "pull" for p in b.places}
+        self.pages.shed(landing)
         if self.retry:  # (failed publishes whose time to go again came)
             self.pump()
         proc = self.proc
