@@ -34,8 +34,10 @@ and 64 KiB values, calls of 64 values (the same bytes for every method):
   SGLang's own Mooncake backend (`MooncakeStore.batch_set_v1`: a page is two objects, its k
   and v), both from SGLang's backend factory; node 2 reads them with MaruStorage (first:
   pulled; second: in place) and with SGLang's Mooncake backend, in an order alternated per
-  round. SGLang's Mooncake client is configured from the nodes' file with no segment of its
-  own, so its objects live in the tiers' segments, as the tier's do.
+  round; and, on pages of their own, as SGLang's prefetch thread calls each backend
+  (`batch_exists`, where MaruStorage pulls, then `batch_get_v1`). SGLang's Mooncake client
+  is configured from the nodes' file with no segment of its own, so its objects live in the
+  tiers' segments, as the tier's do.
 
 Each process's first call is not timed (a serving process has its connections and mappings
 already). Every byte read by every method is checked against what was written (outside the
@@ -98,7 +100,16 @@ PREALLOCATE = ("--preallocate",)
 READS = ("mooncake", "mooncake+sizes", "first", "second", "local")
 # through SGLang (MaruStorage beside SGLang's MooncakeStore); reads in `sglang_order`
 SGLANG_WRITES = ("sglang maru set", "sglang mooncake set")
-SGLANG_READS = ("sglang first", "sglang second", "sglang mooncake")
+SGLANG_READS = (
+    "sglang first",
+    "sglang second",
+    "sglang prefetch",
+    "sglang mooncake",
+    "sglang mooncake prefetch",
+)
+# As SGLang's prefetch thread calls a backend: `batch_exists` (MaruStorage's pulls there), then
+# `batch_get_v1` of the pages it found, timed together, on pages of their own (their prefix).
+PREFETCH = {"sglang prefetch": "/prefetch", "sglang mooncake prefetch": "/prefetch"}
 FIRST_GOAL = 1.2  # the tier's first read / Mooncake alone, at most
 SECOND_GOAL = 1.1  # the second read / the local read, at most ("local speed", within noise)
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -219,9 +230,9 @@ SGLANG_CASES = {MiB: "mha-1M", 64 * KiB: "mha-64K"}  # bench_hicache's MHA pages
 
 def sglang_order(r: int) -> tuple[str, ...]:
     """Round `r`'s order of the reads through SGLang: SGLang's Mooncake backend after
-    MaruStorage's two reads in even rounds, before them in odd ones. MaruStorage's first read
+    MaruStorage's reads in even rounds, before them in odd ones. MaruStorage's first read
     always comes before its second (the first is the one that pulls)."""
-    maru, mooncake = SGLANG_READS[:2], SGLANG_READS[2:]
+    maru, mooncake = SGLANG_READS[:3], SGLANG_READS[3:]
     return maru + mooncake if r % 2 == 0 else mooncake + maru
 
 
@@ -276,8 +287,8 @@ def sglang_store(url: str, config: str, prefix: str, size: int, calls: int) -> d
     hp, pool, indices, maru, mooncake = sglang_instance(url, config, size, "writer")
     seconds: dict[str, list[float]] = {"sglang maru set": [], "sglang mooncake set": []}
     stored = 0
-    for c in range(calls + 1):
-        keys, pages = sglang_pages(hp, pool, prefix, c)
+    for c, sub in [(c, sub) for c in range(calls + 1) for sub in ("", "/prefetch")]:
+        keys, pages = sglang_pages(hp, pool, prefix + sub, c)
         hp.fill(pool, indices, pages)
         for name, store_ in (("sglang maru set", maru), ("sglang mooncake set", mooncake)):
             t = time.perf_counter()
@@ -291,22 +302,24 @@ def sglang_store(url: str, config: str, prefix: str, size: int, calls: int) -> d
 
 def sglang_reads(url: str, config: str, prefix: str, size: int, calls: int, order: str) -> dict:
     """Node 2: each call's pages read by MaruStorage (first: pulled through the tier; then
-    again, in place) and by SGLang's Mooncake backend, in `order`; every page compared."""
+    again, in place) and by SGLang's Mooncake backend, in `order`; and, on pages of their own,
+    as SGLang's prefetch calls each backend (`PREFETCH`); every page compared."""
     import torch
 
     hp, pool, indices, maru, mooncake = sglang_instance(url, config, size, "reader")
-    stores = {"sglang first": maru, "sglang second": maru, "sglang mooncake": mooncake}
+    stores = {step: maru if "mooncake" not in step else mooncake for step in SGLANG_READS}
     steps = order.split(",")
     seconds: dict[str, list[float]] = {step: [] for step in steps}
     counts = {step: np.zeros(3, np.int64) for step in steps}
     for c in range(calls + 1):
-        keys, pages = sglang_pages(hp, pool, prefix, c)
-        zeros = [torch.zeros_like(page) for page in pages]
         for step in steps:
-            hp.fill(pool, indices, zeros)
+            keys, pages = sglang_pages(hp, pool, prefix + PREFETCH.get(step, ""), c)
+            hp.fill(pool, indices, [torch.zeros_like(page) for page in pages])
             t = time.perf_counter()
-            hits = stores[step].batch_get_v1(keys, indices)
+            leading = stores[step].batch_exists(keys) if step in PREFETCH else len(keys)
+            hits = stores[step].batch_get_v1(keys[:leading], indices[: leading * pool.page_size])
             seconds[step].append(time.perf_counter() - t)
+            hits += [False] * (len(keys) - leading)
             got = hp.read(pool, indices, PER_CALL)
             right = sum(h and torch.equal(g, w) for h, g, w in zip(hits, got, pages))
             counts[step] += (right, hits.count(False), len(keys) - right - hits.count(False))
@@ -332,6 +345,7 @@ def summarize(rounds: list[dict[str, dict[str, list[float]]]], call_bytes: int) 
 
     out["sglang_first_vs_mooncake"] = ratio("sglang first", "sglang mooncake")
     out["sglang_second_vs_mooncake"] = ratio("sglang second", "sglang mooncake")
+    out["sglang_prefetch_vs_mooncake"] = ratio("sglang prefetch", "sglang mooncake prefetch")
     out["sglang_set_vs_mooncake"] = ratio("sglang maru set", "sglang mooncake set")
     out["first_vs_mooncake"] = ratio("first", "mooncake")
     out["sizes_vs_mooncake"] = ratio("mooncake+sizes", "mooncake")
@@ -371,6 +385,18 @@ ROWS = (
         "MaruStorage `batch_get_v1`, second read (in place)",
         "sglang second",
         "sglang_second_vs_mooncake",
+        "SGLang's Mooncake",
+    ),
+    (
+        "as SGLang's prefetch calls it (`batch_exists`, then `batch_get_v1`): SGLang's Mooncake",
+        "sglang mooncake prefetch",
+        None,
+        "",
+    ),
+    (
+        "as SGLang's prefetch calls it: MaruStorage (the pull in `batch_exists`)",
+        "sglang prefetch",
+        "sglang_prefetch_vs_mooncake",
         "SGLang's Mooncake",
     ),
     ("SGLang writer: SGLang's Mooncake backend `batch_set_v1`", "sglang mooncake set", None, ""),
@@ -540,8 +566,8 @@ def bench_round(c: cc.Nodes, url0: str, r: int, label: str, size: int, calls: in
     prefix = f"sglang/{tag}"
     got = in_node(c.one.pid, "sglang_store", c.url1, c.config, prefix, size, calls,
                   env=f"MOONCAKE_LOCAL_HOSTNAME={cc.NODE1}")  # fmt: skip
-    if got["stored"] != 2 * (calls + 1) * PER_CALL:
-        raise SystemExit(f"SGLang's writers stored {got['stored']} of {2 * (calls + 1) * PER_CALL}")
+    if got["stored"] != 4 * (calls + 1) * PER_CALL:  # (two backends, two sets of pages)
+        raise SystemExit(f"SGLang's writers stored {got['stored']} of {4 * (calls + 1) * PER_CALL}")
     times.update(got["s"])
     c.settled(1)
     got = in_node(c.two.pid, "sglang_reads", c.url2, c.config, prefix, size, calls,

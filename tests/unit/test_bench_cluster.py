@@ -27,6 +27,7 @@ def _round(scale: float, first: float, second: float) -> dict[str, list[float]]:
     out |= {"sglang mooncake": [0.1] * 2, "sglang first": [0.1 * first] * 2}
     out |= {"sglang second": [0.005] * 2, "sglang mooncake set": [0.4] * 2}
     out |= {"sglang maru set": [0.01] * 2}
+    out |= {"sglang mooncake prefetch": [0.12] * 2, "sglang prefetch": [0.12 * first] * 2}
     return {k: [s * scale for s in v] for k, v in out.items()}
 
 
@@ -35,6 +36,7 @@ def test_ratios_are_medians_of_paired_rounds_and_each_goal_is_judged_per_size():
     big = C.summarize([_round(1, 1.1, 1.0), _round(2, 1.3, 1.05), _round(1, 1.15, 1.2)], 64 << 20)
     small = C.summarize([_round(1, 2.0, 1.0)], 4 << 20)
     assert big["sglang_first_vs_mooncake"] == approx(1.15)
+    assert big["sglang_prefetch_vs_mooncake"] == approx(1.15)  # (shown, not judged)
     assert big["first_vs_mooncake"] == approx(1.65)  # (shown beside it, not judged)
     assert big["sglang_set_vs_mooncake"] == approx(0.025)
     assert big["second_vs_local"] == approx(1.05)
@@ -66,6 +68,8 @@ def test_the_table_shows_every_method_with_its_baseline_and_the_verdicts():
     assert raw.endswith("1.60x Mooncake alone |  |")  # (the floor's ratio: no verdict)
     second = rows["Maru, second read (in place)"]
     assert second.endswith("1.30x the local read | <= 1.1x the local read: MISS |")
+    prefetch = rows["as SGLang's prefetch calls it: MaruStorage (the pull in `batch_exists`)"]
+    assert prefetch.endswith("| 0.51, 132.0, 1.10x SGLang's Mooncake |  |")
     assert rows["writer: `batch_store`, write-through"].endswith("1.50x no tier |  |")
     full = rows[
         "writer: `batch_store` at a full share (calls of 16), spill (its victims published)"
