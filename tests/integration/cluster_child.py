@@ -75,6 +75,8 @@ N = 24
 SPILL_N = 250  # values of SIZE node 1 writes with spill: 15 MB, past its high watermark
 SHARE, SHARE_BATCH = "8M", 8  # an instance's share that SPILL_N values overflow; its calls
 WAIT_S = 60  # the longest any step here waits for the tier
+CROWD_N, CROWD_READ, OWN_N = 480, 120, 96  # values of SIZE pulled into a 32M pool (28 MiB
+# of it), read CROWD_READ at a time; then values a new instance writes there
 SIDECAR_CHECK_S = 1.0  # `maru.server.cluster.sidecar.CHECK_S`
 FSDAX = "/dev/shm/maru-fsdax/"  # node 1's pool in `fsdax` (in its own /dev/shm)
 
@@ -573,6 +575,24 @@ def spill_share(workdir: Path) -> dict:
         return out
 
 
+def crowded(workdir: Path) -> dict:
+    """Node 2's pool filled with values pulled from node 1, then a new writer on node 2
+    (`test_pulled_values_do_not_keep_a_nodes_writers_from_storing`)."""
+    wait = ("--cluster-lookup-ms", "10000")  # (as in `proofs`: a bound, not a threshold)
+    with cluster(workdir, wait, wait, pool_size="32M") as c:
+        out: dict[str, Any] = {"connected": [c.wait(1, "connected", True)]}
+        out["connected"].append(c.wait(2, "connected", True))
+        parts = range(CROWD_N // CROWD_READ)  # (a read leases at most half the pool)
+        writes = [c.publish(f"far{j}", CROWD_READ) for j in parts]
+        out["write"] = {k: sum(w[k] for w in writes) for k in ("stored", "published")}
+        reads = [c.ask(2, "retrieve", f"far{j}", CROWD_READ) for j in parts]
+        out["pulled"] = {k: sum(r[k] for r in reads) for k in ("right", "missing", "wrong")}
+        out["node2_full"] = c.settled(2)
+        out["own"] = c.ask(2, "write", "own", OWN_N)
+        out["own_read"] = c.ask(2, "retrieve", "own", OWN_N)
+        return out
+
+
 def clear(url: str) -> dict:
     """Delete every key of this node's pool (`maru clear`)."""
     with MaruAdmin(url, timeout_ms=5000) as admin:
@@ -656,6 +676,6 @@ if __name__ == "__main__":
         print(json.dumps(read(args[0], args[1], int(args[2]))))
     else:
         scenarios = {"proofs": proofs, "faults": faults, "spill": spill, "lmcache": lmcache}
-        scenarios.update(spill_share=spill_share, fsdax=fsdax)
+        scenarios.update(spill_share=spill_share, fsdax=fsdax, crowded=crowded)
         scenario = scenarios[args[0] if args else "proofs"]
         print(json.dumps(scenario(Path(mode))))

@@ -207,6 +207,21 @@ def test_keys_an_instance_evicts_for_its_own_room_are_spilled_to_the_cluster(tmp
     assert nodes["node2"] == {"right": evicted - batch, "missing": missing, "wrong": 0}, nodes
 
 
+def test_pulled_values_do_not_keep_a_nodes_writers_from_storing(tmp_path):
+    """Node 2 pulls node 1's values until they fill its pool, then a new instance on node 2
+    writes: every value is stored and read back. The tier's instance, over its fair share,
+    gives regions back when the writer finds the pool full (before, it never did, and the
+    writer's region requests stayed refused)."""
+    nodes = run_nodes(tmp_path, "crowded")
+    assert [n["connected"] for n in nodes["connected"]] == [True, True], nodes
+    n, own = 480, 96  # (`cluster_child.CROWD_N`, `OWN_N`)
+    assert nodes["write"]["stored"] == n and nodes["write"]["published"] == n, nodes
+    assert nodes["pulled"] == {"right": n, "missing": 0, "wrong": 0}, nodes
+    assert nodes["node2_full"]["pulled"] == n, nodes
+    assert nodes["own"] == {"stored": own}, nodes
+    assert nodes["own_read"] == {"right": own, "missing": 0, "wrong": 0}, nodes
+
+
 def test_an_fsdax_pool_s_tier_lets_go_of_the_region_files_the_server_freed(tmp_path):
     """Node 1's pool an fsdax directory (a file per region). Its values are published from
     their region's file and read on node 2, every byte right. Once their keys are deleted,
