@@ -256,3 +256,19 @@ def test_the_loop_spins_after_a_request_but_not_while_the_tier_pulls(service):
     asleep = Poller(ready=1)
     assert service._wait_for_requests(asleep, 200, time.perf_counter()) == {"sock": zmq.POLLIN}
     assert asleep.timeouts == [200]
+
+
+def test_a_stop_does_not_start_the_sidecar_again(service, monkeypatch):
+    """The loop turn a stop's signal ends looks after no sidecar: one that the same signal
+    ended (its process group's) is not started again as the server stops (before: an ERROR,
+    "sidecar closed its channel; starting it again", on every clean stop)."""
+    looked: list[float] = []
+    service.cluster.housekeeping = lambda poller, now: looked.append(now)
+
+    def stopped(poller, poll_ms, served):  # (the signal comes while the loop waits)
+        service._stop.set()
+        return {}
+
+    monkeypatch.setattr(service, "_wait_for_requests", stopped)
+    service.serve_forever(poll_ms=1)
+    assert looked == []

@@ -300,7 +300,8 @@ class MaruService:
                 self.local.serve(events, self.handle_frame)
             if self.cluster is not None:
                 self.cluster.serve(events, poller)
-                self.cluster.housekeeping(poller, time.monotonic())
+                if not self._stop.is_set():  # (a sidecar that a stop's signal ended stays so)
+                    self.cluster.housekeeping(poller, time.monotonic())
                 self.waits.settle(self.cluster.pulling, self.registry.exists)
             now = time.monotonic()
             if self.local is not None:
