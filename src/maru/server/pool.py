@@ -159,12 +159,15 @@ class Pool(ABC):
         return 0.0
 
     def stats(self) -> dict:
+        """Read by the metrics thread while the loop allocates: `used` is read once, so that
+        used + free is the capacity in every document (reading it twice could tear)."""
+        used = self.used
         return {
             "kind": self.kind,
             "path": self.path,
             "capacity": self.capacity,
-            "used": self.used,
-            "free": self.free,
+            "used": used,
+            "free": self.capacity - used,
             "fragmentation": round(self.fragmentation(), 4),
             "generation": self.generation,
             "huge": self.huge,
