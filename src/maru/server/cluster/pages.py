@@ -32,7 +32,6 @@ class TierPages:
         self.instance_id = f"cluster-tier.{os.getpid()}.{os.urandom(4).hex()}"
         registry.instances.handshake(self.instance_id, os.getpid(), ALIGN)
         self.free_lists: dict[int, ExtentAllocator] = {}  # region id -> its free pages
-        self.tokens: dict[int, str] = {}  # region id -> its token (to give it back)
         self.last = -1  # the region the last value's pages came from
         self.ahead = 0  # bytes kept free for the next pull (`ready`)
 
@@ -60,7 +59,6 @@ class TierPages:
             log.info("cluster tier: no pool pages for a pull of %d bytes: %s", length, exc)
             return None
         pages = self.free_lists[handle.region_id] = ExtentAllocator(handle.length, ALIGN)
-        self.tokens[handle.region_id] = handle.token
         offset = pages.allocate(length, align)
         self.last = handle.region_id
         return None if offset is None else self._place(handle.region_id, offset)
@@ -81,7 +79,6 @@ class TierPages:
         except ProtocolError:  # (no free room now: pulls take it when they need it)
             return
         self.free_lists[handle.region_id] = ExtentAllocator(handle.length, ALIGN)
-        self.tokens[handle.region_id] = handle.token
 
     def shed(self, landing: set[int]) -> int:
         """Give back what the pool asked of the tier's instance (`RegionGrants`: it holds more
@@ -99,14 +96,14 @@ class TierPages:
         for region_id in [r for r in self.free_lists if r not in landing]:
             if given >= want:
                 break
-            length = regions[region_id].length
+            region = regions[region_id]
             try:
-                self.registry.return_region(self.instance_id, region_id, self.tokens[region_id])
+                self.registry.return_region(self.instance_id, region_id, region.token)
             except (ProtocolError, JournalWriteError) as exc:
                 log.warning("cluster tier: region %d not given back: %s", region_id, exc)
                 break
-            del self.free_lists[region_id], self.tokens[region_id]
-            given += length
+            del self.free_lists[region_id]
+            given += region.length
         if self.last not in self.free_lists:
             self.last = -1
         log.info("cluster tier: gave %d bytes of regions back to the pool, asked %d", given, want)
