@@ -330,6 +330,39 @@ def test_the_tiers_regions_go_back_when_a_writer_below_its_share_finds_the_pool_
     consistent(reg)
 
 
+def test_a_writer_below_its_share_gets_the_tiers_room_in_the_request_that_finds_it_full(
+    tmp_path, monkeypatch
+):
+    """The tier is inside the server: asked to shed, it gives its regions back in the very
+    region request that found the pool full (as Plasma evicts before it grants), so the
+    writer's first request gets room, where a client's regions come back only on its next
+    reply (the writer then waits POOL_RECLAIMING out and asks again). A region a pull is
+    landing in is kept."""
+    from maru.server.cluster.tier import Batch, ClusterTier
+
+    from .registry_calls import locate, register
+
+    monkeypatch.setattr(ClusterTier, "start", lambda self: None)  # (no sidecar: pages only)
+    config = tmp_path / "mooncake.json"
+    config.write_text(json.dumps(SGLANG_FILE))
+    reg = make_registry(tmp_path, pool_mib=64, high=1.0, low=1.0)
+    tier = ClusterTier(reg, str(config))
+    places = [tier.pages.reserve(MiB) for _ in range(64)]  # the pool: four regions of pulls
+    keys = [f"pulled/{i}" for i in range(64)]
+    register(reg, tier.pages.instance_id, [[k, p[0], p[1], MiB] for k, p in zip(keys, places)])
+    regions = list(tier.pages.free_lists)
+    assert len(regions) == 4 and reg.pool.used == reg.pool.capacity
+    tier.batches[1] = Batch("pull", ["landing"], places=[(regions[0], 0)])  # a pull in flight
+    handle = reg.request_region("B", 16 * MiB)  # at once: no POOL_RECLAIMING
+    assert handle.region_id not in regions[:1]
+    assert list(tier.pages.free_lists) == regions[:1]  # 48 MiB back: over its share of 64/3
+    hits = locate(reg, keys)[0]
+    assert all(hits[:16]) and hits.count(None) == 16  # one returned region reclaimed
+    assert not reg.regions[regions[0]].returned  # (the pull's pages stay the tier's)
+    assert reg.instances.get(tier.pages.instance_id).shed == 0  # (nothing left asked)
+    consistent(reg)
+
+
 def test_a_pulls_proof_on_two_threads_is_the_proof_on_one():
     """A pull's values past SPLIT_PROOF_BYTES are hashed half on the sidecar's helper thread:
     each value keeps its own maru64, in order, whatever the split."""

@@ -42,6 +42,10 @@ class RegionGrants:
         self.quota_region_bytes = quota_region_bytes
         # instance id -> until when (time.monotonic()) regions given back are kept for it
         self.wanting: dict[str, float] = {}
+        # Owners inside the server (the cluster tier's instance), which give back what their
+        # `shed` asks at once, as Plasma evicts before it grants: instance id -> the call that
+        # does (the bytes given back). A client is told on its next reply instead.
+        self.give_back_now: dict[str, Callable[[], int]] = {}
 
     def request(
         self, instance_id: str, size: int, min_size: int | None = None, *, reclaim: bool = True
@@ -148,7 +152,10 @@ class RegionGrants:
                 if self.reclaim():
                     continue
                 code, why = ErrorCode.POOL_FULL, str(exc)
-                if below_share and self._ask_to_shed(instance_id, self.fair_share()):
+                asked = self._ask_to_shed(instance_id, self.fair_share()) if below_share else []
+                if self._given_back_now(asked):
+                    continue  # (regions returned: the next reclaim takes them)
+                if asked:
                     code = ErrorCode.POOL_RECLAIMING
                     why += "; instances over their fair share were asked to give regions back"
                 held = self.log_throttle.allow(("refused", instance_id))
@@ -162,6 +169,16 @@ class RegionGrants:
                         extra={"instance": instance_id},
                     )
                 raise ProtocolError(code, why) from None
+
+    def _given_back_now(self, asked: list[str]) -> bool:
+        """Whether an owner inside the server among those `asked` gave regions back at once
+        (`give_back_now`), so that the request goes on instead of waiting for clients."""
+        given = 0
+        for instance_id in asked:
+            give_back = self.give_back_now.get(instance_id)
+            if give_back is not None:
+                given += give_back()
+        return given > 0
 
     def park(
         self, instance_id: str, seq: Any, park: list[Any], unpark: list[Any]

@@ -5,8 +5,9 @@ when a pull fails or the server drops a pulled key (the `freed` notices every ow
 Room for the next pulls is taken ahead (`ready`): the instances on the node map and populate
 a region within a quarter second of its making, so a pull that lands in one made ahead is read
 without a page fault, where one made for it is faulted page by page by its first reader.
-Regions go back to the pool as a client's do when the pool asks (`shed`: another instance,
-below its fair share, found the pool full), so pulls never crowd out the node's own writers.
+Regions go back to the pool when the pool asks (`shed`: another instance, below its fair
+share, found the pool full), in the very request that found it full (`RegionGrants.
+give_back_now`), so pulls never crowd out the node's own writers.
 """
 
 from __future__ import annotations

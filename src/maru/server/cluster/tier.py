@@ -89,6 +89,8 @@ class ClusterTier:
         self.lookup_ms = lookup_ms
         self.log_level = log_level
         self.pages = TierPages(registry)
+        # Asked to shed, the tier gives back at once, in the request that found the pool full.
+        registry.grants.give_back_now[self.pages.instance_id] = self._give_back
         if publish == "spill":
             registry.eviction.spill = self.spill
         self.queue: deque[Key] = deque()  # to publish
@@ -141,6 +143,12 @@ class ClusterTier:
             self.link.close()
             self.link = None
 
+    def _give_back(self) -> int:
+        """What the pool asks of the tier's regions (`TierPages.shed`), none a pull is landing
+        in: called by `RegionGrants` in the region request that found the pool full."""
+        landing = {p[0] for b in self.batches.values() if b.op == "pull" for p in b.places}
+        return self.pages.shed(landing)
+
     def attach(self, poller: zmq.Poller) -> None:
         """The loop polls the sidecar's channel with its own sockets (`Link.watch`)."""
         if self.link is not None:
@@ -148,15 +156,13 @@ class ClusterTier:
 
     def housekeeping(self, poller: zmq.Poller, now: float) -> None:
         """At most every CHECK_S: keep the tier's instance alive, take its freed pages back,
-        give back the regions the pool asked for (none a pull is landing in), and start
-        again (at most every RESTART_S) a sidecar that exited, stalled or broke its channel."""
+        and start again (at most every RESTART_S) a sidecar that exited, stalled or broke its
+        channel."""
         if now - self.checked < CHECK_S:
             return
         self.checked = now
         self.pages.touch()
         self.pages.take_freed()
-        landing = {p[0] for b in self.batches.values() if b.op == "pull" for p in b.places}
-        self.pages.shed(landing)
         if self.retry:  # (failed publishes whose time to go again came)
             self.pump()
         proc = self.proc
