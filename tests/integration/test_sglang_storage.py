@@ -34,6 +34,7 @@ import maru.client.localindex as localindex_module  # noqa: E402
 import maru.client.writes as writes_module  # noqa: E402
 from maru import MaruHandler  # noqa: E402
 from maru.common.config import ConfigError  # noqa: E402
+from maru.common.protocol import MsgType  # noqa: E402
 from maru_sglang.maru_storage import KV_POOL_NAME, MaruStorage  # noqa: E402
 from sglang_cpu.host_pools import (  # noqa: E402
     Geometry,
@@ -755,6 +756,35 @@ def test_without_async_rpc_a_write_returns_once_registered(maru_server):
         assert reader.batch_exists(keys) == 4
     writer.close()
     reader.close()
+
+
+def test_only_a_write_behind_seal_tells_the_server_no_one_waits_for_it(maru_server):
+    """A seal sent write-behind says so ("behind"), so the server need not stay awake for the
+    writer's next request (its spin would take a CPU that writer's copy uses); a seal whose
+    writer waits (`maru_use_async_rpc=false`) does not, and both are registered."""
+    g = Geometry()
+    behind = _storage(maru_server.url, g)
+    waiting = MaruStorage(
+        storage_config(extra=_extra(maru_server.url, maru_use_async_rpc=False)), {}
+    )
+    waiting.register_mem_pool_host(make_host_pool(g))
+    sent: list[tuple[str, object]] = []
+    for name, storage in (("behind", behind), ("waiting", waiting)):
+        session, request = storage.handler._s, storage.handler._s.request
+
+        def noting(msg_type, body, name=name, request=request):
+            if msg_type == MsgType.REGISTER_KV:
+                sent.append((name, body.get("behind")))
+            return request(msg_type, body)
+
+        session.request = noting
+        keys = [f"{name}-{i}" for i in range(4)]
+        src, _ = _written(storage, g, keys, seed=24)
+        assert storage.batch_set_v1(keys, src) == [True] * 4
+        assert storage.batch_exists(keys) == 4
+    assert set(sent) == {("behind", True), ("waiting", None)}
+    behind.close()
+    waiting.close()
 
 
 def _page_of(key: str, page_bytes: int) -> bytes:

@@ -189,6 +189,40 @@ def test_a_seal_asking_room_ahead_evicts_the_callers_oldest_keys_never_its_own(s
     assert ok(service, MsgType.EXISTS, {"keys": keys})["results"] == [False] * 3 + [True] * 2
 
 
+def test_the_loop_stays_awake_after_requests_but_not_for_a_write_behind_writers_seals(
+    service, monkeypatch
+):
+    """The loop spins for a request's sender's next request (`--busy-poll-us`), except after
+    a seal its writer does not wait for ("behind"), which the writer's next copy follows: that
+    spin would only take a CPU the copy uses. Small write-behind seals back to back (less
+    than half the window apart) still keep it awake: there the next one comes within it."""
+    clock = [100.0]
+    monkeypatch.setattr("maru.server.service.perf_counter", lambda: clock[0])
+    service.busy_poll_s = 1e-3
+    ok(service, MsgType.HANDSHAKE, {"iid": "A"})
+    rid = ok(service, MsgType.REQUEST_REGION, {"iid": "A", "size": MiB})["region"][0]
+
+    def spins_after(msg_type: MsgType, body: dict, seconds_later: float) -> bool:
+        clock[0] += seconds_later
+        service.spin_wanted = False
+        ok(service, msg_type, body)
+        return service.spin_wanted
+
+    def seal(i: int, behind: bool) -> dict:
+        body = register_body("A", [[f"k{i}", rid, 4096 * i, 10]])
+        return {**body, "behind": True} if behind else body
+
+    assert spins_after(MsgType.EXISTS, {"keys": ["k0"]}, 0.01)  # (a read's request)
+    assert not spins_after(MsgType.REGISTER_KV, seal(0, True), 0.01)  # a big write's pace
+    assert not spins_after(MsgType.REGISTER_KV, seal(1, True), 0.0008)  # (0.8 ms apart)
+    assert spins_after(MsgType.REGISTER_KV, seal(2, True), 0.0003)  # small writes, 0.3 ms
+    assert spins_after(MsgType.REGISTER_KV, seal(3, False), 0.01)  # its writer waits
+    assert not spins_after(MsgType.REGISTER_KV, seal(4, True), 0.01)
+    assert (
+        ok(service, MsgType.EXISTS, {"keys": [f"k{i}" for i in range(5)]})["results"] == [True] * 5
+    )
+
+
 def test_a_seal_goes_on_when_its_room_ahead_cannot_be_journaled(service, monkeypatch, tmp_path):
     """A REGISTER_KV whose "ahead" eviction cannot be journaled (it then changed nothing)
     still seals its keys, as far as the journal takes them; the writer asks again later."""

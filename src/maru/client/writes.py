@@ -207,9 +207,11 @@ class Writes:
                     ahead = None
                     copied, sums = self._copy(put, piece, first, last, started)
                     if copied:
-                        sealings.append(([(put, first, last - first)], self._send(sealing, sums)))
+                        sealings.append(
+                            ([(put, first, last - first)], self._send(sealing, sums, behind))
+                        )
         if rest:
-            sealings.append(self._seal_together(rest))
+            sealings.append(self._seal_together(rest, behind))
         # The earlier calls' replies, now: the server answered them during this call's copies.
         self.confirm()
         lost: list[Put] = []
@@ -349,13 +351,13 @@ class Writes:
         return True, sums
 
     def _seal_together(
-        self, rest: list[tuple[Put, Any, np.ndarray | None]]
+        self, rest: list[tuple[Put, Any, np.ndarray | None]], behind: bool
     ) -> tuple[Owners, Sealing]:
         """One registration for several whole puts' values (`put`'s `rest`)."""
         if len(rest) == 1:  # (one run or one put's values: sealed as they are)
             put, handles, sums = rest[0]
             sealing = Sealing(self._s, put.keys, handles, put.size)
-            return [(put, 0, len(put.keys))], self._send(sealing, sums)
+            return [(put, 0, len(put.keys))], self._send(sealing, sums, behind)
         keys: list[Key] = []
         handles_all: list[AllocHandle | None] = []
         lengths_all: list[int] = []
@@ -370,13 +372,15 @@ class Writes:
             if sums is not None:
                 sums_all.append(sums)
         checksums = np.concatenate(sums_all) if len(sums_all) == len(rest) else None
-        return owners, self._send(Sealing(self._s, keys, handles_all, lengths_all), checksums)
+        sealing = Sealing(self._s, keys, handles_all, lengths_all)
+        return owners, self._send(sealing, checksums, behind)
 
-    def _send(self, sealing: Sealing, checksums: np.ndarray | None) -> Sealing:
+    def _send(self, sealing: Sealing, checksums: np.ndarray | None, behind: bool) -> Sealing:
         """Send `sealing` (its values are written) with this thread's ask for its next writes'
-        room, if one is due (`RegionSupply.ahead`): the server evicts it before it seals."""
+        room, if one is due (`RegionSupply.ahead`): the server evicts it before it seals.
+        `behind`: the call does not wait for the reply (write-behind)."""
         ask = self._supply.take_ask()
-        sealing.send(checksums, ahead=ask)
+        sealing.send(checksums, ahead=ask, behind=behind)
         if ask and sealing.pending is not None:
             self._supply.asked(sealing.pending)
         return sealing
@@ -487,10 +491,14 @@ class Sealing:
                 "lengths": columns[2],
             }
 
-    def send(self, checksums: np.ndarray | None = None, ahead: int = 0) -> Sealing:
+    def send(
+        self, checksums: np.ndarray | None = None, ahead: int = 0, behind: bool = False
+    ) -> Sealing:
         """Send, once, with every value in place (the server makes a key visible to all).
         `checksums` (`maru_checksums`): one per key from the copy, else hashed in the pool.
-        `ahead`: bytes the server then evicts in our regions, our next writes' room."""
+        `ahead`: bytes the server then evicts in our regions, our next writes' room.
+        `behind`: the caller reads the reply after its next copy (write-behind), so the server
+        need not stay awake for this writer's next request (`MaruService._wants_spin`)."""
         if self._sent:
             raise RuntimeError("Sealing.send: already sent")
         self._sent = True
@@ -507,6 +515,8 @@ class Sealing:
             body[CHECKSUMS] = self._checksums(checksums).tobytes()
         if ahead:
             body["ahead"] = ahead
+        if behind:
+            body["behind"] = True
         try:
             self._pending = s.request(MsgType.REGISTER_KV, body)
         except MaruError as exc:

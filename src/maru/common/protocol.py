@@ -460,6 +460,13 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
                 "`ahead`: room already on its way is not evicted again); the pages come back "
                 "as `freed`",
             ),
+            (
+                "behind",
+                "bool",
+                "optional, default false: the writer reads this reply only after its next copy "
+                "(write-behind), so the server need not stay awake for its next request "
+                "(`--busy-poll-us`) unless its seals come close together",
+            ),
         ],
         [("results", "[int]", "RegisterStatus per key")],
     ),

@@ -35,6 +35,7 @@ class Instance:
     pins: Counter = field(default_factory=Counter)  # key -> pins this instance holds
     leases: set[int] = field(default_factory=set)
     last_seen: float = field(default_factory=time.monotonic)
+    sealed_at: float = 0.0  # its last write-behind seal (perf_counter; `MaruService._wants_spin`)
     keys_registered: int = 0
     bytes_registered: int = 0
     hits: int = 0

@@ -90,6 +90,8 @@ class MaruService:
         if busy_poll_us < 0:
             raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
         self.busy_poll_s = busy_poll_us / 1e6
+        # Whether a request served since the loop last looked wants the spin (`_wait_for_requests`)
+        self.spin_wanted = False
         self.coherence = parse_coherence(coherence, name="--coherence")
         registry.pool.ensure_mark()  # (`maru-server` wrote it already: claim_pool)
         # A new instance's id: its name and a random suffix, never the id of an earlier
@@ -198,6 +200,8 @@ class MaruService:
                 if journal is not None and journal.write_error is not None:
                     raise JournalWriteError(journal.state_dir, journal.write_error)
             reply = handler(self, body)
+            if self._wants_spin(msg_type, body):
+                self.spin_wanted = True
             wait = reply.pop(WAIT, None)
             reply["ok"] = True
             if msg_type == MsgType.HANDSHAKE:  # its connection and host, too
@@ -291,13 +295,13 @@ class MaruService:
             due_ms = self.waits.next_ms(time.monotonic())  # a kept EXISTS's deadline
             wait_ms = wait_ms if due_ms is None else min(wait_ms, due_ms)
             events = self._wait_for_requests(poller, wait_ms, served)
-            if events:
-                served = perf_counter()
             # Requests first, then housekeeping, so that the heartbeats queued during a stall
             # count before the reaper judges who is silent.
             self.registry.counters["replies_dropped"] += self.tcp.serve(events, self.handle_frame)
             if self.local is not None and events:
                 self.local.serve(events, self.handle_frame)
+            if self.spin_wanted:  # (a request served that its sender may follow soon)
+                served, self.spin_wanted = perf_counter(), False
             if self.cluster is not None:
                 self.cluster.serve(events, poller)
                 if not self._stop.is_set():  # (a sidecar that a stop's signal ended stays so)
@@ -310,6 +314,22 @@ class MaruService:
             looked = now
             self.housekeeping(now)
         log.info("maru-server stopping")
+
+    def _wants_spin(self, msg_type: int, body: dict[str, Any]) -> bool:
+        """Whether the loop should stay awake for what follows this request (its spin,
+        `_wait_for_requests`). A seal its writer does not wait for (write-behind) is followed by
+        the writer's next copy: it is worth a spin only when the writer's seals come less than
+        half the window apart (small writes back to back); otherwise the spin takes a CPU from
+        that copy (on a small host), to answer sooner a reply no one waits for."""
+        if msg_type != MsgType.REGISTER_KV or body.get("behind") is not True:
+            return True
+        inst = self.registry.instances.get(body["iid"])
+        if inst is None:
+            return True
+        now = perf_counter()
+        close = now - inst.sealed_at < self.busy_poll_s / 2
+        inst.sealed_at = now
+        return close
 
     def _wait_for_requests(self, poller: zmq.Poller, poll_ms: int, served: float) -> dict:
         """The sockets that are ready. Within `busy_poll_s` of the last request, poll without
