@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 from maru.common.extents import ExtentAllocator
 from maru.common.protocol import ProtocolError
@@ -28,10 +29,15 @@ ALIGN = 4096
 
 
 class TierPages:
-    def __init__(self, registry: Registry):
+    def __init__(self, registry: Registry, landing: Callable[[], set[int]] | None = None):
+        """`landing`: the regions pulls are landing in now; given, the pages are given back
+        when the pool asks in the request that found it full (`RegionGrants.give_back_now`),
+        never those; else only by `shed`."""
         self.registry = registry
         self.instance_id = f"cluster-tier.{os.getpid()}.{os.urandom(4).hex()}"
         registry.instances.handshake(self.instance_id, os.getpid(), ALIGN)
+        if landing is not None:
+            registry.grants.give_back_now[self.instance_id] = lambda: self.shed(landing())
         self.free_lists: dict[int, ExtentAllocator] = {}  # region id -> its free pages
         self.last = -1  # the region the last value's pages came from
         self.ahead = 0  # bytes kept free for the next pull (`ready`)

@@ -69,6 +69,11 @@ class Batch:
     sent: float = field(default_factory=time.monotonic)
 
 
+def landing(batches: dict[int, Batch]) -> set[int]:
+    """The regions pulls in flight are landing in (their pages not registered yet)."""
+    return {place[0] for b in batches.values() if b.op == "pull" for place in b.places}
+
+
 class ClusterTier:
     def __init__(
         self,
@@ -88,9 +93,7 @@ class ClusterTier:
         self.publish_mode = publish
         self.lookup_ms = lookup_ms
         self.log_level = log_level
-        self.pages = TierPages(registry)
-        # Asked to shed, the tier gives back at once, in the request that found the pool full.
-        registry.grants.give_back_now[self.pages.instance_id] = self._give_back
+        self.pages = TierPages(registry, lambda: landing(self.batches))
         if publish == "spill":
             registry.eviction.spill = self.spill
         self.queue: deque[Key] = deque()  # to publish
@@ -142,12 +145,6 @@ class ClusterTier:
         if self.link is not None:
             self.link.close()
             self.link = None
-
-    def _give_back(self) -> int:
-        """What the pool asks of the tier's regions (`TierPages.shed`), none a pull is landing
-        in: called by `RegionGrants` in the region request that found the pool full."""
-        landing = {p[0] for b in self.batches.values() if b.op == "pull" for p in b.places}
-        return self.pages.shed(landing)
 
     def attach(self, poller: zmq.Poller) -> None:
         """The loop polls the sidecar's channel with its own sockets (`Link.watch`)."""
