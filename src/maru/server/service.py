@@ -90,8 +90,9 @@ class MaruService:
         if busy_poll_us < 0:
             raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
         self.busy_poll_s = busy_poll_us / 1e6
-        # Whether a request served since the loop last looked wants the spin (`_wait_for_requests`)
-        self.spin_wanted = False
+        # What this loop turn's requests say of the spin (`_wait_for_requests`): True, one wants
+        # it; False, only write-behind seals far apart were served; None, no request judged.
+        self.spin_wanted: bool | None = None
         self.coherence = parse_coherence(coherence, name="--coherence")
         registry.pool.ensure_mark()  # (`maru-server` wrote it already: claim_pool)
         # A new instance's id: its name and a random suffix, never the id of an earlier
@@ -202,6 +203,8 @@ class MaruService:
             reply = handler(self, body)
             if self._wants_spin(msg_type, body):
                 self.spin_wanted = True
+            elif self.spin_wanted is None:
+                self.spin_wanted = False
             wait = reply.pop(WAIT, None)
             reply["ok"] = True
             if msg_type == MsgType.HANDSHAKE:  # its connection and host, too
@@ -295,13 +298,17 @@ class MaruService:
             due_ms = self.waits.next_ms(time.monotonic())  # a kept EXISTS's deadline
             wait_ms = wait_ms if due_ms is None else min(wait_ms, due_ms)
             events = self._wait_for_requests(poller, wait_ms, served)
+            self.spin_wanted = None
             # Requests first, then housekeeping, so that the heartbeats queued during a stall
             # count before the reaper judges who is silent.
             self.registry.counters["replies_dropped"] += self.tcp.serve(events, self.handle_frame)
             if self.local is not None and events:
                 self.local.serve(events, self.handle_frame)
-            if self.spin_wanted:  # (a request served that its sender may follow soon)
-                served, self.spin_wanted = perf_counter(), False
+            # Anything that woke the loop opens the window (a request, a failed one, the
+            # sidecar's reply that answers a reader's kept EXISTS), unless all it served were
+            # write-behind seals that their writers' next copies follow.
+            if events and self.spin_wanted is not False:
+                served = perf_counter()
             if self.cluster is not None:
                 self.cluster.serve(events, poller)
                 if not self._stop.is_set():  # (a sidecar that a stop's signal ended stays so)
