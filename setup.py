@@ -60,6 +60,7 @@ setup(
         Extension("maru.client._busypoll", ["src/maru/client/_busypoll.c"]),
         Extension("maru.server._keyindex", ["src/maru/server/_keyindex.c"]),
         Extension("maru.common._keys", ["src/maru/common/_keys.c"]),
+        Extension("maru.common._freed", ["src/maru/common/_freed.c"]),
         Extension(
             "maru.common._shmindex",
             ["src/maru/common/_shmindex.c"],

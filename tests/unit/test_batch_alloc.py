@@ -178,3 +178,37 @@ def test_freeing_a_batch_of_equal_extents_leaves_what_freeing_one_by_one_leaves(
         assert (many._starts, many._lengths, many.used) == (one._starts, one._lengths, one.used)
         assert all(many.is_allocated(u) == one.is_allocated(u) for u in range(1024))
     assert whole > 100  # (the joined case was exercised)
+
+
+def test_freeing_a_stride_leaves_what_freeing_its_extents_one_by_one_leaves():
+    """`free_stride` (a notice's run of pages, `freed_runs`) on whole runs, parts of runs,
+    extents allocated alone and starts nothing begins at, against `free_extent` one at a
+    time: the same free list, accounting and extents left allocated."""
+    rng = random.Random(13)
+    fast = 0
+    for _ in range(300):
+        one, many = RunAllocator(1024), RunAllocator(1024)
+        size = rng.choice([1, 2, 16])
+        for _ in range(rng.randint(1, 6)):
+            if rng.random() < 0.3:
+                assert many.allocate(size) == one.allocate(size)
+                continue
+            run = one.allocate_run(size, rng.randint(1, 12))
+            if run is None:
+                break
+            assert many.allocate_run(size, len(run)) == run
+        if many._runs and rng.random() < 0.6:  # (a notice begins where a run does)
+            first = rng.choice(sorted(many._runs))
+        else:
+            first = size * rng.randrange(max(1, one.used // size))
+        count = rng.randint(1, 40)
+        step = size if rng.random() < 0.8 else size * 2
+        for start in range(first, first + step * count, step):
+            if one.is_allocated(start):
+                one.free_extent(start)
+        used = many.used
+        fast += many._runs.get(first, (0, 0))[0] == step
+        assert many.free_stride(first, step, count) == used - many.used
+        assert (many._starts, many._lengths, many.used) == (one._starts, one._lengths, one.used)
+        assert all(many.is_allocated(u) == one.is_allocated(u) for u in range(1024))
+    assert fast > 100  # (whole runs were exercised)

@@ -7,15 +7,16 @@ sealed, and tells the owner (`freed`, on its next reply) when a key in its regio
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-import numpy as np
-
 from maru.client.mapping import MappedRegion
 from maru.client.runs import RunAllocator
-from maru.common.protocol import freed_columns
+from maru.common._freed import freed_runs
+
+log = logging.getLogger("maru.client.handler")
 
 
 class AllocHandle:
@@ -340,20 +341,17 @@ class ChunkBook:
                 self._settle()
 
     def _settle(self) -> None:
-        """`settle` with `_lock` held. No Python step per page."""
+        """`settle` with `_lock` held: one C pass a notice (`freed_runs`), then a few steps a
+        run of chunks freed (`RunAllocator.free_stride`), none a page."""
         told = self._told  # (only appended to elsewhere: every pop is here, under `_lock`)
         while told:
             freed, owned_then = told.popleft()
-            region_ids, offsets, _ = freed_columns(freed)
-            rids = np.asarray(region_ids)
-            starts = np.asarray(offsets) // self.chunk_size
-            firsts: dict[int, np.ndarray] = {}  # per region (a batch is mostly one region's)
-            if (rids == rids[0]).all():
-                firsts[int(rids[0])] = starts
-            else:
-                for region_id in np.unique(rids).tolist():
-                    firsts[region_id] = starts[rids == region_id]
-            for region_id, region_starts in firsts.items():
+            try:
+                runs = freed_runs(freed, self.chunk_size)
+            except (TypeError, ValueError) as exc:  # (its chunks stay taken: none freed twice)
+                log.warning("a reply's freed notice is malformed, ignored: %s", exc)
+                continue
+            for region_id, first, step, count in runs:
                 owned = self._owned.get(region_id)
                 if owned is not None and owned is owned_then.get(region_id):
-                    self.free += owned.chunks.free_many(region_starts)
+                    self.free += owned.chunks.free_stride(first, step, count)

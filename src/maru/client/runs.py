@@ -91,6 +91,28 @@ class RunAllocator(ExtentAllocator):
             i = j
         return freed
 
+    def free_stride(self, first: int, step: int, count: int) -> int:
+        """Free the extents that begin at first, first + step, ... (`count` of them; others
+        are skipped); returns the units freed. A full instance's eviction frees mostly whole
+        runs of its writes back to back: each costs a few dict steps here, no numpy; what is
+        left (part of a run) goes to `free_many`."""
+        freed = 0
+        while count:
+            length, n = self._runs.get(first, (0, 0))
+            if n and n <= count and (n == 1 or length == step):  # (a whole run)
+                self._drop_run(first)
+            else:
+                n, length = 1, self._allocated.pop(first, 0)  # (an extent allocated alone)
+                if not length:
+                    break
+            self.used -= length * n
+            self._release(first, length * n)
+            freed += length * n
+            first, count = first + step * n, count - n
+        if count:
+            freed += self.free_many(first + np.arange(count, dtype=np.int64) * step)
+        return freed
+
     def _free_in_run(
         self, first: int, length: int, count: int, positions: Sequence[int] | np.ndarray
     ) -> int:
