@@ -13,9 +13,7 @@ through tests/sglang_cpu; bench_hicache's `Instance` builds both), in calls of 1
 back, at 64 KiB and 1 MiB pages:
 
 1. **full**: `batch_set_v1` of new keys once the instance's `maru_pool_size` (16 calls,
-   `--full-calls`) is full (its share written first, so that every write needs room), its
-   blocks in turn with the same writes by an instance that has room (pages touched, keys
-   deleted after each block): full / with room is what making room costs a write;
+   `--full-calls`) is full (its share written first, so that every write needs room);
 2. **never-touched / touched**: `batch_set_v1` by a new process into pages it never touched
    (its `maru_pool_size` not reached: no eviction), then, the keys deleted, the same writes
    into the pages it has touched now; the ratio of the two. The writer connects with
@@ -304,35 +302,20 @@ def pages_of(case: H.Case) -> int:
 
 def bench_full(url: str, case: H.Case, plan: Plan, pages: int) -> dict[str, float]:
     """Regime 1: an instance whose maru_pool_size is full writes new keys, against the stream
-    copy in the same process and against the same writes by an instance with room (its pages
-    touched; its keys deleted after each block, untimed): what making room costs a write.
-    Blocks in turn, the order reversed in the second pass, so that the machine's drift (the
-    host's memory bandwidth moves by 10-30% within minutes here) falls on all three alike."""
+    copy in the same process, in blocks alternating (which goes first alternates too)."""
     n = plan.calls
     full_calls = plan.full_calls
     full = H.Worker(Side, url, case, pages, full_calls * CALL_BYTES, "full")
-    roomy = None
     try:
-        roomy = H.Worker(Side, url, case, pages, plan.fresh_pool, "roomy")
         full.call("fill", 2)
-        roomy.call("fill", 2)
         full.call("timed", "stream_set", "warm", 2)
         share = full.call("timed", "maru_set", "share", full_calls + 1)  # (untimed: room used)
         assert share["ok"] > 0, f"{case.name}: filling the share stored nothing"
-        warm = roomy.call("timed", "maru_set", "warm", n)  # (untimed: its pages touched)
-        assert warm["ok"] == n * pages, f"{case.name}: the instance with room stored {warm}"
-        roomy.call("delete", "warm", n)
-        sec = {"maru": 0.0, "stream": 0.0, "roomy": 0.0}
+        sec = {"maru": 0.0, "stream": 0.0}
         stored = 0
         for i in range(2):
-            for b in ("stream", "maru", "roomy") if i == 0 else ("roomy", "maru", "stream"):
-                if b == "roomy":
-                    block = roomy.call("timed", "maru_set", f"roomy{i}", n)
-                    kept = roomy.call("present", f"roomy{i}", n)
-                    assert kept == n * pages, f"{case.name}: room ran out ({kept} kept)"
-                    roomy.call("delete", f"roomy{i}", n)
-                else:
-                    block = full.call("timed", f"{b}_set", f"full{i}", n)
+            for b in ("stream", "maru") if i == 0 else ("maru", "stream"):
+                block = full.call("timed", f"{b}_set", f"full{i}", n)
                 sec[b] += block["seconds"]
                 if b == "maru":
                     stored += block["ok"]
@@ -343,16 +326,8 @@ def bench_full(url: str, case: H.Case, plan: Plan, pages: int) -> dict[str, floa
         assert kept <= full_calls * pages, f"{case.name}: {kept} pages kept, nothing evicted?"
     finally:
         full.close()
-        if roomy is not None:
-            roomy.close()
-    maru, stream, room = (2 * n * CALL_BYTES / sec[b] / 1e9 for b in ("maru", "stream", "roomy"))
-    return {
-        "full_set": maru,
-        "full_stream_set": stream,
-        "full_vs_stream": maru / stream,
-        "roomy_set": room,
-        "full_vs_roomy": maru / room,
-    }
+    maru, stream = (2 * n * CALL_BYTES / sec[b] / 1e9 for b in ("maru", "stream"))
+    return {"full_set": maru, "full_stream_set": stream, "full_vs_stream": maru / stream}
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -381,12 +356,6 @@ ROWS = (  # (label, figure's key, `cell`'s share: the % beside GB/s, or None)
         "full_set",
         "full_vs_stream",
     ),
-    (
-        "`batch_set_v1` by an instance with room, its blocks between the full one's",
-        "roomy_set",
-        "roomy_set/full_stream_set",
-    ),
-    ("full / with room (what making room costs a write)", "full_vs_roomy", None),
     (
         "`batch_set_v1` into pages this process never touched (cap not reached)",
         "never_set",
