@@ -52,3 +52,10 @@ def test_a_malformed_notice_is_refused():
         freed_runs(b"", 0)
     with pytest.raises(TypeError):
         freed_runs("not bytes", 4096)
+
+
+def test_offsets_at_the_ends_of_int64_are_read_as_python_reads_them():
+    chunk = 4096
+    pages = [(1, -(2**63)), (1, 2**63 - 1), (1, 0)]
+    runs = freed_runs(_notice(pages), chunk)
+    assert _expand(runs) == sorted({(r, o // chunk) for r, o in pages})

@@ -70,7 +70,8 @@ static PyObject *freed_runs(PyObject *module, PyObject *const *args, Py_ssize_t 
         Py_ssize_t j = i + 1; /* the next page not yet placed in a run */
         int64_t step = 0, count = 1, last = pages[i].start;
         while (j < n && pages[j].region == pages[i].region) {
-            int64_t gap = pages[j].start - last;
+            /* (sorted: the gap is >= 0; unsigned, so that no notice can overflow it) */
+            int64_t gap = (int64_t)((uint64_t)pages[j].start - (uint64_t)last);
             if (gap == 0) { /* (a page given twice) */
                 j++;
                 continue;
