@@ -136,3 +136,18 @@ def test_notices_wait_for_a_settle_and_free_only_the_region_they_were_told_of():
     assert taken is not None and taken.region_id == 2
     assert book.free_chunks() == 1  # the notice freed nothing in the new region
     assert book.take(CHUNK, 2) is None  # (the one free chunk is region 1's)
+
+
+def test_a_malformed_notice_is_logged_and_frees_nothing(caplog):
+    """A `freed` that is not packed int64 triples is dropped with a warning: its chunks stay
+    taken (none can be freed twice), and the notices after it still apply."""
+    book = ChunkBook(CHUNK)
+    book.adopt(region(1, 4))
+    handle = book.take(CHUNK, 4)
+    assert handle is not None and book.free == 0
+    book.note_freed(packed([(1, handle.offset, CHUNK)])[:-1])  # (a byte short)
+    book.note_freed(packed([(1, handle.offset + CHUNK, CHUNK)]))
+    with caplog.at_level("WARNING", logger="maru.client.handler"):
+        book.settle()
+    assert book.free == 1  # only the well-formed notice's chunk
+    assert "malformed" in caplog.text
