@@ -40,7 +40,6 @@ class RunAllocator(ExtentAllocator):
             if not self.is_allocated(start):
                 raise KeyError(f"no allocated extent starts at {start}")
             return self.free_many([start])
-        self.used -= length
         self._release(start, length)
         return length
 
@@ -61,7 +60,6 @@ class RunAllocator(ExtentAllocator):
         length, count = self._runs.get(first, (0, 0))
         if count == len(at) and (count == 1 or (steps == length).all()):  # one whole run
             self._drop_run(first)
-            self.used -= length * count
             self._release(first, length * count)
             return length * count
         freed, i, n = 0, 0, len(at)
@@ -69,7 +67,6 @@ class RunAllocator(ExtentAllocator):
             start = int(at[i])
             length = self._allocated.pop(start, 0)
             if length:  # (an extent allocated alone)
-                self.used -= length
                 self._release(start, length)
                 freed, i = freed + length, i + 1
                 continue
@@ -105,7 +102,6 @@ class RunAllocator(ExtentAllocator):
                 n, length = 1, self._allocated.pop(first, 0)  # (an extent allocated alone)
                 if not length:
                     break
-            self.used -= length * n
             self._release(first, length * n)
             freed += length * n
             first, count = first + step * n, count - n
@@ -134,9 +130,7 @@ class RunAllocator(ExtentAllocator):
             self._release(first + low * length, (high - low) * length)
             kept_from = high
         self._keep_run(first, length, kept_from, count)
-        units = len(positions) * length
-        self.used -= units
-        return units
+        return len(positions) * length
 
     def _drop_run(self, first: int) -> None:
         del self._runs[first]

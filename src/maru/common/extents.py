@@ -65,13 +65,13 @@ class ExtentAllocator:
         length = self._allocated.pop(start, None)
         if length is None:
             raise KeyError(f"no allocated extent starts at {start}")
-        self.used -= length
         self._release(start, length)
         return length
 
     def _release(self, start: int, length: int) -> None:
         """Put [start, start + length), allocated until now, back on the free list, merged
-        with its free neighbours."""
+        with its free neighbours (and out of `used`): every free ends here."""
+        self.used -= length
         i = bisect.bisect_left(self._starts, start)
         merge_prev = i > 0 and self._starts[i - 1] + self._lengths[i - 1] == start
         merge_next = i < len(self._starts) and start + length == self._starts[i]
