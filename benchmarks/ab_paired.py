@@ -8,7 +8,7 @@ changes of the data path are worth (benchmarks/results/history.md, session 19). 
 process and one `maru-server` run both versions: the method's source at `--rev` is compiled
 into `maru_sglang.maru_storage`'s namespace (A) beside the working tree's (B), and each round
 runs A, B and the `stream` copy (the limit of bench_hicache.py) in a seeded random order over
-the same host pages. The ratio B/A is taken per round, so the machine's drift cancels.
+the same host pages. B's speed over A's is taken per round, so the machine's drift cancels.
 `--idle-ms N`: the writer sleeps N ms before each timed turn (the stream's too), as it does in
 `bench_hicache.py` while the reader works: threads and the server asleep, caches cold (on the
 2-vCPU VM a 64 KiB set meets its target back to back and misses it after idle, session 21).
@@ -20,8 +20,6 @@ the tree no longer has fails with a NameError: compare a nearer revision.
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import bench_hicache as bh  # noqa: E402
 import maru_sglang.maru_storage as storage  # noqa: E402
+from report import paired_rounds, print_paired  # noqa: E402
 
 OPS = {"_write": "set", "_read": "get"}
 
@@ -79,47 +78,44 @@ def main() -> int:
         sys.exit(f"ab_paired: no case {args.case!r} (one of {[c.name for c in bh.CASES]})")
     batch, calls = bh.Plan.make(False).pages_for(case.page_bytes)
     pages = batch * calls
-    times: dict[str, list[float]] = {"A": [], "B": [], "stream": []}
     with bh.maru_server("2G") as url:
         inst = bh.Instance(url, case, pages, tempfile.mkdtemp(dir=bh.SHM_DIR), "writer")
+        turn = [0]
+
+        def maru(version: str) -> float:
+            setattr(storage.MaruStorage, args.method, versions[version])
+            time.sleep(args.idle_ms / 1000)
+            turn[0] += 1
+            tag = "ab" if op == "get" else f"ab/{turn[0]}"
+            sec, ok, *_ = inst.run(f"maru_{op}", tag, batch)
+            assert ok == pages, (version, ok)
+            if op == "set":
+                inst.maru_delete(tag, pages)
+            return sum(sec)
+
+        def stream() -> float:
+            time.sleep(args.idle_ms / 1000)
+            return sum(inst.run(f"stream_{op}", "ab", batch)[0])
+
         try:
             inst.fill(1)
             if op == "get":
                 assert inst.run("maru_set", "ab", batch, 0, pages)[1] == pages
                 inst.maru.confirm_writes()
-            for r in range(args.rounds + 2):  # two rounds of warm-up
-                for v in random.Random(r).sample(sorted(times), len(times)):
-                    tag = "ab" if op == "get" else f"ab/{r}/{v}"
-                    if v != "stream":
-                        setattr(storage.MaruStorage, args.method, versions[v])
-                    time.sleep(args.idle_ms / 1000)
-                    sec, ok, *_ = inst.run(
-                        f"{'stream' if v == 'stream' else 'maru'}_{op}", tag, batch
-                    )
-                    assert ok == pages or v == "stream", (v, ok)
-                    if v != "stream" and op == "set":
-                        inst.maru_delete(tag, pages)
-                    if r >= 2:
-                        times[v].append(sum(sec) / calls)
+            times = paired_rounds(
+                {"A": lambda: maru("A"), "B": lambda: maru("B"), "stream": stream},
+                args.rounds,
+                warmup=2,
+            )
         finally:
             setattr(storage.MaruStorage, args.method, versions["B"])
             inst.close()
-    ratios = [b / a for a, b in zip(times["A"], times["B"])]
     print(
         f"{args.case} batch_{op}_v1 ({batch} pages a call), {args.rounds} rounds; "
         f"A: MaruStorage.{args.method} at {args.rev}, B: the working tree"
         + (f"; {args.idle_ms:g} ms idle before each turn" if args.idle_ms else "")
     )
-    print("| version | median us a call | stream / version |")
-    print("|---|---:|---:|")
-    for v in ("A", "B", "stream"):
-        share = statistics.median(s / t for s, t in zip(times["stream"], times[v]))
-        print(f"| {v} | {statistics.median(times[v]) * 1e6:.1f} | {share:.1%} |")
-    wins = sum(x < 1 for x in ratios)
-    print(
-        f"B/A per round: median {statistics.median(ratios):.3f}, "
-        f"B faster in {wins} of {len(ratios)}"
-    )
+    print_paired(times, calls, unit="us")
     return 0
 
 

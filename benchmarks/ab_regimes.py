@@ -26,14 +26,13 @@ faster in about four rounds of five.
 from __future__ import annotations
 
 import argparse
-import random
 import runpy
-import statistics
 import sys
 from collections.abc import Callable
 
 import bench_hicache as H  # (same dir; puts tests/ on sys.path for sglang_cpu)
 import bench_regimes as R
+from report import paired_rounds, print_paired
 
 
 def load_switch(path: str) -> dict[str, Callable[[], object]]:
@@ -51,7 +50,6 @@ def run(
     """Seconds per block of `calls` calls for A, B and the stream copy, one entry a round."""
     case = R.CASES[size]
     pages = R.pages_of(case)
-    times: dict[str, list[float]] = {"A": [], "B": [], "stream": []}
     with H.maru_server(R.SERVER_POOL) as url:
         share = R.FULL_CALLS if regime == "full" else 4 * calls
         side = R.Side(url, case, pages, share * R.CALL_BYTES, regime)
@@ -63,26 +61,32 @@ def run(
         else:  # (untimed: the pages its blocks write touched once)
             side.timed("maru_set", "warm", calls + 2)
             side.delete("warm", calls + 2)
-        blocks = 0
+        blocks = [0]
+
+        def maru(version: str) -> float:
+            switch[version]()
+            blocks[0] += 1
+            tag = f"ab{blocks[0]}"
+            side.timed("maru_set", f"{tag}/warm", 2)  # (untimed: the switch)
+            block = side.timed("maru_set", tag, calls)
+            assert block["ok"] == calls * pages, f"{version}: stored {block}"
+            if regime == "roomy":
+                side.delete(f"{tag}/warm", 2)
+                side.delete(tag, calls)
+            return block["seconds"]
+
         try:
-            for r in range(rounds):
-                for v in random.Random(r).sample(sorted(times), len(times)):
-                    if v == "stream":
-                        times[v].append(side.timed("stream_set", "copy", calls)["seconds"])
-                        continue
-                    switch[v]()
-                    blocks += 1
-                    side.timed("maru_set", f"ab{blocks}/warm", 2)  # (untimed: the switch)
-                    block = side.timed("maru_set", f"ab{blocks}", calls)
-                    assert block["ok"] == calls * pages, f"{v}: stored {block}"
-                    times[v].append(block["seconds"])
-                    if regime == "roomy":
-                        side.delete(f"ab{blocks}/warm", 2)
-                        side.delete(f"ab{blocks}", calls)
+            return paired_rounds(
+                {
+                    "A": lambda: maru("A"),
+                    "B": lambda: maru("B"),
+                    "stream": lambda: side.timed("stream_set", "copy", calls)["seconds"],
+                },
+                rounds,
+            )
         finally:
             switch["A"]()
             side.close()
-    return times
 
 
 def main() -> int:
@@ -94,22 +98,11 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=12, help="16 MiB calls a block")
     args = p.parse_args()
     times = run(load_switch(args.switch), args.size, args.regime, args.rounds, args.calls)
-    speed = {v: [s / t for s, t in zip(times["stream"], times[v])] for v in ("A", "B")}
-    ratios = [a / b for a, b in zip(times["A"], times["B"])]
     print(
         f"{args.switch}: batch_set_v1 of {args.size} pages, regime {args.regime}, "
         f"{args.rounds} rounds of {args.calls} calls of 16 MiB"
     )
-    print("| version | median ms a call | of the stream copy (median of rounds) |")
-    print("|---|---:|---:|")
-    for v in ("A", "B", "stream"):
-        share = "" if v == "stream" else f"{statistics.median(speed[v]):.1%}"
-        print(f"| {v} | {statistics.median(times[v]) / args.calls * 1e3:.3f} | {share} |")
-    faster = sum(x > 1 for x in ratios)
-    print(
-        f"B's speed / A's per round: median {statistics.median(ratios):.3f}, "
-        f"mean {statistics.mean(ratios):.3f}; B faster in {faster} of {len(ratios)}"
-    )
+    print_paired(times, args.calls)
     return 0
 
 

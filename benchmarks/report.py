@@ -2,8 +2,9 @@
 
 `bench_hicache.py` and `bench_lmcache.py` share it so that their result files keep one naming
 scheme (`<name>-<time>[-<label>][-quick].{csv,md,json[,png]}` under `--out`) and one footer
-line (the load at the end and the run's duration). Not a `bench_*.py` itself: it measures
-nothing (docs/performance.md has one section per `bench_*.py`).
+line (the load at the end and the run's duration). The paired A/B tools (`ab_*.py`) share
+their rounds and their verdict (`paired_rounds`, `print_paired`). Not a `bench_*.py` itself:
+it measures nothing (docs/performance.md has one section per `bench_*.py`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import csv
 import json
 import os
+import random
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -68,3 +71,40 @@ def rows_csv(rows: list[dict[str, Any]]) -> Callable[[Path], None]:
             writer.writerows(rows)
 
     return write_csv
+
+
+def paired_rounds(
+    turns: dict[str, Callable[[], float]], rounds: int, warmup: int = 0
+) -> dict[str, list[float]]:
+    """Run every turn (A, B, "stream": each returns its seconds) once a round, in an order
+    seeded by the round, so that a drifting machine weighs on every version alike; the
+    seconds of each turn, one a round after the `warmup` rounds."""
+    times: dict[str, list[float]] = {name: [] for name in turns}
+    for r in range(warmup + rounds):
+        for name in random.Random(r).sample(sorted(turns), len(turns)):
+            seconds = turns[name]()
+            if r >= warmup:
+                times[name].append(seconds)
+    return times
+
+
+def print_paired(times: dict[str, list[float]], per: int, unit: str = "ms") -> None:
+    """The verdict of `paired_rounds`' A, B and "stream": each version's median time a call
+    (`per` calls a turn) and its speed against the stream copy's in the same round; B's speed
+    over A's per round (drift cancels), and in how many rounds B was faster."""
+    scale = {"ms": 1e3, "us": 1e6}[unit]
+    print(f"| version | median {unit} a call | of the stream copy (median of rounds) |")
+    print("|---|---:|---:|")
+    for v in ("A", "B", "stream"):
+        share = (
+            ""
+            if v == "stream"
+            else f"{statistics.median(s / t for s, t in zip(times['stream'], times[v])):.1%}"
+        )
+        print(f"| {v} | {statistics.median(times[v]) / per * scale:.3f} | {share} |")
+    ratios = [a / b for a, b in zip(times["A"], times["B"])]
+    faster = sum(x > 1 for x in ratios)
+    print(
+        f"B's speed / A's per round: median {statistics.median(ratios):.3f}, "
+        f"mean {statistics.mean(ratios):.3f}; B faster in {faster} of {len(ratios)}"
+    )
