@@ -13,7 +13,7 @@ from pytest import approx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import bench_hicache as H
-from report import finish
+from report import finish, paired_rounds, print_paired
 
 
 def _result(case, gbps: dict[str, float]) -> dict:
@@ -179,3 +179,25 @@ def test_the_hicache_plot_is_written_where_it_is_asked(tmp_path, monkeypatch):
     target.parent.mkdir()
     assert H.plot(target, [], [], keys)
     assert target.exists() and not list(tmp_path.glob("request*"))
+
+
+def test_paired_rounds_run_each_turn_once_a_round_in_varying_orders(capsys):
+    order: list[str] = []
+    seconds = {"A": 2.0, "B": 1.0, "stream": 0.5}
+
+    def turn(name: str):
+        def run() -> float:
+            order.append(name)
+            return seconds[name] + len(order) * 1e-6  # (a drift every version shares)
+
+        return run
+
+    times = paired_rounds({name: turn(name) for name in seconds}, rounds=6, warmup=2)
+    assert {name: len(t) for name, t in times.items()} == {"A": 6, "B": 6, "stream": 6}
+    rounds = [tuple(order[i : i + 3]) for i in range(0, len(order), 3)]
+    assert len(rounds) == 8 and all(sorted(r) == ["A", "B", "stream"] for r in rounds)
+    assert len(set(rounds)) > 1  # (the order is not fixed: drift would favour one version)
+    print_paired(times, per=2)
+    out = capsys.readouterr().out
+    assert "| A | 1000.00" in out and "| B | 500.00" in out  # (ms a call: 2 calls a turn)
+    assert "median 2.000" in out and "B faster in 6 of 6" in out
