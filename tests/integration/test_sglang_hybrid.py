@@ -504,7 +504,7 @@ def test_sglang_failure_injection_runs_cleanly(maru_server, monkeypatch):
     mamba = hybrid.sidecars[0]
     backend = _maybe_wrap_hicache_storage_failure_injector(_storage(maru_server.url, hybrid))
     assert isinstance(backend, HiCacheStorageFailureInjector)
-    # The injector draws from an unseeded per-thread Random: seed it, or one run in a thousand
+    # The injector draws from an unseeded per-thread Random: seed it, or one run in ~250
     # fails every get and the test reads a lucky streak as a broken store.
     monkeypatch.setattr(
         HiCacheStorageFailureInjector._thread_local, "random", random.Random(11), raising=False
