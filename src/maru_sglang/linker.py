@@ -135,9 +135,13 @@ class DevicePageLayout:
         self.part_bytes = [self.layers * p for p in self.piece_bytes]
         self.part_offsets = np.cumsum([0, *self.part_bytes[:-1]]).tolist()
         self.page_bytes = sum(self.part_bytes)
-        # What page_namespace reads of a host pool, for the host pool this page order is.
+        # What page_namespace reads of a host pool, for the host pool this page order is (its
+        # dtype the stored one, as the host pool's: uint8 for a quantized KV cache).
         self.geometry.__dict__.update(
-            dtype=kvcache.dtype, layer_num=self.layers, page_size=page_size, layout=STORED_LAYOUT
+            dtype=getattr(kvcache, "store_dtype", kvcache.dtype),
+            layer_num=self.layers,
+            page_size=page_size,
+            layout=STORED_LAYOUT,
         )
         self.buffers = parts
 

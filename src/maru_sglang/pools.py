@@ -9,6 +9,7 @@ import ctypes
 import dataclasses
 import hashlib
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,6 +57,52 @@ def _scope_fields(storage_config: HiCacheStorageConfig) -> list[str]:
     ]
 
 
+# Element types that do not say what their bytes mean: SGLang keeps a quantized KV cache
+# (fp8 of either format, mxfp8, fp4) as bytes, in the device pool and in the host pool alike.
+_BYTE_DTYPES = (torch.uint8, torch.int8)
+_PRIVATE_FORMAT: str | None = None  # this process's format where SGLang published none
+
+
+def _kv_format_fields(dtype: Any) -> list[str]:
+    """For a pool of bytes, what its bytes encode: SGLang's `--kv-cache-dtype` as the scheduler
+    published it (fp8_e4m3 and fp8_e5m2 pages are the same length, so without it one model
+    run each way would read the other's pages as hits), and ROCm's fp8 variant. Where SGLang
+    published no setting (a pool built outside a server), a namespace of this process alone:
+    misses for every other instance, never another format's bytes."""
+    if dtype not in _BYTE_DTYPES:
+        return []  # (the dtype says it: bf16, fp16, fp32)
+    setting = _kv_cache_dtype_setting()
+    if setting is None:
+        global _PRIVATE_FORMAT
+        if _PRIVATE_FORMAT is None:
+            _PRIVATE_FORMAT = f"unpublished-{os.urandom(8).hex()}"
+            log.warning(
+                "MaruStorage: the KV cache is stored as %s and SGLang published no "
+                "--kv-cache-dtype in this process, so what its bytes encode is unknown: its "
+                "pages are kept apart from every other instance's (no shared hits)",
+                dtype,
+            )
+        setting = _PRIVATE_FORMAT
+    return [f"kv={setting}", f"rocm={bool(torch.version.hip)}"]
+
+
+def _kv_cache_dtype_setting() -> str | None:
+    """SGLang's `--kv-cache-dtype` (auto, fp8_e4m3, fp8_e5m2, mxfp8, ...) in this process, or
+    None when no server published it."""
+    try:
+        from sglang.srt.runtime_context import get_model
+
+        return str(get_model().kv_cache_dtype)
+    except (ImportError, ValueError, AttributeError):
+        pass
+    try:  # (SGLang releases before the runtime context)
+        from sglang.srt.server_args import get_global_server_args
+
+        return str(get_global_server_args().kv_cache_dtype)
+    except Exception:  # (not there, or not set: both mean unknown)
+        return None
+
+
 def page_namespace(storage_config: HiCacheStorageConfig, pool: Any) -> str:
     """The KV pool's namespace: a short hash of every field a KV page's bytes depend on (the
     layout: `page_first` and `page_first_direct` order a page differently; the TP shard only for
@@ -66,6 +113,7 @@ def page_namespace(storage_config: HiCacheStorageConfig, pool: Any) -> str:
         f"layers={pool.layer_num}",
         f"page={pool.page_size}",
         f"layout={pool.layout}",
+        *_kv_format_fields(pool.dtype),
     ]
     if storage_config.is_mla_model:
         fields += [
@@ -113,6 +161,7 @@ def sidecar_namespace(
         f"page={getattr(pool, 'page_size', '')}",
         f"layout={getattr(pool, 'layout', '')}",
         f"parts={','.join(map(str, part_sizes))}",
+        *_kv_format_fields(getattr(pool, "dtype", None)),
     ]
     if replicated:
         fields.append(f"dcp={storage_config.dcp_rank}/{storage_config.dcp_size}")

@@ -309,6 +309,38 @@ def test_same_pages_as_maru_storage_on_a_page_first_direct_host_pool(pair, maru_
             storage.close()
 
 
+def test_linker_and_maru_storage_agree_on_an_fp8_namespace():
+    """An fp8 device pool's dtype is float8 and its host pool's uint8 (both store bytes): the
+    linker names its pages as MaruStorage does, per format (one format's pages are never the
+    other's), so the two still share them."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.runtime_context import get_context
+
+    from maru_sglang.linker import DevicePageLayout
+    from maru_sglang.pools import page_namespace
+    from sglang_cpu.host_pools import Geometry, make_host_pool
+
+    seen = {}
+    for dtype, setting in (
+        (torch.bfloat16, "auto"),
+        (torch.float8_e4m3fn, "fp8_e4m3"),
+        (torch.float8_e5m2, "fp8_e5m2"),
+    ):
+        g = Geometry(dtype=dtype)
+        device = MHATokenToKVPool(
+            512, g.page_size, dtype, head_num=g.heads, head_dim=g.head_dim,
+            layer_num=g.layers, device="cpu", enable_memory_saver=False,
+            start_layer=0, end_layer=g.layers - 1,
+        )  # fmt: skip
+        layout = DevicePageLayout(device, g.page_size)
+        with get_context().override_server_args(kv_cache_dtype=setting):
+            linker_ns = page_namespace(storage_config(), layout.geometry)
+            storage_ns = page_namespace(storage_config(), make_host_pool(g))
+        assert linker_ns == storage_ns, dtype
+        seen[dtype] = linker_ns
+    assert len(set(seen.values())) == 3
+
+
 def test_another_geometry_is_another_namespace(pair):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 

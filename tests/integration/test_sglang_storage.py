@@ -174,6 +174,39 @@ def test_geometry_mismatch_is_a_miss(maru_server):
         s.close()
 
 
+def test_fp8_formats_never_read_each_others_pages(maru_server):
+    """SGLang keeps an fp8 KV cache as bytes (the host pool's dtype is uint8 for fp8_e4m3 and
+    fp8_e5m2 alike, and a page is as long either way): the namespace takes the format from
+    SGLang's published `--kv-cache-dtype`, so a run of the other format misses, and a run of the
+    same format hits the bytes written."""
+    from sglang.srt.runtime_context import get_context
+
+    g = Geometry(dtype=torch.float8_e5m2)
+    keys = [f"fp8-{i}" for i in range(3)]
+    idx = page_indices(0, 3, g.page_size)
+    with get_context().override_server_args(kv_cache_dtype="fp8_e5m2"):
+        writer = _storage(maru_server.url, g)
+        assert writer.mem_pool_host.dtype == torch.uint8  # (what made the formats collide)
+        pages = expected_pages(writer.mem_pool_host, 3, seed=8)
+        fill(writer.mem_pool_host, idx, pages)
+        assert writer.batch_set_v1(keys, idx) == [True] * 3
+        writer.confirm_writes()
+        same = _storage(maru_server.url, Geometry(dtype=torch.float8_e5m2))
+    for setting in ("fp8_e4m3", "auto", "mxfp8"):
+        with get_context().override_server_args(kv_cache_dtype=setting):
+            other = _storage(maru_server.url, Geometry(dtype=torch.float8_e4m3fn))
+        assert other.mem_pool_host.dtype == torch.uint8
+        assert other.namespace != writer.namespace, setting
+        assert other.batch_exists(keys) == 0, setting
+        assert other.batch_get_v1(keys, page_indices(4, 3, g.page_size)) == [False] * 3
+        other.close()
+    dst = page_indices(4, 3, g.page_size)
+    assert same.batch_get_v1(keys, dst) == [True] * 3
+    assert all(torch.equal(x, y) for x, y in zip(read(same.mem_pool_host, dst, 3), pages))
+    for s in (same, writer):
+        s.close()
+
+
 def test_mla_pages_are_shared_across_tp_ranks(maru_server):
     g = Geometry(attn="mla")
     rank0 = _storage(maru_server.url, g, tp_rank=0, tp_size=2)
