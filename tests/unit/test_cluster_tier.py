@@ -101,8 +101,12 @@ def test_a_trailer_holds_only_for_its_own_name():
     assert decode_trailer(name, bytes(TRAILER_BYTES)) is None  # a value's tail, not a trailer
     assert decode_trailer(name, encode_trailer(name, 4096, 0)) is None  # no checksum: no proof
     assert object_name("t", b"k") != object_name("t", "6b")  # bytes keys never meet str keys
-    # The tier's first format named objects maru/...: never looked up, so never a hit.
-    assert object_name("t", "k").startswith("maru2/")
+    # A tenant id holding "/" never names another tenant's object (tenant "team" with key
+    # "s/k" against tenant "team/s" with key "k"), nor a str key a bytes key's of another.
+    assert object_name("team", "s/k") != object_name("team/s", "k")
+    assert object_name("t", "x/b/ab") != object_name("t/s/x", b"\xab")
+    # Earlier formats named objects maru/... and maru2/...: never looked up, so never a hit.
+    assert object_name("t", "k").startswith("maru3/")
     # The value's length in an object: its size less the trailer; none when too short.
     assert value_length(4096 + TRAILER_BYTES) == 4096
     assert value_length(TRAILER_BYTES) is None and value_length(3) is None
@@ -321,6 +325,8 @@ def test_the_tiers_regions_go_back_when_a_writer_below_its_share_finds_the_pool_
     assert list(pages.free_lists) == regions[:1]
     assert all(reg.regions[r].returned for r in regions[1:])
     assert all(hit is not None for hit in locate(reg, keys)[0])  # readable until reclaimed
+    # (and still known as pulled: a spilling eviction of them publishes nothing again)
+    assert all(pages.pulled_into(r) for r in regions) and not pages.pulled_into(-1)
     assert pages.shed(landing) == 0  # (asked once)
     handle = reg.request_region("B", 16 * MiB)
     assert handle.region_id not in regions[:1]

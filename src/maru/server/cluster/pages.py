@@ -39,6 +39,8 @@ class TierPages:
         if landing is not None:
             registry.grants.give_back_now[self.instance_id] = lambda: self.shed(landing())
         self.free_lists: dict[int, ExtentAllocator] = {}  # region id -> its free pages
+        # regions given back (`shed`) whose pulled keys the pool has not reclaimed yet
+        self.given_back: set[int] = set()
         self.last = -1  # the region the last value's pages came from
         self.ahead = 0  # bytes kept free for the next pull (`ready`)
 
@@ -96,10 +98,12 @@ class TierPages:
         instance that waits. The bytes given back."""
         inst = self.registry.instances.get(self.instance_id)
         want = inst.shed if inst is not None else 0
+        regions = self.registry.regions
+        self.given_back = {r for r in self.given_back if r in regions}  # (the rest reclaimed)
         if want <= 0:
             return 0
         inst.shed = 0  # (asked again if the waiting instance still finds no room)
-        given, regions = 0, self.registry.regions
+        given = 0
         for region_id in [r for r in self.free_lists if r not in landing]:
             if given >= want:
                 break
@@ -110,11 +114,22 @@ class TierPages:
                 log.warning("cluster tier: region %d not given back: %s", region_id, exc)
                 break
             del self.free_lists[region_id]
+            self.given_back.add(region_id)
             given += region.length
         if self.last not in self.free_lists:
             self.last = -1
         log.info("cluster tier: gave %d bytes of regions back to the pool, asked %d", given, want)
         return given
+
+    def pulled_into(self, region_id: int) -> bool:
+        """Whether `region_id`'s values were pulled (they are in the cluster already): one of
+        the tier's regions, or one it gave back whose keys are still readable."""
+        if region_id in self.free_lists:
+            return True
+        if region_id not in self.given_back:
+            return False
+        region = self.registry.regions.get(region_id)
+        return region is not None and region.returned and region.owner == self.instance_id
 
     def _place(self, region_id: int, offset: int) -> tuple[int, int, str, int]:
         region = self.registry.regions[region_id]

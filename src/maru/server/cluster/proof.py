@@ -30,11 +30,13 @@ TRAILER_BYTES = _TRAILER.size
 
 
 def object_name(tenant: str, key: Key) -> str:
-    """Mooncake's (str) name for a Maru key of `tenant`: str keys as they are, bytes keys in
-    hex, tagged so that the two never meet ("maru2": the one-object format)."""
-    if isinstance(key, bytes):
-        return f"maru2/{tenant}/b/{key.hex()}"
-    return f"maru2/{tenant}/s/{key}"
+    """Mooncake's (str) name for a Maru key of `tenant`: the tenant after its length (a
+    tenant id may hold "/": without the length, tenant "t" and key "s/k" would be named as
+    tenant "t/s" and key "k", and one tenant would read the other's values as proven), then
+    str keys as they are and bytes keys in hex, tagged so that the two never meet. "maru3":
+    the one-object format, named so."""
+    kind, text = ("b", key.hex()) if isinstance(key, bytes) else ("s", key)
+    return f"maru3/{len(tenant)}/{tenant}/{kind}/{text}"
 
 
 def value_length(object_size: int) -> int | None:

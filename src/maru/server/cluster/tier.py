@@ -202,11 +202,11 @@ class ClusterTier:
         the publish) until the sidecar has read them, then are dropped. Returns the victims
         to drop now: all when the tier cannot take them or a writer waits for their room
         (counted as drops), else those it pulled (already in the cluster)."""
-        ours = self.pages.free_lists
-        mine = [i for i, e in enumerate(entries) if e.region_id not in ours]
+        pulled = self.pages.pulled_into
+        mine = [i for i, e in enumerate(entries) if not pulled(e.region_id)]
         room = hold and self.connected and len(self.batches) < IN_FLIGHT
         if mine and room and self._publish([keys[i] for i in mine], True, room_for):
-            now = [i for i, e in enumerate(entries) if e.region_id in ours]
+            now = [i for i, e in enumerate(entries) if pulled(e.region_id)]
             return [keys[i] for i in now], [entries[i] for i in now]
         if mine:
             self.counts["publish_drops"] += len(mine)
