@@ -790,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.index_slot_count and pool.index_area is None:
             log.warning("--index-slots: a directory pool has no in-pool index: /dev/shm's")
         retire_earlier(pool.kind, pool.path)  # before the pool can change (a new generation)
-        retire_in_pool(pool)
+        retire_in_pool(pool)  # an earlier start's in-pool table, whatever this one's flags
         secret = load_or_create_secret(state_dir)
         journal = Journal(
             state_dir,

@@ -26,6 +26,7 @@ from maru.common import hugepages, shmindex
 from maru.common.config import fmt_bytes
 from maru.common.shmindex import (
     USE_SUFFIX,
+    area_bytes,
     area_views,
     index_base,
     map_area,
@@ -33,6 +34,7 @@ from maru.common.shmindex import (
     table_bytes,
     table_files,
 )
+from maru.server.pool import INDEX_SLOTS_MAX
 
 log = logging.getLogger(__name__)
 
@@ -80,31 +82,107 @@ class _PoolTable:
         self.map.close()
 
 
-def _retire(table: Any, use: Any) -> None:
-    writer = shmindex.Writer(table, use)
+def _retire(table: Any, use: Any, software: bool = False) -> None:
+    writer = shmindex.Writer(table, use, software)
     writer.retire("")
     writer.close()
 
 
-def retire_in_pool(pool: Any) -> bool:
-    """`retire_earlier` for the in-pool table: False where there is none of this size."""
-    if pool.index_area is None:
-        return False
-    file, offset, length, slots = pool.index_area
+def _earlier_places(pool: Any) -> list[tuple[int, int, int, bool]]:
+    """Where an earlier start's in-pool table may lie, whatever this start's `--index-slots`
+    (`Pool.index_area`): (offset, bytes there, the unit it is mapped in, whether its area
+    must be exactly those bytes) in the pool's file or device. A shm pool's area starts at
+    the page after the mark's, whatever its slots; a devdax pool's ends at the mark's unit
+    and takes as many units before it as its slots needed: one place per unit count. A
+    directory (fsdax) pool has none."""
+    kind, mark = getattr(pool, "kind", ""), getattr(pool, "mark_offset", None)
+    if mark is None:
+        return []
+    if kind == "shm":
+        start = mark + pool.mark_span
+        try:
+            rest = os.stat(pool.path).st_size - start
+        except OSError:
+            return []
+        page = mmap.ALLOCATIONGRANULARITY
+        return [(start, rest, page, False)] if rest >= page else []
+    if kind == "devdax":  # (a device maps in units of its alignment)
+        unit = pool.alignment
+        counts = (1 << k for k in range(3, INDEX_SLOTS_MAX.bit_length()))  # 8 slots and up
+        sizes = {-(-area_bytes(slots) // unit) * unit for slots in counts}
+        return [(mark - size, size, unit, True) for size in sorted(sizes) if size <= mark]
+    return []
+
+
+def _current_table(path: str, place: tuple[int, int, int, bool], generation: int | None) -> int:
+    """The slots of the table whose header is at `place` (`_earlier_places`) of `path` if it
+    is a current one (not retired) whose area is there, of the pool generation `generation`
+    hashes unless None; else 0. `shmindex.Writer` checks the rest of the header."""
+    offset, length, unit, exact = place
     try:
-        area = map_area(os.path.join(pool.path, file) if file else pool.path, offset, length)
+        header = map_area(path, offset, unit)
     except (OSError, ValueError):
-        return False
-    table, use = area_views(area, slots)
+        return 0
     try:
-        _retire(table, use)
-        return True
-    except ValueError:  # (never formatted, or of another size: the format retires it)
-        return False
+        magic = header[:8]  # (offsets of `Header` in _shmindex.c: capacity, generation, retired)
+        slots, gen, retired = (int.from_bytes(header[at : at + 8], "little") for at in (16, 40, 48))
     finally:
-        table.release()
-        use.release()
-        area.close()
+        header.close()
+    ok = (
+        magic == b"MARUIDX1"
+        and 0 < slots <= INDEX_SLOTS_MAX
+        and slots & (slots - 1) == 0
+        and (-(-area_bytes(slots) // unit) * unit == length or not exact)
+        and area_bytes(slots) <= length
+        and not retired
+        and generation in (None, gen)
+    )
+    return slots if ok else 0
+
+
+def retire_in_pool(pool: Any) -> int:
+    """`retire_earlier` for the in-pool table: retire the table an earlier start left in the
+    pool, whatever this start's flags (one without `--index-slots`, or with another count,
+    formats none over it: its readers would go on proving copies from it until their next
+    HANDSHAKE). Call it with the pool locked, before the pool can change. The retire is
+    written back to memory where the CPU can (another host may read the table). Returns how
+    many it retired.
+
+    Where a devdax pool's area could lie may now be region memory (this start has fewer
+    slots): a table there is retired only if current and of the generation in the pool's
+    mark. That is the one a reader may still hold (each start retires it before it writes its
+    own mark), and the state of that generation never had a region there (its regions lay
+    before its table): no restored bytes are written."""
+    places = _earlier_places(pool)
+    generation = None
+    if places and pool.kind == "devdax":
+        mark = pool.read_mark()
+        generation = shmindex.hash_generation(mark[0].encode()) if mark else None
+    count = 0
+    for place in places:
+        slots = _current_table(pool.path, place, generation)
+        if not slots:
+            continue
+        offset, _, unit, _ = place
+        try:
+            area = map_area(pool.path, offset, -(-area_bytes(slots) // unit) * unit)
+        except (OSError, ValueError):
+            continue
+        table, use = area_views(area, slots)
+        try:
+            try:
+                _retire(table, use, software=True)
+            except ValueError:  # (no cache-line flushes here: a plain store)
+                _retire(table, use)
+            count += 1
+            log.info("retired the in-pool index (%d slots) of an earlier server", slots)
+        except ValueError as exc:  # (another layout: not a table of ours)
+            log.warning("in-pool index at offset %d of %s left as is (%s)", offset, pool.path, exc)
+        finally:
+            table.release()
+            use.release()
+            area.close()
+    return count
 
 
 class _Table:
