@@ -295,6 +295,43 @@ def test_an_entry_deleted_and_its_page_reused_during_the_copy_is_a_miss(
         assert r.batch_exists(keys) == [False, False, True, True]
 
 
+def test_a_copying_lookup_asked_of_the_server_is_leased_unasked(maru_server):
+    """`lookup(keys, for_copy=True)` without `lease=True` where no local index answers (the
+    request path): its hits are leased all the same, so a delete during the copy cannot free
+    and reuse their chunks, and `release(confirm=True)` proves the copy. Before: no lease,
+    the chunk was rewritten under the copy, and `corrupt()` and `release(confirm=True)` both
+    vouched for another key's bytes."""
+    with (
+        handler(maru_server.url, pool_size="2M", local_index=False) as w,
+        handler(maru_server.url, local_index=False) as r,
+    ):
+        assert w.store("k1", value("k1"))
+        with r.lookup(["k1"], for_copy=True) as found:
+            assert type(found).__name__ == "Lookup"  # (asked of the server)
+            w.batch_delete(["k1"])
+            more = [f"new{i}" for i in range(32)]  # every chunk of the writer's 2M
+            w.batch_store(more, [value(k) for k in more])
+            data = ctypes.string_at(int(found.addresses[0]), int(found.lengths[0]))
+            bad = found.corrupt()
+            held = found.release(confirm=True)
+        assert data == value("k1") and not bad.any() and held
+        assert r.batch_exists(["k1"]) == [True]  # (its delete waited for the lease)
+
+
+@pytest.mark.parametrize("local_index", [True, False], ids=["index", "requests"])
+def test_a_read_of_length_zero_finds_nothing_either_way(maru_server, local_index):
+    """A miss's length is 0, so a read of 0 bytes took every miss for a copy on the request
+    path (True for a key never written); the index said False. Both say False now."""
+    with handler(maru_server.url, local_index=local_index) as h:
+        assert h.store("k", value("k"))
+        buf = np.zeros(16, np.uint8)
+        rows = np.full((2, 1), buf.ctypes.data, np.int64)
+        assert h.read(["never-written", "k"], rows, np.array([0], np.int64), length=0) == [
+            False,
+            False,
+        ]
+
+
 @pytest.mark.parametrize("way", WAYS)
 def test_reads_around_a_server_sigkill_and_restart_are_right_or_misses(
     maru_server, way, fused_copier

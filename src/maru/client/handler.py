@@ -392,7 +392,9 @@ class MaruHandler(OriginalApi):
         it releases. `lease`: hits cannot be evicted or deleted until released (from this
         thread). `for_copy`: the caller copies the hits, then takes as misses what
         `corrupt()` names (all if `release(confirm=True)` is False), so the local index may
-        answer instead (validated after the copy, not leased). `prefix`: keys are `prefix +
+        answer instead (validated after the copy, not leased); asked of the server, the
+        hits are leased whatever `lease` says (else nothing would prove the copy). `prefix`:
+        keys are `prefix +
         key` (one prefix, or one per key). A cluster tier's misses are pulled first (one wait
         within --cluster-lookup-ms)."""
         if self._cluster.budget_s:
@@ -406,7 +408,7 @@ class MaruHandler(OriginalApi):
             found = index.lookup(self._s, keys, prefix)
             if found is not None:
                 return found
-        return Lookup(self._s, joined(keys, prefix), lease)
+        return Lookup(self._s, joined(keys, prefix), lease or for_copy)
 
     def read(
         self,

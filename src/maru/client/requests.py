@@ -143,7 +143,7 @@ class Lookup:
         faulted (`CopyFaultError`) makes the whole range misses (logged), not read again."""
         addresses, lengths = self.wait()
         seg = slice(start, self.n if stop is None else stop)
-        copied = lengths[seg] == length
+        copied = (lengths[seg] == length) & (lengths[seg] > 0)  # (a miss has length 0)
         sources = addresses[seg]
         if not copied.all():  # copy the hits only (a 0 address is skipped)
             sources = np.where(copied, sources, 0)
