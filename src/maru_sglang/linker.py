@@ -139,6 +139,7 @@ class DevicePageLayout:
         # dtype the stored one, as the host pool's: uint8 for a quantized KV cache).
         self.geometry.__dict__.update(
             dtype=getattr(kvcache, "store_dtype", kvcache.dtype),
+            start_layer=getattr(kvcache, "start_layer", 0),
             layer_num=self.layers,
             page_size=page_size,
             layout=STORED_LAYOUT,

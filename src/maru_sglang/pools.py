@@ -48,10 +48,14 @@ def _digest(fields: Sequence[str]) -> str:
     return hashlib.sha256("|".join(fields).encode()).hexdigest()[:16]
 
 
-def _scope_fields(storage_config: HiCacheStorageConfig) -> list[str]:
-    """What every pool's namespace shares: PP stage, attention-CP and DP ranks."""
+def _scope_fields(storage_config: HiCacheStorageConfig, pool: Any) -> list[str]:
+    """What every pool's namespace shares: PP stage (and its first layer where not 0: a custom
+    layer split, `SGLANG_PP_LAYER_PARTITION`, gives a stage as many layers at another
+    place), attention-CP and DP ranks."""
+    start = int(getattr(pool, "start_layer", 0) or 0)
     return [
         f"pp={storage_config.pp_rank}/{storage_config.pp_size}",
+        *([f"start_layer={start}"] if start else []),
         f"cp={storage_config.attn_cp_rank}/{storage_config.attn_cp_size}",
         f"dp={storage_config.dp_rank}",
     ]
@@ -131,7 +135,7 @@ def page_namespace(storage_config: HiCacheStorageConfig, pool: Any) -> str:
             f"v_head_dim={getattr(pool, 'v_head_dim', pool.head_dim)}",
             f"tp={storage_config.tp_rank}/{storage_config.tp_size}",
         ]
-    return _digest(fields + _scope_fields(storage_config))
+    return _digest(fields + _scope_fields(storage_config, pool))
 
 
 def is_rank_replicated(storage_config: HiCacheStorageConfig, pool: Any) -> bool:
@@ -167,7 +171,7 @@ def sidecar_namespace(
         fields.append(f"dcp={storage_config.dcp_rank}/{storage_config.dcp_size}")
     else:
         fields.append(f"tp={storage_config.tp_rank}/{storage_config.tp_size}")
-    return _digest(fields + _scope_fields(storage_config))
+    return _digest(fields + _scope_fields(storage_config, pool))
 
 
 def _affine_page_pointers(pool: Any, parts: int) -> list[tuple[int, int]] | None:

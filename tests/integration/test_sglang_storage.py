@@ -163,6 +163,7 @@ def test_geometry_mismatch_is_a_miss(maru_server):
         Geometry(layers=4),
         Geometry(dtype=torch.float16),
         Geometry(page_size=8),
+        Geometry(start_layer=3),  # (a PP stage of as many layers, elsewhere in the model)
     ):
         reader = _storage(maru_server.url, other)
         assert reader.batch_exists(keys) == 0, other

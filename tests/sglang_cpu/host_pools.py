@@ -24,6 +24,7 @@ class Geometry:
     kv_lora_rank: int = 32
     rope_dim: int = 8
     dtype: torch.dtype = torch.bfloat16
+    start_layer: int = 0  # a PP stage's first layer
 
 
 def make_host_pool(g: Geometry):
@@ -31,7 +32,8 @@ def make_host_pool(g: Geometry):
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
-    common = dict(device="cpu", enable_memory_saver=False, start_layer=0, end_layer=g.layers - 1)
+    first, last = g.start_layer, g.start_layer + g.layers - 1
+    common = dict(device="cpu", enable_memory_saver=False, start_layer=first, end_layer=last)
     if g.attn == "mha":
         device_pool = MHATokenToKVPool(
             TOKENS,
@@ -73,8 +75,8 @@ def make_host_pool(g: Geometry):
         pin_memory=False,
         device="cpu",
         device_capacity_tokens=device_pool.size,
-        start_layer=0,
-        end_layer=g.layers - 1,
+        start_layer=first,
+        end_layer=last,
         target_layer_num=g.layers,
     )
 
