@@ -5,11 +5,15 @@ refused and reads as misses. Never a crash, never a side effect of the refused r
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import threading
 
 from conftest import maru_server_command  # tests/conftest.py
 from maru import MaruHandler
+from maru.common.errors import MaruError
 
 from .workers import (
     SPAWN,
@@ -159,3 +163,40 @@ def test_a_lease_flood_does_not_fail_another_writers_stores(maru_server_factory)
     assert writer["failed"] <= count // 32, writer  # before: nearly all of them
     assert writer["wrong"] == 0 and writer["hits"] >= count - writer["failed"] - count // 4
     assert "bytes under leases" in server.read_log() and server.alive()
+
+
+def test_a_region_whose_give_back_failed_is_never_written_again_as_empty(maru_server_factory):
+    """Asked for its fair share back, a writer drops a region holding its keys, and the
+    RETURN_REGION fails (the server stopped, then SIGKILLed). The restarted server restores
+    the region as the writer's, with its keys. Before: the writer's re-handshake adopted it
+    with every chunk free, its next writes went over those keys' bytes, and every old key
+    read as a hit with a new key's bytes. Now the region stays aside (returned again at the
+    next heartbeat) and every key reads its own bytes."""
+    server = maru_server_factory(pool_size="64M", extra_args=["--heartbeat-timeout", "30"])
+    x = MaruHandler(
+        server_url=server.url, pool_size="8M", chunk_size_bytes=64 * KiB, timeout_ms=1000
+    )
+    old = [f"old/{i}" for i in range(8)]
+    assert x.batch_store(old, [make_value(i, 64 * KiB) for i in range(8)]) == [True] * 8
+    x._supply.shed(1 << 40)  # (what a reply's `shed` asks)
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    with contextlib.suppress(MaruError):  # (the heartbeat after it finds none either)
+        x._supply.tick({})  # gives up the region; its RETURN_REGION finds no server
+    assert x.owned_region_ids() == []
+    os.kill(server.proc.pid, signal.SIGKILL)
+    os.kill(server.proc.pid, signal.SIGCONT)
+    server.proc.wait()
+    server.proc = None
+    server.start(server.port)
+    new = [f"new/{i}" for i in range(8)]
+    assert x.batch_store(new, [make_value(100 + i, 64 * KiB) for i in range(8)]) == [True] * 8
+    reader = handler(server.url)
+    with reader.leased(old + new) as infos:
+        got = [None if i is None else digest(i.view) for i in infos]
+    want = [digest(make_value(i, 64 * KiB)) for i in range(8)]
+    want += [digest(make_value(100 + i, 64 * KiB)) for i in range(8)]
+    assert got == want
+    x._supply.tick({})  # the region aside is returned now
+    assert x._supply._unreturned == {}
+    reader.close()
+    x.close()

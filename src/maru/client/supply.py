@@ -58,6 +58,10 @@ class RegionSupply:
         self.lock = threading.Lock()
         self._park_seq = itertools.count(1)
         self._shed = 0  # bytes of regions the server asked us to give back (fair share)
+        # Regions given up (`_give_back_share`) whose RETURN_REGION the server has not taken:
+        # they may hold our keys, so they are never adopted again as empty (`reattach`), only
+        # returned again at each `tick` until the server takes them or says they are not ours.
+        self._unreturned: dict[int, RegionHandle] = {}
         self.full = False  # we evicted for room: we hold `pool_size` (or the pool is full)
         self._ahead = threading.local()  # .pending: this thread's EVICT_FOR sent ahead
         self._ready_lock = threading.Lock()
@@ -135,22 +139,45 @@ class RegionSupply:
         region we return, and a seal in flight into one is refused, never misplaced."""
         want, self._shed = self._shed, 0
         for mapped in self.chunks.give_up(want):
-            handle = mapped.handle
-            body = {"region_id": handle.region_id, "token": handle.token}
+            self._unreturned[mapped.handle.region_id] = mapped.handle
+        self._return_unreturned()
+
+    def _return_unreturned(self) -> None:
+        """RETURN_REGION for each region given up and not yet taken back (caller holds
+        `lock`). One the server did not take (unreachable, its journal unwritable) stays
+        aside, unwritten, and is returned again at the next `tick`: were it forgotten, a
+        restarted server would list it as ours with its keys, and `reattach` would adopt it
+        with every chunk free, and our next writes would overwrite those keys' bytes."""
+        for region_id, handle in list(self._unreturned.items()):
+            body = {"region_id": region_id, "token": handle.token}
             try:
                 self._request(MsgType.RETURN_REGION, body).result()
-            except MaruError as exc:  # (dropped here anyway: it is no longer written)
+            except MaruServerError as exc:
+                if exc.code in (ErrorCode.STATE_UNAVAILABLE, ErrorCode.UNKNOWN_INSTANCE):
+                    log.warning(
+                        "instance %s: returning region %d failed, kept aside to return again: %s",
+                        self.owner.instance_id,
+                        region_id,
+                        exc,
+                    )
+                    continue
+                # (NOT_OWNER, UNKNOWN_REGION, BAD_TOKEN: not ours, or returned already)
+                log.info("instance %s: region %d: %s", self.owner.instance_id, region_id, exc)
+            except MaruError as exc:
                 log.warning(
-                    "instance %s: returning region %d failed: %s",
+                    "instance %s: returning region %d failed, kept aside to return again: %s",
                     self.owner.instance_id,
-                    handle.region_id,
+                    region_id,
                     exc,
                 )
-            log.info(
-                "instance %s: region %d given back (over our fair share of the pool)",
-                self.owner.instance_id,
-                handle.region_id,
-            )
+                continue
+            else:
+                log.info(
+                    "instance %s: region %d given back (over our fair share of the pool)",
+                    self.owner.instance_id,
+                    region_id,
+                )
+            del self._unreturned[region_id]
 
     def room(self, room: Room) -> None:
         """Before a write placed value by value: when our free chunks hold less than `room`
@@ -356,8 +383,12 @@ class RegionSupply:
                 self.chunks.drop(region_id)
                 self.mapper.unmap(region_id)
                 lost += 1
+        for region_id in [r for r in self._unreturned if r not in still_owned]:
+            del self._unreturned[region_id]  # (the server does not hold it as ours)
         for handle in still_owned.values():
-            if handle.region_id not in self.chunks:  # (a session only owns what it took)
+            if handle.region_id in self._unreturned:  # (it may hold our keys: returned again)
+                continue
+            if handle.region_id not in self.chunks:  # (a grant whose reply we never read)
                 self.chunks.adopt(self.mapper.map(handle, writable=True))
         return lost
 
@@ -381,6 +412,8 @@ class RegionSupply:
         with self.lock:
             if self._shed:
                 self._give_back_share()
+            elif self._unreturned:
+                self._return_unreturned()
             parked = self.chunks.park_idle()
             if parked and self._park(parked, []) is not None and not report:
                 self.chunks.settle()
