@@ -11,6 +11,7 @@ without it.
 from __future__ import annotations
 
 import gc
+import logging
 import multiprocessing
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch  # noqa: E402
 from lmcache_cpu import engine as E  # noqa: E402
 from lmcache_cpu import workers as W  # noqa: E402
 from maru import MaruHandler  # noqa: E402
+from maru.common.protocol import MsgType  # noqa: E402
 from maru_lmcache import CxlMemoryAdapter  # noqa: E402
 
 from .workers import run_processes  # noqa: E402
@@ -112,6 +114,58 @@ def test_backend_methods_across_processes(maru_server_factory):
     assert b["remove"] is True
     assert b["after_remove"] == [False, True]
     assert b["remove_missing"] is False
+
+
+def _stored_prompt(url: str, chunks: int, seed: int) -> tuple[list[int], list[str]]:
+    """A prompt of full chunks stored by one engine (closed after): its tokens and keys."""
+    n = chunks * G.chunk
+    tokens = E.prompt(n, seed)
+    with E.Engine(E.config(url), E.metadata()) as a:
+        a.engine.store(tokens, kvcaches=E.kv_caches(n, seed=seed), slot_mapping=torch.arange(n))
+        W._wait_for(lambda: not a.backend.put_tasks, "puts finished")
+        keys = E.key_strings(a.engine, tokens)
+    assert len(keys) == chunks
+    return tokens, keys
+
+
+def test_a_pinned_lookup_over_a_gap_pins_only_what_lookup_unpin_lets_go(maru_server_factory):
+    """LMCache's pinned lookup counts the leading hits and `lookup_unpin` unpins just those:
+    the chunks after a missing one must not be pinned (before, they were, for the engine's
+    whole life, again at every lookup: never evicted nor deleted, the pool filling up)."""
+    server = maru_server_factory(pool_size="64M")
+    tokens, keys = _stored_prompt(server.url, 4, 13)
+    with MaruHandler(server_url=server.url, pool_size="4M") as h:
+        assert h.batch_delete([keys[1]]) == [True]  # the gap
+        with E.Engine(E.config(server.url), E.metadata()) as b:
+            iid = b.backend._handler.instance_id
+            for lookup_id in ("req-1", "req-2"):
+                assert b.engine.lookup(tokens, lookup_id=lookup_id, pin=True) == G.chunk
+            assert h.stats()["instances"][iid]["pins"] == 2  # keys[0], once per lookup
+            assert h.batch_delete([keys[0]]) == [False]  # held while the lookups are on
+            b.engine.lookup_unpin("req-1")
+            b.engine.lookup_unpin("req-2")
+            assert h.stats()["instances"][iid]["pins"] == 0
+            # B still open: every chunk can go (before the fix: keys[2:] stayed pinned)
+            assert h.batch_delete([keys[0], keys[2], keys[3]]) == [True] * 3
+
+
+def test_an_unpin_after_the_instance_lost_its_pins_is_a_warning(maru_server_factory, caplog):
+    """A pin is what keeps a zero-copy view's bytes in place; an instance that is reaped (or
+    disconnected) loses its pins. LMCache's `lookup_unpin` ignores the results: Maru logs it."""
+    server = maru_server_factory(pool_size="64M")
+    tokens, keys = _stored_prompt(server.url, 2, 17)
+    with E.Engine(E.config(server.url), E.metadata()) as b:
+        handler = b.backend._handler
+        assert b.engine.lookup(tokens, lookup_id="req-1", pin=True) == 2 * G.chunk
+        handler._request(MsgType.DISCONNECT, {}).result()  # its end, as the server's reaping
+        with caplog.at_level(logging.WARNING, logger="maru.client.handler"):
+            b.engine.lookup_unpin("req-1")
+        warned = [r for r in caplog.records if "found no pin of ours" in r.getMessage()]
+        # (LMCache's storage manager unpins key by key: one warning each)
+        assert [r.levelno for r in warned] == [logging.WARNING] * 2
+        assert all("unpin of 1 of 1 keys" in r.getMessage() for r in warned)
+    with MaruHandler(server_url=server.url, pool_size="4M") as h:
+        assert h.batch_delete(keys) == [True, True]
 
 
 # -- the adapter on its own, in this process ------------------------------------------------------

@@ -231,6 +231,29 @@ def test_pinned_delete_refused_until_unpinned(registry):
     assert locate(registry, ["k"])[0] == [None]
 
 
+def test_a_leading_pin_stops_at_the_first_miss(registry):
+    """PIN with "leading" (a prefix lookup's pin): the keys after a gap are neither pinned nor
+    reported, so a caller that unpins only its hits leaves none behind; journaled: just those."""
+    r = registry.request_region("A", 2 * MiB)
+    register(registry, "A", [[f"k{i}", r.region_id, i * 4096, 10] for i in range(4)])
+    assert registry.delete(["k1"]) == [DeleteStatus.DELETED]  # the gap
+    journaled = []
+    registry.pins._log = lambda *record: journaled.append(record)
+    keys = ["k0", "k1", "k2", "k3"]
+    assert registry.pins.pin(keys, "A", leading=True) == [True, False, False, False]
+    assert journaled == [("P", "A", ["k0"])]
+    assert registry.instances["A"].pins == {"k0": 1}
+    assert [registry.keys[k].pins for k in ("k0", "k2", "k3")] == [1, 0, 0]
+    assert registry.pins.pin(["gone", "k0"], "A", leading=True) == [False, False]  # none
+    assert len(journaled) == 1
+    assert registry.pins.unpin(["k0"], "A") == [True]
+    assert registry.delete(["k2", "k3", "k0"]) == [DeleteStatus.DELETED] * 3
+    # without it, as before: every key that exists
+    register(registry, "A", [[f"k{i}", r.region_id, i * 4096, 10] for i in (2, 3)])
+    assert registry.pins.pin(["k0", "k2", "k3"], "A") == [False, True, True]
+    assert journaled[-1] == ("P", "A", ["k2", "k3"])
+
+
 def test_freed_page_notification_goes_to_the_owner(registry):
     r = registry.request_region("A", 2 * MiB)
     register(registry, "A", [["k1", r.region_id, 0, 10], ["k2", r.region_id, 65536, 20]])

@@ -116,6 +116,8 @@ def test_unknown_message_type(service, msg_type):
         (MsgType.LOOKUP_KV, {"keys": ["é" * 600]}, ErrorCode.KEY_TOO_LONG),  # 1200 bytes
         (MsgType.EXISTS, {"keys": ["k" * 5000]}, ErrorCode.KEY_TOO_LONG),
         (MsgType.PIN, {"keys": ["k" * 5000]}, ErrorCode.KEY_TOO_LONG),
+        (MsgType.PIN, {"iid": "A", "keys": ["k"], "leading": 1}, ErrorCode.BAD_REQUEST),
+        (MsgType.PIN, {"iid": "A", "keys": ["k"], "leading": "yes"}, ErrorCode.BAD_REQUEST),
         (MsgType.DELETE_KV, {"keys": ["k" * 5000]}, ErrorCode.KEY_TOO_LONG),
         (MsgType.LOOKUP_KV, {"keys": ["k"] * (protocol.MAX_BATCH + 1)}, ErrorCode.BAD_REQUEST),
         (MsgType.RETURN_REGION, {"iid": "A", "region_id": 1, "token": "x"}, ErrorCode.BAD_TOKEN),

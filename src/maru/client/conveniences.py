@@ -263,16 +263,64 @@ class OriginalApi:
     def unpin(self, key: Key) -> bool:
         return self.batch_unpin([key])[0]
 
-    def batch_pin(self, keys: Sequence[Key]) -> list[bool]:
+    def batch_pin(self, keys: Sequence[Key], *, leading: bool = True) -> list[bool]:
         """Pinned keys are neither deleted nor evicted until unpinned (or until this instance
         disconnects or is reaped). LMCache's pinned lookups come here: with a cluster tier
-        behind the pool, the misses it holds are pulled first (within --cluster-lookup-ms)."""
+        behind the pool, the misses it holds are pulled first (within --cluster-lookup-ms).
+
+        By default (`leading`) only the keys from the start up to the first miss are pinned,
+        in one request: a prefix lookup (LMCache's `batched_contains(pin=True)`) uses those
+        and unpins only those; a key after the gap, pinned too, would stay pinned for the
+        instance's whole life. Keys after the first miss are neither pinned nor reported
+        True. `leading=False`: every key that exists is pinned."""
         if self._cluster.budget_s:
             self._cluster.pull(keys, "", self._local_index())
-        return self._per_key(MsgType.PIN, keys, bool)
+        if not leading:
+            return self._per_key(MsgType.PIN, keys, bool)
+        pinned = self._holds(MsgType.PIN, keys, {"leading": True})
+        if pinned is None:
+            return [False] * len(keys)
+        run = pinned.index(False) if False in pinned else len(pinned)
+        after = [key for key, ok in zip(keys[run:], pinned[run:]) if ok]
+        if after:  # a server that ignores `leading` (older) pinned past the gap: let go
+            self._holds(MsgType.UNPIN, after, {})
+            pinned[run:] = [False] * (len(pinned) - run)
+        return pinned
 
     def batch_unpin(self, keys: Sequence[Key]) -> list[bool]:
-        return self._per_key(MsgType.UNPIN, keys, bool)
+        """False (logged at WARNING) where this instance holds no pin on the key: never
+        pinned, or its pins went with it when it was reaped (a reader on another host silent
+        past --heartbeat-timeout) or disconnected, and the bytes of views read under them may
+        have been reused since."""
+        results = self._holds(MsgType.UNPIN, keys, {})
+        if results is None:
+            return [False] * len(keys)
+        lost = [key for key, ok in zip(keys, results) if not ok]
+        if lost:
+            log.warning(
+                "instance %s: unpin of %d of %d keys (first %r) found no pin of ours: never "
+                "pinned, or dropped when this instance was reaped or disconnected; zero-copy "
+                "views read under such a pin may have been reused",
+                self.instance_id,
+                len(lost),
+                len(keys),
+                lost[0],
+            )
+        return results
+
+    def _holds(
+        self, msg_type: MsgType, keys: Sequence[Key], extra: dict[str, Any]
+    ) -> list[bool] | None:
+        """A PIN or UNPIN of `keys` (with `extra` fields): per key; None if it failed (logged)."""
+        self._ensure_connected()
+        if not keys:
+            return []
+        try:
+            reply = self._request(msg_type, {"keys": list(keys), **extra}).result()
+        except MaruError as exc:
+            log.warning("%s of %d keys failed: %s", msg_type.name.lower(), len(keys), exc)
+            return None
+        return [bool(r) for r in reply["results"]]
 
     def delete_prefix(self, prefix: Key) -> int:
         """Delete every unpinned key that starts with `prefix`; returns how many went."""

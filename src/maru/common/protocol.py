@@ -514,7 +514,17 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
         ],
     ),
     MsgType.PIN: (
-        [("session", "str", "the pin holder"), ("keys", "[str | bytes]", "")],
+        [
+            ("session", "str", "the pin holder"),
+            ("keys", "[str | bytes]", ""),
+            (
+                "leading",
+                "bool",
+                "optional, default false: pin only the keys from the start up to the first "
+                "that does not exist (a prefix lookup's hits); those after it are neither "
+                "pinned nor reported true. Without it, every key that exists is pinned",
+            ),
+        ],
         [("results", "[bool]", "pinned, per key")],
     ),
     MsgType.UNPIN: (

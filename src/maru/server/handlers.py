@@ -93,6 +93,14 @@ def _keys(body: dict[str, Any]) -> list[Any]:
     return keys
 
 
+def _flag(body: dict[str, Any], name: str) -> bool:
+    """An optional true-or-false field (absent: false)."""
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name}: true or false")
+    return value
+
+
 def _owner(body: dict[str, Any]) -> str:
     """The instance of a request that only an instance may make (pins)."""
     iid = body["iid"]
@@ -315,7 +323,9 @@ HANDLERS: dict[int, Handler] = {
     MsgType.REGISTER_KV: on_register_kv,
     MsgType.LOOKUP_KV: on_lookup_kv,
     MsgType.EXISTS: on_exists,
-    MsgType.PIN: lambda s, b: {"results": s.registry.pins.pin(_keys(b), _owner(b))},
+    MsgType.PIN: lambda s, b: {
+        "results": s.registry.pins.pin(_keys(b), _owner(b), _flag(b, "leading"))
+    },
     MsgType.UNPIN: lambda s, b: {"results": s.registry.pins.unpin(_keys(b), _owner(b))},
     MsgType.RELEASE: lambda s, b: {
         "released": s.registry.leases.release(_batch(b, "leases"), b["iid"])

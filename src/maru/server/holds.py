@@ -33,26 +33,34 @@ class Pins:
         self.instances = instances
         self._log = log  # the registry's journal writer
 
-    def pin(self, keys: list[Any], owner: str | None = None) -> list[bool]:
-        """Pin the keys that exist. Journal first: if the "P" record cannot be written
-        (`JournalWriteError`), no pin is taken."""
-        return self._change(keys, owner, 1)
+    def pin(self, keys: list[Any], owner: str | None = None, leading: bool = False) -> list[bool]:
+        """Pin the keys that exist; with `leading`, only the run of them from the start, up to
+        the first miss (the hits a prefix lookup uses, all its caller will unpin: a key after
+        a miss is neither pinned nor reported True). Journal first: if the "P" record (the
+        pinned keys) cannot be written (`JournalWriteError`), no pin is taken."""
+        return self._change(keys, owner, 1, leading)
 
     def unpin(self, keys: list[Any], owner: str | None = None) -> list[bool]:
         """Drop one pin per key (an instance only its own). Journal first ("U"), as `pin`."""
         return self._change(keys, owner, -1)
 
-    def _change(self, keys: list[Any], owner: str | None, sign: int) -> list[bool]:
+    def _change(
+        self, keys: list[Any], owner: str | None, sign: int, leading: bool = False
+    ) -> list[bool]:
         """Decide each key's outcome (an unpin needs a pin left after this batch's earlier
-        unpins of the key, `taken`), journal the changes, then apply them."""
+        unpins of the key, `taken`; with `leading`, none after the first miss), journal the
+        changes, then apply them."""
         inst = self.instances.get(owner) if owner else None
         out = []
         changed: list[Key] = []
         entries: list[KeyEntry] = []
         taken: Counter = Counter()
+        missed = False
         for key in keys:
-            entry = self.keys.get(key)  # None for a miss, or a key that is not str or bytes
+            # None for a miss, or a key that is not str or bytes
+            entry = None if missed else self.keys.get(key)
             ok = entry is not None
+            missed = leading and not ok
             if ok and sign < 0:  # an instance can only drop pins it holds
                 ok = entry.pins > taken[key] and (inst is None or inst.pins[key] > taken[key])
                 taken[key] += ok
