@@ -121,6 +121,39 @@ def test_store_keeps_data_as_a_keyword_and_rejects_both(maru_server):
             h.store("neither")
 
 
+def test_a_handle_is_sealed_once(maru_server):
+    """A handle stored under a second key, or stored after `free`, is refused (False, a
+    WARNING): before, both were registered, and once one key went and its chunk was
+    reserved again, the other read as a hit with the new value's bytes. A run sealed twice
+    likewise."""
+    with (
+        MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes=CHUNK) as h,
+        MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes=CHUNK) as r,
+    ):
+        a = h.alloc(CHUNK)
+        a.buf[:] = b"\x01" * CHUNK
+        assert h.store("a1", a) is True
+        assert h.store("a2", a) is False  # (sealed already)
+        c = h.alloc(CHUNK)
+        c.buf[:] = b"\x03" * CHUNK
+        h.free(c)
+        assert h.store("c", c) is False  # (freed)
+        run = h.alloc(CHUNK, 2)
+        run.buf[:] = b"\x05" * (2 * CHUNK)
+        assert h.seal(["r1", "r2"], run).wait() == [True, True]
+        assert h.seal(["r3", "r4"], run).wait() == [False, False]
+        assert h.delete("a1") and h.delete("r1")
+        h.free_chunks()  # (the freed notices applied: those chunks are reserved again next)
+        reused = [h.alloc(CHUNK) for _ in range(4)]
+        for i, handle in enumerate(reused):
+            handle.buf[:] = bytes([0x10 + i]) * CHUNK
+        assert h.batch_store([f"new{i}" for i in range(4)], reused) == [True] * 4
+        assert r.batch_exists(["a2", "c", "r3", "r4"]) == [False] * 4
+        with r.leased(["r2", *[f"new{i}" for i in range(4)]]) as infos:
+            got = [bytes(info.view) for info in infos]
+        assert got == [b"\x05" * CHUNK, *[bytes([0x10 + i]) * CHUNK for i in range(4)]]
+
+
 def test_a_chunk_size_that_is_not_page_aligned_stores_and_reads_back(maru_server):
     """LMCache passes its full KV chunk in bytes (here 3 x 1000 + 7, as a small model's would
     be): taken, aligned to pages inside, and a chunk of that size round-trips."""

@@ -258,3 +258,35 @@ def test_a_server_never_serves_the_bytes_another_server_wrote_into_its_pool_sinc
     assert read_counts(reader, ["one/after"]) == (1, 0, 0)
     for h in (reader, writer):
         h.close()
+
+
+def test_a_seal_reaches_only_the_region_its_bytes_were_written_in(maru_server_factory, tmp_path):
+    """A writer reserves a run in region 1 of server 1 and writes it; server 1 is SIGKILLed
+    and server 2 (its own state, the same --pool and port) starts, its region ids from 1
+    again. The writer's next store re-handshakes and gets server 2's region 1; then the old
+    run is sealed. Before, REGISTER_KV named only the region id, and server 2 registered the
+    two keys in its own region 1, over bytes the writer never wrote there: hits with another
+    key's bytes. Now the seal names each region's token as granted, and server 2 rejects it."""
+    path = f"/dev/shm/maru-test-{uuid.uuid4().hex}.pool"
+    chunk = 64 * KiB
+    first = maru_server_factory(tmp_path / "A", pool_size="64M", pool=path)
+    writer = MaruHandler(
+        server_url=first.url, pool_size="8M", chunk_size_bytes=chunk, timeout_ms=1500
+    )
+    run = writer.alloc(chunk, 2)
+    run.buf[:] = b"\x07" * (2 * chunk)
+    assert run.region_id == 1
+    sigkill_server(first)
+    second = MaruServerProcess(tmp_path / "B", pool_size="64M", pool=path).start(first.port)
+    try:
+        assert writer.store("filler", b"\x09" * chunk)  # (re-handshake: server 2's region 1)
+        assert 1 in writer.owned_region_ids()
+        assert writer.seal(["ka", "kb"], run).wait() == [False, False]
+        reader = MaruHandler(server_url=second.url, pool_size="8M", chunk_size_bytes=chunk)
+        assert reader.batch_exists(["ka", "kb"]) == [False, False]
+        with reader.leased(["filler"]) as infos:
+            assert bytes(infos[0].view) == b"\x09" * chunk
+        reader.close()
+        writer.close()
+    finally:
+        second.stop()

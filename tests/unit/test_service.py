@@ -7,7 +7,15 @@ import msgpack
 import pytest
 
 from maru.common import protocol
-from maru.common.protocol import HEADER, MAGIC, MAX_KEY_BYTES, ErrorCode, MsgType, freed_notices
+from maru.common.protocol import (
+    HEADER,
+    MAGIC,
+    MAX_KEY_BYTES,
+    ErrorCode,
+    MsgType,
+    RegisterStatus,
+    freed_notices,
+)
 
 from .service_calls import call, locations, make_service, ok, register_body, wire_body
 
@@ -47,6 +55,13 @@ def test_handshake_region_register_lookup(service):
     assert ok(service, MsgType.HEARTBEAT, {})["ok"] is True
     stats = ok(service, MsgType.STATS, {})["stats"]
     assert stats["keys"] == 1 and stats["operations"]["register_kv"]["count"] == 1
+    # a seal naming its region's token as granted is registered; another token, not
+    token = region[4]
+    right = {**register_body("A", [["k2", rid, 4096, 5]]), "tokens": [[rid, token]]}
+    assert ok(service, MsgType.REGISTER_KV, right)["results"] == [0]
+    wrong = {**register_body("A", [["k3", rid, 8192, 5]]), "tokens": [[rid, "other"]]}
+    assert ok(service, MsgType.REGISTER_KV, wrong)["results"] == [RegisterStatus.REJECTED]
+    assert ok(service, MsgType.EXISTS, {"keys": ["k2", "k3"]})["results"] == [True, False]
 
 
 @pytest.mark.parametrize(
@@ -109,6 +124,13 @@ def test_unknown_message_type(service, msg_type):
         (MsgType.REGISTER_KV, {**register_body("A", [["k", 1, 0, 1]]), "lengths": b"\1"}, BAD),
         (MsgType.REGISTER_KV, {**register_body("A", [["k", 1, 0, 1]]), "keys": []}, BAD),
         (MsgType.REGISTER_KV, {"iid": "A", "keys": ["k"]}, BAD),
+        (MsgType.REGISTER_KV, {**register_body("A", [["k", 1, 0, 1]]), "tokens": "t"}, BAD),
+        (MsgType.REGISTER_KV, {**register_body("A", [["k", 1, 0, 1]]), "tokens": [[1]]}, BAD),
+        (
+            MsgType.REGISTER_KV,
+            {**register_body("A", [["k", 1, 0, 1]]), "tokens": [["1", "t"]]},
+            BAD,
+        ),
         (MsgType.LOOKUP_KV, {"keys": "k"}, ErrorCode.BAD_REQUEST),
         (MsgType.LOOKUP_KV, {"keys": [None]}, ErrorCode.BAD_REQUEST),
         (MsgType.LOOKUP_KV, {"keys": ["k" * (MAX_KEY_BYTES + 1)]}, ErrorCode.KEY_TOO_LONG),

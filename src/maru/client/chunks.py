@@ -50,6 +50,12 @@ class AllocHandle:
         return self._mapped.view[self.offset : end]
 
     @property
+    def region_token(self) -> str:
+        """The token of the region the values were written in, as granted: a seal names it,
+        so that a server that knows another region by that id refuses the seal."""
+        return self._mapped.handle.token
+
+    @property
     def page_index(self) -> int:
         """The first chunk's index in its region (LMCache's name for it)."""
         return self.offset // self._chunk
@@ -104,6 +110,16 @@ class _Reserved:
             del self.runs[first]
             return
         self.discard_each(range(first, first + step * count, step))
+
+    def holds(self, first: int, step: int, count: int) -> bool:
+        """Whether values first, first + step, ... (`count` of them) are all still reserved."""
+        if self.runs.get(first) == (step, count):  # (the usual case: the run as taken)
+            return True
+        end = first + step * count
+        for start, (each, values) in self.runs.items():  # (a piece of one run)
+            if each == step and start <= first and end <= start + each * values:
+                return (first - start) % step == 0
+        return self.singles.issuperset(range(first, end, step))
 
     def discard_each(self, firsts: Iterable[int]) -> None:
         firsts = list(firsts)
@@ -314,6 +330,19 @@ class ChunkBook:
         """Whether `handle` is still in a region we own (not one the server forgot)."""
         with self._lock:
             return self._region_of(handle) is not None
+
+    def unsealed(self, handle: AllocHandle) -> bool:
+        """Whether every value of `handle` is still reserved: not sealed (`written`) nor given
+        back. A handle is sealed once: sealed twice, or after it was freed, its chunks would
+        lie under two keys, or under a key and whatever the next reservation writes there."""
+        with self._lock:
+            owned = self._region_of(handle)
+            if owned is None:
+                return False
+            chunk = self.chunk_size
+            return owned.reserved.holds(
+                handle.offset // chunk, handle.stride // chunk, handle.count
+            )
 
     def _region_of(self, handle: AllocHandle) -> _OwnedRegion | None:
         # The mapping check matters after a server restart: a new region may reuse the id.

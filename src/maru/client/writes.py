@@ -463,6 +463,9 @@ class Sealing:
             size = handles.size if lengths is None else lengths
             stride, offset = handles.stride, handles.offset
             sent_keys = list(keys)
+            if session.chunks.holds(handles) and not session.chunks.unsealed(handles):
+                log.warning("seal of %d keys refused: their handle was sealed or freed before", n)
+                sent_keys = []
             self._sizes: int | list[int] = size if isinstance(size, int) else list(size)
             # the wire's columns without a Python int per key (a repeated one: bytes repeated)
             columns = (
@@ -470,6 +473,7 @@ class Sealing:
                 np.arange(offset, offset + n * stride, stride, dtype=np.int64).tobytes(),
                 INT64.pack(size) * n if isinstance(size, int) else pack_int64(self._sizes),
             )
+            tokens = [[handles.region_id, handles.region_token]]
         else:
             if len(handles) != n:
                 raise ValueError(f"seal: {n} keys for {len(handles)} handles")
@@ -478,11 +482,19 @@ class Sealing:
                 sizes = [sizes] * n
             chunks = session.chunks
             self._positions = [i for i, h in enumerate(handles) if h and chunks.holds(h)]
+            spent = [i for i in self._positions if not chunks.unsealed(handles[i])]  # type: ignore[arg-type]
+            if spent:
+                log.warning(
+                    "seal of %d keys refused: their handles were sealed or freed before", len(spent)
+                )
+                self._positions = [i for i in self._positions if i not in set(spent)]
             sent_keys = [keys[i] for i in self._positions]
             region_ids = [handles[i].region_id for i in self._positions]  # type: ignore[union-attr]
             offsets = [handles[i].offset for i in self._positions]  # type: ignore[union-attr]
             self._sizes = [sizes[i] for i in self._positions]
             columns = (pack_int64(region_ids), pack_int64(offsets), pack_int64(self._sizes))
+            granted = {handles[i].region_id: handles[i].region_token for i in self._positions}  # type: ignore[union-attr]
+            tokens = [[region_id, token] for region_id, token in granted.items()]
         self._body: dict[str, Any] | None = None
         if sent_keys:
             self._body = {
@@ -490,6 +502,7 @@ class Sealing:
                 "region_ids": columns[0],
                 "offsets": columns[1],
                 "lengths": columns[2],
+                "tokens": tokens,  # (the regions as granted: another by their ids is refused)
             }
 
     def send(

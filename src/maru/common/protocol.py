@@ -467,6 +467,13 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
                 "(write-behind), so the server need not stay awake for its next request "
                 "(`--busy-poll-us`) unless its seals come close together",
             ),
+            (
+                "tokens",
+                "[[int, str]]",
+                "optional: [region id, token] of each region named, as granted; a key in a "
+                "region whose token is another (the server knows another region by that id: "
+                "it restarted on a new pool or state) is REJECTED. Maru's clients send it",
+            ),
         ],
         [("results", "[int]", "RegisterStatus per key")],
     ),

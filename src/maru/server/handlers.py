@@ -101,6 +101,27 @@ def _flag(body: dict[str, Any], name: str) -> bool:
     return value
 
 
+def _region_tokens(body: dict[str, Any]) -> dict[int, str] | None:
+    """REGISTER_KV's optional "tokens": [[region id, token], ...], the writer's regions as
+    granted (None: absent, nothing checked)."""
+    pairs = body.get("tokens")
+    if pairs is None:
+        return None
+    if not isinstance(pairs, list) or len(pairs) > MAX_BATCH:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "tokens: a list of [region id, token]")
+    tokens: dict[int, str] = {}
+    for pair in pairs:
+        if (
+            not isinstance(pair, list)
+            or len(pair) != 2
+            or type(pair[0]) is not int
+            or not isinstance(pair[1], str)
+        ):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "tokens: a list of [region id, token]")
+        tokens[pair[0]] = pair[1]
+    return tokens
+
+
 def _owner(body: dict[str, Any]) -> str:
     """The instance of a request that only an instance may make (pins)."""
     iid = body["iid"]
@@ -227,12 +248,13 @@ def on_register_kv(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     checksums = body.get(CHECKSUMS)  # optional: the writer's checksum of each value
     if checksums is not None:
         checksums = unpack_int64(checksums, len(keys), CHECKSUMS).tolist()
+    tokens = _region_tokens(body)
     if ahead:
         # An eviction that cannot be journaled changed nothing; the seal then needs the same
         # journal, and is refused or goes on as it can be written.
         with suppress(JournalWriteError):
             server.registry.eviction.evict_for(iid, ahead, ahead)
-    results = server.registry.register(iid, keys, region_ids, offsets, lengths, checksums)
+    results = server.registry.register(iid, keys, region_ids, offsets, lengths, checksums, tokens)
     if server.cluster is not None:
         server.cluster.sealed(keys, results, RegisterStatus.REGISTERED)
     return {"results": results}

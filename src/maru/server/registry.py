@@ -44,7 +44,7 @@ from maru.server.localindex import LocalIndex
 from maru.server.logs import Throttle
 from maru.server.metrics import COUNTERS, registry_stats
 from maru.server.pool import Pool
-from maru.server.regions import RegionTable
+from maru.server.regions import Region, RegionTable
 from maru.server.token import TokenSigner
 
 log = logging.getLogger(__name__)
@@ -164,19 +164,23 @@ class Registry:
         offsets: list[int],
         lengths: list[int],
         checksums: list[int] | None = None,
+        tokens: dict[int, str] | None = None,
     ) -> list[int]:
         """Publish written pages: `keys[i]` at (`region_ids[i]`, `offsets[i]`, `lengths[i]`),
         with the writer's optional checksum, kept for readers. A RegisterStatus per key:
         EXISTS for a key registered before or earlier in the batch (first writer wins);
-        REJECTED for a bad key or a location outside the caller's own live regions."""
+        REJECTED for a bad key or a location outside the caller's own live regions. `tokens`
+        (region id -> token, as the writer was granted them): a region whose token is not
+        the one named is not the one the writer wrote in (another server's or pool's region
+        under the same id, after a re-handshake), and its keys are REJECTED."""
         inst = self.instances.require(instance_id)
         # One C pass admits the usual batch whole; otherwise `_screen_each` goes key by key.
-        limits = self._writable_lengths(instance_id, region_ids)
+        limits = self._writable_lengths(instance_id, region_ids, tokens)
         screened = (
             None
             if limits is not None
             and batch_fits(keys, MAX_KEY_CHARS, region_ids, offsets, lengths, limits)
-            else self._screen_each(instance_id, keys, region_ids, offsets, lengths)
+            else self._screen_each(instance_id, keys, region_ids, offsets, lengths, tokens)
         )
         columns = [keys, region_ids, offsets, lengths, *([checksums] if checksums else [])]
         if screened is not None:
@@ -216,7 +220,18 @@ class Registry:
                 statuses[i] = REGISTERED
         return statuses
 
-    def _writable_lengths(self, instance_id: str, region_ids: list[int]) -> dict[int, int] | None:
+    def _writable(
+        self, region_id: int, instance_id: str, tokens: dict[int, str] | None
+    ) -> Region | None:
+        """`Regions.writable`, and (`tokens` given) the very region the writer was granted."""
+        region = self.regions.writable(region_id, instance_id)
+        if region is None or tokens is None or tokens.get(region_id) == region.token:
+            return region
+        return None
+
+    def _writable_lengths(
+        self, instance_id: str, region_ids: list[int], tokens: dict[int, str] | None = None
+    ) -> dict[int, int] | None:
         """The length of each region a batch names, if all are live regions of the caller's;
         else None (the batch is screened key by key)."""
         if not region_ids:
@@ -225,7 +240,7 @@ class Registry:
         named = (first,) if region_ids.count(first) == len(region_ids) else set(region_ids)
         limits = {}
         for region_id in named:
-            region = self.regions.writable(region_id, instance_id)
+            region = self._writable(region_id, instance_id, tokens)
             if region is None:
                 return None
             limits[region_id] = region.length
@@ -238,12 +253,13 @@ class Registry:
         region_ids: list[int],
         offsets: list[int],
         lengths: list[int],
+        tokens: dict[int, str] | None = None,
     ) -> list[int | None]:
         """Per key of a batch with a bad key or location: REJECTED for a bad key or a location
         outside the caller's live regions, but EXISTS there for a key registered before or
         earlier in the batch (the first writer wins wherever the later one claims to be);
         None for a key left to the insert."""
-        regions = {r: self.regions.writable(r, instance_id) for r in set(region_ids)}
+        regions = {r: self._writable(r, instance_id, tokens) for r in set(region_ids)}
         keys_valid = all_keys_valid(keys)
         table, inserted = self.keys, set()
         out: list[int | None] = []
