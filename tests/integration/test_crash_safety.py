@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import pytest
 
 from maru import MaruHandler
 
@@ -494,3 +495,96 @@ def test_restart_ignores_a_torn_journal_tail(maru_server_factory, tmp_path):
     assert all(p.stat().st_size <= size for p in server.state_dir.glob("journal-*.log"))
     writer.close()
     reader.close()
+
+
+def _chunk_reuse_history(server) -> tuple[MaruHandler, list[str]]:
+    """24 keys, then 8 more (the writer's 2 MiB region is full), delete the first 8 and store 8
+    new ones in their chunks. Returns the writer and every key named."""
+    writer = handler(server.url, pool_size="2M")
+    old, mid, new = ([f"{p}-{i}" for i in range(n)] for p, n in (("k", 24), ("m", 8), ("n", 8)))
+    assert writer.batch_store(old, [make_value(k, 64 * KiB) for k in old]) == [True] * 24
+    assert writer.batch_store(mid, [make_value(k, 64 * KiB) for k in mid]) == [True] * 8
+    assert writer.batch_delete(old[:8]) == [True] * 8
+    assert writer.batch_store(new, [make_value(k, 64 * KiB) for k in new]) == [True] * 8
+    return writer, old + mid + new
+
+
+def _frames(data: bytes) -> list[tuple[int, int, Any]]:
+    """(offset, payload length, record) of each frame of an intact journal."""
+    import msgpack
+
+    from maru.server.journal import FRAME
+
+    out, pos = [], 0
+    while pos < len(data):
+        length, _ = FRAME.unpack_from(data, pos)
+        payload = data[pos + FRAME.size : pos + FRAME.size + length]
+        out.append((pos, length, msgpack.unpackb(payload, raw=False, strict_map_key=False)))
+        pos += FRAME.size + length
+    return out
+
+
+@pytest.mark.parametrize("where", ["payload", "length"])
+def test_journal_damage_in_the_middle_refuses_to_restore(maru_server_factory, tmp_path, where):
+    """One damaged record in the middle of the journal (one byte of its payload, or its length
+    field, so that the next record cannot be found by length) with intact records after it:
+    those records (here the deletes of 8 keys and the registration of 8 others in their chunks)
+    would be lost, and replaying the records before the damage would bring the deleted keys
+    back over the new keys' bytes (before: 24 hits, 8 of them another key's bytes). The server
+    refuses to start, names the damage and leaves the journal as it is; `--no-restore` starts
+    empty, and no key reads another's bytes."""
+    server = maru_server_factory(tmp_path / "srv", pool_size="64M", extra_args=LIVE_ARGS)
+    writer, keys = _chunk_reuse_history(server)
+    sigkill_server(server)
+    (journal,) = server.state_dir.glob("journal-*.log")
+    data = bytearray(journal.read_bytes())
+    frames = _frames(bytes(data))
+    assert [r[0] for _, _, r in frames].count("D") == 1  # the deletes come after the damage
+    pos, length, _ = next(f for f in frames if f[2][0] == "K" and f[2][1][0] == "m-0")
+    if where == "payload":
+        data[pos + 8 + length // 2] ^= 0xFF
+    else:
+        data[pos : pos + 4] = (0x7FFFFFFF).to_bytes(4, "big")
+    journal.write_bytes(bytes(data))
+    try:
+        server.start(server.port)
+    except RuntimeError as exc:
+        assert "exited with 1" in str(exc)
+    else:
+        reader = handler(server.url)
+        good, _, wrong = verify_all(reader, keys)
+        reader.close()
+        writer.close()
+        pytest.fail(f"restored the journal up to its damage: {good} hits, {wrong} wrong")
+    log = server.read_log()
+    assert f"journal {journal} is damaged in its middle" in log
+    assert f"byte {pos} of {len(data)}" in log and "--no-restore" in log
+    assert "ERROR" in log  # logged, not only printed
+    assert journal.read_bytes() == bytes(data)  # left as it was: nothing truncated
+    server.start(server.port, once_args=["--no-restore"])
+    reader = handler(server.url)
+    assert verify_all(reader, keys) == (0, len(keys), 0)
+    reader.close()
+    writer.close()
+
+
+def test_a_torn_tail_after_deletes_and_reuse_is_still_replayed(maru_server_factory, tmp_path):
+    """The same history, the last record torn (a crash in the middle of its append, nothing
+    after it): the records before it are replayed as always, the deleted keys stay deleted,
+    and no key reads another's bytes."""
+    server = maru_server_factory(tmp_path / "srv", pool_size="64M", extra_args=LIVE_ARGS)
+    writer, keys = _chunk_reuse_history(server)
+    sigkill_server(server)
+    (journal,) = server.state_dir.glob("journal-*.log")
+    data = journal.read_bytes()
+    pos, length, record = _frames(data)[-1]
+    assert record[0] == "K" and record[1][0] == "n-0"  # the new keys' registration
+    journal.write_bytes(data[: pos + 8 + length // 2])
+    server.start(server.port)
+    assert f"ignoring {8 + length // 2} damaged bytes at its tail" in server.read_log()
+    reader = handler(server.url)
+    old, mid, new = keys[:24], keys[24:32], keys[32:]
+    assert verify_all(reader, old[8:] + mid) == (24, 0, 0)
+    assert verify_all(reader, old[:8] + new) == (0, 16, 0)  # deleted; torn
+    reader.close()
+    writer.close()

@@ -13,7 +13,14 @@ import pytest
 
 from maru.common.protocol import CHECKSUMS, RegisterStatus
 from maru.server import cli, persistence
-from maru.server.journal import FRAME, SNAPSHOT_NAME, Journal, _frame, read_records
+from maru.server.journal import (
+    FRAME,
+    SNAPSHOT_NAME,
+    Journal,
+    _frame,
+    next_intact_frame,
+    read_records,
+)
 from maru.server.pool import ShmPool
 from maru.server.registry import Registry
 from maru.server.token import TokenSigner
@@ -297,8 +304,8 @@ def test_checksummed_but_undecodable_record_is_damage(env):
     assert state(reg) == before_last
 
 
-def test_corruption_in_the_middle_drops_everything_after_it(env):
-    """Framing cannot be trusted past a damaged record: replay stops there (documented)."""
+def _five_keys(env) -> tuple[bytes, list[int]]:
+    """R, then a K record for each of k0..k4; returns the journal and each frame's offset."""
     reg = env.open()
     reg.instances.handshake("A", 1)
     r = reg.request_region("A", 2 * MiB)
@@ -306,17 +313,68 @@ def test_corruption_in_the_middle_drops_everything_after_it(env):
         register(reg, "A", [[f"k{i}", r.region_id, i * 4096, 10]])
     env.close()
     data = env.journal_path().read_bytes()
-    records, _ = read_records(data)
-    assert len(records) == 6  # R + 5 K
-    # damage the third K record's payload
-    pos = 0
-    for _ in range(3):
-        length, _ = FRAME.unpack_from(data, pos)
-        pos += FRAME.size + length
-    env.journal_path().write_bytes(_flip(data, pos + FRAME.size + 2))
+    starts, pos = [], 0
+    while pos < len(data):
+        starts.append(pos)
+        pos += FRAME.size + FRAME.unpack_from(data, pos)[0]
+    assert len(starts) == 6 and len(read_records(data)[0]) == 6  # R + 5 K
+    return data, starts
+
+
+@pytest.mark.parametrize("where", ["payload", "crc", "length-huge", "length-small", "length-0"])
+def test_damage_in_the_middle_refuses_to_load(env, where, caplog):
+    """A damaged record with intact records after it (found by scanning, whatever its length
+    field says): the records after it are lost and the ones before it are not the registry's
+    state (a delete among the lost ones would bring a key back over another key's bytes), so
+    the journal is not loaded, nothing on disk changes, and an ERROR says why."""
+    data, starts = _five_keys(env)
+    pos = starts[3]  # the third K record
+    length, crc = FRAME.unpack_from(data, pos)
+    header = {
+        "crc": FRAME.pack(length, crc ^ 1),
+        "length-huge": FRAME.pack(0xFFFFFFF0, crc),
+        "length-small": FRAME.pack(length - 1, crc),
+        "length-0": FRAME.pack(0, crc),
+    }
+    if where == "payload":
+        bad = _flip(data, pos + FRAME.size + 2)
+    else:
+        bad = data[:pos] + header[where] + data[pos + FRAME.size :]
+    env.journal_path().write_bytes(bad)
+    with pytest.raises(RuntimeError, match="damaged in its middle"):
+        env.open()
+    env.journal = None  # (load failed: nothing to close)
+    assert env.journal_path().read_bytes() == bad  # not truncated
+    (error,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert f"byte {pos} of {len(bad)}" in error.message
+    assert f"at least 2, from byte {starts[4]}" in error.message
+    assert "--no-restore" in error.message
+
+
+def test_lost_pages_at_the_tail_are_still_a_torn_tail(env):
+    """A machine crash can leave several records' worth of zeros (or a zeroed page with a torn
+    record before it) at the end: no intact record follows, so it is a tail as before."""
+    data, starts = _five_keys(env)
+    torn = data[: starts[4] + 5] + bytes(3 * 4096)
+    env.journal_path().write_bytes(torn)
     reg = env.open()
-    assert sorted(reg.keys) == ["k0", "k1"]
-    assert os.path.getsize(env.journal_path()) == pos
+    assert sorted(reg.keys) == ["k0", "k1", "k2"]
+    assert env.journal.damaged_bytes_dropped == len(torn) - starts[4]
+    assert os.path.getsize(env.journal_path()) == starts[4]
+
+
+def test_the_next_intact_frame_is_found_at_any_offset():
+    """Frames are looked for at every offset, also where the bytes before one (a damaged
+    record's, or its own header) look like a record's start: here its CRC begins 0xdd, an
+    array 32 marker whose count covers its payload's first byte."""
+    frame = next(
+        f for f in (_frame(["D", [f"k{n}"]]) for n in range(100_000)) if f[FRAME.size - 4] == 0xDD
+    )
+    for junk in (b"", b"\x00", b"\x92\xa1K" * 3, os.urandom(5000), bytes(4096)):
+        data = junk + frame
+        assert next_intact_frame(data, 0) == len(junk)
+        assert next_intact_frame(data[:-1], 0) is None  # torn: no frame
+        assert next_intact_frame(data + b"\x00" * 8, 0) == len(junk)
 
 
 # -- replay idempotence ------------------------------------------------------------------------

@@ -1,12 +1,16 @@
 """Registry persistence: a checksummed append-only journal plus generation-numbered snapshots.
 
-A restart loads the newest snapshot and replays the journal of its generation up to the first
-short or damaged record (a torn write), which it truncates. Each record is written before its
-request is answered, and fsynced by a background thread (the syncer) at most every
-`fsync_interval`. After a failed append every append raises `JournalWriteError` until a
-snapshot succeeds (no record may follow a gap); a failed fsync (the kernel may have dropped the
-unwritten pages) sets `sync_error`; either way `needs_snapshot` asks for a snapshot of the
-in-memory registry, which is complete (docs/reliability.md, "Server crashes").
+A restart loads the newest snapshot and replays the journal of its generation. A short or
+damaged record with no intact record after it is a torn tail (a crash in the middle of an
+append, or unsynced pages lost with the machine): it is truncated and everything before it
+replayed. Damage with an intact record after it is in the journal's middle: the records after
+it (deletes among them) would be lost, so the restart refuses to restore rather than serve the
+records before it (`Journal.load`). Each record is written before its request is answered,
+and fsynced by a background thread (the syncer) at most every `fsync_interval`. After a failed
+append every append raises `JournalWriteError` until a snapshot succeeds (no record may follow
+a gap); a failed fsync (the kernel may have dropped the unwritten pages) sets `sync_error`;
+either way `needs_snapshot` asks for a snapshot of the in-memory registry, which is complete
+(docs/reliability.md, "Server crashes").
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import struct
 import threading
 import time
@@ -66,6 +71,43 @@ def read_records(data: bytes) -> tuple[list[Any], int]:
             break
         pos = end
     return records, pos
+
+
+# Where a record's payload can begin: every journal record is a list whose first item is its
+# kind, one capital letter ("R", "K", "D", ...: `persistence._replay`), so its msgpack starts
+# with an array marker (fixarray, array 16 or 32, with their counts), then 0xa1 (a str of one
+# byte) and the letter. (A record kind of another form would have to be added here.) A
+# lookahead: the matches may overlap (an array 32's count may hold the next record's start).
+_RECORD_START = re.compile(rb"(?=(?:[\x91-\x9f]|\xdc[\x00-\xff]{2}|\xdd[\x00-\xff]{4})\xa1[A-Z])")
+
+
+def next_intact_frame(data: bytes, start: int) -> int | None:
+    """The offset of the first intact record frame that begins at or after `start`, or None.
+
+    `Journal.load` asks this about the bytes after the first damaged frame: None is a torn
+    tail, an offset is damage in the middle. The damaged frame's length field may itself be
+    damaged, so the next frame is not looked for by length but at every offset where one could
+    begin: 8 bytes (its header) before the start of a record (`_RECORD_START`, a regex: in C).
+    A candidate is an intact frame if its length fits in the file, its payload's CRC32 matches
+    and the payload decodes to a list. A run of zeros (pages a crashed machine never wrote) has
+    no candidate. Damage is not mistaken for a frame in practice (a CRC over other bytes
+    matches once in 2**32; a torn record whose key holds a whole frame could be: that start is
+    refused, never served wrong). Cost: one pass of the regex, and a CRC per candidate whose
+    length fits, at most a few per record (64 MiB of records with every CRC bad, or of random
+    bytes: about a second)."""
+    for match in _RECORD_START.finditer(data, start + FRAME.size):
+        body = match.start()
+        length, crc = FRAME.unpack_from(data, body - FRAME.size)
+        end = body + length
+        if end > len(data) or zlib.crc32(memoryview(data)[body:end]) != crc:
+            continue
+        try:
+            record = msgpack.unpackb(data[body:end], raw=False, strict_map_key=False)
+        except Exception:
+            continue
+        if isinstance(record, list):
+            return body - FRAME.size
+    return None
 
 
 def write_private(path: Path, data: bytes) -> None:
@@ -124,7 +166,15 @@ class Journal:
 
     def load(self) -> tuple[dict[str, Any] | None, list[Any]]:
         """Read the snapshot and the journal records after it; open the journal for appends
-        and start the syncer thread."""
+        and start the syncer thread.
+
+        Damage in the journal is told apart by what follows it (`next_intact_frame`): with no
+        intact frame after it, it is a torn tail, truncated (WARNING), and the records before
+        it are returned. With one, it is in the middle: the records after it are lost, and the
+        ones before it are not the registry's state (a key deleted later, its chunk reused by
+        another key, would come back over that key's bytes). As for a damaged snapshot, this
+        raises RuntimeError (logged at ERROR, naming the damage and `--no-restore`) and changes
+        nothing on disk."""
         snapshot = None
         snap_path = self.state_dir / SNAPSHOT_NAME
         if snap_path.exists():
@@ -134,8 +184,14 @@ class Journal:
             snapshot = records[0]
             self.generation = int(snapshot["generation"])
         path = self._journal_path(self.generation)
+        data = path.read_bytes() if path.exists() else b""
+        records, good = read_records(data)
+        if good < len(data):
+            after = next_intact_frame(data, good + 1)
+            if after is not None:
+                self._refuse_damaged_middle(path, data, good, after)
         self._fd, size = self._open(path)
-        records, self._size = read_records(path.read_bytes())
+        self._size = good
         if self._size < size:
             self.damaged_bytes_dropped = size - self._size
             log.warning(
@@ -152,6 +208,23 @@ class Journal:
             )
             self._syncer.start()
         return snapshot, records
+
+    @staticmethod
+    def _refuse_damaged_middle(path: Path, data: bytes, bad: int, after: int) -> None:
+        later, _ = read_records(data[after:])
+        message = (
+            f"journal {path} is damaged in its middle: the record at byte {bad} of {len(data)} "
+            f"is bad and intact records follow it (at least {len(later)}, from byte {after}); "
+            "the changes they record (deletes, registrations) would be lost, and replaying only "
+            "the records before the damage could serve a deleted key over another key's bytes: "
+            "refusing to start. Start with --no-restore to start empty (a new pool generation; "
+            "it discards the journal and snapshot: copy the journal first to examine it)"
+        )
+        log.error("%s", message)
+        raise RuntimeError(
+            f"journal {path} is damaged in its middle (byte {bad} of {len(data)}): refusing to "
+            "start; --no-restore starts empty"
+        )
 
     @staticmethod
     def _open(path: Path) -> tuple[int, int]:
