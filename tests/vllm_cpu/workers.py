@@ -93,10 +93,11 @@ def load(
         engine.close()
 
 
-def matched_across_ranks(model_dir: str, url: str) -> dict:
-    """The scheduler side of a TP 2 instance: a prompt's blocks count as stored only where
-    every rank's shard is. Rank 0's five blocks are stored, rank 1's first three; then rank
-    1's last two too. Returns what `get_num_new_matched_tokens` said each time."""
+def matched_across_ranks(model_dir: str, url: str, parallel: str = "tp") -> dict:
+    """The scheduler side of a TP 2 (`parallel` "tp") or PP 2 ("pp") instance: a prompt's
+    blocks count as stored only where every rank's (stage's) shard is. Rank 0's five blocks
+    are stored, the other rank's first three; then its last two too. Returns what
+    `get_num_new_matched_tokens` said each time."""
     _vllm_on_path()
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -105,7 +106,12 @@ def matched_across_ranks(model_dir: str, url: str) -> dict:
     from vllm_cpu.engine import BLOCK, MiniEngine, kv_cache_config, vllm_config
 
     config = vllm_config(model_dir, url)
-    config.parallel_config.tensor_parallel_size = 2
+    if parallel == "tp":
+        config.parallel_config.tensor_parallel_size = 2
+        other = (0, 0, 1)  # (PP stage, PCP rank, TP rank)
+    else:
+        config.parallel_config.pipeline_parallel_size = 2
+        other = (1, 0, 0)
     connector = KVConnectorFactory.create_connector(
         config, KVConnectorRole.SCHEDULER, kv_cache_config(64)
     )
@@ -116,14 +122,139 @@ def matched_across_ranks(model_dir: str, url: str) -> dict:
         hashes = request.block_hashes[:BLOCKS]
         said = []
         with MaruHandler(server_url=url, pool_size="2M", chunk_size_bytes=4096) as h:
-            for rank, blocks in ((0, range(BLOCKS)), (1, range(3)), (1, range(3, BLOCKS))):
+            stores = (((0, 0, 0), range(BLOCKS)), (other, range(3)), (other, range(3, BLOCKS)))
+            for rank, blocks in stores:
                 keys = connector._keys([hashes[b] for b in blocks], 0, rank)
                 assert all(h.batch_store(keys, [b"x"] * len(keys)))
-                if rank == 1:
+                if rank == other:
                     said.append(connector.get_num_new_matched_tokens(request, 0)[0])
             said.append(connector.get_num_new_matched_tokens(request, BLOCK)[0])
-        return {"said": said, "block": BLOCK, "tp": connector._tp_size}
+        return {"said": said, "block": BLOCK, "ranks": len(connector._ranks())}
     finally:
         if engine is not None:
             engine.close()
         connector.shutdown()  # (closes its handler)
+
+
+def pp_stage(model_dir: str, url: str, stage: int, init_method: str) -> dict:
+    """Pipeline stage `stage` of 2 (vLLM's real process groups, gloo): the worker of instance
+    A computes the prompt's KV for this stage's layers and saves it; once both stages have
+    (a barrier), instance B's worker of this stage runs the prompt. Each process runs its
+    own scheduler: both ask for every stage's keys."""
+    _vllm_on_path()
+    import torch.distributed as dist
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import (
+        get_pp_group,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    from vllm_cpu.engine import MiniEngine, vllm_config
+
+    with set_current_vllm_config(vllm_config(model_dir, url, pp=2)):
+        init_distributed_environment(
+            world_size=2,
+            rank=stage,
+            distributed_init_method=init_method,
+            local_rank=stage,
+            backend="gloo",
+        )
+        initialize_model_parallel(1, 2, backend="gloo")
+    out: dict[str, Any] = {"stage": get_pp_group().rank_in_group}
+    for name in ("a", "b"):
+        engine = MiniEngine(model_dir, url, stage=stage, pp=2)
+        try:
+            req = engine.add(prompt(0))
+            engine.run({req})
+            out[name] = {
+                "computed": sorted(engine.computed[req]),
+                "match": engine.blocks_match(req, BLOCKS),
+                "saved_blocks": sum(s["save_blocks"] for s in engine.stats),
+                "loaded_blocks": sum(s["load_blocks"] for s in engine.stats),
+                "load_errors": sorted(engine.load_errors),
+            }
+        finally:
+            engine.close()
+        dist.barrier()  # A's saves of both stages are in before either B starts
+    return out
+
+
+def preempted_save(model_dir: str, url: str, sleep_s: float) -> dict:
+    """Request R's blocks are saved while vLLM's scheduler preempts R, and handed to another
+    request in a later step (priority policy: R is the lowest). The save pool's one thread is
+    held `sleep_s` first, so R's save cannot start before that step's forward writes the
+    blocks, unless the connector waits for it. Instance B then loads R's prompt."""
+    _vllm_on_path()
+    import time
+
+    from vllm_cpu.engine import BLOCK, MiniEngine
+
+    # 17 blocks, 96 tokens a step. R's prompt takes 6; S (higher priority, 160 tokens) is
+    # admitted with all the 11 left. Both decode; the first to need a block (R, at token 96)
+    # has none: vLLM preempts R, the lowest priority, and frees R's blocks. T (80 tokens,
+    # highest priority) then takes them in one step.
+    engine = MiniEngine(
+        model_dir,
+        url,
+        num_blocks=18,
+        policy="priority",
+        max_num_batched_tokens=96,
+        maru_save_threads=1,
+    )
+    try:
+        gate = engine.worker._save_pool.submit(time.sleep, sleep_s)  # holds the save thread
+        r = engine.add(prompt(0), max_tokens=40, priority=2)
+        engine.step()
+        saved = set(engine.block_ids[r][:BLOCKS])  # R's full blocks: their save is queued
+        s = engine.add([50_000 + t for t in range(10 * BLOCK)], max_tokens=40, priority=1)
+        result: dict[str, Any] = {"preempted": False}
+        for _ in range(40):
+            if r in (engine.step().preempted_req_ids or ()):
+                result["preempted"] = True
+                break
+        t = engine.add([60_000 + t for t in range(5 * BLOCK)], max_tokens=1, priority=0)
+        result["save_pending"] = not gate.done()  # R's save has not started yet
+        start = time.monotonic()
+        engine.step()
+        result["step_s"] = time.monotonic() - start
+        result["reused"] = sorted(saved & set(engine.block_ids.get(t, ())))
+        engine.run({r, s, t})
+        result["saved_blocks"] = sum(st["save_blocks"] for st in engine.stats)
+        return result
+    finally:
+        engine.close()
+
+
+def value_bytes_by_layout() -> dict:
+    """A block's value, gathered through the connector's segments of a `[B, H, N, C]` view,
+    for every physical layout of the view, every value order and kernel block split: the
+    block's logical contents in the value order, whatever the memory's (no copy runs)."""
+    _vllm_on_path()
+    import ctypes
+    import itertools
+
+    import torch
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from maru_vllm.connector import _layer_segments, _value_order
+
+    blocks, heads, tokens, content = 5, 3, 16, 8
+    checked, wrong = 0, []
+    for memory, value in itertools.product(list(KVCacheLayout), repeat=2):
+        for ratio in (1, 2, 4):  # kernel blocks per block
+            shape = (blocks * ratio, heads, tokens // ratio, content)
+            physical = memory.layer_view_order
+            raw = torch.randn(*[shape[d] for d in physical], dtype=torch.float16)
+            view = raw.permute(*[physical.index(d) for d in range(4)])  # logical [B, H, N, C]
+            order = _value_order(value)
+            segments = _layer_segments(view, blocks, order)
+            for b in range(blocks):
+                got = b"".join(ctypes.string_at(a + b * st, n) for a, st, n in segments)
+                block = view[b * ratio : (b + 1) * ratio]  # [kernel block, H, N, C]
+                logical = block.permute(1, 0, 2, 3).reshape(heads, tokens, content)
+                want = logical.permute(*[d - 1 for d in order]).contiguous().numpy().tobytes()
+                checked += 1
+                if got != want:
+                    wrong.append((memory.name, value.name, ratio, b))
+    return {"checked": checked, "wrong": wrong}
