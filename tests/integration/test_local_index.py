@@ -332,6 +332,29 @@ def test_a_read_of_length_zero_finds_nothing_either_way(maru_server, local_index
         ]
 
 
+@pytest.mark.parametrize("local_index", [True, False], ids=["index", "requests"])
+def test_a_read_whose_parts_do_not_add_up_to_its_length_is_refused_either_way(
+    maru_server, local_index
+):
+    """`sizes` that add up to more than `length` made the request path copy past the
+    caller's rows (a corrupted heap, a crash), and to less, copy part of the value and call it
+    proven; the index path refused both. Both refuse them now, and bad pointers, alike."""
+    with handler(maru_server.url, local_index=local_index) as h:
+        assert h.store("rk", value("rk"))
+        out = np.zeros(CHUNK, np.uint8)
+        row = np.array([[out.ctypes.data]], np.int64)
+        for sizes in ([2 * CHUNK], [100, 100], [], [-1, CHUNK + 1]):
+            with pytest.raises(ValueError, match="sizes must be int64 parts"):
+                h.read(["rk"], row, np.array(sizes, np.int64), length=CHUNK)
+        with pytest.raises(ValueError, match="buffers must be int64"):
+            h.read(["rk"], row.astype(np.float64), np.array([CHUNK], np.int64), length=CHUNK)
+        with pytest.raises(ValueError, match="buffers must be int64"):
+            h.read(["rk", "x"], row, np.array([CHUNK], np.int64), length=CHUNK)
+        flat = np.array([out.ctypes.data], np.int64)  # (one part a key: a flat row is taken)
+        assert h.read(["rk"], flat, np.array([CHUNK], np.int64), length=CHUNK) == [True]
+        assert bytes(out) == value("rk")
+
+
 @pytest.mark.parametrize("way", WAYS)
 def test_reads_around_a_server_sigkill_and_restart_are_right_or_misses(
     maru_server, way, fused_copier

@@ -423,7 +423,10 @@ class MaruHandler(OriginalApi):
         (keys, parts) pointers); per key True only where the bytes are proven its writer's,
         else False (a miss, another length, an entry changed or a lease ended during the
         copy, a checksum mismatch; that row may have been written). This thread's
-        write-behind `put`s are confirmed first."""
+        write-behind `put`s are confirmed first. ValueError for `sizes` that are not int64
+        parts summing to `length`, or `buffers` that are not int64 pointers, one per key and
+        part (whichever path answers: the copy trusts them)."""
+        buffers, sizes = _read_destinations(len(keys), buffers, sizes, length)
         self._ensure_connected()
         self.confirm_writes()
         if self._cluster.budget_s:  # (the misses a cluster tier holds, pulled first)
@@ -500,3 +503,26 @@ class MaruHandler(OriginalApi):
             log.warning("%s of %d keys failed: %s", msg_type.name.lower(), len(keys), exc)
             return [False] * len(keys)
         return [ok(r) for r in results]
+
+
+def _read_destinations(
+    n: int, buffers: Any, sizes: Any, length: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """`read`'s destinations checked, as (n, parts) int64 pointers and int64 parts: a copy of
+    a `length`-byte value into parts that do not add up to it would write past them."""
+    sizes = np.asarray(sizes)
+    if (
+        sizes.dtype != np.int64
+        or sizes.ndim != 1
+        or not len(sizes)
+        or (sizes < 0).any()
+        or int(sizes.sum()) != length
+    ):
+        raise ValueError("read: sizes must be int64 parts summing to length")
+    buffers = np.asarray(buffers)
+    if buffers.dtype != np.int64 or buffers.size != n * len(sizes):
+        raise ValueError(
+            f"read: buffers must be int64 pointers, {n} keys of {len(sizes)} parts; "
+            f"got {buffers.size} of {buffers.dtype}"
+        )
+    return np.ascontiguousarray(buffers).reshape(n, len(sizes)), sizes
