@@ -25,6 +25,34 @@ def store_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def test_a_single_key_given_as_the_batch_is_refused_not_split(handler):
+    """`batch_delete("abc")` deleted keys "a" and "b" (a str is a sequence of characters):
+    a str or bytes where a batch of keys is expected is a TypeError, and nothing happens."""
+    assert handler.batch_store(["a", "b"], [b"1", b"2"]) == [True, True]
+    for call in (
+        lambda: handler.batch_delete("ab"),
+        lambda: handler.batch_exists("ab"),
+        lambda: handler.batch_retrieve("ab"),
+        lambda: handler.batch_pin("ab"),
+        lambda: handler.batch_unpin(b"ab"),
+        lambda: handler.batch_store("ab", [b"x", b"y"]),
+    ):
+        with pytest.raises(TypeError, match="a sequence of keys, not one"):
+            call()
+    assert handler.batch_exists(["a", "b"]) == [True, True]
+    assert [bytes(i.view) for i in handler.batch_retrieve(["a", "b"])] == [b"1", b"2"]
+
+
+def test_stats_of_a_closed_handler_says_it_is_closed(maru_server):
+    from maru.common.errors import MaruNotConnected
+
+    h = MaruHandler(server_url=maru_server.url, pool_size="4M")
+    assert h.stats()["keys"] >= 0
+    h.close()
+    with pytest.raises(MaruNotConnected, match="closed"):
+        h.stats()
+
+
 @pytest.mark.parametrize(
     ("key", "value", "reason", "said"),
     [

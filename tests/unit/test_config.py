@@ -55,6 +55,23 @@ def test_parse_bool_rejects(value):
         parse_bool(value, name="flag")
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("timeout_ms", 10**13),
+        ("timeout_ms", 1e13),
+        ("busy_poll_us", 2**80),
+        ("max_inflight", 2**40),
+        ("pool_size", 2**80),
+        ("pool_size", "9000000T"),
+    ],
+)
+def test_values_past_what_the_handler_can_use_are_config_errors(field, value):
+    """Before: accepted, then an OverflowError from the handler's constructor or store."""
+    with pytest.raises(ConfigError, match=rf"^{field}: at most "):
+        MaruConfig(**{field: value})
+
+
 @pytest.mark.parametrize("value", [0, -1, "x", None, True, 1.5])
 def test_parse_int_rejects(value):
     with pytest.raises(ConfigError, match=r"^timeout_ms: "):

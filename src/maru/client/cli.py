@@ -472,6 +472,9 @@ def _json_default(value: Any) -> Any:
 
 def cmd_curve_keypair(args: argparse.Namespace, out: TextIO) -> int:
     """Make a client's CURVE keypair (no server needed)."""
+    if not Path(args.name).name:
+        print(f"maru: curve-keypair: NAME {args.name!r} names no file", file=sys.stderr)
+        return 2
     try:
         public, secret_path, public_path = write_keypair(Path(args.name))
     except OSError as exc:
@@ -669,7 +672,8 @@ def rich_frame(frame: MonitorFrame) -> RenderableType:
 
 
 # --timeout-ms: 0 would make every request time out at once (an up server reported down)
-_positive_ms = number_arg(int, minimum=1, above=False, noun="milliseconds")
+# (and at most what a C int holds: ZeroMQ's timeouts, and the deadline's clock, end in one)
+_positive_ms = number_arg(int, minimum=1, above=False, top=2**31 - 1, noun="milliseconds")
 
 
 def _common(p: argparse.ArgumentParser, *, top: bool) -> None:

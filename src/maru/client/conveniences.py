@@ -16,8 +16,8 @@ from maru.client.chunks import AllocHandle
 from maru.client.coherence import invalidate_ranges, software
 from maru.client.requests import Lookup, MemoryInfo
 from maru.client.writes import Put, Sealing, StoreOutcome, from_pointers
-from maru.common.errors import LeaseExpired, MaruError
-from maru.common.protocol import Key, MsgType
+from maru.common.errors import LeaseExpired, MaruError, MaruNotConnected
+from maru.common.protocol import Key, MsgType, check_key_batch
 from maru.common.region import RegionHandle
 
 if TYPE_CHECKING:
@@ -62,6 +62,7 @@ class OriginalApi:
     _local_index: Callable[[], LocalIndexClient | None]
     _cluster: ClusterPulls
     _connected: bool
+    _closed: bool
     _supply: RegionSupply
     _handshake: Callable[[], int]
     connect: Callable[[], bool]
@@ -180,6 +181,7 @@ class OriginalApi:
         handles already written (`lengths`: each value's length, default its `alloc` size);
         `batch_store(keys, datas)` reserves chunks and copies each value in. A key that
         already exists reports True (first writer won; our chunks come back)."""
+        check_key_batch(keys)
         if values is not None:
             if any(isinstance(v, AllocHandle) for v in values):
                 handles = values  # type: ignore[assignment]
@@ -196,6 +198,7 @@ class OriginalApi:
     def store_outcomes(self, keys: Sequence[Key], datas: Sequence[Buffer]) -> list[StoreOutcome]:
         """`batch_store(keys, datas)` that tells, per key, STORED (now), EXISTED (the key was
         there: it keeps its first value, ours was not used) or FAILED."""
+        check_key_batch(keys)
         if len(datas) != len(keys):
             raise ValueError("store_outcomes needs one data per key")
         put = self._store_datas(keys, datas)
@@ -312,6 +315,7 @@ class OriginalApi:
         self, msg_type: MsgType, keys: Sequence[Key], extra: dict[str, Any]
     ) -> list[bool] | None:
         """A PIN or UNPIN of `keys` (with `extra` fields): per key; None if it failed (logged)."""
+        check_key_batch(keys)
         self._ensure_connected()
         if not keys:
             return []
@@ -348,7 +352,10 @@ class OriginalApi:
         return self._s.checksum_mismatches
 
     def stats(self) -> dict[str, Any]:
-        """The server's statistics (pool usage, keys, per-instance counters)."""
+        """The server's statistics (pool usage, keys, per-instance counters): asked without a
+        handshake (a handler not connected yet may ask), but not of a closed handler."""
+        if self._closed:
+            raise MaruNotConnected(self.config.server_url, "this MaruHandler was closed")
         return self._request(MsgType.STATS, {}).result()["stats"]
 
     get_stats = stats  # the original Maru's name for it

@@ -44,7 +44,7 @@ from maru.common.errors import (
     MaruNotConnected,
     MaruServerError,
 )
-from maru.common.protocol import DeleteStatus, ErrorCode, Key, MsgType
+from maru.common.protocol import DeleteStatus, ErrorCode, Key, MsgType, check_key_batch
 
 log = logging.getLogger(__name__)
 
@@ -356,6 +356,7 @@ class MaruHandler(OriginalApi):
         lengths: int | Sequence[int] | None = None,
     ) -> Sealing:
         """`seal` without reading a value (e.g. during the copy); `.send(checksums)` after."""
+        check_key_batch(keys)
         self._ensure_connected()
         # (logged here; the server rejects them)
         refuse_bad_stores(keys, (), self.refused_stores, self.instance_id)
@@ -397,6 +398,7 @@ class MaruHandler(OriginalApi):
         keys are `prefix +
         key` (one prefix, or one per key). A cluster tier's misses are pulled first (one wait
         within --cluster-lookup-ms)."""
+        check_key_batch(keys)
         if self._cluster.budget_s:
             self._cluster.pull(keys, prefix, self._local_index())
         return self._lookup(keys, lease, for_copy, prefix)
@@ -426,6 +428,7 @@ class MaruHandler(OriginalApi):
         write-behind `put`s are confirmed first. ValueError for `sizes` that are not int64
         parts summing to `length`, or `buffers` that are not int64 pointers, one per key and
         part (whichever path answers: the copy trusts them)."""
+        check_key_batch(keys)
         buffers, sizes = _read_destinations(len(keys), buffers, sizes, length)
         self._ensure_connected()
         self.confirm_writes()
@@ -459,6 +462,7 @@ class MaruHandler(OriginalApi):
         """`read` for special destinations (a pool with its own copy API, several pools): one
         leased lookup, each `(count, length, copy)` segment copied in key order, proven and
         released (`copy_and_prove`): per key (proven, mismatched)."""
+        check_key_batch(keys)
         self._ensure_connected()
         self.confirm_writes()
         if self._cluster.budget_s:
@@ -473,6 +477,7 @@ class MaruHandler(OriginalApi):
 
     def batch_exists(self, keys: Sequence[Key], *, prefix: Prefix = "") -> list[bool]:
         """Whether each key (`prefix + key`, as in `lookup`) is registered."""
+        check_key_batch(keys)
         index = self._local_index()
         found = index.exists(keys, prefix) if index is not None else None
         if found is not None and not self._cluster.budget_s:
@@ -482,7 +487,7 @@ class MaruHandler(OriginalApi):
     def leading_hits(self, keys: Sequence[Key], *, prefix: Key = "") -> int:
         """How many of `keys` (`prefix + key`) from the start are registered (SGLang's
         `batch_exists`)."""
-
+        check_key_batch(keys)
         index = self._local_index()
         counted = index.leading(keys, prefix) if index is not None else None
         if counted is not None and not self._cluster.budget_s:
@@ -494,6 +499,7 @@ class MaruHandler(OriginalApi):
         return self._per_key(MsgType.DELETE_KV, keys, lambda s: s == DeleteStatus.DELETED)
 
     def _per_key(self, msg_type: MsgType, keys: Sequence[Key], ok: Callable[[Any], bool]):
+        check_key_batch(keys)
         self._ensure_connected()
         if not keys:
             return []

@@ -55,6 +55,9 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the options)\n")
 
 
+MAX_SIZE = 1 << 62  # any byte count: beyond it a size overflows the wire's int64 in sums
+
+
 def parse_size(value: int | float | str, *, name: str = "size") -> int:
     """Parse "4G", "500M", "1MiB", "4096" or an int into a byte count (binary units)."""
     if isinstance(value, int) and not isinstance(value, bool):
@@ -74,6 +77,8 @@ def parse_size(value: int | float | str, *, name: str = "size") -> int:
         raise ConfigError(f"{name}: expected a size like '4G' or a byte count, got {value!r}")
     if n <= 0:
         raise ConfigError(f"{name}: must be positive, got {value!r}")
+    if n > MAX_SIZE:
+        raise ConfigError(f"{name}: at most {MAX_SIZE} bytes (2**62), got {value!r}")
     return n
 
 
@@ -82,9 +87,11 @@ def number_arg(
 ) -> Callable[[str], Any]:
     """An argparse type: a `kind` number >= `minimum` (> when `above`), <= `top`; its error
     is one line naming the flag (argparse adds the flag's name)."""
-    rule = f"greater than {minimum:g}" if above else f"at least {minimum:g}"
+    low = f"{minimum:.15g}"  # (whole numbers in full: 2147483647, not 2.14748e+09)
+    high = "" if top is None else f"{top:.15g}"
+    rule = f"greater than {low}" if above else f"at least {low}"
     if top is not None:
-        rule = f"above {minimum:g} and at most {top:g}" if above else f"from {minimum:g} to {top:g}"
+        rule = f"above {low} and at most {high}" if above else f"from {low} to {high}"
 
     def parse(text: str) -> Any:
         try:
@@ -195,15 +202,18 @@ POOL_PATH_ENV = "MARU_POOL_PATH"  # `pool_path` where the key is not set (the ke
 MAX_COPY_THREADS = 16  # the caller and the 15 copier threads of maru.client._memcopy
 
 
-def parse_int(value: Any, *, name: str, minimum: int = 1) -> int:
-    """An integer >= `minimum` (1 unless told), from an int or a string of digits."""
+def parse_int(value: Any, *, name: str, minimum: int = 1, maximum: int = 2**31 - 1) -> int:
+    """An integer from `minimum` (1 unless told) to `maximum` (what a C int holds unless
+    told: timeouts and counts end in one), from an int or a string of digits."""
     kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
     n = None
     if not isinstance(value, bool) and not (isinstance(value, float) and not value.is_integer()):
-        with contextlib.suppress(TypeError, ValueError):
+        with contextlib.suppress(TypeError, ValueError, OverflowError):
             n = int(value)
     if n is None or n < minimum:
         raise ConfigError(f"{name}: expected {kind}, got {value!r}")
+    if n > maximum:
+        raise ConfigError(f"{name}: at most {maximum}, got {value!r}")
     return n
 
 
@@ -288,7 +298,9 @@ class MaruConfig:
             )
         self.timeout_ms = parse_int(self.timeout_ms, name="timeout_ms")
         self.max_inflight = parse_int(self.max_inflight, name="max_inflight")
-        self.busy_poll_us = parse_int(self.busy_poll_us, name="busy_poll_us", minimum=0)
+        self.busy_poll_us = parse_int(
+            self.busy_poll_us, name="busy_poll_us", minimum=0, maximum=10_000_000
+        )
         self.copy_threads = parse_int(self.copy_threads, name="copy_threads")
         if self.copy_threads > MAX_COPY_THREADS:
             raise ConfigError(f"copy_threads: at most {MAX_COPY_THREADS}, got {self.copy_threads}")

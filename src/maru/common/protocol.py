@@ -263,6 +263,15 @@ def unix_address(address: str) -> str:
 # -- keys and packed columns ----------------------------------------------------------------
 
 
+def check_key_batch(keys: Any) -> None:
+    """A batch of keys is a sequence of keys: one str or bytes given as the batch would be
+    taken for one key per character (`batch_delete("abc")` deleting "a", "b" and "c")."""
+    if isinstance(keys, (str, bytes, bytearray, memoryview)):
+        raise TypeError(
+            f"keys: a sequence of keys, not one {type(keys).__name__} (a single key: [key])"
+        )
+
+
 def check_key(key: Any) -> str | bytes:
     """The project's one key check: `key` if exactly str or bytes, not empty, at most
     MAX_KEY_BYTES encoded; else ProtocolError (KEY_TOO_LONG or BAD_REQUEST)."""
