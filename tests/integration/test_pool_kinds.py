@@ -149,3 +149,25 @@ def test_two_servers_side_by_side(maru_server_factory):
         one.stop()  # stopping one leaves the other serving
         assert bytes(h2.retrieve("same-key").view) == b"two" * 1000
         assert h2.store("after", b"a")
+
+
+def test_an_fsdax_region_file_is_made_anew_never_through_a_link(maru_server_factory, tmp_path):
+    """A link planted at the name of a region the server is about to make (region-N.mem in
+    its pool directory) is not followed: the region is a new file of the server's, the link's
+    target untouched. Before, the server opened it with O_CREAT alone and grew the target to
+    the region's length."""
+    pool = tmp_path / "fsdax"
+    pool.mkdir()
+    server = maru_server_factory(tmp_path / "srv", pool_size="64M", pool=str(pool))
+    target = tmp_path / "target"
+    target.write_text("not a region\n")
+    links = [pool / f"region-{i}.mem" for i in range(1, 5)]
+    for link in links:
+        link.symlink_to(target)
+    with MaruHandler(server_url=server.url, pool_size="4M") as h:
+        assert h.store("k", b"v" * 100_000)
+        made = {Path(r.path) for r in h.list_allocations()}
+        assert bytes(h.retrieve("k").view) == b"v" * 100_000
+    assert made and made <= set(links)
+    assert all(p.is_file() and not p.is_symlink() for p in made)
+    assert target.read_text() == "not a region\n"

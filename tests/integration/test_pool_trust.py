@@ -290,3 +290,43 @@ def test_a_seal_reaches_only_the_region_its_bytes_were_written_in(maru_server_fa
         writer.close()
     finally:
         second.stop()
+
+
+@pytest.mark.parametrize(
+    "how", ["restart", "damaged-mark", "another-size", "another-state", "empty-file"]
+)
+def test_a_maru_pool_from_an_earlier_run_is_still_reused(maru_server_factory, tmp_path, how):
+    """What the server checks before it touches an existing pool file (it must be a Maru pool
+    of this user's: a mark, the file its state recorded, or empty) takes nothing from a real
+    one: a restart restores its keys; a pool whose mark is damaged (its state recorded the
+    file), one of another --pool-size (--no-restore), one another state served, and an empty
+    file made beforehand are each started fresh, never refused."""
+    path = f"/dev/shm/maru-test-{uuid.uuid4().hex}.pool"
+    if how == "empty-file":
+        Path(path).touch(mode=0o600)
+    first = maru_server_factory(tmp_path / "A", pool_size="64M", pool=path)
+    writer = handler(first.url, pool_size="4M")
+    keys = [f"kept/{i}" for i in range(8)]
+    store(writer, keys)
+    writer.close()
+    first.halt()
+    once: list[str] = []
+    if how == "damaged-mark":
+        with open(path, "r+b") as f:
+            f.seek(64 << 20)  # (the mark's page, past the capacity)
+            assert f.read(8) == b"MARUPOOL"
+            f.seek(64 << 20)
+            f.write(b"\xff" * 16)
+    elif how == "another-size":
+        first.pool_size, once = "32M", ["--no-restore"]
+    if how == "another-state":
+        server = maru_server_factory(tmp_path / "B", pool_size="64M", pool=path)
+    else:
+        server = first.start(first.port, once_args=once)
+    assert "cannot start" not in server.read_log()
+    reader = handler(server.url)
+    expect = (8, 0, 0) if how in ("restart", "empty-file") else (0, 8, 0)
+    assert read_counts(reader, keys) == expect  # restored, or started fresh: never wrong
+    store(reader, ["after"])
+    assert read_counts(reader, ["after"]) == (1, 0, 0)
+    reader.close()

@@ -4,6 +4,8 @@ nothing left behind by a start that fails."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 import socket
 import subprocess
@@ -15,6 +17,7 @@ import pytest
 import maru
 from conftest import MaruServerProcess, maru_server_command  # tests/conftest.py
 from maru import MaruHandler
+from maru.common.poolmark import encode_mark
 from maru.server.cli import main
 
 
@@ -217,3 +220,149 @@ def test_the_readme_names_every_file_the_server_leaves_in_dev_shm(tmp_path):
     for name in running:
         pattern = "<pool>" + re.sub(r"\.\d+", ".<n>", name[len(Path(pool).name) :])
         assert f"`{pattern}`" in readme, pattern
+
+
+# -- what the pool path names: never destroyed unless it is a Maru pool of this user's -------
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _refused(proc: subprocess.CompletedProcess) -> str:
+    """The one line a refused start ends with (exit 2, no traceback)."""
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def _start(pool: str, state: Path, *more: str) -> subprocess.CompletedProcess:
+    return run_server(
+        "--port", "0", "--pool", pool, "--pool-size", "16M", "--state-dir", str(state), *more,
+        timeout=20,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("content", ["text", "random-32M"])
+def test_an_existing_file_that_is_not_a_maru_pool_is_refused_and_left_untouched(tmp_path, content):
+    """Before, `--pool victim.txt` started, warned that the pool was truncated and left the
+    file zeros (a file at least the capacity: unlinked and made anew)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious\n" if content == "text" else os.urandom(32 << 20))
+    before, state = _digest(victim), tmp_path / "state"
+    line = _refused(_start(str(victim), state))
+    assert line == (
+        f"maru-server: cannot start: --pool {victim} exists and is not a Maru pool (no pool "
+        "mark); remove it or choose another path"
+    )
+    assert _digest(victim) == before
+    assert not state.exists()  # (this start's state went again)
+    purged = run_server("--purge", "--pool", str(victim), "--state-dir", str(state))
+    assert purged.returncode == 1 and "is not a Maru pool" in purged.stderr
+    assert _digest(victim) == before  # `--purge` removes no such file either
+
+
+def test_a_trailing_slash_on_a_file_is_refused_before_anything_is_touched(tmp_path):
+    """Before, `--pool afile/` failed (File exists) and its undo unlinked `afile`."""
+    afile, state = tmp_path / "afile", tmp_path / "state"
+    afile.write_text("precious\n")
+    for more in ((), ("--purge",)):
+        proc = _start(f"{afile}/", state, *more)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert proc.stderr.splitlines()[0] == (
+            f"maru-server: error: --pool: {afile}/ names a file, not a directory"
+        )
+        assert afile.read_text() == "precious\n"
+        assert not state.exists()
+
+
+@pytest.mark.parametrize("kind", ["shm", "shm-dangling", "fsdax"])
+def test_a_symlink_at_the_pool_path_is_refused_and_its_target_untouched(tmp_path, kind):
+    """Before, the server followed a link planted at the pool path and grew its target (a
+    file of another user's, or root's) to the pool's size with NULs."""
+    target, link, state = tmp_path / "target", tmp_path / "maru.pool", tmp_path / "state"
+    if kind == "fsdax":
+        target.mkdir()
+    elif kind == "shm":
+        target.write_text("root:x:0:0:not-really\n")
+    link.symlink_to(target)
+
+    def look() -> object:
+        return (
+            sorted(os.listdir(target)) if kind == "fsdax" else target.exists() and _digest(target)
+        )
+
+    before = look()
+    line = _refused(_start(str(link) + ("/" if kind == "fsdax" else ""), state))
+    assert line.startswith(
+        f"maru-server: cannot start: --pool {link} is a symbolic link (to {target})"
+    )
+    assert look() == before
+    assert link.is_symlink() and not state.exists()
+
+
+@pytest.mark.parametrize("kind", ["shm", "fsdax"])
+@pytest.mark.parametrize("how", ["another-user", "world-writable"])
+def test_a_pool_path_of_another_user_or_writable_by_all_is_refused_untouched(tmp_path, kind, how):
+    if how == "another-user" and os.geteuid() != 0:
+        pytest.skip("makes a file of another user (needs root)")
+    pool, state = tmp_path / "planted.pool", tmp_path / "state"
+    if kind == "fsdax":
+        pool.mkdir()
+        (pool / "region-1.mem").write_bytes(b"theirs")
+    else:
+        pool.write_bytes(encode_mark("g" * 16, "e" * 16))  # (even a pool mark is no reason)
+    os.chmod(pool, 0o777 if kind == "fsdax" else 0o666)
+    if how == "another-user":
+        os.chmod(pool, 0o755 if kind == "fsdax" else 0o644)
+        os.chown(pool, 65534, 65534)
+    before = sorted(os.listdir(pool)) if kind == "fsdax" else _digest(pool)
+    line = _refused(_start(str(pool) + ("/" if kind == "fsdax" else ""), state))
+    assert line.startswith(f"maru-server: cannot start: --pool {pool} ")
+    if how == "another-user":
+        assert "is owned by uid 65534" in line and "not by maru-server's user (uid" in line
+    else:
+        assert "is writable by every user (mode 777" in line or "(mode 666" in line
+    assert (sorted(os.listdir(pool)) if kind == "fsdax" else _digest(pool)) == before
+    assert os.stat(pool).st_uid == (65534 if how == "another-user" else os.geteuid())
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [("dir", "is a directory"), ("/proc/ready", "cannot write /proc/ready")],
+)
+def test_a_ready_file_that_cannot_be_written_is_refused_before_the_start(tmp_path, where, message):
+    """Before, the server started fully, then died with a traceback writing the ready file."""
+    ready = str(tmp_path) if where == "dir" else where
+    pool, state = shm_pool(), tmp_path / "state"
+    proc = _start(pool, state, "--ready-file", ready)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("maru-server: error: --ready-file: ") and message in first
+    assert not Path(pool).exists() and not state.exists()
+
+
+def test_a_ready_file_that_fails_once_serving_is_one_line_not_a_traceback(tmp_path):
+    """The ready file's filesystem has room for its name, not its bytes (a full tmpfs): the
+    write fails once the server serves; it says so in one line, and stops (exit 1)."""
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(mnt)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        (mnt / "filler").write_bytes(b"x" * 4096)
+        with pytest.raises(OSError):
+            (mnt / "probe").write_bytes(b"x" * 64)  # (full)
+        (mnt / "probe").unlink(missing_ok=True)
+        pool, state = shm_pool(), tmp_path / "state"
+        proc = _start(pool, state, "--ready-file", str(mnt / "ready"))
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"maru-server: cannot write --ready-file {mnt / 'ready'}: No space left on device"
+        )
+        assert not Path(pool).exists() and not state.exists()  # (nothing left behind)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

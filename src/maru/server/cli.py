@@ -42,11 +42,15 @@ from maru.server.pool import (
     REGION_ALIGNMENT,
     FsDaxPool,
     Pool,
+    PoolPathError,
     _flock,
     auto_index_slots,
+    check_owner,
+    check_pool_file,
     lock_with_pid,
     new_generation,
     open_pool,
+    symlink_refusal,
 )
 from maru.server.registry import Registry
 from maru.server.service import MaruService
@@ -379,6 +383,11 @@ def check_args(args: argparse.Namespace) -> str | None:
             f"--eviction-low-watermark {args.eviction_low_watermark:g} is above "
             f"--eviction-high-watermark {args.eviction_high_watermark:g}"
         )
+    if args.pool and args.pool.endswith("/"):
+        bare = args.pool.rstrip("/") or "/"
+        if os.path.lexists(bare) and not os.path.isdir(bare):
+            # (a directory pool names a directory; its undo must never take the file)
+            return f"--pool: {args.pool} names a file, not a directory"
     if args.pool and not (args.pool.startswith("/dev/dax") or Path(args.pool).exists()):
         # (a pool file is created, an fsdax directory too, but not the directories above:
         # a typo must not put a RAM-sized pool on the root disk)
@@ -410,6 +419,36 @@ def check_args(args: argparse.Namespace) -> str | None:
         named_file = path and path not in ("auto", "none") and not path.startswith("@")
         if named_file and not Path(path).parent.is_dir():
             return f"{flag}: directory {Path(path).parent} does not exist"
+    if args.ready_file:
+        return ready_file_problem(args.ready_file)
+    return None
+
+
+def ready_file_problem(path: str) -> str | None:
+    """Why `--ready-file` could not be written once the server serves, found before it
+    starts, by opening it for writing (an existing file is not changed; a new one is made and
+    removed again; a FIFO or device is only asked for write access); None if it can be."""
+    if os.path.isdir(path):
+        return f"--ready-file: {path} is a directory"
+    try:
+        if not os.path.exists(path):
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            os.unlink(path)
+        elif stat.S_ISREG(os.stat(path).st_mode):
+            os.close(os.open(path, os.O_WRONLY))
+        elif not os.access(path, os.W_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    except OSError as exc:
+        return f"--ready-file: cannot write {path} ({exc.strerror or exc})"
+    return None
+
+
+def write_ready_file(path: str, endpoint: str) -> str | None:
+    """Write the endpoint to `--ready-file`; why not, as one line, or None."""
+    try:
+        Path(path).write_text(endpoint)
+    except OSError as exc:
+        return f"cannot write --ready-file {path}: {exc.strerror or exc}"
     return None
 
 
@@ -437,16 +476,41 @@ def pool_size_change(args: argparse.Namespace, pool_path: str, state_dir: Path) 
     )
 
 
-def purge_pool(pool_path: str) -> str | None:
+def purge_pool(
+    pool_path: str,
+    *,
+    capacity: int = 0,
+    known: tuple[int, int] | None = None,
+    created: tuple[int, int] | None = None,
+    dry_run: bool = False,
+) -> str | None:
     """Delete a stopped server's pool (a shm file, or an fsdax directory's region files and
     lock); a devdax device stays. What was removed, or None if nothing was there. Raises
-    `PoolError` while a server holds it."""
-    path = Path(pool_path)
-    if path.is_dir():
+    `PoolError` while a server holds it.
+
+    Only a pool is removed: a symbolic link at the path, another user's file or directory (or
+    one every user may write), a file that is not a Maru pool (`check_pool_file`; `capacity`
+    and `known`: the pool size and the file the server's state recorded) are refused
+    (`PoolPathError`) and left. `created`: (st_dev, st_ino) of what a failed start made, the
+    one thing then removed (anything else at the path is left). `dry_run`: only those checks."""
+    bare = pool_path.rstrip("/") or "/"
+    try:
+        st = os.lstat(bare)
+    except FileNotFoundError:
+        return None
+    if created is not None and (st.st_dev, st.st_ino) != created:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        raise symlink_refusal(bare)
+    path = Path(bare)
+    if stat.S_ISDIR(st.st_mode):
+        check_owner(bare, st)
+        if dry_run:
+            return None
         files = [*path.glob("region-*.mem")]
-        lock_fd = lock_with_pid(path / FsDaxPool.LOCK_FILE, f"pool {pool_path}")
+        lock_fd = lock_with_pid(path / FsDaxPool.LOCK_FILE, f"pool {bare}")
         try:
-            size = sum(f.stat().st_size for f in files)
+            size = sum(f.lstat().st_size for f in files)
             for f in files:
                 f.unlink()
             (path / FsDaxPool.MARK_FILE).unlink(missing_ok=True)
@@ -455,18 +519,28 @@ def purge_pool(pool_path: str) -> str | None:
             os.close(lock_fd)
         with contextlib.suppress(OSError):
             path.rmdir()  # only if nothing else is in it
-        return f"pool {pool_path} ({len(files)} region files, {fmt_bytes(size)})"
-    if not path.is_file():
+        return f"pool {bare} ({len(files)} region files, {fmt_bytes(size)})"
+    if not stat.S_ISREG(st.st_mode):
         return None
-    remove_tables("shm", pool_path)
-    fd = os.open(path, os.O_RDWR)
+    fd = os.open(bare, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        _flock(fd, f"pool {pool_path}")
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if created is not None and (st.st_dev, st.st_ino) != created:
+            return None
+        if created is None:
+            check_pool_file(bare, fd, st, capacity, known)
+        if dry_run:
+            return None
+        _flock(fd, f"pool {bare}")
+        now = os.lstat(bare)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return None  # (replaced meanwhile: not the file checked)
+        remove_tables("shm", pool_path)
         path.unlink()
+        size = st.st_size
     finally:
         os.close(fd)
-    return f"pool {pool_path} ({fmt_bytes(size)})"
+    return f"pool {bare} ({fmt_bytes(size)})"
 
 
 STATE_FILES = (SECRET_FILE, CURVE_SECRET_FILE, CURVE_PUBLIC_FILE, SNAPSHOT_NAME, POOL_IDENTITY)
@@ -496,10 +570,20 @@ def purge_state(state_dir: Path) -> str | None:
     return f"state dir {state_dir} ({removed} files)"
 
 
-def purge(pool_path: str, state_dir: Path) -> int:
-    """`maru-server --purge`: the one command that removes a stopped server's pool and state."""
+def purge(pool_path: str, state_dir: Path, capacity: int = 0) -> int:
+    """`maru-server --purge`: the one command that removes a stopped server's pool and state
+    (the pool only if it is one: checked before anything is removed)."""
+    known = recorded_pool(state_dir, pool_path)
     try:
-        removed = [r for r in (purge_state(state_dir), purge_pool(pool_path)) if r]
+        purge_pool(pool_path, capacity=capacity, known=known, dry_run=True)
+        removed = [
+            r
+            for r in (
+                purge_state(state_dir),
+                purge_pool(pool_path, capacity=capacity, known=known),
+            )
+            if r
+        ]
     except (OSError, RuntimeError) as exc:
         print(f"maru-server: cannot purge: {exc}", file=sys.stderr)
         return 1
@@ -516,6 +600,21 @@ def _identity(pool: Pool) -> dict[str, Any]:
         "ino": st.st_ino,
         "capacity": pool.capacity,
     }
+
+
+def recorded_pool(state_dir: Path, pool_path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the shm pool file at `pool_path` as the state in `state_dir`
+    recorded it (`_identity`), if it did: that file is this server's pool, even with its mark
+    gone (truncated, say)."""
+    with contextlib.suppress(OSError):
+        record = _read_identity(state_dir)
+        if isinstance(record, dict) and (record.get("kind"), record.get("path")) == (
+            "shm",
+            pool_path,
+        ):
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                return int(record["dev"]), int(record["ino"])
+    return None
 
 
 def _read_identity(state_dir: Path) -> dict[str, Any] | str | None:
@@ -731,7 +830,7 @@ def main(argv: list[str] | None = None) -> int:
     pool_path = args.pool or f"/dev/shm/maru-{port_tag}.pool"
     state_dir = Path(args.state_dir or Path.home() / ".local/state/maru" / port_tag)
     if args.purge:
-        return purge(pool_path, state_dir)
+        return purge(pool_path, state_dir, args.pool_bytes)
     taken = port_taken(args.host, args.port)
     if taken:
         print(f"maru-server: cannot start: {taken}", file=sys.stderr)
@@ -751,10 +850,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
     configure_logging(args.log_level, args.log_format)
-    # What this start creates, it removes again if it fails: no pool or state left behind.
-    pool_existed, state_existed = os.path.lexists(pool_path), state_dir.exists()
+    # What this start creates, it removes again if it fails: no pool or state left behind;
+    # only that (a pool that was there before, or anything else at its path, stays).
+    state_existed = state_dir.exists()
 
     pool: Pool | None = None
+    pool_made: tuple[int, int] | None = None  # (st_dev, st_ino) of the pool this start made
     state_lock: int | None = None
 
     def _undo_start() -> None:
@@ -765,8 +866,9 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(OSError, RuntimeError):
             if not state_existed:
                 purge_state(state_dir)
-            if not pool_existed:
-                purge_pool(pool_path)
+        with contextlib.suppress(OSError, RuntimeError):
+            if pool_made is not None:
+                purge_pool(pool_path, created=pool_made)
 
     raise_fd_limit()
     try:
@@ -778,7 +880,8 @@ def main(argv: list[str] | None = None) -> int:
         if refusal:
             print(f"maru-server: cannot start: {refusal}", file=sys.stderr)
             return 2
-        # locked for the life of the process too (the pool object holds the fd)
+        # locked for the life of the process too (the pool object holds the fd); what is
+        # at the path is used only if it is this user's pool (or nothing: then made)
         pool = open_pool(
             pool_path,
             args.pool_bytes,
@@ -786,7 +889,11 @@ def main(argv: list[str] | None = None) -> int:
             lock=True,
             preallocate=args.preallocate,
             index_slots=0 if args.no_local_index else args.index_slot_count,
+            guard=True,
+            known=recorded_pool(state_dir, pool_path),
         )
+        if getattr(pool, "created", False):
+            pool_made = pool.identity
         if args.index_slot_count and pool.index_area is None:
             log.warning("--index-slots: a directory pool has no in-pool index: /dev/shm's")
         retire_earlier(pool.kind, pool.path)  # before the pool can change (a new generation)
@@ -850,6 +957,10 @@ def main(argv: list[str] | None = None) -> int:
                 lookup_ms=args.cluster_lookup_ms,
                 log_level=args.log_level,
             )
+    except PoolPathError as exc:  # (what the operator named: fix the flag, exit 2)
+        print(f"maru-server: cannot start: {exc}", file=sys.stderr)
+        _undo_start()
+        return 2
     except (OSError, ValueError, KeyError, RuntimeError, zmq.ZMQError) as exc:
         print(f"maru-server: cannot start: {exc}", file=sys.stderr)
         _undo_start()
@@ -888,8 +999,16 @@ def main(argv: list[str] | None = None) -> int:
             service.close()
             _undo_start()
             return 1
-    if args.ready_file:
-        Path(args.ready_file).write_text(service.endpoint)
+    failed = write_ready_file(args.ready_file, service.endpoint) if args.ready_file else None
+    if failed:  # (checked before the start: it went since, or its filesystem is full)
+        print(f"maru-server: {failed}", file=sys.stderr)
+        if registry.local_index is not None:
+            registry.local_index.close()
+        if metrics_httpd is not None:
+            metrics_httpd.shutdown()
+        service.close()
+        _undo_start()
+        return 1
     try:
         service.serve_forever()
     finally:

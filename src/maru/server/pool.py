@@ -12,6 +12,7 @@ import grp
 import logging
 import mmap
 import os
+import pwd
 import secrets
 import stat
 from abc import ABC, abstractmethod
@@ -22,6 +23,7 @@ from maru.common.config import fmt_bytes
 from maru.common.extents import ExtentAllocator
 from maru.common.poolmark import (
     MARK_BYTES,
+    MARK_MAGIC,
     decode_mark,
     encode_mark,
     read_mark_window,
@@ -50,6 +52,117 @@ class PoolFullError(Exception):
 
 class PoolError(RuntimeError):
     """The pool cannot be used: in use by another server, or not enough memory behind it."""
+
+
+class PoolPathError(PoolError):
+    """What the pool path names is not this server's to use, change or remove (a symbolic
+    link, another user's file or directory, one every user may write, a file that is not a
+    Maru pool): refused, and left as it is."""
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def symlink_refusal(path: str) -> PoolPathError:
+    """The refusal of a symbolic link at the pool path: the server creates, grows, reuses and
+    removes the pool at its path, and a link there (planted, in a shared /dev/shm) could make
+    that any file the server's user may write."""
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    return PoolPathError(
+        f"--pool {path} is a symbolic link (to {target}): refused, left as it is; name the "
+        "pool itself, not a link to it"
+    )
+
+
+def check_owner(path: str, st: os.stat_result) -> None:
+    """PoolPathError unless an existing pool file or directory (`st`, not followed) is the
+    server's user's and not writable by every user: another user's may be a trap (a file
+    planted at the predictable default path), and one every user may write holds nothing
+    the server can trust."""
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        raise PoolPathError(
+            f"--pool {path} is owned by {_user(st.st_uid)}, not by maru-server's user "
+            f"({_user(uid)}): refused, left as it is; remove it or choose another path"
+        )
+    if st.st_mode & stat.S_IWOTH:
+        raise PoolPathError(
+            f"--pool {path} is writable by every user (mode {stat.S_IMODE(st.st_mode):o}): "
+            "refused, left as it is; `chmod o-w` it, or choose another path"
+        )
+
+
+def _file_kind(mode: int) -> str:
+    kinds = [
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ]
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def mark_offsets(size: int, capacity: int = 0) -> list[int]:
+    """Where a shm pool file of `size` bytes may hold its mark (`ShmPool`): past `capacity`
+    (this start's), or a page before the file's end less an in-pool index's area of any
+    size an earlier start may have had (`--index-slots`)."""
+    page = mmap.ALLOCATIONGRANULARITY
+    offsets = {-(-capacity // page) * page} if capacity > 0 else set()
+    for slots in (0, *(1 << k for k in range(3, INDEX_SLOTS_MAX.bit_length()))):
+        offsets.add(size - page - area_bytes(slots))
+    return sorted(o for o in offsets if o >= 0 and o + MARK_BYTES <= size)
+
+
+def carries_mark(fd: int, size: int, capacity: int = 0) -> bool:
+    """Whether the file open at `fd` carries a Maru pool mark where one may lie
+    (`mark_offsets`): valid, another state's, or damaged past its magic (a torn write) alike:
+    the file is a Maru pool, whichever server or state served it last."""
+    return any(
+        os.pread(fd, len(MARK_MAGIC), offset) == MARK_MAGIC
+        for offset in mark_offsets(size, capacity)
+    )
+
+
+def check_pool_entry(path: str, st: os.stat_result) -> None:
+    """PoolPathError unless `st` (of an existing pool file, not followed) is a regular file
+    of the server's user (`check_owner`)."""
+    if not stat.S_ISREG(st.st_mode):
+        raise PoolPathError(
+            f"--pool {path} is {_file_kind(st.st_mode)}, not a pool file: refused, left as it "
+            "is; choose another path"
+        )
+    check_owner(path, st)
+
+
+def check_pool_file(
+    path: str,
+    fd: int,
+    st: os.stat_result,
+    capacity: int = 0,
+    known: tuple[int, int] | None = None,
+) -> None:
+    """PoolPathError unless the existing file open at `fd` (`st`: its fstat) may be reused,
+    truncated or removed as a pool: a regular file of the server's user (`check_pool_entry`)
+    that is empty, is the very file this server's state recorded (`known`: (st_dev,
+    st_ino); its mark may be gone, e.g. truncated), or carries a pool mark (`carries_mark`).
+    Anything else may be anybody's data: never touched."""
+    check_pool_entry(path, st)
+    if st.st_size == 0 or (st.st_dev, st.st_ino) == known:
+        return
+    if not carries_mark(fd, st.st_size, capacity):
+        raise PoolPathError(
+            f"--pool {path} exists and is not a Maru pool (no pool mark); remove it or choose "
+            "another path"
+        )
 
 
 def new_generation() -> str:
@@ -86,7 +199,7 @@ def _flock(fd: int, what: str, holder: str = "") -> None:
 def lock_with_pid(lock_path: str | Path, what: str) -> int:
     """`_flock` a lock file (made 0600 if missing) that holds the holder's pid: ours once we
     have it, the other server's in the refusal. The fd stays open for the process's life."""
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         _flock(fd, what, os.pread(fd, 32, 0).decode(errors="replace").strip())
     except BaseException:
@@ -118,6 +231,11 @@ class Pool(ABC):
     @property
     def name(self) -> str:
         return f"{self.kind}:{self.path}"
+
+    @property
+    def identity(self) -> tuple[int, int] | None:
+        """(st_dev, st_ino) of the pool file or directory when opened (None: not checked)."""
+        return self._identity
 
     def round_up(self, length: int) -> int:
         return -(-length // self.alignment) * self.alignment
@@ -242,10 +360,12 @@ class Pool(ABC):
             self._lock_fd = None
 
 
-def _apply_group(path: str, group: str | None) -> None:
+def _apply_group(fd: int, group: str | None) -> None:
+    """Give the open file to `group` (mode 0660): through its fd, never a path a link may
+    have replaced since."""
     if group:
-        os.chown(path, -1, grp.getgrnam(group).gr_gid)
-        os.chmod(path, 0o660)
+        os.fchown(fd, -1, grp.getgrnam(group).gr_gid)
+        os.fchmod(fd, 0o660)
 
 
 class FilePool(Pool):
@@ -312,7 +432,11 @@ class ShmPool(FilePool):
     lost bytes (`truncated_from`: the server starts a new generation). With `lock` (the server)
     it is flocked, and its filesystem must have room for what it may still allocate
     (`preallocate`: all of it now). The page past the capacity holds the mark, then comes the
-    in-pool index (`index_slots`)."""
+    in-pool index (`index_slots`).
+
+    The path is never followed if it is a symbolic link. With `guard` (the server) an existing
+    file is used only if it may be (`check_pool_file`; `known`: the file the server's state
+    recorded): anything else is refused (`PoolPathError`) and left as it is."""
 
     kind = "shm"
 
@@ -325,6 +449,8 @@ class ShmPool(FilePool):
         lock: bool = False,
         preallocate: bool = False,
         index_slots: int = 0,
+        guard: bool = False,
+        known: tuple[int, int] | None = None,
     ):
         page = mmap.ALLOCATIONGRANULARITY
         mark = -(-capacity // page) * page
@@ -332,6 +458,7 @@ class ShmPool(FilePool):
         index = (mark + page, area, index_slots) if area else None
         super().__init__(path, capacity, REGION_ALIGNMENT, mark, page, index)
         self._group, self._lock, self._preallocate = group, lock, preallocate
+        self._guard, self._known = guard, known
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.created = self._open(exclusive=False)
         mount = hugepages.mount_entry(os.path.dirname(os.path.abspath(path)))
@@ -344,20 +471,28 @@ class ShmPool(FilePool):
             log.info("pool %s: %s", path, hugepages.describe(self.huge))
 
     def _open(self, exclusive: bool) -> bool:
-        """Open (or create) the file, lock it, check it and size it; True if it was created."""
+        """Open (or create) the file, lock it, check it and size it; True if it was created.
+        A symbolic link at the path is refused, never followed (O_EXCL, O_NOFOLLOW)."""
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             created = True
         except FileExistsError:
             if exclusive:
                 raise
-            fd, created = os.open(self.path, os.O_RDWR), False
+            fd, created = self._open_existing(), False
         try:
+            st = os.fstat(fd)
+            if not created and self._guard:
+                check_pool_entry(self.path, st)  # (no lock taken on what is not ours)
             if self._lock:
                 _flock(fd, f"pool {self.path}")
-            st = os.fstat(fd)
+            if not created and self._guard:  # (its mark, now that no server writes it)
+                check_pool_file(self.path, fd, st, self.capacity, self._known)
             if not created and st.st_size < self.capacity:
-                self.truncated_from = st.st_size
+                if st.st_size == 0 and (st.st_dev, st.st_ino) != self._known:
+                    log.info("pool %s: an empty file: used as a new pool", self.path)
+                else:
+                    self.truncated_from = st.st_size
             directory = os.path.dirname(os.path.abspath(self.path))
             check_free_space(self.path, directory, self.file_bytes - st.st_blocks * 512)
             if st.st_size < self.file_bytes:
@@ -376,13 +511,31 @@ class ShmPool(FilePool):
                 with contextlib.suppress(OSError):
                     os.unlink(self.path)
             raise
+        try:
+            _apply_group(fd, self._group)
+        except BaseException:
+            os.close(fd)
+            raise
         if self._lock:
             self._lock_fd = fd
         else:
             os.close(fd)
         self._identity = (st.st_dev, st.st_ino)
-        _apply_group(self.path, self._group)
         return created
+
+    def _open_existing(self) -> int:
+        """The existing file at the path, opened without following a link; another user's
+        that this user may not open is named as such (`check_owner`), not as EACCES."""
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                st = os.lstat(self.path)
+                if stat.S_ISLNK(st.st_mode):
+                    raise symlink_refusal(self.path) from None
+                if self._guard:
+                    check_owner(self.path, st)
+            raise exc from None
 
     def start_fresh(self) -> None:
         """A new generation is a new file: clients still mapping the old one (they outlived a
@@ -391,6 +544,12 @@ class ShmPool(FilePool):
             return
         self.close()
         with contextlib.suppress(FileNotFoundError):
+            st = os.lstat(self.path)
+            if self._identity is not None and (st.st_dev, st.st_ino) != self._identity:
+                raise PoolError(
+                    f"pool {self.path} was replaced by another file while the server started: "
+                    "left as it is; start again"
+                )
             os.unlink(self.path)
         self.truncated_from = None
         self.created = self._open(exclusive=True)
@@ -461,23 +620,59 @@ class DevDaxPool(FilePool):
 
 class FsDaxPool(Pool):
     """A directory; each region is its own file `region-<id>.mem` (fsdax in production). The
-    pool's mark is the file `MARK_FILE` beside them."""
+    pool's mark is the file `MARK_FILE` beside them. A symbolic link at the path is refused,
+    never followed, and region files are made anew (O_EXCL, O_NOFOLLOW); with `guard` (the
+    server) an existing directory must be the server's user's, not writable by every user
+    (`check_owner`). `created`: this object made the directory."""
 
     kind = "fsdax"
 
     LOCK_FILE = ".maru-server.lock"
     MARK_FILE = ".maru-pool.mark"
 
-    def __init__(self, path: str, capacity: int, group: str | None = None, *, lock: bool = False):
+    def __init__(
+        self,
+        path: str,
+        capacity: int,
+        group: str | None = None,
+        *,
+        lock: bool = False,
+        guard: bool = False,
+    ):
         super().__init__(path, capacity, REGION_ALIGNMENT)
         self._group = group
-        Path(path).mkdir(parents=True, exist_ok=True)
         self._files: dict[str, int] = {}
-        if lock:
-            self._lock_fd = lock_with_pid(os.path.join(path, self.LOCK_FILE), f"pool {path}")
-            st = os.stat(path)
-            self._identity = (st.st_dev, st.st_ino)
-            check_free_space(path, path, capacity - self._allocated())
+        self.created = False
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            os.mkdir(path, 0o755)  # (FileExistsError if something came there meanwhile)
+            self.created = True
+        else:
+            if stat.S_ISLNK(st.st_mode):
+                raise symlink_refusal(path)
+            if not stat.S_ISDIR(st.st_mode):
+                raise PoolPathError(
+                    f"--pool {path}/ names {_file_kind(st.st_mode)}, not a directory: "
+                    "refused, left as it is"
+                )
+            if guard:
+                check_owner(path, st)
+        try:
+            if lock:
+                self._lock_fd = lock_with_pid(os.path.join(path, self.LOCK_FILE), f"pool {path}")
+                st = os.stat(path)
+                self._identity = (st.st_dev, st.st_ino)
+                check_free_space(path, path, capacity - self._allocated())
+        except BaseException:
+            self.close()
+            if self.created:  # (what this start made, it removes again)
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(path, self.LOCK_FILE))
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+            raise
 
     def _region_files(self) -> list[Path]:
         return list(Path(self.path).glob("region-*.mem"))
@@ -515,12 +710,23 @@ class FsDaxPool(Pool):
                 f"({self.free} of {self.capacity} bytes free)"
             )
         file = os.path.join(self.path, f"region-{region_id}.mem")
-        fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o600)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        try:
+            fd = os.open(file, flags, 0o600)
+        except FileExistsError:
+            # (region ids only go up, and a new generation removes the old files: a name
+            # taken is no live region's; a link there is removed, never followed)
+            os.unlink(file)
+            fd = os.open(file, flags, 0o600)
         try:
             os.ftruncate(fd, length)
-        finally:
+            _apply_group(fd, self._group)
+        except BaseException:
             os.close(fd)
-        _apply_group(file, self._group)
+            with contextlib.suppress(OSError):
+                os.unlink(file)
+            raise
+        os.close(fd)
         self._files[file] = length
         return file, 0
 
@@ -545,19 +751,33 @@ def open_pool(
     lock: bool = False,
     preallocate: bool = False,
     index_slots: int = 0,
+    guard: bool = False,
+    known: tuple[int, int] | None = None,
 ) -> Pool:
     """The pool at `path`, of the kind it names (module docstring). `lock`: held for this
     process's life (the server), refused if another server holds it. `index_slots`: the
-    in-pool key index's (`--index-slots`; 0 and a directory pool: none)."""
+    in-pool key index's (`--index-slots`; 0 and a directory pool: none). A symbolic link at
+    the path is refused (`PoolPathError`), but under /dev/dax; `guard` and `known`: the
+    server's checks of what it finds there (`ShmPool`, `FsDaxPool`)."""
     p = Path(path)
+    bare = path.rstrip("/") or "/"
+    if not path.startswith("/dev/dax") and os.path.islink(bare):
+        raise symlink_refusal(bare)
     if path.endswith("/") or p.is_dir():
         if capacity is None:
             raise ValueError("--pool-size is required for an fsdax directory pool")
-        return FsDaxPool(path.rstrip("/") or "/", capacity, group, lock=lock)
+        return FsDaxPool(bare, capacity, group, lock=lock, guard=guard)
     if path.startswith("/dev/dax") or (p.exists() and stat.S_ISCHR(p.stat().st_mode)):
         return DevDaxPool(path, capacity, lock=lock, index_slots=index_slots)
     if capacity is None:
         raise ValueError("--pool-size is required for a shm pool")
     return ShmPool(
-        path, capacity, group, lock=lock, preallocate=preallocate, index_slots=index_slots
+        path,
+        capacity,
+        group,
+        lock=lock,
+        preallocate=preallocate,
+        index_slots=index_slots,
+        guard=guard,
+        known=known,
     )
