@@ -152,8 +152,13 @@ class RegionSupply:
             body = {"region_id": region_id, "token": handle.token}
             try:
                 self._request(MsgType.RETURN_REGION, body).result()
-            except MaruServerError as exc:
-                if exc.code in (ErrorCode.STATE_UNAVAILABLE, ErrorCode.UNKNOWN_INSTANCE):
+            except MaruError as exc:
+                # Kept unless the server answered that it is not ours (NOT_OWNER,
+                # UNKNOWN_REGION, BAD_TOKEN: returned already, or forgotten)
+                if not isinstance(exc, MaruServerError) or exc.code in (
+                    ErrorCode.STATE_UNAVAILABLE,
+                    ErrorCode.UNKNOWN_INSTANCE,
+                ):
                     log.warning(
                         "instance %s: returning region %d failed, kept aside to return again: %s",
                         self.owner.instance_id,
@@ -161,16 +166,7 @@ class RegionSupply:
                         exc,
                     )
                     continue
-                # (NOT_OWNER, UNKNOWN_REGION, BAD_TOKEN: not ours, or returned already)
                 log.info("instance %s: region %d: %s", self.owner.instance_id, region_id, exc)
-            except MaruError as exc:
-                log.warning(
-                    "instance %s: returning region %d failed, kept aside to return again: %s",
-                    self.owner.instance_id,
-                    region_id,
-                    exc,
-                )
-                continue
             else:
                 log.info(
                     "instance %s: region %d given back (over our fair share of the pool)",
