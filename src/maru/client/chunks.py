@@ -19,6 +19,9 @@ from maru.common._freed import freed_runs
 log = logging.getLogger("maru.client.handler")
 
 
+GONE, SEALABLE, SPENT = 0, 1, 2  # a handle's state for a seal (`ChunkBook.seal_states`)
+
+
 class AllocHandle:
     """Reserved, unsealed chunks: `count` values of `size` bytes, value i at `address + i *
     stride` (region offset `offset + i * stride`). Write into `buf` (or at `address`), then
@@ -331,18 +334,23 @@ class ChunkBook:
         with self._lock:
             return self._region_of(handle) is not None
 
-    def unsealed(self, handle: AllocHandle) -> bool:
-        """Whether every value of `handle` is still reserved: not sealed (`written`) nor given
-        back. A handle is sealed once: sealed twice, or after it was freed, its chunks would
-        lie under two keys, or under a key and whatever the next reservation writes there."""
+    def seal_states(self, handles: Sequence[AllocHandle | None]) -> list[int]:
+        """Per handle, for a seal (one lock for all): GONE (None, or in a region we no longer
+        own: the server refuses it), SEALABLE, or SPENT: in our region but not reserved any
+        more, sealed (`written`) or given back before. A handle is sealed once: sealed twice,
+        or after it was freed, its chunks would lie under two keys, or under a key and
+        whatever the next reservation writes there."""
+        chunk, out = self.chunk_size, []
         with self._lock:
-            owned = self._region_of(handle)
-            if owned is None:
-                return False
-            chunk = self.chunk_size
-            return owned.reserved.holds(
-                handle.offset // chunk, handle.stride // chunk, handle.count
-            )
+            for handle in handles:
+                owned = None if handle is None else self._region_of(handle)
+                if owned is None or handle is None:
+                    out.append(GONE)
+                    continue
+                first, step = handle.offset // chunk, handle.stride // chunk
+                kept = owned.reserved.holds(first, step, handle.count)
+                out.append(SEALABLE if kept else SPENT)
+        return out
 
     def _region_of(self, handle: AllocHandle) -> _OwnedRegion | None:
         # The mapping check matters after a server restart: a new region may reuse the id.

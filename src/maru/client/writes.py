@@ -26,7 +26,7 @@ import numpy as np
 
 from maru.client._memcopy import copy_values_start as _c_copy_values_start
 from maru.client.checksum import checksums
-from maru.client.chunks import AllocHandle
+from maru.client.chunks import SEALABLE, SPENT, AllocHandle
 from maru.client.localindex import joined
 from maru.client.memcopy import CopyFaultError, copy_values_start
 from maru.client.requests import BYTES_LIKE, RegionsLost
@@ -463,7 +463,7 @@ class Sealing:
             size = handles.size if lengths is None else lengths
             stride, offset = handles.stride, handles.offset
             sent_keys = list(keys)
-            if session.chunks.holds(handles) and not session.chunks.unsealed(handles):
+            if session.chunks.seal_states([handles]) == [SPENT]:  # (GONE: the server refuses)
                 log.warning("seal of %d keys refused: their handle was sealed or freed before", n)
                 sent_keys = []
             self._sizes: int | list[int] = size if isinstance(size, int) else list(size)
@@ -480,14 +480,13 @@ class Sealing:
             sizes = [h.size if h else 0 for h in handles] if lengths is None else lengths
             if isinstance(sizes, int):
                 sizes = [sizes] * n
-            chunks = session.chunks
-            self._positions = [i for i, h in enumerate(handles) if h and chunks.holds(h)]
-            spent = [i for i in self._positions if not chunks.unsealed(handles[i])]  # type: ignore[arg-type]
-            if spent:
+            states = session.chunks.seal_states(handles)
+            self._positions = [i for i, state in enumerate(states) if state == SEALABLE]
+            if SPENT in states:
                 log.warning(
-                    "seal of %d keys refused: their handles were sealed or freed before", len(spent)
+                    "seal of %d keys refused: their handles were sealed or freed before",
+                    states.count(SPENT),
                 )
-                self._positions = [i for i in self._positions if i not in set(spent)]
             sent_keys = [keys[i] for i in self._positions]
             region_ids = [handles[i].region_id for i in self._positions]  # type: ignore[union-attr]
             offsets = [handles[i].offset for i in self._positions]  # type: ignore[union-attr]
