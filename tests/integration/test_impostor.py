@@ -276,6 +276,7 @@ def test_another_user_on_the_local_socket_is_refused_unless_listed(maru_server_f
     assert out["stored"] == [True] * 4 and out["read"] == list(mine.values())
     assert any("refuses this process (uid 65534)" in m for m in out["warnings"]), out
     assert read_back(mine) == list(mine.values())
+    os.chmod(server.pool_path, 0o600)  # (a server refuses to start on a pool all may write)
 
     # listed with --local-uids, the same process is served
     server.restart(once_args=["--local-uids", f"root,{NOBODY}"])
