@@ -56,6 +56,7 @@ class OriginalApi:
     batch_exists: Callable[..., list[bool]]
     batch_delete: Callable[[Sequence[Key]], list[bool]]
     _per_key: Callable[..., list[bool]]
+    _ask_per_key: Callable[..., list[bool] | None]
     _ensure_connected: Callable[[], None]
     _request: Callable[..., PendingReply]
     _local_reads: Callable[[], dict[str, Any]]
@@ -280,13 +281,13 @@ class OriginalApi:
             self._cluster.pull(keys, "", self._local_index())
         if not leading:
             return self._per_key(MsgType.PIN, keys, bool)
-        pinned = self._holds(MsgType.PIN, keys, {"leading": True})
+        pinned = self._ask_per_key(MsgType.PIN, keys, bool, {"leading": True})
         if pinned is None:
             return [False] * len(keys)
         run = pinned.index(False) if False in pinned else len(pinned)
         after = [key for key, ok in zip(keys[run:], pinned[run:]) if ok]
         if after:  # a server that ignores `leading` (older) pinned past the gap: let go
-            self._holds(MsgType.UNPIN, after, {})
+            self._per_key(MsgType.UNPIN, after, bool)
             pinned[run:] = [False] * (len(pinned) - run)
         return pinned
 
@@ -295,7 +296,7 @@ class OriginalApi:
         pinned, or its pins went with it when it was reaped (a reader on another host silent
         past --heartbeat-timeout) or disconnected, and the bytes of views read under them may
         have been reused since."""
-        results = self._holds(MsgType.UNPIN, keys, {})
+        results = self._ask_per_key(MsgType.UNPIN, keys, bool)
         if results is None:
             return [False] * len(keys)
         lost = [key for key, ok in zip(keys, results) if not ok]
@@ -310,21 +311,6 @@ class OriginalApi:
                 lost[0],
             )
         return results
-
-    def _holds(
-        self, msg_type: MsgType, keys: Sequence[Key], extra: dict[str, Any]
-    ) -> list[bool] | None:
-        """A PIN or UNPIN of `keys` (with `extra` fields): per key; None if it failed (logged)."""
-        check_key_batch(keys)
-        self._ensure_connected()
-        if not keys:
-            return []
-        try:
-            reply = self._request(msg_type, {"keys": list(keys), **extra}).result()
-        except MaruError as exc:
-            log.warning("%s of %d keys failed: %s", msg_type.name.lower(), len(keys), exc)
-            return None
-        return [bool(r) for r in reply["results"]]
 
     def delete_prefix(self, prefix: Key) -> int:
         """Delete every unpinned key that starts with `prefix`; returns how many went."""

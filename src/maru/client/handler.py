@@ -395,9 +395,8 @@ class MaruHandler(OriginalApi):
         `corrupt()` names (all if `release(confirm=True)` is False), so the local index may
         answer instead (validated after the copy, not leased); asked of the server, the
         hits are leased whatever `lease` says (else nothing would prove the copy). `prefix`:
-        keys are `prefix +
-        key` (one prefix, or one per key). A cluster tier's misses are pulled first (one wait
-        within --cluster-lookup-ms)."""
+        keys are `prefix + key` (one prefix, or one per key). A cluster tier's misses are
+        pulled first (one wait within --cluster-lookup-ms)."""
         check_key_batch(keys)
         if self._cluster.budget_s:
             self._cluster.pull(keys, prefix, self._local_index())
@@ -498,16 +497,33 @@ class MaruHandler(OriginalApi):
         """True where the key was deleted; a pinned, leased or unknown key reports False."""
         return self._per_key(MsgType.DELETE_KV, keys, lambda s: s == DeleteStatus.DELETED)
 
-    def _per_key(self, msg_type: MsgType, keys: Sequence[Key], ok: Callable[[Any], bool]):
+    def _per_key(
+        self, msg_type: MsgType, keys: Sequence[Key], ok: Callable[[Any], bool]
+    ) -> list[bool]:
+        """One request on `keys`: per key, `ok` of its result; all False if the request
+        failed (logged)."""
+        results = self._ask_per_key(msg_type, keys, ok)
+        return [False] * len(keys) if results is None else results
+
+    def _ask_per_key(
+        self,
+        msg_type: MsgType,
+        keys: Sequence[Key],
+        ok: Callable[[Any], bool],
+        extra: dict[str, Any] | None = None,
+    ) -> list[bool] | None:
+        """`_per_key` (with `extra` fields in the request), None if the request failed
+        (logged): for a caller that must tell a failed request from keys that each said no."""
         check_key_batch(keys)
         self._ensure_connected()
         if not keys:
             return []
         try:
-            results = self._request(msg_type, {"keys": list(keys)}).result()["results"]
+            body = {"keys": list(keys), **(extra or {})}
+            results = self._request(msg_type, body).result()["results"]
         except MaruError as exc:
             log.warning("%s of %d keys failed: %s", msg_type.name.lower(), len(keys), exc)
-            return [False] * len(keys)
+            return None
         return [ok(r) for r in results]
 
 
