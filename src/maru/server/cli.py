@@ -999,18 +999,10 @@ def main(argv: list[str] | None = None) -> int:
             service.close()
             _undo_start()
             return 1
-    failed = write_ready_file(args.ready_file, service.endpoint) if args.ready_file else None
-    if failed:  # (checked before the start: it went since, or its filesystem is full)
-        print(f"maru-server: {failed}", file=sys.stderr)
-        if registry.local_index is not None:
-            registry.local_index.close()
-        if metrics_httpd is not None:
-            metrics_httpd.shutdown()
-        service.close()
-        _undo_start()
-        return 1
     try:
-        service.serve_forever()
+        failed = write_ready_file(args.ready_file, service.endpoint) if args.ready_file else None
+        if failed is None:
+            service.serve_forever()
     finally:
         if registry.local_index is not None:
             registry.local_index.close()
@@ -1018,6 +1010,10 @@ def main(argv: list[str] | None = None) -> int:
             metrics_httpd.shutdown()
         service.close()
         pool.close()
+    if failed:  # (checked before the start: it went since, or its filesystem is full)
+        print(f"maru-server: {failed}", file=sys.stderr)
+        _undo_start()
+        return 1
     if service.pool_lost is not None:
         retire_pool_identity(state_dir, service.pool_lost)
         print(
