@@ -16,6 +16,7 @@ The server is the installed `maru-server` console script, started as a subproces
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import subprocess
@@ -205,6 +206,22 @@ def start_maru_server(
     except BaseException:
         server.stop()
         raise
+
+
+@contextlib.contextmanager
+def tmpfs_mounted(mnt: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's form: "4m", "4k") mounted at `mnt`, made here (needs root:
+    the test is skipped, with the reason, where mount fails); unmounted after."""
+    mnt.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @pytest.fixture

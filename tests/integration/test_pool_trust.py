@@ -8,13 +8,12 @@ or of zeros is counted as wrong bytes.
 from __future__ import annotations
 
 import os
-import subprocess
 import uuid
 from pathlib import Path
 
 import pytest
 
-from conftest import MaruServerProcess  # tests/conftest.py (on sys.path for pytest)
+from conftest import MaruServerProcess, tmpfs_mounted  # tests/conftest.py (on sys.path)
 from maru import MaruHandler
 
 from .test_crash_safety import KiB, handler, intact, make_value, sigkill_server, wait_until
@@ -149,17 +148,8 @@ def test_a_pool_lost_while_running_stops_the_server_and_a_restart_starts_fresh(
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 4 MiB tmpfs (needs root); unmounted after the test."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs_mounted(tmp_path / "small", "4m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_pool_larger_than_its_tmpfs_refuses_to_start(small_tmpfs, tmp_path):

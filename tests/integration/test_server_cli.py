@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import maru
-from conftest import MaruServerProcess, maru_server_command  # tests/conftest.py
+from conftest import MaruServerProcess, maru_server_command, tmpfs_mounted  # tests/conftest.py
 from maru import MaruHandler
 from maru.common.poolmark import encode_mark
 from maru.server.cli import main
@@ -345,14 +345,7 @@ def test_a_ready_file_that_cannot_be_written_is_refused_before_the_start(tmp_pat
 def test_a_ready_file_that_fails_once_serving_is_one_line_not_a_traceback(tmp_path):
     """The ready file's filesystem has room for its name, not its bytes (a full tmpfs): the
     write fails once the server serves; it says so in one line, and stops (exit 1)."""
-    mnt = tmp_path / "full"
-    mnt.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(mnt)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs_mounted(tmp_path / "full", "4k") as mnt:
         (mnt / "filler").write_bytes(b"x" * 4096)
         with pytest.raises(OSError):
             (mnt / "probe").write_bytes(b"x" * 64)  # (full)
@@ -364,5 +357,3 @@ def test_a_ready_file_that_fails_once_serving_is_one_line_not_a_traceback(tmp_pa
             f"maru-server: cannot write --ready-file {mnt / 'ready'}: No space left on device"
         )
         assert not Path(pool).exists() and not state.exists()  # (nothing left behind)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
