@@ -121,6 +121,14 @@ class DevicePageLayout:
                 raise ValueError("device KV pool: buffers of one part must be contiguous alike")
             row_bytes.append(rows.pop())
         self.rows = min(b.shape[0] for p in parts for b in p)
+        # Every address here is a token slot's row. A pool led by pages (HND, AITER's
+        # vectorized_5d: a row is a page) would send a page's copy to the rows of other slots.
+        layout = getattr(kvcache, "kv_cache_layout", "nhd")
+        if layout != "nhd" or self.rows < kvcache.size:
+            raise ValueError(
+                f"MaruCacheLinker needs a device KV pool with one row per token slot (NHD); "
+                f"this one is laid out {layout!r} ({self.rows} rows for {kvcache.size} slots)"
+            )
         self.device = parts[0][0].device
         self.row_bytes = row_bytes
         self.on_gpu = self.device.type == "cuda"

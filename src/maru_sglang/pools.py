@@ -146,6 +146,26 @@ def is_rank_replicated(storage_config: HiCacheStorageConfig, pool: Any) -> bool:
     return any(cls.__name__ in RANK_REPLICATED_POOLS for cls in type(pool).__mro__)
 
 
+def _state_fields(pool: Any) -> list[str]:
+    """A state pool's element types and shapes where its `dtype` tells only part of them
+    (`MambaPoolHost`: `dtype` is the conv state's; the SSM state's is its own, from
+    SGLANG_MAMBA_SSM_DTYPE or the model config, and slot side states have theirs). bf16 and
+    fp16 states, or int32 and fp32 side states, are as long: part sizes cannot tell them
+    apart. Nothing for a pool without them (its namespace is unchanged)."""
+    fields: list[str] = []
+    temporal = getattr(pool, "temporal_dtype", None)
+    if temporal is not None:
+        shape = tuple(getattr(pool, "temporal_state_shape", ()))
+        fields.append(f"temporal={temporal}{shape}")
+    conv = getattr(pool, "conv_state_shapes", None)
+    if conv is not None:
+        fields.append(f"conv={[tuple(s) for s in conv]}")
+    side = getattr(pool, "slot_state_buffers", None) or ()
+    if side:
+        fields.append("side=" + ",".join(f"{b.dtype}{tuple(b.shape[1:])}" for b in side))
+    return fields
+
+
 def sidecar_namespace(
     storage_config: HiCacheStorageConfig,
     name: str,
@@ -165,6 +185,7 @@ def sidecar_namespace(
         f"page={getattr(pool, 'page_size', '')}",
         f"layout={getattr(pool, 'layout', '')}",
         f"parts={','.join(map(str, part_sizes))}",
+        *_state_fields(pool),
         *_kv_format_fields(getattr(pool, "dtype", None)),
     ]
     if replicated:

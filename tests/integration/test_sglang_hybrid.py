@@ -487,6 +487,62 @@ def test_mamba_with_slot_side_state_is_stored_whole_page(maru_server):
         s.close()
 
 
+def test_mamba_states_of_another_element_type_are_a_miss(maru_server):
+    """A Mamba pool's `dtype` is its conv state's; the SSM (temporal) state has its own
+    (SGLANG_MAMBA_SSM_DTYPE or the model's `mamba_ssm_dtype`), and slot side states theirs.
+    A bf16 and an fp16 SSM state are as long, and so are int32 and fp32 side states: a run
+    of the other type misses (it read the other's states as hits), the same type hits."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    def side_state_pool(side_dtype):
+        info = MambaStateBufferInfo(
+            temporal=torch.zeros(2, 12, 4, 8, dtype=torch.float32),
+            conv=(torch.zeros(2, 12, 3, 16, dtype=torch.bfloat16),),
+            extra_checkpoint_buffers=(torch.zeros(12, 5, dtype=side_dtype),),
+        )
+        return MambaPoolHost(info, 2, 0, device_capacity=12, pin_memory=False, layout="page_first")
+
+    cases = {
+        "ssm": (
+            _mamba_pool(temporal_dtype=torch.bfloat16),
+            _mamba_pool(temporal_dtype=torch.float16),
+            _mamba_pool(temporal_dtype=torch.bfloat16),
+        ),
+        "side": (
+            side_state_pool(torch.int32),
+            side_state_pool(torch.float32),
+            side_state_pool(torch.int32),
+        ),
+    }
+    for case, pools in cases.items():
+        storages = [
+            _storage(
+                maru_server.url,
+                Hybrid(
+                    "mamba",
+                    make_host_pool(Geometry()),
+                    False,
+                    [Sidecar("mamba", pool, "trailing_pages")],
+                ),
+            )
+            for pool in pools
+        ]
+        writer, other, same = storages
+        assert writer.pools["mamba"].page_bytes == other.pools["mamba"].page_bytes, case
+        keys = [f"{case}-a", f"{case}-b"]
+        _, pages = _store_side(writer, Sidecar("mamba", pools[0], "trailing_pages"), keys, 1, 4)
+        assert writer.confirm_writes() == 0
+        for storage, pool, hits in ((other, pools[1], False), (same, pools[2], True)):
+            side = Sidecar("mamba", pool, "trailing_pages")
+            dst = slots(pool, 5, 2)
+            got = storage.batch_get_v2([transfer(side, keys, dst)])
+            assert got == {"mamba": [hits, hits]}, case
+        assert all(torch.equal(a, b) for a, b in zip(read_bytes(pools[2], dst, 2), pages)), case
+        for s in storages:
+            s.close()
+
+
 # -- failure injection, stats, clear -----------------------------------------------------------
 
 

@@ -349,6 +349,15 @@ def test_another_geometry_is_another_namespace(pair):
     assert mha.linker.pools == {PoolName.KV: mha.linker.layout}
 
 
+def test_a_device_pool_laid_out_by_pages_is_refused(runtime, maru_server, monkeypatch):
+    """SGLANG_USE_HND_KVCACHE lays the device KV out by pages (HND: a row is a page). The
+    linker addresses token rows: a load of page 1 (slots 4..7) went to the rows of pages 4..7,
+    other requests' pages, and reported the batch landed, page 1 untouched. Refused now."""
+    monkeypatch.setenv("SGLANG_USE_HND_KVCACHE", "1")
+    with pytest.raises(ValueError, match="one row per token slot"):
+        Instance(runtime, maru_server.url)
+
+
 def test_the_shared_mapping_is_registered_with_cuda_only_on_a_gpu(pair):
     """On a GPU every mapped region is registered (the copy kernel reaches the pages) and a
     region is unregistered as it is unmapped; without CUDA the step is skipped, cleanly."""

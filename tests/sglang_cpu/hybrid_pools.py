@@ -55,10 +55,12 @@ def _mamba_pool(
     slots: int = MAMBA_SLOTS,
     host_ratio: float = 2,
     shared_device_slot: bool = False,
+    temporal_dtype: torch.dtype = torch.float32,
 ):
     """A `MambaPoolHost` (page_first_direct) over device state buffers of `slots` slots: per
-    layer a float32 temporal state of shape `temporal` and a bf16 conv state of
-    (`conv_rows`, `conv_dim`). The host pool holds `slots * host_ratio` states (+1).
+    layer a temporal state of shape `temporal` (`temporal_dtype`, SGLang's default float32)
+    and a bf16 conv state of (`conv_rows`, `conv_dim`). The host pool holds
+    `slots * host_ratio` states (+1).
 
     `shared_device_slot`: the device buffers are one slot broadcast over `slots` (they then
     only lend shapes and pointers: device<->host copies would all hit that slot), so that a
@@ -72,7 +74,7 @@ def _mamba_pool(
         return torch.zeros(layers, slots, *shape, dtype=dtype)
 
     info = MambaStateBufferInfo(
-        temporal=device(temporal, torch.float32),
+        temporal=device(temporal, temporal_dtype),
         conv=(device((conv_rows, conv_dim), torch.bfloat16),),
     )
     return MambaPoolHost(
