@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from maru.client.poolpath import prove
 from maru.common import protocol
 from maru.common.protocol import MsgType
 from maru.server import persistence
@@ -70,7 +71,9 @@ class Server:
         self.session = ""
         reply = self.call(MsgType.HANDSHAKE, {"name": "bench", "pid": os.getpid()})
         self.session = reply["session"]
-        region = self.call(MsgType.REQUEST_REGION, {"size": pool_bytes // 2})["region"]
+        proof = prove(reply["pool"], None, reply["iid"]).proof  # (as a client proves the pool)
+        ask = {"size": pool_bytes // 2, "pool_proof": proof}
+        region = self.call(MsgType.REQUEST_REGION, ask)["region"]
         self.region_id, self.region_bytes = region[0], region[3]
         self.next_page = 0
 

@@ -19,11 +19,12 @@ import os
 import shutil
 import socket
 import stat
+import threading
 
 import pytest
 import zmq
 
-from maru import MaruHandler
+from maru import MaruHandler, MaruNotConnected
 from maru.client.cli import main as client_main
 from maru.common import protocol
 from maru.common.protocol import ErrorCode, MsgType, RegisterStatus, unix_address
@@ -290,3 +291,147 @@ def test_another_user_on_the_local_socket_is_refused_unless_listed(maru_server_f
     assert read_back(doomed) == [None] * 8  # their deletes were served
     assert read_back(values) == list(values.values())
     assert read_back(mine) == list(mine.values())
+
+
+def tcp_intruder(url: str, pool: str, key: str, length: int) -> dict:
+    """Another user (uid 65534), which cannot read the pool, on the server's TCP port (no
+    --curve: anyone may reach it): it handshakes, asks for a region with no pool proof and with
+    proofs it can make up, and registers `key` in any region it gets (its fresh bytes, which
+    it never wrote). Returns the uid, whether it could open the pool, the region replies
+    ([ok, code, error]) and the registration's result (None: it had no region)."""
+    from maru.common.poolmark import pool_proof
+
+    become_nobody([])
+    try:
+        os.close(os.open(pool, os.O_RDONLY))
+        can_read = True
+    except PermissionError:
+        can_read = False
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)  # a bound: the server answers at once
+    sock.connect(url)
+
+    def ask(msg_type: MsgType, body: dict) -> dict:
+        sock.send(protocol.encode(msg_type, 1, body))
+        return protocol.decode(sock.recv())[1]
+
+    hello = ask(MsgType.HANDSHAKE, {"name": "intruder", "pid": os.getpid()})
+    session, iid = hello["session"], hello["iid"]
+    regions, registered = [], None
+    for proof in (None, "0" * 32, pool_proof(bytes(16), iid), pool_proof(b"\xff" * 16, iid)):
+        body = {"session": session, "size": 2 << 20}
+        if proof is not None:
+            body["pool_proof"] = proof
+        reply = ask(MsgType.REQUEST_REGION, body)
+        regions.append([reply["ok"], reply.get("code"), reply.get("error")])
+        if reply["ok"] and registered is None:
+            rid, token = reply["region"][0], reply["region"][4]
+            registered = ask(
+                MsgType.REGISTER_KV,
+                {
+                    "session": session,
+                    "keys": [key],
+                    "region_ids": protocol.pack_int64([rid]),
+                    "offsets": protocol.pack_int64([0]),
+                    "lengths": protocol.pack_int64([length]),
+                    "tokens": [[rid, token]],
+                },
+            ).get("results")
+    sock.close()
+    ctx.term()
+    return {"uid": os.getuid(), "can_read": can_read, "regions": regions, "registered": registered}
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run the intruder as another user")
+def test_another_user_on_tcp_cannot_take_a_region_nor_register_a_key(maru_server_factory):
+    """Without --curve, anyone who reaches the TCP port can talk to the server. A process of
+    another user, which cannot read the pool, took a region and registered a key before its
+    writer did (first writer wins): every instance then read that key as a hit with the
+    region's zeros (before: its REQUEST_REGION was served and the writer's bytes never read).
+    A region is now only for an instance that proves it reads the pool: an HMAC of its id
+    keyed by the pool key in the pool's mark, which never crosses a socket."""
+    server = maru_server_factory(pool_size="64M")
+    value = os.urandom(100_000)
+    args = (server.url, server.pool_path, "victim", len(value))
+    got = run_processes([(tcp_intruder, args)], timeout=60)[0]
+    assert got["uid"] == NOBODY and not got["can_read"]
+    assert got["registered"] is None, got  # before: [REGISTERED], the key its own
+    assert [r[:2] for r in got["regions"]] == [[False, ErrorCode.NOT_AUTHORIZED]] * 4, got
+    assert "proven it reads the pool" in got["regions"][0][2]
+    assert "without proving it reads the pool" in server.read_log()
+    with MaruHandler(server_url=server.url, pool_size="4M", chunk_size_bytes="64K") as writer:
+        assert writer.store("victim", value)
+    with MaruHandler(server_url=server.url, pool_size="4M", chunk_size_bytes="64K") as reader:
+        info = reader.retrieve("victim")
+        assert info is not None and bytes(info.view) == value  # before: 100,000 zeros
+
+    # a proof of the server's previous start (its pool key then) is no proof after a restart
+    with MaruHandler(server_url=server.url, pool_size="4M", chunk_size_bytes="64K") as h:
+        assert h.store("before-restart", b"x" * 1000)
+        server.restart()
+        assert h.store("after-restart", b"y" * 1000)  # (its handshake again: a new proof)
+        info = h.retrieve("after-restart")
+        assert info is not None and bytes(info.view) == b"y" * 1000
+
+
+def test_a_process_on_the_servers_tcp_port_that_cannot_prove_the_pool_key_gets_nothing(
+    maru_server_factory,
+):
+    """While the server is down, any process may take its TCP port (without --curve nothing
+    authenticates the server). One that had handshaken with the real server knows every public
+    field of its reply (the pool's path, mark, generation, epoch): a client believed it, then
+    sent it its writes and read its locations as hits (any bytes of the pool, another key's).
+    Now the server proves at HANDSHAKE that it holds the pool key in the mark (an HMAC of the
+    client's fresh nonce), which the squatter cannot: the client refuses it before anything."""
+    server = maru_server_factory(pool_size="64M")
+    with MaruHandler(server_url=server.url, pool_size="4M", chunk_size_bytes="64K") as h:
+        assert h.store("kept", b"k" * 5000)
+    learn = zmq.Context.instance().socket(zmq.DEALER)
+    learn.setsockopt(zmq.LINGER, 0)
+    learn.setsockopt(zmq.RCVTIMEO, 10_000)
+    learn.connect(server.url)
+    learn.send(protocol.encode(MsgType.HANDSHAKE, 1, {"name": "spy", "pid": 1, "nonce": "n0"}))
+    seen = protocol.decode(learn.recv())[1]  # (its mark, and the proof of the nonce "n0")
+    learn.close()
+    assert seen["pool"]["mark"]["proof"]
+    server.halt()  # (its pool and state stay: the mark the squatter names is the pool's)
+
+    squatter = zmq.Context.instance().socket(zmq.ROUTER)
+    squatter.setsockopt(zmq.LINGER, 0)
+    squatter.bind(f"tcp://127.0.0.1:{server.port}")
+    asked: list[int] = []
+    stop = threading.Event()
+
+    def serve() -> None:  # every HANDSHAKE answered with the real server's reply, replayed
+        while not stop.is_set():
+            if not squatter.poll(50):
+                continue
+            route, frame = squatter.recv_multipart()
+            header, _ = protocol.decode(frame)
+            asked.append(header.msg_type)
+            reply = dict(seen) if header.msg_type == MsgType.HANDSHAKE else {"ok": True}
+            out = protocol.encode(header.msg_type, header.request_id, reply, reply=True)
+            squatter.send_multipart([route, out])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        h = MaruHandler(server_url=server.url, pool_size="4M", chunk_size_bytes="64K")
+        try:
+            assert not h.connected  # before: connected, its writes and lookups served by it
+            assert "cannot prove it holds the key" in str(h.connect_error)
+            with pytest.raises(MaruNotConnected):
+                h.store("sent", b"s" * 5000)
+        finally:
+            h.close()
+    finally:
+        stop.set()
+        thread.join(10)
+        squatter.close()
+    assert set(asked) <= {MsgType.HANDSHAKE, MsgType.DISCONNECT}, asked
+    server.start(server.port)
+    with MaruHandler(server_url=server.url, pool_size="4M", chunk_size_bytes="64K") as h:
+        info = h.retrieve("kept")
+        assert info is not None and bytes(info.view) == b"k" * 5000

@@ -311,7 +311,8 @@ def test_a_pool_path_of_another_user_or_writable_by_all_is_refused_untouched(tmp
         pool.mkdir()
         (pool / "region-1.mem").write_bytes(b"theirs")
     else:
-        pool.write_bytes(encode_mark("g" * 16, "e" * 16))  # (even a pool mark is no reason)
+        # (even a pool mark is no reason)
+        pool.write_bytes(encode_mark("g" * 16, "e" * 16, bytes(16)))
     os.chmod(pool, 0o777 if kind == "fsdax" else 0o666)
     if how == "another-user":
         os.chmod(pool, 0o755 if kind == "fsdax" else 0o644)

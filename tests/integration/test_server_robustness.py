@@ -15,6 +15,7 @@ import pytest
 import zmq
 
 from maru import MaruConnectionError, MaruHandler, MaruNotConnected, MaruServerError
+from maru.client.poolpath import prove
 from maru.common import protocol
 from maru.common.protocol import HEADER, MAGIC, MAX_KEY_BYTES, ErrorCode, MsgType
 
@@ -102,8 +103,10 @@ def test_bad_version_unknown_type_wrong_token_oversized_key(maru_server, raw):
         reply = raw.request(msg_type, {"session": "x"})
         assert reply["ok"] is False and reply["code"] == ErrorCode.UNKNOWN_TYPE
 
-    session = raw.request(MsgType.HANDSHAKE, {"name": "raw", "pid": 1})["session"]
-    region = raw.request(MsgType.REQUEST_REGION, {"session": session, "size": 2 << 20})["region"]
+    hello = raw.request(MsgType.HANDSHAKE, {"name": "raw", "pid": 1})
+    session, proof = hello["session"], prove(hello["pool"], None, hello["iid"]).proof
+    ask = {"session": session, "size": 2 << 20, "pool_proof": proof}
+    region = raw.request(MsgType.REQUEST_REGION, ask)["region"]
     rid, token = region[0], region[4]
     bad_token = ("0" if token[0] != "0" else "1") + token[1:]
     reply = raw.request(
@@ -312,5 +315,6 @@ def test_a_store_whose_region_another_thread_found_forgotten_is_written_again(ma
 def test_server_error_carries_the_code(maru_server):
     with MaruHandler(server_url=maru_server.url, pool_size="2M") as h:
         with pytest.raises(MaruServerError) as exc:
-            h._request(MsgType.REQUEST_REGION, {"size": "huge"}).result()
+            ask = {"size": "huge", "pool_proof": h._mapper.pool_proof}
+            h._request(MsgType.REQUEST_REGION, ask).result()
         assert exc.value.code == ErrorCode.BAD_REQUEST

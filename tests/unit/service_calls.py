@@ -5,6 +5,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from maru.client.poolpath import prove
 from maru.common import protocol
 from maru.server.pool import ShmPool
 from maru.server.registry import Registry
@@ -27,8 +28,10 @@ def make_service(tmp_path, pool_mib: int = 16, registry: Registry | None = None)
 # Tests name instances ("iid": "A"); the server names them itself and authenticates each
 # request by its session credential. `call` keeps, per service, the session of each name's
 # last HANDSHAKE and sends it in the name's place (a name never handshaken: no session, an
-# anonymous request).
+# anonymous request), and with a REQUEST_REGION that names none, the pool proof the handshake's
+# instance makes as a client does (`prove`: from the pool's mark).
 _sessions: weakref.WeakKeyDictionary[MaruService, dict[Any, str]] = weakref.WeakKeyDictionary()
+_proofs: weakref.WeakKeyDictionary[MaruService, dict[Any, str]] = weakref.WeakKeyDictionary()
 
 
 def wire_body(svc: MaruService, msg_type: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -41,7 +44,15 @@ def wire_body(svc: MaruService, msg_type: int, body: dict[str, Any]) -> dict[str
     session = _sessions.setdefault(svc, {}).get(name)
     if session is not None:
         body["session"] = session
+    if msg_type == protocol.MsgType.REQUEST_REGION and "pool_proof" not in body:
+        body["pool_proof"] = _proofs.setdefault(svc, {}).get(name, "")
     return body
+
+
+def proof_of(svc: MaruService, instance_id: str) -> str:
+    """The pool proof instance `instance_id` makes as a client does: from the pool's mark, read
+    where the handshake says (`prove`)."""
+    return prove(svc.registry.pool.handshake_fields(), None, instance_id).proof
 
 
 def call(svc: MaruService, msg_type: int, body: dict[str, Any], request_id: int = 7) -> dict:
@@ -52,6 +63,7 @@ def call(svc: MaruService, msg_type: int, body: dict[str, Any], request_id: int 
     assert header.flags & protocol.FLAG_REPLY
     if msg_type == protocol.MsgType.HANDSHAKE and reply.get("ok"):
         _sessions[svc][body.get("iid")] = reply["session"]
+        _proofs.setdefault(svc, {})[body.get("iid")] = proof_of(svc, reply["iid"])
     return reply
 
 

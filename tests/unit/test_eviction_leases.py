@@ -24,7 +24,7 @@ from maru.server.service import MaruService
 from maru.server.token import TokenSigner
 
 from .registry_calls import lease, locate, register
-from .service_calls import locations, register_body
+from .service_calls import locations, proof_of, register_body
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -572,7 +572,10 @@ def call(svc, msg_type, body):
     session credential; without "iid", an anonymous request."""
     body = dict(body)
     if "iid" in body:
-        body["session"] = svc.registry.instances.open_session(body.pop("iid"))
+        iid = body.pop("iid")
+        body["session"] = svc.registry.instances.open_session(iid)
+        if msg_type == protocol.MsgType.REQUEST_REGION:
+            body["pool_proof"] = proof_of(svc, iid)
     _, reply = protocol.decode(svc.handle_frame(protocol.encode(msg_type, 7, body)))
     assert reply["ok"], reply
     return reply

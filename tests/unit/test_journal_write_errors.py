@@ -84,6 +84,7 @@ print(json.dumps(out))
 """
 
 SERVICE_CHILD = """
+from maru.client.poolpath import prove
 from maru.common import protocol
 from maru.common.protocol import ErrorCode, MsgType, freed_notices, pack_int64
 from maru.server.journal import Journal
@@ -109,6 +110,8 @@ def call(msg_type, body):
             body["name"] = name
         else:
             body["session"] = reg.signer.session(name)
+        if msg_type == MsgType.REQUEST_REGION:  # (the proof a client makes: its pool's mark)
+            body["pool_proof"] = prove(reg.pool.handshake_fields(), None, name).proof
     return protocol.decode(svc.handle_frame(protocol.encode(msg_type, 1, body)))[1]
 
 def register(keys, rid, first_offset):

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from maru import MaruHandler
+from maru.client.poolpath import prove
 from maru.common import protocol
 from maru.common.protocol import FLAG_REPLY, HEADER, MAGIC, PROTOCOL_VERSION, ErrorCode, MsgType
 from maru.server.pool import ShmPool
@@ -395,8 +396,10 @@ def test_byte_counts_out_of_range_are_bad_requests_from_a_live_server(
     dealer = Dealer(maru_server.url)
     try:
         reply = dealer.exchange([protocol.encode(MsgType.HANDSHAKE, 1, {"name": "edge"})])
-        session = protocol.decode(reply)[1]["session"]
-        body = {"session": session, "bytes": 4096, "size": 2 * MiB, field: value}
+        hello = protocol.decode(reply)[1]
+        proof = prove(hello["pool"], None, hello["iid"]).proof  # (as a client proves the pool)
+        body = {"session": hello["session"], "bytes": 4096, "size": 2 * MiB, field: value}
+        body["pool_proof"] = proof
         frame = protocol.encode(msg_type, 2, body)
         answer = check_reply(frame, dealer.exchange([frame]))
         assert (answer["ok"], answer["code"]) == (False, ErrorCode.BAD_REQUEST)

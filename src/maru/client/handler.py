@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -262,8 +263,11 @@ class MaruHandler(OriginalApi):
         """(Re)attach; returns how many of our regions the server no longer knows."""
         body = {"name": self.config.instance_id, "pid": os.getpid()}
         body["chunk_size"] = self._chunks.chunk_size
+        body["nonce"] = secrets.token_hex(16)  # (the server proves its pool key by it)
         reply = self._request(MsgType.HANDSHAKE, body).result()
-        self._mapper.place = prove_or_refuse(self._rpc, reply, self.config, self._coherence)
+        self._mapper.place = prove_or_refuse(
+            self._rpc, reply, self.config, self._coherence, body["nonce"]
+        )
         self._s.instance_id, self._rpc.session = reply["iid"], reply["session"]
         if self.config.local_socket:
             self._rpc.use_local_socket(reply.get("local_socket"), reply.get("uid"))
@@ -289,6 +293,8 @@ class MaruHandler(OriginalApi):
                         f"maru-server at {self.config.server_url} restarted and forgot {lost} "
                         "of our regions"
                     )
+        if "pool_proof" in request:  # (ours is the new instance's: `prove_or_refuse`)
+            request = {**request, "pool_proof": self._mapper.pool_proof}
         return {**request, "session": self._rpc.session} if "session" in request else request
 
     def _on_reply(self, body: dict[str, Any]) -> None:

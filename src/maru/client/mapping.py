@@ -288,6 +288,11 @@ class RegionMapper:
         mapped.populated = backed
         return True
 
+    @property
+    def pool_proof(self) -> str:
+        """This instance's proof that it reads the pool (`PoolPlace.proof`): REQUEST_REGION's."""
+        return self.place.proof if self.place else ""
+
     def _path(self, handle: RegionHandle) -> str:
         """Where this host opens `handle`'s file (the handshake's `place`)."""
         return self.place.local_path(handle.path) if self.place else handle.path

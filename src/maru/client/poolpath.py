@@ -4,18 +4,28 @@ On another host of a CXL pod the pool may appear under another path (`pool_path`
 naming another device, or a stale file of the same name, would serve foreign bytes as hits: so
 after every HANDSHAKE, before anything is mapped, the client reads the pool's mark
 (`maru.common.poolmark`) through the path it will map and compares it with the server's.
+The mark's pool key, which never crosses a socket, makes this instance's `pool_proof`: what
+it shows to take a region.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from maru.client.coherence import Coherence, CoherenceUnavailable
 from maru.common.errors import MaruConnectRefused, MaruError
-from maru.common.poolmark import MARK_BYTES, decode_mark, read_mark_window
+from maru.common.poolmark import (
+    MARK_BYTES,
+    decode_mark,
+    mark_key,
+    pool_proof,
+    read_mark_window,
+    server_proof,
+)
 from maru.common.protocol import MsgType
 
 if TYPE_CHECKING:
@@ -33,11 +43,14 @@ class PoolMismatch(Exception):
 @dataclass(frozen=True)
 class PoolPlace:
     """The server's path of its pool and where this host maps it. `directory`: an fsdax pool,
-    a directory of region files (mapped under the same names in `local`)."""
+    a directory of region files (mapped under the same names in `local`). `proof`: the
+    instance's `pool_proof` (`prove` made it from the mark's key), sent with each
+    REQUEST_REGION."""
 
     server: str
     local: str
     directory: bool
+    proof: str = ""
 
     def local_path(self, path: str) -> str:
         """Where to open a region handle's `path` (the server's) on this host."""
@@ -50,9 +63,13 @@ class PoolPlace:
         return path  # (not in the pool: the server names no such region)
 
 
-def prove(pool: dict[str, Any], configured: str | None) -> PoolPlace:
+def prove(
+    pool: dict[str, Any], configured: str | None, instance_id: str = "", nonce: str | None = None
+) -> PoolPlace:
     """The place to map the pool of a HANDSHAKE reply's `pool` map at, once its mark, read
-    through that place, is the one the server says; raises `PoolMismatch` otherwise."""
+    through that place, is the one the server says and the server has proven it holds the
+    mark's pool key (its proof of the handshake's `nonce`; None: not checked, for tests that
+    speak for a server), with `instance_id`'s proof of it; raises `PoolMismatch` otherwise."""
     server = str(pool.get("path", ""))
     mark = pool.get("mark") or {}
     place = PoolPlace(server, configured or server, pool.get("kind") == "fsdax")
@@ -77,7 +94,8 @@ def prove(pool: dict[str, Any], configured: str | None) -> PoolPlace:
     try:
         if type(offset) is not int or type(span) is not int or offset < 0 or span < MARK_BYTES:
             raise ValueError(f"the server names no place for it: offset {offset!r}, span {span!r}")
-        found = decode_mark(read_mark_window(where, offset, span))
+        raw = read_mark_window(where, offset, span)
+        found = decode_mark(raw)
     except (OSError, ValueError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise PoolMismatch(
@@ -97,19 +115,35 @@ def prove(pool: dict[str, Any], configured: str | None) -> PoolPlace:
             f"pool {server} generation {expected[0]} epoch {expected[1]}: a stale file or "
             "another server's pool, not the one this server serves"
         )
+    key = mark_key(raw)
+    if not key:
+        raise PoolMismatch(
+            f"the mark at {where} through {named} holds no pool key (a maru-server older than "
+            "this client wrote it: upgrade them together)"
+        )
+    if nonce is not None and not hmac.compare_digest(
+        str(mark.get("proof", "")), server_proof(key, nonce)
+    ):
+        raise PoolMismatch(
+            f"the process at this address cannot prove it holds the key in the mark of pool "
+            f"{server}: it is not that pool's maru-server (a process that took the server's "
+            "port while it was down?); nothing was sent to it"
+        )
     if configured:
         log.info("pool %s is mapped at %s (its mark proves it)", server, place.local)
-    return place
+    return replace(place, proof=pool_proof(key, instance_id))
 
 
 def prove_or_refuse(
-    rpc: RpcClient, reply: dict[str, Any], config: MaruConfig, coherence: Coherence
+    rpc: RpcClient, reply: dict[str, Any], config: MaruConfig, coherence: Coherence, nonce: str
 ) -> PoolPlace:
-    """`prove` the pool of a HANDSHAKE `reply` and `agree` on its coherence; on a mismatch (or
-    software coherence on a CPU without cache-line flushes) end the instance the handshake
-    made at once (best effort) and raise `MaruConnectRefused` saying why."""
+    """`prove` the pool of a HANDSHAKE `reply` (of a request with `nonce`) and `agree` on its
+    coherence; on a mismatch (or software coherence on a CPU without cache-line flushes) end
+    the instance the handshake made at once (best effort) and raise `MaruConnectRefused`
+    saying why."""
     try:
-        place = prove(reply.get("pool") or {}, config.pool_path)
+        iid = str(reply.get("iid", ""))
+        place = prove(reply.get("pool") or {}, config.pool_path, iid, nonce)
         coherence.agree(reply.get("coherence"), config.server_url)
         return place
     except (PoolMismatch, CoherenceUnavailable) as exc:

@@ -118,7 +118,7 @@ class RegionSupply:
     def _request_region(self, size: int, need: int) -> dict[str, Any]:
         """REQUEST_REGION's reply, POOL_RECLAIMING retried for a while (we are below our fair
         share; those above it give back at their next reply)."""
-        body = {"size": size, "min_size": need}
+        body = {"size": size, "min_size": need, "pool_proof": self.mapper.pool_proof}
         for delay in (0.02, 0.04, 0.08, 0.16, 0.32, None):
             try:
                 return self._request(MsgType.REQUEST_REGION, dict(body)).result()
@@ -226,6 +226,7 @@ class RegionSupply:
             if size is None:
                 return True
             body = {"size": size, "min_size": size, "ahead": True}  # (nothing reclaimed for it)
+            body["pool_proof"] = self.mapper.pool_proof
             try:
                 reply = self._request(MsgType.REQUEST_REGION, body).result()
                 handle = RegionHandle.from_wire(reply["region"])

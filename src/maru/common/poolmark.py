@@ -1,13 +1,22 @@
 """The pool's mark: which server state serves a pool, in the pool's own memory beside the
 regions (written at every start, `maru.server.cli.claim_pool`): magic, the pool's generation,
-that start's epoch, a digest. The server reads it to tell whether another server used the pool
-since its state was saved; a client, to prove that what it maps is the server's pool before it
-touches anything there (`maru.client.poolpath`; the HANDSHAKE says where and what to expect).
+that start's epoch, the start's pool key, a digest. The server reads it to tell whether another
+server used the pool since its state was saved; a client, to prove that what it maps is the
+server's pool before it touches anything there (`maru.client.poolpath`; the HANDSHAKE says
+where and what to expect).
+
+The pool key is the one part of the mark that never crosses a socket: only a process that can
+read the pool knows it. Each side of a connection shows the other it knows it: the server at
+HANDSHAKE (`server_proof`, of the client's nonce), so a client never talks to a process that
+took the server's port; a client to take a region (`pool_proof`, of its instance id), so a
+process that cannot map the pool (another user's, reaching an unauthenticated TCP port)
+cannot register keys whose bytes it never wrote.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import mmap
 import os
 
@@ -15,25 +24,67 @@ from maru.common._shmindex import flush_lines
 from maru.common.shmindex import map_area
 
 MARK_MAGIC = b"MARUPOOL"
-MARK_BYTES = len(MARK_MAGIC) + 16 + 16 + 8
+POOL_KEY_BYTES = 16
+_NAMES = len(MARK_MAGIC) + 16 + 16  # magic, generation, epoch
+MARK_BYTES = _NAMES + POOL_KEY_BYTES + 8  # and the pool key, the digest
+_KEYLESS_BYTES = _NAMES + 8  # a mark written before pool keys (read, to restore its state)
 
 
 def _mark_digest(body: bytes) -> bytes:
     return hashlib.blake2b(body, digest_size=8).digest()
 
 
-def encode_mark(generation: str, epoch: str) -> bytes:
-    body = MARK_MAGIC + generation.encode().ljust(16)[:16] + epoch.encode().ljust(16)[:16]
+def encode_mark(generation: str, epoch: str, key: bytes) -> bytes:
+    """The mark of a start: its `key` (`POOL_KEY_BYTES` random bytes) is the pool key."""
+    if len(key) != POOL_KEY_BYTES:
+        raise ValueError(f"a pool key has {POOL_KEY_BYTES} bytes, not {len(key)}")
+    body = MARK_MAGIC + generation.encode().ljust(16)[:16] + epoch.encode().ljust(16)[:16] + key
     return body + _mark_digest(body)
+
+
+def _parse(raw: bytes) -> tuple[str, str, bytes] | None:
+    """(generation, epoch, pool key) of a mark; the key b"" in a keyless one (written before
+    pool keys); None for none (zeros, a torn write, other bytes)."""
+    if not raw.startswith(MARK_MAGIC):
+        return None
+    for size, key_bytes in ((MARK_BYTES, POOL_KEY_BYTES), (_KEYLESS_BYTES, 0)):
+        body, digest = raw[: size - 8], raw[size - 8 : size]
+        if len(digest) == 8 and _mark_digest(body) == digest:
+            start = len(MARK_MAGIC)
+            names = body[start : start + 16].decode(), body[start + 16 : _NAMES].decode()
+            return names[0].strip(), names[1].strip(), body[_NAMES : _NAMES + key_bytes]
+    return None
 
 
 def decode_mark(raw: bytes) -> tuple[str, str] | None:
     """(generation, epoch) of a mark; None for none (zeros, a torn write, other bytes)."""
-    body, digest = raw[: MARK_BYTES - 8], raw[MARK_BYTES - 8 : MARK_BYTES]
-    if not body.startswith(MARK_MAGIC) or _mark_digest(body) != digest:
-        return None
-    start = len(MARK_MAGIC)
-    return body[start : start + 16].decode().strip(), body[start + 16 :].decode().strip()
+    parsed = _parse(raw)
+    return parsed[:2] if parsed is not None else None
+
+
+def mark_key(raw: bytes) -> bytes:
+    """The pool key of a mark; b"" where it has none (no mark, or a keyless one)."""
+    parsed = _parse(raw)
+    return parsed[2] if parsed is not None else b""
+
+
+def _hmac(key: bytes, purpose: bytes, text: str) -> str:
+    return hmac.new(key, purpose + b"\0" + text.encode(), "sha256").hexdigest()[:32]
+
+
+def pool_proof(key: bytes, instance_id: str) -> str:
+    """What instance `instance_id` shows to take a region (REQUEST_REGION's `pool_proof`): an
+    HMAC of its id keyed by the pool key, which only a reader of the pool knows. Bound to the
+    id, so one instance's proof seen on the wire is no other's."""
+    return _hmac(key, b"maru-pool-proof", instance_id)
+
+
+def server_proof(key: bytes, nonce: str) -> str:
+    """What the server shows a client at HANDSHAKE (the reply's `pool.mark.proof`): an HMAC of
+    the client's fresh `nonce` keyed by the pool key. Only the server that wrote the mark (or
+    a reader of the pool) can make it: a process that took the server's port cannot, and the
+    client then never sends it a write nor believes one of its locations."""
+    return _hmac(key, b"maru-pool-server", nonce)
 
 
 def read_mark_window(path: str, offset: int, span: int) -> bytes:

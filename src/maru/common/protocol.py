@@ -26,7 +26,7 @@ import msgpack
 from maru.common import _keys
 
 MAGIC = b"MARU"
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 HEADER = struct.Struct("!4sBBHQ")
 STREAM_LENGTH = struct.Struct("!I")  # frame length on a stream transport
 # One read from a stream socket (a longer frame takes several): below glibc's mmap threshold
@@ -368,6 +368,12 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
             ),
             ("pid", "int", "the client's process id (informational)"),
             ("chunk_size", "int", "the client's allocation unit in bytes (statistics)"),
+            (
+                "nonce",
+                "str",
+                "fresh random ASCII, 1-64 characters: the server proves it holds the pool key "
+                "by the reply's pool.mark.proof of it",
+            ),
         ],
         [
             ("iid", "str", "the instance id the server gave: the name, '.', 8 hex digits"),
@@ -378,10 +384,12 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
                 "pool",
                 "map",
                 "pool kind, path, capacity, used, free, generation, and mark: {generation, "
-                "epoch, file, offset, span}, what the pool's mark holds and where it lies (in "
-                "`file` under the pool's path, '' for the pool file itself: `span` bytes mapped "
-                "at `offset`); a client reads it through the path it maps before it uses it "
-                "(docs/reliability.md)",
+                "epoch, file, offset, span, proof}, what the pool's mark holds and where it "
+                "lies (in `file` under the pool's path, '' for the pool file itself: `span` "
+                "bytes mapped at `offset`), and an HMAC of the request's nonce keyed by the pool "
+                "key in the mark (`maru.common.poolmark.server_proof`; the key itself is never "
+                "sent); a client reads the mark through the path it maps and checks both before "
+                "it uses the pool (docs/reliability.md)",
             ),
             ("regions", f"[{HANDLE}]", "regions the instance owns"),
             ("heartbeat_interval", "float", "seconds between heartbeats"),
@@ -432,6 +440,13 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
                 "optional, default false: a region taken ahead of need (the client's "
                 "`RegionSupply.ready`): `POOL_FULL` at once where the pool has no free room for "
                 "it, nothing reclaimed (no key evicted) for it",
+            ),
+            (
+                "pool_proof",
+                "str",
+                "the owner's proof that it reads the pool: an HMAC of its instance id keyed by "
+                "the pool key in the pool's mark, which never crosses a socket "
+                "(`maru.common.poolmark.pool_proof`); NOT_AUTHORIZED without it",
             ),
         ],
         [("region", HANDLE, "the new region, writable by its owner")],

@@ -166,7 +166,7 @@ def on_handshake(server: Server, body: dict[str, Any]) -> dict[str, Any]:
         "session": server.registry.instances.open_session(iid),
         "epoch": server.epoch,
         "version": protocol.PROTOCOL_VERSION,
-        "pool": server.registry.pool.handshake_fields(),
+        "pool": server.registry.pool.handshake_fields(body.get("nonce")),
         "regions": [h.to_wire() for h in regions],
         "heartbeat_interval": server.housekeeper.heartbeat_timeout / 3,
         "local_socket": server.local.address if server.local is not None else None,
@@ -179,11 +179,30 @@ def on_handshake(server: Server, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def on_request_region(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    """A writable region, only for an instance that proves it reads the pool (its
+    `pool_proof`): anyone else could register keys over bytes it never wrote."""
     least, ahead = body.get("min_size"), body.get("ahead", False)
     if not isinstance(ahead, bool):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "ahead: true or false")
     reg = server.registry
-    handle = reg.request_region(body["iid"], body.get("size"), least, reclaim=not ahead)
+    iid = _owner(body)
+    if not reg.pool.proven(iid, body.get("pool_proof")):
+        held = reg.log_throttle.allow(("unproven", iid))
+        if held is not None:
+            log.warning(
+                "instance %s asked for a region without proving it reads the pool (pid %s): "
+                "refused%s",
+                iid,
+                reg.instances.require(iid).pid,
+                reg.log_throttle.note(held),
+            )
+        raise ProtocolError(
+            ErrorCode.NOT_AUTHORIZED,
+            "no region for a process that has not proven it reads the pool: REQUEST_REGION's "
+            "pool_proof (from the pool key in the pool's mark) is missing or wrong; only a "
+            "process that maps the pool may write to it",
+        )
+    handle = reg.request_region(iid, body.get("size"), least, reclaim=not ahead)
     return {"region": handle.to_wire()}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import grp
+import hmac
 import logging
 import mmap
 import os
@@ -24,9 +25,12 @@ from maru.common.extents import ExtentAllocator
 from maru.common.poolmark import (
     MARK_BYTES,
     MARK_MAGIC,
+    POOL_KEY_BYTES,
     decode_mark,
     encode_mark,
+    pool_proof,
     read_mark_window,
+    server_proof,
     write_mark_window,
 )
 from maru.common.shmindex import area_bytes
@@ -219,6 +223,7 @@ class Pool(ABC):
         self.alignment = alignment
         self.generation = ""  # set by the server once it knows which life of the pool this is
         self.mark: tuple[str, str] | None = None  # (generation, epoch) this process wrote
+        self._key = b""  # the pool key in that mark (`proven`): never sent, read from the pool
         # bytes the pool file had when opened, if fewer than its capacity (shm): bytes lost
         self.truncated_from: int | None = None
         self._lock_fd: int | None = None
@@ -308,9 +313,18 @@ class Pool(ABC):
             return None
 
     def write_mark(self, generation: str, epoch: str) -> None:
-        """Bind the pool to the state that serves it now (see `maru.server.cli.claim_pool`)."""
-        self._write_mark_bytes(encode_mark(generation, epoch))
-        self.mark = (generation, epoch)
+        """Bind the pool to the state that serves it now (see `maru.server.cli.claim_pool`),
+        under a new pool key: a proof made for an earlier start proves nothing now."""
+        key = secrets.token_bytes(POOL_KEY_BYTES)
+        self._write_mark_bytes(encode_mark(generation, epoch, key))
+        self.mark, self._key = (generation, epoch), key
+
+    def proven(self, instance_id: str, proof: object) -> bool:
+        """Whether `proof` is instance `instance_id`'s `pool_proof` under this start's mark:
+        whether the instance has read the pool (a region is only for one that can)."""
+        if not self._key or not isinstance(proof, str) or not proof.isascii():
+            return False
+        return hmac.compare_digest(proof, pool_proof(self._key, instance_id))
 
     def ensure_mark(self) -> None:
         """A pool served without a mark of this process's (an embedded service, which
@@ -318,14 +332,15 @@ class Pool(ABC):
         if self.mark is None:
             self.write_mark(self.generation, new_generation())
 
-    def handshake_fields(self) -> dict:
+    def handshake_fields(self, nonce: object = None) -> dict:
         """The HANDSHAKE reply's `pool` map: `stats()`, and the `mark` a client reads through the
-        path it maps before using it (`maru.client.poolpath`): what it holds, and where it lies."""
+        path it maps before using it (`maru.client.poolpath`): what it holds, where it lies,
+        and the proof of the client's `nonce` that this server holds its pool key."""
         generation, epoch = self.mark if self.mark is not None else ("", "")
-        return {
-            **self.stats(),
-            "mark": {"generation": generation, "epoch": epoch, **self._mark_place()},
-        }
+        mark = {"generation": generation, "epoch": epoch, **self._mark_place()}
+        if self._key and isinstance(nonce, str) and nonce.isascii() and 0 < len(nonce) <= 64:
+            mark["proof"] = server_proof(self._key, nonce)
+        return {**self.stats(), "mark": mark}
 
     @abstractmethod
     def _mark_place(self) -> dict:
