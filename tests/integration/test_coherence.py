@@ -77,6 +77,45 @@ def test_values_written_and_read_in_place_are_flushed_where_they_are_handed_over
     assert writer["mode"] == reader["mode"] == server
     on = server == "software"
     written = [lines if on else 0, 0]
-    assert writer["lines"] == {"seal": written, "free": written}
+    # the run given back: its whole `buf` (the writer filled the gaps between its values too)
+    span = -(-((len(keys) - 1) * 4 * 4096 + size) // LINE)
+    assert writer["lines"] == {"seal": written, "free": [span if on else 0, 0]}
     read = [0, lines if on else 0]
     assert reader["lines"] == {"retrieve": read, "view": read, "read_many": read}
+
+
+def test_a_value_sealed_shorter_than_its_buffer_leaves_no_dirty_line_of_the_buffer(
+    maru_server_factory,
+):
+    """`seal` (`store(key, handle, length=...)`, `batch_store(..., lengths=...)`) may publish
+    fewer bytes than the caller wrote into `alloc`'s buffer. In software coherence every line
+    the caller could have written (the whole `buf`, a run's gaps between values too) is written
+    back, not only the sealed bytes: a dirty line past the value's end, kept in this host's
+    cache after the chunks go back, would later be evicted onto the value another host writes
+    into the same chunks, under that value's proof. (Before: only the sealed bytes' lines.)"""
+    from maru.client.coherence import lines_flushed
+
+    from .workers import _handler
+
+    url = maru_server_factory(pool_size="64M", extra_args=["--coherence", "software"]).url
+    h = _handler(url, pool_size="16M", chunk_size_bytes=8192)
+    try:
+        assert h.coherence == "software"
+
+        def written_back(fn) -> int:
+            before = lines_flushed()
+            assert fn()
+            return lines_flushed()[0] - before[0]
+
+        one = h.alloc(8192)
+        one.buf[:] = b"\x5a" * len(one.buf)  # (cached stores: every line of it dirty)
+        assert written_back(lambda: h.store("short/one", handle=one, length=100)) == 8192 // LINE
+        run = h.alloc(5000, 2)  # value 1 starts a chunk (8192 bytes) after value 0
+        assert len(run.buf) == 8192 + 5000
+        run.buf[:] = b"\xa5" * len(run.buf)
+        lines = written_back(lambda: all(h.seal(["short/a", "short/b"], run, [64, 64]).wait()))
+        assert lines == -(-(8192 + 5000) // LINE)
+        got = h.retrieve("short/one")
+        assert got is not None and bytes(got.view) == b"\x5a" * 100
+    finally:
+        h.close()

@@ -487,6 +487,57 @@ def test_mamba_with_slot_side_state_is_stored_whole_page(maru_server):
         s.close()
 
 
+def _side_state_pool():
+    """A Mamba pool with slot side states: no zero-copy description, stored whole-page."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(2, 12, 4, 8, dtype=torch.float32),
+        conv=(torch.zeros(2, 12, 3, 16, dtype=torch.bfloat16),),
+        extra_checkpoint_buffers=(torch.zeros(12, 5, dtype=torch.int32),),
+    )
+    return MambaPoolHost(info, 2, 0, device_capacity=12, pin_memory=False, layout="page_first")
+
+
+def test_whole_page_pools_write_back_and_invalidate_in_software_coherence(maru_server_factory):
+    """A whole-page pool's pages are copied by a plain memmove (no copy loop, without
+    `maru_checksums`): under `maru-server --coherence software` the writer writes back every
+    line of every page before the registration, and the reader invalidates every line of
+    every page before it copies (`read_many`). (Before: the write's lines were not written
+    back, 0 lines, and stayed dirty in the writer's cache past the publication.)"""
+    from maru.client.coherence import lines_flushed
+
+    url = maru_server_factory(pool_size="256M", extra_args=["--coherence", "software"]).url
+    pools = [_side_state_pool(), _side_state_pool()]
+    storages = []
+    for pool in pools:
+        hybrid = Hybrid(
+            "mamba", make_host_pool(Geometry()), False, [Sidecar("mamba", pool, "trailing_pages")]
+        )
+        storages.append(_storage(url, hybrid))
+        assert storages[-1].pools["mamba"].whole_page
+        assert storages[-1].handler.coherence == "software"
+    page_lines = -(-storages[0].pools["mamba"].page_bytes // 64)  # (pages start on a chunk)
+    try:
+        before = lines_flushed()
+        _, pages = _store_side(storages[0], Sidecar("mamba", pools[0], "trailing_pages"),
+                               ["a", "b"], 3, seed=12)  # fmt: skip
+        assert storages[0].confirm_writes() == 0
+        written = lines_flushed()[0] - before[0]
+        assert written == 2 * page_lines
+        dst = slots(pools[1], 7, 2)
+        before = lines_flushed()
+        side = Sidecar("mamba", pools[1], "trailing_pages")
+        got = storages[1].batch_get_v2([transfer(side, ["a", "b"], dst)])
+        assert got == {"mamba": [True, True]}
+        assert lines_flushed()[1] - before[1] >= 2 * page_lines
+        assert all(torch.equal(a, b) for a, b in zip(read_bytes(pools[1], dst, 2), pages))
+    finally:
+        for s in storages:
+            s.close()
+
+
 def test_mamba_states_of_another_element_type_are_a_miss(maru_server):
     """A Mamba pool's `dtype` is its conv state's; the SSM (temporal) state has its own
     (SGLANG_MAMBA_SSM_DTYPE or the model's `mamba_ssm_dtype`), and slot side states theirs.

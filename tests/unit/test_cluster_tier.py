@@ -414,3 +414,123 @@ def test_a_sidecar_without_mooncake_fails_each_job_in_its_ops_own_form():
             "error": "not connected yet",
         }
     assert sidecar.answer({"op": "unknown", "batch": 8, "jobs": jobs}) is None
+
+
+class _FakeStore:
+    """Mooncake's zero-copy calls as its TCP transport does them here: a get copies each
+    object's bytes into the buffers with the CPU (cached stores), a put reads them."""
+
+    def __init__(self, objects: dict[str, bytes]):
+        self.objects, self.put = objects, {}
+
+    def register_buffer(self, address: int, length: int) -> int:
+        return 0
+
+    def batch_get_into_multi_buffers(self, names, buffers, sizes):
+        import ctypes
+
+        codes = []
+        for name, places, lengths in zip(names, buffers, sizes):
+            data = self.objects[name]
+            at = 0
+            for address, length in zip(places, lengths):
+                ctypes.memmove(address, data[at : at + length], min(length, len(data) - at))
+                at += length
+            codes.append(len(data))
+        return codes
+
+    def batch_put_from_multi_buffers(self, names, buffers, sizes):
+        import ctypes
+
+        for name, places, lengths in zip(names, buffers, sizes):
+            self.put[name] = b"".join(ctypes.string_at(a, n) for a, n in zip(places, lengths))
+        return [0] * len(names)
+
+
+@pytest.mark.parametrize("mode", ["software", "hardware"])
+def test_the_sidecar_flushes_what_its_proofs_read_in_the_servers_coherence(tmp_path, mode):
+    """Pool memory another host of a pod reads or wrote (`maru-server --coherence software`):
+    the sidecar runs in the server's mode (`--coherence`, passed by the tier), and its proofs
+    evict every line of every value before they read it. A pull's pages, written here by
+    Mooncake with cached stores, go to memory (a dirty line is written back as it is evicted)
+    before the reply that has them registered; a publish hashes and sends what another host's
+    writer put in memory, not a line cached here before. Hardware: nothing flushed. (Before:
+    the sidecar never ran in software mode, 0 lines.)"""
+    import mmap
+
+    import numpy as np
+
+    from maru.client import _memcopy
+    from maru.client.checksum import checksums
+    from maru.client.coherence import lines_flushed
+    from maru.server.cluster.proof import PUBLISHED, encode_trailer
+    from maru.server.cluster.sidecar import PoolMaps, Sidecar, apply_coherence
+
+    pool = tmp_path / "pool"
+    pool.write_bytes(bytes(1 << 20))
+    sizes = [60_000, 4096 + 100]  # (each at a 4 KiB page, as the tier reserves them)
+    values = [np.random.default_rng(i).bytes(n) for i, n in enumerate(sizes)]
+    sums = checksums([memoryview(v) for v in values]).tolist()
+    objects = {f"o{i}": v + encode_trailer(f"o{i}", len(v), s) for i, (v, s) in
+               enumerate(zip(values, sums))}  # fmt: skip
+    sidecar = object.__new__(Sidecar)  # (no Mooncake client, no socket)
+    sidecar.store, sidecar.helper, sidecar.trailers = _FakeStore(objects), None, None
+    sidecar.maps = PoolMaps(lambda address, length: 0, 0)
+    offsets = [0, 64 << 10]
+    pulls = [[f"o{i}", str(pool), offsets[i], n, False] for i, n in enumerate(sizes)]
+    lines = sum(-(-n // 64) for n in sizes)
+    before = _memcopy.coherence()
+    try:
+        apply_coherence(mode)
+        start = lines_flushed()
+        results, error = sidecar.pull(pulls)
+        flushed = lines_flushed()[1] - start[1]
+        assert error is None and results == [[PUBLISHED, s] for s in sums]
+        assert flushed == (lines if mode == "software" else 0)
+        with open(pool, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+            assert [mm[o : o + n] for o, n in zip(offsets, sizes)] == values
+        start = lines_flushed()
+        published, error = sidecar.publish([[f"p{i}", *p[1:4], s] for i, (p, s) in
+                                            enumerate(zip(pulls, sums))])  # fmt: skip
+        flushed = lines_flushed()[1] - start[1]
+        assert error is None and published == [PUBLISHED, PUBLISHED]
+        assert flushed == (lines if mode == "software" else 0)
+        assert [sidecar.store.put[f"p{i}"][: len(v)] for i, v in enumerate(values)] == values
+    finally:
+        _memcopy.coherence(before)
+        for mm, _, _ in sidecar.maps.maps.values():
+            mm.close()
+
+
+def test_the_tier_starts_its_sidecar_in_the_servers_coherence(tmp_path, monkeypatch):
+    """`ClusterTier(coherence=...)` (maru-server's `--coherence`) starts the sidecar with it."""
+    from maru.server.cluster import tier as tier_module
+
+    started = []
+
+    class _Proc:
+        pid, returncode = 4242, None
+
+        def __init__(self, cmd, **kw):
+            started.append(cmd)
+
+        def poll(self):
+            return None
+
+        def kill(self):
+            pass
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(tier_module.subprocess, "Popen", _Proc)  # (no sidecar runs)
+    config = tmp_path / "mooncake.json"
+    config.write_text(json.dumps(SGLANG_FILE))
+    reg = make_registry(tmp_path, pool_mib=64)
+    for mode in ("software", "hardware"):
+        tier = tier_module.ClusterTier(reg, str(config), coherence=mode)
+        try:
+            cmd = started[-1]
+            assert cmd[cmd.index("--coherence") + 1] == mode
+        finally:
+            tier.close()

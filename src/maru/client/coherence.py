@@ -61,17 +61,20 @@ def invalidate_ranges(addresses: np.ndarray, lengths: np.ndarray) -> np.ndarray 
 
 def write_back_handles(handles: Any, lengths: int | Sequence[int] | None) -> None:
     """In software mode, write back `MaruHandler.seal`'s values (written in place) before they
-    are registered; `handles` and `lengths` as `seal` takes them (`Any`: importing
-    `maru.client.chunks` here would be a cycle). Raises `CopyFaultError` if one faults."""
+    are registered, or `free`'s before they go back; `handles` and `lengths` as `seal` takes
+    them (`Any`: importing `maru.client.chunks` here would be a cycle). Every line of each
+    handle's `buf` is written back, whatever `lengths` says: the caller may have written past
+    the length it seals (or into a run's gaps), and a dirty line of ours left there would be
+    evicted, later, onto what another host writes into those chunks. Raises `CopyFaultError`
+    if one faults."""
     if not _software:
         return
     if hasattr(handles, "stride"):  # (one run)
-        addresses = handles.address + np.arange(handles.count, dtype=np.int64) * handles.stride
-        size: Any = handles.size if lengths is None else lengths
-    else:
-        addresses = np.array([h.address if h else 0 for h in handles], np.int64)
-        size = [h.size if h else 0 for h in handles] if lengths is None else lengths
-    write_back_ranges(addresses, size)
+        handles = [handles]
+    # (a handle's `buf`: its first value's start to its last value's end)
+    addresses = np.array([h.address if h else 0 for h in handles], np.int64)
+    sizes = [h.stride * (h.count - 1) + h.size if h else 0 for h in handles]
+    write_back_ranges(addresses, sizes)
 
 
 def write_back_ranges(addresses: np.ndarray, lengths: int | Sequence[int] | np.ndarray) -> None:

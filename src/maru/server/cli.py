@@ -956,6 +956,7 @@ def main(argv: list[str] | None = None) -> int:
                 publish=args.cluster_publish,
                 lookup_ms=args.cluster_lookup_ms,
                 log_level=args.log_level,
+                coherence=args.coherence,
             )
     except PoolPathError as exc:  # (what the operator named: fix the flag, exit 2)
         print(f"maru-server: cannot start: {exc}", file=sys.stderr)

@@ -16,6 +16,14 @@ over a socketpair it inherits (`maru.server.cluster.link`), msgpack messages:
 The pool's files are mapped here and registered with Mooncake's transfer engine: no extra
 copy either way. The one module under maru.server that loads `maru.client.checksum` (numpy);
 maru-server never imports it.
+
+Coherence (`--coherence`, maru-server's: docs/architecture.md "Coherence"): in software mode
+the proof's hash (`checksums_at`) evicts every line of a value before it reads it. A publish
+then hashes, and Mooncake sends, what a writer on another host of the pod wrote back to
+memory, never a line this host cached earlier; a pull's pages, which Mooncake wrote here, are
+written back by that eviction (a dirty line goes to memory first) and their proof is hashed
+from memory, before the reply that has them registered: other hosts read them from memory,
+and no dirty line of this host outlives their registration.
 """
 
 from __future__ import annotations
@@ -392,6 +400,14 @@ class Sidecar:
         return {"op": f"{op}-done", "batch": message["batch"], "results": results, "error": error}
 
 
+def apply_coherence(mode: str) -> None:
+    """This process's copies and hashes in maru-server's coherence mode (see the module's
+    docstring); OSError for software where the CPU has no cache-line flushes."""
+    from maru.client._memcopy import coherence
+
+    coherence(mode)
+
+
 def _die_with_parent() -> None:
     """SIGKILL when maru-server exits, however it exits (prctl PR_SET_PDEATHSIG)."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -407,11 +423,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--device-bytes", type=int, default=0, help="to map of a devdax pool")
     parser.add_argument("--pool-file", default="", help="the pool's file, mapped at connect")
+    parser.add_argument(
+        "--coherence",
+        choices=("hardware", "software"),
+        default="hardware",
+        help="maru-server's --coherence: software flushes what the proofs read",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s cluster-sidecar: %(message)s"
     )
     _die_with_parent()
+    try:
+        apply_coherence(args.coherence)
+    except OSError as exc:
+        log.error("%s", exc)
+        return 1
     link = Link(socket.socket(fileno=args.fd), blocking=True)
     config = MooncakeConfig.from_file(args.config)
     Sidecar(config, link, args.device_bytes, args.pool_file).run()

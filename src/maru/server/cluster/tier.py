@@ -83,11 +83,14 @@ class ClusterTier:
         publish: str = "write-through",
         lookup_ms: int = 200,
         log_level: str = "INFO",
+        coherence: str = "hardware",
     ):
         """`config_path` is read now, so that a bad file stops maru-server at start
         (`ClusterConfigError`). `lookup_ms`: how long a client waits for a pull (announced at
-        HANDSHAKE). The CLI's parser checks `publish` and `lookup_ms`."""
+        HANDSHAKE). The CLI's parser checks `publish` and `lookup_ms`. `coherence`:
+        maru-server's `--coherence`, the sidecar's too (`maru.server.cluster.sidecar`)."""
         self.registry = registry
+        self.coherence = coherence
         self.config = MooncakeConfig.from_file(config_path)
         self.config_path = config_path
         self.publish_mode = publish
@@ -127,6 +130,7 @@ class ClusterTier:
         cmd += ["--log-level", self.log_level]
         cmd += ["--device-bytes", str(self.registry.pool.file_bytes)]
         cmd += ["--pool-file", self.registry.pool.path]
+        cmd += ["--coherence", self.coherence]
         with theirs:  # (the sidecar's end, open in the sidecar alone once it started)
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()])
         self.started = time.monotonic()
