@@ -90,12 +90,11 @@ class ClusterTier:
         HANDSHAKE). The CLI's parser checks `publish` and `lookup_ms`. `coherence`:
         maru-server's `--coherence`, the sidecar's too (`maru.server.cluster.sidecar`)."""
         self.registry = registry
-        self.coherence = coherence
         self.config = MooncakeConfig.from_file(config_path)
         self.config_path = config_path
         self.publish_mode = publish
         self.lookup_ms = lookup_ms
-        self.log_level = log_level
+        self.sidecar_flags = ["--log-level", log_level, "--coherence", coherence]
         self.pages = TierPages(registry, lambda: landing(self.batches))
         if publish == "spill":
             registry.eviction.spill = self.spill
@@ -127,10 +126,8 @@ class ClusterTier:
         self.link, theirs = Link.pair()
         cmd = [sys.executable, "-m", "maru.server.cluster.sidecar"]
         cmd += ["--config", self.config_path, "--fd", str(theirs.fileno())]
-        cmd += ["--log-level", self.log_level]
         cmd += ["--device-bytes", str(self.registry.pool.file_bytes)]
-        cmd += ["--pool-file", self.registry.pool.path]
-        cmd += ["--coherence", self.coherence]
+        cmd += ["--pool-file", self.registry.pool.path, *self.sidecar_flags]
         with theirs:  # (the sidecar's end, open in the sidecar alone once it started)
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()])
         self.started = time.monotonic()
