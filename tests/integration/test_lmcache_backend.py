@@ -168,6 +168,48 @@ def test_an_unpin_after_the_instance_lost_its_pins_is_a_warning(maru_server_fact
         assert h.batch_delete(keys) == [True, True]
 
 
+def test_a_store_that_could_not_be_sent_gives_its_chunks_back(maru_server_factory):
+    """The shipped backend hands each memory object's chunks to the store (`create_store_handle`)
+    and, when `batch_store` reports a key failed, only drops its reference: Maru must give the
+    chunks back itself. A registration that never reached the server (down for a moment) kept
+    them reserved for the instance's whole life: it resumes with the same regions after the
+    restart, and each failed chunk was lost to it (before: 4 of 4 here)."""
+    server = maru_server_factory(pool_size="64M")
+    cfg = E.config(server.url)
+    cfg.extra_config["maru_timeout_ms"] = 1000  # (the failed send is this long)
+    n = 4 * G.chunk
+    with E.Engine(cfg, E.metadata()) as built:
+        engine, backend = built.engine, built.backend
+        handler = backend._handler
+        first = E.prompt(n, 21)
+        engine.store(first, kvcaches=E.kv_caches(n, seed=21), slot_mapping=torch.arange(n))
+        W._wait_for(lambda: not backend.put_tasks, "puts finished")
+        gc.collect()
+        free = handler.free_chunks()
+        instance = handler.instance_id
+
+        server.halt()  # (SIGTERM: pool and state kept)
+        tokens, caches = E.prompt(n, 22), E.kv_caches(n, seed=22)
+        engine.store(tokens, kvcaches=caches, slot_mapping=torch.arange(n))
+        W._wait_for(lambda: not backend.put_tasks, "failed puts finished", 30)
+        gc.collect()
+        assert handler.free_chunks() == free  # the 4 reservations came back
+
+        server.start(server.port)
+        W._wait_for(handler.healthcheck, "server back", 30)
+        assert handler.instance_id == instance  # the same instance, with the same regions
+        assert handler.free_chunks() == free
+        assert engine.lookup(tokens) == 0  # nothing of the failed store is a hit
+        engine.store(tokens, kvcaches=caches, slot_mapping=torch.arange(n))
+        W._wait_for(lambda: engine.lookup(tokens) == n, "stored again")
+        gc.collect()
+        assert handler.free_chunks() == free - 4
+        out = E.kv_caches(n)
+        mask = engine.retrieve(tokens, kvcaches=out, slot_mapping=torch.arange(n))
+        assert int(mask.sum()) == n
+        assert E.same_bits(E.gathered(out, torch.arange(n)), E.gathered(caches, torch.arange(n)))
+
+
 # -- the adapter on its own, in this process ------------------------------------------------------
 
 

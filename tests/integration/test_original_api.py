@@ -154,6 +154,191 @@ def test_a_handle_is_sealed_once(maru_server):
         assert got == [b"\x05" * CHUNK, *[bytes([0x10 + i]) * CHUNK for i in range(4)]]
 
 
+def test_a_handle_given_twice_in_one_store_is_sealed_once(maru_server):
+    """The same handle (or a piece of a run given twice) under two keys of one `batch_store`:
+    the first key is stored, the later ones fail (a WARNING). Before, all were registered on
+    the same chunk, and once the first key was deleted and its chunk reserved and written
+    again, the second read as a hit with the new value's bytes."""
+    with (
+        MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes=CHUNK) as h,
+        MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes=CHUNK) as r,
+    ):
+        a = h.alloc(CHUNK)
+        a.buf[:] = b"\x01" * CHUNK
+        assert h.batch_store(["a1", "a2"], [a, a]) == [True, False]
+        run = h.alloc(CHUNK, 2)
+        run.buf[:] = b"\x05" * (2 * CHUNK)
+        first, second = run.split()
+        assert h.batch_store(["r1", "r2", "r3"], [first, second, run.split()[0]]) == [
+            True,
+            True,
+            False,
+        ]
+        assert r.batch_exists(["a2", "r3"]) == [False, False]
+        assert r.delete("a1") and r.delete("r1")
+        h.free_chunks()  # (the freed notices applied: those chunks are reserved again next)
+        reused = [h.alloc(CHUNK) for _ in range(4)]
+        for i, handle in enumerate(reused):
+            handle.buf[:] = bytes([0x10 + i]) * CHUNK
+        assert h.batch_store([f"new{i}" for i in range(4)], reused) == [True] * 4
+        assert r.batch_exists(["a2", "r3"]) == [False, False]
+        with r.leased(["r2", *[f"new{i}" for i in range(4)]]) as infos:
+            got = [bytes(info.view) for info in infos]
+        assert got == [b"\x05" * CHUNK, *[bytes([0x10 + i]) * CHUNK for i in range(4)]]
+
+
+def _alloc_at(h: MaruHandler, where: AllocHandle) -> AllocHandle:
+    """A new one-chunk reservation on `where`'s chunk (free again: `h.free_chunks()` applied
+    the server's notice), the others taken on the way given back."""
+    h.free_chunks()
+    taken = []
+    try:
+        for _ in range(256):
+            handle = h.alloc(CHUNK)
+            assert handle is not None
+            if (handle.region_id, handle.offset) == (where.region_id, where.offset):
+                return handle
+            taken.append(handle)
+        raise AssertionError(f"no reservation came on {where}")
+    finally:
+        for handle in taken:
+            h.free(handle)
+
+
+def _read(r: MaruHandler, keys: list[str]) -> list[bytes | None]:
+    with r.leased(keys) as infos:
+        return [None if info is None else bytes(info.view) for info in infos]
+
+
+def test_a_stale_handle_is_refused_once_its_chunk_is_reserved_again(maru_server):
+    """A handle freed, or sealed and its key deleted, whose chunk a later `alloc` reserved and
+    wrote: storing it is refused (False, a WARNING), and the later reservation's own store
+    succeeds. Before, the stale handle was taken for the new reservation (recognised by its
+    first chunk): its key was registered over the new bytes, a hit with bytes never written
+    under it, and the new value's store failed."""
+    with (
+        MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes=CHUNK) as h,
+        MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes=CHUNK) as r,
+    ):
+        freed = h.alloc(CHUNK)
+        freed.buf[:] = b"\x01" * CHUNK
+        h.free(freed)
+        again = _alloc_at(h, freed)
+        again.buf[:] = b"\x02" * CHUNK
+        assert h.store("freed", freed) is False
+        assert h.seal(["freed-run"], freed).wait() == [False]  # (one handle: the run path)
+        assert h.store("again", again) is True
+
+        sealed = h.alloc(CHUNK)
+        sealed.buf[:] = b"\x03" * CHUNK
+        assert h.store("sealed", sealed) is True
+        assert r.delete("sealed")
+        reused = _alloc_at(h, sealed)
+        reused.buf[:] = b"\x04" * CHUNK
+        assert h.batch_store(["sealed-again", "reused"], [sealed, reused]) == [False, True]
+
+        run = h.alloc(CHUNK, 3)
+        run.buf[:] = b"\x05" * (3 * CHUNK)
+        h.free(run.slice(1, 2))
+        middle = _alloc_at(h, run.slice(1, 2))
+        middle.buf[:] = b"\x06" * CHUNK
+        pieces = run.split()
+        assert h.seal(["run"], run.slice(1, 2)).wait() == [False]
+        assert h.batch_store(
+            ["p0", "p1", "middle", "p2"], [pieces[0], pieces[1], middle, pieces[2]]
+        ) == [
+            True,
+            False,
+            True,
+            True,
+        ]
+        assert (
+            r.batch_exists(["freed", "freed-run", "sealed", "sealed-again", "run", "p1"])
+            == [False] * 6
+        )
+        assert _read(r, ["again", "reused", "p0", "middle", "p2"]) == [
+            b"\x02" * CHUNK,
+            b"\x04" * CHUNK,
+            b"\x05" * CHUNK,
+            b"\x06" * CHUNK,
+            b"\x05" * CHUNK,
+        ]
+
+
+def test_a_handle_given_twice_in_one_seal_is_sealed_once(maru_server):
+    """`seal(keys, [h, h])`, or a run and one of its values: the first key is sealed, the
+    later one fails (a WARNING). Before, both keys were registered on one chunk: once the
+    first was deleted and the chunk written again, the second read the new bytes."""
+    with (
+        MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes=CHUNK) as h,
+        MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes=CHUNK) as r,
+    ):
+        twice = h.alloc(CHUNK)
+        twice.buf[:] = b"\x01" * CHUNK
+        assert h.seal(["x1", "x2"], [twice, twice]).wait() == [True, False]
+        run = h.alloc(CHUNK, 2)
+        run.buf[:] = b"\x05" * (2 * CHUNK)
+        assert h.seal(["r", "r1"], [run.split()[0], run.slice(0, 2)]).wait() == [True, False]
+        assert r.delete("x1") and r.delete("r")
+        for deleted, byte in ((twice, 0x10), (run, 0x11)):
+            handle = _alloc_at(h, deleted)
+            handle.buf[:] = bytes([byte]) * CHUNK
+            assert h.store(f"new{byte}", handle) is True
+        assert r.batch_exists(["x2", "r1"]) == [False, False]
+        assert _read(r, ["new16", "new17"]) == [b"\x10" * CHUNK, b"\x11" * CHUNK]
+
+
+def test_a_free_of_a_handle_sealed_or_freed_before_frees_nothing(maru_server):
+    """`free` of a handle freed before, or sealed, gives back nothing: before, it freed the
+    chunk under whatever held it now (a later reservation being written, or the sealed
+    key), and the next `alloc` wrote there: a hit with another value's bytes."""
+    with (
+        MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes=CHUNK) as h,
+        MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes=CHUNK) as r,
+    ):
+        freed = h.alloc(CHUNK)
+        h.free(freed)
+        again = _alloc_at(h, freed)
+        again.buf[:] = b"\x02" * CHUNK
+        free = h.free_chunks()
+        h.free(freed)  # a second free: `again` keeps its chunk
+        assert h.free_chunks() == free
+        sealed = h.alloc(CHUNK)
+        sealed.buf[:] = b"\x03" * CHUNK
+        assert h.store("sealed", sealed) is True
+        h.free(sealed)  # sealed: the key keeps its chunk
+        assert h.free_chunks() == free - 1
+        later = [h.alloc(CHUNK) for _ in range(free - 1)]
+        assert all(handle is not None for handle in later)
+        taken = {(handle.region_id, handle.offset) for handle in later}
+        assert not taken & {(again.region_id, again.offset), (sealed.region_id, sealed.offset)}
+        for handle in later:
+            handle.buf[:] = b"\x07" * CHUNK
+        assert h.batch_store([f"later{i}" for i in range(len(later))], later) == [True] * len(later)
+        assert h.store("again", again) is True
+        assert _read(r, ["again", "sealed"]) == [b"\x02" * CHUNK, b"\x03" * CHUNK]
+
+
+def test_a_seal_that_could_not_be_sent_gives_its_chunks_back_once(maru_server_factory):
+    """A seal whose REGISTER_KV could not be sent (the server down) sealed nothing: its
+    chunks come back at once, as a refused key's do, and a `free` of its handle after it
+    gives back nothing more (a handle given to `seal` is not the caller's to free: it may
+    be registered). Before, they stayed reserved until the caller freed the handle."""
+    server = maru_server_factory(pool_size="64M")
+    with MaruHandler(
+        server_url=server.url, pool_size="4M", chunk_size_bytes=CHUNK, timeout_ms=1000
+    ) as h:
+        run, one = h.alloc(CHUNK, 2), h.alloc(CHUNK)
+        free = h.free_chunks()
+        server.halt()  # (the pool and state kept)
+        assert h.seal(["r0", "r1"], run).wait() == [False, False]
+        assert h.seal(["one"], [one]).wait() == [False]
+        assert h.free_chunks() == free + 3
+        h.free(run)
+        h.free(one)
+        assert h.free_chunks() == free + 3
+
+
 def test_a_chunk_size_that_is_not_page_aligned_stores_and_reads_back(maru_server):
     """LMCache passes its full KV chunk in bytes (here 3 x 1000 + 7, as a small model's would
     be): taken, aligned to pages inside, and a chunk of that size round-trips."""

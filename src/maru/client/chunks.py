@@ -7,6 +7,7 @@ sealed, and tells the owner (`freed`, on its next reply) when a key in its regio
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import deque
@@ -19,21 +20,43 @@ from maru.common._freed import freed_runs
 log = logging.getLogger("maru.client.handler")
 
 
-GONE, SEALABLE, SPENT = 0, 1, 2  # a handle's state for a seal (`ChunkBook.seal_states`)
+# a handle's state for a seal (`ChunkBook.seal_states`); REPEATED: its values are an earlier
+# handle's of the same call
+GONE, SEALABLE, SPENT, REPEATED = 0, 1, 2, 3
 
 
 class AllocHandle:
     """Reserved, unsealed chunks: `count` values of `size` bytes, value i at `address + i *
     stride` (region offset `offset + i * stride`). Write into `buf` (or at `address`), then
-    `MaruHandler.seal` (a value is `size` bytes unless told otherwise) or `MaruHandler.free`."""
+    `MaruHandler.seal` (a value is `size` bytes unless told otherwise) or `MaruHandler.free`.
+    Its reservation's serial (`_serial`, kept by `slice`/`split`) tells it from a later one of
+    the same chunks: a handle sealed or freed before is refused, not taken for the next."""
 
-    __slots__ = ("_chunk", "_mapped", "address", "count", "offset", "region_id", "size", "stride")
+    __slots__ = (
+        "_chunk",
+        "_mapped",
+        "_serial",
+        "address",
+        "count",
+        "offset",
+        "region_id",
+        "size",
+        "stride",
+    )
 
     def __init__(
-        self, mapped: MappedRegion, chunk: int, offset: int, stride: int, count: int, size: int
+        self,
+        mapped: MappedRegion,
+        chunk: int,
+        offset: int,
+        stride: int,
+        count: int,
+        size: int,
+        serial: int,
     ):
         self._mapped = mapped
         self._chunk = chunk
+        self._serial = serial
         self.region_id = mapped.handle.region_id
         self.offset = offset
         self.address = mapped.address + offset
@@ -66,7 +89,9 @@ class AllocHandle:
     def slice(self, start: int, stop: int) -> AllocHandle:
         """Values [start, stop) of this handle, as a handle of their own."""
         offset = self.offset + start * self.stride
-        return AllocHandle(self._mapped, self._chunk, offset, self.stride, stop - start, self.size)
+        return AllocHandle(
+            self._mapped, self._chunk, offset, self.stride, stop - start, self.size, self._serial
+        )
 
     def split(self) -> list[AllocHandle]:
         """One handle per value."""
@@ -89,51 +114,65 @@ class AllocHandle:
 
 class _Reserved:
     """The values of a region reserved and not yet written or given back, by their first
-    chunks: runs as taken (first -> (chunks a value, values)), and single values once part of
-    a run was written or given back. Only asked whether any is left (parking)."""
+    chunks, each with its reservation's serial (`AllocHandle._serial`): runs as taken (first
+    -> (chunks a value, values, serial)), and single values once part of a run was written or
+    given back (serial -> firsts). Asked whether a handle's values are still its own (a seal,
+    a free) and whether any is left (parking). Per value only C-level set work, no Python step."""
 
     __slots__ = ("runs", "singles")
 
     def __init__(self) -> None:
-        self.runs: dict[int, tuple[int, int]] = {}
-        self.singles: set[int] = set()
+        self.runs: dict[int, tuple[int, int, int]] = {}
+        self.singles: dict[int, set[int]] = {}  # (no empty set: `__bool__`)
 
     def __bool__(self) -> bool:
         return bool(self.runs or self.singles)
 
     def __len__(self) -> int:
-        return len(self.singles) + sum(count for _, count in self.runs.values())
+        return sum(map(len, self.singles.values())) + sum(n for _, n, _ in self.runs.values())
 
-    def add(self, first: int, step: int, count: int) -> None:
-        self.runs[first] = (step, count)
+    def add(self, first: int, step: int, count: int, serial: int) -> None:
+        self.runs[first] = (step, count, serial)
 
-    def discard(self, first: int, step: int, count: int) -> None:
-        """Values first, first + step, ... (`count` of them) are no longer reserved."""
-        if self.runs.get(first) == (step, count):  # (the usual case: the run as taken)
+    def discard(self, first: int, step: int, count: int, serial: int) -> set[int] | range:
+        """Values first, first + step, ... (`count` of them) reserved under `serial` are no
+        longer reserved (others, a later reservation's, stay); returns those that were."""
+        if self.runs.get(first) == (step, count, serial):  # (the usual case: the run as taken)
             del self.runs[first]
-            return
-        self.discard_each(range(first, first + step * count, step))
+            return range(first, first + step * count, step)
+        return self.discard_each(range(first, first + step * count, step), serial)
 
-    def holds(self, first: int, step: int, count: int) -> bool:
-        """Whether values first, first + step, ... (`count` of them) are all still reserved."""
-        if self.runs.get(first) == (step, count):  # (the usual case: the run as taken)
+    def holds(self, first: int, step: int, count: int, serial: int) -> bool:
+        """Whether values first, first + step, ... (`count` of them) are all still reserved,
+        under `serial` (not a later reservation of the same chunks)."""
+        if self.runs.get(first) == (step, count, serial):  # (the usual case: the run as taken)
             return True
         end = first + step * count
-        for start, (each, values) in self.runs.items():  # (a piece of one run)
+        for start, (each, values, owner) in self.runs.items():  # (a piece of one run)
             if each == step and start <= first and end <= start + each * values:
-                return (first - start) % step == 0
-        return self.singles.issuperset(range(first, end, step))
+                return owner == serial and (first - start) % step == 0
+        mine = self.singles.get(serial)
+        return mine is not None and mine.issuperset(range(first, end, step))
 
-    def discard_each(self, firsts: Iterable[int]) -> None:
-        firsts = list(firsts)
+    def discard_each(self, firsts: Iterable[int], serial: int) -> set[int]:
+        """The values at `firsts` reserved under `serial` are no longer reserved; returns them."""
+        firsts = firsts if isinstance(firsts, range) else list(firsts)
         if not firsts:
-            return
+            return set()
         low, high = min(firsts), max(firsts)
-        for start, (step, count) in list(self.runs.items()):  # (runs they touch: singles)
+        singles = self.singles
+        for start, (step, count, owner) in list(self.runs.items()):  # (runs they touch: singles)
             if start <= high and low < start + step * count:
                 del self.runs[start]
-                self.singles.update(range(start, start + step * count, step))
-        self.singles.difference_update(firsts)
+                singles.setdefault(owner, set()).update(range(start, start + step * count, step))
+        mine = singles.get(serial)
+        if mine is None:
+            return set()
+        gone = mine.intersection(firsts)
+        mine.difference_update(gone)
+        if not mine:
+            del singles[serial]
+        return gone
 
 
 class _OwnedRegion:
@@ -163,6 +202,7 @@ class ChunkBook:
         self.chunk_size = chunk_size
         self._owned: dict[int, _OwnedRegion] = {}
         self._lock = threading.Lock()
+        self._serials = itertools.count(1)  # each reservation's (`AllocHandle._serial`)
         # free chunks, parked included, kept by every change below (under `_lock`): a write
         # reads a plain attribute, no call; it lags the notices not yet settled (`note_freed`)
         self.free = 0
@@ -295,20 +335,23 @@ class ChunkBook:
                     if run is not None:
                         self.free -= chunks * count
                         owned.touched = True
-                        owned.reserved.add(run.start, chunks, count)
+                        serial = next(self._serials)
+                        owned.reserved.add(run.start, chunks, count, serial)
                         chunk = self.chunk_size
                         offset, stride = run.start * chunk, chunks * chunk
-                        return AllocHandle(owned.mapped, chunk, offset, stride, count, size)
+                        return AllocHandle(owned.mapped, chunk, offset, stride, count, size, serial)
         return None
 
     def written(self, handle: AllocHandle) -> None:
         """The values of `handle` are written and being sealed: no longer reserved (a seal that
-        comes after its region was parked and taken back is refused)."""
+        comes after its region was parked and taken back is refused). Those not reserved by
+        `handle` (sealed or freed before, maybe reserved again since) are left as they are."""
         with self._lock:
             owned = self._region_of(handle)
             if owned is not None:
                 chunk = self.chunk_size
-                owned.reserved.discard(handle.offset // chunk, handle.stride // chunk, handle.count)
+                first, step = handle.offset // chunk, handle.stride // chunk
+                owned.reserved.discard(first, step, handle.count, handle._serial)
 
     def _firsts(self, handle: AllocHandle, indices: Iterable[int] | None = None) -> list[int]:
         """The first chunks of the values of `handle` (all, or those at `indices`)."""
@@ -318,16 +361,29 @@ class ChunkBook:
             return list(range(first, first + step * handle.count, step))
         return [(handle.offset + i * handle.stride) // chunk for i in indices]
 
-    def give_back(self, handle: AllocHandle, indices: Iterable[int] | None = None) -> None:
-        """Free the values of `handle` (all, or those at `indices`) that will not be sealed.
-        A handle of a region that is gone (server restart) has nothing of ours to free."""
+    def give_back(
+        self, handle: AllocHandle, indices: Iterable[int] | None = None, *, sealed: bool = False
+    ) -> None:
+        """Free the values of `handle` (all, or those at `indices`) that will not be sealed:
+        only those still reserved by `handle` (`MaruHandler.free`): a value sealed, or freed
+        before and maybe reserved again since, is not ours to free (its chunks may hold a key,
+        or the next reservation's bytes). `sealed`: values `handle` sent for sealing (`written`)
+        whose keys were not registered, or whose registration was not sent. A handle of a
+        region that is gone (server restart) has nothing of ours to free."""
         with self._lock:
             owned = self._region_of(handle)
             if owned is None:
                 return
-            firsts = self._firsts(handle, indices)
-            owned.reserved.discard_each(firsts)
-            self.free += owned.chunks.free_many(firsts)  # (those still allocated)
+            if sealed:
+                firsts: Iterable[int] = self._firsts(handle, indices)
+            elif indices is None:
+                chunk = self.chunk_size
+                first, step = handle.offset // chunk, handle.stride // chunk
+                firsts = owned.reserved.discard(first, step, handle.count, handle._serial)
+            else:
+                firsts = owned.reserved.discard_each(self._firsts(handle, indices), handle._serial)
+            if firsts:
+                self.free += owned.chunks.free_many(firsts)  # (those still allocated)
 
     def holds(self, handle: AllocHandle) -> bool:
         """Whether `handle` is still in a region we own (not one the server forgot)."""
@@ -335,21 +391,43 @@ class ChunkBook:
             return self._region_of(handle) is not None
 
     def seal_states(self, handles: Sequence[AllocHandle | None]) -> list[int]:
-        """Per handle, for a seal (one lock for all): GONE (None, or in a region we no longer
-        own: the server refuses it), SEALABLE, or SPENT: in our region but not reserved any
-        more, sealed (`written`) or given back before. A handle is sealed once: sealed twice,
-        or after it was freed, its chunks would lie under two keys, or under a key and
-        whatever the next reservation writes there."""
+        """Per handle, for one seal (one lock for all): GONE (None, or in a region we no longer
+        own: the server refuses it), SEALABLE, SPENT: in our region but not reserved by it any
+        more, sealed (`written`) or given back before (its chunks maybe reserved again since,
+        by a later `alloc`: its serial tells them apart), or REPEATED: SEALABLE, but with a
+        value an earlier SEALABLE handle of the same call has. A reservation is sealed once,
+        each value under one key: else its chunks would lie under two keys, or under a key and
+        whatever the next reservation writes there. Per handle a few dict and set steps (a
+        handle of several values in a list: a set step a value, in C)."""
         chunk, out = self.chunk_size, []
+        # values claimed by the call's SEALABLE handles: (serial, first chunk); two handles
+        # that are both still reserved share a value only if they share the reservation
+        claimed: set[tuple[int, int]] = set()
+        many = len(handles) > 1
         with self._lock:
             for handle in handles:
                 owned = None if handle is None else self._region_of(handle)
                 if owned is None or handle is None:
                     out.append(GONE)
                     continue
-                first, step = handle.offset // chunk, handle.stride // chunk
-                kept = owned.reserved.holds(first, step, handle.count)
-                out.append(SEALABLE if kept else SPENT)
+                first, step, count = handle.offset // chunk, handle.stride // chunk, handle.count
+                serial = handle._serial
+                if not owned.reserved.holds(first, step, count, serial):
+                    out.append(SPENT)
+                elif not many:
+                    out.append(SEALABLE)
+                elif count == 1:
+                    value = (serial, first)
+                    out.append(REPEATED if value in claimed else SEALABLE)
+                    claimed.add(value)
+                else:  # (a REPEATED handle claims nothing: it is not sealed)
+                    firsts = range(first, first + step * count, step)
+                    values = set(zip(itertools.repeat(serial), firsts))
+                    if claimed.isdisjoint(values):
+                        out.append(SEALABLE)
+                        claimed |= values
+                    else:
+                        out.append(REPEATED)
         return out
 
     def _region_of(self, handle: AllocHandle) -> _OwnedRegion | None:

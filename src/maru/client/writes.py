@@ -26,7 +26,7 @@ import numpy as np
 
 from maru.client._memcopy import copy_values_start as _c_copy_values_start
 from maru.client.checksum import checksums
-from maru.client.chunks import SEALABLE, SPENT, AllocHandle
+from maru.client.chunks import REPEATED, SEALABLE, SPENT, AllocHandle
 from maru.client.localindex import joined
 from maru.client.memcopy import CopyFaultError, copy_values_start
 from maru.client.requests import BYTES_LIKE, RegionsLost
@@ -487,6 +487,13 @@ class Sealing:
                     "seal of %d keys refused: their handles were sealed or freed before",
                     states.count(SPENT),
                 )
+            if REPEATED in states:
+                log.warning(
+                    "seal of %d keys (first %.80r) refused: their handles' values are another "
+                    "key's of the same call (a value is sealed under one key)",
+                    states.count(REPEATED),
+                    keys[states.index(REPEATED)],
+                )
             sent_keys = [keys[i] for i in self._positions]
             region_ids = [handles[i].region_id for i in self._positions]  # type: ignore[union-attr]
             offsets = [handles[i].offset for i in self._positions]  # type: ignore[union-attr]
@@ -532,9 +539,10 @@ class Sealing:
             body["behind"] = True
         try:
             self._pending = s.request(MsgType.REGISTER_KV, body)
-        except MaruError as exc:
+        except MaruError as exc:  # not sent (the server down or unreachable): nothing sealed,
+            # so the chunks come back (a handle sealed is not the caller's to `free` any more)
             log.warning("register of %d keys failed: %s", len(body["keys"]), exc)
-            self._results = [False] * self._n
+            self._results = self._outcome([_REJECTED] * len(body["keys"]))
         return self
 
     def _checksums(self, given: np.ndarray | None) -> np.ndarray:
@@ -622,14 +630,15 @@ class Sealing:
                 self._outcomes = [StoreOutcome.STORED] * self._n
                 return [True] * self._n
             assert isinstance(handles, AllocHandle)
-            chunks.give_back(handles, [i for i, st in enumerate(statuses) if st != _REGISTERED])
+            refused = [i for i, st in enumerate(statuses) if st != _REGISTERED]
+            chunks.give_back(handles, refused, sealed=True)
             self._outcomes = [_OUTCOMES.get(st, StoreOutcome.FAILED) for st in statuses]
             return [st in (_REGISTERED, _EXISTS) for st in statuses]
         results = [False] * self._n
         self._outcomes = [StoreOutcome.FAILED] * self._n
         for i, status in zip(self._positions, statuses):
             if status != _REGISTERED:
-                chunks.give_back(handles[i])  # type: ignore[index,arg-type]
+                chunks.give_back(handles[i], sealed=True)  # type: ignore[index,arg-type]
             results[i] = status in (_REGISTERED, _EXISTS)
             self._outcomes[i] = _OUTCOMES.get(status, StoreOutcome.FAILED)
         return results
