@@ -194,7 +194,13 @@ class MaruHandler(OriginalApi):
             return
         self._heartbeat.stop(timeout=self.config.timeout_ms / 1000 + 1)
         if self._connected:
-            self._connected = False
+            self._connected = False  # (no write starts from here on)
+            # A copy another thread still runs writes into our regions: DISCONNECT frees an
+            # empty one at once, and another instance's values would take its pages.
+            if not self._mapper.wait_copies(self._mapper.close_wait_s):
+                log.warning(
+                    "closing with copies still in flight after %.1f s", self._mapper.close_wait_s
+                )
             try:
                 pending = self._request(MsgType.DISCONNECT, self._local_reads())
                 pending.retry = False  # a server that forgot us has nothing of ours to end

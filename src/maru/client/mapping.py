@@ -122,6 +122,21 @@ class RegionMapper:
         until every such block has ended. Reentrant, shared by threads; always the same object."""
         return self._gate
 
+    def wait_copies(self, timeout: float) -> bool:
+        """Wait up to `timeout` s until no `copying()` block is open: another thread's copy
+        into our regions must end before DISCONNECT lets the server hand them to another
+        instance (`MaruHandler.close`). False if one is still open then."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._gate.active:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._gate.wanted = True  # (`_copies_ended` notifies `_idle`)
+                self._idle.wait(left)
+            self._gate.wanted = bool(self._retired) or self._closing
+            return not self._gate.active
+
     def _copies_ended(self) -> None:
         """The last open `copying()` block closed while the gate was wanted."""
         with self._lock:
