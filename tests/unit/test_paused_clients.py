@@ -150,3 +150,28 @@ def test_a_credential_is_held_by_the_first_process_that_speaks_for_it(tmp_path):
         for proc in procs:
             proc.kill()
             proc.wait(5)
+
+
+def test_a_region_freed_before_its_journaled_hold_ended_is_replayed_freed(tmp_path):
+    """A hold is journaled as its wall-clock end; its end is judged by the monotonic clock. A
+    wall clock that stepped back (an NTP correction) left the "T" record's end in the future
+    when the region was freed and its pages granted again: the replay kept the region held,
+    its "F" ignored, and the next grant's "R" at the same offset stopped the server from
+    starting (ValueError). The "F" record says it was freed: it is, whatever the hold said."""
+    journal = Journal(tmp_path / "state", fsync_interval=0.0)
+    reg = open_registry(tmp_path, journal)
+    reg.instances.handshake("A", 1)
+    reg.instances.handshake("B", 2)
+    region = reg.request_region("A", 4 * MiB)
+    reg.instances["A"].last_seen -= 1000
+    assert reg.instances.reap(10.0) == ["A"]
+    reg.regions.end_holds(reg.regions[region.region_id].held_until)  # (wall clock: not yet)
+    again = reg.request_region("B", 4 * MiB)
+    assert again.offset == region.offset
+    journal.close()
+
+    journal = Journal(tmp_path / "state", fsync_interval=0.0)
+    reg = open_registry(tmp_path, journal)  # before: ValueError, the server refused to start
+    assert region.region_id not in reg.regions and not reg.regions.held
+    assert reg.regions[again.region_id].offset == region.offset
+    journal.close()

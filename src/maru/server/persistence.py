@@ -82,6 +82,9 @@ def _replay(registry: Registry, record: list[Any]) -> None:
     elif kind == "F":  # already freed by the "T" or "D" before it, as when it was written
         region = regions.get(record[1])
         if region is not None and region.live_keys == 0:
+            # (freed then: its hold had ended, whatever the wall clock now says of the "T")
+            regions.held.pop(region.region_id, None)
+            region.held_until = 0.0
             regions.free(region)
     elif kind == "K" and len(record) in (5, 6, 7):
         # keys, region_ids, offsets, lengths[, sums, the hash's name]; sums without the name
