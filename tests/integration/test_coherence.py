@@ -119,3 +119,40 @@ def test_a_value_sealed_shorter_than_its_buffer_leaves_no_dirty_line_of_the_buff
         assert got is not None and bytes(got.view) == b"\x5a" * 100
     finally:
         h.close()
+
+
+def test_a_copy_that_faulted_leaves_no_dirty_line_on_the_chunks_it_gives_back(
+    maru_server_factory,
+):
+    """A write whose copy faulted part way (its pool memory gone under it) gives its chunks
+    back unsealed. In software coherence what it wrote before the fault is written back first:
+    a dirty line of ours on chunks another host may write next would be evicted onto its value.
+    (Before: no line written back; the copy here writes with cached stores, then faults.)"""
+    import ctypes
+
+    import numpy as np
+
+    from maru.client.coherence import lines_flushed
+    from maru.client.memcopy import CopyFaultError
+    from maru.client.writes import Put
+
+    from .workers import _handler
+
+    url = maru_server_factory(pool_size="64M", extra_args=["--coherence", "software"]).url
+    h = _handler(url, pool_size="16M", chunk_size_bytes=8192)
+    try:
+        assert h.coherence == "software"
+
+        def faulting_copy(targets: np.ndarray, first: int, last: int, hashed: bool, threads: int):
+            for address in targets[: last - first].tolist():
+                ctypes.memset(address, 0x33, 8192)  # (cached stores)
+            raise CopyFaultError(14, "the pool's memory faulted (a test's copy)")
+
+        put = Put(keys=["faulted/0", "faulted/1"], size=8192, copy=faulting_copy)
+        before = lines_flushed()
+        h.put([put])
+        assert put.results == [False, False]
+        assert lines_flushed()[0] - before[0] == 2 * 8192 // LINE
+        assert h.retrieve("faulted/0") is None
+    finally:
+        h.close()

@@ -18,6 +18,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
@@ -27,6 +28,7 @@ import numpy as np
 from maru.client._memcopy import copy_values_start as _c_copy_values_start
 from maru.client.checksum import checksums
 from maru.client.chunks import REPEATED, SEALABLE, SPENT, AllocHandle
+from maru.client.coherence import write_back_handles
 from maru.client.localindex import joined
 from maru.client.memcopy import CopyFaultError, copy_values_start
 from maru.client.requests import BYTES_LIKE, RegionsLost
@@ -349,6 +351,8 @@ class Writes:
                 put.name,
                 exc,
             )
+            with suppress(CopyFaultError):  # (software coherence: what it wrote before the
+                write_back_handles(handle, None)  # fault leaves no dirty line on the chunks)
             self._s.chunks.give_back(handle)
             return False, None
         return True, sums
