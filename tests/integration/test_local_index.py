@@ -420,3 +420,26 @@ def test_no_index_without_the_unix_socket_or_with_no_local_index(maru_server_fac
     with handler(published.url, local_socket=False) as tcp:  # the reply came over TCP only
         assert tcp._index is None
     assert len(table_files(published.pool_path + ".index")) == 1
+
+
+def test_views_taken_before_the_copy_are_proven_after_it(maru_server):
+    """`lookup(keys, for_copy=True)` answered by the index, its views taken (`infos()`) before
+    the copy, as a caller copying from views does: a key deleted and its chunk written again
+    during the copy makes `release(confirm=True)` False. (Before: `infos()` checked the slots
+    once, and the check after the copy passed without looking again: a proven copy of the new
+    bytes.)"""
+    keys = [f"v{i}" for i in range(4)]
+    with handler(maru_server.url) as w:
+        assert all(w.batch_store(keys, [value(k) for k in keys]))
+        r = handler(maru_server.url)  # (after the store: it maps the writer's region at start)
+        with r, r.lookup(keys, for_copy=True) as found:
+            assert type(found).__name__ == "IndexLookup"
+            views = found.infos()
+            assert all(v is not None for v in views)
+            assert w.delete(keys[0])
+            w.confirm_writes()
+            assert w.store("x-new", value("x-new"))  # (into the freed chunk, or elsewhere)
+            copied = [bytes(v.view) for v in views]  # the copy, after the change
+            assert not found.release(confirm=True)
+            assert found.corrupt()[0]
+        assert copied[1:] == [value(k) for k in keys[1:]]

@@ -340,25 +340,24 @@ class IndexLookup(Lookup):
             self._seqs,
         ) = columns
         self._index, self._reader = index, reader
-        self._validated = False
 
     def _validate(self) -> int:
-        """Once, after the copy: the hits whose entries changed since the probe (or whose
-        table was retired) become misses; returns how many (0 once validated)."""
-        if self._validated:
-            return 0
-        self._validated = True
+        """After the copy, each time it is asked (views taken by `infos()` before the copy are
+        checked again after it): the hits whose entries changed since the probe (or whose
+        table was retired) become misses; returns how many became so now."""
         changed = self._reader.changed(self._slots, self._seqs)
         if changed is None:  # (the usual case: no array work)
             return 0
         stale = np.frombuffer(changed, bool)
         if self._corrupt is None:
             self._corrupt = np.zeros(self.n, bool)
-        self._corrupt |= stale
-        count = int(np.count_nonzero(stale))
-        self._index.stale += count
-        self._index.reads[1] -= count
-        log.debug("%d of %d keys changed during the copy: misses", count, self.n)
+        new = stale & ~self._corrupt
+        count = int(np.count_nonzero(new))
+        if count:
+            self._corrupt |= new
+            self._index.stale += count
+            self._index.reads[1] -= count
+            log.debug("%d of %d keys changed during the copy: misses", count, self.n)
         return count
 
     def corrupt(self, computed: np.ndarray | None = None) -> np.ndarray:
