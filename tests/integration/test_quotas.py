@@ -26,6 +26,7 @@ from .workers import (
     many_handlers_store,
     run_processes,
     store_keys,
+    write_behind,
     write_under_a_lease_flood,
 )
 
@@ -140,6 +141,44 @@ def test_a_new_client_gets_its_fair_share_of_a_pool_one_busy_writer_filled(maru_
     assert read == [digest(v) for v in values]  # every byte back
     (greedy,) = out
     assert greedy["hits"] == 8 and greedy["wrong"] == 0
+    assert "asked" in server.read_log() and server.alive()
+
+
+def test_readers_do_not_shrink_a_writers_fair_share_below_one_region(maru_server_factory):
+    """An 8 MiB pool (four 2 MiB regions), five readers (instances that hold no region) and
+    two writers that filled it (two regions each, writing behind without pause, deleting
+    some recent keys); then two more writers start. Each is owed a share of the pool, and
+    four writers fit (a region each): the two over theirs must give one back. Before, the
+    share was the pool over every live instance, readers included (8 MiB / 9, under one
+    region), so no writer was ever below it, nobody was asked, and the two late writers
+    stored nothing (the stress run: 2 of 1,616 values)."""
+    server = maru_server_factory(pool_size="8M")
+    readers = [handler(server.url, pool_size="2M") for _ in range(5)]
+    kw = {"pool_size": "4M", "chunk_size_bytes": "16K"}
+    filled, stop = [SPAWN.Event(), SPAWN.Event()], SPAWN.Event()
+    early_jobs = [
+        (write_behind, (server.url, f"early{i}", kw, 0, 4 * MiB, filled[i], stop)) for i in range(2)
+    ]
+    early: list[dict] = []
+    thread = threading.Thread(target=lambda: early.extend(run_processes(early_jobs, 240)))
+    thread.start()
+    try:
+        assert all(f.wait(120) for f in filled), "the first writers did not fill the pool"
+        late = run_processes(
+            [(write_behind, (server.url, f"late{i}", kw, 200)) for i in range(2)], 180
+        )
+    finally:
+        stop.set()
+        thread.join(240)
+    for reader in readers:
+        assert reader.batch_retrieve(["late0/0"]) is not None  # (they live, and read)
+        reader.close()
+    assert len(early) == 2
+    for result in early + late:
+        assert result["wrong"] == 0, result
+    for result in late:  # before: 0 of 1,600 each
+        assert result["stored"] >= result["tried"] // 2, late
+    assert all(result["stored"] > 0 for result in early), early
     assert "asked" in server.read_log() and server.alive()
 
 

@@ -262,6 +262,63 @@ def keep_writing(
         h.close()
 
 
+def write_behind(
+    url: str,
+    prefix: str,
+    handler_kw: dict[str, Any],
+    batches: int,
+    fill: int = 0,
+    filled: Any = None,
+    stop: Any = None,
+) -> dict:
+    """Write batches of 8 values of 16 KiB (each make_value(_seed(key))) behind
+    (`MaruHandler.put(..., behind=True)`), about 30% of batches also deleting 4 recent keys:
+    `batches` of them, or (0) until `stop` is set; `filled` is set once the instance holds
+    `fill` bytes of regions. Then read the last 8 acknowledged keys back under a lease.
+    Returns the values tried, those stored (the replies confirmed) and the wrong bytes."""
+    import random
+
+    from maru.client.writes import Put, from_pointers
+
+    size, batch = 16 * KiB, 8
+    h = _handler(url, **handler_kw)
+    try:
+        rng = random.Random(prefix)
+        late: list[int] = []
+        tried = hoped = 0
+        acked: list[str] = []
+        kept: list[list[memoryview]] = []  # the sources of the writes not yet confirmed
+        for b in range(batches or 1 << 30):
+            if stop is not None and stop.is_set():
+                break
+            keys = [f"{prefix}/{b * batch + j}" for j in range(batch)]
+            values = [make_value(_seed(k), size) for k in keys]
+            pointers = [np.frombuffer(v, np.uint8).ctypes.data for v in values]
+            put = Put(keys, size, from_pointers(pointers, [size] * batch), on_late=late.append)
+            h.put([put], behind=True)
+            kept = [*kept[-3:], values]
+            tried += batch
+            hoped += sum(put.results)
+            acked = [*acked, *(k for k, ok in zip(keys, put.results) if ok)][-64:]
+            if acked and rng.random() < 0.3:
+                h.batch_delete(rng.sample(acked, min(4, len(acked))))
+            if filled is not None and h._chunks.owned_bytes() >= fill:
+                filled.set()
+        h.confirm_writes()
+        last = acked[-8:]
+        with h.leased(last) as infos:
+            hits = [(k, digest(i.view)) for k, i in zip(last, infos) if i is not None]
+        wrong = sum(d != digest(make_value(_seed(k), size)) for k, d in hits)
+        return {
+            "tried": tried,
+            "stored": hoped - sum(late),
+            "refused": dict(h.refused_stores),
+            "wrong": wrong,
+        }
+    finally:
+        h.close()
+
+
 def write_under_a_lease_flood(
     url: str,
     size: int,

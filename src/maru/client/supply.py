@@ -30,6 +30,8 @@ log = logging.getLogger("maru.client.handler")
 # that is the first to use it, and a run needs contiguous chunks (spare room absorbs the holes).
 AHEAD_SHARE = 16
 AHEAD_WRITES = 3
+# Seconds between two "no room" WARNINGs of one instance (a failing batch fails value by value)
+NO_ROOM_LOG_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ class RegionSupply:
         self._ready_lock = threading.Lock()
         self._ready_bytes = 0  # room `ready` keeps free in our regions (see there)
         self._readier: threading.Thread | None = None  # `ready`'s thread while it runs
+        self._refusal = ""  # the server's last answer to a region request we needed (POOL_FULL)
+        self._no_room_logged = 0.0  # time.monotonic() of the last "no room" WARNING
+        self._no_room_since = 0  # values refused since that WARNING (not logged each)
 
     def reserve(self, size: int, count: int) -> AllocHandle | None:
         """A run once the owned regions' free chunks (`ChunkBook.take`, tried first) have no
@@ -109,6 +114,7 @@ class RegionSupply:
                     if exc.code not in (ErrorCode.POOL_FULL, ErrorCode.QUOTA_EXCEEDED):
                         log.warning("instance %s: cannot expand: %s", self.owner.instance_id, exc)
                         return None
+                    self._refusal = str(exc)
                     log.info("instance %s: %s", self.owner.instance_id, exc)
                 except MaruConnectionError as exc:
                     log.warning("instance %s: cannot expand: %s", self.owner.instance_id, exc)
@@ -343,13 +349,19 @@ class RegionSupply:
                 break
             want *= 2
         if count == 1:
-            log.warning(
-                "instance %s: no room for %d bytes in pool (all chunks pinned, leased or "
-                "fragmented)",
-                self.owner.instance_id,
-                size,
-            )
+            self._warn_no_room(size)
         return None
+
+    def _warn_no_room(self, size: int) -> None:
+        """A value found no room (caller holds `lock`): a WARNING, NO_ROOM_LOG_S apart at most
+        (a batch fails value by value)."""
+        self._no_room_since += 1
+        now = time.monotonic()
+        if not self._no_room_logged or now - self._no_room_logged >= NO_ROOM_LOG_S:
+            more, self._no_room_since, self._no_room_logged = self._no_room_since - 1, 0, now
+            warn_no_room(
+                self.owner.instance_id, size, self.chunks.owned_bytes(), self._refusal, more
+            )
 
     def reattach(self, reply: dict[str, Any]) -> int:
         """After a HANDSHAKE: keep the regions the server still knows as ours, drop the others
@@ -445,3 +457,17 @@ class RegionSupply:
             if room and self._park([], room):
                 handle = self.chunks.take(size, count)
         return handle
+
+
+def warn_no_room(instance_id: str, size: int, owned: int, refusal: str, more: int) -> None:
+    """Why a value of `size` bytes found no room: an instance that owns no region (`owned`
+    bytes) was refused one by the server (`refusal`, its reason: e.g. a pool with fewer
+    regions than instances that write), else its own chunks are all pinned, leased or
+    fragmented. `more`: values refused since the last such warning, not logged each."""
+    why = (
+        f"it holds no region and the server gives none ({refusal or 'the pool is full'})"
+        if not owned
+        else "all its chunks are pinned, leased or fragmented"
+    )
+    note = f" ({more} more values since the last such warning)" if more else ""
+    log.warning("instance %s: no room for %d bytes in pool: %s%s", instance_id, size, why, note)

@@ -91,14 +91,19 @@ class RegionGrants:
                     "(nothing is reclaimed for one)",
                 ) from None
             below = held + least <= share
-            region = self._allocate_reclaiming(instance_id, least, inst.page_size, below)
+            region = self._allocate_reclaiming(instance_id, least, inst.page_size, below, share)
         self.wanting.pop(instance_id, None)
         inst.regions.add(region.region_id)
         return region.handle()
 
     def fair_share(self) -> int:
-        """The bytes of regions each live instance is owed: the pool's capacity over them."""
-        return self.pool.capacity // max(1, len(self.instances))
+        """The bytes of regions each live instance is owed: the pool's capacity over them, but
+        never less than one region of the pool's alignment. Without that floor, instances
+        that hold no region (readers) made the share smaller than any region, so that no
+        writer was ever below it: one that held nothing was refused for good, nobody asked
+        to give back, while others held two regions each."""
+        share = self.pool.capacity // max(1, len(self.instances))
+        return max(share, min(self.pool.alignment, self.pool.capacity))
 
     def region_bytes(self, inst: Instance) -> int:
         """The bytes of the regions `inst` owns (returned ones no longer count)."""
@@ -143,7 +148,7 @@ class RegionGrants:
         return asked
 
     def _allocate_reclaiming(
-        self, instance_id: str, length: int, page_size: int, below_share: bool
+        self, instance_id: str, length: int, page_size: int, below_share: bool, share: int
     ) -> Region:
         while True:
             try:
@@ -152,12 +157,18 @@ class RegionGrants:
                 if self.reclaim():
                     continue
                 code, why = ErrorCode.POOL_FULL, str(exc)
-                asked = self._ask_to_shed(instance_id, self.fair_share()) if below_share else []
+                asked = self._ask_to_shed(instance_id, share) if below_share else []
                 if self._given_back_now(asked):
                     continue  # (regions returned: the next reclaim takes them)
                 if asked:
                     code = ErrorCode.POOL_RECLAIMING
                     why += "; instances over their fair share were asked to give regions back"
+                elif below_share:
+                    why += (
+                        f"; no other instance holds more than its fair share ({share} bytes) "
+                        "and no region can be taken back (idle, no pinned or leased key): "
+                        "the pool may hold fewer regions than instances that write"
+                    )
                 held = self.log_throttle.allow(("refused", instance_id))
                 if held is not None:
                     log.warning(
