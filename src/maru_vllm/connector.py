@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -40,7 +41,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from maru import MaruConfig, MaruHandler
-from maru.client import Put, values_at
+from maru.client import ConfigError, Put, parse_bool, parse_int, values_at
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -61,6 +62,70 @@ CONNECTOR_KEYS = {
     "maru_load_threads": 4,
     "maru_save_threads": 2,
 }
+
+
+def _connector_options(extra: dict[str, Any], groups: int) -> dict[str, Any]:
+    """Pop `CONNECTOR_KEYS` from `extra`, parsed as MaruConfig parses its keys ("false" is
+    False, a count a positive integer): a bad value is a ConfigError naming its key. With
+    several KV cache groups (`groups`: a hybrid model) vLLM maps no failed block id back to
+    its request (its scheduler raises): a failed load fails its request as a whole, which
+    only an async load can report, so `maru_async_load` must stay true."""
+    own = {key: extra.pop(key, default) for key, default in CONNECTOR_KEYS.items()}
+    prefix = own["maru_key_prefix"]
+    if not isinstance(prefix, str) or not prefix.strip():
+        raise ConfigError(f"maru_key_prefix: expected a non-empty string, got {prefix!r}")
+    own["maru_async_load"] = parse_bool(own["maru_async_load"], name="maru_async_load")
+    for key in ("maru_load_threads", "maru_save_threads"):
+        own[key] = parse_int(own[key], name=key, maximum=1024)
+    if groups > 1 and not own["maru_async_load"]:
+        raise ConfigError(
+            f"maru_async_load: false is not supported with several KV cache groups ({groups}: "
+            "a hybrid model); vLLM cannot be told which blocks of a synchronous load failed. "
+            "Leave it true"
+        )
+    return own
+
+
+class _FailedLoads:
+    """The scheduler's memory of failed loads: each request's last load (its first block and
+    block ids per group) and where a failed one stopped. vLLM asks again after a failed load;
+    matched from the same block, the same failure would repeat forever: a request is never
+    matched from there again."""
+
+    def __init__(self) -> None:
+        self.loading: dict[str, tuple[int, list[list[int]]]] = {}
+        self.failed_at: dict[str, int] = {}
+
+    def limit(self, req_id: str, last: int) -> int:
+        """`last` (a match's end block), or where the request's load failed if earlier."""
+        return min(last, self.failed_at.get(req_id, last))
+
+    def note(self, output: Any) -> None:
+        """A step's `KVConnectorOutput`: the loads done, and where failed ones stopped (their
+        blocks among `invalid_block_ids`, or their request among `failed_recving`)."""
+        invalid = output.invalid_block_ids or set()
+        failed = output.failed_recving or set()
+        done = output.finished_recving or set()
+        if not (invalid or failed):  # (an async load's errors come by its finished pass)
+            for req_id in done:
+                self.loading.pop(req_id, None)
+            return
+        for req_id, (first, block_ids) in list(self.loading.items()):
+            if req_id in done:
+                del self.loading[req_id]
+            if req_id in failed:
+                stop = 0
+            else:
+                bad = [i for ids in block_ids for i, b in enumerate(ids) if b in invalid]
+                if not bad:
+                    continue
+                stop = min(bad)
+            at = first + stop
+            self.failed_at[req_id] = min(at, self.failed_at.get(req_id, at))
+
+    def forget(self, req_id: str) -> None:
+        self.loading.pop(req_id, None)
+        self.failed_at.pop(req_id, None)
 
 
 # -- metadata: what the scheduler tells the workers each step ------------------------------
@@ -335,10 +400,12 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        own = {key: extra.pop(key, default) for key, default in CONNECTOR_KEYS.items()}
+        own = _connector_options(extra, len(kv_cache_config.kv_cache_groups))
         self._maru_config = MaruConfig.from_mapping(extra, prefix="maru_")
-        self._async_load = bool(own["maru_async_load"])
+        self._async_load = own["maru_async_load"]
         self._groups = tuple(kv_cache_config.prefix_cacheable_group_ids)
+        # several KV cache groups: a failed load fails its request (`_connector_options`)
+        self._fail_whole_loads = len(kv_cache_config.kv_cache_groups) > 1
         self._block_size = _hash_block_size(vllm_config, kv_cache_config, self._groups)
         self._value_layout = _resolved_layout(vllm_config, kv_cache_config)
         model = vllm_config.model_config
@@ -364,6 +431,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self._requests: dict[str, _ReqState] = {}
             self._matched: dict[str, tuple[int, int]] = {}
+            self._failed = _FailedLoads()
             self._loads: list[Transfer] = []
         else:
             self._rank = _parallel_rank(self._pp_size, self._pcp_size, self._tp_size)
@@ -380,6 +448,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._fenced: MaruConnectorMetadata | None = None
             self._finished_reqs: set[str] = set()  # finished, with saves still running
             self._load_errors: set[int] = set()
+            self._failed_loads: set[str] = set()  # requests whose load failed as a whole
             self._stats = MaruKVConnectorStats()
 
     # -- keys -------------------------------------------------------------------------------
@@ -431,6 +500,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         bs = self._block_size
         first = num_computed_tokens // bs
         last = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
+        last = self._failed.limit(request.request_id, last)
         self._matched.pop(request.request_id, None)
         if last <= first or not self._groups:
             return 0, False
@@ -458,7 +528,15 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         matched = self._matched.pop(request.request_id, None)
         if num_external_tokens <= 0 or matched is None:
             return
-        self._loads.append(self._transfer(request, block_ids, *matched))
+        transfer = self._transfer(request, block_ids, *matched)
+        self._loads.append(transfer)
+        self._failed.loading[request.request_id] = (matched[0], transfer.block_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Where a load failed, remembered (`_FailedLoads`): the request's next match stops
+        before it."""
+        super().update_connector_output(connector_output)
+        self._failed.note(connector_output)
 
     def _transfer(
         self, request: Request, block_ids: list[list[int]], first: int, last: int
@@ -518,6 +596,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         """Keep the blocks until the workers report the request's saves done."""
         self._matched.pop(request.request_id, None)
+        self._failed.forget(request.request_id)
         state = self._requests.pop(request.request_id, None)
         return bool(state is not None and state.had_save), None
 
@@ -628,34 +707,36 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._saving[future] = frozenset(itertools.chain(*transfer.block_ids))
 
     def _load(self, transfer: Transfer) -> None:
-        """Copy the blocks in (`MaruHandler.read`: proven hits only); every block from the
-        first not proven on is a load error that vLLM recomputes (proven ones after it were
-        copied too: their key's own bytes, which the recompute overwrites)."""
+        """Copy the blocks in (`_read_blocks`). A load that raises (the server gone, ...)
+        fails every block of it. With several KV cache groups, a load with any error fails
+        its request as a whole (`get_transfer_results`)."""
         start = time.perf_counter()
-        copied = 0
-        errors: list[int] = []
-        handler = self._handler_for()
-        for g, keys, ids in zip(self._groups, self._rank_keys(transfer), transfer.block_ids):
-            layout = self._layouts.get(g)
-            if not ids:
-                continue
-            if layout is None:
-                errors.extend(ids)
-                continue
-            proven = handler.read(
-                keys, layout.addresses(ids), layout.length, length=layout.value_size
+        try:
+            keys = self._rank_keys(transfer)
+            copied, errors = _read_blocks(
+                self._handler_for(), self._layouts, self._groups, keys, transfer
             )
-            hits = proven.index(False) if False in proven else len(proven)
-            copied += hits * layout.value_size
-            errors.extend(ids[hits:])
+        except Exception as exc:  # (never blocks taken as loaded that were not)
+            count = sum(len(ids) for ids in transfer.block_ids)
+            log.error(
+                "MaruKVConnector: load of %s failed (%s): %d blocks recomputed",
+                transfer.req_id,
+                exc,
+                count,
+            )
+            copied, errors = 0, list(itertools.chain(*transfer.block_ids))
         loaded = sum(len(ids) for ids in transfer.block_ids) - len(errors)
         with self._lock:
-            self._load_errors.update(errors)
+            if errors and self._fail_whole_loads:
+                self._failed_loads.add(transfer.req_id)
+            else:
+                self._load_errors.update(errors)
+            elapsed = time.perf_counter() - start
             self._stats.add(
                 loads=1,
                 load_blocks=loaded,
                 load_bytes=copied,
-                load_s=time.perf_counter() - start,
+                load_s=elapsed,
                 load_errors=len(errors),
             )
 
@@ -699,6 +780,16 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
                 _raise_unexpected(self._recving.pop(r, ()))
         return sending or None, recving or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`'s, and among the loads done the requests whose load failed as a
+        whole (several KV cache groups: `_load`), reported with them."""
+        sending, recving = self.get_finished(finished_req_ids)
+        done = set(recving or ())
+        with self._lock:
+            failed = self._failed_loads & done
+            self._failed_loads -= failed
+        return KVConnectorTransferResults(set(sending or ()), done, failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
@@ -725,6 +816,33 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._handler is not None:
             self._handler.close()
             self._handler = None
+
+
+def _read_blocks(
+    handler: MaruHandler,
+    layouts: dict[int, _GroupLayout],
+    groups: Sequence[int],
+    keys: Sequence[Sequence[str]],
+    transfer: Transfer,
+) -> tuple[int, list[int]]:
+    """A load's copy (`MaruHandler.read`: proven hits only): (bytes copied, failed block ids).
+    Every block from the first not proven on is a load error that vLLM recomputes (proven ones
+    after it were copied too: their key's own bytes, which the recompute overwrites)."""
+    copied, errors = 0, []
+    for g, group_keys, ids in zip(groups, keys, transfer.block_ids):
+        layout = layouts.get(g)
+        if not ids:
+            continue
+        if layout is None:
+            errors.extend(ids)
+            continue
+        proven = handler.read(
+            group_keys, layout.addresses(ids), layout.length, length=layout.value_size
+        )
+        hits = proven.index(False) if False in proven else len(proven)
+        copied += hits * layout.value_size
+        errors.extend(ids[hits:])
+    return copied, errors
 
 
 def _raise_unexpected(futures: Sequence[Future]) -> None:

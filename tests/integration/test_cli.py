@@ -376,6 +376,13 @@ def _instance_row() -> dict:
             "--timeout-ms: must be from 1 to 2147483647",
         ),
         (["curve-keypair", ""], 2, "curve-keypair: NAME '' names no file"),
+        # (a traceback before: UnicodeEncodeError in msgpack; UnicodeError, idna; OverflowError)
+        (["keys", "--prefix", b"\xff"], 2, "--prefix: expected text (UTF-8)"),
+        (["evict", "--prefix", b"ns\xfe:"], 2, "--prefix: expected text (UTF-8)"),
+        (["--server", b"\xff:5555", "status"], 2, "--server: '\\udcff' is not a valid host"),
+        (["--server", "a..b:5555", "status"], 2, "--server: 'a..b' is not a valid host name"),
+        (["monitor", "--once", "--interval", "1e12"], 2, "--interval: must be from 0 to 86400"),
+        (["monitor", "--once", "--interval", "-1"], 2, "--interval: must be from 0 to 86400"),
     ],
 )
 def test_bad_input_is_one_line_and_an_exit_code(args, rc, message):

@@ -61,7 +61,8 @@ def _both(server, model_dir: str, n: int, extra: dict, evict: int = -1, **load: 
     """Instance A stores, then instance B loads (`load`: B's own extra config, `corrupt`)."""
     (a,) = run_processes([(W.store, (model_dir, server.url, n, extra))], DEADLINE)
     corrupt = load.pop("corrupt", -1)
-    job = (W.load, (model_dir, server.url, n, {**extra, **load}, evict, corrupt))
+    gone = load.pop("server_gone", False)
+    job = (W.load, (model_dir, server.url, n, {**extra, **load}, evict, corrupt, gone))
     (b,) = run_processes([job], DEADLINE)
     return a, b
 
@@ -243,3 +244,80 @@ def test_a_save_in_flight_when_its_request_is_preempted_stores_its_own_bytes(
     (b,) = run_processes([(W.load, (model_dir, server.url, 1, {}))], DEADLINE)
     assert b["loaded_blocks"] == W.BLOCKS and b["load_errors"] == []
     assert b["match"] == [[True] * W.BLOCKS]
+
+
+def test_a_load_error_with_several_kv_cache_groups_fails_the_load_and_is_recomputed(
+    maru_server_factory, model_dir, vllm_env
+):
+    """A hybrid (HMA) model, two KV cache groups (full attention, sliding window): A saves
+    both groups' blocks, B loads them byte for byte. With a block deleted between B's match
+    and its load, vLLM 0.33 cannot map block ids to requests with several groups (its
+    scheduler raises on any `invalid_block_ids`): the connector reports the request's load
+    as failed (`failed_recving`), never a crash, and vLLM recomputes the request (the
+    connector does not match a request's blocks again from where its load failed)."""
+    server = maru_server_factory(pool_size="256M")
+    a, b = _both(server, model_dir, 1, {"hybrid": True})
+    assert a["saved_blocks"] == 2 * W.BLOCKS and a["save_failed"] == 0
+    assert b["loaded_blocks"] == 2 * W.BLOCKS and b["computed"] == [TAIL_POSITIONS]
+    assert b["match"] == [[True] * W.BLOCKS] and b["failed_recving"] == []
+    _, b = _both(server, model_dir, 1, {"hybrid": True}, evict=2)
+    assert b["evicted"] == [True]
+    assert b["load_errors"] == [] and b["failed_recving"] == ["req-0"]
+    assert b["loads"] == 1 and b["computed"] == [list(range(W.BLOCKS * BLOCK + W.TAIL))]
+    assert b["match"] == [[True] * W.BLOCKS]
+
+
+@pytest.mark.parametrize("async_load", [True, False], ids=["async_load", "sync_load"])
+def test_a_load_that_raises_fails_all_its_blocks(
+    maru_server_factory, model_dir, vllm_env, async_load
+):
+    """B's worker reads raise (the server gone mid-load): every block of the load is a load
+    error and vLLM recomputes the prompt; the blocks are never taken as loaded (they hold
+    whatever was there before), and a synchronous load does not crash the step."""
+    server = maru_server_factory(pool_size="256M")
+    _, b = _both(server, model_dir, 1, {"maru_async_load": async_load}, server_gone=True)
+    assert b["load_errors"] == sorted(b["first_blocks"])
+    assert b["loaded_blocks"] == 0
+    assert b["computed"] == [list(range(W.BLOCKS * BLOCK + W.TAIL))]
+    assert b["match"] == [[True] * W.BLOCKS]
+
+
+def test_a_first_block_that_never_loads_is_recomputed_not_retried_forever(
+    maru_server_factory, model_dir, vllm_env
+):
+    """Block 0 of the prompt is corrupted in the pool (A saved with checksums): B's load
+    fails from block 0, which leaves the request with nothing computed, and vLLM asks the
+    connector again. It must not match block 0 again (the same failure, forever): B
+    recomputes the prompt and finishes."""
+    server = maru_server_factory(pool_size="256M")
+    _, b = _both(server, model_dir, 1, {"maru_checksums": True}, corrupt=0)
+    assert b["load_errors"] == sorted(b["first_blocks"])
+    assert b["loads"] == 1
+    assert b["computed"] == [list(range(W.BLOCKS * BLOCK + W.TAIL))]
+    assert b["match"] == [[True] * W.BLOCKS]
+
+
+@pytest.mark.parametrize(
+    "extra,want",
+    [
+        ({"maru_async_load": "false"}, {"async_load": False}),
+        ({"maru_async_load": "off"}, {"async_load": False}),
+        ({"maru_async_load": "true"}, {"async_load": True}),
+        ({"maru_async_load": "maybe"}, "maru_async_load: expected a boolean"),
+        ({"maru_load_threads": "four"}, "maru_load_threads: expected a positive integer"),
+        ({"maru_save_threads": 0}, "maru_save_threads: expected a positive integer"),
+        ({"maru_key_prefix": ""}, "maru_key_prefix: expected a non-empty string"),
+    ],
+    ids=["false", "off", "true", "bad_bool", "bad_threads", "zero_threads", "empty_prefix"],
+)
+def test_the_connectors_own_keys_are_parsed_as_maru_config_keys(
+    maru_server_factory, model_dir, vllm_env, extra, want
+):
+    """`maru_async_load: "false"` (a string, as a shell-quoted config may carry) means false,
+    not `bool("false")`; a bad value of a connector key is one error naming the key."""
+    server = maru_server_factory(pool_size="64M")
+    (r,) = run_processes([(W.connector_options, (model_dir, server.url, extra))], DEADLINE)
+    if isinstance(want, dict):
+        assert r == want
+    else:
+        assert r["refused"].startswith("ConfigError: " + want), r

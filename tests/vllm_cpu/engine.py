@@ -38,6 +38,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheTensor,
     MLAAttentionSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -71,10 +72,36 @@ def kv_cache_config(
     mla: bool = False,
     dtype: torch.dtype = torch.float16,
     layers: tuple[str, ...] = LAYERS,
+    hybrid: bool = False,
 ) -> KVCacheConfig:
-    """Layer-outermost (vLLM's LBNHC): each layer a region of `num_blocks` pages."""
+    """Layer-outermost (vLLM's LBNHC): each layer a region of `num_blocks` pages. `hybrid`:
+    two KV cache groups (HMA), full attention (the first layer) and sliding window (the
+    second; a window longer than the tests' prompts), one block pool."""
     spec = kv_spec(mla, dtype)
     page = spec.page_size_bytes
+    if hybrid:
+        window = SlidingWindowSpec(
+            block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=dtype, sliding_window=1024
+        )
+        size = page * num_blocks * len(layers)
+        tensors = [
+            KVCacheTensor(
+                size=size,
+                layers=[name],
+                layer_stride=page * num_blocks,
+                block_stride=page,
+                offset=i * page * num_blocks,
+            )
+            for i, name in enumerate(layers)
+        ]
+        return KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=tensors,
+            kv_cache_groups=[
+                KVCacheGroupSpec([layers[0]], spec),
+                KVCacheGroupSpec([layers[1]], window),
+            ],
+        )
     tensor = KVCacheTensor(
         size=page * num_blocks * len(layers),
         layers=list(layers),
@@ -158,11 +185,13 @@ class MiniEngine:
         mla: bool = False,
         stage: int = 0,
         layout: str = "LBNHC",
+        hybrid: bool = False,
         **extra,
     ):
         """`stage`: the pipeline stage this worker runs (`extra` "pp": how many; vLLM's PP
         group must be set up in the process for a stage other than 0). `layout`: the KV cache
-        layout the engine resolved (a `KVCacheLayout` name: LBNHC is NHD, LBHNC HND)."""
+        layout the engine resolved (a `KVCacheLayout` name: LBNHC is NHD, LBHNC HND).
+        `hybrid`: two KV cache groups (`kv_cache_config`)."""
         global _none_hash
         if not _none_hash:
             init_none_hash(sha256)
@@ -172,7 +201,13 @@ class MiniEngine:
         dtype = kv_cache_dtype_str_to_dtype(self.cache_dtype, self.config.model_config)
         self.layers = stage_layers(stage)
         self.first_layer = 2 * stage  # (the stand-in model's layer index of self.layers[0])
-        self.kv_config = kv_cache_config(num_blocks, mla, dtype, self.layers)
+        self.kv_config = kv_cache_config(num_blocks, mla, dtype, self.layers, hybrid)
+        # each layer's KV cache group (its block ids)
+        self.layer_group = {
+            name: g
+            for g, group in enumerate(self.kv_config.kv_cache_groups)
+            for name in group.layer_names
+        }
         self.kv_config.kv_cache_layout = layout  # (as vLLM's engine core sets it)
         self.config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(
@@ -186,13 +221,18 @@ class MiniEngine:
             self.config, KVConnectorRole.WORKER, self.kv_config
         )
         self.kv = allocate_kv_cache(
-            self.kv_config, torch.device("cpu"), KVCacheLayout[layout], [BLOCK]
+            self.kv_config,
+            torch.device("cpu"),
+            KVCacheLayout[layout],
+            [BLOCK] * len(self.kv_config.kv_cache_groups),
         )
         self.worker.register_kv_caches(self.kv)
         self.block_ids: dict[str, list[int]] = {}  # each request's blocks (group 0)
+        self.group_blocks: dict[str, list[list[int]]] = {}  # ... of every group
         self.tokens: dict[str, list[int]] = {}
         self.computed: dict[str, set[int]] = {}  # positions the stand-in model computed
         self.load_errors: set[int] = set()
+        self.failed_recving: set[str] = set()  # requests whose load failed (as a whole)
         self.finished: set[str] = set()
         self.stats: list[dict] = []
         self.hits_by_source: dict[str, int] = {}  # vLLM's connector hit tokens, by tier
@@ -223,9 +263,10 @@ class MiniEngine:
             start = request.num_computed_tokens - n  # (schedule() advanced it already)
             positions = torch.arange(start, start + n)
             tokens = torch.tensor(request.all_token_ids[start : start + n])
-            blocks = torch.tensor(self.block_ids[req_id])[positions // BLOCK]
             offsets = positions % BLOCK
             for layer, name in enumerate(self.layers, self.first_layer):
+                ids = self.group_blocks[req_id][self.layer_group[name]]
+                blocks = torch.tensor(ids)[positions // BLOCK]
                 view = self.kv[name]  # [B, H, N, C]
                 shape = (view.shape[1], view.shape[3])
                 value = kv_value(layer, positions, tokens, shape, view.dtype, self.cache_dtype)
@@ -235,14 +276,16 @@ class MiniEngine:
     def step(self, before_load=None) -> Any:
         out = self.scheduler.schedule()
         for new in out.scheduled_new_reqs:
-            self.block_ids[new.req_id] = list(new.block_ids[0])
+            self.group_blocks[new.req_id] = [list(ids) for ids in new.block_ids]
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if cached.new_block_ids[i] is not None:
                 if req_id in cached.resumed_req_ids:
-                    self.block_ids[req_id] = list(cached.new_block_ids[i][0])
+                    self.group_blocks[req_id] = [list(ids) for ids in cached.new_block_ids[i]]
                 else:
-                    self.block_ids[req_id].extend(cached.new_block_ids[i][0])
+                    for mine, more in zip(self.group_blocks[req_id], cached.new_block_ids[i]):
+                        mine.extend(more)
+        self.block_ids.update((r, ids[0]) for r, ids in self.group_blocks.items())
         meta = out.kv_connector_metadata
         if before_load is not None:
             before_load(meta)
@@ -252,8 +295,10 @@ class MiniEngine:
         self.worker.start_load_kv(None)
         self.forward(out)
         self.worker.wait_for_save()
-        sending, recving = self.worker.get_finished(out.finished_req_ids)
+        # (as vLLM 0.33's model runner: `get_transfer_results`, failed loads among them)
+        results = self.worker.get_transfer_results(out.finished_req_ids)
         errors = self.worker.get_block_ids_with_load_errors()
+        self.failed_recving |= results.failed_recving
         self.load_errors |= errors
         self.worker.clear_connector_metadata()
         stats = self.worker.get_kv_connector_stats()
@@ -268,7 +313,10 @@ class MiniEngine:
             prompt_logprobs_dict={},
             pooler_output=[],
             kv_connector_output=KVConnectorOutput(
-                finished_sending=sending, finished_recving=recving, invalid_block_ids=errors
+                finished_sending=results.finished_sending or None,
+                finished_recving=results.finished_recving or None,
+                failed_recving=results.failed_recving,
+                invalid_block_ids=errors,
             ),
         )
         for request_outputs in self.scheduler.update_from_output(out, output).values():
@@ -307,9 +355,9 @@ class MiniEngine:
         out = []
         for b in range(n_blocks):
             positions = torch.arange(b * BLOCK, (b + 1) * BLOCK)
-            block = self.block_ids[req_id][b]
             same = True
             for layer, name in enumerate(self.layers, self.first_layer):
+                block = self.group_blocks[req_id][self.layer_group[name]][b]
                 view = self.kv[name]
                 shape = (view.shape[1], view.shape[3])
                 want = kv_value(

@@ -53,20 +53,29 @@ def load(
     extra: dict[str, Any],
     evict: int = -1,
     corrupt: int = -1,
+    server_gone: bool = False,
 ) -> dict:
     """Instance B runs the same prompts: the full blocks come from Maru, only the tail is
     computed. With `evict` = i, block i of the first prompt is deleted after the scheduler
     matched it and before the worker loads it (what an eviction in between does); with
-    `corrupt` = i, one byte of its value is flipped in the pool file instead."""
+    `corrupt` = i, one byte of its value is flipped in the pool file instead; with
+    `server_gone`, the worker's reads raise from then on (what a server gone mid-load does
+    where no local index answers)."""
     _vllm_on_path()
     from integration.workers import flip_byte
     from maru import MaruHandler
+    from maru.common.errors import MaruConnectionError
     from vllm_cpu.engine import MiniEngine
 
     engine = MiniEngine(model_dir, url, **extra)
     evicted: list[bool] = []
 
+    def gone(*args, **kwargs):
+        raise MaruConnectionError("maru-server is gone")
+
     def before_load(meta) -> None:
+        if server_gone and meta.loads:
+            engine.worker._handler.read = gone
         if max(evict, corrupt) >= 0 and meta.loads and not evicted:
             with MaruHandler(server_url=url, pool_size="2M", chunk_size_bytes=4096) as h:
                 if evict >= 0:
@@ -83,6 +92,7 @@ def load(
             "computed": [sorted(engine.computed[r]) for r in ids],
             "match": [engine.blocks_match(r, BLOCKS) for r in ids],
             "load_errors": sorted(engine.load_errors),
+            "failed_recving": sorted(engine.failed_recving),
             "first_blocks": engine.block_ids[first][:BLOCKS],
             "evicted": evicted,
             "loads": sum(s["loads"] for s in engine.stats),
@@ -258,3 +268,25 @@ def value_bytes_by_layout() -> dict:
                 if got != want:
                     wrong.append((memory.name, value.name, ratio, b))
     return {"checked": checked, "wrong": wrong}
+
+
+def connector_options(model_dir: str, url: str, extra: dict[str, Any]) -> dict:
+    """A worker-side connector made through vLLM's factory with `extra` as its
+    `kv_connector_extra_config` keys: whether it loads asynchronously, or its error."""
+    _vllm_on_path()
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from vllm_cpu.engine import kv_cache_config, vllm_config
+
+    try:  # (vLLM's VllmConfig already builds a connector's scheduler side: its errors too)
+        config = vllm_config(model_dir, url, **extra)
+        connector = KVConnectorFactory.create_connector(
+            config, KVConnectorRole.WORKER, kv_cache_config(8)
+        )
+    except Exception as exc:
+        return {"refused": f"{type(exc).__name__}: {exc}"}
+    try:
+        return {"async_load": connector._async_load}
+    finally:
+        connector.shutdown()

@@ -37,6 +37,9 @@ _EXPORTS = {
     "write_back_ranges": "maru.client.coherence",
     # configuration and errors
     "MaruConfig": "maru.common.config",
+    "ConfigError": "maru.common.config",
+    "parse_bool": "maru.common.config",  # (an adapter's own keys, parsed as MaruConfig's)
+    "parse_int": "maru.common.config",
     "MaruError": "maru.common.errors",
 }
 

@@ -710,6 +710,18 @@ def _common(p: argparse.ArgumentParser, *, top: bool) -> None:
     )
 
 
+def _text_arg(text: str) -> str:
+    """An argparse type: text that is UTF-8 (a key prefix goes on the wire as UTF-8; bytes
+    that are not text reach Python as surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(
+            f"expected text (UTF-8), got bytes that are not: {text!r}"
+        ) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="maru",
@@ -731,7 +743,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("stats", "all statistics: pool, instances, operations (latency), counters", cmd_stats)
     sp.add_argument("--json", action="store_true", help="the raw STATS document as JSON")
     sp = add("keys", "list keys (most recently used first) with their size and owner", cmd_keys)
-    sp.add_argument("--prefix", default=None, help="only keys starting with this")
+    sp.add_argument("--prefix", type=_text_arg, default=None, help="only keys starting with this")
     sp.add_argument(
         "--limit",
         type=number_arg(int, minimum=1, above=False, top=MAX_LIST_KEYS),
@@ -743,7 +755,10 @@ def build_parser() -> argparse.ArgumentParser:
         "monitor", "live view: pool usage, hit rate, throughput, instances, operations", cmd_monitor
     )
     sp.add_argument(
-        "--interval", type=float, default=1.0, help="seconds between refreshes (default: 1)"
+        "--interval",
+        type=number_arg(float, minimum=0, above=False, top=86400, noun="seconds"),
+        default=1.0,
+        help="seconds between refreshes, at most a day (default: 1)",
     )
     sp.add_argument(
         "--once",
@@ -755,7 +770,9 @@ def build_parser() -> argparse.ArgumentParser:
         "delete every key with a prefix, e.g. one SGLang namespace (pinned and leased keys stay)",
         cmd_evict,
     )
-    sp.add_argument("--prefix", required=True, help="delete the keys starting with this")
+    sp.add_argument(
+        "--prefix", type=_text_arg, required=True, help="delete the keys starting with this"
+    )
     sp = add("clear", "delete every key (pinned and leased keys stay)", cmd_clear)
     sp.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     sp = add(

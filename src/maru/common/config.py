@@ -157,6 +157,11 @@ def parse_server_url(value: Any, *, name: str = "server_url") -> str:
             raise ConfigError(
                 f"{name}: expected 'tcp://host:port' with a port from 1 to 65535, got {value!r}"
             )
+        host = tcp.group(1)
+        try:  # (what the resolver is given: an empty label, or bytes not text, fail there)
+            host.encode("idna")
+        except UnicodeError:
+            raise ConfigError(f"{name}: {host!r} is not a valid host name, in {value!r}") from None
     return url
 
 
