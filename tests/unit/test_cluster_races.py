@@ -18,31 +18,13 @@ from maru.server.cluster.proof import LENGTH, PUBLISHED
 from maru.server.cluster.tier import ClusterTier
 
 from .registry_calls import locate, register
-from .test_cluster_tier import SGLANG_FILE
+from .test_cluster_tier import SGLANG_FILE, FakeSidecar
 from .test_eviction_leases import MiB, consistent, make_registry
-
-
-class _Sidecar:
-    """`subprocess.Popen` for the sidecar: a process that is alive and does nothing."""
-
-    pid, returncode = 4242, None
-
-    def __init__(self, cmd, **kw):
-        pass
-
-    def poll(self):
-        return None
-
-    def kill(self):
-        pass
-
-    def wait(self, timeout=None):
-        return 0
 
 
 @pytest.fixture
 def tier(tmp_path, monkeypatch):
-    monkeypatch.setattr(tier_module.subprocess, "Popen", _Sidecar)
+    monkeypatch.setattr(tier_module.subprocess, "Popen", FakeSidecar)
     config = tmp_path / "mooncake.json"
     config.write_text(json.dumps(SGLANG_FILE))
     t = ClusterTier(make_registry(tmp_path, pool_mib=64, high=1.0, low=1.0), str(config))
@@ -125,7 +107,7 @@ def test_a_late_reply_of_a_restarted_sidecar_registers_nothing(tier):
         end.close()
 
 
-def test_pages_reserved_for_a_length_retry_are_not_a_proven_values(tier):
+def test_pages_reserved_for_a_length_retry_are_none_of_a_proven_values(tier):
     """A value of another length is pulled again (its pages reserved) before the proven
     values of the batch are registered: those pages are not handed out twice."""
     reg = tier.registry

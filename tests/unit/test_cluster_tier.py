@@ -502,35 +502,38 @@ def test_the_sidecar_flushes_what_its_proofs_read_in_the_servers_coherence(tmp_p
             mm.close()
 
 
+class FakeSidecar:
+    """`subprocess.Popen` for the tier's sidecar: a process that is alive and does nothing;
+    `started` keeps the command of each start."""
+
+    started: list[list[str]] = []
+    pid, returncode = 4242, None
+
+    def __init__(self, cmd, **kw):
+        FakeSidecar.started.append(cmd)
+
+    def poll(self):
+        return None
+
+    def kill(self):
+        pass
+
+    def wait(self, timeout=None):
+        return 0
+
+
 def test_the_tier_starts_its_sidecar_in_the_servers_coherence(tmp_path, monkeypatch):
     """`ClusterTier(coherence=...)` (maru-server's `--coherence`) starts the sidecar with it."""
     from maru.server.cluster import tier as tier_module
 
-    started = []
-
-    class _Proc:
-        pid, returncode = 4242, None
-
-        def __init__(self, cmd, **kw):
-            started.append(cmd)
-
-        def poll(self):
-            return None
-
-        def kill(self):
-            pass
-
-        def wait(self, timeout=None):
-            return 0
-
-    monkeypatch.setattr(tier_module.subprocess, "Popen", _Proc)  # (no sidecar runs)
+    monkeypatch.setattr(tier_module.subprocess, "Popen", FakeSidecar)  # (no sidecar runs)
     config = tmp_path / "mooncake.json"
     config.write_text(json.dumps(SGLANG_FILE))
     reg = make_registry(tmp_path, pool_mib=64)
     for mode in ("software", "hardware"):
         tier = tier_module.ClusterTier(reg, str(config), coherence=mode)
         try:
-            cmd = started[-1]
+            cmd = FakeSidecar.started[-1]
             assert cmd[cmd.index("--coherence") + 1] == mode
         finally:
             tier.close()
