@@ -121,6 +121,20 @@ def test_store_keeps_data_as_a_keyword_and_rejects_both(maru_server):
             h.store("neither")
 
 
+def _rewrite_freed_chunks(h: MaruHandler, r: MaruHandler, kept: str, kept_byte: bytes) -> None:
+    """Four chunks reserved again (the freed ones among them, once `free_chunks` applied the
+    server's notices) and stored as new0-3, each of its own byte; `r` then reads `kept` (all
+    `kept_byte`) and each new key as its own bytes."""
+    h.free_chunks()
+    reused = [h.alloc(CHUNK) for _ in range(4)]
+    for i, handle in enumerate(reused):
+        handle.buf[:] = bytes([0x10 + i]) * CHUNK
+    assert h.batch_store([f"new{i}" for i in range(4)], reused) == [True] * 4
+    with r.leased([kept, *[f"new{i}" for i in range(4)]]) as infos:
+        got = [bytes(info.view) for info in infos]
+    assert got == [kept_byte * CHUNK, *[bytes([0x10 + i]) * CHUNK for i in range(4)]]
+
+
 def test_a_handle_is_sealed_once(maru_server):
     """A handle stored under a second key, or stored after `free`, is refused (False, a
     WARNING): before, both were registered, and once one key went and its chunk was
@@ -143,15 +157,8 @@ def test_a_handle_is_sealed_once(maru_server):
         assert h.seal(["r1", "r2"], run).wait() == [True, True]
         assert h.seal(["r3", "r4"], run).wait() == [False, False]
         assert h.delete("a1") and h.delete("r1")
-        h.free_chunks()  # (the freed notices applied: those chunks are reserved again next)
-        reused = [h.alloc(CHUNK) for _ in range(4)]
-        for i, handle in enumerate(reused):
-            handle.buf[:] = bytes([0x10 + i]) * CHUNK
-        assert h.batch_store([f"new{i}" for i in range(4)], reused) == [True] * 4
+        _rewrite_freed_chunks(h, r, "r2", b"\x05")
         assert r.batch_exists(["a2", "c", "r3", "r4"]) == [False] * 4
-        with r.leased(["r2", *[f"new{i}" for i in range(4)]]) as infos:
-            got = [bytes(info.view) for info in infos]
-        assert got == [b"\x05" * CHUNK, *[bytes([0x10 + i]) * CHUNK for i in range(4)]]
 
 
 def test_a_handle_given_twice_in_one_store_is_sealed_once(maru_server):
@@ -176,15 +183,8 @@ def test_a_handle_given_twice_in_one_store_is_sealed_once(maru_server):
         ]
         assert r.batch_exists(["a2", "r3"]) == [False, False]
         assert r.delete("a1") and r.delete("r1")
-        h.free_chunks()  # (the freed notices applied: those chunks are reserved again next)
-        reused = [h.alloc(CHUNK) for _ in range(4)]
-        for i, handle in enumerate(reused):
-            handle.buf[:] = bytes([0x10 + i]) * CHUNK
-        assert h.batch_store([f"new{i}" for i in range(4)], reused) == [True] * 4
+        _rewrite_freed_chunks(h, r, "r2", b"\x05")
         assert r.batch_exists(["a2", "r3"]) == [False, False]
-        with r.leased(["r2", *[f"new{i}" for i in range(4)]]) as infos:
-            got = [bytes(info.view) for info in infos]
-        assert got == [b"\x05" * CHUNK, *[bytes([0x10 + i]) * CHUNK for i in range(4)]]
 
 
 def _alloc_at(h: MaruHandler, where: AllocHandle) -> AllocHandle:

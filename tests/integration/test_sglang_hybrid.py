@@ -455,25 +455,9 @@ def test_mamba_with_slot_side_state_is_stored_whole_page(maru_server):
     """A Mamba pool with registered slot side states has no zero-copy description
     (`get_page_buffer_meta` raises): its pages go through get_data_page /
     set_from_flat_data_page, still byte-identical, still one RPC per batch."""
-    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
-    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
-
-    def side_state_pool():
-        info = MambaStateBufferInfo(
-            temporal=torch.zeros(2, 12, 4, 8, dtype=torch.float32),
-            conv=(torch.zeros(2, 12, 3, 16, dtype=torch.bfloat16),),
-            extra_checkpoint_buffers=(torch.zeros(12, 5, dtype=torch.int32),),
-        )
-        return MambaPoolHost(info, 2, 0, device_capacity=12, pin_memory=False, layout="page_first")
-
-    pools = [side_state_pool(), side_state_pool()]
-    storages = []
-    for pool in pools:
-        hybrid = Hybrid(
-            "mamba", make_host_pool(Geometry()), False, [Sidecar("mamba", pool, "trailing_pages")]
-        )
-        storages.append(_storage(maru_server.url, hybrid))
-        assert storages[-1].pools["mamba"].whole_page
+    pools = [_side_state_pool(), _side_state_pool()]
+    storages = _mamba_storages(maru_server.url, pools)
+    assert all(storage.pools["mamba"].whole_page for storage in storages)
     side = Sidecar("mamba", pools[0], "trailing_pages")
     _, pages = _store_side(storages[0], side, ["a", "b"], 3, seed=12)
     assert storages[0].confirm_writes() == 0
@@ -487,17 +471,34 @@ def test_mamba_with_slot_side_state_is_stored_whole_page(maru_server):
         s.close()
 
 
-def _side_state_pool():
-    """A Mamba pool with slot side states: no zero-copy description, stored whole-page."""
+def _side_state_pool(side_dtype: torch.dtype = torch.int32):
+    """A Mamba pool with a slot side state of `side_dtype`: no zero-copy description, stored
+    whole-page."""
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
     info = MambaStateBufferInfo(
         temporal=torch.zeros(2, 12, 4, 8, dtype=torch.float32),
         conv=(torch.zeros(2, 12, 3, 16, dtype=torch.bfloat16),),
-        extra_checkpoint_buffers=(torch.zeros(12, 5, dtype=torch.int32),),
+        extra_checkpoint_buffers=(torch.zeros(12, 5, dtype=side_dtype),),
     )
     return MambaPoolHost(info, 2, 0, device_capacity=12, pin_memory=False, layout="page_first")
+
+
+def _mamba_storages(url: str, pools: list) -> list:
+    """A MaruStorage per Mamba pool of `pools` (its one sidecar, trailing pages)."""
+    return [
+        _storage(
+            url,
+            Hybrid(
+                "mamba",
+                make_host_pool(Geometry()),
+                False,
+                [Sidecar("mamba", pool, "trailing_pages")],
+            ),
+        )
+        for pool in pools
+    ]
 
 
 def test_whole_page_pools_write_back_and_invalidate_in_software_coherence(maru_server_factory):
@@ -510,14 +511,10 @@ def test_whole_page_pools_write_back_and_invalidate_in_software_coherence(maru_s
 
     url = maru_server_factory(pool_size="256M", extra_args=["--coherence", "software"]).url
     pools = [_side_state_pool(), _side_state_pool()]
-    storages = []
-    for pool in pools:
-        hybrid = Hybrid(
-            "mamba", make_host_pool(Geometry()), False, [Sidecar("mamba", pool, "trailing_pages")]
-        )
-        storages.append(_storage(url, hybrid))
-        assert storages[-1].pools["mamba"].whole_page
-        assert storages[-1].handler.coherence == "software"
+    storages = _mamba_storages(url, pools)
+    for storage in storages:
+        assert storage.pools["mamba"].whole_page
+        assert storage.handler.coherence == "software"
     page_lines = -(-storages[0].pools["mamba"].page_bytes // 64)  # (pages start on a chunk)
     try:
         before = lines_flushed()
@@ -543,17 +540,6 @@ def test_mamba_states_of_another_element_type_are_a_miss(maru_server):
     (SGLANG_MAMBA_SSM_DTYPE or the model's `mamba_ssm_dtype`), and slot side states theirs.
     A bf16 and an fp16 SSM state are as long, and so are int32 and fp32 side states: a run
     of the other type misses (it read the other's states as hits), the same type hits."""
-    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
-    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
-
-    def side_state_pool(side_dtype):
-        info = MambaStateBufferInfo(
-            temporal=torch.zeros(2, 12, 4, 8, dtype=torch.float32),
-            conv=(torch.zeros(2, 12, 3, 16, dtype=torch.bfloat16),),
-            extra_checkpoint_buffers=(torch.zeros(12, 5, dtype=side_dtype),),
-        )
-        return MambaPoolHost(info, 2, 0, device_capacity=12, pin_memory=False, layout="page_first")
-
     cases = {
         "ssm": (
             _mamba_pool(temporal_dtype=torch.bfloat16),
@@ -561,24 +547,13 @@ def test_mamba_states_of_another_element_type_are_a_miss(maru_server):
             _mamba_pool(temporal_dtype=torch.bfloat16),
         ),
         "side": (
-            side_state_pool(torch.int32),
-            side_state_pool(torch.float32),
-            side_state_pool(torch.int32),
+            _side_state_pool(torch.int32),
+            _side_state_pool(torch.float32),
+            _side_state_pool(torch.int32),
         ),
     }
     for case, pools in cases.items():
-        storages = [
-            _storage(
-                maru_server.url,
-                Hybrid(
-                    "mamba",
-                    make_host_pool(Geometry()),
-                    False,
-                    [Sidecar("mamba", pool, "trailing_pages")],
-                ),
-            )
-            for pool in pools
-        ]
+        storages = _mamba_storages(maru_server.url, list(pools))
         writer, other, same = storages
         assert writer.pools["mamba"].page_bytes == other.pools["mamba"].page_bytes, case
         keys = [f"{case}-a", f"{case}-b"]
