@@ -126,16 +126,21 @@ class RegionMapper:
         """Wait up to `timeout` s until no `copying()` block is open: another thread's copy
         into our regions must end before DISCONNECT lets the server hand them to another
         instance (`MaruHandler.close`). False if one is still open then."""
-        deadline = time.monotonic() + timeout
         with self._lock:
-            while self._gate.active:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._gate.wanted = True  # (`_copies_ended` notifies `_idle`)
-                self._idle.wait(left)
-            self._gate.wanted = bool(self._retired) or self._closing
-            return not self._gate.active
+            return self._wait_copies_locked(timeout)
+
+    def _wait_copies_locked(self, timeout: float) -> bool:
+        """`wait_copies` with `_lock` held (`close` too). The gate is wanted again before each
+        wait: `_copies_ended` may have let it go for a copy that began since."""
+        deadline = time.monotonic() + timeout
+        while self._gate.active:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._gate.wanted = True  # (`_copies_ended` notifies `_idle`)
+            self._idle.wait(left)
+        self._gate.wanted = bool(self._retired) or self._closing
+        return not self._gate.active
 
     def _copies_ended(self) -> None:
         """The last open `copying()` block closed while the gate was wanted."""
@@ -397,8 +402,7 @@ class RegionMapper:
             self._closing = True
             for region_id in list(self._regions):
                 self._unmap_locked(region_id)
-            self._gate.wanted = True
-            if not self._idle.wait_for(lambda: not self._gate.active, self.close_wait_s):
+            if not self._wait_copies_locked(self.close_wait_s):
                 log.warning(
                     "closing with %d copies still in flight after %.1f s: their %d regions "
                     "are closed when the last of them ends",
