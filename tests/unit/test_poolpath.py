@@ -95,9 +95,9 @@ def test_a_mark_written_before_pool_keys_still_names_its_state_but_proves_nothin
     body = b"MARUPOOL" + b"gen-0".ljust(16) + b"ep-0".ljust(16)
     keyless = body + hashlib.blake2b(body, digest_size=8).digest()
     assert poolmark.decode_mark(keyless.ljust(4096, b"\0")) == ("gen-0", "ep-0")
-    assert poolmark.mark_key(keyless.ljust(4096, b"\0")) == b""
+    assert poolmark.parse_mark(keyless.ljust(4096, b"\0")) == ("gen-0", "ep-0", b"")
     keyed = encode_mark("gen-0", "ep-0", KEY)
-    assert poolmark.decode_mark(keyed) == ("gen-0", "ep-0") and poolmark.mark_key(keyed) == KEY
+    assert poolmark.decode_mark(keyed) == ("gen-0", "ep-0") and poolmark.parse_mark(keyed)[2] == KEY
     flipped = bytearray(keyed)
     flipped[len(body) + 3] ^= 1  # (a byte of the key: the digest covers it)
     assert poolmark.decode_mark(bytes(flipped)) is None

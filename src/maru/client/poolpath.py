@@ -20,8 +20,7 @@ from maru.client.coherence import Coherence, CoherenceUnavailable
 from maru.common.errors import MaruConnectRefused, MaruError
 from maru.common.poolmark import (
     MARK_BYTES,
-    decode_mark,
-    mark_key,
+    parse_mark,
     pool_proof,
     read_mark_window,
     server_proof,
@@ -94,8 +93,7 @@ def prove(
     try:
         if type(offset) is not int or type(span) is not int or offset < 0 or span < MARK_BYTES:
             raise ValueError(f"the server names no place for it: offset {offset!r}, span {span!r}")
-        raw = read_mark_window(where, offset, span)
-        found = decode_mark(raw)
+        parsed = parse_mark(read_mark_window(where, offset, span))
     except (OSError, ValueError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise PoolMismatch(
@@ -103,19 +101,19 @@ def prove(
             f"proven to be the server's pool {server}"
         ) from None
     expected = (str(mark.get("generation", "")), str(mark.get("epoch", "")))
-    if found is None:
+    if parsed is None:
         raise PoolMismatch(
             f"{named} holds no pool mark at {where} (zeros or other bytes; the server's "
             f"pool {server} holds generation {expected[0]} epoch {expected[1]}): another "
             "file or device, not the server's pool"
         )
-    if found != expected:
+    generation, epoch, key = parsed
+    if (generation, epoch) != expected:
         raise PoolMismatch(
-            f"{named} holds the mark of generation {found[0]} epoch {found[1]}, the server's "
+            f"{named} holds the mark of generation {generation} epoch {epoch}, the server's "
             f"pool {server} generation {expected[0]} epoch {expected[1]}: a stale file or "
             "another server's pool, not the one this server serves"
         )
-    key = mark_key(raw)
     if not key:
         raise PoolMismatch(
             f"the mark at {where} through {named} holds no pool key (a maru-server older than "

@@ -42,7 +42,7 @@ def encode_mark(generation: str, epoch: str, key: bytes) -> bytes:
     return body + _mark_digest(body)
 
 
-def _parse(raw: bytes) -> tuple[str, str, bytes] | None:
+def parse_mark(raw: bytes) -> tuple[str, str, bytes] | None:
     """(generation, epoch, pool key) of a mark; the key b"" in a keyless one (written before
     pool keys); None for none (zeros, a torn write, other bytes)."""
     if not raw.startswith(MARK_MAGIC):
@@ -58,14 +58,8 @@ def _parse(raw: bytes) -> tuple[str, str, bytes] | None:
 
 def decode_mark(raw: bytes) -> tuple[str, str] | None:
     """(generation, epoch) of a mark; None for none (zeros, a torn write, other bytes)."""
-    parsed = _parse(raw)
+    parsed = parse_mark(raw)
     return parsed[:2] if parsed is not None else None
-
-
-def mark_key(raw: bytes) -> bytes:
-    """The pool key of a mark; b"" where it has none (no mark, or a keyless one)."""
-    parsed = _parse(raw)
-    return parsed[2] if parsed is not None else b""
 
 
 def _hmac(key: bytes, purpose: bytes, text: str) -> str:
