@@ -14,7 +14,8 @@ import pytest
 
 from maru.client.cli import fmt_bytes, fmt_quantile, quantile, render_monitor
 from maru.common.protocol import MAX_LIST_KEYS, ErrorCode, MsgType
-from maru.server.logs import JsonFormatter, Throttle, configure_logging
+from maru.common.throttle import Throttle
+from maru.server.logs import JsonFormatter, configure_logging
 from maru.server.metrics import LATENCY_BUCKETS, MaruCollector, read_stats
 
 from .service_calls import call, make_service, ok, register_body

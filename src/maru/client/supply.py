@@ -16,6 +16,7 @@ from maru.common.config import fmt_bytes
 from maru.common.errors import MaruConnectionError, MaruError, MaruServerError
 from maru.common.protocol import ErrorCode, MsgType
 from maru.common.region import RegionHandle
+from maru.common.throttle import Throttle
 
 if TYPE_CHECKING:
     from maru.client.rpc import PendingReply
@@ -30,7 +31,7 @@ log = logging.getLogger("maru.client.handler")
 # that is the first to use it, and a run needs contiguous chunks (spare room absorbs the holes).
 AHEAD_SHARE = 16
 AHEAD_WRITES = 3
-# Seconds between two "no room" WARNINGs of one instance (a failing batch fails value by value)
+# Seconds between two "no room" WARNINGs of one instance
 NO_ROOM_LOG_S = 10.0
 
 
@@ -70,8 +71,7 @@ class RegionSupply:
         self._ready_bytes = 0  # room `ready` keeps free in our regions (see there)
         self._readier: threading.Thread | None = None  # `ready`'s thread while it runs
         self._refusal = ""  # the server's last answer to a region request we needed (POOL_FULL)
-        self._no_room_logged = 0.0  # time.monotonic() of the last "no room" WARNING
-        self._no_room_since = 0  # values refused since that WARNING (not logged each)
+        self._no_room_log = Throttle(NO_ROOM_LOG_S)  # (a failing batch fails value by value)
 
     def reserve(self, size: int, count: int) -> AllocHandle | None:
         """A run once the owned regions' free chunks (`ChunkBook.take`, tried first) have no
@@ -353,12 +353,9 @@ class RegionSupply:
         return None
 
     def _warn_no_room(self, size: int) -> None:
-        """A value found no room (caller holds `lock`): a WARNING, NO_ROOM_LOG_S apart at most
-        (a batch fails value by value)."""
-        self._no_room_since += 1
-        now = time.monotonic()
-        if not self._no_room_logged or now - self._no_room_logged >= NO_ROOM_LOG_S:
-            more, self._no_room_since, self._no_room_logged = self._no_room_since - 1, 0, now
+        """A value found no room (caller holds `lock`): a WARNING, NO_ROOM_LOG_S apart at most."""
+        more = self._no_room_log.allow("no room")
+        if more is not None:
             warn_no_room(
                 self.owner.instance_id, size, self.chunks.owned_bytes(), self._refusal, more
             )

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 from maru.common.protocol import ErrorCode, Key, ProtocolError, check_count, freed_columns
+from maru.common.throttle import Throttle
 from maru.server.instances import InstanceTable
 from maru.server.keyindex import KeyEntry, KeyIndex
-from maru.server.logs import Throttle
 from maru.server.regions import Region, RegionTable
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ from typing import Any
 
 from maru.common.protocol import ErrorCode, ProtocolError, check_count
 from maru.common.region import RegionHandle
+from maru.common.throttle import Throttle
 from maru.server.instances import Instance, InstanceTable
-from maru.server.logs import Throttle
 from maru.server.pool import Pool, PoolFullError
 from maru.server.regions import Region, RegionTable
 

@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from maru.common.throttle import Throttle
 from maru.server import persistence
 from maru.server.journal import Journal
-from maru.server.logs import Throttle
 from maru.server.registry import Registry
 
 log = logging.getLogger("maru.server.service")

@@ -15,8 +15,8 @@ from typing import Any
 
 from maru.common.protocol import ErrorCode, ProtocolError, freed_notices
 from maru.common.region import RegionHandle
+from maru.common.throttle import Throttle
 from maru.server.journal import JournalWriteError
-from maru.server.logs import Throttle
 from maru.server.processes import ProcessWatch
 from maru.server.regions import RegionTable
 from maru.server.token import TokenSigner

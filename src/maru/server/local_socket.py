@@ -27,7 +27,7 @@ import zmq
 from maru.common import protocol
 from maru.common.peer import peer_credentials, peer_groups
 from maru.common.protocol import ErrorCode, unix_address
-from maru.server.logs import Throttle
+from maru.common.throttle import Throttle
 
 log = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ from maru.common.protocol import (
     all_keys_valid,
 )
 from maru.common.region import RegionHandle
+from maru.common.throttle import Throttle
 from maru.server.eviction import Eviction, EvictionView
 from maru.server.grants import RegionGrants, over_quota
 from maru.server.holds import LeaseTable, Pins
@@ -41,7 +42,6 @@ from maru.server.keyindex import (
     release_entries,
 )
 from maru.server.localindex import LocalIndex
-from maru.server.logs import Throttle
 from maru.server.metrics import COUNTERS, registry_stats
 from maru.server.pool import Pool
 from maru.server.regions import Region, RegionTable

@@ -28,8 +28,8 @@ from zmq.utils.monitor import recv_monitor_message
 from maru.common import protocol
 from maru.common.curve import ClientAllowlist
 from maru.common.protocol import ErrorCode
+from maru.common.throttle import Throttle
 from maru.server.local_socket import OUT_LIMIT
-from maru.server.logs import Throttle
 
 log = logging.getLogger(__name__)
 
