@@ -25,7 +25,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from maru import MaruConfig, MaruHandler
-from maru.client import PIPELINE_MIN_PAGES, CopyIn, Put, ValuesAt, write_back_ranges
+from maru.client import PIPELINE_MIN_PAGES, CopyIn, Put, ValuesAt
 from maru_sglang.hit_policy import PoolPresence, usable_prefix
 from maru_sglang.legacy import LegacyInterface
 from maru_sglang.pools import (
@@ -220,11 +220,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         if pool.whole_page:
 
             def through_pool(targets: np.ndarray, first: int, last: int, hashed: bool, n: int):
-                copied = pool.copy_in(targets, buffers, first, last, hashed, n)
-                # (software coherence: a memmove, not a copy loop, wrote the pages; done by
-                # now, they are written back before the registration)
-                write_back_ranges(targets[: last - first], pool.page_bytes)
-                return copied
+                return pool.copy_in(targets, buffers, first, last, hashed, n)
 
             copy = through_pool
 

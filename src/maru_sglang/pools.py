@@ -5,7 +5,6 @@ and shared memory, where a page is one allocation holding its parts back to back
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import hashlib
 import logging
@@ -17,7 +16,14 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-from maru.client import CopyStarted, copy_many_hashed, copy_values, copy_values_start, page_pointers
+from maru.client import (
+    CopyStarted,
+    copy_many,
+    copy_many_hashed,
+    copy_values,
+    copy_values_start,
+    page_pointers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -345,11 +351,13 @@ class PoolIO:
         )
 
     def _copy_page(self, dst: int, src: int, hashed: bool) -> int:
-        """One whole page (`page_bytes`), and its checksum when `hashed` (else 0)."""
-        if not hashed:
-            ctypes.memmove(dst, src, self.page_bytes)
-            return 0
+        """One whole page (`page_bytes`), and its checksum when `hashed` (else 0), through a
+        copy loop: in software coherence it writes the pool's lines back (or invalidates them)
+        as every other copy does, and a fault of the pool's memory is a `CopyFaultError`."""
         one = np.array([[dst]], np.int64), np.array([[src]], np.int64)
+        if not hashed:
+            copy_many(*one, [self.page_bytes], streaming=False)
+            return 0
         return int(copy_many_hashed(*one, [self.page_bytes], streaming=False)[0])
 
 
