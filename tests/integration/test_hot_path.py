@@ -110,6 +110,46 @@ def test_a_prepared_seal_reaches_nobody_before_it_is_sent(maru_server):
             sealing.send()
 
 
+def test_a_reservation_is_sealed_once_whichever_seal_is_sent_first(maru_server):
+    """Two seals prepared for one reservation (two threads storing one LMCache memory object,
+    say) each find it reserved as they are made; only the first sent may register, else the
+    value's pages lie under two keys (the first evicted frees them, the other then serves
+    whatever is written there next). A reservation freed under a prepared seal: the seal
+    sends nothing, else its key would lie over the next reservation's bytes."""
+    value, other = os.urandom(PAGE), os.urandom(PAGE)
+    with (
+        MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes="64K") as w,
+        MaruHandler(server_url=maru_server.url, pool_size="1M", chunk_size_bytes="64K") as r,
+    ):
+        run = w.alloc(PAGE)
+        write(run, [value])
+        first = w.prepare_seal(["twice/a"], run, PAGE)
+        second = w.prepare_seal(["twice/b"], run, PAGE)
+        assert first.send().wait() == [True]
+        assert second.send().wait() == [False]
+        assert r.batch_exists(["twice/a", "twice/b"]) == [True, False]
+        # handles in a list: the one sealed by the other seal first is left out, not the rest
+        one, two = w.alloc(PAGE), w.alloc(PAGE)
+        write(one, [value])
+        write(two, [other])
+        both = w.prepare_seal(["list/a", "list/b"], [one, two], PAGE)
+        assert w.seal(["list/c"], [two], PAGE).wait() == [True]
+        assert both.send().wait() == [True, False]
+        assert r.batch_exists(["list/a", "list/b", "list/c"]) == [True, False, True]
+        # freed under a prepared seal, then reserved again and written by the next value
+        run = w.alloc(PAGE)
+        write(run, [value])
+        late = w.prepare_seal(["freed/a"], run, PAGE)
+        w.free(run)
+        again = w.alloc(PAGE)
+        assert (again.region_id, again.offset) == (run.region_id, run.offset)
+        write(again, [other])
+        assert w.seal(["freed/next"], again, PAGE).wait() == [True]
+        assert late.send().wait() == [False]
+        assert r.batch_exists(["freed/a"]) == [False]
+        assert bytes(r.retrieve("freed/next").view) == other
+
+
 def test_alloc_of_a_run_is_none_when_no_run_fits(maru_server):
     with MaruHandler(
         server_url=maru_server.url, pool_size="2M", chunk_size_bytes="64K", auto_expand=False

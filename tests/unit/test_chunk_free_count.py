@@ -86,7 +86,7 @@ def test_the_kept_free_count_matches_the_chunks_through_every_verb(seed):
             notice = []
             for handle, indices in rng.sample(live, min(len(live), 3)):
                 for i in rng.sample(indices, rng.randint(1, len(indices))):
-                    book.written(handle.slice(i, i + 1))
+                    book.written([handle.slice(i, i + 1)])
                     offset = handle.offset + i * handle.stride
                     notice.append((handle.region_id, offset, handle.length))
                     indices.remove(i)

@@ -33,9 +33,9 @@ def test_a_region_parks_after_a_tick_without_takes_and_without_reserved_values()
     assert run is not None
     assert b.park_idle() == []  # taken from during this tick
     assert b.park_idle() == []  # idle for a tick, but three values are reserved, unsealed
-    b.written(run.slice(0, 2))
+    b.written([run.slice(0, 2)])
     assert b.park_idle() == []  # one is still being written
-    b.written(run.slice(2, 3))
+    b.written([run.slice(2, 3)])
     assert b.park_idle() == [1]  # all sealed (or being sealed): parked
     assert b.take(CHUNK) is None  # nothing is reserved in a parked region...
     assert b.parked_with_room(CHUNK, 5) == [1] and b.parked_with_room(CHUNK, 6) == []

@@ -35,7 +35,7 @@ def test_a_freed_handle_is_spent_once_its_chunks_are_reserved_again():
     assert (new.region_id, new.offset) == (old.region_id, old.offset)  # the same chunk
     assert b.seal_states([old, new]) == [SPENT, SEALABLE]
     assert b.seal_states([old]) == [SPENT] and b.seal_states([new]) == [SEALABLE]
-    b.written(old)  # a refused seal's send: the new reservation stays
+    assert b.written([old]) == [False]  # a refused seal's send: the new reservation stays
     assert b.seal_states([new]) == [SEALABLE]
     b.give_back(old)  # a second free: the new reservation's chunk stays taken
     assert b.free_chunks() == 0 and b.seal_states([new]) == [SEALABLE]
@@ -45,7 +45,7 @@ def test_a_freed_handle_is_spent_once_its_chunks_are_reserved_again():
 def test_a_sealed_handle_is_spent_once_its_chunks_are_freed_and_reserved_again():
     b = book(1)
     old = b.take(CHUNK)
-    b.written(old)  # sealed, then its key deleted: the server's notice frees the chunk
+    assert b.written([old]) == [True]  # sealed, then its key deleted: its notice frees the chunk
     b.apply_freed(pack_int64([old.region_id, old.offset, CHUNK]))
     new = b.take(CHUNK)
     assert new.offset == old.offset
@@ -100,7 +100,7 @@ def test_a_value_named_twice_in_one_seal_is_sealed_once():
 def test_written_and_given_back_slices_keep_the_runs_other_values_reserved():
     b = book(8)
     run = b.take(CHUNK, 6)
-    b.written(run.slice(0, 2))
+    b.written([run.slice(0, 2)])
     b.give_back(run, [5])
     assert b.seal_states([run.slice(0, 1), run.slice(2, 5), run.slice(4, 6)]) == [
         SPENT,

@@ -342,16 +342,25 @@ class ChunkBook:
                         return AllocHandle(owned.mapped, chunk, offset, stride, count, size, serial)
         return None
 
-    def written(self, handle: AllocHandle) -> None:
-        """The values of `handle` are written and being sealed: no longer reserved (a seal that
-        comes after its region was parked and taken back is refused). Those not reserved by
-        `handle` (sealed or freed before, maybe reserved again since) are left as they are."""
+    def written(self, handles: Sequence[AllocHandle]) -> list[bool]:
+        """The values of each handle are written and being sealed: no longer reserved (a seal
+        that comes after its region was parked and taken back is refused). Per handle, whether
+        every value of it was still its reservation's: only then may the seal send it. The
+        check and the claim are one step under the lock, so of two seals of one reservation
+        (prepared by two threads) one sends it, and a handle freed after its seal was prepared
+        sends nothing: else a value would lie under two keys, or a key over the next
+        reservation's bytes. A handle not wholly its own claims nothing."""
+        chunk, out = self.chunk_size, []
         with self._lock:
-            owned = self._region_of(handle)
-            if owned is not None:
-                chunk = self.chunk_size
-                first, step = handle.offset // chunk, handle.stride // chunk
-                owned.reserved.discard(first, step, handle.count, handle._serial)
+            for handle in handles:
+                owned = self._region_of(handle)
+                first, step, count = handle.offset // chunk, handle.stride // chunk, handle.count
+                serial = handle._serial
+                mine = owned is not None and owned.reserved.holds(first, step, count, serial)
+                if mine:
+                    owned.reserved.discard(first, step, count, serial)  # type: ignore[union-attr]
+                out.append(mine)
+        return out
 
     def _firsts(self, handle: AllocHandle, indices: Iterable[int] | None = None) -> list[int]:
         """The first chunks of the values of `handle` (all, or those at `indices`)."""

@@ -498,22 +498,24 @@ class Sealing:
                     states.count(REPEATED),
                     keys[states.index(REPEATED)],
                 )
-            sent_keys = [keys[i] for i in self._positions]
-            region_ids = [handles[i].region_id for i in self._positions]  # type: ignore[union-attr]
-            offsets = [handles[i].offset for i in self._positions]  # type: ignore[union-attr]
-            self._sizes = [sizes[i] for i in self._positions]
-            columns = (pack_int64(region_ids), pack_int64(offsets), pack_int64(self._sizes))
-            granted = {handles[i].region_id: handles[i].region_token for i in self._positions}  # type: ignore[union-attr]
-            tokens = [[region_id, token] for region_id, token in granted.items()]
-        self._body: dict[str, Any] | None = None
-        if sent_keys:
-            self._body = {
-                "keys": sent_keys,
-                "region_ids": columns[0],
-                "offsets": columns[1],
-                "lengths": columns[2],
-                "tokens": tokens,  # (the regions as granted: another by their ids is refused)
-            }
+            self._keys, self._every_size = keys, sizes
+            self._body: dict[str, Any] | None = self._body_of_positions()
+            return
+        self._body = _body(sent_keys, columns, tokens) if sent_keys else None
+
+    def _body_of_positions(self) -> dict[str, Any] | None:
+        """The REGISTER_KV of handles in a list: the keys at `_positions` (None if none)."""
+        handles, positions = self._handles, self._positions
+        assert positions is not None and not isinstance(handles, AllocHandle)
+        self._sizes = [self._every_size[i] for i in positions]
+        if not positions:
+            return None
+        region_ids = [handles[i].region_id for i in positions]  # type: ignore[union-attr]
+        offsets = [handles[i].offset for i in positions]  # type: ignore[union-attr]
+        columns = (pack_int64(region_ids), pack_int64(offsets), pack_int64(self._sizes))
+        granted = {handles[i].region_id: handles[i].region_token for i in positions}  # type: ignore[union-attr]
+        tokens = [[region_id, token] for region_id, token in granted.items()]
+        return _body([self._keys[i] for i in positions], columns, tokens)
 
     def send(
         self, checksums: np.ndarray | None = None, ahead: int = 0, behind: bool = False
@@ -526,12 +528,8 @@ class Sealing:
         if self._sent:
             raise RuntimeError("Sealing.send: already sent")
         self._sent = True
-        handles, s = self._handles, self._s
-        # The values are written: their region may be parked from now on (`ChunkBook.written`).
-        for handle in [handles] if isinstance(handles, AllocHandle) else handles:
-            if handle is not None:
-                s.chunks.written(handle)
-        body = self._body
+        self._claim()
+        body, s = self._body, self._s
         if body is None:
             self._results = [False] * self._n
             return self
@@ -548,6 +546,33 @@ class Sealing:
             log.warning("register of %d keys failed: %s", len(body["keys"]), exc)
             self._results = self._outcome([_REJECTED] * len(body["keys"]))
         return self
+
+    def _claim(self) -> None:
+        """The values are written: no longer reserved, so their region may be parked from now
+        on (`ChunkBook.written`). A handle sealed or freed since this seal was made (another
+        thread's seal of it, a `free`) is left out: its value is another key's now, or the
+        next reservation's."""
+        handles, positions, chunks = self._handles, self._positions, self._s.chunks
+        if self._body is None:
+            return
+        if positions is None:
+            assert isinstance(handles, AllocHandle)
+            if chunks.written([handles])[0]:
+                return
+            left, self._body = self._n, None
+        else:
+            claimed = chunks.written([handles[i] for i in positions])  # type: ignore[misc]
+            if all(claimed):
+                return
+            self._positions = [i for i, mine in zip(positions, claimed) if mine]
+            left, self._body = len(positions) - len(self._positions), self._body_of_positions()
+        self.regions_lost = self._in_dropped_region()
+        if not self.regions_lost:
+            log.warning(
+                "seal of %d keys refused: their handles were sealed or freed after this seal "
+                "was prepared (a value is sealed under one key)",
+                left,
+            )
 
     def _checksums(self, given: np.ndarray | None) -> np.ndarray:
         """The sent values' checksums: `given` (per key) where the caller hashed as it copied,
@@ -649,6 +674,17 @@ class Sealing:
 
 
 _OUTCOMES = {_REGISTERED: StoreOutcome.STORED, _EXISTS: StoreOutcome.EXISTED}
+
+
+def _body(keys: list[Key], columns: tuple[bytes, bytes, bytes], tokens: list) -> dict[str, Any]:
+    """A REGISTER_KV's body: the keys and their (region id, offset, length) columns."""
+    return {
+        "keys": keys,
+        "region_ids": columns[0],
+        "offsets": columns[1],
+        "lengths": columns[2],
+        "tokens": tokens,  # (the regions as granted: another by their ids is refused)
+    }
 
 
 def refuse_bad_stores(
