@@ -150,6 +150,24 @@ def test_a_reservation_is_sealed_once_whichever_seal_is_sent_first(maru_server):
         assert bytes(r.retrieve("freed/next").view) == other
 
 
+def test_a_run_sealed_with_a_length_past_a_values_chunks_fails_that_value_alone(maru_server):
+    """A length longer than the chunks reserved for its value would register the key over
+    the next value's chunks too: that key fails (a WARNING, `refused_stores["value_size"]`)
+    and its chunks come back; the run's other values are sealed. Before: both registered."""
+    with MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes="64K") as h:
+        run = h.alloc(PAGE, 3)
+        write(run, [b"a" * PAGE, b"b" * PAGE, b"c" * PAGE])
+        free = h.free_chunks()
+        sealing = h.seal(["fit/0", "fit/1", "fit/2"], run, [PAGE, PAGE + 1, PAGE])
+        assert sealing.wait() == [True, False, True]
+        assert h.free_chunks() == free + 1 and h.refused_stores["value_size"] == 1
+        assert [bytes(i.view) for i in h.batch_retrieve(["fit/0", "fit/2"])] == [
+            b"a" * PAGE,
+            b"c" * PAGE,
+        ]
+        assert h.batch_exists(["fit/1"]) == [False]
+
+
 def test_alloc_of_a_run_is_none_when_no_run_fits(maru_server):
     with MaruHandler(
         server_url=maru_server.url, pool_size="2M", chunk_size_bytes="64K", auto_expand=False

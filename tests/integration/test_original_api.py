@@ -288,6 +288,48 @@ def test_a_handle_given_twice_in_one_seal_is_sealed_once(maru_server):
         assert _read(r, ["new16", "new17"]) == [b"\x10" * CHUNK, b"\x11" * CHUNK]
 
 
+def test_a_length_past_the_handles_chunks_is_refused_and_its_chunks_come_back(maru_server):
+    """`store(key, handle, length=...)` / `batch_store(..., lengths=...)` (or a `handle.size`
+    set larger) past the value's own chunks is refused, that key alone (False, a WARNING,
+    `refused_stores["value_size"]`), and its chunks come back. Before: True, the key
+    registered over the next value's chunk too, and once that value was deleted and its
+    chunk written again, the key read as a hit with the new value's bytes."""
+    with (
+        MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes=CHUNK) as h,
+        MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes=CHUNK) as r,
+    ):
+        a, b = h.alloc(CHUNK), h.alloc(CHUNK)
+        assert (b.region_id, b.offset) == (a.region_id, a.offset + CHUNK)  # b right after a
+        a.buf[:], b.buf[:] = b"\x01" * CHUNK, b"\x02" * CHUNK
+        assert h.store("b", b) is True
+        free = h.free_chunks()
+        assert h.store("long", a, length=2 * CHUNK) is False
+        assert h.free_chunks() == free + 1  # a's chunk is back
+        c, d = h.alloc(CHUNK), h.alloc(CHUNK)
+        c.buf[:], d.buf[:] = b"\x03" * CHUNK, b"\x04" * CHUNK
+        d.size = CHUNK + 1  # (a handle's size set past its chunk)
+        assert h.batch_store(["c", "d"], [c, d], lengths=[CHUNK - 1, CHUNK + 1]) == [True, False]
+        assert h.batch_store(["d2"], [d], lengths=[CHUNK]) == [False]  # (given back already)
+        assert h.refused_stores["value_size"] == 2
+        assert r.batch_exists(["long", "d", "d2"]) == [False] * 3
+        assert r.delete("b")
+        again = _alloc_at(h, b)
+        again.buf[:] = b"\x10" * CHUNK
+        assert h.store("again", again) is True
+        assert _read(r, ["long", "c", "again"]) == [None, b"\x03" * (CHUNK - 1), b"\x10" * CHUNK]
+
+
+def test_a_value_in_a_batch_of_handles_that_is_not_a_handle_fails_alone(maru_server):
+    """`batch_store(keys, [handle, b"..."])`: the bytes' key fails (False, a WARNING,
+    `value_type`), the handle is stored. Before: AttributeError from inside `seal`."""
+    with MaruHandler(server_url=maru_server.url, pool_size="4M", chunk_size_bytes=CHUNK) as h:
+        a = h.alloc(CHUNK)
+        a.buf[:] = b"\x01" * CHUNK
+        assert h.batch_store(["a", "bytes"], [a, b"not a handle"]) == [True, False]
+        assert h.refused_stores["value_type"] == 1
+        assert _read(h, ["a", "bytes"]) == [b"\x01" * CHUNK, None]
+
+
 def test_a_free_of_a_handle_sealed_or_freed_before_frees_nothing(maru_server):
     """`free` of a handle freed before, or sealed, gives back nothing: before, it freed the
     chunk under whatever held it now (a later reservation being written, or the sealed

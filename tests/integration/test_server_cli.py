@@ -18,6 +18,7 @@ import maru
 from conftest import MaruServerProcess, maru_server_command, tmpfs_mounted  # tests/conftest.py
 from maru import MaruHandler
 from maru.common.poolmark import encode_mark
+from maru.server import cli
 from maru.server.cli import main
 
 
@@ -341,6 +342,31 @@ def test_a_ready_file_that_cannot_be_written_is_refused_before_the_start(tmp_pat
     first = proc.stderr.splitlines()[0]
     assert first.startswith("maru-server: error: --ready-file: ") and message in first
     assert not Path(pool).exists() and not state.exists()
+
+
+def test_the_ready_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A script (or this suite's harness) waits for `--ready-file` and reads it: it must never
+    see the file empty or short. Before, the check at start made and removed the file itself,
+    and the write truncated it in place: a poller read "" or lost it between `exists` and
+    `read` (a harness start failed with FileNotFoundError)."""
+    ready = tmp_path / "ready"
+    made: list[str] = []
+    real_open = os.open
+
+    def recording_open(path, flags, *args):
+        if flags & os.O_CREAT:
+            made.append(os.fspath(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    assert cli.ready_file_problem(str(ready)) is None
+    monkeypatch.undo()
+    assert str(ready) not in made and made and not ready.exists()
+    ready.write_text("tcp://127.0.0.1:1")  # a stale one, from the last run
+    stale = ready.stat().st_ino
+    assert cli.write_ready_file(str(ready), "tcp://127.0.0.1:5555") is None
+    assert ready.read_text() == "tcp://127.0.0.1:5555" and ready.stat().st_ino != stale
+    assert os.listdir(tmp_path) == ["ready"]  # (nothing left beside it)
 
 
 def test_a_ready_file_that_fails_once_serving_is_one_line_not_a_traceback(tmp_path):

@@ -463,6 +463,9 @@ class Sealing:
         if isinstance(handles, AllocHandle):
             if handles.count != n:
                 raise ValueError(f"seal: {n} keys for a handle of {handles.count} values")
+            if not _within(handles.size if lengths is None else lengths, handles.stride):
+                handles = self._handles = handles.split()  # (each value judged on its own)
+        if isinstance(handles, AllocHandle):
             self._positions: list[int] | None = None  # every key is sent
             size = handles.size if lengths is None else lengths
             stride, offset = handles.stride, handles.offset
@@ -481,9 +484,13 @@ class Sealing:
         else:
             if len(handles) != n:
                 raise ValueError(f"seal: {n} keys for {len(handles)} handles")
-            sizes = [h.size if h else 0 for h in handles] if lengths is None else lengths
-            if isinstance(sizes, int):
-                sizes = [sizes] * n
+            if lengths is None:
+                sizes = [h.size if isinstance(h, AllocHandle) else 0 for h in handles]
+            else:
+                sizes = [lengths] * n if isinstance(lengths, int) else list(lengths)
+            if len(sizes) != n:
+                raise ValueError(f"seal: {n} keys for {len(sizes)} lengths")
+            handles = self._handles = self._refuse_misfits(keys, handles, sizes)
             states = session.chunks.seal_states(handles)
             self._positions = [i for i, state in enumerate(states) if state == SEALABLE]
             if SPENT in states:
@@ -502,6 +509,45 @@ class Sealing:
             self._body: dict[str, Any] | None = self._body_of_positions()
             return
         self._body = _body(sent_keys, columns, tokens) if sent_keys else None
+
+    def _refuse_misfits(
+        self, keys: Sequence[Key], handles: Sequence[Any], sizes: list[int]
+    ) -> list[AllocHandle | None]:
+        """`handles` with None for each value that is not a handle, or whose length is not
+        within its own chunks (`stride`): registered, its key would cover the next value's
+        chunks, and read as its bytes once that value is deleted and its chunks reused. Such
+        a key fails alone (a WARNING, counted in `refused_stores`); its handle is given back,
+        as a rejected one is, unless it is named again in the call."""
+        refused: dict[int, tuple[str, str]] = {}
+        for i, (handle, size) in enumerate(zip(handles, sizes)):
+            if handle is None:
+                continue
+            if not isinstance(handle, AllocHandle):
+                text = f"a value to seal is an AllocHandle, not {type(handle).__name__}"
+                refused[i] = ("value_type", text)
+            elif not 0 < size <= handle.stride:
+                text = f"length {size} is not within its value's {handle.stride} bytes"
+                refused[i] = ("value_size", text)
+        if not refused:
+            return list(handles)
+        kept = [None if i in refused else h for i, h in enumerate(handles)]
+        named = {id(h) for h in kept if h is not None}
+        s = self._s
+        for i, (reason, _) in refused.items():
+            s.refused_stores[reason] += 1
+            handle = handles[i]
+            if isinstance(handle, AllocHandle) and id(handle) not in named:
+                s.chunks.give_back(handle)
+        first = min(refused)
+        more = f" (and {len(refused) - 1} more in the batch)" if len(refused) > 1 else ""
+        log.warning(
+            "instance %s: seal of key %.80r refused: %s%s",
+            s.instance_id,
+            keys[first],
+            refused[first][1],
+            more,
+        )
+        return kept
 
     def _body_of_positions(self) -> dict[str, Any] | None:
         """The REGISTER_KV of handles in a list: the keys at `_positions` (None if none)."""
@@ -674,6 +720,13 @@ class Sealing:
 
 
 _OUTCOMES = {_REGISTERED: StoreOutcome.STORED, _EXISTS: StoreOutcome.EXISTED}
+
+
+def _within(sizes: int | Sequence[int], stride: int) -> bool:
+    """Whether every length is more than 0 and fits its value's chunks (`stride` bytes)."""
+    if isinstance(sizes, int):
+        return 0 < sizes <= stride
+    return bool(len(sizes)) and min(sizes) > 0 and max(sizes) <= stride
 
 
 def _body(keys: list[Key], columns: tuple[bytes, bytes, bytes], tokens: list) -> dict[str, Any]:

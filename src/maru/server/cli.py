@@ -426,14 +426,17 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 def ready_file_problem(path: str) -> str | None:
     """Why `--ready-file` could not be written once the server serves, found before it
-    starts, by opening it for writing (an existing file is not changed; a new one is made and
-    removed again; a FIFO or device is only asked for write access); None if it can be."""
+    starts, by opening it for writing (an existing file is not changed; where there is none,
+    the file `write_ready_file` renames into place is made and removed again, so a script
+    waiting for `path` never sees it early; a FIFO or device is only asked for write access);
+    None if it can be."""
     if os.path.isdir(path):
         return f"--ready-file: {path} is a directory"
     try:
         if not os.path.exists(path):
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-            os.unlink(path)
+            probe = _ready_temp(path)
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            os.unlink(probe)
         elif stat.S_ISREG(os.stat(path).st_mode):
             os.close(os.open(path, os.O_WRONLY))
         elif not os.access(path, os.W_OK):
@@ -444,12 +447,28 @@ def ready_file_problem(path: str) -> str | None:
 
 
 def write_ready_file(path: str, endpoint: str) -> str | None:
-    """Write the endpoint to `--ready-file`; why not, as one line, or None."""
+    """Write the endpoint to `--ready-file`, whole: a regular file is written beside it and
+    renamed into place, so whoever polls `path` reads either nothing or the endpoint, never
+    a part of it (a FIFO or device is written to). Why not, as one line, or None."""
     try:
-        Path(path).write_text(endpoint)
+        if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+            Path(path).write_text(endpoint)
+            return None
+        temp = _ready_temp(path)
+        try:
+            Path(temp).write_text(endpoint)
+            os.replace(temp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
     except OSError as exc:
         return f"cannot write --ready-file {path}: {exc.strerror or exc}"
     return None
+
+
+def _ready_temp(path: str) -> str:
+    """The file `--ready-file` is written to before it is renamed into place (same folder)."""
+    return f"{path}.{os.getpid()}.tmp"
 
 
 def pool_size_change(args: argparse.Namespace, pool_path: str, state_dir: Path) -> str | None:
