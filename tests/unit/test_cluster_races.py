@@ -143,3 +143,154 @@ def test_spilled_victims_stay_registered_and_unfreed_until_published(tier):
     keys = publishing[0].keys
     assert reg.delete(keys) == [DeleteStatus.PINNED] * len(keys)
     assert reg.instances.take_freed("A") == []
+
+
+def test_a_sidecar_not_reaped_keeps_its_batches_pages_and_holds_until_it_is(tier, caplog):
+    """A sidecar SIGKILLed (a batch stalled) that the kernel does not reap in time (stuck in
+    the kernel, D state) may still read or write its batches' pages: it is set aside, logged
+    at ERROR, and the server goes on (no exception out of housekeeping); the pages its pull
+    was landing in are reserved for no other pull and the key its publish held stays so,
+    until a later housekeeping finds it reaped. (SIGKILL cannot be ignored: the stuck
+    process is simulated, its `wait` raising TimeoutExpired and its `poll` finding it
+    running. Before: `close` freed the pages and holds first, then `wait` raised.)"""
+    import subprocess
+    import time
+
+    import zmq
+
+    reg = tier.registry
+    rid = reg.request_region("A", 16 * MiB).region_id
+    register(reg, "A", [["W", rid, 0, MiB]])
+    tier.sealed(["W"], [RegisterStatus.REGISTERED], RegisterStatus.REGISTERED)
+    _, batch = pull_in_flight(tier, "K")
+    stuck = tier.proc
+
+    def wait(timeout=None):
+        raise subprocess.TimeoutExpired("sidecar", timeout)
+
+    stuck.wait, stuck.poll = wait, lambda: None
+    poller = zmq.Poller()
+    tier.housekeeping(poller, time.monotonic() + tier_module.STALL_S + 1)  # stalled: restarted
+    assert tier.proc is not stuck and tier.counts["sidecar_starts"] == 2
+    assert any(r.levelname == "ERROR" and "reaped" in r.getMessage() for r in caplog.records)
+    assert "K" not in tier.pulling  # (its readers miss now)
+    end = connect(tier)
+    try:
+        _, again = pull_in_flight(tier, "K2")
+        assert set(again.places).isdisjoint(batch.places)  # K's pages: still the stuck one's
+        assert reg.delete(["W"]) == [DeleteStatus.PINNED]  # still held for its publish
+        assert all(not reg.regions[r].returned for r, _ in batch.places)  # (never given back)
+        tier.close()  # (at shutdown too: no exception, nothing released)
+        assert reg.delete(["W"]) == [DeleteStatus.PINNED]
+        stuck.poll = lambda: -9  # the kernel reaped it at last
+        tier.start()
+        tier.housekeeping(poller, time.monotonic() + 2 * tier_module.STALL_S)
+        assert reg.delete(["W"]) == [DeleteStatus.DELETED]
+        end.close()
+        end = connect(tier)
+        _, third = pull_in_flight(tier, "K3")
+        assert third.places == batch.places  # K's pages free again
+        consistent(reg)
+    finally:
+        end.close()
+
+
+@pytest.mark.parametrize(
+    "results",
+    [
+        [[PUBLISHED, 1 << 63]],  # a maru64 past int64 (before: OverflowError out of the loop)
+        [[PUBLISHED, 77], [PUBLISHED, 78]],  # more results than keys (before: IndexError)
+        [],  # fewer (before: the batch dropped, its pages never freed)
+        [[PUBLISHED, "77"]],
+        {"K": [PUBLISHED, 77]},
+    ],
+    ids=["past-int64", "too-many", "too-few", "a-str", "a-map"],
+)
+def test_a_reply_that_does_not_fit_its_batch_is_never_applied_nor_stops_the_loop(tier, results):
+    """A sidecar reply whose results do not fit its batch (a sidecar bug, a channel gone
+    wrong) is applied in no part and raises nothing out of `serve` (maru-server's loop):
+    the channel is taken for broken, the sidecar started again, and the batch's pages freed
+    once it is gone. Before, some of these killed the server, others leaked the pages."""
+    import time
+
+    import zmq
+
+    reg = tier.registry
+    end = Link(connect(tier), blocking=True)
+    poller = zmq.Poller()
+    tier.attach(poller)
+    try:
+        batch_id, batch = pull_in_flight(tier, "K")
+        end.send({"op": "pull-done", "batch": batch_id, "results": results, "error": None})
+        tier.serve(dict(poller.poll(5000)), poller)
+        assert locate(reg, ["K"])[0] == [None] and tier.link.closed
+        assert tier.batches == {batch_id: batch}  # (its pages kept until the sidecar is gone)
+        tier.housekeeping(poller, time.monotonic() + tier_module.RESTART_S + 1)
+        assert tier.counts["sidecar_starts"] == 2 and not tier.batches
+        assert all(pages.used == 0 for pages in tier.pages.free_lists.values())
+        consistent(reg)
+    finally:
+        end.close()
+
+
+def test_a_sidecar_that_cannot_be_started_again_never_stops_the_loop(tier, monkeypatch):
+    """A sidecar that exited is started again from housekeeping; a start that fails (no
+    descriptor left for its channel: EMFILE, as while TCP connections exhaust them; or no
+    memory to fork) raises nothing out of the loop: logged, `error` says why, and tried again
+    RESTART_S later. (Before: the OSError went out of `housekeeping`: maru-server died.)"""
+    import errno
+    import time
+
+    import zmq
+
+    def exhausted() -> None:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    poller = zmq.Poller()
+    tier.proc.poll = lambda: 1  # (the sidecar exited)
+    pair = Link.pair
+    monkeypatch.setattr(tier_module.Link, "pair", exhausted)
+    now = time.monotonic() + tier_module.RESTART_S + 1
+    tier.housekeeping(poller, now)
+    assert tier.proc is None and tier.link is None and "Too many open files" in tier.error
+    monkeypatch.setattr(tier_module.Link, "pair", pair)
+    tier.housekeeping(poller, now + tier_module.RESTART_S + 1)
+    assert tier.proc is not None and tier.counts["sidecar_starts"] == 2
+
+
+def test_a_region_the_journal_could_not_record_is_a_miss_not_a_dead_loop(tier, monkeypatch):
+    """A pull's pages need a region, and a region is journaled before it is handed out: with
+    the state dir's disk full (`JournalWriteError`) there is none, and the pull is a miss, as
+    when the pool is full; nothing goes out of the loop (the sidecar's probe reply, applied
+    by `serve`) nor of an EXISTS (`want`), and no key is left `pulling` for good. (Before:
+    the error went out of `serve`, and maru-server died.)"""
+    import errno
+    import time
+    from pathlib import Path
+
+    import zmq
+
+    from maru.server.journal import JournalWriteError
+
+    def full(*args, **kwargs):
+        raise JournalWriteError(Path("/nonexistent/state"), OSError(errno.ENOSPC, "No space"))
+
+    monkeypatch.setattr(tier.registry, "request_region", full)
+    end = Link(connect(tier), blocking=True)
+    poller = zmq.Poller()
+    tier.attach(poller)
+    try:
+        tier.guess = 0  # (probed first: the reply's lengths are pulled from `serve`)
+        assert tier.want(["K"]) == 1
+        ((batch_id, _),) = tier.batches.items()
+        end.send({"op": "probe-done", "batch": batch_id, "results": [MiB], "error": None})
+        tier.serve(dict(poller.poll(5000)), poller)
+        assert "K" not in tier.pulling and not tier.batches and not tier.link.closed
+        tier.guess, tier.absent = MiB, {}
+        tier.want(["K2"])  # (its length guessed: pulled at once, from the EXISTS)
+        assert "K2" not in tier.pulling and not tier.batches
+        tier.pages.ready(MiB)  # (room ahead: none either)
+        tier.housekeeping(poller, time.monotonic() + 1)
+        consistent(tier.registry)
+    finally:
+        end.close()

@@ -64,7 +64,7 @@ class TierPages:
         try:
             size = max(REGION_BYTES, length)
             handle = self.registry.request_region(self.instance_id, size, length)
-        except ProtocolError as exc:
+        except (ProtocolError, JournalWriteError) as exc:  # (a region is journaled first)
             log.info("cluster tier: no pool pages for a pull of %d bytes: %s", length, exc)
             return None
         pages = self.free_lists[handle.region_id] = ExtentAllocator(handle.length, ALIGN)
@@ -85,7 +85,7 @@ class TierPages:
         size = max(REGION_BYTES, self.ahead - free)
         try:
             handle = self.registry.request_region(self.instance_id, size, reclaim=False)
-        except ProtocolError:  # (no free room now: pulls take it when they need it)
+        except (ProtocolError, JournalWriteError):  # (no room now: pulls take it when needed)
             return
         self.free_lists[handle.region_id] = ExtentAllocator(handle.length, ALIGN)
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ BATCH_KEYS = 64  # keys per publish batch
 IN_FLIGHT = 4  # batches sent and not answered
 STALL_S = 30.0  # a batch unanswered this long: the sidecar is killed and started again
 RESTART_S = 2.0  # the least time between two starts of the sidecar
+REAP_S = 10.0  # how long `close` waits for a killed sidecar to be reaped, then sets it aside
 CHECK_S = 0.1  # how often the loop looks after the sidecar and the tier's pages
 ABSENT_S = 1.0  # a key the cluster did not hold is not asked for again this long
 RETRY_S = 0.5  # a publish Mooncake failed (a master or link back a moment ago) goes again then
@@ -69,9 +71,91 @@ class Batch:
     sent: float = field(default_factory=time.monotonic)
 
 
-def landing(batches: dict[int, Batch]) -> set[int]:
+def landing(*batches: Iterable[Batch]) -> set[int]:
     """The regions pulls in flight are landing in (their pages not registered yet)."""
-    return {place[0] for b in batches.values() if b.op == "pull" for place in b.places}
+    return {place[0] for some in batches for b in some if b.op == "pull" for place in b.places}
+
+
+def fits(batch: Batch, results: Any) -> bool:
+    """Whether a reply's results fit its batch: one per key, each in its op's form (a pull's
+    [code, int], a probe's int or None, a publish's int), every int an int64."""
+    if type(results) is not list or len(results) != len(batch.keys):
+        return False
+    if batch.op == "pull":
+        return all(type(r) is list and len(r) == 2 and all(map(_int64, r)) for r in results)
+    return all(_int64(r) or (r is None and batch.op == "probe") for r in results)
+
+
+def _int64(value: Any) -> bool:
+    return type(value) is int and -(1 << 63) <= value < 1 << 63
+
+
+def unspill(registry: Registry, batch: Batch) -> None:
+    """A spill batch is over: its bytes no longer count as being evicted."""
+    eviction, nbytes = registry.eviction, sum(batch.nbytes)
+    eviction.spilling -= nbytes
+    if batch.room_for:
+        eviction.coming[batch.room_for] -= nbytes
+        if eviction.coming[batch.room_for] <= 0:
+            del eviction.coming[batch.room_for]
+
+
+def drop_spilled(registry: Registry, batch: Batch) -> None:
+    """Drop spilled keys once published (or failed); those a reader holds wait a later round."""
+    unspill(registry, batch)
+    keys, entries = [], []
+    for key, entry in zip(batch.keys, batch.held):  # (`held`: the keys' entries, in order)
+        if not entry.busy and registry.keys.get(key) is entry:
+            keys.append(key)
+            entries.append(entry)
+    try:
+        registry.eviction.view.drop_keys(keys, entries)
+    except JournalWriteError as exc:
+        log.error("cluster tier: %d spilled keys not dropped: %s", len(keys), exc)
+
+
+class Unreaped:
+    """Killed sidecars the kernel has not reaped yet (stuck in the kernel: D state), each with
+    the batches it was sent. Until one is gone it may still read or write their pages (its
+    copies, its transfer engine's into memory it registered), so the holds of its publishes
+    and the pages its pulls land in are kept until `reaped` hands its batches back."""
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[subprocess.Popen, list[Batch]]] = []
+
+    def stop(self, proc: subprocess.Popen, batches: list[Batch]) -> bool:
+        """SIGKILL `proc` and reap it: True once it is gone, else (logged) it is set aside with
+        `batches`."""
+        proc.kill()
+        try:
+            proc.wait(REAP_S)
+        except subprocess.TimeoutExpired:
+            log.error(
+                "cluster tier: sidecar %d not reaped %.0f s after SIGKILL: the pages of its %d "
+                "batches stay held until it is",
+                proc.pid,
+                REAP_S,
+                len(batches),
+            )
+            self.procs.append((proc, batches))
+            return False
+        return True
+
+    def reaped(self) -> list[Batch]:
+        """The batches of the sidecars reaped since the last call (`poll` reaps them)."""
+        left, done = [], []
+        for proc, batches in self.procs:
+            if proc.poll() is None:
+                left.append((proc, batches))
+            else:
+                log.info("cluster tier: killed sidecar %d reaped at last", proc.pid)
+                done += batches
+        self.procs = left
+        return done
+
+    def __iter__(self) -> Iterator[Batch]:
+        """The batches of the sidecars not reaped yet."""
+        return (batch for _, batches in self.procs for batch in batches)
 
 
 class ClusterTier:
@@ -95,7 +179,9 @@ class ClusterTier:
         self.publish_mode = publish
         self.lookup_ms = lookup_ms
         self.sidecar_flags = ["--log-level", log_level, "--coherence", coherence]
-        self.pages = TierPages(registry, lambda: landing(self.batches))
+        self.unreaped = Unreaped()  # killed sidecars not reaped yet, and their batches
+        # (the regions a sidecar may still write: its pulls', and a killed unreaped one's)
+        self.pages = TierPages(registry, lambda: landing(self.batches.values(), self.unreaped))
         if publish == "spill":
             registry.eviction.spill = self.spill
         self.queue: deque[Key] = deque()  # to publish
@@ -121,31 +207,42 @@ class ClusterTier:
 
     def start(self) -> None:
         """A fresh channel and sidecar (the old ones closed: an old reply is never taken for a
-        new one's)."""
+        new one's). One that cannot start (no descriptor, no memory) is logged, and started
+        again by `housekeeping`: the server goes on without it."""
         self.close()
-        self.link, theirs = Link.pair()
-        cmd = [sys.executable, "-m", "maru.server.cluster.sidecar"]
-        cmd += ["--config", self.config_path, "--fd", str(theirs.fileno())]
-        cmd += ["--device-bytes", str(self.registry.pool.file_bytes)]
-        cmd += ["--pool-file", self.registry.pool.path, *self.sidecar_flags]
-        with theirs:  # (the sidecar's end, open in the sidecar alone once it started)
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()])
         self.started = time.monotonic()
+        cmd = [sys.executable, "-m", "maru.server.cluster.sidecar"]
+        cmd += ["--device-bytes", str(self.registry.pool.file_bytes)]
+        cmd += ["--pool-file", self.registry.pool.path, "--config", self.config_path]
+        try:
+            self.link, theirs = Link.pair()
+            with theirs:  # (the sidecar's end, open in the sidecar alone once it started)
+                fds = [theirs.fileno()]
+                cmd += ["--fd", str(fds[0]), *self.sidecar_flags]
+                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=fds)
+        except OSError as exc:
+            self.error = f"sidecar not started: {exc}"
+            log.error("cluster tier: %s; trying again in %.0f s", self.error, RESTART_S)
+            self.close()
+            return
         self.counts["sidecar_starts"] += 1
         self.error = "connecting"
         log.info("cluster tier: sidecar %d started (Mooncake %s)", self.proc.pid, self.config_path)
 
     def close(self) -> None:
-        """Stop the sidecar and release what its batches held."""
-        self._fail_in_flight("the sidecar stopped")
+        """Stop the sidecar (SIGKILL, reaped), then release what its batches held: only once
+        it is gone can nothing read or write their pages (`Unreaped` keeps them till then).
+        Their readers miss at once."""
         self.connected = False
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(10)
-            self.proc = None
         if self.link is not None:
             self.link.close()
             self.link = None
+        proc, batches = self.proc, list(self.batches.values())
+        self.proc = None
+        self.batches.clear()
+        self.pulling.difference_update(k for b in batches if b.op != "publish" for k in b.keys)
+        if proc is None or self.unreaped.stop(proc, batches):
+            self._fail(batches, "the sidecar stopped")
 
     def attach(self, poller: zmq.Poller) -> None:
         """The loop polls the sidecar's channel with its own sockets (`Link.watch`)."""
@@ -161,6 +258,7 @@ class ClusterTier:
         self.checked = now
         self.pages.touch()
         self.pages.take_freed()
+        self._fail(self.unreaped.reaped(), "its sidecar was reaped")
         if self.retry:  # (failed publishes whose time to go again came)
             self.pump()
         proc = self.proc
@@ -171,7 +269,7 @@ class ClusterTier:
             return
         why = "stalled" if stalled else "closed its channel"
         if not running:
-            why = f"exited with status {proc.returncode if proc else None}"
+            why = f"exited with status {proc.returncode}" if proc else "not running"
         log.error("cluster tier: sidecar %s; starting it again", why)
         if self.link is not None:  # (no longer watched)
             self.link.close()
@@ -246,8 +344,10 @@ class ClusterTier:
             for message in link.receive():
                 try:
                     self._apply(message)
-                except (ValueError, KeyError, TypeError) as exc:
-                    log.error("cluster tier: a bad reply from the sidecar (%s): ignored", exc)
+                except (ValueError, KeyError, TypeError) as exc:  # (applied in no part)
+                    log.error("cluster tier: a bad reply from the sidecar (%s): restarting it", exc)
+                    link.close()  # (broken: `housekeeping` starts it again)
+                    break
             self.pump()
         link.watch(poller)
 
@@ -256,9 +356,12 @@ class ClusterTier:
         if op == "state":
             self.connected, self.error = bool(message["connected"]), message.get("error")
             return
-        batch = self.batches.pop(message["batch"], None)
-        if batch is None or op != f"{batch.op}-done":
+        batch = self.batches.get(message["batch"])
+        if batch is None:  # (one failed already: ids are never reused)
             return
+        if op != f"{batch.op}-done" or not fits(batch, message["results"]):
+            raise ValueError(f"{op} results that do not fit batch {message['batch']}")
+        del self.batches[message["batch"]]
         if message.get("error"):
             self.last_failure = message["error"]
             log.warning("cluster tier: %s: %s", batch.op, message["error"])
@@ -269,7 +372,7 @@ class ClusterTier:
     def _published(self, batch: Batch, results: list[int]) -> None:
         release_entries(batch.held)
         if batch.spill:
-            self._drop_spilled(batch)
+            drop_spilled(self.registry, batch)
         counts, again = self.counts, time.monotonic() + RETRY_S
         for key, nbytes, result in zip(batch.keys, batch.nbytes, results):
             tries = self.tries.get(key, 0)
@@ -292,29 +395,6 @@ class ClusterTier:
                 "published",
                 results.count(REFUSED),
             )
-
-    def _unspill(self, batch: Batch) -> None:
-        """A spill batch is over: its bytes no longer count as being evicted."""
-        eviction, nbytes = self.registry.eviction, sum(batch.nbytes)
-        eviction.spilling -= nbytes
-        if batch.room_for:
-            eviction.coming[batch.room_for] -= nbytes
-            if eviction.coming[batch.room_for] <= 0:
-                del eviction.coming[batch.room_for]
-
-    def _drop_spilled(self, batch: Batch) -> None:
-        """Drop spilled keys once published (or failed); those a reader holds wait a later round."""
-        self._unspill(batch)
-        table = self.registry.keys
-        keys, entries = [], []
-        for key, entry in zip(batch.keys, batch.held):  # (`held`: the keys' entries, in order)
-            if not entry.busy and table.get(key) is entry:
-                keys.append(key)
-                entries.append(entry)
-        try:
-            self.registry.eviction.view.drop_keys(keys, entries)
-        except JournalWriteError as exc:
-            log.error("cluster tier: %d spilled keys not dropped: %s", len(keys), exc)
 
     def _probed(self, batch: Batch, lengths: list[Any]) -> None:
         """Pull the keys the cluster holds (each value's length, from the master)."""
@@ -440,7 +520,7 @@ class ClusterTier:
             release_entries(held)
             self.counts["publish_drops"] += len(batch.keys)
             return False
-        if spill:  # (undone by `_unspill`)
+        if spill:  # (undone by `unspill`)
             eviction, nbytes = self.registry.eviction, sum(batch.nbytes)
             eviction.spilling += nbytes
             if room_for:
@@ -461,19 +541,21 @@ class ClusterTier:
             self.pages.release(*place)
         self.pulling.difference_update(batch.keys)
 
-    def _fail_in_flight(self, why: str) -> None:
-        for batch in self.batches.values():
-            if batch.op == "publish":  # (evicted keys: left registered, for a later round)
+    def _fail(self, batches: list[Batch], why: str) -> None:
+        """Release what `batches` held, no sidecar being able to touch their pages any more:
+        publishes' holds (evicted keys: left registered, for a later round), pulls' pages."""
+        for batch in batches:
+            if batch.op == "publish":
                 release_entries(batch.held)
                 if batch.spill:
-                    self._unspill(batch)
+                    unspill(self.registry, batch)
                 self.counts["publish_failures"] += len(batch.keys)
             else:
-                self._undo_pull(batch)
+                for place in batch.places:
+                    self.pages.release(*place)
                 self.counts["pull_failures"] += len(batch.keys) if batch.op == "pull" else 0
-        if self.batches:
-            log.warning("cluster tier: %d batches not finished: %s", len(self.batches), why)
-        self.batches.clear()
+        if batches:
+            log.warning("cluster tier: %d batches not finished: %s", len(batches), why)
 
     def announce(self) -> dict[str, Any]:
         """What HANDSHAKE tells clients: a miss may be pulled, within this budget."""
