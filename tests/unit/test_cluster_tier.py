@@ -321,9 +321,9 @@ def test_the_tiers_regions_go_back_when_a_writer_below_its_share_finds_the_pool_
     assert refused.value.code == ErrorCode.POOL_RECLAIMING  # (the tier asked to shed)
     landing = {regions[0]}  # a pull in flight there: not given back
     given = pages.shed(landing)
-    assert given == 48 * MiB  # the tier's 64 over its share of 64/3, in whole regions
-    assert list(pages.free_lists) == regions[:1]
-    assert all(reg.regions[r].returned for r in regions[1:])
+    assert given == 32 * MiB  # the tier's 64 over its share of 64/2 (A only reads)
+    assert list(pages.free_lists) == [regions[0], regions[3]]  # the landing one, the newest
+    assert all(reg.regions[r].returned for r in regions[1:3])
     assert all(hit is not None for hit in locate(reg, keys)[0])  # readable until reclaimed
     # (and still known as pulled: a spilling eviction of them publishes nothing again)
     assert all(pages.pulled_into(r) for r in regions) and not pages.pulled_into(-1)
@@ -361,7 +361,8 @@ def test_a_writer_below_its_share_gets_the_tiers_room_in_the_request_that_finds_
     tier.batches[1] = Batch("pull", ["landing"], places=[(regions[0], 0)])  # a pull in flight
     handle = reg.request_region("B", 16 * MiB)  # at once: no POOL_RECLAIMING
     assert handle.region_id not in regions[:1]
-    assert list(tier.pages.free_lists) == regions[:1]  # 48 MiB back: over its share of 64/3
+    # 32 MiB back, the oldest regions but the landing one: over its share of 64/2 (A reads)
+    assert list(tier.pages.free_lists) == [regions[0], regions[3]]
     hits = locate(reg, keys)[0]
     assert all(hits[:16]) and hits.count(None) == 16  # one returned region reclaimed
     assert not reg.regions[regions[0]].returned  # (the pull's pages stay the tier's)

@@ -54,6 +54,7 @@ class RegionGrants:
         (default `size`), reclaiming idle regions until it fits; POOL_FULL when nothing more
         can be. `reclaim` False (taken ahead of need): POOL_FULL at once, evicting nothing."""
         inst = self.instances.require(instance_id)
+        inst.writer = True  # (from its first ask on, owed a share: `fair_share`)
         check_count(size, "size")
         check_count(size if min_size is None else min_size, "min_size")
         pool = self.pool
@@ -74,7 +75,11 @@ class RegionGrants:
             length = min(length, room)
         share, held = self.fair_share(), self.region_bytes(inst)
         now = time.monotonic()
-        waiting = [i for i, until in self.wanting.items() if until > now and i != instance_id]
+        waiting = [  # (one that has gone since waits for nothing)
+            i
+            for i, until in self.wanting.items()
+            if until > now and i != instance_id and i in self.instances
+        ]
         if waiting and held + least > share:  # what others give back is theirs
             raise ProtocolError(
                 ErrorCode.POOL_FULL,
@@ -97,12 +102,14 @@ class RegionGrants:
         return region.handle()
 
     def fair_share(self) -> int:
-        """The bytes of regions each live instance is owed: the pool's capacity over them, but
-        never less than one region of the pool's alignment. Without that floor, instances
-        that hold no region (readers) made the share smaller than any region, so that no
-        writer was ever below it: one that held nothing was refused for good, nobody asked
-        to give back, while others held two regions each."""
-        share = self.pool.capacity // max(1, len(self.instances))
+        """The bytes of regions each writer is owed: the pool's capacity over the live
+        instances that hold or asked for regions (`Instance.writer`), never less than one
+        region of the pool's alignment (more writers than regions). Readers do not count: they
+        use no region, and counting them shrank each writer's share, so that a writer held at
+        one region could not ask one holding most of the pool to give any back, and one asked
+        gave back (evicting its keys) far more than another writer needed."""
+        writers = sum(1 for i in self.instances.values() if i.writer or i.regions)
+        share = self.pool.capacity // max(1, writers)
         return max(share, min(self.pool.alignment, self.pool.capacity))
 
     def region_bytes(self, inst: Instance) -> int:

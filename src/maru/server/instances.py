@@ -46,6 +46,9 @@ class Instance:
     park_seq: int = 0  # the sequence number of the last PARK_REGIONS applied
     lease_bytes: int = 0  # bytes of the keys its leases hold (--quota-lease-bytes)
     shed: int = 0  # bytes of regions to ask it to give back, on its next reply (fair share)
+    # It asked for a region once (REQUEST_REGION): it writes, so it is owed a fair share; an
+    # instance that only reads never uses pool room, and counting it shrank writers' shares
+    writer: bool = False
     routes: set[bytes] = field(default_factory=set)  # its TCP connections (ZMQ routing ids)
     dropped: bool = False  # its last TCP connection dropped, and it has not spoken since
     host: str = ""  # where it last spoke from: "local" (the Unix socket), else an address
@@ -153,9 +156,17 @@ class InstanceTable(dict[str, Instance]):
             return 0, 0, 0
         pins, leases = self.let_go(inst)
         regions = len(inst.regions)
-        for region_id in sorted(inst.regions):
-            self.regions.release(self.regions[region_id], hold)
-            inst.regions.discard(region_id)
+        try:
+            for region_id in sorted(inst.regions):
+                self.regions.release(self.regions[region_id], hold)
+                inst.regions.discard(region_id)
+        except JournalWriteError:
+            if len(inst.regions) < regions:
+                # Left half let go: some regions released (held, then freed and handed out).
+                # Its credential is void until it handshakes, which tells its client which
+                # regions are still its own; else a paused writer resumes into a released one.
+                self.sessions.pop(self.signer.session(instance_id), None)
+            raise
         del self[instance_id]
         for route in inst.routes:
             if self.routes.get(route) == instance_id:
