@@ -85,6 +85,19 @@ class DevicePageLayout:
             raise ValueError(
                 f"device KV pool page size {kvcache.page_size} != tree page size {page_size}"
             )
+        # A block-scaled cache (MHA fp8/fp4, MLA fp4) keeps each row's scales in buffers of
+        # their own, which a stored page does not hold: loaded without them, the rows would
+        # dequantize with whatever scales the slots held before.
+        scaled = sorted(
+            name
+            for name, value in vars(kvcache).items()
+            if "scale_buffer" in name and value is not None
+        )
+        if scaled:
+            raise ValueError(
+                "MaruCacheLinker does not support scaled (fp8/fp4) KV caches "
+                f"({type(kvcache).__name__}: {', '.join(scaled)})"
+            )
         if isinstance(kvcache, MLATokenToKVPool):
             self.is_mla = True
             parts = [list(kvcache.kv_buffer)]
@@ -95,11 +108,6 @@ class DevicePageLayout:
             )
         elif isinstance(kvcache, MHATokenToKVPool):
             self.is_mla = False
-            if (
-                getattr(kvcache, "k_scale_buffer", None) is not None
-                or getattr(kvcache, "native_k_scale_buffer", None) is not None
-            ):
-                raise ValueError("MaruCacheLinker does not support scaled (fp8/fp4) KV caches")
             parts = [list(kvcache.k_buffer), list(kvcache.v_buffer)]
             self.geometry = SimpleNamespace(
                 head_num=kvcache.head_num,

@@ -113,6 +113,36 @@ def _kv_cache_dtype_setting() -> str | None:
         return None
 
 
+_PRIVATE_DRAFT: str | None = None  # this process's draft model where SGLang published none
+
+
+def _draft_fields(name: str) -> list[str]:
+    """For a speculative draft pool (`draft`, `draft_indexer`, `draft_swa`), the draft model:
+    its pages are computed by the draft's weights, which the target's model name does not
+    name, and two drafts of one geometry (EAGLE heads of one target) write pages of one
+    length. Where SGLang published no setting, a namespace of this process alone."""
+    if not name.startswith("draft"):
+        return []
+    try:
+        from sglang.srt.runtime_context import get_spec
+
+        spec = get_spec()
+        setting = (
+            f"{spec.speculative_algorithm}:{spec.speculative_draft_model_path}"
+            f"@{spec.speculative_draft_model_revision}"
+        )
+    except (ImportError, ValueError, AttributeError):
+        global _PRIVATE_DRAFT
+        if _PRIVATE_DRAFT is None:
+            _PRIVATE_DRAFT = f"unpublished-{os.urandom(8).hex()}"
+            log.warning(
+                "MaruStorage: SGLang published no speculative draft model in this process: "
+                "its draft pools' pages are kept apart from every other instance's"
+            )
+        setting = _PRIVATE_DRAFT
+    return [f"draft_model={setting}"]
+
+
 def page_namespace(storage_config: HiCacheStorageConfig, pool: Any) -> str:
     """The KV pool's namespace: a short hash of every field a KV page's bytes depend on (the
     layout: `page_first` and `page_first_direct` order a page differently; the TP shard only for
@@ -193,6 +223,7 @@ def sidecar_namespace(
         f"parts={','.join(map(str, part_sizes))}",
         *_state_fields(pool),
         *_kv_format_fields(getattr(pool, "dtype", None)),
+        *_draft_fields(name),
     ]
     if replicated:
         fields.append(f"dcp={storage_config.dcp_rank}/{storage_config.dcp_size}")

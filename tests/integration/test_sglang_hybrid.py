@@ -666,3 +666,34 @@ def test_pool_names_cover_sglang(maru_server):
     assert len({p.namespace for p in storage.pools.values()}) == len(storage.pools)
     assert {p.value for p in PoolHitPolicy} == {"all_pages", "trailing_pages", "block_groups"}
     storage.close()
+
+
+def test_draft_pages_of_another_draft_model_are_a_miss(maru_server):
+    """A speculative draft pool's pages are computed by the draft model, which the served
+    (target) model name does not name: two servers of one target with different drafts of one
+    geometry (two EAGLE heads) wrote draft pages of one length under one key, each reading
+    the other's as hits. The draft model is in the namespace now; the same draft still hits."""
+    from sglang.srt.runtime_context import get_context
+
+    draft = make_host_pool(Geometry(layers=1))
+    sidecar = Sidecar("draft", draft, "all_pages", from_kv=True)
+    keys = ["d0", "d1"]
+
+    def storage_with(path: str) -> MaruStorage:
+        with get_context().override_server_args(
+            speculative_algorithm="EAGLE3", speculative_draft_model_path=path
+        ):
+            storage = _storage(maru_server.url, make_hybrid("mamba"))
+            storage.register_mem_host_pool_v2(draft, PoolName.DRAFT)
+        return storage
+
+    writer = storage_with("/models/eagle3-a")
+    _, pages = _store_side(writer, sidecar, keys, 0, seed=21)
+    writer.confirm_writes()
+    other, same = storage_with("/models/eagle3-b"), storage_with("/models/eagle3-a")
+    dst = slots(draft, 4, len(keys))
+    assert other.batch_get_v2([transfer(sidecar, keys, dst)]) == {"draft": [False, False]}
+    assert same.batch_get_v2([transfer(sidecar, keys, dst)]) == {"draft": [True, True]}
+    assert all(torch.equal(x, y) for x, y in zip(read_bytes(draft, dst, len(keys)), pages))
+    for storage in (writer, other, same):
+        storage.close()

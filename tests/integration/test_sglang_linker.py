@@ -74,6 +74,14 @@ class Instance:
                 layer_num=LAYERS, **common,
             )  # fmt: skip
             self.buffers = [list(self.device.k_buffer), list(self.device.v_buffer)]
+        elif attn == "mla_fp4":  # fp4 latent rows plus a block-scale row per token
+            from sglang.srt.mem_cache.memory_pool import MLATokenToKVPoolFP4
+
+            self.device = MLATokenToKVPoolFP4(
+                TOKENS, PAGE, torch.bfloat16, kv_lora_rank=KV_LORA_RANK,
+                qk_rope_head_dim=ROPE_DIM, layer_num=LAYERS, **common,
+            )  # fmt: skip
+            self.buffers = [list(self.device.kv_buffer), list(self.device.kv_scale_buffer)]
         else:
             self.device = MLATokenToKVPool(
                 TOKENS, PAGE, torch.bfloat16, kv_lora_rank=KV_LORA_RANK,
@@ -422,3 +430,12 @@ def test_the_dynamic_factory_builds_it_and_a_down_server_is_a_clear_error(runtim
             config=config,
             components={ComponentType.FULL, ComponentType.SWA},
         )
+
+
+def test_a_block_scaled_mla_cache_is_refused(runtime, maru_server):
+    """An MLA fp4 device pool keeps each row's block scales in `kv_scale_buffer`. The linker
+    stored and loaded the latent rows only and reported the load landed: the slots kept
+    other tokens' scales, so the KV dequantized wrong. Refused at start now, as scaled MHA
+    caches are (SGLang's MLA host pool refuses it for HiCache too)."""
+    with pytest.raises(ValueError, match=r"scaled .*kv_scale_buffer"):
+        Instance(runtime, maru_server.url, "mla_fp4")
