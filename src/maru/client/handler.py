@@ -193,16 +193,24 @@ class MaruHandler(OriginalApi):
             self._rpc.close()
             return
         self._heartbeat.stop(timeout=self.config.timeout_ms / 1000 + 1)
-        if self._connected:
-            self._connected = False  # (no write starts from here on)
-            # A copy another thread still runs writes into our regions: DISCONNECT frees an
-            # empty one at once, and another instance's values would take its pages.
-            if not self._mapper.wait_copies(self._mapper.close_wait_s):
-                log.warning(
-                    "closing with copies still in flight after %.1f s", self._mapper.close_wait_s
-                )
+        connected, self._connected = self._connected, False  # (no write starts from here on)
+        # A copy another thread still runs writes into our regions: DISCONNECT frees an
+        # empty one at once, and another instance's values would take its pages.
+        if connected and not self._mapper.wait_copies(self._mapper.close_wait_s):
+            log.warning(
+                "closing with copies still in flight after %.1f s", self._mapper.close_wait_s
+            )
+        # The credential void (a seal sent from here on is refused: its copy may have gone to
+        # private memory), then our regions fenced before DISCONNECT (`RegionMapper.close`): a
+        # write through a view kept from before never lands in pages another instance gets.
+        with self._rehandshake:  # (one in progress ends first; none begins after: `_closed`)
+            session, self._rpc.session = self._rpc.session, None
+        self._chunks.clear()
+        self._mapper.close()
+        if connected:
             try:
-                pending = self._request(MsgType.DISCONNECT, self._local_reads())
+                body = {**self._local_reads(), "session": session}
+                pending = self._request(MsgType.DISCONNECT, body)
                 pending.retry = False  # a server that forgot us has nothing of ours to end
                 pending.result()
             except MaruError as exc:
@@ -210,9 +218,6 @@ class MaruHandler(OriginalApi):
                 if not forgot:
                     log.warning("disconnect from %s failed: %s", self.config.server_url, exc)
         self._index = None
-        self._rpc.session = None  # void now: never presented again
-        self._chunks.clear()
-        self._mapper.close()
         self._coherence.release()
         self._rpc.close()
 
@@ -286,6 +291,8 @@ class MaruHandler(OriginalApi):
         """The server forgot us (restarted, or reaped us): handshake again, once for all
         threads that sent the old credential; `request` with the new one, for `RpcClient`."""
         with self._rehandshake:
+            if self._closed:  # (its credential voided by `close`: never a new instance)
+                raise MaruNotConnected(self.config.server_url, "this MaruHandler was closed")
             if request.get("session") == self._rpc.session:
                 try:
                     lost = self._handshake()

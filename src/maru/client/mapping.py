@@ -9,6 +9,14 @@ before the unmap are used within milliseconds). `close()` waits a bounded time f
 in flight, leaving what they use for the last of them to close; a later copy of stale
 addresses faults, which the copy loops take as a failed copy.
 
+A region of ours leaves the tables when we stop owning it (`close`, a region the server
+forgot or lists differently, one given back or taken back), and the server may hand its pages
+to another instance at once. A caller may still hold a view or an address in it (an
+`AllocHandle`, LMCache's memory objects; a view keeps the mapping alive): a write through it
+would land in the new owner's pages, under its registered key. So it is fenced at once
+(`_fence`): the same file range mapped again over it, at the same address, private
+(copy-on-write): reads still see the pool, writes land in this process's memory only.
+
 With `populate=True` (`eager_map`) a background thread maps each new region's pages in bulk
 (MADV_POPULATE_WRITE / _READ; MAP_POPULATE before Linux 5.14), so that a first copy does not
 fault once per 4 KiB page. Only pages the file holds are populated (SEEK_DATA): a hole would
@@ -18,9 +26,12 @@ take memory; a region taken ahead of our writes (`RegionSupply.ready`) is popula
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import logging
 import mmap
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +59,20 @@ log = logging.getLogger(__name__)
 # pages its writer backed since (a writer readies a new region's pages in well under a second)
 FOLLOW_S = 5.0
 
+# mmap(2) flags the mmap module does not export (Linux; the same on x86-64 and arm64)
+_MAP_FIXED, _MAP_NORESERVE = 0x10, 0x4000
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
 
 @dataclass
 class MappedRegion:
@@ -62,6 +87,7 @@ class MappedRegion:
     followed_from: float = 0.0  # (monotonic; 0: never) `follow_backing` looks for FOLLOW_S
     populated: tuple[tuple[int, int], ...] = ()  # the extents `populate` has mapped in
     file: tuple[int, int] = (0, 0)  # the mapped file's (device, inode): `let_go_removed`
+    fenced: bool = False  # writes through it no longer reach the pool (`RegionMapper._fence`)
 
     @property
     def whole(self) -> bool:
@@ -370,8 +396,38 @@ class RegionMapper:
         if mapped is None:
             return
         self._update_rows()
+        if mapped.writable:  # (no longer ours, or closing: the server may hand it out)
+            self._fence(mapped)
         self._retired.append((time.monotonic(), mapped))  # closed later (see the module)
         self._close_retired_locked()
+
+    def _fence(self, mapped: MappedRegion) -> None:
+        """Make writes through `mapped` (kept views, addresses) land in private memory, never
+        in the pool: its file range mapped over it again, MAP_PRIVATE, so that reads (a copy
+        in flight, a leased view of our key) still see the pool's bytes. Only where its path
+        still names the mapped file: a pool file made anew, or an fsdax region file unlinked,
+        holds nobody's pages now. A devdax device cannot be mapped private: left shared
+        (docs/reliability.md, "Stale writers on a device")."""
+        try:
+            fd = os.open(self._path(mapped.handle), os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != mapped.file:
+                return
+            code = _map_private(mapped.address, mapped.handle.length, fd, mapped.handle.offset)
+        finally:
+            os.close(fd)
+        if code:  # (the kernel may have unmapped the range: a late write faults, never lands)
+            log.error(
+                "region %d: cannot fence its mapping (%s): a write through a view kept from "
+                "before may fault",
+                mapped.handle.region_id,
+                os.strerror(code),
+            )
+            return
+        mapped.fenced = True
 
     def _close(self, mapped: MappedRegion) -> None:
         region_id = mapped.handle.region_id
@@ -414,6 +470,18 @@ class RegionMapper:
             retired, self._retired = self._retired, []
         for _, mapped in retired:
             self._close(mapped)
+
+
+def _map_private(address: int, length: int, fd: int, offset: int) -> int:
+    """Map `length` bytes of `fd` at `offset` over [address, address + length), private and
+    writable (MAP_FIXED: one step, never unmapped between); 0, or the errno. NORESERVE: a
+    page takes memory only once written."""
+    flags = mmap.MAP_PRIVATE | _MAP_FIXED | _MAP_NORESERVE
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    got = _libc.mmap(address, length, prot, flags, fd, offset)
+    if got == _MAP_FAILED or got != address:
+        return ctypes.get_errno() or errno.ENOMEM
+    return 0
 
 
 def _within(start: int, end: int, extents: tuple[tuple[int, int], ...]) -> bool:

@@ -146,6 +146,9 @@ class RegionSupply:
         want, self._shed = self._shed, 0
         for mapped in self.chunks.give_up(want):
             self._unreturned[mapped.handle.region_id] = mapped.handle
+            # Fenced before the server can hand it out: a write through a view or handle
+            # kept from before lands in private memory (its keys are read from a new mapping)
+            self.mapper.unmap(mapped.handle.region_id)
         self._return_unreturned()
 
     def _return_unreturned(self) -> None:
@@ -438,11 +441,11 @@ class RegionSupply:
             log.debug("instance %s: park request failed: %s", self.owner.instance_id, exc)
             return None
         for region_id in reply["gone"]:
-            # Taken back (nothing of ours was being written there); the mapping stays: a
-            # reader may still hold an address in it.
-
+            # Taken back (nothing of ours was being written there). Its mapping is fenced:
+            # an address a reader still holds in it reads the pool, a late write stays here.
             log.info("instance %s: region %d was taken back", self.owner.instance_id, region_id)
             self.chunks.drop(region_id)
+            self.mapper.unmap(region_id)
         self.chunks.unpark(reply["unparked"])
         return reply["unparked"]
 
