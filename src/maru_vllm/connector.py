@@ -2,7 +2,8 @@
 A block's KV for every layer of a cache group is one Maru value, keyed by vLLM's own block hash
 (chained over the prefix), so every instance that computes the same prefix finds the same keys.
 The key also names everything else the value's bytes depend on (`_kv_namespace`, `_scope`):
-the KV format (model dtype, KV cache dtype, specs, the byte order a value is written in) and
+the model (its weights' name, not only the served alias), the KV format (model dtype, KV cache
+dtype, specs, the byte order a value is written in) and
 the rank's shard (PP stage, PCP and TP rank), so an instance never reads bytes of another
 format or shard as a hit. A block that is missing, evicted, of another size, or whose lease
 ended during the copy is reported by `get_block_ids_with_load_errors`: vLLM recomputes it,
@@ -19,7 +20,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -309,6 +310,25 @@ def _canon(obj: Any) -> Any:
     return f"{type(obj).__qualname__}:{obj}"
 
 
+def _model_identity(model: Any) -> dict[str, Any]:
+    """Which weights compute the KV: the model as given (path or hub id), its revisions and
+    its architecture config (overrides applied). The key's model name is the served name, an
+    alias (`--served-model-name`) that two deployments of other weights may share."""
+    hf_config = getattr(model, "hf_config", None)
+    try:
+        arch = hf_config.to_dict() if hf_config is not None else None
+    except Exception:  # (a config that cannot say itself: its type only)
+        arch = type(hf_config).__qualname__
+    if isinstance(arch, dict):  # (not the weights: where and by what it was read)
+        arch = {k: v for k, v in arch.items() if k not in ("_name_or_path", "transformers_version")}
+    return {
+        "model": getattr(model, "model", None),
+        "revision": getattr(model, "revision", None),
+        "code_revision": getattr(model, "code_revision", None),
+        "config": json.loads(json.dumps(arch, sort_keys=True, default=str)),
+    }
+
+
 def _kv_namespace(
     vllm_config: VllmConfig,
     kv_cache_config: KVCacheConfig,
@@ -319,9 +339,9 @@ def _kv_namespace(
     """`<KV dtype>-<fingerprint>`: the KV cache dtype as resolved (the model's dtype where
     `cache_dtype` is "auto", else `cache_dtype`: fp8_e4m3 and fp8_e5m2 are both uint8 tensors),
     and a hash of everything else a value's bytes depend on that the scheduler knows: the
-    model's dtype and quantization, the cache's dtypes, each group's KV cache spec (heads,
-    head size, dtype, quantization mode, ...), the value's byte order (the resolved layout),
-    the tokens per block and how context parallelism splits them."""
+    model (`_model_identity`), its dtype and quantization, the cache's dtypes, each group's
+    KV cache spec (heads, head size, dtype, quantization mode, ...), the value's byte order
+    (the resolved layout), the tokens per block and how context parallelism splits them."""
     model, cache = vllm_config.model_config, vllm_config.cache_config
     parallel = vllm_config.parallel_config
     model_dtype = str(getattr(model, "dtype", None)).removeprefix("torch.")
@@ -336,6 +356,7 @@ def _kv_namespace(
             fp8 = "?"
     desc = {
         "format": _VALUE_FORMAT,
+        "model": _model_identity(model),
         "model_dtype": model_dtype,
         "quantization": getattr(model, "quantization", None),
         "cache_dtype": cache_dtype,
@@ -433,6 +454,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._matched: dict[str, tuple[int, int]] = {}
             self._failed = _FailedLoads()
             self._loads: list[Transfer] = []
+            self._handler_for("2M")  # maru-server unreachable: a clear error at start
         else:
             self._rank = _parallel_rank(self._pp_size, self._pcp_size, self._tp_size)
             self._layouts: dict[int, _GroupLayout] = {}
@@ -508,7 +530,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         scopes = [self._prefix(g, r) for g in self._groups for r in self._ranks()]
         # every (group, rank)'s keys in one call, each beside its prefix
         prefixes = [prefix for prefix in scopes for _ in hexes]
-        found = self._handler_for("2M").batch_exists(hexes * len(scopes), prefix=prefixes)
+        found = _exists_or_miss(lambda: self._handler_for("2M"), hexes * len(scopes), prefixes)
         exists = np.array(found, dtype=bool)
         if exists.size != len(hexes) * len(scopes):
             return 0, False
@@ -609,9 +631,10 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Work out each cache group's block layout, then connect with one chunk per block
-        value (the largest)."""
+        value (the largest). KV caches outside CPU memory are refused (at the start)."""
         num_blocks = self._kv_cache_config.num_blocks
         order = _value_order(self._value_layout)
+        _check_host_memory(kv_caches)
         for g in self._groups:
             names = [n for n in self._kv_cache_config.kv_cache_groups[g].layer_names]
             tensors = [kv_caches[n] for n in names if n in kv_caches]
@@ -843,6 +866,29 @@ def _read_blocks(
         copied += hits * layout.value_size
         errors.extend(ids[hits:])
     return copied, errors
+
+
+def _exists_or_miss(
+    handler: Callable[[], MaruHandler], keys: list[str], prefixes: list[str]
+) -> list[bool]:
+    """`batch_exists`, or nothing where it raises (maru-server down and never connected):
+    a miss, logged. Raised into vLLM's scheduler, it would end the engine core."""
+    try:
+        return handler().batch_exists(keys, prefix=prefixes)
+    except Exception as exc:
+        log.warning("MaruKVConnector: lookup failed (%s): a miss", exc)
+        return []
+
+
+def _check_host_memory(kv_caches: dict[str, torch.Tensor]) -> None:
+    """The copies dereference the KV caches' addresses in this process: a GPU's would crash
+    the worker at its first transfer. Refused at the start instead, naming the device."""
+    devices = sorted({str(kv.device) for kv in kv_caches.values() if kv.device.type != "cpu"})
+    if devices:
+        raise ValueError(
+            f"MaruKVConnector: KV caches on {', '.join(devices)}; it copies blocks through "
+            "host memory and supports KV caches in CPU memory only (vLLM's CPU backend)"
+        )
 
 
 def _raise_unexpected(futures: Sequence[Future]) -> None:

@@ -321,3 +321,52 @@ def test_the_connectors_own_keys_are_parsed_as_maru_config_keys(
         assert r == want
     else:
         assert r["refused"].startswith("ConfigError: " + want), r
+
+
+def test_maru_server_down_is_an_error_at_start_and_a_miss_later(
+    maru_server_factory, model_dir, vllm_env
+):
+    """maru-server unreachable at the start: the engine does not start (one error naming the
+    URL). Gone after the start (SIGKILL): a new request is a miss, computed in full, never an
+    exception out of vLLM's scheduler (before: the scheduler side, which connected at its
+    first lookup, raised `RuntimeError: Failed to connect`, which ends vLLM's engine core)."""
+    server = maru_server_factory(pool_size="64M")
+    job = (W.server_gone, (model_dir, server.url, server.proc.pid))
+    (r,) = run_processes([job], DEADLINE)
+    assert r["start"].startswith("RuntimeError: Failed to connect MaruHandler to tcp://"), r
+    assert r["raised"] is None, r
+    assert r["finished"] and r["computed"] == list(range(W.BLOCKS * BLOCK + W.TAIL))
+    assert r["run_s"] < 30  # (each lookup waits out one request timeout at most: no hang)
+
+
+def test_other_weights_under_the_same_served_name_never_hit_its_blocks(
+    maru_server_factory, model_dir, vllm_env, tmp_path
+):
+    """Two deployments serve different weights (two checkpoints of one architecture, dtype
+    and KV format) under one `--served-model-name`: B finds none of A's blocks and computes
+    the prompt itself (before: the key named only the served name, an alias, so B loaded A's
+    KV, computed by other weights, as hits). A second instance of A's model still hits."""
+    other = str(build_tiny_model(tmp_path / "other", seed=1))  # same shapes, other weights
+    server = maru_server_factory(pool_size="256M")
+    named = {"served_model_name": "chat"}
+    (a,) = run_processes([(W.store, (model_dir, server.url, 1, named))], DEADLINE)
+    assert a["saved_blocks"] == W.BLOCKS
+    (b,) = run_processes([(W.load, (other, server.url, 1, named))], DEADLINE)
+    assert b["loaded_blocks"] == 0 and b["load_errors"] == []
+    assert b["computed"] == [list(range(W.BLOCKS * BLOCK + W.TAIL))]
+    (same,) = run_processes([(W.load, (model_dir, server.url, 1, named))], DEADLINE)
+    assert same["loaded_blocks"] == W.BLOCKS and same["computed"] == [TAIL_POSITIONS]
+    assert same["match"] == [[True] * W.BLOCKS]
+
+
+def test_kv_caches_outside_cpu_memory_are_refused_at_start(
+    maru_server_factory, model_dir, vllm_env
+):
+    """The connector copies blocks by their addresses in host memory. KV caches on another
+    device (a GPU's; torch's `meta` device stands in, there is no GPU here) are refused by
+    `register_kv_caches`, at the engine's start, with an error naming the device (before:
+    taken, and the first save or load dereferenced device addresses: the worker crashed)."""
+    server = maru_server_factory(pool_size="64M")
+    (r,) = run_processes([(W.kv_cache_on_a_device, (model_dir, server.url))], DEADLINE)
+    assert r["refused"] is not None and r["refused"].startswith("ValueError: "), r
+    assert "KV caches on meta" in r["refused"] and "CPU memory only" in r["refused"]

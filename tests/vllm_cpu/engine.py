@@ -124,12 +124,13 @@ def vllm_config(
     policy: str = "fcfs",
     max_num_batched_tokens: int = 512,
     pp: int = 1,
+    served_model_name: str | None = None,
     **extra: Any,
 ) -> VllmConfig:
     """`kv_connector_extra_config` = the maru_* keys; policy: recompute failed loads. `dtype`:
     the model's, `cache_dtype`: the KV cache's (vLLM's `--kv-cache-dtype`), `pp`: pipeline
-    stages."""
-    model = ModelConfig(model=model_dir, dtype=dtype, seed=0)
+    stages, `served_model_name`: vLLM's `--served-model-name`."""
+    model = ModelConfig(model=model_dir, dtype=dtype, seed=0, served_model_name=served_model_name)
     config = VllmConfig(
         model_config=model,
         scheduler_config=SchedulerConfig(

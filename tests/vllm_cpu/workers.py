@@ -290,3 +290,69 @@ def connector_options(model_dir: str, url: str, extra: dict[str, Any]) -> dict:
         return {"async_load": connector._async_load}
     finally:
         connector.shutdown()
+
+
+def server_gone(model_dir: str, url: str, server_pid: int) -> dict:
+    """A clear error at start where maru-server is not there; where it dies after the
+    start (SIGKILL, `server_pid`: the test's own server), a request that arrives is a miss
+    and computed, never an error out of vLLM's scheduler (which would end the engine)."""
+    _vllm_on_path()
+    import os
+    import signal
+    import socket
+    import time
+
+    from vllm_cpu.engine import MiniEngine
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    out: dict[str, Any] = {}
+    try:
+        MiniEngine(model_dir, closed).close()
+        out["start"] = "started"
+    except Exception as exc:
+        out["start"] = f"{type(exc).__name__}: {exc}"
+    engine = MiniEngine(model_dir, url)
+    try:
+        os.kill(server_pid, signal.SIGKILL)
+        req = engine.add(prompt(0))
+        start = time.monotonic()
+        try:
+            engine.run({req})
+            out["raised"] = None
+        except Exception as exc:
+            out["raised"] = f"{type(exc).__name__}: {exc}"
+        out["run_s"] = time.monotonic() - start
+        out["computed"] = sorted(engine.computed[req])
+        out["finished"] = req in engine.finished
+        return out
+    finally:
+        engine.close()
+
+
+def kv_cache_on_a_device(model_dir: str, url: str) -> dict:
+    """A worker connector handed KV caches outside CPU memory. There is no GPU here: vLLM's
+    `allocate_kv_cache` on torch's `meta` device stands in for a GPU's (tensors with shapes
+    and strides whose addresses are not host memory). What `register_kv_caches` says."""
+    _vllm_on_path()
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from vllm_cpu.engine import BLOCK, kv_cache_config, vllm_config
+
+    config = vllm_config(model_dir, url)
+    kv_config = kv_cache_config(8)
+    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_config)
+    try:
+        kv = allocate_kv_cache(kv_config, torch.device("meta"), KVCacheLayout.LBNHC, [BLOCK])
+        try:
+            connector.register_kv_caches(kv)
+            return {"refused": None}
+        except Exception as exc:
+            return {"refused": f"{type(exc).__name__}: {exc}"}
+    finally:
+        connector.shutdown()
