@@ -155,3 +155,20 @@ def test_a_malformed_notice_is_logged_and_frees_nothing(caplog):
         book.settle()
     assert book.free == 1  # only the well-formed notice's chunk
     assert "malformed" in caplog.text
+
+
+def test_a_notice_of_pages_outside_the_region_frees_nothing_and_fails_no_take():
+    """A notice's page before its region's start (a negative offset) or past its end is no
+    value's: it frees nothing, and the settle that applies it (a take that found no room, a
+    free count) neither fails nor loses the pages beside it. Before: `KeyError: -1` out of
+    `RunAllocator.free_many` for any page below chunk -1, raised by that take."""
+    book = ChunkBook(CHUNK)
+    book.adopt(region(1, 4))
+    handle = book.take(CHUNK, 4)
+    assert handle is not None and book.free == 0
+    outside = [(1, -2 * CHUNK, CHUNK), (1, -(2**62), CHUNK), (1, 9 * CHUNK, CHUNK)]
+    book.note_freed(packed([*outside, (1, handle.offset + CHUNK, CHUNK)]))
+    again = book.take(CHUNK)  # no room: settles the notice first
+    assert again is not None and again.offset == handle.offset + CHUNK
+    book.note_freed(packed(outside))
+    assert book.free_chunks() == 0

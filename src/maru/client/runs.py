@@ -71,8 +71,11 @@ class RunAllocator(ExtentAllocator):
                 freed, i = freed + length, i + 1
                 continue
             k = bisect_right(self._run_firsts, start) - 1
-            first = self._run_firsts[k] if k >= 0 else -1
-            length, count = self._runs.get(first, (1, 0))
+            if k < 0:  # (before every run, and not allocated alone: skipped)
+                i += 1
+                continue
+            first = self._run_firsts[k]
+            length, count = self._runs[first]
             end = first + length * count
             if start >= end:  # (not allocated: skipped)
                 i += 1
