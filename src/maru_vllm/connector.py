@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size, resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -425,6 +426,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._maru_config = MaruConfig.from_mapping(extra, prefix="maru_")
         self._async_load = own["maru_async_load"]
         self._groups = tuple(kv_cache_config.prefix_cacheable_group_ids)
+        self._specs = [kv_cache_config.kv_cache_groups[g].kv_cache_spec for g in self._groups]
         # several KV cache groups: a failed load fails its request (`_connector_options`)
         self._fail_whole_loads = len(kv_cache_config.kv_cache_groups) > 1
         self._block_size = _hash_block_size(vllm_config, kv_cache_config, self._groups)
@@ -518,7 +520,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[int | None, bool]:
         """How many tokens after `num_computed_tokens` are stored as whole blocks, for every
         group and every rank (each PP stage, PCP and TP rank), in one check; a prefix, never
-        the last token."""
+        the last token. A group needs only the blocks vLLM keeps of it (`_hit_blocks`)."""
         bs = self._block_size
         first = num_computed_tokens // bs
         last = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
@@ -534,8 +536,8 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         exists = np.array(found, dtype=bool)
         if exists.size != len(hexes) * len(scopes):
             return 0, False
-        everywhere = exists.reshape(-1, len(hexes)).all(axis=0)
-        hits = len(hexes) if everywhere.all() else int(np.argmin(everywhere))
+        stored = exists.reshape(len(self._groups), -1, len(hexes)).all(axis=1)  # every rank
+        hits = _hit_blocks(stored, first, self._specs, bs)
         if not hits:
             return 0, False
         self._matched[request.request_id] = (first, first + hits)
@@ -550,9 +552,10 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         matched = self._matched.pop(request.request_id, None)
         if num_external_tokens <= 0 or matched is None:
             return
-        transfer = self._transfer(request, block_ids, *matched)
-        self._loads.append(transfer)
-        self._failed.loading[request.request_id] = (matched[0], transfer.block_ids)
+        first, last = matched
+        self._loads.append(self._transfer(request, block_ids, first, last))
+        ids = [block_ids[g][first:last] for g in self._groups]  # (null ones too: by offset)
+        self._failed.loading[request.request_id] = (first, ids)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Where a load failed, remembered (`_FailedLoads`): the request's next match stops
@@ -563,13 +566,13 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     def _transfer(
         self, request: Request, block_ids: list[list[int]], first: int, last: int
     ) -> Transfer:
-        """Blocks [first, last) of `request`, keyed for rank (0, 0, 0) (see `_rank_keys`)."""
+        """Blocks [first, last) of `request` but null ones, keyed for rank (0, 0, 0)."""
         hashes = request.block_hashes[first:last]
-        return Transfer(
-            request.request_id,
-            [self._keys(hashes, g, (0, 0, 0)) for g in self._groups],
-            [block_ids[g][first:last] for g in self._groups],
-        )
+        pairs = [
+            _not_null(self._keys(hashes, g, (0, 0, 0)), block_ids[g][first:last])
+            for g in self._groups
+        ]
+        return Transfer(request.request_id, [k for k, _ in pairs], [i for _, i in pairs])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = MaruConnectorMetadata(loads=self._loads)
@@ -866,6 +869,51 @@ def _read_blocks(
         copied += hits * layout.value_size
         errors.extend(ids[hits:])
     return copied, errors
+
+
+# vLLM 0.33's `BlockPool.null_block`: block 0, the first its free queue gives, never a
+# request's own. A sliding window's blocks before the window stand for it in a request's block
+# ids (`remove_skipped_blocks`, and a hit's skipped blocks): every request shares it.
+_NULL_BLOCK = 0
+
+
+def _not_null(keys: list[str], ids: list[int]) -> tuple[list[str], list[int]]:
+    """`keys` and their block `ids`, less those of the null block: a load into it would
+    write several requests' values into one block that vLLM's kernels take as empty, and
+    a save from it would store its bytes under a block's key."""
+    kept = [(key, b) for key, b in zip(keys, ids) if b != _NULL_BLOCK]
+    return [key for key, _ in kept], [b for _, b in kept]
+
+
+def _kept_from(spec: Any, tokens: int, block_size: int) -> int:
+    """The first block vLLM keeps in a group of `spec` for a request with `tokens`
+    computed; those before it are the null block (vLLM 0.33's `get_num_skipped_tokens` of
+    `SlidingWindowManager` and `ChunkedLocalAttentionManager`). 0 where a group keeps all."""
+    if isinstance(spec, SlidingWindowSpec):
+        skipped = tokens - spec.sliding_window + 1 - spec.extra_retained_tokens
+    elif isinstance(spec, ChunkedLocalAttentionSpec):
+        skipped = tokens // spec.attention_chunk_size * spec.attention_chunk_size
+    else:
+        return 0
+    return max(0, skipped) // block_size
+
+
+def _hit_blocks(stored: np.ndarray, first: int, specs: Sequence[Any], block_size: int) -> int:
+    """How many blocks after `first` a load fills (`stored[g][i]`: group g's block first + i
+    is stored): the most, h, where every group has stored the blocks vLLM keeps of it for
+    first + h blocks computed, from `_kept_from` (not before `first`: local hits). A sliding
+    window needs only its window's, as vLLM's own `SlidingWindowManager.find_longest_cache_hit`
+    does; a group that keeps all needs them all."""
+    count = stored.shape[1]
+    at = np.arange(count)
+    # runs[g][i]: how many blocks up to i are stored in a row (0 where i is not)
+    runs = at - np.maximum.accumulate(np.where(stored, -1, at), axis=1)
+    for hits in range(count, 0, -1):
+        end = first + hits
+        need = [hits - max(0, _kept_from(s, end * block_size, block_size) - first) for s in specs]
+        if all(runs[g, hits - 1] >= n for g, n in enumerate(need)):
+            return hits
+    return 0
 
 
 def _exists_or_miss(

@@ -267,6 +267,33 @@ def test_a_load_error_with_several_kv_cache_groups_fails_the_load_and_is_recompu
     assert b["match"] == [[True] * W.BLOCKS]
 
 
+def test_a_sliding_window_loads_only_its_window_and_never_writes_the_null_block(
+    maru_server_factory, model_dir, vllm_env
+):
+    """A hybrid model whose sliding window is 2 blocks: for a 5-block hit vLLM gives the
+    window group its null block (block 0, shared by every request, taken as empty by its
+    kernels) for blocks 0..2, before the window. B's load leaves the null block's bytes as
+    they were (before: the window group's values of blocks 0..2 were written into it) and
+    fills only the window's blocks. With those earlier values deleted from Maru, C still
+    loads the whole hit, as vLLM's own prefix cache hits with those blocks evicted (before:
+    the connector asked for every block of every group, and C computed the whole prompt).
+    A computed the prompt in chunks, vLLM freeing its window's earlier blocks as it went: its
+    saves hold what a later reader needs."""
+    server = maru_server_factory(pool_size="256M")
+    (r,) = run_processes([(W.sliding_window, (model_dir, server.url))], DEADLINE)
+    assert r["a_computed"] == W.BLOCKS * BLOCK + W.TAIL and r["a_saved"] == 2 * W.BLOCKS
+    assert r["vllm_local_hit"] == W.BLOCKS * BLOCK  # vLLM's own rule: the window's blocks
+    b, c = r["b"], r["c"]
+    assert b["window_blocks"][:3] == [0, 0, 0] and 0 not in b["window_blocks"][3:]
+    assert b["null_unchanged"], b
+    assert b["loaded_blocks"] == W.BLOCKS + 2 and b["load_errors"] == []
+    assert b["computed"] == TAIL_POSITIONS and b["match"] == [True] * W.BLOCKS
+    assert r["deleted"] == [True] * 3
+    assert c["failed_recving"] == [] and c["load_errors"] == []
+    assert c["loaded_blocks"] == W.BLOCKS + 2 and c["computed"] == TAIL_POSITIONS
+    assert c["match"] == [True] * W.BLOCKS and c["null_unchanged"]
+
+
 @pytest.mark.parametrize("async_load", [True, False], ids=["async_load", "sync_load"])
 def test_a_load_that_raises_fails_all_its_blocks(
     maru_server_factory, model_dir, vllm_env, async_load

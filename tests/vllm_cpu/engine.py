@@ -73,15 +73,17 @@ def kv_cache_config(
     dtype: torch.dtype = torch.float16,
     layers: tuple[str, ...] = LAYERS,
     hybrid: bool = False,
+    window: int = 1024,
 ) -> KVCacheConfig:
     """Layer-outermost (vLLM's LBNHC): each layer a region of `num_blocks` pages. `hybrid`:
     two KV cache groups (HMA), full attention (the first layer) and sliding window (the
-    second; a window longer than the tests' prompts), one block pool."""
+    second; a window of `window` tokens: by default longer than the tests' prompts), one
+    block pool."""
     spec = kv_spec(mla, dtype)
     page = spec.page_size_bytes
     if hybrid:
         window = SlidingWindowSpec(
-            block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=dtype, sliding_window=1024
+            block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=dtype, sliding_window=window
         )
         size = page * num_blocks * len(layers)
         tensors = [
@@ -187,12 +189,13 @@ class MiniEngine:
         stage: int = 0,
         layout: str = "LBNHC",
         hybrid: bool = False,
+        window: int = 1024,
         **extra,
     ):
         """`stage`: the pipeline stage this worker runs (`extra` "pp": how many; vLLM's PP
         group must be set up in the process for a stage other than 0). `layout`: the KV cache
         layout the engine resolved (a `KVCacheLayout` name: LBNHC is NHD, LBHNC HND).
-        `hybrid`: two KV cache groups (`kv_cache_config`)."""
+        `hybrid`: two KV cache groups (`kv_cache_config`), the second's window `window`."""
         global _none_hash
         if not _none_hash:
             init_none_hash(sha256)
@@ -202,7 +205,7 @@ class MiniEngine:
         dtype = kv_cache_dtype_str_to_dtype(self.cache_dtype, self.config.model_config)
         self.layers = stage_layers(stage)
         self.first_layer = 2 * stage  # (the stand-in model's layer index of self.layers[0])
-        self.kv_config = kv_cache_config(num_blocks, mla, dtype, self.layers, hybrid)
+        self.kv_config = kv_cache_config(num_blocks, mla, dtype, self.layers, hybrid, window)
         # each layer's KV cache group (its block ids)
         self.layer_group = {
             name: g
@@ -240,11 +243,19 @@ class MiniEngine:
         self._ids = itertools.count()
 
     def add(self, tokens: list[int], max_tokens: int = 1, priority: int = 0) -> str:
-        req_id = f"req-{next(self._ids)}"
+        request = self.request(tokens, max_tokens, priority)
+        req_id = request.request_id
+        self.scheduler.add_request(request)
+        self.tokens[req_id] = list(tokens)
+        self.computed[req_id] = set()
+        return req_id
+
+    def request(self, tokens: list[int], max_tokens: int = 1, priority: int = 0) -> Request:
+        """A vLLM `Request` of this engine (its block hashes), not added to the scheduler."""
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         params.update_from_generation_config({}, EOS)
-        request = Request(
-            request_id=req_id,
+        return Request(
+            request_id=f"req-{next(self._ids)}",
             prompt_token_ids=list(tokens),
             sampling_params=params,
             pooling_params=None,
@@ -252,10 +263,6 @@ class MiniEngine:
             block_hasher=get_request_block_hasher(BLOCK, sha256),
             priority=priority,
         )
-        self.scheduler.add_request(request)
-        self.tokens[req_id] = list(tokens)
-        self.computed[req_id] = set()
-        return req_id
 
     def forward(self, out) -> None:
         """The stand-in model: KV for every scheduled token, into its slot."""
@@ -351,7 +358,9 @@ class MiniEngine:
         raise AssertionError("unreachable")
 
     def blocks_match(self, req_id: str, n_blocks: int) -> list[bool]:
-        """Whether each of the request's first blocks holds what computing it gives."""
+        """Whether each of the request's first blocks holds what computing it gives, in
+        every group that keeps it (not one where it is vLLM's null block, block 0: a sliding
+        window's blocks before the window)."""
         tokens = torch.tensor(self.tokens[req_id])
         out = []
         for b in range(n_blocks):
@@ -359,6 +368,8 @@ class MiniEngine:
             same = True
             for layer, name in enumerate(self.layers, self.first_layer):
                 block = self.group_blocks[req_id][self.layer_group[name]][b]
+                if block == 0:
+                    continue
                 view = self.kv[name]
                 shape = (view.shape[1], view.shape[3])
                 want = kv_value(

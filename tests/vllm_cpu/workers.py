@@ -356,3 +356,60 @@ def kv_cache_on_a_device(model_dir: str, url: str) -> dict:
             return {"refused": f"{type(exc).__name__}: {exc}"}
     finally:
         connector.shutdown()
+
+
+def sliding_window(model_dir: str, url: str) -> dict:
+    """A hybrid model (full attention + a sliding window of 2 blocks, `kv_cache_config`).
+    Instance A computes the prompt in chunks of 2 blocks (vLLM frees its window's earlier
+    blocks as it goes) and saves it. vLLM's own prefix cache in A: its hit with the window
+    group's blocks 0..2 evicted. B loads the prompt (vLLM gives the window group the null
+    block, block 0, for blocks 0..2: before the window of a 5-block hit); the null block's
+    bytes before and after. Then the window group's values of blocks 0..2 are deleted from
+    Maru and C loads the prompt."""
+    _vllm_on_path()
+    from maru import MaruHandler
+    from vllm_cpu.engine import BLOCK, MiniEngine
+
+    hybrid: dict[str, Any] = {"hybrid": True, "window": 2 * BLOCK}
+    out: dict[str, Any] = {}
+    a = MiniEngine(model_dir, url, max_num_batched_tokens=2 * BLOCK, **hybrid)
+    try:
+        req = a.add(prompt(0))
+        a.run({req})
+        out["a_saved"] = sum(s["save_blocks"] for s in a.stats)
+        out["a_computed"] = len(a.computed[req])
+        a.scheduler.kv_cache_manager.evict_blocks(set(a.group_blocks[req][1][:3]))
+        probe = a.request(prompt(0))
+        out["vllm_local_hit"] = a.scheduler.kv_cache_manager.get_computed_blocks(probe)[1]
+    finally:
+        a.close()
+    for name in ("b", "c"):
+        engine = MiniEngine(model_dir, url, **hybrid)
+        try:
+            null = {layer: engine.kv[layer][0].clone() for layer in engine.layers}
+            req = engine.add(prompt(0))
+            engine.run({req})
+            out[name] = {
+                "null_unchanged": all(torch_equal(engine.kv[n][0], v) for n, v in null.items()),
+                "window_blocks": engine.group_blocks[req][1][:BLOCKS],
+                "computed": sorted(engine.computed[req]),
+                "match": engine.blocks_match(req, BLOCKS),
+                "loaded_blocks": sum(s["load_blocks"] for s in engine.stats),
+                "load_errors": sorted(engine.load_errors),
+                "failed_recving": sorted(engine.failed_recving),
+            }
+            if name == "b":  # the window group's values before the window: gone
+                hashes = engine.request(prompt(0)).block_hashes[:3]
+                keys = engine.scheduler.connector._keys(hashes, 1, (0, 0, 0))
+                with MaruHandler(server_url=url, pool_size="2M", chunk_size_bytes=4096) as h:
+                    out["deleted"] = h.batch_delete(keys)
+        finally:
+            engine.close()
+    return out
+
+
+def torch_equal(x: Any, y: Any) -> bool:
+    """Byte for byte (any dtype)."""
+    import torch
+
+    return bool(torch.equal(x.view(torch.uint8), y.view(torch.uint8)))
