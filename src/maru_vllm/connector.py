@@ -43,7 +43,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from maru import MaruConfig, MaruHandler
-from maru.client import ConfigError, Put, parse_bool, parse_int, values_at
+from maru.client import ConfigError, Put, Throttle, parse_bool, parse_int, values_at
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -920,12 +920,19 @@ def _exists_or_miss(
     handler: Callable[[], MaruHandler], keys: list[str], prefixes: list[str]
 ) -> list[bool]:
     """`batch_exists`, or nothing where it raises (maru-server down and never connected):
-    a miss, logged. Raised into vLLM's scheduler, it would end the engine core."""
+    a miss, logged (at most every 10 s: the scheduler asks at every step). Raised into
+    vLLM's scheduler, it would end the engine core."""
     try:
         return handler().batch_exists(keys, prefix=prefixes)
     except Exception as exc:
-        log.warning("MaruKVConnector: lookup failed (%s): a miss", exc)
+        held = _LOOKUP_FAILURES.allow("lookup")
+        if held is not None:
+            note = _LOOKUP_FAILURES.note(held)
+            log.warning("MaruKVConnector: lookup failed (%s): a miss%s", exc, note)
         return []
+
+
+_LOOKUP_FAILURES = Throttle()
 
 
 def _check_host_memory(kv_caches: dict[str, torch.Tensor]) -> None:

@@ -41,6 +41,7 @@ _EXPORTS = {
     "parse_bool": "maru.common.config",  # (an adapter's own keys, parsed as MaruConfig's)
     "parse_int": "maru.common.config",
     "MaruError": "maru.common.errors",
+    "Throttle": "maru.common.throttle",  # (a line that can repeat at every step)
 }
 
 __all__ = sorted(_EXPORTS)
