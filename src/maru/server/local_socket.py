@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 POLLIN, POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 FRAMES_PER_WAKEUP = 256  # requests served from one connection before the others get a turn
 OUT_LIMIT = 16 << 20  # buffered reply bytes past which a connection's requests wait
+IN_LIMIT = 1 << 20  # unserved request bytes past which a connection is not read (`_readable`)
 ACCEPT_PAUSE_S = 1.0  # after a failed accept (out of file descriptors), stop watching that long
 FD_RESERVE = 64  # descriptors below the limit that connections never take
 
@@ -140,7 +141,7 @@ class LocalSocketServer:
             flags = events.get(fd)
             if not flags:
                 continue
-            if flags & POLLIN and not self._receive(conn):
+            if flags & POLLIN and _readable(conn) and not self._receive(conn):
                 continue
             try:
                 frames = conn.held or conn.reader.frames(FRAMES_PER_WAKEUP)
@@ -293,6 +294,15 @@ class LocalSocketServer:
         self.listener.close()
         if self._path is not None:
             Path(self._path).unlink(missing_ok=True)
+
+
+def _readable(conn: Peer) -> bool:
+    """Whether to read more of a connection: not while IN_LIMIT bytes of complete requests
+    wait to be served (FRAMES_PER_WAKEUP a turn). A client writing small requests faster
+    than that would grow the server by what it wrote, without bound; the kernel holds the
+    rest, and the client blocks. Still read when no whole frame is buffered (a long one)."""
+    reader = conn.reader
+    return reader.buffered < IN_LIMIT or not reader.has_frame()
 
 
 def _fd_limit() -> int:

@@ -39,6 +39,7 @@ BURST = 1024  # requests served per turn of the loop, so that housekeeping still
 # A frame over MAX_FRAME_BYTES gets BAD_FRAME (`protocol.decode_body`) up to this size; ZeroMQ
 # drops the connection of a longer one (it must buffer a frame whole to hand it over).
 MAX_ZMQ_FRAME = 2 * protocol.MAX_FRAME_BYTES
+GONE_KEPT = 4096  # closed connections' routing ids remembered (`TcpEndpoint.gone`)
 RETRY_MS = (1, 100)  # while replies wait: the loop's first and longest wait before retrying
 
 
@@ -131,6 +132,9 @@ class TcpEndpoint:
         self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.routes: dict[int, bytes] = {}  # file descriptor -> the routing id that spoke on it
         self.known: set[bytes] = set()  # the routing ids in `routes`
+        # Routing ids whose connection closed, the latest GONE_KEPT: their late requests (still
+        # queued in the ROUTER) name a descriptor a new connection may hold by now.
+        self.gone: dict[bytes, None] = {}
         # by routing id: the address its connection came from (ZeroMQ's Peer-Address), the
         # host its instance runs on for `stats` (a pod: instances and requests per host)
         self.hosts: dict[bytes, str] = {}
@@ -172,8 +176,11 @@ class TcpEndpoint:
                 parts = [part.bytes for part in parts]
             else:
                 parts[0] = first.bytes
-            if parts[0] not in known:
-                self._learn(first, parts[0])
+            if parts[0] not in known and not self._learn(first, parts[0]):
+                # served (a RELEASE sent just before a close still ends its lease), but not as
+                # a connection: its reply goes nowhere, its instance is not shown on it
+                dropped += self._send(parts[0], self._answer(parts, refused, handle, late=True))
+                continue
             waiting = self.backlog.get(parts[0]) if self.backlog else None
             if waiting is None:
                 dropped += self._send(parts[0], self._answer(parts, refused, handle))
@@ -187,31 +194,44 @@ class TcpEndpoint:
 
     @staticmethod
     def _answer(
-        parts: list[Any], refused: str | None, handle: Callable[..., bytes | None]
+        parts: list[Any],
+        refused: str | None,
+        handle: Callable[..., bytes | None],
+        late: bool = False,
     ) -> bytes | None:
         if len(parts) != 2:
             # A DEALER sends exactly one frame; anything else is not ours to parse.
             return protocol.encode_error(
                 0, 0, ErrorCode.BAD_FRAME, f"expected 1 frame, got {len(parts) - 1}"
             )
-        return handle(parts[1], refused=refused, route=parts[0])
+        return handle(parts[1], refused=refused, route=None if late else parts[0])
 
-    def _learn(self, frame: zmq.Frame, route: bytes) -> None:
+    def _learn(self, frame: zmq.Frame, route: bytes) -> bool:
         """Note which connection (file descriptor) a new routing id speaks on. The monitor
         first: the closed connection whose descriptor this one reuses was reported before
-        it closed (ZeroMQ reports, then closes)."""
+        it closed (ZeroMQ reports, then closes). False: a late request of a closed connection
+        (still queued in the ROUTER) whose descriptor a new connection holds now; taken for
+        a silent close, it made that live peer's waiting replies be forgotten."""
         self._closed_connections()
-        with contextlib.suppress(zmq.ZMQError):  # (not told: the host shows as unknown)
-            self.hosts[route] = frame.get("Peer-Address")
         try:
             fd = frame.get(zmq.SRCFD)
         except zmq.ZMQError as exc:  # not told: its drop is found by its silence
             log.debug("no descriptor for a ZMQ peer: %s", exc)
-            return
-        if fd in self.routes:  # closed without a word: gone too
+            fd = None
+        holder = self.routes.get(fd) if fd is not None else None
+        if route in self.gone:
+            if holder is not None:
+                return False
+            del self.gone[route]  # (a peer that names its routing id, connected again)
+        with contextlib.suppress(zmq.ZMQError):  # (not told: the host shows as unknown)
+            self.hosts[route] = frame.get("Peer-Address")
+        if fd is None:
+            return True
+        if holder is not None:  # closed without a word: gone too
             self._dropped(fd)
         self.routes[fd] = route
         self.known.add(route)
+        return True
 
     def _closed_connections(self) -> None:
         """The connections the monitor says were closed: their peers are gone."""
@@ -230,6 +250,9 @@ class TcpEndpoint:
         if route is None:
             return
         self.known.discard(route)
+        self.gone[route] = None
+        if len(self.gone) > GONE_KEPT:
+            del self.gone[next(iter(self.gone))]
         self.hosts.pop(route, None)
         self.backlog.pop(route, None)
         if self.on_drop is not None:
