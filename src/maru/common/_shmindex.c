@@ -842,7 +842,19 @@ static PyObject *Writer_harvest(Writer *self, PyObject *unused)
     volatile unsigned char *use = t->use_bits;
     for (uint64_t i = 0; i < capacity; i += 8) {
         uint64_t word;
-        memcpy(&word, (const void *)(use + i), 8); /* capacity is a power of two >= 8 */
+        /* Mostly no mark at all: 64 bytes a step past the unmarked stretches (capacity is a
+         * power of two >= 8, so a 64-byte step that fits is whole). */
+        if ((i & 63) == 0 && i + 64 <= capacity) {
+            uint64_t w[8], any = 0;
+            memcpy(w, (const void *)(use + i), 64);
+            for (int k = 0; k < 8; k++)
+                any |= w[k];
+            if (any == 0) {
+                i += 56;
+                continue;
+            }
+        }
+        memcpy(&word, (const void *)(use + i), 8);
         if (word == 0)
             continue;
         for (uint64_t j = i; j < i + 8; j++) {

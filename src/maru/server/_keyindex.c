@@ -1284,8 +1284,12 @@ static int pack_obj(PackBuf *b, PyObject *o, int depth)
 {
     if (PyUnicode_Check(o)) { /* first: nearly every object of a record is a key */
         Py_ssize_t n;
-        const char *s = PyUnicode_AsUTF8AndSize(o, &n);
-        if (s == NULL)
+        const char *s;
+        if (PyUnicode_IS_COMPACT_ASCII(o)) { /* (its UTF-8 is its data) */
+            s = (const char *)PyUnicode_DATA(o);
+            n = PyUnicode_GET_LENGTH(o);
+        }
+        else if ((s = PyUnicode_AsUTF8AndSize(o, &n)) == NULL)
             return -1;
         if (pack_len(b, n, 0xa0, 32, 0xd9, 0xda, 0xdb) < 0)
             return -1;
@@ -1338,9 +1342,31 @@ static int pack_obj(PackBuf *b, PyObject *o, int depth)
     return -1;
 }
 
+/* A record's size, about and mostly over, so that its buffer is not grown (each growth copies
+ * what was packed): a list's lists of keys or ints, by their first item. Only a hint. */
+static Py_ssize_t pack_estimate(PyObject *o)
+{
+    Py_ssize_t size = 4096;
+    if (!PyList_Check(o) && !PyTuple_Check(o))
+        return size;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+    PyObject *const *items = PySequence_Fast_ITEMS(o);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *c = items[i];
+        if (!PyList_Check(c) || PyList_GET_SIZE(c) == 0)
+            continue;
+        PyObject *first = PyList_GET_ITEM(c, 0);
+        Py_ssize_t each = PyUnicode_Check(first) ? PyUnicode_GET_LENGTH(first) + 5 : 9;
+        if (PyList_GET_SIZE(c) > (PY_SSIZE_T_MAX / 4 - size) / each)
+            return 4096; /* (absurd: left to growth) */
+        size += PyList_GET_SIZE(c) * each;
+    }
+    return size;
+}
+
 static PyObject *pack_record(PyObject *module, PyObject *arg)
 {
-    PackBuf b = {NULL, NULL, 0, 4096};
+    PackBuf b = {NULL, NULL, 0, pack_estimate(arg)};
     if ((b.bytes = PyBytes_FromStringAndSize(NULL, b.cap)) == NULL)
         return NULL;
     b.p = PyBytes_AS_STRING(b.bytes);

@@ -37,8 +37,17 @@ class EvictionView:
     log_throttle: Throttle
     capacity: int  # the pool's, in bytes
     live_bytes: Callable[[], int]  # the bytes of the keys registered now
-    drop_keys: Callable[[list[Key], list[KeyEntry]], None]  # the one key-dropping mutator
+    # the one key-dropping mutator; the keys dropped per owner of their regions
+    drop_keys: Callable[[list[Key], list[KeyEntry]], dict[str, int]]
     harvest_marks: Callable[[], None]  # readers' use marks (the local index) into CLOCK bits
+
+
+def _owners(regions: RegionTable, entries: list[KeyEntry]) -> dict[str, int]:
+    """The entries per owner of their regions (counted per region first: mostly one)."""
+    per_owner: Counter[str] = Counter()
+    for region_id, count in Counter(map(_REGION_ID, entries)).items():
+        per_owner[regions[region_id].owner] += count
+    return per_owner
 
 
 class Eviction:
@@ -77,14 +86,14 @@ class Eviction:
         reg = self.view
         reg.harvest_marks()  # readers' use marks count as CLOCK bits
         keys, entries, freed = reg.keys.clock_victims(want_bytes, second_chance, protect, regions)
-        per_owner: Counter = Counter()  # counted per region first: a round is mostly one
-        for region_id, count in Counter(map(_REGION_ID, entries)).items():
-            per_owner[reg.regions[region_id].owner] += count
-        dropped = (keys, entries)
+        per_owner: dict[str, int]
         if self.spill is not None and keys:
-            dropped = self.spill(keys, entries, spill, room_for)
-        # journal first: on a JournalWriteError nothing was evicted, and nothing is counted
-        reg.drop_keys(*dropped)
+            # (some victims may stay registered, held: every victim counts as evicted)
+            per_owner = _owners(reg.regions, entries)
+            # journal first: on a JournalWriteError nothing was evicted, and nothing is counted
+            reg.drop_keys(*self.spill(keys, entries, spill, room_for))
+        else:
+            per_owner = reg.drop_keys(keys, entries)  # (as above: journaled first)
         for owner_id, count in per_owner.items():
             owner = reg.instances.get(owner_id)
             if owner is not None:
@@ -100,7 +109,7 @@ class Eviction:
                     reason or "requested",
                     len(keys),
                     freed,
-                    ", ".join(f"{o} ({n} keys)" for o, n in per_owner.most_common()),
+                    ", ".join(f"{o} ({n} keys)" for o, n in Counter(per_owner).most_common()),
                     reg.log_throttle.note(held),
                     extra={"instance": sorted(per_owner)},
                 )

@@ -400,13 +400,15 @@ class Registry:
         self.counters["keys_deleted"] += len(keys)
         return out
 
-    def _drop_keys(self, keys: list[Key], entries: list[KeyEntry]) -> None:
+    def _drop_keys(self, keys: list[Key], entries: list[KeyEntry]) -> dict[str, int]:
         """The one mutator that removes keys (deleted, evicted, or replayed): journal first, so a
         replay never sees a region freed before its keys are gone; then free pages / regions
         and tell the owners, per region with the outcome (order of "F" records and notices
-        included) of dropping them one by one. `keys[i]` (all different) has `entries[i]`."""
+        included) of dropping them one by one. `keys[i]` (all different) has `entries[i]`.
+        Returns the keys dropped per owner of their regions (eviction counts its victims so,
+        from the groups made here anyway, not with a Python step per key)."""
         if not keys:
-            return
+            return {}
         self._log("D", keys)
         table = self.keys
         for key in keys:
@@ -417,9 +419,11 @@ class Registry:
         groups = length_groups(region_ids, lengths)  # regions in the order of their last key
         self._count(groups, -1)
         notify: dict[int, bytearray] = {}  # region id -> its owner's freed pages
+        per_owner: dict[str, int] = {}
         regions, instances = self.regions, self.instances
-        for rid in groups:
+        for rid, group in groups.items():
             region = regions[rid]
+            per_owner[region.owner] = per_owner.get(region.owner, 0) + sum(group.values())
             if region.returned:
                 if region.live_keys == 0:
                     regions.free(region)
@@ -428,7 +432,7 @@ class Registry:
                 if owner is not None:
                     notify[rid] = owner.freed
         if not notify:
-            return
+            return per_owner
         lists = list({id(freed): freed for freed in notify.values()}.values())
         if len(notify) == len(groups) and len(lists) == 1:  # one owner, told of every key
             lists[0] += notices
@@ -439,6 +443,7 @@ class Registry:
                 if freed is not None:
                     freed += notices[at : at + size]
                 at += size
+        return per_owner
 
 
 # -- operator actions that walk the whole registry (not on any hot path) ----------------------
