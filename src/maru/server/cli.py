@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pool-size",
         default="8G",
-        help="pool capacity, e.g. 8G or 500M (devdax: defaults to the device size) (default: 8G)",
+        help="pool capacity, e.g. 8G or 500M (devdax: a larger size is cut to what the device "
+        "holds) (default: 8G)",
     )
     p.add_argument(
         "--preallocate",
@@ -184,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--quota-region-bytes",
         default="100%",
         metavar="SIZE|PERCENT",
-        help="most bytes of regions one instance may hold: a size (16G) or a share of the "
+        help="most bytes of regions one client process may hold (its instances together): a "
+        "size (16G) or a share of the "
         "pool (25%%); past it, region requests are refused (default: 100%%: no quota)",
     )
     p.add_argument(

@@ -1,5 +1,6 @@
 """Region grants: free pool space, else idle regions reclaimed (`Eviction.reclaim`); a fair
-share for every live instance; quotas per client process; parking and returning regions.
+share for every live writer (an instance that holds or asked for regions); quotas per client
+process; parking and returning regions.
 The policy: docs/architecture.md, "Capacity: regions as data arrives".
 """
 
@@ -36,7 +37,8 @@ class RegionGrants:
         quota_region_bytes: int = 0,
     ):
         """`reclaim`: frees one idle region, True if it did (`Eviction.reclaim`).
-        `quota_region_bytes`: the bytes of regions one instance may hold (0: no limit)."""
+        `quota_region_bytes`: the bytes of regions one client process may hold, its instances
+        together (0: no limit)."""
         self.pool, self.regions, self.instances = pool, regions, instances
         self.reclaim, self.counters, self.log_throttle = reclaim, counters, log_throttle
         self.quota_region_bytes = quota_region_bytes
