@@ -40,6 +40,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from maru.client._memcopy import CopyGate
+from maru.client._memcopy import flush_ranges as _flush_ranges
+from maru.client.coherence import SOFTWARE, process_mode
+from maru.client.memcopy import CopyFaultError
 from maru.client.poolpath import PoolPlace
 from maru.common import hugepages
 from maru.common.populate import (
@@ -72,6 +75,7 @@ _libc.mmap.argtypes = (
     ctypes.c_long,
 )
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_PAGEMAP_STEP = 1 << 16  # pagemap entries read at a time (256 MiB of 4 KiB pages)
 
 
 @dataclass
@@ -407,7 +411,9 @@ class RegionMapper:
         in flight, a leased view of our key) still see the pool's bytes. Only where its path
         still names the mapped file: a pool file made anew, or an fsdax region file unlinked,
         holds nobody's pages now. A devdax device cannot be mapped private: left shared
-        (docs/reliability.md, "Stale writers on a device")."""
+        (docs/reliability.md, "Stale writers on a device"). In software coherence the lines
+        we dirtied are written back first (`_write_back`), devdax too."""
+        _write_back(mapped)
         try:
             fd = os.open(self._path(mapped.handle), os.O_RDONLY)
         except OSError:
@@ -470,6 +476,49 @@ class RegionMapper:
             retired, self._retired = self._retired, []
         for _, mapped in retired:
             self._close(mapped)
+
+
+def _write_back(mapped: MappedRegion) -> None:
+    """In software coherence, write back every line of `mapped`'s pages mapped in this process
+    before it stops being ours. Caches are tagged by physical address: the fence's remap
+    leaves dirty lines of the pool in this host's cache (values written in place through
+    `alloc`, neither sealed nor freed: a close, a region the server forgot, a reap after a
+    cut), and a later eviction would land them on what the region's next owner, on another
+    host, wrote and sealed there. Only pages mapped here can hold our stores (others' pages
+    are not faulted in: a tmpfs hole would be allocated); /proc/self/pagemap unreadable: all
+    of it. A flush that faults (the pool's file truncated) leaves nothing of ours to lose."""
+    if process_mode() != SOFTWARE:
+        return
+    ranges = _mapped_here(mapped.address, mapped.handle.length)
+    if ranges is None:
+        ranges = np.array([[mapped.address, mapped.handle.length]], np.int64)
+    with contextlib.suppress(CopyFaultError):
+        _flush_ranges(np.ascontiguousarray(ranges[:, 0]), np.ascontiguousarray(ranges[:, 1]), False)
+
+
+def _mapped_here(address: int, length: int) -> np.ndarray | None:
+    """The (address, length) runs of whole pages of [address, address + length) mapped in
+    this process now (/proc/self/pagemap's present bit), or None if it cannot be read."""
+    page = mmap.PAGESIZE
+    first, pages = address // page, -(-(address + length) // page) - address // page
+    runs: list[np.ndarray] = []
+    try:
+        with open("/proc/self/pagemap", "rb", buffering=0) as f:
+            for at in range(0, pages, _PAGEMAP_STEP):
+                n = min(_PAGEMAP_STEP, pages - at)
+                raw = os.pread(f.fileno(), n * 8, (first + at) * 8)
+                if len(raw) != n * 8:
+                    return None
+                present = (np.frombuffer(raw, "<u8") >> np.uint64(63)).astype(np.int8)
+                edges = np.flatnonzero(np.diff(np.concatenate(([0], present, [0]))))
+                runs.append((edges.reshape(-1, 2) + first + at) * page)
+    except OSError:
+        return None
+    if not runs:
+        return np.zeros((0, 2), np.int64)
+    starts_ends = np.concatenate(runs).astype(np.int64)
+    starts_ends[:, 1] -= starts_ends[:, 0]
+    return starts_ends
 
 
 def _map_private(address: int, length: int, fd: int, offset: int) -> int:

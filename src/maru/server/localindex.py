@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from maru.common import hugepages, shmindex
+from maru.common import _shmindex, hugepages, shmindex
 from maru.common.config import fmt_bytes
 from maru.common.shmindex import (
     USE_SUFFIX,
@@ -39,6 +39,7 @@ from maru.server.pool import INDEX_SLOTS_MAX
 log = logging.getLogger(__name__)
 
 INITIAL_CAPACITY = 1 << 16  # slots (12.5 MiB): small deployments pay little; grows by doubling
+_HEADER_LINES = 128  # the header's bytes `_current_table` reads: its first two cache lines
 
 
 class _PoolTable:
@@ -124,6 +125,11 @@ def _current_table(path: str, place: tuple[int, int, int, bool], generation: int
     except (OSError, ValueError):
         return 0
     try:
+        # From memory, not this host's cache: a host of the pod whose readers loaded these
+        # lines before (software coherence) may hold them stale (`retired` of an older table
+        # there, another generation), which would leave a current table current.
+        with memoryview(header) as whole, whole[:_HEADER_LINES] as lines:
+            _shmindex.flush_lines(lines, True)
         magic = header[:8]  # (offsets of `Header` in _shmindex.c: capacity, generation, retired)
         slots, gen, retired = (int.from_bytes(header[at : at + 8], "little") for at in (16, 40, 48))
     finally:
