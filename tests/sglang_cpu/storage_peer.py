@@ -90,11 +90,12 @@ def main() -> None:
     more = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
     report = more.pop("report_coherence", False)
     out = {}
-    modes, lines_before = set(), lines_flushed()
+    modes, copies = set(), [0, 0]  # the lines the data path's copies wrote back / invalidated
     for n, g in enumerate(GEOMETRIES):
         pool = make_host_pool(g)
         backend = backend_for(url, g, pool, more)
         modes.add(process_mode())
+        before = lines_flushed()
         keys = [f"{seed:x}-page-{i}" for i in range(pages)]
         expected = expected_pages(pool, pages, seed + n)
         if role == "writer":
@@ -115,13 +116,13 @@ def main() -> None:
                 "loaded": sum(results),
                 "identical": int(same),
             }
-        backend.close()
+        copies = [c + a - b for c, a, b in zip(copies, lines_flushed(), before)]
+        backend.close()  # (writes back the lines of its regions too: a close's, not a copy's)
     if report:
-        lines = [a - b for a, b in zip(lines_flushed(), lines_before)]
         out["coherence"] = {
             "modes": sorted(modes),
-            "written_back": lines[0],
-            "invalidated": lines[1],
+            "written_back": copies[0],
+            "invalidated": copies[1],
         }
     print(json.dumps(out), flush=True)
 
