@@ -28,16 +28,6 @@ pytestmark = pytest.mark.skipif(
 LINE = 64
 
 
-@pytest.fixture
-def software():
-    """The process's copies in software mode for the test, hardware again after it."""
-    before = _memcopy.coherence("software")
-    try:
-        yield
-    finally:
-        _memcopy.coherence(before)
-
-
 def flushed_by(fn) -> tuple[int, int]:
     """(written back, invalidated) lines while `fn()` ran."""
     before = lines_flushed()

@@ -17,7 +17,6 @@ import platform
 
 import pytest
 
-from maru.client import _memcopy
 from maru.client.coherence import lines_flushed
 from maru.client.mapping import RegionMapper
 from maru.common.region import RegionHandle
@@ -27,16 +26,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 MiB, PAGE, LINE = 1 << 20, 4096, 64
-
-
-@pytest.fixture
-def software():
-    """The process's copies in software mode for the test, hardware again after it."""
-    before = _memcopy.coherence("software")
-    try:
-        yield
-    finally:
-        _memcopy.coherence(before)
 
 
 def _region(tmp_path, size: int = 4 * MiB) -> RegionHandle:
