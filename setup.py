@@ -58,7 +58,11 @@ setup(
             ],
         ),
         Extension("maru.client._busypoll", ["src/maru/client/_busypoll.c"]),
-        Extension("maru.server._keyindex", ["src/maru/server/_keyindex.c"]),
+        Extension(
+            "maru.server._keyindex",
+            ["src/maru/server/_keyindex.c"],
+            depends=["src/maru/common/crc32.h"],
+        ),
         Extension("maru.common._keys", ["src/maru/common/_keys.c"]),
         Extension("maru.common._freed", ["src/maru/common/_freed.c"]),
         Extension(

@@ -17,8 +17,9 @@ script runs itself under `valgrind --tool=callgrind`, collecting only inside the
 `handle_frame` calls (each made through `operator.call`, which nothing else in the process
 calls: callgrind's `--toggle-collect`), so the harness's own work (keys, frames, decoding
 replies) is not counted, and prints the instructions per call grouped by the shared object
-that ran them: the interpreter, the key index and the local index (C), msgpack, zlib (the
-journal's CRCs), libc, the rest. `--keep DIR` keeps the dump for `callgrind_annotate`.
+that ran them: the interpreter, the key index (C; the journal's CRCs too, since they left zlib
+on 2026-12-06) and the local index (C), msgpack, zlib (the journal's CRCs before), libc, the
+rest. `--keep DIR` keeps the dump for `callgrind_annotate`.
 """
 
 from __future__ import annotations

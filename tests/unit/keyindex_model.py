@@ -117,6 +117,14 @@ class OrderedKeyIndex(OrderedDict):
     def get_many(self, keys: Sequence[Any]) -> list[Any]:
         return list(map(self.get, keys))
 
+    def remove_many(self, keys: Sequence[Any]) -> None:
+        """`del self[k]` for each key in order: KeyError at the first absent one (or one
+        that is not a key), those before it removed."""
+        for key in keys:
+            if key not in self:
+                raise KeyError(key)
+            del self[key]
+
     def add_entries(
         self,
         keys: Sequence[Any],

@@ -98,10 +98,23 @@ def test_random_operations_match_the_ordered_dict_model(seed: int) -> None:
         elif op < 0.97:
             assert (key in index) == (key in model)
             assert fields(index.get(key)) == fields(model.get(key))
-        elif op < 0.99:  # delete the oldest keys, as eviction does
+        elif op < 0.98:  # delete the oldest keys, as eviction does
             for old in list(model)[: rng.randrange(1, 20)]:
                 del index[old]
                 del model[old]
+        elif op < 0.99:  # in one call, sometimes with a key absent or named twice
+            keys = rng.sample(list(model), min(len(model), rng.randrange(0, 80)))
+            if keys and rng.random() < 0.3:
+                keys.insert(rng.randrange(len(keys)), rng.choice([keys[0], key, 7]))
+            try:
+                model.remove_many(keys)
+            except KeyError as exc:
+                with pytest.raises(KeyError) as raised:
+                    index.remove_many(keys)
+                assert raised.value.args == exc.args
+            else:
+                assert index.remove_many(keys) is None
+            same(index, model)
         else:
             same(index, model)
     same(index, model)

@@ -26,6 +26,8 @@
 #include <sys/mman.h>
 #endif
 
+#include "../common/crc32.h"
+
 #if defined(__GNUC__) || defined(__clang__)
 #define PREFETCH(p) __builtin_prefetch((const void *)(p))
 #else
@@ -395,17 +397,9 @@ static PyObject *KeyIndex_subscript(KeyIndex *self, PyObject *key)
     return Py_NewRef(self->entries[ix].value);
 }
 
-/* `del index[key]`; `index[key] = value` is refused: keys are added by add_entries. */
-static int KeyIndex_ass_subscript(KeyIndex *self, PyObject *key, PyObject *value)
+/* Take out entry `ix`, found at `slot`. */
+static void delete_at(KeyIndex *self, Py_ssize_t ix, size_t slot)
 {
-    if (value != NULL) {
-        PyErr_SetString(PyExc_TypeError, "KeyIndex: keys are added with add_entries");
-        return -1;
-    }
-    size_t slot;
-    Py_ssize_t ix = find_or_raise(self, key, &slot);
-    if (ix < 0)
-        return -1;
     Entry *e = &self->entries[ix];
     PyObject *old_key = e->key, *old_value = e->value;
     e->key = e->value = NULL;
@@ -420,7 +414,52 @@ static int KeyIndex_ass_subscript(KeyIndex *self, PyObject *key, PyObject *value
     }
     Py_DECREF(old_key);
     Py_DECREF(old_value);
+}
+
+/* `del index[key]`; `index[key] = value` is refused: keys are added by add_entries. */
+static int KeyIndex_ass_subscript(KeyIndex *self, PyObject *key, PyObject *value)
+{
+    if (value != NULL) {
+        PyErr_SetString(PyExc_TypeError, "KeyIndex: keys are added with add_entries");
+        return -1;
+    }
+    size_t slot;
+    Py_ssize_t ix = find_or_raise(self, key, &slot);
+    if (ix < 0)
+        return -1;
+    delete_at(self, ix, slot);
     return 0;
+}
+
+/* `for key in keys: del index[key]` in one call, each window's probes prefetched (an eviction
+ * drops a write's worth of keys: 256 Python steps were a tenth of the index's work there). A
+ * key absent (or named twice) raises KeyError there, the keys before it taken out, as the loop
+ * would. */
+static PyObject *KeyIndex_remove_many(KeyIndex *self, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "remove_many: keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *const *keys = PySequence_Fast_ITEMS(seq);
+    Py_hash_t hashes[WINDOW];
+    for (Py_ssize_t start = 0; start < n; start += WINDOW) {
+        Py_ssize_t m = n - start < WINDOW ? n - start : WINDOW;
+        prefetch_window(self, keys + start, hashes, m);
+        for (Py_ssize_t i = 0; i < m; i++) {
+            size_t slot;
+            PyObject *key = keys[start + i];
+            Py_ssize_t ix = hashes[i] == -1 ? -1 : find(self, key, hashes[i], &slot);
+            if (ix < 0) {
+                PyErr_SetObject(PyExc_KeyError, key);
+                Py_DECREF(seq);
+                return NULL;
+            }
+            delete_at(self, ix, slot);
+        }
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
 }
 
 static PyObject *KeyIndex_get(KeyIndex *self, PyObject *key)
@@ -1109,6 +1148,9 @@ static PyMethodDef KeyIndex_methods[] = {
     {"get", (PyCFunction)KeyIndex_get, METH_O, "get(key): the entry of key, or None."},
     {"move_to_end", (PyCFunction)KeyIndex_move_to_end, METH_O,
      "move_to_end(key): make key the newest (KeyError if absent)."},
+    {"remove_many", (PyCFunction)KeyIndex_remove_many, METH_O,
+     "remove_many(keys): del index[k] for each k in order, probes prefetched; KeyError at the\n"
+     "first absent key (those before it removed)."},
     {"get_many", (PyCFunction)KeyIndex_get_many, METH_O,
      "get_many(keys): [get(k) for k in keys], with the probes of a batch prefetched so their\n"
      "cache misses overlap."},
@@ -1377,7 +1419,48 @@ static PyObject *pack_record(PyObject *module, PyObject *arg)
     return b.bytes;
 }
 
+/* crc32(data, value=0) -> int: zlib.crc32(data, value) (maru/common/crc32.h), for the journal's
+ * frames. `data`: any C-contiguous buffer; the GIL is kept (a record is tens of KiB). */
+static PyObject *crc32_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    unsigned long value = 0;
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "crc32(data, value=0)");
+        return NULL;
+    }
+    if (nargs == 2) {
+        value = PyLong_AsUnsignedLongMask(args[1]);
+        if (value == (unsigned long)-1 && PyErr_Occurred())
+            return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    uint32_t crc = maru_crc32((uint32_t)value, (const unsigned char *)view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLong(crc);
+}
+
+/* _crc32_path(clmul) -> the path crc32 takes from now on (tests: both are checked against zlib;
+ * clmul=True where the CPU lacks PCLMULQDQ keeps the table). */
+static PyObject *crc32_path(PyObject *module, PyObject *arg)
+{
+    int want = PyObject_IsTrue(arg);
+    if (want < 0)
+        return NULL;
+#ifdef MARU_CRC32_CLMUL
+    maru_crc32_use_clmul = want && __builtin_cpu_supports("pclmul");
+#endif
+    return PyBool_FromLong(maru_crc32_clmul());
+}
+
 static PyMethodDef module_methods[] = {
+    {"crc32", (PyCFunction)(void (*)(void))crc32_of, METH_FASTCALL,
+     "crc32(data, value=0) -> int: zlib.crc32(data, value), folded with PCLMULQDQ where the\n"
+     "CPU has it (the journal's frames)."},
+    {"_crc32_path", crc32_path, METH_O,
+     "_crc32_path(clmul) -> bool: use the folding path (if the CPU has it) or the table path;\n"
+     "returns whether folding is used. For tests."},
     {"entry_locations", entry_locations, METH_O,
      "entry_locations(entries) -> (region_ids, lengths, notices): see Registry._drop_keys."},
     {"batch_fits", (PyCFunction)(void (*)(void))batch_fits, METH_FASTCALL,
@@ -1410,6 +1493,7 @@ PyMODINIT_FUNC PyInit__keyindex(void)
 {
     if (PyType_Ready(&KeyIndexIterType) < 0)
         return NULL;
+    maru_crc32_init();
     PyObject *m = PyModule_Create(&keyindex_module);
     if (m != NULL && (PyModule_AddType(m, &KeyIndexType) < 0 ||
                       PyModule_AddType(m, &KeyEntryType) < 0))

@@ -22,13 +22,12 @@ import re
 import struct
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
-from maru.server._keyindex import pack_record
+from maru.server._keyindex import crc32, pack_record
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ def _frame_parts(record: Any) -> tuple[bytes, bytes]:
     """`_frame`'s header and payload, apart: `Journal.append` writes them in one `os.writev`
     rather than copying a record of a few dozen KiB into one bytes first."""
     payload = pack_record(record)
-    return FRAME.pack(len(payload), zlib.crc32(payload)), payload
+    return FRAME.pack(len(payload), crc32(payload)), payload
 
 
 def read_records(data: bytes) -> tuple[list[Any], int]:
@@ -69,7 +68,7 @@ def read_records(data: bytes) -> tuple[list[Any], int]:
     while pos + FRAME.size <= len(data):
         length, crc = FRAME.unpack_from(data, pos)
         start, end = pos + FRAME.size, pos + FRAME.size + length
-        if end > len(data) or zlib.crc32(data[start:end]) != crc:
+        if end > len(data) or crc32(memoryview(data)[start:end]) != crc:
             break
         try:
             records.append(msgpack.unpackb(data[start:end], raw=False, strict_map_key=False))
@@ -105,7 +104,7 @@ def next_intact_frame(data: bytes, start: int) -> int | None:
         body = match.start()
         length, crc = FRAME.unpack_from(data, body - FRAME.size)
         end = body + length
-        if end > len(data) or zlib.crc32(memoryview(data)[body:end]) != crc:
+        if end > len(data) or crc32(memoryview(data)[body:end]) != crc:
             continue
         try:
             record = msgpack.unpackb(data[body:end], raw=False, strict_map_key=False)

@@ -299,8 +299,7 @@ class Registry:
             except JournalWriteError:
                 # The request is answered with an error, and a writer told so may reuse the
                 # pages: take the keys back (not yet published, and one thread serves all).
-                for key in keys:
-                    del self.keys[key]
+                self.keys.remove_many(keys)
                 self._count(groups, -1)
                 raise
             if self.local_index is not None:
@@ -410,9 +409,7 @@ class Registry:
         if not keys:
             return {}
         self._log("D", keys)
-        table = self.keys
-        for key in keys:
-            del table[key]
+        self.keys.remove_many(keys)
         if self.local_index is not None:  # before the pages can be reused: notices, frees
             self.local_index.remove(keys)
         region_ids, lengths, notices = entry_locations(entries)  # (notices: for the owners)
