@@ -71,8 +71,9 @@ def _byte_tensor(view: memoryview) -> torch.Tensor:
 class CxlMemoryAdapter(MemoryAllocatorInterface):
     """LMCache `MemoryAllocatorInterface` whose memory objects are pages of a `MaruHandler`.
     `shapes` / `dtypes` / `fmt`: one full chunk's layout; `chunk_size`: the handler's allocation
-    unit (`MaruBackend` sets it to one full chunk). `metadata.address` encodes (region id, index
-    of the first chunk): `decode_address`."""
+    unit, its `get_chunk_size()` (`MaruBackend` sets it to one full chunk; another is a
+    ValueError). `metadata.address` encodes (region id, index of the first chunk):
+    `decode_address`."""
 
     def __init__(
         self,
@@ -93,6 +94,11 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
                 f"dimension {self._token_dim} of format {fmt.name}"
             )
         self._full_tokens = int(self._shapes[0][self._token_dim])
+        if self._chunk_size != handler.get_chunk_size():  # (`get_by_location`'s page offsets)
+            raise ValueError(
+                f"CxlMemoryAdapter: chunk_size {self._chunk_size} is not the handler's "
+                f"{handler.get_chunk_size()} (its page indices would read other values' bytes)"
+            )
         self._lock = threading.Lock()  # reservations change hands under it
         self._closed = False
 
@@ -244,7 +250,10 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
         if _nbytes(shapes, self._dtypes) != actual_size:
             log.debug("value of %d bytes does not match this layout", actual_size)
             return None
-        view = self._handler.get_buffer_view(region_id, page_index * self._chunk_size, actual_size)
+        # (the handler's chunk size now, as `retrieve` counted the page index: it may have
+        # changed since this adapter was made, before the first reservation)
+        offset = page_index * self._handler.get_chunk_size()
+        view = self._handler.get_buffer_view(region_id, offset, actual_size)
         if view is None:
             log.debug("region %d page %d is not mapped here", region_id, page_index)
             return None

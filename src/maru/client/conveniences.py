@@ -157,12 +157,12 @@ class OriginalApi:
         the two apart). False, with a WARNING saying why, for a bad key (not str/bytes, empty,
         too long), a value not bytes-like (a str, None), empty or larger than the pool, or no
         room. ValueError only for a call that gives no value or two."""
-        if isinstance(value, AllocHandle):
-            handle = value
-        elif value is not _NO_VALUE:
-            if data is not None or handle is not None:
+        if value is not _NO_VALUE:
+            if data is not None or handle is not None:  # (two values: neither is taken)
                 raise ValueError("store() takes exactly one of data or handle")
-            return self.batch_store([key], datas=[value])[0]
+            if not isinstance(value, AllocHandle):
+                return self.batch_store([key], datas=[value])[0]
+            handle = value
         if (data is None) == (handle is None):
             raise ValueError("store() takes exactly one of data or handle")
         if handle is not None:

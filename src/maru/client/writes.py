@@ -463,6 +463,9 @@ class Sealing:
         if isinstance(handles, AllocHandle):
             if handles.count != n:
                 raise ValueError(f"seal: {n} keys for a handle of {handles.count} values")
+            if np.ndim(lengths) and len(lengths) != n:  # (else refused as malformed once sent:
+                # the run's chunks then neither sealed nor freed)
+                raise ValueError(f"seal: {n} keys for {len(lengths)} lengths")
             if not _within(handles.size if lengths is None else lengths, handles.stride):
                 handles = self._handles = handles.split()  # (each value judged on its own)
         if isinstance(handles, AllocHandle):
@@ -573,6 +576,9 @@ class Sealing:
         need not stay awake for this writer's next request (`MaruService._wants_spin`)."""
         if self._sent:
             raise RuntimeError("Sealing.send: already sent")
+        if checksums is not None and len(checksums) != self._n:  # (before the claim: the
+            # handles stay the caller's to free)
+            raise ValueError(f"seal: {len(checksums)} checksums for {self._n} keys")
         self._sent = True
         self._claim()
         body, s = self._body, self._s
@@ -624,10 +630,8 @@ class Sealing:
         """The sent values' checksums: `given` (per key) where the caller hashed as it copied,
         else hashed now over the values as stored (after the caller's copy)."""
         handles, sizes = self._handles, self._sizes
-        if given is not None:
+        if given is not None:  # (one per key: `send` checked)
             given = np.asarray(given, np.int64)
-            if len(given) != self._n:
-                raise ValueError(f"seal: {len(given)} checksums for {self._n} keys")
             return given if self._positions is None else given[self._positions]
         if isinstance(handles, AllocHandle):
             return checksums(handles.views(sizes))

@@ -158,6 +158,38 @@ class Unreaped:
         return (batch for _, batches in self.procs for batch in batches)
 
 
+class Retries:
+    """Write-through publishes Mooncake failed (a master or link back a moment ago), going
+    again after RETRY_S, each at most RETRIES times, at most QUEUE_KEYS keys at once."""
+
+    def __init__(self) -> None:
+        self.due: deque[tuple[float, Key]] = deque()  # (when, key), oldest first
+        self.tries: dict[Key, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.due)
+
+    def again(self, key: Key) -> bool:
+        """Whether `key`'s failed publish goes again (False: it counts as failed)."""
+        tries = self.tries.get(key, 0)
+        if tries < RETRIES and len(self.tries) < QUEUE_KEYS:
+            self.tries[key] = tries + 1
+            self.due.append((time.monotonic() + RETRY_S, key))
+            return True
+        self.tries.pop(key, None)
+        return False
+
+    def done(self, key: Key) -> None:
+        """`key` was published, refused, or is gone: no more tries."""
+        self.tries.pop(key, None)
+
+    def take(self, now: float, room: int) -> Iterator[Key]:
+        """Up to `room` keys whose time to go again came."""
+        while room > 0 and self.due and self.due[0][0] <= now:
+            room -= 1
+            yield self.due.popleft()[1]
+
+
 class ClusterTier:
     def __init__(
         self,
@@ -185,9 +217,7 @@ class ClusterTier:
         if publish == "spill":
             registry.eviction.spill = self.spill
         self.queue: deque[Key] = deque()  # to publish
-        # write-through publishes Mooncake failed, to go again: (when, key), and each key's tries
-        self.retry: deque[tuple[float, Key]] = deque()
-        self.tries: dict[Key, int] = {}
+        self.retry = Retries()  # write-through publishes Mooncake failed, to go again
         self.wanted: deque[Key] = deque()  # to probe, then pull
         self.guess = 0  # the last value's length: pulls go out with it, unprobed (0: probe)
         self.pulling: set[Key] = set()  # wanted, probed or being pulled
@@ -201,6 +231,7 @@ class ClusterTier:
         self.link: Link | None = None
         self.proc: subprocess.Popen | None = None
         self.started = self.checked = 0.0
+        self.answered = 0.0  # when the sidecar last answered a batch (`housekeeping`'s stall)
         self.start()
 
     # -- the sidecar -------------------------------------------------------------------------
@@ -262,7 +293,8 @@ class ClusterTier:
         if self.retry:  # (failed publishes whose time to go again came)
             self.pump()
         proc = self.proc
-        stalled = any(now - b.sent > STALL_S for b in self.batches.values())
+        # (the sidecar answers in order: a batch's wait counts from its send or the last answer)
+        stalled = any(now - max(b.sent, self.answered) > STALL_S for b in self.batches.values())
         running = proc is not None and proc.poll() is None
         broken = self.link is None or self.link.closed
         if (running and not stalled and not broken) or now - self.started < RESTART_S:
@@ -303,13 +335,18 @@ class ClusterTier:
         (counted as drops), else those it pulled (already in the cluster)."""
         pulled = self.pages.pulled_into
         mine = [i for i, e in enumerate(entries) if not pulled(e.region_id)]
-        room = hold and self.connected and len(self.batches) < IN_FLIGHT
-        if mine and room and self._publish([keys[i] for i in mine], True, room_for):
-            now = [i for i, e in enumerate(entries) if pulled(e.region_id)]
-            return [keys[i] for i in now], [entries[i] for i in now]
-        if mine:
+        if not (hold and self.connected and len(self.batches) < IN_FLIGHT):
             self.counts["publish_drops"] += len(mine)
-        return keys, entries
+            return keys, entries
+        held: set[int] = set()  # (in batches: one of a round could outgrow the frame, STALL_S)
+        for at in range(0, len(mine), BATCH_KEYS):
+            part = mine[at : at + BATCH_KEYS]
+            sent = self._publish([keys[i] for i in part], True, room_for)
+            held.update(part if sent else ())
+            if sent is None:  # (False: `_publish` counted them)
+                self.counts["publish_drops"] += len(part)
+        now = [i for i in range(len(keys)) if i not in held]
+        return [keys[i] for i in now], [entries[i] for i in now]
 
     def want(self, missing: list[Key]) -> int:
         """Pull the missed keys the cluster may hold; returns how many are being pulled (0
@@ -357,6 +394,7 @@ class ClusterTier:
             self.connected, self.error = bool(message["connected"]), message.get("error")
             return
         batch = self.batches.get(message["batch"])
+        self.answered = time.monotonic()
         if batch is None:  # (one failed already: ids are never reused)
             return
         if op != f"{batch.op}-done" or not fits(batch, message["results"]):
@@ -373,22 +411,18 @@ class ClusterTier:
         release_entries(batch.held)
         if batch.spill:
             drop_spilled(self.registry, batch)
-        counts, again = self.counts, time.monotonic() + RETRY_S
+        counts = self.counts
         for key, nbytes, result in zip(batch.keys, batch.nbytes, results):
-            tries = self.tries.get(key, 0)
             if result == PUBLISHED:
                 counts["published"] += 1
                 counts["published_bytes"] += nbytes
                 self.guess = nbytes
-                self.tries.pop(key, None)
+                self.retry.done(key)
             elif result == REFUSED:
                 counts["publish_refused"] += 1
-            elif not batch.spill and tries < RETRIES and len(self.tries) < QUEUE_KEYS:
-                self.tries[key] = tries + 1  # (write-through: it goes again)
-                self.retry.append((again, key))
-            else:
+                self.retry.done(key)
+            elif batch.spill or not self.retry.again(key):  # (write-through goes again)
                 counts["publish_failures"] += 1
-                self.tries.pop(key, None)
         if REFUSED in results:
             log.error(
                 "cluster tier: %d values' pages do not match their writer's checksum: not "
@@ -488,12 +522,11 @@ class ClusterTier:
             if not self._send(Batch("probe", keys), [object_name(tenant, k) for k in keys]):
                 self.pulling.difference_update(keys)
         now = time.monotonic()
-        while self.retry and self.retry[0][0] <= now and len(self.queue) < QUEUE_KEYS:
-            _, key = self.retry.popleft()
+        for key in self.retry.take(now, QUEUE_KEYS - len(self.queue)):
             if key in self.registry.keys:
                 self.queue.append(key)
             else:  # (deleted or evicted meanwhile)
-                self.tries.pop(key, None)
+                self.retry.done(key)
         while self.queue and self.connected and len(self.batches) < IN_FLIGHT:
             keys = [self.queue.popleft() for _ in range(min(BATCH_KEYS, len(self.queue)))]
             if self._publish(keys) is False:
