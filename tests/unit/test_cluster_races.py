@@ -8,14 +8,16 @@ miss, never a second version, never pages handed out twice."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
+import zmq
 
 from maru.common.protocol import DeleteStatus, ProtocolError, RegisterStatus
 from maru.server.cluster import tier as tier_module
 from maru.server.cluster.link import Link
-from maru.server.cluster.proof import LENGTH, PUBLISHED
-from maru.server.cluster.tier import ClusterTier
+from maru.server.cluster.proof import ABSENT, FAILED, LENGTH, PUBLISHED, REFUSED
+from maru.server.cluster.tier import DOUBT_S, ClusterTier
 
 from .registry_calls import locate, register
 from .test_cluster_tier import SGLANG_FILE, FakeSidecar
@@ -103,6 +105,47 @@ def test_a_late_reply_of_a_restarted_sidecar_registers_nothing(tier):
         proven(tier, batch_id, [PUBLISHED, 77])
         assert locate(reg, ["K"])[0] == [None]
         consistent(reg)
+    finally:
+        end.close()
+
+
+@pytest.mark.parametrize("result", [FAILED, REFUSED])
+def test_a_failed_pulls_pages_are_not_reused_while_its_transfer_may_go_on(tier, result):
+    """Mooncake may report a get failed while parts of its transfer still run (its wait gives
+    up without cancelling; one failed part can end it): a late write into pages reused since
+    would change a value registered there. A failed (or unproven) pull's pages are reused
+    only after DOUBT_S, or once the sidecar that pulled them is gone; one that found no
+    object pulled nothing, and its pages go back at once. Before: every failure's pages went
+    back at once and the next pull landed in them."""
+    reg = tier.registry
+    batch_id, batch = pull_in_flight(tier, "K")
+    failed = batch.places[0]
+    proven(tier, batch_id, [result, 0])
+    batch_id, again = pull_in_flight(tier, "K2")
+    assert again.places[0] != failed, "a failed pull's pages were reused at once"
+    landing = tier_module.landing(tier.batches.values(), tier.lingering)
+    assert failed[0] in landing  # (its region is not given back either)
+    proven(tier, batch_id, [ABSENT, 0])
+    batch_id, third = pull_in_flight(tier, "K3")
+    assert third.places == again.places  # (nothing was transferred: reused at once)
+    proven(tier, batch_id, [ABSENT, 0])
+    tier.housekeeping(zmq.Poller(), time.monotonic() + DOUBT_S + 1)
+    assert tier.counts["sidecar_starts"] == 1  # (not restarted: released by time)
+    assert failed not in [p for b in tier.lingering for p in b.places]
+    assert tier.counts["pull_failures"] == (result == FAILED)
+    consistent(reg)
+
+
+def test_a_failed_pulls_pages_go_back_with_its_sidecar(tier):
+    batch_id, batch = pull_in_flight(tier, "K")
+    proven(tier, batch_id, [FAILED, 0])
+    assert [b.places for b in tier.lingering] == [batch.places]
+    tier.start()  # (the sidecar killed and reaped: nothing can write the pages now)
+    end = connect(tier)
+    try:
+        assert list(tier.lingering) == []
+        _, again = pull_in_flight(tier, "K2")
+        assert again.places == batch.places
     finally:
         end.close()
 

@@ -39,6 +39,9 @@ IN_FLIGHT = 4  # batches sent and not answered
 STALL_S = 30.0  # a batch unanswered this long: the sidecar is killed and started again
 RESTART_S = 2.0  # the least time between two starts of the sidecar
 REAP_S = 10.0  # how long `close` waits for a killed sidecar to be reaped, then sets it aside
+# How long a failed pull's pages are not reused (`Lingering`): twice Mooncake's transfer wait
+# (60 s), after which its transfer engine has given the transfer up.
+DOUBT_S = 120.0
 CHECK_S = 0.1  # how often the loop looks after the sidecar and the tier's pages
 ABSENT_S = 1.0  # a key the cluster did not hold is not asked for again this long
 RETRY_S = 0.5  # a publish Mooncake failed (a master or link back a moment ago) goes again then
@@ -114,18 +117,29 @@ def drop_spilled(registry: Registry, batch: Batch) -> None:
         log.error("cluster tier: %d spilled keys not dropped: %s", len(keys), exc)
 
 
-class Unreaped:
-    """Killed sidecars the kernel has not reaped yet (stuck in the kernel: D state), each with
-    the batches it was sent. Until one is gone it may still read or write their pages (its
-    copies, its transfer engine's into memory it registered), so the holds of its publishes
-    and the pages its pulls land in are kept until `reaped` hands its batches back."""
+class Lingering:
+    """What a sidecar may still write or read after the tier is done with it: killed sidecars
+    the kernel has not reaped yet (stuck in the kernel: D state), each with the batches it was
+    sent, and the pages of pulls that failed. A killed sidecar's copies and transfer engine
+    may touch its batches' pages until it is gone. A failed pull's transfer may not be over:
+    Mooncake's wait for a transfer gives up after a timeout without cancelling it, and a
+    failed part can end the wait while others go on, so its pages are not reused (a late
+    write would change a value registered there since) until DOUBT_S has passed or its
+    sidecar is gone. `landing` counts the regions of all of them."""
 
     def __init__(self) -> None:
         self.procs: list[tuple[subprocess.Popen, list[Batch]]] = []
+        self.doubtful: list[Batch] = []  # failed pulls' pages, a Batch each (no keys)
 
-    def stop(self, proc: subprocess.Popen, batches: list[Batch]) -> bool:
-        """SIGKILL `proc` and reap it: True once it is gone, else (logged) it is set aside with
-        `batches`."""
+    def doubt(self, place: tuple[int, int]) -> None:
+        self.doubtful.append(Batch("pull", [], places=[place]))
+
+    def stop(self, proc: subprocess.Popen | None, batches: list[Batch]) -> list[Batch]:
+        """SIGKILL `proc` (if any) and reap it: `batches` and the failed pulls' pages to
+        release now, once it is gone, else none (logged: set aside with them)."""
+        batches, self.doubtful = batches + self.doubtful, []
+        if proc is None:
+            return batches
         proc.kill()
         try:
             proc.wait(REAP_S)
@@ -138,12 +152,14 @@ class Unreaped:
                 len(batches),
             )
             self.procs.append((proc, batches))
-            return False
-        return True
+            return []
+        return batches
 
-    def reaped(self) -> list[Batch]:
-        """The batches of the sidecars reaped since the last call (`poll` reaps them)."""
-        left, done = [], []
+    def reaped(self, now: float) -> list[Batch]:
+        """The batches to release now: those of the sidecars reaped since the last call
+        (`poll` reaps them), and failed pulls' pages doubted for DOUBT_S."""
+        left, done = [], [b for b in self.doubtful if now - b.sent > DOUBT_S]
+        self.doubtful = [b for b in self.doubtful if now - b.sent <= DOUBT_S]
         for proc, batches in self.procs:
             if proc.poll() is None:
                 left.append((proc, batches))
@@ -154,8 +170,9 @@ class Unreaped:
         return done
 
     def __iter__(self) -> Iterator[Batch]:
-        """The batches of the sidecars not reaped yet."""
-        return (batch for _, batches in self.procs for batch in batches)
+        """The batches whose pages may still be touched."""
+        yield from (batch for _, batches in self.procs for batch in batches)
+        yield from self.doubtful
 
 
 class Retries:
@@ -211,9 +228,8 @@ class ClusterTier:
         self.publish_mode = publish
         self.lookup_ms = lookup_ms
         self.sidecar_flags = ["--log-level", log_level, "--coherence", coherence]
-        self.unreaped = Unreaped()  # killed sidecars not reaped yet, and their batches
-        # (the regions a sidecar may still write: its pulls', and a killed unreaped one's)
-        self.pages = TierPages(registry, lambda: landing(self.batches.values(), self.unreaped))
+        self.lingering = Lingering()  # (pages a sidecar may write, beyond its batches')
+        self.pages = TierPages(registry, lambda: landing(self.batches.values(), self.lingering))
         if publish == "spill":
             registry.eviction.spill = self.spill
         self.queue: deque[Key] = deque()  # to publish
@@ -261,9 +277,8 @@ class ClusterTier:
         log.info("cluster tier: sidecar %d started (Mooncake %s)", self.proc.pid, self.config_path)
 
     def close(self) -> None:
-        """Stop the sidecar (SIGKILL, reaped), then release what its batches held: only once
-        it is gone can nothing read or write their pages (`Unreaped` keeps them till then).
-        Their readers miss at once."""
+        """Stop the sidecar (SIGKILL, reaped), then release what its batches held (readers
+        miss at once): only once it is gone (`Lingering`) can nothing touch their pages."""
         self.connected = False
         if self.link is not None:
             self.link.close()
@@ -272,8 +287,7 @@ class ClusterTier:
         self.proc = None
         self.batches.clear()
         self.pulling.difference_update(k for b in batches if b.op != "publish" for k in b.keys)
-        if proc is None or self.unreaped.stop(proc, batches):
-            self._fail(batches, "the sidecar stopped")
+        self._fail(self.lingering.stop(proc, batches), "the sidecar stopped")
 
     def attach(self, poller: zmq.Poller) -> None:
         """The loop polls the sidecar's channel with its own sockets (`Link.watch`)."""
@@ -289,7 +303,7 @@ class ClusterTier:
         self.checked = now
         self.pages.touch()
         self.pages.take_freed()
-        self._fail(self.unreaped.reaped(), "its sidecar was reaped")
+        self._fail(self.lingering.reaped(now), "its sidecar was reaped")
         if self.retry:  # (failed publishes whose time to go again came)
             self.pump()
         proc = self.proc
@@ -477,7 +491,10 @@ class ClusterTier:
         for i, result in enumerate(results):
             if result == PUBLISHED:
                 continue
-            pages.release(*batch.places[i])
+            if result in (ABSENT, LENGTH):  # (found no object of that length: no transfer)
+                pages.release(*batch.places[i])
+            else:  # (a transfer that failed may go on)
+                self.lingering.doubt(batch.places[i])
             key, length = batch.keys[i], proven[i][1] if result == LENGTH else 0
             if type(length) is int and length > 0:
                 again.append((key, length))
@@ -587,7 +604,7 @@ class ClusterTier:
                 for place in batch.places:
                     self.pages.release(*place)
                 self.counts["pull_failures"] += len(batch.keys) if batch.op == "pull" else 0
-        if batches:
+        if any(batch.keys for batch in batches):  # (failed pulls' pages have none)
             log.warning("cluster tier: %d batches not finished: %s", len(batches), why)
 
     def announce(self) -> dict[str, Any]:
