@@ -785,15 +785,55 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class OutputError(Exception):
+    """The command's output could not be written (a full disk, /dev/full, EIO): said in one
+    line by `main`, not a traceback. A closed pipe stays a `BrokenPipeError` (`maru ... | head`
+    is no error)."""
+
+    def __init__(self, cause: OSError):
+        self.cause = cause
+        super().__init__(f"cannot write the output: {cause.strerror or cause}")
+
+
+class _Output:
+    """`out` whose failed writes raise `OutputError`, told apart from the OSErrors of a
+    command's other work; everything else (isatty, fileno, encoding: rich's Console asks) is
+    `out`'s."""
+
+    def __init__(self, out: TextIO):
+        self._out = out
+
+    def write(self, text: str) -> int:
+        try:
+            return self._out.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputError(exc) from exc
+
+    def flush(self) -> None:
+        try:
+            self._out.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputError(exc) from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._out, name)
+
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    out = out or sys.stdout
+    out = _Output(out or sys.stdout)  # type: ignore[assignment]
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2
     try:
-        return int(args.func(args, out))
+        rc = int(args.func(args, out))
+        out.flush()  # here, not at exit: a write that fails is said in one line
+        return rc
     except ConfigError as exc:  # a malformed --server, $MARU_SERVER_URL or key
         print(f"maru: {exc}", file=sys.stderr)
         return 2
@@ -808,6 +848,12 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return 1
     except BrokenPipeError:  # `maru keys | head`
         return 0
+    except OutputError as exc:  # `maru keys --json > keys.json` on a full disk
+        print(f"maru: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C while a slow server's reply (or `clear`'s prompt) waits
+        print("maru: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -380,6 +380,21 @@ def check_args(args: argparse.Namespace) -> str | None:
         quotas(args, args.pool_bytes)
     except ConfigError as exc:
         return str(exc)
+    for flag, value, top in (
+        # a larger value cannot be served with: the snapshot size is an int of bytes (inf is
+        # none), the fsync thread waits the interval (past threading.TIMEOUT_MAX the wait
+        # raises and the thread dies: no fsync again), the busy poll spins without looking at
+        # SIGTERM or housekeeping
+        ("--snapshot-mb", args.snapshot_mb, 1 << 20),  # 1 TiB
+        ("--journal-fsync-ms", args.journal_fsync_ms, 86_400_000),  # a day
+        ("--busy-poll-us", args.busy_poll_us, 1_000_000),  # a second
+        # (and times past a day: `inf` is no "never", it breaks the timers and `maru status`)
+        ("--lease-timeout", args.lease_timeout, 86_400),
+        ("--heartbeat-timeout", args.heartbeat_timeout, 86_400),
+        ("--reap-hold", args.reap_hold, 86_400),
+    ):
+        if value > top:
+            return f"argument {flag}: must be at most {top}, got {value:g}"
     if args.eviction_low_watermark > args.eviction_high_watermark:
         return (
             f"--eviction-low-watermark {args.eviction_low_watermark:g} is above "

@@ -253,8 +253,10 @@ class Pool(ABC):
     def release(self, path: str, offset: int) -> None: ...
 
     @abstractmethod
-    def reserve(self, path: str, offset: int, length: int) -> None:
-        """Re-mark an extent as in use when restoring persisted state."""
+    def reserve(self, path: str, offset: int, length: int) -> bool:
+        """Re-mark an extent as in use when restoring persisted state; False (nothing marked)
+        if its bytes are gone: the region is not restored, nor its keys."""
+        return True
 
     @property
     @abstractmethod
@@ -430,8 +432,9 @@ class FilePool(Pool):
     def release(self, path: str, offset: int) -> None:
         self._extents.free_extent(offset)
 
-    def reserve(self, path: str, offset: int, length: int) -> None:
+    def reserve(self, path: str, offset: int, length: int) -> bool:
         self._extents.reserve(offset, length)
+        return True
 
     @property
     def used(self) -> int:
@@ -750,8 +753,24 @@ class FsDaxPool(Pool):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
-    def reserve(self, path: str, offset: int, length: int) -> None:
+    def reserve(self, path: str, offset: int, length: int) -> bool:
+        """False if the region's file went, or was cut shorter than the region, while
+        the server was down (`rm pool/*` spares the pool's mark, a dot file, so the pool still
+        matches): restored, its keys would be hits on no bytes (a reader's mmap fails) or on
+        bytes that are not theirs. What is left of such a file is removed."""
+        try:
+            size = os.stat(path, follow_symlinks=False).st_size
+        except FileNotFoundError:
+            size = -1
+        except OSError:
+            size = offset + length  # (unreadable here: left to the readers)
+        if size < offset + length:
+            if size >= 0:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            return False
         self._files[path] = length
+        return True
 
     @property
     def used(self) -> int:

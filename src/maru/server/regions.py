@@ -128,9 +128,16 @@ class RegionTable(dict[int, Region]):
     ) -> None:
         """A region of a snapshot or journal: its pool bytes are taken again, as they were.
         `held_until`: the wall-clock time (`time.time()`) its hold ends, 0 if none."""
-        self.pool.reserve(path, offset, length)
+        self.next_id = max(self.next_id, rid + 1)  # (never handed out again, restored or not)
+        if not self.pool.reserve(path, offset, length):  # (its bytes went while we were down)
+            log.warning(
+                "region %d: its file %s is gone, or shorter than the region: its keys are not "
+                "restored",
+                rid,
+                path,
+            )
+            return
         region = self[rid] = Region(rid, owner, path, offset, length, token, returned)
-        self.next_id = max(self.next_id, rid + 1)
         self._hold(region, held_until - time.time() if held_until else 0.0)
 
     def verified(self, region_id: Any, token: Any) -> Region:
