@@ -22,21 +22,8 @@ import pytest
 from conftest import MaruServerProcess, maru_server_command  # tests/conftest.py (on sys.path)
 from maru.client import cli as maru_cli
 
-from .test_crash_safety import KiB, handler, intact, make_value, sigkill_server
-
-
-def _read_counts(reader, keys: list[str]) -> tuple[int, int, int]:
-    """(right bytes, misses, wrong bytes) of `keys` read by `reader` under leases."""
-    right = missing = wrong = 0
-    with reader.leased(keys) as infos:
-        for key, info in zip(keys, infos):
-            if info is None:
-                missing += 1
-            elif intact(key, info.view):
-                right += 1
-            else:
-                wrong += 1
-    return right, missing, wrong
+from .test_crash_safety import KiB, handler, make_value, sigkill_server
+from .test_pool_trust import read_counts
 
 
 @pytest.mark.parametrize("how", ["deleted", "short"])
@@ -69,12 +56,12 @@ def test_an_fsdax_region_file_lost_while_down_is_not_restored(tmp_path, how):
         assert f"region {lost_region}: its file" in server.read_log()
         reader = handler(server.url, timeout_ms=1000)  # (before, "short": ValueError here)
         assert reader.batch_exists(lost_keys) == [False] * 6
-        assert _read_counts(reader, lost_keys) == (0, 6, 0)
-        assert _read_counts(reader, kept_keys) == (6, 0, 0)
+        assert read_counts(reader, lost_keys) == (0, 6, 0)
+        assert read_counts(reader, kept_keys) == (6, 0, 0)
         writer = handler(server.url, pool_size="2M", timeout_ms=1000)
         assert writer.store("after", make_value("after", 60 * KiB))
         assert all(rid > lost_region for rid in writer.owned_region_ids())
-        assert _read_counts(reader, ["after"]) == (1, 0, 0)
+        assert read_counts(reader, ["after"]) == (1, 0, 0)
         writer.close()
         reader.close()
     finally:

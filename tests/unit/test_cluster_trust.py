@@ -24,42 +24,19 @@ from maru.server.pool import ShmPool
 from maru.server.registry import Registry
 from maru.server.token import TokenSigner
 
-MOONCAKE_FILE = {
-    "local_hostname": "10.0.0.7",
-    "metadata_server": "P2PHANDSHAKE",
-    "master_server_address": "10.0.0.1:50051",
-    "protocol": "tcp",
-    "global_segment_size": "1gb",
-}
+from .test_cluster_tier import SGLANG_FILE, FakeSidecar
+
 VALUE = 4096
 VICTIMS = 600  # values one spill round evicts: many batches' worth
-
-
-class IdleSidecar:
-    """`subprocess.Popen` for the sidecar: alive, answering nothing by itself."""
-
-    pid, returncode = 4242, None
-
-    def __init__(self, cmd, **kw):
-        pass
-
-    def poll(self):
-        return None
-
-    def kill(self):
-        pass
-
-    def wait(self, timeout=None):
-        return 0
 
 
 @pytest.fixture
 def spill_tier(tmp_path, monkeypatch):
     """A spill-mode tier on a 16 MiB pool, connected over a real socketpair; yields the tier
     and the sidecar's end (blocking, as the sidecar holds it)."""
-    monkeypatch.setattr(tier_module.subprocess, "Popen", IdleSidecar)
+    monkeypatch.setattr(tier_module.subprocess, "Popen", FakeSidecar)
     config = tmp_path / "mooncake.json"
-    config.write_text(json.dumps(MOONCAKE_FILE))
+    config.write_text(json.dumps(SGLANG_FILE))
     pool = ShmPool(str(tmp_path / "pool"), 16 << 20)
     reg = Registry(pool, TokenSigner(b"e" * 32), high_watermark=1.0, low_watermark=1.0)
     reg.instances.handshake("A", 1)
