@@ -116,7 +116,13 @@ class Lookup:
         addresses = np.zeros(n, np.int64)
         found = np.zeros(n, bool)
         for handle in handles:
-            mapped = self._s.map(handle)
+            try:
+                mapped = self._s.map(handle)
+            except (OSError, ValueError) as exc:
+                # Freed since the reply (its lease ended: a file per region removed, or cut
+                # short): nothing of it to read, its keys are misses, not the read's error
+                log.warning("lookup: region %d cannot be mapped: %s", handle.region_id, exc)
+                continue
             here = (region_ids == handle.region_id) & (offsets >= 0) & (lengths > 0)
             here &= offsets + lengths <= handle.length
             addresses[here] = offsets[here] + mapped.address

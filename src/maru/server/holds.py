@@ -106,6 +106,11 @@ class Pins:
         return records
 
 
+# Ended leases' expiries the heap may keep beyond twice the live leases (then it is compacted:
+# at most one pass per this many leases taken)
+COMPACT_SLACK = 1024
+
+
 @dataclass
 class Lease:
     owner: str | None
@@ -132,6 +137,11 @@ class LeaseTable(dict[int, Lease]):
         """A lease on `held` (`nbytes` of keys); the caller already raised their lease counts."""
         lease_id = next(self._ids)
         self[lease_id] = Lease(owner, held, nbytes)
+        if len(self._expiry) > 2 * len(self) + COMPACT_SLACK:
+            # Leases ended early (RELEASE, a departing owner) leave their expiry here until
+            # its time: drop them, else the heap holds every lease of the last --lease-timeout
+            self._expiry = [item for item in self._expiry if item[1] in self]
+            heapq.heapify(self._expiry)
         heapq.heappush(self._expiry, (time.monotonic() + self.seconds, lease_id))
         inst = self.instances.get(owner) if owner else None
         if inst is not None:
