@@ -25,6 +25,9 @@ from typing import Any
 from maru.common import _shmindex, hugepages, shmindex
 from maru.common.config import fmt_bytes
 from maru.common.shmindex import (
+    HASH_BYTES,
+    HEADER_BYTES,
+    SLOT_BYTES,
     USE_SUFFIX,
     area_bytes,
     area_views,
@@ -235,6 +238,20 @@ def _remove(files: list[str]) -> None:
             os.unlink(file)
 
 
+def _use_bits_of(path: str, table: mmap.mmap) -> Any:
+    """The use bits to open the table at `path` with for its retire, which writes its header
+    alone: its `.use` file, or zeros where that is gone or shorter than the table's capacity
+    (0660 with `--pool-group`: a member may truncate it), so that the table is retired all
+    the same."""
+    capacity = max(0, len(table) - HEADER_BYTES) // (SLOT_BYTES + HASH_BYTES)  # (`table_bytes`)
+    with contextlib.suppress(OSError, ValueError), open(path + USE_SUFFIX, "r+b") as u:
+        use = mmap.mmap(u.fileno(), 0)
+        if len(use) >= capacity:
+            return use
+        use.close()
+    return bytearray(capacity)
+
+
 def retire_earlier(pool_kind: str, pool_path: str) -> int:
     """Retire and remove every table of the pool's index left by an earlier server (killed,
     or stopped before it could): readers that still map one take their copies as misses from
@@ -242,11 +259,15 @@ def retire_earlier(pool_kind: str, pool_path: str) -> int:
     count = 0
     for _, path in table_files(index_base(pool_kind, pool_path)):
         try:
-            with open(path, "r+b") as f, open(path + USE_SUFFIX, "r+b") as u:
-                table, use = mmap.mmap(f.fileno(), 0), mmap.mmap(u.fileno(), 0)
+            with open(path, "r+b") as f:
+                table = mmap.mmap(f.fileno(), 0)
+            use = _use_bits_of(path, table)
+            try:
                 _retire(table, use)
+            finally:
+                if isinstance(use, mmap.mmap):
+                    use.close()
                 table.close()
-                use.close()
         except (OSError, ValueError) as exc:  # not a table of ours, or damaged: just remove it
             log.warning("earlier local index %s could not be retired (%s): removing it", path, exc)
         _remove([path, path + USE_SUFFIX])
