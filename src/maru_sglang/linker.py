@@ -162,9 +162,13 @@ class DevicePageLayout:
         )
         self.buffers = parts
 
-    def firsts(self, indices: torch.Tensor | None, pages: int) -> np.ndarray | None:
+    def firsts(
+        self, indices: torch.Tensor | None, pages: int, distinct: bool = False
+    ) -> np.ndarray | None:
         """The first token slot of each page of `indices`; None unless they are exactly
-        `pages` whole pages, page-aligned, consecutive slots within each page, in the pool."""
+        `pages` whole pages, page-aligned, consecutive slots within each page, in the pool;
+        with `distinct` (a load), no page twice (two keys loaded into one page: one's bytes
+        would be reported loaded for both)."""
         p = self.page_size
         if indices is None or indices.numel() != pages * p:
             return None
@@ -173,6 +177,8 @@ class DevicePageLayout:
         if (firsts % p).any() or (slots != firsts[:, None] + np.arange(p)).any():
             return None
         if pages and (firsts.min() < 0 or firsts.max() + p > self.rows):
+            return None
+        if distinct and len(np.unique(firsts)) != pages:
             return None
         return firsts.astype(np.int64)
 
@@ -336,9 +342,9 @@ class MaruCacheLinker(UnifiedCacheLinker):
         if rid in self._pending:
             raise RuntimeError(f"MaruCacheLinker: a load for {rid} is already queued")
         pages = len(kv.keys)
-        firsts = self.layout.firsts(kv.device_indices, pages)
+        firsts = self.layout.firsts(kv.device_indices, pages, distinct=True)
         if firsts is None:
-            log.error("load %s: device slots are not %d whole pages: refused", rid, pages)
+            log.error("load %s: device slots are not %d distinct whole pages: refused", rid, pages)
             self._count(loads_refused=1)
             return False
         lookup = self.handler.lookup(kv.keys, lease=True, prefix=self.prefix)

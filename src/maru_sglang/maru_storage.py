@@ -177,19 +177,16 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
 
     # -- the data path, shared by v1 and v2 --------------------------------------------------
 
-    def _prepare(self, batch: Batch, host_indices: torch.Tensor | None, op: str) -> bool:
-        """Host pointers for `batch`; False (the batch fails) if the indices do not fit."""
-        batch.buffers = batch.pool.pointers(host_indices, len(batch.keys))
-        if batch.buffers is None:
-            got = host_indices.numel() if host_indices is not None else 0
-            log.error(
-                "%s: pool %s: %d host indices for %d keys (page size %d)",
-                op,
-                batch.pool.name,
-                got,
-                len(batch.keys),
-                batch.pool.page_size,
-            )
+    def _prepare(
+        self, batch: Batch, host_indices: torch.Tensor | None, op: str, reading: bool = False
+    ) -> bool:
+        """Host pointers for `batch`; False (the batch fails, nothing copied) if the indices
+        are not its pages in the host pool, or name a page twice in a read (`PoolIO.pointers`:
+        why, logged)."""
+        try:
+            batch.buffers = batch.pool.pointers(host_indices, len(batch.keys), reading)
+        except ValueError as exc:
+            log.error("%s: pool %s: %s", op, batch.pool.name, exc)
             batch.results = [False] * len(batch.keys)
             return False
         return True
@@ -246,7 +243,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
             pool = batch.pool
             if pool.whole_page or not one_by_one:
                 rest.append((batch, indices))
-            elif self._prepare(batch, indices, "read"):
+            elif self._prepare(batch, indices, "read", reading=True):
                 assert batch.buffers is not None
                 hashed = self.config.checksums  # (only then can a hit mismatch)
                 mismatches = handler.checksum_mismatches if hashed else 0
@@ -275,7 +272,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
             out = []
             for batch, indices in zip(batches, host_indices):
                 copy = None
-                if self._prepare(batch, indices, "read"):
+                if self._prepare(batch, indices, "read", reading=True):
                     copy = functools.partial(
                         batch.pool.copy_out, buffers=batch.buffers, hashed=hashed, threads=threads
                     )

@@ -232,12 +232,21 @@ def sidecar_namespace(
     return _digest(fields + _scope_fields(storage_config, pool))
 
 
+def _index_space(pool: Any) -> tuple[int, int]:
+    """(page, slots): how many host indices make a page, and how many there are. Under DCP
+    SGLang addresses the pool by logical slots (`logical_page_size` a page, `logical_size` in
+    all, this rank holding its share of each page); else these are `page_size` and `size`."""
+    page = int(getattr(pool, "logical_page_size", None) or getattr(pool, "page_size", 1) or 1)
+    slots = int(getattr(pool, "logical_size", None) or getattr(pool, "size", 0) or 0)
+    return page, slots // page * page
+
+
 def _affine_page_pointers(pool: Any, parts: int) -> list[tuple[int, int]] | None:
     """In page-first layouts each page part's pointer is affine in the page's first index t:
     `ptr = base + t * stride`. Learn (base, stride) per part from `get_page_buffer_meta` on two
     pages and check it on two more; None if the pool does not follow it."""
-    page = pool.page_size
-    pages = int(getattr(pool, "size", 0)) // page
+    page, slots = _index_space(pool)
+    pages = slots // page
     if pages < 4:
         return None
 
@@ -265,12 +274,19 @@ def _affine_page_pointers(pool: Any, parts: int) -> list[tuple[int, int]] | None
 
 def _index_memory(host_indices: torch.Tensor) -> tuple[int, int, Any]:
     """(address, count, owner): `count` int64 host indices at `address`, kept alive by
-    `owner`. SGLang's (contiguous int64 on CPU) are read in place, others copied."""
+    `owner`. SGLang's (contiguous int64 on CPU) are read in place, others copied; what cannot
+    be read as integers is a ValueError."""
     t = host_indices
-    if t.is_cpu and t.dtype is torch.int64 and t.is_contiguous():
-        return t.data_ptr(), t.numel(), t
-    array = np.ascontiguousarray(t.detach().cpu().numpy(), np.int64)
+    try:
+        if t.is_cpu and t.dtype is torch.int64 and t.is_contiguous():
+            return t.data_ptr(), t.numel(), t
+        array = np.ascontiguousarray(t.detach().cpu().numpy(), np.int64)
+    except (AttributeError, TypeError, RuntimeError, NotImplementedError) as exc:
+        raise ValueError(f"host indices not readable as integers: {exc}") from None
     return array.ctypes.data, array.size, array
+
+
+_NO_PARTS = np.zeros((0, 2), np.int64)  # (`page_pointers` that only checks the pages)
 
 
 class PoolIO:
@@ -284,7 +300,9 @@ class PoolIO:
         self.pool = pool
         self.set_namespace(namespace)
         self.replicated = replicated
-        self.page_size = int(getattr(pool, "page_size", 1) or 1)
+        # host indices a page; pages start at a multiple of it below `slots`: indices outside
+        # would address memory that is not the pool's (`pointers` refuses them)
+        self.page_size, self.slots = _index_space(pool)
         self.whole_page = False
         self.affine: np.ndarray | None = None  # (parts, 2): each part's base and stride
         probe = torch.arange(self.page_size, dtype=torch.int64)
@@ -307,6 +325,8 @@ class PoolIO:
             model = _affine_page_pointers(pool, len(ptrs))
             if model is not None:
                 self.affine = np.array(model, dtype=np.int64).reshape(len(ptrs), 2)
+        if not self.slots and self.part_sizes:
+            log.warning("pool %s states no size: its host indices are not bounds-checked", name)
         self.parts = len(self.part_sizes)
         self.page_bytes = sum(self.part_sizes)
         self.logical = self.page_bytes == 0  # (an attribute: every call asks)
@@ -323,19 +343,26 @@ class PoolIO:
         prefix = self.prefix
         return [prefix + k for k in keys]
 
-    def pointers(self, host_indices: torch.Tensor | None, pages: int) -> np.ndarray | None:
+    def pointers(
+        self, host_indices: torch.Tensor | None, pages: int, distinct: bool = False
+    ) -> np.ndarray:
         """The host pool's side of a batch: a (pages, parts) int64 array, each page part's
-        pointer (None if the indices do not cover exactly `pages` pages). A whole-page pool
-        gets (pages, 1): the pages' first indices (its copies go through the pool)."""
+        pointer. A whole-page pool gets (pages, 1): the pages' first indices (its copies go
+        through the pool). ValueError, saying why, unless the indices are `pages` pages of
+        this pool, each `page_size` consecutive slots from a multiple of it below its size
+        (else a copy would read or write memory that is not the page's, or not the pool's);
+        with `distinct` (a read), no page twice. Checked in C, in the pointers' pass."""
         page = self.page_size
         if host_indices is None:
-            return None
+            raise ValueError("no host indices")
         address, count, indices = _index_memory(host_indices)
         if count != pages * page:
-            return None
+            raise ValueError(f"{count} host indices for {pages} keys (page size {page})")
+        checks = {"slots": self.slots or (1 << 63) - 1, "distinct": distinct}
         if self.affine is not None:
-            raw = page_pointers(address, count, page, self.affine)  # (in C: no array per step)
+            raw = page_pointers(address, count, page, self.affine, **checks)  # (no array a step)
             return np.frombuffer(raw, np.int64).reshape(-1, self.parts)
+        page_pointers(address, count, page, _NO_PARTS, **checks)
         firsts = np.asarray(indices)[::page].astype(np.int64)  # no Python loop per page
         if self.whole_page:
             return firsts[:, None]

@@ -237,6 +237,9 @@ def test_a_page_gone_before_load_is_a_miss_not_an_abort(pair, maru_server):
     assert b.linker.counters["loads_refused"] == 1
     # Slots that are not whole pages are refused too, never copied to.
     assert b.linker.load("r", _kv(keys[:1], torch.arange(1, 1 + PAGE))) is False
+    # So is one page named for two keys: one's bytes would be reported loaded for both.
+    twice = torch.cat([dest[:PAGE], dest[:PAGE]])
+    assert b.linker.load("r", _kv(keys[:2], twice)) is False
 
 
 def test_lease_lost_during_the_load_fails_the_batch(pair, maru_server):

@@ -183,6 +183,30 @@ def test_page_pointers_give_each_pages_parts_from_its_first_index():
         memcopy.page_pointers(indices.ctypes.data, 5, page, affine)
 
 
+@pytest.mark.parametrize(
+    ("indices", "why"),
+    [
+        ([0, 1, 2, 3, 44, 45, 46, 47], "outside the host pool"),  # past the last page
+        ([-4, -3, -2, -1], "outside the host pool"),
+        ([2, 3, 4, 5], "not one run"),  # off the page grid
+        ([0, 1, 2, 7], "not one run"),  # slots of another page
+        ([8, 9, 10, 11, 8, 9, 10, 11], "two keys"),  # one page twice (with distinct)
+    ],
+)
+def test_page_pointers_refuse_indices_that_are_not_whole_pages_of_the_pool(indices, why):
+    """With `slots` (a pool of 44 indices: 11 pages of 4), pages outside it, off the grid or
+    not consecutive are refused before any pointer is made (a copy would touch memory that is
+    not the page's); with `distinct`, a page named twice (a read would report one key's bytes
+    for both). Without `slots` nothing is checked, as before."""
+    array = np.array(indices, np.int64)
+    affine = np.array([[1000, 16]], np.int64)
+    with pytest.raises(ValueError, match=why):
+        memcopy.page_pointers(array.ctypes.data, array.size, 4, affine, slots=44, distinct=True)
+    assert (
+        len(memcopy.page_pointers(array.ctypes.data, array.size, 4, affine)) == array.size // 4 * 8
+    )
+
+
 # -- copy_values on several threads (maru_copy_threads) -----------------------------------------
 
 

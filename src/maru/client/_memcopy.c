@@ -1452,12 +1452,67 @@ static PyObject *copy_values_start(PyObject *self, PyObject *args)
  * instead of the numpy steps (a slice, a cast, a broadcast multiply and add), each of which
  * costs ~5-10 us from caches a page copy has just flushed; taking an address rather than a
  * buffer lets the caller pass a tensor's data without making an array of it. */
-static PyObject *page_pointers(PyObject *self, PyObject *args)
+static int cmp_int64(const void *a, const void *b)
 {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Why the count indices at `first` are not whole pages of a pool of `slots` indices (each page
+ * `page` consecutive indices from a multiple of `page`, below `slots`; with `distinct`, no page
+ * twice), set as ValueError; 0 if they are. An index outside would address memory that is not
+ * the page's, or not the pool's: a get writing over it, a set storing it under a key. */
+static int page_misfit(const int64_t *first, Py_ssize_t count, Py_ssize_t page, int64_t slots,
+                       int distinct)
+{
+    Py_ssize_t pages = count / page;
+    for (Py_ssize_t p = 0; p < pages; p++) {
+        const int64_t *run = first + p * page, f = run[0];
+        if (f < 0 || f >= slots) {
+            PyErr_Format(PyExc_ValueError, "a page outside the host pool (index %lld of %lld)",
+                         (long long)f, (long long)slots);
+            return -1;
+        }
+        int aligned = f % page == 0;
+        for (Py_ssize_t j = 1; aligned && j < page; j++)
+            aligned = run[j] == f + j;
+        if (!aligned) {
+            PyErr_Format(PyExc_ValueError, "a page that is not one run of %zd slots from a page "
+                         "boundary (first index %lld)", page, (long long)f);
+            return -1;
+        }
+    }
+    if (!distinct || pages < 2)
+        return 0;
+    int64_t *sorted = PyMem_Malloc(sizeof(int64_t) * (size_t)pages);
+    if (sorted == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t p = 0; p < pages; p++)
+        sorted[p] = first[p * page];
+    qsort(sorted, (size_t)pages, sizeof(int64_t), cmp_int64);
+    int twice = 0;
+    for (Py_ssize_t p = 1; p < pages && !twice; p++)
+        twice = sorted[p] == sorted[p - 1];
+    PyMem_Free(sorted);
+    if (twice) {
+        PyErr_SetString(PyExc_ValueError, "one host page given for two keys");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *page_pointers(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"address", "count", "page", "affine", "slots", "distinct", NULL};
     PyObject *affine_obj;
     unsigned long long address;
     Py_ssize_t count, page;
-    if (!PyArg_ParseTuple(args, "KnnO:page_pointers", &address, &count, &page, &affine_obj))
+    long long slots = -1;
+    int distinct = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KnnO|$Lp:page_pointers", names, &address,
+                                     &count, &page, &affine_obj, &slots, &distinct))
         return NULL;
     Py_buffer affine = {0};
     PyObject *out = NULL;
@@ -1471,9 +1526,11 @@ static PyObject *page_pointers(PyObject *self, PyObject *args)
         goto done;
     }
     Py_ssize_t pages = count / page;
+    const int64_t *first = (const int64_t *)(uintptr_t)address, *a = (const int64_t *)affine.buf;
+    if (slots >= 0 && page_misfit(first, count, page, slots, distinct) < 0)
+        goto done;
     if ((out = PyBytes_FromStringAndSize(NULL, pages * parts * 8)) == NULL)
         goto done;
-    const int64_t *first = (const int64_t *)(uintptr_t)address, *a = (const int64_t *)affine.buf;
     int64_t *o = (int64_t *)PyBytes_AS_STRING(out);
     for (Py_ssize_t p = 0; p < pages; p++)
         for (Py_ssize_t j = 0; j < parts; j++)
@@ -1645,10 +1702,12 @@ static PyMethodDef methods[] = {
     {"copier_counts", copier_counts, METH_NOARGS,
      "copier_counts() -> (asked, called_off): times this process asked a copier thread to\n"
      "share a copy, and of those the times it was called off before it woke."},
-    {"page_pointers", page_pointers, METH_VARARGS,
-     "page_pointers(address, count, page, affine) -> bytes: of the count int64 indices at\n"
-     "address, per page (every page-th index) each part's pointer affine[j][0] + index *\n"
-     "affine[j][1], as (pages, parts) int64s."},
+    {"page_pointers", (PyCFunction)(void (*)(void))page_pointers, METH_VARARGS | METH_KEYWORDS,
+     "page_pointers(address, count, page, affine, *, slots=-1, distinct=False) -> bytes: of\n"
+     "the count int64 indices at address, per page (every page-th index) each part's pointer\n"
+     "affine[j][0] + index * affine[j][1], as (pages, parts) int64s. With slots >= 0, first\n"
+     "ValueError (saying why) unless every page is page consecutive indices from a multiple\n"
+     "of page, below slots; with distinct too, unless no page comes twice."},
     {"hash_impl", hash_impl, METH_VARARGS,
      "hash_impl([name]) -> str: the maru64 loop in use (scalar, avx2, avx512); with a name\n"
      "(or 'auto'), switch to it and return the one before (tests and benchmarks)."},
