@@ -77,11 +77,12 @@ class RegionGrants:
             length = min(length, room)
         share, held = self.fair_share(), self.region_bytes(inst)
         now = time.monotonic()
-        waiting = [  # (one that has gone since waits for nothing)
-            i
-            for i, until in self.wanting.items()
-            if until > now and i != instance_id and i in self.instances
-        ]
+        # One that has gone since, or waited its time, waits for nothing: dropped, else every
+        # instance that ever asked stayed here (and in every request's pass) for good.
+        self.wanting = {
+            i: until for i, until in self.wanting.items() if until > now and i in self.instances
+        }
+        waiting = [i for i in self.wanting if i != instance_id]
         if waiting and held + least > share:  # what others give back is theirs
             raise ProtocolError(
                 ErrorCode.POOL_FULL,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from collections.abc import Callable
 from contextlib import suppress
 from typing import Any, Protocol
@@ -138,6 +139,18 @@ def _instance_name(name: Any) -> str:
     return "".join(c if c.isascii() and c.isprintable() and c != "~" else "_" for c in name[:100])
 
 
+def _new_instance_id(server: Server, name: str) -> str:
+    """A new instance's id (`Server.new_instance_id`), never one the server has now (a live
+    instance's, or one a restart restored): `InstanceTable.handshake` would attach the
+    newcomer to that instance, its credential, its regions to write into, its pins and
+    leases. (Drawn with 64 random bits, a repeat is not expected; one is drawn again.)"""
+    iid = server.new_instance_id(name)
+    while iid in server.registry.instances:
+        log.warning("a new instance of %r drew the id of a live one (%s): drawn again", name, iid)
+        iid = f"{name}.{secrets.token_hex(8)}"
+    return iid
+
+
 def on_handshake(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     """Attach a process as an instance: the one its session credential names while this
     server still has it (a reconnect, or the first contact after a restart), else a new one
@@ -148,7 +161,7 @@ def on_handshake(server: Server, body: dict[str, Any]) -> dict[str, Any]:
         log.info("a credential of instance %s, which is gone: a new instance", iid)
         iid = None
     if iid is None:
-        iid = server.new_instance_id(_instance_name(body.get("name")))
+        iid = _new_instance_id(server, _instance_name(body.get("name")))
     pid = body.get("pid")
     if type(pid) is not int or not 0 <= pid < 2**63:
         pid = 0  # informational only; must stay encodable in STATS replies

@@ -95,9 +95,10 @@ class MaruService:
         self.spin_wanted: bool | None = None
         self.coherence = parse_coherence(coherence, name="--coherence")
         registry.pool.ensure_mark()  # (`maru-server` wrote it already: claim_pool)
-        # A new instance's id: its name and a random suffix, never the id of an earlier
-        # instance (whose credential a paused or stray process may still hold).
-        self.new_instance_id: Callable[[str], str] = lambda name: f"{name}.{secrets.token_hex(4)}"
+        # A new instance's id: its name and 64 random bits, not the id of an earlier instance
+        # in practice (whose voided credential a paused or stray process may still hold, and
+        # would name it again); never a live one's (`handlers._new_instance_id`).
+        self.new_instance_id: Callable[[str], str] = lambda name: f"{name}.{secrets.token_hex(8)}"
         self.epoch = f"{time.time_ns():x}"  # changes on every start: clients notice restarts
         self._stop = threading.Event()
         self.requests = RequestStats(list(HANDLERS))
