@@ -5,9 +5,10 @@ The key also names everything else the value's bytes depend on (`_kv_namespace`,
 the model (its weights' name, not only the served alias), the KV format (model dtype, KV cache
 dtype, specs, the byte order a value is written in) and
 the rank's shard (PP stage, PCP and TP rank), so an instance never reads bytes of another
-format or shard as a hit. A block that is missing, evicted, of another size, or whose lease
-ended during the copy is reported by `get_block_ids_with_load_errors`: vLLM recomputes it,
-never uses other bytes.
+format or shard as a hit: `<namespace>/<scope>/g<group>/<block hash>`, the namespace renewed
+by `reset_cache` (a weight update). A block that is missing, evicted, of another size, or
+whose lease ended during the copy is reported by `get_block_ids_with_load_errors`: vLLM
+recomputes it, never uses other bytes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import hashlib
 import itertools
 import json
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -89,14 +91,23 @@ def _connector_options(extra: dict[str, Any], groups: int) -> dict[str, Any]:
 
 
 class _FailedLoads:
-    """The scheduler's memory of failed loads: each request's last load (its first block and
+    """The scheduler's memory of loads: each request's last load (its first block and
     block ids per group) and where a failed one stopped. vLLM asks again after a failed load;
     matched from the same block, the same failure would repeat forever: a request is never
-    matched from there again."""
+    matched from there again. Also the async loads not reported done yet, and the finished
+    requests whose blocks the connector holds (`forget`), for the next step's metadata."""
 
     def __init__(self) -> None:
         self.loading: dict[str, tuple[int, list[list[int]]]] = {}
         self.failed_at: dict[str, int] = {}
+        self.in_flight: set[str] = set()  # async loads the workers have not reported done
+        self.held: set[str] = set()  # finished, blocks held until their saves are reported
+
+    def started(self, req_id: str, first: int, block_ids: list[list[int]], wait: bool) -> None:
+        """A load of `req_id` from block `first`; `wait`: async (reported by the workers)."""
+        self.loading[req_id] = (first, block_ids)
+        if wait:
+            self.in_flight.add(req_id)
 
     def limit(self, req_id: str, last: int) -> int:
         """`last` (a match's end block), or where the request's load failed if earlier."""
@@ -108,6 +119,7 @@ class _FailedLoads:
         invalid = output.invalid_block_ids or set()
         failed = output.failed_recving or set()
         done = output.finished_recving or set()
+        self.in_flight -= done
         if not (invalid or failed):  # (an async load's errors come by its finished pass)
             for req_id in done:
                 self.loading.pop(req_id, None)
@@ -125,9 +137,22 @@ class _FailedLoads:
             at = first + stop
             self.failed_at[req_id] = min(at, self.failed_at.get(req_id, at))
 
-    def forget(self, req_id: str) -> None:
+    def forget(self, req_id: str, saved: bool) -> bool:
+        """`req_id` finished (`saved`: saves were started from its blocks): whether the
+        connector holds its blocks until the workers report its saves. Not while its async
+        load runs: vLLM holds them itself until that load is reported, and frees them at
+        either report; a second report of a freed request ends vLLM's engine core."""
         self.loading.pop(req_id, None)
         self.failed_at.pop(req_id, None)
+        hold = saved and req_id not in self.in_flight
+        self.in_flight.discard(req_id)
+        if hold:
+            self.held.add(req_id)
+        return hold
+
+    def take_held(self) -> set[str]:
+        held, self.held = self.held, set()
+        return held
 
 
 # -- metadata: what the scheduler tells the workers each step ------------------------------
@@ -147,11 +172,13 @@ class Transfer:
 class MaruConnectorMetadata(KVConnectorMetadata):
     """`written`: every block this step may write (allocated to a scheduled request, or a
     load's target), the blocks a save still copying must finish before (`handle_preemptions`);
-    only where this instance saves."""
+    only where this instance saves. `held`: the step's finished requests whose blocks the
+    scheduler side holds until the workers report their saves (`request_finished` said so)."""
 
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
     written: set[int] = field(default_factory=set)
+    held: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -475,9 +502,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._failed_loads: set[str] = set()  # requests whose load failed as a whole
             self._stats = MaruKVConnectorStats()
 
-    # -- keys -------------------------------------------------------------------------------
-    # `<namespace>/<scope>/g<group>/<block hash>`: the namespace names the model and the KV
-    # format (`_kv_namespace`), the scope the rank's shard of it.
+    # -- keys (the module's docstring) -------------------------------------------------------
 
     def _scope(self, rank: tuple[int, int, int]) -> str:
         """`rank`: (PP stage, PCP rank, TP rank). Every stage holds other layers, every PCP
@@ -498,9 +523,12 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     def _prefix(self, group: int, rank: tuple[int, int, int]) -> str:
         return f"{self._namespace}/{self._scope(rank)}/g{group}/"
 
-    def _keys(self, hashes: Sequence[bytes], group: int, rank: tuple[int, int, int]) -> list[str]:
-        prefix = self._prefix(group, rank)
-        return [prefix + h.hex() for h in hashes]
+    def reset_cache(self) -> bool:
+        """`reset_prefix_cache(reset_connector=True)`, as vLLM asks after a weight update: the
+        blocks stored so far may be of the weights before, so the keys take a new random part
+        and none is a hit again (they leave the pool by eviction). Workers key as told."""
+        self._namespace = f"{self._namespace.split('/reset-')[0]}/reset-{secrets.token_hex(8)}"
+        return True
 
     def _handler_for(self, pool_size: int | str | None = None) -> MaruHandler:
         if self._handler is None:
@@ -555,7 +583,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         first, last = matched
         self._loads.append(self._transfer(request, block_ids, first, last))
         ids = [block_ids[g][first:last] for g in self._groups]  # (null ones too: by offset)
-        self._failed.loading[request.request_id] = (first, ids)
+        self._failed.started(request.request_id, first, ids, self._async_load)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Where a load failed, remembered (`_FailedLoads`): the request's next match stops
@@ -567,15 +595,15 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: list[list[int]], first: int, last: int
     ) -> Transfer:
         """Blocks [first, last) of `request` but null ones, keyed for rank (0, 0, 0)."""
-        hashes = request.block_hashes[first:last]
+        hexes = [h.hex() for h in request.block_hashes[first:last]]
         pairs = [
-            _not_null(self._keys(hashes, g, (0, 0, 0)), block_ids[g][first:last])
+            _not_null([self._prefix(g, (0, 0, 0)) + h for h in hexes], block_ids[g][first:last])
             for g in self._groups
         ]
         return Transfer(request.request_id, [k for k, _ in pairs], [i for _, i in pairs])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = MaruConnectorMetadata(loads=self._loads)
+        meta = MaruConnectorMetadata(loads=self._loads, held=self._failed.take_held())
         self._loads = []
         if self._saves:  # (blocks freed by a preemption or a sliding window, reused here)
             meta.written = _allocated_blocks(scheduler_output, meta.loads)
@@ -619,11 +647,10 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Keep the blocks until the workers report the request's saves done."""
+        """Keep the blocks until the workers report the request's saves done (`forget`)."""
         self._matched.pop(request.request_id, None)
-        self._failed.forget(request.request_id)
         state = self._requests.pop(request.request_id, None)
-        return bool(state is not None and state.had_save), None
+        return self._failed.forget(request.request_id, bool(state and state.had_save)), None
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -794,7 +821,8 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         """(requests whose saves are done, among those finished; requests whose loads are
         done). A failed transfer still finishes: its blocks are load errors, or unsaved."""
         with self._lock:
-            self._finished_reqs.update(r for r in finished_req_ids if r in self._sending)
+            meta = self._connector_metadata  # (the step's: vLLM calls this before clearing it)
+            self._finished_reqs.update(_held(meta, finished_req_ids, self._sending))
             sending = {
                 r for r in self._finished_reqs if all(f.done() for f in self._sending.get(r, ()))
             }
@@ -944,6 +972,22 @@ def _check_host_memory(kv_caches: dict[str, torch.Tensor]) -> None:
             f"MaruKVConnector: KV caches on {', '.join(devices)}; it copies blocks through "
             "host memory and supports KV caches in CPU memory only (vLLM's CPU backend)"
         )
+
+
+def _held(
+    meta: KVConnectorMetadata | None, finished: set[str], sending: dict[str, list[Future]]
+) -> set[str]:
+    """Among the step's `finished` requests, those to report once their saves are done: the
+    ones whose blocks the scheduler side holds (`meta.held`). The others' saves are dropped
+    from `sending`, never reported: vLLM frees their blocks itself (at their load's report),
+    and reporting them as well would free the blocks twice. Without the step's metadata:
+    every finished request with saves."""
+    if not isinstance(meta, MaruConnectorMetadata):
+        return {r for r in finished if r in sending}
+    for r in finished - meta.held:
+        for future in sending.pop(r, ()):  # (its errors still logged)
+            future.add_done_callback(lambda f: _raise_unexpected([f]))
+    return set(finished) & meta.held
 
 
 def _raise_unexpected(futures: Sequence[Future]) -> None:

@@ -386,6 +386,20 @@ def test_other_weights_under_the_same_served_name_never_hit_its_blocks(
     assert same["match"] == [[True] * W.BLOCKS]
 
 
+def test_a_connector_reset_after_a_weight_update_leaves_no_block_a_hit(
+    maru_server_factory, model_dir, vllm_env
+):
+    """vLLM asks `reset_prefix_cache(reset_connector=True)` after a weight update: the blocks
+    stored before are of the old weights, and none of them may be loaded again. Before, the
+    connector did not implement `reset_cache` (vLLM took that as done) and the next run of
+    the prompt loaded every block computed by the old weights. After the reset the blocks are
+    stored again, under new keys, and a reset of vLLM's own prefix cache alone finds them."""
+    server = maru_server_factory(pool_size="256M")
+    (r,) = run_processes([(W.reset_then_run, (model_dir, server.url))], DEADLINE)
+    assert r["reset"] == [True, True]
+    assert r["loaded"] == [0, 0, W.BLOCKS]
+
+
 def test_kv_caches_outside_cpu_memory_are_refused_at_start(
     maru_server_factory, model_dir, vllm_env
 ):

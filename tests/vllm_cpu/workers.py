@@ -103,6 +103,29 @@ def load(
         engine.close()
 
 
+def reset_then_run(model_dir: str, url: str) -> dict:
+    """One instance computes and saves a prompt, resets its prefix cache with the connector's
+    (`reset_prefix_cache(reset_connector=True)`: what vLLM asks after a weight update), runs
+    the prompt again, then resets only its own prefix cache and runs it a third time: blocks
+    loaded from Maru each time."""
+    _vllm_on_path()
+    from vllm_cpu.engine import MiniEngine
+
+    engine = MiniEngine(model_dir, url)
+    loaded: list[int] = []
+    reset: list[bool] = []
+    try:
+        for reset_connector in (None, True, False):
+            if reset_connector is not None:
+                reset.append(engine.scheduler.reset_prefix_cache(reset_connector=reset_connector))
+            before = sum(s["load_blocks"] for s in engine.stats)
+            engine.run({engine.add(prompt(0))})
+            loaded.append(sum(s["load_blocks"] for s in engine.stats) - before)
+        return {"loaded": loaded, "reset": reset}
+    finally:
+        engine.close()
+
+
 def matched_across_ranks(model_dir: str, url: str, parallel: str = "tp") -> dict:
     """The scheduler side of a TP 2 (`parallel` "tp") or PP 2 ("pp") instance: a prompt's
     blocks count as stored only where every rank's (stage's) shard is. Rank 0's five blocks
@@ -134,7 +157,7 @@ def matched_across_ranks(model_dir: str, url: str, parallel: str = "tp") -> dict
         with MaruHandler(server_url=url, pool_size="2M", chunk_size_bytes=4096) as h:
             stores = (((0, 0, 0), range(BLOCKS)), (other, range(3)), (other, range(3, BLOCKS)))
             for rank, blocks in stores:
-                keys = connector._keys([hashes[b] for b in blocks], 0, rank)
+                keys = [connector._prefix(0, rank) + hashes[b].hex() for b in blocks]
                 assert all(h.batch_store(keys, [b"x"] * len(keys)))
                 if rank == other:
                     said.append(connector.get_num_new_matched_tokens(request, 0)[0])
@@ -400,7 +423,7 @@ def sliding_window(model_dir: str, url: str) -> dict:
             }
             if name == "b":  # the window group's values before the window: gone
                 hashes = engine.request(prompt(0)).block_hashes[:3]
-                keys = engine.scheduler.connector._keys(hashes, 1, (0, 0, 0))
+                keys = [engine.scheduler.connector._prefix(1, (0, 0, 0)) + h.hex() for h in hashes]
                 with MaruHandler(server_url=url, pool_size="2M", chunk_size_bytes=4096) as h:
                     out["deleted"] = h.batch_delete(keys)
         finally:
