@@ -41,7 +41,7 @@ from maru.client import (
 )
 from maru_sglang.cuda import ALIGN, copy_pieces, register_with_cuda
 from maru_sglang.maru_storage import open_handler
-from maru_sglang.pools import chunk_size_for, page_namespace
+from maru_sglang.pools import check_pages, chunk_size_for, page_namespace
 
 __all__ = ["DevicePageLayout", "MaruCacheLinker"]
 
@@ -172,15 +172,12 @@ class DevicePageLayout:
         p = self.page_size
         if indices is None or indices.numel() != pages * p:
             return None
-        slots = indices.detach().to("cpu", torch.int64).numpy().reshape(pages, p)
-        firsts = slots[:, 0]
-        if (firsts % p).any() or (slots != firsts[:, None] + np.arange(p)).any():
+        slots = np.ascontiguousarray(indices.detach().to("cpu", torch.int64).numpy())
+        try:  # (the host pools' check: `pools.check_pages`)
+            check_pages(slots.ctypes.data, slots.size, p, self.rows // p * p, distinct)
+        except ValueError:
             return None
-        if pages and (firsts.min() < 0 or firsts.max() + p > self.rows):
-            return None
-        if distinct and len(np.unique(firsts)) != pages:
-            return None
-        return firsts.astype(np.int64)
+        return slots[::p].copy()
 
     def settle(self) -> None:
         """Return once every copy queued on this layout has landed."""

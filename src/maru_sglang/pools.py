@@ -289,6 +289,18 @@ def _index_memory(host_indices: torch.Tensor) -> tuple[int, int, Any]:
 _NO_PARTS = np.zeros((0, 2), np.int64)  # (`page_pointers` that only checks the pages)
 
 
+def check_pages(address: int, count: int, page: int, slots: int | None, distinct: bool) -> None:
+    """ValueError, saying why, unless the `count` int64 indices at `address` are whole pages
+    of a pool of `slots` (None: unbounded): each `page` consecutive slots from a multiple of
+    `page`, below `slots`; with `distinct`, no page twice. The check of `page_pointers`, in
+    C, with no pointer made (`PoolIO.pointers` makes them in the same pass where it can)."""
+    page_pointers(address, count, page, _NO_PARTS, **_checks(slots, distinct))
+
+
+def _checks(slots: int | None, distinct: bool) -> dict[str, Any]:
+    return {"slots": (1 << 63) - 1 if slots is None else slots, "distinct": distinct}
+
+
 class PoolIO:
     """How one registered host pool's pages are keyed and copied. A logical pool (`page_bytes`
     0: DeepSeek-V4's KV anchor) is never stored and always "present": the sidecars decide the
@@ -358,11 +370,11 @@ class PoolIO:
         address, count, indices = _index_memory(host_indices)
         if count != pages * page:
             raise ValueError(f"{count} host indices for {pages} keys (page size {page})")
-        checks = {"slots": self.slots or (1 << 63) - 1, "distinct": distinct}
-        if self.affine is not None:
-            raw = page_pointers(address, count, page, self.affine, **checks)  # (no array a step)
+        if self.affine is not None:  # (checked as the pointers are made: no array a step)
+            checks = _checks(self.slots or None, distinct)  # (0: a pool that states none)
+            raw = page_pointers(address, count, page, self.affine, **checks)
             return np.frombuffer(raw, np.int64).reshape(-1, self.parts)
-        page_pointers(address, count, page, _NO_PARTS, **checks)
+        check_pages(address, count, page, self.slots or None, distinct)
         firsts = np.asarray(indices)[::page].astype(np.int64)  # no Python loop per page
         if self.whole_page:
             return firsts[:, None]
