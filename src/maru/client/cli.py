@@ -804,16 +804,15 @@ class _Output:
         self._out = out
 
     def write(self, text: str) -> int:
-        try:
-            return self._out.write(text)
-        except BrokenPipeError:
-            raise
-        except OSError as exc:
-            raise OutputError(exc) from exc
+        return self._guarded(self._out.write, text)
 
     def flush(self) -> None:
+        self._guarded(self._out.flush)
+
+    @staticmethod
+    def _guarded(call: Callable[..., Any], *args: Any) -> Any:
         try:
-            self._out.flush()
+            return call(*args)
         except BrokenPipeError:
             raise
         except OSError as exc:
