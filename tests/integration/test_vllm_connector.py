@@ -400,6 +400,24 @@ def test_a_connector_reset_after_a_weight_update_leaves_no_block_a_hit(
     assert r["loaded"] == [0, 0, W.BLOCKS]
 
 
+def test_a_request_aborted_while_its_load_copies_keeps_its_blocks_until_the_load_ends(
+    maru_server_factory, model_dir, vllm_env
+):
+    """A request that saved blocks, was preempted and then matched its own blocks in Maru is
+    aborted while that load is still copying. vLLM holds its blocks until the load is
+    reported done; the connector must report the request once, when both its saves and its
+    load are done: not as saved before the load ends (vLLM frees the blocks the load is
+    writing, and hands them to other requests), and not a second time (vLLM's scheduler
+    asserts the request is still there: the engine core dies)."""
+    server = maru_server_factory(pool_size="256M")
+    job = (W.aborted_while_loading, (model_dir, server.url, 2.0))
+    (r,) = run_processes([job], DEADLINE)
+    assert r["loading"], r  # the scenario happened as meant
+    assert r["raised"] is None, r
+    assert not r["freed_while_loading"], str(r)
+    assert r["requests_left"] == 0 and r["free_blocks"] == r["total_blocks"], r
+
+
 def test_kv_caches_outside_cpu_memory_are_refused_at_start(
     maru_server_factory, model_dir, vllm_env
 ):

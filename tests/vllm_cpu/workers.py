@@ -126,6 +126,70 @@ def reset_then_run(model_dir: str, url: str) -> dict:
         engine.close()
 
 
+def aborted_while_loading(model_dir: str, url: str, hold_s: float) -> dict:
+    """Request R computes 4 of its prompt's blocks (chunked prefill) and saves them; vLLM's
+    `reset_prefix_cache(reset_running_requests=True)` preempts R and empties the local prefix
+    cache, so R's next schedule matches its own saved blocks in Maru: an async load, held
+    `hold_s` on the load pool's one thread. R is aborted while that load waits. What the
+    scheduler did with R's blocks meanwhile, and whether any step raised."""
+    _vllm_on_path()
+    import time
+
+    from vllm.v1.request import RequestStatus
+
+    from vllm_cpu.engine import BLOCK, MiniEngine
+
+    engine = MiniEngine(
+        model_dir, url, max_num_batched_tokens=2 * BLOCK, maru_load_threads=1, num_blocks=32
+    )
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    out: dict[str, Any] = {"raised": None}
+    try:
+        r = engine.add(prompt(0), max_tokens=4)
+        engine.step()
+        engine.step()  # 4 blocks computed, their saves queued
+        with engine.worker._lock:
+            saving = list(engine.worker._saving)
+        for future in saving:
+            future.result(timeout=30)
+        engine.scheduler.reset_prefix_cache(reset_running_requests=True)
+        gate = engine.worker._load_pool.submit(time.sleep, hold_s)  # holds the load thread
+        engine.step()  # R matched in Maru: its load queued behind the gate
+        request = engine.scheduler.requests[r]
+        out["loading"] = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        mine = {b for ids in engine.scheduler.kv_cache_manager.get_block_ids(r) for b in ids}
+        engine.scheduler.finish_requests(r, RequestStatus.FINISHED_ABORTED)
+        # steps while the load is still held: R's blocks must stay R's (not free)
+        freed_early = False
+        try:
+            while not gate.done():
+                engine.step()
+                free = {b.block_id for b in pool.free_block_queue.get_all_free_blocks()}
+                freed_early |= bool(mine & free)
+                time.sleep(0.01)
+            # then until the worker has reported the load too (other requests keep a real
+            # engine stepping: the scheduler's having none left does not end it)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                engine.step()
+                with engine.worker._lock:
+                    pending = engine.worker._recving or engine.worker._finished_reqs
+                if not pending and not engine.scheduler.has_requests():
+                    break
+                time.sleep(0.01)
+        except Exception as exc:  # (what vLLM's engine core would die of)
+            out["raised"] = f"{type(exc).__name__}: {exc}"
+        out["held_blocks"] = len(mine)
+        out["freed_while_loading"] = freed_early
+        out["gate_held"] = gate.done()
+        out["requests_left"] = len(engine.scheduler.requests)
+        out["free_blocks"] = pool.get_num_free_blocks()
+        out["total_blocks"] = pool.num_gpu_blocks - 1  # (less the null block)
+        return out
+    finally:
+        engine.close()
+
+
 def matched_across_ranks(model_dir: str, url: str, parallel: str = "tp") -> dict:
     """The scheduler side of a TP 2 (`parallel` "tp") or PP 2 ("pp") instance: a prompt's
     blocks count as stored only where every rank's (stage's) shard is. Rank 0's five blocks
