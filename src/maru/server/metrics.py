@@ -113,6 +113,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "maru_keys_duplicate",
         "Registrations refused because the key existed (first writer wins).",
     ),
+    "keys_over_region": (
+        "maru_keys_over_region",
+        "Registrations refused because their region's keys would hold more bytes than it has "
+        "(keys registered over the same bytes).",
+    ),
     "keys_deleted": ("maru_keys_deleted", "Keys deleted (DELETE_KV, DELETE_PREFIX, clear)."),
     "evictions": ("maru_evicted_keys", "Keys evicted (watermark, room for a writer, orphans)."),
     "bytes_evicted": ("maru_evicted_bytes", "Bytes of the keys evicted."),

@@ -172,14 +172,24 @@ class Registry:
         REJECTED for a bad key or a location outside the caller's own live regions. `tokens`
         (region id -> token, as the writer was granted them): a region whose token is not
         the one named is not the one the writer wrote in (another server's or pool's region
-        under the same id, after a re-handshake), and its keys are REJECTED."""
+        under the same id, after a re-handshake), and its keys are REJECTED. A new key that
+        would make its region's live bytes pass the region's length is REJECTED too (keys
+        over the same bytes: an honest writer's values each have chunks of their own), so
+        bytes that do not exist never count toward the watermark, quotas or shares."""
         inst = self.instances.require(instance_id)
-        # One C pass admits the usual batch whole; otherwise `_screen_each` goes key by key.
-        limits = self._writable_lengths(instance_id, region_ids, tokens)
+        # One C pass and a sum admit the usual batch whole (each key counted as new, each
+        # region with room for its keys); otherwise `_screen_each` goes key by key, exactly.
+        writable = self._writable_lengths(instance_id, region_ids, tokens)
+        nbytes = -1  # the batch's bytes once admitted whole
+        if writable is not None and batch_fits(
+            keys, MAX_KEY_CHARS, region_ids, offsets, lengths, writable[0]
+        ):
+            nbytes, room = sum(lengths), writable[1]
+            if nbytes > min(room.values()) and not _room_per_region(region_ids, lengths, room):
+                nbytes = -1
         screened = (
             None
-            if limits is not None
-            and batch_fits(keys, MAX_KEY_CHARS, region_ids, offsets, lengths, limits)
+            if nbytes >= 0
             else self._screen_each(instance_id, keys, region_ids, offsets, lengths, tokens)
         )
         columns = [keys, region_ids, offsets, lengths, *([checksums] if checksums else [])]
@@ -198,7 +208,8 @@ class Registry:
         if new is not None or screened is not None:
             self.counters["keys_duplicate"] += statuses.count(EXISTS)
         if keys:
-            nbytes = sum(lengths)
+            if new is not None or screened is not None:  # (else: the batch admitted whole)
+                nbytes = sum(lengths)
             inst.keys_registered += len(keys)
             inst.bytes_registered += nbytes
             self.counters["keys_registered"] += len(keys)
@@ -231,20 +242,22 @@ class Registry:
 
     def _writable_lengths(
         self, instance_id: str, region_ids: list[int], tokens: dict[int, str] | None = None
-    ) -> dict[int, int] | None:
-        """The length of each region a batch names, if all are live regions of the caller's;
-        else None (the batch is screened key by key)."""
+    ) -> tuple[dict[int, int], dict[int, int]] | None:
+        """The length of each region a batch names and the room its live keys leave (region
+        id -> bytes), if all are live regions of the caller's; else None (the batch is
+        screened key by key)."""
         if not region_ids:
             return None
         first = region_ids[0]
         named = (first,) if region_ids.count(first) == len(region_ids) else set(region_ids)
-        limits = {}
+        limits, room = {}, {}
         for region_id in named:
             region = self._writable(region_id, instance_id, tokens)
             if region is None:
                 return None
             limits[region_id] = region.length
-        return limits
+            room[region_id] = region.length - region.live_bytes
+        return limits, room
 
     def _screen_each(
         self,
@@ -255,11 +268,14 @@ class Registry:
         lengths: list[int],
         tokens: dict[int, str] | None = None,
     ) -> list[int | None]:
-        """Per key of a batch with a bad key or location: REJECTED for a bad key or a location
-        outside the caller's live regions, but EXISTS there for a key registered before or
-        earlier in the batch (the first writer wins wherever the later one claims to be);
-        None for a key left to the insert."""
+        """Per key of a batch not admitted whole: REJECTED for a bad key or a location outside
+        the caller's live regions, but EXISTS there for a key registered before or earlier in
+        the batch (the first writer wins wherever the later one claims to be); REJECTED for a
+        new key its region has no room left for (`_over_room`), as if added one by one; None
+        for a key left to the insert."""
         regions = {r: self._writable(r, instance_id, tokens) for r in set(region_ids)}
+        room = {r: g.length - g.live_bytes for r, g in regions.items() if g is not None}
+        over: dict[int, int] = {}  # region id -> new keys refused for want of room
         keys_valid = all_keys_valid(keys)
         table, inserted = self.keys, set()
         out: list[int | None] = []
@@ -269,10 +285,35 @@ class Registry:
                 out.append(REJECTED)
             elif region is None or length <= 0 or offset < 0 or offset + length > region.length:
                 out.append(EXISTS if key in table or key in inserted else REJECTED)
+            elif key in table or key in inserted:
+                out.append(None)  # (EXISTS, or REGISTERED again: `_repeated`; no room taken)
+            elif length > room[region_id]:
+                over[region_id] = over.get(region_id, 0) + 1
+                out.append(REJECTED)
             else:
+                room[region_id] -= length
                 inserted.add(key)
                 out.append(None)
+        if over:
+            self._over_room(instance_id, over)
         return out
+
+    def _over_room(self, instance_id: str, over: dict[int, int]) -> None:
+        """Count and report (one throttled WARNING a batch) the new keys refused because their
+        region's live bytes would pass its length: keys over bytes other keys hold."""
+        refused = sum(over.values())
+        self.counters["keys_over_region"] += refused
+        held = self.log_throttle.allow(("over_region", instance_id))
+        if held is not None:
+            log.warning(
+                "instance %s: %d keys refused: their region's keys would hold more bytes than "
+                "it has (keys registered over the same bytes) in %s%s",
+                instance_id,
+                refused,
+                ", ".join(f"region {r} ({n} keys)" for r, n in over.items()),
+                self.log_throttle.note(held),
+                extra={"instance": instance_id, "region": sorted(over)},
+            )
 
     def _add_keys(
         self,
@@ -441,6 +482,14 @@ class Registry:
                     freed += notices[at : at + size]
                 at += size
         return per_owner
+
+
+def _room_per_region(region_ids: list[int], lengths: list[int], room: dict[int, int]) -> bool:
+    """Whether each region a batch names (several) has room for all its keys there."""
+    if len(room) == 1:
+        return False  # (the caller compared the one region's room with the whole batch)
+    groups = length_groups(region_ids, lengths).items()
+    return all(sum(n * k for n, k in group.items()) <= room[rid] for rid, group in groups)
 
 
 # -- operator actions that walk the whole registry (not on any hot path) ----------------------
