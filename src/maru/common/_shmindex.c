@@ -66,6 +66,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -134,10 +135,20 @@ _Static_assert(sizeof(Header) <= SUCCESSOR_OFFSET, "header layout");
  * through its capsule (`faultguard.h`; taken when the first Reader is made). A fault is a
  * fault of that call: the batch asks the server (probe, read, contains, leading), its hits are
  * not proven (changed, read), the table counts as retired or incomplete (the getters); never
- * a hit, never a dead process. One sigsetjmp per call, not per key. */
+ * a hit, never a dead process. One sigsetjmp per call, not per key.
+ *
+ * The server's side is no safer by itself: with `--pool-group` the use bits are a 0660 file
+ * and the in-pool table lies in a pool file the group maps read-write, so any member can
+ * truncate either under it. Every access of a Writer (and `format_table`) to mapped memory
+ * runs under the same guard, taken when the first Writer is made: a fault is
+ * IndexFaultError, raised by the call that met it, whose batch may be half done (the server
+ * then turns its index off: `maru.server.localindex`). The Python work of a batch (its keys'
+ * bytes, its columns) is done before the guard goes on: nothing inside allocates or calls
+ * Python. */
 
 #define FAULTED (-1000) /* `guarded`'s answer when `fn` faulted */
-static const MaruFaultGuard *fault_guard; /* NULL until a Reader is made (the server: never) */
+static const MaruFaultGuard *fault_guard; /* NULL until a Reader, Writer or format is made */
+static PyObject *IndexFaultError;         /* maru.common._shmindex.IndexFaultError (an OSError) */
 
 /* `fn(arg)` under the fault guard (directly where none was taken): its answer, or FAULTED.
  * `fn` reads and writes the table only: it allocates nothing and calls no Python. */
@@ -155,18 +166,49 @@ static int guarded(int (*fn)(void *), void *arg)
     return rc;
 }
 
-/* The guard from `maru.client._memcopy` (once): 0, or -1 with the import's error. */
+/* The guard from `maru.client._memcopy` (once): 0, or -1 with the import's error. The module
+ * is imported first: PyCapsule_Import only looks up the attributes after the top package,
+ * and the server imports nothing else of `maru.client`. */
 static int fault_guard_take(void)
 {
-    if (fault_guard == NULL)
+    if (fault_guard == NULL) {
+        PyObject *module = PyImport_ImportModule("maru.client._memcopy");
+        if (module == NULL)
+            return -1;
+        Py_DECREF(module);
         fault_guard = PyCapsule_Import(MARU_FAULT_GUARD, 0);
+    }
     return fault_guard != NULL ? 0 : -1;
+}
+
+/* Raise IndexFaultError (errno EFAULT) for the writer's `what`, which faulted. NULL. */
+static PyObject *writer_fault(const char *what)
+{
+    PyObject *args = Py_BuildValue("(is)", EFAULT, what);
+    if (args != NULL)
+        PyErr_SetObject(IndexFaultError, args);
+    Py_XDECREF(args);
+    return NULL;
 }
 
 #define LOAD(p) __atomic_load_n((p), __ATOMIC_RELAXED)
 #define LOAD_ACQ(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
 #define STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELAXED)
 #define STORE_REL(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+
+/* The u64 at `p` (the header's: `count`, a reader's pool generation), read guarded:
+ * `guarded` answers 0, or FAULTED. */
+typedef struct {
+    const uint64_t *p;
+    uint64_t value;
+} Load;
+
+static int load_run(void *arg)
+{
+    Load *l = arg;
+    l->value = LOAD_ACQ(l->p);
+    return 0;
+}
 
 /* -- the key hash (any process, any build: a pure function of the bytes and the seed) ---- */
 
@@ -469,13 +511,16 @@ static int table_open(Table *t, PyObject *table_obj, PyObject *use_obj, int writ
     t->h = (Header *)t->table.buf;
     t->software = software;
     TableOpen o = {t, NULL};
-    if (guarded(table_header, &o) == FAULTED)
+    int faulted = guarded(table_header, &o) == FAULTED;
+    if (faulted)
         o.why = "faulted (its file truncated, or out of room)";
     if (o.why != NULL) {
         PyBuffer_Release(&t->table);
         PyBuffer_Release(&t->use);
         t->h = NULL;
-        PyErr_Format(PyExc_ValueError, "index table %s", o.why);
+        /* (a writer's fault is IndexFaultError, as in its calls; a reader's, what it was) */
+        PyErr_Format(faulted && writable ? IndexFaultError : PyExc_ValueError, "index table %s",
+                     o.why);
         return -1;
     }
     return 0;
@@ -497,58 +542,89 @@ typedef struct {
     Table t;
 } Writer;
 
-static PyObject *format_table(PyObject *module, PyObject *args)
+/* format_table's writes (`arg`: a Format), guarded: the table may lie in the pool. */
+typedef struct {
+    Py_buffer *buf, *use; /* (use: NULL, or its bytes zeroed too) */
+    uint64_t capacity, generation, index_id;
+    int software;
+} Format;
+
+static int format_run(void *arg)
 {
-    /* format_table(buffer, capacity, pool_generation: bytes, index_id, software=False): an
-     * empty table: a table there before is retired first, its slots and hash column zeroed,
-     * the header written, `retired` cleared last (a reader of the earlier table finds it
-     * retired, then of another index id: `table_current`); with `software` all of it written
-     * back to memory before `retired` is cleared, and that after. */
-    Py_buffer buf;
-    unsigned long long capacity, index_id;
-    const char *gen;
-    Py_ssize_t gen_len;
-    int software = 0;
-    if (!PyArg_ParseTuple(args, "w*Ky#K|p:format_table", &buf, &capacity, &gen, &gen_len,
-                          &index_id, &software))
-        return NULL;
-    if (software && coh_invalidate_kind == FLUSH_NONE) {
-        PyBuffer_Release(&buf);
-        PyErr_SetString(PyExc_ValueError, "format_table: no cache-line flushes for software");
-        return NULL;
-    }
-    if (capacity == 0 || (capacity & (capacity - 1)) ||
-        (uint64_t)buf.len < HEADER_BYTES + capacity * (SLOT_BYTES + HASH_BYTES)) {
-        PyBuffer_Release(&buf);
-        PyErr_SetString(PyExc_ValueError, "format_table: capacity must be a power of two that fits");
-        return NULL;
-    }
-    Header *h = (Header *)buf.buf;
-    Table t = {.h = h, .software = software};
-    size_t body = (size_t)capacity * (SLOT_BYTES + HASH_BYTES);
+    const Format *f = arg;
+    Header *h = (Header *)f->buf->buf;
+    Table t = {.h = h, .software = f->software};
+    size_t body = (size_t)f->capacity * (SLOT_BYTES + HASH_BYTES);
     STORE_REL(&h->retired, 1);
     tbl_write_back(&t, h, 128);
     tbl_sfence(&t);
-    memset((char *)buf.buf + HEADER_BYTES, 0, body);
+    memset((char *)f->buf->buf + HEADER_BYTES, 0, body);
+    if (f->use != NULL)
+        memset(f->use->buf, 0, (size_t)f->use->len);
     memcpy(&h->magic, MAGIC_BYTES, 8);
     h->version = LAYOUT_VERSION;
-    h->capacity = capacity;
+    h->capacity = f->capacity;
     h->slot_bytes = SLOT_BYTES;
     h->max_key = MAX_KEY;
-    h->pool_generation = hash_bytes((const unsigned char *)gen, (size_t)gen_len, 0);
+    h->pool_generation = f->generation;
     h->count = 0;
-    h->index_id = index_id;
+    h->index_id = f->index_id;
     h->header_bytes = HEADER_BYTES;
     h->incomplete = 0;
     h->regions = 0;
     memset((char *)h + SUCCESSOR_OFFSET, 0, SUCCESSOR_MAX);
-    tbl_write_back(&t, buf.buf, HEADER_BYTES + body);
+    tbl_write_back(&t, f->buf->buf, HEADER_BYTES + body);
     tbl_sfence(&t);
     STORE_REL(&h->retired, 0);
     tbl_write_back(&t, h, 128);
     tbl_sfence(&t);
+    return 0;
+}
+
+static PyObject *format_table(PyObject *module, PyObject *args)
+{
+    /* format_table(buffer, capacity, pool_generation: bytes, index_id, software=False,
+     * use=None): an empty table: a table there before is retired first, its slots and hash
+     * column zeroed (and `use`, its use bytes, if given), the header written, `retired`
+     * cleared last (a reader of the earlier table finds it retired, then of another index
+     * id: `table_current`); with `software` all of it written back to memory before
+     * `retired` is cleared, and that after. Guarded: IndexFaultError if the memory faulted. */
+    Py_buffer buf, use = {0};
+    unsigned long long capacity, index_id;
+    const char *gen;
+    Py_ssize_t gen_len;
+    int software = 0;
+    PyObject *use_obj = Py_None;
+    if (fault_guard_take() < 0)
+        return NULL;
+    if (!PyArg_ParseTuple(args, "w*Ky#K|pO:format_table", &buf, &capacity, &gen, &gen_len,
+                          &index_id, &software, &use_obj))
+        return NULL;
+    if (use_obj != Py_None && PyObject_GetBuffer(use_obj, &use, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    if (software && coh_invalidate_kind == FLUSH_NONE) {
+        PyErr_SetString(PyExc_ValueError, "format_table: no cache-line flushes for software");
+        goto done;
+    }
+    if (capacity == 0 || (capacity & (capacity - 1)) ||
+        (uint64_t)buf.len < HEADER_BYTES + capacity * (SLOT_BYTES + HASH_BYTES)) {
+        PyErr_SetString(PyExc_ValueError, "format_table: capacity must be a power of two that fits");
+        goto done;
+    }
+    Format f = {&buf, use_obj != Py_None ? &use : NULL, capacity,
+                hash_bytes((const unsigned char *)gen, (size_t)gen_len, 0), index_id, software};
+    if (guarded(format_run, &f) == FAULTED)
+        writer_fault("index table faulted while formatted (its file truncated, or out of room)");
+    else
+        out = Py_NewRef(Py_None);
+done:
     PyBuffer_Release(&buf);
-    Py_RETURN_NONE;
+    if (use.obj != NULL)
+        PyBuffer_Release(&use);
+    return out;
 }
 
 /* Writer and Reader are both a Table behind an object head: one constructor and one
@@ -577,6 +653,8 @@ static void table_object_dealloc(Writer *self)
 
 static PyObject *Writer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
+    if (fault_guard_take() < 0) /* (before the first access to the table: its header) */
+        return NULL;
     return table_object_new(type, args, 1);
 }
 
@@ -625,11 +703,17 @@ static inline int slot_matches(const Slot *s, uint64_t hash, uint64_t meta, cons
 }
 
 /* The slot holding the key (found = 1) or the empty slot ending its chain (found = 0). */
+#define NO_SLOT UINT64_MAX /* writer_find: the key is not there and no slot is empty */
+#define NO_EMPTY_SLOT (-1001) /* a guarded run's answer: a table with no empty slot */
+
 static uint64_t writer_find(Table *t, const KeyBytes *k, uint64_t hash, int *found)
 {
     uint64_t meta = make_meta(STATE_LIVE, k->kind, key_len(k));
     uint64_t i = hash & t->mask;
-    for (;;) {
+    /* At most one lap: the writer keeps the table half empty, but the in-pool table lies in
+     * pool memory the group may write, and a table whose every slot was made live must not
+     * hold the server in this loop. */
+    for (uint64_t steps = 0; steps <= t->mask; steps++) {
         const Slot *s = &t->slots[i];
         if ((s->meta & 0xff) == STATE_EMPTY) {
             *found = 0;
@@ -641,6 +725,8 @@ static uint64_t writer_find(Table *t, const KeyBytes *k, uint64_t hash, int *fou
         }
         i = (i + 1) & t->mask;
     }
+    *found = 0;
+    return NO_SLOT;
 }
 
 static int64_t item_int64(PyObject *seq, Py_ssize_t i, int *err)
@@ -658,15 +744,12 @@ static inline int publishable(const KeyBytes *k)
     return k->kind != 0 && key_len(k) > 0 && key_len(k) <= MAX_KEY;
 }
 
-/* The writer's first stage for keys[start:start + m] (m <= PUBLISH_WINDOW) of `seq`: each key's
- * bytes and hash, and its first slot, hash entry and use byte prefetched for writing, so that
- * the cache misses of the window's writes overlap. -1 with an error set. */
-static int stage_window(const Table *t, PyObject *seq, Py_ssize_t start, Py_ssize_t m,
-                        KeyBytes *ks, uint64_t *hashes)
+/* The writer's first stage for keys[0:m] (m <= PUBLISH_WINDOW) of a gathered batch: each
+ * key's hash, and its first slot, hash entry and use byte prefetched for writing, so that the
+ * cache misses of the window's writes overlap. */
+static void stage_window(const Table *t, const KeyBytes *ks, Py_ssize_t m, uint64_t *hashes)
 {
     for (Py_ssize_t i = 0; i < m; i++) {
-        if (key_bytes(PySequence_Fast_GET_ITEM(seq, start + i), &ks[i]) < 0)
-            return -1;
         if (!publishable(&ks[i]))
             continue;
         hashes[i] = key_hash(&ks[i], t->seed, NULL);
@@ -678,12 +761,75 @@ static int stage_window(const Table *t, PyObject *seq, Py_ssize_t start, Py_ssiz
         PREFETCH_W(&t->hashes[first]);
         PREFETCH_W(&t->use_bits[first]);
     }
+}
+
+#define WRITE_CHUNK 4096 /* keys a writer gathers for one guarded call (a batch: mostly all) */
+enum { F_REGION, F_OFFSET, F_LENGTH, F_CHECKSUM, F_TAG, NFIELDS };
+
+/* A chunk of a publish or remove, gathered with the GIL (keys' bytes; publish: per key its
+ * NFIELDS fields) for one guarded call (`publish_run`, `remove_run`). */
+typedef struct {
+    Table *t;
+    const KeyBytes *keys;
+    const int64_t *fields; /* (publish) */
+    Py_ssize_t n;
+    Py_ssize_t done; /* publish: keys not published; remove: keys removed */
+} WriteRun;
+
+/* keys[start:start + m] of `seq` into `ks` (GIL held). -1 with an error set. */
+static int writer_gather(PyObject *seq, Py_ssize_t start, Py_ssize_t m, KeyBytes *ks)
+{
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (key_bytes(PySequence_Fast_GET_ITEM(seq, start + i), &ks[i]) < 0)
+            return -1;
+    return 0;
+}
+
+/* publish's writes of a gathered chunk, guarded (`arg`: a WriteRun). */
+static int publish_run(void *arg)
+{
+    WriteRun *r = arg;
+    Table *t = r->t;
+    Slot src;
+    uint64_t hashes[PUBLISH_WINDOW];
+    for (Py_ssize_t start = 0; start < r->n; start += PUBLISH_WINDOW) {
+        Py_ssize_t m = r->n - start < PUBLISH_WINDOW ? r->n - start : PUBLISH_WINDOW;
+        stage_window(t, r->keys + start, m, hashes);
+        for (Py_ssize_t w = 0; w < m; w++) {
+            const KeyBytes *k = &r->keys[start + w];
+            if (!publishable(k)) {
+                r->done++;
+                continue;
+            }
+            const int64_t *f = r->fields + NFIELDS * (start + w);
+            src.region_id = f[F_REGION];
+            src.offset = f[F_OFFSET];
+            src.length = f[F_LENGTH];
+            src.checksum = f[F_CHECKSUM];
+            src.tag = f[F_TAG];
+            src.hash = hashes[w];
+            if (k->pn > 0)
+                memcpy(src.key, k->pre, (size_t)k->pn);
+            memcpy(src.key + k->pn, k->p, (size_t)k->n);
+            int found;
+            uint64_t slot = writer_find(t, k, src.hash, &found);
+            if (slot == NO_SLOT)
+                return NO_EMPTY_SLOT;
+            slot_write(t, slot, &src, make_meta(STATE_LIVE, k->kind, key_len(k)));
+            if (!found)
+                STORE(&t->h->count, LOAD(&t->h->count) + 1);
+            t->use_bits[slot] = 0;
+        }
+    }
+    tbl_write_back(t, t->h, 128);
+    tbl_sfence(t);
     return 0;
 }
 
 /* publish(keys, region_ids, offsets, lengths, checksums or None, tags: {region id: tag}) ->
  * how many keys were not published (too long, or not str/bytes). The caller keeps the table
- * at most half full (`count` + len(keys) <= capacity / 2, else it grows first). */
+ * at most half full (`count` + len(keys) <= capacity / 2, else it grows first).
+ * IndexFaultError: the table faulted (the keys before the fault published, the rest not). */
 static PyObject *Writer_publish(Writer *self, PyObject *args)
 {
     PyObject *keys_o, *rids_o, *offs_o, *lens_o, *sums_o, *tags;
@@ -695,6 +841,8 @@ static PyObject *Writer_publish(Writer *self, PyObject *args)
     PyObject *cols[5] = {NULL, NULL, NULL, NULL, NULL};
     PyObject *objs[5] = {keys_o, rids_o, offs_o, lens_o, sums_o};
     PyObject *out = NULL;
+    KeyBytes *ks = NULL;
+    int64_t *fields = NULL;
     int ncols = sums_o == Py_None ? 4 : 5;
     for (int c = 0; c < ncols; c++)
         if ((cols[c] = PySequence_Fast(objs[c], "publish: columns must be sequences")) == NULL)
@@ -706,52 +854,57 @@ static PyObject *Writer_publish(Writer *self, PyObject *args)
             goto done;
         }
     Table *t = &self->t;
-    if (LOAD(&t->h->count) + (uint64_t)n > (t->mask + 1) / 2) {
+    Load count = {&t->h->count, 0};
+    if (guarded(load_run, &count) == FAULTED) {
+        writer_fault("index table faulted in publish (its file truncated, or out of room)");
+        goto done;
+    }
+    if (count.value + (uint64_t)n > (t->mask + 1) / 2) {
         PyErr_SetString(PyExc_OverflowError, "publish: the table would be over half full");
         goto done;
     }
-    Py_ssize_t skipped = 0;
-    Slot src;
-    KeyBytes ks[PUBLISH_WINDOW];
-    uint64_t hashes[PUBLISH_WINDOW];
-    for (Py_ssize_t start = 0; start < n; start += PUBLISH_WINDOW) {
-        Py_ssize_t m = n - start < PUBLISH_WINDOW ? n - start : PUBLISH_WINDOW;
-        if (stage_window(t, cols[0], start, m, ks, hashes) < 0)
+    Py_ssize_t chunk = n < WRITE_CHUNK ? (n ? n : 1) : WRITE_CHUNK, skipped = 0;
+    ks = PyMem_Malloc(sizeof(KeyBytes) * (size_t)chunk);
+    fields = PyMem_Malloc(sizeof(int64_t) * NFIELDS * (size_t)chunk);
+    if (ks == NULL || fields == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t start = 0; start < n; start += chunk) {
+        Py_ssize_t m = n - start < chunk ? n - start : chunk;
+        if (writer_gather(cols[0], start, m, ks) < 0)
             goto done;
         for (Py_ssize_t w = 0; w < m; w++) {
             Py_ssize_t i = start + w;
-            const KeyBytes *k = &ks[w];
-            if (!publishable(k)) {
-                skipped++;
+            if (!publishable(&ks[w]))
                 continue;
-            }
+            int64_t *f = fields + NFIELDS * w;
             int err = 0;
-            src.region_id = item_int64(cols[1], i, &err);
-            src.offset = item_int64(cols[2], i, &err);
-            src.length = item_int64(cols[3], i, &err);
-            src.checksum = ncols == 5 ? item_int64(cols[4], i, &err) : 0;
+            f[F_REGION] = item_int64(cols[1], i, &err);
+            f[F_OFFSET] = item_int64(cols[2], i, &err);
+            f[F_LENGTH] = item_int64(cols[3], i, &err);
+            f[F_CHECKSUM] = ncols == 5 ? item_int64(cols[4], i, &err) : 0;
             PyObject *tag = PyDict_GetItemWithError(tags, PySequence_Fast_GET_ITEM(cols[1], i));
             if (tag == NULL && !PyErr_Occurred())
                 PyErr_SetString(PyExc_KeyError, "publish: no tag for a region");
-            src.tag = tag == NULL ? 0 : (int64_t)PyLong_AsUnsignedLongLongMask(tag);
+            f[F_TAG] = tag == NULL ? 0 : (int64_t)PyLong_AsUnsignedLongLongMask(tag);
             if (err || PyErr_Occurred())
                 goto done;
-            src.hash = hashes[w];
-            if (k->pn > 0)
-                memcpy(src.key, k->pre, (size_t)k->pn);
-            memcpy(src.key + k->pn, k->p, (size_t)k->n);
-            int found;
-            uint64_t slot = writer_find(t, k, src.hash, &found);
-            slot_write(t, slot, &src, make_meta(STATE_LIVE, k->kind, key_len(k)));
-            if (!found)
-                STORE(&t->h->count, LOAD(&t->h->count) + 1);
-            t->use_bits[slot] = 0;
         }
+        WriteRun r = {t, ks, fields, m, 0};
+        int rc = guarded(publish_run, &r);
+        if (rc == FAULTED || rc == NO_EMPTY_SLOT) {
+            writer_fault(rc == FAULTED
+                             ? "index table faulted in publish (its file truncated, or out of room)"
+                             : "index table has no empty slot: its slots were overwritten");
+            goto done;
+        }
+        skipped += r.done;
     }
-    tbl_write_back(t, t->h, 128);
-    tbl_sfence(t);
     out = PyLong_FromSsize_t(skipped);
 done:
+    PyMem_Free(ks);
+    PyMem_Free(fields);
     for (int c = 0; c < 5; c++)
         Py_XDECREF(cols[c]);
     return out;
@@ -765,7 +918,7 @@ static void writer_delete_at(Table *t, uint64_t i)
     slot_write(t, i, NULL, make_meta(STATE_EMPTY, 0, 0));
     t->use_bits[i] = 0;
     uint64_t hole = i, j = i;
-    for (;;) {
+    for (uint64_t steps = 0; steps < mask; steps++) { /* (one lap at most: see writer_find) */
         j = (j + 1) & mask;
         Slot *s = &t->slots[j];
         if ((s->meta & 0xff) == STATE_EMPTY)
@@ -783,26 +936,17 @@ static void writer_delete_at(Table *t, uint64_t i)
     }
 }
 
-/* remove(keys) -> how many were in the table. */
-static PyObject *Writer_remove(Writer *self, PyObject *arg)
+/* remove's writes of a gathered chunk, guarded (`arg`: a WriteRun). */
+static int remove_run(void *arg)
 {
-    if (!writer_ready(self))
-        return NULL;
-    PyObject *seq = PySequence_Fast(arg, "remove: keys must be a sequence");
-    if (seq == NULL)
-        return NULL;
-    Table *t = &self->t;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), removed = 0;
-    KeyBytes ks[PUBLISH_WINDOW];
+    WriteRun *r = arg;
+    Table *t = r->t;
     uint64_t hashes[PUBLISH_WINDOW];
-    for (Py_ssize_t start = 0; start < n; start += PUBLISH_WINDOW) {
-        Py_ssize_t m = n - start < PUBLISH_WINDOW ? n - start : PUBLISH_WINDOW;
-        if (stage_window(t, seq, start, m, ks, hashes) < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
+    for (Py_ssize_t start = 0; start < r->n; start += PUBLISH_WINDOW) {
+        Py_ssize_t m = r->n - start < PUBLISH_WINDOW ? r->n - start : PUBLISH_WINDOW;
+        stage_window(t, r->keys + start, m, hashes);
         for (Py_ssize_t w = 0; w < m; w++) {
-            const KeyBytes *k = &ks[w];
+            const KeyBytes *k = &r->keys[start + w];
             if (!publishable(k))
                 continue;
             int found;
@@ -811,36 +955,82 @@ static PyObject *Writer_remove(Writer *self, PyObject *arg)
                 continue;
             writer_delete_at(t, slot);
             STORE(&t->h->count, LOAD(&t->h->count) - 1);
-            removed++;
+            r->done++;
         }
     }
     tbl_write_back(t, t->h, 128);
     tbl_sfence(t);
-    Py_DECREF(seq);
-    return PyLong_FromSsize_t(removed);
+    return 0;
 }
 
-static PyObject *slot_key(const Slot *s)
-{
-    size_t len = (size_t)(s->meta >> 16) & 0xffff;
-    int kind = (int)(s->meta >> 8) & 0xff;
-    if (kind == KIND_STR)
-        return PyUnicode_DecodeUTF8((const char *)s->key, (Py_ssize_t)len, "strict");
-    return PyBytes_FromStringAndSize((const char *)s->key, (Py_ssize_t)len);
-}
-
-/* harvest() -> the keys whose use byte readers set since the last harvest (bytes cleared). */
-static PyObject *Writer_harvest(Writer *self, PyObject *unused)
+/* remove(keys) -> how many were in the table. IndexFaultError: the table faulted (a key may
+ * still be there: the caller must make the table unprovable before its pages are reused). */
+static PyObject *Writer_remove(Writer *self, PyObject *arg)
 {
     if (!writer_ready(self))
         return NULL;
-    Table *t = &self->t;
-    PyObject *out = PyList_New(0);
-    if (out == NULL)
+    PyObject *seq = PySequence_Fast(arg, "remove: keys must be a sequence");
+    if (seq == NULL)
         return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), removed = 0;
+    Py_ssize_t chunk = n < WRITE_CHUNK ? (n ? n : 1) : WRITE_CHUNK;
+    KeyBytes *ks = PyMem_Malloc(sizeof(KeyBytes) * (size_t)chunk);
+    if (ks == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t start = 0; start < n; start += chunk) {
+        Py_ssize_t m = n - start < chunk ? n - start : chunk;
+        if (writer_gather(seq, start, m, ks) < 0)
+            goto done;
+        WriteRun r = {&self->t, ks, NULL, m, 0};
+        if (guarded(remove_run, &r) == FAULTED) {
+            writer_fault("index table faulted in remove (its file truncated, or out of room)");
+            goto done;
+        }
+        removed += r.done;
+    }
+    out = PyLong_FromSsize_t(removed);
+done:
+    PyMem_Free(ks);
+    Py_DECREF(seq);
+    return out;
+}
+
+/* A key as a slot holds it (`meta`: its kind and length). */
+static PyObject *slot_key(uint64_t meta, const unsigned char *bytes)
+{
+    size_t len = (size_t)(meta >> 16) & 0xffff;
+    int kind = (int)(meta >> 8) & 0xff;
+    if (kind == KIND_STR)
+        return PyUnicode_DecodeUTF8((const char *)bytes, (Py_ssize_t)len, "strict");
+    return PyBytes_FromStringAndSize((const char *)bytes, (Py_ssize_t)len);
+}
+
+#define HARVEST_BATCH 256 /* keys a harvest copies out of the table per guarded call */
+
+/* A harvest's walk over the use bytes from `next` on (`arg`): each marked byte cleared, its
+ * live slot's key copied into `keys` (no Python under the guard), until the end or
+ * HARVEST_BATCH keys: 1 if it stopped for room (`next`: where to go on), else 0. */
+typedef struct {
+    const Table *t;
+    uint64_t next;
+    int n;
+    struct {
+        uint64_t meta;
+        unsigned char key[MAX_KEY];
+    } keys[HARVEST_BATCH];
+} Harvest;
+
+static int harvest_run(void *arg)
+{
+    Harvest *hv = arg;
+    const Table *t = hv->t;
     uint64_t capacity = t->mask + 1;
     volatile unsigned char *use = t->use_bits;
-    for (uint64_t i = 0; i < capacity; i += 8) {
+    hv->n = 0;
+    for (uint64_t i = hv->next; i < capacity; i += 8) {
         uint64_t word;
         /* Mostly no mark at all: 64 bytes a step past the unmarked stretches (capacity is a
          * power of two >= 8, so a 64-byte step that fits is whole). */
@@ -860,37 +1050,75 @@ static PyObject *Writer_harvest(Writer *self, PyObject *unused)
         for (uint64_t j = i; j < i + 8; j++) {
             if (!use[j])
                 continue;
+            if (hv->n == HARVEST_BATCH) { /* (this word again next time: its taken bytes are 0) */
+                hv->next = i;
+                return 1;
+            }
             use[j] = 0;
             const Slot *s = &t->slots[j];
-            if ((s->meta & 0xff) != STATE_LIVE)
+            uint64_t meta = s->meta, len = (meta >> 16) & 0xffff;
+            if ((meta & 0xff) != STATE_LIVE)
                 continue;
-            PyObject *key = slot_key(s);
+            if (len > MAX_KEY) /* (not a key of ours: at most what a slot holds) */
+                len = MAX_KEY;
+            hv->keys[hv->n].meta = (meta & 0xffff) | (len << 16);
+            memcpy(hv->keys[hv->n].key, s->key, (size_t)len);
+            hv->n++;
+        }
+    }
+    hv->next = capacity;
+    return 0;
+}
+
+/* harvest() -> the keys whose use byte readers set since the last harvest (bytes cleared).
+ * IndexFaultError: the table faulted (the marks taken so far are lost: eviction order only). */
+static PyObject *Writer_harvest(Writer *self, PyObject *unused)
+{
+    if (!writer_ready(self))
+        return NULL;
+    Harvest *hv = PyMem_Malloc(sizeof(Harvest));
+    PyObject *out = PyList_New(0);
+    if (hv == NULL || out == NULL) {
+        PyMem_Free(hv);
+        Py_XDECREF(out);
+        return PyErr_NoMemory();
+    }
+    hv->t = &self->t;
+    hv->next = 0;
+    int more;
+    do {
+        more = guarded(harvest_run, hv);
+        if (more == FAULTED) {
+            writer_fault("index use bytes faulted in harvest (the file truncated, or out of room)");
+            goto fail;
+        }
+        for (int k = 0; k < hv->n; k++) {
+            PyObject *key = slot_key(hv->keys[k].meta, hv->keys[k].key);
             if (key == NULL || PyList_Append(out, key) < 0) {
                 Py_XDECREF(key);
-                Py_DECREF(out);
-                return NULL;
+                goto fail;
             }
             Py_DECREF(key);
         }
-    }
+    } while (more);
+    PyMem_Free(hv);
     return out;
+fail:
+    PyMem_Free(hv);
+    Py_DECREF(out);
+    return NULL;
 }
 
-/* copy_into(other): every live entry into `other` (a bigger, empty table), use bits too. */
-static PyObject *Writer_copy_into(Writer *self, PyObject *arg)
+/* copy_into's walk (`arg`: the two tables), guarded: 0, or 1 if `b` is too small. */
+typedef struct {
+    Table *a, *b;
+} CopyInto;
+
+static int copy_into_run(void *arg)
 {
-    if (!PyObject_TypeCheck(arg, Py_TYPE(self))) {
-        PyErr_SetString(PyExc_TypeError, "copy_into: expected a Writer");
-        return NULL;
-    }
-    Writer *other = (Writer *)arg;
-    if (!writer_ready(self) || !writer_ready(other))
-        return NULL;
-    Table *a = &self->t, *b = &other->t;
-    if (LOAD(&b->h->count) + LOAD(&a->h->count) > (b->mask + 1) / 2) {
-        PyErr_SetString(PyExc_OverflowError, "copy_into: the other table is too small");
-        return NULL;
-    }
+    Table *a = ((CopyInto *)arg)->a, *b = ((CopyInto *)arg)->b;
+    if (LOAD(&b->h->count) + LOAD(&a->h->count) > (b->mask + 1) / 2)
+        return 1;
     for (uint64_t i = 0; i <= a->mask; i++) {
         const Slot *s = &a->slots[i];
         if ((s->meta & 0xff) != STATE_LIVE)
@@ -901,16 +1129,63 @@ static PyObject *Writer_copy_into(Writer *self, PyObject *arg)
         src.hash = key_hash(&k, b->seed, NULL);
         int found;
         uint64_t slot = writer_find(b, &k, src.hash, &found);
+        if (slot == NO_SLOT)
+            return 1;
         slot_write(b, slot, &src, src.meta);
         b->use_bits[slot] = a->use_bits[i];
         if (!found)
             STORE(&b->h->count, LOAD(&b->h->count) + 1);
     }
+    return 0;
+}
+
+/* copy_into(other): every live entry into `other` (a bigger, empty table), use bits too.
+ * IndexFaultError: either table faulted (`other` then half filled). */
+static PyObject *Writer_copy_into(Writer *self, PyObject *arg)
+{
+    if (!PyObject_TypeCheck(arg, Py_TYPE(self))) {
+        PyErr_SetString(PyExc_TypeError, "copy_into: expected a Writer");
+        return NULL;
+    }
+    Writer *other = (Writer *)arg;
+    if (!writer_ready(self) || !writer_ready(other))
+        return NULL;
+    CopyInto c = {&self->t, &other->t};
+    int rc = guarded(copy_into_run, &c);
+    if (rc == FAULTED)
+        return writer_fault("index table faulted in copy_into (a file truncated, or out of room)");
+    if (rc == 1) {
+        PyErr_SetString(PyExc_OverflowError, "copy_into: the other table is too small");
+        return NULL;
+    }
     Py_RETURN_NONE;
 }
 
+/* retire's writes (`arg`: a Retire), guarded. */
+typedef struct {
+    const Table *t;
+    const char *path;
+    Py_ssize_t n;
+} Retire;
+
+static int retire_run(void *arg)
+{
+    const Retire *r = arg;
+    const Table *t = r->t;
+    char *field = (char *)t->h + SUCCESSOR_OFFSET;
+    memcpy(field, r->path, (size_t)r->n);
+    field[r->n] = 0;
+    tbl_write_back(t, field, (size_t)r->n + 1);
+    tbl_sfence(t);
+    STORE_REL(&t->h->retired, 1);
+    tbl_write_back(t, t->h, 128);
+    tbl_sfence(t);
+    return 0;
+}
+
 /* retire(successor: str): the table is replaced (`successor`: the new table's path, "" if
- * none): written before `retired`, which readers check after every copy. */
+ * none): written before `retired`, which readers check after every copy. IndexFaultError:
+ * the header faulted (not retired: readers of it fault too, or read another index id). */
 static PyObject *Writer_retire(Writer *self, PyObject *arg)
 {
     if (!writer_ready(self))
@@ -923,15 +1198,26 @@ static PyObject *Writer_retire(Writer *self, PyObject *arg)
         PyErr_SetString(PyExc_ValueError, "retire: successor path too long");
         return NULL;
     }
-    char *field = (char *)self->t.h + SUCCESSOR_OFFSET;
-    memcpy(field, path, (size_t)n);
-    field[n] = 0;
-    tbl_write_back(&self->t, field, (size_t)n + 1);
-    tbl_sfence(&self->t);
-    STORE_REL(&self->t.h->retired, 1);
-    tbl_write_back(&self->t, self->t.h, 128);
-    tbl_sfence(&self->t);
+    Retire r = {&self->t, path, n};
+    if (guarded(retire_run, &r) == FAULTED)
+        return writer_fault("index table faulted in retire (its file truncated, or out of room)");
     Py_RETURN_NONE;
+}
+
+/* A header word set (`arg`: a HeaderStore), guarded: `incomplete`, `regions`. */
+typedef struct {
+    const Table *t;
+    uint64_t *p;
+    uint64_t value;
+} HeaderStore;
+
+static int header_store_run(void *arg)
+{
+    const HeaderStore *w = arg;
+    STORE_REL(w->p, w->value);
+    tbl_write_back(w->t, w->t->h, 128);
+    tbl_sfence(w->t);
+    return 0;
 }
 
 /* mark_incomplete(): a key found no room (a table of fixed capacity): from now on a reader's
@@ -940,9 +1226,9 @@ static PyObject *Writer_mark_incomplete(Writer *self, PyObject *unused)
 {
     if (!writer_ready(self))
         return NULL;
-    STORE_REL(&self->t.h->incomplete, 1);
-    tbl_write_back(&self->t, self->t.h, 128);
-    tbl_sfence(&self->t);
+    HeaderStore w = {&self->t, &self->t.h->incomplete, 1};
+    if (guarded(header_store_run, &w) == FAULTED)
+        return writer_fault("index table faulted in mark_incomplete (its file truncated?)");
     Py_RETURN_NONE;
 }
 
@@ -952,9 +1238,9 @@ static PyObject *Writer_note_regions(Writer *self, PyObject *arg)
     unsigned long long next_id = PyLong_AsUnsignedLongLong(arg);
     if (PyErr_Occurred() || !writer_ready(self))
         return NULL;
-    STORE_REL(&self->t.h->regions, (uint64_t)next_id);
-    tbl_write_back(&self->t, self->t.h, 128);
-    tbl_sfence(&self->t);
+    HeaderStore w = {&self->t, &self->t.h->regions, (uint64_t)next_id};
+    if (guarded(header_store_run, &w) == FAULTED)
+        return writer_fault("index table faulted in note_regions (its file truncated?)");
     Py_RETURN_NONE;
 }
 
@@ -962,20 +1248,6 @@ static PyObject *Writer_close(Writer *self, PyObject *unused)
 {
     table_close(&self->t);
     Py_RETURN_NONE;
-}
-
-/* The u64 at `p` (the header's: `count`, a reader's pool generation), read guarded:
- * `guarded` answers 0, or FAULTED. */
-typedef struct {
-    const uint64_t *p;
-    uint64_t value;
-} Load;
-
-static int load_run(void *arg)
-{
-    Load *l = arg;
-    l->value = LOAD_ACQ(l->p);
-    return 0;
 }
 
 /* `count` and `capacity` of either side (0 once a writer is closed). */
@@ -1941,8 +2213,8 @@ static PyObject *py_flush_lines(PyObject *self, PyObject *args)
 
 static PyMethodDef module_methods[] = {
     {"format_table", format_table, METH_VARARGS,
-     "format_table(buffer, capacity, pool_generation: bytes, index_id, software=False): an\n"
-     "empty table (one there before is retired, then zeroed)"},
+     "format_table(buffer, capacity, pool_generation: bytes, index_id, software=False,\n"
+     "use=None): an empty table (one there before is retired, then zeroed; `use` too)"},
     {"flush_lines", py_flush_lines, METH_VARARGS,
      "flush_lines(buffer, invalidate=False) -> lines written back (or evicted) to memory"},
     {"hash_generation", py_hash_generation, METH_O,
@@ -1962,6 +2234,16 @@ PyMODINIT_FUNC PyInit__shmindex(void)
 {
     if (PyType_Ready(&WriterType) < 0 || PyType_Ready(&ReaderType) < 0)
         return NULL;
+    if (IndexFaultError == NULL) {
+        IndexFaultError = PyErr_NewExceptionWithDoc(
+            "maru.common._shmindex.IndexFaultError",
+            "The table's memory faulted under a Writer (SIGBUS: its file, or the pool file it\n"
+            "lies in, truncated, or its filesystem out of room). The call that met it may be\n"
+            "half done; the table is no longer to be trusted (errno EFAULT).",
+            PyExc_OSError, NULL);
+        if (IndexFaultError == NULL)
+            return NULL;
+    }
     coh_pick_flushes();
     PyObject *m = PyModule_Create(&shmindex_module);
     if (m == NULL)
@@ -1972,7 +2254,8 @@ PyMODINIT_FUNC PyInit__shmindex(void)
         PyModule_AddIntConstant(m, "SLOT_BYTES", SLOT_BYTES) < 0 ||
         PyModule_AddIntConstant(m, "HASH_BYTES", HASH_BYTES) < 0 ||
         PyModule_AddIntConstant(m, "MAX_KEY", MAX_KEY) < 0 ||
-        PyModule_AddIntConstant(m, "NCOLS", NCOLS) < 0) {
+        PyModule_AddIntConstant(m, "NCOLS", NCOLS) < 0 ||
+        PyModule_AddObjectRef(m, "IndexFaultError", IndexFaultError) < 0) {
         Py_DECREF(m);
         return NULL;
     }

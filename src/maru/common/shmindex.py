@@ -20,6 +20,7 @@ from maru.common._shmindex import (  # (the aliased names: re-exported)
 )
 from maru.common._shmindex import MAX_KEY as MAX_KEY
 from maru.common._shmindex import NCOLS as NCOLS
+from maru.common._shmindex import IndexFaultError as IndexFaultError
 from maru.common._shmindex import Reader as Reader
 from maru.common._shmindex import Writer as Writer
 from maru.common._shmindex import format_table as format_table

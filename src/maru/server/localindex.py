@@ -7,6 +7,13 @@ reader validates is then the key's bytes. A table that cannot be made (no room o
 not beside what the pool may still allocate there) turns the index off: clients use requests.
 The in-pool table (`--index-slots`, `_PoolTable`) has a fixed capacity: a key that finds no
 room is not published and makes it `incomplete`, so readers ask the server for their misses.
+
+Every write to a table runs under the fault guard (`shmindex.IndexFaultError`): with
+`--pool-group` a member of the group may truncate the `.use` file (0660) or the pool file (the
+in-pool table's home) under the server, and a store there would kill it with SIGBUS. A fault
+turns the index off for this server life (`LocalIndex._fault`): the table is retired before the
+call returns, so that the keys a faulted `remove` left in it are never proven to a reader once
+the registry lets their pages be reused; the registry goes on, clients use requests.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from maru.common.shmindex import (
     HEADER_BYTES,
     SLOT_BYTES,
     USE_SUFFIX,
+    IndexFaultError,
     area_bytes,
     area_views,
     index_base,
@@ -58,9 +66,10 @@ class _PoolTable:
         self.map = map_area(self.file, self.offset, self.length)
         table, use = area_views(self.map, slots)
         try:
-            use[:] = bytes(len(use))
             self.index_id = secrets.randbits(64)
-            shmindex.format_table(table, slots, generation.encode(), self.index_id, software)
+            # (the use bytes zeroed there too: pool memory, written under the fault guard)
+            gen = generation.encode()
+            shmindex.format_table(table, slots, gen, self.index_id, software, use)
             self.writer = shmindex.Writer(table, use, software)
         except BaseException:
             table.release()
@@ -79,11 +88,29 @@ class _PoolTable:
             "id": self.index_id,
         }
 
-    def retire(self, successor: str = "") -> None:
-        """Readers' copies that end after this are not proven (the area stays the pool's)."""
-        self.writer.retire(successor)
-        self.writer.close()
-        self.map.close()
+    def retire(self, successor: str = "") -> bool:
+        """Readers' copies that end after this are not proven (the area stays the pool's).
+        False if the header faulted: the pool file was cut there, so readers fault too."""
+        try:
+            self.writer.retire(successor)
+        except IndexFaultError:
+            return False
+        finally:
+            self.writer.close()
+            self.map.close()
+        return True
+
+    def truncation(self) -> str | None:
+        """What a fault of this table's memory came from, if the pool file was cut short."""
+        with contextlib.suppress(OSError):
+            size = os.stat(self.file).st_size
+            if size < self.offset + self.length:
+                return (
+                    f"the pool file {self.file}, where the in-pool index lies (offset "
+                    f"{self.offset}, {self.length} bytes), was truncated under the server to "
+                    f"{size} bytes"
+                )
+        return None
 
 
 def _retire(table: Any, use: Any, software: bool = False) -> None:
@@ -185,7 +212,7 @@ def retire_in_pool(pool: Any) -> int:
                 _retire(table, use)
             count += 1
             log.info("retired the in-pool index (%d slots) of an earlier server", slots)
-        except ValueError as exc:  # (another layout: not a table of ours)
+        except (ValueError, IndexFaultError) as exc:  # (another layout, or the file cut there)
             log.warning("in-pool index at offset %d of %s left as is (%s)", offset, pool.path, exc)
         finally:
             table.release()
@@ -222,14 +249,36 @@ class _Table:
             _remove(self.files)
             raise
 
-    def retire(self, successor: str = "") -> None:
+    def retire(self, successor: str = "") -> bool:
         """Readers' copies that end after this are not proven; the files go (a reader keeps
-        its mapping)."""
-        self.writer.retire(successor)
-        self.writer.close()
-        _remove(self.files)
-        for m in self.maps:
-            m.close()
+        its mapping). False if the header faulted (the table file cut short: only this
+        user may), which readers then meet too."""
+        try:
+            self.writer.retire(successor)
+        except IndexFaultError:
+            return False
+        finally:
+            self.writer.close()
+            _remove(self.files)
+            for m in self.maps:
+                m.close()
+        return True
+
+    def truncation(self) -> str | None:
+        """What a fault of this table's memory came from, if one of its files was cut short
+        (the `.use` file is 0660 with `--pool-group`: any member of the group may)."""
+        for file, size, what in (
+            (self.path + USE_SUFFIX, self.capacity, "use file"),
+            (self.path, table_bytes(self.capacity), "table"),
+        ):
+            with contextlib.suppress(OSError):
+                now = os.stat(file).st_size
+                if now < size:
+                    return (
+                        f"the local index's {what} {file} was truncated under the server "
+                        f"({now} bytes, {size} expected)"
+                    )
+        return None
 
 
 def _remove(files: list[str]) -> None:
@@ -397,8 +446,12 @@ class LocalIndex:
             )
             self.close()
             return False
-        table.writer.copy_into(bigger.writer)
-        bigger.writer.note_regions(self.next_region)
+        try:
+            table.writer.copy_into(bigger.writer)
+            bigger.writer.note_regions(self.next_region)
+        except IndexFaultError as exc:
+            self._fault(exc, "growing it", bigger)
+            return False
         self.table = bigger
         table.retire(bigger.path)
         self.grown += 1
@@ -428,22 +481,33 @@ class LocalIndex:
             )
             checksums = checksums[:room] if checksums is not None else None
         tags = {r: region_tag(regions[r].token) for r in set(region_ids)}
-        self.table.writer.publish(keys, region_ids, offsets, lengths, checksums, tags)
+        try:
+            self.table.writer.publish(keys, region_ids, offsets, lengths, checksums, tags)
+        except IndexFaultError as exc:
+            self._fault(exc, "a publish")
 
     def note_regions(self, next_id: int) -> None:
         """A region was made (or the registry was restored): `next_id` is the id the next one
         gets. Readers on the node that map every region map the new ones when they see it."""
         self.next_region = next_id
         if self.table is not None:
-            self.table.writer.note_regions(next_id)
+            try:
+                self.table.writer.note_regions(next_id)
+            except IndexFaultError as exc:
+                self._fault(exc, "noting a new region")
 
     def _no_room(self, keys: list[Any]) -> None:
         """Keys the in-pool table has no room for: an earlier slot of theirs goes (it names
         the location they replace), and readers ask the server for misses from now on."""
         assert self.table is not None
-        self.table.writer.remove(keys)
+        try:
+            self.table.writer.remove(keys)
+            if not self.unpublished:
+                self.table.writer.mark_incomplete()
+        except IndexFaultError as exc:
+            self._fault(exc, "a publish (keys without room)")
+            return
         if not self.unpublished:
-            self.table.writer.mark_incomplete()
             log.warning(
                 "the in-pool index is full (%d slots, at most half used): keys beyond it are "
                 "read through requests, and readers ask the server for every miss; start "
@@ -453,26 +517,58 @@ class LocalIndex:
         self.unpublished += len(keys)
 
     def remove(self, keys: list[Any]) -> None:
-        """Keys that go (journaled): their slots change before their pages can be reused."""
+        """Keys that go (journaled): their slots change before their pages can be reused. If
+        the table faults, it is retired before this returns (`_fault`): a slot the remove
+        could not change is then proven to no reader."""
         if self.table is not None and keys:
-            self.table.writer.remove(keys)
+            try:
+                self.table.writer.remove(keys)
+            except IndexFaultError as exc:
+                self._fault(exc, "a remove")
 
     def harvest_into(self, key_index: Any) -> int:
         """Set the CLOCK bit of the keys readers marked used since the last harvest, clearing
         the marks; returns how many."""
         if self.table is None:
             return 0
-        used = self.table.writer.harvest()
+        try:
+            used = self.table.writer.harvest()
+        except IndexFaultError as exc:
+            self._fault(exc, "a harvest of the use marks")
+            return 0
         for entry in key_index.get_many(used):
             if entry is not None:
                 entry.referenced = True
         return len(used)
 
+    def _fault(self, exc: OSError, doing: str, *others: _Table | _PoolTable) -> None:
+        """A table's memory faulted under `doing` (a file cut short under the server): the
+        index is off for this server life. The table (and `others`: a bigger one being
+        filled) is retired first, under the guard: from then on no reader proves a copy from
+        it, so the caller may let the keys' pages be reused once this returns. Where even
+        the header is gone the retire faults too, and readers fault on it the same way (or,
+        the file grown back, read another index id): never a proven copy either."""
+        table, self.table = self.table, None
+        tables = [t for t in (table, *others) if t is not None]
+        reason = next((r for t in tables if (r := t.truncation()) is not None), None)
+        retired = [t.retire("") for t in tables]
+        log.error(
+            "%s during %s: the index is off, clients use requests (%s)%s",
+            reason or f"the local index {tables[0].path or tables[0].file} faulted",
+            doing,
+            exc.strerror or exc,
+            "" if all(retired) else "; its header is gone too: readers fault on it and miss",
+        )
+
     def close(self) -> None:
         """Retire the table (the server stops, or the index is off)."""
         table, self.table = self.table, None
-        if table is not None:
-            table.retire("")
+        if table is not None and not table.retire(""):
+            log.error(
+                "%s: the local index could not be retired at the stop; its header is gone, "
+                "so readers fault on it and miss",
+                table.truncation() or "its memory faulted",
+            )
 
 
 def open_local_index(
@@ -507,6 +603,7 @@ def open_local_index(
     registry.local_index = index
     index.note_regions(registry.regions.next_id)
     registry.regions.on_allocated = index.note_regions
-    pages = hugepages.describe(index.huge)
-    log.info("local index %s (%d keys; %s)", index.stats()["path"], index.count, pages)
+    if index.table is not None:  # (else a fault turned it off: logged)
+        pages = hugepages.describe(index.huge)
+        log.info("local index %s (%d keys; %s)", index.stats()["path"], index.count, pages)
     return index
