@@ -295,25 +295,8 @@ class Registry:
                 inserted.add(key)
                 out.append(None)
         if over:
-            self._over_room(instance_id, over)
+            _over_room(self.counters, self.log_throttle, instance_id, over)
         return out
-
-    def _over_room(self, instance_id: str, over: dict[int, int]) -> None:
-        """Count and report (one throttled WARNING a batch) the new keys refused because their
-        region's live bytes would pass its length: keys over bytes other keys hold."""
-        refused = sum(over.values())
-        self.counters["keys_over_region"] += refused
-        held = self.log_throttle.allow(("over_region", instance_id))
-        if held is not None:
-            log.warning(
-                "instance %s: %d keys refused: their region's keys would hold more bytes than "
-                "it has (keys registered over the same bytes) in %s%s",
-                instance_id,
-                refused,
-                ", ".join(f"region {r} ({n} keys)" for r, n in over.items()),
-                self.log_throttle.note(held),
-                extra={"instance": instance_id, "region": sorted(over)},
-            )
 
     def _add_keys(
         self,
@@ -482,6 +465,26 @@ class Registry:
                     freed += notices[at : at + size]
                 at += size
         return per_owner
+
+
+def _over_room(
+    counters: dict[str, int], throttle: Throttle, instance_id: str, over: dict[int, int]
+) -> None:
+    """Count and report (one throttled WARNING a batch) the new keys refused because their
+    region's live bytes would pass its length: keys over bytes other keys hold."""
+    refused = sum(over.values())
+    counters["keys_over_region"] += refused
+    held = throttle.allow(("over_region", instance_id))
+    if held is not None:
+        log.warning(
+            "instance %s: %d keys refused: their region's keys would hold more bytes than "
+            "it has (keys registered over the same bytes) in %s%s",
+            instance_id,
+            refused,
+            ", ".join(f"region {r} ({n} keys)" for r, n in over.items()),
+            throttle.note(held),
+            extra={"instance": instance_id, "region": sorted(over)},
+        )
 
 
 def _room_per_region(region_ids: list[int], lengths: list[int], room: dict[int, int]) -> bool:
