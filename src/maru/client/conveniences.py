@@ -337,6 +337,13 @@ class OriginalApi:
         """Hits taken as misses: bytes unlike their writer's checksum."""
         return self._s.checksum_mismatches
 
+    @property
+    def leases_ended(self) -> int:
+        """Hits taken as misses because their lease ended before their copy was confirmed
+        (--lease-timeout, a server restart): their pages may have been reused, so a checksum
+        unlike theirs then is counted here, not in `checksum_mismatches`."""
+        return self._s.leases_ended
+
     def stats(self) -> dict[str, Any]:
         """The server's statistics (pool usage, keys, per-instance counters): asked without a
         handshake (a handler not connected yet may ask), but not of a closed handler."""

@@ -23,7 +23,7 @@ import numpy as np
 
 from maru.client.chunks import AllocHandle, ChunkBook
 from maru.client.cluster import ClusterPulls
-from maru.client.coherence import Coherence, invalidate_ranges, software, write_back_handles
+from maru.client.coherence import Coherence, software, write_back_handles
 from maru.client.connecting import connect_failure, probe
 from maru.client.conveniences import OriginalApi
 from maru.client.localindex import LocalIndexClient, Prefix, joined, offered_index
@@ -487,9 +487,9 @@ class MaruHandler(OriginalApi):
             self._cluster.pull(keys, prefix, self._index)
         with self._copying:
             found = self._lookup(keys, True, True, prefix)  # sent now
-            if software():  # (any copy reads in place; a fault there is the copy's)
-                invalidate_ranges(*found.wait())
-            return copy_and_prove(found, segments)
+            # (`read`'s path; its copy is the caller's, which need not invalidate what it
+            # reads in place: done first, a hit whose lines fault there a miss never copied)
+            return copy_and_prove(found, segments, invalidate=software())
 
     # -- existence, pins, deletion -----------------------------------------------------------
 

@@ -25,16 +25,24 @@ Segment = tuple[int, int, "CopyOut | None"]
 
 
 def copy_and_prove(
-    found: Lookup, segments: Sequence[Segment] | Callable[[], Sequence[Segment]]
+    found: Lookup,
+    segments: Sequence[Segment] | Callable[[], Sequence[Segment]],
+    *,
+    invalidate: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Copy each segment's hits through its copy, then prove them; `segments` may be a
     function that makes them (called once the lookup is sent: the caller prepares its copy
-    while the server answers). Returns per key (proven, mismatched): proven True where the
-    bytes copied are the ones its writer stored; mismatched True where a hit's bytes were
-    unlike their checksum (counted as misses, for the caller's statistics). The lease is
-    released in every case."""
+    while the server answers). `invalidate`: the copies read in place without invalidating
+    (software coherence: `Lookup.invalidate` first; a hit whose memory faults there is a miss
+    no copy is given). Returns per key (proven, mismatched): proven True where the bytes
+    copied are the ones its writer stored; mismatched True where a hit's bytes were unlike
+    their checksum under a lease that held (misses, for the caller's statistics; not a page
+    rewritten after its lease ended, nor one whose entry changed). The lease is released in
+    every case, an exception's too (which then goes to the caller)."""
     n = found.n
     try:
+        if invalidate:
+            found.invalidate()
         start = 0
         for count, length, copy in segments() if callable(segments) else segments:
             if copy is not None:
@@ -47,6 +55,6 @@ def copy_and_prove(
     copied = found.copied if found.copied is not None else np.zeros(n, bool)
     proven = copied & ~corrupt
     if not found.release(confirm=True):  # the lease ended mid-copy: not proven
-        log.warning("read: the lease on %d keys ended during the copy", n)
+        log.warning("read: the lease on %d keys ended during the copy: misses", n)
         proven[:] = False
-    return proven, copied & corrupt
+    return proven, copied & found.mismatched()

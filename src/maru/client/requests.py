@@ -63,7 +63,14 @@ class Lookup:
         self._region_ids: np.ndarray | None = None
         self._checksums: np.ndarray | None = None  # the writers' (0: none, or a miss)
         self._corrupt: np.ndarray | None = None  # keys `corrupt()` found so far
-        self._faulted: np.ndarray | None = None  # keys whose copy faulted (`copy_out`)
+        self._faulted: np.ndarray | None = None  # keys whose memory faulted: never read again
+        # Whether the bytes read are the keys' own as far as the lease goes: None until
+        # `release` says (a lease taken), then whether it held. A hit unlike its checksum is
+        # a checksum mismatch only where it held: after the lease ended the page may have been
+        # reused, which is no corruption (`_unlike`).
+        self._held: bool | None = None if lease else True
+        self._suspect: np.ndarray | None = None  # hits unlike their checksum, `_held` unknown
+        self._mismatched: np.ndarray | None = None  # keys reported as checksum mismatches
         self._sums: np.ndarray | None = None  # per key, its checksum as `copy_out` read it
         self.copied: np.ndarray | None = None  # per key, whether `copy_out` copied it
         self._pending: PendingReply | None = None
@@ -99,8 +106,11 @@ class Lookup:
         except MaruError as exc:
             log.warning("lookup of %d keys failed: %s", n, exc)
             return
-        self.lease_id = int(reply.get("lease_id") or 0)
         try:
+            lease_id = reply.get("lease_id") or 0
+            if type(lease_id) is not int:  # (its lease, if any, cannot be ended: it expires)
+                raise TypeError(f"lease_id {lease_id!r:.40}")
+            self.lease_id = lease_id
             region_ids, offsets, lengths = (
                 np.frombuffer(reply[name], np.int64)
                 for name in ("region_ids", "offsets", "lengths")
@@ -150,10 +160,12 @@ class Lookup:
         addresses, lengths = self.wait()
         seg = slice(start, self.n if stop is None else stop)
         copied = (lengths[seg] == length) & (lengths[seg] > 0)  # (a miss has length 0)
+        if self._faulted is not None:  # (`invalidate` found their memory gone)
+            copied &= ~self._faulted[seg]
         sources = addresses[seg]
         if not copied.all():  # copy the hits only (a 0 address is skipped)
             sources = np.where(copied, sources, 0)
-            other = np.flatnonzero((lengths[seg] != 0) & ~copied)
+            other = np.flatnonzero((lengths[seg] != 0) & (lengths[seg] != length))
             if len(other):
                 keys = [self._keys[start + i] for i in other.tolist()]
                 other_lengths(keys, lengths[seg][other].tolist(), length)
@@ -181,12 +193,40 @@ class Lookup:
             self._sums[seg] = sums
         return copied
 
+    def invalidate(self) -> None:
+        """In software coherence, before a copy that does not invalidate what it reads (a
+        caller's own, a device's DMA; the copy loops do): the hits' cache lines invalidated,
+        so that no stale line of ours is read. A hit whose memory faults there (its region's
+        file cut short) is a miss, logged: never given to a copy (`copy_out`) nor hashed."""
+        addresses, lengths = self.wait()
+        gone = invalidate_ranges(addresses, lengths)
+        if gone is None:
+            return
+        gone &= lengths > 0
+        if not gone.any():
+            return
+        log.warning(
+            "%d of %d keys from %r on: their memory faulted when invalidated: misses",
+            int(np.count_nonzero(gone)),
+            self.n,
+            self._keys[0],
+        )
+        self._lose(gone)
+
+    def _lose(self, keys: np.ndarray) -> None:
+        """`keys` (a bool per key) faulted: misses, never read again."""
+        if self._faulted is None:
+            self._faulted = np.zeros(self.n, bool)
+        self._faulted |= keys
+
     def corrupt(self, computed: np.ndarray | None = None) -> np.ndarray:
         """Per key, True where (with `maru_checksums`) the hit's bytes no longer hash to its
         writer's checksum: misses. Call it after the copy, to catch a page changed before or
         during it. `computed`: per key the checksum as copied (0: hash it here, in the pool;
         default `copy_out`'s). Each key is logged at ERROR and counted in
-        `MaruHandler.checksum_mismatches` once per lookup."""
+        `MaruHandler.checksum_mismatches` once per lookup: under a lease, once `release` says
+        the lease held (it ended: the page may have been rewritten since, a miss but not
+        corruption; `release`). A hit whose memory faults here is a miss (logged)."""
         self.wait()
         assert self._checksums is not None and self._offsets is not None
         if self._corrupt is None:
@@ -213,15 +253,70 @@ class Lookup:
             mapped = get(region_id)  # (unmapped since the reply: nothing to vouch for, a miss)
             views.append(mapped.view[offset : offset + length] if mapped else memoryview(b""))
         if views:
-            sums[unhashed] = checksums(views)
+            try:
+                sums[unhashed] = checksums(views)
+            except CopyFaultError as exc:  # (cut short since the copy: nothing to vouch for)
+                log.warning(
+                    "the pool's memory of %d keys faulted when hashed: %d keys misses",
+                    int(faulted(exc).sum()),
+                    len(unhashed),
+                )
+                lost = np.zeros(self.n, bool)
+                lost[unhashed] = True
+                self._lose(lost)
+                self._corrupt |= lost
+                todo = todo[~lost[todo]]
         bad = np.zeros(self.n, bool)
         bad[todo] = sums[todo] != stored[todo]
         bad &= ~self._corrupt  # said already
         self._corrupt |= bad
         at = np.flatnonzero(bad)
         if len(at):
-            checksum_mismatches(self._s, [self._keys[i] for i in at], self.lengths[at])
+            self._unlike(at)
         return self._corrupt.copy()
+
+    def _unlike(self, at: np.ndarray) -> None:
+        """Hits `at` (indices) whose bytes are unlike their writer's checksum: reported as
+        checksum mismatches where the lease held (or none was asked), held back until
+        `release` says so where it is not known yet, not reported where it ended."""
+        if self._held is None:
+            self._suspect = at if self._suspect is None else np.union1d(self._suspect, at)
+        elif self._held:
+            if self._mismatched is None:
+                self._mismatched = np.zeros(self.n, bool)
+            self._mismatched[at] = True
+            assert self.lengths is not None
+            checksum_mismatches(self._s, [self._keys[i] for i in at.tolist()], self.lengths[at])
+        else:
+            log.debug("%d keys unlike their checksum after their lease ended: misses", len(at))
+
+    def mismatched(self) -> np.ndarray:
+        """Per key, whether it was reported as a checksum mismatch (a miss; for the caller's
+        statistics): not a hit whose entry changed or whose lease ended since the lookup."""
+        if self._mismatched is None:
+            return np.zeros(self.n, bool)
+        return self._mismatched.copy()
+
+    def _settle(self, held: bool | None) -> None:
+        """Once, at the first `release`: `held`, whether the lease held until then (None:
+        not asked, taken as held). The mismatches held back are reported, or, if it ended,
+        the hits are counted in `leases_ended` and the mismatches said to be no corruption."""
+        if self._held is not None:
+            return
+        self._held = held is not False
+        suspect, self._suspect = self._suspect, None
+        if not self._held:
+            hits = int(np.count_nonzero(self.lengths)) if self.lengths is not None else 0
+            self._s.leases_ended += hits
+            if suspect is not None:
+                log.warning(
+                    "%d of %d hits no longer match their checksum, but their lease ended "
+                    "during the copy: rewritten since, misses (not checksum mismatches)",
+                    len(suspect),
+                    hits,
+                )
+        elif suspect is not None:
+            self._unlike(suspect)
 
     def infos(self) -> list[MemoryInfo | None]:
         """A `MemoryInfo` per key (None for a miss): read-only views into the shared memory.
@@ -232,8 +327,9 @@ class Lookup:
         chunk = self._s.chunks.chunk_size
         out: list[MemoryInfo | None] = []
         mapper = self._s.mapper
-        gone = invalidate_ranges(addresses, lengths)
-        corrupt = (self.corrupt() if gone is None else self.corrupt() | gone).tolist()
+        self.invalidate()  # (a fault there: a miss, not hashed by `corrupt`)
+        bad = self.corrupt()
+        corrupt = (bad if self._faulted is None else bad | self._faulted).tolist()
         for address, length, offset, region_id, bad in zip(
             addresses.tolist(),
             lengths.tolist(),
@@ -261,14 +357,17 @@ class Lookup:
         if not lease_id:
             # Nothing was leased: fine if nothing was found; hits that came without the lease
             # asked for (the server did not know us) were read unprotected.
-            return not (confirm and self.lease and self.lengths is not None and self.lengths.any())
-        try:
-            pending = self._s.request(MsgType.RELEASE, {"leases": [lease_id]})
-            return not confirm or pending.result()["released"] == 1
-        except MaruError as exc:
-            level = logging.WARNING if confirm else logging.DEBUG
-            log.log(level, "releasing lease %d failed: %s", lease_id, exc)
-            return False
+            held = not (confirm and self.lease and self.lengths is not None and self.lengths.any())
+        else:
+            try:
+                pending = self._s.request(MsgType.RELEASE, {"leases": [lease_id]})
+                held = not confirm or pending.result()["released"] == 1
+            except MaruError as exc:
+                level = logging.WARNING if confirm else logging.DEBUG
+                log.log(level, "releasing lease %d failed: %s", lease_id, exc)
+                held = False
+        self._settle(held if confirm else None)
+        return held
 
 
 def other_lengths(keys: Sequence[Key], lengths: Sequence[int], expected: int) -> None:

@@ -35,6 +35,7 @@ class Session:
     instance_id: str = field(init=False)
     refused_stores: Counter[str] = field(default_factory=Counter)  # before sending, by reason
     checksum_mismatches: int = 0  # hits taken as misses: bytes unlike their checksum
+    leases_ended: int = 0  # leased hits taken as misses: the lease ended before the copy's end
     regions_seen: tuple[str | None, int] = (None, 0)  # (pool generation, next id)
 
     def __post_init__(self) -> None:
