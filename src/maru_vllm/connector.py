@@ -45,7 +45,15 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from maru import MaruConfig, MaruHandler
-from maru.client import ConfigError, Put, Throttle, parse_bool, parse_int, values_at
+from maru.client import (
+    ConfigError,
+    Put,
+    Throttle,
+    page_pointers,
+    parse_bool,
+    parse_int,
+    values_at,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -231,17 +239,33 @@ class MaruKVConnectorStats(KVConnectorStats):
 @dataclass
 class _GroupLayout:
     """For one cache group: block b's bytes are segments s at `base[s] + b * stride[s]`, each
-    `length[s]` bytes; a stored value is the segments back to back."""
+    `length[s]` bytes; a stored value is the segments back to back. `blocks`: the KV cache's
+    blocks (ids 0 to blocks - 1)."""
 
     base: np.ndarray
     stride: np.ndarray
     length: np.ndarray
     value_size: int
+    blocks: int
+    affine: np.ndarray = field(init=False)  # (segments, 2): each one's (base, stride)
+
+    def __post_init__(self) -> None:
+        self.affine = np.ascontiguousarray(np.stack([self.base, self.stride], axis=1), np.int64)
 
     def addresses(self, block_ids: Sequence[int]) -> np.ndarray:
-        """[blocks, segments] int64: where each segment of each block is."""
-        ids = np.asarray(block_ids, dtype=np.int64)
-        return self.base[None, :] + ids[:, None] * self.stride[None, :]
+        """[blocks, segments] int64: where each segment of each block is. ValueError (saying
+        why) for an id outside the KV cache, or one given twice: vLLM's block pool never
+        gives one, but a load would write outside the KV cache (or two values into a block)
+        and a save store other memory under a block's key. One C pass checks and computes
+        (`page_pointers`, SGLang's `check_pages`)."""
+        ids = np.ascontiguousarray(block_ids, dtype=np.int64)
+        try:
+            raw = page_pointers(
+                ids.ctypes.data, len(ids), 1, self.affine, slots=self.blocks, distinct=True
+            )
+        except ValueError as exc:
+            raise ValueError(f"block ids of a KV cache of {self.blocks} blocks: {exc}") from None
+        return np.frombuffer(raw, np.int64).reshape(len(ids), len(self.base))
 
 
 # The logical dims of a vLLM 0.33 per-layer KV view `[B, H, N, C]` (vllm.v1.kv_cache_layout).
@@ -299,7 +323,7 @@ def _group_layout(
         dict.fromkeys(seg for kv in tensors for seg in _layer_segments(kv, num_blocks, order))
     )
     base, stride, length = (np.array(col, dtype=np.int64) for col in zip(*segs))
-    return _GroupLayout(base, stride, length, int(length.sum()))
+    return _GroupLayout(base, stride, length, int(length.sum()), num_blocks)
 
 
 # -- what a value's bytes depend on ----------------------------------------------------------
@@ -795,27 +819,18 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _save(self, transfer: Transfer) -> None:
         """Every group's blocks through the handler's write verb (`MaruHandler.put`), waiting
-        for the server's answer."""
+        for the server's answer; a bad block id stores nothing of the request."""
         start = time.perf_counter()
         handler = self._handler_for()
-        puts = []
-        for g, keys, ids in zip(self._groups, self._rank_keys(transfer), transfer.block_ids):
-            layout = self._layouts.get(g)
-            if layout is not None and ids:
-                buffers = layout.addresses(ids)  # block by block, each in address order
-                puts.append(Put(keys, layout.value_size, values_at(buffers, layout.length)))
-        handler.put(puts)
-        saved = sum(sum(put.results) for put in puts)
-        failed = sum(len(put.keys) for put in puts) - saved
-        nbytes = sum(sum(put.results) * put.uniform() for put in puts)
+        puts: list[Put] | None = None
+        try:
+            puts = _puts(self._groups, self._layouts, self._rank_keys(transfer), transfer)
+        except ValueError as exc:
+            log.error("MaruKVConnector: save of %s skipped: %s", transfer.req_id, exc)
+        else:
+            handler.put(puts)
         with self._lock:
-            self._stats.add(
-                saves=1,
-                save_blocks=saved,
-                save_bytes=nbytes,
-                save_s=time.perf_counter() - start,
-                save_failed=failed,
-            )
+            self._stats.add(saves=1, save_s=time.perf_counter() - start, **_saved(puts, transfer))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose saves are done, among those finished; requests whose loads are
@@ -872,6 +887,31 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._handler = None
 
 
+def _puts(
+    groups: list[int], layouts: dict[int, _GroupLayout], keys: list[list[str]], transfer: Transfer
+) -> list[Put]:
+    """A save's writes, a group's blocks each (`_save`); ValueError for a bad block id."""
+    puts = []
+    for g, group_keys, ids in zip(groups, keys, transfer.block_ids):
+        layout = layouts.get(g)
+        if layout is not None and ids:
+            buffers = layout.addresses(ids)  # block by block, each in address order
+            puts.append(Put(group_keys, layout.value_size, values_at(buffers, layout.length)))
+    return puts
+
+
+def _saved(puts: list[Put] | None, transfer: Transfer) -> dict[str, int]:
+    """A save's counts for the statistics (`puts` None: nothing was stored)."""
+    if puts is None:
+        return {"save_failed": sum(len(ids) for ids in transfer.block_ids)}
+    saved = sum(sum(put.results) for put in puts)
+    return {
+        "save_blocks": saved,
+        "save_bytes": sum(sum(put.results) * put.uniform() for put in puts),
+        "save_failed": sum(len(put.keys) for put in puts) - saved,
+    }
+
+
 def _read_blocks(
     handler: MaruHandler,
     layouts: dict[int, _GroupLayout],
@@ -883,16 +923,20 @@ def _read_blocks(
     Every block from the first not proven on is a load error that vLLM recomputes (proven ones
     after it were copied too: their key's own bytes, which the recompute overwrites)."""
     copied, errors = 0, []
-    for g, group_keys, ids in zip(groups, keys, transfer.block_ids):
+    # every group's destinations first: a bad block id (ValueError) fails the load before
+    # anything is copied (`_load`)
+    where = [
+        layouts[g].addresses(ids) if ids and g in layouts else None
+        for g, ids in zip(groups, transfer.block_ids)
+    ]
+    for g, group_keys, ids, targets in zip(groups, keys, transfer.block_ids, where):
         layout = layouts.get(g)
         if not ids:
             continue
-        if layout is None:
+        if layout is None or targets is None:
             errors.extend(ids)
             continue
-        proven = handler.read(
-            group_keys, layout.addresses(ids), layout.length, length=layout.value_size
-        )
+        proven = handler.read(group_keys, targets, layout.length, length=layout.value_size)
         hits = proven.index(False) if False in proven else len(proven)
         copied += hits * layout.value_size
         errors.extend(ids[hits:])

@@ -500,3 +500,78 @@ def torch_equal(x: Any, y: Any) -> bool:
     import torch
 
     return bool(torch.equal(x.view(torch.uint8), y.view(torch.uint8)))
+
+
+def bad_block_ids(model_dir: str, url: str, bad: int) -> dict:
+    """One instance computes and saves a prompt (the real flow). Then its worker connector is
+    handed a load and a save as vLLM's scheduler metadata carries them (`Transfer`), their
+    block ids valid but one, `bad` (outside the KV cache: -1, or the number of blocks). The
+    handler's `read` and `put` are watched: a destination or source that is not a segment of
+    one of the KV cache's blocks is counted and not copied (so that the fault, before the
+    connector checks, hurts nothing here). What the load reports and the save stores; and a
+    load of the same blocks with valid ids only, as a control."""
+    _vllm_on_path()
+    import numpy as np
+
+    from maru import MaruHandler
+    from maru_vllm.connector import Transfer
+    from vllm_cpu.engine import MiniEngine
+
+    engine = MiniEngine(model_dir, url)
+    try:
+        req = engine.add(prompt(0))
+        engine.run({req})
+        worker = engine.worker
+        handler = worker._handler_for()
+        layout = worker._layouts[0]
+        blocks = engine.kv_config.num_blocks
+        # every segment of every block of the KV cache: what a copy may touch
+        legit = set(
+            (layout.base[None, :] + np.arange(blocks)[:, None] * layout.stride[None, :])
+            .ravel()
+            .tolist()
+        )
+        outside = {"read": 0, "put": 0}
+        real_read, real_put = handler.read, handler.put
+
+        def foreign(addresses: Any) -> int:
+            return sum(a not in legit for a in np.asarray(addresses).ravel().tolist())
+
+        def read(keys, buffers, sizes, *, length, prefix=""):
+            count = foreign(buffers)
+            if count:
+                outside["read"] += count
+                return [False] * len(keys)
+            return real_read(keys, buffers, sizes, length=length, prefix=prefix)
+
+        def put(puts, *, behind=False):
+            count = sum(foreign(p.copy.buffers) for p in puts)
+            if count:
+                outside["put"] += count
+                for p in puts:
+                    p.results, p.outcomes = [False] * len(p.keys), None
+                return None
+            return real_put(puts, behind=behind)
+
+        handler.read, handler.put = read, put
+        prefix = engine.scheduler.connector._prefix(0, (0, 0, 0))
+        stored = [prefix + h.hex() for h in engine.request(prompt(0)).block_hashes[:BLOCKS]]
+        fresh = [prefix + h.hex() for h in engine.request(prompt(1)).block_hashes[:BLOCKS]]
+        ids = list(engine.block_ids[req][:BLOCKS])
+        with_bad = [*ids[:2], bad, *ids[3:]]
+        out: dict[str, Any] = {"ids": ids, "with_bad": with_bad}
+
+        worker._load(Transfer("valid-load", [stored], [ids]))
+        out["valid_load_errors"] = sorted(worker.get_block_ids_with_load_errors())
+        worker._load(Transfer("bad-load", [stored], [with_bad]))
+        out["bad_load_errors"] = sorted(worker.get_block_ids_with_load_errors())
+        worker._save(Transfer("bad-save", [fresh], [with_bad]))
+        stats = worker.get_kv_connector_stats()
+        out["stats"] = stats.reduce() if stats is not None else {}
+        out["outside"] = outside
+        with MaruHandler(server_url=url, pool_size="2M", chunk_size_bytes=4096) as h:
+            out["fresh_stored"] = h.batch_exists(fresh)
+        out["match"] = engine.blocks_match(req, BLOCKS)
+        return out
+    finally:
+        engine.close()
