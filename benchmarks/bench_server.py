@@ -55,9 +55,10 @@ BATCH = 128
 
 
 class Server:
-    """A `MaruService` with a journal and the local index, and one instance of its own."""
+    """A `MaruService` with a journal and the local index, and one instance of its own, with
+    one region of `region_bytes` (half the pool unless given)."""
 
-    def __init__(self, work: Path, pool_bytes: int):
+    def __init__(self, work: Path, pool_bytes: int, region_bytes: int = 0):
         self.journal = Journal(work / "state", fsync_interval=0.1)
         self.pool = ShmPool(str(work / "pool"), pool_bytes)
         self.registry = Registry(self.pool, TokenSigner(os.urandom(32)), journal=self.journal)
@@ -72,7 +73,7 @@ class Server:
         reply = self.call(MsgType.HANDSHAKE, {"name": "bench", "pid": os.getpid()})
         self.session = reply["session"]
         proof = prove(reply["pool"], None, reply["iid"]).proof  # (as a client proves the pool)
-        ask = {"size": pool_bytes // 2, "pool_proof": proof}
+        ask = {"size": region_bytes or pool_bytes // 2, "pool_proof": proof}
         region = self.call(MsgType.REQUEST_REGION, ask)["region"]
         self.region_id, self.region_bytes = region[0], region[3]
         self.next_page = 0
@@ -151,8 +152,9 @@ def run(
     """Samples per kind; with `fresh`, `register, fresh server` every tenth round too; `cpu`
     (when given) gets the server thread's CPU time of each request kind's samples."""
     plain = Server(work / "plain", 1 << 30)
-    # a pool of 24 batches' worth of pages: past the high watermark after a few dozen
-    full = Server(work / "full", 24 * batch * PAGE)
+    # a pool of 24 batches' worth of pages, all of it the instance's region (a region's keys
+    # hold no more bytes than it has): past the high watermark after about 23 requests
+    full = Server(work / "full", 24 * batch * PAGE, region_bytes=24 * batch * PAGE)
     kinds = ["register", "delete", "register, full pool", "wire: register", "wire: delete"]
     if fresh:
         kinds.insert(3, "register, fresh server")

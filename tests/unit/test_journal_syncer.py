@@ -134,14 +134,14 @@ def test_rotation_under_concurrent_fsyncs_loses_no_record(tmp_path, monkeypatch)
     state_dir, pool = tmp_path / "state", tmp_path / "pool"
     reg, journal = open_registry(state_dir, pool, fsync_interval=0.0)
     reg.instances.handshake("A", 1)
-    region = reg.request_region("A", 32 * MiB)
+    region = reg.request_region("A", 48 * MiB)  # (a page a value, as a writer places them)
     expected: set[str] = set()
     n = 0
     for rotation in range(150):
         for _ in range(4):
             batch = [f"k{n + i}" for i in range(16)]
             register(
-                reg, "A", [[k, region.region_id, (n + i) * 128, 100] for i, k in enumerate(batch)]
+                reg, "A", [[k, region.region_id, (n + i) * 4096, 100] for i, k in enumerate(batch)]
             )
             n += 16
             expected.update(batch)
@@ -151,7 +151,7 @@ def test_rotation_under_concurrent_fsyncs_loses_no_record(tmp_path, monkeypatch)
         expected.difference_update(gone)
         journal.write_snapshot(persistence.snapshot(reg))
         assert journal.generation == rotation + 1
-    register(reg, "A", [["tail", region.region_id, n * 128, 100]])  # only in the journal
+    register(reg, "A", [["tail", region.region_id, n * 4096, 100]])  # only in the journal
     expected.add("tail")
     journal.close()
 

@@ -130,6 +130,21 @@ def test_small_values_each_in_a_page_of_their_own_are_registered(service):
     assert service.registry.regions[rid].live_bytes == pages * 100
 
 
+def test_a_region_holds_no_more_keys_than_pages(service):
+    """Keys of one byte each take no room in bytes to speak of; each value of an honest writer
+    has a page at least, so a region's keys never outnumber its pages: a flood of tiny keys
+    cannot grow the server's memory (and its journal) without bound."""
+    rid = region_of(service, "A")
+    pages = REGION // (4 * KiB)
+    rows = [[f"t{i}", rid, i * 8, 1] for i in range(4 * pages)]  # (8 bytes apart)
+    results = seal(service, "A", rows)
+    assert results == [REGISTERED] * pages + [REJECTED] * (3 * pages)
+    assert service.registry.regions[rid].live_keys == pages
+    assert stats(service)["counters"]["keys_over_region"] == 3 * pages
+    other = region_of(service, "A")  # another region of the same writer takes its own
+    assert seal(service, "A", [["u0", other, 0, 1], ["t0", rid, 0, 1]]) == [REGISTERED] * 2
+
+
 def test_a_request_sent_again_is_registered_again(service):
     """A retry of a batch that filled its region names the same places: REGISTERED again (its
     keys are there already, so they take no more room), not REJECTED or EXISTS."""

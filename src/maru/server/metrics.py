@@ -115,8 +115,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
     ),
     "keys_over_region": (
         "maru_keys_over_region",
-        "Registrations refused because their region's keys would hold more bytes than it has "
-        "(keys registered over the same bytes).",
+        "Registrations refused because their region's keys would hold more bytes than it has, "
+        "or outnumber its pages (keys registered over the same bytes).",
     ),
     "keys_deleted": ("maru_keys_deleted", "Keys deleted (DELETE_KV, DELETE_PREFIX, clear)."),
     "evictions": ("maru_evicted_keys", "Keys evicted (watermark, room for a writer, orphans)."),

@@ -16,6 +16,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
+from maru.common.config import PAGE
 from maru.common.protocol import ErrorCode, ProtocolError
 from maru.common.region import RegionHandle
 from maru.server.journal import JournalWriteError
@@ -58,6 +59,12 @@ class Region:
         self.live_bytes += sign * nbytes
         self.live_pages += sign * npages
         return nbytes
+
+    def room(self) -> tuple[int, int]:
+        """What new keys may still take here: bytes, and values. Each value takes a page at
+        least (a writer's chunks start on page boundaries: `maru.common.config.PAGE`), so a
+        region holds no more keys than pages, however short their values."""
+        return self.length - self.live_bytes, self.length // PAGE - self.live_keys
 
     def handle(self) -> RegionHandle:
         return RegionHandle(

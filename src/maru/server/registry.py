@@ -173,9 +173,10 @@ class Registry:
         (region id -> token, as the writer was granted them): a region whose token is not
         the one named is not the one the writer wrote in (another server's or pool's region
         under the same id, after a re-handshake), and its keys are REJECTED. A new key that
-        would make its region's live bytes pass the region's length is REJECTED too (keys
-        over the same bytes: an honest writer's values each have chunks of their own), so
-        bytes that do not exist never count toward the watermark, quotas or shares."""
+        would make its region's live bytes pass the region's length, or its keys its pages,
+        is REJECTED too (keys over the same bytes: an honest writer's values each have
+        chunks of their own), so bytes that do not exist never count toward the watermark,
+        quotas or shares, and a region's keys never outnumber its pages (`Region.room`)."""
         inst = self.instances.require(instance_id)
         # One C pass and a sum admit the usual batch whole (each key counted as new, each
         # region with room for its keys); otherwise `_screen_each` goes key by key, exactly.
@@ -185,7 +186,10 @@ class Registry:
             keys, MAX_KEY_CHARS, region_ids, offsets, lengths, writable[0]
         ):
             nbytes, room = sum(lengths), writable[1]
-            if nbytes > min(room.values()) and not _room_per_region(region_ids, lengths, room):
+            least = min(room.values())  # (mostly one region)
+            if (nbytes > least[0] or len(keys) > least[1]) and not _room_per_region(
+                region_ids, lengths, room
+            ):
                 nbytes = -1
         screened = (
             None
@@ -242,10 +246,10 @@ class Registry:
 
     def _writable_lengths(
         self, instance_id: str, region_ids: list[int], tokens: dict[int, str] | None = None
-    ) -> tuple[dict[int, int], dict[int, int]] | None:
+    ) -> tuple[dict[int, int], dict[int, tuple[int, int]]] | None:
         """The length of each region a batch names and the room its live keys leave (region
-        id -> bytes), if all are live regions of the caller's; else None (the batch is
-        screened key by key)."""
+        id -> `Region.room`), if all are live regions of the caller's; else None (the batch
+        is screened key by key)."""
         if not region_ids:
             return None
         first = region_ids[0]
@@ -256,7 +260,7 @@ class Registry:
             if region is None:
                 return None
             limits[region_id] = region.length
-            room[region_id] = region.length - region.live_bytes
+            room[region_id] = region.room()
         return limits, room
 
     def _screen_each(
@@ -274,7 +278,7 @@ class Registry:
         new key its region has no room left for (`_over_room`), as if added one by one; None
         for a key left to the insert."""
         regions = {r: self._writable(r, instance_id, tokens) for r in set(region_ids)}
-        room = {r: g.length - g.live_bytes for r, g in regions.items() if g is not None}
+        room = {r: list(g.room()) for r, g in regions.items() if g is not None}
         over: dict[int, int] = {}  # region id -> new keys refused for want of room
         keys_valid = all_keys_valid(keys)
         table, inserted = self.keys, set()
@@ -287,11 +291,12 @@ class Registry:
                 out.append(EXISTS if key in table or key in inserted else REJECTED)
             elif key in table or key in inserted:
                 out.append(None)  # (EXISTS, or REGISTERED again: `_repeated`; no room taken)
-            elif length > room[region_id]:
+            elif length > room[region_id][0] or room[region_id][1] < 1:
                 over[region_id] = over.get(region_id, 0) + 1
                 out.append(REJECTED)
             else:
-                room[region_id] -= length
+                room[region_id][0] -= length
+                room[region_id][1] -= 1
                 inserted.add(key)
                 out.append(None)
         if over:
@@ -471,14 +476,15 @@ def _over_room(
     counters: dict[str, int], throttle: Throttle, instance_id: str, over: dict[int, int]
 ) -> None:
     """Count and report (one throttled WARNING a batch) the new keys refused because their
-    region's live bytes would pass its length: keys over bytes other keys hold."""
+    region's live bytes would pass its length, or its keys its pages: keys over bytes
+    other keys hold."""
     refused = sum(over.values())
     counters["keys_over_region"] += refused
     held = throttle.allow(("over_region", instance_id))
     if held is not None:
         log.warning(
             "instance %s: %d keys refused: their region's keys would hold more bytes than "
-            "it has (keys registered over the same bytes) in %s%s",
+            "it has, or outnumber its pages (keys registered over the same bytes) in %s%s",
             instance_id,
             refused,
             ", ".join(f"region {r} ({n} keys)" for r, n in over.items()),
@@ -487,12 +493,17 @@ def _over_room(
         )
 
 
-def _room_per_region(region_ids: list[int], lengths: list[int], room: dict[int, int]) -> bool:
+def _room_per_region(
+    region_ids: list[int], lengths: list[int], room: dict[int, tuple[int, int]]
+) -> bool:
     """Whether each region a batch names (several) has room for all its keys there."""
     if len(room) == 1:
         return False  # (the caller compared the one region's room with the whole batch)
     groups = length_groups(region_ids, lengths).items()
-    return all(sum(n * k for n, k in group.items()) <= room[rid] for rid, group in groups)
+    return all(
+        sum(n * k for n, k in group.items()) <= room[rid][0] and sum(group.values()) <= room[rid][1]
+        for rid, group in groups
+    )
 
 
 # -- operator actions that walk the whole registry (not on any hot path) ----------------------
