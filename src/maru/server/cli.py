@@ -32,6 +32,7 @@ from maru.common.config import (
 from maru.common.curve import read_allowlist
 from maru.server import persistence
 from maru.server.cluster.tier import PUBLISH_MODES, ClusterTier
+from maru.server.instances import MAX_INSTANCES
 from maru.server.journal import SNAPSHOT_NAME, Journal, read_records, write_private
 from maru.server.local_socket import LocalDoor, raise_fd_limit
 from maru.server.localindex import open_local_index, remove_tables, retire_earlier, retire_in_pool
@@ -74,6 +75,7 @@ _positive = number_arg(float, minimum=0, above=True)
 _non_negative = number_arg(float, minimum=0, above=False)
 _fraction = number_arg(float, minimum=0, above=True, top=1)
 _count = number_arg(int, minimum=0, above=False)
+_whole = number_arg(int, minimum=0, above=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,6 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=4096,
         help="most read leases one instance may hold at once; a leased lookup past it is "
         "refused (QUOTA_EXCEEDED: misses). 0: no quota (default: 4096)",
+    )
+    p.add_argument(
+        "--max-instances",
+        type=_whole,
+        default=MAX_INSTANCES,
+        help="most instances (MaruHandlers) the server keeps at once, all clients together; "
+        "past it a new handshake is refused (QUOTA_EXCEEDED) until one disconnects or is "
+        f"reaped, so a client handshaking in a loop cannot grow the server (default: "
+        f"{MAX_INSTANCES})",
     )
     p.add_argument(
         "--quota-lease-bytes",
@@ -958,6 +969,7 @@ def main(argv: list[str] | None = None) -> int:
             quota_leases=args.quota_leases,
             quota_lease_bytes=quota_lease_bytes,
         )
+        registry.instances.max_instances = args.max_instances
         persistence.restore(registry, snapshot, records)
         registry.regions.next_id = max(registry.regions.next_id, first_region_id)
         journal.write_snapshot(persistence.snapshot(registry))  # compact what was replayed

@@ -175,6 +175,8 @@ class Eviction:
         """Free one of `candidates` without a pinned or leased key by evicting all its keys, in
         the order eviction would reach them (evicting the bytes wanted over all candidates at
         once is not enough: when their keys interleave, it frees none)."""
+        if not candidates:  # (no walk of every key: a full pool's refusal costs nothing)
+            return False
         reg = self.view
         regions = reg.regions
         order: dict[int, None] = {}  # candidate regions, by their oldest key without the bit

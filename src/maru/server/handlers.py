@@ -11,7 +11,7 @@ import logging
 import os
 import secrets
 from collections.abc import Callable
-from contextlib import suppress
+from contextlib import AbstractContextManager, suppress
 from typing import Any, Protocol
 
 from maru.common import protocol
@@ -29,12 +29,17 @@ from maru.common.protocol import (
     unpack_int64,
 )
 from maru.server.cluster.tier import ClusterTier
+from maru.server.grants import over_quota
 from maru.server.housekeeping import Housekeeping
 from maru.server.journal import JournalWriteError
 from maru.server.local_socket import LocalSocketServer
 from maru.server.registry import Registry, clear_all, delete_prefix, list_keys
 
 log = logging.getLogger("maru.server.service")
+
+
+class Walks(Protocol):
+    def walk(self, what: str) -> AbstractContextManager[None]: ...
 
 
 class Server(Protocol):
@@ -46,6 +51,7 @@ class Server(Protocol):
     housekeeper: Housekeeping
     local: LocalSocketServer | None
     coherence: str  # announced at HANDSHAKE (`--coherence`)
+    walks: Walks  # time for requests that walk every key (`maru.server.service.WalkBudget`)
     cluster: ClusterTier | None  # `--cluster`: sealed keys go to its publish queue
 
     def stats(self) -> dict[str, Any]: ...
@@ -161,6 +167,7 @@ def on_handshake(server: Server, body: dict[str, Any]) -> dict[str, Any]:
         log.info("a credential of instance %s, which is gone: a new instance", iid)
         iid = None
     if iid is None:
+        server.registry.instances.admit()  # (at most --max-instances)
         iid = _new_instance_id(server, _instance_name(body.get("name")))
     pid = body.get("pid")
     if type(pid) is not int or not 0 <= pid < 2**63:
@@ -332,13 +339,26 @@ def on_evict_for(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     return {"freed_bytes": freed}
 
 
+def on_pin(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    """PIN, for at most `Pins.max_keys` keys of one instance at once."""
+    keys, iid, pins = _keys(body), _owner(body), server.registry.pins
+    over = pins.room(keys, iid)
+    if over is not None:
+        reg = server.registry
+        what = f"pinned keys ({over[1]} more asked)"
+        raise over_quota(reg.log_throttle, reg.instances[iid], what, over[0], pins.max_keys)
+    return {"results": pins.pin(keys, iid, _flag(body, "leading"))}
+
+
 def on_delete_prefix(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     if body.get("all") is True:  # `maru clear`
-        deleted, pinned = clear_all(server.registry)
+        with server.walks.walk("DELETE_PREFIX"):
+            deleted, pinned = clear_all(server.registry)
         what = "every key"
     else:
         prefix = body.get("prefix")
-        deleted, pinned = delete_prefix(server.registry, prefix)
+        with server.walks.walk("DELETE_PREFIX"):
+            deleted, pinned = delete_prefix(server.registry, prefix)
         what = f"prefix {prefix!r:.200}"
     iid = body["iid"]
     log.info(
@@ -357,7 +377,8 @@ def on_list_keys(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "limit must be a positive integer")
     limit = min(limit, MAX_LIST_KEYS)
-    keys, truncated = list_keys(server.registry, body.get("prefix"), limit)
+    with server.walks.walk("KEYS"):
+        keys, truncated = list_keys(server.registry, body.get("prefix"), limit)
     return {"keys": keys, "truncated": truncated, "limit": limit}
 
 
@@ -377,9 +398,7 @@ HANDLERS: dict[int, Handler] = {
     MsgType.REGISTER_KV: on_register_kv,
     MsgType.LOOKUP_KV: on_lookup_kv,
     MsgType.EXISTS: on_exists,
-    MsgType.PIN: lambda s, b: {
-        "results": s.registry.pins.pin(_keys(b), _owner(b), _flag(b, "leading"))
-    },
+    MsgType.PIN: on_pin,
     MsgType.UNPIN: lambda s, b: {"results": s.registry.pins.unpin(_keys(b), _owner(b))},
     MsgType.RELEASE: lambda s, b: {
         "released": s.registry.leases.release(_batch(b, "leases"), b["iid"])

@@ -18,11 +18,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from maru.common.protocol import Key
+from maru.common.protocol import MAX_BATCH, Key
 from maru.server.keyindex import KeyEntry, KeyIndex, release_entries
 
 if TYPE_CHECKING:
     from maru.server.instances import Instance
+
+
+# Keys one instance may pin at once (`Pins.room`): each an entry of its own, of every
+# snapshot, and a key eviction cannot take. A client pins the hits it is loading, then
+# unpins them: a few batches.
+MAX_PINNED_KEYS = 4 * MAX_BATCH
+# Keys one instance may hold under leases at once, however few bytes they hold (each lease
+# keeps a reference per key until released or expired): `--quota-leases` leases of
+# MAX_BATCH keys each were 268 million references.
+MAX_LEASED_KEYS = 16 * MAX_BATCH
 
 
 class Pins:
@@ -32,6 +42,18 @@ class Pins:
         self.keys = keys
         self.instances = instances
         self._log = log  # the registry's journal writer
+        self.max_keys = MAX_PINNED_KEYS
+
+    def room(self, keys: list[Any], owner: str) -> tuple[int, int] | None:
+        """None if `owner` may pin `keys` within `max_keys` (counted as if every one were
+        pinned: a PIN is refused whole, before any side effect); else (pinned now, asked
+        new). A request's check, not the journal replay's (`pin`)."""
+        inst = self.instances.get(owner)
+        if inst is None or len(inst.pins) + len(keys) <= self.max_keys:
+            return None
+        pinned = inst.pins
+        new = len({key for key in keys if key not in pinned})
+        return None if len(pinned) + new <= self.max_keys else (len(pinned), new)
 
     def pin(self, keys: list[Any], owner: str | None = None, leading: bool = False) -> list[bool]:
         """Pin the keys that exist; with `leading`, only the run of them from the start, up to
@@ -127,6 +149,7 @@ class LeaseTable(dict[int, Lease]):
         self.instances = instances
         self.seconds = seconds  # a lease's life (--lease-timeout)
         self.counters = counters
+        self.max_keys = MAX_LEASED_KEYS  # (`room`)
         self._expiry: list[tuple[float, int]] = []  # heap of (expires, lease_id)
         # Ids start at a random point, so that a lease id from before a server restart (a
         # reader confirming a copy it began then) never names a lease taken since.
@@ -147,7 +170,16 @@ class LeaseTable(dict[int, Lease]):
         if inst is not None:
             inst.leases.add(lease_id)
             inst.lease_bytes += nbytes
+            inst.lease_keys += len(held)
         return lease_id
+
+    def room(self, owner: str | None, nkeys: int) -> int | None:
+        """None if `owner` may lease `nkeys` more keys within `max_keys` (an O(1) check, as
+        if each were a hit); else the keys its leases hold now."""
+        inst = self.instances.get(owner) if owner else None
+        if inst is None or inst.lease_keys + nkeys <= self.max_keys:
+            return None
+        return inst.lease_keys
 
     def end(self, lease_id: int) -> bool:
         lease = self.pop(lease_id, None)
@@ -158,6 +190,7 @@ class LeaseTable(dict[int, Lease]):
         if inst is not None:
             inst.leases.discard(lease_id)
             inst.lease_bytes -= lease.nbytes
+            inst.lease_keys -= len(lease.entries)
         return True
 
     def release(self, lease_ids: list[Any], owner: str | None) -> int:

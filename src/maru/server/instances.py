@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from maru.common.peer import peer_credentials
 from maru.common.protocol import ErrorCode, ProtocolError, freed_notices
 from maru.common.region import RegionHandle
 from maru.common.throttle import Throttle
@@ -22,6 +23,14 @@ from maru.server.regions import RegionTable
 from maru.server.token import TokenSigner
 
 log = logging.getLogger("maru.server.registry")
+
+# Instances at once (`--max-instances`): each is an object, a credential, a place in every
+# reap and fair-share pass and two log lines; a client handshaking in a loop (and keeping
+# them alive by heartbeats) made them without bound.
+MAX_INSTANCES = 4096
+# Instances one process may hold on the local socket (a pidfd each): a real client runs a
+# handful of handlers per process.
+MAX_PER_PROCESS = 256
 
 
 @dataclass
@@ -45,6 +54,7 @@ class Instance:
     evicted: int = 0  # keys evicted out of this instance's regions
     park_seq: int = 0  # the sequence number of the last PARK_REGIONS applied
     lease_bytes: int = 0  # bytes of the keys its leases hold (--quota-lease-bytes)
+    lease_keys: int = 0  # keys its leases hold, a reference each (`LeaseTable.max_keys`)
     shed: int = 0  # bytes of regions to ask it to give back, on its next reply (fair share)
     # It asked for a region once (REQUEST_REGION): it writes, so it is owed a fair share; an
     # instance that only reads never uses pool room, and counting it shrank writers' shares
@@ -74,6 +84,8 @@ class InstanceTable(dict[str, Instance]):
         self.processes = ProcessWatch()  # the process holding each instance, where known
         self.reap_hold = reap_hold
         self.routes: dict[bytes, str] = {}  # ZMQ routing id -> the instance that spoke on it
+        self.max_instances = MAX_INSTANCES  # (`admit`)
+        self.max_per_process = MAX_PER_PROCESS  # (`claim`)
 
     def require(self, instance_id: Any) -> Instance:
         """The instance a request that needs one names (UNKNOWN_INSTANCE: handshake first)."""
@@ -84,6 +96,40 @@ class InstanceTable(dict[str, Instance]):
         inst = self[instance_id]
         inst.last_seen = time.monotonic()
         return inst
+
+    def admit(self) -> None:
+        """Room for one more instance (a HANDSHAKE that makes one), else QUOTA_EXCEEDED: the
+        server's memory must not grow with a client's handshakes. Places free as instances
+        disconnect or are reaped (a silent one after the heartbeat timeout)."""
+        if len(self) < self.max_instances:
+            return
+        why = (
+            f"the server has {len(self)} instances, its most (--max-instances): a new one is "
+            "refused until one disconnects or is reaped"
+        )
+        held = self.log_throttle.allow(("max_instances",))
+        if held is not None:
+            log.warning("handshake refused: %s%s", why, self.log_throttle.note(held))
+        raise ProtocolError(ErrorCode.QUOTA_EXCEEDED, why)
+
+    def claim(self, instance_id: str, sock: Any) -> str | None:
+        """`ProcessWatch.claim` (None, or why the peer may not speak for it), for at most
+        `max_per_process` instances of one process: past it QUOTA_EXCEEDED and no pidfd
+        taken, so one process cannot take the server's descriptors by handshaking."""
+        processes = self.processes
+        if processes.holder(instance_id) is None:
+            pid = peer_credentials(sock)[0]
+            held = sum(1 for iid in self if processes.holder(iid) == pid) if pid > 0 else 0
+            if held >= self.max_per_process:
+                why = (
+                    f"process {pid} holds {held} instances on the local socket, the most one "
+                    f"process may; instance {instance_id} is refused (close a MaruHandler)"
+                )
+                allowed = self.log_throttle.allow(("per_process", pid))
+                if allowed is not None:
+                    log.warning("%s%s", why, self.log_throttle.note(allowed))
+                raise ProtocolError(ErrorCode.QUOTA_EXCEEDED, why)
+        return processes.claim(instance_id, sock)
 
     def touch(self, instance_id: Any, route: bytes | None = None, host: str = "") -> None:
         """Any message naming a known instance is a sign of life, and shows it connected.

@@ -356,6 +356,10 @@ class Registry:
         quota = self.quota_leases
         if lease and inst is not None and quota and len(inst.leases) >= quota:
             raise over_quota(self.log_throttle, inst, "leases", len(inst.leases), quota)
+        held = self.leases.room(instance_id, len(keys)) if lease else None
+        if held is not None:  # (one comparison: the keys its leases hold, a reference each)
+            what = f"keys under leases ({len(keys)} more asked)"
+            raise over_quota(self.log_throttle, inst, what, held, self.leases.max_keys)
         held, region_ids, offsets, lengths, checksums = self.keys.lookup_columns(keys, lease)
         nbytes = 0
         if lease and held and inst is not None and self.quota_lease_bytes:

@@ -14,7 +14,8 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -25,6 +26,7 @@ from maru import __version__
 from maru.common import protocol
 from maru.common.config import parse_coherence
 from maru.common.protocol import ErrorCode, MsgType, ProtocolError
+from maru.common.throttle import Throttle
 from maru.server.cluster.tier import ClusterTier
 from maru.server.cluster.waits import PullWaits, Waiting
 from maru.server.handlers import CHANGES, HANDLERS, WAIT
@@ -57,6 +59,52 @@ def _listen_locally(address: str, auto: bool, door: LocalDoor | None) -> LocalSo
         fallback,
     )
     return LocalSocketServer(fallback, door)
+
+
+# Requests that walk every key (DELETE_PREFIX, KEYS: `WalkBudget`) may take this share of the
+# loop's time, after a burst of this many seconds of walking.
+WALK_SHARE = 0.25
+WALK_BURST_S = 1.0
+
+
+class WalkBudget:
+    """The loop's time for requests that walk every key (DELETE_PREFIX, KEYS): operators'
+    actions, open to any client, whose cost grows with the registry, not with the request;
+    sent back to back they would hold the one loop every instance is served by. A leaky
+    bucket of seconds: each walk adds its time, which drains at `share` of real time; while
+    more than `burst` seconds are owed, a walk is refused (QUOTA_EXCEEDED, saying when to
+    retry). Small registries' walks never come near it."""
+
+    def __init__(
+        self,
+        share: float = WALK_SHARE,
+        burst: float = WALK_BURST_S,
+        throttle: Throttle | None = None,
+    ):
+        self.share, self.burst = share, burst
+        self.throttle = throttle if throttle is not None else Throttle(10.0)
+        self.owed = 0.0  # seconds of walking not yet drained
+        self.at = perf_counter()  # when `owed` was last drained
+
+    @contextmanager
+    def walk(self, what: str) -> Iterator[None]:
+        now = perf_counter()
+        self.owed = max(0.0, self.owed - (now - self.at) * self.share)
+        self.at = now
+        if self.owed > self.burst:
+            wait_s = (self.owed - self.burst) / self.share
+            why = (
+                f"{what} walks every key: such requests may take {self.share:.0%} of the "
+                f"server's time, and have taken it; retry in {wait_s:.1f} s"
+            )
+            held = self.throttle.allow(("walks",))
+            if held is not None:
+                log.warning("%s refused%s", why, self.throttle.note(held))
+            raise ProtocolError(ErrorCode.QUOTA_EXCEEDED, why)
+        try:
+            yield
+        finally:
+            self.owed += perf_counter() - now
 
 
 class MaruService:
@@ -107,6 +155,7 @@ class MaruService:
         self.metrics_url: str | None = None  # set when `--metrics-port` serves Prometheus
         self.cluster: ClusterTier | None = None  # set by `--cluster` (`maru.server.cluster`)
         self.waits = PullWaits()  # EXISTS requests kept until the tier's pulls land
+        self.walks = WalkBudget(throttle=registry.log_throttle)  # DELETE_PREFIX, KEYS
         self.tcp = TcpEndpoint(
             zmq.Context.instance(),
             bind_url,
@@ -267,7 +316,7 @@ class MaruService:
         elif peer.instance == iid:
             return
         else:
-            why = processes.claim(iid, peer.sock)
+            why = self.registry.instances.claim(iid, peer.sock)  # (at most so many a process)
             if why is None:
                 peer.instance = iid  # once per connection and instance
                 return

@@ -1,0 +1,235 @@
+"""One client cannot grow the server without bound nor take its loop from the others: each
+request that creates server state (instances, their processes' pidfds, pins, keys under
+leases) is refused past a bound (QUOTA_EXCEEDED, before any side effect), and requests that
+walk every key (DELETE_PREFIX, KEYS) take a bounded share of the loop's time."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import time
+
+import pytest
+
+from maru.common import protocol
+from maru.common.protocol import ErrorCode, MsgType
+from maru.server.local_socket import Peer
+
+from .service_calls import call, make_service, ok, register_body, wire_body
+
+MiB = 1 << 20
+PAGE = 4096
+
+
+@pytest.fixture
+def service(tmp_path):
+    svc = make_service(tmp_path, pool_mib=64)
+    yield svc
+    svc.close()
+
+
+def refused(svc, msg_type, body) -> str:
+    """The error of a request that must be refused with QUOTA_EXCEEDED."""
+    reply = call(svc, msg_type, body)
+    assert reply["ok"] is False, reply
+    assert reply["code"] == ErrorCode.QUOTA_EXCEEDED, reply
+    return reply["error"]
+
+
+def keys_of(svc, iid: str, n: int, size: int = 16 * MiB) -> list[str]:
+    """`n` keys registered by `iid`, one page each, in a region of its own."""
+    rid = ok(svc, MsgType.REQUEST_REGION, {"iid": iid, "size": size})["region"][0]
+    keys = [f"{iid}-{i}" for i in range(n)]
+    rows = [[k, rid, i * PAGE, PAGE] for i, k in enumerate(keys)]
+    assert ok(svc, MsgType.REGISTER_KV, register_body(iid, rows))["results"] == [0] * n
+    return keys
+
+
+def on_peer(svc, peer: Peer, msg_type, body) -> dict:
+    """One request on a local-socket connection (`peer`), as `call` sends it."""
+    frame = protocol.encode(msg_type, 9, wire_body(svc, msg_type, body))
+    return protocol.decode(svc.handle_frame(frame, peer))[1]
+
+
+# -- instances ----------------------------------------------------------------------------
+
+
+def test_new_instances_past_the_cap_are_refused_and_a_freed_place_is_taken(service):
+    """Each HANDSHAKE without a live credential makes an Instance (and a credential, a log
+    line, a pass of every reap and fair-share count): past `max_instances`, refused; a
+    reconnect of a live one still resumes it; a place freed (disconnect, reap) is taken."""
+    table = service.registry.instances
+    table.max_instances = 8
+    for n in range(8):
+        ok(service, MsgType.HANDSHAKE, {"iid": f"i{n}"})
+    why = refused(service, MsgType.HANDSHAKE, {"iid": "late"})
+    assert "8 instances" in why and "--max-instances" in why
+    assert len(table) == 8 and "late" not in table
+    ok(service, MsgType.HANDSHAKE, {"iid": "i3"})  # its credential: resumed, not new
+    assert len(table) == 8
+    ok(service, MsgType.DISCONNECT, {"iid": "i0"})
+    ok(service, MsgType.HANDSHAKE, {"iid": "late"})
+    refused(service, MsgType.HANDSHAKE, {"iid": "later"})
+    # Instances that handshook and went silent are reaped, freeing their places.
+    table.reap(timeout=15.0, now=time.monotonic() + 16.0)
+    assert len(table) == 0
+    ok(service, MsgType.HANDSHAKE, {"iid": "later"})
+
+
+def test_one_process_holds_at_most_its_cap_of_instances_and_pidfds(service):
+    """On the local socket the first request of each instance claims it for the peer process
+    (a pidfd each): past `max_per_process` instances of one process, refused, no pidfd taken;
+    another process is not held back by it (its count is its own)."""
+    table = service.registry.instances
+    table.max_per_process = 3
+    names = [f"p{n}" for n in range(5)]
+    for name in names:
+        ok(service, MsgType.HANDSHAKE, {"iid": name})
+    mine, theirs = socket.socketpair()
+    try:
+        peer = Peer(mine)
+        replies = [on_peer(service, peer, MsgType.HEARTBEAT, {"iid": n}) for n in names]
+        assert [r["ok"] for r in replies] == [True, True, True, False, False]
+        assert replies[3]["code"] == ErrorCode.QUOTA_EXCEEDED
+        assert "3 instances" in replies[3]["error"]
+        held = [n for n in table if table.processes.holder(n) is not None]
+        assert len(held) == 3
+        # One of them goes: the process may hold another.
+        assert on_peer(service, peer, MsgType.DISCONNECT, {"iid": "p0"})["ok"]
+        assert on_peer(service, peer, MsgType.HEARTBEAT, {"iid": "p3"})["ok"]
+    finally:
+        mine.close()
+        theirs.close()
+
+
+# -- pins and leases ----------------------------------------------------------------------
+
+
+def test_pins_past_the_per_instance_cap_are_refused_whole(service):
+    """An instance pins at most `max_keys` keys at once (each an entry of its own and of every
+    snapshot, and a key eviction cannot take): a PIN that would pass it pins nothing;
+    pinning a key again takes no more room; an unpin gives room back."""
+    service.registry.pins.max_keys = 10
+    ok(service, MsgType.HANDSHAKE, {"iid": "W"})
+    keys = keys_of(service, "W", 16)
+    assert ok(service, MsgType.PIN, {"iid": "W", "keys": keys[:8]})["results"] == [True] * 8
+    assert ok(service, MsgType.PIN, {"iid": "W", "keys": keys[6:10]})["results"] == [True] * 4
+    why = refused(service, MsgType.PIN, {"iid": "W", "keys": keys[9:12]})
+    assert "pinned keys" in why
+    inst = service.registry.instances["W"]
+    assert len(inst.pins) == 10 and keys[10] not in inst.pins
+    assert ok(service, MsgType.PIN, {"iid": "W", "keys": keys[:10]})["results"] == [True] * 10
+    ok(service, MsgType.UNPIN, {"iid": "W", "keys": keys[:2]})
+    ok(service, MsgType.UNPIN, {"iid": "W", "keys": keys[:2]})
+    assert ok(service, MsgType.PIN, {"iid": "W", "keys": keys[10:12]})["results"] == [True] * 2
+
+
+def test_keys_under_leases_past_the_per_instance_cap_are_refused(service):
+    """However few bytes its keys hold, an instance holds at most `max_keys` keys under
+    leases (each lease keeps a reference per key until released or expired): a leased lookup
+    past it is QUOTA_EXCEEDED (a client reads misses) and takes nothing; RELEASE frees it."""
+    service.registry.leases.max_keys = 10
+    ok(service, MsgType.HANDSHAKE, {"iid": "R"})
+    keys = keys_of(service, "R", 8)
+    first = ok(service, MsgType.LOOKUP_KV, {"iid": "R", "keys": keys, "lease": True})
+    assert first["lease_id"]
+    why = refused(service, MsgType.LOOKUP_KV, {"iid": "R", "keys": keys, "lease": True})
+    assert "keys under leases" in why
+    assert len(service.registry.leases) == 1
+    ok(service, MsgType.RELEASE, {"iid": "R", "leases": [first["lease_id"]]})
+    assert ok(service, MsgType.LOOKUP_KV, {"iid": "R", "keys": keys, "lease": True})["lease_id"]
+    # Without a lease there is nothing to hold: never refused.
+    assert ok(service, MsgType.LOOKUP_KV, {"iid": "R", "keys": keys})["lease_id"] == 0
+
+
+def test_the_lease_quota_holds_on_the_local_socket_as_over_tcp(service):
+    """`--quota-leases` is checked where every leased lookup goes (`Registry.lookup`), so a
+    client on the local socket is held to it as one over TCP is."""
+    service.registry.quota_leases = 2
+    for name in ("L", "T"):
+        ok(service, MsgType.HANDSHAKE, {"iid": name})
+    local = {"iid": "L", "keys": keys_of(service, "L", 2), "lease": True}
+    tcp = {"iid": "T", "keys": local["keys"], "lease": True}
+    mine, theirs = socket.socketpair()
+    try:
+        peer = Peer(mine)
+        for _ in range(2):
+            assert on_peer(service, peer, MsgType.LOOKUP_KV, local)["lease_id"]
+            assert ok(service, MsgType.LOOKUP_KV, tcp)["lease_id"]  # (no peer: TCP)
+        again = on_peer(service, peer, MsgType.LOOKUP_KV, local)
+        assert again["ok"] is False and again["code"] == ErrorCode.QUOTA_EXCEEDED
+        refused(service, MsgType.LOOKUP_KV, tcp)
+    finally:
+        mine.close()
+        theirs.close()
+    assert len(service.registry.leases) == 4
+
+
+# -- requests that walk every key ---------------------------------------------------------
+
+
+def test_walks_of_every_key_take_a_bounded_share_of_the_loop(tmp_path):
+    """DELETE_PREFIX and KEYS walk the whole registry (any client may send them, anonymous
+    too): repeated back to back, they would hold the one loop every instance is served by.
+    They are served while their time stays within a share of the loop's (after a burst);
+    past it refused (QUOTA_EXCEEDED, saying when to retry), and served again later."""
+    from maru.server.service import WalkBudget
+
+    svc = make_service(tmp_path, pool_mib=192)
+    try:
+        ok(svc, MsgType.HANDSHAKE, {"iid": "W"})
+        for n in range(3):
+            rid = ok(svc, MsgType.REQUEST_REGION, {"iid": "W", "size": 64 * MiB})["region"][0]
+            rows = [[f"k{n}-{i}", rid, i * PAGE, PAGE] for i in range(16384)]
+            ok(svc, MsgType.REGISTER_KV, register_body("W", rows))
+        svc.walks = WalkBudget(share=0.1, burst=0.05)
+        served = refusals = 0
+        walked = 0.0
+        start = time.monotonic()
+        while time.monotonic() - start < 1.0:
+            body = {"prefix": "nothing-matches"}
+            msg_type = MsgType.DELETE_PREFIX if served % 2 else MsgType.KEYS
+            t0 = time.perf_counter()
+            reply = call(svc, msg_type, body)
+            took = time.perf_counter() - t0
+            if reply["ok"]:
+                served += 1
+                walked += took
+            else:
+                assert reply["code"] == ErrorCode.QUOTA_EXCEEDED, reply
+                assert "retry in" in reply["error"]
+                refusals += 1
+        elapsed = time.monotonic() - start
+        assert served >= 2 and refusals > 0
+        # The burst, the share of the time since, and the one walk that crossed the line
+        assert walked <= 0.05 + 0.1 * elapsed + walked / served + 0.02, (walked, served)
+        time.sleep(0.3)
+        assert ok(svc, MsgType.KEYS, {"prefix": "k0-1", "limit": 1})["keys"]
+    finally:
+        svc.close()
+
+
+# -- a full pool's refusals --------------------------------------------------------------
+
+
+def test_a_region_request_on_a_full_pool_with_nothing_to_reclaim_walks_no_key(service):
+    """A REQUEST_REGION that finds the pool full looks for an idle region to reclaim; with no
+    candidate (every region live and in use) it must not walk every key in Python: a client
+    asking again and again would hold the loop."""
+    reg = service.registry
+    ok(service, MsgType.HANDSHAKE, {"iid": "A", "pid": 1})
+    keys_of(service, "A", 64, size=60 * MiB)  # (nearly the whole 64 MiB pool, live)
+    walks = []
+
+    class Counted:  # (the C key index's type cannot be patched: eviction sees this instead)
+        def __getattr__(self, name):
+            return getattr(reg.keys, name)
+
+        def values(self):
+            walks.append(1)
+            return reg.keys.values()
+
+    reg.eviction.view = dataclasses.replace(reg.eviction.view, keys=Counted())
+    reply = call(service, MsgType.REQUEST_REGION, {"iid": "A", "size": 16 * MiB})
+    assert reply["ok"] is False and reply["code"] == ErrorCode.POOL_FULL, reply
+    assert walks == []
