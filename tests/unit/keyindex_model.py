@@ -15,6 +15,7 @@ import pytest
 
 from maru.common.protocol import KEY_TYPES, pack_int64
 from maru.server import holds, registry
+from maru.server._keyindex import pack_record
 
 
 class PyKeyEntry:
@@ -217,6 +218,16 @@ class OrderedKeyIndex(OrderedDict):
 
     def items(self, *, reverse: bool = False) -> Iterator[tuple[Any, Any]]:  # type: ignore[override]
         return reversed(super().items()) if reverse else iter(super().items())
+
+    def pack_rows(self) -> bytes:
+        rows = [
+            [k, e.region_id, e.offset, e.length, *([e.checksum] if e.checksum else [])]
+            for k, e in self.items()
+        ]
+        return pack_record(rows)
+
+    def pinned(self) -> list[tuple[Any, int]]:
+        return [(k, e.pins) for k, e in self.items() if e.pins]
 
 
 def use_python_key_index(monkeypatch: pytest.MonkeyPatch) -> None:

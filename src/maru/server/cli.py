@@ -239,8 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--snapshot-mb",
         type=_positive,
         default=64.0,
-        help="write a snapshot and start a new journal when the journal exceeds this size "
-        "(default: 64)",
+        help="write a snapshot and start a new journal when the journal exceeds both this "
+        "size and the last snapshot's: a large registry snapshots once per journal of its "
+        "own size, not every SNAPSHOT_MB; a restart replays at most the larger of the two; "
+        "the state dir needs room for that much journal plus two snapshots (default: 64)",
     )
     p.add_argument(
         "--busy-poll-us",
@@ -972,7 +974,7 @@ def main(argv: list[str] | None = None) -> int:
         registry.instances.max_instances = args.max_instances
         persistence.restore(registry, snapshot, records)
         registry.regions.next_id = max(registry.regions.next_id, first_region_id)
-        journal.write_snapshot(persistence.snapshot(registry))  # compact what was replayed
+        journal.write_snapshot(persistence.snapshot_packed(registry))  # compact the replay
         open_local_index(
             pool,
             registry,

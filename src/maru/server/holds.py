@@ -122,9 +122,9 @@ class Pins:
             for key, count in inst.pins.items():
                 records.append([inst.instance_id, key, count])
                 held[key] += count
-        for key, entry in self.keys.items():
-            if entry.pins > held[key]:
-                records.append(["", key, entry.pins - held[key]])
+        for key, pins in self.keys.pinned():  # (in C: no Python pass over every key)
+            if pins > held[key]:
+                records.append(["", key, pins - held[key]])
         return records
 
 

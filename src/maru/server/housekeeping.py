@@ -64,7 +64,7 @@ class Housekeeping:
     def snapshot(self, journal: Journal, now: float) -> None:
         """Write a snapshot; a failure (the state dir is full) is logged and retried later."""
         try:
-            journal.write_snapshot(persistence.snapshot(self.registry))
+            journal.write_snapshot(persistence.snapshot_packed(self.registry))
         except OSError as exc:
             self.next_snapshot = now + SNAPSHOT_RETRY_S
             held = self._snapshot_log.allow("snapshot")

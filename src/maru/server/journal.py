@@ -48,10 +48,48 @@ class JournalWriteError(RuntimeError):
         )
 
 
+class Packed:
+    """A value already in msgpack (a snapshot's "keys" rows: `KeyIndex.pack_rows`), which
+    `_frame` splices into the top-level dict holding it: a snapshot of 10^6 keys is then not a
+    list per key built on the server's loop first. `len` is its count of items (the log's)."""
+
+    __slots__ = ("count", "data")
+
+    def __init__(self, data: bytes, count: int):
+        self.data = data
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+
 def _frame(record: Any) -> bytes:
     """A record (or snapshot) framed: msgpack, as `msgpack.packb(record, use_bin_type=True)`
-    writes it, packed in one C pass (`pack_record`)."""
-    return b"".join(_frame_parts(record))
+    writes it, packed in one C pass (`pack_record`); a dict's `Packed` values as they are."""
+    return b"".join(_frame_chunks(record))
+
+
+def _map_header(n: int) -> bytes:
+    """msgpack's header of a map of `n` pairs (fixmap, map 16, map 32)."""
+    if n < 16:
+        return bytes([0x80 | n])
+    return b"\xde" + n.to_bytes(2, "big") if n < 65536 else b"\xdf" + n.to_bytes(4, "big")
+
+
+def _frame_chunks(record: Any) -> list[bytes]:
+    """`_frame` in pieces, header first: a snapshot's packed rows (tens of MiB at 10^6 keys)
+    are written as they are rather than copied into one bytes with the rest."""
+    if not isinstance(record, dict) or not any(isinstance(v, Packed) for v in record.values()):
+        return list(_frame_parts(record))
+    chunks = [_map_header(len(record))]
+    for key, value in record.items():  # (the order `pack_record` packs a dict in)
+        chunks.append(pack_record(key))
+        chunks.append(value.data if isinstance(value, Packed) else pack_record(value))
+    crc = size = 0
+    for chunk in chunks:
+        crc = crc32(chunk, crc)
+        size += len(chunk)
+    return [FRAME.pack(size, crc), *chunks]
 
 
 def _frame_parts(record: Any) -> tuple[bytes, bytes]:
@@ -115,13 +153,15 @@ def next_intact_frame(data: bytes, start: int) -> int | None:
     return None
 
 
-def write_private(path: Path, data: bytes) -> None:
-    """Replace `path` (mode 0600) with `data` whole, or leave it as it was: written beside it
-    (`<name>.tmp`), fsynced, then renamed over it (the directory is not fsynced)."""
+def write_private(path: Path, data: bytes | list[bytes]) -> None:
+    """Replace `path` (mode 0600) with `data` (or its chunks, in order) whole, or leave it as it
+    was: written beside it (`<name>.tmp`), fsynced, then renamed over it (the directory is not
+    fsynced)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-            f.write(data)
+            for chunk in [data] if isinstance(data, bytes) else data:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -146,6 +186,7 @@ class Journal:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.fsync_interval = fsync_interval
         self.snapshot_bytes = snapshot_bytes
+        self.snapshot_size = 0  # bytes of the current snapshot file (0: none)
         self.generation = 0
         self._fd = -1
         self._size = 0
@@ -183,7 +224,9 @@ class Journal:
         snapshot = None
         snap_path = self.state_dir / SNAPSHOT_NAME
         if snap_path.exists():
-            records, _ = read_records(snap_path.read_bytes())
+            data = snap_path.read_bytes()
+            self.snapshot_size = len(data)
+            records, _ = read_records(data)
             if not records:
                 raise RuntimeError(f"snapshot {snap_path} is damaged; refusing to start")
             snapshot = records[0]
@@ -327,11 +370,21 @@ class Journal:
             return True
 
     @property
+    def snapshot_threshold(self) -> int:
+        """The journal's size that asks for a snapshot: `snapshot_bytes`, or the current
+        snapshot's size when larger. A snapshot costs what the registry holds, so with a fixed
+        threshold a registry of 10^7 keys would write one as often as an empty one; this way
+        the snapshots' bytes stay at most about the journal's (a snapshot per journal of its
+        own size: Redis's auto-aof-rewrite-percentage 100), and a restart replays at most about
+        as much journal as the snapshot holds."""
+        return max(self.snapshot_bytes, self.snapshot_size)
+
+    @property
     def needs_snapshot(self) -> bool:
-        """The journal has grown past `snapshot_bytes`, or an fsync or a write failed (a fresh
-        snapshot makes the state on disk whole again)."""
+        """The journal has grown past `snapshot_threshold`, or an fsync or a write failed (a
+        fresh snapshot makes the state on disk whole again)."""
         return (
-            self._size >= self.snapshot_bytes
+            self._size >= self.snapshot_threshold
             or self.sync_error is not None
             or self.write_error is not None
         )
@@ -346,8 +399,9 @@ class Journal:
         self.sync()
         new_journal.unlink(missing_ok=True)
         new_fd, new_size = self._open(new_journal)  # before the directory fsync below
+        chunks = _frame_chunks(state)
         try:
-            write_private(self.state_dir / SNAPSHOT_NAME, _frame(state))
+            write_private(self.state_dir / SNAPSHOT_NAME, chunks)
         except BaseException:
             # Nothing changed: the old snapshot and journal stay current. Give the space back.
             os.close(new_fd)
@@ -359,6 +413,7 @@ class Journal:
             old_fd, old_path = self._fd, self._journal_path(self.generation)
             self.generation = generation
             self._fd, self._size = new_fd, new_size
+            self.snapshot_size = sum(len(chunk) for chunk in chunks)
             self._dirty = False
             self.sync_error = None
             resumed, self.write_error = self.write_error, None

@@ -13,24 +13,42 @@ from typing import Any
 
 from maru.common.protocol import CHECKSUMS
 from maru.server.instances import Instance
+from maru.server.journal import Packed
 from maru.server.registry import Registry
 
 log = logging.getLogger(__name__)
 
 
 def snapshot(registry: Registry) -> dict[str, Any]:
+    """The registry's state with its keys as a list of rows, one list per key: what
+    `restore` reads back. The server writes `snapshot_packed`'s instead, the same bytes."""
+    return _state(
+        registry,
+        [
+            [k, e.region_id, e.offset, e.length, e.checksum]
+            if e.checksum
+            else [k, e.region_id, e.offset, e.length]
+            for k, e in registry.keys.items()
+        ],
+    )
+
+
+def snapshot_packed(registry: Registry) -> dict[str, Any]:
+    """`snapshot` with the keys' rows packed in C (`KeyIndex.pack_rows`): the journal writes it
+    byte for byte as it writes `snapshot`'s, without a second on the server's loop building a
+    list per key first (10^6 keys)."""
+    keys = registry.keys
+    return _state(registry, Packed(keys.pack_rows(), len(keys)))
+
+
+def _state(registry: Registry, keys: list[list[Any]] | Packed) -> dict[str, Any]:
     return {
         "next_region_id": registry.regions.next_id,
         "regions": registry.regions.snapshot(),
         # a row: key, region id, offset, length, and the checksum when the key has one (of the
         # hash named here: rows of a snapshot without the name restore without theirs)
         "checksums": CHECKSUMS,
-        "keys": [
-            [k, e.region_id, e.offset, e.length, e.checksum]
-            if e.checksum
-            else [k, e.region_id, e.offset, e.length]
-            for k, e in registry.keys.items()
-        ],
+        "keys": keys,
         "pins": registry.pins.records(),
     }
 
