@@ -91,14 +91,9 @@ class _PoolTable:
     def retire(self, successor: str = "") -> bool:
         """Readers' copies that end after this are not proven (the area stays the pool's).
         False if the header faulted: the pool file was cut there, so readers fault too."""
-        try:
-            self.writer.retire(successor)
-        except IndexFaultError:
-            return False
-        finally:
-            self.writer.close()
-            self.map.close()
-        return True
+        retired = _retire_writer(self.writer, successor)
+        self.map.close()
+        return retired
 
     def truncation(self) -> str | None:
         """What a fault of this table's memory came from, if the pool file was cut short."""
@@ -111,6 +106,17 @@ class _PoolTable:
                     f"{size} bytes"
                 )
         return None
+
+
+def _retire_writer(writer: Any, successor: str) -> bool:
+    """Retire and close `writer`; False if its header faulted (its file cut short)."""
+    try:
+        writer.retire(successor)
+    except IndexFaultError:
+        return False
+    finally:
+        writer.close()
+    return True
 
 
 def _retire(table: Any, use: Any, software: bool = False) -> None:
@@ -253,16 +259,11 @@ class _Table:
         """Readers' copies that end after this are not proven; the files go (a reader keeps
         its mapping). False if the header faulted (the table file cut short: only this
         user may), which readers then meet too."""
-        try:
-            self.writer.retire(successor)
-        except IndexFaultError:
-            return False
-        finally:
-            self.writer.close()
-            _remove(self.files)
-            for m in self.maps:
-                m.close()
-        return True
+        retired = _retire_writer(self.writer, successor)
+        _remove(self.files)
+        for m in self.maps:
+            m.close()
+        return retired
 
     def truncation(self) -> str | None:
         """What a fault of this table's memory came from, if one of its files was cut short
