@@ -121,17 +121,19 @@ class _FailedLoads:
         """`last` (a match's end block), or where the request's load failed if earlier."""
         return min(last, self.failed_at.get(req_id, last))
 
-    def note(self, output: Any) -> None:
+    def note(self, output: Any) -> dict[str, int]:
         """A step's `KVConnectorOutput`: the loads done, and where failed ones stopped (their
-        blocks among `invalid_block_ids`, or their request among `failed_recving`)."""
+        blocks among `invalid_block_ids`, or their request among `failed_recving`). Returns
+        the loads that failed in it: request -> the first block that did not load."""
         invalid = output.invalid_block_ids or set()
         failed = output.failed_recving or set()
         done = output.finished_recving or set()
         self.in_flight -= done
+        noted: dict[str, int] = {}
         if not (invalid or failed):  # (an async load's errors come by its finished pass)
             for req_id in done:
                 self.loading.pop(req_id, None)
-            return
+            return noted
         for req_id, (first, block_ids) in list(self.loading.items()):
             if req_id in done:
                 del self.loading[req_id]
@@ -143,7 +145,8 @@ class _FailedLoads:
                     continue
                 stop = min(bad)
             at = first + stop
-            self.failed_at[req_id] = min(at, self.failed_at.get(req_id, at))
+            self.failed_at[req_id] = noted[req_id] = min(at, self.failed_at.get(req_id, at))
+        return noted
 
     def forget(self, req_id: str, saved: bool) -> bool:
         """`req_id` finished (`saved`: saves were started from its blocks): whether the
@@ -611,9 +614,13 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Where a load failed, remembered (`_FailedLoads`): the request's next match stops
-        before it."""
+        before it. vLLM recomputes the blocks from there, which a synchronous load had taken
+        as saved (`saved_upto`, set as it was scheduled): they are saved once computed."""
         super().update_connector_output(connector_output)
-        self._failed.note(connector_output)
+        for req_id, at in self._failed.note(connector_output).items():
+            state = self._requests.get(req_id)
+            if state is not None and state.saved_upto is not None:
+                state.saved_upto = min(state.saved_upto, at)
 
     def _transfer(
         self, request: Request, block_ids: list[list[int]], first: int, last: int

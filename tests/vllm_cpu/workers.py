@@ -575,3 +575,316 @@ def bad_block_ids(model_dir: str, url: str, bad: int) -> dict:
         return out
     finally:
         engine.close()
+
+
+# -- across maru-server restarts and evictions (integration/test_vllm_restart_trust.py) --------
+
+
+class _Server:
+    """The test process's hands on its maru-server (a `multiprocessing.connection` to a
+    thread there): `restart(no_restore)` SIGKILLs it and starts it again on the same port,
+    pool and state dir, and returns once it serves. Any thread of this process may ask."""
+
+    def __init__(self, address: tuple[str, int], authkey: bytes):
+        import threading
+        from multiprocessing.connection import Client
+
+        self._conn = Client(address, authkey=authkey)
+        self._lock = threading.Lock()
+        self.restarts = 0
+
+    def restart(self, no_restore: bool) -> None:
+        with self._lock:
+            self._conn.send(("restart", no_restore))
+            answer = self._conn.recv()
+            if answer != "ok":
+                raise RuntimeError(f"restart failed: {answer}")
+            self.restarts += 1
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _where(h: Any, keys: list[str]) -> list[tuple[str, int] | None]:
+    """Where each key's value lies in the pool file (path, offset); None for a miss."""
+    out: list[tuple[str, int] | None] = []
+    for info in h.batch_retrieve(keys):
+        if info is None:
+            out.append(None)
+            continue
+        region = h._mapper.get(info.region_id).handle
+        out.append((region.path, region.offset + info.offset))
+    return out
+
+
+OTHER = 0xEE  # every byte of another instance's values: never a stand-in model's KV
+
+
+def _holds_other(where: tuple[str, int] | None, size: int) -> bool:
+    """Whether `size` bytes at `where` in the pool file are another instance's values."""
+    import os
+
+    if where is None or not os.path.exists(where[0]):
+        return False
+    fd = os.open(where[0], os.O_RDONLY)
+    try:
+        return os.pread(fd, size, where[1]) == bytes([OTHER]) * size
+    finally:
+        os.close(fd)
+
+
+def _other_writes(
+    url: str, places: list[tuple[str, int] | None], size: int, most: int, salt: str
+) -> tuple[list[str], list[bool]]:
+    """Another instance stores values of `size` bytes, all `OTHER`, up to `most` of them,
+    until every place in `places` holds one (pages rewritten); (the keys it stored, per
+    place whether it was rewritten)."""
+    from maru import MaruHandler
+
+    value = bytes([OTHER]) * size
+    stored: list[str] = []
+    tried, batch = 0, 128
+    with MaruHandler(
+        server_url=url, pool_size="64M", chunk_size_bytes=size, timeout_ms=10_000
+    ) as h:
+        while tried < most:
+            keys = [f"other-{salt}-{tried + i}" for i in range(batch)]
+            tried += batch
+            stored += [k for k, ok in zip(keys, h.batch_store(keys, [value] * batch)) if ok]
+            if all(_holds_other(p, size) for p in places if p is not None):
+                break
+    return stored, [_holds_other(p, size) for p in places]
+
+
+def _value_bytes(engine: Any, block: int) -> bytes:
+    """Block `block`'s value as the connector stores it (group 0), from the engine's KV."""
+    import ctypes
+
+    layout = engine.worker._layouts[0]
+    return b"".join(
+        ctypes.string_at(int(base) + block * int(stride), int(n))
+        for base, stride, n in zip(layout.base, layout.stride, layout.length)
+    )
+
+
+def _keys_of(engine: Any, tokens: list[int]) -> list[str]:
+    """The keys (group 0, rank 0) of a prompt's full blocks."""
+    from vllm_cpu.engine import BLOCK
+
+    prefix = engine.scheduler.connector._prefix(0, (0, 0, 0))
+    hashes = engine.request(tokens).block_hashes
+    return [prefix + h.hex() for h in hashes[: len(tokens) // BLOCK]][:BLOCKS]
+
+
+def _in_maru(url: str, keys: list[str], want: list[bytes] | None) -> dict[str, list]:
+    """What another instance finds under `keys`: which exist, which hold other bytes than
+    `want` (their own; None: not compared)."""
+    from maru import MaruHandler
+
+    with MaruHandler(server_url=url, pool_size="2M", chunk_size_bytes=4096) as h:
+        infos = h.batch_retrieve(keys)
+        return {
+            "exists": [i is not None for i in infos],
+            "wrong": [
+                j for j, (i, w) in enumerate(zip(infos, want or [])) if i and bytes(i.view) != w
+            ],
+        }
+
+
+def _outcome(engine: Any, req: str, loads_before: int = 0) -> dict[str, Any]:
+    """What a request got: its blocks (group 0), which failed to load, which positions the
+    stand-in model computed, and whether each block holds its own KV now."""
+    blocks = engine.block_ids[req][:BLOCKS]
+    return {
+        "blocks": blocks,
+        "load_errors": sorted(set(blocks) & engine.load_errors),
+        "computed": sorted(engine.computed[req]),
+        "match": engine.blocks_match(req, BLOCKS),
+        "loaded_blocks": sum(s["load_blocks"] for s in engine.stats) - loads_before,
+    }
+
+
+def evicted_between_match_and_load(model_dir: str, url: str, pool_bytes: int, sync: bool) -> dict:
+    """A stores prompt 0; B's scheduler matches its 5 blocks; before B's worker loads them,
+    blocks 2.. are deleted and another instance stores values (`OTHER` bytes) until the
+    server evicts the rest too and every old page holds the other's bytes. Then B's load
+    runs. Then B runs prompt 0 again (its own prefix cache reset): the connector must ask
+    the server anew (no cached match, no failed-load memory turning a miss into a hit)."""
+    _vllm_on_path()
+    from maru import MaruHandler
+    from vllm_cpu.engine import MiniEngine
+
+    out: dict[str, Any] = {}
+    a = MiniEngine(model_dir, url)
+    try:
+        req = a.add(prompt(0))
+        a.run({req})
+        out["a_saved"] = sum(s["save_blocks"] for s in a.stats)
+    finally:
+        a.close()
+    b = MiniEngine(model_dir, url, maru_async_load=not sync)
+    seen: dict[str, Any] = {}
+
+    def before_load(meta: Any) -> None:
+        if not meta.loads or seen:
+            return
+        keys = meta.loads[0].keys[0]
+        with MaruHandler(server_url=url, pool_size="2M", chunk_size_bytes=4096) as h:
+            places = _where(h, keys)
+            seen["deleted"] = h.batch_delete(keys[2:])
+        size = b.worker._layouts[0].value_size
+        others, seen["rewritten"] = _other_writes(
+            url, places, size, 2 * pool_bytes // size, "evict"
+        )
+        seen["other_stored"] = len(others)
+        with MaruHandler(server_url=url, pool_size="2M", chunk_size_bytes=4096) as h:
+            seen["still_there"] = h.batch_exists(keys)
+
+    try:
+        req = b.add(prompt(0))
+        b.run({req}, before_load=before_load)
+        out.update(seen)
+        out["first"] = _outcome(b, req)
+        out["b_saved"] = sum(s["save_blocks"] for s in b.stats)
+        out["reads_locally"] = b.worker._handler_for().reads_locally
+        want = [_value_bytes(b, blk) for blk in b.block_ids[req][:BLOCKS]]
+        out["maru_after"] = _in_maru(url, _keys_of(b, prompt(0)), want)
+        b.scheduler.reset_prefix_cache()
+        before = sum(s["load_blocks"] for s in b.stats)
+        again = b.add(prompt(0))
+        b.run({again})
+        out["again"] = _outcome(b, again, before)
+        return out
+    finally:
+        b.close()
+
+
+def restart_under_engine(
+    model_dir: str,
+    url: str,
+    pool_bytes: int,
+    address: tuple[str, int],
+    authkey: bytes,
+    no_restore: bool,
+) -> dict:
+    """maru-server SIGKILLed and started again (restored, or `no_restore`: a new pool
+    generation) while instance B runs, at three points, another instance writing `OTHER`
+    bytes right after each restart (the pages old keys lay in, in a new generation):
+    1. between B's match of prompt 0 and its worker's load;
+    2. during the copy of B's (async) load of prompt 1, after its lookup was answered;
+    3. during the copy of B's save of prompt 5, after its chunks were reserved.
+    Then what another instance finds under prompt 5's and prompt 2's keys (A's, untouched by
+    B), and a fresh instance C running prompts 0, 1, 2 and 5."""
+    _vllm_on_path()
+    import logging
+
+    import maru.client.handler as client_handler
+    import maru_vllm.connector as connector
+    from maru import MaruHandler
+    from vllm_cpu.engine import MiniEngine
+
+    server = _Server(address, authkey)
+    out: dict[str, Any] = {"no_restore": no_restore}
+    a = MiniEngine(model_dir, url)
+    try:
+        reqs = [a.add(prompt(i)) for i in range(3)]
+        a.run(set(reqs))
+        out["a_saved"] = sum(s["save_blocks"] for s in a.stats)
+        old = {i: _keys_of(a, prompt(i)) for i in range(3)}
+        with MaruHandler(server_url=url, pool_size="2M", chunk_size_bytes=4096) as h:
+            places = {i: _where(h, keys) for i, keys in old.items()}
+    finally:
+        a.close()
+    b = MiniEngine(model_dir, url)
+    size = b.worker._layouts[0].value_size
+    armed = {"match": False, "load": False, "save": False}
+    other: dict[str, Any] = {}
+
+    def restart(point: str, where: list, most: int) -> None:
+        armed[point] = False
+        server.restart(no_restore)
+        other[point] = _other_writes(url, where, size, most, point)
+
+    def before_load(meta: Any) -> None:
+        if armed["match"] and meta.loads:
+            restart("match", places[0], 512)
+
+    real_copy = client_handler.copy_values
+
+    def copy_values(*args: Any, **kwargs: Any) -> Any:
+        if armed["load"]:  # (the lookup is answered, its lease taken: the copy begins)
+            restart("load", places[1], 512)
+        return real_copy(*args, **kwargs)
+
+    real_values_at = connector.values_at
+
+    def values_at(buffers: Any, sizes: Any) -> Any:
+        copy = real_values_at(buffers, sizes)
+
+        def copy_in(*args: Any) -> Any:  # (called once the chunks are reserved)
+            if armed["save"]:
+                restart("save", [], pool_bytes // size // 2)  # (half the pool)
+            return copy(*args)
+
+        return copy_in
+
+    said: list[str] = []  # what the handler logged (warnings)
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logging.getLogger("maru").addHandler(Said(logging.WARNING))
+    client_handler.copy_values = copy_values
+    connector.values_at = values_at
+    try:
+        armed["match"] = True
+        r0 = b.add(prompt(0))
+        b.run({r0}, before_load=before_load)
+        out["match"] = _outcome(b, r0)
+        a = MiniEngine(model_dir, url)  # prompt 1 in this generation (a new one: computed)
+        try:
+            a.run({a.add(prompt(1))})
+        finally:
+            a.close()
+        armed["load"] = True
+        before = sum(s["load_blocks"] for s in b.stats)
+        r1 = b.add(prompt(1))
+        b.run({r1})
+        out["load"] = _outcome(b, r1, before)
+        out["load_restarted"] = not armed["load"]
+        armed["save"] = True
+        del said[:]
+        r5 = b.add(prompt(5))
+        b.run({r5})
+        out["save_log"] = "\n".join(said)
+        out["save"] = _outcome(b, r5)
+        out["save_restarted"] = not armed["save"]
+        out["save_stats"] = {
+            k: sum(s[k] for s in b.stats) for k in ("save_blocks", "save_failed", "saves")
+        }
+        want5 = [_value_bytes(b, blk) for blk in b.block_ids[r5][:BLOCKS]]
+        out["maru_5"] = _in_maru(url, _keys_of(b, prompt(5)), want5)
+        want1 = [_value_bytes(b, blk) for blk in b.block_ids[r1][:BLOCKS]]
+        out["maru_1"] = _in_maru(url, old[1], want1)
+        out["maru_2"] = _in_maru(url, old[2], None)
+        out["other"] = {k: (len(keys), flags) for k, (keys, flags) in other.items()}
+        others = [k for keys, _ in other.values() for k in keys]
+        out["others"] = _in_maru(url, others, [bytes([OTHER]) * size] * len(others))
+        out["restarts"] = server.restarts
+        out["reads_locally"] = b.worker._handler_for().reads_locally
+    finally:
+        connector.values_at = real_values_at
+        client_handler.copy_values = real_copy
+        b.close()
+        server.close()
+    c = MiniEngine(model_dir, url)
+    try:
+        for i in (0, 1, 2, 5):
+            before = sum(s["load_blocks"] for s in c.stats)
+            req = c.add(prompt(i))
+            c.run({req})
+            out[f"c{i}"] = _outcome(c, req, before)
+        return out
+    finally:
+        c.close()
