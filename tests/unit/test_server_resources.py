@@ -12,7 +12,7 @@ import time
 import pytest
 
 from maru.common import protocol
-from maru.common.protocol import ErrorCode, MsgType
+from maru.common.protocol import ErrorCode, MsgType, ProtocolError
 from maru.server.local_socket import Peer
 
 from .service_calls import call, make_service, ok, register_body, wire_body
@@ -168,43 +168,48 @@ def test_the_lease_quota_holds_on_the_local_socket_as_over_tcp(service):
 # -- requests that walk every key ---------------------------------------------------------
 
 
-def test_walks_of_every_key_take_a_bounded_share_of_the_loop(tmp_path):
-    """DELETE_PREFIX and KEYS walk the whole registry (any client may send them, anonymous
-    too): repeated back to back, they would hold the one loop every instance is served by.
-    They are served while their time stays within a share of the loop's (after a burst);
-    past it refused (QUOTA_EXCEEDED, saying when to retry), and served again later."""
+def test_walks_take_a_share_of_the_time_after_a_burst():
+    """The budget of requests that walk every key, on a clock of its own (no wall time in a
+    test): walks of 0.5 s back to back are served until more than the burst (1 s) is owed,
+    then refused saying when to retry, and served again once a share (1/4) of the time since
+    has paid the debt down."""
     from maru.server.service import WalkBudget
 
-    svc = make_service(tmp_path, pool_mib=192)
+    now = [100.0]
+    budget = WalkBudget(share=0.25, burst=1.0, clock=lambda: now[0])
+
+    def walk() -> None:
+        with budget.walk("KEYS"):
+            now[0] += 0.5  # (the walk's own time)
+
+    for _ in range(3):  # owed after each: 0.5, 0.875, 1.25 (1/4 of each walk's time paid)
+        walk()
+    with pytest.raises(ProtocolError) as refused_walk:  # 1.125 owed: past the burst
+        walk()
+    assert refused_walk.value.code == ErrorCode.QUOTA_EXCEEDED
+    assert "retry in 0.5 s" in str(refused_walk.value)  # (0.125 s over, paid at 1/4)
+    now[0] += 0.4
+    with pytest.raises(ProtocolError):  # 1.025 owed
+        walk()
+    now[0] += 0.2
+    walk()  # 0.975 owed: served
+
+
+def test_walks_past_the_budget_are_refused_by_the_service(tmp_path):
+    """DELETE_PREFIX and KEYS (any client may send them, anonymous too) go through the budget:
+    past it QUOTA_EXCEEDED saying when to retry, nothing deleted; served again once paid."""
+    svc = make_service(tmp_path, pool_mib=16)
     try:
         ok(svc, MsgType.HANDSHAKE, {"iid": "W"})
-        for n in range(3):
-            rid = ok(svc, MsgType.REQUEST_REGION, {"iid": "W", "size": 64 * MiB})["region"][0]
-            rows = [[f"k{n}-{i}", rid, i * PAGE, PAGE] for i in range(16384)]
-            ok(svc, MsgType.REGISTER_KV, register_body("W", rows))
-        svc.walks = WalkBudget(share=0.1, burst=0.05)
-        served = refusals = 0
-        walked = 0.0
-        start = time.monotonic()
-        while time.monotonic() - start < 1.0:
-            body = {"prefix": "nothing-matches"}
-            msg_type = MsgType.DELETE_PREFIX if served % 2 else MsgType.KEYS
-            t0 = time.perf_counter()
-            reply = call(svc, msg_type, body)
-            took = time.perf_counter() - t0
-            if reply["ok"]:
-                served += 1
-                walked += took
-            else:
-                assert reply["code"] == ErrorCode.QUOTA_EXCEEDED, reply
-                assert "retry in" in reply["error"]
-                refusals += 1
-        elapsed = time.monotonic() - start
-        assert served >= 2 and refusals > 0
-        # The burst, the share of the time since, and the one walk that crossed the line
-        assert walked <= 0.05 + 0.1 * elapsed + walked / served + 0.02, (walked, served)
-        time.sleep(0.3)
-        assert ok(svc, MsgType.KEYS, {"prefix": "k0-1", "limit": 1})["keys"]
+        keys_of(svc, "W", 4, size=2 * MiB)
+        svc.walks.owed = svc.walks.burst + 10.0  # (as after walks back to back)
+        for msg_type, body in (
+            (MsgType.KEYS, {"prefix": "W"}),
+            (MsgType.DELETE_PREFIX, {"prefix": "W"}),
+        ):
+            assert "retry in" in refused(svc, msg_type, body)
+        svc.walks.owed = 0.0  # (paid): the refused DELETE_PREFIX deleted nothing
+        assert len(ok(svc, MsgType.KEYS, {"prefix": "W", "limit": 10})["keys"]) == 4
     finally:
         svc.close()
 

@@ -215,6 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
         "of the pool; past it, lookups miss (default: 50%%; 100%%: no quota)",
     )
     p.add_argument(
+        "--quota-pin-bytes",
+        default="50%",
+        metavar="SIZE|PERCENT",
+        help="most bytes of keys one instance may hold pinned (never evicted) at once, each "
+        "key once, whoever wrote it: a size or a share of the pool; a PIN past it pins "
+        "nothing (QUOTA_EXCEEDED: a pinned lookup misses) (default: 50%%; 100%%: no quota)",
+    )
+    p.add_argument(
         "--heartbeat-timeout",
         type=_positive,
         default=15.0,
@@ -315,12 +323,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def quotas(args: argparse.Namespace, capacity: int) -> tuple[int, int]:
-    """--quota-region-bytes (at least one region) and --quota-lease-bytes in bytes for a pool
-    of `capacity`; 0: no quota."""
+def quotas(args: argparse.Namespace, capacity: int) -> tuple[int, int, int]:
+    """--quota-region-bytes (at least one region), --quota-lease-bytes and --quota-pin-bytes
+    in bytes for a pool of `capacity`; 0: no quota."""
     return (
         pool_share(args.quota_region_bytes, capacity, "--quota-region-bytes", REGION_ALIGNMENT),
         pool_share(args.quota_lease_bytes, capacity, "--quota-lease-bytes", 1),
+        pool_share(args.quota_pin_bytes, capacity, "--quota-pin-bytes", 1),
     )
 
 
@@ -958,7 +967,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         signer = TokenSigner(secret, pool.generation)
         snapshot, records = journal.load()
-        quota_region_bytes, quota_lease_bytes = quotas(args, pool.capacity)
+        quota_region_bytes, quota_lease_bytes, quota_pin_bytes = quotas(args, pool.capacity)
         registry = Registry(
             pool,
             signer,
@@ -972,6 +981,7 @@ def main(argv: list[str] | None = None) -> int:
             quota_lease_bytes=quota_lease_bytes,
         )
         registry.instances.max_instances = args.max_instances
+        registry.pins.max_bytes = quota_pin_bytes  # (a request's bound: replay takes every pin)
         persistence.restore(registry, snapshot, records)
         registry.regions.next_id = max(registry.regions.next_id, first_region_id)
         journal.write_snapshot(persistence.snapshot_packed(registry))  # compact the replay

@@ -242,7 +242,8 @@ def over_quota(
 ) -> ProtocolError:
     """QUOTA_EXCEEDED for `inst`, logged (throttled); `whose`: who else the count includes."""
     message = f"instance {inst.instance_id}{whose} holds {held} {what}: its quota is {quota}"
-    held_log = log_throttle.allow(("quota", what, inst.instance_id))
+    # (throttled per quota, not per amount asked: "bytes under leases (N more asked)")
+    held_log = log_throttle.allow(("quota", what.partition(" (")[0], inst.instance_id))
     if held_log is not None:
         log.warning(
             "%s refused%s",

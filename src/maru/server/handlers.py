@@ -167,7 +167,9 @@ def on_handshake(server: Server, body: dict[str, Any]) -> dict[str, Any]:
         log.info("a credential of instance %s, which is gone: a new instance", iid)
         iid = None
     if iid is None:
-        server.registry.instances.admit()  # (at most --max-instances)
+        # (at most --max-instances; a full table reaps an instance that holds nothing and
+        # sent no request for over a heartbeat interval, if one does)
+        server.registry.instances.admit(_heartbeat_interval(server))
         iid = _new_instance_id(server, _instance_name(body.get("name")))
     pid = body.get("pid")
     if type(pid) is not int or not 0 <= pid < 2**63:
@@ -188,7 +190,7 @@ def on_handshake(server: Server, body: dict[str, Any]) -> dict[str, Any]:
         "version": protocol.PROTOCOL_VERSION,
         "pool": server.registry.pool.handshake_fields(body.get("nonce")),
         "regions": [h.to_wire() for h in regions],
-        "heartbeat_interval": server.housekeeper.heartbeat_timeout / 3,
+        "heartbeat_interval": _heartbeat_interval(server),
         "local_socket": server.local.address if server.local is not None else None,
         "uid": os.getuid(),
         "local_index": index.path if local else None,
@@ -196,6 +198,20 @@ def on_handshake(server: Server, body: dict[str, Any]) -> dict[str, Any]:
         "coherence": server.coherence,
         "cluster": server.cluster.announce() if server.cluster is not None else None,
     }
+
+
+def _heartbeat_interval(server: Server) -> float:
+    """How often clients beat (told at HANDSHAKE): three beats to a --heartbeat-timeout."""
+    return server.housekeeper.heartbeat_timeout / 3
+
+
+def on_heartbeat(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    """A sign of life; one that reports reads the client answered from the local index
+    (`_count_local_reads`) is a sign of use too (`InstanceTable.beat`)."""
+    _count_local_reads(server, body)
+    reads = body.get("local_reads")
+    server.registry.instances.beat(body["iid"], bool(reads and (reads[0] or reads[2])))
+    return {}
 
 
 def on_request_region(server: Server, body: dict[str, Any]) -> dict[str, Any]:
@@ -341,13 +357,17 @@ def on_evict_for(server: Server, body: dict[str, Any]) -> dict[str, Any]:
 
 def on_pin(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     """PIN, for at most `Pins.max_keys` keys of one instance at once."""
-    keys, iid, pins = _keys(body), _owner(body), server.registry.pins
+    keys, iid, reg = _keys(body), _owner(body), server.registry
+    pins, leading = reg.pins, _flag(body, "leading")
     over = pins.room(keys, iid)
     if over is not None:
-        reg = server.registry
         what = f"pinned keys ({over[1]} more asked)"
         raise over_quota(reg.log_throttle, reg.instances[iid], what, over[0], pins.max_keys)
-    return {"results": pins.pin(keys, iid, _flag(body, "leading"))}
+    over = pins.byte_room(keys, iid, leading)  # (a pinned key is never evicted)
+    if over is not None:
+        what = f"pinned bytes ({over[1]} more asked)"
+        raise over_quota(reg.log_throttle, reg.instances[iid], what, over[0], pins.max_bytes)
+    return {"results": pins.pin(keys, iid, leading)}
 
 
 def on_delete_prefix(server: Server, body: dict[str, Any]) -> dict[str, Any]:
@@ -407,7 +427,7 @@ HANDLERS: dict[int, Handler] = {
     MsgType.DELETE_KV: lambda s, b: {"results": s.registry.delete(_keys(b))},
     MsgType.LIST_ALLOCATIONS: on_list_allocations,
     MsgType.STATS: lambda s, b: {"stats": s.stats()},
-    MsgType.HEARTBEAT: lambda s, b: _count_local_reads(s, b) or {},
+    MsgType.HEARTBEAT: on_heartbeat,
     MsgType.DELETE_PREFIX: on_delete_prefix,
     MsgType.KEYS: on_list_keys,
     MsgType.DISCONNECT: on_disconnect,

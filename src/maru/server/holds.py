@@ -43,6 +43,9 @@ class Pins:
         self.instances = instances
         self._log = log  # the registry's journal writer
         self.max_keys = MAX_PINNED_KEYS
+        # Bytes of keys one instance may pin at once (`--quota-pin-bytes`; 0: no quota): a
+        # pinned key is never evicted, and any instance may pin any key.
+        self.max_bytes = 0
 
     def room(self, keys: list[Any], owner: str) -> tuple[int, int] | None:
         """None if `owner` may pin `keys` within `max_keys` (counted as if every one were
@@ -54,6 +57,26 @@ class Pins:
         pinned = inst.pins
         new = len({key for key in keys if key not in pinned})
         return None if len(pinned) + new <= self.max_keys else (len(pinned), new)
+
+    def byte_room(
+        self, keys: list[Any], owner: str, leading: bool = False
+    ) -> tuple[int, int] | None:
+        """None if `owner` may pin `keys` within `max_bytes`; else (bytes it pins now, bytes
+        asked new). Counted as `pin` would take them: each key once, none it pins already,
+        with `leading` none after the first miss. A request's check (a PIN is refused whole,
+        before any side effect), not the journal replay's: O(batch), one C lookup."""
+        inst = self.instances.get(owner)
+        if not self.max_bytes or inst is None:
+            return None
+        pinned, seen, new = inst.pins, set(), 0
+        for key, entry in zip(keys, self.keys.get_many(keys)):
+            if entry is None:
+                if leading:
+                    break
+            elif key not in pinned and key not in seen:
+                seen.add(key)
+                new += entry.length
+        return None if inst.pin_bytes + new <= self.max_bytes else (inst.pin_bytes, new)
 
     def pin(self, keys: list[Any], owner: str | None = None, leading: bool = False) -> list[bool]:
         """Pin the keys that exist; with `leading`, only the run of them from the start, up to
@@ -94,10 +117,14 @@ class Pins:
             self._log("P" if sign > 0 else "U", owner if inst is not None else "", changed)
         for key, entry in zip(changed, entries):
             entry.pins += sign
-            if inst is not None:
-                inst.pins[key] += sign
-                if not inst.pins[key]:
+            if inst is not None:  # (its `pin_bytes`: each key's bytes once, while pinned)
+                count = inst.pins[key]
+                if not count:
+                    inst.pin_bytes += entry.length
+                inst.pins[key] = count + sign
+                if count + sign == 0:
                     del inst.pins[key]
+                    inst.pin_bytes = inst.pin_bytes - entry.length if inst.pins else 0
         return out
 
     def drop(self, inst: Instance) -> int:
@@ -112,6 +139,7 @@ class Pins:
                 entry.pins = max(0, entry.pins - count)
         dropped = sum(inst.pins.values())
         inst.pins.clear()
+        inst.pin_bytes = 0
         return dropped
 
     def records(self) -> list[list[Any]]:

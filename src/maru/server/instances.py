@@ -31,6 +31,10 @@ MAX_INSTANCES = 4096
 # Instances one process may hold on the local socket (a pidfd each): a real client runs a
 # handful of handlers per process.
 MAX_PER_PROCESS = 256
+# After a scan of a full table found no instance to reap for room (`admit`), the next scan
+# waits this long: a client handshaking in a loop must not make each refusal a pass over
+# every instance.
+IDLE_RESCAN_S = 1.0
 
 
 @dataclass
@@ -55,6 +59,12 @@ class Instance:
     park_seq: int = 0  # the sequence number of the last PARK_REGIONS applied
     lease_bytes: int = 0  # bytes of the keys its leases hold (--quota-lease-bytes)
     lease_keys: int = 0  # keys its leases hold, a reference each (`LeaseTable.max_keys`)
+    pin_bytes: int = 0  # bytes of the keys it pins, each once (`Pins.max_bytes`)
+    # Its last request but a bare heartbeat (time.monotonic()): of those holding nothing, a
+    # full table reaps the one idle longest (`InstanceTable.admit`). `active_before`: its
+    # value before the message being served (`touch`, `beat`).
+    active_at: float = field(default_factory=time.monotonic)
+    active_before: float = 0.0
     shed: int = 0  # bytes of regions to ask it to give back, on its next reply (fair share)
     # It asked for a region once (REQUEST_REGION): it writes, so it is owed a fair share; an
     # instance that only reads never uses pool room, and counting it shrank writers' shares
@@ -86,6 +96,10 @@ class InstanceTable(dict[str, Instance]):
         self.routes: dict[bytes, str] = {}  # ZMQ routing id -> the instance that spoke on it
         self.max_instances = MAX_INSTANCES  # (`admit`)
         self.max_per_process = MAX_PER_PROCESS  # (`claim`)
+        # `admit`'s candidates, idle longest last: [(active_at, instance id)], checked again
+        # when taken; and when a scan for more may next run
+        self._idle: list[tuple[float, str]] = []
+        self._idle_scan_at = 0.0
 
     def require(self, instance_id: Any) -> Instance:
         """The instance a request that needs one names (UNKNOWN_INSTANCE: handshake first)."""
@@ -97,11 +111,13 @@ class InstanceTable(dict[str, Instance]):
         inst.last_seen = time.monotonic()
         return inst
 
-    def admit(self) -> None:
+    def admit(self, idle_s: float) -> None:
         """Room for one more instance (a HANDSHAKE that makes one), else QUOTA_EXCEEDED: the
         server's memory must not grow with a client's handshakes. Places free as instances
-        disconnect or are reaped (a silent one after the heartbeat timeout)."""
-        if len(self) < self.max_instances:
+        disconnect or are reaped (a silent one after the heartbeat timeout); on a full table
+        by reaping one that holds nothing and was idle over `idle_s` (`_reap_idle`), so that
+        one client's handshakes, kept alive by heartbeats, cannot lock the others out."""
+        if len(self) < self.max_instances or self._reap_idle(idle_s):
             return
         why = (
             f"the server has {len(self)} instances, its most (--max-instances): a new one is "
@@ -111,6 +127,42 @@ class InstanceTable(dict[str, Instance]):
         if held is not None:
             log.warning("handshake refused: %s%s", why, self.log_throttle.note(held))
         raise ProtocolError(ErrorCode.QUOTA_EXCEEDED, why)
+
+    def _reap_idle(self, idle_s: float) -> bool:
+        """Reap the instance idle longest (no request but bare heartbeats for over `idle_s`)
+        of those holding nothing (no region, hence no key in one; no pin, no lease): that
+        costs it only a handshake, which its client makes when told UNKNOWN_INSTANCE. A
+        watched, live process too: nothing of its can be written into after. Whether one
+        was; candidates are kept from one scan for the next handshakes, each checked again."""
+        now = time.monotonic()
+        while True:
+            if not self._idle and now >= self._idle_scan_at:
+                self._idle = sorted(
+                    ((i.active_at, i.instance_id) for i in self.values() if _idle(i, now, idle_s)),
+                    reverse=True,
+                )
+                if not self._idle:  # (no longer than it takes to become idle)
+                    self._idle_scan_at = now + min(IDLE_RESCAN_S, idle_s)
+            if not self._idle:
+                return False
+            active_at, instance_id = self._idle.pop()
+            inst = self.get(instance_id)
+            if inst is None or inst.active_at != active_at or not _idle(inst, now, idle_s):
+                continue
+            why = (
+                f"reaped to make room (--max-instances): it holds nothing and sent no request "
+                f"for {now - active_at:.0f} s"
+            )
+            self.disconnect(instance_id, reason=why)
+            self.counters["instances_reaped"] += 1
+            return True
+
+    def beat(self, instance_id: Any, reads: bool) -> None:
+        """A HEARTBEAT shows life, not use: unless it reports reads the client answered from
+        the local index (`reads`), the instance stays as idle as it was (`admit`)."""
+        inst = self.get(instance_id) if isinstance(instance_id, str) else None
+        if inst is not None and not reads:
+            inst.active_at = inst.active_before
 
     def claim(self, instance_id: str, sock: Any) -> str | None:
         """`ProcessWatch.claim` (None, or why the peer may not speak for it), for at most
@@ -137,7 +189,9 @@ class InstanceTable(dict[str, Instance]):
         (`MaruService.host_of`; "" keeps the last known)."""
         inst = self.get(instance_id) if isinstance(instance_id, str) else None
         if inst is not None:
-            inst.last_seen = time.monotonic()
+            now = time.monotonic()
+            inst.last_seen = now
+            inst.active_before, inst.active_at = inst.active_at, now  # (a heartbeat: `beat`)
             inst.dropped = False
             if host:
                 inst.host = host
@@ -287,3 +341,8 @@ class InstanceTable(dict[str, Instance]):
         freed = freed_notices(bytes(inst.freed))
         inst.freed.clear()
         return freed
+
+
+def _idle(inst: Instance, now: float, idle_s: float) -> bool:
+    """Whether `inst` holds nothing and sent no request for over `idle_s` (`admit`)."""
+    return not inst.regions and not inst.pins and not inst.leases and now - inst.active_at > idle_s

@@ -80,15 +80,16 @@ class WalkBudget:
         share: float = WALK_SHARE,
         burst: float = WALK_BURST_S,
         throttle: Throttle | None = None,
+        clock: Callable[[], float] = perf_counter,
     ):
-        self.share, self.burst = share, burst
+        self.share, self.burst, self.clock = share, burst, clock
         self.throttle = throttle if throttle is not None else Throttle(10.0)
         self.owed = 0.0  # seconds of walking not yet drained
-        self.at = perf_counter()  # when `owed` was last drained
+        self.at = clock()  # when `owed` was last drained
 
     @contextmanager
     def walk(self, what: str) -> Iterator[None]:
-        now = perf_counter()
+        now = self.clock()
         self.owed = max(0.0, self.owed - (now - self.at) * self.share)
         self.at = now
         if self.owed > self.burst:
@@ -104,7 +105,7 @@ class WalkBudget:
         try:
             yield
         finally:
-            self.owed += perf_counter() - now
+            self.owed += self.clock() - now
 
 
 class MaruService:
