@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from maru.client.checksum import checksums_at
+from maru.client.memcopy import CopyFaultError, faulted, guard_faults
 from maru.common.populate import (
     MADV_POPULATE_WRITE,
     POPULATE_STEP,
@@ -148,6 +149,28 @@ class PoolMaps:
         return gone
 
 
+def proofs(addresses: list[int], lengths: list[int]) -> list[int]:
+    """The maru64 of each value's pages, hashed under the copies' fault guard: 0 (never a
+    maru64) for a value whose pages faulted (the pool's file truncated under it, its
+    filesystem out of room), which then fails alone; the sidecar, its other values and the
+    batches behind them go on. (Before, the fault's CopyFaultError went out of the batch and
+    the sidecar exited.)"""
+    at, sizes = np.array(addresses, np.int64), np.array(lengths, np.int64)
+    out, todo = np.zeros(len(at), np.int64), np.arange(len(at))
+    while len(todo):  # (each round drops one faulted value at least)
+        try:
+            out[todo] = checksums_at(at[todo], sizes[todo])
+            break
+        except CopyFaultError as exc:
+            bad = faulted(exc)
+            if len(bad) != len(todo):  # (no flags: all of them)
+                log.error("pool pages of %d values faulted as they were hashed", len(todo))
+                break
+            log.error("pool pages of %d values faulted as they were hashed", int(bad.sum()))
+            todo = todo[~bad]
+    return out.tolist()
+
+
 def _populate(path: str, address: int, extents: list[tuple[int, int]]) -> None:
     """Map a pool file's pages in bulk, at the lowest priority (the call drops the GIL); after a
     refusal (logged) the pages fault in as they are touched."""
@@ -193,6 +216,7 @@ class Sidecar:
             log.warning("%s; retrying in %.0f s", self.error, SETUP_RETRY_S)
             return False
         self.store, self.error = store, None
+        guard_faults()  # (a handler Mooncake put in place would kill us for a guarded fault)
         self.maps = PoolMaps(store.register_buffer, self.device_bytes, store.unregister_buffer)
         log.info("connected to Mooncake master %s as %s", c.master_server_address, c.local_hostname)
         if self.pool_file:  # (its pages mapped before the first pull needs them)
@@ -239,12 +263,13 @@ class Sidecar:
         assert self.store is not None
         results = [FAILED] * len(jobs)
         addresses, places, error = self._mapped(jobs)
-        lengths = np.array([jobs[i][3] for i in places], np.int64)
-        computed = checksums_at(np.array(addresses, np.int64), lengths).tolist()
+        computed = proofs(addresses, [jobs[i][3] for i in places])
         for j, i in enumerate(places):
-            if jobs[i][4] and jobs[i][4] != computed[j]:
+            if not computed[j]:  # (its pages faulted: Mooncake's read of them would too)
+                error = error or "pool pages faulted as they were hashed"
+            elif jobs[i][4] and jobs[i][4] != computed[j]:
                 results[i] = REFUSED  # the writer's checksum does not match its pages
-        keep = [j for j, i in enumerate(places) if results[i] != REFUSED]
+        keep = [j for j, i in enumerate(places) if results[i] != REFUSED and computed[j]]
         if not keep:
             return results, error
         slots, base = self._slots(len(keep))
@@ -283,8 +308,9 @@ class Sidecar:
         """Get each job's value into its reserved pool pages and its trailer into a slot, and
         prove it: [PUBLISHED, maru64] where the trailer is this name's and states the bytes'
         length and maru64, else [REFUSED, 0]; [ABSENT, 0] where the cluster lacks it;
-        [FAILED, 0] where Mooncake failed. A guessed length that did not fit is probed:
-        [LENGTH, length] (the server pulls it again) or [ABSENT, 0]."""
+        [FAILED, 0] where Mooncake failed or the pages faulted as they were hashed. A guessed
+        length that did not fit is probed: [LENGTH, length] (the server pulls it again) or
+        [ABSENT, 0]."""
         assert self.store is not None
         results = [[FAILED, 0] for _ in jobs]
         addresses, places, error = self._mapped(jobs)
@@ -306,6 +332,8 @@ class Sidecar:
                 misfits.append(i)  # (a guessed length: the object may have another)
             elif codes[j] < 0:
                 error = f"Mooncake batch_get_into_multi_buffers: {codes[j]}"
+            elif not computed[j]:  # (its pages faulted as they were hashed: unproven)
+                error = "pool pages faulted as they were hashed"
             else:
                 stated = decode_trailer(names[j], slots[j].tobytes())
                 ok = codes[j] == length + TRAILER_BYTES and stated == (length, computed[j])
@@ -320,16 +348,15 @@ class Sidecar:
         return results, error
 
     def _checksums(self, addresses: list[int], lengths: list[int]) -> list[int]:
-        """The maru64 of each value's pages, half of the bytes on the helper thread when there
+        """`proofs` of each value's pages, half of the bytes on the helper thread when there
         are more than SPLIT_PROOF_BYTES (the C loop drops the GIL)."""
-        at, sizes = np.array(addresses, np.int64), np.array(lengths, np.int64)
+        sizes = np.array(lengths, np.int64)
         total = int(sizes.sum())
         if self.helper is None or total <= SPLIT_PROOF_BYTES or len(sizes) < 2:
-            return checksums_at(at, sizes).tolist()
+            return proofs(addresses, lengths)
         split = min(int(np.searchsorted(np.cumsum(sizes), total // 2)) + 1, len(sizes) - 1)
-        later = self.helper.submit(checksums_at, at[split:], sizes[split:])
-        first = checksums_at(at[:split], sizes[:split]).tolist()
-        return first + later.result().tolist()
+        later = self.helper.submit(proofs, addresses[split:], lengths[split:])
+        return proofs(addresses[:split], lengths[:split]) + later.result()
 
     def check(self) -> bool:
         """Whether the master answers now (`health_check` blocks while it is gone); each change

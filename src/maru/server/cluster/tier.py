@@ -89,6 +89,20 @@ def fits(batch: Batch, results: Any) -> bool:
     return all(_int64(r) or (r is None and batch.op == "probe") for r in results)
 
 
+def batch_id(reply: dict[str, Any]) -> int:
+    """The batch a reply answers (ValueError: not an int id; a bool's True would be batch 1)."""
+    value = reply["batch"]
+    if type(value) is not int:
+        raise ValueError(f"a reply for batch {value!r}")
+    return value
+
+
+def outcome(result: list[int]) -> int:
+    """A pull result's code, PUBLISHED only with a maru64: one is never 0, and 0 would
+    register the key as stored without a checksum, its bytes never judged (REFUSED then)."""
+    return REFUSED if result[0] == PUBLISHED and not result[1] else result[0]
+
+
 def _int64(value: Any) -> bool:
     return type(value) is int and -(1 << 63) <= value < 1 << 63
 
@@ -407,10 +421,10 @@ class ClusterTier:
         if op == "state":
             self.connected, self.error = bool(message["connected"]), message.get("error")
             return
-        batch = self.batches.get(message["batch"])
-        self.answered = time.monotonic()
-        if batch is None:  # (one failed already: ids are never reused)
+        batch = self.batches.get(batch_id(message))
+        if batch is None:  # (one failed already: ids are never reused; no sign of progress)
             return
+        self.answered = time.monotonic()
         if op != f"{batch.op}-done" or not fits(batch, message["results"]):
             raise ValueError(f"{op} results that do not fit batch {message['batch']}")
         del self.batches[message["batch"]]
@@ -484,7 +498,7 @@ class ClusterTier:
         """Register the values proven in their pages (with their proven maru64); free the
         pages of the others."""
         counts, pages = self.counts, self.pages
-        results = [p[0] if isinstance(p, list) and len(p) == 2 else REFUSED for p in proven]
+        results = [outcome(p) for p in proven]
         good = [i for i, result in enumerate(results) if result == PUBLISHED]
         absent_until = time.monotonic() + ABSENT_S
         again: list[tuple[Key, int]] = []  # a guessed length that was not the value's
