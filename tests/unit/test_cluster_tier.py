@@ -397,21 +397,24 @@ def test_a_pulls_proof_on_two_threads_is_the_proof_on_one():
 
 def test_a_sidecar_without_mooncake_fails_each_job_in_its_ops_own_form():
     """Before Mooncake is set up the sidecar answers every batch with failures, each in the
-    form its op's results take: a pull's [FAILED, 0] (a bare code read as an unproven value,
-    counted as a proof failure), a probe's None (a bare code is an int the server would take
-    for a length and pull)."""
+    form its op's results take: a pull's [FAILED, 0, job id] (a bare code read as an unproven
+    value, counted as a proof failure), a publish's [FAILED, job id], a probe's None (a bare
+    code is an int the server would take for a length and pull); each names its job's id."""
     from maru.server.cluster.proof import FAILED
     from maru.server.cluster.sidecar import Sidecar
 
     sidecar = object.__new__(Sidecar)  # (no Mooncake client, no socket: `answer` only)
     sidecar.store, sidecar.error = None, "not connected yet"
-    jobs = [["name", "/pool", 0, 4096, False]] * 3
-    for op, failed in (("publish", FAILED), ("probe", None), ("pull", [FAILED, 0])):
-        reply = sidecar.answer({"op": op, "batch": 7, "jobs": jobs})
+    jobs = [["name", "/pool", 0, 4096, False, 7 + n] for n in range(3)]
+    forms = {"publish": [[FAILED, 7], [FAILED, 8], [FAILED, 9]], "probe": [None] * 3,
+             "pull": [[FAILED, 0, 7], [FAILED, 0, 8], [FAILED, 0, 9]]}  # fmt: skip
+    for op, failed in forms.items():
+        probe = [job[0] for job in jobs]
+        reply = sidecar.answer({"op": op, "batch": 7, "jobs": probe if op == "probe" else jobs})
         assert reply == {
             "op": f"{op}-done",
             "batch": 7,
-            "results": [failed] * 3,
+            "results": failed,
             "error": "not connected yet",
         }
     assert sidecar.answer({"op": "unknown", "batch": 8, "jobs": jobs}) is None
@@ -478,7 +481,7 @@ def test_the_sidecar_flushes_what_its_proofs_read_in_the_servers_coherence(tmp_p
     sidecar.store, sidecar.helper, sidecar.trailers = _FakeStore(objects), None, None
     sidecar.maps = PoolMaps(lambda address, length: 0, 0)
     offsets = [0, 64 << 10]
-    pulls = [[f"o{i}", str(pool), offsets[i], n, False] for i, n in enumerate(sizes)]
+    pulls = [[f"o{i}", str(pool), offsets[i], n, False, i] for i, n in enumerate(sizes)]
     lines = sum(-(-n // 64) for n in sizes)
     before = _memcopy.coherence()
     try:
@@ -486,15 +489,15 @@ def test_the_sidecar_flushes_what_its_proofs_read_in_the_servers_coherence(tmp_p
         start = lines_flushed()
         results, error = sidecar.pull(pulls)
         flushed = lines_flushed()[1] - start[1]
-        assert error is None and results == [[PUBLISHED, s] for s in sums]
+        assert error is None and results == [[PUBLISHED, s, i] for i, s in enumerate(sums)]
         assert flushed == (lines if mode == "software" else 0)
         with open(pool, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
             assert [mm[o : o + n] for o, n in zip(offsets, sizes)] == values
         start = lines_flushed()
-        published, error = sidecar.publish([[f"p{i}", *p[1:4], s] for i, (p, s) in
+        published, error = sidecar.publish([[f"p{i}", *p[1:4], s, i] for i, (p, s) in
                                             enumerate(zip(pulls, sums))])  # fmt: skip
         flushed = lines_flushed()[1] - start[1]
-        assert error is None and published == [PUBLISHED, PUBLISHED]
+        assert error is None and published == [[PUBLISHED, 0], [PUBLISHED, 1]]
         assert flushed == (lines if mode == "software" else 0)
         assert [sidecar.store.put[f"p{i}"][: len(v)] for i, v in enumerate(values)] == values
     finally:

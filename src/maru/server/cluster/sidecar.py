@@ -4,14 +4,21 @@ maru-server (`maru.server.cluster.tier.ClusterTier`) starts and supervises it an
 over a socketpair it inherits (`maru.server.cluster.link`), msgpack messages:
 
     server -> sidecar  {"op": "publish", "batch": id, "jobs": [[name, path, offset, length,
-                        maru64 or 0], ...]}     (path, offset: the value's place in the pool)
+                        maru64 or 0, job id], ...]}  (path, offset: the value's pool place)
                        {"op": "probe", "batch": id, "jobs": [name, ...]}
                        {"op": "pull", "batch": id, "jobs": [[name, path, offset, length,
-                        guessed], ...]}         (pages the server reserved for the value)
+                        guessed, job id], ...]}  (pages the server reserved for the value)
     sidecar -> server  {"op": "state", "connected": bool, "error": str | None}  (after
                         each setup, and whenever the master stops or starts answering)
-                       {"op": "<op>-done", "batch": id, "results": [one per job, see
-                        `Sidecar.publish`, `probe`, `pull`], "error": str | None}
+                       {"op": "<op>-done", "batch": id, "results": [one per job, in the
+                        jobs' order, see `Sidecar.publish`, `probe`, `pull`], "error": str |
+                        None}
+
+A batch's id is its first job's, the job ids of the server's life never repeat, and each
+pull or publish result names its job's id (a publish's [code, job id], a pull's [code,
+maru64 or length, job id]), taken from the job its work was done for: the server applies
+a result only to the job it answers (`maru.server.cluster.tier.unbind`), never to another
+job of its batch, of another batch, or of one answered before.
 
 The pool's files are mapped here and registered with Mooncake's transfer engine: no extra
 copy either way. The one module under maru.server that loads `maru.client.checksum` (numpy);
@@ -80,6 +87,7 @@ NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
 # saves (4 MiB: 0.29 ms on one thread, 0.46 on two; 64 MiB: 5.5 and 4.4). (A publish's is
 # hashed on one thread: writers copy then.)
 SPLIT_PROOF_BYTES = 8 << 20
+JOB_ID = 5  # where a pull's or a publish's job holds its id (echoed in its result)
 
 
 class PoolMaps:
@@ -171,6 +179,15 @@ def proofs(addresses: list[int], lengths: list[int]) -> list[int]:
     return out.tolist()
 
 
+def failed(op: str, job: Any) -> Any:
+    """A job's result, in its op's form, where it failed: a pull's [FAILED, 0, job id], a
+    publish's [FAILED, job id], a probe's None (no length, never a bare code the server would
+    take for one)."""
+    if op == "probe":
+        return None
+    return [FAILED, 0, job[JOB_ID]] if op == "pull" else [FAILED, job[JOB_ID]]
+
+
 def _populate(path: str, address: int, extents: list[tuple[int, int]]) -> None:
     """Map a pool file's pages in bulk, at the lowest priority (the call drops the GIL); after a
     refusal (logged) the pages fault in as they are touched."""
@@ -257,19 +274,21 @@ class Sidecar:
             places.append(i)
         return addresses, places, error
 
-    def publish(self, jobs: list[list[Any]]) -> tuple[list[int], str | None]:
+    def publish(self, jobs: list[list[Any]]) -> tuple[list[list[int]], str | None]:
         """Publish each job's pages and trailer (their maru64) as one object: per job PUBLISHED,
-        REFUSED (a writer's checksum unlike its pages) or FAILED; and why any failed."""
+        REFUSED (a writer's checksum unlike its pages) or FAILED, with the job's id; and why
+        any failed. (Each id is the one of the job whose pages were read: `ids[j]`.)"""
         assert self.store is not None
-        results = [FAILED] * len(jobs)
+        results = [failed("publish", job) for job in jobs]
         addresses, places, error = self._mapped(jobs)
+        ids = [jobs[i][JOB_ID] for i in places]
         computed = proofs(addresses, [jobs[i][3] for i in places])
         for j, i in enumerate(places):
             if not computed[j]:  # (its pages faulted: Mooncake's read of them would too)
                 error = error or "pool pages faulted as they were hashed"
             elif jobs[i][4] and jobs[i][4] != computed[j]:
-                results[i] = REFUSED  # the writer's checksum does not match its pages
-        keep = [j for j, i in enumerate(places) if results[i] != REFUSED and computed[j]]
+                results[i] = [REFUSED, ids[j]]  # the writer's checksum does not match its pages
+        keep = [j for j, i in enumerate(places) if results[i][0] != REFUSED and computed[j]]
         if not keep:
             return results, error
         slots, base = self._slots(len(keep))
@@ -281,7 +300,7 @@ class Sidecar:
         codes = self.store.batch_put_from_multi_buffers(names, buffers, sizes)
         for j, rc in zip(keep, codes):
             if rc == 0:
-                results[places[j]] = PUBLISHED
+                results[places[j]] = [PUBLISHED, ids[j]]
         if any(rc != 0 for rc in codes):
             error = f"Mooncake batch_put_from_multi_buffers: {sorted(set(codes) - {0})}"
         return results, error
@@ -310,12 +329,14 @@ class Sidecar:
         length and maru64, else [REFUSED, 0]; [ABSENT, 0] where the cluster lacks it;
         [FAILED, 0] where Mooncake failed or the pages faulted as they were hashed. A guessed
         length that did not fit is probed: [LENGTH, length] (the server pulls it again) or
-        [ABSENT, 0]."""
+        [ABSENT, 0]. Each with the job's id last: the one of the job whose name and pages
+        the work used (`ids[j]`, beside `names[j]`)."""
         assert self.store is not None
-        results = [[FAILED, 0] for _ in jobs]
+        results = [failed("pull", job) for job in jobs]
         addresses, places, error = self._mapped(jobs)
         if not places:
             return results, error
+        ids = [jobs[i][JOB_ID] for i in places]
         slots, base = self._slots(len(places))
         slots[:] = 0  # (a slot a failed get leaves alone never proves anything)
         buffers = [[a, base + n * TRAILER_BYTES] for n, a in enumerate(addresses)]
@@ -327,7 +348,7 @@ class Sidecar:
         for j, i in enumerate(places):
             length = jobs[i][3]
             if codes[j] == NOT_FOUND:
-                results[i] = [ABSENT, 0]
+                results[i] = [ABSENT, 0, ids[j]]
             elif codes[j] < 0 and jobs[i][4]:
                 misfits.append(i)  # (a guessed length: the object may have another)
             elif codes[j] < 0:
@@ -338,12 +359,13 @@ class Sidecar:
                 stated = decode_trailer(names[j], slots[j].tobytes())
                 ok = codes[j] == length + TRAILER_BYTES and stated == (length, computed[j])
                 # (else: another length, name or format, or bytes unlike the trailer)
-                results[i] = [PUBLISHED, computed[j]] if ok else [REFUSED, 0]
+                results[i] = [PUBLISHED, computed[j], ids[j]] if ok else [REFUSED, 0, ids[j]]
         if misfits:
             lengths, why = self.probe([jobs[i][0] for i in misfits])
             for i, length in zip(misfits, lengths):
                 if why is None:
-                    results[i] = [LENGTH, length] if length is not None else [ABSENT, 0]
+                    code, found = (LENGTH, length) if length is not None else (ABSENT, 0)
+                    results[i] = [code, found, jobs[i][JOB_ID]]
             error = error or why
         return results, error
 
@@ -411,17 +433,14 @@ class Sidecar:
 
     def answer(self, message: dict[str, Any]) -> dict[str, Any] | None:
         """The reply to a publish, probe or pull batch (None: no such op). Without a Mooncake
-        client (not set up yet), every job fails in its op's own form: a pull's [FAILED, 0]
-        and a probe's None (no length), never a bare code the server would read as a proof
-        failure or a length."""
+        client (not set up yet), every job fails in its op's own form (`failed`)."""
         op = message.get("op")
         work = {"publish": self.publish, "probe": self.probe, "pull": self.pull}.get(op)
         if work is None:
             return None
         jobs = message["jobs"]
         if self.store is None:
-            failed = {"publish": FAILED, "probe": None, "pull": [FAILED, 0]}[op]
-            results, error = [failed] * len(jobs), self.error
+            results, error = [failed(op, job) for job in jobs], self.error
         else:
             results, error = work(jobs)
         return {"op": f"{op}-done", "batch": message["batch"], "results": results, "error": error}

@@ -46,6 +46,9 @@ CHECK_S = 0.1  # how often the loop looks after the sidecar and the tier's pages
 ABSENT_S = 1.0  # a key the cluster did not hold is not asked for again this long
 RETRY_S = 0.5  # a publish Mooncake failed (a master or link back a moment ago) goes again then
 RETRIES = 3  # times a value's publish goes again before it counts as failed
+# A pull's and a publish's results, bound to their jobs: items each ([code, maru64 or length,
+# job id], [code, job id]); a probe's, not (a wrong length is refused by the pull's proof).
+BOUND = {"pull": 3, "publish": 2}
 FAILURES = {REFUSED: "proof_failures", ABSENT: "pull_misses"}  # a pull's, counted (else failures)
 COUNTS = (  # what the tier counts (`stats`, Prometheus)
     "published",
@@ -80,8 +83,9 @@ def landing(*batches: Iterable[Batch]) -> set[int]:
 
 
 def fits(batch: Batch, results: Any) -> bool:
-    """Whether a reply's results fit its batch: one per key, each in its op's form (a pull's
-    [code, int], a probe's int or None, a publish's int), every int an int64."""
+    """Whether a reply's results (their job ids off: `unbind`) fit its batch: one per key,
+    each in its op's form (a pull's [code, int], a probe's int or None, a publish's int),
+    every int an int64."""
     if type(results) is not list or len(results) != len(batch.keys):
         return False
     if batch.op == "pull":
@@ -95,6 +99,39 @@ def batch_id(reply: dict[str, Any]) -> int:
     if type(value) is not int:
         raise ValueError(f"a reply for batch {value!r}")
     return value
+
+
+def numbered(first: int, op: str, jobs: list[Any]) -> list[Any]:
+    """A batch's jobs, a pull's or a publish's each with its id last: the batch's id, then the
+    next ones (`_send` counts batch ids in jobs), so that no two jobs the tier sends share
+    one. The sidecar echoes it in the job's result (`unbind`)."""
+    if op in BOUND:
+        for n, job in enumerate(jobs):
+            job.append(first + n)
+    return jobs
+
+
+def unbind(batches: dict[int, Batch], message: dict[str, Any]) -> dict[str, Any]:
+    """A reply to a pull or a publish in flight, its results checked against the jobs sent:
+    each must name its job's id, in the jobs' order; those ids taken off, what `_apply`
+    applies. ValueError where one does not (results reordered, another batch's under this
+    id, a stale reply): a broken channel, never a key registered with another job's result
+    nor a hold released while the sidecar may still read its pages. No hashing: O(jobs)
+    compares. Other messages (a state, a probe's reply, one for no batch) as they came."""
+    if message["op"] == "state":
+        return message
+    first = batch_id(message)
+    batch = batches.get(first)
+    if batch is None or batch.op not in BOUND:
+        return message
+    results, width = message["results"], BOUND[batch.op]
+    if type(results) is not list or not all(
+        type(r) is list and len(r) == width and type(r[-1]) is int and r[-1] == first + n
+        for n, r in enumerate(results)
+    ):
+        raise ValueError(f"{message['op']} results that do not answer batch {first}'s jobs")
+    bare = [r[0] for r in results] if batch.op == "publish" else [r[:-1] for r in results]
+    return {**message, "results": bare}
 
 
 def outcome(result: list[int]) -> int:
@@ -399,8 +436,8 @@ class ClusterTier:
         return waiting
 
     def serve(self, events: dict, poller: zmq.Poller) -> None:
-        """Every turn of the loop: apply every reply the sidecar has sent, send what waits,
-        and watch the channel for what is left (`attach`)."""
+        """Every turn of the loop: apply every reply the sidecar has sent (each result bound
+        to its job: `unbind`), send what waits, and watch the channel (`attach`)."""
         link = self.link
         if link is None:
             return
@@ -408,7 +445,7 @@ class ClusterTier:
         if link.ready(events):
             for message in link.receive():
                 try:
-                    self._apply(message)
+                    self._apply(unbind(self.batches, message))
                 except (ValueError, KeyError, TypeError) as exc:  # (applied in no part)
                     log.error("cluster tier: a bad reply from the sidecar (%s): restarting it", exc)
                     link.close()  # (broken: `housekeeping` starts it again)
@@ -592,9 +629,9 @@ class ClusterTier:
         return True
 
     def _send(self, batch: Batch, jobs: list[Any]) -> bool:
-        """Send a batch to the sidecar without blocking: False when it cannot take it now."""
-        batch_id, self.next_batch = self.next_batch, self.next_batch + 1
-        message = {"op": batch.op, "batch": batch_id, "jobs": jobs}
+        """Send without blocking (False: the sidecar cannot take it now); id: its first job's."""
+        batch_id, self.next_batch = self.next_batch, self.next_batch + max(len(jobs), 1)
+        message = {"op": batch.op, "batch": batch_id, "jobs": numbered(batch_id, batch.op, jobs)}
         if self.link is None or not self.link.send(message):
             return False
         self.batches[batch_id] = batch
