@@ -31,6 +31,8 @@ import maru.client.handler as handler_module  # noqa: E402
 import maru.client.writes as writes_module  # noqa: E402
 from maru import MaruHandler  # noqa: E402
 from maru_sglang.maru_storage import MaruStorage  # noqa: E402
+from pool_places import OTHER, holds_other  # noqa: E402
+from pool_places import places as pool_places  # noqa: E402
 from sglang_cpu.host_pools import (  # noqa: E402
     Geometry,
     expected_pages,
@@ -42,7 +44,6 @@ from sglang_cpu.host_pools import (  # noqa: E402
 )
 from sglang_cpu.p2p import MARU_BACKEND  # noqa: E402
 
-OTHER = 0xEE  # every byte of another instance's values: never a random page of ours
 POOL = 8 << 20  # the server's pool: small, so that another instance's writes evict ours
 N = 8  # pages per prompt
 GEOMETRIES = [Geometry(attn="mha"), Geometry(attn="mla")]
@@ -99,26 +100,7 @@ def _get(storage: MaruStorage, keys: list[str], expected: list[torch.Tensor]) ->
 
 def _where(storage: MaruStorage, keys: list[str]) -> list[tuple[str, int] | None]:
     """Where each key's page lies in the pool file (path, offset); None for a miss."""
-    h = storage.handler
-    out: list[tuple[str, int] | None] = []
-    for info in h.batch_retrieve(storage._kv.keys(keys)):
-        if info is None:
-            out.append(None)
-            continue
-        region = h._mapper.get(info.region_id).handle
-        out.append((region.path, region.offset + info.offset))
-    return out
-
-
-def _holds_other(where: tuple[str, int] | None, size: int) -> bool:
-    """Whether `size` bytes at `where` in the pool file are another instance's value."""
-    if where is None or not os.path.exists(where[0]):
-        return False
-    fd = os.open(where[0], os.O_RDONLY)
-    try:
-        return os.pread(fd, size, where[1]) == bytes([OTHER]) * size
-    finally:
-        os.close(fd)
+    return pool_places(storage.handler, storage._kv.keys(keys))
 
 
 class _Other:
@@ -142,9 +124,9 @@ class _Other:
             tried += batch
             done = self.h.batch_store(keys, [value] * batch)
             self.stored += [k for k, ok in zip(keys, done) if ok]
-            if all(_holds_other(p, self.size) for p in places if p is not None):
+            if all(holds_other(p, self.size) for p in places if p is not None):
                 break
-        return [_holds_other(p, self.size) for p in places]
+        return [holds_other(p, self.size) for p in places]
 
     def wrong(self) -> list[str]:
         """Its values read back (by itself) as other bytes; a miss (evicted) is not wrong."""

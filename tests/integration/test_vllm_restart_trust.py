@@ -174,9 +174,11 @@ def test_a_restart_under_a_running_engine_never_loads_another_keys_bytes(
         assert r["match"]["load_errors"] == sorted(r["match"]["blocks"]), r["match"]
         assert r["maru_2"]["exists"] == [False] * W.BLOCKS  # A's keys B never touched
         assert r["c2"]["loaded_blocks"] == 0
-        # the save's chunks reserved in the old generation: their registration refused, the
-        # values written again in this one (their own bytes: `maru_5`)
-        assert "restarted and forgot" in r["save_log"], r
+        # the save's chunks reserved in the old generation: their registration refused (by the
+        # server, or by the client once its heartbeat's handshake dropped the region first:
+        # which comes first is the threads' race), the values written again in this one,
+        # their own bytes (`maru_5`)
+        assert r["maru_5"]["exists"] == [True] * W.BLOCKS, r
     else:
         assert r["match"]["loaded_blocks"] == W.BLOCKS, r["match"]  # restored: still hits
         assert r["maru_2"]["exists"] == [True] * W.BLOCKS

@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pool_places import OTHER, holds_other
+from pool_places import places as pool_places
+
 VLLM_SITE = Path(__file__).resolve().parents[2] / "build" / "vllm-site"
 BLOCKS = 5
 TAIL = 3  # a prompt of 5 full blocks and 3 tokens
@@ -605,34 +608,6 @@ class _Server:
         self._conn.close()
 
 
-def _where(h: Any, keys: list[str]) -> list[tuple[str, int] | None]:
-    """Where each key's value lies in the pool file (path, offset); None for a miss."""
-    out: list[tuple[str, int] | None] = []
-    for info in h.batch_retrieve(keys):
-        if info is None:
-            out.append(None)
-            continue
-        region = h._mapper.get(info.region_id).handle
-        out.append((region.path, region.offset + info.offset))
-    return out
-
-
-OTHER = 0xEE  # every byte of another instance's values: never a stand-in model's KV
-
-
-def _holds_other(where: tuple[str, int] | None, size: int) -> bool:
-    """Whether `size` bytes at `where` in the pool file are another instance's values."""
-    import os
-
-    if where is None or not os.path.exists(where[0]):
-        return False
-    fd = os.open(where[0], os.O_RDONLY)
-    try:
-        return os.pread(fd, size, where[1]) == bytes([OTHER]) * size
-    finally:
-        os.close(fd)
-
-
 def _other_writes(
     url: str, places: list[tuple[str, int] | None], size: int, most: int, salt: str
 ) -> tuple[list[str], list[bool]]:
@@ -651,9 +626,9 @@ def _other_writes(
             keys = [f"other-{salt}-{tried + i}" for i in range(batch)]
             tried += batch
             stored += [k for k, ok in zip(keys, h.batch_store(keys, [value] * batch)) if ok]
-            if all(_holds_other(p, size) for p in places if p is not None):
+            if all(holds_other(p, size) for p in places if p is not None):
                 break
-    return stored, [_holds_other(p, size) for p in places]
+    return stored, [holds_other(p, size) for p in places]
 
 
 def _value_bytes(engine: Any, block: int) -> bytes:
@@ -730,7 +705,7 @@ def evicted_between_match_and_load(model_dir: str, url: str, pool_bytes: int, sy
             return
         keys = meta.loads[0].keys[0]
         with MaruHandler(server_url=url, pool_size="2M", chunk_size_bytes=4096) as h:
-            places = _where(h, keys)
+            places = pool_places(h, keys)
             seen["deleted"] = h.batch_delete(keys[2:])
         size = b.worker._layouts[0].value_size
         others, seen["rewritten"] = _other_writes(
@@ -792,7 +767,7 @@ def restart_under_engine(
         out["a_saved"] = sum(s["save_blocks"] for s in a.stats)
         old = {i: _keys_of(a, prompt(i)) for i in range(3)}
         with MaruHandler(server_url=url, pool_size="2M", chunk_size_bytes=4096) as h:
-            places = {i: _where(h, keys) for i, keys in old.items()}
+            places = {i: pool_places(h, keys) for i, keys in old.items()}
     finally:
         a.close()
     b = MiniEngine(model_dir, url)
