@@ -30,10 +30,9 @@ sglang_cpu.require()
 import torch  # noqa: E402
 
 import maru.client.writes as writes_module  # noqa: E402
-from maru import MaruHandler  # noqa: E402
 from maru_sglang.maru_storage import MaruStorage  # noqa: E402
 from maru_sglang.pools import PoolIO  # noqa: E402
-from pool_places import OTHER, holds_other  # noqa: E402
+from pool_places import OtherInstance  # noqa: E402
 from pool_places import places as pool_places  # noqa: E402
 from sglang_cpu.host_pools import Geometry, make_host_pool, storage_config  # noqa: E402
 from sglang_cpu.hybrid_pools import (  # noqa: E402
@@ -170,11 +169,6 @@ def _where(node: _Node, keys: list[str], pools=("kv", *SIDECARS)) -> list[Place 
     return out
 
 
-def _holds_other(where: Place | None) -> bool:
-    """Whether the page at `where` holds another instance's values over all its bytes."""
-    return where is not None and holds_other(where[:2], where[2])
-
-
 def _sigkill_and_start(server: Any, no_restore: bool) -> None:
     """SIGKILL (nothing flushed, nothing said to clients), then the same arguments again on the
     same port, pool and state dir (`--no-restore`: a new pool generation)."""
@@ -184,38 +178,11 @@ def _sigkill_and_start(server: Any, no_restore: bool) -> None:
     server.start(server.port, ["--no-restore"] if no_restore else [])
 
 
-class _Other:
-    """Another instance (a plain handler) storing one-chunk values of `OTHER` bytes: a run of
-    them covers a page of any pool (a page starts on a chunk)."""
-
-    def __init__(self, url: str, node: _Node):
-        chunk = node.s.handler.get_chunk_size()
-        self.size = chunk
-        self.h = MaruHandler(
-            server_url=url, pool_size="64M", chunk_size_bytes=chunk, timeout_ms=10_000
-        )
-        self.stored: list[str] = []
-
-    def write(self, places: list[Place | None], most: int, salt: str) -> list[bool]:
-        """Store up to `most` values, until every place holds them; per place, whether it does."""
-        value, batch, tried = bytes([OTHER]) * self.size, 128, 0
-        while tried < most:
-            keys = [f"other-{salt}-{tried + i}" for i in range(batch)]
-            tried += batch
-            done = self.h.batch_store(keys, [value] * batch)
-            self.stored += [k for k, ok in zip(keys, done) if ok]
-            if all(_holds_other(p) for p in places if p is not None):
-                break
-        return [_holds_other(p) for p in places]
-
-    def wrong(self) -> list[str]:
-        """Its values read back (by itself) as other bytes; a miss (evicted) is not wrong."""
-        value = bytes([OTHER]) * self.size
-        infos = self.h.batch_retrieve(self.stored)
-        return [k for k, i in zip(self.stored, infos) if i is not None and bytes(i.view) != value]
-
-    def close(self) -> None:
-        self.h.close()
+def _other(url: str, node: _Node) -> OtherInstance:
+    """Another instance writing one-chunk values: a run of them covers a page of any pool (a
+    page starts on a chunk)."""
+    chunk = node.s.handler.get_chunk_size()
+    return OtherInstance(url, chunk, chunk)
 
 
 def _misses(keys: list[str]) -> dict[str, list[bool]]:
@@ -240,7 +207,7 @@ def test_sidecar_pages_gone_between_exists_and_get_are_misses(maru_server_factor
     next `batch_exists_v2` restores nothing. Written again, every page of every pool loads."""
     server = maru_server_factory(pool_size="8M")
     a, b = _Node(server.url), _Node(server.url, maru_local_index=False)
-    other = _Other(server.url, a)
+    other = _other(server.url, a)
     try:
         keys = [f"gap-{i}" for i in range(N)]
         pages = _write(a, keys, seed=1)
@@ -285,8 +252,8 @@ def test_one_pool_gone_between_exists_and_get_misses_only_that_pool(maru_server_
         assert _exists(b, keys) == (N, [N // 2, N])
         doomed = _stored_keys(b, keys, (gone,))
         assert b.s.handler.batch_delete(doomed) == [True] * len(doomed)
-        reuse = _Other.__new__(_Other)  # (A's own handler: its freed chunks are reused)
-        reuse.h, reuse.size, reuse.stored = a.s.handler, a.s.handler.get_chunk_size(), []
+        chunk = a.s.handler.get_chunk_size()  # (A's own handler: its freed chunks are reused)
+        reuse = OtherInstance(server.url, chunk, chunk, handler=a.s.handler)
         assert reuse.write(places, 2048, "reuse") == [True] * len(places)
         got = _get(b, keys, pages)
         want = _hits(keys)
@@ -318,7 +285,7 @@ def test_a_restart_between_exists_and_get_v2_loads_only_own_bytes(maru_server_fa
         assert _exists(b, keys) == (N, [N // 2, N])
         assert b.s.handler.reads_locally
         _sigkill_and_start(server, no_restore)
-        other = _Other(server.url, a)
+        other = _other(server.url, a)
         try:
             rewritten = other.write(places if no_restore else [None], 512, "gap")
             if no_restore:
@@ -360,7 +327,7 @@ def test_a_restart_during_a_get_v2_copy_is_a_miss(maru_server_factory, no_restor
             if not seen:  # (the lookup is answered, its lease taken: the copy begins)
                 seen["pool"] = self.name
                 _sigkill_and_start(server, no_restore)
-                other = _Other(server.url, b)
+                other = _other(server.url, b)
                 seen["deleted"] = other.h.batch_delete(_stored_keys(b, keys, SIDECARS))
                 seen["rewritten"] = other.write(places, 4 * POOL // other.size, "copy")
             return real(self, *args, **kwargs)
@@ -414,7 +381,7 @@ def test_a_restart_during_a_write_behind_set_v2_registers_only_its_own_bytes(
             if armed[0]:  # (the chunks are reserved: the copy begins)
                 armed[0] = False
                 _sigkill_and_start(server, no_restore)
-                other = _Other(server.url, a)
+                other = _other(server.url, a)
                 other.write([None], 512, "set")
 
         real_start, real_copy_in = writes_module._c_copy_values_start, PoolIO.copy_in

@@ -29,9 +29,8 @@ import torch  # noqa: E402
 
 import maru.client.handler as handler_module  # noqa: E402
 import maru.client.writes as writes_module  # noqa: E402
-from maru import MaruHandler  # noqa: E402
 from maru_sglang.maru_storage import MaruStorage  # noqa: E402
-from pool_places import OTHER, holds_other  # noqa: E402
+from pool_places import OtherInstance  # noqa: E402
 from pool_places import places as pool_places  # noqa: E402
 from sglang_cpu.host_pools import (  # noqa: E402
     Geometry,
@@ -103,39 +102,9 @@ def _where(storage: MaruStorage, keys: list[str]) -> list[tuple[str, int] | None
     return pool_places(storage.handler, storage._kv.keys(keys))
 
 
-class _Other:
-    """Another instance (a plain handler, one chunk per page as MaruStorage's) storing values
-    of `OTHER` bytes of one page's size."""
-
-    def __init__(self, url: str, storage: MaruStorage):
-        self.size = storage._kv.page_bytes
-        chunk = storage.handler.get_chunk_size()
-        self.h = MaruHandler(
-            server_url=url, pool_size="64M", chunk_size_bytes=chunk, timeout_ms=10_000
-        )
-        self.stored: list[str] = []
-
-    def write(self, places: list[tuple[str, int] | None], most: int, salt: str) -> list[bool]:
-        """Store up to `most` values, until every place in `places` holds one; per place,
-        whether it does."""
-        value, batch, tried = bytes([OTHER]) * self.size, 128, 0
-        while tried < most:
-            keys = [f"other-{salt}-{tried + i}" for i in range(batch)]
-            tried += batch
-            done = self.h.batch_store(keys, [value] * batch)
-            self.stored += [k for k, ok in zip(keys, done) if ok]
-            if all(holds_other(p, self.size) for p in places if p is not None):
-                break
-        return [holds_other(p, self.size) for p in places]
-
-    def wrong(self) -> list[str]:
-        """Its values read back (by itself) as other bytes; a miss (evicted) is not wrong."""
-        value = bytes([OTHER]) * self.size
-        infos = self.h.batch_retrieve(self.stored)
-        return [k for k, i in zip(self.stored, infos) if i is not None and bytes(i.view) != value]
-
-    def close(self) -> None:
-        self.h.close()
+def _other(url: str, storage: MaruStorage) -> OtherInstance:
+    """Another instance writing values of one page's size, one chunk per page as MaruStorage's."""
+    return OtherInstance(url, storage._kv.page_bytes, storage.handler.get_chunk_size())
 
 
 # -- 1. evicted or deleted in SGLang's prefetch gap ------------------------------------------
@@ -152,7 +121,7 @@ def test_pages_evicted_or_deleted_between_exists_and_get_are_misses(maru_server_
     server = maru_server_factory(pool_size="8M")
     a = _storage(server.url, g)
     b = _storage(server.url, g, maru_local_index=index)
-    other = _Other(server.url, a)
+    other = _other(server.url, a)
     try:
         keys = [f"gap-{i}" for i in range(N)]
         pages = _write(a, keys, seed=1)
@@ -202,7 +171,7 @@ def test_a_restart_between_exists_and_get_loads_only_own_bytes(
         assert b.batch_exists(keys) == N
         assert b.handler.reads_locally
         _sigkill_and_start(server, no_restore)
-        other = _Other(server.url, a)
+        other = _other(server.url, a)
         try:
             rewritten = other.write(places if no_restore else [None], 512, "gap")
             if no_restore:
@@ -244,7 +213,7 @@ def test_a_restart_during_a_gets_copy_is_a_miss(maru_server_factory, g, no_resto
             nonlocal other
             if not seen:  # (the lookup is answered, its lease taken: the copy begins)
                 _sigkill_and_start(server, no_restore)
-                other = _Other(server.url, b)
+                other = _other(server.url, b)
                 seen["deleted"] = other.h.batch_delete(b._kv.keys(keys))
                 seen["rewritten"] = other.write(places, 4 * POOL // other.size, "copy")
             return real(*args, **kwargs)
@@ -294,7 +263,7 @@ def test_a_restart_during_a_write_behind_set_registers_only_its_own_bytes(
             if armed[0]:  # (the chunks are reserved: the copy begins)
                 armed[0] = False
                 _sigkill_and_start(server, no_restore)
-                other = _Other(server.url, a)
+                other = _other(server.url, a)
                 other.write([None], 512, "set")
             return real(*args)
 
@@ -345,7 +314,7 @@ def test_a_new_generation_under_running_storages_misses_every_old_key(maru_serve
         assert _get(b, keys, pages) == [True] * N
         kv, namespace, chunk = a._kv, a.namespace, a.handler.get_chunk_size()
         _sigkill_and_start(server, no_restore=True)
-        other = _Other(server.url, a)
+        other = _other(server.url, a)
         assert other.write(places, 512, "gen") == [True] * N
         # A's first call since: a set whose chunks come from the region A held before (unless
         # its heartbeat met the new server first): refused, a miss, never the other's pages
