@@ -157,6 +157,16 @@ class MaruServerProcess:
         self._terminate()
         return self.start(self.port, once_args)
 
+    def kill_and_start(self, no_restore: bool = False) -> MaruServerProcess:
+        """SIGKILL (nothing flushed, nothing said to clients), then start again with the same
+        arguments on the same port, pool and state dir; `no_restore`: once with `--no-restore`
+        (a new pool generation, every key gone)."""
+        assert self.proc is not None
+        self.proc.kill()
+        assert self.proc.wait(10) == -signal.SIGKILL
+        self.halt()  # (dead already: closes its log)
+        return self.start(self.port, ["--no-restore"] if no_restore else [])
+
     def remove_pool(self) -> None:
         path = Path(self.pool_path)
         if path.is_dir():

@@ -5,7 +5,7 @@ an async prefetch) reads or writes pages handed to someone else since.
 
 The engine lives in this process (LMCache's `LMCacheEngineBuilder`, Maru its only backend, the
 CPU stand-in for the GPU connector: tests/lmcache_cpu/engine.py) and keeps running while the
-server is SIGKILLed (`os.kill`) and started again with the same arguments: restored from its
+server is SIGKILLed and started again with the same arguments: restored from its
 state dir, or with `--no-restore` (a new pool generation, every key gone). Another instance
 (a plain `MaruHandler`, the same chunk size) writes after the restart, so that reused pages
 hold someone else's bytes. Every retrieved chunk is compared byte for byte with what was
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import signal
 import sys
 import threading
 import time
@@ -54,15 +53,6 @@ def keep_start_method():
 
 
 # -- helpers --------------------------------------------------------------------------------------
-
-
-def _sigkill_and_start(server: Any, *, no_restore: bool) -> None:
-    """SIGKILL the server (nothing flushed, nothing said to clients), then start it again on the
-    same port, pool and state dir (`--no-restore`: a new pool generation, every key gone)."""
-    os.kill(server.pid, signal.SIGKILL)
-    assert server.proc.wait(10) == -signal.SIGKILL
-    server.halt()  # (already dead: only closes its log)
-    server.start(server.port, ["--no-restore"] if no_restore else [])
 
 
 def _served_again(handler: MaruHandler) -> None:
@@ -178,7 +168,7 @@ def test_a_restored_restart_under_a_running_engine_serves_its_own_bytes(maru_ser
         instance = handler.instance_id
         assert built.engine.lookup(tokens, lookup_id="req-pinned", pin=True) == N
 
-        _sigkill_and_start(server, no_restore=False)
+        server.kill_and_start()
         _served_again(handler)
         assert handler.instance_id == instance  # resumed, with its regions
 
@@ -241,7 +231,7 @@ def test_a_new_pool_generation_makes_every_old_key_a_miss_and_old_objects_harmle
         for i, obj in enumerate(batch):
             _fill(obj, 4 + i)
 
-        _sigkill_and_start(server, no_restore=True)
+        server.kill_and_start(no_restore=True)
         # the other instance first: it takes the new pool's first pages, where the engine's
         # old region lay in the file before
         other, values = _other_writer(server.url, 256, "new")
@@ -306,7 +296,7 @@ def test_an_async_prefetch_held_across_a_restart_is_not_another_chunk(
         lookup_id = f"req-{uuid.uuid4().hex[:8]}"
         assert W._async_lookup(built.lookup_client(), tokens, lookup_id) == N
 
-        _sigkill_and_start(server, no_restore=no_restore)
+        server.kill_and_start(no_restore)
         other, values = _other_writer(server.url, 256, "prefetch")
         try:
             deleted = other.batch_delete(keys)
@@ -367,7 +357,7 @@ def test_engine_stores_racing_a_restart_register_only_their_own_bytes(
         writer.start()
         W._wait_for(lambda: len(stored) >= 5, "stores before the kill")
         before = len(stored)
-        _sigkill_and_start(server, no_restore=no_restore)
+        server.kill_and_start(no_restore)
         other, values = _other_writer(server.url, 128, "race")
         try:
             after = len(stored)  # (the ones between: made while the server was down)
@@ -416,7 +406,7 @@ def test_no_state_kept_in_the_backend_turns_a_new_generations_miss_into_a_hit(
         lmc_keys = [key for _, _, key in built.engine.token_database.process_tokens(tokens)]
         assert backend.batched_contains(lmc_keys) == len(lmc_keys)
 
-        _sigkill_and_start(server, no_restore=True)
+        server.kill_and_start(no_restore=True)
         other, _ = _other_writer(server.url, 64, "state")
         try:
             import asyncio

@@ -15,8 +15,6 @@ with what was written (the pattern of test_sglang_restart_trust.py, for v1).
 
 from __future__ import annotations
 
-import os
-import signal
 from typing import Any
 
 import pytest
@@ -169,15 +167,6 @@ def _where(node: _Node, keys: list[str], pools=("kv", *SIDECARS)) -> list[Place 
     return out
 
 
-def _sigkill_and_start(server: Any, no_restore: bool) -> None:
-    """SIGKILL (nothing flushed, nothing said to clients), then the same arguments again on the
-    same port, pool and state dir (`--no-restore`: a new pool generation)."""
-    os.kill(server.pid, signal.SIGKILL)
-    assert server.proc.wait(10) == -signal.SIGKILL
-    server.halt()  # (dead already: closes its log)
-    server.start(server.port, ["--no-restore"] if no_restore else [])
-
-
 def _other(url: str, node: _Node) -> OtherInstance:
     """Another instance writing one-chunk values: a run of them covers a page of any pool (a
     page starts on a chunk)."""
@@ -284,7 +273,7 @@ def test_a_restart_between_exists_and_get_v2_loads_only_own_bytes(maru_server_fa
         places = _where(a, keys)
         assert _exists(b, keys) == (N, [N // 2, N])
         assert b.s.handler.reads_locally
-        _sigkill_and_start(server, no_restore)
+        server.kill_and_start(no_restore)
         other = _other(server.url, a)
         try:
             rewritten = other.write(places if no_restore else [None], 512, "gap")
@@ -326,7 +315,7 @@ def test_a_restart_during_a_get_v2_copy_is_a_miss(maru_server_factory, no_restor
             nonlocal other
             if not seen:  # (the lookup is answered, its lease taken: the copy begins)
                 seen["pool"] = self.name
-                _sigkill_and_start(server, no_restore)
+                server.kill_and_start(no_restore)
                 other = _other(server.url, b)
                 seen["deleted"] = other.h.batch_delete(_stored_keys(b, keys, SIDECARS))
                 seen["rewritten"] = other.write(places, 4 * POOL // other.size, "copy")
@@ -380,7 +369,7 @@ def test_a_restart_during_a_write_behind_set_v2_registers_only_its_own_bytes(
             nonlocal other
             if armed[0]:  # (the chunks are reserved: the copy begins)
                 armed[0] = False
-                _sigkill_and_start(server, no_restore)
+                server.kill_and_start(no_restore)
                 other = _other(server.url, a)
                 other.write([None], 512, "set")
 

@@ -5,7 +5,7 @@ another instance's bytes.
 SGLang's real host pools on CPU (MHA, MLA), a real `maru-server`. Between SGLang's
 `batch_exists` and `batch_get_v1` (its prefetch gap), during a `batch_get_v1` copy and during a
 write-behind `batch_set_v1` (its chunks reserved, its registration not yet confirmed), the keys
-are deleted or evicted, or the server is SIGKILLed (`os.kill`) and started again with the same
+are deleted or evicted, or the server is SIGKILLed and started again with the same
 arguments (restored from its state dir, or `--no-restore`: a new pool generation); another
 instance then writes values of its own (every byte 0xEE) into the pages the old keys lay in.
 Every host-pool page reported loaded is compared byte for byte with what was written.
@@ -13,8 +13,6 @@ Every host-pool page reported loaded is compared byte for byte with what was wri
 
 from __future__ import annotations
 
-import os
-import signal
 from typing import Any
 
 import pytest
@@ -58,15 +56,6 @@ def _storage(url: str, g: Geometry, **extra: Any) -> MaruStorage:
     storage = MaruStorage(storage_config(is_mla=g.attn == "mla", extra=cfg), {})
     storage.register_mem_pool_host(make_host_pool(g))
     return storage
-
-
-def _sigkill_and_start(server: Any, no_restore: bool) -> None:
-    """SIGKILL (nothing flushed, nothing said to clients), then the same arguments again on
-    the same port, pool and state dir (`--no-restore`: a new pool generation)."""
-    os.kill(server.pid, signal.SIGKILL)
-    assert server.proc.wait(10) == -signal.SIGKILL
-    server.halt()  # (dead already: closes its log)
-    server.start(server.port, ["--no-restore"] if no_restore else [])
 
 
 def _write(storage: MaruStorage, keys: list[str], seed: int) -> list[torch.Tensor]:
@@ -170,7 +159,7 @@ def test_a_restart_between_exists_and_get_loads_only_own_bytes(
         places = _where(a, keys)
         assert b.batch_exists(keys) == N
         assert b.handler.reads_locally
-        _sigkill_and_start(server, no_restore)
+        server.kill_and_start(no_restore)
         other = _other(server.url, a)
         try:
             rewritten = other.write(places if no_restore else [None], 512, "gap")
@@ -212,7 +201,7 @@ def test_a_restart_during_a_gets_copy_is_a_miss(maru_server_factory, g, no_resto
         def copy_values(*args: Any, **kwargs: Any) -> Any:
             nonlocal other
             if not seen:  # (the lookup is answered, its lease taken: the copy begins)
-                _sigkill_and_start(server, no_restore)
+                server.kill_and_start(no_restore)
                 other = _other(server.url, b)
                 seen["deleted"] = other.h.batch_delete(b._kv.keys(keys))
                 seen["rewritten"] = other.write(places, 4 * POOL // other.size, "copy")
@@ -262,7 +251,7 @@ def test_a_restart_during_a_write_behind_set_registers_only_its_own_bytes(
             nonlocal other
             if armed[0]:  # (the chunks are reserved: the copy begins)
                 armed[0] = False
-                _sigkill_and_start(server, no_restore)
+                server.kill_and_start(no_restore)
                 other = _other(server.url, a)
                 other.write([None], 512, "set")
             return real(*args)
@@ -313,7 +302,7 @@ def test_a_new_generation_under_running_storages_misses_every_old_key(maru_serve
         places = _where(a, keys)
         assert _get(b, keys, pages) == [True] * N
         kv, namespace, chunk = a._kv, a.namespace, a.handler.get_chunk_size()
-        _sigkill_and_start(server, no_restore=True)
+        server.kill_and_start(no_restore=True)
         other = _other(server.url, a)
         assert other.write(places, 512, "gen") == [True] * N
         # A's first call since: a set whose chunks come from the region A held before (unless

@@ -5,7 +5,7 @@ never another key's bytes, never a block left as it was, never a crash or a hang
 vLLM 0.33's real scheduler and worker connector (`tests/vllm_cpu`, spawned processes), a
 real `maru-server`. Between the scheduler's match and the worker's load, during a load's
 copy and during a save's copy, the matched keys are deleted or evicted, or the server is
-SIGKILLed (`os.kill`) and started again with the same arguments (restored from its state
+SIGKILLed and started again with the same arguments (restored from its state
 dir, or `--no-restore`: a new pool generation); another instance then writes values of its
 own (every byte 0xEE) into the pages the old keys lay in. Every block is compared with the
 KV computing it gives (what was saved under its key), byte for byte.
@@ -15,9 +15,7 @@ vLLM lives in build/vllm-site (scripts/install_vllm_cpu.sh); skipped without it.
 
 from __future__ import annotations
 
-import os
 import secrets
-import signal
 import threading
 from collections.abc import Iterator
 from multiprocessing.connection import Listener
@@ -36,15 +34,6 @@ vllm_env = base.vllm_env
 DEADLINE = 150
 PROMPT = list(range(W.BLOCKS * BLOCK + W.TAIL))  # every position of a prompt
 TAIL = base.TAIL_POSITIONS
-
-
-def _sigkill_and_start(server: Any, no_restore: bool) -> None:
-    """SIGKILL (nothing flushed, nothing said to clients), then the same arguments again on
-    the same port, pool and state dir (`--no-restore`: a new pool generation)."""
-    os.kill(server.pid, signal.SIGKILL)
-    server.proc.wait(10)
-    server.halt()  # (dead already: closes its log)
-    server.start(server.port, ["--no-restore"] if no_restore else [])
 
 
 @pytest.fixture
@@ -70,7 +59,7 @@ def restarter() -> Iterator:
                     except (EOFError, OSError):
                         return
                     try:
-                        _sigkill_and_start(server, no_restore)
+                        server.kill_and_start(no_restore)
                         conn.send("ok")
                     except Exception as exc:  # (said to the worker, which raises it)
                         conn.send(f"{type(exc).__name__}: {exc}")
