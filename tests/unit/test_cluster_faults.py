@@ -22,11 +22,11 @@ import zmq
 from maru.client.checksum import checksums
 from maru.common.protocol import DeleteStatus, RegisterStatus
 from maru.server.cluster import tier as tier_module
-from maru.server.cluster.link import Link
 from maru.server.cluster.proof import PUBLISHED, encode_trailer, object_name
 from maru.server.cluster.tier import ClusterTier
 
 from .registry_calls import locate
+from .test_cluster_races import connect, pull_in_flight
 from .test_cluster_tier import SGLANG_FILE, FakeSidecar
 from .test_eviction_leases import MiB, consistent, make_registry
 
@@ -365,18 +365,10 @@ def tier(tmp_path, monkeypatch):
     config = tmp_path / "mooncake.json"
     config.write_text(json.dumps(SGLANG_FILE))
     t = ClusterTier(make_registry(tmp_path, pool_mib=64, high=1.0, low=1.0), str(config))
-    t.link, theirs = Link.pair()
-    t._apply({"op": "state", "connected": True, "error": None})
+    theirs = connect(t)
     yield t
     t.close()
     theirs.close()
-
-
-def pull_in_flight(t: ClusterTier, key: str) -> tuple[int, object]:
-    t.guess = MiB
-    assert t.want([key]) == 1
-    ((batch_id, batch),) = [(i, b) for i, b in t.batches.items() if b.op == "pull"]
-    return batch_id, batch
 
 
 def test_a_proof_claim_without_a_maru64_is_never_registered(tier):
