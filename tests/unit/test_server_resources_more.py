@@ -13,7 +13,6 @@ import types
 
 import pytest
 
-from maru.common import protocol
 from maru.common.protocol import ErrorCode, MsgType
 from maru.server import instances, persistence
 from maru.server.journal import Journal
@@ -22,7 +21,8 @@ from maru.server.pool import ShmPool
 from maru.server.registry import Registry
 from maru.server.token import TokenSigner
 
-from .service_calls import call, make_service, ok, register_body, wire_body
+from .service_calls import call, make_service, ok, register_body
+from .test_server_resources import on_peer, refused
 
 MiB = 1 << 20
 PAGE = 4096
@@ -49,14 +49,6 @@ def clock(monkeypatch):
     return advance
 
 
-def refused(svc, msg_type, body) -> str:
-    """The error of a request that must be refused with QUOTA_EXCEEDED."""
-    reply = call(svc, msg_type, body)
-    assert reply["ok"] is False, reply
-    assert reply["code"] == ErrorCode.QUOTA_EXCEEDED, reply
-    return reply["error"]
-
-
 def keys_of(svc, iid: str, pages: list[int]) -> list[str]:
     """Keys registered by `iid` in a region of its own, key i `pages[i]` pages long."""
     rid = ok(svc, MsgType.REQUEST_REGION, {"iid": iid, "size": 16 * MiB})["region"][0]
@@ -67,12 +59,6 @@ def keys_of(svc, iid: str, pages: list[int]) -> list[str]:
         at += n * PAGE
     assert ok(svc, MsgType.REGISTER_KV, register_body(iid, rows))["results"] == [0] * len(keys)
     return keys
-
-
-def on_peer(svc, peer: Peer, msg_type, body) -> dict:
-    """One request on a local-socket connection (`peer`), as `call` sends it."""
-    frame = protocol.encode(msg_type, 9, wire_body(svc, msg_type, body))
-    return protocol.decode(svc.handle_frame(frame, peer))[1]
 
 
 def pin_counts(svc, keys: list[str]) -> list[int]:
