@@ -122,15 +122,12 @@ class Side(H.Instance):
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
         import sglang_cpu.host_pools as hp
+        from maru import MaruConfig
         from sglang_cpu.p2p import maru_extra_config
 
-        ready = str(READY and role in WRITERS).lower()
-        extra = maru_extra_config(
-            url,
-            pool_size=str(self.pool_size),
-            maru_timeout_ms="60000",
-            maru_ready_at_connect=ready,
-        )
+        extra = maru_extra_config(url, pool_size=str(self.pool_size), maru_timeout_ms="60000")
+        if hasattr(MaruConfig, "ready_at_connect"):  # (a `--label before` tree may predate it)
+            extra["maru_ready_at_connect"] = str(READY and role in WRITERS).lower()
         config = hp.storage_config(model=f"regimes/{case.name}", is_mla=is_mla, extra=extra)
         self.wipe()  # (the host pool's pages touched before connect: "at once" writes them)
         t0 = time.perf_counter()
