@@ -1,6 +1,6 @@
 """The C extensions; everything else is in pyproject.toml.
 
-`maru.client._memcopy` (the page copies and maru64), `maru.client._busypoll` (the RPC client's
+`maru.common._memcopy` (the page copies and maru64), `maru.client._busypoll` (the RPC client's
 spin-wait), `maru.server._keyindex` (the registry's key index) and `maru.common._shmindex` (the
 local index) are required: there is no pure-Python stand-in, so an install without a C compiler
 or the Python headers stops at once with one line that says so (`BuildExt`).
@@ -49,8 +49,8 @@ setup(
     cmdclass={"build_ext": BuildExt},
     ext_modules=[
         Extension(
-            "maru.client._memcopy",
-            ["src/maru/client/_memcopy.c"],
+            "maru.common._memcopy",
+            ["src/maru/common/_memcopy.c"],
             depends=[
                 "src/maru/common/int64_buffer.h",
                 "src/maru/common/cacheflush.h",

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_checksum.py [--extra-path DIR]
 
 1. Hashes pages of 64 KiB and 1 MiB straight from a /dev/shm mapping (no copy): maru64 (Maru's
-   own, `maru.client.checksum`; each C loop this CPU runs, all pages of a pass in one call, as
+   own, `maru.common.checksum`; each C loop this CPU runs, all pages of a pass in one call, as
    the data path calls it) beside the maintained hashes that import here for reference:
    xxhash's xxh3_64 and xxh64, `crc32c`, `google-crc32c`, and zlib.crc32. Two cases per size:
    hot (the same page again and again: in this core's cache) and cold (a pool of pages larger
@@ -36,7 +36,7 @@ from functools import partial
 
 import numpy as np
 
-from maru.client import memcopy
+from maru.common import memcopy
 
 
 def candidates() -> dict[str, Callable[[memoryview], int]]:
@@ -73,7 +73,7 @@ def measure(fn: Callable[[memoryview], int], views: list[memoryview], reps: int)
 
 def maru64_rows(view: memoryview, size: int, reps: int) -> None:
     """maru64 hot and cold, with each C loop this CPU runs (one call per pass)."""
-    from maru.client._memcopy import copy_many_hashed, hash_impl
+    from maru.common._memcopy import copy_many_hashed, hash_impl
 
     base = np.frombuffer(view, np.uint8).ctypes.data
     for page in (64 << 10, 1 << 20):

@@ -9,7 +9,7 @@ the same pages with `batch_set_v1` and `batch_get_v1`, MHA `page_first_direct` a
 1 MiB pages. Each repetition measures, in an order shuffled per repetition, Maru in hardware
 mode, Maru in software mode, and the floor: Maru's own streaming copy loop alone between the
 host pool and a warm /dev/shm mapping (`stream`). The mode is switched in both processes with
-`maru.client._memcopy.coherence`, the process-wide switch a HANDSHAKE sets (a handler whose
+`maru.common._memcopy.coherence`, the process-wide switch a HANDSHAKE sets (a handler whose
 server runs `--coherence software` sets exactly this), so that both modes run against the
 same server, pool and pages. Every page read is checked (CRC) in both modes. Ratios are
 medians of per-repetition ratios (software / hardware, each / stream).
@@ -39,7 +39,7 @@ class CoherentInstance(hc.Instance):
     """bench_hicache's Instance that can switch its process's copies' coherence mode."""
 
     def coherence(self, mode: str) -> str:
-        from maru.client import _memcopy
+        from maru.common import _memcopy
 
         return _memcopy.coherence(mode)
 
@@ -152,7 +152,7 @@ def main() -> int:
             batch = max(1, min(128, args.batch_bytes // case.page_bytes))
             results.append(bench_case(url, case, args.reps, batch, args.calls, file_dir))
             print(f"{case.name}: done", file=sys.stderr)
-    from maru.client import _memcopy
+    from maru.common import _memcopy
 
     print(
         f"{len(results)} cases, {args.reps} repetitions, flushes: write-back "

@@ -13,7 +13,7 @@ figure saw the same machine state:
   with its own host pool, calls `batch_get_v1` for the same keys and checks every page's CRC.
 - Baselines in the same run on the same page bytes (the pointers `get_page_buffer_meta`
   gives): a plain single-thread memcpy (one memmove per page part to / from a warm private
-  buffer, all of a batch's parts in one `maru.client.memcopy.copy_values(...,
+  buffer, all of a batch's parts in one `maru.common.memcopy.copy_values(...,
   streaming=False)` call, so the baseline carries no Python per part either), the same into
   a warm /dev/shm mapping
   (the limit of a repetition is the faster of the two), Maru's own copy loop alone
@@ -298,7 +298,7 @@ def _copy_pages(part_ptrs, sizes, base, to_pool, s, n, streaming, threads=1) -> 
     where the pages lie back to back, each page's parts back to back: one `copy_values` call,
     page by page (each page's parts in order), like MaruStorage; `threads` > 1: shared
     between threads as MaruStorage shares its copies (`maru_copy_threads`)."""
-    from maru.client import memcopy
+    from maru.common import memcopy
 
     starts = base + np.arange(s, s + n, dtype=np.int64) * sum(sizes)
     pool = np.stack([ptrs[s : s + n] for ptrs in part_ptrs], axis=1)

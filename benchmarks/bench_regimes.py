@@ -28,7 +28,7 @@ back, at 64 KiB and 1 MiB pages:
    and the CRC of the last call.
 
 Beside them, in the same processes, the streaming copy of the same bytes between the host pool
-and a warm /dev/shm mapping (`maru.client.memcopy.copy_values` with streaming stores: the
+and a warm /dev/shm mapping (`maru.common.memcopy.copy_values` with streaming stores: the
 `stream` method of bench_hicache), set and get. Each round runs on a fresh `maru-server` (a
 pool file nobody touched); figures are medians over rounds, ratios medians of per-round ratios.
 Prints the regimes' table with issue 42's targets and PASS/MISS, and writes CSV, JSON,

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from maru import MaruHandler
-from maru.client.memcopy import copy_many
+from maru.common.memcopy import copy_many
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from sglang_cpu.p2p import maru_server

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import bench_hicache as bh  # noqa: E402
-from maru.client import memcopy  # noqa: E402
+from maru.common import memcopy  # noqa: E402
 
 METHODS = ("stream", "dest", "floor", "maru")
 

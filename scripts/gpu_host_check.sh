@@ -42,7 +42,7 @@ done
 
 step "C extensions, in place"
 "$PY" setup.py -q build_ext --inplace >/dev/null 2>&1
-"$PY" -c "import maru.client._memcopy, maru.client._busypoll, maru.common._shmindex, maru.server._keyindex" \
+"$PY" -c "import maru.common._memcopy, maru.client._busypoll, maru.common._shmindex, maru.server._keyindex" \
     && echo "all four built" || { echo "the C extensions did not build"; exit 1; }
 
 step "tests that need CUDA"

@@ -33,7 +33,7 @@ def main() -> None:
 
     check("site-packages" in maru.__file__, f"maru imported from {maru.__file__}")
     check(importlib.util.find_spec("maru_sglang") is not None, "maru_sglang is installed")
-    for ext in ("client._memcopy", "client._busypoll", "server._keyindex", "common._shmindex"):
+    for ext in ("common._memcopy", "client._busypoll", "server._keyindex", "common._shmindex"):
         check(importlib.util.find_spec(f"maru.{ext}") is not None, f"maru.{ext} built")
     from maru import MaruConfig, MaruHandler
 

@@ -294,8 +294,8 @@ def fused_copier() -> Iterator:
 
     import numpy as np
 
-    from maru.client.memcopy import CopyFaultError, copy_values
-    from maru.client.memcopy import faulted as memcopy_faulted
+    from maru.common.memcopy import CopyFaultError, copy_values
+    from maru.common.memcopy import faulted as memcopy_faulted
 
     global _COPIER
     if _COPIER is None:

@@ -57,8 +57,8 @@ from tests.integration.workers import flip_byte  # noqa: E402
 
 import conftest  # noqa: E402
 from maru import MaruAdmin, MaruHandler  # noqa: E402
-from maru.client.checksum import checksums  # noqa: E402
 from maru.client.reads import copy_and_prove  # noqa: E402
+from maru.common.checksum import checksums  # noqa: E402
 from maru.server.cluster.config import MooncakeConfig  # noqa: E402
 from maru.server.cluster.mooncake import library_env, load_mooncake, master_binary  # noqa: E402
 from maru.server.cluster.proof import (  # noqa: E402

@@ -28,7 +28,7 @@ from tests.conftest import start_maru_server
 from tests.integration.workers import make_value
 
 from maru import MaruHandler
-from maru.client.memcopy import CopyFaultError, copy_values
+from maru.common.memcopy import CopyFaultError, copy_values
 
 KiB, MiB = 1 << 10, 1 << 20
 

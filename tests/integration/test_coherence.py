@@ -133,8 +133,8 @@ def test_a_copy_that_faulted_leaves_no_dirty_line_on_the_chunks_it_gives_back(
     import numpy as np
 
     from maru.client.coherence import lines_flushed
-    from maru.client.memcopy import CopyFaultError
     from maru.client.writes import Put
+    from maru.common.memcopy import CopyFaultError
 
     from .workers import _handler
 

@@ -18,9 +18,9 @@ import pytest
 
 from maru import MaruHandler
 from maru.client import coherence
-from maru.client.memcopy import copy_values
 from maru.client.requests import Lookup
 from maru.client.rpc import PendingReply
+from maru.common.memcopy import copy_values
 from maru.common.protocol import MsgType
 
 from .test_reads_trust import WAIT_S, A, B, _owner, _stopped, _until

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from maru import MaruHandler
-from maru.client.memcopy import copy_values
+from maru.common.memcopy import copy_values
 from maru.server.holds import LeaseTable
 
 from .workers import SPAWN

@@ -504,7 +504,7 @@ def test_copies_shared_between_threads_read_back_the_bytes_written(maru_server):
     """`maru_copy_threads` 3: a 3 MiB write's copy and the read's go to the calling thread and
     two copier threads each (`copy_values`); another instance reads every page back as
     written, and with checksums (made by the three threads' copies) none mismatches."""
-    import maru.client.memcopy as memcopy
+    import maru.common.memcopy as memcopy
 
     g = Geometry(page_size=16, layers=4, heads=8, head_dim=64)  # 128 KiB pages
     extra = _extra(maru_server.url, maru_copy_threads=3, maru_checksums=True)

@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture
 def software():
     """The process's copies in software coherence for the test, hardware again after it."""
-    from maru.client import _memcopy
+    from maru.common import _memcopy
 
     before = _memcopy.coherence("software")
     try:

@@ -1,4 +1,4 @@
-"""maru64 in numpy, slow but identical: the reference the C loops of `maru.client._memcopy`
+"""maru64 in numpy, slow but identical: the reference the C loops of `maru.common._memcopy`
 (scalar, AVX2, AVX-512) are checked against; the definition is at the top of the hash section
 of `_memcopy.c`. Tests only: Maru hashes in C."""
 

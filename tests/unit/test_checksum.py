@@ -1,4 +1,4 @@
-"""maru64, the page checksum (`maru.client.checksum`): the C loops (scalar, AVX2, AVX-512) and
+"""maru64, the page checksum (`maru.common.checksum`): the C loops (scalar, AVX2, AVX-512) and
 the numpy reference (`maru64.py`) compute one value; copy_many_hashed hashes a value given in
 parts as the bytes of its parts in order while it copies them; the hash sees the faults it is
 for."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from maru.client import _memcopy, checksum, memcopy
+from maru.common import _memcopy, checksum, memcopy
 
 from .maru64 import hash64
 
@@ -136,7 +136,7 @@ def test_the_faults_it_is_for_change_the_checksum(impl):
 
 
 def test_bad_arguments_are_refused():
-    from maru.client._memcopy import copy_many_hashed
+    from maru.common._memcopy import copy_many_hashed
 
     addresses = np.zeros(4, np.int64)
     with pytest.raises(ValueError, match="parts"):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import zmq
 
-from maru.client.checksum import checksums
+from maru.common.checksum import checksums
 from maru.common.protocol import DeleteStatus, RegisterStatus
 from maru.server.cluster import tier as tier_module
 from maru.server.cluster.proof import PUBLISHED, encode_trailer, object_name

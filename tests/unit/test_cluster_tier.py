@@ -377,7 +377,7 @@ def test_a_pulls_proof_on_two_threads_is_the_proof_on_one():
 
     import numpy as np
 
-    from maru.client.checksum import checksums
+    from maru.common.checksum import checksums
     from maru.server.cluster.sidecar import SPLIT_PROOF_BYTES, Sidecar
 
     sidecar = object.__new__(Sidecar)  # (no Mooncake client: `_checksums` only)
@@ -464,9 +464,9 @@ def test_the_sidecar_flushes_what_its_proofs_read_in_the_servers_coherence(tmp_p
 
     import numpy as np
 
-    from maru.client import _memcopy
-    from maru.client.checksum import checksums
     from maru.client.coherence import lines_flushed
+    from maru.common import _memcopy
+    from maru.common.checksum import checksums
     from maru.server.cluster.proof import PUBLISHED, encode_trailer
     from maru.server.cluster.sidecar import PoolMaps, Sidecar, apply_coherence
 

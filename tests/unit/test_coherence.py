@@ -16,10 +16,10 @@ import platform
 import numpy as np
 import pytest
 
-from maru.client import _memcopy
 from maru.client.coherence import Coherence, lines_flushed, process_mode
-from maru.client.memcopy import CopyFaultError, copy_many, copy_many_hashed, copy_values, faulted
+from maru.common import _memcopy
 from maru.common.config import ConfigError, MaruConfig
+from maru.common.memcopy import CopyFaultError, copy_many, copy_many_hashed, copy_values, faulted
 
 pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64"), reason="software coherence is x86-64's"

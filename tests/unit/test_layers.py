@@ -1,10 +1,12 @@
-"""The three areas stay apart: the server never loads client code (or numpy), and the client's
-public names still come from `import maru`."""
+"""The three areas stay apart: the server never loads client code (or numpy), nothing of the
+server or common names the client (client -> common <- server), and the client's public names
+still come from `import maru`."""
 
 from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +26,108 @@ def test_the_server_loads_no_client_module_and_no_numpy():
     loaded = _loaded_after("import maru.server.service, maru.server.cli")
     assert "maru.server.service" in loaded
     assert not loaded & set(CLIENT_MODULES), sorted(loaded & set(CLIENT_MODULES))
+    assert not {m for m in loaded if _is_client(m)}, sorted(m for m in loaded if _is_client(m))
+
+
+def test_the_cluster_sidecar_loads_no_client_module():
+    """The sidecar (its own process) loads numpy and the copy engine, from maru.common."""
+    loaded = _loaded_after("import maru.server.cluster.sidecar")
+    assert {"maru.server.cluster.sidecar", "maru.common._memcopy"} <= loaded
+    assert not {m for m in loaded if _is_client(m)}, sorted(m for m in loaded if _is_client(m))
+
+
+# -- client -> common <- server: nothing under maru.server or maru.common names maru.client ----
+
+CLIENT = "maru.client"
+# A string that is a client module's whole dotted name: what `import_module`, `__import__`, a
+# lazy export table or a C extension's import or capsule name would load (prose only mentions).
+_CLIENT_NAME = re.compile(r"maru\.client(\.[A-Za-z_]\w*)*")
+# C tokens read left to right: a comment, a character literal, or a string literal (group 1).
+_C_TOKEN = re.compile(r"/\*.*?\*/|//[^\n]*|'(?:[^'\\\n]|\\.)*'|" r'"((?:[^"\\\n]|\\.)*)"', re.S)
+
+
+def _is_client(module: str) -> bool:
+    return module == CLIENT or module.startswith(CLIENT + ".")
+
+
+def client_references(src: Path, areas: tuple[str, ...] = ("maru.server", "maru.common")):
+    """(file, line, what) for each way a module of `areas` could load the client: an import of
+    `maru.client` or below (at the top, inside functions, under `if TYPE_CHECKING:`, relative,
+    or `from maru import client`), a Python string that is a client module's dotted name
+    (`importlib.import_module("maru.client...")`, a lazy export table), and, in the areas' C
+    sources and headers, a string literal naming the client outside comments
+    (`PyImport_ImportModule`, a capsule's name)."""
+    out = []
+    for name, (path, is_package) in _modules(src).items():
+        if not any(name == area or name.startswith(area + ".") for area in areas):
+            continue
+        package = name if is_package else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            found: list[str] = []
+            if isinstance(node, ast.Import):
+                found = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                found = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found = [node.value] if _CLIENT_NAME.fullmatch(node.value) else []
+            out += [(path, node.lineno, m) for m in found if _is_client(m)]
+    for area in areas:
+        folder = src.joinpath(*area.split("."))
+        for path in sorted([*folder.rglob("*.c"), *folder.rglob("*.h")]):
+            code = path.read_text()
+            for match in _C_TOKEN.finditer(code):
+                if match.group(1) is not None and CLIENT in match.group(1):
+                    line = code.count("\n", 0, match.start()) + 1
+                    out.append((path, line, match.group(1)))
+    return out
+
+
+def test_the_client_reference_finder_finds_every_kind(tmp_path):
+    """The finder itself, on a tree of its own: each way in is found, prose is not."""
+    server = tmp_path / "maru" / "server"
+    common = tmp_path / "maru" / "common"
+    for folder in (tmp_path / "maru", tmp_path / "maru" / "client", server, common):
+        folder.mkdir(exist_ok=True)
+        (folder / "__init__.py").write_text("")
+    (server / "a.py").write_text("from maru.client.memcopy import copy_values\n")
+    (server / "b.py").write_text("def f():\n    import maru.client._memcopy\n")
+    (server / "c.py").write_text("from maru import client\n")
+    (server / "d.py").write_text("from ..client import handler\n")
+    (server / "e.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import maru.client\n"
+    )
+    (common / "f.py").write_text("import importlib\nimportlib.import_module('maru.client.rpc')\n")
+    (common / "g.py").write_text('"""Mentions `maru.client.rpc` in prose."""\nimport maru.common\n')
+    (common / "_h.c").write_text(
+        '/* "maru.client._memcopy" in a comment */\n'
+        'PyObject *m = PyImport_ImportModule("maru.client._memcopy");\n'
+    )
+    (common / "i.h").write_text(
+        '#define Q \'"\' // "maru.client" in a comment\n'
+        '#define GUARD "maru.client._memcopy.FAULT_GUARD"\n'
+    )
+    found = {(p.name, line) for p, line, _ in client_references(tmp_path)}
+    assert found == {
+        ("a.py", 1),
+        ("b.py", 2),
+        ("c.py", 1),
+        ("d.py", 1),
+        ("e.py", 3),
+        ("f.py", 2),
+        ("_h.c", 2),
+        ("i.h", 2),
+    }, found
+
+
+def test_neither_the_server_nor_common_names_the_client():
+    """client -> common <- server, with no exception: the copy engine the server uses too
+    (`maru.common.memcopy`, `_memcopy.c`, its fault guard capsule) lives in common."""
+    bad = [(str(p.relative_to(SRC)), line, what) for p, line, what in client_references(SRC)]
+    assert not bad, bad
 
 
 def test_public_names_load_on_first_use():

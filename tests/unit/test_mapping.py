@@ -66,7 +66,7 @@ CHILD = textwrap.dedent(
     """
     import sys, threading, time
     import numpy as np
-    from maru.client import memcopy
+    from maru.common import memcopy
     from maru.client.mapping import RegionMapper
     from maru.common.region import RegionHandle
 
@@ -165,7 +165,7 @@ def test_the_copy_gate_calls_back_once_the_last_block_closes_and_only_when_wante
     """`copying()`'s C block: nested and shared blocks count; the mapper hears of the last
     one's end only while it asked to (a retired region waits), so a copy costs no Python
     call otherwise."""
-    from maru.client._memcopy import CopyGate
+    from maru.common._memcopy import CopyGate
 
     calls: list[int] = []
     gate = CopyGate(lambda: calls.append(gate.active))

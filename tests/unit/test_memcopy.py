@@ -1,4 +1,4 @@
-"""`maru.client.memcopy.copy_many`: the one loop over page parts on the data path."""
+"""`maru.common.memcopy.copy_many`: the one loop over page parts on the data path."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from maru.client import memcopy
+from maru.common import memcopy
 
 from .maru64 import hash64
 
@@ -110,7 +110,7 @@ def test_copy_many_refuses_mismatched_or_mistyped_addresses():
     buf = np.zeros(4096, dtype=np.uint8)
     with pytest.raises(ValueError, match="destinations"):
         memcopy.copy_many(_addresses(buf, [0, 16]), _addresses(buf, [32]), 8)
-    from maru.client._memcopy import copy_many
+    from maru.common._memcopy import copy_many
 
     with pytest.raises(TypeError, match="int64"):
         copy_many(np.zeros(2, dtype=np.int32), np.zeros(2, dtype=np.int32), 8)

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from maru.client.localindex import LocalIndexClient, _open
-from maru.client.memcopy import COPY_VALUES
 from maru.common import shmindex
+from maru.common.memcopy import COPY_VALUES
 from maru.common.shmindex import MAX_KEY, NCOLS, USE_SUFFIX, region_tag, table_files
 from maru.server import localindex
 from maru.server.localindex import LocalIndex, _Table, retire_earlier
@@ -522,7 +522,7 @@ def test_a_fused_read_shared_between_threads_proves_only_what_did_not_change(ind
     threads, and the check runs only after every share: a key removed and a key whose bytes
     changed between the probe and the check are not proven; every other key's bytes are its
     own."""
-    from maru.client import memcopy
+    from maru.common import memcopy
 
     value, n = 128 * 1024, 24
     data, regions = region_with_bytes(value * n)

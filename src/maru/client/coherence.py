@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from maru.client._memcopy import coherence as _c_coherence
-from maru.client._memcopy import coherence_counts as _c_coherence_counts
-from maru.client._memcopy import flush_ranges as _c_flush_ranges
-from maru.client.memcopy import CopyFaultError, faulted
+from maru.common._memcopy import coherence as _c_coherence
+from maru.common._memcopy import coherence_counts as _c_coherence_counts
+from maru.common._memcopy import flush_ranges as _c_flush_ranges
 from maru.common.config import COHERENCE_MODES
+from maru.common.memcopy import CopyFaultError, faulted
 
 log = logging.getLogger(__name__)
 

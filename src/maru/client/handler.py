@@ -28,7 +28,6 @@ from maru.client.connecting import connect_failure, probe
 from maru.client.conveniences import OriginalApi
 from maru.client.localindex import LocalIndexClient, Prefix, joined, offered_index
 from maru.client.mapping import RegionMapper
-from maru.client.memcopy import CopyFaultError, copy_values, guard_faults
 from maru.client.poolpath import prove_or_refuse
 from maru.client.reads import Segment, copy_and_prove
 from maru.client.requests import Lookup, MemoryInfo, RegionsLost
@@ -45,6 +44,7 @@ from maru.common.errors import (
     MaruNotConnected,
     MaruServerError,
 )
+from maru.common.memcopy import CopyFaultError, copy_values, guard_faults
 from maru.common.protocol import DeleteStatus, ErrorCode, Key, MsgType, check_key_batch
 
 log = logging.getLogger(__name__)

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from maru.client.coherence import software
-from maru.client.memcopy import COPY_VALUES
 from maru.client.requests import Lookup, checksum_mismatches, other_lengths
 from maru.common import _keys, shmindex
 from maru.common.errors import MaruError
+from maru.common.memcopy import COPY_VALUES
 from maru.common.protocol import MsgType
 from maru.common.shmindex import (
     NCOLS,
@@ -298,7 +298,7 @@ class LocalIndexClient:
         columns = np.frombuffer(raw, np.int64).reshape(NCOLS + 2, len(keys))
         lengths, status = columns[1], columns[NCOLS + 1]
         lost = int(np.count_nonzero(status == 5))
-        if lost:  # (`maru.client.memcopy`: the pool's file truncated under the copy, say)
+        if lost:  # (`maru.common.memcopy`: the pool's file truncated under the copy, say)
             log.warning("the copy of %d of %d keys faulted: misses", lost, len(keys))
         stale = int(np.count_nonzero(status == 3))
         if stale:

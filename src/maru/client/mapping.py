@@ -39,12 +39,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from maru.client._memcopy import CopyGate
-from maru.client._memcopy import flush_ranges as _flush_ranges
 from maru.client.coherence import SOFTWARE, process_mode
-from maru.client.memcopy import CopyFaultError
 from maru.client.poolpath import PoolPlace
 from maru.common import hugepages
+from maru.common._memcopy import CopyGate
+from maru.common._memcopy import flush_ranges as _flush_ranges
+from maru.common.memcopy import CopyFaultError
 from maru.common.populate import (
     MADV_POPULATE_READ,
     MADV_POPULATE_WRITE,

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from maru.client.checksum import checksums
 from maru.client.coherence import invalidate_ranges
-from maru.client.memcopy import CopyFaultError, faulted
+from maru.common.checksum import checksums
 from maru.common.errors import MaruError
+from maru.common.memcopy import CopyFaultError, faulted
 from maru.common.protocol import CHECKSUMS, Key, MsgType
 from maru.common.region import RegionHandle
 

@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from maru.client._memcopy import copy_values_start as _c_copy_values_start
-from maru.client.checksum import checksums
 from maru.client.chunks import REPEATED, SEALABLE, SPENT, AllocHandle
 from maru.client.coherence import write_back_handles
 from maru.client.localindex import joined
-from maru.client.memcopy import CopyFaultError, copy_values_start
 from maru.client.requests import BYTES_LIKE, RegionsLost
 from maru.client.supply import AHEAD_WRITES, RegionSupply, Room
+from maru.common._memcopy import copy_values_start as _c_copy_values_start
+from maru.common.checksum import checksums
 from maru.common.errors import MaruError, MaruServerError
+from maru.common.memcopy import CopyFaultError, copy_values_start
 from maru.common.protocol import (
     CHECKSUMS,
     INT64,

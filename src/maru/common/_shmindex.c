@@ -166,13 +166,13 @@ static int guarded(int (*fn)(void *), void *arg)
     return rc;
 }
 
-/* The guard from `maru.client._memcopy` (once): 0, or -1 with the import's error. The module
+/* The guard from `maru.common._memcopy` (once): 0, or -1 with the import's error. The module
  * is imported first: PyCapsule_Import only looks up the attributes after the top package,
- * and the server imports nothing else of `maru.client`. */
+ * and maru-server loads nothing else of the copy engine (`maru.common.memcopy` needs numpy). */
 static int fault_guard_take(void)
 {
     if (fault_guard == NULL) {
-        PyObject *module = PyImport_ImportModule("maru.client._memcopy");
+        PyObject *module = PyImport_ImportModule("maru.common._memcopy");
         if (module == NULL)
             return -1;
         Py_DECREF(module);
@@ -1893,7 +1893,7 @@ done:
  * slot is unchanged) with no Python between the steps: on the data path's small pages the
  * interpreter's work around three calls, run from caches the copy has just flushed, cost
  * more than the probe and the check themselves. The copy is `_memcopy.c`'s loop, reached
- * through its capsule (maru.client._memcopy.COPY_VALUES: `copy_values_threads`, shared by
+ * through its capsule (maru.common._memcopy.COPY_VALUES: `copy_values_threads`, shared by
  * `threads` threads), so both paths copy alike. */
 
 typedef Py_ssize_t (*copy_values_fn)(const int64_t *starts, const int64_t *buffers,
@@ -1963,7 +1963,7 @@ static int read_all(const Table *t, const Batch *b, const Regions *regions, int6
  * checksum (with hashed; a value stored without one is not checked), 5 its copy faulted (the
  * pool's file truncated or out of room under it: `_memcopy.c`, "faults during a copy"). `buffers`: int64
  * (keys, parts) part pointers, `sizes`: the parts' int64 sizes, summing to `length`;
- * `copier`: maru.client._memcopy.COPY_VALUES; `threads`: the copy shared by up to that many
+ * `copier`: maru.common._memcopy.COPY_VALUES; `threads`: the copy shared by up to that many
  * threads (1 unless given). */
 static PyObject *Reader_read(Reader *self, PyObject *const *args, Py_ssize_t nargs,
                              PyObject *kwnames)

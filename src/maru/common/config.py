@@ -204,7 +204,7 @@ EAGER_MAP_ENV = "MARU_EAGER_MAP"  # wins over `eager_map`, as in the original Ma
 POOL_PATH_ENV = "MARU_POOL_PATH"  # `pool_path` where the key is not set (the key wins)
 
 
-MAX_COPY_THREADS = 16  # the caller and the 15 copier threads of maru.client._memcopy
+MAX_COPY_THREADS = 16  # the caller and the 15 copier threads of maru.common._memcopy
 
 
 def parse_int(value: Any, *, name: str, minimum: int = 1, maximum: int = 2**31 - 1) -> int:

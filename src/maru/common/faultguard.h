@@ -2,7 +2,7 @@
  * it. There is one guard in the process: its SIGBUS/SIGSEGV handler and its per-thread jump
  * pointer live in `_memcopy.c` alone (two handlers would each have to chain to the other, and
  * a fault in one's guard could meet the other's). `_memcopy.c` exports `on` and `off` through
- * the capsule MARU_FAULT_GUARD (`maru.client._memcopy.FAULT_GUARD`); `_shmindex.c` runs every
+ * the capsule MARU_FAULT_GUARD (`maru.common._memcopy.FAULT_GUARD`); `_shmindex.c` runs every
  * read of a reader's table (pool memory, for the in-pool index) under them, so that a pool
  * file truncated under a reader is a fault of that call, not the death of the process.
  *
@@ -23,7 +23,7 @@
 
 #include <setjmp.h>
 
-#define MARU_FAULT_GUARD "maru.client._memcopy.FAULT_GUARD"
+#define MARU_FAULT_GUARD "maru.common._memcopy.FAULT_GUARD"
 
 typedef struct {
     void (*on)(sigjmp_buf *jump); /* a fault in this thread jumps to `jump` from now on */

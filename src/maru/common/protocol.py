@@ -34,7 +34,7 @@ STREAM_LENGTH = struct.Struct("!I")  # frame length on a stream transport
 STREAM_RECV_BYTES = 1 << 16
 FLAG_REPLY = 0x1
 
-# The checksum column is named after its hash (`maru.client.checksum`): a checksum is only
+# The checksum column is named after its hash (`maru.common.checksum`): a checksum is only
 # compared with one of the same hash, as a column of another name is not read.
 CHECKSUMS = "maru64"
 

@@ -21,7 +21,7 @@ a result only to the job it answers (`maru.server.cluster.tier.unbind`), never t
 job of its batch, of another batch, or of one answered before.
 
 The pool's files are mapped here and registered with Mooncake's transfer engine: no extra
-copy either way. The one module under maru.server that loads `maru.client.checksum` (numpy);
+copy either way. The one module under maru.server that loads `maru.common.checksum` (numpy);
 maru-server never imports it.
 
 Coherence (`--coherence`, maru-server's: docs/architecture.md "Coherence"): in software mode
@@ -52,8 +52,8 @@ from typing import Any
 
 import numpy as np
 
-from maru.client.checksum import checksums_at
-from maru.client.memcopy import CopyFaultError, faulted, guard_faults
+from maru.common.checksum import checksums_at
+from maru.common.memcopy import CopyFaultError, faulted, guard_faults
 from maru.common.populate import (
     MADV_POPULATE_WRITE,
     POPULATE_STEP,
@@ -449,7 +449,7 @@ class Sidecar:
 def apply_coherence(mode: str) -> None:
     """This process's copies and hashes in maru-server's coherence mode (see the module's
     docstring); OSError for software where the CPU has no cache-line flushes."""
-    from maru.client._memcopy import coherence
+    from maru.common._memcopy import coherence
 
     coherence(mode)
 

@@ -1,10 +1,10 @@
-/* maru.client._memcopy: many memcpy calls for one Python call.
+/* maru.common._memcopy: many memcpy calls for one Python call.
  *
  * A batch of KV pages is hundreds of separate page parts (the K and V halves of every page
  * live apart in SGLang's host pool). Copying them with one ctypes.memmove each costs about a
  * microsecond of interpreter overhead per part on a small VM, which at 64 KiB pages is a
  * fifth of the batch. `copy_many` takes the addresses as int64 arrays and runs the loop in C,
- * without the GIL. maru.client.memcopy is its Python face.
+ * without the GIL. maru.common.memcopy is its Python face.
  *
  * Streaming: a page part copied into the pool is read next by another process (from memory),
  * and one copied into SGLang's host pool goes next to the GPU by DMA (from memory): neither
@@ -35,9 +35,9 @@
 #include <errno.h>
 #include <unistd.h>
 
-#include "../common/int64_buffer.h"
-#include "../common/cacheflush.h"
-#include "../common/faultguard.h"
+#include "int64_buffer.h"
+#include "cacheflush.h"
+#include "faultguard.h"
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #define HAVE_STREAMING 1
@@ -605,7 +605,7 @@ static void fault_signals_unblock(void)
     pthread_sigmask(SIG_UNBLOCK, &set, NULL);
 }
 
-static PyObject *CopyFaultError; /* maru.client._memcopy.CopyFaultError (an OSError) */
+static PyObject *CopyFaultError; /* maru.common._memcopy.CopyFaultError (an OSError) */
 
 /* Raise CopyFaultError for a copy (`what`: its name) in which `faults` of `n` values (or
  * buffers) faulted, `faulted[i]` 1 for those (NULL: all): its `faulted` attribute, as
@@ -1302,7 +1302,7 @@ static PyMethodDef CopyInFlight_methods[] = {
 };
 
 static PyTypeObject CopyInFlightType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru.client._memcopy.CopyInFlight",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru.common._memcopy.CopyInFlight",
     .tp_basicsize = sizeof(CopyInFlight),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A copy_values_start copy: finish() completes it.",
@@ -1415,7 +1415,7 @@ static PyGetSetDef CopyGate_getset[] = {
 };
 
 static PyTypeObject CopyGateType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru.client._memcopy.CopyGate",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "maru.common._memcopy.CopyGate",
     .tp_basicsize = sizeof(CopyGate),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_traverse = (traverseproc)CopyGate_traverse,
@@ -1685,7 +1685,7 @@ static PyMethodDef methods[] = {
     {"copy_many", copy_many, METH_VARARGS,
      "copy_many(dst, src, size, streaming=True): memmove(dst[i], src[i], size) for the int64\n"
      "addresses of dst and src (size: one for all, or an int64 array of one per buffer),\n"
-     "without the GIL; see maru.client.memcopy."},
+     "without the GIL; see maru.common.memcopy."},
     {"copy_many_hashed", copy_many_hashed, METH_VARARGS,
      "copy_many_hashed(dst, src, sizes, parts, streaming=True) -> bytes: buffer b (int64\n"
      "addresses and sizes) copied from src[b] to dst[b] (dst None: only hashed); every `parts`\n"
@@ -1695,7 +1695,7 @@ static PyMethodDef methods[] = {
      "-> bytes or None: value v (parts of `sizes` back to back from starts[v]; 0: skipped)\n"
      "copied to (to_values False) or from its parts' buffers[v * parts + j]; with hashed, each\n"
      "value's maru64 as native int64s (0 where skipped); shared by up to `threads` threads\n"
-     "(streaming only). See maru.client.memcopy.copy_values."},
+     "(streaming only). See maru.common.memcopy.copy_values."},
     {"copy_values_start", copy_values_start, METH_VARARGS,
      "copy_values_start(...) -> CopyInFlight: copy_values' arguments; the copiers start now,\n"
      "the caller's part and the result come with finish()."},
@@ -1731,7 +1731,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "maru.client._memcopy", "Many memcpy calls for one Python call.", -1, methods,
+    PyModuleDef_HEAD_INIT, "maru.common._memcopy", "Many memcpy calls for one Python call.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__memcopy(void)
@@ -1750,7 +1750,7 @@ PyMODINIT_FUNC PyInit__memcopy(void)
         return PyErr_SetFromErrno(PyExc_OSError);
     if (CopyFaultError == NULL) {
         CopyFaultError = PyErr_NewExceptionWithDoc(
-            "maru.client._memcopy.CopyFaultError",
+            "maru.common._memcopy.CopyFaultError",
             "Pool memory faulted during a copy (SIGBUS: its file truncated or its filesystem\n"
             "out of room; SIGSEGV: unmapped). `faulted`: bytes, 1 per value (or buffer) that\n"
             "was not copied; the others were.",

@@ -1,6 +1,6 @@
 """maru64, the page checksum of `maru_checksums`: one hash for writers and readers alike.
 
-Written for Maru (no library's code). The C loop in `maru.client._memcopy` (scalar, AVX2 or
+Written for Maru (no library's code). The C loop in `maru.common._memcopy` (scalar, AVX2 or
 AVX-512: the same value) hashes while it copies, so a checksum costs no second read of the
 page from memory; the definition is at the top of its hash section (a numpy reference the
 tests check it against: `tests/unit/maru64.py`).
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from maru.client._memcopy import copy_many_hashed as _c_hashed
+from maru.common._memcopy import copy_many_hashed as _c_hashed
 
 
 def checksums(views: Sequence[memoryview]) -> np.ndarray:

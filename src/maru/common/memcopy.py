@@ -1,5 +1,5 @@
 """Copying many page parts at once: the data path's only loop over pages, in C
-(`maru.client._memcopy`) without the GIL.
+(`maru.common._memcopy`) without the GIL.
 
 Parts of 4 KiB or more that do not overlap are written with non-temporal stores on x86, then a
 store fence (why: `_memcopy.c`); `streaming=False` is plain memmove (the benchmarks' baseline).
@@ -18,18 +18,18 @@ import numpy as np
 
 # page_pointers (see its C docstring) is exported as it is: numpy's slice, cast, multiply and
 # add around it would cost more than its arithmetic from cold caches.
-from maru.client._memcopy import (
+from maru.common._memcopy import (
     COPY_VALUES,  # (its C loop, for the local index's read)
     STREAMING,
     CopyFaultError,
     guard_faults,
     page_pointers,
 )
-from maru.client._memcopy import copier_counts as _c_copier_counts
-from maru.client._memcopy import copy_many as _c_copy_many
-from maru.client._memcopy import copy_many_hashed as _c_copy_many_hashed
-from maru.client._memcopy import copy_values as _c_copy_values
-from maru.client._memcopy import copy_values_start as _c_copy_values_start
+from maru.common._memcopy import copier_counts as _c_copier_counts
+from maru.common._memcopy import copy_many as _c_copy_many
+from maru.common._memcopy import copy_many_hashed as _c_copy_many_hashed
+from maru.common._memcopy import copy_values as _c_copy_values
+from maru.common._memcopy import copy_values_start as _c_copy_values_start
 
 __all__ = [
     "COPY_VALUES",
