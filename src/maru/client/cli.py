@@ -175,6 +175,21 @@ def _cluster_line(s: Stats) -> str:
     )
 
 
+def _quota(limit: int) -> str:
+    """A per-instance byte quota (0: none)."""
+    return f"at most {fmt_bytes(limit)} an instance" if limit else "no quota"
+
+
+def _holds_line(s: Stats) -> str:
+    """What the instances' read leases and pins keep from eviction now (their keys' bytes,
+    the instances' together), and the quota on each instance's."""
+    return (
+        f"{fmt_bytes(s.get('leased_bytes', 0))} under leases "
+        f"({_quota(s.get('quota_lease_bytes', 0))}), {fmt_bytes(s.get('pinned_bytes', 0))} "
+        f"pinned ({_quota(s.get('quota_pin_bytes', 0))})"
+    )
+
+
 def render_status(url: str, s: Stats) -> str:
     pool, counters = s["pool"], s["counters"]
     cap = pool["capacity"]
@@ -194,6 +209,7 @@ def render_status(url: str, s: Stats) -> str:
         f"{s['watermarks']['high']:.0%} down to {s['watermarks']['low']:.0%})",
         f"instances: {len(s['instances'])} connected{_gone_summary(s)}, "
         f"{orphaned.get('regions', 0)} orphaned regions, {s['leases']} leases",
+        f"holds:     {_holds_line(s)}",
         f"hosts:     {_hosts_line(s)}",
         f"lookups:   {counters.get('lookups', 0)} keys, hit rate "
         f"{hit_rate(counters.get('hits', 0), counters.get('misses', 0))}, "
@@ -244,6 +260,8 @@ def instance_rows(s: Stats, limit: int | None = None) -> Rows:
         "HIT%",
         "EXIST%",
         "EVICTED",
+        "LEASED",
+        "PINNED",
         "IDLE",
     ]
     rows: list[list[str]] = []
@@ -262,6 +280,8 @@ def instance_rows(s: Stats, limit: int | None = None) -> Rows:
                 hit_rate(i["hits"], i["misses"]),
                 hit_rate(i.get("exists_hits", 0), i.get("exists_misses", 0)),
                 str(i["evicted"]),
+                fmt_bytes(i.get("leased_bytes", 0)),
+                fmt_bytes(i.get("pinned_bytes", 0)),
                 _idle(s, i),
             ]
         )

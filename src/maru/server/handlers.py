@@ -206,8 +206,9 @@ def _heartbeat_interval(server: Server) -> float:
 
 
 def on_heartbeat(server: Server, body: dict[str, Any]) -> dict[str, Any]:
-    """A sign of life; one that reports reads the client answered from the local index
-    (`_count_local_reads`) is a sign of use too (`InstanceTable.beat`)."""
+    """A sign of life (`InstanceTable.touch` marks no use for it); one that reports reads the
+    client answered from the local index (`_count_local_reads`) is a sign of use too
+    (`InstanceTable.beat`)."""
     _count_local_reads(server, body)
     reads = body.get("local_reads")
     server.registry.instances.beat(body["iid"], bool(reads and (reads[0] or reads[2])))
@@ -356,17 +357,15 @@ def on_evict_for(server: Server, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def on_pin(server: Server, body: dict[str, Any]) -> dict[str, Any]:
-    """PIN, for at most `Pins.max_keys` keys of one instance at once."""
+    """PIN, for at most `Pins.max_keys` keys and `Pins.max_bytes` bytes of one instance at
+    once (a pinned key is never evicted), checked in one pass (`Pins.admit`)."""
     keys, iid, reg = _keys(body), _owner(body), server.registry
     pins, leading = reg.pins, _flag(body, "leading")
-    over = pins.room(keys, iid)
+    over = pins.admit(keys, iid, leading)
     if over is not None:
-        what = f"pinned keys ({over[1]} more asked)"
-        raise over_quota(reg.log_throttle, reg.instances[iid], what, over[0], pins.max_keys)
-    over = pins.byte_room(keys, iid, leading)  # (a pinned key is never evicted)
-    if over is not None:
-        what = f"pinned bytes ({over[1]} more asked)"
-        raise over_quota(reg.log_throttle, reg.instances[iid], what, over[0], pins.max_bytes)
+        unit, held, asked, most = over
+        what = f"pinned {unit} ({asked} more asked)"
+        raise over_quota(reg.log_throttle, reg.instances[iid], what, held, most)
     return {"results": pins.pin(keys, iid, leading)}
 
 

@@ -46,37 +46,43 @@ class Pins:
         # Bytes of keys one instance may pin at once (`--quota-pin-bytes`; 0: no quota): a
         # pinned key is never evicted, and any instance may pin any key.
         self.max_bytes = 0
+        # The instances' `pin_bytes` together, kept as they change (STATS reads it in O(1)).
+        self.bytes = 0
 
-    def room(self, keys: list[Any], owner: str) -> tuple[int, int] | None:
-        """None if `owner` may pin `keys` within `max_keys` (counted as if every one were
-        pinned: a PIN is refused whole, before any side effect); else (pinned now, asked
-        new). A request's check, not the journal replay's (`pin`)."""
-        inst = self.instances.get(owner)
-        if inst is None or len(inst.pins) + len(keys) <= self.max_keys:
-            return None
-        pinned = inst.pins
-        new = len({key for key in keys if key not in pinned})
-        return None if len(pinned) + new <= self.max_keys else (len(pinned), new)
-
-    def byte_room(
+    def admit(
         self, keys: list[Any], owner: str, leading: bool = False
-    ) -> tuple[int, int] | None:
-        """None if `owner` may pin `keys` within `max_bytes`; else (bytes it pins now, bytes
-        asked new). Counted as `pin` would take them: each key once, none it pins already,
-        with `leading` none after the first miss. A request's check (a PIN is refused whole,
-        before any side effect), not the journal replay's: O(batch), one C lookup."""
+    ) -> tuple[str, int, int, int] | None:
+        """None if `owner` may pin `keys` within `max_keys` and `max_bytes`; else what is over,
+        ("keys" or "bytes", held now, asked new, the bound), the count checked first. Counted
+        as if every key were pinned for the count, as `pin` would take them for the bytes
+        (each key once, none it pins already, with `leading` none after the first miss). A
+        request's check (a PIN is refused whole, before any side effect), not the journal
+        replay's: one pass over the keys for both (with one C lookup when bytes count), none
+        when no byte quota is set and the batch fits the count however many it pins already."""
         inst = self.instances.get(owner)
-        if not self.max_bytes or inst is None:
+        if inst is None:
             return None
-        pinned, seen, new = inst.pins, set(), 0
-        for key, entry in zip(keys, self.keys.get_many(keys)):
-            if entry is None:
-                if leading:
-                    break
-            elif key not in pinned and key not in seen:
-                seen.add(key)
-                new += entry.length
-        return None if inst.pin_bytes + new <= self.max_bytes else (inst.pin_bytes, new)
+        pinned, max_keys, max_bytes = inst.pins, self.max_keys, self.max_bytes
+        if len(pinned) + len(keys) <= max_keys and not max_bytes:
+            return None
+        entries = self.keys.get_many(keys) if max_bytes else itertools.repeat(None)
+        seen: set[Any] = set()
+        new = nbytes = 0
+        counting = bool(max_bytes)  # (bytes: until the first miss, with `leading`)
+        for key, entry in zip(keys, entries):
+            if entry is None and leading:
+                counting = False
+            if key in pinned or key in seen:
+                continue
+            seen.add(key)
+            new += 1
+            if counting and entry is not None:
+                nbytes += entry.length
+        if len(pinned) + new > max_keys:
+            return "keys", len(pinned), new, max_keys
+        if max_bytes and inst.pin_bytes + nbytes > max_bytes:
+            return "bytes", inst.pin_bytes, nbytes, max_bytes
+        return None
 
     def pin(self, keys: list[Any], owner: str | None = None, leading: bool = False) -> list[bool]:
         """Pin the keys that exist; with `leading`, only the run of them from the start, up to
@@ -115,6 +121,7 @@ class Pins:
             out.append(ok)
         if changed:
             self._log("P" if sign > 0 else "U", owner if inst is not None else "", changed)
+        before = inst.pin_bytes if inst is not None else 0
         for key, entry in zip(changed, entries):
             entry.pins += sign
             if inst is not None:  # (its `pin_bytes`: each key's bytes once, while pinned)
@@ -125,6 +132,8 @@ class Pins:
                 if count + sign == 0:
                     del inst.pins[key]
                     inst.pin_bytes = inst.pin_bytes - entry.length if inst.pins else 0
+        if inst is not None:
+            self.bytes += inst.pin_bytes - before
         return out
 
     def drop(self, inst: Instance) -> int:
@@ -139,6 +148,7 @@ class Pins:
                 entry.pins = max(0, entry.pins - count)
         dropped = sum(inst.pins.values())
         inst.pins.clear()
+        self.bytes -= inst.pin_bytes
         inst.pin_bytes = 0
         return dropped
 
@@ -178,6 +188,8 @@ class LeaseTable(dict[int, Lease]):
         self.seconds = seconds  # a lease's life (--lease-timeout)
         self.counters = counters
         self.max_keys = MAX_LEASED_KEYS  # (`room`)
+        # The owners' `lease_bytes` together, kept as leases come and go (STATS, in O(1)).
+        self.bytes = 0
         self._expiry: list[tuple[float, int]] = []  # heap of (expires, lease_id)
         # Ids start at a random point, so that a lease id from before a server restart (a
         # reader confirming a copy it began then) never names a lease taken since.
@@ -199,6 +211,7 @@ class LeaseTable(dict[int, Lease]):
             inst.leases.add(lease_id)
             inst.lease_bytes += nbytes
             inst.lease_keys += len(held)
+            self.bytes += nbytes
         return lease_id
 
     def room(self, owner: str | None, nkeys: int) -> int | None:
@@ -219,6 +232,7 @@ class LeaseTable(dict[int, Lease]):
             inst.leases.discard(lease_id)
             inst.lease_bytes -= lease.nbytes
             inst.lease_keys -= len(lease.entries)
+            self.bytes -= lease.nbytes
         return True
 
     def release(self, lease_ids: list[Any], owner: str | None) -> int:

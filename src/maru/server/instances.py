@@ -61,10 +61,9 @@ class Instance:
     lease_keys: int = 0  # keys its leases hold, a reference each (`LeaseTable.max_keys`)
     pin_bytes: int = 0  # bytes of the keys it pins, each once (`Pins.max_bytes`)
     # Its last request but a bare heartbeat (time.monotonic()): of those holding nothing, a
-    # full table reaps the one idle longest (`InstanceTable.admit`). `active_before`: its
-    # value before the message being served (`touch`, `beat`).
+    # full table reaps the one idle longest (`InstanceTable.admit`). Set by `touch` for any
+    # message but a HEARTBEAT, and by `beat` for a heartbeat that reports reads.
     active_at: float = field(default_factory=time.monotonic)
-    active_before: float = 0.0
     shed: int = 0  # bytes of regions to ask it to give back, on its next reply (fair share)
     # It asked for a region once (REQUEST_REGION): it writes, so it is owed a fair share; an
     # instance that only reads never uses pool room, and counting it shrank writers' shares
@@ -158,11 +157,11 @@ class InstanceTable(dict[str, Instance]):
             return True
 
     def beat(self, instance_id: Any, reads: bool) -> None:
-        """A HEARTBEAT shows life, not use: unless it reports reads the client answered from
-        the local index (`reads`), the instance stays as idle as it was (`admit`)."""
+        """A HEARTBEAT shows life, not use (`touch` marked none): one that reports reads the
+        client answered from the local index (`reads`) is use, and ends its idleness."""
         inst = self.get(instance_id) if isinstance(instance_id, str) else None
-        if inst is not None and not reads:
-            inst.active_at = inst.active_before
+        if inst is not None and reads:
+            inst.active_at = time.monotonic()
 
     def claim(self, instance_id: str, sock: Any) -> str | None:
         """`ProcessWatch.claim` (None, or why the peer may not speak for it), for at most
@@ -183,15 +182,19 @@ class InstanceTable(dict[str, Instance]):
                 raise ProtocolError(ErrorCode.QUOTA_EXCEEDED, why)
         return processes.claim(instance_id, sock)
 
-    def touch(self, instance_id: Any, route: bytes | None = None, host: str = "") -> None:
-        """Any message naming a known instance is a sign of life, and shows it connected.
-        `route`: the ZMQ routing id it came on (None: the local socket); `host`: where from
-        (`MaruService.host_of`; "" keeps the last known)."""
+    def touch(
+        self, instance_id: Any, route: bytes | None = None, host: str = "", heartbeat: bool = False
+    ) -> None:
+        """Any message naming a known instance is a sign of life, and shows it connected; any
+        but a `heartbeat` is a sign of use too (its idleness ends: `admit`; a heartbeat that
+        reports reads is one, `beat`). `route`: the ZMQ routing id it came on (None: the
+        local socket); `host`: where from (`MaruService.host_of`; "" keeps the last known)."""
         inst = self.get(instance_id) if isinstance(instance_id, str) else None
         if inst is not None:
             now = time.monotonic()
             inst.last_seen = now
-            inst.active_before, inst.active_at = inst.active_at, now  # (a heartbeat: `beat`)
+            if not heartbeat:
+                inst.active_at = now
             inst.dropped = False
             if host:
                 inst.host = host

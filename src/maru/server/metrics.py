@@ -21,7 +21,7 @@ from maru.common.protocol import MsgType
 
 if TYPE_CHECKING:  # (none of them imports this module)
     from maru.server.eviction import Eviction
-    from maru.server.holds import LeaseTable
+    from maru.server.holds import LeaseTable, Pins
     from maru.server.instances import InstanceTable
     from maru.server.keyindex import KeyIndex
     from maru.server.localindex import LocalIndex
@@ -175,6 +175,14 @@ INSTANCE_GAUGES: dict[str, tuple[str, str]] = {
     ),
     "pins": ("maru_instance_pins", "Pins the instance holds."),
     "leases": ("maru_instance_leases", "Read leases the instance holds."),
+    "pinned_bytes": (
+        "maru_instance_pinned_bytes",
+        "Bytes of the keys the instance pins, each key once (bounded by --quota-pin-bytes).",
+    ),
+    "leased_bytes": (
+        "maru_instance_leased_bytes",
+        "Bytes of the keys its read leases hold (bounded by --quota-lease-bytes).",
+    ),
     "idle_seconds": (
         "maru_instance_idle_seconds",
         "Seconds since the instance's last message (reaped after the heartbeat timeout).",
@@ -301,6 +309,29 @@ def _server_gauges(s: dict[str, Any]) -> list[tuple[str, str, float]]:
         ("maru_instances", "Instances connected now.", len(s["instances"])),
         ("maru_leases", "Read leases held now.", s["leases"]),
         (
+            "maru_leased_bytes",
+            "Bytes of the keys under read leases now, the instances' together (a key two "
+            "instances lease counts twice).",
+            s.get("leased_bytes", 0),
+        ),
+        (
+            "maru_pinned_bytes",
+            "Bytes of the keys pinned now, the instances' together (each key once per "
+            "instance pinning it).",
+            s.get("pinned_bytes", 0),
+        ),
+        (
+            "maru_quota_lease_bytes",
+            "Most bytes of keys one instance may hold under leases (--quota-lease-bytes; 0: "
+            "no quota).",
+            s.get("quota_lease_bytes", 0),
+        ),
+        (
+            "maru_quota_pin_bytes",
+            "Most bytes of keys one instance may pin (--quota-pin-bytes; 0: no quota).",
+            s.get("quota_pin_bytes", 0),
+        ),
+        (
             "maru_journal_writable",
             "1 while the registry journal can be written; 0 while changes are refused "
             "(the state dir is full or failing; reads go on).",
@@ -335,6 +366,8 @@ class StatsSource(Protocol):
     live_bytes: int
     regions: RegionTable
     leases: LeaseTable
+    pins: Pins
+    quota_lease_bytes: int
     eviction: Eviction
     instances: InstanceTable
     counters: dict[str, int]
@@ -360,6 +393,8 @@ def registry_stats(registry: StatsSource) -> dict[str, Any]:
             **{field: getattr(i, field) for field in INSTANCE_COUNTERS},
             "pins": sum(i.pins.values()),
             "leases": len(i.leases),
+            "pinned_bytes": i.pin_bytes,  # (each key once: what --quota-pin-bytes bounds)
+            "leased_bytes": i.lease_bytes,  # (what --quota-lease-bytes bounds)
             "idle_seconds": round(max(0.0, now - i.last_seen), 3),
             "dropped": i.dropped,  # its TCP connection closed: gone (`maru status`)
             "host": i.host,
@@ -374,6 +409,12 @@ def registry_stats(registry: StatsSource) -> dict[str, Any]:
         "live_bytes": registry.live_bytes,
         "regions": len(regions),
         "leases": len(registry.leases),
+        # The instances' holds together: running totals kept at each change (`Pins.bytes`,
+        # `LeaseTable.bytes`), O(1) to read, not a second pass over the instances' figures.
+        "leased_bytes": registry.leases.bytes,
+        "pinned_bytes": registry.pins.bytes,
+        "quota_lease_bytes": registry.quota_lease_bytes,  # per instance; 0: no quota
+        "quota_pin_bytes": registry.pins.max_bytes,
         "watermarks": {"high": eviction.high_watermark, "low": eviction.low_watermark},
         "instances": instances,
         "orphaned": {  # returned regions (owner gone) kept alive by keys still in them

@@ -362,9 +362,9 @@ class Registry:
             raise over_quota(self.log_throttle, inst, what, held, self.leases.max_keys)
         held, region_ids, offsets, lengths, checksums = self.keys.lookup_columns(keys, lease)
         nbytes = 0
-        if lease and held and inst is not None and self.quota_lease_bytes:
+        if lease and held and inst is not None:  # (its `lease_bytes`, quota or not: STATS)
             nbytes = sum(memoryview(lengths).cast("q"))
-            if inst.lease_bytes + nbytes > self.quota_lease_bytes:
+            if self.quota_lease_bytes and inst.lease_bytes + nbytes > self.quota_lease_bytes:
                 release_entries(held)  # (a flood of leases must not keep writers from room)
                 what = f"bytes under leases (a lease of {nbytes} more asked)"
                 raise over_quota(

@@ -238,7 +238,8 @@ class MaruService:
             body["via_local"] = peer is not None  # on this node for sure (the local index)
             if iid is not None:
                 self._check_holder(iid, peer)
-            self.registry.instances.touch(iid, route, host)  # any message is a sign of life
+            # Any message is a sign of life; any but a heartbeat a sign of use (idle reaping)
+            self.registry.instances.touch(iid, route, host, msg_type == MsgType.HEARTBEAT)
             handler = HANDLERS.get(msg_type)  # (`maru.server.handlers`)
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg_type}")
