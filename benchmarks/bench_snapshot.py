@@ -2,14 +2,19 @@
 
     .venv/bin/python benchmarks/bench_snapshot.py                 # 10^5 and 10^6 keys, ~1 min
     .venv/bin/python benchmarks/bench_snapshot.py --keys 200000   # one size
+    .venv/bin/python benchmarks/bench_snapshot.py --state-on /var/tmp   # a disk's fsyncs too
 
-Every request of every instance waits while the loop writes a snapshot (`Housekeeping.
+Every request of every instance waits while the loop works on a snapshot (`Housekeeping.
 snapshot`, when the journal passes its threshold). A `MaruService` built as maru-server builds
-it (bench_server's `Server`: a real pool and journal, here on /dev/shm, so no disk's fsync is
-in the figures) holds N keys of one page each; each round times one snapshot the way the
-server writes it (the keys' rows packed in C: `persistence.snapshot_packed`) and, as the
-baseline in the same run, one from the rows list built in Python (`persistence.snapshot`, the
-way it was written before 2026-12-06). Wall and this thread's CPU time, medians of the rounds.
+it (bench_server's `Server`: a real pool and journal, here on /dev/shm unless `--state-on` puts
+the state dir on another file system, so by default no disk's fsync is in the figures) holds N
+keys of one page each; each round times one snapshot each way. The server's way now: the keys'
+rows packed in C (`persistence.snapshot_packed`), then `Journal.start_snapshot`: the loop
+fsyncs the journal and switches to the next one, a thread writes the file; "on disk" is when
+that thread is done. As baselines in the same run, the ways before: the same packed state
+written on the loop (`Journal.write_snapshot`, the previous way), and the rows list built in
+Python and written on the loop (`persistence.snapshot`, the first way, until 2026-12-06).
+Wall and the loop thread's CPU time, medians of the rounds.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -28,6 +35,8 @@ from bench_server import Server, batch_keys
 from maru.common import protocol
 from maru.common.protocol import MsgType
 from maru.server import persistence
+from maru.server.journal import Journal
+from maru.server.registry import Registry
 
 PAGE = 4096
 BATCH = 4096
@@ -48,30 +57,54 @@ def filled(work: Path, n: int) -> Server:
     return server
 
 
-def measure(n: int, rounds: int) -> dict[str, tuple[float, float, int]]:
-    """Per way: (median wall s, median CPU s, the snapshot's bytes)."""
+Way = Callable[[Journal, Registry], None]
+
+
+def on_loop(build: Callable[[Registry], dict[str, Any]]) -> Way:
+    def way(journal: Journal, registry: Registry) -> None:
+        journal.write_snapshot(build(registry))
+
+    return way
+
+
+def in_background(journal: Journal, registry: Registry) -> None:
+    assert journal.start_snapshot(persistence.snapshot_packed(registry))
+
+
+WAYS: dict[str, Way] = {
+    "rows list, on the loop (first way)": on_loop(persistence.snapshot),
+    "packed in C, on the loop (previous way)": on_loop(persistence.snapshot_packed),
+    "packed in C, written in the background (now)": in_background,
+}
+
+
+def measure(n: int, rounds: int, state_on: Path | None = None) -> dict[str, tuple[float, ...]]:
+    """Per way: (median loop held s, median loop CPU s, median s until on disk, bytes)."""
     work = Path(tempfile.mkdtemp(prefix="maru-bench-snap-", dir="/dev/shm"))
+    if state_on is not None:  # (the journal makes its state dir: here, a link to elsewhere)
+        state = Path(tempfile.mkdtemp(prefix="maru-bench-snap-state-", dir=state_on))
+        (work / "state").symlink_to(state)
     server = filled(work, n)
-    ways = {"rows list (before)": persistence.snapshot, "packed in C": persistence.snapshot_packed}
-    samples: dict[str, list[tuple[float, float]]] = {w: [] for w in ways}
+    samples: dict[str, list[tuple[float, float, float]]] = {w: [] for w in WAYS}
     sizes: dict[str, int] = {}
     try:
         for _ in range(rounds):
-            for way, build in ways.items():
+            for name, way in WAYS.items():
                 t0, c0 = time.perf_counter(), time.thread_time()
-                server.journal.write_snapshot(build(server.registry))
-                samples[way].append((time.perf_counter() - t0, time.thread_time() - c0))
-                sizes[way] = server.journal.snapshot_size
+                way(server.journal, server.registry)
+                held, cpu = time.perf_counter() - t0, time.thread_time() - c0
+                server.journal.wait_snapshot()
+                samples[name].append((held, cpu, time.perf_counter() - t0))
+                assert server.journal.snapshot_errors == 0
+                sizes[name] = server.journal.snapshot_size
     finally:
         server.close()
         shutil.rmtree(work, ignore_errors=True)
+        if state_on is not None:
+            shutil.rmtree(state, ignore_errors=True)
     return {
-        way: (
-            statistics.median(w for w, _ in got),
-            statistics.median(c for _, c in got),
-            sizes[way],
-        )
-        for way, got in samples.items()
+        name: (*(statistics.median(s[i] for s in got) for i in range(3)), sizes[name])
+        for name, got in samples.items()
     }
 
 
@@ -79,12 +112,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keys", type=int, action="append", help="registry sizes (10^5, 10^6)")
     ap.add_argument("--rounds", type=int, default=3, help="snapshots of each way (3)")
+    ap.add_argument(
+        "--state-on", type=Path, help="the state dir under this directory (default: /dev/shm)"
+    )
     args = ap.parse_args()
-    print("| keys | snapshot | loop held, s (wall) | CPU, s | bytes |")
-    print("|---:|---|---:|---:|---:|")
+    print(f"state dir on {args.state_on or '/dev/shm'}")
+    print("| keys | snapshot | loop held, s (wall) | loop CPU, s | on disk after, s | bytes |")
+    print("|---:|---|---:|---:|---:|---:|")
     for n in args.keys or [100_000, 1_000_000]:
-        for way, (wall, cpu, size) in measure(n, args.rounds).items():
-            print(f"| {n:,} | {way} | {wall:.3f} | {cpu:.3f} | {size:,} |")
+        for way, (held, cpu, landed, size) in measure(n, args.rounds, args.state_on).items():
+            print(f"| {n:,} | {way} | {held:.3f} | {cpu:.3f} | {landed:.3f} | {size:,} |")
     return 0
 
 

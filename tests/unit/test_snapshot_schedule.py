@@ -98,6 +98,7 @@ def test_churn_snapshots_once_per_journal_of_the_snapshots_size(tmp_path):
     node = Node(tmp_path)
     node.add(1000)
     node.hk.run()
+    node.journal.wait_snapshot()  # (the write is in the background: one at a time)
     assert node.journal.generation == 1  # the journal (about 25 KB) passed the floor
     sizes, journaled, written, journal_total = [node.journal.snapshot_size], 0, 0, 0
     live = list(node.reg.keys)
@@ -109,6 +110,7 @@ def test_churn_snapshots_once_per_journal_of_the_snapshots_size(tmp_path):
         live = live[20:] + new
         journaled += node.journal._size - before
         node.hk.run()
+        node.journal.wait_snapshot()
         if node.journal.generation != generation:
             assert journaled >= threshold >= sizes[-1] > FLOOR
             written += node.journal.snapshot_size

@@ -247,10 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--snapshot-mb",
         type=_positive,
         default=64.0,
-        help="write a snapshot and start a new journal when the journal exceeds both this "
-        "size and the last snapshot's: a large registry snapshots once per journal of its "
-        "own size, not every SNAPSHOT_MB; a restart replays at most the larger of the two; "
-        "the state dir needs room for that much journal plus two snapshots (default: 64)",
+        help="start a new journal and write a snapshot (in the background) when the journals "
+        "since the last snapshot exceed both this size and that snapshot's: a large registry "
+        "snapshots once per journal of its own size, not every SNAPSHOT_MB; a restart replays "
+        "at most about the larger of the two; the state dir needs room for that much journal "
+        "plus two snapshots (default: 64)",
     )
     p.add_argument(
         "--busy-poll-us",

@@ -17,6 +17,9 @@ from maru.server.registry import Registry
 log = logging.getLogger("maru.server.service")
 
 SNAPSHOT_RETRY_S = 1.0  # while a snapshot is needed and failing, try again this often
+# after background writes failed in a row: SNAPSHOT_RETRY_S doubled per failure, up to this
+# (each try packs the registry on the loop and starts one more journal of the chain)
+SNAPSHOT_BACKGROUND_RETRY_MAX_S = 60.0
 
 
 def freeze_heap(full: bool = False) -> None:
@@ -40,6 +43,10 @@ class Housekeeping:
     next_reap: float = 0.0
     next_pool_check: float = 0.0
     next_snapshot: float = 0.0  # after a failed snapshot: not before this time
+    # after a failed background write: none that only shortens the chain before this time
+    next_background: float = 0.0
+    background_failures: int = 0  # background writes failed in a row
+    snapshot_errors_seen: int = 0  # the journal's `snapshot_errors` as of the last turn
     # failed snapshots, retried every second, logged once a minute
     _snapshot_log: Throttle = field(default_factory=lambda: Throttle(60.0))
 
@@ -56,15 +63,35 @@ class Housekeeping:
         if now >= self.next_pool_check:
             self.next_pool_check = now + 1.0
             self.check_pool()
-        if journal is not None and journal.needs_snapshot and now >= self.next_snapshot:
-            self.snapshot(journal, now)  # its time is forgiven by the loop's next turn
+        if journal is not None:
+            self.note_background(journal, now)
+            due = now >= self.next_snapshot and (journal.recovering or now >= self.next_background)
+            if due and journal.needs_snapshot:
+                self.snapshot(journal, now)  # its time is forgiven by the loop's next turn
         if self.gc_freeze:
             freeze_heap()  # what this turn left behind: keys registered, regions, leases
 
+    def note_background(self, journal: Journal, now: float) -> None:
+        """Note the background writes that failed since the last turn (the journal logged and
+        counted them) and back off: a later snapshot retries, every SNAPSHOT_RETRY_S doubled per
+        failure in a row up to SNAPSHOT_BACKGROUND_RETRY_MAX_S, as such a snapshot only shortens
+        the chain a restart replays. A recovery (`Journal.recovering`) does not wait on it."""
+        failed = journal.snapshot_errors - self.snapshot_errors_seen
+        if failed:
+            self.snapshot_errors_seen = journal.snapshot_errors
+            self.background_failures += failed
+            doublings = min(self.background_failures - 1, 16)
+            delay = min(SNAPSHOT_BACKGROUND_RETRY_MAX_S, SNAPSHOT_RETRY_S * 2**doublings)
+            self.next_background = now + delay
+        elif self.background_failures and journal.snapshot_error is None:
+            self.background_failures = 0  # one landed
+
     def snapshot(self, journal: Journal, now: float) -> None:
-        """Write a snapshot; a failure (the state dir is full) is logged and retried later."""
+        """Pack the registry and hand the write to the journal's writer thread (on this loop
+        when a recovery needs it: `Journal.start_snapshot`); a failure here (the state dir is
+        full) is logged and retried later."""
         try:
-            journal.write_snapshot(persistence.snapshot_packed(self.registry))
+            journal.start_snapshot(persistence.snapshot_packed(self.registry))
         except OSError as exc:
             self.next_snapshot = now + SNAPSHOT_RETRY_S
             held = self._snapshot_log.allow("snapshot")

@@ -1,17 +1,25 @@
 """Registry persistence: a checksummed append-only journal plus generation-numbered snapshots.
 
-A restart loads the newest snapshot and replays the journal of its generation. A short or
-damaged record with no intact record after it is a torn tail (a crash in the middle of an
-append, or unsynced pages lost with the machine): it is truncated and everything before it
-replayed. Damage with an intact record after it is in the journal's middle: the records after
-it (deletes among them) would be lost, so the restart refuses to restore rather than serve the
-records before it (`Journal.load`). Each record is written before its request is answered,
-and fsynced by a background thread (the syncer) at most every `fsync_interval`. After a failed
-append every append raises `JournalWriteError` until a snapshot succeeds (no record may follow
-a gap); a failed fsync (the kernel may have dropped the unwritten pages) sets `sync_error`;
-either way `needs_snapshot` asks for a snapshot of the in-memory registry, which is complete
-(docs/reliability.md, "Server crashes").
-"""
+The snapshot of generation g holds the state before the first record of journal-g.log. The
+server's loop only packs the state, fsyncs journal-g.log and sends appends to a new
+journal-(g+1).log; a thread writes the snapshot of g+1 (a temporary file, fsync, rename,
+directory fsync) and only then removes the journals it covers (`Journal.start_snapshot`). So
+the files on disk form a chain: a restart loads the snapshot there, of generation g, and
+replays journal-g.log, journal-(g+1).log, ... in order while they exist (the snapshot of g+1
+may not have landed, or its write failed: the chain grows until one lands). Journals older
+than g are covered by it and removed; a journal missing between two of the chain refuses the
+restart (its records are lost). A short or damaged record with no intact record after it in
+the chain is a torn tail (a crash in the middle of an append, or unsynced pages lost with the
+machine): it is truncated and everything before it replayed. Damage with an intact record
+after it, in its journal or a later one, is in the middle: the records after it (deletes among
+them) would be lost, so the restart refuses to restore rather than serve the records before
+it (`Journal.load`). Each record is written before its request is answered, and fsynced by a
+background thread (the syncer) at most every `fsync_interval`. After a failed append every
+append raises `JournalWriteError` until a snapshot succeeds (no record may follow a gap); a
+failed fsync (the kernel may have dropped the unwritten pages) sets `sync_error`; either way
+`needs_snapshot` asks for a snapshot of the in-memory registry, which is complete, written
+whole on the loop before any change is accepted again (`Journal.write_snapshot`;
+docs/reliability.md, "Server crashes")."""
 
 from __future__ import annotations
 
@@ -178,6 +186,75 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _journal_generation(path: Path) -> int | None:
+    """N of a `journal-N.log`, or None for another name."""
+    match = re.fullmatch(r"journal-(\d+)\.log", path.name)
+    return int(match.group(1)) if match else None
+
+
+def _first_intact(data: bytes) -> int | None:
+    """The offset of the first intact frame in `data` (a later journal of the chain), or None."""
+    records, _ = read_records(data)
+    return 0 if records else next_intact_frame(data, 0)
+
+
+def _truncate(path: Path, size: int) -> None:
+    """Cut `path` to `size` bytes, durably (a torn tail, before appends go on after it)."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _refuse(message: str, short: str) -> None:
+    """Refuse to load: log why at ERROR (with the way out), raise RuntimeError."""
+    log.error(
+        "%s: refusing to start. Start with --no-restore to start empty (a new pool generation; "
+        "it discards the journal and snapshot: copy them first to examine them)",
+        message,
+    )
+    raise RuntimeError(f"{short}: refusing to start; --no-restore starts empty")
+
+
+def _read_chain(chain: list[Path]) -> tuple[list[Any], list[int]]:
+    """The chain's records up to its first damage, and how many bytes of each journal to
+    keep (less than all: a torn tail). Damage with an intact record after it, in its
+    journal or a later one, refuses (`_refuse_damaged_middle`)."""
+    datas = [path.read_bytes() if path.exists() else b"" for path in chain]
+    records: list[Any] = []
+    kept = [len(data) for data in datas]
+    for i, (path, data) in enumerate(zip(chain, datas)):
+        got, good = read_records(data)
+        records += got
+        if good == len(data):
+            continue
+        after = next_intact_frame(data, good + 1)
+        if after is not None:
+            _refuse_damaged_middle(path, data, good, data[after:], f"from byte {after}")
+        for j in range(i + 1, len(chain)):
+            at = _first_intact(datas[j])
+            if at is not None:
+                _refuse_damaged_middle(path, data, good, datas[j][at:], f"in {chain[j]}")
+        kept[i:] = [good] + [0] * (len(chain) - i - 1)  # a torn tail: the chain ends here
+        break
+    return records, kept
+
+
+def _refuse_damaged_middle(path: Path, data: bytes, bad: int, later: bytes, at: str) -> None:
+    """Refuse damage at byte `bad` of journal `path` with intact records (`later`, `at`)
+    after it."""
+    count = len(read_records(later)[0])
+    _refuse(
+        f"journal {path} is damaged in its middle: the record at byte {bad} of {len(data)} "
+        f"is bad and intact records follow it (at least {count}, {at}); the changes they "
+        "record (deletes, registrations) would be lost, and replaying only the records "
+        "before the damage could serve a deleted key over another key's bytes",
+        f"journal {path} is damaged in its middle (byte {bad} of {len(data)})",
+    )
+
+
 class Journal:
     def __init__(
         self, state_dir: Path, *, fsync_interval: float = 0.05, snapshot_bytes: int = 64 << 20
@@ -186,10 +263,13 @@ class Journal:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.fsync_interval = fsync_interval
         self.snapshot_bytes = snapshot_bytes
-        self.snapshot_size = 0  # bytes of the current snapshot file (0: none)
-        self.generation = 0
+        self.snapshot_size = 0  # bytes of the snapshot file on disk (0: none)
+        self.generation = 0  # of the journal appends go to
         self._fd = -1
         self._size = 0
+        # bytes of the chain's journals before this one: a restart replays them too, until a
+        # snapshot of this generation lands (`needs_snapshot` counts them)
+        self._chain_bytes = 0
         self.damaged_bytes_dropped = 0
         self.fsyncs = 0  # successful fsyncs of the journal (syncer, rotation, close)
         self.fsync_errors = 0
@@ -197,6 +277,9 @@ class Journal:
         self.write_errors = 0  # appends that failed (each refused its request)
         # set by a failed append until the next snapshot; appends raise while it is set
         self.write_error: OSError | None = None
+        self.snapshot_errors = 0  # background snapshot writes that failed
+        # the last one's error, until a snapshot lands (the chain on disk stays as it was)
+        self.snapshot_error: Exception | None = None
         # Appends run on the request thread and take no lock: they only set `_dirty` (and wake
         # the syncer when it was clear). `_lock` is held while the fd is fsynced and while it is
         # replaced or closed, so the syncer never fsyncs a closed (or reused) fd number.
@@ -206,21 +289,23 @@ class Journal:
         self._closing = threading.Event()
         self._last_sync = time.monotonic()
         self._syncer: threading.Thread | None = None
+        self._writer: threading.Thread | None = None  # the background snapshot write
 
     def _journal_path(self, generation: int) -> Path:
         return self.state_dir / f"journal-{generation}.log"
 
     def load(self) -> tuple[dict[str, Any] | None, list[Any]]:
-        """Read the snapshot and the journal records after it; open the journal for appends
-        and start the syncer thread.
+        """Read the snapshot and the records of its chain of journals (the module docstring);
+        open the chain's last journal for appends and start the syncer thread.
 
-        Damage in the journal is told apart by what follows it (`next_intact_frame`): with no
-        intact frame after it, it is a torn tail, truncated (WARNING), and the records before
-        it are returned. With one, it is in the middle: the records after it are lost, and the
-        ones before it are not the registry's state (a key deleted later, its chunk reused by
-        another key, would come back over that key's bytes). As for a damaged snapshot, this
-        raises RuntimeError (logged at ERROR, naming the damage and `--no-restore`) and changes
-        nothing on disk."""
+        Damage is told apart by what follows it in the chain (`next_intact_frame`, then the
+        later journals): with no intact frame after it, it is a torn tail, truncated (WARNING;
+        so are the later journals, which hold none), and the records before it are returned.
+        With one, it is in the middle: the records after it are lost, and the ones before it
+        are not the registry's state (a key deleted later, its chunk reused by another key,
+        would come back over that key's bytes). As for a damaged snapshot, or a journal missing
+        from the chain, this raises RuntimeError (logged at ERROR, naming the damage and
+        `--no-restore`) and changes nothing on disk."""
         snapshot = None
         snap_path = self.state_dir / SNAPSHOT_NAME
         if snap_path.exists():
@@ -231,25 +316,18 @@ class Journal:
                 raise RuntimeError(f"snapshot {snap_path} is damaged; refusing to start")
             snapshot = records[0]
             self.generation = int(snapshot["generation"])
-        path = self._journal_path(self.generation)
-        data = path.read_bytes() if path.exists() else b""
-        records, good = read_records(data)
-        if good < len(data):
-            after = next_intact_frame(data, good + 1)
-            if after is not None:
-                self._refuse_damaged_middle(path, data, good, after)
-        self._fd, size = self._open(path)
-        self._size = good
-        if self._size < size:
-            self.damaged_bytes_dropped = size - self._size
-            log.warning(
-                "journal %s: ignoring %d damaged bytes at its tail", path, size - self._size
-            )
-            os.ftruncate(self._fd, self._size)
-            os.fsync(self._fd)
-        for stale in self.state_dir.glob("journal-*.log"):
-            if stale != path:
-                stale.unlink(missing_ok=True)
+        chain = self._chain()
+        records, kept = _read_chain(chain)
+        for path, keep in zip(chain, kept):
+            size = path.stat().st_size if path.exists() else 0
+            if keep < size:
+                self.damaged_bytes_dropped += size - keep
+                log.warning("journal %s: ignoring %d damaged bytes at its tail", path, size - keep)
+                _truncate(path, keep)
+        self._remove_before(self.generation)  # (left by a crash after a snapshot's rename)
+        self.generation += len(chain) - 1
+        self._fd, self._size = self._open(chain[-1])
+        self._chain_bytes = sum(kept[:-1])
         if self._syncer is None:
             self._syncer = threading.Thread(
                 target=self._sync_loop, name="maru-journal-fsync", daemon=True
@@ -257,22 +335,36 @@ class Journal:
             self._syncer.start()
         return snapshot, records
 
-    @staticmethod
-    def _refuse_damaged_middle(path: Path, data: bytes, bad: int, after: int) -> None:
-        later, _ = read_records(data[after:])
-        message = (
-            f"journal {path} is damaged in its middle: the record at byte {bad} of {len(data)} "
-            f"is bad and intact records follow it (at least {len(later)}, from byte {after}); "
-            "the changes they record (deletes, registrations) would be lost, and replaying only "
-            "the records before the damage could serve a deleted key over another key's bytes: "
-            "refusing to start. Start with --no-restore to start empty (a new pool generation; "
-            "it discards the journal and snapshot: copy the journal first to examine it)"
-        )
-        log.error("%s", message)
-        raise RuntimeError(
-            f"journal {path} is damaged in its middle (byte {bad} of {len(data)}): refusing to "
-            "start; --no-restore starts empty"
-        )
+    def _journals(self) -> dict[int, Path]:
+        """The state dir's journals by generation."""
+        found = ((_journal_generation(p), p) for p in self.state_dir.glob("journal-*.log"))
+        return {g: p for g, p in found if g is not None}
+
+    def _remove_before(self, generation: int) -> None:
+        """Remove the journals a snapshot of `generation` covers (its rename on disk)."""
+        for g, path in self._journals().items():
+            if g < generation:
+                path.unlink(missing_ok=True)
+
+    def _chain(self) -> list[Path]:
+        """The snapshot's journal and the ones after it, in order while they exist (the first,
+        even if it does not: appends go there). A journal after a missing one refuses: the
+        changes the missing one held would be lost (a gap is damage in the middle)."""
+        first, journals = self.generation, self._journals()
+        chain = [self._journal_path(first)]
+        if first in journals:
+            while first + len(chain) in journals:
+                chain.append(journals[first + len(chain)])
+        later = sorted(g for g in journals if g >= first + len(chain))
+        if later:
+            missing = self._journal_path(first + len(chain) - (first not in journals))
+            _refuse(
+                f"journal {missing} is missing from the chain after snapshot generation {first}"
+                f" while {journals[later[0]]} follows it: the changes it recorded (deletes, "
+                "registrations) would be lost",
+                f"journal {missing} is missing",
+            )
+        return chain
 
     @staticmethod
     def _open(path: Path) -> tuple[int, int]:
@@ -371,8 +463,8 @@ class Journal:
 
     @property
     def snapshot_threshold(self) -> int:
-        """The journal's size that asks for a snapshot: `snapshot_bytes`, or the current
-        snapshot's size when larger. A snapshot costs what the registry holds, so with a fixed
+        """The chain's size that asks for a snapshot: `snapshot_bytes`, or the snapshot file's
+        size when larger. A snapshot costs what the registry holds, so with a fixed
         threshold a registry of 10^7 keys would write one as often as an empty one; this way
         the snapshots' bytes stay at most about the journal's (a snapshot per journal of its
         own size: Redis's auto-aof-rewrite-percentage 100), and a restart replays at most about
@@ -380,53 +472,79 @@ class Journal:
         return max(self.snapshot_bytes, self.snapshot_size)
 
     @property
+    def recovering(self) -> bool:
+        """A failed append or fsync left a gap: changes wait on a whole snapshot on disk."""
+        return self.write_error is not None or self.sync_error is not None
+
+    @property
+    def snapshot_in_flight(self) -> bool:
+        """A background snapshot write (`start_snapshot`) has not ended yet."""
+        return self._writer is not None and self._writer.is_alive()
+
+    @property
     def needs_snapshot(self) -> bool:
-        """The journal has grown past `snapshot_threshold`, or an fsync or a write failed (a
-        fresh snapshot makes the state on disk whole again)."""
-        return (
-            self._size >= self.snapshot_threshold
-            or self.sync_error is not None
-            or self.write_error is not None
-        )
+        """The journals a restart would replay (the chain: the current one, and those before
+        it while no later snapshot has landed) have grown past `snapshot_threshold`, or an
+        fsync or a write failed (a fresh snapshot makes the state on disk whole again). Never
+        while a background write is in flight: one at a time."""
+        if self.snapshot_in_flight:
+            return False
+        return self._chain_bytes + self._size >= self.snapshot_threshold or self.recovering
+
+    def start_snapshot(self, state: dict[str, Any]) -> bool:
+        """Persist the full state (packed already: immutable bytes and lists of its own) as
+        generation N+1 with the write in the background: here only the old journal's fsync
+        and the switch of appends to the new one. True: handed to the writer thread (its
+        outcome: `snapshot_error`, `snapshot_errors`); False: written here, as `write_snapshot`
+        (raises OSError as it does), for a recovery (`recovering`: no change may be accepted
+        before the state is whole on disk) or when the old journal's fsync fails."""
+        self.wait_snapshot()  # (`needs_snapshot` does not ask while one is in flight)
+        synced = not self.recovering and self.sync()
+        if not synced or self.recovering:  # (again: the syncer's fsync may have failed)
+            self.write_snapshot(state)
+            return False
+        generation = self.generation + 1
+        chunks = _frame_chunks(dict(state, generation=generation))
+        fd = self._open_new(generation)
+        self._switch(generation, fd, None)  # the old journal stays in the chain until it lands
+        land = (generation, chunks, len(state.get("keys", ())))
+        writer = threading.Thread(target=self._land, args=land, name="maru-snapshot", daemon=True)
+        try:
+            writer.start()
+        except RuntimeError:  # no thread to be had: the same steps here
+            self._land(*land)
+        else:
+            self._writer = writer
+        return True
 
     def write_snapshot(self, state: dict[str, Any]) -> None:
-        """Persist the full state as generation N+1 and start an empty journal for it."""
-        generation = self.generation + 1
-        state = dict(state, generation=generation)
-        new_journal = self._journal_path(generation)
+        """Persist the full state as generation N+1 and start an empty journal for it, on this
+        thread, the snapshot on disk before appends go to the new journal: the way back after
+        a failed append or fsync (they are cleared here), and the start-up's and the tests'.
+        A background write in flight is waited for first."""
+        self.wait_snapshot()
         # The old journal's tail first: until the new snapshot's rename is on disk, a machine
         # crash replays this journal (a failure is logged: the snapshot covers it anyway).
         self.sync()
-        new_journal.unlink(missing_ok=True)
-        new_fd, new_size = self._open(new_journal)  # before the directory fsync below
-        chunks = _frame_chunks(state)
+        generation = self.generation + 1
+        chunks = _frame_chunks(dict(state, generation=generation))
+        fd = self._open_new(generation)  # before the directory fsync below
         try:
             write_private(self.state_dir / SNAPSHOT_NAME, chunks)
         except BaseException:
             # Nothing changed: the old snapshot and journal stay current. Give the space back.
-            os.close(new_fd)
-            new_journal.unlink(missing_ok=True)
+            os.close(fd)
+            self._journal_path(generation).unlink(missing_ok=True)
             raise
         # The new snapshot is in place: from here on a restart reads it and the new journal,
         # so appends must go there even if the directory fsync below fails.
-        with self._lock:  # not while the syncer fsyncs the old fd
-            old_fd, old_path = self._fd, self._journal_path(self.generation)
-            self.generation = generation
-            self._fd, self._size = new_fd, new_size
-            self.snapshot_size = sum(len(chunk) for chunk in chunks)
-            self._dirty = False
-            self.sync_error = None
-            resumed, self.write_error = self.write_error, None
-            if old_fd >= 0:
-                os.close(old_fd)
+        resumed = self._switch(generation, fd, chunks)
         try:
-            _fsync_dir(self.state_dir)
+            self._covered(generation)
         except OSError as exc:  # the rename may not survive a machine crash: snapshot again
             self.fsync_errors += 1
             self.sync_error = exc
             log.error("fsync of %s failed: %s; writing a new snapshot", self.state_dir, exc)
-        else:  # (a journal left behind is removed by the next `load`)
-            old_path.unlink(missing_ok=True)
         if resumed is not None:
             log.warning(
                 "journal in %s writable again (after: %s): changes are accepted",
@@ -435,8 +553,78 @@ class Journal:
             )
         log.info("snapshot generation %d written (%d keys)", generation, len(state.get("keys", ())))
 
+    def _open_new(self, generation: int) -> int:
+        """The fd of a new, empty journal of `generation` (one a crash left is replaced)."""
+        path = self._journal_path(generation)
+        path.unlink(missing_ok=True)
+        return self._open(path)[0]
+
+    def _switch(self, generation: int, fd: int, landed: list[bytes] | None) -> OSError | None:
+        """Send appends to `fd`, the empty journal of `generation`, and close the old one (whose
+        tail the caller fsynced). `landed`: its snapshot, on disk already, so the state there
+        is whole (the errors clear; returns the write error that refused appends, or None).
+        None: the old journal stays in the chain until the snapshot lands."""
+        with self._lock:  # not while the syncer fsyncs the old fd
+            old_fd = self._fd
+            self._chain_bytes += self._size
+            self.generation = generation
+            self._fd, self._size = fd, 0
+            self._dirty = False
+            resumed = None
+            if landed is not None:
+                self._landed(landed)
+                self.sync_error = None
+                resumed, self.write_error = self.write_error, None
+            if old_fd >= 0:
+                os.close(old_fd)
+        return resumed
+
+    def _landed(self, chunks: list[bytes]) -> None:
+        """The snapshot of the current generation (`chunks`) is on disk: the chain is its
+        journal alone, and its size is the threshold's (`snapshot_threshold`)."""
+        self._chain_bytes = 0
+        self.snapshot_size = sum(len(chunk) for chunk in chunks)
+        self.snapshot_error = None
+
+    def _covered(self, generation: int) -> None:
+        """The snapshot of `generation` is renamed into place: fsync the directory (the rename,
+        and the name of the journal appends go to), then remove the journals it covers. An
+        OSError removes nothing: the chain stays whole whether the rename survives or not."""
+        _fsync_dir(self.state_dir)
+        self._remove_before(generation)
+
+    def _land(self, generation: int, chunks: list[bytes], keys: int) -> None:
+        """The writer thread: the snapshot of `generation` on disk, then the journals it covers
+        removed. It touches no registry and no journal fd. A failure is logged and counted and
+        leaves the chain as it was (the old snapshot and every journal after it)."""
+        try:
+            _fsync_dir(self.state_dir)  # the new journal's name: appends go there already
+            write_private(self.state_dir / SNAPSHOT_NAME, chunks)
+            self._covered(generation)
+        except Exception as exc:  # (the loop sees it in `snapshot_errors`)
+            self.snapshot_error = exc
+            self.snapshot_errors += 1
+            log.error(
+                "background snapshot generation %d in %s failed: %s; the last snapshot and the "
+                "journals after it stay (a restart replays them all); a later snapshot retries",
+                generation,
+                self.state_dir,
+                exc,
+            )
+            return
+        self._landed(chunks)  # (no switch meanwhile: one write in flight)
+        log.info("snapshot generation %d written (%d keys)", generation, keys)
+
+    def wait_snapshot(self) -> None:
+        """Wait until the background write in flight, if any, has landed or failed."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.join()
+
     def close(self) -> None:
-        """Stop the syncer, fsync what is left and close the file."""
+        """Wait for a background snapshot write, stop the syncer, fsync what is left and close
+        the file."""
+        self.wait_snapshot()
         with self._lock:  # not between the syncer's look at `_closing` and its clearing the wake
             self._closing.set()
             self._wake.set()

@@ -133,6 +133,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "Failed journal writes (state dir full, I/O error): each refused its request, and "
         "changes are refused until a snapshot succeeds.",
     ),
+    "journal_snapshot_errors": (
+        "maru_journal_snapshot_errors",
+        "Snapshot writes in the background that failed (state dir full, I/O error): the last "
+        "snapshot and the journals after it stay, and a restart replays them all.",
+    ),
     "replies_dropped": (
         "maru_replies_dropped",
         "ZMQ replies dropped: the client had gone, or left more than 16 replies unread.",

@@ -193,7 +193,8 @@ class MaruService:
         stats["local_socket"] = local.address if local is not None else None
         stats["local_connections"] = len(local.connections) if local is not None else 0
         journal = self.journal
-        for name in ("fsyncs", "fsync_errors", "write_errors"):  # metrics.COUNTERS journal_*
+        journal_counters = ("fsyncs", "fsync_errors", "write_errors", "snapshot_errors")
+        for name in journal_counters:  # metrics.COUNTERS journal_*
             stats["counters"][f"journal_{name}"] = getattr(journal, name) if journal else 0
         error = journal.write_error if journal is not None else None
         stats["journal_writable"] = error is None
