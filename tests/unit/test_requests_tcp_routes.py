@@ -7,6 +7,7 @@ TCP; the test turns the loop itself, so the order is the one described."""
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import Any
 
@@ -53,6 +54,14 @@ def _until(predicate, tcp: TcpEndpoint | None = None) -> None:
             time.sleep(0.01)
 
 
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 def _frame(request_id: int) -> bytes:
     return protocol.encode(MsgType.HEARTBEAT, request_id, {})
 
@@ -67,7 +76,7 @@ def test_late_requests_of_a_closed_peer_do_not_drop_the_live_one_on_its_descript
         gone = _dealer(tcp.endpoint)
         gone.send(_frame(1))
         _until(lambda: tcp.routes, tcp)  # learned: its descriptor known
-        (fd,) = tcp.routes
+        ((fd, gone_route),) = tcp.routes.items()
         gone.recv()
         for n in range(30):  # queued in the ROUTER, never read before it closes
             gone.send(_frame(100 + n))
@@ -76,13 +85,16 @@ def test_late_requests_of_a_closed_peer_do_not_drop_the_live_one_on_its_descript
         monitor = zmq.Poller()
         monitor.register(tcp.monitor, zmq.POLLIN)
         _until(lambda: monitor.poll(0))  # reported closed (not yet read by the loop)
+        _until(lambda: not _is_open(fd))  # and closed (ZeroMQ reports, then closes)
 
         # a new connection takes the lowest free descriptor: the closed one's
         live = _dealer(tcp.endpoint, RCVHWM=1, RCVBUF=4096)
         for n in range(40):
             live.send(_frame(1 + n))
-        time.sleep(0.3)
-        for _ in range(20):  # the late requests and the live ones, fair-queued
+        # the late requests and the live ones, fair-queued, until the live peer is known on
+        # the descriptor and replies wait for it (however loaded the machine), then some more
+        _until(lambda: tcp.routes.get(fd) not in (None, gone_route) and tcp.backlog, tcp)
+        for _ in range(20):
             _turn(tcp)
         live_route = tcp.routes.get(fd)
         assert live_route is not None and live_route not in dropped
