@@ -149,6 +149,13 @@ CASES = [
 ]
 SCALE_CASE = CASES[1]
 KEYS_CASE = CASES[0]  # the working set read among 10^3 .. 10^6 registered keys
+SCALE_CHUNK = 4096  # a registered key's chunk in the keys scaling: a page (one key a page)
+SERVER_POOL = 256 << 20  # the keys scaling's servers: the working set's room
+
+
+def scale_pool_bytes(n: int) -> int:
+    """What `n` scale keys take of a pool, a 4 KiB chunk each, with room for region rounding."""
+    return n * SCALE_CHUNK * 5 // 4 + (64 << 20)
 
 
 @dataclass(frozen=True)
@@ -824,14 +831,16 @@ def _lookup_probe(h, prefix: str, tag: str, n_keys: int, count: int) -> dict[str
 class KeysSide:
     """One process's side of the keys scaling: an `Instance` (mha-64K, 128 pages) per server.
     The writer registers n tiny values under keys of its KV namespace (so that MaruStorage's
-    calls find them; all point at one chunk: the server keeps one entry per key either way)
-    and stores a working set of 128 real pages; the reader looks keys up and reads the
-    working set, on every path."""
+    calls find them), each in a 4 KiB chunk of its own (the server holds at most one key a
+    page) that nothing writes: the pool's file stays sparse there, 4 GiB of it at 10^6 keys
+    taking no memory; and it stores a working set of 128 real pages. The reader looks keys up
+    and reads the working set, on every path."""
 
     def __init__(self, urls: list[str], role: str, ab: bool, cpu: int | None, file_dir: str):
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})
         self.inst = [Instance(u, KEYS_CASE, 128, file_dir, role, ab) for u in urls]
+        self.registrars: list[Any] = []  # MaruHandlers (`register`)
 
     def fill(self, seed: int) -> list[int]:
         """The same pages in every instance; their CRCs."""
@@ -843,17 +852,30 @@ class KeysSide:
             assert inst.run("maru_set", "ws", 128)[1] == 128, "storing the working set failed"
 
     def register(self, i: int, n: int) -> float:
-        """Register keys [0, n) of tag "scale" on server i in batches of 16384. Returns
-        seconds."""
+        """Register keys [0, n) of tag "scale" on server i in batches of 16384, each key a 64
+        byte value in a 4 KiB chunk of its own, through a handler of 4 KiB chunks that maps
+        nothing in bulk (`eager_map` off: its regions stay holes). Returns seconds."""
+        from maru import MaruConfig, MaruHandler
+
         store = self.inst[i].maru
-        handle = store.handler.alloc(4096)
+        config = MaruConfig(
+            server_url=store.config.server_url,
+            pool_size=str(scale_pool_bytes(n)),
+            chunk_size_bytes=SCALE_CHUNK,
+            eager_map=False,
+        )
+        # (kept connected while the probes run: a departed instance's keys are orphans)
+        registrar = MaruHandler(config)
+        self.registrars.append(registrar)
         t0 = time.perf_counter()
         for start in range(0, n, 16384):
             keys = store.pools["kv"].keys(
                 [page_key("scale", k) for k in range(start, min(n, start + 16384))]
             )
             m = len(keys)
-            ok = store.handler.batch_store(keys, handles=[handle] * m, lengths=[64] * m)
+            handles = registrar.reserve_values(SCALE_CHUNK, m)
+            assert handles is not None, "no room for the scale keys"
+            ok = registrar.batch_store(keys, handles=handles, lengths=[64] * m)
             assert all(ok), "registering scale keys failed"
         return time.perf_counter() - t0
 
@@ -1419,8 +1441,12 @@ def bench_keys(plan, prog) -> list[dict]:
     file_dir = tempfile.mkdtemp(prefix="hicache-file-keys-", dir=SHM_DIR)
     try:
         with ExitStack() as stack:
-            # 256M: 10^6 keys of 64 bytes stay far below the eviction watermark.
-            urls = [stack.enter_context(maru_server("256M", server_cpu)) for _ in counts]
+            # a pool of holes but for the working set (`KeysSide`): its keys' 64 bytes stay far
+            # below the eviction watermark
+            urls = [
+                stack.enter_context(maru_server(str(SERVER_POOL + scale_pool_bytes(n)), server_cpu))
+                for n in counts
+            ]
             writer = Worker(KeysSide, urls, "writer", False, client_cpu, file_dir)
             reader = Worker(KeysSide, urls, "reader", plan.ab, client_cpu, file_dir)
             try:
