@@ -7,12 +7,15 @@ from typing import Any
 
 from maru.client.poolpath import prove
 from maru.common import protocol
+from maru.common.protocol import ErrorCode, MsgType
+from maru.server.local_socket import Peer
 from maru.server.pool import ShmPool
 from maru.server.registry import Registry
 from maru.server.service import MaruService
 from maru.server.token import TokenSigner
 
 MiB = 1 << 20
+PAGE = 4096
 
 
 def make_service(tmp_path, pool_mib: int = 16, registry: Registry | None = None) -> MaruService:
@@ -91,3 +94,29 @@ def locations(reply: dict[str, Any]) -> list[list[int] | None]:
         memoryview(reply[name]).cast("q").tolist() for name in ("region_ids", "offsets", "lengths")
     )
     return [[r, o, n] if r else None for r, o, n in zip(*columns)]
+
+
+def refused(svc, msg_type, body) -> str:
+    """The error of a request that must be refused with QUOTA_EXCEEDED."""
+    reply = call(svc, msg_type, body)
+    assert reply["ok"] is False, reply
+    assert reply["code"] == ErrorCode.QUOTA_EXCEEDED, reply
+    return reply["error"]
+
+
+def on_peer(svc, peer: Peer, msg_type, body) -> dict:
+    """One request on a local-socket connection (`peer`), as `call` sends it."""
+    frame = protocol.encode(msg_type, 9, wire_body(svc, msg_type, body))
+    return protocol.decode(svc.handle_frame(frame, peer))[1]
+
+
+def page_keys(svc, iid: str, pages: list[int]) -> list[str]:
+    """Keys registered by `iid` in a region of its own, key i `pages[i]` pages long."""
+    rid = ok(svc, MsgType.REQUEST_REGION, {"iid": iid, "size": 16 * MiB})["region"][0]
+    keys, rows, at = [], [], 0
+    for i, n in enumerate(pages):
+        keys.append(f"{iid}-{i}")
+        rows.append([keys[-1], rid, at, n * PAGE])
+        at += n * PAGE
+    assert ok(svc, MsgType.REGISTER_KV, register_body(iid, rows))["results"] == [0] * len(keys)
+    return keys

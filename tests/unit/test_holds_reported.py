@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import re
 import time
-import types
 import urllib.request
 
 import pytest
@@ -19,35 +18,13 @@ from maru import MaruAdmin, MaruHandler
 from maru.client.cli import main, render_stats
 from maru.client.rpc import RpcClient
 from maru.common.protocol import ErrorCode, MsgType, ProtocolError
-from maru.server import handlers, instances
+from maru.server import handlers
 from maru.server.instances import Instance
 
-from .service_calls import call, make_service, ok
-from .test_server_resources import refused
-from .test_server_resources_more import keys_of
+from .service_calls import call, ok, page_keys, refused
 
 MiB = 1 << 20
 PAGE = 4096
-
-
-@pytest.fixture
-def service(tmp_path):
-    svc = make_service(tmp_path, pool_mib=64)
-    yield svc
-    svc.close()
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    """The instance table's clock, moved by the test: `clock(s)` lets `s` seconds pass."""
-    now = [time.monotonic()]
-    fake = types.SimpleNamespace(monotonic=lambda: now[0], time=time.time)
-    monkeypatch.setattr(instances, "time", fake)
-
-    def advance(seconds: float) -> None:
-        now[0] += seconds
-
-    return advance
 
 
 def held(stats: dict) -> tuple[int, int, dict[str, tuple[int, int]]]:
@@ -119,7 +96,7 @@ def test_leased_and_pinned_bytes_show_in_stats_metrics_and_maru_stats(service):
     reg.quota_lease_bytes = 0  # no lease quota: the leased bytes are counted all the same
     for name in ("W", "P", "L"):
         ok(service, MsgType.HANDSHAKE, {"iid": name})
-    keys = keys_of(service, "W", [1, 2, 3, 4, 5])
+    keys = page_keys(service, "W", [1, 2, 3, 4, 5])
     assert held(service.stats()) == (0, 0, {"W": (0, 0), "P": (0, 0), "L": (0, 0)})
     take_holds(service, keys)
 
@@ -159,7 +136,7 @@ def test_held_bytes_return_to_zero_when_the_holds_end(service, how):
     reg.quota_lease_bytes = 64 * PAGE
     for name in ("W", "P", "L"):
         ok(service, MsgType.HANDSHAKE, {"iid": name})
-    keys = keys_of(service, "W", [1, 2, 3, 4, 5])
+    keys = page_keys(service, "W", [1, 2, 3, 4, 5])
     lease_l, lease_p = take_holds(service, keys)
     assert held(service.stats())[:2] == (17 * PAGE, 3 * PAGE)
     if how == "release":
@@ -225,7 +202,7 @@ def test_a_pins_bounds_are_checked_in_one_pass_with_the_same_refusals(service):
     pins.max_keys, pins.max_bytes = 4, 6 * PAGE
     for name in ("W", "P"):
         ok(service, MsgType.HANDSHAKE, {"iid": name})
-    keys = keys_of(service, "W", [1, 1, 1, 4, 1, 1])
+    keys = page_keys(service, "W", [1, 1, 1, 4, 1, 1])
     assert ok(service, MsgType.PIN, {"iid": "P", "keys": keys[:3]})["results"] == [True] * 3
 
     # Q pins 6 pages in 3 keys: a key more is within the count however it is counted
@@ -273,7 +250,7 @@ def test_heartbeats_alone_leave_an_instance_reapable_as_idle_and_a_request_does_
     assert "active_before" not in Instance.__dataclass_fields__
     for name in ("beater", "refused", "reader", "asker", "W"):
         ok(service, MsgType.HANDSHAKE, {"iid": name})
-    keys = keys_of(service, "W", [1])
+    keys = page_keys(service, "W", [1])
     since = table["beater"].active_at
     for _ in range(3):
         clock(0.3)

@@ -18,16 +18,9 @@ from maru.common.throttle import Throttle
 from maru.server.logs import JsonFormatter, configure_logging
 from maru.server.metrics import LATENCY_BUCKETS, MaruCollector, read_stats
 
-from .service_calls import call, make_service, ok, register_body
+from .service_calls import call, ok, register_body
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def service(tmp_path):
-    svc = make_service(tmp_path, pool_mib=64)
-    yield svc
-    svc.close()
 
 
 def setup_instance(svc, iid="A", page_size=64 << 10, size=4 * MiB) -> int:

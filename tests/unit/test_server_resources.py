@@ -11,29 +11,13 @@ import time
 
 import pytest
 
-from maru.common import protocol
 from maru.common.protocol import ErrorCode, MsgType, ProtocolError
 from maru.server.local_socket import Peer
 
-from .service_calls import call, make_service, ok, register_body, wire_body
+from .service_calls import call, make_service, ok, on_peer, refused, register_body
 
 MiB = 1 << 20
 PAGE = 4096
-
-
-@pytest.fixture
-def service(tmp_path):
-    svc = make_service(tmp_path, pool_mib=64)
-    yield svc
-    svc.close()
-
-
-def refused(svc, msg_type, body) -> str:
-    """The error of a request that must be refused with QUOTA_EXCEEDED."""
-    reply = call(svc, msg_type, body)
-    assert reply["ok"] is False, reply
-    assert reply["code"] == ErrorCode.QUOTA_EXCEEDED, reply
-    return reply["error"]
 
 
 def keys_of(svc, iid: str, n: int, size: int = 16 * MiB) -> list[str]:
@@ -43,12 +27,6 @@ def keys_of(svc, iid: str, n: int, size: int = 16 * MiB) -> list[str]:
     rows = [[k, rid, i * PAGE, PAGE] for i, k in enumerate(keys)]
     assert ok(svc, MsgType.REGISTER_KV, register_body(iid, rows))["results"] == [0] * n
     return keys
-
-
-def on_peer(svc, peer: Peer, msg_type, body) -> dict:
-    """One request on a local-socket connection (`peer`), as `call` sends it."""
-    frame = protocol.encode(msg_type, 9, wire_body(svc, msg_type, body))
-    return protocol.decode(svc.handle_frame(frame, peer))[1]
 
 
 # -- instances ----------------------------------------------------------------------------

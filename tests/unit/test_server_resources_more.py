@@ -8,57 +8,19 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
-import types
-
-import pytest
 
 from maru.common.protocol import ErrorCode, MsgType
-from maru.server import instances, persistence
+from maru.server import persistence
 from maru.server.journal import Journal
 from maru.server.local_socket import Peer
 from maru.server.pool import ShmPool
 from maru.server.registry import Registry
 from maru.server.token import TokenSigner
 
-from .service_calls import call, make_service, ok, register_body
-from .test_server_resources import on_peer, refused
+from .service_calls import call, make_service, ok, on_peer, page_keys, refused
 
 MiB = 1 << 20
 PAGE = 4096
-
-
-@pytest.fixture
-def service(tmp_path):
-    svc = make_service(tmp_path, pool_mib=64)
-    yield svc
-    svc.close()
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    """The instance table's clock, moved by the test (no wall time in a test): `clock(s)`
-    lets `s` seconds pass."""
-    now = [time.monotonic()]
-    fake = types.SimpleNamespace(monotonic=lambda: now[0], time=time.time)
-    monkeypatch.setattr(instances, "time", fake)
-
-    def advance(seconds: float) -> None:
-        now[0] += seconds
-
-    return advance
-
-
-def keys_of(svc, iid: str, pages: list[int]) -> list[str]:
-    """Keys registered by `iid` in a region of its own, key i `pages[i]` pages long."""
-    rid = ok(svc, MsgType.REQUEST_REGION, {"iid": iid, "size": 16 * MiB})["region"][0]
-    keys, rows, at = [], [], 0
-    for i, n in enumerate(pages):
-        keys.append(f"{iid}-{i}")
-        rows.append([keys[-1], rid, at, n * PAGE])
-        at += n * PAGE
-    assert ok(svc, MsgType.REGISTER_KV, register_body(iid, rows))["results"] == [0] * len(keys)
-    return keys
 
 
 def pin_counts(svc, keys: list[str]) -> list[int]:
@@ -77,7 +39,7 @@ def test_pinned_bytes_past_the_quota_are_refused_whole(service, caplog):
     for name in ("W", "P"):
         ok(service, MsgType.HANDSHAKE, {"iid": name})
     # W's keys, pinned by P: 4 keys of 2 pages, then 8 of 1 page
-    keys = keys_of(service, "W", [2] * 4 + [1] * 8)
+    keys = page_keys(service, "W", [2] * 4 + [1] * 8)
     big, small = keys[:4], keys[4:]
     pin = {"iid": "P", "keys": big[:3]}  # 6 pages
     assert ok(service, MsgType.PIN, pin)["results"] == [True] * 3
@@ -116,7 +78,7 @@ def test_replay_restores_pins_past_the_quota_and_counts_them(tmp_path):
     try:
         ok(svc, MsgType.HANDSHAKE, {"iid": "W"})
         session = ok(svc, MsgType.HANDSHAKE, {"iid": "P"})["session"]
-        keys = keys_of(svc, "W", [1] * 12)
+        keys = page_keys(svc, "W", [1] * 12)
         assert ok(svc, MsgType.PIN, {"iid": "P", "keys": keys[:8]})["results"] == [True] * 8
     finally:
         svc.close()
@@ -151,7 +113,7 @@ def test_a_full_table_reaps_the_oldest_idle_instance_holding_nothing(service, cl
     table.max_instances = 6
     for name in ("W", "P", "L", "old"):
         ok(service, MsgType.HANDSHAKE, {"iid": name})
-    keys = keys_of(service, "W", [1] * 4)  # W holds a region
+    keys = page_keys(service, "W", [1] * 4)  # W holds a region
     ok(service, MsgType.PIN, {"iid": "P", "keys": keys[:1]})  # P a pin
     assert ok(service, MsgType.LOOKUP_KV, {"iid": "L", "keys": keys, "lease": True})["lease_id"]
     clock(0.1)
@@ -190,7 +152,7 @@ def test_a_watched_live_process_is_reaped_when_idle_only_if_it_holds_nothing(ser
     table.max_instances = 3
     for name in ("W", "holder", "empty"):
         ok(service, MsgType.HANDSHAKE, {"iid": name})
-    keys = keys_of(service, "W", [1] * 2)
+    keys = page_keys(service, "W", [1] * 2)
     mine, theirs = socket.socketpair()
     try:
         peer = Peer(mine)
