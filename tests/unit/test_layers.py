@@ -63,16 +63,8 @@ def client_references(src: Path, areas: tuple[str, ...] = ("maru.server", "maru.
             continue
         package = name if is_package else name.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            found: list[str] = []
-            if isinstance(node, ast.Import):
-                found = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join([*anchor, base] if base else anchor)
-                found = [base, *(f"{base}.{alias.name}" for alias in node.names)]
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found = imported(node, package)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 found = [node.value] if _CLIENT_NAME.fullmatch(node.value) else []
             out += [(path, node.lineno, m) for m in found if _is_client(m)]
     for area in areas:
@@ -164,17 +156,23 @@ def import_graph(src: Path) -> dict[str, set[str]]:
         package = name if is_package else name.rpartition(".")[0]
         found: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:  # relative: from the package, `level - 1` levels up
-                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join([*anchor, base] if base else anchor)
-                found.add(base)
-                found.update(f"{base}.{alias.name}" for alias in node.names)
+            found.update(imported(node, package))
         graph[name] = {m for m in found if m in modules and m != name}
     return graph
+
+
+def imported(node: ast.AST, package: str) -> list[str]:
+    """The modules an import statement of a module in `package` names (none for another
+    node): `from a import b` names `a` and, if it is one, `a.b`."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = node.module or ""
+    if node.level:  # relative: from the package, `level - 1` levels up
+        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join([*anchor, base] if base else anchor)
+    return [base, *(f"{base}.{alias.name}" for alias in node.names)]
 
 
 def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
