@@ -143,16 +143,24 @@ def start_in_background(node: Node) -> None:
     assert node.journal.generation == 2
 
 
+def held_in_flight(node: Node, monkeypatch, **how: bool) -> Held:
+    """The node's history, a background snapshot of it held (`Held(**how)`), and more history
+    into the next journal meanwhile."""
+    node.history()
+    held = Held(monkeypatch, **how)
+    start_in_background(node)
+    held.wait()
+    node.more_history()
+    return held
+
+
 # -- crash points ------------------------------------------------------------------------------
 
 
 def test_crash_before_the_rename_replays_the_snapshot_and_both_journals(tmp_path, monkeypatch):
     node = Node(tmp_path)
-    node.history()
-    held = Held(monkeypatch, before_rename=True)
-    start_in_background(node)
-    held.wait()
-    node.more_history()  # into journal-2 while the writer is held
+    # journal-2 written to while the writer is held
+    held = held_in_flight(node, monkeypatch, before_rename=True)
     assert not node.journal.needs_snapshot  # one write at a time
     expected = keys_of(node.reg)
     assert node.files() == ["journal-1.log", "journal-2.log", SNAPSHOT_NAME, SNAPSHOT_NAME + ".tmp"]
@@ -165,11 +173,7 @@ def test_crash_before_the_rename_replays_the_snapshot_and_both_journals(tmp_path
 
 def test_crash_after_the_rename_before_the_old_journal_is_removed(tmp_path, monkeypatch):
     node = Node(tmp_path)
-    node.history()
-    held = Held(monkeypatch, before_rename=False)
-    start_in_background(node)
-    held.wait()
-    node.more_history()
+    held = held_in_flight(node, monkeypatch, before_rename=False)
     expected = keys_of(node.reg)
     assert node.files() == ["journal-1.log", "journal-2.log", SNAPSHOT_NAME]
     assert node.snapshot_generation() == 2
@@ -390,11 +394,7 @@ def test_a_failed_fsync_of_the_old_journal_writes_on_the_loop(tmp_path, monkeypa
 
 def test_close_waits_for_the_write_in_flight(tmp_path, monkeypatch):
     node = Node(tmp_path)
-    node.history()
-    held = Held(monkeypatch, before_rename=True, raises=False)
-    start_in_background(node)
-    held.wait()
-    node.more_history()
+    held = held_in_flight(node, monkeypatch, before_rename=True, raises=False)
     expected = keys_of(node.reg)
     closer = threading.Thread(target=node.journal.close)
     closer.start()
@@ -410,11 +410,7 @@ def test_close_waits_for_the_write_in_flight(tmp_path, monkeypatch):
 
 def test_a_snapshot_on_the_loop_waits_for_the_write_in_flight(tmp_path, monkeypatch):
     node = Node(tmp_path)
-    node.history()
-    held = Held(monkeypatch, before_rename=True, raises=False)
-    start_in_background(node)
-    held.wait()
-    node.more_history()
+    held = held_in_flight(node, monkeypatch, before_rename=True, raises=False)
     assert node.journal.snapshot_in_flight and not node.journal.needs_snapshot
     node.journal.write_error = OSError(errno.EIO, "Input/output error (test)")
     assert not node.journal.needs_snapshot  # the recovery waits for the write in flight
