@@ -503,9 +503,7 @@ class Journal:
         if not synced or self.recovering:  # (again: the syncer's fsync may have failed)
             self.write_snapshot(state)
             return False
-        generation = self.generation + 1
-        chunks = _frame_chunks(dict(state, generation=generation))
-        fd = self._open_new(generation)
+        generation, chunks, fd = self._next_generation(state)
         self._switch(generation, fd, None)  # the old journal stays in the chain until it lands
         land = (generation, chunks, len(state.get("keys", ())))
         writer = threading.Thread(target=self._land, args=land, name="maru-snapshot", daemon=True)
@@ -526,9 +524,7 @@ class Journal:
         # The old journal's tail first: until the new snapshot's rename is on disk, a machine
         # crash replays this journal (a failure is logged: the snapshot covers it anyway).
         self.sync()
-        generation = self.generation + 1
-        chunks = _frame_chunks(dict(state, generation=generation))
-        fd = self._open_new(generation)  # before the directory fsync below
+        generation, chunks, fd = self._next_generation(state)  # (before the directory fsync)
         try:
             write_private(self.state_dir / SNAPSHOT_NAME, chunks)
         except BaseException:
@@ -553,11 +549,14 @@ class Journal:
             )
         log.info("snapshot generation %d written (%d keys)", generation, len(state.get("keys", ())))
 
-    def _open_new(self, generation: int) -> int:
-        """The fd of a new, empty journal of `generation` (one a crash left is replaced)."""
+    def _next_generation(self, state: dict[str, Any]) -> tuple[int, list[bytes], int]:
+        """Generation N+1: its number, `state`'s snapshot of it framed, and the fd of its new,
+        empty journal (one a crash left is replaced)."""
+        generation = self.generation + 1
+        chunks = _frame_chunks(dict(state, generation=generation))
         path = self._journal_path(generation)
         path.unlink(missing_ok=True)
-        return self._open(path)[0]
+        return generation, chunks, self._open(path)[0]
 
     def _switch(self, generation: int, fd: int, landed: list[bytes] | None) -> OSError | None:
         """Send appends to `fd`, the empty journal of `generation`, and close the old one (whose
