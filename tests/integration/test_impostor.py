@@ -28,7 +28,7 @@ from maru import MaruHandler, MaruNotConnected
 from maru.client.cli import main as client_main
 from maru.common import protocol
 from maru.common.protocol import ErrorCode, MsgType, RegisterStatus, unix_address
-from maru.server.cli import secure_state_dir
+from maru.server.state_dir import secure_state_dir
 
 from .workers import SPAWN, run_processes
 

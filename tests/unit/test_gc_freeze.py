@@ -19,6 +19,7 @@ from maru.server.journal import Journal
 from maru.server.pool import ShmPool
 from maru.server.registry import Registry
 from maru.server.service import MaruService
+from maru.server.state_dir import pool_generation
 from maru.server.token import TokenSigner
 
 from .keyindex_model import PyKeyEntry, use_python_key_index
@@ -57,7 +58,7 @@ def test_server_start_up_freezes_the_restored_registry(tmp_path, monkeypatch):
     state_dir.mkdir()
     pool = ShmPool(str(pool_path), 32 * MiB)
     # the pool's identity and mark, as maru-server records them (else nothing is restored)
-    cli.pool_generation(state_dir, pool)
+    pool_generation(state_dir, pool)
     journal = Journal(state_dir)
     journal.load()
     reg = Registry(pool, TokenSigner(b"g" * 32), journal=journal)

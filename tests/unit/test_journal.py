@@ -12,7 +12,7 @@ import msgpack
 import pytest
 
 from maru.common.protocol import CHECKSUMS, RegisterStatus
-from maru.server import cli, persistence
+from maru.server import persistence
 from maru.server.journal import (
     FRAME,
     SNAPSHOT_NAME,
@@ -23,6 +23,12 @@ from maru.server.journal import (
 )
 from maru.server.pool import ShmPool
 from maru.server.registry import Registry
+from maru.server.state_dir import (
+    POOL_IDENTITY,
+    discard_state,
+    pool_generation,
+    same_pool_as_before,
+)
 from maru.server.token import TokenSigner
 
 from .registry_calls import register
@@ -417,19 +423,19 @@ def test_pool_identity_check(tmp_path):
     state_dir.mkdir()
     path = str(tmp_path / "pool")
     pool = ShmPool(path, 8 * MiB)
-    assert not cli.same_pool_as_before(state_dir, pool)  # no record: nothing to restore
-    cli.pool_generation(state_dir, pool)  # (records it, as a server start does)
-    assert cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))  # same file
+    assert not same_pool_as_before(state_dir, pool)  # no record: nothing to restore
+    pool_generation(state_dir, pool)  # (records it, as a server start does)
+    assert same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))  # same file
     # a recreated file (e.g. /dev/shm after a reboot) is another pool, even at the same path
     tmp = tmp_path / "pool.new"
     ShmPool(str(tmp), 8 * MiB)
     os.replace(tmp, path)
-    assert not cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
-    cli.discard_state(state_dir)
-    cli.pool_generation(state_dir, ShmPool(path, 8 * MiB))
-    assert cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))  # recorded anew
+    assert not same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
+    discard_state(state_dir)
+    pool_generation(state_dir, ShmPool(path, 8 * MiB))
+    assert same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))  # recorded anew
     # a different capacity is a different pool too
-    assert not cli.same_pool_as_before(state_dir, ShmPool(path, 16 * MiB))
+    assert not same_pool_as_before(state_dir, ShmPool(path, 16 * MiB))
 
 
 def test_mismatch_is_remembered_until_the_state_is_discarded(tmp_path):
@@ -438,23 +444,23 @@ def test_mismatch_is_remembered_until_the_state_is_discarded(tmp_path):
     state_dir = tmp_path / "state"
     state_dir.mkdir()
     path = str(tmp_path / "pool")
-    cli.pool_generation(state_dir, ShmPool(path, 8 * MiB))
-    assert cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
+    pool_generation(state_dir, ShmPool(path, 8 * MiB))
+    assert same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
     ShmPool(str(tmp_path / "pool.new"), 8 * MiB)
     os.replace(tmp_path / "pool.new", path)
-    assert not cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
+    assert not same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
     # (crash here: discard_state never ran)
-    assert not cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
+    assert not same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
 
 
 def test_unreadable_identity_is_a_mismatch(tmp_path):
     state_dir = tmp_path / "state"
     state_dir.mkdir()
     path = str(tmp_path / "pool")
-    cli.pool_generation(state_dir, ShmPool(path, 8 * MiB))
-    assert cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
-    (state_dir / cli.POOL_IDENTITY).write_text('{"kind": "shm", "pa')  # torn
-    assert not cli.same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
+    pool_generation(state_dir, ShmPool(path, 8 * MiB))
+    assert same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
+    (state_dir / POOL_IDENTITY).write_text('{"kind": "shm", "pa')  # torn
+    assert not same_pool_as_before(state_dir, ShmPool(path, 8 * MiB))
 
 
 def test_identity_mismatch_discards_state_but_keeps_the_secret(tmp_path):
@@ -465,7 +471,7 @@ def test_identity_mismatch_discards_state_but_keeps_the_secret(tmp_path):
     register(reg, "A", [["x", next(iter(reg.instances["A"].regions)), 3 * MiB, 1]])
     env.close()
     (env.state_dir / "secret.key").write_bytes(b"s" * 32)
-    cli.discard_state(env.state_dir)
+    discard_state(env.state_dir)
     left = sorted(p.name for p in env.state_dir.iterdir())
     assert "secret.key" in left
     assert not any(n.startswith("journal-") or n == SNAPSHOT_NAME for n in left)

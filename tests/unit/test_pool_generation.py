@@ -12,7 +12,7 @@ import pytest
 
 from maru.client.mapping import RegionMapper
 from maru.common.region import RegionHandle
-from maru.server import cli
+from maru.server import state_dir
 from maru.server.pool import DevDaxPool, ShmPool
 from maru.server.token import TokenSigner
 
@@ -31,32 +31,32 @@ def test_tokens_sign_the_generation():
 def test_generation_is_kept_for_the_same_pool_and_new_otherwise(tmp_path):
     state, path = tmp_path / "state", str(tmp_path / "pool")
     state.mkdir()
-    gen, first_id = cli.pool_generation(state, ShmPool(path, 8 * MiB))
+    gen, first_id = state_dir.pool_generation(state, ShmPool(path, 8 * MiB))
     assert len(gen) == 16 and first_id == 1
-    assert cli.pool_generation(state, ShmPool(path, 8 * MiB)) == (gen, 1)  # same file
+    assert state_dir.pool_generation(state, ShmPool(path, 8 * MiB)) == (gen, 1)  # same file
     (state / "journal-0.log").write_bytes(
         b"".join(_frames([["R", 41, "i", path, 0, 2 * MiB, "t"]]))
     )
-    again, first_id = cli.pool_generation(state, ShmPool(path, 8 * MiB), no_restore=True)
+    again, first_id = state_dir.pool_generation(state, ShmPool(path, 8 * MiB), no_restore=True)
     assert again != gen and first_id == 42  # above every id the old state named
     assert not list(state.glob("journal-*.log"))
-    record = json.loads((state / cli.POOL_IDENTITY).read_text())
+    record = json.loads((state / state_dir.POOL_IDENTITY).read_text())
     assert record["generation"] == again and record["next_region_id"] == 42
     os.unlink(path)  # recreated: the id floor survives in the identity record
-    third, first_id = cli.pool_generation(state, ShmPool(path, 8 * MiB))
+    third, first_id = state_dir.pool_generation(state, ShmPool(path, 8 * MiB))
     assert third not in (gen, again) and first_id == 42
 
 
 def test_a_truncated_file_is_a_new_generation_in_a_new_file(tmp_path):
     state, path = tmp_path / "state", str(tmp_path / "pool")
     state.mkdir()
-    gen, _ = cli.pool_generation(state, ShmPool(path, 8 * MiB))
+    gen, _ = state_dir.pool_generation(state, ShmPool(path, 8 * MiB))
     os.truncate(path, 3 * MiB)
     pool = ShmPool(path, 8 * MiB)
     assert pool.truncated_from == 3 * MiB
     old_fd = os.open(path, os.O_RDONLY)  # as a client that still maps the old file
     try:
-        new, _ = cli.pool_generation(state, pool)
+        new, _ = state_dir.pool_generation(state, pool)
         assert new != gen
         assert os.fstat(old_fd).st_nlink == 0  # the old file is gone, the path is a new one
         assert os.stat(path).st_ino != os.fstat(old_fd).st_ino
@@ -108,7 +108,7 @@ def test_saved_state_without_a_pool_identity_is_not_restored(tmp_path):
     state.mkdir()
     ShmPool(path, 8 * MiB)
     (state / "journal-0.log").write_bytes(b"".join(_frames([["D", ["k"]]])))
-    assert not cli.same_pool_as_before(state, ShmPool(path, 8 * MiB))
+    assert not state_dir.same_pool_as_before(state, ShmPool(path, 8 * MiB))
 
 
 def _pools(tmp_path, kind: str):
@@ -129,17 +129,17 @@ def test_a_pool_served_from_another_state_since_is_not_restored(tmp_path, kind):
     pool, one, two = _pools(tmp_path, kind), tmp_path / "one", tmp_path / "two"
     one.mkdir()
     two.mkdir()
-    first, _ = cli.pool_generation(one, pool())
-    assert cli.pool_generation(one, pool())[0] == first  # restarts keep it
-    assert not cli.same_pool_as_before(two, pool())  # no record: not adopted
-    second, _ = cli.pool_generation(two, pool())
+    first, _ = state_dir.pool_generation(one, pool())
+    assert state_dir.pool_generation(one, pool())[0] == first  # restarts keep it
+    assert not state_dir.same_pool_as_before(two, pool())  # no record: not adopted
+    second, _ = state_dir.pool_generation(two, pool())
     assert second != first and pool().read_mark()[0] == second
-    assert not cli.same_pool_as_before(one, pool())  # (for devdax only the mark tells)
-    third, _ = cli.pool_generation(one, pool())
+    assert not state_dir.same_pool_as_before(one, pool())  # (for devdax only the mark tells)
+    third, _ = state_dir.pool_generation(one, pool())
     assert third not in (first, second)
     shutil.copytree(one, tmp_path / "copy")
-    assert cli.pool_generation(tmp_path / "copy", pool())[0] == third  # the copy restores
-    assert not cli.same_pool_as_before(one, pool())  # and the original no longer matches
+    assert state_dir.pool_generation(tmp_path / "copy", pool())[0] == third  # the copy restores
+    assert not state_dir.same_pool_as_before(one, pool())  # and the original no longer matches
 
 
 @pytest.mark.parametrize("kind", ["shm", "devdax"])
@@ -148,18 +148,20 @@ def test_a_start_killed_between_the_marks_two_writes_starts_fresh_next(tmp_path,
     different, and the next start is fresh, not a restore."""
     pool, state = _pools(tmp_path, kind), tmp_path / "state"
     state.mkdir()
-    first, _ = cli.pool_generation(state, pool())
+    first, _ = state_dir.pool_generation(state, pool())
 
     def killed(*_args: object) -> None:
         raise KeyboardInterrupt  # (stands in for SIGKILL after the mark was written)
 
     with monkeypatch.context() as m:
-        m.setattr(cli, "_write_identity", killed)
+        m.setattr(state_dir, "_write_identity", killed)
         with pytest.raises(KeyboardInterrupt):
-            cli.pool_generation(state, pool())
-    assert pool().read_mark()[1] != json.loads((state / cli.POOL_IDENTITY).read_text())["epoch"]
-    assert not cli.same_pool_as_before(state, pool())
-    assert cli.pool_generation(state, pool())[0] != first
+            state_dir.pool_generation(state, pool())
+    assert (
+        pool().read_mark()[1] != json.loads((state / state_dir.POOL_IDENTITY).read_text())["epoch"]
+    )
+    assert not state_dir.same_pool_as_before(state, pool())
+    assert state_dir.pool_generation(state, pool())[0] != first
 
 
 def test_a_damaged_mark_is_none(tmp_path):

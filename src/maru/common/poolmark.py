@@ -1,5 +1,5 @@
 """The pool's mark: which server state serves a pool, in the pool's own memory beside the
-regions (written at every start, `maru.server.cli.claim_pool`): magic, the pool's generation,
+regions (written at every start, `maru.server.state_dir.claim_pool`): magic, the pool's generation,
 that start's epoch, the start's pool key, a digest. The server reads it to tell whether another
 server used the pool since its state was saved; a client, to prove that what it maps is the
 server's pool before it touches anything there (`maru.client.poolpath`; the HANDSHAKE says

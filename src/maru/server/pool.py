@@ -170,7 +170,7 @@ def check_pool_file(
 
 
 def new_generation() -> str:
-    """A random 64-bit name for one life of a pool's bytes (see `maru.server.cli`)."""
+    """A random 64-bit name for one life of a pool's bytes (see `maru.server.state_dir`)."""
     return secrets.token_hex(8)
 
 
@@ -315,7 +315,7 @@ class Pool(ABC):
             return None
 
     def write_mark(self, generation: str, epoch: str) -> None:
-        """Bind the pool to the state that serves it now (see `maru.server.cli.claim_pool`),
+        """Bind the pool to the state that serves it now (see `maru.server.state_dir.claim_pool`),
         under a new pool key: a proof made for an earlier start proves nothing now."""
         key = secrets.token_bytes(POOL_KEY_BYTES)
         self._write_mark_bytes(encode_mark(generation, epoch, key))

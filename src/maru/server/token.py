@@ -55,8 +55,8 @@ def load_or_create_curve_keys(state_dir: Path) -> tuple[bytes, bytes]:
 
 class TokenSigner:
     def __init__(self, secret: bytes, generation: str = ""):
-        """`generation`: the pool's (`maru.server.cli.pool_generation`); "" for a pool recorded
-        before generations existed, whose tokens are signed as they were then."""
+        """`generation`: the pool's (`maru.server.state_dir.pool_generation`); "" for a pool
+        recorded before generations existed, whose tokens are signed as they were then."""
         self._secret = secret
         self.generation = generation
 
