@@ -217,3 +217,48 @@ def backend_gets(url: str, salt: int) -> dict:
         out["after_remove"] = [backend.contains(k1), backend.get_blocking(k1) is None]
         out["remove_missing"] = backend.remove(missing)
         return out
+
+
+# -- a writer that removes its prompt and reuses its pages while another engine reads it -------
+
+
+def _run_into(fn, out_q, args: tuple) -> None:
+    """Run `fn(*args)` (in a spawned process) and put its dict, or {"error": traceback}."""
+    import traceback
+
+    try:
+        result = fn(*args)
+    except BaseException:
+        result = {"error": traceback.format_exc()}
+    out_q.put(result)
+
+
+def remove_and_reuse_when_told(url: str, n_tokens: int, seed: int, stored, go, done) -> dict:
+    """Store a prompt (slots 0..n), set `stored`; on `go`, `remove` every chunk key (LMCache's
+    `remove`), then reserve every chunk this instance can get and fill it with 0x7f bytes (a
+    page the removes freed is written over), and set `done`. Returns the removes' results and
+    how many chunks were written over."""
+    import torch
+
+    g = E.GEOMETRY
+    tokens = E.prompt(n_tokens, seed)
+    with E.Engine(E.config(url), E.metadata()) as built:
+        engine, backend = built.engine, built.backend
+        engine.store(
+            tokens, kvcaches=E.kv_caches(n_tokens, seed=seed), slot_mapping=torch.arange(n_tokens)
+        )
+        _wait_for(lambda: not backend.put_tasks, "puts finished")
+        keys = [key for _, _, key in engine.token_database.process_tokens(tokens)]
+        stored.set()
+        if not go.wait(DEADLINE_S * 3):
+            raise TimeoutError("never told to remove")
+        removed = [backend.remove(key) for key in keys]
+        meta = E.metadata()
+        held = []
+        while (
+            obj := backend.allocate(meta.get_shapes(g.chunk), meta.get_dtypes(), E.FMT)
+        ) is not None:
+            obj.tensor.view(torch.uint8).fill_(0x7F)
+            held.append(obj)
+        done.set()
+        return {"removed": removed, "overwritten": len(held)}
