@@ -254,6 +254,47 @@ def test_a_failed_background_write_loses_nothing_and_a_later_one_collapses_the_c
     assert node.restarted() == expected
 
 
+def test_a_snapshot_that_would_take_the_journals_room_is_not_written(tmp_path, monkeypatch):
+    """The file system holds the snapshot but not the journal's room beside it: the writer
+    does not start the file (which would take the last free bytes from the loop's appends),
+    fails as a full disk does (ENOSPC, counted, nothing removed), and lands once there is
+    room."""
+    node = Node(tmp_path)
+    node.history()
+    node.add(3000)  # a snapshot of many file system blocks
+    before = node.path(SNAPSHOT_NAME).read_bytes()
+    real = os.statvfs
+    free = {"bytes": 1 << 40}
+
+    def statvfs(path):  # (the state dir's file system only: the pool's is left alone)
+        st = real(path)
+        if Path(path) != node.state_dir:
+            return st
+        return os.statvfs_result((*st[:4], free["bytes"] // st.f_frsize, *st[5:]))
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    state = persistence.snapshot_packed(node.reg)
+    size = sum(len(c) for c in journal_module._frame_chunks(dict(state, generation=2)))
+    free["bytes"] = size + size // 8  # room for the snapshot, not for a quarter more
+    assert node.journal.start_snapshot(state)
+    node.journal.wait_snapshot()
+    error = node.journal.snapshot_error
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC
+    assert node.journal.snapshot_errors == 1
+    assert node.files() == ["journal-1.log", "journal-2.log", SNAPSHOT_NAME]  # no .tmp begun
+    assert node.path(SNAPSHOT_NAME).read_bytes() == before
+    node.add(10)
+    assert node.restarted() == keys_of(node.reg)
+
+    free["bytes"] = 1 << 40
+    assert node.journal.start_snapshot(persistence.snapshot_packed(node.reg))
+    node.journal.wait_snapshot()
+    assert node.journal.snapshot_error is None and node.files() == ["journal-3.log", SNAPSHOT_NAME]
+    expected = keys_of(node.reg)
+    node.journal.close()
+    assert node.restarted() == expected
+
+
 # -- damage in the chain -----------------------------------------------------------------------
 
 

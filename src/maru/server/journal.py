@@ -178,6 +178,26 @@ def write_private(path: Path, data: bytes | list[bytes]) -> None:
         raise
 
 
+# A background snapshot leaves this much of the file system free for the journal's appends
+# while it is written (a quarter of the snapshot, at most 16 MiB): a snapshot that would take the
+# last of it waits for room instead, so that appends, which must succeed, never fail for it.
+JOURNAL_ROOM_MAX = 16 << 20
+
+
+def _check_room(state_dir: Path, nbytes: int) -> None:
+    """Raise ENOSPC unless `state_dir`'s file system holds `nbytes` and the journal's room
+    beside them (what an unprivileged writer may use: `f_bavail`)."""
+    st = os.statvfs(state_dir)
+    free = st.f_bavail * st.f_frsize
+    needed = nbytes + min(JOURNAL_ROOM_MAX, nbytes // 4)
+    if free < needed:
+        raise OSError(
+            errno.ENOSPC,
+            f"{free} bytes free, a snapshot of {nbytes} bytes and the journal's room need "
+            f"{needed} (not written, so that appends keep their room)",
+        )
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -598,6 +618,7 @@ class Journal:
         leaves the chain as it was (the old snapshot and every journal after it)."""
         try:
             _fsync_dir(self.state_dir)  # the new journal's name: appends go there already
+            _check_room(self.state_dir, sum(len(chunk) for chunk in chunks))
             write_private(self.state_dir / SNAPSHOT_NAME, chunks)
             self._covered(generation)
         except Exception as exc:  # (the loop sees it in `snapshot_errors`)
