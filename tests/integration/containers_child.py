@@ -1,0 +1,113 @@
+"""Run by `test_containers.py` inside a "container" (a pid and a mount namespace of its own,
+entered with `nsenter`), so that the process the server sees is really in another pid
+namespace than the server's.
+
+`containers_child.py server CAP ARGS...`: `maru-server ARGS...` with at most CAP instances per
+process on the local socket (`maru.server.instances.MAX_PER_PROCESS`, which the command line
+does not set), so that a test can reach the cap with a handful of handlers.
+
+`containers_child.py agent URL POOL_PATH POOL_SIZE`: one client kept connected, told what to
+do by a JSON line on stdin (`[op, *args]`, one of `OPS`) and answering each with one JSON line
+(`{"ok": ...}`, or `{"error": ...}` for a `MaruError`): `pod_child.AGENT_OPS` (store, read,
+alloc, fill, stats, ...) and a few more (its pid as its namespace sees it, how it reaches the
+server, more handlers of its own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+TESTS = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(TESTS.parent), str(TESTS)]  # (tests.integration, and conftest as pytest has it)
+
+from tests.integration.pod_child import AGENT_OPS, keys_of  # noqa: E402
+from tests.integration.test_crash_safety import make_value  # noqa: E402
+
+from maru import MaruHandler  # noqa: E402
+from maru.common.errors import MaruError  # noqa: E402
+
+VALUE = 60_000  # (pod_child's: one 64 KiB chunk a value)
+
+
+def handler(url: str, pool_path: str, pool_size: str) -> MaruHandler:
+    return MaruHandler(
+        server_url=url,
+        pool_path=None if pool_path == "-" else pool_path,
+        pool_size=pool_size,
+        chunk_size_bytes="64K",
+        timeout_ms=5000,
+        auto_expand=False,  # (one region of pool_size: `alloc` reserves all of it)
+    )
+
+
+def transport(h: MaruHandler) -> dict[str, Any]:
+    """How this handler reaches the server: the Unix socket the handshake named and whether
+    this thread's connection to it is open (else its requests go over TCP)."""
+    local = getattr(h._rpc._local, "local", None)
+    return {
+        "local_address": h._rpc.local_address,
+        "local_connected": local is not None and local.sock is not None,
+    }
+
+
+def more_handlers(url: str, pool_path: str, extra: list[MaruHandler], n: int, tag: str) -> list:
+    """Open `n` more handlers in this process, each storing one value (a request on the local
+    socket, where the server counts the process's instances): per handler [its instance id,
+    stored, why not (or "")]. They stay open until the agent ends."""
+    out = []
+    for i in range(n):
+        h = handler(url, pool_path, "1M")
+        extra.append(h)
+        if not h.connected:
+            out.append([None, False, f"connect: {h.connect_error}"])
+            continue
+        key = f"{tag}/{i}"
+        try:
+            out.append([h.instance_id, bool(h.store(key, make_value(key, VALUE))), ""])
+        except MaruError as exc:
+            out.append([h.instance_id, False, f"{type(exc).__name__}: {exc}"])
+    return out
+
+
+def agent(url: str, pool_path: str, pool_size: str) -> None:
+    h = handler(url, pool_path, pool_size)
+    extra: list[MaruHandler] = []
+    reserved: list = []  # the run `alloc` reserved, written and sealed by `fill`
+    ops = {
+        **AGENT_OPS,
+        "pid": lambda h, _: os.getpid(),
+        "connected": lambda h, _: [h.connected, str(h.connect_error or "")],
+        "transport": lambda h, _: transport(h),
+        "handlers": lambda h, _, n, tag: more_handlers(url, pool_path, extra, n, tag),
+        "keys": lambda h, _, prefix, start, n: keys_of(prefix, start, n),
+    }
+    try:
+        for line in sys.stdin:
+            op, *args = json.loads(line)
+            try:
+                reply = {"ok": ops[op](h, reserved, *args)}
+            except MaruError as exc:
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            print(json.dumps(reply), flush=True)
+    finally:
+        for e in extra:
+            e.close()
+        h.close()
+
+
+def server(cap: str, args: list[str]) -> int:
+    import maru.server.instances
+    from maru.server.cli import main
+
+    maru.server.instances.MAX_PER_PROCESS = int(cap)
+    return main(args)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "server":
+        sys.exit(server(sys.argv[2], sys.argv[3:]))
+    agent(*sys.argv[2:5])
