@@ -1,23 +1,18 @@
 """`MaruKVConnector`: a vLLM v1 KV connector that shares KV blocks through Maru (docs/vllm.md).
 A block's KV for every layer of a cache group is one Maru value, keyed by vLLM's own block hash
 (chained over the prefix), so every instance that computes the same prefix finds the same keys.
-The key also names everything else the value's bytes depend on (`_kv_namespace`, `_scope`):
-the model (its weights' name, not only the served alias), the KV format (model dtype, KV cache
-dtype, specs, the byte order a value is written in) and
-the rank's shard (PP stage, PCP and TP rank), so an instance never reads bytes of another
-format or shard as a hit: `<namespace>/<scope>/g<group>/<block hash>`, the namespace renewed
-by `reset_cache` (a weight update). A block that is missing, evicted, of another size, or
-whose lease ended during the copy is reported by `get_block_ids_with_load_errors`: vLLM
-recomputes it, never uses other bytes.
+The rest of the key names everything else the value's bytes depend on, so that an instance
+never reads bytes of another model, format or shard as a hit (`maru_vllm.keys`; `_scope` here):
+`<namespace>/<scope>/g<group>/<block hash>`, the namespace renewed by `reset_cache` (a weight
+update). Where a block's bytes sit in vLLM's KV cache: `maru_vllm.layout`. A block that is
+missing, evicted, of another size, or whose lease ended during the copy is reported by
+`get_block_ids_with_load_errors`: vLLM recomputes it, never uses other bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-import hashlib
 import itertools
-import json
 import logging
 import secrets
 import threading
@@ -38,10 +33,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size, resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
-from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from maru import MaruConfig, MaruHandler
@@ -49,10 +42,17 @@ from maru.client import (
     ConfigError,
     Put,
     Throttle,
-    page_pointers,
     parse_bool,
     parse_int,
     values_at,
+)
+from maru_vllm.keys import hash_block_size, kv_namespace, parallel_rank
+from maru_vllm.layout import (
+    GroupLayout,
+    check_host_memory,
+    group_layout,
+    resolved_layout,
+    value_order,
 )
 
 if TYPE_CHECKING:
@@ -236,223 +236,6 @@ class MaruKVConnectorStats(KVConnectorStats):
         return not (self.data["loads"] or self.data["saves"])
 
 
-# -- where a block's bytes are in vLLM's KV cache ------------------------------------------
-
-
-@dataclass
-class _GroupLayout:
-    """For one cache group: block b's bytes are segments s at `base[s] + b * stride[s]`, each
-    `length[s]` bytes; a stored value is the segments back to back. `blocks`: the KV cache's
-    blocks (ids 0 to blocks - 1)."""
-
-    base: np.ndarray
-    stride: np.ndarray
-    length: np.ndarray
-    value_size: int
-    blocks: int
-    affine: np.ndarray = field(init=False)  # (segments, 2): each one's (base, stride)
-
-    def __post_init__(self) -> None:
-        self.affine = np.ascontiguousarray(np.stack([self.base, self.stride], axis=1), np.int64)
-
-    def addresses(self, block_ids: Sequence[int]) -> np.ndarray:
-        """[blocks, segments] int64: where each segment of each block is. ValueError (saying
-        why) for an id outside the KV cache, or one given twice: vLLM's block pool never
-        gives one, but a load would write outside the KV cache (or two values into a block)
-        and a save store other memory under a block's key. One C pass checks and computes
-        (`page_pointers`, SGLang's `check_pages`)."""
-        ids = np.ascontiguousarray(block_ids, dtype=np.int64)
-        try:
-            raw = page_pointers(
-                ids.ctypes.data, len(ids), 1, self.affine, slots=self.blocks, distinct=True
-            )
-        except ValueError as exc:
-            raise ValueError(f"block ids of a KV cache of {self.blocks} blocks: {exc}") from None
-        return np.frombuffer(raw, np.int64).reshape(len(ids), len(self.base))
-
-
-# The logical dims of a vLLM 0.33 per-layer KV view `[B, H, N, C]` (vllm.v1.kv_cache_layout).
-_H, _N, _C = 1, 2, 3
-_MAX_SEGMENTS = 1 << 16  # per block and layer: beyond, the layout is not worth copying
-
-
-def _value_order(layout: KVCacheLayout) -> tuple[int, ...]:
-    """The order of H, N, C in a stored value: the engine's resolved layout's (so that a
-    layer's block is one dense run in the usual case), whatever order the memory has."""
-    return tuple(d for d in layout.layer_view_order if d != 0)
-
-
-def _layer_segments(
-    kv: torch.Tensor, num_blocks: int, order: tuple[int, ...]
-) -> list[tuple[int, int, int]]:
-    """(address, stride, length) of the runs of one logical block of a `[B, H, N, C]` layer
-    view (B a multiple of `num_blocks`: kernel blocks), in the value's byte order `order`
-    (tokens: kernel block, then token in it). The value's bytes are a function of the view's
-    logical contents and `order` only: not of its strides or kernel block size."""
-    if kv.ndim != 4 or kv.shape[0] % num_blocks:
-        raise ValueError(
-            f"a KV view of shape {tuple(kv.shape)} is not [B, H, N, C] with B a multiple of "
-            f"{num_blocks}; MaruKVConnector does not support this layout"
-        )
-    ratio = kv.shape[0] // num_blocks
-    el = kv.element_size()
-    dims: list[tuple[int, int]] = []  # (size, byte stride), outermost first
-    for d in order:
-        if d == _N:
-            dims.append((ratio, kv.stride(0) * el))
-        dims.append((kv.shape[d], kv.stride(d) * el))
-    dims = [(n, st) for n, st in dims if n > 1]
-    run = el
-    while dims and dims[-1][1] == run:  # merge the dense innermost dims into one run
-        run *= dims.pop()[0]
-    count = int(np.prod([n for n, _ in dims], dtype=np.int64))
-    if count > _MAX_SEGMENTS:
-        raise ValueError(
-            f"KV layout {tuple(kv.shape)} / strides {kv.stride()}: a block is {count} runs of "
-            f"{run} bytes; MaruKVConnector does not support this layout"
-        )
-    block_stride = kv.stride(0) * el * ratio
-    return [
-        (kv.data_ptr() + sum(i * st for i, (_, st) in zip(idx, dims)), block_stride, run)
-        for idx in itertools.product(*(range(n) for n, _ in dims))
-    ]
-
-
-def _group_layout(
-    tensors: Sequence[torch.Tensor], num_blocks: int, order: tuple[int, ...]
-) -> _GroupLayout:
-    # each segment once, in order: layers may share one KV cache (cross-layer sharing)
-    segs = list(
-        dict.fromkeys(seg for kv in tensors for seg in _layer_segments(kv, num_blocks, order))
-    )
-    base, stride, length = (np.array(col, dtype=np.int64) for col in zip(*segs))
-    return _GroupLayout(base, stride, length, int(length.sum()), num_blocks)
-
-
-# -- what a value's bytes depend on ----------------------------------------------------------
-
-_VALUE_FORMAT = 2  # bump when the connector changes how a value's bytes are laid out
-_LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
-
-
-def _resolved_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVCacheLayout:
-    """The engine's resolved KV cache layout: the same on the scheduler and every worker
-    (vLLM's engine core resolves it once and hands it to both); LBNHC where unresolved."""
-    name = kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout
-    name = _LAYOUT_ALIASES.get(name or "LBNHC", name or "LBNHC")
-    return KVCacheLayout[name]
-
-
-def _canon(obj: Any) -> Any:
-    """A JSON-able description of a config value (dataclasses field by field), the same in
-    every process for the same value."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = {f.name: _canon(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-        return {"@": type(obj).__qualname__, **fields}
-    if isinstance(obj, enum.Enum):
-        return f"{type(obj).__qualname__}.{obj.name}"
-    if isinstance(obj, dict):
-        return {str(k): _canon(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        items = [_canon(v) for v in obj]
-        return sorted(items, key=repr) if isinstance(obj, (set, frozenset)) else items
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, torch.dtype):
-        return str(obj)
-    if hasattr(obj, "__dict__"):
-        return {"@": type(obj).__qualname__, **_canon(vars(obj))}
-    return f"{type(obj).__qualname__}:{obj}"
-
-
-def _model_identity(model: Any) -> dict[str, Any]:
-    """Which weights compute the KV: the model as given (path or hub id), its revisions and
-    its architecture config (overrides applied). The key's model name is the served name, an
-    alias (`--served-model-name`) that two deployments of other weights may share."""
-    hf_config = getattr(model, "hf_config", None)
-    try:
-        arch = hf_config.to_dict() if hf_config is not None else None
-    except Exception:  # (a config that cannot say itself: its type only)
-        arch = type(hf_config).__qualname__
-    if isinstance(arch, dict):  # (not the weights: where and by what it was read)
-        arch = {k: v for k, v in arch.items() if k not in ("_name_or_path", "transformers_version")}
-    return {
-        "model": getattr(model, "model", None),
-        "revision": getattr(model, "revision", None),
-        "code_revision": getattr(model, "code_revision", None),
-        "config": json.loads(json.dumps(arch, sort_keys=True, default=str)),
-    }
-
-
-def _kv_namespace(
-    vllm_config: VllmConfig,
-    kv_cache_config: KVCacheConfig,
-    groups: Sequence[int],
-    block_size: int,
-    layout: KVCacheLayout,
-) -> str:
-    """`<KV dtype>-<fingerprint>`: the KV cache dtype as resolved (the model's dtype where
-    `cache_dtype` is "auto", else `cache_dtype`: fp8_e4m3 and fp8_e5m2 are both uint8 tensors),
-    and a hash of everything else a value's bytes depend on that the scheduler knows: the
-    model (`_model_identity`), its dtype and quantization, the cache's dtypes, each group's
-    KV cache spec (heads, head size, dtype, quantization mode, ...), the value's byte order
-    (the resolved layout), the tokens per block and how context parallelism splits them."""
-    model, cache = vllm_config.model_config, vllm_config.cache_config
-    parallel = vllm_config.parallel_config
-    model_dtype = str(getattr(model, "dtype", None)).removeprefix("torch.")
-    cache_dtype = str(getattr(cache, "cache_dtype", "auto"))
-    fp8 = None
-    if "fp8" in cache_dtype:  # plain "fp8" is e4m3fn on CUDA, e4m3fnuz on ROCm
-        try:
-            from vllm.platforms import current_platform
-
-            fp8 = str(current_platform.fp8_dtype())
-        except Exception:  # (no platform: the dtype string alone)
-            fp8 = "?"
-    desc = {
-        "format": _VALUE_FORMAT,
-        "model": _model_identity(model),
-        "model_dtype": model_dtype,
-        "quantization": getattr(model, "quantization", None),
-        "cache_dtype": cache_dtype,
-        "fp8": fp8,
-        "skip_layers": _canon(getattr(cache, "kv_cache_dtype_skip_layers", None)),
-        "mamba_dtypes": [
-            str(getattr(cache, "mamba_cache_dtype", None)),
-            str(getattr(cache, "mamba_ssm_cache_dtype", None)),
-        ],
-        "value_order": layout.name,
-        "block_size": block_size,
-        "dcp": getattr(parallel, "decode_context_parallel_size", 1),
-        "pcp": getattr(parallel, "prefill_context_parallel_size", 1),
-        "cp_interleave": getattr(parallel, "cp_kv_cache_interleave_size", 1),
-        "groups": [_canon(kv_cache_config.kv_cache_groups[g].kv_cache_spec) for g in groups],
-    }
-    digest = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
-    kv_dtype = model_dtype if cache_dtype == "auto" else cache_dtype
-    return f"{kv_dtype}-{digest}"
-
-
-def _hash_block_size(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, groups: Sequence[int]
-) -> int:
-    """Tokens per entry of `Request.block_hashes`, which must be every saved group's tokens
-    per block (under DCP: the block size times the DCP size), else hash i is not block i."""
-    size = kv_cache_config.hash_block_size
-    if size is None:
-        size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1]
-    dcp = vllm_config.parallel_config.decode_context_parallel_size
-    for g in groups:
-        spec = kv_cache_config.kv_cache_groups[g].kv_cache_spec
-        if resolve_dcp_kv_block_size(spec, dcp) != size:
-            raise ValueError(
-                f"MaruKVConnector: KV cache group {g} has blocks of "
-                f"{resolve_dcp_kv_block_size(spec, dcp)} tokens and block hashes cover {size}; "
-                "it stores one value per block hash and does not support this model's groups"
-            )
-    return size
-
-
 # -- the connector ----------------------------------------------------------------------------
 
 
@@ -483,8 +266,8 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._specs = [kv_cache_config.kv_cache_groups[g].kv_cache_spec for g in self._groups]
         # several KV cache groups: a failed load fails its request (`_connector_options`)
         self._fail_whole_loads = len(kv_cache_config.kv_cache_groups) > 1
-        self._block_size = _hash_block_size(vllm_config, kv_cache_config, self._groups)
-        self._value_layout = _resolved_layout(vllm_config, kv_cache_config)
+        self._block_size = hash_block_size(vllm_config, kv_cache_config, self._groups)
+        self._value_layout = resolved_layout(vllm_config, kv_cache_config)
         model = vllm_config.model_config
         parallel = vllm_config.parallel_config
         self._tp_size = parallel.tensor_parallel_size
@@ -498,7 +281,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         name = model.served_model_name if model is not None else "model"
         if isinstance(name, (list, tuple)):
             name = name[0]
-        kv = _kv_namespace(
+        kv = kv_namespace(
             vllm_config, kv_cache_config, self._groups, self._block_size, self._value_layout
         )
         self._namespace = f"{own['maru_key_prefix']}/{name}/{self._block_size}/{kv}"
@@ -512,8 +295,8 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._loads: list[Transfer] = []
             self._handler_for("2M")  # maru-server unreachable: a clear error at start
         else:
-            self._rank = _parallel_rank(self._pp_size, self._pcp_size, self._tp_size)
-            self._layouts: dict[int, _GroupLayout] = {}
+            self._rank = parallel_rank(self._pp_size, self._pcp_size, self._tp_size)
+            self._layouts: dict[int, GroupLayout] = {}
             self._load_pool = ThreadPoolExecutor(
                 int(own["maru_load_threads"]), thread_name_prefix="maru-load"
             )
@@ -529,7 +312,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._failed_loads: set[str] = set()  # requests whose load failed as a whole
             self._stats = MaruKVConnectorStats()
 
-    # -- keys (the module's docstring) -------------------------------------------------------
+    # -- keys (maru_vllm.keys's docstring) ---------------------------------------------------
 
     def _scope(self, rank: tuple[int, int, int]) -> str:
         """`rank`: (PP stage, PCP rank, TP rank). Every stage holds other layers, every PCP
@@ -694,13 +477,13 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Work out each cache group's block layout, then connect with one chunk per block
         value (the largest). KV caches outside CPU memory are refused (at the start)."""
         num_blocks = self._kv_cache_config.num_blocks
-        order = _value_order(self._value_layout)
-        _check_host_memory(kv_caches)
+        order = value_order(self._value_layout)
+        check_host_memory(kv_caches)
         for g in self._groups:
             names = [n for n in self._kv_cache_config.kv_cache_groups[g].layer_names]
             tensors = [kv_caches[n] for n in names if n in kv_caches]
             if tensors:
-                self._layouts[g] = _group_layout(tensors, num_blocks, order)
+                self._layouts[g] = group_layout(tensors, num_blocks, order)
         if not self._layouts:
             log.warning("MaruKVConnector: no KV cache tensors of a prefix-cacheable group")
             return
@@ -895,7 +678,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 def _puts(
-    groups: list[int], layouts: dict[int, _GroupLayout], keys: list[list[str]], transfer: Transfer
+    groups: list[int], layouts: dict[int, GroupLayout], keys: list[list[str]], transfer: Transfer
 ) -> list[Put]:
     """A save's writes, a group's blocks each (`_save`); ValueError for a bad block id."""
     puts = []
@@ -921,7 +704,7 @@ def _saved(puts: list[Put] | None, transfer: Transfer) -> dict[str, int]:
 
 def _read_blocks(
     handler: MaruHandler,
-    layouts: dict[int, _GroupLayout],
+    layouts: dict[int, GroupLayout],
     groups: Sequence[int],
     keys: Sequence[Sequence[str]],
     transfer: Transfer,
@@ -1014,17 +797,6 @@ def _exists_or_miss(
 _LOOKUP_FAILURES = Throttle()
 
 
-def _check_host_memory(kv_caches: dict[str, torch.Tensor]) -> None:
-    """The copies dereference the KV caches' addresses in this process: a GPU's would crash
-    the worker at its first transfer. Refused at the start instead, naming the device."""
-    devices = sorted({str(kv.device) for kv in kv_caches.values() if kv.device.type != "cpu"})
-    if devices:
-        raise ValueError(
-            f"MaruKVConnector: KV caches on {', '.join(devices)}; it copies blocks through "
-            "host memory and supports KV caches in CPU memory only (vLLM's CPU backend)"
-        )
-
-
 def _held(
     meta: KVConnectorMetadata | None, finished: set[str], sending: dict[str, list[Future]]
 ) -> set[str]:
@@ -1063,32 +835,3 @@ def _allocated_blocks(scheduler_output: SchedulerOutput, loads: Sequence[Transfe
         for group in transfer.block_ids:
             ids.update(group)
     return ids
-
-
-def _parallel_rank(pp_size: int, pcp_size: int, tp_size: int) -> tuple[int, int, int]:
-    """This worker's (PP stage, PCP rank, TP rank) from vLLM's process groups; (0, 0, 0) where
-    they are not set up (a single process), when the config asks for one of each."""
-    from vllm.distributed import parallel_state as ps
-
-    rank = []
-    for getter, size in (
-        (ps.get_pp_group, pp_size),
-        (ps.get_pcp_group, pcp_size),
-        (ps.get_tp_group, tp_size),
-    ):
-        try:
-            group = getter()
-        except AssertionError:  # not initialized
-            if size != 1:
-                raise RuntimeError(
-                    f"MaruKVConnector: {getter.__name__}: no process group for a size of {size}"
-                ) from None
-            rank.append(0)
-            continue
-        if group.world_size != size:
-            raise RuntimeError(
-                f"MaruKVConnector: {getter.__name__} has {group.world_size} ranks, the config "
-                f"{size}"
-            )
-        rank.append(group.rank_in_group)
-    return rank[0], rank[1], rank[2]

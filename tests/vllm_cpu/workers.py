@@ -337,7 +337,7 @@ def value_bytes_by_layout() -> dict:
     import torch
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from maru_vllm.connector import _layer_segments, _value_order
+    from maru_vllm.layout import _layer_segments, value_order
 
     blocks, heads, tokens, content = 5, 3, 16, 8
     checked, wrong = 0, []
@@ -347,7 +347,7 @@ def value_bytes_by_layout() -> dict:
             physical = memory.layer_view_order
             raw = torch.randn(*[shape[d] for d in physical], dtype=torch.float16)
             view = raw.permute(*[physical.index(d) for d in range(4)])  # logical [B, H, N, C]
-            order = _value_order(value)
+            order = value_order(value)
             segments = _layer_segments(view, blocks, order)
             for b in range(blocks):
                 got = b"".join(ctypes.string_at(a + b * st, n) for a, st, n in segments)
