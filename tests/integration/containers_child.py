@@ -15,7 +15,6 @@ server, more handlers of its own).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(TESTS.parent), str(TESTS)]  # (tests.integration, and conftest as pytest has it)
 
-from tests.integration.pod_child import AGENT_OPS, keys_of  # noqa: E402
+from tests.integration.pod_child import AGENT_OPS, keys_of, serve  # noqa: E402
 from tests.integration.test_crash_safety import make_value  # noqa: E402
 
 from maru import MaruHandler  # noqa: E402
@@ -76,7 +75,6 @@ def more_handlers(url: str, pool_path: str, extra: list[MaruHandler], n: int, ta
 def agent(url: str, pool_path: str, pool_size: str) -> None:
     h = handler(url, pool_path, pool_size)
     extra: list[MaruHandler] = []
-    reserved: list = []  # the run `alloc` reserved, written and sealed by `fill`
     ops = {
         **AGENT_OPS,
         "pid": lambda h, _: os.getpid(),
@@ -86,13 +84,7 @@ def agent(url: str, pool_path: str, pool_size: str) -> None:
         "keys": lambda h, _, prefix, start, n: keys_of(prefix, start, n),
     }
     try:
-        for line in sys.stdin:
-            op, *args = json.loads(line)
-            try:
-                reply = {"ok": ops[op](h, reserved, *args)}
-            except MaruError as exc:
-                reply = {"error": f"{type(exc).__name__}: {exc}"}
-            print(json.dumps(reply), flush=True)
+        serve(h, ops)
     finally:
         for e in extra:
             e.close()

@@ -87,17 +87,23 @@ def agent(
         timeout_ms=int(timeout_ms),
         auto_expand=regions == "grow",
     )
-    reserved: list = []  # the run `alloc` reserved, written and sealed by `fill`
     try:
-        for line in sys.stdin:
-            op, *args = json.loads(line)
-            try:
-                reply = {"ok": AGENT_OPS[op](h, reserved, *args)}
-            except MaruError as exc:
-                reply = {"error": f"{type(exc).__name__}: {exc}"}
-            print(json.dumps(reply), flush=True)
+        serve(h, AGENT_OPS)
     finally:
         h.close()
+
+
+def serve(h: MaruHandler, ops: dict) -> None:
+    """Answer the JSON lines on stdin (`[op, *args]`, one of `ops`) with one line each
+    (`{"ok": ...}`, or `{"error": ...}` for a `MaruError`: a failure the caller judges)."""
+    reserved: list = []  # the run `alloc` reserved, written and sealed by `fill`
+    for line in sys.stdin:
+        op, *args = json.loads(line)
+        try:
+            reply = {"ok": ops[op](h, reserved, *args)}
+        except MaruError as exc:
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(reply), flush=True)
 
 
 def keys_of(prefix: str, start: int, n: int) -> list[str]:

@@ -49,9 +49,9 @@ from maru import MaruHandler
 from maru.server.instances import MAX_PER_PROCESS
 
 from .pod_child import Agent as PodAgent
-from .test_paused_writer import CHUNKS, VALUE, instances
+from .test_paused_writer import CHUNKS, instances, store_twice_a_region
 from .test_pool_trust import read_counts
-from .workers import digest, make_value
+from .workers import digest
 
 CHILD = Path(__file__).with_name("containers_child.py")
 LIFE_S = 120  # the longest a container (and all it runs) may outlive the test
@@ -332,14 +332,7 @@ def test_a_paused_unwatched_writer_never_writes_into_another_instances_pages(
             a.signal(signal.SIGSTOP)
             assert until(lambda: a.instance not in instances(b), step=0.1)  # reaped for silence
 
-            stored: dict[str, str] = {}  # B stores twice its region: A's pages, or its own
-            for n in range(0, 2 * CHUNKS, 16):
-                keys = [f"b/{i}" for i in range(n, n + 16)]
-                values = [make_value(1000 + i, VALUE) for i in range(n, n + 16)]
-                for key, value, ok in zip(keys, values, b.batch_store(keys, values)):
-                    if ok:
-                        stored[key] = digest(value)
-            assert len(stored) == 2 * CHUNKS
+            stored = store_twice_a_region(b)  # A's pages, or B's own
 
             a.signal(signal.SIGCONT)
             sealed = a.ok("fill", "a")  # A writes all its reserved chunks, then seals

@@ -55,6 +55,20 @@ def paused_writer(url: str, local_socket: bool, ready, go, out) -> None:
         h.close()
 
 
+def store_twice_a_region(b: MaruHandler) -> dict[str, str]:
+    """B stores twice a region's worth, every store acknowledged: the second half needs the
+    paused writer's pages, or B's own evicted. Each key's digest."""
+    stored: dict[str, str] = {}
+    for n in range(0, 2 * CHUNKS, 16):
+        keys = [f"b/{i}" for i in range(n, n + 16)]
+        values = [make_value(1000 + i, VALUE) for i in range(n, n + 16)]
+        for key, value, ok in zip(keys, values, b.batch_store(keys, values)):
+            if ok:
+                stored[key] = digest(value)
+    assert len(stored) == 2 * CHUNKS
+    return stored
+
+
 def instances(h: MaruHandler) -> dict:
     return h.stats()["instances"]
 
@@ -88,15 +102,7 @@ def test_a_paused_writer_never_writes_into_another_instances_pages(maru_server_f
                 time.sleep(0.1)
             assert a_iid not in instances(b)  # reaped for its silence
 
-        # B stores twice its region: the second half needs A's pages, or B's own evicted
-        stored: dict[str, str] = {}
-        for n in range(0, 2 * CHUNKS, 16):
-            keys = [f"b/{i}" for i in range(n, n + 16)]
-            values = [make_value(1000 + i, VALUE) for i in range(n, n + 16)]
-            for key, value, ok in zip(keys, values, b.batch_store(keys, values)):
-                if ok:
-                    stored[key] = digest(value)
-        assert len(stored) == 2 * CHUNKS
+        stored = store_twice_a_region(b)
 
         os.kill(a.pid, signal.SIGCONT)
         go.set()
