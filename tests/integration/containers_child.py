@@ -2,9 +2,10 @@
 entered with `nsenter`), so that the process the server sees is really in another pid
 namespace than the server's.
 
-`containers_child.py server CAP ARGS...`: `maru-server ARGS...` with at most CAP instances per
-process on the local socket (`maru.server.instances.MAX_PER_PROCESS`, which the command line
-does not set), so that a test can reach the cap with a handful of handlers.
+`containers_child.py server CAP PIDFS ARGS...`: `maru-server ARGS...` with at most CAP
+instances per process on the local socket (`maru.server.instances.MAX_PER_PROCESS`, which the
+command line does not set), so that a test can reach the cap with a handful of handlers;
+PIDFS `off`: processes told apart by pid alone, as on kernels before 6.9 (else: the kernel's).
 
 `containers_child.py agent URL POOL_PATH POOL_SIZE`: one client kept connected, told what to
 do by a JSON line on stdin (`[op, *args]`, one of `OPS`) and answering each with one JSON line
@@ -91,15 +92,18 @@ def agent(url: str, pool_path: str, pool_size: str) -> None:
         h.close()
 
 
-def server(cap: str, args: list[str]) -> int:
+def server(cap: str, pidfs: str, args: list[str]) -> int:
     import maru.server.instances
+    import maru.server.processes
     from maru.server.cli import main
 
     maru.server.instances.MAX_PER_PROCESS = int(cap)
+    if pidfs == "off":  # as on a kernel before 6.9: a process it cannot see goes unwatched
+        maru.server.processes.PIDFS = False
     return main(args)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "server":
-        sys.exit(server(sys.argv[2], sys.argv[3:]))
+        sys.exit(server(sys.argv[2], sys.argv[3], sys.argv[4:]))
     agent(*sys.argv[2:5])

@@ -11,20 +11,22 @@ What the tests prove:
    requests under host "local", `local_connections`), stores values, and a client in a third
    container and one on the host read them byte for byte. Without `pool_path` it is refused,
    naming the path.
-2. The server watches only the processes it can see: a client in its own container has a
-   watched pid (`watched_pids`), one in a sibling container none (`SO_PEERCRED`'s pid is 0);
-   the per-process cap on local-socket instances (`MAX_PER_PROCESS`, set to 2 here through
-   `containers_child.py server`) refuses a third instance of the watched process but does not
-   lump the unwatched processes together: two processes of a sibling container get three each.
-3. The paused-writer promise (docs/reliability.md, P4) holds for an unwatched client on the
-   local socket: a writer in a sibling container SIGSTOPped between reserving and sealing is
-   reaped after `--heartbeat-timeout`, its region held; another instance fills the pool
-   meanwhile; resumed, the writer writes its whole region and seals: 0 of the other instance's
-   values read wrong, and the seal is refused. With `--reap-hold 0` the same run reads wrong
-   bytes (the test can fail).
-4. A client SIGKILLed in a sibling container is not reaped when its connections close (the
-   server cannot tell a closed connection of an unwatched process from a paused one), but
-   after `--heartbeat-timeout`; its keys stay readable by their bytes.
+2. The server tells processes apart by their pidfd's inode where the kernel gives each its own
+   (pidfs, Linux 6.9), so it watches a client in a sibling container too (`watched_pids` [0]:
+   no pid here) and caps each process's local-socket instances on its own (`MAX_PER_PROCESS`,
+   set to 2 here through `containers_child.py server`); by pid alone (before 6.9, forced
+   here: `containers_child.py server CAP off`) such a client goes unwatched and uncapped. A
+   client in the server's own container is watched and capped either way. Processes are never
+   lumped together.
+3. The paused-writer promise (docs/reliability.md, P4) for a writer in a sibling container
+   SIGSTOPped between reserving and sealing, past `--heartbeat-timeout`, while another instance
+   stores twice a region: with pidfs the writer is watched, not reaped, and resumed its seal
+   lands and its values read right; by pid alone it is reaped, its region held, and resumed its
+   seal is refused. Either way 0 of the other instance's values read wrong; with
+   `--reap-hold 0` (by pid) the same run reads wrong bytes (the test can fail).
+4. A client SIGKILLed in a sibling container: with pidfs reaped at once (its pidfd says it
+   exited); by pid alone not when its connections close (a paused process's could close too)
+   but after `--heartbeat-timeout`. Its keys stay readable by their bytes.
 
 Skipped, with the reason, where root, `unshare` or `nsenter` is missing.
 """
@@ -47,6 +49,7 @@ import pytest
 import conftest  # tests/conftest.py (on sys.path): its server command is patched per pod
 from maru import MaruHandler
 from maru.server.instances import MAX_PER_PROCESS
+from maru.server.processes import PIDFS
 
 from .pod_child import Agent as PodAgent
 from .test_paused_writer import CHUNKS, instances, store_twice_a_region
@@ -54,6 +57,18 @@ from .test_pool_trust import read_counts
 from .workers import digest
 
 CHILD = Path(__file__).with_name("containers_child.py")
+
+# How the server tells processes apart: by their pidfd's inode (pidfs, Linux 6.9), which names
+# a process of another pid namespace too, or by pid alone (before 6.9, forced here), where such
+# a process goes unwatched.
+NAMING = [
+    pytest.param(
+        True,
+        id="pidfs",
+        marks=pytest.mark.skipif(not PIDFS, reason="pidfds have no inode of their own here"),
+    ),
+    pytest.param(False, id="by pid"),
+]
 LIFE_S = 120  # the longest a container (and all it runs) may outlive the test
 WAIT_S = 30.0  # a bound for a run to stop waiting (never a threshold the test judges)
 # A container: pid and mount namespaces of its own (a fresh /proc), this network namespace
@@ -206,10 +221,12 @@ def pod(
     args: list[str],
     cap: int = MAX_PER_PROCESS,
     pool_size: str = "8M",
+    pidfs: bool = True,
 ) -> Iterator[Pod]:
     """The containers and `maru-server --pool-size POOL_SIZE *args` (at most `cap`
-    local-socket instances per process) in the server's container, its pool in a tmpfs
-    volume; all ended on the way out."""
+    local-socket instances per process; `pidfs` False: processes told apart by pid alone, as
+    before Linux 6.9) in the server's container, its pool in a tmpfs volume; all ended on the
+    way out."""
     workdir = tmp_path / "pod"
     workdir.mkdir()
     volume = workdir / "volume"
@@ -220,7 +237,8 @@ def pod(
             boxes.append(Container(workdir, "server"))
             boxes.append(client_container(workdir, "writer", volume, private_shm=True))
             boxes.append(client_container(workdir, "reader", volume, private_shm=False))
-            command = [*boxes[0].enter(), sys.executable, str(CHILD), "server", str(cap)]
+            naming = "kernel" if pidfs else "off"
+            command = [*boxes[0].enter(), sys.executable, str(CHILD), "server", str(cap), naming]
             monkeypatch.setattr(conftest, "maru_server_command", lambda: command)
             server = conftest.MaruServerProcess(
                 workdir / "srv",
@@ -282,11 +300,12 @@ def test_a_client_in_a_sibling_container_writes_what_others_read_by_its_bytes(
             close_all(agents)
 
 
-def test_the_server_watches_the_processes_it_can_see_and_caps_only_those(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("pidfs", NAMING)
+def test_the_server_watches_the_processes_it_can_name_and_caps_each_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pidfs: bool
 ) -> None:
     cap = 2
-    with pod(tmp_path, monkeypatch, [], cap=cap, pool_size="16M") as p:
+    with pod(tmp_path, monkeypatch, [], cap=cap, pool_size="16M", pidfs=pidfs) as p:
         agents: list[Agent] = []
         try:
             # In the server's own container the process is watched, and capped
@@ -298,39 +317,60 @@ def test_the_server_watches_the_processes_it_can_see_and_caps_only_those(
             assert got[0][1], got  # its second instance
             assert not got[1][1] and "the most one process may" in got[1][2], got  # its third
 
-            # Two processes of a sibling container: unwatched, none refused
+            # Two processes of a sibling container (pid 0 here): with pidfs each watched and
+            # capped on its own; by pid alone unwatched, none refused. Never lumped together.
             far_ids: set[str] = set()
             for n in range(2):
                 agents.append(far := Agent(p.writer, p.server.url, p.writer_pool, "1M"))
                 assert far.ok("store", f"far{n}", 0, 1) == 1
                 got = far.ok("handlers", cap, f"far{n}-more")
-                assert all(stored for _, stored, _ in got), got
-                far_ids |= {far.instance, *(iid for iid, _, _ in got)}
-            assert len(far_ids) == 2 * (cap + 1)
+                far_ids |= {far.instance, *(iid for iid, stored, _ in got if stored)}
+                if pidfs:
+                    assert got[0][1], got  # its second instance
+                    assert not got[1][1] and "in another pid namespace" in got[1][2], got
+                else:
+                    assert all(stored for _, stored, _ in got), got
+            assert len(far_ids) == 2 * (cap if pidfs else cap + 1)
             seen = p.stats()["instances"]
             for iid in far_ids:
-                assert seen[iid]["watched_pids"] == [] and seen[iid]["host"] == "local"
+                assert seen[iid]["watched_pids"] == ([0] if pidfs else [])
+                assert seen[iid]["host"] == "local"
         finally:
             close_all(agents)
 
 
-@pytest.mark.parametrize("hold", ["60", "0"], ids=["held", "no hold (before)"])
-def test_a_paused_unwatched_writer_never_writes_into_another_instances_pages(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hold: str
+@pytest.mark.parametrize(
+    ("pidfs", "hold"),
+    [
+        pytest.param(*NAMING[0].values, "60", id="pidfs", marks=NAMING[0].marks),
+        pytest.param(False, "60", id="by pid, held"),
+        pytest.param(False, "0", id="by pid, no hold (before)"),
+    ],
+)
+def test_a_paused_writer_in_another_container_never_writes_into_another_instances_pages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pidfs: bool, hold: str
 ) -> None:
     """`test_paused_writer.py`'s run, with the writer A in a sibling container on the local
-    socket (which the server cannot watch there) instead of on TCP."""
+    socket instead of on TCP. With pidfs the server watches A's process there: stopped, it is
+    never reaped and its region stays its own. By pid alone it cannot: A is reaped for its
+    silence and its region held."""
     args = ["--heartbeat-timeout", "1", "--reap-hold", hold]
-    with pod(tmp_path, monkeypatch, args) as p:
+    with pod(tmp_path, monkeypatch, args, pidfs=pidfs) as p:
         agents: list[Agent] = []
         b = p.host_handler()
         try:
             agents.append(a := Agent(p.writer, p.server.url, p.writer_pool))
             assert a.ok("alloc", CHUNKS) is True  # every chunk of its region, reserved
             assert a.ok("transport")["local_connected"]
-            assert instances(b)[a.instance]["watched_pids"] == []
+            assert instances(b)[a.instance]["watched_pids"] == ([0] if pidfs else [])
             a.signal(signal.SIGSTOP)
-            assert until(lambda: a.instance not in instances(b), step=0.1)  # reaped for silence
+            if pidfs:  # silent past the timeout, alive: not reaped
+                alive = f"instance {a.instance} silent for"
+                assert until(lambda: alive in p.server.read_log(), step=0.1)
+                assert "(in another pid namespace) is alive" in p.server.read_log()
+                assert a.instance in instances(b)
+            else:
+                assert until(lambda: a.instance not in instances(b), step=0.1)  # reaped
 
             stored = store_twice_a_region(b)  # A's pages, or B's own
 
@@ -340,45 +380,61 @@ def test_a_paused_unwatched_writer_never_writes_into_another_instances_pages(
             infos = b.batch_retrieve(keys)
             read = {k: digest(bytes(i.view)) for k, i in zip(keys, infos) if i is not None}
             wrong = sum(read[k] != stored[k] for k in read)
-            print(f"\nreap hold {hold}: {len(read)} of B's values read back, {wrong} wrong")
+            print(
+                f"\npidfs {pidfs}, reap hold {hold}: {len(read)} of B's values read, {wrong} wrong"
+            )
             if hold == "0":
                 assert wrong > 0  # A wrote into B's pages: what the hold prevents
                 return
-            assert wrong == 0 and len(read) >= CHUNKS
-            assert sealed == 0  # reaped: its region is not its own any more
-            assert b.stats()["orphaned"]["held"] == 1
-            assert read_counts(b, [f"a/{i}" for i in range(CHUNKS)]) == (0, CHUNKS, 0)
+            assert wrong == 0 and len(read) >= CHUNKS // 2
+            a_keys = [f"a/{i}" for i in range(CHUNKS)]
+            if pidfs:  # its region stayed its own: its seal lands, its values read right
+                assert sealed == CHUNKS
+                assert read_counts(b, a_keys) == (CHUNKS, 0, 0)
+            else:
+                assert sealed == 0  # reaped: its region is not its own any more
+                assert b.stats()["orphaned"]["held"] == 1
+                assert read_counts(b, a_keys) == (0, CHUNKS, 0)
         finally:
             b.close()
             close_all(agents)
 
 
-def test_a_killed_unwatched_client_is_reaped_after_the_timeout_and_its_keys_stay(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("pidfs", NAMING)
+def test_a_killed_client_in_another_container_is_reaped_and_its_keys_stay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pidfs: bool
 ) -> None:
+    """With pidfs its exit is seen at once; by pid alone it is reaped after
+    `--heartbeat-timeout`, not when its connections close (which a paused process's may
+    too)."""
     args = ["--heartbeat-timeout", "2", "--reap-hold", "60"]
-    with pod(tmp_path, monkeypatch, args) as p:
+    with pod(tmp_path, monkeypatch, args, pidfs=pidfs) as p:
         agents: list[Agent] = []
         try:
             agents.append(w := Agent(p.writer, p.server.url, p.writer_pool))
             assert w.ok("store", "k", 0, 16) == 16
             before = p.stats()
-            assert before["instances"][w.instance]["watched_pids"] == []
+            assert before["instances"][w.instance]["watched_pids"] == ([0] if pidfs else [])
             connections = before["local_connections"]
             w.signal(signal.SIGKILL)
             w.proc.wait(10)
 
-            # Its connections are closed (the server saw both go), yet it is not reaped
-            def gone() -> bool:
-                s = p.stats()
-                mine = s["instances"].get(w.instance, {"dropped": True})  # (reaped: gone)
-                return s["local_connections"] < connections and mine["dropped"]
+            if pidfs:
+                assert until(lambda: w.instance not in p.stats()["instances"], step=0.1)
+                reaped = f"instance {w.instance} reaped: its process exited"
+            else:
+                # Its connections are closed (the server saw both go), yet it is not reaped
+                def gone() -> bool:
+                    s = p.stats()
+                    mine = s["instances"].get(w.instance, {"dropped": True})  # (reaped: gone)
+                    return s["local_connections"] < connections and mine["dropped"]
 
-            assert until(gone, step=0.1)
-            assert w.instance in p.stats()["instances"]
-            assert until(lambda: w.instance not in p.stats()["instances"], step=0.1)
+                assert until(gone, step=0.1)
+                assert w.instance in p.stats()["instances"]
+                assert until(lambda: w.instance not in p.stats()["instances"], step=0.1)
+                reaped = f"instance {w.instance} reaped after 2s without a heartbeat"
             log = p.server.read_log()
-            assert f"instance {w.instance} reaped after 2s without a heartbeat" in log, log[-3000:]
+            assert reaped in log, log[-3000:]
 
             agents.append(r := Agent(p.reader, p.server.url, p.reader_pool))
             assert r.ok("read", "k", 0, 16) == [16, 0, 0]

@@ -35,17 +35,19 @@ def peer_groups(sock: socket.socket) -> tuple[int, ...]:
 
 
 def peer_pidfd(sock: socket.socket) -> tuple[int, int] | None:
-    """(pid, pidfd) of the peer process, or None when it cannot be had (pid 0: another pid
-    namespace; a kernel before 5.3). The caller closes the pidfd.
+    """(pid, pidfd) of the peer process, or None when it cannot be had (a kernel before 5.3;
+    before 6.5, a process in another pid namespace). The caller closes the pidfd. The pid is 0
+    for a process in a pid namespace this one cannot see (another container of a pod), which
+    SO_PEERPIDFD still names.
 
     SO_PEERPIDFD (Linux 6.5) names the very process that connected, even if it has exited and
     its pid was reused since; before 6.5, `pidfd_open` of SO_PEERCRED's pid can, in that rare
     case, name the newcomer instead."""
     pid = peer_credentials(sock)[0]
-    if pid <= 0:
-        return None
     with contextlib.suppress(OSError):
         return pid, sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    if pid <= 0:
+        return None
     try:
         return pid, os.pidfd_open(pid)
     except (OSError, AttributeError):

@@ -16,6 +16,7 @@ from maru.common.region import RegionHandle
 from maru.common.throttle import Throttle
 from maru.server.instances import Instance, InstanceTable
 from maru.server.pool import Pool, PoolFullError
+from maru.server.processes import process_name
 from maru.server.regions import Region, RegionTable
 
 log = logging.getLogger("maru.server.registry")
@@ -124,11 +125,12 @@ class RegionGrants:
         held by the same process (`ProcessWatch`: the local socket's peer), else its own; and
         a note naming that process for the refusal's message."""
         processes = self.instances.processes
-        pid = processes.holder(inst.instance_id)
-        if pid is None:
+        process = processes.holder(inst.instance_id)
+        if process is None:
             return self.region_bytes(inst), ""
-        group = [i for i in self.instances.values() if processes.holder(i.instance_id) == pid]
+        group = [i for i in self.instances.values() if processes.holder(i.instance_id) == process]
         held = sum(self.region_bytes(i) for i in group)
+        pid = process_name(processes.pids(inst.instance_id)[0])
         return held, f" (process {pid}, {len(group)} instances)"
 
     def _ask_to_shed(self, instance_id: str, share: int) -> list[str]:

@@ -13,12 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from maru.common.peer import peer_credentials
 from maru.common.protocol import ErrorCode, ProtocolError, freed_notices
 from maru.common.region import RegionHandle
 from maru.common.throttle import Throttle
 from maru.server.journal import JournalWriteError
-from maru.server.processes import ProcessWatch
+from maru.server.processes import Holder, ProcessWatch, process_name
 from maru.server.regions import RegionTable
 from maru.server.token import TokenSigner
 
@@ -167,20 +166,22 @@ class InstanceTable(dict[str, Instance]):
         """`ProcessWatch.claim` (None, or why the peer may not speak for it), for at most
         `max_per_process` instances of one process: past it QUOTA_EXCEEDED and no pidfd
         taken, so one process cannot take the server's descriptors by handshaking."""
-        processes = self.processes
-        if processes.holder(instance_id) is None:
-            pid = peer_credentials(sock)[0]
-            held = sum(1 for iid in self if processes.holder(iid) == pid) if pid > 0 else 0
-            if held >= self.max_per_process:
-                why = (
-                    f"process {pid} holds {held} instances on the local socket, the most one "
-                    f"process may; instance {instance_id} is refused (close a MaruHandler)"
-                )
-                allowed = self.log_throttle.allow(("per_process", pid))
-                if allowed is not None:
-                    log.warning("%s%s", why, self.log_throttle.note(allowed))
-                raise ProtocolError(ErrorCode.QUOTA_EXCEEDED, why)
-        return processes.claim(instance_id, sock)
+
+        def admit(process: Holder) -> None:
+            held = self.processes.held_by(process.identity)
+            if held < self.max_per_process:
+                return
+            why = (
+                f"process {process_name(process.pid)} holds {held} instances "
+                f"on the local socket, the most one process may; instance {instance_id} is "
+                "refused (close a MaruHandler)"
+            )
+            allowed = self.log_throttle.allow(("per_process", process.identity))
+            if allowed is not None:
+                log.warning("%s%s", why, self.log_throttle.note(allowed))
+            raise ProtocolError(ErrorCode.QUOTA_EXCEEDED, why)
+
+        return self.processes.claim(instance_id, sock, admit)
 
     def touch(
         self, instance_id: Any, route: bytes | None = None, host: str = "", heartbeat: bool = False
@@ -310,7 +311,7 @@ class InstanceTable(dict[str, Instance]):
                         " not reaped",
                         iid,
                         now - inst.last_seen,
-                        ", ".join(map(str, pids)),
+                        ", ".join(map(process_name, pids)),
                         extra={"instance": iid},
                     )
         for iid in exited - {d[0] for d in dead}:  # exited, already gone from the registry

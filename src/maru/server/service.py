@@ -34,6 +34,7 @@ from maru.server.housekeeping import Housekeeping, freeze_heap
 from maru.server.journal import Journal, JournalWriteError
 from maru.server.local_socket import LocalDoor, LocalSocketServer, Peer, holder_of, local_address
 from maru.server.metrics import RequestStats
+from maru.server.processes import process_name
 from maru.server.registry import Registry
 from maru.server.tcp_socket import TcpEndpoint
 
@@ -312,10 +313,13 @@ class MaruService:
         local socket by its pid, over TCP (which cannot tell who asks) for any held instance."""
         processes = self.registry.instances.processes
         if peer is None:
-            holder = processes.holder(iid)
-            if holder is None:
+            holder = processes.pids(iid)
+            if not holder:
                 return
-            why = f"it is held by process {holder} on the local socket, not taken over TCP"
+            why = (
+                f"it is held by process {process_name(holder[0])} on the local socket, not "
+                "taken over TCP"
+            )
         elif peer.instance == iid:
             return
         else:
