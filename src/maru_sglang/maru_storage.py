@@ -326,10 +326,12 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        """Number of consecutive stored KV pages from the start."""
+        """Number of consecutive stored KV pages from the start. A logical anchor stores
+        nothing, so it proves nothing: 0 (SGLang asks this only when a request has no pool
+        transfers, that is no pool with bytes to load)."""
         kv = self._require_pool()
         if kv.logical:
-            return len(keys)
+            return 0
         self.confirm_writes()
         return self.handler.leading_hits(keys, prefix=kv.prefix)
 
@@ -348,7 +350,8 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
         """The usable prefix of `keys` (KV page hashes) given every pool's hit policy
-        (`hit_policy.usable_prefix`), from one existence query over every pool."""
+        (`hit_policy.usable_prefix`), from one existence query over every pool. Under a
+        logical anchor, none unless a pool with bytes gates it (ALL_PAGES, TRAILING_PAGES)."""
         kv = self._require_pool()
         n = len(keys)
         transfers = list(pool_transfers or [])
@@ -358,6 +361,11 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         ]
         parts = [] if kv.logical else [(kv, keys)]
         pools = [self.pools.get(str(t.name)) for t in transfers]
+        if kv.logical and not any(
+            p is not None and not p.logical and t.hit_policy != PoolHitPolicy.BLOCK_GROUPS
+            for t, p in zip(transfers, pools)
+        ):  # nothing with bytes gates the prefix: a logical anchor alone proves nothing
+            return PoolTransferResult(0, {}, [])
         parts += [(p, hs) for p, hs in zip(pools, own_keys) if p is not None and not p.logical]
         query, prefix = _query(parts)
         self.confirm_writes()
