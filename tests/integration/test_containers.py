@@ -9,8 +9,9 @@ What the tests prove:
 
 1. A client in a sibling pid namespace connects over the local socket (the server counts its
    requests under host "local", `local_connections`), stores values, and a client in a third
-   container and one on the host read them byte for byte. Without `pool_path` it is refused,
-   naming the path.
+   container and one on the host read them byte for byte, both containers through the local
+   index beside the pool file (the server names it at its own path). Without `pool_path` it
+   is refused, naming the path.
 2. The server tells processes apart by their pidfd's inode where the kernel gives each its own
    (pidfs, Linux 6.9), so it watches a client in a sibling container too (`watched_pids` [0]:
    no pid here) and caps each process's local-socket instances on its own (`MAX_PER_PROCESS`,
@@ -289,6 +290,8 @@ def test_a_client_in_a_sibling_container_writes_what_others_read_by_its_bytes(
 
             agents.append(r := Agent(p.reader, p.server.url, p.reader_pool))
             assert r.ok("read", "w", 0, 16) == [16, 0, 0]  # a third pid namespace
+            # The local index lies beside the pool file: found there through `pool_path` too
+            assert w.ok("local") is True and r.ok("local") is True
             with p.host_handler() as h:  # and the host
                 assert read_counts(h, [f"w/{i}" for i in range(16)]) == (16, 0, 0)
 

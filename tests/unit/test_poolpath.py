@@ -23,6 +23,18 @@ def test_region_paths_are_opened_under_the_pool_path():
     assert same.local_path("/dev/shm/p") == "/dev/shm/p"
 
 
+def test_an_index_beside_the_pool_file_is_opened_beside_the_pool_path():
+    shm = PoolPlace("/dev/shm/maru.pool", "/volume/maru.pool", directory=False)
+    assert shm.local_index_path("/dev/shm/maru.pool.index.3") == "/volume/maru.pool.index.3"
+    # (anything else as named: another file's index, a /dev/shm table of a device's pool)
+    assert shm.local_index_path("/dev/shm/maru.pool2.index.3") == "/dev/shm/maru.pool2.index.3"
+    assert shm.local_index_path("/dev/shm/maru-index-ab.1") == "/dev/shm/maru-index-ab.1"
+    fsdax = PoolPlace("/mnt/pmem/maru", "/pmem1/maru", directory=True)
+    assert fsdax.local_index_path("/mnt/pmem/maru.index.1") == "/mnt/pmem/maru.index.1"
+    same = PoolPlace("/dev/shm/p", "/dev/shm/p", directory=False)
+    assert same.local_index_path("/dev/shm/p.index.1") == "/dev/shm/p.index.1"
+
+
 @pytest.mark.parametrize(
     ("mark", "why"),
     [

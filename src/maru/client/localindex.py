@@ -130,6 +130,8 @@ def offered_index(
         except MaruError as exc:
             log.debug("no local index: %s", exc)
             return None
+    if isinstance(path, str) and place is not None:
+        path = place.local_index_path(path)
     return LocalIndexClient.open(path, reply.get("uid"), current)
 
 

@@ -61,6 +61,15 @@ class PoolPlace:
             return os.path.join(self.local, os.path.basename(path))
         return path  # (not in the pool: the server names no such region)
 
+    def local_index_path(self, path: str) -> str:
+        """Where to open, on this host, the local index table the server names `path`: one
+        beside a pool file (`<pool>.index.<n>`) is beside it here too, where the pool is mapped
+        at another path (a container's mount of the pool's volume)."""
+        beside = self.server + ".index."
+        if self.local == self.server or self.directory or not path.startswith(beside):
+            return path
+        return self.local + path[len(self.server) :]
+
 
 def prove(
     pool: dict[str, Any], configured: str | None, instance_id: str = "", nonce: str | None = None
