@@ -11,12 +11,14 @@ PIDFS `off`: processes told apart by pid alone, as on kernels before 6.9 (else: 
 do by a JSON line on stdin (`[op, *args]`, one of `OPS`) and answering each with one JSON line
 (`{"ok": ...}`, or `{"error": ...}` for a `MaruError`): `pod_child.AGENT_OPS` (store, read,
 alloc, fill, stats, ...) and a few more (its pid as its namespace sees it, how it reaches the
-server, more handlers of its own).
+server, more handlers of its own, its instance's session credential, a raw request with any
+credential on a connection of its own to the local socket).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,9 @@ from tests.integration.pod_child import AGENT_OPS, keys_of, serve  # noqa: E402
 from tests.integration.test_crash_safety import make_value  # noqa: E402
 
 from maru import MaruHandler  # noqa: E402
+from maru.common import protocol  # noqa: E402
 from maru.common.errors import MaruError  # noqa: E402
+from maru.common.protocol import MsgType  # noqa: E402
 
 VALUE = 60_000  # (pod_child's: one 64 KiB chunk a value)
 
@@ -52,6 +56,26 @@ def transport(h: MaruHandler) -> dict[str, Any]:
         "local_address": h._rpc.local_address,
         "local_connected": local is not None and local.sock is not None,
     }
+
+
+def present(address: str, session: str, keys: list[str]) -> list:
+    """EXISTS for `keys` with the credential `session`, sent raw (as a copy of another
+    process's credential would be: a handler refuses to be used after a fork) on a connection
+    of this process's own to the local socket `address`: [ok, code, error, results]."""
+    frame = protocol.encode(MsgType.EXISTS, 1, {"session": session, "keys": keys})
+    reader = protocol.StreamReader()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)  # a bound: the server answers at once
+        sock.connect(protocol.unix_address(address))
+        sock.sendall(protocol.stream_prefix(frame) + frame)
+        while True:
+            data = sock.recv(1 << 16)
+            if not data:
+                raise ConnectionError("the server closed the connection unanswered")
+            reader.feed(data)
+            for reply in reader.frames():
+                _, body = protocol.decode(reply)
+                return [body["ok"], body.get("code"), body.get("error"), body.get("results")]
 
 
 def more_handlers(url: str, pool_path: str, extra: list[MaruHandler], n: int, tag: str) -> list:
@@ -81,6 +105,8 @@ def agent(url: str, pool_path: str, pool_size: str) -> None:
         "pid": lambda h, _: os.getpid(),
         "connected": lambda h, _: [h.connected, str(h.connect_error or "")],
         "transport": lambda h, _: transport(h),
+        "session": lambda h, _: h._rpc.session,
+        "present": lambda h, _, address, session, keys: present(address, session, keys),
         "handlers": lambda h, _, n, tag: more_handlers(url, pool_path, extra, n, tag),
         "keys": lambda h, _, prefix, start, n: keys_of(prefix, start, n),
     }
