@@ -4,6 +4,7 @@ on a changed token."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -162,6 +163,25 @@ def test_a_start_killed_between_the_marks_two_writes_starts_fresh_next(tmp_path,
     )
     assert not state_dir.same_pool_as_before(state, pool())
     assert state_dir.pool_generation(state, pool())[0] != first
+
+
+@pytest.mark.parametrize("kind", ["shm", "devdax"])
+def test_a_start_refused_for_want_of_room_keeps_the_state_for_the_next(tmp_path, kind, monkeypatch):
+    """The state dir full when the record is written (ENOSPC): that start fails, and the pool
+    gets the mark of the state still on disk back, so the next start restores it."""
+    pool, state = _pools(tmp_path, kind), tmp_path / "state"
+    state.mkdir()
+    first, _ = state_dir.pool_generation(state, pool())
+
+    def full(*_args: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(state_dir, "_write_identity", full)
+        with pytest.raises(OSError):
+            state_dir.pool_generation(state, pool())
+    assert state_dir.same_pool_as_before(state, pool())
+    assert state_dir.pool_generation(state, pool())[0] == first
 
 
 def test_a_damaged_mark_is_none(tmp_path):

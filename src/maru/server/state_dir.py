@@ -346,10 +346,18 @@ def claim_pool(state_dir: Path, pool: Pool, record: dict[str, Any]) -> None:
     """Bind the pool to this state for this start: a new epoch, written into the pool's mark
     and then into the identity record. Any other state that matched the pool before (a state
     dir that served it earlier, a copy of this one) no longer does. A crash between the two
-    writes leaves them different: the next start starts fresh, never restores."""
-    epoch = new_generation()
-    pool.write_mark(str(record.get("generation", "")), epoch)
-    _write_identity(state_dir, {**record, "epoch": epoch})
+    writes leaves them different: the next start starts fresh, never restores. A record that
+    could not be written (the state dir full) gives the pool back the mark of the state still
+    on disk, whose start this never became: a start refused for want of room does not cost
+    the next one its keys."""
+    generation, epoch = str(record.get("generation", "")), new_generation()
+    pool.write_mark(generation, epoch)
+    try:
+        _write_identity(state_dir, {**record, "epoch": epoch})
+    except OSError:
+        if isinstance(record.get("epoch"), str):  # (the saved state's own claim)
+            pool.write_mark(generation, record["epoch"])
+        raise
 
 
 def retire_pool_identity(state_dir: Path, reason: str) -> None:
