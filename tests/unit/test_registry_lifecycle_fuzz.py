@@ -631,6 +631,7 @@ def holds_keep_keys(w: World) -> None:
         for key, count in inst.pins.items():
             assert key in w.reg.keys, f"{inst.instance_id}'s pinned key {key!r} was dropped"
             held[key] += count
+        assert inst.pin_count == sum(inst.pins.values()), inst.instance_id  # (STATS's "pins")
     for key, entry in w.reg.keys.items():
         assert entry.pins == held[key], (key, entry.pins, held[key])
     for lease_id, places in w.leases.items():

@@ -129,6 +129,7 @@ class Pins:
                 if not count:
                     inst.pin_bytes += entry.length
                 inst.pins[key] = count + sign
+                inst.pin_count += sign
                 if count + sign == 0:
                     del inst.pins[key]
                     inst.pin_bytes = inst.pin_bytes - entry.length if inst.pins else 0
@@ -146,7 +147,7 @@ class Pins:
             entry = self.keys.get(key)
             if entry is not None:
                 entry.pins = max(0, entry.pins - count)
-        dropped = sum(inst.pins.values())
+        dropped, inst.pin_count = inst.pin_count, 0
         inst.pins.clear()
         self.bytes -= inst.pin_bytes
         inst.pin_bytes = 0

@@ -45,6 +45,7 @@ class Instance:
     # pages to reuse: packed int64 (region_id, offset, length), a reply's `freed` as it goes
     freed: bytearray = field(default_factory=bytearray)
     pins: Counter = field(default_factory=Counter)  # key -> pins this instance holds
+    pin_count: int = 0  # its pins on all keys together (STATS reads it in O(1))
     leases: set[int] = field(default_factory=set)
     last_seen: float = field(default_factory=time.monotonic)
     sealed_at: float = 0.0  # its last write-behind seal (perf_counter; `MaruService._wants_spin`)

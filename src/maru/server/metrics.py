@@ -396,7 +396,7 @@ def registry_stats(registry: StatsSource) -> dict[str, Any]:
             "pages_total": sum(r.length // r.page_size for r in owned if r.page_size),
             "page_size": i.page_size,
             **{field: getattr(i, field) for field in INSTANCE_COUNTERS},
-            "pins": sum(i.pins.values()),
+            "pins": i.pin_count,
             "leases": len(i.leases),
             "pinned_bytes": i.pin_bytes,  # (each key once: what --quota-pin-bytes bounds)
             "leased_bytes": i.lease_bytes,  # (what --quota-lease-bytes bounds)
