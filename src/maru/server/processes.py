@@ -56,19 +56,22 @@ class Holder(NamedTuple):
     identity: int
 
 
-def identify(sock: socket.socket) -> Holder | None:
-    """The peer process of `sock` (a Unix connection) with a pidfd of it, or None when the
-    kernel cannot name it apart from others (no pidfd; pid 0 without pidfs)."""
-    peer = peer_pidfd(sock)
-    if peer is None:
-        return None
-    pid, pidfd = peer
+def _holder(pid: int, pidfd: int) -> Holder | None:
+    """The process of `pidfd` (now owned), named by its pidfd's inode (pidfs), else by its
+    pid; None (the pidfd closed) where neither names it apart (pid 0 without pidfs)."""
     if PIDFS:
         return Holder(pid, pidfd, os.fstat(pidfd).st_ino)
     if pid > 0:
         return Holder(pid, pidfd, pid)
     os.close(pidfd)
     return None
+
+
+def identify(sock: socket.socket) -> Holder | None:
+    """The peer process of `sock` (a Unix connection) with a pidfd of it, or None when the
+    kernel cannot name it apart from others (no pidfd; pid 0 without pidfs)."""
+    peer = peer_pidfd(sock)
+    return _holder(*peer) if peer is not None else None
 
 
 class ProcessWatch:
@@ -128,8 +131,9 @@ class ProcessWatch:
     def add(self, instance_id: str, pid: int, pidfd: int) -> None:
         """Watch `pidfd` (now owned) as `instance_id`'s process, `pid`: `claim` without a
         socket."""
-        identity = os.fstat(pidfd).st_ino if PIDFS else pid
-        self.watch(instance_id, Holder(pid, pidfd, identity))
+        held = _holder(pid, pidfd)
+        if held is not None:
+            self.watch(instance_id, held)
 
     def pids(self, instance_id: str) -> list[int]:
         """The watched process of an instance, if it had not exited when last looked at, by
