@@ -508,26 +508,6 @@ def _ready_temp(path: str) -> str:
     return f"{path}.{os.getpid()}.tmp"
 
 
-def startup_snapshot(journal: Journal, registry: Registry) -> None:
-    """Compact the replayed chain into a snapshot. A state dir with no room for it (or failing
-    to write) leaves the chain as it is, which is whole: the server starts on what it restored
-    and serves it, its changes going to the chain's last journal while that has room, and the
-    housekeeping tries the snapshot again (`snapshot_errors`), as after a failed background
-    write. Refusing to start would take every instance's hits away with the changes."""
-    try:
-        journal.write_snapshot(persistence.snapshot_packed(registry))
-    except OSError as exc:
-        journal.snapshot_error = exc
-        journal.snapshot_errors += 1
-        log.error(
-            "cannot write the start-up snapshot in %s: %s; serving what was restored from the "
-            "last snapshot and the journals after it, which stay (a later snapshot retries); "
-            "free space there",
-            journal.state_dir,
-            exc,
-        )
-
-
 def port_taken(host: str, port: int) -> str | None:
     """Why the server could not listen on host:port, checked before anything is created or
     logged (a port in use is the commonest failed start); None if it can (port 0 included)."""
@@ -656,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
         registry.pins.max_bytes = quota_pin_bytes  # (a request's bound: replay takes every pin)
         persistence.restore(registry, snapshot, records)
         registry.regions.next_id = max(registry.regions.next_id, first_region_id)
-        startup_snapshot(journal, registry)
+        journal.compact(persistence.snapshot_packed(registry))  # the replay, in one snapshot
         open_local_index(
             pool,
             registry,

@@ -569,6 +569,30 @@ class Journal:
             )
         log.info("snapshot generation %d written (%d keys)", generation, len(state.get("keys", ())))
 
+    def compact(self, state: dict[str, Any]) -> None:
+        """The start-up's snapshot of the replayed chain (`write_snapshot`). A state dir with
+        no room for it (or failing to write) leaves the chain as it is, which is whole: the
+        server starts on what it restored and serves it, its changes going to the chain's last
+        journal while that has room, and the housekeeping tries the snapshot again
+        (`snapshot_errors`), as after a failed background write. Refusing to start would take
+        every instance's hits away with the changes."""
+        try:
+            self.write_snapshot(state)
+        except OSError as exc:
+            self._snapshot_failed(exc)
+            log.error(
+                "cannot write the start-up snapshot in %s: %s; serving what was restored from "
+                "the last snapshot and the journals after it, which stay (a later snapshot "
+                "retries); free space there",
+                self.state_dir,
+                exc,
+            )
+
+    def _snapshot_failed(self, exc: Exception) -> None:
+        """A snapshot was not written, the chain kept: the housekeeping's retry counts it."""
+        self.snapshot_error = exc
+        self.snapshot_errors += 1
+
     def _next_generation(self, state: dict[str, Any]) -> tuple[int, list[bytes], int]:
         """Generation N+1: its number, `state`'s snapshot of it framed, and the fd of its new,
         empty journal (one a crash left is replaced)."""
@@ -622,8 +646,7 @@ class Journal:
             write_private(self.state_dir / SNAPSHOT_NAME, chunks)
             self._covered(generation)
         except Exception as exc:  # (the loop sees it in `snapshot_errors`)
-            self.snapshot_error = exc
-            self.snapshot_errors += 1
+            self._snapshot_failed(exc)
             log.error(
                 "background snapshot generation %d in %s failed: %s; the last snapshot and the "
                 "journals after it stay (a restart replays them all); a later snapshot retries",
