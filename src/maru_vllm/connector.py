@@ -307,6 +307,8 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._sending: dict[str, list[Future]] = {}
             self._saving: dict[Future, frozenset[int]] = {}  # saves running: their blocks
             self._fenced: MaruConnectorMetadata | None = None
+            # the step whose synchronous load failed: its forward read the failed blocks
+            self._unsaved: MaruConnectorMetadata | None = None
             self._finished_reqs: set[str] = set()  # finished, with saves still running
             self._load_errors: set[int] = set()
             self._failed_loads: set[str] = set()  # requests whose load failed as a whole
@@ -540,8 +542,8 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
                 future = self._load_pool.submit(self._load, transfer)
                 with self._lock:
                     self._recving.setdefault(transfer.req_id, []).append(future)
-            else:
-                self._load(transfer)
+            elif self._load(transfer):
+                self._unsaved = meta  # (`wait_for_save` stores nothing of this step)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # whole blocks are loaded before the step (sync) or between steps (async)
@@ -558,11 +560,26 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         """Start this step's saves: the blocks are full (the model no longer writes them), kept
         until `get_finished` reports the request, and not written again before the save ends
-        (`handle_preemptions` waits for it where a step would)."""
+        (`handle_preemptions` waits for it where a step would). Not in a step whose
+        synchronous load failed: its forward read the blocks that did not load (the failed
+        request's, and those of any request sharing them as a local prefix hit), so any
+        block it computed may be wrong; stored, each would be a hit of other bytes than its
+        key's KV. vLLM recomputes the failed request from the failed block, and the scheduler
+        side saves it again from there (`update_connector_output`)."""
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, MaruConnectorMetadata)
+        if meta is self._unsaved:
+            self._unsaved = None
+            skipped = sum(len(ids) for t in meta.saves for ids in t.block_ids)
+            if skipped:
+                log.warning("MaruKVConnector: a load failed: the step's %d saves skipped", skipped)
+            with self._lock:
+                self._stats.add(save_failed=skipped)
+                for transfer in meta.saves:  # (still reported by get_finished)
+                    self._sending.setdefault(transfer.req_id, [])
+            return
         writer = not (self._mla_shared and self._rank[2] != 0)  # MLA: TP rank 0 writes
         for transfer in meta.saves:
             with self._lock:
@@ -573,10 +590,10 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
                 futures.append(future)
                 self._saving[future] = frozenset(itertools.chain(*transfer.block_ids))
 
-    def _load(self, transfer: Transfer) -> None:
-        """Copy the blocks in (`_read_blocks`). A load that raises (the server gone, ...)
-        fails every block of it. With several KV cache groups, a load with any error fails
-        its request as a whole (`get_transfer_results`)."""
+    def _load(self, transfer: Transfer) -> bool:
+        """Copy the blocks in (`_read_blocks`); whether any failed. A load that raises (the
+        server gone, ...) fails every block of it. With several KV cache groups, a load with
+        any error fails its request as a whole (`get_transfer_results`)."""
         start = time.perf_counter()
         try:
             keys = self._rank_keys(transfer)
@@ -606,6 +623,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
                 load_s=elapsed,
                 load_errors=len(errors),
             )
+        return bool(errors)
 
     def _save(self, transfer: Transfer) -> None:
         """Every group's blocks through the handler's write verb (`MaruHandler.put`), waiting
