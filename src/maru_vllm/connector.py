@@ -76,12 +76,15 @@ CONNECTOR_KEYS = {
 }
 
 
-def _connector_options(extra: dict[str, Any], groups: int) -> dict[str, Any]:
+def _connector_options(extra: dict[str, Any], groups: int, ranks: int) -> dict[str, Any]:
     """Pop `CONNECTOR_KEYS` from `extra`, parsed as MaruConfig parses its keys ("false" is
-    False, a count a positive integer): a bad value is a ConfigError naming its key. With
-    several KV cache groups (`groups`: a hybrid model) vLLM maps no failed block id back to
-    its request (its scheduler raises): a failed load fails its request as a whole, which
-    only an async load can report, so `maru_async_load` must stay true."""
+    False, a count a positive integer): a bad value is a ConfigError naming its key.
+    `maru_async_load` must stay true with several KV cache groups (`groups`: a hybrid model:
+    vLLM maps no failed block id back to its request, its scheduler raises; a failed load
+    fails its request as a whole, which only an async load can report) and with several
+    ranks a step (`ranks`: TP x PP x PCP): a synchronous load that fails on one rank is known
+    to that rank only before the step's saves, while every rank's forward reads its blocks
+    (all-reduce, the stages' hidden states), so the other ranks would save wrong KV."""
     own = {key: extra.pop(key, default) for key, default in CONNECTOR_KEYS.items()}
     prefix = own["maru_key_prefix"]
     if not isinstance(prefix, str) or not prefix.strip():
@@ -94,6 +97,12 @@ def _connector_options(extra: dict[str, Any], groups: int) -> dict[str, Any]:
             f"maru_async_load: false is not supported with several KV cache groups ({groups}: "
             "a hybrid model); vLLM cannot be told which blocks of a synchronous load failed. "
             "Leave it true"
+        )
+    if ranks > 1 and not own["maru_async_load"]:
+        raise ConfigError(
+            f"maru_async_load: false is not supported with {ranks} ranks (tensor, pipeline or "
+            "context parallel); a load that fails on one rank would leave the others saving "
+            "KV computed over it. Leave it true"
         )
     return own
 
@@ -259,7 +268,13 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        own = _connector_options(extra, len(kv_cache_config.kv_cache_groups))
+        parallel = vllm_config.parallel_config
+        ranks = (
+            parallel.tensor_parallel_size
+            * parallel.pipeline_parallel_size
+            * getattr(parallel, "prefill_context_parallel_size", 1)
+        )
+        own = _connector_options(extra, len(kv_cache_config.kv_cache_groups), ranks)
         self._maru_config = MaruConfig.from_mapping(extra, prefix="maru_")
         self._async_load = own["maru_async_load"]
         self._groups = tuple(kv_cache_config.prefix_cacheable_group_ids)

@@ -334,14 +334,20 @@ def test_a_first_block_that_never_loads_is_recomputed_not_retried_forever(
         ({"maru_load_threads": "four"}, "maru_load_threads: expected a positive integer"),
         ({"maru_save_threads": 0}, "maru_save_threads: expected a positive integer"),
         ({"maru_key_prefix": ""}, "maru_key_prefix: expected a non-empty string"),
+        ({"maru_async_load": False, "pp": 2}, "maru_async_load: false is not supported with 2"),
     ],
-    ids=["false", "off", "true", "bad_bool", "bad_threads", "zero_threads", "empty_prefix"],
+    ids=[
+        *("false", "off", "true", "bad_bool", "bad_threads", "zero_threads", "empty_prefix"),
+        "sync_with_two_stages",
+    ],
 )
 def test_the_connectors_own_keys_are_parsed_as_maru_config_keys(
     maru_server_factory, model_dir, vllm_env, extra, want
 ):
     """`maru_async_load: "false"` (a string, as a shell-quoted config may carry) means false,
-    not `bool("false")`; a bad value of a connector key is one error naming the key."""
+    not `bool("false")`; a bad value of a connector key is one error naming the key.
+    Synchronous loads with several ranks (here two pipeline stages) are refused: a load
+    failed on one rank would leave the others saving KV computed over it."""
     server = maru_server_factory(pool_size="64M")
     (r,) = run_processes([(W.connector_options, (model_dir, server.url, extra))], DEADLINE)
     if isinstance(want, dict):
