@@ -284,7 +284,6 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._block_size = hash_block_size(vllm_config, kv_cache_config, self._groups)
         self._value_layout = resolved_layout(vllm_config, kv_cache_config)
         model = vllm_config.model_config
-        parallel = vllm_config.parallel_config
         self._tp_size = parallel.tensor_parallel_size
         self._pp_size = parallel.pipeline_parallel_size
         self._pcp_size = getattr(parallel, "prefill_context_parallel_size", 1)
@@ -856,8 +855,12 @@ def _raise_unexpected(futures: Sequence[Future]) -> None:
 
 def _allocated_blocks(scheduler_output: SchedulerOutput, loads: Sequence[Transfer]) -> set[int]:
     """Every block of the step's new and resumed requests, the blocks added to running ones,
-    and the loads' targets (block ids are shared by every group: one pool)."""
-    ids: set[int] = set()
+    the loads' targets, and what the worker writes before the forward: the blocks it zeroes
+    (of groups no load writes) and the targets of copy-on-write copies (block ids are shared
+    by every group: one pool)."""
+    ids: set[int] = set(getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
+    for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
+        ids.add(copy.dst_block_id)
     for new in scheduler_output.scheduled_new_reqs:
         for group in new.block_ids:
             ids.update(group)

@@ -39,3 +39,37 @@ def test_a_block_id_outside_the_kv_cache_fails_the_load_and_skips_the_save(
     assert out["stats"]["save_failed"] == W.BLOCKS and out["stats"]["save_blocks"] == 0
     assert out["stats"]["load_errors"] == W.BLOCKS
     assert out["match"] == [True] * W.BLOCKS  # the request's own blocks untouched
+
+
+def _fenced_blocks() -> list[int]:
+    """`_allocated_blocks` of a step that only zeroes block 3 and copies block 1 into 7."""
+    W._vllm_on_path()
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    from maru_vllm.connector import _allocated_blocks
+
+    out = SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+    )
+    out.new_block_ids_to_zero = [3]
+    out.kv_cache_block_copies = [KVCacheBlockCopy(src_block_id=1, dst_block_id=7)]
+    return sorted(_allocated_blocks(out, []))
+
+
+def test_blocks_the_worker_zeroes_or_copies_into_wait_for_the_saves_reading_them(vllm_env):
+    """vLLM's worker writes blocks before the forward besides the requests' own: it zeroes
+    fresh blocks of groups no load writes (`new_block_ids_to_zero`: SSM and mixed models)
+    and applies copy-on-write copies (`kv_cache_block_copies`), after the connector's
+    `handle_preemptions`. A save still reading such a block (freed by a preemption, given
+    again) would store zeros or another request's bytes under its key: both are in the
+    blocks the fence waits for (before: neither)."""
+    (out,) = run_processes([(_fenced_blocks, ())], base.DEADLINE)
+    assert out == [3, 7]
