@@ -442,10 +442,14 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
 
     def clear(self) -> None:
         """Remove every page of this instance's namespaces (other models, ranks and
-        geometries are untouched)."""
+        geometries are untouched), from the server's cluster tier too (`cluster=True`):
+        SGLang's own Mooncake backend's clear removes its objects from Mooncake (its
+        `remove_all`), and a cleared L3 must miss; without it the next lookup on any node
+        would pull the same pages back from the cluster. A server without a tier has only
+        its pool."""
         self.confirm_writes()
         for namespace in sorted({p.namespace for p in self.pools.values() if p.namespace}):
-            removed = self.handler.delete_prefix(namespace + ":")
+            removed = self.handler.delete_prefix(namespace + ":", cluster=True)
             log.info("MaruStorage: cleared %d pages of namespace %s", removed, namespace)
 
     @property

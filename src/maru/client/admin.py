@@ -39,6 +39,19 @@ def _secret_key(value: str, name: str) -> str:
     return parse_curve_key(value, name=name, kind="secret key")
 
 
+class Deleted(tuple[int, int]):
+    """(deleted, kept because pinned or leased), unpacked as before; `cluster`: whether the
+    server sent the removal of the keys' cluster objects (asked with `cluster=True`; False
+    without a tier, or while it is not connected)."""
+
+    cluster: bool
+
+    def __new__(cls, deleted: int, kept: int, cluster: bool = False) -> Deleted:
+        self = super().__new__(cls, (deleted, kept))
+        self.cluster = cluster
+        return self
+
+
 @dataclass(frozen=True)
 class KeyInfo:
     key: Key
@@ -93,18 +106,25 @@ class MaruAdmin:
         reply = self._rpc.request(MsgType.KEYS, body).result()
         return [KeyInfo(k, int(n), str(o)) for k, n, o in reply["keys"]], bool(reply["truncated"])
 
-    def delete_prefix(self, prefix: Key) -> tuple[int, int]:
+    def delete_prefix(self, prefix: Key, cluster: bool = False) -> Deleted:
         """Delete every key starting with `prefix` that is not pinned or leased; returns
-        (deleted, kept because pinned or leased)."""
+        (deleted, kept because pinned or leased). `cluster`: the server's cluster tier also
+        removes those keys' objects from Mooncake (`.cluster` of the result: sent or not),
+        so that no node pulls them back (docs/operations.md#cluster-tier)."""
         if not prefix:
             raise ValueError("prefix must not be empty (use clear() to delete every key)")
-        reply = self._rpc.request(MsgType.DELETE_PREFIX, {"prefix": prefix}).result()
-        return int(reply["deleted"]), int(reply["pinned"])
+        return self._delete({"prefix": prefix}, cluster)
 
-    def clear(self) -> tuple[int, int]:
-        """Delete every key that is not pinned or leased; returns (deleted, kept)."""
-        reply = self._rpc.request(MsgType.DELETE_PREFIX, {"all": True}).result()
-        return int(reply["deleted"]), int(reply["pinned"])
+    def clear(self, cluster: bool = False) -> Deleted:
+        """Delete every key that is not pinned or leased; returns (deleted, kept). `cluster`:
+        every object of the server's cluster tier in Mooncake too (as `delete_prefix`)."""
+        return self._delete({"all": True}, cluster)
+
+    def _delete(self, body: dict[str, Any], cluster: bool) -> Deleted:
+        if cluster:
+            body["cluster"] = True
+        reply = self._rpc.request(MsgType.DELETE_PREFIX, body).result()
+        return Deleted(int(reply["deleted"]), int(reply["pinned"]), bool(reply.get("cluster")))
 
     def close(self) -> None:
         self._rpc.close()

@@ -171,7 +171,9 @@ def _cluster_line(s: Stats) -> str:
     return (
         f"{tier['kind']} {tier['master']}, {state}; {tier['published']} published "
         f"({tier['queue_depth']} queued, {tier['publish_drops']} dropped), {tier['pulled']} "
-        f"pulled, {tier['pull_misses']} pull misses, {tier['proof_failures']} proof failures"
+        f"pulled, {tier['pull_misses']} pull misses, {tier['proof_failures']} proof failures, "
+        f"{tier.get('removed', 0)} removed by clears"
+        + (f" ({tier['remove_failures']} failed)" if tier.get("remove_failures") else "")
     )
 
 
@@ -563,12 +565,31 @@ def cmd_evict(args: argparse.Namespace, out: TextIO) -> int:
         )
         return 2
     with _connect(args) as admin:
-        deleted, kept = admin.delete_prefix(args.prefix)
-    print(
-        f"deleted {deleted} keys with prefix {args.prefix!r} ({kept} pinned or leased, kept)",
-        file=out,
-    )
-    return 0
+        done = admin.delete_prefix(args.prefix, cluster=args.cluster)
+        print(
+            f"deleted {done[0]} keys with prefix {args.prefix!r} ({done[1]} pinned or leased, "
+            "kept)",
+            file=out,
+        )
+        return _cluster_outcome(admin, args.cluster and "these keys' objects", done.cluster, out)
+
+
+def _cluster_outcome(admin: MaruAdmin, asked: str | bool, sent: bool, out: TextIO) -> int:
+    """`evict` / `clear` with --cluster: say whether the cluster was asked to remove the keys'
+    objects (`asked`: whose, or False). Exit 1 when the server has a tier that could not take
+    it (the cluster still holds them); 0 without a tier (nothing to clear beyond the pool)."""
+    if not asked:
+        return 0
+    if sent:
+        print(f"cluster: asked to remove {asked} from Mooncake (not waited for)", file=out)
+        return 0
+    tier = admin.stats().get("cluster")
+    if not tier:
+        print("cluster: none (maru-server without --cluster): the pool alone was cleared", file=out)
+        return 0
+    why = tier.get("error") or "not connected"
+    print(f"cluster: NOT asked, the tier is not connected ({why}): it still holds them", file=out)
+    return 1
 
 
 def cmd_clear(args: argparse.Namespace, out: TextIO) -> int:
@@ -582,9 +603,10 @@ def cmd_clear(args: argparse.Namespace, out: TextIO) -> int:
             if answer.strip().lower() not in ("y", "yes"):
                 print("nothing deleted", file=out)
                 return 1
-        deleted, kept = admin.clear()
-    print(f"deleted {deleted} keys ({kept} pinned or leased, kept)", file=out)
-    return 0
+        done = admin.clear(cluster=args.cluster)
+        print(f"deleted {done[0]} keys ({done[1]} pinned or leased, kept)", file=out)
+        whose = args.cluster and "every object of its tenant"
+        return _cluster_outcome(admin, whose, done.cluster, out)
 
 
 def cmd_monitor(
@@ -793,8 +815,20 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--prefix", type=_text_arg, required=True, help="delete the keys starting with this"
     )
+    sp.add_argument(
+        "--cluster",
+        action="store_true",
+        help="also remove these keys' objects from the server's cluster tier (Mooncake), "
+        "values only the cluster holds included, so that no node pulls them back",
+    )
     sp = add("clear", "delete every key (pinned and leased keys stay)", cmd_clear)
     sp.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    sp.add_argument(
+        "--cluster",
+        action="store_true",
+        help="also remove every object of the server's cluster tier (its tenant's, in "
+        "Mooncake), so that no node pulls them back",
+    )
     sp = add(
         "curve-keypair",
         "make a client CURVE keypair: NAME.key (secret, 0600) and NAME.pub (for the server's "

@@ -312,10 +312,27 @@ class OriginalApi:
             )
         return results
 
-    def delete_prefix(self, prefix: Key) -> int:
-        """Delete every unpinned key that starts with `prefix`; returns how many went."""
+    def delete_prefix(self, prefix: Key, *, cluster: bool = False) -> int:
+        """Delete every unpinned key that starts with `prefix`; returns how many went.
+        `cluster`: the server's cluster tier also removes their objects from Mooncake, else
+        the next lookup on any node pulls the values back (a WARNING when its tier is not
+        connected: then only the pool was cleared; a server without a tier has only a pool)."""
         self._ensure_connected()
-        return int(self._request(MsgType.DELETE_PREFIX, {"prefix": prefix}).result()["deleted"])
+        body: dict[str, Any] = {"prefix": prefix}
+        if cluster:
+            body["cluster"] = True
+        reply = self._request(MsgType.DELETE_PREFIX, body).result()
+        if cluster and not reply.get("cluster"):
+            tier = bool(self._cluster.budget_s)  # (HANDSHAKE announced one)
+            log.log(
+                logging.WARNING if tier else logging.INFO,
+                "delete_prefix(%r): only the pool was cleared: %s",
+                prefix,
+                "the server's cluster tier is not connected (`maru status` says why)"
+                if tier
+                else "the server has no cluster tier",
+            )
+        return int(reply["deleted"])
 
     def delete(self, key: Key) -> bool:
         return self.batch_delete([key])[0]

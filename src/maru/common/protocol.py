@@ -620,8 +620,25 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
             ("session", "str", "optional"),
             ("prefix", "str | bytes", "non-empty; ignored with all"),
             ("all", "bool", "optional: every key (`maru clear`)"),
+            (
+                "cluster",
+                "bool",
+                "optional, default false: also remove the cluster tier's objects of those keys "
+                "from Mooncake (with all: every object of the tier's tenant), values only the "
+                "cluster holds included; after what the tier published before, never what it "
+                "publishes after. The prefix is then at most a key (1024 bytes)",
+            ),
         ],
-        [("deleted", "int", ""), ("pinned", "int", "matching keys kept (pinned or leased)")],
+        [
+            ("deleted", "int", ""),
+            ("pinned", "int", "matching keys kept (pinned or leased)"),
+            (
+                "cluster",
+                "bool",
+                "the removal from the cluster was sent, not waited for (false: not asked, no "
+                "tier, or the tier not connected)",
+            ),
+        ],
     ),
     MsgType.RELEASE: (
         [("session", "str", "only the lease's owner ends it"), ("leases", "[int]", "")],

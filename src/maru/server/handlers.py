@@ -370,12 +370,19 @@ def on_pin(server: Server, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def on_delete_prefix(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    """The pool's keys of a prefix (or every key); with "cluster", the cluster tier's objects
+    of them too, sent to its sidecar and not waited for (`ClusterTier.clear`): the reply's
+    "cluster" says whether that removal was sent."""
+    cluster = _flag(body, "cluster")
+    prefix = None
     if body.get("all") is True:  # `maru clear`
         with server.walks.walk("DELETE_PREFIX"):
             deleted, pinned = clear_all(server.registry)
         what = "every key"
     else:
         prefix = body.get("prefix")
+        if cluster:  # (a prefix no longer than a key: the regex Mooncake compiles stays small)
+            check_key(prefix)
         with server.walks.walk("DELETE_PREFIX"):
             deleted, pinned = delete_prefix(server.registry, prefix)
         what = f"prefix {prefix!r:.200}"
@@ -388,7 +395,12 @@ def on_delete_prefix(server: Server, body: dict[str, Any]) -> dict[str, Any]:
         pinned,
         extra={"instance": iid} if iid else None,
     )
-    return {"deleted": deleted, "pinned": pinned}
+    sent = False
+    if cluster and server.cluster is None:
+        log.info("%s: not removed from a cluster: this server has no tier (--cluster)", what)
+    elif cluster and server.cluster is not None:
+        sent = server.cluster.clear(prefix)
+    return {"deleted": deleted, "pinned": pinned, "cluster": sent}
 
 
 def on_list_keys(server: Server, body: dict[str, Any]) -> dict[str, Any]:

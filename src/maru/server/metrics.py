@@ -256,6 +256,17 @@ CLUSTER_METRICS = {
         True,
     ),
     "sidecar_starts": ("maru_cluster_sidecar_starts", "Starts of the tier's sidecar.", True),
+    "removed": (
+        "maru_cluster_removed",
+        "Objects the cluster removed for clears (DELETE_PREFIX with cluster).",
+        True,
+    ),
+    "remove_failures": (
+        "maru_cluster_remove_failures",
+        "Clears' removals that failed (Mooncake, or the sidecar gone before it answered).",
+        True,
+    ),
+    "removing": ("maru_cluster_removing", "Clears' removals sent and not answered yet.", False),
     "exists_kept": (
         "maru_cluster_exists_kept",
         "Lookups (EXISTS) answered when the pulls they waited for landed.",

@@ -39,6 +39,36 @@ def object_name(tenant: str, key: Key) -> str:
     return f"maru3/{len(tenant)}/{tenant}/{kind}/{text}"
 
 
+def name_pattern(tenant: str, prefix: Key | None) -> str:
+    """The regex (Mooncake's `remove_by_regex`: ECMAScript, searched anywhere in a name, so
+    anchored) of exactly the names `object_name(tenant, key)` gives the keys starting with
+    `prefix`: a str prefix's "s" names, a bytes prefix's "b" names (its hex starts theirs);
+    None: every object of `tenant`, both kinds. Every character of the name's start taken
+    literally (`regex_literal`): a key's "." or "(" never widens what is removed."""
+    root = f"maru3/{len(tenant)}/{tenant}/"
+    if prefix is not None:
+        root = object_name(tenant, prefix)
+    return "^" + regex_literal(root)
+
+
+def regex_literal(text: str) -> str:
+    """`text` as an ECMAScript regex matching exactly it: ASCII punctuation escaped by a
+    backslash (an identity escape: always that character), control characters as \\xHH (a NUL
+    or a newline literal in a pattern is read differently by regex engines), letters, digits
+    and non-ASCII characters as they are (never special; an escaped letter would be a class
+    such as \\d). Python's `re` reads the result alike."""
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if code < 0x20 or code == 0x7F:
+            out.append(f"\\x{code:02x}")
+        elif code < 0x80 and not ch.isalnum():
+            out.append("\\" + ch)
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
 def value_length(object_size: int) -> int | None:
     """The value's length in an object of `object_size` bytes (None: too short to hold one
     and its trailer)."""

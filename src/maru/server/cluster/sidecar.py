@@ -8,6 +8,8 @@ over a socketpair it inherits (`maru.server.cluster.link`), msgpack messages:
                        {"op": "probe", "batch": id, "jobs": [name, ...]}
                        {"op": "pull", "batch": id, "jobs": [[name, path, offset, length,
                         guessed, job id], ...]}  (pages the server reserved for the value)
+                       {"op": "remove", "batch": id, "jobs": [regex, ...]}  (a clear: the
+                        objects whose names match, `maru.server.cluster.proof.name_pattern`)
     sidecar -> server  {"op": "state", "connected": bool, "error": str | None}  (after
                         each setup, and whenever the master stops or starts answering)
                        {"op": "<op>-done", "batch": id, "results": [one per job, in the
@@ -88,6 +90,7 @@ NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
 # hashed on one thread: writers copy then.)
 SPLIT_PROOF_BYTES = 8 << 20
 JOB_ID = 5  # where a pull's or a publish's job holds its id (echoed in its result)
+REMOVE_FAILED = -1  # a removal's result where no Mooncake client could make it (else its code)
 
 
 class PoolMaps:
@@ -182,9 +185,11 @@ def proofs(addresses: list[int], lengths: list[int]) -> list[int]:
 def failed(op: str, job: Any) -> Any:
     """A job's result, in its op's form, where it failed: a pull's [FAILED, 0, job id], a
     publish's [FAILED, job id], a probe's None (no length, never a bare code the server would
-    take for one)."""
+    take for one), a removal's REMOVE_FAILED (negative: never a count removed)."""
     if op == "probe":
         return None
+    if op == "remove":
+        return REMOVE_FAILED
     return [FAILED, 0, job[JOB_ID]] if op == "pull" else [FAILED, job[JOB_ID]]
 
 
@@ -369,6 +374,24 @@ class Sidecar:
             error = error or why
         return results, error
 
+    def remove(self, patterns: list[str]) -> tuple[list[int], str | None]:
+        """Remove the objects whose names match each pattern (a clear): per pattern the
+        number Mooncake removed, or its negative error code; and why any failed. Not forced:
+        Mooncake keeps an object a reader holds a lease on (one read in the master's
+        `--default_kv_lease_ttl`, 10 s by default) or a put is still writing, as SGLang's own
+        backend's `remove_all` does; it says how many it removed, not how many it kept."""
+        assert self.store is not None
+        results, error = [], None
+        for pattern in patterns:
+            try:
+                removed = int(self.store.remove_by_regex(pattern))
+            except RuntimeError as exc:  # (pybind11's translation of a C++ error)
+                removed, error = REMOVE_FAILED, f"Mooncake remove_by_regex: {exc}"
+            if removed < 0:
+                error = error or f"Mooncake remove_by_regex: {removed}"
+            results.append(removed)
+        return results, error
+
     def _checksums(self, addresses: list[int], lengths: list[int]) -> list[int]:
         """`proofs` of each value's pages, half of the bytes on the helper thread when there
         are more than SPLIT_PROOF_BYTES (the C loop drops the GIL)."""
@@ -432,10 +455,13 @@ class Sidecar:
                 return
 
     def answer(self, message: dict[str, Any]) -> dict[str, Any] | None:
-        """The reply to a publish, probe or pull batch (None: no such op). Without a Mooncake
-        client (not set up yet), every job fails in its op's own form (`failed`)."""
+        """The reply to a publish, probe, pull or remove batch (None: no such op). Without a
+        Mooncake client (not set up yet), every job fails in its op's own form (`failed`).
+        Batches are answered in the order they came: a removal sent after a publish removes
+        what it published, never what is published after it."""
         op = message.get("op")
-        work = {"publish": self.publish, "probe": self.probe, "pull": self.pull}.get(op)
+        ops = {"publish": self.publish, "probe": self.probe, "pull": self.pull}
+        work = {**ops, "remove": self.remove}.get(op)
         if work is None:
             return None
         jobs = message["jobs"]

@@ -25,7 +25,14 @@ from maru.common.protocol import Key, RegisterStatus
 from maru.server.cluster.config import MooncakeConfig
 from maru.server.cluster.link import Link
 from maru.server.cluster.pages import TierPages
-from maru.server.cluster.proof import ABSENT, LENGTH, PUBLISHED, REFUSED, object_name
+from maru.server.cluster.proof import (
+    ABSENT,
+    LENGTH,
+    PUBLISHED,
+    REFUSED,
+    name_pattern,
+    object_name,
+)
 from maru.server.journal import JournalWriteError
 from maru.server.keyindex import KeyEntry, release_entries
 from maru.server.registry import Registry
@@ -62,18 +69,21 @@ COUNTS = (  # what the tier counts (`stats`, Prometheus)
     "pull_failures",
     "proof_failures",
     "sidecar_starts",
+    "removed",
+    "remove_failures",
 )
 
 
 @dataclass
 class Batch:
-    op: str  # "publish", "probe" or "pull"
-    keys: list[Key]
+    op: str  # "publish", "probe", "pull" or "remove"
+    keys: list[Key]  # (a removal's: none, its `patterns` instead)
     held: list[KeyEntry] = field(default_factory=list)  # publish: leased until the reply
     nbytes: list[int] = field(default_factory=list)  # publish, pull: each value's length
     places: list[tuple[int, int]] = field(default_factory=list)  # pull: (region id, offset)
     spill: bool = False  # publish: evicted keys, dropped once published
     room_for: str = ""  # spill: the instance whose room they are (an eviction ahead), if one
+    patterns: list[str] = field(default_factory=list)  # remove: the names' regexes, a job each
     sent: float = field(default_factory=time.monotonic)
 
 
@@ -83,10 +93,11 @@ def landing(*batches: Iterable[Batch]) -> set[int]:
 
 
 def fits(batch: Batch, results: Any) -> bool:
-    """Whether a reply's results (their job ids off: `unbind`) fit its batch: one per key,
-    each in its op's form (a pull's [code, int], a probe's int or None, a publish's int),
-    every int an int64."""
-    if type(results) is not list or len(results) != len(batch.keys):
+    """Whether a reply's results (their job ids off: `unbind`) fit its batch: one per key
+    (a removal's: per pattern), each in its op's form (a pull's [code, int], a probe's int or
+    None, a publish's int, a removal's count or negative code), every int an int64."""
+    jobs = len(batch.patterns) if batch.op == "remove" else len(batch.keys)
+    if type(results) is not list or len(results) != jobs:
         return False
     if batch.op == "pull":
         return all(type(r) is list and len(r) == 2 and all(map(_int64, r)) for r in results)
@@ -468,9 +479,9 @@ class ClusterTier:
         if message.get("error"):
             self.last_failure = message["error"]
             log.warning("cluster tier: %s: %s", batch.op, message["error"])
-        {"publish": self._published, "probe": self._probed, "pull": self._pulled}[batch.op](
-            batch, message["results"]
-        )
+        done = {"publish": self._published, "probe": self._probed, "pull": self._pulled}
+        done["remove"] = lambda _, results: removal_answered(self.counts, results)
+        done[batch.op](batch, message["results"])
 
     def _published(self, batch: Batch, results: list[int]) -> None:
         release_entries(batch.held)
@@ -600,6 +611,13 @@ class ClusterTier:
             if self._publish(keys) is False:
                 return
 
+    def clear(self, prefix: Key | None) -> bool:
+        """Remove the cluster's objects of the keys starting with `prefix` (None: all of the
+        tenant's), sent now behind every batch sent before: whether it was (`removal_sent`)."""
+        pattern = name_pattern(self.config.tenant_id, prefix)
+        sent = self.connected and self._send(Batch("remove", [], patterns=[pattern]), [pattern])
+        return removal_sent(prefix, sent, self.connected, self.error)
+
     def _publish(self, keys: list[Key], spill: bool = False, room_for: str = "") -> bool | None:
         """Publish the registered ones of `keys`, each held until the reply: True once sent,
         None when none is registered, False (nothing held; counted as drops) when the sidecar
@@ -651,11 +669,12 @@ class ClusterTier:
                 if batch.spill:
                     unspill(self.registry, batch)
                 self.counts["publish_failures"] += len(batch.keys)
-            else:
+            else:  # (a removal's: Mooncake may have made it, not known)
                 for place in batch.places:
                     self.pages.release(*place)
                 self.counts["pull_failures"] += len(batch.keys) if batch.op == "pull" else 0
-        if any(batch.keys for batch in batches):  # (failed pulls' pages have none)
+                self.counts["remove_failures"] += len(batch.patterns)
+        if any(batch.keys or batch.patterns for batch in batches):  # (failed pulls' pages: none)
             log.warning("cluster tier: %d batches not finished: %s", len(batches), why)
 
     def announce(self) -> dict[str, Any]:
@@ -664,19 +683,55 @@ class ClusterTier:
 
     def stats(self) -> dict[str, Any]:
         """The tier in the server's `stats` document (`maru stats`, Prometheus)."""
-        return {
-            "kind": "mooncake",
-            "publish": self.publish_mode,
-            "lookup_ms": self.lookup_ms,
-            "master": self.config.master_server_address,
-            "connected": self.connected,
-            "error": self.error,
-            "last_failure": self.last_failure,
-            "instance": self.pages.instance_id,
-            "queue_depth": len(self.queue) + len(self.retry),  # (failed ones going again too)
-            "pull_queue_depth": len(self.wanted),
-            "pulling": len(self.pulling),
-            "in_flight": sum(len(b.keys) for b in list(self.batches.values())),
-            "sidecar_pid": self.proc.pid if self.proc is not None else None,
-            **self.counts,
-        }
+        return tier_stats(self)
+
+
+def tier_stats(tier: ClusterTier) -> dict[str, Any]:
+    """`ClusterTier.stats`: its settings, its state and what it counted."""
+    batches = list(tier.batches.values())
+    return {
+        "kind": "mooncake",
+        "publish": tier.publish_mode,
+        "lookup_ms": tier.lookup_ms,
+        "master": tier.config.master_server_address,
+        "connected": tier.connected,
+        "error": tier.error,
+        "last_failure": tier.last_failure,
+        "instance": tier.pages.instance_id,
+        "queue_depth": len(tier.queue) + len(tier.retry),  # (failed ones going again too)
+        "pull_queue_depth": len(tier.wanted),
+        "pulling": len(tier.pulling),
+        "in_flight": sum(len(b.keys) for b in batches),
+        "removing": sum(b.op == "remove" for b in batches),  # (clears' removals, a batch each)
+        "sidecar_pid": tier.proc.pid if tier.proc is not None else None,
+        **tier.counts,
+    }
+
+
+def removal_sent(prefix: Key | None, sent: bool, connected: bool, error: str | None) -> bool:
+    """What became of a clear's removal (`ClusterTier.clear`), logged; returns `sent`. It
+    removes the objects of the keys of `prefix` (or every object of the tier's tenant),
+    values only the cluster holds too (spilled, published by other nodes). The sidecar
+    answers batches in order: it removes what every publish sent before it put, and nothing
+    a publish sent after it puts (a value sealed after the clear). Not sent while the sidecar
+    is not connected (`error`: why) or its channel cannot take it."""
+    what = "every key" if prefix is None else f"prefix {prefix!r:.200}"
+    if sent:
+        log.info("cluster tier: removing the cluster's objects of %s", what)
+    else:
+        why = "its channel is full or closed" if connected else error or "not connected"
+        log.warning("cluster tier: %s not removed from the cluster: %s", what, why)
+    return sent
+
+
+def removal_answered(counts: dict[str, int], results: list[int]) -> None:
+    """A clear's removal answered: the objects Mooncake removed (`removed`), or a failure
+    (`remove_failures`; its error logged with the reply)."""
+    removed = sum(n for n in results if n >= 0)
+    failed = sum(1 for n in results if n < 0)
+    counts["removed"] += removed
+    counts["remove_failures"] += failed
+    if failed:
+        log.error("cluster tier: a clear's removal from the cluster failed: %s", results)
+    else:
+        log.info("cluster tier: %d objects removed from the cluster (a clear)", removed)
