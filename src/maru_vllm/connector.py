@@ -46,7 +46,7 @@ from maru.client import (
     parse_int,
     values_at,
 )
-from maru_vllm.keys import hash_block_size, kv_namespace, parallel_rank
+from maru_vllm.keys import hash_block_size, key_namespace, mla_shared, parallel_rank
 from maru_vllm.layout import (
     GroupLayout,
     check_host_memory,
@@ -76,15 +76,21 @@ CONNECTOR_KEYS = {
 }
 
 
-def _connector_options(extra: dict[str, Any], groups: int, ranks: int) -> dict[str, Any]:
+def _connector_options(
+    extra: dict[str, Any], vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> dict[str, Any]:
     """Pop `CONNECTOR_KEYS` from `extra`, parsed as MaruConfig parses its keys ("false" is
     False, a count a positive integer): a bad value is a ConfigError naming its key.
-    `maru_async_load` must stay true with several KV cache groups (`groups`: a hybrid model:
-    vLLM maps no failed block id back to its request, its scheduler raises; a failed load
-    fails its request as a whole, which only an async load can report) and with several
-    ranks a step (`ranks`: TP x PP x PCP): a synchronous load that fails on one rank is known
-    to that rank only before the step's saves, while every rank's forward reads its blocks
-    (all-reduce, the stages' hidden states), so the other ranks would save wrong KV."""
+    `maru_async_load` must stay true with several KV cache groups (a hybrid model: vLLM maps
+    no failed block id back to its request, its scheduler raises; a failed load fails its
+    request as a whole, which only an async load can report) and with several ranks a step
+    (TP x PP x PCP): a synchronous load that fails on one rank is known to that rank only
+    before the step's saves, while every rank's forward reads its blocks (all-reduce, the
+    stages' hidden states), so the other ranks would save wrong KV."""
+    groups = len(kv_cache_config.kv_cache_groups)
+    parallel = vllm_config.parallel_config
+    ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    ranks *= getattr(parallel, "prefill_context_parallel_size", 1)
     own = {key: extra.pop(key, default) for key, default in CONNECTOR_KEYS.items()}
     prefix = own["maru_key_prefix"]
     if not isinstance(prefix, str) or not prefix.strip():
@@ -268,13 +274,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        parallel = vllm_config.parallel_config
-        ranks = (
-            parallel.tensor_parallel_size
-            * parallel.pipeline_parallel_size
-            * getattr(parallel, "prefill_context_parallel_size", 1)
-        )
-        own = _connector_options(extra, len(kv_cache_config.kv_cache_groups), ranks)
+        own = _connector_options(extra, vllm_config, kv_cache_config)
         self._maru_config = MaruConfig.from_mapping(extra, prefix="maru_")
         self._async_load = own["maru_async_load"]
         self._groups = tuple(kv_cache_config.prefix_cacheable_group_ids)
@@ -283,22 +283,15 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._fail_whole_loads = len(kv_cache_config.kv_cache_groups) > 1
         self._block_size = hash_block_size(vllm_config, kv_cache_config, self._groups)
         self._value_layout = resolved_layout(vllm_config, kv_cache_config)
-        model = vllm_config.model_config
+        parallel = vllm_config.parallel_config
         self._tp_size = parallel.tensor_parallel_size
         self._pp_size = parallel.pipeline_parallel_size
         self._pcp_size = getattr(parallel, "prefill_context_parallel_size", 1)
-        dcp_size = getattr(parallel, "decode_context_parallel_size", 1)
-        # MLA's latent KV is the same on every TP rank, unless context parallelism splits the
-        # tokens between ranks: then each rank stores its own, as for other attention.
-        use_mla = bool(model is not None and getattr(model, "use_mla", False))
-        self._mla_shared = use_mla and dcp_size == 1 and self._pcp_size == 1
-        name = model.served_model_name if model is not None else "model"
-        if isinstance(name, (list, tuple)):
-            name = name[0]
-        kv = kv_namespace(
-            vllm_config, kv_cache_config, self._groups, self._block_size, self._value_layout
+        self._mla_shared = mla_shared(vllm_config)
+        layout = (self._groups, self._block_size, self._value_layout)
+        self._namespace = key_namespace(
+            own["maru_key_prefix"], vllm_config, kv_cache_config, *layout
         )
-        self._namespace = f"{own['maru_key_prefix']}/{name}/{self._block_size}/{kv}"
         self._saves = self._kv_transfer_config.is_kv_producer
         self._handler: MaruHandler | None = None
         self._lock = threading.Lock()
@@ -540,11 +533,8 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         if busy:
             start = time.perf_counter()
             wait_futures(busy)
-            log.debug(
-                "MaruKVConnector: waited %.3f s for %d saves of reused blocks",
-                time.perf_counter() - start,
-                len(busy),
-            )
+            elapsed = time.perf_counter() - start
+            log.debug("waited %.3f s for %d saves of reused blocks", elapsed, len(busy))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -574,31 +564,26 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         """Start this step's saves: the blocks are full (the model no longer writes them), kept
         until `get_finished` reports the request, and not written again before the save ends
-        (`handle_preemptions` waits for it where a step would). Not in a step whose
-        synchronous load failed: its forward read the blocks that did not load (the failed
-        request's, and those of any request sharing them as a local prefix hit), so any
-        block it computed may be wrong; stored, each would be a hit of other bytes than its
-        key's KV. vLLM recomputes the failed request from the failed block, and the scheduler
-        side saves it again from there (`update_connector_output`)."""
+        (`handle_preemptions` waits for it where a step would). None in a step whose
+        synchronous load failed: its forward read the blocks that did not load (the request's,
+        and any request's sharing them as a local prefix hit), so what it computed may be
+        wrong; vLLM recomputes the request, whose blocks are saved from there."""
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, MaruConnectorMetadata)
-        if meta is self._unsaved:
-            self._unsaved = None
-            skipped = sum(len(ids) for t in meta.saves for ids in t.block_ids)
-            if skipped:
-                log.warning("MaruKVConnector: a load failed: the step's %d saves skipped", skipped)
-            with self._lock:
-                self._stats.add(save_failed=skipped)
-                for transfer in meta.saves:  # (still reported by get_finished)
-                    self._sending.setdefault(transfer.req_id, [])
-            return
+        failed, self._unsaved = meta is self._unsaved, None
+        if failed and meta.saves:
+            log.warning(
+                "MaruKVConnector: a load failed: the step's %d saves skipped", len(meta.saves)
+            )
         writer = not (self._mla_shared and self._rank[2] != 0)  # MLA: TP rank 0 writes
         for transfer in meta.saves:
             with self._lock:
                 futures = self._sending.setdefault(transfer.req_id, [])
-                if not writer:
+                if failed:
+                    self._stats.add(save_failed=sum(map(len, transfer.block_ids)))
+                if failed or not writer:
                     continue  # (still reported by get_finished: vLLM waits for every rank)
                 future = self._save_pool.submit(self._save, transfer)
                 futures.append(future)

@@ -3,9 +3,10 @@ block hash (chained over the prefix) a key names everything else the value's byt
 the model (its weights' name, not only the served alias), the KV format (model dtype, KV cache
 dtype, specs, the byte order a value is written in) and the rank's shard (PP stage, PCP and TP
 rank), so an instance never reads bytes of another model, format or shard as a hit. This module
-owns the namespace (`kv_namespace`: the model and format), the tokens a block hash covers
-(`hash_block_size`) and the worker's shard (`parallel_rank`, which the connector's `_scope`
-names); the scheduler and every worker compute them from the same configs (docs/vllm.md).
+owns the namespace (`key_namespace`, `kv_namespace`: the model and format), the tokens a block
+hash covers (`hash_block_size`) and the worker's shard (`parallel_rank`, `mla_shared`, which the
+connector's `_scope` names); the scheduler and every worker compute them from the same configs
+(docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -117,6 +118,33 @@ def kv_namespace(
     digest = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
     kv_dtype = model_dtype if cache_dtype == "auto" else cache_dtype
     return f"{kv_dtype}-{digest}"
+
+
+def key_namespace(
+    key_prefix: str,
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    groups: Sequence[int],
+    block_size: int,
+    layout: KVCacheLayout,
+) -> str:
+    """`<maru_key_prefix>/<served name>/<block size>/<kv_namespace>`: every key's beginning
+    (the served name is for operators reading `maru keys`; the fingerprint decides)."""
+    model = vllm_config.model_config
+    name = model.served_model_name if model is not None else "model"
+    if isinstance(name, (list, tuple)):
+        name = name[0]
+    kv = kv_namespace(vllm_config, kv_cache_config, groups, block_size, layout)
+    return f"{key_prefix}/{name}/{block_size}/{kv}"
+
+
+def mla_shared(vllm_config: VllmConfig) -> bool:
+    """Whether every TP rank holds the same KV (MLA's latent KV), so TP rank 0 alone stores
+    it; not where context parallelism splits the tokens between ranks (each its own)."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    use_mla = bool(model is not None and getattr(model, "use_mla", False))
+    dcp = getattr(parallel, "decode_context_parallel_size", 1)
+    return use_mla and dcp == 1 and getattr(parallel, "prefill_context_parallel_size", 1) == 1
 
 
 def hash_block_size(
