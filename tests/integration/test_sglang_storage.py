@@ -18,6 +18,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -528,14 +530,47 @@ def test_copies_shared_between_threads_read_back_the_bytes_written(maru_server):
     reader.close()
 
 
+def _flipper(handler: Any, key: str, at: int) -> Callable[[], None]:
+    """A call that flips one byte of `key`'s value where it lies now in the pool file (as
+    `flip_byte`), found once: it still flips it after the key is dropped."""
+    info = handler.batch_retrieve([key])[0]
+    assert info is not None, key
+    region = handler._mapper.get(info.region_id).handle
+    path, where = region.path, region.offset + info.offset + at
+
+    def flip() -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            (old,) = os.pread(fd, 1, where)
+            os.pwrite(fd, bytes([old ^ 0xFF]), where)
+        finally:
+            os.close(fd)
+
+    return flip
+
+
+def _wait_gone(handler: MaruHandler, keys: list[str], timeout: float = 20.0) -> None:
+    """Until none of `keys` exists (a drop the server makes on a report not waited for)."""
+    deadline = time.monotonic() + timeout
+    while any(handler.batch_exists(keys)):
+        assert time.monotonic() < deadline, f"not dropped within {timeout} s: {keys}"
+        time.sleep(0.05)
+
+
+def _then(first: Callable[[], None], call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    first()
+    return call(*args, **kwargs)
+
+
 def test_a_page_corrupted_in_the_pool_is_a_miss_with_checksums(
     maru_server, monkeypatch, fused_copier
 ):
     """Issue 13, P8, through SGLang's interface: another process stores pages with
     `maru_checksums`; bytes of some are then overwritten in the pool file. A reader with
-    checksums takes those as misses in `batch_get_v1`, `batch_get_v2` and the legacy
-    `batch_get` (and a page changed while it copies), counted; the other pages are hits with
-    the written bytes. A reader without checksums reads the corrupted pages as hits."""
+    checksums takes those as misses in `batch_get_v1` (and a page changed while it copies),
+    counted, and the server drops them on its report: misses in `batch_get_v2`, the legacy
+    `batch_get` and for every reader, until the writer stores them again; the other pages are
+    hits with the written bytes. A reader without checksums reads the corrupted pages as hits."""
     from sglang.srt.mem_cache.hicache_storage import PoolTransfer
 
     seed, g = 21, Geometry()  # the peer's first geometry: MHA page_first_direct, many parts
@@ -560,39 +595,56 @@ def test_a_page_corrupted_in_the_pool_is_a_miss_with_checksums(
         for i in set(range(PAGES)) - victims:
             assert torch.equal(got[i].view(torch.uint8), want[i].view(torch.uint8)), i
 
+    # Without checksums every corrupted page is a hit: the fault is real.
+    assert plain.batch_get_v1(keys, page_indices(2, PAGES, g.page_size)) == [True] * PAGES
+    wrong = read(plain.mem_pool_host, page_indices(2, PAGES, g.page_size), PAGES)
+    same = [torch.equal(w.view(torch.uint8), x.view(torch.uint8)) for w, x in zip(wrong, want)]
+    assert [i for i, ok in enumerate(same) if not ok] == sorted(victims)
+
     dst = page_indices(2, PAGES, g.page_size)
     check(checked.batch_get_v1(keys, dst), dst)
+    # The reader told the server where it read them (CORRUPT_KV, not waited for), which
+    # drops those entries: from then on misses for every reader (no mismatch), storable again.
+    _wait_gone(checked.handler, [ns[i] for i in victims])
     transfer = PoolTransfer(name=KV_POOL_NAME, keys=keys, host_indices=dst)
     check(checked.batch_get_v2([transfer])[KV_POOL_NAME], dst)
     legacy = checked.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
     assert [i for i, t in enumerate(legacy) if t is None] == sorted(victims)
-    assert checked.counters["pools"][KV_POOL_NAME]["checksum_mismatches"] == 4  # v1, v2: 2 each
-    assert checked.handler.checksum_mismatches == 6
+    assert checked.counters["pools"][KV_POOL_NAME]["checksum_mismatches"] == 2  # v1's
+    assert checked.handler.checksum_mismatches == 2
+    plain_dst = page_indices(2, PAGES, g.page_size)
+    assert plain.batch_get_v1(keys, plain_dst) == [i not in victims for i in range(PAGES)]
 
     # A page changed after the lookup, while the reader copies: caught after the copy, on the
-    # local index (probe, copy and check in one C call: the flip runs in its copier) and on
-    # the request path (index off: between the lookup's reply and the copy).
+    # local index (probe, copy and check in one C call: the flip runs in its copier; page 11)
+    # and on the request path (index off: between the lookup's reply and the copy; page 12),
+    # and dropped as well: its bytes put back, it is still a miss.
     assert checked.handler._index is not None
-    corrupt = functools.partial(flip_byte, plain.handler, ns[11], at=700)  # (again: undone)
     real = handler_module.copy_values
-    for local in (True, False):
+    for local, page in ((True, 11), (False, 12)):
+        corrupt = _flipper(plain.handler, ns[page], at=700)
         with monkeypatch.context() as m:
             if local:
                 m.setattr(localindex_module, "COPY_VALUES", fused_copier(corrupt))
             else:
                 m.setattr(checked.handler, "_index", None)
-                m.setattr(handler_module, "copy_values", lambda *a, **k: corrupt() or real(*a, **k))
+                flipped = functools.partial(_then, corrupt, real)
+                m.setattr(handler_module, "copy_values", flipped)
             results = checked.batch_get_v1(keys, dst)
-        assert [i for i, ok in enumerate(results) if not ok] == sorted(victims | {11})
-        corrupt()  # page 11 as written again: a hit
-        assert [i for i, ok in enumerate(checked.batch_get_v1(keys, dst)) if not ok] == [5, 30]
+        victims.add(page)
+        assert [i for i, ok in enumerate(results) if not ok] == sorted(victims)
+        _wait_gone(checked.handler, [ns[page]])
+        corrupt()  # (the page's bytes as written again)
+        again = checked.batch_get_v1(keys, dst)
+        assert [i for i, ok in enumerate(again) if not ok] == sorted(victims)
+    assert checked.handler.checksum_mismatches == 4
 
-    # Without checksums every corrupted page is a hit: the fault is real.
-    got_plain = plain.batch_get_v1(keys, page_indices(2, PAGES, g.page_size))
-    assert got_plain == [True] * PAGES
-    wrong = read(plain.mem_pool_host, page_indices(2, PAGES, g.page_size), PAGES)
-    same = [torch.equal(w.view(torch.uint8), x.view(torch.uint8)) for w, x in zip(wrong, want)]
-    assert [i for i, ok in enumerate(same) if not ok] == sorted(victims)
+    # The writer stores its pages again: the dropped ones go in (the others are there), and
+    # every page is a hit with its written bytes.
+    _run_peer("writer", maru_server.url, seed=seed, maru_checksums=True)
+    victims.clear()
+    check(checked.batch_get_v1(keys, dst), dst)
+    assert checked.handler.checksum_mismatches == 4
     checked.close()
     plain.close()
 

@@ -284,6 +284,12 @@ def test_every_message_replies_with_exactly_its_schema_fields(service):
         MsgType.PIN: {"iid": "A", "keys": ["j"]},
         MsgType.UNPIN: {"iid": "A", "keys": ["j"]},
         MsgType.DELETE_KV: {"iid": "A", "keys": ["j"]},
+        MsgType.CORRUPT_KV: {
+            "iid": "A",
+            "keys": ["j", "p/1"],
+            **{name: protocol.pack_int64([0, 0]) for name in ("region_ids", "offsets")},
+            **{name: protocol.pack_int64([0, 0]) for name in ("lengths", protocol.CHECKSUMS)},
+        },
         MsgType.LIST_ALLOCATIONS: {"owner": "A"},
         MsgType.STATS: {},
         MsgType.HEARTBEAT: {"iid": "A"},

@@ -298,7 +298,8 @@ class LocalIndexClient:
     def _not_proven(self, session: Session, keys, prefix, raw: bytes, length: int) -> None:
         """After `Reader.read`: count and log its hits that are not proven (statuses 2-5)."""
         columns = np.frombuffer(raw, np.int64).reshape(NCOLS + 2, len(keys))
-        lengths, status = columns[1], columns[NCOLS + 1]
+        _, lengths, sums, region_ids, offsets = columns[:5]  # (`IndexLookup`'s columns)
+        status = columns[NCOLS + 1]
         lost = int(np.count_nonzero(status == 5))
         if lost:  # (`maru.common.memcopy`: the pool's file truncated under the copy, say)
             log.warning("the copy of %d of %d keys faulted: misses", lost, len(keys))
@@ -313,7 +314,14 @@ class LocalIndexClient:
         if len(other):
             other_lengths([names[i] for i in other.tolist()], lengths[other].tolist(), length)
         if len(corrupt):
-            checksum_mismatches(session, [names[i] for i in corrupt.tolist()], lengths[corrupt])
+            checksum_mismatches(
+                session,
+                [names[i] for i in corrupt.tolist()],
+                region_ids[corrupt],
+                offsets[corrupt],
+                lengths[corrupt],
+                sums[corrupt],
+            )
 
 
 class IndexLookup(Lookup):

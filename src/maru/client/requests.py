@@ -14,7 +14,7 @@ from maru.client.coherence import invalidate_ranges
 from maru.common.checksum import checksums
 from maru.common.errors import MaruError
 from maru.common.memcopy import CopyFaultError, faulted
-from maru.common.protocol import CHECKSUMS, Key, MsgType
+from maru.common.protocol import CHECKSUMS, Key, MsgType, pack_int64
 from maru.common.region import RegionHandle
 
 if TYPE_CHECKING:
@@ -285,8 +285,16 @@ class Lookup:
             if self._mismatched is None:
                 self._mismatched = np.zeros(self.n, bool)
             self._mismatched[at] = True
-            assert self.lengths is not None
-            checksum_mismatches(self._s, [self._keys[i] for i in at.tolist()], self.lengths[at])
+            assert self.lengths is not None and self._region_ids is not None
+            assert self._offsets is not None and self._checksums is not None
+            checksum_mismatches(
+                self._s,
+                [self._keys[i] for i in at.tolist()],
+                self._region_ids[at],
+                self._offsets[at],
+                self.lengths[at],
+                self._checksums[at],
+            )
         else:
             log.debug("%d keys unlike their checksum after their lease ended: misses", len(at))
 
@@ -379,9 +387,20 @@ def other_lengths(keys: Sequence[Key], lengths: Sequence[int], expected: int) ->
         )
 
 
-def checksum_mismatches(session: Session, keys: Sequence[Key], lengths: Sequence[int]):
+def checksum_mismatches(
+    session: Session,
+    keys: Sequence[Key],
+    region_ids: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    sums: np.ndarray,
+) -> None:
     """Hits whose bytes did not match their writer's checksum after the copy (taken as
-    misses): each logged at ERROR, all counted in `MaruHandler.checksum_mismatches`."""
+    misses): each logged at ERROR, all counted in `MaruHandler.checksum_mismatches`, and told
+    to the server in one CORRUPT_KV (where each was read, and its writer's checksum), which
+    drops the entries still registered there: else the first writer's corrupt entry would
+    refuse every correct store of the key for good. Not waited for; a failure to send is
+    logged, never raised into the read."""
     for key, length in zip(keys, lengths):
         log.error(
             "key %.200r: its %d bytes no longer match the checksum its writer stored: "
@@ -390,6 +409,19 @@ def checksum_mismatches(session: Session, keys: Sequence[Key], lengths: Sequence
             int(length),
         )
     session.checksum_mismatches += len(keys)
+    if not len(keys):
+        return
+    body = {
+        "keys": list(keys),
+        "region_ids": pack_int64(region_ids.tolist()),
+        "offsets": pack_int64(offsets.tolist()),
+        "lengths": pack_int64(lengths.tolist()),
+        CHECKSUMS: pack_int64(sums.tolist()),
+    }
+    try:
+        session.request(MsgType.CORRUPT_KV, body)  # (its reply is taken in and dropped)
+    except MaruError as exc:
+        log.warning("could not report %d corrupt entries to the server: %s", len(keys), exc)
 
 
 BYTES_LIKE = "bytes, bytearray, memoryview, a contiguous numpy array"

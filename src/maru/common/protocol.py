@@ -67,6 +67,7 @@ class MsgType(IntEnum):
     KEYS = 17  # list keys by prefix (operators: `maru keys`), at most MAX_LIST_KEYS
     DISCONNECT = 18  # end the caller's instance now: pins, leases and regions let go
     PARK_REGIONS = 19  # an idle owner lets the server take regions back (or takes them again)
+    CORRUPT_KV = 20  # a reader's hits unlike their writer's checksum: drop those very entries
 
 
 class ErrorCode(IntEnum):
@@ -565,6 +566,31 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
     MsgType.DELETE_KV: (
         [("session", "str", "optional"), ("keys", "[str | bytes]", "")],
         [("results", "[int]", "DeleteStatus per key")],
+    ),
+    MsgType.CORRUPT_KV: (
+        [
+            ("session", "str", "the reader reporting (logged); optional"),
+            (
+                "keys",
+                "[str | bytes]",
+                "hits whose bytes the reader found unlike their writer's checksum under a "
+                "lease that held (or through the local index, its slot unchanged); sent once "
+                "a lookup, not waited for",
+            ),
+            ("region_ids", I64S, "where the reader was told each key lies (LOOKUP_KV's)"),
+            ("offsets", I64S, "likewise"),
+            ("lengths", I64S, "likewise"),
+            (CHECKSUMS, I64S, "the writer's checksum the reader was given"),
+        ],
+        [
+            (
+                "results",
+                "[int]",
+                "DeleteStatus per key: DELETED, the entry dropped; NOT_FOUND, the key is gone "
+                "or registered elsewhere or anew (never dropped); PINNED, pinned or leased by "
+                "another reader, kept (as DELETE_KV keeps it)",
+            )
+        ],
     ),
     MsgType.LIST_ALLOCATIONS: (
         [

@@ -33,7 +33,7 @@ from maru.server.grants import over_quota
 from maru.server.housekeeping import Housekeeping
 from maru.server.journal import JournalWriteError
 from maru.server.local_socket import LocalSocketServer
-from maru.server.registry import Registry, clear_all, delete_prefix, list_keys
+from maru.server.registry import Registry, clear_all, delete_prefix, drop_corrupt, list_keys
 
 log = logging.getLogger("maru.server.service")
 
@@ -69,6 +69,7 @@ CHANGES = frozenset(
     {
         MsgType.REGISTER_KV,
         MsgType.DELETE_KV,
+        MsgType.CORRUPT_KV,
         MsgType.DELETE_PREFIX,
         MsgType.PIN,
         MsgType.UNPIN,
@@ -403,6 +404,18 @@ def on_delete_prefix(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     return {"deleted": deleted, "pinned": pinned, "cluster": sent}
 
 
+def on_corrupt_kv(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    """A reader's checksum mismatches: each key dropped if still the entry it read."""
+    keys = _keys(body)
+    columns = [
+        unpack_int64(body.get(name), len(keys), name).tolist()
+        for name in ("region_ids", "offsets", "lengths", CHECKSUMS)
+    ]
+    places = list(zip(*columns))
+    reporter = body["iid"] or "an anonymous reader"
+    return {"results": drop_corrupt(server.registry, keys, places, reporter)}
+
+
 def on_list_keys(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     limit = body.get("limit", 100)
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
@@ -436,6 +449,7 @@ HANDLERS: dict[int, Handler] = {
     },
     MsgType.EVICT_FOR: on_evict_for,
     MsgType.DELETE_KV: lambda s, b: {"results": s.registry.delete(_keys(b))},
+    MsgType.CORRUPT_KV: on_corrupt_kv,
     MsgType.LIST_ALLOCATIONS: on_list_allocations,
     MsgType.STATS: lambda s, b: {"stats": s.stats()},
     MsgType.HEARTBEAT: on_heartbeat,

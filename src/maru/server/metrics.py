@@ -119,6 +119,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "or outnumber its pages (keys registered over the same bytes).",
     ),
     "keys_deleted": ("maru_keys_deleted", "Keys deleted (DELETE_KV, DELETE_PREFIX, clear)."),
+    "corrupt_dropped": (
+        "maru_corrupt_dropped",
+        "Entries dropped because a reader found their bytes unlike their writer's checksum "
+        "(CORRUPT_KV): a writer may store the key again.",
+    ),
     "evictions": ("maru_evicted_keys", "Keys evicted (watermark, room for a writer, orphans)."),
     "bytes_evicted": ("maru_evicted_bytes", "Bytes of the keys evicted."),
     "eviction_rounds": ("maru_eviction_rounds", "Eviction rounds that evicted at least one key."),

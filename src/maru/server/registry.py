@@ -532,6 +532,55 @@ def _delete(registry: Registry, keys: list[Key]) -> tuple[int, int]:
     return deleted, len(keys) - deleted
 
 
+def drop_corrupt(
+    registry: Registry,
+    keys: list[Key],
+    places: list[tuple[int, int, int, int]],
+    reporter: str,
+) -> list[int]:
+    """CORRUPT_KV: drop each key a reader found unlike its writer's checksum, but only if its
+    entry is still the one the reader read (`places[i]`: region id, offset, length, checksum):
+    a key deleted and stored again since, or rewritten elsewhere, holds another value, which
+    must never go for the old one's fault. A pinned or leased entry is kept, as by a delete
+    (its pages must not be reused while another reader copies them); the reporter released its
+    own lease first. Returns a DeleteStatus per key; each drop logged at ERROR and counted."""
+    statuses: list[int] = []
+    victims: dict[Key, KeyEntry] = {}
+    for key, place in zip(keys, places):
+        entry = registry.keys.get(key)
+        if entry is None or key in victims:
+            statuses.append(NOT_FOUND)
+        elif (entry.region_id, entry.offset, entry.length, entry.checksum) != place:
+            statuses.append(NOT_FOUND)
+            log.info("key %.200r: registered anew since %s found it corrupt: kept", key, reporter)
+        elif entry.busy:
+            statuses.append(PINNED)
+            log.warning(
+                "key %.200r: %s found its bytes unlike its checksum, but it is pinned or leased: "
+                "kept (a later reader will report it again)",
+                key,
+                reporter,
+            )
+        else:
+            victims[key] = entry
+            statuses.append(DELETED)
+    if victims:
+        registry._drop_keys(list(victims), list(victims.values()))
+        registry.counters["corrupt_dropped"] += len(victims)
+        for key, entry in victims.items():
+            log.error(
+                "key %.200r dropped: %s read its %d bytes at region %d offset %d unlike the "
+                "checksum its writer stored (corrupt in the pool); a writer may store it again",
+                key,
+                reporter,
+                entry.length,
+                entry.region_id,
+                entry.offset,
+                extra={"instance": reporter, "region": entry.region_id},
+            )
+    return statuses
+
+
 def list_keys(
     registry: Registry, prefix: Any = None, limit: int = 100
 ) -> tuple[list[list[Any]], bool]:

@@ -263,8 +263,9 @@ class MaruService:
             reply["ok"] = True
             if msg_type == MsgType.HANDSHAKE:  # its connection and host, too
                 self.registry.instances.touch(reply["iid"], route, host)
-            # Not on a RELEASE reply, which the client sends without waiting and may never read.
-            if msg_type != MsgType.RELEASE:
+            # Not on a RELEASE or CORRUPT_KV reply, which the client sends without waiting
+            # and may never read.
+            if msg_type != MsgType.RELEASE and msg_type != MsgType.CORRUPT_KV:
                 self.registry.instances.hand_out(iid, reply)
             kept = wait is not None and self._keep(wait, reply, request_id, peer, route)
             out = None if kept else protocol.encode(msg_type, request_id, reply, reply=True)
