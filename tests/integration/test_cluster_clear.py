@@ -32,6 +32,7 @@ if __name__ == "__main__":  # (a step in a node, or the driver: the repo's tests
 else:
     from .test_cli import maru_command, run
     from .test_cluster_tier import cannot_run
+    from .test_cluster_trust import run_nodes as trust_nodes
 
 # Mooncake keeps an object a reader holds a lease on (one read in the last
 # --default_kv_lease_ttl, 10 s by default) through a removal. The master here leases for
@@ -175,16 +176,7 @@ def clear(workdir: Path) -> dict:
 
 
 def run_nodes(tmp_path: Path, scenario: str) -> dict:
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    done = subprocess.run(
-        [sys.executable, str(HERE), str(workdir), scenario],
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return trust_nodes(tmp_path, scenario, HERE)
 
 
 # -- the tests ------------------------------------------------------------------------------

@@ -222,11 +222,13 @@ def held(workdir: Path) -> dict:
         return out
 
 
-def run_nodes(tmp_path: Path, scenario: str) -> dict:
+def run_nodes(tmp_path: Path, scenario: str, script: Path = HERE) -> dict:
+    """`script`'s driver (this file's, or another that runs as this one does) in a process
+    of its own: the nodes' namespaces go with it; its last line, a JSON document, returned."""
     workdir = tmp_path / "work"
     workdir.mkdir()
     done = subprocess.run(
-        [sys.executable, str(HERE), str(workdir), scenario],
+        [sys.executable, str(script), str(workdir), scenario],
         capture_output=True,
         text=True,
         timeout=280,
