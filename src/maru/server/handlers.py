@@ -397,10 +397,10 @@ def on_delete_prefix(server: Server, body: dict[str, Any]) -> dict[str, Any]:
         extra={"instance": iid} if iid else None,
     )
     sent = False
-    if cluster and server.cluster is None:
-        log.info("%s: not removed from a cluster: this server has no tier (--cluster)", what)
-    elif cluster and server.cluster is not None:
+    if cluster and server.cluster is not None:
         sent = server.cluster.clear(prefix)
+    elif cluster:
+        log.info("%s: not removed from a cluster: this server has no tier (--cluster)", what)
     return {"deleted": deleted, "pinned": pinned, "cluster": sent}
 
 

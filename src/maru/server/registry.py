@@ -416,17 +416,7 @@ class Registry:
         if None not in entries and len(set(keys)) == len(keys) and not any(map(_BUSY, entries)):
             out = [DELETED] * len(keys)
         else:
-            out = []
-            victims: dict[Key, KeyEntry] = {}
-            for key in keys:
-                entry = table.get(key)
-                if entry is None or key in victims:
-                    out.append(NOT_FOUND)
-                elif entry.busy:
-                    out.append(PINNED)
-                else:
-                    victims[key] = entry
-                    out.append(DELETED)
+            out, victims = deletable(keys, entries)
             keys, entries = list(victims), list(victims.values())
         self._drop_keys(keys, entries)
         self.counters["keys_deleted"] += len(keys)
@@ -527,6 +517,25 @@ def clear_all(registry: Registry) -> tuple[int, int]:
     return _delete(registry, list(registry.keys))
 
 
+def deletable(
+    keys: list[Key], entries: list[KeyEntry | None]
+) -> tuple[list[int], dict[Key, KeyEntry]]:
+    """What a delete makes of each key (`entries[i]`: its entry, None if absent): a
+    DeleteStatus per key, NOT_FOUND (absent, or named before), PINNED (pinned or leased: a
+    reader may still copy its pages) or DELETED; and the entries to drop, by key."""
+    out: list[int] = []
+    victims: dict[Key, KeyEntry] = {}
+    for key, entry in zip(keys, entries):
+        if entry is None or key in victims:
+            out.append(NOT_FOUND)
+        elif entry.busy:
+            out.append(PINNED)
+        else:
+            victims[key] = entry
+            out.append(DELETED)
+    return out, victims
+
+
 def _delete(registry: Registry, keys: list[Key]) -> tuple[int, int]:
     deleted = registry.delete(keys).count(DELETED)
     return deleted, len(keys) - deleted
@@ -544,26 +553,23 @@ def drop_corrupt(
     must never go for the old one's fault. A pinned or leased entry is kept, as by a delete
     (its pages must not be reused while another reader copies them); the reporter released its
     own lease first. Returns a DeleteStatus per key; each drop logged at ERROR and counted."""
-    statuses: list[int] = []
-    victims: dict[Key, KeyEntry] = {}
-    for key, place in zip(keys, places):
-        entry = registry.keys.get(key)
-        if entry is None or key in victims:
-            statuses.append(NOT_FOUND)
-        elif (entry.region_id, entry.offset, entry.length, entry.checksum) != place:
-            statuses.append(NOT_FOUND)
+    entries = registry.keys.get_many(keys)
+    for i, (key, entry, place) in enumerate(zip(keys, entries, places)):
+        if (
+            entry is not None
+            and (entry.region_id, entry.offset, entry.length, entry.checksum) != place
+        ):
             log.info("key %.200r: registered anew since %s found it corrupt: kept", key, reporter)
-        elif entry.busy:
-            statuses.append(PINNED)
+            entries[i] = None  # (not the value read: as if absent)
+    statuses, victims = deletable(keys, entries)
+    for key, status in zip(keys, statuses):
+        if status == PINNED:
             log.warning(
                 "key %.200r: %s found its bytes unlike its checksum, but it is pinned or leased: "
                 "kept (a later reader will report it again)",
                 key,
                 reporter,
             )
-        else:
-            victims[key] = entry
-            statuses.append(DELETED)
     if victims:
         registry._drop_keys(list(victims), list(victims.values()))
         registry.counters["corrupt_dropped"] += len(victims)
