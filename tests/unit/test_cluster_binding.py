@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
-import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -276,7 +274,4 @@ def test_a_real_sidecar_publishes_and_pulls_back_with_bound_replies(tmp_path, mo
         assert not tier.link.closed
         consistent(reg)
     finally:
-        proc = tier.proc
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
         node.close()

@@ -82,9 +82,6 @@ def node(tmp_path, monkeypatch):
     try:
         yield n
     finally:
-        proc = n.tier.proc
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
         n.close()
 
 

@@ -183,6 +183,9 @@ class Node:
         assert statuses == [RegisterStatus.REGISTERED]
 
     def close(self) -> None:
+        proc = self.tier.proc
+        if proc is not None and proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)  # (a stopped one: killed by close all the same)
         os.truncate(self.pool, self.pool_bytes)
         self.tier.close()
 
@@ -193,9 +196,6 @@ def node(tmp_path, monkeypatch):
     try:
         yield n
     finally:
-        proc = n.tier.proc
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)  # (a stopped one: killed by close all the same)
         n.close()
 
 
