@@ -7,11 +7,13 @@ of their own, the fault made in the pool file itself."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +106,27 @@ def read_late(url: str, key: str, lease: bool, queue: Any, go: Any) -> dict[str,
         h.close()
 
 
+@contextlib.contextmanager
+def late_reader(url: str, key: str, lease: bool) -> Iterator[tuple[int, dict[str, Any]]]:
+    """`read_late` in a process of its own, once it has copied `key`: the block runs (given
+    the reader's pid and a dict), then the reader checks its copy, and its result fills the
+    dict. The process is joined (killed if it outstays) whatever happens."""
+    queue, go, out = SPAWN.Queue(), SPAWN.Event(), SPAWN.Queue()
+    proc = SPAWN.Process(target=_run, args=(read_late, out, 0, (url, key, lease, queue, go)))
+    proc.start()
+    result: dict[str, Any] = {}
+    try:
+        assert queue.get(timeout=60) == "copied"
+        yield proc.pid, result
+        go.set()
+        result.update(out.get(timeout=60)[1])
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
 def counters(url: str) -> tuple[int, int]:
     """The server's (corrupt_dropped, CORRUPT_KV requests served)."""
     stats = MaruAdmin(url).stats()
@@ -151,26 +174,14 @@ def test_a_key_stored_again_before_the_report_is_kept(maru_server):
     url = maru_server.url
     digests = write(url, KEYS)
     key = KEYS[VICTIM]
-    queue, go = SPAWN.Queue(), SPAWN.Event()
     with MaruHandler(server_url=url, pool_size="4M") as plain:
         (old,) = places(plain, [key])
         flip_byte(plain, key, at=7)
-        out = SPAWN.Queue()
-        proc = SPAWN.Process(target=_run, args=(read_late, out, 0, (url, key, False, queue, go)))
-        proc.start()
-        try:
-            assert queue.get(timeout=60) == "copied"
+        with late_reader(url, key, lease=False) as (_, result):
             assert plain.batch_delete([key]) == [True]
             assert write(url, [key]) == [digests[VICTIM]]
             (new,) = places(plain, [key])
             assert new is not None and new != old  # another place
-            go.set()
-            result = out.get(timeout=60)[1]
-        finally:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
         assert result == {"bad": True, "held": True, "mismatches": 1}  # reported
         assert counters(url) == (0, 1)  # ... and the new entry kept
         (info,) = plain.batch_retrieve([key])
@@ -186,27 +197,14 @@ def test_a_mismatch_after_the_lease_ended_is_not_reported(maru_server_factory, t
     url = server.url
     digests = write(url, KEYS)
     key = KEYS[VICTIM]
-    queue, go = SPAWN.Queue(), SPAWN.Event()
     with MaruHandler(server_url=url, pool_size="4M") as plain:
-        out = SPAWN.Queue()
-        proc = SPAWN.Process(target=_run, args=(read_late, out, 0, (url, key, True, queue, go)))
-        proc.start()
-        try:
-            assert queue.get(timeout=60) == "copied"
-            pid = proc.pid
+        with late_reader(url, key, lease=True) as (pid, result):
             os.kill(pid, signal.SIGSTOP)  # a stopped reader...
             try:
                 wait_for("the reader's lease expired", lambda: expired(url))
                 flip_byte(plain, key, at=11)  # ... whose page is rewritten once its lease ends
             finally:
                 os.kill(pid, signal.SIGCONT)
-            go.set()
-            result = out.get(timeout=60)[1]
-        finally:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
         assert result == {"bad": True, "held": False, "mismatches": 0}
         assert counters(url) == (0, 0)  # nothing reported
         assert plain.batch_exists([key]) == [True]
