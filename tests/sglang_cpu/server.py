@@ -352,10 +352,25 @@ def _stamped_by_a_dead_process(name: str) -> bool:
     return False
 
 
+def _mapped_in_shm() -> set[str]:
+    """The /dev/shm files some live process maps (a semaphore in use is mapped by each
+    process that opened it): another test's, never a leftover, whenever it appeared."""
+    names: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            for line in maps.read_text().splitlines():
+                path = line.partition(f"{SHM_DIR}/")[2]
+                if path:
+                    names.add(path.removesuffix(" (deleted)"))
+    return names
+
+
 def cleanup_shm(before: frozenset[str]) -> list[str]:
-    """Remove SGLang's /dev/shm leftovers that were not there in the ``before`` snapshot."""
+    """Remove SGLang's /dev/shm leftovers that were not there in the ``before`` snapshot and
+    that no live process maps (tests running beside this one keep theirs)."""
     removed = []
-    for name in _shm_snapshot() - before:
+    in_use = _mapped_in_shm()
+    for name in _shm_snapshot() - before - in_use:
         if name.startswith(SHM_LEFTOVER_PREFIXES) or _stamped_by_a_dead_process(name):
             with contextlib.suppress(OSError):
                 (SHM_DIR / name).unlink()

@@ -10,6 +10,7 @@ timing out until the test's own timeout); its second start serves /health itself
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import socket
 import subprocess
@@ -149,3 +150,16 @@ def test_stopping_removes_the_shared_memory_sglang_leaves_and_only_that(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["sgl_shm_mq_1_old", live, "sgl_shm_not_stamped", "unrelated"]
     )
+
+
+def test_stopping_keeps_what_a_live_process_maps(tmp_path, monkeypatch):
+    """A `sem.mp-*` semaphore that appeared during a server's run may be a test's beside it,
+    still in use (mapped): only the unmapped ones are leftovers."""
+    monkeypatch.setattr(harness, "SHM_DIR", tmp_path)
+    before = harness._shm_snapshot()
+    for name in ("sem.mp-in-use", "sem.mp-left"):
+        (tmp_path / name).write_bytes(b"\0" * 4096)
+    with open(tmp_path / "sem.mp-in-use", "r+b") as f, mmap.mmap(f.fileno(), 4096):
+        removed = harness.cleanup_shm(before)
+        assert removed == ["sem.mp-left"]
+        assert (tmp_path / "sem.mp-in-use").exists()
