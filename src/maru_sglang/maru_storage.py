@@ -113,6 +113,11 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         replicated = bool(self.storage_config.is_mla_model)
         namespace = "" if logical else page_namespace(self.storage_config, mem_pool_host)
         self._kv = PoolIO(KV_POOL_NAME, mem_pool_host, namespace, replicated)
+        if logical and not self._kv.logical:  # (no namespace: every model's pages would meet)
+            raise ValueError(
+                f"MaruStorage: host pool {type(mem_pool_host).__name__} has no kv_buffer but "
+                f"{self._kv.page_bytes}-byte pages: their format cannot be named, not stored"
+            )
         self.pools[KV_POOL_NAME] = self._kv
         self.namespace = namespace
         self._fit_chunk_size()
