@@ -26,6 +26,8 @@
  *                          ones when it sees this pass what it has seen, not a heartbeat later
  *     128  successor       NUL-terminated path (at most SUCCESSOR_MAX - 1 bytes) of the table
  *                          that replaced this one (a grown table), "" if unknown
+ *   magic, layout version and retired keep these offsets in every layout version: a server
+ *   of another version retires a table by them alone (maru.server.localindex._retire_header).
  *   slots from HEADER_BYTES on, SLOT_BYTES each:
  *     0    seq             even: stable; odd: being written (a seqlock per slot). Only grows.
  *     8    hash            hash_bytes(key, seed = index id) with the key's kind mixed in

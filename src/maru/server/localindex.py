@@ -125,6 +125,26 @@ def _retire(table: Any, use: Any, software: bool = False) -> None:
     writer.close()
 
 
+_MAGIC = b"MARUIDX1"
+_RETIRED_AT = 48  # the header's `retired` word (the layout comment in _shmindex.c)
+
+
+def _retire_header(table: Any) -> bool:
+    """Retire a table no Writer of this build opens (another layout version: a server
+    upgraded while readers of the old one run; a header it does not take): its header's
+    `retired` word set, where the magic says it is a Maru index (magic, version and `retired`
+    have kept their places), and written back to memory. A reader still mapping it then
+    proves no copy from it; left current, its hits would stay proven while this server reuses
+    their pages. False if it is not an index (nothing written)."""
+    with memoryview(table) as whole:
+        if len(whole) < HEADER_BYTES or bytes(whole[:8]) != _MAGIC:
+            return False
+        whole[_RETIRED_AT : _RETIRED_AT + 8] = (1).to_bytes(8, "little")
+        with whole[:_HEADER_LINES] as lines:
+            _shmindex.flush_lines(lines)
+    return True
+
+
 def _earlier_places(pool: Any) -> list[tuple[int, int, int, bool]]:
     """Where an earlier start's in-pool table may lie, whatever this start's `--index-slots`
     (`Pool.index_area`): (offset, bytes there, the unit it is mapped in, whether its area
@@ -215,10 +235,15 @@ def retire_in_pool(pool: Any) -> int:
             try:
                 _retire(table, use, software=True)
             except ValueError:  # (no cache-line flushes here: a plain store)
-                _retire(table, use)
+                try:
+                    _retire(table, use)
+                except ValueError as exc:  # (another layout: its header alone)
+                    if not _retire_header(table):
+                        raise
+                    log.warning("in-pool index at offset %d of %s: %s", offset, pool.path, exc)
             count += 1
             log.info("retired the in-pool index (%d slots) of an earlier server", slots)
-        except (ValueError, IndexFaultError) as exc:  # (another layout, or the file cut there)
+        except (ValueError, IndexFaultError) as exc:  # (the file cut there)
             log.warning("in-pool index at offset %d of %s left as is (%s)", offset, pool.path, exc)
         finally:
             table.release()
@@ -311,12 +336,18 @@ def retire_earlier(pool_kind: str, pool_path: str) -> int:
         try:
             with open(path, "r+b") as f:
                 table = mmap.mmap(f.fileno(), 0)
-            use = _use_bits_of(path, table)
             try:
-                _retire(table, use)
+                use = _use_bits_of(path, table)
+                try:
+                    _retire(table, use)
+                except ValueError as exc:  # (another layout: its header alone, if an index)
+                    if not _retire_header(table):
+                        raise
+                    log.warning("earlier local index %s: %s: its header retired", path, exc)
+                finally:
+                    if isinstance(use, mmap.mmap):
+                        use.close()
             finally:
-                if isinstance(use, mmap.mmap):
-                    use.close()
                 table.close()
         except (OSError, ValueError) as exc:  # not a table of ours, or damaged: just remove it
             log.warning("earlier local index %s could not be retired (%s): removing it", path, exc)
