@@ -8,7 +8,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,6 +21,8 @@ from maru.common.protocol import Key, MsgType, check_key_batch
 from maru.common.region import RegionHandle
 
 if TYPE_CHECKING:
+    from typing_extensions import Self  # (typing's from Python 3.11)
+
     from maru.client.cluster import ClusterPulls
     from maru.client.localindex import LocalIndexClient
     from maru.client.rpc import PendingReply, RpcClient
