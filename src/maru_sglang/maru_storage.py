@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from maru import MaruConfig, MaruHandler
 from maru.client import PIPELINE_MIN_PAGES, CopyIn, Put, ValuesAt
+from maru.common.config import ConfigError
 from maru_sglang.hit_policy import PoolPresence, usable_prefix
 from maru_sglang.legacy import LegacyInterface
 from maru_sglang.pools import (
@@ -81,7 +83,12 @@ def open_handler(
 class MaruStorage(LegacyInterface, HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, args: Any = None):
         self.storage_config = storage_config
-        extra = dict(storage_config.extra_config or {})
+        extra = storage_config.extra_config or {}
+        if not isinstance(extra, Mapping):  # (a JSON list or string: dict() would take it apart)
+            raise ConfigError(
+                f"extra config: expected a JSON object of maru_* keys, got {type(extra).__name__}"
+            )
+        extra = dict(extra)
         # Unless the user chose one, the chunk size follows the page sizes (`_fit_chunk_size`).
         self._chunk_from_page = "maru_chunk_size_bytes" not in extra
         self.config, self.handler = open_handler(

@@ -718,11 +718,20 @@ def rich_frame(frame: MonitorFrame) -> RenderableType:
 _positive_ms = number_arg(int, minimum=1, above=False, top=2**31 - 1, noun="milliseconds")
 
 
+def _given(text: str) -> str:
+    """An argparse type: not empty (`--server "$URL"` with $URL unset must not mean the
+    default server, nor `--server-public-key ""` plain TCP)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty (leave the flag out for its default)")
+    return text
+
+
 def _common(p: argparse.ArgumentParser, *, top: bool) -> None:
     # On subcommands the defaults are SUPPRESSed, so `maru --server X status` is not undone.
     default: Any = argparse.SUPPRESS
     p.add_argument(
         "--server",
+        type=_given,
         metavar="URL",
         default=None if top else default,
         help=f"maru-server to talk to: tcp://host:port (default: ${SERVER_URL_ENV} or "
@@ -730,6 +739,7 @@ def _common(p: argparse.ArgumentParser, *, top: bool) -> None:
     )
     p.add_argument(
         "--server-public-key",
+        type=_given,
         metavar="KEY",
         default=None if top else default,
         help=f"the CURVE public key of a `maru-server --curve` (40 characters) or its file, "
@@ -737,6 +747,7 @@ def _common(p: argparse.ArgumentParser, *, top: bool) -> None:
     )
     p.add_argument(
         "--curve-client-key",
+        type=_given,
         metavar="KEY",
         default=None if top else default,
         help="this client's CURVE secret key (40 characters) or its file, NAME.key of `maru "

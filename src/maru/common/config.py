@@ -12,12 +12,14 @@ import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, NoReturn
 
 from maru.common.curve import is_key
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(i?B?)?\s*$", re.IGNORECASE)
+# ASCII digits, a unit (K, KB, KiB, ...) or B: "4iB" or "4" in another script is no size
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGTP])i?B?|B)?\s*$", re.IGNORECASE | re.ASCII)
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
 _DEFAULT_CHUNK = 1 << 20
 _TRUE = {"1", "true", "yes", "on"}
@@ -72,7 +74,11 @@ def parse_size(value: int | float | str, *, name: str = "size") -> int:
             raise ConfigError(
                 f"{name}: expected a size like '4G', '500M' or '1048576', got {value!r}"
             )
-        n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+        # (exactly: through a float, a long byte count came out another number)
+        exact = Decimal(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").upper()]
+        if m.group(2) is None and exact != exact.to_integral_value():
+            raise ConfigError(f"{name}: a byte count must be whole, got {value!r}")
+        n = int(exact)  # ("1.3K": the whole bytes of it)
     else:
         raise ConfigError(f"{name}: expected a size like '4G' or a byte count, got {value!r}")
     if n <= 0:
@@ -118,15 +124,37 @@ def parse_curve_key(value: Any, *, name: str, kind: str = "public key") -> str:
     text = value.strip()
     if len(text) != 40 or _is_file(text):  # (Z85 has "/" and ".")
         try:
-            text = Path(text).expanduser().read_text().strip()
+            text = _read_key_file(Path(text).expanduser()).decode().strip()
         except OSError as exc:
             raise ConfigError(
                 f"{name}: {value!r} is neither a 40-character CURVE key nor a readable file "
                 f"({exc.strerror or exc})"
             ) from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{name}: {value!r} holds no CURVE key (not text)") from None
     if not is_key(text):
         raise ConfigError(f"{name}: a CURVE {kind} is 40 Z85 characters, got {len(text)}")
     return text
+
+
+_KEY_FILE_MAX = 4096  # a key file holds 40 characters and a newline
+
+
+def _read_key_file(path: Path) -> bytes:
+    """At most _KEY_FILE_MAX bytes of a key file: /dev/zero is no endless read, and a FIFO
+    that no one writes to is empty, not a wait (opened without blocking)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        os.set_blocking(fd, True)  # (a pipe with a writer: wait for what it writes)
+        data = b""
+        while len(data) < _KEY_FILE_MAX:
+            more = os.read(fd, _KEY_FILE_MAX - len(data))
+            if not more:
+                break
+            data += more
+        return data
+    finally:
+        os.close(fd)
 
 
 def _is_file(text: str) -> bool:
@@ -225,7 +253,7 @@ def parse_int(value: Any, *, name: str, minimum: int = 1, maximum: int = 2**31 -
 def unknown_option(key: str, known: set[str], *, prefix: str = "") -> ConfigError:
     """The error for a key that is no MaruConfig field: it, the nearest valid key, all of them."""
     valid = sorted(prefix + k for k in known)
-    near = difflib.get_close_matches(key, valid, n=1)
+    near = difflib.get_close_matches(key.lower(), valid, n=1)
     hint = f"did you mean {near[0]}? " if near else ""
     return ConfigError(f"{key}: unknown Maru option ({hint}valid keys: {', '.join(valid)})")
 
@@ -343,7 +371,13 @@ class MaruConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         for raw_key, value in values.items():
+            if not isinstance(raw_key, str):  # (JSON has none; a Python caller may)
+                if prefix:
+                    continue
+                raise unknown_option(repr(raw_key), known)
             if not raw_key.startswith(prefix):
+                if prefix and raw_key.lower().startswith(prefix):  # MARU_POOL_SIZE: a typo
+                    raise unknown_option(raw_key, known, prefix=prefix)
                 continue
             key = raw_key[len(prefix) :]
             if key not in known:
@@ -352,4 +386,6 @@ class MaruConfig:
         try:
             return cls(**kwargs)
         except ConfigError as exc:
-            raise ConfigError(f"{prefix}{exc}") from None
+            # (a key's error gets the prefix; $MARU_EAGER_MAP's, $MARU_POOL_PATH's do not)
+            field_error = str(exc).split(":", 1)[0] in known
+            raise ConfigError(f"{prefix}{exc}" if field_error else str(exc)) from None

@@ -379,6 +379,10 @@ def index_slots(value: str, pool_bytes: int) -> int | None:
 def check_args(args: argparse.Namespace) -> str | None:
     """What the flags' types cannot check alone (paths, relations between flags): the first
     problem as one line naming the flag, or None. Sets `args.pool_bytes`."""
+    for flag in ("--pool", "--state-dir", "--ready-file", "--curve-clients", "--cluster-config"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not value.strip():  # ("$POOL" unset: not the default pool)
+            return f"{flag}: must not be empty (leave the flag out for its default)"
     if (args.cluster is None) != (args.cluster_config is None):
         return "--cluster and --cluster-config go together"
     try:
