@@ -25,9 +25,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from maru import MaruConfig, MaruHandler
+from maru import ConfigError, MaruConfig, MaruHandler
 from maru.client import PIPELINE_MIN_PAGES, CopyIn, Put, ValuesAt
-from maru.common.config import ConfigError
 from maru_sglang.hit_policy import PoolPresence, usable_prefix
 from maru_sglang.legacy import LegacyInterface
 from maru_sglang.pools import (
