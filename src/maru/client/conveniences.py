@@ -1,10 +1,12 @@
 """The original Maru API's conveniences, a base of `MaruHandler`: each is the lifecycle's verbs
-(`put`, `seal`, `lookup`, `_per_key`) put together, nothing of its own."""
+(`put`, `seal`, `lookup`, `_per_key`) put together; of its own only the book of the pins its
+callers hold (`_PinBook`), so that a view is never handed out under a pin that has ended."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -45,6 +47,49 @@ def _bytes_of(value: Any) -> np.ndarray | None:
 
 
 _NO_VALUE: Any = object()  # `store(key)` with no value at all (a mistake in the call)
+
+
+class _PinBook:
+    """The pins this handler's callers took and have not let go, per key by the instance
+    that took them. An instance reaped or forgotten by a restart (the handler handshakes
+    again, as a new instance) loses its pins: a get of a key pinned only under such an
+    instance would be a view its caller believes pinned but nothing keeps in place, so
+    `batch_retrieve` makes it a miss (`lost`) until the caller unpins it or pins it again."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[Key, Counter[str]] = {}
+
+    def took(self, instance_id: str, keys: Sequence[Key]) -> None:
+        with self._lock:
+            for key in keys:
+                self._held.setdefault(key, Counter())[instance_id] += 1
+
+    def let_go(self, instance_id: str, keys: Sequence[Key], unpinned: Sequence[bool]) -> None:
+        """One pin per key let go by its caller: the current instance's where the server
+        dropped one of it, else one the handler lost (an unpin the server answered False)."""
+        with self._lock:
+            for key, ok in zip(keys, unpinned):
+                held = self._held.get(key)
+                if not held:
+                    continue
+                lost = [iid for iid in held if iid != instance_id]
+                iid = instance_id if (ok and held[instance_id]) or not lost else lost[0]
+                held[iid] -= 1
+                if held[iid] <= 0:
+                    del held[iid]
+                if not held:
+                    del self._held[key]
+
+    def lost(self, instance_id: str, keys: Sequence[Key]) -> list[bool]:
+        """Per key, whether every pin its callers hold was taken by an instance that ended."""
+        with self._lock:
+            if not self._held:
+                return [False] * len(keys)
+            return [bool(h) and not h[instance_id] for h in map(self._held.get, keys)]
+
+
+_PIN_BOOK_LOCK = threading.Lock()
 
 
 class OriginalApi:
@@ -241,8 +286,26 @@ class OriginalApi:
 
     def batch_retrieve(self, keys: Sequence[Key]) -> list[MemoryInfo | None]:
         """Views into shared memory (no copy), one lookup, valid while the key is registered: to
-        copy them out while other instances may delete or evict, use `leased(keys)`."""
-        return self.lookup(keys).infos()
+        copy them out while other instances may delete or evict, use `leased(keys)` (or pin
+        them first, as LMCache does). A key pinned here only under an instance that has ended
+        since (reaped, or forgotten by a server restart: its pins went with it) is a miss,
+        WARNING: nothing keeps its view in place any more (`_PinBook`)."""
+        infos = self.lookup(keys).infos()
+        book = self._pin_book
+        if book is not None:  # (the instance asked after the lookup: it may have changed)
+            lost = book.lost(self.instance_id, keys)
+            if any(lost):
+                log.warning(
+                    "instance %s: %d of %d keys (first %r) were pinned by this handler under "
+                    "an instance that ended since (reaped, or a server restart), their pins "
+                    "with it: misses until unpinned or pinned again",
+                    self.instance_id,
+                    sum(lost),
+                    len(keys),
+                    next(k for k, gone in zip(keys, lost) if gone),
+                )
+                infos = [None if gone else info for info, gone in zip(infos, lost)]
+        return infos
 
     @contextmanager
     def leased(self, keys: Sequence[Key]) -> Iterator[list[MemoryInfo | None]]:
@@ -281,17 +344,35 @@ class OriginalApi:
         True. `leading=False`: every key that exists is pinned."""
         if self._cluster.budget_s:
             self._cluster.pull(keys, "", self._local_index())
+        # (the instance before the request: one that ends during it makes these pins look
+        # lost, a miss, never the other way round)
+        instance_id = self.instance_id
         if not leading:
-            return self._per_key(MsgType.PIN, keys, bool)
-        pinned = self._ask_per_key(MsgType.PIN, keys, bool, {"leading": True})
-        if pinned is None:
-            return [False] * len(keys)
-        run = pinned.index(False) if False in pinned else len(pinned)
-        after = [key for key, ok in zip(keys[run:], pinned[run:]) if ok]
-        if after:  # a server that ignores `leading` (older) pinned past the gap: let go
-            self._per_key(MsgType.UNPIN, after, bool)
-            pinned[run:] = [False] * (len(pinned) - run)
+            pinned = self._per_key(MsgType.PIN, keys, bool)
+        else:
+            asked = self._ask_per_key(MsgType.PIN, keys, bool, {"leading": True})
+            if asked is None:
+                return [False] * len(keys)
+            pinned = asked
+            run = pinned.index(False) if False in pinned else len(pinned)
+            after = [key for key, ok in zip(keys[run:], pinned[run:]) if ok]
+            if after:  # a server that ignores `leading` (older) pinned past the gap: let go
+                self._per_key(MsgType.UNPIN, after, bool)
+                pinned[run:] = [False] * (len(pinned) - run)
+        if any(pinned):
+            self._pins().took(instance_id, [key for key, ok in zip(keys, pinned) if ok])
         return pinned
+
+    _pin_book: _PinBook | None = None
+
+    def _pins(self) -> _PinBook:
+        book = self._pin_book
+        if book is None:
+            with _PIN_BOOK_LOCK:  # (made once, at the first pin)
+                book = self._pin_book
+                if book is None:
+                    book = self._pin_book = _PinBook()
+        return book
 
     def batch_unpin(self, keys: Sequence[Key]) -> list[bool]:
         """False (logged at WARNING) where this instance holds no pin on the key: never
@@ -299,6 +380,9 @@ class OriginalApi:
         past --heartbeat-timeout) or disconnected, and the bytes of views read under them may
         have been reused since."""
         results = self._ask_per_key(MsgType.UNPIN, keys, bool)
+        if self._pin_book is not None:  # (the caller lets go of them, whatever the answer)
+            answered = [False] * len(keys) if results is None else results
+            self._pin_book.let_go(self.instance_id, keys, answered)
         if results is None:
             return [False] * len(keys)
         lost = [key for key, ok in zip(keys, results) if not ok]
