@@ -84,6 +84,10 @@ SETUP_RETRY_S = 2.0
 CHECK_S = 1.0  # how often the sidecar asks whether the master answers (and after a failure)
 LOCAL_BUFFER = 16 << 20  # Mooncake's own staging buffer (the zero-copy calls do not use it)
 NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
+# Mooncake's code for buffers smaller than the object (refused before any transfer). Buffers
+# larger than it are refused at submit with TRANSFER_FAIL (-800), the code of a transfer that
+# failed on the way too: only the object's length, found to be another, tells them apart.
+BUFFER_TOO_SMALL = -600
 # A pull's proof is hashed on two threads past this many bytes: its reader waits for it, and
 # with the transfer done the CPUs are free. Below it the helper's wake-up costs more than it
 # saves (4 MiB: 0.29 ms on one thread, 0.46 on two; 64 MiB: 5.5 and 4.4). (A publish's is
@@ -333,9 +337,11 @@ class Sidecar:
         prove it: [PUBLISHED, maru64] where the trailer is this name's and states the bytes'
         length and maru64, else [REFUSED, 0]; [ABSENT, 0] where the cluster lacks it;
         [FAILED, 0] where Mooncake failed or the pages faulted as they were hashed. A guessed
-        length that did not fit is probed: [LENGTH, length] (the server pulls it again) or
-        [ABSENT, 0]. Each with the job's id last: the one of the job whose name and pages
-        the work used (`ids[j]`, beside `names[j]`)."""
+        length whose get failed is probed: [LENGTH, length] where the object has another
+        length (the server pulls it again), [ABSENT, 0] where the buffers were refused as too
+        small and the object is gone, else FAILED (the transfer may still land). Each with the
+        job's id last: the one of the job whose name and pages the work used (`ids[j]`, beside
+        `names[j]`)."""
         assert self.store is not None
         results = [failed("pull", job) for job in jobs]
         addresses, places, error = self._mapped(jobs)
@@ -355,7 +361,7 @@ class Sidecar:
             if codes[j] == NOT_FOUND:
                 results[i] = [ABSENT, 0, ids[j]]
             elif codes[j] < 0 and jobs[i][4]:
-                misfits.append(i)  # (a guessed length: the object may have another)
+                misfits.append((i, codes[j]))  # (a guessed length: the object may have another)
             elif codes[j] < 0:
                 error = f"Mooncake batch_get_into_multi_buffers: {codes[j]}"
             elif not computed[j]:  # (its pages faulted as they were hashed: unproven)
@@ -366,11 +372,19 @@ class Sidecar:
                 # (else: another length, name or format, or bytes unlike the trailer)
                 results[i] = [PUBLISHED, computed[j], ids[j]] if ok else [REFUSED, 0, ids[j]]
         if misfits:
-            lengths, why = self.probe([jobs[i][0] for i in misfits])
-            for i, length in zip(misfits, lengths):
-                if why is None:
-                    code, found = (LENGTH, length) if length is not None else (ABSENT, 0)
-                    results[i] = [code, found, jobs[i][JOB_ID]]
+            lengths, why = self.probe([jobs[i][0] for i, _ in misfits])
+            for (i, code), length in zip(misfits, lengths):
+                # Nothing was transferred only where Mooncake refused the buffers: too small,
+                # or the object has another length. A TRANSFER_FAIL for an object of the
+                # guessed length (or one gone since) is a transfer that failed, and may still
+                # land: FAILED, its pages doubted (`maru.server.cluster.tier.Lingering`).
+                refused = code == BUFFER_TOO_SMALL
+                if why is None and length is not None and length != jobs[i][3]:
+                    results[i] = [LENGTH, length, jobs[i][JOB_ID]]
+                elif why is None and length is None and refused:
+                    results[i] = [ABSENT, 0, jobs[i][JOB_ID]]
+                elif why is None:
+                    error = error or f"Mooncake batch_get_into_multi_buffers: {code}"
             error = error or why
         return results, error
 

@@ -27,6 +27,7 @@ from maru.server.cluster.link import Link
 from maru.server.cluster.pages import TierPages
 from maru.server.cluster.proof import (
     ABSENT,
+    FAILED,
     LENGTH,
     PUBLISHED,
     REFUSED,
@@ -547,6 +548,9 @@ class ClusterTier:
         pages of the others."""
         counts, pages = self.counts, self.pages
         results = [outcome(p) for p in proven]
+        for i, result in enumerate(results):  # (found with the length pulled: no misfit, the
+            if result == LENGTH and proven[i][1] == batch.nbytes[i]:  # transfer itself failed
+                results[i] = FAILED  # and may still land: its pages doubted)
         good = [i for i, result in enumerate(results) if result == PUBLISHED]
         absent_until = time.monotonic() + ABSENT_S
         again: list[tuple[Key, int]] = []  # a guessed length that was not the value's
