@@ -288,6 +288,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._pp_size = parallel.pipeline_parallel_size
         self._pcp_size = getattr(parallel, "prefill_context_parallel_size", 1)
         self._mla_shared = mla_shared(vllm_config)
+        self._eagle_drop = _drops_eagle_block(vllm_config)
         layout = (self._groups, self._block_size, self._value_layout)
         self._namespace = key_namespace(
             own["maru_key_prefix"], vllm_config, kv_cache_config, *layout
@@ -384,7 +385,7 @@ class MaruKVConnector(KVConnectorBase_V1, SupportsHMA):
         if exists.size != len(hexes) * len(scopes):
             return 0, False
         stored = exists.reshape(len(self._groups), -1, len(hexes)).all(axis=1)  # every rank
-        hits = _hit_blocks(stored, first, self._specs, bs)
+        hits = _hit_blocks(stored, first, self._specs, bs, self._eagle_drop)
         if not hits:
             return 0, False
         self._matched[request.request_id] = (first, first + hits)
@@ -777,12 +778,24 @@ def _kept_from(spec: Any, tokens: int, block_size: int) -> int:
     return max(0, skipped) // block_size
 
 
-def _hit_blocks(stored: np.ndarray, first: int, specs: Sequence[Any], block_size: int) -> int:
+def _drops_eagle_block(vllm_config: VllmConfig) -> bool:
+    """Whether an EAGLE-style drafter (EAGLE, EAGLE3, MTP) builds a position's draft KV from
+    the next token (vLLM 0.33's `SpeculativeConfig.use_eagle_block_drop`): its layers are in
+    the KV cache groups, so the last position of a hit's last block holds KV of a token its
+    key does not cover. vLLM's own prefix cache drops that block from a hit (`_hit_blocks`)."""
+    speculative = vllm_config.speculative_config
+    return bool(speculative is not None and speculative.use_eagle_block_drop())
+
+
+def _hit_blocks(
+    stored: np.ndarray, first: int, specs: Sequence[Any], block_size: int, drop_last: bool
+) -> int:
     """How many blocks after `first` a load fills (`stored[g][i]`: group g's block first + i
     is stored): the most, h, where every group has stored the blocks vLLM keeps of it for
     first + h blocks computed, from `_kept_from` (not before `first`: local hits). A sliding
     window needs only its window's, as vLLM's own `SlidingWindowManager.find_longest_cache_hit`
-    does; a group that keeps all needs them all."""
+    does; a group that keeps all needs them all. `drop_last` (`_drops_eagle_block`): the most
+    below the longest hit, never its last block."""
     count = stored.shape[1]
     at = np.arange(count)
     # runs[g][i]: how many blocks up to i are stored in a row (0 where i is not)
@@ -791,7 +804,9 @@ def _hit_blocks(stored: np.ndarray, first: int, specs: Sequence[Any], block_size
         end = first + hits
         need = [hits - max(0, _kept_from(s, end * block_size, block_size) - first) for s in specs]
         if all(runs[g, hits - 1] >= n for g, n in enumerate(need)):
-            return hits
+            if not drop_last:
+                return hits
+            return _hit_blocks(stored[:, : hits - 1], first, specs, block_size, False)
     return 0
 
 

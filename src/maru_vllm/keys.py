@@ -115,6 +115,12 @@ def kv_namespace(
         "cp_interleave": getattr(parallel, "cp_kv_cache_interleave_size", 1),
         "groups": [_canon(kv_cache_config.kv_cache_groups[g].kv_cache_spec) for g in groups],
     }
+    # an EAGLE-style drafter's layers are in the target's KV cache groups: its weights make
+    # part of every value's bytes (none where speculative decoding keeps no KV of its own)
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None)
+    if draft is not None:
+        desc["drafter"] = {"method": str(spec.method), "model": _model_identity(draft)}
     digest = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
     kv_dtype = model_dtype if cache_dtype == "auto" else cache_dtype
     return f"{kv_dtype}-{digest}"
