@@ -3,7 +3,9 @@
 On another host of a CXL pod the pool may appear under another path (`pool_path`). A path
 naming another device, or a stale file of the same name, would serve foreign bytes as hits: so
 after every HANDSHAKE, before anything is mapped, the client reads the pool's mark
-(`maru.common.poolmark`) through the path it will map and compares it with the server's.
+(`maru.common.poolmark`) through the path it will map and compares it with the server's, and
+the live count the server wrote beside it for this handshake: a copy of the pool holds the mark
+but not a count written after it was copied.
 The mark's pool key, which never crosses a socket, makes this instance's `pool_proof`: what
 it shows to take a region.
 """
@@ -22,6 +24,7 @@ from maru.common.poolmark import (
     MARK_BYTES,
     parse_mark,
     pool_proof,
+    read_live_window,
     read_mark_window,
     server_proof,
 )
@@ -103,6 +106,9 @@ def prove(
         if type(offset) is not int or type(span) is not int or offset < 0 or span < MARK_BYTES:
             raise ValueError(f"the server names no place for it: offset {offset!r}, span {span!r}")
         parsed = parse_mark(read_mark_window(where, offset, span))
+        live, seen = mark.get("live"), None
+        if type(live) is int and live > 0:
+            seen = read_live_window(where, offset, span)
     except (OSError, ValueError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise PoolMismatch(
@@ -122,6 +128,13 @@ def prove(
             f"{named} holds the mark of generation {generation} epoch {epoch}, the server's "
             f"pool {server} generation {expected[0]} epoch {expected[1]}: a stale file or "
             "another server's pool, not the one this server serves"
+        )
+    if type(live) is int and live > 0 and (seen is None or seen < live):
+        raise PoolMismatch(
+            f"{named} holds the mark of the server's pool {server} but not what the server "
+            f"wrote there for this handshake (live count {seen}, the server's {live}): a copy "
+            "of the pool, its bytes frozen when it was copied, not the pool itself (what this "
+            "host wrote there no other host would read)"
         )
     if not key:
         raise PoolMismatch(

@@ -28,6 +28,12 @@ POOL_KEY_BYTES = 16
 _NAMES = len(MARK_MAGIC) + 16 + 16  # magic, generation, epoch
 MARK_BYTES = _NAMES + POOL_KEY_BYTES + 8  # and the pool key, the digest
 _KEYLESS_BYTES = _NAMES + 8  # a mark written before pool keys (read, to restore its state)
+# The live count: a u64 on the line after the mark's, in a pool whose mark lies in a window of
+# its own (shm, devdax). The server raises it at every HANDSHAKE, writes it into the pool, and
+# says in the reply what it wrote: a client that reads less through its mapping maps a copy
+# of the pool (which holds the mark, its key too), frozen when it was copied, not the pool.
+LIVE_AT = 64
+LIVE_BYTES = 8
 
 
 def _mark_digest(body: bytes) -> bytes:
@@ -86,15 +92,27 @@ def read_mark_window(path: str, offset: int, span: int) -> bytes:
     devdax device has no read(), and wants aligned mappings); OSError, or ValueError (too short).
     Its lines are evicted from this CPU's cache first: without coherence, a line cached by an
     earlier read would show an older mark (a refused connect, not a wrong hit)."""
+    return _read_window(path, offset, span, 0, MARK_BYTES)
+
+
+def read_live_window(path: str, offset: int, span: int) -> int | None:
+    """The live count after the mark at `offset` of `path` (a window of `span` bytes), read
+    from memory as the mark is (`read_mark_window`); None where the window has no room for it."""
+    if span < LIVE_AT + LIVE_BYTES:
+        return None
+    return int.from_bytes(_read_window(path, offset, span, LIVE_AT, LIVE_BYTES), "little")
+
+
+def _read_window(path: str, offset: int, span: int, at: int, length: int) -> bytes:
     fd = os.open(path, os.O_RDONLY)
     try:
         with (
             mmap.mmap(fd, span, mmap.MAP_SHARED, mmap.PROT_READ, offset=offset) as mm,
             memoryview(mm) as view,
-            view[:MARK_BYTES] as mark,
+            view[at : at + length] as part,
         ):
-            flush_lines(mark, True)
-            return bytes(mark)
+            flush_lines(part, True)
+            return bytes(part)
     finally:
         os.close(fd)
 
@@ -107,3 +125,15 @@ def write_mark_window(path: str, offset: int, span: int, mark: bytes) -> None:
         with memoryview(mm) as view, view[: len(mark)] as line:
             flush_lines(line)
         mm.flush()
+
+
+def write_live_window(path: str, offset: int, span: int, count: int) -> bool:
+    """Write the live `count` after the mark at `offset` of `path` (a window of `span` bytes)
+    and write its line back to memory; False where the window has no room for it."""
+    if span < LIVE_AT + LIVE_BYTES:
+        return False
+    with map_area(path, offset, span) as mm:
+        mm[LIVE_AT : LIVE_AT + LIVE_BYTES] = count.to_bytes(LIVE_BYTES, "little")
+        with memoryview(mm) as view, view[LIVE_AT : LIVE_AT + LIVE_BYTES] as line:
+            flush_lines(line)
+    return True

@@ -385,12 +385,14 @@ MESSAGES: dict[MsgType, tuple[list[tuple[str, str, str]], list[tuple[str, str, s
                 "pool",
                 "map",
                 "pool kind, path, capacity, used, free, generation, and mark: {generation, "
-                "epoch, file, offset, span, proof}, what the pool's mark holds and where it "
-                "lies (in `file` under the pool's path, '' for the pool file itself: `span` "
-                "bytes mapped at `offset`), and an HMAC of the request's nonce keyed by the pool "
+                "epoch, file, offset, span, proof, live}, what the pool's mark holds and where "
+                "it lies (in `file` under the pool's path, '' for the pool file itself: `span` "
+                "bytes mapped at `offset`), an HMAC of the request's nonce keyed by the pool "
                 "key in the mark (`maru.common.poolmark.server_proof`; the key itself is never "
-                "sent); a client reads the mark through the path it maps and checks both before "
-                "it uses the pool (docs/reliability.md)",
+                "sent), and the live count the server wrote beside the mark for this handshake "
+                "(shm and devdax pools; absent elsewhere); a client reads the mark and the count "
+                "through the path it maps and checks them before it uses the pool: a count "
+                "below `live` is a copy of the pool (docs/reliability.md)",
             ),
             ("regions", f"[{HANDLE}]", "regions the instance owns"),
             ("heartbeat_interval", "float", "seconds between heartbeats"),

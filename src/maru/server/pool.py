@@ -16,6 +16,7 @@ import os
 import pwd
 import secrets
 import stat
+import threading
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from maru.common.poolmark import (
     pool_proof,
     read_mark_window,
     server_proof,
+    write_live_window,
     write_mark_window,
 )
 from maru.common.shmindex import area_bytes
@@ -224,6 +226,9 @@ class Pool(ABC):
         self.generation = ""  # set by the server once it knows which life of the pool this is
         self.mark: tuple[str, str] | None = None  # (generation, epoch) this process wrote
         self._key = b""  # the pool key in that mark (`proven`): never sent, read from the pool
+        # the live count in the pool (`handshake_fields`), raised and written under the lock:
+        # the pool's word only grows within a mark, so no reply says more than the pool holds
+        self._live, self._live_lock = 0, threading.Lock()
         # bytes the pool file had when opened, if fewer than its capacity (shm): bytes lost
         self.truncated_from: int | None = None
         self._lock_fd: int | None = None
@@ -318,8 +323,11 @@ class Pool(ABC):
         """Bind the pool to the state that serves it now (see `maru.server.state_dir.claim_pool`),
         under a new pool key: a proof made for an earlier start proves nothing now."""
         key = secrets.token_bytes(POOL_KEY_BYTES)
-        self._write_mark_bytes(encode_mark(generation, epoch, key))
-        self.mark, self._key = (generation, epoch), key
+        with self._live_lock:
+            self._write_mark_bytes(encode_mark(generation, epoch, key))
+            self.mark, self._key = (generation, epoch), key
+            self._live = 0
+            self._write_live(0)  # (a count an earlier start left there says nothing now)
 
     def proven(self, instance_id: str, proof: object) -> bool:
         """Whether `proof` is instance `instance_id`'s `pool_proof` under this start's mark:
@@ -342,7 +350,29 @@ class Pool(ABC):
         mark = {"generation": generation, "epoch": epoch, **self._mark_place()}
         if self._key and isinstance(nonce, str) and nonce.isascii() and 0 < len(nonce) <= 64:
             mark["proof"] = server_proof(self._key, nonce)
+            live = self._raise_live()
+            if live:
+                mark["live"] = live
         return {**self.stats(), "mark": mark}
+
+    def _raise_live(self) -> int:
+        """The live count raised and written into the pool for a client's HANDSHAKE, which
+        must read at least that through its mapping (`maru.client.poolpath.prove`): a copy of
+        the pool holds the mark and its key but a count frozen when it was copied. 0: this
+        pool has no room for it (a directory pool), or it could not be written (not checked)."""
+        with self._live_lock:
+            try:
+                if not self._write_live(self._live + 1):
+                    return 0
+            except (OSError, ValueError) as exc:
+                log.warning("pool %s: cannot write its live count (%s)", self.path, exc)
+                return 0
+            self._live += 1
+            return self._live
+
+    def _write_live(self, count: int) -> bool:
+        """Write the live `count` beside the mark; False where there is no room for it."""
+        return False
 
     @abstractmethod
     def _mark_place(self) -> dict:
@@ -418,6 +448,9 @@ class FilePool(Pool):
 
     def _write_mark_bytes(self, mark: bytes) -> None:
         write_mark_window(self.path, self.mark_offset, self.mark_span, mark)
+
+    def _write_live(self, count: int) -> bool:
+        return write_live_window(self.path, self.mark_offset, self.mark_span, count)
 
     def allocate(self, region_id: int, length: int) -> tuple[str, int]:
         offset = self._extents.allocate(length)
