@@ -465,9 +465,15 @@ static int table_header(void *arg)
     TableOpen *o = arg;
     Table *t = o->t;
     uint64_t capacity = 0;
-    if (t->table.len < HEADER_BYTES)
+    if (t->table.len < HEADER_BYTES) {
         o->why = "shorter than its header";
-    else if (memcmp(t->table.buf, MAGIC_BYTES, 8) != 0)
+        return 0;
+    }
+    /* software: the header as memory holds it, not as this CPU cached it before (a stale
+     * capacity would place every probe wrong) */
+    tbl_drop(t, t->h, 128);
+    tbl_mfence(t);
+    if (memcmp(t->table.buf, MAGIC_BYTES, 8) != 0)
         o->why = "not a Maru index (bad magic)";
     else if (LOAD(&t->h->version) != LAYOUT_VERSION)
         o->why = "of another layout version";
@@ -488,8 +494,6 @@ static int table_header(void *arg)
     t->hashes = (uint64_t *)((char *)t->slots + capacity * SLOT_BYTES);
     t->use_bits = (unsigned char *)t->use.buf;
     t->mask = capacity - 1;
-    tbl_drop(t, t->h, 128);
-    tbl_mfence(t);
     t->seed = LOAD(&t->h->index_id);
     t->gen = LOAD(&t->h->pool_generation);
     return 0;
