@@ -1,8 +1,10 @@
 """What a key names. A hit is the bytes written under its key, or a miss: so besides vLLM's own
 block hash (chained over the prefix) a key names everything else the value's bytes depend on:
-the model (its weights' name, not only the served alias), the KV format (model dtype, KV cache
-dtype, specs, the byte order a value is written in) and the rank's shard (PP stage, PCP and TP
-rank), so an instance never reads bytes of another model, format or shard as a hit. This module
+the model (its weights' name, not only the served alias, and where they are loaded from), the
+KV format (model dtype, KV cache dtype, specs, the byte order a value is written in), what else
+changes the KV (LongRoPE's and Llama 4's `max_model_len` choices, the pipeline split) and the
+rank's shard (PP stage, PCP and TP rank), so an instance never reads bytes of another model,
+format or shard as a hit. This module
 owns the namespace (`key_namespace`, `kv_namespace`: the model and format), the tokens a block
 hash covers (`hash_block_size`) and the worker's shard (`parallel_rank`, `mla_shared`, which the
 connector's `_scope` names); the scheduler and every worker compute them from the same configs
@@ -63,12 +65,105 @@ def _model_identity(model: Any) -> dict[str, Any]:
         arch = type(hf_config).__qualname__
     if isinstance(arch, dict):  # (not the weights: where and by what it was read)
         arch = {k: v for k, v in arch.items() if k not in ("_name_or_path", "transformers_version")}
-    return {
+    out = {
         "model": getattr(model, "model", None),
         "revision": getattr(model, "revision", None),
         "code_revision": getattr(model, "code_revision", None),
         "config": json.loads(json.dumps(arch, sort_keys=True, default=str)),
     }
+    # where the weights are read from when not `model` (`--model-weights`: `model` then holds
+    # the config files only); named only where set, so other models keep their keys
+    if getattr(model, "model_weights", None):
+        out["weights"] = model.model_weights
+    return out
+
+
+# load formats that read the checkpoint `model` names (or `model_weights`): their weights are
+# the model's; any other (`dummy`: random weights, `tensorizer`: a file of its extra config,
+# a registered loader, ...) is named in the key
+_CHECKPOINT_FORMATS = frozenset(
+    {
+        "auto",
+        "hf",
+        "pt",
+        "safetensors",
+        "npcache",
+        "fastsafetensors",
+        "instanttensor",
+        "mistral",
+        "runai_streamer",
+        "runai_streamer_sharded",
+        "sharded_state",
+    }
+)
+
+
+def _long_rope(model: Any) -> list[Any]:
+    """LongRoPE (Phi-3 and kin) rotates keys with its long factors at every position iff
+    `max_model_len` exceeds `original_max_position_embeddings` (vLLM's
+    `Phi3LongRoPEScaledRotaryEmbedding`): one entry per LongRoPE parameter set, which
+    factors it uses; none for other models (whose rotary `max_model_len` does not change)."""
+    from vllm.transformers_utils.config import iter_rope_parameters
+
+    text = getattr(model, "hf_text_config", None)
+    max_len = getattr(model, "max_model_len", None)
+    out: list[Any] = []
+    for params in iter_rope_parameters(text) if text is not None else ():
+        if (params.get("rope_type") or params.get("type")) != "longrope":
+            continue
+        original = params.get("original_max_position_embeddings")
+        original = original or getattr(text, "original_max_position_embeddings", None)
+        long = max_len > original if isinstance(max_len, int) and original else max_len
+        out.append({"long": long})
+    return out
+
+
+def _llama4_temperature(model: Any) -> bool:
+    """Llama 4 scales the queries of its NoPE layers past 8K positions where
+    `attn_temperature_tuning` is on (the generation config's, else `max_model_len` > 32K:
+    vLLM's `Llama4ForCausalLM`): the layers after them then compute other KV."""
+    try:
+        gen = dict(model.try_get_generation_config() or {})
+    except Exception:  # (no generation config to read: vLLM's default)
+        gen = {}
+    gen.update(getattr(model, "override_generation_config", None) or {})
+    return bool(gen.get("attn_temperature_tuning", model.max_model_len > 32768))
+
+
+def _other_inputs(vllm_config: VllmConfig) -> dict[str, Any]:
+    """What else a value's bytes depend on that the model's identity does not name, each only
+    where it is set (so that every instance without it keeps its keys): a loader that does
+    not read the model's checkpoint, an online quantization's config, a model class
+    override, what `max_model_len` changes in the KV (LongRoPE's factors, Llama 4's query
+    temperature), and the pipeline split (`VLLM_PP_LAYER_PARTITION`: with 3 stages or more,
+    stage 1 of "2,3,3" and of "3,3,2" hold as many layers, other ones)."""
+    model = vllm_config.model_config
+    out: dict[str, Any] = {}
+    load = getattr(vllm_config, "load_config", None)
+    load_format = str(getattr(load, "load_format", "auto"))
+    if load_format not in _CHECKPOINT_FORMATS:
+        extra = _canon(getattr(load, "model_loader_extra_config", None))
+        out["loader"] = {"format": load_format, "extra": extra}
+    if getattr(model, "quantization_config", None) is not None:
+        out["quantization_config"] = _canon(model.quantization_config)
+    if getattr(model, "model_class_overrides", None):
+        out["model_class_overrides"] = _canon(model.model_class_overrides)
+    if long_rope := _long_rope(model):
+        out["long_rope"] = long_rope
+    archs = [*(getattr(model, "architectures", None) or ())]
+    archs += getattr(getattr(model, "hf_config", None), "architectures", None) or []
+    if any("Llama4" in str(a) for a in archs):
+        out["attn_temperature_tuning"] = _llama4_temperature(model)
+    pp = getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1)
+    if pp > 1:
+        import vllm.envs as envs
+
+        partition = envs.VLLM_PP_LAYER_PARTITION
+        if partition is not None:
+            out["pp_partition"] = [int(n) for n in str(partition).split(",")]
+        elif pp > 2:  # (so that values of a split named before this are never read as these)
+            out["pp_partition"] = "default"
+    return json.loads(json.dumps(out, sort_keys=True, default=str))
 
 
 def kv_namespace(
@@ -83,7 +178,9 @@ def kv_namespace(
     and a hash of everything else a value's bytes depend on that the scheduler knows: the
     model (`_model_identity`), its dtype and quantization, the cache's dtypes, each group's
     KV cache spec (heads, head size, dtype, quantization mode, ...), the value's byte order
-    (the resolved layout), the tokens per block and how context parallelism splits them."""
+    (the resolved layout), the tokens per block and how context parallelism splits them,
+    and `_other_inputs` (each only where set: the weights' loader and source, online
+    quantization, what `max_model_len` changes, the pipeline split)."""
     model, cache = vllm_config.model_config, vllm_config.cache_config
     parallel = vllm_config.parallel_config
     model_dtype = str(getattr(model, "dtype", None)).removeprefix("torch.")
@@ -115,6 +212,7 @@ def kv_namespace(
         "cp_interleave": getattr(parallel, "cp_kv_cache_interleave_size", 1),
         "groups": [_canon(kv_cache_config.kv_cache_groups[g].kv_cache_spec) for g in groups],
     }
+    desc.update(_other_inputs(vllm_config))
     # an EAGLE-style drafter's layers are in the target's KV cache groups: its weights make
     # part of every value's bytes (none where speculative decoding keeps no KV of its own)
     spec = getattr(vllm_config, "speculative_config", None)
