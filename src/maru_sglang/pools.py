@@ -113,6 +113,66 @@ def _kv_cache_dtype_setting() -> str | None:
         return None
 
 
+# Load formats that read the checkpoint at `--model-path` as it is: every other one (`dummy`:
+# random weights; `bitsandbytes`, `layered`, `flash_rl`: quantized while loading;
+# `remote_instance`, `ipc_cache`, ...: weights from elsewhere) is named in the namespace.
+_CHECKPOINT_FORMATS = frozenset(
+    {"auto", "pt", "safetensors", "instanttensor", "npcache", "fastsafetensors", "local_cached",
+     "runai_streamer"}
+)  # fmt: skip
+
+
+def _published(bag: str) -> Any:
+    """SGLang's published `get_<bag>()` config bag in this process, or None (no server)."""
+    try:
+        from sglang.srt import runtime_context
+
+        return getattr(runtime_context, f"get_{bag}")()
+    except (ImportError, ValueError, AttributeError):
+        return None
+
+
+def _set(bag: Any, name: str) -> Any:
+    value = getattr(bag, name, None)
+    return None if value in (None, "", "{}", [], False) else value
+
+
+def _weights_fields(storage_config: HiCacheStorageConfig, pool: Any) -> list[str]:
+    """What the weights are, beyond the model name, each only where it is set: SGLang gives
+    storage its served model name, which an alias (`--served-model-name`) makes say nothing of
+    the checkpoint; `--revision`; a load format that does not read the checkpoint as it is
+    (`dummy`); online quantization (`--quantization`, `--modelopt-quant`, KV scales from
+    `--quantization-param-path`); `--json-model-override-args` (rope scaling, layer count);
+    custom weight loaders; and, for a KV cache not in the model's dtype (fp8), an explicit
+    `--dtype` (the activations cast into it). Nothing where SGLang published no setting (a pool
+    built outside a server) or all are defaults: those namespaces are unchanged."""
+    model = _published("model")
+    if model is None:
+        return []
+    fields: list[str] = []
+    path = _set(model, "model_path")
+    name = storage_config.model_name or ""
+    tag = getattr(pool, "storage_format_tag", None)
+    if tag and name.endswith(f"-{tag}"):  # (`storage_model_name` tags a host pool's format)
+        name = name[: -len(tag) - 1]
+    if path is not None and str(path) != name:
+        fields.append(f"weights={path}")
+    for setting in ("revision", "quantization", "modelopt_quant", "quantize_and_serve",
+                    "rl_quant_profile", "quantization_param_path", "json_model_override_args",
+                    "custom_weight_loader", "modelopt_checkpoint_restore_path"):  # fmt: skip
+        value = _set(model, setting)
+        if value is not None:
+            fields.append(f"{setting}={value}")
+    load_format = str(getattr(model, "load_format", "auto") or "auto")
+    if load_format not in _CHECKPOINT_FORMATS:
+        fields.append(f"load_format={load_format}")
+    kv = str(getattr(model, "kv_cache_dtype", "auto") or "auto")
+    dtype = str(getattr(model, "dtype", "auto") or "auto")
+    if kv != "auto" and dtype != "auto":
+        fields.append(f"model_dtype={dtype}")
+    return fields
+
+
 _PRIVATE_DRAFT: str | None = None  # this process's draft model where SGLang published none
 
 
@@ -131,6 +191,16 @@ def _draft_fields(name: str) -> list[str]:
             f"{spec.speculative_algorithm}:{spec.speculative_draft_model_path}"
             f"@{spec.speculative_draft_model_revision}"
         )
+        # (each only where set: a draft's own quantization, load format, KV format)
+        quant = _set(spec, "speculative_draft_model_quantization")
+        if quant is not None:
+            setting += f"|quantization={quant}"
+        load_format = _set(spec, "speculative_draft_load_format")
+        if load_format is not None and str(load_format) not in _CHECKPOINT_FORMATS:
+            setting += f"|load_format={load_format}"
+        kv = _set(spec, "speculative_draft_kv_cache_dtype")
+        if kv is not None and str(kv) != "auto":
+            setting += f"|kv={kv}"
     except (ImportError, ValueError, AttributeError):
         global _PRIVATE_DRAFT
         if _PRIVATE_DRAFT is None:
@@ -154,6 +224,7 @@ def page_namespace(storage_config: HiCacheStorageConfig, pool: Any) -> str:
         f"page={pool.page_size}",
         f"layout={pool.layout}",
         *_kv_format_fields(pool.dtype),
+        *_weights_fields(storage_config, pool),
     ]
     if storage_config.is_mla_model:
         fields += [
@@ -224,6 +295,7 @@ def sidecar_namespace(
         *_state_fields(pool),
         *_kv_format_fields(getattr(pool, "dtype", None)),
         *_draft_fields(name),
+        *_weights_fields(storage_config, pool),
     ]
     if replicated:
         fields.append(f"dcp={storage_config.dcp_rank}/{storage_config.dcp_size}")
