@@ -25,9 +25,7 @@ process:
 
 from __future__ import annotations
 
-import multiprocessing
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,38 +43,15 @@ from lmcache_cpu import engine as E  # noqa: E402
 from lmcache_cpu import workers as W  # noqa: E402
 from maru.common.protocol import MsgType  # noqa: E402
 
+from .test_lmcache_contract_trust import (  # noqa: E402  (their fixtures apply here too)
+    _HookedConnector,
+    keep_start_method,  # noqa: F401
+    same_hash_seed,  # noqa: F401
+)
 from .workers import SPAWN  # noqa: E402
 
 G = E.GEOMETRY
 DEADLINE = 60.0
-
-
-@pytest.fixture(autouse=True)
-def keep_start_method() -> Iterator[None]:
-    """LMCacheEngine's constructor forces multiprocessing's start method to "spawn" for the
-    whole process; put back what the rest of the session had."""
-    before = multiprocessing.get_start_method(allow_none=True)
-    yield
-    multiprocessing.set_start_method(before, force=True)
-
-
-@pytest.fixture
-def same_hash_seed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Spawned engines derive the same chunk keys (LMCache hashes with Python's hash())."""
-    monkeypatch.setenv("PYTHONHASHSEED", "0")
-
-
-class _HookedConnector(E.CpuKVConnector):
-    """`CpuKVConnector` that calls `before_copy()` just before copying memory objects into
-    the paged cache: the moment another instance's change would show in what is copied."""
-
-    def __init__(self, before_copy: Callable[[], None]):
-        super().__init__(G)
-        self.before_copy = before_copy
-
-    def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs: Any) -> None:
-        self.before_copy()
-        super().batched_to_gpu(memory_objs, starts, ends, **kwargs)
 
 
 def _end_instance(handler: Any) -> None:
@@ -131,9 +106,8 @@ def _only_own_bytes(out: list, mask: torch.Tensor, n: int, seed: int) -> int:
     return int(mask.sum())
 
 
-def test_a_retrieve_after_the_lookups_pins_were_lost_reads_its_bytes_or_misses(
-    maru_server_factory, same_hash_seed
-):
+@pytest.mark.usefixtures("same_hash_seed")
+def test_a_retrieve_after_the_lookups_pins_were_lost_reads_its_bytes_or_misses(maru_server_factory):
     """vLLM's flow (`lookup(pin=True)`, `retrieve`, `lookup_unpin`) with the instance ended
     between the lookup and the retrieve. The retrieve's get handshakes again (a new instance,
     no pins) and must not hand out views of keys whose pins are gone: the writer removes
@@ -162,9 +136,8 @@ def test_a_retrieve_after_the_lookups_pins_were_lost_reads_its_bytes_or_misses(
         writer.close()
 
 
-def test_an_async_prefetch_whose_pins_were_lost_hands_out_no_other_bytes(
-    maru_server_factory, same_hash_seed
-):
+@pytest.mark.usefixtures("same_hash_seed")
+def test_an_async_prefetch_whose_pins_were_lost_hands_out_no_other_bytes(maru_server_factory):
     """LMCache's async loading: the lookup server pins the prompt
     (`batched_async_contains(pin=True)`), then gets its chunks (`batched_get_non_blocking`)
     and holds them until `retrieve`. The instance ends between the pins and the gets; the
