@@ -42,11 +42,14 @@ SERVED = "chat-model"  # one served name over every checkpoint below
 
 @pytest.fixture(scope="module", autouse=True)
 def published(tmp_path_factory):
-    """What a scheduler process has: SGLang's ServerArgs published (the model bag read)."""
+    """What a scheduler process has: SGLang's ServerArgs published (the model bag read); the
+    process's context as it was again after the module (later tests build pools outside a
+    server, where nothing is published: a namespace left published here changed theirs)."""
     from sglang.srt import runtime_context
     from sglang.srt.runtime_context import SpawnRanks, get_model
     from sglang.srt.server_args import ServerArgs
 
+    before = runtime_context.snapshot_context()
     try:
         get_model().model_path  # noqa: B018
     except (ValueError, AttributeError):
@@ -55,6 +58,8 @@ def published(tmp_path_factory):
         model = build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
         args = ServerArgs(model_path=str(model), device="cpu", page_size=4)
         runtime_context.publish(args, role="test", ranks=SpawnRanks(world_rank=0))
+    yield
+    runtime_context.restore_context(before)
 
 
 def _settings(**server_args):
