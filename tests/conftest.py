@@ -256,6 +256,25 @@ def maru_server_factory(tmp_path: Path) -> Iterator:
         server.stop()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def sglang_runtime_context_per_module() -> Iterator[None]:
+    """SGLang's runtime context as it was before each module, again after it. A module that
+    publishes ServerArgs (as a scheduler process does) changes what every later pool built in
+    this process reads: its KV namespace names the published weights, so a leaked context
+    made a later module's reader and its writer child disagree (all misses). Modules that
+    never import SGLang pay nothing here."""
+    name = "sglang.srt.runtime_context"
+    before = sys.modules[name].snapshot_context() if name in sys.modules else None
+    yield
+    context = sys.modules.get(name)
+    if context is None:
+        return
+    if before is None:
+        context.reset_context()
+    else:
+        context.restore_context(before)
+
+
 @pytest.fixture
 def maru_server(tmp_path: Path) -> Iterator[MaruServerProcess]:
     """One `maru-server` (1 GiB sparse pool in /dev/shm), stopped and removed after the test."""
