@@ -11,6 +11,7 @@ parent, so a later `ref_count_down` or garbage collection cannot free them again
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import warnings
@@ -52,6 +53,24 @@ def _nbytes(shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype]) -> int:
     return sum(shape.numel() * dtype.itemsize for shape, dtype in zip(shapes, dtypes))
 
 
+def layout_scope(
+    shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype], fmt: MemoryFormat
+) -> str:
+    """The key scope of a chunk's layout: its format (MLA or not), and per group its shape
+    but for the tokens (layers, KV width) and dtype. Two engines that serve one model name
+    with other layers, widths or formats get other scopes, so miss each other's chunks
+    (other chunk sizes do not: a token's bytes are laid out alike). A split of one KV width
+    into other heads is the same layout (LMCache's shapes flatten it): the model name must
+    tell such checkpoints apart (docs/lmcache.md, Keys)."""
+    token_dim = fmt.token_dim()
+    named = [fmt.name] + [
+        f"{[n if i != token_dim else 'T' for i, n in enumerate(s)]}:{d}"
+        for s, d in zip(shapes, dtypes)
+    ]
+    digest = hashlib.blake2b("|".join(named).encode(), digest_size=8).hexdigest()
+    return f"#kv:{digest}"
+
+
 _readonly_seen = False
 
 
@@ -73,7 +92,8 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
     `shapes` / `dtypes` / `fmt`: one full chunk's layout; `chunk_size`: the handler's allocation
     unit, its `get_chunk_size()` (`MaruBackend` sets it to one full chunk; another is a
     ValueError). `metadata.address` encodes (region id, index of the first chunk):
-    `decode_address`."""
+    `decode_address`. The handler's keys are scoped by the layout (`layout_scope`): LMCache's
+    keys name the model, world size, worker and KV dtype, not the layout."""
 
     def __init__(
         self,
@@ -99,6 +119,7 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
                 f"CxlMemoryAdapter: chunk_size {self._chunk_size} is not the handler's "
                 f"{handler.get_chunk_size()} (its page indices would read other values' bytes)"
             )
+        handler.set_key_scope(layout_scope(self._shapes, self._dtypes, fmt))
         self._lock = threading.Lock()  # reservations change hands under it
         self._closed = False
 

@@ -9,7 +9,8 @@ What these tests prove, each against a real `maru-server` and LMCache's real eng
   over every page it can get, until the retrieve has copied them;
 * two lookups pinning one prompt hold it until both have let go (pins are counted);
 * engines with other chunk sizes (tokens) share short prompts' keys: every hit is the bytes
-  written, a value off the reader's chunk grid a miss;
+  written, a value off the reader's chunk grid a miss; engines of one model name but other
+  KV layouts (layers, KV width) miss each other's chunks;
 * one key twice in one batched put keeps its first value and gives the second's chunk back
   once; one memory object under two keys in one batch is stored under neither;
 * a value longer than one chunk is a miss for every get, never its first chunk;
@@ -189,6 +190,45 @@ def test_engines_of_other_chunk_sizes_read_the_bytes_written_or_miss(
                 expected = E.gathered(E.kv_caches(16, geometry=rg, seed=seed), torch.arange(16))
                 assert E.same_bits(E.gathered(out, torch.arange(16)), expected), seed
     assert hits > 0
+
+
+@pytest.mark.parametrize(
+    "reader",
+    [E.Geometry(layers=4, heads=2), E.Geometry(layers=1, heads=8)],
+    ids=["more-layers-narrower", "fewer-layers-wider"],
+)
+def test_engines_of_one_model_name_and_other_layouts_miss_each_others_chunks(
+    maru_server, reader: E.Geometry
+):
+    """Two engines serve one model name (`maru-tiny`) with other KV layouts of the same chunk
+    bytes: LMCache gives both the same keys (its key names no layout). The handler's key
+    scope (`CxlMemoryAdapter`'s layout digest) keeps them apart: the reader's lookup and
+    retrieve find nothing (mutation: no `set_key_scope` in the adapter, both hit the
+    writer's bytes laid out as another model's), while an engine of the writer's layout
+    still reads every chunk."""
+    assert reader.chunk_bytes == G.chunk_bytes  # the lengths alone cannot tell them apart
+    n = 2 * G.chunk
+    tokens = E.prompt(n, 41)
+    with E.Engine(E.config(maru_server.url), E.metadata()) as w:
+        w.engine.store(tokens, kvcaches=E.kv_caches(n, seed=41), slot_mapping=torch.arange(n))
+        W._wait_for(lambda: not w.backend.put_tasks, "puts finished")
+        written = [k.to_string() for _, _, k in w.engine.token_database.process_tokens(tokens)]
+    meta = E.metadata(reader)
+    with E.Engine(E.config(maru_server.url, geometry=reader), meta, E.CpuKVConnector(reader)) as r:
+        names = [k.to_string() for _, _, k in r.engine.token_database.process_tokens(tokens)]
+        assert names == written  # one key for both layouts
+        out = E.kv_caches(n, geometry=reader)
+        assert r.engine.lookup(tokens) == 0
+        assert int(r.engine.retrieve(tokens, kvcaches=out, slot_mapping=torch.arange(n)).sum()) == 0
+        assert not E.gathered(out, torch.arange(n)).view(torch.int16).any()
+    with E.Engine(E.config(maru_server.url), E.metadata()) as again:
+        out = E.kv_caches(n)
+        assert (
+            int(again.engine.retrieve(tokens, kvcaches=out, slot_mapping=torch.arange(n)).sum())
+            == n
+        )
+        expected = E.gathered(E.kv_caches(n, seed=41), torch.arange(n))
+        assert E.same_bits(E.gathered(out, torch.arange(n)), expected)
 
 
 # -- puts that name one key or one object twice ---------------------------------------------------

@@ -178,7 +178,7 @@ def test_a_restored_restart_under_a_running_engine_serves_its_own_bytes(maru_ser
         put.result(BACK_S)
         assert done == [_key(5, 0)]  # stored after the restart...
         with MaruHandler(server_url=server.url, pool_size="4M") as reader:
-            info = reader.retrieve(_key(5, 0).to_string())
+            info = reader.retrieve(_key(5, 0).to_string() + E.scope())
             assert info is not None and bytes(info.view) == unsealed_bytes  # ...its own bytes
             assert _stored_chunks_wrong(reader, keys, expected) == []
             # the pinned lookup's pins were restored: nobody deletes the keys under it
@@ -253,7 +253,9 @@ def test_a_new_pool_generation_makes_every_old_key_a_miss_and_old_objects_harmle
             ):
                 future.result(BACK_S)
             with MaruHandler(server_url=server.url, pool_size="4M") as reader:
-                put_infos = reader.batch_retrieve([_key(6, i).to_string() for i in range(4)])
+                put_infos = reader.batch_retrieve(
+                    [_key(6, i).to_string() + E.scope() for i in range(4)]
+                )
                 for info, own, key in zip(put_infos, [one_bytes, *batch_bytes], range(4)):
                     # a miss, or its own bytes (never zeros nor another value's)
                     assert info is None or bytes(info.view) == own, f"key {key}"

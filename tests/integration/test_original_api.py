@@ -467,3 +467,44 @@ def test_data_operations_before_connect_and_after_close_raise_not_connected(maru
     for op in ops.values():
         with pytest.raises(RuntimeError, match=r"^Not connected .*was closed"):
             op()
+
+
+def test_a_key_scope_goes_after_every_key_of_the_original_verbs(maru_server):
+    """`set_key_scope` (what `CxlMemoryAdapter` sets to its layout): the original API's keyed
+    verbs send `key + scope`, str and bytes keys alike; an unscoped handler sees the value
+    only under that name; bad or empty keys are refused as before; a second, other scope is
+    a ValueError (keys stored under the first would be lost to the handler)."""
+    with _connect(maru_server.url) as scoped, _connect(maru_server.url) as plain:
+        with pytest.raises(ValueError):
+            scoped.set_key_scope("")
+        with pytest.raises(ValueError):
+            scoped.set_key_scope("x" * 65)
+        scoped.set_key_scope("#kv:1")
+        scoped.set_key_scope("#kv:1")  # the same again: nothing changes
+        with pytest.raises(ValueError, match="scoped '#kv:1' already"):
+            scoped.set_key_scope("#kv:2")
+        assert scoped.key_scope == "#kv:1" and plain.key_scope == ""
+
+        assert scoped.batch_store(["a", b"b"], datas=[b"A" * 10, b"B" * 20]) == [True, True]
+        handle = scoped.alloc(5)
+        assert handle is not None
+        handle.buf[:5] = b"CCCCC"
+        assert scoped.store("c", handle)
+        assert scoped.store_outcomes(["", "d"], [b"x", b"D"])[0].name == "FAILED"
+        assert plain.batch_exists(["a", b"b", "c", "d"]) == [False] * 4
+        assert plain.batch_exists(["a#kv:1", b"b#kv:1", "c#kv:1", "d#kv:1"]) == [True] * 4
+        assert [bytes(i.view) for i in plain.batch_retrieve(["a#kv:1", b"b#kv:1"])] == [
+            b"A" * 10,
+            b"B" * 20,
+        ]
+        assert bytes(scoped.retrieve("c").view) == b"CCCCC"
+        assert scoped.exists(b"b") and scoped.batch_exists(["a", "zz"]) == [True, False]
+        with scoped.leased(["a", "d"]) as infos:
+            assert [bytes(i.view) for i in infos] == [b"A" * 10, b"D"]
+
+        assert scoped.pin("a")
+        assert plain.delete("a#kv:1") is False  # pinned under its scoped name
+        assert scoped.unpin("a") and scoped.delete("a")
+        assert plain.exists("a#kv:1") is False
+        assert scoped.batch_delete([b"b", "c"]) == [True, True]
+        assert plain.delete_prefix("d") == 1  # a prefix matches every scope's keys

@@ -231,6 +231,18 @@ def prompt(n: int, seed: int) -> list[int]:
 FMT = MemoryFormat.KV_2LTD  # LMCache's format for (non-MLA) KV chunks
 
 
-def key_strings(engine: LMCacheEngine, tokens: list[int]) -> list[str]:
-    """The Maru keys LMCache stores the prompt's chunks under."""
-    return [key.to_string() for _, _, key in engine.token_database.process_tokens(tokens)]
+def scope(geometry: Geometry = GEOMETRY) -> str:
+    """The key scope `CxlMemoryAdapter` gives the handler of an engine of this geometry."""
+    from maru_lmcache.adapter import layout_scope
+
+    meta = metadata(geometry)
+    return layout_scope(meta.get_shapes(), meta.get_dtypes(), FMT)
+
+
+def key_strings(
+    engine: LMCacheEngine, tokens: list[int], geometry: Geometry = GEOMETRY
+) -> list[str]:
+    """The Maru keys LMCache's chunks of the prompt lie under: `CacheEngineKey.to_string()`
+    in the layout's key scope (what a handler without that scope reads them as)."""
+    tail = scope(geometry)
+    return [key.to_string() + tail for _, _, key in engine.token_database.process_tokens(tokens)]

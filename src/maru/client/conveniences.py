@@ -19,7 +19,7 @@ from maru.client.coherence import invalidate_ranges, software
 from maru.client.requests import Lookup, MemoryInfo
 from maru.client.writes import Put, Sealing, StoreOutcome, from_pointers
 from maru.common.errors import LeaseExpired, MaruError, MaruNotConnected
-from maru.common.protocol import Key, MsgType, check_key_batch
+from maru.common.protocol import DeleteStatus, Key, MsgType, check_key_batch
 from maru.common.region import RegionHandle
 
 if TYPE_CHECKING:
@@ -101,7 +101,6 @@ class OriginalApi:
     put: Callable[..., None]
     lookup: Callable[..., Lookup]
     batch_exists: Callable[..., list[bool]]
-    batch_delete: Callable[[Sequence[Key]], list[bool]]
     _per_key: Callable[..., list[bool]]
     _ask_per_key: Callable[..., list[bool] | None]
     _ensure_connected: Callable[[], None]
@@ -121,7 +120,7 @@ class OriginalApi:
     config: MaruConfig
     instance_id: str
 
-    # -- regions and pages -------------------------------------------------------------------
+    # -- connection --------------------------------------------------------------------------
 
     def __enter__(self) -> Self:
         """Raises the `MaruConnectError` of the constructor's connect (not tried again), or of
@@ -135,6 +134,49 @@ class OriginalApi:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- key scope ---------------------------------------------------------------------------
+
+    _key_scope = ""
+    _key_scope_bytes = b""
+
+    @property
+    def key_scope(self) -> str:
+        """What the original API's keyed verbs put after every key they send: `store`,
+        `batch_store`, `store_outcomes`, `retrieve`, `batch_retrieve`, `leased`, `exists`,
+        `batch_exists`, `pin`, `unpin`, `batch_pin`, `batch_unpin`, `delete`, `batch_delete`
+        ("": nothing, until `set_key_scope`). The lifecycle's verbs (`seal`, `put`, `lookup`,
+        `read`...) send keys as given; `delete_prefix` matches every scope's keys."""
+        return self._key_scope
+
+    def set_key_scope(self, scope: str) -> None:
+        """Scope this handler's keys, for a caller whose keys do not name everything their
+        bytes depend on: LMCache's name no KV layout, so `CxlMemoryAdapter` sets a digest of
+        it, and two engines of one model name but other layouts miss each other's values
+        instead of reading them. One scope per handler: another one is a ValueError (keys
+        already stored would be lost to it)."""
+        if not isinstance(scope, str) or not scope or len(scope) > 64:
+            raise ValueError(f"key scope: a str of 1 to 64 characters, got {scope!r}")
+        if self._key_scope and scope != self._key_scope:
+            raise ValueError(
+                f"key scope: this handler's keys are scoped {self._key_scope!r} already, not "
+                f"{scope!r} (one handler per KV layout)"
+            )
+        self._key_scope, self._key_scope_bytes = scope, scope.encode()
+
+    def _in_scope(self, keys: Sequence[Key]) -> Sequence[Key]:
+        """`keys` as the original API's verbs send them: each non-empty str or bytes key with
+        the scope after it; a key of another type, or empty, as it is (refused as before)."""
+        check_key_batch(keys)
+        scope, tail = self._key_scope, self._key_scope_bytes
+        if not scope:
+            return keys
+        return [
+            k + scope if type(k) is str and k else k + tail if type(k) is bytes and k else k
+            for k in keys
+        ]
+
+    # -- regions and pages -------------------------------------------------------------------
 
     def get_chunk_size(self) -> int:
         return self._s.chunks.chunk_size
@@ -213,7 +255,8 @@ class OriginalApi:
         if (data is None) == (handle is None):
             raise ValueError("store() takes exactly one of data or handle")
         if handle is not None:
-            return self.seal([key], [handle], None if length is None else [length]).wait()[0]
+            keys = self._in_scope([key])
+            return self.seal(keys, [handle], None if length is None else [length]).wait()[0]
         return self.batch_store([key], datas=[data])[0]
 
     def batch_store(
@@ -230,6 +273,7 @@ class OriginalApi:
         `batch_store(keys, datas)` reserves chunks and copies each value in. A key that
         already exists reports True (first writer won; our chunks come back)."""
         check_key_batch(keys)
+        keys = self._in_scope(keys)
         if values is not None:
             if any(isinstance(v, AllocHandle) for v in values):
                 handles = values  # type: ignore[assignment]
@@ -246,7 +290,7 @@ class OriginalApi:
     def store_outcomes(self, keys: Sequence[Key], datas: Sequence[Buffer]) -> list[StoreOutcome]:
         """`batch_store(keys, datas)` that tells, per key, STORED (now), EXISTED (the key was
         there: it keeps its first value, ours was not used) or FAILED."""
-        check_key_batch(keys)
+        keys = self._in_scope(keys)
         if len(datas) != len(keys):
             raise ValueError("store_outcomes needs one data per key")
         put = self._store_datas(keys, datas)
@@ -290,6 +334,7 @@ class OriginalApi:
         them first, as LMCache does). A key pinned here only under an instance that has ended
         since (reaped, or forgotten by a server restart: its pins went with it) is a miss,
         WARNING: nothing keeps its view in place any more (`_PinBook`)."""
+        keys = self._in_scope(keys)
         infos = self.lookup(keys).infos()
         book = self._pin_book
         if book is not None:  # (the instance asked after the lookup: it may have changed)
@@ -313,7 +358,7 @@ class OriginalApi:
         Leaving it confirms the lease (one round trip): if it ended before (the block outlived
         --lease-timeout, or the server restarted), raises `LeaseExpired` naming the hits, whose
         bytes read may not be theirs. A block left by an exception just releases."""
-        found = self.lookup(keys, lease=True)
+        found = self.lookup(self._in_scope(keys), lease=True)
         try:
             infos = found.infos()
             yield infos
@@ -342,6 +387,7 @@ class OriginalApi:
         and unpins only those; a key after the gap, pinned too, would stay pinned for the
         instance's whole life. Keys after the first miss are neither pinned nor reported
         True. `leading=False`: every key that exists is pinned."""
+        keys = self._in_scope(keys)
         if self._cluster.budget_s:
             self._cluster.pull(keys, "", self._local_index())
         # (the instance before the request: one that ends during it makes these pins look
@@ -379,6 +425,7 @@ class OriginalApi:
         pinned, or its pins went with it when it was reaped (a reader on another host silent
         past --heartbeat-timeout) or disconnected, and the bytes of views read under them may
         have been reused since."""
+        keys = self._in_scope(keys)
         results = self._ask_per_key(MsgType.UNPIN, keys, bool)
         if self._pin_book is not None:  # (the caller lets go of them, whatever the answer)
             answered = [False] * len(keys) if results is None else results
@@ -422,6 +469,11 @@ class OriginalApi:
 
     def delete(self, key: Key) -> bool:
         return self.batch_delete([key])[0]
+
+    def batch_delete(self, keys: Sequence[Key]) -> list[bool]:
+        """True where the key was deleted; a pinned, leased or unknown key reports False."""
+        keys = self._in_scope(keys)
+        return self._per_key(MsgType.DELETE_KV, keys, lambda s: s == DeleteStatus.DELETED)
 
     def copying(self) -> AbstractContextManager[None]:
         """Around a copy at addresses this handler gave: no region is closed under it (e.g. by

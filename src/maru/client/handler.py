@@ -45,7 +45,7 @@ from maru.common.errors import (
     MaruServerError,
 )
 from maru.common.memcopy import CopyFaultError, copy_values, guard_faults
-from maru.common.protocol import DeleteStatus, ErrorCode, Key, MsgType, check_key_batch
+from maru.common.protocol import ErrorCode, Key, MsgType, check_key_batch
 
 log = logging.getLogger(__name__)
 
@@ -494,8 +494,9 @@ class MaruHandler(OriginalApi):
     # -- existence, pins, deletion -----------------------------------------------------------
 
     def batch_exists(self, keys: Sequence[Key], *, prefix: Prefix = "") -> list[bool]:
-        """Whether each key (`prefix + key`, as in `lookup`) is registered."""
+        """Whether each key (`prefix + key`, as in `lookup`; in the key scope) is registered."""
         check_key_batch(keys)
+        keys = self._in_scope(keys)
         index = self._local_index()
         found = index.exists(keys, prefix) if index is not None else None
         if found is not None and not self._cluster.budget_s:
@@ -511,10 +512,6 @@ class MaruHandler(OriginalApi):
         if counted is not None and not self._cluster.budget_s:
             return counted
         return self._cluster.leading(keys, prefix, counted)  # (the server asked; misses pulled)
-
-    def batch_delete(self, keys: Sequence[Key]) -> list[bool]:
-        """True where the key was deleted; a pinned, leased or unknown key reports False."""
-        return self._per_key(MsgType.DELETE_KV, keys, lambda s: s == DeleteStatus.DELETED)
 
     def _per_key(
         self, msg_type: MsgType, keys: Sequence[Key], ok: Callable[[Any], bool]
