@@ -120,20 +120,21 @@ def _read_window(path: str, offset: int, span: int, at: int, length: int) -> byt
 def write_mark_window(path: str, offset: int, span: int, mark: bytes) -> None:
     """Write `mark` at `offset` of `path` through a mapping of `span` bytes there, and write
     its lines back to memory (readers on other hosts of a pod read memory, not our cache)."""
-    with map_area(path, offset, span) as mm:
-        mm[: len(mark)] = mark
-        with memoryview(mm) as view, view[: len(mark)] as line:
-            flush_lines(line)
-        mm.flush()
+    _write_window(path, offset, span, 0, mark)
 
 
 def write_live_window(path: str, offset: int, span: int, count: int) -> bool:
-    """Write the live `count` after the mark at `offset` of `path` (a window of `span` bytes)
-    and write its line back to memory; False where the window has no room for it."""
+    """Write the live `count` after the mark at `offset` of `path` (a window of `span` bytes),
+    as the mark is written (`write_mark_window`); False where the window has no room for it."""
     if span < LIVE_AT + LIVE_BYTES:
         return False
-    with map_area(path, offset, span) as mm:
-        mm[LIVE_AT : LIVE_AT + LIVE_BYTES] = count.to_bytes(LIVE_BYTES, "little")
-        with memoryview(mm) as view, view[LIVE_AT : LIVE_AT + LIVE_BYTES] as line:
-            flush_lines(line)
+    _write_window(path, offset, span, LIVE_AT, count.to_bytes(LIVE_BYTES, "little"))
     return True
+
+
+def _write_window(path: str, offset: int, span: int, at: int, data: bytes) -> None:
+    with map_area(path, offset, span) as mm:
+        mm[at : at + len(data)] = data
+        with memoryview(mm) as view, view[at : at + len(data)] as line:
+            flush_lines(line)
+        mm.flush()
