@@ -41,7 +41,7 @@ from maru.client import (
 )
 from maru_sglang.cuda import ALIGN, copy_pieces, register_with_cuda
 from maru_sglang.maru_storage import open_handler
-from maru_sglang.pools import check_pages, chunk_size_for, page_namespace
+from maru_sglang.pools import check_pages, chunk_size_for, page_namespace, weight_version
 
 __all__ = ["DevicePageLayout", "MaruCacheLinker"]
 
@@ -250,6 +250,7 @@ class MaruCacheLinker(UnifiedCacheLinker):
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
         self.layout = DevicePageLayout(kvcache, self.page_size)
         self.storage_config = _storage_config(server_args, params, self.layout.is_mla)
+        self._weights = weight_version()  # what the namespace names (`prefix` follows it)
         self.namespace = page_namespace(self.storage_config, self.layout.geometry)
         # MLA pages are the same on every rank: rank 0 writes them, every rank reads them.
         self.offload_owner = not self.layout.is_mla or self.storage_config.tp_rank == 0
@@ -301,7 +302,18 @@ class MaruCacheLinker(UnifiedCacheLinker):
 
     @property
     def prefix(self) -> str:
-        """What the Maru key of a page hash starts with (MaruStorage's for the same pages)."""
+        """What the Maru key of a page hash starts with (MaruStorage's for the same pages): its
+        namespace follows SGLang's weight version, as MaruStorage's does (`_follow_weights`)."""
+        version = weight_version()
+        if version != self._weights:
+            self.namespace = page_namespace(self.storage_config, self.layout.geometry)
+            log.warning(
+                "MaruCacheLinker: SGLang's weight version is %r (was %r): namespace %s",
+                version,
+                self._weights,
+                self.namespace,
+            )
+            self._weights = version
         return f"{self.namespace}:"
 
     def keys(self, hashes: Sequence[str]) -> list[str]:

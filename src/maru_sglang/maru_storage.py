@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -37,6 +38,7 @@ from maru_sglang.pools import (
     is_rank_replicated,
     page_namespace,
     sidecar_namespace,
+    weight_version,
 )
 from maru_sglang.storage_stats import FOLD_EVERY, StorageStats
 
@@ -95,6 +97,8 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         )
         self.mem_pool_host: Any = None
         self.namespace = ""  # the KV pool's
+        self._weights = weight_version()  # what the pools' namespaces name (`_follow_weights`)
+        self._rekeying = threading.Lock()
         self._kv: PoolIO | None = None
         self.pools: dict[str, PoolIO] = {}
         self._stats = StorageStats(bool(storage_config.enable_storage_metrics))
@@ -117,6 +121,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
             )
         super().register_mem_pool_host(mem_pool_host)
         replicated = bool(self.storage_config.is_mla_model)
+        self._weights = weight_version()
         namespace = "" if logical else page_namespace(self.storage_config, mem_pool_host)
         self._kv = PoolIO(KV_POOL_NAME, mem_pool_host, namespace, replicated)
         if logical and not self._kv.logical:  # (no namespace: every model's pages would meet)
@@ -144,10 +149,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
                 self.register_mem_pool_host(host_pool)
             return
         pool = PoolIO(name, host_pool, "", is_rank_replicated(self.storage_config, host_pool))
-        namespace = sidecar_namespace(
-            self.storage_config, name, host_pool, pool.part_sizes, pool.replicated
-        )
-        pool.set_namespace(namespace)
+        pool.set_namespace(self._sidecar_namespace(pool))
         self.pools[name] = pool
         log.info(
             "MaruStorage: pool %s namespace %s, %d-byte pages in %d part(s)%s%s",
@@ -181,10 +183,42 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
         self.config = self.handler.config
         log.info("MaruStorage: chunk size %d bytes", chunk)
 
+    def _sidecar_namespace(self, pool: PoolIO) -> str:
+        return sidecar_namespace(
+            self.storage_config, pool.name, pool.pool, pool.part_sizes, pool.replicated
+        )
+
     def _require_pool(self) -> PoolIO:
         if self._kv is None:
             raise RuntimeError("MaruStorage: register_mem_pool_host() was not called")
+        self._follow_weights()
         return self._kv
+
+    def _follow_weights(self) -> None:
+        """Key every pool anew once SGLang's weight version changed (an update that names one):
+        pages of the old weights are misses from then on, still hits for instances on them.
+        Every data call asks first (a read of SGLang's published setting)."""
+        version = weight_version()
+        if version == self._weights:
+            return
+        with self._rekeying:
+            if version == self._weights:
+                return
+            for pool in self.pools.values():
+                if pool is self._kv:
+                    if pool.namespace:  # (a logical anchor has none: it stores nothing)
+                        pool.set_namespace(page_namespace(self.storage_config, pool.pool))
+                else:
+                    pool.set_namespace(self._sidecar_namespace(pool))
+            self.namespace = self._kv.namespace if self._kv is not None else ""
+            log.warning(
+                "MaruStorage: SGLang's weight version is %r (was %r): pages are keyed under "
+                "KV namespace %s from now on, the old weights' pages are misses",
+                version,
+                self._weights,
+                self.namespace,
+            )
+            self._weights = version
 
     # -- the data path, shared by v1 and v2 --------------------------------------------------
 
@@ -401,6 +435,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
     def _v2_batches(self, transfers: list[PoolTransfer], op: str, writing: bool):
         """Split a v2 call into per-pool batches, settling here the results of pools that
         need no IO (unregistered, logical, bad indices, replicated on a non-writer rank)."""
+        self._follow_weights()
         results: dict[str, list[bool]] = {}
         batches: list[Batch] = []
         indices: list[torch.Tensor | None] = []

@@ -137,14 +137,24 @@ def _set(bag: Any, name: str) -> Any:
     return None if value in (None, "", "{}", [], False) else value
 
 
+def weight_version() -> str:
+    """SGLang's weight version in this process (`--weight-version`, "default"): a weight update
+    that names one (`/update_weights_from_*` with `weight_version`, as RL loops send) changes it
+    in the scheduler, where storage runs; "default" where none is published."""
+    serving = _published("serving")
+    version = getattr(serving, "weight_version", None) if serving is not None else None
+    return str(version) if version else "default"
+
+
 def _weights_fields(storage_config: HiCacheStorageConfig, pool: Any) -> list[str]:
     """What the weights are, beyond the model name, each only where it is set: SGLang gives
     storage its served model name, which an alias (`--served-model-name`) makes say nothing of
     the checkpoint; `--revision`; a load format that does not read the checkpoint as it is
     (`dummy`); online quantization (`--quantization`, `--modelopt-quant`, KV scales from
     `--quantization-param-path`); `--json-model-override-args` (rope scaling, layer count);
-    custom weight loaders; and, for a KV cache not in the model's dtype (fp8), an explicit
-    `--dtype` (the activations cast into it). Nothing where SGLang published no setting (a pool
+    custom weight loaders; for a KV cache not in the model's dtype (fp8), an explicit
+    `--dtype` (the activations cast into it); and the weight version where not "default"
+    (`weight_version`: updates change it). Nothing where SGLang published no setting (a pool
     built outside a server) or all are defaults: those namespaces are unchanged."""
     model = _published("model")
     if model is None:
@@ -170,6 +180,9 @@ def _weights_fields(storage_config: HiCacheStorageConfig, pool: Any) -> list[str
     dtype = str(getattr(model, "dtype", "auto") or "auto")
     if kv != "auto" and dtype != "auto":
         fields.append(f"model_dtype={dtype}")
+    version = weight_version()
+    if version != "default":
+        fields.append(f"weight_version={version}")
     return fields
 
 

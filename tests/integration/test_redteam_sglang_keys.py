@@ -187,3 +187,65 @@ def test_an_alias_over_another_checkpoint_misses_the_pages_written(maru_server):
     finally:
         for s in (finetune, same, writer):
             s.close()
+
+
+def _weight_version(version: str) -> None:
+    """What SGLang's scheduler does when a weight update names a version
+    (`Scheduler.record_weight_version_change`): the published setting changes in place."""
+    from sglang.srt.runtime_context import get_context
+
+    get_context().override("scheduler.weight_version", weight_version=version)
+
+
+def test_a_weight_update_that_names_a_version_rekeys_the_pages(maru_server):
+    """An RL loop updates the weights in place and names the new version: the pages the old
+    weights computed are misses for this instance from its next call on (before: 3 of 3 hits,
+    the old weights' KV for the new model; mutation: no `_follow_weights` in `_require_pool`),
+    its new pages are read by an instance on the new version, and an instance back on the old
+    version still reads the old pages, exactly."""
+    from sglang.srt.runtime_context import get_serving
+
+    extra = {**MARU_BACKEND, "maru_server_url": maru_server.url, "maru_pool_size": "32M"}
+    g = Geometry()
+    keys = [f"rl-{i}" for i in range(3)]
+    idx, dst = page_indices(0, 3, g.page_size), page_indices(4, 3, g.page_size)
+    before = get_serving().weight_version
+    assert before == "default"
+
+    def instance() -> MaruStorage:
+        s = MaruStorage(storage_config(model=SERVED, extra=extra), {})
+        s.register_mem_pool_host(make_host_pool(g))
+        return s
+
+    writer = instance()
+    old = expected_pages(writer.mem_pool_host, 3, seed=21)
+    fill(writer.mem_pool_host, idx, old)
+    assert writer.batch_set_v1(keys, idx) == [True] * 3
+    writer.confirm_writes()
+    assert writer.batch_exists(keys) == 3
+    old_namespace = writer.namespace
+    try:
+        _weight_version("rl-step-1")
+        assert writer.batch_exists(keys) == 0
+        assert writer.batch_get_v1(keys, dst) == [False] * 3
+        assert writer.namespace != old_namespace
+        new = expected_pages(writer.mem_pool_host, 3, seed=22)
+        fill(writer.mem_pool_host, idx, new)
+        assert writer.batch_set_v1(keys, idx) == [True] * 3
+        writer.confirm_writes()
+        reader = instance()  # built on the new version
+        try:
+            assert reader.namespace == writer.namespace
+            assert reader.batch_get_v1(keys, dst) == [True] * 3
+            assert all(torch.equal(x, y) for x, y in zip(read(reader.mem_pool_host, dst, 3), new))
+        finally:
+            reader.close()
+    finally:
+        _weight_version(before)
+    try:  # back on the old weights: their pages, not the new ones
+        assert writer.batch_get_v1(keys, dst) == [True] * 3
+        assert writer.namespace == old_namespace
+        assert all(torch.equal(x, y) for x, y in zip(read(writer.mem_pool_host, dst, 3), old))
+    finally:
+        writer.close()
+

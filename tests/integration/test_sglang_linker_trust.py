@@ -473,3 +473,24 @@ def test_pages_maru_storage_wrote_load_through_the_linker_byte_for_byte(maru_ser
         rows = got[i * PAGE : (i + 1) * PAGE]
         loaded = torch.cat([buf[rows].view(torch.uint8).flatten() for p in b.buffers for buf in p])
         assert torch.equal(loaded, pages[i]), i
+
+
+def test_a_weight_update_that_names_a_version_rekeys_the_linkers_pages(maru_server, make):
+    """The direct linker follows SGLang's weight version as MaruStorage does: once a weight
+    update names a new version (`Scheduler.record_weight_version_change`), the pages the old
+    weights computed are misses (mutation: `prefix` not following `weight_version()`: 3 of 3
+    hits), and they are hits again for an instance back on the old version."""
+    from sglang.srt.runtime_context import get_context, get_serving
+
+    a = make(maru_server.url)
+    hashes, _ = _stored(a, "wv", 3, seed=31)
+    assert a.linker.lookup("r", _kv(hashes)) == [1, 2, 3]
+    before = get_serving().weight_version
+    try:
+        get_context().override("scheduler.weight_version", weight_version="rl-step-1")
+        assert a.linker.lookup("r", _kv(hashes)) == []
+        b = make(maru_server.url)  # an instance started on the new version
+        assert b.linker.namespace == a.linker.namespace
+    finally:
+        get_context().override("scheduler.weight_version", weight_version=before)
+    assert a.linker.lookup("r", _kv(hashes)) == [1, 2, 3]
