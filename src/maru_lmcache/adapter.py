@@ -62,13 +62,18 @@ def layout_scope(
     (other chunk sizes do not: a token's bytes are laid out alike). A split of one KV width
     into other heads is the same layout (LMCache's shapes flatten it): the model name must
     tell such checkpoints apart (docs/lmcache.md, Keys)."""
+    digest = hashlib.blake2b(_layout(shapes, dtypes, fmt).encode(), digest_size=8).hexdigest()
+    return f"#kv:{digest}"
+
+
+def _layout(shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype], fmt: MemoryFormat) -> str:
+    """What `layout_scope` digests: the format, and per group the shape (tokens as T) and dtype."""
     token_dim = fmt.token_dim()
     named = [fmt.name] + [
         f"{[n if i != token_dim else 'T' for i, n in enumerate(s)]}:{d}"
         for s, d in zip(shapes, dtypes)
     ]
-    digest = hashlib.blake2b("|".join(named).encode(), digest_size=8).hexdigest()
-    return f"#kv:{digest}"
+    return "|".join(named)
 
 
 _readonly_seen = False
@@ -120,6 +125,8 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
                 f"{handler.get_chunk_size()} (its page indices would read other values' bytes)"
             )
         handler.set_key_scope(layout_scope(self._shapes, self._dtypes, fmt))
+        self._layout = _layout(self._shapes, self._dtypes, fmt)
+        self._refused_layouts: set[str] = set()
         self._lock = threading.Lock()  # reservations change hands under it
         self._closed = False
 
@@ -159,11 +166,20 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
     ) -> list[MemoryObj] | None:
         """`batch_size` memory objects of one layout (`MaruHandler.reserve_values`: one
         contiguous run of chunks if the pool has one, else value by value); None (nothing
-        kept) if any is missing."""
+        kept) if any is missing, or for a layout other than this adapter's (its key scope's)."""
         shapes, dtypes = self._adapt_shapes_and_dtypes(shapes, dtypes)
         size = _nbytes(shapes, dtypes)
         if self._closed or size <= 0 or batch_size <= 0:
             log.debug("allocate refused: %d x %d bytes, closed %s", batch_size, size, self._closed)
+            return None
+        fmt = self._fmt if fmt == MemoryFormat.UNDEFINED else fmt
+        layout = _layout(shapes, dtypes, self._fmt if fmt is None else fmt)  # (LMCache's None)
+        if layout != self._layout:
+            # (stored in this layout's key scope, its bytes would be read as this layout's:
+            # e.g. layer groups LMCache's connector set up after the backend was made)
+            level = logging.DEBUG if layout in self._refused_layouts else logging.WARNING
+            self._refused_layouts.add(layout)  # (one WARNING per layout, not one per chunk)
+            log.log(level, "allocate refused: layout %s, this store's %s", layout, self._layout)
             return None
         try:
             handles = self._handler.reserve_values(size, batch_size)
@@ -173,7 +189,6 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
         if handles is None:
             log.debug("no room in the pool for %d values of %d bytes", batch_size, size)
             return None
-        fmt = self._fmt if fmt == MemoryFormat.UNDEFINED else fmt
         return [
             self._memory_obj(h.buf, h.region_id, h.page_index, h.stride, shapes, dtypes, fmt, h)
             for h in handles

@@ -33,6 +33,15 @@ class Geometry:
     head_size: int = 32
     chunk: int = 16  # LMCache's chunk_size, tokens
     dtype: torch.dtype = torch.bfloat16
+    mla: bool = False  # one latent (K only, `heads` 1) per token and layer: LMCache's KV_MLA_FMT
+
+    @property
+    def kv(self) -> int:
+        return 1 if self.mla else 2
+
+    @property
+    def fmt(self) -> MemoryFormat:
+        return MemoryFormat.KV_MLA_FMT if self.mla else MemoryFormat.KV_2LTD
 
     @property
     def hidden(self) -> int:
@@ -40,7 +49,7 @@ class Geometry:
 
     @property
     def token_bytes(self) -> int:
-        return 2 * self.layers * self.hidden * self.dtype.itemsize
+        return self.kv * self.layers * self.hidden * self.dtype.itemsize
 
     @property
     def chunk_bytes(self) -> int:
@@ -48,7 +57,7 @@ class Geometry:
 
     @property
     def kv_shape(self) -> tuple[int, int, int, int, int]:
-        return (self.layers, 2, self.chunk, self.heads, self.head_size)
+        return (self.layers, self.kv, self.chunk, self.heads, self.head_size)
 
 
 GEOMETRY = Geometry()
@@ -83,7 +92,7 @@ class CpuKVConnector(GPUConnectorInterface):
         caches = kwargs["kvcaches"]
         for tensor, slots in self._pairs(memory_objs, starts, ends, kwargs):
             for layer, cache in enumerate(caches):
-                for kv in (0, 1):  # one gather straight into the object (a contiguous part)
+                for kv in range(self.geometry.kv):  # one gather into the object (contiguous)
                     torch.index_select(cache[kv], 0, slots, out=tensor[kv, layer])
 
     def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs: Any) -> None:
@@ -94,7 +103,7 @@ class CpuKVConnector(GPUConnectorInterface):
 
     def get_shape(self, num_tokens: int) -> torch.Size:
         g = self.geometry
-        return torch.Size([2, g.layers, num_tokens, g.hidden])
+        return torch.Size([g.kv, g.layers, num_tokens, g.hidden])
 
 
 def config(
@@ -104,10 +113,11 @@ def config(
     async_loading: bool = False,
     instance_name: str | None = None,
     geometry: Geometry = GEOMETRY,
+    extra_config: dict[str, Any] | None = None,
 ) -> LMCacheEngineConfig:
     """LMCache's config with Maru as the only backend: `maru_path` set, no local CPU cache.
     (`maru_pool_size` is in GB, as in LMCache's YAML.)"""
-    extra: dict[str, Any] = {"maru_timeout_ms": 10_000}
+    extra: dict[str, Any] = {"maru_timeout_ms": 10_000, **(extra_config or {})}
     if instance_name:
         extra["maru_instance_id"] = instance_name
     host_port = url.removeprefix("tcp://")
@@ -123,18 +133,25 @@ def config(
     )
 
 
-def metadata(geometry: Geometry = GEOMETRY, engine_id: str | None = None) -> LMCacheMetadata:
+def metadata(
+    geometry: Geometry = GEOMETRY,
+    engine_id: str | None = None,
+    *,
+    world_size: int = 1,
+    worker_id: int = 0,
+) -> LMCacheMetadata:
     return LMCacheMetadata(
         model_name="maru-tiny",
-        world_size=1,
-        local_world_size=1,
-        worker_id=0,
-        local_worker_id=0,
+        world_size=world_size,
+        local_world_size=world_size,
+        worker_id=worker_id,
+        local_worker_id=worker_id,
         kv_dtype=geometry.dtype,
         kv_shape=geometry.kv_shape,
         role="worker",
         chunk_size=geometry.chunk,
         engine_id=engine_id or uuid.uuid4().hex,
+        use_mla=geometry.mla,
     )
 
 
@@ -199,12 +216,13 @@ class Engine:
 
 
 def kv_caches(slots: int, geometry: Geometry = GEOMETRY, seed: int | None = None) -> list:
-    """One [2, slots, hidden] tensor per layer: random (reproducible from `seed`) or zeros."""
+    """One [2, slots, hidden] tensor per layer ([1, ...] for MLA): random (reproducible from
+    `seed`) or zeros."""
     g = geometry
     if seed is None:
-        return [torch.zeros(2, slots, g.hidden, dtype=g.dtype) for _ in range(g.layers)]
+        return [torch.zeros(g.kv, slots, g.hidden, dtype=g.dtype) for _ in range(g.layers)]
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, slots, g.hidden, generator=gen).to(g.dtype) for _ in range(g.layers)]
+    return [torch.randn(g.kv, slots, g.hidden, generator=gen).to(g.dtype) for _ in range(g.layers)]
 
 
 def slot_mapping(tokens: int, slots: int, seed: int) -> torch.Tensor:
@@ -236,7 +254,7 @@ def scope(geometry: Geometry = GEOMETRY) -> str:
     from maru_lmcache.adapter import layout_scope
 
     meta = metadata(geometry)
-    return layout_scope(meta.get_shapes(), meta.get_dtypes(), FMT)
+    return layout_scope(meta.get_shapes(), meta.get_dtypes(), geometry.fmt)
 
 
 def key_strings(
