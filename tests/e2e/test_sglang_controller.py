@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
-import time
 
 import pytest
 
@@ -32,31 +30,22 @@ sglang_cpu.require()
 import torch  # noqa: E402
 
 from maru_sglang.maru_storage import chunk_size_for  # noqa: E402
-from sglang_cpu.p2p import MARU_BACKEND, l3_keys, wait_l3_stable  # noqa: E402
-from sglang_cpu.tiny_model import build_tiny_model  # noqa: E402
+from sglang_cpu.controllers import (  # noqa: E402
+    PAGE,
+    QUEUE_TIMEOUT,
+    cache_side,
+    make_controller,
+    prefetch_acks,
+    runtime,  # noqa: F401 (a fixture)
+)
+from sglang_cpu.p2p import l3_keys, wait_l3_stable  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(180)]
 
-PAGE = 4
-LAYERS, HEADS, HEAD_DIM = 3, 2, 16
-KV_LORA_RANK, ROPE_DIM = 32, 16
+# 3 layers of KV: 2 heads of 16 (MHA), or a latent of 32 and a rope part of 16 (MLA)
+SHAPE = {"layers": 3, "heads": 2, "head_dim": 16, "kv_lora_rank": 32, "rope_dim": 16}
 DEVICE_TOKENS = 1024
 PAGES = 150  # more than SGLang's STORAGE_BATCH_SIZE (128): two batches each way
-QUEUE_TIMEOUT = 30.0
-
-
-@pytest.fixture(scope="module")
-def runtime(tmp_path_factory):
-    """What the SGLang scheduler process does before it builds a controller: publish its
-    ServerArgs (the controller reads TP/PP/DCP ranks from it)."""
-    from sglang.srt import runtime_context
-    from sglang.srt.runtime_context import SpawnRanks
-    from sglang.srt.server_args import ServerArgs
-
-    model = build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
-    args = ServerArgs(model_path=str(model), device="cpu", page_size=PAGE)
-    runtime_context.publish(args, role="test", ranks=SpawnRanks(world_rank=0))
-    return args
 
 
 class Instance:
@@ -64,71 +53,10 @@ class Instance:
 
     def __init__(self, attn: str, url: str, name: str):
         from sglang.srt.managers.cache_controller import HiCacheController
-        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
-        common = dict(device="cpu", enable_memory_saver=False, start_layer=0, end_layer=LAYERS - 1)
-        if attn == "mha":
-            self.device = MHATokenToKVPool(
-                DEVICE_TOKENS,
-                PAGE,
-                torch.bfloat16,
-                head_num=HEADS,
-                head_dim=HEAD_DIM,
-                layer_num=LAYERS,
-                **common,
-            )
-            host_cls, host_kwargs = MHATokenToKVPoolHost, {}
-        else:
-            self.device = MLATokenToKVPool(
-                DEVICE_TOKENS,
-                PAGE,
-                torch.bfloat16,
-                kv_lora_rank=KV_LORA_RANK,
-                qk_rope_head_dim=ROPE_DIM,
-                layer_num=LAYERS,
-                **common,
-            )
-            host_cls, host_kwargs = MLATokenToKVPoolHost, {"target_layer_num": LAYERS}
-        self.allocator = PagedTokenToKVPoolAllocator(
-            DEVICE_TOKENS, PAGE, torch.bfloat16, "cpu", self.device, need_sort=False
-        )
-        self.host = host_cls(
-            self.device.get_device_pool_infos()[0].buffer_info,
-            2,  # host_to_device_ratio
-            0,
-            PAGE,
-            "page_first_direct",
-            pin_memory=False,
-            device="cpu",
-            device_capacity_tokens=self.device.size,
-            start_layer=0,
-            end_layer=LAYERS - 1,
-            **host_kwargs,
-        )
-        # Exactly what `--hicache-storage-backend-extra-config` carries (the server pops
-        # prefetch_threshold into the constructor argument, as done here).
-        extra = {
-            **MARU_BACKEND,
-            "maru_server_url": url,
-            "maru_pool_size": "32M",
-            "maru_instance_id": name,
-        }
-        self.ctrl = HiCacheController(
-            self.allocator,
-            self.host,
-            PAGE,
-            None,  # tp_group: a single rank
-            threading.Event(),
-            write_policy="write_through",
-            io_backend="direct",
-            storage_backend="dynamic",
-            prefetch_threshold=PAGE,
-            model_name="tiny-controller-test",
-            storage_backend_extra_config=extra,
-            enable_storage_metrics=True,
+        self.device, self.allocator, self.host = cache_side(DEVICE_TOKENS, attn, **SHAPE)
+        self.ctrl = make_controller(
+            HiCacheController, self.allocator, self.host, url, name, "tiny-controller-test"
         )
         self.storage = self.ctrl.storage_backend
         self.calls: dict[str, list[int]] = {}
@@ -182,17 +110,14 @@ def _prefetch(inst: Instance, rid: str, token_ids: list[int]):
     op.host_indices = host_indices
     ctrl.prefetch_buffer.put(op)  # the io thread now calls batch_get_v1
     completed = 0
-    deadline = time.monotonic() + QUEUE_TIMEOUT
-    while True:
-        ack = ctrl.ack_prefetch_queue.get(timeout=max(0.1, deadline - time.monotonic()))
+    for ack in prefetch_acks(ctrl):
         if ack.completed_tokens is not None:
             completed = ack.completed_tokens
-        if ack.completed_req:
-            return op, host_indices, completed
+    return op, host_indices, completed
 
 
 @pytest.mark.parametrize("attn", ["mha", "mla"])
-def test_controller_backup_then_prefetch_through_maru(runtime, maru_server, attn, caplog):
+def test_controller_backup_then_prefetch_through_maru(runtime, maru_server, attn, caplog):  # noqa: F811
     from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 

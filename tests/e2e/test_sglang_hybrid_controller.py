@@ -18,9 +18,6 @@ alone are no hit.
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 
 import sglang_cpu
@@ -29,72 +26,34 @@ sglang_cpu.require()
 
 import torch  # noqa: E402
 
+from sglang_cpu.controllers import (  # noqa: E402
+    PAGE,
+    QUEUE_TIMEOUT,
+    cache_side,
+    make_controller,
+    prefetch_acks,
+    runtime,  # noqa: F401 (a fixture)
+)
 from sglang_cpu.hybrid_pools import _mamba_pool, fill_bytes, random_pages, read_bytes  # noqa: E402
-from sglang_cpu.p2p import MARU_BACKEND  # noqa: E402
-from sglang_cpu.tiny_model import build_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(180)]
 
-PAGE = 4
-LAYERS, HEADS, HEAD_DIM = 3, 2, 16
+SHAPE = {"layers": 3, "heads": 2, "head_dim": 16}  # 3 layers of KV: 2 heads of 16
 DEVICE_TOKENS = 512
 PAGES = 10
-QUEUE_TIMEOUT = 30.0
-
-
-@pytest.fixture(scope="module")
-def runtime(tmp_path_factory):
-    """What the SGLang scheduler process does before it builds a controller."""
-    from sglang.srt import runtime_context
-    from sglang.srt.runtime_context import SpawnRanks
-    from sglang.srt.server_args import ServerArgs
-
-    model = build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
-    args = ServerArgs(model_path=str(model), device="cpu", page_size=PAGE)
-    runtime_context.publish(args, role="test", ranks=SpawnRanks(world_rank=0))
-    return args
 
 
 class Instance:
     """One hybrid SGLang instance's cache side: KV device pool, host pool group, controller."""
 
     def __init__(self, url: str, name: str):
-        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.hicache_storage import PoolName
         from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
             HybridCacheController,
         )
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
         from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
-        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-        device = MHATokenToKVPool(
-            DEVICE_TOKENS,
-            PAGE,
-            torch.bfloat16,
-            head_num=HEADS,
-            head_dim=HEAD_DIM,
-            layer_num=LAYERS,
-            device="cpu",
-            enable_memory_saver=False,
-            start_layer=0,
-            end_layer=LAYERS - 1,
-        )
-        allocator = PagedTokenToKVPoolAllocator(
-            DEVICE_TOKENS, PAGE, torch.bfloat16, "cpu", device, need_sort=False
-        )
-        self.kv = MHATokenToKVPoolHost(
-            device.get_device_pool_infos()[0].buffer_info,
-            2,
-            0,
-            PAGE,
-            "page_first_direct",
-            pin_memory=False,
-            device="cpu",
-            device_capacity_tokens=device.size,
-            start_layer=0,
-            end_layer=LAYERS - 1,
-        )
+        device, allocator, self.kv = cache_side(DEVICE_TOKENS, **SHAPE)
         self.mamba = _mamba_pool()
         self.group = HostPoolGroup(
             [
@@ -102,25 +61,8 @@ class Instance:
                 PoolEntry(PoolName.MAMBA, self.mamba, None, lambda i: i),
             ]
         )
-        extra = {
-            **MARU_BACKEND,
-            "maru_server_url": url,
-            "maru_pool_size": "32M",
-            "maru_instance_id": name,
-        }
-        self.ctrl = HybridCacheController(
-            allocator,
-            self.group,
-            PAGE,
-            None,  # tp_group: a single rank
-            threading.Event(),
-            write_policy="write_through",
-            io_backend="direct",
-            storage_backend="dynamic",
-            prefetch_threshold=PAGE,
-            model_name="tiny-hybrid-controller-test",
-            storage_backend_extra_config=extra,
-            enable_storage_metrics=True,
+        self.ctrl = make_controller(
+            HybridCacheController, allocator, self.group, url, name, "tiny-hybrid-controller-test"
         )
         self.storage = self.ctrl.storage_backend
         self.calls: dict[str, int] = {}
@@ -168,16 +110,13 @@ def _prefetch(inst: Instance, rid: str, token_ids: list[int]):
     state.host_indices = inst.group.alloc(1, pool=PoolName.MAMBA)
     ctrl.prefetch_buffer.put(op)  # the io thread: batch_get_v1, then batch_get_v2
     pool_hits: dict = {}
-    deadline = time.monotonic() + QUEUE_TIMEOUT
-    while True:
-        ack = ctrl.ack_prefetch_queue.get(timeout=max(0.1, deadline - time.monotonic()))
+    for ack in prefetch_acks(ctrl):
         if ack.pool_hits is not None:
             pool_hits = ack.pool_hits
-        if ack.completed_req:
-            return op, op.host_indices, state.host_indices, pool_hits
+    return op, op.host_indices, state.host_indices, pool_hits
 
 
-def test_hybrid_controller_backup_then_prefetch_through_maru(runtime, maru_server):
+def test_hybrid_controller_backup_then_prefetch_through_maru(runtime, maru_server):  # noqa: F811
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 

@@ -248,4 +248,3 @@ def test_a_weight_update_that_names_a_version_rekeys_the_pages(maru_server):
         assert all(torch.equal(x, y) for x, y in zip(read(writer.mem_pool_host, dst, 3), old))
     finally:
         writer.close()
-

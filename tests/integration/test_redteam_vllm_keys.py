@@ -20,27 +20,21 @@ on their path, tests/vllm_cpu); the end-to-end test uses a real maru-server.
 
 from __future__ import annotations
 
-import copy
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from vllm_cpu import fixtures
+
 from .workers import run_processes
 
 pytestmark = pytest.mark.vllm
-ROOT = Path(__file__).resolve().parents[2]
-TESTS = ROOT / "tests"
-VLLM_SITE = ROOT / "build" / "vllm-site"
-sys.path.insert(0, str(TESTS))
+fixtures.require()
 
-if not (VLLM_SITE / "vllm").is_dir():
-    pytest.skip("vLLM not installed (scripts/install_vllm_cpu.sh)", allow_module_level=True)
-
-from sglang_cpu.tiny_model import build_tiny_model  # noqa: E402
 from vllm_cpu import workers as W  # noqa: E402
+
+model_dir = fixtures.model_dir  # (a shared fixture: a tiny model)
 
 DEADLINE = 50
 BLOCK = 16
@@ -57,18 +51,11 @@ LONGROPE = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny")))
-
-
 @pytest.fixture
 def vllm_env(monkeypatch):
-    paths = [str(TESTS / "vllm_cpu"), str(VLLM_SITE)]
-    old = [p for p in os.environ.get("PYTHONPATH", "").split(":") if p]
-    monkeypatch.setenv("PYTHONPATH", ":".join(paths + old))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    """vLLM's environment (`set_vllm_env`), without a pipeline split from the outer one: the
+    pipeline cases set their own `VLLM_PP_LAYER_PARTITION`."""
+    fixtures.set_vllm_env(monkeypatch)
     monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
 
 
@@ -215,41 +202,18 @@ def _longrope_matches(model_dir: str, url: str, readers: list[int]) -> dict:
     """Instance A (LongRoPE, `max_model_len` 4096: long factors) computes and saves prompt
     0; then a scheduler-side connector of each reader's `max_model_len` says how many tokens
     of prompt 0 Maru holds for it."""
-    W._vllm_on_path()
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm_cpu.matching import saved_then_matched
 
-    from vllm_cpu.engine import MiniEngine, kv_cache_config
+    def writer(config: Any) -> None:  # (the connectors anew, with A's model config)
+        longrope = _config(model_dir, url, {"longrope": True, "max_model_len": 4096})
+        config.model_config = longrope.model_config
 
-    engine = MiniEngine(model_dir, url)
-    config = copy.copy(engine.config)  # (the connectors anew, with A's model config)
-    config.model_config = _config(
-        model_dir, url, {"longrope": True, "max_model_len": 4096}
-    ).model_config
-    for conn, role in (
-        (engine.scheduler.connector, KVConnectorRole.SCHEDULER),
-        (engine.worker, KVConnectorRole.WORKER),
-    ):
-        conn.shutdown()
-        conn.__init__(config, role, engine.kv_config)
-    engine.worker.register_kv_caches(engine.kv)
-    try:
-        req = engine.add(W.prompt(0))
-        engine.run({req})
-        request = engine.request(W.prompt(0))
-        out = []
-        for max_len in readers:
-            reader = _config(model_dir, url, {"longrope": True, "max_model_len": max_len})
-            conn = KVConnectorFactory.create_connector(
-                reader, KVConnectorRole.SCHEDULER, kv_cache_config(128)
-            )
-            try:
-                out.append(conn.get_num_new_matched_tokens(request, 0)[0])
-            finally:
-                conn.shutdown()
-        return {"saved": sum(s["save_blocks"] for s in engine.stats), "matched": out}
-    finally:
-        engine.close()
+    return saved_then_matched(
+        model_dir,
+        url,
+        writer,
+        (_config(model_dir, url, {"longrope": True, "max_model_len": n}) for n in readers),
+    )
 
 
 def test_a_longrope_instance_of_a_shorter_max_model_len_never_hits_its_blocks(

@@ -17,44 +17,25 @@ things the connector reads from it.
 
 from __future__ import annotations
 
-import copy
-import os
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from vllm_cpu import fixtures
+
 from .workers import run_processes
 
 pytestmark = pytest.mark.vllm
-ROOT = Path(__file__).resolve().parents[2]
-TESTS = ROOT / "tests"
-VLLM_SITE = ROOT / "build" / "vllm-site"
-sys.path.insert(0, str(TESTS))
-
-if not (VLLM_SITE / "vllm").is_dir():
-    pytest.skip("vLLM not installed (scripts/install_vllm_cpu.sh)", allow_module_level=True)
+fixtures.require()
 
 from sglang_cpu.tiny_model import build_tiny_model  # noqa: E402
 from vllm_cpu import workers as W  # noqa: E402
 
+model_dir = fixtures.model_dir  # (the shared fixtures: a tiny model, vLLM's environment)
+vllm_env = fixtures.vllm_env
+
 DEADLINE = 50
 BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture
-def vllm_env(monkeypatch):
-    paths = [str(TESTS / "vllm_cpu"), str(VLLM_SITE)]
-    old = [p for p in os.environ.get("PYTHONPATH", "").split(":") if p]
-    monkeypatch.setenv("PYTHONPATH", ":".join(paths + old))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
 class _Speculative:
@@ -73,43 +54,24 @@ def _matches(model_dir: str, url: str, draft: str, readers: list[tuple[bool, str
     connector of that speculative config says how many tokens of prompt 0 Maru holds for it."""
     W._vllm_on_path()
     from vllm.config import ModelConfig
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from vllm_cpu.engine import MiniEngine, kv_cache_config, vllm_config
+    from vllm_cpu.engine import vllm_config
+    from vllm_cpu.matching import saved_then_matched
 
     def spec(drop: bool, weights: str) -> _Speculative:
         return _Speculative(drop, ModelConfig(model=weights, dtype="float16", seed=0))
 
-    engine = MiniEngine(model_dir, url)
-    # (vLLM's scheduler itself runs without the drafter: the connectors are made anew with it)
-    config = copy.copy(engine.config)
-    config.speculative_config = spec(True, draft)
-    for conn, role in (
-        (engine.scheduler.connector, KVConnectorRole.SCHEDULER),
-        (engine.worker, KVConnectorRole.WORKER),
-    ):
-        conn.shutdown()
-        conn.__init__(config, role, engine.kv_config)
-    engine.worker.register_kv_caches(engine.kv)
-    try:
-        req = engine.add(W.prompt(0))
-        engine.run({req})
-        request = engine.request(W.prompt(0))
-        out = []
-        for drop, weights in readers:
-            config = vllm_config(model_dir, url)
-            config.speculative_config = spec(drop, weights)
-            conn = KVConnectorFactory.create_connector(
-                config, KVConnectorRole.SCHEDULER, kv_cache_config(128)
-            )
-            try:
-                out.append(conn.get_num_new_matched_tokens(request, 0)[0])
-            finally:
-                conn.shutdown()
-        return {"saved": sum(s["save_blocks"] for s in engine.stats), "matched": out}
-    finally:
-        engine.close()
+    def writer(config: Any) -> None:
+        # (vLLM's scheduler itself runs without the drafter: the connectors are made anew
+        # with it)
+        config.speculative_config = spec(True, draft)
+
+    def reader(drop: bool, weights: str) -> Any:
+        config = vllm_config(model_dir, url)
+        config.speculative_config = spec(drop, weights)
+        return config
+
+    return saved_then_matched(model_dir, url, writer, (reader(d, w) for d, w in readers))
 
 
 def test_an_eagle_drafter_never_takes_the_last_block_of_a_hit(

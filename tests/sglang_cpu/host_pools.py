@@ -1,7 +1,8 @@
 """Real SGLang host KV pools on CPU, filled with reproducible data (tests only).
 
-`make_host_pool` builds the device pool SGLang would build (on CPU) and the host pool on top of
-it, exactly as SGLang's controllers do, with `pin_memory=False` (pinning needs CUDA).
+`make_pools` builds the device pool SGLang would build (on CPU) and the host pool on top of it,
+exactly as SGLang's controllers do, with `pin_memory=False` (pinning needs CUDA);
+`make_host_pool` is its host pool alone.
 """
 
 from __future__ import annotations
@@ -27,48 +28,40 @@ class Geometry:
     start_layer: int = 0  # a PP stage's first layer
 
 
-def make_host_pool(g: Geometry):
+def make_pools(g: Geometry, tokens: int = TOKENS):
+    """The device pool SGLang would build (on CPU) for `g`, of `tokens` tokens, and the host
+    pool (2x) on top of it, exactly as SGLang's controllers build them, with
+    `pin_memory=False` (pinning needs CUDA): `(device_pool, host_pool)`."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
     first, last = g.start_layer, g.start_layer + g.layers - 1
-    common = dict(device="cpu", enable_memory_saver=False, start_layer=first, end_layer=last)
     if g.attn == "mha":
-        device_pool = MHATokenToKVPool(
-            TOKENS,
-            g.page_size,
-            g.dtype,
-            head_num=g.heads,
-            head_dim=g.head_dim,
-            layer_num=g.layers,
-            **common,
-        )
-        return MHATokenToKVPoolHost(
-            device_pool.get_device_pool_infos()[0].buffer_info,
-            2,
-            0,
-            g.page_size,
-            g.layout,
-            pin_memory=False,
-            device="cpu",
-            device_capacity_tokens=device_pool.size,
-            start_layer=device_pool.start_layer,
-            end_layer=device_pool.end_layer,
-            write_back_staging=device_pool.hicache_write_back_staging,
-        )
-    device_pool = MLATokenToKVPool(
-        TOKENS,
+        device_cls, host_cls = MHATokenToKVPool, MHATokenToKVPoolHost
+        shape = {"head_num": g.heads, "head_dim": g.head_dim}
+    else:
+        device_cls, host_cls = MLATokenToKVPool, MLATokenToKVPoolHost
+        shape = {"kv_lora_rank": g.kv_lora_rank, "qk_rope_head_dim": g.rope_dim}
+    device_pool = device_cls(
+        tokens,
         g.page_size,
         g.dtype,
-        kv_lora_rank=g.kv_lora_rank,
-        qk_rope_head_dim=g.rope_dim,
         layer_num=g.layers,
-        **common,
+        device="cpu",
+        enable_memory_saver=False,
+        start_layer=first,
+        end_layer=last,
+        **shape,
     )
-    return MLATokenToKVPoolHost(
+    host_kwargs = (
+        {"write_back_staging": device_pool.hicache_write_back_staging}
+        if g.attn == "mha"
+        else {"target_layer_num": g.layers}
+    )
+    host_pool = host_cls(
         device_pool.get_device_pool_infos()[0].buffer_info,
-        2,
+        2,  # host_to_device_ratio
         0,
         g.page_size,
         g.layout,
@@ -77,8 +70,14 @@ def make_host_pool(g: Geometry):
         device_capacity_tokens=device_pool.size,
         start_layer=first,
         end_layer=last,
-        target_layer_num=g.layers,
+        **host_kwargs,
     )
+    return device_pool, host_pool
+
+
+def make_host_pool(g: Geometry):
+    """The host pool of `make_pools` (over a device pool of `TOKENS` tokens)."""
+    return make_pools(g)[1]
 
 
 def page_indices(first_page: int, pages: int, page_size: int) -> torch.Tensor:
