@@ -508,3 +508,19 @@ def test_a_key_scope_goes_after_every_key_of_the_original_verbs(maru_server):
         assert plain.exists("a#kv:1") is False
         assert scoped.batch_delete([b"b", "c"]) == [True, True]
         assert plain.delete_prefix("d") == 1  # a prefix matches every scope's keys
+
+
+def test_a_key_scope_is_set_before_the_handler_stores_or_pins(maru_server):
+    """A scope set after the handler stored or pinned would lose those keys to it (its
+    values missed, its pins never let go): a ValueError, the handler unchanged."""
+    with _connect(maru_server.url) as stored, _connect(maru_server.url) as pinned:
+        assert stored.store("early", b"E" * 10)
+        with pytest.raises(ValueError, match="before this handler stores"):
+            stored.set_key_scope("#kv:1")
+        assert stored.key_scope == "" and bytes(stored.retrieve("early").view) == b"E" * 10
+        assert pinned.pin("early")
+        with pytest.raises(ValueError, match="before this handler stores"):
+            pinned.set_key_scope("#kv:1")
+        assert pinned.unpin("early") and pinned.key_scope == ""
+        pinned.set_key_scope("#kv:1")  # (nothing held any more)
+        assert pinned.key_scope == "#kv:1"

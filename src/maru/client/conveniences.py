@@ -81,6 +81,10 @@ class _PinBook:
                 if not held:
                     del self._held[key]
 
+    def holds_any(self) -> bool:
+        with self._lock:
+            return bool(self._held)
+
     def lost(self, instance_id: str, keys: Sequence[Key]) -> list[bool]:
         """Per key, whether every pin its callers hold was taken by an instance that ended."""
         with self._lock:
@@ -153,14 +157,23 @@ class OriginalApi:
         """Scope this handler's keys, for a caller whose keys do not name everything their
         bytes depend on: LMCache's name no KV layout, so `CxlMemoryAdapter` sets a digest of
         it, and two engines of one model name but other layouts miss each other's values
-        instead of reading them. One scope per handler: another one is a ValueError (keys
-        already stored would be lost to it)."""
+        instead of reading them. Set before the handler stores or pins anything, once: another
+        scope, or one set later, is a ValueError (the keys it stored or pinned would be lost
+        to it: misses, pins never let go)."""
         if not isinstance(scope, str) or not scope or len(scope) > 64:
             raise ValueError(f"key scope: a str of 1 to 64 characters, got {scope!r}")
-        if self._key_scope and scope != self._key_scope:
+        if scope == self._key_scope:
+            return
+        if self._key_scope:
             raise ValueError(
                 f"key scope: this handler's keys are scoped {self._key_scope!r} already, not "
                 f"{scope!r} (one handler per KV layout)"
+            )
+        book = self._pin_book
+        if not self._s.chunks.untouched() or (book is not None and book.holds_any()):
+            raise ValueError(
+                "key scope: set it before this handler stores, reserves or pins anything "
+                "(what it stored or pinned would be lost to the scope)"
             )
         self._key_scope, self._key_scope_bytes = scope, scope.encode()
 
