@@ -28,14 +28,16 @@ class Geometry:
     start_layer: int = 0  # a PP stage's first layer
 
 
-def make_pools(g: Geometry, tokens: int = TOKENS):
-    """The device pool SGLang would build (on CPU) for `g`, of `tokens` tokens, and the host
-    pool (2x) on top of it, exactly as SGLang's controllers build them, with
-    `pin_memory=False` (pinning needs CUDA): `(device_pool, host_pool)`."""
+def make_pools(g: Geometry, tokens: int | None = None):
+    """The device pool SGLang would build (on CPU) for `g`, of `tokens` tokens (default: the
+    module's `TOKENS` when called, which benchmarks set), and the host pool (2x) on top of it,
+    exactly as SGLang's controllers build them, with `pin_memory=False` (pinning needs CUDA):
+    `(device_pool, host_pool)`."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
+    tokens = TOKENS if tokens is None else tokens
     first, last = g.start_layer, g.start_layer + g.layers - 1
     if g.attn == "mha":
         device_cls, host_cls = MHATokenToKVPool, MHATokenToKVPoolHost
