@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import multiprocessing
 import sys
 from pathlib import Path
 
@@ -40,13 +39,7 @@ SLOTS = 128
 DEADLINE = 180
 
 
-@pytest.fixture(autouse=True)
-def keep_start_method():
-    """LMCacheEngine's constructor forces multiprocessing's start method to "spawn" for the
-    whole process; the in-process tests put back what the rest of the session had."""
-    before = multiprocessing.get_start_method(allow_none=True)
-    yield
-    multiprocessing.set_start_method(before, force=True)
+keep_start_method = E.keep_start_method  # autouse (tests/lmcache_cpu/engine.py)
 
 
 @pytest.fixture

@@ -22,9 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import multiprocessing
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +48,7 @@ G = E.GEOMETRY
 DEADLINE = 120.0
 
 
-@pytest.fixture(autouse=True)
-def keep_start_method() -> Iterator[None]:
-    """LMCacheEngine's constructor forces multiprocessing's start method to "spawn" for the
-    whole process; put back what the rest of the session had."""
-    before = multiprocessing.get_start_method(allow_none=True)
-    yield
-    multiprocessing.set_start_method(before, force=True)
+keep_start_method = E.keep_start_method  # autouse (tests/lmcache_cpu/engine.py)
 
 
 @pytest.fixture

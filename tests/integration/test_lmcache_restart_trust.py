@@ -14,7 +14,6 @@ stored under its key; chunks not retrieved must be left untouched.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sys
 import threading
@@ -43,13 +42,7 @@ N = 4 * G.chunk + 5  # four full chunks and a partial one
 BACK_S = 30.0  # how long the engine's handler may take to be served again after a restart
 
 
-@pytest.fixture(autouse=True)
-def keep_start_method():
-    """LMCacheEngine's constructor forces multiprocessing's start method to "spawn" for the
-    whole process; put back what the rest of the session had."""
-    before = multiprocessing.get_start_method(allow_none=True)
-    yield
-    multiprocessing.set_start_method(before, force=True)
+keep_start_method = E.keep_start_method  # autouse (tests/lmcache_cpu/engine.py)
 
 
 # -- helpers --------------------------------------------------------------------------------------

@@ -16,9 +16,7 @@ and shipped `MaruBackend` (the GPU connector is the CPU stand-in, tests/lmcache_
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,13 +37,7 @@ from maru import MaruHandler  # noqa: E402
 G = E.GEOMETRY
 
 
-@pytest.fixture(autouse=True)
-def keep_start_method() -> Iterator[None]:
-    """LMCacheEngine's constructor forces multiprocessing's start method to "spawn" for the
-    whole process; put back what the rest of the session had."""
-    before = multiprocessing.get_start_method(allow_none=True)
-    yield
-    multiprocessing.set_start_method(before, force=True)
+keep_start_method = E.keep_start_method  # autouse (tests/lmcache_cpu/engine.py)
 
 
 def _retrieve(built: E.Engine, tokens: list[int], geometry: E.Geometry) -> tuple[int, list]:

@@ -7,13 +7,16 @@ storage manager, `MaruBackend`, async lookup client and server) except the GPU c
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")  # no usage report from tests
 
+import pytest
 import torch
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
@@ -21,6 +24,16 @@ from lmcache.v1.gpu_connector import GPUConnectorInterface
 from lmcache.v1.lookup_client.factory import LookupClientFactory
 from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.metadata import LMCacheMetadata
+
+
+@pytest.fixture(autouse=True)
+def keep_start_method() -> Iterator[None]:
+    """LMCacheEngine's constructor forces multiprocessing's start method to "spawn" for the
+    whole process; the in-process tests put back what the rest of the session had. A test
+    module takes it by name: `keep_start_method = E.keep_start_method`."""
+    before = multiprocessing.get_start_method(allow_none=True)
+    yield
+    multiprocessing.set_start_method(before, force=True)
 
 
 @dataclass(frozen=True)
