@@ -62,8 +62,11 @@ def layout_scope(
     (other chunk sizes do not: a token's bytes are laid out alike). A split of one KV width
     into other heads is the same layout (LMCache's shapes flatten it): the model name must
     tell such checkpoints apart (docs/lmcache.md, Keys)."""
-    digest = hashlib.blake2b(_layout(shapes, dtypes, fmt).encode(), digest_size=8).hexdigest()
-    return f"#kv:{digest}"
+    return _scope_of(_layout(shapes, dtypes, fmt))
+
+
+def _scope_of(layout: str) -> str:
+    return f"#kv:{hashlib.blake2b(layout.encode(), digest_size=8).hexdigest()}"
 
 
 def _layout(shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype], fmt: MemoryFormat) -> str:
@@ -124,8 +127,8 @@ class CxlMemoryAdapter(MemoryAllocatorInterface):
                 f"CxlMemoryAdapter: chunk_size {self._chunk_size} is not the handler's "
                 f"{handler.get_chunk_size()} (its page indices would read other values' bytes)"
             )
-        handler.set_key_scope(layout_scope(self._shapes, self._dtypes, fmt))
         self._layout = _layout(self._shapes, self._dtypes, fmt)
+        handler.set_key_scope(_scope_of(self._layout))
         self._refused_layouts: set[str] = set()
         self._lock = threading.Lock()  # reservations change hands under it
         self._closed = False

@@ -285,8 +285,7 @@ class OriginalApi:
         handles already written (`lengths`: each value's length, default its `alloc` size);
         `batch_store(keys, datas)` reserves chunks and copies each value in. A key that
         already exists reports True (first writer won; our chunks come back)."""
-        check_key_batch(keys)
-        keys = self._in_scope(keys)
+        keys = self._in_scope(keys)  # (checks the batch)
         if values is not None:
             if any(isinstance(v, AllocHandle) for v in values):
                 handles = values  # type: ignore[assignment]

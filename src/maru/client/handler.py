@@ -495,8 +495,7 @@ class MaruHandler(OriginalApi):
 
     def batch_exists(self, keys: Sequence[Key], *, prefix: Prefix = "") -> list[bool]:
         """Whether each key (`prefix + key`, as in `lookup`; in the key scope) is registered."""
-        check_key_batch(keys)
-        keys = self._in_scope(keys)
+        keys = self._in_scope(keys)  # (checks the batch)
         index = self._local_index()
         found = index.exists(keys, prefix) if index is not None else None
         if found is not None and not self._cluster.budget_s:
