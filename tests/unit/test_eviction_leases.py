@@ -310,6 +310,41 @@ def test_watermark_math(tmp_path, high, low):
     consistent(reg)
 
 
+def test_a_watermark_round_takes_its_victims_from_instances_over_their_fair_share(reg):
+    """Two writers share a 16 MiB pool (a fair share of 8 MiB each). B, below its share,
+    wrote first; A, over it, drives the pool past the high watermark. The round evicts A's
+    oldest keys, not B's older ones: a pool-wide CLOCK took B's first (the flaky newcomer of
+    `test_quotas.py`'s fair-share test), which freed room A could not use and cost B hits."""
+    rid_b = reg.request_region("B", 4 * MiB).region_id
+    rid_a = reg.request_region("A", 12 * MiB).region_id
+    fill(reg, "B", rid_b, ["b0", "b1", "b2"])
+    fill(reg, "A", rid_a, [f"a{i}" for i in range(6)])  # 9 MiB > 8: down to 4 MiB
+    assert list(reg.keys) == ["b0", "b1", "b2", "a5"]
+    assert reg.instances["B"].evicted == 0 and reg.instances["A"].evicted == 5
+    consistent(reg)
+
+
+def test_a_watermark_round_takes_the_rest_from_every_key_when_those_over_cannot_give_it(reg):
+    """What the instances over their share cannot give (pinned keys, the keys just
+    registered) comes from every key, in CLOCK order: the watermark is still kept."""
+    rid_b = reg.request_region("B", 4 * MiB).region_id
+    rid_a = reg.request_region("A", 12 * MiB).region_id
+    fill(reg, "B", rid_b, ["b0", "b1", "b2"])
+    fill(reg, "A", rid_a, [f"a{i}" for i in range(5)])
+    reg.pins.pin(["a0", "a1", "a2", "a3"])
+    fill(reg, "A", rid_a, ["a5"])  # 5 MiB wanted: a4 from A, then b0..b2 from the pool
+    assert list(reg.keys) == ["a0", "a1", "a2", "a3", "a5"]
+    assert reg.instances["B"].evicted == 3
+    consistent(reg)
+
+
+def test_one_writer_alone_is_never_over_its_share_and_its_watermark_is_unchanged(reg):
+    rid = reg.request_region("A", 16 * MiB).region_id
+    assert reg.grants.regions_over_share() == set()
+    fill(reg, "A", rid, [f"k{i}" for i in range(9)])
+    assert list(reg.keys) == ["k5", "k6", "k7", "k8"]
+
+
 @pytest.mark.parametrize(("high", "low"), [(0.5, 0.6), (0.0, 0.0), (1.1, 0.5), (0.5, 0.0)])
 def test_watermarks_are_validated(tmp_path, high, low):
     with pytest.raises(ValueError):

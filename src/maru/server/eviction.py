@@ -40,6 +40,8 @@ class EvictionView:
     # the one key-dropping mutator; the keys dropped per owner of their regions
     drop_keys: Callable[[list[Key], list[KeyEntry]], dict[str, int]]
     harvest_marks: Callable[[], None]  # readers' use marks (the local index) into CLOCK bits
+    # the regions of the instances that hold more than their fair share (`RegionGrants`)
+    over_share: Callable[[], set[int]]
 
 
 def _owners(regions: RegionTable, entries: list[KeyEntry]) -> dict[str, int]:
@@ -118,16 +120,26 @@ class Eviction:
     def to_watermark(self, just_registered: Iterable[Key] = ()) -> int:
         """When registered bytes exceed the high watermark of the pool, evict down to low.
         `just_registered`: keys of the request being answered (reported REGISTERED, so they
-        must survive it even if every older key is busy)."""
+        must survive it even if every older key is busy).
+
+        The victims come from the instances over their fair share first, in CLOCK order
+        among their keys, and from every key only for what those cannot give. A busy writer
+        that holds most of the pool drives the pool past the watermark; a pool-wide CLOCK
+        took the older keys of an instance below its share instead (a newcomer's first
+        values, written before the busy writer's latest), which freed room in regions the
+        busy writer cannot write to, and a miss for an instance the fair share protects."""
         capacity, live_bytes = self.view.capacity, self.view.live_bytes() - self.spilling
         if live_bytes <= self.high_watermark * capacity:
             return 0
-        return self.evict(
-            live_bytes - int(self.low_watermark * capacity),
-            reason=f"above the high watermark {self.high_watermark:g}",
-            protect=set(just_registered),
-            spill=True,
-        )
+        want, protect = live_bytes - int(self.low_watermark * capacity), set(just_registered)
+        reason = f"above the high watermark {self.high_watermark:g}"
+        over = self.view.over_share()
+        freed = 0
+        if over:
+            freed = self.evict(want, over, f"{reason}, over their fair share", protect, spill=True)
+        if freed < want:
+            freed += self.evict(want - freed, reason=reason, protect=protect, spill=True)
+        return freed
 
     def evict_for(self, instance_id: str, want_bytes: int, ahead: int = 0) -> int:
         """Make room in the caller's own regions (its store found no free pages and the pool

@@ -116,6 +116,16 @@ class RegionGrants:
         share = self.pool.capacity // max(1, writers)
         return max(share, min(self.pool.alignment, self.pool.capacity))
 
+    def regions_over_share(self) -> set[int]:
+        """The regions of every instance that holds more than its fair share: where a
+        watermark eviction takes its victims first (`Eviction.to_watermark`)."""
+        share = self.fair_share()
+        over: set[int] = set()
+        for inst in self.instances.values():
+            if self.region_bytes(inst) > share:
+                over.update(inst.regions)
+        return over
+
     def region_bytes(self, inst: Instance) -> int:
         """The bytes of the regions `inst` owns (returned ones no longer count)."""
         return sum(self.regions[r].length for r in inst.regions)

@@ -103,6 +103,7 @@ class Registry:
             live_bytes=lambda: self.live_bytes,
             drop_keys=self._drop_keys,
             harvest_marks=self.harvest_marks,
+            over_share=lambda: self.grants.regions_over_share(),
         )
         self.eviction = Eviction(view, high_watermark, low_watermark)
         self.grants = RegionGrants(
