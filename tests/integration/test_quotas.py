@@ -144,6 +144,55 @@ def test_a_new_client_gets_its_fair_share_of_a_pool_one_busy_writer_filled(maru_
     assert "asked" in server.read_log() and server.alive()
 
 
+def hog_the_pool(url: str, values: int, ready, go) -> dict:
+    """Store `values` values of about 1 MiB under a `pool_size` of as many MiB, then wait
+    for `go`."""
+    h = handler(url, pool_size=f"{values}M")
+    try:
+        ok = [h.store(f"hog/{i}", make_value(i, MiB - 100)) for i in range(values)]
+        ready.set()
+        go.wait(120)
+        return {"ok": ok}
+    finally:
+        h.close()
+
+
+def test_a_writer_owed_room_by_a_stopped_instance_makes_room_among_its_own_keys(
+    maru_server_factory,
+):
+    """An instance over its fair share is stopped (SIGSTOP: a GC pause, an overloaded host)
+    and never gives back what it is asked. A writer below its share that already holds keys
+    waits out POOL_RECLAIMING, then makes room among its own keys: every store succeeds and
+    its latest values read back. Before, every store that needed more room failed after the
+    wait."""
+    # (ticks every 20 s: the hog parks nothing, so no region of its can be taken back)
+    server = maru_server_factory(pool_size="16M", extra_args=["--heartbeat-timeout", "60"])
+    ready, go = SPAWN.Event(), SPAWN.Event()
+    # (the hog holds 12 of the pool's 16 MiB, twice its share, and the writer takes the rest)
+    proc = SPAWN.Process(target=hog_the_pool, args=(server.url, 12, ready, go), daemon=True)
+    proc.start()
+    try:
+        assert ready.wait(60), "the hog did not store its values"
+        writer = handler(server.url, pool_size="8M")
+        values = [make_value(500 + i, MiB - 100) for i in range(8)]
+        first = [writer.store(f"w/{i}", v) for i, v in enumerate(values[:2])]
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            later = [writer.store(f"w/{i}", v) for i, v in enumerate(values[2:], 2)]
+            with writer.leased(["w/6", "w/7"]) as infos:
+                read = [None if i is None else digest(i.view) for i in infos]
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        writer.close()
+    finally:
+        go.set()
+        proc.join(60)
+    assert first == [True, True]
+    assert later == [True] * 6  # before: those past its first regions False (POOL_RECLAIMING)
+    assert read == [digest(v) for v in values[6:]]
+    assert "asked" in server.read_log() and server.alive()
+
+
 def test_readers_do_not_shrink_a_writers_fair_share_below_one_region(maru_server_factory):
     """An 8 MiB pool (four 2 MiB regions), five readers (instances that hold no region) and
     two writers that filled it (two regions each, writing behind without pause, deleting

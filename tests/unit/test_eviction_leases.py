@@ -541,6 +541,59 @@ def test_an_unparked_region_is_never_taken_back_even_by_a_late_park(tmp_path):
     consistent(reg)
 
 
+def test_a_writer_over_its_fair_share_takes_no_parked_region_of_one_within_its_own(tmp_path):
+    """A holds 12 MiB of a 16 MiB pool (its fair share: 8); B's 4 MiB region, parked, holds
+    keys. A's next region request is POOL_FULL (A evicts among its own keys), not B's keys
+    evicted: before, any parked region was taken back for any requester. B's empty parked
+    region and a region given back are still taken: they cost nobody a key."""
+    reg = make_registry(tmp_path, pool_mib=16, high=1.0, low=1.0)
+    ra = reg.request_region("A", 12 * MiB).region_id
+    rb = reg.request_region("B", 4 * MiB).region_id
+    fill(reg, "A", ra, ["a0"])
+    fill(reg, "B", rb, ["b0", "b1"])
+    reg.park("B", 1, [rb], [])
+    with pytest.raises(ProtocolError) as exc:
+        reg.request_region("A", 2 * MiB)
+    assert exc.value.code == ErrorCode.POOL_FULL
+    assert "over its fair share" in str(exc.value)
+    assert reg.exists(["b0", "b1"]) == [True, True] and rb in reg.instances["B"].regions
+    assert reg.counters["evictions"] == 0
+    # B, below its share, still takes A's idle region back (A's parked keys go)
+    reg.park("A", 1, [ra], [])
+    assert reg.request_region("B", 2 * MiB).owner == "B"
+    assert reg.exists(["a0"]) == [False]
+    consistent(reg)
+
+
+def test_a_writer_over_its_share_with_no_region_large_enough_may_take_any_idle_one(tmp_path):
+    """Evicting its own keys cannot make room for a value larger than every region it holds
+    (here: none), so the request takes an idle region of an instance within its share, as
+    before: the store succeeds instead of failing for a rule that could not help."""
+    reg = make_registry(tmp_path, pool_mib=8, high=1.0, low=1.0)
+    rb = reg.request_region("B", 2 * MiB).region_id
+    fill(reg, "B", rb, ["b0"])
+    reg.park("B", 1, [rb], [])
+    assert reg.request_region("A", 8 * MiB).owner == "A"  # (over its 4 MiB share)
+    assert reg.exists(["b0"]) == [False]
+    consistent(reg)
+
+
+def test_a_writer_over_its_fair_share_still_takes_an_empty_or_given_back_region(tmp_path):
+    reg = make_registry(tmp_path, pool_mib=16, high=1.0, low=1.0)
+    ra = reg.request_region("A", 12 * MiB).region_id
+    rb = reg.request_region("B", 2 * MiB).region_id
+    rb2 = reg.request_region("B", 2 * MiB).region_id
+    fill(reg, "A", ra, ["a0"])
+    fill(reg, "B", rb2, ["b0"])
+    reg.park("B", 1, [rb], [])  # (empty)
+    assert reg.request_region("A", 2 * MiB).owner == "A"
+    assert rb not in reg.regions
+    reg.return_region("B", rb2, reg.regions[rb2].token)
+    assert reg.request_region("A", 2 * MiB).owner == "A"  # (B's given-back keys go)
+    assert reg.exists(["b0", "a0"]) == [False, True]
+    consistent(reg)
+
+
 def test_a_parked_region_with_a_busy_key_is_not_taken_back(tmp_path):
     reg = make_registry(tmp_path, pool_mib=4, high=1.0, low=1.0)
     ra = reg.request_region("A", 4 * MiB).region_id

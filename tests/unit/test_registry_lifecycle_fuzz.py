@@ -141,6 +141,8 @@ class Grant:
     sheds_before: dict[str, int]
     length: int = 0  # granted (0: refused)
     code: int = 0  # the refusal's
+    # a requester over its share: the parked regions with keys of others within theirs
+    protected: set[int] = field(default_factory=set)
 
 
 class World:
@@ -259,6 +261,19 @@ def request_region(w: World, client: Client) -> None:
         reclaim=w.rnd.random() < 0.8,
         sheds_before={i.instance_id: i.shed for i in reg.instances.values()},
     )
+    if grant.held + grant.least > share and any(  # (room it could make among its own)
+        reg.regions[r].length >= size for r in inst.regions
+    ):
+        grant.protected = {
+            r.region_id
+            for r in reg.regions.values()
+            if r.parked
+            and not r.returned
+            and r.live_keys
+            and r.owner != client.iid
+            and r.owner in reg.instances
+            and region_bytes(reg, r.owner) <= share
+        }
     w.grant = grant
     try:
         handle = reg.request_region(client.iid, size, reclaim=grant.reclaim)
@@ -697,9 +712,10 @@ def grants_keep_fair_shares(w: World) -> None:
     for regions given back, none is granted past its share; one below its share that may
     reclaim is not refused POOL_FULL while another still holds more than its share (that one
     is asked to shed: POOL_RECLAIMING); one refused POOL_RECLAIMING was below its share, and
-    every instance newly asked to shed holds more than the share. Else one instance keeps
-    most of the pool while others get nothing, or one within its share gives back (evicting
-    its keys) what nobody is owed."""
+    every instance newly asked to shed holds more than the share; one over its share, with a
+    region as large as it asks, took no parked region with keys of an instance within its
+    own. Else one instance keeps most of the pool while others get nothing, or one within
+    its share gives back (evicting its keys) what nobody is owed."""
     grant, w.grant = w.grant, None
     if grant is None:
         return
@@ -713,6 +729,8 @@ def grants_keep_fair_shares(w: World) -> None:
         assert not over, f"refused POOL_FULL while {over} hold more than the share: {grant}"
     if grant.code == ErrorCode.POOL_RECLAIMING:
         assert below, grant
+    taken = [r for r in grant.protected if r not in w.reg.regions or w.reg.regions[r].returned]
+    assert not taken, f"over its share, took regions {taken} of instances within theirs: {grant}"
     for inst in w.reg.instances.values():
         if inst.shed > grant.sheds_before.get(inst.instance_id, 0):
             held = region_bytes(w.reg, inst.instance_id)

@@ -111,7 +111,14 @@ class RegionSupply:
                     if handle is not None:
                         return handle
                 except MaruServerError as exc:
-                    if exc.code not in (ErrorCode.POOL_FULL, ErrorCode.QUOTA_EXCEEDED):
+                    # (POOL_RECLAIMING here: those owing us room did not give it back while
+                    # `_request_region` waited, e.g. a stopped process: our own keys make room
+                    # rather than the value going unstored)
+                    if exc.code not in (
+                        ErrorCode.POOL_FULL,
+                        ErrorCode.QUOTA_EXCEEDED,
+                        ErrorCode.POOL_RECLAIMING,
+                    ):
                         log.warning("instance %s: cannot expand: %s", self.owner.instance_id, exc)
                         return None
                     self._refusal = str(exc)

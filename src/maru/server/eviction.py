@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -167,9 +167,11 @@ class Eviction:
             ahead, inst.regions, reason=f"{reason}, ahead", spill=True, room_for=instance_id
         )
 
-    def reclaim(self) -> bool:
+    def reclaim(self, spared: Collection[str] = ()) -> bool:
         """Free one region for a region request that found no room; True if one was freed.
-        Cheapest first: a parked region without keys, then a returned or parked one."""
+        Cheapest first: a parked region without keys, then a returned or parked one. The
+        parked regions with keys of the instances in `spared` are not taken (those within
+        their fair share, when the requester is over its own: `RegionGrants`)."""
         regions = self.view.regions
         for region in regions.values():
             if region.parked and not region.returned and region.live_keys == 0:
@@ -179,7 +181,8 @@ class Eviction:
         candidates = {
             r.region_id
             for r in regions.values()
-            if (r.returned and not r.held_until) or (r.parked and not r.returned)
+            if (r.returned and not r.held_until)
+            or (r.parked and not r.returned and r.owner not in spared)
         }
         return self._free_one(candidates)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from maru.common.protocol import ErrorCode, ProtocolError, check_count
@@ -32,12 +32,13 @@ class RegionGrants:
         pool: Pool,
         regions: RegionTable,
         instances: InstanceTable,
-        reclaim: Callable[[], bool],
+        reclaim: Callable[[Collection[str]], bool],
         counters: dict[str, int],
         log_throttle: Throttle,
         quota_region_bytes: int = 0,
     ):
-        """`reclaim`: frees one idle region, True if it did (`Eviction.reclaim`).
+        """`reclaim`: frees one idle region, True if it did (`Eviction.reclaim`), sparing the
+        parked regions of the instances named.
         `quota_region_bytes`: the bytes of regions one client process may hold, its instances
         together (0: no limit)."""
         self.pool, self.regions, self.instances = pool, regions, instances
@@ -172,13 +173,29 @@ class RegionGrants:
     def _allocate_reclaiming(
         self, instance_id: str, length: int, page_size: int, below_share: bool, share: int
     ) -> Region:
+        """A region of `length`, reclaiming idle ones until it fits. A requester over its
+        fair share that can make the room among its own keys (it holds a region of `length`
+        at least) takes no parked region with keys of an instance within its own share: as in
+        a watermark round (`Eviction.to_watermark`), whoever holds more than its share pays
+        first. One that cannot (a value larger than any region it holds) may take any."""
+        spared: Collection[str] = ()
+        if not below_share and any(
+            self.regions[r].length >= length for r in self.instances[instance_id].regions
+        ):
+            spared = self._within_share(instance_id, share)
         while True:
             try:
                 return self.regions.allocate(instance_id, length, page_size)
             except PoolFullError as exc:
-                if self.reclaim():
+                if self.reclaim(spared):
                     continue
                 code, why = ErrorCode.POOL_FULL, str(exc)
+                if spared:
+                    why += (
+                        f"; {instance_id} is over its fair share ({share} bytes) and takes no "
+                        "idle region of an instance within its own: it makes room among its "
+                        "own keys"
+                    )
                 asked = self._ask_to_shed(instance_id, share) if below_share else []
                 if self._given_back_now(asked):
                     continue  # (regions returned: the next reclaim takes them)
@@ -202,6 +219,14 @@ class RegionGrants:
                         extra={"instance": instance_id},
                     )
                 raise ProtocolError(code, why) from None
+
+    def _within_share(self, instance_id: str, share: int) -> set[str]:
+        """The other instances that hold no more than `share` bytes of regions."""
+        return {
+            i.instance_id
+            for i in self.instances.values()
+            if i.instance_id != instance_id and self.region_bytes(i) <= share
+        }
 
     def _given_back_now(self, asked: list[str]) -> bool:
         """Whether an owner inside the server among those `asked` gave regions back at once
