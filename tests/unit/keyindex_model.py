@@ -216,6 +216,20 @@ class OrderedKeyIndex(OrderedDict):
                 break
         return list(victims), list(victims.values()), freed
 
+    def reclaim_order(self, regions: set[int] | frozenset[int]) -> list[int]:
+        """The regions of `regions` a reclaim may empty, in the order eviction would reach
+        them: by their first key without its CLOCK bit, then (all keys with it) by their
+        first key; those with a busy key (pinned or leased) or no key left out."""
+        idle: dict[int, None] = {}
+        used: dict[int, None] = {}
+        busy: set[int] = set()
+        for entry in self.values():
+            if entry.region_id in regions:
+                (used if entry.referenced else idle).setdefault(entry.region_id, None)
+                if entry.pins > 0 or entry.leases > 0:
+                    busy.add(entry.region_id)
+        return [r for r in [*idle, *(r for r in used if r not in idle)] if r not in busy]
+
     def items(self, *, reverse: bool = False) -> Iterator[tuple[Any, Any]]:  # type: ignore[override]
         return reversed(super().items()) if reverse else iter(super().items())
 

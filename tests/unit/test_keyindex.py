@@ -316,7 +316,7 @@ def test_clock_victims_match_the_python_model(seed: int) -> None:
             e.leases = m.leases = int(rng.random() < 0.1)
         live = list(model)
         protect = set(rng.sample(live, min(len(live), rng.randrange(0, 5)))) or None
-        regions = rng.choice([None, {1}, {2, 3}, set()])
+        regions = rng.choice([None, {1}, {2, 3}, set(), {3, 1, 1 << 40}, frozenset({2})])
         want = rng.choice([0, 1, 40, 400, 1 << 40])
         second_chance = rng.random() < 0.8
         got = index.clock_victims(want, second_chance, protect, regions)
@@ -330,12 +330,44 @@ def test_clock_victims_match_the_python_model(seed: int) -> None:
     same(index, model)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_reclaim_order_matches_the_python_model(seed: int) -> None:
+    """A region reclaim's order (`Eviction._free_one`) in C is the model's, for every mix of
+    used, busy and absent keys, deletions and spared keys moved to the end."""
+    rng = random.Random(seed)
+    index, model = KeyIndex(), OrderedKeyIndex()
+    for round_ in range(40):
+        keys = [f"r{round_}k{i}" for i in range(rng.randrange(0, 60))]
+        columns = [[rng.choice([1, 2, 3, 7, 1 << 40]) for _ in keys], [0] * len(keys)]
+        columns += [[rng.randrange(1, 9) for _ in keys]]
+        index.add_entries(keys, *columns, None)
+        model.add_entries(keys, *columns, None)
+        for e, m in zip(index.values(), model.values()):
+            e.referenced = m.referenced = rng.random() < 0.5
+            e.pins = m.pins = int(rng.random() < 0.03)
+            e.leases = m.leases = int(rng.random() < 0.03)
+        regions = rng.choice([set(), {1}, {2, 3, 9}, {1, 2, 3, 7, 1 << 40}, frozenset({7})])
+        assert index.reclaim_order(regions) == model.reclaim_order(regions)
+        for key in rng.sample(list(model), min(len(model), rng.randrange(0, 20))):
+            if rng.random() < 0.5:
+                del index[key]
+                del model[key]
+            else:
+                index.move_to_end(key)
+                model.move_to_end(key)
+    for bad in ([1], None, {"1"}):
+        with pytest.raises(TypeError):
+            index.reclaim_order(bad)
+
+
 def test_clock_victims_refuse_bad_arguments_and_leave_no_mark() -> None:
     index = KeyIndex()
     index.add_entries(["a", "b"], [1, 1], [0, 8], [8, 8], None)
-    for bad in ([["a"], None], [None, [1]], [None, None, None]):
+    for bad in ([["a"], None], [None, [1]], [None, None, None], [None, {1, "2"}]):
         with pytest.raises(TypeError):
             index.clock_victims(8, True, *bad)
+    with pytest.raises(OverflowError):  # (a region id is an int64)
+        index.clock_victims(8, True, None, {1 << 64})
     keys, entries, freed = index.clock_victims(8, True, None, None)
     assert keys == ["a"] and freed == 8 and entries == [index["a"]]
     assert not index["a"].referenced  # the walk's own mark is gone

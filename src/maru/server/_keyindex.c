@@ -894,22 +894,81 @@ done:
 #define VICTIM 2 /* a bit of `referenced` while the walk has taken its entry (no Python code
                   * sees it: cleared before the call returns) */
 
+/* The region filter of a walk: its ids sorted, searched per key. A walk that keeps an
+ * instance's keys (a watermark round over the instances above their share, a writer's room in
+ * its own regions) passes over every other key before it, 10^5 or more of them; a Python int
+ * made and hashed per key cost 20 ns, the search a few. */
+typedef struct {
+    long long *ids; /* NULL: any region */
+    Py_ssize_t n;
+} RegionFilter;
+
+static int compare_ids(const void *a, const void *b)
+{
+    long long x = *(const long long *)a, y = *(const long long *)b;
+    return (x > y) - (x < y);
+}
+
+/* `regions` (a set of int ids, or None) as a filter; -1 with an error set (not ints). */
+static int region_filter(PyObject *regions, RegionFilter *out)
+{
+    out->ids = NULL;
+    out->n = 0;
+    if (regions == Py_None)
+        return 0;
+    Py_ssize_t n = PySet_GET_SIZE(regions), k = 0;
+    PyObject *iter = PyObject_GetIter(regions), *item;
+    out->ids = PyMem_Malloc(sizeof(long long) * (size_t)(n > 0 ? n : 1));
+    if (iter == NULL || out->ids == NULL) {
+        Py_XDECREF(iter);
+        PyMem_Free(out->ids);
+        out->ids = NULL;
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        return -1;
+    }
+    while (k < n && (item = PyIter_Next(iter)) != NULL) {
+        long long id = PyLong_AsLongLong(item);
+        Py_DECREF(item);
+        if (id == -1 && PyErr_Occurred())
+            break;
+        out->ids[k++] = id;
+    }
+    Py_DECREF(iter);
+    if (PyErr_Occurred()) {
+        PyMem_Free(out->ids);
+        out->ids = NULL;
+        return -1;
+    }
+    out->n = k;
+    qsort(out->ids, (size_t)k, sizeof(long long), compare_ids);
+    return 0;
+}
+
+static int in_filter(const RegionFilter *filter, long long id)
+{
+    if (filter->ids == NULL)
+        return 1;
+    Py_ssize_t lo = 0, hi = filter->n;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (filter->ids[mid] < id)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < filter->n && filter->ids[lo] == id;
+}
+
 /* Whether the walk passes over entry e of `key`: busy, taken already, in no region of
- * `regions` (a set of ids; None: any), or in `protect` (a set of keys; None: none). -1 with
+ * `regions` (the filter; no ids: any), or in `protect` (a set of keys; None: none). -1 with
  * an error set. */
-static int passed_over(KeyEntry *e, PyObject *key, PyObject *regions, PyObject *protect)
+static int passed_over(KeyEntry *e, PyObject *key, const RegionFilter *regions, PyObject *protect)
 {
     if (e->pins > 0 || e->leases > 0 || (e->referenced & VICTIM))
         return 1;
-    if (regions != Py_None) {
-        PyObject *rid = PyLong_FromLongLong(e->region_id);
-        if (rid == NULL)
-            return -1;
-        int in = PySet_Contains(regions, rid);
-        Py_DECREF(rid);
-        if (in <= 0)
-            return in < 0 ? -1 : 1;
-    }
+    if (!in_filter(regions, e->region_id))
+        return 1;
     if (protect != Py_None) {
         int in = PySet_Contains(protect, key);
         if (in != 0)
@@ -932,7 +991,10 @@ static PyObject *KeyIndex_clock_victims(KeyIndex *self, PyObject *const *args, P
     int second_chance = PyObject_IsTrue(args[1]);
     if (second_chance < 0)
         return NULL;
-    PyObject *protect = args[2], *regions = args[3], *out = NULL;
+    PyObject *protect = args[2], *out = NULL;
+    RegionFilter regions;
+    if (region_filter(args[3], &regions) < 0)
+        return NULL;
     PyObject *keys = PyList_New(0), *entries = PyList_New(0), *spared = PyList_New(0);
     long long freed = 0;
     if (keys == NULL || entries == NULL || spared == NULL)
@@ -945,7 +1007,7 @@ static PyObject *KeyIndex_clock_victims(KeyIndex *self, PyObject *const *args, P
                 continue;
             KeyEntry *e = (KeyEntry *)en->value;
             PyObject *key = en->key;
-            int skip = passed_over(e, key, regions, protect);
+            int skip = passed_over(e, key, &regions, protect);
             if (skip < 0)
                 goto done;
             if (self->version != version) { /* (a set member's __eq__ changed the index) */
@@ -979,9 +1041,108 @@ done:
     if (entries != NULL) /* the marks go (on an error too: nothing was taken then) */
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(entries); i++)
             ((KeyEntry *)PyList_GET_ITEM(entries, i))->referenced &= ~VICTIM;
+    PyMem_Free(regions.ids);
     Py_XDECREF(keys);
     Py_XDECREF(entries);
     Py_XDECREF(spared);
+    return out;
+}
+
+/* A candidate region of `reclaim_order`: where its first key without and with the CLOCK bit
+ * lie in the walk (-1: none), and whether a key of it is busy. */
+typedef struct {
+    long long region_id;
+    Py_ssize_t first_idle, first_used;
+    int busy;
+} ReclaimCandidate;
+
+static int compare_first_idle(const void *a, const void *b)
+{
+    Py_ssize_t x = ((const ReclaimCandidate *)a)->first_idle;
+    Py_ssize_t y = ((const ReclaimCandidate *)b)->first_idle;
+    return (x > y) - (x < y);
+}
+
+static int compare_first_used(const void *a, const void *b)
+{
+    Py_ssize_t x = ((const ReclaimCandidate *)a)->first_used;
+    Py_ssize_t y = ((const ReclaimCandidate *)b)->first_used;
+    return (x > y) - (x < y);
+}
+
+static PyObject *KeyIndex_reclaim_order(KeyIndex *self, PyObject *arg)
+{
+    if (!PyAnySet_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "reclaim_order(regions: set)");
+        return NULL;
+    }
+    RegionFilter filter;
+    if (region_filter(arg, &filter) < 0)
+        return NULL;
+    Py_ssize_t n = filter.n, k;
+    ReclaimCandidate *c = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof(ReclaimCandidate));
+    PyObject *out = NULL;
+    if (c == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (k = 0; k < n; k++) {
+        c[k].region_id = filter.ids[k];
+        c[k].first_idle = c[k].first_used = -1;
+    }
+    for (Py_ssize_t j = self->head; j < self->used && n > 0; j++) {
+        Entry *en = &self->entries[j];
+        if (en->key == NULL)
+            continue;
+        KeyEntry *e = (KeyEntry *)en->value;
+        Py_ssize_t lo = 0, hi = n;
+        while (lo < hi) { /* (the filter's ids, sorted: `c` is in their order) */
+            Py_ssize_t mid = lo + (hi - lo) / 2;
+            if (filter.ids[mid] < e->region_id)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        if (lo == n || filter.ids[lo] != e->region_id)
+            continue;
+        ReclaimCandidate *r = &c[lo];
+        if (e->referenced) {
+            if (r->first_used < 0)
+                r->first_used = j;
+        } else if (r->first_idle < 0) {
+            r->first_idle = j;
+        }
+        if (e->pins > 0 || e->leases > 0)
+            r->busy = 1;
+    }
+    /* those with an idle key by its place, then those whose keys were all used by the first */
+    Py_ssize_t idle = 0, used = 0;
+    ReclaimCandidate *order = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof(ReclaimCandidate));
+    if (order == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (k = 0; k < n; k++)
+        if (!c[k].busy && c[k].first_idle >= 0)
+            order[idle++] = c[k];
+    for (k = 0; k < n; k++)
+        if (!c[k].busy && c[k].first_idle < 0 && c[k].first_used >= 0)
+            order[idle + used++] = c[k];
+    qsort(order, (size_t)idle, sizeof(ReclaimCandidate), compare_first_idle);
+    qsort(order + idle, (size_t)used, sizeof(ReclaimCandidate), compare_first_used);
+    out = PyList_New(idle + used);
+    for (k = 0; out != NULL && k < idle + used; k++) {
+        PyObject *rid = PyLong_FromLongLong(order[k].region_id);
+        if (rid == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, k, rid);
+    }
+    PyMem_Free(order);
+done:
+    PyMem_Free(c);
+    PyMem_Free(filter.ids);
     return out;
 }
 
@@ -1177,6 +1338,11 @@ static PyMethodDef KeyIndex_methods[] = {
      "A key whose CLOCK bit is set is spared instead (bit cleared, moved to the newest end\n"
      "after the walk); when a walk takes too little and spared some, a second walk goes on.\n"
      "second_chance=False: the bits are not looked at. Takes nothing out of the index."},
+    {"reclaim_order", (PyCFunction)KeyIndex_reclaim_order, METH_O,
+     "reclaim_order(regions: set) -> [region id, ...]: the regions a reclaim may empty, in\n"
+     "the order eviction would reach them: those with a key without its CLOCK bit by the\n"
+     "first such key, then those whose keys all have it by their first. Regions holding a\n"
+     "busy key (pinned or leased) or no key are left out."},
     {"values", (PyCFunction)KeyIndex_values, METH_NOARGS,
      "values(): an iterator over the entries, oldest first."},
     {"items", (PyCFunction)(void (*)(void))KeyIndex_items, METH_VARARGS | METH_KEYWORDS,

@@ -194,18 +194,7 @@ class Eviction:
             return False
         reg = self.view
         regions = reg.regions
-        order: dict[int, None] = {}  # candidate regions, by their oldest key without the bit
-        used: dict[int, None] = {}  # ... and by their oldest key with it
-        busy: set[int] = set()
-        for entry in reg.keys.values():
-            if entry.region_id in candidates:
-                (used if entry.referenced else order).setdefault(entry.region_id, None)
-                if entry.busy:
-                    busy.add(entry.region_id)
-        order.update(used)  # (keeps a region's place if it has keys of both kinds)
-        for region_id in order:
-            if region_id in busy:
-                continue
+        for region_id in reg.keys.reclaim_order(candidates):  # (one walk in C)
             region = regions[region_id]
             if not region.returned:
                 self.take_back(region)
