@@ -21,6 +21,7 @@ from maru.server.cluster.proof import (
 from maru.server.keyindex import release_entries
 from maru.server.metrics import CLUSTER_METRICS, _cluster_metrics
 
+from .registry_calls import locate, register
 from .test_eviction_leases import MiB, consistent, fill, make_registry
 
 SGLANG_FILE = {
@@ -297,6 +298,31 @@ def test_a_pulls_pages_are_found_without_walking_every_full_region(tmp_path, mon
     assert pages.reserve(length) is not None and tier_searches() == 1  # where the last one went
 
 
+def test_a_pull_that_finds_no_region_makes_room_among_the_tiers_own_values(tmp_path):
+    """The tier holds a 16 MiB region of pulled values, A (within its share) a parked one of
+    its own. A pull that finds the pool full evicts the tier's oldest pulled value (it is in
+    the cluster still), not A's keys: before, it took A's parked region back (A's 16 keys
+    evicted), and with the fair-share rule alone it found no room (a miss)."""
+    reg = make_registry(tmp_path, pool_mib=32, high=1.0, low=1.0)
+    pages = TierPages(reg)
+    places = [pages.reserve(MiB) for _ in range(16)]
+    assert all(places) and len(pages.free_lists) == 1
+    tier = pages.instance_id
+    register(reg, tier, [[f"pulled{i}", p[0], p[1], MiB] for i, p in enumerate(places)])
+    rid = reg.request_region("A", 16 * MiB).region_id
+    fill(reg, "A", rid, [f"a{i}" for i in range(16)])
+    reg.park("A", 1, [rid], [])
+    pages.ready(4 * MiB)  # (the pool full: no region ahead, but a batch's room is 2 MiB)
+    place = pages.reserve(MiB)
+    assert place is not None and place[:2] == places[0][:2]  # the oldest pulled value's pages
+    rounds = reg.counters["eviction_rounds"]
+    assert pages.reserve(MiB)[:2] == places[1][:2]  # freed by the same round, for the batch
+    assert reg.counters["eviction_rounds"] == rounds == 1
+    assert len(reg.keys) == 30 and "pulled0" not in reg.keys and "pulled1" not in reg.keys
+    assert all(f"a{i}" in reg.keys for i in range(16)) and rid in reg.instances["A"].regions
+    consistent(reg)
+
+
 def test_the_tiers_regions_go_back_when_a_writer_below_its_share_finds_the_pool_full(tmp_path):
     """Pulled values filling the pool never crowd out the node's own writers: asked to shed
     (another instance, below its fair share, found the pool full), the tier gives back whole
@@ -305,8 +331,6 @@ def test_the_tiers_regions_go_back_when_a_writer_below_its_share_finds_the_pool_
     bench_cluster (2026-12-04): the tier never gave any back, and a full-share writer on the
     pulling node failed 45 of 384 stores every round."""
     from maru.common.protocol import ErrorCode, ProtocolError, RegisterStatus
-
-    from .registry_calls import locate, register
 
     reg = make_registry(tmp_path, pool_mib=64, high=1.0, low=1.0)
     pages = TierPages(reg)
@@ -345,8 +369,6 @@ def test_a_writer_below_its_share_gets_the_tiers_room_in_the_request_that_finds_
     reply (the writer then waits POOL_RECLAIMING out and asks again). A region a pull is
     landing in is kept."""
     from maru.server.cluster.tier import Batch, ClusterTier
-
-    from .registry_calls import locate, register
 
     monkeypatch.setattr(ClusterTier, "start", lambda self: None)  # (no sidecar: pages only)
     config = tmp_path / "mooncake.json"

@@ -7,7 +7,8 @@ a region within a quarter second of its making, so a pull that lands in one made
 without a page fault, where one made for it is faulted page by page by its first reader.
 Regions go back to the pool when the pool asks (`shed`: another instance, below its fair
 share, found the pool full), in the very request that found it full (`RegionGrants.
-give_back_now`), so pulls never crowd out the node's own writers.
+give_back_now`), so pulls never crowd out the node's own writers; when no region can be had,
+a pull makes room among the tier's own pulled values (`_room_among_own`).
 """
 
 from __future__ import annotations
@@ -65,12 +66,38 @@ class TierPages:
             size = max(REGION_BYTES, length)
             handle = self.registry.request_region(self.instance_id, size, length)
         except (ProtocolError, JournalWriteError) as exc:  # (a region is journaled first)
-            log.info("cluster tier: no pool pages for a pull of %d bytes: %s", length, exc)
-            return None
+            place = self._room_among_own(length, align)
+            if place is None:
+                log.info("cluster tier: no pool pages for a pull of %d bytes: %s", length, exc)
+            return place
         pages = self.free_lists[handle.region_id] = ExtentAllocator(handle.length, ALIGN)
         offset = pages.allocate(length, align)
         self.last = handle.region_id
         return None if offset is None else self._place(handle.region_id, offset)
+
+    def _room_among_own(self, length: int, align: int) -> tuple[int, int, str, int] | None:
+        """No region to be had (the pool full, or the tier over its fair share): pages freed
+        among the tier's own pulled values, least recently used first, as a client at its
+        `pool_size` evicts its own. They are still in the cluster: the cheapest bytes of the
+        pool to lose. One round frees a batch's worth (`ahead`: the next values of this pull
+        find their pages freed, not a round each); twice as much asked once when what was
+        freed holds no run of `length`."""
+        want = max(length, self.ahead)
+        for _ in range(2 if self.free_lists else 0):
+            try:
+                freed = self.registry.eviction.evict_for(self.instance_id, want)
+            except (ProtocolError, JournalWriteError) as exc:
+                log.info("cluster tier: no room made among pulled values: %s", exc)
+                return None
+            self.take_freed()
+            for region_id, pages in self.free_lists.items():
+                if pages.free >= length and (offset := pages.allocate(length, align)) is not None:
+                    self.last = region_id
+                    return self._place(region_id, offset)
+            if not freed:
+                break
+            want *= 2
+        return None
 
     def ready(self, batch_bytes: int) -> None:
         """After a batch of `batch_bytes` went to be pulled: keep as many bytes free in the
