@@ -565,6 +565,28 @@ def test_a_writer_over_its_fair_share_takes_no_parked_region_of_one_within_its_o
     consistent(reg)
 
 
+def test_a_writer_below_its_share_asks_those_over_theirs_before_it_empties_an_idle_one(tmp_path):
+    """C, new, is below its share (16 MiB / 3 writers); A holds 12 MiB, all in use; B, within
+    its share, parked its 4 MiB region of keys. C's request asks A to give back
+    (POOL_RECLAIMING) and leaves B's keys: before, B's region was emptied at once. Once A
+    parks a region, C takes that one."""
+    reg = make_registry(tmp_path, pool_mib=16, high=1.0, low=1.0)
+    ra = [reg.request_region("A", 4 * MiB).region_id for _ in range(3)]
+    rb = reg.request_region("B", 4 * MiB).region_id
+    fill(reg, "A", ra[0], ["a0"])
+    fill(reg, "B", rb, ["b0", "b1"])
+    reg.park("B", 1, [rb], [])
+    reg.instances.handshake("C", 3)
+    with pytest.raises(ProtocolError) as exc:
+        reg.request_region("C", 2 * MiB)
+    assert exc.value.code == ErrorCode.POOL_RECLAIMING and reg.instances["A"].shed > 0
+    assert reg.exists(["b0", "b1"]) == [True, True] and rb in reg.instances["B"].regions
+    reg.park("A", 1, [ra[0]], [])
+    assert reg.request_region("C", 2 * MiB).owner == "C"
+    assert reg.exists(["a0", "b0", "b1"]) == [False, True, True]
+    consistent(reg)
+
+
 def test_a_writer_over_its_share_with_no_region_large_enough_may_take_any_idle_one(tmp_path):
     """Evicting its own keys cannot make room for a value larger than every region it holds
     (here: none), so the request takes an idle region of an instance within its share, as

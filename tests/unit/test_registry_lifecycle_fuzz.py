@@ -261,8 +261,10 @@ def request_region(w: World, client: Client) -> None:
         reclaim=w.rnd.random() < 0.8,
         sheds_before={i.instance_id: i.shed for i in reg.instances.values()},
     )
-    if grant.held + grant.least > share and any(  # (room it could make among its own)
-        reg.regions[r].length >= size for r in inst.regions
+    over = grant.held + grant.least > share
+    if (over and any(reg.regions[r].length >= size for r in inst.regions)) or (
+        not over  # (below its share: those over theirs pay, or are asked to)
+        and any(region_bytes(reg, i) > share for i in reg.instances if i != client.iid)
     ):
         grant.protected = {
             r.region_id
@@ -713,9 +715,10 @@ def grants_keep_fair_shares(w: World) -> None:
     reclaim is not refused POOL_FULL while another still holds more than its share (that one
     is asked to shed: POOL_RECLAIMING); one refused POOL_RECLAIMING was below its share, and
     every instance newly asked to shed holds more than the share; one over its share, with a
-    region as large as it asks, took no parked region with keys of an instance within its
-    own. Else one instance keeps most of the pool while others get nothing, or one within
-    its share gives back (evicting its keys) what nobody is owed."""
+    region as large as it asks, or one below it while another is over, took no parked region
+    with keys of an instance within its own. Else one instance keeps most of the pool while
+    others get nothing, or one within its share gives back (evicting its keys) what nobody
+    is owed."""
     grant, w.grant = w.grant, None
     if grant is None:
         return

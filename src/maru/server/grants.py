@@ -173,15 +173,19 @@ class RegionGrants:
     def _allocate_reclaiming(
         self, instance_id: str, length: int, page_size: int, below_share: bool, share: int
     ) -> Region:
-        """A region of `length`, reclaiming idle ones until it fits. A requester over its
-        fair share that can make the room among its own keys (it holds a region of `length`
-        at least) takes no parked region with keys of an instance within its own share: as in
-        a watermark round (`Eviction.to_watermark`), whoever holds more than its share pays
-        first. One that cannot (a value larger than any region it holds) may take any."""
-        spared: Collection[str] = ()
-        if not below_share and any(
+        """A region of `length`, reclaiming idle ones until it fits. The parked regions with
+        keys of the instances within their fair share are taken last, as in a watermark round
+        (`Eviction.to_watermark`): whoever holds more than its share pays first. A requester
+        below its share takes those over theirs' idle regions, else asks them to give some
+        back (POOL_RECLAIMING), and takes a within-share instance's only when nobody is over.
+        A requester over its share that can make the room among its own keys (it holds a
+        region of `length` at least) takes none of them; one that cannot (a value larger than
+        any region it holds) may take any."""
+        can_make_room = any(
             self.regions[r].length >= length for r in self.instances[instance_id].regions
-        ):
+        )
+        spared: Collection[str] = ()
+        if below_share or can_make_room:
             spared = self._within_share(instance_id, share)
         while True:
             try:
@@ -190,7 +194,7 @@ class RegionGrants:
                 if self.reclaim(spared):
                     continue
                 code, why = ErrorCode.POOL_FULL, str(exc)
-                if spared:
+                if spared and not below_share:
                     why += (
                         f"; {instance_id} is over its fair share ({share} bytes) and takes no "
                         "idle region of an instance within its own: it makes room among its "
@@ -199,6 +203,9 @@ class RegionGrants:
                 asked = self._ask_to_shed(instance_id, share) if below_share else []
                 if self._given_back_now(asked):
                     continue  # (regions returned: the next reclaim takes them)
+                if below_share and not asked and spared:
+                    spared = ()  # (nobody over its share to ask: any idle region)
+                    continue
                 if asked:
                     code = ErrorCode.POOL_RECLAIMING
                     why += "; instances over their fair share were asked to give regions back"
