@@ -31,9 +31,12 @@ VALUE = 60_000  # one 64 KiB chunk each
 CHUNKS = 64  # a 4 MiB region
 
 
-def paused_writer(url: str, local_socket: bool, ready, go, out) -> None:
+def paused_writer(url: str, local_socket: bool, beats: bool, ready, go, out) -> None:
     """A: reserve every chunk of our region, wait (stopped by the parent meanwhile), then write
-    them all and seal. Puts (instance id, seal results) on `out`."""
+    them all and seal. Puts (instance id, seal results) on `out`. Without `beats` its
+    heartbeat thread is stopped first: resumed, that thread learns the region is gone and
+    fences its mapping, and when it did so before the writes, the case without a hold saw no
+    fault (1 run in 10 here); the fence is the client's second line, the hold the server's."""
     h = MaruHandler(
         server_url=url,
         pool_size="4M",
@@ -45,6 +48,8 @@ def paused_writer(url: str, local_socket: bool, ready, go, out) -> None:
     try:
         run = h.alloc(VALUE, CHUNKS)
         assert run is not None
+        if not beats:
+            h._heartbeat.stop(10)  # (private: the test's fault, a fence that comes too late)
         ready.set()
         go.wait(60)
         for part in run.split():
@@ -83,7 +88,8 @@ def test_a_paused_writer_never_writes_into_another_instances_pages(maru_server_f
     )
     ready, go, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
     local = case == "local socket"
-    a = SPAWN.Process(target=paused_writer, args=(server.url, local, ready, go, out))
+    beats = not case.startswith("tcp without")
+    a = SPAWN.Process(target=paused_writer, args=(server.url, local, beats, ready, go, out))
     a.start()
     b = MaruHandler(
         server_url=server.url, pool_size="4M", chunk_size_bytes="64K", timeout_ms=10_000
