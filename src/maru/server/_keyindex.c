@@ -945,10 +945,9 @@ static int region_filter(PyObject *regions, RegionFilter *out)
     return 0;
 }
 
-static int in_filter(const RegionFilter *filter, long long id)
+/* Where `id` is among the filter's ids, -1 if not there. */
+static Py_ssize_t filter_index(const RegionFilter *filter, long long id)
 {
-    if (filter->ids == NULL)
-        return 1;
     Py_ssize_t lo = 0, hi = filter->n;
     while (lo < hi) {
         Py_ssize_t mid = lo + (hi - lo) / 2;
@@ -957,7 +956,12 @@ static int in_filter(const RegionFilter *filter, long long id)
         else
             hi = mid;
     }
-    return lo < filter->n && filter->ids[lo] == id;
+    return lo < filter->n && filter->ids[lo] == id ? lo : -1;
+}
+
+static int in_filter(const RegionFilter *filter, long long id)
+{
+    return filter->ids == NULL || filter_index(filter, id) >= 0;
 }
 
 /* Whether the walk passes over entry e of `key`: busy, taken already, in no region of
@@ -1095,17 +1099,10 @@ static PyObject *KeyIndex_reclaim_order(KeyIndex *self, PyObject *arg)
         if (en->key == NULL)
             continue;
         KeyEntry *e = (KeyEntry *)en->value;
-        Py_ssize_t lo = 0, hi = n;
-        while (lo < hi) { /* (the filter's ids, sorted: `c` is in their order) */
-            Py_ssize_t mid = lo + (hi - lo) / 2;
-            if (filter.ids[mid] < e->region_id)
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
-        if (lo == n || filter.ids[lo] != e->region_id)
+        Py_ssize_t at = filter_index(&filter, e->region_id); /* (`c` is in the ids' order) */
+        if (at < 0)
             continue;
-        ReclaimCandidate *r = &c[lo];
+        ReclaimCandidate *r = &c[at];
         if (e->referenced) {
             if (r->first_used < 0)
                 r->first_used = j;

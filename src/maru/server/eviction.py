@@ -171,7 +171,7 @@ class Eviction:
         """Free one region for a region request that found no room; True if one was freed.
         Cheapest first: a parked region without keys, then a returned or parked one. The
         parked regions with keys of the instances in `spared` are not taken (those within
-        their fair share, when the requester is over its own: `RegionGrants`)."""
+        their fair share: `RegionGrants._allocate_reclaiming` says when)."""
         regions = self.view.regions
         for region in regions.values():
             if region.parked and not region.returned and region.live_keys == 0:

@@ -55,13 +55,9 @@ class TierPages:
         pages' length, so readers that name a value by its chunk index (LMCache) find only
         values as long as their chunk there: another is a miss (`Lookup.infos`)."""
         align = -(-length // ALIGN) * ALIGN
-        last = self.free_lists.get(self.last)  # (where the last one went: mostly room there)
-        if last is not None and (offset := last.allocate(length, align)) is not None:
-            return self._place(self.last, offset)
-        for region_id, pages in self.free_lists.items():  # (oldest first; full ones skipped)
-            if pages.free >= length and (offset := pages.allocate(length, align)) is not None:
-                self.last = region_id
-                return self._place(region_id, offset)
+        place = self._in_own_regions(length, align)
+        if place is not None:
+            return place
         try:
             size = max(REGION_BYTES, length)
             handle = self.registry.request_region(self.instance_id, size, length)
@@ -74,6 +70,18 @@ class TierPages:
         offset = pages.allocate(length, align)
         self.last = handle.region_id
         return None if offset is None else self._place(handle.region_id, offset)
+
+    def _in_own_regions(self, length: int, align: int) -> tuple[int, int, str, int] | None:
+        """Free pages for `length` in the tier's regions: where the last value went (mostly
+        room there), else the oldest region with room (full ones skipped)."""
+        last = self.free_lists.get(self.last)
+        if last is not None and (offset := last.allocate(length, align)) is not None:
+            return self._place(self.last, offset)
+        for region_id, pages in self.free_lists.items():
+            if pages.free >= length and (offset := pages.allocate(length, align)) is not None:
+                self.last = region_id
+                return self._place(region_id, offset)
+        return None
 
     def _room_among_own(self, length: int, align: int) -> tuple[int, int, str, int] | None:
         """No region to be had (the pool full, or the tier over its fair share): pages freed
@@ -90,10 +98,9 @@ class TierPages:
                 log.info("cluster tier: no room made among pulled values: %s", exc)
                 return None
             self.take_freed()
-            for region_id, pages in self.free_lists.items():
-                if pages.free >= length and (offset := pages.allocate(length, align)) is not None:
-                    self.last = region_id
-                    return self._place(region_id, offset)
+            place = self._in_own_regions(length, align)
+            if place is not None:
+                return place
             if not freed:
                 break
             want *= 2
