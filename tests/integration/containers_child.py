@@ -51,7 +51,8 @@ def handler(url: str, pool_path: str, pool_size: str) -> MaruHandler:
 def transport(h: MaruHandler) -> dict[str, Any]:
     """How this handler reaches the server: the Unix socket the handshake named and whether
     this thread's connection to it is open (else its requests go over TCP)."""
-    local = getattr(h._rpc._local, "local", None)
+    channels = getattr(h._rpc._local, "channels", None)
+    local = channels.local if channels is not None else None
     return {
         "local_address": h._rpc.local_address,
         "local_connected": local is not None and local.sock is not None,

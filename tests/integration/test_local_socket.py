@@ -208,8 +208,10 @@ def test_requests_in_flight_when_the_server_dies_fail_fast_then_recover(maru_ser
 
 def test_threads_of_one_handler_each_get_a_connection_and_their_own_replies(maru_server):
     """SGLang calls one backend from its backup, prefetch and scheduler threads at once: each
-    thread has its own Unix connection, and no reply reaches the wrong thread."""
+    thread has its own Unix connection, and no reply reaches the wrong thread. (Counted while
+    they live: a thread's end closes its connection.)"""
     errors: list[BaseException] = []
+    done, counted = threading.Barrier(9, timeout=60), threading.Event()
     with MaruHandler(server_url=maru_server.url, pool_size="16M", chunk_size_bytes="4K") as h:
 
         def worker(t: int) -> None:
@@ -223,14 +225,19 @@ def test_threads_of_one_handler_each_get_a_connection_and_their_own_replies(maru
                     assert h.batch_exists([key, f"missing-{t}-{i}"]) == [True, False]
             except BaseException as exc:  # reported below
                 errors.append(exc)
+            done.wait()
+            counted.wait(60)
 
         threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
         for thread in threads:
             thread.start()
+        done.wait()
+        alive = server_stats(maru_server.url)["local_connections"]
+        counted.set()
         for thread in threads:
             thread.join(60)
         assert not errors, errors[0]
-        assert server_stats(maru_server.url)["local_connections"] >= 8
+        assert alive >= 8
 
 
 @pytest.mark.parametrize("busy_poll_us", [0, 1, 200])
@@ -292,3 +299,34 @@ def test_server_busy_poll_serves_the_same_and_rejects_a_negative_window(
 
     with pytest.raises(ValueError, match="busy_poll_us"):
         MaruService(None, "tcp://127.0.0.1:0", busy_poll_us=-1)  # type: ignore[arg-type]
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("local_socket", ["auto", "none"])
+def test_a_thread_that_ends_leaves_no_connection_open(maru_server_factory, tmp_path, local_socket):
+    """Each thread that sends has a connection of its own (ZMQ sockets are not thread-safe);
+    its end closes it. Before, each one stayed open on both ends until the handler closed:
+    every `maru-ready` thread (one per region taken ahead) and every short-lived worker of a
+    caller left a Unix socket, or a ZMQ socket and its TCP connection, behind it."""
+    server = maru_server_factory(
+        tmp_path / "srv", pool_size="64M", extra_args=["--local-socket", local_socket]
+    )
+    threads = 40
+    with MaruHandler(server_url=server.url, pool_size="4M") as h:
+        store_and_read(h, "main")  # (this thread's connection, open from now on)
+        descriptors = open_descriptors()
+        connections = h.stats()["local_connections"]
+
+        for _ in range(threads):
+            thread = threading.Thread(target=h.healthcheck)  # (a request: a HEARTBEAT)
+            thread.start()
+            thread.join(10)
+        left = open_descriptors() - descriptors
+        assert left < threads // 4, f"{left} descriptors left by {threads} threads that ended"
+        deadline = time.monotonic() + 10  # (the server sees a close when it next polls)
+        while h.stats()["local_connections"] > connections and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert h.stats()["local_connections"] == connections

@@ -297,6 +297,8 @@ class _ZmqChannel(_Channel):
         raise MaruConnectRefused(self.where, f"the security handshake failed: {why}")
 
     def close(self) -> None:
+        if self.sock.closed:
+            return
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.sock.close(linger=0)
@@ -474,6 +476,26 @@ class _LocalChannel(_Channel):
             self.sock = None
 
 
+class _ThreadChannels:
+    """One thread's channels, in the client's thread-local storage. The thread's end drops
+    that storage and with it this holder, which then closes them: a short-lived thread (a
+    `maru-ready` thread, a caller's per-request worker) leaves no connection open behind it,
+    on either end, until the client closes. In a child forked from the process, whose other
+    threads' storage goes at the fork, only its copies of the Unix sockets are closed (the
+    ZMQ sockets belong to the parent's context)."""
+
+    __slots__ = ("local", "zmq")
+
+    def __init__(self) -> None:
+        self.local: _LocalChannel | None = None
+        self.zmq: _ZmqChannel | None = None
+
+    def __del__(self) -> None:
+        for channel in (self.local, self.zmq):
+            if channel is not None:
+                channel.client.forget(channel)
+
+
 class LocalSocketUnavailable(Exception):
     """The Unix socket cannot take a request now; `RpcClient` sends it over ZMQ instead."""
 
@@ -604,25 +626,40 @@ class RpcClient:
         with self._channels_lock:
             self._channels.append(channel)
 
+    def forget(self, channel: _Channel) -> None:
+        """Close `channel` (a thread that ended, `_ThreadChannels`) and drop it from those
+        `close` closes. No lock: this may run in a garbage collection on a thread holding it."""
+        if isinstance(channel, _LocalChannel) or os.getpid() == self.created_in:
+            channel.close()
+        with contextlib.suppress(ValueError):
+            self._channels.remove(channel)
+
+    def _thread_channels(self) -> _ThreadChannels:
+        mine = getattr(self._local, "channels", None)
+        if mine is None:
+            mine = self._local.channels = _ThreadChannels()
+        return mine
+
     def _zmq_channel(self) -> _Channel:
-        channel = getattr(self._local, "zmq", None)
-        if channel is None:
+        mine = self._thread_channels()
+        if mine.zmq is None:
             channel = _ZmqChannel(self)
             self._register(channel)
-            self._local.zmq = channel
-        return channel
+            mine.zmq = channel
+        return mine.zmq
 
     def _channel(self) -> _Channel:
         """This thread's channel: the Unix socket if the server named one and it connects."""
         address = self.local_address
         if address is not None:
-            local = getattr(self._local, "local", None)
+            mine = self._thread_channels()
+            local = mine.local
             if local is None or local.address != address:
                 if local is not None:
-                    local.close()
+                    self.forget(local)
                 local = _LocalChannel(self, address)
                 self._register(local)
-                self._local.local = local
+                mine.local = local
             if local.connected():
                 return local
         return self._zmq_channel()
@@ -645,7 +682,7 @@ class RpcClient:
         self._closed = True
         forked = self.forked()  # (then no lock: the parent's threads, not here, may have held it)
         with contextlib.nullcontext() if forked else self._channels_lock:
-            for channel in self._channels:
+            for channel in list(self._channels):  # (a thread's end may `forget` one meanwhile)
                 if not forked or isinstance(channel, _LocalChannel):
                     channel.close()
             self._channels.clear()
