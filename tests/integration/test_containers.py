@@ -427,7 +427,16 @@ def test_a_killed_client_in_another_container_is_reaped_and_its_keys_stay(
                     mine = s["instances"].get(w.instance, {"dropped": True})  # (reaped: gone)
                     return s["local_connections"] < connections and mine["dropped"]
 
-                assert until(gone, step=0.1)
+                if not until(gone, step=0.1):
+                    s = p.stats()  # (what the server holds, to tell whose connection stayed)
+                    held = {
+                        i: {k: v[k] for k in ("pid", "dropped", "idle_seconds", "host")}
+                        for i, v in s["instances"].items()
+                    }
+                    raise AssertionError(
+                        f"{s['local_connections']} local connections (before the kill: "
+                        f"{connections}); instances {held}\n{p.server.read_log()[-3000:]}"
+                    )
                 assert w.instance in p.stats()["instances"]
                 assert until(lambda: w.instance not in p.stats()["instances"], step=0.1)
                 reaped = f"instance {w.instance} reaped after 2s without a heartbeat"

@@ -330,3 +330,32 @@ def test_a_thread_that_ends_leaves_no_connection_open(maru_server_factory, tmp_p
         while h.stats()["local_connections"] > connections and time.monotonic() < deadline:
             time.sleep(0.05)
         assert h.stats()["local_connections"] == connections
+
+
+@pytest.mark.parametrize("local_socket", ["auto", "none"])
+def test_a_request_a_thread_sent_without_waiting_arrives_after_it_ends(
+    maru_server_factory, tmp_path, local_socket
+):
+    """A lease's release is not waited for: the thread that sent it may end at once, and its
+    connection's close must not lose it (over ZMQ, a close would drop what is still queued:
+    it lingers instead). The lease timeout is long, so only the release ends the lease."""
+    server = maru_server_factory(
+        tmp_path / "srv",
+        pool_size="64M",
+        extra_args=["--local-socket", local_socket, "--lease-timeout", "120"],
+    )
+    with MaruHandler(server_url=server.url, pool_size="4M", local_index=False) as h:
+        store_and_read(h, "leased")
+
+        def read_and_go() -> None:
+            found = h.lookup(["leased"], lease=True)
+            assert found.infos()[0] is not None
+            found.release()  # (sent, not waited for)
+
+        thread = threading.Thread(target=read_and_go)
+        thread.start()
+        thread.join(10)
+        deadline = time.monotonic() + 10
+        while h.stats()["leases"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert h.stats()["leases"] == 0

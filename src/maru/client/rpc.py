@@ -296,12 +296,14 @@ class _ZmqChannel(_Channel):
             )
         raise MaruConnectRefused(self.where, f"the security handshake failed: {why}")
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """`linger_ms`: how long ZeroMQ may still try to deliver what was sent (it does so in
+        the background; this returns at once)."""
         if self.sock.closed:
             return
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
-        self.sock.close(linger=0)
+        self.sock.close(linger=linger_ms)
 
 
 class _LocalChannel(_Channel):
@@ -491,9 +493,12 @@ class _ThreadChannels:
         self.zmq: _ZmqChannel | None = None
 
     def __del__(self) -> None:
-        for channel in (self.local, self.zmq):
-            if channel is not None:
-                channel.client.forget(channel)
+        try:
+            for channel in (self.local, self.zmq):
+                if channel is not None:
+                    channel.client.forget(channel)
+        except Exception:  # (a destructor must not raise: at exit, modules may be half gone)
+            pass
 
 
 class LocalSocketUnavailable(Exception):
@@ -629,7 +634,12 @@ class RpcClient:
     def forget(self, channel: _Channel) -> None:
         """Close `channel` (a thread that ended, `_ThreadChannels`) and drop it from those
         `close` closes. No lock: this may run in a garbage collection on a thread holding it."""
-        if isinstance(channel, _LocalChannel) or os.getpid() == self.created_in:
+        if isinstance(channel, _ZmqChannel):
+            # A request the thread sent without waiting (a lease's release) may still be
+            # queued: delivered, as on the Unix socket, whose peer reads what was written.
+            if os.getpid() == self.created_in:
+                channel.close(linger_ms=self.timeout_ms)
+        else:
             channel.close()
         with contextlib.suppress(ValueError):
             self._channels.remove(channel)
