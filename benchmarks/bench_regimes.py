@@ -31,6 +31,8 @@ Beside them, in the same processes, the streaming copy of the same bytes between
 and a warm /dev/shm mapping (`maru.common.memcopy.copy_values` with streaming stores: the
 `stream` method of bench_hicache), set and get. Each round runs on a fresh `maru-server` (a
 pool file nobody touched); figures are medians over rounds, ratios medians of per-round ratios.
+Before and after the rounds it runs `probe_idle_memory.idle_verdict` (no Maru: is memory left
+idle for a second written slower on this host today?) and prints its line above the table.
 Prints the regimes' table with issue 42's targets and PASS/MISS, and writes CSV, JSON,
 Markdown and a PNG (matplotlib) under benchmarks/results/.
 """
@@ -53,6 +55,7 @@ from typing import Any
 import numpy as np
 
 import bench_hicache as H  # (same dir; puts tests/ on sys.path for sglang_cpu)
+from probe_idle_memory import idle_verdict
 from report import finish, rows_csv
 
 MiB = H.MiB
@@ -590,6 +593,7 @@ def main() -> int:
     sglang_cpu.apply()  # before SGLang is imported
     H.preload_sglang()
     machine = H.machine_info()
+    host_before = idle_verdict()  # (the host's state, beside the run's figures)
     rounds: dict[str, list[dict[str, float]]] = {s: [] for s in sizes}
     off: dict[str, list[dict[str, float]]] = {s: [] for s in sizes}  # (--compare-ready)
     for r in range(plan.rounds):  # page sizes alternate: both see the same machine state
@@ -598,6 +602,7 @@ def main() -> int:
                 (rounds if READY else off)[size].append(bench_round(CASES[size], plan))
             READY = True
             print(f"round {r + 1}/{plan.rounds}, {size}: done", file=sys.stderr)
+    host_after = idle_verdict()
     summary = {size: summarize(rs) for size, rs in rounds.items()}
     compared: list[str] = []
     if args.compare_ready:
@@ -614,6 +619,8 @@ def main() -> int:
             f"maru from {Path(maru.__file__).parent}",
             f"{machine['cpu']}, {machine['cores']} cores, kernel {machine['kernel']}; pools in "
             f"{machine['pool_dir']} (huge={machine['huge']})",
+            f"before the rounds, {host_before}",
+            f"after the rounds, {host_after}",
             "",
             *render(summary),
             *compared,
@@ -622,6 +629,7 @@ def main() -> int:
     targets = evaluate(summary)
     doc = {
         "machine": machine,
+        "idle_memory_probe": [host_before, host_after],
         "plan": {"rounds": plan.rounds, "calls": plan.calls, "call_bytes": CALL_BYTES},
         "maru": str(Path(maru.__file__).parent),
         "summary": summary,

@@ -96,3 +96,12 @@ def test_before_and_after_side_by_side(tmp_path):
         "| 0.6 GB/s (3%) | 16.0 GB/s (80%) | 0.6 GB/s (3%) | 16.0 GB/s (80%) "
         "| >= 75% / 85% of the copy | MISS -> PASS / MISS -> MISS |"
     )
+
+
+def test_the_idle_memory_probe_measures_each_sleep_and_says_its_verdict():
+    import probe_idle_memory as P
+
+    speeds = P.write_speeds(mib=8, sleeps=(0.0, 0.01))
+    assert list(speeds) == [0.0, 0.01]
+    assert all(first > 0 and again > 0 for first, again in speeds.values())
+    assert P.idle_verdict(mib=8).startswith("idle-memory probe: ")
