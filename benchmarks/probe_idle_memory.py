@@ -26,7 +26,9 @@ import time
 import numpy as np
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
-SLOW = 0.5  # idle memory written slower than this share of busy memory: the host reclaims it
+# Idle memory written slower than this share of busy memory: the host takes it back. (Runs
+# with the probe at 0.69 missed the never-touched and first-read targets: 0.45-0.55.)
+SLOW = 0.8
 
 
 def write_speeds(mib: int = 256, sleeps: tuple[float, ...] = (0.0, 1.0, 4.0)) -> dict:
