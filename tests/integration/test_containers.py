@@ -413,7 +413,7 @@ def test_a_killed_client_in_another_container_is_reaped_and_its_keys_stay(
             assert w.ok("store", "k", 0, 16) == 16
             before = p.stats()
             assert before["instances"][w.instance]["watched_pids"] == ([0] if pidfs else [])
-            connections = before["local_connections"]
+            assert before["instances"][w.instance]["local_connections"] >= 1
             w.signal(signal.SIGKILL)
             w.proc.wait(10)
 
@@ -423,20 +423,12 @@ def test_a_killed_client_in_another_container_is_reaped_and_its_keys_stay(
             else:
                 # Its connections are closed (the server saw both go), yet it is not reaped
                 def gone() -> bool:
-                    s = p.stats()
-                    mine = s["instances"].get(w.instance, {"dropped": True})  # (reaped: gone)
-                    return s["local_connections"] < connections and mine["dropped"]
+                    mine = p.stats()["instances"].get(w.instance)
+                    return mine is None or (not mine["local_connections"] and mine["dropped"])
 
                 if not until(gone, step=0.1):
-                    s = p.stats()  # (what the server holds, to tell whose connection stayed)
-                    held = {
-                        i: {k: v[k] for k in ("pid", "dropped", "idle_seconds", "host")}
-                        for i, v in s["instances"].items()
-                    }
-                    raise AssertionError(
-                        f"{s['local_connections']} local connections (before the kill: "
-                        f"{connections}); instances {held}\n{p.server.read_log()[-3000:]}"
-                    )
+                    mine = p.stats()["instances"][w.instance]
+                    raise AssertionError(f"{mine}\n{p.server.read_log()[-3000:]}")
                 assert w.instance in p.stats()["instances"]
                 assert until(lambda: w.instance not in p.stats()["instances"], step=0.1)
                 reaped = f"instance {w.instance} reaped after 2s without a heartbeat"

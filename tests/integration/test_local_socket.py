@@ -319,6 +319,8 @@ def test_a_thread_that_ends_leaves_no_connection_open(maru_server_factory, tmp_p
         store_and_read(h, "main")  # (this thread's connection, open from now on)
         descriptors = open_descriptors()
         connections = h.stats()["local_connections"]
+        mine = h.stats()["instances"][h.instance_id]["local_connections"]  # (per instance)
+        assert mine == (connections if local_socket == "auto" else 0)
 
         for _ in range(threads):
             thread = threading.Thread(target=h.healthcheck)  # (a request: a HEARTBEAT)
@@ -330,6 +332,7 @@ def test_a_thread_that_ends_leaves_no_connection_open(maru_server_factory, tmp_p
         while h.stats()["local_connections"] > connections and time.monotonic() < deadline:
             time.sleep(0.05)
         assert h.stats()["local_connections"] == connections
+        assert h.stats()["instances"][h.instance_id]["local_connections"] == mine
 
 
 @pytest.mark.parametrize("local_socket", ["auto", "none"])

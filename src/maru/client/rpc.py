@@ -3,9 +3,10 @@
 ZMQ (a DEALER to the server's ROUTER at `server_url`) always works and bootstraps the
 connection; once the HANDSHAKE reply names the server's Unix socket, requests go there (a much
 cheaper round trip). Each thread has its own channel (ZMQ sockets are not thread-safe), so
-threads never serialise on a lock; a thread's end closes it (`_ThreadChannels`). `PendingReply.result()` is the one place a reply is judged:
-the deadline (a dead server raises `MaruConnectionError`, never hangs), an error reply, another
-protocol version, a server that forgot the caller (a re-handshake, then the request once more).
+threads never serialise on a lock; a thread's end closes it (`_ThreadChannels`).
+`PendingReply.result()` is the one place a reply is judged: the deadline (a dead server raises
+`MaruConnectionError`, never hangs), an error reply, another protocol version, a server that
+forgot the caller (a re-handshake, then the request once more).
 """
 
 from __future__ import annotations

@@ -197,6 +197,10 @@ INSTANCE_GAUGES: dict[str, tuple[str, str]] = {
         "maru_instance_idle_seconds",
         "Seconds since the instance's last message (reaped after the heartbeat timeout).",
     ),
+    "local_connections": (
+        "maru_instance_local_connections",
+        "The instance's connections to the Unix socket now (one per client thread that sends).",
+    ),
     "dropped": (
         "maru_instance_dropped",
         "1 once the instance's TCP connection closed and it has not spoken since (gone; "

@@ -193,6 +193,12 @@ class MaruService:
         local = self.local
         stats["local_socket"] = local.address if local is not None else None
         stats["local_connections"] = len(local.connections) if local is not None else 0
+        instances = stats["instances"]
+        for instance in instances.values():
+            instance["local_connections"] = 0  # (its connections to the Unix socket now)
+        for conn in list(local.connections.values()) if local is not None else ():
+            if conn.instance in instances:
+                instances[conn.instance]["local_connections"] += 1
         journal = self.journal
         journal_counters = ("fsyncs", "fsync_errors", "write_errors", "snapshot_errors")
         for name in journal_counters:  # metrics.COUNTERS journal_*
