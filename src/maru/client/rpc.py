@@ -638,6 +638,8 @@ class RpcClient:
         if isinstance(channel, _ZmqChannel):
             # A request the thread sent without waiting (a lease's release) may still be
             # queued: delivered, as on the Unix socket, whose peer reads what was written.
+            # (By pid, not `forked()`: a fork drops the other threads' storage, and so calls
+            # this, before the at-fork hook counts the fork.)
             if os.getpid() == self.created_in:
                 channel.close(linger_ms=self.timeout_ms)
         else:

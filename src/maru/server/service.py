@@ -14,6 +14,7 @@ import os
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -193,12 +194,10 @@ class MaruService:
         local = self.local
         stats["local_socket"] = local.address if local is not None else None
         stats["local_connections"] = len(local.connections) if local is not None else 0
-        instances = stats["instances"]
-        for instance in instances.values():
-            instance["local_connections"] = 0  # (its connections to the Unix socket now)
-        for conn in list(local.connections.values()) if local is not None else ():
-            if conn.instance in instances:
-                instances[conn.instance]["local_connections"] += 1
+        connections = list(local.connections.values()) if local is not None else []
+        held = Counter(conn.instance for conn in connections)
+        for iid, instance in stats["instances"].items():
+            instance["local_connections"] = held[iid]  # (its connections to the Unix socket)
         journal = self.journal
         journal_counters = ("fsyncs", "fsync_errors", "write_errors", "snapshot_errors")
         for name in journal_counters:  # metrics.COUNTERS journal_*
