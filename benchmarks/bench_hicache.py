@@ -305,7 +305,10 @@ def _copy_pages(part_ptrs, sizes, base, to_pool, s, n, streaming, threads=1) -> 
     where the pages lie back to back, each page's parts back to back: one `copy_values` call,
     page by page (each page's parts in order), like MaruStorage; `threads` > 1: shared
     between threads as MaruStorage shares its copies (`maru_copy_threads`)."""
-    from maru.common import memcopy
+    try:
+        from maru.common import memcopy
+    except ImportError:  # (a checkout before 2026-12-06, run for a baseline: the client's)
+        from maru.client import memcopy  # type: ignore[no-redef]
 
     starts = base + np.arange(s, s + n, dtype=np.int64) * sum(sizes)
     pool = np.stack([ptrs[s : s + n] for ptrs in part_ptrs], axis=1)
