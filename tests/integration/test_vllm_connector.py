@@ -166,8 +166,11 @@ def test_an_instance_of_another_kv_layout_never_hits_its_blocks(
     a, b = _both(server, model_dir, 1, {"layout": "LBNHC"}, layout="LBHNC")
     assert a["saved_blocks"] == W.BLOCKS
     assert b["loaded_blocks"] == 0 and b["load_errors"] == []
+    assert b["loads"] == 0 and b["failed_recving"] == [], b
     assert b["computed"] == [list(range(W.BLOCKS * BLOCK + W.TAIL))]
-    assert b["match"] == [[True] * W.BLOCKS]
+    # (failed once in CI, 2026-12-07: blocks 2-4 wrong, not reproduced since; the diagnosis
+    # says what their bytes were)
+    assert b["match"] == [[True] * W.BLOCKS], b["diagnosis"]
 
 
 def test_a_value_holds_a_blocks_logical_kv_in_the_keys_order(vllm_env):

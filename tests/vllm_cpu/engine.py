@@ -380,6 +380,41 @@ class MiniEngine:
             out.append(bool(same))
         return out
 
+    def blocks_diagnosis(self, req_id: str, n_blocks: int) -> list[str]:
+        """For each of the request's first blocks that `blocks_match` finds wrong, per layer,
+        what its bytes are instead, so that a failure says which mechanism wrote them: all
+        zeros (pages dropped or a block never written), the right KV in another layout's
+        order (a value of another layout loaded), or other bytes (where the first
+        difference is, and the block's address)."""
+        tokens = torch.tensor(self.tokens[req_id])
+        out = []
+        for b in range(n_blocks):
+            positions = torch.arange(b * BLOCK, (b + 1) * BLOCK)
+            for layer, name in enumerate(self.layers, self.first_layer):
+                block = self.group_blocks[req_id][self.layer_group[name]][b]
+                if block == 0:
+                    continue
+                view = self.kv[name]
+                shape = (view.shape[1], view.shape[3])
+                want = kv_value(
+                    layer, positions, tokens[positions], shape, view.dtype, self.cache_dtype
+                ).view(torch.uint8)
+                got = view[block].permute(1, 0, 2).contiguous().view(torch.uint8)  # [N, H, C]
+                if torch.equal(got, want):
+                    continue
+                raw = view[block].contiguous().view(torch.uint8)  # [H, N, C], as logical
+                if not got.any():
+                    what = "zeros"
+                elif torch.equal(raw.flatten(), want.flatten()):
+                    what = "the right KV in [N, H, C] order where [H, N, C] is read"
+                else:
+                    flat_got, flat_want = got.flatten(), want.flatten()
+                    diff = (flat_got != flat_want).nonzero().flatten()
+                    what = f"{len(diff)} of {flat_got.numel()} bytes differ from {int(diff[0])}"
+                start = view[block].data_ptr()
+                out.append(f"block {b} (id {block}) layer {name} at {start:#x}: {what}")
+        return out
+
     def close(self) -> None:
         self.worker.shutdown()
         self.scheduler.connector.shutdown()

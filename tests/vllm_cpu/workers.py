@@ -94,6 +94,7 @@ def load(
         return {
             "computed": [sorted(engine.computed[r]) for r in ids],
             "match": [engine.blocks_match(r, BLOCKS) for r in ids],
+            "diagnosis": [engine.blocks_diagnosis(r, BLOCKS) for r in ids],
             "load_errors": sorted(engine.load_errors),
             "failed_recving": sorted(engine.failed_recving),
             "first_blocks": engine.block_ids[first][:BLOCKS],
