@@ -241,3 +241,70 @@ def test_a_table_whose_every_slot_was_made_live_holds_no_writer_call(tmp_path):
         signal.alarm(0)
 
     in_child(case)
+
+
+def _scribble_key_length(path: str, slot: int) -> None:
+    """Slot `slot`'s key length field (bits 16-31 of its meta) set to 0xffff, past the 128
+    bytes a slot holds: what a writer of the table's memory could leave there."""
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+        at = HEADER_BYTES + slot * SLOT_BYTES + 16
+        meta = int.from_bytes(mm[at : at + 8], "little")
+        mm[at : at + 8] = (meta | (0xFFFF << 16)).to_bytes(8, "little")
+
+
+def _home(path: str, slot: int, capacity: int) -> int:
+    """The slot a slot's key hashes to (its hash field, offset 8)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+        at = HEADER_BYTES + slot * SLOT_BYTES + 8
+        return int.from_bytes(mm[at : at + 8], "little") & (capacity - 1)
+
+
+def _scribbled_slots(path: str, capacity: int) -> list[int]:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+        metas = [
+            int.from_bytes(mm[at : at + 8], "little")
+            for at in (HEADER_BYTES + i * SLOT_BYTES + 16 for i in range(capacity))
+        ]
+    return [i for i, meta in enumerate(metas) if (meta & 0xFF) and (meta >> 16) & 0xFFFF > 128]
+
+
+def test_a_key_length_scribbled_in_a_slot_is_never_copied_past_its_slot(tmp_path, monkeypatch):
+    """The writer reads a slot back when a delete shifts its probe chain and when the table
+    grows; a key length there past what a slot holds (128 bytes) is not believed: the shift
+    copies at most a slot's key (before: 65,535 bytes over the slots after it, and the stack
+    read past the slot's copy), the growth leaves the slot behind. Every other key is found
+    where it was published, in the table after each step."""
+
+    def case() -> None:
+        monkeypatch.setattr(localindex, "INITIAL_CAPACITY", 64)
+        index = LocalIndex("shm", str(tmp_path / "p"), "gen-1")
+        keys = [f"k/{i}" for i in range(31)]  # (under half of 64: no growth yet)
+        publish(index, keys)
+        reader = _open(index.path, os.getuid())
+        slots = [int(slot) for slot in columns(reader, keys)[5]]
+        homes = [_home(index.path, slot, 64) for slot in slots]
+        # a key displaced from its home slot: a delete there shifts it back
+        victim = next(i for i, (slot, home) in enumerate(zip(slots, homes)) if slot != home)
+        _scribble_key_length(index.path, slots[victim])
+        assert _scribbled_slots(index.path, 64) == [slots[victim]]
+        others = [k for i, k in enumerate(keys) if i != victim]
+        at_home = slots.index(homes[victim])  # (the key in the victim's home slot)
+        index.remove([keys[at_home]])
+        after = _scribbled_slots(index.path, 64)
+        assert len(after) == 1 and after != [slots[victim]]  # shifted back, still one slot
+        others.remove(keys[at_home])
+        for gone in others[:10]:
+            index.remove([gone])
+            assert len(_scribbled_slots(index.path, 64)) == 1
+        kept = others[10:]
+        found = columns(_open(index.path, os.getuid()), kept)
+        assert found is not None and list(found[4]) == [4096 * keys.index(k) for k in kept]
+        # the growth: the scribbled slot is left behind, every other key copied
+        publish(index, [f"more/{i}" for i in range(40)], base=1 << 20)
+        assert index.table is not None and index.table.capacity > 64
+        bigger = _open(index.path, os.getuid())
+        found = columns(bigger, kept)
+        assert found is not None and list(found[4]) == [4096 * keys.index(k) for k in kept]
+        assert _scribbled_slots(index.path, index.table.capacity) == []
+
+    in_child(case)

@@ -691,6 +691,8 @@ static void slot_write(Table *t, uint64_t i, const Slot *src, uint64_t meta)
         STORE(&s->checksum, src->checksum);
         STORE(&s->tag, src->tag);
         size_t len = (size_t)(meta >> 16) & 0xffff;
+        if (len > MAX_KEY) /* (a length read back from shared memory: at most a slot's) */
+            len = MAX_KEY;
         memcpy(s->key, src->key, len);
     }
     STORE(&s->meta, meta);
@@ -1130,6 +1132,8 @@ static int copy_into_run(void *arg)
         if ((s->meta & 0xff) != STATE_LIVE)
             continue;
         Slot src = *s;
+        if (((src.meta >> 16) & 0xffff) > MAX_KEY) /* (not a key of ours: left behind) */
+            continue;
         KeyBytes k = {.p = src.key, .n = (Py_ssize_t)((src.meta >> 16) & 0xffff),
                       .kind = (int)(src.meta >> 8) & 0xff};
         src.hash = key_hash(&k, b->seed, NULL);
