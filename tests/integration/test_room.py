@@ -191,3 +191,47 @@ def test_a_full_instance_writing_behind_finds_its_room_ready(maru_server_factory
     recent = list(written)[-(FULL // BATCH - AHEAD_WRITES - 1) * BATCH :]
     assert read_back(h, recent) == [written[k] for k in recent]
     h.close()
+
+
+def test_a_write_whose_work_beside_its_copy_raises_finishes_the_copy_first(
+    maru_server_factory, monkeypatch
+):
+    """A write begins its copy, then does its other work (the seal's preparation, the room
+    ahead, earlier replies) while the copy runs. If that work raises, the copy is finished
+    before the exception leaves the write, while its pages are mapped. Before, the copy begun
+    stayed in the exception's traceback, and whoever dropped that traceback ran the rest of
+    it, maybe after the region was unmapped and its addresses reused by other memory (a copy
+    under 1 MiB is all the caller's: nothing was in the pages when the exception came out)."""
+    import ctypes
+
+    import numpy as np
+
+    from maru.client import Put, values_at, writes
+
+    server = maru_server_factory(pool_size="64M")
+    targets: list[np.ndarray] = []
+    begin = writes._c_copy_values_start
+
+    def recorded(target: np.ndarray, *args: Any) -> Any:
+        targets.append(target.copy())
+        return begin(target, *args)
+
+    def raises(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the work beside the copy failed")
+
+    monkeypatch.setattr(writes, "_c_copy_values_start", recorded)
+    monkeypatch.setattr(writes.Writes, "_while_copying", raises)
+    values = [make_value(7000 + i, CHUNK) for i in range(4)]
+    data = np.frombuffer(b"".join(values), np.uint8)
+    pointers = data.ctypes.data + CHUNK * np.arange(4, dtype=np.int64)
+    with MaruHandler(server_url=server.url, pool_size="16M", chunk_size_bytes=CHUNK) as h:
+        put = Put([f"k/{i}" for i in range(4)], CHUNK, values_at(pointers.reshape(-1, 1), [CHUNK]))
+        kept = None
+        try:
+            h.put([put])
+        except RuntimeError as exc:
+            kept = exc  # (its traceback keeps the write's frames, the copy begun among them)
+        assert kept is not None and len(targets) == 1
+        landed = [ctypes.string_at(int(address), CHUNK) for address in targets[0]]
+        assert [digest(v) for v in landed] == [digest(v) for v in values]
+        del kept

@@ -118,6 +118,16 @@ class ValuesAt:
         )
 
 
+def _finish_quietly(started: Any) -> None:
+    """A copy begun (`Writes._start`) whose call raised beside it, finished at once, inside
+    `Writes._copying` where its pool pages are still mapped: else the exception's traceback
+    kept it, and its end (which copies what no copier took) could come after the region was
+    unmapped and its addresses reused. Its chunks stay reserved, unsealed."""
+    if hasattr(started, "finish"):
+        with suppress(Exception):
+            started.finish()
+
+
 def values_at(buffers: np.ndarray, sizes: Sequence[int] | np.ndarray) -> ValuesAt:
     """The copy of values whose parts lie at `buffers` (see `ValuesAt`)."""
     table = np.ascontiguousarray(buffers, np.int64)
@@ -195,7 +205,11 @@ class Writes:
                 last_put = number == len(puts)
                 if n < PIPELINE_MIN_PAGES and len(puts) > 1:  # (one REGISTER_KV for all)
                     started = self._start(put, run, 0, n, hashed, threads)
-                    self._while_copying(ahead, behind and last_put)
+                    try:
+                        self._while_copying(ahead, behind and last_put)
+                    except BaseException:
+                        _finish_quietly(started)
+                        raise
                     copied, sums = self._copy(put, run, 0, n, started)
                     if copied:
                         rest.append((put, run, sums))
@@ -207,8 +221,12 @@ class Writes:
                     started = self._start(put, piece, first, last, hashed, threads)
                     # During the copy: the registration (reads no value), the eviction ahead
                     # and, on the call's last copy, the earlier calls' replies that are in
-                    sealing = Sealing(s, put.keys[first:last], piece, size)
-                    self._while_copying(ahead, behind and last_put and last == n)
+                    try:
+                        sealing = Sealing(s, put.keys[first:last], piece, size)
+                        self._while_copying(ahead, behind and last_put and last == n)
+                    except BaseException:
+                        _finish_quietly(started)
+                        raise
                     ahead = None
                     copied, sums = self._copy(put, piece, first, last, started)
                     if copied:
