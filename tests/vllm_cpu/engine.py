@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -357,15 +358,14 @@ class MiniEngine:
                 time.sleep(0.005)
         raise AssertionError("unreachable")
 
-    def blocks_match(self, req_id: str, n_blocks: int) -> list[bool]:
-        """Whether each of the request's first blocks holds what computing it gives, in
-        every group that keeps it (not one where it is vLLM's null block, block 0: a sliding
-        window's blocks before the window)."""
+    def _block_layers(self, req_id: str, n_blocks: int) -> Iterator[tuple]:
+        """Each of the request's first blocks in every layer whose group keeps it (not one
+        where it is vLLM's null block, block 0: a sliding window's blocks before the window):
+        (block index, block id, layer name, the block's view [H, N, C], what computing it
+        gives as bytes [N, H, C])."""
         tokens = torch.tensor(self.tokens[req_id])
-        out = []
         for b in range(n_blocks):
             positions = torch.arange(b * BLOCK, (b + 1) * BLOCK)
-            same = True
             for layer, name in enumerate(self.layers, self.first_layer):
                 block = self.group_blocks[req_id][self.layer_group[name]][b]
                 if block == 0:
@@ -375,9 +375,15 @@ class MiniEngine:
                 want = kv_value(
                     layer, positions, tokens[positions], shape, view.dtype, self.cache_dtype
                 )
-                got = view[block].permute(1, 0, 2).contiguous()  # [N, H, C]
-                same &= torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-            out.append(bool(same))
+                yield b, block, name, view[block], want.view(torch.uint8)
+
+    def blocks_match(self, req_id: str, n_blocks: int) -> list[bool]:
+        """Whether each of the request's first blocks holds what computing it gives, in
+        every group that keeps it."""
+        out = [True] * n_blocks
+        for b, _, _, stored, want in self._block_layers(req_id, n_blocks):
+            got = stored.permute(1, 0, 2).contiguous()  # [N, H, C]
+            out[b] &= torch.equal(got.view(torch.uint8), want)
         return out
 
     def blocks_diagnosis(self, req_id: str, n_blocks: int) -> list[str]:
@@ -386,33 +392,22 @@ class MiniEngine:
         zeros (pages dropped or a block never written), the right KV in another layout's
         order (a value of another layout loaded), or other bytes (where the first
         difference is, and the block's address)."""
-        tokens = torch.tensor(self.tokens[req_id])
         out = []
-        for b in range(n_blocks):
-            positions = torch.arange(b * BLOCK, (b + 1) * BLOCK)
-            for layer, name in enumerate(self.layers, self.first_layer):
-                block = self.group_blocks[req_id][self.layer_group[name]][b]
-                if block == 0:
-                    continue
-                view = self.kv[name]
-                shape = (view.shape[1], view.shape[3])
-                want = kv_value(
-                    layer, positions, tokens[positions], shape, view.dtype, self.cache_dtype
-                ).view(torch.uint8)
-                got = view[block].permute(1, 0, 2).contiguous().view(torch.uint8)  # [N, H, C]
-                if torch.equal(got, want):
-                    continue
-                raw = view[block].contiguous().view(torch.uint8)  # [H, N, C], as logical
-                if not got.any():
-                    what = "zeros"
-                elif torch.equal(raw.flatten(), want.flatten()):
-                    what = "the right KV in [N, H, C] order where [H, N, C] is read"
-                else:
-                    flat_got, flat_want = got.flatten(), want.flatten()
-                    diff = (flat_got != flat_want).nonzero().flatten()
-                    what = f"{len(diff)} of {flat_got.numel()} bytes differ from {int(diff[0])}"
-                start = view[block].data_ptr()
-                out.append(f"block {b} (id {block}) layer {name} at {start:#x}: {what}")
+        for b, block, name, stored, want in self._block_layers(req_id, n_blocks):
+            got = stored.permute(1, 0, 2).contiguous().view(torch.uint8)  # [N, H, C]
+            if torch.equal(got, want):
+                continue
+            raw = stored.contiguous().view(torch.uint8)  # [H, N, C], as logical
+            if not got.any():
+                what = "zeros"
+            elif torch.equal(raw.flatten(), want.flatten()):
+                what = "the right KV in [N, H, C] order where [H, N, C] is read"
+            else:
+                flat_got, flat_want = got.flatten(), want.flatten()
+                diff = (flat_got != flat_want).nonzero().flatten()
+                what = f"{len(diff)} of {flat_got.numel()} bytes differ from {int(diff[0])}"
+            at = stored.data_ptr()
+            out.append(f"block {b} (id {block}) layer {name} at {at:#x}: {what}")
         return out
 
     def close(self) -> None:
