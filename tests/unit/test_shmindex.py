@@ -702,3 +702,49 @@ def test_an_in_pool_table_truncated_under_its_reader_faults_into_asking_the_serv
     assert got["count"] == 0
     assert got["pool_generation"].startswith("OSError") and "faulted" in got["pool_generation"]
     assert got["new_reader"].startswith("ValueError") and "faulted" in got["new_reader"]
+
+
+def test_a_probe_answers_for_the_keys_asked_though_another_thread_changes_their_list(index):
+    """A probe of GIL_FREE_FROM keys or more (and every fused read) runs without the GIL, so
+    another thread may change the caller's key list meanwhile and free the keys it held (here
+    at once reused by keys of the same size). The probe holds its own references (a snapshot
+    of the list): it answers for the keys asked. Before, such a race read the freed keys'
+    bytes: a few probes a second here found other keys' answers (or none) in theirs."""
+    import sys
+    import threading
+
+    n = 4096
+    index.publish(
+        [f"ns:{i:064x}" for i in range(n)], [1] * n, [0] * n, [4096] * n, None, regions=REGIONS
+    )
+    reader = _open(index.path, os.getuid())
+    asked: list[str] = []
+    state = {"calling": False, "stop": False, "filler": None}
+
+    def change_the_list_during_each_probe():
+        while not state["stop"]:
+            others = [f"ns:{i + 10**6:064x}" for i in range(n)]  # not published
+            while not state["calling"] and not state["stop"]:
+                pass
+            asked[:] = others  # frees the keys the probe was given...
+            state["filler"] = [f"ns:{i + 2 * 10**6:064x}" for i in range(n)]  # ...reusing them
+            state["calling"] = False
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # (the changing thread takes the GIL as soon as it is dropped)
+    changer = threading.Thread(target=change_the_list_during_each_probe)
+    changer.start()
+    wrong, probes, deadline = 0, 0, time.monotonic() + 2.0
+    try:
+        while time.monotonic() < deadline:
+            asked[:] = [f"ns:{i:064x}" for i in range(n)]  # the published keys, as new objects
+            state["calling"] = True
+            wrong += reader.contains(asked) != [True] * n
+            probes += 1
+            while state["calling"] and changer.is_alive():
+                pass
+    finally:
+        state["stop"] = True
+        changer.join(timeout=10)
+        sys.setswitchinterval(interval)
+    assert probes > 10 and wrong == 0

@@ -1624,10 +1624,18 @@ static int prefix_bytes(PyObject *prefix, KeyBytes *out)
  * Python's `prefix + key` (what the request path sends). The bytes stay those of the objects
  * `b` and the caller hold. Returns 1 if every key can be in the table, 0 if one cannot (too
  * long with its prefix, empty, or not str/bytes), -1 on error. */
+/* A sequence's items, held by the batch for as long as it is probed: a list is copied into a
+ * tuple, since a batch probed without the GIL (a read, GIL_FREE_FROM keys) would otherwise read
+ * the bytes of keys that another thread's change to the list has freed meanwhile. */
+static PyObject *held_items(PyObject *seq, const char *message)
+{
+    return PyList_Check(seq) ? PyList_AsTuple(seq) : PySequence_Fast(seq, message);
+}
+
 static int gather(Batch *b, PyObject *keys_o, PyObject *prefix)
 {
     memset(b, 0, sizeof(*b));
-    if ((b->seq = PySequence_Fast(keys_o, "keys must be a sequence")) == NULL)
+    if ((b->seq = held_items(keys_o, "keys must be a sequence")) == NULL)
         return -1;
     Py_ssize_t n = b->n = PySequence_Fast_GET_SIZE(b->seq);
     KeyBytes one = {0};
@@ -1638,7 +1646,7 @@ static int gather(Batch *b, PyObject *keys_o, PyObject *prefix)
             prefix = Py_None; /* "" or b"": none (the handler's default, whatever the keys) */
     }
     if (prefix != Py_None && one.kind == 0) {
-        b->prefixes = PySequence_Fast(prefix, "prefix must be str, bytes or one per key");
+        b->prefixes = held_items(prefix, "prefix must be str, bytes or one per key");
         if (b->prefixes == NULL)
             return -1;
         if (PySequence_Fast_GET_SIZE(b->prefixes) != n) {
