@@ -40,7 +40,7 @@ from maru_sglang.pools import (
     sidecar_namespace,
     weight_version,
 )
-from maru_sglang.storage_stats import FOLD_EVERY, StorageStats
+from maru_sglang.storage_stats import StorageStats
 
 __all__ = ["KV_POOL_NAME", "PIPELINE_MIN_PAGES", "MaruStorage", "chunk_size_for", "page_namespace"]
 
@@ -250,10 +250,7 @@ class MaruStorage(LegacyInterface, HiCacheStorage):
 
     def _account(self, batches: list[Batch], start: float, reading: bool) -> None:
         """Record a call for the statistics (folded when they are read)."""
-        calls = self._stats.calls
-        calls.append((batches, time.perf_counter() - start, reading))
-        if len(calls) >= FOLD_EVERY:
-            self._stats.fold()
+        self._stats.record(batches, time.perf_counter() - start, reading)
 
     def _put_of(self, batch: Batch) -> Put:
         """`batch` as the write verb takes it."""

@@ -1,7 +1,8 @@
 """`MaruStorage`'s statistics: cumulative counters per pool, and SGLang's `StorageMetrics`
 (drained on each `get_stats()`). SGLang's backup and prefetch threads call the storage at once:
 a data call only appends its record to a deque (`calls`: no lock on the data path); the
-records are folded in under one lock when read or when `FOLD_EVERY` wait.
+records are folded in under one lock when read or when `FOLD_EVERY` wait. A record keeps a
+`Tally` per batch, not the batch (see `Tally`).
 """
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from maru_sglang.pools import Batch
+    from maru_sglang.pools import Batch, PoolIO
 
 # Counted per pool (the seconds per call: one call serves several pools).
 COUNTERS = (
@@ -31,6 +32,22 @@ COUNTERS = (
 FOLD_EVERY = 256
 
 
+class Tally(NamedTuple):
+    """What a call's record keeps of one pool's share (`Batch`, its results filled in): the
+    pool, its pages, and those that moved (a read's hits, a write's pages stored). Not the
+    batch itself: a record waits up to FOLD_EVERY calls, and a batch holds its caller's keys,
+    its host pointers and its results. Kept, each call's batches grew Python's heap into memory
+    never touched (page faults in the calling thread, every call) until a fold freed them."""
+
+    pool: PoolIO
+    pages: int
+    moved: int
+
+    @classmethod
+    def of(cls, batch: Batch) -> Tally:
+        return cls(batch.pool, len(batch.keys), batch.results.count(True))
+
+
 class StorageStats:
     """The counters of one `MaruStorage`; `enable_metrics` (SGLang's
     `enable_storage_metrics`) also keeps the per-call samples of `StorageMetrics`."""
@@ -38,8 +55,8 @@ class StorageStats:
     def __init__(self, enable_metrics: bool) -> None:
         self.enable_metrics = enable_metrics
         self._lock = threading.Lock()
-        # (batches with their `results` filled in, the call's seconds, whether it read)
-        self.calls: deque[tuple[Sequence[Batch], float, bool]] = deque()
+        # (a `Tally` per batch, the call's seconds, whether it read: `record`)
+        self.calls: deque[tuple[list[Tally], float, bool]] = deque()
         self._pools: dict[str, dict[str, int]] = {}
         self._seconds = {"get_seconds": 0.0, "set_seconds": 0.0}
         self._reset_metrics()
@@ -55,6 +72,14 @@ class StorageStats:
             for name, delta in deltas.items():
                 counters[name] += delta
 
+    def record(self, batches: Sequence[Batch], elapsed: float, reading: bool) -> None:
+        """One data call of `batches` (their `results` filled in) that took `elapsed` s: its
+        record appended (no lock), and every record folded in if FOLD_EVERY wait."""
+        calls = self.calls
+        calls.append(([Tally.of(batch) for batch in batches], elapsed, reading))
+        if len(calls) >= FOLD_EVERY:
+            self.fold()
+
     def fold(self) -> None:
         """Account every call record waiting in `calls`."""
         calls = self.calls
@@ -62,16 +87,16 @@ class StorageStats:
             while calls:
                 self._account(*calls.popleft())
 
-    def _account(self, batches: Sequence[Batch], elapsed: float, reading: bool) -> None:
+    def _account(self, tallies: list[Tally], elapsed: float, reading: bool) -> None:
         """Count one call's record (the caller holds the lock)."""
-        moved = 0
-        for batch in batches:
-            ok = batch.results.count(True)
-            nbytes = ok * batch.pool.page_bytes
-            counters = self._pool(batch.pool.name)
+        moved = in_call = 0
+        for pool, n, ok in tallies:
+            nbytes = ok * pool.page_bytes
+            counters = self._pool(pool.name)
+            in_call += n
             if reading:
                 counters["hits"] += ok
-                counters["misses"] += len(batch.keys) - ok
+                counters["misses"] += n - ok
                 counters["bytes_read"] += nbytes
             else:
                 counters["pages_written"] += ok
@@ -83,7 +108,7 @@ class StorageStats:
                 pages, rates = self._prefetch_pgs, self._prefetch_bw
             else:
                 pages, rates = self._backup_pgs, self._backup_bw
-            pages.append(sum(len(b.keys) for b in batches))
+            pages.append(in_call)
             rates.append(moved / max(elapsed, 1e-9) / 1e9)
 
     def _reset_metrics(self) -> None:

@@ -16,9 +16,7 @@ def _batch(pool: str, results: list[bool]) -> SimpleNamespace:
 
 def _record(stats: StorageStats, batches: list, reading: bool) -> None:
     """What `MaruStorage._account` does on each call."""
-    stats.calls.append((batches, 0.001, reading))
-    if len(stats.calls) >= FOLD_EVERY:
-        stats.fold()
+    stats.record(batches, 0.001, reading)
 
 
 def test_calls_from_two_threads_are_all_counted_and_the_records_stay_bounded():
@@ -42,3 +40,21 @@ def test_calls_from_two_threads_are_all_counted_and_the_records_stay_bounded():
     assert counters["pools"]["kv"]["hits"] == 2 * calls
     assert not stats.calls
     assert len(stats._prefetch_pgs) == len(stats._backup_pgs) == calls  # a sample per call
+
+
+def test_a_waiting_record_keeps_no_batch_alive():
+    """A record waits up to FOLD_EVERY calls; it keeps a tally of each batch, not the batch
+    (its caller's keys, host pointers and results): kept, they grew the heap into untouched
+    memory, page faults in SGLang's calling thread on every call until a fold."""
+    import weakref
+
+    class Batch(SimpleNamespace):
+        pass
+
+    stats = StorageStats(enable_metrics=True)
+    batch = Batch(**vars(_batch("kv", [True, False])))
+    gone = weakref.ref(batch)
+    _record(stats, [batch], reading=True)
+    del batch
+    assert len(stats.calls) == 1 and gone() is None
+    assert stats.counters["hits"] == 1 and stats.counters["misses"] == 1
