@@ -1617,27 +1617,32 @@ static int prefix_bytes(PyObject *prefix, KeyBytes *out)
     return 0;
 }
 
+/* `seq`'s items as a batch holds them while it is probed: PySequence_Fast's, except that a
+ * probe without the GIL (`gil_free`) holds a tuple of a list's items, since another thread may
+ * change the list meanwhile and free keys whose bytes are being read (with the GIL held no other
+ * thread runs: the list itself is held). */
+static PyObject *held_items(PyObject *seq, const char *message, int gil_free)
+{
+    return gil_free && PyList_Check(seq) ? PyList_AsTuple(seq) : PySequence_Fast(seq, message);
+}
+
 /* Gather the keys' bytes (GIL held), each after its prefix: `prefix` is None, one str or bytes
  * for every key ("" and b"": none), or a sequence of them, one per key. The table is probed
  * for `prefix + key` with neither Python nor C making those strings (`KeyBytes.pre`: the key
  * is hashed and compared in its two parts); a prefix not of its key's type is a TypeError, as
  * Python's `prefix + key` (what the request path sends). The bytes stay those of the objects
  * `b` and the caller hold. Returns 1 if every key can be in the table, 0 if one cannot (too
- * long with its prefix, empty, or not str/bytes), -1 on error. */
-/* A sequence's items, held by the batch for as long as it is probed: a list is copied into a
- * tuple, since a batch probed without the GIL (a read, GIL_FREE_FROM keys) would otherwise read
- * the bytes of keys that another thread's change to the list has freed meanwhile. */
-static PyObject *held_items(PyObject *seq, const char *message)
-{
-    return PyList_Check(seq) ? PyList_AsTuple(seq) : PySequence_Fast(seq, message);
-}
-
-static int gather(Batch *b, PyObject *keys_o, PyObject *prefix)
+ * long with its prefix, empty, or not str/bytes), -1 on error. `always_gil_free`: the batch
+ * is probed without the GIL whatever its length (a read). */
+static int gather(Batch *b, PyObject *keys_o, PyObject *prefix, int always_gil_free)
 {
     memset(b, 0, sizeof(*b));
-    if ((b->seq = held_items(keys_o, "keys must be a sequence")) == NULL)
+    int gil_free = always_gil_free ||
+                   (PyList_Check(keys_o) && PyList_GET_SIZE(keys_o) >= GIL_FREE_FROM);
+    if ((b->seq = held_items(keys_o, "keys must be a sequence", gil_free)) == NULL)
         return -1;
     Py_ssize_t n = b->n = PySequence_Fast_GET_SIZE(b->seq);
+    gil_free |= n >= GIL_FREE_FROM;
     KeyBytes one = {0};
     if (prefix != Py_None) {
         if (prefix_bytes(prefix, &one) < 0)
@@ -1646,7 +1651,7 @@ static int gather(Batch *b, PyObject *keys_o, PyObject *prefix)
             prefix = Py_None; /* "" or b"": none (the handler's default, whatever the keys) */
     }
     if (prefix != Py_None && one.kind == 0) {
-        b->prefixes = held_items(prefix, "prefix must be str, bytes or one per key");
+        b->prefixes = held_items(prefix, "prefix must be str, bytes or one per key", gil_free);
         if (b->prefixes == NULL)
             return -1;
         if (PySequence_Fast_GET_SIZE(b->prefixes) != n) {
@@ -1748,7 +1753,7 @@ static PyObject *Reader_probe(Reader *self, PyObject *const *args, Py_ssize_t na
         regions_get(args[1], &reg, &regions) < 0)
         return NULL;
     Batch b;
-    int all = gather(&b, args[0], prefix);
+    int all = gather(&b, args[0], prefix, 0);
     if (all <= 0) {
         out = all < 0 ? NULL : Py_NewRef(Py_None);
         goto done;
@@ -1782,7 +1787,7 @@ static PyObject *contains_or_leading(Reader *self, PyObject *const *args, Py_ssi
         return NULL;
     char *hits = NULL;
     Batch b;
-    int all = gather(&b, args[0], prefix);
+    int all = gather(&b, args[0], prefix, 0);
     if (all <= 0) {
         out = all < 0 ? NULL : Py_NewRef(Py_None);
         goto done;
@@ -2028,7 +2033,7 @@ static PyObject *Reader_read(Reader *self, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_ValueError, "read: sizes must be int64 parts summing to length");
         goto done;
     }
-    int all = gather(&b, args[0], prefix);
+    int all = gather(&b, args[0], prefix, 1);
     if (all <= 0) {
         out = all < 0 ? NULL : Py_NewRef(Py_None);
         goto done;
