@@ -1617,13 +1617,17 @@ static int prefix_bytes(PyObject *prefix, KeyBytes *out)
     return 0;
 }
 
-/* `seq`'s items as a batch holds them while it is probed: PySequence_Fast's, except that a
- * probe without the GIL (`gil_free`) holds a tuple of a list's items, since another thread may
- * change the list meanwhile and free keys whose bytes are being read (with the GIL held no other
- * thread runs: the list itself is held). */
-static PyObject *held_items(PyObject *seq, const char *message, int gil_free)
+/* `fast`, PySequence_Fast's view of `seq`, as a batch holds it while it is probed: a probe
+ * without the GIL (`gil_free`) holds a tuple of a caller's list's items instead, since another
+ * thread may change that list meanwhile and free keys whose bytes are being read. (With the GIL
+ * held no other thread runs; a sequence PySequence_Fast copied, or a tuple, is not changed.) */
+static PyObject *held_items(PyObject *seq, PyObject *fast, int gil_free)
 {
-    return gil_free && PyList_Check(seq) ? PyList_AsTuple(seq) : PySequence_Fast(seq, message);
+    if (fast == NULL || !gil_free || fast != seq || !PyList_Check(fast))
+        return fast;
+    PyObject *items = PyList_AsTuple(fast);
+    Py_DECREF(fast);
+    return items;
 }
 
 /* Gather the keys' bytes (GIL held), each after its prefix: `prefix` is None, one str or bytes
@@ -1637,12 +1641,12 @@ static PyObject *held_items(PyObject *seq, const char *message, int gil_free)
 static int gather(Batch *b, PyObject *keys_o, PyObject *prefix, int always_gil_free)
 {
     memset(b, 0, sizeof(*b));
-    int gil_free = always_gil_free ||
-                   (PyList_Check(keys_o) && PyList_GET_SIZE(keys_o) >= GIL_FREE_FROM);
-    if ((b->seq = held_items(keys_o, "keys must be a sequence", gil_free)) == NULL)
+    if ((b->seq = PySequence_Fast(keys_o, "keys must be a sequence")) == NULL)
         return -1;
     Py_ssize_t n = b->n = PySequence_Fast_GET_SIZE(b->seq);
-    gil_free |= n >= GIL_FREE_FROM;
+    int gil_free = always_gil_free || n >= GIL_FREE_FROM;
+    if ((b->seq = held_items(keys_o, b->seq, gil_free)) == NULL)
+        return -1;
     KeyBytes one = {0};
     if (prefix != Py_None) {
         if (prefix_bytes(prefix, &one) < 0)
@@ -1651,7 +1655,8 @@ static int gather(Batch *b, PyObject *keys_o, PyObject *prefix, int always_gil_f
             prefix = Py_None; /* "" or b"": none (the handler's default, whatever the keys) */
     }
     if (prefix != Py_None && one.kind == 0) {
-        b->prefixes = held_items(prefix, "prefix must be str, bytes or one per key", gil_free);
+        b->prefixes = held_items(
+            prefix, PySequence_Fast(prefix, "prefix must be str, bytes or one per key"), gil_free);
         if (b->prefixes == NULL)
             return -1;
         if (PySequence_Fast_GET_SIZE(b->prefixes) != n) {
