@@ -14,18 +14,13 @@ def _batch(pool: str, results: list[bool]) -> SimpleNamespace:
     )
 
 
-def _record(stats: StorageStats, batches: list, reading: bool) -> None:
-    """What `MaruStorage._account` does on each call."""
-    stats.record(batches, 0.001, reading)
-
-
 def test_calls_from_two_threads_are_all_counted_and_the_records_stay_bounded():
     stats = StorageStats(enable_metrics=True)
     calls = 3 * FOLD_EVERY + 7
 
     def work(reading: bool) -> None:
         for _ in range(calls):
-            _record(stats, [_batch("kv", [True, False, True])], reading)
+            stats.record([_batch("kv", [True, False, True])], 0.001, reading)
 
     threads = [threading.Thread(target=work, args=(r,)) for r in (True, False)]
     for t in threads:
@@ -54,7 +49,7 @@ def test_a_waiting_record_keeps_no_batch_alive():
     stats = StorageStats(enable_metrics=True)
     batch = Batch(**vars(_batch("kv", [True, False])))
     gone = weakref.ref(batch)
-    _record(stats, [batch], reading=True)
+    stats.record([batch], 0.001, reading=True)
     del batch
     assert len(stats.calls) == 1 and gone() is None
     assert stats.counters["hits"] == 1 and stats.counters["misses"] == 1
